@@ -1,0 +1,1 @@
+"""guestd: the in-guest agent of sandvisor (stdlib + msgpack only)."""

@@ -1,0 +1,436 @@
+"""The guest channel protocol: wire messages and the I/O-free frame codec.
+
+This module is imported by guestd inside the guest (stdlib + msgpack only, and
+fast to import: it must not pull in ``typing``, ``dataclasses`` or ``inspect``,
+which cost tens of milliseconds of boot under TCG) and by the host side
+(``actors.guest``).  Both ends speak exactly the classes defined here.
+
+Framing: every frame is a 4-byte big-endian length followed by that many bytes
+of msgpack.  A frame longer than :data:`MAX_FRAME` is a protocol error.  The
+payload is a msgpack map ``{"t": TAG, field: value, ...}``; unknown keys are
+ignored (newer peers may add optional fields), missing keys take the field's
+default, and a value of the wrong type is a protocol error.
+
+Error tree (host and guest)::
+
+    ProtocolError            the peer broke the protocol; the channel is closed
+     +-- FrameTooLarge       length prefix above MAX_FRAME
+     +-- BadMessage          not msgpack, not a map, unknown tag, wrong types
+"""
+
+from __future__ import annotations
+
+import struct
+TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs ~30 ms of boot
+
+import msgpack
+
+if TYPE_CHECKING:  # pragma: no cover - typing only; never imported in the guest
+    from collections.abc import Callable, Iterator
+    from typing import Any, ClassVar, TypeVar, dataclass_transform
+
+    _T = TypeVar("_T")
+else:
+
+    def dataclass_transform(**_kw):  # noqa: D103 - runtime stand-in
+        return lambda f: f
+
+
+PROTOCOL_VERSION = 1
+MAX_FRAME = 1 << 20  # 1 MiB: a frame above this closes the channel
+CHUNK = 64 * 1024  # data payloads are split into chunks of at most this size
+WINDOW = 256 * 1024  # initial flow-control credit per stream, in bytes
+MAX_FILE = 256 * 1024 * 1024  # ReadFile / WriteFile limit
+_HDR = struct.Struct(">I")
+
+# stream channels of a request
+STDIN, STDOUT, STDERR = 0, 1, 2
+
+# error codes carried by Error.code (guest-side failures)
+E_INVALID = "INVALID_ARGUMENT"
+E_NOT_FOUND = "NOT_FOUND"
+E_IS_DIR = "IS_A_DIRECTORY"
+E_PERM = "PERMISSION_DENIED"
+E_TOO_LARGE = "TOO_LARGE"
+E_EXISTS = "ALREADY_EXISTS"
+E_FAILED = "FAILED_PRECONDITION"
+E_INTERNAL = "INTERNAL"
+E_UNSUPPORTED = "UNIMPLEMENTED"
+
+
+class ProtocolError(Exception):
+    """The peer broke the protocol. The channel that saw it must be closed."""
+
+
+class FrameTooLarge(ProtocolError):
+    """A frame's length prefix exceeds MAX_FRAME."""
+
+
+class BadMessage(ProtocolError):
+    """A frame that is not a well-formed message of this protocol."""
+
+
+# ---------------------------------------------------------------------------
+# message classes
+# ---------------------------------------------------------------------------
+
+_CHECKS: dict[str, Callable[[object], bool]] = {
+    "int": lambda v: type(v) is int,
+    "float": lambda v: type(v) in (int, float),
+    "str": lambda v: type(v) is str,
+    "bytes": lambda v: type(v) is bytes,
+    "bool": lambda v: type(v) is bool,
+    "int | None": lambda v: v is None or type(v) is int,
+    "float | None": lambda v: v is None or type(v) in (int, float),
+    "str | None": lambda v: v is None or type(v) is str,
+    "list[str]": lambda v: type(v) is list and all(type(x) is str for x in v),
+    "dict[str, str]": lambda v: type(v) is dict and all(type(k) is str and type(x) is str for k, x in v.items()),
+    "dict[str, int]": lambda v: type(v) is dict and all(type(k) is str and type(x) is int for k, x in v.items()),
+    "dict[str, float]": lambda v: type(v) is dict
+    and all(type(k) is str and type(x) in (int, float) for k, x in v.items()),
+    "list[list[Any]]": lambda v: type(v) is list and all(type(x) is list for x in v),
+}
+
+REGISTRY: dict[str, type[Message]] = {}
+_MISSING = object()
+
+
+class Message:
+    """Base of all wire messages: immutable, keyword-constructed, compared by value."""
+
+    TAG: ClassVar[str]
+    _fields: ClassVar[tuple[tuple[str, Callable[[object], bool], object], ...]]
+
+    def __setattr__(self, name: str, value: object) -> None:
+        raise AttributeError(f"{type(self).__name__} is frozen")
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and all(getattr(self, f) == getattr(other, f) for f, _, _ in self._fields)
+
+    def __hash__(self) -> int:
+        return hash((self.TAG, *(repr(getattr(self, f)) for f, _, _ in self._fields)))
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{f}={getattr(self, f)!r}" for f, _, _ in self._fields)
+        return f"{type(self).__name__}({inner})"
+
+    def to_wire(self) -> dict[str, Any]:
+        d = {f: getattr(self, f) for f, _, _ in self._fields}
+        d["t"] = self.TAG
+        return d
+
+
+@dataclass_transform(kw_only_default=True, frozen_default=True)
+def message(tag: str) -> Callable[[type[_T]], type[_T]]:
+    """Class decorator: register a wire message under ``tag`` and give it an __init__."""
+
+    def wrap(cls: Any) -> Any:
+        fields = []
+        for name, ann in cls.__dict__.get("__annotations__", {}).items():
+            if ann.startswith("ClassVar"):
+                continue
+            try:
+                check = _CHECKS[ann]
+            except KeyError:
+                raise TypeError(f"{cls.__name__}.{name}: unsupported wire type {ann}") from None
+            fields.append((name, check, cls.__dict__.get(name, _MISSING)))
+        cls._fields = tuple(fields)
+        cls.TAG = tag
+
+        def __init__(self: Any, **kw: Any) -> None:
+            for name, _check, default in cls._fields:
+                if name in kw:
+                    value = kw.pop(name)
+                elif default is _MISSING:
+                    raise TypeError(f"{cls.__name__}: missing field {name!r}")
+                else:
+                    value = default
+                object.__setattr__(self, name, value)
+            if kw:
+                raise TypeError(f"{cls.__name__}: unknown fields {sorted(kw)}")
+
+        cls.__init__ = __init__
+        if tag in REGISTRY:
+            raise TypeError(f"duplicate tag {tag}")
+        REGISTRY[tag] = cls
+        return cls
+
+    return wrap
+
+
+# --- session -----------------------------------------------------------------
+@message("hello")
+class Hello(Message):
+    """Host -> guest, first frame of every connection. Resets the session."""
+
+    version: int
+    host_time_ns: int = 0
+
+
+@message("hello_ok")
+class HelloOk(Message):
+    """Guest -> host answer to Hello."""
+
+    version: int
+    pid: int
+    boot_ns: int  # CLOCK_BOOTTIME when guestd's main module started
+    ready_ns: int  # CLOCK_BOOTTIME when this answer was sent
+    activity: int
+    marks: dict[str, float] = {}  # boot milestones, seconds since kernel start
+    features: list[str] = []
+
+
+@message("ping")
+class Ping(Message):
+    rid: int
+
+
+@message("pong")
+class Pong(Message):
+    rid: int
+    activity: int
+    guest_ns: int  # CLOCK_REALTIME in the guest
+
+
+@message("touch")
+class Touch(Message):
+    rid: int
+
+
+@message("ok")
+class Ok(Message):
+    """Generic success answer to a request (touch, set_clock, signal, shutdown, write end)."""
+
+    rid: int
+    activity: int = 0
+    value: int = 0
+
+
+@message("error")
+class Error(Message):
+    """Failure of the request ``rid``; ends any stream of that request."""
+
+    rid: int
+    code: str
+    message: str
+
+
+# --- exec --------------------------------------------------------------------
+@message("exec")
+class Exec(Message):
+    rid: int
+    argv: list[str]
+    env: dict[str, str] = {}
+    cwd: str = ""
+    user: str = ""  # user name or numeric uid; "" = root
+    tty: bool = False
+    rows: int = 24
+    cols: int = 80
+    timeout: float = 0.0  # seconds, 0 = none
+    stdin: bool = False  # False: stdin is /dev/null
+
+
+@message("exec_started")
+class ExecStarted(Message):
+    rid: int
+    pid: int
+
+
+@message("exit")
+class Exit(Message):
+    """Ends an exec stream. ``code`` is the exit status, or 128+signal if killed."""
+
+    rid: int
+    code: int
+    signal: int = 0
+    timed_out: bool = False
+
+
+@message("resize")
+class Resize(Message):
+    rid: int
+    rows: int
+    cols: int
+
+
+@message("signal")
+class Signal(Message):
+    rid: int
+    signum: int
+
+
+# --- streams (exec stdio and file contents) ----------------------------------
+@message("data")
+class Data(Message):
+    """A chunk of a stream. Never more bytes than the receiver granted credit for."""
+
+    rid: int
+    ch: int
+    data: bytes
+
+
+@message("eof")
+class Eof(Message):
+    rid: int
+    ch: int
+
+
+@message("credit")
+class Credit(Message):
+    """The receiver of stream ``(rid, ch)`` grants ``n`` more bytes."""
+
+    rid: int
+    ch: int
+    n: int
+
+
+# --- files -------------------------------------------------------------------
+@message("read_file")
+class ReadFile(Message):
+    """Guest answers FileInfo, then streams Data on ch=STDOUT and Eof, within credit."""
+
+    rid: int
+    path: str
+
+
+@message("write_file")
+class WriteFile(Message):
+    """Guest answers Credit on ch=STDIN; host streams Data and Eof; guest answers Ok (value=size)."""
+
+    rid: int
+    path: str
+    mode: int = 0o644
+    size: int = -1  # announced size if known, checked against MAX_FILE up front
+
+
+@message("file_info")
+class FileInfo(Message):
+    rid: int
+    size: int
+    mode: int
+
+
+# --- system ------------------------------------------------------------------
+@message("metrics")
+class Metrics(Message):
+    rid: int
+
+
+@message("metrics_ok")
+class MetricsOk(Message):
+    rid: int
+    uptime: float
+    cpu_seconds: dict[str, float]  # user, nice, system, idle, iowait, irq, softirq, steal
+    ncpu: int
+    mem: dict[str, int]  # total, available, free, buffers, cached (bytes)
+    disk: dict[str, int]  # read_bytes, write_bytes, reads, writes
+    net: dict[str, int]  # rx_bytes, tx_bytes, rx_packets, tx_packets
+    load: list[str] = []
+    procs: int = 0
+
+
+@message("set_clock")
+class SetClock(Message):
+    rid: int
+    realtime_ns: int
+
+
+@message("add_entropy")
+class AddEntropy(Message):
+    """Mix host entropy into the guest kernel RNG (credited), e.g. after a restore."""
+
+    rid: int
+    data: bytes
+
+
+@message("set_hostname")
+class SetHostname(Message):
+    rid: int
+    hostname: str
+
+
+@message("shutdown")
+class Shutdown(Message):
+    """Sync, stop every process, power off (or reboot). Answered with Ok first."""
+
+    rid: int
+    reboot: bool = False
+
+
+@message("log")
+class Log(Message):
+    """Unsolicited guest -> host diagnostic line (bounded by the frame cap)."""
+
+    level: str
+    text: str
+
+
+# ---------------------------------------------------------------------------
+# codec
+# ---------------------------------------------------------------------------
+
+
+def encode(msg: Message) -> bytes:
+    """Serialise one message into a complete frame (length prefix included)."""
+    body = msgpack.packb(msg.to_wire(), use_bin_type=True)
+    if len(body) > MAX_FRAME:
+        raise FrameTooLarge(f"frame of {len(body)} bytes exceeds {MAX_FRAME}")
+    return _HDR.pack(len(body)) + body
+
+
+def decode(body: bytes) -> Message:
+    """Parse one frame body (without its length prefix) into a message."""
+    try:
+        obj = msgpack.unpackb(body, raw=False, strict_map_key=True, use_list=True)
+    except Exception as exc:  # msgpack raises a zoo of types on garbage
+        raise BadMessage(f"undecodable frame: {type(exc).__name__}") from None
+    if type(obj) is not dict:
+        raise BadMessage(f"frame is a {type(obj).__name__}, not a map")
+    tag = obj.get("t")
+    cls = REGISTRY.get(tag) if type(tag) is str else None
+    if cls is None:
+        raise BadMessage(f"unknown message tag {tag!r}"[:200])
+    kw = {}
+    for name, check, default in cls._fields:
+        value = obj.get(name, default)
+        if value is _MISSING:
+            raise BadMessage(f"{tag}: missing field {name!r}")
+        if not check(value):
+            raise BadMessage(f"{tag}.{name}: wrong type {type(value).__name__}")
+        kw[name] = value
+    return cls(**kw)
+
+
+class FrameDecoder:
+    """Incremental, I/O-free frame splitter with a hard cap on buffered bytes.
+
+    Feed it whatever the transport returned; iterate :meth:`messages` to get the
+    complete messages. It never holds more than one partial frame (at most
+    ``MAX_FRAME + 4`` bytes) plus the unconsumed tail of the last feed.
+    """
+
+    def __init__(self, max_frame: int = MAX_FRAME) -> None:
+        self._buf = bytearray()
+        self._max = max_frame
+
+    def feed(self, data: bytes) -> None:
+        self._buf += data
+
+    def reset(self) -> None:
+        self._buf.clear()
+
+    @property
+    def buffered(self) -> int:
+        return len(self._buf)
+
+    def messages(self) -> Iterator[Message]:
+        buf = self._buf
+        while len(buf) >= 4:
+            (n,) = _HDR.unpack_from(buf)
+            if n > self._max:
+                raise FrameTooLarge(f"frame length {n} exceeds {self._max}")
+            if len(buf) < 4 + n:
+                return
+            body = bytes(buf[4 : 4 + n])
+            del buf[: 4 + n]
+            yield decode(body)

@@ -1,0 +1,511 @@
+"""Build the default guest image: kernel, guest runtime (initramfs with guestd) and rootfs.
+
+Every part is content-keyed: its key hashes the recipe (this file, the init script,
+guestd's sources) and the exact Debian package versions it is made of, so a second
+build with nothing changed does nothing and says so, and a change rebuilds only the
+parts it touches. Parts are built in a temporary directory beside the cache and
+renamed into place when complete, so an interrupted build never leaves a half part.
+
+Layout of the image cache (``<state>/images``)::
+
+    kernel-<key>/vmlinux  vmlinuz  config  modules/<name>.ko  (from linux-image-*-cloud-amd64)
+    runtime-<key>/initrd.cpio                                (busybox, python3.11, msgpack, guestd)
+    rootfs-<key>/rootfs.ext4                                 (Debian minbase + python3, read-only base)
+    default.json                                             (the manifest: which parts make "default")
+
+Only Debian's packages are used, fetched with apt (``apt-get download`` and
+mmdebstrap over the host's apt sources); never the host's own kernel or files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import attrs
+
+HERE = Path(__file__).resolve().parent
+GUESTD = HERE.parent / "guestd"
+KERNEL_META = "linux-image-cloud-amd64"
+RUNTIME_PACKAGES = (
+    "libc6",
+    "libgcc-s1",
+    "zlib1g",
+    "libexpat1",
+    "python3.11-minimal",
+    "libpython3.11-minimal",
+    "python3-msgpack",
+    "busybox-static",
+)
+# from the full stdlib package, only what guestd imports beyond python3.11-minimal
+STDLIB_PACKAGE = "libpython3.11-stdlib"
+STDLIB_PICK = ("lib-dynload/termios.cpython-311-x86_64-linux-gnu.so",)
+# shared libraries python3.11 and msgpack link against (the rest of libc6 goes)
+RUNTIME_LIBS = ("ld-linux-x86-64.so", "libc.so", "libm.so", "libz.so", "libexpat.so.1", "libgcc_s.so")
+# imported by guestd after boot, on paths not taken at import time
+LAZY_IMPORTS = ("socket", "traceback")
+ROOTFS_INCLUDE = ("python3", "bash", "coreutils", "procps", "ca-certificates")
+ROOTFS_SIZE_MIB = 2048  # the ext4 file is sparse: this is room for the sandbox, not disk use
+MODULES = (
+    "virtio_ring",
+    "virtio",
+    "virtio_mmio",
+    "virtio_console",
+    "virtio_blk",
+    "failover",
+    "net_failover",
+    "virtio_net",
+    "vsock",
+    "vmw_vsock_virtio_transport_common",
+    "vmw_vsock_virtio_transport",
+    "vsock_loopback",
+)
+# runtime trimming: what guestd never touches
+_RUNTIME_DROP = (
+    "usr/share",
+    "usr/lib/x86_64-linux-gnu/gconv",
+    "usr/lib/python3.11/email",
+    "usr/lib/python3.11/importlib/metadata",
+    "usr/lib/python3.11/pydoc_data",
+    "usr/lib/python3.11/ensurepip",
+    "usr/lib/python3.11/unittest",
+    "usr/lib/python3.11/test",
+    "etc",
+    "var",
+)
+
+
+class BuildError(Exception):
+    """The image could not be built; the message says which step and why."""
+
+
+@attrs.frozen
+class Image:
+    """A built image: the three paths a sandbox boots from."""
+
+    name: str
+    kernel: Path  # uncompressed vmlinux (PVH direct boot)
+    kernel_bz: Path  # the package's bzImage, for -M pc and other loaders
+    initrd: Path
+    rootfs: Path
+    kernel_version: str
+    keys: dict[str, str]
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "name": self.name,
+            "kernel": str(self.kernel),
+            "kernel_bz": str(self.kernel_bz),
+            "initrd": str(self.initrd),
+            "rootfs": str(self.rootfs),
+            "kernel_version": self.kernel_version,
+            "keys": self.keys,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, object]) -> Image:
+        return cls(
+            name=str(d["name"]),
+            kernel=Path(str(d["kernel"])),
+            kernel_bz=Path(str(d["kernel_bz"])),
+            initrd=Path(str(d["initrd"])),
+            rootfs=Path(str(d["rootfs"])),
+            kernel_version=str(d["kernel_version"]),
+            keys={str(k): str(v) for k, v in dict(d["keys"]).items()},  # type: ignore[call-overload]
+        )
+
+    def exists(self) -> bool:
+        return all(p.exists() for p in (self.kernel, self.kernel_bz, self.initrd, self.rootfs))
+
+
+Progress = Callable[[str, str], None]  # (part, message)
+
+
+def _quiet(_part: str, _msg: str) -> None:
+    pass
+
+
+def run(argv: list[str], *, cwd: Path | None = None, env: dict[str, str] | None = None) -> str:
+    try:
+        p = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, check=False)
+    except FileNotFoundError:
+        raise BuildError(f"{argv[0]} is not installed (run the README's set-up command)") from None
+    if p.returncode != 0:
+        tail = (p.stderr or p.stdout).strip().splitlines()[-5:]
+        raise BuildError(f"{' '.join(argv[:3])}... failed ({p.returncode}): " + " | ".join(tail))
+    return p.stdout
+
+
+def candidate(pkg: str) -> str:
+    """The version apt would install of ``pkg`` (apt lists must be present)."""
+    out = run(["apt-cache", "policy", pkg])
+    m = re.search(r"Candidate:\s*(\S+)", out)
+    if not m or m.group(1) == "(none)":
+        raise BuildError(f"apt knows no candidate for {pkg}; run 'apt-get update'")
+    return m.group(1)
+
+
+def kernel_package() -> str:
+    out = run(["apt-cache", "depends", KERNEL_META])
+    m = re.search(r"Depends:\s*(linux-image-\S+-cloud-amd64)\b", out)
+    if not m:
+        raise BuildError(f"cannot resolve {KERNEL_META} to a kernel package")
+    return m.group(1)
+
+
+def _digest(*parts: object) -> str:
+    h = hashlib.sha256()
+    for p in parts:
+        if isinstance(p, Path):
+            h.update(p.read_bytes())
+        else:
+            h.update(repr(p).encode())
+        h.update(b"\0")
+    return h.hexdigest()[:16]
+
+
+def guestd_sources() -> list[Path]:
+    return sorted(p for p in GUESTD.glob("*.py"))
+
+
+def default_cache() -> Path:
+    from supervisor.config import default_state_dir  # noqa: PLC0415 - avoid a cycle at import
+
+    return default_state_dir() / "images"
+
+
+@contextmanager
+def _staging(cache: Path, name: str) -> Iterator[Path]:
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=cache))
+    try:
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    if final.exists():
+        shutil.rmtree(final)
+    tmp.rename(final)
+
+
+def _download(pkgs: list[str], dest: Path) -> list[Path]:
+    dest.mkdir(parents=True, exist_ok=True)
+    run(["apt-get", "download", "-q", *pkgs], cwd=dest)
+    debs = sorted(dest.glob("*.deb"))
+    if len(debs) < len(pkgs):
+        raise BuildError(f"apt-get download gave {len(debs)} packages for {len(pkgs)}")
+    return debs
+
+
+def extract_vmlinux(bzimage: Path, out: Path) -> None:
+    """The uncompressed ELF vmlinux from an LZ4 bzImage (for PVH direct boot)."""
+    data = bzimage.read_bytes()
+    i = data.find(b"\x02\x21\x4c\x18")  # LZ4 legacy frame magic
+    if i < 0:
+        raise BuildError("kernel is not LZ4-compressed; cannot extract vmlinux")
+    with open(out, "wb") as f:
+        p = subprocess.run(["lz4", "-dc"], input=data[i:], stdout=f, stderr=subprocess.PIPE, check=False)
+    # lz4 exits 1 on the bzImage's trailing bytes after the frame; the ELF is whole by then
+    if out.read_bytes()[:4] != b"\x7fELF":
+        raise BuildError(f"vmlinux extraction failed: {p.stderr.decode(errors='replace')[-200:]}")
+
+
+@attrs.define
+class Builder:
+    cache: Path
+    progress: Progress = _quiet
+    built: list[str] = attrs.field(factory=list)
+
+    # -- parts ---------------------------------------------------------------
+    def kernel(self) -> tuple[Path, str, str]:
+        pkg = kernel_package()
+        ver = candidate(pkg)
+        key = _digest("kernel", 2, pkg, ver, MODULES)
+        final = self.cache / f"kernel-{key}"
+        release = pkg.removeprefix("linux-image-")
+        if (final / "vmlinux").exists():
+            self.progress("kernel", f"cached {pkg} {ver}")
+            return final, release, key
+        self.progress("kernel", f"downloading {pkg} {ver}")
+        with _staging(self.cache, "kernel") as tmp:
+            (deb,) = [d for d in _download([pkg], tmp / "debs") if d.name.startswith(pkg)]
+            tree = tmp / "tree"
+            run(["dpkg-deb", "-x", str(deb), str(tree)])
+            out = tmp / "out"
+            (out / "modules").mkdir(parents=True)
+            shutil.copy(tree / "boot" / f"vmlinuz-{release}", out / "vmlinuz")
+            shutil.copy(tree / "boot" / f"config-{release}", out / "config")
+            moddir = tree / "lib" / "modules" / release / "kernel"
+            found = {p.name.removesuffix(".ko"): p for p in moddir.rglob("*.ko")}
+            for m in MODULES:
+                if m not in found:
+                    raise BuildError(f"kernel module {m} missing from {pkg}")
+                shutil.copy(found[m], out / "modules" / f"{m}.ko")
+            self.progress("kernel", "extracting vmlinux for PVH boot")
+            extract_vmlinux(out / "vmlinuz", out / "vmlinux")
+            _publish(out, final)
+        self.built.append("kernel")
+        return final, release, key
+
+    def runtime(self, kernel_dir: Path, kernel_key: str) -> tuple[Path, str]:
+        versions = [(p, candidate(p)) for p in (*RUNTIME_PACKAGES, STDLIB_PACKAGE)]
+        key = _digest(
+            "runtime", 3, versions, kernel_key, Path(__file__), HERE / "init.sh", *guestd_sources()
+        )
+        final = self.cache / f"runtime-{key}"
+        if (final / "initrd.cpio").exists():
+            self.progress("runtime", "cached")
+            return final, key
+        self.progress("runtime", f"downloading {len(versions)} packages")
+        with _staging(self.cache, "runtime") as tmp:
+            root = tmp / "root"
+            root.mkdir()
+            for deb in _download([*RUNTIME_PACKAGES, STDLIB_PACKAGE], tmp / "debs"):
+                if deb.name.startswith(STDLIB_PACKAGE + "_"):
+                    run(["dpkg-deb", "-x", str(deb), str(tmp / "stdlib")])
+                else:
+                    run(["dpkg-deb", "-x", str(deb), str(root)])
+            for rel in STDLIB_PICK:
+                shutil.copy(tmp / "stdlib/usr/lib/python3.11" / rel, root / "usr/lib/python3.11" / rel)
+            self.progress("runtime", "assembling the initramfs")
+            for rel in _RUNTIME_DROP:
+                shutil.rmtree(root / rel, ignore_errors=True)
+            # usrmerge: bookworm packages still ship /lib and /lib64 paths
+            for d in ("bin", "sbin", "lib", "lib64"):
+                src = root / d
+                if src.is_dir() and not src.is_symlink():
+                    (root / "usr" / d).mkdir(parents=True, exist_ok=True)
+                    shutil.copytree(src, root / "usr" / d, symlinks=True, dirs_exist_ok=True)
+                    shutil.rmtree(src)
+                if not src.exists():
+                    src.symlink_to(f"usr/{d}")
+            bb = root / "usr" / "bin" / "busybox"
+            if not bb.exists():
+                raise BuildError("busybox-static did not provide /bin/busybox")
+            for d in ("proc", "sys", "dev", "tmp", "run", "sysroot", "lib/modules", "sandvisor/guestd"):
+                (root / d).mkdir(parents=True, exist_ok=True)
+            for ko in (kernel_dir / "modules").glob("*.ko"):
+                shutil.copy(ko, root / "lib" / "modules" / ko.name)
+            for src in guestd_sources():
+                shutil.copy(src, root / "sandvisor" / "guestd" / src.name)
+            (root / "sandvisor" / "boot.py").write_text(
+                "import sys\n"
+                "sys.path[:0] = ['/sandvisor', '/usr/lib/python3/dist-packages']\n"
+                "from guestd.agent import entry\n"
+                "entry()\n"
+            )
+            shutil.copy(HERE / "init.sh", root / "init")
+            (root / "init").chmod(0o755)
+            # byte-compile everything guestd may import, with the guest's own interpreter
+            py = root / "usr" / "bin" / "python3.11"
+            run(
+                [
+                    "chroot",
+                    str(root),
+                    "/usr/bin/python3.11",
+                    "-S",
+                    "-m",
+                    "compileall",
+                    "-q",
+                    "/usr/lib/python3.11",
+                    "/usr/lib/python3/dist-packages",
+                    "/sandvisor",
+                ]
+            )
+            # guestd must import cleanly in its own runtime (catches a missing stdlib piece
+            # now), and what it imports -- eagerly, or lazily later -- is all we keep
+            used = run(
+                [
+                    "chroot",
+                    str(root),
+                    "/usr/bin/python3.11",
+                    "-S",
+                    "-E",
+                    "-B",
+                    "-c",
+                    "import sys; sys.path[:0]=['/sandvisor','/usr/lib/python3/dist-packages'];"
+                    f"import guestd.agent, {', '.join(LAZY_IMPORTS)};"
+                    "import encodings.latin_1, encodings.ascii;"
+                    "print('\\n'.join(getattr(m, '__file__', None) or '' for m in list(sys.modules.values())))",
+                ]
+            )
+            assert py.exists()
+            self._trim_stdlib(root, {u for u in used.splitlines() if u})
+            libdir = root / "usr/lib/x86_64-linux-gnu"
+            for lib in libdir.iterdir():
+                if not any(lib.name.startswith(k) for k in RUNTIME_LIBS):
+                    lib.unlink() if not lib.is_dir() or lib.is_symlink() else shutil.rmtree(lib)
+            out = tmp / "out"
+            out.mkdir()
+            self._cpio(root, out / "initrd.cpio")
+            _publish(out, final)
+        self.built.append("runtime")
+        return final, key
+
+    def rootfs(self) -> tuple[Path, str]:
+        versions = [(p, candidate(p)) for p in ROOTFS_INCLUDE]
+        key = _digest("rootfs", 2, versions, ROOTFS_SIZE_MIB)
+        final = self.cache / f"rootfs-{key}"
+        if (final / "rootfs.ext4").exists():
+            self.progress("rootfs", "cached")
+            return final, key
+        self.progress("rootfs", "mmdebstrap minbase (a minute or two)")
+        with _staging(self.cache, "rootfs") as tmp:
+            tree = tmp / "tree"
+            run(
+                [
+                    "mmdebstrap",
+                    "--quiet",
+                    "--variant=minbase",
+                    "--include=" + ",".join(ROOTFS_INCLUDE),
+                    "--dpkgopt=path-exclude=/usr/share/man/*",
+                    "--dpkgopt=path-exclude=/usr/share/doc/*",
+                    "--dpkgopt=path-exclude=/usr/share/locale/*",
+                    "bookworm",
+                    str(tree),
+                ]
+            )
+            for junk in ("var/lib/apt/lists", "var/cache/apt"):
+                for p in (tree / junk).glob("*"):
+                    if p.is_file():
+                        p.unlink()
+            (tree / "etc" / "hostname").write_text("sandbox\n")
+            self.progress("rootfs", "making ext4")
+            out = tmp / "out"
+            out.mkdir()
+            img = out / "rootfs.ext4"
+            run(
+                [
+                    "mkfs.ext4",
+                    "-q",
+                    "-F",
+                    "-L",
+                    "sandvisor-root",
+                    "-b",
+                    "4096",
+                    "-m",
+                    "0",
+                    "-E",
+                    "lazy_itable_init=1,root_owner=0:0",
+                    "-d",
+                    str(tree),
+                    str(img),
+                    f"{ROOTFS_SIZE_MIB}M",
+                ]
+            )
+            img.chmod(0o444)  # the read-only base; sandboxes write to qcow2 overlays
+            _publish(out, final)
+        self.built.append("rootfs")
+        return final, key
+
+    @staticmethod
+    def _trim_stdlib(root: Path, used: set[str]) -> None:
+        """Keep only the modules (and their .pyc) that guestd's import closure touched."""
+        keep: set[Path] = set()
+        for f in used:
+            p = root / f.lstrip("/")
+            keep.add(p)
+            if p.suffix == ".py":
+                keep.update(p.parent.joinpath("__pycache__").glob(p.stem + ".*.pyc"))
+        for base in (root / "usr/lib/python3.11", root / "usr/lib/python3/dist-packages"):
+            for p in sorted(base.rglob("*"), reverse=True):
+                if p.is_file() and p not in keep and p.suffix in (".py", ".pyc", ".so"):
+                    p.unlink()
+                elif p.is_dir() and not any(p.iterdir()):
+                    p.rmdir()
+
+    @staticmethod
+    def _cpio(root: Path, out: Path) -> None:
+        names = subprocess.run(
+            ["find", ".", "-mindepth", "1"], cwd=root, capture_output=True, check=True
+        ).stdout.splitlines()
+        names.sort()  # reproducible member order
+        with open(out, "wb") as f:
+            p = subprocess.run(
+                ["cpio", "-o", "-H", "newc", "--quiet", "--reproducible"],
+                cwd=root,
+                input=b"\n".join(names) + b"\n",
+                stdout=f,
+                stderr=subprocess.PIPE,
+                check=False,
+            )
+        if p.returncode != 0:
+            raise BuildError(f"cpio failed: {p.stderr.decode(errors='replace')[-300:]}")
+
+    # -- the whole image -------------------------------------------------------
+    def build(self) -> Image:
+        kdir, release, kkey = self.kernel()
+        rdir, rkey = self.runtime(kdir, kkey)
+        fdir, fkey = self.rootfs()
+        img = Image(
+            name="default",
+            kernel=kdir / "vmlinux",
+            kernel_bz=kdir / "vmlinuz",
+            initrd=rdir / "initrd.cpio",
+            rootfs=fdir / "rootfs.ext4",
+            kernel_version=release,
+            keys={"kernel": kkey, "runtime": rkey, "rootfs": fkey},
+        )
+        manifest = self.cache / "default.json"
+        tmp = manifest.with_suffix(".tmp")
+        tmp.write_text(json.dumps(img.to_json(), indent=2))
+        tmp.rename(manifest)
+        self._gc(keep={kdir.name, rdir.name, fdir.name})
+        return img
+
+    def _gc(self, keep: set[str]) -> None:
+        """Old parts of the default image are superseded: remove them, and stale staging dirs."""
+        for p in self.cache.iterdir():
+            if p.is_dir() and p.name not in keep and re.match(r"^(kernel|runtime|rootfs)-[0-9a-f]{16}$", p.name):
+                shutil.rmtree(p, ignore_errors=True)
+            elif p.is_dir() and p.name.startswith(".") and time.time() - p.stat().st_mtime > 3600:
+                shutil.rmtree(p, ignore_errors=True)
+
+
+def load_default(cache: Path | None = None) -> Image | None:
+    """The default image, if built (without touching apt)."""
+    manifest = (cache or default_cache()) / "default.json"
+    try:
+        img = Image.from_json(json.loads(manifest.read_text()))
+    except (OSError, ValueError, KeyError):
+        return None
+    return img if img.exists() else None
+
+
+def host_tsc_khz() -> int | None:
+    """The host TSC frequency, for ``tsc_early_khz=`` (TCG boots hang calibrating without it)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("cpu MHz"):
+                return int(float(line.split(":")[1]) * 1000)
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m images.build [CACHE]``: build the default image with plain progress lines."""
+    args = argv if argv is not None else sys.argv[1:]
+    cache = Path(args[0]) if args else default_cache()
+    b = Builder(cache, progress=lambda part, msg: print(f"[{part}] {msg}", flush=True))
+    img = b.build()
+    print("built: " + ", ".join(b.built) if b.built else "image up to date: nothing to do")
+    print(json.dumps(img.to_json(), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())
