@@ -464,6 +464,8 @@ class Proc(Req):
         self.status = status
         self.exited_at = now()
         self.maybe_finish()
+        if not self.done:
+            self.update()  # arms the drain timer for pipes held by background children
 
     def tick(self, t: float) -> None:
         if self.deadline and self.status is None and t >= self.deadline:

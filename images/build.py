@@ -146,13 +146,17 @@ def run(argv: list[str], *, cwd: Path | None = None, env: dict[str, str] | None 
     return p.stdout
 
 
-def candidate(pkg: str) -> str:
-    """The version apt would install of ``pkg`` (apt lists must be present)."""
-    out = run(["apt-cache", "policy", pkg])
-    m = re.search(r"Candidate:\s*(\S+)", out)
-    if not m or m.group(1) == "(none)":
-        raise BuildError(f"apt knows no candidate for {pkg}; run 'apt-get update'")
-    return m.group(1)
+def candidates(pkgs: list[str] | tuple[str, ...]) -> list[tuple[str, str]]:
+    """The versions apt would install of ``pkgs`` (one apt-cache call; lists must be present)."""
+    out = run(["apt-cache", "policy", *pkgs])
+    found = dict(re.findall(r"^(\S+):\n\s+Installed:.*\n\s+Candidate:\s*(\S+)", out, re.M))
+    result = []
+    for pkg in pkgs:
+        ver = found.get(pkg)
+        if not ver or ver == "(none)":
+            raise BuildError(f"apt knows no candidate for {pkg}; run 'apt-get update'")
+        result.append((pkg, ver))
+    return result
 
 
 def kernel_package() -> str:
@@ -231,7 +235,7 @@ class Builder:
     # -- parts ---------------------------------------------------------------
     def kernel(self) -> tuple[Path, str, str]:
         pkg = kernel_package()
-        ver = candidate(pkg)
+        ((_, ver),) = candidates([pkg])
         key = _digest("kernel", 2, pkg, ver, MODULES)
         final = self.cache / f"kernel-{key}"
         release = pkg.removeprefix("linux-image-")
@@ -260,7 +264,7 @@ class Builder:
         return final, release, key
 
     def runtime(self, kernel_dir: Path, kernel_key: str) -> tuple[Path, str]:
-        versions = [(p, candidate(p)) for p in (*RUNTIME_PACKAGES, STDLIB_PACKAGE)]
+        versions = candidates((*RUNTIME_PACKAGES, STDLIB_PACKAGE))
         key = _digest(
             "runtime", 3, versions, kernel_key, Path(__file__), HERE / "init.sh", *guestd_sources()
         )
@@ -355,7 +359,7 @@ class Builder:
         return final, key
 
     def rootfs(self) -> tuple[Path, str]:
-        versions = [(p, candidate(p)) for p in ROOTFS_INCLUDE]
+        versions = candidates(ROOTFS_INCLUDE)
         key = _digest("rootfs", 2, versions, ROOTFS_SIZE_MIB)
         final = self.cache / f"rootfs-{key}"
         if (final / "rootfs.ext4").exists():

@@ -29,7 +29,7 @@ for d in /sys/bus/virtio/devices/*/device; do [ -e "$d" ] && read -r id < "$d" &
 case "$IDS" in *0x0002*) $B insmod $M/virtio_blk.ko ;; esac
 case "$IDS" in *0x0001*) for m in failover net_failover virtio_net; do $B insmod $M/$m.ko; done ;; esac
 case "$IDS" in *0x0013*) for m in vsock vmw_vsock_virtio_transport_common vmw_vsock_virtio_transport; do $B insmod $M/$m.ko; done ;; esac
-if [ "$VSOCK" = loopback ]; then $B insmod $M/vsock.ko 2>/dev/null; $B insmod $M/vsock_loopback.ko; fi
+if [ "$VSOCK" = loopback ]; then for m in vsock vmw_vsock_virtio_transport_common vsock_loopback; do $B insmod $M/$m.ko 2>/dev/null; done; fi
 read -r SV_T_MODULES _ < /proc/uptime
 
 mountall() {  # $1: the root that user processes will see

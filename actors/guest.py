@@ -1,0 +1,590 @@
+"""Host end of the guest channel: hello, request/stream multiplexing, flow control.
+
+A thin Trio adapter over the I/O-free protocol core in :mod:`guestd.proto`. One
+reader task parses frames and hands each message to the request it belongs to;
+callers send under a lock. The guest is hostile: every byte it sends is bounded
+(frames by ``MAX_FRAME``, stream data by the credit we granted), and any breach
+closes the channel with a typed error instead of growing memory or crashing.
+
+Error tree::
+
+    GuestError
+     +-- ChannelClosed (trio.ClosedResourceError)   we closed the channel, then used it
+     +-- ChannelBroken (trio.BrokenResourceError)   the guest went away or broke the protocol
+     |    +-- GuestProtocolError                     ... specifically, it sent something illegal
+     +-- HelloTimeout (trio.TooSlowError)           no hello answer in time (boot hung)
+     +-- GuestOpError                               the guest refused one request (code, message)
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import signal
+import time
+from collections.abc import AsyncIterable, AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+import attrs
+import trio
+
+from guestd import proto as P
+
+log = logging.getLogger("sandvisor.guest")
+_M = TypeVar("_M", bound=P.Message)
+
+
+class GuestError(Exception):
+    """Base of every error of the guest channel."""
+
+
+class ChannelClosed(GuestError, trio.ClosedResourceError):
+    """This end closed the channel and then tried to use it."""
+
+
+class ChannelBroken(GuestError, trio.BrokenResourceError):
+    """The guest went away (EOF, reset) or the channel was torn down under a request."""
+
+
+class GuestProtocolError(ChannelBroken):
+    """The guest sent something the protocol forbids; the channel is now closed."""
+
+
+class HelloTimeout(GuestError, trio.TooSlowError):
+    """The guest did not answer the hello in time."""
+
+
+class GuestOpError(GuestError):
+    """The guest refused a request. ``code`` is one of the proto E_* codes."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+@attrs.frozen
+class ExecResult:
+    exit_code: int
+    signal: int
+    timed_out: bool
+    stdout: bytes
+    stderr: bytes
+
+
+@attrs.frozen
+class ChannelStatistics:
+    requests_in_flight: int
+    frames_in: int
+    frames_out: int
+    bytes_in: int
+    bytes_out: int
+    dropped: int  # messages for requests that no longer exist
+
+
+class _Request:
+    """Receiving side of one request.
+
+    Stream data is coalesced per channel (at most the credit we granted, so at most
+    WINDOW bytes each); other messages queue in order, at most MAX_EVENTS of them.
+    Data is handed out before any queued event: the guest sends a channel's Eof and
+    the Exit only after that channel's data, and stdout/stderr carry no mutual order.
+    """
+
+    MAX_EVENTS = 64
+
+    def __init__(self, chan: GuestChannel, rid: int) -> None:
+        self.chan = chan
+        self.rid = rid
+        self.pending: dict[int, bytearray] = {}
+        self.events: collections.deque[P.Message] = collections.deque()
+        self.wakeup = trio.Event()
+        self.outstanding = {P.STDOUT: P.WINDOW, P.STDERR: P.WINDOW}  # bytes the guest may still send
+        self.send_credit = P.WINDOW  # bytes we may still send on STDIN
+        self.credit_changed = trio.Event()
+        self.broken: BaseException | None = None
+        self.done = False
+
+    def deliver(self, msg: P.Message) -> None:
+        if isinstance(msg, P.Credit):
+            if msg.ch != P.STDIN or msg.n < 0:
+                raise P.BadMessage(f"credit on channel {msg.ch}")
+            self.send_credit += msg.n
+            if self.send_credit > P.WINDOW:
+                raise P.BadMessage("guest granted more stdin credit than the window")
+            self.credit_changed.set()
+            self.credit_changed = trio.Event()
+            return
+        if isinstance(msg, P.Data):
+            left = self.outstanding.get(msg.ch)
+            if left is None or len(msg.data) > left:
+                raise P.BadMessage(f"data beyond granted credit on channel {msg.ch}")
+            self.outstanding[msg.ch] = left - len(msg.data)
+            self.pending.setdefault(msg.ch, bytearray()).extend(msg.data)
+        else:
+            if len(self.events) >= self.MAX_EVENTS:
+                raise P.BadMessage("too many unanswered messages for one request")
+            self.events.append(msg)
+        self.wakeup.set()
+
+    def peek_error(self) -> P.Error | None:
+        if self.events and isinstance(self.events[0], P.Error):
+            err = self.events.popleft()
+            assert isinstance(err, P.Error)
+            return err
+        return None
+
+    def fail(self, exc: BaseException) -> None:
+        self.broken = exc
+        self.wakeup.set()
+        self.credit_changed.set()
+
+    async def next(self) -> P.Message:
+        while True:
+            for ch in (P.STDOUT, P.STDERR):
+                buf = self.pending.get(ch)
+                if buf:
+                    data = bytes(buf)
+                    buf.clear()
+                    await self.chan._grant(self.rid, ch, len(data))
+                    return P.Data(rid=self.rid, ch=ch, data=data)
+            if self.events:
+                return self.events.popleft()
+            if self.broken is not None:
+                raise self.broken
+            await self.wakeup.wait()
+            self.wakeup = trio.Event()
+
+
+class GuestChannel:
+    """One connection to guestd. Use :func:`open_channel`; do not construct directly."""
+
+    def __init__(self, stream: trio.abc.Stream, *, max_frame: int = P.MAX_FRAME) -> None:
+        self._stream = stream
+        self._decoder = P.FrameDecoder(max_frame)
+        self._send_lock = trio.Lock()
+        self._reqs: dict[int, _Request] = {}
+        self._next_rid = 1
+        self._closed = False
+        self._broken: ChannelBroken | None = None
+        self._hello: P.HelloOk | None = None
+        self._hello_event = trio.Event()
+        self.hello_info: P.HelloOk | None = None
+        self.guest_logs: collections.deque[str] = collections.deque(maxlen=64)
+        self._stats = {"frames_in": 0, "frames_out": 0, "bytes_in": 0, "bytes_out": 0, "dropped": 0}
+
+    # -- lifecycle -----------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def broken(self) -> bool:
+        return self._broken is not None
+
+    def statistics(self) -> ChannelStatistics:
+        return ChannelStatistics(requests_in_flight=len(self._reqs), **self._stats)
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._fail_all(ChannelClosed("guest channel closed"))
+        with trio.CancelScope(shield=True):
+            await self._stream.aclose()
+
+    def _check(self) -> None:
+        if self._closed:
+            raise ChannelClosed("guest channel closed")
+        if self._broken is not None:
+            raise self._broken
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for req in self._reqs.values():
+            req.fail(exc)
+        self._hello_event.set()
+
+    async def _reader(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        try:
+            while True:
+                try:
+                    data = await self._stream.receive_some(1 << 16)
+                except (trio.BrokenResourceError, OSError) as exc:
+                    raise ChannelBroken(f"guest channel broke: {exc}") from None
+                except trio.ClosedResourceError:
+                    return
+                if not data:
+                    raise ChannelBroken("guest closed the channel")
+                self._stats["bytes_in"] += len(data)
+                self._decoder.feed(data)
+                try:
+                    for msg in self._decoder.messages():
+                        self._stats["frames_in"] += 1
+                        self._dispatch(msg)
+                except P.ProtocolError as exc:
+                    raise GuestProtocolError(f"guest protocol error: {exc}") from None
+        except ChannelBroken as exc:
+            if not self._closed:
+                log.warning("guest channel: %s", exc)
+                self._broken = exc
+                self._fail_all(exc)
+                with trio.CancelScope(shield=True):
+                    await self._stream.aclose()
+
+    def _dispatch(self, msg: P.Message) -> None:
+        if isinstance(msg, P.HelloOk):
+            self._hello = msg
+            self._hello_event.set()
+            return
+        if isinstance(msg, P.Log):
+            self.guest_logs.append(f"{msg.level}: {msg.text[:1000]}")
+            return
+        rid = getattr(msg, "rid", None)
+        if not isinstance(rid, int):
+            raise P.BadMessage(f"unexpected {msg.TAG} from the guest")
+        req = self._reqs.get(rid)
+        if req is None:
+            self._stats["dropped"] += 1  # late traffic of a request we abandoned
+            return
+        req.deliver(msg)
+
+    # -- sending -------------------------------------------------------------
+    async def _send(self, msg: P.Message) -> None:
+        self._check()
+        frame = P.encode(msg)
+        async with self._send_lock:
+            self._check()
+            try:
+                await self._stream.send_all(frame)
+            except (trio.BrokenResourceError, OSError) as exc:
+                raise ChannelBroken(f"guest channel broke: {exc}") from None
+        self._stats["frames_out"] += 1
+        self._stats["bytes_out"] += len(frame)
+
+    async def _grant(self, rid: int, ch: int, n: int) -> None:
+        req = self._reqs.get(rid)
+        if req is not None and not req.done:
+            req.outstanding[ch] = req.outstanding.get(ch, 0) + n
+            try:
+                await self._send(P.Credit(rid=rid, ch=ch, n=n))
+            except GuestError:
+                pass  # the request sees the breakage on its next receive
+
+    def _new_request(self) -> _Request:
+        self._check()
+        rid = self._next_rid
+        self._next_rid += 1
+        req = _Request(self, rid)
+        self._reqs[rid] = req
+        return req
+
+    def _end_request(self, req: _Request) -> None:
+        req.done = True
+        self._reqs.pop(req.rid, None)
+
+    # -- hello ---------------------------------------------------------------
+    async def hello(self, timeout: float) -> P.HelloOk:
+        """Send Hello and wait for the guest's answer (this spans the guest's boot)."""
+        self._hello_event = trio.Event()
+        self._hello = None
+        await self._send(P.Hello(version=P.PROTOCOL_VERSION, host_time_ns=time.time_ns()))
+        with trio.move_on_after(timeout):
+            await self._hello_event.wait()
+        if self._hello is None:
+            self._check()
+            raise HelloTimeout(f"guestd did not answer hello within {timeout:g}s")
+        if self._hello.version != P.PROTOCOL_VERSION:
+            raise GuestProtocolError(f"guest speaks protocol {self._hello.version}, we speak {P.PROTOCOL_VERSION}")
+        self.hello_info = self._hello
+        return self._hello
+
+    # -- unary requests --------------------------------------------------------
+    async def _unary(self, build: Any, expect: type[_M]) -> _M:
+        req = self._new_request()
+        try:
+            await self._send(build(req.rid))
+            msg = await req.next()
+        finally:
+            self._end_request(req)
+        if isinstance(msg, P.Error):
+            raise GuestOpError(msg.code, msg.message)
+        if not isinstance(msg, expect):
+            await self._protocol_violation(f"expected {expect.TAG}, got {msg.TAG}")
+        return msg  # type: ignore[return-value]
+
+    async def _protocol_violation(self, text: str) -> None:
+        exc = GuestProtocolError(text)
+        self._broken = exc
+        self._fail_all(exc)
+        with trio.CancelScope(shield=True):
+            await self._stream.aclose()
+        raise exc
+
+    async def ping(self) -> P.Pong:
+        return await self._unary(lambda rid: P.Ping(rid=rid), P.Pong)
+
+    async def touch(self) -> int:
+        return (await self._unary(lambda rid: P.Touch(rid=rid), P.Ok)).activity
+
+    async def metrics(self) -> P.MetricsOk:
+        return await self._unary(lambda rid: P.Metrics(rid=rid), P.MetricsOk)
+
+    async def set_clock(self, realtime_ns: int | None = None) -> None:
+        ns = time.time_ns() if realtime_ns is None else realtime_ns
+        await self._unary(lambda rid: P.SetClock(rid=rid, realtime_ns=ns), P.Ok)
+
+    async def add_entropy(self, nbytes: int = 64) -> None:
+        data = os.urandom(nbytes)
+        await self._unary(lambda rid: P.AddEntropy(rid=rid, data=data), P.Ok)
+
+    async def set_hostname(self, hostname: str) -> None:
+        await self._unary(lambda rid: P.SetHostname(rid=rid, hostname=hostname), P.Ok)
+
+    async def shutdown(self, reboot: bool = False) -> None:
+        """Ask guestd to stop every process, sync and power off. Returns once it agreed."""
+        await self._unary(lambda rid: P.Shutdown(rid=rid, reboot=reboot), P.Ok)
+
+    # -- exec ------------------------------------------------------------------
+    @asynccontextmanager
+    async def exec(
+        self,
+        argv: list[str],
+        *,
+        env: dict[str, str] | None = None,
+        cwd: str = "",
+        user: str = "",
+        tty: bool = False,
+        rows: int = 24,
+        cols: int = 80,
+        timeout: float = 0.0,
+        stdin: bool = False,
+    ) -> AsyncIterator[ExecHandle]:
+        """Start a process; the handle streams its output. Leaving the block before the
+        process exited kills its process group (nothing is left running unowned)."""
+        req = self._new_request()
+        handle = ExecHandle(self, req)
+        try:
+            msg = P.Exec(
+                rid=req.rid,
+                argv=list(argv),
+                env=dict(env or {}),
+                cwd=cwd,
+                user=user,
+                tty=tty,
+                rows=rows,
+                cols=cols,
+                timeout=float(timeout),
+                stdin=stdin,
+            )
+            await self._send(msg)
+            first = await req.next()
+            if isinstance(first, P.Error):
+                raise GuestOpError(first.code, first.message)
+            if not isinstance(first, P.ExecStarted):
+                await self._protocol_violation(f"expected exec_started, got {first.TAG}")
+                raise AssertionError  # unreachable
+            handle.pid = first.pid
+            yield handle
+        finally:
+            if handle.pid and handle.exit is None and not self._closed and self._broken is None:
+                with trio.CancelScope(shield=True), trio.move_on_after(2):
+                    try:
+                        await self._send(P.Signal(rid=req.rid, signum=signal.SIGKILL))
+                    except GuestError:
+                        pass
+            self._end_request(req)
+
+    async def run(self, argv: list[str], *, max_output: int = 64 << 20, **kw: Any) -> ExecResult:
+        """Run to completion and collect output (at most ``max_output`` bytes per stream)."""
+        out: dict[int, bytearray] = {P.STDOUT: bytearray(), P.STDERR: bytearray()}
+        async with self.exec(argv, **kw) as h:
+            async for ch, data in h:
+                if len(out[ch]) + len(data) > max_output:
+                    raise GuestOpError(P.E_TOO_LARGE, f"output exceeds {max_output} bytes")
+                out[ch] += data
+        assert h.exit is not None
+        return ExecResult(h.exit.code, h.exit.signal, h.exit.timed_out, bytes(out[P.STDOUT]), bytes(out[P.STDERR]))
+
+    # -- files -----------------------------------------------------------------
+    @asynccontextmanager
+    async def read_file(self, path: str) -> AsyncIterator[FileReadStream]:
+        req = self._new_request()
+        try:
+            await self._send(P.ReadFile(rid=req.rid, path=path))
+            first = await req.next()
+            if isinstance(first, P.Error):
+                raise GuestOpError(first.code, first.message)
+            if not isinstance(first, P.FileInfo):
+                await self._protocol_violation(f"expected file_info, got {first.TAG}")
+                raise AssertionError  # unreachable
+            if first.size > P.MAX_FILE:
+                await self._protocol_violation("guest announced a file beyond the limit")
+            yield FileReadStream(req, first.size, first.mode)
+        finally:
+            self._end_request(req)
+
+    async def read_bytes(self, path: str) -> bytes:
+        buf = bytearray()
+        async with self.read_file(path) as f:
+            async for chunk in f:
+                buf += chunk
+        return bytes(buf)
+
+    async def write_file(
+        self, path: str, data: bytes | AsyncIterable[bytes], *, mode: int = 0o644, size: int = -1
+    ) -> int:
+        """Write a file atomically (temp file + rename in the guest). Returns its size."""
+        if isinstance(data, (bytes, bytearray, memoryview)):
+            size = len(data)
+        if size > P.MAX_FILE:
+            raise GuestOpError(P.E_TOO_LARGE, f"{size} bytes exceeds the {P.MAX_FILE} byte limit")
+        req = self._new_request()
+        try:
+            await self._send(P.WriteFile(rid=req.rid, path=path, mode=mode, size=size))
+            total = 0
+
+            async def chunks() -> AsyncIterator[bytes]:
+                if isinstance(data, (bytes, bytearray, memoryview)):
+                    view = memoryview(data)
+                    for i in range(0, len(view), P.CHUNK):
+                        yield bytes(view[i : i + P.CHUNK])
+                else:
+                    async for c in data:
+                        for i in range(0, len(c), P.CHUNK):
+                            yield bytes(c[i : i + P.CHUNK])
+
+            async for piece in chunks():
+                total += len(piece)
+                if total > P.MAX_FILE:
+                    raise GuestOpError(P.E_TOO_LARGE, f"file exceeds the {P.MAX_FILE} byte limit")
+                await _send_with_credit(self, req, piece)
+            await self._send(P.Eof(rid=req.rid, ch=P.STDIN))
+            while True:
+                msg = await req.next()
+                if isinstance(msg, P.Error):
+                    raise GuestOpError(msg.code, msg.message)
+                if isinstance(msg, P.Ok):
+                    return msg.value
+        finally:
+            self._end_request(req)
+
+
+async def _send_with_credit(chan: GuestChannel, req: _Request, data: bytes) -> None:
+    """Send ``data`` on STDIN, waiting for credit; an early error from the guest wins."""
+    view = memoryview(data)
+    while view:
+        while req.send_credit <= 0:
+            err = req.peek_error()
+            if err is not None:
+                raise GuestOpError(err.code, err.message)
+            if req.broken is not None:
+                raise req.broken
+            await req.credit_changed.wait()
+        err = req.peek_error()
+        if err is not None:
+            raise GuestOpError(err.code, err.message)
+        n = min(len(view), req.send_credit, P.CHUNK)
+        req.send_credit -= n
+        await chan._send(P.Data(rid=req.rid, ch=P.STDIN, data=bytes(view[:n])))
+        view = view[n:]
+
+
+class ExecHandle:
+    """A running process in the guest. Iterate it for ``(channel, bytes)`` output."""
+
+    def __init__(self, chan: GuestChannel, req: _Request) -> None:
+        self._chan = chan
+        self._req = req
+        self.pid = 0
+        self.exit: P.Exit | None = None
+        self._stdin_closed = False
+
+    @property
+    def rid(self) -> int:
+        return self._req.rid
+
+    def __aiter__(self) -> ExecHandle:
+        return self
+
+    async def __anext__(self) -> tuple[int, bytes]:
+        while self.exit is None:
+            msg = await self._req.next()
+            if isinstance(msg, P.Data):
+                return msg.ch, msg.data
+            if isinstance(msg, P.Exit):
+                self.exit = msg
+            elif isinstance(msg, P.Error):
+                raise GuestOpError(msg.code, msg.message)
+        raise StopAsyncIteration
+
+    async def wait(self) -> P.Exit:
+        """Discard remaining output and wait for the exit."""
+        async for _ in self:
+            pass
+        assert self.exit is not None
+        return self.exit
+
+    async def send_stdin(self, data: bytes) -> None:
+        if self._stdin_closed:
+            raise ChannelClosed("stdin already closed")
+        if self.exit is not None:
+            return
+        await _send_with_credit(self._chan, self._req, data)
+
+    async def close_stdin(self) -> None:
+        if not self._stdin_closed and self.exit is None:
+            self._stdin_closed = True
+            await self._chan._send(P.Eof(rid=self.rid, ch=P.STDIN))
+
+    async def resize(self, rows: int, cols: int) -> None:
+        if self.exit is None:
+            await self._chan._send(P.Resize(rid=self.rid, rows=rows, cols=cols))
+
+    async def signal(self, signum: int) -> None:
+        if self.exit is None:
+            await self._chan._send(P.Signal(rid=self.rid, signum=signum))
+
+
+class FileReadStream:
+    def __init__(self, req: _Request, size: int, mode: int) -> None:
+        self._req = req
+        self.size = size
+        self.mode = mode
+        self.received = 0
+        self.eof = False
+
+    def __aiter__(self) -> FileReadStream:
+        return self
+
+    async def __anext__(self) -> bytes:
+        while not self.eof:
+            msg = await self._req.next()
+            if isinstance(msg, P.Data):
+                self.received += len(msg.data)
+                if self.received > P.MAX_FILE:
+                    raise GuestProtocolError("guest sent more than the file limit")
+                return msg.data
+            if isinstance(msg, P.Eof):
+                self.eof = True
+            elif isinstance(msg, P.Error):
+                raise GuestOpError(msg.code, msg.message)
+        raise StopAsyncIteration
+
+
+@asynccontextmanager
+async def open_channel(stream: trio.abc.Stream, *, hello_timeout: float | None = 30.0) -> AsyncIterator[GuestChannel]:
+    """Run a channel over ``stream`` (reader task in its own nursery); hello first unless
+    ``hello_timeout`` is None. The stream is closed on exit."""
+    chan = GuestChannel(stream)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(chan._reader)
+        try:
+            if hello_timeout is not None:
+                await chan.hello(hello_timeout)
+            yield chan
+        finally:
+            await chan.aclose()
+            nursery.cancel_scope.cancel()

@@ -1,0 +1,412 @@
+"""One QEMU process: argv, launch, QMP, console, and the shutdown ladder.
+
+Modelled on QEMU's ``python/qemu/machine/machine.py``: QMP over an inherited
+socketpair (no path to race on or leave behind), a runstate guard on every
+operation, and a shutdown that always ends with the process reaped.
+
+Runstates::
+
+    NEW --launch()--> RUNNING --(process exits)--> EXITED
+                        |                            ^
+                        +--shutdown(): ask -> quit -> SIGTERM -> SIGKILL -> wait
+
+Error tree::
+
+    MachineError
+     +-- LaunchError        QEMU did not start (bad argv, missing file, QMP handshake failed)
+     +-- MachineStateError  an operation in the wrong runstate (e.g. QMP after exit)
+     +-- QMPCommandError    QEMU refused a QMP command (message from QEMU)
+
+QMP runs through ``qemu.qmp`` on asyncio, bridged into Trio by trio-asyncio: the
+caller must be inside :func:`qmp_loop` (the supervisor and the tests open it once).
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import logging
+import os
+import shlex
+import signal
+import socket
+import subprocess
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import attrs
+import trio
+import trio_asyncio
+from qemu.qmp import EventListener, QMPClient
+from qemu.qmp import ExecuteError as _QMPExecuteError
+
+log = logging.getLogger("sandvisor.machine")
+
+GUEST_PORT_NAME = "sandvisor.0"
+CONSOLE_RING = 64 * 1024
+
+
+class MachineError(Exception):
+    """Base of the errors of one QEMU process."""
+
+
+class LaunchError(MachineError):
+    """QEMU did not come up."""
+
+
+class MachineStateError(MachineError):
+    """The operation does not fit the machine's runstate."""
+
+
+class QMPCommandError(MachineError):
+    """QEMU answered a QMP command with an error."""
+
+
+class Runstate(enum.Enum):
+    NEW = "new"
+    RUNNING = "running"
+    EXITED = "exited"
+
+
+def kvm_usable() -> bool:
+    """True where /dev/kvm is a real hardware KVM. Nested PVM (``kvm_pvm``) hangs a stock
+    kernel, so ``--accel auto`` must not pick it."""
+    if not os.access("/dev/kvm", os.R_OK | os.W_OK):
+        return False
+    if Path("/sys/module/kvm_pvm").exists():
+        return False
+    return Path("/sys/module/kvm_intel").exists() or Path("/sys/module/kvm_amd").exists()
+
+
+def resolve_accel(accel: str) -> str:
+    if accel == "auto":
+        return "kvm" if kvm_usable() else "tcg"
+    if accel not in ("kvm", "tcg"):
+        raise ValueError(f"accel must be auto, kvm or tcg, not {accel!r}")
+    return accel
+
+
+def vhost_vsock_usable() -> bool:
+    return os.access("/dev/vhost-vsock", os.R_OK | os.W_OK)
+
+
+@attrs.frozen
+class MachineSpec:
+    """Everything that decides QEMU's command line."""
+
+    kernel: Path
+    initrd: Path
+    disk: Path | None = None  # the sandbox's qcow2 overlay (becomes /dev/vda)
+    disk_format: str = "qcow2"
+    cpus: int = 1
+    memory_mib: int = 256
+    append: str = ""  # kernel command line (the caller builds it)
+    accel: str = "tcg"  # resolved: kvm or tcg
+    machine: str = "microvm"  # "pc" only for benchmarks
+    vsock_cid: int | None = None  # use vhost-vsock with this guest CID (where the host has it)
+    extra_ports: tuple[str, ...] = ()  # more virtserialports, by name, each on a socket in run_dir
+    netdev: tuple[str, ...] = ()  # -netdev/-device pairs, prepared by the network layer
+    sandbox: bool = True  # QEMU's seccomp sandbox
+    runas: str | None = None  # drop to this user after start (when the supervisor is root)
+    qemu: str = "qemu-system-x86_64"
+    extra_args: tuple[str, ...] = ()
+
+    def argv(self, run_dir: Path, qmp_fd: int, console_fd: int) -> list[str]:
+        accel = self.accel
+        if self.machine == "microvm":
+            mach = f"microvm,accel={accel},acpi=on,pcie=off,rtc=off"
+            blk, ser, net = "virtio-blk-device", "virtio-serial-device", "virtio-net-device"
+        else:
+            mach = f"{self.machine},accel={accel}"
+            blk, ser, net = "virtio-blk-pci", "virtio-serial-pci", "virtio-net-pci"
+        cpu = "host" if accel == "kvm" else "max"
+        a = [
+            self.qemu,
+            "-M",
+            mach,
+            "-cpu",
+            cpu,
+            "-smp",
+            str(self.cpus),
+            "-m",
+            str(self.memory_mib),
+            "-nodefaults",
+            "-no-user-config",
+            "-nographic",
+            "-no-reboot",
+            "-kernel",
+            str(self.kernel),
+            "-initrd",
+            str(self.initrd),
+            "-append",
+            self.append,
+            "-chardev",
+            f"socket,id=con,fd={console_fd}",
+            "-serial",
+            "chardev:con",
+            "-chardev",
+            f"socket,id=qmp,fd={qmp_fd}",
+            "-mon",
+            "chardev=qmp,mode=control",
+            "-device",
+            ser,
+            "-chardev",
+            f"socket,id=guest,path={run_dir / 'guest.sock'},server=on,wait=off",
+            "-device",
+            f"virtserialport,chardev=guest,name={GUEST_PORT_NAME}",
+        ]
+        for i, name in enumerate(self.extra_ports):
+            a += [
+                "-chardev",
+                f"socket,id=port{i},path={run_dir / f'port{i}.sock'},server=on,wait=off",
+                "-device",
+                f"virtserialport,chardev=port{i},name={name}",
+            ]
+        if self.disk is not None:
+            a += [
+                "-blockdev",
+                f"driver=file,filename={self.disk},node-name=disk0file,cache.direct=off",
+                "-blockdev",
+                f"driver={self.disk_format},file=disk0file,node-name=disk0",
+                "-device",
+                f"{blk},drive=disk0",
+            ]
+        if self.vsock_cid is not None:
+            dev = "vhost-vsock-device" if self.machine == "microvm" else "vhost-vsock-pci"
+            a += ["-device", f"{dev},guest-cid={self.vsock_cid}"]
+        a += [x.replace("{net}", net) for x in self.netdev]
+        if self.sandbox:
+            a += ["-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"]
+        if self.runas:
+            a += ["-runas", self.runas]
+        a += list(self.extra_args)
+        return a
+
+
+class _Ring:
+    """The last ``size`` bytes written: guest-controlled output never grows memory."""
+
+    def __init__(self, size: int) -> None:
+        self.buf: collections.deque[bytes] = collections.deque()
+        self.size = size
+        self.len = 0
+        self.total = 0
+
+    def add(self, data: bytes) -> None:
+        self.buf.append(data)
+        self.len += len(data)
+        self.total += len(data)
+        while self.len > self.size and len(self.buf) > 1:
+            self.len -= len(self.buf.popleft())
+
+    def text(self) -> str:
+        return b"".join(self.buf)[-self.size :].decode(errors="replace")
+
+
+@asynccontextmanager
+async def qmp_loop() -> AsyncIterator[None]:
+    """The asyncio loop qemu.qmp runs on, inside Trio."""
+    async with trio_asyncio.open_loop():
+        yield
+
+
+class Machine:
+    """One QEMU process and its QMP connection. Owns the process, the QMP client and
+    the console; the run dir is the caller's (it holds the guest channel socket)."""
+
+    def __init__(self, spec: MachineSpec, run_dir: Path, *, name: str = "vm") -> None:
+        self.spec = spec
+        self.run_dir = run_dir
+        self.name = name
+        self.runstate = Runstate.NEW
+        self.proc: trio.Process | None = None
+        self.qmp = QMPClient(name)
+        self.console = _Ring(CONSOLE_RING)
+        self.stderr = _Ring(16 * 1024)
+        self._exited = trio.Event()
+        self.returncode: int | None = None
+        self._nursery: trio.Nursery | None = None
+
+    @property
+    def guest_socket(self) -> Path:
+        return self.run_dir / "guest.sock"
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def describe_exit(self) -> str:
+        rc = self.returncode
+        how = f"killed by signal {-rc}" if rc is not None and rc < 0 else f"exit status {rc}"
+        err = self.stderr.text().strip().splitlines()[-3:]
+        return f"QEMU {how}" + (f": {' | '.join(err)}" if err else "")
+
+    async def run(self, task_status: trio.TaskStatus[Machine] = trio.TASK_STATUS_IGNORED) -> None:
+        """Launch QEMU, then supervise it until it exits. ``started`` once QMP is up."""
+        if self.runstate is not Runstate.NEW:
+            raise MachineStateError(f"machine is {self.runstate.value}, not new")
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        for p in self.run_dir.glob("*.sock"):
+            p.unlink()
+        qmp_mine, qmp_theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        con_mine, con_theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        argv = self.spec.argv(self.run_dir, qmp_theirs.fileno(), con_theirs.fileno())
+        log.debug("launch %s: %s", self.name, shlex.join(argv))
+        try:
+            try:
+                self.proc = await trio.lowlevel.open_process(
+                    argv,
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.PIPE,
+                    pass_fds=(qmp_theirs.fileno(), con_theirs.fileno()),
+                    start_new_session=True,  # a ^C to the supervisor must not reach QEMU
+                )
+            except OSError as exc:
+                raise LaunchError(f"cannot start {argv[0]}: {exc}") from exc
+        finally:
+            qmp_theirs.close()
+            con_theirs.close()
+        self.runstate = Runstate.RUNNING
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                nursery.start_soon(self._pump, trio.SocketStream(trio.socket.from_stdlib_socket(con_mine)), self.console)
+                assert self.proc.stderr is not None
+                nursery.start_soon(self._pump, self.proc.stderr, self.stderr)
+                nursery.start_soon(self._reap)
+                try:
+                    with trio.fail_after(10):
+                        await trio_asyncio.aio_as_trio(self.qmp.connect)(qmp_mine)
+                except (Exception, trio.TooSlowError) as exc:
+                    with trio.move_on_after(0.5):
+                        await self._exited.wait()
+                    raise LaunchError(f"QMP handshake failed: {exc}; {self.describe_exit()}") from exc
+                task_status.started(self)
+                await self._exited.wait()
+                nursery.cancel_scope.cancel()
+        finally:
+            with trio.CancelScope(shield=True):
+                await self._kill_and_reap()
+                try:
+                    await trio_asyncio.aio_as_trio(self.qmp.disconnect)()
+                except Exception:  # EOF after quit/kill is reported here; nothing to do
+                    pass
+                qmp_mine.close()
+            self._nursery = None
+
+    async def _pump(self, stream: trio.abc.ReceiveStream, ring: _Ring) -> None:
+        try:
+            async with stream:
+                while True:
+                    data = await stream.receive_some(4096)
+                    if not data:
+                        return
+                    ring.add(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            return
+
+    async def _reap(self) -> None:
+        assert self.proc is not None
+        self.returncode = await self.proc.wait()
+        self.runstate = Runstate.EXITED
+        self._exited.set()
+
+    async def _kill_and_reap(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.returncode is None:
+            self.proc.kill()
+        self.returncode = await self.proc.wait()
+        self.runstate = Runstate.EXITED
+        self._exited.set()
+
+    async def wait(self) -> int:
+        await self._exited.wait()
+        assert self.returncode is not None
+        return self.returncode
+
+    @property
+    def exited(self) -> bool:
+        return self._exited.is_set()
+
+    # -- QMP -----------------------------------------------------------------
+    async def qmp_execute(self, cmd: str, args: dict[str, Any] | None = None, *, timeout: float = 30) -> Any:
+        if self.runstate is not Runstate.RUNNING:
+            raise MachineStateError(f"QMP {cmd} on a machine that is {self.runstate.value}")
+        try:
+            with trio.fail_after(timeout):
+                return await trio_asyncio.aio_as_trio(self.qmp.execute)(cmd, args)
+        except _QMPExecuteError as exc:
+            raise QMPCommandError(f"{cmd}: {exc.error.desc}") from None
+        except trio.TooSlowError:
+            raise QMPCommandError(f"{cmd}: no answer within {timeout:g}s") from None
+        except Exception as exc:  # disconnected, EOF: the process is going away
+            raise MachineStateError(f"QMP {cmd}: {type(exc).__name__}: {exc}") from None
+
+    async def hmp(self, line: str) -> str:
+        """A human-monitor command. HMP reports errors as reply text; the caller checks it."""
+        return str(await self.qmp_execute("human-monitor-command", {"command-line": line}))
+
+    async def events(self, names: tuple[str, ...] = ()) -> AsyncIterator[dict[str, Any]]:
+        """QMP events as they come (an async generator: close it or leave its loop)."""
+        listener = EventListener(names or None)
+        self.qmp.register_listener(listener)
+        try:
+            get = trio_asyncio.aio_as_trio(listener.get)
+            while True:
+                yield await get()
+        finally:
+            self.qmp.remove_listener(listener)
+
+    # -- shutdown ladder ---------------------------------------------------------
+    async def shutdown(
+        self,
+        ask: Callable[[], Awaitable[None]] | None = None,
+        *,
+        ask_timeout: float = 10.0,
+        step_timeout: float = 3.0,
+    ) -> int:
+        """ask (guestd powers off) -> QMP quit -> SIGTERM -> SIGKILL; always reaped.
+        Shielded: a cancelled caller still leaves no process behind."""
+        with trio.CancelScope(shield=True):
+            if self.proc is None:
+                return 0
+            steps: list[tuple[str, Callable[[], Awaitable[None]], float]] = []
+            if ask is not None:
+                steps.append(("guest poweroff", ask, ask_timeout))
+            steps.append(("QMP quit", self._quit, step_timeout))
+            steps.append(("SIGTERM", self._term, step_timeout))
+            for what, step, timeout in steps:
+                if self.exited:
+                    break
+                with trio.move_on_after(timeout):
+                    try:
+                        await step()
+                    except Exception as exc:
+                        log.debug("%s: %s failed: %s", self.name, what, exc)
+                    await self._exited.wait()
+                if not self.exited:
+                    log.info("%s: %s did not stop QEMU in %gs", self.name, what, timeout)
+            await self._kill_and_reap()
+            assert self.returncode is not None
+            return self.returncode
+
+    async def _quit(self) -> None:
+        await self.qmp_execute("quit", timeout=2)
+
+    async def _term(self) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            self.proc.send_signal(signal.SIGTERM)
+
+
+async def connect_guest_socket(path: Path, *, timeout: float = 10.0) -> trio.SocketStream:
+    """Connect to the guest channel's unix socket (QEMU creates it during start-up)."""
+    with trio.fail_after(timeout):
+        while True:
+            try:
+                return await trio.open_unix_socket(str(path))
+            except (FileNotFoundError, ConnectionRefusedError):
+                await trio.sleep(0.002)

@@ -1,0 +1,153 @@
+"""Boot a guest: overlay disk, kernel command line, QEMU, guest channel, hello.
+
+:func:`booted_guest` is the one way the project brings up a VM (the sandbox actor,
+the tests and the benchmarks all use it). It owns, for the duration of its block,
+the QEMU process (via :class:`~actors.machine.Machine`), the guest channel and the
+qcow2 overlay in ``run_dir``; leaving the block -- normally, by error or by
+cancellation -- powers the guest off through the shutdown ladder and reaps QEMU.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import attrs
+import trio
+
+from actors.guest import GuestChannel, HelloTimeout, open_channel
+from actors.machine import LaunchError, Machine, MachineSpec, connect_guest_socket
+from images.build import Image, host_tsc_khz
+
+log = logging.getLogger("sandvisor.vm")
+
+BASE_CMDLINE = "console=ttyS0 quiet panic=-1 pci=off i8042.noaux i8042.nomux i8042.nopnp"
+
+
+class BootError(LaunchError):
+    """The guest did not reach guestd's hello (QEMU died, or the boot timed out)."""
+
+    def __init__(self, message: str, console: str = "") -> None:
+        super().__init__(message)
+        self.console = console
+
+
+def kernel_cmdline(accel: str, *, root: bool = True, hostname: str = "sandbox", extra: str = "") -> str:
+    parts = [BASE_CMDLINE]
+    if accel == "tcg":
+        khz = host_tsc_khz()
+        if khz:
+            parts.append(f"tsc_early_khz={khz}")  # TCG boots hang ~1 in 30 calibrating otherwise
+    if root:
+        parts.append("sandvisor.root=/dev/vda")
+    parts.append(f"sandvisor.hostname={hostname}")
+    if extra:
+        parts.append(extra)
+    return " ".join(parts)
+
+
+async def create_overlay(base: Path, overlay: Path, *, size_mib: int | None = None) -> None:
+    """A qcow2 overlay on a read-only base (raw or qcow2, detected by qemu-img)."""
+    fmt = "qcow2" if _is_qcow2(base) else "raw"
+    argv = ["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(base.resolve()), "-F", fmt, str(overlay)]
+    if size_mib:
+        argv.append(f"{size_mib}M")
+    p = await trio.run_process(argv, capture_stdout=True, capture_stderr=True, check=False)
+    if p.returncode != 0:
+        raise LaunchError(f"qemu-img create failed: {p.stderr.decode(errors='replace').strip()}")
+
+
+def _is_qcow2(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == b"QFI\xfb"
+
+
+@attrs.define
+class Guest:
+    """A booted VM: its machine, its channel, and boot timestamps (monotonic seconds)."""
+
+    machine: Machine
+    channel: GuestChannel
+    t_launch: float
+    t_qmp: float
+    t_ready: float
+
+
+@asynccontextmanager
+async def booted_guest(
+    image: Image,
+    run_dir: Path,
+    *,
+    rootfs: Path | None = None,
+    disk: bool = True,
+    cpus: int = 1,
+    memory_mib: int = 256,
+    accel: str = "tcg",
+    hostname: str = "sandbox",
+    extra_cmdline: str = "",
+    boot_timeout: float = 60.0,
+    machine: str = "microvm",
+    sandbox: bool = True,
+    runas: str | None = None,
+) -> AsyncIterator[Guest]:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    overlay = None
+    if disk:
+        overlay = run_dir / "disk.qcow2"
+        await create_overlay(rootfs or image.rootfs, overlay)
+    spec = MachineSpec(
+        kernel=image.kernel if machine == "microvm" else image.kernel_bz,
+        initrd=image.initrd,
+        disk=overlay,
+        cpus=cpus,
+        memory_mib=memory_mib,
+        append=kernel_cmdline(accel, root=disk, hostname=hostname, extra=extra_cmdline),
+        accel=accel,
+        machine=machine,
+        sandbox=sandbox,
+        runas=runas,
+    )
+    vm = Machine(spec, run_dir, name=hostname)
+    t0 = time.monotonic()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(vm.run)
+        t_qmp = time.monotonic()
+        try:
+            stream = None
+            with trio.CancelScope() as boot_scope:
+
+                async def watch_exit() -> None:
+                    await vm.wait()
+                    boot_scope.cancel()
+
+                nursery.start_soon(watch_exit)
+                stream = await connect_guest_socket(vm.guest_socket)
+            if stream is None or vm.exited:
+                raise BootError(f"QEMU exited during boot: {vm.describe_exit()}", vm.console.text())
+            async with open_channel(stream, hello_timeout=None) as chan:
+                with trio.CancelScope() as hello_scope:
+
+                    async def watch_exit_hello() -> None:
+                        await vm.wait()
+                        hello_scope.cancel()
+
+                    nursery.start_soon(watch_exit_hello)
+                    try:
+                        await chan.hello(boot_timeout)
+                    except HelloTimeout:
+                        raise BootError(
+                            f"guest did not become ready within {boot_timeout:g}s", vm.console.text()
+                        ) from None
+                if chan.hello_info is None:
+                    raise BootError(f"QEMU exited during boot: {vm.describe_exit()}", vm.console.text())
+                guest = Guest(vm, chan, t0, t_qmp, time.monotonic())
+                try:
+                    yield guest
+                finally:
+                    await vm.shutdown(ask=chan.shutdown if not chan.broken else None)
+        finally:
+            await vm.shutdown()
+            nursery.cancel_scope.cancel()

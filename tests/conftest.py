@@ -1,0 +1,110 @@
+"""Shared fixtures. VMs are expensive under TCG (~2 s a boot): tests share one booted
+guest where state allows. The shared guest is owned by a synchronous session fixture
+(so it outlives each test's trio.run); every test connects its own channel to it,
+which also exercises guestd's host-reconnect path on every test."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+import trio
+
+from actors.guest import GuestChannel, open_channel
+from actors.machine import MachineSpec, qmp_loop
+from actors.vm import create_overlay, kernel_cmdline
+from images.build import Builder, Image, default_cache
+
+
+@pytest.fixture(scope="session")
+def image() -> Image:
+    """The default image, built (or found in the cache) once per session."""
+    return Builder(default_cache()).build()  # does nothing when the cache is current
+
+
+@pytest.fixture
+def tmp_run(tmp_path: Path) -> Path:
+    d = tmp_path / "run"
+    d.mkdir()
+    return d
+
+
+class SharedVM:
+    def __init__(self, proc: subprocess.Popen[bytes], run_dir: Path, keep: list[socket.socket]) -> None:
+        self.proc = proc
+        self.run_dir = run_dir
+        self.keep = keep
+
+    @property
+    def guest_socket(self) -> Path:
+        return self.run_dir / "guest.sock"
+
+
+def launch_sync(image: Image, run_dir: Path, extra_cmdline: str = "") -> SharedVM:
+    trio.run(create_overlay, image.rootfs, run_dir / "disk.qcow2")
+    qmp_a, qmp_b = socket.socketpair()
+    con_a, con_b = socket.socketpair()
+    spec = MachineSpec(
+        kernel=image.kernel,
+        initrd=image.initrd,
+        disk=run_dir / "disk.qcow2",
+        memory_mib=512,
+        append=kernel_cmdline("tcg", hostname="shared", extra=extra_cmdline),
+    )
+    argv = spec.argv(run_dir, qmp_b.fileno(), con_b.fileno())
+    with open(run_dir / "qemu.err", "wb") as err:
+        proc = subprocess.Popen(argv, pass_fds=(qmp_b.fileno(), con_b.fileno()), stdin=subprocess.DEVNULL, stderr=err)
+    qmp_b.close()
+    con_b.close()
+    con_a.setblocking(False)
+    deadline = time.monotonic() + 10
+    while not (run_dir / "guest.sock").exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"QEMU failed: {(run_dir / 'qemu.err').read_text()}")
+        time.sleep(0.005)
+    return SharedVM(proc, run_dir, [qmp_a, con_a])
+
+
+@pytest.fixture(scope="session")
+def shared_vm(image: Image) -> Iterator[SharedVM]:
+    run_dir = Path(tempfile.mkdtemp(prefix="sandvisor-test-"))
+    vm = launch_sync(image, run_dir, extra_cmdline="sandvisor.vsock=loopback")
+    try:
+        yield vm
+    finally:
+        vm.proc.kill()
+        vm.proc.wait()
+        for s in vm.keep:
+            s.close()
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+@pytest.fixture
+async def chan(shared_vm: SharedVM) -> AsyncIterator[GuestChannel]:
+    """A fresh channel (and guest session) to the shared VM."""
+    if shared_vm.proc.poll() is not None:
+        pytest.fail("the shared VM died")
+    stream = await trio.open_unix_socket(str(shared_vm.guest_socket))
+    async with open_channel(stream, hello_timeout=90) as c:
+        yield c
+
+
+@pytest.fixture
+async def qmp() -> AsyncIterator[None]:
+    async with qmp_loop():
+        yield
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if os.environ.get("SANDVISOR_SKIP_VM") == "1":
+        skip = pytest.mark.skip(reason="SANDVISOR_SKIP_VM=1")
+        for item in items:
+            if "vm" in item.keywords:
+                item.add_marker(skip)
