@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 import attrs
 import trio
 
+from actors._groups import collapse_single
 from guestd import proto as P
 
 log = logging.getLogger("sandvisor.guest")
@@ -171,6 +172,7 @@ class GuestChannel:
         self._broken: ChannelBroken | None = None
         self._hello: P.HelloOk | None = None
         self._hello_event = trio.Event()
+        self._eof_expected = False  # set once guestd agreed to power off
         self.hello_info: P.HelloOk | None = None
         self.guest_logs: collections.deque[str] = collections.deque(maxlen=64)
         self._stats = {"frames_in": 0, "frames_out": 0, "bytes_in": 0, "bytes_out": 0, "dropped": 0}
@@ -228,7 +230,8 @@ class GuestChannel:
                     raise GuestProtocolError(f"guest protocol error: {exc}") from None
         except ChannelBroken as exc:
             if not self._closed:
-                log.warning("guest channel: %s", exc)
+                if not self._eof_expected:
+                    log.warning("guest channel: %s", exc)
                 self._broken = exc
                 self._fail_all(exc)
                 with trio.CancelScope(shield=True):
@@ -346,6 +349,7 @@ class GuestChannel:
     async def shutdown(self, reboot: bool = False) -> None:
         """Ask guestd to stop every process, sync and power off. Returns once it agreed."""
         await self._unary(lambda rid: P.Shutdown(rid=rid, reboot=reboot), P.Ok)
+        self._eof_expected = True
 
     # -- exec ------------------------------------------------------------------
     @asynccontextmanager
@@ -579,12 +583,13 @@ async def open_channel(stream: trio.abc.Stream, *, hello_timeout: float | None =
     """Run a channel over ``stream`` (reader task in its own nursery); hello first unless
     ``hello_timeout`` is None. The stream is closed on exit."""
     chan = GuestChannel(stream)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(chan._reader)
-        try:
-            if hello_timeout is not None:
-                await chan.hello(hello_timeout)
-            yield chan
-        finally:
-            await chan.aclose()
-            nursery.cancel_scope.cancel()
+    with collapse_single():
+        async with trio.open_nursery() as nursery:
+            await nursery.start(chan._reader)
+            try:
+                if hello_timeout is not None:
+                    await chan.hello(hello_timeout)
+                yield chan
+            finally:
+                await chan.aclose()
+                nursery.cancel_scope.cancel()

@@ -18,6 +18,7 @@ from pathlib import Path
 import attrs
 import trio
 
+from actors._groups import collapse_single
 from actors.guest import GuestChannel, HelloTimeout, open_channel
 from actors.machine import LaunchError, Machine, MachineSpec, connect_guest_socket
 from images.build import Image, host_tsc_khz
@@ -112,42 +113,43 @@ async def booted_guest(
     )
     vm = Machine(spec, run_dir, name=hostname)
     t0 = time.monotonic()
-    async with trio.open_nursery() as nursery:
-        await nursery.start(vm.run)
-        t_qmp = time.monotonic()
-        try:
-            stream = None
-            with trio.CancelScope() as boot_scope:
+    with collapse_single():
+        async with trio.open_nursery() as nursery:
+            await nursery.start(vm.run)
+            t_qmp = time.monotonic()
+            try:
+                stream = None
+                with trio.CancelScope() as boot_scope:
 
-                async def watch_exit() -> None:
-                    await vm.wait()
-                    boot_scope.cancel()
-
-                nursery.start_soon(watch_exit)
-                stream = await connect_guest_socket(vm.guest_socket)
-            if stream is None or vm.exited:
-                raise BootError(f"QEMU exited during boot: {vm.describe_exit()}", vm.console.text())
-            async with open_channel(stream, hello_timeout=None) as chan:
-                with trio.CancelScope() as hello_scope:
-
-                    async def watch_exit_hello() -> None:
+                    async def watch_exit() -> None:
                         await vm.wait()
-                        hello_scope.cancel()
+                        boot_scope.cancel()
 
-                    nursery.start_soon(watch_exit_hello)
-                    try:
-                        await chan.hello(boot_timeout)
-                    except HelloTimeout:
-                        raise BootError(
-                            f"guest did not become ready within {boot_timeout:g}s", vm.console.text()
-                        ) from None
-                if chan.hello_info is None:
+                    nursery.start_soon(watch_exit)
+                    stream = await connect_guest_socket(vm.guest_socket)
+                if stream is None or vm.exited:
                     raise BootError(f"QEMU exited during boot: {vm.describe_exit()}", vm.console.text())
-                guest = Guest(vm, chan, t0, t_qmp, time.monotonic())
-                try:
-                    yield guest
-                finally:
-                    await vm.shutdown(ask=chan.shutdown if not chan.broken else None)
-        finally:
-            await vm.shutdown()
-            nursery.cancel_scope.cancel()
+                async with open_channel(stream, hello_timeout=None) as chan:
+                    with trio.CancelScope() as hello_scope:
+
+                        async def watch_exit_hello() -> None:
+                            await vm.wait()
+                            hello_scope.cancel()
+
+                        nursery.start_soon(watch_exit_hello)
+                        try:
+                            await chan.hello(boot_timeout)
+                        except HelloTimeout:
+                            raise BootError(
+                                f"guest did not become ready within {boot_timeout:g}s", vm.console.text()
+                            ) from None
+                    if chan.hello_info is None:
+                        raise BootError(f"QEMU exited during boot: {vm.describe_exit()}", vm.console.text())
+                    guest = Guest(vm, chan, t0, t_qmp, time.monotonic())
+                    try:
+                        yield guest
+                    finally:
+                        await vm.shutdown(ask=chan.shutdown if not chan.broken else None)
+            finally:
+                await vm.shutdown()
+                nursery.cancel_scope.cancel()

@@ -17,18 +17,19 @@ read while its stream has no credit, so neither side buffers without bound.
 
 from __future__ import annotations
 
+import _signal as signal  # the C module: 'signal' pulls in enum (~20 ms of boot)
 import errno
 import fcntl
 import os
 import select
-import _signal as signal  # the C module: 'signal' pulls in enum (~20 ms of boot)
 import struct
 import sys
 import termios
 import time
-TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs ~30 ms of boot
 
 from guestd import proto as P
+
+TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs ~30 ms of boot
 
 if TYPE_CHECKING:  # pragma: no cover
     from collections.abc import Callable
@@ -803,9 +804,8 @@ class Agent:
             self.ep.modify(fd, mask)
 
     def unwatch(self, fd: int) -> None:
-        if self.handlers.pop(fd, None) is not None:
-            if self.masks.pop(fd, 0):
-                self.ep.unregister(fd)
+        if self.handlers.pop(fd, None) is not None and self.masks.pop(fd, 0):
+            self.ep.unregister(fd)
 
     # -- connections -----------------------------------------------------------
     def add_conn(self, fd: int, kind: str) -> Conn:
@@ -1066,7 +1066,8 @@ class Agent:
             if any(c.away for c in self.conns.values()):
                 self.check_away()
         for conn in self.conns.values():
-            conn.out and drain_blocking(conn)
+            if conn.out:
+                drain_blocking(conn)
         poweroff(self.root_fd, self.shutting_down)
 
 
@@ -1139,13 +1140,19 @@ def metrics(rid: int) -> P.MetricsOk:
         parts = line.split()
         if parts and parts[0] == "cpu":
             names = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
-            cpu = {n: int(v) / hz for n, v in zip(names, parts[1:9])}
+            cpu = {n: int(v) / hz for n, v in zip(names, parts[1:9], strict=False)}
         elif parts and parts[0].startswith("cpu"):
             ncpu += 1
         elif parts and parts[0] == "processes":
             procs = int(parts[1])
     mem: dict[str, int] = {}
-    keys = {"MemTotal": "total", "MemAvailable": "available", "MemFree": "free", "Buffers": "buffers", "Cached": "cached"}
+    keys = {
+        "MemTotal": "total",
+        "MemAvailable": "available",
+        "MemFree": "free",
+        "Buffers": "buffers",
+        "Cached": "cached",
+    }
     for line in _read("/proc/meminfo").splitlines():
         k, _, v = line.partition(":")
         if k in keys:
@@ -1204,7 +1211,7 @@ def find_port(name: str, timeout: float = 5.0) -> str | None:
 
 
 def open_vsock(port: int) -> Any:
-    import socket  # noqa: PLC0415 - only where the guest has a vsock transport
+    import socket
 
     s = socket.socket(socket.AF_VSOCK, socket.SOCK_STREAM)
     s.bind((socket.VMADDR_CID_ANY, port))
@@ -1272,7 +1279,7 @@ def entry() -> None:
     try:
         main()
     except BaseException as exc:
-        import traceback  # noqa: PLC0415
+        import traceback
 
         log("fatal: " + "".join(traceback.format_exception(exc))[-3000:])
         if os.getpid() == 1:

@@ -21,9 +21,10 @@ Error tree (host and guest)::
 from __future__ import annotations
 
 import struct
-TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs ~30 ms of boot
 
 import msgpack
+
+TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs ~30 ms of boot
 
 if TYPE_CHECKING:  # pragma: no cover - typing only; never imported in the guest
     from collections.abc import Callable, Iterator
@@ -32,7 +33,7 @@ if TYPE_CHECKING:  # pragma: no cover - typing only; never imported in the guest
     _T = TypeVar("_T")
 else:
 
-    def dataclass_transform(**_kw):  # noqa: D103 - runtime stand-in
+    def dataclass_transform(**_kw):
         return lambda f: f
 
 
@@ -86,8 +87,9 @@ _CHECKS: dict[str, Callable[[object], bool]] = {
     "list[str]": lambda v: type(v) is list and all(type(x) is str for x in v),
     "dict[str, str]": lambda v: type(v) is dict and all(type(k) is str and type(x) is str for k, x in v.items()),
     "dict[str, int]": lambda v: type(v) is dict and all(type(k) is str and type(x) is int for k, x in v.items()),
-    "dict[str, float]": lambda v: type(v) is dict
-    and all(type(k) is str and type(x) in (int, float) for k, x in v.items()),
+    "dict[str, float]": lambda v: (
+        type(v) is dict and all(type(k) is str and type(x) in (int, float) for k, x in v.items())
+    ),
     "list[list[Any]]": lambda v: type(v) is list and all(type(x) is list for x in v),
 }
 
@@ -126,7 +128,7 @@ def message(tag: str) -> Callable[[type[_T]], type[_T]]:
 
     def wrap(cls: Any) -> Any:
         fields = []
-        for name, ann in cls.__dict__.get("__annotations__", {}).items():
+        for name, ann in cls.__dict__.get("__annotations__", {}).items():  # noqa: RUF063 - no inspect
             if ann.startswith("ClassVar"):
                 continue
             try:
@@ -372,7 +374,7 @@ class Log(Message):
 
 def encode(msg: Message) -> bytes:
     """Serialise one message into a complete frame (length prefix included)."""
-    body = msgpack.packb(msg.to_wire(), use_bin_type=True)
+    body: bytes = msgpack.packb(msg.to_wire(), use_bin_type=True)
     if len(body) > MAX_FRAME:
         raise FrameTooLarge(f"frame of {len(body)} bytes exceeds {MAX_FRAME}")
     return _HDR.pack(len(body)) + body
@@ -413,7 +415,7 @@ class FrameDecoder:
         self._buf = bytearray()
         self._max = max_frame
 
-    def feed(self, data: bytes) -> None:
+    def feed(self, data: bytes | bytearray) -> None:
         self._buf += data
 
     def reset(self) -> None:

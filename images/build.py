@@ -183,7 +183,7 @@ def guestd_sources() -> list[Path]:
 
 
 def default_cache() -> Path:
-    from supervisor.config import default_state_dir  # noqa: PLC0415 - avoid a cycle at import
+    from supervisor.config import default_state_dir
 
     return default_state_dir() / "images"
 
@@ -265,9 +265,7 @@ class Builder:
 
     def runtime(self, kernel_dir: Path, kernel_key: str) -> tuple[Path, str]:
         versions = candidates((*RUNTIME_PACKAGES, STDLIB_PACKAGE))
-        key = _digest(
-            "runtime", 3, versions, kernel_key, Path(__file__), HERE / "init.sh", *guestd_sources()
-        )
+        key = _digest("runtime", 3, versions, kernel_key, Path(__file__), HERE / "init.sh", *guestd_sources())
         final = self.cache / f"runtime-{key}"
         if (final / "initrd.cpio").exists():
             self.progress("runtime", "cached")
@@ -472,9 +470,11 @@ class Builder:
     def _gc(self, keep: set[str]) -> None:
         """Old parts of the default image are superseded: remove them, and stale staging dirs."""
         for p in self.cache.iterdir():
-            if p.is_dir() and p.name not in keep and re.match(r"^(kernel|runtime|rootfs)-[0-9a-f]{16}$", p.name):
-                shutil.rmtree(p, ignore_errors=True)
-            elif p.is_dir() and p.name.startswith(".") and time.time() - p.stat().st_mtime > 3600:
+            if not p.is_dir():
+                continue
+            superseded = p.name not in keep and re.match(r"^(kernel|runtime|rootfs)-[0-9a-f]{16}$", p.name)
+            stale_staging = p.name.startswith(".") and time.time() - p.stat().st_mtime > 3600
+            if superseded or stale_staging:
                 shutil.rmtree(p, ignore_errors=True)
 
 

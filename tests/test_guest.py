@@ -59,17 +59,16 @@ async def test_stdin_round_trip_through_cat(chan: GuestChannel) -> None:
     payload = os.urandom(1 << 20)
     got = bytearray()
     with trio.fail_after(60):
-        async with chan.exec(["cat"], stdin=True) as h:
-            async with trio.open_nursery() as n:
+        async with chan.exec(["cat"], stdin=True) as h, trio.open_nursery() as n:
 
-                async def feed() -> None:
-                    await h.send_stdin(payload)
-                    await h.close_stdin()
+            async def feed() -> None:
+                await h.send_stdin(payload)
+                await h.close_stdin()
 
-                n.start_soon(feed)
-                async for ch, data in h:
-                    assert ch == P.STDOUT
-                    got += data
+            n.start_soon(feed)
+            async for ch, data in h:
+                assert ch == P.STDOUT
+                got += data
     assert h.exit is not None and h.exit.code == 0
     assert hashlib.sha256(got).digest() == hashlib.sha256(payload).digest()
 
@@ -254,7 +253,9 @@ async def test_survives_host_disconnect(chan: GuestChannel, shared_vm: object) -
     with trio.fail_after(60):
         async with chan.exec(["sh", "-c", "sleep 1; echo survived > /tmp/survivor"]):
             pass  # leaving kills it: use a detached one instead
-        await chan.run(["sh", "-c", "rm -f /tmp/survivor; (sleep 1; echo survived > /tmp/survivor) </dev/null >/dev/null 2>&1 &"])
+        await chan.run(
+            ["sh", "-c", "rm -f /tmp/survivor; (sleep 1; echo survived > /tmp/survivor) </dev/null >/dev/null 2>&1 &"]
+        )
         await chan.aclose()
         for _ in range(3):  # connect, drop, connect again
             stream = await trio.open_unix_socket(str(shared_vm.guest_socket))  # type: ignore[attr-defined]

@@ -1,0 +1,15 @@
+#!/bin/bash
+# Install the Debian packages sandvisor needs on the host, when any is missing.
+# Idempotent and quiet when everything is there; called by every nox session that
+# boots or builds guests, so a fresh Debian 12 machine needs nothing installed by hand.
+set -euo pipefail
+PKGS=(qemu-system-x86 qemu-utils mmdebstrap busybox-static cpio e2fsprogs lz4 tmux qemu-guest-agent procps)
+missing=()
+for p in "${PKGS[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -eq 0 ]; then exit 0; fi
+if [ "$(id -u)" -ne 0 ]; then SUDO=sudo; else SUDO=; fi
+echo "sandvisor: installing host packages: ${missing[*]}"
+$SUDO apt-get update -qq
+DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null

@@ -1,0 +1,54 @@
+"""Sessions: tests, lint, typecheck, bench, demo. Each installs what it needs itself
+(host packages via images/host-packages.sh, Python packages into the session's venv)."""
+
+from __future__ import annotations
+
+import nox
+
+nox.options.default_venv_backend = "venv"
+nox.options.sessions = ["lint", "typecheck", "tests"]
+nox.options.reuse_existing_virtualenvs = True
+
+
+def _host(session: nox.Session) -> None:
+    session.run("bash", "images/host-packages.sh", external=True)
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """The whole suite against real VMs (builds the default image on first use)."""
+    _host(session)
+    session.install("-e", ".[test]")
+    session.run("sandvisor", "image", "build")
+    session.run("pytest", *(session.posargs or ["-q"]))
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    session.install("-e", ".[test,dev]")
+    session.run("mypy")
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Benchmarks: ratios against peers measured in the same run (results/ holds the output)."""
+    _host(session)
+    session.install("-e", ".[bench]")
+    session.run("sandvisor", "image", "build")
+    session.run("python", "benchmarks/guest.py", *session.posargs)
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The main job: build the default image, boot a sandbox and show it working."""
+    _host(session)
+    session.install("-e", ".")
+    session.run("sandvisor", "image", "build")
+    session.run("sandvisor", "demo")

@@ -1,0 +1,155 @@
+"""The ``sandvisor`` command line.
+
+Errors a user can cause (bad arguments, a missing image) print one line on stderr
+and exit 2 (usage) or 1 (operation failed); never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import NoReturn
+
+import trio
+from rich.console import Console
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from actors.guest import GuestError
+from actors.machine import MachineError, qmp_loop, resolve_accel
+from actors.vm import booted_guest
+from images.build import Builder, BuildError, default_cache, load_default
+
+err = Console(stderr=True)
+out = Console()
+
+
+class UserError(Exception):
+    """An error the user can fix: printed as one line, exit code 1."""
+
+
+def fail(message: str, code: int = 1) -> NoReturn:
+    err.print(f"[bold red]error:[/] {message}", highlight=False)
+    sys.exit(code)
+
+
+# --- image -------------------------------------------------------------------
+def cmd_image_build(args: argparse.Namespace) -> int:
+    cache = Path(args.cache) if args.cache else default_cache()
+    if args.json:
+        b = Builder(cache)
+        img = b.build()
+        print(json.dumps({"built": b.built, "image": img.to_json()}))
+        return 0
+    with Progress(
+        SpinnerColumn(), TextColumn("[bold]{task.fields[part]}[/] {task.description}"), TimeElapsedColumn(), console=err
+    ) as progress:
+        tasks: dict[str, object] = {}
+
+        def report(part: str, msg: str) -> None:
+            if part not in tasks:
+                tasks[part] = progress.add_task(msg, part=part)
+            progress.update(tasks[part], description=msg)  # type: ignore[arg-type]
+
+        b = Builder(cache, progress=report)
+        img = b.build()
+    if b.built:
+        out.print(f"built: {', '.join(b.built)}  ->  {cache / 'default.json'}")
+    else:
+        out.print(f"image up to date, nothing to do ({cache / 'default.json'})")
+    return 0
+
+
+# --- demo --------------------------------------------------------------------
+def cmd_demo(args: argparse.Namespace) -> int:
+    img = load_default(Path(args.cache) if args.cache else None)
+    if img is None:
+        raise UserError("the default image is not built: run 'sandvisor image build'")
+    accel = resolve_accel(args.accel)
+
+    async def main() -> None:
+        async with qmp_loop():
+            with tempfile.TemporaryDirectory(prefix="sandvisor-demo-") as d:
+                t0 = time.monotonic()
+                out.print(f"[bold]booting[/] a microVM sandbox (accel={accel}, kernel {img.kernel_version}) ...")
+                async with booted_guest(img, Path(d), accel=accel, hostname="demo") as g:
+                    info = g.channel.hello_info
+                    assert info is not None
+                    out.print(
+                        f"ready in {g.t_ready - t0:.2f}s (QEMU up {g.t_qmp - t0:.3f}s, "
+                        f"guestd ready {info.ready_ns / 1e9:.2f}s after kernel start)"
+                    )
+                    for argv in (
+                        ["uname", "-sr"],
+                        ["sh", "-c", "echo hello from $(hostname) as $(id -un); echo to stderr >&2; exit 3"],
+                        ["python3", "-c", "import sys; print('python', sys.version.split()[0], 'in the sandbox')"],
+                    ):
+                        t = time.monotonic()
+                        r = await g.channel.run(argv)
+                        out.print(f"[dim]$ {' '.join(argv)}[/]  [dim]({(time.monotonic() - t) * 1000:.0f} ms)[/]")
+                        if r.stdout:
+                            out.print(r.stdout.decode(errors="replace").rstrip(), highlight=False)
+                        if r.stderr:
+                            out.print(f"[yellow]{r.stderr.decode(errors='replace').rstrip()}[/]", highlight=False)
+                        out.print(f"[dim]exit code {r.exit_code}[/]")
+                    await g.channel.write_file("/tmp/greeting", b"written by the host\n")
+                    back = await g.channel.read_bytes("/tmp/greeting")
+                    out.print(f"file round trip: {back!r}")
+                    m = await g.channel.metrics()
+                    table = Table("metric", "value", title="guest metrics")
+                    table.add_row("uptime", f"{m.uptime:.1f} s")
+                    table.add_row("memory available", f"{m.mem['available'] >> 20} / {m.mem['total'] >> 20} MiB")
+                    table.add_row("cpu user+system", f"{m.cpu_seconds['user'] + m.cpu_seconds['system']:.2f} s")
+                    table.add_row("disk read", f"{m.disk['read_bytes'] >> 10} KiB")
+                    out.print(table)
+                out.print(f"powered off and cleaned up (QEMU exit {g.machine.returncode})")
+
+    trio.run(main)
+    return 0
+
+
+# --- parser ------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="sandvisor", description="QEMU microVM sandboxes")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    image = sub.add_parser("image", help="guest images")
+    isub = image.add_subparsers(dest="image_command", required=True, metavar="SUBCOMMAND")
+    ib = isub.add_parser("build", help="build the default guest image (cached, content-keyed)")
+    ib.add_argument("--cache", help="image cache directory (default: STATE_DIR/images)")
+    ib.add_argument("--json", action="store_true", help="print the result as JSON")
+    ib.set_defaults(func=cmd_image_build)
+
+    demo = sub.add_parser("demo", help="boot a sandbox from the default image and show it working")
+    demo.add_argument("--cache", help="image cache directory")
+    demo.add_argument("--accel", default="auto", choices=["auto", "kvm", "tcg"])
+    demo.set_defaults(func=cmd_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+    try:
+        return int(args.func(args))
+    except UserError as exc:
+        fail(str(exc), 1)
+    except BuildError as exc:
+        fail(f"image build failed: {exc}", 1)
+    except (GuestError, MachineError) as exc:
+        fail(str(exc), 1)
+    except KeyboardInterrupt:
+        fail("interrupted", 130)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

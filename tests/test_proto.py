@@ -1,0 +1,242 @@
+"""The guest protocol core and the host channel against a fake, hostile guest (no VM)."""
+
+from __future__ import annotations
+
+import struct
+
+import msgpack
+import pytest
+import trio
+import trio.testing
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from actors.guest import ChannelBroken, ChannelClosed, GuestChannel, GuestProtocolError, HelloTimeout
+from guestd import proto as P
+
+_text = st.text(max_size=50)
+_STRATS = {
+    "int": st.integers(min_value=-(2**63), max_value=2**63 - 1),
+    "float": st.floats(allow_nan=False),
+    "str": _text,
+    "bytes": st.binary(max_size=200),
+    "bool": st.booleans(),
+    "int | None": st.none() | st.integers(min_value=0, max_value=2**32),
+    "float | None": st.none() | st.floats(allow_nan=False),
+    "str | None": st.none() | _text,
+    "list[str]": st.lists(_text, max_size=5),
+    "dict[str, str]": st.dictionaries(_text, _text, max_size=5),
+    "dict[str, int]": st.dictionaries(_text, st.integers(min_value=0, max_value=2**62), max_size=5),
+    "dict[str, float]": st.dictionaries(_text, st.floats(allow_nan=False), max_size=5),
+}
+
+
+def _message_strategy() -> st.SearchStrategy[P.Message]:
+    options = []
+    for cls in P.REGISTRY.values():
+        anns = {k: v for k, v in cls.__annotations__.items() if not v.startswith("ClassVar")}
+        options.append(st.builds(lambda c=cls, **kw: c(**kw), **{k: _STRATS[v] for k, v in anns.items()}))
+    return st.one_of(options)
+
+
+@given(_message_strategy())
+def test_every_message_round_trips(msg: P.Message) -> None:
+    frame = P.encode(msg)
+    (n,) = struct.unpack(">I", frame[:4])
+    assert n == len(frame) - 4
+    assert P.decode(frame[4:]) == msg
+
+
+@given(st.lists(_message_strategy(), min_size=1, max_size=8), st.data())
+def test_decoder_reassembles_any_chunking(msgs: list[P.Message], data: st.DataObject) -> None:
+    stream = b"".join(P.encode(m) for m in msgs)
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(stream)), max_size=10)))
+    dec = P.FrameDecoder()
+    out: list[P.Message] = []
+    prev = 0
+    for c in [*cuts, len(stream)]:
+        dec.feed(stream[prev:c])
+        prev = c
+        out.extend(dec.messages())
+    assert out == msgs
+    assert dec.buffered == 0
+
+
+@given(st.binary(max_size=300))
+def test_garbage_bodies_only_raise_protocol_errors(body: bytes) -> None:
+    try:
+        P.decode(body)
+    except P.ProtocolError:
+        pass
+
+
+@given(
+    st.dictionaries(
+        st.text(max_size=5),
+        st.one_of(st.integers(-(2**63), 2**64 - 1), st.text(), st.binary(), st.none()),
+        max_size=6,
+    )
+)
+def test_wrong_shapes_are_bad_messages(obj: dict[str, object]) -> None:
+    obj = {**obj, "t": "exit"}
+    try:
+        msg = P.decode(msgpack.packb(obj, use_bin_type=True))
+    except P.BadMessage:
+        return
+    assert isinstance(msg, P.Exit) and isinstance(msg.code, int) and isinstance(msg.rid, int)
+
+
+def test_frame_above_cap_is_refused_before_buffering() -> None:
+    dec = P.FrameDecoder()
+    dec.feed(struct.pack(">I", P.MAX_FRAME + 1))
+    with pytest.raises(P.FrameTooLarge):
+        list(dec.messages())
+
+
+# --- the host channel against a fake guest ------------------------------------
+
+
+class FakeGuest:
+    def __init__(self, stream: trio.abc.Stream) -> None:
+        self.stream = stream
+        self.dec = P.FrameDecoder()
+
+    async def recv(self) -> P.Message:
+        while True:
+            for m in self.dec.messages():
+                return m
+            data = await self.stream.receive_some(65536)
+            if not data:
+                raise EOFError
+            self.dec.feed(data)
+
+    async def send(self, msg: P.Message) -> None:
+        await self.stream.send_all(P.encode(msg))
+
+    async def answer_hello(self) -> None:
+        m = await self.recv()
+        assert isinstance(m, P.Hello)
+        await self.send(P.HelloOk(version=P.PROTOCOL_VERSION, pid=1, boot_ns=1, ready_ns=2, activity=0))
+
+
+async def _pair(nursery: trio.Nursery) -> tuple[GuestChannel, FakeGuest]:
+    host, guest = trio.testing.memory_stream_pair()
+    chan = GuestChannel(host)
+    await nursery.start(chan._reader)
+    fake = FakeGuest(guest)
+    async with trio.open_nursery() as n:
+        n.start_soon(fake.answer_hello)
+        await chan.hello(5)
+    return chan, fake
+
+
+async def test_hello_timeout_when_guest_never_answers() -> None:
+    host, _guest = trio.testing.memory_stream_pair()
+    chan = GuestChannel(host)
+    async with trio.open_nursery() as n:
+        await n.start(chan._reader)
+        with pytest.raises(HelloTimeout):
+            await chan.hello(0.2)
+        await chan.aclose()
+        with pytest.raises(ChannelClosed):
+            await chan.ping()
+        n.cancel_scope.cancel()
+
+
+def _frame(body: bytes) -> bytes:
+    return struct.pack(">I", len(body)) + body
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        b"\xff\xff\xff\xff",  # a 4 GiB length prefix
+        _frame(b"\xc1\xc1\xc1"),  # not msgpack
+        P.encode(P.Pong(rid=1, activity=0, guest_ns=0))[:4],  # truncated: a length, then EOF
+        _frame(msgpack.packb([1])),  # not a map
+        _frame(msgpack.packb({"t": "pong", "rid": "x", "activity": 0, "guest_ns": 0})),  # wrong type
+        _frame(msgpack.packb({"t": "nope"})),  # unknown tag
+        _frame(msgpack.packb({"t": "exit", "rid": 99, "code": 0})),  # answer to nothing: dropped, then EOF
+    ],
+)
+async def test_hostile_frames_break_the_channel_with_a_typed_error(garbage: bytes) -> None:
+    async with trio.open_nursery() as n:
+        chan, fake = await _pair(n)
+        with trio.fail_after(5):
+
+            async def pinger() -> BaseException | None:
+                try:
+                    await chan.ping()
+                except ChannelBroken as exc:
+                    return exc
+                return None
+
+            result: list[BaseException | None] = []
+
+            async def run_ping() -> None:
+                result.append(await pinger())
+
+            n.start_soon(run_ping)
+            await fake.recv()  # the ping
+            await fake.stream.send_all(garbage)
+            if len(garbage) == 4 or b"exit" in garbage:
+                await fake.stream.aclose()  # then the guest goes away
+            while not result:
+                await trio.sleep(0.01)
+        assert isinstance(result[0], ChannelBroken)
+        assert chan.broken
+        with pytest.raises(ChannelBroken):
+            await chan.touch()
+        n.cancel_scope.cancel()
+
+
+async def test_data_beyond_credit_is_a_protocol_error() -> None:
+    async with trio.open_nursery() as n:
+        chan, fake = await _pair(n)
+        with trio.fail_after(5):
+
+            async def guest() -> None:
+                m = await fake.recv()
+                assert isinstance(m, P.Exec)
+                await fake.send(P.ExecStarted(rid=m.rid, pid=5))
+                for _ in range(P.WINDOW // P.CHUNK + 1):  # one chunk more than granted
+                    await fake.send(P.Data(rid=m.rid, ch=P.STDOUT, data=b"x" * P.CHUNK))
+
+            n.start_soon(guest)
+            async with chan.exec(["x"]) as h:  # a consumer that never reads
+                while not chan.broken:
+                    await trio.sleep(0.01)
+                with pytest.raises(GuestProtocolError):
+                    await h.wait()
+        n.cancel_scope.cancel()
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.binary(min_size=1, max_size=64), min_size=1, max_size=6))
+def test_fuzzed_guest_bytes_never_crash_the_host(chunks: list[bytes]) -> None:
+    """Whatever the guest sends after hello: the host ends up healthy or broken, typed."""
+
+    async def main() -> None:
+        async with trio.open_nursery() as n:
+            chan, fake = await _pair(n)
+            with trio.fail_after(5):
+                try:
+                    for c in chunks:
+                        await fake.stream.send_all(c)
+                    await fake.stream.send_all(P.encode(P.Log(level="x", text="y")))
+                except (trio.BrokenResourceError, trio.ClosedResourceError):
+                    pass  # the host already hung up on us
+                await trio.testing.wait_all_tasks_blocked()
+                try:
+                    async with trio.open_nursery() as inner:
+                        inner.start_soon(chan.ping)
+                        m = await fake.recv()
+                        await fake.send(P.Pong(rid=getattr(m, "rid", 0), activity=0, guest_ns=0))
+                except* ChannelBroken:
+                    assert chan.broken
+                except* (EOFError, trio.BrokenResourceError, trio.ClosedResourceError):
+                    assert chan.broken
+            assert chan.statistics().requests_in_flight <= 1
+            n.cancel_scope.cancel()
+
+    trio.run(main)
