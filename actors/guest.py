@@ -88,10 +88,10 @@ class ChannelStatistics:
 class _Request:
     """Receiving side of one request.
 
-    Stream data is coalesced per channel (at most the credit we granted, so at most
-    WINDOW bytes each); other messages queue in order, at most MAX_EVENTS of them.
-    Data is handed out before any queued event: the guest sends a channel's Eof and
-    the Exit only after that channel's data, and stdout/stderr carry no mutual order.
+    Messages are delivered in arrival order. Stream data is merged into the trailing
+    run of data entries (at most one entry per channel there), so a process writing
+    a byte at a time to a slow consumer costs no more than the credit we granted;
+    other messages queue, at most MAX_EVENTS of them.
     """
 
     MAX_EVENTS = 64
@@ -99,14 +99,18 @@ class _Request:
     def __init__(self, chan: GuestChannel, rid: int) -> None:
         self.chan = chan
         self.rid = rid
-        self.pending: dict[int, bytearray] = {}
-        self.events: collections.deque[P.Message] = collections.deque()
+        self.queue: collections.deque[P.Message | tuple[int, bytearray]] = collections.deque()
+        self.events = 0
         self.wakeup = trio.Event()
         self.outstanding = {P.STDOUT: P.WINDOW, P.STDERR: P.WINDOW}  # bytes the guest may still send
         self.send_credit = P.WINDOW  # bytes we may still send on STDIN
         self.credit_changed = trio.Event()
         self.broken: BaseException | None = None
         self.done = False
+
+    @property
+    def buffered(self) -> int:
+        return sum(len(x[1]) for x in self.queue if isinstance(x, tuple))
 
     def deliver(self, msg: P.Message) -> None:
         if isinstance(msg, P.Credit):
@@ -123,16 +127,24 @@ class _Request:
             if left is None or len(msg.data) > left:
                 raise P.BadMessage(f"data beyond granted credit on channel {msg.ch}")
             self.outstanding[msg.ch] = left - len(msg.data)
-            self.pending.setdefault(msg.ch, bytearray()).extend(msg.data)
+            for item in reversed(self.queue):
+                if not isinstance(item, tuple):
+                    break
+                if item[0] == msg.ch:
+                    item[1].extend(msg.data)
+                    break
+            else:
+                self.queue.append((msg.ch, bytearray(msg.data)))
         else:
-            if len(self.events) >= self.MAX_EVENTS:
-                raise P.BadMessage("too many unanswered messages for one request")
-            self.events.append(msg)
+            self.events += 1
+            if self.events > self.MAX_EVENTS:
+                raise P.BadMessage("too many messages for one request")
+            self.queue.append(msg)
         self.wakeup.set()
 
     def peek_error(self) -> P.Error | None:
-        if self.events and isinstance(self.events[0], P.Error):
-            err = self.events.popleft()
+        if self.queue and isinstance(self.queue[0], P.Error):
+            err = self.queue.popleft()
             assert isinstance(err, P.Error)
             return err
         return None
@@ -143,20 +155,19 @@ class _Request:
         self.credit_changed.set()
 
     async def next(self) -> P.Message:
-        while True:
-            for ch in (P.STDOUT, P.STDERR):
-                buf = self.pending.get(ch)
-                if buf:
-                    data = bytes(buf)
-                    buf.clear()
-                    await self.chan._grant(self.rid, ch, len(data))
-                    return P.Data(rid=self.rid, ch=ch, data=data)
-            if self.events:
-                return self.events.popleft()
+        while not self.queue:
             if self.broken is not None:
                 raise self.broken
             await self.wakeup.wait()
             self.wakeup = trio.Event()
+        item = self.queue.popleft()
+        if isinstance(item, tuple):
+            ch, buf = item
+            data = bytes(buf)
+            await self.chan._grant(self.rid, ch, len(data))
+            return P.Data(rid=self.rid, ch=ch, data=data)
+        self.events -= 1
+        return item
 
 
 class GuestChannel:
@@ -173,6 +184,8 @@ class GuestChannel:
         self._hello: P.HelloOk | None = None
         self._hello_event = trio.Event()
         self._eof_expected = False  # set once guestd agreed to power off
+        self._syncing = False  # after our HOST_SYNC: discard input up to GUEST_SYNC
+        self._discarded = 0
         self.hello_info: P.HelloOk | None = None
         self.guest_logs: collections.deque[str] = collections.deque(maxlen=64)
         self._stats = {"frames_in": 0, "frames_out": 0, "bytes_in": 0, "bytes_out": 0, "dropped": 0}
@@ -222,6 +235,13 @@ class GuestChannel:
                     raise ChannelBroken("guest closed the channel")
                 self._stats["bytes_in"] += len(data)
                 self._decoder.feed(data)
+                if self._syncing:
+                    if not self._decoder.resync(P.GUEST_SYNC):
+                        self._discarded += len(data)
+                        if self._discarded > P.MAX_RESYNC:
+                            raise GuestProtocolError("no sync marker from the guest")
+                        continue
+                    self._syncing = False
                 try:
                     for msg in self._decoder.messages():
                         self._stats["frames_in"] += 1
@@ -293,6 +313,14 @@ class GuestChannel:
         """Send Hello and wait for the guest's answer (this spans the guest's boot)."""
         self._hello_event = trio.Event()
         self._hello = None
+        self._syncing = True
+        self._discarded = 0
+        self._check()
+        async with self._send_lock:
+            try:
+                await self._stream.send_all(P.HOST_SYNC)
+            except (trio.BrokenResourceError, OSError) as exc:
+                raise ChannelBroken(f"guest channel broke: {exc}") from None
         await self._send(P.Hello(version=P.PROTOCOL_VERSION, host_time_ns=time.time_ns()))
         with trio.move_on_after(timeout):
             await self._hello_event.wait()

@@ -93,6 +93,7 @@ async def booted_guest(
     machine: str = "microvm",
     sandbox: bool = True,
     runas: str | None = None,
+    extra_ports: tuple[str, ...] = (),
 ) -> AsyncIterator[Guest]:
     run_dir.mkdir(parents=True, exist_ok=True)
     overlay = None
@@ -110,6 +111,7 @@ async def booted_guest(
         machine=machine,
         sandbox=sandbox,
         runas=runas,
+        extra_ports=extra_ports,
     )
     vm = Machine(spec, run_dir, name=hostname)
     t0 = time.monotonic()

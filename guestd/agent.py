@@ -157,6 +157,8 @@ class Conn:
         self.session: Session | None = None
         self.away = False
         self.stalled = False  # some stream declined to read because we were congested
+        self.syncing = True  # discarding input up to HOST_SYNC (at start, after an error)
+        self.discarded = 0
 
     def send(self, msg: P.Message) -> None:
         if self.away:
@@ -195,14 +197,35 @@ class Conn:
             self.drop()
             return
         self.decoder.feed(data)
-        try:
-            for msg in self.decoder.messages():
-                self.agent.dispatch(self, msg)
-                if self.away:
+        while True:
+            if self.syncing:
+                if not self.decoder.resync(P.HOST_SYNC):
+                    self.discarded += len(data)
+                    if self.discarded > P.MAX_RESYNC and self.kind != "port":
+                        self.drop()
                     return
-        except P.ProtocolError as exc:
-            log(f"{self.kind}: protocol error from host: {exc}")
-            self.drop()
+                self.syncing = False
+                self.discarded = 0
+                self.reset_session()
+            try:
+                for msg in self.decoder.messages():
+                    self.agent.dispatch(self, msg)
+                    if self.away:
+                        return
+                return
+            except P.ProtocolError as exc:
+                # lost the frame boundary (a host that reconnected mid-frame, or garbage):
+                # wait for the next host's sync marker; the buffered bytes are searched too
+                log(f"{self.kind}: protocol error from host: {exc}; resynchronising")
+                self.syncing = True
+                data = b""
+
+    def reset_session(self) -> None:
+        """A new host (after HOST_SYNC): stale output of the old one must not reach it."""
+        if self.session is not None:
+            self.session.close()
+            self.session = None
+        self.out.clear()
 
     def drop(self) -> None:
         """The host went away (or misbehaved): end the session, keep the processes."""
@@ -211,6 +234,7 @@ class Conn:
             self.session = None
         self.out.clear()
         self.decoder.reset()
+        self.syncing = True
         if self.kind == "port":
             self.away = True  # the port fd stays open; poll for the host's return
             self.agent.update_conn(self)
@@ -866,6 +890,7 @@ class Agent:
             if conn.session is not None:
                 conn.session.close()
             conn.session = Session(conn)
+            conn.out += P.GUEST_SYNC
             if msg.host_time_ns and self.cmdline.get("sandvisor.setclock", "1") == "1":
                 self.set_clock(msg.host_time_ns)
             conn.send(

@@ -44,6 +44,15 @@ WINDOW = 256 * 1024  # initial flow-control credit per stream, in bytes
 MAX_FILE = 256 * 1024 * 1024  # ReadFile / WriteFile limit
 _HDR = struct.Struct(">I")
 
+# Resynchronisation. A host can go away and another connect mid-frame (a reconnect,
+# a restored snapshot's stale buffers). Each Hello is preceded by HOST_SYNC and each
+# HelloOk by GUEST_SYNC; a receiver that lost the frame boundary discards bytes up to
+# the peer's marker. Both start with 0xff, which as a length prefix exceeds MAX_FRAME,
+# so a decoder at a frame boundary fails fast on a marker instead of waiting for data.
+HOST_SYNC = b"\xffSANDVISOR-HOST-SYNC\x00\x01"
+GUEST_SYNC = b"\xffSANDVISOR-GUEST-SYNC\x00\x01"
+MAX_RESYNC = 4 * MAX_FRAME  # bytes a receiver discards looking for a marker before giving up
+
 # stream channels of a request
 STDIN, STDOUT, STDERR = 0, 1, 2
 
@@ -408,31 +417,53 @@ class FrameDecoder:
 
     Feed it whatever the transport returned; iterate :meth:`messages` to get the
     complete messages. It never holds more than one partial frame (at most
-    ``MAX_FRAME + 4`` bytes) plus the unconsumed tail of the last feed.
+    ``MAX_FRAME + 4`` bytes) plus the unconsumed tail of the last feed. Frames are
+    consumed by advancing an offset; the buffer is compacted once per batch, not once
+    per frame (a front ``del`` per 64 KiB frame memmoves ~1 MiB: ~1 ms under TCG).
     """
 
     def __init__(self, max_frame: int = MAX_FRAME) -> None:
         self._buf = bytearray()
+        self._pos = 0
         self._max = max_frame
 
     def feed(self, data: bytes | bytearray) -> None:
+        if self._pos:
+            del self._buf[: self._pos]
+            self._pos = 0
         self._buf += data
 
     def reset(self) -> None:
         self._buf.clear()
+        self._pos = 0
+
+    def resync(self, marker: bytes) -> bool:
+        """Drop buffered bytes up to and including ``marker``. False (keeping only a
+        possible partial marker at the end) if it is not there yet."""
+        i = self._buf.find(marker, self._pos)
+        if i >= 0:
+            del self._buf[: i + len(marker)]
+            self._pos = 0
+            return True
+        keep = len(marker) - 1
+        del self._buf[: max(self._pos, len(self._buf) - keep)]
+        self._pos = 0
+        return False
 
     @property
     def buffered(self) -> int:
-        return len(self._buf)
+        return len(self._buf) - self._pos
 
     def messages(self) -> Iterator[Message]:
         buf = self._buf
-        while len(buf) >= 4:
-            (n,) = _HDR.unpack_from(buf)
+        while len(buf) - self._pos >= 4:
+            (n,) = _HDR.unpack_from(buf, self._pos)
             if n > self._max:
                 raise FrameTooLarge(f"frame length {n} exceeds {self._max}")
-            if len(buf) < 4 + n:
+            start = self._pos + 4
+            if len(buf) < start + n:
                 return
-            body = bytes(buf[4 : 4 + n])
-            del buf[: 4 + n]
+            with memoryview(buf) as mv:
+                body = bytes(mv[start : start + n])
+            self._pos = start + n
             yield decode(body)

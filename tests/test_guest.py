@@ -163,7 +163,7 @@ async def test_slow_consumer_bounds_buffering(chan: GuestChannel) -> None:
         async with chan.exec(["head", "-c", str(20 << 20), "/dev/zero"]) as h:
             await trio.sleep(1.0)
             req = chan._reqs[h.rid]
-            buffered = sum(len(b) for b in req.pending.values())
+            buffered = req.buffered
             assert buffered <= P.WINDOW
         # leaving the block killed the process; the channel still works
         assert (await chan.run(["echo", "ok"])).stdout == b"ok\n"
@@ -270,7 +270,8 @@ async def test_survives_host_disconnect(chan: GuestChannel, shared_vm: object) -
 async def test_vsock_listener_with_loopback(chan: GuestChannel) -> None:
     """guestd listens on AF_VSOCK where the guest has a transport (vsock_loopback here):
     a client inside the guest speaks the same framing to it."""
-    hello = P.encode(P.Hello(version=P.PROTOCOL_VERSION)).hex()
+    hello = (P.HOST_SYNC + P.encode(P.Hello(version=P.PROTOCOL_VERSION))).hex()
+    sync = P.GUEST_SYNC.hex()
     ping = P.encode(P.Ping(rid=7)).hex()
     script = f"""
 import socket, struct
@@ -279,12 +280,17 @@ s.settimeout(10)
 s.connect((1, 1024))  # VMADDR_CID_LOCAL
 s.sendall(bytes.fromhex("{hello}") + bytes.fromhex("{ping}"))
 buf = b""
-frames = []
-while len(frames) < 2:
+while bytes.fromhex("{sync}") not in buf:
     buf += s.recv(65536)
+buf = buf.split(bytes.fromhex("{sync}"), 1)[1]
+frames = []
+while True:
     while len(buf) >= 4 and len(buf) >= 4 + struct.unpack(">I", buf[:4])[0]:
         n = struct.unpack(">I", buf[:4])[0]
         frames.append(buf[4:4 + n]); buf = buf[4 + n:]
+    if len(frames) >= 2:
+        break
+    buf += s.recv(65536)
 print(frames[0].hex()); print(frames[1].hex())
 """
     with trio.fail_after(60):
