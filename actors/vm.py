@@ -94,14 +94,19 @@ async def booted_guest(
     sandbox: bool = True,
     runas: str | None = None,
     extra_ports: tuple[str, ...] = (),
+    disk_path: Path | None = None,
+    kernel: Path | None = None,
 ) -> AsyncIterator[Guest]:
+    """``disk_path``: where the overlay lives (default ``run_dir/disk.qcow2``); an existing
+    overlay there is booted as is (a stopped sandbox started again keeps its disk)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     overlay = None
     if disk:
-        overlay = run_dir / "disk.qcow2"
-        await create_overlay(rootfs or image.rootfs, overlay)
+        overlay = disk_path or run_dir / "disk.qcow2"
+        if not overlay.exists():
+            await create_overlay(rootfs or image.rootfs, overlay)
     spec = MachineSpec(
-        kernel=image.kernel if machine == "microvm" else image.kernel_bz,
+        kernel=kernel or (image.kernel if machine == "microvm" else image.kernel_bz),
         initrd=image.initrd,
         disk=overlay,
         cpus=cpus,

@@ -113,6 +113,24 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- serve -------------------------------------------------------------------
+def cmd_serve(args: argparse.Namespace) -> int:
+    from supervisor.config import default_socket, default_state_dir
+    from supervisor.daemon import DaemonConfig, serve
+
+    logging.getLogger().setLevel(logging.DEBUG if args.verbose else logging.INFO)
+    cfg = DaemonConfig(
+        socket=Path(args.socket) if args.socket else default_socket(),
+        state_dir=Path(args.state_dir) if args.state_dir else default_state_dir(),
+        accel=args.accel,
+        boot_timeout=args.boot_timeout,
+        max_sandboxes=args.max_sandboxes,
+        group=args.group,
+    )
+    trio.run(serve, cfg)
+    return 0
+
+
 # --- parser ------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sandvisor", description="QEMU microVM sandboxes")
@@ -125,6 +143,15 @@ def build_parser() -> argparse.ArgumentParser:
     ib.add_argument("--cache", help="image cache directory (default: STATE_DIR/images)")
     ib.add_argument("--json", action="store_true", help="print the result as JSON")
     ib.set_defaults(func=cmd_image_build)
+
+    sv = sub.add_parser("serve", help="run the supervisor (the sandbox.v1 service on a Unix socket)")
+    sv.add_argument("--socket", help="socket path (default: $SANDVISOR_SOCKET, /run/sandvisor/sandvisor.sock for root)")
+    sv.add_argument("--state-dir", help="state directory (default: $SANDVISOR_STATE_DIR, /var/lib/sandvisor for root)")
+    sv.add_argument("--accel", default="auto", choices=["auto", "kvm", "tcg"])
+    sv.add_argument("--boot-timeout", type=float, default=60.0, help="seconds a boot may take before it fails")
+    sv.add_argument("--max-sandboxes", type=int, default=64)
+    sv.add_argument("--group", help="make the socket 0660 for this group (default: owner only, 0600)")
+    sv.set_defaults(func=cmd_serve)
 
     demo = sub.add_parser("demo", help="boot a sandbox from the default image and show it working")
     demo.add_argument("--cache", help="image cache directory")

@@ -25,3 +25,11 @@ def default_socket() -> Path:
         return Path("/run/sandvisor/sandvisor.sock")
     runtime = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/sandvisor-{os.geteuid()}"
     return Path(runtime) / "sandvisor" / "sandvisor.sock"
+
+
+def default_run_root() -> Path:
+    """Short paths for per-VM sockets (AF_UNIX paths are limited to 107 bytes)."""
+    if os.geteuid() == 0:
+        return Path("/run/sandvisor/vms")
+    runtime = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/sandvisor-{os.geteuid()}"
+    return Path(runtime) / "sandvisor" / "vms"

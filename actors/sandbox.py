@@ -1,0 +1,406 @@
+"""The sandbox actor: one sandbox, one VM life at a time, the seed's state machine.
+
+State machine (``sandbox.v1``)::
+
+    starting --> ready --> running --> ready      (a workload: the initial cmd or a Run)
+       |           |          |
+       +-----------+----------+--> stopping --> stopped --(Start)--> starting
+       |                                  \\
+       +--> failed (boot failed, QEMU died, the guest broke the channel)
+
+Events: created (by the registry), ready, running, idle (exit_code), stopping,
+stopped (exit_code), failed (error), removed (by the registry).
+
+Exec sessions do not change the state: they are interactive access beside the
+workload, allowed while ready or running, and they count as activity for the idle
+timeout. Run on a running sandbox is FAILED_PRECONDITION, as the seed says.
+
+The actor owns, for one life: the QEMU process and guest channel (through
+:func:`~actors.vm.booted_guest`) and the run dir. For the sandbox's whole existence
+(owned by the registry): its directory with the qcow2 overlay and the log.
+``run(task_status)`` is started with ``await nursery.start(...)`` and reports
+started once the life is set up (state "starting"), so Create returns at once.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import shutil
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import attrs
+import trio
+
+from actors.guest import ChannelBroken, ExecHandle, GuestError, GuestOpError
+from actors.logs import SandboxLog
+from actors.machine import MachineError
+from actors.vm import BootError, Guest, booted_guest
+from guestd import proto as P
+from images.build import Image
+from supervisor.protocol import (
+    FAILED_PRECONDITION,
+    INTERNAL,
+    INVALID_ARGUMENT,
+    NOT_FOUND,
+    RESOURCE_EXHAUSTED,
+    UNAVAILABLE,
+    ApiError,
+)
+from supervisor.store import Record
+
+log = logging.getLogger("sandvisor.sandbox")
+
+STARTING, READY, RUNNING, STOPPING, STOPPED, FAILED = "starting", "ready", "running", "stopping", "stopped", "failed"
+ALIVE = (READY, RUNNING)
+_GUEST_CODES = {
+    P.E_NOT_FOUND: NOT_FOUND,
+    P.E_INVALID: INVALID_ARGUMENT,
+    P.E_IS_DIR: INVALID_ARGUMENT,
+    P.E_PERM: FAILED_PRECONDITION,
+    P.E_TOO_LARGE: RESOURCE_EXHAUSTED,
+    P.E_EXISTS: "ALREADY_EXISTS",
+}
+
+
+def api_error(exc: GuestError) -> ApiError:
+    """A guest-channel error as the seed's codes."""
+    if isinstance(exc, GuestOpError):
+        return ApiError(_GUEST_CODES.get(exc.code, INTERNAL), exc.message)
+    return ApiError(UNAVAILABLE, f"sandbox guest unavailable: {exc}")
+
+
+@attrs.define
+class Settings:
+    """What every sandbox of one supervisor shares."""
+
+    image: Image
+    sandboxes_dir: Path  # <state>/sandboxes/<uid>/{disk.qcow2, log}
+    run_root: Path  # short paths for sockets: <run_root>/<uid>
+    accel: str = "tcg"
+    boot_timeout: float = 60.0
+    default_memory_mib: int = 256
+    default_vcpus: int = 1
+    runas: str | None = None
+
+
+class Sandbox:
+    """The actor. The registry calls its methods; one VM life runs in :meth:`run`."""
+
+    def __init__(
+        self,
+        record: Record,
+        settings: Settings,
+        emit: Callable[[str, str, dict[str, str]], None],
+        persist: Callable[[Record], None],
+    ) -> None:
+        self.record = record
+        self.settings = settings
+        self._emit = emit
+        self._persist = persist
+        self.dir = settings.sandboxes_dir / record.uid
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.log = SandboxLog(self.dir / "log")
+        self.guest: Guest | None = None
+        self.workloads = 0
+        self.execs = 0
+        self.draining = False
+        self.last_activity = time.monotonic()
+        self._stop_request: trio.Event = trio.Event()
+        self._stop_timeout = 30.0
+        self._stop_force = False
+        self._stopped = trio.Event()
+        self._workload_done = trio.Event()
+        self._life_scope: trio.CancelScope | None = None
+        self.rss_bytes = 0
+        self._cpu_prev: tuple[float, float] | None = None
+
+    # -- identity ------------------------------------------------------------
+    @property
+    def id(self) -> str:
+        return self.record.id
+
+    @property
+    def state(self) -> str:
+        return self.record.state
+
+    @property
+    def config(self) -> dict[str, Any]:
+        return self.record.config
+
+    @property
+    def run_dir(self) -> Path:
+        return self.settings.run_root / self.record.uid[:18]
+
+    def _set(self, state: str, **changes: Any) -> None:
+        self.record.state = state
+        for k, v in changes.items():
+            setattr(self.record, k, v)
+        self._persist(self.record)
+
+    def emit(self, action: str, **attributes: str) -> None:
+        self._emit(self.id, action, attributes)
+
+    # -- one life ------------------------------------------------------------
+    async def run(self, task_status: trio.TaskStatus[Sandbox] = trio.TASK_STATUS_IGNORED) -> None:
+        """Boot, serve until asked to stop (or until QEMU dies), power off. One life."""
+        self._stop_request = trio.Event()
+        self._stopped = trio.Event()
+        self._stop_force = False
+        self.draining = False
+        self._set(STARTING, error="", qemu_pid=0)
+        cfg = self.config
+        limits = cfg.get("limits") or {}
+        shutil.rmtree(self.run_dir, ignore_errors=True)
+        try:
+            with trio.CancelScope() as scope:
+                self._life_scope = scope
+                task_status.started(self)
+                await self._life(cfg, limits)
+        except BootError as exc:
+            self._fail(f"boot failed: {exc}")
+            if exc.console:
+                self.log.append("system", exc.console[-4000:].encode())
+        except (MachineError, GuestError) as exc:
+            self._fail(str(exc))
+        except Exception as exc:  # a bug must fail this sandbox, not the supervisor
+            log.exception("sandbox %s crashed", self.id)
+            self._fail(f"internal error: {type(exc).__name__}: {exc}")
+        finally:
+            self.guest = None
+            self._life_scope = None
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+            if self.state not in (FAILED,):
+                self._set(STOPPED, qemu_pid=0)
+                self.emit("stopped", exit_code=str(self.record.last_exit_code))
+            else:
+                self._set(FAILED, qemu_pid=0)
+            self._stopped.set()
+
+    def _fail(self, error: str) -> None:
+        log.warning("sandbox %s failed: %s", self.id, error)
+        self.log.append("system", f"failed: {error}".encode())
+        self._set(FAILED, error=error)
+        self.emit("failed", error=error)
+
+    async def _life(self, cfg: dict[str, Any], limits: dict[str, Any]) -> None:
+        s = self.settings
+        kernel = Path(cfg["kernel"]) if cfg.get("kernel") else None
+        rootfs = Path(cfg["rootfs"]) if cfg.get("rootfs") else None
+        async with booted_guest(
+            s.image,
+            self.run_dir,
+            rootfs=rootfs,
+            kernel=kernel,
+            disk_path=self.dir / "disk.qcow2",
+            cpus=int(limits.get("vcpus") or s.default_vcpus),
+            memory_mib=int(limits.get("memory_mib") or s.default_memory_mib),
+            accel=s.accel,
+            hostname=cfg.get("hostname") or "sandbox",
+            extra_cmdline=cfg.get("boot_args", ""),
+            boot_timeout=s.boot_timeout,
+            runas=s.runas,
+        ) as guest:
+            self.guest = guest
+            self._set(READY, ready_at=int(time.time()), qemu_pid=guest.machine.pid or 0)
+            self.log.append("system", b"ready")
+            self.emit("ready")
+            self.last_activity = time.monotonic()
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._watch_machine, guest, nursery.cancel_scope)
+                if cfg.get("cmd"):
+                    nursery.start_soon(self._initial_cmd, cfg)
+                await self._stop_request.wait()
+                await self._drain_workloads()
+                nursery.cancel_scope.cancel()
+            if self.state == FAILED:
+                return
+            self._set(STOPPING)
+            if self._stop_force and guest.machine.proc is not None:
+                guest.machine.proc.kill()
+
+    async def _watch_machine(self, guest: Guest, scope: trio.CancelScope) -> None:
+        rc = await guest.machine.wait()
+        if not self._stop_request.is_set():
+            self._fail(guest.machine.describe_exit() if rc else "the guest powered off on its own")
+            self._stop_request.set()
+            scope.cancel()
+
+    async def _drain_workloads(self) -> None:
+        if self._stop_force or self.state == FAILED:
+            return
+        with trio.move_on_after(self._stop_timeout):
+            while self.workloads or self.execs:
+                await self._workload_done.wait()
+
+    async def _initial_cmd(self, cfg: dict[str, Any]) -> None:
+        try:
+            async for _ in self.run_workload(
+                cfg["cmd"], env=cfg.get("env") or {}, cwd=cfg.get("working_dir", ""), user=cfg.get("user", "")
+            ):
+                pass
+        except ApiError as exc:
+            self.log.append("system", f"initial cmd failed: {exc}".encode())
+            self.emit("idle", exit_code="127", error=exc.message)
+
+    # -- control ---------------------------------------------------------------
+    def request_stop(self, timeout: float, *, force: bool = False) -> None:
+        """Graceful (wait up to ``timeout`` for workloads, then power off) or forced."""
+        if self.stopped:
+            return
+        self._stop_timeout = timeout
+        self._stop_force = self._stop_force or force
+        if not self._stop_request.is_set():
+            if self.state in ALIVE:
+                self._set(STOPPING)
+            self.emit("stopping")
+            self._stop_request.set()
+        if self.guest is None:
+            if self._life_scope is not None:  # still booting: abandon the boot
+                self._life_scope.cancel()
+        elif self._stop_force and self.guest.machine.proc is not None:
+            self.guest.machine.proc.kill()
+
+    async def wait_stopped(self) -> None:
+        await self._stopped.wait()
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped.is_set() or self.state in (STOPPED, FAILED)
+
+    def touch(self) -> None:
+        self.last_activity = time.monotonic()
+
+    # -- work ------------------------------------------------------------------
+    def _require_alive(self) -> Guest:
+        if self.state not in ALIVE or self.guest is None:
+            raise ApiError(FAILED_PRECONDITION, f"sandbox {self.id} is {self.state}, not ready or running")
+        if self.draining or self._stop_request.is_set():
+            raise ApiError(FAILED_PRECONDITION, f"sandbox {self.id} is draining or stopping: no new work")
+        return self.guest
+
+    def _workload_finished(self) -> None:
+        self._workload_done.set()
+        self._workload_done = trio.Event()
+
+    async def run_workload(
+        self,
+        argv: list[str],
+        *,
+        env: dict[str, str],
+        cwd: str = "",
+        user: str = "",
+        tty: bool = False,
+        timeout: float = 0.0,
+    ) -> AsyncIterator[tuple[str, bytes, int | None]]:
+        """A Run: the sandbox goes running, output streams as (stream, data, None), the
+        last item is ("exit", b"", code); then back to ready with an idle event."""
+        guest = self._require_alive()
+        if self.state == RUNNING:
+            raise ApiError(FAILED_PRECONDITION, f"sandbox {self.id} is running a workload already")
+        if not argv:
+            raise ApiError(INVALID_ARGUMENT, "cmd must not be empty")
+        self.workloads += 1
+        self._set(RUNNING)
+        self.emit("running")
+        self.touch()
+        code = -1
+        try:
+            async with guest.channel.exec(argv, env=env, cwd=cwd, user=user, tty=tty, timeout=timeout) as h:
+                src_names = {P.STDOUT: "output" if tty else "stdout", P.STDERR: "stderr"}
+                async for ch, data in h:
+                    name = src_names[ch]
+                    self.log.append(name, data)
+                    yield ("stdout" if tty else name), data, None
+                assert h.exit is not None
+                code = h.exit.code
+            yield "exit", b"", code
+        except GuestOpError as exc:
+            code = 127 if exc.code == P.E_NOT_FOUND else 126
+            raise api_error(exc) from None
+        except ChannelBroken as exc:
+            raise api_error(exc) from None
+        finally:
+            self.workloads -= 1
+            self.touch()
+            if self.state == RUNNING:
+                self._set(READY, last_exited_at=int(time.time()), last_exit_code=code)
+                self.emit("idle", exit_code=str(code))
+            else:
+                self.record.last_exited_at, self.record.last_exit_code = int(time.time()), code
+            self._workload_finished()
+
+    @asynccontextmanager
+    async def exec_session(
+        self,
+        argv: list[str],
+        *,
+        env: dict[str, str],
+        cwd: str = "",
+        user: str = "",
+        tty: bool = False,
+        rows: int = 24,
+        cols: int = 80,
+        timeout: float = 0.0,
+    ) -> AsyncIterator[ExecHandle]:
+        guest = self._require_alive()
+        if not argv:
+            raise ApiError(INVALID_ARGUMENT, "cmd must not be empty")
+        self.execs += 1
+        self.touch()
+        try:
+            try:
+                async with guest.channel.exec(
+                    argv, env=env, cwd=cwd, user=user, tty=tty, rows=rows, cols=cols, timeout=timeout, stdin=True
+                ) as h:
+                    yield h
+            except GuestError as exc:
+                raise api_error(exc) from None
+        finally:
+            self.execs -= 1
+            self.touch()
+            self._workload_finished()
+
+    async def guest_call(self, fn: Callable[[Guest], Awaitable[Any]]) -> Any:
+        guest = self._require_alive()
+        try:
+            return await fn(guest)
+        except GuestError as exc:
+            raise api_error(exc) from None
+
+    # -- metrics ---------------------------------------------------------------
+    def host_rss(self) -> int:
+        pid = self.record.qemu_pid
+        if not pid:
+            return 0
+        try:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        except (OSError, ValueError):
+            pass
+        return 0
+
+    def host_cpu_seconds(self) -> float:
+        pid = self.record.qemu_pid
+        if not pid:
+            return 0.0
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / 100.0
+        except (OSError, ValueError, IndexError):
+            return 0.0
+
+    def cpu_percent(self) -> float:
+        """QEMU's CPU use since the previous call (first call: since the VM started)."""
+        now, cpu = time.monotonic(), self.host_cpu_seconds()
+        prev = self._cpu_prev
+        self._cpu_prev = (now, cpu)
+        if prev is None or now <= prev[0]:
+            return 0.0
+        pct = 100.0 * (cpu - prev[1]) / (now - prev[0])
+        return 0.0 if math.isnan(pct) else max(0.0, pct)

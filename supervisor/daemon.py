@@ -1,0 +1,83 @@
+"""``sandvisor serve``: the long-running supervisor.
+
+Owns, in one nursery: the registry actor (and through it every sandbox), the
+Unix-socket server, and the asyncio loop QMP runs on. SIGTERM or SIGINT: stop
+accepting, stop every sandbox within a bound, exit 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from pathlib import Path
+
+import attrs
+import trio
+
+from actors.machine import qmp_loop, resolve_accel
+from actors.registry import Registry
+from actors.sandbox import Settings
+from images.build import Builder, Image, load_default
+from supervisor.config import default_run_root
+from supervisor.server import Server
+from supervisor.store import Store
+
+log = logging.getLogger("sandvisor.daemon")
+
+
+@attrs.frozen
+class DaemonConfig:
+    socket: Path
+    state_dir: Path
+    accel: str = "auto"
+    run_root: Path | None = None
+    boot_timeout: float = 60.0
+    max_sandboxes: int = 64
+    stop_timeout: float = 10.0
+    group: str | None = None
+
+
+def default_image(state_dir: Path) -> Image:
+    img = load_default(state_dir / "images")
+    if img is None:
+        log.info("the default image is not built yet: building it (once)")
+        img = Builder(state_dir / "images", progress=lambda part, msg: log.info("image %s: %s", part, msg)).build()
+    return img
+
+
+async def serve(
+    cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Registry, Server]] = trio.TASK_STATUS_IGNORED
+) -> None:
+    accel = resolve_accel(cfg.accel)
+    image = await trio.to_thread.run_sync(default_image, cfg.state_dir)
+    store = Store(cfg.state_dir / "sandvisor.db")
+    settings = Settings(
+        image=image,
+        sandboxes_dir=cfg.state_dir / "sandboxes",
+        run_root=cfg.run_root or default_run_root(),
+        accel=accel,
+        boot_timeout=cfg.boot_timeout,
+    )
+    log.info("serving on %s (state %s, accel %s)", cfg.socket, cfg.state_dir, accel)
+    try:
+        async with qmp_loop(), trio.open_nursery() as nursery:
+            registry = await nursery.start(Registry(settings, store, max_sandboxes=cfg.max_sandboxes).run)
+            server_scope = trio.CancelScope()
+
+            async def run_server(task_status: trio.TaskStatus[Server]) -> None:
+                with server_scope:
+                    await Server(registry, cfg.socket, group=cfg.group).serve(task_status=task_status)
+
+            server = await nursery.start(run_server)
+            task_status.started((registry, server))
+            try:
+                with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                    async for sig in signals:
+                        log.info("signal %s: shutting down", signal.Signals(sig).name)
+                        break
+            finally:
+                server_scope.cancel()  # stop accepting first
+                await registry.shutdown(cfg.stop_timeout)
+                nursery.cancel_scope.cancel()
+    finally:
+        store.close()

@@ -1,0 +1,516 @@
+"""The client protocol of ``sandvisor serve``: the ``sandbox.v1`` service over a Unix socket.
+
+Framing is the guest channel's (``u32be length || msgpack``), with its own cap
+(:data:`MAX_FRAME`). Messages are frozen attrs classes converted by one cattrs
+msgpack converter (:data:`converter`); envelopes are a tagged union on ``"t"``.
+
+Connection: the client sends :class:`ClientHello`, the server answers
+:class:`ServerHello` (or :class:`Fail` with id 0 and closes). Then any number of
+concurrent calls, each with a client-chosen ``id``:
+
+* unary: ``Call`` -> ``Reply`` | ``Fail``
+* server stream: ``Call`` -> ``Item``* -> ``End`` | ``Fail``
+* client / bidirectional stream: ``Call`` (first message in ``body``), then
+  ``Send``* and ``HalfClose`` from the client, ``Item``* and ``End``/``Reply``/``Fail``
+  from the server.
+* ``Cancel`` from the client ends a call (the server stops its work); a client that
+  disconnects cancels all of its calls.
+
+Bodies are method-specific request/response classes below, named after the seed's
+messages, converted with :func:`structure_body` / :func:`unstructure_body`.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any, TypeVar
+
+import attrs
+import cattrs
+from cattrs.preconf.msgpack import make_converter
+from cattrs.strategies import configure_tagged_union
+
+PROTOCOL_VERSION = 1
+MAX_FRAME = 4 << 20
+_HDR = struct.Struct(">I")
+T = TypeVar("T")
+
+# --- error codes (the seed's) ---------------------------------------------------
+INVALID_ARGUMENT = "INVALID_ARGUMENT"
+NOT_FOUND = "NOT_FOUND"
+ALREADY_EXISTS = "ALREADY_EXISTS"
+FAILED_PRECONDITION = "FAILED_PRECONDITION"
+RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
+DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
+INTERNAL = "INTERNAL"
+UNAVAILABLE = "UNAVAILABLE"
+UNIMPLEMENTED = "UNIMPLEMENTED"
+CANCELLED = "CANCELLED"
+CODES = frozenset(
+    {
+        INVALID_ARGUMENT,
+        NOT_FOUND,
+        ALREADY_EXISTS,
+        FAILED_PRECONDITION,
+        RESOURCE_EXHAUSTED,
+        DEADLINE_EXCEEDED,
+        INTERNAL,
+        UNAVAILABLE,
+        UNIMPLEMENTED,
+        CANCELLED,
+    }
+)
+
+
+class ApiError(Exception):
+    """An error with one of the seed's codes and a human message (both ends use it)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+# --- envelopes ----------------------------------------------------------------------
+@attrs.frozen
+class ClientHello:
+    version: int
+    client: str = ""
+
+
+@attrs.frozen
+class ServerHello:
+    version: int
+    server: str
+
+
+@attrs.frozen
+class Call:
+    id: int
+    method: str
+    body: dict[str, Any] = attrs.field(factory=dict)
+
+
+@attrs.frozen
+class Send:
+    id: int
+    body: dict[str, Any] = attrs.field(factory=dict)
+
+
+@attrs.frozen
+class HalfClose:
+    id: int
+
+
+@attrs.frozen
+class Cancel:
+    id: int
+
+
+@attrs.frozen
+class Reply:
+    id: int
+    body: dict[str, Any] = attrs.field(factory=dict)
+
+
+@attrs.frozen
+class Item:
+    id: int
+    body: dict[str, Any] = attrs.field(factory=dict)
+
+
+@attrs.frozen
+class End:
+    id: int
+
+
+@attrs.frozen
+class Fail:
+    id: int
+    code: str
+    message: str
+
+
+Envelope = ClientHello | ServerHello | Call | Send | HalfClose | Cancel | Reply | Item | End | Fail
+_ENVELOPES: dict[type, str] = {
+    ClientHello: "hello",
+    ServerHello: "hello_ok",
+    Call: "call",
+    Send: "send",
+    HalfClose: "half_close",
+    Cancel: "cancel",
+    Reply: "reply",
+    Item: "item",
+    End: "end",
+    Fail: "fail",
+}
+
+# --- bodies (the seed's messages; snake_case fields as in the .proto) ---------------------------
+
+
+@attrs.frozen
+class Empty:
+    pass
+
+
+@attrs.frozen
+class ResourceLimits:
+    vcpus: int = 0
+    memory_mib: int = 0
+
+
+@attrs.frozen
+class NetworkSpec:
+    mode: str = ""
+
+
+@attrs.frozen
+class Mount:
+    source: str = ""
+    target: str = ""
+    readonly: bool = False
+
+
+@attrs.frozen
+class CreateSandboxRequest:
+    id: str = ""
+    labels: dict[str, str] = attrs.field(factory=dict)
+    kernel: str = ""
+    rootfs: str = ""
+    boot_args: str = ""
+    limits: ResourceLimits = attrs.field(factory=ResourceLimits)
+    image: str = ""
+    cmd: list[str] = attrs.field(factory=list)
+    env: dict[str, str] = attrs.field(factory=dict)
+    working_dir: str = ""
+    user: str = ""
+    mounts: list[Mount] = attrs.field(factory=list)
+    network: NetworkSpec = attrs.field(factory=NetworkSpec)
+    ttl_seconds: int = 0
+    ssh_public_key: str | None = None
+    # sandvisor extensions (the mature SDK's surface)
+    idle_timeout_seconds: int = 0
+    hostname: str = ""
+
+
+@attrs.frozen
+class CreateSandboxResponse:
+    id: str
+    ip_address: str
+    state: str
+
+
+@attrs.frozen
+class IdRequest:
+    """Inspect, Kill, Drain, Start, WaitUntilStopped, Ping, Touch, Metrics take just an id."""
+
+    id: str
+
+
+@attrs.frozen
+class RunRequest:
+    id: str
+    cmd: list[str] = attrs.field(factory=list)
+    env: dict[str, str] = attrs.field(factory=dict)
+    working_dir: str = ""
+    user: str = ""
+    tty: bool = False
+    timeout_seconds: int = 0
+
+
+@attrs.frozen
+class RunOutput:
+    stream: str
+    data: bytes = b""
+    exit_code: int = 0
+    done: bool = False
+
+
+@attrs.frozen
+class TerminalSize:
+    width: int = 80
+    height: int = 24
+
+
+@attrs.frozen
+class ExecRequest:
+    id: str
+    cmd: list[str] = attrs.field(factory=list)
+    env: dict[str, str] = attrs.field(factory=dict)
+    working_dir: str = ""
+    user: str = ""
+    tty: bool = False
+    tty_size: TerminalSize = attrs.field(factory=TerminalSize)
+    timeout_seconds: int = 0
+
+
+@attrs.frozen
+class ExecInput:
+    """Exactly one of the three is set (the seed's oneof)."""
+
+    init: ExecRequest | None = None
+    stdin: bytes | None = None
+    resize: TerminalSize | None = None
+    close_stdin: bool = False  # sandvisor extension: end of input
+
+
+ExecOutput = RunOutput
+
+
+@attrs.frozen
+class StopSandboxRequest:
+    id: str
+    timeout_seconds: int = 0
+
+
+@attrs.frozen
+class RemoveSandboxRequest:
+    id: str
+    force: bool = False
+
+
+@attrs.frozen
+class SandboxNetwork:
+    ip_address: str = ""
+    gateway: str = ""
+    tap_name: str = ""
+
+
+@attrs.frozen
+class SandboxInfo:
+    id: str
+    state: str
+    labels: dict[str, str]
+    limits: ResourceLimits
+    network: SandboxNetwork
+    created_at: int
+    ready_at: int
+    last_exited_at: int
+    last_exit_code: int
+    error: str
+
+
+@attrs.frozen
+class ListSandboxesRequest:
+    state: str = ""
+    labels: dict[str, str] = attrs.field(factory=dict)
+    limit: int = 0
+    cursor: str = ""
+
+
+@attrs.frozen
+class SandboxSummary:
+    id: str
+    state: str
+    labels: dict[str, str]
+    ip_address: str
+    created_at: int
+
+
+@attrs.frozen
+class ListSandboxesResponse:
+    sandboxes: list[SandboxSummary]
+    next_cursor: str = ""
+
+
+@attrs.frozen
+class SandboxEventsRequest:
+    id: str = ""
+    action: str = ""
+
+
+@attrs.frozen
+class SandboxEvent:
+    sandbox_id: str
+    action: str
+    timestamp: int
+    attributes: dict[str, str] = attrs.field(factory=dict)
+
+
+@attrs.frozen
+class ReadFileRequest:
+    id: str
+    path: str
+
+
+@attrs.frozen
+class FileChunk:
+    data: bytes = b""
+    done: bool = False
+
+
+@attrs.frozen
+class WriteFileOpen:
+    id: str
+    path: str
+    mode: int = 0
+
+
+@attrs.frozen
+class WriteFileRequest:
+    open: WriteFileOpen | None = None
+    chunk: FileChunk | None = None
+
+
+@attrs.frozen
+class PingResponse:
+    latency_ns: int
+    activity: int
+
+
+@attrs.frozen
+class TouchResponse:
+    activity: int
+
+
+@attrs.frozen
+class LogsRequest:
+    id: str
+    tail: int = 0  # 0 = all
+    since: int = 0  # unix ns, 0 = start
+    until: int = 0  # unix ns, 0 = no end
+    cursor: int = 0  # resume after this sequence number
+    follow: bool = False
+
+
+@attrs.frozen
+class LogEntry:
+    seq: int
+    timestamp: int  # unix ns
+    source: str  # stdout | stderr | output | system
+    data: bytes
+
+
+@attrs.frozen
+class MetricsResponse:
+    id: str
+    timestamp: int
+    cpu_percent: float
+    memory_total_bytes: int
+    memory_available_bytes: int
+    host_rss_bytes: int
+    disk_read_bytes: int
+    disk_write_bytes: int
+    net_rx_bytes: int
+    net_tx_bytes: int
+    uptime_seconds: float
+
+
+@attrs.frozen
+class MetricsStreamRequest:
+    id: str = ""  # empty: every sandbox
+    interval_seconds: float = 1.0
+
+
+@attrs.frozen
+class ExposePortRequest:
+    id: str
+    sandbox_port: int
+    host_port: int = 0
+    protocol: str = "tcp"
+
+
+@attrs.frozen
+class ExposePortResponse:
+    host_port: int
+    guest_port: int
+
+
+@attrs.frozen
+class UnexposePortRequest:
+    id: str
+    sandbox_port: int
+    protocol: str = "tcp"
+
+
+# --- the converter -------------------------------------------------------------------
+converter = make_converter(forbid_extra_keys=False)
+
+
+def _strict(t: type) -> Any:
+    """Wrong field types are errors, not silently coerced (cattrs would str(5) a name)."""
+
+    def hook(value: Any, _: Any) -> Any:
+        if type(value) is t or (t is float and type(value) is int):
+            return value
+        raise TypeError(f"expected {t.__name__}, got {type(value).__name__}")
+
+    return hook
+
+
+for _t in (str, int, bool, bytes, float):
+    converter.register_structure_hook(_t, _strict(_t))
+configure_tagged_union(Envelope, converter, tag_name="t", tag_generator=lambda cl: _ENVELOPES[cl])
+
+
+def encode(msg: Envelope) -> bytes:
+    body = converter.dumps(msg, Envelope)
+    if len(body) > MAX_FRAME:
+        raise ApiError(RESOURCE_EXHAUSTED, f"message of {len(body)} bytes exceeds {MAX_FRAME}")
+    return _HDR.pack(len(body)) + body
+
+
+def decode(body: bytes) -> Envelope:
+    try:
+        return converter.loads(body, Envelope)  # type: ignore[arg-type]
+    except (cattrs.BaseValidationError, ValueError, TypeError, KeyError) as exc:
+        raise ApiError(INVALID_ARGUMENT, f"malformed message: {_why(exc)}") from None
+    except Exception as exc:  # msgpack's own zoo
+        raise ApiError(INVALID_ARGUMENT, f"malformed message: {type(exc).__name__}") from None
+
+
+def structure_body(body: dict[str, Any], cls: type[T]) -> T:
+    """A request body into its class; wrong shapes are INVALID_ARGUMENT, with the field."""
+    try:
+        return converter.structure(body, cls)
+    except (cattrs.BaseValidationError, ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise ApiError(INVALID_ARGUMENT, f"invalid {cls.__name__}: {_why(exc)}") from None
+
+
+def unstructure_body(obj: Any) -> dict[str, Any]:
+    out = converter.unstructure(obj)
+    assert isinstance(out, dict)
+    return out
+
+
+def _why(exc: BaseException) -> str:
+    if isinstance(exc, cattrs.BaseValidationError):
+        notes = cattrs.transform_error(exc)
+        return "; ".join(notes)[:500]
+    return f"{type(exc).__name__}: {exc}"[:500]
+
+
+class FrameReader:
+    """I/O-free frame splitter for the client protocol (same format as the guest's)."""
+
+    def __init__(self, max_frame: int = MAX_FRAME) -> None:
+        self._buf = bytearray()
+        self._max = max_frame
+
+    def feed(self, data: bytes | bytearray) -> None:
+        self._buf += data
+
+    def next(self) -> bytes | None:
+        """One complete frame body, or None until more bytes arrive."""
+        if len(self._buf) < 4:
+            return None
+        (n,) = _HDR.unpack_from(self._buf)
+        if n > self._max:
+            raise ApiError(RESOURCE_EXHAUSTED, f"frame of {n} bytes exceeds {self._max}")
+        if len(self._buf) < 4 + n:
+            return None
+        body = bytes(self._buf[4 : 4 + n])
+        del self._buf[: 4 + n]
+        return body
+
+    def frames(self) -> list[bytes]:
+        out = []
+        while len(self._buf) >= 4:
+            (n,) = _HDR.unpack_from(self._buf)
+            if n > self._max:
+                raise ApiError(RESOURCE_EXHAUSTED, f"frame of {n} bytes exceeds {self._max}")
+            if len(self._buf) < 4 + n:
+                break
+            out.append(bytes(self._buf[4 : 4 + n]))
+            del self._buf[: 4 + n]
+        return out

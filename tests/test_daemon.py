@@ -1,0 +1,394 @@
+"""sandvisor serve against real VMs: the sandbox.v1 lifecycle over the Unix socket."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+import trio
+
+from images.build import Image, default_cache
+from supervisor.client import AsyncConnection, connect
+from supervisor.daemon import DaemonConfig, serve
+from supervisor.protocol import ApiError
+
+pytestmark = pytest.mark.vm
+
+
+def state_dir_for(tmp_path: Path) -> Path:
+    state = tmp_path / "state"
+    state.mkdir(exist_ok=True)
+    if not (state / "images").exists():
+        (state / "images").symlink_to(default_cache())  # share the built image
+    return state
+
+
+@pytest.fixture
+async def daemon(image: Image, tmp_path: Path) -> AsyncIterator[DaemonConfig]:
+    run_root = Path(tempfile.mkdtemp(prefix="svr-", dir="/tmp"))
+    cfg = DaemonConfig(
+        socket=tmp_path / "s.sock", state_dir=state_dir_for(tmp_path), accel="tcg", run_root=run_root, stop_timeout=5
+    )
+    async with trio.open_nursery() as n:
+        await n.start(serve, cfg)
+        yield cfg
+        n.cancel_scope.cancel()
+    shutil.rmtree(run_root, ignore_errors=True)
+
+
+async def wait_state(c: AsyncConnection, id: str, *states: str, timeout: float = 90) -> dict[str, Any]:
+    with trio.fail_after(timeout):
+        while True:
+            info = await c.call("Inspect", {"id": id})
+            if info["state"] in states:
+                return info
+            await trio.sleep(0.1)
+
+
+async def run(c: AsyncConnection, id: str, cmd: list[str], **kw: Any) -> tuple[bytes, bytes, int]:
+    out, err, code = b"", b"", -1
+    async with c.open_call("Run", {"id": id, "cmd": cmd, **kw}) as call:
+        async for item in call:
+            if item["stream"] == "stdout":
+                out += item["data"]
+            elif item["stream"] == "stderr":
+                err += item["data"]
+            elif item["done"]:
+                code = item["exit_code"]
+    return out, err, code
+
+
+async def test_lifecycle_exact_events_run_exec_logs_restart(daemon: DaemonConfig) -> None:
+    events: list[tuple[str, dict[str, str]]] = []
+    async with connect(daemon.socket) as c, trio.open_nursery() as n:
+
+        async def watch() -> None:
+            async with c.open_call("Events", {"id": "life"}) as ev:
+                async for e in ev:
+                    events.append((e["action"], e["attributes"]))
+
+        n.start_soon(watch)
+        await trio.sleep(0.1)
+        t = time.monotonic()
+        resp = await c.call("Create", {"id": "life", "labels": {"team": "a"}})
+        assert resp == {"id": "life", "ip_address": "", "state": "starting"}
+        assert time.monotonic() - t < 2  # Create does not wait for the boot
+        info = await wait_state(c, "life", "ready")
+        assert info["ready_at"] >= info["created_at"] > 0 and info["labels"] == {"team": "a"}
+
+        out, err, code = await run(c, "life", ["sh", "-c", "echo out; echo err >&2; exit 3"])
+        assert (out, err, code) == (b"out\n", b"err\n", 3)
+        info = await c.call("Inspect", {"id": "life"})
+        assert info["state"] == "ready" and info["last_exit_code"] == 3 and info["last_exited_at"] > 0
+
+        # Exec with stdin (no state change), then with a PTY
+        got = b""
+        async with c.open_call("Exec", {"init": {"id": "life", "cmd": ["cat"]}}) as ex:
+            await ex.send({"stdin": b"hello exec\n"})
+            await ex.send({"close_stdin": True})
+            async for item in ex:
+                got += item["data"]
+        assert got == b"hello exec\n"
+        got = b""
+        async with c.open_call(
+            "Exec", {"init": {"id": "life", "cmd": ["sh"], "tty": True, "tty_size": {"width": 90, "height": 33}}}
+        ) as ex:
+            await ex.send({"stdin": b"stty size; exit 5\n"})
+            code = -1
+            async for item in ex:
+                got += item["data"]
+                if item["done"]:
+                    code = item["exit_code"]
+        assert b"33 90" in got and code == 5
+
+        # a file survives stop and start (the overlay persists)
+        async with c.open_call("WriteFile", {"open": {"id": "life", "path": "/root/kept", "mode": 0o600}}) as wf:
+            await wf.send({"chunk": {"data": b"kept", "done": True}})
+            await wf.half_close()
+            assert await wf.result() == {}
+        chunks = await c.collect("ReadFile", {"id": "life", "path": "/root/kept"})
+        assert b"".join(x["data"] for x in chunks) == b"kept" and chunks[-1]["done"]
+        pong = await c.call("Ping", {"id": "life"})
+        assert pong["latency_ns"] > 0
+        m = await c.call("Metrics", {"id": "life"})
+        assert m["memory_total_bytes"] > 0 and m["host_rss_bytes"] > 0 and m["uptime_seconds"] > 0
+
+        await c.call("Stop", {"id": "life", "timeout_seconds": 10})
+        assert (await c.call("Inspect", {"id": "life"}))["state"] == "stopped"
+        logs = await c.collect("Logs", {"id": "life"})  # readable while stopped
+        by_source = {(e["source"], e["data"]) for e in logs}
+        assert ("stdout", b"out\n") in by_source and ("stderr", b"err\n") in by_source
+        assert any(e["source"] == "output" for e in logs) and any(e["source"] == "system" for e in logs)
+        assert [e["seq"] for e in logs] == sorted(e["seq"] for e in logs)
+        tail = await c.collect("Logs", {"id": "life", "tail": 2})
+        assert tail == logs[-2:]
+
+        await c.call("Start", {"id": "life"})
+        await wait_state(c, "life", "ready")
+        out, _, code = await run(c, "life", ["sh", "-c", "ls /root/kept && echo yes"])
+        assert code == 0 and out.endswith(b"yes\n")
+        await c.call("Remove", {"id": "life", "force": True})
+        with pytest.raises(ApiError) as e:
+            await c.call("Inspect", {"id": "life"})
+        assert e.value.code == "NOT_FOUND"
+        with trio.fail_after(10):
+            while not events or events[-1][0] != "removed":
+                await trio.sleep(0.05)
+        n.cancel_scope.cancel()
+    actions = [a for a, _ in events]
+    assert actions == [
+        "created",
+        "ready",
+        "running",
+        "idle",
+        "stopping",
+        "stopped",
+        "ready",
+        "running",
+        "idle",
+        "stopping",
+        "stopped",
+        "removed",
+    ], actions
+    assert events[3][1]["exit_code"] == "3"
+
+
+async def test_bad_input_gets_typed_errors_and_the_daemon_keeps_serving(daemon: DaemonConfig) -> None:
+    async with connect(daemon.socket) as c:
+        cases: list[tuple[str, dict[str, Any], str]] = [
+            ("Create", {"id": "x" * 129}, "INVALID_ARGUMENT"),
+            ("Create", {"id": "é" * 65}, "INVALID_ARGUMENT"),  # 130 UTF-8 bytes
+            ("Create", {"id": "ok", "labels": {"sandvisor.x": "1"}}, "INVALID_ARGUMENT"),
+            ("Create", {"id": "ok", "labels": {"sandbox.y": "1"}}, "INVALID_ARGUMENT"),
+            ("Create", {"id": "ok", "image": "docker.io/library/alpine"}, "FAILED_PRECONDITION"),
+            ("Create", {"id": "ok", "mounts": [{"source": "/", "target": "/m"}]}, "FAILED_PRECONDITION"),
+            ("Create", {"id": "ok", "ssh_public_key": "ssh-ed25519 AAAA"}, "FAILED_PRECONDITION"),
+            ("Create", {"id": 5}, "INVALID_ARGUMENT"),
+            ("Create", {"id": "ok", "limits": {"vcpus": "two"}}, "INVALID_ARGUMENT"),
+            ("Create", {"id": "ok", "limits": {"memory_mib": 1}}, "INVALID_ARGUMENT"),
+            ("Create", {"id": "ok", "rootfs": "/no/such.ext4"}, "NOT_FOUND"),
+            ("Inspect", {"id": "nope"}, "NOT_FOUND"),
+            ("Inspect", {}, "INVALID_ARGUMENT"),
+            ("List", {"limit": 101}, "INVALID_ARGUMENT"),
+            ("List", {"cursor": "garbage!"}, "INVALID_ARGUMENT"),
+            ("List", {"state": "dancing"}, "INVALID_ARGUMENT"),
+            ("NoSuchMethod", {}, "UNIMPLEMENTED"),
+            ("Stop", {"id": "nope"}, "NOT_FOUND"),
+        ]
+        for method, body, code in cases:
+            with pytest.raises(ApiError) as e:
+                await c.call(method, body)
+            assert e.value.code == code, (method, body, e.value)
+            assert e.value.message
+
+    def raw(payload: bytes) -> bytes:
+        with socket.socket(socket.AF_UNIX) as s:
+            s.settimeout(10)
+            s.connect(str(daemon.socket))
+            hello = msgpack.packb({"t": "hello", "version": 1})
+            s.sendall(struct.pack(">I", len(hello)) + hello + payload)
+            buf = b""
+            while True:
+                try:
+                    d = s.recv(65536)
+                except OSError:
+                    break
+                if not d:
+                    break
+                buf += d
+            return buf
+
+    for payload in (
+        struct.pack(">I", 64 << 20),  # oversized frame
+        struct.pack(">I", 5) + b"\xc1\xc1\xc1\xc1\xc1",  # garbage msgpack
+        b"\xde\xad\xbe\xef" * 4,  # garbage bytes
+    ):
+        reply = await trio.to_thread.run_sync(raw, payload)
+        assert b"fail" in reply  # a typed Fail, then the server hung up
+    # a truncated frame then EOF: the server just closes
+    await trio.to_thread.run_sync(raw, struct.pack(">I", 100) + b"abc")
+    # and the daemon still serves everyone else
+    async with connect(daemon.socket) as c:
+        assert (await c.call("List", {}))["sandboxes"] == []
+    assert oct(daemon.socket.stat().st_mode & 0o777) == "0o600"
+
+
+async def test_kill9_of_qemu_fails_the_sandbox_only(daemon: DaemonConfig) -> None:
+    async with connect(daemon.socket) as c:
+        await c.call("Create", {"id": "victim"})
+        await c.call("Create", {"id": "bystander"})
+        await wait_state(c, "victim", "ready")
+        await wait_state(c, "bystander", "ready")
+        async with c.open_call("Events", {"id": "victim", "action": "failed"}) as ev:
+            pid = _qemu_pid(daemon, "victim")
+            os.kill(pid, signal.SIGKILL)
+            with trio.fail_after(2):
+                e = await ev.__anext__()
+        assert e["action"] == "failed" and "signal 9" in e["attributes"]["error"]
+        info = await c.call("Inspect", {"id": "victim"})
+        assert info["state"] == "failed" and info["error"]
+        assert daemon.run_root is not None
+        with trio.fail_after(10):  # the victim's run dir is cleaned up; the bystander's stays
+            while len(list(daemon.run_root.iterdir())) != 1:
+                await trio.sleep(0.05)
+        out, _, code = await run(c, "bystander", ["echo", "fine"])
+        assert (out, code) == (b"fine\n", 0)
+        with pytest.raises(ApiError) as err:
+            await run(c, "victim", ["true"])
+        assert err.value.code == "FAILED_PRECONDITION"
+
+
+def _qemu_pid(cfg: DaemonConfig, id: str) -> int:
+    import sqlite3
+
+    db = sqlite3.connect(str(cfg.state_dir / "sandvisor.db"))
+    (pid,) = db.execute("SELECT qemu_pid FROM sandboxes WHERE id=?", (id,)).fetchone()
+    db.close()
+    return int(pid)
+
+
+async def test_idempotent_and_racing_creates_make_one_sandbox(daemon: DaemonConfig) -> None:
+    async with connect(daemon.socket) as c:
+        results: list[dict[str, Any]] = []
+
+        async def create() -> None:
+            results.append(await c.call("Create", {"id": "twin", "labels": {"k": "v"}}))
+
+        async with trio.open_nursery() as n:
+            n.start_soon(create)
+            n.start_soon(create)
+        assert [r["id"] for r in results] == ["twin", "twin"]
+        listed = await c.call("List", {})
+        assert [s["id"] for s in listed["sandboxes"]] == ["twin"]
+        with pytest.raises(ApiError) as e:
+            await c.call("Create", {"id": "twin", "labels": {"k": "other"}})
+        assert e.value.code == "ALREADY_EXISTS"
+        await wait_state(c, "twin", "ready")
+        # Run while running is FAILED_PRECONDITION
+        async with trio.open_nursery() as n:
+            n.start_soon(run, c, "twin", ["sleep", "3"])
+            await wait_state(c, "twin", "running")
+            with pytest.raises(ApiError) as e:
+                await run(c, "twin", ["true"])
+            assert e.value.code == "FAILED_PRECONDITION"
+        await c.call("Kill", {"id": "twin"})
+        assert (await c.call("Inspect", {"id": "twin"}))["state"] == "stopped"
+
+
+async def test_eight_concurrent_creates_labels_and_pages(daemon: DaemonConfig) -> None:
+    async with connect(daemon.socket) as c:
+        async with trio.open_nursery() as n:
+            for i in range(8):
+                n.start_soon(c.call, "Create", {"id": f"sb{i}", "labels": {"team": "a" if i < 5 else "b", "n": str(i)}})
+        with trio.fail_after(240):
+            for i in range(8):
+                await wait_state(c, f"sb{i}", "ready", timeout=240)
+        everything = [s["id"] for s in (await c.call("List", {"limit": 100}))["sandboxes"]]  # newest first
+        team_a = [i for i in everything if int(i[2:]) < 5]
+        page1 = await c.call("List", {"labels": {"team": "a"}, "limit": 3})
+        assert [s["id"] for s in page1["sandboxes"]] == team_a[:3]
+        page2 = await c.call("List", {"labels": {"team": "a"}, "limit": 3, "cursor": page1["next_cursor"]})
+        assert [s["id"] for s in page2["sandboxes"]] == team_a[3:] and page2["next_cursor"] == ""
+        created = [s["created_at"] for s in (await c.call("List", {"limit": 100}))["sandboxes"]]
+        assert created == sorted(created, reverse=True)
+        both = await c.call("List", {"labels": {"team": "b", "n": "6"}})
+        assert [s["id"] for s in both["sandboxes"]] == ["sb6"]
+        ready = await c.call("List", {"state": "ready", "limit": 100})
+        assert len(ready["sandboxes"]) == 8
+        async with trio.open_nursery() as n:
+            for i in range(8):
+                n.start_soon(c.call, "Kill", {"id": f"sb{i}"})
+
+
+async def test_ttl_removes_and_idle_timeout_stops(daemon: DaemonConfig) -> None:
+    async with connect(daemon.socket) as c:
+        await c.call("Create", {"id": "short", "ttl_seconds": 1})
+        await c.call("Create", {"id": "idle", "idle_timeout_seconds": 2})
+        await wait_state(c, "idle", "ready")
+        with trio.fail_after(30):
+            while (await c.call("List", {}))["sandboxes"] and any(
+                s["id"] == "short" for s in (await c.call("List", {}))["sandboxes"]
+            ):
+                await trio.sleep(0.2)
+        await wait_state(c, "idle", "stopped", timeout=30)
+
+
+def test_restart_lists_and_restarts_and_cleans_orphans(image: Image, tmp_path: Path) -> None:
+    """A supervisor killed with SIGKILL leaves a VM behind: the next one kills it and marks
+    the sandbox failed; a stopped sandbox starts again with its disk."""
+    state = state_dir_for(tmp_path)
+    sock = tmp_path / "d.sock"
+    env = {**os.environ, "SANDVISOR_SOCKET": str(sock), "SANDVISOR_STATE_DIR": str(state)}
+    argv = [sys.executable, "-m", "supervisor.cli", "serve", "--accel", "tcg"]
+
+    def start() -> subprocess.Popen[bytes]:
+        p = subprocess.Popen(argv, env=env, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 30
+        while not sock.exists():
+            assert p.poll() is None and time.monotonic() < deadline, "serve did not start"
+            time.sleep(0.05)
+        return p
+
+    async def phase1() -> int:
+        async with connect(sock) as c:
+            await c.call("Create", {"id": "keeper"})
+            await c.call("Create", {"id": "orphan"})
+            await wait_state(c, "keeper", "ready")
+            await wait_state(c, "orphan", "ready")
+            await run(c, "keeper", ["sh", "-c", "echo persisted > /root/f"])
+            await c.call("Stop", {"id": "keeper"})
+        return _qemu_pid(DaemonConfig(socket=sock, state_dir=state), "orphan")
+
+    async def phase2() -> None:
+        async with connect(sock) as c:
+            listed = {s["id"]: s["state"] for s in (await c.call("List", {}))["sandboxes"]}
+            assert listed == {"keeper": "stopped", "orphan": "failed"}
+            assert "supervisor exited" in (await c.call("Inspect", {"id": "orphan"}))["error"]
+            await c.call("Start", {"id": "keeper"})
+            await wait_state(c, "keeper", "ready")
+            out, _, _ = await run(c, "keeper", ["cat", "/root/f"])
+            assert out == b"persisted\n"
+
+    p = start()
+    try:
+        orphan_pid = trio.run(phase1)
+        p.kill()  # no cleanup at all: the orphan's QEMU keeps running
+        p.wait()
+        assert _alive(orphan_pid)
+        sock.unlink()
+        p = start()
+        assert not _alive(orphan_pid) or _zombie(orphan_pid)
+        trio.run(phase2)
+        p.send_signal(signal.SIGTERM)  # graceful: stops every sandbox, exits 0
+        assert p.wait(timeout=60) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    return True
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0] == "Z"
+    except OSError:
+        return True
