@@ -392,3 +392,57 @@ def _zombie(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0] == "Z"
     except OSError:
         return True
+
+
+async def test_drain_finishes_inflight_work_and_log_follow(daemon: DaemonConfig) -> None:
+    async with connect(daemon.socket) as c:
+        await c.call("Create", {"id": "drainee"})
+        await wait_state(c, "drainee", "ready")
+        followed: list[bytes] = []
+        results: list[tuple[bytes, bytes, int]] = []
+        async with trio.open_nursery() as n:
+
+            async def follow() -> None:
+                async with c.open_call("Logs", {"id": "drainee", "follow": True}) as lg:
+                    async for e in lg:
+                        followed.append(e["data"])
+                        if e["data"] == b"slow done\n":
+                            return
+
+            async def slow() -> None:
+                results.append(await run(c, "drainee", ["sh", "-c", "sleep 2; echo slow done"]))
+
+            n.start_soon(follow)
+            n.start_soon(slow)
+            await wait_state(c, "drainee", "running")
+            await c.call("Drain", {"id": "drainee"})
+            with pytest.raises(ApiError) as e:
+                await c.call("Ping", {"id": "drainee"})
+            assert e.value.code == "FAILED_PRECONDITION"
+            info = await c.call("WaitUntilStopped", {"id": "drainee"})
+        assert info["state"] == "stopped" and info["last_exit_code"] == 0
+        assert results == [(b"slow done\n", b"", 0)]
+        assert b"slow done\n" in followed
+
+
+@pytest.fixture
+async def impatient_daemon(image: Image, tmp_path: Path) -> AsyncIterator[DaemonConfig]:
+    run_root = Path(tempfile.mkdtemp(prefix="svr-", dir="/tmp"))
+    cfg = DaemonConfig(
+        socket=tmp_path / "i.sock", state_dir=state_dir_for(tmp_path), accel="tcg", run_root=run_root, boot_timeout=6
+    )
+    async with trio.open_nursery() as n:
+        await n.start(serve, cfg)
+        yield cfg
+        n.cancel_scope.cancel()
+    shutil.rmtree(run_root, ignore_errors=True)
+
+
+async def test_boot_that_never_gets_ready_fails_after_the_timeout(impatient_daemon: DaemonConfig) -> None:
+    async with connect(impatient_daemon.socket) as c:
+        await c.call("Create", {"id": "hung", "boot_args": "sandvisor.port=nowhere"})  # guestd finds no port
+        info = await wait_state(c, "hung", "failed", timeout=60)
+        assert "within 6s" in info["error"]
+        logs = await c.collect("Logs", {"id": "hung"})
+        assert any(e["source"] == "system" for e in logs)  # the console tail is kept for diagnosis
+        await c.call("Remove", {"id": "hung"})
