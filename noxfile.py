@@ -43,6 +43,7 @@ def bench(session: nox.Session) -> None:
     session.install("-e", ".[bench]")
     session.run("sandvisor", "image", "build")
     session.run("python", "benchmarks/guest.py", *session.posargs)
+    session.run("python", "benchmarks/api.py")
 
 
 @nox.session
