@@ -440,6 +440,21 @@ def _strict(t: type) -> Any:
 
 for _t in (str, int, bool, bytes, float):
     converter.register_structure_hook(_t, _strict(_t))
+
+
+def _is_list(t: Any) -> bool:
+    return getattr(t, "__origin__", None) is list
+
+
+def _strict_list(value: Any, t: Any) -> list[Any]:
+    """A list field takes a list: a string must not be split into its characters."""
+    if type(value) is not list:
+        raise TypeError(f"expected a list, got {type(value).__name__}")
+    (item,) = t.__args__
+    return [converter.structure(v, item) for v in value]
+
+
+converter.register_structure_hook_func(_is_list, _strict_list)
 configure_tagged_union(Envelope, converter, tag_name="t", tag_generator=lambda cl: _ENVELOPES[cl])
 
 
