@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import struct
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, Iterator
 from pathlib import Path
 
 import attrs
@@ -84,7 +84,7 @@ class SandboxLog:
         ]
         return recs[-tail:] if tail else recs
 
-    async def follow(self, *, tail: int = 0, since: int = 0, cursor: int = 0) -> AsyncIterator[LogRecord]:
+    async def follow(self, *, tail: int = 0, since: int = 0, cursor: int = 0) -> AsyncGenerator[LogRecord, None]:
         for r in self.read(tail=tail, since=since, cursor=cursor):
             cursor = r.seq
             yield r

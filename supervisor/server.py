@@ -16,6 +16,7 @@ import socket
 import struct
 import time
 from collections.abc import Awaitable, Callable
+from contextlib import aclosing
 from pathlib import Path
 from typing import Any
 
@@ -463,10 +464,12 @@ async def _logs(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
         raise ApiError(W.INVALID_ARGUMENT, "tail must not be negative")
     sb = srv.registry.get(req.id)
     if req.follow:
-        async for r in sb.log.follow(tail=req.tail, since=req.since, cursor=req.cursor):
-            if req.until and r.timestamp > req.until:
-                return
-            await ctx.item(W.LogEntry(r.seq, r.timestamp, r.source, r.data))
+        async with aclosing(sb.log.follow(tail=req.tail, since=req.since, cursor=req.cursor)) as records:
+            async for r in records:
+                if req.until and r.timestamp > req.until:
+                    return
+                await ctx.item(W.LogEntry(r.seq, r.timestamp, r.source, r.data))
+        return
     for r in sb.log.read(tail=req.tail, since=req.since, until=req.until, cursor=req.cursor):
         await ctx.item(W.LogEntry(r.seq, r.timestamp, r.source, r.data))
 

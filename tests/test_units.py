@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import aclosing
 from pathlib import Path
 
 import pytest
@@ -50,10 +51,11 @@ async def test_log_rotates_and_follow_sees_new_records(tmp_path: Path) -> None:
     async with trio.open_nursery() as n:
 
         async def follow() -> None:
-            async for r in log.follow(cursor=log.seq):
-                seen.append(r.data)
-                if r.data == b"last":
-                    return
+            async with aclosing(log.follow(cursor=log.seq)) as records:
+                async for r in records:
+                    seen.append(r.data)
+                    if r.data == b"last":
+                        return
 
         n.start_soon(follow)
         await trio.sleep(0.01)
@@ -62,7 +64,7 @@ async def test_log_rotates_and_follow_sees_new_records(tmp_path: Path) -> None:
     assert seen == [b"new", b"last"]
     log.close()
     reopened = SandboxLog(tmp_path / "log")
-    assert reopened.seq == 201  # numbering survives a reopen
+    assert reopened.seq == 202  # numbering survives a reopen
     reopened.close()
 
 
