@@ -12,6 +12,7 @@ import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -35,17 +36,26 @@ def state_dir_for(tmp_path: Path) -> Path:
     return state
 
 
-@pytest.fixture
-async def daemon(image: Image, tmp_path: Path) -> AsyncIterator[DaemonConfig]:
+@asynccontextmanager
+async def running_daemon(tmp_path: Path, name: str, **kw: Any) -> AsyncIterator[DaemonConfig]:
+    """An in-process supervisor on a fresh state dir (sharing the built image)."""
     run_root = Path(tempfile.mkdtemp(prefix="svr-", dir="/tmp"))
     cfg = DaemonConfig(
-        socket=tmp_path / "s.sock", state_dir=state_dir_for(tmp_path), accel="tcg", run_root=run_root, stop_timeout=5
+        socket=tmp_path / f"{name}.sock", state_dir=state_dir_for(tmp_path), accel="tcg", run_root=run_root, **kw
     )
-    async with trio.open_nursery() as n:
-        await n.start(serve, cfg)
+    try:
+        async with trio.open_nursery() as n:
+            await n.start(serve, cfg)
+            yield cfg
+            n.cancel_scope.cancel()
+    finally:
+        shutil.rmtree(run_root, ignore_errors=True)
+
+
+@pytest.fixture
+async def daemon(image: Image, tmp_path: Path) -> AsyncIterator[DaemonConfig]:
+    async with running_daemon(tmp_path, "s", stop_timeout=5) as cfg:
         yield cfg
-        n.cancel_scope.cancel()
-    shutil.rmtree(run_root, ignore_errors=True)
 
 
 async def wait_state(c: AsyncConnection, id: str, *states: str, timeout: float = 90) -> dict[str, Any]:
@@ -427,15 +437,8 @@ async def test_drain_finishes_inflight_work_and_log_follow(daemon: DaemonConfig)
 
 @pytest.fixture
 async def impatient_daemon(image: Image, tmp_path: Path) -> AsyncIterator[DaemonConfig]:
-    run_root = Path(tempfile.mkdtemp(prefix="svr-", dir="/tmp"))
-    cfg = DaemonConfig(
-        socket=tmp_path / "i.sock", state_dir=state_dir_for(tmp_path), accel="tcg", run_root=run_root, boot_timeout=6
-    )
-    async with trio.open_nursery() as n:
-        await n.start(serve, cfg)
+    async with running_daemon(tmp_path, "i", boot_timeout=6) as cfg:
         yield cfg
-        n.cancel_scope.cancel()
-    shutil.rmtree(run_root, ignore_errors=True)
 
 
 async def test_boot_that_never_gets_ready_fails_after_the_timeout(impatient_daemon: DaemonConfig) -> None:
