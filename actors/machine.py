@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import collections
 import enum
+import grp
 import logging
 import os
+import pwd
 import shlex
 import signal
 import socket
@@ -111,11 +113,16 @@ class MachineSpec:
     extra_ports: tuple[str, ...] = ()  # more virtserialports, by name, each on a socket in run_dir
     netdev: tuple[str, ...] = ()  # -netdev/-device pairs, prepared by the network layer
     sandbox: bool = True  # QEMU's seccomp sandbox
-    runas: str | None = None  # drop to this user after start (when the supervisor is root)
+    user: QemuUser | None = None  # start QEMU as this user (when the supervisor is root)
+    disk_backing: Path | None = None  # the overlay's read-only base, opened by us and passed by fd
     qemu: str = "qemu-system-x86_64"
     extra_args: tuple[str, ...] = ()
 
-    def argv(self, run_dir: Path, qmp_fd: int, console_fd: int) -> list[str]:
+    def argv(self, run_dir: Path, qmp_fd: int, console_fd: int, fds: dict[str, int] | None = None) -> list[str]:
+        """QEMU's command line. With ``fds`` (kernel, initrd, disk, backing: descriptors
+        the supervisor opened), QEMU opens no file of ours by path: an unprivileged
+        QEMU needs no access to the state directory, only to its run dir."""
+        fds = fds or {}
         accel = self.accel
         if self.machine == "microvm":
             # the defaults are the fast path: rtc=off alone costs ~2 s of boot under TCG
@@ -141,9 +148,9 @@ class MachineSpec:
             "-nographic",
             "-no-reboot",
             "-kernel",
-            str(self.kernel),
+            f"/proc/self/fd/{fds['kernel']}" if "kernel" in fds else str(self.kernel),
             "-initrd",
-            str(self.initrd),
+            f"/proc/self/fd/{fds['initrd']}" if "initrd" in fds else str(self.initrd),
             "-append",
             self.append,
             "-chardev",
@@ -169,11 +176,27 @@ class MachineSpec:
                 f"virtserialport,chardev=port{i},name={name}",
             ]
         if self.disk is not None:
+            # fd sets, not /proc/self/fd paths: a reopen through /proc checks the file's
+            # permissions again, and the overlay is the supervisor's, not QEMU's user's
+            disk_file = str(self.disk)
+            if "disk" in fds:
+                a += ["-add-fd", f"fd={fds['disk']},set=1,opaque=disk"]
+                disk_file = "/dev/fdset/1"
+            a += ["-blockdev", f"driver=file,filename={disk_file},node-name=disk0file,cache.direct=off"]
+            backing = ""
+            if self.disk_backing is not None and "backing" in fds:
+                a += [
+                    "-add-fd",
+                    f"fd={fds['backing']},set=2,opaque=base",
+                    "-blockdev",
+                    "driver=file,filename=/dev/fdset/2,node-name=base0file,read-only=on",
+                    "-blockdev",
+                    f"driver={_image_format(self.disk_backing)},file=base0file,node-name=base0,read-only=on",
+                ]
+                backing = ",backing=base0"
             a += [
                 "-blockdev",
-                f"driver=file,filename={self.disk},node-name=disk0file,cache.direct=off",
-                "-blockdev",
-                f"driver={self.disk_format},file=disk0file,node-name=disk0",
+                f"driver={self.disk_format},file=disk0file,node-name=disk0{backing}",
                 "-device",
                 f"{blk},drive=disk0",
             ]
@@ -183,10 +206,59 @@ class MachineSpec:
         a += [x.replace("{net}", net) for x in self.netdev]
         if self.sandbox:
             a += ["-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"]
-        if self.runas:
-            a += ["-runas", self.runas]
         a += list(self.extra_args)
         return a
+
+    def open_files(self) -> dict[str, int]:
+        """Open what QEMU boots from, for :meth:`argv`'s ``fds`` (the caller closes them)."""
+        fds: dict[str, int] = {}
+        try:
+            fds["kernel"] = os.open(self.kernel, os.O_RDONLY | os.O_CLOEXEC)
+            fds["initrd"] = os.open(self.initrd, os.O_RDONLY | os.O_CLOEXEC)
+            if self.disk is not None:
+                fds["disk"] = os.open(self.disk, os.O_RDWR | os.O_CLOEXEC)
+                if self.disk_backing is not None:
+                    fds["backing"] = os.open(self.disk_backing, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            for fd in fds.values():
+                os.close(fd)
+            raise LaunchError(f"cannot open {exc.filename}: {exc.strerror}") from None
+        return fds
+
+
+def _image_format(path: Path) -> str:
+    with open(path, "rb") as f:
+        return "qcow2" if f.read(4) == b"QFI\xfb" else "raw"
+
+
+@attrs.frozen
+class QemuUser:
+    """The unprivileged user QEMU runs as when the supervisor is root."""
+
+    name: str
+    uid: int
+    gid: int
+    groups: tuple[int, ...]
+
+
+def unprivileged_user(name: str | None = None) -> QemuUser | None:
+    """``name``, else ``sandvisor-qemu`` if that user exists, else ``nobody``; plus the
+    ``kvm`` group for /dev/kvm. None when the supervisor is not root (QEMU then runs as
+    the supervisor's own user) or when ``name`` is the empty string (explicitly off)."""
+    if os.geteuid() != 0 or name == "":
+        return None
+    for candidate in [name] if name else ["sandvisor-qemu", "nobody"]:
+        try:
+            pw = pwd.getpwnam(candidate)
+        except KeyError:
+            continue
+        groups = [pw.pw_gid]
+        try:
+            groups.append(grp.getgrnam("kvm").gr_gid)
+        except KeyError:
+            pass
+        return QemuUser(candidate, pw.pw_uid, pw.pw_gid, tuple(groups))
+    raise LaunchError(f"no such user {name!r} to run QEMU as")
 
 
 class _Ring:
@@ -254,10 +326,17 @@ class Machine:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         for p in self.run_dir.glob("*.sock"):
             p.unlink()
+        user = self.spec.user
+        if user is not None:
+            os.chown(self.run_dir, user.uid, user.gid)  # QEMU creates the guest socket here
+        files = self.spec.open_files()
         qmp_mine, qmp_theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         con_mine, con_theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        argv = self.spec.argv(self.run_dir, qmp_theirs.fileno(), con_theirs.fileno())
+        argv = self.spec.argv(self.run_dir, qmp_theirs.fileno(), con_theirs.fileno(), files)
         log.debug("launch %s: %s", self.name, shlex.join(argv))
+        creds: dict[str, Any] = {}
+        if user is not None:
+            creds = {"user": user.uid, "group": user.gid, "extra_groups": list(user.groups)}
         try:
             try:
                 self.proc = await trio.lowlevel.open_process(
@@ -265,14 +344,17 @@ class Machine:
                     stdin=subprocess.DEVNULL,
                     stdout=subprocess.DEVNULL,
                     stderr=subprocess.PIPE,
-                    pass_fds=(qmp_theirs.fileno(), con_theirs.fileno()),
+                    pass_fds=(qmp_theirs.fileno(), con_theirs.fileno(), *files.values()),
                     start_new_session=True,  # a ^C to the supervisor must not reach QEMU
+                    **creds,
                 )
             except OSError as exc:
                 raise LaunchError(f"cannot start {argv[0]}: {exc}") from exc
         finally:
             qmp_theirs.close()
             con_theirs.close()
+            for fd in files.values():
+                os.close(fd)
         self.runstate = Runstate.RUNNING
         try:
             with collapse_single():

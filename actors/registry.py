@@ -140,6 +140,8 @@ class Registry:
     async def run(self, task_status: trio.TaskStatus[Registry] = trio.TASK_STATUS_IGNORED) -> None:
         self.settings.sandboxes_dir.mkdir(parents=True, exist_ok=True)
         self.settings.run_root.mkdir(parents=True, exist_ok=True)
+        if self.settings.qemu_user is not None:
+            self.settings.run_root.chmod(0o711)  # QEMU's user reaches its own run dir, lists none
         self._recover()
         try:
             async with trio.open_nursery() as nursery:

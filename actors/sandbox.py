@@ -38,7 +38,7 @@ import trio
 
 from actors.guest import ChannelBroken, ExecHandle, GuestError, GuestOpError
 from actors.logs import SandboxLog
-from actors.machine import MachineError
+from actors.machine import MachineError, QemuUser
 from actors.vm import BootError, Guest, booted_guest
 from guestd import proto as P
 from images.build import Image
@@ -85,7 +85,7 @@ class Settings:
     boot_timeout: float = 60.0
     default_memory_mib: int = 256
     default_vcpus: int = 1
-    runas: str | None = None
+    qemu_user: QemuUser | None = None  # set when the supervisor is root
 
 
 class Sandbox:
@@ -203,7 +203,7 @@ class Sandbox:
             hostname=cfg.get("hostname") or "sandbox",
             extra_cmdline=cfg.get("boot_args", ""),
             boot_timeout=s.boot_timeout,
-            runas=s.runas,
+            user=s.qemu_user,
         ) as guest:
             self.guest = guest
             self._set(READY, ready_at=int(time.time()), qemu_pid=guest.machine.pid or 0)

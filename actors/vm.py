@@ -20,7 +20,7 @@ import trio
 
 from actors._groups import collapse_single
 from actors.guest import GuestChannel, HelloTimeout, open_channel
-from actors.machine import LaunchError, Machine, MachineSpec, connect_guest_socket
+from actors.machine import LaunchError, Machine, MachineSpec, QemuUser, connect_guest_socket
 from images.build import Image, host_tsc_khz
 
 log = logging.getLogger("sandvisor.vm")
@@ -92,7 +92,7 @@ async def booted_guest(
     boot_timeout: float = 60.0,
     machine: str = "microvm",
     sandbox: bool = True,
-    runas: str | None = None,
+    user: QemuUser | None = None,
     extra_ports: tuple[str, ...] = (),
     disk_path: Path | None = None,
     kernel: Path | None = None,
@@ -115,7 +115,8 @@ async def booted_guest(
         accel=accel,
         machine=machine,
         sandbox=sandbox,
-        runas=runas,
+        user=user,
+        disk_backing=(rootfs or image.rootfs) if disk else None,
         extra_ports=extra_ports,
     )
     vm = Machine(spec, run_dir, name=hostname)

@@ -126,6 +126,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         boot_timeout=args.boot_timeout,
         max_sandboxes=args.max_sandboxes,
         group=args.group,
+        qemu_user=args.qemu_user,
     )
     trio.run(serve, cfg)
     return 0
@@ -151,6 +152,11 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--boot-timeout", type=float, default=60.0, help="seconds a boot may take before it fails")
     sv.add_argument("--max-sandboxes", type=int, default=64)
     sv.add_argument("--group", help="make the socket 0660 for this group (default: owner only, 0600)")
+    sv.add_argument(
+        "--qemu-user",
+        help="user QEMU runs as when serve runs as root (default: sandvisor-qemu if it exists, else nobody; "
+        "'' to keep root)",
+    )
     sv.set_defaults(func=cmd_serve)
 
     demo = sub.add_parser("demo", help="boot a sandbox from the default image and show it working")

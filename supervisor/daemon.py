@@ -14,7 +14,7 @@ from pathlib import Path
 import attrs
 import trio
 
-from actors.machine import qmp_loop, resolve_accel
+from actors.machine import qmp_loop, resolve_accel, unprivileged_user
 from actors.registry import Registry
 from actors.sandbox import Settings
 from images.build import Builder, Image, load_default
@@ -35,6 +35,7 @@ class DaemonConfig:
     max_sandboxes: int = 64
     stop_timeout: float = 10.0
     group: str | None = None
+    qemu_user: str | None = None  # None: sandvisor-qemu or nobody when root; "": run QEMU as ourselves
 
 
 def default_image(state_dir: Path) -> Image:
@@ -57,8 +58,15 @@ async def serve(
         run_root=cfg.run_root or default_run_root(),
         accel=accel,
         boot_timeout=cfg.boot_timeout,
+        qemu_user=unprivileged_user(cfg.qemu_user),
     )
-    log.info("serving on %s (state %s, accel %s)", cfg.socket, cfg.state_dir, accel)
+    log.info(
+        "serving on %s (state %s, accel %s, QEMU as %s)",
+        cfg.socket,
+        cfg.state_dir,
+        accel,
+        settings.qemu_user.name if settings.qemu_user else "the supervisor's user",
+    )
     try:
         async with qmp_loop(), trio.open_nursery() as nursery:
             registry = await nursery.start(Registry(settings, store, max_sandboxes=cfg.max_sandboxes).run)

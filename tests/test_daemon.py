@@ -97,6 +97,10 @@ async def test_lifecycle_exact_events_run_exec_logs_restart(daemon: DaemonConfig
         assert time.monotonic() - t < 2  # Create does not wait for the boot
         info = await wait_state(c, "life", "ready")
         assert info["ready_at"] >= info["created_at"] > 0 and info["labels"] == {"team": "a"}
+        if os.geteuid() == 0:  # a root supervisor never runs QEMU as root
+            status = Path(f"/proc/{_qemu_pid(daemon, 'life')}/status").read_text()
+            uid_line = next(line for line in status.splitlines() if line.startswith("Uid:"))
+            assert set(uid_line.split()[1:]) != {"0"}, uid_line
 
         out, err, code = await run(c, "life", ["sh", "-c", "echo out; echo err >&2; exit 3"])
         assert (out, err, code) == (b"out\n", b"err\n", 3)
