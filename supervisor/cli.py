@@ -29,6 +29,21 @@ err = Console(stderr=True)
 out = Console()
 
 
+class JsonFormatter(logging.Formatter):
+    """Structured logs: one JSON object per line (ts, level, logger, msg, and exc if any)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out = {
+            "ts": round(record.created, 3),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out)
+
+
 class UserError(Exception):
     """An error the user can fix: printed as one line, exit code 1."""
 

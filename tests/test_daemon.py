@@ -290,6 +290,16 @@ async def test_idempotent_and_racing_creates_make_one_sandbox(daemon: DaemonConf
             await c.call("Create", {"id": "twin", "labels": {"k": "other"}})
         assert e.value.code == "ALREADY_EXISTS"
         await wait_state(c, "twin", "ready")
+        every = await c.call("MetricsAll", {})
+        assert [m["id"] for m in every["sandboxes"]] == ["twin"] and every["sandboxes"][0]["host_rss_bytes"] > 0
+        samples = []
+        async with c.open_call("MetricsStream", {"id": "twin", "interval_seconds": 0.2}) as ms:
+            async for m in ms:
+                samples.append(m)
+                if len(samples) == 3:
+                    break  # leaving the block cancels the stream
+        assert [m["id"] for m in samples] == ["twin"] * 3
+        assert samples[0]["timestamp"] < samples[1]["timestamp"] < samples[2]["timestamp"]
         # Run while running is FAILED_PRECONDITION
         async with trio.open_nursery() as n:
             n.start_soon(run, c, "twin", ["sleep", "3"])
