@@ -463,3 +463,35 @@ async def test_boot_that_never_gets_ready_fails_after_the_timeout(impatient_daem
         logs = await c.collect("Logs", {"id": "hung"})
         assert any(e["source"] == "system" for e in logs)  # the console tail is kept for diagnosis
         await c.call("Remove", {"id": "hung"})
+
+
+async def test_initial_cmd_runs_after_boot_and_exec_resizes(daemon: DaemonConfig) -> None:
+    async with connect(daemon.socket) as c:
+        events: list[tuple[str, dict[str, str]]] = []
+        async with c.open_call("Events", {"id": "withcmd"}) as ev:
+            await c.call("Create", {"id": "withcmd", "cmd": ["sh", "-c", "echo from-cmd; exit 4"], "env": {"A": "1"}})
+            with trio.fail_after(90):
+                async for e in ev:
+                    events.append((e["action"], e["attributes"]))
+                    if e["action"] == "idle":
+                        break
+        assert [a for a, _ in events] == ["created", "ready", "running", "idle"]
+        assert events[-1][1]["exit_code"] == "4"
+        info = await c.call("Inspect", {"id": "withcmd"})
+        assert info["state"] == "ready" and info["last_exit_code"] == 4
+        logs = await c.collect("Logs", {"id": "withcmd"})
+        assert any(e["data"] == b"from-cmd\n" and e["source"] == "stdout" for e in logs)
+
+        got = b""
+        init = {"id": "withcmd", "cmd": ["sh"], "tty": True, "tty_size": {"width": 80, "height": 24}}
+        async with c.open_call("Exec", {"init": init}) as ex:
+            await ex.send({"stdin": b"stty size\n"})
+            async for item in ex:
+                got += item["data"]
+                if b"24 80" in got:
+                    break
+            await ex.send({"resize": {"width": 120, "height": 40}})
+            await ex.send({"stdin": b"stty size; exit\n"})
+            async for item in ex:
+                got += item["data"]
+        assert b"40 120" in got
