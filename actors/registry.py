@@ -135,6 +135,7 @@ class Registry:
         self.events = EventBus()
         self._nursery: trio.Nursery | None = None
         self._closing = False
+        self._removing: set[str] = set()
 
     # -- lifecycle of the registry ---------------------------------------------
     async def run(self, task_status: trio.TaskStatus[Registry] = trio.TASK_STATUS_IGNORED) -> None:
@@ -365,6 +366,10 @@ class Registry:
             await trio.sleep(0.25)
             now_wall, now = time.time(), time.monotonic()
             for sb in list(self.sandboxes.values()):
+                if sb.config.get("ephemeral") and sb.stopped and sb.id in self.sandboxes:
+                    assert self._nursery is not None
+                    self._nursery.start_soon(self._remove_quietly, sb.id)
+                    continue
                 ttl = int(sb.config.get("ttl_seconds") or 0)
                 if ttl and now_wall >= sb.record.created_at + ttl:
                     sb.log.append("system", b"ttl expired: removing")
@@ -384,10 +389,15 @@ class Registry:
                     sb.request_stop(DEFAULT_STOP_TIMEOUT)
 
     async def _remove_quietly(self, id: str) -> None:
+        if id in self._removing:
+            return
+        self._removing.add(id)
         try:
             await self.remove(id, force=True)
         except ApiError:
             pass
+        finally:
+            self._removing.discard(id)
 
     def statistics(self) -> dict[str, Any]:
         return {

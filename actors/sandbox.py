@@ -283,6 +283,12 @@ class Sandbox:
             raise ApiError(FAILED_PRECONDITION, f"sandbox {self.id} is draining or stopping: no new work")
         return self.guest
 
+    def _defaults(self, env: dict[str, str], cwd: str, user: str) -> tuple[dict[str, str], str, str]:
+        """The sandbox's create-time env, working dir and user are every command's
+        defaults; a call's own values win."""
+        cfg = self.config
+        return {**(cfg.get("env") or {}), **env}, cwd or cfg.get("working_dir", ""), user or cfg.get("user", "")
+
     def _workload_finished(self) -> None:
         self._workload_done.set()
         self._workload_done = trio.Event()
@@ -304,6 +310,7 @@ class Sandbox:
             raise ApiError(FAILED_PRECONDITION, f"sandbox {self.id} is running a workload already")
         if not argv:
             raise ApiError(INVALID_ARGUMENT, "cmd must not be empty")
+        env, cwd, user = self._defaults(env, cwd, user)
         self.workloads += 1
         self._set(RUNNING)
         self.emit("running")
@@ -350,6 +357,7 @@ class Sandbox:
         guest = self._require_alive()
         if not argv:
             raise ApiError(INVALID_ARGUMENT, "cmd must not be empty")
+        env, cwd, user = self._defaults(env, cwd, user)
         self.execs += 1
         self.touch()
         try:

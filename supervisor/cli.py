@@ -24,6 +24,8 @@ from actors.guest import GuestError
 from actors.machine import MachineError, qmp_loop, resolve_accel
 from actors.vm import booted_guest
 from images.build import Builder, BuildError, default_cache, load_default
+from supervisor.cli_client import UsageError, add_client_commands, run_client
+from supervisor.protocol import ApiError
 
 err = Console(stderr=True)
 out = Console()
@@ -49,7 +51,7 @@ class UserError(Exception):
 
 
 def fail(message: str, code: int = 1) -> NoReturn:
-    err.print(f"[bold red]error:[/] {message}", highlight=False)
+    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
     sys.exit(code)
 
 
@@ -148,10 +150,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 # --- parser ------------------------------------------------------------------
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        """Usage errors are one line and exit code 2 (argparse's own print the usage too)."""
+        fail(f"{self.prog}: {message}", 2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="sandvisor", description="QEMU microVM sandboxes")
+    p = _Parser(prog="sandvisor", description="QEMU microVM sandboxes")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
 
     image = sub.add_parser("image", help="guest images")
     isub = image.add_subparsers(dest="image_command", required=True, metavar="SUBCOMMAND")
@@ -178,17 +186,31 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--cache", help="image cache directory")
     demo.add_argument("--accel", default="auto", choices=["auto", "kvm", "tcg"])
     demo.set_defaults(func=cmd_demo)
+    add_client_commands(sub)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # everything after the first "--" is the sandbox command, never our options
+    cmd: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, cmd = argv[:i], argv[i + 1 :]
     args = build_parser().parse_args(argv)
+    args.cmd = cmd
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
     try:
+        if hasattr(args, "client"):
+            return run_client(args)
         return int(args.func(args))
+    except UsageError as exc:
+        fail(str(exc), 2)
+    except ApiError as exc:
+        fail(exc.message if exc.code in ("NOT_FOUND", "UNAVAILABLE") else f"{exc.code}: {exc.message}", 1)
     except UserError as exc:
         fail(str(exc), 1)
     except BuildError as exc:

@@ -1,24 +1,33 @@
-"""Client side of the ``sandbox.v1`` Unix-socket protocol.
+"""The Python SDK of sandvisor, and the client side of its Unix-socket protocol.
 
-:func:`connect` gives an :class:`AsyncConnection`: unary calls, server streams and
-bidirectional streams multiplexed on one socket, failures raised as
-:class:`~supervisor.protocol.ApiError` with the seed's codes. (The user-facing SDK,
-``Sandbox``/``AsyncSandbox``, is built on this.)
+``from supervisor.client import Sandbox, AsyncSandbox``: the same surface, sync and
+Trio-async. Failures raise subclasses of :class:`SandboxError` named after the
+seed's codes (:class:`NotFound`, :class:`InvalidArgument`, ...).
+
+Below them, :func:`connect` gives an :class:`AsyncConnection`: unary calls, server
+streams and bidirectional streams multiplexed on one socket.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import builtins
+import functools
+import queue
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
+import attrs
 import trio
 
 from actors._groups import collapse_single
 from supervisor import protocol as W
 from supervisor.config import default_socket
 from supervisor.protocol import ApiError
+
+T_ = TypeVar("T_")
 
 
 class CallStream:
@@ -51,12 +60,12 @@ class CallStream:
             msg = await self.recv_ch.receive()
         except trio.EndOfChannel:
             self.done = True
-            raise ApiError(W.UNAVAILABLE, "connection to the supervisor lost") from None
+            raise error_for(W.UNAVAILABLE, "connection to the supervisor lost") from None
         if isinstance(msg, W.Item):
             return msg.body
         self.done = True
         if isinstance(msg, W.Fail):
-            raise ApiError(msg.code, msg.message)
+            raise error_for(msg.code, msg.message)
         if isinstance(msg, W.Reply):
             self.reply = msg.body
         raise StopAsyncIteration
@@ -95,7 +104,7 @@ class AsyncConnection:
         await self._send(W.ClientHello(W.PROTOCOL_VERSION, "sandvisor-client"))
         msg = await self._read_one()
         if isinstance(msg, W.Fail):
-            raise ApiError(msg.code, msg.message)
+            raise error_for(msg.code, msg.message)
         if not isinstance(msg, W.ServerHello):
             raise ApiError(W.UNAVAILABLE, "the supervisor did not answer the hello")
 
@@ -157,7 +166,7 @@ async def connect(path: Path | str | None = None) -> AsyncIterator[AsyncConnecti
     try:
         stream = await trio.open_unix_socket(sock_path)
     except OSError as exc:
-        raise ApiError(W.UNAVAILABLE, f"cannot reach the supervisor at {sock_path}: {exc.strerror}") from None
+        raise error_for(W.UNAVAILABLE, f"cannot reach the supervisor at {sock_path}: {exc.strerror}") from None
     conn = AsyncConnection(stream)
     with collapse_single():
         async with stream, trio.open_nursery() as nursery:
@@ -167,3 +176,608 @@ async def connect(path: Path | str | None = None) -> AsyncIterator[AsyncConnecti
                 yield conn
             finally:
                 nursery.cancel_scope.cancel()
+
+
+# ---------------------------------------------------------------------------
+# errors
+# ---------------------------------------------------------------------------
+
+
+class SandboxError(ApiError):
+    """Base of the SDK's errors; ``code`` is the seed's error code."""
+
+
+class InvalidArgument(SandboxError):
+    pass
+
+
+class NotFound(SandboxError):
+    pass
+
+
+class AlreadyExists(SandboxError):
+    pass
+
+
+class FailedPrecondition(SandboxError):
+    pass
+
+
+class ResourceExhausted(SandboxError):
+    pass
+
+
+class DeadlineExceeded(SandboxError):
+    pass
+
+
+class Internal(SandboxError):
+    pass
+
+
+class Unavailable(SandboxError):
+    pass
+
+
+class Unimplemented(SandboxError):
+    pass
+
+
+class Cancelled(SandboxError):
+    pass
+
+
+_ERRORS: dict[str, type[SandboxError]] = {
+    W.INVALID_ARGUMENT: InvalidArgument,
+    W.NOT_FOUND: NotFound,
+    W.ALREADY_EXISTS: AlreadyExists,
+    W.FAILED_PRECONDITION: FailedPrecondition,
+    W.RESOURCE_EXHAUSTED: ResourceExhausted,
+    W.DEADLINE_EXCEEDED: DeadlineExceeded,
+    W.INTERNAL: Internal,
+    W.UNAVAILABLE: Unavailable,
+    W.UNIMPLEMENTED: Unimplemented,
+    W.CANCELLED: Cancelled,
+}
+
+
+def error_for(code: str, message: str) -> SandboxError:
+    return _ERRORS.get(code, SandboxError)(code, message)
+
+
+# ---------------------------------------------------------------------------
+# the SDK
+# ---------------------------------------------------------------------------
+
+
+@attrs.frozen
+class RunResult:
+    stdout: bytes
+    stderr: bytes
+    exit_code: int
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+    def text(self) -> str:
+        return self.stdout.decode(errors="replace")
+
+
+@attrs.frozen
+class Output:
+    """One chunk of a streaming run: ``stream`` is stdout, stderr or exit."""
+
+    stream: str
+    data: bytes
+    exit_code: int | None = None
+
+
+@attrs.frozen
+class Page:
+    sandboxes: list[dict[str, Any]]
+    next_cursor: str
+
+
+def _kv(d: dict[str, str] | None) -> dict[str, str]:
+    return {str(k): str(v) for k, v in (d or {}).items()}
+
+
+class AsyncExec:
+    """An interactive process: ``send``/``close_stdin``/``resize``, iterate its Output."""
+
+    def __init__(self, call: CallStream) -> None:
+        self._call = call
+        self.exit_code: int | None = None
+
+    async def send(self, data: bytes) -> None:
+        await self._call.send({"stdin": data})
+
+    async def close_stdin(self) -> None:
+        await self._call.send({"close_stdin": True})
+
+    async def resize(self, width: int, height: int) -> None:
+        await self._call.send({"resize": {"width": width, "height": height}})
+
+    def __aiter__(self) -> AsyncIterator[Output]:
+        return self._outputs()
+
+    async def _outputs(self) -> AsyncIterator[Output]:
+        async for item in self._call:
+            if item.get("done"):
+                self.exit_code = int(item["exit_code"])
+                yield Output("exit", b"", self.exit_code)
+                return
+            yield Output(item["stream"], item["data"])
+
+    async def wait(self) -> int:
+        async for _ in self:
+            pass
+        assert self.exit_code is not None
+        return self.exit_code
+
+
+class AsyncFS:
+    def __init__(self, sb: AsyncSandbox) -> None:
+        self._sb = sb
+
+    async def read(self, path: str) -> bytes:
+        async with connect(self._sb.socket) as c:
+            chunks = await c.collect("ReadFile", {"id": self._sb.id, "path": path})
+        return b"".join(ch["data"] for ch in chunks)
+
+    async def write(self, path: str, data: bytes | AsyncIterator[bytes], *, mode: int = 0o644) -> None:
+        async with (
+            connect(self._sb.socket) as c,
+            c.open_call("WriteFile", {"open": {"id": self._sb.id, "path": path, "mode": mode}}) as call,
+        ):
+            if isinstance(data, (bytes, bytearray, memoryview)):
+                view = memoryview(data)
+                for i in range(0, len(view), 1 << 20):
+                    await call.send({"chunk": {"data": bytes(view[i : i + (1 << 20)])}})
+            else:
+                async for piece in data:
+                    await call.send({"chunk": {"data": bytes(piece)}})
+            await call.send({"chunk": {"done": True}})
+            await call.half_close()
+            await call.result()
+
+    async def copy_in(self, local: str | Path, path: str) -> None:
+        src = Path(local)
+        mode = src.stat().st_mode & 0o7777
+
+        async def pieces() -> AsyncIterator[bytes]:
+            with open(src, "rb") as f:
+                while chunk := await trio.to_thread.run_sync(f.read, 1 << 20):
+                    yield chunk
+
+        await self.write(path, pieces(), mode=mode)
+
+    async def copy_out(self, path: str, local: str | Path) -> None:
+        dest = Path(local)
+        tmp = dest.with_name(f".{dest.name}.sandvisor-part")
+        async with connect(self._sb.socket) as c, c.open_call("ReadFile", {"id": self._sb.id, "path": path}) as call:
+            with open(tmp, "wb") as f:
+                async for ch in call:
+                    await trio.to_thread.run_sync(f.write, ch["data"])
+        tmp.replace(dest)
+
+
+class AsyncSandbox:
+    """A sandbox of a ``sandvisor serve`` (Trio). Leaving ``async with`` stops and
+    removes it, unless it was created ``detached``."""
+
+    def __init__(self, id: str, *, socket: str | Path | None = None, detached: bool = True) -> None:
+        self.id = id
+        self.socket = str(socket or default_socket())
+        self.detached = detached
+        self.fs = AsyncFS(self)
+
+    def __repr__(self) -> str:
+        return f"AsyncSandbox({self.id!r})"
+
+    async def _call(self, method: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+        async with connect(self.socket) as c:
+            return await c.call(method, {"id": self.id, **(body or {})})
+
+    # -- creation and lookup -------------------------------------------------------
+    @classmethod
+    async def create(
+        cls,
+        name: str = "",
+        *,
+        socket: str | Path | None = None,
+        cpus: int = 0,
+        memory_mib: int = 0,
+        env: dict[str, str] | None = None,
+        labels: dict[str, str] | None = None,
+        workdir: str = "",
+        user: str = "",
+        hostname: str = "",
+        cmd: builtins.list[str] | None = None,
+        ttl: int = 0,
+        idle_timeout: int = 0,
+        network: str = "none",
+        ports: dict[int, int] | None = None,
+        kernel: str = "",
+        rootfs: str = "",
+        boot_args: str = "",
+        replace: bool = False,
+        ephemeral: bool = False,
+        detached: bool = False,
+        wait: bool = True,
+        timeout: float = 120.0,
+    ) -> AsyncSandbox:
+        """Create (and by default wait until ready). ``replace`` removes an existing
+        sandbox of that name first; ``ephemeral`` sandboxes are removed when they stop."""
+        if ports:
+            raise error_for(W.FAILED_PRECONDITION, "port exposure needs user networking, which is not available yet")
+        body: dict[str, Any] = {
+            "id": name,
+            "labels": _kv(labels),
+            "kernel": kernel,
+            "rootfs": rootfs,
+            "boot_args": boot_args,
+            "limits": {"vcpus": cpus, "memory_mib": memory_mib},
+            "cmd": list(cmd or []),
+            "env": _kv(env),
+            "working_dir": workdir,
+            "user": user,
+            "network": {"mode": network},
+            "ttl_seconds": ttl,
+            "idle_timeout_seconds": idle_timeout,
+            "hostname": hostname,
+            "ephemeral": ephemeral,
+        }
+        async with connect(socket) as c:
+            if replace and name:
+                try:
+                    await c.call("Remove", {"id": name, "force": True})
+                except NotFound:
+                    pass
+            resp = await c.call("Create", body)
+        sb = cls(resp["id"], socket=socket, detached=detached)
+        if wait:
+            await sb.wait_ready(timeout)
+        return sb
+
+    @classmethod
+    async def get(cls, name: str, *, socket: str | Path | None = None) -> AsyncSandbox:
+        sb = cls(name, socket=socket, detached=True)
+        await sb.inspect()
+        return sb
+
+    @classmethod
+    async def list(
+        cls,
+        *,
+        socket: str | Path | None = None,
+        labels: dict[str, str] | None = None,
+        state: str = "",
+        limit: int = 20,
+        cursor: str = "",
+    ) -> Page:
+        async with connect(socket) as c:
+            r = await c.call("List", {"labels": _kv(labels), "state": state, "limit": limit, "cursor": cursor})
+        return Page(r["sandboxes"], r.get("next_cursor", ""))
+
+    async def __aenter__(self) -> AsyncSandbox:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if not self.detached:
+            with trio.CancelScope(shield=True):
+                try:
+                    await self.remove(force=True)
+                except SandboxError:
+                    pass
+
+    # -- state ------------------------------------------------------------------
+    async def inspect(self) -> dict[str, Any]:
+        return await self._call("Inspect")
+
+    async def state(self) -> str:
+        return str((await self.inspect())["state"])
+
+    async def wait_ready(self, timeout: float = 120.0) -> dict[str, Any]:
+        async with connect(self.socket) as c, c.open_call("Events", {"id": self.id}) as ev:
+            info = await c.call("Inspect", {"id": self.id})
+            with trio.fail_after(timeout):
+                while info["state"] == "starting":
+                    e = await ev.__anext__()
+                    if e["action"] in ("ready", "failed", "stopped"):
+                        info = await c.call("Inspect", {"id": self.id})
+            if info["state"] not in ("ready", "running"):
+                raise error_for(W.FAILED_PRECONDITION, f"sandbox {self.id} is {info['state']}: {info['error']}")
+            return info
+
+    async def stop(self, timeout: int = 0) -> None:
+        await self._call("Stop", {"timeout_seconds": timeout})
+
+    async def kill(self) -> None:
+        await self._call("Kill")
+
+    async def drain(self) -> None:
+        await self._call("Drain")
+
+    async def wait_until_stopped(self) -> dict[str, Any]:
+        return await self._call("WaitUntilStopped")
+
+    async def start(self, *, wait: bool = True, timeout: float = 120.0) -> None:
+        await self._call("Start")
+        if wait:
+            await self.wait_ready(timeout)
+
+    async def remove(self, *, force: bool = False) -> None:
+        async with connect(self.socket) as c:
+            await c.call("Remove", {"id": self.id, "force": force})
+
+    async def ping(self) -> float:
+        """Round trip to the guest agent, in seconds (does not count as activity)."""
+        return int((await self._call("Ping"))["latency_ns"]) / 1e9
+
+    async def touch(self) -> int:
+        return int((await self._call("Touch"))["activity"])
+
+    async def metrics(self) -> dict[str, Any]:
+        return await self._call("Metrics")
+
+    async def metrics_stream(self, interval: float = 1.0) -> AsyncIterator[dict[str, Any]]:
+        async with (
+            connect(self.socket) as c,
+            c.open_call("MetricsStream", {"id": self.id, "interval_seconds": interval}) as call,
+        ):
+            async for m in call:
+                yield m
+
+    async def logs(self, *, tail: int = 0, since: int = 0, until: int = 0) -> builtins.list[dict[str, Any]]:
+        async with connect(self.socket) as c:
+            return await c.collect("Logs", {"id": self.id, "tail": tail, "since": since, "until": until})
+
+    async def log_stream(self, *, follow: bool = True, tail: int = 0) -> AsyncIterator[dict[str, Any]]:
+        async with (
+            connect(self.socket) as c,
+            c.open_call("Logs", {"id": self.id, "follow": follow, "tail": tail}) as call,
+        ):
+            async for entry in call:
+                yield entry
+
+    async def events(self, action: str = "") -> AsyncIterator[dict[str, Any]]:
+        async with connect(self.socket) as c, c.open_call("Events", {"id": self.id, "action": action}) as call:
+            async for e in call:
+                yield e
+
+    # -- work --------------------------------------------------------------------
+    def _run_body(
+        self,
+        cmd: builtins.list[str] | str,
+        env: dict[str, str] | None,
+        workdir: str,
+        user: str,
+        tty: bool,
+        timeout: int,
+    ) -> dict[str, Any]:
+        argv = ["sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
+        return {
+            "id": self.id,
+            "cmd": argv,
+            "env": _kv(env),
+            "working_dir": workdir,
+            "user": user,
+            "tty": tty,
+            "timeout_seconds": timeout,
+        }
+
+    async def run_stream(
+        self,
+        cmd: builtins.list[str] | str,
+        *,
+        env: dict[str, str] | None = None,
+        workdir: str = "",
+        user: str = "",
+        tty: bool = False,
+        timeout: int = 0,
+    ) -> AsyncIterator[Output]:
+        """Run a workload, streaming its output; the last Output is ("exit", b"", code).
+        A string is run with ``sh -c``."""
+        async with (
+            connect(self.socket) as c,
+            c.open_call("Run", self._run_body(cmd, env, workdir, user, tty, timeout)) as call,
+        ):
+            async for item in call:
+                if item.get("done"):
+                    yield Output("exit", b"", int(item["exit_code"]))
+                else:
+                    yield Output(item["stream"], item["data"])
+
+    async def run(self, cmd: builtins.list[str] | str, **kw: Any) -> RunResult:
+        out, err, code = bytearray(), bytearray(), -1
+        async for o in self.run_stream(cmd, **kw):
+            if o.stream == "stdout":
+                out += o.data
+            elif o.stream == "stderr":
+                err += o.data
+            else:
+                code = o.exit_code if o.exit_code is not None else -1
+        return RunResult(bytes(out), bytes(err), code)
+
+    @asynccontextmanager
+    async def exec(
+        self,
+        cmd: builtins.list[str] | str,
+        *,
+        env: dict[str, str] | None = None,
+        workdir: str = "",
+        user: str = "",
+        tty: bool = False,
+        size: tuple[int, int] = (80, 24),
+        timeout: int = 0,
+    ) -> AsyncIterator[AsyncExec]:
+        """An interactive process (stdin, optional PTY and resize). Leaving the block
+        before it exited kills it."""
+        init = self._run_body(cmd, env, workdir, user, tty, timeout)
+        init["tty_size"] = {"width": size[0], "height": size[1]}
+        async with connect(self.socket) as c, c.open_call("Exec", {"init": init}) as call:
+            yield AsyncExec(call)
+
+
+# --- sync ---------------------------------------------------------------------
+
+
+def _sync_iter(agen_factory: Callable[[], AsyncIterator[T_]], buffer: int = 64) -> Iterator[T_]:
+    """Drive an async iterator in a Trio thread; yield its items here. Closing the
+    generator (break, exception) cancels the Trio side."""
+    q: queue.Queue[tuple[str, Any]] = queue.Queue(buffer)
+    token_box: builtins.list[trio.lowlevel.TrioToken] = []
+    scope_box: builtins.list[trio.CancelScope] = []
+    started = threading.Event()
+
+    async def pump() -> None:
+        token_box.append(trio.lowlevel.current_trio_token())
+        with trio.CancelScope() as scope:
+            scope_box.append(scope)
+            started.set()
+            try:
+                async for item in agen_factory():
+                    await trio.to_thread.run_sync(q.put, ("item", item), abandon_on_cancel=True)
+                q.put(("end", None))
+            except BaseException as exc:
+                q.put(("error", exc))
+                if not isinstance(exc, Exception):
+                    raise
+
+    t = threading.Thread(target=trio.run, args=(pump,), daemon=True)
+    t.start()
+    started.wait()
+    try:
+        while True:
+            kind, value = q.get()
+            if kind == "item":
+                yield value
+            elif kind == "end":
+                return
+            else:
+                raise value
+    finally:
+        if t.is_alive():
+            try:
+                trio.from_thread.run_sync(scope_box[0].cancel, trio_token=token_box[0])
+            except trio.RunFinishedError:
+                pass
+            while t.is_alive():
+                try:
+                    q.get(timeout=0.05)
+                except queue.Empty:
+                    pass
+            t.join()
+
+
+class FS:
+    def __init__(self, sb: Sandbox) -> None:
+        self._a = sb._a
+
+    def read(self, path: str) -> bytes:
+        return trio.run(self._a.fs.read, path)
+
+    def write(self, path: str, data: bytes, *, mode: int = 0o644) -> None:
+        trio.run(functools.partial(self._a.fs.write, path, data, mode=mode))
+
+    def copy_in(self, local: str | Path, path: str) -> None:
+        trio.run(self._a.fs.copy_in, local, path)
+
+    def copy_out(self, path: str, local: str | Path) -> None:
+        trio.run(self._a.fs.copy_out, path, local)
+
+
+class Sandbox:
+    """The synchronous SDK: the surface of :class:`AsyncSandbox`, blocking."""
+
+    def __init__(self, a: AsyncSandbox) -> None:
+        self._a = a
+        self.fs = FS(self)
+
+    @property
+    def id(self) -> str:
+        return self._a.id
+
+    @property
+    def detached(self) -> bool:
+        return self._a.detached
+
+    def __repr__(self) -> str:
+        return f"Sandbox({self.id!r})"
+
+    @classmethod
+    def create(cls, name: str = "", **kw: Any) -> Sandbox:
+        return cls(trio.run(functools.partial(AsyncSandbox.create, name, **kw)))
+
+    @classmethod
+    def get(cls, name: str, *, socket: str | Path | None = None) -> Sandbox:
+        return cls(trio.run(functools.partial(AsyncSandbox.get, name, socket=socket)))
+
+    @classmethod
+    def list(cls, **kw: Any) -> Page:
+        return trio.run(functools.partial(AsyncSandbox.list, **kw))
+
+    def __enter__(self) -> Sandbox:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        trio.run(self._a.__aexit__, None, None, None)
+
+    def _do(self, fn: Callable[..., Awaitable[T_]], *args: Any, **kw: Any) -> T_:
+        return trio.run(functools.partial(fn, *args, **kw))
+
+    def inspect(self) -> dict[str, Any]:
+        return self._do(self._a.inspect)
+
+    def state(self) -> str:
+        return self._do(self._a.state)
+
+    def wait_ready(self, timeout: float = 120.0) -> dict[str, Any]:
+        return self._do(self._a.wait_ready, timeout)
+
+    def stop(self, timeout: int = 0) -> None:
+        self._do(self._a.stop, timeout)
+
+    def kill(self) -> None:
+        self._do(self._a.kill)
+
+    def drain(self) -> None:
+        self._do(self._a.drain)
+
+    def wait_until_stopped(self) -> dict[str, Any]:
+        return self._do(self._a.wait_until_stopped)
+
+    def start(self, *, wait: bool = True, timeout: float = 120.0) -> None:
+        self._do(self._a.start, wait=wait, timeout=timeout)
+
+    def remove(self, *, force: bool = False) -> None:
+        self._do(self._a.remove, force=force)
+
+    def ping(self) -> float:
+        return self._do(self._a.ping)
+
+    def touch(self) -> int:
+        return self._do(self._a.touch)
+
+    def metrics(self) -> dict[str, Any]:
+        return self._do(self._a.metrics)
+
+    def metrics_stream(self, interval: float = 1.0) -> Iterator[dict[str, Any]]:
+        return _sync_iter(lambda: self._a.metrics_stream(interval))
+
+    def logs(self, **kw: Any) -> builtins.list[dict[str, Any]]:
+        return self._do(self._a.logs, **kw)
+
+    def log_stream(self, *, follow: bool = True, tail: int = 0) -> Iterator[dict[str, Any]]:
+        return _sync_iter(lambda: self._a.log_stream(follow=follow, tail=tail))
+
+    def events(self, action: str = "") -> Iterator[dict[str, Any]]:
+        return _sync_iter(lambda: self._a.events(action))
+
+    def run(self, cmd: builtins.list[str] | str, **kw: Any) -> RunResult:
+        return self._do(self._a.run, cmd, **kw)
+
+    def run_stream(self, cmd: builtins.list[str] | str, **kw: Any) -> Iterator[Output]:
+        return _sync_iter(lambda: self._a.run_stream(cmd, **kw))

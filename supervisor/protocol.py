@@ -191,6 +191,7 @@ class CreateSandboxRequest:
     # sandvisor extensions (the mature SDK's surface)
     idle_timeout_seconds: int = 0
     hostname: str = ""
+    ephemeral: bool = False  # removed once it stops
 
 
 @attrs.frozen

@@ -1,0 +1,266 @@
+"""The SDK (sync and async) and the CLI, end to end against a real `sandvisor serve`
+process and real VMs. One supervisor for the module; a few sandboxes shared."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import trio
+
+from images.build import Image, default_cache
+from supervisor.client import (
+    AsyncSandbox,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    Sandbox,
+)
+
+pytestmark = pytest.mark.vm
+
+
+@pytest.fixture(scope="module")
+def served(image: Image) -> Iterator[dict[str, str]]:
+    work = Path(tempfile.mkdtemp(prefix="sv-cli-", dir="/tmp"))
+    (work / "state").mkdir()
+    (work / "state" / "images").symlink_to(default_cache())
+    env = {**os.environ, "SANDVISOR_SOCKET": str(work / "s.sock"), "SANDVISOR_STATE_DIR": str(work / "state")}
+    p = subprocess.Popen(
+        [sys.executable, "-m", "supervisor.cli", "serve", "--accel", "tcg"], env=env, stderr=subprocess.DEVNULL
+    )
+    deadline = time.monotonic() + 30
+    while not (work / "s.sock").exists():
+        assert p.poll() is None and time.monotonic() < deadline, "serve did not start"
+        time.sleep(0.05)
+    try:
+        yield env
+    finally:
+        p.send_signal(signal.SIGTERM)
+        try:
+            p.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def cli(
+    env: dict[str, str], *args: str, stdin: bytes = b"", timeout: float = 120
+) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run(
+        [sys.executable, "-m", "supervisor.cli", *args],
+        env=env,
+        input=stdin,
+        capture_output=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def test_sync_sdk(served: dict[str, str], tmp_path: Path) -> None:
+    sock = served["SANDVISOR_SOCKET"]
+    with Sandbox.create("sdk-sync", socket=sock, labels={"via": "sdk"}, env={"GREETING": "hi"}) as sb:
+        assert sb.state() == "ready"
+        r = sb.run("echo $GREETING from $(hostname); echo oops >&2; exit 2")
+        assert (r.stdout, r.stderr, r.exit_code, r.ok) == (b"hi from sandbox\n", b"oops\n", 2, False)
+        chunks = list(sb.run_stream(["sh", "-c", "echo a; echo b >&2"]))
+        assert chunks[-1].stream == "exit" and chunks[-1].exit_code == 0
+        assert {(c.stream, c.data) for c in chunks[:-1]} == {("stdout", b"a\n"), ("stderr", b"b\n")}
+        blob = os.urandom(3 << 20)
+        sb.fs.write("/root/blob", blob, mode=0o600)
+        assert sb.fs.read("/root/blob") == blob
+        local = tmp_path / "in.txt"
+        local.write_text("copied in\n")
+        sb.fs.copy_in(local, "/root/in.txt")
+        sb.fs.copy_out("/root/in.txt", tmp_path / "out.txt")
+        assert (tmp_path / "out.txt").read_text() == "copied in\n"
+        assert sb.ping() > 0 and sb.touch() >= 1
+        assert sb.metrics()["memory_total_bytes"] > 0
+        assert any(e["data"] == b"a\n" for e in sb.logs())
+        first = next(iter(sb.log_stream(follow=True)))  # a sync generator over a live stream, closed early
+        assert first["seq"] >= 1
+        page = Sandbox.list(socket=sock, labels={"via": "sdk"})
+        assert [s["id"] for s in page.sandboxes] == ["sdk-sync"]
+        with pytest.raises(FailedPrecondition):
+            sb.start()  # already running
+    # leaving the block removed it
+    with pytest.raises(NotFound):
+        Sandbox.get("sdk-sync", socket=sock)
+    with pytest.raises(InvalidArgument):
+        Sandbox.create("x" * 129, socket=sock)
+
+
+def test_async_sdk_exec_and_events(served: dict[str, str]) -> None:
+    sock = served["SANDVISOR_SOCKET"]
+
+    async def main() -> None:
+        async with await AsyncSandbox.create("sdk-async", socket=sock, ephemeral=True) as sb:
+            async with sb.exec(["sh", "-c", "read x; echo got $x"]) as proc:
+                await proc.send(b"value\n")
+                await proc.close_stdin()
+                out = b"".join([o.data async for o in proc if o.stream == "stdout"])
+            assert out == b"got value\n" and proc.exit_code == 0
+            got = []
+            async with trio.open_nursery() as n:
+
+                async def watch() -> None:
+                    async for e in sb.events():
+                        got.append(e["action"])
+                        if e["action"] == "idle":
+                            n.cancel_scope.cancel()
+
+                n.start_soon(watch)
+                await trio.sleep(0.2)
+                await sb.run(["true"])
+            assert got == ["running", "idle"]
+            await sb.stop()
+            # ephemeral: removed once stopped
+            with trio.fail_after(10):
+                while True:
+                    try:
+                        await sb.inspect()
+                    except NotFound:
+                        break
+                    await trio.sleep(0.1)
+
+    trio.run(main)
+
+
+def test_cli_surface(served: dict[str, str], tmp_path: Path) -> None:
+    env = served
+    r = cli(env, "create", "cli1", "--label", "team=x", "--env", "K=v", "--json")
+    assert r.returncode == 0, r.stderr
+    created = json.loads(r.stdout)
+    assert created == {"id": "cli1", "state": "ready", "ip_address": ""}
+
+    r = cli(env, "run", "cli1", "--env", "A=1", "--", "sh", "-c", "echo $A $K; echo e >&2; exit 9")
+    assert (r.returncode, r.stdout, r.stderr) == (9, b"1 v\n", b"e\n")
+
+    r = cli(env, "exec", "-i", "cli1", "--", "cat", stdin=b"through stdin\n")
+    assert (r.returncode, r.stdout) == (0, b"through stdin\n")
+
+    r = cli(env, "ls", "--label", "team=x", "--json")
+    rows = json.loads(r.stdout)
+    assert [(x["id"], x["state"], x["labels"]) for x in rows] == [("cli1", "ready", {"team": "x"})]
+    assert set(rows[0]) == {"id", "state", "labels", "ip_address", "created_at"}
+
+    info = json.loads(cli(env, "inspect", "cli1", "--json").stdout)
+    assert set(info) == {
+        "id",
+        "state",
+        "labels",
+        "limits",
+        "network",
+        "created_at",
+        "ready_at",
+        "last_exited_at",
+        "last_exit_code",
+        "error",
+    }
+    assert info["last_exit_code"] == 9
+
+    src = tmp_path / "f.bin"
+    src.write_bytes(os.urandom(100_000))
+    assert cli(env, "cp", str(src), "cli1:/root/f.bin").returncode == 0
+    assert cli(env, "cp", "cli1:/root/f.bin", str(tmp_path / "back.bin")).returncode == 0
+    assert (tmp_path / "back.bin").read_bytes() == src.read_bytes()
+
+    lines = [json.loads(x) for x in cli(env, "logs", "cli1", "--json").stdout.splitlines()]
+    assert any(x["source"] == "stdout" and x["data"] == "1 v\n" for x in lines)
+
+    assert cli(env, "ping", "cli1").stdout.endswith(b"ms\n")
+    m = json.loads(cli(env, "metrics", "cli1", "--json").stdout)
+    assert m["id"] == "cli1" and m["host_rss_bytes"] > 0
+
+    ev = subprocess.Popen(
+        [sys.executable, "-m", "supervisor.cli", "events", "--id", "cli1", "--json"], env=env, stdout=subprocess.PIPE
+    )
+    try:
+        time.sleep(1.0)
+        assert cli(env, "stop", "cli1").returncode == 0
+        assert ev.stdout is not None
+        first = json.loads(ev.stdout.readline())
+        assert set(first) == {"sandbox_id", "action", "timestamp", "attributes"} and first["action"] == "stopping"
+    finally:
+        ev.kill()
+        ev.wait()
+        if ev.stdout is not None:
+            ev.stdout.close()
+    assert json.loads(cli(env, "inspect", "cli1", "--json").stdout)["state"] == "stopped"
+    assert cli(env, "start", "cli1").returncode == 0
+    assert cli(env, "rm", "-f", "cli1").returncode == 0
+
+    # bad input: one line on stderr, exit 2 (usage) or 1 (operation)
+    for args, code in (
+        (["inspect", "nope"], 1),
+        (["create", "bad", "--env", "NOEQUALS"], 2),
+        (["create", "bad", "--port", "99x"], 2),
+        (["create", "x" * 129], 1),
+        (["run", "nope", "--", "true"], 1),
+        (["cp", "a", "b"], 2),
+        (["frobnicate"], 2),
+    ):
+        r = cli(env, *args)
+        assert r.returncode == code, (args, r)
+        assert r.stderr.count(b"\n") == 1 and b"Traceback" not in r.stderr, (args, r.stderr)
+
+
+def test_exec_it_in_tmux(served: dict[str, str]) -> None:
+    if not shutil.which("tmux"):
+        pytest.skip("tmux is installed by images/host-packages.sh")
+    env = served
+    assert cli(env, "create", "tty1").returncode == 0
+    session = f"sv{os.getpid()}"
+    cmd = f"{sys.executable} -m supervisor.cli exec -it tty1 -- sh; echo EXITED=$?; sleep 60"
+    subprocess.run(
+        [
+            "tmux",
+            "new-session",
+            "-d",
+            "-s",
+            session,
+            "-x",
+            "100",
+            "-y",
+            "30",
+            "env",
+            *[f"{k}={v}" for k, v in env.items() if k.startswith("SANDVISOR")],
+            "sh",
+            "-c",
+            cmd,
+        ],
+        check=True,
+    )
+
+    def screen() -> str:
+        return subprocess.run(
+            ["tmux", "capture-pane", "-t", session, "-p"], capture_output=True, text=True, check=False
+        ).stdout
+
+    def wait_for(text: str) -> str:
+        deadline = time.monotonic() + 30
+        while text not in (s := screen()):
+            assert time.monotonic() < deadline, s
+            time.sleep(0.2)
+        return s
+
+    try:
+        wait_for("#")  # the shell's prompt
+        subprocess.run(["tmux", "send-keys", "-t", session, "echo hello-tty; tty; stty size", "Enter"], check=True)
+        s = wait_for("30 100")
+        assert "hello-tty" in s and "/dev/pts/" in s
+        subprocess.run(["tmux", "send-keys", "-t", session, "exit 7", "Enter"], check=True)
+        wait_for("EXITED=7")
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", session], check=False)
+        cli(env, "rm", "-f", "tty1")
