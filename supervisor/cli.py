@@ -149,6 +149,38 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+# --- completion ------------------------------------------------------------------
+_IDS_FILTER = """python3 -c 'import json,sys; print(" ".join(r["id"] for r in json.load(sys.stdin)))'"""
+
+
+def cmd_completion(args: argparse.Namespace) -> int:
+    """Print a bash completion script: ``source <(sandvisor completion bash)``."""
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    words: dict[str, list[str]] = {}
+    for name, p in sub.choices.items():
+        words[name] = sorted(o for act in p._actions for o in act.option_strings if o.startswith("--"))
+    cases = "\n".join(f'    {name}) opts="{" ".join(opts)}" ;;' for name, opts in sorted(words.items()))
+    print(
+        f"""_sandvisor() {{
+  local cur="${{COMP_WORDS[COMP_CWORD]}}" cmd="${{COMP_WORDS[1]}}" opts=""
+  if [ "$COMP_CWORD" -eq 1 ]; then
+    COMPREPLY=($(compgen -W "{" ".join(sorted(words))}" -- "$cur")); return
+  fi
+  case "$cmd" in
+{cases}
+  esac
+  if [[ "$cur" == -* ]]; then COMPREPLY=($(compgen -W "$opts" -- "$cur")); return; fi
+  case "$cmd" in
+    run|exec|inspect|logs|stop|kill|rm|start|ping|touch|metrics)
+      COMPREPLY=($(compgen -W "$(sandvisor ls --json 2>/dev/null | {_IDS_FILTER})" -- "$cur")) ;;
+  esac
+}}
+complete -F _sandvisor sandvisor"""
+    )
+    return 0
+
+
 # --- parser ------------------------------------------------------------------
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
@@ -187,6 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--accel", default="auto", choices=["auto", "kvm", "tcg"])
     demo.set_defaults(func=cmd_demo)
     add_client_commands(sub)
+    comp = sub.add_parser("completion", help="print a shell completion script (bash)")
+    comp.add_argument("shell", choices=["bash"])
+    comp.set_defaults(func=cmd_completion)
     return p
 
 

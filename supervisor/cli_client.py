@@ -12,10 +12,7 @@ import argparse
 import datetime
 import json
 import os
-import signal
 import sys
-import termios
-import tty
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +22,7 @@ from rich.live import Live
 from rich.table import Table
 
 from actors._groups import collapse_single
-from supervisor.client import AsyncSandbox, connect, error_for
-from supervisor.protocol import FAILED_PRECONDITION
+from supervisor.client import AsyncSandbox, connect
 
 out = Console()
 
@@ -81,7 +77,25 @@ def _cmd(args: argparse.Namespace) -> list[str]:
 
 # --- commands -------------------------------------------------------------------
 async def create(a: argparse.Namespace) -> int:
-    sb = await AsyncSandbox.create(
+    status = None
+    if not a.json and not a.no_wait and sys.stderr.isatty():
+        status = Console(stderr=True).status(f"booting {a.name or 'a sandbox'} ...")
+        status.start()
+    try:
+        sb = await _create(a)
+    finally:
+        if status is not None:
+            status.stop()
+    info = await sb.inspect()
+    if a.json:
+        _json({"id": sb.id, "state": info["state"], "ip_address": info["network"]["ip_address"]})
+    else:
+        print(sb.id)
+    return 0
+
+
+async def _create(a: argparse.Namespace) -> AsyncSandbox:
+    return await AsyncSandbox.create(
         a.name,
         socket=a.socket,
         cpus=a.cpus,
@@ -98,12 +112,6 @@ async def create(a: argparse.Namespace) -> int:
         detached=True,
         wait=not a.no_wait,
     )
-    info = await sb.inspect()
-    if a.json:
-        _json({"id": sb.id, "state": info["state"], "ip_address": info["network"]["ip_address"]})
-    else:
-        print(sb.id)
-    return 0
 
 
 async def run(a: argparse.Namespace) -> int:
@@ -131,53 +139,11 @@ async def exec_(a: argparse.Namespace) -> int:
     if not cmd:
         raise UsageError("exec needs a command after --")
     sb = AsyncSandbox(a.name, socket=a.socket)
-    tty_mode = a.tty and os.isatty(0)
-    size = os.get_terminal_size(1) if os.isatty(1) else os.terminal_size((80, 24))
-    old = termios.tcgetattr(0) if tty_mode else None
-    try:
-        if tty_mode:
-            tty.setraw(0)
-        async with (
-            sb.exec(cmd, tty=a.tty, size=(size.columns, size.lines), env=kv(a.env)) as proc,
-            trio.open_nursery() as n,
-        ):
-            if a.interactive or a.tty:
-
-                async def pump_stdin() -> None:
-                    stdin = trio.lowlevel.FdStream(os.dup(0))
-                    async with stdin:
-                        while True:
-                            data = await stdin.receive_some(65536)
-                            if not data:
-                                await proc.close_stdin()
-                                return
-                            await proc.send(data)
-
-                n.start_soon(pump_stdin)
-            if tty_mode:
-
-                async def on_winch() -> None:
-                    with trio.open_signal_receiver(signal.SIGWINCH) as sigs:
-                        async for _ in sigs:
-                            sz = os.get_terminal_size(1)
-                            await proc.resize(sz.columns, sz.lines)
-
-                n.start_soon(on_winch)
-            elif not a.interactive:
-                await proc.close_stdin()
-            code = 0
-            async for o in proc:
-                if o.stream == "exit":
-                    code = o.exit_code or 0
-                else:
-                    target = sys.stderr.buffer if o.stream == "stderr" else sys.stdout.buffer
-                    target.write(o.data)
-                    target.flush()
-            n.cancel_scope.cancel()
-        return code
-    finally:
-        if old is not None:
-            termios.tcsetattr(0, termios.TCSADRAIN, old)
+    if not a.interactive and not a.tty:
+        # output only: stdin is not the process's
+        with open(os.devnull, "rb") as devnull:
+            return await sb.attach(cmd, tty=False, env=kv(a.env), stdin_fd=devnull.fileno())
+    return await sb.attach(cmd, tty=a.tty, env=kv(a.env))
 
 
 async def ls(a: argparse.Namespace) -> int:
@@ -334,11 +300,48 @@ async def top(a: argparse.Namespace) -> int:
             await trio.sleep(1.0)
 
 
-async def unavailable(a: argparse.Namespace) -> int:
-    what = {"checkpoint": "snapshots", "restore": "snapshots", "snapshots": "snapshots", "snapshot": "snapshots"}
-    raise error_for(
-        FAILED_PRECONDITION, f"{what.get(a.command, 'port exposure')} are not available in this version yet"
-    )
+async def port(a: argparse.Namespace) -> int:
+    proto = "udp" if a.udp else "tcp"
+    async with connect(a.socket) as c:
+        if a.action == "add":
+            r = await c.call(
+                "ExposePort",
+                {"id": a.name, "sandbox_port": a.sandbox_port, "host_port": a.host_port, "protocol": proto},
+            )
+            print(r["host_port"])
+        else:
+            await c.call("UnexposePort", {"id": a.name, "sandbox_port": a.sandbox_port, "protocol": proto})
+    return 0
+
+
+async def checkpoint(a: argparse.Namespace) -> int:
+    async with connect(a.socket) as c:
+        r = await c.call("Checkpoint", {"sandbox_id": a.name, "name": a.snapshot_name or "", "labels": kv(a.label)})
+    _json(r) if a.json else print(r["snapshot_id"])
+    return 0
+
+
+async def restore(a: argparse.Namespace) -> int:
+    async with connect(a.socket) as c:
+        r = await c.call("Restore", {"snapshot_id": a.snapshot, "id": a.new_name or "", "ttl_seconds": a.ttl})
+    _json(r) if a.json else print(r["id"])
+    return 0
+
+
+async def snapshots(a: argparse.Namespace) -> int:
+    async with connect(a.socket) as c:
+        if getattr(a, "snapshot_id", None):
+            await c.call("DeleteSnapshot", {"snapshot_id": a.snapshot_id})
+            return 0
+        r = await c.call("ListSnapshots", {})
+    if a.json:
+        _json(r["snapshots"])
+        return 0
+    t = Table("ID", "NAME", "SANDBOX", "CREATED", box=None)
+    for x in r["snapshots"]:
+        t.add_row(x["id"], x["name"], x["sandbox_id"], x["created_at"])
+    out.print(t)
+    return 0
 
 
 # --- parser ------------------------------------------------------------------------
@@ -424,9 +427,32 @@ def add_client_commands(sub: Any) -> None:
 
     cmd("top", top, "live table of every sandbox")
 
-    for name in ("checkpoint", "restore", "snapshots", "snapshot", "port"):
-        p = cmd(name, unavailable, "(not available yet)")
-        p.add_argument("rest", nargs=argparse.REMAINDER)
+    p = cmd("checkpoint", checkpoint, "snapshot a ready sandbox (prints the snapshot id)")
+    p.add_argument("name")
+    p.add_argument("--name", dest="snapshot_name", metavar="N")
+    p.add_argument("--label", action="append", metavar="K=V")
+    p.add_argument("--json", action="store_true")
+
+    p = cmd("restore", restore, "a new sandbox from a snapshot (prints its id)")
+    p.add_argument("snapshot")
+    p.add_argument("--name", dest="new_name", metavar="NEW")
+    p.add_argument("--ttl", type=int, default=0, metavar="S")
+    p.add_argument("--json", action="store_true")
+
+    p = cmd("snapshots", snapshots, "list snapshots")
+    p.add_argument("--json", action="store_true")
+
+    p = cmd("snapshot", snapshots, "snapshot rm ID")
+    p.add_argument("action", choices=["rm"])
+    p.add_argument("snapshot_id")
+    p.set_defaults(json=False)
+
+    p = cmd("port", port, "port add NAME SANDBOX_PORT [--host-port P] [--udp] | port rm NAME SANDBOX_PORT [--udp]")
+    p.add_argument("action", choices=["add", "rm"])
+    p.add_argument("name")
+    p.add_argument("sandbox_port", type=int)
+    p.add_argument("--host-port", type=int, default=0)
+    p.add_argument("--udp", action="store_true")
 
 
 def run_client(args: argparse.Namespace) -> int:

@@ -12,8 +12,12 @@ from __future__ import annotations
 
 import builtins
 import functools
+import os
 import queue
+import signal
+import termios
 import threading
+import tty as tty_mod
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -620,6 +624,92 @@ class AsyncSandbox:
         async with connect(self.socket) as c, c.open_call("Exec", {"init": init}) as call:
             yield AsyncExec(call)
 
+    # -- snapshots (SandboxSnapshotService) ------------------------------------
+    async def checkpoint(self, name: str = "", *, labels: dict[str, str] | None = None) -> str:
+        """Snapshot this (ready) sandbox; returns the snapshot id."""
+        async with connect(self.socket) as c:
+            r = await c.call("Checkpoint", {"sandbox_id": self.id, "name": name, "labels": _kv(labels)})
+        return str(r["snapshot_id"])
+
+    @classmethod
+    async def restore(
+        cls, snapshot_id: str, *, name: str = "", ttl: int = 0, socket: str | Path | None = None
+    ) -> AsyncSandbox:
+        async with connect(socket) as c:
+            r = await c.call("Restore", {"snapshot_id": snapshot_id, "id": name, "ttl_seconds": ttl})
+        return cls(r["id"], socket=socket, detached=False)
+
+    @classmethod
+    async def snapshots(cls, *, socket: str | Path | None = None) -> builtins.list[dict[str, Any]]:
+        async with connect(socket) as c:
+            return list((await c.call("ListSnapshots", {}))["snapshots"])
+
+    @classmethod
+    async def delete_snapshot(cls, snapshot_id: str, *, socket: str | Path | None = None) -> None:
+        async with connect(socket) as c:
+            await c.call("DeleteSnapshot", {"snapshot_id": snapshot_id})
+
+    async def attach(
+        self,
+        cmd: builtins.list[str] | str,
+        *,
+        tty: bool | None = None,
+        env: dict[str, str] | None = None,
+        workdir: str = "",
+        user: str = "",
+        stdin_fd: int = 0,
+        stdout_fd: int = 1,
+        stderr_fd: int = 2,
+    ) -> int:
+        """Bridge the caller's terminal (or fds) to a process in the sandbox: raw mode
+        and window-size changes when stdin is a terminal. Returns the exit code."""
+        use_tty = os.isatty(stdin_fd) if tty is None else tty
+        size = os.get_terminal_size(stdout_fd) if os.isatty(stdout_fd) else os.terminal_size((80, 24))
+        raw = use_tty and os.isatty(stdin_fd)
+        old = termios.tcgetattr(stdin_fd) if raw else None
+        try:
+            if raw:
+                tty_mod.setraw(stdin_fd)
+            with collapse_single():
+                async with (
+                    self.exec(
+                        cmd, tty=use_tty, size=(size.columns, size.lines), env=env, workdir=workdir, user=user
+                    ) as proc,
+                    trio.open_nursery() as n,
+                ):
+
+                    async def pump_stdin() -> None:
+                        async with trio.lowlevel.FdStream(os.dup(stdin_fd)) as stdin:
+                            while data := await stdin.receive_some(65536):
+                                await proc.send(data)
+                        await proc.close_stdin()
+
+                    async def on_winch() -> None:
+                        with trio.open_signal_receiver(signal.SIGWINCH) as sigs:
+                            async for _ in sigs:
+                                sz = os.get_terminal_size(stdout_fd)
+                                await proc.resize(sz.columns, sz.lines)
+
+                    n.start_soon(pump_stdin)
+                    if raw:
+                        n.start_soon(on_winch)
+                    async for o in proc:
+                        if o.stream != "exit":
+                            fd = stderr_fd if o.stream == "stderr" else stdout_fd
+                            view = memoryview(o.data)
+                            while view:
+                                view = view[await trio.to_thread.run_sync(os.write, fd, view) :]
+                    n.cancel_scope.cancel()
+        finally:
+            if old is not None:
+                termios.tcsetattr(stdin_fd, termios.TCSADRAIN, old)
+        assert proc.exit_code is not None
+        return proc.exit_code
+
+    async def shell(self, shell: str = "/bin/sh") -> int:
+        """An interactive shell on the caller's terminal."""
+        return await self.attach([shell], tty=True)
+
 
 # --- sync ---------------------------------------------------------------------
 
@@ -781,3 +871,24 @@ class Sandbox:
 
     def run_stream(self, cmd: builtins.list[str] | str, **kw: Any) -> Iterator[Output]:
         return _sync_iter(lambda: self._a.run_stream(cmd, **kw))
+
+    def attach(self, cmd: builtins.list[str] | str, **kw: Any) -> int:
+        return self._do(self._a.attach, cmd, **kw)
+
+    def checkpoint(self, name: str = "", **kw: Any) -> str:
+        return self._do(self._a.checkpoint, name, **kw)
+
+    @classmethod
+    def restore(cls, snapshot_id: str, **kw: Any) -> Sandbox:
+        return cls(trio.run(functools.partial(AsyncSandbox.restore, snapshot_id, **kw)))
+
+    @classmethod
+    def snapshots(cls, **kw: Any) -> builtins.list[dict[str, Any]]:
+        return trio.run(functools.partial(AsyncSandbox.snapshots, **kw))
+
+    @classmethod
+    def delete_snapshot(cls, snapshot_id: str, **kw: Any) -> None:
+        trio.run(functools.partial(AsyncSandbox.delete_snapshot, snapshot_id, **kw))
+
+    def shell(self, shell: str = "/bin/sh") -> int:
+        return self._do(self._a.shell, shell)

@@ -541,3 +541,31 @@ async def _expose(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
 async def _unexpose(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
     W.structure_body(body, W.UnexposePortRequest)
     raise ApiError(W.FAILED_PRECONDITION, "port exposure needs user networking, which is not available yet")
+
+
+_SNAPSHOTS_LATER = "snapshots (checkpoint/restore) are not available in this version yet"
+
+
+@method("Checkpoint")
+async def _checkpoint(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
+    raise ApiError(W.FAILED_PRECONDITION, _SNAPSHOTS_LATER)
+
+
+@method("Restore")
+async def _restore(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
+    raise ApiError(W.FAILED_PRECONDITION, _SNAPSHOTS_LATER)
+
+
+@method("ListSnapshots")
+async def _list_snapshots(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
+    return _Snapshots([])
+
+
+@method("DeleteSnapshot")
+async def _delete_snapshot(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
+    raise ApiError(W.NOT_FOUND, "no such snapshot")
+
+
+@attrs.frozen
+class _Snapshots:
+    snapshots: list[dict[str, Any]]

@@ -200,6 +200,7 @@ def test_cli_surface(served: dict[str, str], tmp_path: Path) -> None:
     assert cli(env, "start", "cli1").returncode == 0
     assert cli(env, "rm", "-f", "cli1").returncode == 0
 
+    assert json.loads(cli(env, "snapshots", "--json").stdout) == []
     # bad input: one line on stderr, exit 2 (usage) or 1 (operation)
     for args, code in (
         (["inspect", "nope"], 1),
@@ -209,6 +210,10 @@ def test_cli_surface(served: dict[str, str], tmp_path: Path) -> None:
         (["run", "nope", "--", "true"], 1),
         (["cp", "a", "b"], 2),
         (["frobnicate"], 2),
+        (["port", "add", "cli1", "eighty"], 2),
+        (["port", "add", "cli1", "80"], 1),  # FAILED_PRECONDITION until user networking
+        (["checkpoint", "cli1"], 1),  # FAILED_PRECONDITION until snapshots
+        (["snapshot", "rm", "nope"], 1),
     ):
         r = cli(env, *args)
         assert r.returncode == code, (args, r)
@@ -264,3 +269,22 @@ def test_exec_it_in_tmux(served: dict[str, str]) -> None:
     finally:
         subprocess.run(["tmux", "kill-session", "-t", session], check=False)
         cli(env, "rm", "-f", "tty1")
+
+
+def test_examples_run_against_a_real_daemon(served: dict[str, str]) -> None:
+    root = Path(__file__).resolve().parent.parent / "examples"
+    r = subprocess.run(
+        [sys.executable, str(root / "quickstart.py")], env=served, capture_output=True, timeout=300, check=False
+    )
+    assert r.returncode == 0, r.stderr
+    assert b"hello from sandbox" in r.stdout and b"written by the host" in r.stdout
+    assert b"exit code of false: 1" in r.stdout
+    r = subprocess.run(
+        [sys.executable, str(root / "parallel_agents.py")], env=served, capture_output=True, timeout=300, check=False
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.decode().splitlines() == [
+        "squares: exit 0: [0, 1, 4, 9, 16, 25, 36, 49, 64, 81]",
+        "fail: exit 3: ",
+        "env: exit 0: env",
+    ]

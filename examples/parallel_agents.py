@@ -1,0 +1,33 @@
+"""Async SDK: run untrusted snippets in parallel sandboxes and collect the results.
+
+Run with `sandvisor serve` running (SANDVISOR_SOCKET points at it if not default).
+"""
+
+import trio
+
+from supervisor.client import AsyncSandbox
+
+SNIPPETS = {
+    "squares": "print([i * i for i in range(10)])",
+    "fail": "raise SystemExit(3)",
+    "env": "import os; print(os.environ['TASK'])",
+}
+
+
+async def run_one(name: str, code: str, results: dict[str, tuple[int, str]]) -> None:
+    async with await AsyncSandbox.create(f"agent-{name}", env={"TASK": name}, ttl=300) as sb:
+        r = await sb.run(["python3", "-c", code], timeout=60)
+        results[name] = (r.exit_code, (r.stdout or r.stderr).decode().strip())
+
+
+async def main() -> None:
+    results: dict[str, tuple[int, str]] = {}
+    async with trio.open_nursery() as n:
+        for name, code in SNIPPETS.items():
+            n.start_soon(run_one, name, code, results)
+    for name in SNIPPETS:
+        code, out = results[name]
+        print(f"{name}: exit {code}: {out}")
+
+
+trio.run(main)
