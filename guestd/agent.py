@@ -711,8 +711,11 @@ class FileReader(Req):
         if self.session is None:
             self.close()
             return
-        if self.session.conn.congested or self.credit <= 0:
+        if self.session.conn.congested:
+            self.session.conn.stalled = True  # rescheduled once the connection drains
             return
+        if self.credit <= 0:
+            return  # rescheduled by the host's next credit
         data = os.read(self.fd, min(P.CHUNK, self.credit, max(self.left, 0) or P.CHUNK))
         if not data or self.left <= 0:
             self.send(P.Eof(rid=self.rid, ch=P.STDOUT))

@@ -13,6 +13,7 @@ import datetime
 import json
 import os
 import sys
+from contextlib import aclosing
 from pathlib import Path
 from typing import Any
 
@@ -120,17 +121,17 @@ async def run(a: argparse.Namespace) -> int:
         raise UsageError("run needs a command after --")
     sb = AsyncSandbox(a.name, socket=a.socket)
     code = 0
-    async for o in sb.run_stream(
-        cmd, env=kv(a.env), workdir=a.workdir or "", user=a.user or "", tty=a.tty, timeout=a.timeout
-    ):
-        if o.stream == "stdout":
-            sys.stdout.buffer.write(o.data)
-            sys.stdout.buffer.flush()
-        elif o.stream == "stderr":
-            sys.stderr.buffer.write(o.data)
-            sys.stderr.buffer.flush()
-        else:
-            code = o.exit_code or 0
+    stream = sb.run_stream(cmd, env=kv(a.env), workdir=a.workdir or "", user=a.user or "", tty=a.tty, timeout=a.timeout)
+    async with aclosing(stream) as outputs:
+        async for o in outputs:
+            if o.stream == "stdout":
+                sys.stdout.buffer.write(o.data)
+                sys.stdout.buffer.flush()
+            elif o.stream == "stderr":
+                sys.stderr.buffer.write(o.data)
+                sys.stderr.buffer.flush()
+            else:
+                code = o.exit_code or 0
     return code
 
 
@@ -199,8 +200,9 @@ def _print_log(e: dict[str, Any], as_json: bool) -> None:
 async def logs(a: argparse.Namespace) -> int:
     sb = AsyncSandbox(a.name, socket=a.socket)
     if a.follow:
-        async for e in sb.log_stream(follow=True, tail=a.tail):
-            _print_log(e, a.json)
+        async with aclosing(sb.log_stream(follow=True, tail=a.tail)) as entries:
+            async for e in entries:
+                _print_log(e, a.json)
     else:
         for e in await sb.logs(tail=a.tail):
             _print_log(e, a.json)
@@ -278,13 +280,14 @@ async def metrics(a: argparse.Namespace) -> int:
             _metrics_row(t, m)
             out.print(t)
         return 0
-    async for m in sb.metrics_stream(1.0):
-        if a.json:
-            _json(m)
-        else:
-            t = _metrics_table()
-            _metrics_row(t, m)
-            out.print(t)
+    async with aclosing(sb.metrics_stream(1.0)) as samples:
+        async for m in samples:
+            if a.json:
+                _json(m)
+            else:
+                t = _metrics_table()
+                _metrics_row(t, m)
+                out.print(t)
     return 0
 
 

@@ -18,8 +18,8 @@ import signal
 import termios
 import threading
 import tty as tty_mod
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -369,7 +369,11 @@ class AsyncFS:
 
 class AsyncSandbox:
     """A sandbox of a ``sandvisor serve`` (Trio). Leaving ``async with`` stops and
-    removes it, unless it was created ``detached``."""
+    removes it, unless it was created ``detached``.
+
+    The streaming methods (run_stream, log_stream, metrics_stream, events) are async
+    generators that hold a connection open: to leave one early, close it in the same
+    task with ``async with contextlib.aclosing(sb.events()) as events:``."""
 
     def __init__(self, id: str, *, socket: str | Path | None = None, detached: bool = True) -> None:
         self.id = id
@@ -526,7 +530,7 @@ class AsyncSandbox:
     async def metrics(self) -> dict[str, Any]:
         return await self._call("Metrics")
 
-    async def metrics_stream(self, interval: float = 1.0) -> AsyncIterator[dict[str, Any]]:
+    async def metrics_stream(self, interval: float = 1.0) -> AsyncGenerator[dict[str, Any], None]:
         async with (
             connect(self.socket) as c,
             c.open_call("MetricsStream", {"id": self.id, "interval_seconds": interval}) as call,
@@ -538,7 +542,7 @@ class AsyncSandbox:
         async with connect(self.socket) as c:
             return await c.collect("Logs", {"id": self.id, "tail": tail, "since": since, "until": until})
 
-    async def log_stream(self, *, follow: bool = True, tail: int = 0) -> AsyncIterator[dict[str, Any]]:
+    async def log_stream(self, *, follow: bool = True, tail: int = 0) -> AsyncGenerator[dict[str, Any], None]:
         async with (
             connect(self.socket) as c,
             c.open_call("Logs", {"id": self.id, "follow": follow, "tail": tail}) as call,
@@ -546,7 +550,7 @@ class AsyncSandbox:
             async for entry in call:
                 yield entry
 
-    async def events(self, action: str = "") -> AsyncIterator[dict[str, Any]]:
+    async def events(self, action: str = "") -> AsyncGenerator[dict[str, Any], None]:
         async with connect(self.socket) as c, c.open_call("Events", {"id": self.id, "action": action}) as call:
             async for e in call:
                 yield e
@@ -581,7 +585,7 @@ class AsyncSandbox:
         user: str = "",
         tty: bool = False,
         timeout: int = 0,
-    ) -> AsyncIterator[Output]:
+    ) -> AsyncGenerator[Output, None]:
         """Run a workload, streaming its output; the last Output is ("exit", b"", code).
         A string is run with ``sh -c``."""
         async with (
@@ -596,13 +600,14 @@ class AsyncSandbox:
 
     async def run(self, cmd: builtins.list[str] | str, **kw: Any) -> RunResult:
         out, err, code = bytearray(), bytearray(), -1
-        async for o in self.run_stream(cmd, **kw):
-            if o.stream == "stdout":
-                out += o.data
-            elif o.stream == "stderr":
-                err += o.data
-            else:
-                code = o.exit_code if o.exit_code is not None else -1
+        async with aclosing(self.run_stream(cmd, **kw)) as outputs:
+            async for o in outputs:
+                if o.stream == "stdout":
+                    out += o.data
+                elif o.stream == "stderr":
+                    err += o.data
+                else:
+                    code = o.exit_code if o.exit_code is not None else -1
         return RunResult(bytes(out), bytes(err), code)
 
     @asynccontextmanager
@@ -714,7 +719,7 @@ class AsyncSandbox:
 # --- sync ---------------------------------------------------------------------
 
 
-def _sync_iter(agen_factory: Callable[[], AsyncIterator[T_]], buffer: int = 64) -> Iterator[T_]:
+def _sync_iter(agen_factory: Callable[[], AsyncGenerator[T_, None]], buffer: int = 64) -> Iterator[T_]:
     """Drive an async iterator in a Trio thread; yield its items here. Closing the
     generator (break, exception) cancels the Trio side."""
     q: queue.Queue[tuple[str, Any]] = queue.Queue(buffer)
@@ -728,8 +733,11 @@ def _sync_iter(agen_factory: Callable[[], AsyncIterator[T_]], buffer: int = 64) 
             scope_box.append(scope)
             started.set()
             try:
-                async for item in agen_factory():
-                    await trio.to_thread.run_sync(q.put, ("item", item), abandon_on_cancel=True)
+                # aclosing: the generator holds a connection's nursery across its yields; it
+                # must be closed here, in this task, before this cancel scope exits
+                async with aclosing(agen_factory()) as agen:
+                    async for item in agen:
+                        await trio.to_thread.run_sync(q.put, ("item", item), abandon_on_cancel=True)
                 q.put(("end", None))
             except BaseException as exc:
                 q.put(("error", exc))
