@@ -116,6 +116,13 @@ def validate_id(id: str) -> None:
         raise ApiError(INVALID_ARGUMENT, "id must not start or end with whitespace")
 
 
+def validate_port(sandbox_port: int, host_port: int, protocol: str) -> None:
+    if not 0 < sandbox_port <= 65535 or not 0 <= host_port <= 65535:
+        raise ApiError(INVALID_ARGUMENT, "ports must be 1-65535 (host_port 0 allocates one)")
+    if protocol not in ("tcp", "udp", ""):
+        raise ApiError(INVALID_ARGUMENT, f"protocol {protocol!r}: tcp or udp")
+
+
 def validate_labels(labels: dict[str, str]) -> None:
     for k, v in labels.items():
         if not k:
@@ -176,7 +183,7 @@ class Registry:
     def _recover(self) -> None:
         """Records of the previous supervisor: a VM it left running is killed, never adopted."""
         for rec in self.store.all():
-            sb = Sandbox(rec, self.settings, self._emit, self.store.update)
+            sb = Sandbox(rec, self.settings, self._emit, self.store.update, self.store.update_config)
             if rec.state in (STARTING, *ALIVE, STOPPING):
                 killed = _kill_orphan(rec.qemu_pid, rec.uid)
                 rec.state = FAILED
@@ -210,7 +217,7 @@ class Registry:
                 vcpus=int(limits.get("vcpus") or self.settings.default_vcpus),
                 memory_mib=int(limits.get("memory_mib") or self.settings.default_memory_mib),
             ),
-            network=SandboxNetwork(),
+            network=SandboxNetwork(ip_address=sb.ip_address, gateway=sb.gateway),
             created_at=r.created_at,
             ready_at=r.ready_at,
             last_exited_at=r.last_exited_at,
@@ -268,7 +275,7 @@ class Registry:
             created_at=int(time.time()),
         )
         self.store.insert(rec)
-        sb = Sandbox(rec, self.settings, self._emit, self.store.update)
+        sb = Sandbox(rec, self.settings, self._emit, self.store.update, self.store.update_config)
         self.sandboxes[rec.id] = sb
         self._emit(rec.id, "created", {})
         await self._start_life(sb)
@@ -290,12 +297,18 @@ class Registry:
             raise ApiError(FAILED_PRECONDITION, "mounts are not supported in sandbox.v1: copy files in with WriteFile")
         if req.ssh_public_key is not None:
             raise ApiError(FAILED_PRECONDITION, "ssh keys are not supported in sandbox.v1: use Exec for access")
-        if req.network.mode not in ("", "none"):
-            raise ApiError(
-                FAILED_PRECONDITION,
-                f"network mode {req.network.mode!r} is not available yet; use 'none' (user networking comes "
-                "with the networking work)",
-            )
+        if req.network.mode == "tap":
+            raise ApiError(FAILED_PRECONDITION, "network mode 'tap' is not available yet; use 'user' or 'none'")
+        if req.network.mode not in ("", "none", "user"):
+            raise ApiError(INVALID_ARGUMENT, f"network mode {req.network.mode!r}: one of none, user")
+        if req.ports and req.network.mode != "user":
+            raise ApiError(FAILED_PRECONDITION, "ports need network mode 'user'")
+        seen = set()
+        for pm in req.ports:
+            validate_port(pm.sandbox_port, pm.host_port, pm.protocol)
+            if (pm.sandbox_port, pm.protocol) in seen:
+                raise ApiError(ALREADY_EXISTS, f"port {pm.sandbox_port}/{pm.protocol} is given twice")
+            seen.add((pm.sandbox_port, pm.protocol))
         if req.limits.vcpus < 0 or req.limits.vcpus > max(1, os.cpu_count() or 1) * 4:
             raise ApiError(INVALID_ARGUMENT, f"vcpus must be 0 (default) to {(os.cpu_count() or 1) * 4}")
         if req.limits.memory_mib and not 64 <= req.limits.memory_mib <= 65536:

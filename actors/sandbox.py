@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import math
 import shutil
+import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -39,7 +40,7 @@ import trio
 from actors.guest import ChannelBroken, ExecHandle, GuestError, GuestOpError
 from actors.logs import SandboxLog
 from actors.machine import MachineError, QemuUser
-from actors.vm import BootError, Guest, booted_guest
+from actors.vm import NETDEV_ID, BootError, Guest, NetConfig, booted_guest
 from guestd import proto as P
 from images.build import Image
 from supervisor.protocol import (
@@ -86,6 +87,7 @@ class Settings:
     default_memory_mib: int = 256
     default_vcpus: int = 1
     qemu_user: QemuUser | None = None  # set when the supervisor is root
+    expose_address: str = "127.0.0.1"  # where exposed ports listen on the host
 
 
 class Sandbox:
@@ -97,11 +99,14 @@ class Sandbox:
         settings: Settings,
         emit: Callable[[str, str, dict[str, str]], None],
         persist: Callable[[Record], None],
+        persist_config: Callable[[Record], None] | None = None,
     ) -> None:
         self.record = record
         self.settings = settings
         self._emit = emit
         self._persist = persist
+        self._persist_config = persist_config or (lambda r: None)
+        self._ports_lock = trio.Lock()
         self.dir = settings.sandboxes_dir / record.uid
         self.dir.mkdir(parents=True, exist_ok=True)
         self.log = SandboxLog(self.dir / "log")
@@ -131,6 +136,23 @@ class Sandbox:
     @property
     def config(self) -> dict[str, Any]:
         return self.record.config
+
+    @property
+    def network(self) -> NetConfig | None:
+        net = self.config.get("network") or {}
+        if net.get("mode") != "user":
+            return None
+        return NetConfig(restrict=not net.get("outbound", False))
+
+    @property
+    def ip_address(self) -> str:
+        net = self.network
+        return net.address if net else ""
+
+    @property
+    def gateway(self) -> str:
+        net = self.network
+        return net.gateway if net else ""
 
     @property
     def run_dir(self) -> Path:
@@ -204,8 +226,11 @@ class Sandbox:
             extra_cmdline=cfg.get("boot_args", ""),
             boot_timeout=s.boot_timeout,
             user=s.qemu_user,
+            network=self.network,
         ) as guest:
             self.guest = guest
+            self.record.qemu_pid = guest.machine.pid or 0
+            await self._apply_ports(guest)  # ports given at create (or exposed before a stop) come first
             self._set(READY, ready_at=int(time.time()), qemu_pid=guest.machine.pid or 0)
             self.log.append("system", b"ready")
             self.emit("ready")
@@ -380,6 +405,70 @@ class Sandbox:
         except GuestError as exc:
             raise api_error(exc) from None
 
+    # -- ports (user networking) -------------------------------------------------
+    async def _apply_ports(self, guest: Guest) -> None:
+        for pm in list(self.config.get("ports") or []):
+            try:
+                await self._hostfwd_add(guest, pm)
+            except ApiError as exc:
+                self.log.append("system", f"port {pm['sandbox_port']}/{pm['protocol']}: {exc.message}".encode())
+                raise MachineError(f"cannot expose port {pm['sandbox_port']}: {exc.message}") from None
+        self._persist_config(self.record)
+
+    async def _hostfwd_add(self, guest: Guest, pm: dict[str, Any]) -> None:
+        proto = pm.get("protocol") or "tcp"
+        pm["protocol"] = proto
+        if not pm.get("host_port"):
+            pm["host_port"] = free_port(self.settings.expose_address, proto)
+        rule = f"{proto}:{self.settings.expose_address}:{pm['host_port']}-:{pm['sandbox_port']}"
+        reply = await guest.machine.hmp(f"hostfwd_add {NETDEV_ID} {rule}")
+        if reply.strip():  # HMP reports failure as text, not as a QMP error
+            if "host forwarding" in reply.lower():
+                raise ApiError(
+                    "ALREADY_EXISTS", f"host port {pm['host_port']}/{proto} is in use on {self.settings.expose_address}"
+                )
+            raise ApiError(FAILED_PRECONDITION, f"hostfwd_add: {reply.strip()[:200]}")
+
+    async def expose(self, sandbox_port: int, host_port: int, protocol: str) -> dict[str, Any]:
+        guest = self._require_alive()
+        if self.network is None:
+            raise ApiError(
+                FAILED_PRECONDITION, f"sandbox {self.id} has no network (create it with network mode 'user')"
+            )
+        proto = protocol or "tcp"
+        if proto == "udp" and self.network is not None and self.network.restrict:
+            raise ApiError(
+                FAILED_PRECONDITION,
+                "QEMU's restricted user networking drops the guest's UDP replies (measured); expose UDP on a "
+                "sandbox created with outbound networking allowed",
+            )
+        async with self._ports_lock:
+            ports = self.config.setdefault("ports", [])
+            if any(p["sandbox_port"] == sandbox_port and p["protocol"] == proto for p in ports):
+                raise ApiError("ALREADY_EXISTS", f"port {sandbox_port}/{proto} is exposed already")
+            pm = {"sandbox_port": sandbox_port, "host_port": host_port, "protocol": proto}
+            await self._hostfwd_add(guest, pm)
+            ports.append(pm)
+            self._persist_config(self.record)
+        return pm
+
+    async def unexpose(self, sandbox_port: int, protocol: str) -> None:
+        proto = protocol or "tcp"
+        async with self._ports_lock:
+            ports = self.config.setdefault("ports", [])
+            match = [p for p in ports if p["sandbox_port"] == sandbox_port and p["protocol"] == proto]
+            if not match:
+                raise ApiError(NOT_FOUND, f"port {sandbox_port}/{proto} is not exposed")
+            pm = match[0]
+            if self.guest is not None and self.state in ALIVE:
+                reply = await self.guest.machine.hmp(
+                    f"hostfwd_remove {NETDEV_ID} {proto}:{self.settings.expose_address}:{pm['host_port']}"
+                )
+                if reply.strip() and "removed" not in reply:  # success is reported as text too
+                    raise ApiError(FAILED_PRECONDITION, f"hostfwd_remove: {reply.strip()[:200]}")
+            ports.remove(pm)
+            self._persist_config(self.record)
+
     # -- metrics ---------------------------------------------------------------
     def host_rss(self) -> int:
         pid = self.record.qemu_pid
@@ -412,3 +501,11 @@ class Sandbox:
             return 0.0
         pct = 100.0 * (cpu - prev[1]) / (now - prev[0])
         return 0.0 if math.isnan(pct) else max(0.0, pct)
+
+
+def free_port(address: str, protocol: str) -> int:
+    """A port nobody listens on right now (the kernel's choice)."""
+    kind = socket.SOCK_DGRAM if protocol == "udp" else socket.SOCK_STREAM
+    with socket.socket(socket.AF_INET, kind) as s:
+        s.bind((address, 0))
+        return int(s.getsockname()[1])

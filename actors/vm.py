@@ -66,6 +66,41 @@ def _is_qcow2(path: Path) -> bool:
         return f.read(4) == b"QFI\xfb"
 
 
+@attrs.frozen
+class NetConfig:
+    """User-mode networking (QEMU's slirp: no packet leaves the QEMU process by itself).
+    ``restrict`` (the default) cuts the guest off from the host and the outside; only
+    host forwards (exposed ports) reach it."""
+
+    restrict: bool = True
+    net: str = "10.0.2.0/24"
+    address: str = "10.0.2.15"
+    gateway: str = "10.0.2.2"
+    dns: str = "10.0.2.3"
+    prefix: int = 24
+
+
+NETDEV_ID = "n0"
+
+
+def netdev_args(net: NetConfig | None) -> tuple[str, ...]:
+    if net is None:
+        return ()
+    restrict = "on" if net.restrict else "off"
+    return (
+        "-netdev",
+        f"user,id={NETDEV_ID},net={net.net},host={net.gateway},dns={net.dns},restrict={restrict}",
+        "-device",
+        "{net},netdev=" + NETDEV_ID,
+    )
+
+
+def network_cmdline(net: NetConfig | None) -> str:
+    if net is None:
+        return ""
+    return f"sandvisor.net={net.address}/{net.prefix},{net.gateway},{net.dns}"
+
+
 @attrs.define
 class Guest:
     """A booted VM: its machine, its channel, and boot timestamps (monotonic seconds)."""
@@ -94,6 +129,7 @@ async def booted_guest(
     sandbox: bool = True,
     user: QemuUser | None = None,
     extra_ports: tuple[str, ...] = (),
+    network: NetConfig | None = None,
     disk_path: Path | None = None,
     kernel: Path | None = None,
 ) -> AsyncIterator[Guest]:
@@ -111,13 +147,19 @@ async def booted_guest(
         disk=overlay,
         cpus=cpus,
         memory_mib=memory_mib,
-        append=kernel_cmdline(accel, root=disk, hostname=hostname, extra=extra_cmdline),
+        append=kernel_cmdline(
+            accel,
+            root=disk,
+            hostname=hostname,
+            extra=" ".join(x for x in (network_cmdline(network), extra_cmdline) if x),
+        ),
         accel=accel,
         machine=machine,
         sandbox=sandbox,
         user=user,
         disk_backing=(rootfs or image.rootfs) if disk else None,
         extra_ports=extra_ports,
+        netdev=netdev_args(network),
     )
     vm = Machine(spec, run_dir, name=hostname)
     t0 = time.monotonic()

@@ -9,7 +9,7 @@ B=/usr/bin/busybox
 $B mount -t proc proc /proc
 read -r SV_T_INIT _ < /proc/uptime
 read -r CMDLINE < /proc/cmdline
-ROOT= FSTYPE=ext4 RO=rw VSOCK= DEBUG=
+ROOT= FSTYPE=ext4 RO=rw VSOCK= DEBUG= NET=
 for w in $CMDLINE; do
   case "$w" in
     sandvisor.root=*) ROOT=${w#*=} ;;
@@ -17,6 +17,7 @@ for w in $CMDLINE; do
     sandvisor.ro) RO=ro ;;
     sandvisor.vsock=*) VSOCK=${w#*=} ;;
     sandvisor.debug) DEBUG=1 ;;
+    sandvisor.net=*) NET=${w#*=} ;;
   esac
 done
 [ -n "$DEBUG" ] && set -x
@@ -47,6 +48,16 @@ if [ -n "$ROOT" ]; then
   fi
 fi
 $B mount -a -T $TAB
+# networking: lo always; eth0 from sandvisor.net=ADDR/PREFIX,GATEWAY,DNS (user-mode NIC)
+$B ip link set lo up
+if [ -n "$NET" ]; then
+  IFS=, read -r ADDR GW DNS <<EON
+$NET
+EON
+  $B ip addr add "$ADDR" dev eth0 && $B ip link set eth0 up && $B ip route add default via "$GW"
+  R=/sysroot; [ "$TAB" = /etc/fstab.sysroot ] || R=
+  [ -n "$DNS" ] && [ -d "$R/etc" ] && echo "nameserver $DNS" > "$R/etc/resolv.conf"
+fi
 read -r SV_T_ROOTFS _ < /proc/uptime
 export SV_T_INIT SV_T_MODULES SV_T_ROOTFS
 PYFLAGS=

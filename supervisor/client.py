@@ -418,8 +418,6 @@ class AsyncSandbox:
     ) -> AsyncSandbox:
         """Create (and by default wait until ready). ``replace`` removes an existing
         sandbox of that name first; ``ephemeral`` sandboxes are removed when they stop."""
-        if ports:
-            raise error_for(W.FAILED_PRECONDITION, "port exposure needs user networking, which is not available yet")
         body: dict[str, Any] = {
             "id": name,
             "labels": _kv(labels),
@@ -432,6 +430,7 @@ class AsyncSandbox:
             "working_dir": workdir,
             "user": user,
             "network": {"mode": network},
+            "ports": [{"sandbox_port": g, "host_port": h, "protocol": "tcp"} for g, h in (ports or {}).items()],
             "ttl_seconds": ttl,
             "idle_timeout_seconds": idle_timeout,
             "hostname": hostname,
@@ -628,6 +627,17 @@ class AsyncSandbox:
         init["tty_size"] = {"width": size[0], "height": size[1]}
         async with connect(self.socket) as c, c.open_call("Exec", {"init": init}) as call:
             yield AsyncExec(call)
+
+    # -- ports -----------------------------------------------------------------
+    async def expose(self, sandbox_port: int, host_port: int = 0, *, udp: bool = False) -> int:
+        """Forward a host port (on the supervisor's loopback) to ``sandbox_port``; returns it."""
+        r = await self._call(
+            "ExposePort", {"sandbox_port": sandbox_port, "host_port": host_port, "protocol": "udp" if udp else "tcp"}
+        )
+        return int(r["host_port"])
+
+    async def unexpose(self, sandbox_port: int, *, udp: bool = False) -> None:
+        await self._call("UnexposePort", {"sandbox_port": sandbox_port, "protocol": "udp" if udp else "tcp"})
 
     # -- snapshots (SandboxSnapshotService) ------------------------------------
     async def checkpoint(self, name: str = "", *, labels: dict[str, str] | None = None) -> str:
@@ -882,6 +892,12 @@ class Sandbox:
 
     def attach(self, cmd: builtins.list[str] | str, **kw: Any) -> int:
         return self._do(self._a.attach, cmd, **kw)
+
+    def expose(self, sandbox_port: int, host_port: int = 0, *, udp: bool = False) -> int:
+        return self._do(self._a.expose, sandbox_port, host_port, udp=udp)
+
+    def unexpose(self, sandbox_port: int, *, udp: bool = False) -> None:
+        self._do(self._a.unexpose, sandbox_port, udp=udp)
 
     def checkpoint(self, name: str = "", **kw: Any) -> str:
         return self._do(self._a.checkpoint, name, **kw)

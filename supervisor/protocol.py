@@ -161,7 +161,17 @@ class ResourceLimits:
 
 @attrs.frozen
 class NetworkSpec:
-    mode: str = ""
+    mode: str = ""  # "none" (default) | "user"; "tap" is not available yet
+    outbound: bool = False  # sandvisor extension: user mode without restrict (the guest may reach out)
+
+
+@attrs.frozen
+class PortMapping:
+    """sandvisor extension: ports exposed at create (``--port HOST:GUEST``)."""
+
+    sandbox_port: int
+    host_port: int = 0
+    protocol: str = "tcp"
 
 
 @attrs.frozen
@@ -192,6 +202,7 @@ class CreateSandboxRequest:
     idle_timeout_seconds: int = 0
     hostname: str = ""
     ephemeral: bool = False  # removed once it stops
+    ports: list[PortMapping] = attrs.field(factory=list)
 
 
 @attrs.frozen

@@ -25,7 +25,7 @@ import trio
 
 from actors._groups import collapse_single
 from actors.guest import GuestError
-from actors.registry import Lagged, Registry
+from actors.registry import Lagged, Registry, validate_port
 from actors.sandbox import READY, RUNNING, Sandbox, api_error
 from guestd import proto as P
 from supervisor import protocol as W
@@ -250,7 +250,7 @@ def method(name: str, kind: str = UNARY) -> Callable[[Handler], Handler]:
 async def _create(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
     req = W.structure_body(body, W.CreateSandboxRequest)
     sb = await srv.registry.create(req)
-    return W.CreateSandboxResponse(id=sb.id, ip_address="", state=sb.state)
+    return W.CreateSandboxResponse(id=sb.id, ip_address=sb.ip_address, state=sb.state)
 
 
 @method("Start")
@@ -533,14 +533,19 @@ class _Raw:
 
 @method("ExposePort")
 async def _expose(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
-    W.structure_body(body, W.ExposePortRequest)
-    raise ApiError(W.FAILED_PRECONDITION, "port exposure needs user networking, which is not available yet")
+    req = W.structure_body(body, W.ExposePortRequest)
+    validate_port(req.sandbox_port, req.host_port, req.protocol)
+    pm = await srv.registry.get(req.id).expose(req.sandbox_port, req.host_port, req.protocol)
+    # the guest needs no relay port: slirp forwards straight to the sandbox port
+    return W.ExposePortResponse(host_port=pm["host_port"], guest_port=pm["sandbox_port"])
 
 
 @method("UnexposePort")
 async def _unexpose(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
-    W.structure_body(body, W.UnexposePortRequest)
-    raise ApiError(W.FAILED_PRECONDITION, "port exposure needs user networking, which is not available yet")
+    req = W.structure_body(body, W.UnexposePortRequest)
+    validate_port(req.sandbox_port, 0, req.protocol)
+    await srv.registry.get(req.id).unexpose(req.sandbox_port, req.protocol)
+    return None
 
 
 _SNAPSHOTS_LATER = "snapshots (checkpoint/restore) are not available in this version yet"

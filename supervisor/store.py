@@ -75,6 +75,11 @@ class Store:
             (r.state, r.ready_at, r.last_exited_at, r.last_exit_code, r.error, r.qemu_pid, r.uid),
         )
 
+    def update_config(self, r: Record) -> None:
+        self.db.execute(
+            "UPDATE sandboxes SET config=? WHERE uid=?", (msgpack.packb(r.config, use_bin_type=True), r.uid)
+        )
+
     def delete(self, uid: str) -> None:
         self.db.execute("DELETE FROM sandboxes WHERE uid=?", (uid,))
 

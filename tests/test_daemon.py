@@ -479,6 +479,9 @@ async def test_initial_cmd_runs_after_boot_and_exec_resizes(daemon: DaemonConfig
         assert events[-1][1]["exit_code"] == "4"
         info = await c.call("Inspect", {"id": "withcmd"})
         assert info["state"] == "ready" and info["last_exit_code"] == 4
+        assert info["network"]["ip_address"] == ""  # network mode none (the default)
+        out, _, _ = await run(c, "withcmd", ["ls", "/sys/class/net"])
+        assert out.split() == [b"lo"]  # no NIC at all, only loopback
         logs = await c.collect("Logs", {"id": "withcmd"})
         assert any(e["data"] == b"from-cmd\n" and e["source"] == "stdout" for e in logs)
 
@@ -495,3 +498,133 @@ async def test_initial_cmd_runs_after_boot_and_exec_resizes(daemon: DaemonConfig
             async for item in ex:
                 got += item["data"]
         assert b"40 120" in got
+
+
+def _http_get(port: int) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as c:
+        c.sendall(b"GET /hello.txt HTTP/1.0\r\n\r\n")
+        data = b""
+        while chunk := c.recv(65536):
+            data += chunk
+        return data
+
+
+async def _wait_http(port: int, timeout: float = 60) -> bytes:
+    with trio.fail_after(timeout):
+        while True:
+            try:
+                reply = await trio.to_thread.run_sync(_http_get, port)
+                if reply.startswith(b"HTTP/1.0 200"):
+                    return reply
+            except OSError:
+                pass
+            await trio.sleep(0.3)
+
+
+async def test_user_network_exposed_ports(daemon: DaemonConfig) -> None:
+    from actors.sandbox import free_port
+
+    web_port = free_port("127.0.0.1", "tcp")
+    serve_http = "cd /tmp && echo hello-from-guest > hello.txt && (python3 -m http.server 8000 >/dev/null 2>&1 &)"
+    async with connect(daemon.socket) as c:
+        resp = await c.call(
+            "Create",
+            {"id": "web", "network": {"mode": "user"}, "ports": [{"sandbox_port": 8000, "host_port": web_port}]},
+        )
+        assert resp["ip_address"] == "10.0.2.15"
+        info = await wait_state(c, "web", "ready")
+        assert info["network"]["ip_address"] == "10.0.2.15" and info["network"]["gateway"] == "10.0.2.2"
+        await run(c, "web", ["sh", "-c", serve_http])
+        assert (await _wait_http(web_port)).rstrip().endswith(b"hello-from-guest")
+
+        with pytest.raises(ApiError) as e:  # restricted slirp drops UDP replies: refused up front
+            await c.call("ExposePort", {"id": "web", "sandbox_port": 9999, "protocol": "udp"})
+        assert e.value.code == "FAILED_PRECONDITION"
+
+        # conflicts: the same sandbox port twice; a host port that is taken
+        with pytest.raises(ApiError) as e:
+            await c.call("ExposePort", {"id": "web", "sandbox_port": 8000})
+        assert e.value.code == "ALREADY_EXISTS"
+        with socket.socket() as taken:
+            taken.bind(("127.0.0.1", 0))
+            taken.listen(1)
+            with pytest.raises(ApiError) as e:
+                await c.call("ExposePort", {"id": "web", "sandbox_port": 8001, "host_port": taken.getsockname()[1]})
+            assert e.value.code == "ALREADY_EXISTS" and "in use" in e.value.message
+
+        # restrict=on: the guest cannot reach a server on the host
+        with socket.socket() as host_srv:
+            host_srv.bind(("127.0.0.1", 0))
+            host_srv.listen(1)
+            port = host_srv.getsockname()[1]
+            probe = (
+                "import socket, sys\n"
+                f"for target in (('10.0.2.2', {port}), ('127.0.0.1', {port})):\n"
+                "    try:\n"
+                "        socket.create_connection(target, timeout=3); sys.exit('reached ' + str(target))\n"
+                "    except OSError:\n"
+                "        pass\n"
+            )
+            _, err, code = await run(c, "web", ["python3", "-c", probe])
+            assert code == 0, err
+
+        # unexpose closes the host port
+        await c.call("UnexposePort", {"id": "web", "sandbox_port": 8000})
+        with pytest.raises(OSError):
+            await trio.to_thread.run_sync(_http_get, web_port)
+        with pytest.raises(ApiError) as e:
+            await c.call("UnexposePort", {"id": "web", "sandbox_port": 8000})
+        assert e.value.code == "NOT_FOUND"
+
+        # mappings persist: re-exposed, stopped, started -> applied again
+        await c.call("ExposePort", {"id": "web", "sandbox_port": 8000, "host_port": web_port})
+        await c.call("Stop", {"id": "web"})
+        with pytest.raises(OSError):
+            await trio.to_thread.run_sync(_http_get, web_port)
+        await c.call("Start", {"id": "web"})
+        await wait_state(c, "web", "ready")
+        await run(c, "web", ["sh", "-c", serve_http])
+        assert (await _wait_http(web_port)).rstrip().endswith(b"hello-from-guest")
+        await c.call("Remove", {"id": "web", "force": True})
+        with pytest.raises(OSError):
+            await trio.to_thread.run_sync(_http_get, web_port)
+
+        for bad, code in (
+            ({"id": "x", "network": {"mode": "tap"}}, "FAILED_PRECONDITION"),
+            ({"id": "x", "network": {"mode": "bridge"}}, "INVALID_ARGUMENT"),
+            ({"id": "x", "ports": [{"sandbox_port": 80}]}, "FAILED_PRECONDITION"),
+            ({"id": "x", "network": {"mode": "user"}, "ports": [{"sandbox_port": 70000}]}, "INVALID_ARGUMENT"),
+        ):
+            with pytest.raises(ApiError) as e:
+                await c.call("Create", bad)
+            assert e.value.code == code, bad
+
+
+async def test_udp_exposure_with_outbound_networking(daemon: DaemonConfig) -> None:
+    async with connect(daemon.socket) as c:
+        await c.call("Create", {"id": "udp", "network": {"mode": "user", "outbound": True}})
+        await wait_state(c, "udp", "ready")
+        # udp echo through a runtime exposure
+        echo = (
+            "import socket; s=socket.socket(socket.AF_INET, socket.SOCK_DGRAM); s.bind(('0.0.0.0', 9999))\n"
+            "while True:\n d, a = s.recvfrom(2048); s.sendto(b'echo:' + d, a)"
+        )
+        await run(c, "udp", ["sh", "-c", f'(python3 -c "{echo}" >/dev/null 2>&1 &)'])
+        r = await c.call("ExposePort", {"id": "udp", "sandbox_port": 9999, "protocol": "udp"})
+        udp_port = r["host_port"]
+        assert udp_port > 0 and r["guest_port"] == 9999
+
+        def udp_round_trip() -> bytes:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.settimeout(1)
+                for _ in range(60):
+                    s.sendto(b"ping", ("127.0.0.1", udp_port))
+                    try:
+                        return s.recvfrom(2048)[0]
+                    except TimeoutError:
+                        continue
+            return b""
+
+        assert await trio.to_thread.run_sync(udp_round_trip) == b"echo:ping"
+
+        await c.call("Remove", {"id": "udp", "force": True})
