@@ -44,6 +44,7 @@ def bench(session: nox.Session) -> None:
     session.run("sandvisor", "image", "build")
     session.run("python", "benchmarks/guest.py", *session.posargs)
     session.run("python", "benchmarks/api.py")
+    session.run("python", "benchmarks/network.py")
 
 
 @nox.session

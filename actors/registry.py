@@ -150,6 +150,7 @@ class Registry:
         self.settings.run_root.mkdir(parents=True, exist_ok=True)
         if self.settings.qemu_user is not None:
             self.settings.run_root.chmod(0o711)  # QEMU's user reaches its own run dir, lists none
+            _check_traversable(self.settings.run_root, self.settings.qemu_user.name)
         self._recover()
         try:
             async with trio.open_nursery() as nursery:
@@ -419,6 +420,18 @@ class Registry:
             "subscribers": len(self.events.subs),
             "events_published": self.events.published,
         }
+
+
+def _check_traversable(path: Path, user: str) -> None:
+    """QEMU runs as ``user`` and creates its guest socket under ``path``: every parent
+    must let others through (o+x). Said at start, not at the first boot's failure."""
+    for parent in [path.resolve(), *path.resolve().parents]:
+        if not parent.stat().st_mode & 0o001:
+            raise ApiError(
+                FAILED_PRECONDITION,
+                f"the run root {path} is not reachable by QEMU's user {user!r}: {parent} is not o+x "
+                "(choose another run root, or another --qemu-user)",
+            )
 
 
 def _encode_cursor(seq: int) -> str:

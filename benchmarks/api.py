@@ -32,6 +32,7 @@ def pct(xs: list[float], p: float) -> float:
 
 async def bench(n: int, out_dir: Path) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="sv-api-", dir="/tmp"))
+    work.chmod(0o711)  # an unprivileged QEMU reaches its run dir under here
     state = work / "state"
     state.mkdir()
     (state / "images").symlink_to(default_cache())

@@ -108,3 +108,19 @@ def test_wrong_types_never_coerce() -> None:
         with pytest.raises(ApiError) as e:
             W.structure_body(body, W.CreateSandboxRequest)
         assert e.value.code == "INVALID_ARGUMENT"
+
+
+def test_a_run_root_qemu_cannot_reach_is_refused_at_start(tmp_path: Path) -> None:
+    from actors.registry import _check_traversable
+
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    (private / "run").mkdir()
+    with pytest.raises(ApiError) as e:
+        _check_traversable(private / "run", "nobody")
+    assert e.value.code == "FAILED_PRECONDITION" and "not reachable" in e.value.message
+    private.chmod(0o711)
+    for parent in tmp_path.parents:
+        if not parent.stat().st_mode & 0o001:
+            return  # the test's own tmp dir is private: nothing more to check here
+    _check_traversable(private / "run", "nobody")
