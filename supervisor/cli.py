@@ -144,6 +144,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_sandboxes=args.max_sandboxes,
         group=args.group,
         qemu_user=args.qemu_user,
+        expose_address=args.expose_address,
     )
     trio.run(serve, cfg)
     return 0
@@ -211,6 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--qemu-user",
         help="user QEMU runs as when serve runs as root (default: sandvisor-qemu if it exists, else nobody; "
         "'' to keep root)",
+    )
+    sv.add_argument(
+        "--expose-address", default="127.0.0.1", help="host address exposed ports listen on (default: loopback only)"
     )
     sv.set_defaults(func=cmd_serve)
 

@@ -36,6 +36,7 @@ class DaemonConfig:
     stop_timeout: float = 10.0
     group: str | None = None
     qemu_user: str | None = None  # None: sandvisor-qemu or nobody when root; "": run QEMU as ourselves
+    expose_address: str = "127.0.0.1"  # where exposed ports listen on the host
 
 
 def default_image(state_dir: Path) -> Image:
@@ -59,6 +60,7 @@ async def serve(
         accel=accel,
         boot_timeout=cfg.boot_timeout,
         qemu_user=unprivileged_user(cfg.qemu_user),
+        expose_address=cfg.expose_address,
     )
     log.info(
         "serving on %s (state %s, accel %s, QEMU as %s)",
