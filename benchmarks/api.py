@@ -9,20 +9,15 @@ Usage: python benchmarks/api.py [-n N] [--out results/]
 
 from __future__ import annotations
 
-import argparse
-import json
-import shutil
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import trio
+from _harness import in_process_daemon, main, write_results
 
-from images.build import default_cache
 from supervisor.client import connect
-from supervisor.daemon import DaemonConfig, serve
 
 
 def pct(xs: list[float], p: float) -> float:
@@ -31,59 +26,45 @@ def pct(xs: list[float], p: float) -> float:
 
 
 async def bench(n: int, out_dir: Path) -> dict[str, Any]:
-    work = Path(tempfile.mkdtemp(prefix="sv-api-", dir="/tmp"))
-    work.chmod(0o711)  # an unprivileged QEMU reaches its run dir under here
-    state = work / "state"
-    state.mkdir()
-    (state / "images").symlink_to(default_cache())
-    cfg = DaemonConfig(socket=work / "s.sock", state_dir=state, accel="tcg", run_root=work / "run")
     res: dict[str, Any] = {"n": n}
-    try:
-        async with trio.open_nursery() as nursery:
-            registry, _server = await nursery.start(serve, cfg)
-            async with connect(cfg.socket) as c:
-                # 49 registered (stopped) sandboxes and one live one
-                for i in range(49):
-                    await c.call("Create", {"id": f"reg{i}", "labels": {"i": str(i)}})
-                    await c.call("Kill", {"id": f"reg{i}"})
-                await c.call("Create", {"id": "live"})
-                with trio.fail_after(120):
-                    while (await c.call("Inspect", {"id": "live"}))["state"] != "ready":
-                        await trio.sleep(0.05)
-                lat: dict[str, list[float]] = {"Inspect": [], "List": []}
-                for _ in range(max(n, 200)):
-                    t = time.perf_counter()
-                    await c.call("Inspect", {"id": "live"})
-                    lat["Inspect"].append(time.perf_counter() - t)
-                    t = time.perf_counter()
-                    await c.call("List", {"limit": 100})
-                    lat["List"].append(time.perf_counter() - t)
-                for k, v in lat.items():
-                    res[k] = {"p50_ms": pct(v, 50) * 1e3, "p99_ms": pct(v, 99) * 1e3, "sandboxes": 50}
-                chan = registry.get("live").guest.channel
-                for _ in range(3):
-                    await chan.run(["true"])
-                api, raw = [], []
-                for _ in range(max(n, 30)):
-                    t = time.perf_counter()
-                    async with c.open_call("Run", {"id": "live", "cmd": ["true"]}) as call:
-                        async for _item in call:
-                            pass
-                    api.append(time.perf_counter() - t)
-                    t = time.perf_counter()
-                    await chan.run(["true"])
-                    raw.append(time.perf_counter() - t)
-                res["run_true"] = {
-                    "api_p50_ms": statistics.median(api) * 1e3,
-                    "raw_channel_p50_ms": statistics.median(raw) * 1e3,
-                    "ratio": statistics.median(api) / statistics.median(raw),
-                    "target_ratio": 1.5,
-                }
-            nursery.cancel_scope.cancel()
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "api.json").write_text(json.dumps(res, indent=2))
+    async with in_process_daemon("sv-api-") as (cfg, registry), connect(cfg.socket) as c:
+        # 49 registered (stopped) sandboxes and one live one
+        for i in range(49):
+            await c.call("Create", {"id": f"reg{i}", "labels": {"i": str(i)}})
+            await c.call("Kill", {"id": f"reg{i}"})
+        await c.call("Create", {"id": "live"})
+        with trio.fail_after(120):
+            while (await c.call("Inspect", {"id": "live"}))["state"] != "ready":
+                await trio.sleep(0.05)
+        lat: dict[str, list[float]] = {"Inspect": [], "List": []}
+        for _ in range(max(n, 200)):
+            t = time.perf_counter()
+            await c.call("Inspect", {"id": "live"})
+            lat["Inspect"].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            await c.call("List", {"limit": 100})
+            lat["List"].append(time.perf_counter() - t)
+        for k, v in lat.items():
+            res[k] = {"p50_ms": pct(v, 50) * 1e3, "p99_ms": pct(v, 99) * 1e3, "sandboxes": 50}
+        chan = registry.get("live").guest.channel
+        for _ in range(3):
+            await chan.run(["true"])
+        api, raw = [], []
+        for _ in range(max(n, 30)):
+            t = time.perf_counter()
+            async with c.open_call("Run", {"id": "live", "cmd": ["true"]}) as call:
+                async for _item in call:
+                    pass
+            api.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            await chan.run(["true"])
+            raw.append(time.perf_counter() - t)
+        res["run_true"] = {
+            "api_p50_ms": statistics.median(api) * 1e3,
+            "raw_channel_p50_ms": statistics.median(raw) * 1e3,
+            "ratio": statistics.median(api) / statistics.median(raw),
+            "target_ratio": 1.5,
+        }
     r = res["run_true"]
     md = "\n".join(
         [
@@ -98,18 +79,9 @@ async def bench(n: int, out_dir: Path) -> dict[str, Any]:
             "",
         ]
     )
-    (out_dir / "api.md").write_text(md)
-    print(md)
+    write_results(out_dir, "api", res, md)
     return res
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("-n", type=int, default=30)
-    ap.add_argument("--out", default="results")
-    a = ap.parse_args()
-    trio.run(bench, a.n, Path(a.out))
-
-
 if __name__ == "__main__":
-    main()
+    main(bench)

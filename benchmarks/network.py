@@ -6,22 +6,17 @@ Usage: python benchmarks/network.py [-n N] [--out results/]
 
 from __future__ import annotations
 
-import argparse
-import json
-import shutil
 import socket
 import statistics
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import trio
+from _harness import in_process_daemon, main, write_results
 
 from actors.sandbox import free_port
-from images.build import default_cache
 from supervisor.client import connect
-from supervisor.daemon import DaemonConfig, serve
 
 IN_GUEST = """
 import socket, statistics, sys, time
@@ -51,57 +46,44 @@ def host_get(port: int, path: bytes) -> tuple[float, int]:
 
 
 async def bench(n: int, out_dir: Path) -> dict[str, Any]:
-    work = Path(tempfile.mkdtemp(prefix="sv-net-", dir="/tmp"))
-    work.chmod(0o711)  # an unprivileged QEMU reaches its run dir under here
-    (work / "state").mkdir()
-    (work / "state" / "images").symlink_to(default_cache())
-    cfg = DaemonConfig(socket=work / "s.sock", state_dir=work / "state", accel="tcg", run_root=work / "run")
     port = free_port("127.0.0.1", "tcp")
     res: dict[str, Any] = {"n": n}
-    try:
-        async with trio.open_nursery() as nursery:
-            await nursery.start(serve, cfg)
-            async with connect(cfg.socket) as c:
-                body = {"id": "net", "network": {"mode": "user"}, "limits": {"memory_mib": 512}}
-                body["ports"] = [{"sandbox_port": 8000, "host_port": port}]
-                await c.call("Create", body)
-                with trio.fail_after(120):
-                    while (info := await c.call("Inspect", {"id": "net"}))["state"] != "ready":
-                        if info["state"] == "failed":
-                            raise RuntimeError(f"the benchmark sandbox failed: {info['error']}")
-                        await trio.sleep(0.1)
-                setup = (
-                    "cd /tmp && echo ok > small.txt && head -c 67108864 /dev/urandom > big.bin && "
-                    "(python3 -m http.server 8000 >/dev/null 2>&1 &)"
-                )
-                async with c.open_call("Run", {"id": "net", "cmd": ["sh", "-c", setup]}) as call:
-                    async for _ in call:
-                        pass
-                with trio.fail_after(60):
-                    while True:
-                        try:
-                            await trio.to_thread.run_sync(host_get, port, b"small.txt")
-                            break
-                        except OSError:
-                            await trio.sleep(0.3)
-                small = [(await trio.to_thread.run_sync(host_get, port, b"small.txt"))[0] for _ in range(n)]
-                big = [await trio.to_thread.run_sync(host_get, port, b"big.bin") for _ in range(3)]
-                assert all(nbytes > 64 << 20 for _, nbytes in big)
-                out = b""
-                async with c.open_call("Run", {"id": "net", "cmd": ["python3", "-c", IN_GUEST, str(n)]}) as call:
-                    async for item in call:
-                        out += item.get("data", b"")
-                g_small_ms, g_big_mibs = (float(x) for x in out.split())
-                res["http_get"] = {"exposed_p50_ms": statistics.median(small) * 1e3, "in_guest_p50_ms": g_small_ms}
-                res["download_64mib"] = {
-                    "exposed_mib_s": statistics.median([64 / t for t, _ in big]),
-                    "in_guest_mib_s": g_big_mibs,
-                }
-            nursery.cancel_scope.cancel()
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "network.json").write_text(json.dumps(res, indent=2))
+    async with in_process_daemon("sv-net-") as (cfg, _registry), connect(cfg.socket) as c:
+        body = {"id": "net", "network": {"mode": "user"}, "limits": {"memory_mib": 512}}
+        body["ports"] = [{"sandbox_port": 8000, "host_port": port}]
+        await c.call("Create", body)
+        with trio.fail_after(120):
+            while (info := await c.call("Inspect", {"id": "net"}))["state"] != "ready":
+                if info["state"] == "failed":
+                    raise RuntimeError(f"the benchmark sandbox failed: {info['error']}")
+                await trio.sleep(0.1)
+        setup = (
+            "cd /tmp && echo ok > small.txt && head -c 67108864 /dev/urandom > big.bin && "
+            "(python3 -m http.server 8000 >/dev/null 2>&1 &)"
+        )
+        async with c.open_call("Run", {"id": "net", "cmd": ["sh", "-c", setup]}) as call:
+            async for _ in call:
+                pass
+        with trio.fail_after(60):
+            while True:
+                try:
+                    await trio.to_thread.run_sync(host_get, port, b"small.txt")
+                    break
+                except OSError:
+                    await trio.sleep(0.3)
+        small = [(await trio.to_thread.run_sync(host_get, port, b"small.txt"))[0] for _ in range(n)]
+        big = [await trio.to_thread.run_sync(host_get, port, b"big.bin") for _ in range(3)]
+        assert all(nbytes > 64 << 20 for _, nbytes in big)
+        out = b""
+        async with c.open_call("Run", {"id": "net", "cmd": ["python3", "-c", IN_GUEST, str(n)]}) as call:
+            async for item in call:
+                out += item.get("data", b"")
+        g_small_ms, g_big_mibs = (float(x) for x in out.split())
+        res["http_get"] = {"exposed_p50_ms": statistics.median(small) * 1e3, "in_guest_p50_ms": g_small_ms}
+        res["download_64mib"] = {
+            "exposed_mib_s": statistics.median([64 / t for t, _ in big]),
+            "in_guest_mib_s": g_big_mibs,
+        }
     h, d = res["http_get"], res["download_64mib"]
     md = "\n".join(
         [
@@ -114,18 +96,9 @@ async def bench(n: int, out_dir: Path) -> dict[str, Any]:
             "",
         ]
     )
-    (out_dir / "network.md").write_text(md)
-    print(md)
+    write_results(out_dir, "network", res, md)
     return res
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("-n", type=int, default=30)
-    ap.add_argument("--out", default="results")
-    a = ap.parse_args()
-    trio.run(bench, a.n, Path(a.out))
-
-
 if __name__ == "__main__":
-    main()
+    main(bench)

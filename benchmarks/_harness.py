@@ -1,0 +1,50 @@
+"""What the in-process-daemon benchmarks share: a throwaway supervisor, results, argv."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from actors.registry import Registry
+from images.build import default_cache
+from supervisor.daemon import DaemonConfig, serve
+
+
+@asynccontextmanager
+async def in_process_daemon(prefix: str) -> AsyncIterator[tuple[DaemonConfig, Registry]]:
+    """A supervisor on a fresh state dir that shares the built image; removed after."""
+    work = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    work.chmod(0o711)  # an unprivileged QEMU reaches its run dir under here
+    (work / "state").mkdir()
+    (work / "state" / "images").symlink_to(default_cache())
+    cfg = DaemonConfig(socket=work / "s.sock", state_dir=work / "state", accel="tcg", run_root=work / "run")
+    try:
+        async with trio.open_nursery() as nursery:
+            registry, _server = await nursery.start(serve, cfg)
+            yield cfg, registry
+            nursery.cancel_scope.cancel()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def write_results(out_dir: Path, name: str, res: dict[str, Any], md: str) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{name}.json").write_text(json.dumps(res, indent=2))
+    (out_dir / f"{name}.md").write_text(md)
+    print(md)
+
+
+def main(bench: Callable[[int, Path], Awaitable[dict[str, Any]]], default_n: int = 30) -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("-n", type=int, default=default_n)
+    ap.add_argument("--out", default="results")
+    a = ap.parse_args()
+    trio.run(bench, a.n, Path(a.out))
