@@ -284,6 +284,7 @@ class Registry:
 
     async def _start_life(self, sb: Sandbox) -> None:
         assert self._nursery is not None, "registry is not running"
+        sb.timings = {"accepted": time.monotonic()}
         await self._nursery.start(sb.run)
 
     def _validate_create(self, req: CreateSandboxRequest) -> None:

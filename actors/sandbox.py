@@ -123,6 +123,8 @@ class Sandbox:
         self._life_scope: trio.CancelScope | None = None
         self.rss_bytes = 0
         self._cpu_prev: tuple[float, float] | None = None
+        # monotonic timestamps of the last boot, for the cold-start breakdown
+        self.timings: dict[str, float] = {}
 
     # -- identity ------------------------------------------------------------
     @property
@@ -229,9 +231,11 @@ class Sandbox:
             network=self.network,
         ) as guest:
             self.guest = guest
+            self._record_timings(guest)
             self.record.qemu_pid = guest.machine.pid or 0
             await self._apply_ports(guest)  # ports given at create (or exposed before a stop) come first
             self._set(READY, ready_at=int(time.time()), qemu_pid=guest.machine.pid or 0)
+            self.timings["ready_event"] = time.monotonic()
             self.log.append("system", b"ready")
             self.emit("ready")
             self.last_activity = time.monotonic()
@@ -247,6 +251,19 @@ class Sandbox:
             self._set(STOPPING)
             if self._stop_force and guest.machine.proc is not None:
                 guest.machine.proc.kill()
+
+    def _record_timings(self, guest: Guest) -> None:
+        """Host and guest milestones on one clock. The guest reports seconds since its
+        kernel started; the hello's arrival anchors that clock to ours."""
+        info = guest.channel.hello_info
+        t = {"spawned": guest.t_launch, "qmp_ready": guest.t_qmp, "hello": guest.t_ready}
+        if info is not None:
+            kernel_start = guest.t_ready - info.ready_ns / 1e9
+            t["kernel_started"] = kernel_start
+            for mark in ("init", "modules", "rootfs", "python"):
+                if mark in info.marks:
+                    t[f"guest_{mark}"] = kernel_start + info.marks[mark]
+        self.timings.update(t)
 
     async def _watch_machine(self, guest: Guest, scope: trio.CancelScope) -> None:
         rc = await guest.machine.wait()

@@ -62,11 +62,13 @@ def floor_initrd(dest: Path) -> Path:
     return out
 
 
-def boot_floor(image: Image, initrd: Path, cmdline: str) -> float:
+def boot_floor(image: Image, initrd: Path, cmdline: str, machine: str = "microvm") -> float:
+    """QEMU spawn -> marker on the serial port. ``pc`` boots the package's bzImage
+    through the default firmware, as a user who just runs QEMU would."""
     argv = [
         "qemu-system-x86_64",
         "-M",
-        "microvm,accel=tcg",
+        f"{machine},accel=tcg",
         "-cpu",
         "max",
         "-m",
@@ -81,7 +83,7 @@ def boot_floor(image: Image, initrd: Path, cmdline: str) -> float:
         "-serial",
         "stdio",
         "-kernel",
-        str(image.kernel),
+        str(image.kernel if machine == "microvm" else image.kernel_bz),
         "-initrd",
         str(initrd),
         "-append",
