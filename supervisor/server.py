@@ -33,6 +33,7 @@ from supervisor.protocol import ApiError
 
 log = logging.getLogger("sandvisor.server")
 HELLO_TIMEOUT = 10.0
+MAX_CALLS = 256  # open calls per connection; more is RESOURCE_EXHAUSTED (a task each)
 
 
 @attrs.define(eq=False)
@@ -128,6 +129,9 @@ class Connection:
         if isinstance(msg, W.Call):
             if msg.id in self.calls or msg.id <= 0:
                 await self.send(W.Fail(msg.id, W.INVALID_ARGUMENT, f"call id {msg.id} is in use or invalid"))
+                return
+            if len(self.calls) >= MAX_CALLS:
+                await self.send(W.Fail(msg.id, W.RESOURCE_EXHAUSTED, f"at most {MAX_CALLS} open calls per connection"))
                 return
             send, recv = trio.open_memory_channel[dict[str, Any]](16)
             ctx = CallCtx(msg.id, msg.method, self, send, recv)

@@ -231,6 +231,36 @@ async def test_bad_input_gets_typed_errors_and_the_daemon_keeps_serving(daemon: 
     ):
         reply = await trio.to_thread.run_sync(raw, payload)
         assert b"fail" in reply  # a typed Fail, then the server hung up
+    # one connection cannot open calls without bound
+    from supervisor.server import MAX_CALLS
+
+    async with connect(daemon.socket) as c:
+        async with trio.open_nursery() as n:
+            opened = 0
+
+            async def hold() -> None:
+                nonlocal opened
+                async with c.open_call("Events", {"id": "nobody"}):
+                    opened += 1
+                    await trio.sleep_forever()
+
+            for _ in range(MAX_CALLS):
+                n.start_soon(hold)
+            with trio.fail_after(10):
+                while opened < MAX_CALLS:
+                    await trio.sleep(0.01)
+                await trio.sleep(0.2)  # let the server see them all
+            with pytest.raises(ApiError) as e:
+                await c.call("List", {})
+            assert e.value.code == "RESOURCE_EXHAUSTED"
+            n.cancel_scope.cancel()
+        with trio.fail_after(10):
+            while True:  # the cancels reach the server, the calls end, List works again
+                try:
+                    await c.call("List", {})
+                    break
+                except ApiError:
+                    await trio.sleep(0.1)
     # a truncated frame then EOF: the server just closes
     await trio.to_thread.run_sync(raw, struct.pack(">I", 100) + b"abc")
     # and the daemon still serves everyone else
