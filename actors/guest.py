@@ -277,7 +277,10 @@ class GuestChannel:
     # -- sending -------------------------------------------------------------
     async def _send(self, msg: P.Message) -> None:
         self._check()
-        frame = P.encode(msg)
+        try:
+            frame = P.encode(msg)
+        except P.FrameTooLarge as exc:  # our own request: refuse it, the channel stays fine
+            raise GuestOpError(P.E_TOO_LARGE, f"request too large for the guest channel: {exc}") from None
         async with self._send_lock:
             self._check()
             try:

@@ -50,6 +50,7 @@ RESERVED_LABEL_PREFIXES = ("sandbox.", "sandvisor.")
 STATES = (STARTING, "ready", RUNNING, STOPPING, STOPPED, FAILED)
 ACTIONS = ("created", "ready", "running", "idle", "stopping", "stopped", "failed", "removed")
 DEFAULT_STOP_TIMEOUT = 30.0
+MAX_WORKLOAD_BYTES = 256 * 1024  # well inside the guest channel's frame cap
 
 
 class Lagged(Exception):
@@ -324,6 +325,9 @@ class Registry:
             raise ApiError(INVALID_ARGUMENT, "hostname must be 1-63 letters, digits or '-'")
         if any(not isinstance(a, str) or not a for a in req.cmd[:1]):
             raise ApiError(INVALID_ARGUMENT, "cmd[0] must not be empty")
+        workload = sum(len(x.encode()) for x in (*req.cmd, *req.env, *req.env.values(), req.working_dir, req.user))
+        if workload > MAX_WORKLOAD_BYTES:
+            raise ApiError(INVALID_ARGUMENT, f"cmd, env, working_dir and user take {workload} bytes; at most 256 KiB")
         if len(req.boot_args) > 1024 or "\n" in req.boot_args:
             raise ApiError(INVALID_ARGUMENT, "boot_args must be one line of at most 1024 bytes")
 

@@ -29,8 +29,8 @@ import math
 import shutil
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -280,11 +280,13 @@ class Sandbox:
                 await self._workload_done.wait()
 
     async def _initial_cmd(self, cfg: dict[str, Any]) -> None:
+        workload = self.run_workload(
+            cfg["cmd"], env=cfg.get("env") or {}, cwd=cfg.get("working_dir", ""), user=cfg.get("user", "")
+        )
         try:
-            async for _ in self.run_workload(
-                cfg["cmd"], env=cfg.get("env") or {}, cwd=cfg.get("working_dir", ""), user=cfg.get("user", "")
-            ):
-                pass
+            async with aclosing(workload) as outputs:
+                async for _ in outputs:
+                    pass
         except ApiError as exc:
             self.log.append("system", f"initial cmd failed: {exc}".encode())
             self.emit("idle", exit_code="127", error=exc.message)
@@ -344,7 +346,7 @@ class Sandbox:
         user: str = "",
         tty: bool = False,
         timeout: float = 0.0,
-    ) -> AsyncIterator[tuple[str, bytes, int | None]]:
+    ) -> AsyncGenerator[tuple[str, bytes, int | None], None]:
         """A Run: the sandbox goes running, output streams as (stream, data, None), the
         last item is ("exit", b"", code); then back to ready with an idle event."""
         guest = self._require_alive()

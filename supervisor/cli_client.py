@@ -271,23 +271,21 @@ def _metrics_table() -> Table:
 
 async def metrics(a: argparse.Namespace) -> int:
     sb = AsyncSandbox(a.name, socket=a.socket)
-    if not a.watch:
-        m = await sb.metrics()
+
+    def show(m: dict[str, Any]) -> None:
         if a.json:
             _json(m)
         else:
             t = _metrics_table()
             _metrics_row(t, m)
             out.print(t)
+
+    if not a.watch:
+        show(await sb.metrics())
         return 0
     async with aclosing(sb.metrics_stream(1.0)) as samples:
         async for m in samples:
-            if a.json:
-                _json(m)
-            else:
-                t = _metrics_table()
-                _metrics_row(t, m)
-                out.print(t)
+            show(m)
     return 0
 
 

@@ -325,13 +325,17 @@ async def _remove(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
 async def _run(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
     req = W.structure_body(body, W.RunRequest)
     sb = srv.registry.get(req.id)
-    async for stream, data, code in sb.run_workload(
+    workload = sb.run_workload(
         req.cmd, env=req.env, cwd=req.working_dir, user=req.user, tty=req.tty, timeout=float(req.timeout_seconds)
-    ):
-        if code is None:
-            await ctx.item(W.RunOutput(stream=stream, data=data))
-        else:
-            await ctx.item(W.RunOutput(stream="exit", exit_code=code, done=True))
+    )
+    # closed here, in this task: a cancelled Run kills its process and returns the
+    # sandbox to ready at once, not when the garbage collector finds the generator
+    async with aclosing(workload) as outputs:
+        async for stream, data, code in outputs:
+            if code is None:
+                await ctx.item(W.RunOutput(stream=stream, data=data))
+            else:
+                await ctx.item(W.RunOutput(stream="exit", exit_code=code, done=True))
 
 
 @method("Exec", STREAM)
