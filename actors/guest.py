@@ -127,13 +127,10 @@ class _Request:
             if left is None or len(msg.data) > left:
                 raise P.BadMessage(f"data beyond granted credit on channel {msg.ch}")
             self.outstanding[msg.ch] = left - len(msg.data)
-            for item in reversed(self.queue):
-                if not isinstance(item, tuple):
-                    break
-                if item[0] == msg.ch:
-                    item[1].extend(msg.data)
-                    break
-            else:
+            trailing = self._trailing(msg.ch)
+            if trailing is not None:
+                trailing.extend(msg.data)
+            else:  # (data was once lost here whenever a message, e.g. file_info, was queued)
                 self.queue.append((msg.ch, bytearray(msg.data)))
         else:
             self.events += 1
@@ -141,6 +138,16 @@ class _Request:
                 raise P.BadMessage("too many messages for one request")
             self.queue.append(msg)
         self.wakeup.set()
+
+    def _trailing(self, ch: int) -> bytearray | None:
+        """The buffer of ``ch`` in the run of data entries at the queue's end, if any:
+        data merges only there, never past a queued message (order must hold)."""
+        for item in reversed(self.queue):
+            if not isinstance(item, tuple):
+                return None
+            if item[0] == ch:
+                return item[1]
+        return None
 
     def peek_error(self) -> P.Error | None:
         if self.queue and isinstance(self.queue[0], P.Error):

@@ -10,7 +10,9 @@ import trio
 from hypothesis import given
 from hypothesis import strategies as st
 
+from actors.guest import _Request
 from actors.logs import SandboxLog
+from guestd import proto as P
 from actors.registry import EventBus, Lagged, _decode_cursor, _encode_cursor, validate_id, validate_labels
 from supervisor import protocol as W
 from supervisor.protocol import ApiError, SandboxEvent
@@ -124,3 +126,31 @@ def test_a_run_root_qemu_cannot_reach_is_refused_at_start(tmp_path: Path) -> Non
         if not parent.stat().st_mode & 0o001:
             return  # the test's own tmp dir is private: nothing more to check here
     _check_traversable(private / "run", "nobody")
+
+
+class _NoGrant:
+    async def _grant(self, rid: int, ch: int, n: int) -> None:
+        pass
+
+
+async def test_guest_request_keeps_data_queued_behind_a_message() -> None:
+    """Data arriving while a message (file_info) is still queued is kept, in order, and
+    data merges only into the trailing run of data entries."""
+    req = _Request(_NoGrant(), 1)  # type: ignore[arg-type]
+    req.deliver(P.FileInfo(rid=1, size=6, mode=0o644))
+    req.deliver(P.Data(rid=1, ch=P.STDOUT, data=b"abc"))
+    req.deliver(P.Data(rid=1, ch=P.STDERR, data=b"!"))
+    req.deliver(P.Data(rid=1, ch=P.STDOUT, data=b"def"))
+    req.deliver(P.Eof(rid=1, ch=P.STDOUT))
+    req.deliver(P.Data(rid=1, ch=P.STDERR, data=b"?"))
+    got = []
+    for _ in range(5):
+        m = await req.next()
+        got.append((m.TAG, getattr(m, "ch", None), getattr(m, "data", None)))
+    assert got == [
+        ("file_info", None, None),
+        ("data", P.STDOUT, b"abcdef"),
+        ("data", P.STDERR, b"!"),
+        ("eof", P.STDOUT, None),
+        ("data", P.STDERR, b"?"),
+    ]
