@@ -9,7 +9,9 @@ cancellation -- powers the guest off through the shutdown ladder and reaps QEMU.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -19,8 +21,9 @@ import attrs
 import trio
 
 from actors._groups import collapse_single
+from actors.disk import backing_chain, create_overlay
 from actors.guest import GuestChannel, HelloTimeout, open_channel
-from actors.machine import LaunchError, Machine, MachineSpec, QemuUser, connect_guest_socket
+from actors.machine import LaunchError, Machine, MachineError, MachineSpec, QemuUser, connect_guest_socket
 from images.build import Image, host_tsc_khz
 
 log = logging.getLogger("sandvisor.vm")
@@ -48,22 +51,6 @@ def kernel_cmdline(accel: str, *, root: bool = True, hostname: str = "sandbox", 
     if extra:
         parts.append(extra)
     return " ".join(parts)
-
-
-async def create_overlay(base: Path, overlay: Path, *, size_mib: int | None = None) -> None:
-    """A qcow2 overlay on a read-only base (raw or qcow2, detected by qemu-img)."""
-    fmt = "qcow2" if _is_qcow2(base) else "raw"
-    argv = ["qemu-img", "create", "-q", "-f", "qcow2", "-b", str(base.resolve()), "-F", fmt, str(overlay)]
-    if size_mib:
-        argv.append(f"{size_mib}M")
-    p = await trio.run_process(argv, capture_stdout=True, capture_stderr=True, check=False)
-    if p.returncode != 0:
-        raise LaunchError(f"qemu-img create failed: {p.stderr.decode(errors='replace').strip()}")
-
-
-def _is_qcow2(path: Path) -> bool:
-    with open(path, "rb") as f:
-        return f.read(4) == b"QFI\xfb"
 
 
 @attrs.frozen
@@ -101,6 +88,29 @@ def network_cmdline(net: NetConfig | None) -> str:
     return f"sandvisor.net={net.address}/{net.prefix},{net.gateway},{net.dns}"
 
 
+@attrs.frozen
+class RestoreFrom:
+    """A saved state to start from instead of booting (see actors/snapshot.py).
+    ``memory``: the snapshot's RAM file, mapped privately (copy-on-write); None when
+    the RAM is in ``vmstate`` (a streamed snapshot)."""
+
+    vmstate: Path
+    memory: Path | None
+
+
+def prepare_memory_file(path: Path, size_mib: int, user: QemuUser | None) -> None:
+    """The shared RAM file, made by us (0600, QEMU's user) before QEMU maps it: QEMU
+    would create it 0644, readable by every local user."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+    try:
+        os.ftruncate(fd, size_mib << 20)
+        if user is not None:
+            os.fchown(fd, user.uid, user.gid)
+    finally:
+        os.close(fd)
+
+
 @attrs.define
 class Guest:
     """A booted VM: its machine, its channel, and boot timestamps (monotonic seconds)."""
@@ -110,6 +120,7 @@ class Guest:
     t_launch: float
     t_qmp: float
     t_ready: float
+    t_loaded: float = 0.0  # a restore: when the saved state was in
 
 
 @asynccontextmanager
@@ -132,22 +143,37 @@ async def booted_guest(
     network: NetConfig | None = None,
     disk_path: Path | None = None,
     kernel: Path | None = None,
+    initrd: Path | None = None,
+    append: str | None = None,
+    memory_file: Path | None = None,
+    restore: RestoreFrom | None = None,
 ) -> AsyncIterator[Guest]:
     """``disk_path``: where the overlay lives (default ``run_dir/disk.qcow2``); an existing
-    overlay there is booted as is (a stopped sandbox started again keeps its disk)."""
+    overlay there is booted as is (a stopped sandbox started again keeps its disk).
+    ``memory_file``: guest RAM in this shared file (made here, removed on the way out),
+    so that a checkpoint can copy it; None for anonymous RAM.
+    ``restore``: resume a saved state instead of booting; the machine arguments
+    (kernel, initrd, append, memory size, devices) must be those it was saved with."""
     run_dir.mkdir(parents=True, exist_ok=True)
     overlay = None
+    chain: tuple[Path, ...] = ()
     if disk:
         overlay = disk_path or run_dir / "disk.qcow2"
         if not overlay.exists():
             await create_overlay(rootfs or image.rootfs, overlay)
+        chain = backing_chain(overlay)
+    mem_path, mem_shared = memory_file, True
+    if restore is not None and restore.memory is not None:
+        mem_path, mem_shared = restore.memory, False
     spec = MachineSpec(
         kernel=kernel or (image.kernel if machine == "microvm" else image.kernel_bz),
-        initrd=image.initrd,
+        initrd=initrd or image.initrd,
         disk=overlay,
         cpus=cpus,
         memory_mib=memory_mib,
-        append=kernel_cmdline(
+        append=append
+        if append is not None
+        else kernel_cmdline(
             accel,
             root=disk,
             hostname=hostname,
@@ -157,17 +183,37 @@ async def booted_guest(
         machine=machine,
         sandbox=sandbox,
         user=user,
-        disk_backing=(rootfs or image.rootfs) if disk else None,
+        disk_chain=chain,
         extra_ports=extra_ports,
         netdev=netdev_args(network),
+        memory_file=mem_path,
+        memory_shared=mem_shared,
+        incoming=restore is not None,
     )
     vm = Machine(spec, run_dir, name=hostname)
     t0 = time.monotonic()
+    try:
+        if memory_file is not None and mem_shared:
+            prepare_memory_file(memory_file, memory_mib, user)
+        async with _running(vm, t0, boot_timeout, restore) as guest:
+            yield guest
+    finally:
+        if memory_file is not None and mem_shared:
+            with contextlib.suppress(FileNotFoundError):
+                memory_file.unlink()
+
+
+@asynccontextmanager
+async def _running(vm: Machine, t0: float, boot_timeout: float, restore: RestoreFrom | None) -> AsyncIterator[Guest]:
     with collapse_single():
         async with trio.open_nursery() as nursery:
             await nursery.start(vm.run)
             t_qmp = time.monotonic()
             try:
+                t_loaded = 0.0
+                if restore is not None:
+                    await _load(vm, restore)
+                    t_loaded = time.monotonic()
                 stream = None
                 with trio.CancelScope() as boot_scope:
 
@@ -195,7 +241,7 @@ async def booted_guest(
                             ) from None
                     if chan.hello_info is None:
                         raise BootError(f"QEMU exited during boot: {vm.describe_exit()}", vm.console.text())
-                    guest = Guest(vm, chan, t0, t_qmp, time.monotonic())
+                    guest = Guest(vm, chan, t0, t_qmp, time.monotonic(), t_loaded)
                     try:
                         yield guest
                     finally:
@@ -203,3 +249,16 @@ async def booted_guest(
             finally:
                 await vm.shutdown()
                 nursery.cancel_scope.cancel()
+
+
+async def _load(vm: Machine, restore: RestoreFrom) -> None:
+    try:
+        fd = os.open(restore.vmstate, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise LaunchError(f"cannot open the saved state {restore.vmstate}: {exc.strerror}") from None
+    try:
+        await vm.migrate_from_fd(fd, ignore_shared=restore.memory is not None)
+    except MachineError as exc:
+        raise BootError(f"restore failed: {exc}; {vm.describe_exit() if vm.exited else ''}") from None
+    finally:
+        os.close(fd)

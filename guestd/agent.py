@@ -46,6 +46,7 @@ AWAY_POLL = 0.01  # seconds between checks for the host coming back
 MAX_OUTBUF = 8 * 1024 * 1024  # a host that stops reading this long is dropped
 DRAIN_GRACE = 0.2  # after exit, wait this long for background holders of the pipes
 RNDADDENTROPY = 0x40085203
+RNDRESEEDCRNG = 0x5207
 _WINSZ = struct.Struct("HHHH")
 
 EPOLLIN, EPOLLOUT = select.EPOLLIN, select.EPOLLOUT
@@ -1147,6 +1148,13 @@ def add_entropy(data: bytes) -> None:
     fd = os.open("/dev/urandom", os.O_WRONLY)
     try:
         fcntl.ioctl(fd, RNDADDENTROPY, buf)
+        # credited entropy alone does not rekey a CRNG that is already seeded: after a
+        # restore, clones of one snapshot would read the same /dev/urandom stream
+        # until the next scheduled reseed (up to a minute). Reseed now.
+        try:
+            fcntl.ioctl(fd, RNDRESEEDCRNG)
+        except OSError:
+            pass  # ENODATA: not seeded yet (then it will seed from the pool anyway)
     finally:
         os.close(fd)
 

@@ -17,9 +17,10 @@ from pathlib import Path
 import pytest
 import trio
 
+from actors.disk import create_overlay
 from actors.guest import GuestChannel, open_channel
 from actors.machine import MachineSpec, qmp_loop
-from actors.vm import create_overlay, kernel_cmdline
+from actors.vm import kernel_cmdline
 from images.build import Builder, Image, default_cache
 
 
@@ -55,6 +56,7 @@ def launch_sync(image: Image, run_dir: Path, extra_cmdline: str = "") -> SharedV
         kernel=image.kernel,
         initrd=image.initrd,
         disk=run_dir / "disk.qcow2",
+        disk_chain=(image.rootfs,),
         memory_mib=512,
         append=kernel_cmdline("tcg", hostname="shared", extra=extra_cmdline),
     )

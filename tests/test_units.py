@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from actors.guest import _Request
 from actors.logs import SandboxLog
-from guestd import proto as P
 from actors.registry import EventBus, Lagged, _decode_cursor, _encode_cursor, validate_id, validate_labels
+from guestd import proto as P
 from supervisor import protocol as W
 from supervisor.protocol import ApiError, SandboxEvent
 
