@@ -13,6 +13,7 @@ more than that is told it lagged and is dropped. Publishing never blocks.
 from __future__ import annotations
 
 import base64
+import builtins
 import logging
 import os
 import shutil
@@ -24,24 +25,30 @@ from typing import Any
 import attrs
 import trio
 
-from actors.sandbox import ALIVE, FAILED, RUNNING, STARTING, STOPPED, STOPPING, Sandbox, Settings
+from actors.disk import backing_chain, create_overlay
+from actors.machine import MachineError
+from actors.sandbox import ALIVE, FAILED, READY, RUNNING, STARTING, STOPPED, STOPPING, Sandbox, Settings
+from actors.snapshot import Checkpoint, SnapshotStore
 from supervisor.protocol import (
     ALREADY_EXISTS,
     FAILED_PRECONDITION,
     INVALID_ARGUMENT,
     NOT_FOUND,
     RESOURCE_EXHAUSTED,
+    UNAVAILABLE,
     ApiError,
+    CheckpointRequest,
     CreateSandboxRequest,
     ListSandboxesRequest,
     ResourceLimits,
+    RestoreRequest,
     SandboxEvent,
     SandboxInfo,
     SandboxNetwork,
     SandboxSummary,
     unstructure_body,
 )
-from supervisor.store import Record, Store
+from supervisor.store import Record, SnapshotRecord, Store
 
 log = logging.getLogger("sandvisor.registry")
 
@@ -51,6 +58,7 @@ STATES = (STARTING, "ready", RUNNING, STOPPING, STOPPED, FAILED)
 ACTIONS = ("created", "ready", "running", "idle", "stopping", "stopped", "failed", "removed")
 DEFAULT_STOP_TIMEOUT = 30.0
 MAX_WORKLOAD_BYTES = 256 * 1024  # well inside the guest channel's frame cap
+POOL_PREFIX = "\x00pool:"  # ids of warm pool members: no caller id can hold a control character
 
 
 class Lagged(Exception):
@@ -135,11 +143,25 @@ def validate_labels(labels: dict[str, str]) -> None:
 
 
 class Registry:
-    def __init__(self, settings: Settings, store: Store, *, max_sandboxes: int = 64) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        store: Store,
+        *,
+        max_sandboxes: int = 64,
+        pool_size: int = 0,
+        pools: dict[str, int] | None = None,
+    ) -> None:
         self.settings = settings
         self.store = store
         self.max_sandboxes = max_sandboxes
         self.sandboxes: dict[str, Sandbox] = {}
+        self.snapshots = SnapshotStore(settings.sandboxes_dir.parent / "snapshots", store, settings.qemu_user)
+        # warm pools: restored sandboxes kept ready per snapshot, hidden until taken
+        self.pool_size = pool_size  # for every snapshot
+        self.pool_sizes = dict(pools or {})  # per snapshot id or name (wins)
+        self.pool: dict[str, list[Sandbox]] = {}
+        self._pool_wake = trio.Event()
         self.events = EventBus()
         self._nursery: trio.Nursery | None = None
         self._closing = False
@@ -152,22 +174,30 @@ class Registry:
         if self.settings.qemu_user is not None:
             self.settings.run_root.chmod(0o711)  # QEMU's user reaches its own run dir, lists none
             _check_traversable(self.settings.run_root, self.settings.qemu_user.name)
+        if self.settings.memory_dir is not None:
+            self.settings.memory_dir.mkdir(parents=True, exist_ok=True)
+            self.settings.memory_dir.chmod(0o711)
+        self.snapshots.load()
         self._recover()
         try:
             async with trio.open_nursery() as nursery:
                 self._nursery = nursery
                 nursery.start_soon(self._timers)
+                nursery.start_soon(self._pool_keeper)
                 task_status.started(self)
                 await trio.sleep_forever()
         finally:
             self._nursery = None
-            for sb in self.sandboxes.values():
+            for sb in [*self.sandboxes.values(), *(m for ms in self.pool.values() for m in ms)]:
                 sb.log.close()
 
     async def shutdown(self, timeout: float = 10.0) -> None:
         """Stop every sandbox (bounded), for supervisor exit. Shielded."""
         self._closing = True
         with trio.CancelScope(shield=True):
+            for members in self.pool.values():
+                for sb in members:
+                    sb.request_stop(0, force=True)
             for sb in self.sandboxes.values():
                 sb.request_stop(timeout)
             await self._wait_all(timeout + 5)
@@ -175,10 +205,12 @@ class Registry:
                 if not sb.stopped:
                     sb.request_stop(0, force=True)
             await self._wait_all(10)
+            for sid in list(self.pool):
+                await self._drain_pool(sid)  # pool members are disposable: nothing of them stays
 
     async def _wait_all(self, timeout: float) -> None:
         with trio.move_on_after(timeout):
-            for sb in list(self.sandboxes.values()):
+            for sb in [*self.sandboxes.values(), *(m for ms in self.pool.values() for m in ms)]:
                 if not sb.stopped:
                     await sb.wait_stopped()
 
@@ -186,6 +218,12 @@ class Registry:
         """Records of the previous supervisor: a VM it left running is killed, never adopted."""
         for rec in self.store.all():
             sb = Sandbox(rec, self.settings, self._emit, self.store.update, self.store.update_config)
+            if rec.id.startswith(POOL_PREFIX):  # a warm pool member: its QEMU goes, and so does it
+                _kill_orphan(rec.qemu_pid, rec.uid)
+                sb.log.close()
+                self.store.delete(rec.uid)
+                shutil.rmtree(sb.dir, ignore_errors=True)
+                continue
             if rec.state in (STARTING, *ALIVE, STOPPING):
                 killed = _kill_orphan(rec.qemu_pid, rec.uid)
                 rec.state = FAILED
@@ -197,8 +235,37 @@ class Registry:
             self.sandboxes[rec.id] = sb
         for stale in self.settings.run_root.glob("*"):
             shutil.rmtree(stale, ignore_errors=True)
+        if self.settings.memory_dir is not None:
+            for stale in self.settings.memory_dir.glob("*.ram"):
+                stale.unlink(missing_ok=True)
+        self._collect_snapshot_dirs()
+
+    def _disks(self) -> list[tuple[str, Path]]:
+        """(who, overlay) of every sandbox and pool member that has a disk."""
+        out = []
+        for sb in [*self.sandboxes.values(), *(m for ms in self.pool.values() for m in ms)]:
+            disk = sb.dir / "disk.qcow2"
+            if disk.exists():
+                out.append((f"sandbox {sb.id}" if not sb.id.startswith(POOL_PREFIX) else "a warm pool member", disk))
+        return out
+
+    def _collect_snapshot_dirs(self) -> None:
+        def in_use() -> set[Path]:
+            used: set[Path] = set()
+            for _, disk in self._disks():
+                try:
+                    used.update(backing_chain(disk))
+                except MachineError:
+                    continue
+            return used
+
+        n = self.snapshots.collect(in_use)
+        if n:
+            log.info("removed %d snapshot directories nothing uses", n)
 
     def _emit(self, sandbox_id: str, action: str, attributes: dict[str, str]) -> None:
+        if sandbox_id.startswith(POOL_PREFIX):
+            return  # pool members are invisible until taken
         self.events.publish(SandboxEvent(sandbox_id, action, time.time_ns(), dict(attributes)))
 
     # -- lookups ---------------------------------------------------------------
@@ -373,6 +440,247 @@ class Registry:
         shutil.rmtree(sb.dir, ignore_errors=True)
         shutil.rmtree(sb.run_dir, ignore_errors=True)
         self._emit(id, "removed", {})
+        self._collect_snapshot_dirs()
+
+    # -- snapshots (SandboxSnapshotService) ------------------------------------------
+    async def checkpoint(self, req: CheckpointRequest) -> tuple[SnapshotRecord, Checkpoint]:
+        self._check_open()
+        validate_labels(req.labels)
+        if len(req.name.encode()) > 256 or any(ord(c) < 32 for c in req.name):
+            raise ApiError(INVALID_ARGUMENT, "name must be at most 256 bytes without control characters")
+        sb = self.get(req.sandbox_id)
+        sb._require_alive()
+        if sb.state != READY:
+            raise ApiError(FAILED_PRECONDITION, f"sandbox {sb.id} is {sb.state}; checkpoint needs it ready")
+        uid, snap_dir = self.snapshots.new_dir()
+        created = time.time_ns()
+        try:
+            ck = await sb.checkpoint(snap_dir)
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                self._collect_snapshot_dirs()  # kept only if the disk froze into it
+            raise
+        rec = SnapshotRecord(
+            uid=uid,
+            id=self.snapshots.new_id(),
+            name=req.name,
+            labels=dict(req.labels),
+            sandbox_id=sb.id,
+            origin_uid=sb.record.uid,
+            created_ns=created,
+            dir=str(snap_dir),
+            memory=ck.memory,
+            machine=ck.machine,
+            config=dict(sb.config),
+            sizes=ck.sizes,
+            memory_stat=ck.memory_stat,
+        )
+        self.snapshots.add(rec)
+        self._pool_wake.set()
+        return rec, ck
+
+    def _restored_config(self, snap: SnapshotRecord, labels: dict[str, str], ttl: int) -> dict[str, Any]:
+        cfg = dict(snap.config)
+        cfg.update(labels=dict(labels), ttl_seconds=ttl, cmd=[], ephemeral=False, restored_from=snap.id)
+        # forwards are host state: each restore gets its own host ports
+        cfg["ports"] = [
+            {"sandbox_port": p["sandbox_port"], "protocol": p.get("protocol") or "tcp", "host_port": 0}
+            for p in cfg.get("ports") or []
+        ]
+        return cfg
+
+    def _check_restorable(self, snap: SnapshotRecord) -> None:
+        accel = snap.machine.get("accel")
+        if accel != self.settings.accel:
+            raise ApiError(
+                FAILED_PRECONDITION,
+                f"snapshot {snap.id} was taken under {accel}; this supervisor runs {self.settings.accel}",
+            )
+        for part in ("vmstate", "disk.qcow2", "kernel", "initrd"):
+            if not (Path(snap.dir) / part).exists():
+                raise ApiError(FAILED_PRECONDITION, f"snapshot {snap.id} is incomplete on disk: {part} is missing")
+        self.snapshots.check_memory(snap)
+
+    async def restore(self, req: RestoreRequest) -> Sandbox:
+        """A new sandbox from a snapshot, returned once ready (as the seed says)."""
+        self._check_open()
+        validate_id(req.id)
+        validate_labels(req.labels)
+        if req.ttl_seconds < 0:
+            raise ApiError(INVALID_ARGUMENT, "ttl_seconds must not be negative")
+        snap = self.snapshots.get(req.snapshot_id)
+        if req.id and req.id in self.sandboxes:
+            raise ApiError(ALREADY_EXISTS, f"sandbox {req.id!r} exists")
+        self._check_restorable(snap)
+        member = self._take_member(snap)
+        if member is not None:
+            return await self._adopt(member, snap, req)
+        if sum(1 for s in self.sandboxes.values() if not s.stopped) >= self.max_sandboxes:
+            raise ApiError(RESOURCE_EXHAUSTED, f"at most {self.max_sandboxes} sandboxes may run at once")
+        uid = str(uuid.uuid4())
+        rec = Record(
+            uid=uid,
+            id=req.id or uid,
+            seq=self.store.next_seq(),
+            config=self._restored_config(snap, req.labels, req.ttl_seconds),
+            state=STARTING,
+            created_at=int(time.time()),
+        )
+        t_accepted = time.monotonic()
+        sb = Sandbox(rec, self.settings, self._emit, self.store.update, self.store.update_config)
+        sb.restore_from = snap
+        await create_overlay(self.snapshots.disk(snap), sb.dir / "disk.qcow2")
+        if req.id and req.id in self.sandboxes:  # another restore or create took the id meanwhile
+            shutil.rmtree(sb.dir, ignore_errors=True)
+            raise ApiError(ALREADY_EXISTS, f"sandbox {req.id!r} exists")
+        self.store.insert(rec)
+        self.sandboxes[rec.id] = sb
+        self._emit(rec.id, "created", {"snapshot_id": snap.id})
+        await self._start_life(sb)
+        sb.timings["accepted"] = t_accepted  # the overlay is part of the restore's cost
+        await sb.ready_event.wait()
+        if sb.state != READY:
+            error = sb.record.error or sb.state
+            with trio.CancelScope(shield=True):
+                await self.remove(rec.id, force=True)
+            raise ApiError(UNAVAILABLE, f"restore from {snap.id} failed: {error}")
+        return sb
+
+    def list_snapshots(
+        self, sandbox_id: str = "", labels: dict[str, str] | None = None
+    ) -> builtins.list[SnapshotRecord]:
+        return self.snapshots.select(sandbox_id, labels)
+
+    def pool_ready(self, snap: SnapshotRecord) -> int:
+        return sum(1 for m in self.pool.get(snap.id, []) if m.state == READY)
+
+    async def delete_snapshot(self, ref: str) -> None:
+        snap = self.snapshots.get(ref)
+        deps: builtins.list[str] = self.snapshots.dependents(
+            snap, [(who, disk) for who, disk in self._disks() if who != "a warm pool member"]
+        )
+        if deps:
+            more = f" and {len(deps) - 3} more" if len(deps) > 3 else ""
+            raise ApiError(
+                FAILED_PRECONDITION,
+                f"snapshot {snap.id} is in use: the disk of {', '.join(deps[:3])}{more} depends on it",
+            )
+        await self._drain_pool(snap.id)
+        self.snapshots.delete(snap)
+
+    # -- warm pools ----------------------------------------------------------------
+    def pool_target(self, snap: SnapshotRecord) -> int:
+        for key in (snap.id, snap.name):
+            if key and key in self.pool_sizes:
+                return self.pool_sizes[key]
+        return self.pool_size
+
+    def _take_member(self, snap: SnapshotRecord) -> Sandbox | None:
+        members = self.pool.get(snap.id, [])
+        for m in members:
+            if m.state == READY and not m.checkpointing and m.guest is not None:
+                members.remove(m)
+                self._pool_wake.set()  # refill in the background
+                return m
+        return None
+
+    async def _adopt(self, sb: Sandbox, snap: SnapshotRecord, req: RestoreRequest) -> Sandbox:
+        """A pool member becomes the caller's sandbox: new id, labels, TTL, clock and
+        entropy (it may have waited in the pool a while); then created and ready."""
+        t_accepted = time.monotonic()
+        rec = sb.record
+        rec.id = req.id or rec.uid
+        rec.seq = self.store.next_seq()
+        rec.created_at = int(time.time())
+        rec.ready_at = rec.created_at
+        cfg = self._restored_config(snap, req.labels, req.ttl_seconds)
+        cfg["ports"] = rec.config.get("ports") or []  # already forwarded, on the member's own host ports
+        rec.config = cfg
+        self.store.rekey(rec)
+        self.sandboxes[rec.id] = sb
+        sb.touch()
+        try:
+            assert sb.guest is not None
+            await sb.guest.channel.set_clock()
+            await sb.guest.channel.add_entropy(256)
+        except Exception as exc:
+            with trio.CancelScope(shield=True):
+                await self.remove(rec.id, force=True)
+            raise ApiError(UNAVAILABLE, f"restore from {snap.id} failed: {exc}") from None
+        self._emit(rec.id, "created", {"snapshot_id": snap.id, "pool": "1"})
+        self._emit(rec.id, "ready", {})
+        sb.timings = {"accepted": t_accepted, "ready_event": time.monotonic(), "pool": 1.0}
+        return sb
+
+    async def _pool_keeper(self) -> None:
+        """Keep each snapshot's pool at its target: one restore at a time (they
+        compete for the same cores as the caller's work), failed members dropped."""
+        while True:
+            self._pool_wake = trio.Event()
+            for sid in list(self.pool):
+                if sid not in self.snapshots.snapshots:
+                    await self._drain_pool(sid)
+            started = False
+            for snap in list(self.snapshots.snapshots.values()):
+                members = self.pool.setdefault(snap.id, [])
+                for m in [m for m in members if m.stopped]:
+                    members.remove(m)
+                    await self._discard(m)
+                if self._closing or len(members) >= self.pool_target(snap):
+                    continue
+                try:
+                    self._check_restorable(snap)
+                except ApiError as exc:
+                    log.warning("pool for %s: %s", snap.id, exc.message)
+                    continue
+                await self._start_member(snap)
+                started = True
+                break
+            if not started:
+                with trio.move_on_after(1.0):
+                    await self._pool_wake.wait()
+
+    async def _start_member(self, snap: SnapshotRecord) -> None:
+        uid = str(uuid.uuid4())
+        rec = Record(
+            uid=uid,
+            id=POOL_PREFIX + uid,
+            seq=0,
+            config=self._restored_config(snap, {}, 0),
+            state=STARTING,
+            created_at=int(time.time()),
+        )
+        sb = Sandbox(rec, self.settings, self._emit, self.store.update, self.store.update_config)
+        sb.restore_from = snap
+        self.pool.setdefault(snap.id, []).append(sb)  # from here on, a drain finds it
+        try:
+            await create_overlay(self.snapshots.disk(snap), sb.dir / "disk.qcow2")
+            self.store.insert(rec)
+            await self._start_life(sb)
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                if sb in self.pool.get(snap.id, []):
+                    self.pool[snap.id].remove(sb)
+                await self._discard(sb)
+            raise
+        await sb.ready_event.wait()
+        if sb.state != READY:
+            log.warning("pool member for %s failed: %s", snap.id, sb.record.error)
+            await trio.sleep(1.0)  # do not spin on a snapshot that cannot restore
+
+    async def _discard(self, sb: Sandbox) -> None:
+        if not sb.stopped:
+            sb.request_stop(0, force=True)
+            with trio.CancelScope(shield=True), trio.move_on_after(30):
+                await sb.wait_stopped()
+        sb.log.close()
+        self.store.delete(sb.record.uid)
+        shutil.rmtree(sb.dir, ignore_errors=True)
+        shutil.rmtree(sb.run_dir, ignore_errors=True)
+
+    async def _drain_pool(self, snapshot_id: str) -> None:
+        for m in self.pool.pop(snapshot_id, []):
+            await self._discard(m)
 
     def _check_open(self) -> None:
         if self._closing:
@@ -420,6 +728,8 @@ class Registry:
 
     def statistics(self) -> dict[str, Any]:
         return {
+            "snapshots": len(self.snapshots.snapshots),
+            "pool_members": sum(len(m) for m in self.pool.values()),
             "sandboxes": len(self.sandboxes),
             "alive": sum(1 for s in self.sandboxes.values() if not s.stopped),
             "subscribers": len(self.events.subs),

@@ -40,7 +40,8 @@ import trio
 from actors.guest import ChannelBroken, ExecHandle, GuestError, GuestOpError
 from actors.logs import SandboxLog
 from actors.machine import MachineError, QemuUser
-from actors.vm import NETDEV_ID, BootError, Guest, NetConfig, booted_guest
+from actors.snapshot import MAPPED, Checkpoint, checkpoint_guest, memory_for_restore
+from actors.vm import NETDEV_ID, BootError, Guest, NetConfig, RestoreFrom, booted_guest
 from guestd import proto as P
 from images.build import Image
 from supervisor.protocol import (
@@ -52,7 +53,7 @@ from supervisor.protocol import (
     UNAVAILABLE,
     ApiError,
 )
-from supervisor.store import Record
+from supervisor.store import Record, SnapshotRecord
 
 log = logging.getLogger("sandvisor.sandbox")
 
@@ -88,6 +89,8 @@ class Settings:
     default_vcpus: int = 1
     qemu_user: QemuUser | None = None  # set when the supervisor is root
     expose_address: str = "127.0.0.1"  # where exposed ports listen on the host
+    # guest RAM as shared files here (tmpfs), so checkpoints are "mapped"; None: anonymous
+    memory_dir: Path | None = None
 
 
 class Sandbox:
@@ -125,6 +128,14 @@ class Sandbox:
         self._cpu_prev: tuple[float, float] | None = None
         # monotonic timestamps of the last boot, for the cold-start breakdown
         self.timings: dict[str, float] = {}
+        # the next life resumes this snapshot instead of booting (then it is cleared:
+        # a restored sandbox stopped and started again boots from its disk)
+        self.restore_from: SnapshotRecord | None = None
+        self.checkpointing = False
+        self._ckpt_lock = trio.Lock()
+        self._ckpt_done = trio.Event()
+        self._ckpt_done.set()
+        self.ready_event = trio.Event()  # set when this life reaches ready (or ends)
 
     # -- identity ------------------------------------------------------------
     @property
@@ -176,6 +187,7 @@ class Sandbox:
         self._stopped = trio.Event()
         self._stop_force = False
         self.draining = False
+        self.ready_event = trio.Event()
         self._set(STARTING, error="", qemu_pid=0)
         cfg = self.config
         limits = cfg.get("limits") or {}
@@ -191,12 +203,16 @@ class Sandbox:
                 self.log.append("system", exc.console[-4000:].encode())
         except (MachineError, GuestError) as exc:
             self._fail(str(exc))
+        except ApiError as exc:
+            self._fail(exc.message)
         except Exception as exc:  # a bug must fail this sandbox, not the supervisor
             log.exception("sandbox %s crashed", self.id)
             self._fail(f"internal error: {type(exc).__name__}: {exc}")
         finally:
             self.guest = None
             self._life_scope = None
+            self.restore_from = None
+            self.ready_event.set()
             shutil.rmtree(self.run_dir, ignore_errors=True)
             if self.state not in (FAILED,):
                 self._set(STOPPED, qemu_pid=0)
@@ -211,15 +227,36 @@ class Sandbox:
         self._set(FAILED, error=error)
         self.emit("failed", error=error)
 
+    @property
+    def memory_file(self) -> Path | None:
+        d = self.settings.memory_dir
+        return d / f"{self.record.uid[:18]}.ram" if d is not None else None
+
     async def _life(self, cfg: dict[str, Any], limits: dict[str, Any]) -> None:
         s = self.settings
         kernel = Path(cfg["kernel"]) if cfg.get("kernel") else None
         rootfs = Path(cfg["rootfs"]) if cfg.get("rootfs") else None
+        snap = self.restore_from
+        kw: dict[str, Any] = {"kernel": kernel}
+        memory_file = self.memory_file
+        if snap is not None:
+            mach = snap.machine
+            snap_dir = Path(snap.dir)
+            mapped = snap.memory == MAPPED
+            kw = {
+                "kernel": snap_dir / "kernel",
+                "initrd": snap_dir / "initrd",
+                "append": mach["append"],
+                "restore": RestoreFrom(
+                    snap_dir / "vmstate", memory_for_restore(snap_dir, self.run_dir, s.qemu_user) if mapped else None
+                ),
+            }
+            if mapped:
+                memory_file = None  # RAM is the snapshot's file, mapped privately
         async with booted_guest(
             s.image,
             self.run_dir,
             rootfs=rootfs,
-            kernel=kernel,
             disk_path=self.dir / "disk.qcow2",
             cpus=int(limits.get("vcpus") or s.default_vcpus),
             memory_mib=int(limits.get("memory_mib") or s.default_memory_mib),
@@ -229,7 +266,11 @@ class Sandbox:
             boot_timeout=s.boot_timeout,
             user=s.qemu_user,
             network=self.network,
+            memory_file=memory_file,
+            **kw,
         ) as guest:
+            if snap is not None:
+                await self._after_restore(guest, cfg)
             self.guest = guest
             self._record_timings(guest)
             self.record.qemu_pid = guest.machine.pid or 0
@@ -238,6 +279,7 @@ class Sandbox:
             self.timings["ready_event"] = time.monotonic()
             self.log.append("system", b"ready")
             self.emit("ready")
+            self.ready_event.set()
             self.last_activity = time.monotonic()
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._watch_machine, guest, nursery.cancel_scope)
@@ -252,12 +294,26 @@ class Sandbox:
             if self._stop_force and guest.machine.proc is not None:
                 guest.machine.proc.kill()
 
+    async def _after_restore(self, guest: Guest, cfg: dict[str, Any]) -> None:
+        """What a clone must not share with its snapshot. The clock was set by the
+        hello (host time); the kernel's CRNG is reseeded with fresh host entropy (else
+        every restore reads the same /dev/urandom stream); the hostname is set again.
+        Port forwards are host state (not migrated): _apply_ports redoes them."""
+        self.timings["restored"] = time.monotonic()
+        try:
+            await guest.channel.add_entropy(256)
+            await guest.channel.set_hostname(cfg.get("hostname") or "sandbox")
+        except GuestError as exc:
+            raise MachineError(f"post-restore fixups failed: {exc}") from None
+
     def _record_timings(self, guest: Guest) -> None:
         """Host and guest milestones on one clock. The guest reports seconds since its
         kernel started; the hello's arrival anchors that clock to ours."""
         info = guest.channel.hello_info
         t = {"spawned": guest.t_launch, "qmp_ready": guest.t_qmp, "hello": guest.t_ready}
-        if info is not None:
+        if guest.t_loaded:
+            t["loaded"] = guest.t_loaded  # a restore: the guest's boot marks are the origin's
+        elif info is not None:
             kernel_start = guest.t_ready - info.ready_ns / 1e9
             t["kernel_started"] = kernel_start
             for mark in ("init", "modules", "rootfs", "python"):
@@ -325,7 +381,40 @@ class Sandbox:
             raise ApiError(FAILED_PRECONDITION, f"sandbox {self.id} is {self.state}, not ready or running")
         if self.draining or self._stop_request.is_set():
             raise ApiError(FAILED_PRECONDITION, f"sandbox {self.id} is draining or stopping: no new work")
+        if self.checkpointing:
+            raise ApiError(FAILED_PRECONDITION, f"sandbox {self.id} is being checkpointed; retry in a moment")
         return self.guest
+
+    async def checkpoint(self, snap_dir: Path) -> Checkpoint:
+        """Save this sandbox into ``snap_dir``; it runs on afterwards. Only when ready
+        with no exec session open: work in flight would be cloned into every restore."""
+        guest = self._require_alive()
+        if self.state != READY:
+            raise ApiError(FAILED_PRECONDITION, f"sandbox {self.id} is {self.state}; checkpoint needs it ready")
+        if self.execs or self.workloads:
+            raise ApiError(FAILED_PRECONDITION, f"sandbox {self.id} has exec sessions open; checkpoint needs it idle")
+        async with self._ckpt_lock:
+            self.checkpointing = True
+            self._ckpt_done = trio.Event()
+            try:
+                # requests in flight (metrics, files) finish first: a request sitting in
+                # the guest's queue at the pause would run again in every restore
+                with trio.move_on_after(5):
+                    while guest.channel.statistics().requests_in_flight:
+                        await trio.sleep(0.002)
+                if guest.channel.statistics().requests_in_flight:
+                    raise ApiError(FAILED_PRECONDITION, f"sandbox {self.id}: guest channel busy; retry the checkpoint")
+                try:
+                    ck = await checkpoint_guest(
+                        guest, disk=self.dir / "disk.qcow2", snap_dir=snap_dir, user=self.settings.qemu_user
+                    )
+                except MachineError as exc:
+                    raise ApiError(INTERNAL, f"checkpoint of {self.id} failed: {exc}") from None
+                self.log.append("system", f"checkpoint: {ck.memory}, paused {ck.paused_s * 1000:.0f} ms".encode())
+                return ck
+            finally:
+                self.checkpointing = False
+                self._ckpt_done.set()
 
     def _defaults(self, env: dict[str, str], cwd: str, user: str) -> tuple[dict[str, str], str, str]:
         """The sandbox's create-time env, working dir and user are every command's
@@ -418,6 +507,7 @@ class Sandbox:
             self._workload_finished()
 
     async def guest_call(self, fn: Callable[[Guest], Awaitable[Any]]) -> Any:
+        await self._ckpt_done.wait()  # short calls wait out a checkpoint's pause
         guest = self._require_alive()
         try:
             return await fn(guest)

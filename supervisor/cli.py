@@ -131,6 +131,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 # --- serve -------------------------------------------------------------------
+def _pool_arg(text: str) -> tuple[str, int]:
+    snap, sep, n = text.rpartition("=")
+    if not sep or not snap or not n.isdigit():
+        raise argparse.ArgumentTypeError(f"--pool {text!r}: SNAPSHOT=N")
+    return snap, int(n)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from supervisor.config import default_socket, default_state_dir
     from supervisor.daemon import DaemonConfig, serve
@@ -140,11 +147,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         socket=Path(args.socket) if args.socket else default_socket(),
         state_dir=Path(args.state_dir) if args.state_dir else default_state_dir(),
         accel=args.accel,
+        run_root=Path(args.run_root) if args.run_root else None,
         boot_timeout=args.boot_timeout,
         max_sandboxes=args.max_sandboxes,
         group=args.group,
         qemu_user=args.qemu_user,
         expose_address=args.expose_address,
+        memory_dir=Path(args.memory_dir) if args.memory_dir else None,
+        anonymous_memory=args.anonymous_memory,
+        pool_size=args.pool_size,
+        pools=dict(_pool_arg(x) for x in args.pool or []),
     )
     trio.run(serve, cfg)
     return 0
@@ -205,6 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--socket", help="socket path (default: $SANDVISOR_SOCKET, /run/sandvisor/sandvisor.sock for root)")
     sv.add_argument("--state-dir", help="state directory (default: $SANDVISOR_STATE_DIR, /var/lib/sandvisor for root)")
     sv.add_argument("--accel", default="auto", choices=["auto", "kvm", "tcg"])
+    sv.add_argument("--run-root", help="per-VM sockets and run dirs (default: /run/sandvisor/vms for root)")
     sv.add_argument("--boot-timeout", type=float, default=60.0, help="seconds a boot may take before it fails")
     sv.add_argument("--max-sandboxes", type=int, default=64)
     sv.add_argument("--group", help="make the socket 0660 for this group (default: owner only, 0600)")
@@ -215,6 +228,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sv.add_argument(
         "--expose-address", default="127.0.0.1", help="host address exposed ports listen on (default: loopback only)"
+    )
+    sv.add_argument("--memory-dir", help="guest RAM files, on tmpfs (default: /dev/shm/sandvisor-<key>)")
+    sv.add_argument(
+        "--anonymous-memory",
+        action="store_true",
+        help="no RAM files: checkpoints then stream RAM into the snapshot (restores load it, slower)",
+    )
+    sv.add_argument("--pool-size", type=int, default=0, help="restored sandboxes kept ready per snapshot (default 0)")
+    sv.add_argument(
+        "--pool", action="append", metavar="SNAPSHOT=N", help="warm pool size for one snapshot (id or name); repeatable"
     )
     sv.set_defaults(func=cmd_serve)
 

@@ -324,7 +324,10 @@ async def checkpoint(a: argparse.Namespace) -> int:
 
 async def restore(a: argparse.Namespace) -> int:
     async with connect(a.socket) as c:
-        r = await c.call("Restore", {"snapshot_id": a.snapshot, "id": a.new_name or "", "ttl_seconds": a.ttl})
+        r = await c.call(
+            "Restore",
+            {"snapshot_id": a.snapshot, "id": a.new_name or "", "labels": kv(a.label), "ttl_seconds": a.ttl},
+        )
     _json(r) if a.json else print(r["id"])
     return 0
 
@@ -334,13 +337,21 @@ async def snapshots(a: argparse.Namespace) -> int:
         if getattr(a, "snapshot_id", None):
             await c.call("DeleteSnapshot", {"snapshot_id": a.snapshot_id})
             return 0
-        r = await c.call("ListSnapshots", {})
+        r = await c.call("ListSnapshots", {"sandbox_id": a.sandbox or "", "labels": kv(a.label)})
     if a.json:
         _json(r["snapshots"])
         return 0
-    t = Table("ID", "NAME", "SANDBOX", "CREATED", box=None)
+    t = Table("ID", "NAME", "SANDBOX", "MEMORY", "SIZE", "POOL", "CREATED", box=None)
     for x in r["snapshots"]:
-        t.add_row(x["id"], x["name"], x["sandbox_id"], x["created_at"])
+        t.add_row(
+            x["id"],
+            x["name"],
+            x["sandbox_id"],
+            x.get("memory", ""),
+            f"{x.get('size_bytes', 0) / 2**20:.0f} MiB",
+            str(x.get("pool_ready", 0)),
+            x["created_at"],
+        )
     out.print(t)
     return 0
 
@@ -438,15 +449,18 @@ def add_client_commands(sub: Any) -> None:
     p.add_argument("snapshot")
     p.add_argument("--name", dest="new_name", metavar="NEW")
     p.add_argument("--ttl", type=int, default=0, metavar="S")
+    p.add_argument("--label", action="append", metavar="K=V")
     p.add_argument("--json", action="store_true")
 
     p = cmd("snapshots", snapshots, "list snapshots")
+    p.add_argument("--sandbox", metavar="ID", help="only those taken of this sandbox")
+    p.add_argument("--label", action="append", metavar="K=V")
     p.add_argument("--json", action="store_true")
 
     p = cmd("snapshot", snapshots, "snapshot rm ID")
     p.add_argument("action", choices=["rm"])
     p.add_argument("snapshot_id")
-    p.set_defaults(json=False)
+    p.set_defaults(json=False, sandbox=None, label=None)
 
     p = cmd("port", port, "port add NAME SANDBOX_PORT [--host-port P] [--udp] | port rm NAME SANDBOX_PORT [--udp]")
     p.add_argument("action", choices=["add", "rm"])

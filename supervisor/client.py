@@ -648,16 +648,30 @@ class AsyncSandbox:
 
     @classmethod
     async def restore(
-        cls, snapshot_id: str, *, name: str = "", ttl: int = 0, socket: str | Path | None = None
+        cls,
+        snapshot_id: str,
+        *,
+        name: str = "",
+        labels: dict[str, str] | None = None,
+        ttl: int = 0,
+        detached: bool = False,
+        socket: str | Path | None = None,
     ) -> AsyncSandbox:
+        """A new sandbox from a snapshot (id, or a unique snapshot name), ready when this
+        returns. As a context manager it is removed on exit unless ``detached``."""
         async with connect(socket) as c:
-            r = await c.call("Restore", {"snapshot_id": snapshot_id, "id": name, "ttl_seconds": ttl})
-        return cls(r["id"], socket=socket, detached=False)
+            r = await c.call(
+                "Restore", {"snapshot_id": snapshot_id, "id": name, "labels": _kv(labels), "ttl_seconds": ttl}
+            )
+        return cls(r["id"], socket=socket, detached=detached)
 
     @classmethod
-    async def snapshots(cls, *, socket: str | Path | None = None) -> builtins.list[dict[str, Any]]:
+    async def snapshots(
+        cls, *, sandbox: str = "", labels: dict[str, str] | None = None, socket: str | Path | None = None
+    ) -> builtins.list[dict[str, Any]]:
+        """Snapshots, oldest first; filtered by origin sandbox id and labels (all must match)."""
         async with connect(socket) as c:
-            return list((await c.call("ListSnapshots", {}))["snapshots"])
+            return list((await c.call("ListSnapshots", {"sandbox_id": sandbox, "labels": _kv(labels)}))["snapshots"])
 
     @classmethod
     async def delete_snapshot(cls, snapshot_id: str, *, socket: str | Path | None = None) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 
@@ -33,3 +34,14 @@ def default_run_root() -> Path:
         return Path("/run/sandvisor/vms")
     runtime = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/sandvisor-{os.geteuid()}"
     return Path(runtime) / "sandvisor" / "vms"
+
+
+def default_memory_dir(state_dir: Path) -> Path | None:
+    """Where guest RAM files live: tmpfs (/dev/shm), one directory per state dir (two
+    supervisors never sweep each other's files). None where there is no /dev/shm:
+    guest RAM is then anonymous and checkpoints stream it."""
+    shm = Path("/dev/shm")
+    if not shm.is_dir():
+        return None
+    key = hashlib.sha256(str(state_dir.resolve()).encode()).hexdigest()[:12]
+    return shm / f"sandvisor-{key}"

@@ -7,6 +7,7 @@ accepting, stop every sandbox within a bound, exit 0.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 from pathlib import Path
@@ -18,7 +19,7 @@ from actors.machine import qmp_loop, resolve_accel, unprivileged_user
 from actors.registry import Registry
 from actors.sandbox import Settings
 from images.build import Builder, Image, load_default
-from supervisor.config import default_run_root
+from supervisor.config import default_memory_dir, default_run_root
 from supervisor.server import Server
 from supervisor.store import Store
 
@@ -37,6 +38,10 @@ class DaemonConfig:
     group: str | None = None
     qemu_user: str | None = None  # None: sandvisor-qemu or nobody when root; "": run QEMU as ourselves
     expose_address: str = "127.0.0.1"  # where exposed ports listen on the host
+    memory_dir: Path | None = None  # guest RAM files (default: per state dir under /dev/shm)
+    anonymous_memory: bool = False  # no RAM files: checkpoints stream RAM (slower restores)
+    pool_size: int = 0  # warm pool members kept per snapshot
+    pools: dict[str, int] = attrs.field(factory=dict)  # per snapshot id or name
 
 
 def default_image(state_dir: Path) -> Image:
@@ -61,6 +66,7 @@ async def serve(
         boot_timeout=cfg.boot_timeout,
         qemu_user=unprivileged_user(cfg.qemu_user),
         expose_address=cfg.expose_address,
+        memory_dir=None if cfg.anonymous_memory else (cfg.memory_dir or default_memory_dir(cfg.state_dir)),
     )
     log.info(
         "serving on %s (state %s, accel %s, QEMU as %s)",
@@ -71,7 +77,9 @@ async def serve(
     )
     try:
         async with qmp_loop(), trio.open_nursery() as nursery:
-            registry = await nursery.start(Registry(settings, store, max_sandboxes=cfg.max_sandboxes).run)
+            registry = await nursery.start(
+                Registry(settings, store, max_sandboxes=cfg.max_sandboxes, pool_size=cfg.pool_size, pools=cfg.pools).run
+            )
             server_scope = trio.CancelScope()
 
             async def run_server(task_status: trio.TaskStatus[Server]) -> None:
@@ -91,3 +99,6 @@ async def serve(
                 nursery.cancel_scope.cancel()
     finally:
         store.close()
+        if settings.memory_dir is not None:
+            with contextlib.suppress(OSError):
+                settings.memory_dir.rmdir()  # empty once every sandbox is gone

@@ -435,6 +435,71 @@ class UnexposePortRequest:
     protocol: str = "tcp"
 
 
+# --- SandboxSnapshotService -----------------------------------------------------------
+@attrs.frozen
+class CheckpointRequest:
+    sandbox_id: str
+    name: str = ""
+    labels: dict[str, str] = attrs.field(factory=dict)
+
+
+@attrs.frozen
+class CheckpointResponse:
+    snapshot_id: str
+    snapshot_dir: str
+    created_at: str  # RFC3339
+    # extensions: what the checkpoint wrote and how long the guest was paused
+    size_bytes: int = 0
+    memory: str = ""  # "mapped" (RAM file, restores map it) or "streamed" (RAM in vmstate)
+    paused_ms: float = 0.0
+
+
+@attrs.frozen
+class RestoreRequest:
+    snapshot_id: str  # a snapshot id, or a snapshot name that is unique
+    id: str = ""
+    labels: dict[str, str] = attrs.field(factory=dict)
+    network_override: bool = False  # accepted; every restore has its own network stack anyway
+    ttl_seconds: int = 0
+
+
+@attrs.frozen
+class RestoreResponse:
+    id: str
+    ip_address: str = ""
+
+
+@attrs.frozen
+class ListSnapshotsRequest:
+    sandbox_id: str = ""
+    labels: dict[str, str] = attrs.field(factory=dict)
+
+
+@attrs.frozen
+class SnapshotSummary:
+    id: str
+    sandbox_id: str
+    name: str
+    labels: dict[str, str]
+    snapshot_dir: str
+    created_at: str  # RFC3339
+    # extensions
+    size_bytes: int = 0
+    memory: str = ""
+    memory_mib: int = 0
+    pool_ready: int = 0  # warm pool members ready for this snapshot
+
+
+@attrs.frozen
+class ListSnapshotsResponse:
+    snapshots: list[SnapshotSummary]
+
+
+@attrs.frozen
+class DeleteSnapshotRequest:
+    snapshot_id: str
+
+
 # --- the converter -------------------------------------------------------------------
 converter = make_converter(forbid_extra_keys=False)
 

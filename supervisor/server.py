@@ -27,6 +27,7 @@ from actors._groups import collapse_single
 from actors.guest import GuestError
 from actors.registry import Lagged, Registry, validate_port
 from actors.sandbox import READY, RUNNING, Sandbox, api_error
+from actors.snapshot import rfc3339, summary_fields
 from guestd import proto as P
 from supervisor import protocol as W
 from supervisor.protocol import ApiError
@@ -556,29 +557,41 @@ async def _unexpose(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
     return None
 
 
-_SNAPSHOTS_LATER = "snapshots (checkpoint/restore) are not available in this version yet"
-
-
 @method("Checkpoint")
 async def _checkpoint(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
-    raise ApiError(W.FAILED_PRECONDITION, _SNAPSHOTS_LATER)
+    req = W.structure_body(body, W.CheckpointRequest)
+    rec, ck = await srv.registry.checkpoint(req)
+    return W.CheckpointResponse(
+        snapshot_id=rec.id,
+        snapshot_dir=rec.dir,
+        created_at=rfc3339(rec.created_ns),
+        size_bytes=sum(rec.sizes.values()),
+        memory=rec.memory,
+        paused_ms=round(ck.paused_s * 1000, 3),
+    )
 
 
 @method("Restore")
 async def _restore(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
-    raise ApiError(W.FAILED_PRECONDITION, _SNAPSHOTS_LATER)
+    req = W.structure_body(body, W.RestoreRequest)
+    sb = await srv.registry.restore(req)
+    return W.RestoreResponse(id=sb.id, ip_address=sb.ip_address)
 
 
 @method("ListSnapshots")
 async def _list_snapshots(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
-    return _Snapshots([])
+    req = W.structure_body(body, W.ListSnapshotsRequest)
+    reg = srv.registry
+    return W.ListSnapshotsResponse(
+        [
+            W.SnapshotSummary(**summary_fields(r), pool_ready=reg.pool_ready(r))
+            for r in reg.list_snapshots(req.sandbox_id, req.labels)
+        ]
+    )
 
 
 @method("DeleteSnapshot")
 async def _delete_snapshot(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
-    raise ApiError(W.NOT_FOUND, "no such snapshot")
-
-
-@attrs.frozen
-class _Snapshots:
-    snapshots: list[dict[str, Any]]
+    req = W.structure_body(body, W.DeleteSnapshotRequest)
+    await srv.registry.delete_snapshot(req.snapshot_id)
+    return None

@@ -29,6 +29,12 @@ CREATE TABLE IF NOT EXISTS sandboxes (
     qemu_pid INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS sandboxes_seq ON sandboxes(seq);
+CREATE TABLE IF NOT EXISTS snapshots (
+    uid TEXT PRIMARY KEY,
+    id TEXT NOT NULL UNIQUE,
+    created_ns INTEGER NOT NULL,
+    data BLOB NOT NULL
+);
 """
 
 
@@ -45,6 +51,28 @@ class Record:
     last_exit_code: int = 0
     error: str = ""
     qemu_pid: int = 0
+
+
+@attrs.define
+class SnapshotRecord:
+    """One snapshot. ``dir`` holds vmstate, memory (when mapped), disk.qcow2 (the origin's
+    frozen overlay), kernel and initrd (links to the image parts it was saved with).
+    ``machine``: the arguments a restore must start QEMU with; ``config``: the origin's
+    sandbox configuration, which restores inherit."""
+
+    uid: str
+    id: str
+    name: str
+    labels: dict[str, str]
+    sandbox_id: str  # the origin's id (it may be gone since)
+    origin_uid: str
+    created_ns: int
+    dir: str
+    memory: str  # "mapped" | "streamed"
+    machine: dict[str, Any]
+    config: dict[str, Any]
+    sizes: dict[str, int] = attrs.field(factory=dict)
+    memory_stat: list[int] = attrs.field(factory=list)  # size, mtime_ns: tamper check
 
 
 class Store:
@@ -80,6 +108,13 @@ class Store:
             "UPDATE sandboxes SET config=? WHERE uid=?", (msgpack.packb(r.config, use_bin_type=True), r.uid)
         )
 
+    def rekey(self, r: Record) -> None:
+        """A warm pool member handed out: it takes the caller's id and becomes visible."""
+        self.db.execute(
+            "UPDATE sandboxes SET id=?, seq=?, config=?, created_at=? WHERE uid=?",
+            (r.id, r.seq, msgpack.packb(r.config, use_bin_type=True), r.created_at, r.uid),
+        )
+
     def delete(self, uid: str) -> None:
         self.db.execute("DELETE FROM sandboxes WHERE uid=?", (uid,))
 
@@ -104,3 +139,17 @@ class Store:
             )
             for r in rows
         ]
+
+    # -- snapshots -------------------------------------------------------------
+    def insert_snapshot(self, r: SnapshotRecord) -> None:
+        self.db.execute(
+            "INSERT INTO snapshots (uid, id, created_ns, data) VALUES (?, ?, ?, ?)",
+            (r.uid, r.id, r.created_ns, msgpack.packb(attrs.asdict(r), use_bin_type=True)),
+        )
+
+    def delete_snapshot(self, uid: str) -> None:
+        self.db.execute("DELETE FROM snapshots WHERE uid=?", (uid,))
+
+    def snapshots(self) -> list[SnapshotRecord]:
+        rows = self.db.execute("SELECT data FROM snapshots ORDER BY created_ns").fetchall()
+        return [SnapshotRecord(**msgpack.unpackb(r[0], raw=False)) for r in rows]

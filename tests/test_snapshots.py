@@ -1,0 +1,280 @@
+"""Checkpoint, restore, snapshots and warm pools against a real `sandvisor serve` and
+real VMs. One supervisor and one checkpointed origin for the module: restores take
+~0.3 s, so most tests restore rather than boot."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from images.build import Image, default_cache
+from supervisor.client import (
+    AlreadyExists,
+    AsyncSandbox,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    Sandbox,
+    connect,
+)
+from supervisor.daemon import DaemonConfig, serve
+
+pytestmark = pytest.mark.vm
+
+COUNTER = "i=0; while true; do i=$((i+1)); echo $i > /run/cnt; sleep 0.05; done"
+
+
+@pytest.fixture(scope="module")
+def served(image: Image) -> Iterator[dict[str, Any]]:
+    work = Path(tempfile.mkdtemp(prefix="sv-snap-", dir="/tmp"))
+    work.chmod(0o711)  # QEMU's user maps the snapshots' memory files in place
+    (work / "state").mkdir()
+    (work / "state" / "images").symlink_to(default_cache())
+    env = {**os.environ, "SANDVISOR_SOCKET": str(work / "s.sock"), "SANDVISOR_STATE_DIR": str(work / "state")}
+    p = subprocess.Popen(
+        [sys.executable, "-m", "supervisor.cli", "serve", "--accel", "tcg", "--run-root", str(work / "run")],
+        env=env,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 30
+    while not (work / "s.sock").exists():
+        assert p.poll() is None and time.monotonic() < deadline, "serve did not start"
+        time.sleep(0.05)
+    sock = str(work / "s.sock")
+    try:
+        # the origin: a file on disk, a process counting in memory, then a checkpoint
+        origin = Sandbox.create("origin", socket=sock, labels={"role": "origin"}, detached=True)
+        origin.fs.write("/root/marker", b"written before the checkpoint")
+        origin.run(["sh", "-c", f"({COUNTER}) >/dev/null 2>&1 &"])
+        time.sleep(0.5)
+        snap = origin.checkpoint("base", labels={"kind": "test"})
+        yield {"env": env, "sock": sock, "snap": snap, "work": work}
+    finally:
+        p.send_signal(signal.SIGTERM)
+        try:
+            p.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+async def sh(sb: AsyncSandbox, script: str) -> str:
+    r = await sb.run(["sh", "-c", script])
+    assert r.exit_code == 0, r
+    return r.stdout.decode()
+
+
+async def test_restore_keeps_disk_memory_and_processes(served: dict[str, Any]) -> None:
+    sock = served["sock"]
+    origin = await AsyncSandbox.get("origin", socket=sock)
+    at_checkpoint = int(await sh(origin, "cat /run/cnt"))
+    with trio.fail_after(60):
+        async with await AsyncSandbox.restore(served["snap"], name="r-basic", socket=sock) as sb:
+            assert await sb.state() == "ready"
+            assert await sb.fs.read("/root/marker") == b"written before the checkpoint"
+            first = int(await sh(sb, "cat /run/cnt"))
+            await trio.sleep(0.5)
+            second = int(await sh(sb, "cat /run/cnt"))
+            # the loop's variable came back from memory: it goes on from where it was
+            assert at_checkpoint - 40 < first < second, (at_checkpoint, first, second)
+            before = time.time()
+            guest_now = float(await sh(sb, "date +%s.%N"))
+            after = time.time()
+            assert before - 1 <= guest_now <= after + 1, (before, guest_now, after)
+            assert (await sh(sb, "hostname")).strip() == "sandbox"
+            info = await sb.inspect()
+            assert info["labels"] == {}
+
+
+async def test_concurrent_restores_are_independent(served: dict[str, Any]) -> None:
+    sock, snap = served["sock"], served["snap"]
+    names = [f"r-par{i}" for i in range(4)]
+    random: dict[str, str] = {}
+    events: list[tuple[str, str]] = []
+    async with connect(sock) as ec, ec.open_call("Events", {}) as stream:
+        with trio.fail_after(120):
+            async with trio.open_nursery() as n:
+
+                async def watch() -> None:
+                    async for ev in stream:
+                        if ev["sandbox_id"] in names:
+                            events.append((ev["sandbox_id"], ev["action"]))
+
+                n.start_soon(watch)
+                sandboxes: dict[str, AsyncSandbox] = {}
+
+                async def one(name: str) -> None:
+                    sandboxes[name] = await AsyncSandbox.restore(snap, name=name, labels={"n": name}, socket=sock)
+
+                async with trio.open_nursery() as rn:
+                    for name in names:
+                        rn.start_soon(one, name)
+                try:
+                    for name, sb in sandboxes.items():
+                        await sb.fs.write("/root/mine", name.encode())
+                        random[name] = await sh(sb, "head -c 16 /dev/urandom | od -An -tx1")
+                    for name, sb in sandboxes.items():
+                        assert await sb.fs.read("/root/mine") == name.encode()
+                    origin = await AsyncSandbox.get("origin", socket=sock)
+                    assert "no" in await sh(origin, "test -e /root/mine && echo yes || echo no")
+                    listed = await AsyncSandbox.list(labels={"n": "r-par2"}, socket=sock)
+                    assert [s["id"] for s in listed.sandboxes] == ["r-par2"]
+                finally:
+                    for sb in sandboxes.values():
+                        await sb.remove()
+                n.cancel_scope.cancel()
+    assert len(set(random.values())) == 4, random  # the CRNG was reseeded in each clone
+    for name in names:
+        mine = [a for i, a in events if i == name]
+        assert mine[:2] == ["created", "ready"], mine
+
+
+async def test_bad_requests(served: dict[str, Any]) -> None:
+    sock, snap = served["sock"], served["snap"]
+    async with connect(sock) as c:
+        with pytest.raises(NotFound):
+            await c.call("Checkpoint", {"sandbox_id": "nobody-here"})
+        with pytest.raises(NotFound):
+            await c.call("Restore", {"snapshot_id": "snap-000000000000"})
+        with pytest.raises(InvalidArgument):
+            await c.call("Restore", {"snapshot_id": ""})
+        with pytest.raises(AlreadyExists):
+            await c.call("Restore", {"snapshot_id": snap, "id": "origin"})
+        with pytest.raises(InvalidArgument):
+            await c.call("Restore", {"snapshot_id": snap, "labels": {"sandvisor.x": "1"}})
+        with pytest.raises(NotFound):
+            await c.call("DeleteSnapshot", {"snapshot_id": "snap-000000000000"})
+        with pytest.raises(FailedPrecondition, match="in use"):
+            await c.call("DeleteSnapshot", {"snapshot_id": snap})  # the origin's disk sits on it
+        # a sandbox running a workload is refused, then accepted once idle
+        origin = await AsyncSandbox.get("origin", socket=sock)
+        with trio.fail_after(60):
+            async with trio.open_nursery() as n:
+                n.start_soon(origin.run, ["sleep", "1.5"])
+                while await origin.state() != "running":
+                    await trio.sleep(0.02)
+                with pytest.raises(FailedPrecondition, match="running"):
+                    await c.call("Checkpoint", {"sandbox_id": "origin"})
+        # the daemon keeps serving: the snapshot still restores
+        async with await AsyncSandbox.restore(snap, socket=sock) as sb:
+            assert (await sh(sb, "echo ok")).strip() == "ok"
+
+
+async def test_restored_sandbox_checkpoints_again(served: dict[str, Any]) -> None:
+    sock, snap = served["sock"], served["snap"]
+    with trio.fail_after(120):
+        async with await AsyncSandbox.restore(snap, name="r-gen1", socket=sock) as gen1:
+            await gen1.fs.write("/root/gen", b"1")
+            s2 = await gen1.checkpoint("gen1")
+            await gen1.fs.write("/root/gen", b"after")  # not in the snapshot
+            listed = {s["id"]: s for s in await AsyncSandbox.snapshots(sandbox="r-gen1", socket=sock)}
+            assert list(listed) == [s2]
+            assert listed[s2]["memory"] == "streamed"  # its RAM was a private map of the first snapshot
+            async with await AsyncSandbox.restore(s2, name="r-gen2", socket=sock) as gen2:
+                assert await gen2.fs.read("/root/gen") == b"1"
+                assert await gen2.fs.read("/root/marker") == b"written before the checkpoint"
+                s3 = await gen2.checkpoint("gen2")
+                async with await AsyncSandbox.restore("gen2", socket=sock) as gen3:  # by unique name
+                    assert await gen3.fs.read("/root/gen") == b"1"
+                    int(await sh(gen3, "cat /run/cnt"))  # the counter still runs, three generations on
+            info = {s["id"]: s for s in await AsyncSandbox.snapshots(socket=sock)}
+            assert info[s3]["memory"] == "mapped"
+        # gen1..gen3 are removed: their snapshots can go, and take their files along
+        for sid in (s3, s2):
+            d = Path(info[sid]["snapshot_dir"])
+            await AsyncSandbox.delete_snapshot(sid, socket=sock)
+            assert not d.exists()
+        assert {s["id"] for s in await AsyncSandbox.snapshots(socket=sock)} == {snap}
+
+
+def test_cli_snapshots(served: dict[str, Any]) -> None:
+    env = served["env"]
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "supervisor.cli", *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+
+    r = cli("snapshots", "--label", "kind=test")
+    assert r.returncode == 0 and "base" in r.stdout and "mapped" in r.stdout, r
+    r = cli("restore", "base", "--name", "cli-r", "--label", "via=cli")
+    assert (r.returncode, r.stdout.strip()) == (0, "cli-r"), r
+    r = cli("exec", "cli-r", "--", "cat", "/root/marker")
+    assert r.stdout == "written before the checkpoint", r
+    assert cli("rm", "-f", "cli-r").returncode == 0
+    r = cli("checkpoint", "origin", "--name", "again")
+    assert r.returncode == 0 and r.stdout.startswith("snap-"), r
+    again = r.stdout.strip()
+    r = cli("snapshot", "rm", again)  # the origin now runs on top of it
+    assert r.returncode == 1 and "in use" in r.stderr, r
+    r = cli("restore", "no-such-snapshot")
+    assert r.returncode == 1 and "no snapshot 'no-such-snapshot'" in r.stderr, r
+
+
+# --- restart and warm pool: in-process supervisors on one state dir ----------------------
+@asynccontextmanager
+async def daemon_on(state: Path, run_root: Path, **kw: Any) -> AsyncIterator[DaemonConfig]:
+    cfg = DaemonConfig(socket=state.parent / "p.sock", state_dir=state, accel="tcg", run_root=run_root, **kw)
+    async with trio.open_nursery() as n:
+        await n.start(serve, cfg)
+        yield cfg
+        n.cancel_scope.cancel()
+
+
+async def test_snapshots_survive_restart_and_pool(image: Image, tmp_path: Path) -> None:
+    state = tmp_path / "state"  # under pytest's 0700 tmp: restores link the memory file instead
+    state.mkdir()
+    (state / "images").symlink_to(default_cache())
+    run_root = Path(tempfile.mkdtemp(prefix="svp-", dir="/tmp"))
+    try:
+        with trio.fail_after(240):
+            async with daemon_on(state, run_root) as cfg:
+                sock = cfg.socket
+                async with await AsyncSandbox.create("pool-origin", socket=sock) as sb:
+                    await sb.fs.write("/root/x", b"pooled")
+                    snap = await sb.checkpoint("pooled")
+            # the origin is gone, the snapshot stays; a new supervisor keeps one restore warm
+            async with daemon_on(state, run_root, pool_size=1) as cfg:
+                sock = cfg.socket
+                [s] = await AsyncSandbox.snapshots(socket=sock)
+                assert (s["id"], s["name"], s["sandbox_id"]) == (snap, "pooled", "pool-origin")
+                while (await AsyncSandbox.snapshots(socket=sock))[0]["pool_ready"] < 1:
+                    await trio.sleep(0.1)
+                assert (await AsyncSandbox.list(socket=sock)).sandboxes == []  # pool members are not listed
+                async with connect(sock) as ec, ec.open_call("Events", {}) as events:
+                    sb = await AsyncSandbox.restore(snap, name="from-pool", socket=sock)
+                    ev = await events.__anext__()
+                    assert (ev["sandbox_id"], ev["action"], ev["attributes"].get("pool")) == (
+                        "from-pool",
+                        "created",
+                        "1",
+                    )
+                async with sb:
+                    assert await sb.fs.read("/root/x") == b"pooled"
+                    assert [s["id"] for s in (await AsyncSandbox.list(socket=sock)).sandboxes] == ["from-pool"]
+                    while (await AsyncSandbox.snapshots(socket=sock))[0]["pool_ready"] < 1:
+                        await trio.sleep(0.1)  # refilled in the background
+                await AsyncSandbox.delete_snapshot(snap, socket=sock)  # drains the pool first
+                assert await AsyncSandbox.snapshots(socket=sock) == []
+            assert not list((state / "snapshots").iterdir())
+            assert not list((state / "sandboxes").iterdir())
+    finally:
+        shutil.rmtree(run_root, ignore_errors=True)
