@@ -206,6 +206,10 @@ class GuestChannel:
     def broken(self) -> bool:
         return self._broken is not None
 
+    def expect_eof(self) -> None:
+        """The VM is being killed: its end of the channel going away is no news."""
+        self._eof_expected = True
+
     def statistics(self) -> ChannelStatistics:
         return ChannelStatistics(requests_in_flight=len(self._reqs), **self._stats)
 

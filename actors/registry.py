@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import base64
 import builtins
+import functools
+import hashlib
 import logging
 import os
 import shutil
@@ -28,7 +30,8 @@ import trio
 from actors.disk import backing_chain, create_overlay
 from actors.machine import MachineError
 from actors.sandbox import ALIVE, FAILED, READY, RUNNING, STARTING, STOPPED, STOPPING, Sandbox, Settings
-from actors.snapshot import Checkpoint, SnapshotStore
+from actors.snapshot import Checkpoint, SnapshotStore, checkpoint_guest
+from actors.vm import Guest
 from supervisor.protocol import (
     ALREADY_EXISTS,
     FAILED_PRECONDITION,
@@ -58,6 +61,7 @@ STATES = (STARTING, "ready", RUNNING, STOPPING, STOPPED, FAILED)
 ACTIONS = ("created", "ready", "running", "idle", "stopping", "stopped", "failed", "removed")
 DEFAULT_STOP_TIMEOUT = 30.0
 MAX_WORKLOAD_BYTES = 256 * 1024  # well inside the guest channel's frame cap
+TEMPLATE_LABEL = "sandvisor.template"  # reserved prefix: no caller can set it
 POOL_PREFIX = "\x00pool:"  # ids of warm pool members: no caller id can hold a control character
 
 
@@ -151,6 +155,7 @@ class Registry:
         max_sandboxes: int = 64,
         pool_size: int = 0,
         pools: dict[str, int] | None = None,
+        templates: bool = True,
     ) -> None:
         self.settings = settings
         self.store = store
@@ -162,6 +167,10 @@ class Registry:
         self.pool_sizes = dict(pools or {})  # per snapshot id or name (wins)
         self.pool: dict[str, list[Sandbox]] = {}
         self._pool_wake = trio.Event()
+        # boot templates: per configuration key, a hidden snapshot of a fresh boot that
+        # Creates of that configuration restore instead of booting
+        self.templates = templates
+        self._template_pending: set[str] = set()
         self.events = EventBus()
         self._nursery: trio.Nursery | None = None
         self._closing = False
@@ -178,6 +187,7 @@ class Registry:
             self.settings.memory_dir.mkdir(parents=True, exist_ok=True)
             self.settings.memory_dir.chmod(0o711)
         self.snapshots.load()
+        self._drop_stale_templates()
         self._recover()
         try:
             async with trio.open_nursery() as nursery:
@@ -347,8 +357,112 @@ class Registry:
         sb = Sandbox(rec, self.settings, self._emit, self.store.update, self.store.update_config)
         self.sandboxes[rec.id] = sb
         self._emit(rec.id, "created", {})
+        t_accepted = time.monotonic()
+        await self._use_template(sb)
         await self._start_life(sb)
+        sb.timings["accepted"] = t_accepted
         return sb
+
+    # -- boot templates ------------------------------------------------------------
+    def template_key(self, config: dict[str, Any]) -> str | None:
+        """What a fresh boot depends on; None when the configuration boots differently
+        (own kernel, rootfs or boot arguments). The hostname, env, cmd, ports, TTL...
+        are set after the boot anyway."""
+        if not self.templates or config.get("kernel") or config.get("rootfs") or config.get("boot_args"):
+            return None
+        s, img = self.settings, self.settings.image
+        limits = config.get("limits") or {}
+        net = config.get("network") or {}
+        parts = [
+            s.accel,
+            str(img.kernel),
+            str(img.initrd),
+            str(img.rootfs),
+            str(int(limits.get("memory_mib") or s.default_memory_mib)),
+            str(int(limits.get("vcpus") or s.default_vcpus)),
+            net.get("mode") or "none",
+            "outbound" if net.get("outbound") else "",
+            "mapped" if s.memory_dir is not None else "anon",
+        ]
+        return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+
+    def _image_parts(self) -> builtins.list[str]:
+        img = self.settings.image
+        return [str(img.kernel), str(img.initrd), str(img.rootfs)]
+
+    def _drop_stale_templates(self) -> None:
+        """Templates of another image or accelerator are of no use any more."""
+        for r in list(self.snapshots.snapshots.values()):
+            if TEMPLATE_LABEL in r.labels and (
+                r.config.get("image") != self._image_parts() or r.machine.get("accel") != self.settings.accel
+            ):
+                self._template_failed(r, "the image or accelerator changed")
+
+    def _template(self, key: str) -> SnapshotRecord | None:
+        for r in self.snapshots.snapshots.values():
+            if r.labels.get(TEMPLATE_LABEL) == key:
+                return r
+        return None
+
+    async def _use_template(self, sb: Sandbox) -> None:
+        key = self.template_key(sb.config)
+        if key is None:
+            return
+        tpl = self._template(key)
+        if tpl is not None:
+            try:
+                self._check_restorable(tpl)
+                await create_overlay(self.snapshots.disk(tpl), sb.dir / "disk.qcow2")
+            except (ApiError, MachineError) as exc:
+                self._template_failed(tpl, str(getattr(exc, "message", exc)))
+                return
+            sb.restore_from = tpl
+            sb.template_failed = self._template_failed
+        elif key not in self._template_pending:
+            self._template_pending.add(key)
+            sb.make_template = functools.partial(self._make_template, key)
+
+    async def _make_template(self, key: str, sb: Sandbox, guest: Guest) -> None:
+        """Checkpoint a fresh boot (at its first ready, before any user work) as the
+        template of its configuration. Failing costs nothing but the template."""
+        uid, snap_dir = self.snapshots.new_dir()
+        try:
+            ck = await checkpoint_guest(
+                guest, disk=sb.dir / "disk.qcow2", snap_dir=snap_dir, user=self.settings.qemu_user
+            )
+        except (MachineError, OSError) as exc:
+            log.warning("boot template %s: checkpoint failed: %s", key, exc)
+            self._collect_snapshot_dirs()
+            return
+        finally:
+            self._template_pending.discard(key)
+        cfg = {k: v for k, v in sb.config.items() if k in ("limits", "network")}
+        cfg["image"] = self._image_parts()
+        self.snapshots.add(
+            SnapshotRecord(
+                uid=uid,
+                id=self.snapshots.new_id(),
+                name="",
+                labels={TEMPLATE_LABEL: key},
+                sandbox_id="",
+                origin_uid=sb.record.uid,
+                created_ns=time.time_ns(),
+                dir=str(snap_dir),
+                memory=ck.memory,
+                machine=ck.machine,
+                config=cfg,
+                sizes=ck.sizes,
+                memory_stat=ck.memory_stat,
+            )
+        )
+        sb.log.append("system", f"boot template {key} saved (paused {ck.paused_s * 1000:.0f} ms)".encode())
+
+    def _template_failed(self, tpl: SnapshotRecord, why: str) -> None:
+        """A template that does not restore is dropped (its files go once unused)."""
+        log.warning("boot template %s dropped: %s", tpl.labels.get(TEMPLATE_LABEL), why)
+        if self.snapshots.snapshots.get(tpl.id) is tpl:
+            self.snapshots.store.delete_snapshot(tpl.uid)
+            self.snapshots.snapshots.pop(tpl.id, None)
 
     async def _start_life(self, sb: Sandbox) -> None:
         assert self._nursery is not None, "registry is not running"
@@ -549,7 +663,7 @@ class Registry:
     def list_snapshots(
         self, sandbox_id: str = "", labels: dict[str, str] | None = None
     ) -> builtins.list[SnapshotRecord]:
-        return self.snapshots.select(sandbox_id, labels)
+        return [r for r in self.snapshots.select(sandbox_id, labels) if TEMPLATE_LABEL not in r.labels]
 
     def pool_ready(self, snap: SnapshotRecord) -> int:
         return sum(1 for m in self.pool.get(snap.id, []) if m.state == READY)
@@ -622,6 +736,8 @@ class Registry:
                     await self._drain_pool(sid)
             started = False
             for snap in list(self.snapshots.snapshots.values()):
+                if TEMPLATE_LABEL in snap.labels:
+                    continue
                 members = self.pool.setdefault(snap.id, [])
                 for m in [m for m in members if m.stopped]:
                     members.remove(m)

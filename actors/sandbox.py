@@ -131,6 +131,11 @@ class Sandbox:
         # the next life resumes this snapshot instead of booting (then it is cleared:
         # a restored sandbox stopped and started again boots from its disk)
         self.restore_from: SnapshotRecord | None = None
+        # boot templates (see Registry): called at the first ready of a fresh boot, before
+        # any user work, to checkpoint it as the template of its configuration; and
+        # called when a restore from a template failed (the life then boots instead)
+        self.make_template: Callable[[Sandbox, Guest], Awaitable[None]] | None = None
+        self.template_failed: Callable[[SnapshotRecord, str], None] | None = None
         self.checkpointing = False
         self._ckpt_lock = trio.Lock()
         self._ckpt_done = trio.Event()
@@ -196,7 +201,18 @@ class Sandbox:
             with trio.CancelScope() as scope:
                 self._life_scope = scope
                 task_status.started(self)
-                await self._life(cfg, limits)
+                try:
+                    await self._life(cfg, limits)
+                except (BootError, MachineError, GuestError, ApiError) as exc:
+                    snap = self.restore_from
+                    if snap is None or self.template_failed is None or self.guest is not None:
+                        raise
+                    # a boot template that does not restore must not fail the Create: boot
+                    self.template_failed(snap, str(exc))
+                    self.log.append("system", f"template restore failed ({exc}); booting".encode())
+                    self.restore_from = None
+                    self._set(STARTING, error="")
+                    await self._life(cfg, limits)
         except BootError as exc:
             self._fail(f"boot failed: {exc}")
             if exc.console:
@@ -274,6 +290,9 @@ class Sandbox:
             self.guest = guest
             self._record_timings(guest)
             self.record.qemu_pid = guest.machine.pid or 0
+            if snap is None and self.make_template is not None:
+                make, self.make_template = self.make_template, None
+                await make(self, guest)  # a fresh boot, nothing of the user's in it yet
             await self._apply_ports(guest)  # ports given at create (or exposed before a stop) come first
             self._set(READY, ready_at=int(time.time()), qemu_pid=guest.machine.pid or 0)
             self.timings["ready_event"] = time.monotonic()
@@ -292,6 +311,7 @@ class Sandbox:
                 return
             self._set(STOPPING)
             if self._stop_force and guest.machine.proc is not None:
+                guest.channel.expect_eof()
                 guest.machine.proc.kill()
 
     async def _after_restore(self, guest: Guest, cfg: dict[str, Any]) -> None:
@@ -300,6 +320,10 @@ class Sandbox:
         every restore reads the same /dev/urandom stream); the hostname is set again.
         Port forwards are host state (not migrated): _apply_ports redoes them."""
         self.timings["restored"] = time.monotonic()
+        snap = self.restore_from
+        if snap is not None:
+            what = "the boot template" if self.template_failed is not None else f"snapshot {snap.id}"
+            self.log.append("system", f"restored from {what}".encode())
         try:
             await guest.channel.add_entropy(256)
             await guest.channel.set_hostname(cfg.get("hostname") or "sandbox")
@@ -363,6 +387,7 @@ class Sandbox:
             if self._life_scope is not None:  # still booting: abandon the boot
                 self._life_scope.cancel()
         elif self._stop_force and self.guest.machine.proc is not None:
+            self.guest.channel.expect_eof()
             self.guest.machine.proc.kill()
 
     async def wait_stopped(self) -> None:

@@ -255,9 +255,9 @@ class SnapshotStore:
         if not ref:
             raise ApiError(INVALID_ARGUMENT, "snapshot_id is required")
         rec = self.snapshots.get(ref)
-        if rec is not None:
+        if rec is not None and not _hidden(rec):
             return rec
-        named = [r for r in self.snapshots.values() if r.name == ref]
+        named = [r for r in self.snapshots.values() if r.name == ref and not _hidden(r)]
         if len(named) == 1:
             return named[0]
         if len(named) > 1:
@@ -318,6 +318,11 @@ class SnapshotStore:
                 shutil.rmtree(d, ignore_errors=True)
                 n += 1
         return n
+
+
+def _hidden(rec: SnapshotRecord) -> bool:
+    """Boot templates are the supervisor's own (labels under the reserved prefix)."""
+    return any(k.startswith("sandvisor.") for k in rec.labels)
 
 
 def summary_fields(rec: SnapshotRecord) -> dict[str, Any]:

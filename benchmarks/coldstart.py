@@ -12,7 +12,8 @@
   16 sandboxes.
 * Output: JSON, a Markdown table and a PNG chart (stacked phases per mode) in --out.
 
-Not yet here (they need the snapshot work): restore and pool-acquire rows.
+* Restore (from a snapshot of an idle sandbox) and warm-pool acquire rows, with the
+  restore's phases: overlay + QEMU spawn -> QMP -> state load -> hello -> ready.
 
 Usage: python benchmarks/coldstart.py [-n N] [--out results/]
 """
@@ -30,6 +31,7 @@ import trio
 from _harness import in_process_daemon, main, write_results
 from guest import boot_floor, floor_initrd
 from rich.progress import Progress
+from snapshots import RESTORE_PHASES, restore_runs, wait_ready
 
 from actors.vm import kernel_cmdline
 from images.build import Builder, default_cache
@@ -91,6 +93,22 @@ def qemu_rss(registry: Any) -> list[int]:
     return [sb.host_rss() for sb in registry.sandboxes.values() if sb.state == "ready"]
 
 
+def qemu_pss(registry: Any) -> list[int]:
+    """Proportional set size: shared pages (kernel ROM, initrd, a template's RAM file)
+    divided among the processes that map them; what a sandbox really costs."""
+    out = []
+    for sb in registry.sandboxes.values():
+        if sb.state != "ready" or not sb.record.qemu_pid:
+            continue
+        try:
+            for line in Path(f"/proc/{sb.record.qemu_pid}/smaps_rollup").read_text().splitlines():
+                if line.startswith("Pss:"):
+                    out.append(int(line.split()[1]) * 1024)
+        except OSError:
+            pass
+    return out
+
+
 async def bench(n: int, out_dir: Path) -> dict[str, Any]:
     image = Builder(default_cache()).build()
     res: dict[str, Any] = {"n": n, "kernel": image.kernel_version}
@@ -109,6 +127,7 @@ async def bench(n: int, out_dir: Path) -> dict[str, Any]:
         res["floor_pc"] = summary(pc)
 
         async with in_process_daemon("sv-cold-") as (cfg, registry), connect(cfg.socket) as c:
+            registry.templates = False  # the boot path first: every create boots
             task = progress.add_task("sequential creates", total=n)
             seq_lat, seq_phases, seq_wall = [], [], 0.0
             for i in range(n):
@@ -130,21 +149,59 @@ async def bench(n: int, out_dir: Path) -> dict[str, Any]:
                 res["concurrent"][str(k)] = {**summary(lat), "wall_s": wall, "throughput_per_s": k / wall, "failed": 0}
                 await remove_all(c, names)
                 progress.advance(task)
-            task = progress.add_task("memory at 1 and 16", total=2)
-            mem: dict[str, Any] = {}
-            for k in (1, 16):
-                names = [f"m{k}-{j}" for j in range(k)]
-                await create_wave(c, registry, names)
-                await trio.sleep(2)
-                rss = qemu_rss(registry)
-                sup = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-                mem[str(k)] = {
-                    "qemu_rss_mib_median": statistics.median(rss) / 2**20,
-                    "supervisor_maxrss_mib": sup / 2**20,
-                    "per_sandbox_mib": statistics.median(rss) / 2**20 + sup / 2**20 / k,
-                }
-                await remove_all(c, names)
+            # creates restored from the boot template of their configuration (the default):
+            # the first boots and saves the template, the next n restore it
+            registry.templates = True
+            await create_wave(c, registry, ["tpl-first"])
+            await remove_all(c, ["tpl-first"])
+            task = progress.add_task("template creates", total=n)
+            tpl_lat: list[float] = []
+            for i in range(n):
+                _, lat, _ = await create_wave(c, registry, [f"tpl{i}"])
+                tpl_lat += lat
+                await remove_all(c, [f"tpl{i}"])
                 progress.advance(task)
+            res["template_create"] = summary(tpl_lat)
+            names = [f"tc4-{j}" for j in range(4)]
+            wall, lat, _ = await create_wave(c, registry, names)
+            res["template_concurrent_4"] = {**summary(lat), "wall_s": wall, "throughput_per_s": 4 / wall}
+            await remove_all(c, names)
+            registry.templates = False
+            # restore and pool acquire: a snapshot of an idle sandbox
+            await c.call("Create", {"id": "origin"})
+            await wait_ready(registry, "origin")
+            await trio.sleep(1)
+            snap = (await c.call("Checkpoint", {"sandbox_id": "origin"}))["snapshot_id"]
+            await c.call("Remove", {"id": "origin", "force": True})
+            lat, phases = await restore_runs(c, registry, snap, n, progress, "restores")
+            res["restore"] = summary(lat)
+            res["restore_phases_median_s"] = {
+                label: statistics.median(p[label] for p in phases if label in p) for _, _, label in RESTORE_PHASES
+            }
+            registry.pool_sizes[snap] = 1
+            registry._pool_wake.set()
+            lat, _ = await restore_runs(c, registry, snap, n, progress, "pool acquires", pool=True)
+            res["pool_acquire"] = summary(lat)
+            registry.pool_sizes[snap] = 0
+            await c.call("DeleteSnapshot", {"snapshot_id": snap})
+            task = progress.add_task("memory at 1 and 16", total=4)
+            mem: dict[str, Any] = {}
+            for mode in ("boot", "template"):
+                registry.templates = mode == "template"
+                for k in (1, 16):
+                    names = [f"m{mode}{k}-{j}" for j in range(k)]
+                    await create_wave(c, registry, names)
+                    await trio.sleep(2)
+                    rss, pss = qemu_rss(registry), qemu_pss(registry)
+                    sup = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+                    mem[f"{mode}-{k}"] = {
+                        "qemu_rss_mib_median": statistics.median(rss) / 2**20,
+                        "qemu_pss_mib_median": statistics.median(pss) / 2**20 if pss else 0.0,
+                        "supervisor_maxrss_mib": sup / 2**20,
+                        "per_sandbox_mib": (statistics.median(pss or rss) + sup / k) / 2**20,
+                    }
+                    await remove_all(c, names)
+                    progress.advance(task)
             res["memory"] = mem
     res["ratio_create_p50_to_floor"] = res["sequential"]["p50"] / res["floor_microvm"]["p50"]
     res["concurrency_4_vs_sequential_throughput"] = (
@@ -167,6 +224,12 @@ def chart(res: dict[str, Any], out_dir: Path) -> None:
     for label, value in res["phases_median_s"].items():
         ax.barh("cold create", value, left=left, label=label)
         left += value
+    left = 0.0
+    for label, value in res.get("restore_phases_median_s", {}).items():
+        ax.barh("restore", value, left=left, label=f"restore: {label}", hatch="//")
+        left += value
+    if "pool_acquire" in res:
+        ax.barh("pool acquire", res["pool_acquire"]["p50"], color="black")
     ax.barh("floor (microvm)", res["floor_microvm"]["p50"], color="grey")
     ax.barh("floor (pc)", res["floor_pc"]["p50"], color="silver")
     ax.set_xlabel("seconds (median)")
@@ -189,21 +252,35 @@ def markdown(res: dict[str, Any]) -> str:
         rows.append(f"| {name} | {r['p50']:.3f} | {r['p90']:.3f} | {r['p99']:.3f} | | {r['p50'] / fl:.2f}x |")
     s = res["sequential"]
     rows.append(
-        f"| cold create, sequential | {s['p50']:.3f} | {s['p90']:.3f} | {s['p99']:.3f} "
+        f"| cold create (boot path), sequential | {s['p50']:.3f} | {s['p90']:.3f} | {s['p99']:.3f} "
         f"| {s['throughput_per_s']:.2f} | {s['p50'] / fl:.2f}x |"
     )
     for k, r in res["concurrent"].items():
         rows.append(
-            f"| cold create, {k} at once | {r['p50']:.3f} | {r['p90']:.3f} | {r['p99']:.3f} "
+            f"| cold create (boot path), {k} at once | {r['p50']:.3f} | {r['p90']:.3f} | {r['p99']:.3f} "
             f"| {r['throughput_per_s']:.2f} | {r['p50'] / fl:.2f}x |"
         )
+    for name, key in (
+        ("create from the boot template (default)", "template_create"),
+        ("create from the boot template, 4 at once", "template_concurrent_4"),
+        ("restore from a snapshot (Restore RPC)", "restore"),
+        ("warm pool acquire", "pool_acquire"),
+    ):
+        if key in res:
+            r = res[key]
+            rows.append(f"| {name} | {r['p50']:.3f} | {r['p90']:.3f} | {r['p99']:.3f} | | {r['p50'] / fl:.2f}x |")
     rows += ["", "Phases of a sequential create (median, s):", ""]
     rows += [f"- {label}: {v:.3f}" for label, v in res["phases_median_s"].items()]
+    if "restore_phases_median_s" in res:
+        rows += ["", "Phases of a restore (median, s):", ""]
+        rows += [f"- {label}: {v:.3f}" for label, v in res["restore_phases_median_s"].items()]
     rows += ["", "Memory per idle sandbox:", ""]
     for k, m in res["memory"].items():
+        mode, count = k.split("-")
         rows.append(
-            f"- {k} sandboxes: QEMU RSS {m['qemu_rss_mib_median']:.0f} MiB each, supervisor max RSS "
-            f"{m['supervisor_maxrss_mib']:.0f} MiB, {m['per_sandbox_mib']:.0f} MiB per sandbox"
+            f"- {count} sandboxes ({mode}): QEMU RSS {m['qemu_rss_mib_median']:.0f} MiB, PSS "
+            f"{m['qemu_pss_mib_median']:.0f} MiB each; supervisor max RSS {m['supervisor_maxrss_mib']:.0f} MiB; "
+            f"{m['per_sandbox_mib']:.0f} MiB per sandbox (PSS + supervisor share)"
         )
     rows += [
         "",

@@ -157,6 +157,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         anonymous_memory=args.anonymous_memory,
         pool_size=args.pool_size,
         pools=dict(_pool_arg(x) for x in args.pool or []),
+        templates=not args.no_templates,
     )
     trio.run(serve, cfg)
     return 0
@@ -234,6 +235,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--anonymous-memory",
         action="store_true",
         help="no RAM files: checkpoints then stream RAM into the snapshot (restores load it, slower)",
+    )
+    sv.add_argument(
+        "--no-templates",
+        action="store_true",
+        help="always boot: do not restore Creates from a snapshot of the first fresh boot of their configuration",
     )
     sv.add_argument("--pool-size", type=int, default=0, help="restored sandboxes kept ready per snapshot (default 0)")
     sv.add_argument(

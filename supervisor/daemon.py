@@ -42,6 +42,7 @@ class DaemonConfig:
     anonymous_memory: bool = False  # no RAM files: checkpoints stream RAM (slower restores)
     pool_size: int = 0  # warm pool members kept per snapshot
     pools: dict[str, int] = attrs.field(factory=dict)  # per snapshot id or name
+    templates: bool = True  # Creates restore a boot template of their configuration
 
 
 def default_image(state_dir: Path) -> Image:
@@ -78,7 +79,14 @@ async def serve(
     try:
         async with qmp_loop(), trio.open_nursery() as nursery:
             registry = await nursery.start(
-                Registry(settings, store, max_sandboxes=cfg.max_sandboxes, pool_size=cfg.pool_size, pools=cfg.pools).run
+                Registry(
+                    settings,
+                    store,
+                    max_sandboxes=cfg.max_sandboxes,
+                    pool_size=cfg.pool_size,
+                    pools=cfg.pools,
+                    templates=cfg.templates,
+                ).run
             )
             server_scope = trio.CancelScope()
 

@@ -229,6 +229,38 @@ def test_cli_snapshots(served: dict[str, Any]) -> None:
     assert r.returncode == 1 and "no snapshot 'no-such-snapshot'" in r.stderr, r
 
 
+async def test_creates_restore_the_boot_template(served: dict[str, Any]) -> None:
+    """The origin was the first fresh boot of the default configuration: its boot was
+    saved as the template, and later Creates of that configuration restore it, yet
+    get their own hostname, env, clock and entropy."""
+    sock = served["sock"]
+    with trio.fail_after(120):
+        async with (
+            await AsyncSandbox.create("tpl-a", hostname="alpha", env={"WHO": "a"}, socket=sock) as a,
+            await AsyncSandbox.create("tpl-b", socket=sock) as b,
+        ):
+            for sb in (a, b):
+                logs = b"".join(e["data"] for e in await sb.logs() if e["source"] == "system")
+                assert b"restored from the boot template" in logs, logs
+            assert (await sh(a, "hostname; echo $WHO")).split() == ["alpha", "a"]
+            assert (await sh(b, "hostname")).strip() == "sandbox"
+            assert "no" in await sh(b, "test -e /root/marker && echo yes || echo no")  # a fresh boot's disk
+            ra, rb = (
+                await sh(a, "head -c 16 /dev/urandom | od -An -tx1"),
+                await sh(b, "head -c 16 /dev/urandom | od -An -tx1"),
+            )
+            assert ra != rb
+            listed = await AsyncSandbox.snapshots(socket=sock)
+            assert listed and not any("sandvisor.template" in x["labels"] for x in listed)  # templates are hidden
+    # stopped and started again, a template-made sandbox boots from its disk
+    async with await AsyncSandbox.create("tpl-c", socket=sock) as c:
+        await c.fs.write("/root/kept", b"yes")
+        await c.stop()
+        await c.wait_until_stopped()
+        await c.start(wait=True)
+        assert await c.fs.read("/root/kept") == b"yes"
+
+
 # --- restart and warm pool: in-process supervisors on one state dir ----------------------
 @asynccontextmanager
 async def daemon_on(state: Path, run_root: Path, **kw: Any) -> AsyncIterator[DaemonConfig]:
@@ -274,7 +306,7 @@ async def test_snapshots_survive_restart_and_pool(image: Image, tmp_path: Path) 
                         await trio.sleep(0.1)  # refilled in the background
                 await AsyncSandbox.delete_snapshot(snap, socket=sock)  # drains the pool first
                 assert await AsyncSandbox.snapshots(socket=sock) == []
-            assert not list((state / "snapshots").iterdir())
-            assert not list((state / "sandboxes").iterdir())
+            assert not Path(s["snapshot_dir"]).exists()
+            assert not list((state / "sandboxes").iterdir())  # pool members leave nothing behind
     finally:
         shutil.rmtree(run_root, ignore_errors=True)
