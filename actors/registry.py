@@ -780,7 +780,7 @@ class Registry:
                 await self._discard(sb)
             raise
         await sb.ready_event.wait()
-        if sb.state != READY:
+        if sb.state == FAILED:
             log.warning("pool member for %s failed: %s", snap.id, sb.record.error)
             await trio.sleep(1.0)  # do not spin on a snapshot that cannot restore
 

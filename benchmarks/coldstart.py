@@ -222,12 +222,14 @@ def chart(res: dict[str, Any], out_dir: Path) -> None:
     fig, ax = plt.subplots(figsize=(11, 4))
     left = 0.0
     for label, value in res["phases_median_s"].items():
-        ax.barh("cold create", value, left=left, label=label)
+        ax.barh("cold create (boot)", value, left=left, label=label)
         left += value
     left = 0.0
     for label, value in res.get("restore_phases_median_s", {}).items():
         ax.barh("restore", value, left=left, label=f"restore: {label}", hatch="//")
         left += value
+    if "template_create" in res:
+        ax.barh("create (template)", res["template_create"]["p50"], color="tab:olive")
     if "pool_acquire" in res:
         ax.barh("pool acquire", res["pool_acquire"]["p50"], color="black")
     ax.barh("floor (microvm)", res["floor_microvm"]["p50"], color="grey")
