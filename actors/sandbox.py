@@ -356,6 +356,7 @@ class Sandbox:
         if self._stop_force or self.state == FAILED:
             return
         with trio.move_on_after(self._stop_timeout):
+            await self._ckpt_done.wait()  # a checkpoint in progress finishes first
             while self.workloads or self.execs:
                 await self._workload_done.wait()
 
