@@ -270,7 +270,8 @@ def markdown(res: dict[str, Any]) -> str:
     ):
         if key in res:
             r = res[key]
-            rows.append(f"| {name} | {r['p50']:.3f} | {r['p90']:.3f} | {r['p99']:.3f} | | {r['p50'] / fl:.2f}x |")
+            tp = f"{r['throughput_per_s']:.2f}" if "throughput_per_s" in r else ""
+            rows.append(f"| {name} | {r['p50']:.3f} | {r['p90']:.3f} | {r['p99']:.3f} | {tp} | {r['p50'] / fl:.2f}x |")
     rows += ["", "Phases of a sequential create (median, s):", ""]
     rows += [f"- {label}: {v:.3f}" for label, v in res["phases_median_s"].items()]
     if "restore_phases_median_s" in res:
