@@ -279,7 +279,9 @@ class Sandbox:
             accel=s.accel,
             hostname=cfg.get("hostname") or "sandbox",
             extra_cmdline=cfg.get("boot_args", ""),
-            boot_timeout=s.boot_timeout,
+            # a restored guest answers in ~0.1 s; one that does not within 15 s is not
+            # going to (and a Restore caller is waiting)
+            boot_timeout=s.boot_timeout if snap is None else min(s.boot_timeout, 15.0),
             user=s.qemu_user,
             network=self.network,
             memory_file=memory_file,

@@ -310,3 +310,24 @@ async def test_snapshots_survive_restart_and_pool(image: Image, tmp_path: Path) 
             assert not list((state / "sandboxes").iterdir())  # pool members leave nothing behind
     finally:
         shutil.rmtree(run_root, ignore_errors=True)
+
+
+async def test_anonymous_memory_checkpoints_stream(image: Image, tmp_path: Path) -> None:
+    """serve --anonymous-memory: no RAM files; checkpoints carry RAM in vmstate."""
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "images").symlink_to(default_cache())
+    run_root = Path(tempfile.mkdtemp(prefix="sva-", dir="/tmp"))
+    try:
+        with trio.fail_after(120):
+            async with daemon_on(state, run_root, anonymous_memory=True, templates=False) as cfg:
+                sock = cfg.socket
+                async with await AsyncSandbox.create("anon", socket=sock) as sb:
+                    await sb.fs.write("/root/a", b"anon")
+                    snap = await sb.checkpoint("anon")
+                [s] = await AsyncSandbox.snapshots(socket=sock)
+                assert s["memory"] == "streamed"
+                async with await AsyncSandbox.restore(snap, socket=sock) as r:
+                    assert await r.fs.read("/root/a") == b"anon"
+    finally:
+        shutil.rmtree(run_root, ignore_errors=True)

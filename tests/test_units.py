@@ -154,3 +154,13 @@ async def test_guest_request_keeps_data_queued_behind_a_message() -> None:
         ("eof", P.STDOUT, None),
         ("data", P.STDERR, b"?"),
     ]
+
+
+def test_serve_pool_argument() -> None:
+    from supervisor.cli import _pool_arg
+
+    assert _pool_arg("base=2") == ("base", 2)
+    assert _pool_arg("a=b=3") == ("a=b", 3)
+    for bad in ("base", "=2", "base=x", "base=-1"):
+        with pytest.raises(Exception, match="SNAPSHOT=N"):
+            _pool_arg(bad)
