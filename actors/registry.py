@@ -30,7 +30,7 @@ import trio
 from actors.disk import backing_chain, create_overlay
 from actors.machine import MachineError
 from actors.sandbox import ALIVE, FAILED, READY, RUNNING, STARTING, STOPPED, STOPPING, Sandbox, Settings
-from actors.snapshot import Checkpoint, SnapshotStore, checkpoint_guest
+from actors.snapshot import Checkpoint, SnapshotStore, checkpoint_guest, still_running
 from actors.vm import Guest
 from supervisor.protocol import (
     ALREADY_EXISTS,
@@ -432,8 +432,14 @@ class Registry:
             )
         except (MachineError, OSError) as exc:
             log.warning("boot template %s: checkpoint failed: %s", key, exc)
+            self.snapshots.settle(snap_dir)
             self._collect_snapshot_dirs()
+            if not await still_running(guest):
+                raise MachineError(f"the guest did not resume after a failed template checkpoint: {exc}") from None
             return
+        except BaseException:  # cancelled: the directory is garbage unless a disk froze into it
+            self.snapshots.settle(snap_dir)
+            raise
         finally:
             self._template_pending.discard(key)
         cfg = {k: v for k, v in sb.config.items() if k in ("limits", "network")}
@@ -455,6 +461,7 @@ class Registry:
                 memory_stat=ck.memory_stat,
             )
         )
+        self.snapshots.settle(snap_dir)
         sb.log.append("system", f"boot template {key} saved (paused {ck.paused_s * 1000:.0f} ms)".encode())
 
     def _template_failed(self, tpl: SnapshotRecord, why: str) -> None:
@@ -571,6 +578,7 @@ class Registry:
         try:
             ck = await sb.checkpoint(snap_dir)
         except BaseException:
+            self.snapshots.settle(snap_dir)
             with trio.CancelScope(shield=True):
                 self._collect_snapshot_dirs()  # kept only if the disk froze into it
             raise
@@ -590,6 +598,7 @@ class Registry:
             memory_stat=ck.memory_stat,
         )
         self.snapshots.add(rec)
+        self.snapshots.settle(snap_dir)
         self._pool_wake.set()
         return rec, ck
 

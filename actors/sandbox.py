@@ -40,7 +40,7 @@ import trio
 from actors.guest import ChannelBroken, ExecHandle, GuestError, GuestOpError
 from actors.logs import SandboxLog
 from actors.machine import MachineError, QemuUser
-from actors.snapshot import MAPPED, Checkpoint, checkpoint_guest, memory_for_restore
+from actors.snapshot import MAPPED, Checkpoint, checkpoint_guest, memory_for_restore, still_running
 from actors.vm import NETDEV_ID, BootError, Guest, NetConfig, RestoreFrom, booted_guest
 from guestd import proto as P
 from images.build import Image
@@ -437,6 +437,9 @@ class Sandbox:
                         guest, disk=self.dir / "disk.qcow2", snap_dir=snap_dir, user=self.settings.qemu_user
                     )
                 except MachineError as exc:
+                    if not await still_running(guest):  # never leave a sandbox "ready" but paused
+                        self._fail(f"checkpoint failed and the guest did not resume: {exc}")
+                        self._stop_request.set()
                     raise ApiError(INTERNAL, f"checkpoint of {self.id} failed: {exc}") from None
                 self.log.append("system", f"checkpoint: {ck.memory}, paused {ck.paused_s * 1000:.0f} ms".encode())
                 return ck

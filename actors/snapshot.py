@@ -167,6 +167,19 @@ async def checkpoint_guest(guest: Guest, *, disk: Path, snap_dir: Path, user: Qe
     return Checkpoint(MAPPED if mapped else STREAMED, paused, sizes, mem_stat, machine)
 
 
+async def still_running(guest: Guest) -> bool:
+    """After a failed checkpoint: is the guest running again (not left paused)?"""
+    if guest.machine.exited:
+        return False
+    try:
+        if await guest.machine.status() == "running":
+            return True
+        await guest.machine.qmp_execute("cont")
+        return await guest.machine.status() == "running"
+    except MachineError:
+        return False
+
+
 def _finish(snap_dir: Path, files: list[str], user: QemuUser | None, kernel: Path, initrd: Path) -> None:
     for name in files:
         fd = os.open(snap_dir / name, os.O_RDONLY)
@@ -227,6 +240,7 @@ class SnapshotStore:
         self.store = store
         self.user = user
         self.snapshots: dict[str, SnapshotRecord] = {}
+        self.pending: set[Path] = set()  # directories of checkpoints in progress: not garbage
 
     def load(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -238,7 +252,12 @@ class SnapshotStore:
         uid = os.urandom(8).hex()
         d = self.root / uid
         d.mkdir(mode=0o711)
+        self.pending.add(d.resolve())
         return uid, d
+
+    def settle(self, d: Path) -> None:
+        """The checkpoint writing ``d`` is over (recorded or failed)."""
+        self.pending.discard(d.resolve())
 
     def new_id(self) -> str:
         while True:
@@ -310,7 +329,7 @@ class SnapshotStore:
     def collect(self, in_use: Callable[[], set[Path]]) -> int:
         """Remove snapshot directories without a record that no disk chain uses (what
         a failed checkpoint or a crash left behind)."""
-        known = {Path(r.dir).resolve() for r in self.snapshots.values()}
+        known = {Path(r.dir).resolve() for r in self.snapshots.values()} | self.pending
         used = {p.resolve().parent for p in in_use()}
         n = 0
         for d in self.root.iterdir():
