@@ -229,6 +229,24 @@ def test_cli_snapshots(served: dict[str, Any]) -> None:
     assert r.returncode == 1 and "no snapshot 'no-such-snapshot'" in r.stderr, r
 
 
+async def test_a_changed_memory_file_is_refused(served: dict[str, Any]) -> None:
+    """QEMU's user can write a snapshot's memory file (QEMU 7.2 needs it read-write):
+    a file written since the checkpoint is refused, not restored."""
+    sock = served["sock"]
+    origin = await AsyncSandbox.get("origin", socket=sock)
+    snap = await origin.checkpoint("tampered")
+    [info] = [s for s in await AsyncSandbox.snapshots(socket=sock) if s["id"] == snap]
+    mem = Path(info["snapshot_dir"]) / "memory"
+    st = mem.stat()
+    os.utime(mem, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    with pytest.raises(FailedPrecondition, match="changed"):
+        await AsyncSandbox.restore(snap, socket=sock)
+    os.remove(Path(info["snapshot_dir"]) / "vmstate")
+    os.utime(mem, ns=(st.st_atime_ns, st.st_mtime_ns))
+    with pytest.raises(FailedPrecondition, match="vmstate is missing"):
+        await AsyncSandbox.restore(snap, socket=sock)
+
+
 async def test_creates_restore_the_boot_template(served: dict[str, Any]) -> None:
     """The origin was the first fresh boot of the default configuration: its boot was
     saved as the template, and later Creates of that configuration restore it, yet

@@ -5,6 +5,7 @@ from __future__ import annotations
 from contextlib import aclosing
 from pathlib import Path
 
+import msgpack
 import pytest
 import trio
 from hypothesis import given
@@ -164,3 +165,45 @@ def test_serve_pool_argument() -> None:
     for bad in ("base", "=2", "base=x", "base=-1"):
         with pytest.raises(Exception, match="SNAPSHOT=N"):
             _pool_arg(bad)
+
+
+_text = st.text(max_size=30)
+_labels = st.dictionaries(_text, _text, max_size=3)
+
+
+@given(
+    st.one_of(
+        st.builds(W.CheckpointRequest, sandbox_id=_text, name=_text, labels=_labels),
+        st.builds(
+            W.RestoreRequest,
+            snapshot_id=_text,
+            id=_text,
+            labels=_labels,
+            network_override=st.booleans(),
+            ttl_seconds=st.integers(0, 2**31),
+        ),
+        st.builds(W.ListSnapshotsRequest, sandbox_id=_text, labels=_labels),
+        st.builds(
+            W.SnapshotSummary,
+            id=_text,
+            sandbox_id=_text,
+            name=_text,
+            labels=_labels,
+            snapshot_dir=_text,
+            created_at=_text,
+            size_bytes=st.integers(0, 2**40),
+            memory=st.sampled_from(["mapped", "streamed"]),
+        ),
+        st.builds(W.DeleteSnapshotRequest, snapshot_id=_text),
+    )
+)
+def test_snapshot_bodies_round_trip(body: object) -> None:
+    raw = msgpack.unpackb(msgpack.packb(W.unstructure_body(body)), raw=False)
+    assert W.structure_body(raw, type(body)) == body
+
+
+def test_snapshot_requests_never_coerce() -> None:
+    for body in ({"snapshot_id": 5}, {"snapshot_id": "s", "ttl_seconds": "9"}, {"snapshot_id": "s", "labels": []}):
+        with pytest.raises(ApiError) as e:
+            W.structure_body(body, W.RestoreRequest)
+        assert e.value.code == "INVALID_ARGUMENT"
