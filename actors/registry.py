@@ -156,6 +156,7 @@ class Registry:
         pool_size: int = 0,
         pools: dict[str, int] | None = None,
         templates: bool = True,
+        template_pool: int = 0,
     ) -> None:
         self.settings = settings
         self.store = store
@@ -170,6 +171,7 @@ class Registry:
         # boot templates: per configuration key, a hidden snapshot of a fresh boot that
         # Creates of that configuration restore instead of booting
         self.templates = templates
+        self.template_pool = template_pool  # warm members per boot template: Creates in milliseconds
         self._template_pending: set[str] = set()
         self.events = EventBus()
         self._nursery: trio.Nursery | None = None
@@ -344,6 +346,11 @@ class Registry:
             raise ApiError(ALREADY_EXISTS, f"sandbox {req.id!r} exists with a different configuration")
         if sum(1 for s in self.sandboxes.values() if not s.stopped) >= self.max_sandboxes:
             raise ApiError(RESOURCE_EXHAUSTED, f"at most {self.max_sandboxes} sandboxes may run at once")
+        key = self.template_key(config)
+        tpl = self._template(key) if key is not None else None
+        member = self._take_member(tpl) if tpl is not None else None
+        if member is not None:
+            return await self._adopt_for_create(member, req.id, config)
         uid = str(uuid.uuid4())
         rec = Record(
             uid=uid,
@@ -361,6 +368,24 @@ class Registry:
         await self._use_template(sb)
         await self._start_life(sb)
         sb.timings["accepted"] = t_accepted
+        return sb
+
+    async def _adopt_for_create(self, sb: Sandbox, id: str, config: dict[str, Any]) -> Sandbox:
+        t_accepted = time.monotonic()
+        rec = sb.record
+        rec.id = id or rec.uid
+        rec.seq = self.store.next_seq()
+        rec.created_at = rec.ready_at = int(time.time())
+        rec.config = config
+        self.store.rekey(rec)
+        self.sandboxes[rec.id] = sb
+        self._emit(rec.id, "created", {"pool": "1"})
+        try:
+            await sb.adopt()
+        except MachineError:
+            return sb  # failed, with its error, as a failed boot would be
+        self._emit(rec.id, "ready", {})
+        sb.timings = {"accepted": t_accepted, "ready_event": time.monotonic(), "pool": 1.0}
         return sb
 
     # -- boot templates ------------------------------------------------------------
@@ -693,6 +718,8 @@ class Registry:
 
     # -- warm pools ----------------------------------------------------------------
     def pool_target(self, snap: SnapshotRecord) -> int:
+        if TEMPLATE_LABEL in snap.labels:
+            return self.template_pool
         for key in (snap.id, snap.name):
             if key and key in self.pool_sizes:
                 return self.pool_sizes[key]
@@ -745,8 +772,6 @@ class Registry:
                     await self._drain_pool(sid)
             started = False
             for snap in list(self.snapshots.snapshots.values()):
-                if TEMPLATE_LABEL in snap.labels:
-                    continue
                 members = self.pool.setdefault(snap.id, [])
                 for m in [m for m in members if m.stopped]:
                     members.remove(m)

@@ -141,6 +141,7 @@ class Sandbox:
         self._ckpt_done = trio.Event()
         self._ckpt_done.set()
         self.ready_event = trio.Event()  # set when this life reaches ready (or ends)
+        self._life_nursery: trio.Nursery | None = None
 
     # -- identity ------------------------------------------------------------
     @property
@@ -303,11 +304,15 @@ class Sandbox:
             self.ready_event.set()
             self.last_activity = time.monotonic()
             async with trio.open_nursery() as nursery:
+                self._life_nursery = nursery
                 nursery.start_soon(self._watch_machine, guest, nursery.cancel_scope)
                 if cfg.get("cmd"):
                     nursery.start_soon(self._initial_cmd, cfg)
-                await self._stop_request.wait()
-                await self._drain_workloads()
+                try:
+                    await self._stop_request.wait()
+                    await self._drain_workloads()
+                finally:
+                    self._life_nursery = None
                 nursery.cancel_scope.cancel()
             if self.state == FAILED:
                 return
@@ -331,6 +336,31 @@ class Sandbox:
             await guest.channel.set_hostname(cfg.get("hostname") or "sandbox")
         except GuestError as exc:
             raise MachineError(f"post-restore fixups failed: {exc}") from None
+
+    async def adopt(self) -> None:
+        """A warm template member becomes a Create's sandbox (its record already holds
+        the Create's configuration): fresh clock and entropy, the hostname, the
+        ports, then the initial command. A failure fails this sandbox, as it would
+        fail a boot."""
+        guest, cfg = self.guest, self.config
+        if guest is None or self._life_nursery is None or self.state != READY:
+            raise MachineError(f"pool member is {self.state}")
+        try:
+            try:
+                await guest.channel.set_clock()
+                await guest.channel.add_entropy(256)
+                await guest.channel.set_hostname(cfg.get("hostname") or "sandbox")
+            except GuestError as exc:
+                raise MachineError(f"post-restore fixups failed: {exc}") from None
+            await self._apply_ports(guest)
+        except MachineError as exc:
+            self._fail(str(exc))
+            self._stop_request.set()
+            raise
+        self.log.append("system", b"ready (from the warm pool of the boot template)")
+        self.touch()
+        if cfg.get("cmd"):
+            self._life_nursery.start_soon(self._initial_cmd, cfg)
 
     def _record_timings(self, guest: Guest) -> None:
         """Host and guest milestones on one clock. The guest reports seconds since its

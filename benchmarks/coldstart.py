@@ -166,6 +166,21 @@ async def bench(n: int, out_dir: Path) -> dict[str, Any]:
             wall, lat, _ = await create_wave(c, registry, names)
             res["template_concurrent_4"] = {**summary(lat), "wall_s": wall, "throughput_per_s": 4 / wall}
             await remove_all(c, names)
+            # serve --template-pool 1: a Create takes a restored member
+            registry.template_pool = 1
+            registry._pool_wake.set()
+            task = progress.add_task("template pool creates", total=n)
+            tp_lat: list[float] = []
+            for i in range(n):
+                with trio.fail_after(120):
+                    while not any(m.state == "ready" for ms in registry.pool.values() for m in ms):
+                        await trio.sleep(0.01)
+                _, lat, _ = await create_wave(c, registry, [f"tp{i}"])
+                tp_lat += lat
+                await remove_all(c, [f"tp{i}"])
+                progress.advance(task)
+            res["template_pool_create"] = summary(tp_lat)
+            registry.template_pool = 0
             registry.templates = False
             # restore and pool acquire: a snapshot of an idle sandbox
             await c.call("Create", {"id": "origin"})
@@ -265,6 +280,7 @@ def markdown(res: dict[str, Any]) -> str:
     for name, key in (
         ("create from the boot template (default)", "template_create"),
         ("create from the boot template, 4 at once", "template_concurrent_4"),
+        ("create from the template's warm pool (--template-pool 1)", "template_pool_create"),
         ("restore from a snapshot (Restore RPC)", "restore"),
         ("warm pool acquire", "pool_acquire"),
     ):

@@ -158,6 +158,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         pool_size=args.pool_size,
         pools=dict(_pool_arg(x) for x in args.pool or []),
         templates=not args.no_templates,
+        template_pool=args.template_pool,
     )
     trio.run(serve, cfg)
     return 0
@@ -240,6 +241,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-templates",
         action="store_true",
         help="always boot: do not restore Creates from a snapshot of the first fresh boot of their configuration",
+    )
+    sv.add_argument(
+        "--template-pool",
+        type=int,
+        default=0,
+        metavar="N",
+        help="restored sandboxes kept ready per boot template: a Create takes one (default 0)",
     )
     sv.add_argument("--pool-size", type=int, default=0, help="restored sandboxes kept ready per snapshot (default 0)")
     sv.add_argument(

@@ -43,6 +43,7 @@ class DaemonConfig:
     pool_size: int = 0  # warm pool members kept per snapshot
     pools: dict[str, int] = attrs.field(factory=dict)  # per snapshot id or name
     templates: bool = True  # Creates restore a boot template of their configuration
+    template_pool: int = 0  # restored members kept ready per boot template
 
 
 def default_image(state_dir: Path) -> Image:
@@ -86,6 +87,7 @@ async def serve(
                     pool_size=cfg.pool_size,
                     pools=cfg.pools,
                     templates=cfg.templates,
+                    template_pool=cfg.template_pool,
                 ).run
             )
             server_scope = trio.CancelScope()

@@ -282,10 +282,16 @@ async def test_creates_restore_the_boot_template(served: dict[str, Any]) -> None
 # --- restart and warm pool: in-process supervisors on one state dir ----------------------
 @asynccontextmanager
 async def daemon_on(state: Path, run_root: Path, **kw: Any) -> AsyncIterator[DaemonConfig]:
+    async with daemon_and_registry(state, run_root, **kw) as (cfg, _):
+        yield cfg
+
+
+@asynccontextmanager
+async def daemon_and_registry(state: Path, run_root: Path, **kw: Any) -> AsyncIterator[tuple[DaemonConfig, Any]]:
     cfg = DaemonConfig(socket=state.parent / "p.sock", state_dir=state, accel="tcg", run_root=run_root, **kw)
     async with trio.open_nursery() as n:
-        await n.start(serve, cfg)
-        yield cfg
+        registry, _ = await n.start(serve, cfg)
+        yield cfg, registry
         n.cancel_scope.cancel()
 
 
@@ -347,5 +353,44 @@ async def test_anonymous_memory_checkpoints_stream(image: Image, tmp_path: Path)
                 assert s["memory"] == "streamed"
                 async with await AsyncSandbox.restore(snap, socket=sock) as r:
                     assert await r.fs.read("/root/a") == b"anon"
+    finally:
+        shutil.rmtree(run_root, ignore_errors=True)
+
+
+async def test_template_pool_makes_creates_ready_at_once(image: Image, tmp_path: Path) -> None:
+    """serve --template-pool 1: a Create takes a restored member of its boot template
+    and is ready when Create returns, with its own hostname, env and initial command."""
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "images").symlink_to(default_cache())
+    run_root = Path(tempfile.mkdtemp(prefix="svt-", dir="/tmp"))
+    try:
+        with trio.fail_after(180):
+            async with daemon_and_registry(state, run_root, template_pool=1) as (cfg, registry):
+                sock = cfg.socket
+                first = await AsyncSandbox.create("first", socket=sock)  # boots; saves the template
+                while not any(m.state == "ready" for ms in registry.pool.values() for m in ms):
+                    await trio.sleep(0.05)
+                async with connect(sock) as c:
+                    r = await c.call(
+                        "Create",
+                        {
+                            "id": "quick",
+                            "hostname": "quick",
+                            "env": {"WHO": "q"},
+                            "cmd": ["sh", "-c", "echo $WHO > /root/cmd"],
+                        },
+                    )
+                    assert r["state"] in ("ready", "running")  # ready as Create returns
+                quick = await AsyncSandbox.get("quick", socket=sock)
+                logs = b"".join(e["data"] for e in await quick.logs() if e["source"] == "system")
+                assert b"warm pool" in logs, logs
+                while await quick.state() != "ready":  # the initial command runs, then ends
+                    await trio.sleep(0.05)
+                assert await quick.fs.read("/root/cmd") == b"q\n"
+                assert (await sh(quick, "hostname; echo $WHO")).split() == ["quick", "q"]
+                assert sorted(s["id"] for s in (await AsyncSandbox.list(socket=sock)).sandboxes) == ["first", "quick"]
+                await quick.remove()
+                await first.remove()
     finally:
         shutil.rmtree(run_root, ignore_errors=True)
