@@ -51,7 +51,8 @@ def bench(session: nox.Session) -> None:
 
 @nox.session
 def demo(session: nox.Session) -> None:
-    """The main job: build the default image, boot a sandbox and show it working."""
+    """The main job: build the default image, start the supervisor, show a sandbox working
+    (and checkpointed, cloned, created from the boot template)."""
     _host(session)
     session.install("-e", ".")
     session.run("sandvisor", "image", "build")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shutil
 import sys
 import tempfile
 import time
@@ -21,8 +22,7 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from actors.guest import GuestError
-from actors.machine import MachineError, qmp_loop, resolve_accel
-from actors.vm import booted_guest
+from actors.machine import MachineError, resolve_accel
 from images.build import Builder, BuildError, default_cache, load_default
 from supervisor.cli_client import UsageError, add_client_commands, run_client
 from supervisor.protocol import ApiError
@@ -84,47 +84,85 @@ def cmd_image_build(args: argparse.Namespace) -> int:
 
 # --- demo --------------------------------------------------------------------
 def cmd_demo(args: argparse.Namespace) -> int:
+    """The main job: a supervisor (in this process, on a throwaway state dir sharing the
+    built image) and, through the SDK, a sandbox at work: commands, files, metrics,
+    then a checkpoint, two restored clones and a Create from the boot template."""
     img = load_default(Path(args.cache) if args.cache else None)
     if img is None:
         raise UserError("the default image is not built: run 'sandvisor image build'")
     accel = resolve_accel(args.accel)
+    cache = Path(args.cache) if args.cache else default_cache()
 
     async def main() -> None:
-        async with qmp_loop():
-            with tempfile.TemporaryDirectory(prefix="sandvisor-demo-") as d:
+        from supervisor.client import AsyncSandbox
+        from supervisor.daemon import DaemonConfig, serve
+
+        work = Path(tempfile.mkdtemp(prefix="sandvisor-demo-", dir="/tmp"))
+        work.chmod(0o711)  # QEMU's unprivileged user reaches its run dir under here
+        (work / "state").mkdir()
+        (work / "state" / "images").symlink_to(cache)
+        cfg = DaemonConfig(socket=work / "s.sock", state_dir=work / "state", accel=accel, run_root=work / "run")
+        sock = cfg.socket
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(serve, cfg)
+                out.print(f"[bold]supervisor[/] up on {sock} (accel={accel}, kernel {img.kernel_version})")
                 t0 = time.monotonic()
-                out.print(f"[bold]booting[/] a microVM sandbox (accel={accel}, kernel {img.kernel_version}) ...")
-                async with booted_guest(img, Path(d), accel=accel, hostname="demo") as g:
-                    info = g.channel.hello_info
-                    assert info is not None
-                    out.print(
-                        f"ready in {g.t_ready - t0:.2f}s (QEMU up {g.t_qmp - t0:.3f}s, "
-                        f"guestd ready {info.ready_ns / 1e9:.2f}s after kernel start)"
-                    )
-                    for argv in (
-                        ["uname", "-sr"],
-                        ["sh", "-c", "echo hello from $(hostname) as $(id -un); echo to stderr >&2; exit 3"],
-                        ["python3", "-c", "import sys; print('python', sys.version.split()[0], 'in the sandbox')"],
-                    ):
-                        t = time.monotonic()
-                        r = await g.channel.run(argv)
-                        out.print(f"[dim]$ {' '.join(argv)}[/]  [dim]({(time.monotonic() - t) * 1000:.0f} ms)[/]")
-                        if r.stdout:
-                            out.print(r.stdout.decode(errors="replace").rstrip(), highlight=False)
-                        if r.stderr:
-                            out.print(f"[yellow]{r.stderr.decode(errors='replace').rstrip()}[/]", highlight=False)
-                        out.print(f"[dim]exit code {r.exit_code}[/]")
-                    await g.channel.write_file("/tmp/greeting", b"written by the host\n")
-                    back = await g.channel.read_bytes("/tmp/greeting")
-                    out.print(f"file round trip: {back!r}")
-                    m = await g.channel.metrics()
-                    table = Table("metric", "value", title="guest metrics")
-                    table.add_row("uptime", f"{m.uptime:.1f} s")
-                    table.add_row("memory available", f"{m.mem['available'] >> 20} / {m.mem['total'] >> 20} MiB")
-                    table.add_row("cpu user+system", f"{m.cpu_seconds['user'] + m.cpu_seconds['system']:.2f} s")
-                    table.add_row("disk read", f"{m.disk['read_bytes'] >> 10} KiB")
-                    out.print(table)
-                out.print(f"powered off and cleaned up (QEMU exit {g.machine.returncode})")
+                sb = await AsyncSandbox.create("demo", hostname="demo", socket=sock, labels={"via": "demo"})
+                out.print(f"sandbox [bold]demo[/] booted and ready in {time.monotonic() - t0:.2f}s")
+                for argv in (
+                    ["uname", "-sr"],
+                    ["sh", "-c", "echo hello from $(hostname) as $(id -un); echo to stderr >&2; exit 3"],
+                    ["python3", "-c", "import sys; print('python', sys.version.split()[0], 'in the sandbox')"],
+                ):
+                    t = time.monotonic()
+                    r = await sb.run(argv)
+                    out.print(f"[dim]$ {' '.join(argv)}[/]  [dim]({(time.monotonic() - t) * 1000:.0f} ms)[/]")
+                    if r.stdout:
+                        out.print(r.stdout.decode(errors="replace").rstrip(), highlight=False)
+                    if r.stderr:
+                        out.print(f"[yellow]{r.stderr.decode(errors='replace').rstrip()}[/]", highlight=False)
+                    out.print(f"[dim]exit code {r.exit_code}[/]")
+                await sb.fs.write("/root/greeting", b"written by the host before the checkpoint\n")
+                out.print(f"file round trip: {await sb.fs.read('/root/greeting')!r}")
+                m = await sb.metrics()
+                table = Table("metric", "value", title="sandbox metrics")
+                table.add_row("uptime", f"{m['uptime_seconds']:.1f} s")
+                table.add_row(
+                    "guest memory available",
+                    f"{m['memory_available_bytes'] >> 20} / {m['memory_total_bytes'] >> 20} MiB",
+                )
+                table.add_row("QEMU host RSS", f"{m['host_rss_bytes'] >> 20} MiB")
+                out.print(table)
+
+                t = time.monotonic()
+                snap = await sb.checkpoint("demo-snap")
+                out.print(f"checkpoint [bold]{snap}[/] in {(time.monotonic() - t) * 1000:.0f} ms (the sandbox runs on)")
+                clones: list[AsyncSandbox] = []
+                t = time.monotonic()
+
+                async def restore(name: str) -> None:
+                    clones.append(await AsyncSandbox.restore(snap, name=name, socket=sock))
+
+                async with trio.open_nursery() as n:
+                    for name in ("clone-1", "clone-2"):
+                        n.start_soon(restore, name)
+                out.print(f"two clones restored side by side, ready in {time.monotonic() - t:.2f}s")
+                for c in sorted(clones, key=lambda c: c.id):
+                    r = await c.run(["sh", "-c", "cat /root/greeting; head -c 6 /dev/urandom | od -An -tx1"])
+                    out.print(f"[dim]{c.id}:[/] " + " | ".join(r.stdout.decode().split("\n")[:2]), highlight=False)
+                t = time.monotonic()
+                quick = await AsyncSandbox.create("demo-2", socket=sock)
+                out.print(
+                    f"sandbox [bold]demo-2[/] ready in {time.monotonic() - t:.2f}s (restored from the boot template)"
+                )
+                for x in (quick, *clones, sb):
+                    await x.remove(force=True)
+                await AsyncSandbox.delete_snapshot(snap, socket=sock)
+                nursery.cancel_scope.cancel()
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        out.print("sandboxes removed, snapshot deleted, supervisor stopped: nothing left behind")
 
     trio.run(main)
     return 0

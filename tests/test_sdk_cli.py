@@ -288,3 +288,18 @@ def test_examples_run_against_a_real_daemon(served: dict[str, str]) -> None:
         "fail: exit 3: ",
         "env: exit 0: env",
     ]
+
+
+def test_demo_the_main_job(image: Image) -> None:
+    """`sandvisor demo` (what `nox -s demo` runs): its own supervisor, a sandbox at
+    work, a checkpoint, two clones, a Create from the boot template; nothing left."""
+    p = subprocess.run(
+        [sys.executable, "-m", "supervisor.cli", "demo", "--accel", "tcg"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert p.returncode == 0, p.stderr
+    for want in ("hello from demo as root", "python 3", "clone-1: written by the host", "nothing left behind"):
+        assert want in p.stdout, p.stdout
