@@ -61,6 +61,7 @@ STATES = (STARTING, "ready", RUNNING, STOPPING, STOPPED, FAILED)
 ACTIONS = ("created", "ready", "running", "idle", "stopping", "stopped", "failed", "removed")
 DEFAULT_STOP_TIMEOUT = 30.0
 MAX_WORKLOAD_BYTES = 256 * 1024  # well inside the guest channel's frame cap
+STALE = "the image or accelerator changed"
 TEMPLATE_LABEL = "sandvisor.template"  # reserved prefix: no caller can set it
 POOL_PREFIX = "\x00pool:"  # ids of warm pool members: no caller id can hold a control character
 
@@ -173,6 +174,7 @@ class Registry:
         self.templates = templates
         self.template_pool = template_pool  # warm members per boot template: Creates in milliseconds
         self._template_pending: set[str] = set()
+        self._template_broken: set[str] = set()  # keys whose template failed: boot until restart
         self.events = EventBus()
         self._nursery: trio.Nursery | None = None
         self._closing = False
@@ -421,7 +423,7 @@ class Registry:
             if TEMPLATE_LABEL in r.labels and (
                 r.config.get("image") != self._image_parts() or r.machine.get("accel") != self.settings.accel
             ):
-                self._template_failed(r, "the image or accelerator changed")
+                self._template_failed(r, STALE)
 
     def _template(self, key: str) -> SnapshotRecord | None:
         for r in self.snapshots.snapshots.values():
@@ -431,7 +433,7 @@ class Registry:
 
     async def _use_template(self, sb: Sandbox) -> None:
         key = self.template_key(sb.config)
-        if key is None:
+        if key is None or key in self._template_broken:
             return
         tpl = self._template(key)
         if tpl is not None:
@@ -491,7 +493,10 @@ class Registry:
 
     def _template_failed(self, tpl: SnapshotRecord, why: str) -> None:
         """A template that does not restore is dropped (its files go once unused)."""
-        log.warning("boot template %s dropped: %s", tpl.labels.get(TEMPLATE_LABEL), why)
+        key = tpl.labels.get(TEMPLATE_LABEL, "")
+        log.warning("boot template %s dropped: %s", key, why)
+        if why != STALE:
+            self._template_broken.add(key)  # a new one would likely fail the same way
         if self.snapshots.snapshots.get(tpl.id) is tpl:
             self.snapshots.store.delete_snapshot(tpl.uid)
             self.snapshots.snapshots.pop(tpl.id, None)

@@ -394,3 +394,29 @@ async def test_template_pool_makes_creates_ready_at_once(image: Image, tmp_path:
                 await first.remove()
     finally:
         shutil.rmtree(run_root, ignore_errors=True)
+
+
+async def test_a_broken_boot_template_falls_back_to_booting(image: Image, tmp_path: Path) -> None:
+    """A template whose state does not load is dropped and that Create boots instead
+    (the caller sees a ready sandbox, not an error)."""
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "images").symlink_to(default_cache())
+    run_root = Path(tempfile.mkdtemp(prefix="svb-", dir="/tmp"))
+    try:
+        with trio.fail_after(180):
+            async with daemon_and_registry(state, run_root) as (cfg, registry):
+                sock = cfg.socket
+                first = await AsyncSandbox.create("first", socket=sock)  # boots; saves the template
+                [tpl] = registry.snapshots.snapshots.values()
+                (Path(tpl.dir) / "vmstate").write_bytes(b"QEVM but not really" * 100)
+                second = await AsyncSandbox.create("second", socket=sock)
+                assert await second.state() == "ready"
+                logs = b"".join(e["data"] for e in await second.logs() if e["source"] == "system")
+                assert b"template restore failed" in logs, logs
+                assert (await sh(second, "echo booted")).strip() == "booted"
+                assert not registry.snapshots.snapshots  # dropped, and not made again
+                for sb in (first, second):
+                    await sb.remove()
+    finally:
+        shutil.rmtree(run_root, ignore_errors=True)
