@@ -270,6 +270,15 @@ class QemuUser:
     groups: tuple[int, ...]
 
 
+def unsearchable_parent(path: Path) -> Path | None:
+    """The first directory on the way to ``path`` that others may not pass (no o+x):
+    where an unprivileged QEMU would be stopped. None when the way is open."""
+    for parent in reversed(path.resolve().parents):
+        if not parent.stat().st_mode & 0o001:
+            return parent
+    return None
+
+
 def unprivileged_user(name: str | None = None) -> QemuUser | None:
     """``name``, else ``sandvisor-qemu`` if that user exists, else ``nobody``; plus the
     ``kvm`` group for /dev/kvm. None when the supervisor is not root (QEMU then runs as

@@ -28,7 +28,7 @@ import attrs
 import trio
 
 from actors.disk import backing_chain, create_overlay
-from actors.machine import MachineError
+from actors.machine import MachineError, unsearchable_parent
 from actors.sandbox import ALIVE, FAILED, READY, RUNNING, STARTING, STOPPED, STOPPING, Sandbox, Settings
 from actors.snapshot import Checkpoint, SnapshotStore, checkpoint_guest, still_running
 from actors.vm import Guest
@@ -234,9 +234,7 @@ class Registry:
             sb = Sandbox(rec, self.settings, self._emit, self.store.update, self.store.update_config)
             if rec.id.startswith(POOL_PREFIX):  # a warm pool member: its QEMU goes, and so does it
                 _kill_orphan(rec.qemu_pid, rec.uid)
-                sb.log.close()
-                self.store.delete(rec.uid)
-                shutil.rmtree(sb.dir, ignore_errors=True)
+                self._forget(sb)
                 continue
             if rec.state in (STARTING, *ALIVE, STOPPING):
                 killed = _kill_orphan(rec.qemu_pid, rec.uid)
@@ -352,27 +350,45 @@ class Registry:
         tpl = self._template(key) if key is not None else None
         member = self._take_member(tpl) if tpl is not None else None
         if member is not None:
-            return await self._adopt_for_create(member, req.id, config)
-        uid = str(uuid.uuid4())
-        rec = Record(
-            uid=uid,
-            id=req.id or uid,
-            seq=self.store.next_seq(),
-            config=config,
-            state=STARTING,
-            created_at=int(time.time()),
-        )
-        self.store.insert(rec)
-        sb = Sandbox(rec, self.settings, self._emit, self.store.update, self.store.update_config)
-        self.sandboxes[rec.id] = sb
-        self._emit(rec.id, "created", {})
+            await self._adopt(member, req.id, config, {"pool": "1"}, apply_ports=True)
+            return member  # failed, with its error, if the adoption failed: as a failed boot
+        sb = self._new_sandbox(req.id, config)
+        self.store.insert(sb.record)
+        self.sandboxes[sb.id] = sb
+        self._emit(sb.id, "created", {})
         t_accepted = time.monotonic()
         await self._use_template(sb)
         await self._start_life(sb)
         sb.timings["accepted"] = t_accepted
         return sb
 
-    async def _adopt_for_create(self, sb: Sandbox, id: str, config: dict[str, Any]) -> Sandbox:
+    def _new_sandbox(self, id: str, config: dict[str, Any], *, hidden: bool = False) -> Sandbox:
+        """A sandbox actor with a fresh record (not stored or registered yet). Hidden:
+        a warm pool member, with an id no caller can use."""
+        uid = str(uuid.uuid4())
+        rec = Record(
+            uid=uid,
+            id=POOL_PREFIX + uid if hidden else id or uid,
+            seq=0 if hidden else self.store.next_seq(),
+            config=config,
+            state=STARTING,
+            created_at=int(time.time()),
+        )
+        return Sandbox(rec, self.settings, self._emit, self.store.update, self.store.update_config)
+
+    def _forget(self, sb: Sandbox) -> None:
+        """The end of a sandbox that has stopped: its record, log, directories."""
+        sb.log.close()
+        self.store.delete(sb.record.uid)
+        shutil.rmtree(sb.dir, ignore_errors=True)
+        shutil.rmtree(sb.run_dir, ignore_errors=True)
+
+    async def _adopt(
+        self, sb: Sandbox, id: str, config: dict[str, Any], created: dict[str, str], *, apply_ports: bool
+    ) -> bool:
+        """A ready warm pool member becomes the caller's sandbox: the caller's id and
+        configuration, created; fresh identity, ports, initial command (Sandbox.adopt);
+        ready. False if that failed (the sandbox is then failed, and stopping)."""
         t_accepted = time.monotonic()
         rec = sb.record
         rec.id = id or rec.uid
@@ -381,14 +397,14 @@ class Registry:
         rec.config = config
         self.store.rekey(rec)
         self.sandboxes[rec.id] = sb
-        self._emit(rec.id, "created", {"pool": "1"})
+        self._emit(rec.id, "created", created)
         try:
-            await sb.adopt()
+            await sb.adopt(apply_ports=apply_ports)
         except MachineError:
-            return sb  # failed, with its error, as a failed boot would be
+            return False
         self._emit(rec.id, "ready", {})
         sb.timings = {"accepted": t_accepted, "ready_event": time.monotonic(), "pool": 1.0}
-        return sb
+        return True
 
     # -- boot templates ------------------------------------------------------------
     def template_key(self, config: dict[str, Any]) -> str | None:
@@ -586,10 +602,7 @@ class Registry:
         if self.sandboxes.get(id) is not sb:
             return  # removed meanwhile by another call
         del self.sandboxes[id]
-        sb.log.close()
-        self.store.delete(sb.record.uid)
-        shutil.rmtree(sb.dir, ignore_errors=True)
-        shutil.rmtree(sb.run_dir, ignore_errors=True)
+        self._forget(sb)
         self._emit(id, "removed", {})
         self._collect_snapshot_dirs()
 
@@ -600,9 +613,7 @@ class Registry:
         if len(req.name.encode()) > 256 or any(ord(c) < 32 for c in req.name):
             raise ApiError(INVALID_ARGUMENT, "name must be at most 256 bytes without control characters")
         sb = self.get(req.sandbox_id)
-        sb._require_alive()
-        if sb.state != READY:
-            raise ApiError(FAILED_PRECONDITION, f"sandbox {sb.id} is {sb.state}; checkpoint needs it ready")
+        sb.check_checkpointable()  # before a directory is made for nothing
         uid, snap_dir = self.snapshots.new_dir()
         created = time.time_ns()
         try:
@@ -665,27 +676,30 @@ class Registry:
         if req.id and req.id in self.sandboxes:
             raise ApiError(ALREADY_EXISTS, f"sandbox {req.id!r} exists")
         self._check_restorable(snap)
+        config = self._restored_config(snap, req.labels, req.ttl_seconds)
         member = self._take_member(snap)
         if member is not None:
-            return await self._adopt(member, snap, req)
+            # the member forwarded the snapshot's ports already, on its own host ports
+            config["ports"] = member.config.get("ports") or []
+            if not await self._adopt(member, req.id, config, {"snapshot_id": snap.id, "pool": "1"}, apply_ports=False):
+                error = member.record.error
+                with trio.CancelScope(shield=True):
+                    await self.remove(member.id, force=True)
+                raise ApiError(UNAVAILABLE, f"restore from {snap.id} failed: {error}")
+            return member
         if sum(1 for s in self.sandboxes.values() if not s.stopped) >= self.max_sandboxes:
             raise ApiError(RESOURCE_EXHAUSTED, f"at most {self.max_sandboxes} sandboxes may run at once")
-        uid = str(uuid.uuid4())
-        rec = Record(
-            uid=uid,
-            id=req.id or uid,
-            seq=self.store.next_seq(),
-            config=self._restored_config(snap, req.labels, req.ttl_seconds),
-            state=STARTING,
-            created_at=int(time.time()),
-        )
         t_accepted = time.monotonic()
-        sb = Sandbox(rec, self.settings, self._emit, self.store.update, self.store.update_config)
+        sb = self._new_sandbox(req.id, config)
+        rec = sb.record
         sb.restore_from = snap
-        await create_overlay(self.snapshots.disk(snap), sb.dir / "disk.qcow2")
-        if req.id and req.id in self.sandboxes:  # another restore or create took the id meanwhile
-            shutil.rmtree(sb.dir, ignore_errors=True)
-            raise ApiError(ALREADY_EXISTS, f"sandbox {req.id!r} exists")
+        try:
+            await create_overlay(self.snapshots.disk(snap), sb.dir / "disk.qcow2")
+            if req.id and req.id in self.sandboxes:  # another restore or create took the id meanwhile
+                raise ApiError(ALREADY_EXISTS, f"sandbox {req.id!r} exists")
+        except BaseException:
+            self._forget(sb)  # nothing of it was stored or registered yet
+            raise
         self.store.insert(rec)
         self.sandboxes[rec.id] = sb
         self._emit(rec.id, "created", {"snapshot_id": snap.id})
@@ -739,34 +753,6 @@ class Registry:
                 return m
         return None
 
-    async def _adopt(self, sb: Sandbox, snap: SnapshotRecord, req: RestoreRequest) -> Sandbox:
-        """A pool member becomes the caller's sandbox: new id, labels, TTL, clock and
-        entropy (it may have waited in the pool a while); then created and ready."""
-        t_accepted = time.monotonic()
-        rec = sb.record
-        rec.id = req.id or rec.uid
-        rec.seq = self.store.next_seq()
-        rec.created_at = int(time.time())
-        rec.ready_at = rec.created_at
-        cfg = self._restored_config(snap, req.labels, req.ttl_seconds)
-        cfg["ports"] = rec.config.get("ports") or []  # already forwarded, on the member's own host ports
-        rec.config = cfg
-        self.store.rekey(rec)
-        self.sandboxes[rec.id] = sb
-        sb.touch()
-        try:
-            assert sb.guest is not None
-            await sb.guest.channel.set_clock()
-            await sb.guest.channel.add_entropy(256)
-        except Exception as exc:
-            with trio.CancelScope(shield=True):
-                await self.remove(rec.id, force=True)
-            raise ApiError(UNAVAILABLE, f"restore from {snap.id} failed: {exc}") from None
-        self._emit(rec.id, "created", {"snapshot_id": snap.id, "pool": "1"})
-        self._emit(rec.id, "ready", {})
-        sb.timings = {"accepted": t_accepted, "ready_event": time.monotonic(), "pool": 1.0}
-        return sb
-
     async def _pool_keeper(self) -> None:
         """Keep each snapshot's pool at its target: one restore at a time (they
         compete for the same cores as the caller's work), failed members dropped."""
@@ -796,16 +782,8 @@ class Registry:
                     await self._pool_wake.wait()
 
     async def _start_member(self, snap: SnapshotRecord) -> None:
-        uid = str(uuid.uuid4())
-        rec = Record(
-            uid=uid,
-            id=POOL_PREFIX + uid,
-            seq=0,
-            config=self._restored_config(snap, {}, 0),
-            state=STARTING,
-            created_at=int(time.time()),
-        )
-        sb = Sandbox(rec, self.settings, self._emit, self.store.update, self.store.update_config)
+        sb = self._new_sandbox("", self._restored_config(snap, {}, 0), hidden=True)
+        rec = sb.record
         sb.restore_from = snap
         self.pool.setdefault(snap.id, []).append(sb)  # from here on, a drain finds it
         try:
@@ -828,10 +806,7 @@ class Registry:
             sb.request_stop(0, force=True)
             with trio.CancelScope(shield=True), trio.move_on_after(30):
                 await sb.wait_stopped()
-        sb.log.close()
-        self.store.delete(sb.record.uid)
-        shutil.rmtree(sb.dir, ignore_errors=True)
-        shutil.rmtree(sb.run_dir, ignore_errors=True)
+        self._forget(sb)
 
     async def _drain_pool(self, snapshot_id: str) -> None:
         for m in self.pool.pop(snapshot_id, []):
@@ -895,13 +870,13 @@ class Registry:
 def _check_traversable(path: Path, user: str) -> None:
     """QEMU runs as ``user`` and creates its guest socket under ``path``: every parent
     must let others through (o+x). Said at start, not at the first boot's failure."""
-    for parent in [path.resolve(), *path.resolve().parents]:
-        if not parent.stat().st_mode & 0o001:
-            raise ApiError(
-                FAILED_PRECONDITION,
-                f"the run root {path} is not reachable by QEMU's user {user!r}: {parent} is not o+x "
-                "(choose another run root, or another --qemu-user)",
-            )
+    blocked = unsearchable_parent(path / "x")  # the run root itself must be passable too
+    if blocked is not None:
+        raise ApiError(
+            FAILED_PRECONDITION,
+            f"the run root {path} is not reachable by QEMU's user {user!r}: {blocked} is not o+x "
+            "(choose another run root, or another --qemu-user)",
+        )
 
 
 def _encode_cursor(seq: int) -> str:

@@ -322,42 +322,45 @@ class Sandbox:
                 guest.machine.proc.kill()
 
     async def _after_restore(self, guest: Guest, cfg: dict[str, Any]) -> None:
-        """What a clone must not share with its snapshot. The clock was set by the
-        hello (host time); the kernel's CRNG is reseeded with fresh host entropy (else
-        every restore reads the same /dev/urandom stream); the hostname is set again.
-        Port forwards are host state (not migrated): _apply_ports redoes them."""
+        """A restored life: say where it came from, then the identity fixups (the clock
+        was set by the hello). Port forwards are host state, not migrated: the life
+        redoes them (_apply_ports) as after a boot."""
         self.timings["restored"] = time.monotonic()
         snap = self.restore_from
         if snap is not None:
             what = "the boot template" if self.template_failed is not None else f"snapshot {snap.id}"
             self.log.append("system", f"restored from {what}".encode())
+        await self._fresh_identity(guest, cfg, clock=False)
+
+    async def _fresh_identity(self, guest: Guest, cfg: dict[str, Any], *, clock: bool) -> None:
+        """What a clone must not share with its snapshot: the clock (host time), the
+        kernel's CRNG (reseeded with fresh host entropy, else every clone reads the
+        same /dev/urandom stream), the hostname."""
         try:
+            if clock:
+                await guest.channel.set_clock()
             await guest.channel.add_entropy(256)
             await guest.channel.set_hostname(cfg.get("hostname") or "sandbox")
         except GuestError as exc:
             raise MachineError(f"post-restore fixups failed: {exc}") from None
 
-    async def adopt(self) -> None:
-        """A warm template member becomes a Create's sandbox (its record already holds
-        the Create's configuration): fresh clock and entropy, the hostname, the
-        ports, then the initial command. A failure fails this sandbox, as it would
-        fail a boot."""
+    async def adopt(self, *, apply_ports: bool) -> None:
+        """A warm pool member becomes the caller's sandbox (its record already holds the
+        caller's configuration): fresh identity (it may have waited a while), the
+        ports unless the member forwarded them already, then the initial command. A
+        failure fails this sandbox, as it would fail a boot."""
         guest, cfg = self.guest, self.config
         if guest is None or self._life_nursery is None or self.state != READY:
             raise MachineError(f"pool member is {self.state}")
         try:
-            try:
-                await guest.channel.set_clock()
-                await guest.channel.add_entropy(256)
-                await guest.channel.set_hostname(cfg.get("hostname") or "sandbox")
-            except GuestError as exc:
-                raise MachineError(f"post-restore fixups failed: {exc}") from None
-            await self._apply_ports(guest)
+            await self._fresh_identity(guest, cfg, clock=True)
+            if apply_ports:
+                await self._apply_ports(guest)
         except MachineError as exc:
             self._fail(str(exc))
             self._stop_request.set()
             raise
-        self.log.append("system", b"ready (from the warm pool of the boot template)")
+        self.log.append("system", b"ready (from the warm pool)")
         self.touch()
         if cfg.get("cmd"):
             self._life_nursery.start_soon(self._initial_cmd, cfg)
@@ -443,14 +446,18 @@ class Sandbox:
             raise ApiError(FAILED_PRECONDITION, f"sandbox {self.id} is being checkpointed; retry in a moment")
         return self.guest
 
-    async def checkpoint(self, snap_dir: Path) -> Checkpoint:
-        """Save this sandbox into ``snap_dir``; it runs on afterwards. Only when ready
-        with no exec session open: work in flight would be cloned into every restore."""
+    def check_checkpointable(self) -> Guest:
         guest = self._require_alive()
         if self.state != READY:
             raise ApiError(FAILED_PRECONDITION, f"sandbox {self.id} is {self.state}; checkpoint needs it ready")
         if self.execs or self.workloads:
             raise ApiError(FAILED_PRECONDITION, f"sandbox {self.id} has exec sessions open; checkpoint needs it idle")
+        return guest
+
+    async def checkpoint(self, snap_dir: Path) -> Checkpoint:
+        """Save this sandbox into ``snap_dir``; it runs on afterwards. Only when ready
+        with no exec session open: work in flight would be cloned into every restore."""
+        guest = self.check_checkpointable()
         async with self._ckpt_lock:
             self.checkpointing = True
             self._ckpt_done = trio.Event()

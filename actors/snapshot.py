@@ -46,7 +46,7 @@ import attrs
 import trio
 
 from actors.disk import backing_chain, create_overlay
-from actors.machine import MachineError, QemuUser
+from actors.machine import MachineError, QemuUser, unsearchable_parent
 from actors.vm import Guest
 from supervisor.protocol import FAILED_PRECONDITION, INVALID_ARGUMENT, NOT_FOUND, ApiError
 from supervisor.store import SnapshotRecord, Store
@@ -86,38 +86,43 @@ def _stat_key(path: Path) -> list[int]:
 async def checkpoint_guest(guest: Guest, *, disk: Path, snap_dir: Path, user: QemuUser | None) -> Checkpoint:
     """Save a running guest into ``snap_dir`` (which exists and is empty) and let it run
     on. ``disk``: the guest's overlay; afterwards a new overlay at the same path, on
-    top of the frozen one (now ``snap_dir/disk.qcow2``)."""
+    top of the frozen one (now ``snap_dir/disk.qcow2``).
+
+    Until the freeze, a failure undoes everything here (the new overlay, its fd set and
+    block node); after it, the guest runs on the new overlay and ``snap_dir`` holds the
+    disk it stands on (the caller's collector keeps it while used)."""
     m = guest.machine
     spec = m.spec
     mapped = spec.memory_file is not None and spec.memory_shared
     frozen = snap_dir / "disk.qcow2"
     nxt = disk.with_name("disk.next.qcow2")
-    with contextlib.suppress(FileNotFoundError):
-        nxt.unlink()
-    await create_overlay(disk, nxt, backing_as=frozen)
     m.checkpoints += 1
-    n = m.checkpoints
-    fdset, node = 100 + n, f"ov{n}"
-    fds = [os.open(nxt, os.O_RDWR | os.O_CLOEXEC), os.open(nxt, os.O_RDONLY | os.O_CLOEXEC)]
+    fdset, node = 100 + m.checkpoints, f"ov{m.checkpoints}"
+    fdset_added = node_added = frozen_done = False
+    vm_fd = -1
     try:
-        for fd, opaque in zip(fds, ("rw", "ro"), strict=True):
-            await m.add_fd(fd, fdset, f"{node}-{opaque}")
-    finally:
-        for fd in fds:
-            os.close(fd)
-    await m.qmp_execute(
-        "blockdev-add",
-        {
-            "driver": "qcow2",
-            "node-name": node,
-            "file": {"driver": "file", "filename": f"/dev/fdset/{fdset}", "locking": "off"},
-            "backing": None,
-        },
-    )
-    vm_fd = os.open(snap_dir / "vmstate", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    t0 = time.monotonic()
-    frozen_done = False
-    try:
+        nxt.unlink(missing_ok=True)
+        await create_overlay(disk, nxt, backing_as=frozen)
+        fds = [os.open(nxt, os.O_RDWR | os.O_CLOEXEC), os.open(nxt, os.O_RDONLY | os.O_CLOEXEC)]
+        try:
+            for fd, opaque in zip(fds, ("rw", "ro"), strict=True):
+                await m.add_fd(fd, fdset, f"{node}-{opaque}")
+                fdset_added = True
+        finally:
+            for fd in fds:
+                os.close(fd)
+        await m.qmp_execute(
+            "blockdev-add",
+            {
+                "driver": "qcow2",
+                "node-name": node,
+                "file": {"driver": "file", "filename": f"/dev/fdset/{fdset}", "locking": "off"},
+                "backing": None,
+            },
+        )
+        node_added = True
+        vm_fd = os.open(snap_dir / "vmstate", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        t0 = time.monotonic()
         await m.qmp_execute("stop")
         try:
             await m.qmp_execute("blockdev-snapshot", {"node": m.disk_top, "overlay": node})
@@ -147,12 +152,15 @@ async def checkpoint_guest(guest: Guest, *, disk: Path, snap_dir: Path, user: Qe
     except BaseException:
         if not frozen_done:
             with trio.CancelScope(shield=True), contextlib.suppress(MachineError):
-                await m.qmp_execute("blockdev-del", {"node-name": node})
-            with contextlib.suppress(FileNotFoundError):
-                nxt.unlink()
+                if node_added:
+                    await m.qmp_execute("blockdev-del", {"node-name": node})
+                if fdset_added:
+                    await m.qmp_execute("remove-fd", {"fdset-id": fdset})
+            nxt.unlink(missing_ok=True)
         raise
     finally:
-        os.close(vm_fd)
+        if vm_fd >= 0:
+            os.close(vm_fd)
     files = ["vmstate", "disk.qcow2", *(["memory"] if mapped else [])]
     await trio.to_thread.run_sync(_finish, snap_dir, files, user, spec.kernel, spec.initrd)
     sizes = {f: allocated(snap_dir / f) for f in files}
@@ -199,18 +207,11 @@ def _finish(snap_dir: Path, files: list[str], user: QemuUser | None, kernel: Pat
             shutil.copy2(src, snap_dir / name)
 
 
-def reachable_by(path: Path, user: QemuUser | None) -> bool:
-    """Can QEMU's user get to ``path`` (every parent searchable by others)?"""
-    if user is None:
-        return True
-    return all(parent.stat().st_mode & 0o001 for parent in path.resolve().parents)
-
-
 def memory_for_restore(snap_dir: Path, run_dir: Path, user: QemuUser | None) -> Path:
     """The snapshot's RAM file as a path QEMU's user can open: the file itself when
     its directory is reachable, else a hard link in the run dir (removed with it)."""
     mem = snap_dir / "memory"
-    if reachable_by(mem, user):
+    if user is None or unsearchable_parent(mem) is None:
         return mem
     link = run_dir / "memory"
     try:

@@ -35,6 +35,18 @@ async def in_process_daemon(prefix: str) -> AsyncIterator[tuple[DaemonConfig, Re
         shutil.rmtree(work, ignore_errors=True)
 
 
+def pct(xs: list[float], p: float) -> float:
+    """The p-th percentile (nearest rank); 0 for no samples."""
+    if not xs:
+        return 0.0
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(p / 100 * (len(xs) - 1)))]
+
+
+def summary(xs: list[float]) -> dict[str, float]:
+    return {"p50": pct(xs, 50), "p90": pct(xs, 90), "p99": pct(xs, 99), "n": len(xs)}
+
+
 def write_results(out_dir: Path, name: str, res: dict[str, Any], md: str) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{name}.json").write_text(json.dumps(res, indent=2))

@@ -15,14 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import trio
-from _harness import in_process_daemon, main, write_results
+from _harness import in_process_daemon, main, pct, write_results
 
 from supervisor.client import connect
-
-
-def pct(xs: list[float], p: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, round(p / 100 * (len(xs) - 1)))]
 
 
 async def bench(n: int, out_dir: Path) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import trio
-from _harness import in_process_daemon, main, write_results
+from _harness import in_process_daemon, main, summary, write_results
 from guest import boot_floor, floor_initrd
 from rich.progress import Progress
 from snapshots import RESTORE_PHASES, restore_runs, wait_ready
@@ -48,15 +48,6 @@ PHASES = [
     ("guest_python", "hello", "guestd to hello"),
     ("hello", "ready_event", "to ready event"),
 ]
-
-
-def pct(xs: list[float], p: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, round(p / 100 * (len(xs) - 1)))]
-
-
-def summary(xs: list[float]) -> dict[str, float]:
-    return {"p50": pct(xs, 50), "p90": pct(xs, 90), "p99": pct(xs, 99), "n": len(xs)}
 
 
 def breakdown(t: dict[str, float]) -> dict[str, float]:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import trio
-from _harness import in_process_daemon, main, write_results
+from _harness import in_process_daemon, main, summary, write_results
 from rich.progress import Progress
 
 from supervisor.client import connect
@@ -34,15 +34,6 @@ RESTORE_PHASES = [
 
 def med(xs: list[float]) -> float:
     return statistics.median(xs) if xs else 0.0
-
-
-def pct(xs: list[float], p: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, round(p / 100 * (len(xs) - 1)))] if xs else 0.0
-
-
-def summary(xs: list[float]) -> dict[str, float]:
-    return {"p50": pct(xs, 50), "p90": pct(xs, 90), "p99": pct(xs, 99), "n": len(xs)}
 
 
 async def wait_ready(registry: Any, name: str) -> None:

@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -96,6 +99,39 @@ async def chan(shared_vm: SharedVM) -> AsyncIterator[GuestChannel]:
     stream = await trio.open_unix_socket(str(shared_vm.guest_socket))
     async with open_channel(stream, hello_timeout=90) as c:
         yield c
+
+
+@contextmanager
+def serve_process(
+    prefix: str, *, reachable: bool = False, own_run_root: bool = False
+) -> Iterator[tuple[dict[str, str], Path]]:
+    """A real ``sandvisor serve`` process on a throwaway state dir sharing the built
+    image; yields the environment the SDK and CLI find it by, and its work dir.
+    ``reachable``: the work dir is o+x, so QEMU's user can map files under it."""
+    work = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
+    if reachable:
+        work.chmod(0o711)
+    (work / "state").mkdir()
+    (work / "state" / "images").symlink_to(default_cache())
+    env = {**os.environ, "SANDVISOR_SOCKET": str(work / "s.sock"), "SANDVISOR_STATE_DIR": str(work / "state")}
+    argv = [sys.executable, "-m", "supervisor.cli", "serve", "--accel", "tcg"]
+    if own_run_root:
+        argv += ["--run-root", str(work / "run")]
+    p = subprocess.Popen(argv, env=env, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while not (work / "s.sock").exists():
+            assert p.poll() is None and time.monotonic() < deadline, "serve did not start"
+            time.sleep(0.05)
+        yield env, work
+    finally:
+        p.send_signal(signal.SIGTERM)
+        try:
+            p.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+        shutil.rmtree(work, ignore_errors=True)
 
 
 @pytest.fixture

@@ -6,18 +6,17 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import trio
+from conftest import serve_process
 
-from images.build import Image, default_cache
+from images.build import Image
 from supervisor.client import (
     AsyncSandbox,
     FailedPrecondition,
@@ -31,27 +30,8 @@ pytestmark = pytest.mark.vm
 
 @pytest.fixture(scope="module")
 def served(image: Image) -> Iterator[dict[str, str]]:
-    work = Path(tempfile.mkdtemp(prefix="sv-cli-", dir="/tmp"))
-    (work / "state").mkdir()
-    (work / "state" / "images").symlink_to(default_cache())
-    env = {**os.environ, "SANDVISOR_SOCKET": str(work / "s.sock"), "SANDVISOR_STATE_DIR": str(work / "state")}
-    p = subprocess.Popen(
-        [sys.executable, "-m", "supervisor.cli", "serve", "--accel", "tcg"], env=env, stderr=subprocess.DEVNULL
-    )
-    deadline = time.monotonic() + 30
-    while not (work / "s.sock").exists():
-        assert p.poll() is None and time.monotonic() < deadline, "serve did not start"
-        time.sleep(0.05)
-    try:
+    with serve_process("sv-cli-") as (env, _):
         yield env
-    finally:
-        p.send_signal(signal.SIGTERM)
-        try:
-            p.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-        shutil.rmtree(work, ignore_errors=True)
 
 
 def cli(

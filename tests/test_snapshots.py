@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -18,6 +17,7 @@ from typing import Any
 
 import pytest
 import trio
+from conftest import serve_process
 
 from images.build import Image, default_cache
 from supervisor.client import (
@@ -38,22 +38,9 @@ COUNTER = "i=0; while true; do i=$((i+1)); echo $i > /run/cnt; sleep 0.05; done"
 
 @pytest.fixture(scope="module")
 def served(image: Image) -> Iterator[dict[str, Any]]:
-    work = Path(tempfile.mkdtemp(prefix="sv-snap-", dir="/tmp"))
-    work.chmod(0o711)  # QEMU's user maps the snapshots' memory files in place
-    (work / "state").mkdir()
-    (work / "state" / "images").symlink_to(default_cache())
-    env = {**os.environ, "SANDVISOR_SOCKET": str(work / "s.sock"), "SANDVISOR_STATE_DIR": str(work / "state")}
-    p = subprocess.Popen(
-        [sys.executable, "-m", "supervisor.cli", "serve", "--accel", "tcg", "--run-root", str(work / "run")],
-        env=env,
-        stderr=subprocess.DEVNULL,
-    )
-    deadline = time.monotonic() + 30
-    while not (work / "s.sock").exists():
-        assert p.poll() is None and time.monotonic() < deadline, "serve did not start"
-        time.sleep(0.05)
-    sock = str(work / "s.sock")
-    try:
+    # reachable: QEMU's user maps the snapshots' memory files in place
+    with serve_process("sv-snap-", reachable=True, own_run_root=True) as (env, work):
+        sock = str(work / "s.sock")
         # the origin: a file on disk, a process counting in memory, then a checkpoint
         origin = Sandbox.create("origin", socket=sock, labels={"role": "origin"}, detached=True)
         origin.fs.write("/root/marker", b"written before the checkpoint")
@@ -61,14 +48,6 @@ def served(image: Image) -> Iterator[dict[str, Any]]:
         time.sleep(0.5)
         snap = origin.checkpoint("base", labels={"kind": "test"})
         yield {"env": env, "sock": sock, "snap": snap, "work": work}
-    finally:
-        p.send_signal(signal.SIGTERM)
-        try:
-            p.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-        shutil.rmtree(work, ignore_errors=True)
 
 
 async def sh(sb: AsyncSandbox, script: str) -> str:
@@ -280,6 +259,21 @@ async def test_creates_restore_the_boot_template(served: dict[str, Any]) -> None
 
 
 # --- restart and warm pool: in-process supervisors on one state dir ----------------------
+@pytest.fixture
+def fresh_state(image: Image, tmp_path: Path) -> Iterator[tuple[Path, Path]]:
+    """A state dir (sharing the built image) under pytest's 0700 tmp -- restores then
+    link the memory file into the run dir instead of mapping it in place -- and a
+    run root QEMU's user can reach."""
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "images").symlink_to(default_cache())
+    run_root = Path(tempfile.mkdtemp(prefix="svs-", dir="/tmp"))
+    try:
+        yield state, run_root
+    finally:
+        shutil.rmtree(run_root, ignore_errors=True)
+
+
 @asynccontextmanager
 async def daemon_on(state: Path, run_root: Path, **kw: Any) -> AsyncIterator[DaemonConfig]:
     async with daemon_and_registry(state, run_root, **kw) as (cfg, _):
@@ -295,128 +289,104 @@ async def daemon_and_registry(state: Path, run_root: Path, **kw: Any) -> AsyncIt
         n.cancel_scope.cancel()
 
 
-async def test_snapshots_survive_restart_and_pool(image: Image, tmp_path: Path) -> None:
-    state = tmp_path / "state"  # under pytest's 0700 tmp: restores link the memory file instead
-    state.mkdir()
-    (state / "images").symlink_to(default_cache())
-    run_root = Path(tempfile.mkdtemp(prefix="svp-", dir="/tmp"))
-    try:
-        with trio.fail_after(240):
-            async with daemon_on(state, run_root) as cfg:
-                sock = cfg.socket
-                async with await AsyncSandbox.create("pool-origin", socket=sock) as sb:
-                    await sb.fs.write("/root/x", b"pooled")
-                    snap = await sb.checkpoint("pooled")
-            # the origin is gone, the snapshot stays; a new supervisor keeps one restore warm
-            async with daemon_on(state, run_root, pool_size=1) as cfg:
-                sock = cfg.socket
-                [s] = await AsyncSandbox.snapshots(socket=sock)
-                assert (s["id"], s["name"], s["sandbox_id"]) == (snap, "pooled", "pool-origin")
+async def test_snapshots_survive_restart_and_pool(fresh_state: tuple[Path, Path]) -> None:
+    state, run_root = fresh_state
+    with trio.fail_after(240):
+        async with daemon_on(state, run_root) as cfg:
+            sock = cfg.socket
+            async with await AsyncSandbox.create("pool-origin", socket=sock) as sb:
+                await sb.fs.write("/root/x", b"pooled")
+                snap = await sb.checkpoint("pooled")
+        # the origin is gone, the snapshot stays; a new supervisor keeps one restore warm
+        async with daemon_on(state, run_root, pool_size=1) as cfg:
+            sock = cfg.socket
+            [s] = await AsyncSandbox.snapshots(socket=sock)
+            assert (s["id"], s["name"], s["sandbox_id"]) == (snap, "pooled", "pool-origin")
+            while (await AsyncSandbox.snapshots(socket=sock))[0]["pool_ready"] < 1:
+                await trio.sleep(0.1)
+            assert (await AsyncSandbox.list(socket=sock)).sandboxes == []  # pool members are not listed
+            async with connect(sock) as ec, ec.open_call("Events", {}) as events:
+                sb = await AsyncSandbox.restore(snap, name="from-pool", socket=sock)
+                ev = await events.__anext__()
+                assert (ev["sandbox_id"], ev["action"], ev["attributes"].get("pool")) == (
+                    "from-pool",
+                    "created",
+                    "1",
+                )
+            async with sb:
+                assert await sb.fs.read("/root/x") == b"pooled"
+                assert [s["id"] for s in (await AsyncSandbox.list(socket=sock)).sandboxes] == ["from-pool"]
                 while (await AsyncSandbox.snapshots(socket=sock))[0]["pool_ready"] < 1:
-                    await trio.sleep(0.1)
-                assert (await AsyncSandbox.list(socket=sock)).sandboxes == []  # pool members are not listed
-                async with connect(sock) as ec, ec.open_call("Events", {}) as events:
-                    sb = await AsyncSandbox.restore(snap, name="from-pool", socket=sock)
-                    ev = await events.__anext__()
-                    assert (ev["sandbox_id"], ev["action"], ev["attributes"].get("pool")) == (
-                        "from-pool",
-                        "created",
-                        "1",
-                    )
-                async with sb:
-                    assert await sb.fs.read("/root/x") == b"pooled"
-                    assert [s["id"] for s in (await AsyncSandbox.list(socket=sock)).sandboxes] == ["from-pool"]
-                    while (await AsyncSandbox.snapshots(socket=sock))[0]["pool_ready"] < 1:
-                        await trio.sleep(0.1)  # refilled in the background
-                await AsyncSandbox.delete_snapshot(snap, socket=sock)  # drains the pool first
-                assert await AsyncSandbox.snapshots(socket=sock) == []
-            assert not Path(s["snapshot_dir"]).exists()
-            assert not list((state / "sandboxes").iterdir())  # pool members leave nothing behind
-    finally:
-        shutil.rmtree(run_root, ignore_errors=True)
+                    await trio.sleep(0.1)  # refilled in the background
+            await AsyncSandbox.delete_snapshot(snap, socket=sock)  # drains the pool first
+            assert await AsyncSandbox.snapshots(socket=sock) == []
+        assert not Path(s["snapshot_dir"]).exists()
+        assert not list((state / "sandboxes").iterdir())  # pool members leave nothing behind
 
 
-async def test_anonymous_memory_checkpoints_stream(image: Image, tmp_path: Path) -> None:
+async def test_anonymous_memory_checkpoints_stream(fresh_state: tuple[Path, Path]) -> None:
     """serve --anonymous-memory: no RAM files; checkpoints carry RAM in vmstate."""
-    state = tmp_path / "state"
-    state.mkdir()
-    (state / "images").symlink_to(default_cache())
-    run_root = Path(tempfile.mkdtemp(prefix="sva-", dir="/tmp"))
-    try:
-        with trio.fail_after(120):
-            async with daemon_on(state, run_root, anonymous_memory=True, templates=False) as cfg:
-                sock = cfg.socket
-                async with await AsyncSandbox.create("anon", socket=sock) as sb:
-                    await sb.fs.write("/root/a", b"anon")
-                    snap = await sb.checkpoint("anon")
-                [s] = await AsyncSandbox.snapshots(socket=sock)
-                assert s["memory"] == "streamed"
-                async with await AsyncSandbox.restore(snap, socket=sock) as r:
-                    assert await r.fs.read("/root/a") == b"anon"
-    finally:
-        shutil.rmtree(run_root, ignore_errors=True)
+    state, run_root = fresh_state
+    with trio.fail_after(120):
+        async with daemon_on(state, run_root, anonymous_memory=True, templates=False) as cfg:
+            sock = cfg.socket
+            async with await AsyncSandbox.create("anon", socket=sock) as sb:
+                await sb.fs.write("/root/a", b"anon")
+                snap = await sb.checkpoint("anon")
+            [s] = await AsyncSandbox.snapshots(socket=sock)
+            assert s["memory"] == "streamed"
+            async with await AsyncSandbox.restore(snap, socket=sock) as r:
+                assert await r.fs.read("/root/a") == b"anon"
 
 
-async def test_template_pool_makes_creates_ready_at_once(image: Image, tmp_path: Path) -> None:
+async def test_template_pool_makes_creates_ready_at_once(fresh_state: tuple[Path, Path]) -> None:
     """serve --template-pool 1: a Create takes a restored member of its boot template
     and is ready when Create returns, with its own hostname, env and initial command."""
-    state = tmp_path / "state"
-    state.mkdir()
-    (state / "images").symlink_to(default_cache())
-    run_root = Path(tempfile.mkdtemp(prefix="svt-", dir="/tmp"))
-    try:
-        with trio.fail_after(180):
-            async with daemon_and_registry(state, run_root, template_pool=1) as (cfg, registry):
-                sock = cfg.socket
-                first = await AsyncSandbox.create("first", socket=sock)  # boots; saves the template
-                while not any(m.state == "ready" for ms in registry.pool.values() for m in ms):
-                    await trio.sleep(0.05)
-                async with connect(sock) as c:
-                    r = await c.call(
-                        "Create",
-                        {
-                            "id": "quick",
-                            "hostname": "quick",
-                            "env": {"WHO": "q"},
-                            "cmd": ["sh", "-c", "echo $WHO > /root/cmd"],
-                        },
-                    )
-                    assert r["state"] in ("ready", "running")  # ready as Create returns
-                quick = await AsyncSandbox.get("quick", socket=sock)
-                logs = b"".join(e["data"] for e in await quick.logs() if e["source"] == "system")
-                assert b"warm pool" in logs, logs
-                while await quick.state() != "ready":  # the initial command runs, then ends
-                    await trio.sleep(0.05)
-                assert await quick.fs.read("/root/cmd") == b"q\n"
-                assert (await sh(quick, "hostname; echo $WHO")).split() == ["quick", "q"]
-                assert sorted(s["id"] for s in (await AsyncSandbox.list(socket=sock)).sandboxes) == ["first", "quick"]
-                await quick.remove()
-                await first.remove()
-    finally:
-        shutil.rmtree(run_root, ignore_errors=True)
+    state, run_root = fresh_state
+    with trio.fail_after(180):
+        async with daemon_and_registry(state, run_root, template_pool=1) as (cfg, registry):
+            sock = cfg.socket
+            first = await AsyncSandbox.create("first", socket=sock)  # boots; saves the template
+            while not any(m.state == "ready" for ms in registry.pool.values() for m in ms):
+                await trio.sleep(0.05)
+            async with connect(sock) as c:
+                r = await c.call(
+                    "Create",
+                    {
+                        "id": "quick",
+                        "hostname": "quick",
+                        "env": {"WHO": "q"},
+                        "cmd": ["sh", "-c", "echo $WHO > /root/cmd"],
+                    },
+                )
+                assert r["state"] in ("ready", "running")  # ready as Create returns
+            quick = await AsyncSandbox.get("quick", socket=sock)
+            logs = b"".join(e["data"] for e in await quick.logs() if e["source"] == "system")
+            assert b"warm pool" in logs, logs
+            while await quick.state() != "ready":  # the initial command runs, then ends
+                await trio.sleep(0.05)
+            assert await quick.fs.read("/root/cmd") == b"q\n"
+            assert (await sh(quick, "hostname; echo $WHO")).split() == ["quick", "q"]
+            assert sorted(s["id"] for s in (await AsyncSandbox.list(socket=sock)).sandboxes) == ["first", "quick"]
+            await quick.remove()
+            await first.remove()
 
 
-async def test_a_broken_boot_template_falls_back_to_booting(image: Image, tmp_path: Path) -> None:
+async def test_a_broken_boot_template_falls_back_to_booting(fresh_state: tuple[Path, Path]) -> None:
     """A template whose state does not load is dropped and that Create boots instead
     (the caller sees a ready sandbox, not an error)."""
-    state = tmp_path / "state"
-    state.mkdir()
-    (state / "images").symlink_to(default_cache())
-    run_root = Path(tempfile.mkdtemp(prefix="svb-", dir="/tmp"))
-    try:
-        with trio.fail_after(180):
-            async with daemon_and_registry(state, run_root) as (cfg, registry):
-                sock = cfg.socket
-                first = await AsyncSandbox.create("first", socket=sock)  # boots; saves the template
-                [tpl] = registry.snapshots.snapshots.values()
-                (Path(tpl.dir) / "vmstate").write_bytes(b"QEVM but not really" * 100)
-                second = await AsyncSandbox.create("second", socket=sock)
-                assert await second.state() == "ready"
-                logs = b"".join(e["data"] for e in await second.logs() if e["source"] == "system")
-                assert b"template restore failed" in logs, logs
-                assert (await sh(second, "echo booted")).strip() == "booted"
-                assert not registry.snapshots.snapshots  # dropped, and not made again
-                for sb in (first, second):
-                    await sb.remove()
-    finally:
-        shutil.rmtree(run_root, ignore_errors=True)
+    state, run_root = fresh_state
+    with trio.fail_after(180):
+        async with daemon_and_registry(state, run_root) as (cfg, registry):
+            sock = cfg.socket
+            first = await AsyncSandbox.create("first", socket=sock)  # boots; saves the template
+            [tpl] = registry.snapshots.snapshots.values()
+            (Path(tpl.dir) / "vmstate").write_bytes(b"QEVM but not really" * 100)
+            second = await AsyncSandbox.create("second", socket=sock)
+            assert await second.state() == "ready"
+            logs = b"".join(e["data"] for e in await second.logs() if e["source"] == "system")
+            assert b"template restore failed" in logs, logs
+            assert (await sh(second, "echo booted")).strip() == "booted"
+            assert not registry.snapshots.snapshots  # dropped, and not made again
+            for sb in (first, second):
+                await sb.remove()
