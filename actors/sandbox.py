@@ -142,6 +142,7 @@ class Sandbox:
         self._ckpt_done.set()
         self.ready_event = trio.Event()  # set when this life reaches ready (or ends)
         self._life_nursery: trio.Nursery | None = None
+        self._guest_hostname = ""  # what the fixups last set in this life's guest
 
     # -- identity ------------------------------------------------------------
     @property
@@ -194,6 +195,7 @@ class Sandbox:
         self._stop_force = False
         self.draining = False
         self.ready_event = trio.Event()
+        self._guest_hostname = ""
         self._set(STARTING, error="", qemu_pid=0)
         cfg = self.config
         limits = cfg.get("limits") or {}
@@ -336,11 +338,14 @@ class Sandbox:
         """What a clone must not share with its snapshot: the clock (host time), the
         kernel's CRNG (reseeded with fresh host entropy, else every clone reads the
         same /dev/urandom stream), the hostname."""
+        hostname = cfg.get("hostname") or "sandbox"
         try:
             if clock:
                 await guest.channel.set_clock()
             await guest.channel.add_entropy(256)
-            await guest.channel.set_hostname(cfg.get("hostname") or "sandbox")
+            if hostname != self._guest_hostname:  # a pool member adopted as is keeps its own
+                await guest.channel.set_hostname(hostname)
+                self._guest_hostname = hostname
         except GuestError as exc:
             raise MachineError(f"post-restore fixups failed: {exc}") from None
 
