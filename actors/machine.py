@@ -24,6 +24,7 @@ caller must be inside :func:`qmp_loop` (the supervisor and the tests open it onc
 from __future__ import annotations
 
 import collections
+import contextlib
 import enum
 import grp
 import logging
@@ -33,6 +34,7 @@ import shlex
 import signal
 import socket
 import subprocess
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -41,8 +43,8 @@ from typing import Any
 import attrs
 import trio
 import trio_asyncio
-from qemu.qmp import EventListener, QMPClient
 from qemu.qmp import ExecuteError as _QMPExecuteError
+from qemu.qmp import QMPClient
 
 from actors._groups import collapse_single
 
@@ -261,6 +263,14 @@ def _image_format(path: Path) -> str:
 
 
 @attrs.frozen
+class StagedDisk:
+    """An overlay QEMU has open as a block node, not yet written by the disk device."""
+
+    node: str
+    fdset: int
+
+
+@attrs.frozen
 class QemuUser:
     """The unprivileged user QEMU runs as when the supervisor is root."""
 
@@ -328,7 +338,8 @@ async def qmp_loop() -> AsyncIterator[None]:
 
 class Machine:
     """One QEMU process and its QMP connection. Owns the process, the QMP client and
-    the console; the run dir is the caller's (it holds the guest channel socket)."""
+    the console; the run dir is the caller's (it exists, and holds the guest channel
+    socket)."""
 
     def __init__(self, spec: MachineSpec, run_dir: Path, *, name: str = "vm") -> None:
         self.spec = spec
@@ -343,8 +354,8 @@ class Machine:
         self.returncode: int | None = None
         self._nursery: trio.Nursery | None = None
         self._fd_lock = trio.Lock()  # SCM_RIGHTS + its getfd/add-fd must not interleave
-        self.disk_top = "disk0"  # the block node the disk device writes to (moves on checkpoint)
-        self.checkpoints = 0
+        self._disk_top = "disk0"  # the block node the disk device writes to (moves on checkpoint)
+        self._staged = 0  # overlays staged so far: fd set and node names stay unique
 
     @property
     def guest_socket(self) -> Path:
@@ -364,7 +375,6 @@ class Machine:
         """Launch QEMU, then supervise it until it exits. ``started`` once QMP is up."""
         if self.runstate is not Runstate.NEW:
             raise MachineStateError(f"machine is {self.runstate.value}, not new")
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         for p in self.run_dir.glob("*.sock"):
             p.unlink()
         user = self.spec.user
@@ -553,16 +563,71 @@ class Machine:
             {"capabilities": [{"capability": "x-ignore-shared", "state": ignore_shared}]},
         )
 
-    async def events(self, names: tuple[str, ...] = ()) -> AsyncIterator[dict[str, Any]]:
-        """QMP events as they come (an async generator: close it or leave its loop)."""
-        listener = EventListener(names or None)
-        self.qmp.register_listener(listener)
+    # -- checkpoint steps ----------------------------------------------------------
+    async def stage_disk(self, path: Path) -> StagedDisk:
+        """Open a new overlay (read-write and read-only descriptors in a fresh fd set:
+        QEMU picks by access mode when it reopens the layer read-only later) and add
+        it as a block node no device uses yet. Undone on failure."""
+        self._staged += 1
+        staged = StagedDisk(node=f"ov{self._staged}", fdset=100 + self._staged)
         try:
-            get = trio_asyncio.aio_as_trio(listener.get)
-            while True:
-                yield await get()
+            fds = [os.open(path, os.O_RDWR | os.O_CLOEXEC), os.open(path, os.O_RDONLY | os.O_CLOEXEC)]
+        except OSError as exc:
+            raise LaunchError(f"cannot open {path}: {exc.strerror}") from None
+        added = False
+        try:
+            try:
+                for fd, opaque in zip(fds, ("rw", "ro"), strict=True):
+                    await self.add_fd(fd, staged.fdset, f"{staged.node}-{opaque}")
+                    added = True
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            await self.qmp_execute(
+                "blockdev-add",
+                {
+                    "driver": "qcow2",
+                    "node-name": staged.node,
+                    "file": {"driver": "file", "filename": f"/dev/fdset/{staged.fdset}", "locking": "off"},
+                    "backing": None,
+                },
+            )
+        except BaseException:
+            if added:
+                with trio.CancelScope(shield=True), contextlib.suppress(MachineError):
+                    await self.qmp_execute("remove-fd", {"fdset-id": staged.fdset})
+            raise
+        return staged
+
+    async def unstage_disk(self, staged: StagedDisk) -> None:
+        """Drop a staged overlay that was never switched to (best effort, shielded)."""
+        with trio.CancelScope(shield=True):
+            with contextlib.suppress(MachineError):
+                await self.qmp_execute("blockdev-del", {"node-name": staged.node})
+            with contextlib.suppress(MachineError):
+                await self.qmp_execute("remove-fd", {"fdset-id": staged.fdset})
+
+    async def switch_disk(self, staged: StagedDisk) -> None:
+        """The disk device writes the staged overlay from now on, on top of the layer it
+        wrote so far (reopened read-only). The guest must be paused."""
+        await self.qmp_execute("blockdev-snapshot", {"node": self._disk_top, "overlay": staged.node})
+        self._disk_top = staged.node
+
+    @asynccontextmanager
+    async def paused(self) -> AsyncIterator[float]:
+        """The guest paused for the block (yields when it stopped, monotonic); it runs
+        again however the block ends, or this raises."""
+        await self.qmp_execute("stop")
+        t0 = time.monotonic()
+        try:
+            yield t0
         finally:
-            self.qmp.remove_listener(listener)
+            with trio.CancelScope(shield=True):
+                try:
+                    await self.qmp_execute("cont")
+                except MachineError as exc:
+                    log.warning("%s: cont after a pause failed: %s", self.name, exc)
+                    raise
 
     # -- shutdown ladder ---------------------------------------------------------
     async def shutdown(

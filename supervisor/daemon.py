@@ -17,11 +17,11 @@ import trio
 
 from actors.machine import qmp_loop, resolve_accel, unprivileged_user
 from actors.registry import Registry
-from actors.sandbox import Settings
+from actors.settings import Settings
+from actors.store import Store
 from images.build import Builder, Image, load_default
 from supervisor.config import default_memory_dir, default_run_root
 from supervisor.server import Server
-from supervisor.store import Store
 
 log = logging.getLogger("sandvisor.daemon")
 
@@ -84,10 +84,10 @@ async def serve(
                     settings,
                     store,
                     max_sandboxes=cfg.max_sandboxes,
-                    pool_size=cfg.pool_size,
-                    pools=cfg.pools,
                     templates=cfg.templates,
                     template_pool=cfg.template_pool,
+                    pool_size=cfg.pool_size,
+                    pools=cfg.pools,
                 ).run
             )
             server_scope = trio.CancelScope()

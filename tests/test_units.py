@@ -11,12 +11,15 @@ import trio
 from hypothesis import given
 from hypothesis import strategies as st
 
+from actors.errors import DomainError
+from actors.events import EventBus, Lagged
 from actors.guest import _Request
 from actors.logs import SandboxLog
-from actors.registry import EventBus, Lagged, _decode_cursor, _encode_cursor, validate_id, validate_labels
+from actors.model import Action, SandboxEvent, check_id, check_labels
+from actors.registry import check_traversable, decode_cursor, encode_cursor
 from guestd import proto as P
 from supervisor import protocol as W
-from supervisor.protocol import ApiError, SandboxEvent
+from supervisor.protocol import ApiError
 
 
 async def test_slow_event_subscriber_is_told_it_lagged_and_others_are_not_blocked() -> None:
@@ -32,7 +35,7 @@ async def test_slow_event_subscriber_is_told_it_lagged_and_others_are_not_blocke
 
         n.start_soon(drain_fast)
         for i in range(10):
-            bus.publish(SandboxEvent(f"s{i}", "ready", i))
+            bus.publish(SandboxEvent(f"s{i}", Action.READY, i))
             await trio.sleep(0)  # publishing never blocks; the fast reader keeps up
         with pytest.raises(Lagged):
             async for _ in slow:
@@ -73,31 +76,44 @@ async def test_log_rotates_and_follow_sees_new_records(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("bad", ["x" * 129, "é" * 65, "a\x00b", " padded", "tab\t"])
 def test_bad_ids(bad: str) -> None:
-    with pytest.raises(ApiError) as e:
-        validate_id(bad)
+    with pytest.raises(DomainError) as e:
+        check_id(bad)
     assert e.value.code == "INVALID_ARGUMENT"
 
 
 def test_good_ids_and_labels() -> None:
-    validate_id("x" * 128)
-    validate_id("é" * 64)
-    validate_labels({"team": "a", "sandboxing": "ok"})
+    check_id("x" * 128)
+    check_id("é" * 64)
+    check_labels({"team": "a", "sandboxing": "ok"})
     for bad in ({"sandbox.x": "1"}, {"sandvisor.y": ""}, {"": "v"}):
-        with pytest.raises(ApiError):
-            validate_labels(bad)
+        with pytest.raises(DomainError):
+            check_labels(bad)
 
 
 @given(st.integers(min_value=0, max_value=2**62))
 def test_cursor_round_trip(seq: int) -> None:
-    assert _decode_cursor(_encode_cursor(seq)) == seq
+    assert decode_cursor(encode_cursor(seq)) == seq
 
 
 @given(st.text(max_size=30))
 def test_garbage_cursors_are_invalid_argument(text: str) -> None:
+    """Anything but a cursor the registry made is refused, typed."""
+    import base64
+
     try:
-        _decode_cursor(text)
-    except ApiError as e:
+        n = decode_cursor(text)
+    except DomainError as e:
         assert e.code == "INVALID_ARGUMENT"
+    else:  # accepted: then it must really be the encoding of "seq:N"
+        assert base64.urlsafe_b64decode(text.encode()) == f"seq:{n}".encode(), text
+
+
+def test_cursor_edge_cases_are_refused() -> None:
+    import base64
+
+    for raw in (b"seq:", b"seq:-1", b"seq:1x", b"other:5", b"seq", b"\xff\xfe"):
+        with pytest.raises(DomainError):
+            decode_cursor(base64.urlsafe_b64encode(raw).decode())
 
 
 @given(st.builds(W.Call, id=st.integers(1, 2**31), method=st.text(max_size=20), body=st.just({"id": "x"})))
@@ -113,20 +129,25 @@ def test_wrong_types_never_coerce() -> None:
         assert e.value.code == "INVALID_ARGUMENT"
 
 
-def test_a_run_root_qemu_cannot_reach_is_refused_at_start(tmp_path: Path) -> None:
-    from actors.registry import _check_traversable
+def test_a_run_root_qemu_cannot_reach_is_refused_at_start() -> None:
+    import tempfile
 
-    private = tmp_path / "private"
-    private.mkdir(mode=0o700)
-    (private / "run").mkdir()
-    with pytest.raises(ApiError) as e:
-        _check_traversable(private / "run", "nobody")
-    assert e.value.code == "FAILED_PRECONDITION" and "not reachable" in e.value.message
-    private.chmod(0o711)
-    for parent in tmp_path.parents:
-        if not parent.stat().st_mode & 0o001:
-            return  # the test's own tmp dir is private: nothing more to check here
-    _check_traversable(private / "run", "nobody")
+    top = Path(tempfile.mkdtemp(prefix="sv-reach-", dir="/tmp"))  # /tmp is o+x: the check is ours alone
+    try:
+        private = top / "private"
+        private.mkdir(mode=0o700)
+        (private / "run").mkdir()
+        with pytest.raises(DomainError) as e:
+            check_traversable(private / "run", "nobody")
+        assert e.value.code == "FAILED_PRECONDITION" and "not reachable" in e.value.message
+        assert str(private) in e.value.message  # it names the directory that blocks
+        private.chmod(0o711)
+        top.chmod(0o711)
+        check_traversable(private / "run", "nobody")  # now QEMU's user gets through
+    finally:
+        import shutil
+
+        shutil.rmtree(top, ignore_errors=True)
 
 
 class _NoGrant:
