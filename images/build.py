@@ -182,9 +182,18 @@ def guestd_sources() -> list[Path]:
     return sorted(p for p in GUESTD.glob("*.py"))
 
 
-def default_cache() -> Path:
-    from supervisor.config import default_state_dir
+def default_state_dir() -> Path:
+    """``SANDVISOR_STATE_DIR``, else /var/lib/sandvisor for root, else ~/.local/share/sandvisor.
+    (Here, the lowest layer that needs it: the image cache lives in the state dir.)"""
+    env = os.environ.get("SANDVISOR_STATE_DIR")
+    if env:
+        return Path(env)
+    if os.geteuid() == 0:
+        return Path("/var/lib/sandvisor")
+    return Path(os.environ.get("XDG_DATA_HOME", Path.home() / ".local" / "share")) / "sandvisor"
 
+
+def default_cache() -> Path:
     return default_state_dir() / "images"
 
 

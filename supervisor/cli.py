@@ -177,7 +177,8 @@ def _pool_arg(text: str) -> tuple[str, int]:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from supervisor.config import default_socket, default_state_dir
+    from images.build import default_state_dir
+    from supervisor.config import default_socket
     from supervisor.daemon import DaemonConfig, serve
 
     logging.getLogger().setLevel(logging.DEBUG if args.verbose else logging.INFO)
