@@ -77,7 +77,7 @@ from actors.model import (
 from actors.settings import Settings
 from actors.snapshot import Checkpoint, checkpoint_guest, memory_for_restore, still_running
 from actors.store import Record, SnapshotRecord, Store
-from actors.vm import NETDEV_ID, BootError, Guest, NetConfig, VmSpec, booted_guest
+from actors.vm import NETDEV_ID, BootError, Guest, NetConfig, VmSpec
 from guestd import proto as P
 
 log = logging.getLogger("sandvisor.sandbox")
@@ -321,7 +321,7 @@ class Sandbox:
         run_dir = self.files.new_run_dir()
         try:
             spec = self._vm_spec(plan)
-            async with booted_guest(spec, run_dir) as guest:
+            async with self.settings.launch(spec, run_dir) as guest:
                 await self._serve(guest, plan)
         finally:
             self.files.end_life()

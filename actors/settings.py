@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 
 import attrs
 
 from actors.machine import QemuUser
 from actors.model import Limits
+from actors.vm import Guest, VmSpec, booted_guest
 from images.build import Image
+
+Launcher = Callable[[VmSpec, Path], AbstractAsyncContextManager[Guest]]
 
 
 @attrs.frozen
@@ -24,6 +29,8 @@ class Settings:
     expose_address: str = "127.0.0.1"  # where exposed ports listen on the host
     # guest RAM as shared files here (tmpfs), so checkpoints are "mapped"; None: anonymous
     memory_dir: Path | None = None
+    # how a life brings its VM up: booted_guest (QEMU); unit tests pass a fake VM
+    launch: Launcher = booted_guest
 
     def limits(self, requested: Limits) -> Limits:
         """The effective limits: the caller's, or the supervisor's defaults."""

@@ -491,7 +491,7 @@ async def _logs(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
                     return
                 await ctx.item(W.LogEntry(r.seq, r.timestamp, r.source, r.data))
         return
-    for r in sb.log.read(tail=req.tail, since=req.since, until=req.until, cursor=req.cursor):
+    for r in await sb.log.read(tail=req.tail, since=req.since, until=req.until, cursor=req.cursor):
         await ctx.item(W.LogEntry(r.seq, r.timestamp, r.source, r.data))
 
 
