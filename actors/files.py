@@ -21,6 +21,8 @@ import os
 import shutil
 from pathlib import Path
 
+import trio
+
 from actors.disk import create_overlay
 from actors.logs import SandboxLog
 from actors.machine import QemuUser
@@ -52,10 +54,11 @@ class SandboxFiles:
         finally:
             tmp.unlink(missing_ok=True)
 
-    def remove(self) -> None:
-        """Everything of the sandbox (its log must be closed by its owner first)."""
-        shutil.rmtree(self.dir, ignore_errors=True)
+    async def remove(self) -> None:
+        """Everything of the sandbox (its log must be closed by its owner first); the
+        tree goes in a worker thread."""
         self.end_life()
+        await trio.to_thread.run_sync(shutil.rmtree, self.dir, True)
 
     # -- a checkpoint's disk swap ----------------------------------------------------
     async def stage_next_disk(self, frozen: Path) -> Path:

@@ -13,13 +13,21 @@ Error tree::
      +-- ChannelBroken (trio.BrokenResourceError)   the guest went away or broke the protocol
      |    +-- GuestProtocolError                     ... specifically, it sent something illegal
      +-- HelloTimeout (trio.TooSlowError)           no hello answer in time (boot hung)
+     +-- GuestTimeout (trio.TooSlowError)           no answer to a request in time (a silent guest)
      +-- GuestOpError                               the guest refused one request (code, message)
+
+Deadlines: every wait for the guest to answer something the host asked (a unary
+reply, exec_started, file_info, file data, credit for a file's data, the final Ok of
+a write) is bounded by ``answer_timeout``; waits on a process (its output, credit
+for its stdin) are not: a process may be silent or slow to read for as long as it
+likes, and its own timeout bounds it.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import math
 import os
 import signal
 import time
@@ -55,6 +63,10 @@ class GuestProtocolError(ChannelBroken):
 
 class HelloTimeout(GuestError, trio.TooSlowError):
     """The guest did not answer the hello in time."""
+
+
+class GuestTimeout(GuestError, trio.TooSlowError):
+    """The guest did not answer a request within the channel's answer timeout."""
 
 
 class GuestOpError(GuestError):
@@ -161,11 +173,16 @@ class _Request:
         self.wakeup.set()
         self.credit_changed.set()
 
-    async def next(self) -> P.Message:
+    async def next(self, timeout: float | None = None) -> P.Message:
+        """The next message; ``timeout``: GuestTimeout when none came for that long."""
+        deadline = trio.current_time() + timeout if timeout is not None else math.inf
         while not self.queue:
             if self.broken is not None:
                 raise self.broken
-            await self.wakeup.wait()
+            with trio.move_on_at(deadline):
+                await self.wakeup.wait()
+            if not self.wakeup.is_set() and not self.queue:
+                raise GuestTimeout(f"the guest did not answer within {timeout:g}s")
             self.wakeup = trio.Event()
         item = self.queue.popleft()
         if isinstance(item, tuple):
@@ -180,8 +197,11 @@ class _Request:
 class GuestChannel:
     """One connection to guestd. Use :func:`open_channel`; do not construct directly."""
 
-    def __init__(self, stream: trio.abc.Stream, *, max_frame: int = P.MAX_FRAME) -> None:
+    def __init__(
+        self, stream: trio.abc.Stream, *, max_frame: int = P.MAX_FRAME, answer_timeout: float | None = None
+    ) -> None:
         self._stream = stream
+        self.answer_timeout = answer_timeout
         self._decoder = P.FrameDecoder(max_frame)
         self._send_lock = trio.Lock()
         self._reqs: dict[int, _Request] = {}
@@ -351,7 +371,7 @@ class GuestChannel:
         req = self._new_request()
         try:
             await self._send(build(req.rid))
-            msg = await req.next()
+            msg = await req.next(self.answer_timeout)
         finally:
             self._end_request(req)
         if isinstance(msg, P.Error):
@@ -426,7 +446,7 @@ class GuestChannel:
                 stdin=stdin,
             )
             await self._send(msg)
-            first = await req.next()
+            first = await req.next(self.answer_timeout)
             if isinstance(first, P.Error):
                 raise GuestOpError(first.code, first.message)
             if not isinstance(first, P.ExecStarted):
@@ -460,7 +480,7 @@ class GuestChannel:
         req = self._new_request()
         try:
             await self._send(P.ReadFile(rid=req.rid, path=path))
-            first = await req.next()
+            first = await req.next(self.answer_timeout)
             if isinstance(first, P.Error):
                 raise GuestOpError(first.code, first.message)
             if not isinstance(first, P.FileInfo):
@@ -468,7 +488,7 @@ class GuestChannel:
                 raise AssertionError  # unreachable
             if first.size > P.MAX_FILE:
                 await self._protocol_violation("guest announced a file beyond the limit")
-            yield FileReadStream(req, first.size, first.mode)
+            yield FileReadStream(req, first.size, first.mode, self.answer_timeout)
         finally:
             self._end_request(req)
 
@@ -506,10 +526,10 @@ class GuestChannel:
                 total += len(piece)
                 if total > P.MAX_FILE:
                     raise GuestOpError(P.E_TOO_LARGE, f"file exceeds the {P.MAX_FILE} byte limit")
-                await _send_with_credit(self, req, piece)
+                await _send_with_credit(self, req, piece, self.answer_timeout)
             await self._send(P.Eof(rid=req.rid, ch=P.STDIN))
             while True:
-                msg = await req.next()
+                msg = await req.next(self.answer_timeout)
                 if isinstance(msg, P.Error):
                     raise GuestOpError(msg.code, msg.message)
                 if isinstance(msg, P.Ok):
@@ -518,8 +538,9 @@ class GuestChannel:
             self._end_request(req)
 
 
-async def _send_with_credit(chan: GuestChannel, req: _Request, data: bytes) -> None:
-    """Send ``data`` on STDIN, waiting for credit; an early error from the guest wins."""
+async def _send_with_credit(chan: GuestChannel, req: _Request, data: bytes, timeout: float | None = None) -> None:
+    """Send ``data`` on STDIN, waiting for credit (GuestTimeout when none came for
+    ``timeout``); an early error from the guest wins."""
     view = memoryview(data)
     while view:
         while req.send_credit <= 0:
@@ -528,7 +549,11 @@ async def _send_with_credit(chan: GuestChannel, req: _Request, data: bytes) -> N
                 raise GuestOpError(err.code, err.message)
             if req.broken is not None:
                 raise req.broken
-            await req.credit_changed.wait()
+            changed = req.credit_changed
+            with trio.move_on_after(math.inf if timeout is None else timeout):
+                await changed.wait()
+            if not changed.is_set():
+                raise GuestTimeout(f"the guest granted no credit for {timeout:g}s")
         err = req.peek_error()
         if err is not None:
             raise GuestOpError(err.code, err.message)
@@ -595,8 +620,9 @@ class ExecHandle:
 
 
 class FileReadStream:
-    def __init__(self, req: _Request, size: int, mode: int) -> None:
+    def __init__(self, req: _Request, size: int, mode: int, timeout: float | None = None) -> None:
         self._req = req
+        self._timeout = timeout
         self.size = size
         self.mode = mode
         self.received = 0
@@ -607,7 +633,7 @@ class FileReadStream:
 
     async def __anext__(self) -> bytes:
         while not self.eof:
-            msg = await self._req.next()
+            msg = await self._req.next(self._timeout)
             if isinstance(msg, P.Data):
                 self.received += len(msg.data)
                 if self.received > P.MAX_FILE:
@@ -621,10 +647,12 @@ class FileReadStream:
 
 
 @asynccontextmanager
-async def open_channel(stream: trio.abc.Stream, *, hello_timeout: float | None = 30.0) -> AsyncIterator[GuestChannel]:
+async def open_channel(
+    stream: trio.abc.Stream, *, hello_timeout: float | None = 30.0, answer_timeout: float | None = None
+) -> AsyncIterator[GuestChannel]:
     """Run a channel over ``stream`` (reader task in its own nursery); hello first unless
     ``hello_timeout`` is None. The stream is closed on exit."""
-    chan = GuestChannel(stream)
+    chan = GuestChannel(stream, answer_timeout=answer_timeout)
     with collapse_single():
         async with trio.open_nursery() as nursery:
             await nursery.start(chan._reader)

@@ -34,7 +34,7 @@ from typing import Protocol
 import trio
 
 from actors.errors import DomainError
-from actors.model import SandboxConfig, State
+from actors.model import MemoryKind, SandboxConfig, State
 from actors.sandbox import Boot, Plan, Resume, Sandbox
 from actors.settings import Settings
 from actors.snapshot import SnapshotStore
@@ -52,7 +52,9 @@ class PoolHost(Protocol):
 
     async def start_life(self, sb: Sandbox, plan: Plan) -> None: ...
 
-    def forget(self, sb: Sandbox) -> None: ...
+    async def forget(self, sb: Sandbox) -> None: ...
+
+    def admits(self, memory_mib: int, *, ram_file: bool) -> bool: ...
 
 
 class Pools:
@@ -76,6 +78,9 @@ class Pools:
         self._wake = trio.Event()
         self._pending: dict[str, Sandbox] = {}  # template keys being made, by the boot making each
         self._broken: set[str] = set()  # keys whose template failed: boot until restart
+        self._failures: dict[str, int] = {}  # snapshot id: members failed in a row
+        self._retry_at: dict[str, float] = {}  # snapshot id: no new member before (monotonic)
+        self._leaving: list[Sandbox] = []  # evicted members, stopping: forgotten by the keeper
         self._closing = False
 
     # -- boot templates ------------------------------------------------------------
@@ -184,7 +189,19 @@ class Pools:
         return sum(1 for m in self.members.get(snap.id, []) if m.state == State.READY)
 
     def all_members(self) -> list[Sandbox]:
-        return [m for ms in self.members.values() for m in ms]
+        """Members in a pool, and those leaving one that still run."""
+        return [*(m for ms in self.members.values() for m in ms), *(m for m in self._leaving if not m.stopped)]
+
+    def evict_one(self) -> bool:
+        """Stop a member (the most recently started) to make room for real work."""
+        for members in self.members.values():
+            if members:
+                m = members.pop()
+                m.request_stop(0, force=True)
+                self._leaving.append(m)
+                self._wake.set()
+                return True
+        return False
 
     def take(self, snap: SnapshotRecord) -> Sandbox | None:
         """A ready member of ``snap``'s pool, out of the pool (refilled in the background)."""
@@ -201,34 +218,66 @@ class Pools:
 
     async def run(self, host: PoolHost, task_status: trio.TaskStatus[Pools] = trio.TASK_STATUS_IGNORED) -> None:
         """The keeper: each snapshot's pool at its target, one restore at a time (they
-        compete for the same cores as the caller's work), failed members dropped."""
-        task_status.started(self)
-        while True:
-            self._wake = trio.Event()
-            for sid in list(self.members):
-                if sid not in self.snapshots.snapshots:
-                    await self.drain(sid, host)
-            started = False
-            for snap in list(self.snapshots.snapshots.values()):
-                members = self.members.setdefault(snap.id, [])
-                for m in [m for m in members if m.stopped]:
-                    members.remove(m)
-                    await self._discard(m, host)
-                if self._closing or len(members) >= self.target(snap):
-                    continue
-                try:
-                    self.snapshots.check_restorable(snap, self.settings.accel)
-                except DomainError as exc:
-                    log.warning("pool for %s: %s", snap.id, exc.message)
-                    continue
-                await self._start_member(snap, host)
-                started = True
-                break
-            if not started:
+        compete for the same cores as the caller's work), failed members dropped. It
+        never waits on a member: a restore that hangs holds back only the next restore
+        (until its own deadlines fail it), not drains, discards or takes."""
+        async with trio.open_nursery() as watchers:
+            task_status.started(self)
+            while True:
+                self._wake = trio.Event()
+                for sid in list(self.members):
+                    if sid not in self.snapshots.snapshots:
+                        await self.drain(sid, host)
+                for m in [m for m in self._leaving if m.stopped]:
+                    self._leaving.remove(m)
+                    await host.forget(m)
+                starting = False
+                for members in self.members.values():
+                    for m in [m for m in members if m.stopped]:
+                        members.remove(m)
+                        await self._discard(m, host)
+                    starting = starting or any(m.state == State.STARTING for m in members)
+                if not starting and not self._closing:
+                    snap = self._next_to_fill(host)
+                    if snap is not None:
+                        sb = await self._start_member(snap, host)
+                        watchers.start_soon(self._watch, snap, sb)
                 with trio.move_on_after(1.0):
                     await self._wake.wait()
 
-    async def _start_member(self, snap: SnapshotRecord, host: PoolHost) -> None:
+    def _next_to_fill(self, host: PoolHost) -> SnapshotRecord | None:
+        now = time.monotonic()
+        for snap in list(self.snapshots.snapshots.values()):
+            members = self.members.setdefault(snap.id, [])
+            if len(members) >= self.target(snap) or self._retry_at.get(snap.id, 0.0) > now:
+                continue
+            try:
+                self.snapshots.check_restorable(snap, self.settings.accel)
+            except DomainError as exc:
+                log.warning("pool for %s: %s", snap.id, exc.message)
+                self._failed(snap)
+                continue
+            if not host.admits(snap.machine.memory_mib, ram_file=snap.memory != MemoryKind.MAPPED):
+                continue  # no room: real work comes first
+            return snap
+        return None
+
+    def _failed(self, snap: SnapshotRecord) -> None:
+        """Back off a snapshot whose members fail: 1, 2, 4 ... 60 s."""
+        n = self._failures.get(snap.id, 0) + 1
+        self._failures[snap.id] = n
+        self._retry_at[snap.id] = time.monotonic() + min(60.0, 2.0 ** (n - 1))
+
+    async def _watch(self, snap: SnapshotRecord, sb: Sandbox) -> None:
+        await sb.ready_event.wait()
+        if sb.state == State.FAILED:
+            log.warning("pool member for %s failed: %s", snap.id, sb.record.error)
+            self._failed(snap)
+        else:
+            self._failures.pop(snap.id, None)
+        self._wake.set()
+
+    async def _start_member(self, snap: SnapshotRecord, host: PoolHost) -> Sandbox:
         sb = host.new_member(snap)
         self.members.setdefault(snap.id, []).append(sb)  # from here on, a drain finds it
         try:
@@ -239,17 +288,14 @@ class Pools:
                     self.members[snap.id].remove(sb)
                 await self._discard(sb, host)
             raise
-        await sb.ready_event.wait()
-        if sb.state == State.FAILED:
-            log.warning("pool member for %s failed: %s", snap.id, sb.record.error)
-            await trio.sleep(1.0)  # do not spin on a snapshot that cannot restore
+        return sb
 
     async def _discard(self, sb: Sandbox, host: PoolHost) -> None:
         if not sb.stopped:
             sb.request_stop(0, force=True)
             with trio.CancelScope(shield=True), trio.move_on_after(30):
                 await sb.wait_stopped()
-        host.forget(sb)
+        await host.forget(sb)
 
     async def drain(self, snapshot_id: str, host: PoolHost) -> None:
         """Discard a snapshot's members (it is being deleted)."""
@@ -261,3 +307,11 @@ class Pools:
         self._closing = True
         for sb in self.all_members():
             sb.request_stop(0, force=True)
+
+    async def discard_all(self, host: PoolHost) -> None:
+        """Every member stopped and forgotten (supervisor exit): nothing of them stays."""
+        for sid in list(self.members):
+            await self.drain(sid, host)
+        for m in self._leaving:
+            await self._discard(m, host)
+        self._leaving.clear()

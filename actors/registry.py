@@ -51,6 +51,7 @@ from actors.model import (
     ALIVE,
     POOL_PREFIX,
     Action,
+    MemoryKind,
     SandboxConfig,
     State,
     check_config,
@@ -60,6 +61,7 @@ from actors.model import (
     is_hidden,
 )
 from actors.pools import Pools
+from actors.quotas import Admission, Quotas
 from actors.sandbox import Boot, Plan, Resume, Sandbox
 from actors.settings import Settings
 from actors.snapshot import Checkpoint, SnapshotStore
@@ -76,7 +78,7 @@ class Registry:
         settings: Settings,
         store: Store,
         *,
-        max_sandboxes: int = 64,
+        quotas: Quotas | None = None,
         templates: bool = True,
         template_pool: int = 0,
         pool_size: int = 0,
@@ -84,7 +86,7 @@ class Registry:
     ) -> None:
         self.settings = settings
         self.store = store
-        self.max_sandboxes = max_sandboxes
+        self.admission = Admission(quotas or Quotas(), settings.sandboxes_dir.parent, settings.memory_dir)
         self.sandboxes: dict[str, Sandbox] = {}
         self.events = EventBus()
         self.snapshots = SnapshotStore(settings.sandboxes_dir.parent / "snapshots", store, self._layers_in_use)
@@ -108,10 +110,12 @@ class Registry:
             s.memory_dir.chmod(0o711)
         self.snapshots.load()
         self.pools.drop_stale_templates()
-        self._recover()
+        await self._recover()
         try:
             async with trio.open_nursery() as nursery:
                 self._lives = nursery
+                await nursery.start(self.store.run)
+                await nursery.start(self.snapshots.run)
                 await nursery.start(self.pools.run, self)
                 nursery.start_soon(self._timers)
                 task_status.started(self)
@@ -133,21 +137,20 @@ class Registry:
                 if not sb.stopped:
                     sb.request_stop(0, force=True)
             await self._wait_all(10)
-            for sid in list(self.pools.members):
-                await self.pools.drain(sid, self)  # pool members are disposable: nothing of them stays
+            await self.pools.discard_all(self)  # pool members are disposable: nothing of them stays
 
     async def _wait_all(self, timeout: float) -> None:
         with trio.move_on_after(timeout):
             for sb in [*self.sandboxes.values(), *self.pools.all_members()]:
                 await sb.wait_stopped()
 
-    def _recover(self) -> None:
+    async def _recover(self) -> None:
         """Records of the previous supervisor: a VM it left running is killed, never adopted."""
         for rec in self.store.all():
             sb = self._sandbox(rec)
             if is_hidden(rec.id):  # a warm pool member: its QEMU goes, and so does it
                 _kill_orphan(rec.qemu_pid, rec.uid)
-                self.forget(sb)
+                await self.forget(sb)
                 continue
             if rec.state in (State.STARTING, *ALIVE, State.STOPPING):
                 killed = _kill_orphan(rec.qemu_pid, rec.uid)
@@ -159,7 +162,7 @@ class Registry:
                 self.store.update(rec)
             self.sandboxes[rec.id] = sb
         SandboxFiles.sweep_lives(self.settings)  # no life runs yet: what is there is stale
-        self.snapshots.collect()
+        await self.snapshots.collect()
 
     def _layers_in_use(self) -> set[Path]:
         """Every disk layer a sandbox or pool member stands on."""
@@ -203,19 +206,40 @@ class Registry:
             raise Unavailable("the supervisor is not running")
         await sb.start(self._lives, plan)
 
-    def forget(self, sb: Sandbox) -> None:
+    async def forget(self, sb: Sandbox) -> None:
         """The end of a sandbox that has stopped: its record, log, files."""
         sb.log.close()
         self.store.delete(sb.record.uid)
-        sb.files.remove()
+        await sb.files.remove()
 
     def _check_open(self) -> None:
+        """New work is taken only while the supervisor runs and can store it."""
         if self._closing:
             raise Unavailable("the supervisor is shutting down")
+        self.store.check_writable()
 
-    def _check_capacity(self) -> None:
-        if sum(1 for s in self.sandboxes.values() if not s.stopped) >= self.max_sandboxes:
-            raise ResourceExhausted(f"at most {self.max_sandboxes} sandboxes may run at once")
+    def _live_memory(self) -> list[int]:
+        """The guest RAM of every live sandbox and pool member."""
+        return [sb.limits.memory_mib for sb in [*self.sandboxes.values(), *self.pools.all_members()] if not sb.stopped]
+
+    def admits(self, memory_mib: int, *, ram_file: bool) -> bool:
+        """Would one more of ``memory_mib`` fit (for the pool keeper: members never evict)?"""
+        try:
+            self.admission.check(self._live_memory(), memory_mib, ram_file=ram_file)
+        except ResourceExhausted:
+            return False
+        return True
+
+    def _admit(self, memory_mib: int, *, ram_file: bool) -> None:
+        """Room for one more, or RESOURCE_EXHAUSTED naming the limit; warm pool members
+        make room for real work."""
+        while True:
+            try:
+                self.admission.check(self._live_memory(), memory_mib, ram_file=ram_file)
+                return
+            except ResourceExhausted:
+                if not self.pools.evict_one():
+                    raise
 
     # -- lookups ---------------------------------------------------------------
     def get(self, id: str) -> Sandbox:
@@ -258,10 +282,11 @@ class Registry:
             if existing.config == config:
                 return existing  # idempotent: same id, same request
             raise AlreadyExists(f"sandbox {id!r} exists with a different configuration")
-        self._check_capacity()
         accepted = time.monotonic()
         member = self.pools.take_for_create(config)
-        if member is not None:
+        if member is None:
+            self._admit(self.settings.limits(config.limits).memory_mib, ram_file=True)
+        else:
             await self._adopt(member, id, config, {"pool": "1"}, apply_ports=True, accepted=accepted)
             return member  # failed, with its error, if the adoption failed: as a failed boot
         sb = self._new_sandbox(id, config)
@@ -307,7 +332,7 @@ class Registry:
         sb = self.get(id)
         if sb.state not in (State.STOPPED, State.FAILED) or not sb.stopped:
             raise FailedPrecondition(f"sandbox {id} is {sb.state}; only a stopped sandbox can start")
-        self._check_capacity()
+        self._admit(sb.limits.memory_mib, ram_file=True)
         await self.start_life(sb, Boot(accepted=time.monotonic()))
         return sb
 
@@ -337,9 +362,10 @@ class Registry:
         if self.sandboxes.get(id) is not sb:
             return  # removed meanwhile by another call
         del self.sandboxes[id]
-        self.forget(sb)
         sb.emit(Action.REMOVED)
-        self.snapshots.collect()
+        with trio.CancelScope(shield=True):
+            await self.forget(sb)
+        self.snapshots.collect_soon()
 
     # -- snapshots (SandboxSnapshotService) ------------------------------------------
     async def checkpoint(
@@ -351,8 +377,10 @@ class Registry:
         check_name(name)
         sb = self.get(sandbox_id)
         sb.check_checkpointable()  # before a directory is made for nothing
+        self.admission.check_disk()
         rec, ck = await self.snapshots.take(sb.checkpoint, sb.record, name=name, labels=labels)
         self.pools.wake()
+        await self.store.flush()  # a snapshot the caller was told of is on record
         return rec, ck
 
     async def restore(
@@ -382,7 +410,7 @@ class Registry:
                     await self.remove(member.id, force=True)
                 raise Unavailable(f"restore from {snap.id} failed: {error}")
             return member
-        self._check_capacity()
+        self._admit(snap.machine.memory_mib, ram_file=snap.memory != MemoryKind.MAPPED)
         sb = self._new_sandbox(id, config, origin=snap.id)
         self.store.insert(sb.record)
         self.sandboxes[sb.id] = sb
@@ -414,7 +442,7 @@ class Registry:
                 f"snapshot {snap.id} is in use: the disk of {', '.join(deps[:3])}{more} depends on it"
             )
         await self.pools.drain(snap.id, self)
-        self.snapshots.delete(snap)
+        await self.snapshots.delete(snap)
 
     # -- timers ------------------------------------------------------------------
     async def _timers(self) -> None:
@@ -422,6 +450,7 @@ class Registry:
         ephemeral sandboxes go once stopped."""
         while True:
             await trio.sleep(0.25)
+            await self.admission.measure()
             now_wall, now = time.time(), time.monotonic()
             for sb in list(self.sandboxes.values()):
                 timers = sb.config.timers

@@ -48,6 +48,7 @@ import trio
 
 from actors.errors import (
     AlreadyExists,
+    DeadlineExceeded,
     DomainError,
     FailedPrecondition,
     Internal,
@@ -58,7 +59,7 @@ from actors.errors import (
 )
 from actors.events import EventBus
 from actors.files import SandboxFiles
-from actors.guest import ChannelBroken, ExecHandle, FileReadStream, GuestError, GuestOpError
+from actors.guest import ChannelBroken, ExecHandle, FileReadStream, GuestError, GuestOpError, GuestTimeout
 from actors.machine import MachineError
 from actors.model import (
     ALIVE,
@@ -92,12 +93,15 @@ _GUEST_CODES: dict[str, type[DomainError]] = {
     P.E_EXISTS: AlreadyExists,
 }
 RESTORE_HELLO_TIMEOUT = 15.0  # a restored guest answers in ~0.1 s; one that does not in 15 s will not
+KILL_GRACE = 5.0  # a command past its timeout: the guest kills it; this long after, the host gives up on it
 
 
 def guest_error(exc: GuestError) -> DomainError:
     """A guest-channel error in the domain's terms."""
     if isinstance(exc, GuestOpError):
         return _GUEST_CODES.get(exc.code, Internal)(exc.message)
+    if isinstance(exc, GuestTimeout):
+        return DeadlineExceeded(f"sandbox guest: {exc}")
     return Unavailable(f"sandbox guest unavailable: {exc}")
 
 
@@ -295,6 +299,7 @@ class Sandbox:
                 ram_shared=not mapped,  # mapped: the snapshot's file, privately (copy-on-write)
                 restore=snap.path / "vmstate",
                 boot_timeout=min(s.boot_timeout, RESTORE_HELLO_TIMEOUT),
+                answer_timeout=s.guest_timeout,
                 name=self.hostname,
             )
         return VmSpec.boot(
@@ -310,6 +315,7 @@ class Sandbox:
             user=s.qemu_user,
             ram=files.make_ram(limits.memory_mib, s.qemu_user) if files.ram is not None else None,
             boot_timeout=s.boot_timeout,
+            answer_timeout=s.guest_timeout,
         )
 
     async def _life(self, plan: Plan) -> None:
@@ -574,7 +580,7 @@ class Sandbox:
         try:
             async with guest.channel.exec(argv, env=env, cwd=cwd, user=user, tty=tty, timeout=timeout) as h:
                 src_names = {P.STDOUT: "output" if tty else "stdout", P.STDERR: "stderr"}
-                async for ch, data in h:
+                async for ch, data in ExecSession(h, timeout):
                     name = src_names[ch]
                     self.log.append(name, data)
                     yield ("stdout" if tty else name), data, None
@@ -610,7 +616,7 @@ class Sandbox:
         rows: int = 24,
         cols: int = 80,
         timeout: float = 0.0,
-    ) -> AsyncIterator[ExecHandle]:
+    ) -> AsyncIterator[ExecSession]:
         guest = self._require_alive()
         if not argv:
             raise InvalidArgument("cmd must not be empty")
@@ -622,7 +628,7 @@ class Sandbox:
                 async with guest.channel.exec(
                     argv, env=env, cwd=cwd, user=user, tty=tty, rows=rows, cols=cols, timeout=timeout, stdin=True
                 ) as h:
-                    yield h
+                    yield ExecSession(h, timeout)
             except GuestError as exc:
                 raise guest_error(exc) from None
         finally:
@@ -757,6 +763,44 @@ class Sandbox:
             return 0.0
         pct = 100.0 * (cpu - prev[1]) / (now - prev[0])
         return 0.0 if math.isnan(pct) else max(0.0, pct)
+
+
+class ExecSession:
+    """A process as a caller drives it: its output, stdin, resize, signals. With a
+    timeout, the host gives up on it ``KILL_GRACE`` after the guest should have killed
+    it (DEADLINE_EXCEEDED; leaving the exec sends SIGKILL once more)."""
+
+    def __init__(self, h: ExecHandle, timeout: float) -> None:
+        self._h = h
+        self._timeout = timeout
+        self._deadline = trio.current_time() + timeout + KILL_GRACE if timeout > 0 else math.inf
+
+    @property
+    def exit(self) -> P.Exit | None:
+        return self._h.exit
+
+    def __aiter__(self) -> ExecSession:
+        return self
+
+    async def __anext__(self) -> tuple[int, bytes]:
+        with trio.move_on_at(self._deadline):
+            return await self._h.__anext__()
+        raise DeadlineExceeded(
+            f"the command ran {KILL_GRACE:g}s past its {self._timeout:g}s timeout and the guest did not end it; "
+            "it was sent SIGKILL"
+        )
+
+    async def send_stdin(self, data: bytes) -> None:
+        await self._h.send_stdin(data)
+
+    async def close_stdin(self) -> None:
+        await self._h.close_stdin()
+
+    async def resize(self, rows: int, cols: int) -> None:
+        await self._h.resize(rows, cols)
+
+    async def signal(self, signum: int) -> None:
+        await self._h.signal(signum)
 
 
 def free_port(address: str, protocol: str) -> int:

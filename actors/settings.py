@@ -23,6 +23,7 @@ class Settings:
     run_root: Path  # short paths for sockets: <run_root>/<uid[:18]>
     accel: str = "tcg"
     boot_timeout: float = 60.0
+    guest_timeout: float = 30.0  # every guest request's deadline, on the host's side
     default_memory_mib: int = 256
     default_vcpus: int = 1
     qemu_user: QemuUser | None = None  # set when the supervisor is root

@@ -204,6 +204,7 @@ class SnapshotStore:
         self.in_use = in_use
         self.snapshots: dict[str, SnapshotRecord] = {}
         self.pending: set[Path] = set()  # directories of checkpoints in progress: not garbage
+        self._collect_wanted = trio.Event()
 
     def load(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -241,7 +242,7 @@ class SnapshotStore:
             ck = await checkpoint(snap_dir)
         except BaseException:
             self.pending.discard(snap_dir.resolve())
-            self.collect()  # the directory stays only if the sandbox's disk froze into it
+            self.collect_soon()  # the directory stays only if the sandbox's disk froze into it
             raise
         rec = SnapshotRecord(
             uid=uid,
@@ -331,23 +332,33 @@ class SnapshotStore:
         if self.snapshots.get(rec.id) is rec:
             self.store.delete_snapshot(rec.uid)
             del self.snapshots[rec.id]
-        self.collect()
+        self.collect_soon()
 
-    def delete(self, rec: SnapshotRecord) -> None:
+    async def delete(self, rec: SnapshotRecord) -> None:
         self.store.delete_snapshot(rec.uid)
         self.snapshots.pop(rec.id, None)
-        shutil.rmtree(rec.dir, ignore_errors=True)
+        await trio.to_thread.run_sync(shutil.rmtree, rec.dir, True)
 
-    def collect(self) -> int:
+    def collect_soon(self) -> None:
+        """Ask the collector task (:meth:`run`) for a collection."""
+        self._collect_wanted.set()
+
+    async def run(self, task_status: trio.TaskStatus[SnapshotStore] = trio.TASK_STATUS_IGNORED) -> None:
+        """The collector: removes garbage directories when asked (:meth:`collect_soon`)."""
+        task_status.started(self)
+        while True:
+            await self._collect_wanted.wait()
+            self._collect_wanted = trio.Event()
+            await self.collect()
+
+    async def collect(self) -> int:
         """Remove snapshot directories without a record that no disk chain uses (what
-        a failed checkpoint or a crash left behind)."""
+        a failed checkpoint or a crash left behind); removals in a worker thread."""
         known = {Path(r.dir).resolve() for r in self.snapshots.values()} | self.pending
         used = {p.resolve().parent for p in self.in_use()}
-        n = 0
-        for d in self.root.iterdir():
-            if d.is_dir() and d.resolve() not in known and d.resolve() not in used:
-                shutil.rmtree(d, ignore_errors=True)
-                n += 1
-        if n:
-            log.info("removed %d snapshot directories nothing uses", n)
-        return n
+        garbage = [d for d in self.root.iterdir() if d.is_dir() and d.resolve() not in known | used]
+        for d in garbage:
+            await trio.to_thread.run_sync(shutil.rmtree, d, True)
+        if garbage:
+            log.info("removed %d snapshot directories nothing uses", len(garbage))
+        return len(garbage)

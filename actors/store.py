@@ -3,8 +3,19 @@
 A record is keyed by ``uid``, a UUID the supervisor generates: every on-disk path
 (run dir, disk, log) is built from it, never from a caller-supplied id. Records hold
 domain values (:mod:`actors.model`), stored as msgpack through the one converter.
-Calls are short, synchronous and made from the Trio thread (a few hundred
-microseconds each).
+
+Reads happen once, at start (:meth:`Store.all`, :meth:`Store.snapshots`). Writes are
+queued by the Trio thread (the values are packed at once, so a later change of the
+record is not written early) and committed in order by the writer task
+(:meth:`Store.run`) in a worker thread, a batch per transaction: a slow commit (a
+WAL checkpoint's fsync under I/O load) never stalls the supervisor's one thread.
+Whoever needs a write on disk before going on (a Create before it answers, a
+checkpoint's journal before the disk swap) awaits :meth:`Store.flush`. A full disk
+fails the flush with RESOURCE_EXHAUSTED and keeps the queue, retried until it fits::
+
+    Trio thread                       writer task (run)            worker thread
+    insert/update/... -> queue --+--> batch --to_thread------->  BEGIN; ...; COMMIT
+    await flush() <-- committed -+                                 (SQLITE_FULL: retry later)
 
 Schema versions (``PRAGMA user_version``): 0 is the first release, whose ``config``
 column held the wire's CreateSandboxRequest as a dict; 2 holds a SandboxConfig, the
@@ -14,13 +25,17 @@ A version-0 database is migrated in place when opened.
 
 from __future__ import annotations
 
+import logging
 import sqlite3
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import attrs
 import msgpack
+import trio
 
+from actors.errors import ResourceExhausted
 from actors.model import (
     BootSource,
     Limits,
@@ -36,6 +51,8 @@ from actors.model import (
     dump,
     load,
 )
+
+log = logging.getLogger("sandvisor.store")
 
 VERSION = 2
 SCHEMA = """
@@ -138,6 +155,9 @@ def _unpack(blob: bytes) -> Any:
     return msgpack.unpackb(blob, raw=False)
 
 
+Op = Callable[[sqlite3.Connection], object]
+
+
 class Store:
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -148,41 +168,125 @@ class Store:
         version = int(self.db.execute("PRAGMA user_version").fetchone()[0])
         if version < VERSION:
             _migrate(self.db, version)
+        self._seq = int(self.db.execute("SELECT COALESCE(MAX(seq), 0) FROM sandboxes").fetchone()[0])
+        self._queue: list[Op] = []
+        self._queued = 0  # ops ever queued
+        self._done = 0  # ops committed
+        self._changed = trio.Event()  # the queue grew or a batch ended
+        self.error: str = ""  # why the last commit failed ("" when it did not)
+        self._attempts = 0  # commits tried
+        self.retry_after = 1.0
 
     def close(self) -> None:
+        """Commit what is queued (at exit; synchronously) and close."""
+        if self._queue:
+            try:
+                self._commit(self._queue)
+            except sqlite3.Error as exc:
+                log.error("store: %d writes lost at exit: %s", len(self._queue), exc)
+            self._queue = []
         self.db.close()
 
+    # -- the writer --------------------------------------------------------------------
+    async def run(self, task_status: trio.TaskStatus[Store] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started(self)
+        while True:
+            if not self._queue:
+                await self._changed.wait()  # (_wake sets it and puts a fresh one in its place)
+                continue
+            batch = self._queue
+            self._queue = []
+            try:
+                await trio.to_thread.run_sync(self._commit, batch)
+            except sqlite3.Error as exc:
+                self._attempts += 1
+                self._queue[:0] = batch  # keep the order; try again later
+                self.error = _why(exc)
+                log.warning("store: commit of %d writes failed: %s (retrying)", len(batch), self.error)
+                self._wake()
+                await trio.sleep(self.retry_after)
+                continue
+            self._attempts += 1
+            self.error = ""
+            self._done += len(batch)
+            self._wake()
+
+    def _commit(self, batch: list[Op]) -> None:
+        self.db.execute("BEGIN")
+        try:
+            for op in batch:
+                op(self.db)
+            self.db.execute("COMMIT")
+        except BaseException:
+            if self.db.in_transaction:
+                self.db.execute("ROLLBACK")
+            raise
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def _put(self, op: Op) -> None:
+        self._queue.append(op)
+        self._queued += 1
+        self._wake()
+
+    def check_writable(self) -> None:
+        """RESOURCE_EXHAUSTED while commits fail (a full disk): take no new work that must be stored."""
+        if self.error:
+            raise ResourceExhausted(f"the supervisor's database cannot be written: {self.error}")
+
+    async def flush(self) -> None:
+        """Return once every write queued so far is on disk; RESOURCE_EXHAUSTED when a
+        commit tried since the call fails (the writes stay queued, retried later)."""
+        target, attempts = self._queued, self._attempts
+        while self._done < target:
+            if self.error and self._attempts > attempts:
+                self.check_writable()
+            changed = self._changed
+            await changed.wait()
+
+    # -- sandboxes ---------------------------------------------------------------------
     def next_seq(self) -> int:
-        row = self.db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM sandboxes").fetchone()
-        return int(row[0])
+        self._seq += 1
+        return self._seq
 
     def insert(self, r: Record) -> None:
-        self.db.execute(
-            "INSERT INTO sandboxes (uid, id, seq, config, state, created_at, ports, origin) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-            (r.uid, r.id, r.seq, _pack(r.config), r.state.value, r.created_at, _pack(r.ports), r.origin),
+        row = (r.uid, r.id, r.seq, _pack(r.config), r.state.value, r.created_at, _pack(r.ports), r.origin)
+        self._put(
+            lambda db: db.execute(
+                "INSERT INTO sandboxes (uid, id, seq, config, state, created_at, ports, origin) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                row,
+            )
         )
 
     def update(self, r: Record) -> None:
         """The record's state and life fields (not its identity or configuration)."""
-        self.db.execute(
-            "UPDATE sandboxes SET state=?, ready_at=?, last_exited_at=?, last_exit_code=?, error=?, qemu_pid=? "
-            "WHERE uid=?",
-            (r.state.value, r.ready_at, r.last_exited_at, r.last_exit_code, r.error, r.qemu_pid, r.uid),
+        row = (r.state.value, r.ready_at, r.last_exited_at, r.last_exit_code, r.error, r.qemu_pid, r.uid)
+        self._put(
+            lambda db: db.execute(
+                "UPDATE sandboxes SET state=?, ready_at=?, last_exited_at=?, last_exit_code=?, error=?, qemu_pid=? "
+                "WHERE uid=?",
+                row,
+            )
         )
 
     def update_ports(self, r: Record) -> None:
-        self.db.execute("UPDATE sandboxes SET ports=? WHERE uid=?", (_pack(r.ports), r.uid))
+        row = (_pack(r.ports), r.uid)
+        self._put(lambda db: db.execute("UPDATE sandboxes SET ports=? WHERE uid=?", row))
 
     def rekey(self, r: Record) -> None:
         """A warm pool member handed out: it takes the caller's id and configuration."""
-        self.db.execute(
-            "UPDATE sandboxes SET id=?, seq=?, config=?, created_at=?, ports=?, origin=? WHERE uid=?",
-            (r.id, r.seq, _pack(r.config), r.created_at, _pack(r.ports), r.origin, r.uid),
+        row = (r.id, r.seq, _pack(r.config), r.created_at, _pack(r.ports), r.origin, r.uid)
+        self._put(
+            lambda db: db.execute(
+                "UPDATE sandboxes SET id=?, seq=?, config=?, created_at=?, ports=?, origin=? WHERE uid=?", row
+            )
         )
 
     def delete(self, uid: str) -> None:
-        self.db.execute("DELETE FROM sandboxes WHERE uid=?", (uid,))
+        self._put(lambda db: db.execute("DELETE FROM sandboxes WHERE uid=?", (uid,)))
 
     def all(self) -> list[Record]:
         rows = self.db.execute(
@@ -208,19 +312,23 @@ class Store:
             for r in rows
         ]
 
-    # -- snapshots -------------------------------------------------------------
+    # -- snapshots ---------------------------------------------------------------------
     def insert_snapshot(self, r: SnapshotRecord) -> None:
-        self.db.execute(
-            "INSERT INTO snapshots (uid, id, created_ns, data) VALUES (?, ?, ?, ?)",
-            (r.uid, r.id, r.created_ns, _pack(r)),
-        )
+        row = (r.uid, r.id, r.created_ns, _pack(r))
+        self._put(lambda db: db.execute("INSERT INTO snapshots (uid, id, created_ns, data) VALUES (?, ?, ?, ?)", row))
 
     def delete_snapshot(self, uid: str) -> None:
-        self.db.execute("DELETE FROM snapshots WHERE uid=?", (uid,))
+        self._put(lambda db: db.execute("DELETE FROM snapshots WHERE uid=?", (uid,)))
 
     def snapshots(self) -> list[SnapshotRecord]:
         rows = self.db.execute("SELECT data FROM snapshots ORDER BY created_ns").fetchall()
         return [load(_unpack(r[0]), SnapshotRecord) for r in rows]
+
+
+def _why(exc: sqlite3.Error) -> str:
+    if getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL:
+        return "the disk is full"
+    return f"{type(exc).__name__}: {exc}"
 
 
 # --- migration from version 0 ---------------------------------------------------------------------

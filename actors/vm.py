@@ -124,6 +124,7 @@ class VmSpec:
     ram_shared: bool = True
     restore: Path | None = None
     boot_timeout: float = 60.0
+    answer_timeout: float | None = None  # every guest request's deadline (None: none)
     name: str = "vm"
     machine: str = "microvm"
     sandbox: bool = True
@@ -206,12 +207,13 @@ async def booted_guest(spec: VmSpec, run_dir: Path) -> AsyncIterator[Guest]:
     it once guestd said hello, and power it off through the ladder however the block
     ends. The files the spec names (overlay, RAM file) are the caller's."""
     vm = Machine(spec.machine_spec(), run_dir, name=spec.name)
-    async with _running(vm, time.monotonic(), spec.boot_timeout, spec) as guest:
+    async with _running(vm, time.monotonic(), spec) as guest:
         yield guest
 
 
 @asynccontextmanager
-async def _running(vm: Machine, t0: float, boot_timeout: float, spec: VmSpec) -> AsyncIterator[Guest]:
+async def _running(vm: Machine, t0: float, spec: VmSpec) -> AsyncIterator[Guest]:
+    boot_timeout = spec.boot_timeout
     with collapse_single():
         async with trio.open_nursery() as nursery:
             await nursery.start(vm.run)
@@ -232,7 +234,7 @@ async def _running(vm: Machine, t0: float, boot_timeout: float, spec: VmSpec) ->
                     stream = await connect_guest_socket(vm.guest_socket)
                 if stream is None or vm.exited:
                     raise BootError(f"QEMU exited during boot: {vm.describe_exit()}", vm.console.text())
-                async with open_channel(stream, hello_timeout=None) as chan:
+                async with open_channel(stream, hello_timeout=None, answer_timeout=spec.answer_timeout) as chan:
                     with trio.CancelScope() as hello_scope:
 
                         async def watch_exit_hello() -> None:

@@ -16,6 +16,7 @@ import attrs
 import trio
 
 from actors.machine import qmp_loop, resolve_accel, unprivileged_user
+from actors.quotas import Quotas
 from actors.registry import Registry
 from actors.settings import Settings
 from actors.store import Store
@@ -33,7 +34,9 @@ class DaemonConfig:
     accel: str = "auto"
     run_root: Path | None = None
     boot_timeout: float = 60.0
-    max_sandboxes: int = 64
+    max_sandboxes: int = 64  # live sandboxes, warm pool members included
+    max_memory_mib: int = 0  # total guest RAM (0: the host's RAM less 1 GiB)
+    max_disk_mib: int = 0  # the state dir's use: logs, overlays, snapshots (0: no limit)
     stop_timeout: float = 10.0
     group: str | None = None
     qemu_user: str | None = None  # None: sandvisor-qemu or nobody when root; "": run QEMU as ourselves
@@ -83,7 +86,11 @@ async def serve(
                 Registry(
                     settings,
                     store,
-                    max_sandboxes=cfg.max_sandboxes,
+                    quotas=Quotas(
+                        max_sandboxes=cfg.max_sandboxes,
+                        max_memory_mib=cfg.max_memory_mib,
+                        max_disk_mib=cfg.max_disk_mib,
+                    ),
                     templates=cfg.templates,
                     template_pool=cfg.template_pool,
                     pool_size=cfg.pool_size,
