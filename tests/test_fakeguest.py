@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import contextmanager
 
@@ -28,7 +30,10 @@ from trio.testing import MockClock
 from actors.guest import (
     ChannelBroken,
     GuestChannel,
+    GuestError,
     GuestOpError,
+    GuestProtocolError,
+    HelloTimeout,
     open_channel,
 )
 from guestd import proto as P
@@ -443,3 +448,235 @@ async def test_over_a_socketpair_with_the_real_clock() -> None:
                 got = b"".join([d async for _ch, d in h])
             assert got == payload
             assert (await chan.run(["sh", "-c", "sleep 0.01; echo ok"])).stdout == b"ok\n"
+
+
+# --- hostile guests ---------------------------------------------------------------------
+
+
+async def test_a_silent_guest_fails_hello_with_a_timeout(autojump_clock: MockClock, guest: FakeGuest) -> None:
+    guest.hostile.silent = True
+    with trio.fail_after(60), pytest.raises(HelloTimeout):
+        async with open_channel(guest.connect(), hello_timeout=5):
+            pass
+
+
+_REQUESTS: dict[str, Callable[[GuestChannel], Awaitable[object]]] = {
+    "ping": lambda c: c.ping(),
+    "touch": lambda c: c.touch(),
+    "metrics": lambda c: c.metrics(),
+    "set_clock": lambda c: c.set_clock(),
+    "add_entropy": lambda c: c.add_entropy(),
+    "set_hostname": lambda c: c.set_hostname("x"),
+    "shutdown": lambda c: c.shutdown(),
+    "run": lambda c: c.run(["true"], timeout=1),
+    "read_file": lambda c: c.read_bytes("/etc/hostname"),
+    "write_file": lambda c: c.write_file("/tmp/f", b"x"),
+}
+
+
+@gap(f"{HANG}: {DEADLINE}")
+@pytest.mark.parametrize("request_", list(_REQUESTS))
+async def test_a_guest_silent_after_hello_hangs_every_request(
+    autojump_clock: MockClock, guest: FakeGuest, request_: str
+) -> None:
+    guest.hostile.silent_after_hello = True
+    async with open_channel(guest.connect(), hello_timeout=5) as chan:
+        with hangs_today():
+            await _REQUESTS[request_](chan)
+
+
+async def test_leaving_an_exec_whose_process_ignores_kills_returns_but_leaks_it(
+    autojump_clock: MockClock, guest: FakeGuest, chan: GuestChannel
+) -> None:
+    guest.hostile.ignore_kills = True
+    with trio.fail_after(5):
+        async with chan.exec(["sleep", "3600"]) as h:
+            pid = h.pid
+        await trio.testing.wait_all_tasks_blocked()
+    # the host sent SIGKILL and moved on: it never learns that the process is still there
+    assert pid in guest.processes and guest.processes[pid].signals == [signal.SIGKILL]
+
+
+@gap(f"{HANG}: Run/Exec timeouts are only sent to guestd, the host does not enforce them")
+async def test_a_timeout_the_guest_ignores_hangs_the_run(
+    autojump_clock: MockClock, guest: FakeGuest, chan: GuestChannel
+) -> None:
+    guest.hostile.ignore_kills = True
+    with hangs_today():
+        await chan.run(["sleep", "3600"], timeout=1)
+
+
+@gap(f"{HANG}: nothing bounds the wait for the exit of a process the host killed")
+async def test_a_kill_the_guest_ignores_hangs_the_wait(
+    autojump_clock: MockClock, guest: FakeGuest, chan: GuestChannel
+) -> None:
+    guest.hostile.ignore_kills = True
+    async with chan.exec(["sleep", "3600"]) as h:
+        await h.signal(signal.SIGKILL)
+        with hangs_today():
+            await h.wait()
+
+
+async def test_a_flood_of_unknown_request_ids_is_dropped(
+    autojump_clock: MockClock, guest: FakeGuest, chan: GuestChannel
+) -> None:
+    guest.hostile.flood_unknown_rids = 100
+    with trio.fail_after(5):
+        assert (await chan.ping()).activity >= 0
+        assert (await chan.run(["echo", "hi"])).stdout == b"hi\n"
+    assert chan.statistics().dropped == 200 and not chan.broken
+
+
+async def test_exec_output_beyond_credit_breaks_the_channel(
+    autojump_clock: MockClock, guest: FakeGuest, chan: GuestChannel
+) -> None:
+    guest.hostile.overrun_credit = True
+    with trio.fail_after(5):
+        async with chan.exec(["head", "-c", str(1 << 20), "/dev/zero"]) as h:  # a consumer that never reads
+            await trio.testing.wait_all_tasks_blocked()
+            assert chan.broken
+            with pytest.raises(GuestProtocolError, match="beyond granted credit"):
+                await h.wait()
+        with pytest.raises(ChannelBroken):
+            await chan.ping()
+
+
+async def test_file_contents_beyond_credit_break_the_channel(
+    autojump_clock: MockClock, guest: FakeGuest, chan: GuestChannel
+) -> None:
+    guest.files["/tmp/big"] = (0o644, bytes(1 << 20))
+    guest.hostile.overrun_credit = True
+    with trio.fail_after(5):
+        async with chan.read_file("/tmp/big") as f:
+            await trio.testing.wait_all_tasks_blocked()
+            with pytest.raises(GuestProtocolError, match="beyond granted credit"):
+                async for _chunk in f:
+                    pass
+        with pytest.raises(ChannelBroken):
+            await chan.ping()
+
+
+@pytest.mark.parametrize("request_", ["ping", "touch", "metrics", "set_hostname", "run", "read_file"])
+async def test_a_wrong_reply_type_is_a_protocol_error(
+    autojump_clock: MockClock, guest: FakeGuest, chan: GuestChannel, request_: str
+) -> None:
+    guest.files["/etc/hostname"] = (0o644, b"fake\n")
+    guest.hostile.wrong_reply = True
+    with trio.fail_after(5):
+        with pytest.raises(GuestProtocolError, match="expected"):
+            await _REQUESTS[request_](chan)
+        assert chan.broken
+
+
+@gap(f"{HANG}: write_file skips a reply that is neither ok nor error and waits for another")
+async def test_a_wrong_reply_to_write_file_hangs(
+    autojump_clock: MockClock, guest: FakeGuest, chan: GuestChannel
+) -> None:
+    guest.hostile.wrong_reply = True
+    with hangs_today(), pytest.raises(GuestProtocolError):
+        await chan.write_file("/tmp/f", b"x")
+
+
+@pytest.mark.parametrize("request_", ["ping", "exec", "read_file"])
+async def test_a_stream_closed_mid_request_breaks_the_call_and_the_guest_lives_on(
+    autojump_clock: MockClock, guest: FakeGuest, chan: GuestChannel, request_: str
+) -> None:
+    guest.files["/tmp/big"] = (0o644, bytes(1 << 20))
+    guest.hostile.close_mid_request = True
+    with trio.fail_after(30):
+        with pytest.raises(ChannelBroken):
+            if request_ == "exec":  # exec_started, then the guest hangs up
+                async with chan.exec(["sh", "-c", "sleep 10; echo done > /tmp/done"]) as h:
+                    await h.wait()
+            elif request_ == "read_file":  # file_info, then the guest hangs up
+                await chan.read_bytes("/tmp/big")
+            else:
+                await chan.ping()
+        guest.hostile.close_mid_request = False
+        async with open_channel(guest.connect()) as c2:
+            assert (await c2.ping()).activity >= 0
+            if request_ == "exec":  # the process started before the hang-up runs on
+                await trio.sleep(11)
+                assert await c2.read_bytes("/tmp/done") == b"done\n"
+
+
+async def _capture(call: Callable[[], Awaitable[object]], into: list[Exception]) -> None:
+    try:
+        await call()
+    except Exception as exc:
+        into.append(exc.with_traceback(None))  # no cycle through the frames: they go now, not at some GC
+
+
+@gap(
+    "write_file leaves its chunk generator unclosed when the channel breaks under it: a ResourceWarning, "
+    "an error under the suite's filterwarnings"
+)
+async def test_a_write_file_broken_midway_closes_what_it_opened(
+    autojump_clock: MockClock, guest: FakeGuest, chan: GuestChannel
+) -> None:
+    guest.hostile.silent = True  # the write stops at the end of its credit window
+    errors: list[Exception] = []
+    with warnings.catch_warnings(record=True) as caught, trio.fail_after(5):
+        warnings.simplefilter("always")
+        async with trio.open_nursery() as n:
+            n.start_soon(_capture, lambda: chan.write_file("/tmp/f", bytes(1 << 20)), errors)
+            await trio.testing.wait_all_tasks_blocked()
+            guest.power_off()  # the VM dies under the write
+    assert [type(e) for e in errors] == [ChannelBroken]
+    with today(AssertionError):
+        assert [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)] == []
+
+
+@gap(
+    "a send that the channel's own reader closes under it (the guest broke the protocol meanwhile) raises "
+    "a bare trio.ClosedResourceError out of GuestChannel, not a GuestError"
+)
+@pytest.mark.filterwarnings("ignore:Async generator .*write_file.*chunks:ResourceWarning")  # the gap above
+async def test_a_send_blocked_when_the_channel_breaks_raises_a_guest_error() -> None:
+    """Real clock, real socketpair: the guest stops reading, so the host's write blocks in
+    send_all; then a process floods beyond credit and the reader closes the stream."""
+    go = trio.Event()
+
+    async def flood(cmd: Command) -> int:
+        await go.wait()
+        await cmd.write(bytes(2 * P.WINDOW))
+        return 0
+
+    errors: list[Exception] = []
+    async with fake_guest(commands={"flood": flood}) as guest:
+        stream = guest.connect_socket()
+        stream.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16384)  # well below one credit window
+        async with open_channel(stream) as chan:
+            with trio.fail_after(10):
+                async with chan.exec(["flood"]), trio.open_nursery() as n:  # a consumer that never reads
+                    guest.hostile.deaf = guest.hostile.overrun_credit = True
+                    n.start_soon(_capture, lambda: chan.write_file("/tmp/f", bytes(4 << 20)), errors)
+                    await trio.testing.wait_all_tasks_blocked()  # the write is stuck in send_all
+                    go.set()
+    (exc,) = errors
+    with today(trio.ClosedResourceError, exact=True):
+        if not isinstance(exc, GuestError):
+            raise exc
+
+
+@gap(f"{HANG}: a new hello does not fail the requests of the session it ends")
+async def test_a_second_hello_leaves_requests_in_flight_waiting(autojump_clock: MockClock, chan: GuestChannel) -> None:
+    async with chan.exec(["sleep", "10"]) as h:
+        await chan.hello(5)  # the guest starts a new session: this exec's exit will never come
+        with hangs_today():
+            await h.wait()
+
+
+@gap(
+    f"{HANG}: stdin sent to an exec started without stdin is a protocol error to guestd, which then "
+    "ignores the host until its next hello, while the host waits for answers"
+)
+async def test_stdin_to_an_exec_without_stdin_wedges_the_channel(
+    autojump_clock: MockClock, guest: FakeGuest, chan: GuestChannel
+) -> None:
+    async with chan.exec(["sleep", "10"]) as h:
+        await h.send_stdin(b"x")  # the host lets it through
+        assert (await h.wait()).code == 0  # the guest still sends...
+    assert guest.protocol_errors == ["stdin data after eof or on a wrong channel"]
+    with hangs_today():
+        await chan.ping()  # ...but no longer reads
