@@ -61,7 +61,8 @@ still delivers what sits in the pipe); background children holding the exec's ou
 (theirs is discarded, so guestd's 200 ms drain grace never applies); a real TTY (output
 gets ONLCR and stderr merged into stdout, but there is no echo, line discipline, job
 control or ^C); users beyond a table (root, nobody, numeric ids) and permissions beyond
-read-only trees (/proc, /sys: EROFS, so PERMISSION_DENIED); symlinks, special files,
+the trees a test marks read-only (``guest.readonly``: EROFS, so PERMISSION_DENIED); /proc,
+/sys and special files (a write under /proc is NOT_FOUND, as guestd answers); symlinks;
 write_file's visible temporary file; guestd's out-buffer limit (a host that stops
 reading blocks the fake on a socketpair, or lets a memory stream grow); vsock; the
 power-off sequence (sync, remount). Metrics are fixed, plausible numbers.
@@ -94,8 +95,8 @@ BOOT_MARKS = {"init": 0.05, "modules": 0.1, "rootfs": 0.15, "python": 0.2, "read
 FEATURES = ["exec", "pty", "files", "metrics", "serial"]
 FIRST_PID = 100
 UNKNOWN_RID = 1 << 30  # rids of the flood: far above what a host hands out
-_FHS = "/ /bin /dev /etc /home /proc /root /run /sbin /sys /tmp /var /usr /usr/bin /usr/sbin /usr/local/bin"
-DEFAULT_DIRS = frozenset([*_FHS.split(), "/usr/local", "/usr/local/sbin"])
+_FHS = "/ /bin /dev /etc /home /root /run /sbin /tmp /var /usr /usr/bin /usr/sbin /usr/local /usr/local/bin"
+DEFAULT_DIRS = frozenset([*_FHS.split(), "/usr/local/sbin"])  # no /proc, /sys: writes there are NOT_FOUND
 USERS = {"root": (0, 0, "/root"), "nobody": (65534, 65534, "/nonexistent")}  # name -> uid, gid, home
 _IGNORE_OR_STOP = "SIGCHLD SIGCONT SIGURG SIGWINCH SIGSTOP SIGTSTP SIGTTIN SIGTTOU"
 NOT_FATAL = frozenset(int(getattr(signal, name)) for name in _IGNORE_OR_STOP.split())  # recorded, not acted on
@@ -787,7 +788,7 @@ class FakeGuest:
         self.hostname = hostname
         self.files: dict[str, tuple[int, bytes]] = {}  # path -> (mode, contents)
         self.dirs: set[str] = set(DEFAULT_DIRS)
-        self.readonly: set[str] = {"/proc", "/sys"}  # trees where writes fail with EROFS
+        self.readonly: set[str] = set()  # trees where writes fail with EROFS (a read-only mount)
         for path, (mode, data) in (files or {}).items():  # preloaded: read-only trees too
             d = posixpath.dirname(path)
             while d not in self.dirs:

@@ -345,6 +345,8 @@ async def test_file_errors_are_typed_like_guestd(
         return
         yield b""
 
+    guest.mkdir("/ro")
+    guest.readonly.add("/ro")
     cases: list[tuple[Callable[[], Awaitable[object]], str]] = [
         (lambda: chan.read_bytes("/no/such/file"), P.E_NOT_FOUND),
         (lambda: chan.read_bytes("/etc"), P.E_IS_DIR),
@@ -352,7 +354,8 @@ async def test_file_errors_are_typed_like_guestd(
         (lambda: chan.write_file("/no/such/dir/file", b"x"), P.E_NOT_FOUND),
         (lambda: chan.write_file("/tmp", b"x"), P.E_IS_DIR),
         (lambda: chan.write_file("/tmp/", b"x"), P.E_INVALID),
-        (lambda: chan.write_file("/proc/x", b"x"), P.E_PERM),  # a read-only tree
+        (lambda: chan.write_file("/proc/x", b"x"), P.E_NOT_FOUND),  # procfs: what guestd answers (measured)
+        (lambda: chan.write_file("/ro/x", b"x"), P.E_PERM),  # a read-only mount
         (lambda: chan.write_file("/tmp/huge", nothing(), size=P.MAX_FILE + 1), P.E_TOO_LARGE),  # host-side check
     ]
     with trio.fail_after(5):
