@@ -31,8 +31,8 @@ import math
 import os
 import signal
 import time
-from collections.abc import AsyncIterable, AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator
+from contextlib import aclosing, asynccontextmanager
 from typing import Any, TypeVar
 
 import attrs
@@ -42,6 +42,7 @@ from actors._groups import collapse_single
 from guestd import proto as P
 
 log = logging.getLogger("sandvisor.guest")
+KILL_GRACE = 5.0  # how long a guest has to end a process it should have killed (timeout, SIGKILL)
 _M = TypeVar("_M", bound=P.Message)
 
 
@@ -316,8 +317,14 @@ class GuestChannel:
             self._check()
             try:
                 await self._stream.send_all(frame)
+            except trio.ClosedResourceError:
+                self._check()  # our reader closed it under us: the breakage it found
+                raise ChannelClosed("guest channel closed") from None
             except (trio.BrokenResourceError, OSError) as exc:
                 raise ChannelBroken(f"guest channel broke: {exc}") from None
+            except BaseException:  # cancelled mid-frame: what follows would be read as its body
+                self._poison(ChannelBroken("a send to the guest was interrupted mid-frame"))
+                raise
         self._stats["frames_out"] += 1
         self._stats["bytes_out"] += len(frame)
 
@@ -345,11 +352,13 @@ class GuestChannel:
     # -- hello ---------------------------------------------------------------
     async def hello(self, timeout: float) -> P.HelloOk:
         """Send Hello and wait for the guest's answer (this spans the guest's boot)."""
+        self._check()
+        for req in list(self._reqs.values()):  # the guest drops the old session's requests: so do we
+            req.fail(ChannelBroken("a new session with the guest began; this request was dropped"))
         self._hello_event = trio.Event()
         self._hello = None
         self._syncing = True
         self._discarded = 0
-        self._check()
         async with self._send_lock:
             try:
                 await self._stream.send_all(P.HOST_SYNC)
@@ -382,11 +391,16 @@ class GuestChannel:
 
     async def _protocol_violation(self, text: str) -> None:
         exc = GuestProtocolError(text)
-        self._broken = exc
-        self._fail_all(exc)
+        self._poison(exc)
         with trio.CancelScope(shield=True):
             await self._stream.aclose()
         raise exc
+
+    def _poison(self, exc: ChannelBroken) -> None:
+        """The channel cannot be used any more: every request sees ``exc``."""
+        if self._broken is None:
+            self._broken = exc
+        self._fail_all(exc)
 
     async def ping(self) -> P.Pong:
         return await self._unary(lambda rid: P.Ping(rid=rid), P.Pong)
@@ -431,7 +445,7 @@ class GuestChannel:
         """Start a process; the handle streams its output. Leaving the block before the
         process exited kills its process group (nothing is left running unowned)."""
         req = self._new_request()
-        handle = ExecHandle(self, req)
+        handle = ExecHandle(self, req, timeout=timeout, stdin=stdin)
         try:
             msg = P.Exec(
                 rid=req.rid,
@@ -512,7 +526,7 @@ class GuestChannel:
             await self._send(P.WriteFile(rid=req.rid, path=path, mode=mode, size=size))
             total = 0
 
-            async def chunks() -> AsyncIterator[bytes]:
+            async def chunks() -> AsyncGenerator[bytes, None]:
                 if isinstance(data, (bytes, bytearray, memoryview)):
                     view = memoryview(data)
                     for i in range(0, len(view), P.CHUNK):
@@ -522,11 +536,12 @@ class GuestChannel:
                         for i in range(0, len(c), P.CHUNK):
                             yield bytes(c[i : i + P.CHUNK])
 
-            async for piece in chunks():
-                total += len(piece)
-                if total > P.MAX_FILE:
-                    raise GuestOpError(P.E_TOO_LARGE, f"file exceeds the {P.MAX_FILE} byte limit")
-                await _send_with_credit(self, req, piece, self.answer_timeout)
+            async with aclosing(chunks()) as pieces:
+                async for piece in pieces:
+                    total += len(piece)
+                    if total > P.MAX_FILE:
+                        raise GuestOpError(P.E_TOO_LARGE, f"file exceeds the {P.MAX_FILE} byte limit")
+                    await _send_with_credit(self, req, piece, self.answer_timeout)
             await self._send(P.Eof(rid=req.rid, ch=P.STDIN))
             while True:
                 msg = await req.next(self.answer_timeout)
@@ -534,8 +549,13 @@ class GuestChannel:
                     raise GuestOpError(msg.code, msg.message)
                 if isinstance(msg, P.Ok):
                     return msg.value
+                await self._protocol_violation(f"expected ok, got {msg.TAG}")
         finally:
             self._end_request(req)
+            aclose = getattr(data, "aclose", None)
+            if aclose is not None:  # the caller's generator: what we did not consume goes now
+                with trio.CancelScope(shield=True):
+                    await aclose()
 
 
 async def _send_with_credit(chan: GuestChannel, req: _Request, data: bytes, timeout: float | None = None) -> None:
@@ -564,14 +584,22 @@ async def _send_with_credit(chan: GuestChannel, req: _Request, data: bytes, time
 
 
 class ExecHandle:
-    """A running process in the guest. Iterate it for ``(channel, bytes)`` output."""
+    """A running process in the guest. Iterate it for ``(channel, bytes)`` output.
 
-    def __init__(self, chan: GuestChannel, req: _Request) -> None:
+    With a ``timeout``, the guest kills the process then; the host gives up on it
+    :data:`KILL_GRACE` later (GuestTimeout), and as long after a SIGKILL it sent: a
+    guest that ignores either cannot hold a caller forever."""
+
+    def __init__(self, chan: GuestChannel, req: _Request, *, timeout: float = 0.0, stdin: bool = False) -> None:
         self._chan = chan
         self._req = req
         self.pid = 0
         self.exit: P.Exit | None = None
+        self._stdin = stdin
         self._stdin_closed = False
+        self._timeout = timeout
+        self._deadline = trio.current_time() + timeout + KILL_GRACE if timeout > 0 else math.inf
+        self._why = f"the process ran {KILL_GRACE:g}s past its {timeout:g}s timeout and the guest did not end it"
 
     @property
     def rid(self) -> int:
@@ -582,13 +610,16 @@ class ExecHandle:
 
     async def __anext__(self) -> tuple[int, bytes]:
         while self.exit is None:
-            msg = await self._req.next()
-            if isinstance(msg, P.Data):
-                return msg.ch, msg.data
-            if isinstance(msg, P.Exit):
-                self.exit = msg
-            elif isinstance(msg, P.Error):
-                raise GuestOpError(msg.code, msg.message)
+            with trio.move_on_at(self._deadline):
+                msg = await self._req.next()
+                if isinstance(msg, P.Data):
+                    return msg.ch, msg.data
+                if isinstance(msg, P.Exit):
+                    self.exit = msg
+                elif isinstance(msg, P.Error):
+                    raise GuestOpError(msg.code, msg.message)
+                continue
+            raise GuestTimeout(self._why)
         raise StopAsyncIteration
 
     async def wait(self) -> P.Exit:
@@ -599,6 +630,8 @@ class ExecHandle:
         return self.exit
 
     async def send_stdin(self, data: bytes) -> None:
+        if not self._stdin:
+            raise GuestOpError(P.E_INVALID, "this process was started without stdin")
         if self._stdin_closed:
             raise ChannelClosed("stdin already closed")
         if self.exit is not None:
@@ -606,7 +639,7 @@ class ExecHandle:
         await _send_with_credit(self._chan, self._req, data)
 
     async def close_stdin(self) -> None:
-        if not self._stdin_closed and self.exit is None:
+        if self._stdin and not self._stdin_closed and self.exit is None:
             self._stdin_closed = True
             await self._chan._send(P.Eof(rid=self.rid, ch=P.STDIN))
 
@@ -617,6 +650,9 @@ class ExecHandle:
     async def signal(self, signum: int) -> None:
         if self.exit is None:
             await self._chan._send(P.Signal(rid=self.rid, signum=signum))
+            if signum == signal.SIGKILL:
+                self._deadline = min(self._deadline, trio.current_time() + KILL_GRACE)
+                self._why = f"the guest did not end the process within {KILL_GRACE:g}s of SIGKILL"
 
 
 class FileReadStream:

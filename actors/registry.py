@@ -219,8 +219,10 @@ class Registry:
         self.store.check_writable()
 
     def _live_memory(self) -> list[int]:
-        """The guest RAM of every live sandbox and pool member."""
-        return [sb.limits.memory_mib for sb in [*self.sandboxes.values(), *self.pools.all_members()] if not sb.stopped]
+        """The guest RAM of every live sandbox and pool member (not those evicted: they
+        are being killed)."""
+        members = [m for ms in self.pools.members.values() for m in ms]
+        return [sb.limits.memory_mib for sb in [*self.sandboxes.values(), *members] if not sb.stopped]
 
     def admits(self, memory_mib: int, *, ram_file: bool) -> bool:
         """Would one more of ``memory_mib`` fit (for the pool keeper: members never evict)?"""
@@ -313,6 +315,7 @@ class Registry:
         rec.id = id or rec.uid
         rec.seq = self.store.next_seq()
         rec.created_at = rec.ready_at = int(time.time())
+        sb.born = trio.current_time()
         rec.config = config
         if apply_ports:
             rec.ports = list(config.ports)
@@ -451,13 +454,13 @@ class Registry:
         while True:
             await trio.sleep(0.25)
             await self.admission.measure()
-            now_wall, now = time.time(), time.monotonic()
+            now = trio.current_time()
             for sb in list(self.sandboxes.values()):
                 timers = sb.config.timers
                 if timers.ephemeral and sb.stopped:
                     self._remove_later(sb.id)
                     continue
-                if timers.ttl_seconds and now_wall >= sb.record.created_at + timers.ttl_seconds:
+                if timers.ttl_seconds and now >= sb.born + timers.ttl_seconds:
                     if sb.id not in self._removing:
                         sb.log.append("system", b"ttl expired: removing")
                     self._remove_later(sb.id)

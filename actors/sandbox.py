@@ -59,7 +59,7 @@ from actors.errors import (
 )
 from actors.events import EventBus
 from actors.files import SandboxFiles
-from actors.guest import ChannelBroken, ExecHandle, FileReadStream, GuestError, GuestOpError, GuestTimeout
+from actors.guest import ExecHandle, FileReadStream, GuestError, GuestOpError, GuestTimeout
 from actors.machine import MachineError
 from actors.model import (
     ALIVE,
@@ -93,7 +93,6 @@ _GUEST_CODES: dict[str, type[DomainError]] = {
     P.E_EXISTS: AlreadyExists,
 }
 RESTORE_HELLO_TIMEOUT = 15.0  # a restored guest answers in ~0.1 s; one that does not in 15 s will not
-KILL_GRACE = 5.0  # a command past its timeout: the guest kills it; this long after, the host gives up on it
 
 
 def guest_error(exc: GuestError) -> DomainError:
@@ -143,7 +142,10 @@ class Sandbox:
         self.guest: Guest | None = None
         self.workloads = 0
         self.execs = 0
-        self.last_activity = time.monotonic()
+        # trio's clock (timers run on it): when the sandbox last saw activity, and when it
+        # was created (a recovered record's age counts)
+        self.last_activity = trio.current_time()
+        self.born = trio.current_time() - max(0.0, time.time() - record.created_at)
         self.rss_bytes = 0
         self.checkpointing = False
         # monotonic timestamps of the last life, for the cold-start breakdown
@@ -350,7 +352,7 @@ class Sandbox:
         self.log.append("system", b"ready")
         self.emit(Action.READY)
         self.ready_event.set()
-        self.last_activity = time.monotonic()
+        self.last_activity = trio.current_time()
         async with trio.open_nursery() as nursery:
             self._life_nursery = nursery
             nursery.start_soon(self._watch_machine, guest, nursery.cancel_scope)
@@ -479,7 +481,7 @@ class Sandbox:
         return self._life_done.is_set() or self.state in ENDED
 
     def touch(self) -> None:
-        self.last_activity = time.monotonic()
+        self.last_activity = trio.current_time()
 
     # -- work ------------------------------------------------------------------
     def _require_alive(self) -> Guest:
@@ -580,7 +582,7 @@ class Sandbox:
         try:
             async with guest.channel.exec(argv, env=env, cwd=cwd, user=user, tty=tty, timeout=timeout) as h:
                 src_names = {P.STDOUT: "output" if tty else "stdout", P.STDERR: "stderr"}
-                async for ch, data in ExecSession(h, timeout):
+                async for ch, data in h:
                     name = src_names[ch]
                     self.log.append(name, data)
                     yield ("stdout" if tty else name), data, None
@@ -591,7 +593,7 @@ class Sandbox:
             code = 127 if exc.code == P.E_NOT_FOUND else 126
             start_error = exc.message
             raise guest_error(exc) from None
-        except ChannelBroken as exc:
+        except GuestError as exc:  # the guest broke, went silent, or would not end it
             raise guest_error(exc) from None
         finally:
             self.workloads -= 1
@@ -616,7 +618,7 @@ class Sandbox:
         rows: int = 24,
         cols: int = 80,
         timeout: float = 0.0,
-    ) -> AsyncIterator[ExecSession]:
+    ) -> AsyncIterator[ExecHandle]:
         guest = self._require_alive()
         if not argv:
             raise InvalidArgument("cmd must not be empty")
@@ -628,7 +630,7 @@ class Sandbox:
                 async with guest.channel.exec(
                     argv, env=env, cwd=cwd, user=user, tty=tty, rows=rows, cols=cols, timeout=timeout, stdin=True
                 ) as h:
-                    yield ExecSession(h, timeout)
+                    yield h
             except GuestError as exc:
                 raise guest_error(exc) from None
         finally:
@@ -763,44 +765,6 @@ class Sandbox:
             return 0.0
         pct = 100.0 * (cpu - prev[1]) / (now - prev[0])
         return 0.0 if math.isnan(pct) else max(0.0, pct)
-
-
-class ExecSession:
-    """A process as a caller drives it: its output, stdin, resize, signals. With a
-    timeout, the host gives up on it ``KILL_GRACE`` after the guest should have killed
-    it (DEADLINE_EXCEEDED; leaving the exec sends SIGKILL once more)."""
-
-    def __init__(self, h: ExecHandle, timeout: float) -> None:
-        self._h = h
-        self._timeout = timeout
-        self._deadline = trio.current_time() + timeout + KILL_GRACE if timeout > 0 else math.inf
-
-    @property
-    def exit(self) -> P.Exit | None:
-        return self._h.exit
-
-    def __aiter__(self) -> ExecSession:
-        return self
-
-    async def __anext__(self) -> tuple[int, bytes]:
-        with trio.move_on_at(self._deadline):
-            return await self._h.__anext__()
-        raise DeadlineExceeded(
-            f"the command ran {KILL_GRACE:g}s past its {self._timeout:g}s timeout and the guest did not end it; "
-            "it was sent SIGKILL"
-        )
-
-    async def send_stdin(self, data: bytes) -> None:
-        await self._h.send_stdin(data)
-
-    async def close_stdin(self) -> None:
-        await self._h.close_stdin()
-
-    async def resize(self, rows: int, cols: int) -> None:
-        await self._h.resize(rows, cols)
-
-    async def signal(self, signum: int) -> None:
-        await self._h.signal(signum)
 
 
 def free_port(address: str, protocol: str) -> int:

@@ -4,13 +4,11 @@ No QEMU, and nearly all on Trio's autojump clock (the guest's sleeps and the hos
 timeouts cost no wall time): measured 0.6 s for the file on a quiet machine, 2-5 s
 with the machine's two cores loaded 10-20 deep by VM boots. They pin down the protocol
 as the host sees it (hello, requests, streams, credit, files, reconnect) and what the
-host does today with each hostile guest behaviour.
-
-A gap found this way is a test that asserts what the host should do, marked
-``@gap(reason)``: an ``xfail(strict=True)`` that accepts only the failure named in its
-``with today(...)`` block (for a hang, ``trio.TooSlowError`` from a ``fail_after`` that
-costs nothing on the autojump clock). Any other failure fails the test, and once the
-host is fixed the test passes, which strict xfail reports as an error: drop the marker.
+host does with each hostile guest behaviour: a guest silent after its hello, one that
+ignores timeouts and kills, floods frames with unknown ids, overruns credit, answers
+with the wrong message, hangs up mid-request, or stops reading. Each of these was a
+hang or an untyped error once (strict xfails, written first); each is now bounded by
+a host-side deadline or typed.
 """
 
 from __future__ import annotations
@@ -19,8 +17,7 @@ import os
 import signal
 import socket
 import warnings
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 import trio
@@ -29,40 +26,17 @@ from fakeguest import Command, FakeGuest, fake_guest
 from trio.testing import MockClock
 
 from actors.guest import (
+    KILL_GRACE,
     ChannelBroken,
     GuestChannel,
     GuestError,
     GuestOpError,
     GuestProtocolError,
+    GuestTimeout,
     HelloTimeout,
     open_channel,
 )
 from guestd import proto as P
-
-HANG = "the host waits forever"
-DEADLINE = "no host-side deadline on guest requests (issue 13, item 4)"
-
-
-def gap(reason: str) -> pytest.MarkDecorator:
-    """A host gap: xfail, strictly, and only through :func:`today`."""
-    return pytest.mark.xfail(strict=True, raises=pytest.xfail.Exception, reason=reason)
-
-
-@contextmanager
-def today(*failures: type[BaseException], exact: bool = False) -> Iterator[None]:
-    """Around the step that fails today: exactly those failures become the xfail."""
-    try:
-        yield
-    except failures as exc:
-        if exact and type(exc) not in failures:
-            raise
-        pytest.xfail(f"{type(exc).__name__}: {exc}")
-
-
-@contextmanager
-def hangs_today() -> Iterator[None]:
-    with today(trio.TooSlowError), trio.fail_after(600):
-        yield
 
 
 @pytest.fixture
@@ -425,17 +399,16 @@ async def test_stale_bytes_before_a_new_hello_are_skipped(
     assert guest.hellos == 2
 
 
-@gap(
-    f"{HANG}: a send cancelled mid-frame leaves a partial frame; the guest reads what follows as its "
-    "body, calls it garbage and waits for a hello, while GuestChannel._send neither marks the channel "
-    "broken nor has a deadline"
-)
-async def test_a_partial_frame_wedges_the_channel(
-    autojump_clock: MockClock, guest: FakeGuest, chan: GuestChannel
-) -> None:
-    await chan._stream.send_all(P.encode(P.Data(rid=1, ch=0, data=b"x" * 100))[:50])  # what a cancelled send leaves
-    with hangs_today():
-        await chan.ping()
+async def test_a_send_cancelled_mid_frame_breaks_the_channel(autojump_clock: MockClock, guest: FakeGuest) -> None:
+    """A cancelled send may leave half a frame: the guest would read what follows as its
+    body. The host poisons the channel instead of sending into it again."""
+    guest.hostile.deaf = True  # the host's send blocks in send_all
+    async with fake_guest() as g2, open_channel(g2.connect_socket(), hello_timeout=5) as chan:
+        g2.hostile.deaf = True
+        with trio.move_on_after(1):
+            await chan.write_file("/tmp/f", bytes(8 << 20))  # cancelled while a frame is half out
+        with trio.fail_after(5), pytest.raises(ChannelBroken, match="mid-frame"):
+            await chan.ping()
 
 
 async def test_over_a_socketpair_with_the_real_clock() -> None:
@@ -478,15 +451,16 @@ _REQUESTS: dict[str, Callable[[GuestChannel], Awaitable[object]]] = {
 }
 
 
-@gap(f"{HANG}: {DEADLINE}")
 @pytest.mark.parametrize("request_", list(_REQUESTS))
-async def test_a_guest_silent_after_hello_hangs_every_request(
+async def test_a_guest_silent_after_hello_fails_every_request_in_time(
     autojump_clock: MockClock, guest: FakeGuest, request_: str
 ) -> None:
     guest.hostile.silent_after_hello = True
-    async with open_channel(guest.connect(), hello_timeout=5) as chan:
-        with hangs_today():
+    async with open_channel(guest.connect(), hello_timeout=5, answer_timeout=30) as chan:
+        t0 = trio.current_time()
+        with trio.fail_after(600), pytest.raises(GuestTimeout):
             await _REQUESTS[request_](chan)
+        assert trio.current_time() - t0 == pytest.approx(30, abs=1)
 
 
 async def test_leaving_an_exec_whose_process_ignores_kills_returns_but_leaks_it(
@@ -501,23 +475,23 @@ async def test_leaving_an_exec_whose_process_ignores_kills_returns_but_leaks_it(
     assert pid in guest.processes and guest.processes[pid].signals == [signal.SIGKILL]
 
 
-@gap(f"{HANG}: Run/Exec timeouts are only sent to guestd, the host does not enforce them")
-async def test_a_timeout_the_guest_ignores_hangs_the_run(
+async def test_a_timeout_the_guest_ignores_ends_the_run_on_the_host(
     autojump_clock: MockClock, guest: FakeGuest, chan: GuestChannel
 ) -> None:
     guest.hostile.ignore_kills = True
-    with hangs_today():
+    t0 = trio.current_time()
+    with trio.fail_after(600), pytest.raises(GuestTimeout, match="past its 1s timeout"):
         await chan.run(["sleep", "3600"], timeout=1)
+    assert trio.current_time() - t0 == pytest.approx(1 + KILL_GRACE, abs=0.5)
 
 
-@gap(f"{HANG}: nothing bounds the wait for the exit of a process the host killed")
-async def test_a_kill_the_guest_ignores_hangs_the_wait(
+async def test_a_kill_the_guest_ignores_ends_the_wait_on_the_host(
     autojump_clock: MockClock, guest: FakeGuest, chan: GuestChannel
 ) -> None:
     guest.hostile.ignore_kills = True
     async with chan.exec(["sleep", "3600"]) as h:
         await h.signal(signal.SIGKILL)
-        with hangs_today():
+        with trio.fail_after(600), pytest.raises(GuestTimeout, match="SIGKILL"):
             await h.wait()
 
 
@@ -572,12 +546,11 @@ async def test_a_wrong_reply_type_is_a_protocol_error(
         assert chan.broken
 
 
-@gap(f"{HANG}: write_file skips a reply that is neither ok nor error and waits for another")
-async def test_a_wrong_reply_to_write_file_hangs(
+async def test_a_wrong_reply_to_write_file_is_a_protocol_error(
     autojump_clock: MockClock, guest: FakeGuest, chan: GuestChannel
 ) -> None:
     guest.hostile.wrong_reply = True
-    with hangs_today(), pytest.raises(GuestProtocolError):
+    with trio.fail_after(5), pytest.raises(GuestProtocolError, match="expected ok"):
         await chan.write_file("/tmp/f", b"x")
 
 
@@ -611,10 +584,6 @@ async def _capture(call: Callable[[], Awaitable[object]], into: list[Exception])
         into.append(exc.with_traceback(None))  # no cycle through the frames: they go now, not at some GC
 
 
-@gap(
-    "write_file leaves its chunk generator unclosed when the channel breaks under it: a ResourceWarning, "
-    "an error under the suite's filterwarnings"
-)
 async def test_a_write_file_broken_midway_closes_what_it_opened(
     autojump_clock: MockClock, guest: FakeGuest, chan: GuestChannel
 ) -> None:
@@ -627,15 +596,9 @@ async def test_a_write_file_broken_midway_closes_what_it_opened(
             await trio.testing.wait_all_tasks_blocked()
             guest.power_off()  # the VM dies under the write
     assert [type(e) for e in errors] == [ChannelBroken]
-    with today(AssertionError):
-        assert [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)] == []
+    assert [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)] == []
 
 
-@gap(
-    "a send that the channel's own reader closes under it (the guest broke the protocol meanwhile) raises "
-    "a bare trio.ClosedResourceError out of GuestChannel, not a GuestError"
-)
-@pytest.mark.filterwarnings("ignore:Async generator .*write_file.*chunks:ResourceWarning")  # the gap above
 async def test_a_send_blocked_when_the_channel_breaks_raises_a_guest_error() -> None:
     """Real clock, real socketpair: the guest stops reading, so the host's write blocks in
     send_all; then a process floods beyond credit and the reader closes the stream."""
@@ -658,29 +621,28 @@ async def test_a_send_blocked_when_the_channel_breaks_raises_a_guest_error() -> 
                     await trio.testing.wait_all_tasks_blocked()  # the write is stuck in send_all
                     go.set()
     (exc,) = errors
-    with today(trio.ClosedResourceError, exact=True):
-        if not isinstance(exc, GuestError):
-            raise exc
+    assert isinstance(exc, GuestError), exc
 
 
-@gap(f"{HANG}: a new hello does not fail the requests of the session it ends")
-async def test_a_second_hello_leaves_requests_in_flight_waiting(autojump_clock: MockClock, chan: GuestChannel) -> None:
-    async with chan.exec(["sleep", "10"]) as h:
-        await chan.hello(5)  # the guest starts a new session: this exec's exit will never come
-        with hangs_today():
-            await h.wait()
-
-
-@gap(
-    f"{HANG}: stdin sent to an exec started without stdin is a protocol error to guestd, which then "
-    "ignores the host until its next hello, while the host waits for answers"
-)
-async def test_stdin_to_an_exec_without_stdin_wedges_the_channel(
-    autojump_clock: MockClock, guest: FakeGuest, chan: GuestChannel
+async def test_a_second_hello_fails_the_requests_of_the_session_it_ends(
+    autojump_clock: MockClock, chan: GuestChannel
 ) -> None:
     async with chan.exec(["sleep", "10"]) as h:
-        await h.send_stdin(b"x")  # the host lets it through
-        assert (await h.wait()).code == 0  # the guest still sends...
-    assert guest.protocol_errors == ["stdin data after eof or on a wrong channel"]
-    with hangs_today():
-        await chan.ping()  # ...but no longer reads
+        await chan.hello(5)  # the guest starts a new session: this exec's exit will never come
+        with trio.fail_after(5), pytest.raises(ChannelBroken, match="new session"):
+            await h.wait()
+    assert (await chan.ping()).activity >= 0
+
+
+async def test_stdin_to_an_exec_without_stdin_is_refused_on_the_host(
+    autojump_clock: MockClock, guest: FakeGuest, chan: GuestChannel
+) -> None:
+    """guestd would take it as a protocol error and ignore the host until its next
+    hello: the host refuses to send it."""
+    async with chan.exec(["sleep", "10"]) as h:
+        with pytest.raises(GuestOpError, match="without stdin"):
+            await h.send_stdin(b"x")
+        assert (await h.wait()).code == 0
+    assert guest.protocol_errors == []
+    with trio.fail_after(5):
+        assert (await chan.ping()).activity >= 0
