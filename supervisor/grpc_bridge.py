@@ -320,12 +320,14 @@ class Call(Generic[ReqT, RespT]):
         self._to_aio(self._in_credit.release)
         return cast(ReqT, msg)
 
-    def __aiter__(self) -> AsyncIterator[ReqT]:
-        return self._iter()
+    def __aiter__(self) -> Call[ReqT, RespT]:
+        return self  # not an async generator: a handler that breaks out leaves nothing to finalize
 
-    async def _iter(self) -> AsyncIterator[ReqT]:
-        while (msg := await self.receive()) is not None:
-            yield msg
+    async def __anext__(self) -> ReqT:
+        msg = await self.receive()
+        if msg is None:
+            raise StopAsyncIteration
+        return msg
 
     # -- plumbing ----------------------------------------------------------------------
     def _to_aio(self, fn: Callable[..., object], *args: Any) -> bool:
@@ -521,8 +523,14 @@ class GrpcEdge:
     async def _thread(self, on_ready: Callable[[BaseException | None], None]) -> None:
         # not abandoned on cancel: run() cannot return before the loop thread has ended
         await trio.to_thread.run_sync(
-            lambda: asyncio.run(self._aio_main(on_ready)), limiter=trio.CapacityLimiter(1), thread_name="grpc-edge"
+            self._loop_thread, on_ready, limiter=trio.CapacityLimiter(1), thread_name="grpc-edge"
         )
+
+    def _loop_thread(self, on_ready: Callable[[BaseException | None], None]) -> None:
+        # A plain selector loop, named: once trio_asyncio is imported (qemu.qmp's loop),
+        # asyncio.run() and new_event_loop() make trio_asyncio loops, in any thread.
+        with asyncio.Runner(loop_factory=asyncio.SelectorEventLoop) as runner:
+            runner.run(self._aio_main(on_ready))
 
     def _request_stop(self) -> None:
         with self._lock:
@@ -648,6 +656,10 @@ class GrpcEdge:
                     return
         finally:
             self._to_trio(call._in_send.close)
+            aclose = getattr(requests, "aclose", None)  # grpc's is an async generator: close it here,
+            if aclose is not None:  # on this loop, not in whatever thread collects it
+                with contextlib.suppress(Exception):
+                    await aclose()
 
     # -- the Trio side of a call ---------------------------------------------------------------
     def _start_call(self, method: Method, call: Call[Any, Any], request: Any) -> None:
