@@ -87,6 +87,7 @@ def ready() -> None:
 # --- servers ----------------------------------------------------------------------------------
 def serve_thread(addr: str) -> None:
     import trio
+    import trio_asyncio  # noqa: F401  # as in the daemon (qemu.qmp): it changes what asyncio.run() makes
 
     from supervisor.grpc_bridge import GrpcEdge, Kind, Method, parse_address
 

@@ -692,3 +692,47 @@ def test_metrics_listen_defaults_to_loopback() -> None:
     assert M.parse_listen("0.0.0.0:9100") == ("0.0.0.0", 9100)
     with pytest.raises(ValueError):
         M.parse_listen("x:y")
+
+
+# ---------------------------------------------------------------------------------------
+# protobuf <-> the attrs classes both edges share
+# ---------------------------------------------------------------------------------------
+def test_seed_and_extended_requests_structure_into_one_class() -> None:
+    from supervisor import protocol as W
+    from supervisor.grpc_convert import message_to_dict
+    from supervisor.proto.sandvisor.v1 import sandvisor_pb2 as sv
+
+    seed_req = pb.CreateSandboxRequest(id="a", labels={"k": "v"}, cmd=["sh"], limits=pb.ResourceLimits(vcpus=2))
+    plain = W.structure_body(message_to_dict(seed_req), W.CreateSandboxRequest)
+    assert (plain.id, plain.labels, plain.cmd, plain.limits.vcpus) == ("a", {"k": "v"}, ["sh"], 2)
+    assert plain.ssh_public_key is None  # proto3 optional, unset: the attrs default
+    assert plain.network == W.NetworkSpec()  # unset message: the attrs default
+    ext = W.structure_body(
+        message_to_dict(sv.CreateRequest(base=seed_req, hostname="h", ephemeral=True)), W.CreateSandboxRequest
+    )
+    assert ext == attrs_evolve(plain, hostname="h", ephemeral=True)
+    assert message_to_dict(pb.ExecInput(stdin=b"x")) == {"stdin": b"x"}  # a oneof: only its member
+
+
+def attrs_evolve(obj: Any, **kw: Any) -> Any:
+    import attrs
+
+    return attrs.evolve(obj, **kw)
+
+
+def test_responses_fill_seed_and_extended_messages() -> None:
+    from supervisor import protocol as W
+    from supervisor.grpc_convert import dict_to_message, message_to_dict
+    from supervisor.proto.sandvisor.v1 import sandvisor_pb2 as sv
+
+    info = W.SandboxInfo("a", "ready", {"k": "v"}, W.ResourceLimits(1, 512), W.SandboxNetwork(), 1, 2, 0, 0, "")
+    msg = dict_to_message(W.unstructure_body(info), pb.SandboxInfo)
+    assert msg.HasField("network")
+    assert W.structure_body(message_to_dict(msg), W.SandboxInfo) == info
+    ck = W.CheckpointResponse("s1", "/d", "2026-11-30T00:00:00Z", size_bytes=5, memory="mapped", paused_ms=1.5)
+    seed_msg = dict_to_message(W.unstructure_body(ck), pb.CheckpointResponse)  # extensions left out
+    assert (seed_msg.snapshot_id, seed_msg.created_at) == ("s1", "2026-11-30T00:00:00Z")
+    ours = dict_to_message(W.unstructure_body(ck), sv.CheckpointResponse)  # seed part in base
+    assert (ours.base.snapshot_id, ours.size_bytes, ours.memory, ours.paused_ms) == ("s1", 5, "mapped", 1.5)
+    out = dict_to_message(W.unstructure_body(W.RunOutput(stream="exit", exit_code=3, done=True)), pb.RunOutput)
+    assert (out.stream, out.exit_code, out.done, out.data) == ("exit", 3, True, b"")
