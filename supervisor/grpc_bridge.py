@@ -512,13 +512,14 @@ class GrpcEdge:
             nursery.start_soon(self._thread, on_ready)
             try:
                 await ready.wait()
-                if failure:
-                    raise failure[0]
-                task_status.started(self)
-                await trio.sleep_forever()
+                if not failure:
+                    task_status.started(self)
+                    await trio.sleep_forever()
             finally:
                 self._request_stop()  # the thread task ends when the loop has; the nursery waits for it
                 nursery.cancel_scope.cancel()
+        if failure:
+            raise failure[0]  # out here, once the loop thread has ended, and not in a group
 
     async def _thread(self, on_ready: Callable[[BaseException | None], None]) -> None:
         # not abandoned on cancel: run() cannot return before the loop thread has ended

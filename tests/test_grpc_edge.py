@@ -736,3 +736,35 @@ def test_responses_fill_seed_and_extended_messages() -> None:
     assert (ours.base.snapshot_id, ours.size_bytes, ours.memory, ours.paused_ms) == ("s1", 5, "mapped", 1.5)
     out = dict_to_message(W.unstructure_body(W.RunOutput(stream="exit", exit_code=3, done=True)), pb.RunOutput)
     assert (out.stream, out.exit_code, out.done, out.data) == ("exit", 3, True, b"")
+
+
+# ---------------------------------------------------------------------------------------
+# beside the daemon's trio_asyncio loop; start-up failures
+# ---------------------------------------------------------------------------------------
+async def test_the_edge_runs_beside_the_qmp_loop(tmp_path: Path, seed: tuple[ModuleType, ModuleType]) -> None:
+    """The daemon holds a trio_asyncio loop open (qemu.qmp) for its whole life."""
+    from actors.machine import qmp_loop
+
+    spb, sgrpc = seed
+
+    def client(target: str) -> str:
+        with grpc.insecure_channel(target) as ch:
+            return str(sgrpc.SandboxServiceStub(ch).Create(spb.CreateSandboxRequest(id="q")).state)
+
+    with trio.fail_after(20):
+        async with qmp_loop(), serving(G.UnixAddress(tmp_path / "g.sock")) as edge:
+            assert await in_thread(client, unix_target(edge)) == "starting"
+
+
+async def test_a_port_in_use_fails_the_start_and_leaves_no_thread() -> None:
+    with trio.fail_after(20):
+        async with serving(G.TcpAddress("127.0.0.1", 0)) as first:
+            taken = first.addresses[0]
+            assert isinstance(taken, G.TcpAddress)
+            second = G.GrpcEdge([taken], health=False, reflection=False)
+            async with trio.open_nursery() as nursery:
+                with pytest.raises(RuntimeError, match="Failed to bind"):
+                    await nursery.start(second.run)
+            assert second._loop is not None
+            assert second._loop.is_closed()
+    assert not [t for t in threading.enumerate() if t.name == "grpc-edge"]
