@@ -285,9 +285,11 @@ class Call(Generic[ReqT, RespT]):
         self._lock = threading.Lock()
         self._outq: collections.deque[Any] = collections.deque()
         self._waiter: asyncio.Future[None] | None = None
-        if method.kind in (Kind.UNARY_STREAM, Kind.STREAM_STREAM):
+        self._streams_out = method.kind in (Kind.UNARY_STREAM, Kind.STREAM_STREAM)
+        self._streams_in = method.kind in (Kind.STREAM_UNARY, Kind.STREAM_STREAM)
+        if self._streams_out:
             self._out_credit = trio.Semaphore(window)  # credits come back as the aio side writes
-        if method.kind in (Kind.STREAM_UNARY, Kind.STREAM_STREAM):
+        if self._streams_in:
             # aio -> Trio: the client's messages; credits go back to the aio side
             self._in_send, self._in_recv = trio.open_memory_channel[Any](window)
             self._in_credit = asyncio.Semaphore(window)
@@ -307,12 +309,16 @@ class Call(Generic[ReqT, RespT]):
 
     async def send(self, message: RespT) -> None:
         """Queue one response message; waits while ``window`` are unwritten."""
+        if not self._streams_out:
+            raise RuntimeError(f"{self.method} does not stream responses: return the response")
         await self._out_credit.acquire()
         if self._finished or not self._push(message):
             raise trio.BrokenResourceError("the call has ended")
 
     async def receive(self) -> ReqT | None:
         """The client's next message, or None once it half-closed."""
+        if not self._streams_in:
+            raise RuntimeError(f"{self.method} takes one request: it is the handler's argument")
         try:
             msg = await self._in_recv.receive()
         except trio.EndOfChannel:
