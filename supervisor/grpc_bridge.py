@@ -74,7 +74,8 @@ ReqT = TypeVar("ReqT")
 RespT = TypeVar("RespT")
 
 DEFAULT_WINDOW = 16  # messages in flight per direction per call
-DEFAULT_MAX_MESSAGE = 16 << 20  # the seed streams files in chunks; nothing needs more
+DEFAULT_MAX_MESSAGE = 4 << 20  # as the msgpack socket's MAX_FRAME; the seed streams files in chunks
+MAX_CONCURRENT_RPCS = 1024  # in all: more are RESOURCE_EXHAUSTED (each is a Trio task and a window)
 MAX_CONCURRENT_STREAMS = 256  # per connection, as the msgpack socket's MAX_CALLS
 STATUS_BY_NAME: dict[str, grpc.StatusCode] = {c.name: c for c in grpc.StatusCode}
 
@@ -444,6 +445,7 @@ class GrpcEdge:
         window: int = DEFAULT_WINDOW,
         grace: float = 2.0,
         max_message: int = DEFAULT_MAX_MESSAGE,
+        max_rpcs: int = MAX_CONCURRENT_RPCS,
         error_mapper: ErrorMapper | None = None,
         options: Sequence[tuple[str, Any]] = (),
     ) -> None:
@@ -456,6 +458,7 @@ class GrpcEdge:
         self.window = window
         self.grace = grace
         self.error_mapper = error_mapper
+        self.max_rpcs = max_rpcs
         self.options: list[tuple[str, Any]] = [
             ("grpc.max_receive_message_length", max_message),
             ("grpc.max_send_message_length", max_message),
@@ -565,7 +568,7 @@ class GrpcEdge:
                 self._stop = asyncio.Event()
                 if self._stop_requested:
                     self._stop.set()
-            server = grpc.aio.server(options=self.options)
+            server = grpc.aio.server(options=self.options, maximum_concurrent_rpcs=self.max_rpcs)
             server.add_generic_rpc_handlers((_Dispatcher(self),))
             await self._add_health_and_reflection(server)
             for addr in self.requested:
