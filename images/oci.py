@@ -586,12 +586,17 @@ class ImageStore:
         argv += [r.skopeo(digest), f"oci:{layout}:img"]
         emit(PullProgress(ref, "downloading", f"{len(layers)} layers", 0, total, digest))
         self.stats.copies += 1
+        failed: ImageError | None = None  # raised past the nursery: not inside an ExceptionGroup
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._watch_download, ref, digest, layout, layers, emit)
             try:
                 await self._run(argv, r, "copying the image", has_creds=bool(auth) and "--no-creds" not in auth)
+            except ImageError as exc:
+                failed = exc
             finally:
                 nursery.cancel_scope.cancel()
+        if failed is not None:
+            raise failed
         emit(PullProgress(ref, "downloading", "done", total, total, digest))
         # umoci reads the layout's own blobs/: point it at the shared directory
         if (layout / "blobs").is_dir():
@@ -911,7 +916,8 @@ class ImageStore:
 def parse_config(raw: bytes, r: Reference | str = "") -> ImageConfig:
     """The OCI (or Docker v2) image config JSON -> ImageConfig; malformed is UnsupportedImage."""
     doc = _json(raw, "config", r)
-    c = doc.get("config") or {}
+    c = doc.get("config")
+    c = {} if c is None else c
     if not isinstance(c, dict):
         raise UnsupportedImage(f"{r}: the image config's config is not an object")
 
