@@ -14,6 +14,7 @@ import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import attrs
 import pytest
@@ -540,24 +541,57 @@ async def test_size_cap(tmp_path: Path, pushed: Pushed) -> None:
 # -- concurrency and cancellation ----------------------------------------------------------
 
 
-async def test_concurrent_pulls_do_the_work_once(store: ImageStore, pushed: Pushed) -> None:
+class GatedStore(ImageStore):
+    """Holds the first conversion at a gate, so a second pull surely finds it running;
+    ``fail_first``: the held pull then fails (as with its caller's bad credentials)."""
+
+    def __init__(self, root: Path, *, fail_first: bool = False) -> None:
+        super().__init__(root)
+        self.gate = trio.Event()
+        self.fail_first = fail_first
+        self.entered = 0
+
+    async def _fetch_and_convert(self, *args: Any) -> None:
+        self.entered += 1
+        if self.entered == 1:
+            await self.gate.wait()
+            if self.fail_first:
+                raise RegistryAuthError("the first caller's credentials were refused")
+        await super()._fetch_and_convert(*args)
+
+
+@pytest.mark.parametrize("fail_first", [False, True])
+async def test_concurrent_pulls_do_the_work_once(tmp_path: Path, pushed: Pushed, fail_first: bool) -> None:
+    store = GatedStore(tmp_path / "store", fail_first=fail_first)
     manifest = json.loads(run(["skopeo", "inspect", "--raw", "--tls-verify=false", pushed.python]))
     layer = manifest["layers"][0]["digest"]
     gets = pushed.reg.blob_gets(layer)
-    results: list[Image] = []
-    phases: list[list[str]] = [[], []]
+    results: dict[str, Image | Exception] = {}
+    waiting = trio.Event()
 
-    async def one(i: int) -> None:
-        results.append(await store.pull(pushed.python, tls_verify=False, progress=lambda p: phases[i].append(p.phase)))
+    def watch(p: PullProgress) -> None:
+        if p.phase == "waiting":
+            waiting.set()
+
+    async def one(name: str) -> None:
+        try:
+            results[name] = await store.pull(pushed.python, tls_verify=False, progress=watch)
+        except RegistryAuthError as exc:
+            results[name] = exc
 
     with trio.fail_after(90):
         async with trio.open_nursery() as n:
-            n.start_soon(one, 0)
-            n.start_soon(one, 1)
-    assert results[0] == results[1]
+            n.start_soon(one, "first")
+            n.start_soon(one, "second")
+            await waiting.wait()  # the second found the first's conversion running
+            store.gate.set()
+    # whichever resolved first led; with fail_first it failed and the waiter did the work
+    images = [r for r in results.values() if isinstance(r, Image)]
+    errors = [r for r in results.values() if isinstance(r, RegistryAuthError)]
+    assert (len(images), len(errors)) == ((1, 1) if fail_first else (2, 0))
+    assert {i.digest for i in images} == {pushed.digests["python"]}
     assert store.stats.copies == 1 and store.stats.conversions == 1
     assert pushed.reg.blob_gets(layer) == gets + 1  # the big layer crossed the wire once
-    assert any("waiting" in p for p in phases)
     assert_clean(store, images=1)
 
 
