@@ -1022,6 +1022,8 @@ def classify_failure(stderr: str, r: Reference, step: str, *, has_creds: bool) -
     )
     if any(u in s for u in unreachable):
         return RegistryUnavailable(f"{where}: cannot reach the registry ({msg})")
+    if "more than one image" in s:
+        return InvalidReference(f"{where}: the source holds several images; name one after the path ({msg})")
     if "invalid reference format" in s:
         return InvalidReference(f"{where}: {msg}")
     if "could not allocate block" in s or "could not allocate inode" in s:

@@ -15,6 +15,7 @@ import re
 import shutil
 import signal
 import subprocess
+import tarfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -154,14 +155,13 @@ def build_image(
         run(["umoci", "config", "--no-history", "--image", f"{layout}:{base}", "--tag", tag])
     else:
         run(["umoci", "new", "--image", image])
-    for layer in layers:
-        argv = ["umoci", "insert", "--no-history", "--image", image]
-        if layer.whiteout:
-            argv += ["--whiteout", layer.target]
-        else:
-            assert layer.source is not None
-            argv += [*(["--opaque"] if layer.opaque else []), str(layer.source), layer.target]
-        run(argv)
+    for i, layer in enumerate(layers):
+        tar = layout.parent / f".layer-{os.getpid()}-{i}.tar"
+        try:
+            layer_tar(layer, tar)
+            run(["umoci", "raw", "add-layer", "--no-history", "--image", image, str(tar)])
+        finally:
+            tar.unlink(missing_ok=True)
     argv = ["umoci", "config", "--no-history", "--image", image]
     if spec.cmd:
         argv += ["--clear", "config.cmd"]
@@ -178,6 +178,25 @@ def build_image(
     for a in spec.cmd:
         argv += ["--config.cmd", a]
     run(argv)
+
+
+def layer_tar(layer: Layer, out: Path) -> None:
+    """The layer as docker writes one: a POSIX tar of paths relative to /, a whiteout as
+    an empty ``.wh.NAME`` file, an opaque directory marked by ``.wh..wh..opq``. (Not
+    ``umoci insert``: umoci 0.4.7 leaves that tar without its end-of-archive blocks.)"""
+    base = layer.target.strip("/")
+    with tarfile.open(out, "w", format=tarfile.PAX_FORMAT) as tf:
+        if layer.whiteout:
+            parent, name = os.path.split(base)
+            tf.addfile(tarfile.TarInfo(os.path.join(parent, ".wh." + name)))
+            return
+        assert layer.source is not None
+        if base:
+            tf.add(layer.source, arcname=base, recursive=False)
+        if layer.opaque:
+            tf.addfile(tarfile.TarInfo(os.path.join(base, ".wh..wh..opq")))
+        for child in sorted(layer.source.iterdir()):
+            tf.add(child, arcname=os.path.join(base, child.name))
 
 
 def push(layout: Path, tag: str, dest: str, *, creds: str | None = None) -> str:

@@ -411,6 +411,7 @@ async def test_docker_archive_oci_archive_and_oci_dir(store: ImageStore, built: 
         ("missing archive", ImageNotFound, "does not exist"),
         ("not an archive", UnsupportedImage, "docker-archive"),
         ("missing oci tag", ImageNotFound, "nope"),
+        ("oci dir of several images, no tag", InvalidReference, "several images"),
         ("malformed reference", InvalidReference, "transport"),
     ],
 )
@@ -438,6 +439,7 @@ async def test_bad_input_is_a_typed_error_and_leaves_nothing(
         "missing archive": (f"docker-archive:{tmp_path}/nope.tar", {}),
         "not an archive": (f"docker-archive:{built.layout}/index.json", {}),
         "missing oci tag": (f"oci:{built.layout}:nope", {}),
+        "oci dir of several images, no tag": (f"oci:{built.layout}", {}),
         "malformed reference": ("busybox", {}),
     }[case]
     with trio.fail_after(60), pytest.raises(cls) as e:
