@@ -740,6 +740,8 @@ class ImageStore:
                 continue
             freed += await self._delete(img)
             deleted.append(img.digest)
+        present = {img.digest for img in self.list_images()}
+        self._drop_refs({k for k, v in self._read_refs().items() if v not in present})  # left by a crash
         skipped = self._pulls > 0
         before = len(list(self._blob_files()))
         freed += await self._collect_blobs()

@@ -641,8 +641,12 @@ async def test_remove_untags_then_deletes_keeping_shared_layers(store: ImageStor
         await store.remove(pushed.busybox)
     # prune keeps what is in use, then takes the rest and every blob
     assert (await store.prune({app.digest})).deleted == ()
+    refs = json.loads((store.root / "refs.json").read_text())
+    refs["refs"]["docker://h:1/gone:1"] = "sha256:" + "e" * 64  # as a crash mid-delete leaves it
+    (store.root / "refs.json").write_text(json.dumps(refs))
     res = await store.prune(())
     assert res.deleted == (app.digest,) and not res.blobs_skipped
+    assert json.loads((store.root / "refs.json").read_text())["refs"] == {}
     assert list((store.blobs / "sha256").iterdir()) == []
     assert_clean(store)
 
