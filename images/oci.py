@@ -255,7 +255,9 @@ def _parse_docker(ref: str, s: str) -> Reference:
         path = "library/" + path
     if len(domain) + 1 + len(path) > 255:
         raise bad("repository name longer than 255 characters")
-    if not tag and not digest:
+    if digest:
+        tag = ""  # a digest pins the image; a tag beside it is only decoration (as docker reads it)
+    elif not tag:
         tag = "latest"
     return Reference(transport="docker", path=path, domain=domain, tag=tag, digest=digest)
 

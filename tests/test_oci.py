@@ -19,6 +19,8 @@ from typing import Any
 import attrs
 import pytest
 import trio
+from hypothesis import given
+from hypothesis import strategies as st
 
 from actors.vm import booted_guest
 from images.build import Image as GuestImage
@@ -221,6 +223,25 @@ def test_malformed_references(ref: str, words: str) -> None:
         parse_reference(ref)
     assert words in e.value.message
     assert e.value.code == "INVALID_ARGUMENT"
+
+
+_REF_ALPHABET = "abcXYZ019:/@._-+ \t" + "sha256" + "\u00e9"
+
+
+@given(
+    st.one_of(
+        st.text(alphabet=_REF_ALPHABET, max_size=80),
+        st.builds(lambda t, r: t + r, st.sampled_from(["docker://", "oci:", "oci:/", "docker-archive:/"]), st.text()),
+    )
+)
+def test_reference_parser_fuzz(ref: str) -> None:
+    """Anything either parses to a fixed point or is INVALID_ARGUMENT; nothing else escapes."""
+    try:
+        r = parse_reference(ref)
+    except InvalidReference:
+        return
+    assert parse_reference(r.canonical()) == r
+    assert r.transport in ("docker", "docker-archive", "oci-archive", "oci")
 
 
 def test_config_parsing_and_defaults() -> None:
