@@ -54,6 +54,7 @@ def bench(session: nox.Session) -> None:
     session.run("python", "benchmarks/network.py")
     session.run("python", "benchmarks/snapshots.py")
     session.run("python", "benchmarks/coldstart.py")
+    session.run("python", "benchmarks/images.py")
 
 
 @nox.session
