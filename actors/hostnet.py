@@ -122,7 +122,7 @@ class SandboxLink:
         MachineSpec puts the device model there)."""
         return (
             "-netdev",
-            f"tap,id={netdev_id},fd={fd},vnet_hdr=on",
+            f"tap,id={netdev_id},fd={fd}",  # vnet_hdr: QEMU reads it from the fd (IFF_VNET_HDR)
             "-device",
             "{net}" + f",netdev={netdev_id},mac={self.guest.mac}",
         )
