@@ -171,9 +171,9 @@ def dnat_base() -> list[str]:
     t = f"inet {TABLE}"
     return [
         f"add map {t} ports4 {{ type inet_proto . inet_service : ipv4_addr . inet_service; }}",
-        f"add chain {t} hook_nat_output {{ type nat hook output priority dstnat; policy accept; }}",
+        f"add chain {t} hook_nat_output {{ type nat hook output priority -100; policy accept; }}",
         f"add rule {t} hook_nat_output ip daddr 127.0.0.1 dnat ip to meta l4proto . th dport map @ports4",
-        f"add chain {t} hook_nat_post_local {{ type nat hook postrouting priority srcnat; policy accept; }}",
+        f"add chain {t} hook_nat_post_local {{ type nat hook postrouting priority 100; policy accept; }}",
         f'add rule {t} hook_nat_post_local ip saddr 127.0.0.0/8 oifname "svn*" masquerade',
     ]
 

@@ -125,10 +125,11 @@ class _Netlink:
 def configure(
     iface: str, address: str, prefix: int, gateway: str, mac: str = "", dns: list[str] | tuple[str, ...] = ()
 ) -> None:
-    """Give ``iface`` exactly ``address/prefix``, a default route via ``gateway``, the
-    MAC ``mac`` (when set) and ``dns`` as /etc/resolv.conf's nameservers; link up."""
+    """Give ``iface`` exactly ``address/prefix``, a default route via ``gateway`` (none
+    when empty), the MAC ``mac`` (when set) and ``dns`` as /etc/resolv.conf's
+    nameservers; link up."""
     addr = socket.inet_aton(address)
-    gw = socket.inet_aton(gateway)
+    gw = socket.inet_aton(gateway) if gateway else b""
     if not 1 <= prefix <= 32:
         raise ValueError(f"prefix {prefix} out of range")
     hw = bytes.fromhex(mac.replace(":", "")) if mac else b""
@@ -162,9 +163,10 @@ def configure(
         except FileExistsError:
             pass
         nl.request(RTM_NEWLINK, NLM_F_ACK, _IFINFO.pack(socket.AF_UNSPEC, 0, index, IFF_UP, IFF_UP))
-        body = _RTMSG.pack(socket.AF_INET, 0, 0, 0, RT_TABLE_MAIN, RTPROT_BOOT, RT_SCOPE_UNIVERSE, RTN_UNICAST, 0)
-        body += _attr(RTA_GATEWAY, gw) + _attr(RTA_OIF, struct.pack("=I", index))
-        nl.request(RTM_NEWROUTE, NLM_F_ACK | NLM_F_CREATE | NLM_F_REPLACE, body)
+        if gw:
+            body = _RTMSG.pack(socket.AF_INET, 0, 0, 0, RT_TABLE_MAIN, RTPROT_BOOT, RT_SCOPE_UNIVERSE, RTN_UNICAST, 0)
+            body += _attr(RTA_GATEWAY, gw) + _attr(RTA_OIF, struct.pack("=I", index))
+            nl.request(RTM_NEWROUTE, NLM_F_ACK | NLM_F_CREATE | NLM_F_REPLACE, body)
     finally:
         nl.close()
     if dns:
@@ -188,4 +190,4 @@ if __name__ == "__main__":  # python3 guestd_netcfg.py IFACE ADDR PREFIX GW [MAC
     import sys
 
     a = sys.argv[1:]
-    configure(a[0], a[1], int(a[2]), a[3], a[4] if len(a) > 4 else "", a[5:])
+    configure(a[0], a[1], int(a[2]), "" if a[3] == "-" else a[3], "" if len(a) < 5 or a[4] == "-" else a[4], a[5:])

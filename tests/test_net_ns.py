@@ -74,7 +74,7 @@ class Lab:
 
 
 @contextlib.asynccontextmanager
-async def lab_env(*, dns_ttl: int = 300, min_ttl: int = 30, grace: int = 10) -> AsyncIterator[Lab]:
+async def lab_env(*, dns_ttl: int = 300, min_ttl: int = 30, grace: int = 10, timeout: float = 60) -> AsyncIterator[Lab]:
     with contextlib.ExitStack() as stack:
         host, inet = stack.enter_context(namespaces("svh", "svi"))
         link_internet(host, inet)
@@ -91,7 +91,7 @@ async def lab_env(*, dns_ttl: int = 300, min_ttl: int = 30, grace: int = 10) -> 
             net.dns.min_ttl, net.dns.grace = min_ttl, grace
             await nursery.start(net.run)
             try:
-                with trio.fail_after(60):
+                with trio.fail_after(timeout):
                     yield Lab(host, inet, net, pool, asked, stack, nursery)
             finally:
                 nursery.cancel_scope.cancel()
