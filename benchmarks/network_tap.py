@@ -220,6 +220,9 @@ async def bench_vm(lab: Any, n: int, res: dict[str, Any], work: Path) -> None:
             await in_guest(guest, f"python3 /tmp/netcfg.py {by_mac['52:54:00:12:34:57']} 10.0.3.15 24 - -")
             await in_guest(guest, f"python3 /tmp/netcfg.py {by_mac[g.mac]} {g.address} {g.prefix} {g.gateway}")
             await in_guest(guest, "python3 /tmp/srv.py >/dev/null 2>&1 &")
+            # passt learns the guest's MAC from the guest's first frame: send one (ARP + UDP)
+            hail = "import socket; socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b'x', ('10.0.3.2', 9))"
+            await in_guest(guest, f'python3 -c "{hail}"')
             root = NetNS()
             direct = {p: p for p in (7001, 7002, 7003)}
             with trio.fail_after(60):
