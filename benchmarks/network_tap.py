@@ -41,8 +41,7 @@ from actors.portfwd import Target, bind_listener, dnat_base, dnat_rules, relay_t
 from actors.sandbox import free_port
 from actors.vm import Guest, _running, kernel_cmdline
 from images.build import Builder, default_cache
-from tests.netlab import SERVERS, UPLINK_INET, probe, resolve
-from tests.test_net_ns import lab_env
+from tests.netlab import SERVERS, UPLINK_INET, lab_env, probe, resolve
 
 MIB = 16
 NAT_ONLY = """table inet floor {

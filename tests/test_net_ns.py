@@ -5,34 +5,31 @@ server) in another namespace. Needs root (namespaces, nftables)."""
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import os
 import shutil
 import socket
 import subprocess
-from collections.abc import AsyncIterator
 from ipaddress import IPv4Address
 from typing import Any
 
-import attrs
 import pytest
 import trio
 
 from actors import dnsmsg as D
 from actors.egress import EgressPolicy
-from actors.hostnet import HostNetConfig, HostNetwork, SandboxLink
-from actors.ippool import IpPool, MemoryLeases, link_name
+from actors.hostnet import HostNetConfig, HostNetwork
+from actors.ippool import IpPool, link_name
 from actors.netns import NetNS
 from actors.portfwd import Target, bind_listener, relay_tcp, relay_udp
 from tests.netlab import (
     METADATA,
+    POOL,
     SERVERS,
     UPLINK_HOST,
     UPLINK_INET,
-    add_guest,
-    dns_server,
-    link_internet,
+    Guest,
+    Lab,
+    lab_env,
     namespaces,
     probe,
     resolve,
@@ -42,59 +39,6 @@ from tests.netlab import (
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or not shutil.which("nft") or not shutil.which("ip"), reason="needs root, nft and ip"
 )
-
-POOL = "10.88.0.0/16"
-
-
-@attrs.define
-class Guest:
-    ns: NetNS
-    link: SandboxLink
-    address: str
-
-
-@attrs.define
-class Lab:
-    host: NetNS
-    inet: NetNS
-    net: HostNetwork
-    pool: IpPool
-    asked: list[str]
-    stack: contextlib.ExitStack
-    nursery: trio.Nursery
-
-    def guest(self, owner: str, policy: dict[str, Any] | None = None) -> Guest:
-        (ns,) = self.stack.enter_context(namespaces("svg"))
-        address = self.pool.allocate(owner)
-        name = link_name(owner)
-        add_guest(self.host, ns, name, address, self.pool.prefix, self.pool.gateway)
-        link = self.net.attach(name, address, EgressPolicy.parse(policy))
-        self.stack.callback(link.close)
-        return Guest(ns, link, str(address))
-
-
-@contextlib.asynccontextmanager
-async def lab_env(*, dns_ttl: int = 300, min_ttl: int = 30, grace: int = 10, timeout: float = 60) -> AsyncIterator[Lab]:
-    with contextlib.ExitStack() as stack:
-        host, inet = stack.enter_context(namespaces("svh", "svi"))
-        link_internet(host, inet)
-        async with trio.open_nursery() as nursery:
-            for i, addr in enumerate(SERVERS):
-                await nursery.start(tcp_server, inet, addr, 80, f"server{i}")
-            await nursery.start(tcp_server, inet, METADATA, 80, "metadata")
-            await nursery.start(tcp_server, inet, UPLINK_INET, 80, "uplink-peer")
-            asked = await nursery.start(functools.partial(dns_server, ttl=dns_ttl), inet, UPLINK_INET)
-            await nursery.start(tcp_server, host, "127.0.0.1", 8080, "host-loopback")
-            await nursery.start(tcp_server, host, "0.0.0.0", 8081, "host-any")
-            pool = IpPool(POOL, MemoryLeases())
-            net = HostNetwork(HostNetConfig(netns=host, upstreams=((UPLINK_INET, 53),)), pool)
-            net.dns.min_ttl, net.dns.grace = min_ttl, grace
-            await nursery.start(net.run)
-            try:
-                with trio.fail_after(timeout):
-                    yield Lab(host, inet, net, pool, asked, stack, nursery)
-            finally:
-                nursery.cancel_scope.cancel()
 
 
 async def test_host_reaches_guest_and_table_goes_with_the_network() -> None:

@@ -25,8 +25,7 @@ from actors.ippool import link_name
 from actors.machine import Machine, MachineSpec
 from actors.vm import Guest, _running, kernel_cmdline
 from images.build import Image
-from tests.netlab import SERVERS, UPLINK_HOST, probe
-from tests.test_net_ns import Lab, lab_env
+from tests.netlab import SERVERS, UPLINK_HOST, Lab, lab_env, probe
 
 pytestmark = [pytest.mark.vm, pytest.mark.skipif(os.geteuid() != 0, reason="needs root (namespaces, TAP)")]
 
