@@ -4,9 +4,10 @@
 # boots or builds guests, so a fresh Debian 12 machine needs nothing installed by hand.
 set -euo pipefail
 # skopeo, umoci: pull and unpack OCI images (images/oci.py); docker-registry: the loopback
-# registry the image tests and benchmark push to
+# registry the image tests and benchmark push to; nftables (libnftables1), iproute2: tap
+# networking and egress policy (actors/hostnet.py, actors/nft.py)
 PKGS=(qemu-system-x86 qemu-utils mmdebstrap busybox-static cpio e2fsprogs lz4 tmux qemu-guest-agent procps
-  skopeo umoci docker-registry)
+  skopeo umoci docker-registry nftables iproute2)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
