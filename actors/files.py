@@ -23,6 +23,7 @@ from pathlib import Path
 
 import trio
 
+from actors.crash import crash_point
 from actors.disk import create_overlay
 from actors.logs import SandboxLog
 from actors.machine import QemuUser
@@ -71,6 +72,7 @@ class SandboxFiles:
     def swap_disks(self, frozen: Path) -> None:
         """The guest writes the next overlay now: the current disk moves to ``frozen``."""
         os.rename(self.disk, frozen)
+        crash_point("checkpoint-swap")
         os.rename(self.next_disk, self.disk)
 
     def discard_next_disk(self) -> None:

@@ -33,6 +33,7 @@ from typing import Protocol
 
 import trio
 
+from actors.crash import crash_point
 from actors.errors import DomainError
 from actors.model import MemoryKind, SandboxConfig, State
 from actors.sandbox import Boot, Plan, Resume, Sandbox
@@ -241,6 +242,7 @@ class Pools:
                     snap = self._next_to_fill(host)
                     if snap is not None:
                         sb = await self._start_member(snap, host)
+                        crash_point("pool-fill")
                         watchers.start_soon(self._watch, snap, sb)
                 with trio.move_on_after(1.0):
                     await self._wake.wait()

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import trio
 
+from actors.crash import crash_point
 from actors.disk import backing_chain
 from actors.errors import (
     AlreadyExists,
@@ -210,6 +211,11 @@ class Registry:
         """The end of a sandbox that has stopped: its record, log, files."""
         sb.log.close()
         self.store.delete(sb.record.uid)
+        try:
+            await self.store.flush()  # the record goes first: a crash then leaves files, not a dangling record
+        except DomainError as exc:
+            log.warning("removing %s: %s (its record is removed once the disk takes it)", sb.id, exc.message)
+        crash_point("remove")
         await sb.files.remove()
 
     def _check_open(self) -> None:

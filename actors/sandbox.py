@@ -46,6 +46,7 @@ from typing import Any, TypeVar
 import attrs
 import trio
 
+from actors.crash import crash_point
 from actors.errors import (
     AlreadyExists,
     DeadlineExceeded,
@@ -341,6 +342,7 @@ class Sandbox:
             what = "the boot template" if plan.fallback is not None else f"snapshot {plan.snapshot.id}"
             self.log.append("system", f"restored from {what}".encode())
             await self._fresh_identity(guest, clock=False)  # the hello set the clock
+        crash_point("hello")
         self.guest = guest
         self._record_timings(guest)
         self.record.qemu_pid = guest.machine.pid or 0

@@ -43,6 +43,7 @@ from pathlib import Path
 import attrs
 import trio
 
+from actors.crash import crash_point
 from actors.disk import backing_chain
 from actors.errors import FailedPrecondition, InvalidArgument, NotFound
 from actors.files import SandboxFiles
@@ -261,6 +262,7 @@ class SnapshotStore:
             template_key=template_key,
             image=image,
         )
+        crash_point("template-checkpoint" if template_key else "snapshot-record")
         self.store.insert_snapshot(rec)
         self.snapshots[rec.id] = rec
         self.pending.discard(snap_dir.resolve())
