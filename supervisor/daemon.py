@@ -22,6 +22,7 @@ from actors.settings import Settings
 from actors.store import Store
 from images.build import Builder, Image, load_default
 from supervisor.config import default_memory_dir, default_run_root
+from supervisor.notify import Notifier
 from supervisor.server import Server
 
 log = logging.getLogger("sandvisor.daemon")
@@ -104,6 +105,9 @@ async def serve(
                     await Server(registry, cfg.socket, group=cfg.group).serve(task_status=task_status)
 
             server = await nursery.start(run_server)
+            notify = Notifier()
+            nursery.start_soon(notify.keep_alive)
+            notify.ready(f"serving on {cfg.socket}")
             task_status.started((registry, server))
             try:
                 with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
@@ -111,6 +115,7 @@ async def serve(
                         log.info("signal %s: shutting down", signal.Signals(sig).name)
                         break
             finally:
+                notify.stopping()
                 server_scope.cancel()  # stop accepting first
                 await registry.shutdown(cfg.stop_timeout)
                 nursery.cancel_scope.cancel()
