@@ -139,17 +139,35 @@ class Workload:
 
 @attrs.frozen
 class BootSource:
-    """What the VM boots: the default image unless the caller names its own files."""
+    """What the VM boots: the default image unless the caller names an OCI image
+    (``image``, a reference as skopeo spells it, pulled by ``pull`` policy) or its own files."""
 
     kernel: str = ""
     rootfs: str = ""
     boot_args: str = ""
     image: str = ""
+    pull: str = "if-missing"  # always | if-missing | never
+    tls_verify: bool = True
 
     @property
     def custom(self) -> bool:
         """A boot that depends on the caller's own files: no boot template applies."""
         return bool(self.kernel or self.rootfs or self.boot_args)
+
+
+@attrs.frozen
+class ImageUse:
+    """The OCI image a sandbox boots, as resolved when it was created (the reference
+    may name another image later): its root filesystem and its defaults."""
+
+    ref: str
+    digest: str
+    template_key: str  # digest + the converted ext4's identity: what a boot template depends on
+    rootfs: str
+    env: dict[str, str] = attrs.field(factory=dict)
+    working_dir: str = ""
+    user: str = ""
+    argv: tuple[str, ...] = ()  # Entrypoint + Cmd: the initial workload when the Create gives none
 
 
 @attrs.frozen
@@ -224,10 +242,10 @@ def max_vcpus() -> int:
 def check_config(cfg: SandboxConfig) -> None:
     """The rules of a configuration that need no I/O (files are checked by the registry)."""
     check_labels(cfg.labels)
-    if cfg.boot.image:
-        raise FailedPrecondition(
-            "OCI images are not supported in sandbox.v1: pass an ext4 root filesystem as 'rootfs' instead"
-        )
+    if cfg.boot.image and (cfg.boot.rootfs or cfg.boot.kernel):
+        raise InvalidArgument("image and rootfs/kernel exclude each other: the image is the root filesystem")
+    if cfg.boot.pull not in ("always", "if-missing", "never"):
+        raise InvalidArgument(f"image pull policy {cfg.boot.pull!r}: always, if-missing or never")
     if cfg.network.mode == NetMode.TAP:
         raise FailedPrecondition("network mode 'tap' is not available yet; use 'user' or 'none'")
     if cfg.ports and cfg.network.mode != NetMode.USER:

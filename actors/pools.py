@@ -29,13 +29,14 @@ import functools
 import hashlib
 import logging
 import time
+from pathlib import Path
 from typing import Protocol
 
 import trio
 
 from actors.crash import crash_point
 from actors.errors import DomainError
-from actors.model import MemoryKind, SandboxConfig, State
+from actors.model import ImageUse, MemoryKind, SandboxConfig, State
 from actors.sandbox import Boot, Plan, Resume, Sandbox
 from actors.settings import Settings
 from actors.snapshot import SnapshotStore
@@ -85,10 +86,10 @@ class Pools:
         self._closing = False
 
     # -- boot templates ------------------------------------------------------------
-    def template_key(self, config: SandboxConfig) -> str | None:
+    def template_key(self, config: SandboxConfig, image: ImageUse | None) -> str | None:
         """What a fresh boot depends on; None when the configuration boots differently
         (own kernel, rootfs or boot arguments). The hostname, env, cmd, ports, TTL...
-        are set after the boot anyway."""
+        are set after the boot anyway. An OCI image counts by its converted file."""
         if not self.templates or config.boot.custom:
             return None
         s = self.settings
@@ -96,6 +97,7 @@ class Pools:
         parts = [
             s.accel,
             *s.image_parts(),
+            image.template_key if image is not None else "",
             str(limits.memory_mib),
             str(limits.vcpus),
             config.network.mode.value,
@@ -111,15 +113,17 @@ class Pools:
         return None
 
     def drop_stale_templates(self) -> None:
-        """Templates of another image or accelerator are of no use any more."""
+        """Templates of another image, an OCI image no longer there, or another
+        accelerator are of no use any more."""
         for r in self.snapshots.templates():
-            if r.image != self.settings.image_parts() or r.machine.accel != self.settings.accel:
+            gone = r.oci is not None and not Path(r.oci.rootfs).exists()
+            if gone or r.image != self.settings.image_parts() or r.machine.accel != self.settings.accel:
                 self._template_failed(r, STALE)
 
     def plan_for(self, sb: Sandbox, accepted: float) -> Plan:
         """How a new sandbox starts: restore its configuration's template, or boot (and
         save the boot as the template when there is none yet, nor a boot making one)."""
-        key = self.template_key(sb.config)
+        key = self.template_key(sb.config, sb.record.image)
         if key is None or key in self._broken:
             return Boot(accepted=accepted)
         tpl = self.template(key)
@@ -149,6 +153,7 @@ class Pools:
                 template_key=key,
                 image=self.settings.image_parts(),
                 config=config,
+                oci=sb.record.image,
             )
         except (DomainError, OSError) as exc:
             log.warning("boot template %s: checkpoint failed: %s", key, exc)
@@ -164,8 +169,8 @@ class Pools:
             self._broken.add(tpl.template_key)  # a new one would likely fail the same way
         self.snapshots.drop(tpl, f"boot template {tpl.template_key}: {why}")
 
-    def take_for_create(self, config: SandboxConfig) -> Sandbox | None:
-        key = self.template_key(config)
+    def take_for_create(self, config: SandboxConfig, image: ImageUse | None) -> Sandbox | None:
+        key = self.template_key(config, image)
         tpl = self.template(key) if key is not None else None
         return self.take(tpl) if tpl is not None else None
 

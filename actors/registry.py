@@ -38,12 +38,14 @@ from actors.crash import crash_point
 from actors.disk import backing_chain
 from actors.errors import (
     AlreadyExists,
+    Code,
     DomainError,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
     ResourceExhausted,
     Unavailable,
+    error,
 )
 from actors.events import EventBus
 from actors.files import SandboxFiles
@@ -52,6 +54,7 @@ from actors.model import (
     ALIVE,
     POOL_PREFIX,
     Action,
+    ImageUse,
     MemoryKind,
     SandboxConfig,
     State,
@@ -67,6 +70,7 @@ from actors.sandbox import Boot, Plan, Resume, Sandbox
 from actors.settings import Settings
 from actors.snapshot import Checkpoint, SnapshotStore
 from actors.store import Record, SnapshotRecord, Store
+from images.oci import ImageError
 
 log = logging.getLogger("sandvisor.registry")
 
@@ -180,7 +184,15 @@ class Registry:
     def _sandbox(self, rec: Record) -> Sandbox:
         return Sandbox(rec, self.settings, SandboxFiles(rec.uid, self.settings), self.store, self.events)
 
-    def _new_sandbox(self, id: str, config: SandboxConfig, *, hidden: bool = False, origin: str = "") -> Sandbox:
+    def _new_sandbox(
+        self,
+        id: str,
+        config: SandboxConfig,
+        *,
+        hidden: bool = False,
+        origin: str = "",
+        image: ImageUse | None = None,
+    ) -> Sandbox:
         """A sandbox actor with a fresh record (not stored or registered yet). Hidden:
         a warm pool member, with an id no caller can use."""
         uid = str(uuid.uuid4())
@@ -193,12 +205,13 @@ class Registry:
             created_at=int(time.time()),
             ports=list(config.ports),
             origin=origin,
+            image=image,
         )
         return self._sandbox(rec)
 
     def new_member(self, snap: SnapshotRecord) -> Sandbox:
         """A hidden sandbox (stored, not registered) for a warm pool of ``snap``."""
-        sb = self._new_sandbox("", snap.config.restored({}, 0), hidden=True, origin=snap.id)
+        sb = self._new_sandbox("", snap.config.restored({}, 0), hidden=True, origin=snap.id, image=snap.oci)
         self.store.insert(sb.record)
         return sb
 
@@ -291,18 +304,52 @@ class Registry:
                 return existing  # idempotent: same id, same request
             raise AlreadyExists(f"sandbox {id!r} exists with a different configuration")
         accepted = time.monotonic()
-        member = self.pools.take_for_create(config)
+        image = await self._image(config) if config.boot.image else None
+        if id and id in self.sandboxes:  # created meanwhile, while the image was pulled
+            return await self.create(id, config)
+        member = self.pools.take_for_create(config, image)
         if member is None:
             self._admit(self.settings.limits(config.limits).memory_mib, ram_file=True)
         else:
-            await self._adopt(member, id, config, {"pool": "1"}, apply_ports=True, accepted=accepted)
+            await self._adopt(member, id, config, {"pool": "1"}, apply_ports=True, accepted=accepted, image=image)
             return member  # failed, with its error, if the adoption failed: as a failed boot
-        sb = self._new_sandbox(id, config)
+        sb = self._new_sandbox(id, config, image=image)
         self.store.insert(sb.record)
         self.sandboxes[sb.id] = sb
         sb.emit(Action.CREATED)
         await self.start_life(sb, self.pools.plan_for(sb, accepted))
         return sb
+
+    async def _image(self, config: SandboxConfig) -> ImageUse:
+        """The OCI image a Create names, pulled as its policy says (a pull happens before
+        Create answers: a bad reference, a missing tag, a refused pull are the Create's errors)."""
+        store = self.settings.images
+        if store is None:
+            raise FailedPrecondition("this supervisor has no image store (OCI images need a root supervisor)")
+        boot = config.boot
+        try:
+            img = await store.pull(boot.image, policy=boot.pull, tls_verify=boot.tls_verify)
+        except ImageError as exc:
+            raise error(Code(exc.code), exc.message) from None
+        c = img.config
+        return ImageUse(
+            ref=boot.image,
+            digest=img.digest,
+            template_key=img.template_key,
+            rootfs=str(img.rootfs),
+            env=c.env_dict(),
+            working_dir=c.working_dir,
+            user=c.user,
+            argv=tuple(c.argv()),
+        )
+
+    def images_in_use(self) -> set[str]:
+        """Digests of the images some sandbox, member or snapshot stands on (never removed)."""
+        used = {
+            sb.record.image.digest for sb in [*self.sandboxes.values(), *self.pools.all_members()] if sb.record.image
+        }
+        used |= {r.oci.digest for r in self.snapshots.snapshots.values() if r.oci}
+        return used
 
     async def _adopt(
         self,
@@ -313,6 +360,7 @@ class Registry:
         *,
         apply_ports: bool,
         accepted: float,
+        image: ImageUse | None = None,
     ) -> bool:
         """A ready warm pool member becomes the caller's sandbox: the caller's id and
         configuration, created; fresh identity, ports, initial command (Sandbox.adopt);
@@ -323,6 +371,8 @@ class Registry:
         rec.created_at = rec.ready_at = int(time.time())
         sb.born = trio.current_time()
         rec.config = config
+        if image is not None:
+            rec.image = image
         if apply_ports:
             rec.ports = list(config.ports)
         self.store.rekey(rec)
@@ -420,7 +470,7 @@ class Registry:
                 raise Unavailable(f"restore from {snap.id} failed: {error}")
             return member
         self._admit(snap.machine.memory_mib, ram_file=snap.memory != MemoryKind.MAPPED)
-        sb = self._new_sandbox(id, config, origin=snap.id)
+        sb = self._new_sandbox(id, config, origin=snap.id, image=snap.oci)
         self.store.insert(sb.record)
         self.sandboxes[sb.id] = sb
         sb.emit(Action.CREATED, snapshot_id=snap.id)

@@ -321,12 +321,18 @@ class Sandbox:
             answer_timeout=s.guest_timeout,
         )
 
+    def _base(self) -> Path:
+        """The read-only root filesystem a fresh boot's overlay stands on."""
+        if self.record.image is not None:
+            return Path(self.record.image.rootfs)
+        boot = self.config.boot
+        return Path(boot.rootfs) if boot.rootfs else self.settings.image.rootfs
+
     async def _life(self, plan: Plan) -> None:
         if isinstance(plan, Resume):
             await self.files.overlay_on(plan.snapshot.disk)
         elif not self.files.disk.exists():
-            boot = self.config.boot
-            await self.files.overlay_on(Path(boot.rootfs) if boot.rootfs else self.settings.image.rootfs)
+            await self.files.overlay_on(self._base())
         run_dir = self.files.new_run_dir()
         try:
             spec = self._vm_spec(plan)
@@ -358,7 +364,7 @@ class Sandbox:
         async with trio.open_nursery() as nursery:
             self._life_nursery = nursery
             nursery.start_soon(self._watch_machine, guest, nursery.cancel_scope)
-            if self.config.workload.cmd:
+            if self.initial_cmd:
                 nursery.start_soon(self._initial_cmd)
             try:
                 await self._stop_request.wait()
@@ -405,7 +411,7 @@ class Sandbox:
             raise
         self.log.append("system", b"ready (from the warm pool)")
         self.touch()
-        if self.config.workload.cmd:
+        if self.initial_cmd:
             self._life_nursery.start_soon(self._initial_cmd)
 
     def _record_timings(self, guest: Guest) -> None:
@@ -438,9 +444,17 @@ class Sandbox:
             while self.workloads or self.execs:
                 await self._workload_done.wait()
 
+    @property
+    def initial_cmd(self) -> tuple[str, ...]:
+        """What runs at the first ready: the Create's cmd, else its OCI image's
+        Entrypoint + Cmd (as a container runtime would)."""
+        img = self.record.image
+        if img is None:
+            return self.config.workload.cmd
+        return (*self.config.workload.cmd,) if self.config.workload.cmd else img.argv
+
     async def _initial_cmd(self) -> None:
-        w = self.config.workload
-        workload = self.run_workload(list(w.cmd), env={})
+        workload = self.run_workload(list(self.initial_cmd), env={})
         try:
             async with aclosing(workload) as outputs:
                 async for _ in outputs:
@@ -553,9 +567,11 @@ class Sandbox:
 
     def _defaults(self, env: dict[str, str], cwd: str, user: str) -> tuple[dict[str, str], str, str]:
         """The sandbox's create-time env, working dir and user are every command's
-        defaults; a call's own values win."""
-        w = self.config.workload
-        return {**w.env, **env}, cwd or w.working_dir, user or w.user
+        defaults, over its OCI image's; a call's own values win."""
+        w, img = self.config.workload, self.record.image
+        if img is None:
+            return {**w.env, **env}, cwd or w.working_dir, user or w.user
+        return {**img.env, **w.env, **env}, cwd or w.working_dir or img.working_dir, user or w.user or img.user
 
     async def run_workload(
         self,

@@ -12,6 +12,7 @@ from actors.machine import QemuUser
 from actors.model import Limits
 from actors.vm import Guest, VmSpec, booted_guest
 from images.build import Image
+from images.oci import ImageStore
 
 Launcher = Callable[[VmSpec, Path], AbstractAsyncContextManager[Guest]]
 
@@ -32,6 +33,7 @@ class Settings:
     memory_dir: Path | None = None
     # how a life brings its VM up: booted_guest (QEMU); unit tests pass a fake VM
     launch: Launcher = booted_guest
+    images: ImageStore | None = None  # OCI images (Create{image}); None: refused
 
     def limits(self, requested: Limits) -> Limits:
         """The effective limits: the caller's, or the supervisor's defaults."""

@@ -48,7 +48,7 @@ from actors.disk import backing_chain
 from actors.errors import FailedPrecondition, InvalidArgument, NotFound
 from actors.files import SandboxFiles
 from actors.machine import MachineError, QemuUser, unsearchable_parent
-from actors.model import MemoryKind, SandboxConfig
+from actors.model import ImageUse, MemoryKind, SandboxConfig
 from actors.store import MachineRecord, Record, SnapshotRecord, Store
 from actors.vm import Guest
 
@@ -229,6 +229,7 @@ class SnapshotStore:
         template_key: str = "",
         image: tuple[str, ...] = (),
         config: SandboxConfig | None = None,
+        oci: ImageUse | None = None,
     ) -> tuple[SnapshotRecord, Checkpoint]:
         """Checkpoint a sandbox into a new directory (``checkpoint(dir)``: the sandbox's
         own, guarded sequence) and record it, with ``config`` (default: the origin's)
@@ -261,6 +262,7 @@ class SnapshotStore:
             memory_stat=ck.memory_stat,
             template_key=template_key,
             image=image,
+            oci=oci or origin.image,
         )
         crash_point("template-checkpoint" if template_key else "snapshot-record")
         self.store.insert_snapshot(rec)

@@ -38,6 +38,7 @@ import trio
 from actors.errors import ResourceExhausted
 from actors.model import (
     BootSource,
+    ImageUse,
     Limits,
     MemoryKind,
     NetMode,
@@ -77,7 +78,11 @@ CREATE TABLE IF NOT EXISTS snapshots (
     data BLOB NOT NULL
 );
 """
-_V2_COLUMNS = ("ALTER TABLE sandboxes ADD COLUMN ports BLOB", "ALTER TABLE sandboxes ADD COLUMN origin TEXT")
+_V2_COLUMNS = (
+    "ALTER TABLE sandboxes ADD COLUMN ports BLOB",
+    "ALTER TABLE sandboxes ADD COLUMN origin TEXT",
+    "ALTER TABLE sandboxes ADD COLUMN image BLOB",
+)
 
 
 @attrs.define
@@ -98,6 +103,7 @@ class Record:
     qemu_pid: int = 0
     ports: list[PortSpec] = attrs.Factory(list)
     origin: str = ""  # the snapshot it was restored from
+    image: ImageUse | None = None  # the OCI image it boots, resolved at creation
 
 
 @attrs.frozen
@@ -133,6 +139,7 @@ class SnapshotRecord:
     memory_stat: list[int] = attrs.Factory(list)  # size, mtime_ns: tamper check
     template_key: str = ""
     image: tuple[str, ...] = ()  # the image parts a template was booted from
+    oci: ImageUse | None = None  # the OCI image the origin booted (a template's, its key's)
 
     @property
     def path(self) -> Path:
@@ -252,11 +259,21 @@ class Store:
         return self._seq
 
     def insert(self, r: Record) -> None:
-        row = (r.uid, r.id, r.seq, _pack(r.config), r.state.value, r.created_at, _pack(r.ports), r.origin)
+        row = (
+            r.uid,
+            r.id,
+            r.seq,
+            _pack(r.config),
+            r.state.value,
+            r.created_at,
+            _pack(r.ports),
+            r.origin,
+            _pack(r.image),
+        )
         self._put(
             lambda db: db.execute(
-                "INSERT INTO sandboxes (uid, id, seq, config, state, created_at, ports, origin) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                "INSERT INTO sandboxes (uid, id, seq, config, state, created_at, ports, origin, image) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 row,
             )
         )
@@ -278,10 +295,11 @@ class Store:
 
     def rekey(self, r: Record) -> None:
         """A warm pool member handed out: it takes the caller's id and configuration."""
-        row = (r.id, r.seq, _pack(r.config), r.created_at, _pack(r.ports), r.origin, r.uid)
+        row = (r.id, r.seq, _pack(r.config), r.created_at, _pack(r.ports), r.origin, _pack(r.image), r.uid)
         self._put(
             lambda db: db.execute(
-                "UPDATE sandboxes SET id=?, seq=?, config=?, created_at=?, ports=?, origin=? WHERE uid=?", row
+                "UPDATE sandboxes SET id=?, seq=?, config=?, created_at=?, ports=?, origin=?, image=? WHERE uid=?",
+                row,
             )
         )
 
@@ -291,7 +309,7 @@ class Store:
     def all(self) -> list[Record]:
         rows = self.db.execute(
             "SELECT uid, id, seq, config, state, created_at, ready_at, last_exited_at, last_exit_code, error, "
-            "qemu_pid, ports, origin FROM sandboxes ORDER BY seq"
+            "qemu_pid, ports, origin, image FROM sandboxes ORDER BY seq"
         ).fetchall()
         return [
             Record(
@@ -308,6 +326,7 @@ class Store:
                 qemu_pid=r[10],
                 ports=load(_unpack(r[11]), list[PortSpec]) if r[11] else [],
                 origin=r[12] or "",
+                image=_image(r[13]),
             )
             for r in rows
         ]
@@ -323,6 +342,11 @@ class Store:
     def snapshots(self) -> list[SnapshotRecord]:
         rows = self.db.execute("SELECT data FROM snapshots ORDER BY created_ns").fetchall()
         return [load(_unpack(r[0]), SnapshotRecord) for r in rows]
+
+
+def _image(blob: bytes | None) -> ImageUse | None:
+    data = _unpack(blob) if blob else None
+    return load(data, ImageUse) if data else None
 
 
 def _why(exc: sqlite3.Error) -> str:
