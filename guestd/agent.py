@@ -24,7 +24,6 @@ import os
 import select
 import struct
 import sys
-import termios
 import time
 
 from guestd import proto as P
@@ -47,6 +46,10 @@ MAX_OUTBUF = 8 * 1024 * 1024  # a host that stops reading this long is dropped
 DRAIN_GRACE = 0.2  # after exit, wait this long for background holders of the pipes
 RNDADDENTROPY = 0x40085203
 RNDRESEEDCRNG = 0x5207
+# the two tty ioctls guestd needs (asm-generic/ioctls.h: x86 and arm64 alike); the
+# termios module is a shared object in lib-dynload: ~5 ms of boot to dlopen under TCG
+TIOCSCTTY = 0x540E
+TIOCSWINSZ = 0x5414
 _WINSZ = struct.Struct("HHHH")
 
 EPOLLIN, EPOLLOUT = select.EPOLLIN, select.EPOLLOUT
@@ -328,7 +331,7 @@ class Proc(Req):
         child_fds: list[int] = []
         if msg.tty:
             master, slave = os.openpty()
-            fcntl.ioctl(master, termios.TIOCSWINSZ, _WINSZ.pack(msg.rows, msg.cols, 0, 0))
+            fcntl.ioctl(master, TIOCSWINSZ, _WINSZ.pack(msg.rows, msg.cols, 0, 0))
             stdio = (slave, slave, slave)
             child_fds.append(slave)
             set_nonblock(master)
@@ -473,7 +476,7 @@ class Proc(Req):
     # -- control -------------------------------------------------------------
     def resize(self, rows: int, cols: int) -> None:
         if self.tty and self.outs and self.outs[0].open:
-            fcntl.ioctl(self.outs[0].fd, termios.TIOCSWINSZ, _WINSZ.pack(rows, cols, 0, 0))
+            fcntl.ioctl(self.outs[0].fd, TIOCSWINSZ, _WINSZ.pack(rows, cols, 0, 0))
 
     def kill(self, signum: int) -> None:
         if self.status is not None:
@@ -651,7 +654,7 @@ def fork_exec(
             for i, fd in enumerate(stdio):
                 os.dup2(fd, i)
             if tty:
-                fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+                fcntl.ioctl(0, TIOCSCTTY, 0)
             stage = "chdir"
             os.chdir(cwd)
             stage = "setuid"
