@@ -108,6 +108,9 @@ class MachineSpec:
     memory_mib: int = 256
     append: str = ""  # kernel command line (the caller builds it)
     accel: str = "tcg"  # resolved: kvm or tcg
+    # TCG's translation cache, MiB (QEMU's default, 1 GiB, is what a busy guest's QEMU
+    # grows to); None leaves QEMU's default. Ignored under KVM.
+    tb_size_mib: int | None = None
     machine: str = "microvm"  # "pc" only for benchmarks
     vsock_cid: int | None = None  # use vhost-vsock with this guest CID (where the host has it)
     extra_ports: tuple[str, ...] = ()  # more virtserialports, by name, each on a socket in run_dir
@@ -135,16 +138,22 @@ class MachineSpec:
         if self.machine == "microvm":
             # the defaults are the fast path: rtc=off alone costs ~2 s of boot under TCG
             # (measured: the kernel falls back to slow timer calibration without the RTC)
-            mach = f"microvm,accel={accel},memory-backend=mem0"
+            mach = "microvm,memory-backend=mem0"
             blk, ser, net = "virtio-blk-device", "virtio-serial-device", "virtio-net-device"
         else:
-            mach = f"{self.machine},accel={accel},memory-backend=mem0"
+            mach = f"{self.machine},memory-backend=mem0"
             blk, ser, net = "virtio-blk-pci", "virtio-serial-pci", "virtio-net-pci"
+        # -accel, not -M accel=: only -accel takes the accelerator's own properties
+        accel_opts = accel
+        if accel == "tcg" and self.tb_size_mib is not None:
+            accel_opts += f",tb-size={self.tb_size_mib}"
         cpu = "host" if accel == "kvm" else "max"
         a = [
             self.qemu,
             "-M",
             mach,
+            "-accel",
+            accel_opts,
             "-cpu",
             cpu,
             "-smp",
