@@ -817,6 +817,7 @@ class Agent:
         self.hostname = cmdline.get("sandvisor.hostname", "sandbox")
         self.shutting_down: bool | None = None
         self.vsock_fd = -1
+        self.deferred_loaded = False
 
     # -- epoll bookkeeping ---------------------------------------------------
     def watch(self, fd: int, mask: int, handler: Callable[[int], None]) -> None:
@@ -917,6 +918,9 @@ class Agent:
                     features=["exec", "pty", "files", "metrics", "vsock" if self.vsock_fd >= 0 else "serial"],
                 )
             )
+            if not self.deferred_loaded:
+                self.deferred_loaded = True
+                load_deferred_modules(self.root_fd)
             return
         session = conn.session
         if session is None:
@@ -1148,6 +1152,33 @@ def poweroff(root_fd: int, reboot: bool) -> None:
     os.waitpid(pid, 0)
     os.sync()
     os.execv(busybox, ["busybox", "reboot" if reboot else "poweroff", "-f"])
+
+
+# Drivers nothing waits for at boot, loaded after the first hello is answered (off the
+# path to ready): virtio ID -> module of the initramfs. The balloon reports free guest
+# pages to the host (free page reporting), which gives their memory back.
+DEFERRED_MODULES = {"0x0005": "virtio_balloon"}
+
+
+def load_deferred_modules(root_fd: int) -> None:
+    """insmod (busybox, from the initramfs) the deferred drivers of devices that are
+    there. Best effort and asynchronous: the reaper collects the process."""
+    try:
+        ids = {_read(f"/sys/bus/virtio/devices/{d}/device").strip() for d in os.listdir("/sys/bus/virtio/devices")}
+    except OSError:
+        return
+    # the initramfs root is our fd; insmod opens the module by path after its exec, when
+    # that fd is closed in it: name it through our own /proc entry
+    base = f"/proc/{os.getpid()}/fd/{root_fd}"
+    release = os.uname().release
+    for dev, mod in DEFERRED_MODULES.items():
+        if dev not in ids or os.path.exists(f"/sys/module/{mod}"):
+            continue
+        ko = f"{base}/lib/modules/{release}/{mod}.ko"
+        try:
+            os.posix_spawn(f"{base}/usr/bin/busybox", ["insmod", ko], {}, setsigdef=_SIGDEF)
+        except OSError as exc:
+            log(f"cannot load {mod}: {exc}")
 
 
 def add_entropy(data: bytes) -> None:

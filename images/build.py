@@ -70,6 +70,7 @@ MODULES = (
     "vmw_vsock_virtio_transport_common",
     "vmw_vsock_virtio_transport",
     "vsock_loopback",
+    "virtio_balloon",  # loaded by guestd after the first hello (free page reporting)
 )
 # runtime trimming: what guestd never touches
 _RUNTIME_DROP = (
