@@ -108,10 +108,39 @@ def _read_db(path: str) -> list[list[str]]:
         return []
 
 
+_USER_CACHE: dict[str, tuple[tuple[int, ...], tuple[int, int, list[int], str, str]]] = {}
+
+
+def _db_stamp() -> tuple[int, ...]:
+    st = []
+    for path in ("/etc/passwd", "/etc/group"):
+        try:
+            s = os.stat(path)
+            st += [s.st_ino, s.st_size, s.st_mtime_ns]
+        except OSError:
+            st += [0, 0, 0]
+    return tuple(st)
+
+
 def resolve_user(spec: str) -> tuple[int, int, list[int], str, str]:
-    """``name``, ``uid`` or ``uid:gid`` -> (uid, gid, groups, home, name), from the rootfs' files."""
+    """``name``, ``uid`` or ``uid:gid`` -> (uid, gid, groups, home, name), from the rootfs'
+    files. Cached per spec while both files are unchanged (two stats instead of reading
+    and parsing both files on every exec)."""
     if not spec:
         spec = "root"
+    stamp = _db_stamp()
+    hit = _USER_CACHE.get(spec)
+    if hit is not None and hit[0] == stamp:
+        uid, gid, groups, home, name = hit[1]
+        return uid, gid, list(groups), home, name
+    found = _resolve_user(spec)
+    if len(_USER_CACHE) > 64:
+        _USER_CACHE.clear()
+    _USER_CACHE[spec] = (stamp, found)
+    return found
+
+
+def _resolve_user(spec: str) -> tuple[int, int, list[int], str, str]:
     user, _, group = spec.partition(":")
     passwd = _read_db("/etc/passwd")
     entry = None
@@ -176,7 +205,10 @@ class Conn:
             log(f"{self.kind}: host is not reading; dropping the session")
             self.drop()
             return
-        self.flush()
+        # written once per turn of the event loop, not once per message: an exec's
+        # eof, eof and exit (or exec_started and its first output) leave in one write,
+        # one virtio transfer and one wakeup of the host's reader
+        self.agent.dirty.add(self)
 
     def flush(self) -> None:
         while self.out and not self.away:
@@ -237,6 +269,7 @@ class Conn:
 
     def drop(self) -> None:
         """The host went away (or misbehaved): end the session, keep the processes."""
+        self.agent.dirty.discard(self)
         if self.session is not None:
             self.session.close()
             self.session = None
@@ -818,6 +851,7 @@ class Agent:
         self.shutting_down: bool | None = None
         self.vsock_fd = -1
         self.deferred_loaded = False
+        self.dirty: set[Conn] = set()  # connections with output to write at the end of this turn
 
     # -- epoll bookkeeping ---------------------------------------------------
     def watch(self, fd: int, mask: int, handler: Callable[[int], None]) -> None:
@@ -1107,6 +1141,8 @@ class Agent:
                         self.timers.discard(p)
             if any(c.away for c in self.conns.values()):
                 self.check_away()
+            while self.dirty:
+                self.dirty.pop().flush()
         for conn in self.conns.values():
             if conn.out:
                 drain_blocking(conn)
