@@ -318,6 +318,7 @@ class Registry:
         self.sandboxes[sb.id] = sb
         sb.emit(Action.CREATED)
         await self.start_life(sb, self.pools.plan_for(sb, accepted))
+        await sb.persisted()
         return sb
 
     async def _image(self, config: SandboxConfig) -> ImageUse:
@@ -393,6 +394,7 @@ class Registry:
             raise FailedPrecondition(f"sandbox {id} is {sb.state}; only a stopped sandbox can start")
         self._admit(sb.limits.memory_mib, ram_file=True)
         await self.start_life(sb, Boot(accepted=time.monotonic()))
+        await sb.persisted()
         return sb
 
     def stop(self, id: str, timeout: float = DEFAULT_STOP_TIMEOUT) -> Sandbox:

@@ -489,7 +489,17 @@ class Sandbox:
         self.request_stop(24 * 3600.0)
 
     async def wait_stopped(self) -> None:
+        """Until no life runs, and the record says so on disk (a caller told "stopped"
+        must not find it running after a crash)."""
         await self._life_done.wait()
+        await self.persisted()
+
+    async def persisted(self) -> None:
+        """Until the record's changes so far are on disk (a full disk: logged, not raised)."""
+        try:
+            await self._store.flush()
+        except DomainError as exc:
+            log.warning("sandbox %s: %s", self.id, exc.message)
 
     @property
     def stopped(self) -> bool:
