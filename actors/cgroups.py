@@ -75,6 +75,7 @@ class CgroupStats:
     pids: int
     pids_limit: int | None
     cpu_usage_ns: int | None
+    cpu_limit: float | None  # CPUs (quota / period)
 
 
 def _read(path: Path) -> str:
@@ -233,7 +234,15 @@ class CgroupV1(Cgroup):
             pids=int(_read(pids / "pids.current")) if pids else 0,
             pids_limit=_limit(_read(pids / "pids.max")) if pids else None,
             cpu_usage_ns=int(_read(acct / "cpuacct.usage")) if acct else None,
+            cpu_limit=self._cpu_limit(),
         )
+
+    def _cpu_limit(self) -> float | None:
+        cpu = self.ctrl.get("cpu")
+        if cpu is None:
+            return None
+        quota = int(_read(cpu / "cpu.cfs_quota_us"))
+        return None if quota < 0 else quota / int(_read(cpu / "cpu.cfs_period_us"))
 
 
 class CgroupV1Manager(CgroupManager):
@@ -327,7 +336,15 @@ class CgroupV2(Cgroup):
             pids=int(_read(p / "pids.current")),
             pids_limit=_limit(_read(p / "pids.max")),
             cpu_usage_ns=cpu["usage_usec"] * 1000 if "usage_usec" in cpu else None,
+            cpu_limit=self._cpu_limit(),
         )
+
+    def _cpu_limit(self) -> float | None:
+        f = self.path / "cpu.max"
+        if not f.exists():
+            return None
+        quota, _, period = _read(f).strip().partition(" ")
+        return None if quota == "max" else int(quota) / int(period or CPU_PERIOD_US)
 
     def kill_all(self) -> None:
         kill = self.path / "cgroup.kill"  # 5.14+: atomic, no pid races

@@ -334,6 +334,16 @@ def check_root_dir(path: Path) -> None:
         raise JailError(f"{path} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o}): refusing it")
 
 
+def make_root_dir(path: Path, mode: int = 0o755) -> Path:
+    """The directory jails are made in: created when missing (root's, ``mode``), then
+    checked like :func:`check_root_dir`."""
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, mode)
+        os.chmod(path, mode)
+    check_root_dir(path)
+    return path
+
+
 def build_jail(spec: JailSpec) -> None:
     """Make the jail dir (which must not exist) in a parent only the supervisor can
     write: mount points for the binds, /proc, device nodes, the socket dir (the
