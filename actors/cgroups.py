@@ -191,6 +191,19 @@ class CgroupManager(abc.ABC):
     def names(self) -> set[str]:
         """The cgroups under the parent."""
 
+    @abc.abstractmethod
+    def parent_dirs(self) -> tuple[Path, ...]:
+        """The parent's directory in each hierarchy."""
+
+    def remove_parent(self) -> bool:
+        """rmdir the parent when no cgroup is left under it (supervisor exit)."""
+        if self.names():
+            return False
+        for d in self.parent_dirs():
+            with contextlib.suppress(FileNotFoundError):
+                _rmdir(d)
+        return True
+
     def collect(self, keep: set[str]) -> dict[str, set[int]]:
         """Remove empty cgroups not in ``keep`` (left by a crash); returns the ones
         that still hold processes (an unrecorded QEMU: the caller decides)."""
@@ -303,6 +316,9 @@ class CgroupV1Manager(CgroupManager):
         if not dirs["memory"].is_dir():
             raise CgroupError(f"no cgroup {name}")
         return CgroupV1(name, dirs)
+
+    def parent_dirs(self) -> tuple[Path, ...]:
+        return tuple(dict.fromkeys(m / self.parent for m in self.mounts.values()))
 
     def names(self) -> set[str]:
         base = self.mounts["memory"] / self.parent
@@ -426,6 +442,9 @@ class CgroupV2Manager(CgroupManager):
         if not path.is_dir():
             raise CgroupError(f"no cgroup {name}")
         return CgroupV2(name, path)
+
+    def parent_dirs(self) -> tuple[Path, ...]:
+        return (self.base,)
 
     def names(self) -> set[str]:
         if not self.base.is_dir():
