@@ -807,27 +807,39 @@ async def spawn(
                 os.close(fd)
 
 
-async def socket_in_netns(pid: int, family: int = socket.AF_INET, type: int = socket.SOCK_STREAM) -> socket.socket:
-    """A socket that lives in the network namespace of process ``pid`` (a jailed
-    QEMU): the supervisor's way to reach what listens inside it (slirp's hostfwd
-    listens on the jail's loopback, which the host cannot reach otherwise)."""
+async def socket_in_netns(
+    proc: JailedProcess | int, family: int = socket.AF_INET, type: int = socket.SOCK_STREAM
+) -> socket.socket:
+    """A socket that lives in the network namespace of a jailed QEMU (a
+    :class:`JailedProcess`: entered by its pidfd, no pid reuse race; or a pid): the
+    supervisor's way to reach what listens inside the jail (slirp's hostfwd listens on
+    the jail's loopback, which the host cannot reach). Made in a short-lived thread
+    that enters the namespace; the socket stays in it after the thread returns."""
 
     def make() -> socket.socket:
         out: list[socket.socket | BaseException] = []
 
         def run() -> None:
             try:
-                target = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-                own = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+                if isinstance(proc, JailedProcess):
+                    if proc.pidfd < 0:
+                        raise JailError(f"process {proc.pid} has exited")
+                    target = os.dup(proc.pidfd)  # setns(pidfd, CLONE_NEWNET): Linux 5.8+
+                else:
+                    target = os.open(f"/proc/{proc}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
             except OSError as exc:
                 out.append(exc)
                 return
+            except JailError as exc:
+                out.append(exc)
+                return
+            own = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
             try:
-                _check(_libc.setns(target, CLONE_NEWNET), "setns")
+                _check(_libc.setns(target, CLONE_NEWNET), "enter the jail's network namespace")
                 try:
                     out.append(socket.socket(family, type))
                 finally:
-                    _check(_libc.setns(own, CLONE_NEWNET), "setns back")
+                    _check(_libc.setns(own, CLONE_NEWNET), "return to our network namespace")
             except BaseException as exc:
                 out.append(exc)
             finally:

@@ -31,10 +31,10 @@ import trio_asyncio
 from actors import jail
 from actors._groups import collapse_single
 from actors.cgroups import Cgroup, CgroupLimits, CgroupManager
-from actors.disk import backing_chain, create_overlay
+from actors.disk import create_overlay
 from actors.guestmem import create_ram_file, private_dir, remove_ram_file
 from actors.machine import LaunchError, Machine, MachineSpec, MachineStateError, Runstate
-from actors.vm import Guest, RestoreFrom, _running, kernel_cmdline
+from actors.vm import Guest, NetConfig, VmSpec, _running, kernel_cmdline, network_cmdline
 from images.build import Image
 
 
@@ -173,6 +173,27 @@ class JailedGuest:
     spec: jail.JailSpec
     cgroup: Cgroup | None
     machine: JailedMachine
+    vm: VmSpec
+
+
+class OverlayFiles:
+    """What checkpoint_guest needs of a sandbox's files: its overlay and the next one."""
+
+    def __init__(self, disk: Path) -> None:
+        self.disk = disk
+        self.next_disk = disk.with_name("disk.next.qcow2")
+
+    async def stage_next_disk(self, frozen: Path) -> Path:
+        self.next_disk.unlink(missing_ok=True)
+        await create_overlay(self.disk, self.next_disk, backing_as=frozen)
+        return self.next_disk
+
+    def swap_disks(self, frozen: Path) -> None:
+        os.rename(self.disk, frozen)
+        os.rename(self.next_disk, self.disk)
+
+    def discard_next_disk(self) -> None:
+        self.next_disk.unlink(missing_ok=True)
 
 
 @asynccontextmanager
@@ -184,18 +205,20 @@ async def jailed_guest(
     disk_dir: Path,
     memory_mib: int = 256,
     cpus: int = 1,
-    restore: RestoreFrom | None = None,
+    restore: Path | None = None,
+    restore_memory: Path | None = None,
     restore_memory_fd: int | None = None,
     restore_disk: Path | None = None,
     boot_timeout: float = 60.0,
-    shared_memory: bool = True,
     limits: CgroupLimits | None = None,
+    network: NetConfig | None = None,
 ) -> AsyncIterator[JailedGuest]:
-    """Boot (or restore: ``restore`` -- its ``memory`` the snapshot's file, for the
-    record -- with ``restore_memory_fd``, a sealed memfd of it, and the snapshot's disk)
-    a guest whose QEMU runs in a jail. ``disk_dir`` holds the overlay (root's: QEMU
-    gets it by fd). The MachineSpec names host paths (a checkpoint copies the RAM file
-    by its path); QEMU's argv gets /proc/self/fd/N instead."""
+    """Boot -- or restore ``restore`` (a vmstate) with ``restore_memory`` (the snapshot's
+    RAM file, for the record), ``restore_memory_fd`` (a sealed memfd of it) and
+    ``restore_disk`` (the snapshot's disk) -- a guest whose QEMU runs in a jail.
+    ``disk_dir`` holds the overlay (root's: QEMU gets it by fd). The VmSpec names host
+    paths (a checkpoint copies the RAM file by its path); QEMU's argv gets
+    /proc/self/fd/N instead."""
     spec = jail.JailSpec(identity=opts.identity, root=opts.base / "jail" / name, netns=opts.netns)
     ram_dir = private_dir(opts.ram_dir)
     ram_fd = -1
@@ -205,28 +228,36 @@ async def jailed_guest(
         overlay = disk_dir / "disk.qcow2"
         if not overlay.exists():
             await create_overlay(restore_disk or image.rootfs, overlay)
-        chain = backing_chain(overlay)
         mem_fd: int | None = None
         if restore is not None:
-            assert restore_memory_fd is not None and restore.memory is not None
-            mem_path, shared, mem_fd = restore.memory, False, restore_memory_fd
-        elif shared_memory:
-            ram_fd = create_ram_file(ram_dir, f"{name}.ram", memory_mib << 20, opts.identity)
-            mem_path, shared, mem_fd = ram_dir / f"{name}.ram", True, ram_fd
+            assert restore_memory_fd is not None and restore_memory is not None
+            vm = VmSpec(
+                kernel=image.kernel,
+                initrd=image.initrd,
+                append=kernel_cmdline("tcg", extra=network_cmdline(network)),
+                disk=overlay,
+                cpus=cpus,
+                memory_mib=memory_mib,
+                network=network,
+                ram=restore_memory,
+                ram_shared=False,
+                restore=restore,
+                boot_timeout=boot_timeout,
+                name=name,
+            )
+            mem_fd = restore_memory_fd
         else:
-            mem_path, shared = None, True
-        mspec = MachineSpec(
-            kernel=image.kernel,
-            initrd=image.initrd,
-            disk=overlay,
-            disk_chain=chain,
-            cpus=cpus,
-            memory_mib=memory_mib,
-            append=kernel_cmdline("tcg"),
-            memory_file=mem_path,
-            memory_shared=shared,
-            incoming=restore is not None,
-        )
+            ram_fd = create_ram_file(ram_dir, f"{name}.ram", memory_mib << 20, opts.identity)
+            mem_fd = ram_fd
+            vm = VmSpec.boot(
+                image,
+                disk=overlay,
+                network=network,
+                cpus=cpus,
+                memory_mib=memory_mib,
+                ram=ram_dir / f"{name}.ram",
+                boot_timeout=boot_timeout,
+            )
         jail.make_root_dir(opts.base / "jail")
         jail.build_jail(spec)
         built = True
@@ -234,8 +265,8 @@ async def jailed_guest(
             cg = opts.cgroups.create(
                 name, limits or CgroupLimits.for_guest(memory_mib, cpus, overhead_mib=opts.overhead_mib)
             )
-        vm = JailedMachine(
-            mspec,
+        machine = JailedMachine(
+            vm.machine_spec(),
             spec,
             cgroup=cg,
             memory_fd=mem_fd,
@@ -243,8 +274,8 @@ async def jailed_guest(
             qmp_socket=opts.qmp_socket,
             name=name,
         )
-        async with _running(vm, time.monotonic(), boot_timeout, restore) as guest:
-            yield JailedGuest(guest, spec, cg, vm)
+        async with _running(machine, time.monotonic(), vm.boot_timeout, vm) as guest:
+            yield JailedGuest(guest, spec, cg, machine, vm)
     finally:
         with trio.CancelScope(shield=True):
             if ram_fd >= 0:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import stat
 import subprocess
 import tempfile
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import trio
-from jailed import JailOptions, jailed_guest, proc_status, run_as
+from jailed import JailOptions, OverlayFiles, jailed_guest, proc_status, run_as
 
 from actors import cgroups, guestmem, jail
 from actors.cgroups import CgroupError, CgroupLimits, CgroupV1Manager, CgroupV2Manager
@@ -23,11 +24,18 @@ from actors.guest import ChannelBroken, GuestError
 from actors.guestmem import MemoryFileError, UnsafeDirectory
 from actors.machine import MachineError
 from actors.snapshot import checkpoint_guest
-from actors.vm import RestoreFrom
-from images.build import Image
+from actors.vm import NetConfig
+from images.build import Image, load_default
 
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="the jail needs root")
 MIB = 1 << 20
+
+
+@pytest.fixture
+def img(request: pytest.FixtureRequest) -> Image:
+    """The built default image, read-only (the session's ``image`` builds it when absent)."""
+    found = load_default()
+    return found if found is not None else request.getfixturevalue("image")
 
 
 @pytest.fixture
@@ -414,7 +422,7 @@ def test_sealed_memory_cache_fills_once_and_trims_idle(tmp_path: Path) -> None:
 @root_only
 @pytest.mark.vm
 async def test_jailed_qemu_is_contained_checkpoints_and_restores_sealed(
-    image: Image, base: Path, shm: Path, qmp: None, test_cgroups: cgroups.CgroupManager | None
+    img: Image, base: Path, shm: Path, qmp: None, test_cgroups: cgroups.CgroupManager | None
 ) -> None:
     """Boot in a jail to guestd's hello with QMP on a listening socket in the jail;
     check the jail from /proc; checkpoint over that QMP (add-fd); restore from a sealed
@@ -430,7 +438,7 @@ async def test_jailed_qemu_is_contained_checkpoints_and_restores_sealed(
     snap.mkdir()
     seen: dict[str, int] = {}
     with trio.fail_after(240):
-        async with jailed_guest(image, "a", opts, disk_dir=base / "a") as a:
+        async with jailed_guest(img, "a", opts, disk_dir=base / "a") as a:
             vm, pid = a.guest.machine, a.guest.machine.pid
             assert pid is not None
             seen["mnt"] = os.stat(f"/proc/{pid}/ns/mnt").st_ino
@@ -449,7 +457,7 @@ async def test_jailed_qemu_is_contained_checkpoints_and_restores_sealed(
             targets = [os.readlink(f"/proc/{pid}/fd/{n}") for n in os.listdir(f"/proc/{pid}/fd")]
             paths = {t for t in targets if t.startswith("/")}
             chain = vm.spec.disk_chain
-            assert paths == {"/dev/null", str(image.kernel), str(image.initrd), str(ram_dir / "a.ram")} | {
+            assert paths == {"/dev/null", str(img.kernel), str(img.initrd), str(ram_dir / "a.ram")} | {
                 str(vm.spec.disk),
                 *map(str, chain),
             }
@@ -476,19 +484,19 @@ async def test_jailed_qemu_is_contained_checkpoints_and_restores_sealed(
             assert (rst.st_uid, stat.S_IMODE(rst.st_mode)) == (a_id.uid, 0o600)
             assert (ram_dir.stat().st_uid, stat.S_IMODE(ram_dir.stat().st_mode)) == (0, 0o700)
             await a.guest.channel.run(["sh", "-c", "echo kept-in-memory > /run/mark"])
-            await checkpoint_guest(a.guest, disk=base / "a" / "disk.qcow2", snap_dir=snap, user=None)
+            await checkpoint_guest(a.guest, files=OverlayFiles(base / "a" / "disk.qcow2"), snap_dir=snap, user=None)
         assert stat.S_IMODE((snap / "memory").stat().st_mode) == 0o600 and (snap / "memory").stat().st_uid == 0
         mfd = guestmem.sealed_copy(snap / "memory")
         (base / "b").mkdir()
         try:
             opts_b = JailOptions(identity=b_id, base=base, ram_dir=ram_dir, cgroups=mgr)
-            restore = RestoreFrom(snap / "vmstate", snap / "memory")
             async with jailed_guest(
-                image,
+                img,
                 "b",
                 opts_b,
                 disk_dir=base / "b",
-                restore=restore,
+                restore=snap / "vmstate",
+                restore_memory=snap / "memory",
                 restore_memory_fd=mfd,
                 restore_disk=snap / "disk.qcow2",
             ) as b:
@@ -541,7 +549,7 @@ for n in {memfds!r}:
 @root_only
 @pytest.mark.vm
 async def test_guest_over_its_memory_limit_fails_alone(
-    image: Image, base: Path, shm: Path, qmp: None, test_cgroups: cgroups.CgroupManager | None
+    img: Image, base: Path, shm: Path, qmp: None, test_cgroups: cgroups.CgroupManager | None
 ) -> None:
     """Guest A touches more than its cgroup allows: its QEMU is killed and the cgroup
     says so; guest B runs on. As A's uid, B's RAM file cannot be opened."""
@@ -556,7 +564,7 @@ async def test_guest_over_its_memory_limit_fails_alone(
     with trio.fail_after(240):
         async with (
             jailed_guest(
-                image,
+                img,
                 "oom-a",
                 JailOptions(identity=a_id, base=base, ram_dir=ram, cgroups=mgr),
                 disk_dir=base / "a",
@@ -564,7 +572,7 @@ async def test_guest_over_its_memory_limit_fails_alone(
                 limits=CgroupLimits(memory_bytes=320 * MIB, pids=256, cpus=1),
             ) as a,
             jailed_guest(
-                image,
+                img,
                 "oom-b",
                 JailOptions(identity=b_id, base=base, ram_dir=ram, cgroups=mgr),
                 disk_dir=base / "b",
@@ -589,3 +597,60 @@ async def test_guest_over_its_memory_limit_fails_alone(
             assert a.cgroup.oom_kills() >= 1  # the error the lead reports: killed by its memory limit
             assert (await b.guest.channel.run(["echo", "alive"])).stdout == b"alive\n"
             assert b.cgroup is not None and b.cgroup.oom_kills() == 0
+
+
+@root_only
+@pytest.mark.vm
+async def test_jail_network_namespace_hides_the_host(img: Image, base: Path, shm: Path, qmp: None) -> None:
+    """slirp runs in the jail's empty network namespace: the guest's 10.0.2.2 is the
+    jail's loopback, not the host's (a host service on 127.0.0.1 is out of reach), and
+    an exposed port (hostfwd) listens inside the jail, where the supervisor reaches it
+    with a socket made in that namespace (jail.socket_in_netns)."""
+    host = socket.socket()
+    host.bind(("127.0.0.1", 0))
+    host.listen(4)
+    host_port = host.getsockname()[1]
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    fwd_port = probe.getsockname()[1]  # free on the host loopback
+    probe.close()
+    ident = jail.IdentityAllocator().allocate("net")
+    (base / "n").mkdir()
+    opts = JailOptions(identity=ident, base=base, ram_dir=shm / "ram")
+    try:
+        with trio.fail_after(180):
+            async with jailed_guest(img, "net", opts, disk_dir=base / "n", network=NetConfig(restrict=False)) as jg:
+                chan, pid = jg.guest.channel, jg.guest.machine.pid
+                assert pid is not None
+                reach = (
+                    "import socket, sys\n"
+                    "try:\n"
+                    f"    socket.create_connection(('10.0.2.2', {host_port}), timeout=5); print('reached')\n"
+                    "except OSError as e:\n"
+                    "    print('refused', e.errno)\n"
+                )
+                r = await chan.run(["python3", "-c", reach])
+                assert r.stdout.startswith(b"refused"), r
+                await chan.run(["sh", "-c", "(python3 -m http.server 8080 >/dev/null 2>&1 &)"])
+                reply = await jg.guest.machine.hmp(f"hostfwd_add n0 tcp:127.0.0.1:{fwd_port}-:8080")
+                assert reply.strip() == "", reply
+                with pytest.raises(ConnectionRefusedError):
+                    socket.create_connection(("127.0.0.1", fwd_port), timeout=5).close()
+                while True:  # the guest's server takes a moment to start under TCG
+                    assert isinstance(jg.guest.machine.proc, jail.JailedProcess)
+                    s = await jail.socket_in_netns(jg.guest.machine.proc)
+                    try:
+                        s.settimeout(5)
+                        s.connect(("127.0.0.1", fwd_port))
+                        s.sendall(b"GET / HTTP/1.0\r\n\r\n")
+                        data = s.recv(100)
+                        if data:
+                            break
+                    except OSError:
+                        pass
+                    finally:
+                        s.close()
+                    await trio.sleep(0.2)
+                assert data.startswith(b"HTTP/1.0 200"), data
+    finally:
+        host.close()
