@@ -51,6 +51,12 @@ from images.build import Image, load_default
 MIB = 1 << 20
 
 
+def allocator() -> jail.IdentityAllocator:
+    alloc = jail.IdentityAllocator()
+    alloc.adopt_running()  # uids of jailed processes of other runs on this host stay theirs
+    return alloc
+
+
 def med(xs: list[float]) -> float:
     return statistics.median(xs) if xs else 0.0
 
@@ -68,9 +74,9 @@ async def timed(fn: Callable[[], Awaitable[Any]]) -> float:
 # -- spawn -----------------------------------------------------------------------------------------
 
 
-async def bench_spawn(n: int, work: Path, mgr: cgroups.CgroupManager | None) -> dict[str, Any]:
+async def bench_spawn(n: int, work: Path, mgr: cgroups.CgroupManager | None, helper: Path | None) -> dict[str, Any]:
     nobody = pwd.getpwnam("nobody")
-    alloc = jail.IdentityAllocator()
+    alloc = allocator()
     ident = alloc.allocate("bench")
     spec_new = jail.JailSpec(identity=ident, root=work / "jail-spawn")
     spec_host = jail.JailSpec(identity=ident, root=work / "jail-spawn", netns=jail.NetNS.HOST)
@@ -93,29 +99,37 @@ async def bench_spawn(n: int, work: Path, mgr: cgroups.CgroupManager | None) -> 
         assert p.stderr is not None
         await p.stderr.aclose()
 
-    async def jailed(spec: jail.JailSpec, procs: tuple[Path, ...] = ()) -> None:
-        p = await jail.spawn(["/usr/bin/true"], spec, cgroup_procs=procs)
+    async def jailed(spec: jail.JailSpec, procs: tuple[Path, ...] = (), via: Path | None = None) -> None:
+        p = await jail.spawn(["/usr/bin/true"], spec, cgroup_procs=procs, helper=via)
         rc = await p.wait()
         assert rc == 0, rc
         assert p.stderr is not None
         await p.stderr.aclose()
 
-    async def whole_life() -> None:
+    async def whole_life(via: Path | None) -> None:
         spec = jail.JailSpec(identity=ident, root=work / "jail-life")
         jail.build_jail(spec)
         c = mgr.create("bench-life", cgroups.CgroupLimits(memory_bytes=64 * MIB, pids=64)) if mgr else None
-        await jailed(spec, c.procs_files() if c else ())
+        await jailed(spec, c.procs_files() if c else (), via)
         if c is not None:
             c.remove()
         jail.remove_jail(spec.root)
 
+    procs = cg.procs_files() if cg else ()
     variants: dict[str, Callable[[], Awaitable[None]]] = {
         "plain (open_process as nobody)": plain,
-        "jail, new netns": lambda: jailed(spec_new),
-        "jail, host netns": lambda: jailed(spec_host),
-        "jail, new netns + cgroup": lambda: jailed(spec_new, cg.procs_files() if cg else ()),
-        "jail life (dir + cgroup + spawn + cleanup)": whole_life,
+        "jail python stage, new netns": lambda: jailed(spec_new),
+        "jail python stage, host netns": lambda: jailed(spec_host),
+        "jail python stage, new netns + cgroup": lambda: jailed(spec_new, procs),
+        "jail python stage, whole life (dir + cgroup + spawn + cleanup)": lambda: whole_life(None),
     }
+    if helper is not None:
+        variants |= {
+            "jail helper, new netns": lambda: jailed(spec_new, via=helper),
+            "jail helper, host netns": lambda: jailed(spec_host, via=helper),
+            "jail helper, new netns + cgroup": lambda: jailed(spec_new, procs, helper),
+            "jail helper, whole life (dir + cgroup + spawn + cleanup)": lambda: whole_life(helper),
+        }
     times: dict[str, list[float]] = {k: [] for k in variants}
     try:
         for fn in variants.values():
@@ -131,8 +145,10 @@ async def bench_spawn(n: int, work: Path, mgr: cgroups.CgroupManager | None) -> 
     return {k: {**ms(v), "extra_ms": round((med(v) - base) * 1000, 2)} for k, v in times.items()}
 
 
-async def bench_qemu_spawn(image: Image, n: int, work: Path, user: QemuUser | None) -> dict[str, Any]:
-    alloc = jail.IdentityAllocator()
+async def bench_qemu_spawn(
+    image: Image, n: int, work: Path, user: QemuUser | None, helper: Path | None
+) -> dict[str, Any]:
+    alloc = allocator()
     spec = MachineSpec(
         kernel=image.kernel, initrd=image.initrd, memory_mib=256, append=kernel_cmdline("tcg", root=False)
     )
@@ -150,7 +166,7 @@ async def bench_qemu_spawn(image: Image, n: int, work: Path, user: QemuUser | No
             await m.shutdown()
         js = jail.JailSpec(identity=alloc.allocate(f"q{i}"), root=work / "jail" / f"q{i}")
         jail.build_jail(js)
-        jm = JailedMachine(spec, js, tb_size_mib=64)
+        jm = JailedMachine(spec, js, tb_size_mib=64, helper=helper)
         async with trio.open_nursery() as nursery:
             t0 = time.perf_counter()
             await nursery.start(jm.run)
@@ -165,9 +181,15 @@ async def bench_qemu_spawn(image: Image, n: int, work: Path, user: QemuUser | No
 
 
 async def bench_boot(
-    image: Image, n: int, work: Path, shm: Path, user: QemuUser | None, mgr: cgroups.CgroupManager | None
+    image: Image,
+    n: int,
+    work: Path,
+    shm: Path,
+    user: QemuUser | None,
+    mgr: cgroups.CgroupManager | None,
+    helper: Path | None,
 ) -> dict[str, Any]:
-    alloc = jail.IdentityAllocator()
+    alloc = allocator()
     plain_t: list[float] = []
     jail_t: list[float] = []
     for i in range(n):
@@ -183,7 +205,7 @@ async def bench_boot(
         d = work / f"boot-jail{i}"
         d.mkdir()
         ident = alloc.allocate(f"b{i}")
-        opts = JailOptions(identity=ident, base=work, ram_dir=shm / "ram", cgroups=mgr)
+        opts = JailOptions(identity=ident, base=work, ram_dir=shm / "ram", cgroups=mgr, helper=helper)
         t0 = time.perf_counter()
         async with jailed_guest(image, f"boot{i}", opts, disk_dir=d):
             jail_t.append(time.perf_counter() - t0)
@@ -224,6 +246,7 @@ async def bench_restore(
     snap: Path,
     user: QemuUser | None,
     mgr: cgroups.CgroupManager | None,
+    helper: Path | None,
 ) -> dict[str, Any]:
     # today's path: the snapshot's memory chowned to QEMU's user, mapped private
     plain_snap = work / "snap-plain"
@@ -241,7 +264,7 @@ async def bench_restore(
         fills.append(time.perf_counter() - t0)
         os.close(fd)
     cache = guestmem.SealedMemoryCache()
-    alloc = jail.IdentityAllocator()
+    alloc = allocator()
     plain_t: list[float] = []
     jail_t: list[float] = []
     try:
@@ -267,7 +290,7 @@ async def bench_restore(
             d = work / f"r-jail{i}"
             d.mkdir()
             ident = alloc.allocate(f"r{i}")
-            opts = JailOptions(identity=ident, base=work, ram_dir=shm / "ram", cgroups=mgr)
+            opts = JailOptions(identity=ident, base=work, ram_dir=shm / "ram", cgroups=mgr, helper=helper)
             t0 = time.perf_counter()
             mfd = await trio.to_thread.run_sync(cache.acquire, "snap", snap / "memory")
             try:
@@ -307,9 +330,9 @@ def smaps(pid: int) -> dict[str, int]:
 
 
 async def bench_share(
-    image: Image, work: Path, shm: Path, snap: Path, mgr: cgroups.CgroupManager | None
+    image: Image, work: Path, shm: Path, snap: Path, mgr: cgroups.CgroupManager | None, helper: Path | None
 ) -> dict[str, Any]:
-    alloc = jail.IdentityAllocator()
+    alloc = allocator()
     mfd = guestmem.sealed_copy(snap / "memory")
     result: dict[str, Any] = {}
     try:
@@ -321,7 +344,9 @@ async def bench_share(
             async def one(i: int) -> None:
                 d = work / f"share{i}"
                 d.mkdir()
-                opts = JailOptions(identity=alloc.allocate(f"s{i}"), base=work, ram_dir=shm / "ram", cgroups=mgr)
+                opts = JailOptions(
+                    identity=alloc.allocate(f"s{i}"), base=work, ram_dir=shm / "ram", cgroups=mgr, helper=helper
+                )
                 async with jailed_guest(
                     image,
                     f"share{i}",
@@ -364,10 +389,10 @@ BUSY = (
 
 
 async def bench_tb(
-    image: Image, work: Path, shm: Path, busy_s: float, mgr: cgroups.CgroupManager | None
+    image: Image, work: Path, shm: Path, busy_s: float, mgr: cgroups.CgroupManager | None, helper: Path | None
 ) -> dict[str, Any]:
     """Concurrent busy guests, default translation cache against bounded ones."""
-    alloc = jail.IdentityAllocator()
+    alloc = allocator()
     out: dict[str, Any] = {}
 
     async def one(tb: int | None) -> None:
@@ -375,7 +400,13 @@ async def bench_tb(
         d = work / f"tb{tb}"
         d.mkdir()
         opts = JailOptions(
-            identity=alloc.allocate(key), base=work, ram_dir=shm / "ram", cgroups=mgr, tb_size_mib=tb, overhead_mib=2048
+            identity=alloc.allocate(key),
+            base=work,
+            ram_dir=shm / "ram",
+            cgroups=mgr,
+            tb_size_mib=tb,
+            overhead_mib=2048,
+            helper=helper,
         )
         async with jailed_guest(image, f"tb{tb or 0}", opts, disk_dir=d) as jg:
             pid = jg.guest.machine.pid
@@ -412,6 +443,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     shm.chmod(0o755)
     mgr = cgroups.detect(parent="sandvisor-bench")
     user = unprivileged_user()
+    helper = None if args.no_helper else jail.build_helper(work / "bin")
+    res_helper = str(helper) if helper else "none: the Python stage"
     ballast = bytearray(args.ballast_mib * MIB)
     for i in range(0, len(ballast), 4096):
         ballast[i] = 1
@@ -420,29 +453,30 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         "cgroups": f"v{mgr.version}" if mgr else None,
         "plain_user": user.name if user else None,
         "bench_rss_mib": round(smaps(os.getpid())["Rss"] / 1024, 1),
+        "jail_helper": res_helper,
     }
     try:
         async with qmp_loop():
             if "spawn" in only:
-                res["spawn"] = await bench_spawn(max(20, args.n), work, mgr)
+                res["spawn"] = await bench_spawn(max(20, args.n), work, mgr, helper)
                 print(json.dumps(res["spawn"], indent=1), flush=True)
             if "qemu-spawn" in only:
-                res["qemu_spawn"] = await bench_qemu_spawn(image, args.n, work, user)
+                res["qemu_spawn"] = await bench_qemu_spawn(image, args.n, work, user, helper)
                 print(json.dumps(res["qemu_spawn"]), flush=True)
             if "boot" in only:
-                res["boot"] = await bench_boot(image, args.n, work, shm, user, mgr)
+                res["boot"] = await bench_boot(image, args.n, work, shm, user, mgr, helper)
                 print(json.dumps(res["boot"]), flush=True)
             snap = None
             if only & {"restore", "share"}:
                 snap = await make_snapshot(image, work, shm)
             if "restore" in only and snap is not None:
-                res["restore"] = await bench_restore(image, args.n, work, shm, snap, user, mgr)
+                res["restore"] = await bench_restore(image, args.n, work, shm, snap, user, mgr, helper)
                 print(json.dumps(res["restore"]), flush=True)
             if "share" in only and snap is not None:
-                res["share"] = await bench_share(image, work, shm, snap, mgr)
+                res["share"] = await bench_share(image, work, shm, snap, mgr, helper)
                 print(json.dumps(res["share"]), flush=True)
             if "tb" in only:
-                res["tb"] = await bench_tb(image, work, shm, args.busy_s, mgr)
+                res["tb"] = await bench_tb(image, work, shm, args.busy_s, mgr, helper)
                 print(json.dumps(res["tb"], indent=1), flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -459,6 +493,7 @@ def main() -> None:
     ap.add_argument("--busy-s", type=float, default=180)
     ap.add_argument("--ballast-mib", type=int, default=0, help="extra heap in this process (fork cost)")
     ap.add_argument("--only", default="")
+    ap.add_argument("--no-helper", action="store_true", help="jail through the Python stage, not sandvisor-jail-exec")
     ap.add_argument("--out", default="results")
     a = ap.parse_args()
     res = trio.run(bench, a)

@@ -76,9 +76,11 @@ class JailedMachine(Machine):
         memory_fd: int | None = None,
         tb_size_mib: int | None = None,
         qmp_socket: bool = False,
+        helper: Path | None = None,
         name: str = "vm",
     ) -> None:
         super().__init__(spec, jail_spec.socket_host_dir, name=name)
+        self.helper = helper
         self.jail = jail_spec
         self.cgroup = cgroup
         self.extra_fds = pass_fds
@@ -118,6 +120,7 @@ class JailedMachine(Machine):
                     self.jail,
                     pass_fds=passed,
                     cgroup_procs=self.cgroup.procs_files() if self.cgroup else (),
+                    helper=self.helper,
                 )
             except jail.JailError as exc:
                 raise LaunchError(f"cannot start QEMU in its jail: {exc}; argv: {shlex.join(argv)}") from exc
@@ -165,6 +168,7 @@ class JailOptions:
     tb_size_mib: int | None = 64
     qmp_socket: bool = False
     netns: jail.NetNS | Path = jail.NetNS.NEW
+    helper: Path | None = None  # sandvisor-jail-exec (jail.build_helper); None: the Python stage
 
 
 @attrs.define
@@ -272,6 +276,7 @@ async def jailed_guest(
             memory_fd=mem_fd,
             tb_size_mib=opts.tb_size_mib,
             qmp_socket=opts.qmp_socket,
+            helper=opts.helper,
             name=name,
         )
         async with _running(machine, time.monotonic(), vm.boot_timeout, vm) as guest:

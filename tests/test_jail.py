@@ -38,6 +38,33 @@ def img(request: pytest.FixtureRequest) -> Image:
     return found if found is not None else request.getfixturevalue("image")
 
 
+@pytest.fixture(scope="session")
+def built_helper() -> Iterator[Path | None]:
+    """sandvisor-jail-exec built once for the session (None where there is no compiler)."""
+    if os.geteuid() != 0:
+        yield None
+        return
+    d = Path(tempfile.mkdtemp(prefix="jail-helper-", dir="/tmp"))
+    d.chmod(0o755)
+    try:
+        try:
+            yield jail.build_helper(d / "bin")
+        except jail.JailError:
+            yield None
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(params=["helper", "python"])
+def helper(request: pytest.FixtureRequest, built_helper: Path | None) -> Path | None:
+    """Both ways into the jail: the static helper (vforked) and the Python stage."""
+    if request.param == "python":
+        return None
+    if built_helper is None:
+        pytest.skip("no C compiler: the jail helper cannot be built")
+    return built_helper
+
+
 @pytest.fixture
 def base() -> Iterator[Path]:
     """A root-owned 0755 dir (reachable by any uid: the checks below test our own modes,
@@ -68,6 +95,13 @@ def test_cgroups() -> Iterator[cgroups.CgroupManager | None]:
     if mgr is not None:
         mgr.remove_parent()
         assert not any(d.exists() for d in mgr.parent_dirs())
+
+
+def allocator() -> jail.IdentityAllocator:
+    """Sandbox ids, none of which a process on this host has (other test runs, benchmarks)."""
+    alloc = jail.IdentityAllocator()
+    alloc.adopt_running()
+    return alloc
 
 
 def uids_with_processes(uids: set[int]) -> set[int]:
@@ -214,20 +248,25 @@ def test_v2_against_a_fake_tree(tmp_path: Path) -> None:
 
 
 @root_only
-async def test_v1_memory_limit_kills_only_its_process(base: Path, test_cgroups: cgroups.CgroupManager | None) -> None:
+async def test_v1_memory_limit_kills_only_its_process(
+    base: Path, test_cgroups: cgroups.CgroupManager | None, built_helper: Path | None
+) -> None:
     m = test_cgroups
     if m is None:
         pytest.skip("no cgroup controllers")
-    alloc = jail.IdentityAllocator()
+    alloc = allocator()
     greedy = m.create(f"greedy-{os.getpid()}", CgroupLimits(memory_bytes=64 * MIB, pids=16, cpus=0.5))
     calm = m.create(f"calm-{os.getpid()}", CgroupLimits(memory_bytes=64 * MIB, pids=16))
     specs = [jail.JailSpec(identity=alloc.allocate(n), root=base / n) for n in ("greedy", "calm")]
+    procs: list[jail.JailedProcess] = []
     try:
         for s in specs:
             jail.build_jail(s)
         hog = "b = bytearray(200 << 20)"
         p1 = await jail.spawn(["/usr/bin/python3", "-c", hog], specs[0], cgroup_procs=greedy.procs_files())
-        p2 = await jail.spawn(["/usr/bin/sleep", "30"], specs[1], cgroup_procs=calm.procs_files())
+        procs.append(p1)
+        p2 = await jail.spawn(["/usr/bin/sleep", "30"], specs[1], cgroup_procs=calm.procs_files(), helper=built_helper)
+        procs.append(p2)
         with trio.fail_after(30):
             assert await p1.wait() == -signal.SIGKILL
         assert greedy.oom_kills() == 1
@@ -235,9 +274,11 @@ async def test_v1_memory_limit_kills_only_its_process(base: Path, test_cgroups: 
         st = greedy.stats()
         assert st.memory_limit == 64 * MIB and st.memory_peak is not None and st.memory_peak >= 60 * MIB
         assert (st.pids_limit, st.cpu_limit) == (16, 0.5)
-        p2.kill()
-        await p2.wait()
     finally:
+        with trio.CancelScope(shield=True):
+            for p in procs:
+                p.kill()
+                await p.wait()
         for cg in (greedy, calm):
             cg.remove()
         for s in specs:
@@ -249,8 +290,8 @@ async def test_v1_memory_limit_kills_only_its_process(base: Path, test_cgroups: 
 
 
 @root_only
-async def test_spawn_runs_contained_with_only_passed_fds(base: Path) -> None:
-    spec = jail.JailSpec(identity=jail.IdentityAllocator().allocate("t"), root=base / "j")
+async def test_spawn_runs_contained_with_only_passed_fds(base: Path, helper: Path | None) -> None:
+    spec = jail.JailSpec(identity=allocator().allocate("t"), root=base / "j")
     jail.build_jail(spec)
     extra = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
     leak = os.open("/etc/hostname", os.O_RDONLY)  # inheritable, not passed: must not reach it
@@ -260,7 +301,9 @@ async def test_spawn_runs_contained_with_only_passed_fds(base: Path) -> None:
         "print(sorted(os.listdir('/'))); print(os.path.exists('/etc/hostname'))"
     )
     try:
-        p = await jail.spawn(["/usr/bin/python3", "-I", "-S", "-c", code], spec, pass_fds=(extra,), stdout=w)
+        p = await jail.spawn(
+            ["/usr/bin/python3", "-I", "-S", "-c", code], spec, pass_fds=(extra,), stdout=w, helper=helper
+        )
         os.close(w)
         st = proc_status(p.pid)
         me = {k: os.readlink(f"/proc/self/ns/{k}") for k in ("mnt", "pid", "net", "ipc", "uts", "cgroup")}
@@ -289,19 +332,26 @@ async def test_spawn_runs_contained_with_only_passed_fds(base: Path) -> None:
 
 
 @root_only
-async def test_spawn_failures_name_the_step(base: Path) -> None:
-    ident = jail.IdentityAllocator().allocate("t")
+async def test_spawn_failures_name_the_step(base: Path, helper: Path | None) -> None:
+    ident = allocator().allocate("t")
     spec = jail.JailSpec(identity=ident, root=base / "j", netns=Path("/etc/hostname"))
     jail.build_jail(spec)
     try:
         with pytest.raises(jail.JailError, match="enter the network namespace"):
-            await jail.spawn(["/usr/bin/true"], spec)
+            await jail.spawn(["/usr/bin/true"], spec, helper=helper)
         with pytest.raises(jail.JailError, match="outside every bind"):
             await jail.spawn(
                 [shutil.which("python3") or "/nonexistent"], jail.JailSpec(identity=ident, root=base / "j", binds=())
             )
         with pytest.raises(jail.JailError, match="No such file"):
-            await jail.spawn(["/usr/bin/true"], jail.JailSpec(identity=ident, root=base / "j", netns=Path("/nope")))
+            await jail.spawn(
+                ["/usr/bin/true"], jail.JailSpec(identity=ident, root=base / "j", netns=Path("/nope")), helper=helper
+            )
+        missing = jail.JailSpec(
+            identity=ident, root=base / "j", binds=(*jail.default_binds(), jail.Bind(base / "gone", "/x"))
+        )
+        with pytest.raises(jail.JailError, match=r"(mount .*/x|bind .*gone): No such file"):
+            await jail.spawn(["/usr/bin/true"], missing, helper=helper)
     finally:
         jail.remove_jail(spec.root)
     spec.root.mkdir()
@@ -422,17 +472,22 @@ def test_sealed_memory_cache_fills_once_and_trims_idle(tmp_path: Path) -> None:
 @root_only
 @pytest.mark.vm
 async def test_jailed_qemu_is_contained_checkpoints_and_restores_sealed(
-    img: Image, base: Path, shm: Path, qmp: None, test_cgroups: cgroups.CgroupManager | None
+    img: Image,
+    base: Path,
+    shm: Path,
+    qmp: None,
+    test_cgroups: cgroups.CgroupManager | None,
+    built_helper: Path | None,
 ) -> None:
     """Boot in a jail to guestd's hello with QMP on a listening socket in the jail;
     check the jail from /proc; checkpoint over that QMP (add-fd); restore from a sealed
     memfd in a second jail; no other sandbox's uid can write either's memory; nothing
     is left behind."""
-    alloc = jail.IdentityAllocator()
+    alloc = allocator()
     mgr = test_cgroups
     a_id, b_id, c_id = alloc.allocate("a"), alloc.allocate("b"), alloc.allocate("c")
     ram_dir = shm / "ram"
-    opts = JailOptions(identity=a_id, base=base, ram_dir=ram_dir, cgroups=mgr, qmp_socket=True)
+    opts = JailOptions(identity=a_id, base=base, ram_dir=ram_dir, cgroups=mgr, qmp_socket=True, helper=built_helper)
     (base / "a").mkdir()
     snap = base / "snap"
     snap.mkdir()
@@ -489,7 +544,7 @@ async def test_jailed_qemu_is_contained_checkpoints_and_restores_sealed(
         mfd = guestmem.sealed_copy(snap / "memory")
         (base / "b").mkdir()
         try:
-            opts_b = JailOptions(identity=b_id, base=base, ram_dir=ram_dir, cgroups=mgr)
+            opts_b = JailOptions(identity=b_id, base=base, ram_dir=ram_dir, cgroups=mgr)  # the Python stage
             async with jailed_guest(
                 img,
                 "b",
@@ -556,7 +611,7 @@ async def test_guest_over_its_memory_limit_fails_alone(
     mgr = test_cgroups
     if mgr is None:
         pytest.skip("no cgroup controllers")
-    alloc = jail.IdentityAllocator()
+    alloc = allocator()
     a_id, b_id = alloc.allocate("a"), alloc.allocate("b")
     ram = shm / "ram"
     for n in ("a", "b"):
@@ -601,7 +656,9 @@ async def test_guest_over_its_memory_limit_fails_alone(
 
 @root_only
 @pytest.mark.vm
-async def test_jail_network_namespace_hides_the_host(img: Image, base: Path, shm: Path, qmp: None) -> None:
+async def test_jail_network_namespace_hides_the_host(
+    img: Image, base: Path, shm: Path, qmp: None, built_helper: Path | None
+) -> None:
     """slirp runs in the jail's empty network namespace: the guest's 10.0.2.2 is the
     jail's loopback, not the host's (a host service on 127.0.0.1 is out of reach), and
     an exposed port (hostfwd) listens inside the jail, where the supervisor reaches it
@@ -614,9 +671,9 @@ async def test_jail_network_namespace_hides_the_host(img: Image, base: Path, shm
     probe.bind(("127.0.0.1", 0))
     fwd_port = probe.getsockname()[1]  # free on the host loopback
     probe.close()
-    ident = jail.IdentityAllocator().allocate("net")
+    ident = allocator().allocate("net")
     (base / "n").mkdir()
-    opts = JailOptions(identity=ident, base=base, ram_dir=shm / "ram")
+    opts = JailOptions(identity=ident, base=base, ram_dir=shm / "ram", helper=built_helper)
     try:
         with trio.fail_after(180):
             async with jailed_guest(img, "net", opts, disk_dir=base / "n", network=NetConfig(restrict=False)) as jg:
