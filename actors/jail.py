@@ -2,16 +2,19 @@
 ``pivot_root`` into a root-owned directory holding only what QEMU opens by path, no
 privileges, rlimits, a cgroup; everything else is handed over as file descriptors.
 
-The child is set up by a ``preexec_fn`` of raw syscalls (ctypes), forked from a
-short-lived thread that has unshared its pid namespace for children: QEMU is pid 1 of
-a new pid namespace *and* the supervisor's own child, so its host pid is Popen's pid,
-its exit status is ours to reap, and a ``pidfd`` watches it::
+QEMU is started from a short-lived thread that has unshared its pid namespace for
+children: QEMU is pid 1 of a new pid namespace *and* the supervisor's own child, so
+its host pid is Popen's pid, its exit status is ours to reap, and a ``pidfd`` watches
+it. The jail is entered by the same plan of syscalls either way: in a small static C
+helper (``jail_exec.c``, built once by :func:`build_helper`) that Popen can *vfork*, or,
+without a compiler, in a Python ``preexec_fn`` (ctypes) in a forked child::
 
     supervisor (Trio)          spawn thread                child (becomes QEMU, pid 1 of its pid ns)
     -----------------          ------------                -----------------------------------------
     build_jail(spec)           (dir, device nodes, socket dir; no mounts on the host)
     spawn(argv) ---to_thread-> unshare(CLONE_NEWPID)
-                               Popen(preexec_fn=stage) --> fork
+                               Popen(helper + plan) -----> vfork, exec sandvisor-jail-exec
+                                 (or preexec_fn=stage) --> (or fork and run the stage in Python)
                                setns(our own pid ns)       write "0" to cgroup.procs (each controller)
                                                            unshare(NEWNS|NEWIPC|NEWUTS|NEWCGROUP|NEWNET)
                                                              or setns(a given netns)
@@ -20,24 +23,28 @@ its exit status is ours to reap, and a ``pidfd`` watches it::
                                                            hostname; lo up; pivot_root(., .); umount old /
                                                            setgroups, setresgid; drop the bounding set;
                                                            clear ambient; rlimits; setresuid; capset(0);
-                                                           no_new_privs; umask 077
-                                                           (Popen) close every fd but pass_fds; execve
+                                                           no_new_privs; umask 077; execve(QEMU)
+                               <- EOF on the error pipe    (only pass_fds and stdio survive)
     <- JailedProcess(pid = QEMU's host pid, pidfd)
        ... wait() reaps; the caller removes the cgroup, then remove_jail()
 
 Every mount is made inside the child's private mount namespace: the host sees a plain
 directory, and the mounts vanish with QEMU, even when the supervisor is killed.
 
-Measured on the dev machine (2 cores, kernel 6.18, median of 20, spawn to exit of
-/usr/bin/true, from a process that imports what the supervisor imports): plain
-``trio.lowlevel.open_process`` as another user 2.1 ms; this jail 4.4 ms (a new network
-namespace is ~0.8 ms of it); util-linux ``unshare``+``sh``+``setpriv`` 15-28 ms; a
-Python stage-2 (``python -I -S``) 12-17 ms before it does anything. See
-``benchmarks/jail.py``.
+Measured on the dev machine (2 cores shared with other VMs, nested virtualization,
+kernel 6.18; spawn to exit of /usr/bin/true, medians, see ``benchmarks/jail.py``): at
+load ~1, plain ``open_process`` as another user 1.6-2 ms, the Python stage 4-4.4 ms;
+at load 7-13, plain 6-15 ms, the Python stage 15-31 ms (a fork of the supervisor and
+Python in the child: page-table copies and copy-on-write faults are dear under nested
+virtualization), the C helper 12 ms -- cheaper than today's plain spawn, which forks
+too (``user=`` rules out vfork). The child's own syscalls take ~1.3 ms, 0.7 of it the
+new network namespace. Rejected: util-linux ``unshare``+``sh``+``setpriv`` (15-28 ms),
+a Python stage-2 process (12-17 ms before it does anything).
 
-Threads caveat: ``preexec_fn`` runs Python in a forked copy of a threaded process. The
-stage below only calls ctypes syscalls and ``os``/``resource`` functions on values
-computed before the fork: no imports, no logging, no locks another thread may hold.
+Threads caveat of the Python stage: ``preexec_fn`` runs Python in a forked copy of a
+threaded process. It only calls ctypes syscalls and ``os``/``resource`` functions on
+values computed before the fork: no imports, no logging, no locks another thread may
+hold.
 """
 
 from __future__ import annotations

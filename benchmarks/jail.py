@@ -74,13 +74,12 @@ async def timed(fn: Callable[[], Awaitable[Any]]) -> float:
 # -- spawn -----------------------------------------------------------------------------------------
 
 
-async def bench_spawn(n: int, work: Path, mgr: cgroups.CgroupManager | None, helper: Path | None) -> dict[str, Any]:
+async def bench_spawn(n: int, shm: Path, mgr: cgroups.CgroupManager | None, helper: Path | None) -> dict[str, Any]:
     nobody = pwd.getpwnam("nobody")
     alloc = allocator()
     ident = alloc.allocate("bench")
-    spec_new = jail.JailSpec(identity=ident, root=work / "jail-spawn")
-    spec_host = jail.JailSpec(identity=ident, root=work / "jail-spawn", netns=jail.NetNS.HOST)
-    jail.make_root_dir(work)
+    spec_new = jail.JailSpec(identity=ident, root=shm / "jail-spawn")
+    spec_host = jail.JailSpec(identity=ident, root=shm / "jail-spawn", netns=jail.NetNS.HOST)
     jail.build_jail(spec_new)
     cg = mgr.create("bench-spawn", cgroups.CgroupLimits(memory_bytes=64 * MIB, pids=64)) if mgr else None
 
@@ -107,7 +106,7 @@ async def bench_spawn(n: int, work: Path, mgr: cgroups.CgroupManager | None, hel
         await p.stderr.aclose()
 
     async def whole_life(via: Path | None) -> None:
-        spec = jail.JailSpec(identity=ident, root=work / "jail-life")
+        spec = jail.JailSpec(identity=ident, root=shm / "jail-life")
         jail.build_jail(spec)
         c = mgr.create("bench-life", cgroups.CgroupLimits(memory_bytes=64 * MIB, pids=64)) if mgr else None
         await jailed(spec, c.procs_files() if c else (), via)
@@ -146,7 +145,7 @@ async def bench_spawn(n: int, work: Path, mgr: cgroups.CgroupManager | None, hel
 
 
 async def bench_qemu_spawn(
-    image: Image, n: int, work: Path, user: QemuUser | None, helper: Path | None
+    image: Image, n: int, work: Path, shm: Path, user: QemuUser | None, helper: Path | None
 ) -> dict[str, Any]:
     alloc = allocator()
     spec = MachineSpec(
@@ -154,7 +153,7 @@ async def bench_qemu_spawn(
     )
     plain_t: list[float] = []
     jail_t: list[float] = []
-    jail.make_root_dir(work / "jail")
+    jail.make_root_dir(shm / "jail")
     for i in range(n):
         run = work / f"qs{i}"
         run.mkdir()
@@ -164,7 +163,7 @@ async def bench_qemu_spawn(
             await nursery.start(m.run)
             plain_t.append(time.perf_counter() - t0)
             await m.shutdown()
-        js = jail.JailSpec(identity=alloc.allocate(f"q{i}"), root=work / "jail" / f"q{i}")
+        js = jail.JailSpec(identity=alloc.allocate(f"q{i}"), root=shm / "jail" / f"q{i}")
         jail.build_jail(js)
         jm = JailedMachine(spec, js, tb_size_mib=64, helper=helper)
         async with trio.open_nursery() as nursery:
@@ -205,7 +204,7 @@ async def bench_boot(
         d = work / f"boot-jail{i}"
         d.mkdir()
         ident = alloc.allocate(f"b{i}")
-        opts = JailOptions(identity=ident, base=work, ram_dir=shm / "ram", cgroups=mgr, helper=helper)
+        opts = JailOptions(identity=ident, base=shm, ram_dir=shm / "ram", cgroups=mgr, helper=helper)
         t0 = time.perf_counter()
         async with jailed_guest(image, f"boot{i}", opts, disk_dir=d):
             jail_t.append(time.perf_counter() - t0)
@@ -253,7 +252,8 @@ async def bench_restore(
     plain_snap.mkdir()
     for f in snap.iterdir():
         os.link(f, plain_snap / f.name)
-    shutil.copy(snap / "memory", plain_snap / "memory.tmp")
+    # a sparse copy, as checkpoints make it (a dense one restores faster: no holes to fill)
+    subprocess.run(["cp", "--sparse=always", str(snap / "memory"), str(plain_snap / "memory.tmp")], check=True)
     os.replace(plain_snap / "memory.tmp", plain_snap / "memory")
     if user is not None:
         os.chown(plain_snap / "memory", user.uid, user.gid)
@@ -290,7 +290,7 @@ async def bench_restore(
             d = work / f"r-jail{i}"
             d.mkdir()
             ident = alloc.allocate(f"r{i}")
-            opts = JailOptions(identity=ident, base=work, ram_dir=shm / "ram", cgroups=mgr, helper=helper)
+            opts = JailOptions(identity=ident, base=shm, ram_dir=shm / "ram", cgroups=mgr, helper=helper)
             t0 = time.perf_counter()
             mfd = await trio.to_thread.run_sync(cache.acquire, "snap", snap / "memory")
             try:
@@ -345,7 +345,7 @@ async def bench_share(
                 d = work / f"share{i}"
                 d.mkdir()
                 opts = JailOptions(
-                    identity=alloc.allocate(f"s{i}"), base=work, ram_dir=shm / "ram", cgroups=mgr, helper=helper
+                    identity=alloc.allocate(f"s{i}"), base=shm, ram_dir=shm / "ram", cgroups=mgr, helper=helper
                 )
                 async with jailed_guest(
                     image,
@@ -401,7 +401,7 @@ async def bench_tb(
         d.mkdir()
         opts = JailOptions(
             identity=alloc.allocate(key),
-            base=work,
+            base=shm,
             ram_dir=shm / "ram",
             cgroups=mgr,
             tb_size_mib=tb,
@@ -438,9 +438,9 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     assert image is not None, "build the default image first"
     only = set(args.only.split(",")) if args.only else {"spawn", "qemu-spawn", "boot", "restore", "share", "tb"}
     work = Path(tempfile.mkdtemp(prefix="bench-jail-", dir="/tmp"))
-    work.chmod(0o755)
+    work.chmod(0o755)  # disks, snapshots (QEMU's user reaches today's snapshot memory)
     shm = Path(tempfile.mkdtemp(prefix="bench-jail-", dir="/dev/shm"))
-    shm.chmod(0o755)
+    shm.chmod(0o755)  # RAM files and jail dirs: tmpfs, as /run is on real hosts
     mgr = cgroups.detect(parent="sandvisor-bench")
     user = unprivileged_user()
     helper = None if args.no_helper else jail.build_helper(work / "bin")
@@ -458,10 +458,10 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     try:
         async with qmp_loop():
             if "spawn" in only:
-                res["spawn"] = await bench_spawn(max(20, args.n), work, mgr, helper)
+                res["spawn"] = await bench_spawn(max(20, args.n), shm, mgr, helper)
                 print(json.dumps(res["spawn"], indent=1), flush=True)
             if "qemu-spawn" in only:
-                res["qemu_spawn"] = await bench_qemu_spawn(image, args.n, work, user, helper)
+                res["qemu_spawn"] = await bench_qemu_spawn(image, args.n, work, shm, user, helper)
                 print(json.dumps(res["qemu_spawn"]), flush=True)
             if "boot" in only:
                 res["boot"] = await bench_boot(image, args.n, work, shm, user, mgr, helper)

@@ -164,7 +164,7 @@ class JailOptions:
     base: Path  # root-owned dir holding the jail dirs
     ram_dir: Path  # the private RAM dir (on tmpfs: a RAM file on disk is written back)
     cgroups: CgroupManager | None = None
-    overhead_mib: int = 256
+    overhead_mib: int = 192
     tb_size_mib: int | None = 64
     qmp_socket: bool = False
     netns: jail.NetNS | Path = jail.NetNS.NEW
