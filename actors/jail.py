@@ -292,7 +292,7 @@ class JailSpec:
     identity: Identity
     root: Path  # the jail dir on the host: made by build_jail, the child's "/"
     binds: tuple[Bind, ...] = attrs.field(factory=default_binds)
-    devices: tuple[str, ...] = ("/dev/null", "/dev/zero", "/dev/urandom")
+    devices: tuple[str, ...] = ("/dev/null", "/dev/zero", "/dev/urandom")  # of WORLD_DEVICES, 0666
     kvm: bool = False  # /dev/kvm, owned by the identity inside the jail
     tun: bool = False  # /dev/net/tun, likewise (a tap QEMU opens itself; prefer fd=)
     socket_dir: str = "/run"  # in-jail, owned by the identity (0700): QMP, guest and port sockets
@@ -317,6 +317,9 @@ class JailSpec:
 
     def all_devices(self) -> tuple[tuple[str, bool], ...]:
         """(host device path, owned by the identity?)"""
+        odd = [d for d in self.devices if d not in WORLD_DEVICES]
+        if odd:
+            raise JailError(f"{', '.join(odd)}: only {', '.join(WORLD_DEVICES)} go in devices (kvm=, tun= for others)")
         devs = [(d, False) for d in self.devices]
         if self.kvm:
             devs.append(("/dev/kvm", True))

@@ -358,6 +358,9 @@ async def test_spawn_failures_name_the_step(base: Path, helper: Path | None) -> 
     with pytest.raises(jail.JailError, match="exists already"):
         jail.build_jail(spec)
     spec.root.rmdir()
+    with pytest.raises(jail.JailError, match="only /dev/null"):
+        jail.build_jail(jail.JailSpec(identity=ident, root=base / "dev", devices=("/dev/sda",)))
+    assert not (base / "dev").exists()
     (base / "open").mkdir(mode=0o777)
     (base / "open").chmod(0o777)
     with pytest.raises(jail.JailError, match="writable by group or others"):
