@@ -41,6 +41,7 @@ from pathlib import Path
 
 from actors.jail import Identity, JailError
 
+MFD_NOEXEC_SEAL = 0x0008
 SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
@@ -160,7 +161,12 @@ def sealed_copy(source: Path | int, *, name: str = "sandvisor-snapshot-memory") 
         st = os.fstat(src)
         if not stat.S_ISREG(st.st_mode):
             raise MemoryFileError(f"snapshot memory {source} is not a regular file")
-        mfd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:  # not executable, ever (Linux 6.3+; also what vm.memfd_noexec=2 demands)
+            mfd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING | MFD_NOEXEC_SEAL)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            mfd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         os.ftruncate(mfd, st.st_size)
         for off, length in _extents(src, st.st_size):
             os.lseek(mfd, off, os.SEEK_SET)
