@@ -99,13 +99,16 @@ class SandboxFiles:
         return self.ram
 
     @staticmethod
-    def sweep_lives(settings: Settings) -> None:
-        """Run dirs and RAM files of lives a previous supervisor left (none runs now)."""
+    def sweep_lives(settings: Settings, keep: frozenset[str] | set[str] = frozenset()) -> None:
+        """Run dirs and RAM files of lives a previous supervisor left, but those of the
+        lives in ``keep`` (run dir names: adopted QEMUs)."""
         for stale in settings.run_root.glob("*"):
-            shutil.rmtree(stale, ignore_errors=True)
-        if settings.memory_dir is not None:
+            if stale.name not in keep:
+                shutil.rmtree(stale, ignore_errors=True)
+        if settings.memory_dir is not None and settings.memory_dir.is_dir():
             for ram in settings.memory_dir.glob("*.ram"):
-                ram.unlink(missing_ok=True)
+                if ram.stem not in keep:
+                    ram.unlink(missing_ok=True)
 
     def end_life(self) -> None:
         """What one life leaves: its run dir and RAM file."""

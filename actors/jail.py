@@ -190,7 +190,7 @@ class IdentityAllocator:
         if not self._within(identity.uid) or identity.uid != identity.gid:
             raise JailError(f"{identity} is not a sandbox identity of this range")
         other = self._live.get(identity.uid)
-        if other is not None and other != owner:
+        if other is not None and other != owner and not other.startswith("pid "):  # (adopt_running's mark)
             raise JailError(f"uid {identity.uid} is live for {other}, not {owner}")
         self._live[identity.uid] = owner
 
@@ -808,6 +808,7 @@ async def spawn(
     stdin: int | None = subprocess.DEVNULL,
     stdout: int | None = subprocess.DEVNULL,
     stderr_pipe: bool = True,
+    stderr_fd: int | None = None,
     env: Mapping[str, str] | None = None,
     helper: Path | None = None,
 ) -> JailedProcess:
@@ -818,7 +819,10 @@ async def spawn(
     :func:`build_helper`) enters the jail, vforked (fast); None: a Python stage in a
     forked child does (no compiler needed; ~2-3x the spawn time). Returns once
     ``argv`` runs; raises :class:`JailError` naming the step that failed. The caller
-    owns the process: it must be waited for (reaped)."""
+    owns the process: it must be waited for (reaped). ``stderr_fd``: the process's
+    stderr (a log file), instead of a pipe to us."""
+    if stderr_fd is not None:
+        stderr_pipe = False
     args = [_resolve(argv[0], spec), *argv[1:]]
     opened: list[int] = []
     errpipe = [-1, -1]
@@ -841,7 +845,7 @@ async def spawn(
         kwargs: dict[str, Any] = {
             "stdin": stdin,
             "stdout": stdout,
-            "stderr": w_out if stderr_pipe else subprocess.DEVNULL,
+            "stderr": w_out if stderr_pipe else (stderr_fd if stderr_fd is not None else subprocess.DEVNULL),
             "close_fds": True,
             "start_new_session": True,  # a ^C to the supervisor must not reach QEMU
             "env": dict(env) if env is not None else {},

@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import enum
+import errno
 import grp
 import logging
 import os
@@ -33,12 +34,13 @@ import pwd
 import shlex
 import signal
 import socket
+import stat
 import subprocess
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 import trio
@@ -47,6 +49,7 @@ from qemu.qmp import ExecuteError as _QMPExecuteError
 from qemu.qmp import QMPClient
 
 from actors._groups import collapse_single
+from actors.crash import crash_point
 
 log = logging.getLogger("sandvisor.machine")
 
@@ -148,10 +151,14 @@ class MachineSpec:
     qemu: str = "qemu-system-x86_64"
     extra_args: tuple[str, ...] = ()
 
-    def argv(self, run_dir: Path, qmp_fd: int, console_fd: int, fds: dict[str, int] | None = None) -> list[str]:
-        """QEMU's command line. With ``fds`` (kernel, initrd, disk, backing: descriptors
-        the supervisor opened), QEMU opens no file of ours by path: an unprivileged
-        QEMU needs no access to the state directory, only to its run dir."""
+    def argv(self, sock_dir: Path, fds: dict[str, int] | None = None) -> list[str]:
+        """QEMU's command line. ``sock_dir``: where QEMU makes its listening sockets
+        (QMP, console, guest channel) as QEMU sees it (in a jail: the jail's socket
+        dir). With ``fds`` (kernel, initrd, disk, backing layers, RAM: descriptors the
+        supervisor opened), QEMU opens no file of ours by path: it needs no access to
+        the state directory, only to its socket dir. QMP and the console listen on
+        sockets, not inherited pipes: they outlive the supervisor, so the next one can
+        reconnect (fd passing works over the QMP socket too)."""
         fds = fds or {}
         accel = self.accel
         if self.machine == "microvm":
@@ -180,7 +187,7 @@ class MachineSpec:
             "-m",
             f"{self.memory_mib}M",
             "-object",
-            self._memory_object(),
+            self._memory_object(fds.get("ram")),
             "-nodefaults",
             "-no-user-config",
             "-nographic",
@@ -192,24 +199,24 @@ class MachineSpec:
             "-append",
             self.append,
             "-chardev",
-            f"socket,id=con,fd={console_fd}",
+            f"socket,id=con,path={sock_dir / 'console.sock'},server=on,wait=off",
             "-serial",
             "chardev:con",
             "-chardev",
-            f"socket,id=qmp,fd={qmp_fd}",
+            f"socket,id=qmp,path={sock_dir / 'qmp.sock'},server=on,wait=off",
             "-mon",
             "chardev=qmp,mode=control",
             "-device",
             ser,
             "-chardev",
-            f"socket,id=guest,path={run_dir / 'guest.sock'},server=on,wait=off",
+            f"socket,id=guest,path={sock_dir / 'guest.sock'},server=on,wait=off",
             "-device",
             f"virtserialport,chardev=guest,name={GUEST_PORT_NAME}",
         ]
         for i, name in enumerate(self.extra_ports):
             a += [
                 "-chardev",
-                f"socket,id=port{i},path={run_dir / f'port{i}.sock'},server=on,wait=off",
+                f"socket,id=port{i},path={sock_dir / f'port{i}.sock'},server=on,wait=off",
                 "-device",
                 f"virtserialport,chardev=port{i},name={name}",
             ]
@@ -261,29 +268,46 @@ class MachineSpec:
         a += list(self.extra_args)
         return a
 
-    def _memory_object(self) -> str:
+    def _memory_object(self, fd: int | None) -> str:
         size = f"size={self.memory_mib}M"
-        if self.memory_file is None:
+        if self.memory_file is None and fd is None:
             return f"memory-backend-ram,id=mem0,{size}"
         share = "on" if self.memory_shared else "off"
-        return f"memory-backend-file,id=mem0,{size},mem-path={self.memory_file},share={share}"
+        path = f"/proc/self/fd/{fd}" if fd is not None else self.memory_file  # by descriptor: no path of ours
+        return f"memory-backend-file,id=mem0,{size},mem-path={path},share={share}"
 
     def open_files(self) -> dict[str, int]:
-        """Open what QEMU boots from, for :meth:`argv`'s ``fds`` (the caller closes them)."""
+        """Open what QEMU boots from, for :meth:`argv`'s ``fds`` (the caller closes them).
+        Regular files only, never through a symlink (``O_NOFOLLOW``; ``O_NONBLOCK`` so a
+        FIFO planted on a path cannot block us): a device or a FIFO is a LaunchError."""
         fds: dict[str, int] = {}
         try:
-            fds["kernel"] = os.open(self.kernel, os.O_RDONLY | os.O_CLOEXEC)
-            fds["initrd"] = os.open(self.initrd, os.O_RDONLY | os.O_CLOEXEC)
+            fds["kernel"] = open_regular(self.kernel, os.O_RDONLY)
+            fds["initrd"] = open_regular(self.initrd, os.O_RDONLY)
             if self.disk is not None:
-                fds["disk"] = os.open(self.disk, os.O_RDWR | os.O_CLOEXEC)
-                fds["disk_ro"] = os.open(self.disk, os.O_RDONLY | os.O_CLOEXEC)
+                fds["disk"] = open_regular(self.disk, os.O_RDWR)
+                fds["disk_ro"] = open_regular(self.disk, os.O_RDONLY)
                 for i, layer in enumerate(self.disk_chain):
-                    fds[f"layer{i}"] = os.open(layer, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as exc:
+                    fds[f"layer{i}"] = open_regular(layer, os.O_RDONLY)
+        except LaunchError:
             for fd in fds.values():
                 os.close(fd)
-            raise LaunchError(f"cannot open {exc.filename}: {exc.strerror}") from None
+            raise
         return fds
+
+
+def open_regular(path: Path, flags: int) -> int:
+    """``path`` opened with ``flags``, if it is a regular file reached without a symlink."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        why = "a symlink" if exc.errno == errno.ELOOP else exc.strerror
+        raise LaunchError(f"cannot open {path}: {why}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise LaunchError(f"{path} is not a regular file")
+    os.set_blocking(fd, True)
+    return fd
 
 
 def _image_format(path: Path) -> str:
@@ -365,26 +389,150 @@ async def qmp_loop() -> AsyncIterator[None]:
         yield
 
 
+class Proc(Protocol):
+    """A QEMU process, however it was started (a child, a jailed child, or adopted)."""
+
+    pid: int
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    async def wait(self) -> int: ...
+
+    def kill(self) -> None: ...
+
+    def send_signal(self, sig: int) -> None: ...
+
+
+UNKNOWN_EXIT = -1000  # an adopted QEMU's exit status: not our child, the kernel tells us nothing
+
+
+def start_time(pid: int) -> int:
+    """Field 22 of /proc/<pid>/stat (clock ticks after boot): with the pid, who a process is."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+class AdoptedProcess:
+    """A QEMU a previous supervisor started, watched through a pidfd: no pid recycling
+    race, no zombie of ours (its parent is init now), no exit status."""
+
+    def __init__(self, pid: int, pidfd: int) -> None:
+        self.pid = pid
+        self._pidfd = pidfd
+        self._returncode: int | None = None
+
+    @classmethod
+    def open(cls, pid: int, started: int) -> AdoptedProcess | None:
+        """The process ``pid`` if it is still the one that started at ``started``."""
+        try:
+            fd = os.pidfd_open(pid)
+        except OSError:
+            return None
+        if start_time(pid) != started:  # (checked after the pidfd: it pins this process)
+            os.close(fd)
+            return None
+        return cls(pid, fd)
+
+    @property
+    def returncode(self) -> int | None:
+        return self._returncode
+
+    async def wait(self) -> int:
+        if self._returncode is None:
+            await trio.lowlevel.wait_readable(self._pidfd)
+            self._returncode = UNKNOWN_EXIT
+            os.close(self._pidfd)
+            self._pidfd = -1
+        return self._returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self._returncode is None and self._pidfd >= 0:
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(self._pidfd, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+Spawner = Callable[[list[str], tuple[int, ...], int], Awaitable[Proc]]
+"""Start QEMU's argv with these descriptors and this stderr fd, somewhere (a jail)."""
+
+
+@attrs.frozen
+class Placement:
+    """Where a QEMU runs: its socket dir as the host reaches it and as QEMU sees it (in
+    a jail, its socket dir), its stderr log (a file the next supervisor can read), and
+    how it is started (``spawn``: into a jail; None: a plain child, as ``user``)."""
+
+    sock_dir: Path
+    log: Path
+    qemu_dir: Path | None = None  # default: sock_dir
+    spawn: Spawner | None = None
+
+    @classmethod
+    def plain(cls, run_dir: Path) -> Placement:
+        return cls(sock_dir=run_dir, log=run_dir / "qemu.log")
+
+
 class Machine:
     """One QEMU process and its QMP connection. Owns the process, the QMP client and
-    the console; the run dir is the caller's (it exists, and holds the guest channel
-    socket)."""
+    the console; the placement's directories are the caller's (they exist).
 
-    def __init__(self, spec: MachineSpec, run_dir: Path, *, name: str = "vm") -> None:
+    ``run`` starts QEMU (``on_spawned`` is told its pid and start time at once, before
+    QMP: a crash from here on leaves a process the next supervisor can find); or, for
+    a machine made by :meth:`adopt`, attaches to a QEMU a previous supervisor started.
+    :meth:`detach` lets go of a running QEMU without stopping it (it outlives us)."""
+
+    def __init__(
+        self,
+        spec: MachineSpec,
+        placement: Placement | Path,
+        *,
+        name: str = "vm",
+        fds: dict[str, int] | None = None,
+        on_spawned: Callable[[int, int], None] | None = None,
+    ) -> None:
         self.spec = spec
-        self.run_dir = run_dir
+        self.placement = placement if isinstance(placement, Placement) else Placement.plain(placement)
+        self.run_dir = self.placement.sock_dir
         self.name = name
         self.runstate = Runstate.NEW
-        self.proc: trio.Process | None = None
+        self.proc: Proc | None = None
         self.qmp = QMPClient(name)
         self.console = _Ring(CONSOLE_RING)
-        self.stderr = _Ring(16 * 1024)
         self._exited = trio.Event()
         self.returncode: int | None = None
         self._nursery: trio.Nursery | None = None
         self._fd_lock = trio.Lock()  # SCM_RIGHTS + its getfd/add-fd must not interleave
         self._disk_top = "disk0"  # the block node the disk device writes to (moves on checkpoint)
         self._staged = 0  # overlays staged so far: fd set and node names stay unique
+        self._fds = dict(fds or {})  # more descriptors for QEMU (RAM, taps), the caller's
+        self._on_spawned = on_spawned
+        self._adopted: AdoptedProcess | None = None
+        self._qmp_sock: socket.socket | None = None
+        self.detached = False
+
+    @classmethod
+    def adopt(cls, spec: MachineSpec, placement: Placement, proc: AdoptedProcess, *, name: str = "vm") -> Machine:
+        """A machine for a running QEMU (its :meth:`run` attaches instead of starting)."""
+        m = cls(spec, placement, name=name)
+        m._adopted = proc
+        return m
+
+    @property
+    def disk_top(self) -> str:
+        return self._disk_top
+
+    @property
+    def staged(self) -> int:
+        return self._staged
+
+    def resume_life_state(self, disk_top: str, staged: int) -> None:
+        """An adopted QEMU's block graph, as recorded (a checkpoint moved its disk)."""
+        self._disk_top, self._staged = disk_top, staged
 
     @property
     def guest_socket(self) -> Path:
@@ -394,81 +542,143 @@ class Machine:
     def pid(self) -> int | None:
         return self.proc.pid if self.proc else None
 
+    def stderr_tail(self, lines: int = 3) -> list[str]:
+        try:
+            with open(self.placement.log, "rb") as f:
+                f.seek(max(0, os.fstat(f.fileno()).st_size - 4096))
+                return f.read().decode(errors="replace").strip().splitlines()[-lines:]
+        except OSError:
+            return []
+
     def describe_exit(self) -> str:
         rc = self.returncode
-        how = f"killed by signal {-rc}" if rc is not None and rc < 0 else f"exit status {rc}"
-        err = self.stderr.text().strip().splitlines()[-3:]
+        if rc == UNKNOWN_EXIT:
+            how = "exited (its status is unknown: a previous supervisor started it)"
+        elif rc is not None and rc < 0:
+            how = f"killed by signal {-rc}"
+        else:
+            how = f"exit status {rc}"
+        err = self.stderr_tail()
         return f"QEMU {how}" + (f": {' | '.join(err)}" if err else "")
 
     async def run(self, task_status: trio.TaskStatus[Machine] = trio.TASK_STATUS_IGNORED) -> None:
-        """Launch QEMU, then supervise it until it exits. ``started`` once QMP is up."""
+        """Launch (or attach to) QEMU, then supervise it until it exits. ``started`` once
+        QMP is up."""
         if self.runstate is not Runstate.NEW:
             raise MachineStateError(f"machine is {self.runstate.value}, not new")
-        for p in self.run_dir.glob("*.sock"):
-            p.unlink()
-        user = self.spec.user
-        if user is not None:
-            os.chown(self.run_dir, user.uid, user.gid)  # QEMU creates the guest socket here
-        files = self.spec.open_files()
-        qmp_mine, qmp_theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        con_mine, con_theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        argv = self.spec.argv(self.run_dir, qmp_theirs.fileno(), con_theirs.fileno(), files)
-        log.debug("launch %s: %s", self.name, shlex.join(argv))
-        creds: dict[str, Any] = {}
-        if user is not None:
-            creds = {"user": user.uid, "group": user.gid, "extra_groups": list(user.groups)}
-        try:
-            try:
-                self.proc = await trio.lowlevel.open_process(
-                    argv,
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.PIPE,
-                    pass_fds=(qmp_theirs.fileno(), con_theirs.fileno(), *files.values()),
-                    start_new_session=True,  # a ^C to the supervisor must not reach QEMU
-                    **creds,
-                )
-            except OSError as exc:
-                raise LaunchError(f"cannot start {argv[0]}: {exc}") from exc
-        finally:
-            qmp_theirs.close()
-            con_theirs.close()
-            for fd in files.values():
-                os.close(fd)
+        if self._adopted is not None:
+            self.proc = self._adopted
+        else:
+            self.proc = await self._launch()
         self.runstate = Runstate.RUNNING
         try:
             with collapse_single():
-                await self._supervise(qmp_mine, con_mine, task_status)
+                await self._supervise(task_status)
         finally:
             with trio.CancelScope(shield=True):
-                await self._kill_and_reap()
-                try:
+                if not self.detached:
+                    await self._kill_and_reap()
+                with contextlib.suppress(Exception):  # EOF after quit/kill is reported here
                     await trio_asyncio.aio_as_trio(self.qmp.disconnect)()
-                except Exception:  # EOF after quit/kill is reported here; nothing to do
-                    pass
-                qmp_mine.close()
+                if self._qmp_sock is not None:
+                    self._qmp_sock.close()
             self._nursery = None
 
-    async def _supervise(
-        self, qmp_mine: socket.socket, con_mine: socket.socket, task_status: trio.TaskStatus[Machine]
-    ) -> None:
+    async def _launch(self) -> Proc:
+        p = self.placement
+        for old in p.sock_dir.glob("*.sock"):
+            old.unlink()
+        user = self.spec.user
+        if user is not None and p.spawn is None:
+            os.chown(p.sock_dir, user.uid, user.gid)  # QEMU creates its sockets here
+        files = self.spec.open_files()
+        fds = {**files, **self._fds}
+        argv = self.spec.argv(p.qemu_dir or p.sock_dir, fds)
+        log.debug("launch %s: %s", self.name, shlex.join(argv))
+        try:
+            err = os.open(p.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            for fd in files.values():
+                os.close(fd)
+            raise LaunchError(f"cannot open QEMU's log {p.log}: {exc.strerror}") from None
+        try:
+            if p.spawn is not None:
+                proc = await p.spawn(argv, tuple(fds.values()), err)
+            else:
+                creds: dict[str, Any] = {}
+                if user is not None:
+                    creds = {"user": user.uid, "group": user.gid, "extra_groups": list(user.groups)}
+                try:
+                    proc = await trio.lowlevel.open_process(
+                        argv,
+                        stdin=subprocess.DEVNULL,
+                        stdout=subprocess.DEVNULL,
+                        stderr=err,
+                        pass_fds=tuple(fds.values()),
+                        start_new_session=True,  # a ^C to the supervisor must not reach QEMU
+                        **creds,
+                    )
+                except OSError as exc:
+                    raise LaunchError(f"cannot start {argv[0]}: {exc}") from exc
+        finally:
+            os.close(err)
+            for fd in files.values():
+                os.close(fd)
+        if self._on_spawned is not None:
+            try:
+                self._on_spawned(proc.pid, start_time(proc.pid))
+            except BaseException:
+                proc.kill()
+                with trio.CancelScope(shield=True):
+                    await proc.wait()
+                raise
+        crash_point("spawned")
+        return proc
+
+    async def _connect(self, name: str) -> socket.socket:
+        """Connect to one of QEMU's listening sockets (made during its start-up)."""
+        path = self.run_dir / name
+        with trio.fail_after(10):
+            while True:
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+                try:
+                    s.connect(str(path))
+                    return s
+                except (FileNotFoundError, ConnectionRefusedError):
+                    s.close()
+                    if self.exited:
+                        raise LaunchError(f"QEMU exited before it listened on {name}: {self.describe_exit()}") from None
+                    await trio.sleep(0.002)
+                except OSError:
+                    s.close()
+                    raise
+
+    async def _supervise(self, task_status: trio.TaskStatus[Machine]) -> None:
         assert self.proc is not None
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
-            nursery.start_soon(self._pump, trio.SocketStream(trio.socket.from_stdlib_socket(con_mine)), self.console)
-            assert self.proc.stderr is not None
-            nursery.start_soon(self._pump, self.proc.stderr, self.stderr)
             nursery.start_soon(self._reap)
             try:
+                self._qmp_sock = await self._connect("qmp.sock")
                 with trio.fail_after(10):
-                    await trio_asyncio.aio_as_trio(self.qmp.connect)(qmp_mine)
+                    await trio_asyncio.aio_as_trio(self.qmp.connect)(self._qmp_sock)
             except (Exception, trio.TooSlowError) as exc:
                 with trio.move_on_after(0.5):
                     await self._exited.wait()
                 raise LaunchError(f"QMP handshake failed: {exc}; {self.describe_exit()}") from exc
+            with contextlib.suppress(LaunchError, OSError, trio.TooSlowError):
+                con = await self._connect("console.sock")
+                nursery.start_soon(self._pump, trio.SocketStream(trio.socket.from_stdlib_socket(con)), self.console)
             task_status.started(self)
             await self._exited.wait()
             nursery.cancel_scope.cancel()
+
+    def detach(self) -> None:
+        """Let go of QEMU without stopping it: leaving ``run`` closes our connections and
+        leaves the process running (for the next supervisor to adopt)."""
+        self.detached = True
+        if self._nursery is not None:
+            self._nursery.cancel_scope.cancel()
 
     async def _pump(self, stream: trio.abc.ReceiveStream, ring: _Ring) -> None:
         try:
@@ -669,7 +879,7 @@ class Machine:
         """ask (guestd powers off) -> QMP quit -> SIGTERM -> SIGKILL; always reaped.
         Shielded: a cancelled caller still leaves no process behind."""
         with trio.CancelScope(shield=True):
-            if self.proc is None:
+            if self.proc is None or self.detached:
                 return 0
             steps: list[tuple[str, Callable[[], Awaitable[None]], float]] = []
             if ask is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import os
+from pathlib import Path
 from typing import Any, TypeVar
 
 import attrs
@@ -276,6 +277,8 @@ def check_config(cfg: SandboxConfig) -> None:
 
 # --- the converter (the store's; msgpack) ------------------------------------------------------
 converter = make_converter(forbid_extra_keys=False)
+converter.register_unstructure_hook(Path, str)
+converter.register_structure_hook(Path, lambda v, _: Path(v))
 
 
 def dump(obj: Any) -> Any:

@@ -56,16 +56,19 @@ class NetNS:
     supervisor's own."""
 
     name: str | None = None
+    file: str = ""  # or a namespace file: /proc/<pid>/ns/net of a jailed QEMU
 
     @property
     def path(self) -> Path | None:
+        if self.file:
+            return Path(self.file)
         return None if self.name is None else Path("/run/netns") / self.name
 
     @contextlib.contextmanager
     def entered(self) -> Iterator[None]:
         """The calling thread is in this namespace for the block (synchronous code only:
         nothing may await inside)."""
-        if self.name is None:
+        if self.path is None:
             yield
             return
         back = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)

@@ -28,6 +28,7 @@ import base64
 import builtins
 import logging
 import os
+import stat
 import time
 import uuid
 from pathlib import Path
@@ -35,7 +36,6 @@ from pathlib import Path
 import trio
 
 from actors.crash import crash_point
-from actors.disk import backing_chain
 from actors.errors import (
     AlreadyExists,
     Code,
@@ -49,7 +49,7 @@ from actors.errors import (
 )
 from actors.events import EventBus
 from actors.files import SandboxFiles
-from actors.machine import MachineError, unsearchable_parent
+from actors.machine import AdoptedProcess, MachineError, start_time, unsearchable_parent
 from actors.model import (
     ALIVE,
     POOL_PREFIX,
@@ -66,7 +66,7 @@ from actors.model import (
 )
 from actors.pools import Pools
 from actors.quotas import Admission, Quotas
-from actors.sandbox import Boot, Plan, Resume, Sandbox
+from actors.sandbox import Adopt, Boot, Plan, Resume, Sandbox
 from actors.settings import Settings
 from actors.snapshot import Checkpoint, SnapshotStore
 from actors.store import Record, SnapshotRecord, Store
@@ -110,17 +110,24 @@ class Registry:
         if s.qemu_user is not None:
             s.run_root.chmod(0o711)  # QEMU's user reaches its own run dir, lists none
             check_traversable(s.run_root, s.qemu_user.name)
-        if s.memory_dir is not None:
+        if s.memory_dir is not None and s.cells is None:
             s.memory_dir.mkdir(parents=True, exist_ok=True)
-            s.memory_dir.chmod(0o711)
+            s.memory_dir.chmod(0o711)  # (in cells, RAM goes by descriptor: Cells made it 0700)
         self.snapshots.load()
         self.pools.drop_stale_templates()
-        await self._recover()
+        adoptions = await self._recover()
         try:
             async with trio.open_nursery() as nursery:
                 self._lives = nursery
                 await nursery.start(self.store.run)
                 await nursery.start(self.snapshots.run)
+                for sb, plan in adoptions:  # settled before we serve: adopted, or killed and reaped
+                    await sb.start(nursery, plan)
+                for sb, _ in adoptions:
+                    await sb.ready_event.wait()
+                    if sb.state == State.FAILED:
+                        log.warning("sandbox %s could not be adopted: %s", sb.id, sb.record.error)
+                await self.store.flush()
                 await nursery.start(self.pools.run, self)
                 nursery.start_soon(self._timers)
                 task_status.started(self)
@@ -149,35 +156,77 @@ class Registry:
             for sb in [*self.sandboxes.values(), *self.pools.all_members()]:
                 await sb.wait_stopped()
 
-    async def _recover(self) -> None:
-        """Records of the previous supervisor: a VM it left running is killed, never adopted."""
+    async def _recover(self) -> list[tuple[Sandbox, Adopt]]:
+        """Records of the previous supervisor. A QEMU it recorded that still runs (the
+        same pid and start time) is adopted when its sandbox was ready or running: it
+        keeps its memory, processes and ports. Any other QEMU of ours -- recorded but
+        not adoptable (booting, a pool member), or under our run root and named by no
+        record -- is killed and reaped (or confirmed gone) before we serve."""
+        adoptions: list[tuple[Sandbox, Adopt]] = []
+        ours: set[int] = set()
         for rec in self.store.all():
             sb = self._sandbox(rec)
-            if is_hidden(rec.id):  # a warm pool member: its QEMU goes, and so does it
-                _kill_orphan(rec.qemu_pid, rec.uid)
+            proc = AdoptedProcess.open(rec.life.pid, rec.life.start_time) if rec.life is not None else None
+            if proc is not None and rec.life is not None and rec.state in ALIVE and not is_hidden(rec.id):
+                adoptions.append((sb, Adopt(rec.life, proc, accepted=time.monotonic())))
+                ours.add(proc.pid)
+                self.sandboxes[rec.id] = sb
+                continue
+            killed = await _end(proc)
+            self._close_life(sb)
+            if is_hidden(rec.id):  # a warm pool member: it goes, and so does its QEMU
                 await self.forget(sb)
                 continue
-            if rec.state in (State.STARTING, *ALIVE, State.STOPPING):
-                killed = _kill_orphan(rec.qemu_pid, rec.uid)
-                rec.state = State.FAILED
-                rec.error = "the supervisor exited while this sandbox was running" + (
+            if rec.state == State.STOPPING:  # it was being stopped: it is now
+                rec.state, rec.qemu_pid = State.STOPPED, 0
+                self.store.update(rec)
+            elif rec.state in (State.STARTING, *ALIVE):
+                rec.error = f"the supervisor exited while this sandbox was {rec.state}" + (
                     " (its QEMU process was killed)" if killed else ""
                 )
-                rec.qemu_pid = 0
+                rec.state, rec.qemu_pid = State.FAILED, 0
                 self.store.update(rec)
             self.sandboxes[rec.id] = sb
-        SandboxFiles.sweep_lives(self.settings)  # no life runs yet: what is there is stale
+        for pid in _our_qemus(self.settings.run_root) - ours:
+            log.warning("killing QEMU %d under our run root that no record names", pid)
+            await _end(AdoptedProcess.open(pid, start_time(pid)))
+        keep = {Path(plan.life.run_dir).name for _, plan in adoptions}
+        SandboxFiles.sweep_lives(self.settings, keep=keep)  # what no adopted life holds is stale
+        if self.settings.cells is not None:
+            self.settings.cells.sweep(keep=keep)
         await self.snapshots.collect()
+        return adoptions
+
+    def _close_life(self, sb: Sandbox) -> None:
+        """What a dead life left (its cell: cgroup, jail dir, identity, RAM file)."""
+        life, cells = sb.record.life, self.settings.cells
+        if life is None:
+            return
+        if life.uid and cells is not None:
+            cells.reopen(sb.record.uid[:18], Path(life.run_dir), life.uid, life.ram).close()
+        sb.record.life = None
+        self.store.update_life(sb.record)
+
+    async def detach_all(self) -> None:
+        """Let every running sandbox go on without us (serve --keep-sandboxes): their
+        QEMUs run on, recorded, for the next supervisor; pool members are stopped."""
+        self._closing = True
+        with trio.CancelScope(shield=True):
+            self.pools.close()
+            for sb in self.sandboxes.values():
+                if sb.state in ALIVE:
+                    sb.detach()
+                else:
+                    sb.request_stop(0, force=True)
+            await self._wait_all(30)
+            await self.pools.discard_all(self)
+            await self.store.flush()
 
     def _layers_in_use(self) -> set[Path]:
-        """Every disk layer a sandbox or pool member stands on."""
+        """Every disk layer a sandbox or pool member stands on (as recorded)."""
         used: set[Path] = set()
         for sb in [*self.sandboxes.values(), *self.pools.all_members()]:
-            if sb.files.disk.exists():
-                try:
-                    used.update(backing_chain(sb.files.disk))
-                except MachineError:
-                    continue
+            used.update(Path(p) for p in sb.record.chain)
         return used
 
     # -- sandboxes: making and forgetting ---------------------------------------------
@@ -296,8 +345,8 @@ class Registry:
         check_id(id)
         check_config(config)
         for what, path in (("kernel", config.boot.kernel), ("rootfs", config.boot.rootfs)):
-            if path and not Path(path).is_file():
-                raise NotFound(f"{what} {path!r} is not a file on the supervisor's host")
+            if path:
+                check_host_file(what, path, self.settings.allowed_paths)
         if id and id in self.sandboxes:
             existing = self.sandboxes[id]
             if existing.config == config:
@@ -495,14 +544,16 @@ class Registry:
 
     async def delete_snapshot(self, ref: str) -> None:
         snap = self.snapshots.get(ref)
-        disks = [(f"sandbox {sb.id}", sb.files.disk) for sb in self.sandboxes.values() if sb.files.disk.exists()]
-        deps = self.snapshots.dependents(snap, disks)
+        users = [(f"sandbox {sb.id}", sb.record.chain) for sb in self.sandboxes.values()]
+        deps = self.snapshots.dependents(snap, users)
         if deps:
             more = f" and {len(deps) - 3} more" if len(deps) > 3 else ""
             raise FailedPrecondition(
                 f"snapshot {snap.id} is in use: the disk of {', '.join(deps[:3])}{more} depends on it"
             )
         await self.pools.drain(snap.id, self)
+        if self.settings.cells is not None:
+            self.settings.cells.sealed.drop(snap.id)
         await self.snapshots.delete(snap)
 
     # -- timers ------------------------------------------------------------------
@@ -550,6 +601,27 @@ class Registry:
             self._removing.discard(id)
 
 
+def check_host_file(what: str, path: str, allowed: tuple[Path, ...]) -> None:
+    """A caller's own kernel or rootfs: a regular file, reached through no symlink, in a
+    directory the operator allows. Root opens it for QEMU: without these rules a
+    Create could hand a guest /etc/shadow or the host's disk."""
+    p = Path(path)
+    if not p.is_absolute() or ".." in p.parts:
+        raise InvalidArgument(f"{what} must be an absolute path without '..'")
+    dirs = [d.resolve() for d in allowed]
+    if not any(p.is_relative_to(d) for d in dirs):
+        where = ", ".join(map(str, dirs)) or "none (serve --allow-path DIR allows one)"
+        raise FailedPrecondition(f"{what} {path!r} is not in a directory the supervisor allows; allowed: {where}")
+    try:
+        st = p.lstat()
+    except FileNotFoundError:
+        raise NotFound(f"{what} {path!r} is not a file on the supervisor's host") from None
+    except OSError as exc:
+        raise FailedPrecondition(f"{what} {path!r}: {exc.strerror}") from None
+    if os.path.realpath(p) != str(p) or not stat.S_ISREG(st.st_mode):
+        raise FailedPrecondition(f"{what} {path!r} must be a regular file reached through no symlink")
+
+
 def check_traversable(path: Path, user: str) -> None:
     """QEMU runs as ``user`` and creates its guest socket under ``path``: every parent
     must let others through (o+x). Said at start, not at the first boot's failure."""
@@ -576,18 +648,42 @@ def decode_cursor(cursor: str) -> int:
         raise InvalidArgument("invalid cursor") from None
 
 
-def _kill_orphan(pid: int, uid: str) -> bool:
-    """Kill a QEMU left by a dead supervisor, only if it is really ours (its argv names the uid)."""
-    if not pid:
+async def _end(proc: AdoptedProcess | None, timeout: float = 10.0) -> bool:
+    """SIGKILL a QEMU and wait until it is gone (a pidfd: no recycled pid is hit).
+    True if it was running."""
+    if proc is None:
         return False
-    try:
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes()
-    except OSError:
-        return False
-    if b"qemu" not in argv or uid[:18].encode() not in argv:
-        return False
-    try:
-        os.kill(pid, 9)
-    except OSError:
-        return False
+    proc.kill()
+    with trio.move_on_after(timeout) as scope:
+        await proc.wait()
+    if scope.cancelled_caught:
+        log.error("QEMU %d did not die within %gs of SIGKILL", proc.pid, timeout)
     return True
+
+
+def _our_qemus(run_root: Path) -> set[int]:
+    """QEMUs whose "/" is a jail dir under our run root (the same directory inode: a
+    pivot_root-ed process's root has no path in our mount namespace), or whose argv
+    names our run root (unjailed)."""
+    root = str(run_root.resolve()).encode()
+    jails = set()
+    for jail_dir in run_root.glob("*/root"):
+        try:
+            st = jail_dir.stat()
+            jails.add((st.st_dev, st.st_ino))
+        except OSError:
+            continue
+    found = set()
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = Path(entry.path, "cmdline").read_bytes()
+            if b"qemu-system" not in argv.split(b"\0", 1)[0]:
+                continue
+            st = os.stat(Path(entry.path, "root"))
+        except OSError:
+            continue
+        if (st.st_dev, st.st_ino) in jails or root + b"/" in argv:
+            found.add(int(entry.name))
+    return found

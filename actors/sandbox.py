@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import socket
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
@@ -46,7 +47,9 @@ from typing import Any, TypeVar
 import attrs
 import trio
 
+from actors.cell import Cell
 from actors.crash import crash_point
+from actors.disk import backing_chain
 from actors.errors import (
     AlreadyExists,
     DeadlineExceeded,
@@ -61,7 +64,7 @@ from actors.errors import (
 from actors.events import EventBus
 from actors.files import SandboxFiles
 from actors.guest import ExecHandle, FileReadStream, GuestError, GuestOpError, GuestTimeout
-from actors.machine import MachineError
+from actors.machine import AdoptedProcess, MachineError, Placement
 from actors.model import (
     ALIVE,
     ENDED,
@@ -74,12 +77,16 @@ from actors.model import (
     SandboxConfig,
     SandboxMetrics,
     State,
+    dump,
     is_hidden,
+    load,
 )
+from actors.netns import NetNS
+from actors.portfwd import PortInUse, Target, bind_listener, relay_tcp, relay_udp
 from actors.settings import Settings
 from actors.snapshot import Checkpoint, checkpoint_guest, memory_for_restore, still_running
-from actors.store import Record, SnapshotRecord, Store
-from actors.vm import NETDEV_ID, BootError, Guest, NetConfig, VmSpec
+from actors.store import LifeState, Record, SnapshotRecord, Store
+from actors.vm import NETDEV_ID, Attach, BootError, Guest, NetConfig, VmSpec
 from guestd import proto as P
 
 log = logging.getLogger("sandvisor.sandbox")
@@ -127,7 +134,17 @@ class Resume:
     fallback: Callable[[SnapshotRecord, str], None] | None = None
 
 
-Plan = Boot | Resume
+@attrs.frozen
+class Adopt:
+    """A QEMU a previous supervisor started and recorded (``life``), still running
+    (``proc``): reconnect and serve it, with its memory, processes and ports."""
+
+    life: LifeState
+    proc: AdoptedProcess
+    accepted: float = 0.0
+
+
+Plan = Boot | Resume | Adopt
 
 
 class Sandbox:
@@ -167,6 +184,11 @@ class Sandbox:
         self._ckpt_done.set()
         self.ready_event = trio.Event()  # set when this life reaches ready (or ends)
         self._guest_hostname = ""  # what the fixups last set in this life's guest
+        self._detaching = False  # this life lets go of QEMU instead of stopping it
+        self._cell: Cell | None = None  # this life's jail, cgroup, identity
+        self._sealed = ""  # the snapshot whose sealed memory this life holds
+        self._ports_nursery: trio.Nursery | None = None  # this life's port relays (jailed)
+        self._relays: dict[tuple[int, Protocol], trio.CancelScope] = {}
 
     # -- identity ------------------------------------------------------------
     @property
@@ -231,9 +253,13 @@ class Sandbox:
             raise
 
     async def run(self, plan: Plan, task_status: trio.TaskStatus[Sandbox] = trio.TASK_STATUS_IGNORED) -> None:
-        """Boot or restore, serve until asked to stop (or until QEMU dies), power off."""
+        """Boot, restore or adopt; serve until asked to stop (or until QEMU dies), power
+        off -- or, detached (the supervisor exits and leaves sandboxes running), let go
+        of QEMU with its record as it is, for the next supervisor."""
         self._guest_hostname = ""
-        self._set(State.STARTING, error="", qemu_pid=0)
+        self._detaching = False
+        if not isinstance(plan, Adopt):
+            self._set(State.STARTING, error="", qemu_pid=0)
         self.timings = {"accepted": plan.accepted or time.monotonic()}
         try:
             with trio.CancelScope() as scope:
@@ -264,7 +290,9 @@ class Sandbox:
             self.guest = None
             self._life_scope = None
             self.ready_event.set()
-            if self.state != State.FAILED:
+            if self._detaching:
+                self.log.append("system", b"detached: QEMU runs on for the next supervisor")
+            elif self.state != State.FAILED:
                 self._set(State.STOPPED, qemu_pid=0)
                 self.emit(Action.STOPPED, exit_code=str(self.record.last_exit_code))
             else:
@@ -277,29 +305,25 @@ class Sandbox:
         self._set(State.FAILED, error=error)
         self.emit(Action.FAILED, error=error)
 
-    def _vm_spec(self, plan: Plan) -> VmSpec:
+    def _vm_spec(self, plan: Boot | Resume, ram: Path | None, ram_shared: bool = True) -> VmSpec:
         s, cfg, files = self.settings, self.config, self.files
         limits = self.limits
+        chain = tuple(Path(p) for p in self.record.chain)
         if isinstance(plan, Resume):
             snap = plan.snapshot
-            mapped = snap.memory == MemoryKind.MAPPED
-            ram = (
-                memory_for_restore(snap.path, files.run_dir, s.qemu_user)
-                if mapped
-                else (files.make_ram(snap.machine.memory_mib, s.qemu_user) if files.ram is not None else None)
-            )
             return VmSpec(
                 kernel=snap.path / "kernel",
                 initrd=snap.path / "initrd",
                 append=snap.machine.append,
                 disk=files.disk,
+                chain=chain,
                 cpus=snap.machine.cpus,
                 memory_mib=snap.machine.memory_mib,
                 accel=s.accel,
-                user=s.qemu_user,
+                user=None if s.cells is not None else s.qemu_user,
                 network=self.network,
                 ram=ram,
-                ram_shared=not mapped,  # mapped: the snapshot's file, privately (copy-on-write)
+                ram_shared=ram_shared,
                 restore=snap.path / "vmstate",
                 boot_timeout=min(s.boot_timeout, RESTORE_HELLO_TIMEOUT),
                 answer_timeout=s.guest_timeout,
@@ -308,6 +332,7 @@ class Sandbox:
         return VmSpec.boot(
             s.image,
             disk=files.disk,
+            chain=chain,
             accel=s.accel,
             hostname=self.hostname,
             network=self.network,
@@ -315,11 +340,32 @@ class Sandbox:
             kernel=Path(cfg.boot.kernel) if cfg.boot.kernel else None,
             cpus=limits.vcpus,
             memory_mib=limits.memory_mib,
-            user=s.qemu_user,
-            ram=files.make_ram(limits.memory_mib, s.qemu_user) if files.ram is not None else None,
+            user=None if s.cells is not None else s.qemu_user,
+            ram=ram,
             boot_timeout=s.boot_timeout,
             answer_timeout=s.guest_timeout,
         )
+
+    def _ram(self, plan: Boot | Resume, cell: Cell | None, fds: dict[str, int]) -> tuple[Path | None, bool]:
+        """The life's guest RAM: (file, shared). A fresh shared file (a boot, a streamed
+        restore), or a mapped snapshot's memory, privately. In a cell both go to QEMU
+        by descriptor (``fds["ram"]``): the RAM file is the cell identity's own; the
+        snapshot's memory a sealed memfd nobody can write."""
+        s, files = self.settings, self.files
+        size = plan.snapshot.machine.memory_mib if isinstance(plan, Resume) else self.limits.memory_mib
+        if isinstance(plan, Resume) and plan.snapshot.memory == MemoryKind.MAPPED:
+            snap = plan.snapshot
+            if cell is not None:
+                fds["ram"] = cell.cells.sealed.acquire(snap.id, snap.path / "memory")
+                self._sealed = snap.id
+                return snap.path / "memory", False
+            return memory_for_restore(snap.path, files.run_dir, s.qemu_user), False
+        if s.memory_dir is None:
+            return None, True
+        if cell is not None:
+            path, fds["ram"] = cell.make_ram(size)
+            return path, True
+        return files.make_ram(size, s.qemu_user), True
 
     def _base(self) -> Path:
         """The read-only root filesystem a fresh boot's overlay stands on."""
@@ -329,17 +375,95 @@ class Sandbox:
         return Path(boot.rootfs) if boot.rootfs else self.settings.image.rootfs
 
     async def _life(self, plan: Plan) -> None:
+        if isinstance(plan, Adopt):
+            await self._adopted_life(plan)
+            return
         if isinstance(plan, Resume):
             await self.files.overlay_on(plan.snapshot.disk)
+            self.record.chain = [str(p) for p in plan.snapshot.layers]
         elif not self.files.disk.exists():
-            await self.files.overlay_on(self._base())
+            base = self._base()
+            await self.files.overlay_on(base)
+            self.record.chain = [str(base), *map(str, backing_chain(base))]  # ours: made from a trusted base
         run_dir = self.files.new_run_dir()
+        cells = self.settings.cells
+        cell = None
+        fds: dict[str, int] = {}
+        self._sealed = ""
         try:
-            spec = self._vm_spec(plan)
-            async with self.settings.launch(spec, run_dir) as guest:
+            if cells is not None:
+                cell = cells.open(
+                    self.record.uid[:18], run_dir, memory_mib=self.limits.memory_mib, vcpus=self.limits.vcpus
+                )
+            ram, shared = self._ram(plan, cell, fds)
+            spec = self._vm_spec(plan, ram, shared)
+            placement = (
+                Placement(sock_dir=cell.sock_dir, qemu_dir=cell.qemu_dir, log=run_dir / "qemu.log", spawn=cell.spawn)
+                if cell is not None
+                else Placement.plain(run_dir)
+            )
+
+            def spawned(pid: int, started: int) -> None:
+                self.record.qemu_pid = pid
+                self.record.life = LifeState(
+                    pid=pid,
+                    start_time=started,
+                    run_dir=str(run_dir),
+                    sock_dir=str(placement.sock_dir),
+                    uid=cell.identity.uid if cell is not None else 0,
+                    cgroup=cell.name if cell is not None and cell.cgroup is not None else "",
+                    jail_root=str(cell.spec.root) if cell is not None else "",
+                    ram=str(ram) if ram is not None and shared else "",
+                    spec=dump(spec),
+                )
+                self._store.update_life(self.record)
+
+            self._cell = cell
+            async with self.settings.launch(spec, Attach(placement, fds, on_spawned=spawned)) as guest:
+                self._release_ram(fds, cell)  # QEMU has its own mapping now
                 await self._serve(guest, plan)
         finally:
-            self.files.end_life()
+            self._release_ram(fds, cell)
+            self._end_life(cell)
+
+    def _release_ram(self, fds: dict[str, int], cell: Cell | None) -> None:
+        fd = fds.pop("ram", None)
+        if fd is None:
+            return
+        if self._sealed and cell is not None:
+            cell.cells.sealed.release(self._sealed, fd)
+        else:
+            os.close(fd)
+
+    def _end_life(self, cell: Cell | None) -> None:
+        """What one life leaves goes, unless it was detached (QEMU runs on)."""
+        self._cell = None
+        if self._detaching:
+            return
+        if cell is not None:
+            cell.close()
+        self.files.end_life()
+        if self.record.life is not None:
+            self.record.life = None
+            self._store.update_life(self.record)
+
+    async def _adopted_life(self, plan: Adopt) -> None:
+        """Reconnect to a QEMU a previous supervisor started (its cell, sockets, guest)."""
+        life, cells = plan.life, self.settings.cells
+        run_dir = Path(life.run_dir)
+        cell = None
+        if life.uid and cells is not None:
+            cell = cells.reopen(self.record.uid[:18], run_dir, life.uid, life.ram)
+        self._cell = cell
+        self._sealed = ""
+        placement = Placement(sock_dir=Path(life.sock_dir), log=run_dir / "qemu.log")
+        spec = load(life.spec, VmSpec)
+        try:
+            at = Attach(placement, adopt=plan.proc, disk_top=life.disk_top, staged=life.staged)
+            async with self.settings.launch(spec, at) as guest:
+                await self._serve(guest, plan)
+        finally:
+            self._end_life(cell)
 
     async def _serve(self, guest: Guest, plan: Plan) -> None:
         """A life from the guest's hello to the end of its work."""
@@ -352,13 +476,28 @@ class Sandbox:
         self.guest = guest
         self._record_timings(guest)
         self.record.qemu_pid = guest.machine.pid or 0
-        if isinstance(plan, Boot) and plan.template is not None:
-            await plan.template(self)  # a fresh boot, nothing of the caller's in it yet
-        await self._apply_ports(guest)  # ports given at create (or exposed before a stop) come first
-        self._set(State.READY, ready_at=int(time.time()), qemu_pid=guest.machine.pid or 0)
+        async with trio.open_nursery() as ports:
+            self._ports_nursery = ports
+            try:
+                await self._serve_life(guest, plan)
+            finally:
+                self._ports_nursery = None
+                self._relays.clear()
+                ports.cancel_scope.cancel()
+
+    async def _serve_life(self, guest: Guest, plan: Plan) -> None:
+        if isinstance(plan, Adopt):  # its forwards live in QEMU still; calls of the last supervisor are gone
+            await self._apply_ports(guest, relays_only=True)
+            self._set(State.READY)
+            self.log.append("system", b"adopted after a supervisor restart")
+        else:
+            if isinstance(plan, Boot) and plan.template is not None:
+                await plan.template(self)  # a fresh boot, nothing of the caller's in it yet
+            await self._apply_ports(guest)  # ports given at create (or exposed before a stop) come first
+            self._set(State.READY, ready_at=int(time.time()), qemu_pid=guest.machine.pid or 0)
+            self.log.append("system", b"ready")
+            self.emit(Action.READY)
         self.timings["ready_event"] = time.monotonic()
-        self.log.append("system", b"ready")
-        self.emit(Action.READY)
         self.ready_event.set()
         self.last_activity = trio.current_time()
         async with trio.open_nursery() as nursery:
@@ -368,11 +507,12 @@ class Sandbox:
                 nursery.start_soon(self._initial_cmd)
             try:
                 await self._stop_request.wait()
-                await self._drain_workloads()
+                if not self._detaching:
+                    await self._drain_workloads()
             finally:
                 self._life_nursery = None
             nursery.cancel_scope.cancel()
-        if self.state == State.FAILED:
+        if self.state == State.FAILED or self._detaching:
             return
         self._set(State.STOPPING)
         if self._stop_force and guest.machine.proc is not None:
@@ -432,7 +572,15 @@ class Sandbox:
     async def _watch_machine(self, guest: Guest, scope: trio.CancelScope) -> None:
         rc = await guest.machine.wait()
         if not self._stop_request.is_set():
-            self._fail(guest.machine.describe_exit() if rc else "the guest powered off on its own")
+            cell = self._cell
+            if cell is not None and cell.oom_killed():
+                limit = cell.cgroup.stats().memory_limit if cell.cgroup is not None else None
+                self._fail(
+                    f"QEMU was killed by its memory limit ({(limit or 0) >> 20} MiB: guest RAM "
+                    f"+ {cell.cells.config.overhead_mib} MiB)"
+                )
+            else:
+                self._fail(guest.machine.describe_exit() if rc else "the guest powered off on its own")
             self._stop_request.set()
             scope.cancel()
 
@@ -480,6 +628,15 @@ class Sandbox:
         elif self._stop_force and self.guest.machine.proc is not None:
             self.guest.channel.expect_eof()
             self.guest.machine.proc.kill()
+
+    def detach(self) -> None:
+        """Let go of a running QEMU without stopping it (the supervisor exits with
+        --keep-sandboxes): the record keeps its state and life, for the next one."""
+        if self.stopped or self.guest is None:
+            return
+        self._detaching = True
+        self.guest.machine.detach()
+        self._stop_request.set()
 
     def drain(self) -> None:
         """No new work; work in flight finishes, however long it takes; then stop."""
@@ -557,9 +714,22 @@ class Sandbox:
                         await trio.sleep(0.002)
                 if guest.channel.statistics().requests_in_flight:
                     raise FailedPrecondition(f"sandbox {self.id}: guest channel busy; retry the checkpoint")
+
+                def frozen(disk: Path) -> None:
+                    self.record.chain = [str(disk), *self.record.chain]
+                    if self.record.life is not None:
+                        m = guest.machine
+                        self.record.life = attrs.evolve(self.record.life, disk_top=m.disk_top, staged=m.staged)
+                    self._store.update_life(self.record)
+
                 try:
                     ck = await checkpoint_guest(
-                        guest, files=self.files, snap_dir=snap_dir, user=self.settings.qemu_user
+                        guest,
+                        files=self.files,
+                        snap_dir=snap_dir,
+                        user=None if self.settings.cells is not None else self.settings.qemu_user,
+                        chain=tuple(self.record.chain),
+                        on_frozen=frozen,
                     )
                 except (MachineError, OSError) as exc:
                     if not await still_running(guest):
@@ -705,28 +875,54 @@ class Sandbox:
         )
 
     # -- ports (user networking) -------------------------------------------------
-    async def _apply_ports(self, guest: Guest) -> None:
+    # Unjailed, QEMU's slirp binds the host port itself (HMP hostfwd_add). Jailed, slirp
+    # lives in QEMU's empty network namespace: its forward listens on that namespace's
+    # loopback, on the same port number, and a relay task of ours holds the host port
+    # and carries each connection (or UDP flow) there through a socket made in the
+    # namespace. A restarted supervisor re-creates the relays of an adopted QEMU.
+    async def _apply_ports(self, guest: Guest, *, relays_only: bool = False) -> None:
         applied = []
         for pm in self.record.ports:
             try:
-                applied.append(await self._forward(guest, pm))
+                applied.append(await self._forward(guest, pm, relay_only=relays_only))
             except DomainError as exc:
                 self.log.append("system", f"port {pm.label()}: {exc.message}".encode())
                 raise MachineError(f"cannot expose port {pm.sandbox_port}: {exc.message}") from None
         self.record.ports = applied
         self._store.update_ports(self.record)
 
-    async def _forward(self, guest: Guest, pm: PortSpec) -> PortSpec:
-        """Forward ``pm`` through QEMU's slirp (HMP hostfwd_add); the host port it got."""
+    async def _forward(self, guest: Guest, pm: PortSpec, *, relay_only: bool = False) -> PortSpec:
+        """Forward ``pm``; the host port it got."""
         addr = self.settings.expose_address
-        host_port = pm.host_port or free_port(addr, pm.protocol)
-        rule = f"{pm.protocol}:{addr}:{host_port}-:{pm.sandbox_port}"
+        if self._cell is None:
+            host_port = pm.host_port or free_port(addr, pm.protocol)
+            await self._hostfwd(guest, f"{pm.protocol}:{addr}:{host_port}-:{pm.sandbox_port}", host_port, pm)
+            return attrs.evolve(pm, host_port=host_port)
+        kind = socket.SOCK_DGRAM if pm.protocol == Protocol.UDP else socket.SOCK_STREAM
+        try:
+            listener = bind_listener(addr, pm.host_port, kind)
+        except PortInUse:
+            raise AlreadyExists(f"host port {pm.host_port}/{pm.protocol} is in use on {addr}") from None
+        host_port = int(listener.getsockname()[1])
+        try:
+            if not relay_only:
+                await self._hostfwd(guest, f"{pm.protocol}:127.0.0.1:{host_port}-:{pm.sandbox_port}", host_port, pm)
+            target = Target("127.0.0.1", host_port, NetNS(file=f"/proc/{guest.machine.pid}/ns/net"))
+            relay = relay_udp if kind == socket.SOCK_DGRAM else relay_tcp
+            assert self._ports_nursery is not None
+            scope = await self._ports_nursery.start(_relay, relay, listener, target)
+        except BaseException:
+            listener.close()
+            raise
+        self._relays[pm.key] = scope
+        return attrs.evolve(pm, host_port=host_port)
+
+    async def _hostfwd(self, guest: Guest, rule: str, host_port: int, pm: PortSpec) -> None:
         reply = await guest.machine.hmp(f"hostfwd_add {NETDEV_ID} {rule}")
         if reply.strip():  # HMP reports failure as text, not as a QMP error
             if "host forwarding" in reply.lower():
-                raise AlreadyExists(f"host port {host_port}/{pm.protocol} is in use on {addr}")
+                raise AlreadyExists(f"host port {host_port}/{pm.protocol} is in use on {self.settings.expose_address}")
             raise FailedPrecondition(f"hostfwd_add: {reply.strip()[:200]}")
-        return attrs.evolve(pm, host_port=host_port)
 
     async def expose(self, sandbox_port: int, host_port: int, protocol: Protocol) -> PortSpec:
         guest = self._require_alive()
@@ -754,10 +950,13 @@ class Sandbox:
                 raise NotFound(f"port {sandbox_port}/{protocol} is not exposed")
             pm = match[0]
             if self.guest is not None and self.state in ALIVE:
-                addr = self.settings.expose_address
-                reply = await self.guest.machine.hmp(f"hostfwd_remove {NETDEV_ID} {protocol}:{addr}:{pm.host_port}")
+                where = "127.0.0.1" if self._cell is not None else self.settings.expose_address
+                reply = await self.guest.machine.hmp(f"hostfwd_remove {NETDEV_ID} {protocol}:{where}:{pm.host_port}")
                 if reply.strip() and "removed" not in reply:  # success is reported as text too
                     raise FailedPrecondition(f"hostfwd_remove: {reply.strip()[:200]}")
+            relay = self._relays.pop(pm.key, None)
+            if relay is not None:
+                relay.cancel()
             self.record.ports.remove(pm)
             self._store.update_ports(self.record)
 
@@ -793,6 +992,27 @@ class Sandbox:
             return 0.0
         pct = 100.0 * (cpu - prev[1]) / (now - prev[0])
         return 0.0 if math.isnan(pct) else max(0.0, pct)
+
+
+async def _relay(
+    relay: Callable[..., Awaitable[None]],
+    listener: socket.socket,
+    target: Target,
+    task_status: trio.TaskStatus[trio.CancelScope] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """One mapping's relay, in its own cancel scope (Unexpose cancels it)."""
+    with trio.CancelScope() as scope:
+        await relay(listener, target, task_status=_Started(task_status, scope))
+
+
+class _Started:
+    """Passes the relay's ``started`` on as its cancel scope."""
+
+    def __init__(self, outer: trio.TaskStatus[trio.CancelScope], scope: trio.CancelScope) -> None:
+        self.outer, self.scope = outer, scope
+
+    def started(self, value: object = None) -> None:
+        self.outer.started(self.scope)
 
 
 def free_port(address: str, protocol: str) -> int:

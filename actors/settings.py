@@ -8,13 +8,14 @@ from pathlib import Path
 
 import attrs
 
+from actors.cell import Cells
 from actors.machine import QemuUser
 from actors.model import Limits
-from actors.vm import Guest, VmSpec, booted_guest
+from actors.vm import Attach, Guest, VmSpec, booted_guest
 from images.build import Image
 from images.oci import ImageStore
 
-Launcher = Callable[[VmSpec, Path], AbstractAsyncContextManager[Guest]]
+Launcher = Callable[[VmSpec, Attach], AbstractAsyncContextManager[Guest]]
 
 
 @attrs.frozen
@@ -34,6 +35,9 @@ class Settings:
     # how a life brings its VM up: booted_guest (QEMU); unit tests pass a fake VM
     launch: Launcher = booted_guest
     images: ImageStore | None = None  # OCI images (Create{image}); None: refused
+    cells: Cells | None = None  # the jailer (root supervisors): every QEMU in its own cell
+    # directories a Create's own kernel and rootfs may come from (serve --allow-path; none by default)
+    allowed_paths: tuple[Path, ...] = ()
 
     def limits(self, requested: Limits) -> Limits:
         """The effective limits: the caller's, or the supervisor's defaults."""

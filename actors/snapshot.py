@@ -44,7 +44,6 @@ import attrs
 import trio
 
 from actors.crash import crash_point
-from actors.disk import backing_chain
 from actors.errors import FailedPrecondition, InvalidArgument, NotFound
 from actors.files import SandboxFiles
 from actors.machine import MachineError, QemuUser, unsearchable_parent
@@ -68,6 +67,7 @@ class Checkpoint:
     sizes: dict[str, int]
     memory_stat: list[int]
     machine: MachineRecord  # what a restore must start QEMU with
+    chain: tuple[str, ...] = ()  # the layers below the frozen disk, top first
 
 
 def allocated(path: Path) -> int:
@@ -84,14 +84,24 @@ def _stat_key(path: Path) -> list[int]:
     return [st.st_size, st.st_mtime_ns]
 
 
-async def checkpoint_guest(guest: Guest, *, files: SandboxFiles, snap_dir: Path, user: QemuUser | None) -> Checkpoint:
+async def checkpoint_guest(
+    guest: Guest,
+    *,
+    files: SandboxFiles,
+    snap_dir: Path,
+    user: QemuUser | None,
+    chain: tuple[str, ...] = (),
+    on_frozen: Callable[[Path], None] | None = None,
+) -> Checkpoint:
     """Save a running guest into ``snap_dir`` (which exists and is empty) and let it run
     on. Its disk (``files.disk``) is frozen into ``snap_dir/disk.qcow2`` and the guest
     goes on writing a new overlay at the same path, on top of the frozen one.
 
     Until the freeze, a failure undoes everything here (the staged overlay, its fd set
     and block node); after it, the guest runs on the new overlay and ``snap_dir`` holds
-    the disk it stands on (the caller's collector keeps it while used)."""
+    the disk it stands on (the caller's collector keeps it while used): ``on_frozen``
+    is told at once, so the sandbox's recorded chain is never behind its disk.
+    ``chain``: the layers below the current disk (they become the frozen disk's)."""
     m = guest.machine
     spec = m.spec
     mapped = spec.memory_file is not None and spec.memory_shared
@@ -106,6 +116,8 @@ async def checkpoint_guest(guest: Guest, *, files: SandboxFiles, snap_dir: Path,
             await m.switch_disk(staged)
             files.swap_disks(frozen)  # the guest is paused: nobody sees the two names change
             frozen_done = True
+            if on_frozen is not None:
+                on_frozen(frozen)
             await m.migrate_to_fd(vm_fd, ignore_shared=mapped)
             if mapped:
                 assert spec.memory_file is not None
@@ -133,7 +145,7 @@ async def checkpoint_guest(guest: Guest, *, files: SandboxFiles, snap_dir: Path,
     machine = MachineRecord(
         append=spec.append, memory_mib=spec.memory_mib, cpus=spec.cpus, accel=spec.accel, machine=spec.machine
     )
-    return Checkpoint(MemoryKind.MAPPED if mapped else MemoryKind.STREAMED, paused, sizes, mem_stat, machine)
+    return Checkpoint(MemoryKind.MAPPED if mapped else MemoryKind.STREAMED, paused, sizes, mem_stat, machine, chain)
 
 
 async def still_running(guest: Guest) -> bool:
@@ -263,6 +275,7 @@ class SnapshotStore:
             template_key=template_key,
             image=image,
             oci=oci or origin.image,
+            chain=ck.chain,
         )
         crash_point("template-checkpoint" if template_key else "snapshot-record")
         self.store.insert_snapshot(rec)
@@ -315,19 +328,13 @@ class SnapshotStore:
         if key != rec.memory_stat:
             raise FailedPrecondition(f"snapshot {rec.id}: its memory file was changed after the checkpoint; delete it")
 
-    def dependents(self, rec: SnapshotRecord, disks: Iterable[tuple[str, Path]]) -> list[str]:
-        """Who needs this snapshot's disk: ``disks`` are (what, overlay) of the live
-        sandboxes; other snapshots' disks are checked here."""
-        mine = rec.disk.resolve()
-        out: list[str] = []
-        others = [(f"snapshot {r.id}", r.disk) for r in self.snapshots.values() if r.id != rec.id]
-        for what, top in [*disks, *others]:
-            try:
-                if mine in (p.resolve() for p in backing_chain(top)):
-                    out.append(what)
-            except (OSError, ValueError, MachineError):
-                continue
-        return out
+    def dependents(self, rec: SnapshotRecord, chains: Iterable[tuple[str, Iterable[str]]]) -> list[str]:
+        """Who needs this snapshot's disk: ``chains`` are (what, the layers below its
+        overlay) of the live sandboxes; other snapshots' are checked here. Chains as
+        the store recorded them: never read from headers QEMU could have written."""
+        mine = str(rec.disk)
+        others = [(f"snapshot {r.id}", r.chain) for r in self.snapshots.values() if r.id != rec.id]
+        return [what for what, chain in [*chains, *others] if mine in chain]
 
     def drop(self, rec: SnapshotRecord, why: str) -> None:
         """Forget a snapshot whose files may still be used (a broken or stale boot

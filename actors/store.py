@@ -82,6 +82,8 @@ _V2_COLUMNS = (
     "ALTER TABLE sandboxes ADD COLUMN ports BLOB",
     "ALTER TABLE sandboxes ADD COLUMN origin TEXT",
     "ALTER TABLE sandboxes ADD COLUMN image BLOB",
+    "ALTER TABLE sandboxes ADD COLUMN chain BLOB",
+    "ALTER TABLE sandboxes ADD COLUMN life BLOB",
 )
 
 
@@ -104,6 +106,28 @@ class Record:
     ports: list[PortSpec] = attrs.Factory(list)
     origin: str = ""  # the snapshot it was restored from
     image: ImageUse | None = None  # the OCI image it boots, resolved at creation
+    chain: list[str] = attrs.Factory(list)  # the layers below its overlay, top first, as we made them
+    life: LifeState | None = None  # the QEMU running now (None when none runs)
+
+
+@attrs.frozen
+class LifeState:
+    """A running QEMU as the next supervisor needs it (recorded when QEMU is spawned,
+    updated when a checkpoint moves its disk): who it is (pid and start time: a
+    recycled pid is not it), where it listens, what it runs in, and its per-life QEMU
+    state (the block node the disk device writes, the overlays staged so far)."""
+
+    pid: int
+    start_time: int  # /proc/<pid>/stat field 22, clock ticks after boot
+    run_dir: str  # the life's run dir on the host (QEMU's log, the jail)
+    sock_dir: str  # QEMU's sockets (qmp.sock, console.sock, guest.sock), host path
+    uid: int = 0  # the jail's identity (0: not jailed)
+    cgroup: str = ""
+    jail_root: str = ""
+    ram: str = ""  # the RAM file (host path), "" for none or a sealed memfd
+    disk_top: str = "disk0"
+    staged: int = 0
+    spec: Any = None  # the VmSpec it was started from (unstructured)
 
 
 @attrs.frozen
@@ -140,6 +164,12 @@ class SnapshotRecord:
     template_key: str = ""
     image: tuple[str, ...] = ()  # the image parts a template was booted from
     oci: ImageUse | None = None  # the OCI image the origin booted (a template's, its key's)
+    chain: tuple[str, ...] = ()  # the layers below disk.qcow2, top first, as we made them
+
+    @property
+    def layers(self) -> tuple[Path, ...]:
+        """Its disk and every layer below: what restores stand on."""
+        return (self.disk, *map(Path, self.chain))
 
     @property
     def path(self) -> Path:
@@ -181,6 +211,7 @@ class Store:
         self._done = 0  # ops committed
         self._changed = trio.Event()  # the queue grew or a batch ended
         self.error: str = ""  # why the last commit failed ("" when it did not)
+        self._running = False  # the writer task runs
         self._attempts = 0  # commits tried
         self.retry_after = 1.0
 
@@ -196,7 +227,15 @@ class Store:
 
     # -- the writer --------------------------------------------------------------------
     async def run(self, task_status: trio.TaskStatus[Store] = trio.TASK_STATUS_IGNORED) -> None:
-        task_status.started(self)
+        self._running = True
+        try:
+            task_status.started(self)
+            await self._write_forever()
+        finally:
+            self._running = False
+            self._wake()  # a flush waiting on us commits by itself now
+
+    async def _write_forever(self) -> None:
         while True:
             if not self._queue:
                 await self._changed.wait()  # (_wake sets it and puts a fresh one in its place)
@@ -248,10 +287,23 @@ class Store:
         commit tried since the call fails (the writes stay queued, retried later)."""
         target, attempts = self._queued, self._attempts
         while self._done < target:
+            if not self._running:  # no writer (start-up, shutdown): commit here
+                self._commit_now()
+                return
             if self.error and self._attempts > attempts:
                 self.check_writable()
             changed = self._changed
             await changed.wait()
+
+    def _commit_now(self) -> None:
+        batch, self._queue = self._queue, []
+        try:
+            self._commit(batch)
+        except sqlite3.Error as exc:
+            self._queue[:0] = batch
+            self.error = _why(exc)
+            self.check_writable()
+        self._done += len(batch)
 
     # -- sandboxes ---------------------------------------------------------------------
     def next_seq(self) -> int:
@@ -269,11 +321,12 @@ class Store:
             _pack(r.ports),
             r.origin,
             _pack(r.image),
+            _pack(r.chain),
         )
         self._put(
             lambda db: db.execute(
-                "INSERT INTO sandboxes (uid, id, seq, config, state, created_at, ports, origin, image) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "INSERT INTO sandboxes (uid, id, seq, config, state, created_at, ports, origin, image, chain) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 row,
             )
         )
@@ -288,6 +341,11 @@ class Store:
                 row,
             )
         )
+
+    def update_life(self, r: Record) -> None:
+        """The running QEMU (or none) and the disk chain, which a checkpoint moves."""
+        row = (_pack(r.life), _pack(r.chain), r.qemu_pid, r.uid)
+        self._put(lambda db: db.execute("UPDATE sandboxes SET life=?, chain=?, qemu_pid=? WHERE uid=?", row))
 
     def update_ports(self, r: Record) -> None:
         row = (_pack(r.ports), r.uid)
@@ -309,7 +367,7 @@ class Store:
     def all(self) -> list[Record]:
         rows = self.db.execute(
             "SELECT uid, id, seq, config, state, created_at, ready_at, last_exited_at, last_exit_code, error, "
-            "qemu_pid, ports, origin, image FROM sandboxes ORDER BY seq"
+            "qemu_pid, ports, origin, image, chain, life FROM sandboxes ORDER BY seq"
         ).fetchall()
         return [
             Record(
@@ -327,6 +385,8 @@ class Store:
                 ports=load(_unpack(r[11]), list[PortSpec]) if r[11] else [],
                 origin=r[12] or "",
                 image=_image(r[13]),
+                chain=load(_unpack(r[14]), list[str]) if r[14] else [],
+                life=_life(r[15]),
             )
             for r in rows
         ]
@@ -342,6 +402,11 @@ class Store:
     def snapshots(self) -> list[SnapshotRecord]:
         rows = self.db.execute("SELECT data FROM snapshots ORDER BY created_ns").fetchall()
         return [load(_unpack(r[0]), SnapshotRecord) for r in rows]
+
+
+def _life(blob: bytes | None) -> LifeState | None:
+    data = _unpack(blob) if blob else None
+    return load(data, LifeState) if data else None
 
 
 def _image(blob: bytes | None) -> ImageUse | None:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -35,7 +35,16 @@ import trio
 from actors._groups import collapse_single
 from actors.disk import backing_chain
 from actors.guest import GuestChannel, HelloTimeout, open_channel
-from actors.machine import LaunchError, Machine, MachineError, MachineSpec, QemuUser, connect_guest_socket
+from actors.machine import (
+    AdoptedProcess,
+    LaunchError,
+    Machine,
+    MachineError,
+    MachineSpec,
+    Placement,
+    QemuUser,
+    connect_guest_socket,
+)
 from images.build import Image, host_tsc_khz
 
 log = logging.getLogger("sandvisor.vm")
@@ -123,6 +132,9 @@ class VmSpec:
     ram: Path | None = None
     ram_shared: bool = True
     restore: Path | None = None
+    # the layers below ``disk``, top first, as the store recorded them (None: read from
+    # the overlay's header, which only a caller that made the file itself may trust)
+    chain: tuple[Path, ...] | None = None
     boot_timeout: float = 60.0
     answer_timeout: float | None = None  # every guest request's deadline (None: none)
     name: str = "vm"
@@ -180,7 +192,9 @@ class VmSpec:
             machine=self.machine,
             sandbox=self.sandbox,
             user=self.user,
-            disk_chain=backing_chain(self.disk) if self.disk is not None else (),
+            disk_chain=(self.chain if self.chain is not None else backing_chain(self.disk))
+            if self.disk is not None
+            else (),
             extra_ports=self.extra_ports,
             netdev=netdev_args(self.network),
             memory_file=self.ram,
@@ -201,26 +215,48 @@ class Guest:
     t_loaded: float = 0.0  # a restore: when the saved state was in
 
 
+@attrs.frozen
+class Attach:
+    """Where and how a life's VM comes up, beyond its spec (what it names is the
+    caller's): its placement (sockets, log, a jail to spawn into), more descriptors
+    for QEMU (RAM, taps), who is told QEMU's pid at once, or a running QEMU to adopt
+    (with its recorded block graph)."""
+
+    placement: Placement
+    fds: dict[str, int] = attrs.field(factory=dict)
+    on_spawned: Callable[[int, int], None] | None = None
+    adopt: AdoptedProcess | None = None
+    disk_top: str = "disk0"
+    staged: int = 0
+
+
 @asynccontextmanager
-async def booted_guest(spec: VmSpec, run_dir: Path) -> AsyncIterator[Guest]:
-    """Bring a VM up from ``spec`` with its sockets in ``run_dir`` (which exists), yield
-    it once guestd said hello, and power it off through the ladder however the block
-    ends. The files the spec names (overlay, RAM file) are the caller's."""
-    vm = Machine(spec.machine_spec(), run_dir, name=spec.name)
-    async with _running(vm, time.monotonic(), spec) as guest:
+async def booted_guest(spec: VmSpec, where: Path | Attach) -> AsyncIterator[Guest]:
+    """Bring a VM up from ``spec`` (a run dir, or an :class:`Attach`), yield it once
+    guestd said hello, and power it off through the ladder however the block ends --
+    unless its machine was detached (then QEMU runs on). Adopting a running QEMU
+    reconnects QMP, the console and the guest channel (guestd resyncs on the new
+    hello; its processes ran on)."""
+    at = where if isinstance(where, Attach) else Attach(Placement.plain(where))
+    if at.adopt is not None:
+        vm = Machine.adopt(spec.machine_spec(), at.placement, at.adopt, name=spec.name)
+        vm.resume_life_state(at.disk_top, at.staged)
+    else:
+        vm = Machine(spec.machine_spec(), at.placement, name=spec.name, fds=at.fds, on_spawned=at.on_spawned)
+    async with _running(vm, time.monotonic(), spec, adopted=at.adopt is not None) as guest:
         yield guest
 
 
 @asynccontextmanager
-async def _running(vm: Machine, t0: float, spec: VmSpec) -> AsyncIterator[Guest]:
-    boot_timeout = spec.boot_timeout
+async def _running(vm: Machine, t0: float, spec: VmSpec, *, adopted: bool = False) -> AsyncIterator[Guest]:
+    boot_timeout = (spec.answer_timeout or 15.0) if adopted else spec.boot_timeout
     with collapse_single():
         async with trio.open_nursery() as nursery:
             await nursery.start(vm.run)
             t_qmp = time.monotonic()
             try:
                 t_loaded = 0.0
-                if spec.restore is not None:
+                if spec.restore is not None and not adopted:
                     await _load(vm, spec.restore, ignore_shared=spec.mapped_restore)
                     t_loaded = time.monotonic()
                 stream = None

@@ -198,6 +198,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         pools=dict(_pool_arg(x) for x in args.pool or []),
         templates=not args.no_templates,
         template_pool=args.template_pool,
+        keep_sandboxes=args.keep_sandboxes,
+        jail=not args.no_jail,
+        allow_paths=tuple(Path(p).resolve() for p in args.allow_path or ()),
+        max_memory_mib=args.max_memory,
+        max_disk_mib=args.max_disk,
     )
     trio.run(serve, cfg)
     return 0
@@ -289,6 +294,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="restored sandboxes kept ready per boot template: a Create takes one (default 0)",
     )
     sv.add_argument("--pool-size", type=int, default=0, help="restored sandboxes kept ready per snapshot (default 0)")
+    sv.add_argument(
+        "--keep-sandboxes",
+        action="store_true",
+        help="at SIGTERM, leave sandboxes running for the next supervisor (upgrades); default: stop them",
+    )
+    sv.add_argument(
+        "--no-jail", action="store_true", help="as root: do not jail QEMUs (each in its own uid, namespaces, cgroup)"
+    )
+    sv.add_argument(
+        "--allow-path",
+        action="append",
+        metavar="DIR",
+        help="a directory a Create's own kernel and rootfs may come from (repeatable; none by default)",
+    )
+    sv.add_argument(
+        "--max-memory", type=int, default=0, metavar="MIB", help="total guest RAM (default: host RAM - 1 GiB)"
+    )
+    sv.add_argument("--max-disk", type=int, default=0, metavar="MIB", help="state dir use (default: no limit)")
     sv.add_argument(
         "--pool", action="append", metavar="SNAPSHOT=N", help="warm pool size for one snapshot (id or name); repeatable"
     )

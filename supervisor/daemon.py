@@ -9,18 +9,21 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
 from pathlib import Path
 
 import attrs
 import trio
 
+from actors.cell import Cells, JailConfig
 from actors.machine import qmp_loop, resolve_accel, unprivileged_user
 from actors.quotas import Quotas
 from actors.registry import Registry
 from actors.settings import Settings
 from actors.store import Store
 from images.build import Builder, Image, load_default
+from images.oci import ImageStore
 from supervisor.config import default_memory_dir, default_run_root
 from supervisor.notify import Notifier
 from supervisor.server import Server
@@ -38,6 +41,10 @@ class DaemonConfig:
     max_sandboxes: int = 64  # live sandboxes, warm pool members included
     max_memory_mib: int = 0  # total guest RAM (0: the host's RAM less 1 GiB)
     max_disk_mib: int = 0  # the state dir's use: logs, overlays, snapshots (0: no limit)
+    jail: bool = True  # as root: every QEMU in its own jail, uid and cgroup (actors/cell.py)
+    jail_overhead_mib: int = 192  # a QEMU's memory limit: guest RAM + this
+    keep_sandboxes: bool = False  # at SIGTERM, leave sandboxes running for the next supervisor
+    allow_paths: tuple[Path, ...] = ()  # where a Create's own kernel and rootfs may come from
     stop_timeout: float = 10.0
     group: str | None = None
     qemu_user: str | None = None  # None: sandvisor-qemu or nobody when root; "": run QEMU as ourselves
@@ -63,6 +70,17 @@ async def serve(
 ) -> None:
     accel = resolve_accel(cfg.accel)
     image = await trio.to_thread.run_sync(default_image, cfg.state_dir)
+    memory_dir = None if cfg.anonymous_memory else (cfg.memory_dir or default_memory_dir(cfg.state_dir))
+    cells = None
+    if cfg.jail and os.geteuid() == 0:
+        cells = await trio.to_thread.run_sync(
+            lambda: Cells.setup(
+                JailConfig(overhead_mib=cfg.jail_overhead_mib),
+                state_dir=cfg.state_dir,
+                ram_dir=memory_dir,
+                kvm=accel == "kvm",
+            )
+        )
     store = Store(cfg.state_dir / "sandvisor.db")
     settings = Settings(
         image=image,
@@ -72,14 +90,21 @@ async def serve(
         boot_timeout=cfg.boot_timeout,
         qemu_user=unprivileged_user(cfg.qemu_user),
         expose_address=cfg.expose_address,
-        memory_dir=None if cfg.anonymous_memory else (cfg.memory_dir or default_memory_dir(cfg.state_dir)),
+        memory_dir=memory_dir,
+        cells=cells,
+        allowed_paths=cfg.allow_paths,
+        images=ImageStore(cfg.state_dir / "oci") if os.geteuid() == 0 else None,
     )
     log.info(
-        "serving on %s (state %s, accel %s, QEMU as %s)",
+        "serving on %s (state %s, accel %s, QEMU %s)",
         cfg.socket,
         cfg.state_dir,
         accel,
-        settings.qemu_user.name if settings.qemu_user else "the supervisor's user",
+        "jailed, each as its own user"
+        if cells
+        else f"as {settings.qemu_user.name}"
+        if settings.qemu_user
+        else "as the supervisor's user",
     )
     try:
         async with qmp_loop(), trio.open_nursery() as nursery:
@@ -117,10 +142,15 @@ async def serve(
             finally:
                 notify.stopping()
                 server_scope.cancel()  # stop accepting first
-                await registry.shutdown(cfg.stop_timeout)
+                if cfg.keep_sandboxes:
+                    await registry.detach_all()
+                else:
+                    await registry.shutdown(cfg.stop_timeout)
                 nursery.cancel_scope.cancel()
     finally:
         store.close()
-        if settings.memory_dir is not None:
+        if cells is not None:
+            cells.close()
+        if settings.memory_dir is not None and not cfg.keep_sandboxes:
             with contextlib.suppress(OSError):
                 settings.memory_dir.rmdir()  # empty once every sandbox is gone

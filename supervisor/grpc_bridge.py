@@ -62,6 +62,13 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar, cast
 
 import attrs
+
+# isort: split
+# grpcio's fork support (on by default in this release) aborts a process that forks
+# while grpc threads run, and serve forks for every QEMU: off, before grpc is imported
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
+
+# isort: split
 import grpc
 import grpc.aio
 import trio

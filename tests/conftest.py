@@ -6,6 +6,11 @@ which also exercises guestd's host-reconnect path on every test."""
 from __future__ import annotations
 
 import os
+
+# grpcio's fork support (pthread_atfork handlers, on by default in this release) aborts
+# the process when it forks while grpc threads run: every QEMU spawn forks. Off, before
+# anything imports grpc (supervisor/grpc_bridge.py does the same for serve).
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
 import shutil
 import socket
 import subprocess
@@ -59,8 +64,6 @@ class SharedVM:
 
 def launch_sync(image: Image, run_dir: Path, extra_cmdline: str = "") -> SharedVM:
     trio.run(create_overlay, image.rootfs, run_dir / "disk.qcow2")
-    qmp_a, qmp_b = socket.socketpair()
-    con_a, con_b = socket.socketpair()
     spec = MachineSpec(
         kernel=image.kernel,
         initrd=image.initrd,
@@ -69,18 +72,15 @@ def launch_sync(image: Image, run_dir: Path, extra_cmdline: str = "") -> SharedV
         memory_mib=512,
         append=kernel_cmdline("tcg", hostname="shared", extra=extra_cmdline),
     )
-    argv = spec.argv(run_dir, qmp_b.fileno(), con_b.fileno())
+    argv = spec.argv(run_dir)  # QMP and the console listen in run_dir; nobody needs them here
     with open(run_dir / "qemu.err", "wb") as err:
-        proc = subprocess.Popen(argv, pass_fds=(qmp_b.fileno(), con_b.fileno()), stdin=subprocess.DEVNULL, stderr=err)
-    qmp_b.close()
-    con_b.close()
-    con_a.setblocking(False)
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stderr=err)
     deadline = time.monotonic() + 10
     while not (run_dir / "guest.sock").exists():
         if proc.poll() is not None or time.monotonic() > deadline:
             raise RuntimeError(f"QEMU failed: {(run_dir / 'qemu.err').read_text()}")
         time.sleep(0.005)
-    return SharedVM(proc, run_dir, [qmp_a, con_a])
+    return SharedVM(proc, run_dir, [])
 
 
 @pytest.fixture(scope="session")

@@ -29,7 +29,7 @@ from fakeguest import FakeGuest, Hostile
 from actors.guest import open_channel
 from actors.machine import LaunchError, MachineSpec, StagedDisk
 from actors.settings import Settings
-from actors.vm import BootError, Guest, VmSpec
+from actors.vm import Attach, BootError, Guest, VmSpec
 from images.build import Image
 
 _pids = itertools.count(4_000_000)  # above any real pid: /proc lookups find nothing
@@ -59,6 +59,7 @@ class FakeMachine:
         self.forwards: set[str] = set()
         self.paused_now = False
         self.staged = 0
+        self.disk_top = "disk0"
 
     # -- the process -----------------------------------------------------------------
     def die(self, code: int) -> None:
@@ -125,7 +126,7 @@ class FakeMachine:
         pass
 
     async def switch_disk(self, staged: StagedDisk) -> None:
-        pass
+        self.disk_top = staged.node
 
     @asynccontextmanager
     async def paused(self) -> AsyncIterator[float]:
@@ -163,8 +164,9 @@ class FakeLab:
             await trio.sleep_forever()
 
     @asynccontextmanager
-    async def launch(self, spec: VmSpec, run_dir: Path) -> AsyncIterator[Guest]:
+    async def launch(self, spec: VmSpec, at: Attach) -> AsyncIterator[Guest]:
         assert self.nursery is not None, "start the lab first: await nursery.start(lab.run)"
+        assert at.adopt is None, "the fake VM cannot be adopted (a real supervisor restart is a VM test)"
         files: dict[str, tuple[int, bytes]] = {}
         if spec.restore is not None:
             if self.fail_restores:
@@ -179,6 +181,9 @@ class FakeLab:
         await self.nursery.start(guest.run)
         machine = FakeMachine(spec.machine_spec(), guest, self)
         self.machines.append(machine)
+        if at.on_spawned is not None:
+            assert machine.pid is not None
+            at.on_spawned(machine.pid, 1)
         t0 = trio.current_time()
         try:
             async with open_channel(

@@ -36,6 +36,7 @@ def clock() -> MockClock:
 async def registry(root: Path, lab: FakeLab, **kw: Any) -> AsyncIterator[Registry]:
     store = Store(root / "state" / "sandvisor.db")
     settings_kw = {k: kw.pop(k) for k in list(kw) if k in ("guest_timeout", "boot_timeout")}
+    settings_kw["allowed_paths"] = (root,)
     try:
         async with trio.open_nursery() as n:
             await n.start(lab.run)

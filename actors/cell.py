@@ -1,0 +1,228 @@
+"""A sandbox life's cell: the jail, cgroup, identity and RAM file one QEMU runs in.
+
+When the supervisor is root, every QEMU runs in a cell (issue 12; Firecracker's
+jailer is the model)::
+
+    Cells (one per supervisor)             Cell (one per VM life; made before QEMU, gone after its reap)
+      IdentityAllocator  uids 1.9e9+   ->    identity    its own uid = gid, recorded with the sandbox
+      CgroupManager      v1 or v2,     ->    cgroup      memory = RAM + overhead, pids, CPU quota
+                         sandvisor-<state dir key>
+      jail helper        (C, vforked)  ->    jail dir    <run_dir>/root: /usr ro, devices, /proc, /run
+      private RAM dir    0700, checked ->    RAM file    O_EXCL|O_NOFOLLOW, the identity's, 0600
+      SealedMemoryCache                ->    (restores)  snapshot memory as a sealed memfd
+
+and QEMU is spawned by :func:`actors.jail.spawn` into new mount, pid, ipc, uts,
+cgroup and network namespaces, ``pivot_root``-ed into the jail dir, with no
+capabilities, no_new_privs, rlimits, and only the descriptors it is given. Its
+sockets are in the jail's ``/run``, which the host reaches at ``<jail>/run``.
+
+A cell is torn down by :meth:`Cell.close` after QEMU is reaped: cgroup, jail dir,
+RAM file, identity. An adopted QEMU (a previous supervisor's) gets its cell back
+with :meth:`Cells.reopen` from what its sandbox recorded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+from pathlib import Path
+
+import attrs
+
+from actors import jail
+from actors.cgroups import Cgroup, CgroupError, CgroupLimits, CgroupManager, detect
+from actors.guestmem import SealedMemoryCache, create_ram_file, private_dir, remove_ram_file
+from actors.machine import Proc
+
+log = logging.getLogger("sandvisor.cell")
+
+SOCKET_DIR = "/run"  # QEMU's socket dir, in the jail
+
+
+@attrs.frozen
+class JailConfig:
+    """How QEMUs are jailed (``serve``'s options)."""
+
+    first_uid: int = jail.DEFAULT_ID_FIRST
+    uid_count: int = jail.DEFAULT_ID_COUNT
+    overhead_mib: int = 192  # memory limit = guest RAM + this (QEMU, its TCG cache, page cache)
+    sealed_budget_mib: int = 1024  # sealed snapshot memory kept for later restores
+
+
+class Cell:
+    """One life's jail, cgroup, identity and RAM file."""
+
+    def __init__(
+        self,
+        cells: Cells,
+        name: str,
+        identity: jail.Identity,
+        spec: jail.JailSpec,
+        cgroup: Cgroup | None,
+    ) -> None:
+        self.cells = cells
+        self.name = name
+        self.identity = identity
+        self.spec = spec
+        self.cgroup = cgroup
+        self.ram: Path | None = None
+        self._closed = False
+
+    @property
+    def sock_dir(self) -> Path:
+        """QEMU's socket dir, as the host reaches it."""
+        return self.spec.socket_host_dir
+
+    @property
+    def qemu_dir(self) -> Path:
+        return Path(self.spec.socket_dir)
+
+    async def spawn(self, argv: list[str], fds: tuple[int, ...], stderr: int) -> Proc:
+        try:
+            return await jail.spawn(
+                argv,
+                self.spec,
+                pass_fds=fds,
+                cgroup_procs=self.cgroup.procs_files() if self.cgroup else (),
+                stderr_fd=stderr,
+                helper=self.cells.helper,
+            )
+        except jail.JailError as exc:
+            from actors.machine import LaunchError
+
+            raise LaunchError(f"cannot start QEMU in its jail: {exc}") from None
+
+    def make_ram(self, size_mib: int) -> tuple[Path, int]:
+        """The life's RAM file, the identity's: its path (for checkpoints) and a descriptor for QEMU."""
+        directory = self.cells.ram_dir
+        if directory is None:
+            raise jail.JailError("no RAM dir: guest RAM is anonymous")
+        fd = create_ram_file(directory, f"{self.name}.ram", size_mib << 20, self.identity)
+        self.ram = directory / f"{self.name}.ram"
+        return self.ram, fd
+
+    def oom_killed(self) -> bool:
+        if self.cgroup is None:
+            return False
+        with contextlib.suppress(CgroupError, OSError):
+            return self.cgroup.oom_kills() > 0
+        return False
+
+    def close(self) -> None:
+        """After QEMU's reap: everything of the cell goes (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self.cgroup is not None:
+            with contextlib.suppress(CgroupError, OSError):
+                self.cgroup.kill_all()  # nothing may outlive the QEMU it was made for
+            try:
+                self.cgroup.remove()
+            except (CgroupError, OSError) as exc:
+                log.warning("cell %s: cgroup: %s", self.name, exc)
+        try:
+            jail.remove_jail(self.spec.root)
+        except jail.JailError as exc:
+            log.warning("cell %s: %s", self.name, exc)
+        if self.ram is not None and self.cells.ram_dir is not None:
+            with contextlib.suppress(OSError):
+                remove_ram_file(self.cells.ram_dir, self.ram.name)
+        self.cells.allocator.release(self.identity)
+
+
+class Cells:
+    """The jailer of one supervisor."""
+
+    def __init__(
+        self,
+        config: JailConfig,
+        *,
+        helper: Path | None,
+        cgroups: CgroupManager | None,
+        allocator: jail.IdentityAllocator,
+        ram_dir: Path | None,
+        kvm: bool,
+    ) -> None:
+        self.config = config
+        self.helper = helper
+        self.cgroups = cgroups
+        self.allocator = allocator
+        self.ram_dir = ram_dir
+        self.kvm = kvm
+        self.sealed = SealedMemoryCache(config.sealed_budget_mib << 20)
+
+    @classmethod
+    def setup(cls, config: JailConfig, *, state_dir: Path, ram_dir: Path | None, kvm: bool) -> Cells:
+        """At start: the helper (built once; the Python stage without a compiler), the
+        cgroup hierarchy (v2 or v1; none: a warning), the identity range (refused if it
+        touches real ids; ids owned by running processes stay taken), the RAM dir
+        (made 0700, or refused if someone else made it)."""
+        try:
+            helper: Path | None = jail.build_helper(state_dir / "bin")
+        except jail.JailError as exc:
+            log.warning("jail helper unavailable (%s): jails are entered by a slower Python stage", exc)
+            helper = None
+        # one parent per state dir: two supervisors on a host never sweep each other's cgroups
+        key = hashlib.sha256(str(state_dir.resolve()).encode()).hexdigest()[:12]
+        cgroups = detect(parent=f"sandvisor-{key}")
+        if cgroups is None:
+            log.warning("no cgroup hierarchy with memory and pids: QEMUs run without resource limits")
+        allocator = jail.IdentityAllocator(config.first_uid, config.uid_count)
+        allocator.adopt_running()
+        return cls(
+            config,
+            helper=helper,
+            cgroups=cgroups,
+            allocator=allocator,
+            ram_dir=private_dir(ram_dir) if ram_dir is not None else None,
+            kvm=kvm,
+        )
+
+    def _spec(self, identity: jail.Identity, run_dir: Path, hostname: str) -> jail.JailSpec:
+        return jail.JailSpec(
+            identity=identity, root=run_dir / "root", kvm=self.kvm, socket_dir=SOCKET_DIR, hostname=hostname[:63]
+        )
+
+    def _limits(self, memory_mib: int, vcpus: int) -> CgroupLimits:
+        return CgroupLimits.for_guest(memory_mib, vcpus, overhead_mib=self.config.overhead_mib)
+
+    def open(self, name: str, run_dir: Path, *, memory_mib: int, vcpus: int, hostname: str = "sandbox") -> Cell:
+        """A new cell in ``run_dir`` (which exists, root's): identity, jail dir, cgroup."""
+        identity = self.allocator.allocate(name)
+        try:
+            spec = self._spec(identity, run_dir, hostname)
+            jail.build_jail(spec)
+            cgroup = None
+            if self.cgroups is not None:
+                try:
+                    cgroup = self.cgroups.create(name, self._limits(memory_mib, vcpus))
+                except CgroupError as exc:
+                    jail.remove_jail(spec.root)
+                    raise jail.JailError(f"cgroup for {name}: {exc}") from None
+        except BaseException:
+            self.allocator.release(identity)
+            raise
+        return Cell(self, name, identity, spec, cgroup)
+
+    def reopen(self, name: str, run_dir: Path, uid: int, ram: str, hostname: str = "sandbox") -> Cell:
+        """The cell of a QEMU a previous supervisor started (to tear it down after)."""
+        identity = jail.Identity(uid, uid)
+        self.allocator.adopt(identity, name)
+        cgroup = None
+        if self.cgroups is not None:
+            with contextlib.suppress(CgroupError, OSError):
+                cgroup = self.cgroups.open(name)
+        cell = Cell(self, name, identity, self._spec(identity, run_dir, hostname), cgroup)
+        cell.ram = Path(ram) if ram else None
+        return cell
+
+    def sweep(self, keep: set[str]) -> None:
+        """Cgroups no recorded life owns (a crash's leftovers): their processes killed, removed."""
+        if self.cgroups is not None:
+            for name, pids in self.cgroups.collect(keep).items():
+                if pids:
+                    log.warning("killed %d processes of an unrecorded cgroup %s", len(pids), name)
+
+    def close(self) -> None:
+        self.sealed.close()
