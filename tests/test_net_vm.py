@@ -12,6 +12,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import attrs
@@ -53,8 +54,8 @@ class TapSpec(MachineSpec):
         fds["tap"] = os.dup(self.tap_fd)  # Machine closes what it passed after the launch
         return fds
 
-    def argv(self, run_dir: Path, qmp_fd: int, console_fd: int, fds: dict[str, int] | None = None) -> list[str]:
-        a = super().argv(run_dir, qmp_fd, console_fd, fds)
+    def argv(self, sock_dir: Path, fds: dict[str, int] | None = None) -> list[str]:
+        a = super().argv(sock_dir, fds)
         return [x.replace("{tapfd}", str((fds or {})["tap"])) for x in a]
 
 
@@ -75,7 +76,8 @@ async def tap_vm(image: Image, run_dir: Path, link: SandboxLink) -> AsyncIterato
         tap_fd=link.tap_fd,
     )
     vm = Machine(spec, run_dir, name="tapvm")
-    async with _running(vm, time.monotonic(), 90.0, None) as guest:
+    timeouts = SimpleNamespace(boot_timeout=90.0, answer_timeout=None, restore=None, mapped_restore=False)
+    async with _running(vm, time.monotonic(), timeouts) as guest:  # type: ignore[arg-type]
         yield guest
 
 
