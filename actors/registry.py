@@ -164,10 +164,15 @@ class Registry:
         record -- is killed and reaped (or confirmed gone) before we serve."""
         adoptions: list[tuple[Sandbox, Adopt]] = []
         ours: set[int] = set()
-        for rec in self.store.all():
+        records = self.store.all()
+        for rec in records:
             sb = self._sandbox(rec)
             proc = AdoptedProcess.open(rec.life.pid, rec.life.start_time) if rec.life is not None else None
-            if proc is not None and rec.life is not None and rec.state in ALIVE and not is_hidden(rec.id):
+            swapping = bool(rec.swap)  # a crash during a checkpoint: its QEMU (paused) is not adopted
+            if swapping:
+                self._repair_swap(sb)
+            adoptable = rec.state in ALIVE and not is_hidden(rec.id) and not swapping
+            if proc is not None and rec.life is not None and adoptable:
                 adoptions.append((sb, Adopt(rec.life, proc, accepted=time.monotonic())))
                 ours.add(proc.pid)
                 self.sandboxes[rec.id] = sb
@@ -184,6 +189,8 @@ class Registry:
                 rec.error = f"the supervisor exited while this sandbox was {rec.state}" + (
                     " (its QEMU process was killed)" if killed else ""
                 )
+                if swapping:
+                    rec.error += "; it was being checkpointed (its disk is whole: start it again)"
                 rec.state, rec.qemu_pid = State.FAILED, 0
                 self.store.update(rec)
             self.sandboxes[rec.id] = sb
@@ -192,10 +199,23 @@ class Registry:
             await _end(AdoptedProcess.open(pid, start_time(pid)))
         keep = {Path(plan.life.run_dir).name for _, plan in adoptions}
         SandboxFiles.sweep_lives(self.settings, keep=keep)  # what no adopted life holds is stale
+        SandboxFiles.sweep_unrecorded(self.settings, {rec.uid for rec in records})
         if self.settings.cells is not None:
             self.settings.cells.sweep(keep=keep)
         await self.snapshots.collect()
         return adoptions
+
+    def _repair_swap(self, sb: Sandbox) -> None:
+        """Finish or undo the disk swap of a checkpoint the previous supervisor died in
+        (the journal names the frozen disk); the chain then says where the disk stands."""
+        rec = sb.record
+        frozen = rec.swap
+        if sb.files.repair_swap(Path(frozen)) and (not rec.chain or rec.chain[0] != frozen):
+            rec.chain = [frozen, *rec.chain]
+        rec.swap = ""
+        self.store.update_life(rec)
+        done = "finished" if rec.chain[:1] == [frozen] else "undone"
+        log.warning("sandbox %s: the disk swap of a checkpoint was %s", rec.id, done)
 
     def _close_life(self, sb: Sandbox) -> None:
         """What a dead life left (its cell: cgroup, jail dir, identity, RAM file)."""

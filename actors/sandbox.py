@@ -305,6 +305,11 @@ class Sandbox:
         self._set(State.FAILED, error=error)
         self.emit(Action.FAILED, error=error)
 
+    async def _record_chain(self, chain: list[str]) -> None:
+        self.record.chain = chain
+        self._store.update_life(self.record)
+        await self._store.flush()
+
     def _vm_spec(self, plan: Boot | Resume, ram: Path | None, ram_shared: bool = True) -> VmSpec:
         s, cfg, files = self.settings, self.config, self.files
         limits = self.limits
@@ -378,13 +383,16 @@ class Sandbox:
         if isinstance(plan, Adopt):
             await self._adopted_life(plan)
             return
+        # a new overlay's chain is on disk before the overlay: a crash in between
+        # leaves a chain without its disk (the next start makes a fresh one), never a
+        # disk standing on layers its record does not name
         if isinstance(plan, Resume):
+            await self._record_chain([str(p) for p in plan.snapshot.layers])
             await self.files.overlay_on(plan.snapshot.disk)
-            self.record.chain = [str(p) for p in plan.snapshot.layers]
         elif not self.files.disk.exists():
             base = self._base()
+            await self._record_chain([str(base), *map(str, backing_chain(base))])  # ours: from a trusted base
             await self.files.overlay_on(base)
-            self.record.chain = [str(base), *map(str, backing_chain(base))]  # ours: made from a trusted base
         run_dir = self.files.new_run_dir()
         cells = self.settings.cells
         cell = None
@@ -717,12 +725,18 @@ class Sandbox:
 
                 def frozen(disk: Path) -> None:
                     self.record.chain = [str(disk), *self.record.chain]
+                    self.record.swap = ""
                     if self.record.life is not None:
                         m = guest.machine
                         self.record.life = attrs.evolve(self.record.life, disk_top=m.disk_top, staged=m.staged)
                     self._store.update_life(self.record)
 
                 try:
+                    # the journal: a crash from here to the end of the disk swap is
+                    # finished or undone by the next supervisor (Registry._recover)
+                    self.record.swap = str(snap_dir / "disk.qcow2")
+                    self._store.update_life(self.record)
+                    await self._store.flush()
                     ck = await checkpoint_guest(
                         guest,
                         files=self.files,
@@ -732,14 +746,25 @@ class Sandbox:
                         on_frozen=frozen,
                     )
                 except (MachineError, OSError) as exc:
+                    self._void_journal()
                     if not await still_running(guest):
                         raise CheckpointLost(f"checkpoint failed and the guest did not resume: {exc}") from None
                     raise Internal(f"checkpoint of {self.id} failed: {exc}") from None
+                except BaseException:
+                    self._void_journal()
+                    raise
                 self.log.append("system", f"checkpoint: {ck.memory}, paused {ck.paused_s * 1000:.0f} ms".encode())
                 return ck
             finally:
                 self.checkpointing = False
                 self._ckpt_done.set()
+
+    def _void_journal(self) -> None:
+        """A checkpoint failed before its disk moved (``frozen`` clears the journal when
+        it did): nothing is under way."""
+        if self.record.swap:
+            self.record.swap = ""
+            self._store.update_life(self.record)
 
     def _workload_finished(self) -> None:
         self._workload_done.set()

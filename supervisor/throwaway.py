@@ -84,14 +84,15 @@ async def supervisor(work: Workdir, **options: Any) -> AsyncIterator[tuple[Daemo
 
 @contextmanager
 def supervisor_process(
-    work: Workdir, *args: str, start_timeout: float = 30.0
+    work: Workdir, *args: str, start_timeout: float = 30.0, extra_env: dict[str, str] | None = None
 ) -> Iterator[tuple[dict[str, str], subprocess.Popen[bytes]]]:
     """``sandvisor serve`` as a child process, yielded once its socket is there with the
-    environment that finds it; SIGTERM (a graceful stop) after, if it still runs."""
+    environment that finds it; SIGTERM (a graceful stop) after, if it still runs.
+    ``extra_env`` goes to the supervisor only (SANDVISOR_CRASH_AT: tests)."""
     env = work.env()
     argv = [sys.executable, "-m", "supervisor.cli", "serve", "--accel", "tcg", "--run-root", str(work.run_root), *args]
     work.socket.unlink(missing_ok=True)
-    p = subprocess.Popen(argv, env=env, stderr=subprocess.DEVNULL)
+    p = subprocess.Popen(argv, env={**env, **(extra_env or {})}, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + start_timeout
         while not work.socket.exists():
