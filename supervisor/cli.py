@@ -9,13 +9,15 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
-from typing import NoReturn
 
 from supervisor.cli_client import CLIENT_COMMANDS, UsageError, add_client_commands, configure_logging, run_client
 from supervisor.errors import ApiError
 
 # Imports are inside the functions that need them: a one-shot client command (ls,
 # inspect, run, ...) loads neither Trio, rich nor the image builder (issue 14).
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (mypy reads the name)
+if TYPE_CHECKING:
+    from typing import NoReturn
 
 
 class UserError(Exception):

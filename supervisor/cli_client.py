@@ -19,18 +19,19 @@ cp streams files) use the Trio SDK, imported when they run. Measured on this mac
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import sys
 from collections.abc import Callable, Coroutine, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 from supervisor.frames import BlockingConnection
 
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~2 ms; mypy reads the name)
 if TYPE_CHECKING:
+    from typing import Any
+
     from supervisor.client import AsyncSandbox
 
 
@@ -71,6 +72,8 @@ def _ts(unix: int) -> str:
 
 
 def _json(obj: Any) -> None:
+    import json
+
     def default(o: Any) -> Any:
         if isinstance(o, bytes):
             return o.decode(errors="replace")

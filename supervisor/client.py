@@ -170,7 +170,7 @@ class AsyncConnection:
     call's channel; any task may open calls."""
 
     def __init__(self, stream: trio.SocketStream) -> None:
-        self.frames = FramedStream(stream, W.encode, W.decode)
+        self.frames = FramedStream(stream)
         self.calls: dict[int, CallStream] = {}
         self.next_id = 1
         self.closed = False

@@ -2,15 +2,15 @@
 
 One module for the byte layer, in three parts; none imports an event loop or a
 converter at import time, so a one-shot CLI command pays only for what it uses
-(measured: ``import supervisor.frames`` ~3 ms; trio ~100 ms, the cattrs converter
-of :mod:`supervisor.protocol` ~60 ms)::
+(measured: ``import supervisor.frames`` ~6 ms, mostly socket and msgpack; trio
+~100 ms, :mod:`supervisor.protocol` and its cattrs converter ~60 ms, and even
+``typing`` ~2 ms, which is why it is imported for the type checker only)::
 
     FrameReader        I/O-free splitter: feed bytes, take whole frame bodies; a
                        header over the cap is RESOURCE_EXHAUSTED before its body
-    FramedStream[T]    a Trio stream of messages T (the server's connections and
-                       the async SDK: T = protocol.Envelope, with protocol.encode
-                       and decode): receive() one message or None at EOF, send()
-                       from any task under a lock
+    FramedStream       the protocol's envelopes over a Trio stream (the server's
+                       connections and the async SDK): receive() one envelope or
+                       None at EOF, send() from any task under a lock
     BlockingConnection a plain blocking socket speaking the protocol with envelopes
                        as plain maps (pack/unpack): hello, one call at a time,
                        unary or server-streaming (the CLI's one-shot commands)
@@ -31,21 +31,24 @@ from __future__ import annotations
 import os
 import socket
 import struct
-from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from collections.abc import Iterator, Mapping
 
 import msgpack
 
 from supervisor.errors import INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAVAILABLE, ApiError, error_for
 
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (mypy reads the name)
 if TYPE_CHECKING:
+    from typing import Any
+
     import trio
+
+    from supervisor.protocol import Envelope
 
 PROTOCOL_VERSION = 1
 MAX_FRAME = 4 << 20
 RECEIVE_SIZE = 1 << 16
 HDR = struct.Struct(">I")
-T = TypeVar("T")
 
 # envelope tags (protocol.py maps its classes to these)
 HELLO, HELLO_OK, CALL, SEND, HALF_CLOSE, CANCEL = "hello", "hello_ok", "call", "send", "half_close", "cancel"
@@ -105,34 +108,29 @@ def unpack(body: bytes) -> dict[str, Any]:
 
 
 # --- Trio ------------------------------------------------------------------------------------
-class FramedStream(Generic[T]):
-    """Messages of type ``T`` over a Trio stream, one frame each.
+class FramedStream:
+    """The client protocol's envelopes over a Trio stream, one frame each, both ends.
 
-    ``encode`` turns a message into a whole frame (header included, cap checked:
-    :func:`supervisor.protocol.encode`, or :func:`pack` for maps); ``decode`` turns a
-    frame body into a message (:func:`supervisor.protocol.decode`, or :func:`unpack`).
+    Envelopes are the typed classes of :mod:`supervisor.protocol`, written and read by
+    its converter (:func:`~supervisor.protocol.encode`, :func:`~supervisor.protocol.decode`).
     One task receives (the connection's reader); any task may send: a frame is
     written whole under a lock, so concurrent senders never interleave.
     """
 
-    def __init__(
-        self,
-        stream: trio.abc.Stream,
-        encode: Callable[[T], bytes],
-        decode: Callable[[bytes], T],
-        *,
-        max_frame: int = MAX_FRAME,
-    ) -> None:
-        import trio  # here, not at the top: the one-shot CLI imports this module without Trio
+    def __init__(self, stream: trio.abc.Stream, *, max_frame: int = MAX_FRAME) -> None:
+        # here, not at the top: the one-shot CLI imports this module without either
+        import trio
+
+        from supervisor import protocol
 
         self.stream = stream
-        self._encode = encode
-        self._decode = decode
+        self._encode = protocol.encode
+        self._decode = protocol.decode
         self._reader = FrameReader(max_frame)
         self._lock = trio.Lock()
         self.closed = False
 
-    async def receive(self) -> T | None:
+    async def receive(self) -> Envelope | None:
         """The next message, or None at the end of the stream (a frame cut short by
         EOF counts as the end). ApiError: RESOURCE_EXHAUSTED for a frame over the cap
         (from its header, before its body is awaited), INVALID_ARGUMENT for a body
@@ -146,7 +144,7 @@ class FramedStream(Generic[T]):
                 return None
             self._reader.feed(data)
 
-    async def send(self, msg: T) -> None:
+    async def send(self, msg: Envelope) -> None:
         """Encode (before taking the lock: a message over the cap raises ApiError and
         sends nothing), then write the frame whole. ClosedResourceError once closed."""
         import trio
@@ -188,9 +186,11 @@ class BlockingConnection:
 
     @classmethod
     def open(cls, path: str | os.PathLike[str] | None = None, client: str = "sandvisor-cli") -> BlockingConnection:
-        from supervisor.config import default_socket
+        if path is None:
+            from supervisor.config import default_socket  # hashlib, ~3 ms: only when needed
 
-        sock_path = str(path or default_socket())
+            path = default_socket()
+        sock_path = str(path)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             sock.connect(sock_path)
