@@ -510,7 +510,7 @@ class AsyncExec:
 
     async def _outputs(self) -> AsyncIterator[Output]:
         async for item in self._call:
-            o = _output(_structure(item, W.RunOutput, "Exec"))
+            o = _output(_structure(item, W.ExecOutput, "Exec"))
             if o.exit_code is not None:
                 self.exit_code = o.exit_code
                 yield o
