@@ -58,7 +58,7 @@ def wall(argv: list[str], env: dict[str, str]) -> float:
 
 
 async def bench(n: int, out_dir: Path) -> dict[str, Any]:
-    res: dict[str, Any] = {"n": n}
+    res: dict[str, Any] = {"n": n, "loadavg_before": os.getloadavg()[0]}
     async with in_process_daemon("sv-ctl-") as (cfg, _registry), connect(cfg.socket) as c:
         for i in range(OTHERS):
             await c.call("Create", {"id": f"other{i}", "labels": {"i": str(i)}})
@@ -106,6 +106,7 @@ async def bench(n: int, out_dir: Path) -> dict[str, Any]:
             for name, argv in commands.items():
                 walls[name].append(await trio.to_thread.run_sync(wall, argv, env))
 
+    res["loadavg_after"] = os.getloadavg()[0]
     bare = statistics.median(walls["bare"])
     res["sandvisor"] = " ".join(sv)
     res["bare_ms"] = {"p50": bare * 1e3, "p90": pct(walls["bare"], 90) * 1e3}
@@ -131,7 +132,8 @@ async def bench(n: int, out_dir: Path) -> dict[str, Any]:
             "## One-shot control plane (TCG, in-process daemon, 5 sandboxes, 1 ready)",
             "",
             f"Bare interpreter (`python -c pass`, same venv): p50 {bare * 1e3:.1f} ms "
-            f"(p90 {res['bare_ms']['p90']:.1f}); n={n} rounds, medians.",
+            f"(p90 {res['bare_ms']['p90']:.1f}); n={n} rounds, medians; load average "
+            f"{res['loadavg_before']:.1f} before, {res['loadavg_after']:.1f} after.",
             "ratio = (wall - call) / bare; the call is measured on an open connection.",
             "",
             "| command | wall p50 (ms) | call p50 (ms) | wall - bare (ms) | ratio | target |",

@@ -172,6 +172,9 @@ class BlockingConnection:
     For one-shot commands: no event loop, no converter (bodies are the wire's maps,
     as ``AsyncConnection.call`` gives them). One call at a time; leaving a stream
     early cancels its call. Errors are the SDK's (:func:`supervisor.errors.error_for`).
+    The hello is pipelined: ``open`` sends it, the first call goes right behind it,
+    and the server's answer to the hello is read before the call's (a refused hello
+    raises from that call); a one-shot command waits one round trip, not two.
 
         with BlockingConnection.open(path) as c:
             info = c.call("Inspect", {"id": "web"})
@@ -183,6 +186,7 @@ class BlockingConnection:
         self.sock = sock
         self._reader = FrameReader(max_frame)
         self._next_id = 1
+        self._greeted = False
 
     @classmethod
     def open(cls, path: str | os.PathLike[str] | None = None, client: str = "sandvisor-cli") -> BlockingConnection:
@@ -199,10 +203,10 @@ class BlockingConnection:
             raise error_for(UNAVAILABLE, f"cannot reach the supervisor at {sock_path}: {exc.strerror}") from None
         conn = cls(sock)
         try:
-            conn._hello(client)
-        except BaseException:
+            conn.send({"t": HELLO, "version": PROTOCOL_VERSION, "client": client})
+        except OSError:
             conn.close()
-            raise
+            raise error_for(UNAVAILABLE, "connection to the supervisor lost") from None
         return conn
 
     def __enter__(self) -> BlockingConnection:
@@ -231,22 +235,30 @@ class BlockingConnection:
                 return None
             self._reader.feed(data)
 
-    def _hello(self, client: str) -> None:
-        self.send({"t": HELLO, "version": PROTOCOL_VERSION, "client": client})
+    def _greeting(self) -> None:
+        """The server's answer to the hello (the first envelope it sends)."""
+        if self._greeted:
+            return
         msg = self.receive()
         if msg is not None and msg["t"] == FAIL:
             raise error_for(str(msg.get("code")), str(msg.get("message")))
         if msg is None or msg["t"] != HELLO_OK:
             raise ApiError(UNAVAILABLE, "the supervisor did not answer the hello")
+        self._greeted = True
 
     def _start(self, method: str, body: Mapping[str, Any] | None) -> int:
         id = self._next_id
         self._next_id += 1
-        self.send({"t": CALL, "id": id, "method": method, "body": dict(body or {})})
+        try:
+            self.send({"t": CALL, "id": id, "method": method, "body": dict(body or {})})
+        except OSError:
+            self._greeting()  # a refused hello says why the server hung up
+            raise error_for(UNAVAILABLE, "connection to the supervisor lost") from None
         return id
 
     def _answers(self, id: int) -> Iterator[dict[str, Any]]:
         """Call ``id``'s envelopes up to and including its last (end, reply or fail)."""
+        self._greeting()
         while True:
             msg = self.receive()
             if msg is None:

@@ -308,8 +308,12 @@ def test_blocking_connection_calls_streams_and_errors(sock_path: Path) -> None:
 
 def test_blocking_connection_refused_hello(sock_path: Path) -> None:
     refusal = {"t": "fail", "id": 0, "code": "FAILED_PRECONDITION", "message": "protocol 1 unsupported"}
-    with fake_supervisor(sock_path, sandvisor_fake, hello=refusal), pytest.raises(ApiError) as e:
-        F.BlockingConnection.open(sock_path)
+    with (
+        fake_supervisor(sock_path, sandvisor_fake, hello=refusal),
+        F.BlockingConnection.open(sock_path) as c,
+        pytest.raises(ApiError) as e,
+    ):
+        c.call("List")  # the hello is pipelined: its refusal comes with the first call
     assert e.value.code == "FAILED_PRECONDITION"
 
 
@@ -453,7 +457,7 @@ with fake_supervisor(path, sandvisor_fake):
         code = main([*argv[:1], "--socket", str(path), *argv[1:]])
         print("EXIT", code)
 heavy = {{m.split(".")[0] for m in sys.modules}} & {{"trio", "rich", "attrs", "attr", "cattrs", "actors", "images",
-                                                  "typing"}}
+                                                  "typing", "shutil"}}
 print("HEAVY", sorted(heavy))
 """
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
