@@ -6,7 +6,7 @@ from __future__ import annotations
 import nox
 
 nox.options.default_venv_backend = "venv"
-nox.options.sessions = ["lint", "typecheck", "tests"]
+nox.options.sessions = ["lint", "typecheck", "unit", "tests"]
 nox.options.reuse_existing_virtualenvs = True
 
 
@@ -21,6 +21,13 @@ def tests(session: nox.Session) -> None:
     session.install("-e", ".[test]")
     session.run("sandvisor", "image", "build")
     session.run("pytest", *(session.posargs or ["-q"]))
+
+
+@nox.session
+def unit(session: nox.Session) -> None:
+    """The fast layer: protocol cores, actor logic on fake VMs, the import graph (no QEMU)."""
+    session.install("-e", ".[test]")
+    session.run("pytest", "-q", "-m", "not vm", *session.posargs)
 
 
 @nox.session
@@ -47,6 +54,7 @@ def bench(session: nox.Session) -> None:
     session.run("python", "benchmarks/network.py")
     session.run("python", "benchmarks/snapshots.py")
     session.run("python", "benchmarks/coldstart.py")
+    session.run("python", "benchmarks/images.py")
 
 
 @nox.session

@@ -13,18 +13,26 @@ Error tree::
      +-- ChannelBroken (trio.BrokenResourceError)   the guest went away or broke the protocol
      |    +-- GuestProtocolError                     ... specifically, it sent something illegal
      +-- HelloTimeout (trio.TooSlowError)           no hello answer in time (boot hung)
+     +-- GuestTimeout (trio.TooSlowError)           no answer to a request in time (a silent guest)
      +-- GuestOpError                               the guest refused one request (code, message)
+
+Deadlines: every wait for the guest to answer something the host asked (a unary
+reply, exec_started, file_info, file data, credit for a file's data, the final Ok of
+a write) is bounded by ``answer_timeout``; waits on a process (its output, credit
+for its stdin) are not: a process may be silent or slow to read for as long as it
+likes, and its own timeout bounds it.
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import math
 import os
 import signal
 import time
-from collections.abc import AsyncIterable, AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator
+from contextlib import aclosing, asynccontextmanager
 from typing import Any, TypeVar
 
 import attrs
@@ -34,6 +42,7 @@ from actors._groups import collapse_single
 from guestd import proto as P
 
 log = logging.getLogger("sandvisor.guest")
+KILL_GRACE = 5.0  # how long a guest has to end a process it should have killed (timeout, SIGKILL)
 _M = TypeVar("_M", bound=P.Message)
 
 
@@ -55,6 +64,10 @@ class GuestProtocolError(ChannelBroken):
 
 class HelloTimeout(GuestError, trio.TooSlowError):
     """The guest did not answer the hello in time."""
+
+
+class GuestTimeout(GuestError, trio.TooSlowError):
+    """The guest did not answer a request within the channel's answer timeout."""
 
 
 class GuestOpError(GuestError):
@@ -161,11 +174,16 @@ class _Request:
         self.wakeup.set()
         self.credit_changed.set()
 
-    async def next(self) -> P.Message:
+    async def next(self, timeout: float | None = None) -> P.Message:
+        """The next message; ``timeout``: GuestTimeout when none came for that long."""
+        deadline = trio.current_time() + timeout if timeout is not None else math.inf
         while not self.queue:
             if self.broken is not None:
                 raise self.broken
-            await self.wakeup.wait()
+            with trio.move_on_at(deadline):
+                await self.wakeup.wait()
+            if not self.wakeup.is_set() and not self.queue:
+                raise GuestTimeout(f"the guest did not answer within {timeout:g}s")
             self.wakeup = trio.Event()
         item = self.queue.popleft()
         if isinstance(item, tuple):
@@ -180,8 +198,11 @@ class _Request:
 class GuestChannel:
     """One connection to guestd. Use :func:`open_channel`; do not construct directly."""
 
-    def __init__(self, stream: trio.abc.Stream, *, max_frame: int = P.MAX_FRAME) -> None:
+    def __init__(
+        self, stream: trio.abc.Stream, *, max_frame: int = P.MAX_FRAME, answer_timeout: float | None = None
+    ) -> None:
         self._stream = stream
+        self.answer_timeout = answer_timeout
         self._decoder = P.FrameDecoder(max_frame)
         self._send_lock = trio.Lock()
         self._reqs: dict[int, _Request] = {}
@@ -296,8 +317,14 @@ class GuestChannel:
             self._check()
             try:
                 await self._stream.send_all(frame)
+            except trio.ClosedResourceError:
+                self._check()  # our reader closed it under us: the breakage it found
+                raise ChannelClosed("guest channel closed") from None
             except (trio.BrokenResourceError, OSError) as exc:
                 raise ChannelBroken(f"guest channel broke: {exc}") from None
+            except BaseException:  # cancelled mid-frame: what follows would be read as its body
+                self._poison(ChannelBroken("a send to the guest was interrupted mid-frame"))
+                raise
         self._stats["frames_out"] += 1
         self._stats["bytes_out"] += len(frame)
 
@@ -325,11 +352,13 @@ class GuestChannel:
     # -- hello ---------------------------------------------------------------
     async def hello(self, timeout: float) -> P.HelloOk:
         """Send Hello and wait for the guest's answer (this spans the guest's boot)."""
+        self._check()
+        for req in list(self._reqs.values()):  # the guest drops the old session's requests: so do we
+            req.fail(ChannelBroken("a new session with the guest began; this request was dropped"))
         self._hello_event = trio.Event()
         self._hello = None
         self._syncing = True
         self._discarded = 0
-        self._check()
         async with self._send_lock:
             try:
                 await self._stream.send_all(P.HOST_SYNC)
@@ -351,7 +380,7 @@ class GuestChannel:
         req = self._new_request()
         try:
             await self._send(build(req.rid))
-            msg = await req.next()
+            msg = await req.next(self.answer_timeout)
         finally:
             self._end_request(req)
         if isinstance(msg, P.Error):
@@ -362,11 +391,16 @@ class GuestChannel:
 
     async def _protocol_violation(self, text: str) -> None:
         exc = GuestProtocolError(text)
-        self._broken = exc
-        self._fail_all(exc)
+        self._poison(exc)
         with trio.CancelScope(shield=True):
             await self._stream.aclose()
         raise exc
+
+    def _poison(self, exc: ChannelBroken) -> None:
+        """The channel cannot be used any more: every request sees ``exc``."""
+        if self._broken is None:
+            self._broken = exc
+        self._fail_all(exc)
 
     async def ping(self) -> P.Pong:
         return await self._unary(lambda rid: P.Ping(rid=rid), P.Pong)
@@ -411,7 +445,7 @@ class GuestChannel:
         """Start a process; the handle streams its output. Leaving the block before the
         process exited kills its process group (nothing is left running unowned)."""
         req = self._new_request()
-        handle = ExecHandle(self, req)
+        handle = ExecHandle(self, req, timeout=timeout, stdin=stdin)
         try:
             msg = P.Exec(
                 rid=req.rid,
@@ -426,7 +460,7 @@ class GuestChannel:
                 stdin=stdin,
             )
             await self._send(msg)
-            first = await req.next()
+            first = await req.next(self.answer_timeout)
             if isinstance(first, P.Error):
                 raise GuestOpError(first.code, first.message)
             if not isinstance(first, P.ExecStarted):
@@ -460,7 +494,7 @@ class GuestChannel:
         req = self._new_request()
         try:
             await self._send(P.ReadFile(rid=req.rid, path=path))
-            first = await req.next()
+            first = await req.next(self.answer_timeout)
             if isinstance(first, P.Error):
                 raise GuestOpError(first.code, first.message)
             if not isinstance(first, P.FileInfo):
@@ -468,7 +502,7 @@ class GuestChannel:
                 raise AssertionError  # unreachable
             if first.size > P.MAX_FILE:
                 await self._protocol_violation("guest announced a file beyond the limit")
-            yield FileReadStream(req, first.size, first.mode)
+            yield FileReadStream(req, first.size, first.mode, self.answer_timeout)
         finally:
             self._end_request(req)
 
@@ -492,7 +526,7 @@ class GuestChannel:
             await self._send(P.WriteFile(rid=req.rid, path=path, mode=mode, size=size))
             total = 0
 
-            async def chunks() -> AsyncIterator[bytes]:
+            async def chunks() -> AsyncGenerator[bytes, None]:
                 if isinstance(data, (bytes, bytearray, memoryview)):
                     view = memoryview(data)
                     for i in range(0, len(view), P.CHUNK):
@@ -502,24 +536,31 @@ class GuestChannel:
                         for i in range(0, len(c), P.CHUNK):
                             yield bytes(c[i : i + P.CHUNK])
 
-            async for piece in chunks():
-                total += len(piece)
-                if total > P.MAX_FILE:
-                    raise GuestOpError(P.E_TOO_LARGE, f"file exceeds the {P.MAX_FILE} byte limit")
-                await _send_with_credit(self, req, piece)
+            async with aclosing(chunks()) as pieces:
+                async for piece in pieces:
+                    total += len(piece)
+                    if total > P.MAX_FILE:
+                        raise GuestOpError(P.E_TOO_LARGE, f"file exceeds the {P.MAX_FILE} byte limit")
+                    await _send_with_credit(self, req, piece, self.answer_timeout)
             await self._send(P.Eof(rid=req.rid, ch=P.STDIN))
             while True:
-                msg = await req.next()
+                msg = await req.next(self.answer_timeout)
                 if isinstance(msg, P.Error):
                     raise GuestOpError(msg.code, msg.message)
                 if isinstance(msg, P.Ok):
                     return msg.value
+                await self._protocol_violation(f"expected ok, got {msg.TAG}")
         finally:
             self._end_request(req)
+            aclose = getattr(data, "aclose", None)
+            if aclose is not None:  # the caller's generator: what we did not consume goes now
+                with trio.CancelScope(shield=True):
+                    await aclose()
 
 
-async def _send_with_credit(chan: GuestChannel, req: _Request, data: bytes) -> None:
-    """Send ``data`` on STDIN, waiting for credit; an early error from the guest wins."""
+async def _send_with_credit(chan: GuestChannel, req: _Request, data: bytes, timeout: float | None = None) -> None:
+    """Send ``data`` on STDIN, waiting for credit (GuestTimeout when none came for
+    ``timeout``); an early error from the guest wins."""
     view = memoryview(data)
     while view:
         while req.send_credit <= 0:
@@ -528,7 +569,11 @@ async def _send_with_credit(chan: GuestChannel, req: _Request, data: bytes) -> N
                 raise GuestOpError(err.code, err.message)
             if req.broken is not None:
                 raise req.broken
-            await req.credit_changed.wait()
+            changed = req.credit_changed
+            with trio.move_on_after(math.inf if timeout is None else timeout):
+                await changed.wait()
+            if not changed.is_set():
+                raise GuestTimeout(f"the guest granted no credit for {timeout:g}s")
         err = req.peek_error()
         if err is not None:
             raise GuestOpError(err.code, err.message)
@@ -539,14 +584,22 @@ async def _send_with_credit(chan: GuestChannel, req: _Request, data: bytes) -> N
 
 
 class ExecHandle:
-    """A running process in the guest. Iterate it for ``(channel, bytes)`` output."""
+    """A running process in the guest. Iterate it for ``(channel, bytes)`` output.
 
-    def __init__(self, chan: GuestChannel, req: _Request) -> None:
+    With a ``timeout``, the guest kills the process then; the host gives up on it
+    :data:`KILL_GRACE` later (GuestTimeout), and as long after a SIGKILL it sent: a
+    guest that ignores either cannot hold a caller forever."""
+
+    def __init__(self, chan: GuestChannel, req: _Request, *, timeout: float = 0.0, stdin: bool = False) -> None:
         self._chan = chan
         self._req = req
         self.pid = 0
         self.exit: P.Exit | None = None
+        self._stdin = stdin
         self._stdin_closed = False
+        self._timeout = timeout
+        self._deadline = trio.current_time() + timeout + KILL_GRACE if timeout > 0 else math.inf
+        self._why = f"the process ran {KILL_GRACE:g}s past its {timeout:g}s timeout and the guest did not end it"
 
     @property
     def rid(self) -> int:
@@ -557,13 +610,16 @@ class ExecHandle:
 
     async def __anext__(self) -> tuple[int, bytes]:
         while self.exit is None:
-            msg = await self._req.next()
-            if isinstance(msg, P.Data):
-                return msg.ch, msg.data
-            if isinstance(msg, P.Exit):
-                self.exit = msg
-            elif isinstance(msg, P.Error):
-                raise GuestOpError(msg.code, msg.message)
+            with trio.move_on_at(self._deadline):
+                msg = await self._req.next()
+                if isinstance(msg, P.Data):
+                    return msg.ch, msg.data
+                if isinstance(msg, P.Exit):
+                    self.exit = msg
+                elif isinstance(msg, P.Error):
+                    raise GuestOpError(msg.code, msg.message)
+                continue
+            raise GuestTimeout(self._why)
         raise StopAsyncIteration
 
     async def wait(self) -> P.Exit:
@@ -574,6 +630,8 @@ class ExecHandle:
         return self.exit
 
     async def send_stdin(self, data: bytes) -> None:
+        if not self._stdin:
+            raise GuestOpError(P.E_INVALID, "this process was started without stdin")
         if self._stdin_closed:
             raise ChannelClosed("stdin already closed")
         if self.exit is not None:
@@ -581,7 +639,7 @@ class ExecHandle:
         await _send_with_credit(self._chan, self._req, data)
 
     async def close_stdin(self) -> None:
-        if not self._stdin_closed and self.exit is None:
+        if self._stdin and not self._stdin_closed and self.exit is None:
             self._stdin_closed = True
             await self._chan._send(P.Eof(rid=self.rid, ch=P.STDIN))
 
@@ -592,11 +650,15 @@ class ExecHandle:
     async def signal(self, signum: int) -> None:
         if self.exit is None:
             await self._chan._send(P.Signal(rid=self.rid, signum=signum))
+            if signum == signal.SIGKILL:
+                self._deadline = min(self._deadline, trio.current_time() + KILL_GRACE)
+                self._why = f"the guest did not end the process within {KILL_GRACE:g}s of SIGKILL"
 
 
 class FileReadStream:
-    def __init__(self, req: _Request, size: int, mode: int) -> None:
+    def __init__(self, req: _Request, size: int, mode: int, timeout: float | None = None) -> None:
         self._req = req
+        self._timeout = timeout
         self.size = size
         self.mode = mode
         self.received = 0
@@ -607,7 +669,7 @@ class FileReadStream:
 
     async def __anext__(self) -> bytes:
         while not self.eof:
-            msg = await self._req.next()
+            msg = await self._req.next(self._timeout)
             if isinstance(msg, P.Data):
                 self.received += len(msg.data)
                 if self.received > P.MAX_FILE:
@@ -621,10 +683,12 @@ class FileReadStream:
 
 
 @asynccontextmanager
-async def open_channel(stream: trio.abc.Stream, *, hello_timeout: float | None = 30.0) -> AsyncIterator[GuestChannel]:
+async def open_channel(
+    stream: trio.abc.Stream, *, hello_timeout: float | None = 30.0, answer_timeout: float | None = None
+) -> AsyncIterator[GuestChannel]:
     """Run a channel over ``stream`` (reader task in its own nursery); hello first unless
     ``hello_timeout`` is None. The stream is closed on exit."""
-    chan = GuestChannel(stream)
+    chan = GuestChannel(stream, answer_timeout=answer_timeout)
     with collapse_single():
         async with trio.open_nursery() as nursery:
             await nursery.start(chan._reader)

@@ -15,133 +15,157 @@ Exec sessions do not change the state: they are interactive access beside the
 workload, allowed while ready or running, and they count as activity for the idle
 timeout. Run on a running sandbox is FAILED_PRECONDITION, as the seed says.
 
-The actor owns, for one life: the QEMU process and guest channel (through
-:func:`~actors.vm.booted_guest`) and the run dir. For the sandbox's whole existence
-(owned by the registry): its directory with the qcow2 overlay and the log.
-``run(task_status)`` is started with ``await nursery.start(...)`` and reports
-started once the life is set up (state "starting"), so Create returns at once.
+Handle and tasks: the registry owns the actor and calls its methods; a life is
+started with :meth:`Sandbox.start`, which runs :meth:`Sandbox.run` in the nursery
+it is given, with a :data:`Plan` saying what the life does::
+
+    Boot(template=...)        a fresh boot (or its disk again, after a Stop); at the
+                              first ready, before any caller's work, ``template`` may
+                              save it as its configuration's boot template
+    Resume(snapshot, fallback) a restore of a snapshot; a boot template that does
+                              not restore is reported to ``fallback`` and the life
+                              boots instead
+
+``run`` reports started once the life is set up (state "starting"), so Create
+returns at once. The actor owns, for one life, the QEMU process and guest channel
+(through :func:`~actors.vm.booted_guest`), the run dir and RAM file (through its
+:class:`~actors.files.SandboxFiles`, which also holds its disk and log).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import shutil
 import socket
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 import trio
 
-from actors.guest import ChannelBroken, ExecHandle, GuestError, GuestOpError
-from actors.logs import SandboxLog
-from actors.machine import MachineError, QemuUser
-from actors.snapshot import MAPPED, Checkpoint, checkpoint_guest, memory_for_restore, still_running
-from actors.vm import NETDEV_ID, BootError, Guest, NetConfig, RestoreFrom, booted_guest
-from guestd import proto as P
-from images.build import Image
-from supervisor.protocol import (
-    FAILED_PRECONDITION,
-    INTERNAL,
-    INVALID_ARGUMENT,
-    NOT_FOUND,
-    RESOURCE_EXHAUSTED,
-    UNAVAILABLE,
-    ApiError,
+from actors.crash import crash_point
+from actors.errors import (
+    AlreadyExists,
+    DeadlineExceeded,
+    DomainError,
+    FailedPrecondition,
+    Internal,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
 )
-from supervisor.store import Record, SnapshotRecord
+from actors.events import EventBus
+from actors.files import SandboxFiles
+from actors.guest import ExecHandle, FileReadStream, GuestError, GuestOpError, GuestTimeout
+from actors.machine import MachineError
+from actors.model import (
+    ALIVE,
+    ENDED,
+    Action,
+    Limits,
+    MemoryKind,
+    NetMode,
+    PortSpec,
+    Protocol,
+    SandboxConfig,
+    SandboxMetrics,
+    State,
+    is_hidden,
+)
+from actors.settings import Settings
+from actors.snapshot import Checkpoint, checkpoint_guest, memory_for_restore, still_running
+from actors.store import Record, SnapshotRecord, Store
+from actors.vm import NETDEV_ID, BootError, Guest, NetConfig, VmSpec
+from guestd import proto as P
 
 log = logging.getLogger("sandvisor.sandbox")
+T = TypeVar("T")
 
-STARTING, READY, RUNNING, STOPPING, STOPPED, FAILED = "starting", "ready", "running", "stopping", "stopped", "failed"
-ALIVE = (READY, RUNNING)
-_GUEST_CODES = {
-    P.E_NOT_FOUND: NOT_FOUND,
-    P.E_INVALID: INVALID_ARGUMENT,
-    P.E_IS_DIR: INVALID_ARGUMENT,
-    P.E_PERM: FAILED_PRECONDITION,
-    P.E_TOO_LARGE: RESOURCE_EXHAUSTED,
-    P.E_EXISTS: "ALREADY_EXISTS",
+_GUEST_CODES: dict[str, type[DomainError]] = {
+    P.E_NOT_FOUND: NotFound,
+    P.E_INVALID: InvalidArgument,
+    P.E_IS_DIR: InvalidArgument,
+    P.E_PERM: FailedPrecondition,
+    P.E_TOO_LARGE: ResourceExhausted,
+    P.E_EXISTS: AlreadyExists,
 }
+RESTORE_HELLO_TIMEOUT = 15.0  # a restored guest answers in ~0.1 s; one that does not in 15 s will not
 
 
-def api_error(exc: GuestError) -> ApiError:
-    """A guest-channel error as the seed's codes."""
+def guest_error(exc: GuestError) -> DomainError:
+    """A guest-channel error in the domain's terms."""
     if isinstance(exc, GuestOpError):
-        return ApiError(_GUEST_CODES.get(exc.code, INTERNAL), exc.message)
-    return ApiError(UNAVAILABLE, f"sandbox guest unavailable: {exc}")
+        return _GUEST_CODES.get(exc.code, Internal)(exc.message)
+    if isinstance(exc, GuestTimeout):
+        return DeadlineExceeded(f"sandbox guest: {exc}")
+    return Unavailable(f"sandbox guest unavailable: {exc}")
 
 
-@attrs.define
-class Settings:
-    """What every sandbox of one supervisor shares."""
+class CheckpointLost(MachineError):
+    """A checkpoint failed and the guest did not run again: the life cannot go on."""
 
-    image: Image
-    sandboxes_dir: Path  # <state>/sandboxes/<uid>/{disk.qcow2, log}
-    run_root: Path  # short paths for sockets: <run_root>/<uid>
-    accel: str = "tcg"
-    boot_timeout: float = 60.0
-    default_memory_mib: int = 256
-    default_vcpus: int = 1
-    qemu_user: QemuUser | None = None  # set when the supervisor is root
-    expose_address: str = "127.0.0.1"  # where exposed ports listen on the host
-    # guest RAM as shared files here (tmpfs), so checkpoints are "mapped"; None: anonymous
-    memory_dir: Path | None = None
+
+@attrs.frozen
+class Boot:
+    """A fresh boot, or a stopped sandbox's disk booted again."""
+
+    accepted: float = 0.0  # monotonic: when the request was accepted (for the timings)
+    template: Callable[[Sandbox], Awaitable[None]] | None = None
+
+
+@attrs.frozen
+class Resume:
+    """A restore of ``snapshot``. With ``fallback`` (a boot template), a restore that
+    fails is reported there and the life boots instead: a Create must not fail on it."""
+
+    snapshot: SnapshotRecord
+    accepted: float = 0.0
+    fallback: Callable[[SnapshotRecord, str], None] | None = None
+
+
+Plan = Boot | Resume
 
 
 class Sandbox:
     """The actor. The registry calls its methods; one VM life runs in :meth:`run`."""
 
-    def __init__(
-        self,
-        record: Record,
-        settings: Settings,
-        emit: Callable[[str, str, dict[str, str]], None],
-        persist: Callable[[Record], None],
-        persist_config: Callable[[Record], None] | None = None,
-    ) -> None:
+    def __init__(self, record: Record, settings: Settings, files: SandboxFiles, store: Store, events: EventBus) -> None:
         self.record = record
         self.settings = settings
-        self._emit = emit
-        self._persist = persist
-        self._persist_config = persist_config or (lambda r: None)
-        self._ports_lock = trio.Lock()
-        self.dir = settings.sandboxes_dir / record.uid
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.log = SandboxLog(self.dir / "log")
+        self.files = files
+        self._store = store
+        self._events = events
+        self.log = files.open_log()
         self.guest: Guest | None = None
         self.workloads = 0
         self.execs = 0
-        self.draining = False
-        self.last_activity = time.monotonic()
-        self._stop_request: trio.Event = trio.Event()
+        # trio's clock (timers run on it): when the sandbox last saw activity, and when it
+        # was created (a recovered record's age counts)
+        self.last_activity = trio.current_time()
+        self.born = trio.current_time() - max(0.0, time.time() - record.created_at)
+        self.rss_bytes = 0
+        self.checkpointing = False
+        # monotonic timestamps of the last life, for the cold-start breakdown
+        self.timings: dict[str, float] = {}
+        self._ports_lock = trio.Lock()
+        self._draining = False
+        self._stop_request = trio.Event()
         self._stop_timeout = 30.0
         self._stop_force = False
-        self._stopped = trio.Event()
+        self._life_done = trio.Event()  # set while no life runs (a recovered sandbox: at once)
+        self._life_done.set()
         self._workload_done = trio.Event()
         self._life_scope: trio.CancelScope | None = None
-        self.rss_bytes = 0
+        self._life_nursery: trio.Nursery | None = None
         self._cpu_prev: tuple[float, float] | None = None
-        # monotonic timestamps of the last boot, for the cold-start breakdown
-        self.timings: dict[str, float] = {}
-        # the next life resumes this snapshot instead of booting (then it is cleared:
-        # a restored sandbox stopped and started again boots from its disk)
-        self.restore_from: SnapshotRecord | None = None
-        # boot templates (see Registry): called at the first ready of a fresh boot, before
-        # any user work, to checkpoint it as the template of its configuration; and
-        # called when a restore from a template failed (the life then boots instead)
-        self.make_template: Callable[[Sandbox, Guest], Awaitable[None]] | None = None
-        self.template_failed: Callable[[SnapshotRecord, str], None] | None = None
-        self.checkpointing = False
         self._ckpt_lock = trio.Lock()
         self._ckpt_done = trio.Event()
         self._ckpt_done.set()
         self.ready_event = trio.Event()  # set when this life reaches ready (or ends)
-        self._life_nursery: trio.Nursery | None = None
         self._guest_hostname = ""  # what the fixups last set in this life's guest
 
     # -- identity ------------------------------------------------------------
@@ -150,19 +174,27 @@ class Sandbox:
         return self.record.id
 
     @property
-    def state(self) -> str:
+    def state(self) -> State:
         return self.record.state
 
     @property
-    def config(self) -> dict[str, Any]:
+    def config(self) -> SandboxConfig:
         return self.record.config
 
     @property
+    def limits(self) -> Limits:
+        return self.settings.limits(self.config.limits)
+
+    @property
+    def hostname(self) -> str:
+        return self.config.hostname or "sandbox"
+
+    @property
     def network(self) -> NetConfig | None:
-        net = self.config.get("network") or {}
-        if net.get("mode") != "user":
+        net = self.config.network
+        if net.mode != NetMode.USER:
             return None
-        return NetConfig(restrict=not net.get("outbound", False))
+        return NetConfig(restrict=not net.outbound)
 
     @property
     def ip_address(self) -> str:
@@ -174,55 +206,56 @@ class Sandbox:
         net = self.network
         return net.gateway if net else ""
 
-    @property
-    def run_dir(self) -> Path:
-        return self.settings.run_root / self.record.uid[:18]
-
-    def _set(self, state: str, **changes: Any) -> None:
+    def _set(self, state: State, **changes: Any) -> None:
         self.record.state = state
         for k, v in changes.items():
             setattr(self.record, k, v)
-        self._persist(self.record)
+        self._store.update(self.record)
 
-    def emit(self, action: str, **attributes: str) -> None:
-        self._emit(self.id, action, attributes)
+    def emit(self, action: Action, **attributes: str) -> None:
+        if not is_hidden(self.id):  # pool members are invisible until taken
+            self._events.emit(self.id, action, attributes)
 
     # -- one life ------------------------------------------------------------
-    async def run(self, task_status: trio.TaskStatus[Sandbox] = trio.TASK_STATUS_IGNORED) -> None:
-        """Boot, serve until asked to stop (or until QEMU dies), power off. One life."""
+    async def start(self, nursery: trio.Nursery, plan: Plan) -> None:
+        """Start a life in ``nursery``; returns once it is set up (state "starting")."""
+        self._life_done = trio.Event()  # at once: the sandbox counts as alive from here
         self._stop_request = trio.Event()
-        self._stopped = trio.Event()
         self._stop_force = False
-        self.draining = False
+        self._draining = False
         self.ready_event = trio.Event()
+        try:
+            await nursery.start(self.run, plan)
+        except BaseException:
+            self._life_done.set()
+            raise
+
+    async def run(self, plan: Plan, task_status: trio.TaskStatus[Sandbox] = trio.TASK_STATUS_IGNORED) -> None:
+        """Boot or restore, serve until asked to stop (or until QEMU dies), power off."""
         self._guest_hostname = ""
-        self._set(STARTING, error="", qemu_pid=0)
-        cfg = self.config
-        limits = cfg.get("limits") or {}
-        shutil.rmtree(self.run_dir, ignore_errors=True)
+        self._set(State.STARTING, error="", qemu_pid=0)
+        self.timings = {"accepted": plan.accepted or time.monotonic()}
         try:
             with trio.CancelScope() as scope:
                 self._life_scope = scope
                 task_status.started(self)
                 try:
-                    await self._life(cfg, limits)
-                except (BootError, MachineError, GuestError, ApiError) as exc:
-                    snap = self.restore_from
-                    if snap is None or self.template_failed is None or self.guest is not None:
+                    await self._life(plan)
+                except (BootError, MachineError, GuestError, DomainError) as exc:
+                    if not isinstance(plan, Resume) or plan.fallback is None or self.guest is not None:
                         raise
                     # a boot template that does not restore must not fail the Create: boot
-                    self.template_failed(snap, str(exc))
+                    plan.fallback(plan.snapshot, str(exc))
                     self.log.append("system", f"template restore failed ({exc}); booting".encode())
-                    self.restore_from = None
-                    self._set(STARTING, error="")
-                    await self._life(cfg, limits)
+                    self._set(State.STARTING, error="")
+                    await self._life(Boot(accepted=plan.accepted))
         except BootError as exc:
             self._fail(f"boot failed: {exc}")
             if exc.console:
                 self.log.append("system", exc.console[-4000:].encode())
         except (MachineError, GuestError) as exc:
             self._fail(str(exc))
-        except ApiError as exc:
+        except DomainError as exc:
             self._fail(exc.message)
         except Exception as exc:  # a bug must fail this sandbox, not the supervisor
             log.exception("sandbox %s crashed", self.id)
@@ -230,122 +263,133 @@ class Sandbox:
         finally:
             self.guest = None
             self._life_scope = None
-            self.restore_from = None
             self.ready_event.set()
-            shutil.rmtree(self.run_dir, ignore_errors=True)
-            if self.state not in (FAILED,):
-                self._set(STOPPED, qemu_pid=0)
-                self.emit("stopped", exit_code=str(self.record.last_exit_code))
+            if self.state != State.FAILED:
+                self._set(State.STOPPED, qemu_pid=0)
+                self.emit(Action.STOPPED, exit_code=str(self.record.last_exit_code))
             else:
-                self._set(FAILED, qemu_pid=0)
-            self._stopped.set()
+                self._set(State.FAILED, qemu_pid=0)
+            self._life_done.set()
 
     def _fail(self, error: str) -> None:
         log.warning("sandbox %s failed: %s", self.id, error)
         self.log.append("system", f"failed: {error}".encode())
-        self._set(FAILED, error=error)
-        self.emit("failed", error=error)
+        self._set(State.FAILED, error=error)
+        self.emit(Action.FAILED, error=error)
 
-    @property
-    def memory_file(self) -> Path | None:
-        d = self.settings.memory_dir
-        return d / f"{self.record.uid[:18]}.ram" if d is not None else None
-
-    async def _life(self, cfg: dict[str, Any], limits: dict[str, Any]) -> None:
-        s = self.settings
-        kernel = Path(cfg["kernel"]) if cfg.get("kernel") else None
-        rootfs = Path(cfg["rootfs"]) if cfg.get("rootfs") else None
-        snap = self.restore_from
-        kw: dict[str, Any] = {"kernel": kernel}
-        memory_file = self.memory_file
-        if snap is not None:
-            mach = snap.machine
-            snap_dir = Path(snap.dir)
-            mapped = snap.memory == MAPPED
-            kw = {
-                "kernel": snap_dir / "kernel",
-                "initrd": snap_dir / "initrd",
-                "append": mach["append"],
-                "restore": RestoreFrom(
-                    snap_dir / "vmstate", memory_for_restore(snap_dir, self.run_dir, s.qemu_user) if mapped else None
-                ),
-            }
-            if mapped:
-                memory_file = None  # RAM is the snapshot's file, mapped privately
-        async with booted_guest(
+    def _vm_spec(self, plan: Plan) -> VmSpec:
+        s, cfg, files = self.settings, self.config, self.files
+        limits = self.limits
+        if isinstance(plan, Resume):
+            snap = plan.snapshot
+            mapped = snap.memory == MemoryKind.MAPPED
+            ram = (
+                memory_for_restore(snap.path, files.run_dir, s.qemu_user)
+                if mapped
+                else (files.make_ram(snap.machine.memory_mib, s.qemu_user) if files.ram is not None else None)
+            )
+            return VmSpec(
+                kernel=snap.path / "kernel",
+                initrd=snap.path / "initrd",
+                append=snap.machine.append,
+                disk=files.disk,
+                cpus=snap.machine.cpus,
+                memory_mib=snap.machine.memory_mib,
+                accel=s.accel,
+                user=s.qemu_user,
+                network=self.network,
+                ram=ram,
+                ram_shared=not mapped,  # mapped: the snapshot's file, privately (copy-on-write)
+                restore=snap.path / "vmstate",
+                boot_timeout=min(s.boot_timeout, RESTORE_HELLO_TIMEOUT),
+                answer_timeout=s.guest_timeout,
+                name=self.hostname,
+            )
+        return VmSpec.boot(
             s.image,
-            self.run_dir,
-            rootfs=rootfs,
-            disk_path=self.dir / "disk.qcow2",
-            cpus=int(limits.get("vcpus") or s.default_vcpus),
-            memory_mib=int(limits.get("memory_mib") or s.default_memory_mib),
+            disk=files.disk,
             accel=s.accel,
-            hostname=cfg.get("hostname") or "sandbox",
-            extra_cmdline=cfg.get("boot_args", ""),
-            # a restored guest answers in ~0.1 s; one that does not within 15 s is not
-            # going to (and a Restore caller is waiting)
-            boot_timeout=s.boot_timeout if snap is None else min(s.boot_timeout, 15.0),
-            user=s.qemu_user,
+            hostname=self.hostname,
             network=self.network,
-            memory_file=memory_file,
-            **kw,
-        ) as guest:
-            if snap is not None:
-                await self._after_restore(guest, cfg)
-            self.guest = guest
-            self._record_timings(guest)
-            self.record.qemu_pid = guest.machine.pid or 0
-            if snap is None and self.make_template is not None:
-                make, self.make_template = self.make_template, None
-                await make(self, guest)  # a fresh boot, nothing of the user's in it yet
-            await self._apply_ports(guest)  # ports given at create (or exposed before a stop) come first
-            self._set(READY, ready_at=int(time.time()), qemu_pid=guest.machine.pid or 0)
-            self.timings["ready_event"] = time.monotonic()
-            self.log.append("system", b"ready")
-            self.emit("ready")
-            self.ready_event.set()
-            self.last_activity = time.monotonic()
-            async with trio.open_nursery() as nursery:
-                self._life_nursery = nursery
-                nursery.start_soon(self._watch_machine, guest, nursery.cancel_scope)
-                if cfg.get("cmd"):
-                    nursery.start_soon(self._initial_cmd, cfg)
-                try:
-                    await self._stop_request.wait()
-                    await self._drain_workloads()
-                finally:
-                    self._life_nursery = None
-                nursery.cancel_scope.cancel()
-            if self.state == FAILED:
-                return
-            self._set(STOPPING)
-            if self._stop_force and guest.machine.proc is not None:
-                guest.channel.expect_eof()
-                guest.machine.proc.kill()
+            extra_cmdline=cfg.boot.boot_args,
+            kernel=Path(cfg.boot.kernel) if cfg.boot.kernel else None,
+            cpus=limits.vcpus,
+            memory_mib=limits.memory_mib,
+            user=s.qemu_user,
+            ram=files.make_ram(limits.memory_mib, s.qemu_user) if files.ram is not None else None,
+            boot_timeout=s.boot_timeout,
+            answer_timeout=s.guest_timeout,
+        )
 
-    async def _after_restore(self, guest: Guest, cfg: dict[str, Any]) -> None:
-        """A restored life: say where it came from, then the identity fixups (the clock
-        was set by the hello). Port forwards are host state, not migrated: the life
-        redoes them (_apply_ports) as after a boot."""
-        self.timings["restored"] = time.monotonic()
-        snap = self.restore_from
-        if snap is not None:
-            what = "the boot template" if self.template_failed is not None else f"snapshot {snap.id}"
+    def _base(self) -> Path:
+        """The read-only root filesystem a fresh boot's overlay stands on."""
+        if self.record.image is not None:
+            return Path(self.record.image.rootfs)
+        boot = self.config.boot
+        return Path(boot.rootfs) if boot.rootfs else self.settings.image.rootfs
+
+    async def _life(self, plan: Plan) -> None:
+        if isinstance(plan, Resume):
+            await self.files.overlay_on(plan.snapshot.disk)
+        elif not self.files.disk.exists():
+            await self.files.overlay_on(self._base())
+        run_dir = self.files.new_run_dir()
+        try:
+            spec = self._vm_spec(plan)
+            async with self.settings.launch(spec, run_dir) as guest:
+                await self._serve(guest, plan)
+        finally:
+            self.files.end_life()
+
+    async def _serve(self, guest: Guest, plan: Plan) -> None:
+        """A life from the guest's hello to the end of its work."""
+        if isinstance(plan, Resume):
+            self.timings["restored"] = time.monotonic()
+            what = "the boot template" if plan.fallback is not None else f"snapshot {plan.snapshot.id}"
             self.log.append("system", f"restored from {what}".encode())
-        await self._fresh_identity(guest, cfg, clock=False)
+            await self._fresh_identity(guest, clock=False)  # the hello set the clock
+        crash_point("hello")
+        self.guest = guest
+        self._record_timings(guest)
+        self.record.qemu_pid = guest.machine.pid or 0
+        if isinstance(plan, Boot) and plan.template is not None:
+            await plan.template(self)  # a fresh boot, nothing of the caller's in it yet
+        await self._apply_ports(guest)  # ports given at create (or exposed before a stop) come first
+        self._set(State.READY, ready_at=int(time.time()), qemu_pid=guest.machine.pid or 0)
+        self.timings["ready_event"] = time.monotonic()
+        self.log.append("system", b"ready")
+        self.emit(Action.READY)
+        self.ready_event.set()
+        self.last_activity = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            self._life_nursery = nursery
+            nursery.start_soon(self._watch_machine, guest, nursery.cancel_scope)
+            if self.initial_cmd:
+                nursery.start_soon(self._initial_cmd)
+            try:
+                await self._stop_request.wait()
+                await self._drain_workloads()
+            finally:
+                self._life_nursery = None
+            nursery.cancel_scope.cancel()
+        if self.state == State.FAILED:
+            return
+        self._set(State.STOPPING)
+        if self._stop_force and guest.machine.proc is not None:
+            guest.channel.expect_eof()
+            guest.machine.proc.kill()
 
-    async def _fresh_identity(self, guest: Guest, cfg: dict[str, Any], *, clock: bool) -> None:
+    async def _fresh_identity(self, guest: Guest, *, clock: bool) -> None:
         """What a clone must not share with its snapshot: the clock (host time), the
         kernel's CRNG (reseeded with fresh host entropy, else every clone reads the
         same /dev/urandom stream), the hostname."""
-        hostname = cfg.get("hostname") or "sandbox"
         try:
             if clock:
                 await guest.channel.set_clock()
             await guest.channel.add_entropy(256)
-            if hostname != self._guest_hostname:  # a pool member adopted as is keeps its own
-                await guest.channel.set_hostname(hostname)
-                self._guest_hostname = hostname
+            if self.hostname != self._guest_hostname:  # a pool member adopted as is keeps its own
+                await guest.channel.set_hostname(self.hostname)
+                self._guest_hostname = self.hostname
         except GuestError as exc:
             raise MachineError(f"post-restore fixups failed: {exc}") from None
 
@@ -354,11 +398,11 @@ class Sandbox:
         caller's configuration): fresh identity (it may have waited a while), the
         ports unless the member forwarded them already, then the initial command. A
         failure fails this sandbox, as it would fail a boot."""
-        guest, cfg = self.guest, self.config
-        if guest is None or self._life_nursery is None or self.state != READY:
+        guest = self.guest
+        if guest is None or self._life_nursery is None or self.state != State.READY:
             raise MachineError(f"pool member is {self.state}")
         try:
-            await self._fresh_identity(guest, cfg, clock=True)
+            await self._fresh_identity(guest, clock=True)
             if apply_ports:
                 await self._apply_ports(guest)
         except MachineError as exc:
@@ -367,8 +411,8 @@ class Sandbox:
             raise
         self.log.append("system", b"ready (from the warm pool)")
         self.touch()
-        if cfg.get("cmd"):
-            self._life_nursery.start_soon(self._initial_cmd, cfg)
+        if self.initial_cmd:
+            self._life_nursery.start_soon(self._initial_cmd)
 
     def _record_timings(self, guest: Guest) -> None:
         """Host and guest milestones on one clock. The guest reports seconds since its
@@ -393,24 +437,30 @@ class Sandbox:
             scope.cancel()
 
     async def _drain_workloads(self) -> None:
-        if self._stop_force or self.state == FAILED:
+        if self._stop_force or self.state == State.FAILED:
             return
         with trio.move_on_after(self._stop_timeout):
             await self._ckpt_done.wait()  # a checkpoint in progress finishes first
             while self.workloads or self.execs:
                 await self._workload_done.wait()
 
-    async def _initial_cmd(self, cfg: dict[str, Any]) -> None:
-        workload = self.run_workload(
-            cfg["cmd"], env=cfg.get("env") or {}, cwd=cfg.get("working_dir", ""), user=cfg.get("user", "")
-        )
+    @property
+    def initial_cmd(self) -> tuple[str, ...]:
+        """What runs at the first ready: the Create's cmd, else its OCI image's
+        Entrypoint + Cmd (as a container runtime would)."""
+        img = self.record.image
+        if img is None:
+            return self.config.workload.cmd
+        return (*self.config.workload.cmd,) if self.config.workload.cmd else img.argv
+
+    async def _initial_cmd(self) -> None:
+        workload = self.run_workload(list(self.initial_cmd), env={})
         try:
             async with aclosing(workload) as outputs:
                 async for _ in outputs:
                     pass
-        except ApiError as exc:
+        except DomainError as exc:  # its idle event (with the error) was emitted already
             self.log.append("system", f"initial cmd failed: {exc}".encode())
-            self.emit("idle", exit_code="127", error=exc.message)
 
     # -- control ---------------------------------------------------------------
     def request_stop(self, timeout: float, *, force: bool = False) -> None:
@@ -421,8 +471,8 @@ class Sandbox:
         self._stop_force = self._stop_force or force
         if not self._stop_request.is_set():
             if self.state in ALIVE:
-                self._set(STOPPING)
-            self.emit("stopping")
+                self._set(State.STOPPING)
+            self.emit(Action.STOPPING)
             self._stop_request.set()
         if self.guest is None:
             if self._life_scope is not None:  # still booting: abandon the boot
@@ -431,38 +481,71 @@ class Sandbox:
             self.guest.channel.expect_eof()
             self.guest.machine.proc.kill()
 
+    def drain(self) -> None:
+        """No new work; work in flight finishes, however long it takes; then stop."""
+        if self.state not in (*ALIVE, State.STARTING):
+            raise FailedPrecondition(f"sandbox {self.id} is {self.state}")
+        self._draining = True
+        self.request_stop(24 * 3600.0)
+
     async def wait_stopped(self) -> None:
-        await self._stopped.wait()
+        """Until no life runs, and the record says so on disk (a caller told "stopped"
+        must not find it running after a crash)."""
+        await self._life_done.wait()
+        await self.persisted()
+
+    async def persisted(self) -> None:
+        """Until the record's changes so far are on disk (a full disk: logged, not raised)."""
+        try:
+            await self._store.flush()
+        except DomainError as exc:
+            log.warning("sandbox %s: %s", self.id, exc.message)
 
     @property
     def stopped(self) -> bool:
-        return self._stopped.is_set() or self.state in (STOPPED, FAILED)
+        """No life runs (a recovered sandbox, one that stopped or failed)."""
+        return self._life_done.is_set() or self.state in ENDED
 
     def touch(self) -> None:
-        self.last_activity = time.monotonic()
+        self.last_activity = trio.current_time()
 
     # -- work ------------------------------------------------------------------
     def _require_alive(self) -> Guest:
         if self.state not in ALIVE or self.guest is None:
-            raise ApiError(FAILED_PRECONDITION, f"sandbox {self.id} is {self.state}, not ready or running")
-        if self.draining or self._stop_request.is_set():
-            raise ApiError(FAILED_PRECONDITION, f"sandbox {self.id} is draining or stopping: no new work")
+            raise FailedPrecondition(f"sandbox {self.id} is {self.state}, not ready or running")
+        if self._draining or self._stop_request.is_set():
+            raise FailedPrecondition(f"sandbox {self.id} is draining or stopping: no new work")
         if self.checkpointing:
-            raise ApiError(FAILED_PRECONDITION, f"sandbox {self.id} is being checkpointed; retry in a moment")
+            raise FailedPrecondition(f"sandbox {self.id} is being checkpointed; retry in a moment")
         return self.guest
 
     def check_checkpointable(self) -> Guest:
         guest = self._require_alive()
-        if self.state != READY:
-            raise ApiError(FAILED_PRECONDITION, f"sandbox {self.id} is {self.state}; checkpoint needs it ready")
+        if self.state != State.READY:
+            raise FailedPrecondition(f"sandbox {self.id} is {self.state}; checkpoint needs it ready")
         if self.execs or self.workloads:
-            raise ApiError(FAILED_PRECONDITION, f"sandbox {self.id} has exec sessions open; checkpoint needs it idle")
+            raise FailedPrecondition(f"sandbox {self.id} has exec sessions open; checkpoint needs it idle")
         return guest
 
     async def checkpoint(self, snap_dir: Path) -> Checkpoint:
         """Save this sandbox into ``snap_dir``; it runs on afterwards. Only when ready
         with no exec session open: work in flight would be cloned into every restore."""
         guest = self.check_checkpointable()
+        try:
+            return await self._checkpoint(guest, snap_dir)
+        except CheckpointLost as exc:  # never leave a sandbox "ready" but paused
+            self._fail(str(exc))
+            self._stop_request.set()
+            raise Internal(f"checkpoint of {self.id} failed: {exc}") from None
+
+    async def checkpoint_first_boot(self, snap_dir: Path) -> Checkpoint:
+        """Save a fresh boot at its first ready, before any caller's work (a boot
+        template). A lost guest raises :class:`CheckpointLost`: the life fails."""
+        if self.guest is None or self.state != State.STARTING:
+            raise FailedPrecondition(f"sandbox {self.id} is {self.state}: not a fresh boot")
+        return await self._checkpoint(self.guest, snap_dir)
+
+    async def _checkpoint(self, guest: Guest, snap_dir: Path) -> Checkpoint:
         async with self._ckpt_lock:
             self.checkpointing = True
             self._ckpt_done = trio.Event()
@@ -473,31 +556,32 @@ class Sandbox:
                     while guest.channel.statistics().requests_in_flight:
                         await trio.sleep(0.002)
                 if guest.channel.statistics().requests_in_flight:
-                    raise ApiError(FAILED_PRECONDITION, f"sandbox {self.id}: guest channel busy; retry the checkpoint")
+                    raise FailedPrecondition(f"sandbox {self.id}: guest channel busy; retry the checkpoint")
                 try:
                     ck = await checkpoint_guest(
-                        guest, disk=self.dir / "disk.qcow2", snap_dir=snap_dir, user=self.settings.qemu_user
+                        guest, files=self.files, snap_dir=snap_dir, user=self.settings.qemu_user
                     )
-                except MachineError as exc:
-                    if not await still_running(guest):  # never leave a sandbox "ready" but paused
-                        self._fail(f"checkpoint failed and the guest did not resume: {exc}")
-                        self._stop_request.set()
-                    raise ApiError(INTERNAL, f"checkpoint of {self.id} failed: {exc}") from None
+                except (MachineError, OSError) as exc:
+                    if not await still_running(guest):
+                        raise CheckpointLost(f"checkpoint failed and the guest did not resume: {exc}") from None
+                    raise Internal(f"checkpoint of {self.id} failed: {exc}") from None
                 self.log.append("system", f"checkpoint: {ck.memory}, paused {ck.paused_s * 1000:.0f} ms".encode())
                 return ck
             finally:
                 self.checkpointing = False
                 self._ckpt_done.set()
 
-    def _defaults(self, env: dict[str, str], cwd: str, user: str) -> tuple[dict[str, str], str, str]:
-        """The sandbox's create-time env, working dir and user are every command's
-        defaults; a call's own values win."""
-        cfg = self.config
-        return {**(cfg.get("env") or {}), **env}, cwd or cfg.get("working_dir", ""), user or cfg.get("user", "")
-
     def _workload_finished(self) -> None:
         self._workload_done.set()
         self._workload_done = trio.Event()
+
+    def _defaults(self, env: dict[str, str], cwd: str, user: str) -> tuple[dict[str, str], str, str]:
+        """The sandbox's create-time env, working dir and user are every command's
+        defaults, over its OCI image's; a call's own values win."""
+        w, img = self.config.workload, self.record.image
+        if img is None:
+            return {**w.env, **env}, cwd or w.working_dir, user or w.user
+        return {**img.env, **w.env, **env}, cwd or w.working_dir or img.working_dir, user or w.user or img.user
 
     async def run_workload(
         self,
@@ -512,16 +596,17 @@ class Sandbox:
         """A Run: the sandbox goes running, output streams as (stream, data, None), the
         last item is ("exit", b"", code); then back to ready with an idle event."""
         guest = self._require_alive()
-        if self.state == RUNNING:
-            raise ApiError(FAILED_PRECONDITION, f"sandbox {self.id} is running a workload already")
+        if self.state == State.RUNNING:
+            raise FailedPrecondition(f"sandbox {self.id} is running a workload already")
         if not argv:
-            raise ApiError(INVALID_ARGUMENT, "cmd must not be empty")
+            raise InvalidArgument("cmd must not be empty")
         env, cwd, user = self._defaults(env, cwd, user)
         self.workloads += 1
-        self._set(RUNNING)
-        self.emit("running")
+        self._set(State.RUNNING)
+        self.emit(Action.RUNNING)
         self.touch()
         code = -1
+        start_error = ""
         try:
             async with guest.channel.exec(argv, env=env, cwd=cwd, user=user, tty=tty, timeout=timeout) as h:
                 src_names = {P.STDOUT: "output" if tty else "stdout", P.STDERR: "stderr"}
@@ -534,15 +619,17 @@ class Sandbox:
             yield "exit", b"", code
         except GuestOpError as exc:
             code = 127 if exc.code == P.E_NOT_FOUND else 126
-            raise api_error(exc) from None
-        except ChannelBroken as exc:
-            raise api_error(exc) from None
+            start_error = exc.message
+            raise guest_error(exc) from None
+        except GuestError as exc:  # the guest broke, went silent, or would not end it
+            raise guest_error(exc) from None
         finally:
             self.workloads -= 1
             self.touch()
-            if self.state == RUNNING:
-                self._set(READY, last_exited_at=int(time.time()), last_exit_code=code)
-                self.emit("idle", exit_code=str(code))
+            if self.record.state == State.RUNNING:  # (not stopping or failed meanwhile)
+                self._set(State.READY, last_exited_at=int(time.time()), last_exit_code=code)
+                extra = {"error": start_error} if start_error else {}
+                self.emit(Action.IDLE, exit_code=str(code), **extra)
             else:
                 self.record.last_exited_at, self.record.last_exit_code = int(time.time()), code
             self._workload_finished()
@@ -562,7 +649,7 @@ class Sandbox:
     ) -> AsyncIterator[ExecHandle]:
         guest = self._require_alive()
         if not argv:
-            raise ApiError(INVALID_ARGUMENT, "cmd must not be empty")
+            raise InvalidArgument("cmd must not be empty")
         env, cwd, user = self._defaults(env, cwd, user)
         self.execs += 1
         self.touch()
@@ -573,85 +660,108 @@ class Sandbox:
                 ) as h:
                     yield h
             except GuestError as exc:
-                raise api_error(exc) from None
+                raise guest_error(exc) from None
         finally:
             self.execs -= 1
             self.touch()
             self._workload_finished()
 
-    async def guest_call(self, fn: Callable[[Guest], Awaitable[Any]]) -> Any:
+    async def guest_call(self, fn: Callable[[Guest], Awaitable[T]]) -> T:
         await self._ckpt_done.wait()  # short calls wait out a checkpoint's pause
         guest = self._require_alive()
         try:
             return await fn(guest)
         except GuestError as exc:
-            raise api_error(exc) from None
+            raise guest_error(exc) from None
+
+    @asynccontextmanager
+    async def read_file(self, path: str) -> AsyncIterator[FileReadStream]:
+        """A file of the guest, as a stream of chunks."""
+        guest = self._require_alive()
+        try:
+            async with guest.channel.read_file(path) as f:
+                yield f
+        except GuestError as exc:
+            raise guest_error(exc) from None
+
+    async def write_file(self, path: str, chunks: AsyncIterator[bytes], *, mode: int) -> None:
+        await self.guest_call(lambda g: g.channel.write_file(path, chunks, mode=mode))
+        self.touch()
+
+    async def metrics(self) -> SandboxMetrics:
+        m = await self.guest_call(lambda g: g.channel.metrics())
+        return SandboxMetrics(
+            id=self.id,
+            timestamp=time.time_ns(),
+            cpu_percent=round(self.cpu_percent(), 2),
+            memory_total_bytes=int(m.mem.get("total", 0)),
+            memory_available_bytes=int(m.mem.get("available", 0)),
+            host_rss_bytes=self.host_rss(),
+            disk_read_bytes=int(m.disk.get("read_bytes", 0)),
+            disk_write_bytes=int(m.disk.get("write_bytes", 0)),
+            net_rx_bytes=int(m.net.get("rx_bytes", 0)),
+            net_tx_bytes=int(m.net.get("tx_bytes", 0)),
+            uptime_seconds=float(m.uptime),
+        )
 
     # -- ports (user networking) -------------------------------------------------
     async def _apply_ports(self, guest: Guest) -> None:
-        for pm in list(self.config.get("ports") or []):
+        applied = []
+        for pm in self.record.ports:
             try:
-                await self._hostfwd_add(guest, pm)
-            except ApiError as exc:
-                self.log.append("system", f"port {pm['sandbox_port']}/{pm['protocol']}: {exc.message}".encode())
-                raise MachineError(f"cannot expose port {pm['sandbox_port']}: {exc.message}") from None
-        self._persist_config(self.record)
+                applied.append(await self._forward(guest, pm))
+            except DomainError as exc:
+                self.log.append("system", f"port {pm.label()}: {exc.message}".encode())
+                raise MachineError(f"cannot expose port {pm.sandbox_port}: {exc.message}") from None
+        self.record.ports = applied
+        self._store.update_ports(self.record)
 
-    async def _hostfwd_add(self, guest: Guest, pm: dict[str, Any]) -> None:
-        proto = pm.get("protocol") or "tcp"
-        pm["protocol"] = proto
-        if not pm.get("host_port"):
-            pm["host_port"] = free_port(self.settings.expose_address, proto)
-        rule = f"{proto}:{self.settings.expose_address}:{pm['host_port']}-:{pm['sandbox_port']}"
+    async def _forward(self, guest: Guest, pm: PortSpec) -> PortSpec:
+        """Forward ``pm`` through QEMU's slirp (HMP hostfwd_add); the host port it got."""
+        addr = self.settings.expose_address
+        host_port = pm.host_port or free_port(addr, pm.protocol)
+        rule = f"{pm.protocol}:{addr}:{host_port}-:{pm.sandbox_port}"
         reply = await guest.machine.hmp(f"hostfwd_add {NETDEV_ID} {rule}")
         if reply.strip():  # HMP reports failure as text, not as a QMP error
             if "host forwarding" in reply.lower():
-                raise ApiError(
-                    "ALREADY_EXISTS", f"host port {pm['host_port']}/{proto} is in use on {self.settings.expose_address}"
-                )
-            raise ApiError(FAILED_PRECONDITION, f"hostfwd_add: {reply.strip()[:200]}")
+                raise AlreadyExists(f"host port {host_port}/{pm.protocol} is in use on {addr}")
+            raise FailedPrecondition(f"hostfwd_add: {reply.strip()[:200]}")
+        return attrs.evolve(pm, host_port=host_port)
 
-    async def expose(self, sandbox_port: int, host_port: int, protocol: str) -> dict[str, Any]:
+    async def expose(self, sandbox_port: int, host_port: int, protocol: Protocol) -> PortSpec:
         guest = self._require_alive()
-        if self.network is None:
-            raise ApiError(
-                FAILED_PRECONDITION, f"sandbox {self.id} has no network (create it with network mode 'user')"
-            )
-        proto = protocol or "tcp"
-        if proto == "udp" and self.network is not None and self.network.restrict:
-            raise ApiError(
-                FAILED_PRECONDITION,
+        net = self.network
+        if net is None:
+            raise FailedPrecondition(f"sandbox {self.id} has no network (create it with network mode 'user')")
+        if protocol == Protocol.UDP and net.restrict:
+            raise FailedPrecondition(
                 "QEMU's restricted user networking drops the guest's UDP replies (measured); expose UDP on a "
-                "sandbox created with outbound networking allowed",
+                "sandbox created with outbound networking allowed"
             )
         async with self._ports_lock:
-            ports = self.config.setdefault("ports", [])
-            if any(p["sandbox_port"] == sandbox_port and p["protocol"] == proto for p in ports):
-                raise ApiError("ALREADY_EXISTS", f"port {sandbox_port}/{proto} is exposed already")
-            pm = {"sandbox_port": sandbox_port, "host_port": host_port, "protocol": proto}
-            await self._hostfwd_add(guest, pm)
-            ports.append(pm)
-            self._persist_config(self.record)
+            wanted = PortSpec(sandbox_port, host_port, protocol)
+            if any(p.key == wanted.key for p in self.record.ports):
+                raise AlreadyExists(f"port {wanted.label()} is exposed already")
+            pm = await self._forward(guest, wanted)
+            self.record.ports.append(pm)
+            self._store.update_ports(self.record)
         return pm
 
-    async def unexpose(self, sandbox_port: int, protocol: str) -> None:
-        proto = protocol or "tcp"
+    async def unexpose(self, sandbox_port: int, protocol: Protocol) -> None:
         async with self._ports_lock:
-            ports = self.config.setdefault("ports", [])
-            match = [p for p in ports if p["sandbox_port"] == sandbox_port and p["protocol"] == proto]
+            match = [p for p in self.record.ports if p.key == (sandbox_port, protocol)]
             if not match:
-                raise ApiError(NOT_FOUND, f"port {sandbox_port}/{proto} is not exposed")
+                raise NotFound(f"port {sandbox_port}/{protocol} is not exposed")
             pm = match[0]
             if self.guest is not None and self.state in ALIVE:
-                reply = await self.guest.machine.hmp(
-                    f"hostfwd_remove {NETDEV_ID} {proto}:{self.settings.expose_address}:{pm['host_port']}"
-                )
+                addr = self.settings.expose_address
+                reply = await self.guest.machine.hmp(f"hostfwd_remove {NETDEV_ID} {protocol}:{addr}:{pm.host_port}")
                 if reply.strip() and "removed" not in reply:  # success is reported as text too
-                    raise ApiError(FAILED_PRECONDITION, f"hostfwd_remove: {reply.strip()[:200]}")
-            ports.remove(pm)
-            self._persist_config(self.record)
+                    raise FailedPrecondition(f"hostfwd_remove: {reply.strip()[:200]}")
+            self.record.ports.remove(pm)
+            self._store.update_ports(self.record)
 
-    # -- metrics ---------------------------------------------------------------
+    # -- host-side metrics -------------------------------------------------------
     def host_rss(self) -> int:
         pid = self.record.qemu_pid
         if not pid:
@@ -687,7 +797,7 @@ class Sandbox:
 
 def free_port(address: str, protocol: str) -> int:
     """A port nobody listens on right now (the kernel's choice)."""
-    kind = socket.SOCK_DGRAM if protocol == "udp" else socket.SOCK_STREAM
+    kind = socket.SOCK_DGRAM if protocol == Protocol.UDP else socket.SOCK_STREAM
     with socket.socket(socket.AF_INET, kind) as s:
         s.bind((address, 0))
         return int(s.getsockname()[1])

@@ -32,28 +32,27 @@ snapshots (checkpoint and restore) and off for streamed ones.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import shutil
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
 
 import attrs
 import trio
 
-from actors.disk import backing_chain, create_overlay
+from actors.crash import crash_point
+from actors.disk import backing_chain
+from actors.errors import FailedPrecondition, InvalidArgument, NotFound
+from actors.files import SandboxFiles
 from actors.machine import MachineError, QemuUser, unsearchable_parent
+from actors.model import ImageUse, MemoryKind, SandboxConfig
+from actors.store import MachineRecord, Record, SnapshotRecord, Store
 from actors.vm import Guest
-from supervisor.protocol import FAILED_PRECONDITION, INVALID_ARGUMENT, NOT_FOUND, ApiError
-from supervisor.store import SnapshotRecord, Store
 
 log = logging.getLogger("sandvisor.snapshot")
-
-MAPPED, STREAMED = "mapped", "streamed"
 
 
 class CheckpointError(MachineError):
@@ -62,11 +61,13 @@ class CheckpointError(MachineError):
 
 @attrs.frozen
 class Checkpoint:
-    memory: str
+    """What a checkpoint wrote: how RAM is held, how long the guest was paused, sizes."""
+
+    memory: MemoryKind
     paused_s: float
     sizes: dict[str, int]
     memory_stat: list[int]
-    machine: dict[str, Any]  # what a restore must start QEMU with
+    machine: MachineRecord  # what a restore must start QEMU with
 
 
 def allocated(path: Path) -> int:
@@ -83,53 +84,27 @@ def _stat_key(path: Path) -> list[int]:
     return [st.st_size, st.st_mtime_ns]
 
 
-async def checkpoint_guest(guest: Guest, *, disk: Path, snap_dir: Path, user: QemuUser | None) -> Checkpoint:
+async def checkpoint_guest(guest: Guest, *, files: SandboxFiles, snap_dir: Path, user: QemuUser | None) -> Checkpoint:
     """Save a running guest into ``snap_dir`` (which exists and is empty) and let it run
-    on. ``disk``: the guest's overlay; afterwards a new overlay at the same path, on
-    top of the frozen one (now ``snap_dir/disk.qcow2``).
+    on. Its disk (``files.disk``) is frozen into ``snap_dir/disk.qcow2`` and the guest
+    goes on writing a new overlay at the same path, on top of the frozen one.
 
-    Until the freeze, a failure undoes everything here (the new overlay, its fd set and
-    block node); after it, the guest runs on the new overlay and ``snap_dir`` holds the
-    disk it stands on (the caller's collector keeps it while used)."""
+    Until the freeze, a failure undoes everything here (the staged overlay, its fd set
+    and block node); after it, the guest runs on the new overlay and ``snap_dir`` holds
+    the disk it stands on (the caller's collector keeps it while used)."""
     m = guest.machine
     spec = m.spec
     mapped = spec.memory_file is not None and spec.memory_shared
     frozen = snap_dir / "disk.qcow2"
-    nxt = disk.with_name("disk.next.qcow2")
-    m.checkpoints += 1
-    fdset, node = 100 + m.checkpoints, f"ov{m.checkpoints}"
-    fdset_added = node_added = frozen_done = False
+    frozen_done = False
+    staged = None
     vm_fd = -1
     try:
-        nxt.unlink(missing_ok=True)
-        await create_overlay(disk, nxt, backing_as=frozen)
-        fds = [os.open(nxt, os.O_RDWR | os.O_CLOEXEC), os.open(nxt, os.O_RDONLY | os.O_CLOEXEC)]
-        try:
-            for fd, opaque in zip(fds, ("rw", "ro"), strict=True):
-                await m.add_fd(fd, fdset, f"{node}-{opaque}")
-                fdset_added = True
-        finally:
-            for fd in fds:
-                os.close(fd)
-        await m.qmp_execute(
-            "blockdev-add",
-            {
-                "driver": "qcow2",
-                "node-name": node,
-                "file": {"driver": "file", "filename": f"/dev/fdset/{fdset}", "locking": "off"},
-                "backing": None,
-            },
-        )
-        node_added = True
+        staged = await m.stage_disk(await files.stage_next_disk(frozen))
         vm_fd = os.open(snap_dir / "vmstate", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        t0 = time.monotonic()
-        await m.qmp_execute("stop")
-        try:
-            await m.qmp_execute("blockdev-snapshot", {"node": m.disk_top, "overlay": node})
-            m.disk_top = node
-            # the guest is paused: nobody sees the two names change
-            os.rename(disk, frozen)
-            os.rename(nxt, disk)
+        async with m.paused() as t0:
+            await m.switch_disk(staged)
+            files.swap_disks(frozen)  # the guest is paused: nobody sees the two names change
             frozen_done = True
             await m.migrate_to_fd(vm_fd, ignore_shared=mapped)
             if mapped:
@@ -141,38 +116,24 @@ async def checkpoint_guest(guest: Guest, *, disk: Path, snap_dir: Path, user: Qe
                 )
                 if p.returncode != 0:
                     raise CheckpointError(f"copying guest memory failed: {p.stderr.decode(errors='replace')[:200]}")
-        finally:
-            with trio.CancelScope(shield=True):
-                try:
-                    await m.qmp_execute("cont")
-                except MachineError as exc:
-                    log.warning("%s: cont after checkpoint failed: %s", m.name, exc)
-                    raise
         paused = time.monotonic() - t0
     except BaseException:
         if not frozen_done:
-            with trio.CancelScope(shield=True), contextlib.suppress(MachineError):
-                if node_added:
-                    await m.qmp_execute("blockdev-del", {"node-name": node})
-                if fdset_added:
-                    await m.qmp_execute("remove-fd", {"fdset-id": fdset})
-            nxt.unlink(missing_ok=True)
+            if staged is not None:
+                await m.unstage_disk(staged)
+            files.discard_next_disk()
         raise
     finally:
         if vm_fd >= 0:
             os.close(vm_fd)
-    files = ["vmstate", "disk.qcow2", *(["memory"] if mapped else [])]
-    await trio.to_thread.run_sync(_finish, snap_dir, files, user, spec.kernel, spec.initrd)
-    sizes = {f: allocated(snap_dir / f) for f in files}
+    files_written = ["vmstate", "disk.qcow2", *(["memory"] if mapped else [])]
+    await trio.to_thread.run_sync(_finish, snap_dir, files_written, user, spec.kernel, spec.initrd)
+    sizes = {f: allocated(snap_dir / f) for f in files_written}
     mem_stat = _stat_key(snap_dir / "memory") if mapped else []
-    machine = {
-        "append": spec.append,
-        "memory_mib": spec.memory_mib,
-        "cpus": spec.cpus,
-        "accel": spec.accel,
-        "machine": spec.machine,
-    }
-    return Checkpoint(MAPPED if mapped else STREAMED, paused, sizes, mem_stat, machine)
+    machine = MachineRecord(
+        append=spec.append, memory_mib=spec.memory_mib, cpus=spec.cpus, accel=spec.accel, machine=spec.machine
+    )
+    return Checkpoint(MemoryKind.MAPPED if mapped else MemoryKind.STREAMED, paused, sizes, mem_stat, machine)
 
 
 async def still_running(guest: Guest) -> bool:
@@ -215,14 +176,12 @@ def memory_for_restore(snap_dir: Path, run_dir: Path, user: QemuUser | None) -> 
         return mem
     link = run_dir / "memory"
     try:
-        run_dir.mkdir(parents=True, exist_ok=True)
         link.unlink(missing_ok=True)
         os.link(mem, link)
     except OSError as exc:
-        raise ApiError(
-            FAILED_PRECONDITION,
-            f"QEMU's user {user.name if user else ''!r} cannot reach {mem} (a parent is not o+x) and it cannot be "
-            f"linked into {run_dir}: {exc.strerror}; make the state directory's parents searchable",
+        raise FailedPrecondition(
+            f"QEMU's user {user.name!r} cannot reach {mem} (a parent is not o+x) and it cannot be "
+            f"linked into {run_dir}: {exc.strerror}; make the state directory's parents searchable"
         ) from None
     return link
 
@@ -233,15 +192,20 @@ def rfc3339(ns: int) -> str:
 
 class SnapshotStore:
     """The snapshots of one supervisor: records (SQLite) and directories
-    (``<state>/snapshots/<uid>``). Owned by the registry, which checks who depends
-    on a snapshot before :meth:`delete`."""
+    (``<state>/snapshots/<uid>``). The only writer of snapshot records: a checkpoint is
+    recorded through :meth:`take` and nothing else; the registry checks who depends
+    on a snapshot before :meth:`delete`.
 
-    def __init__(self, root: Path, store: Store, user: QemuUser | None) -> None:
+    ``in_use``: the disk layers live sandboxes stand on (their directories are never
+    collected as garbage)."""
+
+    def __init__(self, root: Path, store: Store, in_use: Callable[[], set[Path]]) -> None:
         self.root = root
         self.store = store
-        self.user = user
+        self.in_use = in_use
         self.snapshots: dict[str, SnapshotRecord] = {}
         self.pending: set[Path] = set()  # directories of checkpoints in progress: not garbage
+        self._collect_wanted = trio.Event()
 
     def load(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -249,71 +213,114 @@ class SnapshotStore:
         for rec in self.store.snapshots():
             self.snapshots[rec.id] = rec
 
-    def new_dir(self) -> tuple[str, Path]:
-        uid = os.urandom(8).hex()
-        d = self.root / uid
-        d.mkdir(mode=0o711)
-        self.pending.add(d.resolve())
-        return uid, d
-
-    def settle(self, d: Path) -> None:
-        """The checkpoint writing ``d`` is over (recorded or failed)."""
-        self.pending.discard(d.resolve())
-
-    def new_id(self) -> str:
+    def _new_id(self) -> str:
         while True:
             sid = "snap-" + os.urandom(6).hex()
             if sid not in self.snapshots:
                 return sid
 
-    def add(self, rec: SnapshotRecord) -> None:
+    async def take(
+        self,
+        checkpoint: Callable[[Path], Awaitable[Checkpoint]],
+        origin: Record,
+        *,
+        name: str = "",
+        labels: dict[str, str] | None = None,
+        template_key: str = "",
+        image: tuple[str, ...] = (),
+        config: SandboxConfig | None = None,
+        oci: ImageUse | None = None,
+    ) -> tuple[SnapshotRecord, Checkpoint]:
+        """Checkpoint a sandbox into a new directory (``checkpoint(dir)``: the sandbox's
+        own, guarded sequence) and record it, with ``config`` (default: the origin's)
+        as what restores inherit. On failure the directory goes, unless the sandbox's
+        disk froze into it (the collector keeps it while used)."""
+        uid = os.urandom(8).hex()
+        snap_dir = self.root / uid
+        snap_dir.mkdir(mode=0o711)
+        self.pending.add(snap_dir.resolve())
+        created = time.time_ns()
+        try:
+            ck = await checkpoint(snap_dir)
+        except BaseException:
+            self.pending.discard(snap_dir.resolve())
+            self.collect_soon()  # the directory stays only if the sandbox's disk froze into it
+            raise
+        rec = SnapshotRecord(
+            uid=uid,
+            id=self._new_id(),
+            name=name,
+            labels=dict(labels or {}),
+            sandbox_id="" if template_key else origin.id,
+            origin_uid=origin.uid,
+            created_ns=created,
+            dir=str(snap_dir),
+            memory=ck.memory,
+            machine=ck.machine,
+            config=config or origin.config,
+            sizes=ck.sizes,
+            memory_stat=ck.memory_stat,
+            template_key=template_key,
+            image=image,
+            oci=oci or origin.image,
+        )
+        crash_point("template-checkpoint" if template_key else "snapshot-record")
         self.store.insert_snapshot(rec)
         self.snapshots[rec.id] = rec
+        self.pending.discard(snap_dir.resolve())
+        return rec, ck
 
     def get(self, ref: str) -> SnapshotRecord:
-        """By id, else by name when exactly one snapshot has it."""
+        """By id, else by name when exactly one snapshot has it (templates are not callers')."""
         if not ref:
-            raise ApiError(INVALID_ARGUMENT, "snapshot_id is required")
+            raise InvalidArgument("snapshot_id is required")
         rec = self.snapshots.get(ref)
-        if rec is not None and not _hidden(rec):
+        if rec is not None and not rec.hidden:
             return rec
-        named = [r for r in self.snapshots.values() if r.name == ref and not _hidden(r)]
+        named = [r for r in self.snapshots.values() if r.name == ref and not r.hidden]
         if len(named) == 1:
             return named[0]
         if len(named) > 1:
-            raise ApiError(INVALID_ARGUMENT, f"{len(named)} snapshots are named {ref!r}: use an id")
-        raise ApiError(NOT_FOUND, f"no snapshot {ref!r}")
+            raise InvalidArgument(f"{len(named)} snapshots are named {ref!r}: use an id")
+        raise NotFound(f"no snapshot {ref!r}")
 
     def select(self, sandbox_id: str = "", labels: dict[str, str] | None = None) -> list[SnapshotRecord]:
+        """The callers' snapshots, oldest first, by origin and labels (all must match)."""
         labels = labels or {}
         return [
             r
             for r in sorted(self.snapshots.values(), key=lambda r: r.created_ns)
-            if (not sandbox_id or r.sandbox_id == sandbox_id) and all(r.labels.get(k) == v for k, v in labels.items())
+            if not r.hidden
+            and (not sandbox_id or r.sandbox_id == sandbox_id)
+            and all(r.labels.get(k) == v for k, v in labels.items())
         ]
 
-    def disk(self, rec: SnapshotRecord) -> Path:
-        return Path(rec.dir) / "disk.qcow2"
+    def templates(self) -> list[SnapshotRecord]:
+        return [r for r in self.snapshots.values() if r.template_key]
 
-    def check_memory(self, rec: SnapshotRecord) -> None:
-        if rec.memory != MAPPED:
-            return
-        mem = Path(rec.dir) / "memory"
-        try:
-            key = _stat_key(mem)
-        except OSError as exc:
-            raise ApiError(FAILED_PRECONDITION, f"snapshot {rec.id}: memory file unreadable: {exc.strerror}") from None
-        if key != rec.memory_stat:
-            raise ApiError(
-                FAILED_PRECONDITION, f"snapshot {rec.id}: its memory file was changed after the checkpoint; delete it"
+    def check_restorable(self, rec: SnapshotRecord, accel: str) -> None:
+        if rec.machine.accel != accel:
+            raise FailedPrecondition(
+                f"snapshot {rec.id} was taken under {rec.machine.accel}; this supervisor runs {accel}"
             )
+        for part in ("vmstate", "disk.qcow2", "kernel", "initrd"):
+            if not (rec.path / part).exists():
+                raise FailedPrecondition(f"snapshot {rec.id} is incomplete on disk: {part} is missing")
+        if rec.memory != MemoryKind.MAPPED:
+            return
+        try:
+            key = _stat_key(rec.path / "memory")
+        except OSError as exc:
+            raise FailedPrecondition(f"snapshot {rec.id}: memory file unreadable: {exc.strerror}") from None
+        if key != rec.memory_stat:
+            raise FailedPrecondition(f"snapshot {rec.id}: its memory file was changed after the checkpoint; delete it")
 
     def dependents(self, rec: SnapshotRecord, disks: Iterable[tuple[str, Path]]) -> list[str]:
         """Who needs this snapshot's disk: ``disks`` are (what, overlay) of the live
         sandboxes; other snapshots' disks are checked here."""
-        mine = self.disk(rec).resolve()
+        mine = rec.disk.resolve()
         out: list[str] = []
-        others = [(f"snapshot {r.id}", self.disk(r)) for r in self.snapshots.values() if r.id != rec.id]
+        others = [(f"snapshot {r.id}", r.disk) for r in self.snapshots.values() if r.id != rec.id]
         for what, top in [*disks, *others]:
             try:
                 if mine in (p.resolve() for p in backing_chain(top)):
@@ -322,38 +329,40 @@ class SnapshotStore:
                 continue
         return out
 
-    def delete(self, rec: SnapshotRecord) -> None:
+    def drop(self, rec: SnapshotRecord, why: str) -> None:
+        """Forget a snapshot whose files may still be used (a broken or stale boot
+        template): its directory goes once nothing stands on it."""
+        log.warning("snapshot %s dropped: %s", rec.id, why)
+        if self.snapshots.get(rec.id) is rec:
+            self.store.delete_snapshot(rec.uid)
+            del self.snapshots[rec.id]
+        self.collect_soon()
+
+    async def delete(self, rec: SnapshotRecord) -> None:
         self.store.delete_snapshot(rec.uid)
         self.snapshots.pop(rec.id, None)
-        shutil.rmtree(rec.dir, ignore_errors=True)
+        await trio.to_thread.run_sync(shutil.rmtree, rec.dir, True)
 
-    def collect(self, in_use: Callable[[], set[Path]]) -> int:
+    def collect_soon(self) -> None:
+        """Ask the collector task (:meth:`run`) for a collection."""
+        self._collect_wanted.set()
+
+    async def run(self, task_status: trio.TaskStatus[SnapshotStore] = trio.TASK_STATUS_IGNORED) -> None:
+        """The collector: removes garbage directories when asked (:meth:`collect_soon`)."""
+        task_status.started(self)
+        while True:
+            await self._collect_wanted.wait()
+            self._collect_wanted = trio.Event()
+            await self.collect()
+
+    async def collect(self) -> int:
         """Remove snapshot directories without a record that no disk chain uses (what
-        a failed checkpoint or a crash left behind)."""
+        a failed checkpoint or a crash left behind); removals in a worker thread."""
         known = {Path(r.dir).resolve() for r in self.snapshots.values()} | self.pending
-        used = {p.resolve().parent for p in in_use()}
-        n = 0
-        for d in self.root.iterdir():
-            if d.is_dir() and d.resolve() not in known and d.resolve() not in used:
-                shutil.rmtree(d, ignore_errors=True)
-                n += 1
-        return n
-
-
-def _hidden(rec: SnapshotRecord) -> bool:
-    """Boot templates are the supervisor's own (labels under the reserved prefix)."""
-    return any(k.startswith("sandvisor.") for k in rec.labels)
-
-
-def summary_fields(rec: SnapshotRecord) -> dict[str, Any]:
-    return {
-        "id": rec.id,
-        "sandbox_id": rec.sandbox_id,
-        "name": rec.name,
-        "labels": dict(rec.labels),
-        "snapshot_dir": rec.dir,
-        "created_at": rfc3339(rec.created_ns),
-        "size_bytes": sum(rec.sizes.values()),
-        "memory": rec.memory,
-        "memory_mib": int(rec.machine.get("memory_mib", 0)),
-    }
+        used = {p.resolve().parent for p in self.in_use()}
+        garbage = [d for d in self.root.iterdir() if d.is_dir() and d.resolve() not in known | used]
+        for d in garbage:
+            await trio.to_thread.run_sync(shutil.rmtree, d, True)
+        if garbage:
+            log.info("removed %d snapshot directories nothing uses", len(garbage))
+        return len(garbage)

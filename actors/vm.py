@@ -1,27 +1,39 @@
-"""Boot a guest: overlay disk, kernel command line, QEMU, guest channel, hello.
+"""Bring a VM up: a :class:`VmSpec`, the kernel command line, QEMU, the guest channel, hello.
 
 :func:`booted_guest` is the one way the project brings up a VM (the sandbox actor,
 the tests and the benchmarks all use it). It owns, for the duration of its block,
-the QEMU process (via :class:`~actors.machine.Machine`), the guest channel and the
-qcow2 overlay in ``run_dir``; leaving the block -- normally, by error or by
-cancellation -- powers the guest off through the shutdown ladder and reaps QEMU.
+the QEMU process (via :class:`~actors.machine.Machine`) and the guest channel;
+leaving the block -- normally, by error or by cancellation -- powers the guest off
+through the shutdown ladder and reaps QEMU. The files a spec names (the overlay,
+the RAM file, the run dir) belong to the caller (a sandbox's
+:class:`~actors.files.SandboxFiles`).
+
+::
+
+    booted_guest(spec, run_dir)
+      Machine.run -------------------> QEMU (argv from spec.machine_spec())
+      [restore] migrate-incoming fd: <- vmstate
+      connect <run_dir>/guest.sock     (raced against QEMU exiting)
+      HOST_SYNC + Hello -------------> guestd
+                        <------------- GUEST_SYNC + HelloOk
+      yield Guest ... then ladder: guest poweroff -> quit -> SIGTERM -> SIGKILL, reaped
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import attrs
 import trio
 
 from actors._groups import collapse_single
-from actors.disk import backing_chain, create_overlay
+from actors.disk import backing_chain
 from actors.guest import GuestChannel, HelloTimeout, open_channel
 from actors.machine import LaunchError, Machine, MachineError, MachineSpec, QemuUser, connect_guest_socket
 from images.build import Image, host_tsc_khz
@@ -89,26 +101,92 @@ def network_cmdline(net: NetConfig | None) -> str:
 
 
 @attrs.frozen
-class RestoreFrom:
-    """A saved state to start from instead of booting (see actors/snapshot.py).
-    ``memory``: the snapshot's RAM file, mapped privately (copy-on-write); None when
-    the RAM is in ``vmstate`` (a streamed snapshot)."""
+class VmSpec:
+    """Everything one VM life is brought up from: the files it boots (or the state it
+    resumes), its machine, and how long it may take to say hello.
 
-    vmstate: Path
-    memory: Path | None
+    ``disk``: the sandbox's overlay, which exists (its layers are read from its
+    headers). ``ram``: guest RAM in this file, mapped shared (``ram_shared``: a
+    checkpoint copies it) or privately (a restore maps a snapshot's RAM copy-on-write);
+    None for anonymous RAM. ``restore``: a saved state (vmstate) to resume instead of
+    booting; the machine fields must be those it was saved with."""
 
+    kernel: Path
+    initrd: Path
+    append: str
+    disk: Path | None = None
+    cpus: int = 1
+    memory_mib: int = 256
+    accel: str = "tcg"
+    user: QemuUser | None = None
+    network: NetConfig | None = None
+    ram: Path | None = None
+    ram_shared: bool = True
+    restore: Path | None = None
+    boot_timeout: float = 60.0
+    answer_timeout: float | None = None  # every guest request's deadline (None: none)
+    name: str = "vm"
+    machine: str = "microvm"
+    sandbox: bool = True
+    extra_ports: tuple[str, ...] = ()
 
-def prepare_memory_file(path: Path, size_mib: int, user: QemuUser | None) -> None:
-    """The shared RAM file, made by us (0600, QEMU's user) before QEMU maps it: QEMU
-    would create it 0644, readable by every local user."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-    try:
-        os.ftruncate(fd, size_mib << 20)
-        if user is not None:
-            os.fchown(fd, user.uid, user.gid)
-    finally:
-        os.close(fd)
+    @classmethod
+    def boot(
+        cls,
+        image: Image,
+        *,
+        disk: Path | None,
+        accel: str = "tcg",
+        hostname: str = "sandbox",
+        network: NetConfig | None = None,
+        extra_cmdline: str = "",
+        kernel: Path | None = None,
+        machine: str = "microvm",
+        **kw: Any,
+    ) -> VmSpec:
+        """A fresh boot of ``image`` (or of ``kernel`` with the image's runtime)."""
+        append = kernel_cmdline(
+            accel,
+            root=disk is not None,
+            hostname=hostname,
+            extra=" ".join(x for x in (network_cmdline(network), extra_cmdline) if x),
+        )
+        return cls(
+            kernel=kernel or (image.kernel if machine == "microvm" else image.kernel_bz),
+            initrd=image.initrd,
+            append=append,
+            disk=disk,
+            accel=accel,
+            network=network,
+            name=hostname,
+            machine=machine,
+            **kw,
+        )
+
+    @property
+    def mapped_restore(self) -> bool:
+        """A restore whose RAM is the snapshot's file (x-ignore-shared on both sides)."""
+        return self.restore is not None and self.ram is not None and not self.ram_shared
+
+    def machine_spec(self) -> MachineSpec:
+        return MachineSpec(
+            kernel=self.kernel,
+            initrd=self.initrd,
+            disk=self.disk,
+            cpus=self.cpus,
+            memory_mib=self.memory_mib,
+            append=self.append,
+            accel=self.accel,
+            machine=self.machine,
+            sandbox=self.sandbox,
+            user=self.user,
+            disk_chain=backing_chain(self.disk) if self.disk is not None else (),
+            extra_ports=self.extra_ports,
+            netdev=netdev_args(self.network),
+            memory_file=self.ram,
+            memory_shared=self.ram_shared,
+            incoming=self.restore is not None,
+        )
 
 
 @attrs.define
@@ -124,95 +202,26 @@ class Guest:
 
 
 @asynccontextmanager
-async def booted_guest(
-    image: Image,
-    run_dir: Path,
-    *,
-    rootfs: Path | None = None,
-    disk: bool = True,
-    cpus: int = 1,
-    memory_mib: int = 256,
-    accel: str = "tcg",
-    hostname: str = "sandbox",
-    extra_cmdline: str = "",
-    boot_timeout: float = 60.0,
-    machine: str = "microvm",
-    sandbox: bool = True,
-    user: QemuUser | None = None,
-    extra_ports: tuple[str, ...] = (),
-    network: NetConfig | None = None,
-    disk_path: Path | None = None,
-    kernel: Path | None = None,
-    initrd: Path | None = None,
-    append: str | None = None,
-    memory_file: Path | None = None,
-    restore: RestoreFrom | None = None,
-) -> AsyncIterator[Guest]:
-    """``disk_path``: where the overlay lives (default ``run_dir/disk.qcow2``); an existing
-    overlay there is booted as is (a stopped sandbox started again keeps its disk).
-    ``memory_file``: guest RAM in this shared file (made here, removed on the way out),
-    so that a checkpoint can copy it; None for anonymous RAM.
-    ``restore``: resume a saved state instead of booting; the machine arguments
-    (kernel, initrd, append, memory size, devices) must be those it was saved with."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    overlay = None
-    chain: tuple[Path, ...] = ()
-    if disk:
-        overlay = disk_path or run_dir / "disk.qcow2"
-        if not overlay.exists():
-            await create_overlay(rootfs or image.rootfs, overlay)
-        chain = backing_chain(overlay)
-    mem_path, mem_shared = memory_file, True
-    if restore is not None and restore.memory is not None:
-        mem_path, mem_shared = restore.memory, False
-    spec = MachineSpec(
-        kernel=kernel or (image.kernel if machine == "microvm" else image.kernel_bz),
-        initrd=initrd or image.initrd,
-        disk=overlay,
-        cpus=cpus,
-        memory_mib=memory_mib,
-        append=append
-        if append is not None
-        else kernel_cmdline(
-            accel,
-            root=disk,
-            hostname=hostname,
-            extra=" ".join(x for x in (network_cmdline(network), extra_cmdline) if x),
-        ),
-        accel=accel,
-        machine=machine,
-        sandbox=sandbox,
-        user=user,
-        disk_chain=chain,
-        extra_ports=extra_ports,
-        netdev=netdev_args(network),
-        memory_file=mem_path,
-        memory_shared=mem_shared,
-        incoming=restore is not None,
-    )
-    vm = Machine(spec, run_dir, name=hostname)
-    t0 = time.monotonic()
-    try:
-        if memory_file is not None and mem_shared:
-            prepare_memory_file(memory_file, memory_mib, user)
-        async with _running(vm, t0, boot_timeout, restore) as guest:
-            yield guest
-    finally:
-        if memory_file is not None and mem_shared:
-            with contextlib.suppress(FileNotFoundError):
-                memory_file.unlink()
+async def booted_guest(spec: VmSpec, run_dir: Path) -> AsyncIterator[Guest]:
+    """Bring a VM up from ``spec`` with its sockets in ``run_dir`` (which exists), yield
+    it once guestd said hello, and power it off through the ladder however the block
+    ends. The files the spec names (overlay, RAM file) are the caller's."""
+    vm = Machine(spec.machine_spec(), run_dir, name=spec.name)
+    async with _running(vm, time.monotonic(), spec) as guest:
+        yield guest
 
 
 @asynccontextmanager
-async def _running(vm: Machine, t0: float, boot_timeout: float, restore: RestoreFrom | None) -> AsyncIterator[Guest]:
+async def _running(vm: Machine, t0: float, spec: VmSpec) -> AsyncIterator[Guest]:
+    boot_timeout = spec.boot_timeout
     with collapse_single():
         async with trio.open_nursery() as nursery:
             await nursery.start(vm.run)
             t_qmp = time.monotonic()
             try:
                 t_loaded = 0.0
-                if restore is not None:
-                    await _load(vm, restore)
+                if spec.restore is not None:
+                    await _load(vm, spec.restore, ignore_shared=spec.mapped_restore)
                     t_loaded = time.monotonic()
                 stream = None
                 with trio.CancelScope() as boot_scope:
@@ -225,7 +234,7 @@ async def _running(vm: Machine, t0: float, boot_timeout: float, restore: Restore
                     stream = await connect_guest_socket(vm.guest_socket)
                 if stream is None or vm.exited:
                     raise BootError(f"QEMU exited during boot: {vm.describe_exit()}", vm.console.text())
-                async with open_channel(stream, hello_timeout=None) as chan:
+                async with open_channel(stream, hello_timeout=None, answer_timeout=spec.answer_timeout) as chan:
                     with trio.CancelScope() as hello_scope:
 
                         async def watch_exit_hello() -> None:
@@ -251,13 +260,13 @@ async def _running(vm: Machine, t0: float, boot_timeout: float, restore: Restore
                 nursery.cancel_scope.cancel()
 
 
-async def _load(vm: Machine, restore: RestoreFrom) -> None:
+async def _load(vm: Machine, vmstate: Path, *, ignore_shared: bool) -> None:
     try:
-        fd = os.open(restore.vmstate, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(vmstate, os.O_RDONLY | os.O_CLOEXEC)
     except OSError as exc:
-        raise LaunchError(f"cannot open the saved state {restore.vmstate}: {exc.strerror}") from None
+        raise LaunchError(f"cannot open the saved state {vmstate}: {exc.strerror}") from None
     try:
-        await vm.migrate_from_fd(fd, ignore_shared=restore.memory is not None)
+        await vm.migrate_from_fd(fd, ignore_shared=ignore_shared)
     except MachineError as exc:
         raise BootError(f"restore failed: {exc}; {vm.describe_exit() if vm.exited else ''}") from None
     finally:

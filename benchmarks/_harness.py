@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
-import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -14,25 +12,16 @@ from typing import Any
 import trio
 
 from actors.registry import Registry
-from images.build import default_cache
-from supervisor.daemon import DaemonConfig, serve
+from supervisor.daemon import DaemonConfig
+from supervisor.throwaway import supervisor, workdir
 
 
 @asynccontextmanager
 async def in_process_daemon(prefix: str) -> AsyncIterator[tuple[DaemonConfig, Registry]]:
     """A supervisor on a fresh state dir that shares the built image; removed after."""
-    work = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
-    work.chmod(0o711)  # an unprivileged QEMU reaches its run dir under here
-    (work / "state").mkdir()
-    (work / "state" / "images").symlink_to(default_cache())
-    cfg = DaemonConfig(socket=work / "s.sock", state_dir=work / "state", accel="tcg", run_root=work / "run")
-    try:
-        async with trio.open_nursery() as nursery:
-            registry, _server = await nursery.start(serve, cfg)
+    with workdir(prefix) as work:
+        async with supervisor(work) as (cfg, registry):
             yield cfg, registry
-            nursery.cancel_scope.cancel()
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
 
 
 def pct(xs: list[float], p: float) -> float:

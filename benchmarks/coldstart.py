@@ -118,7 +118,7 @@ async def bench(n: int, out_dir: Path) -> dict[str, Any]:
         res["floor_pc"] = summary(pc)
 
         async with in_process_daemon("sv-cold-") as (cfg, registry), connect(cfg.socket) as c:
-            registry.templates = False  # the boot path first: every create boots
+            registry.pools.templates = False  # the boot path first: every create boots
             task = progress.add_task("sequential creates", total=n)
             seq_lat, seq_phases, seq_wall = [], [], 0.0
             for i in range(n):
@@ -142,7 +142,7 @@ async def bench(n: int, out_dir: Path) -> dict[str, Any]:
                 progress.advance(task)
             # creates restored from the boot template of their configuration (the default):
             # the first boots and saves the template, the next n restore it
-            registry.templates = True
+            registry.pools.templates = True
             await create_wave(c, registry, ["tpl-first"])
             await remove_all(c, ["tpl-first"])
             task = progress.add_task("template creates", total=n)
@@ -158,21 +158,20 @@ async def bench(n: int, out_dir: Path) -> dict[str, Any]:
             res["template_concurrent_4"] = {**summary(lat), "wall_s": wall, "throughput_per_s": 4 / wall}
             await remove_all(c, names)
             # serve --template-pool 1: a Create takes a restored member
-            registry.template_pool = 1
-            registry._pool_wake.set()
+            registry.pools.resize(template_pool=1)
             task = progress.add_task("template pool creates", total=n)
             tp_lat: list[float] = []
             for i in range(n):
                 with trio.fail_after(120):
-                    while not any(m.state == "ready" for ms in registry.pool.values() for m in ms):
+                    while not any(m.state == "ready" for m in registry.pools.all_members()):
                         await trio.sleep(0.01)
                 _, lat, _ = await create_wave(c, registry, [f"tp{i}"])
                 tp_lat += lat
                 await remove_all(c, [f"tp{i}"])
                 progress.advance(task)
             res["template_pool_create"] = summary(tp_lat)
-            registry.template_pool = 0
-            registry.templates = False
+            registry.pools.resize(template_pool=0)
+            registry.pools.templates = False
             # restore and pool acquire: a snapshot of an idle sandbox
             await c.call("Create", {"id": "origin"})
             await wait_ready(registry, "origin")
@@ -184,16 +183,15 @@ async def bench(n: int, out_dir: Path) -> dict[str, Any]:
             res["restore_phases_median_s"] = {
                 label: statistics.median(p[label] for p in phases if label in p) for _, _, label in RESTORE_PHASES
             }
-            registry.pool_sizes[snap] = 1
-            registry._pool_wake.set()
+            registry.pools.resize(snapshot=snap, size=1)
             lat, _ = await restore_runs(c, registry, snap, n, progress, "pool acquires", pool=True)
             res["pool_acquire"] = summary(lat)
-            registry.pool_sizes[snap] = 0
+            registry.pools.resize(snapshot=snap, size=0)
             await c.call("DeleteSnapshot", {"snapshot_id": snap})
             task = progress.add_task("memory at 1 and 16", total=4)
             mem: dict[str, Any] = {}
             for mode in ("boot", "template"):
-                registry.templates = mode == "template"
+                registry.pools.templates = mode == "template"
                 for k in (1, 16):
                     names = [f"m{mode}{k}-{j}" for j in range(k)]
                     await create_wave(c, registry, names)

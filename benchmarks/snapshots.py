@@ -102,7 +102,7 @@ async def snapshot_bench(n: int, progress: Any) -> dict[str, Any]:
     """The numbers of the snapshot issue (and the restore/pool rows of coldstart)."""
     res: dict[str, Any] = {"n": n}
     async with in_process_daemon("sv-snap-") as (cfg, registry), connect(cfg.socket) as c:
-        registry.templates = False  # cold means booted here: no boot templates
+        registry.pools.templates = False  # cold means booted here: no boot templates
         cold = await cold_runs(c, registry, n, progress)
         res["cold_create_to_ready"] = summary(cold)
         await c.call("Create", {"id": "origin"})
@@ -129,11 +129,10 @@ async def snapshot_bench(n: int, progress: Any) -> dict[str, Any]:
         res["restore_streamed"] = summary(lat)
         await c.call("Remove", {"id": "gen1", "force": True})
         # warm pool: pool size 1 for the mapped snapshot
-        registry.pool_sizes[snap["snapshot_id"]] = 1
-        registry._pool_wake.set()
+        registry.pools.resize(snapshot=snap["snapshot_id"], size=1)
         lat, _ = await restore_runs(c, registry, snap["snapshot_id"], n, progress, "pool acquires", pool=True)
         res["pool_acquire"] = summary(lat)
-        registry.pool_sizes[snap["snapshot_id"]] = 0
+        registry.pools.resize(snapshot=snap["snapshot_id"], size=0)
     res["restore_vs_cold_speedup"] = res["cold_create_to_ready"]["p50"] / res["restore_mapped"]["p50"]
     return res
 

@@ -43,6 +43,9 @@ CHUNK = 64 * 1024  # data payloads are split into chunks of at most this size
 WINDOW = 256 * 1024  # initial flow-control credit per stream, in bytes
 MAX_FILE = 256 * 1024 * 1024  # ReadFile / WriteFile limit
 _HDR = struct.Struct(">I")
+# one Packer for every frame (msgpack.packb builds a new one per call); it resets after
+# each pack, and neither end packs from two threads
+_PACKER = msgpack.Packer(use_bin_type=True)
 
 # Resynchronisation. A host can go away and another connect mid-frame (a reconnect,
 # a restored snapshot's stale buffers). Each Hello is preceded by HOST_SYNC and each
@@ -383,7 +386,7 @@ class Log(Message):
 
 def encode(msg: Message) -> bytes:
     """Serialise one message into a complete frame (length prefix included)."""
-    body: bytes = msgpack.packb(msg.to_wire(), use_bin_type=True)
+    body: bytes = _PACKER.pack(msg.to_wire())
     if len(body) > MAX_FRAME:
         raise FrameTooLarge(f"frame of {len(body)} bytes exceeds {MAX_FRAME}")
     return _HDR.pack(len(body)) + body

@@ -3,7 +3,11 @@
 # Idempotent and quiet when everything is there; called by every nox session that
 # boots or builds guests, so a fresh Debian 12 machine needs nothing installed by hand.
 set -euo pipefail
-PKGS=(qemu-system-x86 qemu-utils mmdebstrap busybox-static cpio e2fsprogs lz4 tmux qemu-guest-agent procps)
+# skopeo, umoci: pull and unpack OCI images (images/oci.py); docker-registry: the loopback
+# registry the image tests and benchmark push to; nftables (libnftables1), iproute2: tap
+# networking and egress policy (actors/hostnet.py, actors/nft.py)
+PKGS=(qemu-system-x86 qemu-utils mmdebstrap busybox-static cpio e2fsprogs lz4 tmux qemu-guest-agent procps
+  skopeo umoci docker-registry nftables iproute2)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -13,3 +17,7 @@ if [ "$(id -u)" -ne 0 ]; then SUDO=sudo; else SUDO=; fi
 echo "sandvisor: installing host packages: ${missing[*]}"
 $SUDO apt-get update -qq
 DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+# docker-registry ships a service listening on :5000; the tests start their own on loopback
+if [[ " ${missing[*]} " == *" docker-registry "* ]] && command -v systemctl >/dev/null && [ -d /run/systemd/system ]; then
+  $SUDO systemctl disable --now docker-registry.service >/dev/null 2>&1 || true
+fi

@@ -202,7 +202,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     import trio
 
-    from supervisor.config import default_socket, default_state_dir
+    from images.build import default_state_dir
+    from supervisor.config import default_socket
     from supervisor.daemon import DaemonConfig, serve
 
     logging.getLogger().setLevel(logging.DEBUG if args.verbose else logging.INFO)

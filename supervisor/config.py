@@ -7,16 +7,6 @@ import os
 from pathlib import Path
 
 
-def default_state_dir() -> Path:
-    """``SANDVISOR_STATE_DIR``, else /var/lib/sandvisor for root, else ~/.local/share/sandvisor."""
-    env = os.environ.get("SANDVISOR_STATE_DIR")
-    if env:
-        return Path(env)
-    if os.geteuid() == 0:
-        return Path("/var/lib/sandvisor")
-    return Path(os.environ.get("XDG_DATA_HOME", Path.home() / ".local" / "share")) / "sandvisor"
-
-
 def default_socket() -> Path:
     """``SANDVISOR_SOCKET``, else /run/sandvisor/sandvisor.sock for root, else under $XDG_RUNTIME_DIR."""
     env = os.environ.get("SANDVISOR_SOCKET")

@@ -16,12 +16,14 @@ import attrs
 import trio
 
 from actors.machine import qmp_loop, resolve_accel, unprivileged_user
+from actors.quotas import Quotas
 from actors.registry import Registry
-from actors.sandbox import Settings
+from actors.settings import Settings
+from actors.store import Store
 from images.build import Builder, Image, load_default
 from supervisor.config import default_memory_dir, default_run_root
+from supervisor.notify import Notifier
 from supervisor.server import Server
-from supervisor.store import Store
 
 log = logging.getLogger("sandvisor.daemon")
 
@@ -33,7 +35,9 @@ class DaemonConfig:
     accel: str = "auto"
     run_root: Path | None = None
     boot_timeout: float = 60.0
-    max_sandboxes: int = 64
+    max_sandboxes: int = 64  # live sandboxes, warm pool members included
+    max_memory_mib: int = 0  # total guest RAM (0: the host's RAM less 1 GiB)
+    max_disk_mib: int = 0  # the state dir's use: logs, overlays, snapshots (0: no limit)
     stop_timeout: float = 10.0
     group: str | None = None
     qemu_user: str | None = None  # None: sandvisor-qemu or nobody when root; "": run QEMU as ourselves
@@ -83,11 +87,15 @@ async def serve(
                 Registry(
                     settings,
                     store,
-                    max_sandboxes=cfg.max_sandboxes,
-                    pool_size=cfg.pool_size,
-                    pools=cfg.pools,
+                    quotas=Quotas(
+                        max_sandboxes=cfg.max_sandboxes,
+                        max_memory_mib=cfg.max_memory_mib,
+                        max_disk_mib=cfg.max_disk_mib,
+                    ),
                     templates=cfg.templates,
                     template_pool=cfg.template_pool,
+                    pool_size=cfg.pool_size,
+                    pools=cfg.pools,
                 ).run
             )
             server_scope = trio.CancelScope()
@@ -97,6 +105,9 @@ async def serve(
                     await Server(registry, cfg.socket, group=cfg.group).serve(task_status=task_status)
 
             server = await nursery.start(run_server)
+            notify = Notifier()
+            nursery.start_soon(notify.keep_alive)
+            notify.ready(f"serving on {cfg.socket}")
             task_status.started((registry, server))
             try:
                 with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
@@ -104,6 +115,7 @@ async def serve(
                         log.info("signal %s: shutting down", signal.Signals(sig).name)
                         break
             finally:
+                notify.stopping()
                 server_scope.cancel()  # stop accepting first
                 await registry.shutdown(cfg.stop_timeout)
                 nursery.cancel_scope.cancel()

@@ -1,10 +1,14 @@
-"""The Unix-socket server of ``sandvisor serve``: connections, calls, method handlers.
+"""The Unix-socket edge of ``sandvisor serve``: connections, calls, method handlers.
 
 Each connection is a task; each call on it is a task in the connection's nursery
 with its own cancel scope, so a ``Cancel`` or a disconnect stops the call's work
 (an exec is killed in the guest, a stream stops). Frames are capped; a frame that
 does not decode closes the connection after a ``Fail`` (id 0) saying why; a call
 that fails gets a ``Fail`` with the seed's code and the connection goes on.
+
+Handlers check wire shapes (the first ExecInput carries init, paths are absolute),
+map the wire to domain values and back (:mod:`supervisor.mapping`) and call the
+registry or a sandbox; every lifecycle rule lives in the domain (:mod:`actors`).
 """
 
 from __future__ import annotations
@@ -24,11 +28,14 @@ import attrs
 import trio
 
 from actors._groups import collapse_single
-from actors.guest import GuestError
-from actors.registry import Lagged, Registry, validate_port
-from actors.sandbox import READY, RUNNING, Sandbox, api_error
-from actors.snapshot import rfc3339, summary_fields
+from actors.errors import DomainError, InvalidArgument
+from actors.events import Lagged
+from actors.model import ALIVE, State, check_port
+from actors.registry import DEFAULT_STOP_TIMEOUT, Registry
+from actors.sandbox import Sandbox
+from actors.snapshot import rfc3339
 from guestd import proto as P
+from supervisor import mapping as M
 from supervisor import protocol as W
 from supervisor.protocol import ApiError
 
@@ -163,7 +170,11 @@ class Connection:
                 if entry is None:
                     raise ApiError(W.UNIMPLEMENTED, f"unknown method {ctx.method!r}")
                 kind, handler = entry
-                result = await handler(self.server, ctx, body)
+                try:
+                    with collapse_single():  # a handler's own nursery must not hide its error's code
+                        result = await handler(self.server, ctx, body)
+                except DomainError as exc:
+                    raise M.wire_error(exc) from None
                 if kind == UNARY:
                     await self.send(W.Reply(ctx.id, W.unstructure_body(result if result is not None else W.Empty())))
                 else:
@@ -251,39 +262,49 @@ def method(name: str, kind: str = UNARY) -> Callable[[Handler], Handler]:
     return wrap
 
 
+def _absolute(path: str) -> str:
+    if not path.startswith("/"):
+        raise InvalidArgument("path must be absolute")
+    return path
+
+
 @method("Create")
 async def _create(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
     req = W.structure_body(body, W.CreateSandboxRequest)
-    sb = await srv.registry.create(req)
-    return W.CreateSandboxResponse(id=sb.id, ip_address=sb.ip_address, state=sb.state)
+    sb = await srv.registry.create(req.id, M.config(req))
+    # the seed: "State at time of response: always starting" (ready follows as an event,
+    # at once when a warm pool member served it)
+    return W.CreateSandboxResponse(id=sb.id, ip_address=sb.ip_address, state=State.STARTING.value)
 
 
 @method("Start")
 async def _start(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
     req = W.structure_body(body, W.IdRequest)
     sb = await srv.registry.start(req.id)
-    return W.CreateSandboxResponse(id=sb.id, ip_address="", state=sb.state)
+    return W.CreateSandboxResponse(id=sb.id, ip_address=sb.ip_address, state=sb.state.value)
 
 
 @method("Inspect")
 async def _inspect(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
     req = W.structure_body(body, W.IdRequest)
-    return srv.registry.info(srv.registry.get(req.id))
+    return M.info(srv.registry.get(req.id))
 
 
 @method("List")
 async def _list(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
     req = W.structure_body(body, W.ListSandboxesRequest)
-    items, cursor = srv.registry.list(req)
-    return W.ListSandboxesResponse(items, cursor)
+    page, cursor = srv.registry.list(
+        state=M.state(req.state), labels=req.labels, limit=req.limit or 20, cursor=req.cursor
+    )
+    return W.ListSandboxesResponse([M.summary(sb) for sb in page], cursor)
 
 
 @method("Stop")
 async def _stop(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
     req = W.structure_body(body, W.StopSandboxRequest)
     if req.timeout_seconds < 0:
-        raise ApiError(W.INVALID_ARGUMENT, "timeout_seconds must not be negative")
-    timeout = float(req.timeout_seconds or 30)
+        raise InvalidArgument("timeout_seconds must not be negative")
+    timeout = float(req.timeout_seconds or DEFAULT_STOP_TIMEOUT)
     sb = srv.registry.stop(req.id, timeout)
     with trio.move_on_after(timeout + 30):
         await sb.wait_stopped()
@@ -310,9 +331,8 @@ async def _drain(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
 async def _wait(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
     req = W.structure_body(body, W.IdRequest)
     sb = srv.registry.get(req.id)
-    if not sb.stopped:
-        await sb.wait_stopped()
-    return srv.registry.info(sb)
+    await sb.wait_stopped()
+    return M.info(sb)
 
 
 @method("Remove")
@@ -343,7 +363,7 @@ async def _run(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
 async def _exec(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
     first = W.structure_body(body, W.ExecInput)
     if first.init is None:
-        raise ApiError(W.INVALID_ARGUMENT, "the first ExecInput must carry init")
+        raise InvalidArgument("the first ExecInput must carry init")
     req = first.init
     sb = srv.registry.get(req.id)
     async with (
@@ -371,7 +391,7 @@ async def _exec(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
                     await h.send_stdin(msg.stdin)
                 if msg.resize is not None:
                     if not req.tty:
-                        raise ApiError(W.INVALID_ARGUMENT, "resize needs tty")
+                        raise InvalidArgument("resize needs tty")
                     await h.resize(msg.resize.height, msg.resize.width)
                 if msg.close_stdin:
                     await h.close_stdin()
@@ -393,7 +413,7 @@ async def _events(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
     sub = srv.registry.events.subscribe(req.id, req.action)
     try:
         async for ev in sub:
-            await ctx.item(ev)
+            await ctx.item(M.event(ev))
     except Lagged as exc:
         raise ApiError(W.RESOURCE_EXHAUSTED, str(exc)) from None
     finally:
@@ -403,16 +423,10 @@ async def _events(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
 @method("ReadFile", STREAM)
 async def _read_file(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
     req = W.structure_body(body, W.ReadFileRequest)
-    if not req.path.startswith("/"):
-        raise ApiError(W.INVALID_ARGUMENT, "path must be absolute")
     sb = srv.registry.get(req.id)
-    guest = sb._require_alive()
-    try:
-        async with guest.channel.read_file(req.path) as f:
-            async for chunk in f:
-                await ctx.item(W.FileChunk(data=chunk))
-    except GuestError as exc:
-        raise api_error(exc) from None
+    async with sb.read_file(_absolute(req.path)) as f:
+        async for chunk in f:
+            await ctx.item(W.FileChunk(data=chunk))
     await ctx.item(W.FileChunk(done=True))
 
 
@@ -420,10 +434,9 @@ async def _read_file(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
 async def _write_file(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
     first = W.structure_body(body, W.WriteFileRequest)
     if first.open is None:
-        raise ApiError(W.INVALID_ARGUMENT, "the first WriteFileRequest must carry open")
+        raise InvalidArgument("the first WriteFileRequest must carry open")
     op = first.open
-    if not op.path.startswith("/"):
-        raise ApiError(W.INVALID_ARGUMENT, "path must be absolute")
+    path = _absolute(op.path)
     sb = srv.registry.get(op.id)
 
     async def chunks() -> Any:
@@ -434,7 +447,7 @@ async def _write_file(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
                 return
             msg = W.structure_body(raw, W.WriteFileRequest)
             if msg.chunk is None:
-                raise ApiError(W.INVALID_ARGUMENT, "after open, only chunks")
+                raise InvalidArgument("after open, only chunks")
             total += len(msg.chunk.data)
             if total > P.MAX_FILE:
                 raise ApiError(W.RESOURCE_EXHAUSTED, f"file exceeds {P.MAX_FILE} bytes")
@@ -443,8 +456,7 @@ async def _write_file(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
             if msg.chunk.done:
                 return
 
-    await sb.guest_call(lambda g: g.channel.write_file(op.path, chunks(), mode=op.mode or 0o644))
-    sb.touch()
+    await sb.write_file(path, chunks(), mode=op.mode or 0o644)
     return None
 
 
@@ -470,7 +482,7 @@ async def _touch(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
 async def _logs(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
     req = W.structure_body(body, W.LogsRequest)
     if req.tail < 0:
-        raise ApiError(W.INVALID_ARGUMENT, "tail must not be negative")
+        raise InvalidArgument("tail must not be negative")
     sb = srv.registry.get(req.id)
     if req.follow:
         async with aclosing(sb.log.follow(tail=req.tail, since=req.since, cursor=req.cursor)) as records:
@@ -479,60 +491,57 @@ async def _logs(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
                     return
                 await ctx.item(W.LogEntry(r.seq, r.timestamp, r.source, r.data))
         return
-    for r in sb.log.read(tail=req.tail, since=req.since, until=req.until, cursor=req.cursor):
+    for r in await sb.log.read(tail=req.tail, since=req.since, until=req.until, cursor=req.cursor):
         await ctx.item(W.LogEntry(r.seq, r.timestamp, r.source, r.data))
-
-
-async def _metrics_of(sb: Sandbox) -> W.MetricsResponse:
-    m = await sb.guest_call(lambda g: g.channel.metrics())
-    return W.MetricsResponse(
-        id=sb.id,
-        timestamp=time.time_ns(),
-        cpu_percent=round(sb.cpu_percent(), 2),
-        memory_total_bytes=int(m.mem.get("total", 0)),
-        memory_available_bytes=int(m.mem.get("available", 0)),
-        host_rss_bytes=sb.host_rss(),
-        disk_read_bytes=int(m.disk.get("read_bytes", 0)),
-        disk_write_bytes=int(m.disk.get("write_bytes", 0)),
-        net_rx_bytes=int(m.net.get("rx_bytes", 0)),
-        net_tx_bytes=int(m.net.get("tx_bytes", 0)),
-        uptime_seconds=float(m.uptime),
-    )
 
 
 @method("Metrics")
 async def _metrics(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
     req = W.structure_body(body, W.IdRequest)
-    return await _metrics_of(srv.registry.get(req.id))
+    return M.metrics(await srv.registry.get(req.id).metrics())
+
+
+def _alive(sandboxes: list[Sandbox]) -> list[Sandbox]:
+    return [sb for sb in sandboxes if sb.state in ALIVE]
+
+
+async def _sample(sandboxes: list[Sandbox]) -> list[W.MetricsResponse]:
+    """Live sandboxes' metrics, asked concurrently: a silent guest costs its own answer
+    (bounded by the guest deadline), not everyone's."""
+    alive = _alive(sandboxes)
+    found: dict[str, W.MetricsResponse] = {}
+
+    async def one(sb: Sandbox) -> None:
+        try:
+            found[sb.id] = M.metrics(await sb.metrics())
+        except DomainError:
+            pass
+
+    async with trio.open_nursery() as nursery:
+        for sb in alive:
+            nursery.start_soon(one, sb)
+    return [found[sb.id] for sb in alive if sb.id in found]
 
 
 @method("MetricsStream", STREAM)
 async def _metrics_stream(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
     req = W.structure_body(body, W.MetricsStreamRequest)
     if not 0.1 <= req.interval_seconds <= 3600:
-        raise ApiError(W.INVALID_ARGUMENT, "interval_seconds must be 0.1 to 3600")
+        raise InvalidArgument("interval_seconds must be 0.1 to 3600")
     while True:
-        sbs = [srv.registry.get(req.id)] if req.id else list(srv.registry.sandboxes.values())
-        for sb in sbs:
-            if sb.state in (READY, RUNNING):
-                try:
-                    await ctx.item(await _metrics_of(sb))
-                except ApiError:
-                    if req.id:
-                        raise
+        if req.id:
+            sb = srv.registry.get(req.id)
+            if sb.state in ALIVE:
+                await ctx.item(M.metrics(await sb.metrics()))
+        else:
+            for m in await _sample(list(srv.registry.sandboxes.values())):
+                await ctx.item(m)
         await trio.sleep(req.interval_seconds)
 
 
 @method("MetricsAll")
 async def _metrics_all(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
-    out = []
-    for sb in list(srv.registry.sandboxes.values()):
-        if sb.state in (READY, RUNNING):
-            try:
-                out.append(W.unstructure_body(await _metrics_of(sb)))
-            except ApiError:
-                continue
-    return _Raw(out)
+    return _Raw([W.unstructure_body(m) for m in await _sample(list(srv.registry.sandboxes.values()))])
 
 
 @attrs.frozen
@@ -543,30 +552,30 @@ class _Raw:
 @method("ExposePort")
 async def _expose(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
     req = W.structure_body(body, W.ExposePortRequest)
-    validate_port(req.sandbox_port, req.host_port, req.protocol)
-    pm = await srv.registry.get(req.id).expose(req.sandbox_port, req.host_port, req.protocol)
+    check_port(req.sandbox_port, req.host_port)
+    pm = await srv.registry.get(req.id).expose(req.sandbox_port, req.host_port, M.protocol(req.protocol))
     # the guest needs no relay port: slirp forwards straight to the sandbox port
-    return W.ExposePortResponse(host_port=pm["host_port"], guest_port=pm["sandbox_port"])
+    return W.ExposePortResponse(host_port=pm.host_port, guest_port=pm.sandbox_port)
 
 
 @method("UnexposePort")
 async def _unexpose(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
     req = W.structure_body(body, W.UnexposePortRequest)
-    validate_port(req.sandbox_port, 0, req.protocol)
-    await srv.registry.get(req.id).unexpose(req.sandbox_port, req.protocol)
+    check_port(req.sandbox_port)
+    await srv.registry.get(req.id).unexpose(req.sandbox_port, M.protocol(req.protocol))
     return None
 
 
 @method("Checkpoint")
 async def _checkpoint(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
     req = W.structure_body(body, W.CheckpointRequest)
-    rec, ck = await srv.registry.checkpoint(req)
+    rec, ck = await srv.registry.checkpoint(req.sandbox_id, name=req.name, labels=req.labels)
     return W.CheckpointResponse(
         snapshot_id=rec.id,
         snapshot_dir=rec.dir,
         created_at=rfc3339(rec.created_ns),
         size_bytes=sum(rec.sizes.values()),
-        memory=rec.memory,
+        memory=rec.memory.value,
         paused_ms=round(ck.paused_s * 1000, 3),
     )
 
@@ -574,7 +583,7 @@ async def _checkpoint(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
 @method("Restore")
 async def _restore(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
     req = W.structure_body(body, W.RestoreRequest)
-    sb = await srv.registry.restore(req)
+    sb = await srv.registry.restore(req.snapshot_id, id=req.id, labels=req.labels, ttl_seconds=req.ttl_seconds)
     return W.RestoreResponse(id=sb.id, ip_address=sb.ip_address)
 
 
@@ -583,10 +592,7 @@ async def _list_snapshots(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> An
     req = W.structure_body(body, W.ListSnapshotsRequest)
     reg = srv.registry
     return W.ListSnapshotsResponse(
-        [
-            W.SnapshotSummary(**summary_fields(r), pool_ready=reg.pool_ready(r))
-            for r in reg.list_snapshots(req.sandbox_id, req.labels)
-        ]
+        [M.snapshot(r, reg.pool_ready(r)) for r in reg.list_snapshots(req.sandbox_id, req.labels)]
     )
 
 

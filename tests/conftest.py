@@ -7,10 +7,8 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -23,14 +21,22 @@ import trio
 from actors.disk import create_overlay
 from actors.guest import GuestChannel, open_channel
 from actors.machine import MachineSpec, qmp_loop
-from actors.vm import kernel_cmdline
+from actors.vm import VmSpec, kernel_cmdline
 from images.build import Builder, Image, default_cache
+from supervisor.throwaway import supervisor_process, workdir
 
 
 @pytest.fixture(scope="session")
 def image() -> Image:
     """The default image, built (or found in the cache) once per session."""
     return Builder(default_cache()).build()  # does nothing when the cache is current
+
+
+async def cold_spec(image: Image, run_dir: Path, *, rootfs: Path | None = None, **kw: object) -> VmSpec:
+    """A fresh boot of ``image`` on a scratch overlay in ``run_dir`` (on ``rootfs``, if given)."""
+    disk = run_dir / "disk.qcow2"
+    await create_overlay(rootfs or image.rootfs, disk)
+    return VmSpec.boot(image, disk=disk, **kw)  # type: ignore[arg-type]
 
 
 @pytest.fixture
@@ -102,36 +108,13 @@ async def chan(shared_vm: SharedVM) -> AsyncIterator[GuestChannel]:
 
 
 @contextmanager
-def serve_process(
-    prefix: str, *, reachable: bool = False, own_run_root: bool = False
-) -> Iterator[tuple[dict[str, str], Path]]:
+def serve_process(prefix: str, *, reachable: bool = False) -> Iterator[tuple[dict[str, str], Path]]:
     """A real ``sandvisor serve`` process on a throwaway state dir sharing the built
     image; yields the environment the SDK and CLI find it by, and its work dir.
-    ``reachable``: the work dir is o+x, so QEMU's user can map files under it."""
-    work = Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp"))
-    if reachable:
-        work.chmod(0o711)
-    (work / "state").mkdir()
-    (work / "state" / "images").symlink_to(default_cache())
-    env = {**os.environ, "SANDVISOR_SOCKET": str(work / "s.sock"), "SANDVISOR_STATE_DIR": str(work / "state")}
-    argv = [sys.executable, "-m", "supervisor.cli", "serve", "--accel", "tcg"]
-    if own_run_root:
-        argv += ["--run-root", str(work / "run")]
-    p = subprocess.Popen(argv, env=env, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 30
-        while not (work / "s.sock").exists():
-            assert p.poll() is None and time.monotonic() < deadline, "serve did not start"
-            time.sleep(0.05)
-        yield env, work
-    finally:
-        p.send_signal(signal.SIGTERM)
-        try:
-            p.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-        shutil.rmtree(work, ignore_errors=True)
+    ``reachable``: QEMU's user can map files under the state dir (else restores link
+    snapshot memory into their run dirs)."""
+    with workdir(prefix, private_state=not reachable) as work, supervisor_process(work) as (env, _):
+        yield env, work.root
 
 
 @pytest.fixture

@@ -3,13 +3,9 @@
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
 import struct
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -20,41 +16,26 @@ import msgpack
 import pytest
 import trio
 
-from images.build import Image, default_cache
+from images.build import Image
 from supervisor.client import AsyncConnection, connect
-from supervisor.daemon import DaemonConfig, serve
+from supervisor.daemon import DaemonConfig
 from supervisor.protocol import ApiError
+from supervisor.throwaway import Workdir, supervisor, supervisor_process, workdir
 
 pytestmark = pytest.mark.vm
 
 
-def state_dir_for(tmp_path: Path) -> Path:
-    state = tmp_path / "state"
-    state.mkdir(exist_ok=True)
-    if not (state / "images").exists():
-        (state / "images").symlink_to(default_cache())  # share the built image
-    return state
-
-
 @asynccontextmanager
-async def running_daemon(tmp_path: Path, name: str, **kw: Any) -> AsyncIterator[DaemonConfig]:
-    """An in-process supervisor on a fresh state dir (sharing the built image)."""
-    run_root = Path(tempfile.mkdtemp(prefix="svr-", dir="/tmp"))
-    cfg = DaemonConfig(
-        socket=tmp_path / f"{name}.sock", state_dir=state_dir_for(tmp_path), accel="tcg", run_root=run_root, **kw
-    )
-    try:
-        async with trio.open_nursery() as n:
-            await n.start(serve, cfg)
+async def running_daemon(prefix: str, **kw: Any) -> AsyncIterator[DaemonConfig]:
+    """An in-process supervisor on a throwaway state dir (sharing the built image)."""
+    with workdir(prefix, private_state=True) as work:
+        async with supervisor(work, **kw) as (cfg, _):
             yield cfg
-            n.cancel_scope.cancel()
-    finally:
-        shutil.rmtree(run_root, ignore_errors=True)
 
 
 @pytest.fixture
-async def daemon(image: Image, tmp_path: Path) -> AsyncIterator[DaemonConfig]:
-    async with running_daemon(tmp_path, "s", stop_timeout=5) as cfg:
+async def daemon(image: Image) -> AsyncIterator[DaemonConfig]:
+    async with running_daemon("sv-d-", stop_timeout=5) as cfg:
         yield cfg
 
 
@@ -304,7 +285,7 @@ def _qemu_pid(cfg: DaemonConfig, id: str) -> int:
 
 
 async def test_idempotent_and_racing_creates_make_one_sandbox(daemon: DaemonConfig) -> None:
-    async with connect(daemon.socket) as c:
+    async with connect(daemon.socket) as c, c.open_call("Events", {"id": "twin", "action": "created"}) as created:
         results: list[dict[str, Any]] = []
 
         async def create() -> None:
@@ -313,7 +294,12 @@ async def test_idempotent_and_racing_creates_make_one_sandbox(daemon: DaemonConf
         async with trio.open_nursery() as n:
             n.start_soon(create)
             n.start_soon(create)
-        assert [r["id"] for r in results] == ["twin", "twin"]
+        assert results == [{"id": "twin", "ip_address": "", "state": "starting"}] * 2
+        with trio.fail_after(5):
+            assert (await created.__anext__())["sandbox_id"] == "twin"
+        with trio.move_on_after(0.5):  # one sandbox: one "created", however many Creates
+            extra = await created.__anext__()
+            pytest.fail(f"a second created event: {extra}")
         listed = await c.call("List", {})
         assert [s["id"] for s in listed["sandboxes"]] == ["twin"]
         with pytest.raises(ApiError) as e:
@@ -367,70 +353,139 @@ async def test_eight_concurrent_creates_labels_and_pages(daemon: DaemonConfig) -
 
 
 async def test_ttl_removes_and_idle_timeout_stops(daemon: DaemonConfig) -> None:
-    async with connect(daemon.socket) as c:
+    """TTL removes (from creation, whatever the state); the idle timeout stops a sandbox
+    that had no activity for that long, and activity (a workload) postpones it."""
+    events: list[tuple[str, str, int]] = []
+    async with connect(daemon.socket) as c, trio.open_nursery() as n:
+
+        async def watch() -> None:
+            async with c.open_call("Events", {}) as ev:
+                async for e in ev:
+                    events.append((e["sandbox_id"], e["action"], e["timestamp"]))
+
+        def of(id: str) -> list[str]:
+            return [a for i, a, _ in events if i == id]
+
+        def when(id: str, action: str) -> float:
+            return next(t for i, a, t in events if i == id and a == action) / 1e9
+
+        n.start_soon(watch)
+        await trio.sleep(0.1)
         await c.call("Create", {"id": "short", "ttl_seconds": 1})
         await c.call("Create", {"id": "idle", "idle_timeout_seconds": 2})
-        await wait_state(c, "idle", "ready")
-        with trio.fail_after(30):
-            while (await c.call("List", {}))["sandboxes"] and any(
-                s["id"] == "short" for s in (await c.call("List", {}))["sandboxes"]
-            ):
-                await trio.sleep(0.2)
-        await wait_state(c, "idle", "stopped", timeout=30)
+        await c.call("Create", {"id": "busy", "idle_timeout_seconds": 2})
+        await wait_state(c, "busy", "ready")
+        _, _, code = await run(c, "busy", ["sleep", "3"])  # activity beyond the idle timeout
+        assert code == 0
+        with trio.fail_after(60):
+            while "removed" not in of("short") or "stopped" not in of("idle") or "stopped" not in of("busy"):
+                await trio.sleep(0.1)
+        n.cancel_scope.cancel()
+    assert of("short")[0] == "created" and of("short")[-1] == "removed"
+    with pytest.raises(ApiError) as e:
+        async with connect(daemon.socket) as c:
+            await c.call("Inspect", {"id": "short"})
+    assert e.value.code == "NOT_FOUND"
+    assert of("idle") == ["created", "ready", "stopping", "stopped"]
+    assert when("idle", "stopping") - when("idle", "ready") >= 2.0  # not before the timeout
+    assert of("busy") == ["created", "ready", "running", "idle", "stopping", "stopped"]
+    # the workload was activity: the idle clock restarted when it ended (its idle event)
+    assert when("busy", "stopping") - when("busy", "idle") >= 1.9
 
 
-def test_restart_lists_and_restarts_and_cleans_orphans(image: Image, tmp_path: Path) -> None:
+async def test_idempotent_create_compares_what_was_requested(daemon: DaemonConfig) -> None:
+    """A retried Create is the same sandbox even after the sandbox changed: its host
+    ports were filled in, a port was exposed at run time."""
+    req = {"id": "same", "network": {"mode": "user"}, "ports": [{"sandbox_port": 8000}]}
+    async with connect(daemon.socket) as c:
+        first = await c.call("Create", req)
+        await wait_state(c, "same", "ready")
+        assert await c.call("Create", req) == first
+        await c.call("ExposePort", {"id": "same", "sandbox_port": 8001})
+        assert await c.call("Create", req) == first
+        with pytest.raises(ApiError) as e:
+            await c.call("Create", {**req, "ports": [{"sandbox_port": 8001}]})
+        assert e.value.code == "ALREADY_EXISTS"
+        listed = (await c.call("List", {}))["sandboxes"]
+        assert [(s["id"], s["ip_address"]) for s in listed] == [("same", "10.0.2.15")]
+        await c.call("Stop", {"id": "same"})
+        started = await c.call("Start", {"id": "same"})
+        assert started["ip_address"] == "10.0.2.15"
+        await c.call("Remove", {"id": "same", "force": True})
+
+
+async def test_exec_input_errors_are_typed_and_a_failed_initial_cmd_idles_once(daemon: DaemonConfig) -> None:
+    async with connect(daemon.socket) as c:
+        actions: list[tuple[str, dict[str, str]]] = []
+        async with c.open_call("Events", {"id": "oops"}) as ev:
+            await c.call("Create", {"id": "oops", "cmd": ["/no/such/program"]})
+            with trio.fail_after(90):
+                async for e in ev:
+                    actions.append((e["action"], e["attributes"]))
+                    if e["action"] == "idle":
+                        break
+            with trio.move_on_after(1):
+                async for e in ev:
+                    actions.append((e["action"], e["attributes"]))
+        assert [a for a, _ in actions] == ["created", "ready", "running", "idle"], actions
+        assert actions[-1][1]["exit_code"] == "127" and actions[-1][1]["error"]
+        # resize without a TTY: a typed error from the input pump, not INTERNAL
+        with pytest.raises(ApiError) as err:
+            async with c.open_call("Exec", {"init": {"id": "oops", "cmd": ["cat"]}}) as ex:
+                await ex.send({"resize": {"width": 100, "height": 30}})
+                async for _ in ex:
+                    pass
+        assert err.value.code == "INVALID_ARGUMENT" and "tty" in err.value.message
+        with pytest.raises(ApiError) as err:
+            async with c.open_call("Exec", {"init": {"id": "oops", "cmd": ["cat"]}}) as ex:
+                await ex.send({"stdin": "not bytes"})
+                async for _ in ex:
+                    pass
+        assert err.value.code == "INVALID_ARGUMENT"
+        out, _, code = await run(c, "oops", ["echo", "still fine"])
+        assert (out, code) == (b"still fine\n", 0)
+
+
+def test_restart_lists_and_restarts_and_cleans_orphans(image: Image) -> None:
     """A supervisor killed with SIGKILL leaves a VM behind: the next one kills it and marks
-    the sandbox failed; a stopped sandbox starts again with its disk."""
-    state = state_dir_for(tmp_path)
-    sock = tmp_path / "d.sock"
-    env = {**os.environ, "SANDVISOR_SOCKET": str(sock), "SANDVISOR_STATE_DIR": str(state)}
-    argv = [sys.executable, "-m", "supervisor.cli", "serve", "--accel", "tcg"]
+    the sandbox failed; a stopped sandbox starts again with its disk; Stop and Kill of
+    the recovered sandboxes return at once."""
 
-    def start() -> subprocess.Popen[bytes]:
-        p = subprocess.Popen(argv, env=env, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 30
-        while not sock.exists():
-            assert p.poll() is None and time.monotonic() < deadline, "serve did not start"
-            time.sleep(0.05)
-        return p
-
-    async def phase1() -> int:
-        async with connect(sock) as c:
+    async def phase1(work: Workdir) -> int:
+        async with connect(work.socket) as c:
             await c.call("Create", {"id": "keeper"})
             await c.call("Create", {"id": "orphan"})
             await wait_state(c, "keeper", "ready")
             await wait_state(c, "orphan", "ready")
             await run(c, "keeper", ["sh", "-c", "echo persisted > /root/f"])
             await c.call("Stop", {"id": "keeper"})
-        return _qemu_pid(DaemonConfig(socket=sock, state_dir=state), "orphan")
+        return _qemu_pid(DaemonConfig(socket=work.socket, state_dir=work.state), "orphan")
 
-    async def phase2() -> None:
-        async with connect(sock) as c:
+    async def phase2(work: Workdir) -> None:
+        async with connect(work.socket) as c:
             listed = {s["id"]: s["state"] for s in (await c.call("List", {}))["sandboxes"]}
             assert listed == {"keeper": "stopped", "orphan": "failed"}
             assert "supervisor exited" in (await c.call("Inspect", {"id": "orphan"}))["error"]
+            with trio.fail_after(5):  # no life runs: nothing to wait for
+                await c.call("Stop", {"id": "orphan"})
+                await c.call("Kill", {"id": "keeper"})
+                await c.call("WaitUntilStopped", {"id": "keeper"})
             await c.call("Start", {"id": "keeper"})
             await wait_state(c, "keeper", "ready")
             out, _, _ = await run(c, "keeper", ["cat", "/root/f"])
             assert out == b"persisted\n"
 
-    p = start()
-    try:
-        orphan_pid = trio.run(phase1)
-        p.kill()  # no cleanup at all: the orphan's QEMU keeps running
-        p.wait()
-        assert _alive(orphan_pid)
-        sock.unlink()
-        p = start()
-        assert not _alive(orphan_pid) or _zombie(orphan_pid)
-        trio.run(phase2)
-        p.send_signal(signal.SIGTERM)  # graceful: stops every sandbox, exits 0
-        assert p.wait(timeout=60) == 0
-    finally:
-        if p.poll() is None:
-            p.kill()
+    with workdir("sv-restart-", private_state=True) as work:
+        with supervisor_process(work) as (_, p):
+            orphan_pid = trio.run(phase1, work)
+            p.kill()  # no cleanup at all: the orphan's QEMU keeps running
             p.wait()
+        assert _alive(orphan_pid)
+        with supervisor_process(work) as (_, p):
+            assert not _alive(orphan_pid) or _zombie(orphan_pid)
+            trio.run(phase2, work)
+            p.send_signal(signal.SIGTERM)  # graceful: stops every sandbox, exits 0
+            assert p.wait(timeout=60) == 0
 
 
 def _alive(pid: int) -> bool:
@@ -480,8 +535,8 @@ async def test_drain_finishes_inflight_work_and_log_follow(daemon: DaemonConfig)
 
 
 @pytest.fixture
-async def impatient_daemon(image: Image, tmp_path: Path) -> AsyncIterator[DaemonConfig]:
-    async with running_daemon(tmp_path, "i", boot_timeout=6) as cfg:
+async def impatient_daemon(image: Image) -> AsyncIterator[DaemonConfig]:
+    async with running_daemon("sv-i-", boot_timeout=6) as cfg:
         yield cfg
 
 

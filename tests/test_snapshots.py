@@ -5,10 +5,8 @@ real VMs. One supervisor and one checkpointed origin for the module: restores ta
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -19,7 +17,7 @@ import pytest
 import trio
 from conftest import serve_process
 
-from images.build import Image, default_cache
+from images.build import Image
 from supervisor.client import (
     AlreadyExists,
     AsyncSandbox,
@@ -29,7 +27,8 @@ from supervisor.client import (
     Sandbox,
     connect,
 )
-from supervisor.daemon import DaemonConfig, serve
+from supervisor.daemon import DaemonConfig
+from supervisor.throwaway import Workdir, supervisor, workdir
 
 pytestmark = pytest.mark.vm
 
@@ -39,7 +38,7 @@ COUNTER = "i=0; while true; do i=$((i+1)); echo $i > /run/cnt; sleep 0.05; done"
 @pytest.fixture(scope="module")
 def served(image: Image) -> Iterator[dict[str, Any]]:
     # reachable: QEMU's user maps the snapshots' memory files in place
-    with serve_process("sv-snap-", reachable=True, own_run_root=True) as (env, work):
+    with serve_process("sv-snap-", reachable=True) as (env, work):
         sock = str(work / "s.sock")
         # the origin: a file on disk, a process counting in memory, then a checkpoint
         origin = Sandbox.create("origin", socket=sock, labels={"role": "origin"}, detached=True)
@@ -260,45 +259,29 @@ async def test_creates_restore_the_boot_template(served: dict[str, Any]) -> None
 
 # --- restart and warm pool: in-process supervisors on one state dir ----------------------
 @pytest.fixture
-def fresh_state(image: Image, tmp_path: Path) -> Iterator[tuple[Path, Path]]:
-    """A state dir (sharing the built image) under pytest's 0700 tmp -- restores then
-    link the memory file into the run dir instead of mapping it in place -- and a
-    run root QEMU's user can reach."""
-    state = tmp_path / "state"
-    state.mkdir()
-    (state / "images").symlink_to(default_cache())
-    run_root = Path(tempfile.mkdtemp(prefix="svs-", dir="/tmp"))
-    try:
-        yield state, run_root
-    finally:
-        shutil.rmtree(run_root, ignore_errors=True)
+def fresh_state(image: Image) -> Iterator[Workdir]:
+    """A throwaway work dir whose state dir QEMU's user cannot reach (restores then link
+    the memory file into the run dir instead of mapping it in place): in-process
+    supervisors come and go on it."""
+    with workdir("svs-", private_state=True) as work:
+        yield work
 
 
 @asynccontextmanager
-async def daemon_on(state: Path, run_root: Path, **kw: Any) -> AsyncIterator[DaemonConfig]:
-    async with daemon_and_registry(state, run_root, **kw) as (cfg, _):
+async def daemon_on(work: Workdir, **kw: Any) -> AsyncIterator[DaemonConfig]:
+    async with supervisor(work, **kw) as (cfg, _):
         yield cfg
 
 
-@asynccontextmanager
-async def daemon_and_registry(state: Path, run_root: Path, **kw: Any) -> AsyncIterator[tuple[DaemonConfig, Any]]:
-    cfg = DaemonConfig(socket=state.parent / "p.sock", state_dir=state, accel="tcg", run_root=run_root, **kw)
-    async with trio.open_nursery() as n:
-        registry, _ = await n.start(serve, cfg)
-        yield cfg, registry
-        n.cancel_scope.cancel()
-
-
-async def test_snapshots_survive_restart_and_pool(fresh_state: tuple[Path, Path]) -> None:
-    state, run_root = fresh_state
+async def test_snapshots_survive_restart_and_pool(fresh_state: Workdir) -> None:
     with trio.fail_after(240):
-        async with daemon_on(state, run_root) as cfg:
+        async with daemon_on(fresh_state) as cfg:
             sock = cfg.socket
             async with await AsyncSandbox.create("pool-origin", socket=sock) as sb:
                 await sb.fs.write("/root/x", b"pooled")
                 snap = (await sb.checkpoint("pooled")).snapshot_id
         # the origin is gone, the snapshot stays; a new supervisor keeps one restore warm
-        async with daemon_on(state, run_root, pool_size=1) as cfg:
+        async with daemon_on(fresh_state, pool_size=1) as cfg:
             sock = cfg.socket
             [s] = await AsyncSandbox.snapshots(socket=sock)
             assert (s.id, s.name, s.sandbox_id) == (snap, "pooled", "pool-origin")
@@ -321,14 +304,13 @@ async def test_snapshots_survive_restart_and_pool(fresh_state: tuple[Path, Path]
             await AsyncSandbox.delete_snapshot(snap, socket=sock)  # drains the pool first
             assert await AsyncSandbox.snapshots(socket=sock) == []
         assert not Path(s.snapshot_dir).exists()
-        assert not list((state / "sandboxes").iterdir())  # pool members leave nothing behind
+        assert not list((fresh_state.state / "sandboxes").iterdir())  # pool members leave nothing behind
 
 
-async def test_anonymous_memory_checkpoints_stream(fresh_state: tuple[Path, Path]) -> None:
+async def test_anonymous_memory_checkpoints_stream(fresh_state: Workdir) -> None:
     """serve --anonymous-memory: no RAM files; checkpoints carry RAM in vmstate."""
-    state, run_root = fresh_state
     with trio.fail_after(120):
-        async with daemon_on(state, run_root, anonymous_memory=True, templates=False) as cfg:
+        async with daemon_on(fresh_state, anonymous_memory=True, templates=False) as cfg:
             sock = cfg.socket
             async with await AsyncSandbox.create("anon", socket=sock) as sb:
                 await sb.fs.write("/root/a", b"anon")
@@ -339,15 +321,14 @@ async def test_anonymous_memory_checkpoints_stream(fresh_state: tuple[Path, Path
                 assert await r.fs.read("/root/a") == b"anon"
 
 
-async def test_template_pool_makes_creates_ready_at_once(fresh_state: tuple[Path, Path]) -> None:
+async def test_template_pool_makes_creates_ready_at_once(fresh_state: Workdir) -> None:
     """serve --template-pool 1: a Create takes a restored member of its boot template
     and is ready when Create returns, with its own hostname, env and initial command."""
-    state, run_root = fresh_state
     with trio.fail_after(180):
-        async with daemon_and_registry(state, run_root, template_pool=1) as (cfg, registry):
+        async with supervisor(fresh_state, template_pool=1) as (cfg, registry):
             sock = cfg.socket
             first = await AsyncSandbox.create("first", socket=sock)  # boots; saves the template
-            while not any(m.state == "ready" for ms in registry.pool.values() for m in ms):
+            while not any(m.state == "ready" for m in registry.pools.all_members()):
                 await trio.sleep(0.05)
             async with connect(sock) as c:
                 r = await c.call(
@@ -359,7 +340,8 @@ async def test_template_pool_makes_creates_ready_at_once(fresh_state: tuple[Path
                         "cmd": ["sh", "-c", "echo $WHO > /root/cmd"],
                     },
                 )
-                assert r["state"] in ("ready", "running")  # ready as Create returns
+                assert r["state"] == "starting"  # as the seed says, always; yet ready already:
+                assert (await c.call("Inspect", {"id": "quick"}))["state"] in ("ready", "running")
             quick = await AsyncSandbox.get("quick", socket=sock)
             logs = b"".join(e.data for e in await quick.logs() if e.source == "system")
             assert b"warm pool" in logs, logs
@@ -372,12 +354,11 @@ async def test_template_pool_makes_creates_ready_at_once(fresh_state: tuple[Path
             await first.remove()
 
 
-async def test_a_broken_boot_template_falls_back_to_booting(fresh_state: tuple[Path, Path]) -> None:
+async def test_a_broken_boot_template_falls_back_to_booting(fresh_state: Workdir) -> None:
     """A template whose state does not load is dropped and that Create boots instead
     (the caller sees a ready sandbox, not an error)."""
-    state, run_root = fresh_state
     with trio.fail_after(180):
-        async with daemon_and_registry(state, run_root) as (cfg, registry):
+        async with supervisor(fresh_state) as (cfg, registry):
             sock = cfg.socket
             first = await AsyncSandbox.create("first", socket=sock)  # boots; saves the template
             [tpl] = registry.snapshots.snapshots.values()

@@ -11,12 +11,15 @@ import trio
 from hypothesis import given
 from hypothesis import strategies as st
 
+from actors.errors import DomainError
+from actors.events import EventBus, Lagged
 from actors.guest import _Request
 from actors.logs import SandboxLog
-from actors.registry import EventBus, Lagged, _decode_cursor, _encode_cursor, validate_id, validate_labels
+from actors.model import Action, SandboxEvent, check_id, check_labels
+from actors.registry import check_traversable, decode_cursor, encode_cursor
 from guestd import proto as P
 from supervisor import protocol as W
-from supervisor.protocol import ApiError, SandboxEvent
+from supervisor.protocol import ApiError
 
 
 async def test_slow_event_subscriber_is_told_it_lagged_and_others_are_not_blocked() -> None:
@@ -32,7 +35,7 @@ async def test_slow_event_subscriber_is_told_it_lagged_and_others_are_not_blocke
 
         n.start_soon(drain_fast)
         for i in range(10):
-            bus.publish(SandboxEvent(f"s{i}", "ready", i))
+            bus.publish(SandboxEvent(f"s{i}", Action.READY, i))
             await trio.sleep(0)  # publishing never blocks; the fast reader keeps up
         with pytest.raises(Lagged):
             async for _ in slow:
@@ -46,7 +49,7 @@ async def test_log_rotates_and_follow_sees_new_records(tmp_path: Path) -> None:
     log = SandboxLog(tmp_path / "log", max_bytes=1000)
     for i in range(200):
         log.append("stdout", f"line {i}\n".encode())
-    recs = log.read()
+    recs = log.read_sync()
     assert recs[-1].data == b"line 199\n" and (tmp_path / "log.1").exists()
     assert len(recs) < 100  # the oldest rotated away: disk use stays bounded
     assert [r.seq for r in recs] == sorted(r.seq for r in recs)
@@ -71,33 +74,111 @@ async def test_log_rotates_and_follow_sees_new_records(tmp_path: Path) -> None:
     reopened.close()
 
 
+def test_log_survives_a_full_disk_and_torn_records(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+    import os
+
+    log = SandboxLog(tmp_path / "log")
+    log.append("stdout", b"before")
+    real = os.pwrite
+    calls = {"n": 0}
+
+    def full(fd: int, data: bytes, offset: int) -> int:
+        calls["n"] += 1
+        if calls["n"] == 1:  # a torn write: half a record lands, then the disk is full
+            real(fd, bytes(data)[: len(data) // 2], offset)
+            return len(data) // 2
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "pwrite", full)
+    for i in range(3):
+        log.append("stdout", f"lost {i}".encode())  # never raises
+    monkeypatch.setattr(os, "pwrite", real)
+    assert log.dropped == 3
+    log.append("stdout", b"after")
+    recs = log.read_sync()
+    assert [(r.source, r.data) for r in recs] == [
+        ("stdout", b"before"),
+        ("system", b"3 log records dropped"),
+        ("stdout", b"after"),
+    ]
+    assert [r.seq for r in recs] == [1, 2, 3]
+    log.close()
+    with open(tmp_path / "log", "ab") as f:  # a crash mid-record leaves a torn tail
+        f.write(b"\x00\x00\x01\x00partial")
+    again = SandboxLog(tmp_path / "log")
+    assert again.seq == 3
+    again.append("stdout", b"next")
+    assert [r.data for r in again.read_sync()][-1] == b"next"
+    again.close()
+
+
+async def test_log_follow_reads_only_what_is_new_across_rotations(tmp_path: Path) -> None:
+    log = SandboxLog(tmp_path / "log", max_bytes=4096)
+    log.append("stdout", b"old")
+    seen: list[bytes] = []
+    async with trio.open_nursery() as n:
+
+        async def follow() -> None:
+            async with aclosing(log.follow(tail=1)) as records:
+                async for r in records:
+                    seen.append(r.data)
+                    if r.data == b"999":
+                        return
+
+        n.start_soon(follow)
+        await trio.sleep(0.01)
+        for i in range(1000):  # many rotations of a 4 KiB log while the follower keeps up
+            log.append("stdout", str(i).encode())
+            if i % 7 == 0:
+                await trio.sleep(0)
+    assert seen[0] == b"old"
+    got = [int(x) for x in seen[1:]]
+    assert got == sorted(got) and got[-1] == 999 and len(set(got)) == len(got)
+    assert got == list(range(1000)) and log.generation > 3
+    log.close()
+
+
 @pytest.mark.parametrize("bad", ["x" * 129, "é" * 65, "a\x00b", " padded", "tab\t"])
 def test_bad_ids(bad: str) -> None:
-    with pytest.raises(ApiError) as e:
-        validate_id(bad)
+    with pytest.raises(DomainError) as e:
+        check_id(bad)
     assert e.value.code == "INVALID_ARGUMENT"
 
 
 def test_good_ids_and_labels() -> None:
-    validate_id("x" * 128)
-    validate_id("é" * 64)
-    validate_labels({"team": "a", "sandboxing": "ok"})
+    check_id("x" * 128)
+    check_id("é" * 64)
+    check_labels({"team": "a", "sandboxing": "ok"})
     for bad in ({"sandbox.x": "1"}, {"sandvisor.y": ""}, {"": "v"}):
-        with pytest.raises(ApiError):
-            validate_labels(bad)
+        with pytest.raises(DomainError):
+            check_labels(bad)
 
 
 @given(st.integers(min_value=0, max_value=2**62))
 def test_cursor_round_trip(seq: int) -> None:
-    assert _decode_cursor(_encode_cursor(seq)) == seq
+    assert decode_cursor(encode_cursor(seq)) == seq
 
 
 @given(st.text(max_size=30))
 def test_garbage_cursors_are_invalid_argument(text: str) -> None:
+    """Anything but a cursor the registry made is refused, typed."""
+    import base64
+
     try:
-        _decode_cursor(text)
-    except ApiError as e:
+        n = decode_cursor(text)
+    except DomainError as e:
         assert e.code == "INVALID_ARGUMENT"
+    else:  # accepted: then it must really be the encoding of "seq:N"
+        assert base64.urlsafe_b64decode(text.encode()) == f"seq:{n}".encode(), text
+
+
+def test_cursor_edge_cases_are_refused() -> None:
+    import base64
+
+    for raw in (b"seq:", b"seq:-1", b"seq:1x", b"other:5", b"seq", b"\xff\xfe"):
+        with pytest.raises(DomainError):
+            decode_cursor(base64.urlsafe_b64encode(raw).decode())
 
 
 @given(st.builds(W.Call, id=st.integers(1, 2**31), method=st.text(max_size=20), body=st.just({"id": "x"})))
@@ -113,20 +194,25 @@ def test_wrong_types_never_coerce() -> None:
         assert e.value.code == "INVALID_ARGUMENT"
 
 
-def test_a_run_root_qemu_cannot_reach_is_refused_at_start(tmp_path: Path) -> None:
-    from actors.registry import _check_traversable
+def test_a_run_root_qemu_cannot_reach_is_refused_at_start() -> None:
+    import tempfile
 
-    private = tmp_path / "private"
-    private.mkdir(mode=0o700)
-    (private / "run").mkdir()
-    with pytest.raises(ApiError) as e:
-        _check_traversable(private / "run", "nobody")
-    assert e.value.code == "FAILED_PRECONDITION" and "not reachable" in e.value.message
-    private.chmod(0o711)
-    for parent in tmp_path.parents:
-        if not parent.stat().st_mode & 0o001:
-            return  # the test's own tmp dir is private: nothing more to check here
-    _check_traversable(private / "run", "nobody")
+    top = Path(tempfile.mkdtemp(prefix="sv-reach-", dir="/tmp"))  # /tmp is o+x: the check is ours alone
+    try:
+        private = top / "private"
+        private.mkdir(mode=0o700)
+        (private / "run").mkdir()
+        with pytest.raises(DomainError) as e:
+            check_traversable(private / "run", "nobody")
+        assert e.value.code == "FAILED_PRECONDITION" and "not reachable" in e.value.message
+        assert str(private) in e.value.message  # it names the directory that blocks
+        private.chmod(0o711)
+        top.chmod(0o711)
+        check_traversable(private / "run", "nobody")  # now QEMU's user gets through
+    finally:
+        import shutil
+
+        shutil.rmtree(top, ignore_errors=True)
 
 
 class _NoGrant:
@@ -207,3 +293,67 @@ def test_snapshot_requests_never_coerce() -> None:
         with pytest.raises(ApiError) as e:
             W.structure_body(body, W.RestoreRequest)
         assert e.value.code == "INVALID_ARGUMENT"
+
+
+async def test_store_writes_behind_in_order_and_survives_a_full_disk(tmp_path: Path) -> None:
+    from actors.errors import ResourceExhausted
+    from actors.model import SandboxConfig, State, Workload
+    from actors.store import Record, Store
+
+    store = Store(tmp_path / "db")
+    store.retry_after = 0.05
+    big = Workload(env={"X": "y" * 20_000})  # a page or more per record
+    with trio.fail_after(10):
+        async with trio.open_nursery() as n:
+            await n.start(store.run)
+            rec = Record("u0", "first", store.next_seq(), SandboxConfig(), State.STARTING, 1)
+            store.insert(rec)
+            await store.flush()
+            pages = store.db.execute("PRAGMA page_count").fetchone()[0]
+            store.db.execute(f"PRAGMA max_page_count={pages + 2}")  # the disk is full from here
+            for i in range(1, 6):
+                store.insert(Record(f"u{i}", f"sb{i}", store.next_seq(), SandboxConfig(workload=big), State.READY, i))
+            rec.state = State.FAILED
+            store.update(rec)
+            with pytest.raises(ResourceExhausted, match="full"):
+                await store.flush()
+            with pytest.raises(ResourceExhausted):
+                store.check_writable()
+            store.db.execute("PRAGMA max_page_count=1073741823")  # room again: the queue goes through, in order
+            await store.flush()
+            store.check_writable()
+            n.cancel_scope.cancel()
+    store.close()
+    again = Store(tmp_path / "db")
+    recs = again.all()
+    assert [r.id for r in recs] == ["first", "sb1", "sb2", "sb3", "sb4", "sb5"]
+    assert recs[0].state == State.FAILED and recs[1].config.workload == big
+    assert again.next_seq() == 7
+    again.close()
+
+
+async def test_sd_notify_ready_stopping_and_the_watchdog(tmp_path: Path) -> None:
+    import socket as socket_mod
+
+    from supervisor.notify import Notifier
+
+    path = tmp_path / "notify"
+    with socket_mod.socket(socket_mod.AF_UNIX, socket_mod.SOCK_DGRAM) as sink:
+        sink.bind(str(path))
+        sink.settimeout(5)
+        n = Notifier({"NOTIFY_SOCKET": str(path), "WATCHDOG_USEC": "200000"})
+        assert n.enabled and n.watchdog == 0.2
+        n.ready("serving")
+        assert sink.recv(100) == b"READY=1\nSTATUS=serving"
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(n.keep_alive)
+            await trio.sleep(0.25)
+            nursery.cancel_scope.cancel()
+        n.stopping()
+        got = [sink.recv(100)]
+        while got[-1] != b"STOPPING=1":
+            got.append(sink.recv(100))
+        assert got[:-1] and set(got[:-1]) == {b"WATCHDOG=1"}  # every 0.1 s: half the interval asked for
+    quiet = Notifier({})
+    assert not quiet.enabled
+    quiet.ready()  # without systemd: nothing, no error

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import trio
+from conftest import cold_spec
 
 from actors.guest import ChannelBroken, GuestOpError
 from actors.machine import LaunchError, Runstate
@@ -27,7 +28,7 @@ def qemu_children() -> set[int]:
 
 async def test_boot_run_and_graceful_poweroff(image: Image, tmp_run: Path, qmp: None) -> None:
     with trio.fail_after(120):
-        async with booted_guest(image, tmp_run, hostname="cold") as g:
+        async with booted_guest(await cold_spec(image, tmp_run, hostname="cold"), tmp_run) as g:
             assert g.t_launch < g.t_qmp < g.t_ready
             status = await g.machine.qmp_execute("query-status")
             assert status["status"] == "running"
@@ -44,14 +45,14 @@ async def test_boot_run_and_graceful_poweroff(image: Image, tmp_run: Path, qmp: 
 async def test_cancelled_boot_leaves_no_process(image: Image, tmp_run: Path, qmp: None) -> None:
     before = qemu_children()
     with trio.move_on_after(0.5):
-        async with booted_guest(image, tmp_run):
+        async with booted_guest(await cold_spec(image, tmp_run), tmp_run):
             pytest.fail("cannot be ready in 0.5 s under TCG")
     assert qemu_children() <= before
 
 
 async def test_qemu_killed_breaks_channel(image: Image, tmp_run: Path, qmp: None) -> None:
     with trio.fail_after(120):
-        async with booted_guest(image, tmp_run) as g:
+        async with booted_guest(await cold_spec(image, tmp_run), tmp_run) as g:
             assert g.machine.pid is not None
             os.kill(g.machine.pid, signal.SIGKILL)
             rc = await g.machine.wait()
@@ -65,14 +66,16 @@ async def test_qemu_killed_breaks_channel(image: Image, tmp_run: Path, qmp: None
 async def test_boot_timeout_is_a_typed_error(image: Image, tmp_run: Path, qmp: None) -> None:
     # init=/bin/false-like failure: point the guest at a port name guestd will not find
     with trio.fail_after(120), pytest.raises(BootError) as e:
-        async with booted_guest(image, tmp_run, extra_cmdline="sandvisor.port=nowhere", boot_timeout=8):
+        async with booted_guest(
+            await cold_spec(image, tmp_run, extra_cmdline="sandvisor.port=nowhere", boot_timeout=8), tmp_run
+        ):
             pass
     assert "within 8s" in str(e.value)
 
 
 async def test_qemu_failing_at_start_is_a_typed_error(image: Image, tmp_run: Path, qmp: None) -> None:
     with trio.fail_after(60), pytest.raises(LaunchError) as e:
-        async with booted_guest(image, tmp_run, memory_mib=1 << 30):  # QEMU refuses 1 PiB
+        async with booted_guest(await cold_spec(image, tmp_run, memory_mib=1 << 30), tmp_run):  # QEMU refuses 1 PiB
             pass
     assert "Cannot allocate memory" in str(e.value)  # QEMU's own words reach the caller
 
@@ -97,7 +100,7 @@ def busybox_rootfs(image: Image, tmp_path_factory: pytest.TempPathFactory) -> Pa
 
 async def test_rootfs_without_python(image: Image, tmp_run: Path, busybox_rootfs: Path, qmp: None) -> None:
     with trio.fail_after(120):
-        async with booted_guest(image, tmp_run, rootfs=busybox_rootfs) as g:
+        async with booted_guest(await cold_spec(image, tmp_run, rootfs=busybox_rootfs), tmp_run) as g:
             r = await g.channel.run(["/bin/sh", "-c", "echo hi from $(uname -s); ls /"])
             assert r.exit_code == 0
             assert r.stdout.startswith(b"hi from Linux\n")

@@ -1,0 +1,31 @@
+"""Crash points: a test-only fault hook that SIGKILLs the supervisor at a named step.
+
+``SANDVISOR_CRASH_AT=<step>`` in the supervisor's environment (read once, at import)
+makes :func:`crash_point` of that name kill the process on the spot, as an OOM killer
+or a power cut would; with the variable unset it does nothing and costs a string
+compare. The crash-point tests restart the supervisor afterwards and check that
+every QEMU is adopted or gone, every recorded disk is consistent, and nothing stray
+is left (tests/test_durability.py).
+
+Steps: ``spawned`` (QEMU started, before QMP), ``hello`` (the guest answered),
+``template-checkpoint`` (a boot template's checkpoint, before its record),
+``checkpoint-swap`` (between the two steps of a checkpoint's disk swap),
+``snapshot-record`` (a snapshot written, before its record), ``pool-fill`` (a warm
+pool member being restored), ``remove`` (a sandbox's record gone, before its files).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+STEPS = frozenset(
+    {"spawned", "hello", "template-checkpoint", "checkpoint-swap", "snapshot-record", "pool-fill", "remove"}
+)
+_AT = os.environ.get("SANDVISOR_CRASH_AT", "")
+
+
+def crash_point(step: str) -> None:
+    assert step in STEPS, step
+    if step == _AT:
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -1,0 +1,71 @@
+"""The event bus: lifecycle events to every subscriber, without ever blocking a publisher.
+
+Each subscriber has a bounded buffer; one that falls behind by more than that is
+told it lagged (:class:`Lagged` at its next receive) and dropped. Subscribers filter
+by sandbox id and action.
+"""
+
+from __future__ import annotations
+
+import time
+
+import attrs
+import trio
+
+from actors.model import Action, SandboxEvent
+
+
+class Lagged(Exception):
+    """The subscriber fell behind the event bus and was dropped."""
+
+
+@attrs.define(eq=False)
+class Subscription:
+    id: str
+    action: str
+    send: trio.MemorySendChannel[SandboxEvent]
+    receive: trio.MemoryReceiveChannel[SandboxEvent]
+    lagged: bool = False
+
+    def __aiter__(self) -> Subscription:
+        return self
+
+    async def __anext__(self) -> SandboxEvent:
+        try:
+            return await self.receive.receive()
+        except trio.EndOfChannel:
+            if self.lagged:
+                raise Lagged("event subscriber fell behind and was dropped") from None
+            raise StopAsyncIteration from None
+
+
+class EventBus:
+    def __init__(self, buffer: int = 256) -> None:
+        self.buffer = buffer
+        self.subs: list[Subscription] = []
+
+    def subscribe(self, id: str = "", action: str = "") -> Subscription:
+        send, receive = trio.open_memory_channel[SandboxEvent](self.buffer)
+        sub = Subscription(id, action, send, receive)
+        self.subs.append(sub)
+        return sub
+
+    def unsubscribe(self, sub: Subscription) -> None:
+        if sub in self.subs:
+            self.subs.remove(sub)
+        sub.send.close()
+
+    def publish(self, ev: SandboxEvent) -> None:
+        for sub in list(self.subs):
+            if (sub.id and sub.id != ev.sandbox_id) or (sub.action and sub.action != ev.action):
+                continue
+            try:
+                sub.send.send_nowait(ev)
+            except trio.WouldBlock:
+                sub.lagged = True
+                self.unsubscribe(sub)
+            except trio.ClosedResourceError:
+                self.unsubscribe(sub)
+
+    def emit(self, sandbox_id: str, action: Action, attributes: dict[str, str] | None = None) -> None:
+        self.publish(SandboxEvent(sandbox_id, action, time.time_ns(), dict(attributes or {})))

@@ -1,0 +1,289 @@
+"""The domain's values: states, events, a sandbox's configuration, and their rules.
+
+Everything past the edge is one of these frozen attrs values, never a wire dict. An
+edge builds a :class:`SandboxConfig` once from its request; the registry checks it
+(:func:`check_config`) and keeps it as requested, so an idempotent Create compares
+what was asked, not what the sandbox became (its live port mappings are in the
+record, not here). :data:`converter` is the one cattrs converter the store uses.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+from typing import Any, TypeVar
+
+import attrs
+from cattrs.preconf.msgpack import make_converter
+
+from actors.errors import AlreadyExists, FailedPrecondition, InvalidArgument
+
+
+class State(enum.StrEnum):
+    """The seed's sandbox states."""
+
+    STARTING = "starting"
+    READY = "ready"
+    RUNNING = "running"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+    FAILED = "failed"
+
+
+ALIVE = frozenset({State.READY, State.RUNNING})
+ENDED = frozenset({State.STOPPED, State.FAILED})
+
+
+class Action(enum.StrEnum):
+    """The seed's event actions."""
+
+    CREATED = "created"
+    READY = "ready"
+    RUNNING = "running"
+    IDLE = "idle"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+    FAILED = "failed"
+    REMOVED = "removed"
+
+
+class NetMode(enum.StrEnum):
+    NONE = "none"
+    USER = "user"
+    TAP = "tap"
+
+
+class Protocol(enum.StrEnum):
+    TCP = "tcp"
+    UDP = "udp"
+
+
+class MemoryKind(enum.StrEnum):
+    """How a snapshot holds guest RAM: a file restores map copy-on-write, or in the stream."""
+
+    MAPPED = "mapped"
+    STREAMED = "streamed"
+
+
+@attrs.frozen
+class SandboxEvent:
+    sandbox_id: str
+    action: Action
+    timestamp: int  # unix ns
+    attributes: dict[str, str] = attrs.field(factory=dict)
+
+
+@attrs.frozen
+class SandboxMetrics:
+    """One sample of a sandbox's resource use: the guest's view and QEMU's on the host."""
+
+    id: str
+    timestamp: int  # unix ns
+    cpu_percent: float
+    memory_total_bytes: int
+    memory_available_bytes: int
+    host_rss_bytes: int
+    disk_read_bytes: int
+    disk_write_bytes: int
+    net_rx_bytes: int
+    net_tx_bytes: int
+    uptime_seconds: float
+
+
+POOL_PREFIX = "\x00pool:"  # ids of warm pool members: no caller id can hold a control character
+
+
+def is_hidden(id: str) -> bool:
+    """A warm pool member's id: invisible to callers until it is taken."""
+    return id.startswith(POOL_PREFIX)
+
+
+# --- configuration ---------------------------------------------------------------------------
+@attrs.frozen
+class Limits:
+    vcpus: int = 0  # 0: the supervisor's default
+    memory_mib: int = 0
+
+
+@attrs.frozen
+class Network:
+    mode: NetMode = NetMode.NONE
+    outbound: bool = False  # user mode: the guest may open connections out
+
+
+@attrs.frozen
+class PortSpec:
+    """A sandbox port forwarded from a host port (0: the supervisor picks one)."""
+
+    sandbox_port: int
+    host_port: int = 0
+    protocol: Protocol = Protocol.TCP
+
+    @property
+    def key(self) -> tuple[int, Protocol]:
+        return self.sandbox_port, self.protocol
+
+    def label(self) -> str:
+        return f"{self.sandbox_port}/{self.protocol}"
+
+
+@attrs.frozen
+class Workload:
+    """The initial command, and the defaults of every Run and Exec (a call's own win)."""
+
+    cmd: tuple[str, ...] = ()
+    env: dict[str, str] = attrs.field(factory=dict)
+    working_dir: str = ""
+    user: str = ""
+
+
+@attrs.frozen
+class BootSource:
+    """What the VM boots: the default image unless the caller names an OCI image
+    (``image``, a reference as skopeo spells it, pulled by ``pull`` policy) or its own files."""
+
+    kernel: str = ""
+    rootfs: str = ""
+    boot_args: str = ""
+    image: str = ""
+    pull: str = "if-missing"  # always | if-missing | never
+    tls_verify: bool = True
+
+    @property
+    def custom(self) -> bool:
+        """A boot that depends on the caller's own files: no boot template applies."""
+        return bool(self.kernel or self.rootfs or self.boot_args)
+
+
+@attrs.frozen
+class ImageUse:
+    """The OCI image a sandbox boots, as resolved when it was created (the reference
+    may name another image later): its root filesystem and its defaults."""
+
+    ref: str
+    digest: str
+    template_key: str  # digest + the converted ext4's identity: what a boot template depends on
+    rootfs: str
+    env: dict[str, str] = attrs.field(factory=dict)
+    working_dir: str = ""
+    user: str = ""
+    argv: tuple[str, ...] = ()  # Entrypoint + Cmd: the initial workload when the Create gives none
+
+
+@attrs.frozen
+class Timers:
+    ttl_seconds: int = 0  # removed this long after creation (activity does not reset it)
+    idle_timeout_seconds: int = 0  # stopped after this long without activity
+    ephemeral: bool = False  # removed once it stops
+
+
+@attrs.frozen
+class SandboxConfig:
+    labels: dict[str, str] = attrs.field(factory=dict)
+    limits: Limits = Limits()
+    network: Network = Network()
+    workload: Workload = Workload()
+    ports: tuple[PortSpec, ...] = ()
+    timers: Timers = Timers()
+    boot: BootSource = BootSource()
+    hostname: str = ""
+
+    def restored(self, labels: dict[str, str], ttl_seconds: int) -> SandboxConfig:
+        """The configuration of a sandbox restored from a snapshot of this one: its own
+        labels and TTL, no initial command, and its own host ports."""
+        return attrs.evolve(
+            self,
+            labels=dict(labels),
+            workload=attrs.evolve(self.workload, cmd=()),
+            timers=Timers(ttl_seconds=ttl_seconds),
+            ports=tuple(attrs.evolve(p, host_port=0) for p in self.ports),
+        )
+
+
+# --- rules -----------------------------------------------------------------------------------
+MAX_ID_BYTES = 128
+RESERVED_LABEL_PREFIXES = ("sandbox.", "sandvisor.")
+MAX_WORKLOAD_BYTES = 256 * 1024  # well inside the guest channel's frame cap
+
+
+def check_id(id: str) -> None:
+    if len(id.encode()) > MAX_ID_BYTES:
+        raise InvalidArgument(f"id is {len(id.encode())} bytes; at most {MAX_ID_BYTES} UTF-8 bytes")
+    if any(ord(c) < 32 or ord(c) == 127 for c in id):
+        raise InvalidArgument("id must not contain control characters")
+    if id.strip() != id:
+        raise InvalidArgument("id must not start or end with whitespace")
+
+
+def check_labels(labels: dict[str, str]) -> None:
+    for k, v in labels.items():
+        if not k:
+            raise InvalidArgument("label keys must not be empty")
+        if len(k.encode()) > 256 or len(v.encode()) > 4096:
+            raise InvalidArgument(f"label {k[:40]!r} is too long")
+        if k.startswith(RESERVED_LABEL_PREFIXES):
+            raise InvalidArgument(f"label {k!r}: the prefixes sandbox. and sandvisor. are reserved")
+
+
+def check_port(sandbox_port: int, host_port: int = 0) -> None:
+    if not 0 < sandbox_port <= 65535 or not 0 <= host_port <= 65535:
+        raise InvalidArgument("ports must be 1-65535 (host_port 0 allocates one)")
+
+
+def check_name(name: str) -> None:
+    if len(name.encode()) > 256 or any(ord(c) < 32 for c in name):
+        raise InvalidArgument("name must be at most 256 bytes without control characters")
+
+
+def max_vcpus() -> int:
+    return max(1, os.cpu_count() or 1) * 4
+
+
+def check_config(cfg: SandboxConfig) -> None:
+    """The rules of a configuration that need no I/O (files are checked by the registry)."""
+    check_labels(cfg.labels)
+    if cfg.boot.image and (cfg.boot.rootfs or cfg.boot.kernel):
+        raise InvalidArgument("image and rootfs/kernel exclude each other: the image is the root filesystem")
+    if cfg.boot.pull not in ("always", "if-missing", "never"):
+        raise InvalidArgument(f"image pull policy {cfg.boot.pull!r}: always, if-missing or never")
+    if cfg.network.mode == NetMode.TAP:
+        raise FailedPrecondition("network mode 'tap' is not available yet; use 'user' or 'none'")
+    if cfg.ports and cfg.network.mode != NetMode.USER:
+        raise FailedPrecondition("ports need network mode 'user'")
+    seen: set[tuple[int, Protocol]] = set()
+    for pm in cfg.ports:
+        check_port(pm.sandbox_port, pm.host_port)
+        if pm.key in seen:
+            raise AlreadyExists(f"port {pm.label()} is given twice")
+        seen.add(pm.key)
+    if not 0 <= cfg.limits.vcpus <= max_vcpus():
+        raise InvalidArgument(f"vcpus must be 0 (default) to {max_vcpus()}")
+    if cfg.limits.memory_mib and not 64 <= cfg.limits.memory_mib <= 65536:
+        raise InvalidArgument("memory_mib must be 0 (default) or 64 to 65536")
+    if cfg.timers.ttl_seconds < 0 or cfg.timers.idle_timeout_seconds < 0:
+        raise InvalidArgument("ttl_seconds and idle_timeout_seconds must not be negative")
+    if cfg.hostname and (len(cfg.hostname) > 63 or not cfg.hostname.replace("-", "").isalnum()):
+        raise InvalidArgument("hostname must be 1-63 letters, digits or '-'")
+    w = cfg.workload
+    if w.cmd and not w.cmd[0]:
+        raise InvalidArgument("cmd[0] must not be empty")
+    size = sum(len(x.encode()) for x in (*w.cmd, *w.env, *w.env.values(), w.working_dir, w.user))
+    if size > MAX_WORKLOAD_BYTES:
+        raise InvalidArgument(f"cmd, env, working_dir and user take {size} bytes; at most 256 KiB")
+    if len(cfg.boot.boot_args) > 1024 or "\n" in cfg.boot.boot_args:
+        raise InvalidArgument("boot_args must be one line of at most 1024 bytes")
+
+
+# --- the converter (the store's; msgpack) ------------------------------------------------------
+converter = make_converter(forbid_extra_keys=False)
+
+
+def dump(obj: Any) -> Any:
+    return converter.unstructure(obj)
+
+
+T = TypeVar("T")
+
+
+def load(data: Any, cls: type[T]) -> T:
+    return converter.structure(data, cls)

@@ -1,0 +1,112 @@
+"""Admission: what the supervisor takes on, so no burst of Creates, pools or
+checkpoints can exhaust the host.
+
+Counted: every live sandbox, warm pool members and boot template boots included
+(``max_sandboxes``); the guest RAM they were given (``max_memory_mib``; default: the
+host's RAM less 1 GiB); the state dir's disk use -- logs, overlays, snapshots
+(``max_disk_mib``, none by default; measured in a worker thread, at most every
+``DISK_SCAN_INTERVAL``), and the free space of the filesystems new files go to: a
+RAM file must fit in the RAM dir (a full tmpfs kills QEMUs with SIGBUS), and the
+state dir keeps ``min_free_mib``. Each refusal is RESOURCE_EXHAUSTED naming the limit.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import attrs
+import trio
+
+from actors.errors import ResourceExhausted
+
+DISK_SCAN_INTERVAL = 10.0
+
+
+@attrs.frozen
+class Quotas:
+    max_sandboxes: int = 64
+    max_memory_mib: int = 0  # 0: the host's RAM less 1 GiB
+    max_disk_mib: int = 0  # 0: no limit on the state dir's use
+    min_free_mib: int = 256  # free space the state dir's filesystem keeps
+
+
+def host_memory_mib() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) // 1024
+    except (OSError, ValueError):
+        pass
+    return 1 << 20
+
+
+def free_mib(path: Path) -> int:
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return 1 << 30
+    return st.f_bavail * st.f_frsize >> 20
+
+
+def _usage_mib(root: Path) -> int:
+    """Allocated MiB under ``root`` (not following links: the image cache is a link in tests)."""
+    total = 0
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(dirpath, name)).st_blocks * 512
+            except OSError:
+                continue
+    return total >> 20
+
+
+class Admission:
+    def __init__(self, quotas: Quotas, state_dir: Path, memory_dir: Path | None) -> None:
+        self.quotas = quotas
+        self.state_dir = state_dir
+        self.memory_dir = memory_dir
+        self.max_memory_mib = quotas.max_memory_mib or max(256, host_memory_mib() - 1024)
+        self.disk_mib = 0  # the last measurement of the state dir's use
+        self._measured = -DISK_SCAN_INTERVAL
+
+    async def measure(self) -> int:
+        """The state dir's use now (a scan in a worker thread), at most every interval."""
+        if self.quotas.max_disk_mib and time.monotonic() - self._measured >= DISK_SCAN_INTERVAL:
+            self._measured = time.monotonic()
+            self.disk_mib = await trio.to_thread.run_sync(_usage_mib, self.state_dir)
+        return self.disk_mib
+
+    def check(self, live_memory_mib: Iterable[int], memory_mib: int, *, ram_file: bool, disk: bool = True) -> None:
+        """May one more sandbox of ``memory_mib`` run beside the live ones?"""
+        live = list(live_memory_mib)
+        q = self.quotas
+        if len(live) + 1 > q.max_sandboxes:
+            raise ResourceExhausted(
+                f"at most {q.max_sandboxes} sandboxes may run at once (warm pool members included; --max-sandboxes)"
+            )
+        if sum(live) + memory_mib > self.max_memory_mib:
+            raise ResourceExhausted(
+                f"guest memory would reach {sum(live) + memory_mib} MiB; the limit is {self.max_memory_mib} MiB "
+                "(--max-memory)"
+            )
+        if ram_file and self.memory_dir is not None and free_mib(self.memory_dir) < memory_mib:
+            raise ResourceExhausted(
+                f"the RAM dir {self.memory_dir} has {free_mib(self.memory_dir)} MiB free; the guest needs {memory_mib}"
+            )
+        if disk:
+            self.check_disk()
+
+    def check_disk(self) -> None:
+        q = self.quotas
+        if q.max_disk_mib and self.disk_mib >= q.max_disk_mib:
+            raise ResourceExhausted(
+                f"the state dir uses {self.disk_mib} MiB; the limit is {q.max_disk_mib} MiB (--max-disk)"
+            )
+        free = free_mib(self.state_dir)
+        if free < q.min_free_mib:
+            raise ResourceExhausted(
+                f"the state dir's filesystem has {free} MiB free; the supervisor keeps {q.min_free_mib} MiB"
+            )

@@ -1,0 +1,46 @@
+"""What every sandbox of one supervisor shares: the image, the accelerator, defaults, paths."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
+from pathlib import Path
+
+import attrs
+
+from actors.machine import QemuUser
+from actors.model import Limits
+from actors.vm import Guest, VmSpec, booted_guest
+from images.build import Image
+from images.oci import ImageStore
+
+Launcher = Callable[[VmSpec, Path], AbstractAsyncContextManager[Guest]]
+
+
+@attrs.frozen
+class Settings:
+    image: Image
+    sandboxes_dir: Path  # <state>/sandboxes/<uid>/{disk.qcow2, log}
+    run_root: Path  # short paths for sockets: <run_root>/<uid[:18]>
+    accel: str = "tcg"
+    boot_timeout: float = 60.0
+    guest_timeout: float = 30.0  # every guest request's deadline, on the host's side
+    default_memory_mib: int = 256
+    default_vcpus: int = 1
+    qemu_user: QemuUser | None = None  # set when the supervisor is root
+    expose_address: str = "127.0.0.1"  # where exposed ports listen on the host
+    # guest RAM as shared files here (tmpfs), so checkpoints are "mapped"; None: anonymous
+    memory_dir: Path | None = None
+    # how a life brings its VM up: booted_guest (QEMU); unit tests pass a fake VM
+    launch: Launcher = booted_guest
+    images: ImageStore | None = None  # OCI images (Create{image}); None: refused
+
+    def limits(self, requested: Limits) -> Limits:
+        """The effective limits: the caller's, or the supervisor's defaults."""
+        return Limits(
+            vcpus=requested.vcpus or self.default_vcpus, memory_mib=requested.memory_mib or self.default_memory_mib
+        )
+
+    def image_parts(self) -> tuple[str, ...]:
+        img = self.image
+        return (str(img.kernel), str(img.initrd), str(img.rootfs))

@@ -1,0 +1,420 @@
+"""SQLite persistence of sandbox and snapshot records (stdlib sqlite3, WAL, one connection).
+
+A record is keyed by ``uid``, a UUID the supervisor generates: every on-disk path
+(run dir, disk, log) is built from it, never from a caller-supplied id. Records hold
+domain values (:mod:`actors.model`), stored as msgpack through the one converter.
+
+Reads happen once, at start (:meth:`Store.all`, :meth:`Store.snapshots`). Writes are
+queued by the Trio thread (the values are packed at once, so a later change of the
+record is not written early) and committed in order by the writer task
+(:meth:`Store.run`) in a worker thread, a batch per transaction: a slow commit (a
+WAL checkpoint's fsync under I/O load) never stalls the supervisor's one thread.
+Whoever needs a write on disk before going on (a Create before it answers, a
+checkpoint's journal before the disk swap) awaits :meth:`Store.flush`. A full disk
+fails the flush with RESOURCE_EXHAUSTED and keeps the queue, retried until it fits::
+
+    Trio thread                       writer task (run)            worker thread
+    insert/update/... -> queue --+--> batch --to_thread------->  BEGIN; ...; COMMIT
+    await flush() <-- committed -+                                 (SQLITE_FULL: retry later)
+
+Schema versions (``PRAGMA user_version``): 0 is the first release, whose ``config``
+column held the wire's CreateSandboxRequest as a dict; 2 holds a SandboxConfig, the
+live port mappings in ``ports`` and the snapshot a sandbox came from in ``origin``.
+A version-0 database is migrated in place when opened.
+"""
+
+from __future__ import annotations
+
+import logging
+import sqlite3
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import attrs
+import msgpack
+import trio
+
+from actors.errors import ResourceExhausted
+from actors.model import (
+    BootSource,
+    ImageUse,
+    Limits,
+    MemoryKind,
+    NetMode,
+    Network,
+    PortSpec,
+    Protocol,
+    SandboxConfig,
+    State,
+    Timers,
+    Workload,
+    dump,
+    load,
+)
+
+log = logging.getLogger("sandvisor.store")
+
+VERSION = 2
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS sandboxes (
+    uid TEXT PRIMARY KEY,
+    id TEXT NOT NULL UNIQUE,
+    seq INTEGER NOT NULL,
+    config BLOB NOT NULL,
+    state TEXT NOT NULL,
+    created_at INTEGER NOT NULL,
+    ready_at INTEGER NOT NULL DEFAULT 0,
+    last_exited_at INTEGER NOT NULL DEFAULT 0,
+    last_exit_code INTEGER NOT NULL DEFAULT 0,
+    error TEXT NOT NULL DEFAULT '',
+    qemu_pid INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX IF NOT EXISTS sandboxes_seq ON sandboxes(seq);
+CREATE TABLE IF NOT EXISTS snapshots (
+    uid TEXT PRIMARY KEY,
+    id TEXT NOT NULL UNIQUE,
+    created_ns INTEGER NOT NULL,
+    data BLOB NOT NULL
+);
+"""
+_V2_COLUMNS = (
+    "ALTER TABLE sandboxes ADD COLUMN ports BLOB",
+    "ALTER TABLE sandboxes ADD COLUMN origin TEXT",
+    "ALTER TABLE sandboxes ADD COLUMN image BLOB",
+)
+
+
+@attrs.define
+class Record:
+    """One sandbox. ``config`` is what was requested; ``ports`` are the live mappings
+    (host ports filled in, runtime exposures added)."""
+
+    uid: str
+    id: str
+    seq: int
+    config: SandboxConfig
+    state: State
+    created_at: int
+    ready_at: int = 0
+    last_exited_at: int = 0
+    last_exit_code: int = 0
+    error: str = ""
+    qemu_pid: int = 0
+    ports: list[PortSpec] = attrs.Factory(list)
+    origin: str = ""  # the snapshot it was restored from
+    image: ImageUse | None = None  # the OCI image it boots, resolved at creation
+
+
+@attrs.frozen
+class MachineRecord:
+    """What a restore must start QEMU with: the saved state fits only this machine."""
+
+    append: str
+    memory_mib: int
+    cpus: int
+    accel: str
+    machine: str = "microvm"
+
+
+@attrs.define
+class SnapshotRecord:
+    """One snapshot. ``dir`` holds vmstate, memory (when mapped), disk.qcow2 (the origin's
+    frozen overlay), kernel and initrd (links to the image parts it was saved with).
+    ``config``: the origin's configuration, which restores inherit. A boot template
+    (``template_key`` set) is the supervisor's own: hidden from callers."""
+
+    uid: str
+    id: str
+    name: str
+    labels: dict[str, str]
+    sandbox_id: str  # the origin's id (it may be gone since)
+    origin_uid: str
+    created_ns: int
+    dir: str
+    memory: MemoryKind
+    machine: MachineRecord
+    config: SandboxConfig
+    sizes: dict[str, int] = attrs.Factory(dict)
+    memory_stat: list[int] = attrs.Factory(list)  # size, mtime_ns: tamper check
+    template_key: str = ""
+    image: tuple[str, ...] = ()  # the image parts a template was booted from
+    oci: ImageUse | None = None  # the OCI image the origin booted (a template's, its key's)
+
+    @property
+    def path(self) -> Path:
+        return Path(self.dir)
+
+    @property
+    def disk(self) -> Path:
+        return self.path / "disk.qcow2"
+
+    @property
+    def hidden(self) -> bool:
+        return bool(self.template_key)
+
+
+def _pack(obj: Any) -> bytes:
+    return bytes(msgpack.packb(dump(obj), use_bin_type=True))
+
+
+def _unpack(blob: bytes) -> Any:
+    return msgpack.unpackb(blob, raw=False)
+
+
+Op = Callable[[sqlite3.Connection], object]
+
+
+class Store:
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=NORMAL")
+        self.db.executescript(SCHEMA)
+        version = int(self.db.execute("PRAGMA user_version").fetchone()[0])
+        if version < VERSION:
+            _migrate(self.db, version)
+        self._seq = int(self.db.execute("SELECT COALESCE(MAX(seq), 0) FROM sandboxes").fetchone()[0])
+        self._queue: list[Op] = []
+        self._queued = 0  # ops ever queued
+        self._done = 0  # ops committed
+        self._changed = trio.Event()  # the queue grew or a batch ended
+        self.error: str = ""  # why the last commit failed ("" when it did not)
+        self._attempts = 0  # commits tried
+        self.retry_after = 1.0
+
+    def close(self) -> None:
+        """Commit what is queued (at exit; synchronously) and close."""
+        if self._queue:
+            try:
+                self._commit(self._queue)
+            except sqlite3.Error as exc:
+                log.error("store: %d writes lost at exit: %s", len(self._queue), exc)
+            self._queue = []
+        self.db.close()
+
+    # -- the writer --------------------------------------------------------------------
+    async def run(self, task_status: trio.TaskStatus[Store] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started(self)
+        while True:
+            if not self._queue:
+                await self._changed.wait()  # (_wake sets it and puts a fresh one in its place)
+                continue
+            batch = self._queue
+            self._queue = []
+            try:
+                await trio.to_thread.run_sync(self._commit, batch)
+            except sqlite3.Error as exc:
+                self._attempts += 1
+                self._queue[:0] = batch  # keep the order; try again later
+                self.error = _why(exc)
+                log.warning("store: commit of %d writes failed: %s (retrying)", len(batch), self.error)
+                self._wake()
+                await trio.sleep(self.retry_after)
+                continue
+            self._attempts += 1
+            self.error = ""
+            self._done += len(batch)
+            self._wake()
+
+    def _commit(self, batch: list[Op]) -> None:
+        self.db.execute("BEGIN")
+        try:
+            for op in batch:
+                op(self.db)
+            self.db.execute("COMMIT")
+        except BaseException:
+            if self.db.in_transaction:
+                self.db.execute("ROLLBACK")
+            raise
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def _put(self, op: Op) -> None:
+        self._queue.append(op)
+        self._queued += 1
+        self._wake()
+
+    def check_writable(self) -> None:
+        """RESOURCE_EXHAUSTED while commits fail (a full disk): take no new work that must be stored."""
+        if self.error:
+            raise ResourceExhausted(f"the supervisor's database cannot be written: {self.error}")
+
+    async def flush(self) -> None:
+        """Return once every write queued so far is on disk; RESOURCE_EXHAUSTED when a
+        commit tried since the call fails (the writes stay queued, retried later)."""
+        target, attempts = self._queued, self._attempts
+        while self._done < target:
+            if self.error and self._attempts > attempts:
+                self.check_writable()
+            changed = self._changed
+            await changed.wait()
+
+    # -- sandboxes ---------------------------------------------------------------------
+    def next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def insert(self, r: Record) -> None:
+        row = (
+            r.uid,
+            r.id,
+            r.seq,
+            _pack(r.config),
+            r.state.value,
+            r.created_at,
+            _pack(r.ports),
+            r.origin,
+            _pack(r.image),
+        )
+        self._put(
+            lambda db: db.execute(
+                "INSERT INTO sandboxes (uid, id, seq, config, state, created_at, ports, origin, image) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                row,
+            )
+        )
+
+    def update(self, r: Record) -> None:
+        """The record's state and life fields (not its identity or configuration)."""
+        row = (r.state.value, r.ready_at, r.last_exited_at, r.last_exit_code, r.error, r.qemu_pid, r.uid)
+        self._put(
+            lambda db: db.execute(
+                "UPDATE sandboxes SET state=?, ready_at=?, last_exited_at=?, last_exit_code=?, error=?, qemu_pid=? "
+                "WHERE uid=?",
+                row,
+            )
+        )
+
+    def update_ports(self, r: Record) -> None:
+        row = (_pack(r.ports), r.uid)
+        self._put(lambda db: db.execute("UPDATE sandboxes SET ports=? WHERE uid=?", row))
+
+    def rekey(self, r: Record) -> None:
+        """A warm pool member handed out: it takes the caller's id and configuration."""
+        row = (r.id, r.seq, _pack(r.config), r.created_at, _pack(r.ports), r.origin, _pack(r.image), r.uid)
+        self._put(
+            lambda db: db.execute(
+                "UPDATE sandboxes SET id=?, seq=?, config=?, created_at=?, ports=?, origin=?, image=? WHERE uid=?",
+                row,
+            )
+        )
+
+    def delete(self, uid: str) -> None:
+        self._put(lambda db: db.execute("DELETE FROM sandboxes WHERE uid=?", (uid,)))
+
+    def all(self) -> list[Record]:
+        rows = self.db.execute(
+            "SELECT uid, id, seq, config, state, created_at, ready_at, last_exited_at, last_exit_code, error, "
+            "qemu_pid, ports, origin, image FROM sandboxes ORDER BY seq"
+        ).fetchall()
+        return [
+            Record(
+                uid=r[0],
+                id=r[1],
+                seq=r[2],
+                config=load(_unpack(r[3]), SandboxConfig),
+                state=State(r[4]),
+                created_at=r[5],
+                ready_at=r[6],
+                last_exited_at=r[7],
+                last_exit_code=r[8],
+                error=r[9],
+                qemu_pid=r[10],
+                ports=load(_unpack(r[11]), list[PortSpec]) if r[11] else [],
+                origin=r[12] or "",
+                image=_image(r[13]),
+            )
+            for r in rows
+        ]
+
+    # -- snapshots ---------------------------------------------------------------------
+    def insert_snapshot(self, r: SnapshotRecord) -> None:
+        row = (r.uid, r.id, r.created_ns, _pack(r))
+        self._put(lambda db: db.execute("INSERT INTO snapshots (uid, id, created_ns, data) VALUES (?, ?, ?, ?)", row))
+
+    def delete_snapshot(self, uid: str) -> None:
+        self._put(lambda db: db.execute("DELETE FROM snapshots WHERE uid=?", (uid,)))
+
+    def snapshots(self) -> list[SnapshotRecord]:
+        rows = self.db.execute("SELECT data FROM snapshots ORDER BY created_ns").fetchall()
+        return [load(_unpack(r[0]), SnapshotRecord) for r in rows]
+
+
+def _image(blob: bytes | None) -> ImageUse | None:
+    data = _unpack(blob) if blob else None
+    return load(data, ImageUse) if data else None
+
+
+def _why(exc: sqlite3.Error) -> str:
+    if getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL:
+        return "the disk is full"
+    return f"{type(exc).__name__}: {exc}"
+
+
+# --- migration from version 0 ---------------------------------------------------------------------
+def _v0_config(d: dict[str, Any]) -> tuple[SandboxConfig, list[PortSpec], str]:
+    """A version-0 config (the wire's CreateSandboxRequest as a dict, plus the live
+    ports and ``restored_from``) as (requested config, live ports, origin)."""
+    limits = d.get("limits") or {}
+    net = d.get("network") or {}
+    ports = [
+        PortSpec(int(p["sandbox_port"]), int(p.get("host_port") or 0), Protocol(p.get("protocol") or "tcp"))
+        for p in d.get("ports") or []
+    ]
+    cfg = SandboxConfig(
+        labels=dict(d.get("labels") or {}),
+        limits=Limits(int(limits.get("vcpus") or 0), int(limits.get("memory_mib") or 0)),
+        network=Network(NetMode(net.get("mode") or "none"), bool(net.get("outbound"))),
+        workload=Workload(
+            tuple(d.get("cmd") or ()), dict(d.get("env") or {}), d.get("working_dir") or "", d.get("user") or ""
+        ),
+        ports=tuple(attrs.evolve(p, host_port=0) if d.get("restored_from") else p for p in ports),
+        timers=Timers(
+            int(d.get("ttl_seconds") or 0), int(d.get("idle_timeout_seconds") or 0), bool(d.get("ephemeral"))
+        ),
+        boot=BootSource(
+            d.get("kernel") or "",
+            d.get("rootfs") or "",
+            d.get("boot_args") or "",
+            d["image"] if isinstance(d.get("image"), str) else "",
+        ),
+        hostname=d.get("hostname") or "",
+    )
+    return cfg, ports, str(d.get("restored_from") or "")
+
+
+def _migrate(db: sqlite3.Connection, version: int) -> None:
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        cols = {row[1] for row in db.execute("PRAGMA table_info(sandboxes)")}
+        for stmt in _V2_COLUMNS:
+            if stmt.split()[-2] not in cols:
+                db.execute(stmt)
+        if version == 0:
+            for uid, blob in db.execute("SELECT uid, config FROM sandboxes").fetchall():
+                cfg, ports, origin = _v0_config(_unpack(blob))
+                db.execute(
+                    "UPDATE sandboxes SET config=?, ports=?, origin=? WHERE uid=?",
+                    (_pack(cfg), _pack(ports), origin, uid),
+                )
+            for uid, blob in db.execute("SELECT uid, data FROM snapshots").fetchall():
+                d = _unpack(blob)
+                labels = dict(d.get("labels") or {})
+                key = labels.pop("sandvisor.template", "")
+                cfg, _, _ = _v0_config(d.get("config") or {})
+                d.update(
+                    labels=labels,
+                    template_key=key,
+                    image=tuple((d.get("config") or {}).get("image") or ()) if key else (),
+                    config=dump(cfg),
+                )
+                db.execute("UPDATE snapshots SET data=? WHERE uid=?", (_pack(load(d, SnapshotRecord)), uid))
+        db.execute(f"PRAGMA user_version={VERSION}")
+        db.execute("COMMIT")
+    except BaseException:
+        db.execute("ROLLBACK")
+        raise

@@ -1,0 +1,149 @@
+"""Wire <-> domain for the msgpack edge: requests into domain values, results into replies.
+
+The only module that knows both :mod:`supervisor.protocol` (the wire) and
+:mod:`actors` (the domain). Wire fields the domain does not model (mounts, an SSH
+key) are refused here; everything else is checked by the domain itself, so another
+edge gets the same rules.
+"""
+
+from __future__ import annotations
+
+from actors.errors import Code, DomainError, FailedPrecondition, InvalidArgument
+from actors.model import (
+    BootSource,
+    Limits,
+    NetMode,
+    Network,
+    PortSpec,
+    Protocol,
+    SandboxConfig,
+    SandboxEvent,
+    SandboxMetrics,
+    State,
+    Timers,
+    Workload,
+)
+from actors.sandbox import Sandbox
+from actors.snapshot import rfc3339
+from actors.store import SnapshotRecord
+from supervisor import protocol as W
+
+_CODES: dict[Code, str] = {
+    Code.INVALID_ARGUMENT: W.INVALID_ARGUMENT,
+    Code.NOT_FOUND: W.NOT_FOUND,
+    Code.ALREADY_EXISTS: W.ALREADY_EXISTS,
+    Code.FAILED_PRECONDITION: W.FAILED_PRECONDITION,
+    Code.RESOURCE_EXHAUSTED: W.RESOURCE_EXHAUSTED,
+    Code.DEADLINE_EXCEEDED: W.DEADLINE_EXCEEDED,
+    Code.INTERNAL: W.INTERNAL,
+    Code.UNAVAILABLE: W.UNAVAILABLE,
+    Code.UNIMPLEMENTED: W.UNIMPLEMENTED,
+    Code.CANCELLED: W.CANCELLED,
+}
+
+
+def wire_error(exc: DomainError) -> W.ApiError:
+    return W.ApiError(_CODES[exc.code], exc.message)
+
+
+# --- requests -> domain -----------------------------------------------------------------------
+def state(text: str) -> State | None:
+    if not text:
+        return None
+    try:
+        return State(text)
+    except ValueError:
+        raise InvalidArgument(f"unknown state {text!r}; one of {', '.join(State)}") from None
+
+
+def protocol(text: str) -> Protocol:
+    try:
+        return Protocol(text or Protocol.TCP)
+    except ValueError:
+        raise InvalidArgument(f"protocol {text!r}: tcp or udp") from None
+
+
+def net_mode(text: str) -> NetMode:
+    try:
+        return NetMode(text or NetMode.NONE)
+    except ValueError:
+        raise InvalidArgument(f"network mode {text!r}: one of none, user") from None
+
+
+def config(req: W.CreateSandboxRequest) -> SandboxConfig:
+    if req.mounts:
+        raise FailedPrecondition("mounts are not supported in sandbox.v1: copy files in with WriteFile")
+    if req.ssh_public_key is not None:
+        raise FailedPrecondition("ssh keys are not supported in sandbox.v1: use Exec for access")
+    return SandboxConfig(
+        labels=dict(req.labels),
+        limits=Limits(vcpus=req.limits.vcpus, memory_mib=req.limits.memory_mib),
+        network=Network(mode=net_mode(req.network.mode), outbound=req.network.outbound),
+        workload=Workload(cmd=tuple(req.cmd), env=dict(req.env), working_dir=req.working_dir, user=req.user),
+        ports=tuple(PortSpec(p.sandbox_port, p.host_port, protocol(p.protocol)) for p in req.ports),
+        timers=Timers(
+            ttl_seconds=req.ttl_seconds, idle_timeout_seconds=req.idle_timeout_seconds, ephemeral=req.ephemeral
+        ),
+        boot=BootSource(kernel=req.kernel, rootfs=req.rootfs, boot_args=req.boot_args, image=req.image),
+        hostname=req.hostname,
+    )
+
+
+# --- domain -> replies ------------------------------------------------------------------------
+def info(sb: Sandbox) -> W.SandboxInfo:
+    r = sb.record
+    limits = sb.limits
+    return W.SandboxInfo(
+        id=r.id,
+        state=r.state.value,
+        labels=dict(r.config.labels),
+        limits=W.ResourceLimits(vcpus=limits.vcpus, memory_mib=limits.memory_mib),
+        network=W.SandboxNetwork(ip_address=sb.ip_address, gateway=sb.gateway),
+        created_at=r.created_at,
+        ready_at=r.ready_at,
+        last_exited_at=r.last_exited_at,
+        last_exit_code=r.last_exit_code,
+        error=r.error if r.state == State.FAILED else "",
+    )
+
+
+def summary(sb: Sandbox) -> W.SandboxSummary:
+    r = sb.record
+    return W.SandboxSummary(
+        id=r.id, state=r.state.value, labels=dict(r.config.labels), ip_address=sb.ip_address, created_at=r.created_at
+    )
+
+
+def event(ev: SandboxEvent) -> W.SandboxEvent:
+    return W.SandboxEvent(ev.sandbox_id, ev.action.value, ev.timestamp, dict(ev.attributes))
+
+
+def metrics(m: SandboxMetrics) -> W.MetricsResponse:
+    return W.MetricsResponse(
+        id=m.id,
+        timestamp=m.timestamp,
+        cpu_percent=m.cpu_percent,
+        memory_total_bytes=m.memory_total_bytes,
+        memory_available_bytes=m.memory_available_bytes,
+        host_rss_bytes=m.host_rss_bytes,
+        disk_read_bytes=m.disk_read_bytes,
+        disk_write_bytes=m.disk_write_bytes,
+        net_rx_bytes=m.net_rx_bytes,
+        net_tx_bytes=m.net_tx_bytes,
+        uptime_seconds=m.uptime_seconds,
+    )
+
+
+def snapshot(rec: SnapshotRecord, pool_ready: int) -> W.SnapshotSummary:
+    return W.SnapshotSummary(
+        id=rec.id,
+        sandbox_id=rec.sandbox_id,
+        name=rec.name,
+        labels=dict(rec.labels),
+        snapshot_dir=rec.dir,
+        created_at=rfc3339(rec.created_ns),
+        size_bytes=sum(rec.sizes.values()),
+        memory=rec.memory.value,
+        memory_mib=rec.machine.memory_mib,
+        pool_ready=pool_ready,
+    )

@@ -1,0 +1,399 @@
+from supervisor.proto.sandbox.v1 import sandbox_pb2 as _sandbox_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class InfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ServerInfo(_message.Message):
+    __slots__ = ("version", "accel", "max_sandboxes", "sandboxes_by_state", "default_image", "services")
+    class SandboxesByStateEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    ACCEL_FIELD_NUMBER: _ClassVar[int]
+    MAX_SANDBOXES_FIELD_NUMBER: _ClassVar[int]
+    SANDBOXES_BY_STATE_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_IMAGE_FIELD_NUMBER: _ClassVar[int]
+    SERVICES_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    accel: str
+    max_sandboxes: int
+    sandboxes_by_state: _containers.ScalarMap[str, int]
+    default_image: str
+    services: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, version: _Optional[str] = ..., accel: _Optional[str] = ..., max_sandboxes: _Optional[int] = ..., sandboxes_by_state: _Optional[_Mapping[str, int]] = ..., default_image: _Optional[str] = ..., services: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class PortMapping(_message.Message):
+    __slots__ = ("sandbox_port", "host_port", "protocol", "host_address")
+    SANDBOX_PORT_FIELD_NUMBER: _ClassVar[int]
+    HOST_PORT_FIELD_NUMBER: _ClassVar[int]
+    PROTOCOL_FIELD_NUMBER: _ClassVar[int]
+    HOST_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    sandbox_port: int
+    host_port: int
+    protocol: str
+    host_address: str
+    def __init__(self, sandbox_port: _Optional[int] = ..., host_port: _Optional[int] = ..., protocol: _Optional[str] = ..., host_address: _Optional[str] = ...) -> None: ...
+
+class VolumeMount(_message.Message):
+    __slots__ = ("volume", "target", "readonly")
+    VOLUME_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    READONLY_FIELD_NUMBER: _ClassVar[int]
+    volume: str
+    target: str
+    readonly: bool
+    def __init__(self, volume: _Optional[str] = ..., target: _Optional[str] = ..., readonly: _Optional[bool] = ...) -> None: ...
+
+class CreateRequest(_message.Message):
+    __slots__ = ("base", "idle_timeout_seconds", "hostname", "ephemeral", "ports", "outbound", "volumes")
+    BASE_FIELD_NUMBER: _ClassVar[int]
+    IDLE_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    EPHEMERAL_FIELD_NUMBER: _ClassVar[int]
+    PORTS_FIELD_NUMBER: _ClassVar[int]
+    OUTBOUND_FIELD_NUMBER: _ClassVar[int]
+    VOLUMES_FIELD_NUMBER: _ClassVar[int]
+    base: _sandbox_pb2.CreateSandboxRequest
+    idle_timeout_seconds: int
+    hostname: str
+    ephemeral: bool
+    ports: _containers.RepeatedCompositeFieldContainer[PortMapping]
+    outbound: bool
+    volumes: _containers.RepeatedCompositeFieldContainer[VolumeMount]
+    def __init__(self, base: _Optional[_Union[_sandbox_pb2.CreateSandboxRequest, _Mapping]] = ..., idle_timeout_seconds: _Optional[int] = ..., hostname: _Optional[str] = ..., ephemeral: _Optional[bool] = ..., ports: _Optional[_Iterable[_Union[PortMapping, _Mapping]]] = ..., outbound: _Optional[bool] = ..., volumes: _Optional[_Iterable[_Union[VolumeMount, _Mapping]]] = ...) -> None: ...
+
+class StartRequest(_message.Message):
+    __slots__ = ("id",)
+    ID_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    def __init__(self, id: _Optional[str] = ...) -> None: ...
+
+class KillRequest(_message.Message):
+    __slots__ = ("id",)
+    ID_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    def __init__(self, id: _Optional[str] = ...) -> None: ...
+
+class DrainRequest(_message.Message):
+    __slots__ = ("id",)
+    ID_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    def __init__(self, id: _Optional[str] = ...) -> None: ...
+
+class WaitUntilStoppedRequest(_message.Message):
+    __slots__ = ("id",)
+    ID_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    def __init__(self, id: _Optional[str] = ...) -> None: ...
+
+class ListRequest(_message.Message):
+    __slots__ = ("base", "limit", "cursor")
+    BASE_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    CURSOR_FIELD_NUMBER: _ClassVar[int]
+    base: _sandbox_pb2.ListSandboxesRequest
+    limit: int
+    cursor: str
+    def __init__(self, base: _Optional[_Union[_sandbox_pb2.ListSandboxesRequest, _Mapping]] = ..., limit: _Optional[int] = ..., cursor: _Optional[str] = ...) -> None: ...
+
+class ListResponse(_message.Message):
+    __slots__ = ("sandboxes", "next_cursor")
+    SANDBOXES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_CURSOR_FIELD_NUMBER: _ClassVar[int]
+    sandboxes: _containers.RepeatedCompositeFieldContainer[_sandbox_pb2.SandboxSummary]
+    next_cursor: str
+    def __init__(self, sandboxes: _Optional[_Iterable[_Union[_sandbox_pb2.SandboxSummary, _Mapping]]] = ..., next_cursor: _Optional[str] = ...) -> None: ...
+
+class LogsRequest(_message.Message):
+    __slots__ = ("id", "tail", "since", "until", "cursor", "follow")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    TAIL_FIELD_NUMBER: _ClassVar[int]
+    SINCE_FIELD_NUMBER: _ClassVar[int]
+    UNTIL_FIELD_NUMBER: _ClassVar[int]
+    CURSOR_FIELD_NUMBER: _ClassVar[int]
+    FOLLOW_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    tail: int
+    since: int
+    until: int
+    cursor: int
+    follow: bool
+    def __init__(self, id: _Optional[str] = ..., tail: _Optional[int] = ..., since: _Optional[int] = ..., until: _Optional[int] = ..., cursor: _Optional[int] = ..., follow: _Optional[bool] = ...) -> None: ...
+
+class LogEntry(_message.Message):
+    __slots__ = ("seq", "timestamp", "source", "data")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    timestamp: int
+    source: str
+    data: bytes
+    def __init__(self, seq: _Optional[int] = ..., timestamp: _Optional[int] = ..., source: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class MetricsRequest(_message.Message):
+    __slots__ = ("id",)
+    ID_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    def __init__(self, id: _Optional[str] = ...) -> None: ...
+
+class MetricsStreamRequest(_message.Message):
+    __slots__ = ("id", "interval_seconds")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    INTERVAL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    interval_seconds: float
+    def __init__(self, id: _Optional[str] = ..., interval_seconds: _Optional[float] = ...) -> None: ...
+
+class SandboxMetrics(_message.Message):
+    __slots__ = ("id", "timestamp", "cpu_percent", "memory_total_bytes", "memory_available_bytes", "host_rss_bytes", "disk_read_bytes", "disk_write_bytes", "net_rx_bytes", "net_tx_bytes", "uptime_seconds", "cpu_seconds_total")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
+    CPU_PERCENT_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_AVAILABLE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HOST_RSS_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_READ_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_WRITE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NET_RX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    NET_TX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CPU_SECONDS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    timestamp: int
+    cpu_percent: float
+    memory_total_bytes: int
+    memory_available_bytes: int
+    host_rss_bytes: int
+    disk_read_bytes: int
+    disk_write_bytes: int
+    net_rx_bytes: int
+    net_tx_bytes: int
+    uptime_seconds: float
+    cpu_seconds_total: float
+    def __init__(self, id: _Optional[str] = ..., timestamp: _Optional[int] = ..., cpu_percent: _Optional[float] = ..., memory_total_bytes: _Optional[int] = ..., memory_available_bytes: _Optional[int] = ..., host_rss_bytes: _Optional[int] = ..., disk_read_bytes: _Optional[int] = ..., disk_write_bytes: _Optional[int] = ..., net_rx_bytes: _Optional[int] = ..., net_tx_bytes: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., cpu_seconds_total: _Optional[float] = ...) -> None: ...
+
+class PingRequest(_message.Message):
+    __slots__ = ("id",)
+    ID_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    def __init__(self, id: _Optional[str] = ...) -> None: ...
+
+class PingResponse(_message.Message):
+    __slots__ = ("latency_ns", "activity")
+    LATENCY_NS_FIELD_NUMBER: _ClassVar[int]
+    ACTIVITY_FIELD_NUMBER: _ClassVar[int]
+    latency_ns: int
+    activity: int
+    def __init__(self, latency_ns: _Optional[int] = ..., activity: _Optional[int] = ...) -> None: ...
+
+class TouchRequest(_message.Message):
+    __slots__ = ("id",)
+    ID_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    def __init__(self, id: _Optional[str] = ...) -> None: ...
+
+class TouchResponse(_message.Message):
+    __slots__ = ("activity",)
+    ACTIVITY_FIELD_NUMBER: _ClassVar[int]
+    activity: int
+    def __init__(self, activity: _Optional[int] = ...) -> None: ...
+
+class ListPortsRequest(_message.Message):
+    __slots__ = ("id",)
+    ID_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    def __init__(self, id: _Optional[str] = ...) -> None: ...
+
+class ListPortsResponse(_message.Message):
+    __slots__ = ("ports",)
+    PORTS_FIELD_NUMBER: _ClassVar[int]
+    ports: _containers.RepeatedCompositeFieldContainer[PortMapping]
+    def __init__(self, ports: _Optional[_Iterable[_Union[PortMapping, _Mapping]]] = ...) -> None: ...
+
+class CheckpointResponse(_message.Message):
+    __slots__ = ("base", "size_bytes", "memory", "paused_ms")
+    BASE_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
+    PAUSED_MS_FIELD_NUMBER: _ClassVar[int]
+    base: _sandbox_pb2.CheckpointResponse
+    size_bytes: int
+    memory: str
+    paused_ms: float
+    def __init__(self, base: _Optional[_Union[_sandbox_pb2.CheckpointResponse, _Mapping]] = ..., size_bytes: _Optional[int] = ..., memory: _Optional[str] = ..., paused_ms: _Optional[float] = ...) -> None: ...
+
+class SnapshotSummary(_message.Message):
+    __slots__ = ("base", "size_bytes", "memory", "memory_mib", "pool_ready")
+    BASE_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_MIB_FIELD_NUMBER: _ClassVar[int]
+    POOL_READY_FIELD_NUMBER: _ClassVar[int]
+    base: _sandbox_pb2.SnapshotSummary
+    size_bytes: int
+    memory: str
+    memory_mib: int
+    pool_ready: int
+    def __init__(self, base: _Optional[_Union[_sandbox_pb2.SnapshotSummary, _Mapping]] = ..., size_bytes: _Optional[int] = ..., memory: _Optional[str] = ..., memory_mib: _Optional[int] = ..., pool_ready: _Optional[int] = ...) -> None: ...
+
+class ListSnapshotsResponse(_message.Message):
+    __slots__ = ("snapshots",)
+    SNAPSHOTS_FIELD_NUMBER: _ClassVar[int]
+    snapshots: _containers.RepeatedCompositeFieldContainer[SnapshotSummary]
+    def __init__(self, snapshots: _Optional[_Iterable[_Union[SnapshotSummary, _Mapping]]] = ...) -> None: ...
+
+class ListImagesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ImageInfo(_message.Message):
+    __slots__ = ("name", "kernel", "initrd", "rootfs", "kernel_version", "keys", "is_default", "size_bytes", "built_at")
+    class KeysEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    KERNEL_FIELD_NUMBER: _ClassVar[int]
+    INITRD_FIELD_NUMBER: _ClassVar[int]
+    ROOTFS_FIELD_NUMBER: _ClassVar[int]
+    KERNEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    IS_DEFAULT_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BUILT_AT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    kernel: str
+    initrd: str
+    rootfs: str
+    kernel_version: str
+    keys: _containers.ScalarMap[str, str]
+    is_default: bool
+    size_bytes: int
+    built_at: int
+    def __init__(self, name: _Optional[str] = ..., kernel: _Optional[str] = ..., initrd: _Optional[str] = ..., rootfs: _Optional[str] = ..., kernel_version: _Optional[str] = ..., keys: _Optional[_Mapping[str, str]] = ..., is_default: _Optional[bool] = ..., size_bytes: _Optional[int] = ..., built_at: _Optional[int] = ...) -> None: ...
+
+class ListImagesResponse(_message.Message):
+    __slots__ = ("images",)
+    IMAGES_FIELD_NUMBER: _ClassVar[int]
+    images: _containers.RepeatedCompositeFieldContainer[ImageInfo]
+    def __init__(self, images: _Optional[_Iterable[_Union[ImageInfo, _Mapping]]] = ...) -> None: ...
+
+class InspectImageRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class BuildImageRequest(_message.Message):
+    __slots__ = ("name", "force")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    FORCE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    force: bool
+    def __init__(self, name: _Optional[str] = ..., force: _Optional[bool] = ...) -> None: ...
+
+class BuildImageProgress(_message.Message):
+    __slots__ = ("part", "message", "done", "image")
+    PART_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    part: str
+    message: str
+    done: bool
+    image: ImageInfo
+    def __init__(self, part: _Optional[str] = ..., message: _Optional[str] = ..., done: _Optional[bool] = ..., image: _Optional[_Union[ImageInfo, _Mapping]] = ...) -> None: ...
+
+class DeleteImageRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class CreateVolumeRequest(_message.Message):
+    __slots__ = ("name", "size_mib", "labels")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_MIB_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    size_mib: int
+    labels: _containers.ScalarMap[str, str]
+    def __init__(self, name: _Optional[str] = ..., size_mib: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class VolumeInfo(_message.Message):
+    __slots__ = ("name", "size_mib", "labels", "created_at", "mounted_by")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SIZE_MIB_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    MOUNTED_BY_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    size_mib: int
+    labels: _containers.ScalarMap[str, str]
+    created_at: int
+    mounted_by: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., size_mib: _Optional[int] = ..., labels: _Optional[_Mapping[str, str]] = ..., created_at: _Optional[int] = ..., mounted_by: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class InspectVolumeRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class ListVolumesRequest(_message.Message):
+    __slots__ = ("labels",)
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    labels: _containers.ScalarMap[str, str]
+    def __init__(self, labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class ListVolumesResponse(_message.Message):
+    __slots__ = ("volumes",)
+    VOLUMES_FIELD_NUMBER: _ClassVar[int]
+    volumes: _containers.RepeatedCompositeFieldContainer[VolumeInfo]
+    def __init__(self, volumes: _Optional[_Iterable[_Union[VolumeInfo, _Mapping]]] = ...) -> None: ...
+
+class DeleteVolumeRequest(_message.Message):
+    __slots__ = ("name", "force")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    FORCE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    force: bool
+    def __init__(self, name: _Optional[str] = ..., force: _Optional[bool] = ...) -> None: ...

@@ -1,0 +1,770 @@
+"""The gRPC edge without VMs: supervisor.grpc_bridge with a fake sandbox.v1 servicer, driven by
+clients generated at test time from the seed's proto, over a Unix socket and over TLS on
+loopback; health, reflection, the generated code's currency, the metrics endpoint.
+
+The clients are grpcio's sync ones, run in threads (trio.to_thread), so the server's
+Trio loop stays free while a test waits on a call."""
+
+from __future__ import annotations
+
+import datetime
+import grp
+import importlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import grpc
+import pytest
+import trio
+
+from supervisor import grpc_bridge as G
+from supervisor import metrics as M
+from supervisor.proto.sandbox.v1 import sandbox_pb2 as pb
+from supervisor.protocol import ApiError
+
+REPO = Path(__file__).resolve().parent.parent
+SEED_NAME = "shared/seeds/000_b1e1dbfa8d7a5097.txt"  # beside the clone in CI, above the worktree here
+SEED = next((p / SEED_NAME for p in REPO.parents if (p / SEED_NAME).exists()), REPO.parent / SEED_NAME)
+VENDORED = REPO / "supervisor" / "proto" / "sandbox" / "v1" / "sandbox.proto"
+
+
+# ---------------------------------------------------------------------------------------
+# the seed's client, generated now
+# ---------------------------------------------------------------------------------------
+@pytest.fixture(scope="session")
+def seed() -> Iterator[tuple[ModuleType, ModuleType]]:
+    """sandbox_pb2 and sandbox_pb2_grpc made by protoc from the seed (the vendored copy if
+    shared/ is absent), at its conventional path, as a seed client would."""
+    protoc = pytest.importorskip("grpc_tools.protoc")
+    work = Path(tempfile.mkdtemp(prefix="seed-client-"))
+    (work / "sandbox" / "v1").mkdir(parents=True)
+    shutil.copyfile(SEED if SEED.exists() else VENDORED, work / "sandbox" / "v1" / "sandbox.proto")
+    rc = protoc.main(
+        ["protoc", f"-I{work}", f"--python_out={work}", f"--grpc_python_out={work}", "sandbox/v1/sandbox.proto"]
+    )
+    assert rc == 0
+    sys.path.insert(0, str(work))
+    try:
+        yield importlib.import_module("sandbox.v1.sandbox_pb2"), importlib.import_module("sandbox.v1.sandbox_pb2_grpc")
+    finally:
+        sys.path.remove(str(work))
+        shutil.rmtree(work)
+
+
+def test_vendored_proto_is_the_seed_byte_for_byte() -> None:
+    if not SEED.exists():
+        pytest.skip("shared/seeds is not beside the repo")
+    assert VENDORED.read_bytes() == SEED.read_bytes()
+
+
+def test_generated_code_is_current() -> None:
+    pytest.importorskip("grpc_tools.protoc")
+    from supervisor.proto import generate
+
+    assert generate.stale() == [], "run: python -m supervisor.proto.generate"
+
+
+def test_seed_clients_share_our_descriptors(seed: tuple[ModuleType, ModuleType]) -> None:
+    """Same file name, same bytes: a seed client's classes are ours (one process holds both)."""
+    spb, _ = seed
+    assert spb.RunRequest is pb.RunRequest
+    assert spb.DESCRIPTOR.services_by_name["SandboxService"].full_name == "sandbox.v1.SandboxService"
+
+
+# ---------------------------------------------------------------------------------------
+# a fake servicer, written as the real ones will be: Trio methods named after the RPCs
+# ---------------------------------------------------------------------------------------
+class FakeSandboxes:
+    def __init__(self) -> None:
+        self.ids: set[str] = set()
+        self.files: dict[str, bytes] = {}
+        self.cancelled = trio.Event()
+        self.hang_deadline: float | None = None
+        self.hang_started = 0
+        self.peers: list[G.Call[Any, Any]] = []
+
+    async def Create(self, req: pb.CreateSandboxRequest, call: G.Call[Any, Any]) -> pb.CreateSandboxResponse:
+        self.peers.append(call)
+        if not req.id or "/" in req.id:
+            raise ApiError("INVALID_ARGUMENT", f"bad id {req.id!r}")
+        if req.id in self.ids:
+            raise ApiError("ALREADY_EXISTS", f"sandbox {req.id} exists")
+        if req.image:
+            raise G.StatusError("FAILED_PRECONDITION", "image is not supported")
+        self.ids.add(req.id)
+        return pb.CreateSandboxResponse(id=req.id, state="starting")
+
+    async def Inspect(self, req: pb.InspectSandboxRequest, call: G.Call[Any, Any]) -> pb.SandboxInfo:
+        if req.id not in self.ids:
+            raise ApiError("NOT_FOUND", f"no sandbox {req.id}")
+        return pb.SandboxInfo(id=req.id, state="ready", labels={"a": "b"})
+
+    async def Remove(self, req: pb.RemoveSandboxRequest, call: G.Call[Any, Any]) -> pb.Empty:
+        raise ZeroDivisionError("a bug")  # INTERNAL
+
+    async def Run(self, req: pb.RunRequest, call: G.Call[Any, pb.RunOutput]) -> None:
+        cmd = list(req.cmd)
+        if cmd and cmd[0] == "raise":
+            raise ApiError(cmd[1], "as asked")
+        if cmd == ["hang"]:
+            self.hang_deadline = call.deadline
+            self.hang_started += 1
+            await call.send(pb.RunOutput(stream="stdout", data=b"started\n"))
+            try:
+                await trio.sleep_forever()
+            finally:
+                self.cancelled.set()
+        for i in range(int(cmd[1]) if cmd[:1] == ["count"] else 1):
+            await call.send(pb.RunOutput(stream="stdout", data=f"{i}\n".encode()))
+        await call.send(pb.RunOutput(stream="stderr", data=b"warn\n"))
+        await call.send(pb.RunOutput(stream="exit", exit_code=7, done=True))
+
+    async def Exec(self, call: G.Call[pb.ExecInput, pb.ExecOutput]) -> None:
+        first = await call.receive()
+        if first is None or first.WhichOneof("payload") != "init":
+            raise ApiError("INVALID_ARGUMENT", "the first ExecInput must carry init")
+        tty = first.init.tty
+        await call.send(pb.ExecOutput(stream="stdout", data=b"$ "))
+        async for msg in call:
+            kind = msg.WhichOneof("payload")
+            if kind == "stdin":
+                await call.send(pb.ExecOutput(stream="stdout", data=msg.stdin.upper()))
+            elif kind == "resize":
+                if not tty:
+                    raise ApiError("INVALID_ARGUMENT", "resize needs tty")
+                await call.send(pb.ExecOutput(stream="stdout", data=f"{msg.resize.width}x{msg.resize.height}".encode()))
+        await call.send(pb.ExecOutput(stream="exit", exit_code=0, done=True))
+
+    async def Events(self, req: pb.SandboxEventsRequest, call: G.Call[Any, pb.SandboxEvent]) -> None:
+        for action in ("created", "ready"):
+            if not req.action or req.action == action:
+                await call.send(pb.SandboxEvent(sandbox_id=req.id, action=action, timestamp=time.time_ns()))
+
+    async def WriteFile(self, call: G.Call[pb.WriteFileRequest, pb.Empty]) -> pb.Empty:
+        first = await call.receive()
+        if first is None or first.WhichOneof("payload") != "open":
+            raise ApiError("INVALID_ARGUMENT", "the first WriteFileRequest must carry open")
+        parts = []
+        async for msg in call:
+            parts.append(msg.chunk.data)
+            if msg.chunk.done:
+                break
+        self.files[first.open.path] = b"".join(parts)
+        return pb.Empty()
+
+    async def ReadFile(self, req: pb.ReadFileRequest, call: G.Call[Any, pb.FileChunk]) -> None:
+        data = self.files.get(req.path)
+        if data is None:
+            raise ApiError("NOT_FOUND", f"no file {req.path}")
+        for i in range(0, len(data), 1 << 16):
+            await call.send(pb.FileChunk(data=data[i : i + (1 << 16)]))
+        await call.send(pb.FileChunk(done=True))
+
+
+SERVICE = pb.DESCRIPTOR.services_by_name["SandboxService"]
+
+
+@asynccontextmanager
+async def serving(*addresses: G.Address, fake: FakeSandboxes | None = None, **kw: Any) -> AsyncIterator[G.GrpcEdge]:
+    edge = G.GrpcEdge(addresses, **kw)
+    edge.add_service(SERVICE, fake or FakeSandboxes())
+    async with trio.open_nursery() as nursery:
+        await nursery.start(edge.run)
+        yield edge
+        nursery.cancel_scope.cancel()
+
+
+def unix_target(edge: G.GrpcEdge) -> str:
+    addr = edge.addresses[0]
+    assert isinstance(addr, G.UnixAddress)
+    return f"unix:{addr.path}"
+
+
+async def in_thread(fn: Any, *args: Any) -> Any:
+    return await trio.to_thread.run_sync(fn, *args)
+
+
+# ---------------------------------------------------------------------------------------
+# calls of every kind over the Unix socket
+# ---------------------------------------------------------------------------------------
+async def test_every_kind_of_call_over_a_unix_socket(tmp_path: Path, seed: tuple[ModuleType, ModuleType]) -> None:
+    spb, sgrpc = seed
+    fake = FakeSandboxes()
+    big = os.urandom(10 << 20)
+
+    def client(target: str) -> None:
+        with grpc.insecure_channel(target) as ch:
+            stub = sgrpc.SandboxServiceStub(ch)
+            assert stub.Create(spb.CreateSandboxRequest(id="sb1")).state == "starting"
+            info = stub.Inspect(spb.InspectSandboxRequest(id="sb1"))
+            assert (info.id, info.state, dict(info.labels)) == ("sb1", "ready", {"a": "b"})
+            out = list(stub.Run(spb.RunRequest(id="sb1", cmd=["count", "3"])))
+            assert [(o.stream, o.data) for o in out[:-1]] == [
+                ("stdout", b"0\n"),
+                ("stdout", b"1\n"),
+                ("stdout", b"2\n"),
+                ("stderr", b"warn\n"),
+            ]
+            assert (out[-1].stream, out[-1].exit_code, out[-1].done) == ("exit", 7, True)
+            events = list(stub.Events(spb.SandboxEventsRequest(id="sb1")))
+            assert [e.action for e in events] == ["created", "ready"]
+
+            def writes() -> Iterator[Any]:
+                yield spb.WriteFileRequest(open=spb.WriteFileOpen(id="sb1", path="/tmp/big"))
+                for i in range(0, len(big), 1 << 20):
+                    last = i + (1 << 20) >= len(big)
+                    yield spb.WriteFileRequest(chunk=spb.FileChunk(data=big[i : i + (1 << 20)], done=last))
+
+            stub.WriteFile(writes())
+            chunks = list(stub.ReadFile(spb.ReadFileRequest(id="sb1", path="/tmp/big")))
+            assert chunks[-1].done
+            assert b"".join(c.data for c in chunks) == big
+
+            inputs = [
+                spb.ExecInput(init=spb.ExecRequest(id="sb1", cmd=["sh"], tty=True)),
+                spb.ExecInput(stdin=b"echo hi"),
+                spb.ExecInput(resize=spb.TerminalSize(width=120, height=40)),
+            ]
+            out = list(stub.Exec(iter(inputs)))  # the iterator's end is the half-close: stdin closed
+            assert [o.data for o in out[:-1]] == [b"$ ", b"ECHO HI", b"120x40"]
+            assert (out[-1].stream, out[-1].done) == ("exit", True)
+
+    with trio.fail_after(30):
+        async with serving(G.UnixAddress(tmp_path / "grpc.sock"), fake=fake) as edge:
+            await in_thread(client, unix_target(edge))
+    assert fake.files["/tmp/big"] == big
+    assert fake.peers[0].peer.startswith("unix:")
+    assert fake.peers[0].deadline == float("inf")
+
+
+@pytest.mark.parametrize(
+    ("cmd", "code"),
+    [
+        (["raise", name], getattr(grpc.StatusCode, name))
+        for name in (
+            "INVALID_ARGUMENT",
+            "NOT_FOUND",
+            "ALREADY_EXISTS",
+            "FAILED_PRECONDITION",
+            "RESOURCE_EXHAUSTED",
+            "DEADLINE_EXCEEDED",
+            "INTERNAL",
+            "UNAVAILABLE",
+            "UNIMPLEMENTED",
+            "CANCELLED",
+        )
+    ],
+)
+async def test_errors_raised_in_trio_arrive_as_the_status_of_the_same_name(
+    tmp_path: Path, seed: tuple[ModuleType, ModuleType], cmd: list[str], code: grpc.StatusCode
+) -> None:
+    spb, sgrpc = seed
+
+    def client(target: str) -> tuple[grpc.StatusCode, str]:
+        with grpc.insecure_channel(target) as ch:
+            try:
+                list(sgrpc.SandboxServiceStub(ch).Run(spb.RunRequest(id="x", cmd=cmd)))
+            except grpc.RpcError as exc:
+                return exc.code(), exc.details()
+        raise AssertionError("no error")
+
+    with trio.fail_after(20):
+        async with serving(G.UnixAddress(tmp_path / "g.sock")) as edge:
+            got, details = await in_thread(client, unix_target(edge))
+    assert got == code
+    assert details == "as asked"
+
+
+async def test_unary_errors_unexpected_exceptions_and_unknown_methods(
+    tmp_path: Path, seed: tuple[ModuleType, ModuleType]
+) -> None:
+    spb, sgrpc = seed
+
+    def client(target: str) -> list[tuple[grpc.StatusCode, str]]:
+        out = []
+        with grpc.insecure_channel(target) as ch:
+            stub = sgrpc.SandboxServiceStub(ch)
+            stub.Create(spb.CreateSandboxRequest(id="dup"))
+            for fn in (
+                lambda: stub.Create(spb.CreateSandboxRequest(id="dup")),
+                lambda: stub.Create(spb.CreateSandboxRequest(id="a/b")),
+                lambda: stub.Create(spb.CreateSandboxRequest(id="img", image="alpine")),
+                lambda: stub.Inspect(spb.InspectSandboxRequest(id="nope")),
+                lambda: stub.Remove(spb.RemoveSandboxRequest(id="dup")),
+                lambda: stub.Stop(spb.StopSandboxRequest(id="dup")),  # not in the fake: UNIMPLEMENTED
+                lambda: list(stub.Exec(iter([spb.ExecInput(stdin=b"x")]))),
+            ):
+                try:
+                    fn()
+                    out.append((grpc.StatusCode.OK, ""))
+                except grpc.RpcError as exc:
+                    out.append((exc.code(), exc.details()))
+        return out
+
+    with trio.fail_after(20):
+        async with serving(G.UnixAddress(tmp_path / "g.sock")) as edge:
+            got = await in_thread(client, unix_target(edge))
+    codes = [c for c, _ in got]
+    assert codes == [
+        grpc.StatusCode.ALREADY_EXISTS,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNIMPLEMENTED,
+        grpc.StatusCode.INVALID_ARGUMENT,
+    ]
+    assert got[4][1] == "ZeroDivisionError: a bug"
+
+
+def test_status_mapping_is_by_name() -> None:
+    assert G.status_of(ApiError("NOT_FOUND", "gone")) == (grpc.StatusCode.NOT_FOUND, "gone")
+    assert G.status_of(G.StatusError(grpc.StatusCode.ABORTED, "x")) == (grpc.StatusCode.ABORTED, "x")
+    assert G.status_of(trio.TooSlowError()) == (grpc.StatusCode.DEADLINE_EXCEEDED, "timed out")
+    assert G.status_of(ApiError("NO_SUCH_CODE", "x")) is None
+    assert G.status_of(ValueError("x")) is None
+    with pytest.raises(ValueError, match="unknown status code"):
+        G.StatusError("WHATEVER")
+
+
+# ---------------------------------------------------------------------------------------
+# cancellation and deadlines reach the Trio task
+# ---------------------------------------------------------------------------------------
+async def test_a_client_cancel_cancels_the_trio_task(tmp_path: Path, seed: tuple[ModuleType, ModuleType]) -> None:
+    spb, sgrpc = seed
+    fake = FakeSandboxes()
+    cancelled_at: list[float] = []
+
+    def client(target: str) -> grpc.StatusCode:
+        with grpc.insecure_channel(target) as ch:
+            it = sgrpc.SandboxServiceStub(ch).Run(spb.RunRequest(id="x", cmd=["hang"]))
+            assert next(it).data == b"started\n"
+            cancelled_at.append(time.monotonic())
+            it.cancel()
+            try:
+                next(it)
+            except grpc.RpcError as exc:
+                return exc.code()
+        raise AssertionError("stream went on")
+
+    with trio.fail_after(20):
+        async with serving(G.UnixAddress(tmp_path / "g.sock"), fake=fake) as edge:
+            assert await in_thread(client, unix_target(edge)) == grpc.StatusCode.CANCELLED
+            with trio.fail_after(5):
+                await fake.cancelled.wait()
+            lag = time.monotonic() - cancelled_at[0]
+    assert fake.hang_deadline == float("inf")
+    assert lag < 5  # measured: ~0.5 ms (benchmarks/grpc_bridges.py); the bound only catches "never"
+
+
+async def test_a_deadline_is_the_trio_scope_deadline_and_cancels_the_task(
+    tmp_path: Path, seed: tuple[ModuleType, ModuleType]
+) -> None:
+    spb, sgrpc = seed
+    fake = FakeSandboxes()
+
+    def client(target: str) -> grpc.StatusCode:
+        with grpc.insecure_channel(target) as ch:
+            try:
+                list(sgrpc.SandboxServiceStub(ch).Run(spb.RunRequest(id="x", cmd=["hang"]), timeout=0.5))
+            except grpc.RpcError as exc:
+                return exc.code()
+        raise AssertionError("no deadline")
+
+    with trio.fail_after(20):
+        async with serving(G.UnixAddress(tmp_path / "g.sock"), fake=fake) as edge:
+            t0 = trio.current_time()
+            assert await in_thread(client, unix_target(edge)) == grpc.StatusCode.DEADLINE_EXCEEDED
+            with trio.fail_after(5):
+                await fake.cancelled.wait()
+    assert fake.hang_deadline is not None
+    assert t0 < fake.hang_deadline <= t0 + 0.6
+
+
+async def test_stopping_the_edge_cancels_calls_and_leaves_nothing(
+    tmp_path: Path, seed: tuple[ModuleType, ModuleType]
+) -> None:
+    spb, sgrpc = seed
+    fake = FakeSandboxes()
+    path = tmp_path / "g.sock"
+    result: list[grpc.StatusCode] = []
+
+    def client(target: str) -> None:
+        with grpc.insecure_channel(target) as ch:
+            it = sgrpc.SandboxServiceStub(ch).Run(spb.RunRequest(id="x", cmd=["hang"]))
+            try:
+                for _ in it:
+                    pass
+            except grpc.RpcError as exc:
+                result.append(exc.code())
+
+    with trio.fail_after(20):
+        async with trio.open_nursery() as outer:
+            edge = G.GrpcEdge([G.UnixAddress(path)])
+            edge.add_service(SERVICE, fake)
+            scope = trio.CancelScope()
+
+            async def run_edge(task_status: trio.TaskStatus[None]) -> None:
+                with scope:
+                    await edge.run(task_status=task_status)
+
+            await outer.start(run_edge)
+            outer.start_soon(in_thread, client, f"unix:{path}")
+            while fake.hang_started == 0:
+                await trio.sleep(0.01)
+            scope.cancel()
+    assert fake.cancelled.is_set()
+    assert result in ([grpc.StatusCode.UNAVAILABLE], [grpc.StatusCode.CANCELLED])
+    assert not path.exists()
+    assert [p for p in tmp_path.iterdir() if p.name.startswith(".grpc-")] == []
+    assert edge._loop is not None
+    assert edge._loop.is_closed()
+    assert not [t for t in threading.enumerate() if t.name == "grpc-edge"]
+
+
+# ---------------------------------------------------------------------------------------
+# who may connect: the Unix socket's mode and group
+# ---------------------------------------------------------------------------------------
+def _can_connect(path: Path, user: str, extra_groups: list[int] | None = None) -> bool:
+    probe = "import socket,sys; s=socket.socket(socket.AF_UNIX); s.connect(sys.argv[1])"
+    r = subprocess.run(
+        ["/usr/bin/python3", "-c", probe, str(path)],
+        user=user,
+        group="nogroup",
+        extra_groups=extra_groups or [],
+        capture_output=True,
+        timeout=30,
+        check=False,
+    )
+    return r.returncode == 0
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (runs probes as nobody)")
+async def test_unix_socket_admits_root_and_the_group_only() -> None:
+    group = "daemon"  # any group nobody is not in
+    gid = grp.getgrnam(group).gr_gid
+    work = Path(tempfile.mkdtemp(prefix="grpc-perm-"))
+    try:
+        work.chmod(0o755)  # traversable: the socket's own mode must be what keeps others out
+        with trio.fail_after(30):
+            async with serving(G.UnixAddress(work / "owner.sock"), G.UnixAddress(work / "group.sock", group=group)):
+                owner, grouped = work / "owner.sock", work / "group.sock"
+                assert owner.stat().st_mode & 0o777 == 0o600
+                assert (grouped.stat().st_mode & 0o777, grouped.stat().st_gid) == (0o660, gid)
+                assert not await in_thread(_can_connect, owner, "nobody")
+                assert not await in_thread(_can_connect, grouped, "nobody")
+                assert await in_thread(_can_connect, grouped, "nobody", [gid])
+                assert not await in_thread(_can_connect, owner, "nobody", [gid])
+    finally:
+        shutil.rmtree(work)
+
+
+# ---------------------------------------------------------------------------------------
+# TLS on loopback, with a client certificate
+# ---------------------------------------------------------------------------------------
+def _pki() -> dict[str, bytes]:
+    """A CA, a server certificate for 127.0.0.1/localhost and a client certificate (CN ci-client)."""
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    now = datetime.datetime.now(datetime.UTC)
+
+    def name(cn: str) -> x509.Name:
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+    def pem_key(k: ec.EllipticCurvePrivateKey) -> bytes:
+        return k.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(name("sandvisor test CA"))
+        .issuer_name(name("sandvisor test CA"))
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(hours=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
+
+    def leaf(cn: str, usage: x509.ObjectIdentifier, sans: list[x509.GeneralName]) -> tuple[bytes, bytes]:
+        key = ec.generate_private_key(ec.SECP256R1())
+        b = (
+            x509.CertificateBuilder()
+            .subject_name(name(cn))
+            .issuer_name(ca.subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(hours=1))
+            .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+        )
+        if sans:
+            b = b.add_extension(x509.SubjectAlternativeName(sans), critical=False)
+        return b.sign(ca_key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM), pem_key(key)
+
+    server_cert, server_key = leaf(
+        "localhost",
+        ExtendedKeyUsageOID.SERVER_AUTH,
+        [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))],
+    )
+    client_cert, client_key = leaf("ci-client", ExtendedKeyUsageOID.CLIENT_AUTH, [])
+    return {
+        "ca": ca.public_bytes(serialization.Encoding.PEM),
+        "server_cert": server_cert,
+        "server_key": server_key,
+        "client_cert": client_cert,
+        "client_key": client_key,
+    }
+
+
+async def test_tls_on_loopback_with_a_client_certificate(seed: tuple[ModuleType, ModuleType]) -> None:
+    pytest.importorskip("cryptography")
+    spb, sgrpc = seed
+    pki = _pki()
+    tls = G.TlsConfig(pki["server_cert"], pki["server_key"], client_ca=pki["ca"], require_client_cert=True)
+    fake = FakeSandboxes()
+
+    def client(target: str, with_cert: bool) -> str:
+        creds = grpc.ssl_channel_credentials(
+            root_certificates=pki["ca"],
+            private_key=pki["client_key"] if with_cert else None,
+            certificate_chain=pki["client_cert"] if with_cert else None,
+        )
+        with grpc.secure_channel(target, creds) as ch:
+            try:
+                return str(sgrpc.SandboxServiceStub(ch).Create(spb.CreateSandboxRequest(id="t1"), timeout=10).id)
+            except grpc.RpcError as exc:
+                return str(exc.code())
+
+    with trio.fail_after(30):
+        async with serving(G.parse_address("127.0.0.1:0", tls=tls), fake=fake) as edge:
+            addr = edge.addresses[0]
+            assert isinstance(addr, G.TcpAddress)
+            assert addr.port != 0
+            target = f"localhost:{addr.port}"
+            assert await in_thread(client, target, True) == "t1"
+            assert await in_thread(client, target, False) == str(grpc.StatusCode.UNAVAILABLE)
+    call = fake.peers[0]
+    assert call.peer.startswith("ipv4:127.0.0.1:")
+    assert call.peer_identities == ["ci-client"]
+    assert call.auth["transport_security_type"] == [b"ssl"]
+
+
+def test_plaintext_tcp_is_for_loopback_only() -> None:
+    assert G.parse_address("127.0.0.1:50051") == G.TcpAddress("127.0.0.1", 50051)
+    assert G.parse_address("[::1]:7") == G.TcpAddress("::1", 7)
+    assert G.parse_address("unix:///run/s.sock") == G.UnixAddress(Path("/run/s.sock"))
+    assert G.parse_address("unix:/run/s.sock", group="g") == G.UnixAddress(Path("/run/s.sock"), "g")
+    with pytest.raises(ValueError, match="needs TLS"):
+        G.parse_address("0.0.0.0:50051")
+    for bad in ("unix:relative.sock", "host", "host:99999", ":80"):
+        with pytest.raises(ValueError):
+            G.parse_address(bad)
+
+
+# ---------------------------------------------------------------------------------------
+# health and reflection
+# ---------------------------------------------------------------------------------------
+async def test_health_and_reflection(tmp_path: Path) -> None:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    def check(target: str, service: str) -> int:
+        with grpc.insecure_channel(target) as ch:
+            return int(health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service)).status)
+
+    def reflect(target: str) -> tuple[list[str], str]:
+        with grpc.insecure_channel(target) as ch:
+            stub = reflection_pb2_grpc.ServerReflectionStub(ch)
+            reqs = [
+                reflection_pb2.ServerReflectionRequest(list_services=""),
+                reflection_pb2.ServerReflectionRequest(file_containing_symbol="sandbox.v1.SandboxService"),
+            ]
+            listed, file = list(stub.ServerReflectionInfo(iter(reqs)))
+            from google.protobuf import descriptor_pb2
+
+            fd = descriptor_pb2.FileDescriptorProto.FromString(file.file_descriptor_response.file_descriptor_proto[0])
+            return [s.name for s in listed.list_services_response.service], fd.name
+
+    serving_ = health_pb2.HealthCheckResponse.SERVING
+    with trio.fail_after(20):
+        async with serving(G.UnixAddress(tmp_path / "g.sock")) as edge:
+            target = unix_target(edge)
+            assert await in_thread(check, target, "") == serving_
+            assert await in_thread(check, target, "sandbox.v1.SandboxService") == serving_
+            edge.set_serving("sandbox.v1.SandboxService", False)
+            with trio.fail_after(5):
+                while await in_thread(check, target, "sandbox.v1.SandboxService") == serving_:
+                    await trio.sleep(0.01)
+            services, file = await in_thread(reflect, target)
+    assert set(services) >= {
+        "sandbox.v1.SandboxService",
+        "grpc.health.v1.Health",
+        "grpc.reflection.v1alpha.ServerReflection",
+    }
+    assert file == "sandbox/v1/sandbox.proto"
+
+
+# ---------------------------------------------------------------------------------------
+# the Prometheus endpoint, fed fake samples
+# ---------------------------------------------------------------------------------------
+class FakeSource:
+    def __init__(self, delay: float = 0.0) -> None:
+        self.delay = delay
+
+    async def collect_metrics(self) -> M.MetricsSample:
+        await trio.sleep(self.delay)
+        return M.MetricsSample(
+            sandboxes=[
+                M.SandboxSample("sb-a", "ready", 1.5, 300 << 20, 512 << 20, 400 << 20, image="default"),
+                M.SandboxSample("sb-b", "running", 12.25, 700 << 20, 1024 << 20, None, image="default"),
+            ],
+            by_state={"ready": 1, "running": 1, "stopped": 3},
+        )
+
+
+async def _get(port: int, path: str) -> tuple[str, bytes]:
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    async with stream:
+        await stream.send_all(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        data = b""
+        while chunk := await stream.receive_some(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    return head.split(b"\r\n")[0].decode(), body
+
+
+async def test_metrics_endpoint_lists_each_sandbox_cpu_and_memory() -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            ep = await nursery.start(M.MetricsEndpoint(FakeSource(), "127.0.0.1", 0).run)
+            status, body = await _get(ep.port, "/metrics")
+            assert status == "HTTP/1.1 200 OK"
+            assert (await _get(ep.port, "/"))[0] == "HTTP/1.1 404 Not Found"
+            nursery.cancel_scope.cancel()
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for fam in text_string_to_metric_families(body.decode())
+        for s in fam.samples
+    }
+    assert samples[("sandvisor_sandbox_cpu_seconds_total", (("id", "sb-b"),))] == 12.25
+    assert samples[("sandvisor_sandbox_memory_rss_bytes", (("id", "sb-a"),))] == 300 << 20
+    assert samples[("sandvisor_sandbox_memory_limit_bytes", (("id", "sb-b"),))] == 1024 << 20
+    assert samples[("sandvisor_sandbox_guest_memory_available_bytes", (("id", "sb-a"),))] == 400 << 20
+    assert ("sandvisor_sandbox_guest_memory_available_bytes", (("id", "sb-b"),)) not in samples
+    assert samples[("sandvisor_sandboxes", (("state", "stopped"),))] == 3
+    assert samples[("sandvisor_sandbox_info", (("id", "sb-a"), ("image", "default"), ("state", "ready")))] == 1
+    assert any(name == "process_resident_memory_bytes" for name, _ in samples)  # the supervisor itself
+
+
+async def test_metrics_endpoint_answers_503_when_the_source_is_late() -> None:
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            ep = await nursery.start(M.MetricsEndpoint(FakeSource(delay=10), "127.0.0.1", 0, scrape_timeout=0.1).run)
+            assert (await _get(ep.port, "/metrics"))[0] == "HTTP/1.1 503 Service Unavailable"
+            nursery.cancel_scope.cancel()
+
+
+def test_metrics_listen_defaults_to_loopback() -> None:
+    assert M.parse_listen("9100") == ("127.0.0.1", 9100)
+    assert M.parse_listen(":9100") == ("127.0.0.1", 9100)
+    assert M.parse_listen("[::1]:9100") == ("::1", 9100)
+    assert M.parse_listen("0.0.0.0:9100") == ("0.0.0.0", 9100)
+    with pytest.raises(ValueError):
+        M.parse_listen("x:y")
+
+
+# ---------------------------------------------------------------------------------------
+# protobuf <-> the attrs classes both edges share
+# ---------------------------------------------------------------------------------------
+def test_seed_and_extended_requests_structure_into_one_class() -> None:
+    from supervisor import protocol as W
+    from supervisor.grpc_convert import message_to_dict
+    from supervisor.proto.sandvisor.v1 import sandvisor_pb2 as sv
+
+    seed_req = pb.CreateSandboxRequest(id="a", labels={"k": "v"}, cmd=["sh"], limits=pb.ResourceLimits(vcpus=2))
+    plain = W.structure_body(message_to_dict(seed_req), W.CreateSandboxRequest)
+    assert (plain.id, plain.labels, plain.cmd, plain.limits.vcpus) == ("a", {"k": "v"}, ["sh"], 2)
+    assert plain.ssh_public_key is None  # proto3 optional, unset: the attrs default
+    assert plain.network == W.NetworkSpec()  # unset message: the attrs default
+    ext = W.structure_body(
+        message_to_dict(sv.CreateRequest(base=seed_req, hostname="h", ephemeral=True)), W.CreateSandboxRequest
+    )
+    assert ext == attrs_evolve(plain, hostname="h", ephemeral=True)
+    assert message_to_dict(pb.ExecInput(stdin=b"x")) == {"stdin": b"x"}  # a oneof: only its member
+
+
+def attrs_evolve(obj: Any, **kw: Any) -> Any:
+    import attrs
+
+    return attrs.evolve(obj, **kw)
+
+
+def test_responses_fill_seed_and_extended_messages() -> None:
+    from supervisor import protocol as W
+    from supervisor.grpc_convert import dict_to_message, message_to_dict
+    from supervisor.proto.sandvisor.v1 import sandvisor_pb2 as sv
+
+    info = W.SandboxInfo("a", "ready", {"k": "v"}, W.ResourceLimits(1, 512), W.SandboxNetwork(), 1, 2, 0, 0, "")
+    msg = dict_to_message(W.unstructure_body(info), pb.SandboxInfo)
+    assert msg.HasField("network")
+    assert W.structure_body(message_to_dict(msg), W.SandboxInfo) == info
+    ck = W.CheckpointResponse("s1", "/d", "2026-11-30T00:00:00Z", size_bytes=5, memory="mapped", paused_ms=1.5)
+    seed_msg = dict_to_message(W.unstructure_body(ck), pb.CheckpointResponse)  # extensions left out
+    assert (seed_msg.snapshot_id, seed_msg.created_at) == ("s1", "2026-11-30T00:00:00Z")
+    ours = dict_to_message(W.unstructure_body(ck), sv.CheckpointResponse)  # seed part in base
+    assert (ours.base.snapshot_id, ours.size_bytes, ours.memory, ours.paused_ms) == ("s1", 5, "mapped", 1.5)
+    out = dict_to_message(W.unstructure_body(W.RunOutput(stream="exit", exit_code=3, done=True)), pb.RunOutput)
+    assert (out.stream, out.exit_code, out.done, out.data) == ("exit", 3, True, b"")
+
+
+# ---------------------------------------------------------------------------------------
+# beside the daemon's trio_asyncio loop; start-up failures
+# ---------------------------------------------------------------------------------------
+async def test_the_edge_runs_beside_the_qmp_loop(tmp_path: Path, seed: tuple[ModuleType, ModuleType]) -> None:
+    """The daemon holds a trio_asyncio loop open (qemu.qmp) for its whole life."""
+    from actors.machine import qmp_loop
+
+    spb, sgrpc = seed
+
+    def client(target: str) -> str:
+        with grpc.insecure_channel(target) as ch:
+            return str(sgrpc.SandboxServiceStub(ch).Create(spb.CreateSandboxRequest(id="q")).state)
+
+    with trio.fail_after(20):
+        async with qmp_loop(), serving(G.UnixAddress(tmp_path / "g.sock")) as edge:
+            assert await in_thread(client, unix_target(edge)) == "starting"
+
+
+async def test_a_port_in_use_fails_the_start_and_leaves_no_thread() -> None:
+    with trio.fail_after(20):
+        async with serving(G.TcpAddress("127.0.0.1", 0)) as first:
+            taken = first.addresses[0]
+            assert isinstance(taken, G.TcpAddress)
+            second = G.GrpcEdge([taken], health=False, reflection=False)
+            async with trio.open_nursery() as nursery:
+                with pytest.raises(RuntimeError, match="Failed to bind"):
+                    await nursery.start(second.run)
+            assert second._loop is not None
+            assert second._loop.is_closed()
+    assert not [t for t in threading.enumerate() if t.name == "grpc-edge"]

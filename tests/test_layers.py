@@ -1,0 +1,92 @@
+"""The layers point one way: guestd <- images <- actors (the domain) <- supervisor (the edges).
+
+Read from the source with ast (every import, also those inside functions): the guest
+agent imports nothing of the host; the image builder nothing of the domain or the
+edges; the domain nothing of the edges; the SDK (the client side of the wire) only
+the wire-protocol module and its own helpers, never the domain.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SDK = (
+    "supervisor/client.py",
+    "supervisor/cli_client.py",
+    "supervisor/protocol.py",
+    "supervisor/frames.py",
+    "supervisor/errors.py",
+    "supervisor/config.py",
+)
+EDGES_ONLY = ("supervisor.server", "supervisor.daemon", "supervisor.mapping", "supervisor.throwaway", "supervisor.cli")
+
+
+def imports(path: Path, package: str = "") -> set[str]:
+    """Every module ``path`` imports, absolute, at any depth of the file."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = package or ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                mod = ".".join([*base, node.module] if node.module else base)
+            else:
+                mod = node.module or ""
+            out.add(mod)
+            out.update(f"{mod}.{a.name}" for a in node.names)  # `from pkg import mod`
+    return out
+
+
+def sources(package: str) -> list[Path]:
+    return sorted((ROOT / package).rglob("*.py"))
+
+
+def top(mod: str) -> str:
+    return mod.split(".", maxsplit=1)[0]
+
+
+def wrong_arrows(files: list[Path], allowed: set[str], forbidden: tuple[str, ...] = (), package: str = "") -> list[str]:
+    bad = []
+    for f in files:
+        for mod in sorted(imports(f, package)):
+            t = top(mod)
+            if any(mod == f or mod.startswith(f + ".") for f in forbidden) or (
+                t not in allowed and t not in sys.stdlib_module_names
+            ):
+                bad.append(f"{f.name} imports {mod}")
+    return bad
+
+
+THIRD_PARTY = {"trio", "trio_asyncio", "qemu", "attrs", "cattrs", "msgpack", "rich", "_typeshed", "typing_extensions"}
+
+
+@pytest.mark.parametrize(
+    ("what", "files", "allowed", "forbidden"),
+    [
+        ("guestd: stdlib + msgpack", sources("guestd"), {"guestd", "msgpack"}, ()),
+        ("images: not the domain, not the edges", sources("images"), {"images", *THIRD_PARTY}, ()),
+        ("actors: not the edges", sources("actors"), {"actors", "guestd", "images", *THIRD_PARTY}, ()),
+        ("the SDK: the wire, never the domain", [ROOT / f for f in SDK], {"supervisor", *THIRD_PARTY}, EDGES_ONLY),
+    ],
+)
+def test_layers_point_one_way(what: str, files: list[Path], allowed: set[str], forbidden: tuple[str, ...]) -> None:
+    assert files
+    assert wrong_arrows(files, allowed, forbidden) == [], what
+
+
+def test_the_checker_sees_wrong_arrows(tmp_path: Path) -> None:
+    bad = tmp_path / "probe.py"
+    bad.write_text(
+        "import os\ndef f():\n    from supervisor.protocol import ApiError\n    from ..supervisor import server\n"
+    )
+    found = wrong_arrows([bad], {"actors"}, package="actors")
+    assert "probe.py imports supervisor.protocol" in found and "probe.py imports supervisor.server" in found
+    assert not any("os" in x.split()[-1] for x in found)
