@@ -65,12 +65,12 @@ def test_sync_sdk(served: dict[str, str], tmp_path: Path) -> None:
         sb.fs.copy_out("/root/in.txt", tmp_path / "out.txt")
         assert (tmp_path / "out.txt").read_text() == "copied in\n"
         assert sb.ping() > 0 and sb.touch() >= 1
-        assert sb.metrics()["memory_total_bytes"] > 0
-        assert any(e["data"] == b"a\n" for e in sb.logs())
+        assert sb.metrics().memory_total_bytes > 0
+        assert any(e.data == b"a\n" for e in sb.logs())
         first = next(iter(sb.log_stream(follow=True)))  # a sync generator over a live stream, closed early
-        assert first["seq"] >= 1
+        assert first.seq >= 1
         page = Sandbox.list(socket=sock, labels={"via": "sdk"})
-        assert [s["id"] for s in page.sandboxes] == ["sdk-sync"]
+        assert [s.id for s in page.sandboxes] == ["sdk-sync"]
         with pytest.raises(FailedPrecondition):
             sb.start()  # already running
     # leaving the block removed it
@@ -95,8 +95,8 @@ def test_async_sdk_exec_and_events(served: dict[str, str]) -> None:
 
                 async def watch() -> None:
                     async for e in sb.events():
-                        got.append(e["action"])
-                        if e["action"] == "idle":
+                        got.append(e.action)
+                        if e.action == "idle":
                             n.cancel_scope.cancel()
 
                 n.start_soon(watch)
@@ -177,7 +177,13 @@ def test_cli_surface(served: dict[str, str], tmp_path: Path) -> None:
         if ev.stdout is not None:
             ev.stdout.close()
     assert json.loads(cli(env, "inspect", "cli1", "--json").stdout)["state"] == "stopped"
+    # refused operations on a sandbox that exists: one line, exit 1, the reason
+    r = cli(env, "checkpoint", "cli1")
+    assert (r.returncode, r.stderr.count(b"\n")) == (1, 1) and b"FAILED_PRECONDITION" in r.stderr, r
+    assert b"is stopped" in r.stderr, r
     assert cli(env, "start", "cli1").returncode == 0
+    r = cli(env, "port", "add", "cli1", "80")
+    assert (r.returncode, r.stderr.count(b"\n")) == (1, 1) and b"has no network" in r.stderr, r
     assert cli(env, "rm", "-f", "cli1").returncode == 0
 
     assert json.loads(cli(env, "snapshots", "--json").stdout) == []
@@ -191,8 +197,8 @@ def test_cli_surface(served: dict[str, str], tmp_path: Path) -> None:
         (["cp", "a", "b"], 2),
         (["frobnicate"], 2),
         (["port", "add", "cli1", "eighty"], 2),
-        (["port", "add", "cli1", "80"], 1),  # FAILED_PRECONDITION until user networking
-        (["checkpoint", "cli1"], 1),  # FAILED_PRECONDITION until snapshots
+        (["port", "add", "cli1", "80"], 1),  # cli1 is gone now: NOT_FOUND
+        (["checkpoint", "cli1"], 1),
         (["snapshot", "rm", "nope"], 1),
     ):
         r = cli(env, *args)
