@@ -54,7 +54,8 @@ def bench(session: nox.Session) -> None:
     session.run("python", "benchmarks/network.py")
     session.run("python", "benchmarks/snapshots.py")
     session.run("python", "benchmarks/coldstart.py")
-    session.run("python", "benchmarks/images.py")
+    session.run("python", "benchmarks/oci_images.py")
+    session.run("python", "benchmarks/control.py")
 
 
 @nox.session

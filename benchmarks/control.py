@@ -34,15 +34,9 @@ from pathlib import Path
 from typing import Any
 
 import trio
+from _harness import in_process_daemon, main, pct, write_results
 
-# as a script, this directory comes first on sys.path, where benchmarks/images.py would
-# shadow the images package (imported by the supervisor): look here last
-_HERE = str(Path(__file__).resolve().parent)
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE] + [_HERE]
-
-from _harness import in_process_daemon, main, pct, write_results  # noqa: E402
-
-from supervisor.client import connect  # noqa: E402
+from supervisor.client import connect
 
 TARGET = 2.5
 OTHERS = 4  # stopped sandboxes besides the live one, so ls prints a table of 5

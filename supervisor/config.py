@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 
@@ -33,5 +32,7 @@ def default_memory_dir(state_dir: Path) -> Path | None:
     shm = Path("/dev/shm")
     if not shm.is_dir():
         return None
+    import hashlib  # (here: the quick CLI, given a socket, never needs it; 2.6 ms measured)
+
     key = hashlib.sha256(str(state_dir.resolve()).encode()).hexdigest()[:12]
     return shm / f"sandvisor-{key}"

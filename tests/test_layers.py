@@ -90,3 +90,10 @@ def test_the_checker_sees_wrong_arrows(tmp_path: Path) -> None:
     found = wrong_arrows([bad], {"actors"}, package="actors")
     assert "probe.py imports supervisor.protocol" in found and "probe.py imports supervisor.server" in found
     assert not any("os" in x.split()[-1] for x in found)
+
+
+def test_no_benchmark_script_shadows_a_package() -> None:
+    """A script's own directory comes first on sys.path: benchmarks/images.py once hid
+    the images package from every benchmark."""
+    packages = {p.parent.name for p in ROOT.glob("*/__init__.py")}
+    assert not {p.stem for p in (ROOT / "benchmarks").glob("*.py")} & packages
