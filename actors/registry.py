@@ -49,6 +49,7 @@ from actors.errors import (
 )
 from actors.events import EventBus
 from actors.files import SandboxFiles
+from actors.guestmem import private_dir
 from actors.machine import AdoptedProcess, MachineError, start_time, unsearchable_parent
 from actors.model import (
     ALIVE,
@@ -71,6 +72,8 @@ from actors.settings import Settings
 from actors.snapshot import Checkpoint, SnapshotStore
 from actors.store import Record, SnapshotRecord, Store
 from images.oci import ImageError
+
+FORGET_FLUSH_TIMEOUT = 10.0  # s: the database's commit of a removal before the files go
 
 log = logging.getLogger("sandvisor.registry")
 
@@ -110,9 +113,9 @@ class Registry:
         if s.qemu_user is not None:
             s.run_root.chmod(0o711)  # QEMU's user reaches its own run dir, lists none
             check_traversable(s.run_root, s.qemu_user.name)
-        if s.memory_dir is not None and s.cells is None:
-            s.memory_dir.mkdir(parents=True, exist_ok=True)
-            s.memory_dir.chmod(0o711)  # (in cells, RAM goes by descriptor: Cells made it 0700)
+        if s.memory_dir is not None and s.cells is None:  # (in cells, Cells made it 0700: RAM goes by fd)
+            s.memory_dir.parent.mkdir(parents=True, exist_ok=True)
+            private_dir(s.memory_dir, 0o711 if s.qemu_user is not None else 0o700)  # QEMU's user passes through
         self.snapshots.load()
         self.pools.drop_stale_templates()
         adoptions = await self._recover()
@@ -293,10 +296,16 @@ class Registry:
         """The end of a sandbox that has stopped: its record, log, files."""
         sb.log.close()
         self.store.delete(sb.record.uid)
-        try:
-            await self.store.flush()  # the record goes first: a crash then leaves files, not a dangling record
-        except DomainError as exc:
-            log.warning("removing %s: %s (its record is removed once the disk takes it)", sb.id, exc.message)
+        # the record goes first: a crash then leaves files (swept at the next start),
+        # not a record without its disk. On a full disk the files go anyway (that is
+        # how space comes back). Bounded: shutdown calls this shielded.
+        with trio.move_on_after(FORGET_FLUSH_TIMEOUT) as waited:
+            try:
+                await self.store.flush()
+            except DomainError as exc:
+                log.warning("removing %s: %s (its record is removed once the disk takes it)", sb.id, exc.message)
+        if waited.cancelled_caught:
+            log.warning("removing %s: the database did not commit in %gs", sb.id, FORGET_FLUSH_TIMEOUT)
         crash_point("remove")
         await sb.files.remove()
 

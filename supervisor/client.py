@@ -44,7 +44,7 @@ import attrs
 import trio
 
 from supervisor import protocol as W
-from supervisor.config import default_socket
+from supervisor.config import UnsafeRuntimeDir, check_runtime_dir, default_socket
 from supervisor.errors import (
     AlreadyExists,
     Cancelled,
@@ -53,6 +53,7 @@ from supervisor.errors import (
     Internal,
     InvalidArgument,
     NotFound,
+    PermissionDenied,
     ResourceExhausted,
     SandboxError,
     Unavailable,
@@ -92,6 +93,7 @@ __all__ = [
     "NotFound",
     "Output",
     "Page",
+    "PermissionDenied",
     "ResourceExhausted",
     "Resources",
     "RunResult",
@@ -240,7 +242,14 @@ class AsyncConnection:
 
 @asynccontextmanager
 async def connect(path: Path | str | None = None) -> AsyncIterator[AsyncConnection]:
-    sock_path = str(path or default_socket())
+    default = default_socket()
+    path = default if path is None else Path(path)
+    if path == default:
+        try:
+            check_runtime_dir(path)
+        except UnsafeRuntimeDir as exc:
+            raise error_for(W.FAILED_PRECONDITION, str(exc)) from None
+    sock_path = str(path)
     try:
         stream = await trio.open_unix_socket(sock_path)
     except OSError as exc:

@@ -24,7 +24,7 @@ from actors.settings import Settings
 from actors.store import Store
 from images.build import Builder, Image, load_default
 from images.oci import ImageStore
-from supervisor.config import default_memory_dir, default_run_root
+from supervisor.config import claim_runtime_dir, default_memory_dir, default_run_root, runtime_dir
 from supervisor.notify import Notifier
 from supervisor.server import Server
 
@@ -68,6 +68,8 @@ def default_image(state_dir: Path) -> Image:
 async def serve(
     cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Registry, Server]] = trio.TASK_STATUS_IGNORED
 ) -> None:
+    if os.geteuid() != 0 and (cfg.run_root is None or cfg.socket.parent == runtime_dir()):
+        claim_runtime_dir()  # ours and 0700, or refused: a predictable /tmp name someone may have made
     accel = resolve_accel(cfg.accel)
     image = await trio.to_thread.run_sync(default_image, cfg.state_dir)
     memory_dir = None if cfg.anonymous_memory else (cfg.memory_dir or default_memory_dir(cfg.state_dir))

@@ -20,6 +20,7 @@ INTERNAL = "INTERNAL"
 UNAVAILABLE = "UNAVAILABLE"
 UNIMPLEMENTED = "UNIMPLEMENTED"
 CANCELLED = "CANCELLED"
+PERMISSION_DENIED = "PERMISSION_DENIED"  # a client the supervisor does not serve (peer credentials)
 CODES = frozenset(
     {
         INVALID_ARGUMENT,
@@ -32,6 +33,7 @@ CODES = frozenset(
         UNAVAILABLE,
         UNIMPLEMENTED,
         CANCELLED,
+        PERMISSION_DENIED,
     }
 )
 
@@ -89,6 +91,10 @@ class Cancelled(SandboxError):
     pass
 
 
+class PermissionDenied(SandboxError):
+    pass
+
+
 _ERRORS: dict[str, type[SandboxError]] = {
     INVALID_ARGUMENT: InvalidArgument,
     NOT_FOUND: NotFound,
@@ -100,6 +106,7 @@ _ERRORS: dict[str, type[SandboxError]] = {
     UNAVAILABLE: Unavailable,
     UNIMPLEMENTED: Unimplemented,
     CANCELLED: Cancelled,
+    PERMISSION_DENIED: PermissionDenied,
 }
 
 

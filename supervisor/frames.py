@@ -35,7 +35,14 @@ from collections.abc import Iterator, Mapping
 
 import msgpack
 
-from supervisor.errors import INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAVAILABLE, ApiError, error_for
+from supervisor.errors import (
+    FAILED_PRECONDITION,
+    INVALID_ARGUMENT,
+    RESOURCE_EXHAUSTED,
+    UNAVAILABLE,
+    ApiError,
+    error_for,
+)
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (mypy reads the name)
 if TYPE_CHECKING:
@@ -191,9 +198,13 @@ class BlockingConnection:
     @classmethod
     def open(cls, path: str | os.PathLike[str] | None = None, client: str = "sandvisor-cli") -> BlockingConnection:
         if path is None:
-            from supervisor.config import default_socket  # hashlib, ~3 ms: only when needed
+            from supervisor.config import UnsafeRuntimeDir, check_runtime_dir, default_socket
 
             path = default_socket()
+            try:
+                check_runtime_dir(path)
+            except UnsafeRuntimeDir as exc:
+                raise error_for(FAILED_PRECONDITION, str(exc)) from None
         sock_path = str(path)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:

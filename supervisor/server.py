@@ -17,7 +17,6 @@ import grp
 import logging
 import os
 import socket
-import struct
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import aclosing
@@ -37,6 +36,7 @@ from actors.snapshot import rfc3339
 from guestd import proto as P
 from supervisor import mapping as M
 from supervisor import protocol as W
+from supervisor.peers import ClientPolicy, Peer
 from supervisor.protocol import ApiError
 
 log = logging.getLogger("sandvisor.server")
@@ -68,10 +68,11 @@ UNARY, STREAM = "unary", "stream"
 
 
 class Connection:
-    def __init__(self, server: Server, stream: trio.SocketStream, name: str) -> None:
+    def __init__(self, server: Server, stream: trio.SocketStream, name: str, peer: Peer | None = None) -> None:
         self.server = server
         self.stream = stream
         self.name = name
+        self.peer = peer
         self.lock = trio.Lock()
         self.calls: dict[int, CallCtx] = {}
         self.closed = False
@@ -97,6 +98,11 @@ class Connection:
                     W.FAILED_PRECONDITION,
                     f"protocol {hello.version} unsupported; server speaks {W.PROTOCOL_VERSION}",
                 )
+                return
+            why = "peer credentials unavailable" if self.peer is None else self.server.policy.refusal(self.peer)
+            if why is not None:
+                log.warning("%s: refused: %s", self.name, why)
+                await self._fail_and_close(0, W.PERMISSION_DENIED, why)
                 return
             await self.send(W.ServerHello(W.PROTOCOL_VERSION, "sandvisor"))
             with collapse_single():
@@ -204,6 +210,7 @@ class Server:
         self.registry = registry
         self.socket_path = socket_path
         self.group = group
+        self.policy = ClientPolicy.for_serve(group)
         self.connections = 0
 
     async def serve(self, task_status: trio.TaskStatus[Server] = trio.TASK_STATUS_IGNORED) -> None:
@@ -239,13 +246,13 @@ class Server:
     async def _connection(self, stream: trio.SocketStream) -> None:
         self.connections += 1
         name = f"conn{self.connections}"
+        peer = None
         try:
-            creds = stream.socket.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-            pid, uid, gid = struct.unpack("3i", creds)
-            log.info("%s: client pid=%d uid=%d gid=%d", name, pid, uid, gid)
+            peer = Peer.of(stream.socket)  # type: ignore[arg-type]
+            log.info("%s: client pid=%d uid=%d gid=%d", name, peer.pid, peer.uid, peer.gid)
         except OSError:
             pass
-        await Connection(self, stream, name).serve()
+        await Connection(self, stream, name, peer).serve()
 
 
 # ---------------------------------------------------------------------------
