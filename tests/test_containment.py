@@ -146,7 +146,7 @@ async def test_a_memory_dir_someone_else_made_is_refused(image: Image) -> None:
 
 
 async def test_a_guest_over_its_memory_limit_fails_alone(image: Image, qmp: None) -> None:
-    with workdir("sv-jail-oom-") as work:
+    with workdir("sv-jail-oom-") as work, trio.fail_after(300):
         async with supervisor(work, jail_overhead_mib=0, templates=False) as (_, reg):
             from actors.model import Limits
 
