@@ -252,7 +252,9 @@ class MachineSpec:
                 "-blockdev",
                 f"driver={self.disk_format},file=disk0file,node-name=disk0{backing}",
                 "-device",
-                f"{blk},drive=disk0",
+                # a full host disk is the guest's I/O error, not a VM that QEMU stops
+                # (werror's default, enospc): the sandbox lives on and says so itself
+                f"{blk},drive=disk0,werror=report,rerror=report",
             ]
         if self.balloon:
             dev = "virtio-balloon-device" if self.machine == "microvm" else "virtio-balloon-pci"
