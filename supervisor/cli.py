@@ -213,6 +213,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         accel=args.accel,
         run_root=Path(args.run_root) if args.run_root else None,
         boot_timeout=args.boot_timeout,
+        guest_timeout=args.guest_timeout,
         max_sandboxes=args.max_sandboxes,
         group=args.group,
         qemu_user=args.qemu_user,
@@ -322,6 +323,12 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     sv.add_argument("--accel", default="auto", choices=["auto", "kvm", "tcg"])
     sv.add_argument("--run-root", help="per-VM sockets and run dirs (default: /run/sandvisor/vms for root)")
     sv.add_argument("--boot-timeout", type=float, default=60.0, help="seconds a boot may take before it fails")
+    sv.add_argument(
+        "--guest-timeout",
+        type=float,
+        default=30.0,
+        help="seconds any guest request may take on the host's side before DEADLINE_EXCEEDED (default 30)",
+    )
     sv.add_argument("--max-sandboxes", type=int, default=64)
     sv.add_argument("--group", help="make the socket 0660 for this group (default: owner only, 0600)")
     sv.add_argument(

@@ -46,6 +46,7 @@ class DaemonConfig:
     keep_sandboxes: bool = False  # at SIGTERM, leave sandboxes running for the next supervisor
     allow_paths: tuple[Path, ...] = ()  # where a Create's own kernel and rootfs may come from
     stop_timeout: float = 10.0
+    guest_timeout: float = 30.0  # every guest request's deadline on the host (DEADLINE_EXCEEDED)
     group: str | None = None
     qemu_user: str | None = None  # None: sandvisor-qemu or nobody when root; "": run QEMU as ourselves
     expose_address: str = "127.0.0.1"  # where exposed ports listen on the host
@@ -90,6 +91,7 @@ async def serve(
         run_root=cfg.run_root or default_run_root(),
         accel=accel,
         boot_timeout=cfg.boot_timeout,
+        guest_timeout=cfg.guest_timeout,
         qemu_user=unprivileged_user(cfg.qemu_user),
         expose_address=cfg.expose_address,
         memory_dir=memory_dir,
