@@ -56,6 +56,7 @@ def bench(session: nox.Session) -> None:
     session.run("python", "benchmarks/coldstart.py")
     session.run("python", "benchmarks/oci_images.py")
     session.run("python", "benchmarks/control.py")
+    session.run("python", "benchmarks/flood.py")
 
 
 @nox.session
