@@ -57,6 +57,7 @@ def bench(session: nox.Session) -> None:
     session.run("python", "benchmarks/oci_images.py")
     session.run("python", "benchmarks/control.py")
     session.run("python", "benchmarks/flood.py")
+    session.run("python", "benchmarks/soak.py")
 
 
 @nox.session

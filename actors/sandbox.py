@@ -89,6 +89,8 @@ from actors.store import LifeState, Record, SnapshotRecord, Store
 from actors.vm import NETDEV_ID, Attach, BootError, Guest, NetConfig, VmSpec
 from guestd import proto as P
 
+READY_FLUSH_TIMEOUT = 5.0  # s: the ready state's commit before READY is announced
+
 log = logging.getLogger("sandvisor.sandbox")
 T = TypeVar("T")
 
@@ -503,6 +505,13 @@ class Sandbox:
                 await plan.template(self)  # a fresh boot, nothing of the caller's in it yet
             await self._apply_ports(guest)  # ports given at create (or exposed before a stop) come first
             self._set(State.READY, ready_at=int(time.time()), qemu_pid=guest.machine.pid or 0)
+            # on disk before anyone hears of it: a supervisor killed right after a client
+            # saw "ready" adopts the sandbox (the record said "starting": it was killed)
+            with trio.move_on_after(READY_FLUSH_TIMEOUT):
+                try:
+                    await self._store.flush()
+                except DomainError as exc:  # a full disk: it runs, but a restart will not keep it
+                    self.log.append("system", f"ready, not stored: {exc.message}".encode())
             self.log.append("system", b"ready")
             self.emit(Action.READY)
         self.timings["ready_event"] = time.monotonic()
