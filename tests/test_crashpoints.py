@@ -55,7 +55,9 @@ async def remove_a(c: AsyncConnection) -> None:
     await c.call("Remove", {"id": "a", "force": True})
 
 
-# step -> (serve arguments, what the client does until the supervisor dies)
+# step -> (serve arguments, what the client does until the supervisor dies). The
+# supervisor started after the crash takes the same arguments but --template-pool:
+# a pool refilling while the checks read /proc and the database would race them.
 SCENARIOS: dict[str, tuple[list[str], Callable[[AsyncConnection], Awaitable[None]]]] = {
     "spawned": ([], create_a),
     "hello": ([], create_a),
@@ -65,6 +67,7 @@ SCENARIOS: dict[str, tuple[list[str], Callable[[AsyncConnection], Awaitable[None
     "pool-fill": (["--template-pool", "1"], create_a),
     "remove": (["--no-templates"], remove_a),
 }
+RESTART_ARGS = {"pool-fill": []}
 
 
 def test_every_step_has_a_scenario() -> None:
@@ -80,8 +83,12 @@ def test_a_crash_at_each_step_leaves_nothing_behind(image: Image, step: str) -> 
             try:
                 async with connect(work.socket) as c:
                     await action(c)
-            except (ApiError, OSError, trio.BrokenResourceError, EOFError):
+            except ApiError as exc:
+                if exc.code != "UNAVAILABLE":
+                    raise
                 return  # the connection went with the supervisor
+            except (OSError, trio.BrokenResourceError, EOFError):
+                return
             raise AssertionError(f"the supervisor did not crash at {step}")
 
     async def after(work: Workdir) -> None:
@@ -112,7 +119,7 @@ def test_a_crash_at_each_step_leaves_nothing_behind(image: Image, step: str) -> 
         with supervisor_process(work, *args, extra_env={"SANDVISOR_CRASH_AT": step}) as (_, proc):
             trio.run(until_the_crash, work)
             assert proc.wait(timeout=60) == -9
-        with supervisor_process(work, *args) as (_, proc):
+        with supervisor_process(work, *RESTART_ARGS.get(step, args)) as (_, proc):
             check_nothing_stray(work)
             trio.run(after, work)
         check_nothing_stray(work)
