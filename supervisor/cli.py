@@ -94,8 +94,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
     """The main job: a supervisor (in this process, on a throwaway state dir sharing the
     built image) and, through the SDK, a sandbox at work: commands, files, metrics,
     then a checkpoint, two restored clones and a Create from the boot template."""
-    import shutil
-    import tempfile
     import time
     from pathlib import Path
 
@@ -115,17 +113,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     async def main() -> None:
         from supervisor.client import AsyncSandbox
-        from supervisor.daemon import DaemonConfig, serve
+        from supervisor.throwaway import supervisor, workdir
 
-        work = Path(tempfile.mkdtemp(prefix="sandvisor-demo-", dir="/tmp"))
-        work.chmod(0o711)  # QEMU's unprivileged user reaches its run dir under here
-        (work / "state").mkdir()
-        (work / "state" / "images").symlink_to(cache)
-        cfg = DaemonConfig(socket=work / "s.sock", state_dir=work / "state", accel=accel, run_root=work / "run")
-        sock = cfg.socket
-        try:
-            async with trio.open_nursery() as nursery:
-                await nursery.start(serve, cfg)
+        with workdir("sandvisor-demo-", cache=cache) as work:
+            async with supervisor(work, accel=accel) as (cfg, _):
+                sock = cfg.socket
                 out.print(f"[bold]supervisor[/] up on {sock} (accel={accel}, kernel {img.kernel_version})")
                 t0 = time.monotonic()
                 sb = await AsyncSandbox.create("demo", hostname="demo", socket=sock, labels={"via": "demo"})
@@ -179,9 +171,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 for x in (quick, *clones, sb):
                     await x.remove(force=True)
                 await AsyncSandbox.delete_snapshot(snap, socket=sock)
-                nursery.cancel_scope.cancel()
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
         out.print("sandboxes removed, snapshot deleted, supervisor stopped: nothing left behind")
 
     trio.run(main)
