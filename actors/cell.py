@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import time
 from pathlib import Path
 
 import attrs
@@ -218,11 +219,28 @@ class Cells:
         return cell
 
     def sweep(self, keep: set[str]) -> None:
-        """Cgroups no recorded life owns (a crash's leftovers): their processes killed, removed."""
-        if self.cgroups is not None:
-            for name, pids in self.cgroups.collect(keep).items():
-                if pids:
-                    log.warning("killed %d processes of an unrecorded cgroup %s", len(pids), name)
+        """Cgroups no recorded life owns (a crash's leftovers): their processes killed
+        (what is under our parent is ours), the cgroups removed once empty."""
+        if self.cgroups is None:
+            return
+        for name, pids in self.cgroups.collect(keep).items():
+            cg = self.cgroups.open(name)
+            with contextlib.suppress(CgroupError, OSError):
+                cg.kill_all()
+            for _ in range(100):  # SIGKILLed processes leave the cgroup as they exit: ~ms
+                if not cg.pids():
+                    break
+                time.sleep(0.01)
+            try:
+                cg.remove()
+                log.warning("killed %d processes of an unrecorded cgroup %s", len(pids), name)
+            except (CgroupError, OSError) as exc:
+                log.warning("unrecorded cgroup %s (%d processes) could not be removed: %s", name, len(pids), exc)
 
     def close(self) -> None:
+        """At supervisor exit: the sealed memory, and our cgroup parent when no cell is
+        left under it (--keep-sandboxes leaves running ones to the next supervisor)."""
         self.sealed.close()
+        if self.cgroups is not None:
+            with contextlib.suppress(CgroupError, OSError):
+                self.cgroups.remove_parent()

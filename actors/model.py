@@ -89,6 +89,10 @@ class SandboxMetrics:
     net_rx_bytes: int
     net_tx_bytes: int
     uptime_seconds: float
+    # QEMU's cell (jailed): its cgroup's memory use and limit (0: no cgroup / no limit)
+    cgroup_memory_bytes: int = 0
+    cgroup_memory_limit_bytes: int = 0
+    cgroup_oom_kills: int = 0
 
 
 POOL_PREFIX = "\x00pool:"  # ids of warm pool members: no caller id can hold a control character

@@ -48,6 +48,7 @@ import attrs
 import trio
 
 from actors.cell import Cell
+from actors.cgroups import CgroupError, CgroupStats
 from actors.crash import crash_point
 from actors.disk import backing_chain
 from actors.errors import (
@@ -894,7 +895,11 @@ class Sandbox:
 
     async def metrics(self) -> SandboxMetrics:
         m = await self.guest_call(lambda g: g.channel.metrics())
+        cg = self._cgroup_stats()
         return SandboxMetrics(
+            cgroup_memory_bytes=cg.memory_bytes if cg is not None else 0,
+            cgroup_memory_limit_bytes=(cg.memory_limit or 0) if cg is not None else 0,
+            cgroup_oom_kills=cg.oom_kills if cg is not None else 0,
             id=self.id,
             timestamp=time.time_ns(),
             cpu_percent=round(self.cpu_percent(), 2),
@@ -907,6 +912,15 @@ class Sandbox:
             net_tx_bytes=int(m.net.get("tx_bytes", 0)),
             uptime_seconds=float(m.uptime),
         )
+
+    def _cgroup_stats(self) -> CgroupStats | None:
+        cell = self._cell
+        if cell is None or cell.cgroup is None:
+            return None
+        try:
+            return cell.cgroup.stats()
+        except (CgroupError, OSError):
+            return None
 
     # -- ports (user networking) -------------------------------------------------
     # Unjailed, QEMU's slirp binds the host port itself (HMP hostfwd_add). Jailed, slirp

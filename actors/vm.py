@@ -267,7 +267,7 @@ async def _running(vm: Machine, t0: float, spec: VmSpec, *, adopted: bool = Fals
                         boot_scope.cancel()
 
                     nursery.start_soon(watch_exit)
-                    stream = await connect_guest_socket(vm.guest_socket)
+                    stream = await connect_guest_socket(vm.guest_socket, pid=vm.pid)
                 if stream is None or vm.exited:
                     raise BootError(f"QEMU exited during boot: {vm.describe_exit()}", vm.console.text())
                 async with open_channel(stream, hello_timeout=None, answer_timeout=spec.answer_timeout) as chan:

@@ -178,6 +178,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 # --- serve -------------------------------------------------------------------
+def _uid_range(text: str) -> tuple[int, int]:
+    first, sep, count = text.partition(":")
+    if not sep or not first.isdigit() or not count.isdigit() or int(count) < 1:
+        raise argparse.ArgumentTypeError(f"--jail-uids {text!r}: FIRST:COUNT")
+    return int(first), int(count)
+
+
 def _pool_arg(text: str) -> tuple[str, int]:
     snap, sep, n = text.rpartition("=")
     if not sep or not snap or not n.isdigit():
@@ -203,6 +210,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         run_root=Path(args.run_root) if args.run_root else None,
         boot_timeout=args.boot_timeout,
         guest_timeout=args.guest_timeout,
+        jail_overhead_mib=args.jail_overhead,
+        jail_uids=args.jail_uids,
         max_sandboxes=args.max_sandboxes,
         group=args.group,
         qemu_user=args.qemu_user,
@@ -312,6 +321,19 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     sv.add_argument("--accel", default="auto", choices=["auto", "kvm", "tcg"])
     sv.add_argument("--run-root", help="per-VM sockets and run dirs (default: /run/sandvisor/vms for root)")
     sv.add_argument("--boot-timeout", type=float, default=60.0, help="seconds a boot may take before it fails")
+    sv.add_argument(
+        "--jail-overhead",
+        type=int,
+        default=192,
+        metavar="MIB",
+        help="each jailed QEMU's memory limit is its guest RAM + this (QEMU, TCG's cache; default 192)",
+    )
+    sv.add_argument(
+        "--jail-uids",
+        type=_uid_range,
+        metavar="FIRST:COUNT",
+        help="the uid/gid range jailed QEMUs get ids from (no real user may have one; default 1900000000:65536)",
+    )
     sv.add_argument(
         "--guest-timeout",
         type=float,

@@ -43,6 +43,7 @@ class DaemonConfig:
     max_disk_mib: int = 0  # the state dir's use: logs, overlays, snapshots (0: no limit)
     jail: bool = True  # as root: every QEMU in its own jail, uid and cgroup (actors/cell.py)
     jail_overhead_mib: int = 192  # a QEMU's memory limit: guest RAM + this
+    jail_uids: tuple[int, int] | None = None  # (first, count) of the cells' identities (None: the default range)
     keep_sandboxes: bool = False  # at SIGTERM, leave sandboxes running for the next supervisor
     allow_paths: tuple[Path, ...] = ()  # where a Create's own kernel and rootfs may come from
     stop_timeout: float = 10.0
@@ -69,6 +70,26 @@ def default_image(state_dir: Path) -> Image:
 async def serve(
     cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Registry, Server]] = trio.TASK_STATUS_IGNORED
 ) -> None:
+    # what the supervisor makes is its own: overlays, logs, snapshots and the database
+    # hold sandbox data (what others must reach -- the run root, the socket of a
+    # --group, a jail -- gets its mode explicitly)
+    umask = os.umask(0o077)
+    try:
+        await _serve(cfg, task_status)
+    finally:
+        os.umask(umask)
+
+
+def _private_state_dir(path: Path) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    st = path.stat()
+    if st.st_uid == os.geteuid() and st.st_mode & 0o077:
+        log.info("state dir %s was mode %o: now 0700 (it holds sandbox disks and logs)", path, st.st_mode & 0o777)
+        path.chmod(0o700)
+
+
+async def _serve(cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Registry, Server]]) -> None:
+    _private_state_dir(cfg.state_dir)
     if os.geteuid() != 0 and (cfg.run_root is None or cfg.socket.parent == runtime_dir()):
         claim_runtime_dir()  # ours and 0700, or refused: a predictable /tmp name someone may have made
     accel = resolve_accel(cfg.accel)
@@ -78,7 +99,11 @@ async def serve(
     if cfg.jail and os.geteuid() == 0:
         cells = await trio.to_thread.run_sync(
             lambda: Cells.setup(
-                JailConfig(overhead_mib=cfg.jail_overhead_mib),
+                JailConfig(overhead_mib=cfg.jail_overhead_mib)
+                if cfg.jail_uids is None
+                else JailConfig(
+                    first_uid=cfg.jail_uids[0], uid_count=cfg.jail_uids[1], overhead_mib=cfg.jail_overhead_mib
+                ),
                 state_dir=cfg.state_dir,
                 ram_dir=memory_dir,
                 kvm=accel == "kvm",

@@ -132,6 +132,9 @@ def metrics(m: SandboxMetrics) -> W.MetricsResponse:
         net_rx_bytes=m.net_rx_bytes,
         net_tx_bytes=m.net_tx_bytes,
         uptime_seconds=m.uptime_seconds,
+        cgroup_memory_bytes=m.cgroup_memory_bytes,
+        cgroup_memory_limit_bytes=m.cgroup_memory_limit_bytes,
+        cgroup_oom_kills=m.cgroup_oom_kills,
     )
 
 

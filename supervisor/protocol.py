@@ -406,6 +406,10 @@ class MetricsResponse:
     net_rx_bytes: int
     net_tx_bytes: int
     uptime_seconds: float
+    # extensions of sandbox.v1: the QEMU cell's cgroup (0 when unjailed)
+    cgroup_memory_bytes: int = 0
+    cgroup_memory_limit_bytes: int = 0
+    cgroup_oom_kills: int = 0
 
 
 @attrs.frozen
