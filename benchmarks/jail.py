@@ -393,6 +393,7 @@ async def bench(n: int, busy_seconds: float) -> dict[str, Any]:
                 # each round's two samples ran back to back: their ratio is less at the
                 # mercy of load that drifts over the run
                 "ratio_paired_median": round(statistics.median(a / b for a, b in zip(j, u, strict=True)), 3),
+                "samples_ms": {"jailed": [round(x * 1000, 1) for x in j], "unjailed": [round(x * 1000, 1) for x in u]},
             }
         res["load_rounds"] = loads
         # memory: no pool members or other sandboxes beside the ones measured
