@@ -69,6 +69,13 @@ MEASURES = (
     ("restore", "Restore of a mapped snapshot (Restore RPC)"),
     ("pool_acquire", "pool acquire (Restore RPC, a ready member waiting)"),
 )
+PHASES = (  # (from, to, label) of Sandbox.timings; "loaded" only on restores
+    ("accepted", "spawned", "overlay + cell"),
+    ("spawned", "qmp_ready", "spawn to QMP ready"),
+    ("qmp_ready", "loaded", "state load"),
+    ("loaded", "hello", "to guestd's hello"),
+    ("hello", "ready_event", "fixups to ready"),
+)
 
 
 @attrs.define
@@ -81,6 +88,7 @@ class Side:
     client: AsyncConnection
     snaps: dict[str, str] = attrs.field(factory=dict)  # "mapped", "pooled" -> snapshot id
     times: dict[str, list[float]] = attrs.field(factory=dict)
+    phases: dict[str, list[dict[str, float]]] = attrs.field(factory=dict)
 
     async def call(self, method: str, body: dict[str, Any]) -> dict[str, Any]:
         return await self.client.call(method, body)
@@ -164,7 +172,8 @@ async def create(
     return dt, sb
 
 
-async def restore(side: Side, snap: str, name: str, *, pooled: bool) -> float:
+async def restore(side: Side, snap: str, name: str, *, pooled: bool) -> tuple[float, Sandbox]:
+    """Restore RPC round trip, seconds (it answers once the sandbox is ready)."""
     t0 = time.monotonic()
     await side.call("Restore", {"snapshot_id": side.snaps[snap], "id": name})
     dt = time.monotonic() - t0
@@ -172,11 +181,23 @@ async def restore(side: Side, snap: str, name: str, *, pooled: bool) -> float:
     from_pool = "pool" in sb.timings  # (a taken member's timings say so)
     if from_pool != pooled:
         raise RuntimeError(f"{side.name} {name}: pool member {from_pool}, expected {pooled}")
-    return dt
+    return dt, sb
 
 
 async def remove(side: Side, name: str) -> None:
     await side.call("Remove", {"id": name, "force": True})
+
+
+def phases(sb: Sandbox) -> dict[str, float]:
+    """Where a life's time went (the supervisor's marks): the jail's own work is in the
+    first two phases (the cell before QEMU; the spawn through the jail helper)."""
+    t = sb.timings
+    out = {}
+    for a, b, label in PHASES:
+        a = a if a in t else "qmp_ready"  # (a boot has no state load)
+        if a in t and b in t:
+            out[label] = t[b] - t[a]
+    return out
 
 
 async def quiet(sides: list[Side]) -> None:
@@ -196,27 +217,19 @@ async def quiet(sides: list[Side]) -> None:
 async def one_round(sides: list[Side], i: int, record: bool) -> None:
     order = sides if i % 2 == 0 else sides[::-1]
 
-    async def boot(s: Side) -> float:
-        dt, _ = await create(s, f"boot{i}", templates=False)
-        await remove(s, f"boot{i}")
-        return dt
+    async def boot(s: Side) -> tuple[float, Sandbox]:
+        return await create(s, f"boot{i}", templates=False)
 
-    async def template(s: Side) -> float:
-        dt, _ = await create(s, f"tpl{i}", templates=True)
-        await remove(s, f"tpl{i}")
-        return dt
+    async def template(s: Side) -> tuple[float, Sandbox]:
+        return await create(s, f"tpl{i}", templates=True)
 
-    async def restored(s: Side) -> float:
-        dt = await restore(s, "mapped", f"rst{i}", pooled=False)
-        await remove(s, f"rst{i}")
-        return dt
+    async def restored(s: Side) -> tuple[float, Sandbox]:
+        return await restore(s, "mapped", f"rst{i}", pooled=False)
 
-    async def acquired(s: Side) -> float:
-        dt = await restore(s, "pooled", f"pool{i}", pooled=True)
-        await remove(s, f"pool{i}")
-        return dt
+    async def acquired(s: Side) -> tuple[float, Sandbox]:
+        return await restore(s, "pooled", f"pool{i}", pooled=True)
 
-    steps: dict[str, Callable[[Side], Awaitable[float]]] = {
+    steps: dict[str, Callable[[Side], Awaitable[tuple[float, Sandbox]]]] = {
         "create_boot": boot,
         "create_template": template,
         "restore": restored,
@@ -225,9 +238,11 @@ async def one_round(sides: list[Side], i: int, record: bool) -> None:
     for key, fn in steps.items():
         for s in order:
             await quiet(sides)
-            dt = await fn(s)
+            dt, sb = await fn(s)
             if record:
                 s.times.setdefault(key, []).append(dt)
+                s.phases.setdefault(key, []).append(phases(sb))
+            await remove(s, sb.id)
 
 
 # -- set-up ------------------------------------------------------------------------------------------
@@ -394,6 +409,7 @@ async def bench(n: int, busy_seconds: float) -> dict[str, Any]:
                 # mercy of load that drifts over the run
                 "ratio_paired_median": round(statistics.median(a / b for a, b in zip(j, u, strict=True)), 3),
                 "samples_ms": {"jailed": [round(x * 1000, 1) for x in j], "unjailed": [round(x * 1000, 1) for x in u]},
+                "phases_p50_ms": {s.name: phase_medians(s.phases[key]) for s in sides},
             }
         res["load_rounds"] = loads
         # memory: no pool members or other sandboxes beside the ones measured
@@ -411,6 +427,11 @@ async def bench(n: int, busy_seconds: float) -> dict[str, Any]:
     res["uptime_end"] = uptime()
     res["load_end"] = load_now()
     return res
+
+
+def phase_medians(runs: list[dict[str, float]]) -> dict[str, float]:
+    labels = [label for _, _, label in PHASES if any(label in r for r in runs)]
+    return {label: round(statistics.median(r[label] for r in runs if label in r) * 1000, 1) for label in labels}
 
 
 def markdown(res: dict[str, Any]) -> str:
@@ -443,6 +464,23 @@ def markdown(res: dict[str, Any]) -> str:
             f"| {u['p90'] * ms:.1f} ms | {j['p90'] * ms:.1f} ms | {m['ratio_p90']:.2f} "
             f"| {m['ratio_paired_median']:.2f} | <= {res['target_ratio']:.2f} ({ok}) |"
         )
+    r += [
+        "",
+        "Where the time goes (medians of the supervisor's marks, ms, unjailed / jailed): the jail's own work "
+        "is in the first two phases (overlay and cell before QEMU; the spawn through the jail helper).",
+        "",
+        "| measure | " + " | ".join(label for _, _, label in PHASES) + " |",
+        "|---|" + "---|" * len(PHASES),
+    ]
+    for key, label in MEASURES:
+        ph = res[key]["phases_p50_ms"]
+        if not ph["jailed"]:
+            continue
+        cells = []
+        for _, _, phase in PHASES:
+            u, j = ph["unjailed"].get(phase), ph["jailed"].get(phase)
+            cells.append(f"{u:.1f} / {j:.1f}" if u is not None and j is not None else "")
+        r.append(f"| {label} | " + " | ".join(cells) + " |")
     jq = res["sides"]["jailed"]
     r += [
         "",
