@@ -58,6 +58,7 @@ def bench(session: nox.Session) -> None:
     session.run("python", "benchmarks/control.py")
     session.run("python", "benchmarks/flood.py")
     session.run("python", "benchmarks/soak.py")
+    session.run("python", "benchmarks/jail.py")
 
 
 @nox.session
