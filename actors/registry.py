@@ -541,14 +541,15 @@ class Registry:
         member = self.pools.take(snap)
         if member is not None:
             # the member forwarded the snapshot's ports already, on its own host ports
-            if not await self._adopt(
+            if await self._adopt(
                 member, id, config, {"snapshot_id": snap.id, "pool": "1"}, apply_ports=False, accepted=accepted
             ):
-                error = member.record.error
-                with trio.CancelScope(shield=True):
-                    await self.remove(member.id, force=True)
-                raise Unavailable(f"restore from {snap.id} failed: {error}")
-            return member
+                return member
+            log.warning("pool member for %s could not be handed over (%s): restoring", snap.id, member.record.error)
+            with trio.CancelScope(shield=True):
+                await self.remove(member.id, force=True)  # (its "created" was emitted: "removed" follows)
+            if id and id in self.sandboxes:
+                raise AlreadyExists(f"sandbox {id!r} exists")
         self._admit(snap.machine.memory_mib, ram_file=snap.memory != MemoryKind.MAPPED)
         sb = self._new_sandbox(id, config, origin=snap.id, image=snap.oci)
         self.store.insert(sb.record)

@@ -558,6 +558,8 @@ class Sandbox:
         failure fails this sandbox, as it would fail a boot."""
         guest = self.guest
         if guest is None or self._life_nursery is None or self.state != State.READY:
+            self._fail(f"pool member is {self.state}, not ready to be handed over")
+            self._stop_request.set()
             raise MachineError(f"pool member is {self.state}")
         try:
             await self._fresh_identity(guest, clock=True)
