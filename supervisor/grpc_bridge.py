@@ -487,9 +487,13 @@ class GrpcEdge:
     # -- configuration (before run) ------------------------------------------------------
     def add_service(self, service: _descriptor.ServiceDescriptor, servicer: object) -> None:
         """Serve ``service`` (from a generated ``*_pb2.DESCRIPTOR``) with ``servicer``'s Trio methods."""
-        for m in methods_of(service, servicer):
+        self.add_methods(service.full_name, methods_of(service, servicer))
+
+    def add_methods(self, service: str, methods: Iterable[Method]) -> None:
+        """Serve ``methods`` as the service named ``service`` (listed in health and reflection)."""
+        for m in methods:
             self.add_method(m)
-        self._descriptor_services.append(service.full_name)
+        self._descriptor_services.append(service)
 
     def add_method(self, method: Method) -> None:
         if self._token is not None:

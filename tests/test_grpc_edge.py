@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import datetime
 import grp
-import importlib
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -26,39 +24,20 @@ from typing import Any
 import grpc
 import pytest
 import trio
+from seedclient import REPO, SEED, generate
 
 from supervisor import grpc_bridge as G
 from supervisor import metrics as M
 from supervisor.proto.sandbox.v1 import sandbox_pb2 as pb
 from supervisor.protocol import ApiError
 
-REPO = Path(__file__).resolve().parent.parent
-SEED_NAME = "shared/seeds/000_b1e1dbfa8d7a5097.txt"  # beside the clone in CI, above the worktree here
-SEED = next((p / SEED_NAME for p in REPO.parents if (p / SEED_NAME).exists()), REPO.parent / SEED_NAME)
 VENDORED = REPO / "supervisor" / "proto" / "sandbox" / "v1" / "sandbox.proto"
 
 
-# ---------------------------------------------------------------------------------------
-# the seed's client, generated now
-# ---------------------------------------------------------------------------------------
 @pytest.fixture(scope="session")
-def seed() -> Iterator[tuple[ModuleType, ModuleType]]:
-    """sandbox_pb2 and sandbox_pb2_grpc made by protoc from the seed (the vendored copy if
-    shared/ is absent), at its conventional path, as a seed client would."""
-    protoc = pytest.importorskip("grpc_tools.protoc")
-    work = Path(tempfile.mkdtemp(prefix="seed-client-"))
-    (work / "sandbox" / "v1").mkdir(parents=True)
-    shutil.copyfile(SEED if SEED.exists() else VENDORED, work / "sandbox" / "v1" / "sandbox.proto")
-    rc = protoc.main(
-        ["protoc", f"-I{work}", f"--python_out={work}", f"--grpc_python_out={work}", "sandbox/v1/sandbox.proto"]
-    )
-    assert rc == 0
-    sys.path.insert(0, str(work))
-    try:
-        yield importlib.import_module("sandbox.v1.sandbox_pb2"), importlib.import_module("sandbox.v1.sandbox_pb2_grpc")
-    finally:
-        sys.path.remove(str(work))
-        shutil.rmtree(work)
+def seed() -> tuple[ModuleType, ModuleType]:
+    """sandbox_pb2 and sandbox_pb2_grpc made by protoc from the seed, as a seed client would."""
+    return generate()
 
 
 def test_vendored_proto_is_the_seed_byte_for_byte() -> None:
