@@ -48,6 +48,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import contextvars
 import enum
 import grp
 import ipaddress
@@ -74,6 +75,8 @@ import grpc.aio
 import trio
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message_factory
+
+import supervisor
 
 log = logging.getLogger("sandvisor.grpc")
 
@@ -476,6 +479,7 @@ class GrpcEdge:
         self._methods: dict[str, Method] = {}
         self._descriptor_services: list[str] = []
         self._token: trio.lowlevel.TrioToken | None = None
+        self._context: contextvars.Context | None = None
         self._nursery: trio.Nursery | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
@@ -519,6 +523,16 @@ class GrpcEdge:
         if self._token is not None:
             raise RuntimeError("a GrpcEdge runs once")
         self._token = trio.lowlevel.current_trio_token()
+        # call tasks are started from run_sync_soon callbacks (Trio's system context): they
+        # get run()'s context instead, as tasks its caller started would (the daemon's
+        # trio_asyncio loop for QMP is a context variable)
+        self._context = contextvars.copy_context()
+        if not supervisor.GRPC_FORK_SAFE:
+            log.warning(
+                "grpc was imported before the supervisor and %s is not 0: its fork handlers may crash "
+                "the QEMU processes this supervisor forks",
+                supervisor.GRPC_FORK_ENV,
+            )
         ready = trio.Event()
         failure: list[BaseException] = []
 
@@ -684,10 +698,11 @@ class GrpcEdge:
 
     # -- the Trio side of a call ---------------------------------------------------------------
     def _start_call(self, method: Method, call: Call[Any, Any], request: Any) -> None:
-        assert self._nursery is not None
+        nursery, context = self._nursery, self._context
+        assert nursery is not None and context is not None
         self.calls_started += 1
         try:
-            self._nursery.start_soon(self._run_call, method, call, request, name=method.path)
+            context.run(lambda: nursery.start_soon(self._run_call, method, call, request, name=method.path))
         except RuntimeError:  # the nursery is closing
             call._finish(_Done(grpc.StatusCode.UNAVAILABLE, "server shutting down"))
 

@@ -24,7 +24,7 @@ import grpc
 import pytest
 import trio
 from fakevm import FakeLab, fake_settings
-from seedclient import generate
+from grpc_clients import generate
 
 from actors.errors import FailedPrecondition
 from actors.model import SandboxConfig, State
