@@ -3,13 +3,12 @@
 ``generate()`` runs protoc (grpcio-tools) over ``shared/seeds/000_...txt`` (the vendored
 copy when shared/ is not beside the clone) at its conventional path
 ``sandbox/v1/sandbox.proto`` in a temporary directory and imports ``sandbox_pb2`` and
-``sandbox_pb2_grpc`` from there, once per process (the modules stay imported; their
-directory is removed at exit). ``make_pki()`` makes a CA, a server certificate for
+``sandbox_pb2_grpc`` from there, once per process (the directory goes once they are
+imported). ``make_pki()`` makes a CA, a server certificate for
 127.0.0.1/localhost and a client certificate (CN ci-client), in memory."""
 
 from __future__ import annotations
 
-import atexit
 import datetime
 import functools
 import importlib
@@ -31,7 +30,6 @@ VENDORED = REPO / "supervisor" / "proto" / "sandbox" / "v1" / "sandbox.proto"
 def generate() -> tuple[ModuleType, ModuleType]:
     protoc = pytest.importorskip("grpc_tools.protoc")
     work = Path(tempfile.mkdtemp(prefix="seed-client-"))
-    atexit.register(shutil.rmtree, work, True)
     (work / "sandbox" / "v1").mkdir(parents=True)
     shutil.copyfile(SEED if SEED.exists() else VENDORED, work / "sandbox" / "v1" / "sandbox.proto")
     rc = protoc.main(
@@ -44,6 +42,7 @@ def generate() -> tuple[ModuleType, ModuleType]:
         pb2_grpc = importlib.import_module("sandbox.v1.sandbox_pb2_grpc")
     finally:
         sys.path.remove(str(work))
+        shutil.rmtree(work)  # imported: the modules need their files no more
     return pb2, pb2_grpc
 
 
