@@ -52,6 +52,7 @@ from actors.registry import Registry
 from supervisor import grpc_bridge as G
 from supervisor import protocol as W
 from supervisor.grpc_convert import dict_to_message, message_to_dict
+from supervisor.peers import ClientPolicy, Peer
 from supervisor.proto.sandbox.v1 import sandbox_pb2
 from supervisor.proto.sandvisor.v1 import sandvisor_pb2
 from supervisor.server import METHODS, SERVICES, Method
@@ -302,6 +303,23 @@ def add_services(edge: G.GrpcEdge, registry: Registry) -> None:
 # ---------------------------------------------------------------------------------------
 # the daemon's configuration
 # ---------------------------------------------------------------------------------------
+@attrs.frozen
+class ServePolicy:
+    """The msgpack socket's :class:`~supervisor.peers.ClientPolicy` as the gRPC edge's
+    :class:`~supervisor.grpc_bridge.PeerPolicy`: one rule for both sockets."""
+
+    policy: ClientPolicy
+
+    def check(self, sock: Any) -> str | None:
+        return self.policy.refusal(Peer.of(sock))
+
+    def served(self) -> str:
+        p = self.policy
+        who = "root" if p.owner == 0 else f"root and uid {p.owner}"
+        also = f" and members of group {p.group_name!r}" if p.group is not None else ""
+        return f"peer credentials refused: this supervisor serves {who}{also} only"
+
+
 def addresses(
     specs: Iterable[str],
     *,
@@ -310,15 +328,21 @@ def addresses(
     client_ca: Path | None = None,
     group: str | None = None,
 ) -> list[G.Address]:
-    """``serve --grpc`` addresses: Unix sockets get ``group`` (as the msgpack socket), TCP
-    ones the TLS files (required off loopback). ValueError names what is wrong."""
+    """``serve --grpc`` addresses: Unix sockets get ``group`` and the peer-credential policy
+    of the msgpack socket, TCP ones the TLS files (required off loopback). ValueError names
+    what is wrong."""
     specs = list(specs)
     if bool(cert) != bool(key):
         raise ValueError("--grpc-cert and --grpc-key go together")
     if client_ca and not cert:
         raise ValueError("--grpc-client-ca needs --grpc-cert and --grpc-key")
     tls = G.TlsConfig.from_files(cert, key, client_ca) if cert and key else None
+    try:
+        policy = ServePolicy(ClientPolicy.for_serve(group))
+    except KeyError:
+        raise ValueError(f"--group {group!r}: no such group") from None
     out = [G.parse_address(s, tls=tls, group=group) for s in specs]
+    out = [attrs.evolve(a, policy=policy) if isinstance(a, G.UnixAddress) else a for a in out]
     if tls is not None and not any(isinstance(a, G.TcpAddress) for a in out):
         raise ValueError("--grpc-cert is for HOST:PORT addresses; none is given")
     return out

@@ -429,6 +429,60 @@ def _can_connect(path: Path, user: str, extra_groups: list[int] | None = None) -
     return r.returncode == 0
 
 
+class Policy:
+    """A PeerPolicy for tests: serves or refuses everyone, and counts what it saw."""
+
+    def __init__(self, serve: bool) -> None:
+        self.serve = serve
+        self.uids: list[int] = []
+
+    def check(self, sock: Any) -> str | None:
+        from supervisor.peers import Peer
+
+        self.uids.append(Peer.of(sock).uid)
+        return None if self.serve else "not you"
+
+    def served(self) -> str:
+        return "only the test's friends"
+
+
+async def test_a_peer_policy_relays_served_clients_and_refuses_the_others(
+    tmp_path: Path, seed: tuple[ModuleType, ModuleType]
+) -> None:
+    """With a policy, the public socket is a relay: a served peer's calls go through
+    (streams both ways included), a refused one gets PERMISSION_DENIED on every call."""
+    spb, sgrpc = seed
+
+    def calls(target: str) -> list[str]:
+        out = []
+        with grpc.insecure_channel(target) as ch:
+            stub = sgrpc.SandboxServiceStub(ch)
+            for fn in (
+                lambda: stub.Create(spb.CreateSandboxRequest(id="p1")).state,
+                lambda: len(list(stub.Run(spb.RunRequest(id="p1", cmd=["count", "200"])))),
+            ):
+                try:
+                    out.append(str(fn()))
+                except grpc.RpcError as exc:
+                    out.append(f"{exc.code().name}: {exc.details()}")
+        return out
+
+    with trio.fail_after(30):
+        friends, strangers = Policy(serve=True), Policy(serve=False)
+        addrs = [
+            G.UnixAddress(tmp_path / "in.sock", policy=friends),
+            G.UnixAddress(tmp_path / "out.sock", policy=strangers),
+        ]
+        async with serving(*addrs) as edge:
+            assert (tmp_path / "in.sock").stat().st_mode & 0o777 == 0o600
+            assert await in_thread(calls, f"unix:{tmp_path / 'in.sock'}") == ["starting", "202"]
+            refused = await in_thread(calls, f"unix:{tmp_path / 'out.sock'}")
+            assert refused == ["PERMISSION_DENIED: only the test's friends"] * 2
+            assert edge.refused >= 1
+    assert friends.uids and set(friends.uids) == {os.geteuid()}
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # sockets and private dirs gone
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root (runs probes as nobody)")
 async def test_unix_socket_admits_root_and_the_group_only() -> None:
     group = "daemon"  # any group nobody is not in

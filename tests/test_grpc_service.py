@@ -12,6 +12,7 @@ clock is real (grpc's threads do not tell a mock clock they are busy)."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -57,11 +58,12 @@ def short_dir() -> Iterator[Path]:
 
 
 class Stack:
-    def __init__(self, reg: Registry, lab: FakeLab, target: str, msgpack: Path) -> None:
+    def __init__(self, reg: Registry, lab: FakeLab, target: str, msgpack: Path, edge: G.GrpcEdge) -> None:
         self.reg = reg
         self.lab = lab
         self.target = target
         self.msgpack = msgpack
+        self.edge = edge
         self.channel = grpc.insecure_channel(target)
 
 
@@ -75,9 +77,10 @@ async def stack(root: Path, sock_dir: Path) -> AsyncIterator[Stack]:
             await n.start(lab.run)
             reg = await n.start(Registry(fake_settings(root, lab), store, templates=False).run)
             try:
-                await n.start(S.build_edge(reg, [G.UnixAddress(sock_dir / "g.sock")]).run)
+                # as the daemon makes them: the peer-credential policy on, so through the relay
+                edge = await n.start(S.build_edge(reg, S.addresses([f"unix://{sock_dir / 'g.sock'}"])).run)
                 await n.start(Server(reg, sock_dir / "m.sock").serve)
-                st = Stack(reg, lab, f"unix:{sock_dir / 'g.sock'}", sock_dir / "m.sock")
+                st = Stack(reg, lab, f"unix:{sock_dir / 'g.sock'}", sock_dir / "m.sock", edge)
                 try:
                     yield st
                 finally:
@@ -184,7 +187,11 @@ def test_responses_fill_the_seed_messages_and_ours() -> None:
 
 
 def test_grpc_addresses_from_the_daemon_flags(tmp_path: Path) -> None:
-    assert S.addresses(["unix:///run/x/g.sock"], group="wheel") == [G.UnixAddress(Path("/run/x/g.sock"), "wheel")]
+    [unix] = S.addresses(["unix:///run/x/g.sock"], group="root")
+    assert unix == G.UnixAddress(Path("/run/x/g.sock"), "root")
+    assert isinstance(unix, G.UnixAddress) and isinstance(unix.policy, S.ServePolicy)
+    with pytest.raises(ValueError, match="no such group"):
+        S.addresses(["unix:///run/x/g.sock"], group="no-such-group-here")
     assert S.addresses(["127.0.0.1:0"]) == [G.TcpAddress("127.0.0.1", 0)]
     with pytest.raises(ValueError, match="needs TLS"):
         S.addresses(["0.0.0.0:50051"])
@@ -452,3 +459,31 @@ async def test_the_registry_feeds_the_prometheus_collector(tmp_path: Path, short
     assert (p.id, p.state, p.memory_limit_bytes, p.image) == ("p", "ready", 256 << 20, "fake")
     assert p.guest_memory_available_bytes == mem_total * 3 // 4
     assert sample.by_state == {"ready": 1, "stopped": 1}
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not Path("/usr/bin/python3").exists(), reason="a client of another uid needs root"
+)
+async def test_peer_credentials_authorise_as_on_the_msgpack_socket(tmp_path: Path, short_dir: Path) -> None:
+    """Served: root and the supervisor's uid (and --group). Another uid that reaches the socket
+    anyway (its mode loosened) is refused by its peer credentials, as the msgpack socket
+    refuses it at hello (what it is told: tests/test_grpc_edge.py); the socket is 0600."""
+    probe = (
+        "import socket, sys; s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); "
+        "s.sendall(b'PRI * HTTP/2.0\\r\\n\\r\\nSM\\r\\n\\r\\n'); print(len(s.recv(9)))"
+    )
+    sock = short_dir / "g.sock"
+    with trio.fail_after(60):
+        async with stack(tmp_path, short_dir) as st:
+            assert sock.stat().st_mode & 0o777 == 0o600
+            assert await in_thread(st.channel.unary_unary("/sandbox.v1.SandboxService/List"), b"") == b""
+            assert st.edge.refused == 0
+            short_dir.chmod(0o755)
+            sock.chmod(0o666)  # someone loosened it: the second gate holds
+            # the system's python: the venv's may sit where another uid cannot reach it
+            nobody = await trio.run_process(
+                ["/usr/bin/python3", "-c", probe, str(sock)], user=65534, group=65534, capture_stdout=True
+            )
+            assert nobody.stdout.strip() == b"9"  # a grpc server answered: the refuser
+            await until(lambda: st.edge.refused == 1)
+    assert not [p.name for p in short_dir.iterdir() if p.name.startswith((".grpc-", "g.sock"))]
