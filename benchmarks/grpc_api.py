@@ -1,7 +1,9 @@
 """gRPC against the msgpack socket, on one supervisor and one sandbox (issue 17's figures).
 
 The supervisor (``serve``, TCG) runs in a child process with both edges: its msgpack
-socket and sandbox.v1 over gRPC on a Unix socket. This process is the client of both,
+socket and sandbox.v1 over gRPC on a Unix socket (through the peer-credential relay,
+as ``serve --grpc unix://...`` always is) and on loopback TCP (no relay: what the relay
+costs). This process is the client of both,
 with plain synchronous clients (grpcio's stub; a blocking msgpack client on
 :mod:`supervisor.protocol`'s framing), so neither side's client library pays a thread
 hop the other does not. A third child is the floor: a bare ``grpc.aio`` server (no Trio,
@@ -10,7 +12,8 @@ can beat.
 
 Per round, interleaved call by call (so load swings hit every path alike):
 
-* Inspect of the live sandbox: ``--inspect`` calls each over msgpack, gRPC, and the floor
+* Inspect of the live sandbox: ``--inspect`` calls each over msgpack, gRPC (Unix socket,
+  and loopback TCP), and the floor
 * Run of ``true`` (a Run's whole path: edge, registry, guest channel, guestd spawn):
   ``--runs`` calls each over msgpack and gRPC
 
@@ -36,26 +39,24 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-# As a script, this directory comes first on sys.path, where benchmarks/images.py would
-# shadow the images package (imported by supervisor -> actors): look here last.
-HERE = Path(__file__).resolve()
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != str(HERE.parent)] + [str(HERE.parent)]
-
-import supervisor  # noqa: E402, F401  (first: it turns grpcio's fork handlers off, for serve-daemon)
+import supervisor  # noqa: F401  (first: it turns grpcio's fork handlers off, for serve-daemon)
 
 # isort: split
-import grpc  # noqa: E402
-from _harness import write_results  # noqa: E402
+import grpc
+from _harness import write_results
 
-from supervisor import protocol as W  # noqa: E402
-from supervisor.proto.sandbox.v1 import sandbox_pb2 as pb  # noqa: E402
-from supervisor.proto.sandbox.v1 import sandbox_pb2_grpc as pb_grpc  # noqa: E402
-from supervisor.throwaway import Workdir, workdir  # noqa: E402
+from actors.sandbox import free_port
+from supervisor import protocol as W
+from supervisor.proto.sandbox.v1 import sandbox_pb2 as pb
+from supervisor.proto.sandbox.v1 import sandbox_pb2_grpc as pb_grpc
+from supervisor.throwaway import Workdir, workdir
+
+HERE = Path(__file__).resolve()
 
 
 # --- child processes ----------------------------------------------------------------------
-def serve_daemon(root: str) -> None:
-    """``serve`` on the work dir, with gRPC on <root>/g.sock (SIGTERM stops it)."""
+def serve_daemon(root: str, tcp_port: str) -> None:
+    """``serve`` on the work dir, with gRPC on <root>/g.sock and 127.0.0.1:PORT (SIGTERM stops it)."""
     import trio
 
     from supervisor.daemon import DaemonConfig, serve
@@ -66,7 +67,7 @@ def serve_daemon(root: str) -> None:
         state_dir=work.state,
         run_root=work.run_root,
         accel="tcg",
-        grpc=(f"unix://{work.root / 'g.sock'}",),
+        grpc=(f"unix://{work.root / 'g.sock'}", f"127.0.0.1:{tcp_port}"),
         templates=False,
     )
     trio.run(serve, cfg)
@@ -178,15 +179,18 @@ def p50(xs: list[float]) -> float:
 def bench(rounds: int, n_inspect: int, n_runs: int) -> dict[str, Any]:
     with workdir("sv-bgrpc-") as work:
         g_sock, floor_sock = work.root / "g.sock", work.root / "floor.sock"
+        tcp_port = free_port("127.0.0.1", "tcp")
         with (
-            child("serve-daemon", str(work.root), ready=g_sock),
+            child("serve-daemon", str(work.root), str(tcp_port), ready=g_sock),
             child("serve-floor", str(floor_sock), ready=floor_sock),
         ):
             mp = Msgpack(work.socket)
             ch = grpc.insecure_channel(f"unix:{g_sock}")
             fl = grpc.insecure_channel(f"unix:{floor_sock}")
+            tcp = grpc.insecure_channel(f"127.0.0.1:{tcp_port}")
             try:
                 stub, floor = pb_grpc.SandboxServiceStub(ch), pb_grpc.SandboxServiceStub(fl)
+                over_tcp = pb_grpc.SandboxServiceStub(tcp)
                 mp.call("Create", {"id": "live"})
                 deadline = time.monotonic() + 300
                 while mp.call("Inspect", {"id": "live"})["state"] != "ready":
@@ -198,6 +202,7 @@ def bench(rounds: int, n_inspect: int, n_runs: int) -> dict[str, Any]:
                 paths: dict[str, Callable[[], Any]] = {
                     "inspect_msgpack": lambda: mp.call("Inspect", {"id": "live"}),
                     "inspect_grpc": lambda: stub.Inspect(req),
+                    "inspect_grpc_tcp": lambda: over_tcp.Inspect(req),
                     "inspect_floor": lambda: floor.Inspect(req),
                     "run_msgpack": lambda: mp.stream("Run", {"id": "live", "cmd": ["true"]}),
                     "run_grpc": lambda: list(stub.Run(run_req)),
@@ -209,7 +214,7 @@ def bench(rounds: int, n_inspect: int, n_runs: int) -> dict[str, Any]:
                 for r in range(rounds):
                     lat: dict[str, list[float]] = {k: [] for k in paths}
                     for _ in range(n_inspect):
-                        for k in ("inspect_msgpack", "inspect_grpc", "inspect_floor"):
+                        for k in ("inspect_msgpack", "inspect_grpc", "inspect_grpc_tcp", "inspect_floor"):
                             lat[k].append(timed(paths[k]))
                     for _ in range(n_runs):
                         for k in ("run_msgpack", "run_grpc"):
@@ -218,20 +223,23 @@ def bench(rounds: int, n_inspect: int, n_runs: int) -> dict[str, Any]:
                     per_round.append(row)
                     print(
                         f"round {r + 1}: Inspect msgpack {row['inspect_msgpack']:.0f} us, gRPC "
-                        f"{row['inspect_grpc']:.0f} us, floor {row['inspect_floor']:.0f} us; Run true msgpack "
-                        f"{row['run_msgpack'] / 1e3:.1f} ms, gRPC {row['run_grpc'] / 1e3:.1f} ms",
+                        f"{row['inspect_grpc']:.0f} us (TCP {row['inspect_grpc_tcp']:.0f}), floor "
+                        f"{row['inspect_floor']:.0f} us; Run true msgpack {row['run_msgpack'] / 1e3:.1f} ms, "
+                        f"gRPC {row['run_grpc'] / 1e3:.1f} ms",
                         flush=True,
                     )
             finally:
                 mp.close()
                 ch.close()
                 fl.close()
+                tcp.close()
     load = os.getloadavg()
     med = {k: p50([r[k] for r in per_round]) for k in per_round[0]}
     ratios = {
         "inspect_grpc_over_msgpack": [r["inspect_grpc"] / r["inspect_msgpack"] for r in per_round],
         "inspect_floor_over_msgpack": [r["inspect_floor"] / r["inspect_msgpack"] for r in per_round],
         "inspect_grpc_over_floor": [r["inspect_grpc"] / r["inspect_floor"] for r in per_round],
+        "inspect_grpc_tcp_over_msgpack": [r["inspect_grpc_tcp"] / r["inspect_msgpack"] for r in per_round],
         "run_grpc_over_msgpack": [r["run_grpc"] / r["run_msgpack"] for r in per_round],
     }
     return {
@@ -271,12 +279,16 @@ def markdown(res: dict[str, Any]) -> str:
             f"| Inspect | {m['inspect_msgpack']:.0f} us | {m['inspect_grpc']:.0f} us | "
             f"**{r['inspect_grpc_over_msgpack']:.2f}x** ({rounds('inspect_grpc_over_msgpack')}) "
             f"| <= {res['target_ratio']}x |",
+            f"| Inspect, gRPC on loopback TCP (no relay) | | {m['inspect_grpc_tcp']:.0f} us | "
+            f"{r['inspect_grpc_tcp_over_msgpack']:.2f}x ({rounds('inspect_grpc_tcp_over_msgpack')}) | |",
             f"| Inspect, bare grpc.aio (the floor) | | {m['inspect_floor']:.0f} us | "
             f"{r['inspect_floor_over_msgpack']:.2f}x ({rounds('inspect_floor_over_msgpack')}) | |",
             "",
             f"Our gRPC Inspect is {r['inspect_grpc_over_floor']:.2f}x the bare grpc.aio floor (each round: "
-            f"{rounds('inspect_grpc_over_floor')}): that much is ours, the Trio bridge's two thread hops, "
-            "protobuf <-> attrs conversion and the handler. "
+            f"{rounds('inspect_grpc_over_floor')}): that much is ours, the peer-credential relay, the Trio "
+            "bridge's two thread hops, protobuf <-> attrs conversion and the handler; the relay (peer "
+            "credentials: grpcio cannot see them) is the gap between the Unix socket's row and TCP's "
+            f"({m['inspect_grpc'] - m['inspect_grpc_tcp']:.0f} us). "
             "The floor itself, a grpc.aio server that does "
             f"nothing, is {r['inspect_floor_over_msgpack']:.1f}x the msgpack socket with grpcio's Python "
             "client: a call this small is grpcio's own cost on both ends (HTTP/2 framing, the C core's "
@@ -288,8 +300,8 @@ def markdown(res: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    if len(sys.argv) == 3 and sys.argv[1] == "serve-daemon":
-        return serve_daemon(sys.argv[2])
+    if len(sys.argv) == 4 and sys.argv[1] == "serve-daemon":
+        return serve_daemon(sys.argv[2], sys.argv[3])
     if len(sys.argv) == 3 and sys.argv[1] == "serve-floor":
         return serve_floor(sys.argv[2])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
