@@ -338,3 +338,34 @@ async def _lifecycle(
     await in_thread(remaining_events)
     events.cancel()
     assert rest == ["running", "idle", "running", "idle", "stopping", "stopped", "removed"], rest
+
+
+def test_serve_flags_start_the_grpc_edge_and_the_metrics_endpoint(
+    image: Image, seed: tuple[ModuleType, ModuleType]
+) -> None:
+    """``sandvisor serve --grpc unix://... --metrics HOST:PORT`` as a process (no VM booted):
+    health, a seed call, the metrics endpoint; SIGTERM removes the gRPC socket."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from supervisor.throwaway import supervisor_process
+
+    spb, sgrpc = seed
+    with workdir("sv-grpc-cli-") as work:
+        grpc_sock = work.root / "g.sock"
+        port = free_port("127.0.0.1", "tcp")
+        with supervisor_process(work, "--grpc", f"unix://{grpc_sock}", "--metrics", f"127.0.0.1:{port}") as (_, proc):
+            with grpc.insecure_channel(f"unix:{grpc_sock}") as ch:
+                grpc.channel_ready_future(ch).result(timeout=30)  # the edge starts just after the socket
+                health = health_pb2_grpc.HealthStub(ch).Check(
+                    health_pb2.HealthCheckRequest(service="sandbox.v1.SandboxService"), timeout=30
+                )
+                assert health.status == health_pb2.HealthCheckResponse.SERVING
+                s = sgrpc.SandboxServiceStub(ch)
+                assert list(s.List(spb.ListSandboxesRequest(), timeout=30).sandboxes) == []
+                with pytest.raises(grpc.RpcError) as e:
+                    s.Inspect(spb.InspectSandboxRequest(id="nope"), timeout=30)
+                assert e.value.code() == SC.NOT_FOUND
+            assert any(name == "process_resident_memory_bytes" for name, _ in scrape(port))
+            proc.terminate()
+            assert proc.wait(timeout=60) == 0
+        assert not grpc_sock.exists()
