@@ -51,6 +51,7 @@ def bench(session: nox.Session) -> None:
     session.run("sandvisor", "image", "build")
     session.run("python", "benchmarks/guest.py", *session.posargs)
     session.run("python", "benchmarks/api.py")
+    session.run("python", "benchmarks/grpc_api.py")
     session.run("python", "benchmarks/network.py")
     session.run("python", "benchmarks/snapshots.py")
     session.run("python", "benchmarks/coldstart.py")

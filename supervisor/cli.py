@@ -201,6 +201,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from images.build import default_state_dir
     from supervisor.config import default_socket
     from supervisor.daemon import DaemonConfig, serve
+    from supervisor.grpc_service import addresses as grpc_addresses
+    from supervisor.metrics import parse_listen
 
     logging.getLogger().setLevel(logging.DEBUG if args.verbose else logging.INFO)
     cfg = DaemonConfig(
@@ -227,7 +229,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
         allow_paths=tuple(Path(p).resolve() for p in args.allow_path or ()),
         max_memory_mib=args.max_memory,
         max_disk_mib=args.max_disk,
+        grpc=tuple(args.grpc or ()),
+        grpc_cert=Path(args.grpc_cert) if args.grpc_cert else None,
+        grpc_key=Path(args.grpc_key) if args.grpc_key else None,
+        grpc_client_ca=Path(args.grpc_client_ca) if args.grpc_client_ca else None,
+        metrics=args.metrics,
     )
+    try:  # the flags' mistakes as usage errors, before anything starts
+        grpc_addresses(cfg.grpc, cert=cfg.grpc_cert, key=cfg.grpc_key, client_ca=cfg.grpc_client_ca)
+        if cfg.metrics:
+            parse_listen(cfg.metrics)
+    except (ValueError, OSError) as exc:
+        fail(f"sandvisor serve: {exc}", 2)
     trio.run(serve, cfg)
     return 0
 
@@ -389,6 +402,19 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     sv.add_argument("--max-disk", type=int, default=0, metavar="MIB", help="state dir use (default: no limit)")
     sv.add_argument(
         "--pool", action="append", metavar="SNAPSHOT=N", help="warm pool size for one snapshot (id or name); repeatable"
+    )
+    sv.add_argument(
+        "--grpc",
+        action="append",
+        metavar="ADDR",
+        help="also serve sandbox.v1 and sandvisor.v1 over gRPC: unix:///PATH (mode as --socket's) or HOST:PORT "
+        "(TLS unless loopback); repeatable",
+    )
+    sv.add_argument("--grpc-cert", metavar="PEM", help="TLS certificate chain for --grpc HOST:PORT")
+    sv.add_argument("--grpc-key", metavar="PEM", help="TLS private key for --grpc HOST:PORT")
+    sv.add_argument("--grpc-client-ca", metavar="PEM", help="require client certificates signed by this CA")
+    sv.add_argument(
+        "--metrics", metavar="HOST:PORT", help="serve Prometheus metrics at http://HOST:PORT/metrics (host: loopback)"
     )
     sv.set_defaults(func=_host_errors(cmd_serve))
 

@@ -1,8 +1,9 @@
 """``sandvisor serve``: the long-running supervisor.
 
 Owns, in one nursery: the registry actor (and through it every sandbox), the
-Unix-socket server, and the asyncio loop QMP runs on. SIGTERM or SIGINT: stop
-accepting, stop every sandbox within a bound, exit 0.
+Unix-socket server, the gRPC edge and the metrics endpoint (when configured), and
+the asyncio loop QMP runs on. SIGTERM or SIGINT: stop accepting (the gRPC edge
+first), stop every sandbox within a bound, exit 0.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from actors.store import Store
 from images.build import Builder, Image, load_default
 from images.oci import ImageStore
 from supervisor.config import claim_runtime_dir, default_memory_dir, default_run_root, runtime_dir
+from supervisor.grpc_service import addresses, build_edge
+from supervisor.metrics import MetricsEndpoint, RegistrySource, parse_listen
 from supervisor.notify import Notifier
 from supervisor.server import Server
 
@@ -57,6 +60,11 @@ class DaemonConfig:
     pools: dict[str, int] = attrs.field(factory=dict)  # per snapshot id or name
     templates: bool = True  # Creates restore a boot template of their configuration
     template_pool: int = 0  # restored members kept ready per boot template
+    grpc: tuple[str, ...] = ()  # gRPC addresses: unix:///PATH (mode as the socket's), HOST:PORT (TLS off loopback)
+    grpc_cert: Path | None = None  # PEM certificate chain and key for the HOST:PORT addresses
+    grpc_key: Path | None = None
+    grpc_client_ca: Path | None = None  # require client certificates signed by this CA
+    metrics: str | None = None  # HOST:PORT of the Prometheus endpoint (None: not served)
 
 
 def default_image(state_dir: Path) -> Image:
@@ -90,6 +98,10 @@ def _private_state_dir(path: Path) -> None:
 
 async def _serve(cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Registry, Server]]) -> None:
     _private_state_dir(cfg.state_dir)
+    grpc_addrs = addresses(
+        cfg.grpc, cert=cfg.grpc_cert, key=cfg.grpc_key, client_ca=cfg.grpc_client_ca, group=cfg.group
+    )  # before anything starts: a wrong flag fails fast
+    metrics_at = parse_listen(cfg.metrics) if cfg.metrics else None
     if os.geteuid() != 0 and (cfg.run_root is None or cfg.socket.parent == runtime_dir()):
         claim_runtime_dir()  # ours and 0700, or refused: a predictable /tmp name someone may have made
     accel = resolve_accel(cfg.accel)
@@ -159,6 +171,19 @@ async def _serve(cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Registry,
                     await Server(registry, cfg.socket, group=cfg.group).serve(task_status=task_status)
 
             server = await nursery.start(run_server)
+            edge_scope = trio.CancelScope()
+            if grpc_addrs:
+
+                async def run_edge(task_status: trio.TaskStatus[object]) -> None:
+                    with edge_scope:
+                        await build_edge(registry, grpc_addrs).run(task_status=task_status)
+
+                await nursery.start(run_edge)
+                log.info("gRPC on %s", ", ".join(map(str, grpc_addrs)))
+            if metrics_at is not None:
+                endpoint = MetricsEndpoint(RegistrySource(registry), *metrics_at)
+                await nursery.start(endpoint.run)
+                log.info("metrics on http://%s:%d/metrics", metrics_at[0], endpoint.port)
             notify = Notifier()
             nursery.start_soon(notify.keep_alive)
             notify.ready(f"serving on {cfg.socket}")
@@ -170,7 +195,8 @@ async def _serve(cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Registry,
                         break
             finally:
                 notify.stopping()
-                server_scope.cancel()  # stop accepting first
+                edge_scope.cancel()  # stop accepting: gRPC first (remote callers), then the socket
+                server_scope.cancel()
                 if cfg.keep_sandboxes:
                     await registry.detach_all()
                 else:

@@ -1,12 +1,15 @@
-"""Wire <-> domain for the msgpack edge: requests into domain values, results into replies.
+"""Wire <-> domain for the method table: requests into domain values, results into replies.
 
-The only module that knows both :mod:`supervisor.protocol` (the wire) and
-:mod:`actors` (the domain). Wire fields the domain does not model (mounts, an SSH
-key) are refused here; everything else is checked by the domain itself, so another
-edge gets the same rules.
+The only module that knows both :mod:`supervisor.protocol` (the request and reply
+classes both edges structure into: msgpack bodies, and gRPC messages through
+:mod:`supervisor.grpc_convert`) and :mod:`actors` (the domain). Wire fields the domain
+does not model (mounts, an SSH key) are refused here; everything else is checked by
+the domain itself.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 from actors.errors import Code, DomainError, FailedPrecondition, InvalidArgument
 from actors.model import (
@@ -26,6 +29,7 @@ from actors.model import (
 from actors.sandbox import Sandbox
 from actors.snapshot import rfc3339
 from actors.store import SnapshotRecord
+from images.build import Image
 from supervisor import protocol as W
 
 _CODES: dict[Code, str] = {
@@ -119,7 +123,7 @@ def event(ev: SandboxEvent) -> W.SandboxEvent:
     return W.SandboxEvent(ev.sandbox_id, ev.action.value, ev.timestamp, dict(ev.attributes))
 
 
-def metrics(m: SandboxMetrics) -> W.MetricsResponse:
+def metrics(m: SandboxMetrics, *, cpu_seconds_total: float = 0.0) -> W.MetricsResponse:
     return W.MetricsResponse(
         id=m.id,
         timestamp=m.timestamp,
@@ -135,6 +139,28 @@ def metrics(m: SandboxMetrics) -> W.MetricsResponse:
         cgroup_memory_bytes=m.cgroup_memory_bytes,
         cgroup_memory_limit_bytes=m.cgroup_memory_limit_bytes,
         cgroup_oom_kills=m.cgroup_oom_kills,
+        cpu_seconds_total=cpu_seconds_total,
+    )
+
+
+def port(pm: PortSpec, host_address: str) -> W.PortMapping:
+    return W.PortMapping(pm.sandbox_port, pm.host_port, pm.protocol.value, host_address)
+
+
+def image(img: Image, is_default: bool) -> W.ImageInfo:
+    """An image's description (stats its files: call it in a worker thread)."""
+    paths: list[Path] = [img.kernel, img.initrd, img.rootfs]
+    stats = [p.stat() for p in paths if p.exists()]
+    return W.ImageInfo(
+        name=img.name,
+        kernel=str(img.kernel),
+        initrd=str(img.initrd),
+        rootfs=str(img.rootfs),
+        kernel_version=img.kernel_version,
+        keys=dict(img.keys),
+        is_default=is_default,
+        size_bytes=sum(st.st_blocks * 512 for st in stats),
+        built_at=int(max((st.st_mtime for st in stats), default=0)),
     )
 
 

@@ -167,11 +167,12 @@ class NetworkSpec:
 
 @attrs.frozen
 class PortMapping:
-    """sandvisor extension: ports exposed at create (``--port HOST:GUEST``)."""
+    """sandvisor extension: ports exposed at create (``--port HOST:GUEST``), and ListPorts' answer."""
 
     sandbox_port: int
     host_port: int = 0
     protocol: str = "tcp"
+    host_address: str = ""  # set by the server (ListPorts); ignored in requests
 
 
 @attrs.frozen
@@ -406,6 +407,7 @@ class MetricsResponse:
     net_rx_bytes: int
     net_tx_bytes: int
     uptime_seconds: float
+    cpu_seconds_total: float = 0.0  # host CPU of the VM since it started (a counter)
     # extensions of sandbox.v1: the QEMU cell's cgroup (0 when unjailed)
     cgroup_memory_bytes: int = 0
     cgroup_memory_limit_bytes: int = 0
@@ -444,6 +446,45 @@ class UnexposePortRequest:
     id: str
     sandbox_port: int
     protocol: str = "tcp"
+
+
+@attrs.frozen
+class ListPortsResponse:
+    ports: list[PortMapping]
+
+
+# --- the server and its images (sandvisor extensions) ---------------------------------
+@attrs.frozen
+class NameRequest:
+    name: str = ""
+
+
+@attrs.frozen
+class ServerInfo:
+    version: str
+    accel: str
+    max_sandboxes: int
+    sandboxes_by_state: dict[str, int]
+    default_image: str
+    services: list[str]
+
+
+@attrs.frozen
+class ImageInfo:
+    name: str
+    kernel: str
+    initrd: str
+    rootfs: str
+    kernel_version: str
+    keys: dict[str, str]
+    is_default: bool
+    size_bytes: int  # on disk (the rootfs is sparse)
+    built_at: int  # unix seconds
+
+
+@attrs.frozen
+class ListImagesResponse:
+    images: list[ImageInfo]
 
 
 # --- SandboxSnapshotService -----------------------------------------------------------
