@@ -50,6 +50,7 @@ from actors.snapshot import rfc3339
 from guestd import proto as P
 from supervisor import mapping as M
 from supervisor import protocol as W
+from supervisor.frames import FramedStream
 from supervisor.peers import ClientPolicy, Peer
 from supervisor.protocol import ApiError
 
@@ -96,25 +97,18 @@ class CallCtx:
 class Connection:
     def __init__(self, server: Server, stream: trio.SocketStream, name: str, peer: Peer | None = None) -> None:
         self.server = server
-        self.stream = stream
+        self.frames = FramedStream(stream)  # (the SDK's framing too: one implementation)
         self.name = name
         self.peer = peer
-        self.lock = trio.Lock()
         self.calls: dict[int, CallCtx] = {}
-        self.closed = False
 
     async def send(self, msg: W.Envelope) -> None:
-        frame = W.encode(msg)
-        async with self.lock:
-            if self.closed:
-                raise trio.ClosedResourceError
-            await self.stream.send_all(frame)
+        await self.frames.send(msg)
 
     async def serve(self) -> None:
-        reader = W.FrameReader()
         try:
             with trio.move_on_after(HELLO_TIMEOUT) as hello_scope:
-                hello = await self._next(reader)
+                hello = await self.frames.receive()
             if hello_scope.cancelled_caught or not isinstance(hello, W.ClientHello):
                 await self._fail_and_close(0, W.INVALID_ARGUMENT, "expected hello first")
                 return
@@ -134,7 +128,7 @@ class Connection:
             with collapse_single():
                 async with trio.open_nursery() as nursery:
                     while True:
-                        msg = await self._next(reader)
+                        msg = await self.frames.receive()
                         if msg is None:
                             break
                         await self._route(nursery, msg)
@@ -144,19 +138,7 @@ class Connection:
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             pass
         finally:
-            self.closed = True
-            with trio.CancelScope(shield=True):
-                await self.stream.aclose()
-
-    async def _next(self, reader: W.FrameReader) -> W.Envelope | None:
-        while True:
-            body = reader.next()
-            if body is not None:
-                return W.decode(body)
-            data = await self.stream.receive_some(1 << 16)
-            if not data:
-                return None
-            reader.feed(data)
+            await self.frames.aclose()
 
     async def _fail_and_close(self, id: int, code: str, message: str) -> None:
         try:
