@@ -1370,6 +1370,8 @@ def main() -> None:
     if os.path.ismount(SYSROOT):
         # lazy imports after the chroot resolve through the initramfs root's fd
         sys.path[:] = [f"/proc/self/fd/{root_fd}{p}" if p.startswith("/") else p for p in sys.path]
+        pkg = sys.modules["guestd"]  # and guestd's own lazy modules (netcfg) through its __path__
+        pkg.__path__[:] = [f"/proc/self/fd/{root_fd}{p}" if p.startswith("/") else p for p in pkg.__path__]
         os.chroot(SYSROOT)
         os.chdir("/")
     agent = Agent(cmdline, marks, root_fd)
