@@ -145,9 +145,14 @@ async def reach(ns: NetNS, address: str, port: int, want: str) -> None:
 
 async def test_tap_sandboxes_policies_isolation_and_a_restart(image: Image) -> None:
     async with net_lab("sv-tap-") as lab:
-        async with serving(lab) as reg:
+        async with serving(lab, keep_sandboxes=True) as reg:
             ips, uids = await policies_and_isolation(lab, reg)
-        async with serving(lab) as reg:  # a supervisor restart
+            c = reg.stop("c", timeout=5)
+            await c.wait_stopped()
+        # no supervisor: a and b run on, their filter kept
+        got = await probe(lab.host, ips["a"], 8000)
+        assert got == f"vm {ips['a']} {GATEWAY}", got
+        async with serving(lab) as reg:  # the next one adopts a and b
             await restarted(lab, reg, ips, uids)
 
 
@@ -195,20 +200,27 @@ async def policies_and_isolation(lab: NetLab, reg: Registry) -> tuple[dict[str, 
 
 
 async def restarted(lab: NetLab, reg: Registry, ips: dict[str, str], uids: dict[str, str]) -> None:
-    """The pool's allocations survived: stopped sandboxes keep their addresses, a new one
-    gets another, a removed one's goes back, a started one boots at its own."""
-    for id, ip in ips.items():
-        sb = reg.get(id)
-        assert sb.state == State.STOPPED and sb.ip_address == ip
+    """The pool's allocations survived: adopted sandboxes run at their addresses, filtered
+    as before, their exposed port relayed again; a stopped one keeps its address and
+    boots at it; a new one gets another; a removed one's goes back to the pool."""
+    a, b, c = reg.get("a"), reg.get("b"), reg.get("c")
+    for sb in (a, b, c):
+        assert sb.ip_address == ips[sb.id]
+    assert a.state == b.state == State.READY and c.state == State.STOPPED
+    got = await fetch(a, f"{SERVERS[0]}:80", f"{SERVERS[2]}:80", f"{GATEWAY}:8081", f"{ips['b']}:8000")
+    assert got[0] == "server0" and not {"server2", "host-any", "vm"} & set(got[1:]), got  # a's policy, kept
+    assert (await fetch(b, f"{ips['a']}:8000")) == ["vm"]  # b's, kept
+    (pm,) = a.ports()
+    await reach(lab.host, "127.0.0.1", pm.host_port, f"vm {ips['a']} {GATEWAY}")
     d = await reg.create("d", tap())
     assert d.ip_address not in ips.values()
     await reg.remove("a", force=True)
     hn = reg.settings.hostnet
     assert hn is not None and hn.pool.address_of(uids["a"]) is None
-    b = await reg.start("b")  # boots again, at its address
-    await ready(b)
-    await start_server(b)
-    await reach(lab.host, b.ip_address, 8000, f"vm {ips['b']} {GATEWAY}")
+    c = await reg.start("c")  # boots again, at its address
+    await ready(c)
+    await start_server(c)
+    await reach(lab.host, c.ip_address, 8000, f"vm {ips['c']} {GATEWAY}")
 
 
 async def test_restores_of_a_tap_snapshot_each_get_their_own_address_and_ports(image: Image) -> None:
