@@ -52,6 +52,7 @@ def bench(session: nox.Session) -> None:
     session.run("python", "benchmarks/guest.py", *session.posargs)
     session.run("python", "benchmarks/api.py")
     session.run("python", "benchmarks/network.py")
+    session.run("python", "benchmarks/network_tap.py")
     session.run("python", "benchmarks/snapshots.py")
     session.run("python", "benchmarks/coldstart.py")
     session.run("python", "benchmarks/images.py")
