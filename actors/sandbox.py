@@ -967,6 +967,7 @@ class Sandbox:
             raise MachineError(f"cannot set up the sandbox's network: {exc}") from None
         resolv = run_dir / "resolv.conf"  # slirp forwards the guest's DNS to what it names
         resolv.write_text(f"nameserver {hn.gateway}\n")
+        resolv.chmod(0o644)  # (whatever the umask: QEMU's identity reads it in the jail)
         return Uplink(Path(link.jail_netns_path), resolv)
 
     def _readopt_link(self) -> None:
