@@ -290,6 +290,8 @@ async def _running(vm: Machine, t0: float, spec: VmSpec, *, adopted: bool = Fals
                     nursery.start_soon(watch_exit)
                     stream = await connect_guest_socket(vm.guest_socket)
                 if stream is None or vm.exited:
+                    if stream is not None:  # connected as QEMU exited: ours to close
+                        await trio.aclose_forcefully(stream)
                     raise BootError(f"QEMU exited during boot: {vm.describe_exit()}", vm.console.text())
                 async with open_channel(stream, hello_timeout=None, answer_timeout=spec.answer_timeout) as chan:
                     with trio.CancelScope() as hello_scope:
