@@ -22,6 +22,7 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from actors.guest import GuestError
+from actors.ippool import DEFAULT_POOL
 from actors.machine import MachineError, resolve_accel
 from images.build import Builder, BuildError, default_cache, load_default
 from supervisor.cli_client import UsageError, add_client_commands, run_client
@@ -203,6 +204,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         allow_paths=tuple(Path(p).resolve() for p in args.allow_path or ()),
         max_memory_mib=args.max_memory,
         max_disk_mib=args.max_disk,
+        ip_pool="" if args.ip_pool.lower() == "none" else args.ip_pool,
+        dns_upstreams=tuple(args.dns_upstream or ()),
+        egress_never=tuple(args.egress_never or ()),
     )
     trio.run(serve, cfg)
     return 0
@@ -314,6 +318,24 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-disk", type=int, default=0, metavar="MIB", help="state dir use (default: no limit)")
     sv.add_argument(
         "--pool", action="append", metavar="SNAPSHOT=N", help="warm pool size for one snapshot (id or name); repeatable"
+    )
+    sv.add_argument(
+        "--ip-pool",
+        default=DEFAULT_POOL,
+        metavar="CIDR",
+        help=f"as root: tap networking's addresses (default {DEFAULT_POOL}; 'none': no tap mode, no jailed outbound)",
+    )
+    sv.add_argument(
+        "--dns-upstream",
+        action="append",
+        metavar="HOST[:PORT]",
+        help="the sandboxes' DNS proxy asks these (repeatable; default: /etc/resolv.conf's)",
+    )
+    sv.add_argument(
+        "--egress-never",
+        action="append",
+        metavar="CIDR",
+        help="a range no sandbox reaches whatever its egress policy (e.g. your LAN; repeatable)",
     )
     sv.set_defaults(func=cmd_serve)
 

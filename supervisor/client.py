@@ -406,6 +406,8 @@ class AsyncSandbox:
         ttl: int = 0,
         idle_timeout: int = 0,
         network: str = "none",
+        outbound: bool = False,
+        egress: dict[str, Any] | None = None,
         ports: dict[int, int] | None = None,
         kernel: str = "",
         rootfs: str = "",
@@ -417,7 +419,13 @@ class AsyncSandbox:
         timeout: float = 120.0,
     ) -> AsyncSandbox:
         """Create (and by default wait until ready). ``replace`` removes an existing
-        sandbox of that name first; ``ephemeral`` sandboxes are removed when they stop."""
+        sandbox of that name first; ``ephemeral`` sandboxes are removed when they stop.
+        ``network``: "none", "tap" (an address of the supervisor's IP pool), "user"
+        (exposed ports only), or "outbound" (user mode that may reach out: the same as
+        "user" with ``outbound``). ``egress``: where it may connect to, e.g.
+        ``{"default": "deny", "allow": ["10.0.0.0/8", "pypi.org:443"], "deny": [...]}``."""
+        if network == "outbound":
+            network, outbound = "user", True
         body: dict[str, Any] = {
             "id": name,
             "labels": _kv(labels),
@@ -429,7 +437,7 @@ class AsyncSandbox:
             "env": _kv(env),
             "working_dir": workdir,
             "user": user,
-            "network": {"mode": network},
+            "network": {"mode": network, "outbound": outbound, "egress": egress},
             "ports": [{"sandbox_port": g, "host_port": h, "protocol": "tcp"} for g, h in (ports or {}).items()],
             "ttl_seconds": ttl,
             "idle_timeout_seconds": idle_timeout,
@@ -639,6 +647,11 @@ class AsyncSandbox:
     async def unexpose(self, sandbox_port: int, *, udp: bool = False) -> None:
         await self._call("UnexposePort", {"sandbox_port": sandbox_port, "protocol": "udp" if udp else "tcp"})
 
+    async def ports(self) -> builtins.list[dict[str, Any]]:
+        """The port mappings: ``{sandbox_port, host_port, protocol, host_address}`` each
+        (a restored sandbox's carried ones with the host ports it got)."""
+        return list((await self._call("ListPorts"))["ports"])
+
     # -- snapshots (SandboxSnapshotService) ------------------------------------
     async def checkpoint(self, name: str = "", *, labels: dict[str, str] | None = None) -> str:
         """Snapshot this (ready) sandbox; returns the snapshot id."""
@@ -654,15 +667,16 @@ class AsyncSandbox:
         name: str = "",
         labels: dict[str, str] | None = None,
         ttl: int = 0,
+        network_override: bool = False,
         detached: bool = False,
         socket: str | Path | None = None,
     ) -> AsyncSandbox:
         """A new sandbox from a snapshot (id, or a unique snapshot name), ready when this
-        returns. As a context manager it is removed on exit unless ``detached``."""
+        returns. As a context manager it is removed on exit unless ``detached``. A tap
+        clone keeps the snapshot's address when it is free, unless ``network_override``."""
         async with connect(socket) as c:
-            r = await c.call(
-                "Restore", {"snapshot_id": snapshot_id, "id": name, "labels": _kv(labels), "ttl_seconds": ttl}
-            )
+            body = {"snapshot_id": snapshot_id, "id": name, "labels": _kv(labels), "ttl_seconds": ttl}
+            r = await c.call("Restore", {**body, "network_override": network_override})
         return cls(r["id"], socket=socket, detached=detached)
 
     @classmethod
@@ -912,6 +926,9 @@ class Sandbox:
 
     def unexpose(self, sandbox_port: int, *, udp: bool = False) -> None:
         self._do(self._a.unexpose, sandbox_port, udp=udp)
+
+    def ports(self) -> builtins.list[dict[str, Any]]:
+        return self._do(self._a.ports)
 
     def checkpoint(self, name: str = "", **kw: Any) -> str:
         return self._do(self._a.checkpoint, name, **kw)

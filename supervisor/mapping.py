@@ -11,6 +11,7 @@ from __future__ import annotations
 from actors.errors import Code, DomainError, FailedPrecondition, InvalidArgument
 from actors.model import (
     BootSource,
+    Egress,
     Limits,
     NetMode,
     Network,
@@ -67,7 +68,13 @@ def net_mode(text: str) -> NetMode:
     try:
         return NetMode(text or NetMode.NONE)
     except ValueError:
-        raise InvalidArgument(f"network mode {text!r}: one of none, user") from None
+        raise InvalidArgument(f"network mode {text!r}: one of none, tap, user") from None
+
+
+def network(spec: W.NetworkSpec) -> Network:
+    eg = spec.egress
+    egress = None if eg is None else Egress(default=eg.default, allow=tuple(eg.allow), deny=tuple(eg.deny))
+    return Network(mode=net_mode(spec.mode), outbound=spec.outbound, egress=egress)
 
 
 def config(req: W.CreateSandboxRequest) -> SandboxConfig:
@@ -78,7 +85,7 @@ def config(req: W.CreateSandboxRequest) -> SandboxConfig:
     return SandboxConfig(
         labels=dict(req.labels),
         limits=Limits(vcpus=req.limits.vcpus, memory_mib=req.limits.memory_mib),
-        network=Network(mode=net_mode(req.network.mode), outbound=req.network.outbound),
+        network=network(req.network),
         workload=Workload(cmd=tuple(req.cmd), env=dict(req.env), working_dir=req.working_dir, user=req.user),
         ports=tuple(PortSpec(p.sandbox_port, p.host_port, protocol(p.protocol)) for p in req.ports),
         timers=Timers(
@@ -98,7 +105,7 @@ def info(sb: Sandbox) -> W.SandboxInfo:
         state=r.state.value,
         labels=dict(r.config.labels),
         limits=W.ResourceLimits(vcpus=limits.vcpus, memory_mib=limits.memory_mib),
-        network=W.SandboxNetwork(ip_address=sb.ip_address, gateway=sb.gateway),
+        network=W.SandboxNetwork(ip_address=sb.ip_address, gateway=sb.gateway, tap_name=sb.tap_name),
         created_at=r.created_at,
         ready_at=r.ready_at,
         last_exited_at=r.last_exited_at,
@@ -111,6 +118,13 @@ def summary(sb: Sandbox) -> W.SandboxSummary:
     r = sb.record
     return W.SandboxSummary(
         id=r.id, state=r.state.value, labels=dict(r.config.labels), ip_address=sb.ip_address, created_at=r.created_at
+    )
+
+
+def ports(sb: Sandbox) -> W.ListPortsResponse:
+    address = sb.settings.expose_address
+    return W.ListPortsResponse(
+        [W.PortMapping(p.sandbox_port, p.host_port, p.protocol.value, host_address=address) for p in sb.ports()]
     )
 
 

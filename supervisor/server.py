@@ -554,7 +554,8 @@ async def _expose(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
     req = W.structure_body(body, W.ExposePortRequest)
     check_port(req.sandbox_port, req.host_port)
     pm = await srv.registry.get(req.id).expose(req.sandbox_port, req.host_port, M.protocol(req.protocol))
-    # the guest needs no relay port: slirp forwards straight to the sandbox port
+    # idempotent: a port exposed already answers with its mapping. The guest needs no
+    # relay port: slirp forwards, and on tap the relay connects, to the sandbox port
     return W.ExposePortResponse(host_port=pm.host_port, guest_port=pm.sandbox_port)
 
 
@@ -564,6 +565,12 @@ async def _unexpose(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
     check_port(req.sandbox_port)
     await srv.registry.get(req.id).unexpose(req.sandbox_port, M.protocol(req.protocol))
     return None
+
+
+@method("ListPorts")
+async def _list_ports(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
+    req = W.structure_body(body, W.IdRequest)
+    return M.ports(srv.registry.get(req.id))
 
 
 @method("Checkpoint")
@@ -583,7 +590,13 @@ async def _checkpoint(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
 @method("Restore")
 async def _restore(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
     req = W.structure_body(body, W.RestoreRequest)
-    sb = await srv.registry.restore(req.snapshot_id, id=req.id, labels=req.labels, ttl_seconds=req.ttl_seconds)
+    sb = await srv.registry.restore(
+        req.snapshot_id,
+        id=req.id,
+        labels=req.labels,
+        ttl_seconds=req.ttl_seconds,
+        network_override=req.network_override,
+    )
     return W.RestoreResponse(id=sb.id, ip_address=sb.ip_address)
 
 

@@ -90,6 +90,8 @@ def supervisor_process(
     environment that finds it; SIGTERM (a graceful stop) after, if it still runs."""
     env = work.env()
     argv = [sys.executable, "-m", "supervisor.cli", "serve", "--accel", "tcg", "--run-root", str(work.run_root), *args]
+    if "--ip-pool" not in args:  # the machine's own namespace: tap networking only where a test makes its own
+        argv += ["--ip-pool", "none"]
     work.socket.unlink(missing_ok=True)
     p = subprocess.Popen(argv, env=env, stderr=subprocess.DEVNULL)
     try:
