@@ -16,7 +16,9 @@ QMP loop itself (a task started from the test's context takes the test's loop).
 from __future__ import annotations
 
 import gc
+import json
 import os
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from ipaddress import IPv4Address, IPv4Network
@@ -34,6 +36,7 @@ from actors.netns import NetNS
 from actors.registry import Registry
 from actors.sandbox import Sandbox
 from images.build import Image
+from supervisor.client import AsyncSandbox
 from supervisor.throwaway import Workdir, supervisor, workdir
 from tests.netlab import (
     METADATA,
@@ -301,9 +304,16 @@ async def test_outbound_user_mode_reaches_out_through_the_filter_only(image: Ima
     namespace, whose one way out is a filtered veth. It reaches the stand-in internet
     (names through slirp's resolver, which is the DNS proxy) as its policy says, and
     neither the host's loopback nor another sandbox's exposed port; UDP exposure works."""
-    async with net_lab("sv-out-") as lab, serving(lab) as reg:
-        policy = Egress("allow", deny=(SERVERS[2], "other.test"))
-        u = await reg.create("u", SandboxConfig(network=Network(mode=NetMode.USER, outbound=True, egress=policy)))
+    async with net_lab("sv-out-") as lab, serving(lab, templates=False) as reg:
+        # made through the CLI, as a user would (`create --network outbound --deny ...`)
+        env = {**os.environ, "SANDVISOR_SOCKET": str(lab.work.socket)}
+        argv = [sys.executable, "-m", "supervisor.cli", "create", "u", "--network", "outbound", "--json"]
+        argv += ["--deny", SERVERS[2], "--deny", "other.test"]
+        done = await trio.run_process(argv, env=env, capture_stdout=True, capture_stderr=True, check=False)
+        assert done.returncode == 0, done.stderr
+        assert json.loads(done.stdout) == {"id": "u", "state": "ready", "ip_address": "10.0.2.15"}
+        u = reg.get("u")
+        assert u.config.network == Network(NetMode.USER, True, Egress("allow", deny=(SERVERS[2], "other.test")))
         w = await reg.create("w", SandboxConfig(network=Network(mode=NetMode.USER), ports=(PortSpec(8000),)))
         for sb in (u, w):
             await ready(sb)
@@ -333,8 +343,16 @@ async def test_outbound_user_mode_reaches_out_through_the_filter_only(image: Ima
             "while True:\n d, a = s.recvfrom(2048); s.sendto(b'echo:' + d, a)"
         )
         await sh(u, f'(python3 -c "{echo}" >/dev/null 2>&1 &)')
-        pm = await u.expose(9999, 0, Protocol.UDP)
-        assert u.ports() == [pm] and await u.expose(9999, 0, Protocol.UDP) == pm
+        sdk = AsyncSandbox("u", socket=lab.work.socket)
+        host_port = await sdk.expose(9999, udp=True)
+        assert await sdk.expose(9999, udp=True) == host_port  # idempotent
+        (pm,) = u.ports()
+        assert pm == PortSpec(9999, host_port, Protocol.UDP)
+        argv = [sys.executable, "-m", "supervisor.cli", "port", "ls", "u", "--json"]
+        done = await trio.run_process(argv, env=env, capture_stdout=True, check=True)
+        assert json.loads(done.stdout) == [
+            {"sandbox_port": 9999, "host_port": host_port, "protocol": "udp", "host_address": "127.0.0.1"}
+        ]
         client = trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_DGRAM)
         with client, trio.fail_after(60):
             await client.connect(("127.0.0.1", pm.host_port))
