@@ -53,6 +53,7 @@ def bench(session: nox.Session) -> None:
     session.run("python", "benchmarks/api.py")
     session.run("python", "benchmarks/grpc_api.py")
     session.run("python", "benchmarks/network.py")
+    session.run("python", "benchmarks/network_tap.py")
     session.run("python", "benchmarks/snapshots.py")
     session.run("python", "benchmarks/coldstart.py")
     session.run("python", "benchmarks/oci_images.py")

@@ -440,6 +440,19 @@ class GuestChannel:
     async def set_hostname(self, hostname: str) -> None:
         await self._unary(lambda rid: P.SetHostname(rid=rid, hostname=hostname), P.Ok)
 
+    async def net_config(
+        self, address: str, prefix: int, gateway: str, dns: list[str], mac: str = "", iface: str = "eth0"
+    ) -> None:
+        """Give the guest's ``iface`` this address, MAC, default route and resolvers
+        (guestd/netcfg.py; a restored tap clone, before it is reported ready)."""
+        servers = list(dns)
+        await self._unary(
+            lambda rid: P.NetConfig(
+                rid=rid, address=address, prefix=prefix, gateway=gateway, dns=servers, mac=mac, iface=iface
+            ),
+            P.Ok,
+        )
+
     async def shutdown(self, reboot: bool = False) -> None:
         """Ask guestd to stop every process, sync and power off. Returns once it agreed."""
         await self._unary(lambda rid: P.Shutdown(rid=rid, reboot=reboot), P.Ok)

@@ -263,7 +263,7 @@ class MachineSpec:
         if self.vsock_cid is not None:
             dev = "vhost-vsock-device" if self.machine == "microvm" else "vhost-vsock-pci"
             a += ["-device", f"{dev},guest-cid={self.vsock_cid}"]
-        a += [x.replace("{net}", net) for x in self.netdev]
+        a += _netdev(self.netdev, net, fds)
         if self.incoming:
             a += ["-incoming", "defer"]
         if self.sandbox:
@@ -311,6 +311,20 @@ def open_regular(path: Path, flags: int) -> int:
         raise LaunchError(f"{path} is not a regular file")
     os.set_blocking(fd, True)
     return fd
+
+
+def _netdev(args: tuple[str, ...], device: str, fds: dict[str, int]) -> list[str]:
+    """The network layer's -netdev/-device arguments: ``{net}`` is the device model,
+    ``{fd:NAME}`` the number QEMU inherits descriptor ``fds[NAME]`` under (a TAP)."""
+    out = []
+    for x in args:
+        x = x.replace("{net}", device)
+        for name, fd in fds.items():
+            x = x.replace(f"{{fd:{name}}}", str(fd))
+        if "{fd:" in x:
+            raise LaunchError(f"QEMU's network argument {x!r} names a descriptor it is not given")
+        out.append(x)
+    return out
 
 
 def _image_format(path: Path) -> str:

@@ -16,6 +16,7 @@ from supervisor.errors import ApiError
 
 # Imports are inside the functions that need them: a one-shot client command (ls,
 # inspect, run, ...) loads neither Trio, rich nor the image builder (issue 14).
+DEFAULT_IP_POOL = "10.88.0.0/16"  # actors.ippool.DEFAULT_POOL (a test says so): not imported here
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (mypy reads the name)
 if TYPE_CHECKING:
     from typing import Any, NoReturn
@@ -234,6 +235,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         grpc_key=Path(args.grpc_key) if args.grpc_key else None,
         grpc_client_ca=Path(args.grpc_client_ca) if args.grpc_client_ca else None,
         metrics=args.metrics,
+        ip_pool="" if args.ip_pool.lower() == "none" else args.ip_pool,
+        dns_upstreams=tuple(args.dns_upstream or ()),
+        egress_never=tuple(args.egress_never or ()),
     )
     try:  # the flags' mistakes as usage errors, before anything starts
         grpc_addresses(cfg.grpc, cert=cfg.grpc_cert, key=cfg.grpc_key, client_ca=cfg.grpc_client_ca)
@@ -415,6 +419,24 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     sv.add_argument("--grpc-client-ca", metavar="PEM", help="require client certificates signed by this CA")
     sv.add_argument(
         "--metrics", metavar="HOST:PORT", help="serve Prometheus metrics at http://HOST:PORT/metrics (host: loopback)"
+    )
+    sv.add_argument(
+        "--ip-pool",
+        default=DEFAULT_IP_POOL,
+        metavar="CIDR",
+        help=f"as root: tap networking's addresses (default {DEFAULT_IP_POOL}; 'none': no tap, no jailed outbound)",
+    )
+    sv.add_argument(
+        "--dns-upstream",
+        action="append",
+        metavar="HOST[:PORT]",
+        help="the sandboxes' DNS proxy asks these (repeatable; default: /etc/resolv.conf's)",
+    )
+    sv.add_argument(
+        "--egress-never",
+        action="append",
+        metavar="CIDR",
+        help="a range no sandbox reaches whatever its egress policy (e.g. your LAN; repeatable)",
     )
     sv.set_defaults(func=_host_errors(cmd_serve))
 

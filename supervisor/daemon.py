@@ -1,14 +1,17 @@
 """``sandvisor serve``: the long-running supervisor.
 
 Owns, in one nursery: the registry actor (and through it every sandbox), the
-Unix-socket server, the gRPC edge and the metrics endpoint (when configured), and
-the asyncio loop QMP runs on. SIGTERM or SIGINT: stop accepting (the gRPC edge
-first), stop every sandbox within a bound, exit 0.
+Unix-socket server, the gRPC edge and the metrics endpoint (when configured), the
+asyncio loop QMP runs on, and (root, ``ip_pool`` set) the host network: the IP pool,
+the egress filter, the DNS proxy (actors/hostnet.py). SIGTERM or SIGINT: stop
+accepting (the gRPC edge first), stop every sandbox within a bound, exit 0.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import ipaddress
 import logging
 import os
 import signal
@@ -18,11 +21,13 @@ import attrs
 import trio
 
 from actors.cell import Cells, JailConfig
+from actors.hostnet import HostNetConfig, HostNetwork
+from actors.ippool import IpPool
 from actors.machine import qmp_loop, resolve_accel, unprivileged_user
 from actors.quotas import Quotas
 from actors.registry import Registry
 from actors.settings import Settings
-from actors.store import Store
+from actors.store import Store, StoreLeases
 from images.build import Builder, Image, load_default
 from images.oci import ImageStore
 from supervisor.config import claim_runtime_dir, default_memory_dir, default_run_root, runtime_dir
@@ -65,6 +70,37 @@ class DaemonConfig:
     grpc_key: Path | None = None
     grpc_client_ca: Path | None = None  # require client certificates signed by this CA
     metrics: str | None = None  # HOST:PORT of the Prometheus endpoint (None: not served)
+    # tap networking (root): the IP pool's CIDR ("" = none: no tap mode, no outbound for
+    # jailed user-mode sandboxes). `sandvisor serve` defaults it to 10.88.0.0/16.
+    ip_pool: str = ""
+    dns_upstreams: tuple[str, ...] = ()  # the DNS proxy's resolvers, HOST[:PORT] (default: /etc/resolv.conf's)
+    egress_never: tuple[str, ...] = ()  # CIDRs no sandbox reaches whatever its policy says (e.g. the LAN)
+
+
+def host_network(cfg: DaemonConfig, store: Store) -> HostNetwork | None:
+    """The tap networking of a root supervisor with an IP pool (not started yet)."""
+    if not cfg.ip_pool:
+        return None
+    if os.geteuid() != 0:
+        log.info("tap networking needs root: network mode 'tap' is not available")
+        return None
+    key = hashlib.sha256(str(cfg.state_dir.resolve()).encode()).hexdigest()[:6]
+    config = HostNetConfig(
+        pool=cfg.ip_pool,
+        upstreams=tuple(parse_upstream(u) for u in cfg.dns_upstreams),
+        never=cfg.egress_never,
+        jail_prefix=f"svj-{key}-",
+    )
+    return HostNetwork(config, IpPool(cfg.ip_pool, StoreLeases(store)))
+
+
+def parse_upstream(text: str) -> tuple[str, int]:
+    """``HOST[:PORT]`` of a DNS upstream (IPv4)."""
+    host, _, port = text.partition(":")
+    try:
+        return str(ipaddress.IPv4Address(host)), int(port or 53)
+    except ValueError:
+        raise ValueError(f"DNS upstream {text!r}: expected an IPv4 address, optionally with :PORT") from None
 
 
 def default_image(state_dir: Path) -> Image:
@@ -122,6 +158,7 @@ async def _serve(cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Registry,
             )
         )
     store = Store(cfg.state_dir / "sandvisor.db")
+    hostnet = host_network(cfg, store)
     settings = Settings(
         image=image,
         sandboxes_dir=cfg.state_dir / "sandboxes",
@@ -135,6 +172,7 @@ async def _serve(cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Registry,
         cells=cells,
         allowed_paths=cfg.allow_paths,
         images=ImageStore(cfg.state_dir / "oci") if os.geteuid() == 0 else None,
+        hostnet=hostnet,
     )
     log.info(
         "serving on %s (state %s, accel %s, QEMU %s)",
@@ -149,6 +187,9 @@ async def _serve(cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Registry,
     )
     try:
         async with qmp_loop(), trio.open_nursery() as nursery:
+            if hostnet is not None:  # before the registry: adopted sandboxes get their links back
+                await nursery.start(hostnet.run)
+                log.info("tap networking: pool %s, gateway and DNS proxy %s", hostnet.pool.network, hostnet.gateway)
             registry = await nursery.start(
                 Registry(
                     settings,
@@ -198,6 +239,8 @@ async def _serve(cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Registry,
                 edge_scope.cancel()  # stop accepting: gRPC first (remote callers), then the socket
                 server_scope.cancel()
                 if cfg.keep_sandboxes:
+                    if hostnet is not None:
+                        hostnet.keep_table = True  # the sandboxes that run on stay filtered
                     await registry.detach_all()
                 else:
                     await registry.shutdown(cfg.stop_timeout)

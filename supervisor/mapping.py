@@ -14,6 +14,7 @@ from pathlib import Path
 from actors.errors import Code, DomainError, FailedPrecondition, InvalidArgument
 from actors.model import (
     BootSource,
+    Egress,
     Limits,
     NetMode,
     Network,
@@ -72,7 +73,13 @@ def net_mode(text: str) -> NetMode:
     try:
         return NetMode(text or NetMode.NONE)
     except ValueError:
-        raise InvalidArgument(f"network mode {text!r}: one of none, user") from None
+        raise InvalidArgument(f"network mode {text!r}: one of none, tap, user") from None
+
+
+def network(spec: W.NetworkSpec) -> Network:
+    eg = spec.egress
+    egress = None if eg is None else Egress(default=eg.default, allow=tuple(eg.allow), deny=tuple(eg.deny))
+    return Network(mode=net_mode(spec.mode), outbound=spec.outbound, egress=egress)
 
 
 def config(req: W.CreateSandboxRequest) -> SandboxConfig:
@@ -83,7 +90,7 @@ def config(req: W.CreateSandboxRequest) -> SandboxConfig:
     return SandboxConfig(
         labels=dict(req.labels),
         limits=Limits(vcpus=req.limits.vcpus, memory_mib=req.limits.memory_mib),
-        network=Network(mode=net_mode(req.network.mode), outbound=req.network.outbound),
+        network=network(req.network),
         workload=Workload(cmd=tuple(req.cmd), env=dict(req.env), working_dir=req.working_dir, user=req.user),
         ports=tuple(PortSpec(p.sandbox_port, p.host_port, protocol(p.protocol)) for p in req.ports),
         timers=Timers(
@@ -103,7 +110,7 @@ def info(sb: Sandbox) -> W.SandboxInfo:
         state=r.state.value,
         labels=dict(r.config.labels),
         limits=W.ResourceLimits(vcpus=limits.vcpus, memory_mib=limits.memory_mib),
-        network=W.SandboxNetwork(ip_address=sb.ip_address, gateway=sb.gateway),
+        network=W.SandboxNetwork(ip_address=sb.ip_address, gateway=sb.gateway, tap_name=sb.tap_name),
         created_at=r.created_at,
         ready_at=r.ready_at,
         last_exited_at=r.last_exited_at,
@@ -116,6 +123,13 @@ def summary(sb: Sandbox) -> W.SandboxSummary:
     r = sb.record
     return W.SandboxSummary(
         id=r.id, state=r.state.value, labels=dict(r.config.labels), ip_address=sb.ip_address, created_at=r.created_at
+    )
+
+
+def ports(sb: Sandbox) -> W.ListPortsResponse:
+    address = sb.settings.expose_address
+    return W.ListPortsResponse(
+        [W.PortMapping(p.sandbox_port, p.host_port, p.protocol.value, host_address=address) for p in sb.ports()]
     )
 
 
@@ -141,10 +155,6 @@ def metrics(m: SandboxMetrics, *, cpu_seconds_total: float = 0.0) -> W.MetricsRe
         cgroup_oom_kills=m.cgroup_oom_kills,
         cpu_seconds_total=cpu_seconds_total,
     )
-
-
-def port(pm: PortSpec, host_address: str) -> W.PortMapping:
-    return W.PortMapping(pm.sandbox_port, pm.host_port, pm.protocol.value, host_address)
 
 
 def image(img: Image, is_default: bool) -> W.ImageInfo:

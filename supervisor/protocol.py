@@ -160,9 +160,23 @@ class ResourceLimits:
 
 
 @attrs.frozen
+class EgressSpec:
+    """sandvisor extension: where a sandbox may connect to (tap; user with outbound).
+    Entries: CIDRs, addresses, ``host:port`` (ranges ``lo-hi``), domain names
+    (``example.com``, ``*.example.com``, optionally ``:port``)."""
+
+    default: str = "allow"  # "allow" | "deny"
+    allow: list[str] = attrs.field(factory=list)
+    deny: list[str] = attrs.field(factory=list)
+
+
+@attrs.frozen
 class NetworkSpec:
-    mode: str = ""  # "none" (default) | "user"; "tap" is not available yet
+    # "none" (default, see docs/network.md) | "tap" (a TAP and an address of the IP pool,
+    # the seed's) | "user" (QEMU's slirp: exposed ports only, unless outbound)
+    mode: str = ""
     outbound: bool = False  # sandvisor extension: user mode without restrict (the guest may reach out)
+    egress: EgressSpec | None = None  # sandvisor extension (None: everything but the host and metadata)
 
 
 @attrs.frozen
@@ -511,7 +525,7 @@ class RestoreRequest:
     snapshot_id: str  # a snapshot id, or a snapshot name that is unique
     id: str = ""
     labels: dict[str, str] = attrs.field(factory=dict)
-    network_override: bool = False  # accepted; every restore has its own network stack anyway
+    network_override: bool = False  # tap: a fresh address even when the snapshot's is free
     ttl_seconds: int = 0
 
 

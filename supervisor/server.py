@@ -571,7 +571,8 @@ async def _metrics_all(reg: Registry, io: CallIO, req: W.Empty) -> W.MetricsAllR
 async def _expose(reg: Registry, io: CallIO, req: W.ExposePortRequest) -> W.ExposePortResponse:
     check_port(req.sandbox_port, req.host_port)
     pm = await reg.get(req.id).expose(req.sandbox_port, req.host_port, M.protocol(req.protocol))
-    # the guest needs no relay port: slirp forwards straight to the sandbox port
+    # idempotent: a port exposed already answers with its mapping. The guest needs no
+    # relay port: slirp forwards, and on tap the relay connects, to the sandbox port
     return W.ExposePortResponse(host_port=pm.host_port, guest_port=pm.sandbox_port)
 
 
@@ -583,8 +584,7 @@ async def _unexpose(reg: Registry, io: CallIO, req: W.UnexposePortRequest) -> No
 
 @method("ListPorts", W.IdRequest)
 async def _list_ports(reg: Registry, io: CallIO, req: W.IdRequest) -> W.ListPortsResponse:
-    sb = reg.get(req.id)
-    return W.ListPortsResponse([M.port(p, reg.settings.expose_address) for p in sb.record.ports])
+    return M.ports(reg.get(req.id))
 
 
 @method("Checkpoint", W.CheckpointRequest)
@@ -602,7 +602,13 @@ async def _checkpoint(reg: Registry, io: CallIO, req: W.CheckpointRequest) -> W.
 
 @method("Restore", W.RestoreRequest)
 async def _restore(reg: Registry, io: CallIO, req: W.RestoreRequest) -> W.RestoreResponse:
-    sb = await reg.restore(req.snapshot_id, id=req.id, labels=req.labels, ttl_seconds=req.ttl_seconds)
+    sb = await reg.restore(
+        req.snapshot_id,
+        id=req.id,
+        labels=req.labels,
+        ttl_seconds=req.ttl_seconds,
+        network_override=req.network_override,
+    )
     return W.RestoreResponse(id=sb.id, ip_address=sb.ip_address)
 
 
