@@ -40,6 +40,8 @@ async def wait_ready(registry: Any, name: str) -> None:
     with trio.fail_after(120):
         while registry.get(name).state not in ("ready", "failed"):
             await trio.sleep(0.01)
+        # READY is set, then flushed, then the life stamps "ready_event": wait for all of it
+        await registry.get(name).ready_event.wait()
     if registry.get(name).state != "ready":
         raise RuntimeError(f"{name} failed: {registry.get(name).record.error}")
 
