@@ -11,7 +11,14 @@ import os
 import sys
 from collections.abc import Callable
 
-from supervisor.cli_client import CLIENT_COMMANDS, UsageError, add_client_commands, configure_logging, run_client
+from supervisor.cli_client import (
+    CLIENT_COMMANDS,
+    UsageError,
+    add_client_commands,
+    add_image_commands,
+    configure_logging,
+    run_client,
+)
 from supervisor.errors import ApiError
 
 # Imports are inside the functions that need them: a one-shot client command (ls,
@@ -325,12 +332,13 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         add_client_commands(sub, only)
         return p
 
-    image = sub.add_parser("image", help="guest images")
+    image = sub.add_parser("image", help="the guest image (build) and OCI images (pull, ls, rm, prune)")
     isub = image.add_subparsers(dest="image_command", required=True, metavar="SUBCOMMAND")
     ib = isub.add_parser("build", help="build the default guest image (cached, content-keyed)")
     ib.add_argument("--cache", help="image cache directory (default: STATE_DIR/images)")
     ib.add_argument("--json", action="store_true", help="print the result as JSON")
     ib.set_defaults(func=_host_errors(cmd_image_build))
+    add_image_commands(isub)
 
     sv = sub.add_parser("serve", help="run the supervisor (the sandbox.v1 service on a Unix socket)")
     sv.add_argument("--socket", help="socket path (default: $SANDVISOR_SOCKET, /run/sandvisor/sandvisor.sock for root)")

@@ -252,6 +252,9 @@ async def _create(a: argparse.Namespace) -> AsyncSandbox:
         outbound=a.outbound,
         egress=_egress(a),
         ports=ports(a.port),
+        image=a.image or "",
+        pull=a.pull or "",
+        tls_verify=a.tls_verify,
         detached=True,
         wait=not a.no_wait,
     )
@@ -552,6 +555,135 @@ def snapshots(a: argparse.Namespace) -> int:
     return 0
 
 
+# --- OCI images -----------------------------------------------------------------------
+def tls_flag(text: str) -> bool:
+    """``--tls-verify=false`` as podman and skopeo spell it."""
+    v = text.lower()
+    if v in ("true", "1", "yes"):
+        return True
+    if v in ("false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def image_pull(a: argparse.Namespace) -> int:
+    """Pull with progress on stderr (one line redrawn on a terminal, each phase once
+    otherwise); the digest (or --json, the image) on stdout."""
+    if a.creds is not None and a.authfile is not None:
+        raise UsageError("give --creds or --authfile, not both")
+    body: dict[str, Any] = {"ref": a.ref, "policy": a.policy or "", "creds": a.creds or ""}
+    if not a.tls_verify:
+        body["tls_verify"] = False
+    if a.authfile is not None:
+        try:
+            body["auth_json"] = Path(a.authfile).read_bytes()
+        except OSError as exc:
+            raise UsageError(f"cannot read the auth file {a.authfile}: {exc.strerror}") from None
+    tty = sys.stderr.isatty() and not a.quiet
+    last_phase, image = "", None
+    with _conn(a) as c:
+        for item in c.stream("PullImage", body):
+            phase = item.get("phase", "")
+            if item.get("image"):
+                image = item["image"]
+            if a.quiet:
+                continue
+            size = f" {_mib(item.get('done', 0))}/{_mib(item['total'])}" if item.get("total") else ""
+            line = f"{phase}: {item.get('message', '')}{size}".rstrip(": ")
+            if tty:
+                sys.stderr.write(f"\r\x1b[K{line}")
+                if phase == "done":
+                    sys.stderr.write("\n")
+                sys.stderr.flush()
+            elif phase != last_phase:
+                print(line, file=sys.stderr, flush=True)
+            last_phase = phase
+    if image is None:
+        raise UsageError("the supervisor ended the pull without an image")
+    _json(image) if a.json else print(image["digest"])
+    return 0
+
+
+def image_ls(a: argparse.Namespace) -> int:
+    with _conn(a) as c:
+        r = c.call("ListImages", {})
+    oci = r.get("oci_images", [])
+    if a.json:
+        _json(oci)
+        return 0
+    rows = []
+    for i in oci:
+        for ref in i["refs"] or ["<none>"]:
+            rows.append(
+                (
+                    ref,
+                    i["id"],
+                    _mib(i.get("size_bytes", 0)),
+                    "yes" if i.get("in_use") else "",
+                    _ts(i.get("pulled_at", 0)),
+                )
+            )
+    print_table(("REFERENCE", "ID", "SIZE", "IN USE", "PULLED"), rows)
+    return 0
+
+
+def image_rm(a: argparse.Namespace) -> int:
+    with _conn(a) as c:
+        for ref in a.refs:
+            r = c.call("RemoveImage", {"ref": ref})
+            if a.json:
+                _json(r)
+                continue
+            for t in r.get("untagged", []):
+                print(f"untagged: {t}")
+            for d in r.get("deleted", []):
+                print(f"deleted: {d}")
+    return 0
+
+
+def image_prune(a: argparse.Namespace) -> int:
+    with _conn(a) as c:
+        r = c.call("PruneImages", {"dangling_only": a.dangling})
+    if a.json:
+        _json(r)
+        return 0
+    for d in r.get("deleted", []):
+        print(f"deleted: {d}")
+    print(f"freed {_mib(r.get('freed_bytes', 0))} ({r.get('blobs_deleted', 0)} blobs)")
+    return 0
+
+
+def add_image_commands(isub: Any) -> None:
+    """``image pull|ls|rm|prune``: the supervisor's OCI store (``image build`` is the host's)."""
+
+    def cmd(name: str, fn: Any, help: str) -> argparse.ArgumentParser:
+        p: argparse.ArgumentParser = isub.add_parser(name, help=help)
+        p.add_argument("--socket", default=os.environ.get("SANDVISOR_SOCKET"), help="supervisor socket")
+        p.add_argument("--json", action="store_true")
+        p.set_defaults(client=fn)
+        return p
+
+    p = cmd("pull", image_pull, "pull an OCI image into the supervisor's store (prints its digest)")
+    p.add_argument("ref", help="docker://HOST/NAME:TAG, ...@sha256:..., docker-archive:PATH, oci-archive:PATH, oci:DIR")
+    p.add_argument("--policy", choices=["always", "if-missing", "never"], help="default: if-missing")
+    p.add_argument("--tls-verify", type=tls_flag, default=True, metavar="BOOL", help="false: a plain-HTTP registry")
+    p.add_argument("--creds", metavar="USER:PASS", help="registry credentials (never logged)")
+    p.add_argument("--authfile", metavar="PATH", help="a docker-style auth file (read here, sent as content)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress")
+
+    cmd("ls", image_ls, "list the OCI images in the supervisor's store")
+
+    p = cmd("rm", image_rm, "untag a reference, or delete an image (refused while in use)")
+    p.add_argument("refs", nargs="+", metavar="REF")
+
+    p = cmd("prune", image_prune, "delete every image nothing uses, and unused layers")
+    p.add_argument("--dangling", action="store_true", help="only images no reference names")
+
+
 # --- parser ------------------------------------------------------------------------
 CLIENT_COMMANDS = frozenset(
     {
@@ -623,6 +755,9 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
     p.add_argument("--port", action="append", metavar="HOST:GUEST")
     p.add_argument("--workdir")
     p.add_argument("--user")
+    p.add_argument("--image", metavar="REF", help="an OCI image (docker://HOST/NAME:TAG, oci:DIR, ...)")
+    p.add_argument("--pull", choices=["always", "if-missing", "never"], help="the image's pull policy")
+    p.add_argument("--tls-verify", type=tls_flag, default=True, metavar="BOOL", help="false: a plain-HTTP registry")
     p.add_argument("--no-wait", action="store_true")
     p.add_argument("--json", action="store_true")
 
