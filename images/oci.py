@@ -489,6 +489,9 @@ class ImageStore:
         if policy is not PullPolicy.ALWAYS:
             cached = self._lookup(ref)
             if cached is not None:
+                if r.canonical() not in cached.refs:  # NAME@digest of an image pulled by tag: now a name too
+                    self._add_ref(r.canonical(), cached.digest)
+                    cached = self.get(cached.digest)
                 emit(PullProgress(ref, "cached", "in the store", digest=cached.digest))
                 return cached
             if policy is PullPolicy.NEVER:
