@@ -493,6 +493,7 @@ class Registry:
             working_dir=c.working_dir,
             user=c.user,
             argv=tuple(c.argv()),
+            entrypoint=c.entrypoint,
         )
 
     def images_in_use(self) -> set[str]:

@@ -23,7 +23,7 @@ from test_oci import Built, Pushed
 
 from actors.registry import Registry
 from images.build import Image as GuestImage
-from images.ocilocal import TEST_PASSWORD, TEST_USER, LocalRegistry, push
+from images.ocilocal import TEST_PASSWORD, TEST_USER, ImageSpec, Layer, LocalRegistry, build_image, busybox_tree, push
 from supervisor.client import (
     AsyncImages,
     AsyncSandbox,
@@ -302,3 +302,28 @@ async def test_python_image_without_a_shell_boots_and_runs_its_cmd(
             assert (code, out) == (0, b"0 ['c']\n")
             while b"initial" not in b"".join(e.data for e in await sb.logs()):
                 await trio.sleep(0.2)
+
+
+async def wait_log(sb: AsyncSandbox, text: bytes) -> None:
+    while text not in b"".join(e.data for e in await sb.logs()):
+        await trio.sleep(0.2)
+
+
+@pytest.mark.vm
+async def test_a_create_cmd_replaces_the_image_cmd_not_its_entrypoint(
+    served: tuple[Workdir, Registry], tmp_path: Path
+) -> None:
+    """As a container runtime and the SDK reference's WithCmd: Entrypoint + the Create's
+    cmd; Entrypoint + the image's Cmd without one. The image comes from an ``oci:`` dir."""
+    work, _reg = served
+    layout = tmp_path / "layout"
+    spec = ImageSpec(entrypoint=("/bin/echo", "ep:"), cmd=("default",))
+    build_image(layout, "ep", [Layer(busybox_tree(tmp_path / "bb"))], spec)
+    ref = f"oci:{layout}:ep"
+    with trio.fail_after(300):
+        img = await AsyncImages(work.socket).pull(ref)
+        assert (img.entrypoint, img.cmd, img.refs) == (["/bin/echo", "ep:"], ["default"], [ref])
+        async with await AsyncSandbox.create("ep1", image=ref, socket=work.socket) as a:
+            await wait_log(a, b"ep: default\n")
+        async with await AsyncSandbox.create("ep2", image=ref, cmd=["given"], socket=work.socket) as b:
+            await wait_log(b, b"ep: given\n")
