@@ -327,3 +327,55 @@ async def test_a_create_cmd_replaces_the_image_cmd_not_its_entrypoint(
             await wait_log(a, b"ep: default\n")
         async with await AsyncSandbox.create("ep2", image=ref, cmd=["given"], socket=work.socket) as b:
             await wait_log(b, b"ep: given\n")
+
+
+async def test_the_image_rpcs_over_grpc(image: GuestImage, pushed: Pushed) -> None:
+    """sandvisor.v1 PullImage (streamed), ListImages, RemoveImage, PruneImages: the same
+    table as the socket; ``tls_verify`` is a proto3 optional (unset: verify)."""
+    import grpc
+
+    from supervisor.proto.sandvisor.v1 import sandvisor_pb2 as sv
+    from supervisor.proto.sandvisor.v1 import sandvisor_pb2_grpc as sv_grpc
+
+    with workdir("sv-ocig-", private_state=True) as work:
+        sock = work.root / "g.sock"
+        async with supervisor(work, grpc=(f"unix://{sock}",)) as (_cfg, reg):
+            channel = grpc.insecure_channel(f"unix:{sock}")
+            stub = sv_grpc.SandvisorServiceStub(channel)
+
+            def pull(**kw: Any) -> list[Any]:
+                return list(stub.PullImage(sv.PullImageRequest(**kw)))
+
+            def code_of(fn: Any, **kw: Any) -> tuple[Any, str]:
+                try:
+                    fn(**kw)
+                except grpc.RpcError as exc:
+                    return exc.code(), exc.details()
+                raise AssertionError("no error")
+
+            try:
+                with trio.fail_after(120):
+                    items = await trio.to_thread.run_sync(lambda: pull(ref=pushed.busybox, tls_verify=False))
+                    assert items[0].phase == "resolving" and items[-1].phase == "done"
+                    assert items[-1].image.digest == pushed.digests["busybox"]
+                    assert items[-1].image.cmd == ["/bin/sh"]
+                    # TLS verified when unset: the plain-HTTP registry is UNAVAILABLE, saying why
+                    code, why = await trio.to_thread.run_sync(
+                        lambda: code_of(pull, ref=pushed.app)  # (not cached: it must ask)
+                    )
+                    assert code == grpc.StatusCode.UNAVAILABLE and "tls_verify" in why
+                    listed = await trio.to_thread.run_sync(lambda: stub.ListImages(sv.ListImagesRequest()))
+                    assert [i.digest for i in listed.oci_images] == [pushed.digests["busybox"]]
+                    code, _ = await trio.to_thread.run_sync(
+                        lambda: code_of(pull, ref=pushed.busybox.replace(":1", ":nope"), tls_verify=False)
+                    )
+                    assert code == grpc.StatusCode.NOT_FOUND
+                    r = await trio.to_thread.run_sync(
+                        lambda: stub.RemoveImage(sv.RemoveImageRequest(ref=pushed.busybox))
+                    )
+                    assert list(r.deleted) == [pushed.digests["busybox"]]
+                    p = await trio.to_thread.run_sync(lambda: stub.PruneImages(sv.PruneImagesRequest()))
+                    assert list(p.deleted) == []
+                    assert_no_partial(reg, 0)
+            finally:
+                channel.close()
