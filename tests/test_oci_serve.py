@@ -120,6 +120,8 @@ async def test_pull_by_tag_and_digest_with_progress_then_ls_rm_prune(
         assert r.returncode == 0, r.stderr
         assert r.stdout.decode().strip() == pushed.digests["app"]
         assert b"downloading" in r.stderr and b"converting" in r.stderr
+        r = await cli(work, "image", "pull", "--policy", "always", by_digest, "--tls-verify=false", "-q")
+        assert (r.returncode, r.stdout.decode().strip(), r.stderr) == (0, img.digest, b"")
         r = await cli(work, "image", "ls", "--json")
         listed = {i["digest"]: i for i in json.loads(r.stdout)}
         assert set(listed) == {pushed.digests["busybox"], pushed.digests["app"]}
@@ -289,19 +291,24 @@ async def test_create_from_image_its_defaults_template_and_rm_refused(
 async def test_python_image_without_a_shell_boots_and_runs_its_cmd(
     served: tuple[Workdir, Registry], pushed: Pushed
 ) -> None:
+    """No shell, no Create cmd: the image's Cmd (python3 -S) is the initial workload;
+    its stdin is not a terminal left open, so it ends and the sandbox takes Runs."""
     work, _reg = served
     with trio.fail_after(300):
         img = await AsyncImages(work.socket).pull(pushed.python, tls_verify=False)
         assert img.cmd == ["/usr/bin/python3", "-S"] and img.entrypoint == []
-        async with await AsyncSandbox.create(
-            "py", image=pushed.python, cmd=["/usr/bin/python3", "-S", "-c", "print('initial')"], socket=work.socket
-        ) as sb:
+        async with await AsyncSandbox.create("py", image=pushed.python, socket=work.socket) as sb:
             code, out = await exec_out(
                 sb, ["/usr/bin/python3", "-S", "-c", "import os; print(os.getuid(), sorted(os.listdir('/opt/lower')))"]
             )
             assert (code, out) == (0, b"0 ['c']\n")
-            while b"initial" not in b"".join(e.data for e in await sb.logs()):
-                await trio.sleep(0.2)
+            while True:
+                try:
+                    r = await sb.run(["/usr/bin/python3", "-S", "-c", "print('a run')"])
+                    break
+                except FailedPrecondition:  # the initial workload is still running
+                    await trio.sleep(0.2)
+            assert (r.exit_code, r.stdout) == (0, b"a run\n")
 
 
 async def wait_log(sb: AsyncSandbox, text: bytes) -> None:
