@@ -268,11 +268,17 @@ def cmd_completion(args: argparse.Namespace) -> int:
     for name, p in sub.choices.items():
         words[name] = sorted(o for act in p._actions for o in act.option_strings if o.startswith("--"))
     cases = "\n".join(f'    {name}) opts="{" ".join(opts)}" ;;' for name, opts in sorted(words.items()))
+    image_parser = sub.choices["image"]
+    image_sub = next(a for a in image_parser._actions if isinstance(a, argparse._SubParsersAction))
+    image_words = " ".join(sorted(image_sub.choices))
     print(
         f"""_sandvisor() {{
   local cur="${{COMP_WORDS[COMP_CWORD]}}" cmd="${{COMP_WORDS[1]}}" opts=""
   if [ "$COMP_CWORD" -eq 1 ]; then
     COMPREPLY=($(compgen -W "{" ".join(sorted(words))}" -- "$cur")); return
+  fi
+  if [ "$cmd" = image ] && [ "$COMP_CWORD" -eq 2 ]; then
+    COMPREPLY=($(compgen -W "{image_words}" -- "$cur")); return
   fi
   case "$cmd" in
 {cases}
