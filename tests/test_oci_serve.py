@@ -235,7 +235,7 @@ async def test_credentials_and_auth_file_through_the_socket(
 
 @pytest.mark.vm
 async def test_create_from_image_its_defaults_template_and_rm_refused(
-    served: tuple[Workdir, Registry], built: Built, own_registry: LocalRegistry
+    served: tuple[Workdir, Registry], built: Built, own_registry: LocalRegistry, pushed: Pushed
 ) -> None:
     """The image's config is the sandbox's default (a non-root USER, a WORKDIR the store
     made, ENV, Entrypoint+Cmd as the initial workload); ``if-missing`` does not contact
@@ -269,16 +269,17 @@ async def test_create_from_image_its_defaults_template_and_rm_refused(
                 await AsyncImages(sock).remove(digest)
             r = await cli(work, "image", "rm", ref)
             assert r.returncode == 1 and b"FAILED_PRECONDITION" in r.stderr
-            assert (await AsyncImages(sock).prune()).deleted == []
+            unused = await AsyncImages(sock).pull(pushed.busybox, tls_verify=False)
+            assert (await AsyncImages(sock).prune()).deleted == [unused.digest]  # only what nothing uses
             [listed] = await AsyncImages(sock).list()
-            assert listed.in_use
+            assert listed.in_use and listed.digest == digest
 
             async with await AsyncSandbox.create("app2", image=ref, socket=sock) as b:
                 logs = b"".join(e.data for e in await b.logs() if e.source == "system")
                 assert b"restored from the boot template" in logs, logs
                 code, out = await exec_out(b, ["/bin/sh", "-c", "id -u; cat /etc/motd"])
                 assert (code, out) == (0, b"4242\napp image\n")
-        assert store.stats.resolves == resolves  # neither Create asked the registry
+        assert store.stats.resolves == resolves + 1  # busybox's pull only: neither Create asked the registry
         # policy always asks it: stopped, that is UNAVAILABLE, and the daemon serves on
         with pytest.raises(Unavailable):
             await AsyncSandbox.create("app3", image=ref, pull="always", tls_verify=False, socket=sock)
