@@ -283,6 +283,8 @@ async def test_create_from_image_its_defaults_template_and_rm_refused(
         # policy always asks it: stopped, that is UNAVAILABLE, and the daemon serves on
         with pytest.raises(Unavailable):
             await AsyncSandbox.create("app3", image=ref, pull="always", tls_verify=False, socket=sock)
+        with pytest.raises(NotFound):  # a Create whose pull failed made nothing
+            await AsyncSandbox.get("app3", socket=sock)
         # the sandboxes are gone, but the boot template still stands on the image
         with pytest.raises(FailedPrecondition, match="in use"):
             await AsyncImages(sock).remove(digest)
