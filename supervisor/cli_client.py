@@ -30,7 +30,7 @@ from supervisor.frames import BlockingConnection
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~2 ms; mypy reads the name)
 if TYPE_CHECKING:
-    from typing import Any
+    from typing import Any, Literal
 
     from supervisor.client import AsyncSandbox
 
@@ -234,8 +234,20 @@ async def create(a: argparse.Namespace) -> int:
 
 
 async def _create(a: argparse.Namespace) -> AsyncSandbox:
-    from supervisor.client import AsyncSandbox
+    from supervisor.client import AsyncImages, AsyncSandbox
 
+    pull: Literal["", "always", "if-missing", "never"] = a.pull or ""
+    if a.image and not a.json and a.pull != "never":
+        # pull first, with progress (a Create pulls silently before it answers); the
+        # Create then finds the reference in the store
+        show = PullProgress()
+        await AsyncImages(a.socket).pull(
+            a.image,
+            policy=pull,
+            tls_verify=a.tls_verify,
+            progress=lambda p: show(p.phase, p.message, p.done, p.total),
+        )
+        pull = "if-missing"
     return await AsyncSandbox.create(
         a.name,
         socket=a.socket,
@@ -253,7 +265,7 @@ async def _create(a: argparse.Namespace) -> AsyncSandbox:
         egress=_egress(a),
         ports=ports(a.port),
         image=a.image or "",
-        pull=a.pull or "",
+        pull=pull,
         tls_verify=a.tls_verify,
         detached=True,
         wait=not a.no_wait,
@@ -570,6 +582,28 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
+class PullProgress:
+    """A pull's progress on stderr: one line redrawn on a terminal, each phase once
+    otherwise (logs stay short), nothing when quiet."""
+
+    def __init__(self, *, quiet: bool = False) -> None:
+        self.quiet = quiet
+        self.tty = sys.stderr.isatty()
+        self.last = ""
+
+    def __call__(self, phase: str, message: str, done: int, total: int) -> None:
+        if self.quiet:
+            return
+        size = f" {_mib(done)}/{_mib(total)}" if total else ""
+        line = f"{phase}: {message}{size}".rstrip(": ")
+        if self.tty:
+            sys.stderr.write(f"\r\x1b[K{line}" + ("\n" if phase == "done" else ""))
+            sys.stderr.flush()
+        elif phase != self.last:
+            print(line, file=sys.stderr, flush=True)
+        self.last = phase
+
+
 def image_pull(a: argparse.Namespace) -> int:
     """Pull with progress on stderr (one line redrawn on a terminal, each phase once
     otherwise); the digest (or --json, the image) on stdout."""
@@ -583,25 +617,13 @@ def image_pull(a: argparse.Namespace) -> int:
             body["auth_json"] = Path(a.authfile).read_bytes()
         except OSError as exc:
             raise UsageError(f"cannot read the auth file {a.authfile}: {exc.strerror}") from None
-    tty = sys.stderr.isatty() and not a.quiet
-    last_phase, image = "", None
+    show = PullProgress(quiet=a.quiet)
+    image = None
     with _conn(a) as c:
         for item in c.stream("PullImage", body):
-            phase = item.get("phase", "")
             if item.get("image"):
                 image = item["image"]
-            if a.quiet:
-                continue
-            size = f" {_mib(item.get('done', 0))}/{_mib(item['total'])}" if item.get("total") else ""
-            line = f"{phase}: {item.get('message', '')}{size}".rstrip(": ")
-            if tty:
-                sys.stderr.write(f"\r\x1b[K{line}")
-                if phase == "done":
-                    sys.stderr.write("\n")
-                sys.stderr.flush()
-            elif phase != last_phase:
-                print(line, file=sys.stderr, flush=True)
-            last_phase = phase
+            show(item.get("phase", ""), item.get("message", ""), item.get("done", 0), item.get("total", 0))
     if image is None:
         raise UsageError("the supervisor ended the pull without an image")
     _json(image) if a.json else print(image["digest"])

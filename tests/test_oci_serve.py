@@ -253,6 +253,7 @@ async def test_create_from_image_its_defaults_template_and_rm_refused(
         resolves = store.stats.resolves
         r = await cli(work, "create", "app1", "--image", ref)
         assert r.returncode == 0, r.stderr
+        assert b"cached: in the store" in r.stderr  # the CLI shows the pull before it creates
         a = await AsyncSandbox.get("app1", socket=sock)
         async with a:
             a.detached = False
@@ -331,9 +332,14 @@ async def test_a_create_cmd_replaces_the_image_cmd_not_its_entrypoint(
     build_image(layout, "ep", [Layer(busybox_tree(tmp_path / "bb"))], spec)
     ref = f"oci:{layout}:ep"
     with trio.fail_after(300):
-        img = await AsyncImages(work.socket).pull(ref)
+        # not pulled yet: the CLI's create pulls it first, with progress
+        r = await cli(work, "create", "ep1", "--image", ref)
+        assert r.returncode == 0, r.stderr
+        assert b"unpacking" in r.stderr and b"converting" in r.stderr, r.stderr
+        img = await AsyncImages(work.socket).inspect(ref)
         assert (img.entrypoint, img.cmd, img.refs) == (["/bin/echo", "ep:"], ["default"], [ref])
-        async with await AsyncSandbox.create("ep1", image=ref, socket=work.socket) as a:
+        async with await AsyncSandbox.get("ep1", socket=work.socket) as a:
+            a.detached = False
             await wait_log(a, b"ep: default\n")
         async with await AsyncSandbox.create("ep2", image=ref, cmd=["given"], socket=work.socket) as b:
             await wait_log(b, b"ep: given\n")
