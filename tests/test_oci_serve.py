@@ -10,6 +10,7 @@ its socket like any client; the CLI runs as a child process."""
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -170,8 +171,13 @@ async def test_sync_sdk_pull_list_remove(served: tuple[Workdir, Registry], pushe
     ["missing tag", "unreachable", "wrong creds", "no creds", "malformed", "bad policy"],
 )
 async def test_pull_failures_are_typed_leave_nothing_and_the_daemon_serves_on(
-    served: tuple[Workdir, Registry], pushed: Pushed, auth_registry: LocalRegistry, case: str
+    served: tuple[Workdir, Registry],
+    pushed: Pushed,
+    auth_registry: LocalRegistry,
+    case: str,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
+    caplog.set_level(logging.DEBUG)
     work, reg = served
     images = AsyncImages(work.socket)
     private = auth_registry.ref("private/busybox:1")
@@ -206,6 +212,7 @@ async def test_pull_failures_are_typed_leave_nothing_and_the_daemon_serves_on(
         assert lines[-1].startswith("error: ") and sum(ln.startswith("error: ") for ln in lines) == 1, lines
         assert b"wrong-pass" not in r.stderr + r.stdout
         assert_no_partial(reg, 0)
+    assert "wrong-pass" not in caplog.text  # the supervisor's log, at debug level
 
 
 async def test_credentials_and_auth_file_through_the_socket(
@@ -395,3 +402,28 @@ async def test_the_image_rpcs_over_grpc(image: GuestImage, pushed: Pushed) -> No
                     assert_no_partial(reg, 0)
             finally:
                 channel.close()
+
+
+async def test_two_pulls_of_one_image_at_once_do_the_work_once(
+    served: tuple[Workdir, Registry], pushed: Pushed
+) -> None:
+    work, reg = served
+    store = reg.settings.images
+    assert store is not None
+    phases: dict[str, list[str]] = {"a": [], "b": []}
+    digests: dict[str, str] = {}
+
+    async def one(name: str) -> None:
+        img = await AsyncImages(work.socket).pull(
+            pushed.python, tls_verify=False, progress=lambda p: phases[name].append(p.phase)
+        )
+        digests[name] = img.digest
+
+    with trio.fail_after(180):
+        async with trio.open_nursery() as n:
+            n.start_soon(one, "a")
+            n.start_soon(one, "b")
+    assert digests["a"] == digests["b"] == pushed.digests["python"]
+    assert store.stats.conversions == 1 and store.stats.copies == 1
+    assert phases["a"][-1] == phases["b"][-1] == "done"  # (the later one waited for the first, or found it done)
+    assert_no_partial(reg, 1)
