@@ -872,7 +872,10 @@ class ImageStore:
         if shutil.which(argv[0]) is None:
             raise ToolMissing(f"{argv[0]} is not installed (images/host-packages.sh installs it)")
         try:
-            p = await trio.run_process(argv, capture_stdout=True, capture_stderr=True, check=False)
+            # umask 022: the supervisor runs under 077 (its files are its own), but the
+            # directories umoci makes for paths a layer implies are the image's, and a
+            # non-root USER must traverse them
+            p = await trio.run_process(argv, capture_stdout=True, capture_stderr=True, check=False, umask=0o022)
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise DiskFull(f"{r}: {step}: the image store's disk is full") from None
@@ -1121,7 +1124,8 @@ def _make_workdir(tree: Path, cfg: ImageConfig) -> None:
         try:
             st = os.lstat(cur)
         except FileNotFoundError:
-            os.mkdir(cur, 0o755)
+            os.mkdir(cur)
+            os.chmod(cur, 0o755)  # whatever the supervisor's umask
             created.append(cur)
             continue
         if not stat.S_ISDIR(st.st_mode):

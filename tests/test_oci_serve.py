@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -322,9 +323,12 @@ async def test_python_image_without_a_shell_boots_and_runs_its_cmd(
             assert (r.exit_code, r.stdout) == (0, b"a run\n")
 
 
-async def wait_log(sb: AsyncSandbox, text: bytes) -> None:
-    while text not in b"".join(e.data for e in await sb.logs()):
-        await trio.sleep(0.2)
+async def wait_log(sb: AsyncSandbox, text: bytes, timeout: float = 60) -> None:
+    with trio.move_on_after(timeout):
+        while text not in b"".join(e.data for e in await sb.logs()):
+            await trio.sleep(0.2)
+        return
+    raise AssertionError(f"{text!r} not in the logs: {await sb.logs()} {await sb.inspect()}")
 
 
 @pytest.mark.vm
@@ -335,8 +339,13 @@ async def test_a_create_cmd_replaces_the_image_cmd_not_its_entrypoint(
     cmd; Entrypoint + the image's Cmd without one. The image comes from an ``oci:`` dir."""
     work, _reg = served
     layout = tmp_path / "layout"
-    spec = ImageSpec(entrypoint=("/bin/echo", "ep:"), cmd=("default",))
-    build_image(layout, "ep", [Layer(busybox_tree(tmp_path / "bb"))], spec)
+    spec = ImageSpec(user="app", entrypoint=("/bin/echo", "ep:"), cmd=("default",))  # a USER by name
+    passwd = "root:x:0:0:root:/root:/bin/sh\napp:x:1234:1235:app:/:/bin/sh\n"
+    old = os.umask(0o022)  # the tree as a user would make it (the in-process supervisor's is 077)
+    try:
+        build_image(layout, "ep", [Layer(busybox_tree(tmp_path / "bb", passwd))], spec)
+    finally:
+        os.umask(old)
     ref = f"oci:{layout}:ep"
     with trio.fail_after(300):
         # not pulled yet: the CLI's create pulls it first, with progress
@@ -350,6 +359,7 @@ async def test_a_create_cmd_replaces_the_image_cmd_not_its_entrypoint(
             await wait_log(a, b"ep: default\n")
         async with await AsyncSandbox.create("ep2", image=ref, cmd=["given"], socket=work.socket) as b:
             await wait_log(b, b"ep: given\n")
+            assert await exec_out(b, ["/bin/id", "-u"]) == (0, b"1234\n")  # the name, from the image's passwd
 
 
 async def test_the_image_rpcs_over_grpc(image: GuestImage, pushed: Pushed) -> None:
