@@ -267,8 +267,9 @@ async def test_create_from_image_its_defaults_template_and_rm_refused(
             a.detached = False
             while b"hello from /srv/app as 4242:4243" not in b"".join(e.data for e in await a.logs()):
                 await trio.sleep(0.2)  # the image's Entrypoint+Cmd ran as the initial workload
-            code, out = await exec_out(a, ["/bin/sh", "-c", 'echo "$(id -u):$(id -g) $(pwd) $GREETING $PATH"'])
-            assert (code, out) == (0, b"4242:4243 /srv/app hello /bin\n")
+            argv = ["/bin/sh", "-c", 'echo "$(id -u):$(id -g) $(pwd) $GREETING $PATH"; cd / && ls /srv']
+            code, out = await exec_out(a, argv)
+            assert (code, out) == (0, b"4242:4243 /srv/app hello /bin\napp\n")  # (the user reaches /srv)
             # a call's own values win over the image's
             code, out = await exec_out(a, ["/bin/sh", "-c", "id -u; pwd"], user="0", workdir="/")
             assert (code, out) == (0, b"0\n/\n")
