@@ -197,6 +197,7 @@ class ImageUse:
     working_dir: str = ""
     user: str = ""
     argv: tuple[str, ...] = ()  # Entrypoint + Cmd: the initial workload when the Create gives none
+    entrypoint: tuple[str, ...] = ()  # what a Create's own cmd runs under (it replaces Cmd only)
 
 
 @attrs.frozen

@@ -73,7 +73,7 @@ from actors.sandbox import Adopt, Boot, Plan, Resume, Sandbox, check_network_ava
 from actors.settings import Settings
 from actors.snapshot import Checkpoint, SnapshotStore
 from actors.store import Record, SnapshotRecord, Store
-from images.oci import ImageError
+from images.oci import Image, ImageError, ImageStore, ProgressFn, PruneResult, RemoveResult
 
 FORGET_FLUSH_TIMEOUT = 10.0  # s: the database's commit of a removal before the files go
 
@@ -419,12 +419,65 @@ class Registry:
         await sb.persisted()
         return sb
 
-    async def _image(self, config: SandboxConfig) -> ImageUse:
-        """The OCI image a Create names, pulled as its policy says (a pull happens before
-        Create answers: a bad reference, a missing tag, a refused pull are the Create's errors)."""
+    # -- OCI images (issue 15) -------------------------------------------------------
+    def image_store(self) -> ImageStore:
         store = self.settings.images
         if store is None:
             raise FailedPrecondition("this supervisor has no image store (OCI images need a root supervisor)")
+        return store
+
+    async def pull_image(
+        self,
+        ref: str,
+        *,
+        policy: str = "if-missing",
+        tls_verify: bool = True,
+        creds: str | None = None,
+        auth_json: bytes | None = None,
+        progress: ProgressFn | None = None,
+    ) -> Image:
+        """Pull ``ref`` into the store (the store's errors as the seed's codes). The
+        credentials go to skopeo in a 0600 file and nowhere else: not in a log line,
+        not in an error message."""
+        store = self.image_store()
+        try:
+            return await store.pull(
+                ref, policy=policy, tls_verify=tls_verify, creds=creds, auth_json=auth_json, progress=progress
+            )
+        except ImageError as exc:
+            raise error(Code(exc.code), exc.message) from None
+
+    def list_images(self) -> builtins.list[Image]:
+        return self.settings.images.list_images() if self.settings.images is not None else []
+
+    def inspect_oci_image(self, ref: str) -> Image:
+        try:
+            return self.image_store().get(ref)
+        except ImageError as exc:
+            raise error(Code(exc.code), exc.message) from None
+
+    async def remove_image(self, ref: str) -> RemoveResult:
+        """Untag or delete; an image a sandbox, a warm pool member, a snapshot or a boot
+        template stands on is FAILED_PRECONDITION (the in-use set is taken and the image
+        moved out with no checkpoint between: a Create cannot slip in)."""
+        store = self.image_store()
+        try:
+            return await store.remove(ref, in_use=self.images_in_use())
+        except ImageError as exc:
+            raise error(Code(exc.code), exc.message) from None
+
+    async def prune_images(self, *, dangling_only: bool = False) -> PruneResult:
+        """Every image nothing stands on (see remove_image), unused layers, stale staging."""
+        store = self.image_store()
+        try:
+            return await store.prune(self.images_in_use(), dangling_only=dangling_only)
+        except ImageError as exc:
+            raise error(Code(exc.code), exc.message) from None
+
+    async def _image(self, config: SandboxConfig) -> ImageUse:
+        """The OCI image a Create names, pulled as its policy says (a pull happens before
+        Create answers: a bad reference, a missing tag, a refused pull are the Create's errors)."""
+        store = self.image_store()
         boot = config.boot
         try:
             img = await store.pull(boot.image, policy=boot.pull, tls_verify=boot.tls_verify)
@@ -440,6 +493,7 @@ class Registry:
             working_dir=c.working_dir,
             user=c.user,
             argv=tuple(c.argv()),
+            entrypoint=c.entrypoint,
         )
 
     def images_in_use(self) -> set[str]:

@@ -659,11 +659,12 @@ class Sandbox:
     @property
     def initial_cmd(self) -> tuple[str, ...]:
         """What runs at the first ready: the Create's cmd, else its OCI image's
-        Entrypoint + Cmd (as a container runtime would)."""
+        Entrypoint + Cmd. As a container runtime (and the SDK reference's WithCmd): a
+        Create's cmd replaces the image's Cmd, not its Entrypoint."""
         img = self.record.image
         if img is None:
             return self.config.workload.cmd
-        return (*self.config.workload.cmd,) if self.config.workload.cmd else img.argv
+        return (*img.entrypoint, *self.config.workload.cmd) if self.config.workload.cmd else img.argv
 
     async def _initial_cmd(self) -> None:
         workload = self.run_workload(list(self.initial_cmd), env={})

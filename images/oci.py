@@ -457,13 +457,16 @@ class ImageStore:
         tls_verify: bool = True,
         creds: str | None = None,
         authfile: Path | None = None,
+        auth_json: bytes | None = None,
         progress: ProgressFn | None = None,
     ) -> Image:
         """The image ``ref`` names, pulled and converted if needed (see the module doc).
 
         ``tls_verify=False``: plain HTTP (or unverified HTTPS) to the registry.
-        ``creds``: "USER:PASSWORD"; ``authfile``: a docker-style auth file. Neither: the
-        registry is accessed anonymously (never with the supervisor's own credentials).
+        ``creds``: "USER:PASSWORD"; ``authfile``: a docker-style auth file;
+        ``auth_json``: the content of one (what a remote client sends: the supervisor
+        never opens a path its client names). None of them: the registry is accessed
+        anonymously (never with the supervisor's own credentials).
         ``progress``: called (synchronously; must not block) at every step."""
         emit = progress or _quiet
         try:
@@ -474,6 +477,10 @@ class ImageStore:
             raise InvalidReference("creds must be USER:PASSWORD")
         if authfile is not None and not authfile.is_file():
             raise InvalidReference(f"auth file {authfile} does not exist")
+        if auth_json is not None:
+            _check_auth_json(auth_json)
+        if sum(x is not None for x in (creds, authfile, auth_json)) > 1:
+            raise InvalidReference("give one of creds, an auth file")
         if _digest_like(ref) is not None:
             if policy is PullPolicy.ALWAYS:
                 raise InvalidReference(f"{ref} names a local image: pull a reference with a transport")
@@ -482,6 +489,9 @@ class ImageStore:
         if policy is not PullPolicy.ALWAYS:
             cached = self._lookup(ref)
             if cached is not None:
+                if r.canonical() not in cached.refs:  # NAME@digest of an image pulled by tag: now a name too
+                    self._add_ref(r.canonical(), cached.digest)
+                    cached = self.get(cached.digest)
                 emit(PullProgress(ref, "cached", "in the store", digest=cached.digest))
                 return cached
             if policy is PullPolicy.NEVER:
@@ -490,18 +500,25 @@ class ImageStore:
             raise ImageNotFound(f"{r.transport}: {r.path} does not exist")
         self._pulls += 1
         try:
-            return await self._pull(r, emit, tls_verify=tls_verify, creds=creds, authfile=authfile)
+            return await self._pull(r, emit, tls_verify=tls_verify, creds=creds, authfile=authfile, auth_json=auth_json)
         finally:
             self._pulls -= 1
 
     async def _pull(
-        self, r: Reference, emit: ProgressFn, *, tls_verify: bool, creds: str | None, authfile: Path | None
+        self,
+        r: Reference,
+        emit: ProgressFn,
+        *,
+        tls_verify: bool,
+        creds: str | None,
+        authfile: Path | None,
+        auth_json: bytes | None = None,
     ) -> Image:
         ref = r.canonical()
         async with self._staging("pull") as stage:
-            auth = self._auth_args(r, stage, creds, authfile)
+            auth = self._auth_args(r, stage, creds, authfile, auth_json)
             emit(PullProgress(ref, "resolving", "reading the manifest"))
-            digest, layers = await self._resolve(r, stage, auth, tls_verify, creds is not None or authfile is not None)
+            digest, layers = await self._resolve(r, stage, auth, tls_verify, auth != ["--no-creds"] and bool(auth))
             hexd = digest.removeprefix("sha256:")
             while True:
                 if self._load(hexd) is not None:
@@ -819,9 +836,17 @@ class ImageStore:
             finally:
                 self._active_staging.discard(d)
 
-    def _auth_args(self, r: Reference, stage: Path, creds: str | None, authfile: Path | None) -> list[str]:
+    def _auth_args(
+        self, r: Reference, stage: Path, creds: str | None, authfile: Path | None, auth_json: bytes | None = None
+    ) -> list[str]:
         if not r.is_registry:
             return []
+        if auth_json is not None:
+            f = stage / "auth.json"
+            fd = os.open(f, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(auth_json)
+            return ["--authfile", str(f)]
         if creds is not None:
             user, _, password = creds.partition(":")
             token = base64.b64encode(f"{user}:{password}".encode()).decode()
@@ -847,7 +872,10 @@ class ImageStore:
         if shutil.which(argv[0]) is None:
             raise ToolMissing(f"{argv[0]} is not installed (images/host-packages.sh installs it)")
         try:
-            p = await trio.run_process(argv, capture_stdout=True, capture_stderr=True, check=False)
+            # umask 022: the supervisor runs under 077 (its files are its own), but the
+            # directories umoci makes for paths a layer implies are the image's, and a
+            # non-root USER must traverse them
+            p = await trio.run_process(argv, capture_stdout=True, capture_stderr=True, check=False, umask=0o022)
         except OSError as exc:
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                 raise DiskFull(f"{r}: {step}: the image store's disk is full") from None
@@ -964,6 +992,18 @@ def parse_config(raw: bytes, r: Reference | str = "") -> ImageConfig:
         os=one("os", doc) or "linux",
         created=one("created", doc),
     )
+
+
+def _check_auth_json(raw: bytes) -> None:
+    """A docker-style auth file's content: a JSON object (its secrets never in a message)."""
+    if len(raw) > 1 << 20:
+        raise InvalidReference("the auth file is over 1 MiB")
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        raise InvalidReference("the auth file is not JSON") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("auths", {}), dict):
+        raise InvalidReference('the auth file is not a docker-style {"auths": {...}} object')
 
 
 def _config_from_json(d: dict[str, Any]) -> ImageConfig:
@@ -1084,7 +1124,8 @@ def _make_workdir(tree: Path, cfg: ImageConfig) -> None:
         try:
             st = os.lstat(cur)
         except FileNotFoundError:
-            os.mkdir(cur, 0o755)
+            os.mkdir(cur)
+            os.chmod(cur, 0o755)  # whatever the supervisor's umask
             created.append(cur)
             continue
         if not stat.S_ISDIR(st.st_mode):

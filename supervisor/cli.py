@@ -11,7 +11,14 @@ import os
 import sys
 from collections.abc import Callable
 
-from supervisor.cli_client import CLIENT_COMMANDS, UsageError, add_client_commands, configure_logging, run_client
+from supervisor.cli_client import (
+    CLIENT_COMMANDS,
+    UsageError,
+    add_client_commands,
+    add_image_commands,
+    configure_logging,
+    run_client,
+)
 from supervisor.errors import ApiError
 
 # Imports are inside the functions that need them: a one-shot client command (ls,
@@ -261,11 +268,17 @@ def cmd_completion(args: argparse.Namespace) -> int:
     for name, p in sub.choices.items():
         words[name] = sorted(o for act in p._actions for o in act.option_strings if o.startswith("--"))
     cases = "\n".join(f'    {name}) opts="{" ".join(opts)}" ;;' for name, opts in sorted(words.items()))
+    image_parser = sub.choices["image"]
+    image_sub = next(a for a in image_parser._actions if isinstance(a, argparse._SubParsersAction))
+    image_words = " ".join(sorted(image_sub.choices))
     print(
         f"""_sandvisor() {{
   local cur="${{COMP_WORDS[COMP_CWORD]}}" cmd="${{COMP_WORDS[1]}}" opts=""
   if [ "$COMP_CWORD" -eq 1 ]; then
     COMPREPLY=($(compgen -W "{" ".join(sorted(words))}" -- "$cur")); return
+  fi
+  if [ "$cmd" = image ] && [ "$COMP_CWORD" -eq 2 ]; then
+    COMPREPLY=($(compgen -W "{image_words}" -- "$cur")); return
   fi
   case "$cmd" in
 {cases}
@@ -325,12 +338,13 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         add_client_commands(sub, only)
         return p
 
-    image = sub.add_parser("image", help="guest images")
+    image = sub.add_parser("image", help="the guest image (build) and OCI images (pull, ls, rm, prune)")
     isub = image.add_subparsers(dest="image_command", required=True, metavar="SUBCOMMAND")
     ib = isub.add_parser("build", help="build the default guest image (cached, content-keyed)")
     ib.add_argument("--cache", help="image cache directory (default: STATE_DIR/images)")
     ib.add_argument("--json", action="store_true", help="print the result as JSON")
     ib.set_defaults(func=_host_errors(cmd_image_build))
+    add_image_commands(isub)
 
     sv = sub.add_parser("serve", help="run the supervisor (the sandbox.v1 service on a Unix socket)")
     sv.add_argument("--socket", help="socket path (default: $SANDVISOR_SOCKET, /run/sandvisor/sandvisor.sock for root)")

@@ -30,7 +30,7 @@ from supervisor.frames import BlockingConnection
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~2 ms; mypy reads the name)
 if TYPE_CHECKING:
-    from typing import Any
+    from typing import Any, Literal
 
     from supervisor.client import AsyncSandbox
 
@@ -234,8 +234,20 @@ async def create(a: argparse.Namespace) -> int:
 
 
 async def _create(a: argparse.Namespace) -> AsyncSandbox:
-    from supervisor.client import AsyncSandbox
+    from supervisor.client import AsyncImages, AsyncSandbox
 
+    pull: Literal["", "always", "if-missing", "never"] = a.pull or ""
+    if a.image and not a.json and a.pull != "never":
+        # pull first, with progress (a Create pulls silently before it answers); the
+        # Create then finds the reference in the store
+        show = PullProgress()
+        await AsyncImages(a.socket).pull(
+            a.image,
+            policy=pull,
+            tls_verify=a.tls_verify,
+            progress=lambda p: show(p.phase, p.message, p.done, p.total),
+        )
+        pull = "if-missing"
     return await AsyncSandbox.create(
         a.name,
         socket=a.socket,
@@ -252,6 +264,9 @@ async def _create(a: argparse.Namespace) -> AsyncSandbox:
         outbound=a.outbound,
         egress=_egress(a),
         ports=ports(a.port),
+        image=a.image or "",
+        pull=pull,
+        tls_verify=a.tls_verify,
         detached=True,
         wait=not a.no_wait,
     )
@@ -552,6 +567,145 @@ def snapshots(a: argparse.Namespace) -> int:
     return 0
 
 
+# --- OCI images -----------------------------------------------------------------------
+def tls_flag(text: str) -> bool:
+    """``--tls-verify=false`` as podman and skopeo spell it."""
+    v = text.lower()
+    if v in ("true", "1", "yes"):
+        return True
+    if v in ("false", "0", "no"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+class PullProgress:
+    """A pull's progress on stderr: one line redrawn on a terminal, each phase once
+    otherwise (logs stay short), nothing when quiet."""
+
+    def __init__(self, *, quiet: bool = False) -> None:
+        self.quiet = quiet
+        self.tty = sys.stderr.isatty()
+        self.last = ""
+
+    def __call__(self, phase: str, message: str, done: int, total: int) -> None:
+        if self.quiet:
+            return
+        size = f" {_mib(done)}/{_mib(total)}" if total else ""
+        line = f"{phase}: {message}{size}".rstrip(": ")
+        if self.tty:
+            sys.stderr.write(f"\r\x1b[K{line}" + ("\n" if phase == "done" else ""))
+            sys.stderr.flush()
+        elif phase != self.last:
+            print(line, file=sys.stderr, flush=True)
+        self.last = phase
+
+
+def image_pull(a: argparse.Namespace) -> int:
+    """Pull with progress on stderr (one line redrawn on a terminal, each phase once
+    otherwise); the digest (or --json, the image) on stdout."""
+    if a.creds is not None and a.authfile is not None:
+        raise UsageError("give --creds or --authfile, not both")
+    body: dict[str, Any] = {"ref": a.ref, "policy": a.policy or "", "creds": a.creds or ""}
+    if not a.tls_verify:
+        body["tls_verify"] = False
+    if a.authfile is not None:
+        try:
+            body["auth_json"] = Path(a.authfile).read_bytes()
+        except OSError as exc:
+            raise UsageError(f"cannot read the auth file {a.authfile}: {exc.strerror}") from None
+    show = PullProgress(quiet=a.quiet)
+    image = None
+    with _conn(a) as c:
+        for item in c.stream("PullImage", body):
+            if item.get("image"):
+                image = item["image"]
+            show(item.get("phase", ""), item.get("message", ""), item.get("done", 0), item.get("total", 0))
+    if image is None:
+        raise UsageError("the supervisor ended the pull without an image")
+    _json(image) if a.json else print(image["digest"])
+    return 0
+
+
+def image_ls(a: argparse.Namespace) -> int:
+    with _conn(a) as c:
+        r = c.call("ListImages", {})
+    oci = r.get("oci_images", [])
+    if a.json:
+        _json(oci)
+        return 0
+    rows = []
+    for i in oci:
+        for ref in i["refs"] or ["<none>"]:
+            rows.append(
+                (
+                    ref,
+                    i["id"],
+                    _mib(i.get("size_bytes", 0)),
+                    "yes" if i.get("in_use") else "",
+                    _ts(i.get("pulled_at", 0)),
+                )
+            )
+    print_table(("REFERENCE", "ID", "SIZE", "IN USE", "PULLED"), rows)
+    return 0
+
+
+def image_rm(a: argparse.Namespace) -> int:
+    with _conn(a) as c:
+        for ref in a.refs:
+            r = c.call("RemoveImage", {"ref": ref})
+            if a.json:
+                _json(r)
+                continue
+            for t in r.get("untagged", []):
+                print(f"untagged: {t}")
+            for d in r.get("deleted", []):
+                print(f"deleted: {d}")
+    return 0
+
+
+def image_prune(a: argparse.Namespace) -> int:
+    with _conn(a) as c:
+        r = c.call("PruneImages", {"dangling_only": a.dangling})
+    if a.json:
+        _json(r)
+        return 0
+    for d in r.get("deleted", []):
+        print(f"deleted: {d}")
+    print(f"freed {_mib(r.get('freed_bytes', 0))} ({r.get('blobs_deleted', 0)} blobs)")
+    return 0
+
+
+def add_image_commands(isub: Any) -> None:
+    """``image pull|ls|rm|prune``: the supervisor's OCI store (``image build`` is the host's)."""
+
+    def cmd(name: str, fn: Any, help: str) -> argparse.ArgumentParser:
+        p: argparse.ArgumentParser = isub.add_parser(name, help=help)
+        p.add_argument("--socket", default=os.environ.get("SANDVISOR_SOCKET"), help="supervisor socket")
+        p.add_argument("--json", action="store_true")
+        p.set_defaults(client=fn)
+        return p
+
+    p = cmd("pull", image_pull, "pull an OCI image into the supervisor's store (prints its digest)")
+    p.add_argument("ref", help="docker://HOST/NAME:TAG, ...@sha256:..., docker-archive:PATH, oci-archive:PATH, oci:DIR")
+    p.add_argument("--policy", choices=["always", "if-missing", "never"], help="default: if-missing")
+    p.add_argument("--tls-verify", type=tls_flag, default=True, metavar="BOOL", help="false: a plain-HTTP registry")
+    p.add_argument("--creds", metavar="USER:PASS", help="registry credentials (never logged)")
+    p.add_argument("--authfile", metavar="PATH", help="a docker-style auth file (read here, sent as content)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress")
+
+    cmd("ls", image_ls, "list the OCI images in the supervisor's store")
+
+    p = cmd("rm", image_rm, "untag a reference, or delete an image (refused while in use)")
+    p.add_argument("refs", nargs="+", metavar="REF")
+
+    p = cmd("prune", image_prune, "delete every image nothing uses, and unused layers")
+    p.add_argument("--dangling", action="store_true", help="only images no reference names")
+
+
 # --- parser ------------------------------------------------------------------------
 CLIENT_COMMANDS = frozenset(
     {
@@ -623,6 +777,9 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
     p.add_argument("--port", action="append", metavar="HOST:GUEST")
     p.add_argument("--workdir")
     p.add_argument("--user")
+    p.add_argument("--image", metavar="REF", help="an OCI image (docker://HOST/NAME:TAG, oci:DIR, ...)")
+    p.add_argument("--pull", choices=["always", "if-missing", "never"], help="the image's pull policy")
+    p.add_argument("--tls-verify", type=tls_flag, default=True, metavar="BOOL", help="false: a plain-HTTP registry")
     p.add_argument("--no-wait", action="store_true")
     p.add_argument("--json", action="store_true")
 

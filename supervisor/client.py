@@ -67,6 +67,10 @@ from supervisor.protocol import (
     CheckpointResponse,
     LogEntry,
     MetricsResponse,
+    OciImageInfo,
+    PruneImagesResponse,
+    PullImageProgress,
+    RemoveImageResponse,
     SandboxEvent,
     SandboxInfo,
     SandboxSummary,
@@ -77,6 +81,7 @@ __all__ = [
     "AlreadyExists",
     "AsyncConnection",
     "AsyncExec",
+    "AsyncImages",
     "AsyncSandbox",
     "Boot",
     "CallStream",
@@ -85,6 +90,7 @@ __all__ = [
     "DeadlineExceeded",
     "Egress",
     "FailedPrecondition",
+    "Images",
     "Internal",
     "InvalidArgument",
     "Lifetime",
@@ -92,9 +98,13 @@ __all__ = [
     "MetricsResponse",
     "Network",
     "NotFound",
+    "OciImageInfo",
     "Output",
     "Page",
     "PermissionDenied",
+    "PruneImagesResponse",
+    "PullImageProgress",
+    "RemoveImageResponse",
     "ResourceExhausted",
     "Resources",
     "RunResult",
@@ -113,6 +123,7 @@ __all__ = [
     "Workload",
     "connect",
     "error_for",
+    "images",
 ]
 
 T_ = TypeVar("T_")
@@ -369,9 +380,14 @@ class Lifetime:
 
 @attrs.frozen(kw_only=True)
 class Boot:
-    """What boots: empty fields take the supervisor's default image."""
+    """What boots: empty fields take the supervisor's default image. ``image``: an OCI
+    image reference as skopeo spells it (``docker://HOST/NAME:TAG``, ``oci:DIR``, ...),
+    pulled by ``pull`` policy ("always", "if-missing" (""), "never"); ``tls_verify=False``
+    for a plain-HTTP registry. Private registries: pull first with :class:`Images`."""
 
     image: str = ""
+    pull: Literal["", "always", "if-missing", "never"] = ""
+    tls_verify: bool | None = None
     kernel: str = ""
     rootfs: str = ""
     boot_args: str = ""
@@ -395,6 +411,9 @@ class Settings(TypedDict, total=False):
     ttl: int
     idle_timeout: int
     ephemeral: bool
+    image: str
+    pull: Literal["", "always", "if-missing", "never"]
+    tls_verify: bool
 
 
 @attrs.frozen(kw_only=True)
@@ -415,9 +434,15 @@ class SandboxSpec:
         if not settings:
             return self
         s = settings
-        wl, net, life, res = self.workload, self.network, self.lifetime, self.resources
+        wl, net, life, res, boot = self.workload, self.network, self.lifetime, self.resources, self.boot
         return attrs.evolve(
             self,
+            boot=attrs.evolve(
+                boot,
+                image=s.get("image", boot.image),
+                pull=s.get("pull", boot.pull),
+                tls_verify=s.get("tls_verify", boot.tls_verify),
+            ),
             labels={**self.labels, **_kv(s.get("labels"))},
             hostname=s.get("hostname", self.hostname),
             resources=Resources(cpus=s.get("cpus", res.cpus), memory_mib=s.get("memory_mib", res.memory_mib)),
@@ -446,6 +471,8 @@ class SandboxSpec:
             id=name,
             labels=dict(self.labels),
             image=self.boot.image,
+            image_pull=self.boot.pull,
+            image_tls_verify=self.boot.tls_verify,
             kernel=self.boot.kernel,
             rootfs=self.boot.rootfs,
             boot_args=self.boot.boot_args,
@@ -994,6 +1021,87 @@ class AsyncSandbox:
         return await self.attach([shell], tty=True)
 
 
+# --- images ---------------------------------------------------------------------
+
+
+class AsyncImages:
+    """The supervisor's OCI image store (issue 15): pull (with progress), list, inspect,
+    remove, prune. ``AsyncImages(socket=...)``; the module's ``images`` is the sync one
+    on the default socket::
+
+        img = await AsyncImages().pull("docker://127.0.0.1:5000/app:1", tls_verify=False)
+        async with await AsyncSandbox.create("box", image=img.refs[0]) as sb: ...
+
+    Credentials: ``creds="USER:PASSWORD"`` or ``authfile=PATH`` (a docker-style auth
+    file, read here and sent as its content: the supervisor opens no path of yours)."""
+
+    def __init__(self, socket: str | Path | None = None) -> None:
+        self.socket = socket
+
+    def pull_stream(
+        self,
+        ref: str,
+        *,
+        policy: Literal["", "always", "if-missing", "never"] = "",
+        tls_verify: bool = True,
+        creds: str = "",
+        authfile: str | Path | None = None,
+    ) -> AsyncGenerator[PullImageProgress, None]:
+        """Progress items; the last is ``phase == "done"`` with ``.image`` set."""
+        auth = Path(authfile).read_bytes() if authfile is not None else b""
+        req = W.PullImageRequest(
+            ref=ref, policy=policy, tls_verify=None if tls_verify else False, creds=creds, auth_json=auth
+        )
+        return self._stream("PullImage", req)
+
+    async def _stream(self, method: str, req: Any) -> AsyncGenerator[PullImageProgress, None]:
+        async with connect(self.socket) as c, c.open_call(method, W.unstructure_body(req)) as call:
+            async for body in call:
+                yield _structure(body, PullImageProgress, method)
+
+    async def pull(
+        self,
+        ref: str,
+        *,
+        policy: Literal["", "always", "if-missing", "never"] = "",
+        tls_verify: bool = True,
+        creds: str = "",
+        authfile: str | Path | None = None,
+        progress: Callable[[PullImageProgress], None] | None = None,
+    ) -> OciImageInfo:
+        """Pull ``ref`` (as ``policy`` says; default if-missing) and return the image;
+        ``progress`` sees every item on the way."""
+        image = None
+        items = self.pull_stream(ref, policy=policy, tls_verify=tls_verify, creds=creds, authfile=authfile)
+        async with aclosing(items) as stream:
+            async for item in stream:
+                if progress is not None:
+                    progress(item)
+                if item.image is not None:
+                    image = item.image
+        if image is None:
+            raise error_for(W.INTERNAL, "PullImage ended without an image")
+        return image
+
+    async def list(self) -> builtins.list[OciImageInfo]:
+        async with connect(self.socket) as c:
+            return (await _unary(c, "ListImages", W.Empty(), W.ListImagesResponse)).oci_images
+
+    async def inspect(self, ref: str) -> OciImageInfo:
+        async with connect(self.socket) as c:
+            return await _unary(c, "InspectOciImage", W.ImageRefRequest(ref), OciImageInfo)
+
+    async def remove(self, ref: str) -> RemoveImageResponse:
+        """Untag ``ref``, or delete the image (a digest, or its last reference);
+        FailedPrecondition while a sandbox, snapshot or template stands on it."""
+        async with connect(self.socket) as c:
+            return await _unary(c, "RemoveImage", W.ImageRefRequest(ref), RemoveImageResponse)
+
+    async def prune(self, *, dangling_only: bool = False) -> PruneImagesResponse:
+        async with connect(self.socket) as c:
+            return await _unary(c, "PruneImages", W.PruneImagesRequest(dangling_only), PruneImagesResponse)
+
+
 # --- sync ---------------------------------------------------------------------
 
 
@@ -1268,3 +1376,53 @@ class Sandbox:
     @classmethod
     def delete_snapshot(cls, snapshot: SnapshotRef, *, socket: str | Path | None = None) -> None:
         trio.run(functools.partial(AsyncSandbox.delete_snapshot, snapshot, socket=socket))
+
+
+class Images:
+    """:class:`AsyncImages`, blocking."""
+
+    def __init__(self, socket: str | Path | None = None) -> None:
+        self._a = AsyncImages(socket)
+
+    def pull(
+        self,
+        ref: str,
+        *,
+        policy: Literal["", "always", "if-missing", "never"] = "",
+        tls_verify: bool = True,
+        creds: str = "",
+        authfile: str | Path | None = None,
+        progress: Callable[[PullImageProgress], None] | None = None,
+    ) -> OciImageInfo:
+        fn = functools.partial(
+            self._a.pull, ref, policy=policy, tls_verify=tls_verify, creds=creds, authfile=authfile, progress=progress
+        )
+        return trio.run(fn)
+
+    def pull_stream(
+        self,
+        ref: str,
+        *,
+        policy: Literal["", "always", "if-missing", "never"] = "",
+        tls_verify: bool = True,
+        creds: str = "",
+        authfile: str | Path | None = None,
+    ) -> Iterator[PullImageProgress]:
+        return _sync_iter(
+            lambda: self._a.pull_stream(ref, policy=policy, tls_verify=tls_verify, creds=creds, authfile=authfile)
+        )
+
+    def list(self) -> builtins.list[OciImageInfo]:
+        return trio.run(self._a.list)
+
+    def inspect(self, ref: str) -> OciImageInfo:
+        return trio.run(self._a.inspect, ref)
+
+    def remove(self, ref: str) -> RemoveImageResponse:
+        return trio.run(self._a.remove, ref)
+
+    def prune(self, *, dangling_only: bool = False) -> PruneImagesResponse:
+        return trio.run(functools.partial(self._a.prune, dangling_only=dangling_only))
+
+
+images = Images()  # on the default socket (SANDVISOR_SOCKET): client.images.pull(...)

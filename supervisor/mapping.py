@@ -31,6 +31,8 @@ from actors.sandbox import Sandbox
 from actors.snapshot import rfc3339
 from actors.store import SnapshotRecord
 from images.build import Image
+from images.oci import Image as OciImage
+from images.oci import PullProgress
 from supervisor import protocol as W
 
 _CODES: dict[Code, str] = {
@@ -96,7 +98,14 @@ def config(req: W.CreateSandboxRequest) -> SandboxConfig:
         timers=Timers(
             ttl_seconds=req.ttl_seconds, idle_timeout_seconds=req.idle_timeout_seconds, ephemeral=req.ephemeral
         ),
-        boot=BootSource(kernel=req.kernel, rootfs=req.rootfs, boot_args=req.boot_args, image=req.image),
+        boot=BootSource(
+            kernel=req.kernel,
+            rootfs=req.rootfs,
+            boot_args=req.boot_args,
+            image=req.image,
+            pull=req.image_pull or "if-missing",
+            tls_verify=req.image_tls_verify is not False,
+        ),
         hostname=req.hostname,
     )
 
@@ -172,6 +181,32 @@ def image(img: Image, is_default: bool) -> W.ImageInfo:
         size_bytes=sum(st.st_blocks * 512 for st in stats),
         built_at=int(max((st.st_mtime for st in stats), default=0)),
     )
+
+
+def oci_image(img: OciImage, in_use: bool) -> W.OciImageInfo:
+    c = img.config
+    return W.OciImageInfo(
+        id=img.id,
+        digest=img.digest,
+        refs=list(img.refs),
+        config_digest=img.config_digest,
+        size_bytes=img.content_bytes,
+        disk_bytes=img.disk_bytes,
+        download_bytes=img.download_bytes,
+        layers=len(img.layers),
+        source=img.source,
+        pulled_at=int(img.pulled_at),
+        in_use=in_use,
+        env=list(c.env),
+        working_dir=c.working_dir,
+        user=c.user,
+        entrypoint=list(c.entrypoint),
+        cmd=list(c.cmd),
+    )
+
+
+def pull_progress(p: PullProgress) -> W.PullImageProgress:
+    return W.PullImageProgress(phase=p.phase, message=p.message, done=p.done, total=p.total, digest=p.digest)
 
 
 def snapshot(rec: SnapshotRecord, pool_ready: int) -> W.SnapshotSummary:

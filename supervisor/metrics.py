@@ -257,7 +257,7 @@ class RegistrySource:
                     memory_rss_bytes=sb.host_rss(),
                     memory_limit_bytes=sb.limits.memory_mib << 20,
                     guest_memory_available_bytes=available.get(sb.id),
-                    image=sb.config.boot.rootfs or image,
+                    image=sb.config.boot.image or sb.config.boot.rootfs or image,  # an OCI image by its reference
                 )
                 for sb in live
             ],

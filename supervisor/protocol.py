@@ -218,6 +218,10 @@ class CreateSandboxRequest:
     hostname: str = ""
     ephemeral: bool = False  # removed once it stops
     ports: list[PortMapping] = attrs.field(factory=list)
+    # how ``image`` is pulled: always | if-missing (""; the default) | never; False: a
+    # plain-HTTP registry. Credentials: pull first with PullImage
+    image_pull: str = ""
+    image_tls_verify: bool | None = None  # None: verify (a proto3 optional on gRPC)
 
 
 @attrs.frozen
@@ -497,8 +501,84 @@ class ImageInfo:
 
 
 @attrs.frozen
+class OciImageInfo:
+    """An OCI image in the supervisor's store (issue 15): what ``image ls`` shows and
+    the defaults a sandbox of it gets (env, working_dir, user, entrypoint + cmd)."""
+
+    id: str  # 12 hex digits of the digest
+    digest: str  # the manifest's "sha256:...": the cache key
+    refs: list[str]  # canonical references that name it here ("": dangling)
+    config_digest: str = ""
+    size_bytes: int = 0  # the unpacked tree
+    disk_bytes: int = 0  # the ext4 file's virtual size (sparse)
+    download_bytes: int = 0  # the layers as the source stores them
+    layers: int = 0
+    source: str = ""  # the reference it was first pulled from
+    pulled_at: int = 0  # unix seconds
+    in_use: bool = False  # a sandbox, snapshot or template stands on it (rm refuses)
+    env: list[str] = attrs.field(factory=list)  # "KEY=VALUE"
+    working_dir: str = ""
+    user: str = ""
+    entrypoint: list[str] = attrs.field(factory=list)
+    cmd: list[str] = attrs.field(factory=list)
+
+
+@attrs.frozen
 class ListImagesResponse:
     images: list[ImageInfo]
+    oci_images: list[OciImageInfo] = attrs.field(factory=list)  # sandvisor: the OCI store
+
+
+@attrs.frozen
+class PullImageRequest:
+    """PullImage: ``ref`` as skopeo spells it (docker://HOST/NAME:TAG, @sha256:...,
+    docker-archive:PATH, oci-archive:PATH, oci:DIR[:TAG]). ``creds`` ("USER:PASSWORD")
+    or ``auth_json`` (the content of a docker-style auth file: the client reads the
+    file, the supervisor never opens a path its client names). Neither is logged."""
+
+    ref: str
+    policy: str = ""  # always | if-missing (""; the default) | never
+    tls_verify: bool | None = None  # False: a plain-HTTP registry; None: verify
+    creds: str = ""
+    auth_json: bytes = b""
+
+
+@attrs.frozen
+class PullImageProgress:
+    """One item of PullImage's stream. ``phase``: resolving | cached | waiting |
+    downloading | unpacking | converting | done; ``done``/``total`` are bytes while
+    downloading. The last item is ``done`` with ``image`` set."""
+
+    phase: str
+    message: str = ""
+    done: int = 0
+    total: int = 0
+    digest: str = ""
+    image: OciImageInfo | None = None
+
+
+@attrs.frozen
+class ImageRefRequest:
+    ref: str  # a reference, a digest, or 12+ hex digits of one
+
+
+@attrs.frozen
+class RemoveImageResponse:
+    untagged: list[str]  # references removed
+    deleted: list[str]  # digests of images deleted
+    freed_bytes: int = 0
+
+
+@attrs.frozen
+class PruneImagesRequest:
+    dangling_only: bool = False  # only images no reference names
+
+
+@attrs.frozen
+class PruneImagesResponse:
+    deleted: list[str]
+    blobs_deleted: int = 0
+    freed_bytes: int = 0
 
 
 # --- SandboxSnapshotService -----------------------------------------------------------

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import grp
 import logging
+import math
 import os
 import socket
 import time
@@ -48,6 +49,7 @@ from actors.registry import DEFAULT_STOP_TIMEOUT, Registry
 from actors.sandbox import Sandbox
 from actors.snapshot import rfc3339
 from guestd import proto as P
+from images.oci import PullProgress
 from supervisor import mapping as M
 from supervisor import protocol as W
 from supervisor.frames import FramedStream
@@ -652,7 +654,60 @@ async def _info(reg: Registry, io: CallIO, req: W.Empty) -> W.ServerInfo:
 
 @method("ListImages", W.Empty)
 async def _list_images(reg: Registry, io: CallIO, req: W.Empty) -> W.ListImagesResponse:
-    return W.ListImagesResponse([await trio.to_thread.run_sync(M.image, reg.settings.image, True)])
+    used = reg.images_in_use()
+    oci = [M.oci_image(img, img.digest in used) for img in await trio.to_thread.run_sync(reg.list_images)]
+    return W.ListImagesResponse([await trio.to_thread.run_sync(M.image, reg.settings.image, True)], oci)
+
+
+@method("PullImage", W.PullImageRequest, streams=True)
+async def _pull_image(reg: Registry, io: CallIO, req: W.PullImageRequest) -> None:
+    """Progress items as the store reports them, then ``done`` with the image. The
+    store calls back synchronously; an unbounded channel carries the items to this
+    task (a few a second: the download watcher polls every 0.25 s)::
+
+        store.pull --progress(p)--> send_nowait --> forward() --io.send--> client
+    """
+    items_in, items_out = trio.open_memory_channel[W.PullImageProgress](math.inf)
+
+    def progress(p: PullProgress) -> None:
+        if p.phase != "done":  # the last item is ours, with the image
+            items_in.send_nowait(M.pull_progress(p))
+
+    async def forward() -> None:
+        async for item in items_out:
+            await io.send(item)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(forward)
+        with items_in:
+            img = await reg.pull_image(
+                req.ref,
+                policy=req.policy or "if-missing",
+                tls_verify=req.tls_verify is not False,
+                creds=req.creds or None,
+                auth_json=req.auth_json or None,
+                progress=progress,
+            )
+    info = M.oci_image(img, img.digest in reg.images_in_use())
+    await io.send(W.PullImageProgress(phase="done", message=", ".join(img.refs), digest=img.digest, image=info))
+
+
+@method("RemoveImage", W.ImageRefRequest)
+async def _remove_image(reg: Registry, io: CallIO, req: W.ImageRefRequest) -> W.RemoveImageResponse:
+    r = await reg.remove_image(req.ref)
+    return W.RemoveImageResponse(list(r.untagged), list(r.deleted), r.freed_bytes)
+
+
+@method("PruneImages", W.PruneImagesRequest)
+async def _prune_images(reg: Registry, io: CallIO, req: W.PruneImagesRequest) -> W.PruneImagesResponse:
+    r = await reg.prune_images(dangling_only=req.dangling_only)
+    return W.PruneImagesResponse(list(r.deleted), r.blobs_deleted, r.freed_bytes)
+
+
+@method("InspectOciImage", W.ImageRefRequest)
+async def _inspect_oci_image(reg: Registry, io: CallIO, req: W.ImageRefRequest) -> W.OciImageInfo:
+    img = reg.inspect_oci_image(req.ref)
+    return M.oci_image(img, img.digest in reg.images_in_use())
 
 
 @method("InspectImage", W.NameRequest)

@@ -735,3 +735,18 @@ async def test_boot_python_image_without_a_shell(
             code = "import os; print(sorted(os.listdir('/opt/lower')), os.path.exists('/etc/doomed.txt'))"
             r = await g.channel.run([*img.config.argv(), "-c", code])
             assert (r.exit_code, r.stdout) == (0, b"['c'] False\n"), r.stderr
+
+
+async def test_conversion_ignores_the_supervisors_umask(store: ImageStore, pushed: Pushed) -> None:
+    """``serve`` runs under umask 077 (its files are its own): directories the image's
+    layers imply, and a WORKDIR the store makes, must still be 0755, or a non-root USER
+    cannot reach its programs or its working directory."""
+    old = os.umask(0o077)
+    try:
+        with trio.fail_after(60):
+            img = await store.pull(pushed.app, tls_verify=False)
+    finally:
+        os.umask(old)
+    assert owner(img.rootfs, "/srv") == (0o755, 0, 0)
+    assert owner(img.rootfs, "/srv/app") == (0o755, 4242, 4243)
+    assert owner(img.rootfs, "/bin")[0] == 0o755

@@ -57,7 +57,7 @@ class VolumeMount(_message.Message):
     def __init__(self, volume: _Optional[str] = ..., target: _Optional[str] = ..., readonly: _Optional[bool] = ...) -> None: ...
 
 class CreateRequest(_message.Message):
-    __slots__ = ("base", "idle_timeout_seconds", "hostname", "ephemeral", "ports", "outbound", "volumes")
+    __slots__ = ("base", "idle_timeout_seconds", "hostname", "ephemeral", "ports", "outbound", "volumes", "image_pull", "image_tls_verify")
     BASE_FIELD_NUMBER: _ClassVar[int]
     IDLE_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +65,8 @@ class CreateRequest(_message.Message):
     PORTS_FIELD_NUMBER: _ClassVar[int]
     OUTBOUND_FIELD_NUMBER: _ClassVar[int]
     VOLUMES_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_PULL_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_TLS_VERIFY_FIELD_NUMBER: _ClassVar[int]
     base: _sandbox_pb2.CreateSandboxRequest
     idle_timeout_seconds: int
     hostname: str
@@ -72,7 +74,9 @@ class CreateRequest(_message.Message):
     ports: _containers.RepeatedCompositeFieldContainer[PortMapping]
     outbound: bool
     volumes: _containers.RepeatedCompositeFieldContainer[VolumeMount]
-    def __init__(self, base: _Optional[_Union[_sandbox_pb2.CreateSandboxRequest, _Mapping]] = ..., idle_timeout_seconds: _Optional[int] = ..., hostname: _Optional[str] = ..., ephemeral: _Optional[bool] = ..., ports: _Optional[_Iterable[_Union[PortMapping, _Mapping]]] = ..., outbound: _Optional[bool] = ..., volumes: _Optional[_Iterable[_Union[VolumeMount, _Mapping]]] = ...) -> None: ...
+    image_pull: str
+    image_tls_verify: bool
+    def __init__(self, base: _Optional[_Union[_sandbox_pb2.CreateSandboxRequest, _Mapping]] = ..., idle_timeout_seconds: _Optional[int] = ..., hostname: _Optional[str] = ..., ephemeral: _Optional[bool] = ..., ports: _Optional[_Iterable[_Union[PortMapping, _Mapping]]] = ..., outbound: _Optional[bool] = ..., volumes: _Optional[_Iterable[_Union[VolumeMount, _Mapping]]] = ..., image_pull: _Optional[str] = ..., image_tls_verify: _Optional[bool] = ...) -> None: ...
 
 class StartRequest(_message.Message):
     __slots__ = ("id",)
@@ -290,10 +294,110 @@ class ImageInfo(_message.Message):
     def __init__(self, name: _Optional[str] = ..., kernel: _Optional[str] = ..., initrd: _Optional[str] = ..., rootfs: _Optional[str] = ..., kernel_version: _Optional[str] = ..., keys: _Optional[_Mapping[str, str]] = ..., is_default: _Optional[bool] = ..., size_bytes: _Optional[int] = ..., built_at: _Optional[int] = ...) -> None: ...
 
 class ListImagesResponse(_message.Message):
-    __slots__ = ("images",)
+    __slots__ = ("images", "oci_images")
     IMAGES_FIELD_NUMBER: _ClassVar[int]
+    OCI_IMAGES_FIELD_NUMBER: _ClassVar[int]
     images: _containers.RepeatedCompositeFieldContainer[ImageInfo]
-    def __init__(self, images: _Optional[_Iterable[_Union[ImageInfo, _Mapping]]] = ...) -> None: ...
+    oci_images: _containers.RepeatedCompositeFieldContainer[OciImageInfo]
+    def __init__(self, images: _Optional[_Iterable[_Union[ImageInfo, _Mapping]]] = ..., oci_images: _Optional[_Iterable[_Union[OciImageInfo, _Mapping]]] = ...) -> None: ...
+
+class OciImageInfo(_message.Message):
+    __slots__ = ("id", "digest", "refs", "config_digest", "size_bytes", "disk_bytes", "download_bytes", "layers", "source", "pulled_at", "in_use", "env", "working_dir", "user", "entrypoint", "cmd")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    REFS_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DISK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DOWNLOAD_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    PULLED_AT_FIELD_NUMBER: _ClassVar[int]
+    IN_USE_FIELD_NUMBER: _ClassVar[int]
+    ENV_FIELD_NUMBER: _ClassVar[int]
+    WORKING_DIR_FIELD_NUMBER: _ClassVar[int]
+    USER_FIELD_NUMBER: _ClassVar[int]
+    ENTRYPOINT_FIELD_NUMBER: _ClassVar[int]
+    CMD_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    digest: str
+    refs: _containers.RepeatedScalarFieldContainer[str]
+    config_digest: str
+    size_bytes: int
+    disk_bytes: int
+    download_bytes: int
+    layers: int
+    source: str
+    pulled_at: int
+    in_use: bool
+    env: _containers.RepeatedScalarFieldContainer[str]
+    working_dir: str
+    user: str
+    entrypoint: _containers.RepeatedScalarFieldContainer[str]
+    cmd: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, id: _Optional[str] = ..., digest: _Optional[str] = ..., refs: _Optional[_Iterable[str]] = ..., config_digest: _Optional[str] = ..., size_bytes: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., download_bytes: _Optional[int] = ..., layers: _Optional[int] = ..., source: _Optional[str] = ..., pulled_at: _Optional[int] = ..., in_use: _Optional[bool] = ..., env: _Optional[_Iterable[str]] = ..., working_dir: _Optional[str] = ..., user: _Optional[str] = ..., entrypoint: _Optional[_Iterable[str]] = ..., cmd: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class PullImageRequest(_message.Message):
+    __slots__ = ("ref", "policy", "tls_verify", "creds", "auth_json")
+    REF_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    TLS_VERIFY_FIELD_NUMBER: _ClassVar[int]
+    CREDS_FIELD_NUMBER: _ClassVar[int]
+    AUTH_JSON_FIELD_NUMBER: _ClassVar[int]
+    ref: str
+    policy: str
+    tls_verify: bool
+    creds: str
+    auth_json: bytes
+    def __init__(self, ref: _Optional[str] = ..., policy: _Optional[str] = ..., tls_verify: _Optional[bool] = ..., creds: _Optional[str] = ..., auth_json: _Optional[bytes] = ...) -> None: ...
+
+class PullImageProgress(_message.Message):
+    __slots__ = ("phase", "message", "done", "total", "digest", "image")
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    phase: str
+    message: str
+    done: int
+    total: int
+    digest: str
+    image: OciImageInfo
+    def __init__(self, phase: _Optional[str] = ..., message: _Optional[str] = ..., done: _Optional[int] = ..., total: _Optional[int] = ..., digest: _Optional[str] = ..., image: _Optional[_Union[OciImageInfo, _Mapping]] = ...) -> None: ...
+
+class RemoveImageRequest(_message.Message):
+    __slots__ = ("ref",)
+    REF_FIELD_NUMBER: _ClassVar[int]
+    ref: str
+    def __init__(self, ref: _Optional[str] = ...) -> None: ...
+
+class RemoveImageResponse(_message.Message):
+    __slots__ = ("untagged", "deleted", "freed_bytes")
+    UNTAGGED_FIELD_NUMBER: _ClassVar[int]
+    DELETED_FIELD_NUMBER: _ClassVar[int]
+    FREED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    untagged: _containers.RepeatedScalarFieldContainer[str]
+    deleted: _containers.RepeatedScalarFieldContainer[str]
+    freed_bytes: int
+    def __init__(self, untagged: _Optional[_Iterable[str]] = ..., deleted: _Optional[_Iterable[str]] = ..., freed_bytes: _Optional[int] = ...) -> None: ...
+
+class PruneImagesRequest(_message.Message):
+    __slots__ = ("dangling_only",)
+    DANGLING_ONLY_FIELD_NUMBER: _ClassVar[int]
+    dangling_only: bool
+    def __init__(self, dangling_only: _Optional[bool] = ...) -> None: ...
+
+class PruneImagesResponse(_message.Message):
+    __slots__ = ("deleted", "blobs_deleted", "freed_bytes")
+    DELETED_FIELD_NUMBER: _ClassVar[int]
+    BLOBS_DELETED_FIELD_NUMBER: _ClassVar[int]
+    FREED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    deleted: _containers.RepeatedScalarFieldContainer[str]
+    blobs_deleted: int
+    freed_bytes: int
+    def __init__(self, deleted: _Optional[_Iterable[str]] = ..., blobs_deleted: _Optional[int] = ..., freed_bytes: _Optional[int] = ...) -> None: ...
 
 class InspectImageRequest(_message.Message):
     __slots__ = ("name",)

@@ -130,6 +130,26 @@ class SandvisorServiceStub:
                 request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.DeleteImageRequest.SerializeToString,
                 response_deserializer=sandbox_dot_v1_dot_sandbox__pb2.Empty.FromString,
                 _registered_method=True)
+        self.PullImage = channel.unary_stream(
+                '/sandvisor.v1.SandvisorService/PullImage',
+                request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.PullImageRequest.SerializeToString,
+                response_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.PullImageProgress.FromString,
+                _registered_method=True)
+        self.RemoveImage = channel.unary_unary(
+                '/sandvisor.v1.SandvisorService/RemoveImage',
+                request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.RemoveImageRequest.SerializeToString,
+                response_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.RemoveImageResponse.FromString,
+                _registered_method=True)
+        self.PruneImages = channel.unary_unary(
+                '/sandvisor.v1.SandvisorService/PruneImages',
+                request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.PruneImagesRequest.SerializeToString,
+                response_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.PruneImagesResponse.FromString,
+                _registered_method=True)
+        self.InspectOciImage = channel.unary_unary(
+                '/sandvisor.v1.SandvisorService/InspectOciImage',
+                request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.RemoveImageRequest.SerializeToString,
+                response_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.OciImageInfo.FromString,
+                _registered_method=True)
         self.CreateVolume = channel.unary_unary(
                 '/sandvisor.v1.SandvisorService/CreateVolume',
                 request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.CreateVolumeRequest.SerializeToString,
@@ -290,6 +310,35 @@ class SandvisorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PullImage(self, request, context):
+        """OCI images (the seed's CreateSandboxRequest.image): pull into the supervisor's
+        store, streaming progress until the final message has phase "done" and image set.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RemoveImage(self, request, context):
+        """Untag a reference, or delete the image (by digest, or its last reference).
+        FAILED_PRECONDITION while a sandbox, snapshot or boot template stands on it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PruneImages(self, request, context):
+        """Delete every OCI image nothing stands on, and layers no image keeps.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def InspectOciImage(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def CreateVolume(self, request, context):
         """--- volumes (draft: UNIMPLEMENTED until volumes land) ---
         """
@@ -413,6 +462,26 @@ def add_SandvisorServiceServicer_to_server(servicer, server):
                     servicer.DeleteImage,
                     request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.DeleteImageRequest.FromString,
                     response_serializer=sandbox_dot_v1_dot_sandbox__pb2.Empty.SerializeToString,
+            ),
+            'PullImage': grpc.unary_stream_rpc_method_handler(
+                    servicer.PullImage,
+                    request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.PullImageRequest.FromString,
+                    response_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.PullImageProgress.SerializeToString,
+            ),
+            'RemoveImage': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoveImage,
+                    request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.RemoveImageRequest.FromString,
+                    response_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.RemoveImageResponse.SerializeToString,
+            ),
+            'PruneImages': grpc.unary_unary_rpc_method_handler(
+                    servicer.PruneImages,
+                    request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.PruneImagesRequest.FromString,
+                    response_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.PruneImagesResponse.SerializeToString,
+            ),
+            'InspectOciImage': grpc.unary_unary_rpc_method_handler(
+                    servicer.InspectOciImage,
+                    request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.RemoveImageRequest.FromString,
+                    response_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.OciImageInfo.SerializeToString,
             ),
             'CreateVolume': grpc.unary_unary_rpc_method_handler(
                     servicer.CreateVolume,
@@ -948,6 +1017,114 @@ class SandvisorService:
             '/sandvisor.v1.SandvisorService/DeleteImage',
             sandvisor_dot_v1_dot_sandvisor__pb2.DeleteImageRequest.SerializeToString,
             sandbox_dot_v1_dot_sandbox__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PullImage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/sandvisor.v1.SandvisorService/PullImage',
+            sandvisor_dot_v1_dot_sandvisor__pb2.PullImageRequest.SerializeToString,
+            sandvisor_dot_v1_dot_sandvisor__pb2.PullImageProgress.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemoveImage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandvisor.v1.SandvisorService/RemoveImage',
+            sandvisor_dot_v1_dot_sandvisor__pb2.RemoveImageRequest.SerializeToString,
+            sandvisor_dot_v1_dot_sandvisor__pb2.RemoveImageResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PruneImages(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandvisor.v1.SandvisorService/PruneImages',
+            sandvisor_dot_v1_dot_sandvisor__pb2.PruneImagesRequest.SerializeToString,
+            sandvisor_dot_v1_dot_sandvisor__pb2.PruneImagesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def InspectOciImage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandvisor.v1.SandvisorService/InspectOciImage',
+            sandvisor_dot_v1_dot_sandvisor__pb2.RemoveImageRequest.SerializeToString,
+            sandvisor_dot_v1_dot_sandvisor__pb2.OciImageInfo.FromString,
             options,
             channel_credentials,
             insecure,
