@@ -44,7 +44,7 @@ from actors.store import SnapshotRecord
 
 log = logging.getLogger("sandvisor.pools")
 
-STALE = "the image or accelerator changed"
+STALE = "the image, the accelerator or the machine's devices changed"
 
 
 class PoolHost(Protocol):
@@ -113,11 +113,13 @@ class Pools:
         return None
 
     def drop_stale_templates(self) -> None:
-        """Templates of another image, an OCI image no longer there, or another
-        accelerator are of no use any more."""
+        """Templates of another image, an OCI image no longer there, another
+        accelerator or another device set (a balloon or none) are of no use any more."""
+        s = self.settings
         for r in self.snapshots.templates():
             gone = r.oci is not None and not Path(r.oci.rootfs).exists()
-            if gone or r.image != self.settings.image_parts() or r.machine.accel != self.settings.accel:
+            other = r.image != s.image_parts() or r.machine.accel != s.accel or r.machine.balloon != s.balloon
+            if gone or other:
                 self._template_failed(r, STALE)
 
     def plan_for(self, sb: Sandbox, accepted: float) -> Plan:

@@ -335,6 +335,10 @@ class Sandbox:
                 boot_timeout=min(s.boot_timeout, RESTORE_HELLO_TIMEOUT),
                 answer_timeout=s.guest_timeout,
                 name=self.hostname,
+                balloon=snap.machine.balloon,
+                # a balloon on the snapshot's memory, mapped privately (a sealed memfd: _ram)
+                preload=s.cells.discard_shim if snap.machine.balloon and not ram_shared and s.cells else None,
+                tb_size_mib=s.tb_size_mib,
             )
         return VmSpec.boot(
             s.image,
@@ -351,6 +355,8 @@ class Sandbox:
             ram=ram,
             boot_timeout=s.boot_timeout,
             answer_timeout=s.guest_timeout,
+            balloon=s.balloon,
+            tb_size_mib=s.tb_size_mib,
         )
 
     def _ram(self, plan: Boot | Resume, cell: Cell | None, fds: dict[str, int]) -> tuple[Path | None, bool]:
@@ -366,6 +372,12 @@ class Sandbox:
                 fds["ram"] = cell.cells.sealed.acquire(snap.id, snap.path / "memory")
                 self._sealed = snap.id
                 return snap.path / "memory", False
+            if snap.machine.balloon:
+                # QEMU 7.2 would punch the balloon's free pages into the snapshot's file
+                raise FailedPrecondition(
+                    f"snapshot {snap.id} has a balloon: it restores only in a jail (a root supervisor), "
+                    "where its memory is sealed"
+                )
             return memory_for_restore(snap.path, files.run_dir, s.qemu_user), False
         if s.memory_dir is None:
             return None, True

@@ -141,6 +141,9 @@ class VmSpec:
     machine: str = "microvm"
     sandbox: bool = True
     extra_ports: tuple[str, ...] = ()
+    balloon: bool = False  # a virtio-balloon reporting free pages (see MachineSpec.balloon)
+    preload: Path | None = None  # the discard shim, for a balloon on privately mapped RAM
+    tb_size_mib: int | None = 64  # TCG's translation cache (see MachineSpec.tb_size_mib)
 
     @classmethod
     def boot(
@@ -200,6 +203,9 @@ class VmSpec:
             memory_file=self.ram,
             memory_shared=self.ram_shared,
             incoming=self.restore is not None,
+            balloon=self.balloon,
+            preload=self.preload,
+            tb_size_mib=self.tb_size_mib,
         )
 
 

@@ -56,6 +56,8 @@ class DaemonConfig:
     pools: dict[str, int] = attrs.field(factory=dict)  # per snapshot id or name
     templates: bool = True  # Creates restore a boot template of their configuration
     template_pool: int = 0  # restored members kept ready per boot template
+    balloon: bool = True  # free page reporting, where it is safe (Settings.balloon)
+    tb_size_mib: int = 64  # TCG's translation cache per QEMU (0: QEMU's default, 1 GiB)
 
 
 def default_image(state_dir: Path) -> Image:
@@ -85,6 +87,12 @@ async def serve(
             )
         )
     store = Store(cfg.state_dir / "sandvisor.db")
+    # a balloon's discards are safe in anonymous RAM and in a machine's own RAM file; a
+    # restore maps a snapshot's memory privately, which only a jail seals (and the
+    # discard shim lets give memory back): without both, no balloons
+    balloon = cfg.balloon and (cells.discard_shim is not None if cells is not None else memory_dir is None)
+    if cfg.balloon and not balloon:
+        log.warning("no free page reporting: guest RAM files need a jail and the discard shim (a root supervisor)")
     settings = Settings(
         image=image,
         sandboxes_dir=cfg.state_dir / "sandboxes",
@@ -98,6 +106,8 @@ async def serve(
         cells=cells,
         allowed_paths=cfg.allow_paths,
         images=ImageStore(cfg.state_dir / "oci") if os.geteuid() == 0 else None,
+        balloon=balloon,
+        tb_size_mib=cfg.tb_size_mib or None,
     )
     log.info(
         "serving on %s (state %s, accel %s, QEMU %s)",
