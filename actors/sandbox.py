@@ -25,6 +25,8 @@ it is given, with a :data:`Plan` saying what the life does::
     Resume(snapshot, fallback) a restore of a snapshot; a boot template that does
                               not restore is reported to ``fallback`` and the life
                               boots instead
+    AwaitTemplate(resolve)    another boot is making this configuration's template:
+                              wait for it (in state starting), then Resume or Boot
 
 ``run`` reports started once the life is set up (state "starting"), so Create
 returns at once. The actor owns, for one life, the QEMU process and guest channel
@@ -86,7 +88,7 @@ from actors.portfwd import PortInUse, Target, bind_listener, relay_tcp, relay_ud
 from actors.settings import Settings
 from actors.snapshot import Checkpoint, checkpoint_guest, memory_for_restore, still_running
 from actors.store import LifeState, Record, SnapshotRecord, Store
-from actors.vm import NETDEV_ID, Attach, BootError, Guest, NetConfig, VmSpec
+from actors.vm import NETDEV_ID, Attach, BootError, BootTimeout, Guest, NetConfig, VmSpec
 from guestd import proto as P
 
 READY_FLUSH_TIMEOUT = 5.0  # s: the ready state's commit before READY is announced
@@ -133,7 +135,8 @@ class Resume:
 
     snapshot: SnapshotRecord
     accepted: float = 0.0
-    fallback: Callable[[SnapshotRecord, str], None] | None = None
+    # (snapshot, why, transient): transient = the guest did not answer in time
+    fallback: Callable[[SnapshotRecord, str, bool], None] | None = None
 
 
 @attrs.frozen
@@ -146,7 +149,18 @@ class Adopt:
     accepted: float = 0.0
 
 
-Plan = Boot | Resume | Adopt
+@attrs.frozen
+class AwaitTemplate:
+    """The boot template this configuration restores is being made by another
+    sandbox's boot: ``resolve`` waits for that (the template is saved before the
+    maker's first ready) and says what to do then -- restore it, or boot (it failed).
+    Booting beside the maker instead would put N boots on the cores at once."""
+
+    resolve: Callable[[], Awaitable[Boot | Resume]]
+    accepted: float = 0.0
+
+
+Plan = Boot | Resume | Adopt | AwaitTemplate
 
 
 class Sandbox:
@@ -267,13 +281,15 @@ class Sandbox:
             with trio.CancelScope() as scope:
                 self._life_scope = scope
                 task_status.started(self)
+                if isinstance(plan, AwaitTemplate):
+                    plan = await plan.resolve()
                 try:
                     await self._life(plan)
                 except (BootError, MachineError, GuestError, DomainError) as exc:
                     if not isinstance(plan, Resume) or plan.fallback is None or self.guest is not None:
                         raise
                     # a boot template that does not restore must not fail the Create: boot
-                    plan.fallback(plan.snapshot, str(exc))
+                    plan.fallback(plan.snapshot, str(exc), isinstance(exc, BootTimeout))
                     self.log.append("system", f"template restore failed ({exc}); booting".encode())
                     self._set(State.STARTING, error="")
                     await self._life(Boot(accepted=plan.accepted))
@@ -393,7 +409,7 @@ class Sandbox:
         boot = self.config.boot
         return Path(boot.rootfs) if boot.rootfs else self.settings.image.rootfs
 
-    async def _life(self, plan: Plan) -> None:
+    async def _life(self, plan: Boot | Resume | Adopt) -> None:
         if isinstance(plan, Adopt):
             await self._adopted_life(plan)
             return

@@ -60,6 +60,10 @@ class BootError(LaunchError):
         self.console = console
 
 
+class BootTimeout(BootError):
+    """QEMU ran, the guest did not say hello in time: a host too busy may be why."""
+
+
 def kernel_cmdline(accel: str, *, root: bool = True, hostname: str = "sandbox", extra: str = "") -> str:
     parts = [BASE_CMDLINE]
     if accel == "tcg":
@@ -287,7 +291,7 @@ async def _running(vm: Machine, t0: float, spec: VmSpec, *, adopted: bool = Fals
                         try:
                             await chan.hello(boot_timeout)
                         except HelloTimeout:
-                            raise BootError(
+                            raise BootTimeout(
                                 f"guest did not become ready within {boot_timeout:g}s", vm.console.text()
                             ) from None
                     if chan.hello_info is None:

@@ -231,6 +231,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_disk_mib=args.max_disk,
         balloon=not args.no_balloon,
         tb_size_mib=args.tb_size,
+        max_starting=args.max_starting,
     )
     trio.run(serve, cfg)
     return 0
@@ -378,6 +379,13 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         "--max-memory", type=int, default=0, metavar="MIB", help="total guest RAM (default: host RAM - 1 GiB)"
     )
     sv.add_argument("--max-disk", type=int, default=0, metavar="MIB", help="state dir use (default: no limit)")
+    sv.add_argument(
+        "--max-starting",
+        type=int,
+        default=0,
+        metavar="N",
+        help="VMs brought up (booted or restored) at once; more wait their turn (default: one per core, at least 2)",
+    )
     sv.add_argument(
         "--no-balloon",
         action="store_true",

@@ -18,10 +18,11 @@ import trio
 
 from actors.cell import Cells, JailConfig
 from actors.machine import qmp_loop, resolve_accel, unprivileged_user
-from actors.quotas import Quotas
+from actors.quotas import Quotas, gated, start_slots
 from actors.registry import Registry
 from actors.settings import Settings
 from actors.store import Store
+from actors.vm import booted_guest
 from images.build import Builder, Image, load_default
 from images.oci import ImageStore
 from supervisor.config import claim_runtime_dir, default_memory_dir, default_run_root, runtime_dir
@@ -57,6 +58,7 @@ class DaemonConfig:
     templates: bool = True  # Creates restore a boot template of their configuration
     template_pool: int = 0  # restored members kept ready per boot template
     balloon: bool = True  # free page reporting, where it is safe (Settings.balloon)
+    max_starting: int = 0  # VMs brought up at once (0: one per core, at least 2; quotas.gated)
     tb_size_mib: int = 64  # TCG's translation cache per QEMU (0: QEMU's default, 1 GiB)
 
 
@@ -108,6 +110,7 @@ async def serve(
         images=ImageStore(cfg.state_dir / "oci") if os.geteuid() == 0 else None,
         balloon=balloon,
         tb_size_mib=cfg.tb_size_mib or None,
+        launch=gated(booted_guest, trio.CapacityLimiter(cfg.max_starting or start_slots())),
     )
     log.info(
         "serving on %s (state %s, accel %s, QEMU %s)",
