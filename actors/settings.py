@@ -9,6 +9,7 @@ from pathlib import Path
 import attrs
 
 from actors.cell import Cells
+from actors.hostnet import HostNetwork
 from actors.machine import QemuUser
 from actors.model import Limits
 from actors.vm import Attach, Guest, VmSpec, booted_guest
@@ -43,6 +44,9 @@ class Settings:
     # own RAM file, or a sealed memfd with the discard shim: a jailed supervisor)
     balloon: bool = False
     tb_size_mib: int | None = 64  # TCG's translation cache per QEMU (MachineSpec.tb_size_mib)
+    # tap networking, the IP pool, egress filter and DNS proxy (root supervisors: serve
+    # --ip-pool); also the uplinks of jailed user-mode sandboxes with outbound access
+    hostnet: HostNetwork | None = None
 
     def limits(self, requested: Limits) -> Limits:
         """The effective limits: the caller's, or the supervisor's defaults."""
