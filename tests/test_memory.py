@@ -49,15 +49,22 @@ def digest(path: Path) -> str:
 
 
 async def gives_back(registry: Registry, sb: AsyncSandbox) -> tuple[int, int]:
-    """Allocate and free 150 MiB in the guest; wait until its QEMU's RSS falls by 100
-    MiB from the peak. Returns (peak, after)."""
+    """Allocate and free 150 MiB in the guest; its QEMU's RSS must fall by 100 MiB (most
+    of them) from the peak within 10 s of the Run's exit (issue 14; the guest reports
+    free blocks after ~2 s). What stays is the page cache of python3's files. Returns
+    (peak, after)."""
     pid = registry.get(sb.id).record.qemu_pid
+    before = rss(pid)
     r = await sb.run(["python3", "-c", ALLOC_FREE])
     assert r.exit_code == 0, r
     peak = rss(pid)
-    with trio.fail_after(60):  # reported after ~2 s (the guest's delay); generous for a loaded host
-        while rss(pid) > peak - 100 * MIB:
-            await trio.sleep(0.5)
+    assert peak - before >= 100 * MIB, (before, peak)  # the guest's writes were there
+    try:
+        with trio.fail_after(10):
+            while rss(pid) > peak - 100 * MIB:
+                await trio.sleep(0.2)
+    except trio.TooSlowError:
+        raise AssertionError(f"RSS {before >> 20} MiB before, {peak >> 20} peak, {rss(pid) >> 20} after 10 s") from None
     return peak, rss(pid)
 
 
@@ -86,4 +93,4 @@ async def test_freed_guest_memory_goes_back_boot_and_clone(work: Workdir) -> Non
                 # the clone's memory is whole: what it wrote is there, freed pages read back
                 assert (await clone.run(["sh", "-c", "echo ok > /run/x; cat /run/x"])).stdout == b"ok\n"
             assert digest(memory) == before  # the template's memory was never written
-            assert peak - after >= 100 * MIB
+            assert peak - after >= 100 * MIB  # it had grown by them, and gave them back
