@@ -44,6 +44,7 @@ from guestd import proto as P
 log = logging.getLogger("sandvisor.guest")
 KILL_GRACE = 5.0  # how long a guest has to end a process it should have killed (timeout, SIGKILL)
 CLOCK_STALE_S = 0.05  # a set_clock answered later than this set a stale time: it is sent again
+CLOCK_TRIES = 8  # ... at most this often (each try's error is its own round trip)
 FRAME_TIMEOUT = 30.0  # how long a guest may take to read one frame we send (as the daemon's guest_timeout)
 _M = TypeVar("_M", bound=P.Message)
 
@@ -217,6 +218,9 @@ class GuestChannel:
         self._syncing = False  # after our HOST_SYNC: discard input up to GUEST_SYNC
         self._discarded = 0
         self.hello_info: P.HelloOk | None = None
+        # seconds from sending Hello to its answer: its host_time_ns set the guest's clock
+        # this stale at most (clock_stale says whether a restore must set it again)
+        self.hello_rtt = 0.0
         self.guest_logs: collections.deque[str] = collections.deque(maxlen=64)
         self._stats = {"frames_in": 0, "frames_out": 0, "bytes_in": 0, "bytes_out": 0, "dropped": 0}
 
@@ -374,9 +378,11 @@ class GuestChannel:
                 await self._stream.send_all(P.HOST_SYNC)
             except (trio.BrokenResourceError, OSError) as exc:
                 raise ChannelBroken(f"guest channel broke: {exc}") from None
+        t0 = time.monotonic()
         await self._send(P.Hello(version=P.PROTOCOL_VERSION, host_time_ns=time.time_ns()))
         with trio.move_on_after(timeout):
             await self._hello_event.wait()
+        self.hello_rtt = time.monotonic() - t0
         if self._hello is None:
             self._check()
             raise HelloTimeout(f"guestd did not answer hello within {timeout:g}s")
@@ -421,12 +427,19 @@ class GuestChannel:
     async def metrics(self) -> P.MetricsOk:
         return await self._unary(lambda rid: P.Metrics(rid=rid), P.MetricsOk)
 
+    @property
+    def clock_stale(self) -> bool:
+        """The last hello's answer came late: the clock it set is behind by that much."""
+        return self.hello_rtt >= CLOCK_STALE_S
+
     async def set_clock(self, realtime_ns: int | None = None) -> None:
         """Set the guest's wall clock to ours. The time is taken when the request is
         sent: one that waited (a vCPU still busy after a restore, a loaded host) set a
         stale time -- measured 1.9 s behind at load 9 -- so a slow answer is followed
-        by a second request, which the now running guest answers at once."""
-        for _ in range(2):
+        by another request, until one is answered in time: the guest's error is at most
+        the last round trip. Two tries were not enough at load 38 (a clone 4.4 s behind:
+        the second answer took seconds too), so it tries up to CLOCK_TRIES times."""
+        for _ in range(CLOCK_TRIES):
             t0 = time.monotonic()
             ns = time.time_ns() if realtime_ns is None else realtime_ns
             await self._unary(lambda rid, ns=ns: P.SetClock(rid=rid, realtime_ns=ns), P.Ok)

@@ -550,7 +550,9 @@ class Sandbox:
             self.timings["restored"] = time.monotonic()
             what = "the boot template" if plan.fallback is not None else f"snapshot {plan.snapshot.id}"
             self.log.append("system", f"restored from {what}".encode())
-            await self._fresh_identity(guest, clock=False)  # the hello set the clock
+            # the hello set the clock, but a restored vCPU busy on a loaded host answers it
+            # late (a clone 4.4 s behind at load 38): then it is set again
+            await self._fresh_identity(guest, clock=guest.channel.clock_stale)
             await self._configure_guest_net(guest)
         crash_point("hello")
         self.guest = guest
@@ -1117,32 +1119,31 @@ class Sandbox:
             host_port = pm.host_port or free_port(addr, pm.protocol)
             await self._hostfwd(guest, f"{pm.protocol}:{addr}:{host_port}-:{pm.sandbox_port}", host_port, pm)
             return attrs.evolve(pm, host_port=host_port)
-        kind = socket.SOCK_DGRAM if pm.protocol == Protocol.UDP else socket.SOCK_STREAM
-        try:
-            listener = bind_listener(addr, pm.host_port, kind)
-        except PortInUse:
-            raise AlreadyExists(f"host port {pm.host_port}/{pm.protocol} is in use on {addr}") from None
-        host_port = int(listener.getsockname()[1])
-        try:
+
+        async def inside_cell(host_port: int) -> Target:
+            # QEMU's hostfwd listens on the cell's own loopback, on the same port number
             if not relay_only:
                 await self._hostfwd(guest, f"{pm.protocol}:127.0.0.1:{host_port}-:{pm.sandbox_port}", host_port, pm)
-            target = Target("127.0.0.1", host_port, NetNS(file=f"/proc/{guest.machine.pid}/ns/net"))
-            relay = relay_udp if kind == socket.SOCK_DGRAM else relay_tcp
-            assert self._ports_nursery is not None
-            scope = await self._ports_nursery.start(_relay, relay, listener, target)
-        except BaseException:
-            listener.close()
-            raise
-        self._relays[pm.key] = scope
-        return attrs.evolve(pm, host_port=host_port)
+            return Target("127.0.0.1", host_port, NetNS(file=f"/proc/{guest.machine.pid}/ns/net"))
+
+        return await self._relay_from_host(pm, inside_cell)
 
     async def _forward_tap(self, net: NetConfig, pm: PortSpec) -> PortSpec:
         """A relay from the host port to the sandbox's address (the seed: "the daemon
         binds a host listener"). The host reaches every sandbox; the filter stops only
         what sandboxes send."""
-        addr = self.settings.expose_address
         hn = self.settings.hostnet
         assert hn is not None
+
+        async def sandbox_address(host_port: int) -> Target:
+            return Target(net.address, pm.sandbox_port, hn.netns)
+
+        return await self._relay_from_host(pm, sandbox_address)
+
+    async def _relay_from_host(self, pm: PortSpec, target_for: Callable[[int], Awaitable[Target]]) -> PortSpec:
+        """Bind the host listener for ``pm`` (its port, or any), then relay it to the
+        target ``target_for(host_port)`` names; the listener closes if that fails."""
+        addr = self.settings.expose_address
         kind = socket.SOCK_DGRAM if pm.protocol == Protocol.UDP else socket.SOCK_STREAM
         try:
             listener = bind_listener(addr, pm.host_port, kind)
@@ -1150,7 +1151,7 @@ class Sandbox:
             raise AlreadyExists(f"host port {pm.host_port}/{pm.protocol} is in use on {addr}") from None
         host_port = int(listener.getsockname()[1])
         try:
-            target = Target(net.address, pm.sandbox_port, hn.netns)
+            target = await target_for(host_port)
             relay = relay_udp if kind == socket.SOCK_DGRAM else relay_tcp
             assert self._ports_nursery is not None
             scope = await self._ports_nursery.start(_relay, relay, listener, target)

@@ -68,6 +68,9 @@ async def test_hello_reports_boot_and_sets_the_clock(
     assert {"init", "modules", "rootfs", "python", "ready"} <= set(info.marks)
     assert "exec" in info.features
     assert guest.hellos == 1 and len(guest.clock_sets) == 1  # Hello.host_time_ns set the clock
+    assert chan.hello_rtt >= 0.0  # a restore sets the clock again when this is stale
+    chan.hello_rtt = 1.0
+    assert chan.clock_stale
 
 
 async def test_ping_does_not_touch_but_touch_and_exec_do(

@@ -105,3 +105,13 @@ def test_the_cli_default_ip_pool_is_the_domains() -> None:
     from supervisor.cli import DEFAULT_IP_POOL
 
     assert DEFAULT_IP_POOL == DEFAULT_POOL
+
+
+def test_the_sdk_knows_every_domain_code() -> None:
+    """The SDK may not import the domain, so it spells the seed's codes again (and the
+    exception-group helper): they must stay the same set, or a client would see a code
+    it cannot type."""
+    from actors.errors import Code
+    from supervisor.errors import CODES
+
+    assert {c.value for c in Code} == set(CODES)
