@@ -24,6 +24,7 @@ Usage: python benchmarks/memory.py [-n 3] [--busy-seconds 90] [--out results/]
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import time
@@ -34,6 +35,7 @@ from typing import Any
 import trio
 from _harness import pct, write_results
 
+from actors.errors import DomainError
 from actors.registry import Registry
 from supervisor.client import AsyncSandbox
 from supervisor.throwaway import supervisor, workdir
@@ -93,6 +95,7 @@ async def sweep(n: int, busy_seconds: float) -> dict[str, Any]:
                 pys[tb].append(pct(lat["py"][tb], 50))
                 await live[tb].remove(force=True)
             print(f"round {r + 1}/{n}: load {os.getloadavg()[0]:.1f}", flush=True)
+        print(json.dumps({tb: [boot[tb], execs[tb], pys[tb]] for tb in SIZES}), flush=True)  # (kept if busy fails)
         if busy_seconds > 0:
             sbs = {}
             for tb in SIZES:
@@ -112,13 +115,17 @@ async def sweep(n: int, busy_seconds: float) -> dict[str, Any]:
                         await trio.sleep(0.5)  # its sandbox's record says why
                         died[tb] = regs[tb].get("busy").record.error or "QEMU exited"
             for tb, sb in sbs.items():
+                loops = b""
+                if tb not in died:
+                    try:  # (a Run beside the sandbox's own command is refused: the channel's, as jail.py)
+                        got = await regs[tb].get("busy").guest_call(lambda g: g.channel.run(["cat", "/tmp/loops"]))
+                        loops = got.stdout.strip()
+                    except DomainError:  # killed since the last sample
+                        died[tb] = regs[tb].get("busy").record.error or "QEMU exited"
                 if tb in died:
                     busy[tb] = {"died": died[tb], "rss_mib_max": round(max(samples[tb], default=0.0), 1)}
                     await sb.remove(force=True)
                     continue
-                # (a Run beside the sandbox's own command is refused: the channel's, as jail.py)
-                got = await regs[tb].get("busy").guest_call(lambda g: g.channel.run(["cat", "/tmp/loops"]))
-                loops = got.stdout.strip()
                 busy[tb] = {
                     "loops": int(loops or 0),
                     "rss_mib_max": round(max(samples[tb]), 1),
