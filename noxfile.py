@@ -60,6 +60,8 @@ def bench(session: nox.Session) -> None:
     session.run("python", "benchmarks/control.py")
     session.run("python", "benchmarks/flood.py")
     session.run("python", "benchmarks/soak.py")
+    session.run("python", "benchmarks/burst.py")
+    session.run("python", "benchmarks/memory.py")
     session.run("python", "benchmarks/jail.py")
 
 

@@ -33,7 +33,7 @@ import attrs
 
 from actors import jail
 from actors.cgroups import Cgroup, CgroupError, CgroupLimits, CgroupManager, detect
-from actors.guestmem import SealedMemoryCache, create_ram_file, private_dir, remove_ram_file
+from actors.guestmem import SealedMemoryCache, build_discard_shim, create_ram_file, private_dir, remove_ram_file
 from actors.machine import Proc
 
 log = logging.getLogger("sandvisor.cell")
@@ -98,12 +98,13 @@ class Cell:
     def qemu_dir(self) -> Path:
         return Path(self.spec.socket_dir)
 
-    async def spawn(self, argv: list[str], fds: tuple[int, ...], stderr: int) -> Proc:
+    async def spawn(self, argv: list[str], fds: tuple[int, ...], stderr: int, env: dict[str, str]) -> Proc:
         try:
             return await jail.spawn(
                 argv,
                 self.spec,
                 pass_fds=fds,
+                env=env,
                 cgroup_procs=self.cgroup.procs_files() if self.cgroup else (),
                 stderr_fd=stderr,
                 helper=self.cells.helper,
@@ -163,9 +164,11 @@ class Cells:
         allocator: jail.IdentityAllocator,
         ram_dir: Path | None,
         kvm: bool,
+        discard_shim: Path | None = None,
     ) -> None:
         self.config = config
         self.helper = helper
+        self.discard_shim = discard_shim  # preloaded into QEMUs with a balloon on a sealed memfd
         self.cgroups = cgroups
         self.allocator = allocator
         self.ram_dir = ram_dir
@@ -183,6 +186,11 @@ class Cells:
         except jail.JailError as exc:
             log.warning("jail helper unavailable (%s): jails are entered by a slower Python stage", exc)
             helper = None
+        try:
+            shim: Path | None = build_discard_shim(state_dir / "bin")
+        except jail.JailError as exc:
+            log.warning("discard shim unavailable (%s): restored clones cannot give freed memory back", exc)
+            shim = None
         # one parent per state dir: two supervisors on a host never sweep each other's cgroups
         key = hashlib.sha256(str(state_dir.resolve()).encode()).hexdigest()[:12]
         cgroups = detect(parent=f"sandvisor-{key}")
@@ -197,6 +205,7 @@ class Cells:
             allocator=allocator,
             ram_dir=private_dir(ram_dir) if ram_dir is not None else None,
             kvm=kvm,
+            discard_shim=shim,
         )
 
     def _spec(

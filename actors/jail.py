@@ -894,24 +894,31 @@ def build_helper(directory: Path, *, cc: str = "cc") -> Path:
     """sandvisor-jail-exec, compiled (static) from jail_exec.c into ``directory`` (made
     root's, 0755, if missing), named by a hash of its source: built once per source
     version, reused after. Needs a C compiler and static libc (Debian: gcc, libc6-dev)."""
-    src = HELPER_SOURCE.read_bytes()
-    out = directory / f"sandvisor-jail-exec-{hashlib.sha256(src).hexdigest()[:12]}"
+    return build_c(HELPER_SOURCE, directory, "sandvisor-jail-exec", ("-static",), cc=cc)
+
+
+def build_c(source: Path, directory: Path, name: str, flags: tuple[str, ...], *, cc: str = "cc") -> Path:
+    """``source`` compiled with ``flags`` into ``directory/name-<hash of the source>``
+    (the directory made root's, 0755, if missing): built once per source version,
+    reused after, checked like :func:`check_helper` (root runs it or loads it into QEMU)."""
+    src = source.read_bytes()
+    out = directory / f"{name}-{hashlib.sha256(src).hexdigest()[:12]}"
     make_root_dir(directory)
     if out.exists():
         return check_helper(out)
     compiler = shutil.which(cc)
     if compiler is None:
-        raise JailError(f"no C compiler ({cc}) to build the jail helper: install gcc and libc6-dev")
+        raise JailError(f"no C compiler ({cc}) to build {name}: install gcc and libc6-dev")
     tmp = directory / f".{out.name}.{os.getpid()}.tmp"
     try:
         p = subprocess.run(
-            [compiler, "-O2", "-static", "-o", str(tmp), "-x", "c", "-"],
+            [compiler, "-O2", *flags, "-o", str(tmp), "-x", "c", "-"],
             input=src,
             capture_output=True,
             check=False,
         )
         if p.returncode != 0:
-            raise JailError(f"building the jail helper failed: {p.stderr.decode(errors='replace')[-500:]}")
+            raise JailError(f"building {name} failed: {p.stderr.decode(errors='replace')[-500:]}")
         os.chmod(tmp, 0o755)
         os.replace(tmp, out)
     finally:

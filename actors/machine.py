@@ -128,15 +128,19 @@ class MachineSpec:
     vsock_cid: int | None = None  # use vhost-vsock with this guest CID (where the host has it)
     extra_ports: tuple[str, ...] = ()  # more virtserialports, by name, each on a socket in run_dir
     # a virtio-balloon with free page reporting: memory the guest frees goes back to the
-    # host (MADV_DONTNEED on anonymous RAM; a hole punched in a RAM file). Off by default:
-    # QEMU 7.2 punches the hole in the *file* even when it is mapped privately, so a
-    # clone restored from a mapped snapshot would zero pages of the snapshot's memory
-    # under every other clone and every later restore (measured: a clone freeing a
-    # 60 MB tmpfs file took the snapshot's memory from 128 to 80 MiB allocated and
-    # changed its hash). Safe only where RAM is anonymous or the machine's own shared
-    # file and no private mapping of that file will ever carry the device. Part of the
-    # machine: a snapshot restores only with the same setting.
+    # host within seconds (the guest reports free 2 MiB+ blocks; QEMU discards them:
+    # MADV_DONTNEED on anonymous RAM, a hole punched in the machine's own shared RAM
+    # file). Measured: a guest that allocates and frees 150 MiB gives ~135 MiB back
+    # within 3 s. QEMU 7.2 punches the hole in the *file* even when it maps it
+    # privately: a restore that maps a snapshot's memory must map a sealed memfd
+    # (the kernel refuses the punch) with ``preload`` = the discard shim (which lets
+    # QEMU go on to its madvise: actors/ram_discard.c); an unsealed private file would
+    # have the snapshot's pages zeroed under every clone. Part of the machine: a
+    # snapshot restores only with the same setting (MachineRecord.balloon).
     balloon: bool = False
+    # a shared object QEMU's dynamic loader preloads (LD_PRELOAD, passed by descriptor):
+    # the discard shim, for a balloon on privately mapped RAM
+    preload: Path | None = None
     netdev: tuple[str, ...] = ()  # -netdev/-device pairs, prepared by the network layer
     sandbox: bool = True  # QEMU's seccomp sandbox
     user: QemuUser | None = None  # start QEMU as this user (when the supervisor is root)
@@ -292,11 +296,20 @@ class MachineSpec:
                 fds["disk_ro"] = open_regular(self.disk, os.O_RDONLY)
                 for i, layer in enumerate(self.disk_chain):
                     fds[f"layer{i}"] = open_regular(layer, os.O_RDONLY)
+            if self.preload is not None:
+                fds["preload"] = open_regular(self.preload, os.O_RDONLY)
         except LaunchError:
             for fd in fds.values():
                 os.close(fd)
             raise
         return fds
+
+    def environ(self, fds: dict[str, int]) -> dict[str, str]:
+        """QEMU's environment beyond the one it would inherit: the preload, by descriptor
+        (``/proc/self/fd/N``: no path of ours, and the jail has no view of it)."""
+        if "preload" in fds:
+            return {"LD_PRELOAD": f"/proc/self/fd/{fds['preload']}"}
+        return {}
 
 
 def open_regular(path: Path, flags: int) -> int:
@@ -477,8 +490,9 @@ class AdoptedProcess:
         self.send_signal(signal.SIGKILL)
 
 
-Spawner = Callable[[list[str], tuple[int, ...], int], Awaitable[Proc]]
-"""Start QEMU's argv with these descriptors and this stderr fd, somewhere (a jail)."""
+Spawner = Callable[[list[str], tuple[int, ...], int, dict[str, str]], Awaitable[Proc]]
+"""Start QEMU's argv with these descriptors, this stderr fd and these environment
+variables (its whole environment), somewhere (a jail)."""
 
 
 @attrs.frozen
@@ -614,7 +628,8 @@ class Machine:
         files = self.spec.open_files()
         fds = {**files, **self._fds}
         argv = self.spec.argv(p.qemu_dir or p.sock_dir, fds)
-        log.debug("launch %s: %s", self.name, shlex.join(argv))
+        env = self.spec.environ(fds)
+        log.debug("launch %s: %s %s", self.name, " ".join(f"{k}={v}" for k, v in env.items()), shlex.join(argv))
         try:
             err = os.open(p.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         except OSError as exc:
@@ -623,7 +638,7 @@ class Machine:
             raise LaunchError(f"cannot open QEMU's log {p.log}: {exc.strerror}") from None
         try:
             if p.spawn is not None:
-                proc = await p.spawn(argv, tuple(fds.values()), err)
+                proc = await p.spawn(argv, tuple(fds.values()), err, env)
             else:
                 creds: dict[str, Any] = {}
                 if user is not None:
@@ -635,6 +650,7 @@ class Machine:
                         stdout=subprocess.DEVNULL,
                         stderr=err,
                         pass_fds=tuple(fds.values()),
+                        env={**os.environ, **env} if env else None,
                         start_new_session=True,  # a ^C to the supervisor must not reach QEMU
                         **creds,
                     )

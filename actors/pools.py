@@ -37,14 +37,17 @@ import trio
 from actors.crash import crash_point
 from actors.errors import DomainError
 from actors.model import ImageUse, MemoryKind, SandboxConfig, State
-from actors.sandbox import Boot, Plan, Resume, Sandbox
+from actors.sandbox import AwaitTemplate, Boot, Plan, Resume, Sandbox
 from actors.settings import Settings
 from actors.snapshot import SnapshotStore
 from actors.store import SnapshotRecord
 
 log = logging.getLogger("sandvisor.pools")
 
-STALE = "the image or accelerator changed"
+STALE = "the image, the accelerator or the machine's devices changed"
+# a template whose restores time out this many times is replaced (a busy host makes a
+# restore late; a broken template fails every time, and not by a timeout)
+TRANSIENT_FAILURES = 3
 
 
 class PoolHost(Protocol):
@@ -81,6 +84,7 @@ class Pools:
         self._pending: dict[str, Sandbox] = {}  # template keys being made, by the boot making each
         self._broken: set[str] = set()  # keys whose template failed: boot until restart
         self._failures: dict[str, int] = {}  # snapshot id: members failed in a row
+        self._late: dict[str, int] = {}  # template id: restores timed out in a row
         self._retry_at: dict[str, float] = {}  # snapshot id: no new member before (monotonic)
         self._leaving: list[Sandbox] = []  # evicted members, stopping: forgotten by the keeper
         self._closing = False
@@ -113,16 +117,19 @@ class Pools:
         return None
 
     def drop_stale_templates(self) -> None:
-        """Templates of another image, an OCI image no longer there, or another
-        accelerator are of no use any more."""
+        """Templates of another image, an OCI image no longer there, another
+        accelerator or another device set (a balloon or none) are of no use any more."""
+        s = self.settings
         for r in self.snapshots.templates():
             gone = r.oci is not None and not Path(r.oci.rootfs).exists()
-            if gone or r.image != self.settings.image_parts() or r.machine.accel != self.settings.accel:
+            other = r.image != s.image_parts() or r.machine.accel != s.accel or r.machine.balloon != s.balloon
+            if gone or other:
                 self._template_failed(r, STALE)
 
-    def plan_for(self, sb: Sandbox, accepted: float) -> Plan:
-        """How a new sandbox starts: restore its configuration's template, or boot (and
-        save the boot as the template when there is none yet, nor a boot making one)."""
+    def plan_for(self, sb: Sandbox, accepted: float) -> Boot | Resume | AwaitTemplate:
+        """How a new sandbox starts: restore its configuration's template, wait for the
+        boot making it, or boot (and save the boot as the template when there is none
+        yet, nor a boot making one)."""
         key = self.template_key(sb.config, sb.record.image)
         if key is None or key in self._broken:
             return Boot(accepted=accepted)
@@ -136,9 +143,17 @@ class Pools:
             return Resume(tpl, accepted=accepted, fallback=self._template_failed)
         maker = self._pending.get(key)
         if maker is not None and not maker.stopped:
-            return Boot(accepted=accepted)
+            return AwaitTemplate(functools.partial(self._await_template, maker, sb, accepted), accepted=accepted)
         self._pending[key] = sb
         return Boot(accepted=accepted, template=functools.partial(self._make_template, key))
+
+    async def _await_template(self, maker: Sandbox, sb: Sandbox, accepted: float) -> Boot | Resume:
+        """Wait for the boot making the template (saved before its first ready, or not
+        at all if it failed), then plan again: restore it, wait for the next maker, or
+        become the maker."""
+        await maker.ready_event.wait()
+        plan = self.plan_for(sb, accepted)
+        return await plan.resolve() if isinstance(plan, AwaitTemplate) else plan
 
     async def _make_template(self, key: str, sb: Sandbox) -> None:
         """Checkpoint a fresh boot (at its first ready, before any user work) as the
@@ -163,9 +178,18 @@ class Pools:
         sb.log.append("system", f"boot template {key} saved (paused {ck.paused_s * 1000:.0f} ms)".encode())
         self._wake.set()
 
-    def _template_failed(self, tpl: SnapshotRecord, why: str) -> None:
-        """A template that does not restore is dropped (its files go once unused)."""
-        if why != STALE:
+    def _template_failed(self, tpl: SnapshotRecord, why: str, transient: bool = False) -> None:
+        """A template that does not restore is dropped (its files go once unused), and
+        its configuration boots until the supervisor restarts. One whose restores only
+        timed out (a busy host) is dropped after TRANSIENT_FAILURES of them, and the
+        next Create makes a new one."""
+        if transient:
+            self._late[tpl.uid] = n = self._late.get(tpl.uid, 0) + 1
+            log.warning("boot template %s: a restore timed out (%d so far): %s", tpl.template_key, n, why)
+            if n < TRANSIENT_FAILURES:
+                return
+        self._late.pop(tpl.uid, None)
+        if why != STALE and not transient:
             self._broken.add(tpl.template_key)  # a new one would likely fail the same way
         self.snapshots.drop(tpl, f"boot template {tpl.template_key}: {why}")
 

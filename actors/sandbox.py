@@ -25,6 +25,8 @@ it is given, with a :data:`Plan` saying what the life does::
     Resume(snapshot, fallback) a restore of a snapshot; a boot template that does
                               not restore is reported to ``fallback`` and the life
                               boots instead
+    AwaitTemplate(resolve)    another boot is making this configuration's template:
+                              wait for it (in state starting), then Resume or Boot
 
 ``run`` reports started once the life is set up (state "starting"), so Create
 returns at once. The actor owns, for one life, the QEMU process and guest channel
@@ -93,7 +95,7 @@ from actors.portfwd import PortInUse, Target, bind_listener, relay_tcp, relay_ud
 from actors.settings import Settings
 from actors.snapshot import Checkpoint, checkpoint_guest, memory_for_restore, still_running
 from actors.store import LifeState, Record, SnapshotRecord, Store
-from actors.vm import NETDEV_ID, TAP_FD, Attach, BootError, Guest, NetConfig, VmSpec
+from actors.vm import NETDEV_ID, TAP_FD, Attach, BootError, BootTimeout, Guest, NetConfig, VmSpec
 from guestd import proto as P
 
 READY_FLUSH_TIMEOUT = 5.0  # s: the ready state's commit before READY is announced
@@ -140,7 +142,8 @@ class Resume:
 
     snapshot: SnapshotRecord
     accepted: float = 0.0
-    fallback: Callable[[SnapshotRecord, str], None] | None = None
+    # (snapshot, why, transient): transient = the guest did not answer in time
+    fallback: Callable[[SnapshotRecord, str, bool], None] | None = None
 
 
 @attrs.frozen
@@ -153,7 +156,18 @@ class Adopt:
     accepted: float = 0.0
 
 
-Plan = Boot | Resume | Adopt
+@attrs.frozen
+class AwaitTemplate:
+    """The boot template this configuration restores is being made by another
+    sandbox's boot: ``resolve`` waits for that (the template is saved before the
+    maker's first ready) and says what to do then -- restore it, or boot (it failed).
+    Booting beside the maker instead would put N boots on the cores at once."""
+
+    resolve: Callable[[], Awaitable[Boot | Resume]]
+    accepted: float = 0.0
+
+
+Plan = Boot | Resume | Adopt | AwaitTemplate
 
 
 class Sandbox:
@@ -299,13 +313,15 @@ class Sandbox:
             with trio.CancelScope() as scope:
                 self._life_scope = scope
                 task_status.started(self)
+                if isinstance(plan, AwaitTemplate):
+                    plan = await plan.resolve()
                 try:
                     await self._life(plan)
                 except (BootError, MachineError, GuestError, DomainError) as exc:
                     if not isinstance(plan, Resume) or plan.fallback is None or self.guest is not None:
                         raise
                     # a boot template that does not restore must not fail the Create: boot
-                    plan.fallback(plan.snapshot, str(exc))
+                    plan.fallback(plan.snapshot, str(exc), isinstance(exc, BootTimeout))
                     self.log.append("system", f"template restore failed ({exc}); booting".encode())
                     self._set(State.STARTING, error="")
                     await self._life(Boot(accepted=plan.accepted))
@@ -367,6 +383,10 @@ class Sandbox:
                 boot_timeout=min(s.boot_timeout, RESTORE_HELLO_TIMEOUT),
                 answer_timeout=s.guest_timeout,
                 name=self.hostname,
+                balloon=snap.machine.balloon,
+                # a balloon on the snapshot's memory, mapped privately (a sealed memfd: _ram)
+                preload=s.cells.discard_shim if snap.machine.balloon and not ram_shared and s.cells else None,
+                tb_size_mib=s.tb_size_mib,
             )
         return VmSpec.boot(
             s.image,
@@ -383,6 +403,8 @@ class Sandbox:
             ram=ram,
             boot_timeout=s.boot_timeout,
             answer_timeout=s.guest_timeout,
+            balloon=s.balloon,
+            tb_size_mib=s.tb_size_mib,
         )
 
     def _ram(self, plan: Boot | Resume, cell: Cell | None, fds: dict[str, int]) -> tuple[Path | None, bool]:
@@ -398,6 +420,12 @@ class Sandbox:
                 fds["ram"] = cell.cells.sealed.acquire(snap.id, snap.path / "memory")
                 self._sealed = snap.id
                 return snap.path / "memory", False
+            if snap.machine.balloon:
+                # QEMU 7.2 would punch the balloon's free pages into the snapshot's file
+                raise FailedPrecondition(
+                    f"snapshot {snap.id} has a balloon: it restores only in a jail (a root supervisor), "
+                    "where its memory is sealed"
+                )
             return memory_for_restore(snap.path, files.run_dir, s.qemu_user), False
         if s.memory_dir is None:
             return None, True
@@ -413,7 +441,7 @@ class Sandbox:
         boot = self.config.boot
         return Path(boot.rootfs) if boot.rootfs else self.settings.image.rootfs
 
-    async def _life(self, plan: Plan) -> None:
+    async def _life(self, plan: Boot | Resume | Adopt) -> None:
         if isinstance(plan, Adopt):
             await self._adopted_life(plan)
             return

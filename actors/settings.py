@@ -39,6 +39,11 @@ class Settings:
     cells: Cells | None = None  # the jailer (root supervisors): every QEMU in its own cell
     # directories a Create's own kernel and rootfs may come from (serve --allow-path; none by default)
     allowed_paths: tuple[Path, ...] = ()
+    # fresh boots get a virtio-balloon with free page reporting (MachineSpec.balloon): on
+    # where every RAM a balloon can meet is safe to discard in (anonymous, the machine's
+    # own RAM file, or a sealed memfd with the discard shim: a jailed supervisor)
+    balloon: bool = False
+    tb_size_mib: int | None = 64  # TCG's translation cache per QEMU (MachineSpec.tb_size_mib)
     # tap networking, the IP pool, egress filter and DNS proxy (root supervisors: serve
     # --ip-pool); also the uplinks of jailed user-mode sandboxes with outbound access
     hostnet: HostNetwork | None = None

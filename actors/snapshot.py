@@ -143,7 +143,12 @@ async def checkpoint_guest(
     sizes = {f: allocated(snap_dir / f) for f in files_written}
     mem_stat = _stat_key(snap_dir / "memory") if mapped else []
     machine = MachineRecord(
-        append=spec.append, memory_mib=spec.memory_mib, cpus=spec.cpus, accel=spec.accel, machine=spec.machine
+        append=spec.append,
+        memory_mib=spec.memory_mib,
+        cpus=spec.cpus,
+        accel=spec.accel,
+        machine=spec.machine,
+        balloon=spec.balloon,
     )
     return Checkpoint(MemoryKind.MAPPED if mapped else MemoryKind.STREAMED, paused, sizes, mem_stat, machine, chain)
 

@@ -146,6 +146,7 @@ class MachineRecord:
     cpus: int
     accel: str
     machine: str = "microvm"
+    balloon: bool = False  # a virtio-balloon (free page reporting); older records: none
 
 
 @attrs.define

@@ -60,6 +60,10 @@ class BootError(LaunchError):
         self.console = console
 
 
+class BootTimeout(BootError):
+    """QEMU ran, the guest did not say hello in time: a host too busy may be why."""
+
+
 def kernel_cmdline(accel: str, *, root: bool = True, hostname: str = "sandbox", extra: str = "") -> str:
     parts = [BASE_CMDLINE]
     if accel == "tcg":
@@ -162,6 +166,9 @@ class VmSpec:
     machine: str = "microvm"
     sandbox: bool = True
     extra_ports: tuple[str, ...] = ()
+    balloon: bool = False  # a virtio-balloon reporting free pages (see MachineSpec.balloon)
+    preload: Path | None = None  # the discard shim, for a balloon on privately mapped RAM
+    tb_size_mib: int | None = 64  # TCG's translation cache (see MachineSpec.tb_size_mib)
 
     @classmethod
     def boot(
@@ -221,6 +228,9 @@ class VmSpec:
             memory_file=self.ram,
             memory_shared=self.ram_shared,
             incoming=self.restore is not None,
+            balloon=self.balloon,
+            preload=self.preload,
+            tb_size_mib=self.tb_size_mib,
         )
 
 
@@ -304,7 +314,7 @@ async def _running(vm: Machine, t0: float, spec: VmSpec, *, adopted: bool = Fals
                         try:
                             await chan.hello(boot_timeout)
                         except HelloTimeout:
-                            raise BootError(
+                            raise BootTimeout(
                                 f"guest did not become ready within {boot_timeout:g}s", vm.console.text()
                             ) from None
                     if chan.hello_info is None:

@@ -237,6 +237,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         allow_paths=tuple(Path(p).resolve() for p in args.allow_path or ()),
         max_memory_mib=args.max_memory,
         max_disk_mib=args.max_disk,
+        balloon=not args.no_balloon,
+        tb_size_mib=args.tb_size,
+        max_starting=args.max_starting,
         grpc=tuple(args.grpc or ()),
         grpc_cert=Path(args.grpc_cert) if args.grpc_cert else None,
         grpc_key=Path(args.grpc_key) if args.grpc_key else None,
@@ -418,6 +421,25 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         "--max-memory", type=int, default=0, metavar="MIB", help="total guest RAM (default: host RAM - 1 GiB)"
     )
     sv.add_argument("--max-disk", type=int, default=0, metavar="MIB", help="state dir use (default: no limit)")
+    sv.add_argument(
+        "--max-starting",
+        type=int,
+        default=0,
+        metavar="N",
+        help="VMs brought up (booted or restored) at once; more wait their turn (default: one per core, at least 2)",
+    )
+    sv.add_argument(
+        "--no-balloon",
+        action="store_true",
+        help="no virtio-balloon: memory a guest frees stays with its QEMU (default: reported and given back)",
+    )
+    sv.add_argument(
+        "--tb-size",
+        type=int,
+        default=64,
+        metavar="MIB",
+        help="TCG's translation cache per QEMU (default 64; 0: QEMU's own, 1 GiB); ignored under KVM",
+    )
     sv.add_argument(
         "--pool", action="append", metavar="SNAPSHOT=N", help="warm pool size for one snapshot (id or name); repeatable"
     )

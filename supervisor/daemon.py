@@ -24,10 +24,11 @@ from actors.cell import Cells, JailConfig
 from actors.hostnet import HostNetConfig, HostNetwork
 from actors.ippool import IpPool
 from actors.machine import qmp_loop, resolve_accel, unprivileged_user
-from actors.quotas import Quotas
+from actors.quotas import Quotas, gated, start_slots
 from actors.registry import Registry
 from actors.settings import Settings
 from actors.store import Store, StoreLeases
+from actors.vm import booted_guest
 from images.build import Builder, Image, load_default
 from images.oci import ImageStore
 from supervisor.config import claim_runtime_dir, default_memory_dir, default_run_root, runtime_dir
@@ -65,6 +66,9 @@ class DaemonConfig:
     pools: dict[str, int] = attrs.field(factory=dict)  # per snapshot id or name
     templates: bool = True  # Creates restore a boot template of their configuration
     template_pool: int = 0  # restored members kept ready per boot template
+    balloon: bool = True  # free page reporting, where it is safe (Settings.balloon)
+    max_starting: int = 0  # VMs brought up at once (0: one per core, at least 2; quotas.gated)
+    tb_size_mib: int = 64  # TCG's translation cache per QEMU (0: QEMU's default, 1 GiB)
     grpc: tuple[str, ...] = ()  # gRPC addresses: unix:///PATH (mode as the socket's), HOST:PORT (TLS off loopback)
     grpc_cert: Path | None = None  # PEM certificate chain and key for the HOST:PORT addresses
     grpc_key: Path | None = None
@@ -158,6 +162,12 @@ async def _serve(cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Registry,
             )
         )
     store = Store(cfg.state_dir / "sandvisor.db")
+    # a balloon's discards are safe in anonymous RAM and in a machine's own RAM file; a
+    # restore maps a snapshot's memory privately, which only a jail seals (and the
+    # discard shim lets give memory back): without both, no balloons
+    balloon = cfg.balloon and (cells.discard_shim is not None if cells is not None else memory_dir is None)
+    if cfg.balloon and not balloon:
+        log.warning("no free page reporting: guest RAM files need a jail and the discard shim (a root supervisor)")
     hostnet = host_network(cfg, store)
     settings = Settings(
         image=image,
@@ -172,6 +182,9 @@ async def _serve(cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Registry,
         cells=cells,
         allowed_paths=cfg.allow_paths,
         images=ImageStore(cfg.state_dir / "oci") if os.geteuid() == 0 else None,
+        balloon=balloon,
+        tb_size_mib=cfg.tb_size_mib or None,
+        launch=gated(booted_guest, trio.CapacityLimiter(cfg.max_starting or start_slots())),
         hostnet=hostnet,
     )
     log.info(

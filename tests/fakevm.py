@@ -29,7 +29,7 @@ from fakeguest import FakeGuest, Hostile
 from actors.guest import open_channel
 from actors.machine import LaunchError, MachineSpec, StagedDisk
 from actors.settings import Settings
-from actors.vm import Attach, BootError, Guest, VmSpec
+from actors.vm import Attach, BootError, BootTimeout, Guest, VmSpec
 from images.build import Image
 
 _pids = itertools.count(4_000_000)  # above any real pid: /proc lookups find nothing
@@ -151,6 +151,12 @@ class FakeLab:
     hostile: Hostile = attrs.Factory(Hostile)  # copied into each new guest
     fail_boots: int = 0  # the next N boots fail (QEMU exits at once)
     fail_restores: int = 0  # the next N restores fail to load
+    late_restores: int = 0  # the next N restored guests do not say hello in time
+    bring_up_s: float = 0.0  # (mock clock) seconds from launch to hello
+    boots: int = 0
+    restores: int = 0
+    bringing_up: int = 0  # launched, no hello yet
+    most_bringing_up: int = 0
     fail_checkpoints: bool = False
     taken_ports: set[str] = attrs.Factory(set)  # "tcp:127.0.0.1:PORT" already in use on the "host"
     saved: dict[bytes, dict[str, tuple[int, bytes]]] = attrs.Factory(dict)  # vmstate -> the guest's files
@@ -169,13 +175,25 @@ class FakeLab:
         assert at.adopt is None, "the fake VM cannot be adopted (a real supervisor restart is a VM test)"
         files: dict[str, tuple[int, bytes]] = {}
         if spec.restore is not None:
+            self.restores += 1
             if self.fail_restores:
                 self.fail_restores -= 1
                 raise BootError("restore failed: fake: the saved state does not load")
+            if self.late_restores:
+                self.late_restores -= 1
+                raise BootTimeout(f"guest did not become ready within {spec.boot_timeout:g}s")
             files = self.saved.get(spec.restore.read_bytes(), {})
-        elif self.fail_boots:
-            self.fail_boots -= 1
-            raise BootError("QEMU exited during boot: fake")
+        else:
+            self.boots += 1
+            if self.fail_boots:
+                self.fail_boots -= 1
+                raise BootError("QEMU exited during boot: fake")
+        self.bringing_up += 1
+        self.most_bringing_up = max(self.most_bringing_up, self.bringing_up)
+        try:
+            await trio.sleep(self.bring_up_s)
+        finally:
+            self.bringing_up -= 1
         guest = FakeGuest(hostname=spec.name, files=files, hostile=attrs.evolve(self.hostile))
         self.guests.append(guest)
         await self.nursery.start(guest.run)
@@ -221,6 +239,6 @@ def fake_settings(root: Path, lab: FakeLab, **kw: Any) -> Settings:
         image=fake_image(root / "image"),
         sandboxes_dir=root / "state" / "sandboxes",
         run_root=root / "run",
-        launch=lab.launch,
+        launch=kw.pop("launch", lab.launch),
         **kw,
     )

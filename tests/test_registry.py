@@ -20,7 +20,7 @@ from trio.testing import MockClock
 from actors.errors import AlreadyExists, DeadlineExceeded, FailedPrecondition, Internal, ResourceExhausted, Unavailable
 from actors.events import Subscription
 from actors.model import Action, Limits, SandboxConfig, State, Timers, Workload
-from actors.quotas import Quotas
+from actors.quotas import Quotas, gated
 from actors.registry import Registry
 from actors.sandbox import Sandbox
 from actors.store import Store
@@ -35,7 +35,7 @@ def clock() -> MockClock:
 @asynccontextmanager
 async def registry(root: Path, lab: FakeLab, **kw: Any) -> AsyncIterator[Registry]:
     store = Store(root / "state" / "sandvisor.db")
-    settings_kw = {k: kw.pop(k) for k in list(kw) if k in ("guest_timeout", "boot_timeout")}
+    settings_kw = {k: kw.pop(k) for k in list(kw) if k in ("guest_timeout", "boot_timeout", "launch")}
     settings_kw["allowed_paths"] = (root,)
     try:
         async with trio.open_nursery() as n:
@@ -167,6 +167,67 @@ async def test_a_template_that_does_not_restore_is_dropped_and_the_create_boots(
         assert reg.snapshots.templates() == []
         await ready(await reg.create("third", SandboxConfig()))
         assert reg.snapshots.templates() == []  # broken for this configuration until restart
+
+
+async def test_a_burst_of_first_creates_boots_once_and_restores_the_rest(tmp_path: Path, clock: MockClock) -> None:
+    """No template yet: the first Create boots and saves it; the others wait for it (in
+    state starting) and restore it, instead of putting eight boots on the cores."""
+    lab = FakeLab(bring_up_s=2.0)
+    async with registry(tmp_path, lab) as reg:
+        sbs = [await reg.create(f"s{i}", SandboxConfig()) for i in range(8)]
+        assert all(sb.state == State.STARTING for sb in sbs)
+        for sb in sbs:
+            await ready(sb)
+        assert (lab.boots, lab.restores) == (1, 7)
+        assert sum(b"restored from the boot template" in r.data for sb in sbs for r in sb.log.read_sync()) == 7
+
+
+async def test_waiters_boot_when_the_template_maker_fails(tmp_path: Path, clock: MockClock) -> None:
+    lab = FakeLab(bring_up_s=1.0, fail_boots=1)
+    async with registry(tmp_path, lab) as reg:
+        maker = await reg.create("maker", SandboxConfig())
+        waiters = [await reg.create(f"w{i}", SandboxConfig()) for i in range(3)]
+        with trio.fail_after(120):
+            await maker.ready_event.wait()
+        assert maker.state == State.FAILED
+        for sb in waiters:
+            await ready(sb)
+        assert (lab.boots, lab.restores) == (2, 2)  # one waiter became the maker
+
+
+async def test_a_template_restore_that_times_out_keeps_the_template(tmp_path: Path, clock: MockClock) -> None:
+    """A restore late on a busy host is not a broken template: that Create boots, the
+    template stays (until a few in a row time out: then a new one is made)."""
+    lab = FakeLab()
+    async with registry(tmp_path, lab) as reg:
+        await ready(await reg.create("first", SandboxConfig()))
+        lab.late_restores = 1
+        second = await reg.create("second", SandboxConfig())
+        await ready(second)
+        assert any(b"template restore failed" in r.data for r in second.log.read_sync())
+        assert len(reg.snapshots.templates()) == 1
+        third = await reg.create("third", SandboxConfig())
+        await ready(third)
+        assert any(b"restored from the boot template" in r.data for r in third.log.read_sync())
+        lab.late_restores = 3
+        for i in range(3):
+            await ready(await reg.create(f"late{i}", SandboxConfig()))
+        await ready(await reg.create("again", SandboxConfig()))  # boots, and saves a new template
+        assert len(reg.snapshots.templates()) == 1
+        await ready(await reg.create("after", SandboxConfig()))
+        assert any(b"restored from the boot template" in r.data for r in reg.get("after").log.read_sync())
+
+
+async def test_start_slots_bound_the_vms_coming_up_at_once(tmp_path: Path, clock: MockClock) -> None:
+    lab = FakeLab(bring_up_s=1.0)
+    launch = gated(lab.launch, trio.CapacityLimiter(2))
+    async with registry(tmp_path, lab, launch=launch, templates=False) as reg:
+        sbs = [await reg.create(f"s{i}", SandboxConfig()) for i in range(6)]
+        t0 = trio.current_time()
+        for sb in sbs:
+            await ready(sb)
+        assert lab.most_bringing_up == 2
+        assert trio.current_time() - t0 == pytest.approx(3.0, abs=0.5)  # (mock clock) three rounds of two
 
 
 async def test_warm_members_serve_creates_and_restores_and_refill(tmp_path: Path, clock: MockClock) -> None:
