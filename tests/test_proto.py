@@ -28,6 +28,12 @@ _STRATS = {
     "dict[str, str]": st.dictionaries(_text, _text, max_size=5),
     "dict[str, int]": st.dictionaries(_text, st.integers(min_value=0, max_value=2**62), max_size=5),
     "dict[str, float]": st.dictionaries(_text, st.floats(allow_nan=False), max_size=5),
+    "list[dict[str, Any]]": st.lists(
+        st.dictionaries(
+            _text, st.one_of(st.integers(-(2**63), 2**63 - 1), _text, st.binary(max_size=50), st.booleans())
+        ),
+        max_size=4,
+    ),
 }
 
 
