@@ -90,6 +90,7 @@ _ERRNO_CODES = {
     errno.EDQUOT: E_TOO_LARGE,
     errno.ENAMETOOLONG: E_INVALID,
     errno.ELOOP: E_INVALID,
+    errno.ENOEXEC: E_INVALID,  # exec of a script without a #! line
 }
 
 

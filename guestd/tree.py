@@ -41,6 +41,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import struct
 import tarfile
 
 from guestd import proto as P
@@ -70,45 +71,44 @@ def _os_error(exc: OSError, what: str) -> TreeError:
 # ---------------------------------------------------------------------------
 
 
-class _Sink:
-    """The file object tarfile's stream mode writes to; counts what went through."""
+BATCH = 4 * P.CHUNK  # bytes handed to ``write`` at once (fewer pipe writes and wakeups)
+_PAD = bytes(tarfile.RECORDSIZE)
+READ_BUFFER = 16 * 1024
+
+
+class _Out:
+    """The tar stream being written: batches small pieces, counts the total."""
 
     def __init__(self, write: Callable[[bytes], object]) -> None:
         self._write = write
-        self.written = 0
+        self.buf = bytearray()
+        self.total = 0
 
-    def write(self, data: bytes) -> int:
-        self.written += len(data)
-        if self.written > P.MAX_TREE_STREAM:
+    def put(self, data: bytes) -> None:
+        self.total += len(data)
+        if self.total > P.MAX_TREE_STREAM:
             raise TreeError(P.E_TOO_LARGE, f"the tree's tar stream exceeds {P.MAX_TREE_STREAM} bytes")
-        self._write(bytes(data))
-        return len(data)
+        self.buf += data
+        if len(self.buf) >= BATCH:
+            self.flush()
 
-    def close(self) -> None:
-        pass
+    def flush(self) -> None:
+        if self.buf:
+            self._write(bytes(self.buf))
+            self.buf.clear()
 
-
-class _Contents:
-    """Exactly ``size`` bytes of an open file: zeros after an early end of file."""
-
-    def __init__(self, fd: int, size: int) -> None:
-        self.fd = fd
-        self.left = size
-
-    def read(self, n: int = -1) -> bytes:
-        n = self.left if n < 0 else min(n, self.left)
-        parts = []
-        got = 0
-        while got < n:
-            b = os.read(self.fd, n - got)
+    def contents(self, fd: int, size: int) -> None:
+        """Exactly ``size`` bytes of an open file, then the block padding: zeros after
+        an early end of file (it shrank since the fstat, as tar pads), what it grew by
+        is left out."""
+        left = size
+        while left > 0:
+            b = os.read(fd, min(left, BATCH))
             if not b:
-                parts.append(bytes(n - got))  # shrank since the fstat: pad, as tar does
-                got = n
-                break
-            parts.append(b)
-            got += len(b)
-        self.left -= got
-        return b"".join(parts)
+                b = bytes(min(left, BATCH))
+            left -= len(b)
+            self.put(b)
+        self.put(_PAD[: -size % tarfile.BLOCKSIZE])
 
 
 def write_fd(fd: int) -> Callable[[bytes], None]:
@@ -120,6 +120,55 @@ def write_fd(fd: int) -> Callable[[bytes], None]:
             view = view[os.write(fd, view) :]
 
     return write
+
+
+_USTAR = struct.Struct("100s8s8s8s12s12s8sc100s8s32s32s8s8s155s12x")
+_MAX7, _MAX11 = 8**7, 8**11
+
+
+def header(ti: tarfile.TarInfo) -> bytes:
+    """``ti.tobuf(PAX_FORMAT, "utf-8", "surrogateescape")``, byte for byte, computed
+    here for the common entry (an ASCII name and link target within ustar's fields,
+    no pax record needed) and by tarfile for every other. tarfile's costs half of
+    packing a tree of small files (a dict of fields, per-field encoding, two
+    checksums); this, a fifth of it (profiled)."""
+    name = ti.name + "/" if ti.type == tarfile.DIRTYPE and not ti.name.endswith("/") else ti.name
+    link = ti.linkname
+    mtime = ti.mtime
+    if (
+        len(name) > 100
+        or len(link) > 100
+        or not name.isascii()
+        or not link.isascii()
+        or not (0 <= ti.uid < _MAX7 and 0 <= ti.gid < _MAX7 and 0 <= ti.size < _MAX11)
+        or type(mtime) is not int
+        or not 0 <= mtime < _MAX11
+        or ti.pax_headers
+        or ti.uname
+        or ti.gname
+    ):
+        return ti.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape")
+    buf = bytearray(
+        _USTAR.pack(
+            name.encode(),
+            b"%07o\0" % (ti.mode & 0o7777),
+            b"%07o\0" % ti.uid,
+            b"%07o\0" % ti.gid,
+            b"%011o\0" % ti.size,
+            b"%011o\0" % mtime,
+            b"        ",
+            ti.type,
+            link.encode(),
+            tarfile.POSIX_MAGIC,
+            b"",
+            b"",
+            b"",  # devmajor, devminor: empty but for devices (never packed), as tarfile writes them
+            b"",
+            b"",
+        )
+    )
+    buf[148:155] = b"%06o\0" % sum(buf)  # the checksum, its own field counted as spaces
+    return bytes(buf)
 
 
 def _info(name: str, st: os.stat_result, kind: bytes) -> tarfile.TarInfo:
@@ -134,26 +183,18 @@ def _info(name: str, st: os.stat_result, kind: bytes) -> tarfile.TarInfo:
 
 def pack(root_fd: int, write: Callable[[bytes], object]) -> int:
     """Write the tree under the directory ``root_fd`` as a tar stream; returns the
-    number of entries. The root itself is the entry ``.``; the rest are relative."""
-    sink = _Sink(write)
-    with tarfile.open(  # type: ignore[call-overload]
-        fileobj=sink,
-        mode="w|",
-        format=tarfile.PAX_FORMAT,
-        bufsize=P.CHUNK,
-        copybufsize=P.CHUNK,
-        encoding="utf-8",
-        errors="surrogateescape",
-    ) as tf:
-        return _pack(tf, root_fd)
+    number of entries. The root itself is the entry ``.``; the rest are relative.
 
-
-def _pack(tf: tarfile.TarFile, root_fd: int) -> int:
+    Headers are tarfile's (``TarInfo.tobuf``: ustar, pax records where needed); the
+    stream around them is written here, not by ``TarFile.addfile``, which copies
+    every TarInfo and every byte through two more buffers (profiled: half of the
+    time of a tree of small files went there)."""
+    out = _Out(write)
     entries = 0
     total = 0
     links: dict[tuple[int, int], str] = {}
 
-    def add(ti: tarfile.TarInfo, contents: _Contents | None = None) -> None:
+    def add(ti: tarfile.TarInfo, fd: int = -1) -> None:
         nonlocal entries, total
         entries += 1
         total += ti.size
@@ -161,8 +202,9 @@ def _pack(tf: tarfile.TarFile, root_fd: int) -> int:
             raise TreeError(P.E_TOO_LARGE, f"the tree has more than {P.MAX_TREE_ENTRIES} entries")
         if total > P.MAX_TREE:
             raise TreeError(P.E_TOO_LARGE, f"the tree's files exceed {P.MAX_TREE} bytes")
-        tf.addfile(ti, contents)
-        tf.members.clear()  # type: ignore[attr-defined]  # a stream: nothing looks back (200k TarInfos would be ~200 MB)
+        out.put(header(ti))
+        if fd >= 0:
+            out.contents(fd, ti.size)
 
     root_st = os.fstat(root_fd)
     add(_info(".", root_st, tarfile.DIRTYPE))
@@ -229,10 +271,13 @@ def _pack(tf: tarfile.TarFile, root_fd: int) -> int:
                         links.setdefault((st.st_dev, st.st_ino), path)
                     ti = _info(path, st, tarfile.REGTYPE)
                     ti.size = st.st_size
-                    add(ti, _Contents(fd, st.st_size))
+                    add(ti, fd)
                 finally:
                     os.close(fd)
             # sockets, FIFOs, devices: not archived
+        out.put(bytes(2 * tarfile.BLOCKSIZE))  # the end-of-archive marker
+        out.put(_PAD[: -out.total % tarfile.RECORDSIZE])  # whole records, as tar writes them
+        out.flush()
     except OSError as exc:
         raise _os_error(exc, "read tree") from None
     finally:
@@ -400,15 +445,21 @@ class _Unpacker:
             self.dirs[parts] = (mode, uid, gid, int(ti.mtime))
             return 0
         if ti.isreg():
-            self.clear(pfd, leaf, name)
-            fd = os.open(leaf, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=pfd)
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            try:  # (the common case first: a raised and caught ENOENT per file costs)
+                fd = os.open(leaf, flags, 0o600, dir_fd=pfd)
+            except FileExistsError:
+                self.clear(pfd, leaf, name)
+                fd = os.open(leaf, flags, 0o600, dir_fd=pfd)
             done = False
             try:
-                src = tf.extractfile(ti)
+                # a plain member's data is the stream's next bytes: read them there, not
+                # through extractfile's two more buffers (sparse members need those)
+                src = tf.extractfile(ti) if ti.sparse is not None else tf.fileobj
                 assert src is not None
                 left = ti.size
                 while left > 0:
-                    chunk = src.read(min(left, P.CHUNK))
+                    chunk = src.read(min(left, BATCH))
                     if not chunk:
                         raise TreeError(P.E_INVALID, f"{name}: truncated tar stream")
                     left -= len(chunk)
@@ -427,8 +478,11 @@ class _Unpacker:
             self.files.add(parts)
             return ti.size
         if ti.issym():
-            self.clear(pfd, leaf, name)
-            os.symlink(ti.linkname, leaf, dir_fd=pfd)
+            try:
+                os.symlink(ti.linkname, leaf, dir_fd=pfd)
+            except FileExistsError:
+                self.clear(pfd, leaf, name)
+                os.symlink(ti.linkname, leaf, dir_fd=pfd)
             if ids is not None:
                 os.chown(leaf, *ids, dir_fd=pfd, follow_symlinks=False)
             t = int(ti.mtime) * 10**9
@@ -494,7 +548,10 @@ def unpack(
             tf = tarfile.open(  # type: ignore[call-overload]  # noqa: SIM115 - closed below
                 fileobj=src,
                 mode="r|",
-                bufsize=P.CHUNK,
+                # small: tarfile's stream copies its whole remaining buffer on every read,
+                # a 512-byte header too (measured, 1000 small files under TCG: 3.6 s with
+                # 64 KiB, 13 s with 256 KiB; GNU tar over exec 2.8 s)
+                bufsize=READ_BUFFER,
                 tarinfo=_Info,
                 encoding="utf-8",
                 errors="surrogateescape",

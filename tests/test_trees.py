@@ -122,6 +122,28 @@ def test_setuid_bits_and_owners_only_when_asked(tmp_path: Path) -> None:
         assert (st.st_uid, st.st_gid) == (1234, 5678)
 
 
+@pytest.mark.parametrize(
+    ("name", "kind", "link", "uid", "size", "mtime"),
+    [
+        ("a/file", tarfile.REGTYPE, "", 0, 12345, 1_700_000_000),
+        ("dir", tarfile.DIRTYPE, "", 1000, 0, 0),
+        ("dir/", tarfile.DIRTYPE, "", 65534, 0, 5),
+        ("l", tarfile.SYMTYPE, "../" * 33, 7, 0, 1),
+        ("h", tarfile.LNKTYPE, "a/file", 0, 0, 1),
+        ("x" * 100, tarfile.REGTYPE, "", 0, 1, 1),
+        ("x" * 101, tarfile.REGTYPE, "", 0, 1, 1),  # these take tarfile's path: pax records
+        ("naïve", tarfile.REGTYPE, "", 0, 1, 1),
+        ("big", tarfile.REGTYPE, "", 8**7, 8**11, 8**11),
+        ("l2", tarfile.SYMTYPE, "t" * 101, 0, 0, 1),
+    ],
+)
+def test_our_headers_are_tarfiles(name: str, kind: bytes, link: str, uid: int, size: int, mtime: int) -> None:
+    ti = tarfile.TarInfo(name)
+    ti.type, ti.linkname, ti.uid, ti.gid, ti.size, ti.mtime, ti.mode = kind, link, uid, uid, size, mtime, 0o4755
+    ti.uname = ti.gname = ""
+    assert tree.header(ti) == ti.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape")
+
+
 HOSTILE = {
     "absolute": tar_of(("/etc/evil", tarfile.REGTYPE, b"x")),
     "dotdot": tar_of(("a/../../outside/evil", tarfile.REGTYPE, b"x")),
