@@ -36,6 +36,7 @@ class Code(enum.StrEnum):
     UNAVAILABLE = "UNAVAILABLE"
     UNIMPLEMENTED = "UNIMPLEMENTED"
     CANCELLED = "CANCELLED"
+    PERMISSION_DENIED = "PERMISSION_DENIED"
 
 
 class DomainError(Exception):

@@ -17,6 +17,7 @@ when the sandbox goes.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -28,6 +29,8 @@ from actors.disk import create_overlay
 from actors.logs import SandboxLog
 from actors.machine import QemuUser
 from actors.settings import Settings
+
+log = logging.getLogger("sandvisor.files")
 
 
 class SandboxFiles:
@@ -70,10 +73,35 @@ class SandboxFiles:
         return self.next_disk
 
     def swap_disks(self, frozen: Path) -> None:
-        """The guest writes the next overlay now: the current disk moves to ``frozen``."""
-        os.rename(self.disk, frozen)
+        """The guest writes the next overlay now: the current disk moves to ``frozen``.
+
+        Crash-safe with the record's journal (``Record.swap``, on disk before this
+        runs): the disk's name always exists, and every step can be told from the files
+        (:meth:`repair_swap`)::
+
+            link(disk, frozen)        frozen and disk: one file; next staged
+            replace(next, disk)       disk: the new overlay (on frozen); no next
+            fsync both directories    the names survive a power cut
+        """
+        os.link(self.disk, frozen)
         crash_point("checkpoint-swap")
-        os.rename(self.next_disk, self.disk)
+        os.replace(self.next_disk, self.disk)
+        _fsync_dir(self.dir)
+        _fsync_dir(frozen.parent)
+
+    def repair_swap(self, frozen: Path) -> bool:
+        """After a crash with a checkpoint's journal set: finish the swap or undo it.
+        True when the disk froze into ``frozen`` (the chain must have it on top)."""
+        if not frozen.exists():  # not begun: the staged overlay goes
+            self.discard_next_disk()
+            return False
+        if self.next_disk.exists():
+            if self.disk.exists() and os.path.samefile(self.disk, frozen):
+                os.replace(self.next_disk, self.disk)  # linked, not replaced: finish
+            else:
+                self.discard_next_disk()
+        _fsync_dir(self.dir)
+        return True
 
     def discard_next_disk(self) -> None:
         self.next_disk.unlink(missing_ok=True)
@@ -88,8 +116,8 @@ class SandboxFiles:
         """The shared RAM file, made by us (0600, QEMU's user) before QEMU maps it: QEMU
         would create it 0644, readable by every local user."""
         assert self.ram is not None
-        self.ram.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.ram, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        self.ram.unlink(missing_ok=True)  # (a previous life's; the dir is ours and private)
+        fd = os.open(self.ram, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             os.ftruncate(fd, size_mib << 20)
             if user is not None:
@@ -110,9 +138,28 @@ class SandboxFiles:
                 if ram.stem not in keep:
                     ram.unlink(missing_ok=True)
 
+    @staticmethod
+    def sweep_unrecorded(settings: Settings, uids: set[str]) -> None:
+        """Sandbox directories no record names (a crash between a record's removal and
+        its files')."""
+        if not settings.sandboxes_dir.is_dir():
+            return
+        for d in settings.sandboxes_dir.iterdir():
+            if d.name not in uids:
+                log.warning("removing %s: no sandbox record names it", d)
+                shutil.rmtree(d, ignore_errors=True)
+
     def end_life(self) -> None:
         """What one life leaves: its run dir and RAM file."""
         shutil.rmtree(self.run_dir, ignore_errors=True)
         if self.ram is not None:
             with contextlib.suppress(FileNotFoundError):
                 self.ram.unlink()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

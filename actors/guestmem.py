@@ -56,14 +56,15 @@ class MemoryFileError(JailError):
 # -- the RAM directory and RAM files ---------------------------------------------------------
 
 
-def private_dir(path: Path) -> Path:
-    """The supervisor's own 0700 directory at ``path``: made here (the parent must
-    exist), or checked when it exists: a real directory (lstat: no symlink), owned by
-    us, mode 0700 exactly. A directory anyone else made -- or could have swapped in --
-    is refused (:class:`UnsafeDirectory`), never adopted."""
+def private_dir(path: Path, mode: int = 0o700) -> Path:
+    """The supervisor's own directory at ``path`` (0700; 0711 where an unjailed QEMU
+    user must pass through): made here (the parent must exist), or checked when it
+    exists: a real directory (lstat: no symlink), owned by us, ``mode`` exactly. A
+    directory anyone else made -- or could have swapped in -- is refused
+    (:class:`UnsafeDirectory`), never adopted."""
     try:
-        os.mkdir(path, 0o700)
-        os.chmod(path, 0o700)  # whatever the umask
+        os.mkdir(path, mode)
+        os.chmod(path, mode)  # whatever the umask
     except FileExistsError:
         pass
     except OSError as exc:
@@ -76,9 +77,9 @@ def private_dir(path: Path) -> Path:
             f"{path} exists and belongs to uid {st.st_uid}, not to the supervisor (uid {os.geteuid()}): "
             f"someone else made it; remove it or choose another directory"
         )
-    if stat.S_IMODE(st.st_mode) != 0o700:
+    if stat.S_IMODE(st.st_mode) != mode:
         raise UnsafeDirectory(
-            f"{path} has mode {stat.S_IMODE(st.st_mode):o}, not 700: refusing it (others could reach guest memory)"
+            f"{path} has mode {stat.S_IMODE(st.st_mode):o}, not {mode:o}: refusing it (others could reach guest memory)"
         )
     return path
 

@@ -49,6 +49,8 @@ from actors.errors import (
 )
 from actors.events import EventBus
 from actors.files import SandboxFiles
+from actors.guestmem import private_dir
+from actors.ippool import link_name
 from actors.machine import AdoptedProcess, MachineError, start_time, unsearchable_parent
 from actors.model import (
     ALIVE,
@@ -56,6 +58,7 @@ from actors.model import (
     Action,
     ImageUse,
     MemoryKind,
+    NetMode,
     SandboxConfig,
     State,
     check_config,
@@ -66,11 +69,13 @@ from actors.model import (
 )
 from actors.pools import Pools
 from actors.quotas import Admission, Quotas
-from actors.sandbox import Adopt, Boot, Plan, Resume, Sandbox
+from actors.sandbox import Adopt, Boot, Plan, Resume, Sandbox, check_network_available
 from actors.settings import Settings
 from actors.snapshot import Checkpoint, SnapshotStore
 from actors.store import Record, SnapshotRecord, Store
 from images.oci import ImageError
+
+FORGET_FLUSH_TIMEOUT = 10.0  # s: the database's commit of a removal before the files go
 
 log = logging.getLogger("sandvisor.registry")
 
@@ -110,9 +115,9 @@ class Registry:
         if s.qemu_user is not None:
             s.run_root.chmod(0o711)  # QEMU's user reaches its own run dir, lists none
             check_traversable(s.run_root, s.qemu_user.name)
-        if s.memory_dir is not None and s.cells is None:
-            s.memory_dir.mkdir(parents=True, exist_ok=True)
-            s.memory_dir.chmod(0o711)  # (in cells, RAM goes by descriptor: Cells made it 0700)
+        if s.memory_dir is not None and s.cells is None:  # (in cells, Cells made it 0700: RAM goes by fd)
+            s.memory_dir.parent.mkdir(parents=True, exist_ok=True)
+            private_dir(s.memory_dir, 0o711 if s.qemu_user is not None else 0o700)  # QEMU's user passes through
         self.snapshots.load()
         self.pools.drop_stale_templates()
         adoptions = await self._recover()
@@ -164,10 +169,15 @@ class Registry:
         record -- is killed and reaped (or confirmed gone) before we serve."""
         adoptions: list[tuple[Sandbox, Adopt]] = []
         ours: set[int] = set()
-        for rec in self.store.all():
+        records = self.store.all()
+        for rec in records:
             sb = self._sandbox(rec)
             proc = AdoptedProcess.open(rec.life.pid, rec.life.start_time) if rec.life is not None else None
-            if proc is not None and rec.life is not None and rec.state in ALIVE and not is_hidden(rec.id):
+            swapping = bool(rec.swap)  # a crash during a checkpoint: its QEMU (paused) is not adopted
+            if swapping:
+                self._repair_swap(sb)
+            adoptable = rec.state in ALIVE and not is_hidden(rec.id) and not swapping
+            if proc is not None and rec.life is not None and adoptable:
                 adoptions.append((sb, Adopt(rec.life, proc, accepted=time.monotonic())))
                 ours.add(proc.pid)
                 self.sandboxes[rec.id] = sb
@@ -184,6 +194,8 @@ class Registry:
                 rec.error = f"the supervisor exited while this sandbox was {rec.state}" + (
                     " (its QEMU process was killed)" if killed else ""
                 )
+                if swapping:
+                    rec.error += "; it was being checkpointed (its disk is whole: start it again)"
                 rec.state, rec.qemu_pid = State.FAILED, 0
                 self.store.update(rec)
             self.sandboxes[rec.id] = sb
@@ -191,11 +203,39 @@ class Registry:
             log.warning("killing QEMU %d under our run root that no record names", pid)
             await _end(AdoptedProcess.open(pid, start_time(pid)))
         keep = {Path(plan.life.run_dir).name for _, plan in adoptions}
+        self._recover_network([sb for sb, _ in adoptions])
         SandboxFiles.sweep_lives(self.settings, keep=keep)  # what no adopted life holds is stale
+        SandboxFiles.sweep_unrecorded(self.settings, {rec.uid for rec in records})
         if self.settings.cells is not None:
             self.settings.cells.sweep(keep=keep)
         await self.snapshots.collect()
         return adoptions
+
+    def _repair_swap(self, sb: Sandbox) -> None:
+        """Finish or undo the disk swap of a checkpoint the previous supervisor died in
+        (the journal names the frozen disk); the chain then says where the disk stands."""
+        rec = sb.record
+        frozen = rec.swap
+        if sb.files.repair_swap(Path(frozen)) and (not rec.chain or rec.chain[0] != frozen):
+            rec.chain = [frozen, *rec.chain]
+        rec.swap = ""
+        self.store.update_life(rec)
+        done = "finished" if rec.chain[:1] == [frozen] else "undone"
+        log.warning("sandbox %s: the disk swap of a checkpoint was %s", rec.id, done)
+
+    def _recover_network(self, adopted: builtins.list[Sandbox]) -> None:
+        """Leases whose sandbox is gone (a crash between a Remove's record and its lease)
+        go back to the pool; jail namespaces no adopted life runs in go."""
+        hn = self.settings.hostnet
+        if hn is None:
+            return
+        owners = {sb.record.uid for sb in self.sandboxes.values()}
+        for owner in hn.pool.leases():
+            if owner not in owners:
+                hn.pool.release(owner)
+        for owner, address in hn.pool.dropped:
+            log.warning("the IP pool changed: sandbox %s loses its address %s", owner, address)
+        hn.sweep(keep={link_name(sb.record.uid) for sb in adopted})
 
     def _close_life(self, sb: Sandbox) -> None:
         """What a dead life left (its cell: cgroup, jail dir, identity, RAM file)."""
@@ -273,10 +313,17 @@ class Registry:
         """The end of a sandbox that has stopped: its record, log, files."""
         sb.log.close()
         self.store.delete(sb.record.uid)
-        try:
-            await self.store.flush()  # the record goes first: a crash then leaves files, not a dangling record
-        except DomainError as exc:
-            log.warning("removing %s: %s (its record is removed once the disk takes it)", sb.id, exc.message)
+        sb.release_lease()  # (written with the delete: the address and the record go together)
+        # the record goes first: a crash then leaves files (swept at the next start),
+        # not a record without its disk. On a full disk the files go anyway (that is
+        # how space comes back). Bounded: shutdown calls this shielded.
+        with trio.move_on_after(FORGET_FLUSH_TIMEOUT) as waited:
+            try:
+                await self.store.flush()
+            except DomainError as exc:
+                log.warning("removing %s: %s (its record is removed once the disk takes it)", sb.id, exc.message)
+        if waited.cancelled_caught:
+            log.warning("removing %s: the database did not commit in %gs", sb.id, FORGET_FLUSH_TIMEOUT)
         crash_point("remove")
         await sb.files.remove()
 
@@ -344,6 +391,7 @@ class Registry:
         self._check_open()
         check_id(id)
         check_config(config)
+        check_network_available(self.settings, config.network)
         for what, path in (("kernel", config.boot.kernel), ("rootfs", config.boot.rootfs)):
             if path:
                 check_host_file(what, path, self.settings.allowed_paths)
@@ -363,6 +411,7 @@ class Registry:
             await self._adopt(member, id, config, {"pool": "1"}, apply_ports=True, accepted=accepted, image=image)
             return member  # failed, with its error, if the adoption failed: as a failed boot
         sb = self._new_sandbox(id, config, image=image)
+        sb.lease()  # its address is the Create's answer (RESOURCE_EXHAUSTED: nothing made)
         self.store.insert(sb.record)
         self.sandboxes[sb.id] = sb
         sb.emit(Action.CREATED)
@@ -442,6 +491,8 @@ class Registry:
         if sb.state not in (State.STOPPED, State.FAILED) or not sb.stopped:
             raise FailedPrecondition(f"sandbox {id} is {sb.state}; only a stopped sandbox can start")
         self._admit(sb.limits.memory_mib, ram_file=True)
+        check_network_available(self.settings, sb.config.network)
+        sb.lease()  # (kept since its last life; taken again if the pool changed meanwhile)
         await self.start_life(sb, Boot(accepted=time.monotonic()))
         await sb.persisted()
         return sb
@@ -488,15 +539,25 @@ class Registry:
         sb = self.get(sandbox_id)
         sb.check_checkpointable()  # before a directory is made for nothing
         self.admission.check_disk()
-        rec, ck = await self.snapshots.take(sb.checkpoint, sb.record, name=name, labels=labels)
+        address = str(sb.pool_address or "") if sb.config.network.mode == NetMode.TAP else ""
+        rec, ck = await self.snapshots.take(sb.checkpoint, sb.record, name=name, labels=labels, address=address)
         self.pools.wake()
         await self.store.flush()  # a snapshot the caller was told of is on record
         return rec, ck
 
     async def restore(
-        self, snapshot_ref: str, *, id: str = "", labels: dict[str, str] | None = None, ttl_seconds: int = 0
+        self,
+        snapshot_ref: str,
+        *,
+        id: str = "",
+        labels: dict[str, str] | None = None,
+        ttl_seconds: int = 0,
+        network_override: bool = False,
     ) -> Sandbox:
-        """A new sandbox from a snapshot, returned once ready (as the seed says)."""
+        """A new sandbox from a snapshot, returned once ready (as the seed says). A tap
+        clone keeps its snapshot's address when that is free and ``network_override``
+        is not asked; else (the origin or another clone holds it) it gets a fresh one.
+        Either way a fresh TAP and MAC, and its guest is configured before ready."""
         self._check_open()
         labels = labels or {}
         check_id(id)
@@ -507,21 +568,24 @@ class Registry:
         if id and id in self.sandboxes:
             raise AlreadyExists(f"sandbox {id!r} exists")
         self.snapshots.check_restorable(snap, self.settings.accel)
+        check_network_available(self.settings, snap.config.network)
         config = snap.config.restored(labels, ttl_seconds)
         accepted = time.monotonic()
         member = self.pools.take(snap)
         if member is not None:
             # the member forwarded the snapshot's ports already, on its own host ports
-            if not await self._adopt(
+            if await self._adopt(
                 member, id, config, {"snapshot_id": snap.id, "pool": "1"}, apply_ports=False, accepted=accepted
             ):
-                error = member.record.error
-                with trio.CancelScope(shield=True):
-                    await self.remove(member.id, force=True)
-                raise Unavailable(f"restore from {snap.id} failed: {error}")
-            return member
+                return member
+            log.warning("pool member for %s could not be handed over (%s): restoring", snap.id, member.record.error)
+            with trio.CancelScope(shield=True):
+                await self.remove(member.id, force=True)  # (its "created" was emitted: "removed" follows)
+            if id and id in self.sandboxes:
+                raise AlreadyExists(f"sandbox {id!r} exists")
         self._admit(snap.machine.memory_mib, ram_file=snap.memory != MemoryKind.MAPPED)
         sb = self._new_sandbox(id, config, origin=snap.id, image=snap.oci)
+        sb.lease(want="" if network_override else snap.address)
         self.store.insert(sb.record)
         self.sandboxes[sb.id] = sb
         sb.emit(Action.CREATED, snapshot_id=snap.id)

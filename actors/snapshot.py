@@ -242,6 +242,7 @@ class SnapshotStore:
         image: tuple[str, ...] = (),
         config: SandboxConfig | None = None,
         oci: ImageUse | None = None,
+        address: str = "",
     ) -> tuple[SnapshotRecord, Checkpoint]:
         """Checkpoint a sandbox into a new directory (``checkpoint(dir)``: the sandbox's
         own, guarded sequence) and record it, with ``config`` (default: the origin's)
@@ -276,6 +277,7 @@ class SnapshotStore:
             image=image,
             oci=oci or origin.image,
             chain=ck.chain,
+            address=address,
         )
         crash_point("template-checkpoint" if template_key else "snapshot-record")
         self.store.insert_snapshot(rec)

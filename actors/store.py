@@ -19,8 +19,9 @@ fails the flush with RESOURCE_EXHAUSTED and keeps the queue, retried until it fi
 
 Schema versions (``PRAGMA user_version``): 0 is the first release, whose ``config``
 column held the wire's CreateSandboxRequest as a dict; 2 holds a SandboxConfig, the
-live port mappings in ``ports`` and the snapshot a sandbox came from in ``origin``.
-A version-0 database is migrated in place when opened.
+live port mappings in ``ports`` and the snapshot a sandbox came from in ``origin``;
+3 adds the checkpoint journal (``swap``). Older databases are migrated in place when
+opened (columns added; version 0's configurations rewritten).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ from actors.model import (
 
 log = logging.getLogger("sandvisor.store")
 
-VERSION = 2
+VERSION = 3
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sandboxes (
     uid TEXT PRIMARY KEY,
@@ -77,13 +78,18 @@ CREATE TABLE IF NOT EXISTS snapshots (
     created_ns INTEGER NOT NULL,
     data BLOB NOT NULL
 );
+CREATE TABLE IF NOT EXISTS ip_leases (
+    owner TEXT PRIMARY KEY,
+    address TEXT NOT NULL UNIQUE
+);
 """
-_V2_COLUMNS = (
+_COLUMNS = (
     "ALTER TABLE sandboxes ADD COLUMN ports BLOB",
     "ALTER TABLE sandboxes ADD COLUMN origin TEXT",
     "ALTER TABLE sandboxes ADD COLUMN image BLOB",
     "ALTER TABLE sandboxes ADD COLUMN chain BLOB",
     "ALTER TABLE sandboxes ADD COLUMN life BLOB",
+    "ALTER TABLE sandboxes ADD COLUMN swap TEXT",
 )
 
 
@@ -108,6 +114,7 @@ class Record:
     image: ImageUse | None = None  # the OCI image it boots, resolved at creation
     chain: list[str] = attrs.Factory(list)  # the layers below its overlay, top first, as we made them
     life: LifeState | None = None  # the QEMU running now (None when none runs)
+    swap: str = ""  # journal: the frozen disk of a checkpoint whose disk swap may be under way
 
 
 @attrs.frozen
@@ -165,6 +172,7 @@ class SnapshotRecord:
     image: tuple[str, ...] = ()  # the image parts a template was booted from
     oci: ImageUse | None = None  # the OCI image the origin booted (a template's, its key's)
     chain: tuple[str, ...] = ()  # the layers below disk.qcow2, top first, as we made them
+    address: str = ""  # tap: the origin's address, which a restore keeps when it is free
 
     @property
     def layers(self) -> tuple[Path, ...]:
@@ -343,9 +351,10 @@ class Store:
         )
 
     def update_life(self, r: Record) -> None:
-        """The running QEMU (or none) and the disk chain, which a checkpoint moves."""
-        row = (_pack(r.life), _pack(r.chain), r.qemu_pid, r.uid)
-        self._put(lambda db: db.execute("UPDATE sandboxes SET life=?, chain=?, qemu_pid=? WHERE uid=?", row))
+        """The running QEMU (or none), the disk chain, which a checkpoint moves, and the
+        checkpoint's journal (``swap``)."""
+        row = (_pack(r.life), _pack(r.chain), r.qemu_pid, r.swap, r.uid)
+        self._put(lambda db: db.execute("UPDATE sandboxes SET life=?, chain=?, qemu_pid=?, swap=? WHERE uid=?", row))
 
     def update_ports(self, r: Record) -> None:
         row = (_pack(r.ports), r.uid)
@@ -367,7 +376,7 @@ class Store:
     def all(self) -> list[Record]:
         rows = self.db.execute(
             "SELECT uid, id, seq, config, state, created_at, ready_at, last_exited_at, last_exit_code, error, "
-            "qemu_pid, ports, origin, image, chain, life FROM sandboxes ORDER BY seq"
+            "qemu_pid, ports, origin, image, chain, life, swap FROM sandboxes ORDER BY seq"
         ).fetchall()
         return [
             Record(
@@ -387,6 +396,7 @@ class Store:
                 image=_image(r[13]),
                 chain=load(_unpack(r[14]), list[str]) if r[14] else [],
                 life=_life(r[15]),
+                swap=r[16] or "",
             )
             for r in rows
         ]
@@ -402,6 +412,37 @@ class Store:
     def snapshots(self) -> list[SnapshotRecord]:
         rows = self.db.execute("SELECT data FROM snapshots ORDER BY created_ns").fetchall()
         return [load(_unpack(r[0]), SnapshotRecord) for r in rows]
+
+    # -- the IP pool's leases (tap networking) -------------------------------------------
+    def ip_leases(self) -> list[tuple[str, str]]:
+        """(owner: a sandbox uid, address) of every lease, oldest first."""
+        return [(str(o), str(a)) for o, a in self.db.execute("SELECT owner, address FROM ip_leases ORDER BY rowid")]
+
+    def put_lease(self, owner: str, address: str) -> None:
+        row = (owner, address)
+        self._put(lambda db: db.execute("INSERT OR REPLACE INTO ip_leases (owner, address) VALUES (?, ?)", row))
+
+    def delete_lease(self, owner: str) -> None:
+        self._put(lambda db: db.execute("DELETE FROM ip_leases WHERE owner=?", (owner,)))
+
+
+class StoreLeases:
+    """The IP pool's leases in the supervisor's database (actors/ippool.py's
+    ``LeaseStore``): written through the store's writer, in order with the sandbox
+    records, so a lease is on disk whenever the Create that made it has answered
+    (Create flushes before it answers)."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    def load(self) -> list[tuple[str, str]]:
+        return self.store.ip_leases()
+
+    def put(self, owner: str, address: str) -> None:
+        self.store.put_lease(owner, address)
+
+    def delete(self, owner: str) -> None:
+        self.store.delete_lease(owner)
 
 
 def _life(blob: bytes | None) -> LifeState | None:
@@ -456,7 +497,7 @@ def _migrate(db: sqlite3.Connection, version: int) -> None:
     db.execute("BEGIN IMMEDIATE")
     try:
         cols = {row[1] for row in db.execute("PRAGMA table_info(sandboxes)")}
-        for stmt in _V2_COLUMNS:
+        for stmt in _COLUMNS:
             if stmt.split()[-2] not in cols:
                 db.execute(stmt)
         if version == 0:

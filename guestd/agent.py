@@ -1391,6 +1391,9 @@ class Agent:
             self.mount(session, msg)
         elif isinstance(msg, P.Umount):
             self.umount(session, msg)
+        elif isinstance(msg, P.NetConfig):
+            self.net_config(msg)
+            session.send(P.Ok(rid=rid))
         elif isinstance(msg, P.Shutdown):
             session.send(P.Ok(rid=rid))
             self.shutting_down = msg.reboot
@@ -1518,6 +1521,14 @@ class Agent:
         with open("/proc/sys/kernel/hostname", "w") as f:
             f.write(name)
         self.hostname = name
+
+    def net_config(self, msg: P.NetConfig) -> None:
+        from guestd import netcfg  # lazy: only restores of networked sandboxes pay the import
+
+        try:
+            netcfg.configure(msg.iface, msg.address, msg.prefix, msg.gateway, msg.mac, msg.dns)
+        except ValueError as exc:
+            raise ExecFailed(P.E_INVALID, f"net_config: {exc}") from None
 
     # -- signals and children ----------------------------------------------------
     def reap(self) -> None:

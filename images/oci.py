@@ -39,7 +39,7 @@ on the way out (error or cancellation); an image appears by one rename. Two pull
 image in this store run the download and conversion once (the second waits). Errors are
 ImageError subclasses whose ``code`` is one of the seed's codes.
 
-Measured (benchmarks/images.py, docs/results/images.md; 2 cores shared with other
+Measured (benchmarks/oci_images.py, docs/results/images.md; 2 cores shared with other
 engineers' TCG VMs, load 12-25): a 99 MB, 4-layer image (35 MB compressed) costs 3.3 s
 of CPU to pull and convert against 2.8 s for skopeo copy + tar -xzf + mkfs.ext4 -d by
 hand (1.18x; wall time 1.12x paired, 6-23 s under that load). umoci's unpack is most of

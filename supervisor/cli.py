@@ -7,43 +7,19 @@ and exit 2 (usage) or 1 (operation failed); never a traceback.
 from __future__ import annotations
 
 import argparse
-import json
-import logging
-import shutil
+import os
 import sys
-import tempfile
-import time
-from pathlib import Path
-from typing import NoReturn
+from collections.abc import Callable
 
-import trio
-from rich.console import Console
-from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-from rich.table import Table
+from supervisor.cli_client import CLIENT_COMMANDS, UsageError, add_client_commands, configure_logging, run_client
+from supervisor.errors import ApiError
 
-from actors.guest import GuestError
-from actors.machine import MachineError, resolve_accel
-from images.build import Builder, BuildError, default_cache, load_default
-from supervisor.cli_client import UsageError, add_client_commands, run_client
-from supervisor.protocol import ApiError
-
-err = Console(stderr=True)
-out = Console()
-
-
-class JsonFormatter(logging.Formatter):
-    """Structured logs: one JSON object per line (ts, level, logger, msg, and exc if any)."""
-
-    def format(self, record: logging.LogRecord) -> str:
-        out = {
-            "ts": round(record.created, 3),
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "msg": record.getMessage(),
-        }
-        if record.exc_info:
-            out["exc"] = self.formatException(record.exc_info)
-        return json.dumps(out)
+# Imports are inside the functions that need them: a one-shot client command (ls,
+# inspect, run, ...) loads neither Trio, rich nor the image builder (issue 14).
+DEFAULT_IP_POOL = "10.88.0.0/16"  # actors.ippool.DEFAULT_POOL (a test says so): not imported here
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (mypy reads the name)
+if TYPE_CHECKING:
+    from typing import Any, NoReturn
 
 
 class UserError(Exception):
@@ -51,12 +27,44 @@ class UserError(Exception):
 
 
 def fail(message: str, code: int = 1) -> NoReturn:
-    err.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    from rich.console import Console
+
+    Console(stderr=True).print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
     sys.exit(code)
+
+
+def _host_errors(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """The image builder's and the VM layer's errors as one line (exit 1), for the
+    commands that use them; imported with them, not by every command."""
+
+    def run(args: argparse.Namespace) -> int:
+        from actors.guest import GuestError
+        from actors.machine import MachineError
+        from images.build import BuildError
+
+        try:
+            return fn(args)
+        except BuildError as exc:
+            raise UserError(f"image build failed: {exc}") from None
+        except (GuestError, MachineError) as exc:
+            raise UserError(str(exc)) from None
+
+    run.__name__ = run.__qualname__ = fn.__name__
+    run.__doc__ = fn.__doc__
+    return run
 
 
 # --- image -------------------------------------------------------------------
 def cmd_image_build(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from rich.console import Console
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    from images.build import Builder, default_cache
+
+    err, out = Console(stderr=True), Console()
     cache = Path(args.cache) if args.cache else default_cache()
     if args.json:
         b = Builder(cache)
@@ -87,6 +95,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
     """The main job: a supervisor (in this process, on a throwaway state dir sharing the
     built image) and, through the SDK, a sandbox at work: commands, files, metrics,
     then a checkpoint, two restored clones and a Create from the boot template."""
+    import time
+    from pathlib import Path
+
+    import trio
+    from rich.console import Console
+    from rich.table import Table
+
+    from actors.machine import resolve_accel
+    from images.build import default_cache, load_default
+
+    out = Console()
     img = load_default(Path(args.cache) if args.cache else None)
     if img is None:
         raise UserError("the default image is not built: run 'sandvisor image build'")
@@ -95,17 +114,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     async def main() -> None:
         from supervisor.client import AsyncSandbox
-        from supervisor.daemon import DaemonConfig, serve
+        from supervisor.throwaway import supervisor, workdir
 
-        work = Path(tempfile.mkdtemp(prefix="sandvisor-demo-", dir="/tmp"))
-        work.chmod(0o711)  # QEMU's unprivileged user reaches its run dir under here
-        (work / "state").mkdir()
-        (work / "state" / "images").symlink_to(cache)
-        cfg = DaemonConfig(socket=work / "s.sock", state_dir=work / "state", accel=accel, run_root=work / "run")
-        sock = cfg.socket
-        try:
-            async with trio.open_nursery() as nursery:
-                await nursery.start(serve, cfg)
+        with workdir("sandvisor-demo-", cache=cache) as work:
+            async with supervisor(work, accel=accel) as (cfg, _):
+                sock = cfg.socket
                 out.print(f"[bold]supervisor[/] up on {sock} (accel={accel}, kernel {img.kernel_version})")
                 t0 = time.monotonic()
                 sb = await AsyncSandbox.create("demo", hostname="demo", socket=sock, labels={"via": "demo"})
@@ -127,16 +140,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 out.print(f"file round trip: {await sb.fs.read('/root/greeting')!r}")
                 m = await sb.metrics()
                 table = Table("metric", "value", title="sandbox metrics")
-                table.add_row("uptime", f"{m['uptime_seconds']:.1f} s")
+                table.add_row("uptime", f"{m.uptime_seconds:.1f} s")
                 table.add_row(
                     "guest memory available",
-                    f"{m['memory_available_bytes'] >> 20} / {m['memory_total_bytes'] >> 20} MiB",
+                    f"{m.memory_available_bytes >> 20} / {m.memory_total_bytes >> 20} MiB",
                 )
-                table.add_row("QEMU host RSS", f"{m['host_rss_bytes'] >> 20} MiB")
+                table.add_row("QEMU host RSS", f"{m.host_rss_bytes >> 20} MiB")
                 out.print(table)
 
                 t = time.monotonic()
-                snap = await sb.checkpoint("demo-snap")
+                snap = (await sb.checkpoint("demo-snap")).snapshot_id
                 out.print(f"checkpoint [bold]{snap}[/] in {(time.monotonic() - t) * 1000:.0f} ms (the sandbox runs on)")
                 clones: list[AsyncSandbox] = []
                 t = time.monotonic()
@@ -159,9 +172,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 for x in (quick, *clones, sb):
                     await x.remove(force=True)
                 await AsyncSandbox.delete_snapshot(snap, socket=sock)
-                nursery.cancel_scope.cancel()
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
         out.print("sandboxes removed, snapshot deleted, supervisor stopped: nothing left behind")
 
     trio.run(main)
@@ -169,6 +179,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 # --- serve -------------------------------------------------------------------
+def _uid_range(text: str) -> tuple[int, int]:
+    first, sep, count = text.partition(":")
+    if not sep or not first.isdigit() or not count.isdigit() or int(count) < 1:
+        raise argparse.ArgumentTypeError(f"--jail-uids {text!r}: FIRST:COUNT")
+    return int(first), int(count)
+
+
 def _pool_arg(text: str) -> tuple[str, int]:
     snap, sep, n = text.rpartition("=")
     if not sep or not snap or not n.isdigit():
@@ -177,9 +194,16 @@ def _pool_arg(text: str) -> tuple[str, int]:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    import logging
+    from pathlib import Path
+
+    import trio
+
     from images.build import default_state_dir
     from supervisor.config import default_socket
     from supervisor.daemon import DaemonConfig, serve
+    from supervisor.grpc_service import addresses as grpc_addresses
+    from supervisor.metrics import parse_listen
 
     logging.getLogger().setLevel(logging.DEBUG if args.verbose else logging.INFO)
     cfg = DaemonConfig(
@@ -188,6 +212,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         accel=args.accel,
         run_root=Path(args.run_root) if args.run_root else None,
         boot_timeout=args.boot_timeout,
+        guest_timeout=args.guest_timeout,
+        jail_overhead_mib=args.jail_overhead,
+        jail_uids=args.jail_uids,
         max_sandboxes=args.max_sandboxes,
         group=args.group,
         qemu_user=args.qemu_user,
@@ -203,7 +230,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
         allow_paths=tuple(Path(p).resolve() for p in args.allow_path or ()),
         max_memory_mib=args.max_memory,
         max_disk_mib=args.max_disk,
+        grpc=tuple(args.grpc or ()),
+        grpc_cert=Path(args.grpc_cert) if args.grpc_cert else None,
+        grpc_key=Path(args.grpc_key) if args.grpc_key else None,
+        grpc_client_ca=Path(args.grpc_client_ca) if args.grpc_client_ca else None,
+        metrics=args.metrics,
+        ip_pool="" if args.ip_pool.lower() == "none" else args.ip_pool,
+        dns_upstreams=tuple(args.dns_upstream or ()),
+        egress_never=tuple(args.egress_never or ()),
     )
+    try:  # the flags' mistakes as usage errors, before anything starts
+        grpc_addresses(cfg.grpc, cert=cfg.grpc_cert, key=cfg.grpc_key, client_ca=cfg.grpc_client_ca)
+        if cfg.metrics:
+            parse_listen(cfg.metrics)
+    except (ValueError, OSError) as exc:
+        fail(f"sandvisor serve: {exc}", 2)
     trio.run(serve, cfg)
     return 0
 
@@ -241,23 +282,55 @@ complete -F _sandvisor sandvisor"""
 
 
 # --- parser ------------------------------------------------------------------
+def _columns() -> int:
+    """``shutil.get_terminal_size().columns``, without importing shutil."""
+    try:
+        columns = int(os.environ["COLUMNS"])
+    except (KeyError, ValueError):
+        columns = 0
+    if columns <= 0:
+        try:
+            columns = os.get_terminal_size(sys.__stdout__.fileno()).columns  # type: ignore[union-attr]
+        except (AttributeError, ValueError, OSError):
+            columns = 80
+        columns = columns or 80
+    return columns
+
+
+class _Formatter(argparse.HelpFormatter):
+    """argparse's own; it imports shutil (and with it bz2, lzma, zlib: ~2.4 ms of every
+    command, measured) for the terminal's width, found here the same way without it."""
+
+    def __init__(self, prog: str, indent_increment: int = 2, max_help_position: int = 24, width: int | None = None):
+        super().__init__(prog, indent_increment, max_help_position, _columns() - 2 if width is None else width)
+
+
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        kw.setdefault("formatter_class", _Formatter)
+        super().__init__(*args, **kw)
+
     def error(self, message: str) -> NoReturn:
         """Usage errors are one line and exit code 2 (argparse's own print the usage too)."""
         fail(f"{self.prog}: {message}", 2)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line; ``only`` (a client command): a parser of that command
+    alone, which parses its command lines as the whole one does."""
     p = _Parser(prog="sandvisor", description="QEMU microVM sandboxes")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
+    if only is not None:
+        add_client_commands(sub, only)
+        return p
 
     image = sub.add_parser("image", help="guest images")
     isub = image.add_subparsers(dest="image_command", required=True, metavar="SUBCOMMAND")
     ib = isub.add_parser("build", help="build the default guest image (cached, content-keyed)")
     ib.add_argument("--cache", help="image cache directory (default: STATE_DIR/images)")
     ib.add_argument("--json", action="store_true", help="print the result as JSON")
-    ib.set_defaults(func=cmd_image_build)
+    ib.set_defaults(func=_host_errors(cmd_image_build))
 
     sv = sub.add_parser("serve", help="run the supervisor (the sandbox.v1 service on a Unix socket)")
     sv.add_argument("--socket", help="socket path (default: $SANDVISOR_SOCKET, /run/sandvisor/sandvisor.sock for root)")
@@ -265,6 +338,25 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--accel", default="auto", choices=["auto", "kvm", "tcg"])
     sv.add_argument("--run-root", help="per-VM sockets and run dirs (default: /run/sandvisor/vms for root)")
     sv.add_argument("--boot-timeout", type=float, default=60.0, help="seconds a boot may take before it fails")
+    sv.add_argument(
+        "--jail-overhead",
+        type=int,
+        default=192,
+        metavar="MIB",
+        help="each jailed QEMU's memory limit is its guest RAM + this (QEMU, TCG's cache; default 192)",
+    )
+    sv.add_argument(
+        "--jail-uids",
+        type=_uid_range,
+        metavar="FIRST:COUNT",
+        help="the uid/gid range jailed QEMUs get ids from (no real user may have one; default 1900000000:65536)",
+    )
+    sv.add_argument(
+        "--guest-timeout",
+        type=float,
+        default=30.0,
+        help="seconds any guest request may take on the host's side before DEADLINE_EXCEEDED (default 30)",
+    )
     sv.add_argument("--max-sandboxes", type=int, default=64)
     sv.add_argument("--group", help="make the socket 0660 for this group (default: owner only, 0600)")
     sv.add_argument(
@@ -315,17 +407,57 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument(
         "--pool", action="append", metavar="SNAPSHOT=N", help="warm pool size for one snapshot (id or name); repeatable"
     )
-    sv.set_defaults(func=cmd_serve)
+    sv.add_argument(
+        "--grpc",
+        action="append",
+        metavar="ADDR",
+        help="also serve sandbox.v1 and sandvisor.v1 over gRPC: unix:///PATH (mode as --socket's) or HOST:PORT "
+        "(TLS unless loopback); repeatable",
+    )
+    sv.add_argument("--grpc-cert", metavar="PEM", help="TLS certificate chain for --grpc HOST:PORT")
+    sv.add_argument("--grpc-key", metavar="PEM", help="TLS private key for --grpc HOST:PORT")
+    sv.add_argument("--grpc-client-ca", metavar="PEM", help="require client certificates signed by this CA")
+    sv.add_argument(
+        "--metrics", metavar="HOST:PORT", help="serve Prometheus metrics at http://HOST:PORT/metrics (host: loopback)"
+    )
+    sv.add_argument(
+        "--ip-pool",
+        default=DEFAULT_IP_POOL,
+        metavar="CIDR",
+        help=f"as root: tap networking's addresses (default {DEFAULT_IP_POOL}; 'none': no tap, no jailed outbound)",
+    )
+    sv.add_argument(
+        "--dns-upstream",
+        action="append",
+        metavar="HOST[:PORT]",
+        help="the sandboxes' DNS proxy asks these (repeatable; default: /etc/resolv.conf's)",
+    )
+    sv.add_argument(
+        "--egress-never",
+        action="append",
+        metavar="CIDR",
+        help="a range no sandbox reaches whatever its egress policy (e.g. your LAN; repeatable)",
+    )
+    sv.set_defaults(func=_host_errors(cmd_serve))
 
     demo = sub.add_parser("demo", help="boot a sandbox from the default image and show it working")
     demo.add_argument("--cache", help="image cache directory")
     demo.add_argument("--accel", default="auto", choices=["auto", "kvm", "tcg"])
-    demo.set_defaults(func=cmd_demo)
+    demo.set_defaults(func=_host_errors(cmd_demo))
     add_client_commands(sub)
     comp = sub.add_parser("completion", help="print a shell completion script (bash)")
     comp.add_argument("shell", choices=["bash"])
     comp.set_defaults(func=cmd_completion)
     return p
+
+
+def _client_command(argv: list[str]) -> str | None:
+    """The client command this command line runs, if it plainly is one."""
+    for word in argv:
+        if word in ("-v", "--verbose"):
+            continue
+        return word if word in CLIENT_COMMANDS else None
+    return None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -335,12 +467,10 @@ def main(argv: list[str] | None = None) -> int:
     if "--" in argv:
         i = argv.index("--")
         argv, cmd = argv[:i], argv[i + 1 :]
-    args = build_parser().parse_args(argv)
+    args = build_parser(_client_command(argv)).parse_args(argv)
     args.cmd = cmd
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.WARNING,
-        format="%(asctime)s %(name)s %(levelname)s %(message)s",
-    )
+    if args.verbose or not hasattr(args, "client"):  # the quick client commands log nothing
+        configure_logging(args.verbose)
     try:
         if hasattr(args, "client"):
             return run_client(args)
@@ -350,10 +480,6 @@ def main(argv: list[str] | None = None) -> int:
     except ApiError as exc:
         fail(exc.message if exc.code in ("NOT_FOUND", "UNAVAILABLE") else f"{exc.code}: {exc.message}", 1)
     except UserError as exc:
-        fail(str(exc), 1)
-    except BuildError as exc:
-        fail(f"image build failed: {exc}", 1)
-    except (GuestError, MachineError) as exc:
         fail(str(exc), 1)
     except KeyboardInterrupt:
         fail("interrupted", 130)

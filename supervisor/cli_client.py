@@ -4,28 +4,35 @@ Every command takes ``--socket PATH`` (default: ``$SANDVISOR_SOCKET``, else the
 serve default). Human output is tables; ``--json`` output is stable. Errors are one
 line on stderr: exit 2 for usage errors (bad ``K=V``, bad port), 1 for failed
 operations; ``run`` and ``exec`` exit with the command's own exit code.
+
+One-shot commands are quick (issue 14): a command that is one call or one server
+stream (run, ls, inspect, logs, events, stop, kill, rm, ping, touch, metrics, top,
+checkpoint, restore, snapshots, port) speaks the protocol over a plain blocking
+socket (:class:`supervisor.frames.BlockingConnection`, bodies as the wire's maps):
+no event loop, no converter. Tables are printed as rich would print them, by
+:func:`print_table`, which imports rich only for what it cannot match. The commands
+that need concurrency (create and start wait for readiness, exec pumps a terminal,
+cp streams files) use the Trio SDK, imported when they run. Measured on this machine
+(``benchmarks/control.py``): ``import supervisor.cli`` went from ~270 ms to ~10 ms.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
+import re
 import sys
-from contextlib import aclosing
+from collections.abc import Callable, Coroutine, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
 
-import trio
-from rich.console import Console
-from rich.live import Live
-from rich.table import Table
+from supervisor.frames import BlockingConnection
 
-from actors._groups import collapse_single
-from supervisor.client import AsyncSandbox, connect
+TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~2 ms; mypy reads the name)
+if TYPE_CHECKING:
+    from typing import Any
 
-out = Console()
+    from supervisor.client import AsyncSandbox
 
 
 class UsageError(Exception):
@@ -59,10 +66,14 @@ def ports(items: list[str] | None) -> dict[int, int]:
 
 
 def _ts(unix: int) -> str:
+    import datetime
+
     return datetime.datetime.fromtimestamp(unix, datetime.UTC).strftime("%Y-%m-%d %H:%M:%S") if unix else "-"
 
 
 def _json(obj: Any) -> None:
+    import json
+
     def default(o: Any) -> Any:
         if isinstance(o, bytes):
             return o.decode(errors="replace")
@@ -76,10 +87,137 @@ def _cmd(args: argparse.Namespace) -> list[str]:
     return list(getattr(args, "cmd", None) or [])
 
 
+@contextmanager
+def _conn(a: argparse.Namespace) -> Iterator[BlockingConnection]:
+    with BlockingConnection.open(a.socket) as c:
+        yield c
+
+
+def configure_logging(verbose: bool) -> None:
+    import logging
+
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.WARNING,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+
+
+def _on_trio(fn: Callable[[argparse.Namespace], Coroutine[Any, Any, int]]) -> Callable[[argparse.Namespace], int]:
+    """A command written against the Trio SDK, run in its own event loop."""
+
+    def run(a: argparse.Namespace) -> int:
+        import trio
+
+        configure_logging(getattr(a, "verbose", False))
+
+        from supervisor.errors import collapse_single
+
+        with collapse_single():  # one error leaves as itself, for a one-line message
+            return int(trio.run(fn, a))
+
+    run.__name__ = run.__qualname__ = fn.__name__
+    run.__doc__ = fn.__doc__
+    return run
+
+
+# --- tables ------------------------------------------------------------------------
+# print_table prints what rich's Console().print(Table(*headers, box=None)) prints, byte
+# for byte, without importing rich (~25 ms): cells padded by one space each side, the
+# header bold on a terminal. Where rich would do more (markup, emoji codes, wide or
+# control characters, a table wider than the console, colour forced by the
+# environment) it hands the table to rich. tests/test_frames.py holds it to rich.
+_EMOJI = re.compile(r"(:(\S*?)(?:(?:\-)(emoji|text))?:)")  # rich's emoji-code pattern
+_PLAIN = re.compile(r"[\x20-\x5a\x5c-\x7e]*")  # printable ASCII without "[" (rich's markup)
+_BOLD, _RESET = "\x1b[1m", "\x1b[0m"
+
+
+def _console() -> tuple[bool, int] | None:
+    """(is a terminal, width) as rich's Console would find them; None where rich's
+    environment switches (forced colour, TTY_COMPATIBLE, NO_COLOR, a dumb terminal)
+    decide: rich then prints the table."""
+    env = os.environ
+    if any(k in env for k in ("FORCE_COLOR", "TTY_COMPATIBLE", "NO_COLOR")):
+        return None
+    try:
+        terminal = sys.stdout.isatty()
+    except ValueError:
+        terminal = False
+    if terminal and env.get("TERM", "").lower() in ("dumb", "unknown"):
+        return None
+    width = None
+    for fd in (0, 1, 2):  # rich asks stdin, stdout, stderr in this order
+        try:
+            width, _ = os.get_terminal_size(fd)
+        except (AttributeError, ValueError, OSError):
+            continue
+        break
+    columns = env.get("COLUMNS")
+    if columns is not None and columns.isdigit():
+        width = int(columns)
+    return terminal, width or 80
+
+
+def _plain(cell: str) -> bool:
+    if not _PLAIN.fullmatch(cell):
+        return False
+    return all(m.group(3) is None and re.fullmatch(r"\d{0,2}", m.group(2)) for m in _EMOJI.finditer(cell))
+
+
+def plain_table(
+    headers: Sequence[str], rows: Sequence[Sequence[str]], *, show_header: bool, terminal: bool, width: int
+) -> str | None:
+    """The text rich prints for ``Table(*headers, box=None, show_header=...)`` on a
+    console of ``width`` columns, or None where rich would render more than padding."""
+    cells = ([list(headers)] if show_header else []) + [list(r) for r in rows]
+    if not cells or any(len(r) != len(headers) or not all(_plain(c) for c in r) for r in cells):
+        return None
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    if sum(widths) + 2 * len(widths) > width or 0 in widths:
+        return None
+    lines = []
+    for n, row in enumerate(cells):
+        if n == 0 and show_header and terminal:
+            lines.append(
+                "".join(
+                    f"{_BOLD} {_RESET}{_BOLD}{c.ljust(w)}{_RESET}{_BOLD} {_RESET}"
+                    for c, w in zip(row, widths, strict=True)
+                )
+            )
+        else:
+            lines.append("".join(f" {c.ljust(w)} " for c, w in zip(row, widths, strict=True)))
+    return "".join(line + "\n" for line in lines)
+
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[str]], *, show_header: bool = True) -> None:
+    console = _console()
+    text = None
+    if console is not None:
+        text = plain_table(headers, rows, show_header=show_header, terminal=console[0], width=console[1])
+    if text is None:
+        from rich.console import Console
+
+        Console().print(_rich_table(headers, rows, show_header=show_header))
+        return
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def _rich_table(headers: Sequence[str], rows: Sequence[Sequence[str]], *, show_header: bool = True) -> Any:
+    from rich.table import Table
+
+    t = Table(*headers, box=None, show_header=show_header)
+    for r in rows:
+        t.add_row(*r)
+    return t
+
+
 # --- commands -------------------------------------------------------------------
+@_on_trio
 async def create(a: argparse.Namespace) -> int:
     status = None
     if not a.json and not a.no_wait and sys.stderr.isatty():
+        from rich.console import Console
+
         status = Console(stderr=True).status(f"booting {a.name or 'a sandbox'} ...")
         status.start()
     try:
@@ -89,13 +227,15 @@ async def create(a: argparse.Namespace) -> int:
             status.stop()
     info = await sb.inspect()
     if a.json:
-        _json({"id": sb.id, "state": info["state"], "ip_address": info["network"]["ip_address"]})
+        _json({"id": sb.id, "state": info.state, "ip_address": info.network.ip_address})
     else:
         print(sb.id)
     return 0
 
 
 async def _create(a: argparse.Namespace) -> AsyncSandbox:
+    from supervisor.client import AsyncSandbox
+
     return await AsyncSandbox.create(
         a.name,
         socket=a.socket,
@@ -109,33 +249,54 @@ async def _create(a: argparse.Namespace) -> AsyncSandbox:
         ttl=a.ttl,
         idle_timeout=a.idle_timeout,
         network=a.network,
+        outbound=a.outbound,
+        egress=_egress(a),
         ports=ports(a.port),
         detached=True,
         wait=not a.no_wait,
     )
 
 
-async def run(a: argparse.Namespace) -> int:
+def _egress(a: argparse.Namespace) -> Any:
+    """``--egress-default/--allow/--deny`` as the SDK's Egress (None: not given)."""
+    if a.egress_default is None and not a.allow and not a.deny:
+        return None
+    from supervisor.client import Egress
+
+    return Egress(default=a.egress_default or "allow", allow=a.allow or (), deny=a.deny or ())
+
+
+def run(a: argparse.Namespace) -> int:
     cmd = _cmd(a)
     if not cmd:
         raise UsageError("run needs a command after --")
-    sb = AsyncSandbox(a.name, socket=a.socket)
+    body = {
+        "id": a.name,
+        "cmd": cmd,
+        "env": kv(a.env),
+        "working_dir": a.workdir or "",
+        "user": a.user or "",
+        "tty": a.tty,
+        "timeout_seconds": a.timeout,
+    }
     code = 0
-    stream = sb.run_stream(cmd, env=kv(a.env), workdir=a.workdir or "", user=a.user or "", tty=a.tty, timeout=a.timeout)
-    async with aclosing(stream) as outputs:
-        async for o in outputs:
-            if o.stream == "stdout":
-                sys.stdout.buffer.write(o.data)
+    with _conn(a) as c:
+        for o in c.stream("Run", body):
+            if o.get("done"):
+                code = o.get("exit_code") or 0
+            elif o["stream"] == "stdout":
+                sys.stdout.buffer.write(o["data"])
                 sys.stdout.buffer.flush()
-            elif o.stream == "stderr":
-                sys.stderr.buffer.write(o.data)
+            elif o["stream"] == "stderr":
+                sys.stderr.buffer.write(o["data"])
                 sys.stderr.buffer.flush()
-            else:
-                code = o.exit_code or 0
-    return code
+    return int(code)
 
 
+@_on_trio
 async def exec_(a: argparse.Namespace) -> int:
+    from supervisor.client import AsyncSandbox
+
     cmd = _cmd(a)
     if not cmd:
         raise UsageError("exec needs a command after --")
@@ -147,43 +308,51 @@ async def exec_(a: argparse.Namespace) -> int:
     return await sb.attach(cmd, tty=a.tty, env=kv(a.env))
 
 
-async def ls(a: argparse.Namespace) -> int:
+def ls(a: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     cursor = ""
-    while True:
-        page = await AsyncSandbox.list(
-            socket=a.socket, labels=kv(a.label), state=a.state or "", limit=100, cursor=cursor
-        )
-        rows += page.sandboxes
-        cursor = page.next_cursor
-        if not cursor:
-            break
+    with _conn(a) as c:
+        while True:
+            page = c.call("List", {"labels": kv(a.label), "state": a.state or "", "limit": 100, "cursor": cursor})
+            rows += page["sandboxes"]
+            cursor = page.get("next_cursor", "")
+            if not cursor:
+                break
     if a.json:
         _json([{k: r[k] for k in ("id", "state", "labels", "ip_address", "created_at")} for r in rows])
         return 0
-    t = Table("ID", "STATE", "LABELS", "IP", "CREATED", box=None)
-    for r in rows:
-        labels = ",".join(f"{k}={v}" for k, v in sorted(r["labels"].items()))
-        t.add_row(r["id"], r["state"], labels, r["ip_address"] or "-", _ts(r["created_at"]))
-    out.print(t)
+    print_table(
+        ("ID", "STATE", "LABELS", "IP", "CREATED"),
+        [
+            (
+                r["id"],
+                r["state"],
+                ",".join(f"{k}={v}" for k, v in sorted(r["labels"].items())),
+                r["ip_address"] or "-",
+                _ts(r["created_at"]),
+            )
+            for r in rows
+        ],
+    )
     return 0
 
 
-async def inspect(a: argparse.Namespace) -> int:
-    info = await AsyncSandbox(a.name, socket=a.socket).inspect()
+def inspect(a: argparse.Namespace) -> int:
+    with _conn(a) as c:
+        info = c.call("Inspect", {"id": a.name})
     if a.json:
         _json(info)
         return 0
-    t = Table("FIELD", "VALUE", box=None, show_header=False)
+    rows = []
     for k in ("id", "state", "labels", "limits", "network", "created_at", "ready_at", "last_exited_at"):
         v = info[k]
         if k.endswith("_at"):
             v = _ts(v)
-        t.add_row(k, str(v))
-    t.add_row("last_exit_code", str(info["last_exit_code"]))
+        rows.append((k, str(v)))
+    rows.append(("last_exit_code", str(info["last_exit_code"])))
     if info["error"]:
-        t.add_row("error", info["error"])
-    out.print(t)
+        rows.append(("error", info["error"]))
+    print_table(("FIELD", "VALUE"), rows, show_header=False)
     return 0
 
 
@@ -197,21 +366,18 @@ def _print_log(e: dict[str, Any], as_json: bool) -> None:
     target.flush()
 
 
-async def logs(a: argparse.Namespace) -> int:
-    sb = AsyncSandbox(a.name, socket=a.socket)
-    if a.follow:
-        async with aclosing(sb.log_stream(follow=True, tail=a.tail)) as entries:
-            async for e in entries:
-                _print_log(e, a.json)
-    else:
-        for e in await sb.logs(tail=a.tail):
+def logs(a: argparse.Namespace) -> int:
+    with _conn(a) as c:
+        for e in c.stream("Logs", {"id": a.name, "follow": a.follow, "tail": a.tail}):
             _print_log(e, a.json)
     return 0
 
 
-async def events(a: argparse.Namespace) -> int:
-    async with connect(a.socket) as c, c.open_call("Events", {"id": a.id or "", "action": a.action or ""}) as call:
-        async for e in call:
+def events(a: argparse.Namespace) -> int:
+    import datetime
+
+    with _conn(a) as c:
+        for e in c.stream("Events", {"id": a.id or "", "action": a.action or ""}):
             if a.json:
                 _json(e)
             else:
@@ -221,7 +387,10 @@ async def events(a: argparse.Namespace) -> int:
     return 0
 
 
+@_on_trio
 async def cp(a: argparse.Namespace) -> int:
+    from supervisor.client import AsyncSandbox
+
     src_remote, dst_remote = ":" in a.src and not a.src.startswith("/"), ":" in a.dst and not a.dst.startswith("/")
     if src_remote == dst_remote:
         raise UsageError("exactly one of SRC and DST must be NAME:/path")
@@ -236,25 +405,36 @@ async def cp(a: argparse.Namespace) -> int:
     return 0
 
 
-async def simple(a: argparse.Namespace) -> int:
-    sb = AsyncSandbox(a.name, socket=a.socket)
-    if a.command == "stop":
-        await sb.stop(a.timeout)
-    elif a.command == "kill":
-        await sb.kill()
-    elif a.command == "rm":
-        await sb.remove(force=a.force)
-    elif a.command == "start":
-        await sb.start()
-    elif a.command == "ping":
-        print(f"{await sb.ping() * 1000:.2f} ms")
-    elif a.command == "touch":
-        print(await sb.touch())
+@_on_trio
+async def _start(a: argparse.Namespace) -> int:
+    from supervisor.client import AsyncSandbox
+
+    await AsyncSandbox(a.name, socket=a.socket).start()  # boots, then waits until ready
     return 0
 
 
-def _metrics_row(t: Table, m: dict[str, Any]) -> None:
-    t.add_row(
+def simple(a: argparse.Namespace) -> int:
+    if a.command == "start":
+        return _start(a)
+    with _conn(a) as c:
+        if a.command == "stop":
+            c.call("Stop", {"id": a.name, "timeout_seconds": a.timeout})
+        elif a.command == "kill":
+            c.call("Kill", {"id": a.name})
+        elif a.command == "rm":
+            c.call("Remove", {"id": a.name, "force": a.force})
+        elif a.command == "ping":
+            print(f"{int(c.call('Ping', {'id': a.name})['latency_ns']) / 1e9 * 1000:.2f} ms")
+        elif a.command == "touch":
+            print(int(c.call("Touch", {"id": a.name})["activity"]))
+    return 0
+
+
+_METRICS = ("ID", "CPU", "MEM", "HOST RSS", "DISK R/W", "NET RX/TX", "UP")
+
+
+def _metrics_row(m: dict[str, Any]) -> tuple[str, ...]:
+    return (
         m["id"],
         f"{m['cpu_percent']:.1f}%",
         f"{(m['memory_total_bytes'] - m['memory_available_bytes']) >> 20}/{m['memory_total_bytes'] >> 20} MiB",
@@ -265,100 +445,158 @@ def _metrics_row(t: Table, m: dict[str, Any]) -> None:
     )
 
 
-def _metrics_table() -> Table:
-    return Table("ID", "CPU", "MEM", "HOST RSS", "DISK R/W", "NET RX/TX", "UP", box=None)
-
-
-async def metrics(a: argparse.Namespace) -> int:
-    sb = AsyncSandbox(a.name, socket=a.socket)
-
+def metrics(a: argparse.Namespace) -> int:
     def show(m: dict[str, Any]) -> None:
         if a.json:
             _json(m)
         else:
-            t = _metrics_table()
-            _metrics_row(t, m)
-            out.print(t)
+            print_table(_METRICS, [_metrics_row(m)])
 
-    if not a.watch:
-        show(await sb.metrics())
-        return 0
-    async with aclosing(sb.metrics_stream(1.0)) as samples:
-        async for m in samples:
+    with _conn(a) as c:
+        if not a.watch:
+            show(c.call("Metrics", {"id": a.name}))
+            return 0
+        for m in c.stream("MetricsStream", {"id": a.name, "interval_seconds": 1.0}):
             show(m)
     return 0
 
 
-async def top(a: argparse.Namespace) -> int:
-    with Live(_metrics_table(), console=out, refresh_per_second=2) as live:
+def top(a: argparse.Namespace) -> int:
+    import time
+
+    from rich.console import Console
+    from rich.live import Live
+
+    with Live(_rich_table(_METRICS, []), console=Console(), refresh_per_second=2) as live:
         while True:
-            async with connect(a.socket) as c:
-                every = await c.call("MetricsAll", {})
-            t = _metrics_table()
-            for m in every["sandboxes"]:
-                _metrics_row(t, m)
-            live.update(t)
-            await trio.sleep(1.0)
+            with _conn(a) as c:
+                every = c.call("MetricsAll", {})
+            live.update(_rich_table(_METRICS, [_metrics_row(m) for m in every["sandboxes"]]))
+            time.sleep(1.0)
 
 
-async def port(a: argparse.Namespace) -> int:
+def port(a: argparse.Namespace) -> int:
     proto = "udp" if a.udp else "tcp"
-    async with connect(a.socket) as c:
+    if a.action == "ls":
+        with _conn(a) as c:
+            mappings = c.call("ListPorts", {"id": a.name})["ports"]
+        if a.json:
+            _json(mappings)
+            return 0
+        print_table(
+            ("SANDBOX PORT", "HOST", "PROTOCOL"),
+            [(str(m["sandbox_port"]), f"{m['host_address']}:{m['host_port']}", m["protocol"]) for m in mappings],
+        )
+        return 0
+    if a.sandbox_port is None:
+        raise UsageError(f"port {a.action} needs SANDBOX_PORT")
+    with _conn(a) as c:
         if a.action == "add":
-            r = await c.call(
+            r = c.call(
                 "ExposePort",
                 {"id": a.name, "sandbox_port": a.sandbox_port, "host_port": a.host_port, "protocol": proto},
             )
             print(r["host_port"])
         else:
-            await c.call("UnexposePort", {"id": a.name, "sandbox_port": a.sandbox_port, "protocol": proto})
+            c.call("UnexposePort", {"id": a.name, "sandbox_port": a.sandbox_port, "protocol": proto})
     return 0
 
 
-async def checkpoint(a: argparse.Namespace) -> int:
-    async with connect(a.socket) as c:
-        r = await c.call("Checkpoint", {"sandbox_id": a.name, "name": a.snapshot_name or "", "labels": kv(a.label)})
+def checkpoint(a: argparse.Namespace) -> int:
+    with _conn(a) as c:
+        r = c.call("Checkpoint", {"sandbox_id": a.name, "name": a.snapshot_name or "", "labels": kv(a.label)})
     _json(r) if a.json else print(r["snapshot_id"])
     return 0
 
 
-async def restore(a: argparse.Namespace) -> int:
-    async with connect(a.socket) as c:
-        r = await c.call(
+def restore(a: argparse.Namespace) -> int:
+    with _conn(a) as c:
+        r = c.call(
             "Restore",
-            {"snapshot_id": a.snapshot, "id": a.new_name or "", "labels": kv(a.label), "ttl_seconds": a.ttl},
+            {
+                "snapshot_id": a.snapshot,
+                "id": a.new_name or "",
+                "labels": kv(a.label),
+                "ttl_seconds": a.ttl,
+                "network_override": a.network_override,
+            },
         )
     _json(r) if a.json else print(r["id"])
     return 0
 
 
-async def snapshots(a: argparse.Namespace) -> int:
-    async with connect(a.socket) as c:
+def snapshots(a: argparse.Namespace) -> int:
+    with _conn(a) as c:
         if getattr(a, "snapshot_id", None):
-            await c.call("DeleteSnapshot", {"snapshot_id": a.snapshot_id})
+            c.call("DeleteSnapshot", {"snapshot_id": a.snapshot_id})
             return 0
-        r = await c.call("ListSnapshots", {"sandbox_id": a.sandbox or "", "labels": kv(a.label)})
+        r = c.call("ListSnapshots", {"sandbox_id": a.sandbox or "", "labels": kv(a.label)})
     if a.json:
         _json(r["snapshots"])
         return 0
-    t = Table("ID", "NAME", "SANDBOX", "MEMORY", "SIZE", "POOL", "CREATED", box=None)
-    for x in r["snapshots"]:
-        t.add_row(
-            x["id"],
-            x["name"],
-            x["sandbox_id"],
-            x.get("memory", ""),
-            f"{x.get('size_bytes', 0) / 2**20:.0f} MiB",
-            str(x.get("pool_ready", 0)),
-            x["created_at"],
-        )
-    out.print(t)
+    print_table(
+        ("ID", "NAME", "SANDBOX", "MEMORY", "SIZE", "POOL", "CREATED"),
+        [
+            (
+                x["id"],
+                x["name"],
+                x["sandbox_id"],
+                x.get("memory", ""),
+                f"{x.get('size_bytes', 0) / 2**20:.0f} MiB",
+                str(x.get("pool_ready", 0)),
+                x["created_at"],
+            )
+            for x in r["snapshots"]
+        ],
+    )
     return 0
 
 
 # --- parser ------------------------------------------------------------------------
-def add_client_commands(sub: Any) -> None:
-    def cmd(name: str, fn: Any, help: str) -> argparse.ArgumentParser:
+CLIENT_COMMANDS = frozenset(
+    {
+        "create",
+        "run",
+        "exec",
+        "ls",
+        "inspect",
+        "logs",
+        "events",
+        "cp",
+        "stop",
+        "kill",
+        "rm",
+        "start",
+        "ping",
+        "touch",
+        "metrics",
+        "top",
+        "checkpoint",
+        "restore",
+        "snapshots",
+        "snapshot",
+        "port",
+    }
+)
+
+
+class _Undefined:
+    """Stands in for the parser of a command that is not being defined."""
+
+    def add_argument(self, *args: Any, **kw: Any) -> None:
+        pass
+
+    def set_defaults(self, **kw: Any) -> None:
+        pass
+
+
+def add_client_commands(sub: Any, only: str | None = None) -> None:
+    """The client commands' parsers; ``only``: just that one (a one-shot command parses
+    one command line, and argparse takes ~8 ms to define all of them: measured)."""
+
+    def cmd(name: str, fn: Any, help: str) -> Any:
+        if only is not None and name != only:
+            return _Undefined()
         p: argparse.ArgumentParser = sub.add_parser(name, help=help)
         p.add_argument("--socket", default=os.environ.get("SANDVISOR_SOCKET"), help="supervisor socket")
         p.set_defaults(client=fn)
@@ -372,7 +610,16 @@ def add_client_commands(sub: Any) -> None:
     p.add_argument("--label", action="append", metavar="K=V")
     p.add_argument("--ttl", type=int, default=0, metavar="S")
     p.add_argument("--idle-timeout", type=int, default=0, metavar="S")
-    p.add_argument("--network", choices=["none", "user"], default="none")
+    p.add_argument(
+        "--network",
+        choices=["none", "tap", "user", "outbound"],
+        default="none",
+        help="tap: an address of the IP pool; user: exposed ports only; outbound: user mode that may reach out",
+    )
+    p.add_argument("--outbound", action="store_true", help="user mode that may reach out (= --network outbound)")
+    p.add_argument("--egress-default", choices=["allow", "deny"], help="what no --allow/--deny entry matches")
+    p.add_argument("--allow", action="append", metavar="ENTRY", help="CIDR, host:port or domain (repeatable)")
+    p.add_argument("--deny", action="append", metavar="ENTRY", help="CIDR, host:port or domain (repeatable)")
     p.add_argument("--port", action="append", metavar="HOST:GUEST")
     p.add_argument("--workdir")
     p.add_argument("--user")
@@ -450,6 +697,9 @@ def add_client_commands(sub: Any) -> None:
     p.add_argument("--name", dest="new_name", metavar="NEW")
     p.add_argument("--ttl", type=int, default=0, metavar="S")
     p.add_argument("--label", action="append", metavar="K=V")
+    p.add_argument(
+        "--network-override", action="store_true", help="tap: a fresh address even if the snapshot's is free"
+    )
     p.add_argument("--json", action="store_true")
 
     p = cmd("snapshots", snapshots, "list snapshots")
@@ -462,14 +712,18 @@ def add_client_commands(sub: Any) -> None:
     p.add_argument("snapshot_id")
     p.set_defaults(json=False, sandbox=None, label=None)
 
-    p = cmd("port", port, "port add NAME SANDBOX_PORT [--host-port P] [--udp] | port rm NAME SANDBOX_PORT [--udp]")
-    p.add_argument("action", choices=["add", "rm"])
+    p = cmd(
+        "port",
+        port,
+        "port add NAME SANDBOX_PORT [--host-port P] [--udp] | port rm NAME SANDBOX_PORT [--udp] | port ls NAME",
+    )
+    p.add_argument("action", choices=["add", "rm", "ls"])
     p.add_argument("name")
-    p.add_argument("sandbox_port", type=int)
+    p.add_argument("sandbox_port", type=int, nargs="?")
     p.add_argument("--host-port", type=int, default=0)
     p.add_argument("--udp", action="store_true")
+    p.add_argument("--json", action="store_true")
 
 
 def run_client(args: argparse.Namespace) -> int:
-    with collapse_single():  # one error leaves as itself, for a one-line message
-        return int(trio.run(args.client, args))
+    return int(args.client(args))

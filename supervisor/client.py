@@ -1,11 +1,28 @@
 """The Python SDK of sandvisor, and the client side of its Unix-socket protocol.
 
 ``from supervisor.client import Sandbox, AsyncSandbox``: the same surface, sync and
-Trio-async. Failures raise subclasses of :class:`SandboxError` named after the
-seed's codes (:class:`NotFound`, :class:`InvalidArgument`, ...).
+Trio-async. Requests are the protocol module's typed classes; results are typed
+values with attributes (:class:`SandboxInfo`, :class:`Page` of :class:`SandboxSummary`,
+:class:`MetricsResponse`, :class:`SnapshotSummary`, :class:`CheckpointResponse`,
+:class:`LogEntry`, :class:`SandboxEvent`). Failures raise subclasses of
+:class:`SandboxError` named after the seed's codes (:class:`NotFound`,
+:class:`InvalidArgument`, ...).
+
+A sandbox is described by a :class:`SandboxSpec` (grouped: :class:`Resources`,
+:class:`Workload`, :class:`Network`, :class:`Lifetime`, :class:`Boot`), reusable
+and frozen; the common settings are also keyword arguments of ``create``, applied
+on top of the spec (maps merge, the rest replaces)::
+
+    async with await AsyncSandbox.create("web", cpus=2, env={"A": "1"}) as sb:
+        r = await sb.run("echo $A")
+        info = await sb.inspect()          # info.state == "ready"
+
+    spec = SandboxSpec(resources=Resources(cpus=2, memory_mib=1024), lifetime=Lifetime(ttl=600))
+    workers = [await AsyncSandbox.create(f"w{i}", spec, labels={"n": str(i)}) for i in range(4)]
 
 Below them, :func:`connect` gives an :class:`AsyncConnection`: unary calls, server
-streams and bidirectional streams multiplexed on one socket.
+streams and bidirectional streams multiplexed on one socket, with the wire's maps as
+bodies (the protocol-level API); frames travel on :class:`supervisor.frames.FramedStream`.
 """
 
 from __future__ import annotations
@@ -18,20 +35,88 @@ import signal
 import termios
 import threading
 import tty as tty_mod
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypedDict, TypeVar, Unpack
 
 import attrs
 import trio
 
-from actors._groups import collapse_single
 from supervisor import protocol as W
-from supervisor.config import default_socket
-from supervisor.protocol import ApiError
+from supervisor.config import UnsafeRuntimeDir, check_runtime_dir, default_socket
+from supervisor.errors import (
+    AlreadyExists,
+    Cancelled,
+    DeadlineExceeded,
+    FailedPrecondition,
+    Internal,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+    SandboxError,
+    Unavailable,
+    Unimplemented,
+    collapse_single,
+    error_for,
+)
+from supervisor.frames import FramedStream
+from supervisor.protocol import (
+    ApiError,
+    CheckpointResponse,
+    LogEntry,
+    MetricsResponse,
+    SandboxEvent,
+    SandboxInfo,
+    SandboxSummary,
+    SnapshotSummary,
+)
+
+__all__ = [
+    "AlreadyExists",
+    "AsyncConnection",
+    "AsyncExec",
+    "AsyncSandbox",
+    "Boot",
+    "CallStream",
+    "Cancelled",
+    "CheckpointResponse",
+    "DeadlineExceeded",
+    "Egress",
+    "FailedPrecondition",
+    "Internal",
+    "InvalidArgument",
+    "Lifetime",
+    "LogEntry",
+    "MetricsResponse",
+    "Network",
+    "NotFound",
+    "Output",
+    "Page",
+    "PermissionDenied",
+    "ResourceExhausted",
+    "Resources",
+    "RunResult",
+    "RunSettings",
+    "Sandbox",
+    "SandboxError",
+    "SandboxEvent",
+    "SandboxInfo",
+    "SandboxSpec",
+    "SandboxSummary",
+    "Settings",
+    "SnapshotRef",
+    "SnapshotSummary",
+    "Unavailable",
+    "Unimplemented",
+    "Workload",
+    "connect",
+    "error_for",
+]
 
 T_ = TypeVar("T_")
+B = TypeVar("B")
 
 
 class CallStream:
@@ -82,31 +167,23 @@ class CallStream:
 
 
 class AsyncConnection:
+    """One connection to the supervisor: calls multiplexed by id, bodies as the wire's maps.
+
+    A reader task (started by :func:`connect`) routes each incoming envelope to its
+    call's channel; any task may open calls."""
+
     def __init__(self, stream: trio.SocketStream) -> None:
-        self.stream = stream
-        self.lock = trio.Lock()
+        self.frames = FramedStream(stream)
         self.calls: dict[int, CallStream] = {}
         self.next_id = 1
-        self.reader = W.FrameReader()
         self.closed = False
 
     async def _send(self, msg: W.Envelope) -> None:
-        async with self.lock:
-            await self.stream.send_all(W.encode(msg))
-
-    async def _read_one(self) -> W.Envelope | None:
-        while True:
-            body = self.reader.next()
-            if body is not None:
-                return W.decode(body)
-            data = await self.stream.receive_some(1 << 16)
-            if not data:
-                return None
-            self.reader.feed(data)
+        await self.frames.send(msg)
 
     async def _hello(self) -> None:
         await self._send(W.ClientHello(W.PROTOCOL_VERSION, "sandvisor-client"))
-        msg = await self._read_one()
+        msg = await self.frames.receive()
         if isinstance(msg, W.Fail):
             raise error_for(msg.code, msg.message)
         if not isinstance(msg, W.ServerHello):
@@ -115,7 +192,7 @@ class AsyncConnection:
     async def _reader(self) -> None:
         try:
             while True:
-                msg = await self._read_one()
+                msg = await self.frames.receive()
                 if msg is None:
                     break
                 if isinstance(msg, W.Fail) and msg.id == 0:
@@ -166,7 +243,14 @@ class AsyncConnection:
 
 @asynccontextmanager
 async def connect(path: Path | str | None = None) -> AsyncIterator[AsyncConnection]:
-    sock_path = str(path or default_socket())
+    default = default_socket()
+    path = default if path is None else Path(path)
+    if path == default:
+        try:
+            check_runtime_dir(path)
+        except UnsafeRuntimeDir as exc:
+            raise error_for(W.FAILED_PRECONDITION, str(exc)) from None
+    sock_path = str(path)
     try:
         stream = await trio.open_unix_socket(sock_path)
     except OSError as exc:
@@ -182,75 +266,205 @@ async def connect(path: Path | str | None = None) -> AsyncIterator[AsyncConnecti
                 nursery.cancel_scope.cancel()
 
 
-# ---------------------------------------------------------------------------
-# errors
-# ---------------------------------------------------------------------------
+async def _unary(c: AsyncConnection, method: str, request: Any, result: type[B]) -> B:
+    """A typed call: ``request`` unstructured by the protocol's converter, the reply
+    structured into ``result``."""
+    return _structure(await c.call(method, W.unstructure_body(request)), result, method)
 
 
-class SandboxError(ApiError):
-    """Base of the SDK's errors; ``code`` is the seed's error code."""
-
-
-class InvalidArgument(SandboxError):
-    pass
-
-
-class NotFound(SandboxError):
-    pass
-
-
-class AlreadyExists(SandboxError):
-    pass
-
-
-class FailedPrecondition(SandboxError):
-    pass
-
-
-class ResourceExhausted(SandboxError):
-    pass
-
-
-class DeadlineExceeded(SandboxError):
-    pass
-
-
-class Internal(SandboxError):
-    pass
-
-
-class Unavailable(SandboxError):
-    pass
-
-
-class Unimplemented(SandboxError):
-    pass
-
-
-class Cancelled(SandboxError):
-    pass
-
-
-_ERRORS: dict[str, type[SandboxError]] = {
-    W.INVALID_ARGUMENT: InvalidArgument,
-    W.NOT_FOUND: NotFound,
-    W.ALREADY_EXISTS: AlreadyExists,
-    W.FAILED_PRECONDITION: FailedPrecondition,
-    W.RESOURCE_EXHAUSTED: ResourceExhausted,
-    W.DEADLINE_EXCEEDED: DeadlineExceeded,
-    W.INTERNAL: Internal,
-    W.UNAVAILABLE: Unavailable,
-    W.UNIMPLEMENTED: Unimplemented,
-    W.CANCELLED: Cancelled,
-}
-
-
-def error_for(code: str, message: str) -> SandboxError:
-    return _ERRORS.get(code, SandboxError)(code, message)
+def _structure(body: dict[str, Any], cls: type[B], method: str) -> B:
+    try:
+        return W.structure_body(body, cls)
+    except ApiError as exc:  # the supervisor answered something this SDK does not read
+        raise error_for(W.INTERNAL, f"unexpected answer to {method}: {exc.message}") from None
 
 
 # ---------------------------------------------------------------------------
-# the SDK
+# what a sandbox is: the spec
+# ---------------------------------------------------------------------------
+
+
+def _kv(d: Mapping[str, str] | None) -> dict[str, str]:
+    return {str(k): str(v) for k, v in (d or {}).items()}
+
+
+def _ports(d: Mapping[int, int] | None) -> dict[int, int]:
+    return {int(k): int(v) for k, v in (d or {}).items()}
+
+
+def _argv(cmd: Sequence[str] | None) -> tuple[str, ...]:
+    if isinstance(cmd, str):
+        raise TypeError("cmd is a sequence of arguments (a string would be split into characters)")
+    return tuple(cmd or ())
+
+
+@attrs.frozen(kw_only=True)
+class Resources:
+    """vCPUs and guest RAM; 0 takes the supervisor's default."""
+
+    cpus: int = 0
+    memory_mib: int = 0
+
+
+@attrs.frozen(kw_only=True)
+class Workload:
+    """The sandbox's initial command (none: it waits for runs), and the environment,
+    working directory and user that its runs and execs inherit."""
+
+    cmd: tuple[str, ...] = attrs.field(default=(), converter=_argv)
+    env: dict[str, str] = attrs.field(factory=dict, converter=_kv)
+    workdir: str = ""
+    user: str = ""
+
+
+@attrs.frozen(kw_only=True)
+class Egress:
+    """Where the sandbox may connect to (tap, and user mode with ``outbound``): entries
+    are CIDRs, addresses, ``host:port`` (port ranges ``lo-hi``) and domain names
+    (``example.com``, ``*.example.com``, optionally ``:port``); ``default`` is what no
+    entry matches. The host, other sandboxes' exposed ports and 169.254.0.0/16 are
+    never reachable, whatever the policy (docs/network.md)."""
+
+    default: Literal["allow", "deny"] = "allow"
+    allow: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    deny: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+
+
+def _to_egress(v: Egress | Mapping[str, Any] | None) -> Egress | None:
+    """An Egress, or the same as a dict (``{"default": "deny", "allow": [...]}``)."""
+    if v is None or isinstance(v, Egress):
+        return v
+    return Egress(default=v.get("default", "allow"), allow=v.get("allow", ()), deny=v.get("deny", ()))
+
+
+@attrs.frozen(kw_only=True)
+class Network:
+    """``mode``: "none" (no network device), "tap" (an address of the supervisor's IP
+    pool; root supervisors), "user" (QEMU user networking: exposed ports only, unless
+    ``outbound``) or "outbound" (user mode that may reach out, as ``outbound=True``).
+    ``egress``: where it may connect to (None: anywhere but the host). ``ports``:
+    sandbox port -> host port on the supervisor's loopback (host port 0: any free port)."""
+
+    mode: Literal["none", "tap", "user", "outbound"] = "none"
+    outbound: bool = False
+    egress: Egress | None = attrs.field(default=None, converter=_to_egress)
+    ports: dict[int, int] = attrs.field(factory=dict, converter=_ports)
+
+    def spec(self) -> W.NetworkSpec:
+        mode, outbound = ("user", True) if self.mode == "outbound" else (self.mode, self.outbound)
+        eg = self.egress
+        egress = None if eg is None else W.EgressSpec(eg.default, list(eg.allow), list(eg.deny))
+        return W.NetworkSpec(mode=mode, outbound=outbound, egress=egress)
+
+
+@attrs.frozen(kw_only=True)
+class Lifetime:
+    """``ttl``: seconds until the sandbox is removed; ``idle_timeout``: seconds without
+    activity until it stops; ``ephemeral``: removed once it stops. 0/False: never."""
+
+    ttl: int = 0
+    idle_timeout: int = 0
+    ephemeral: bool = False
+
+
+@attrs.frozen(kw_only=True)
+class Boot:
+    """What boots: empty fields take the supervisor's default image."""
+
+    image: str = ""
+    kernel: str = ""
+    rootfs: str = ""
+    boot_args: str = ""
+
+
+class Settings(TypedDict, total=False):
+    """The common settings, as keyword arguments of ``create`` and :meth:`SandboxSpec.with_`."""
+
+    cpus: int
+    memory_mib: int
+    env: Mapping[str, str]
+    labels: Mapping[str, str]
+    cmd: Sequence[str]
+    workdir: str
+    user: str
+    hostname: str
+    network: Literal["none", "tap", "user", "outbound"]
+    outbound: bool
+    egress: Egress | Mapping[str, Any] | None
+    ports: Mapping[int, int]
+    ttl: int
+    idle_timeout: int
+    ephemeral: bool
+
+
+@attrs.frozen(kw_only=True)
+class SandboxSpec:
+    """Everything a sandbox is made of, grouped; frozen and reusable (a template for
+    many sandboxes). ``spec.with_(cpus=2, env={...})`` is a copy with settings applied:
+    maps (env, labels, ports) merge, everything else replaces."""
+
+    labels: dict[str, str] = attrs.field(factory=dict, converter=_kv)
+    hostname: str = ""
+    resources: Resources = Resources()
+    workload: Workload = Workload()
+    network: Network = Network()
+    lifetime: Lifetime = Lifetime()
+    boot: Boot = Boot()
+
+    def with_(self, **settings: Unpack[Settings]) -> SandboxSpec:
+        if not settings:
+            return self
+        s = settings
+        wl, net, life, res = self.workload, self.network, self.lifetime, self.resources
+        return attrs.evolve(
+            self,
+            labels={**self.labels, **_kv(s.get("labels"))},
+            hostname=s.get("hostname", self.hostname),
+            resources=Resources(cpus=s.get("cpus", res.cpus), memory_mib=s.get("memory_mib", res.memory_mib)),
+            workload=Workload(
+                cmd=s.get("cmd", wl.cmd),
+                env={**wl.env, **_kv(s.get("env"))},
+                workdir=s.get("workdir", wl.workdir),
+                user=s.get("user", wl.user),
+            ),
+            network=Network(
+                mode=s.get("network", net.mode),
+                outbound=s.get("outbound", net.outbound),
+                egress=s.get("egress", net.egress),
+                ports={**net.ports, **_ports(s.get("ports"))},
+            ),
+            lifetime=Lifetime(
+                ttl=s.get("ttl", life.ttl),
+                idle_timeout=s.get("idle_timeout", life.idle_timeout),
+                ephemeral=s.get("ephemeral", life.ephemeral),
+            ),
+        )
+
+    def request(self, name: str = "") -> W.CreateSandboxRequest:
+        """The wire's Create request for a sandbox called ``name`` ("": the supervisor names it)."""
+        return W.CreateSandboxRequest(
+            id=name,
+            labels=dict(self.labels),
+            image=self.boot.image,
+            kernel=self.boot.kernel,
+            rootfs=self.boot.rootfs,
+            boot_args=self.boot.boot_args,
+            limits=W.ResourceLimits(vcpus=self.resources.cpus, memory_mib=self.resources.memory_mib),
+            cmd=list(self.workload.cmd),
+            env=dict(self.workload.env),
+            working_dir=self.workload.workdir,
+            user=self.workload.user,
+            network=self.network.spec(),
+            ports=[W.PortMapping(sandbox_port=g, host_port=h, protocol="tcp") for g, h in self.network.ports.items()],
+            ttl_seconds=self.lifetime.ttl,
+            idle_timeout_seconds=self.lifetime.idle_timeout,
+            hostname=self.hostname,
+            ephemeral=self.lifetime.ephemeral,
+        )
+
+
+# ---------------------------------------------------------------------------
+# results
 # ---------------------------------------------------------------------------
 
 
@@ -279,12 +493,41 @@ class Output:
 
 @attrs.frozen
 class Page:
-    sandboxes: list[dict[str, Any]]
+    """One page of List, newest first; ``next_cursor`` ("" on the last page) asks for the next."""
+
+    sandboxes: list[SandboxSummary]
     next_cursor: str
 
 
-def _kv(d: dict[str, str] | None) -> dict[str, str]:
-    return {str(k): str(v) for k, v in (d or {}).items()}
+SnapshotRef = str | CheckpointResponse | SnapshotSummary
+"""A snapshot: its id, a unique snapshot name, or what Checkpoint or ListSnapshots gave."""
+
+
+def _snapshot_id(ref: SnapshotRef) -> str:
+    if isinstance(ref, CheckpointResponse):
+        return ref.snapshot_id
+    if isinstance(ref, SnapshotSummary):
+        return ref.id
+    return ref
+
+
+class RunSettings(TypedDict, total=False):
+    """How a run or exec runs: env (on top of the sandbox's), workdir, user, tty, timeout (s)."""
+
+    env: Mapping[str, str]
+    workdir: str
+    user: str
+    tty: bool
+    timeout: int
+
+
+def _output(item: W.RunOutput) -> Output:
+    return Output("exit", b"", item.exit_code) if item.done else Output(item.stream, item.data)
+
+
+# ---------------------------------------------------------------------------
+# the SDK
+# ---------------------------------------------------------------------------
 
 
 class AsyncExec:
@@ -294,25 +537,29 @@ class AsyncExec:
         self._call = call
         self.exit_code: int | None = None
 
+    async def _input(self, msg: W.ExecInput) -> None:
+        await self._call.send(W.unstructure_body(msg))
+
     async def send(self, data: bytes) -> None:
-        await self._call.send({"stdin": data})
+        await self._input(W.ExecInput(stdin=bytes(data)))
 
     async def close_stdin(self) -> None:
-        await self._call.send({"close_stdin": True})
+        await self._input(W.ExecInput(close_stdin=True))
 
     async def resize(self, width: int, height: int) -> None:
-        await self._call.send({"resize": {"width": width, "height": height}})
+        await self._input(W.ExecInput(resize=W.TerminalSize(width=width, height=height)))
 
     def __aiter__(self) -> AsyncIterator[Output]:
         return self._outputs()
 
     async def _outputs(self) -> AsyncIterator[Output]:
         async for item in self._call:
-            if item.get("done"):
-                self.exit_code = int(item["exit_code"])
-                yield Output("exit", b"", self.exit_code)
+            o = _output(_structure(item, W.ExecOutput, "Exec"))
+            if o.exit_code is not None:
+                self.exit_code = o.exit_code
+                yield o
                 return
-            yield Output(item["stream"], item["data"])
+            yield o
 
     async def wait(self) -> int:
         async for _ in self:
@@ -322,27 +569,31 @@ class AsyncExec:
 
 
 class AsyncFS:
+    """Files in the sandbox (absolute paths); ``write`` streams in 1 MiB chunks."""
+
     def __init__(self, sb: AsyncSandbox) -> None:
         self._sb = sb
 
     async def read(self, path: str) -> bytes:
         async with connect(self._sb.socket) as c:
-            chunks = await c.collect("ReadFile", {"id": self._sb.id, "path": path})
-        return b"".join(ch["data"] for ch in chunks)
+            chunks = await c.collect("ReadFile", W.unstructure_body(W.ReadFileRequest(id=self._sb.id, path=path)))
+        return b"".join(_structure(ch, W.FileChunk, "ReadFile").data for ch in chunks)
 
     async def write(self, path: str, data: bytes | AsyncIterator[bytes], *, mode: int = 0o644) -> None:
-        async with (
-            connect(self._sb.socket) as c,
-            c.open_call("WriteFile", {"open": {"id": self._sb.id, "path": path, "mode": mode}}) as call,
-        ):
+        opening = W.WriteFileRequest(open=W.WriteFileOpen(id=self._sb.id, path=path, mode=mode))
+        async with connect(self._sb.socket) as c, c.open_call("WriteFile", W.unstructure_body(opening)) as call:
+
+            async def chunk(piece: bytes = b"", done: bool = False) -> None:
+                await call.send(W.unstructure_body(W.WriteFileRequest(chunk=W.FileChunk(data=piece, done=done))))
+
             if isinstance(data, (bytes, bytearray, memoryview)):
                 view = memoryview(data)
                 for i in range(0, len(view), 1 << 20):
-                    await call.send({"chunk": {"data": bytes(view[i : i + (1 << 20)])}})
+                    await chunk(bytes(view[i : i + (1 << 20)]))
             else:
                 async for piece in data:
-                    await call.send({"chunk": {"data": bytes(piece)}})
-            await call.send({"chunk": {"done": True}})
+                    await chunk(bytes(piece))
+            await chunk(done=True)
             await call.half_close()
             await call.result()
 
@@ -360,10 +611,11 @@ class AsyncFS:
     async def copy_out(self, path: str, local: str | Path) -> None:
         dest = Path(local)
         tmp = dest.with_name(f".{dest.name}.sandvisor-part")
-        async with connect(self._sb.socket) as c, c.open_call("ReadFile", {"id": self._sb.id, "path": path}) as call:
+        req = W.unstructure_body(W.ReadFileRequest(id=self._sb.id, path=path))
+        async with connect(self._sb.socket) as c, c.open_call("ReadFile", req) as call:
             with open(tmp, "wb") as f:
                 async for ch in call:
-                    await trio.to_thread.run_sync(f.write, ch["data"])
+                    await trio.to_thread.run_sync(f.write, _structure(ch, W.FileChunk, "ReadFile").data)
         tmp.replace(dest)
 
 
@@ -384,72 +636,53 @@ class AsyncSandbox:
     def __repr__(self) -> str:
         return f"AsyncSandbox({self.id!r})"
 
-    async def _call(self, method: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
+    async def _unary(self, method: str, request: Any, result: type[B]) -> B:
         async with connect(self.socket) as c:
-            return await c.call(method, {"id": self.id, **(body or {})})
+            return await _unary(c, method, request, result)
+
+    async def _stream(self, method: str, request: Any, item: type[B]) -> AsyncGenerator[B, None]:
+        async with connect(self.socket) as c, c.open_call(method, W.unstructure_body(request)) as call:
+            async for body in call:
+                yield _structure(body, item, method)
 
     # -- creation and lookup -------------------------------------------------------
     @classmethod
     async def create(
         cls,
         name: str = "",
+        spec: SandboxSpec | None = None,
         *,
         socket: str | Path | None = None,
-        cpus: int = 0,
-        memory_mib: int = 0,
-        env: dict[str, str] | None = None,
-        labels: dict[str, str] | None = None,
-        workdir: str = "",
-        user: str = "",
-        hostname: str = "",
-        cmd: builtins.list[str] | None = None,
-        ttl: int = 0,
-        idle_timeout: int = 0,
-        network: str = "none",
-        ports: dict[int, int] | None = None,
-        kernel: str = "",
-        rootfs: str = "",
-        boot_args: str = "",
         replace: bool = False,
-        ephemeral: bool = False,
         detached: bool = False,
         wait: bool = True,
         timeout: float = 120.0,
+        **settings: Unpack[Settings],
     ) -> AsyncSandbox:
-        """Create (and by default wait until ready). ``replace`` removes an existing
-        sandbox of that name first; ``ephemeral`` sandboxes are removed when they stop."""
-        body: dict[str, Any] = {
-            "id": name,
-            "labels": _kv(labels),
-            "kernel": kernel,
-            "rootfs": rootfs,
-            "boot_args": boot_args,
-            "limits": {"vcpus": cpus, "memory_mib": memory_mib},
-            "cmd": list(cmd or []),
-            "env": _kv(env),
-            "working_dir": workdir,
-            "user": user,
-            "network": {"mode": network},
-            "ports": [{"sandbox_port": g, "host_port": h, "protocol": "tcp"} for g, h in (ports or {}).items()],
-            "ttl_seconds": ttl,
-            "idle_timeout_seconds": idle_timeout,
-            "hostname": hostname,
-            "ephemeral": ephemeral,
-        }
+        """Create a sandbox from ``spec`` with ``settings`` applied on top, and by default
+        wait until it is ready (``timeout`` seconds; a sandbox that fails to become ready
+        is removed unless ``detached``). ``replace`` removes an existing sandbox of that
+        name first. Leaving ``async with`` removes it unless ``detached``."""
+        req = (spec or SandboxSpec()).with_(**settings).request(name)
         async with connect(socket) as c:
             if replace and name:
                 try:
-                    await c.call("Remove", {"id": name, "force": True})
+                    await _unary(c, "Remove", W.RemoveSandboxRequest(id=name, force=True), W.Empty)
                 except NotFound:
                     pass
-            resp = await c.call("Create", body)
-        sb = cls(resp["id"], socket=socket, detached=detached)
+            resp = await _unary(c, "Create", req, W.CreateSandboxResponse)
+        sb = cls(resp.id, socket=socket, detached=detached)
         if wait:
-            await sb.wait_ready(timeout)
+            try:
+                await sb.wait_ready(timeout)
+            except BaseException:
+                await sb.__aexit__(None, None, None)
+                raise
         return sb
 
     @classmethod
     async def get(cls, name: str, *, socket: str | Path | None = None) -> AsyncSandbox:
+        """A handle on an existing sandbox (NotFound if there is none); detached."""
         sb = cls(name, socket=socket, detached=True)
         await sb.inspect()
         return sb
@@ -459,14 +692,23 @@ class AsyncSandbox:
         cls,
         *,
         socket: str | Path | None = None,
-        labels: dict[str, str] | None = None,
+        labels: Mapping[str, str] | None = None,
         state: str = "",
         limit: int = 20,
         cursor: str = "",
     ) -> Page:
+        """One page of sandboxes, newest first, filtered by state and labels (all must match)."""
+        req = W.ListSandboxesRequest(state=state, labels=_kv(labels), limit=limit, cursor=cursor)
         async with connect(socket) as c:
-            r = await c.call("List", {"labels": _kv(labels), "state": state, "limit": limit, "cursor": cursor})
-        return Page(r["sandboxes"], r.get("next_cursor", ""))
+            r = await _unary(c, "List", req, W.ListSandboxesResponse)
+        return Page(r.sandboxes, r.next_cursor)
+
+    @classmethod
+    async def metrics_all(cls, *, socket: str | Path | None = None) -> builtins.list[MetricsResponse]:
+        """One sample of every ready or running sandbox."""
+        async with connect(socket) as c:
+            r = _structure(await c.call("MetricsAll", {}), W.MetricsAllResponse, "MetricsAll")
+        return r.sandboxes
 
     async def __aenter__(self) -> AsyncSandbox:
         return self
@@ -480,126 +722,116 @@ class AsyncSandbox:
                     pass
 
     # -- state ------------------------------------------------------------------
-    async def inspect(self) -> dict[str, Any]:
-        return await self._call("Inspect")
+    async def inspect(self) -> SandboxInfo:
+        return await self._unary("Inspect", W.IdRequest(id=self.id), SandboxInfo)
 
     async def state(self) -> str:
-        return str((await self.inspect())["state"])
+        return (await self.inspect()).state
 
-    async def wait_ready(self, timeout: float = 120.0) -> dict[str, Any]:
-        async with connect(self.socket) as c, c.open_call("Events", {"id": self.id}) as ev:
-            info = await c.call("Inspect", {"id": self.id})
+    async def wait_ready(self, timeout: float = 120.0) -> SandboxInfo:
+        """Until the sandbox is ready (or running its initial command): FailedPrecondition
+        if it failed or stopped instead, trio.TooSlowError after ``timeout`` seconds."""
+        async with (
+            connect(self.socket) as c,
+            c.open_call("Events", W.unstructure_body(W.SandboxEventsRequest(id=self.id))) as ev,
+        ):
+            info = await _unary(c, "Inspect", W.IdRequest(id=self.id), SandboxInfo)
             with trio.fail_after(timeout):
-                while info["state"] == "starting":
-                    e = await ev.__anext__()
-                    if e["action"] in ("ready", "failed", "stopped"):
-                        info = await c.call("Inspect", {"id": self.id})
-            if info["state"] not in ("ready", "running"):
-                raise error_for(W.FAILED_PRECONDITION, f"sandbox {self.id} is {info['state']}: {info['error']}")
+                while info.state == "starting":
+                    # the event ends the wait at once; the timeout covers an event that came
+                    # before the server had subscribed this call (the calls run concurrently)
+                    with trio.move_on_after(1.0):
+                        while _structure(await ev.__anext__(), SandboxEvent, "Events").action not in (
+                            "ready",
+                            "failed",
+                            "stopped",
+                        ):
+                            pass
+                    info = await _unary(c, "Inspect", W.IdRequest(id=self.id), SandboxInfo)
+            if info.state not in ("ready", "running"):
+                raise error_for(W.FAILED_PRECONDITION, f"sandbox {self.id} is {info.state}: {info.error}")
             return info
 
     async def stop(self, timeout: int = 0) -> None:
-        await self._call("Stop", {"timeout_seconds": timeout})
+        """Stop gracefully (``timeout`` seconds before it is killed; 0: the default)."""
+        await self._unary("Stop", W.StopSandboxRequest(id=self.id, timeout_seconds=timeout), W.Empty)
 
     async def kill(self) -> None:
-        await self._call("Kill")
+        await self._unary("Kill", W.IdRequest(id=self.id), W.Empty)
 
     async def drain(self) -> None:
-        await self._call("Drain")
+        """Refuse new work, let the running workload finish, then stop."""
+        await self._unary("Drain", W.IdRequest(id=self.id), W.Empty)
 
-    async def wait_until_stopped(self) -> dict[str, Any]:
-        return await self._call("WaitUntilStopped")
+    async def wait_until_stopped(self) -> SandboxInfo:
+        return await self._unary("WaitUntilStopped", W.IdRequest(id=self.id), SandboxInfo)
 
     async def start(self, *, wait: bool = True, timeout: float = 120.0) -> None:
-        await self._call("Start")
+        """Boot a stopped sandbox again (from its disk)."""
+        await self._unary("Start", W.IdRequest(id=self.id), W.CreateSandboxResponse)
         if wait:
             await self.wait_ready(timeout)
 
     async def remove(self, *, force: bool = False) -> None:
-        async with connect(self.socket) as c:
-            await c.call("Remove", {"id": self.id, "force": force})
+        """Remove (``force``: stop it first if it runs)."""
+        await self._unary("Remove", W.RemoveSandboxRequest(id=self.id, force=force), W.Empty)
 
     async def ping(self) -> float:
         """Round trip to the guest agent, in seconds (does not count as activity)."""
-        return int((await self._call("Ping"))["latency_ns"]) / 1e9
+        return (await self._unary("Ping", W.IdRequest(id=self.id), W.PingResponse)).latency_ns / 1e9
 
     async def touch(self) -> int:
-        return int((await self._call("Touch"))["activity"])
+        """Count as activity (the idle timeout starts again); the guest's activity counter."""
+        return (await self._unary("Touch", W.IdRequest(id=self.id), W.TouchResponse)).activity
 
-    async def metrics(self) -> dict[str, Any]:
-        return await self._call("Metrics")
+    async def metrics(self) -> MetricsResponse:
+        return await self._unary("Metrics", W.IdRequest(id=self.id), MetricsResponse)
 
-    async def metrics_stream(self, interval: float = 1.0) -> AsyncGenerator[dict[str, Any], None]:
-        async with (
-            connect(self.socket) as c,
-            c.open_call("MetricsStream", {"id": self.id, "interval_seconds": interval}) as call,
-        ):
-            async for m in call:
-                yield m
+    def metrics_stream(self, interval: float = 1.0) -> AsyncGenerator[MetricsResponse, None]:
+        """A sample every ``interval`` seconds while the sandbox is ready or running."""
+        req = W.MetricsStreamRequest(id=self.id, interval_seconds=interval)
+        return self._stream("MetricsStream", req, MetricsResponse)
 
-    async def logs(self, *, tail: int = 0, since: int = 0, until: int = 0) -> builtins.list[dict[str, Any]]:
+    async def logs(self, *, tail: int = 0, since: int = 0, until: int = 0) -> builtins.list[LogEntry]:
+        """Persisted output (also of a stopped sandbox): the last ``tail`` entries (0:
+        all), between ``since`` and ``until`` (unix ns; 0: open)."""
+        req = W.LogsRequest(id=self.id, tail=tail, since=since, until=until)
         async with connect(self.socket) as c:
-            return await c.collect("Logs", {"id": self.id, "tail": tail, "since": since, "until": until})
+            return [_structure(e, LogEntry, "Logs") for e in await c.collect("Logs", W.unstructure_body(req))]
 
-    async def log_stream(self, *, follow: bool = True, tail: int = 0) -> AsyncGenerator[dict[str, Any], None]:
-        async with (
-            connect(self.socket) as c,
-            c.open_call("Logs", {"id": self.id, "follow": follow, "tail": tail}) as call,
-        ):
-            async for entry in call:
-                yield entry
+    def log_stream(self, *, follow: bool = True, tail: int = 0) -> AsyncGenerator[LogEntry, None]:
+        """Log entries as they are written (``follow``), after the last ``tail`` ones."""
+        return self._stream("Logs", W.LogsRequest(id=self.id, follow=follow, tail=tail), LogEntry)
 
-    async def events(self, action: str = "") -> AsyncGenerator[dict[str, Any], None]:
-        async with connect(self.socket) as c, c.open_call("Events", {"id": self.id, "action": action}) as call:
-            async for e in call:
-                yield e
+    def events(self, action: str = "") -> AsyncGenerator[SandboxEvent, None]:
+        """This sandbox's lifecycle events from now on (``action``: only those)."""
+        return self._stream("Events", W.SandboxEventsRequest(id=self.id, action=action), SandboxEvent)
 
     # -- work --------------------------------------------------------------------
-    def _run_body(
-        self,
-        cmd: builtins.list[str] | str,
-        env: dict[str, str] | None,
-        workdir: str,
-        user: str,
-        tty: bool,
-        timeout: int,
-    ) -> dict[str, Any]:
-        argv = ["sh", "-c", cmd] if isinstance(cmd, str) else list(cmd)
-        return {
-            "id": self.id,
-            "cmd": argv,
-            "env": _kv(env),
-            "working_dir": workdir,
-            "user": user,
-            "tty": tty,
-            "timeout_seconds": timeout,
-        }
+    def _run_request(self, cmd: builtins.list[str] | str, how: RunSettings) -> W.RunRequest:
+        return W.RunRequest(
+            id=self.id,
+            cmd=["sh", "-c", cmd] if isinstance(cmd, str) else list(cmd),
+            env=_kv(how.get("env")),
+            working_dir=how.get("workdir", ""),
+            user=how.get("user", ""),
+            tty=how.get("tty", False),
+            timeout_seconds=how.get("timeout", 0),
+        )
 
     async def run_stream(
-        self,
-        cmd: builtins.list[str] | str,
-        *,
-        env: dict[str, str] | None = None,
-        workdir: str = "",
-        user: str = "",
-        tty: bool = False,
-        timeout: int = 0,
+        self, cmd: builtins.list[str] | str, **how: Unpack[RunSettings]
     ) -> AsyncGenerator[Output, None]:
         """Run a workload, streaming its output; the last Output is ("exit", b"", code).
         A string is run with ``sh -c``."""
-        async with (
-            connect(self.socket) as c,
-            c.open_call("Run", self._run_body(cmd, env, workdir, user, tty, timeout)) as call,
-        ):
-            async for item in call:
-                if item.get("done"):
-                    yield Output("exit", b"", int(item["exit_code"]))
-                else:
-                    yield Output(item["stream"], item["data"])
+        async with aclosing(self._stream("Run", self._run_request(cmd, how), W.RunOutput)) as items:
+            async for item in items:
+                yield _output(item)
 
-    async def run(self, cmd: builtins.list[str] | str, **kw: Any) -> RunResult:
+    async def run(self, cmd: builtins.list[str] | str, **how: Unpack[RunSettings]) -> RunResult:
+        """Run a workload to its end: its stdout, stderr and exit code."""
         out, err, code = bytearray(), bytearray(), -1
-        async with aclosing(self.run_stream(cmd, **kw)) as outputs:
+        async with aclosing(self.run_stream(cmd, **how)) as outputs:
             async for o in outputs:
                 if o.stream == "stdout":
                     out += o.data
@@ -614,76 +846,98 @@ class AsyncSandbox:
         self,
         cmd: builtins.list[str] | str,
         *,
-        env: dict[str, str] | None = None,
-        workdir: str = "",
-        user: str = "",
-        tty: bool = False,
         size: tuple[int, int] = (80, 24),
-        timeout: int = 0,
+        **how: Unpack[RunSettings],
     ) -> AsyncIterator[AsyncExec]:
-        """An interactive process (stdin, optional PTY and resize). Leaving the block
-        before it exited kills it."""
-        init = self._run_body(cmd, env, workdir, user, tty, timeout)
-        init["tty_size"] = {"width": size[0], "height": size[1]}
-        async with connect(self.socket) as c, c.open_call("Exec", {"init": init}) as call:
+        """An interactive process (stdin, optional PTY of ``size`` columns x rows, and
+        resize). Leaving the block before it exited kills it."""
+        r = self._run_request(cmd, how)
+        init = W.ExecRequest(
+            id=r.id,
+            cmd=r.cmd,
+            env=r.env,
+            working_dir=r.working_dir,
+            user=r.user,
+            tty=r.tty,
+            tty_size=W.TerminalSize(width=size[0], height=size[1]),
+            timeout_seconds=r.timeout_seconds,
+        )
+        async with (
+            connect(self.socket) as c,
+            c.open_call("Exec", W.unstructure_body(W.ExecInput(init=init))) as call,
+        ):
             yield AsyncExec(call)
 
     # -- ports -----------------------------------------------------------------
     async def expose(self, sandbox_port: int, host_port: int = 0, *, udp: bool = False) -> int:
         """Forward a host port (on the supervisor's loopback) to ``sandbox_port``; returns it."""
-        r = await self._call(
-            "ExposePort", {"sandbox_port": sandbox_port, "host_port": host_port, "protocol": "udp" if udp else "tcp"}
+        req = W.ExposePortRequest(
+            id=self.id, sandbox_port=sandbox_port, host_port=host_port, protocol="udp" if udp else "tcp"
         )
-        return int(r["host_port"])
+        return (await self._unary("ExposePort", req, W.ExposePortResponse)).host_port
 
     async def unexpose(self, sandbox_port: int, *, udp: bool = False) -> None:
-        await self._call("UnexposePort", {"sandbox_port": sandbox_port, "protocol": "udp" if udp else "tcp"})
+        req = W.UnexposePortRequest(id=self.id, sandbox_port=sandbox_port, protocol="udp" if udp else "tcp")
+        await self._unary("UnexposePort", req, W.Empty)
+
+    async def ports(self) -> builtins.list[W.PortMapping]:
+        """The port mappings (``sandbox_port``, ``host_port``, ``protocol``,
+        ``host_address``): a restored sandbox's carried ones with the host ports it got."""
+        return (await self._unary("ListPorts", W.IdRequest(id=self.id), W.ListPortsResponse)).ports
 
     # -- snapshots (SandboxSnapshotService) ------------------------------------
-    async def checkpoint(self, name: str = "", *, labels: dict[str, str] | None = None) -> str:
-        """Snapshot this (ready) sandbox; returns the snapshot id."""
-        async with connect(self.socket) as c:
-            r = await c.call("Checkpoint", {"sandbox_id": self.id, "name": name, "labels": _kv(labels)})
-        return str(r["snapshot_id"])
+    async def checkpoint(self, name: str = "", *, labels: Mapping[str, str] | None = None) -> CheckpointResponse:
+        """Snapshot this (ready) sandbox, which runs on; ``.snapshot_id`` names the snapshot."""
+        req = W.CheckpointRequest(sandbox_id=self.id, name=name, labels=_kv(labels))
+        return await self._unary("Checkpoint", req, CheckpointResponse)
 
     @classmethod
     async def restore(
         cls,
-        snapshot_id: str,
+        snapshot: SnapshotRef,
         *,
         name: str = "",
-        labels: dict[str, str] | None = None,
+        labels: Mapping[str, str] | None = None,
         ttl: int = 0,
+        network_override: bool = False,
         detached: bool = False,
         socket: str | Path | None = None,
     ) -> AsyncSandbox:
-        """A new sandbox from a snapshot (id, or a unique snapshot name), ready when this
-        returns. As a context manager it is removed on exit unless ``detached``."""
+        """A new sandbox from a snapshot (id, unique snapshot name, or a checkpoint's
+        result), ready when this returns. As a context manager it is removed on exit
+        unless ``detached``. A tap clone keeps the snapshot's address when it is free,
+        unless ``network_override``."""
+        req = W.RestoreRequest(
+            snapshot_id=_snapshot_id(snapshot),
+            id=name,
+            labels=_kv(labels),
+            ttl_seconds=ttl,
+            network_override=network_override,
+        )
         async with connect(socket) as c:
-            r = await c.call(
-                "Restore", {"snapshot_id": snapshot_id, "id": name, "labels": _kv(labels), "ttl_seconds": ttl}
-            )
-        return cls(r["id"], socket=socket, detached=detached)
+            r = await _unary(c, "Restore", req, W.RestoreResponse)
+        return cls(r.id, socket=socket, detached=detached)
 
     @classmethod
     async def snapshots(
-        cls, *, sandbox: str = "", labels: dict[str, str] | None = None, socket: str | Path | None = None
-    ) -> builtins.list[dict[str, Any]]:
+        cls, *, sandbox: str = "", labels: Mapping[str, str] | None = None, socket: str | Path | None = None
+    ) -> builtins.list[SnapshotSummary]:
         """Snapshots, oldest first; filtered by origin sandbox id and labels (all must match)."""
+        req = W.ListSnapshotsRequest(sandbox_id=sandbox, labels=_kv(labels))
         async with connect(socket) as c:
-            return list((await c.call("ListSnapshots", {"sandbox_id": sandbox, "labels": _kv(labels)}))["snapshots"])
+            return (await _unary(c, "ListSnapshots", req, W.ListSnapshotsResponse)).snapshots
 
     @classmethod
-    async def delete_snapshot(cls, snapshot_id: str, *, socket: str | Path | None = None) -> None:
+    async def delete_snapshot(cls, snapshot: SnapshotRef, *, socket: str | Path | None = None) -> None:
         async with connect(socket) as c:
-            await c.call("DeleteSnapshot", {"snapshot_id": snapshot_id})
+            await _unary(c, "DeleteSnapshot", W.DeleteSnapshotRequest(snapshot_id=_snapshot_id(snapshot)), W.Empty)
 
     async def attach(
         self,
         cmd: builtins.list[str] | str,
         *,
         tty: bool | None = None,
-        env: dict[str, str] | None = None,
+        env: Mapping[str, str] | None = None,
         workdir: str = "",
         user: str = "",
         stdin_fd: int = 0,
@@ -702,7 +956,7 @@ class AsyncSandbox:
             with collapse_single():
                 async with (
                     self.exec(
-                        cmd, tty=use_tty, size=(size.columns, size.lines), env=env, workdir=workdir, user=user
+                        cmd, tty=use_tty, size=(size.columns, size.lines), env=env or {}, workdir=workdir, user=user
                     ) as proc,
                     trio.open_nursery() as n,
                 ):
@@ -795,6 +1049,8 @@ def _sync_iter(agen_factory: Callable[[], AsyncGenerator[T_, None]], buffer: int
 
 
 class FS:
+    """:class:`AsyncFS`, blocking."""
+
     def __init__(self, sb: Sandbox) -> None:
         self._a = sb._a
 
@@ -812,7 +1068,8 @@ class FS:
 
 
 class Sandbox:
-    """The synchronous SDK: the surface of :class:`AsyncSandbox`, blocking."""
+    """The synchronous SDK: the surface of :class:`AsyncSandbox`, blocking (each call
+    runs its own Trio loop; streams are driven in a Trio thread)."""
 
     def __init__(self, a: AsyncSandbox) -> None:
         self._a = a
@@ -830,16 +1087,51 @@ class Sandbox:
         return f"Sandbox({self.id!r})"
 
     @classmethod
-    def create(cls, name: str = "", **kw: Any) -> Sandbox:
-        return cls(trio.run(functools.partial(AsyncSandbox.create, name, **kw)))
+    def create(
+        cls,
+        name: str = "",
+        spec: SandboxSpec | None = None,
+        *,
+        socket: str | Path | None = None,
+        replace: bool = False,
+        detached: bool = False,
+        wait: bool = True,
+        timeout: float = 120.0,
+        **settings: Unpack[Settings],
+    ) -> Sandbox:
+        fn = functools.partial(
+            AsyncSandbox.create,
+            name,
+            spec,
+            socket=socket,
+            replace=replace,
+            detached=detached,
+            wait=wait,
+            timeout=timeout,
+            **settings,
+        )
+        return cls(trio.run(fn))
 
     @classmethod
     def get(cls, name: str, *, socket: str | Path | None = None) -> Sandbox:
         return cls(trio.run(functools.partial(AsyncSandbox.get, name, socket=socket)))
 
     @classmethod
-    def list(cls, **kw: Any) -> Page:
-        return trio.run(functools.partial(AsyncSandbox.list, **kw))
+    def list(
+        cls,
+        *,
+        socket: str | Path | None = None,
+        labels: Mapping[str, str] | None = None,
+        state: str = "",
+        limit: int = 20,
+        cursor: str = "",
+    ) -> Page:
+        fn = functools.partial(AsyncSandbox.list, socket=socket, labels=labels, state=state, limit=limit, cursor=cursor)
+        return trio.run(fn)
+
+    @classmethod
+    def metrics_all(cls, *, socket: str | Path | None = None) -> builtins.list[MetricsResponse]:
+        return trio.run(functools.partial(AsyncSandbox.metrics_all, socket=socket))
 
     def __enter__(self) -> Sandbox:
         return self
@@ -850,13 +1142,13 @@ class Sandbox:
     def _do(self, fn: Callable[..., Awaitable[T_]], *args: Any, **kw: Any) -> T_:
         return trio.run(functools.partial(fn, *args, **kw))
 
-    def inspect(self) -> dict[str, Any]:
+    def inspect(self) -> SandboxInfo:
         return self._do(self._a.inspect)
 
     def state(self) -> str:
         return self._do(self._a.state)
 
-    def wait_ready(self, timeout: float = 120.0) -> dict[str, Any]:
+    def wait_ready(self, timeout: float = 120.0) -> SandboxInfo:
         return self._do(self._a.wait_ready, timeout)
 
     def stop(self, timeout: int = 0) -> None:
@@ -868,7 +1160,7 @@ class Sandbox:
     def drain(self) -> None:
         self._do(self._a.drain)
 
-    def wait_until_stopped(self) -> dict[str, Any]:
+    def wait_until_stopped(self) -> SandboxInfo:
         return self._do(self._a.wait_until_stopped)
 
     def start(self, *, wait: bool = True, timeout: float = 120.0) -> None:
@@ -883,29 +1175,53 @@ class Sandbox:
     def touch(self) -> int:
         return self._do(self._a.touch)
 
-    def metrics(self) -> dict[str, Any]:
+    def metrics(self) -> MetricsResponse:
         return self._do(self._a.metrics)
 
-    def metrics_stream(self, interval: float = 1.0) -> Iterator[dict[str, Any]]:
+    def metrics_stream(self, interval: float = 1.0) -> Iterator[MetricsResponse]:
         return _sync_iter(lambda: self._a.metrics_stream(interval))
 
-    def logs(self, **kw: Any) -> builtins.list[dict[str, Any]]:
-        return self._do(self._a.logs, **kw)
+    def logs(self, *, tail: int = 0, since: int = 0, until: int = 0) -> builtins.list[LogEntry]:
+        return self._do(self._a.logs, tail=tail, since=since, until=until)
 
-    def log_stream(self, *, follow: bool = True, tail: int = 0) -> Iterator[dict[str, Any]]:
+    def log_stream(self, *, follow: bool = True, tail: int = 0) -> Iterator[LogEntry]:
         return _sync_iter(lambda: self._a.log_stream(follow=follow, tail=tail))
 
-    def events(self, action: str = "") -> Iterator[dict[str, Any]]:
+    def events(self, action: str = "") -> Iterator[SandboxEvent]:
         return _sync_iter(lambda: self._a.events(action))
 
-    def run(self, cmd: builtins.list[str] | str, **kw: Any) -> RunResult:
-        return self._do(self._a.run, cmd, **kw)
+    def run(self, cmd: builtins.list[str] | str, **how: Unpack[RunSettings]) -> RunResult:
+        return self._do(self._a.run, cmd, **how)
 
-    def run_stream(self, cmd: builtins.list[str] | str, **kw: Any) -> Iterator[Output]:
-        return _sync_iter(lambda: self._a.run_stream(cmd, **kw))
+    def run_stream(self, cmd: builtins.list[str] | str, **how: Unpack[RunSettings]) -> Iterator[Output]:
+        return _sync_iter(lambda: self._a.run_stream(cmd, **how))
 
-    def attach(self, cmd: builtins.list[str] | str, **kw: Any) -> int:
-        return self._do(self._a.attach, cmd, **kw)
+    def attach(
+        self,
+        cmd: builtins.list[str] | str,
+        *,
+        tty: bool | None = None,
+        env: Mapping[str, str] | None = None,
+        workdir: str = "",
+        user: str = "",
+        stdin_fd: int = 0,
+        stdout_fd: int = 1,
+        stderr_fd: int = 2,
+    ) -> int:
+        return self._do(
+            self._a.attach,
+            cmd,
+            tty=tty,
+            env=env,
+            workdir=workdir,
+            user=user,
+            stdin_fd=stdin_fd,
+            stdout_fd=stdout_fd,
+            stderr_fd=stderr_fd,
+        )
+
+    def shell(self, shell: str = "/bin/sh") -> int:
+        return self._do(self._a.shell, shell)
 
     def expose(self, sandbox_port: int, host_port: int = 0, *, udp: bool = False) -> int:
         return self._do(self._a.expose, sandbox_port, host_port, udp=udp)
@@ -913,20 +1229,42 @@ class Sandbox:
     def unexpose(self, sandbox_port: int, *, udp: bool = False) -> None:
         self._do(self._a.unexpose, sandbox_port, udp=udp)
 
-    def checkpoint(self, name: str = "", **kw: Any) -> str:
-        return self._do(self._a.checkpoint, name, **kw)
+    def ports(self) -> builtins.list[W.PortMapping]:
+        return self._do(self._a.ports)
+
+    def checkpoint(self, name: str = "", *, labels: Mapping[str, str] | None = None) -> CheckpointResponse:
+        return self._do(self._a.checkpoint, name, labels=labels)
 
     @classmethod
-    def restore(cls, snapshot_id: str, **kw: Any) -> Sandbox:
-        return cls(trio.run(functools.partial(AsyncSandbox.restore, snapshot_id, **kw)))
+    def restore(
+        cls,
+        snapshot: SnapshotRef,
+        *,
+        name: str = "",
+        labels: Mapping[str, str] | None = None,
+        ttl: int = 0,
+        network_override: bool = False,
+        detached: bool = False,
+        socket: str | Path | None = None,
+    ) -> Sandbox:
+        fn = functools.partial(
+            AsyncSandbox.restore,
+            snapshot,
+            name=name,
+            labels=labels,
+            ttl=ttl,
+            network_override=network_override,
+            detached=detached,
+            socket=socket,
+        )
+        return cls(trio.run(fn))
 
     @classmethod
-    def snapshots(cls, **kw: Any) -> builtins.list[dict[str, Any]]:
-        return trio.run(functools.partial(AsyncSandbox.snapshots, **kw))
+    def snapshots(
+        cls, *, sandbox: str = "", labels: Mapping[str, str] | None = None, socket: str | Path | None = None
+    ) -> builtins.list[SnapshotSummary]:
+        return trio.run(functools.partial(AsyncSandbox.snapshots, sandbox=sandbox, labels=labels, socket=socket))
 
     @classmethod
-    def delete_snapshot(cls, snapshot_id: str, **kw: Any) -> None:
-        trio.run(functools.partial(AsyncSandbox.delete_snapshot, snapshot_id, **kw))
-
-    def shell(self, shell: str = "/bin/sh") -> int:
-        return self._do(self._a.shell, shell)
+    def delete_snapshot(cls, snapshot: SnapshotRef, *, socket: str | Path | None = None) -> None:
+        trio.run(functools.partial(AsyncSandbox.delete_snapshot, snapshot, socket=socket))

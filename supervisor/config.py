@@ -2,28 +2,85 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
+import stat
 from pathlib import Path
 
 
+class UnsafeRuntimeDir(RuntimeError):
+    """The runtime dir (sockets of a non-root supervisor) is someone else's or open to others."""
+
+
+def runtime_dir() -> Path:
+    """Where the supervisor's sockets live: /run/sandvisor for root; for anyone else
+    ``$XDG_RUNTIME_DIR/sandvisor`` (systemd makes that 0700 for its user), else
+    ``/tmp/sandvisor-<uid>/sandvisor`` -- a predictable name in a shared directory,
+    which :func:`claim_runtime_dir` makes or checks before it is used."""
+    if os.geteuid() == 0:
+        return Path("/run/sandvisor")
+    runtime = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/sandvisor-{os.geteuid()}"
+    return Path(runtime) / "sandvisor"
+
+
 def default_socket() -> Path:
-    """``SANDVISOR_SOCKET``, else /run/sandvisor/sandvisor.sock for root, else under $XDG_RUNTIME_DIR."""
+    """``SANDVISOR_SOCKET``, else the runtime dir's sandvisor.sock."""
     env = os.environ.get("SANDVISOR_SOCKET")
     if env:
         return Path(env)
-    if os.geteuid() == 0:
-        return Path("/run/sandvisor/sandvisor.sock")
-    runtime = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/sandvisor-{os.geteuid()}"
-    return Path(runtime) / "sandvisor" / "sandvisor.sock"
+    return runtime_dir() / "sandvisor.sock"
 
 
 def default_run_root() -> Path:
     """Short paths for per-VM sockets (AF_UNIX paths are limited to 107 bytes)."""
+    return runtime_dir() / "vms"
+
+
+def claim_runtime_dir() -> Path:
+    """For a non-root supervisor: the runtime dir, and its /tmp parent when there is
+    no $XDG_RUNTIME_DIR, made 0700 -- or, when they exist, checked: real directories
+    (no symlink), ours, 0700. One someone else made first is refused
+    (:class:`UnsafeRuntimeDir`): they could read or replace our sockets."""
+    path = runtime_dir()
     if os.geteuid() == 0:
-        return Path("/run/sandvisor/vms")
-    runtime = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/sandvisor-{os.geteuid()}"
-    return Path(runtime) / "sandvisor" / "vms"
+        return path
+    dirs = [path] if os.environ.get("XDG_RUNTIME_DIR") else [path.parent, path]
+    for d in dirs:
+        _private(d)
+    return path
+
+
+def check_runtime_dir(sock: Path) -> None:
+    """For a client of a non-root supervisor at the default socket: the runtime dir is
+    ours (else a local user who made it first could stand in for the supervisor)."""
+    if os.geteuid() == 0 or os.environ.get("SANDVISOR_SOCKET"):
+        return
+    d = sock.parent
+    try:
+        st = d.lstat()
+    except FileNotFoundError:
+        return  # nothing there: the connect fails on its own
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        raise UnsafeRuntimeDir(
+            f"{d} is not a 0700 directory of uid {os.geteuid()} (owner {st.st_uid}, mode "
+            f"{stat.S_IMODE(st.st_mode):o}): refusing to talk to a socket in it"
+        )
+
+
+def _private(d: Path) -> None:
+    try:
+        os.mkdir(d, 0o700)
+    except FileExistsError:
+        pass
+    st = d.lstat()
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafeRuntimeDir(f"{d} exists and is not a directory (a symlink or a file): refusing it")
+    if st.st_uid != os.geteuid():
+        raise UnsafeRuntimeDir(
+            f"{d} belongs to uid {st.st_uid}, not to this supervisor's uid {os.geteuid()}: someone else made it "
+            "first; remove it, or set XDG_RUNTIME_DIR or --socket/--run-root"
+        )
+    if st.st_mode & 0o077:
+        os.chmod(d, 0o700)  # ours: close it
 
 
 def default_memory_dir(state_dir: Path) -> Path | None:
@@ -33,5 +90,7 @@ def default_memory_dir(state_dir: Path) -> Path | None:
     shm = Path("/dev/shm")
     if not shm.is_dir():
         return None
+    import hashlib  # (here: the quick CLI, given a socket, never needs it; 2.6 ms measured)
+
     key = hashlib.sha256(str(state_dir.resolve()).encode()).hexdigest()[:12]
     return shm / f"sandvisor-{key}"

@@ -1,8 +1,11 @@
 """The client protocol of ``sandvisor serve``: the ``sandbox.v1`` service over a Unix socket.
 
 Framing is the guest channel's (``u32be length || msgpack``), with its own cap
-(:data:`MAX_FRAME`). Messages are frozen attrs classes converted by one cattrs
-msgpack converter (:data:`converter`); envelopes are a tagged union on ``"t"``.
+(:data:`MAX_FRAME`), in :mod:`supervisor.frames` (its ``FramedStream`` carries these
+envelopes for the server and the SDK); the error codes and ``ApiError`` are in
+:mod:`supervisor.errors` (both re-exported here). Messages are frozen attrs classes
+converted by one cattrs msgpack converter (:data:`converter`); envelopes are a tagged
+union on ``"t"``.
 
 Connection: the client sends :class:`ClientHello`, the server answers
 :class:`ServerHello` (or :class:`Fail` with id 0 and closes). Then any number of
@@ -22,7 +25,6 @@ messages, converted with :func:`structure_body` / :func:`unstructure_body`.
 
 from __future__ import annotations
 
-import struct
 from typing import Any, TypeVar
 
 import attrs
@@ -30,45 +32,43 @@ import cattrs
 from cattrs.preconf.msgpack import make_converter
 from cattrs.strategies import configure_tagged_union
 
-PROTOCOL_VERSION = 1
-MAX_FRAME = 4 << 20
-_HDR = struct.Struct(">I")
-T = TypeVar("T")
-
-# --- error codes (the seed's) ---------------------------------------------------
-INVALID_ARGUMENT = "INVALID_ARGUMENT"
-NOT_FOUND = "NOT_FOUND"
-ALREADY_EXISTS = "ALREADY_EXISTS"
-FAILED_PRECONDITION = "FAILED_PRECONDITION"
-RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
-DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
-INTERNAL = "INTERNAL"
-UNAVAILABLE = "UNAVAILABLE"
-UNIMPLEMENTED = "UNIMPLEMENTED"
-CANCELLED = "CANCELLED"
-CODES = frozenset(
-    {
-        INVALID_ARGUMENT,
-        NOT_FOUND,
-        ALREADY_EXISTS,
-        FAILED_PRECONDITION,
-        RESOURCE_EXHAUSTED,
-        DEADLINE_EXCEEDED,
-        INTERNAL,
-        UNAVAILABLE,
-        UNIMPLEMENTED,
-        CANCELLED,
-    }
+from supervisor import frames as F
+from supervisor.errors import (
+    ALREADY_EXISTS,
+    CANCELLED,
+    CODES,
+    DEADLINE_EXCEEDED,
+    FAILED_PRECONDITION,
+    INTERNAL,
+    INVALID_ARGUMENT,
+    NOT_FOUND,
+    PERMISSION_DENIED,
+    RESOURCE_EXHAUSTED,
+    UNAVAILABLE,
+    UNIMPLEMENTED,
+    ApiError,
 )
+from supervisor.frames import MAX_FRAME, PROTOCOL_VERSION, FrameReader
 
-
-class ApiError(Exception):
-    """An error with one of the seed's codes and a human message (both ends use it)."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
+__all__ = [
+    "ALREADY_EXISTS",
+    "CANCELLED",
+    "CODES",
+    "DEADLINE_EXCEEDED",
+    "FAILED_PRECONDITION",
+    "INTERNAL",
+    "INVALID_ARGUMENT",
+    "MAX_FRAME",
+    "NOT_FOUND",
+    "PERMISSION_DENIED",
+    "PROTOCOL_VERSION",
+    "RESOURCE_EXHAUSTED",
+    "UNAVAILABLE",
+    "UNIMPLEMENTED",
+    "ApiError",
+    "FrameReader",
+]
+T = TypeVar("T")
 
 
 # --- envelopes ----------------------------------------------------------------------
@@ -133,16 +133,16 @@ class Fail:
 
 Envelope = ClientHello | ServerHello | Call | Send | HalfClose | Cancel | Reply | Item | End | Fail
 _ENVELOPES: dict[type, str] = {
-    ClientHello: "hello",
-    ServerHello: "hello_ok",
-    Call: "call",
-    Send: "send",
-    HalfClose: "half_close",
-    Cancel: "cancel",
-    Reply: "reply",
-    Item: "item",
-    End: "end",
-    Fail: "fail",
+    ClientHello: F.HELLO,
+    ServerHello: F.HELLO_OK,
+    Call: F.CALL,
+    Send: F.SEND,
+    HalfClose: F.HALF_CLOSE,
+    Cancel: F.CANCEL,
+    Reply: F.REPLY,
+    Item: F.ITEM,
+    End: F.END,
+    Fail: F.FAIL,
 }
 
 # --- bodies (the seed's messages; snake_case fields as in the .proto) ---------------------------
@@ -160,18 +160,33 @@ class ResourceLimits:
 
 
 @attrs.frozen
+class EgressSpec:
+    """sandvisor extension: where a sandbox may connect to (tap; user with outbound).
+    Entries: CIDRs, addresses, ``host:port`` (ranges ``lo-hi``), domain names
+    (``example.com``, ``*.example.com``, optionally ``:port``)."""
+
+    default: str = "allow"  # "allow" | "deny"
+    allow: list[str] = attrs.field(factory=list)
+    deny: list[str] = attrs.field(factory=list)
+
+
+@attrs.frozen
 class NetworkSpec:
-    mode: str = ""  # "none" (default) | "user"; "tap" is not available yet
+    # "none" (default, see docs/network.md) | "tap" (a TAP and an address of the IP pool,
+    # the seed's) | "user" (QEMU's slirp: exposed ports only, unless outbound)
+    mode: str = ""
     outbound: bool = False  # sandvisor extension: user mode without restrict (the guest may reach out)
+    egress: EgressSpec | None = None  # sandvisor extension (None: everything but the host and metadata)
 
 
 @attrs.frozen
 class PortMapping:
-    """sandvisor extension: ports exposed at create (``--port HOST:GUEST``)."""
+    """sandvisor extension: ports exposed at create (``--port HOST:GUEST``), and ListPorts' answer."""
 
     sandbox_port: int
     host_port: int = 0
     protocol: str = "tcp"
+    host_address: str = ""  # set by the server (ListPorts); ignored in requests
 
 
 @attrs.frozen
@@ -406,6 +421,18 @@ class MetricsResponse:
     net_rx_bytes: int
     net_tx_bytes: int
     uptime_seconds: float
+    cpu_seconds_total: float = 0.0  # host CPU of the VM since it started (a counter)
+    # extensions of sandbox.v1: the QEMU cell's cgroup (0 when unjailed)
+    cgroup_memory_bytes: int = 0
+    cgroup_memory_limit_bytes: int = 0
+    cgroup_oom_kills: int = 0
+
+
+@attrs.frozen
+class MetricsAllResponse:
+    """sandvisor extension: MetricsAll, one sample of every ready or running sandbox."""
+
+    sandboxes: list[MetricsResponse]
 
 
 @attrs.frozen
@@ -435,6 +462,45 @@ class UnexposePortRequest:
     protocol: str = "tcp"
 
 
+@attrs.frozen
+class ListPortsResponse:
+    ports: list[PortMapping]
+
+
+# --- the server and its images (sandvisor extensions) ---------------------------------
+@attrs.frozen
+class NameRequest:
+    name: str = ""
+
+
+@attrs.frozen
+class ServerInfo:
+    version: str
+    accel: str
+    max_sandboxes: int
+    sandboxes_by_state: dict[str, int]
+    default_image: str
+    services: list[str]
+
+
+@attrs.frozen
+class ImageInfo:
+    name: str
+    kernel: str
+    initrd: str
+    rootfs: str
+    kernel_version: str
+    keys: dict[str, str]
+    is_default: bool
+    size_bytes: int  # on disk (the rootfs is sparse)
+    built_at: int  # unix seconds
+
+
+@attrs.frozen
+class ListImagesResponse:
+    images: list[ImageInfo]
+
+
 # --- SandboxSnapshotService -----------------------------------------------------------
 @attrs.frozen
 class CheckpointRequest:
@@ -459,7 +525,7 @@ class RestoreRequest:
     snapshot_id: str  # a snapshot id, or a snapshot name that is unique
     id: str = ""
     labels: dict[str, str] = attrs.field(factory=dict)
-    network_override: bool = False  # accepted; every restore has its own network stack anyway
+    network_override: bool = False  # tap: a fresh address even when the snapshot's is free
     ttl_seconds: int = 0
 
 
@@ -536,13 +602,12 @@ configure_tagged_union(Envelope, converter, tag_name="t", tag_generator=lambda c
 
 
 def encode(msg: Envelope) -> bytes:
-    body = converter.dumps(msg, Envelope)
-    if len(body) > MAX_FRAME:
-        raise ApiError(RESOURCE_EXHAUSTED, f"message of {len(body)} bytes exceeds {MAX_FRAME}")
-    return _HDR.pack(len(body)) + body
+    """An envelope as a whole frame (header included); over the cap: RESOURCE_EXHAUSTED."""
+    return F.frame(converter.dumps(msg, Envelope))
 
 
 def decode(body: bytes) -> Envelope:
+    """A frame body as an envelope; anything else is INVALID_ARGUMENT."""
     try:
         return converter.loads(body, Envelope)  # type: ignore[arg-type]
     except (cattrs.BaseValidationError, ValueError, TypeError, KeyError) as exc:
@@ -570,39 +635,3 @@ def _why(exc: BaseException) -> str:
         notes = cattrs.transform_error(exc)
         return "; ".join(notes)[:500]
     return f"{type(exc).__name__}: {exc}"[:500]
-
-
-class FrameReader:
-    """I/O-free frame splitter for the client protocol (same format as the guest's)."""
-
-    def __init__(self, max_frame: int = MAX_FRAME) -> None:
-        self._buf = bytearray()
-        self._max = max_frame
-
-    def feed(self, data: bytes | bytearray) -> None:
-        self._buf += data
-
-    def next(self) -> bytes | None:
-        """One complete frame body, or None until more bytes arrive."""
-        if len(self._buf) < 4:
-            return None
-        (n,) = _HDR.unpack_from(self._buf)
-        if n > self._max:
-            raise ApiError(RESOURCE_EXHAUSTED, f"frame of {n} bytes exceeds {self._max}")
-        if len(self._buf) < 4 + n:
-            return None
-        body = bytes(self._buf[4 : 4 + n])
-        del self._buf[: 4 + n]
-        return body
-
-    def frames(self) -> list[bytes]:
-        out = []
-        while len(self._buf) >= 4:
-            (n,) = _HDR.unpack_from(self._buf)
-            if n > self._max:
-                raise ApiError(RESOURCE_EXHAUSTED, f"frame of {n} bytes exceeds {self._max}")
-            if len(self._buf) < 4 + n:
-                break
-            out.append(bytes(self._buf[4 : 4 + n]))
-            del self._buf[: 4 + n]
-        return out

@@ -84,14 +84,23 @@ async def supervisor(work: Workdir, **options: Any) -> AsyncIterator[tuple[Daemo
 
 @contextmanager
 def supervisor_process(
-    work: Workdir, *args: str, start_timeout: float = 30.0
+    work: Workdir,
+    *args: str,
+    start_timeout: float = 30.0,
+    extra_env: dict[str, str] | None = None,
+    log: Path | None = None,
 ) -> Iterator[tuple[dict[str, str], subprocess.Popen[bytes]]]:
     """``sandvisor serve`` as a child process, yielded once its socket is there with the
-    environment that finds it; SIGTERM (a graceful stop) after, if it still runs."""
+    environment that finds it; SIGTERM (a graceful stop) after, if it still runs.
+    ``extra_env`` goes to the supervisor only (SANDVISOR_CRASH_AT: tests); its log
+    (stderr) is appended to ``log``, if given."""
     env = work.env()
     argv = [sys.executable, "-m", "supervisor.cli", "serve", "--accel", "tcg", "--run-root", str(work.run_root), *args]
+    if "--ip-pool" not in args:  # the machine's own namespace: tap networking only where a test makes its own
+        argv += ["--ip-pool", "none"]
     work.socket.unlink(missing_ok=True)
-    p = subprocess.Popen(argv, env=env, stderr=subprocess.DEVNULL)
+    with open(log, "ab") if log is not None else open(os.devnull, "wb") as err:  # (the child has its own copy)
+        p = subprocess.Popen(argv, env={**env, **(extra_env or {})}, stderr=err)
     try:
         deadline = time.monotonic() + start_timeout
         while not work.socket.exists():

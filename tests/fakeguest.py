@@ -861,6 +861,7 @@ class FakeGuest:
         self.hellos = 0
         self.connections = 0
         self.entropy: list[bytes] = []
+        self.net_configs: list[P.NetConfig] = []  # what net_config set, in order
         self.clock_offset_ns = 0  # guest realtime minus host realtime
         self.clock_sets: list[int] = []
         self.shutdowns: list[bool] = []  # the reboot flag of each Shutdown request
@@ -1161,6 +1162,9 @@ class FakeGuest:
                 raise LookupError(f"{msg.path} is not a mount point")
             del self.mounts[msg.path]
             self.readonly.discard(msg.path)
+            await session.answer(P.Ok(rid=rid))
+        elif isinstance(msg, P.NetConfig):
+            self.net_configs.append(msg)
             await session.answer(P.Ok(rid=rid))
         elif isinstance(msg, P.Shutdown):
             self.shutdowns.append(msg.reboot)

@@ -3,7 +3,9 @@ own namespaces and cgroup, without privileges, reaching only its own files."""
 
 from __future__ import annotations
 
+import grp
 import os
+import stat
 import subprocess
 from collections.abc import AsyncIterator
 from contextlib import aclosing
@@ -17,6 +19,7 @@ from actors.errors import DomainError
 from actors.registry import Registry
 from actors.sandbox import Sandbox
 from images.build import Image
+from supervisor import protocol as W
 from supervisor.config import default_memory_dir
 from supervisor.throwaway import supervisor, workdir
 
@@ -100,6 +103,9 @@ async def test_each_qemu_is_jailed_as_its_own_user(jailed: tuple[Registry, Path]
         assert cell.cgroup is not None
         stats = cell.cgroup.stats()
         assert stats.memory_limit == (256 + 192) << 20
+        m = await sb.metrics()  # the cgroup's use and limit, in the sandbox's metrics
+        assert m.cgroup_memory_limit_bytes == (256 + 192) << 20
+        assert 0 < m.cgroup_memory_bytes < m.cgroup_memory_limit_bytes and m.cgroup_oom_kills == 0
     assert uids[0] != uids[1]
 
 
@@ -143,7 +149,7 @@ async def test_a_memory_dir_someone_else_made_is_refused(image: Image) -> None:
 
 
 async def test_a_guest_over_its_memory_limit_fails_alone(image: Image, qmp: None) -> None:
-    with workdir("sv-jail-oom-") as work:
+    with workdir("sv-jail-oom-") as work, trio.fail_after(300):
         async with supervisor(work, jail_overhead_mib=0, templates=False) as (_, reg):
             from actors.model import Limits
 
@@ -164,3 +170,56 @@ async def test_a_guest_over_its_memory_limit_fails_alone(image: Image, qmp: None
             assert victim.state == "failed"
             m = await bystander.metrics()
             assert m.uptime_seconds > 0 and bystander.state == "ready"
+
+
+def hello_as(uid: int, gid: int, groups: list[int], sock: Path) -> W.Envelope:
+    """The supervisor's first answer to a hello from a process of ``uid``/``gid``."""
+    code = f"""
+import socket, sys
+s = socket.socket(socket.AF_UNIX)
+s.settimeout(20)
+try:
+    s.connect({str(sock)!r})
+except OSError as e:
+    print("connect:", e.strerror); sys.exit()
+s.sendall(bytes.fromhex({W.encode(W.ClientHello(W.PROTOCOL_VERSION, "test")).hex()!r}))
+data = b""
+while (len(data) < 4 or len(data) < 4 + int.from_bytes(data[:4], "big")) and (chunk := s.recv(65536)):
+    data += chunk  # one frame: the answer to the hello
+print(data.hex())
+"""
+    r = subprocess.run(
+        ["/usr/bin/python3", "-S", "-c", code],
+        user=uid,
+        group=gid,
+        extra_groups=groups,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    )
+    out = r.stdout.strip()
+    if out.startswith("connect:"):
+        raise PermissionError(out)
+    reader = W.FrameReader()
+    reader.feed(bytes.fromhex(out))
+    body = reader.next()
+    assert body is not None, out
+    return W.decode(body)
+
+
+async def test_only_root_and_the_group_are_served(image: Image, qmp: None) -> None:
+    users = grp.getgrnam("users").gr_gid
+    with workdir("sv-peers-") as work, trio.fail_after(60):
+        async with supervisor(work, group="users"):
+            sock = work.socket
+            assert stat.S_IMODE(sock.stat().st_mode) == 0o660 and sock.stat().st_gid == users
+            member = await trio.to_thread.run_sync(hello_as, 4242, 4242, [users], sock)
+            assert isinstance(member, W.ServerHello)
+            with pytest.raises(PermissionError):  # the first gate: the socket's mode
+                await trio.to_thread.run_sync(hello_as, 4243, 4243, [], sock)
+            sock.chmod(0o666)  # loosened by someone: peer credentials still decide
+            refused = await trio.to_thread.run_sync(hello_as, 4243, 4243, [], sock)
+            assert isinstance(refused, W.Fail) and refused.code == "PERMISSION_DENIED", refused
+            assert "uid 4243 may not use this supervisor" in refused.message
+            assert "group 'users'" in refused.message

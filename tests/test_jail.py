@@ -92,10 +92,18 @@ def shm() -> Iterator[Path]:
 
 @pytest.fixture
 def test_cgroups() -> Iterator[cgroups.CgroupManager | None]:
-    """The host's cgroups under a parent of the tests' own, removed after."""
-    mgr = cgroups.detect(parent="sandvisor-test")
-    if mgr is not None:
-        mgr.collect(keep=set())  # what an aborted earlier run left
+    """The host's cgroups under a parent of this test run's own (test runs in other
+    checkouts go on beside it), removed after; parents of runs that are gone too."""
+    v2, v1 = cgroups.cgroup_mounts(Path("/proc/self/mountinfo").read_text())
+    roots = [r for r in (v2, *v1.values()) if r is not None]
+    for name in {d.name for root in roots for d in root.glob("sandvisor-test-*")}:
+        pid = name.rsplit("-", 1)[-1]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            stale = cgroups.detect(parent=name)
+            if stale is not None:
+                stale.collect(keep=set())
+                stale.remove_parent()
+    mgr = cgroups.detect(parent=f"sandvisor-test-{os.getpid()}")
     yield mgr
     if mgr is not None:
         mgr.remove_parent()

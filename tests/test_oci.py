@@ -19,6 +19,7 @@ from typing import Any
 import attrs
 import pytest
 import trio
+from conftest import cold_spec
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -711,7 +712,7 @@ async def test_boot_app_image_runs_as_its_user_in_its_workdir(
     with trio.fail_after(180):
         img = await store.pull(pushed.app, tls_verify=False)
         c = img.config
-        async with booted_guest(image, tmp_run, rootfs=img.rootfs) as g:
+        async with booted_guest(await cold_spec(image, tmp_run, rootfs=img.rootfs), tmp_run) as g:
             r = await g.channel.run(c.argv(), user=c.user, cwd=c.working_dir, env=c.env_dict())
             assert (r.exit_code, r.stdout) == (0, b"hello from /srv/app as 4242:4243\n"), r.stderr
             # the WORKDIR is the user's, and the guest writes through the overlay
@@ -730,7 +731,7 @@ async def test_boot_python_image_without_a_shell(
 ) -> None:
     with trio.fail_after(180):
         img = await store.pull(pushed.python, tls_verify=False)
-        async with booted_guest(image, tmp_run, rootfs=img.rootfs) as g:
+        async with booted_guest(await cold_spec(image, tmp_run, rootfs=img.rootfs), tmp_run) as g:
             code = "import os; print(sorted(os.listdir('/opt/lower')), os.path.exists('/etc/doomed.txt'))"
             r = await g.channel.run([*img.config.argv(), "-c", code])
             assert (r.exit_code, r.stdout) == (0, b"['c'] False\n"), r.stderr

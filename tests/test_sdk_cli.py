@@ -65,12 +65,12 @@ def test_sync_sdk(served: dict[str, str], tmp_path: Path) -> None:
         sb.fs.copy_out("/root/in.txt", tmp_path / "out.txt")
         assert (tmp_path / "out.txt").read_text() == "copied in\n"
         assert sb.ping() > 0 and sb.touch() >= 1
-        assert sb.metrics()["memory_total_bytes"] > 0
-        assert any(e["data"] == b"a\n" for e in sb.logs())
+        assert sb.metrics().memory_total_bytes > 0
+        assert any(e.data == b"a\n" for e in sb.logs())
         first = next(iter(sb.log_stream(follow=True)))  # a sync generator over a live stream, closed early
-        assert first["seq"] >= 1
+        assert first.seq >= 1
         page = Sandbox.list(socket=sock, labels={"via": "sdk"})
-        assert [s["id"] for s in page.sandboxes] == ["sdk-sync"]
+        assert [s.id for s in page.sandboxes] == ["sdk-sync"]
         with pytest.raises(FailedPrecondition):
             sb.start()  # already running
     # leaving the block removed it
@@ -95,8 +95,8 @@ def test_async_sdk_exec_and_events(served: dict[str, str]) -> None:
 
                 async def watch() -> None:
                     async for e in sb.events():
-                        got.append(e["action"])
-                        if e["action"] == "idle":
+                        got.append(e.action)
+                        if e.action == "idle":
                             n.cancel_scope.cancel()
 
                 n.start_soon(watch)
@@ -177,7 +177,13 @@ def test_cli_surface(served: dict[str, str], tmp_path: Path) -> None:
         if ev.stdout is not None:
             ev.stdout.close()
     assert json.loads(cli(env, "inspect", "cli1", "--json").stdout)["state"] == "stopped"
+    # refused operations on a sandbox that exists: one line, exit 1, the reason
+    r = cli(env, "checkpoint", "cli1")
+    assert (r.returncode, r.stderr.count(b"\n")) == (1, 1) and b"FAILED_PRECONDITION" in r.stderr, r
+    assert b"is stopped" in r.stderr, r
     assert cli(env, "start", "cli1").returncode == 0
+    r = cli(env, "port", "add", "cli1", "80")
+    assert (r.returncode, r.stderr.count(b"\n")) == (1, 1) and b"has no network" in r.stderr, r
     assert cli(env, "rm", "-f", "cli1").returncode == 0
 
     assert json.loads(cli(env, "snapshots", "--json").stdout) == []
@@ -191,13 +197,45 @@ def test_cli_surface(served: dict[str, str], tmp_path: Path) -> None:
         (["cp", "a", "b"], 2),
         (["frobnicate"], 2),
         (["port", "add", "cli1", "eighty"], 2),
-        (["port", "add", "cli1", "80"], 1),  # FAILED_PRECONDITION until user networking
-        (["checkpoint", "cli1"], 1),  # FAILED_PRECONDITION until snapshots
+        (["port", "add", "cli1", "80"], 1),  # cli1 is gone now: NOT_FOUND
+        (["checkpoint", "cli1"], 1),
         (["snapshot", "rm", "nope"], 1),
     ):
         r = cli(env, *args)
         assert r.returncode == code, (args, r)
         assert r.stderr.count(b"\n") == 1 and b"Traceback" not in r.stderr, (args, r.stderr)
+
+
+def test_ports_listed_and_exposed_idempotently_through_the_sdk_and_cli(served: dict[str, str]) -> None:
+    env = served
+    sock = env["SANDVISOR_SOCKET"]
+    with Sandbox.create("ports", socket=sock, network="user", ports={8000: 0}) as sb:
+        (carried,) = sb.ports()
+        assert carried.sandbox_port == 8000 and carried.protocol == "tcp" and carried.host_port > 0
+        assert carried.host_address == "127.0.0.1"
+        assert sb.expose(8000) == carried.host_port  # exposed already: its mapping, again
+        r = cli(env, "port", "add", "ports", "8000")
+        assert (r.returncode, r.stdout) == (0, f"{carried.host_port}\n".encode()), r.stderr
+        extra = int(cli(env, "port", "add", "ports", "8001").stdout)
+        listed = json.loads(cli(env, "port", "ls", "ports", "--json").stdout)
+        assert [(m["sandbox_port"], m["host_port"]) for m in listed] == [(8000, carried.host_port), (8001, extra)]
+        table = cli(env, "port", "ls", "ports").stdout.decode()
+        assert f"127.0.0.1:{extra}" in table
+        sb.unexpose(8001)
+        assert [m.sandbox_port for m in sb.ports()] == [8000]
+    for args, code in (
+        (["port", "ls", "nope"], 1),
+        (["port", "rm", "ports"], 2),  # which port?
+        # no tap networking in this supervisor (the machine's own namespace): refused, typed
+        (["create", "tapped", "--network", "tap"], 1),
+        *([(["create", "out", "--network", "outbound"], 1)] if os.geteuid() == 0 else []),
+        (["create", "bad", "--network", "user", "--outbound", "--egress-default", "deny", "--allow", "300.1.1.1"], 1),
+    ):
+        r = cli(env, *args)
+        assert r.returncode == code, (args, r)
+        assert r.stderr.count(b"\n") == 1 and b"Traceback" not in r.stderr, (args, r.stderr)
+    r = cli(env, "create", "bad", "--network", "user", "--outbound", "--allow", "300.1.1.1")
+    assert b"INVALID_ARGUMENT" in r.stderr or b"not a valid address" in r.stderr, r.stderr
 
 
 def test_exec_it_in_tmux(served: dict[str, str]) -> None:

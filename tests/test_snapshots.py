@@ -45,7 +45,7 @@ def served(image: Image) -> Iterator[dict[str, Any]]:
         origin.fs.write("/root/marker", b"written before the checkpoint")
         origin.run(["sh", "-c", f"({COUNTER}) >/dev/null 2>&1 &"])
         time.sleep(0.5)
-        snap = origin.checkpoint("base", labels={"kind": "test"})
+        snap = origin.checkpoint("base", labels={"kind": "test"}).snapshot_id
         yield {"env": env, "sock": sock, "snap": snap, "work": work}
 
 
@@ -74,7 +74,7 @@ async def test_restore_keeps_disk_memory_and_processes(served: dict[str, Any]) -
             assert before - 1 <= guest_now <= after + 1, (before, guest_now, after)
             assert (await sh(sb, "hostname")).strip() == "sandbox"
             info = await sb.inspect()
-            assert info["labels"] == {}
+            assert info.labels == {}
 
 
 async def test_concurrent_restores_are_independent(served: dict[str, Any]) -> None:
@@ -109,7 +109,7 @@ async def test_concurrent_restores_are_independent(served: dict[str, Any]) -> No
                     origin = await AsyncSandbox.get("origin", socket=sock)
                     assert "no" in await sh(origin, "test -e /root/mine && echo yes || echo no")
                     listed = await AsyncSandbox.list(labels={"n": "r-par2"}, socket=sock)
-                    assert [s["id"] for s in listed.sandboxes] == ["r-par2"]
+                    assert [s.id for s in listed.sandboxes] == ["r-par2"]
                 finally:
                     for sb in sandboxes.values():
                         await sb.remove()
@@ -156,26 +156,26 @@ async def test_restored_sandbox_checkpoints_again(served: dict[str, Any]) -> Non
     with trio.fail_after(120):
         async with await AsyncSandbox.restore(snap, name="r-gen1", socket=sock) as gen1:
             await gen1.fs.write("/root/gen", b"1")
-            s2 = await gen1.checkpoint("gen1")
+            s2 = (await gen1.checkpoint("gen1")).snapshot_id
             await gen1.fs.write("/root/gen", b"after")  # not in the snapshot
-            listed = {s["id"]: s for s in await AsyncSandbox.snapshots(sandbox="r-gen1", socket=sock)}
+            listed = {s.id: s for s in await AsyncSandbox.snapshots(sandbox="r-gen1", socket=sock)}
             assert list(listed) == [s2]
-            assert listed[s2]["memory"] == "streamed"  # its RAM was a private map of the first snapshot
+            assert listed[s2].memory == "streamed"  # its RAM was a private map of the first snapshot
             async with await AsyncSandbox.restore(s2, name="r-gen2", socket=sock) as gen2:
                 assert await gen2.fs.read("/root/gen") == b"1"
                 assert await gen2.fs.read("/root/marker") == b"written before the checkpoint"
-                s3 = await gen2.checkpoint("gen2")
+                s3 = (await gen2.checkpoint("gen2")).snapshot_id
                 async with await AsyncSandbox.restore("gen2", socket=sock) as gen3:  # by unique name
                     assert await gen3.fs.read("/root/gen") == b"1"
                     int(await sh(gen3, "cat /run/cnt"))  # the counter still runs, three generations on
-            info = {s["id"]: s for s in await AsyncSandbox.snapshots(socket=sock)}
-            assert info[s3]["memory"] == "mapped"
+            info = {s.id: s for s in await AsyncSandbox.snapshots(socket=sock)}
+            assert info[s3].memory == "mapped"
         # gen1..gen3 are removed: their snapshots can go, and take their files along
         for sid in (s3, s2):
-            d = Path(info[sid]["snapshot_dir"])
+            d = Path(info[sid].snapshot_dir)
             await AsyncSandbox.delete_snapshot(sid, socket=sock)
             assert not d.exists()
-        assert {s["id"] for s in await AsyncSandbox.snapshots(socket=sock)} == {snap}
+        assert {s.id for s in await AsyncSandbox.snapshots(socket=sock)} == {snap}
 
 
 def test_cli_snapshots(served: dict[str, Any]) -> None:
@@ -212,14 +212,14 @@ async def test_a_changed_memory_file_is_refused(served: dict[str, Any]) -> None:
     a file written since the checkpoint is refused, not restored."""
     sock = served["sock"]
     origin = await AsyncSandbox.get("origin", socket=sock)
-    snap = await origin.checkpoint("tampered")
-    [info] = [s for s in await AsyncSandbox.snapshots(socket=sock) if s["id"] == snap]
-    mem = Path(info["snapshot_dir"]) / "memory"
+    snap = (await origin.checkpoint("tampered")).snapshot_id
+    [info] = [s for s in await AsyncSandbox.snapshots(socket=sock) if s.id == snap]
+    mem = Path(info.snapshot_dir) / "memory"
     st = mem.stat()
     os.utime(mem, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
     with pytest.raises(FailedPrecondition, match="changed"):
         await AsyncSandbox.restore(snap, socket=sock)
-    os.remove(Path(info["snapshot_dir"]) / "vmstate")
+    os.remove(Path(info.snapshot_dir) / "vmstate")
     os.utime(mem, ns=(st.st_atime_ns, st.st_mtime_ns))
     with pytest.raises(FailedPrecondition, match="vmstate is missing"):
         await AsyncSandbox.restore(snap, socket=sock)
@@ -236,7 +236,7 @@ async def test_creates_restore_the_boot_template(served: dict[str, Any]) -> None
             await AsyncSandbox.create("tpl-b", socket=sock) as b,
         ):
             for sb in (a, b):
-                logs = b"".join(e["data"] for e in await sb.logs() if e["source"] == "system")
+                logs = b"".join(e.data for e in await sb.logs() if e.source == "system")
                 assert b"restored from the boot template" in logs, logs
             assert (await sh(a, "hostname; echo $WHO")).split() == ["alpha", "a"]
             assert (await sh(b, "hostname")).strip() == "sandbox"
@@ -247,7 +247,7 @@ async def test_creates_restore_the_boot_template(served: dict[str, Any]) -> None
             )
             assert ra != rb
             listed = await AsyncSandbox.snapshots(socket=sock)
-            assert listed and not any("sandvisor.template" in x["labels"] for x in listed)  # templates are hidden
+            assert listed and not any("sandvisor.template" in x.labels for x in listed)  # templates are hidden
     # stopped and started again, a template-made sandbox boots from its disk
     async with await AsyncSandbox.create("tpl-c", socket=sock) as c:
         await c.fs.write("/root/kept", b"yes")
@@ -279,13 +279,13 @@ async def test_snapshots_survive_restart_and_pool(fresh_state: Workdir) -> None:
             sock = cfg.socket
             async with await AsyncSandbox.create("pool-origin", socket=sock) as sb:
                 await sb.fs.write("/root/x", b"pooled")
-                snap = await sb.checkpoint("pooled")
+                snap = (await sb.checkpoint("pooled")).snapshot_id
         # the origin is gone, the snapshot stays; a new supervisor keeps one restore warm
         async with daemon_on(fresh_state, pool_size=1) as cfg:
             sock = cfg.socket
             [s] = await AsyncSandbox.snapshots(socket=sock)
-            assert (s["id"], s["name"], s["sandbox_id"]) == (snap, "pooled", "pool-origin")
-            while (await AsyncSandbox.snapshots(socket=sock))[0]["pool_ready"] < 1:
+            assert (s.id, s.name, s.sandbox_id) == (snap, "pooled", "pool-origin")
+            while (await AsyncSandbox.snapshots(socket=sock))[0].pool_ready < 1:
                 await trio.sleep(0.1)
             assert (await AsyncSandbox.list(socket=sock)).sandboxes == []  # pool members are not listed
             async with connect(sock) as ec, ec.open_call("Events", {}) as events:
@@ -298,12 +298,12 @@ async def test_snapshots_survive_restart_and_pool(fresh_state: Workdir) -> None:
                 )
             async with sb:
                 assert await sb.fs.read("/root/x") == b"pooled"
-                assert [s["id"] for s in (await AsyncSandbox.list(socket=sock)).sandboxes] == ["from-pool"]
-                while (await AsyncSandbox.snapshots(socket=sock))[0]["pool_ready"] < 1:
+                assert [s.id for s in (await AsyncSandbox.list(socket=sock)).sandboxes] == ["from-pool"]
+                while (await AsyncSandbox.snapshots(socket=sock))[0].pool_ready < 1:
                     await trio.sleep(0.1)  # refilled in the background
             await AsyncSandbox.delete_snapshot(snap, socket=sock)  # drains the pool first
             assert await AsyncSandbox.snapshots(socket=sock) == []
-        assert not Path(s["snapshot_dir"]).exists()
+        assert not Path(s.snapshot_dir).exists()
         assert not list((fresh_state.state / "sandboxes").iterdir())  # pool members leave nothing behind
 
 
@@ -314,9 +314,9 @@ async def test_anonymous_memory_checkpoints_stream(fresh_state: Workdir) -> None
             sock = cfg.socket
             async with await AsyncSandbox.create("anon", socket=sock) as sb:
                 await sb.fs.write("/root/a", b"anon")
-                snap = await sb.checkpoint("anon")
+                snap = (await sb.checkpoint("anon")).snapshot_id
             [s] = await AsyncSandbox.snapshots(socket=sock)
-            assert s["memory"] == "streamed"
+            assert s.memory == "streamed"
             async with await AsyncSandbox.restore(snap, socket=sock) as r:
                 assert await r.fs.read("/root/a") == b"anon"
 
@@ -343,13 +343,13 @@ async def test_template_pool_makes_creates_ready_at_once(fresh_state: Workdir) -
                 assert r["state"] == "starting"  # as the seed says, always; yet ready already:
                 assert (await c.call("Inspect", {"id": "quick"}))["state"] in ("ready", "running")
             quick = await AsyncSandbox.get("quick", socket=sock)
-            logs = b"".join(e["data"] for e in await quick.logs() if e["source"] == "system")
+            logs = b"".join(e.data for e in await quick.logs() if e.source == "system")
             assert b"warm pool" in logs, logs
             while await quick.state() != "ready":  # the initial command runs, then ends
                 await trio.sleep(0.05)
             assert await quick.fs.read("/root/cmd") == b"q\n"
             assert (await sh(quick, "hostname; echo $WHO")).split() == ["quick", "q"]
-            assert sorted(s["id"] for s in (await AsyncSandbox.list(socket=sock)).sandboxes) == ["first", "quick"]
+            assert sorted(s.id for s in (await AsyncSandbox.list(socket=sock)).sandboxes) == ["first", "quick"]
             await quick.remove()
             await first.remove()
 
@@ -365,7 +365,7 @@ async def test_a_broken_boot_template_falls_back_to_booting(fresh_state: Workdir
             (Path(tpl.dir) / "vmstate").write_bytes(b"QEVM but not really" * 100)
             second = await AsyncSandbox.create("second", socket=sock)
             assert await second.state() == "ready"
-            logs = b"".join(e["data"] for e in await second.logs() if e["source"] == "system")
+            logs = b"".join(e.data for e in await second.logs() if e.source == "system")
             assert b"template restore failed" in logs, logs
             assert (await sh(second, "echo booted")).strip() == "booted"
             assert not registry.snapshots.snapshots  # dropped, and not made again

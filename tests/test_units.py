@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import socket
+import stat
+import subprocess
 from contextlib import aclosing
 from pathlib import Path
 
@@ -385,3 +390,62 @@ def test_a_create_may_name_only_regular_files_in_allowed_dirs(tmp_path: Path) ->
         check_host_file("rootfs", "/dev/null", (Path("/dev"),))  # a device
     with pytest.raises(DomainError, match="allowed: none"):
         check_host_file("kernel", str(good), ())
+
+
+def test_a_non_root_runtime_dir_someone_else_made_is_refused(tmp_path: Path) -> None:
+    """serve as a non-root user claims /tmp/sandvisor-<uid> (0700, its own) or refuses
+    one another user made first; a client refuses to talk to a socket in such a dir."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to act as two users")
+    uid = 40000 + os.getpid() % 10000
+    runtime = Path(f"/tmp/sandvisor-{uid}")
+    code = f"""
+import sys; sys.path.insert(0, {str(Path(__file__).resolve().parent.parent)!r})
+from supervisor.config import UnsafeRuntimeDir, check_runtime_dir, claim_runtime_dir, default_socket
+try:
+    print(claim_runtime_dir())
+    check_runtime_dir(default_socket())
+    print("client ok")
+except UnsafeRuntimeDir as e:
+    print("refused:", e)
+"""
+
+    def as_user() -> str:
+        env = {k: v for k, v in os.environ.items() if k not in ("XDG_RUNTIME_DIR", "SANDVISOR_SOCKET")}
+        r = subprocess.run(
+            ["/usr/bin/python3", "-S", "-c", code],
+            user=uid,
+            group=uid,
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=30,
+        )
+        return r.stdout.strip()
+
+    shutil.rmtree(runtime, ignore_errors=True)
+    try:
+        runtime.mkdir(mode=0o777)  # made first by someone else (root here)
+        runtime.chmod(0o777)
+        assert as_user().startswith(f"refused: {runtime} belongs to uid 0")
+        runtime.rmdir()
+        assert as_user().splitlines() == [f"{runtime}/sandvisor", "client ok"]
+        info = runtime.stat()
+        assert (info.st_uid, stat.S_IMODE(info.st_mode)) == (uid, 0o700)
+        os.chown(runtime / "sandvisor", 0, 0)  # swapped under the client
+        assert "refused" in as_user()
+    finally:
+        shutil.rmtree(runtime, ignore_errors=True)
+
+
+def test_a_socket_reached_by_path_must_be_qemus() -> None:
+    """An escaped QEMU could swap its socket for a symlink to another service's: the
+    listener's pid, as the kernel recorded it, must be QEMU's."""
+    from actors.machine import LaunchError, check_peer
+
+    a, b = socket.socketpair()
+    with a, b:
+        check_peer(a, os.getpid(), Path("qmp.sock"))  # (a socketpair's peer is this process)
+        with pytest.raises(LaunchError, match="is not QEMU's"):
+            check_peer(b, os.getpid() + 1, Path("qmp.sock"))

@@ -20,10 +20,17 @@ from images.build import Image
 pytestmark = pytest.mark.vm
 
 
-def qemu_children() -> set[int]:
-    out = subprocess.run(["pgrep", "-x", "qemu-system-x86"], capture_output=True, text=True, check=False).stdout
-    out += subprocess.run(["pgrep", "-f", "qemu-system-x86_64"], capture_output=True, text=True, check=False).stdout
-    return {int(x) for x in out.split()}
+def qemus_of(run_dir: Path) -> set[int]:
+    """QEMU processes started on ``run_dir`` (not the host's others: other tests, other runs)."""
+    found = set()
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv[0].startswith(b"qemu-system") and any(str(run_dir).encode() in a for a in argv):
+            found.add(int(proc.name))
+    return found
 
 
 async def test_boot_run_and_graceful_poweroff(image: Image, tmp_run: Path, qmp: None) -> None:
@@ -39,15 +46,14 @@ async def test_boot_run_and_graceful_poweroff(image: Image, tmp_run: Path, qmp: 
         # guestd powered the VM off (exit 0), the process is reaped
         assert g.machine.runstate is Runstate.EXITED
         assert g.machine.returncode == 0
-        assert pid not in qemu_children()
+        assert pid not in qemus_of(tmp_run)
 
 
 async def test_cancelled_boot_leaves_no_process(image: Image, tmp_run: Path, qmp: None) -> None:
-    before = qemu_children()
     with trio.move_on_after(0.5):
         async with booted_guest(await cold_spec(image, tmp_run), tmp_run):
             pytest.fail("cannot be ready in 0.5 s under TCG")
-    assert qemu_children() <= before
+    assert qemus_of(tmp_run) == set()
 
 
 async def test_qemu_killed_breaks_channel(image: Image, tmp_run: Path, qmp: None) -> None:

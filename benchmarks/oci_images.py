@@ -13,7 +13,7 @@ registry, against a floor doing the same work by hand in the same run. Medians o
 * cached: pull with if-missing (no registry contact) and with always (resolve only);
 * two at once: two concurrent pulls of the image into an empty store (work done once).
 
-Usage: python benchmarks/images.py [-n N] [--out results/]
+Usage: python benchmarks/oci_images.py [-n N] [--out results/]
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Any
 
 import trio
 
-# this file is benchmarks/images.py: as a script its directory comes first on sys.path,
+# this file is benchmarks/oci_images.py: as a script its directory comes first on sys.path,
 # where "images" would name this file instead of the images package. Look here last.
 _HERE = str(Path(__file__).resolve().parent)
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE] + [_HERE]

@@ -1,0 +1,180 @@
+"""A supervisor killed (SIGKILL) at each named step of its work, then started again:
+every QEMU is adopted or gone, every recorded disk checks clean and stands on the
+chain its record names, and nothing stray is left -- no sandbox or snapshot
+directory without a record, no run dir, RAM file or cgroup of a life that is not
+running (issue 13). The steps are :data:`actors.crash.STEPS`; each test crashes at
+the first time its step runs, in the production configuration (root: jailed QEMUs in
+cgroups; boot templates on unless the scenario needs a plain checkpoint)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+import sqlite3
+import subprocess
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+import trio
+
+from actors.cgroups import detect
+from actors.crash import STEPS
+from actors.registry import _our_qemus
+from images.build import Image
+from supervisor.client import AsyncConnection, connect
+from supervisor.config import default_memory_dir
+from supervisor.protocol import ApiError
+from supervisor.throwaway import Workdir, supervisor_process, workdir
+from tests.test_durability import run, wait_state
+
+pytestmark = pytest.mark.vm
+
+MARK = ["sh", "-c", "echo before-the-crash > /root/mark && sync"]
+
+
+async def create_a(c: AsyncConnection) -> None:
+    await c.call("Create", {"id": "a"})
+    await wait_state(c, "a", "ready")
+    await trio.sleep_forever()  # (the crash comes after ready: a template, a pool member)
+
+
+async def checkpoint_a(c: AsyncConnection) -> None:
+    await c.call("Create", {"id": "a"})
+    await wait_state(c, "a", "ready")
+    assert (await run(c, "a", MARK))[1] == 0
+    await c.call("Checkpoint", {"sandbox_id": "a", "name": "snap"})
+
+
+async def remove_a(c: AsyncConnection) -> None:
+    await c.call("Create", {"id": "a"})
+    await wait_state(c, "a", "ready")
+    await c.call("Remove", {"id": "a", "force": True})
+
+
+# step -> (serve arguments, what the client does until the supervisor dies). The
+# supervisor started after the crash takes the same arguments but --template-pool:
+# a pool refilling while the checks read /proc and the database would race them.
+SCENARIOS: dict[str, tuple[list[str], Callable[[AsyncConnection], Awaitable[None]]]] = {
+    "spawned": ([], create_a),
+    "hello": ([], create_a),
+    "template-checkpoint": ([], create_a),
+    "checkpoint-swap": (["--no-templates"], checkpoint_a),
+    "snapshot-record": (["--no-templates"], checkpoint_a),
+    "pool-fill": (["--template-pool", "1"], create_a),
+    "remove": (["--no-templates"], remove_a),
+}
+RESTART_ARGS = {"pool-fill": []}
+
+
+def test_every_step_has_a_scenario() -> None:
+    assert set(SCENARIOS) == STEPS
+
+
+@pytest.mark.parametrize("step", sorted(SCENARIOS))
+def test_a_crash_at_each_step_leaves_nothing_behind(image: Image, step: str) -> None:
+    args, action = SCENARIOS[step]
+
+    async def until_the_crash(work: Workdir) -> None:
+        with trio.fail_after(240):
+            try:
+                async with connect(work.socket) as c:
+                    await action(c)
+            except ApiError as exc:
+                if exc.code != "UNAVAILABLE" or "connection to the supervisor lost" not in exc.message:
+                    raise
+                return  # the connection went with the supervisor
+            except (OSError, trio.BrokenResourceError, EOFError):
+                return
+            raise AssertionError(f"the supervisor did not crash at {step}")
+
+    async def after(work: Workdir) -> None:
+        async with connect(work.socket) as c:
+            listed = {s["id"]: s["state"] for s in (await c.call("List", {}))["sandboxes"]}
+            if step == "remove":
+                assert listed == {}
+                return
+            assert set(listed) == {"a"}, listed
+            info = await c.call("Inspect", {"id": "a"})
+            if step == "checkpoint-swap":  # its QEMU was paused mid-checkpoint: killed, the disk kept
+                assert info["state"] == "failed" and "checkpointed" in info["error"], info
+            if info["state"] != "ready":
+                await c.call("Start", {"id": "a"})
+                await wait_state(c, "a", "ready")
+            out, _ = await run(c, "a", ["cat", "/root/mark"])
+            if step in ("checkpoint-swap", "snapshot-record"):
+                assert out == b"before-the-crash\n"  # the disk froze or not, nothing was lost
+                # the chain is sound: one more checkpoint, and a restore of it
+                snap = await c.call("Checkpoint", {"sandbox_id": "a", "name": "again"})
+                await c.call("Restore", {"snapshot_id": snap["snapshot_id"], "id": "b"})
+                await wait_state(c, "b", "ready")
+                assert (await run(c, "b", ["cat", "/root/mark"]))[0] == b"before-the-crash\n"
+            await c.call("Stop", {"id": "a", "timeout_seconds": 5})
+            await wait_state(c, "a", "stopped")
+
+    with workdir(f"sv-crash-{step}-", private_state=True) as work:
+        log = work.root / "serve.log"
+        with supervisor_process(work, *args, extra_env={"SANDVISOR_CRASH_AT": step}, log=log) as (_, proc):
+            trio.run(until_the_crash, work)
+            try:
+                assert proc.wait(timeout=60) == -9
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"no crash at {step}; the supervisor's log ends:\n{log.read_text()[-3000:]}")
+        with supervisor_process(work, *RESTART_ARGS.get(step, args)) as (_, proc):
+            check_nothing_stray(work)
+            trio.run(after, work)
+        check_nothing_stray(work)
+
+
+def check_nothing_stray(work: Workdir) -> None:
+    """What is on the host is what the records say, and every recorded disk is sound."""
+    db = sqlite3.connect(str(work.state / "sandvisor.db"))
+    rows = db.execute("SELECT uid, id, state, chain, life, swap FROM sandboxes").fetchall()
+    snaps = [msgpack.unpackb(d) for (d,) in db.execute("SELECT data FROM snapshots")]
+    db.close()
+    lives = {uid: msgpack.unpackb(life) for uid, _, _, _, life, _ in rows if life and msgpack.unpackb(life)}
+    assert all(not swap for *_, swap in rows), "a checkpoint's journal was left set"
+    # every QEMU under our run root is a recorded, running life
+    assert _our_qemus(work.run_root) == {life["pid"] for life in lives.values()}
+    # sandbox directories: one per record, and each disk checks clean on its recorded chain
+    sandboxes = work.state / "sandboxes"
+    assert {d.name for d in sandboxes.iterdir()} == {uid for uid, *_ in rows}
+    for uid, id, _, chain, _, _ in rows:
+        disk = sandboxes / uid / "disk.qcow2"
+        assert not (sandboxes / uid / "disk.next.qcow2").exists(), id
+        recorded = [str(disk), *(msgpack.unpackb(chain) if chain else [])]
+        assert backing_chain(disk)[: len(recorded)] == recorded, id
+        check = subprocess.run(["qemu-img", "check", "-U", str(disk)], capture_output=True, text=True, check=False)
+        assert check.returncode == 0, check.stdout + check.stderr
+    # snapshot directories: recorded, or a layer some chain stands on
+    used = {str(Path(p).parent) for _, _, _, chain, _, _ in rows if chain for p in msgpack.unpackb(chain)}
+    used |= {str(Path(p).parent) for s in snaps for p in s.get("chain", [])}
+    snapshots = work.state / "snapshots"
+    if snapshots.is_dir():
+        assert {str(d) for d in snapshots.iterdir()} <= {s["dir"] for s in snaps} | used
+    # run dirs, RAM files, cgroups: only of the lives running now
+    running = {Path(life["run_dir"]).name for life in lives.values()}
+    assert {d.name for d in work.run_root.iterdir()} <= running
+    ram_dir = default_memory_dir(work.state)
+    if ram_dir is not None and ram_dir.is_dir():
+        assert {f.name for f in ram_dir.iterdir()} <= {Path(life["ram"]).name for life in lives.values()}
+    key = hashlib.sha256(str(work.state.resolve()).encode()).hexdigest()[:12]
+    cgroups = detect(parent=f"sandvisor-{key}")
+    if cgroups is not None:
+        assert cgroups.names() <= {life["cgroup"] for life in lives.values()}
+
+
+def backing_chain(disk: Path) -> list[str]:
+    qemu_img = shutil.which("qemu-img")
+    assert qemu_img is not None
+    info = subprocess.run(
+        [qemu_img, "info", "-U", "--backing-chain", "--output=json", str(disk)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    images: list[dict[str, Any]] = json.loads(info.stdout)
+    return [i["filename"] for i in images]
