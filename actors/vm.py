@@ -43,6 +43,7 @@ from actors.machine import (
     MachineSpec,
     Placement,
     QemuUser,
+    Volume,
     connect_guest_socket,
 )
 from images.build import Image, host_tsc_khz
@@ -162,6 +163,7 @@ class VmSpec:
     machine: str = "microvm"
     sandbox: bool = True
     extra_ports: tuple[str, ...] = ()
+    volumes: tuple[Volume, ...] = ()  # named volumes as virtio-blk, in order (a restore: as saved)
 
     @classmethod
     def boot(
@@ -221,6 +223,7 @@ class VmSpec:
             memory_file=self.ram,
             memory_shared=self.ram_shared,
             incoming=self.restore is not None,
+            volumes=self.volumes,
         )
 
 

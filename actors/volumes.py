@@ -1,4 +1,25 @@
-"""Volume images: raw ext4 files made and checked on the host, never mounted there.
+"""Named volumes: persistent ext4 disks that outlive the sandboxes using them.
+
+:class:`Volumes` (owned by the registry) is the only code that makes or removes a
+volume's image (``<state>/volumes/<uid>.ext4``: the path holds the record's uid, never
+the caller's name) and its record (the store's ``volumes`` table). It also knows who
+uses each one: a sandbox's life *claims* its configuration's volumes before QEMU is
+launched and releases them when the life ends (adopted lives claim again at a
+supervisor's start). A volume is claimed read-write by one live sandbox at a time, or
+read-only by many; anything else is FAILED_PRECONDITION, naming the user::
+
+    Create{volumes: [{name, path, read_only}]}
+      registry.create --check--> Volumes (NotFound / FailedPrecondition, nothing made)
+      Sandbox._life  --claim---> Volumes --> machine.Volume(fd by path, serial vN)
+         QEMU: virtio-blk per volume (the supervisor opens the image, QEMU gets the fd)
+         guestd: mount serial:vN at path (ro: read-only device and mount)
+      end of life    --release-> Volumes
+
+Create order (crash-safe): mkfs into ``<uid>.ext4.part``, rename, record, flush;
+removal: record first, flush, then the file. At start, files no record names are
+removed (:meth:`Volumes.sweep`).
+
+Volume images: raw ext4 files made and checked on the host, never mounted there.
 
 A volume is a sparse file with an ext4 file system, made by ``mkfs.ext4`` (no loop
 device, no mount: a file system the host never mounts cannot attack the host's
@@ -18,10 +39,23 @@ before attaching a volume read-only, or after a crash.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
+import time
+import uuid
+from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+import attrs
 import trio
+
+from actors.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from actors.machine import Volume
+from actors.model import VolumeMount, VolumeRecord
+
+if TYPE_CHECKING:
+    from actors.store import Store
 
 MIN_VOLUME = 8 << 20  # ext4 with a journal needs a few MiB; below this mkfs refuses or wastes most of it
 BLOCK = 4096
@@ -80,3 +114,136 @@ async def check_volume_image(path: Path) -> bool:
         return False
     out = (p.stdout + p.stderr).decode(errors="replace").strip()
     raise VolumeError(f"e2fsck found damage it cannot fix safely ({p.returncode}): {out[-300:]}")
+
+
+# --- named volumes -------------------------------------------------------------------
+NAME = re.compile(r"[a-z0-9][a-z0-9_.-]{0,62}")
+MAX_VOLUME = 1 << 40  # 1 TiB: sparse, but a typo of a unit should not make a 1 PiB file
+DEFAULT_SIZE = 256 << 20
+
+
+def check_volume_name(name: str) -> None:
+    if not NAME.fullmatch(name):
+        raise InvalidArgument(f"volume name {name[:80]!r}: 1-63 of [a-z0-9_.-], starting with a letter or digit")
+
+
+@attrs.frozen
+class Claim:
+    sandbox_id: str
+    read_only: bool
+
+
+class Volumes:
+    """The named volumes of one supervisor: records, image files, claims."""
+
+    def __init__(self, root: Path, store: Store) -> None:
+        self.root = root
+        self._store = store
+        self.records: dict[str, VolumeRecord] = {}
+        self.claims: dict[str, dict[str, Claim]] = {}  # name -> sandbox uid -> claim
+        self._busy: set[str] = set()  # names being created or removed
+
+    def load(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.root.chmod(0o700)  # QEMU gets volumes by descriptor, never by path
+        self.records = {r.name: r for r in self._store.volumes()}
+
+    def sweep(self) -> list[Path]:
+        """Remove image files no record names (a crash mid-create or mid-remove)."""
+        keep = {f"{r.uid}.ext4" for r in self.records.values()}
+        gone = []
+        for p in self.root.iterdir():
+            if p.name not in keep:
+                p.unlink(missing_ok=True)
+                gone.append(p)
+        return gone
+
+    def path(self, rec: VolumeRecord) -> Path:
+        return self.root / f"{rec.uid}.ext4"
+
+    def get(self, name: str) -> VolumeRecord:
+        rec = self.records.get(name)
+        if rec is None:
+            raise NotFound(f"volume {name!r} does not exist")
+        return rec
+
+    def users(self, name: str) -> list[str]:
+        return sorted(c.sandbox_id for c in self.claims.get(name, {}).values())
+
+    async def create(self, name: str, size: int = DEFAULT_SIZE, labels: dict[str, str] | None = None) -> VolumeRecord:
+        check_volume_name(name)
+        if not MIN_VOLUME <= size <= MAX_VOLUME:
+            raise InvalidArgument(f"volume size must be {MIN_VOLUME >> 20} MiB to {MAX_VOLUME >> 30} GiB")
+        if name in self.records or name in self._busy:
+            raise AlreadyExists(f"volume {name!r} exists")
+        self._busy.add(name)
+        try:
+            uid = str(uuid.uuid4())
+            final = self.root / f"{uid}.ext4"
+            part = final.with_name(final.name + ".part")
+            try:
+                used = await create_volume_image(part, size, label=name[:16])
+            except VolumeError as exc:
+                raise ResourceExhausted(str(exc)) if "No space" in str(exc) else FailedPrecondition(str(exc)) from None
+            try:
+                part.rename(final)
+                rec = VolumeRecord(name, uid, used, int(time.time()), dict(labels or {}))
+                self._store.put_volume(rec)
+                await self._store.flush()
+            except BaseException:
+                with trio.CancelScope(shield=True):
+                    self._store.delete_volume(name)
+                    part.unlink(missing_ok=True)
+                    final.unlink(missing_ok=True)
+                raise
+            self.records[name] = rec
+            return rec
+        finally:
+            self._busy.discard(name)
+
+    async def remove(self, name: str) -> None:
+        rec = self.get(name)
+        if name in self._busy:
+            raise FailedPrecondition(f"volume {name!r} is being created or removed")
+        users = self.users(name)
+        if users:
+            raise FailedPrecondition(f"volume {name!r} is in use by {', '.join(users)}")
+        self._busy.add(name)
+        try:
+            del self.records[name]
+            self._store.delete_volume(name)
+            await self._store.flush()  # the record goes first: a crash leaves a file (swept), not a record without one
+            self.path(rec).unlink(missing_ok=True)
+        finally:
+            self._busy.discard(name)
+
+    def check(self, mounts: Iterable[VolumeMount], sandbox_uid: str = "", what: str = "") -> None:
+        """Raise what :meth:`claim` would raise, claiming nothing."""
+        for m in mounts:
+            if m.name in self._busy or m.name not in self.records:
+                msg = f"{what}volume {m.name!r} does not exist"
+                raise FailedPrecondition(msg) if what else NotFound(msg)
+            for uid, c in self.claims.get(m.name, {}).items():
+                if uid == sandbox_uid:
+                    continue
+                if not (m.read_only and c.read_only):
+                    mode = "read-only" if c.read_only else "read-write"
+                    raise FailedPrecondition(
+                        f"{what}volume {m.name!r} is mounted {mode} by sandbox {c.sandbox_id}: "
+                        "read-write in one live sandbox at a time, read-only in many"
+                    )
+
+    def claim(self, sandbox_uid: str, sandbox_id: str, mounts: tuple[VolumeMount, ...]) -> tuple[Volume, ...]:
+        """Claim ``mounts`` for one life (all or none); the machine's volumes, in order."""
+        self.check(mounts, sandbox_uid)
+        out = []
+        for i, m in enumerate(mounts):
+            self.claims.setdefault(m.name, {})[sandbox_uid] = Claim(sandbox_id, m.read_only)
+            out.append(Volume(self.path(self.records[m.name]), read_only=m.read_only, serial=f"v{i}"))
+        return tuple(out)
+
+    def release(self, sandbox_uid: str) -> None:
+        for name in list(self.claims):
+            self.claims[name].pop(sandbox_uid, None)
+            if not self.claims[name]:
+                del self.claims[name]

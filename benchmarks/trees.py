@@ -2,11 +2,11 @@
 
 Both directions, two trees, in the same run and interleaved (the machine is shared):
 
-* ``cp -r`` in: a host directory packed on the host (actors.trees.packed_tree) into
+* ``cp -r`` in: a host directory packed on the host (supervisor.treecopy.packed_tree) into
   ``write_tree`` (guestd's worker unpacks), against the same host-packed stream fed
   to ``tar x`` run by ``exec`` in the guest (its stdin over the same channel): the
   floor, GNU tar at the far end of the same pipe.
-* ``cp -r`` out: ``read_tree`` unpacked on the host (actors.trees.unpack_tree),
+* ``cp -r`` out: ``read_tree`` unpacked on the host (supervisor.treecopy.unpack_tree),
   against ``tar c`` run by ``exec`` in the guest, its stdout unpacked the same way.
 
 Trees: 1000 small files (about 4.5 KB on average, modes, symlinks, empty dirs: the
@@ -36,9 +36,9 @@ import trio
 from actors.disk import create_overlay
 from actors.guest import GuestChannel
 from actors.machine import qmp_loop
-from actors.trees import packed_tree, unpack_tree
 from actors.vm import VmSpec, booted_guest
 from images.build import Builder, default_cache
+from supervisor.treecopy import packed_tree, unpack_tree
 
 
 def small_tree(root: Path) -> None:

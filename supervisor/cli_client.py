@@ -396,12 +396,22 @@ async def cp(a: argparse.Namespace) -> int:
         raise UsageError("exactly one of SRC and DST must be NAME:/path")
     if src_remote:
         name, _, path = a.src.partition(":")
-        await AsyncSandbox(name, socket=a.socket).fs.copy_out(path, a.dst)
+        fs = AsyncSandbox(name, socket=a.socket).fs
+        if a.recursive:  # one tar stream; DST is the directory the tree becomes
+            await fs.copy_tree_out(path, a.dst, keep_owners=a.archive)
+        else:
+            await fs.copy_out(path, a.dst)
     else:
         name, _, path = a.dst.partition(":")
-        if not Path(a.src).is_file():
-            raise UsageError(f"{a.src}: no such file")
-        await AsyncSandbox(name, socket=a.socket).fs.copy_in(a.src, path)
+        fs = AsyncSandbox(name, socket=a.socket).fs
+        if a.recursive:
+            if not Path(a.src).is_dir():
+                raise UsageError(f"{a.src}: no such directory")
+            await fs.copy_tree_in(a.src, path, owner="" if a.archive else a.owner)
+        elif not Path(a.src).is_file():
+            raise UsageError(f"{a.src}: no such file" + (" (a directory needs -r)" if Path(a.src).is_dir() else ""))
+        else:
+            await fs.copy_in(a.src, path)
     return 0
 
 
@@ -660,7 +670,12 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
     p.add_argument("--action")
     p.add_argument("--json", action="store_true")
 
-    p = cmd("cp", cp, "copy a file in or out: one side is NAME:/path")
+    p = cmd("cp", cp, "copy a file (or with -r a directory tree) in or out: one side is NAME:/path")
+    p.add_argument("-r", "--recursive", action="store_true", help="a directory tree, as one tar stream")
+    p.add_argument(
+        "-a", "--archive", action="store_true", help="keep numeric owners (in: the host's; out: the guest's, as root)"
+    )
+    p.add_argument("--owner", default="root", help="-r in: USER[:GROUP] in the guest that owns every entry")
     p.add_argument("src")
     p.add_argument("dst")
 

@@ -94,6 +94,7 @@ __all__ = [
     "NotFound",
     "Output",
     "Page",
+    "Patch",
     "PermissionDenied",
     "ResourceExhausted",
     "Resources",
@@ -377,6 +378,73 @@ class Boot:
     boot_args: str = ""
 
 
+@attrs.frozen(kw_only=True)
+class Patch:
+    """A change to the sandbox's file system that guestd makes once, on its fresh disk,
+    before it is ready and before its command runs. Build with the class methods;
+    ``owner`` is user[:group] by the guest's names or ids ("" = root)."""
+
+    op: str
+    path: str
+    data: bytes = b""
+    target: str = ""
+    mode: int | None = None
+    owner: str = ""
+    replace: bool = False
+
+    @classmethod
+    def file(
+        cls, path: str, data: bytes | str, *, mode: int | None = None, owner: str = "", replace: bool = False
+    ) -> Patch:
+        raw = data.encode() if isinstance(data, str) else bytes(data)
+        return cls(op="file", path=path, data=raw, mode=mode, owner=owner, replace=replace)
+
+    @classmethod
+    def append(cls, path: str, data: bytes | str, *, mode: int | None = None, owner: str = "") -> Patch:
+        raw = data.encode() if isinstance(data, str) else bytes(data)
+        return cls(op="append", path=path, data=raw, mode=mode, owner=owner)
+
+    @classmethod
+    def mkdir(cls, path: str, *, mode: int | None = None, owner: str = "") -> Patch:
+        return cls(op="mkdir", path=path, mode=mode, owner=owner)
+
+    @classmethod
+    def remove(cls, path: str) -> Patch:
+        return cls(op="remove", path=path)
+
+    @classmethod
+    def symlink(cls, target: str, link: str, *, owner: str = "", replace: bool = False) -> Patch:
+        return cls(op="symlink", path=link, target=target, owner=owner, replace=replace)
+
+    def spec(self) -> W.PatchSpec:
+        return W.PatchSpec(self.op, self.path, self.data, self.target, self.mode, self.owner, self.replace)
+
+
+@attrs.frozen
+class VolumeMount:
+    """Named volume ``name`` mounted at ``path``; ``VolumeMount.parse("NAME:/path[:ro]")``."""
+
+    name: str
+    path: str
+    read_only: bool = False
+
+    @classmethod
+    def parse(cls, text: str) -> VolumeMount:
+        name, sep, rest = text.partition(":")
+        path, _, flag = rest.partition(":")
+        if not sep or not name or not path.startswith("/") or flag not in ("", "ro", "rw"):
+            raise InvalidArgument(W.INVALID_ARGUMENT, f"volume {text!r}: NAME:/path[:ro]")
+        return cls(name, path, flag == "ro")
+
+
+def _patches(v: Sequence[Patch] | None) -> tuple[Patch, ...]:
+    return tuple(v or ())
+
+
+def _mounts(v: Sequence[VolumeMount | str] | None) -> tuple[VolumeMount, ...]:
+    return tuple(m if isinstance(m, VolumeMount) else VolumeMount.parse(m) for m in v or ())
+
+
 class Settings(TypedDict, total=False):
     """The common settings, as keyword arguments of ``create`` and :meth:`SandboxSpec.with_`."""
 
@@ -395,6 +463,8 @@ class Settings(TypedDict, total=False):
     ttl: int
     idle_timeout: int
     ephemeral: bool
+    patches: Sequence[Patch]
+    volumes: Sequence[VolumeMount | str]
 
 
 @attrs.frozen(kw_only=True)
@@ -410,6 +480,8 @@ class SandboxSpec:
     network: Network = Network()
     lifetime: Lifetime = Lifetime()
     boot: Boot = Boot()
+    patches: tuple[Patch, ...] = attrs.field(default=(), converter=_patches)
+    volumes: tuple[VolumeMount, ...] = attrs.field(default=(), converter=_mounts)
 
     def with_(self, **settings: Unpack[Settings]) -> SandboxSpec:
         if not settings:
@@ -438,6 +510,8 @@ class SandboxSpec:
                 idle_timeout=s.get("idle_timeout", life.idle_timeout),
                 ephemeral=s.get("ephemeral", life.ephemeral),
             ),
+            patches=s.get("patches", self.patches),
+            volumes=_mounts(s.get("volumes", self.volumes)),
         )
 
     def request(self, name: str = "") -> W.CreateSandboxRequest:
@@ -460,6 +534,8 @@ class SandboxSpec:
             idle_timeout_seconds=self.lifetime.idle_timeout,
             hostname=self.hostname,
             ephemeral=self.lifetime.ephemeral,
+            patches=[p.spec() for p in self.patches],
+            volumes=[W.VolumeMount(m.name, m.path, m.read_only) for m in self.volumes],
         )
 
 
@@ -617,6 +693,52 @@ class AsyncFS:
                 async for ch in call:
                     await trio.to_thread.run_sync(f.write, _structure(ch, W.FileChunk, "ReadFile").data)
         tmp.replace(dest)
+
+    async def copy_tree_in(self, local: str | Path, path: str, *, owner: str = "") -> int:
+        """``cp -r DIR box:/path``: the host directory ``local`` into the sandbox's
+        directory ``path`` (made if missing; existing directories merged, files
+        replaced) as one tar stream packed here, with the caller's rights: modes,
+        mtimes, symlinks, hard links, empty directories. ``owner`` "": every entry
+        keeps its numeric uid/gid; else user[:group] (the guest's names) owns all.
+        Returns the number of entries written."""
+        from supervisor.treecopy import packed_tree  # (tarfile: imported when used)
+
+        opening = W.WriteTreeRequest(open=W.WriteTreeOpen(id=self._sb.id, path=path, owner=owner))
+        async with (
+            packed_tree(Path(local)) as chunks,
+            connect(self._sb.socket) as c,
+            c.open_call("WriteTree", W.unstructure_body(opening)) as call,
+        ):
+            async for piece in chunks:
+                await call.send(W.unstructure_body(W.WriteTreeRequest(chunk=W.FileChunk(data=piece))))
+            await call.send(W.unstructure_body(W.WriteTreeRequest(chunk=W.FileChunk(done=True))))
+            await call.half_close()
+            return _structure(await call.result(), W.WriteTreeResponse, "WriteTree").entries
+
+    async def copy_tree_out(self, path: str, local: str | Path, *, keep_owners: bool = False) -> int:
+        """``cp -r box:/path DIR``: the sandbox's directory ``path`` into the host
+        directory ``local`` (made if missing; the guest directory's mode and mtime
+        become its own) as one tar stream, unpacked here by guestd's hostile-stream
+        unpacker (no absolute names, '..', writes through symlinks, devices,
+        setuid bits). ``keep_owners``: the guest's numeric owners (root only); else
+        the files are the caller's. Returns the number of entries."""
+        from supervisor.treecopy import unpack_tree
+
+        dest = Path(local)
+        await trio.to_thread.run_sync(functools.partial(dest.mkdir, parents=True, exist_ok=True))
+        req = W.unstructure_body(W.ReadTreeRequest(id=self._sb.id, path=path))
+        async with connect(self._sb.socket) as c, c.open_call("ReadTree", req) as call:
+
+            async def chunks() -> AsyncIterator[bytes]:
+                async for item in call:
+                    ch = _structure(item, W.FileChunk, "ReadTree")
+                    if ch.data:
+                        yield ch.data
+                    if ch.done:
+                        return
+                raise ApiError(W.UNAVAILABLE, "the tree stream ended early")
+
+            return await unpack_tree(chunks(), dest, keep_ids=keep_owners, root_meta=True)
 
 
 class AsyncSandbox:
@@ -1065,6 +1187,12 @@ class FS:
 
     def copy_out(self, path: str, local: str | Path) -> None:
         trio.run(self._a.fs.copy_out, path, local)
+
+    def copy_tree_in(self, local: str | Path, path: str, *, owner: str = "") -> int:
+        return trio.run(functools.partial(self._a.fs.copy_tree_in, local, path, owner=owner))
+
+    def copy_tree_out(self, path: str, local: str | Path, *, keep_owners: bool = False) -> int:
+        return trio.run(functools.partial(self._a.fs.copy_tree_out, path, local, keep_owners=keep_owners))
 
 
 class Sandbox:

@@ -19,11 +19,11 @@ from conftest import cold_spec
 
 from actors.guest import GuestChannel, GuestOpError, PatchEntry
 from actors.machine import MachineSpec, TooManyDevices, Volume
-from actors.trees import packed_tree, unpack_tree
 from actors.vm import VmSpec, booted_guest
 from actors.volumes import check_volume_image, create_volume_image
 from guestd import proto as P
 from images.build import Image
+from supervisor.treecopy import packed_tree, unpack_tree
 
 pytestmark = pytest.mark.vm
 

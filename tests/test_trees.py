@@ -1,4 +1,4 @@
-"""guestd.tree, guestd.fsops and actors.trees on the host's own kernel (no VM): the
+"""guestd.tree, guestd.fsops and supervisor.treecopy on the host's own kernel (no VM): the
 tar packer and the hostile-input unpacker guestd's workers run in the guest, and the
 host runs on a guest's streams; patches. The real-VM runs are in tests/test_guest.py."""
 
@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import trio
 
-from actors.guest import GuestOpError
-from actors.trees import packed_tree, unpack_tree
 from guestd import proto as P
 from guestd import tree
 from guestd.fsops import TreeError, apply_patch
+from supervisor.errors import SandboxError
+from supervisor.treecopy import packed_tree, unpack_tree
 
 ROOT = os.geteuid() == 0
 
@@ -301,7 +301,7 @@ def test_patch_never_writes_through_a_symlink_and_names_the_failing_entry(place:
         assert e.value.code == code and e.value.message.startswith("entry 7 "), bad
 
 
-# --- actors.trees: the host's ends --------------------------------------------------
+# --- supervisor.treecopy: the client's ends --------------------------------------------------
 
 
 async def test_host_pack_and_unpack_through_threads(tmp_path: Path) -> None:
@@ -324,10 +324,20 @@ async def test_host_unpack_refuses_a_hostile_guest(place: tuple[Path, Path]) -> 
         for i in range(0, len(data), 4096):
             yield data[i : i + 4096]
 
-    with trio.fail_after(30), pytest.raises(GuestOpError) as e:
+    with trio.fail_after(30), pytest.raises(SandboxError) as e:
         await unpack_tree(stream(), dest)
     assert e.value.code == P.E_INVALID and "the guest's tree" in e.value.message
-    with trio.fail_after(30), pytest.raises(GuestOpError) as e:
+    with trio.fail_after(30), pytest.raises(SandboxError) as e:
         async with packed_tree(dest / "missing"):
             pass
     assert e.value.code == P.E_NOT_FOUND
+
+
+async def test_host_unpack_reports_the_sources_error_not_truncation(tmp_path: Path) -> None:
+    async def failing() -> AsyncIterator[bytes]:
+        yield b"\0" * 100
+        raise SandboxError("NOT_FOUND", "no such directory")
+
+    with trio.fail_after(30), pytest.raises(SandboxError) as e:
+        await unpack_tree(failing(), tmp_path)
+    assert e.value.code == "NOT_FOUND"

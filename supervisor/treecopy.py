@@ -1,5 +1,8 @@
-"""Host ends of ``cp -r``: a host directory as a tar stream, and a guest's tar stream
-unpacked into a host directory, by :mod:`guestd.tree` run in a worker thread.
+"""The client's ends of ``cp -r`` (SDK and CLI): a host directory as a tar stream, and a
+guest's tar stream unpacked into a host directory, by :mod:`guestd.tree` run in a
+worker thread. ``guestd.tree`` is stdlib-only: the SDK imports that codec (and
+``guestd.proto``'s limits and codes) and nothing else of guestd, so the hostile-stream
+unpacker is the one guestd itself runs.
 
 ::
 
@@ -11,7 +14,8 @@ The stream from a guest is hostile: :func:`unpack_tree` refuses what guestd refu
 archive, oversized headers, more than the tree limits) and, beyond that, never sets
 setuid/setgid/sticky bits nor (unless asked) the guest's owners. It walks by
 directory descriptors, so a symlink in the destination cannot redirect it either.
-Errors are GuestOpError with guestd's codes (INVALID_ARGUMENT for a refused stream).
+Errors are the SDK's typed errors (:func:`supervisor.errors.error_for`) with guestd's
+codes (INVALID_ARGUMENT for a refused stream).
 
 Whose permissions: these run with the caller's. A supervisor running as root must
 not pack or unpack paths a client names on the client's behalf (a confused deputy);
@@ -28,22 +32,27 @@ from pathlib import Path
 
 import trio
 
-from actors._groups import collapse_single
-from actors.guest import GuestOpError
 from guestd import proto as P
 from guestd import tree
 from guestd.fsops import TreeError
+from supervisor.errors import SandboxError, collapse_single, error_for
+
+_CODES = {P.E_TOO_LARGE: "RESOURCE_EXHAUSTED", P.E_IS_DIR: "INVALID_ARGUMENT"}  # guestd's own -> the seed's
+
+
+def _error(code: str, message: str) -> SandboxError:
+    return error_for(_CODES.get(code, code), message)
 
 
 @asynccontextmanager
 async def packed_tree(path: Path) -> AsyncIterator[trio.MemoryReceiveChannel[bytes]]:
     """The directory ``path`` as tar chunks: iterate the yielded channel (it ends with
     the archive). A thread packs it, never more than a few chunks ahead. An error of
-    the packer (TreeError, OSError) is raised as GuestOpError when the block exits."""
+    the packer (TreeError, OSError) is raised as a SandboxError when the block exits."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as exc:
-        raise GuestOpError(P.errcode(exc), f"{path}: {exc.strerror}") from None
+        raise _error(P.errcode(exc), f"{path}: {exc.strerror}") from None
     send, recv = trio.open_memory_channel[bytes](4)
 
     def put(data: bytes) -> None:
@@ -54,7 +63,7 @@ async def packed_tree(path: Path) -> AsyncIterator[trio.MemoryReceiveChannel[byt
             async with send:
                 await trio.to_thread.run_sync(tree.pack, fd, put)
         except TreeError as exc:
-            raise GuestOpError(exc.code, exc.message) from None
+            raise _error(exc.code, exc.message) from None
         finally:
             os.close(fd)
 
@@ -77,7 +86,7 @@ async def unpack_tree(
     try:
         fd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as exc:
-        raise GuestOpError(P.errcode(exc), f"{dest}: {exc.strerror}") from None
+        raise _error(P.errcode(exc), f"{dest}: {exc.strerror}") from None
     send, recv = trio.open_memory_channel[bytes](4)
     pending = bytearray()
 
@@ -91,10 +100,15 @@ async def unpack_tree(
         del pending[:n]
         return data
 
+    failed: list[Exception] = []
+
     async def feed() -> None:
-        async with send:
-            async for chunk in chunks:
-                await send.send(chunk)
+        try:
+            async with send:
+                async for chunk in chunks:
+                    await send.send(chunk)
+        except Exception as exc:  # the source's own error (e.g. NOT_FOUND) wins over "truncated"
+            failed.append(exc)
 
     def work() -> int:
         return tree.unpack(read, fd, keep_ids=keep_ids and os.geteuid() == 0, root_meta=root_meta, mode_mask=0o777)
@@ -104,9 +118,14 @@ async def unpack_tree(
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(feed)
                 try:
-                    return await trio.to_thread.run_sync(work)
+                    n = await trio.to_thread.run_sync(work)
                 except TreeError as exc:
                     nursery.cancel_scope.cancel()  # the stream is refused: stop reading it
-                    raise GuestOpError(exc.code, f"the guest's tree: {exc.message}") from None
+                    if failed:
+                        raise failed[0] from None
+                    raise _error(exc.code, f"the guest's tree: {exc.message}") from None
+        if failed:
+            raise failed[0]
+        return n
     finally:
         os.close(fd)
