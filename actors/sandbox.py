@@ -498,8 +498,18 @@ class Sandbox:
         finally:
             self._release_ram(fds, cell)
             self._end_life(cell)
-            if self._volumes is not None:
-                self._volumes.release(self.record.uid)
+            await self._release_volumes()
+
+    async def _release_volumes(self) -> None:
+        """After the reap (or the detach: QEMU runs on with them, the claims go with us)."""
+        if self._volumes is None:
+            return
+        if self._detaching:
+            self._volumes.release(self.record.uid)
+            return
+        with trio.CancelScope(shield=True):
+            for note in await self._volumes.release_checked(self.record.uid):
+                self.log.append("system", note.encode())
 
     def _claim_volumes(self) -> tuple[Volume, ...]:
         """This life's named volumes (FAILED_PRECONDITION when one is gone or busy)."""
@@ -552,8 +562,7 @@ class Sandbox:
                 await self._serve(guest, plan)
         finally:
             self._end_life(cell)
-            if self._volumes is not None:
-                self._volumes.release(self.record.uid)
+            await self._release_volumes()
 
     async def _serve(self, guest: Guest, plan: Plan, *, fresh: bool = False) -> None:
         """A life from the guest's hello to the end of its work."""

@@ -252,6 +252,7 @@ async def _create(a: argparse.Namespace) -> AsyncSandbox:
         outbound=a.outbound,
         egress=_egress(a),
         ports=ports(a.port),
+        volumes=a.volume or (),
         detached=True,
         wait=not a.no_wait,
     )
@@ -562,6 +563,46 @@ def snapshots(a: argparse.Namespace) -> int:
     return 0
 
 
+def volume(a: argparse.Namespace) -> int:
+    """volume create NAME --size 256M | ls | inspect NAME | rm NAME..."""
+    with _conn(a) as c:
+        if a.action == "create":
+            if len(a.names) != 1:
+                raise UsageError("volume create takes one NAME")
+            from supervisor.client import parse_size
+
+            mib = -(-parse_size(a.size) // (1 << 20))
+            r = c.call("CreateVolume", {"name": a.names[0], "size_mib": mib, "labels": kv(a.label)})
+            if a.json:
+                _json(r)
+            else:
+                print(r["name"])
+            return 0
+        if a.action == "rm":
+            if not a.names:
+                raise UsageError("volume rm takes NAME...")
+            for name in a.names:
+                c.call("DeleteVolume", {"name": name})
+            return 0
+        if a.action == "inspect":
+            if len(a.names) != 1:
+                raise UsageError("volume inspect takes one NAME")
+            _json(c.call("InspectVolume", {"name": a.names[0]}))
+            return 0
+        r = c.call("ListVolumes", {"labels": kv(a.label)})
+    if a.json:
+        _json(r["volumes"])
+        return 0
+    print_table(
+        ("NAME", "SIZE", "MOUNTED BY", "CREATED"),
+        [
+            (x["name"], f"{x['size_mib']} MiB", ", ".join(x.get("mounted_by") or ()) or "-", str(x["created_at"]))
+            for x in r["volumes"]
+        ],
+    )
+    return 0
+
+
 # --- parser ------------------------------------------------------------------------
 CLIENT_COMMANDS = frozenset(
     {
@@ -586,6 +627,7 @@ CLIENT_COMMANDS = frozenset(
         "snapshots",
         "snapshot",
         "port",
+        "volume",
     }
 )
 
@@ -631,6 +673,9 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
     p.add_argument("--allow", action="append", metavar="ENTRY", help="CIDR, host:port or domain (repeatable)")
     p.add_argument("--deny", action="append", metavar="ENTRY", help="CIDR, host:port or domain (repeatable)")
     p.add_argument("--port", action="append", metavar="HOST:GUEST")
+    p.add_argument(
+        "--volume", action="append", metavar="NAME:/path[:ro]", help="mount a named volume (sandvisor volume create)"
+    )
     p.add_argument("--workdir")
     p.add_argument("--user")
     p.add_argument("--no-wait", action="store_true")
@@ -719,6 +764,13 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
 
     p = cmd("snapshots", snapshots, "list snapshots")
     p.add_argument("--sandbox", metavar="ID", help="only those taken of this sandbox")
+    p.add_argument("--label", action="append", metavar="K=V")
+    p.add_argument("--json", action="store_true")
+
+    p = cmd("volume", volume, "named volumes: volume create NAME --size 256M | ls | inspect NAME | rm NAME...")
+    p.add_argument("action", choices=["create", "ls", "inspect", "rm"])
+    p.add_argument("names", nargs="*", metavar="NAME")
+    p.add_argument("--size", default="256M", help="create: 256M, 1G, ...")
     p.add_argument("--label", action="append", metavar="K=V")
     p.add_argument("--json", action="store_true")
 

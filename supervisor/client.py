@@ -71,6 +71,7 @@ from supervisor.protocol import (
     SandboxInfo,
     SandboxSummary,
     SnapshotSummary,
+    VolumeInfo,
 )
 
 __all__ = [
@@ -78,6 +79,7 @@ __all__ = [
     "AsyncConnection",
     "AsyncExec",
     "AsyncSandbox",
+    "AsyncVolumes",
     "Boot",
     "CallStream",
     "Cancelled",
@@ -111,9 +113,13 @@ __all__ = [
     "SnapshotSummary",
     "Unavailable",
     "Unimplemented",
+    "VolumeInfo",
+    "VolumeMount",
+    "Volumes",
     "Workload",
     "connect",
     "error_for",
+    "parse_size",
 ]
 
 T_ = TypeVar("T_")
@@ -741,6 +747,54 @@ class AsyncFS:
             return await unpack_tree(chunks(), dest, keep_ids=keep_owners, root_meta=True)
 
 
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes: an int, or "256M", "1G", "512MiB", "1024" (bytes)."""
+    if isinstance(size, int):
+        return size
+    text = size.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = text[-1:] if text[-1:] in _UNITS else ""
+    number = text[: len(text) - len(unit)] if unit else text
+    try:
+        value = float(number)
+    except ValueError:
+        raise InvalidArgument(W.INVALID_ARGUMENT, f"size {size!r}: a number with K, M, G or T") from None
+    return int(value * _UNITS[unit])
+
+
+class AsyncVolumes:
+    """The named volumes of a supervisor (Trio): persistent ext4 disks a Create mounts
+    (``volumes=["NAME:/path", "NAME:/path:ro"]``), read-write in one live sandbox at a
+    time, read-only in many; they outlive the sandboxes."""
+
+    def __init__(self, socket: str | Path | None = None) -> None:
+        self.socket = str(socket or default_socket())
+
+    async def _unary(self, method: str, request: Any, result: type[B]) -> B:
+        async with connect(self.socket) as c:
+            return await _unary(c, method, request, result)
+
+    async def create(
+        self, name: str, size: int | str = "256M", *, labels: Mapping[str, str] | None = None
+    ) -> VolumeInfo:
+        mib = -(-parse_size(size) // (1 << 20))
+        req = W.CreateVolumeRequest(name=name, size_mib=mib, labels=dict(labels or {}))
+        return await self._unary("CreateVolume", req, VolumeInfo)
+
+    async def get(self, name: str) -> VolumeInfo:
+        return await self._unary("InspectVolume", W.NameRequest(name=name), VolumeInfo)
+
+    async def list(self, *, labels: Mapping[str, str] | None = None) -> builtins.list[VolumeInfo]:
+        req = W.ListVolumesRequest(labels=dict(labels or {}))
+        return (await self._unary("ListVolumes", req, W.ListVolumesResponse)).volumes
+
+    async def remove(self, name: str) -> None:
+        """FAILED_PRECONDITION while a live sandbox mounts it."""
+        await self._unary("DeleteVolume", W.DeleteVolumeRequest(name=name), W.Empty)
+
+
 class AsyncSandbox:
     """A sandbox of a ``sandvisor serve`` (Trio). Leaving ``async with`` stops and
     removes it, unless it was created ``detached``.
@@ -1193,6 +1247,25 @@ class FS:
 
     def copy_tree_out(self, path: str, local: str | Path, *, keep_owners: bool = False) -> int:
         return trio.run(functools.partial(self._a.fs.copy_tree_out, path, local, keep_owners=keep_owners))
+
+
+class Volumes:
+    """:class:`AsyncVolumes`, blocking."""
+
+    def __init__(self, socket: str | Path | None = None) -> None:
+        self._a = AsyncVolumes(socket)
+
+    def create(self, name: str, size: int | str = "256M", *, labels: Mapping[str, str] | None = None) -> VolumeInfo:
+        return trio.run(functools.partial(self._a.create, name, size, labels=labels))
+
+    def get(self, name: str) -> VolumeInfo:
+        return trio.run(self._a.get, name)
+
+    def list(self, *, labels: Mapping[str, str] | None = None) -> builtins.list[VolumeInfo]:
+        return trio.run(functools.partial(self._a.list, labels=labels))
+
+    def remove(self, name: str) -> None:
+        trio.run(self._a.remove, name)
 
 
 class Sandbox:

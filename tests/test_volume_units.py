@@ -1,0 +1,69 @@
+"""actors.volumes.Volumes without a VM: records in a real store, images made by
+mkfs.ext4, claims (rw: one live sandbox; ro: many), removal order and the sweep."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import trio
+
+from actors.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from actors.model import VolumeMount
+from actors.store import Store
+from actors.volumes import Volumes
+
+
+async def test_create_claim_release_remove_and_sweep(tmp_path: Path) -> None:
+    store = Store(tmp_path / "sandvisor.db")
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(store.run)
+            vols = Volumes(tmp_path / "volumes", store)
+            vols.load()
+            rec = await vols.create("data", 16 << 20, {"k": "v"})
+            assert vols.path(rec).stat().st_size == 16 << 20 and vols.path(rec).stat().st_blocks * 512 < 8 << 20
+            with pytest.raises(AlreadyExists):
+                await vols.create("data", 16 << 20)
+            for bad in ("", "Data", "-x", "a" * 64, "a/b"):
+                with pytest.raises(InvalidArgument):
+                    await vols.create(bad, 16 << 20)
+            with pytest.raises(InvalidArgument):
+                await vols.create("tiny", 1 << 20)
+
+            rw, ro = VolumeMount("data", "/data"), VolumeMount("data", "/data", read_only=True)
+            (disk,) = vols.claim("uid-a", "a", (rw,))
+            assert disk.path == vols.path(rec) and not disk.read_only and disk.serial == "v0"
+            with pytest.raises(FailedPrecondition, match="read-write by sandbox a"):
+                vols.claim("uid-b", "b", (rw,))
+            with pytest.raises(FailedPrecondition):
+                vols.check((ro,))
+            vols.claim("uid-a", "a", (rw,))  # a life of the same sandbox again: its own claim
+            with pytest.raises(FailedPrecondition, match="in use by a"):
+                await vols.remove("data")
+            assert await vols.release_checked("uid-a") == []  # a clean image: nothing to say
+            vols.claim("uid-b", "b", (ro,))
+            vols.claim("uid-c", "c", (ro,))
+            assert vols.users("data") == ["b", "c"]
+            with pytest.raises(FailedPrecondition, match="read-only by sandbox"):
+                vols.claim("uid-d", "d", (rw,))
+            with pytest.raises(NotFound):
+                vols.claim("uid-d", "d", (VolumeMount("nope", "/x"),))
+            with pytest.raises(FailedPrecondition, match="snapshot s needs volume 'nope'"):
+                vols.check((VolumeMount("nope", "/x"),), what="snapshot s needs ")
+            vols.release("uid-b")
+            vols.release("uid-c")
+
+            stray = vols.root / "stray.ext4.part"
+            stray.write_bytes(b"x")
+            other = await vols.create("other", 16 << 20)
+            assert vols.sweep() == [stray]
+            await vols.remove("data")
+            assert not vols.path(rec).exists()
+            with pytest.raises(NotFound):
+                vols.get("data")
+            nursery.cancel_scope.cancel()
+    store.close()
+    again = Volumes(tmp_path / "volumes", Store(tmp_path / "sandvisor.db"))
+    again.load()
+    assert list(again.records) == ["other"] and again.records["other"] == other
