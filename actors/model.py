@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import os
+import re
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -18,7 +19,7 @@ import attrs
 from cattrs.preconf.msgpack import make_converter
 
 from actors.egress import EgressPolicy, PolicyError
-from actors.errors import AlreadyExists, FailedPrecondition, InvalidArgument
+from actors.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 
 
 class State(enum.StrEnum):
@@ -260,6 +261,8 @@ class SandboxConfig:
     hostname: str = ""
     patches: tuple[Patch, ...] = ()
     volumes: tuple[VolumeMount, ...] = ()
+    # named scripts: written to SCRIPTS_DIR/<name> (0755) with the patches; Run{script}
+    scripts: dict[str, str] = attrs.field(factory=dict)
 
     def restored(self, labels: dict[str, str], ttl_seconds: int) -> SandboxConfig:
         """The configuration of a sandbox restored from a snapshot of this one: its own
@@ -363,6 +366,43 @@ def check_config(cfg: SandboxConfig) -> None:
         raise InvalidArgument("boot_args must be one line of at most 1024 bytes")
     check_patches(cfg.patches)
     check_volume_mounts(cfg.volumes)
+    check_scripts(cfg.scripts)
+    size = sum(len(p.data) for p in cfg.patches) + sum(len(b.encode()) for b in cfg.scripts.values())
+    if size > MAX_PATCH_BYTES:
+        raise InvalidArgument(f"patches and scripts carry {size} bytes; at most {MAX_PATCH_BYTES}")
+
+
+SCRIPTS_DIR = "/.sandvisor/scripts"
+SCRIPT_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
+
+
+def check_scripts(scripts: dict[str, str]) -> None:
+    if len(scripts) > 100:
+        raise InvalidArgument(f"{len(scripts)} scripts; at most 100")
+    for name, body in scripts.items():
+        if not SCRIPT_NAME.fullmatch(name):
+            raise InvalidArgument(f"script name {name[:80]!r}: 1-64 of [A-Za-z0-9_.-], not starting with . or -")
+        if not body.strip():
+            raise InvalidArgument(f"script {name!r} is empty")
+
+
+def script_patches(scripts: dict[str, str]) -> tuple[Patch, ...]:
+    """The named scripts as files (a body without ``#!`` runs with /bin/sh)."""
+    if not scripts:
+        return ()
+    out = [Patch("mkdir", SCRIPTS_DIR, mode=0o755)]
+    for name, body in sorted(scripts.items()):
+        text = body if body.startswith("#!") else "#!/bin/sh\n" + body
+        out.append(Patch("file", f"{SCRIPTS_DIR}/{name}", text.encode(), mode=0o755, replace=True))
+    return tuple(out)
+
+
+def script_argv(scripts: dict[str, str], name: str, args: list[str]) -> list[str]:
+    """What Run{script: name, cmd: args} runs (NOT_FOUND for a name the config lacks)."""
+    if name not in scripts:
+        known = ", ".join(sorted(scripts)) or "none"
+        raise NotFound(f"no script {name!r} (this sandbox's: {known})")
+    return [f"{SCRIPTS_DIR}/{name}", *args]
 
 
 def check_guest_path(path: str, what: str) -> None:

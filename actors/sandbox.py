@@ -94,6 +94,7 @@ from actors.model import (
     dump,
     is_hidden,
     load,
+    script_patches,
 )
 from actors.netns import NetError, NetNS
 from actors.nft import NftError
@@ -1155,7 +1156,7 @@ class Sandbox:
         and a Create served by a boot template restores a disk that is the template's,
         not a fresh one; guestd applies them the same way on both paths, as root in the
         guest, with the guest's own user names."""
-        patches = self.config.patches
+        patches = (*script_patches(self.config.scripts), *self.config.patches)
         if not patches:
             return
         entries = [PatchEntry(p.op, p.path, p.data, p.target, p.mode, p.owner, p.replace) for p in patches]

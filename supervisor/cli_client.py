@@ -253,9 +253,24 @@ async def _create(a: argparse.Namespace) -> AsyncSandbox:
         egress=_egress(a),
         ports=ports(a.port),
         volumes=a.volume or (),
+        scripts=_scripts(a.script),
         detached=True,
         wait=not a.no_wait,
     )
+
+
+def _scripts(items: list[str] | None) -> dict[str, str]:
+    """``--script NAME=FILE`` (repeatable): the file's text is the script."""
+    out = {}
+    for item in items or ():
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise UsageError(f"--script {item!r}: NAME=FILE")
+        try:
+            out[name] = Path(path).read_text()
+        except OSError as exc:
+            raise UsageError(f"--script {name}: {path}: {exc.strerror}") from None
+    return out
 
 
 def _egress(a: argparse.Namespace) -> Any:
@@ -269,11 +284,12 @@ def _egress(a: argparse.Namespace) -> Any:
 
 def run(a: argparse.Namespace) -> int:
     cmd = _cmd(a)
-    if not cmd:
-        raise UsageError("run needs a command after --")
+    if not cmd and not a.script:
+        raise UsageError("run needs a command after -- (or --script NAME)")
     body = {
         "id": a.name,
         "cmd": cmd,
+        "script": a.script or "",
         "env": kv(a.env),
         "working_dir": a.workdir or "",
         "user": a.user or "",
@@ -676,6 +692,7 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
     p.add_argument(
         "--volume", action="append", metavar="NAME:/path[:ro]", help="mount a named volume (sandvisor volume create)"
     )
+    p.add_argument("--script", action="append", metavar="NAME=FILE", help="a named script (run it: run --script NAME)")
     p.add_argument("--workdir")
     p.add_argument("--user")
     p.add_argument("--no-wait", action="store_true")
@@ -688,6 +705,7 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
     p.add_argument("--user")
     p.add_argument("--timeout", type=int, default=0, metavar="S")
     p.add_argument("-t", "--tty", action="store_true")
+    p.add_argument("--script", metavar="NAME", help="run a named script of the sandbox (args after --)")
 
     p = cmd("exec", exec_, "run an interactive command (-it for a terminal session)")
     p.add_argument("-i", "--interactive", action="store_true")

@@ -471,6 +471,7 @@ class Settings(TypedDict, total=False):
     ephemeral: bool
     patches: Sequence[Patch]
     volumes: Sequence[VolumeMount | str]
+    scripts: Mapping[str, str]
 
 
 @attrs.frozen(kw_only=True)
@@ -488,6 +489,8 @@ class SandboxSpec:
     boot: Boot = Boot()
     patches: tuple[Patch, ...] = attrs.field(default=(), converter=_patches)
     volumes: tuple[VolumeMount, ...] = attrs.field(default=(), converter=_mounts)
+    # named scripts (name -> body; no "#!": /bin/sh), run by name: run_script(name, *args)
+    scripts: dict[str, str] = attrs.field(factory=dict, converter=_kv)
 
     def with_(self, **settings: Unpack[Settings]) -> SandboxSpec:
         if not settings:
@@ -518,6 +521,7 @@ class SandboxSpec:
             ),
             patches=s.get("patches", self.patches),
             volumes=_mounts(s.get("volumes", self.volumes)),
+            scripts={**self.scripts, **_kv(s.get("scripts"))},
         )
 
     def request(self, name: str = "") -> W.CreateSandboxRequest:
@@ -542,6 +546,7 @@ class SandboxSpec:
             ephemeral=self.lifetime.ephemeral,
             patches=[p.spec() for p in self.patches],
             volumes=[W.VolumeMount(m.name, m.path, m.read_only) for m in self.volumes],
+            scripts=dict(self.scripts),
         )
 
 
@@ -762,6 +767,12 @@ def parse_size(size: int | str) -> int:
     except ValueError:
         raise InvalidArgument(W.INVALID_ARGUMENT, f"size {size!r}: a number with K, M, G or T") from None
     return int(value * _UNITS[unit])
+
+
+async def _outputs(items: AsyncGenerator[W.RunOutput, None]) -> AsyncGenerator[Output, None]:
+    async with aclosing(items):
+        async for item in items:
+            yield _output(item)
 
 
 class AsyncVolumes:
@@ -1006,8 +1017,17 @@ class AsyncSandbox:
 
     async def run(self, cmd: builtins.list[str] | str, **how: Unpack[RunSettings]) -> RunResult:
         """Run a workload to its end: its stdout, stderr and exit code."""
+        return await self._collect(self.run_stream(cmd, **how))
+
+    async def run_script(self, name: str, *args: str, **how: Unpack[RunSettings]) -> RunResult:
+        """Run the named script of the sandbox's config (``scripts=`` at create) with
+        ``args``, as a workload; NOT_FOUND for a name it does not have."""
+        req = attrs.evolve(self._run_request(list(args), how), script=name)
+        return await self._collect(_outputs(self._stream("Run", req, W.RunOutput)))
+
+    async def _collect(self, stream: AsyncGenerator[Output, None]) -> RunResult:
         out, err, code = bytearray(), bytearray(), -1
-        async with aclosing(self.run_stream(cmd, **how)) as outputs:
+        async with aclosing(stream) as outputs:
             async for o in outputs:
                 if o.stream == "stdout":
                     out += o.data
@@ -1393,6 +1413,9 @@ class Sandbox:
 
     def run(self, cmd: builtins.list[str] | str, **how: Unpack[RunSettings]) -> RunResult:
         return self._do(self._a.run, cmd, **how)
+
+    def run_script(self, name: str, *args: str, **how: Unpack[RunSettings]) -> RunResult:
+        return self._do(self._a.run_script, name, *args, **how)
 
     def run_stream(self, cmd: builtins.list[str] | str, **how: Unpack[RunSettings]) -> Iterator[Output]:
         return _sync_iter(lambda: self._a.run_stream(cmd, **how))

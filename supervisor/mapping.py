@@ -102,6 +102,7 @@ def config(req: W.CreateSandboxRequest) -> SandboxConfig:
         hostname=req.hostname,
         patches=tuple(Patch(p.op, p.path, p.data, p.target, p.mode, p.owner, p.replace) for p in req.patches),
         volumes=tuple(VolumeMount(v.volume, v.target, v.readonly) for v in req.volumes),
+        scripts=dict(req.scripts),
     )
 
 

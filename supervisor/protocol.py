@@ -242,6 +242,7 @@ class CreateSandboxRequest:
     ports: list[PortMapping] = attrs.field(factory=list)
     patches: list[PatchSpec] = attrs.field(factory=list)  # applied by guestd before ready (msgpack edge)
     volumes: list[VolumeMount] = attrs.field(factory=list)  # sandvisor.v1.CreateRequest.volumes
+    scripts: dict[str, str] = attrs.field(factory=dict)  # named scripts, run by Run{script} (msgpack edge)
 
 
 @attrs.frozen
@@ -267,6 +268,7 @@ class RunRequest:
     user: str = ""
     tty: bool = False
     timeout_seconds: int = 0
+    script: str = ""  # a named script of the sandbox's config, run with ``cmd`` as its arguments
 
 
 @attrs.frozen

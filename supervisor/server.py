@@ -43,7 +43,7 @@ import trio
 from actors._groups import collapse_single
 from actors.errors import DomainError, InvalidArgument, NotFound, ResourceExhausted
 from actors.events import Lagged
-from actors.model import ALIVE, State, VolumeRecord, check_labels, check_port
+from actors.model import ALIVE, State, VolumeRecord, check_labels, check_port, script_argv
 from actors.registry import DEFAULT_STOP_TIMEOUT, Registry
 from actors.sandbox import Sandbox
 from actors.snapshot import rfc3339
@@ -376,8 +376,9 @@ async def _remove(reg: Registry, io: CallIO, req: W.RemoveSandboxRequest) -> Non
 @method("Run", W.RunRequest, streams=True)
 async def _run(reg: Registry, io: CallIO, req: W.RunRequest) -> None:
     sb = reg.get(req.id)
+    cmd = script_argv(sb.config.scripts, req.script, req.cmd) if req.script else req.cmd
     workload = sb.run_workload(
-        req.cmd, env=req.env, cwd=req.working_dir, user=req.user, tty=req.tty, timeout=float(req.timeout_seconds)
+        cmd, env=req.env, cwd=req.working_dir, user=req.user, tty=req.tty, timeout=float(req.timeout_seconds)
     )
     # closed here, in this task: a cancelled Run (the client's cancel, a gRPC deadline, a
     # disconnect) kills its process and returns the sandbox to ready at once, not when

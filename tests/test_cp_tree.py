@@ -128,3 +128,31 @@ def test_patches_at_create_are_there_before_the_command(served: dict[str, str]) 
     # (and the SDK removes the failed sandbox)
     with pytest.raises(SandboxError, match=r"patches: entry 0 .*/etc/passwd"):
         Sandbox.create("refused-patch", socket=sock, patches=[Patch.file("/etc/passwd", "x")])
+
+
+def test_named_scripts_run_by_name(served: dict[str, str], tmp_path: Path) -> None:
+    """Scripts kept with the sandbox's config (issue 15, item 5), written with the
+    patches, run by name through the SDK and the CLI."""
+    sock = served["SANDVISOR_SOCKET"]
+    scripts = {
+        "setup": "echo setup $1 $# > /tmp/s; cat /tmp/s",
+        "py": "#!/usr/bin/python3\nimport sys\nprint(sys.argv[1:])\n",
+    }
+    with Sandbox.create("scripted", socket=sock, scripts=scripts) as sb:
+        r = sb.run_script("setup", "a", "b")
+        assert (r.stdout, r.exit_code) == (b"setup a 2\n", 0)
+        assert sb.run_script("py", "x y").stdout == b"['x y']\n"
+        with pytest.raises(NotFound, match="py, setup"):
+            sb.run_script("nope")
+        r2 = cli(served, "run", "scripted", "--script", "setup", "--", "z")
+        assert (r2.returncode, r2.stdout) == (0, b"setup z 1\n"), r2.stderr
+    body = tmp_path / "hello.sh"
+    body.write_text("echo from-file $1\n")
+    assert cli(served, "create", "scripted-cli", "--script", f"hello={body}").returncode == 0
+    try:
+        r3 = cli(served, "run", "scripted-cli", "--script", "hello", "--", "w")
+        assert r3.stdout == b"from-file w\n", r3.stderr
+    finally:
+        cli(served, "rm", "-f", "scripted-cli")
+    with pytest.raises(InvalidArgument, match="script name"):
+        Sandbox.create("bad-script", socket=sock, scripts={"../x": "true"})

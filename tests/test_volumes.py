@@ -70,6 +70,14 @@ def test_a_volume_outlives_its_writer_and_a_busy_one_is_refused(served: dict[str
         writer.remove()
     assert vols.get("data").mounted_by == []
 
+    # free again: the snapshot restores with its volume attached as it was (same slot)
+    restored = Sandbox.restore(snap, socket=sock)
+    try:
+        assert restored.run("cat /data/f").stdout == b"hello\n"
+        assert vols.get("data").mounted_by == [restored.id]
+    finally:
+        restored.remove(force=True)
+
     # read-only in many, after the writer is gone
     r1 = Sandbox.create("vol-r1", socket=sock, volumes=["data:/mnt/data:ro"])
     r2 = Sandbox.create("vol-r2", socket=sock, volumes=["data:/data:ro"])
