@@ -1,5 +1,6 @@
 """actors.volumes.Volumes without a VM: records in a real store, images made by
-mkfs.ext4, claims (rw: one live sandbox; ro: many), removal order and the sweep."""
+mkfs.ext4, claims (rw: one live sandbox; ro: many), removal order and the sweep; the
+configuration rules of volume mounts, patches and scripts."""
 
 from __future__ import annotations
 
@@ -67,3 +68,39 @@ async def test_create_claim_release_remove_and_sweep(tmp_path: Path) -> None:
     again = Volumes(tmp_path / "volumes", Store(tmp_path / "sandvisor.db"))
     again.load()
     assert list(again.records) == ["other"] and again.records["other"] == other
+
+
+def test_config_rules_of_patches_scripts_and_volume_mounts() -> None:
+    from actors.model import Patch, SandboxConfig, check_config, script_argv, script_patches
+
+    ok = SandboxConfig(
+        patches=(Patch("file", "/etc/x", b"1", mode=0o600, owner="nobody"),),
+        volumes=(VolumeMount("a", "/data"), VolumeMount("b", "/srv", read_only=True)),
+        scripts={"setup": "echo hi", "py": "#!/usr/bin/python3\nprint(1)\n"},
+    )
+    check_config(ok)
+    bad = [
+        SandboxConfig(patches=(Patch("chmod", "/x"),)),
+        SandboxConfig(patches=(Patch("file", "rel/x"),)),
+        SandboxConfig(patches=(Patch("file", "/x", mode=0o10000),)),
+        SandboxConfig(patches=(Patch("symlink", "/x"),)),
+        SandboxConfig(patches=(Patch("file", "/x", b"x" * (5 << 20)),)),
+        SandboxConfig(volumes=(VolumeMount("a", "/data"), VolumeMount("a", "/other"))),
+        SandboxConfig(volumes=(VolumeMount("a", "/data"), VolumeMount("b", "/data/"))),
+        SandboxConfig(volumes=(VolumeMount("a", "/proc"),)),
+        SandboxConfig(scripts={"../x": "true"}),
+        SandboxConfig(scripts={"empty": "  "}),
+    ]
+    for cfg in bad:
+        with pytest.raises(InvalidArgument):
+            check_config(cfg)
+    files = script_patches(ok.scripts)
+    assert [(p.op, p.path, p.mode) for p in files] == [
+        ("mkdir", "/.sandvisor/scripts", 0o755),
+        ("file", "/.sandvisor/scripts/py", 0o755),
+        ("file", "/.sandvisor/scripts/setup", 0o755),
+    ]
+    assert files[2].data == b"#!/bin/sh\necho hi" and files[1].data.startswith(b"#!/usr/bin/python3")
+    assert script_argv(ok.scripts, "setup", ["a"]) == ["/.sandvisor/scripts/setup", "a"]
+    with pytest.raises(NotFound, match="py, setup"):
+        script_argv(ok.scripts, "nope", [])
