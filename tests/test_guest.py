@@ -18,8 +18,8 @@ import trio
 from conftest import cold_spec
 
 from actors.guest import GuestChannel, GuestOpError, PatchEntry
-from actors.machine import MachineSpec, TooManyDevices, Volume
-from actors.vm import VmSpec, booted_guest
+from actors.machine import TooManyDevices, Volume
+from actors.vm import booted_guest
 from actors.volumes import check_volume_image, create_volume_image
 from guestd import proto as P
 from images.build import Image
@@ -530,28 +530,17 @@ async def test_patches_with_owners_and_modes(chan: GuestChannel) -> None:
         assert r.stdout == f"600 nobody {2 << 20}\n".encode()
 
 
-@attrs.frozen
-class VolumeVm(VmSpec):
-    """A VmSpec whose machine has volumes (the domain's VmSpec has no such field yet)."""
-
-    volumes: tuple[Volume, ...] = ()
-
-    def machine_spec(self) -> MachineSpec:
-        return attrs.evolve(super().machine_spec(), volumes=self.volumes)
-
-
 async def test_a_volume_written_then_seen_read_only(image: Image, tmp_run: Path, qmp: None) -> None:
     vol = tmp_run / "vol.ext4"
     await create_volume_image(vol, 64 << 20, label="data")
     base = await cold_spec(image, tmp_run, hostname="vol")
-    fields = {f.name: getattr(base, f.name) for f in attrs.fields(VmSpec)}
     # the slot budget: the channel and the root disk take two of the 24
-    spec24 = VolumeVm(**fields, volumes=(Volume(vol, read_only=True),) * 23).machine_spec()
+    spec24 = attrs.evolve(base, volumes=(Volume(vol, read_only=True),) * 23).machine_spec()
     assert spec24.max_volumes() == 22
     with pytest.raises(TooManyDevices, match="at most 22 volumes"):
         spec24.argv(tmp_run)
     with trio.fail_after(240):
-        async with booted_guest(VolumeVm(**fields, volumes=(Volume(vol),)), tmp_run) as g:
+        async with booted_guest(attrs.evolve(base, volumes=(Volume(vol),)), tmp_run) as g:
             await g.channel.mount("serial:vol0", "/data")
             await g.channel.write_file("/data/hello", b"written in life one", owner="nobody")
             await g.channel.patch([PatchEntry.mkdir("/data/dir", owner="nobody")])
@@ -563,8 +552,7 @@ async def test_a_volume_written_then_seen_read_only(image: Image, tmp_run: Path,
         run2 = tmp_run / "two"
         run2.mkdir()
         base2 = await cold_spec(image, run2, hostname="vol2")
-        fields2 = {f.name: getattr(base2, f.name) for f in attrs.fields(VmSpec)}
-        spec2 = VolumeVm(**fields2, volumes=(Volume(vol, read_only=True, serial="data"),))
+        spec2 = attrs.evolve(base2, volumes=(Volume(vol, read_only=True, serial="data"),))
         async with booted_guest(spec2, run2) as g:
             with pytest.raises(GuestOpError) as e:
                 await g.channel.mount("serial:data", "/data")  # read-write on a read-only disk
