@@ -31,7 +31,7 @@ import math
 import os
 import signal
 import time
-from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Sequence
 from contextlib import aclosing, asynccontextmanager
 from typing import Any, TypeVar
 
@@ -153,6 +153,9 @@ class _Request:
             if self.events > self.MAX_EVENTS:
                 raise P.BadMessage("too many messages for one request")
             self.queue.append(msg)
+            if isinstance(msg, P.Error):  # a sender waiting for credit must see it now
+                self.credit_changed.set()
+                self.credit_changed = trio.Event()
         self.wakeup.set()
 
     def _trailing(self, ch: int) -> bytearray | None:
@@ -558,16 +561,30 @@ class GuestChannel:
         return bytes(buf)
 
     async def write_file(
-        self, path: str, data: bytes | AsyncIterable[bytes], *, mode: int = 0o644, size: int = -1
+        self,
+        path: str,
+        data: bytes | AsyncIterable[bytes],
+        *,
+        mode: int = 0o644,
+        size: int = -1,
+        owner: str = "",
     ) -> int:
-        """Write a file atomically (temp file + rename in the guest). Returns its size."""
+        """Write a file atomically (temp file + rename in the guest). Returns its size.
+        ``owner``: user[:group] as the guest's /etc/passwd and /etc/group name them (or
+        numeric ids); "" = root."""
         if isinstance(data, (bytes, bytearray, memoryview)):
             size = len(data)
         if size > P.MAX_FILE:
             raise GuestOpError(P.E_TOO_LARGE, f"{size} bytes exceeds the {P.MAX_FILE} byte limit")
+        msg = lambda rid: P.WriteFile(rid=rid, path=path, mode=mode, size=size, owner=owner)
+        return await self._stream_in(msg, data, P.MAX_FILE, "file")
+
+    async def _stream_in(self, build: Any, data: bytes | AsyncIterable[bytes], limit: int, what: str) -> int:
+        """A request that streams ``data`` to the guest on STDIN within credit, then Eof;
+        the guest's Ok (its value) ends it."""
         req = self._new_request()
         try:
-            await self._send(P.WriteFile(rid=req.rid, path=path, mode=mode, size=size))
+            await self._send(build(req.rid))
             total = 0
 
             async def chunks() -> AsyncGenerator[bytes, None]:
@@ -583,8 +600,8 @@ class GuestChannel:
             async with aclosing(chunks()) as pieces:
                 async for piece in pieces:
                     total += len(piece)
-                    if total > P.MAX_FILE:
-                        raise GuestOpError(P.E_TOO_LARGE, f"file exceeds the {P.MAX_FILE} byte limit")
+                    if total > limit:
+                        raise GuestOpError(P.E_TOO_LARGE, f"{what} exceeds the {limit} byte limit")
                     await _send_with_credit(self, req, piece, self.answer_timeout)
             await self._send(P.Eof(rid=req.rid, ch=P.STDIN))
             while True:
@@ -600,6 +617,86 @@ class GuestChannel:
             if aclose is not None:  # the caller's generator: what we did not consume goes now
                 with trio.CancelScope(shield=True):
                     await aclose()
+
+    # -- trees -------------------------------------------------------------------
+    @asynccontextmanager
+    async def read_tree(self, path: str) -> AsyncIterator[TreeReadStream]:
+        """The directory ``path`` of the guest as one tar stream (POSIX pax: modes,
+        numeric owners, mtimes, symlinks as links, hard links, empty directories),
+        an async iterator of byte chunks. The archive is whole only if the iteration
+        ends without an error. Leaving the block early stops the guest's packer::
+
+            async with chan.read_tree("/srv/app") as tar:
+                async for chunk in tar:
+                    out.write(chunk)
+        """
+        req = self._new_request()
+        stream = TreeReadStream(req, self.answer_timeout)
+        try:
+            await self._send(P.ReadTree(rid=req.rid, path=path))
+            first = await req.next(self.answer_timeout)
+            if isinstance(first, P.Error):
+                raise GuestOpError(first.code, first.message)
+            if not isinstance(first, P.Ok):
+                await self._protocol_violation(f"expected ok, got {first.TAG}")
+            yield stream
+        finally:
+            if not stream.eof and not req.broken and not self._closed and self._broken is None:
+                with trio.CancelScope(shield=True), trio.move_on_after(2):
+                    try:  # the guest's worker would wait for credit until the session ends
+                        await self._send(P.Signal(rid=req.rid, signum=signal.SIGKILL))
+                    except GuestError:
+                        pass
+            self._end_request(req)
+
+    async def write_tree(self, path: str, data: bytes | AsyncIterable[bytes], *, owner: str = "") -> int:
+        """Unpack a tar stream into the guest directory ``path`` (made if missing;
+        existing directories are merged, files replaced). Returns the number of
+        entries. ``owner`` "": each entry keeps the archive's numeric uid/gid; else
+        user[:group] (the guest's names or ids) owns every entry. Hostile archives
+        (absolute names, '..', names through symlinks, devices...) are refused
+        (INVALID_ARGUMENT) without a byte written outside ``path``."""
+        msg = lambda rid: P.WriteTree(rid=rid, path=path, owner=owner)
+        return await self._stream_in(msg, data, P.MAX_TREE_STREAM, "tree")
+
+    # -- patches and mounts ----------------------------------------------------------
+    async def patch(self, entries: Sequence[PatchEntry]) -> int:
+        """Apply patch entries in order (as few requests as the frame cap allows).
+        Returns how many were applied; the first failure raises GuestOpError naming
+        the entry (its index in ``entries``) and leaves the ones before it applied."""
+        done = 0
+        batch: list[dict[str, Any]] = []
+        size = 0
+        budget = P.MAX_FRAME - 4096
+        for i, entry in enumerate(entries):
+            wire = entry.to_wire()
+            n = len(entry.data) + len(entry.path) + len(entry.target) + 128
+            if n > budget:
+                raise GuestOpError(
+                    P.E_TOO_LARGE, f"patch entry {i} ({entry.path}) carries {n} bytes: use write_file for it"
+                )
+            if batch and (size + n > budget or len(batch) >= P.MAX_PATCH_ENTRIES):
+                done += await self._patch_batch(batch, done)
+                batch, size = [], 0
+            batch.append(wire)
+            size += n
+        if batch:
+            done += await self._patch_batch(batch, done)
+        return done
+
+    async def _patch_batch(self, batch: list[dict[str, Any]], base: int) -> int:
+        ok = await self._unary(lambda rid: P.Patch(rid=rid, entries=batch, base=base), P.Ok)
+        return ok.value
+
+    async def mount(self, device: str, path: str, *, read_only: bool = False, fstype: str = "ext4") -> None:
+        """Mount a disk at ``path`` in the guest (made if missing). ``device``: a /dev
+        path or ``serial:NAME`` (see MachineSpec.volumes). guestd unmounts it when it
+        powers off."""
+        msg = lambda rid: P.Mount(rid=rid, device=device, path=path, fstype=fstype, read_only=read_only)
+        await self._unary(msg, P.Ok)
+
+    async def umount(self, path: str) -> None:
+        await self._unary(lambda rid: P.Umount(rid=rid, path=path), P.Ok)
 
 
 async def _send_with_credit(chan: GuestChannel, req: _Request, data: bytes, timeout: float | None = None) -> None:
@@ -724,6 +821,94 @@ class FileReadStream:
             elif isinstance(msg, P.Error):
                 raise GuestOpError(msg.code, msg.message)
         raise StopAsyncIteration
+
+
+class TreeReadStream:
+    """The tar stream of a read_tree: an async iterator of chunks, within the tree limits."""
+
+    def __init__(self, req: _Request, timeout: float | None = None) -> None:
+        self._req = req
+        self._timeout = timeout
+        self.received = 0
+        self.eof = False
+
+    def __aiter__(self) -> TreeReadStream:
+        return self
+
+    async def __anext__(self) -> bytes:
+        while not self.eof:
+            msg = await self._req.next(self._timeout)
+            if isinstance(msg, P.Data):
+                self.received += len(msg.data)
+                if self.received > P.MAX_TREE_STREAM:
+                    raise GuestProtocolError("guest sent more than the tree limit")
+                return msg.data
+            if isinstance(msg, P.Eof):
+                self.eof = True
+            elif isinstance(msg, P.Error):
+                self.eof = True  # the guest ended its side
+                raise GuestOpError(msg.code, msg.message)
+        raise StopAsyncIteration
+
+
+PATCH_OPS = ("file", "append", "mkdir", "remove", "symlink")
+
+
+@attrs.frozen
+class PatchEntry:
+    """One patch of the guest's file system (see :meth:`GuestChannel.patch`). Build with
+    the class methods; ``owner`` is user[:group] by the guest's names (or ids), "" = root;
+    ``mode`` None = 0644 for files, 0755 for directories."""
+
+    op: str = attrs.field(validator=attrs.validators.in_(PATCH_OPS))
+    path: str
+    data: bytes = b""
+    target: str = ""
+    mode: int | None = None
+    owner: str = ""
+    replace: bool = False
+
+    @classmethod
+    def file(
+        cls, path: str, data: bytes | str, *, mode: int | None = None, owner: str = "", replace: bool = False
+    ) -> PatchEntry:
+        """A file with these contents (ALREADY_EXISTS if one is there, unless ``replace``)."""
+        raw = data.encode() if isinstance(data, str) else bytes(data)
+        return cls("file", path, raw, mode=mode, owner=owner, replace=replace)
+
+    @classmethod
+    def append(cls, path: str, data: bytes | str, *, mode: int | None = None, owner: str = "") -> PatchEntry:
+        """Append to a file (made if missing)."""
+        raw = data.encode() if isinstance(data, str) else bytes(data)
+        return cls("append", path, raw, mode=mode, owner=owner)
+
+    @classmethod
+    def mkdir(cls, path: str, *, mode: int | None = None, owner: str = "") -> PatchEntry:
+        """A directory, with its parents (idempotent; mode and owner apply to it)."""
+        return cls("mkdir", path, mode=mode, owner=owner)
+
+    @classmethod
+    def remove(cls, path: str) -> PatchEntry:
+        """Remove a file or a directory tree (idempotent; symlinks removed, not followed)."""
+        return cls("remove", path)
+
+    @classmethod
+    def symlink(cls, target: str, link: str, *, owner: str = "", replace: bool = False) -> PatchEntry:
+        return cls("symlink", link, target=target, owner=owner, replace=replace)
+
+    def to_wire(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"op": self.op, "path": self.path}
+        if self.data:
+            d["data"] = self.data
+        if self.target:
+            d["target"] = self.target
+        if self.mode is not None:
+            d["mode"] = self.mode
+        if self.owner:
+            d["owner"] = self.owner
+        if self.replace:
+            d["replace"] = True
+        return d
 
 
 @asynccontextmanager

@@ -102,6 +102,34 @@ def vhost_vsock_usable() -> bool:
     return os.access("/dev/vhost-vsock", os.R_OK | os.W_OK)
 
 
+# virtio-mmio transports of QEMU's microvm machine (7.2, ioapic2 on: its default; 8 with
+# ioapic2=off). Counted with `info qtree`. Every virtio device takes one: the channel's
+# virtio-serial, the root disk, each volume, a NIC, vsock, the balloon. Beyond them QEMU
+# fails to start ("No 'virtio-bus' bus found"): MachineSpec refuses first, saying why.
+MICROVM_VIRTIO_SLOTS = 24
+VOLUME_FDSET = 1 << 20  # fd set of volume i: VOLUME_FDSET + i (apart from disk, layers, staged overlays)
+
+
+@attrs.frozen
+class Volume:
+    """An extra disk: a raw image file (ext4, see :mod:`actors.volumes`) attached as
+    virtio-blk after the root disk, in the order of ``MachineSpec.volumes`` (/dev/vdb,
+    /dev/vdc, ... on a fresh boot). The guest finds it by ``serial`` whatever its name
+    (guestd's ``mount`` takes ``serial:NAME``): up to 20 bytes, default ``vol<i>``."""
+
+    path: Path
+    read_only: bool = False
+    serial: str = ""
+
+    def __attrs_post_init__(self) -> None:
+        if len(self.serial) > 20 or not all(c.isalnum() or c in "._-" for c in self.serial):
+            raise ValueError(f"volume serial {self.serial!r}: at most 20 of [A-Za-z0-9._-]")
+
+
+class TooManyDevices(LaunchError):
+    """More virtio devices than the machine has slots for."""
+
+
 @attrs.frozen
 class MachineSpec:
     """Everything that decides QEMU's command line."""
@@ -155,6 +183,39 @@ class MachineSpec:
     incoming: bool = False  # start with -incoming defer: a restore feeds migrate-incoming
     qemu: str = "qemu-system-x86_64"
     extra_args: tuple[str, ...] = ()
+    # extra disks after the root disk. A snapshot restores only onto the same devices:
+    # a restore gets as many volumes as the machine it was taken from had.
+    volumes: tuple[Volume, ...] = ()
+
+    def volume_serial(self, i: int) -> str:
+        return self.volumes[i].serial or f"vol{i}"
+
+    def virtio_devices(self) -> int:
+        """How many virtio-mmio slots this machine takes (see MICROVM_VIRTIO_SLOTS)."""
+        nics = sum(1 for x in self.netdev if "{net}" in x)
+        return (
+            1  # virtio-serial: the guest channel and every extra port
+            + (self.disk is not None)
+            + len(self.volumes)
+            + self.balloon
+            + (self.vsock_cid is not None)
+            + nics
+        )
+
+    def max_volumes(self) -> int:
+        """How many volumes this machine could have, its other devices being what they are."""
+        return MICROVM_VIRTIO_SLOTS - (self.virtio_devices() - len(self.volumes))
+
+    def check_devices(self) -> None:
+        """TooManyDevices when the microvm machine has no slot for every device."""
+        if self.machine != "microvm":
+            return
+        n = self.virtio_devices()
+        if n > MICROVM_VIRTIO_SLOTS:
+            raise TooManyDevices(
+                f"{len(self.volumes)} volumes need {n} virtio devices in all; the microvm machine has "
+                f"{MICROVM_VIRTIO_SLOTS} slots: at most {self.max_volumes()} volumes beside the other devices"
+            )
 
     def argv(self, sock_dir: Path, fds: dict[str, int] | None = None) -> list[str]:
         """QEMU's command line. ``sock_dir``: where QEMU makes its listening sockets
@@ -165,6 +226,7 @@ class MachineSpec:
         sockets, not inherited pipes: they outlive the supervisor, so the next one can
         reconnect (fd passing works over the QMP socket too)."""
         fds = fds or {}
+        self.check_devices()
         accel = self.accel
         if self.machine == "microvm":
             # the defaults are the fast path: rtc=off alone costs ~2 s of boot under TCG
@@ -261,6 +323,23 @@ class MachineSpec:
                 # (werror's default, enospc): the sandbox lives on and says so itself
                 f"{blk},drive=disk0,werror=report,rerror=report",
             ]
+        for i, vol in enumerate(self.volumes):
+            # raw, by fd set like the disk; locking on (unlike the disk's layers, nothing
+            # here reopens a volume): a second QEMU cannot open a volume another one
+            # writes, nor write one another one reads ("Failed to get ... lock").
+            path = str(vol.path)
+            if f"vol{i}" in fds:
+                a += ["-add-fd", f"fd={fds[f'vol{i}']},set={VOLUME_FDSET + i},opaque=vol{i}"]
+                path = f"/dev/fdset/{VOLUME_FDSET + i}"
+            ro = "on" if vol.read_only else "off"
+            a += [
+                "-blockdev",
+                f"driver=file,filename={path},node-name=vol{i}file,read-only={ro},locking=on",
+                "-blockdev",
+                f"driver=raw,file=vol{i}file,node-name=vol{i},read-only={ro}",
+                "-device",
+                f"{blk},drive=vol{i},serial={self.volume_serial(i)}",
+            ]
         if self.balloon:
             dev = "virtio-balloon-device" if self.machine == "microvm" else "virtio-balloon-pci"
             a += ["-device", f"{dev},free-page-reporting=on"]
@@ -298,6 +377,8 @@ class MachineSpec:
                     fds[f"layer{i}"] = open_regular(layer, os.O_RDONLY)
             if self.preload is not None:
                 fds["preload"] = open_regular(self.preload, os.O_RDONLY)
+            for i, vol in enumerate(self.volumes):
+                fds[f"vol{i}"] = open_regular(vol.path, os.O_RDONLY if vol.read_only else os.O_RDWR)
         except LaunchError:
             for fd in fds.values():
                 os.close(fd)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import os
+import re
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -18,7 +19,7 @@ import attrs
 from cattrs.preconf.msgpack import make_converter
 
 from actors.egress import EgressPolicy, PolicyError
-from actors.errors import AlreadyExists, FailedPrecondition, InvalidArgument
+from actors.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 
 
 class State(enum.StrEnum):
@@ -207,6 +208,48 @@ class Timers:
     ephemeral: bool = False  # removed once it stops
 
 
+PATCH_OPS = ("file", "append", "mkdir", "remove", "symlink")
+MAX_PATCHES = 1000
+MAX_PATCH_BYTES = 4 << 20  # patches live in the sandbox's record: bigger trees go in with cp -r
+
+
+@attrs.frozen
+class Patch:
+    """A change to the sandbox's file system, applied by guestd once, on the sandbox's
+    fresh disk, before it is reported ready and before its initial command (not on a
+    restart of its own disk, nor on a restore of its snapshots: they hold it already).
+    ``owner``: user[:group] by the guest's names or ids ("" = root); ``mode`` None:
+    0644 for files, 0755 for directories."""
+
+    op: str  # file | append | mkdir | remove | symlink
+    path: str
+    data: bytes = b""
+    target: str = ""  # symlink: what the link points to
+    mode: int | None = None
+    owner: str = ""
+    replace: bool = False  # file, symlink: replace what is there (else ALREADY_EXISTS)
+
+
+@attrs.frozen
+class VolumeMount:
+    """A named volume (:mod:`actors.volumes`) mounted at ``path`` in the guest."""
+
+    name: str
+    path: str
+    read_only: bool = False
+
+
+@attrs.frozen
+class VolumeRecord:
+    """A named volume (:mod:`actors.volumes`): its image is ``<state>/volumes/<uid>.ext4``."""
+
+    name: str
+    uid: str
+    size_bytes: int
+    created_at: int  # unix seconds
+    labels: dict[str, str] = attrs.field(factory=dict)
+
+
 @attrs.frozen
 class SandboxConfig:
     labels: dict[str, str] = attrs.field(factory=dict)
@@ -217,6 +260,10 @@ class SandboxConfig:
     timers: Timers = Timers()
     boot: BootSource = BootSource()
     hostname: str = ""
+    patches: tuple[Patch, ...] = ()
+    volumes: tuple[VolumeMount, ...] = ()
+    # named scripts: written to SCRIPTS_DIR/<name> (0755) with the patches; Run{script}
+    scripts: dict[str, str] = attrs.field(factory=dict)
 
     def restored(self, labels: dict[str, str], ttl_seconds: int) -> SandboxConfig:
         """The configuration of a sandbox restored from a snapshot of this one: its own
@@ -318,6 +365,80 @@ def check_config(cfg: SandboxConfig) -> None:
         raise InvalidArgument(f"cmd, env, working_dir and user take {size} bytes; at most 256 KiB")
     if len(cfg.boot.boot_args) > 1024 or "\n" in cfg.boot.boot_args:
         raise InvalidArgument("boot_args must be one line of at most 1024 bytes")
+    check_patches(cfg.patches)
+    check_volume_mounts(cfg.volumes)
+    check_scripts(cfg.scripts)
+    size = sum(len(p.data) for p in cfg.patches) + sum(len(b.encode()) for b in cfg.scripts.values())
+    if size > MAX_PATCH_BYTES:
+        raise InvalidArgument(f"patches and scripts carry {size} bytes; at most {MAX_PATCH_BYTES}")
+
+
+SCRIPTS_DIR = "/.sandvisor/scripts"
+SCRIPT_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
+
+
+def check_scripts(scripts: dict[str, str]) -> None:
+    if len(scripts) > 100:
+        raise InvalidArgument(f"{len(scripts)} scripts; at most 100")
+    for name, body in scripts.items():
+        if not SCRIPT_NAME.fullmatch(name):
+            raise InvalidArgument(f"script name {name[:80]!r}: 1-64 of [A-Za-z0-9_.-], not starting with . or -")
+        if not body.strip():
+            raise InvalidArgument(f"script {name!r} is empty")
+
+
+def script_patches(scripts: dict[str, str]) -> tuple[Patch, ...]:
+    """The named scripts as files (a body without ``#!`` runs with /bin/sh)."""
+    if not scripts:
+        return ()
+    out = [Patch("mkdir", SCRIPTS_DIR, mode=0o755)]
+    for name, body in sorted(scripts.items()):
+        text = body if body.startswith("#!") else "#!/bin/sh\n" + body
+        out.append(Patch("file", f"{SCRIPTS_DIR}/{name}", text.encode(), mode=0o755, replace=True))
+    return tuple(out)
+
+
+def script_argv(scripts: dict[str, str], name: str, args: list[str]) -> list[str]:
+    """What Run{script: name, cmd: args} runs (NOT_FOUND for a name the config lacks)."""
+    if name not in scripts:
+        known = ", ".join(sorted(scripts)) or "none"
+        raise NotFound(f"no script {name!r} (this sandbox's: {known})")
+    return [f"{SCRIPTS_DIR}/{name}", *args]
+
+
+def check_guest_path(path: str, what: str) -> None:
+    if not path.startswith("/") or "\0" in path or len(path.encode()) > 4096:
+        raise InvalidArgument(f"{what} {path[:80]!r}: an absolute path without NUL, at most 4096 bytes")
+
+
+def check_patches(patches: tuple[Patch, ...]) -> None:
+    if len(patches) > MAX_PATCHES:
+        raise InvalidArgument(f"{len(patches)} patches; at most {MAX_PATCHES}")
+    size = 0
+    for i, p in enumerate(patches):
+        if p.op not in PATCH_OPS:
+            raise InvalidArgument(f"patch {i}: op {p.op!r} is not one of {', '.join(PATCH_OPS)}")
+        check_guest_path(p.path, f"patch {i}: path")
+        if p.mode is not None and not 0 <= p.mode <= 0o7777:
+            raise InvalidArgument(f"patch {i}: mode must be 0 to 0o7777")
+        if p.op == "symlink" and not p.target:
+            raise InvalidArgument(f"patch {i}: a symlink needs a target")
+        size += len(p.data) + len(p.path) + len(p.target) + len(p.owner)
+    if size > MAX_PATCH_BYTES:
+        raise InvalidArgument(f"patches carry {size} bytes; at most {MAX_PATCH_BYTES} (copy bigger trees with cp -r)")
+
+
+def check_volume_mounts(mounts: tuple[VolumeMount, ...]) -> None:
+    seen: set[str] = set()
+    for m in mounts:
+        check_guest_path(m.path, f"volume {m.name!r}: path")
+        if m.path.rstrip("/") in ("", "/proc", "/sys", "/dev"):
+            raise InvalidArgument(f"volume {m.name!r}: cannot be mounted at {m.path}")
+        if m.name in seen:
+            raise InvalidArgument(f"volume {m.name!r} is given twice")
+        seen.add(m.name)
+    if len({m.path.rstrip("/") for m in mounts}) != len(mounts):
+        raise InvalidArgument("two volumes at one path")
 
 
 # --- the converter (the store's; msgpack) ------------------------------------------------------

@@ -94,8 +94,8 @@ class Pools:
         """What a fresh boot depends on; None when the configuration boots differently
         (own kernel, rootfs or boot arguments). The hostname, env, cmd, ports, TTL...
         are set after the boot anyway. An OCI image counts by its converted file."""
-        if not self.templates or config.boot.custom:
-            return None
+        if not self.templates or config.boot.custom or config.volumes:
+            return None  # (volumes: devices a template's machine lacks; microvm has no hotplug)
         s = self.settings
         limits = s.limits(config.limits)
         parts = [
@@ -200,6 +200,8 @@ class Pools:
 
     # -- warm pools ----------------------------------------------------------------
     def target(self, snap: SnapshotRecord) -> int:
+        if snap.config.volumes:
+            return 0  # a member would hold the snapshot's volumes while it waits
         if snap.template_key:
             return self.template_pool
         for key in (snap.id, snap.name):

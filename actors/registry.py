@@ -73,6 +73,7 @@ from actors.sandbox import Adopt, Boot, Plan, Resume, Sandbox, check_network_ava
 from actors.settings import Settings
 from actors.snapshot import Checkpoint, SnapshotStore
 from actors.store import Record, SnapshotRecord, Store
+from actors.volumes import Volumes
 from images.oci import Image, ImageError, ImageStore, ProgressFn, PruneResult, RemoveResult
 
 FORGET_FLUSH_TIMEOUT = 10.0  # s: the database's commit of a removal before the files go
@@ -103,6 +104,7 @@ class Registry:
         self.pools = Pools(
             settings, self.snapshots, templates=templates, template_pool=template_pool, pool_size=pool_size, pools=pools
         )
+        self.volumes = Volumes(settings.sandboxes_dir.parent / "volumes", store)
         self._lives: trio.Nursery | None = None
         self._closing = False
         self._removing: set[str] = set()
@@ -119,6 +121,9 @@ class Registry:
             s.memory_dir.parent.mkdir(parents=True, exist_ok=True)
             private_dir(s.memory_dir, 0o711 if s.qemu_user is not None else 0o700)  # QEMU's user passes through
         self.snapshots.load()
+        self.volumes.load()
+        for p in self.volumes.sweep():
+            log.info("removed %s: no volume names it", p)
         self.pools.drop_stale_templates()
         adoptions = await self._recover()
         try:
@@ -271,7 +276,7 @@ class Registry:
 
     # -- sandboxes: making and forgetting ---------------------------------------------
     def _sandbox(self, rec: Record) -> Sandbox:
-        return Sandbox(rec, self.settings, SandboxFiles(rec.uid, self.settings), self.store, self.events)
+        return Sandbox(rec, self.settings, SandboxFiles(rec.uid, self.settings), self.store, self.events, self.volumes)
 
     def _new_sandbox(
         self,
@@ -392,6 +397,7 @@ class Registry:
         check_id(id)
         check_config(config)
         check_network_available(self.settings, config.network)
+        self.volumes.check(config.volumes)  # (a life claims them; this refuses before anything is made)
         for what, path in (("kernel", config.boot.kernel), ("rootfs", config.boot.rootfs)):
             if path:
                 check_host_file(what, path, self.settings.allowed_paths)
@@ -546,6 +552,7 @@ class Registry:
             raise FailedPrecondition(f"sandbox {id} is {sb.state}; only a stopped sandbox can start")
         self._admit(sb.limits.memory_mib, ram_file=True)
         check_network_available(self.settings, sb.config.network)
+        self.volumes.check(sb.config.volumes, sb.record.uid)
         sb.lease()  # (kept since its last life; taken again if the pool changed meanwhile)
         await self.start_life(sb, Boot(accepted=time.monotonic()))
         await sb.persisted()
@@ -623,6 +630,8 @@ class Registry:
             raise AlreadyExists(f"sandbox {id!r} exists")
         self.snapshots.check_restorable(snap, self.settings.accel)
         check_network_available(self.settings, snap.config.network)
+        # the snapshot's guest has its volumes mounted: the same ones, free as they were
+        self.volumes.check(snap.config.volumes, what=f"snapshot {snap.id} needs ")
         config = snap.config.restored(labels, ttl_seconds)
         accepted = time.monotonic()
         member = self.pools.take(snap)

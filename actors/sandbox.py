@@ -68,10 +68,18 @@ from actors.errors import (
 )
 from actors.events import EventBus
 from actors.files import SandboxFiles
-from actors.guest import ExecHandle, FileReadStream, GuestError, GuestOpError, GuestTimeout
+from actors.guest import (
+    ExecHandle,
+    FileReadStream,
+    GuestError,
+    GuestOpError,
+    GuestTimeout,
+    PatchEntry,
+    TreeReadStream,
+)
 from actors.hostnet import SandboxLink
 from actors.ippool import PoolExhausted, link_name
-from actors.machine import AdoptedProcess, MachineError, Placement
+from actors.machine import AdoptedProcess, MachineError, Placement, Volume
 from actors.model import (
     ALIVE,
     ENDED,
@@ -88,6 +96,7 @@ from actors.model import (
     dump,
     is_hidden,
     load,
+    script_patches,
 )
 from actors.netns import NetError, NetNS
 from actors.nft import NftError
@@ -96,6 +105,7 @@ from actors.settings import Settings
 from actors.snapshot import Checkpoint, checkpoint_guest, memory_for_restore, still_running
 from actors.store import LifeState, Record, SnapshotRecord, Store
 from actors.vm import NETDEV_ID, TAP_FD, Attach, BootError, BootTimeout, Guest, NetConfig, VmSpec
+from actors.volumes import Volumes
 from guestd import proto as P
 
 READY_FLUSH_TIMEOUT = 5.0  # s: the ready state's commit before READY is announced
@@ -173,8 +183,17 @@ Plan = Boot | Resume | Adopt | AwaitTemplate
 class Sandbox:
     """The actor. The registry calls its methods; one VM life runs in :meth:`run`."""
 
-    def __init__(self, record: Record, settings: Settings, files: SandboxFiles, store: Store, events: EventBus) -> None:
+    def __init__(
+        self,
+        record: Record,
+        settings: Settings,
+        files: SandboxFiles,
+        store: Store,
+        events: EventBus,
+        volumes: Volumes | None = None,
+    ) -> None:
         self.record = record
+        self._volumes = volumes
         self.settings = settings
         self.files = files
         self._store = store
@@ -445,6 +464,11 @@ class Sandbox:
         if isinstance(plan, Adopt):
             await self._adopted_life(plan)
             return
+        # a fresh disk gets the Create's patches (a restart of its own disk, or a
+        # restore of a snapshot, has them already); a boot template's restore is fresh
+        fresh = (isinstance(plan, Resume) and plan.fallback is not None) or (
+            isinstance(plan, Boot) and not self.files.disk.exists()
+        )
         # a new overlay's chain is on disk before the overlay: a crash in between
         # leaves a chain without its disk (the next start makes a fresh one), never a
         # disk standing on layers its record does not name
@@ -461,6 +485,7 @@ class Sandbox:
         fds: dict[str, int] = {}
         self._sealed = ""
         try:
+            volumes = self._claim_volumes()
             uplink = self._open_link(run_dir)
             if self._link is not None and self._link.tap_fd is not None:
                 fds[TAP_FD] = self._link.tap_fd  # (the link keeps it; QEMU gets its own copy)
@@ -473,7 +498,7 @@ class Sandbox:
                     uplink=uplink,
                 )
             ram, shared = self._ram(plan, cell, fds)
-            spec = self._vm_spec(plan, ram, shared)
+            spec = attrs.evolve(self._vm_spec(plan, ram, shared), volumes=volumes)
             placement = (
                 Placement(sock_dir=cell.sock_dir, qemu_dir=cell.qemu_dir, log=run_dir / "qemu.log", spawn=cell.spawn)
                 if cell is not None
@@ -498,10 +523,31 @@ class Sandbox:
             self._cell = cell
             async with self.settings.launch(spec, Attach(placement, fds, on_spawned=spawned)) as guest:
                 self._release_ram(fds, cell)  # QEMU has its own mapping now
-                await self._serve(guest, plan)
+                await self._serve(guest, plan, fresh=fresh)
         finally:
             self._release_ram(fds, cell)
             self._end_life(cell)
+            await self._release_volumes()
+
+    async def _release_volumes(self) -> None:
+        """After the reap (or the detach: QEMU runs on with them, the claims go with us)."""
+        if self._volumes is None:
+            return
+        if self._detaching:
+            self._volumes.release(self.record.uid)
+            return
+        with trio.CancelScope(shield=True):
+            for note in await self._volumes.release_checked(self.record.uid):
+                self.log.append("system", note.encode())
+
+    def _claim_volumes(self) -> tuple[Volume, ...]:
+        """This life's named volumes (FAILED_PRECONDITION when one is gone or busy)."""
+        mounts = self.config.volumes
+        if not mounts:
+            return ()
+        if self._volumes is None:
+            raise FailedPrecondition("this supervisor has no volumes")
+        return self._volumes.claim(self.record.uid, self.id, mounts)
 
     def _release_ram(self, fds: dict[str, int], cell: Cell | None) -> None:
         fd = fds.pop("ram", None)
@@ -537,14 +583,17 @@ class Sandbox:
         placement = Placement(sock_dir=Path(life.sock_dir), log=run_dir / "qemu.log")
         spec = load(life.spec, VmSpec)
         try:
+            if self._volumes is not None and self.config.volumes:
+                self._volumes.claim(self.record.uid, self.id, self.config.volumes)
             self._readopt_link()
             at = Attach(placement, adopt=plan.proc, disk_top=life.disk_top, staged=life.staged)
             async with self.settings.launch(spec, at) as guest:
                 await self._serve(guest, plan)
         finally:
             self._end_life(cell)
+            await self._release_volumes()
 
-    async def _serve(self, guest: Guest, plan: Plan) -> None:
+    async def _serve(self, guest: Guest, plan: Plan, *, fresh: bool = False) -> None:
         """A life from the guest's hello to the end of its work."""
         if isinstance(plan, Resume):
             self.timings["restored"] = time.monotonic()
@@ -561,13 +610,13 @@ class Sandbox:
         async with trio.open_nursery() as ports:
             self._ports_nursery = ports
             try:
-                await self._serve_life(guest, plan)
+                await self._serve_life(guest, plan, fresh=fresh)
             finally:
                 self._ports_nursery = None
                 self._relays.clear()
                 ports.cancel_scope.cancel()
 
-    async def _serve_life(self, guest: Guest, plan: Plan) -> None:
+    async def _serve_life(self, guest: Guest, plan: Plan, *, fresh: bool) -> None:
         if isinstance(plan, Adopt):  # its forwards live in QEMU still; calls of the last supervisor are gone
             await self._apply_ports(guest, relays_only=True)
             self._set(State.READY)
@@ -575,6 +624,10 @@ class Sandbox:
         else:
             if isinstance(plan, Boot) and plan.template is not None:
                 await plan.template(self)  # a fresh boot, nothing of the caller's in it yet
+            if not isinstance(plan, Resume):  # (a restored guest has them mounted)
+                await self._mount_volumes(guest)
+            if fresh:
+                await self._apply_patches(guest)
             await self._apply_ports(guest)  # ports given at create (or exposed before a stop) come first
             self._set(State.READY, ready_at=int(time.time()), qemu_pid=guest.machine.pid or 0)
             # on disk before anyone hears of it: a supervisor killed right after a client
@@ -634,6 +687,7 @@ class Sandbox:
             raise MachineError(f"pool member is {self.state}")
         try:
             await self._fresh_identity(guest, clock=True)
+            await self._apply_patches(guest)
             self._update_policy()  # the caller's egress policy, not the template's
             if apply_ports:
                 await self._apply_ports(guest)
@@ -968,6 +1022,23 @@ class Sandbox:
         await self.guest_call(lambda g: g.channel.write_file(path, chunks, mode=mode))
         self.touch()
 
+    @asynccontextmanager
+    async def read_tree(self, path: str) -> AsyncIterator[TreeReadStream]:
+        """The guest directory ``path`` as one tar stream (see GuestChannel.read_tree)."""
+        guest = self._require_alive()
+        try:
+            async with guest.channel.read_tree(path) as tar:
+                yield tar
+        except GuestError as exc:
+            raise guest_error(exc) from None
+        self.touch()
+
+    async def write_tree(self, path: str, chunks: AsyncIterator[bytes], *, owner: str = "") -> int:
+        """Unpack a tar stream into the guest directory ``path``; the number of entries."""
+        n = await self.guest_call(lambda g: g.channel.write_tree(path, chunks, owner=owner))
+        self.touch()
+        return n
+
     async def metrics(self) -> SandboxMetrics:
         m = await self.guest_call(lambda g: g.channel.metrics())
         cg = self._cgroup_stats()
@@ -1099,6 +1170,35 @@ class Sandbox:
     # there through a socket made in the namespace. Tap: a relay from the host port to
     # the sandbox's address (actors/portfwd.py says why not a DNAT). A restarted
     # supervisor re-creates the relays of an adopted QEMU.
+    async def _mount_volumes(self, guest: Guest) -> None:
+        """Mount the life's volumes (virtio-blk serial vN, in order) where the config says."""
+        for i, m in enumerate(self.config.volumes):
+            try:
+                await guest.channel.mount(f"serial:v{i}", m.path, read_only=m.read_only)
+            except GuestError as exc:
+                err = guest_error(exc)
+                self.log.append("system", f"volume {m.name}: {err.message}".encode())
+                raise MachineError(f"volume {m.name!r} at {m.path}: {err.message}") from None
+
+    async def _apply_patches(self, guest: Guest) -> None:
+        """The Create's patches, in order, by guestd (batched by the frame cap), before
+        anything of the caller's runs. Why not written into the overlay before boot: the
+        host would have to parse the guest's file system (an ext4 in a qcow2) as root,
+        and a Create served by a boot template restores a disk that is the template's,
+        not a fresh one; guestd applies them the same way on both paths, as root in the
+        guest, with the guest's own user names."""
+        patches = (*script_patches(self.config.scripts), *self.config.patches)
+        if not patches:
+            return
+        entries = [PatchEntry(p.op, p.path, p.data, p.target, p.mode, p.owner, p.replace) for p in patches]
+        try:
+            n = await guest.channel.patch(entries)
+        except GuestError as exc:
+            err = guest_error(exc)
+            self.log.append("system", f"patches: {err.message}".encode())
+            raise MachineError(f"patches: {err.message}") from None
+        self.log.append("system", f"{n} patches applied".encode())
+
     async def _apply_ports(self, guest: Guest, *, relays_only: bool = False) -> None:
         applied = []
         for pm in self.record.ports:

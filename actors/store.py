@@ -49,6 +49,7 @@ from actors.model import (
     SandboxConfig,
     State,
     Timers,
+    VolumeRecord,
     Workload,
     dump,
     load,
@@ -76,6 +77,10 @@ CREATE TABLE IF NOT EXISTS snapshots (
     uid TEXT PRIMARY KEY,
     id TEXT NOT NULL UNIQUE,
     created_ns INTEGER NOT NULL,
+    data BLOB NOT NULL
+);
+CREATE TABLE IF NOT EXISTS volumes (
+    name TEXT PRIMARY KEY,
     data BLOB NOT NULL
 );
 CREATE TABLE IF NOT EXISTS ip_leases (
@@ -413,6 +418,17 @@ class Store:
     def snapshots(self) -> list[SnapshotRecord]:
         rows = self.db.execute("SELECT data FROM snapshots ORDER BY created_ns").fetchall()
         return [load(_unpack(r[0]), SnapshotRecord) for r in rows]
+
+    # -- named volumes -------------------------------------------------------------------
+    def put_volume(self, r: VolumeRecord) -> None:
+        row = (r.name, _pack(r))
+        self._put(lambda db: db.execute("INSERT OR REPLACE INTO volumes (name, data) VALUES (?, ?)", row))
+
+    def delete_volume(self, name: str) -> None:
+        self._put(lambda db: db.execute("DELETE FROM volumes WHERE name=?", (name,)))
+
+    def volumes(self) -> list[VolumeRecord]:
+        return [load(_unpack(r[0]), VolumeRecord) for r in self.db.execute("SELECT data FROM volumes ORDER BY name")]
 
     # -- the IP pool's leases (tap networking) -------------------------------------------
     def ip_leases(self) -> list[tuple[str, str]]:

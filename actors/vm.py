@@ -43,6 +43,7 @@ from actors.machine import (
     MachineSpec,
     Placement,
     QemuUser,
+    Volume,
     connect_guest_socket,
 )
 from images.build import Image, host_tsc_khz
@@ -169,6 +170,7 @@ class VmSpec:
     balloon: bool = False  # a virtio-balloon reporting free pages (see MachineSpec.balloon)
     preload: Path | None = None  # the discard shim, for a balloon on privately mapped RAM
     tb_size_mib: int | None = 64  # TCG's translation cache (see MachineSpec.tb_size_mib)
+    volumes: tuple[Volume, ...] = ()  # named volumes as virtio-blk, in order (a restore: as saved)
 
     @classmethod
     def boot(
@@ -231,6 +233,7 @@ class VmSpec:
             balloon=self.balloon,
             preload=self.preload,
             tb_size_mib=self.tb_size_mib,
+            volumes=self.volumes,
         )
 
 

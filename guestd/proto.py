@@ -20,6 +20,7 @@ Error tree (host and guest)::
 
 from __future__ import annotations
 
+import errno
 import struct
 
 import msgpack
@@ -37,11 +38,17 @@ else:
         return lambda f: f
 
 
-PROTOCOL_VERSION = 1
+# 2: read_tree, write_tree, patch, mount, umount; write_file.owner
+PROTOCOL_VERSION = 2
 MAX_FRAME = 1 << 20  # 1 MiB: a frame above this closes the channel
 CHUNK = 64 * 1024  # data payloads are split into chunks of at most this size
 WINDOW = 256 * 1024  # initial flow-control credit per stream, in bytes
 MAX_FILE = 256 * 1024 * 1024  # ReadFile / WriteFile limit
+MAX_TREE = 1 << 30  # ReadTree / WriteTree: bytes of file contents in one tree
+MAX_TREE_ENTRIES = 200_000  # ReadTree / WriteTree: entries (files, directories, links) in one tree
+MAX_TREE_STREAM = MAX_TREE + MAX_TREE_ENTRIES * 2048  # the tar stream itself (contents + headers)
+MAX_TREE_META = 1 << 20  # one pax or GNU long-name header's payload
+MAX_PATCH_ENTRIES = 10_000  # entries of one Patch request (its frame bounds their bytes)
 _HDR = struct.Struct(">I")
 # one Packer for every frame (msgpack.packb builds a new one per call); it resets after
 # each pack, and neither end packs from two threads
@@ -69,6 +76,27 @@ E_EXISTS = "ALREADY_EXISTS"
 E_FAILED = "FAILED_PRECONDITION"
 E_INTERNAL = "INTERNAL"
 E_UNSUPPORTED = "UNIMPLEMENTED"
+
+_ERRNO_CODES = {
+    errno.ENOENT: E_NOT_FOUND,
+    errno.ENOTDIR: E_NOT_FOUND,
+    errno.EISDIR: E_IS_DIR,
+    errno.EACCES: E_PERM,
+    errno.EPERM: E_PERM,
+    errno.EROFS: E_PERM,
+    errno.EEXIST: E_EXISTS,
+    errno.EFBIG: E_TOO_LARGE,
+    errno.ENOSPC: E_TOO_LARGE,
+    errno.EDQUOT: E_TOO_LARGE,
+    errno.ENAMETOOLONG: E_INVALID,
+    errno.ELOOP: E_INVALID,
+    errno.ENOEXEC: E_INVALID,  # exec of a script without a #! line
+}
+
+
+def errcode(exc: OSError) -> str:
+    """The error code of a failed system call (guestd's, and the host's tree unpacking)."""
+    return _ERRNO_CODES.get(exc.errno or 0, E_INTERNAL)
 
 
 class ProtocolError(Exception):
@@ -103,6 +131,9 @@ _CHECKS: dict[str, Callable[[object], bool]] = {
         type(v) is dict and all(type(k) is str and type(x) in (int, float) for k, x in v.items())
     ),
     "list[list[Any]]": lambda v: type(v) is list and all(type(x) is list for x in v),
+    "list[dict[str, Any]]": lambda v: (
+        type(v) is list and all(type(x) is dict and all(type(k) is str for k in x) for x in v)
+    ),
 }
 
 REGISTRY: dict[str, type[Message]] = {}
@@ -315,6 +346,7 @@ class WriteFile(Message):
     path: str
     mode: int = 0o644
     size: int = -1  # announced size if known, checked against MAX_FILE up front
+    owner: str = ""  # user[:group] (names from the guest's /etc/passwd, or ids); "" = root
 
 
 @message("file_info")
@@ -322,6 +354,70 @@ class FileInfo(Message):
     rid: int
     size: int
     mode: int
+
+
+# --- trees, patches, mounts (protocol 2) ---------------------------------------
+@message("read_tree")
+class ReadTree(Message):
+    """A directory as one tar stream (POSIX pax). Guest answers Ok once the directory
+    is open, then streams Data on ch=STDOUT within credit, then Eof; an Error ends the
+    stream instead (what came before it is not a whole archive). Symlinks are archived
+    as links, never followed; hard links as links to the first name; sockets, FIFOs
+    and devices are left out; directories on other file systems are archived empty
+    (tar --one-file-system). Bounded by MAX_TREE bytes and MAX_TREE_ENTRIES entries
+    (TOO_LARGE)."""
+
+    rid: int
+    path: str
+
+
+@message("write_tree")
+class WriteTree(Message):
+    """Host streams a tar as Data on ch=STDIN and Eof, within credit (WINDOW to start,
+    as for write_file); guest unpacks it into ``path`` (made, with its parents, if
+    missing) and answers Ok(value=entries) or Error. Refused (INVALID_ARGUMENT): an
+    absolute name or a ``..`` component, a name through a symlink, a hard link to
+    anything but a file of the same archive, devices and FIFOs, a malformed or
+    truncated stream; beyond the tree limits: TOO_LARGE. Existing files are replaced
+    (never written through), existing directories merged."""
+
+    rid: int
+    path: str
+    owner: str = ""  # "": the archive's numeric uid/gid; else user[:group] owns every entry
+
+
+@message("patch")
+class Patch(Message):
+    """Files, directories and links written in order (before the workload, typically).
+    Each entry is a map: ``op`` (file, append, mkdir, remove, symlink), ``path``
+    (absolute), ``data`` (bytes: file, append), ``target`` (symlink), ``mode`` (-1:
+    0644 files, 0755 directories), ``owner`` (user[:group], "" = root), ``replace``
+    (file, symlink: an existing path is replaced, else ALREADY_EXISTS). Missing parent
+    directories are made (root, 0755). Answered Ok(value=entries applied), or Error
+    naming the first entry that failed (the ones before it stay applied)."""
+
+    rid: int
+    entries: list[dict[str, Any]]
+    base: int = 0  # the first entry's number in error messages (a host that split a long patch)
+
+
+@message("mount")
+class Mount(Message):
+    """Mount a block device at ``path`` (made if missing). ``device``: a /dev path, or
+    ``serial:NAME`` for the virtio disk whose serial is NAME. Answered Ok. guestd
+    unmounts what it mounted when it powers off."""
+
+    rid: int
+    device: str
+    path: str
+    fstype: str = "ext4"
+    read_only: bool = False
+
+
+@message("umount")
+class Umount(Message):
+    rid: int
+    path: str
 
 
 # --- system ------------------------------------------------------------------

@@ -47,14 +47,15 @@ RUNTIME_PACKAGES = (
     "python3-msgpack",
     "busybox-static",
 )
-# from the full stdlib package, only what guestd imports beyond python3.11-minimal
-# (nothing today: termios went, guestd has the two ioctl numbers it used it for)
+# from the full stdlib package, only what guestd imports beyond python3.11-minimal:
+# tarfile (and shutil, which it imports) for read_tree/write_tree, imported only by the
+# worker guestd forks for one of those (termios went: guestd has the two ioctl numbers)
 STDLIB_PACKAGE = "libpython3.11-stdlib"
-STDLIB_PICK: tuple[str, ...] = ()
+STDLIB_PICK: tuple[str, ...] = ("tarfile.py", "shutil.py")
 # shared libraries python3.11 and msgpack link against (the rest of libc6 goes)
 RUNTIME_LIBS = ("ld-linux-x86-64.so", "libc.so", "libm.so", "libz.so", "libexpat.so.1", "libgcc_s.so")
 # imported by guestd after boot, on paths not taken at import time
-LAZY_IMPORTS = ("socket", "traceback", "guestd.netcfg")
+LAZY_IMPORTS = ("socket", "traceback", "tarfile", "guestd.tree", "guestd.fsops", "guestd.netcfg")
 ROOTFS_INCLUDE = ("python3", "bash", "coreutils", "procps", "ca-certificates")
 ROOTFS_SIZE_MIB = 2048  # the ext4 file is sparse: this is room for the sandbox, not disk use
 MODULES = (

@@ -267,9 +267,25 @@ async def _create(a: argparse.Namespace) -> AsyncSandbox:
         image=a.image or "",
         pull=pull,
         tls_verify=a.tls_verify,
+        volumes=a.volume or (),
+        scripts=_scripts(a.script),
         detached=True,
         wait=not a.no_wait,
     )
+
+
+def _scripts(items: list[str] | None) -> dict[str, str]:
+    """``--script NAME=FILE`` (repeatable): the file's text is the script."""
+    out = {}
+    for item in items or ():
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise UsageError(f"--script {item!r}: NAME=FILE")
+        try:
+            out[name] = Path(path).read_text()
+        except OSError as exc:
+            raise UsageError(f"--script {name}: {path}: {exc.strerror}") from None
+    return out
 
 
 def _egress(a: argparse.Namespace) -> Any:
@@ -283,11 +299,12 @@ def _egress(a: argparse.Namespace) -> Any:
 
 def run(a: argparse.Namespace) -> int:
     cmd = _cmd(a)
-    if not cmd:
-        raise UsageError("run needs a command after --")
+    if not cmd and not a.script:
+        raise UsageError("run needs a command after -- (or --script NAME)")
     body = {
         "id": a.name,
         "cmd": cmd,
+        "script": a.script or "",
         "env": kv(a.env),
         "working_dir": a.workdir or "",
         "user": a.user or "",
@@ -411,12 +428,22 @@ async def cp(a: argparse.Namespace) -> int:
         raise UsageError("exactly one of SRC and DST must be NAME:/path")
     if src_remote:
         name, _, path = a.src.partition(":")
-        await AsyncSandbox(name, socket=a.socket).fs.copy_out(path, a.dst)
+        fs = AsyncSandbox(name, socket=a.socket).fs
+        if a.recursive:  # one tar stream; DST is the directory the tree becomes
+            await fs.copy_tree_out(path, a.dst, keep_owners=a.archive)
+        else:
+            await fs.copy_out(path, a.dst)
     else:
         name, _, path = a.dst.partition(":")
-        if not Path(a.src).is_file():
-            raise UsageError(f"{a.src}: no such file")
-        await AsyncSandbox(name, socket=a.socket).fs.copy_in(a.src, path)
+        fs = AsyncSandbox(name, socket=a.socket).fs
+        if a.recursive:
+            if not Path(a.src).is_dir():
+                raise UsageError(f"{a.src}: no such directory")
+            await fs.copy_tree_in(a.src, path, owner="" if a.archive else a.owner)
+        elif not Path(a.src).is_file():
+            raise UsageError(f"{a.src}: no such file" + (" (a directory needs -r)" if Path(a.src).is_dir() else ""))
+        else:
+            await fs.copy_in(a.src, path)
     return 0
 
 
@@ -706,6 +733,46 @@ def add_image_commands(isub: Any) -> None:
     p.add_argument("--dangling", action="store_true", help="only images no reference names")
 
 
+def volume(a: argparse.Namespace) -> int:
+    """volume create NAME --size 256M | ls | inspect NAME | rm NAME..."""
+    with _conn(a) as c:
+        if a.action == "create":
+            if len(a.names) != 1:
+                raise UsageError("volume create takes one NAME")
+            from supervisor.client import parse_size
+
+            mib = -(-parse_size(a.size) // (1 << 20))
+            r = c.call("CreateVolume", {"name": a.names[0], "size_mib": mib, "labels": kv(a.label)})
+            if a.json:
+                _json(r)
+            else:
+                print(r["name"])
+            return 0
+        if a.action == "rm":
+            if not a.names:
+                raise UsageError("volume rm takes NAME...")
+            for name in a.names:
+                c.call("DeleteVolume", {"name": name})
+            return 0
+        if a.action == "inspect":
+            if len(a.names) != 1:
+                raise UsageError("volume inspect takes one NAME")
+            _json(c.call("InspectVolume", {"name": a.names[0]}))
+            return 0
+        r = c.call("ListVolumes", {"labels": kv(a.label)})
+    if a.json:
+        _json(r["volumes"])
+        return 0
+    print_table(
+        ("NAME", "SIZE", "MOUNTED BY", "CREATED"),
+        [
+            (x["name"], f"{x['size_mib']} MiB", ", ".join(x.get("mounted_by") or ()) or "-", str(x["created_at"]))
+            for x in r["volumes"]
+        ],
+    )
+    return 0
+
+
 # --- parser ------------------------------------------------------------------------
 CLIENT_COMMANDS = frozenset(
     {
@@ -730,6 +797,7 @@ CLIENT_COMMANDS = frozenset(
         "snapshots",
         "snapshot",
         "port",
+        "volume",
     }
 )
 
@@ -775,6 +843,10 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
     p.add_argument("--allow", action="append", metavar="ENTRY", help="CIDR, host:port or domain (repeatable)")
     p.add_argument("--deny", action="append", metavar="ENTRY", help="CIDR, host:port or domain (repeatable)")
     p.add_argument("--port", action="append", metavar="HOST:GUEST")
+    p.add_argument(
+        "--volume", action="append", metavar="NAME:/path[:ro]", help="mount a named volume (sandvisor volume create)"
+    )
+    p.add_argument("--script", action="append", metavar="NAME=FILE", help="a named script (run it: run --script NAME)")
     p.add_argument("--workdir")
     p.add_argument("--user")
     p.add_argument("--image", metavar="REF", help="an OCI image (docker://HOST/NAME:TAG, oci:DIR, ...)")
@@ -790,6 +862,7 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
     p.add_argument("--user")
     p.add_argument("--timeout", type=int, default=0, metavar="S")
     p.add_argument("-t", "--tty", action="store_true")
+    p.add_argument("--script", metavar="NAME", help="run a named script of the sandbox (args after --)")
 
     p = cmd("exec", exec_, "run an interactive command (-it for a terminal session)")
     p.add_argument("-i", "--interactive", action="store_true")
@@ -817,7 +890,12 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
     p.add_argument("--action")
     p.add_argument("--json", action="store_true")
 
-    p = cmd("cp", cp, "copy a file in or out: one side is NAME:/path")
+    p = cmd("cp", cp, "copy a file (or with -r a directory tree) in or out: one side is NAME:/path")
+    p.add_argument("-r", "--recursive", action="store_true", help="a directory tree, as one tar stream")
+    p.add_argument(
+        "-a", "--archive", action="store_true", help="keep numeric owners (in: the host's; out: the guest's, as root)"
+    )
+    p.add_argument("--owner", default="root", help="-r in: USER[:GROUP] in the guest that owns every entry")
     p.add_argument("src")
     p.add_argument("dst")
 
@@ -861,6 +939,13 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
 
     p = cmd("snapshots", snapshots, "list snapshots")
     p.add_argument("--sandbox", metavar="ID", help="only those taken of this sandbox")
+    p.add_argument("--label", action="append", metavar="K=V")
+    p.add_argument("--json", action="store_true")
+
+    p = cmd("volume", volume, "named volumes: volume create NAME --size 256M | ls | inspect NAME | rm NAME...")
+    p.add_argument("action", choices=["create", "ls", "inspect", "rm"])
+    p.add_argument("names", nargs="*", metavar="NAME")
+    p.add_argument("--size", default="256M", help="create: 256M, 1G, ...")
     p.add_argument("--label", action="append", metavar="K=V")
     p.add_argument("--json", action="store_true")
 

@@ -75,6 +75,7 @@ from supervisor.protocol import (
     SandboxInfo,
     SandboxSummary,
     SnapshotSummary,
+    VolumeInfo,
 )
 
 __all__ = [
@@ -83,6 +84,7 @@ __all__ = [
     "AsyncExec",
     "AsyncImages",
     "AsyncSandbox",
+    "AsyncVolumes",
     "Boot",
     "CallStream",
     "Cancelled",
@@ -101,6 +103,7 @@ __all__ = [
     "OciImageInfo",
     "Output",
     "Page",
+    "Patch",
     "PermissionDenied",
     "PruneImagesResponse",
     "PullImageProgress",
@@ -120,10 +123,14 @@ __all__ = [
     "SnapshotSummary",
     "Unavailable",
     "Unimplemented",
+    "VolumeInfo",
+    "VolumeMount",
+    "Volumes",
     "Workload",
     "connect",
     "error_for",
     "images",
+    "parse_size",
 ]
 
 T_ = TypeVar("T_")
@@ -393,6 +400,73 @@ class Boot:
     boot_args: str = ""
 
 
+@attrs.frozen(kw_only=True)
+class Patch:
+    """A change to the sandbox's file system that guestd makes once, on its fresh disk,
+    before it is ready and before its command runs. Build with the class methods;
+    ``owner`` is user[:group] by the guest's names or ids ("" = root)."""
+
+    op: str
+    path: str
+    data: bytes = b""
+    target: str = ""
+    mode: int | None = None
+    owner: str = ""
+    replace: bool = False
+
+    @classmethod
+    def file(
+        cls, path: str, data: bytes | str, *, mode: int | None = None, owner: str = "", replace: bool = False
+    ) -> Patch:
+        raw = data.encode() if isinstance(data, str) else bytes(data)
+        return cls(op="file", path=path, data=raw, mode=mode, owner=owner, replace=replace)
+
+    @classmethod
+    def append(cls, path: str, data: bytes | str, *, mode: int | None = None, owner: str = "") -> Patch:
+        raw = data.encode() if isinstance(data, str) else bytes(data)
+        return cls(op="append", path=path, data=raw, mode=mode, owner=owner)
+
+    @classmethod
+    def mkdir(cls, path: str, *, mode: int | None = None, owner: str = "") -> Patch:
+        return cls(op="mkdir", path=path, mode=mode, owner=owner)
+
+    @classmethod
+    def remove(cls, path: str) -> Patch:
+        return cls(op="remove", path=path)
+
+    @classmethod
+    def symlink(cls, target: str, link: str, *, owner: str = "", replace: bool = False) -> Patch:
+        return cls(op="symlink", path=link, target=target, owner=owner, replace=replace)
+
+    def spec(self) -> W.PatchSpec:
+        return W.PatchSpec(self.op, self.path, self.data, self.target, self.mode, self.owner, self.replace)
+
+
+@attrs.frozen
+class VolumeMount:
+    """Named volume ``name`` mounted at ``path``; ``VolumeMount.parse("NAME:/path[:ro]")``."""
+
+    name: str
+    path: str
+    read_only: bool = False
+
+    @classmethod
+    def parse(cls, text: str) -> VolumeMount:
+        name, sep, rest = text.partition(":")
+        path, _, flag = rest.partition(":")
+        if not sep or not name or not path.startswith("/") or flag not in ("", "ro", "rw"):
+            raise InvalidArgument(W.INVALID_ARGUMENT, f"volume {text!r}: NAME:/path[:ro]")
+        return cls(name, path, flag == "ro")
+
+
+def _patches(v: Sequence[Patch] | None) -> tuple[Patch, ...]:
+    return tuple(v or ())
+
+
+def _mounts(v: Sequence[VolumeMount | str] | None) -> tuple[VolumeMount, ...]:
+    return tuple(m if isinstance(m, VolumeMount) else VolumeMount.parse(m) for m in v or ())
+
+
 class Settings(TypedDict, total=False):
     """The common settings, as keyword arguments of ``create`` and :meth:`SandboxSpec.with_`."""
 
@@ -414,6 +488,9 @@ class Settings(TypedDict, total=False):
     image: str
     pull: Literal["", "always", "if-missing", "never"]
     tls_verify: bool
+    patches: Sequence[Patch]
+    volumes: Sequence[VolumeMount | str]
+    scripts: Mapping[str, str]
 
 
 @attrs.frozen(kw_only=True)
@@ -429,6 +506,10 @@ class SandboxSpec:
     network: Network = Network()
     lifetime: Lifetime = Lifetime()
     boot: Boot = Boot()
+    patches: tuple[Patch, ...] = attrs.field(default=(), converter=_patches)
+    volumes: tuple[VolumeMount, ...] = attrs.field(default=(), converter=_mounts)
+    # named scripts (name -> body; no "#!": /bin/sh), run by name: run_script(name, *args)
+    scripts: dict[str, str] = attrs.field(factory=dict, converter=_kv)
 
     def with_(self, **settings: Unpack[Settings]) -> SandboxSpec:
         if not settings:
@@ -463,6 +544,9 @@ class SandboxSpec:
                 idle_timeout=s.get("idle_timeout", life.idle_timeout),
                 ephemeral=s.get("ephemeral", life.ephemeral),
             ),
+            patches=s.get("patches", self.patches),
+            volumes=_mounts(s.get("volumes", self.volumes)),
+            scripts={**self.scripts, **_kv(s.get("scripts"))},
         )
 
     def request(self, name: str = "") -> W.CreateSandboxRequest:
@@ -487,6 +571,9 @@ class SandboxSpec:
             idle_timeout_seconds=self.lifetime.idle_timeout,
             hostname=self.hostname,
             ephemeral=self.lifetime.ephemeral,
+            patches=[p.spec() for p in self.patches],
+            volumes=[W.VolumeMount(m.name, m.path, m.read_only) for m in self.volumes],
+            scripts=dict(self.scripts),
         )
 
 
@@ -644,6 +731,106 @@ class AsyncFS:
                 async for ch in call:
                     await trio.to_thread.run_sync(f.write, _structure(ch, W.FileChunk, "ReadFile").data)
         tmp.replace(dest)
+
+    async def copy_tree_in(self, local: str | Path, path: str, *, owner: str = "") -> int:
+        """``cp -r DIR box:/path``: the host directory ``local`` into the sandbox's
+        directory ``path`` (made if missing; existing directories merged, files
+        replaced) as one tar stream packed here, with the caller's rights: modes,
+        mtimes, symlinks, hard links, empty directories. ``owner`` "": every entry
+        keeps its numeric uid/gid; else user[:group] (the guest's names) owns all.
+        Returns the number of entries written."""
+        from supervisor.treecopy import packed_tree  # (tarfile: imported when used)
+
+        opening = W.WriteTreeRequest(open=W.WriteTreeOpen(id=self._sb.id, path=path, owner=owner))
+        async with (
+            packed_tree(Path(local)) as chunks,
+            connect(self._sb.socket) as c,
+            c.open_call("WriteTree", W.unstructure_body(opening)) as call,
+        ):
+            async for piece in chunks:
+                await call.send(W.unstructure_body(W.WriteTreeRequest(chunk=W.FileChunk(data=piece))))
+            await call.send(W.unstructure_body(W.WriteTreeRequest(chunk=W.FileChunk(done=True))))
+            await call.half_close()
+            return _structure(await call.result(), W.WriteTreeResponse, "WriteTree").entries
+
+    async def copy_tree_out(self, path: str, local: str | Path, *, keep_owners: bool = False) -> int:
+        """``cp -r box:/path DIR``: the sandbox's directory ``path`` into the host
+        directory ``local`` (made if missing; the guest directory's mode and mtime
+        become its own) as one tar stream, unpacked here by guestd's hostile-stream
+        unpacker (no absolute names, '..', writes through symlinks, devices,
+        setuid bits). ``keep_owners``: the guest's numeric owners (root only); else
+        the files are the caller's. Returns the number of entries."""
+        from supervisor.treecopy import unpack_tree
+
+        dest = Path(local)
+        await trio.to_thread.run_sync(functools.partial(dest.mkdir, parents=True, exist_ok=True))
+        req = W.unstructure_body(W.ReadTreeRequest(id=self._sb.id, path=path))
+        async with connect(self._sb.socket) as c, c.open_call("ReadTree", req) as call:
+
+            async def chunks() -> AsyncIterator[bytes]:
+                async for item in call:
+                    ch = _structure(item, W.FileChunk, "ReadTree")
+                    if ch.data:
+                        yield ch.data
+                    if ch.done:
+                        return
+                raise ApiError(W.UNAVAILABLE, "the tree stream ended early")
+
+            return await unpack_tree(chunks(), dest, keep_ids=keep_owners, root_meta=True)
+
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes: an int, or "256M", "1G", "512MiB", "1024" (bytes)."""
+    if isinstance(size, int):
+        return size
+    text = size.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = text[-1:] if text[-1:] in _UNITS else ""
+    number = text[: len(text) - len(unit)] if unit else text
+    try:
+        value = float(number)
+    except ValueError:
+        raise InvalidArgument(W.INVALID_ARGUMENT, f"size {size!r}: a number with K, M, G or T") from None
+    return int(value * _UNITS[unit])
+
+
+async def _outputs(items: AsyncGenerator[W.RunOutput, None]) -> AsyncGenerator[Output, None]:
+    async with aclosing(items):
+        async for item in items:
+            yield _output(item)
+
+
+class AsyncVolumes:
+    """The named volumes of a supervisor (Trio): persistent ext4 disks a Create mounts
+    (``volumes=["NAME:/path", "NAME:/path:ro"]``), read-write in one live sandbox at a
+    time, read-only in many; they outlive the sandboxes."""
+
+    def __init__(self, socket: str | Path | None = None) -> None:
+        self.socket = str(socket or default_socket())
+
+    async def _unary(self, method: str, request: Any, result: type[B]) -> B:
+        async with connect(self.socket) as c:
+            return await _unary(c, method, request, result)
+
+    async def create(
+        self, name: str, size: int | str = "256M", *, labels: Mapping[str, str] | None = None
+    ) -> VolumeInfo:
+        mib = -(-parse_size(size) // (1 << 20))
+        req = W.CreateVolumeRequest(name=name, size_mib=mib, labels=dict(labels or {}))
+        return await self._unary("CreateVolume", req, VolumeInfo)
+
+    async def get(self, name: str) -> VolumeInfo:
+        return await self._unary("InspectVolume", W.NameRequest(name=name), VolumeInfo)
+
+    async def list(self, *, labels: Mapping[str, str] | None = None) -> builtins.list[VolumeInfo]:
+        req = W.ListVolumesRequest(labels=dict(labels or {}))
+        return (await self._unary("ListVolumes", req, W.ListVolumesResponse)).volumes
+
+    async def remove(self, name: str) -> None:
+        """FAILED_PRECONDITION while a live sandbox mounts it."""
+        await self._unary("DeleteVolume", W.DeleteVolumeRequest(name=name), W.Empty)
 
 
 class AsyncSandbox:
@@ -857,8 +1044,17 @@ class AsyncSandbox:
 
     async def run(self, cmd: builtins.list[str] | str, **how: Unpack[RunSettings]) -> RunResult:
         """Run a workload to its end: its stdout, stderr and exit code."""
+        return await self._collect(self.run_stream(cmd, **how))
+
+    async def run_script(self, name: str, *args: str, **how: Unpack[RunSettings]) -> RunResult:
+        """Run the named script of the sandbox's config (``scripts=`` at create) with
+        ``args``, as a workload; NOT_FOUND for a name it does not have."""
+        req = attrs.evolve(self._run_request(list(args), how), script=name)
+        return await self._collect(_outputs(self._stream("Run", req, W.RunOutput)))
+
+    async def _collect(self, stream: AsyncGenerator[Output, None]) -> RunResult:
         out, err, code = bytearray(), bytearray(), -1
-        async with aclosing(self.run_stream(cmd, **how)) as outputs:
+        async with aclosing(stream) as outputs:
             async for o in outputs:
                 if o.stream == "stdout":
                     out += o.data
@@ -1174,6 +1370,31 @@ class FS:
     def copy_out(self, path: str, local: str | Path) -> None:
         trio.run(self._a.fs.copy_out, path, local)
 
+    def copy_tree_in(self, local: str | Path, path: str, *, owner: str = "") -> int:
+        return trio.run(functools.partial(self._a.fs.copy_tree_in, local, path, owner=owner))
+
+    def copy_tree_out(self, path: str, local: str | Path, *, keep_owners: bool = False) -> int:
+        return trio.run(functools.partial(self._a.fs.copy_tree_out, path, local, keep_owners=keep_owners))
+
+
+class Volumes:
+    """:class:`AsyncVolumes`, blocking."""
+
+    def __init__(self, socket: str | Path | None = None) -> None:
+        self._a = AsyncVolumes(socket)
+
+    def create(self, name: str, size: int | str = "256M", *, labels: Mapping[str, str] | None = None) -> VolumeInfo:
+        return trio.run(functools.partial(self._a.create, name, size, labels=labels))
+
+    def get(self, name: str) -> VolumeInfo:
+        return trio.run(self._a.get, name)
+
+    def list(self, *, labels: Mapping[str, str] | None = None) -> builtins.list[VolumeInfo]:
+        return trio.run(functools.partial(self._a.list, labels=labels))
+
+    def remove(self, name: str) -> None:
+        trio.run(self._a.remove, name)
+
 
 class Sandbox:
     """The synchronous SDK: the surface of :class:`AsyncSandbox`, blocking (each call
@@ -1300,6 +1521,9 @@ class Sandbox:
 
     def run(self, cmd: builtins.list[str] | str, **how: Unpack[RunSettings]) -> RunResult:
         return self._do(self._a.run, cmd, **how)
+
+    def run_script(self, name: str, *args: str, **how: Unpack[RunSettings]) -> RunResult:
+        return self._do(self._a.run_script, name, *args, **how)
 
     def run_stream(self, cmd: builtins.list[str] | str, **how: Unpack[RunSettings]) -> Iterator[Output]:
         return _sync_iter(lambda: self._a.run_stream(cmd, **how))

@@ -47,7 +47,7 @@ import attrs
 from google.protobuf import message_factory
 from google.protobuf.message import Message
 
-from actors.errors import FailedPrecondition, InvalidArgument, Unimplemented
+from actors.errors import InvalidArgument, Unimplemented
 from actors.registry import Registry
 from supervisor import grpc_bridge as G
 from supervisor import protocol as W
@@ -73,9 +73,7 @@ class Rpc:
 
 def _sandvisor_create(d: dict[str, Any]) -> dict[str, Any]:
     """sandvisor.v1.CreateRequest: ``outbound`` is a field of the network, ``host_address``
-    is the server's to set, volumes are not available yet."""
-    if d.pop("volumes", None):
-        raise FailedPrecondition("volumes are not available yet")
+    is the server's to set."""
     if d.pop("outbound", False):
         d["network"] = {**d.get("network", {}), "outbound": True}
     for p in d.get("ports", ()):
@@ -83,7 +81,6 @@ def _sandvisor_create(d: dict[str, Any]) -> dict[str, Any]:
     return d
 
 
-_VOLUMES = "volumes are a draft of sandvisor.v1: not available yet"
 _BUILDS = "images are built on the supervisor's host: sandvisor image build"
 
 BINDINGS: dict[str, tuple[Rpc, ...]] = {
@@ -131,10 +128,10 @@ BINDINGS: dict[str, tuple[Rpc, ...]] = {
         Rpc("RemoveImage", "RemoveImage"),
         Rpc("PruneImages", "PruneImages"),
         Rpc("InspectOciImage", "InspectOciImage"),
-        Rpc("CreateVolume", None, why=_VOLUMES),
-        Rpc("InspectVolume", None, why=_VOLUMES),
-        Rpc("ListVolumes", None, why=_VOLUMES),
-        Rpc("DeleteVolume", None, why=_VOLUMES),
+        Rpc("CreateVolume", "CreateVolume"),
+        Rpc("InspectVolume", "InspectVolume"),
+        Rpc("ListVolumes", "ListVolumes"),
+        Rpc("DeleteVolume", "DeleteVolume"),
     ),
 }
 

@@ -18,6 +18,7 @@ from actors.model import (
     Limits,
     NetMode,
     Network,
+    Patch,
     PortSpec,
     Protocol,
     SandboxConfig,
@@ -25,6 +26,7 @@ from actors.model import (
     SandboxMetrics,
     State,
     Timers,
+    VolumeMount,
     Workload,
 )
 from actors.sandbox import Sandbox
@@ -107,6 +109,9 @@ def config(req: W.CreateSandboxRequest) -> SandboxConfig:
             tls_verify=req.image_tls_verify is not False,
         ),
         hostname=req.hostname,
+        patches=tuple(Patch(p.op, p.path, p.data, p.target, p.mode, p.owner, p.replace) for p in req.patches),
+        volumes=tuple(VolumeMount(v.volume, v.target, v.readonly) for v in req.volumes),
+        scripts=dict(req.scripts),
     )
 
 

@@ -197,6 +197,28 @@ class Mount:
 
 
 @attrs.frozen
+class PatchSpec:
+    """A file system change applied once, before the sandbox is ready (see actors.model.Patch)."""
+
+    op: str  # file | append | mkdir | remove | symlink
+    path: str
+    data: bytes = b""
+    target: str = ""
+    mode: int | None = None
+    owner: str = ""
+    replace: bool = False
+
+
+@attrs.frozen
+class VolumeMount:
+    """A named volume mounted at ``target`` (sandvisor.v1.VolumeMount)."""
+
+    volume: str
+    target: str
+    readonly: bool = False
+
+
+@attrs.frozen
 class CreateSandboxRequest:
     id: str = ""
     labels: dict[str, str] = attrs.field(factory=dict)
@@ -222,6 +244,9 @@ class CreateSandboxRequest:
     # plain-HTTP registry. Credentials: pull first with PullImage
     image_pull: str = ""
     image_tls_verify: bool | None = None  # None: verify (a proto3 optional on gRPC)
+    patches: list[PatchSpec] = attrs.field(factory=list)  # applied by guestd before ready (msgpack edge)
+    volumes: list[VolumeMount] = attrs.field(factory=list)  # sandvisor.v1.CreateRequest.volumes
+    scripts: dict[str, str] = attrs.field(factory=dict)  # named scripts, run by Run{script} (msgpack edge)
 
 
 @attrs.frozen
@@ -247,6 +272,7 @@ class RunRequest:
     user: str = ""
     tty: bool = False
     timeout_seconds: int = 0
+    script: str = ""  # a named script of the sandbox's config, run with ``cmd`` as its arguments
 
 
 @attrs.frozen
@@ -384,6 +410,34 @@ class WriteFileRequest:
 
 
 @attrs.frozen
+class ReadTreeRequest:
+    """A guest directory as one tar stream (answered with FileChunk items, the last done)."""
+
+    id: str
+    path: str
+
+
+@attrs.frozen
+class WriteTreeOpen:
+    id: str
+    path: str
+    owner: str = ""  # "": the archive's numeric owners; else user[:group] owns every entry
+
+
+@attrs.frozen
+class WriteTreeRequest:
+    """A client stream: ``open`` first, then tar bytes in ``chunk``s (the last done)."""
+
+    open: WriteTreeOpen | None = None
+    chunk: FileChunk | None = None
+
+
+@attrs.frozen
+class WriteTreeResponse:
+    entries: int
+
+
+@attrs.frozen
 class PingResponse:
     latency_ns: int
     activity: int
@@ -472,6 +526,38 @@ class ListPortsResponse:
 
 
 # --- the server and its images (sandvisor extensions) ---------------------------------
+@attrs.frozen
+class CreateVolumeRequest:
+    name: str
+    size_mib: int = 0  # 0: 256 MiB
+    labels: dict[str, str] = attrs.field(factory=dict)
+
+
+@attrs.frozen
+class VolumeInfo:
+    name: str
+    size_mib: int
+    created_at: int  # unix seconds
+    labels: dict[str, str] = attrs.field(factory=dict)
+    mounted_by: list[str] = attrs.field(factory=list)  # live sandboxes that mount it now
+
+
+@attrs.frozen
+class ListVolumesRequest:
+    labels: dict[str, str] = attrs.field(factory=dict)  # every one of them must match
+
+
+@attrs.frozen
+class ListVolumesResponse:
+    volumes: list[VolumeInfo] = attrs.field(factory=list)
+
+
+@attrs.frozen
+class DeleteVolumeRequest:
+    name: str
+    force: bool = False  # (a volume a live sandbox mounts is never removed: stop it first)
+
+
 @attrs.frozen
 class NameRequest:
     name: str = ""

@@ -44,7 +44,7 @@ import trio
 from actors._groups import collapse_single
 from actors.errors import DomainError, InvalidArgument, NotFound, ResourceExhausted
 from actors.events import Lagged
-from actors.model import ALIVE, State, check_port
+from actors.model import ALIVE, State, VolumeRecord, check_labels, check_port, script_argv
 from actors.registry import DEFAULT_STOP_TIMEOUT, Registry
 from actors.sandbox import Sandbox
 from actors.snapshot import rfc3339
@@ -378,8 +378,9 @@ async def _remove(reg: Registry, io: CallIO, req: W.RemoveSandboxRequest) -> Non
 @method("Run", W.RunRequest, streams=True)
 async def _run(reg: Registry, io: CallIO, req: W.RunRequest) -> None:
     sb = reg.get(req.id)
+    cmd = script_argv(sb.config.scripts, req.script, req.cmd) if req.script else req.cmd
     workload = sb.run_workload(
-        req.cmd, env=req.env, cwd=req.working_dir, user=req.user, tty=req.tty, timeout=float(req.timeout_seconds)
+        cmd, env=req.env, cwd=req.working_dir, user=req.user, tty=req.tty, timeout=float(req.timeout_seconds)
     )
     # closed here, in this task: a cancelled Run (the client's cancel, a gRPC deadline, a
     # disconnect) kills its process and returns the sandbox to ready at once, not when
@@ -484,6 +485,46 @@ async def _write_file(reg: Registry, io: CallIO, first: W.WriteFileRequest) -> N
                 return
 
     await sb.write_file(path, chunks(), mode=op.mode or 0o644)
+
+
+async def _chunks_in(io: CallIO, cls: type[Any], limit: int, what: str) -> AsyncIterator[bytes]:
+    """The ``chunk`` bytes of a client stream after its opening message, up to ``limit``."""
+    total = 0
+    while True:
+        msg = await io.receive()
+        if msg is None:
+            return
+        assert isinstance(msg, cls)
+        if msg.chunk is None:
+            raise InvalidArgument("after open, only chunks")
+        total += len(msg.chunk.data)
+        if total > limit:
+            raise ResourceExhausted(f"{what} exceeds {limit} bytes")
+        if msg.chunk.data:
+            yield msg.chunk.data
+        if msg.chunk.done:
+            return
+
+
+@method("ReadTree", W.ReadTreeRequest, streams=True)
+async def _read_tree(reg: Registry, io: CallIO, req: W.ReadTreeRequest) -> None:
+    """``cp -r box:/path DIR``: the guest packs, the client unpacks (with its own rights)."""
+    sb = reg.get(req.id)
+    async with sb.read_tree(_absolute(req.path)) as tar:
+        async for chunk in tar:
+            await io.send(W.FileChunk(data=chunk))
+    await io.send(W.FileChunk(done=True))
+
+
+@method("WriteTree", W.WriteTreeRequest, inputs=W.WriteTreeRequest)
+async def _write_tree(reg: Registry, io: CallIO, first: W.WriteTreeRequest) -> W.WriteTreeResponse:
+    """``cp -r DIR box:/path``: the client packs, guestd unpacks (hostile archives refused)."""
+    if first.open is None:
+        raise InvalidArgument("the first WriteTreeRequest must carry open")
+    sb = reg.get(first.open.id)
+    chunks = _chunks_in(io, W.WriteTreeRequest, P.MAX_TREE_STREAM, "tree stream")
+    n = await sb.write_tree(_absolute(first.open.path), chunks, owner=first.open.owner)
+    return W.WriteTreeResponse(entries=n)
 
 
 @method("Ping", W.IdRequest)
@@ -650,6 +691,40 @@ async def _info(reg: Registry, io: CallIO, req: W.Empty) -> W.ServerInfo:
         default_image=reg.settings.image.name,
         services=list(SERVICES),
     )
+
+
+def _volume(reg: Registry, rec: VolumeRecord) -> W.VolumeInfo:
+    return W.VolumeInfo(
+        name=rec.name,
+        size_mib=rec.size_bytes >> 20,
+        created_at=rec.created_at,
+        labels=dict(rec.labels),
+        mounted_by=reg.volumes.users(rec.name),
+    )
+
+
+@method("CreateVolume", W.CreateVolumeRequest)
+async def _create_volume(reg: Registry, io: CallIO, req: W.CreateVolumeRequest) -> W.VolumeInfo:
+    check_labels(req.labels)
+    rec = await reg.volumes.create(req.name, (req.size_mib or 256) << 20, req.labels)
+    return _volume(reg, rec)
+
+
+@method("InspectVolume", W.NameRequest)
+async def _inspect_volume(reg: Registry, io: CallIO, req: W.NameRequest) -> W.VolumeInfo:
+    return _volume(reg, reg.volumes.get(req.name))
+
+
+@method("ListVolumes", W.ListVolumesRequest)
+async def _list_volumes(reg: Registry, io: CallIO, req: W.ListVolumesRequest) -> W.ListVolumesResponse:
+    recs = [r for r in reg.volumes.records.values() if req.labels.items() <= r.labels.items()]
+    return W.ListVolumesResponse([_volume(reg, r) for r in sorted(recs, key=lambda r: r.name)])
+
+
+@method("DeleteVolume", W.DeleteVolumeRequest)
+async def _delete_volume(reg: Registry, io: CallIO, req: W.DeleteVolumeRequest) -> W.Empty:
+    await reg.volumes.remove(req.name)
+    return W.Empty()
 
 
 @method("ListImages", W.Empty)

@@ -50,6 +50,16 @@ mini shell: simple commands joined by ``;``, newline, ``&&``, ``||`` and ``&``
 (background, same process group), redirections ``> FILE``, ``>> FILE``, ``>&2``, and
 ``exit N``; words are split as by shlex; no variables, globs, pipes or subshells.
 
+Trees, patches and mounts (protocol 2) work on the same model: ``read_tree`` streams a
+real tar (tarfile, pax) of a directory's files, directories and symlinks (``guest.symlinks``:
+path -> target, recorded, never followed), ``write_tree`` unpacks one under guestd's rules
+(the same name checks: absolute names, ``..``, names through a symlink, devices and FIFOs,
+hard links outside the archive are INVALID_ARGUMENT, and nothing of the archive is
+written then), ``patch`` applies its entries in order, ``mount``/``umount`` record mounts
+of the disks in ``guest.disks`` (device or ``serial:NAME`` -> read-only). Owners given by
+write_file, write_tree and patch are recorded in ``guest.owners`` (path -> (uid, gid)),
+resolved from the fake's user table; modes with the file (or ``guest.dir_modes``).
+
 Hostile modes (:class:`Hostile`, ``guest.hostile``, switchable at any time): go
 silent (now or after the next hello), stop reading (deaf), ignore kills, flood frames
 with unknown request ids, send data beyond credit, answer with the wrong message type,
@@ -71,10 +81,12 @@ power-off sequence (sync, remount). Metrics are fixed, plausible numbers.
 from __future__ import annotations
 
 import errno
+import io
 import posixpath
 import shlex
 import signal
 import socket
+import tarfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -86,13 +98,15 @@ import trio.testing
 
 from guestd import proto as P
 from guestd.agent import DEFAULT_PATH, ExecFailed, errcode
+from guestd.fsops import PATCH_OPS
+from guestd.tree import MAX_DEPTH
 
 Handler = Callable[["Command"], Awaitable[int]]
 """A command: gets its :class:`Command` context, returns the exit status (0-255)."""
 Sink = Callable[[bytes], Awaitable[None]]
 
 BOOT_MARKS = {"init": 0.05, "modules": 0.1, "rootfs": 0.15, "python": 0.2, "ready": 0.25}
-FEATURES = ["exec", "pty", "files", "metrics", "serial"]
+FEATURES = ["exec", "pty", "files", "metrics", "trees", "patch", "mount", "serial"]
 FIRST_PID = 100
 UNKNOWN_RID = 1 << 30  # rids of the flood: far above what a host hands out
 _FHS = "/ /bin /dev /etc /home /root /run /sbin /tmp /var /usr /usr/bin /usr/sbin /usr/local /usr/local/bin"
@@ -100,6 +114,14 @@ DEFAULT_DIRS = frozenset([*_FHS.split(), "/usr/local/sbin"])  # no /proc, /sys: 
 USERS = {"root": (0, 0, "/root"), "nobody": (65534, 65534, "/nonexistent")}  # name -> uid, gid, home
 _IGNORE_OR_STOP = "SIGCHLD SIGCONT SIGURG SIGWINCH SIGSTOP SIGTSTP SIGTTIN SIGTTOU"
 NOT_FATAL = frozenset(int(getattr(signal, name)) for name in _IGNORE_OR_STOP.split())  # recorded, not acted on
+
+
+class _FsError(Exception):
+    """guestd's TreeError: a refused tree or patch (code, message)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
 
 
 @attrs.define
@@ -303,10 +325,17 @@ class _ExecReq(_Req):
 
 
 class _FileReadReq(_Req):
+    """A file's contents (read_file), or a tree's tar stream (read_tree), within credit."""
+
     def __init__(self, session: _Session, rid: int, data: bytes) -> None:
         super().__init__(session, rid)
         self.data = data
         self.credit = P.WINDOW
+
+    def cancel(self) -> None:
+        """A Signal from the host (leaving a read_tree early): guestd kills its worker."""
+        self.finish()
+        self.wake()
 
     def on_credit(self, ch: int, n: int) -> None:
         self.credit = min(self.credit + max(n, 0), 1 << 30)
@@ -330,27 +359,47 @@ class _FileReadReq(_Req):
 
 
 class _FileWriteReq(_Req):
-    def __init__(self, session: _Session, rid: int, guest: FakeGuest, path: str, mode: int) -> None:
+    def __init__(
+        self,
+        session: _Session,
+        rid: int,
+        guest: FakeGuest,
+        path: str,
+        mode: int,
+        owner: tuple[int, int] | None = None,
+        *,
+        tree: bool = False,
+    ) -> None:
         super().__init__(session, rid)
-        self.guest, self.path, self.mode = guest, path, mode
+        self.guest, self.path, self.mode, self.owner, self.tree = guest, path, mode, owner, tree
         self.buf = bytearray()
 
     async def on_data(self, ch: int, data: bytes) -> None:
         # like guestd: no credit check here; each chunk is credited back once "written"
-        if len(self.buf) + len(data) > P.MAX_FILE:
-            await self.fail(P.E_TOO_LARGE, f"file exceeds {P.MAX_FILE} bytes")
+        limit = P.MAX_TREE_STREAM if self.tree else P.MAX_FILE
+        if len(self.buf) + len(data) > limit:
+            await self.fail(P.E_TOO_LARGE, f"{'tree' if self.tree else 'file'} exceeds {limit} bytes")
             return
         self.buf += data
         await self.send(P.Credit(rid=self.rid, ch=P.STDIN, n=len(data)))
 
     async def on_eof(self, ch: int) -> None:
         try:
-            self.guest.store(self.path, bytes(self.buf), self.mode)
+            if self.tree:
+                value = self.guest.unpack_tree(self.path, bytes(self.buf), self.owner)
+            else:
+                self.guest.store(self.path, bytes(self.buf), self.mode)
+                if self.owner is not None:
+                    self.guest.owners[self.path] = self.owner
+                value = len(self.buf)
+        except _FsError as exc:
+            await self.fail(exc.code, exc.message)
+            return
         except OSError as exc:
             await self.fail(errcode(exc), f"write {self.path}: {exc.strerror}")
             return
         if self.session is not None:
-            await self.session.answer(P.Ok(rid=self.rid, value=len(self.buf)))
+            await self.session.answer(P.Ok(rid=self.rid, value=value))
         self.finish()
 
     async def fail(self, code: str, text: str) -> None:
@@ -784,11 +833,17 @@ class FakeGuest:
         setclock: bool = True,
         ncpu: int = 1,
         mem_total: int = 512 << 20,
+        disks: dict[str, bool] | None = None,
     ) -> None:
         self.hostname = hostname
         self.files: dict[str, tuple[int, bytes]] = {}  # path -> (mode, contents)
         self.dirs: set[str] = set(DEFAULT_DIRS)
         self.readonly: set[str] = set()  # trees where writes fail with EROFS (a read-only mount)
+        self.symlinks: dict[str, str] = {}  # path -> target (trees and patches make them; never followed)
+        self.owners: dict[str, tuple[int, int]] = {}  # path -> (uid, gid), when a request gave an owner
+        self.dir_modes: dict[str, int] = {}  # path -> mode, when a request gave one
+        self.disks: dict[str, bool] = dict(disks or {})  # /dev/vdX or serial:NAME -> read-only
+        self.mounts: dict[str, tuple[str, bool]] = {}  # mount point -> (device, read-only)
         for path, (mode, data) in (files or {}).items():  # preloaded: read-only trees too
             d = posixpath.dirname(path)
             while d not in self.dirs:
@@ -1052,11 +1107,13 @@ class FakeGuest:
                 req.proc.resize(msg.rows, msg.cols)
             elif isinstance(msg, P.Signal) and isinstance(req, _ExecReq):
                 req.proc.signal_group(msg.signum)
+            elif isinstance(msg, P.Signal) and isinstance(req, _FileReadReq):
+                req.cancel()
             return
         rid: int = getattr(msg, "rid", 0)
         if rid in session.reqs:
             raise P.BadMessage(f"request id {rid} already in use")
-        if self.hostile.close_mid_request and not isinstance(msg, (P.Exec, P.ReadFile)):
+        if self.hostile.close_mid_request and not isinstance(msg, (P.Exec, P.ReadFile, P.ReadTree)):
             session.conn.hang_up()
             await trio.aclose_forcefully(session.conn.stream)
             return
@@ -1085,6 +1142,26 @@ class FakeGuest:
             if not msg.hostname or len(msg.hostname) > 64:
                 raise LookupError("hostname must be 1-64 characters")
             self.hostname = msg.hostname
+            await session.answer(P.Ok(rid=rid))
+        elif isinstance(msg, P.ReadTree):
+            await self._read_tree(session, msg)
+        elif isinstance(msg, P.WriteTree):
+            await self._write_tree(session, msg)
+        elif isinstance(msg, P.Patch):
+            try:
+                n = self.apply_patch(msg.entries, msg.base)
+            except _FsError as exc:
+                await session.send(P.Error(rid=rid, code=exc.code, message=exc.message))
+                return
+            await session.answer(P.Ok(rid=rid, value=n))
+        elif isinstance(msg, P.Mount):
+            self._mount(msg)
+            await session.answer(P.Ok(rid=rid))
+        elif isinstance(msg, P.Umount):
+            if msg.path not in self.mounts:
+                raise LookupError(f"{msg.path} is not a mount point")
+            del self.mounts[msg.path]
+            self.readonly.discard(msg.path)
             await session.answer(P.Ok(rid=rid))
         elif isinstance(msg, P.NetConfig):
             self.net_configs.append(msg)
@@ -1168,8 +1245,235 @@ class FakeGuest:
         parent = posixpath.dirname(path)
         if parent not in self.dirs:
             raise FileNotFoundError(errno.ENOENT, f"No such directory: {parent}")
+        owner = self._owner(msg.owner)
         self._check_writable(path)  # guestd's open of the temporary file fails here
-        session.reqs[msg.rid] = _FileWriteReq(session, msg.rid, self, path, msg.mode & 0o7777)
+        session.reqs[msg.rid] = _FileWriteReq(session, msg.rid, self, path, msg.mode & 0o7777, owner)
+
+    def _owner(self, spec: str) -> tuple[int, int] | None:
+        """An owner spec -> (uid, gid) by the fake's user table (guestd: the rootfs' files)."""
+        if not spec:
+            return None
+        user, _, group = spec.partition(":")
+        uid, _name, _home = self._resolve_user(spec)
+        gid = next((g for n, (u, g, _h) in self.users.items() if n == user or str(u) == user), uid)
+        if group:
+            gid = int(group) if group.isdigit() else self.users[group][1]
+        return uid, gid
+
+    # -- trees, patches, mounts -------------------------------------------------------
+    def _below(self, root: str) -> tuple[list[str], list[str], list[str]]:
+        pre = root.rstrip("/") + "/"
+        dirs = sorted(d for d in self.dirs if d.startswith(pre))
+        files = sorted(f for f in self.files if f.startswith(pre))
+        links = sorted(x for x in self.symlinks if x.startswith(pre))
+        return dirs, files, links
+
+    def pack_tree(self, root: str) -> bytes:
+        """A real tar of the model below ``root`` (owners from ``owners``, else root; mtime 0)."""
+        out = io.BytesIO()
+        pre = root.rstrip("/") + "/"
+
+        def info(path: str, kind: bytes, mode: int) -> tarfile.TarInfo:
+            ti = tarfile.TarInfo(path[len(pre) :] if path != root else ".")
+            ti.type, ti.mode = kind, mode
+            ti.uid, ti.gid = self.owners.get(path, (0, 0))
+            return ti
+
+        with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tf:
+            tf.addfile(info(root, tarfile.DIRTYPE, self.dir_modes.get(root, 0o755)))
+            dirs, files, links = self._below(root)
+            for d in dirs:
+                tf.addfile(info(d, tarfile.DIRTYPE, self.dir_modes.get(d, 0o755)))
+            for f in files:
+                mode, data = self.files[f]
+                ti = info(f, tarfile.REGTYPE, mode)
+                ti.size = len(data)
+                tf.addfile(ti, io.BytesIO(data))
+            for link in links:
+                ti = info(link, tarfile.SYMTYPE, 0o777)
+                ti.linkname = self.symlinks[link]
+                tf.addfile(ti)
+        return out.getvalue()
+
+    def unpack_tree(self, root: str, data: bytes, owner: tuple[int, int] | None) -> int:
+        """guestd's unpack rules on the model: everything is checked before anything is
+        written (guestd writes as it goes; what a refused archive left is not modelled)."""
+        try:
+            with tarfile.open(fileobj=io.BytesIO(data), mode="r:") as tf:
+                members = tf.getmembers()
+                contents = {m.name: tf.extractfile(m).read() for m in members if m.isreg()}  # type: ignore[union-attr]
+        except tarfile.TarError as exc:
+            raise _FsError(P.E_INVALID, f"malformed tar stream: {exc}") from None
+        if len(members) > P.MAX_TREE_ENTRIES:
+            raise _FsError(P.E_TOO_LARGE, f"the archive has more than {P.MAX_TREE_ENTRIES} entries")
+        plan: list[tuple[str, tarfile.TarInfo]] = []
+        made: set[str] = set()
+        files: set[str] = set()
+        for m in members:
+            if m.name.startswith("/"):
+                raise _FsError(P.E_INVALID, f"absolute name in the archive: {m.name[:200]!r}")
+            parts = [p for p in m.name.split("/") if p not in ("", ".")]
+            if ".." in parts:
+                raise _FsError(P.E_INVALID, f"'..' in an archive name: {m.name[:200]!r}")
+            if len(parts) > MAX_DEPTH:
+                raise _FsError(P.E_INVALID, f"a name deeper than {MAX_DEPTH} levels")
+            path = self._in(root, m.name)
+            for i in range(1, len(parts)):
+                prefix = posixpath.join(root, *parts[:i])
+                if prefix in self.symlinks or prefix in made or prefix in self.files:
+                    raise _FsError(P.E_INVALID, f"{m.name}: {'/'.join(parts[:i])} is a symlink or not a directory")
+            if m.ischr() or m.isblk() or m.isfifo():
+                raise _FsError(P.E_INVALID, f"{m.name}: device nodes and FIFOs are refused")
+            if m.islnk() and self._in(root, m.linkname) not in files:
+                raise _FsError(P.E_INVALID, f"{m.name}: a hard link to {m.linkname!r}, not a file of this archive")
+            if not (m.isdir() or m.isreg() or m.issym() or m.islnk()):
+                raise _FsError(P.E_INVALID, f"{m.name}: unsupported tar entry type {m.type!r}")
+            if m.issym() or m.isreg() or m.islnk():
+                if path in self.dirs:
+                    raise _FsError(P.E_IS_DIR, f"{m.name}: a directory is in the way")
+                made.add(path)
+            if m.isreg():
+                files.add(path)
+            plan.append((path, m))
+        total = sum(m.size for _, m in plan if m.isreg())
+        if total > P.MAX_TREE:
+            raise _FsError(P.E_TOO_LARGE, f"the archive's files exceed {P.MAX_TREE} bytes")
+        self.mkdir(root, parents=True)
+        for path, m in plan:
+            d = posixpath.dirname(path)
+            if d not in self.dirs and path != root:
+                self.mkdir(d, parents=True)
+            ids = owner or (m.uid, m.gid)
+            if m.isdir():
+                if path != root:
+                    self.symlinks.pop(path, None)
+                    self.files.pop(path, None)
+                    self.mkdir(path, parents=True)
+                self.dir_modes[path] = m.mode & 0o7777
+            elif m.issym():
+                self.files.pop(path, None)
+                self.symlinks[path] = m.linkname
+            elif m.isreg():
+                self.symlinks.pop(path, None)
+                self.store(path, contents[m.name], m.mode & 0o7777)
+            else:  # a hard link: a copy here (the model has no inodes)
+                self.symlinks.pop(path, None)
+                mode, data = self.files[self._in(root, m.linkname)]
+                self.store(path, data, mode)
+            self.owners[path] = ids
+        return len(plan)
+
+    @staticmethod
+    def _in(root: str, name: str) -> str:
+        return posixpath.join(root, *[p for p in name.split("/") if p not in ("", ".")])
+
+    def apply_patch(self, entries: list[dict[str, Any]], base: int = 0) -> int:
+        for i, e in enumerate(entries):
+            try:
+                self._patch_one(e)
+            except _FsError as exc:
+                raise _FsError(exc.code, f"entry {base + i} ({str(e.get('path'))[:200]}): {exc.message}") from None
+            except LookupError as exc:
+                raise _FsError(P.E_INVALID, f"entry {base + i} ({e.get('path')}): {exc.args[0]}") from None
+            except OSError as exc:
+                raise _FsError(errcode(exc), f"entry {base + i} ({e.get('path')}): {exc.strerror}") from None
+        return len(entries)
+
+    def _patch_one(self, e: dict[str, Any]) -> None:
+        kinds = {"op": str, "path": str, "data": bytes, "target": str, "mode": int, "owner": str, "replace": bool}
+        for key, kind in kinds.items():
+            if key in e and type(e[key]) is not kind:
+                raise _FsError(P.E_INVALID, f"{key} must be {kind.__name__}")
+        op, path = e.get("op", ""), e.get("path", "")
+        data, mode, replace = e.get("data", b""), e.get("mode", -1), e.get("replace", False)
+        if op not in PATCH_OPS:
+            raise _FsError(P.E_INVALID, f"op must be one of {', '.join(PATCH_OPS)}")
+        if not path.startswith("/"):
+            raise _FsError(P.E_INVALID, "path must be absolute")
+        if mode < -1 or mode > 0o7777:
+            raise _FsError(P.E_INVALID, "mode must be -1 or 0..0o7777")
+        path = posixpath.normpath(path)
+        if path == "/":
+            raise _FsError(P.E_INVALID, "the root directory cannot be patched")
+        owner = self._owner(e.get("owner", ""))
+        exists = path in self.files or path in self.dirs or path in self.symlinks
+        if op == "remove":
+            if path in self.dirs:
+                self.remove(path, recursive=True)
+            self.files.pop(path, None)
+            self.symlinks.pop(path, None)
+            return
+        self.mkdir(posixpath.dirname(path), parents=True)
+        if op == "mkdir":
+            if exists and path not in self.dirs:
+                raise _FsError(P.E_EXISTS, "exists and is not a directory")
+            self.mkdir(path, parents=True)
+            if mode >= 0 or not exists:
+                self.dir_modes[path] = 0o755 if mode < 0 else mode
+        elif path in self.dirs:
+            raise _FsError(P.E_IS_DIR, "a directory is in the way")
+        elif op in ("file", "symlink") and exists and not replace:
+            raise _FsError(P.E_EXISTS, "exists (replace is false)")
+        elif op == "file":
+            self.symlinks.pop(path, None)
+            self.store(path, data, 0o644 if mode < 0 else mode)
+        elif op == "symlink":
+            if not e.get("target"):
+                raise _FsError(P.E_INVALID, "a symlink needs a target")
+            self._check_writable(path)
+            self.files.pop(path, None)
+            self.symlinks[path] = e["target"]
+        else:  # append
+            if path in self.symlinks:
+                raise _FsError(P.E_INVALID, "Too many levels of symbolic links")
+            old_mode, old = self.files.get(path, (0o644, b""))
+            self.store(path, old + data, old_mode if mode < 0 else mode)
+        if owner is not None:
+            self.owners[path] = owner
+
+    async def _read_tree(self, session: _Session, msg: P.ReadTree) -> None:
+        if not msg.path.startswith("/"):
+            raise LookupError("path must be absolute")
+        path = self.abspath(msg.path)
+        if path not in self.dirs:
+            if path in self.files:
+                raise NotADirectoryError(errno.ENOTDIR, "Not a directory")
+            raise self._missing(path)
+        data = self.pack_tree(path)
+        await session.answer(P.Ok(rid=msg.rid))
+        if self.hostile.close_mid_request:
+            session.conn.hang_up()
+            await trio.aclose_forcefully(session.conn.stream)
+            return
+        req = _FileReadReq(session, msg.rid, data)
+        session.reqs[msg.rid] = req
+        self.nursery.start_soon(req.run)
+
+    async def _write_tree(self, session: _Session, msg: P.WriteTree) -> None:
+        if not msg.path.startswith("/"):
+            raise LookupError("path must be absolute")
+        path = self.abspath(msg.path)
+        if path in self.files:
+            raise FileExistsError(errno.EEXIST, "File exists")
+        owner = self._owner(msg.owner)
+        self._check_writable(path)
+        session.reqs[msg.rid] = _FileWriteReq(session, msg.rid, self, path, 0, owner, tree=True)
+
+    def _mount(self, msg: P.Mount) -> None:
+        if not msg.path.startswith("/") or posixpath.normpath(msg.path) == "/":
+            raise LookupError("mount path must be absolute and not /")
+        if msg.device not in self.disks:
+            what = f"no disk with serial {msg.device[7:]!r}" if msg.device.startswith("serial:") else msg.device
+            raise ExecFailed(P.E_NOT_FOUND, what)
+        if self.disks[msg.device] and not msg.read_only:
+            raise ExecFailed(P.E_PERM, f"{msg.device} is attached read-only; mount it read-only")
+        path = posixpath.normpath(msg.path)
+        if path in self.mounts:
+            raise ExecFailed(P.E_EXISTS, f"{path} is a mount point already")
+        self.mkdir(path, parents=True)
+        self.mounts[path] = (msg.device, msg.read_only)
+        if msg.read_only:
+            self.readonly.add(path)
 
     def _metrics(self, rid: int) -> P.MetricsOk:
         up = self.uptime()

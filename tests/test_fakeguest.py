@@ -13,9 +13,11 @@ a host-side deadline or typed.
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import socket
+import tarfile
 import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -34,6 +36,7 @@ from actors.guest import (
     GuestProtocolError,
     GuestTimeout,
     HelloTimeout,
+    PatchEntry,
     open_channel,
 )
 from guestd import proto as P
@@ -669,3 +672,179 @@ async def test_stdin_to_an_exec_without_stdin_is_refused_on_the_host(
     assert guest.protocol_errors == []
     with trio.fail_after(5):
         assert (await chan.ping()).activity >= 0
+
+
+# --- trees, patches, mounts (protocol 2) ----------------------------------------------
+
+
+def _tar(*members: tuple[str, bytes, bytes | str]) -> bytes:
+    """A tar of (name, type, contents or link target) members."""
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        for name, kind, payload in members:
+            ti = tarfile.TarInfo(name)
+            ti.type = kind
+            ti.mode = 0o644
+            if kind == tarfile.REGTYPE:
+                assert isinstance(payload, bytes)
+                ti.size = len(payload)
+                tf.addfile(ti, io.BytesIO(payload))
+            else:
+                ti.linkname = payload if isinstance(payload, str) else ""
+                tf.addfile(ti)
+    return out.getvalue()
+
+
+async def _read_tree(chan: GuestChannel, path: str) -> bytes:
+    buf = bytearray()
+    async with chan.read_tree(path) as tar:
+        async for chunk in tar:
+            buf += chunk
+    return bytes(buf)
+
+
+async def test_tree_round_trip_with_modes_links_and_owner(
+    autojump_clock: MockClock, guest: FakeGuest, chan: GuestChannel
+) -> None:
+    big = os.urandom(3 * P.WINDOW)  # beyond one window: credit flows both ways
+    guest.mkdir("/src/sub/empty", parents=True)
+    guest.store("/src/a.txt", b"alpha", 0o640)
+    guest.store("/src/sub/big", big, 0o755)
+    guest.symlinks["/src/link"] = "sub/big"
+    with trio.fail_after(10):
+        tar = await _read_tree(chan, "/src")
+        assert await chan.write_tree("/dst", tar, owner="nobody") == 6  # ., sub, empty, a.txt, big, link
+    assert guest.files["/dst/a.txt"] == (0o640, b"alpha") and guest.files["/dst/sub/big"] == (0o755, big)
+    assert "/dst/sub/empty" in guest.dirs and guest.symlinks["/dst/link"] == "sub/big"
+    assert guest.owners["/dst/sub/big"] == (65534, 65534)
+    with tarfile.open(fileobj=io.BytesIO(tar)) as tf:
+        assert sorted(tf.getnames()) == [".", "a.txt", "link", "sub", "sub/big", "sub/empty"]
+
+
+async def test_hostile_trees_are_refused_and_write_nothing(
+    autojump_clock: MockClock, guest: FakeGuest, chan: GuestChannel
+) -> None:
+    hostile = {
+        "absolute": _tar(("/etc/evil", tarfile.REGTYPE, b"x")),
+        "dotdot": _tar(("a/../../evil", tarfile.REGTYPE, b"x")),
+        "through a link": _tar(("l", tarfile.SYMTYPE, "/etc"), ("l/evil", tarfile.REGTYPE, b"x")),
+        "device": _tar(("null", tarfile.CHRTYPE, b"")),
+        "fifo": _tar(("pipe", tarfile.FIFOTYPE, b"")),
+        "hard link out": _tar(("h", tarfile.LNKTYPE, "../etc/passwd")),
+        "garbage": b"\x01" * 2048,
+    }
+    before = (dict(guest.files), set(guest.dirs), dict(guest.symlinks))
+    with trio.fail_after(10):
+        for what, tar in hostile.items():
+            with pytest.raises(GuestOpError) as e:
+                await chan.write_tree("/target", tar)
+            assert e.value.code == P.E_INVALID, what
+        assert (dict(guest.files), set(guest.dirs), dict(guest.symlinks)) == before
+        with pytest.raises(GuestOpError) as e:
+            await chan.write_tree("relative", _tar(("f", tarfile.REGTYPE, b"x")))
+        assert e.value.code == P.E_INVALID
+        with pytest.raises(GuestOpError) as e:
+            await chan.write_tree("/t", b"", owner="no-such-user")
+        assert e.value.code == P.E_INVALID
+        assert (await chan.ping()).activity >= 0
+
+
+async def test_read_tree_errors_and_an_early_exit(
+    autojump_clock: MockClock, guest: FakeGuest, chan: GuestChannel
+) -> None:
+    guest.store("/etc/motd", b"hi")
+    guest.mkdir("/big")
+    guest.store("/big/blob", bytes(4 * P.WINDOW))
+    with trio.fail_after(10):
+        for path, code in (("/nowhere", P.E_NOT_FOUND), ("/etc/motd", P.E_NOT_FOUND), ("rel", P.E_INVALID)):
+            with pytest.raises(GuestOpError) as e:
+                await _read_tree(chan, path)
+            assert e.value.code == code
+        async with chan.read_tree("/big") as tar:
+            async for _chunk in tar:
+                break  # leaving early: the host cancels the guest's side
+        await trio.sleep(1)
+        assert chan.statistics().requests_in_flight == 0
+        assert (await chan.ping()).activity >= 0
+
+
+async def test_patch_entries_in_order_with_owners_and_modes(
+    autojump_clock: MockClock, guest: FakeGuest, chan: GuestChannel
+) -> None:
+    E = PatchEntry
+    with trio.fail_after(10):
+        n = await chan.patch(
+            [
+                E.mkdir("/app/conf", mode=0o750, owner="nobody"),
+                E.file("/app/conf/a.txt", "ready\n", mode=0o600, owner="nobody:nobody"),
+                E.append("/app/conf/a.txt", b"more\n"),
+                E.symlink("/app/conf/a.txt", "/app/current"),
+                E.file("/deep/new/dir/f", b"x"),
+                E.remove("/app/never-there"),
+            ]
+        )
+        assert n == 6
+        assert guest.files["/app/conf/a.txt"] == (0o600, b"ready\nmore\n")
+        assert guest.owners["/app/conf/a.txt"] == (65534, 65534) and guest.owners["/app/conf"] == (65534, 65534)
+        assert guest.dir_modes["/app/conf"] == 0o750 and guest.symlinks["/app/current"] == "/app/conf/a.txt"
+        assert "/deep/new/dir" in guest.dirs
+        # replace=False refuses an existing path; the error names the entry; earlier entries stay
+        with pytest.raises(GuestOpError) as e:
+            await chan.patch([E.file("/app/b", "b"), E.file("/app/conf/a.txt", "again")])
+        assert e.value.code == P.E_EXISTS and "entry 1 (/app/conf/a.txt)" in e.value.message
+        assert guest.files["/app/b"] == (0o644, b"b")
+        await chan.patch([E.file("/app/conf/a.txt", "again", replace=True), E.remove("/app/conf")])
+        assert "/app/conf" not in guest.dirs and "/app/conf/a.txt" not in guest.files
+        # a patch bigger than a frame is split; the numbers in errors stay the patch's own
+        half = bytes(P.MAX_FRAME // 2)
+        with pytest.raises(GuestOpError) as e:
+            await chan.patch([E.file(f"/p/{i}", half) for i in range(3)] + [E.mkdir("/p/0")])
+        assert "entry 3 (/p/0)" in e.value.message and e.value.code == P.E_EXISTS
+        for bad, code in (
+            (E.file("/x", "x", owner="no-such-user"), P.E_INVALID),
+            (E("file", "relative"), P.E_INVALID),
+            (E.mkdir("/"), P.E_INVALID),
+            (E.file("/app", "x", replace=True), P.E_IS_DIR),
+        ):
+            with pytest.raises(GuestOpError) as e:
+                await chan.patch([bad])
+            assert e.value.code == code
+        with pytest.raises(GuestOpError) as e:
+            await chan.patch([E.file("/huge", bytes(P.MAX_FRAME))])  # refused on the host: use write_file
+        assert e.value.code == P.E_TOO_LARGE
+
+
+async def test_write_file_with_an_owner(autojump_clock: MockClock, guest: FakeGuest, chan: GuestChannel) -> None:
+    with trio.fail_after(10):
+        await chan.write_file("/tmp/f", b"data", mode=0o4755, owner="nobody")
+        assert guest.owners["/tmp/f"] == (65534, 65534) and guest.files["/tmp/f"] == (0o4755, b"data")
+        with pytest.raises(GuestOpError) as e:
+            await chan.write_file("/tmp/g", b"data", owner="no-such-user")
+        assert e.value.code == P.E_INVALID
+
+
+async def test_mounts_of_the_disks_there_are() -> None:
+    async with (
+        fake_guest(disks={"serial:vol0": False, "serial:ro": True}) as guest,
+        open_channel(guest.connect(), hello_timeout=5) as chan,
+    ):
+        with trio.fail_after(10):
+            await chan.mount("serial:vol0", "/data")
+            await chan.mount("serial:ro", "/ro", read_only=True)
+            assert guest.mounts == {"/data": ("serial:vol0", False), "/ro": ("serial:ro", True)}
+            for args, kw, code in (
+                (("serial:nope", "/x"), {}, P.E_NOT_FOUND),
+                (("serial:ro", "/rw"), {}, P.E_PERM),
+                (("serial:vol0", "/data"), {}, P.E_EXISTS),
+                (("serial:vol0", "/"), {}, P.E_INVALID),
+            ):
+                with pytest.raises(GuestOpError) as e:
+                    await chan.mount(*args, **kw)  # type: ignore[arg-type]
+                assert e.value.code == code
+            with pytest.raises(GuestOpError):
+                await chan.write_file("/ro/f", b"x")  # read-only: EROFS
+            await chan.umount("/ro")
+            assert list(guest.mounts) == ["/data"]
+            with pytest.raises(GuestOpError) as e:
+                await chan.umount("/ro")
+            assert e.value.code == P.E_INVALID

@@ -27,7 +27,6 @@ import trio
 from fakevm import FakeLab, fake_settings
 from grpc_clients import generate
 
-from actors.errors import FailedPrecondition
 from actors.model import SandboxConfig, State
 from actors.registry import Registry
 from actors.store import Store
@@ -171,10 +170,12 @@ def test_proto3_zero_values_take_our_defaults() -> None:
     )
     assert ours.network == W.NetworkSpec(mode="user", outbound=True)
     assert (ours.id, ours.hostname, ours.ports) == ("x", "h", [W.PortMapping(80, 0, "tcp")])
-    with pytest.raises(FailedPrecondition, match="volumes"):
-        S.to_request(
-            sv.CreateRequest(volumes=[sv.VolumeMount(volume="v")]), W.CreateSandboxRequest, S._sandvisor_create
-        )
+    vols = S.to_request(
+        sv.CreateRequest(volumes=[sv.VolumeMount(volume="v", target="/data", readonly=True)]),
+        W.CreateSandboxRequest,
+        S._sandvisor_create,
+    )
+    assert vols.volumes == [W.VolumeMount("v", "/data", True)]
 
 
 def test_responses_fill_the_seed_messages_and_ours() -> None:
@@ -320,8 +321,15 @@ async def test_errors_arrive_with_the_status_of_the_same_name(
                 assert got == code, (code, why)
                 assert why
             sv_stub = sv_grpc.SandvisorServiceStub(st.channel)
-            got, why = await status_of(sv_stub.ListVolumes, sv.ListVolumesRequest())
-            assert got == SC.UNIMPLEMENTED and "volumes" in why
+            listed = await trio.to_thread.run_sync(sv_stub.ListVolumes, sv.ListVolumesRequest())
+            assert list(listed.volumes) == []
+            got, why = await status_of(sv_stub.InspectVolume, sv.InspectVolumeRequest(name="nope"))
+            assert got == SC.NOT_FOUND and "nope" in why
+            missing = sv.CreateRequest(
+                base=spb.CreateSandboxRequest(id="v"), volumes=[sv.VolumeMount(volume="nope", target="/data")]
+            )
+            got, why = await status_of(sv_stub.Create, missing)
+            assert got == SC.NOT_FOUND and "nope" in why
             # one running workload at a time, as the seed says
             hang = s.Run(spb.RunRequest(id="e", cmd=["sleep", "100"]))
             await until(lambda: st.reg.get("e").state == State.RUNNING)

@@ -1,18 +1,29 @@
-"""guestd against a real VM (TCG): exec, streams, PTY, timeouts, flow control, files."""
+"""guestd against a real VM (TCG): exec, streams, PTY, timeouts, flow control, files,
+trees, patches and volumes."""
 
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import signal
+import tarfile
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
+import attrs
 import pytest
 import trio
+from conftest import cold_spec
 
-from actors.guest import GuestChannel, GuestOpError
+from actors.guest import GuestChannel, GuestOpError, PatchEntry
+from actors.machine import TooManyDevices, Volume
+from actors.vm import booted_guest
+from actors.volumes import check_volume_image, create_volume_image
 from guestd import proto as P
+from images.build import Image
+from supervisor.treecopy import packed_tree, unpack_tree
 
 pytestmark = pytest.mark.vm
 
@@ -304,3 +315,254 @@ print(frames[0].hex()); print(frames[1].hex())
     first, second = (P.decode(bytes.fromhex(x.decode())) for x in r.stdout.split())
     assert isinstance(first, P.HelloOk) and "vsock" in first.features
     assert isinstance(second, P.Pong) and second.rid == 7
+
+
+# --- trees, patches, volumes (protocol 2) ------------------------------------------------
+
+
+def make_tree(root: Path, files: int = 1000) -> None:
+    """``files`` files over nested directories, with modes, owners, symlinks (absolute,
+    relative, dangling), empty directories, a hard link, a long and a non-ASCII name."""
+    for i in range(files):
+        d = root / f"d{i % 10}" / f"e{i % 7}"
+        d.mkdir(parents=True, exist_ok=True)
+        p = d / f"f{i}.bin"
+        p.write_bytes(os.urandom(i * 37 % 9000) if i % 100 else b"")
+        p.chmod(0o600 | (i % 0o200))
+        if i % 3 == 0:
+            os.chown(p, 1000 + i % 5, 100)
+        os.utime(p, (1_600_000_000 + i, 1_600_000_000 + i))
+    (root / "big.bin").write_bytes(os.urandom(3 << 20))
+    (root / "empty" / "nested" / "deeper").mkdir(parents=True)
+    (root / "empty").chmod(0o700)
+    (root / "abs-link").symlink_to("/etc/passwd")
+    (root / "d1" / "rel-link").symlink_to("../d2/e3")
+    (root / "dangling").symlink_to("no/such/thing")
+    os.link(root / "d0" / "e0" / "f0.bin", root / "hard-link")
+    (root / ("long-" + "x" * 150)).write_text("long name")
+    (root / "naïve ☃.txt").write_text("unicode")
+    (root / "setuid").write_bytes(b"#!/bin/sh\n")
+    (root / "setuid").chmod(0o4755)
+    os.chown(root / "d5", 65534, 65534)
+
+
+def listing(root: Path, *, mask: int = 0o7777) -> list[tuple[object, ...]]:
+    """Every entry below ``root``: name, kind, mode, owner, size, whole-second mtime
+    (directories: not the time, which their own contents' creation moved), link
+    target, contents' hash."""
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            p = Path(dirpath) / name
+            st = p.lstat()
+            kind = "l" if p.is_symlink() else "d" if p.is_dir() else "f"
+            digest = hashlib.sha256(p.read_bytes()).hexdigest() if kind == "f" else ""
+            out.append(
+                (
+                    str(p.relative_to(root)),
+                    kind,
+                    st.st_mode & mask if kind != "l" else 0,
+                    st.st_uid,
+                    st.st_gid,
+                    st.st_size if kind == "f" else 0,
+                    int(st.st_mtime) if kind == "f" else 0,
+                    os.readlink(p) if kind == "l" else "",
+                    digest,
+                )
+            )
+    return sorted(out)
+
+
+async def test_tree_round_trip_1000_files_exact(chan: GuestChannel, tmp_path: Path) -> None:
+    """host dir -> write_tree -> guest dir -> read_tree -> host dir: the same tree."""
+    src, back = tmp_path / "src", tmp_path / "back"
+    src.mkdir()
+    back.mkdir()
+    make_tree(src)
+    with trio.fail_after(300):
+        async with packed_tree(src) as chunks:
+            n = await chan.write_tree("/tmp/rt", chunks)
+        assert n == 1 + sum(len(d) + len(f) for _, d, f in os.walk(src))  # every entry, the root "." too
+        r = await chan.run(
+            ["sh", "-c", "cd /tmp/rt && stat -c '%a %u:%g %F' setuid d5 empty hard-link abs-link && readlink abs-link"]
+        )
+        assert r.stdout.decode().splitlines() == [
+            "4755 0:0 regular file",
+            "755 65534:65534 directory",
+            "700 0:0 directory",
+            "600 1000:100 regular empty file",
+            "777 0:0 symbolic link",
+            "/etc/passwd",
+        ]
+        async with chan.read_tree("/tmp/rt") as tar:
+            assert await unpack_tree(tar, back, keep_ids=True) == n
+    assert listing(back) == listing(src, mask=0o777)  # (the host drops setuid bits the guest chose)
+    assert os.stat(back / "hard-link").st_ino == os.stat(back / "d0/e0/f0.bin").st_ino
+
+
+def _tar(*members: tuple[str, bytes, bytes | str]) -> bytes:
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        for name, kind, payload in members:
+            ti = tarfile.TarInfo(name)
+            ti.type, ti.mode = kind, 0o644
+            if kind == tarfile.REGTYPE:
+                assert isinstance(payload, bytes)
+                ti.size = len(payload)
+                tf.addfile(ti, io.BytesIO(payload))
+            else:
+                ti.linkname = payload if isinstance(payload, str) else ""
+                tf.addfile(ti)
+    return out.getvalue()
+
+
+async def test_hostile_trees_are_refused_and_write_nothing_outside(chan: GuestChannel) -> None:
+    with trio.fail_after(120):
+        r = await chan.run(
+            [
+                "sh",
+                "-c",
+                "rm -rf /tmp/h /tmp/outside && mkdir -p /tmp/h /tmp/outside && echo victim > /tmp/victim"
+                " && ln -s /tmp/outside /tmp/h/planted && ln -s /tmp/victim /tmp/h/file-link",
+            ]
+        )
+        assert r.exit_code == 0, r.stderr
+        huge_pax = bytearray(_tar(("f", tarfile.REGTYPE, b"x")))
+        hostile = {
+            "absolute name": _tar(("/tmp/outside/abs", tarfile.REGTYPE, b"x")),
+            "dot-dot": _tar(("a/../../outside/dotdot", tarfile.REGTYPE, b"x")),
+            "through its own symlink": _tar(("l", tarfile.SYMTYPE, "/tmp/outside"), ("l/own", tarfile.REGTYPE, b"x")),
+            "through a planted symlink": _tar(("planted/planted", tarfile.REGTYPE, b"x")),
+            "a directory through a symlink": _tar(("planted/sub", tarfile.DIRTYPE, b"")),
+            "device": _tar(("null", tarfile.CHRTYPE, b"")),
+            "fifo": _tar(("pipe", tarfile.FIFOTYPE, b"")),
+            "hard link out": _tar(("h", tarfile.LNKTYPE, "../victim")),
+            "hard link to a planted name": _tar(("h", tarfile.LNKTYPE, "file-link")),
+            "not a tar": os.urandom(4096),
+            "truncated": _tar(("t", tarfile.REGTYPE, os.urandom(20000)))[:6000],
+        }
+        # a pax header that announces 2 MiB of header payload (over MAX_TREE_META)
+        pax = tarfile.TarInfo("././@PaxHeader")
+        pax.type, pax.size = tarfile.XHDTYPE, 2 << 20
+        hostile["oversized pax header"] = pax.tobuf(tarfile.USTAR_FORMAT) + bytes(2 << 20) + bytes(huge_pax)
+        for what, data in hostile.items():
+            with pytest.raises(GuestOpError) as e:
+                await chan.write_tree("/tmp/h", data)
+            assert e.value.code == P.E_INVALID, (what, e.value)
+        r = await chan.run(["sh", "-c", "ls -A /tmp/outside; cat /tmp/victim; ls -A /tmp/h | sort | tr '\\n' ' '"])
+        # nothing outside; the victim intact; inside only what came before the refused member
+        assert r.stdout == b"victim\nfile-link l planted ", r.stdout
+        # a file member at a planted symlink's name replaces the link, never writes through it
+        assert await chan.write_tree("/tmp/h", _tar(("file-link", tarfile.REGTYPE, b"new"))) == 1
+        assert await chan.read_bytes("/tmp/victim") == b"victim\n"
+        assert await chan.read_bytes("/tmp/h/file-link") == b"new"
+        assert (await chan.ping()).activity >= 0  # and the channel is fine
+
+
+async def test_tree_errors_limits_and_an_early_exit(chan: GuestChannel) -> None:
+    with trio.fail_after(120):
+        for path, code in (("/no/such/dir", P.E_NOT_FOUND), ("/etc/passwd", P.E_NOT_FOUND), ("tmp", P.E_INVALID)):
+            with pytest.raises(GuestOpError) as e:
+                async with chan.read_tree(path) as tar:
+                    async for _ in tar:
+                        pass
+            assert e.value.code == code
+        with pytest.raises(GuestOpError) as e:
+            await chan.write_tree("/etc/passwd", _tar(("f", tarfile.REGTYPE, b"x")))
+        assert e.value.code == P.E_EXISTS
+        with pytest.raises(GuestOpError) as e:
+            await chan.write_tree("/tmp/o", b"", owner="no-such-user")
+        assert e.value.code == P.E_INVALID
+        # leaving a read_tree early kills its worker: no process of guestd's is left behind
+        await chan.run(["sh", "-c", "mkdir -p /tmp/bigtree && head -c 8000000 /dev/urandom > /tmp/bigtree/blob"])
+        async with chan.read_tree("/tmp/bigtree") as tar:
+            async for _ in tar:
+                break
+        script = (
+            'n=0; for p in /proc/[0-9]*; do [ "$(cat $p/cmdline)" = "$(cat /proc/1/cmdline)" ] && n=$((n+1)); done;'
+            " echo $n"
+        )
+        while (await chan.run(["sh", "-c", script])).stdout != b"1\n":  # PID 1 alone
+            await trio.sleep(0.1)
+        assert chan.statistics().requests_in_flight == 0
+
+
+async def test_patches_with_owners_and_modes(chan: GuestChannel) -> None:
+    E = PatchEntry
+    with trio.fail_after(60):
+        await chan.run(["rm", "-rf", "/srv/app", "/srv/data"])
+        n = await chan.patch(
+            [
+                E.mkdir("/srv/app/conf", mode=0o750, owner="nobody"),
+                E.file("/srv/app/conf/app.ini", "[app]\nready=1\n", mode=0o640, owner="nobody:nogroup"),
+                E.append("/srv/app/conf/app.ini", "more=2\n"),
+                E.file("/srv/app/run.sh", "#!/bin/sh\necho ran $(id -un)\n", mode=0o755, owner="1234:5678"),
+                E.symlink("conf/app.ini", "/srv/app/current", owner="nobody"),
+                E.mkdir("/srv/data"),
+                E.remove("/srv/data"),
+            ]
+        )
+        assert n == 7
+        r = await chan.run(
+            ["sh", "-c", "cd /srv/app && stat -c '%n %a %u:%g %F' conf conf/app.ini run.sh current; cat current"]
+        )
+        assert r.stdout.decode().splitlines() == [  # nobody: 65534, nogroup: 65534 in Debian
+            "conf 750 65534:65534 directory",
+            "conf/app.ini 640 65534:65534 regular file",
+            "run.sh 755 1234:5678 regular file",
+            "current 777 65534:65534 symbolic link",
+            "[app]",
+            "ready=1",
+            "more=2",
+        ]
+        assert (await chan.run(["/srv/app/run.sh"], user="nobody")).stdout == b"ran nobody\n"
+        assert (await chan.run(["test", "-e", "/srv/data"])).exit_code == 1
+        with pytest.raises(GuestOpError) as e:
+            await chan.patch([E.file("/srv/app/new", "x"), E.file("/srv/app/run.sh", "clobber")])
+        assert e.value.code == P.E_EXISTS and "entry 1 (/srv/app/run.sh)" in e.value.message
+        assert await chan.read_bytes("/srv/app/new") == b"x"  # the entry before the failure stays
+        with pytest.raises(GuestOpError) as e:
+            await chan.patch([E.file("/srv/x", "x", owner="no-such-user")])
+        assert e.value.code == P.E_INVALID
+        # write_file takes an owner too (for contents beyond a patch frame)
+        await chan.write_file("/srv/app/blob", os.urandom(2 << 20), mode=0o600, owner="nobody")
+        r = await chan.run(["stat", "-c", "%a %U %s", "/srv/app/blob"])
+        assert r.stdout == f"600 nobody {2 << 20}\n".encode()
+
+
+async def test_a_volume_written_then_seen_read_only(image: Image, tmp_run: Path, qmp: None) -> None:
+    vol = tmp_run / "vol.ext4"
+    await create_volume_image(vol, 64 << 20, label="data")
+    base = await cold_spec(image, tmp_run, hostname="vol")
+    # the slot budget: the channel and the root disk take two of the 24
+    spec24 = attrs.evolve(base, volumes=(Volume(vol, read_only=True),) * 23).machine_spec()
+    assert spec24.max_volumes() == 22
+    with pytest.raises(TooManyDevices, match="at most 22 volumes"):
+        spec24.argv(tmp_run)
+    with trio.fail_after(240):
+        async with booted_guest(attrs.evolve(base, volumes=(Volume(vol),)), tmp_run) as g:
+            await g.channel.mount("serial:vol0", "/data")
+            await g.channel.write_file("/data/hello", b"written in life one", owner="nobody")
+            await g.channel.patch([PatchEntry.mkdir("/data/dir", owner="nobody")])
+            r = await g.channel.run(["sh", "-c", "grep ' /data ' /proc/mounts"])
+            assert r.stdout.startswith(b"/dev/vdb /data ext4 rw"), r.stdout
+        assert g.machine.returncode == 0
+        # guestd unmounted it at power-off: the journal is clean, no recovery needed
+        assert await check_volume_image(vol) is True
+        run2 = tmp_run / "two"
+        run2.mkdir()
+        base2 = await cold_spec(image, run2, hostname="vol2")
+        spec2 = attrs.evolve(base2, volumes=(Volume(vol, read_only=True, serial="data"),))
+        async with booted_guest(spec2, run2) as g:
+            with pytest.raises(GuestOpError) as e:
+                await g.channel.mount("serial:data", "/data")  # read-write on a read-only disk
+            assert e.value.code == P.E_PERM
+            await g.channel.mount("serial:data", "/data", read_only=True)
+            assert await g.channel.read_bytes("/data/hello") == b"written in life one"
+            r = await g.channel.run(["sh", "-c", "stat -c '%U' /data/hello /data/dir; touch /data/x"])
+            assert r.stdout == b"nobody\nnobody\n" and b"Read-only file system" in r.stderr
+            with pytest.raises(GuestOpError) as e:
+                await g.channel.mount("serial:nope", "/other")
+            assert e.value.code == P.E_NOT_FOUND
+            await g.channel.umount("/data")
+            assert (await g.channel.run(["grep", "-c", " /data ", "/proc/mounts"])).stdout == b"0\n"

@@ -28,6 +28,14 @@ _STRATS = {
     "dict[str, str]": st.dictionaries(_text, _text, max_size=5),
     "dict[str, int]": st.dictionaries(_text, st.integers(min_value=0, max_value=2**62), max_size=5),
     "dict[str, float]": st.dictionaries(_text, st.floats(allow_nan=False), max_size=5),
+    "list[dict[str, Any]]": st.lists(
+        st.dictionaries(
+            _text,
+            st.one_of(st.integers(-(2**63), 2**63 - 1), _text, st.binary(max_size=50), st.booleans()),
+            max_size=4,
+        ),
+        max_size=4,
+    ),
 }
 
 
@@ -47,6 +55,7 @@ def test_every_message_round_trips(msg: P.Message) -> None:
     assert P.decode(frame[4:]) == msg
 
 
+@settings(deadline=None)  # a correctness property: a loaded shared machine once took >200 ms
 @given(st.lists(_message_strategy(), min_size=1, max_size=8), st.data())
 def test_decoder_reassembles_any_chunking(msgs: list[P.Message], data: st.DataObject) -> None:
     stream = b"".join(P.encode(m) for m in msgs)

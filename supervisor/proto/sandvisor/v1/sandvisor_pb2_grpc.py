@@ -340,7 +340,7 @@ class SandvisorServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def CreateVolume(self, request, context):
-        """--- volumes (draft: UNIMPLEMENTED until volumes land) ---
+        """--- named volumes (persistent ext4 disks; docs/architecture.md) ---
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,184 @@
+"""``cp -r`` throughput: guestd's read_tree/write_tree against tar over exec, one VM.
+
+Both directions, two trees, in the same run and interleaved (the machine is shared):
+
+* ``cp -r`` in: a host directory packed on the host (supervisor.treecopy.packed_tree) into
+  ``write_tree`` (guestd's worker unpacks), against the same host-packed stream fed
+  to ``tar x`` run by ``exec`` in the guest (its stdin over the same channel): the
+  floor, GNU tar at the far end of the same pipe.
+* ``cp -r`` out: ``read_tree`` unpacked on the host (supervisor.treecopy.unpack_tree),
+  against ``tar c`` run by ``exec`` in the guest, its stdout unpacked the same way.
+
+Trees: 1000 small files (about 4.5 KB on average, modes, symlinks, empty dirs: the
+issue's case, where per-file cost dominates) and one of 16 files of 4 MiB (bulk
+throughput). Medians of ``-n`` rounds; ratios are the median over rounds of ours / tar's
+time in that round (below 1: faster).
+
+Usage: python -P benchmarks/trees.py [-n 5] [--out results/]  (-P: benchmarks/images.py
+would shadow the images package)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from actors.disk import create_overlay
+from actors.guest import GuestChannel
+from actors.machine import qmp_loop
+from actors.vm import VmSpec, booted_guest
+from images.build import Builder, default_cache
+from supervisor.treecopy import packed_tree, unpack_tree
+
+
+def small_tree(root: Path) -> None:
+    for i in range(1000):
+        d = root / f"d{i % 10}" / f"e{i % 7}"
+        d.mkdir(parents=True, exist_ok=True)
+        p = d / f"f{i}"
+        p.write_bytes(os.urandom(i * 37 % 9000))
+        p.chmod(0o600 | (i % 0o200))
+    (root / "empty" / "a" / "b").mkdir(parents=True)
+    (root / "link").symlink_to("d1/e1")
+
+
+def bulk_tree(root: Path) -> None:
+    root.mkdir(exist_ok=True)
+    for i in range(16):
+        (root / f"blob{i}").write_bytes(os.urandom(4 << 20))
+
+
+def size_of(root: Path) -> int:
+    return sum((Path(d) / f).lstat().st_size for d, _, fs in os.walk(root) for f in fs)
+
+
+async def cp_in(chan: GuestChannel, src: Path, dest: str) -> None:
+    async with packed_tree(src) as chunks:
+        await chan.write_tree(dest, chunks)
+
+
+async def tar_in(chan: GuestChannel, src: Path, dest: str) -> None:
+    await chan.run(["mkdir", "-p", dest])
+    async with (
+        packed_tree(src) as chunks,
+        chan.exec(["tar", "x", "-C", dest], stdin=True) as h,
+        trio.open_nursery() as n,
+    ):
+
+        async def feed() -> None:
+            async for c in chunks:
+                await h.send_stdin(c)
+            await h.close_stdin()
+
+        n.start_soon(feed)
+        ex = await h.wait()
+    assert ex.code == 0, ex
+
+
+async def cp_out(chan: GuestChannel, src: str, dest: Path) -> None:
+    async with chan.read_tree(src) as tar:
+        await unpack_tree(tar, dest)
+
+
+async def tar_out(chan: GuestChannel, src: str, dest: Path) -> None:
+    async with chan.exec(["tar", "c", "-C", src, "."]) as h:
+
+        async def stdout() -> AsyncIterator[bytes]:
+            async for ch, data in h:
+                if ch == 1:
+                    yield data
+
+        await unpack_tree(stdout(), dest)
+    assert h.exit is not None and h.exit.code == 0
+
+
+async def bench(n: int, out_dir: Path) -> dict[str, Any]:
+    image = Builder(default_cache()).build()
+    work = Path(tempfile.mkdtemp(prefix="sandvisor-bench-trees-"))
+    try:
+        trees = {"small": work / "small", "bulk": work / "bulk"}
+        trees["small"].mkdir()
+        small_tree(trees["small"])
+        bulk_tree(trees["bulk"])
+        run = work / "run"
+        run.mkdir()
+        await create_overlay(image.rootfs, run / "disk.qcow2")
+        spec = VmSpec.boot(image, disk=run / "disk.qcow2", hostname="bench", memory_mib=512)
+        res: dict[str, Any] = {"n": n}
+        async with qmp_loop(), booted_guest(spec, run) as g:
+            chan = g.channel
+            warm = work / "warm"
+            warm.mkdir()
+            await cp_out(chan, "/etc/apt", warm)  # PID 1 imports tarfile once: not part of any round
+            times: dict[str, list[float]] = {}
+            for i in range(n):
+                for name, src in trees.items():
+                    for how, fn in (("cp_in", cp_in), ("tar_in", tar_in)):
+                        dest = f"/tmp/{how}-{name}-{i}"
+                        t = time.perf_counter()
+                        await fn(chan, src, dest)
+                        times.setdefault(f"{name}.{how}", []).append(time.perf_counter() - t)
+                    for how, fn2 in (("cp_out", cp_out), ("tar_out", tar_out)):
+                        dest_dir = work / f"{how}-{name}-{i}"
+                        dest_dir.mkdir()
+                        t = time.perf_counter()
+                        await fn2(chan, f"/tmp/cp_in-{name}-{i}", dest_dir)
+                        times.setdefault(f"{name}.{how}", []).append(time.perf_counter() - t)
+                        shutil.rmtree(dest_dir)
+                    await chan.run(["rm", "-rf", f"/tmp/cp_in-{name}-{i}", f"/tmp/tar_in-{name}-{i}"])
+        for name, src in trees.items():
+            size = size_of(src)
+            entry: dict[str, Any] = {"bytes": size, "entries": sum(len(d) + len(f) for _, d, f in os.walk(src))}
+            for how in ("cp_in", "tar_in", "cp_out", "tar_out"):
+                med = statistics.median(times[f"{name}.{how}"])
+                entry[how] = {"median_s": med, "mib_s": size / med / (1 << 20), "all_s": times[f"{name}.{how}"]}
+            # the median of each round's own ratio: a round's two runs are adjacent, so
+            # they share the machine's load (the medians of times do not, on a busy host)
+            for d, ours, tar in (("in", "cp_in", "tar_in"), ("out", "cp_out", "tar_out")):
+                pairs = zip(times[f"{name}.{ours}"], times[f"{name}.{tar}"], strict=True)
+                entry[f"ratio_{d}"] = statistics.median(a / b for a, b in pairs)
+            res[name] = entry
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "trees.json").write_text(json.dumps(res, indent=2))
+    lines = [
+        f"# cp -r vs tar over exec (TCG, medians of {n})",
+        "",
+        "| tree | direction | ours s | MiB/s | tar over exec s | MiB/s | ours/tar (paired) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name in trees:
+        e = res[name]
+        for d, ours, tar in (("in", "cp_in", "tar_in"), ("out", "cp_out", "tar_out")):
+            lines.append(
+                f"| {name} ({e['entries']} entries, {e['bytes'] / (1 << 20):.1f} MiB) | {d} | "
+                f"{e[ours]['median_s']:.2f} | {e[ours]['mib_s']:.1f} | {e[tar]['median_s']:.2f} | "
+                f"{e[tar]['mib_s']:.1f} | {e[f'ratio_{d}']:.2f} |"
+            )
+    md = "\n".join(lines) + "\n"
+    (out_dir / "trees.md").write_text(md)
+    print(md)
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("-n", type=int, default=5)
+    ap.add_argument("--out", default="results")
+    a = ap.parse_args()
+    trio.run(bench, a.n, Path(a.out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,186 @@
+"""Patches: files, directories and links written into the guest in order (``patch``).
+
+Imported by the forked worker that serves a patch request (never at boot; unlike
+:mod:`guestd.tree` it needs nothing beyond ``os``). Paths are the user's: symlinks
+in a path's parents are followed (``/bin`` may be a link to ``usr/bin``), the last
+component never is: a file or a link is written under a temporary name and renamed
+over what was there, a directory is removed by descriptors.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+
+from guestd import proto as P
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # pragma: no cover
+    from collections.abc import Callable
+
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class TreeError(Exception):
+    """A tree or patch operation refused or failed: ``code`` is a proto E_* code."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+PATCH_OPS = ("file", "append", "mkdir", "remove", "symlink")
+
+
+def _field(entry: dict[str, object], key: str, kind: type, default: object) -> object:
+    value = entry.get(key, default)
+    if type(value) is not kind:
+        raise TreeError(P.E_INVALID, f"{key} must be {kind.__name__}")
+    return value
+
+
+def rmtree_at(pfd: int, name: str) -> None:
+    """``rm -r`` of the directory ``name`` in ``pfd``, by descriptors (symlinks are unlinked, not followed)."""
+    fd = os.open(name, DIR_FLAGS, dir_fd=pfd)
+    try:
+        with os.scandir(fd) as it:
+            entries = [(e.name, e.is_dir(follow_symlinks=False)) for e in it]
+        for child, is_dir in entries:
+            if is_dir:
+                rmtree_at(fd, child)
+            else:
+                os.unlink(child, dir_fd=fd)
+    finally:
+        os.close(fd)
+    os.rmdir(name, dir_fd=pfd)
+
+
+def apply_patch(entries: list[dict[str, object]], resolve: Callable[[str], tuple[int, int]], base: int = 0) -> int:
+    """Apply ``entries`` in order (see ``proto.Patch``); ``resolve`` maps an owner spec
+    to (uid, gid). Returns how many were applied; the first failure raises TreeError
+    naming its entry."""
+    if len(entries) > P.MAX_PATCH_ENTRIES:
+        raise TreeError(P.E_INVALID, f"more than {P.MAX_PATCH_ENTRIES} patch entries")
+    for i, entry in enumerate(entries):
+        path = entry.get("path")
+        what = f"entry {base + i} ({str(path)[:200]})"
+        try:
+            _patch_one(entry, resolve)
+        except TreeError as exc:
+            raise TreeError(exc.code, f"{what}: {exc.message}") from None
+        except LookupError as exc:
+            raise TreeError(P.E_INVALID, f"{what}: {exc.args[0] if exc.args else exc}") from None
+        except OSError as exc:
+            raise TreeError(P.errcode(exc), f"{what}: {exc.strerror or exc}") from None
+    return len(entries)
+
+
+def _patch_one(entry: dict[str, object], resolve: Callable[[str], tuple[int, int]]) -> None:
+    op = _field(entry, "op", str, "")
+    path = _field(entry, "path", str, "")
+    data = _field(entry, "data", bytes, b"")
+    target = _field(entry, "target", str, "")
+    mode = _field(entry, "mode", int, -1)
+    owner_spec = _field(entry, "owner", str, "")
+    replace = _field(entry, "replace", bool, False)
+    assert isinstance(path, str) and isinstance(mode, int) and isinstance(data, bytes) and isinstance(target, str)
+    if op not in PATCH_OPS:
+        raise TreeError(P.E_INVALID, f"op must be one of {', '.join(PATCH_OPS)}")
+    if not path.startswith("/") or "\0" in path:
+        raise TreeError(P.E_INVALID, "path must be absolute")
+    if mode < -1 or mode > 0o7777:
+        raise TreeError(P.E_INVALID, "mode must be -1 or 0..0o7777")
+    path = os.path.normpath(path)
+    if path in ("/", "//"):
+        raise TreeError(P.E_INVALID, "the root directory cannot be patched")
+    ids = resolve(owner_spec) if isinstance(owner_spec, str) and owner_spec else None
+    parent, leaf = os.path.split(path)
+    if op != "remove":
+        os.makedirs(parent, 0o755, exist_ok=True)
+    try:
+        pfd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        if op == "remove":
+            return
+        raise
+    try:
+        try:
+            st: os.stat_result | None = os.stat(leaf, dir_fd=pfd, follow_symlinks=False)
+        except FileNotFoundError:
+            st = None
+        is_dir = st is not None and stat.S_ISDIR(st.st_mode)
+        if op == "remove":
+            if st is None:
+                return
+            if is_dir:
+                rmtree_at(pfd, leaf)
+            else:
+                os.unlink(leaf, dir_fd=pfd)
+        elif op == "mkdir":
+            if st is not None and not is_dir:
+                raise TreeError(P.E_EXISTS, "exists and is not a directory")
+            if st is None:
+                os.mkdir(leaf, 0o755, dir_fd=pfd)
+            fd = os.open(leaf, DIR_FLAGS, dir_fd=pfd)
+            try:
+                if ids is not None:
+                    os.fchown(fd, *ids)
+                if mode >= 0 or st is None:
+                    os.fchmod(fd, 0o755 if mode < 0 else mode)
+            finally:
+                os.close(fd)
+        elif op in ("file", "symlink"):
+            if is_dir:
+                raise TreeError(P.E_IS_DIR, "a directory is in the way")
+            if st is not None and not replace:
+                raise TreeError(P.E_EXISTS, "exists (replace is false)")
+            tmp = f".sandvisor-patch.{os.getpid()}"
+            try:
+                os.unlink(tmp, dir_fd=pfd)
+            except FileNotFoundError:
+                pass
+            if op == "symlink":
+                if not target:
+                    raise TreeError(P.E_INVALID, "a symlink needs a target")
+                os.symlink(target, tmp, dir_fd=pfd)
+                if ids is not None:
+                    os.chown(tmp, *ids, dir_fd=pfd, follow_symlinks=False)
+            else:
+                flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+                fd = os.open(tmp, flags, 0o600, dir_fd=pfd)
+                try:
+                    view = memoryview(data)
+                    while view:
+                        view = view[os.write(fd, view) :]
+                    if ids is not None:
+                        os.fchown(fd, *ids)
+                    os.fchmod(fd, 0o644 if mode < 0 else mode)
+                finally:
+                    os.close(fd)
+            try:
+                os.rename(tmp, leaf, src_dir_fd=pfd, dst_dir_fd=pfd)
+            except BaseException:
+                try:
+                    os.unlink(tmp, dir_fd=pfd)
+                except OSError:
+                    pass
+                raise
+        else:  # append
+            if is_dir:
+                raise TreeError(P.E_IS_DIR, "a directory is in the way")
+            fd = os.open(leaf, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=pfd)
+            try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    raise TreeError(P.E_INVALID, "not a regular file")
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view) :]
+                if ids is not None:
+                    os.fchown(fd, *ids)
+                if mode >= 0 or st is None:
+                    os.fchmod(fd, 0o644 if mode < 0 else mode)
+            finally:
+                os.close(fd)
+    finally:
+        os.close(pfd)

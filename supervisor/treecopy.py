@@ -1,0 +1,131 @@
+"""The client's ends of ``cp -r`` (SDK and CLI): a host directory as a tar stream, and a
+guest's tar stream unpacked into a host directory, by :mod:`guestd.tree` run in a
+worker thread. ``guestd.tree`` is stdlib-only: the SDK imports that codec (and
+``guestd.proto``'s limits and codes) and nothing else of guestd, so the hostile-stream
+unpacker is the one guestd itself runs.
+
+::
+
+    host dir --pack (thread)--> chunks --> GuestChannel.write_tree(path, chunks)
+    GuestChannel.read_tree(path) --> chunks --> unpack (thread) --> host dir
+
+The stream from a guest is hostile: :func:`unpack_tree` refuses what guestd refuses
+(absolute names, '..', names through symlinks, devices, FIFOs, hard links out of the
+archive, oversized headers, more than the tree limits) and, beyond that, never sets
+setuid/setgid/sticky bits nor (unless asked) the guest's owners. It walks by
+directory descriptors, so a symlink in the destination cannot redirect it either.
+Errors are the SDK's typed errors (:func:`supervisor.errors.error_for`) with guestd's
+codes (INVALID_ARGUMENT for a refused stream).
+
+Whose permissions: these run with the caller's. A supervisor running as root must
+not pack or unpack paths a client names on the client's behalf (a confused deputy);
+the client (SDK, CLI) can run the same code itself and send or receive only the tar
+bytes.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterable, AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import trio
+
+from guestd import proto as P
+from guestd import tree
+from guestd.fsops import TreeError
+from supervisor.errors import SandboxError, collapse_single, error_for
+
+_CODES = {P.E_TOO_LARGE: "RESOURCE_EXHAUSTED", P.E_IS_DIR: "INVALID_ARGUMENT"}  # guestd's own -> the seed's
+
+
+def _error(code: str, message: str) -> SandboxError:
+    return error_for(_CODES.get(code, code), message)
+
+
+@asynccontextmanager
+async def packed_tree(path: Path) -> AsyncIterator[trio.MemoryReceiveChannel[bytes]]:
+    """The directory ``path`` as tar chunks: iterate the yielded channel (it ends with
+    the archive). A thread packs it, never more than a few chunks ahead. An error of
+    the packer (TreeError, OSError) is raised as a SandboxError when the block exits."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise _error(P.errcode(exc), f"{path}: {exc.strerror}") from None
+    send, recv = trio.open_memory_channel[bytes](4)
+
+    def put(data: bytes) -> None:
+        trio.from_thread.run(send.send, data)
+
+    async def produce() -> None:
+        try:
+            async with send:
+                await trio.to_thread.run_sync(tree.pack, fd, put)
+        except TreeError as exc:
+            raise _error(exc.code, exc.message) from None
+        finally:
+            os.close(fd)
+
+    # (recv is closed with close(), not aclose(): an aclose in a cancelled scope raises
+    # Cancelled, which the nursery then absorbs with the body's own error)
+    with collapse_single(), recv:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(produce)
+            yield recv
+            nursery.cancel_scope.cancel()  # the body stopped reading: stop the packer
+
+
+async def unpack_tree(
+    chunks: AsyncIterable[bytes], dest: Path, *, keep_ids: bool = False, root_meta: bool = False
+) -> int:
+    """Unpack a tar stream (e.g. a guest's ``read_tree``) into the directory ``dest``,
+    which exists; returns the number of entries. ``keep_ids``: the archive's numeric
+    owners (as root only); else the files are the caller's. ``root_meta``: the
+    archive's root entry sets ``dest``'s mode and mtime."""
+    try:
+        fd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise _error(P.errcode(exc), f"{dest}: {exc.strerror}") from None
+    send, recv = trio.open_memory_channel[bytes](4)
+    pending = bytearray()
+
+    def read(n: int) -> bytes:
+        while not pending:
+            try:
+                pending.extend(trio.from_thread.run(recv.receive))
+            except trio.EndOfChannel:
+                return b""
+        data = bytes(pending[:n])
+        del pending[:n]
+        return data
+
+    failed: list[Exception] = []
+
+    async def feed() -> None:
+        try:
+            async with send:
+                async for chunk in chunks:
+                    await send.send(chunk)
+        except Exception as exc:  # the source's own error (e.g. NOT_FOUND) wins over "truncated"
+            failed.append(exc)
+
+    def work() -> int:
+        return tree.unpack(read, fd, keep_ids=keep_ids and os.geteuid() == 0, root_meta=root_meta, mode_mask=0o777)
+
+    try:
+        with collapse_single(), recv:  # (close(), not aclose(): see packed_tree)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(feed)
+                try:
+                    n = await trio.to_thread.run_sync(work)
+                except TreeError as exc:
+                    nursery.cancel_scope.cancel()  # the stream is refused: stop reading it
+                    if failed:
+                        raise failed[0] from None
+                    raise _error(exc.code, f"the guest's tree: {exc.message}") from None
+        if failed:
+            raise failed[0]
+        return n
+    finally:
+        os.close(fd)

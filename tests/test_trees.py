@@ -1,0 +1,343 @@
+"""guestd.tree, guestd.fsops and supervisor.treecopy on the host's own kernel (no VM): the
+tar packer and the hostile-input unpacker guestd's workers run in the guest, and the
+host runs on a guest's streams; patches. The real-VM runs are in tests/test_guest.py."""
+
+from __future__ import annotations
+
+import io
+import os
+import stat
+import tarfile
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+import trio
+
+from guestd import proto as P
+from guestd import tree
+from guestd.fsops import TreeError, apply_patch
+from supervisor.errors import SandboxError
+from supervisor.treecopy import packed_tree, unpack_tree
+
+ROOT = os.geteuid() == 0
+
+
+def tar_of(*members: tuple[str, bytes, bytes | str], fmt: int = tarfile.PAX_FORMAT) -> bytes:
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=fmt) as tf:
+        for name, kind, payload in members:
+            ti = tarfile.TarInfo(name)
+            ti.type, ti.mode, ti.mtime = kind, 0o644, 1_700_000_000
+            if kind == tarfile.REGTYPE:
+                assert isinstance(payload, bytes)
+                ti.size = len(payload)
+                tf.addfile(ti, io.BytesIO(payload))
+            else:
+                ti.linkname = payload if isinstance(payload, str) else ""
+                tf.addfile(ti)
+    return out.getvalue()
+
+
+def unpack_bytes(data: bytes, dest: Path, **kw: object) -> int:
+    fd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        return tree.unpack(io.BytesIO(data).read, fd, **kw)  # type: ignore[arg-type]
+    finally:
+        os.close(fd)
+
+
+def pack_bytes(src: Path) -> bytes:
+    buf = bytearray()
+    fd = os.open(src, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        tree.pack(fd, buf.extend)
+    finally:
+        os.close(fd)
+    return bytes(buf)
+
+
+def snapshot(root: Path) -> dict[str, tuple[object, ...]]:
+    out: dict[str, tuple[object, ...]] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            p = Path(dirpath) / name
+            st = p.lstat()
+            body: object = os.readlink(p) if p.is_symlink() else p.read_bytes() if p.is_file() else None
+            mtime = int(st.st_mtime) if not stat.S_ISDIR(st.st_mode) else 0
+            out[str(p.relative_to(root))] = (stat.S_IFMT(st.st_mode), stat.S_IMODE(st.st_mode), mtime, body)
+    return out
+
+
+@pytest.fixture
+def place(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
+    """A destination and, beside it, a directory nothing may ever be written into."""
+    dest, outside = tmp_path / "dest", tmp_path / "outside"
+    dest.mkdir()
+    outside.mkdir()
+    (outside / "victim").write_text("victim")
+    yield dest, outside
+    assert sorted(os.listdir(outside)) == ["victim"] and (outside / "victim").read_text() == "victim"
+
+
+def test_round_trip_keeps_everything(tmp_path: Path) -> None:
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    (src / "a" / "b").mkdir(parents=True)
+    (src / "empty" / "deeper").mkdir(parents=True)
+    (src / "a" / "f").write_bytes(os.urandom(200_000))
+    (src / "a" / "f").chmod(0o751)
+    (src / "a" / "b" / "g").write_text("g")
+    os.utime(src / "a" / "b" / "g", (1_500_000_000, 1_500_000_000))
+    os.link(src / "a" / "f", src / "hard")
+    (src / "abs").symlink_to("/etc/passwd")
+    (src / "rel").symlink_to("a/b")
+    (src / ("x" * 200)).write_text("a long name")
+    os.mkfifo(src / "fifo")  # not archived
+    (src / "empty").chmod(0o500)
+    dst.mkdir()
+    data = pack_bytes(src)
+    assert unpack_bytes(data, dst, keep_ids=ROOT) == 11
+    want = snapshot(src)
+    del want["fifo"]
+    assert snapshot(dst) == want
+    assert os.stat(dst / "hard").st_ino == os.stat(dst / "a" / "f").st_ino
+    with tarfile.open(fileobj=io.BytesIO(data)) as tf:
+        assert tf.getmember("hard").islnk() and tf.getmember("abs").issym()
+
+
+def test_setuid_bits_and_owners_only_when_asked(tmp_path: Path) -> None:
+    src, dst, dst2 = tmp_path / "src", tmp_path / "dst", tmp_path / "dst2"
+    for d in (src, dst, dst2):
+        d.mkdir()
+    (src / "suid").write_text("x")
+    (src / "suid").chmod(0o4755)
+    data = pack_bytes(src)
+    unpack_bytes(data, dst)
+    unpack_bytes(data, dst2, mode_mask=0o777)
+    assert stat.S_IMODE(os.stat(dst / "suid").st_mode) == 0o4755
+    assert stat.S_IMODE(os.stat(dst2 / "suid").st_mode) == 0o755
+    if ROOT:
+        unpack_bytes(data, dst, owner=(1234, 5678))
+        st = os.stat(dst / "suid")
+        assert (st.st_uid, st.st_gid) == (1234, 5678)
+
+
+@pytest.mark.parametrize(
+    ("name", "kind", "link", "uid", "size", "mtime"),
+    [
+        ("a/file", tarfile.REGTYPE, "", 0, 12345, 1_700_000_000),
+        ("dir", tarfile.DIRTYPE, "", 1000, 0, 0),
+        ("dir/", tarfile.DIRTYPE, "", 65534, 0, 5),
+        ("l", tarfile.SYMTYPE, "../" * 33, 7, 0, 1),
+        ("h", tarfile.LNKTYPE, "a/file", 0, 0, 1),
+        ("x" * 100, tarfile.REGTYPE, "", 0, 1, 1),
+        ("x" * 101, tarfile.REGTYPE, "", 0, 1, 1),  # these take tarfile's path: pax records
+        ("naïve", tarfile.REGTYPE, "", 0, 1, 1),
+        ("big", tarfile.REGTYPE, "", 8**7, 8**11, 8**11),
+        ("l2", tarfile.SYMTYPE, "t" * 101, 0, 0, 1),
+    ],
+)
+def test_our_headers_are_tarfiles(name: str, kind: bytes, link: str, uid: int, size: int, mtime: int) -> None:
+    ti = tarfile.TarInfo(name)
+    ti.type, ti.linkname, ti.uid, ti.gid, ti.size, ti.mtime, ti.mode = kind, link, uid, uid, size, mtime, 0o4755
+    ti.uname = ti.gname = ""
+    assert tree.header(ti) == ti.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape")
+
+
+HOSTILE = {
+    "absolute": tar_of(("/etc/evil", tarfile.REGTYPE, b"x")),
+    "dotdot": tar_of(("a/../../outside/evil", tarfile.REGTYPE, b"x")),
+    "dotdot dir": tar_of(("..", tarfile.DIRTYPE, b"")),
+    "own symlink": tar_of(("l", tarfile.SYMTYPE, "../outside"), ("l/evil", tarfile.REGTYPE, b"x")),
+    "symlink dir": tar_of(("l", tarfile.SYMTYPE, "../outside"), ("l/sub", tarfile.DIRTYPE, b"")),
+    "hard link out": tar_of(("h", tarfile.LNKTYPE, "../outside/victim")),
+    "hard link absolute": tar_of(("h", tarfile.LNKTYPE, "/etc/passwd")),
+    "hard link to a name not in the archive": tar_of(("h", tarfile.LNKTYPE, "planted")),
+    "char device": tar_of(("c", tarfile.CHRTYPE, b"")),
+    "block device": tar_of(("b", tarfile.BLKTYPE, b"")),
+    "fifo": tar_of(("p", tarfile.FIFOTYPE, b"")),
+    "unknown type": tar_of(("u", b"Z", b"")),
+    "garbage": os.urandom(3000),
+    "empty stream": b"",
+    "deep": tar_of(("/".join(["d"] * (tree.MAX_DEPTH + 1)), tarfile.DIRTYPE, b"")),
+    "truncated": tar_of(("t", tarfile.REGTYPE, os.urandom(20_000)))[:4096],
+    "no end marker": tar_of(("t", tarfile.REGTYPE, b"x"))[:1024],
+}
+
+
+@pytest.mark.parametrize("what", sorted(HOSTILE))
+def test_hostile_archives_are_refused(what: str, place: tuple[Path, Path]) -> None:
+    dest, outside = place
+    (dest / "planted").symlink_to(outside)  # a link a process in the guest made
+    with pytest.raises(TreeError) as e:
+        unpack_bytes(HOSTILE[what], dest)
+    assert e.value.code == P.E_INVALID
+    if what == "truncated":
+        assert not (dest / "t").exists()  # no half file of a broken stream
+
+
+def test_a_planted_symlink_is_neither_followed_nor_written_through(place: tuple[Path, Path]) -> None:
+    dest, outside = place
+    (dest / "planted").symlink_to(outside)
+    (dest / "file").symlink_to(outside / "victim")
+    with pytest.raises(TreeError):
+        unpack_bytes(tar_of(("planted/evil", tarfile.REGTYPE, b"x")), dest)
+    # a file member replaces the link (unlinked first); a directory member too
+    assert unpack_bytes(tar_of(("file", tarfile.REGTYPE, b"new"), ("planted", tarfile.DIRTYPE, b"")), dest) == 2
+    assert (dest / "file").read_bytes() == b"new" and not (dest / "file").is_symlink()
+    assert (dest / "planted").is_dir() and not (dest / "planted").is_symlink()
+    (dest / "dir").mkdir()
+    with pytest.raises(TreeError) as e:
+        unpack_bytes(tar_of(("dir", tarfile.REGTYPE, b"x")), dest)
+    assert e.value.code == P.E_IS_DIR
+
+
+def test_oversized_headers_and_limits(place: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    dest, _ = place
+    pax = tarfile.TarInfo("././@PaxHeader")
+    pax.type, pax.size = tarfile.XHDTYPE, P.MAX_TREE_META + 512
+    data = pax.tobuf(tarfile.USTAR_FORMAT) + bytes(P.MAX_TREE_META + 512) + tar_of(("f", tarfile.REGTYPE, b"x"))
+    with pytest.raises(TreeError) as e:
+        unpack_bytes(data, dest)
+    assert e.value.code == P.E_INVALID and "header" in e.value.message
+    longname = tar_of(("n" * (P.MAX_TREE_META + 10), tarfile.REGTYPE, b"x"), fmt=tarfile.GNU_FORMAT)
+    with pytest.raises(TreeError):
+        unpack_bytes(longname, dest)
+    monkeypatch.setattr(P, "MAX_TREE", 1000)
+    with pytest.raises(TreeError) as e:
+        unpack_bytes(tar_of(("a", tarfile.REGTYPE, bytes(600)), ("b", tarfile.REGTYPE, bytes(600))), dest)
+    assert e.value.code == P.E_TOO_LARGE
+    monkeypatch.setattr(P, "MAX_TREE_ENTRIES", 3)
+    with pytest.raises(TreeError) as e:
+        unpack_bytes(tar_of(*[(f"f{i}", tarfile.REGTYPE, b"") for i in range(4)]), dest)
+    assert e.value.code == P.E_TOO_LARGE
+    src = dest / "src"
+    for i in range(4):
+        (src / str(i)).mkdir(parents=True, exist_ok=True)
+    with pytest.raises(TreeError) as e:
+        pack_bytes(src)
+    assert e.value.code == P.E_TOO_LARGE
+
+
+def test_the_archive_root_sets_the_target_only_when_asked(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    src.chmod(0o711)
+    data = pack_bytes(src)
+    for root_meta, mode in ((False, 0o755), (True, 0o711)):
+        dst = tmp_path / f"dst{root_meta}"
+        dst.mkdir(mode=0o755)
+        unpack_bytes(data, dst, root_meta=root_meta)
+        assert stat.S_IMODE(dst.stat().st_mode) == mode
+
+
+# --- patches --------------------------------------------------------------------------
+
+
+def ids(spec: str) -> tuple[int, int]:
+    table = {"nobody": (65534, 65534), "app": (1000, 1000)}
+    user = spec.partition(":")[0]
+    if user.isdigit():
+        return int(user), int(user)
+    if user not in table:
+        raise LookupError(f"unknown user {user!r}")
+    return table[user]
+
+
+def test_patch_entries(tmp_path: Path) -> None:
+    base = str(tmp_path)
+    n = apply_patch(
+        [
+            {"op": "mkdir", "path": f"{base}/app/conf", "mode": 0o750},
+            {"op": "file", "path": f"{base}/app/conf/a", "data": b"one\n", "mode": 0o600},
+            {"op": "append", "path": f"{base}/app/conf/a", "data": b"two\n"},
+            {"op": "symlink", "path": f"{base}/app/cur", "target": "conf/a"},
+            {"op": "file", "path": f"{base}/new/parents/f", "data": b""},
+            {"op": "remove", "path": f"{base}/absent"},
+        ],
+        ids,
+    )
+    assert n == 6
+    assert (tmp_path / "app/conf/a").read_bytes() == b"one\ntwo\n"
+    assert stat.S_IMODE((tmp_path / "app/conf").stat().st_mode) == 0o750
+    assert stat.S_IMODE((tmp_path / "app/conf/a").stat().st_mode) == 0o600
+    assert os.readlink(tmp_path / "app/cur") == "conf/a"
+    if ROOT:
+        apply_patch([{"op": "file", "path": f"{base}/owned", "data": b"x", "owner": "app", "mode": 0o4750}], ids)
+        st = os.stat(tmp_path / "owned")
+        assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (1000, 1000, 0o4750)
+
+
+def test_patch_never_writes_through_a_symlink_and_names_the_failing_entry(place: tuple[Path, Path]) -> None:
+    dest, outside = place
+    (dest / "link").symlink_to(outside / "victim")
+    (dest / "dirlink").symlink_to(outside)
+    with pytest.raises(TreeError) as e:
+        apply_patch([{"op": "file", "path": f"{dest}/ok", "data": b"1"}, {"op": "file", "path": f"{dest}/link"}], ids)
+    assert e.value.code == P.E_EXISTS and e.value.message.startswith(f"entry 1 ({dest}/link)")
+    apply_patch([{"op": "file", "path": f"{dest}/link", "data": b"mine", "replace": True}], ids)
+    assert (dest / "link").read_bytes() == b"mine" and not (dest / "link").is_symlink()
+    with pytest.raises(TreeError) as e:
+        apply_patch([{"op": "append", "path": f"{dest}/dirlink", "data": b"x"}], ids)
+    apply_patch([{"op": "remove", "path": f"{dest}/dirlink"}], ids)  # the link goes, not its target's contents
+    assert not (dest / "dirlink").exists()
+    (dest / "tree" / "sub").mkdir(parents=True)
+    (dest / "tree" / "sub" / "out").symlink_to(outside)
+    apply_patch([{"op": "remove", "path": f"{dest}/tree"}], ids)
+    assert not (dest / "tree").exists()
+    for bad, code in (
+        ({"op": "chmod", "path": f"{dest}/x"}, P.E_INVALID),
+        ({"op": "file", "path": "relative"}, P.E_INVALID),
+        ({"op": "file", "path": "/"}, P.E_INVALID),
+        ({"op": "file", "path": f"{dest}/x", "mode": "0644"}, P.E_INVALID),
+        ({"op": "file", "path": f"{dest}/x", "mode": 0o10000}, P.E_INVALID),
+        ({"op": "file", "path": f"{dest}/x", "owner": "ghost"}, P.E_INVALID),
+        ({"op": "symlink", "path": f"{dest}/x"}, P.E_INVALID),
+        ({"op": "mkdir", "path": f"{dest}/ok"}, P.E_EXISTS),
+        ({"op": "file", "path": f"{dest}", "replace": True}, P.E_IS_DIR),
+    ):
+        with pytest.raises(TreeError) as e:
+            apply_patch([bad], ids, base=7)
+        assert e.value.code == code and e.value.message.startswith("entry 7 "), bad
+
+
+# --- supervisor.treecopy: the client's ends --------------------------------------------------
+
+
+async def test_host_pack_and_unpack_through_threads(tmp_path: Path) -> None:
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    (src / "d").mkdir(parents=True)
+    for i in range(300):
+        (src / "d" / f"f{i}").write_bytes(os.urandom(i * 100))
+    dst.mkdir()
+    with trio.fail_after(60):
+        async with packed_tree(src) as chunks:
+            assert await unpack_tree(chunks, dst) == 302
+    assert snapshot(dst) == snapshot(src)
+
+
+async def test_host_unpack_refuses_a_hostile_guest(place: tuple[Path, Path]) -> None:
+    dest, _ = place
+
+    async def stream() -> AsyncIterator[bytes]:
+        data = HOSTILE["own symlink"] + os.urandom(1 << 20)  # and more after it: never read
+        for i in range(0, len(data), 4096):
+            yield data[i : i + 4096]
+
+    with trio.fail_after(30), pytest.raises(SandboxError) as e:
+        await unpack_tree(stream(), dest)
+    assert e.value.code == P.E_INVALID and "the guest's tree" in e.value.message
+    with trio.fail_after(30), pytest.raises(SandboxError) as e:
+        async with packed_tree(dest / "missing"):
+            pass
+    assert e.value.code == P.E_NOT_FOUND
+
+
+async def test_host_unpack_reports_the_sources_error_not_truncation(tmp_path: Path) -> None:
+    async def failing() -> AsyncIterator[bytes]:
+        yield b"\0" * 100
+        raise SandboxError("NOT_FOUND", "no such directory")
+
+    with trio.fail_after(30), pytest.raises(SandboxError) as e:
+        await unpack_tree(failing(), tmp_path)
+    assert e.value.code == "NOT_FOUND"
