@@ -71,7 +71,6 @@ from actors.model import (
     Action,
     Limits,
     MemoryKind,
-    NetMode,
     PortSpec,
     Protocol,
     SandboxConfig,
@@ -84,7 +83,14 @@ from actors.model import (
 from actors.netns import NetNS
 from actors.portfwd import PortInUse, Target, bind_listener, relay_tcp, relay_udp
 from actors.settings import Settings
-from actors.snapshot import Checkpoint, checkpoint_guest, memory_for_restore, still_running
+from actors.snapshot import (
+    Checkpoint,
+    checkpoint_guest,
+    memory_for_restore,
+    resume_spec,
+    still_running,
+    user_net,
+)
 from actors.store import LifeState, Record, SnapshotRecord, Store
 from actors.vm import NETDEV_ID, Attach, BootError, Guest, NetConfig, VmSpec
 from guestd import proto as P
@@ -215,10 +221,7 @@ class Sandbox:
 
     @property
     def network(self) -> NetConfig | None:
-        net = self.config.network
-        if net.mode != NetMode.USER:
-            return None
-        return NetConfig(restrict=not net.outbound)
+        return user_net(self.config)
 
     @property
     def ip_address(self) -> str:
@@ -317,24 +320,17 @@ class Sandbox:
         limits = self.limits
         chain = tuple(Path(p) for p in self.record.chain)
         if isinstance(plan, Resume):
-            snap = plan.snapshot
-            return VmSpec(
-                kernel=snap.path / "kernel",
-                initrd=snap.path / "initrd",
-                append=snap.machine.append,
+            return resume_spec(
+                plan.snapshot,
+                s,
                 disk=files.disk,
                 chain=chain,
-                cpus=snap.machine.cpus,
-                memory_mib=snap.machine.memory_mib,
-                accel=s.accel,
-                user=None if s.cells is not None else s.qemu_user,
-                network=self.network,
                 ram=ram,
                 ram_shared=ram_shared,
-                restore=snap.path / "vmstate",
+                network=self.network,
+                name=self.hostname,
                 boot_timeout=min(s.boot_timeout, RESTORE_HELLO_TIMEOUT),
                 answer_timeout=s.guest_timeout,
-                name=self.hostname,
             )
         return VmSpec.boot(
             s.image,
@@ -400,11 +396,16 @@ class Sandbox:
         cell = None
         fds: dict[str, int] = {}
         self._sealed = ""
+        state_fd = -1
         try:
             if cells is not None:
                 cell = cells.open(
                     self.record.uid[:18], run_dir, memory_mib=self.limits.memory_mib, vcpus=self.limits.vcpus
                 )
+            if isinstance(plan, Resume):
+                # the snapshot as it is now, and its stream opened, in this one step: a
+                # conversion may switch the record (and unlink the old stream) after it
+                state_fd = self._open_state(plan.snapshot)
             ram, shared = self._ram(plan, cell, fds)
             spec = self._vm_spec(plan, ram, shared)
             placement = (
@@ -429,12 +430,28 @@ class Sandbox:
                 self._store.update_life(self.record)
 
             self._cell = cell
-            async with self.settings.launch(spec, Attach(placement, fds, on_spawned=spawned)) as guest:
+            at = Attach(placement, fds, on_spawned=spawned, restore_fd=state_fd)
+            async with self.settings.launch(spec, at) as guest:
                 self._release_ram(fds, cell)  # QEMU has its own mapping now
+                if state_fd >= 0:
+                    os.close(state_fd)  # (loaded)
+                    state_fd = -1
                 await self._serve(guest, plan)
         finally:
+            if state_fd >= 0:
+                os.close(state_fd)
             self._release_ram(fds, cell)
             self._end_life(cell)
+
+    def _open_state(self, snap: SnapshotRecord) -> int:
+        """``snap``'s stream, opened; its memory kind goes into the timings ("mapped":
+        1, or 0 for a streamed restore: RAM read from the stream)."""
+        try:
+            fd = os.open(snap.path / snap.vmstate, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise BootError(f"cannot open the saved state of snapshot {snap.id}: {exc.strerror}") from None
+        self.timings["mapped"] = 1.0 if snap.memory == MemoryKind.MAPPED else 0.0
+        return fd
 
     def _release_ram(self, fds: dict[str, int], cell: Cell | None) -> None:
         fd = fds.pop("ram", None)
@@ -480,7 +497,8 @@ class Sandbox:
         if isinstance(plan, Resume):
             self.timings["restored"] = time.monotonic()
             what = "the boot template" if plan.fallback is not None else f"snapshot {plan.snapshot.id}"
-            self.log.append("system", f"restored from {what}".encode())
+            how = "mapped" if self.timings.get("mapped") else "streamed"
+            self.log.append("system", f"restored from {what} (memory {how})".encode())
             await self._fresh_identity(guest, clock=False)  # the hello set the clock
         crash_point("hello")
         self.guest = guest

@@ -228,6 +228,9 @@ class Attach:
     adopt: AdoptedProcess | None = None
     disk_top: str = "disk0"
     staged: int = 0
+    # the saved state (``spec.restore``) opened already, the caller's: what a restore
+    # loads when its snapshot may change under it (a conversion replaces the file)
+    restore_fd: int = -1
 
 
 @asynccontextmanager
@@ -243,12 +246,14 @@ async def booted_guest(spec: VmSpec, where: Path | Attach) -> AsyncIterator[Gues
         vm.resume_life_state(at.disk_top, at.staged)
     else:
         vm = Machine(spec.machine_spec(), at.placement, name=spec.name, fds=at.fds, on_spawned=at.on_spawned)
-    async with _running(vm, time.monotonic(), spec, adopted=at.adopt is not None) as guest:
+    async with _running(vm, time.monotonic(), spec, adopted=at.adopt is not None, restore_fd=at.restore_fd) as guest:
         yield guest
 
 
 @asynccontextmanager
-async def _running(vm: Machine, t0: float, spec: VmSpec, *, adopted: bool = False) -> AsyncIterator[Guest]:
+async def _running(
+    vm: Machine, t0: float, spec: VmSpec, *, adopted: bool = False, restore_fd: int = -1
+) -> AsyncIterator[Guest]:
     boot_timeout = (spec.answer_timeout or 15.0) if adopted else spec.boot_timeout
     with collapse_single():
         async with trio.open_nursery() as nursery:
@@ -257,7 +262,7 @@ async def _running(vm: Machine, t0: float, spec: VmSpec, *, adopted: bool = Fals
             try:
                 t_loaded = 0.0
                 if spec.restore is not None and not adopted:
-                    await _load(vm, spec.restore, ignore_shared=spec.mapped_restore)
+                    await _load(vm, spec.restore, ignore_shared=spec.mapped_restore, fd=restore_fd)
                     t_loaded = time.monotonic()
                 stream = None
                 with trio.CancelScope() as boot_scope:
@@ -296,14 +301,18 @@ async def _running(vm: Machine, t0: float, spec: VmSpec, *, adopted: bool = Fals
                 nursery.cancel_scope.cancel()
 
 
-async def _load(vm: Machine, vmstate: Path, *, ignore_shared: bool) -> None:
-    try:
-        fd = os.open(vmstate, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError as exc:
-        raise LaunchError(f"cannot open the saved state {vmstate}: {exc.strerror}") from None
+async def _load(vm: Machine, vmstate: Path, *, ignore_shared: bool, fd: int = -1) -> None:
+    """Load ``vmstate`` (or ``fd``, the caller's descriptor of it) and let the guest run."""
+    own = fd < 0
+    if own:
+        try:
+            fd = os.open(vmstate, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise LaunchError(f"cannot open the saved state {vmstate}: {exc.strerror}") from None
     try:
         await vm.migrate_from_fd(fd, ignore_shared=ignore_shared)
     except MachineError as exc:
         raise BootError(f"restore failed: {exc}; {vm.describe_exit() if vm.exited else ''}") from None
     finally:
-        os.close(fd)
+        if own:
+            os.close(fd)
