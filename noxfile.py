@@ -51,13 +51,16 @@ def bench(session: nox.Session) -> None:
     session.run("sandvisor", "image", "build")
     session.run("python", "benchmarks/guest.py", *session.posargs)
     session.run("python", "benchmarks/api.py")
+    session.run("python", "benchmarks/grpc_api.py")
     session.run("python", "benchmarks/network.py")
+    session.run("python", "benchmarks/network_tap.py")
     session.run("python", "benchmarks/snapshots.py")
     session.run("python", "benchmarks/coldstart.py")
     session.run("python", "benchmarks/oci_images.py")
     session.run("python", "benchmarks/control.py")
     session.run("python", "benchmarks/flood.py")
     session.run("python", "benchmarks/soak.py")
+    session.run("python", "benchmarks/jail.py")
 
 
 @nox.session

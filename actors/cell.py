@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import time
 from pathlib import Path
 
 import attrs
@@ -48,6 +49,25 @@ class JailConfig:
     uid_count: int = jail.DEFAULT_ID_COUNT
     overhead_mib: int = 192  # memory limit = guest RAM + this (QEMU, its TCG cache, page cache)
     sealed_budget_mib: int = 1024  # sealed snapshot memory kept for later restores
+
+
+@attrs.frozen
+class Uplink:
+    """The network namespace a jailed QEMU runs in instead of an empty one: made by
+    actors/hostnet.py (a veth to the supervisor's filter: user-mode networking with
+    outbound access), with ``resolv_conf`` as the jail's /etc/resolv.conf (slirp
+    forwards the guest's DNS queries to the resolver it names: the DNS proxy)."""
+
+    netns: Path  # /run/netns/NAME
+    resolv_conf: Path  # a file of the supervisor's, bound read-only
+
+    def into(self, spec: jail.JailSpec) -> jail.JailSpec:
+        return attrs.evolve(
+            spec,
+            netns=self.netns,
+            loopback=False,  # (the network layer brought it up)
+            binds=(*spec.binds, jail.Bind(self.resolv_conf, "/etc/resolv.conf")),
+        )
 
 
 class Cell:
@@ -179,19 +199,32 @@ class Cells:
             kvm=kvm,
         )
 
-    def _spec(self, identity: jail.Identity, run_dir: Path, hostname: str) -> jail.JailSpec:
-        return jail.JailSpec(
+    def _spec(
+        self, identity: jail.Identity, run_dir: Path, hostname: str, uplink: Uplink | None = None
+    ) -> jail.JailSpec:
+        spec = jail.JailSpec(
             identity=identity, root=run_dir / "root", kvm=self.kvm, socket_dir=SOCKET_DIR, hostname=hostname[:63]
         )
+        return spec if uplink is None else uplink.into(spec)
 
     def _limits(self, memory_mib: int, vcpus: int) -> CgroupLimits:
         return CgroupLimits.for_guest(memory_mib, vcpus, overhead_mib=self.config.overhead_mib)
 
-    def open(self, name: str, run_dir: Path, *, memory_mib: int, vcpus: int, hostname: str = "sandbox") -> Cell:
-        """A new cell in ``run_dir`` (which exists, root's): identity, jail dir, cgroup."""
+    def open(
+        self,
+        name: str,
+        run_dir: Path,
+        *,
+        memory_mib: int,
+        vcpus: int,
+        hostname: str = "sandbox",
+        uplink: Uplink | None = None,
+    ) -> Cell:
+        """A new cell in ``run_dir`` (which exists, root's): identity, jail dir, cgroup;
+        QEMU's network namespace an empty one, or ``uplink``'s."""
         identity = self.allocator.allocate(name)
         try:
-            spec = self._spec(identity, run_dir, hostname)
+            spec = self._spec(identity, run_dir, hostname, uplink)
             jail.build_jail(spec)
             cgroup = None
             if self.cgroups is not None:
@@ -218,11 +251,28 @@ class Cells:
         return cell
 
     def sweep(self, keep: set[str]) -> None:
-        """Cgroups no recorded life owns (a crash's leftovers): their processes killed, removed."""
-        if self.cgroups is not None:
-            for name, pids in self.cgroups.collect(keep).items():
-                if pids:
-                    log.warning("killed %d processes of an unrecorded cgroup %s", len(pids), name)
+        """Cgroups no recorded life owns (a crash's leftovers): their processes killed
+        (what is under our parent is ours), the cgroups removed once empty."""
+        if self.cgroups is None:
+            return
+        for name, pids in self.cgroups.collect(keep).items():
+            cg = self.cgroups.open(name)
+            with contextlib.suppress(CgroupError, OSError):
+                cg.kill_all()
+            for _ in range(100):  # SIGKILLed processes leave the cgroup as they exit: ~ms
+                if not cg.pids():
+                    break
+                time.sleep(0.01)
+            try:
+                cg.remove()
+                log.warning("killed %d processes of an unrecorded cgroup %s", len(pids), name)
+            except (CgroupError, OSError) as exc:
+                log.warning("unrecorded cgroup %s (%d processes) could not be removed: %s", name, len(pids), exc)
 
     def close(self) -> None:
+        """At supervisor exit: the sealed memory, and our cgroup parent when no cell is
+        left under it (--keep-sandboxes leaves running ones to the next supervisor)."""
         self.sealed.close()
+        if self.cgroups is not None:
+            with contextlib.suppress(CgroupError, OSError):
+                self.cgroups.remove_parent()

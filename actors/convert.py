@@ -54,7 +54,7 @@ from actors.crash import crash_point
 from actors.disk import create_overlay
 from actors.machine import LaunchError, Machine, MachineError, Placement, QemuUser
 from actors.settings import Settings
-from actors.snapshot import PART, Converted, allocated, resume_spec, stat_key, user_net
+from actors.snapshot import PART, Converted, allocated, helper_net, resume_spec, stat_key
 from actors.store import SnapshotRecord
 
 log = logging.getLogger("sandvisor.convert")
@@ -143,7 +143,7 @@ async def convert_streamed(rec: SnapshotRecord, settings: Settings) -> Converted
             chain=rec.layers,
             ram=None,
             ram_shared=True,
-            network=user_net(rec.config),
+            network=helper_net(rec.config),
             name=f"convert-{rec.id}",
         )
         spec = attrs.evolve(vm.machine_spec(), extra_args=("-S",))  # never runs the guest

@@ -116,8 +116,8 @@ class SandboxFiles:
         """The shared RAM file, made by us (0600, QEMU's user) before QEMU maps it: QEMU
         would create it 0644, readable by every local user."""
         assert self.ram is not None
-        self.ram.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.ram, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        self.ram.unlink(missing_ok=True)  # (a previous life's; the dir is ours and private)
+        fd = os.open(self.ram, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             os.ftruncate(fd, size_mib << 20)
             if user is not None:

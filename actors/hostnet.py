@@ -36,12 +36,32 @@ a crashed supervisor leaves no device (its QEMUs die with it, see the registry's
 recovery). The fd goes to QEMU (``-netdev tap,fd=N,vnet_hdr=on``), which needs no
 network namespace of its own contents, no capability and no path.
 
+User-mode networking with outbound access (issue 12: "outbound without the host")
+uses the same links: a jailed QEMU's slirp opens its sockets in the jail's network
+namespace, which :meth:`HostNetwork.open_uplink` makes with one veth into it (host
+end ``svn...``, jail end ``eth0`` holding a pool address): the same filter, egress
+policy and DNS proxy apply to it as to a TAP::
+
+    guest 10.0.2.15 --slirp (in QEMU)--> jail netns svj-KEY-HASH: eth0 10.88.0.7/16, lo
+                                             | veth
+                      supervisor's netns:  svnHASH 10.88.0.1 peer 10.88.0.7 --filter--> masquerade out
+    slirp's DNS (10.0.2.3) -> the jail's /etc/resolv.conf: the gateway -> the DNS proxy
+
 Ownership: :class:`HostNetwork` (``run(task_status)``) owns the bridge, the table
-and the DNS proxy; each :class:`SandboxLink` owns one TAP (or attached veth), its
-address on the host side, its chain and sets, and its DNS registration, created by
-:meth:`HostNetwork.open_tap` / :meth:`HostNetwork.attach` and removed by
+and the DNS proxy; each :class:`SandboxLink` owns one TAP (or veth, and the jail
+namespace it leads into), its address on the host side, its chain and sets, and
+its DNS registration, created by :meth:`HostNetwork.open_tap`,
+:meth:`HostNetwork.open_uplink` or :meth:`HostNetwork.attach` and removed by
 :meth:`SandboxLink.close` (idempotent). The address lease is the IP pool's
 (actors/ippool.py), which outlives links: a stopped sandbox keeps its address.
+
+A supervisor restart that keeps its sandboxes (``serve --keep-sandboxes``) leaves
+the table in place when it exits: the next one replaces it in one transaction
+(every sandbox link is then in no set: its traffic is dropped, never let through
+unfiltered) and :meth:`HostNetwork.readopt` puts each adopted sandbox's link back.
+Jail namespaces of lives that ended with a crashed supervisor are removed by
+:meth:`HostNetwork.sweep`. One supervisor's tap networking per network namespace:
+a second one is refused at start (an abstract socket name, per namespace).
 """
 
 from __future__ import annotations
@@ -49,7 +69,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Sequence
+import secrets
+import socket
+from collections.abc import Iterable, Sequence
 from ipaddress import IPv4Address, IPv4Network
 from typing import Any
 
@@ -59,13 +81,15 @@ import trio
 from actors import egress
 from actors.dnsproxy import DnsProxy, resolv_conf_upstreams
 from actors.egress import EgressPolicy
-from actors.ippool import DEFAULT_POOL, GATEWAY_MAC, IpPool, guest_mac
+from actors.ippool import DEFAULT_POOL, GATEWAY_MAC, LINK_PREFIX, IpPool, guest_mac
 from actors.netns import NetError, NetNS
 from actors.nft import Nft, NftError
 
 log = logging.getLogger("sandvisor.net")
 
 BRIDGE = "sandvisor0"
+NETNS_DIR = "/run/netns"  # where `ip netns add` names namespaces
+LOCK_NAME = b"\0sandvisor-hostnet"  # an abstract socket name: one per network namespace
 
 
 @attrs.frozen
@@ -77,6 +101,10 @@ class HostNetConfig:
     netns: NetNS = attrs.field(factory=NetNS)
     dns_port: int = 53
     ip_forward: bool = True
+    # jail namespaces (outbound user mode) are named <jail_prefix><12 hex digits>: one
+    # prefix per supervisor, stable across its restarts (serve derives it from the state
+    # dir), so a sweep never touches another supervisor's; random unless given
+    jail_prefix: str = attrs.field(factory=lambda: f"svj-{secrets.token_hex(3)}-")
 
 
 @attrs.frozen
@@ -109,23 +137,27 @@ class SandboxLink:
     """One sandbox's link on the host: the TAP fd (``tap_fd``: dup it for QEMU), the
     guest's configuration (``guest``) and the filter state behind it."""
 
-    def __init__(self, net: HostNetwork, name: str, guest: GuestNet, policy: EgressPolicy, tap_fd: int | None) -> None:
+    def __init__(
+        self,
+        net: HostNetwork,
+        name: str,
+        guest: GuestNet,
+        policy: EgressPolicy,
+        tap_fd: int | None,
+        jail_netns: str = "",
+    ) -> None:
         self.net = net
         self.name = name
         self.guest = guest
         self.policy = policy
         self.tap_fd = tap_fd
+        self.jail_netns = jail_netns  # an uplink's namespace (its name under /run/netns), "" for a TAP
         self.closed = False
 
-    def netdev_args(self, fd: int, *, netdev_id: str = "n0") -> tuple[str, ...]:
-        """QEMU's -netdev/-device pair for a TAP fd as QEMU will see it (``{net}``:
-        MachineSpec puts the device model there)."""
-        return (
-            "-netdev",
-            f"tap,id={netdev_id},fd={fd}",  # vnet_hdr: QEMU reads it from the fd (IFF_VNET_HDR)
-            "-device",
-            "{net}" + f",netdev={netdev_id},mac={self.guest.mac}",
-        )
+    @property
+    def jail_netns_path(self) -> str:
+        """The uplink's namespace file (for the jail: QEMU enters it), "" for a TAP."""
+        return f"{NETNS_DIR}/{self.jail_netns}" if self.jail_netns else ""
 
     def set_policy(self, policy: EgressPolicy) -> None:
         """Replace the egress policy atomically (answers opened by DNS are forgotten)."""
@@ -141,8 +173,9 @@ class SandboxLink:
 
     def close(self) -> None:
         """Remove the filter state and the DNS registration, close the TAP (it goes when
-        QEMU's fd closes too). Until then the link is in no set: everything it sends is
-        dropped (fail closed)."""
+        QEMU's fd closes too), delete an uplink's jail namespace (its veth goes with it).
+        The rules go first: from then on the link is in no set, and everything it still
+        sends is dropped (fail closed)."""
         if self.closed:
             return
         self.closed = True
@@ -152,6 +185,21 @@ class SandboxLink:
             self.net.nft.run(egress.sandbox_removal(self.name, self.guest.address, self.policy))
         except NftError as exc:
             log.warning("%s: removing its rules: %s", self.name, exc)
+        if self.tap_fd is not None:
+            os.close(self.tap_fd)
+            self.tap_fd = None
+        if self.jail_netns:
+            self.net.delete_jail_netns(self.jail_netns, self.name)
+
+    def detach(self) -> None:
+        """The supervisor exits and the sandbox runs on (``--keep-sandboxes``): forget the
+        link here and close our TAP descriptor; the device, its rules and the jail
+        namespace stay for the next supervisor (:meth:`HostNetwork.readopt`)."""
+        if self.closed:
+            return
+        self.closed = True
+        self.net._links.pop(self.name, None)
+        self.net.dns.unregister(self.guest.address)
         if self.tap_fd is not None:
             os.close(self.tap_fd)
             self.tap_fd = None
@@ -177,11 +225,30 @@ class HostNetwork:
             closed=[*never, pool.network],
         )
         self._links: dict[str, SandboxLink] = {}
+        self._lock_sock: socket.socket | None = None
+        self.keep_table = False  # at exit: sandboxes run on (detached), their filter must stay
 
     # -- lifetime ----------------------------------------------------------------
+    def _lock(self) -> None:
+        """One supervisor's tap networking per network namespace: two would replace each
+        other's table and bridge. The lock is an abstract Unix socket name, which is per
+        network namespace and goes with its holder (no file to leave behind)."""
+        sock = self.netns.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            sock.bind(LOCK_NAME)
+        except OSError:
+            sock.close()
+            raise NetError(
+                "another supervisor runs tap networking in this network namespace (one per namespace: "
+                "give this one --ip-pool none, or run it in its own namespace)"
+            ) from None
+        self._lock_sock = sock
+
     def setup(self) -> None:
         """Bridge, gateway address, forwarding, the table (a crashed run's leftovers go)."""
         cfg = self.config
+        if self._lock_sock is None:
+            self._lock()
         with contextlib.suppress(NetError):
             self.netns.ip(f"link del {cfg.bridge}")
         self.netns.ip(
@@ -195,13 +262,20 @@ class HostNetwork:
         self.nft.run(egress.base_ruleset(self.gateway, self.pool.network, never=cfg.never, dns_port=cfg.dns_port))
 
     def teardown(self) -> None:
+        """Every link closed, the table and the bridge removed -- unless sandboxes run on
+        (``keep_table``): their links stay filtered, by the table as it is, until the
+        next supervisor replaces it."""
         for link in list(self._links.values()):
-            link.close()
-        with contextlib.suppress(NftError):
-            self.nft.run(f"delete table inet {egress.TABLE}")
-        with contextlib.suppress(NetError):
-            self.netns.ip(f"link del {self.config.bridge}")
+            link.detach() if self.keep_table else link.close()
+        if not self.keep_table:
+            with contextlib.suppress(NftError):
+                self.nft.run(f"delete table inet {egress.TABLE}")
+            with contextlib.suppress(NetError):
+                self.netns.ip(f"link del {self.config.bridge}")
         self.nft.close()
+        if self._lock_sock is not None:
+            self._lock_sock.close()
+            self._lock_sock = None
 
     async def run(self, task_status: trio.TaskStatus[HostNetwork] = trio.TASK_STATUS_IGNORED) -> None:
         self.setup()
@@ -229,9 +303,72 @@ class HostNetwork:
             raise
 
     def attach(self, name: str, address: IPv4Address, policy: EgressPolicy) -> SandboxLink:
-        """Configure an existing link (the host end of a veth: the jail's user-mode
-        outbound, and the tests) as a sandbox link."""
+        """Configure an existing link (the host end of a veth: the tests) as a sandbox link."""
         return self._configure(name, address, policy, None)
+
+    def jail_netns_name(self, link: str) -> str:
+        """The jail namespace of the uplink whose host end is ``link``."""
+        return self.config.jail_prefix + link.removeprefix(LINK_PREFIX)
+
+    def open_uplink(self, name: str, address: IPv4Address, policy: EgressPolicy) -> SandboxLink:
+        """A jail network namespace for a jailed QEMU's user-mode networking with
+        outbound access: one veth into it (``name`` here, ``eth0`` there, holding
+        ``address``, default route via the gateway), loopback up (slirp's port forwards
+        listen there), no IPv6; then filtered as any sandbox link."""
+        ns_name = self.jail_netns_name(name)
+        self.delete_jail_netns(ns_name, name)  # a stale one of a crashed life: never reuse it
+        try:
+            NetNS().ip(f"netns add {ns_name}")
+            jail = NetNS(ns_name)
+            jail.sysctl("ipv6/conf/all/disable_ipv6", 1)
+            jail.sysctl("ipv6/conf/default/disable_ipv6", 1)
+            self.netns.ip(f"link add {name} type veth peer name eth0 netns {ns_name}")
+            jail.ip(
+                "link set lo up",
+                f"addr add {address}/{self.pool.prefix} dev eth0",
+                "link set eth0 up",
+                f"route add default via {self.gateway} dev eth0",
+            )
+            link = self._configure(name, address, policy, None)
+        except BaseException:
+            self.delete_jail_netns(ns_name, name)
+            raise
+        link.jail_netns = ns_name
+        return link
+
+    def delete_jail_netns(self, ns_name: str, link: str = "") -> None:
+        """Delete a jail namespace and the veth into it (idempotent). The veth is deleted
+        first, explicitly: a namespace is destroyed asynchronously, and its links with it."""
+        if link and self.netns.link_exists(link):
+            with contextlib.suppress(NetError):
+                self.netns.ip(f"link del {link}")
+        if not os.path.exists(f"{NETNS_DIR}/{ns_name}"):
+            return
+        try:
+            NetNS().ip(f"netns del {ns_name}")
+        except NetError as exc:
+            log.warning("jail namespace %s: %s", ns_name, exc)
+
+    def readopt(self, name: str, address: IPv4Address, policy: EgressPolicy, *, uplink: bool) -> SandboxLink:
+        """The link of a sandbox a previous supervisor left running: its TAP (QEMU holds
+        it) or its uplink's veth, configured again and filtered again."""
+        link = self._configure(name, address, policy, None)
+        if uplink:
+            link.jail_netns = self.jail_netns_name(name)
+        return link
+
+    def sweep(self, keep: Iterable[str]) -> None:
+        """Jail namespaces of ours that no running sandbox link (``keep``: link names)
+        needs: a crashed supervisor's leftovers."""
+        wanted = {self.jail_netns_name(k) for k in keep}
+        try:
+            names = os.listdir(NETNS_DIR)
+        except OSError:
+            return
+        for ns_name in names:
+            if ns_name.startswith(self.config.jail_prefix) and ns_name not in wanted:
+                log.warning("removing the stale jail network namespace %s", ns_name)
+                self.delete_jail_netns(ns_name, LINK_PREFIX + ns_name.removeprefix(self.config.jail_prefix))
 
     def _configure(self, name: str, address: IPv4Address, policy: EgressPolicy, fd: int | None) -> SandboxLink:
         if name in self._links:
@@ -242,6 +379,7 @@ class HostNetwork:
         ns.sysctl(f"ipv6/conf/{name}/disable_ipv6", 1)  # before up: no link-local address, ever
         ns.sysctl(f"ipv4/conf/{name}/proxy_arp", 1)
         ns.ip(
+            f"addr flush dev {name}",  # (a readopted link: its address is set again below)
             f"link set dev {name} address {GATEWAY_MAC} up",
             f"addr add {self.gateway}/32 peer {address}/32 dev {name}",
         )

@@ -17,18 +17,18 @@ Next-fit (a cursor that moves on) rather than lowest-free: an address that was
 just released (a removed sandbox, whose peers may still hold ARP entries, TCP
 state or DNS answers for it) is handed out again only after every other free one.
 
-Persistence: every change goes through the store *before* it is applied in
-memory, so a store error (disk full) leaves both as they were and the caller
-gets the exception. :class:`SqliteLeases` is the store the supervisor uses (a
-table next to the sandboxes in ``supervisor/store.py``'s database);
-:class:`MemoryLeases` serves tests.
+Persistence: every change goes to the store *before* it is applied in memory, so
+a store that refuses it leaves both as they were and the caller gets the
+exception. The supervisor's store is ``actors.store.StoreLeases`` (a table next to
+the sandboxes, written by the store's writer in order with their records: a lease
+is on disk once the Create that made it has answered); :class:`MemoryLeases`
+serves tests.
 """
 
 from __future__ import annotations
 
 import hashlib
 import ipaddress
-import sqlite3
 from collections.abc import Iterable
 from ipaddress import IPv4Address, IPv4Network
 from typing import Protocol
@@ -75,26 +75,6 @@ class MemoryLeases:
 
     def delete(self, owner: str) -> None:
         self.rows.pop(owner, None)
-
-
-class SqliteLeases:
-    """Leases in a table of the supervisor's database (autocommit connection, as in
-    ``supervisor.store.Store``: ``SqliteLeases(store.db)``)."""
-
-    SCHEMA = "CREATE TABLE IF NOT EXISTS ip_leases (owner TEXT PRIMARY KEY, address TEXT NOT NULL UNIQUE)"
-
-    def __init__(self, db: sqlite3.Connection) -> None:
-        self.db = db
-        self.db.execute(self.SCHEMA)
-
-    def load(self) -> Iterable[tuple[str, str]]:
-        return [(str(o), str(a)) for o, a in self.db.execute("SELECT owner, address FROM ip_leases ORDER BY rowid")]
-
-    def put(self, owner: str, address: str) -> None:
-        self.db.execute("INSERT OR REPLACE INTO ip_leases (owner, address) VALUES (?, ?)", (owner, address))
-
-    def delete(self, owner: str) -> None:
-        self.db.execute("DELETE FROM ip_leases WHERE owner=?", (owner,))
 
 
 def parse_pool(cidr: str) -> IPv4Network:
@@ -152,22 +132,29 @@ class IpPool:
     def __len__(self) -> int:
         return len(self._by_owner)
 
-    def allocate(self, owner: str) -> IPv4Address:
-        """The owner's address: the one it holds, else a free one (next-fit)."""
+    def allocate(self, owner: str, want: IPv4Address | None = None) -> IPv4Address:
+        """The owner's address: the one it holds, else ``want`` when that is a free
+        sandbox address of the pool (a restore keeping its snapshot's address), else a
+        free one (next-fit)."""
         if owner in self._by_owner:
             return IPv4Address(self._by_owner[owner])
         if len(self._by_owner) >= self.size:
             raise PoolExhausted(f"the IP pool {self.network} is exhausted ({self.size} addresses leased)")
-        a = self._cursor
-        while True:
-            a = a + 1 if a < self._last else self._first
-            if a not in self._by_addr:
-                break
+        cursor = self._cursor
+        if want is not None and self._first <= int(want) <= self._last and int(want) not in self._by_addr:
+            a = int(want)  # (the cursor stays: a wanted address is not the next-fit's doing)
+        else:
+            a = cursor
+            while True:
+                a = a + 1 if a < self._last else self._first
+                if a not in self._by_addr:
+                    break
+            cursor = a
         address = IPv4Address(a)
         self.store.put(owner, str(address))
         self._by_owner[owner] = a
         self._by_addr[a] = owner
-        self._cursor = a
+        self._cursor = cursor
         return address
 
     def release(self, owner: str) -> IPv4Address | None:

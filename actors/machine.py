@@ -35,6 +35,7 @@ import shlex
 import signal
 import socket
 import stat
+import struct
 import subprocess
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -262,7 +263,7 @@ class MachineSpec:
         if self.vsock_cid is not None:
             dev = "vhost-vsock-device" if self.machine == "microvm" else "vhost-vsock-pci"
             a += ["-device", f"{dev},guest-cid={self.vsock_cid}"]
-        a += [x.replace("{net}", net) for x in self.netdev]
+        a += _netdev(self.netdev, net, fds)
         if self.incoming:
             a += ["-incoming", "defer"]
         if self.sandbox:
@@ -312,9 +313,26 @@ def open_regular(path: Path, flags: int) -> int:
     return fd
 
 
+def _netdev(args: tuple[str, ...], device: str, fds: dict[str, int]) -> list[str]:
+    """The network layer's -netdev/-device arguments: ``{net}`` is the device model,
+    ``{fd:NAME}`` the number QEMU inherits descriptor ``fds[NAME]`` under (a TAP)."""
+    out = []
+    for x in args:
+        x = x.replace("{net}", device)
+        for name, fd in fds.items():
+            x = x.replace(f"{{fd:{name}}}", str(fd))
+        if "{fd:" in x:
+            raise LaunchError(f"QEMU's network argument {x!r} names a descriptor it is not given")
+        out.append(x)
+    return out
+
+
 def _image_format(path: Path) -> str:
-    with open(path, "rb") as f:
-        return "qcow2" if f.read(4) == b"QFI\xfb" else "raw"
+    fd = open_regular(path, os.O_RDONLY)
+    try:
+        return "qcow2" if os.pread(fd, 4, 0) == b"QFI\xfb" else "raw"
+    finally:
+        os.close(fd)
 
 
 @attrs.frozen
@@ -645,6 +663,7 @@ class Machine:
                 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
                 try:
                     s.connect(str(path))
+                    check_peer(s, self.pid, path)
                     return s
                 except (FileNotFoundError, ConnectionRefusedError):
                     s.close()
@@ -918,11 +937,32 @@ class Machine:
             self.proc.send_signal(signal.SIGTERM)
 
 
-async def connect_guest_socket(path: Path, *, timeout: float = 10.0) -> trio.SocketStream:
-    """Connect to the guest channel's unix socket (QEMU creates it during start-up)."""
+def check_peer(sock: socket.socket, pid: int | None, path: Path) -> None:
+    """The socket we reached by ``path`` is QEMU's own (``pid``). QEMU's socket dir
+    belongs to its cell's uid: an escaped QEMU could put a symlink there to any other
+    socket on the host (which root may connect to); the listener's pid, as the kernel
+    recorded it, tells (translated into our pid namespace)."""
+    if pid is None:
+        return
+    peer = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
+    if peer != pid:
+        sock.close()
+        raise LaunchError(f"{path} is not QEMU's (pid {pid}) but pid {peer}'s: refusing it")
+
+
+async def connect_guest_socket(path: Path, *, pid: int | None, timeout: float = 10.0) -> trio.SocketStream:
+    """Connect to the guest channel's unix socket (QEMU, ``pid``, creates it during
+    start-up; :func:`check_peer`)."""
     with trio.fail_after(timeout):
         while True:
             try:
-                return await trio.open_unix_socket(str(path))
+                stream = await trio.open_unix_socket(str(path))
             except (FileNotFoundError, ConnectionRefusedError):
                 await trio.sleep(0.002)
+                continue
+            try:
+                check_peer(stream.socket, pid, path)  # type: ignore[arg-type]
+            except LaunchError:
+                await stream.aclose()
+                raise
+            return stream

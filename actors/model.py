@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 import attrs
 from cattrs.preconf.msgpack import make_converter
 
+from actors.egress import EgressPolicy, PolicyError
 from actors.errors import AlreadyExists, FailedPrecondition, InvalidArgument
 
 
@@ -89,6 +90,10 @@ class SandboxMetrics:
     net_rx_bytes: int
     net_tx_bytes: int
     uptime_seconds: float
+    # QEMU's cell (jailed): its cgroup's memory use and limit (0: no cgroup / no limit)
+    cgroup_memory_bytes: int = 0
+    cgroup_memory_limit_bytes: int = 0
+    cgroup_oom_kills: int = 0
 
 
 POOL_PREFIX = "\x00pool:"  # ids of warm pool members: no caller id can hold a control character
@@ -107,9 +112,32 @@ class Limits:
 
 
 @attrs.frozen
+class Egress:
+    """Where a sandbox may connect to (tap mode, and user mode with outbound): entries
+    are CIDRs or addresses, ``host:port`` (ranges ``lo-hi``), or domain names
+    (``example.com``, ``*.example.com``, with an optional ``:port``), checked by
+    actors/egress.py; the most specific entry wins, deny on a tie. Whatever it says,
+    the host, link-local/metadata addresses and other sandboxes stay out of reach
+    (docs/network.md)."""
+
+    default: str = "allow"  # "allow" | "deny": what no entry matches
+    allow: tuple[str, ...] = ()
+    deny: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"default": self.default, "allow": list(self.allow), "deny": list(self.deny)}
+
+
+@attrs.frozen
 class Network:
     mode: NetMode = NetMode.NONE
     outbound: bool = False  # user mode: the guest may open connections out
+    egress: Egress | None = None  # None: everything but what no sandbox ever reaches
+
+    @property
+    def reaches_out(self) -> bool:
+        """The guest can open connections beyond the host (tap; user with outbound)."""
+        return self.mode == NetMode.TAP or (self.mode == NetMode.USER and self.outbound)
 
 
 @attrs.frozen
@@ -236,6 +264,23 @@ def check_name(name: str) -> None:
         raise InvalidArgument("name must be at most 256 bytes without control characters")
 
 
+def check_network(net: Network) -> None:
+    """The network's rules that need no supervisor: an egress policy that parses, and only
+    where the guest reaches out at all."""
+    if net.mode == NetMode.TAP and net.outbound:
+        raise InvalidArgument("outbound is a user-mode option: tap sandboxes reach out as their egress policy says")
+    if net.egress is None:
+        return
+    if not net.reaches_out:
+        raise FailedPrecondition(
+            "an egress policy needs network mode 'tap', or 'user' with outbound: this sandbox reaches nothing"
+        )
+    try:
+        EgressPolicy.parse(net.egress.to_dict())
+    except PolicyError as exc:
+        raise InvalidArgument(str(exc)) from None
+
+
 def max_vcpus() -> int:
     return max(1, os.cpu_count() or 1) * 4
 
@@ -247,10 +292,9 @@ def check_config(cfg: SandboxConfig) -> None:
         raise InvalidArgument("image and rootfs/kernel exclude each other: the image is the root filesystem")
     if cfg.boot.pull not in ("always", "if-missing", "never"):
         raise InvalidArgument(f"image pull policy {cfg.boot.pull!r}: always, if-missing or never")
-    if cfg.network.mode == NetMode.TAP:
-        raise FailedPrecondition("network mode 'tap' is not available yet; use 'user' or 'none'")
-    if cfg.ports and cfg.network.mode != NetMode.USER:
-        raise FailedPrecondition("ports need network mode 'user'")
+    check_network(cfg.network)
+    if cfg.ports and cfg.network.mode == NetMode.NONE:
+        raise FailedPrecondition("ports need network mode 'tap' or 'user'")
     seen: set[tuple[int, Protocol]] = set()
     for pm in cfg.ports:
         check_port(pm.sandbox_port, pm.host_port)

@@ -213,7 +213,8 @@ class Pools:
         """A ready member of ``snap``'s pool, out of the pool (refilled in the background)."""
         members = self.members.get(snap.id, [])
         for m in members:
-            if m.state == State.READY and not m.checkpointing and m.guest is not None:
+            # ready_event: its life is fully up (READY is recorded, and flushed, a moment before)
+            if m.ready_event.is_set() and m.state == State.READY and not m.checkpointing and m.guest is not None:
                 members.remove(m)
                 self._wake.set()
                 return m

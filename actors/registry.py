@@ -52,6 +52,7 @@ from actors.errors import (
 from actors.events import EventBus
 from actors.files import SandboxFiles
 from actors.guestmem import private_dir
+from actors.ippool import link_name
 from actors.machine import AdoptedProcess, MachineError, start_time, unsearchable_parent
 from actors.model import (
     ALIVE,
@@ -59,6 +60,7 @@ from actors.model import (
     Action,
     ImageUse,
     MemoryKind,
+    NetMode,
     SandboxConfig,
     State,
     check_config,
@@ -69,7 +71,7 @@ from actors.model import (
 )
 from actors.pools import Pools
 from actors.quotas import Admission, Quotas
-from actors.sandbox import Adopt, Boot, Plan, Resume, Sandbox
+from actors.sandbox import Adopt, Boot, Plan, Resume, Sandbox, check_network_available
 from actors.settings import Settings
 from actors.snapshot import Checkpoint, SnapshotStore
 from actors.store import Record, SnapshotRecord, Store
@@ -211,6 +213,7 @@ class Registry:
             log.warning("killing QEMU %d under our run root that no record names", pid)
             await _end(AdoptedProcess.open(pid, start_time(pid)))
         keep = {Path(plan.life.run_dir).name for _, plan in adoptions}
+        self._recover_network([sb for sb, _ in adoptions])
         SandboxFiles.sweep_lives(self.settings, keep=keep)  # what no adopted life holds is stale
         SandboxFiles.sweep_unrecorded(self.settings, {rec.uid for rec in records})
         if self.settings.cells is not None:
@@ -229,6 +232,20 @@ class Registry:
         self.store.update_life(rec)
         done = "finished" if rec.chain[:1] == [frozen] else "undone"
         log.warning("sandbox %s: the disk swap of a checkpoint was %s", rec.id, done)
+
+    def _recover_network(self, adopted: builtins.list[Sandbox]) -> None:
+        """Leases whose sandbox is gone (a crash between a Remove's record and its lease)
+        go back to the pool; jail namespaces no adopted life runs in go."""
+        hn = self.settings.hostnet
+        if hn is None:
+            return
+        owners = {sb.record.uid for sb in self.sandboxes.values()}
+        for owner in hn.pool.leases():
+            if owner not in owners:
+                hn.pool.release(owner)
+        for owner, address in hn.pool.dropped:
+            log.warning("the IP pool changed: sandbox %s loses its address %s", owner, address)
+        hn.sweep(keep={link_name(sb.record.uid) for sb in adopted})
 
     def _close_life(self, sb: Sandbox) -> None:
         """What a dead life left (its cell: cgroup, jail dir, identity, RAM file)."""
@@ -306,6 +323,7 @@ class Registry:
         """The end of a sandbox that has stopped: its record, log, files."""
         sb.log.close()
         self.store.delete(sb.record.uid)
+        sb.release_lease()  # (written with the delete: the address and the record go together)
         # the record goes first: a crash then leaves files (swept at the next start),
         # not a record without its disk. On a full disk the files go anyway (that is
         # how space comes back). Bounded: shutdown calls this shielded.
@@ -383,6 +401,7 @@ class Registry:
         self._check_open()
         check_id(id)
         check_config(config)
+        check_network_available(self.settings, config.network)
         for what, path in (("kernel", config.boot.kernel), ("rootfs", config.boot.rootfs)):
             if path:
                 check_host_file(what, path, self.settings.allowed_paths)
@@ -402,6 +421,7 @@ class Registry:
             await self._adopt(member, id, config, {"pool": "1"}, apply_ports=True, accepted=accepted, image=image)
             return member  # failed, with its error, if the adoption failed: as a failed boot
         sb = self._new_sandbox(id, config, image=image)
+        sb.lease()  # its address is the Create's answer (RESOURCE_EXHAUSTED: nothing made)
         self.store.insert(sb.record)
         self.sandboxes[sb.id] = sb
         sb.emit(Action.CREATED)
@@ -481,6 +501,8 @@ class Registry:
         if sb.state not in (State.STOPPED, State.FAILED) or not sb.stopped:
             raise FailedPrecondition(f"sandbox {id} is {sb.state}; only a stopped sandbox can start")
         self._admit(sb.limits.memory_mib, ram_file=True)
+        check_network_available(self.settings, sb.config.network)
+        sb.lease()  # (kept since its last life; taken again if the pool changed meanwhile)
         await self.start_life(sb, Boot(accepted=time.monotonic()))
         await sb.persisted()
         return sb
@@ -527,15 +549,25 @@ class Registry:
         sb = self.get(sandbox_id)
         sb.check_checkpointable()  # before a directory is made for nothing
         self.admission.check_disk()
-        rec, ck = await self.snapshots.take(sb.checkpoint, sb.record, name=name, labels=labels)
+        address = str(sb.pool_address or "") if sb.config.network.mode == NetMode.TAP else ""
+        rec, ck = await self.snapshots.take(sb.checkpoint, sb.record, name=name, labels=labels, address=address)
         self.pools.wake()
         await self.store.flush()  # a snapshot the caller was told of is on record
         return rec, ck
 
     async def restore(
-        self, snapshot_ref: str, *, id: str = "", labels: dict[str, str] | None = None, ttl_seconds: int = 0
+        self,
+        snapshot_ref: str,
+        *,
+        id: str = "",
+        labels: dict[str, str] | None = None,
+        ttl_seconds: int = 0,
+        network_override: bool = False,
     ) -> Sandbox:
-        """A new sandbox from a snapshot, returned once ready (as the seed says)."""
+        """A new sandbox from a snapshot, returned once ready (as the seed says). A tap
+        clone keeps its snapshot's address when that is free and ``network_override``
+        is not asked; else (the origin or another clone holds it) it gets a fresh one.
+        Either way a fresh TAP and MAC, and its guest is configured before ready."""
         self._check_open()
         labels = labels or {}
         check_id(id)
@@ -546,21 +578,24 @@ class Registry:
         if id and id in self.sandboxes:
             raise AlreadyExists(f"sandbox {id!r} exists")
         self.snapshots.check_restorable(snap, self.settings.accel)
+        check_network_available(self.settings, snap.config.network)
         config = snap.config.restored(labels, ttl_seconds)
         accepted = time.monotonic()
         member = self.pools.take(snap)
         if member is not None:
             # the member forwarded the snapshot's ports already, on its own host ports
-            if not await self._adopt(
+            if await self._adopt(
                 member, id, config, {"snapshot_id": snap.id, "pool": "1"}, apply_ports=False, accepted=accepted
             ):
-                error = member.record.error
-                with trio.CancelScope(shield=True):
-                    await self.remove(member.id, force=True)
-                raise Unavailable(f"restore from {snap.id} failed: {error}")
-            return member
+                return member
+            log.warning("pool member for %s could not be handed over (%s): restoring", snap.id, member.record.error)
+            with trio.CancelScope(shield=True):
+                await self.remove(member.id, force=True)  # (its "created" was emitted: "removed" follows)
+            if id and id in self.sandboxes:
+                raise AlreadyExists(f"sandbox {id!r} exists")
         self._admit(snap.machine.memory_mib, ram_file=snap.memory != MemoryKind.MAPPED)
         sb = self._new_sandbox(id, config, origin=snap.id, image=snap.oci)
+        sb.lease(want="" if network_override else snap.address)
         self.store.insert(sb.record)
         self.sandboxes[sb.id] = sb
         sb.emit(Action.CREATED, snapshot_id=snap.id)

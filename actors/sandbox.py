@@ -41,15 +41,18 @@ import socket
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing, asynccontextmanager
+from ipaddress import IPv4Address
 from pathlib import Path
 from typing import Any, TypeVar
 
 import attrs
 import trio
 
-from actors.cell import Cell
+from actors.cell import Cell, Uplink
+from actors.cgroups import CgroupError, CgroupStats
 from actors.crash import crash_point
 from actors.disk import backing_chain
+from actors.egress import EgressPolicy
 from actors.errors import (
     AlreadyExists,
     DeadlineExceeded,
@@ -64,6 +67,8 @@ from actors.errors import (
 from actors.events import EventBus
 from actors.files import SandboxFiles
 from actors.guest import ExecHandle, FileReadStream, GuestError, GuestOpError, GuestTimeout
+from actors.hostnet import SandboxLink
+from actors.ippool import PoolExhausted, link_name
 from actors.machine import AdoptedProcess, MachineError, Placement
 from actors.model import (
     ALIVE,
@@ -71,6 +76,8 @@ from actors.model import (
     Action,
     Limits,
     MemoryKind,
+    NetMode,
+    Network,
     PortSpec,
     Protocol,
     SandboxConfig,
@@ -80,7 +87,8 @@ from actors.model import (
     is_hidden,
     load,
 )
-from actors.netns import NetNS
+from actors.netns import NetError, NetNS
+from actors.nft import NftError
 from actors.portfwd import PortInUse, Target, bind_listener, relay_tcp, relay_udp
 from actors.settings import Settings
 from actors.snapshot import (
@@ -89,10 +97,9 @@ from actors.snapshot import (
     memory_for_restore,
     resume_spec,
     still_running,
-    user_net,
 )
 from actors.store import LifeState, Record, SnapshotRecord, Store
-from actors.vm import NETDEV_ID, Attach, BootError, Guest, NetConfig, VmSpec
+from actors.vm import NETDEV_ID, TAP_FD, Attach, BootError, Guest, NetConfig, VmSpec
 from guestd import proto as P
 
 READY_FLUSH_TIMEOUT = 5.0  # s: the ready state's commit before READY is announced
@@ -197,6 +204,7 @@ class Sandbox:
         self._sealed = ""  # the snapshot whose sealed memory this life holds
         self._ports_nursery: trio.Nursery | None = None  # this life's port relays (jailed)
         self._relays: dict[tuple[int, Protocol], trio.CancelScope] = {}
+        self._link: SandboxLink | None = None  # this life's host link (tap; a jail's uplink)
 
     # -- identity ------------------------------------------------------------
     @property
@@ -221,7 +229,29 @@ class Sandbox:
 
     @property
     def network(self) -> NetConfig | None:
-        return user_net(self.config)
+        """The guest's network (user: slirp's fixed addresses; tap: its pool address,
+        None until it has one)."""
+        net = self.config.network
+        if net.mode == NetMode.USER:
+            return NetConfig(restrict=not net.outbound)
+        if net.mode != NetMode.TAP or self.settings.hostnet is None:
+            return None
+        address = self.pool_address
+        if address is None:
+            return None
+        hn = self.settings.hostnet
+        g = hn.guest_net(address, link_name(self.record.uid))
+        return NetConfig(
+            restrict=False,
+            net=str(hn.pool.network),
+            address=str(g.address),
+            gateway=str(g.gateway),
+            dns=str(g.dns),
+            prefix=g.prefix,
+            tap=True,
+            mac=g.mac,
+            tap_name=g.tap_name,
+        )
 
     @property
     def ip_address(self) -> str:
@@ -232,6 +262,11 @@ class Sandbox:
     def gateway(self) -> str:
         net = self.network
         return net.gateway if net else ""
+
+    @property
+    def tap_name(self) -> str:
+        net = self.network
+        return net.tap_name if net else ""
 
     def _set(self, state: State, **changes: Any) -> None:
         self.record.state = state
@@ -398,9 +433,16 @@ class Sandbox:
         self._sealed = ""
         state_fd = -1
         try:
+            uplink = self._open_link(run_dir)
+            if self._link is not None and self._link.tap_fd is not None:
+                fds[TAP_FD] = self._link.tap_fd  # (the link keeps it; QEMU gets its own copy)
             if cells is not None:
                 cell = cells.open(
-                    self.record.uid[:18], run_dir, memory_mib=self.limits.memory_mib, vcpus=self.limits.vcpus
+                    self.record.uid[:18],
+                    run_dir,
+                    memory_mib=self.limits.memory_mib,
+                    vcpus=self.limits.vcpus,
+                    uplink=uplink,
                 )
             if isinstance(plan, Resume):
                 # the snapshot as it is now, and its stream opened, in this one step: a
@@ -465,6 +507,7 @@ class Sandbox:
     def _end_life(self, cell: Cell | None) -> None:
         """What one life leaves goes, unless it was detached (QEMU runs on)."""
         self._cell = None
+        self._close_link()
         if self._detaching:
             return
         if cell is not None:
@@ -486,6 +529,7 @@ class Sandbox:
         placement = Placement(sock_dir=Path(life.sock_dir), log=run_dir / "qemu.log")
         spec = load(life.spec, VmSpec)
         try:
+            self._readopt_link()
             at = Attach(placement, adopt=plan.proc, disk_top=life.disk_top, staged=life.staged)
             async with self.settings.launch(spec, at) as guest:
                 await self._serve(guest, plan)
@@ -500,6 +544,7 @@ class Sandbox:
             how = "mapped" if self.timings.get("mapped") else "streamed"
             self.log.append("system", f"restored from {what} (memory {how})".encode())
             await self._fresh_identity(guest, clock=False)  # the hello set the clock
+            await self._configure_guest_net(guest)
         crash_point("hello")
         self.guest = guest
         self._record_timings(guest)
@@ -575,9 +620,12 @@ class Sandbox:
         failure fails this sandbox, as it would fail a boot."""
         guest = self.guest
         if guest is None or self._life_nursery is None or self.state != State.READY:
+            self._fail(f"pool member is {self.state}, not ready to be handed over")
+            self._stop_request.set()
             raise MachineError(f"pool member is {self.state}")
         try:
             await self._fresh_identity(guest, clock=True)
+            self._update_policy()  # the caller's egress policy, not the template's
             if apply_ports:
                 await self._apply_ports(guest)
         except MachineError as exc:
@@ -912,7 +960,11 @@ class Sandbox:
 
     async def metrics(self) -> SandboxMetrics:
         m = await self.guest_call(lambda g: g.channel.metrics())
+        cg = self._cgroup_stats()
         return SandboxMetrics(
+            cgroup_memory_bytes=cg.memory_bytes if cg is not None else 0,
+            cgroup_memory_limit_bytes=(cg.memory_limit or 0) if cg is not None else 0,
+            cgroup_oom_kills=cg.oom_kills if cg is not None else 0,
             id=self.id,
             timestamp=time.time_ns(),
             cpu_percent=round(self.cpu_percent(), 2),
@@ -926,12 +978,117 @@ class Sandbox:
             uptime_seconds=float(m.uptime),
         )
 
-    # -- ports (user networking) -------------------------------------------------
-    # Unjailed, QEMU's slirp binds the host port itself (HMP hostfwd_add). Jailed, slirp
-    # lives in QEMU's empty network namespace: its forward listens on that namespace's
-    # loopback, on the same port number, and a relay task of ours holds the host port
-    # and carries each connection (or UDP flow) there through a socket made in the
-    # namespace. A restarted supervisor re-creates the relays of an adopted QEMU.
+    def _cgroup_stats(self) -> CgroupStats | None:
+        cell = self._cell
+        if cell is None or cell.cgroup is None:
+            return None
+        try:
+            return cell.cgroup.stats()
+        except (CgroupError, OSError):
+            return None
+
+    # -- network: the pool address, a life's host link --------------------------
+    @property
+    def pool_address(self) -> IPv4Address | None:
+        """Its IP pool address (tap: the guest's; user mode with outbound in a jail: its
+        uplink's), held from Create to Remove: a stopped sandbox keeps it."""
+        hn = self.settings.hostnet
+        return hn.pool.address_of(self.record.uid) if hn is not None else None
+
+    @property
+    def egress(self) -> EgressPolicy:
+        eg = self.config.network.egress
+        return EgressPolicy.parse(eg.to_dict() if eg is not None else None)
+
+    def lease(self, want: str = "") -> None:
+        """Hold a pool address when the network needs one (idempotent): ``want`` (a
+        restore: its snapshot's) when that is free, else the next free one."""
+        hn = self.settings.hostnet
+        if hn is None or not needs_pool_address(self.settings, self.config.network):
+            return
+        try:
+            hn.pool.allocate(self.record.uid, IPv4Address(want) if want else None)
+        except PoolExhausted as exc:
+            raise ResourceExhausted(str(exc)) from None
+
+    def release_lease(self) -> None:
+        """The address goes back to the pool (Remove)."""
+        hn = self.settings.hostnet
+        if hn is not None:
+            hn.pool.release(self.record.uid)
+
+    def _open_link(self, run_dir: Path) -> Uplink | None:
+        """This life's host link, before QEMU starts: a TAP (its descriptor goes to QEMU),
+        or for a jailed user-mode sandbox with outbound access the uplink namespace its
+        QEMU runs in (returned, for the cell)."""
+        hn = self.settings.hostnet
+        net = self.config.network
+        if hn is None or not needs_pool_address(self.settings, net):
+            return None
+        self.lease()
+        address = self.pool_address
+        assert address is not None
+        name = link_name(self.record.uid)
+        try:
+            if net.mode == NetMode.TAP:
+                self._link = hn.open_tap(name, address, self.egress)
+                return None
+            self._link = link = hn.open_uplink(name, address, self.egress)
+        except (NetError, NftError) as exc:
+            raise MachineError(f"cannot set up the sandbox's network: {exc}") from None
+        resolv = run_dir / "resolv.conf"  # slirp forwards the guest's DNS to what it names
+        resolv.write_text(f"nameserver {hn.gateway}\n")
+        resolv.chmod(0o644)  # (whatever the umask: QEMU's identity reads it in the jail)
+        return Uplink(Path(link.jail_netns_path), resolv)
+
+    def _readopt_link(self) -> None:
+        """An adopted QEMU's link (its TAP, its uplink), filtered again."""
+        hn = self.settings.hostnet
+        net = self.config.network
+        if hn is None or not needs_pool_address(self.settings, net):
+            return
+        address = self.pool_address
+        if address is None:
+            raise MachineError("its IP pool address is gone (the pool changed): it cannot be adopted")
+        try:
+            self._link = hn.readopt(link_name(self.record.uid), address, self.egress, uplink=net.mode == NetMode.USER)
+        except (NetError, NftError) as exc:
+            raise MachineError(f"cannot set up the sandbox's network again: {exc}") from None
+
+    def _close_link(self) -> None:
+        link, self._link = self._link, None
+        if link is not None:
+            link.detach() if self._detaching else link.close()
+
+    def _update_policy(self) -> None:
+        """A warm pool member taken by a Create: the caller's egress policy."""
+        link, policy = self._link, self.egress
+        if link is None or link.policy == policy:
+            return
+        try:
+            link.set_policy(policy)
+        except NftError as exc:
+            raise MachineError(f"cannot apply the egress policy: {exc}") from None
+
+    async def _configure_guest_net(self, guest: Guest) -> None:
+        """A restored tap guest wakes up with its origin's address, MAC and resolver:
+        this sandbox's own, before it is reported ready (guestd's net_config, ~1 ms)."""
+        net = self.network
+        if net is None or not net.tap:
+            return
+        try:
+            await guest.channel.net_config(net.address, net.prefix, net.gateway, [net.dns], net.mac)
+        except GuestError as exc:
+            raise MachineError(f"post-restore network configuration failed: {exc}") from None
+
+    # -- ports --------------------------------------------------------------------
+    # User mode: unjailed, QEMU's slirp binds the host port itself (HMP hostfwd_add).
+    # Jailed, slirp lives in QEMU's network namespace (empty, or its uplink's): its
+    # forward listens on that namespace's loopback, on the same port number, and a
+    # relay task of ours holds the host port and carries each connection (or UDP flow)
+    # there through a socket made in the namespace. Tap: a relay from the host port to
+    # the sandbox's address (actors/portfwd.py says why not a DNAT). A restarted
+    # supervisor re-creates the relays of an adopted QEMU.
     async def _apply_ports(self, guest: Guest, *, relays_only: bool = False) -> None:
         applied = []
         for pm in self.record.ports:
@@ -946,6 +1103,9 @@ class Sandbox:
     async def _forward(self, guest: Guest, pm: PortSpec, *, relay_only: bool = False) -> PortSpec:
         """Forward ``pm``; the host port it got."""
         addr = self.settings.expose_address
+        net = self.network
+        if net is not None and net.tap:
+            return await self._forward_tap(net, pm)
         if self._cell is None:
             host_port = pm.host_port or free_port(addr, pm.protocol)
             await self._hostfwd(guest, f"{pm.protocol}:{addr}:{host_port}-:{pm.sandbox_port}", host_port, pm)
@@ -969,6 +1129,30 @@ class Sandbox:
         self._relays[pm.key] = scope
         return attrs.evolve(pm, host_port=host_port)
 
+    async def _forward_tap(self, net: NetConfig, pm: PortSpec) -> PortSpec:
+        """A relay from the host port to the sandbox's address (the seed: "the daemon
+        binds a host listener"). The host reaches every sandbox; the filter stops only
+        what sandboxes send."""
+        addr = self.settings.expose_address
+        hn = self.settings.hostnet
+        assert hn is not None
+        kind = socket.SOCK_DGRAM if pm.protocol == Protocol.UDP else socket.SOCK_STREAM
+        try:
+            listener = bind_listener(addr, pm.host_port, kind)
+        except PortInUse:
+            raise AlreadyExists(f"host port {pm.host_port}/{pm.protocol} is in use on {addr}") from None
+        host_port = int(listener.getsockname()[1])
+        try:
+            target = Target(net.address, pm.sandbox_port, hn.netns)
+            relay = relay_udp if kind == socket.SOCK_DGRAM else relay_tcp
+            assert self._ports_nursery is not None
+            scope = await self._ports_nursery.start(_relay, relay, listener, target)
+        except BaseException:
+            listener.close()
+            raise
+        self._relays[pm.key] = scope
+        return attrs.evolve(pm, host_port=host_port)
+
     async def _hostfwd(self, guest: Guest, rule: str, host_port: int, pm: PortSpec) -> None:
         reply = await guest.machine.hmp(f"hostfwd_add {NETDEV_ID} {rule}")
         if reply.strip():  # HMP reports failure as text, not as a QMP error
@@ -976,11 +1160,19 @@ class Sandbox:
                 raise AlreadyExists(f"host port {host_port}/{pm.protocol} is in use on {self.settings.expose_address}")
             raise FailedPrecondition(f"hostfwd_add: {reply.strip()[:200]}")
 
+    def ports(self) -> list[PortSpec]:
+        """Its port mappings, host ports filled in (a restored sandbox's carried ones
+        with the host ports it got), in the order they were exposed."""
+        return list(self.record.ports)
+
     async def expose(self, sandbox_port: int, host_port: int, protocol: Protocol) -> PortSpec:
+        """Forward ``sandbox_port`` from ``host_port`` (0: one is picked). A port that is
+        exposed already answers with its mapping (a retried call is safe), unless the
+        call names another host port for it (ALREADY_EXISTS)."""
         guest = self._require_alive()
         net = self.network
         if net is None:
-            raise FailedPrecondition(f"sandbox {self.id} has no network (create it with network mode 'user')")
+            raise FailedPrecondition(f"sandbox {self.id} has no network (create it with network mode 'tap' or 'user')")
         if protocol == Protocol.UDP and net.restrict:
             raise FailedPrecondition(
                 "QEMU's restricted user networking drops the guest's UDP replies (measured); expose UDP on a "
@@ -988,8 +1180,11 @@ class Sandbox:
             )
         async with self._ports_lock:
             wanted = PortSpec(sandbox_port, host_port, protocol)
-            if any(p.key == wanted.key for p in self.record.ports):
-                raise AlreadyExists(f"port {wanted.label()} is exposed already")
+            for p in self.record.ports:
+                if p.key == wanted.key:
+                    if host_port in (0, p.host_port):
+                        return p  # idempotent: the mapping as it is
+                    raise AlreadyExists(f"port {wanted.label()} is exposed already, on host port {p.host_port}")
             pm = await self._forward(guest, wanted)
             self.record.ports.append(pm)
             self._store.update_ports(self.record)
@@ -1001,7 +1196,8 @@ class Sandbox:
             if not match:
                 raise NotFound(f"port {sandbox_port}/{protocol} is not exposed")
             pm = match[0]
-            if self.guest is not None and self.state in ALIVE:
+            net = self.network
+            if self.guest is not None and self.state in ALIVE and not (net is not None and net.tap):
                 where = "127.0.0.1" if self._cell is not None else self.settings.expose_address
                 reply = await self.guest.machine.hmp(f"hostfwd_remove {NETDEV_ID} {protocol}:{where}:{pm.host_port}")
                 if reply.strip() and "removed" not in reply:  # success is reported as text too
@@ -1065,6 +1261,32 @@ class _Started:
 
     def started(self, value: object = None) -> None:
         self.outer.started(self.scope)
+
+
+def needs_pool_address(settings: Settings, net: Network) -> bool:
+    """Tap sandboxes have a pool address; so do jailed user-mode sandboxes with
+    outbound access (their uplink's)."""
+    if net.mode == NetMode.TAP:
+        return True
+    return net.mode == NetMode.USER and net.outbound and settings.cells is not None
+
+
+def check_network_available(settings: Settings, net: Network) -> None:
+    """What a network needs of this supervisor (FAILED_PRECONDITION otherwise)."""
+    if net.mode == NetMode.TAP and settings.hostnet is None:
+        raise FailedPrecondition(
+            "network mode 'tap' needs a root supervisor with tap networking (serve --ip-pool CIDR)"
+        )
+    if net.mode == NetMode.USER and net.outbound:
+        if settings.cells is not None and settings.hostnet is None:
+            raise FailedPrecondition(
+                "outbound networking of jailed sandboxes goes through the supervisor's filter: start it with "
+                "tap networking (serve --ip-pool CIDR)"
+            )
+        if settings.cells is None and net.egress is not None:
+            raise FailedPrecondition(
+                "an egress policy for user-mode networking needs jailed QEMUs (a root supervisor with the jail)"
+            )
 
 
 def free_port(address: str, protocol: str) -> int:

@@ -9,6 +9,7 @@ from pathlib import Path
 import attrs
 
 from actors.cell import Cells
+from actors.hostnet import HostNetwork
 from actors.machine import QemuUser
 from actors.model import Limits
 from actors.vm import Attach, Guest, VmSpec, booted_guest
@@ -38,6 +39,9 @@ class Settings:
     cells: Cells | None = None  # the jailer (root supervisors): every QEMU in its own cell
     # directories a Create's own kernel and rootfs may come from (serve --allow-path; none by default)
     allowed_paths: tuple[Path, ...] = ()
+    # tap networking, the IP pool, egress filter and DNS proxy (root supervisors: serve
+    # --ip-pool); also the uplinks of jailed user-mode sandboxes with outbound access
+    hostnet: HostNetwork | None = None
 
     def limits(self, requested: Limits) -> Limits:
         """The effective limits: the caller's, or the supervisor's defaults."""

@@ -216,12 +216,17 @@ def memory_for_restore(snap_dir: Path, run_dir: Path, user: QemuUser | None) -> 
     return link
 
 
-def user_net(config: SandboxConfig) -> NetConfig | None:
-    """The user-mode network a sandbox of ``config`` has (None: no network device)."""
-    net = config.network
-    if net.mode != NetMode.USER:
-        return None
-    return NetConfig(restrict=not net.outbound)
+def helper_net(config: SandboxConfig) -> NetConfig | None:
+    """The network device a conversion's helper gives a stream of a guest of
+    ``config``: the same device, on a backend whose saved state matches the origin's
+    (slirp's state for user mode; none for a tap, whose backend saves none). The
+    helper never runs the guest: no packet moves."""
+    mode = config.network.mode
+    if mode == NetMode.USER:
+        return NetConfig(restrict=True)
+    if mode == NetMode.TAP:
+        return NetConfig(detached=True)
+    return None
 
 
 def resume_spec(
@@ -345,6 +350,7 @@ class SnapshotStore:
         image: tuple[str, ...] = (),
         config: SandboxConfig | None = None,
         oci: ImageUse | None = None,
+        address: str = "",
     ) -> tuple[SnapshotRecord, Checkpoint]:
         """Checkpoint a sandbox into a new directory (``checkpoint(dir)``: the sandbox's
         own, guarded sequence) and record it, with ``config`` (default: the origin's)
@@ -379,6 +385,7 @@ class SnapshotStore:
             image=image,
             oci=oci or origin.image,
             chain=ck.chain,
+            address=address,
         )
         crash_point("template-checkpoint" if template_key else "snapshot-record")
         self.store.insert_snapshot(rec)

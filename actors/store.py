@@ -78,6 +78,10 @@ CREATE TABLE IF NOT EXISTS snapshots (
     created_ns INTEGER NOT NULL,
     data BLOB NOT NULL
 );
+CREATE TABLE IF NOT EXISTS ip_leases (
+    owner TEXT PRIMARY KEY,
+    address TEXT NOT NULL UNIQUE
+);
 """
 _COLUMNS = (
     "ALTER TABLE sandboxes ADD COLUMN ports BLOB",
@@ -175,6 +179,7 @@ class SnapshotRecord:
     image: tuple[str, ...] = ()  # the image parts a template was booted from
     oci: ImageUse | None = None  # the OCI image the origin booted (a template's, its key's)
     chain: tuple[str, ...] = ()  # the layers below disk.qcow2, top first, as we made them
+    address: str = ""  # tap: the origin's address, which a restore keeps when it is free
     vmstate: str = "vmstate"  # the stream's file name in ``dir`` (a converted snapshot has another)
 
     @property
@@ -420,6 +425,37 @@ class Store:
     def snapshots(self) -> list[SnapshotRecord]:
         rows = self.db.execute("SELECT data FROM snapshots ORDER BY created_ns").fetchall()
         return [load(_unpack(r[0]), SnapshotRecord) for r in rows]
+
+    # -- the IP pool's leases (tap networking) -------------------------------------------
+    def ip_leases(self) -> list[tuple[str, str]]:
+        """(owner: a sandbox uid, address) of every lease, oldest first."""
+        return [(str(o), str(a)) for o, a in self.db.execute("SELECT owner, address FROM ip_leases ORDER BY rowid")]
+
+    def put_lease(self, owner: str, address: str) -> None:
+        row = (owner, address)
+        self._put(lambda db: db.execute("INSERT OR REPLACE INTO ip_leases (owner, address) VALUES (?, ?)", row))
+
+    def delete_lease(self, owner: str) -> None:
+        self._put(lambda db: db.execute("DELETE FROM ip_leases WHERE owner=?", (owner,)))
+
+
+class StoreLeases:
+    """The IP pool's leases in the supervisor's database (actors/ippool.py's
+    ``LeaseStore``): written through the store's writer, in order with the sandbox
+    records, so a lease is on disk whenever the Create that made it has answered
+    (Create flushes before it answers)."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    def load(self) -> list[tuple[str, str]]:
+        return self.store.ip_leases()
+
+    def put(self, owner: str, address: str) -> None:
+        self.store.put_lease(owner, address)
+
+    def delete(self, owner: str) -> None:
+        self.store.delete_lease(owner)
 
 
 def _life(blob: bytes | None) -> LifeState | None:

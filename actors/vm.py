@@ -76,9 +76,21 @@ def kernel_cmdline(accel: str, *, root: bool = True, hostname: str = "sandbox", 
 
 @attrs.frozen
 class NetConfig:
-    """User-mode networking (QEMU's slirp: no packet leaves the QEMU process by itself).
-    ``restrict`` (the default) cuts the guest off from the host and the outside; only
-    host forwards (exposed ports) reach it."""
+    """A VM's network, as the guest is configured (kernel command line) and QEMU given it.
+
+    User mode (``tap`` False): QEMU's slirp; no packet leaves the QEMU process by
+    itself. ``restrict`` (the default) cuts the guest off from the host and the
+    outside; only host forwards (exposed ports) reach it. Without it, slirp's
+    sockets are opened in QEMU's network namespace (in a jail: the uplink that
+    actors/hostnet.py made, filtered as a TAP is).
+
+    Tap (``tap`` True): QEMU gets a TAP by descriptor (``Attach.fds[TAP_FD]``, made
+    by actors/hostnet.py) and the guest an address of the IP pool, its MAC
+    (``mac``), the gateway as router and resolver.
+
+    Detached (``detached`` True): the guest's network device on a hub port nothing
+    else joins, a backend with no saved state of its own: what a snapshot
+    conversion's helper, which never runs the guest, gives a tap guest's stream."""
 
     restrict: bool = True
     net: str = "10.0.2.0/24"
@@ -86,14 +98,30 @@ class NetConfig:
     gateway: str = "10.0.2.2"
     dns: str = "10.0.2.3"
     prefix: int = 24
+    tap: bool = False
+    mac: str = ""
+    tap_name: str = ""  # the host side's link
+    detached: bool = False
 
 
 NETDEV_ID = "n0"
+TAP_FD = "tap"  # the Attach.fds key of a tap VM's TAP descriptor
 
 
 def netdev_args(net: NetConfig | None) -> tuple[str, ...]:
     if net is None:
         return ()
+    if net.detached:
+        return ("-netdev", f"hubport,id={NETDEV_ID},hubid=0", "-device", "{net},netdev=" + NETDEV_ID)
+    if net.tap:
+        # vnet_hdr: QEMU reads it from the descriptor (IFF_VNET_HDR); the number is the
+        # one QEMU inherits it under (MachineSpec.argv fills it in)
+        return (
+            "-netdev",
+            f"tap,id={NETDEV_ID},fd={{fd:{TAP_FD}}}",
+            "-device",
+            "{net}" + f",netdev={NETDEV_ID},mac={net.mac}",
+        )
     restrict = "on" if net.restrict else "off"
     return (
         "-netdev",
@@ -272,8 +300,10 @@ async def _running(
                         boot_scope.cancel()
 
                     nursery.start_soon(watch_exit)
-                    stream = await connect_guest_socket(vm.guest_socket)
+                    stream = await connect_guest_socket(vm.guest_socket, pid=vm.pid)
                 if stream is None or vm.exited:
+                    if stream is not None:  # connected as QEMU exited: ours to close
+                        await trio.aclose_forcefully(stream)
                     raise BootError(f"QEMU exited during boot: {vm.describe_exit()}", vm.console.text())
                 async with open_channel(stream, hello_timeout=None, answer_timeout=spec.answer_timeout) as chan:
                     with trio.CancelScope() as hello_scope:

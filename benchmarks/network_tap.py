@@ -1,30 +1,28 @@
-"""Tap networking (TCG): host <-> sandbox TCP throughput and connection latency for
-tap vs user mode (slirp) vs passt, in one boot of one guest with three NICs; the
-port-exposure variants on tap (direct, userspace relay, nftables DNAT); the egress
-policy's cost on connection setup and the DNS proxy's on a lookup (veth guests, no
-VM); per-sandbox link setup and the nftables/iproute2 call costs behind the design.
+"""Tap networking (TCG), through the supervisor: host <-> sandbox TCP throughput and
+connection latency for a tap sandbox (at its address; through its exposed port's
+relay; through an nftables DNAT for comparison) vs a user-mode sandbox (its exposed
+port: the relay into the jail, slirp's forward there), in one run, rounds
+interleaved; the egress policy's cost on connection setup and the DNS proxy's on a
+lookup (veth guests, no VM); per-sandbox link setup and the nftables/iproute2 call
+costs behind the design.
 
-Every packet stays on loopback or inside namespaces this script makes (the lab of
-tests/netlab.py): the TAP lives in the lab's "host" namespace; slirp's and passt's
-forwarded ports listen on 127.0.0.1.
+The supervisor runs in a namespace this script makes (as tests/test_net_supervisor.py
+does); every packet stays there or on its loopback.
 
-Usage: python benchmarks/network_tap.py [-n N] [--out results/]
+Usage: python benchmarks/network_tap.py [-n N] [--out docs/results/]
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
 import socket
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from ipaddress import IPv4Address
 from pathlib import Path
 from typing import Any
 
-import attrs
 import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -32,16 +30,15 @@ from _harness import main, write_results
 
 from actors import dnsmsg as D
 from actors import egress
-from actors.disk import backing_chain, create_overlay
 from actors.egress import EgressPolicy
 from actors.ippool import link_name
-from actors.machine import Machine, MachineSpec, qmp_loop
+from actors.machine import qmp_loop
+from actors.model import Limits, NetMode, Network, PortSpec, SandboxConfig, State
 from actors.netns import NetNS
-from actors.portfwd import Target, bind_listener, dnat_base, dnat_rules, relay_tcp
-from actors.sandbox import free_port
-from actors.vm import Guest, _running, kernel_cmdline
-from images.build import Builder, default_cache
-from tests.netlab import SERVERS, UPLINK_INET, lab_env, probe, resolve
+from actors.portfwd import dnat_base, dnat_rules
+from actors.sandbox import Sandbox
+from supervisor.throwaway import supervisor, workdir
+from tests.netlab import POOL, SERVERS, UPLINK_INET, lab_env, namespaces, probe, resolve
 
 MIB = 16
 NAT_ONLY = """table inet floor {
@@ -50,7 +47,6 @@ NAT_ONLY = """table inet floor {
     ip saddr 10.88.0.0/16 oifname != "svn*" masquerade
   }
 }"""
-SNIPPET = Path(__file__).resolve().parent.parent / "contrib" / "guestd_netcfg.py"
 GUEST_SERVER = """
 import socket, sys, threading
 BLOB = b"x" * (1 << 20)
@@ -74,26 +70,6 @@ for port, fn in ((7001, hello), (7002, source)):
     threading.Thread(target=serve, args=(port, fn), daemon=True).start()
 serve(7003, sink)
 """
-
-
-@attrs.frozen
-class FdSpec(MachineSpec):
-    """MachineSpec plus descriptors for the -netdev arguments (``{fd:NAME}``)."""
-
-    net_fds: tuple[tuple[str, int], ...] = ()
-
-    def open_files(self) -> dict[str, int]:
-        fds = super().open_files()
-        for name, fd in self.net_fds:
-            fds[f"net:{name}"] = os.dup(fd)
-        return fds
-
-    def argv(self, run_dir: Path, qmp_fd: int, console_fd: int, fds: dict[str, int] | None = None) -> list[str]:
-        a = super().argv(run_dir, qmp_fd, console_fd, fds)
-        for key, fd in (fds or {}).items():
-            if key.startswith("net:"):
-                a = [x.replace("{fd:" + key[4:] + "}", str(fd)) for x in a]
-        return a
 
 
 def med(xs: list[float]) -> float:
@@ -146,128 +122,69 @@ async def path_numbers(ns: NetNS, addr: str, ports: dict[int, int], n: int) -> d
     return {"connect_p50_ms": med(lat) * 1e3, "download_mib_s": med(down), "upload_mib_s": med(up)}
 
 
-# -- the VM -------------------------------------------------------------------------
-@contextlib.asynccontextmanager
-async def passt_process(fd: int, forwards: dict[int, int]) -> AsyncIterator[subprocess.Popen[bytes]]:
-    argv = ["passt", "-f", "-q", "-4", "--fd", str(fd), "-a", "10.0.3.15", "-n", "24", "-g", "10.0.3.2"]
-    argv += ["--no-dhcp", "-u", "none"]
-    for g, h in forwards.items():
-        argv += ["-t", f"127.0.0.1/{h}:{g}"]
-    p = subprocess.Popen(argv, pass_fds=(fd,), stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        yield p
-    finally:
-        p.kill()
-        p.wait()
-
-
-async def in_guest(guest: Guest, script: str) -> str:
-    res = await guest.channel.run(["sh", "-c", script])
+# -- the VMs, through the supervisor ---------------------------------------------------
+async def in_guest(sb: Sandbox, script: str) -> str:
+    res = await sb.guest_call(lambda g: g.channel.run(["sh", "-c", script]))
     if res.exit_code != 0:
         raise RuntimeError(f"{script}: {res.stderr.decode(errors='replace')}")
     return res.stdout.decode()
 
 
-async def bench_vm(lab: Any, n: int, res: dict[str, Any], work: Path) -> None:
-    image = Builder(default_cache()).build()
-    address = lab.pool.allocate("bench-vm")
-    link = lab.net.open_tap(link_name("bench-vm"), address, EgressPolicy.parse(None))
-    user_fwd = {p: free_port("127.0.0.1", "tcp") for p in (7001, 7002, 7003)}
-    passt_fwd = {p: free_port("127.0.0.1", "tcp") for p in (7001, 7002, 7003)}
-    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        overlay = work / "disk.qcow2"
-        work.mkdir(parents=True, exist_ok=True)
-        await create_overlay(image.rootfs, overlay)
-        hostfwd = "".join(f",hostfwd=tcp:127.0.0.1:{h}-:{g}" for g, h in user_fwd.items())
-        netdev = (
-            *link.netdev_args("{fd:tap}"),  # type: ignore[arg-type]
-            "-netdev",
-            f"user,id=u0,net=10.0.2.0/24,restrict=on{hostfwd}",
-            "-device",
-            "{net},netdev=u0,mac=52:54:00:12:34:56",
-            "-netdev",
-            "stream,id=p0,server=off,addr.type=fd,addr.str={fd:passt}",
-            "-device",
-            "{net},netdev=p0,mac=52:54:00:12:34:57",
-        )
-        assert link.tap_fd is not None
-        spec = FdSpec(
-            kernel=image.kernel,
-            initrd=image.initrd,
-            disk=overlay,
-            disk_chain=backing_chain(overlay),
-            memory_mib=512,
-            append=kernel_cmdline("tcg", hostname="bench"),
-            netdev=netdev,
-            net_fds=(("tap", link.tap_fd), ("passt", mine.fileno())),
-        )
-        vm = Machine(spec, work, name="bench")
-        async with passt_process(theirs.fileno(), passt_fwd), _running(vm, time.monotonic(), 120, None) as guest:
-            theirs.close()
-            await guest.channel.write_file("/tmp/netcfg.py", SNIPPET.read_bytes())
-            await guest.channel.write_file("/tmp/srv.py", GUEST_SERVER.encode())
-            g = link.guest
-            by_mac = {}
-            for line in (
-                await in_guest(guest, "for d in /sys/class/net/eth*; do echo $d $(cat $d/address); done")
-            ).split("\n"):
-                if line.strip():
-                    path, mac = line.split()
-                    by_mac[mac] = path.rsplit("/", 1)[1]
-            await in_guest(guest, f"python3 /tmp/netcfg.py {by_mac['52:54:00:12:34:56']} 10.0.2.15 24 - -")
-            await in_guest(guest, f"python3 /tmp/netcfg.py {by_mac['52:54:00:12:34:57']} 10.0.3.15 24 - -")
-            await in_guest(guest, f"python3 /tmp/netcfg.py {by_mac[g.mac]} {g.address} {g.prefix} {g.gateway}")
-            await in_guest(guest, "python3 /tmp/srv.py >/dev/null 2>&1 &")
-            # passt learns the guest's MAC from the guest's first frame: send one (ARP + UDP)
-            hail = "import socket; socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b'x', ('10.0.3.2', 9))"
-            await in_guest(guest, f'python3 -c "{hail}"')
-            root = NetNS()
-            direct = {p: p for p in (7001, 7002, 7003)}
-            with trio.fail_after(60):
-                while await probe(lab.host, str(g.address), 7001) != "x":
-                    await trio.sleep(0.3)
-            # the exposure variants on tap: userspace relay and nftables DNAT
-            relay_ports: dict[int, int] = {}
-            async with trio.open_nursery() as nursery:
-                for p in (7001, 7002, 7003):
-                    lst = bind_listener("127.0.0.1", 0, socket.SOCK_STREAM, lab.host)
-                    relay_ports[p] = await nursery.start(relay_tcp, lst, Target(str(g.address), p, lab.host))
-                lab.net.nft.run(dnat_base())
-                lab.host.sysctl(f"ipv4/conf/{link.name}/route_localnet", 1)
-                dnat_ports = {p: 17000 + p for p in (7001, 7002, 7003)}
-                for p, h in dnat_ports.items():
-                    lab.net.nft.run(dnat_rules("tcp", h, g.address, p))
-                rounds: dict[str, list[dict[str, float]]] = {}
-                paths: dict[str, tuple[NetNS, str, dict[int, int]]] = {
-                    "tap (host -> sandbox IP)": (lab.host, str(g.address), direct),
-                    "tap via relay (127.0.0.1)": (lab.host, "127.0.0.1", relay_ports),
-                    "tap via nft DNAT (127.0.0.1)": (lab.host, "127.0.0.1", dnat_ports),
-                    "user (slirp hostfwd)": (root, "127.0.0.1", user_fwd),
-                    "passt (-netdev stream)": (root, "127.0.0.1", passt_fwd),
-                }
-                for name, (ns, addr, ports) in list(paths.items()):  # each path answers before we time any
-                    with trio.move_on_after(30):
-                        while (got := await probe(ns, addr, ports[7001])) != "x":
-                            await trio.sleep(0.3)
-                    if got != "x":
-                        print(f"{name}: not reachable ({got}); left out", file=sys.stderr)
-                        res.setdefault("unreachable", {})[name] = got
-                        del paths[name]
-                for _ in range(3):  # interleaved rounds: the machine's noise hits every path alike
-                    for name, (ns, addr, ports) in paths.items():
-                        try:
-                            rounds.setdefault(name, []).append(await path_numbers(ns, addr, ports, n))
-                        except (AssertionError, OSError, ValueError) as exc:
-                            print(f"{name}: {type(exc).__name__}: {exc}", file=sys.stderr)
-                            res.setdefault("errors", {}).setdefault(name, []).append(f"{type(exc).__name__}: {exc}")
-                nursery.cancel_scope.cancel()
-            res["paths"] = {name: {k: med([r[k] for r in rs]) for k in rs[0]} for name, rs in rounds.items()}
-    finally:
-        link.close()
-        mine.close()
-        with contextlib.suppress(OSError):
-            theirs.close()
+def exposed(sb: Sandbox) -> dict[int, int]:
+    return {p.sandbox_port: p.host_port for p in sb.ports()}
+
+
+async def bench_vm(n: int, res: dict[str, Any]) -> None:
+    ports = tuple(PortSpec(p) for p in (7001, 7002, 7003))
+    with namespaces("svh") as (host,), host.entered():
+        async with qmp_loop():
+            with workdir("sv-bench-tap-", private_state=True) as work:
+                async with supervisor(work, ip_pool=POOL, dns_upstreams=("127.0.0.1",)) as (_, reg):
+                    limits = Limits(memory_mib=512)
+                    t = await reg.create("tap", SandboxConfig(network=Network(NetMode.TAP), limits=limits, ports=ports))
+                    u = await reg.create(
+                        "user", SandboxConfig(network=Network(NetMode.USER), limits=limits, ports=ports)
+                    )
+                    for sb in (t, u):
+                        with trio.fail_after(300):
+                            await sb.ready_event.wait()
+                        if sb.state != State.READY:
+                            raise RuntimeError(f"{sb.id}: {sb.record.error}")
+                        await sb.guest_call(lambda g: g.channel.write_file("/tmp/srv.py", GUEST_SERVER.encode()))
+                        await in_guest(sb, "python3 /tmp/srv.py >/dev/null 2>&1 &")
+                    hn = reg.settings.hostnet
+                    assert hn is not None
+                    # the DNAT variant (not what ExposePort does: see actors/portfwd.py), for comparison
+                    hn.nft.run(dnat_base())
+                    host.sysctl(f"ipv4/conf/{t.tap_name}/route_localnet", 1)
+                    dnat_ports = {p: 17000 + p for p in (7001, 7002, 7003)}
+                    for p, h in dnat_ports.items():
+                        hn.nft.run(dnat_rules("tcp", h, IPv4Address(t.ip_address), p))
+                    direct = {p: p for p in (7001, 7002, 7003)}
+                    paths: dict[str, tuple[NetNS, str, dict[int, int]]] = {
+                        "tap (host -> sandbox IP)": (host, t.ip_address, direct),
+                        "tap, exposed port (relay)": (host, "127.0.0.1", exposed(t)),
+                        "tap, nft DNAT (comparison)": (host, "127.0.0.1", dnat_ports),
+                        "user, exposed port (relay + slirp in the jail)": (host, "127.0.0.1", exposed(u)),
+                    }
+                    for ns, addr, pmap in paths.values():  # each path answers before we time any
+                        with trio.fail_after(60):
+                            while await probe(ns, addr, pmap[7001]) != "x":
+                                await trio.sleep(0.3)
+                    rounds: dict[str, list[dict[str, float]]] = {}
+                    for _ in range(3):  # interleaved rounds: the machine's noise hits every path alike
+                        for name, (ns, addr, pmap) in paths.items():
+                            rounds.setdefault(name, []).append(await path_numbers(ns, addr, pmap, n))
+                    res["paths"] = {name: {k: med([r[k] for r in rs]) for k in rs[0]} for name, rs in rounds.items()}
+                    tap, user = (
+                        res["paths"]["tap (host -> sandbox IP)"],
+                        res["paths"]["user, exposed port (relay + slirp in the jail)"],
+                    )
+                    res["tap_over_user"] = {
+                        "connect": user["connect_p50_ms"] / tap["connect_p50_ms"],
+                        "download": tap["download_mib_s"] / user["download_mib_s"],
+                        "upload": tap["upload_mib_s"] / user["upload_mib_s"],
+                    }
 
 
 # -- policy and DNS costs (veth guests, no VM) ------------------------------------------
@@ -369,15 +286,10 @@ async def bench_policy(n: int, res: dict[str, Any]) -> None:
 async def bench(n: int, out_dir: Path) -> dict[str, Any]:
     res: dict[str, Any] = {"n": n, "transfer_mib": MIB}
     await bench_policy(max(n, 50), res)
-    work = Path("/tmp") / f"sv-nettap-{os.getpid()}"
-    try:
-        async with qmp_loop(), lab_env(timeout=1500) as lab:
-            with trio.fail_after(1200):
-                await bench_vm(lab, n, res, work)
-    finally:
-        subprocess.run(["rm", "-rf", str(work)], check=False)
+    with trio.fail_after(1800):
+        await bench_vm(n, res)
     lines = [
-        "## Tap networking (TCG, one guest with a TAP, a slirp and a passt NIC)",
+        "## Tap networking (TCG; a tap and a user-mode sandbox of one supervisor, 512 MiB each)",
         "",
         f"Host <-> sandbox, medians of 3 interleaved rounds ({n} connects, 3 x {MIB} MiB each way):",
         "",
@@ -386,6 +298,12 @@ async def bench(n: int, out_dir: Path) -> dict[str, Any]:
     ]
     for name, r in res.get("paths", {}).items():
         lines.append(f"| {name} | {r['connect_p50_ms']:.2f} | {r['download_mib_s']:.1f} | {r['upload_mib_s']:.1f} |")
+    ratio = res["tap_over_user"]
+    lines += [
+        "",
+        f"tap at its address vs user mode's exposed port: connect {ratio['connect']:.2f}x faster, "
+        f"download {ratio['download']:.2f}x, upload {ratio['upload']:.2f}x.",
+    ]
     lines += ["", "Egress policy on connection setup (veth guest, connect + 1 line + close, p50 us):", ""]
     lines += ["| filter | p50 (us) |", "|---|---|"]
     lines += [f"| {k} | {v:.0f} |" for k, v in res["policy_connect_us"].items()]

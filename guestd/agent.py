@@ -1019,6 +1019,9 @@ class Agent:
         elif isinstance(msg, P.SetHostname):
             self.set_hostname(msg.hostname)
             session.send(P.Ok(rid=rid))
+        elif isinstance(msg, P.NetConfig):
+            self.net_config(msg)
+            session.send(P.Ok(rid=rid))
         elif isinstance(msg, P.Shutdown):
             session.send(P.Ok(rid=rid))
             self.shutting_down = msg.reboot
@@ -1073,6 +1076,14 @@ class Agent:
         with open("/proc/sys/kernel/hostname", "w") as f:
             f.write(name)
         self.hostname = name
+
+    def net_config(self, msg: P.NetConfig) -> None:
+        from guestd import netcfg  # lazy: only restores of networked sandboxes pay the import
+
+        try:
+            netcfg.configure(msg.iface, msg.address, msg.prefix, msg.gateway, msg.mac, msg.dns)
+        except ValueError as exc:
+            raise ExecFailed(P.E_INVALID, f"net_config: {exc}") from None
 
     # -- signals and children ----------------------------------------------------
     def reap(self) -> None:
@@ -1359,6 +1370,8 @@ def main() -> None:
     if os.path.ismount(SYSROOT):
         # lazy imports after the chroot resolve through the initramfs root's fd
         sys.path[:] = [f"/proc/self/fd/{root_fd}{p}" if p.startswith("/") else p for p in sys.path]
+        pkg = sys.modules["guestd"]  # and guestd's own lazy modules (netcfg) through its __path__
+        pkg.__path__[:] = [f"/proc/self/fd/{root_fd}{p}" if p.startswith("/") else p for p in pkg.__path__]
         os.chroot(SYSROOT)
         os.chdir("/")
     agent = Agent(cmdline, marks, root_fd)

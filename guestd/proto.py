@@ -363,6 +363,21 @@ class SetHostname(Message):
     hostname: str
 
 
+@message("net_config")
+class NetConfig(Message):
+    """Configure ``iface`` (tap networking: after a restore, before the host reports the
+    clone ready, a fresh address, MAC, gateway and resolvers). Answered with Ok, or
+    Error (INVALID_ARGUMENT for bad values; the kernel's errno otherwise)."""
+
+    rid: int
+    address: str
+    prefix: int
+    gateway: str
+    dns: list[str] = []
+    mac: str = ""
+    iface: str = "eth0"
+
+
 @message("shutdown")
 class Shutdown(Message):
     """Sync, stop every process, power off (or reboot). Answered with Ok first."""

@@ -16,6 +16,7 @@ from supervisor.errors import ApiError
 
 # Imports are inside the functions that need them: a one-shot client command (ls,
 # inspect, run, ...) loads neither Trio, rich nor the image builder (issue 14).
+DEFAULT_IP_POOL = "10.88.0.0/16"  # actors.ippool.DEFAULT_POOL (a test says so): not imported here
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (mypy reads the name)
 if TYPE_CHECKING:
     from typing import Any, NoReturn
@@ -94,8 +95,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
     """The main job: a supervisor (in this process, on a throwaway state dir sharing the
     built image) and, through the SDK, a sandbox at work: commands, files, metrics,
     then a checkpoint, two restored clones and a Create from the boot template."""
-    import shutil
-    import tempfile
     import time
     from pathlib import Path
 
@@ -115,17 +114,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     async def main() -> None:
         from supervisor.client import AsyncSandbox
-        from supervisor.daemon import DaemonConfig, serve
+        from supervisor.throwaway import supervisor, workdir
 
-        work = Path(tempfile.mkdtemp(prefix="sandvisor-demo-", dir="/tmp"))
-        work.chmod(0o711)  # QEMU's unprivileged user reaches its run dir under here
-        (work / "state").mkdir()
-        (work / "state" / "images").symlink_to(cache)
-        cfg = DaemonConfig(socket=work / "s.sock", state_dir=work / "state", accel=accel, run_root=work / "run")
-        sock = cfg.socket
-        try:
-            async with trio.open_nursery() as nursery:
-                await nursery.start(serve, cfg)
+        with workdir("sandvisor-demo-", cache=cache) as work:
+            async with supervisor(work, accel=accel) as (cfg, _):
+                sock = cfg.socket
                 out.print(f"[bold]supervisor[/] up on {sock} (accel={accel}, kernel {img.kernel_version})")
                 t0 = time.monotonic()
                 sb = await AsyncSandbox.create("demo", hostname="demo", socket=sock, labels={"via": "demo"})
@@ -179,9 +172,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 for x in (quick, *clones, sb):
                     await x.remove(force=True)
                 await AsyncSandbox.delete_snapshot(snap, socket=sock)
-                nursery.cancel_scope.cancel()
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
         out.print("sandboxes removed, snapshot deleted, supervisor stopped: nothing left behind")
 
     trio.run(main)
@@ -189,6 +179,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 # --- serve -------------------------------------------------------------------
+def _uid_range(text: str) -> tuple[int, int]:
+    first, sep, count = text.partition(":")
+    if not sep or not first.isdigit() or not count.isdigit() or int(count) < 1:
+        raise argparse.ArgumentTypeError(f"--jail-uids {text!r}: FIRST:COUNT")
+    return int(first), int(count)
+
+
 def _pool_arg(text: str) -> tuple[str, int]:
     snap, sep, n = text.rpartition("=")
     if not sep or not snap or not n.isdigit():
@@ -205,6 +202,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from images.build import default_state_dir
     from supervisor.config import default_socket
     from supervisor.daemon import DaemonConfig, serve
+    from supervisor.grpc_service import addresses as grpc_addresses
+    from supervisor.metrics import parse_listen
 
     logging.getLogger().setLevel(logging.DEBUG if args.verbose else logging.INFO)
     cfg = DaemonConfig(
@@ -214,6 +213,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         run_root=Path(args.run_root) if args.run_root else None,
         boot_timeout=args.boot_timeout,
         guest_timeout=args.guest_timeout,
+        jail_overhead_mib=args.jail_overhead,
+        jail_uids=args.jail_uids,
         max_sandboxes=args.max_sandboxes,
         group=args.group,
         qemu_user=args.qemu_user,
@@ -229,7 +230,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
         allow_paths=tuple(Path(p).resolve() for p in args.allow_path or ()),
         max_memory_mib=args.max_memory,
         max_disk_mib=args.max_disk,
+        grpc=tuple(args.grpc or ()),
+        grpc_cert=Path(args.grpc_cert) if args.grpc_cert else None,
+        grpc_key=Path(args.grpc_key) if args.grpc_key else None,
+        grpc_client_ca=Path(args.grpc_client_ca) if args.grpc_client_ca else None,
+        metrics=args.metrics,
+        ip_pool="" if args.ip_pool.lower() == "none" else args.ip_pool,
+        dns_upstreams=tuple(args.dns_upstream or ()),
+        egress_never=tuple(args.egress_never or ()),
     )
+    try:  # the flags' mistakes as usage errors, before anything starts
+        grpc_addresses(cfg.grpc, cert=cfg.grpc_cert, key=cfg.grpc_key, client_ca=cfg.grpc_client_ca)
+        if cfg.metrics:
+            parse_listen(cfg.metrics)
+    except (ValueError, OSError) as exc:
+        fail(f"sandvisor serve: {exc}", 2)
     trio.run(serve, cfg)
     return 0
 
@@ -324,6 +339,19 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     sv.add_argument("--run-root", help="per-VM sockets and run dirs (default: /run/sandvisor/vms for root)")
     sv.add_argument("--boot-timeout", type=float, default=60.0, help="seconds a boot may take before it fails")
     sv.add_argument(
+        "--jail-overhead",
+        type=int,
+        default=192,
+        metavar="MIB",
+        help="each jailed QEMU's memory limit is its guest RAM + this (QEMU, TCG's cache; default 192)",
+    )
+    sv.add_argument(
+        "--jail-uids",
+        type=_uid_range,
+        metavar="FIRST:COUNT",
+        help="the uid/gid range jailed QEMUs get ids from (no real user may have one; default 1900000000:65536)",
+    )
+    sv.add_argument(
         "--guest-timeout",
         type=float,
         default=30.0,
@@ -378,6 +406,37 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     sv.add_argument("--max-disk", type=int, default=0, metavar="MIB", help="state dir use (default: no limit)")
     sv.add_argument(
         "--pool", action="append", metavar="SNAPSHOT=N", help="warm pool size for one snapshot (id or name); repeatable"
+    )
+    sv.add_argument(
+        "--grpc",
+        action="append",
+        metavar="ADDR",
+        help="also serve sandbox.v1 and sandvisor.v1 over gRPC: unix:///PATH (mode as --socket's) or HOST:PORT "
+        "(TLS unless loopback); repeatable",
+    )
+    sv.add_argument("--grpc-cert", metavar="PEM", help="TLS certificate chain for --grpc HOST:PORT")
+    sv.add_argument("--grpc-key", metavar="PEM", help="TLS private key for --grpc HOST:PORT")
+    sv.add_argument("--grpc-client-ca", metavar="PEM", help="require client certificates signed by this CA")
+    sv.add_argument(
+        "--metrics", metavar="HOST:PORT", help="serve Prometheus metrics at http://HOST:PORT/metrics (host: loopback)"
+    )
+    sv.add_argument(
+        "--ip-pool",
+        default=DEFAULT_IP_POOL,
+        metavar="CIDR",
+        help=f"as root: tap networking's addresses (default {DEFAULT_IP_POOL}; 'none': no tap, no jailed outbound)",
+    )
+    sv.add_argument(
+        "--dns-upstream",
+        action="append",
+        metavar="HOST[:PORT]",
+        help="the sandboxes' DNS proxy asks these (repeatable; default: /etc/resolv.conf's)",
+    )
+    sv.add_argument(
+        "--egress-never",
+        action="append",
+        metavar="CIDR",
+        help="a range no sandbox reaches whatever its egress policy (e.g. your LAN; repeatable)",
     )
     sv.set_defaults(func=_host_errors(cmd_serve))
 

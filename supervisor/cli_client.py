@@ -249,10 +249,21 @@ async def _create(a: argparse.Namespace) -> AsyncSandbox:
         ttl=a.ttl,
         idle_timeout=a.idle_timeout,
         network=a.network,
+        outbound=a.outbound,
+        egress=_egress(a),
         ports=ports(a.port),
         detached=True,
         wait=not a.no_wait,
     )
+
+
+def _egress(a: argparse.Namespace) -> Any:
+    """``--egress-default/--allow/--deny`` as the SDK's Egress (None: not given)."""
+    if a.egress_default is None and not a.allow and not a.deny:
+        return None
+    from supervisor.client import Egress
+
+    return Egress(default=a.egress_default or "allow", allow=a.allow or (), deny=a.deny or ())
 
 
 def run(a: argparse.Namespace) -> int:
@@ -466,6 +477,19 @@ def top(a: argparse.Namespace) -> int:
 
 def port(a: argparse.Namespace) -> int:
     proto = "udp" if a.udp else "tcp"
+    if a.action == "ls":
+        with _conn(a) as c:
+            mappings = c.call("ListPorts", {"id": a.name})["ports"]
+        if a.json:
+            _json(mappings)
+            return 0
+        print_table(
+            ("SANDBOX PORT", "HOST", "PROTOCOL"),
+            [(str(m["sandbox_port"]), f"{m['host_address']}:{m['host_port']}", m["protocol"]) for m in mappings],
+        )
+        return 0
+    if a.sandbox_port is None:
+        raise UsageError(f"port {a.action} needs SANDBOX_PORT")
     with _conn(a) as c:
         if a.action == "add":
             r = c.call(
@@ -489,7 +513,13 @@ def restore(a: argparse.Namespace) -> int:
     with _conn(a) as c:
         r = c.call(
             "Restore",
-            {"snapshot_id": a.snapshot, "id": a.new_name or "", "labels": kv(a.label), "ttl_seconds": a.ttl},
+            {
+                "snapshot_id": a.snapshot,
+                "id": a.new_name or "",
+                "labels": kv(a.label),
+                "ttl_seconds": a.ttl,
+                "network_override": a.network_override,
+            },
         )
     _json(r) if a.json else print(r["id"])
     return 0
@@ -580,7 +610,16 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
     p.add_argument("--label", action="append", metavar="K=V")
     p.add_argument("--ttl", type=int, default=0, metavar="S")
     p.add_argument("--idle-timeout", type=int, default=0, metavar="S")
-    p.add_argument("--network", choices=["none", "user"], default="none")
+    p.add_argument(
+        "--network",
+        choices=["none", "tap", "user", "outbound"],
+        default="none",
+        help="tap: an address of the IP pool; user: exposed ports only; outbound: user mode that may reach out",
+    )
+    p.add_argument("--outbound", action="store_true", help="user mode that may reach out (= --network outbound)")
+    p.add_argument("--egress-default", choices=["allow", "deny"], help="what no --allow/--deny entry matches")
+    p.add_argument("--allow", action="append", metavar="ENTRY", help="CIDR, host:port or domain (repeatable)")
+    p.add_argument("--deny", action="append", metavar="ENTRY", help="CIDR, host:port or domain (repeatable)")
     p.add_argument("--port", action="append", metavar="HOST:GUEST")
     p.add_argument("--workdir")
     p.add_argument("--user")
@@ -658,6 +697,9 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
     p.add_argument("--name", dest="new_name", metavar="NEW")
     p.add_argument("--ttl", type=int, default=0, metavar="S")
     p.add_argument("--label", action="append", metavar="K=V")
+    p.add_argument(
+        "--network-override", action="store_true", help="tap: a fresh address even if the snapshot's is free"
+    )
     p.add_argument("--json", action="store_true")
 
     p = cmd("snapshots", snapshots, "list snapshots")
@@ -670,12 +712,17 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
     p.add_argument("snapshot_id")
     p.set_defaults(json=False, sandbox=None, label=None)
 
-    p = cmd("port", port, "port add NAME SANDBOX_PORT [--host-port P] [--udp] | port rm NAME SANDBOX_PORT [--udp]")
-    p.add_argument("action", choices=["add", "rm"])
+    p = cmd(
+        "port",
+        port,
+        "port add NAME SANDBOX_PORT [--host-port P] [--udp] | port rm NAME SANDBOX_PORT [--udp] | port ls NAME",
+    )
+    p.add_argument("action", choices=["add", "rm", "ls"])
     p.add_argument("name")
-    p.add_argument("sandbox_port", type=int)
+    p.add_argument("sandbox_port", type=int, nargs="?")
     p.add_argument("--host-port", type=int, default=0)
     p.add_argument("--udp", action="store_true")
+    p.add_argument("--json", action="store_true")
 
 
 def run_client(args: argparse.Namespace) -> int:

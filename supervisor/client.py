@@ -83,6 +83,7 @@ __all__ = [
     "Cancelled",
     "CheckpointResponse",
     "DeadlineExceeded",
+    "Egress",
     "FailedPrecondition",
     "Internal",
     "InvalidArgument",
@@ -317,14 +318,43 @@ class Workload:
 
 
 @attrs.frozen(kw_only=True)
-class Network:
-    """``mode``: "none" (no network device) or "user" (QEMU user networking,
-    restricted to the host unless ``outbound``). ``ports``: sandbox port -> host port
-    on the supervisor's loopback (host port 0: any free port)."""
+class Egress:
+    """Where the sandbox may connect to (tap, and user mode with ``outbound``): entries
+    are CIDRs, addresses, ``host:port`` (port ranges ``lo-hi``) and domain names
+    (``example.com``, ``*.example.com``, optionally ``:port``); ``default`` is what no
+    entry matches. The host, other sandboxes' exposed ports and 169.254.0.0/16 are
+    never reachable, whatever the policy (docs/network.md)."""
 
-    mode: Literal["none", "user"] = "none"
+    default: Literal["allow", "deny"] = "allow"
+    allow: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    deny: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+
+
+def _to_egress(v: Egress | Mapping[str, Any] | None) -> Egress | None:
+    """An Egress, or the same as a dict (``{"default": "deny", "allow": [...]}``)."""
+    if v is None or isinstance(v, Egress):
+        return v
+    return Egress(default=v.get("default", "allow"), allow=v.get("allow", ()), deny=v.get("deny", ()))
+
+
+@attrs.frozen(kw_only=True)
+class Network:
+    """``mode``: "none" (no network device), "tap" (an address of the supervisor's IP
+    pool; root supervisors), "user" (QEMU user networking: exposed ports only, unless
+    ``outbound``) or "outbound" (user mode that may reach out, as ``outbound=True``).
+    ``egress``: where it may connect to (None: anywhere but the host). ``ports``:
+    sandbox port -> host port on the supervisor's loopback (host port 0: any free port)."""
+
+    mode: Literal["none", "tap", "user", "outbound"] = "none"
     outbound: bool = False
+    egress: Egress | None = attrs.field(default=None, converter=_to_egress)
     ports: dict[int, int] = attrs.field(factory=dict, converter=_ports)
+
+    def spec(self) -> W.NetworkSpec:
+        mode, outbound = ("user", True) if self.mode == "outbound" else (self.mode, self.outbound)
+        eg = self.egress
+        egress = None if eg is None else W.EgressSpec(eg.default, list(eg.allow), list(eg.deny))
+        return W.NetworkSpec(mode=mode, outbound=outbound, egress=egress)
 
 
 @attrs.frozen(kw_only=True)
@@ -358,7 +388,9 @@ class Settings(TypedDict, total=False):
     workdir: str
     user: str
     hostname: str
-    network: Literal["none", "user"]
+    network: Literal["none", "tap", "user", "outbound"]
+    outbound: bool
+    egress: Egress | Mapping[str, Any] | None
     ports: Mapping[int, int]
     ttl: int
     idle_timeout: int
@@ -396,7 +428,10 @@ class SandboxSpec:
                 user=s.get("user", wl.user),
             ),
             network=Network(
-                mode=s.get("network", net.mode), outbound=net.outbound, ports={**net.ports, **_ports(s.get("ports"))}
+                mode=s.get("network", net.mode),
+                outbound=s.get("outbound", net.outbound),
+                egress=s.get("egress", net.egress),
+                ports={**net.ports, **_ports(s.get("ports"))},
             ),
             lifetime=Lifetime(
                 ttl=s.get("ttl", life.ttl),
@@ -419,7 +454,7 @@ class SandboxSpec:
             env=dict(self.workload.env),
             working_dir=self.workload.workdir,
             user=self.workload.user,
-            network=W.NetworkSpec(mode=self.network.mode, outbound=self.network.outbound),
+            network=self.network.spec(),
             ports=[W.PortMapping(sandbox_port=g, host_port=h, protocol="tcp") for g, h in self.network.ports.items()],
             ttl_seconds=self.lifetime.ttl,
             idle_timeout_seconds=self.lifetime.idle_timeout,
@@ -845,6 +880,11 @@ class AsyncSandbox:
         req = W.UnexposePortRequest(id=self.id, sandbox_port=sandbox_port, protocol="udp" if udp else "tcp")
         await self._unary("UnexposePort", req, W.Empty)
 
+    async def ports(self) -> builtins.list[W.PortMapping]:
+        """The port mappings (``sandbox_port``, ``host_port``, ``protocol``,
+        ``host_address``): a restored sandbox's carried ones with the host ports it got."""
+        return (await self._unary("ListPorts", W.IdRequest(id=self.id), W.ListPortsResponse)).ports
+
     # -- snapshots (SandboxSnapshotService) ------------------------------------
     async def checkpoint(self, name: str = "", *, labels: Mapping[str, str] | None = None) -> CheckpointResponse:
         """Snapshot this (ready) sandbox, which runs on; ``.snapshot_id`` names the snapshot."""
@@ -859,13 +899,21 @@ class AsyncSandbox:
         name: str = "",
         labels: Mapping[str, str] | None = None,
         ttl: int = 0,
+        network_override: bool = False,
         detached: bool = False,
         socket: str | Path | None = None,
     ) -> AsyncSandbox:
         """A new sandbox from a snapshot (id, unique snapshot name, or a checkpoint's
         result), ready when this returns. As a context manager it is removed on exit
-        unless ``detached``."""
-        req = W.RestoreRequest(snapshot_id=_snapshot_id(snapshot), id=name, labels=_kv(labels), ttl_seconds=ttl)
+        unless ``detached``. A tap clone keeps the snapshot's address when it is free,
+        unless ``network_override``."""
+        req = W.RestoreRequest(
+            snapshot_id=_snapshot_id(snapshot),
+            id=name,
+            labels=_kv(labels),
+            ttl_seconds=ttl,
+            network_override=network_override,
+        )
         async with connect(socket) as c:
             r = await _unary(c, "Restore", req, W.RestoreResponse)
         return cls(r.id, socket=socket, detached=detached)
@@ -1181,6 +1229,9 @@ class Sandbox:
     def unexpose(self, sandbox_port: int, *, udp: bool = False) -> None:
         self._do(self._a.unexpose, sandbox_port, udp=udp)
 
+    def ports(self) -> builtins.list[W.PortMapping]:
+        return self._do(self._a.ports)
+
     def checkpoint(self, name: str = "", *, labels: Mapping[str, str] | None = None) -> CheckpointResponse:
         return self._do(self._a.checkpoint, name, labels=labels)
 
@@ -1192,11 +1243,19 @@ class Sandbox:
         name: str = "",
         labels: Mapping[str, str] | None = None,
         ttl: int = 0,
+        network_override: bool = False,
         detached: bool = False,
         socket: str | Path | None = None,
     ) -> Sandbox:
         fn = functools.partial(
-            AsyncSandbox.restore, snapshot, name=name, labels=labels, ttl=ttl, detached=detached, socket=socket
+            AsyncSandbox.restore,
+            snapshot,
+            name=name,
+            labels=labels,
+            ttl=ttl,
+            network_override=network_override,
+            detached=detached,
+            socket=socket,
         )
         return cls(trio.run(fn))
 

@@ -1,13 +1,17 @@
 """``sandvisor serve``: the long-running supervisor.
 
 Owns, in one nursery: the registry actor (and through it every sandbox), the
-Unix-socket server, and the asyncio loop QMP runs on. SIGTERM or SIGINT: stop
-accepting, stop every sandbox within a bound, exit 0.
+Unix-socket server, the gRPC edge and the metrics endpoint (when configured), the
+asyncio loop QMP runs on, and (root, ``ip_pool`` set) the host network: the IP pool,
+the egress filter, the DNS proxy (actors/hostnet.py). SIGTERM or SIGINT: stop
+accepting (the gRPC edge first), stop every sandbox within a bound, exit 0.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import ipaddress
 import logging
 import os
 import signal
@@ -17,14 +21,18 @@ import attrs
 import trio
 
 from actors.cell import Cells, JailConfig
+from actors.hostnet import HostNetConfig, HostNetwork
+from actors.ippool import IpPool
 from actors.machine import qmp_loop, resolve_accel, unprivileged_user
 from actors.quotas import Quotas
 from actors.registry import Registry
 from actors.settings import Settings
-from actors.store import Store
+from actors.store import Store, StoreLeases
 from images.build import Builder, Image, load_default
 from images.oci import ImageStore
 from supervisor.config import claim_runtime_dir, default_memory_dir, default_run_root, runtime_dir
+from supervisor.grpc_service import addresses, build_edge
+from supervisor.metrics import MetricsEndpoint, RegistrySource, parse_listen
 from supervisor.notify import Notifier
 from supervisor.server import Server
 
@@ -43,6 +51,7 @@ class DaemonConfig:
     max_disk_mib: int = 0  # the state dir's use: logs, overlays, snapshots (0: no limit)
     jail: bool = True  # as root: every QEMU in its own jail, uid and cgroup (actors/cell.py)
     jail_overhead_mib: int = 192  # a QEMU's memory limit: guest RAM + this
+    jail_uids: tuple[int, int] | None = None  # (first, count) of the cells' identities (None: the default range)
     keep_sandboxes: bool = False  # at SIGTERM, leave sandboxes running for the next supervisor
     allow_paths: tuple[Path, ...] = ()  # where a Create's own kernel and rootfs may come from
     stop_timeout: float = 10.0
@@ -56,6 +65,42 @@ class DaemonConfig:
     pools: dict[str, int] = attrs.field(factory=dict)  # per snapshot id or name
     templates: bool = True  # Creates restore a boot template of their configuration
     template_pool: int = 0  # restored members kept ready per boot template
+    grpc: tuple[str, ...] = ()  # gRPC addresses: unix:///PATH (mode as the socket's), HOST:PORT (TLS off loopback)
+    grpc_cert: Path | None = None  # PEM certificate chain and key for the HOST:PORT addresses
+    grpc_key: Path | None = None
+    grpc_client_ca: Path | None = None  # require client certificates signed by this CA
+    metrics: str | None = None  # HOST:PORT of the Prometheus endpoint (None: not served)
+    # tap networking (root): the IP pool's CIDR ("" = none: no tap mode, no outbound for
+    # jailed user-mode sandboxes). `sandvisor serve` defaults it to 10.88.0.0/16.
+    ip_pool: str = ""
+    dns_upstreams: tuple[str, ...] = ()  # the DNS proxy's resolvers, HOST[:PORT] (default: /etc/resolv.conf's)
+    egress_never: tuple[str, ...] = ()  # CIDRs no sandbox reaches whatever its policy says (e.g. the LAN)
+
+
+def host_network(cfg: DaemonConfig, store: Store) -> HostNetwork | None:
+    """The tap networking of a root supervisor with an IP pool (not started yet)."""
+    if not cfg.ip_pool:
+        return None
+    if os.geteuid() != 0:
+        log.info("tap networking needs root: network mode 'tap' is not available")
+        return None
+    key = hashlib.sha256(str(cfg.state_dir.resolve()).encode()).hexdigest()[:6]
+    config = HostNetConfig(
+        pool=cfg.ip_pool,
+        upstreams=tuple(parse_upstream(u) for u in cfg.dns_upstreams),
+        never=cfg.egress_never,
+        jail_prefix=f"svj-{key}-",
+    )
+    return HostNetwork(config, IpPool(cfg.ip_pool, StoreLeases(store)))
+
+
+def parse_upstream(text: str) -> tuple[str, int]:
+    """``HOST[:PORT]`` of a DNS upstream (IPv4)."""
+    host, _, port = text.partition(":")
+    try:
+        return str(ipaddress.IPv4Address(host)), int(port or 53)
+    except ValueError:
+        raise ValueError(f"DNS upstream {text!r}: expected an IPv4 address, optionally with :PORT") from None
 
 
 def default_image(state_dir: Path) -> Image:
@@ -69,6 +114,30 @@ def default_image(state_dir: Path) -> Image:
 async def serve(
     cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Registry, Server]] = trio.TASK_STATUS_IGNORED
 ) -> None:
+    # what the supervisor makes is its own: overlays, logs, snapshots and the database
+    # hold sandbox data (what others must reach -- the run root, the socket of a
+    # --group, a jail -- gets its mode explicitly)
+    umask = os.umask(0o077)
+    try:
+        await _serve(cfg, task_status)
+    finally:
+        os.umask(umask)
+
+
+def _private_state_dir(path: Path) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    st = path.stat()
+    if st.st_uid == os.geteuid() and st.st_mode & 0o077:
+        log.info("state dir %s was mode %o: now 0700 (it holds sandbox disks and logs)", path, st.st_mode & 0o777)
+        path.chmod(0o700)
+
+
+async def _serve(cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Registry, Server]]) -> None:
+    _private_state_dir(cfg.state_dir)
+    grpc_addrs = addresses(
+        cfg.grpc, cert=cfg.grpc_cert, key=cfg.grpc_key, client_ca=cfg.grpc_client_ca, group=cfg.group
+    )  # before anything starts: a wrong flag fails fast
+    metrics_at = parse_listen(cfg.metrics) if cfg.metrics else None
     if os.geteuid() != 0 and (cfg.run_root is None or cfg.socket.parent == runtime_dir()):
         claim_runtime_dir()  # ours and 0700, or refused: a predictable /tmp name someone may have made
     accel = resolve_accel(cfg.accel)
@@ -78,13 +147,18 @@ async def serve(
     if cfg.jail and os.geteuid() == 0:
         cells = await trio.to_thread.run_sync(
             lambda: Cells.setup(
-                JailConfig(overhead_mib=cfg.jail_overhead_mib),
+                JailConfig(overhead_mib=cfg.jail_overhead_mib)
+                if cfg.jail_uids is None
+                else JailConfig(
+                    first_uid=cfg.jail_uids[0], uid_count=cfg.jail_uids[1], overhead_mib=cfg.jail_overhead_mib
+                ),
                 state_dir=cfg.state_dir,
                 ram_dir=memory_dir,
                 kvm=accel == "kvm",
             )
         )
     store = Store(cfg.state_dir / "sandvisor.db")
+    hostnet = host_network(cfg, store)
     settings = Settings(
         image=image,
         sandboxes_dir=cfg.state_dir / "sandboxes",
@@ -98,6 +172,7 @@ async def serve(
         cells=cells,
         allowed_paths=cfg.allow_paths,
         images=ImageStore(cfg.state_dir / "oci") if os.geteuid() == 0 else None,
+        hostnet=hostnet,
     )
     log.info(
         "serving on %s (state %s, accel %s, QEMU %s)",
@@ -112,6 +187,9 @@ async def serve(
     )
     try:
         async with qmp_loop(), trio.open_nursery() as nursery:
+            if hostnet is not None:  # before the registry: adopted sandboxes get their links back
+                await nursery.start(hostnet.run)
+                log.info("tap networking: pool %s, gateway and DNS proxy %s", hostnet.pool.network, hostnet.gateway)
             registry = await nursery.start(
                 Registry(
                     settings,
@@ -134,6 +212,19 @@ async def serve(
                     await Server(registry, cfg.socket, group=cfg.group).serve(task_status=task_status)
 
             server = await nursery.start(run_server)
+            edge_scope = trio.CancelScope()
+            if grpc_addrs:
+
+                async def run_edge(task_status: trio.TaskStatus[object]) -> None:
+                    with edge_scope:
+                        await build_edge(registry, grpc_addrs).run(task_status=task_status)
+
+                await nursery.start(run_edge)
+                log.info("gRPC on %s", ", ".join(map(str, grpc_addrs)))
+            if metrics_at is not None:
+                endpoint = MetricsEndpoint(RegistrySource(registry), *metrics_at)
+                await nursery.start(endpoint.run)
+                log.info("metrics on http://%s:%d/metrics", metrics_at[0], endpoint.port)
             notify = Notifier()
             nursery.start_soon(notify.keep_alive)
             notify.ready(f"serving on {cfg.socket}")
@@ -145,8 +236,11 @@ async def serve(
                         break
             finally:
                 notify.stopping()
-                server_scope.cancel()  # stop accepting first
+                edge_scope.cancel()  # stop accepting: gRPC first (remote callers), then the socket
+                server_scope.cancel()
                 if cfg.keep_sandboxes:
+                    if hostnet is not None:
+                        hostnet.keep_table = True  # the sandboxes that run on stay filtered
                     await registry.detach_all()
                 else:
                     await registry.shutdown(cfg.stop_timeout)

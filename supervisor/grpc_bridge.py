@@ -36,11 +36,18 @@ cancelling ``run`` stops the server (``grace`` seconds for calls to finish, call
 still running get ``UNAVAILABLE``), cancels every call task, and returns only after
 the loop thread has ended: no thread, loop or socket outlives it.
 
-Unix sockets: grpcio does not expose the peer's credentials (SO_PEERCRED), so access
-is enforced by the file system, as on the msgpack socket: the socket is 0600
-(root, or whoever runs the daemon) or 0660 with the configured group, and it is
-born that way: grpc binds it in a fresh 0700 directory, where it gets its mode and
-group before it is renamed to its path.
+Unix sockets are born with their mode: 0600 (root, or whoever runs the daemon) or 0660
+with the configured group, bound in a fresh 0700 directory, where they get their mode
+and group before they are renamed to their path. grpcio does not expose a peer's
+credentials (SO_PEERCRED), so an address with a :class:`PeerPolicy` is served through
+a relay: the public socket is Trio's, each connection's credentials are checked when
+it is accepted (as the msgpack socket does at hello), and its bytes are relayed to
+grpc's own socket in that private directory, or, refused, to a second grpc server
+there that answers every call PERMISSION_DENIED::
+
+    client --unix--> public socket (Trio: SO_PEERCRED -> policy.check)
+                        |-- served --> <private>/grpc.sock (the edge's server)
+                        +-- refused -> <private>/refused.sock (PERMISSION_DENIED, policy.served())
 """
 
 from __future__ import annotations
@@ -48,18 +55,21 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import contextvars
 import enum
 import grp
 import ipaddress
 import logging
 import math
 import os
+import shutil
+import socket
 import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Generic, TypeVar, cast
+from typing import Any, Generic, Protocol, TypeVar, cast
 
 import attrs
 
@@ -75,6 +85,8 @@ import trio
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message_factory
 
+import supervisor
+
 log = logging.getLogger("sandvisor.grpc")
 
 ReqT = TypeVar("ReqT")
@@ -84,6 +96,8 @@ DEFAULT_WINDOW = 16  # messages in flight per direction per call
 DEFAULT_MAX_MESSAGE = 4 << 20  # as the msgpack socket's MAX_FRAME; the seed streams files in chunks
 MAX_CONCURRENT_RPCS = 1024  # in all: more are RESOURCE_EXHAUSTED (each is a Trio task and a window)
 MAX_CONCURRENT_STREAMS = 256  # per connection, as the msgpack socket's MAX_CALLS
+REFUSED_LINGER = 10.0  # seconds a refused connection is kept, to be told PERMISSION_DENIED
+RELAY_CHUNK = 1 << 16
 STATUS_BY_NAME: dict[str, grpc.StatusCode] = {c.name: c for c in grpc.StatusCode}
 
 
@@ -184,12 +198,24 @@ class TlsConfig:
         )
 
 
+class PeerPolicy(Protocol):
+    """Who may use a Unix socket, by the peer credentials the kernel recorded at connect."""
+
+    def check(self, sock: Any) -> str | None:
+        """None to serve the connection on ``sock`` (a connected AF_UNIX socket), else why not."""
+
+    def served(self) -> str:
+        """Who is served, as a refused client is told."""
+
+
 @attrs.frozen
 class UnixAddress:
-    """A Unix socket, 0600 (the daemon's user only) or 0660 with ``group``."""
+    """A Unix socket, 0600 (the daemon's user only) or 0660 with ``group``; with a
+    ``policy``, every connection's peer credentials are checked too (a relay)."""
 
     path: Path
     group: str | None = None
+    policy: PeerPolicy | None = attrs.field(default=None, eq=False, repr=False)
 
     def __str__(self) -> str:
         return f"unix://{self.path}"
@@ -476,20 +502,27 @@ class GrpcEdge:
         self._methods: dict[str, Method] = {}
         self._descriptor_services: list[str] = []
         self._token: trio.lowlevel.TrioToken | None = None
+        self._context: contextvars.Context | None = None
         self._nursery: trio.Nursery | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
         self._stop_requested = False
         self._lock = threading.Lock()
         self._health_servicer: Any = None
+        self._relays: list[tuple[UnixAddress, Path]] = []  # (public address, private dir)
         self.calls_started = 0
+        self.refused = 0  # connections refused by a peer policy
 
     # -- configuration (before run) ------------------------------------------------------
     def add_service(self, service: _descriptor.ServiceDescriptor, servicer: object) -> None:
         """Serve ``service`` (from a generated ``*_pb2.DESCRIPTOR``) with ``servicer``'s Trio methods."""
-        for m in methods_of(service, servicer):
+        self.add_methods(service.full_name, methods_of(service, servicer))
+
+    def add_methods(self, service: str, methods: Iterable[Method]) -> None:
+        """Serve ``methods`` as the service named ``service`` (listed in health and reflection)."""
+        for m in methods:
             self.add_method(m)
-        self._descriptor_services.append(service.full_name)
+        self._descriptor_services.append(service)
 
     def add_method(self, method: Method) -> None:
         if self._token is not None:
@@ -515,6 +548,16 @@ class GrpcEdge:
         if self._token is not None:
             raise RuntimeError("a GrpcEdge runs once")
         self._token = trio.lowlevel.current_trio_token()
+        # call tasks are started from run_sync_soon callbacks (Trio's system context): they
+        # get run()'s context instead, as tasks its caller started would (the daemon's
+        # trio_asyncio loop for QMP is a context variable)
+        self._context = contextvars.copy_context()
+        if not supervisor.GRPC_FORK_SAFE:
+            log.warning(
+                "grpc was imported before the supervisor and %s is not 0: its fork handlers may crash "
+                "the QEMU processes this supervisor forks",
+                supervisor.GRPC_FORK_ENV,
+            )
         ready = trio.Event()
         failure: list[BaseException] = []
 
@@ -523,17 +566,24 @@ class GrpcEdge:
                 failure.append(exc)
             ready.set()
 
+        public: list[tuple[Path, int]] = []
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             nursery.start_soon(self._thread, on_ready)
             try:
                 await ready.wait()
                 if not failure:
+                    for addr, private in self._relays:
+                        listener, ino = await _listen_public(addr, private)
+                        public.append((addr.path, ino))
+                        nursery.start_soon(self._accept, listener, addr, private)
                     task_status.started(self)
                     await trio.sleep_forever()
             finally:
                 self._request_stop()  # the thread task ends when the loop has; the nursery waits for it
                 nursery.cancel_scope.cancel()
+                for path, ino in public:
+                    _unlink_if_ours(path, ino)
         if failure:
             raise failure[0]  # out here, once the loop thread has ended, and not in a group
 
@@ -569,6 +619,7 @@ class GrpcEdge:
     async def _aio_main(self, on_ready: Callable[[BaseException | None], None]) -> None:
         server: grpc.aio.Server | None = None
         bound: list[tuple[UnixAddress, int]] = []
+        refusers: list[grpc.aio.Server] = []
         try:
             with self._lock:
                 self._loop = asyncio.get_running_loop()
@@ -579,7 +630,19 @@ class GrpcEdge:
             server.add_generic_rpc_handlers((_Dispatcher(self),))
             await self._add_health_and_reflection(server)
             for addr in self.requested:
-                if isinstance(addr, UnixAddress):
+                if isinstance(addr, UnixAddress) and addr.policy is not None:
+                    private = _private_dir(addr.path)
+                    self._relays.append((addr, private))
+                    if server.add_insecure_port(f"unix:{private / 'grpc.sock'}") == 0:
+                        raise OSError(f"cannot listen on {private / 'grpc.sock'}")
+                    refuser = grpc.aio.server(options=self.options, maximum_concurrent_rpcs=64)
+                    refuser.add_generic_rpc_handlers((_Refuser(addr.policy.served()),))
+                    if refuser.add_insecure_port(f"unix:{private / 'refused.sock'}") == 0:
+                        raise OSError(f"cannot listen on {private / 'refused.sock'}")
+                    refusers.append(refuser)
+                    await refuser.start()
+                    self.addresses.append(addr)
+                elif isinstance(addr, UnixAddress):
                     bound.append((addr, _bind_unix(server, addr)))
                     self.addresses.append(addr)
                 else:
@@ -606,10 +669,14 @@ class GrpcEdge:
             if self._health_servicer is not None:
                 with contextlib.suppress(Exception):
                     await self._health_servicer.enter_graceful_shutdown()
+            for refuser in refusers:
+                await refuser.stop(0)
             if server is not None:
                 await server.stop(self.grace)
             for addr, ino in bound:
                 _unlink_if_ours(addr.path, ino)
+            for _, private in self._relays:
+                shutil.rmtree(private, ignore_errors=True)
 
     async def _add_health_and_reflection(self, server: grpc.aio.Server) -> None:
         names = list(self._descriptor_services)
@@ -678,12 +745,40 @@ class GrpcEdge:
                 with contextlib.suppress(Exception):
                     await aclose()
 
+    # -- the relay of a Unix address with a peer policy (Trio) ---------------------------------
+    async def _accept(self, listener: trio.SocketListener, addr: UnixAddress, private: Path) -> None:
+        async with listener, trio.open_nursery() as nursery:
+            while True:
+                stream = await listener.accept()
+                nursery.start_soon(self._relay, stream, addr, private)
+
+    async def _relay(self, stream: trio.SocketStream, addr: UnixAddress, private: Path) -> None:
+        assert addr.policy is not None
+        try:
+            why = addr.policy.check(stream.socket)
+        except OSError as exc:
+            why = f"peer credentials unavailable: {exc}"
+        if why is not None:
+            self.refused += 1
+            log.warning("gRPC on %s: refused: %s", addr.path, why)
+        async with stream:
+            try:
+                upstream = await trio.open_unix_socket(str(private / ("refused.sock" if why else "grpc.sock")))
+            except OSError:
+                return
+            async with upstream:
+                with trio.move_on_after(REFUSED_LINGER if why else math.inf):
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(_pipe, stream, upstream, nursery.cancel_scope)
+                        nursery.start_soon(_pipe, upstream, stream, nursery.cancel_scope)
+
     # -- the Trio side of a call ---------------------------------------------------------------
     def _start_call(self, method: Method, call: Call[Any, Any], request: Any) -> None:
-        assert self._nursery is not None
+        nursery, context = self._nursery, self._context
+        assert nursery is not None and context is not None
         self.calls_started += 1
         try:
-            self._nursery.start_soon(self._run_call, method, call, request, name=method.path)
+            context.run(lambda: nursery.start_soon(self._run_call, method, call, request, name=method.path))
         except RuntimeError:  # the nursery is closing
             call._finish(_Done(grpc.StatusCode.UNAVAILABLE, "server shutting down"))
 
@@ -762,16 +857,65 @@ class _Dispatcher(grpc.GenericRpcHandler):
         return grpc.stream_stream_rpc_method_handler(ss, des, ser)
 
 
+class _Refuser(grpc.GenericRpcHandler):
+    """Every method, for a peer the policy refused: PERMISSION_DENIED, saying who is served."""
+
+    def __init__(self, served: str) -> None:
+        self.served = served
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler[Any, Any] | None:
+        served = self.served
+
+        async def refuse(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, served)
+
+        return grpc.unary_unary_rpc_method_handler(refuse)
+
+
+async def _pipe(src: trio.SocketStream, dst: trio.SocketStream, done: trio.CancelScope) -> None:
+    """Bytes from ``src`` to ``dst`` until either end goes; then the relay ends."""
+    try:
+        while data := await src.receive_some(RELAY_CHUNK):
+            await dst.send_all(data)
+    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+        pass
+    finally:
+        done.cancel()
+
+
 # ---------------------------------------------------------------------------------------
 # Unix sockets born with their mode
 # ---------------------------------------------------------------------------------------
+def _private_dir(path: Path) -> Path:
+    """A fresh 0700 directory beside ``path`` (the same file system: a rename into place works)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=".grpc-", dir=path.parent))
+
+
+async def _listen_public(addr: UnixAddress, private: Path) -> tuple[trio.SocketListener, int]:
+    """The relay's public socket, bound with its mode and group in ``private`` and renamed
+    into place; the listener and the socket's inode."""
+    sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    tmp = private / "public.sock"
+    old = os.umask(0o177)  # born 0600
+    try:
+        await sock.bind(str(tmp))
+    finally:
+        os.umask(old)
+    if addr.group:
+        os.chown(tmp, -1, grp.getgrnam(addr.group).gr_gid)
+        os.chmod(tmp, 0o660)
+    sock.listen(128)
+    os.replace(tmp, addr.path)
+    return trio.SocketListener(sock), addr.path.stat().st_ino
+
+
 def _bind_unix(server: grpc.aio.Server, addr: UnixAddress) -> int:
     """Bind ``addr`` with its final mode and group before anyone can reach it: grpc binds in a
     fresh 0700 directory beside the path, then the socket is renamed into place (a Unix
     socket is reached through its inode; the rename keeps it). Returns the inode."""
     path = addr.path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    private = Path(tempfile.mkdtemp(prefix=".grpc-", dir=path.parent))
+    private = _private_dir(path)
     tmp = private / "s"
     try:
         if server.add_insecure_port(f"unix:{tmp}") == 0:

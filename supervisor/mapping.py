@@ -1,16 +1,20 @@
-"""Wire <-> domain for the msgpack edge: requests into domain values, results into replies.
+"""Wire <-> domain for the method table: requests into domain values, results into replies.
 
-The only module that knows both :mod:`supervisor.protocol` (the wire) and
-:mod:`actors` (the domain). Wire fields the domain does not model (mounts, an SSH
-key) are refused here; everything else is checked by the domain itself, so another
-edge gets the same rules.
+The only module that knows both :mod:`supervisor.protocol` (the request and reply
+classes both edges structure into: msgpack bodies, and gRPC messages through
+:mod:`supervisor.grpc_convert`) and :mod:`actors` (the domain). Wire fields the domain
+does not model (mounts, an SSH key) are refused here; everything else is checked by
+the domain itself.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from actors.errors import Code, DomainError, FailedPrecondition, InvalidArgument
 from actors.model import (
     BootSource,
+    Egress,
     Limits,
     NetMode,
     Network,
@@ -26,6 +30,7 @@ from actors.model import (
 from actors.sandbox import Sandbox
 from actors.snapshot import rfc3339
 from actors.store import SnapshotRecord
+from images.build import Image
 from supervisor import protocol as W
 
 _CODES: dict[Code, str] = {
@@ -68,7 +73,13 @@ def net_mode(text: str) -> NetMode:
     try:
         return NetMode(text or NetMode.NONE)
     except ValueError:
-        raise InvalidArgument(f"network mode {text!r}: one of none, user") from None
+        raise InvalidArgument(f"network mode {text!r}: one of none, tap, user") from None
+
+
+def network(spec: W.NetworkSpec) -> Network:
+    eg = spec.egress
+    egress = None if eg is None else Egress(default=eg.default, allow=tuple(eg.allow), deny=tuple(eg.deny))
+    return Network(mode=net_mode(spec.mode), outbound=spec.outbound, egress=egress)
 
 
 def config(req: W.CreateSandboxRequest) -> SandboxConfig:
@@ -79,7 +90,7 @@ def config(req: W.CreateSandboxRequest) -> SandboxConfig:
     return SandboxConfig(
         labels=dict(req.labels),
         limits=Limits(vcpus=req.limits.vcpus, memory_mib=req.limits.memory_mib),
-        network=Network(mode=net_mode(req.network.mode), outbound=req.network.outbound),
+        network=network(req.network),
         workload=Workload(cmd=tuple(req.cmd), env=dict(req.env), working_dir=req.working_dir, user=req.user),
         ports=tuple(PortSpec(p.sandbox_port, p.host_port, protocol(p.protocol)) for p in req.ports),
         timers=Timers(
@@ -99,7 +110,7 @@ def info(sb: Sandbox) -> W.SandboxInfo:
         state=r.state.value,
         labels=dict(r.config.labels),
         limits=W.ResourceLimits(vcpus=limits.vcpus, memory_mib=limits.memory_mib),
-        network=W.SandboxNetwork(ip_address=sb.ip_address, gateway=sb.gateway),
+        network=W.SandboxNetwork(ip_address=sb.ip_address, gateway=sb.gateway, tap_name=sb.tap_name),
         created_at=r.created_at,
         ready_at=r.ready_at,
         last_exited_at=r.last_exited_at,
@@ -115,11 +126,18 @@ def summary(sb: Sandbox) -> W.SandboxSummary:
     )
 
 
+def ports(sb: Sandbox) -> W.ListPortsResponse:
+    address = sb.settings.expose_address
+    return W.ListPortsResponse(
+        [W.PortMapping(p.sandbox_port, p.host_port, p.protocol.value, host_address=address) for p in sb.ports()]
+    )
+
+
 def event(ev: SandboxEvent) -> W.SandboxEvent:
     return W.SandboxEvent(ev.sandbox_id, ev.action.value, ev.timestamp, dict(ev.attributes))
 
 
-def metrics(m: SandboxMetrics) -> W.MetricsResponse:
+def metrics(m: SandboxMetrics, *, cpu_seconds_total: float = 0.0) -> W.MetricsResponse:
     return W.MetricsResponse(
         id=m.id,
         timestamp=m.timestamp,
@@ -132,6 +150,27 @@ def metrics(m: SandboxMetrics) -> W.MetricsResponse:
         net_rx_bytes=m.net_rx_bytes,
         net_tx_bytes=m.net_tx_bytes,
         uptime_seconds=m.uptime_seconds,
+        cgroup_memory_bytes=m.cgroup_memory_bytes,
+        cgroup_memory_limit_bytes=m.cgroup_memory_limit_bytes,
+        cgroup_oom_kills=m.cgroup_oom_kills,
+        cpu_seconds_total=cpu_seconds_total,
+    )
+
+
+def image(img: Image, is_default: bool) -> W.ImageInfo:
+    """An image's description (stats its files: call it in a worker thread)."""
+    paths: list[Path] = [img.kernel, img.initrd, img.rootfs]
+    stats = [p.stat() for p in paths if p.exists()]
+    return W.ImageInfo(
+        name=img.name,
+        kernel=str(img.kernel),
+        initrd=str(img.initrd),
+        rootfs=str(img.rootfs),
+        kernel_version=img.kernel_version,
+        keys=dict(img.keys),
+        is_default=is_default,
+        size_bytes=sum(st.st_blocks * 512 for st in stats),
+        built_at=int(max((st.st_mtime for st in stats), default=0)),
     )
 
 

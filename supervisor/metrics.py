@@ -8,8 +8,10 @@ source reads the registry's state as it is, with no lock) answers ``GET /metrics
                                      └─ prometheus_client renders samples + process_* of the supervisor
 
 The source is anything with ``async def collect_metrics() -> MetricsSample``; the
-registry implements it from what its sandboxes measure on the host (the QEMU
-process's CPU time and RSS, read from /proc), plus what the guests last reported.
+daemon's is :class:`RegistrySource`: what each live sandbox's QEMU process has used on
+the host (CPU time and RSS, read from /proc), its configured memory, and the memory
+its guest reports available (asked concurrently at each scrape, each guest bounded by
+``guest_timeout``: a silent guest loses that one series, not the scrape).
 The text format (escaping, TYPE/HELP, counters' ``_total``) is prometheus_client's.
 
 Series (``id`` is the sandbox id):
@@ -27,14 +29,22 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import attrs
 import trio
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from actors.errors import DomainError
+from actors.model import ALIVE, ENDED
+
+if TYPE_CHECKING:
+    from actors.registry import Registry
+    from actors.sandbox import Sandbox
 
 log = logging.getLogger("sandvisor.metrics")
 
@@ -209,3 +219,47 @@ def _response(status: str, body: bytes, ctype: str, *, head_only: bool = False) 
         "Connection: close\r\nCache-Control: no-store\r\n\r\n"
     )
     return head.encode() + (b"" if head_only else body)
+
+
+class RegistrySource:
+    """The registry's sandboxes as a :class:`MetricsSource` (series for each one with a VM)."""
+
+    def __init__(self, registry: Registry, *, guest_timeout: float = 1.0) -> None:
+        self.registry = registry
+        self.guest_timeout = guest_timeout
+
+    async def collect_metrics(self) -> MetricsSample:
+        reg = self.registry
+        sandboxes = list(reg.sandboxes.values())
+        live = [sb for sb in sandboxes if not sb.stopped and sb.state not in ENDED]
+        available: dict[str, int] = {}
+
+        async def ask(sb: Sandbox) -> None:
+            with trio.move_on_after(self.guest_timeout):
+                try:
+                    m = await sb.guest_call(lambda g: g.channel.metrics())
+                except DomainError:
+                    return
+                if "available" in m.mem:
+                    available[sb.id] = int(m.mem["available"])
+
+        async with trio.open_nursery() as nursery:
+            for sb in live:
+                if sb.state in ALIVE:
+                    nursery.start_soon(ask, sb)
+        image = reg.settings.image.name
+        return MetricsSample(
+            sandboxes=[
+                SandboxSample(
+                    id=sb.id,
+                    state=sb.state.value,
+                    cpu_seconds_total=sb.host_cpu_seconds(),
+                    memory_rss_bytes=sb.host_rss(),
+                    memory_limit_bytes=sb.limits.memory_mib << 20,
+                    guest_memory_available_bytes=available.get(sb.id),
+                    image=sb.config.boot.rootfs or image,
+                )
+                for sb in live
+            ],
+            by_state=dict(Counter(sb.state.value for sb in sandboxes)),
+        )

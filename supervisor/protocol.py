@@ -160,18 +160,33 @@ class ResourceLimits:
 
 
 @attrs.frozen
+class EgressSpec:
+    """sandvisor extension: where a sandbox may connect to (tap; user with outbound).
+    Entries: CIDRs, addresses, ``host:port`` (ranges ``lo-hi``), domain names
+    (``example.com``, ``*.example.com``, optionally ``:port``)."""
+
+    default: str = "allow"  # "allow" | "deny"
+    allow: list[str] = attrs.field(factory=list)
+    deny: list[str] = attrs.field(factory=list)
+
+
+@attrs.frozen
 class NetworkSpec:
-    mode: str = ""  # "none" (default) | "user"; "tap" is not available yet
+    # "none" (default, see docs/network.md) | "tap" (a TAP and an address of the IP pool,
+    # the seed's) | "user" (QEMU's slirp: exposed ports only, unless outbound)
+    mode: str = ""
     outbound: bool = False  # sandvisor extension: user mode without restrict (the guest may reach out)
+    egress: EgressSpec | None = None  # sandvisor extension (None: everything but the host and metadata)
 
 
 @attrs.frozen
 class PortMapping:
-    """sandvisor extension: ports exposed at create (``--port HOST:GUEST``)."""
+    """sandvisor extension: ports exposed at create (``--port HOST:GUEST``), and ListPorts' answer."""
 
     sandbox_port: int
     host_port: int = 0
     protocol: str = "tcp"
+    host_address: str = ""  # set by the server (ListPorts); ignored in requests
 
 
 @attrs.frozen
@@ -406,6 +421,11 @@ class MetricsResponse:
     net_rx_bytes: int
     net_tx_bytes: int
     uptime_seconds: float
+    cpu_seconds_total: float = 0.0  # host CPU of the VM since it started (a counter)
+    # extensions of sandbox.v1: the QEMU cell's cgroup (0 when unjailed)
+    cgroup_memory_bytes: int = 0
+    cgroup_memory_limit_bytes: int = 0
+    cgroup_oom_kills: int = 0
 
 
 @attrs.frozen
@@ -442,6 +462,45 @@ class UnexposePortRequest:
     protocol: str = "tcp"
 
 
+@attrs.frozen
+class ListPortsResponse:
+    ports: list[PortMapping]
+
+
+# --- the server and its images (sandvisor extensions) ---------------------------------
+@attrs.frozen
+class NameRequest:
+    name: str = ""
+
+
+@attrs.frozen
+class ServerInfo:
+    version: str
+    accel: str
+    max_sandboxes: int
+    sandboxes_by_state: dict[str, int]
+    default_image: str
+    services: list[str]
+
+
+@attrs.frozen
+class ImageInfo:
+    name: str
+    kernel: str
+    initrd: str
+    rootfs: str
+    kernel_version: str
+    keys: dict[str, str]
+    is_default: bool
+    size_bytes: int  # on disk (the rootfs is sparse)
+    built_at: int  # unix seconds
+
+
+@attrs.frozen
+class ListImagesResponse:
+    images: list[ImageInfo]
+
+
 # --- SandboxSnapshotService -----------------------------------------------------------
 @attrs.frozen
 class CheckpointRequest:
@@ -466,7 +525,7 @@ class RestoreRequest:
     snapshot_id: str  # a snapshot id, or a snapshot name that is unique
     id: str = ""
     labels: dict[str, str] = attrs.field(factory=dict)
-    network_override: bool = False  # accepted; every restore has its own network stack anyway
+    network_override: bool = False  # tap: a fresh address even when the snapshot's is free
     ttl_seconds: int = 0
 
 

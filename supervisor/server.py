@@ -1,4 +1,4 @@
-"""The Unix-socket edge of ``sandvisor serve``: connections, calls, method handlers.
+"""The Unix-socket edge of ``sandvisor serve``, and the method table both edges serve.
 
 Each connection is a task; each call on it is a task in the connection's nursery
 with its own cancel scope, so a ``Cancel`` or a disconnect stops the call's work
@@ -6,9 +6,22 @@ with its own cancel scope, so a ``Cancel`` or a disconnect stops the call's work
 does not decode closes the connection after a ``Fail`` (id 0) saying why; a call
 that fails gets a ``Fail`` with the seed's code and the connection goes on.
 
+The method table (:data:`METHODS`, filled by ``@method``) is transport-neutral: a
+handler is ``handler(registry, io, request) -> response | None`` on typed values (the
+attrs classes of :mod:`supervisor.protocol`), with ``io.send(message)`` for a server
+stream and ``io.receive() -> message | None`` for a client stream (None: the client
+half-closed). Each edge adapts its wire to it::
+
+    msgpack Call{method, body} --structure (cattrs)--> request --handler--> response
+        --unstructure--> Reply | Item* End                       (this module)
+    gRPC request (protobuf) --message_to_dict, structure--> request --handler--> response
+        --unstructure, dict_to_message--> response (protobuf)    (supervisor.grpc_service)
+
 Handlers check wire shapes (the first ExecInput carries init, paths are absolute),
-map the wire to domain values and back (:mod:`supervisor.mapping`) and call the
-registry or a sandbox; every lifecycle rule lives in the domain (:mod:`actors`).
+map the wire to domain values and back (:mod:`supervisor.mapping`), call the registry
+or a sandbox, and raise domain errors (:mod:`actors.errors`), which each edge turns
+into its wire's code of the same name. Every lifecycle rule lives in the domain
+(:mod:`actors`).
 """
 
 from __future__ import annotations
@@ -18,16 +31,17 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
+from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import attrs
 import trio
 
 from actors._groups import collapse_single
-from actors.errors import DomainError, InvalidArgument
+from actors.errors import DomainError, InvalidArgument, NotFound, ResourceExhausted
 from actors.events import Lagged
 from actors.model import ALIVE, State, check_port
 from actors.registry import DEFAULT_STOP_TIMEOUT, Registry
@@ -36,6 +50,7 @@ from actors.snapshot import rfc3339
 from guestd import proto as P
 from supervisor import mapping as M
 from supervisor import protocol as W
+from supervisor.frames import FramedStream
 from supervisor.peers import ClientPolicy, Peer
 from supervisor.protocol import ApiError
 
@@ -44,51 +59,56 @@ HELLO_TIMEOUT = 10.0
 MAX_CALLS = 256  # open calls per connection; more is RESOURCE_EXHAUSTED (a task each)
 
 
+class CallIO(Protocol):
+    """A call's streams as a handler sees them, whatever the wire."""
+
+    async def send(self, message: Any) -> None:
+        """One message of a server stream (an attrs value of the method's response class)."""
+
+    async def receive(self) -> Any | None:
+        """The client stream's next message (an attrs value), or None once the client half-closed."""
+
+
 @attrs.define(eq=False)
 class CallCtx:
+    """One msgpack call: its :class:`CallIO` (items out, ``Send`` bodies in) and cancel scope."""
+
     id: int
     method: str
     conn: Connection
     inbox_send: trio.MemorySendChannel[dict[str, Any]]
     inbox: trio.MemoryReceiveChannel[dict[str, Any]]
     scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
+    inputs: type | None = None  # the class ``Send`` bodies structure into
 
-    async def item(self, obj: Any) -> None:
-        await self.conn.send(W.Item(self.id, W.unstructure_body(obj)))
+    async def send(self, message: Any) -> None:
+        await self.conn.send(W.Item(self.id, W.unstructure_body(message)))
 
-    async def next_input(self) -> dict[str, Any] | None:
+    async def receive(self) -> Any | None:
         try:
-            return await self.inbox.receive()
+            raw = await self.inbox.receive()
         except trio.EndOfChannel:
             return None
-
-
-Handler = Callable[["Server", CallCtx, dict[str, Any]], Awaitable[Any]]
-UNARY, STREAM = "unary", "stream"
+        if self.inputs is None:
+            raise InvalidArgument(f"{self.method} takes no stream")
+        return W.structure_body(raw, self.inputs)
 
 
 class Connection:
     def __init__(self, server: Server, stream: trio.SocketStream, name: str, peer: Peer | None = None) -> None:
         self.server = server
-        self.stream = stream
+        self.frames = FramedStream(stream)  # (the SDK's framing too: one implementation)
         self.name = name
         self.peer = peer
-        self.lock = trio.Lock()
         self.calls: dict[int, CallCtx] = {}
-        self.closed = False
 
     async def send(self, msg: W.Envelope) -> None:
-        frame = W.encode(msg)
-        async with self.lock:
-            if self.closed:
-                raise trio.ClosedResourceError
-            await self.stream.send_all(frame)
+        await self.frames.send(msg)
 
     async def serve(self) -> None:
-        reader = W.FrameReader()
         try:
             with trio.move_on_after(HELLO_TIMEOUT) as hello_scope:
-                hello = await self._next(reader)
+                hello = await self.frames.receive()
             if hello_scope.cancelled_caught or not isinstance(hello, W.ClientHello):
                 await self._fail_and_close(0, W.INVALID_ARGUMENT, "expected hello first")
                 return
@@ -108,7 +128,7 @@ class Connection:
             with collapse_single():
                 async with trio.open_nursery() as nursery:
                     while True:
-                        msg = await self._next(reader)
+                        msg = await self.frames.receive()
                         if msg is None:
                             break
                         await self._route(nursery, msg)
@@ -118,19 +138,7 @@ class Connection:
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             pass
         finally:
-            self.closed = True
-            with trio.CancelScope(shield=True):
-                await self.stream.aclose()
-
-    async def _next(self, reader: W.FrameReader) -> W.Envelope | None:
-        while True:
-            body = reader.next()
-            if body is not None:
-                return W.decode(body)
-            data = await self.stream.receive_some(1 << 16)
-            if not data:
-                return None
-            reader.feed(data)
+            await self.frames.aclose()
 
     async def _fail_and_close(self, id: int, code: str, message: str) -> None:
         try:
@@ -175,16 +183,17 @@ class Connection:
             with ctx.scope:
                 if entry is None:
                     raise ApiError(W.UNIMPLEMENTED, f"unknown method {ctx.method!r}")
-                kind, handler = entry
+                request: Any = W.structure_body(body, entry.request)
+                ctx.inputs = entry.inputs
                 try:
                     with collapse_single():  # a handler's own nursery must not hide its error's code
-                        result = await handler(self.server, ctx, body)
+                        result = await entry.handler(self.server.registry, ctx, request)
                 except DomainError as exc:
                     raise M.wire_error(exc) from None
-                if kind == UNARY:
-                    await self.send(W.Reply(ctx.id, W.unstructure_body(result if result is not None else W.Empty())))
-                else:
+                if entry.streams:
                     await self.send(W.End(ctx.id))
+                else:
+                    await self.send(W.Reply(ctx.id, W.unstructure_body(result if result is not None else W.Empty())))
             if ctx.scope.cancelled_caught:
                 await self.send(W.Fail(ctx.id, W.CANCELLED, "cancelled by the client"))
         except ApiError as exc:
@@ -256,14 +265,33 @@ class Server:
 
 
 # ---------------------------------------------------------------------------
-# method handlers
+# the method table: transport-neutral handlers
 # ---------------------------------------------------------------------------
-METHODS: dict[str, tuple[str, Handler]] = {}
+R = TypeVar("R")
+Handler = Callable[[Registry, CallIO, Any], Awaitable[Any]]
 
 
-def method(name: str, kind: str = UNARY) -> Callable[[Handler], Handler]:
-    def wrap(fn: Handler) -> Handler:
-        METHODS[name] = (kind, fn)
+@attrs.frozen
+class Method:
+    """One method of the table: its request class and shape, and its handler."""
+
+    name: str
+    request: type  # the request (of a client stream: its first message)
+    handler: Handler
+    streams: bool = False  # a server stream (items, then the end); else one response
+    inputs: type | None = None  # a client stream: the class of every later message
+
+
+METHODS: dict[str, Method] = {}
+
+
+def method(
+    name: str, request: type[R], *, streams: bool = False, inputs: type | None = None
+) -> Callable[[Callable[[Registry, CallIO, R], Awaitable[Any]]], Callable[[Registry, CallIO, R], Awaitable[Any]]]:
+    def wrap(fn: Callable[[Registry, CallIO, R], Awaitable[Any]]) -> Callable[[Registry, CallIO, R], Awaitable[Any]]:
+        if name in METHODS:
+            raise ValueError(f"method {name} defined twice")
+        METHODS[name] = Method(name, request, fn, streams, inputs)
         return fn
 
     return wrap
@@ -275,104 +303,99 @@ def _absolute(path: str) -> str:
     return path
 
 
-@method("Create")
-async def _create(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
-    req = W.structure_body(body, W.CreateSandboxRequest)
-    sb = await srv.registry.create(req.id, M.config(req))
+@method("Create", W.CreateSandboxRequest)
+async def _create(reg: Registry, io: CallIO, req: W.CreateSandboxRequest) -> W.CreateSandboxResponse:
+    sb = await reg.create(req.id, M.config(req))
     # the seed: "State at time of response: always starting" (ready follows as an event,
     # at once when a warm pool member served it)
     return W.CreateSandboxResponse(id=sb.id, ip_address=sb.ip_address, state=State.STARTING.value)
 
 
-@method("Start")
-async def _start(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
-    req = W.structure_body(body, W.IdRequest)
-    sb = await srv.registry.start(req.id)
+@method("Start", W.IdRequest)
+async def _start(reg: Registry, io: CallIO, req: W.IdRequest) -> W.CreateSandboxResponse:
+    sb = await reg.start(req.id)
     return W.CreateSandboxResponse(id=sb.id, ip_address=sb.ip_address, state=sb.state.value)
 
 
-@method("Inspect")
-async def _inspect(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
-    req = W.structure_body(body, W.IdRequest)
-    return M.info(srv.registry.get(req.id))
+@method("Inspect", W.IdRequest)
+async def _inspect(reg: Registry, io: CallIO, req: W.IdRequest) -> W.SandboxInfo:
+    return M.info(reg.get(req.id))
 
 
-@method("List")
-async def _list(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
-    req = W.structure_body(body, W.ListSandboxesRequest)
-    page, cursor = srv.registry.list(
-        state=M.state(req.state), labels=req.labels, limit=req.limit or 20, cursor=req.cursor
-    )
+@method("List", W.ListSandboxesRequest)
+async def _list(reg: Registry, io: CallIO, req: W.ListSandboxesRequest) -> W.ListSandboxesResponse:
+    page, cursor = reg.list(state=M.state(req.state), labels=req.labels, limit=req.limit or 20, cursor=req.cursor)
     return W.ListSandboxesResponse([M.summary(sb) for sb in page], cursor)
 
 
-@method("Stop")
-async def _stop(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
-    req = W.structure_body(body, W.StopSandboxRequest)
+@method("ListAll", W.ListSandboxesRequest)
+async def _list_all(reg: Registry, io: CallIO, req: W.ListSandboxesRequest) -> W.ListSandboxesResponse:
+    """Every match, newest first, in one response (the seed's List has no paging)."""
+    state, out, cursor = M.state(req.state), [], ""
+    while True:
+        page, cursor = reg.list(state=state, labels=req.labels, limit=100, cursor=cursor)
+        out += [M.summary(sb) for sb in page]
+        if not cursor:
+            return W.ListSandboxesResponse(out)
+
+
+@method("Stop", W.StopSandboxRequest)
+async def _stop(reg: Registry, io: CallIO, req: W.StopSandboxRequest) -> None:
     if req.timeout_seconds < 0:
         raise InvalidArgument("timeout_seconds must not be negative")
     timeout = float(req.timeout_seconds or DEFAULT_STOP_TIMEOUT)
-    sb = srv.registry.stop(req.id, timeout)
+    sb = reg.stop(req.id, timeout)
     with trio.move_on_after(timeout + 30):
         await sb.wait_stopped()
-    return None
 
 
-@method("Kill")
-async def _kill(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
-    req = W.structure_body(body, W.IdRequest)
-    sb = srv.registry.kill(req.id)
+@method("Kill", W.IdRequest)
+async def _kill(reg: Registry, io: CallIO, req: W.IdRequest) -> None:
+    sb = reg.kill(req.id)
     with trio.move_on_after(30):
         await sb.wait_stopped()
-    return None
 
 
-@method("Drain")
-async def _drain(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
-    req = W.structure_body(body, W.IdRequest)
-    srv.registry.drain(req.id)
-    return None
+@method("Drain", W.IdRequest)
+async def _drain(reg: Registry, io: CallIO, req: W.IdRequest) -> None:
+    reg.drain(req.id)
 
 
-@method("WaitUntilStopped")
-async def _wait(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
-    req = W.structure_body(body, W.IdRequest)
-    sb = srv.registry.get(req.id)
+@method("WaitUntilStopped", W.IdRequest)
+async def _wait(reg: Registry, io: CallIO, req: W.IdRequest) -> W.SandboxInfo:
+    sb = reg.get(req.id)
     await sb.wait_stopped()
     return M.info(sb)
 
 
-@method("Remove")
-async def _remove(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
-    req = W.structure_body(body, W.RemoveSandboxRequest)
-    await srv.registry.remove(req.id, req.force)
-    return None
+@method("Remove", W.RemoveSandboxRequest)
+async def _remove(reg: Registry, io: CallIO, req: W.RemoveSandboxRequest) -> None:
+    await reg.remove(req.id, req.force)
 
 
-@method("Run", STREAM)
-async def _run(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
-    req = W.structure_body(body, W.RunRequest)
-    sb = srv.registry.get(req.id)
+@method("Run", W.RunRequest, streams=True)
+async def _run(reg: Registry, io: CallIO, req: W.RunRequest) -> None:
+    sb = reg.get(req.id)
     workload = sb.run_workload(
         req.cmd, env=req.env, cwd=req.working_dir, user=req.user, tty=req.tty, timeout=float(req.timeout_seconds)
     )
-    # closed here, in this task: a cancelled Run kills its process and returns the
-    # sandbox to ready at once, not when the garbage collector finds the generator
+    # closed here, in this task: a cancelled Run (the client's cancel, a gRPC deadline, a
+    # disconnect) kills its process and returns the sandbox to ready at once, not when
+    # the garbage collector finds the generator
     async with aclosing(workload) as outputs:
         async for stream, data, code in outputs:
             if code is None:
-                await ctx.item(W.RunOutput(stream=stream, data=data))
+                await io.send(W.RunOutput(stream=stream, data=data))
             else:
-                await ctx.item(W.RunOutput(stream="exit", exit_code=code, done=True))
+                await io.send(W.RunOutput(stream="exit", exit_code=code, done=True))
 
 
-@method("Exec", STREAM)
-async def _exec(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
-    first = W.structure_body(body, W.ExecInput)
+@method("Exec", W.ExecInput, streams=True, inputs=W.ExecInput)
+async def _exec(reg: Registry, io: CallIO, first: W.ExecInput) -> None:
     if first.init is None:
         raise InvalidArgument("the first ExecInput must carry init")
     req = first.init
-    sb = srv.registry.get(req.id)
+    sb = reg.get(req.id)
     async with (
         sb.exec_session(
             req.cmd,
@@ -389,11 +412,10 @@ async def _exec(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
 
         async def pump_input() -> None:
             while True:
-                raw = await ctx.next_input()
-                if raw is None:
+                msg: W.ExecInput | None = await io.receive()
+                if msg is None:  # the client half-closed: end of stdin
                     await h.close_stdin()
                     return
-                msg = W.structure_body(raw, W.ExecInput)
                 if msg.stdin is not None:
                     await h.send_stdin(msg.stdin)
                 if msg.resize is not None:
@@ -408,104 +430,99 @@ async def _exec(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
         async for ch, data in h:
             name = "stderr" if ch == P.STDERR else "stdout"
             sb.log.append("output" if req.tty else name, data)
-            await ctx.item(W.RunOutput(stream=name, data=data))
+            await io.send(W.RunOutput(stream=name, data=data))
         nursery.cancel_scope.cancel()
     assert h.exit is not None
-    await ctx.item(W.RunOutput(stream="exit", exit_code=h.exit.code, done=True))
+    await io.send(W.RunOutput(stream="exit", exit_code=h.exit.code, done=True))
 
 
-@method("Events", STREAM)
-async def _events(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
-    req = W.structure_body(body, W.SandboxEventsRequest)
-    sub = srv.registry.events.subscribe(req.id, req.action)
+@method("Events", W.SandboxEventsRequest, streams=True)
+async def _events(reg: Registry, io: CallIO, req: W.SandboxEventsRequest) -> None:
+    sub = reg.events.subscribe(req.id, req.action)
     try:
         async for ev in sub:
-            await ctx.item(M.event(ev))
+            await io.send(M.event(ev))
     except Lagged as exc:
-        raise ApiError(W.RESOURCE_EXHAUSTED, str(exc)) from None
+        raise ResourceExhausted(str(exc)) from None
     finally:
-        srv.registry.events.unsubscribe(sub)
+        reg.events.unsubscribe(sub)
 
 
-@method("ReadFile", STREAM)
-async def _read_file(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
-    req = W.structure_body(body, W.ReadFileRequest)
-    sb = srv.registry.get(req.id)
+@method("ReadFile", W.ReadFileRequest, streams=True)
+async def _read_file(reg: Registry, io: CallIO, req: W.ReadFileRequest) -> None:
+    sb = reg.get(req.id)
     async with sb.read_file(_absolute(req.path)) as f:
         async for chunk in f:
-            await ctx.item(W.FileChunk(data=chunk))
-    await ctx.item(W.FileChunk(done=True))
+            await io.send(W.FileChunk(data=chunk))
+    await io.send(W.FileChunk(done=True))
 
 
-@method("WriteFile")
-async def _write_file(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
-    first = W.structure_body(body, W.WriteFileRequest)
+@method("WriteFile", W.WriteFileRequest, inputs=W.WriteFileRequest)
+async def _write_file(reg: Registry, io: CallIO, first: W.WriteFileRequest) -> None:
     if first.open is None:
         raise InvalidArgument("the first WriteFileRequest must carry open")
     op = first.open
     path = _absolute(op.path)
-    sb = srv.registry.get(op.id)
+    sb = reg.get(op.id)
 
-    async def chunks() -> Any:
+    async def chunks() -> AsyncIterator[bytes]:
         total = 0
         while True:
-            raw = await ctx.next_input()
-            if raw is None:
+            msg: W.WriteFileRequest | None = await io.receive()
+            if msg is None:
                 return
-            msg = W.structure_body(raw, W.WriteFileRequest)
             if msg.chunk is None:
                 raise InvalidArgument("after open, only chunks")
             total += len(msg.chunk.data)
             if total > P.MAX_FILE:
-                raise ApiError(W.RESOURCE_EXHAUSTED, f"file exceeds {P.MAX_FILE} bytes")
+                raise ResourceExhausted(f"file exceeds {P.MAX_FILE} bytes")
             if msg.chunk.data:
                 yield msg.chunk.data
             if msg.chunk.done:
                 return
 
     await sb.write_file(path, chunks(), mode=op.mode or 0o644)
-    return None
 
 
-@method("Ping")
-async def _ping(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
-    req = W.structure_body(body, W.IdRequest)
-    sb = srv.registry.get(req.id)
+@method("Ping", W.IdRequest)
+async def _ping(reg: Registry, io: CallIO, req: W.IdRequest) -> W.PingResponse:
+    sb = reg.get(req.id)
     t = time.monotonic_ns()
     pong = await sb.guest_call(lambda g: g.channel.ping())
     return W.PingResponse(latency_ns=time.monotonic_ns() - t, activity=pong.activity)
 
 
-@method("Touch")
-async def _touch(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
-    req = W.structure_body(body, W.IdRequest)
-    sb = srv.registry.get(req.id)
+@method("Touch", W.IdRequest)
+async def _touch(reg: Registry, io: CallIO, req: W.IdRequest) -> W.TouchResponse:
+    sb = reg.get(req.id)
     activity = await sb.guest_call(lambda g: g.channel.touch())
     sb.touch()
     return W.TouchResponse(activity=activity)
 
 
-@method("Logs", STREAM)
-async def _logs(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
-    req = W.structure_body(body, W.LogsRequest)
+@method("Logs", W.LogsRequest, streams=True)
+async def _logs(reg: Registry, io: CallIO, req: W.LogsRequest) -> None:
     if req.tail < 0:
         raise InvalidArgument("tail must not be negative")
-    sb = srv.registry.get(req.id)
+    sb = reg.get(req.id)
     if req.follow:
         async with aclosing(sb.log.follow(tail=req.tail, since=req.since, cursor=req.cursor)) as records:
             async for r in records:
                 if req.until and r.timestamp > req.until:
                     return
-                await ctx.item(W.LogEntry(r.seq, r.timestamp, r.source, r.data))
+                await io.send(W.LogEntry(r.seq, r.timestamp, r.source, r.data))
         return
     for r in await sb.log.read(tail=req.tail, since=req.since, until=req.until, cursor=req.cursor):
-        await ctx.item(W.LogEntry(r.seq, r.timestamp, r.source, r.data))
+        await io.send(W.LogEntry(r.seq, r.timestamp, r.source, r.data))
 
 
-@method("Metrics")
-async def _metrics(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
-    req = W.structure_body(body, W.IdRequest)
-    return M.metrics(await srv.registry.get(req.id).metrics())
+async def _metrics_of(sb: Sandbox) -> W.MetricsResponse:
+    return M.metrics(await sb.metrics(), cpu_seconds_total=sb.host_cpu_seconds())
+
+
+@method("Metrics", W.IdRequest)
+async def _metrics(reg: Registry, io: CallIO, req: W.IdRequest) -> W.MetricsResponse:
+    return await _metrics_of(reg.get(req.id))
 
 
 def _alive(sandboxes: list[Sandbox]) -> list[Sandbox]:
@@ -520,7 +537,7 @@ async def _sample(sandboxes: list[Sandbox]) -> list[W.MetricsResponse]:
 
     async def one(sb: Sandbox) -> None:
         try:
-            found[sb.id] = M.metrics(await sb.metrics())
+            found[sb.id] = await _metrics_of(sb)
         except DomainError:
             pass
 
@@ -530,53 +547,49 @@ async def _sample(sandboxes: list[Sandbox]) -> list[W.MetricsResponse]:
     return [found[sb.id] for sb in alive if sb.id in found]
 
 
-@method("MetricsStream", STREAM)
-async def _metrics_stream(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
-    req = W.structure_body(body, W.MetricsStreamRequest)
+@method("MetricsStream", W.MetricsStreamRequest, streams=True)
+async def _metrics_stream(reg: Registry, io: CallIO, req: W.MetricsStreamRequest) -> None:
     if not 0.1 <= req.interval_seconds <= 3600:
         raise InvalidArgument("interval_seconds must be 0.1 to 3600")
     while True:
         if req.id:
-            sb = srv.registry.get(req.id)
+            sb = reg.get(req.id)
             if sb.state in ALIVE:
-                await ctx.item(M.metrics(await sb.metrics()))
+                await io.send(await _metrics_of(sb))
         else:
-            for m in await _sample(list(srv.registry.sandboxes.values())):
-                await ctx.item(m)
+            for m in await _sample(list(reg.sandboxes.values())):
+                await io.send(m)
         await trio.sleep(req.interval_seconds)
 
 
-@method("MetricsAll")
-async def _metrics_all(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
-    return _Raw([W.unstructure_body(m) for m in await _sample(list(srv.registry.sandboxes.values()))])
+@method("MetricsAll", W.Empty)
+async def _metrics_all(reg: Registry, io: CallIO, req: W.Empty) -> W.MetricsAllResponse:
+    return W.MetricsAllResponse(await _sample(list(reg.sandboxes.values())))
 
 
-@attrs.frozen
-class _Raw:
-    sandboxes: list[dict[str, Any]]
-
-
-@method("ExposePort")
-async def _expose(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
-    req = W.structure_body(body, W.ExposePortRequest)
+@method("ExposePort", W.ExposePortRequest)
+async def _expose(reg: Registry, io: CallIO, req: W.ExposePortRequest) -> W.ExposePortResponse:
     check_port(req.sandbox_port, req.host_port)
-    pm = await srv.registry.get(req.id).expose(req.sandbox_port, req.host_port, M.protocol(req.protocol))
-    # the guest needs no relay port: slirp forwards straight to the sandbox port
+    pm = await reg.get(req.id).expose(req.sandbox_port, req.host_port, M.protocol(req.protocol))
+    # idempotent: a port exposed already answers with its mapping. The guest needs no
+    # relay port: slirp forwards, and on tap the relay connects, to the sandbox port
     return W.ExposePortResponse(host_port=pm.host_port, guest_port=pm.sandbox_port)
 
 
-@method("UnexposePort")
-async def _unexpose(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
-    req = W.structure_body(body, W.UnexposePortRequest)
+@method("UnexposePort", W.UnexposePortRequest)
+async def _unexpose(reg: Registry, io: CallIO, req: W.UnexposePortRequest) -> None:
     check_port(req.sandbox_port)
-    await srv.registry.get(req.id).unexpose(req.sandbox_port, M.protocol(req.protocol))
-    return None
+    await reg.get(req.id).unexpose(req.sandbox_port, M.protocol(req.protocol))
 
 
-@method("Checkpoint")
-async def _checkpoint(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
-    req = W.structure_body(body, W.CheckpointRequest)
-    rec, ck = await srv.registry.checkpoint(req.sandbox_id, name=req.name, labels=req.labels)
+@method("ListPorts", W.IdRequest)
+async def _list_ports(reg: Registry, io: CallIO, req: W.IdRequest) -> W.ListPortsResponse:
+    return M.ports(reg.get(req.id))
+
+
+@method("Checkpoint", W.CheckpointRequest)
+async def _checkpoint(reg: Registry, io: CallIO, req: W.CheckpointRequest) -> W.CheckpointResponse:
+    rec, ck = await reg.checkpoint(req.sandbox_id, name=req.name, labels=req.labels)
     return W.CheckpointResponse(
         snapshot_id=rec.id,
         snapshot_dir=rec.dir,
@@ -587,24 +600,64 @@ async def _checkpoint(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
     )
 
 
-@method("Restore")
-async def _restore(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
-    req = W.structure_body(body, W.RestoreRequest)
-    sb = await srv.registry.restore(req.snapshot_id, id=req.id, labels=req.labels, ttl_seconds=req.ttl_seconds)
+@method("Restore", W.RestoreRequest)
+async def _restore(reg: Registry, io: CallIO, req: W.RestoreRequest) -> W.RestoreResponse:
+    sb = await reg.restore(
+        req.snapshot_id,
+        id=req.id,
+        labels=req.labels,
+        ttl_seconds=req.ttl_seconds,
+        network_override=req.network_override,
+    )
     return W.RestoreResponse(id=sb.id, ip_address=sb.ip_address)
 
 
-@method("ListSnapshots")
-async def _list_snapshots(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
-    req = W.structure_body(body, W.ListSnapshotsRequest)
-    reg = srv.registry
+@method("ListSnapshots", W.ListSnapshotsRequest)
+async def _list_snapshots(reg: Registry, io: CallIO, req: W.ListSnapshotsRequest) -> W.ListSnapshotsResponse:
     return W.ListSnapshotsResponse(
         [M.snapshot(r, reg.pool_ready(r)) for r in reg.list_snapshots(req.sandbox_id, req.labels)]
     )
 
 
-@method("DeleteSnapshot")
-async def _delete_snapshot(srv: Server, ctx: CallCtx, body: dict[str, Any]) -> Any:
-    req = W.structure_body(body, W.DeleteSnapshotRequest)
-    await srv.registry.delete_snapshot(req.snapshot_id)
-    return None
+@method("DeleteSnapshot", W.DeleteSnapshotRequest)
+async def _delete_snapshot(reg: Registry, io: CallIO, req: W.DeleteSnapshotRequest) -> None:
+    await reg.delete_snapshot(req.snapshot_id)
+
+
+# --- the server and its images ------------------------------------------------------------
+SERVICES = ("sandbox.v1.SandboxService", "sandbox.v1.SandboxSnapshotService", "sandvisor.v1.SandvisorService")
+
+
+def _version() -> str:
+    try:
+        return metadata.version("sandvisor")
+    except metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+@method("Info", W.Empty)
+async def _info(reg: Registry, io: CallIO, req: W.Empty) -> W.ServerInfo:
+    by_state: dict[str, int] = {}
+    for sb in reg.sandboxes.values():
+        by_state[sb.state.value] = by_state.get(sb.state.value, 0) + 1
+    return W.ServerInfo(
+        version=_version(),
+        accel=reg.settings.accel,
+        max_sandboxes=reg.admission.quotas.max_sandboxes,
+        sandboxes_by_state=by_state,
+        default_image=reg.settings.image.name,
+        services=list(SERVICES),
+    )
+
+
+@method("ListImages", W.Empty)
+async def _list_images(reg: Registry, io: CallIO, req: W.Empty) -> W.ListImagesResponse:
+    return W.ListImagesResponse([await trio.to_thread.run_sync(M.image, reg.settings.image, True)])
+
+
+@method("InspectImage", W.NameRequest)
+async def _inspect_image(reg: Registry, io: CallIO, req: W.NameRequest) -> W.ImageInfo:
+    image = reg.settings.image
+    if req.name not in ("", image.name):
+        raise NotFound(f"no image {req.name!r}; this supervisor serves {image.name!r}")
+    return await trio.to_thread.run_sync(M.image, image, True)

@@ -96,6 +96,8 @@ def supervisor_process(
     (stderr) is appended to ``log``, if given."""
     env = work.env()
     argv = [sys.executable, "-m", "supervisor.cli", "serve", "--accel", "tcg", "--run-root", str(work.run_root), *args]
+    if "--ip-pool" not in args:  # the machine's own namespace: tap networking only where a test makes its own
+        argv += ["--ip-pool", "none"]
     work.socket.unlink(missing_ok=True)
     with open(log, "ab") if log is not None else open(os.devnull, "wb") as err:  # (the child has its own copy)
         p = subprocess.Popen(argv, env={**env, **(extra_env or {})}, stderr=err)

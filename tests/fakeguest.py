@@ -806,6 +806,7 @@ class FakeGuest:
         self.hellos = 0
         self.connections = 0
         self.entropy: list[bytes] = []
+        self.net_configs: list[P.NetConfig] = []  # what net_config set, in order
         self.clock_offset_ns = 0  # guest realtime minus host realtime
         self.clock_sets: list[int] = []
         self.shutdowns: list[bool] = []  # the reboot flag of each Shutdown request
@@ -1084,6 +1085,9 @@ class FakeGuest:
             if not msg.hostname or len(msg.hostname) > 64:
                 raise LookupError("hostname must be 1-64 characters")
             self.hostname = msg.hostname
+            await session.answer(P.Ok(rid=rid))
+        elif isinstance(msg, P.NetConfig):
+            self.net_configs.append(msg)
             await session.answer(P.Ok(rid=rid))
         elif isinstance(msg, P.Shutdown):
             self.shutdowns.append(msg.reboot)

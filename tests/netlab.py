@@ -8,6 +8,13 @@
 
 Every namespace (and so every link and nft table in it) is deleted on the way out,
 whatever happened.
+
+A whole supervisor can run as the "host": a test enters the host namespace with
+``host.entered()`` around its whole body (the main thread, where Trio and the
+supervisor run), so the supervisor's sockets, links, sysctls, nftables and every
+process it starts (QEMU, ``ip``) are in that namespace, and the machine's own is
+never touched. (Trio's cached worker threads stay where they were made: only
+non-network work runs there.)
 """
 
 from __future__ import annotations

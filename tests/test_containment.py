@@ -103,6 +103,9 @@ async def test_each_qemu_is_jailed_as_its_own_user(jailed: tuple[Registry, Path]
         assert cell.cgroup is not None
         stats = cell.cgroup.stats()
         assert stats.memory_limit == (256 + 192) << 20
+        m = await sb.metrics()  # the cgroup's use and limit, in the sandbox's metrics
+        assert m.cgroup_memory_limit_bytes == (256 + 192) << 20
+        assert 0 < m.cgroup_memory_bytes < m.cgroup_memory_limit_bytes and m.cgroup_oom_kills == 0
     assert uids[0] != uids[1]
 
 

@@ -411,6 +411,26 @@ async def test_a_send_cancelled_mid_frame_breaks_the_channel(autojump_clock: Moc
             await chan.ping()
 
 
+async def test_a_cancel_waits_for_its_frame_and_the_channel_stays_usable(autojump_clock: MockClock) -> None:
+    """A caller cancelled while its frame is going out (a client's Cancel or deadline
+    during a Run's credit grants or an Exec's input) lets the frame finish: the channel
+    and every other request on it go on."""
+    async with fake_guest() as g, open_channel(g.connect_socket(), hello_timeout=5) as chan:
+        g.hostile.deaf = True  # the host's send blocks in send_all, mid-frame
+
+        async def hear_again() -> None:
+            await trio.sleep(3)
+            g.hostile.deaf = False
+
+        async with trio.open_nursery() as n:
+            n.start_soon(hear_again)
+            with trio.move_on_after(1) as cancelled:
+                await chan.write_file("/tmp/f", bytes(8 << 20))
+        assert cancelled.cancelled_caught
+        with trio.fail_after(5):
+            assert (await chan.ping()).activity >= 0
+
+
 async def test_over_a_socketpair_with_the_real_clock() -> None:
     payload = os.urandom(1 << 20)
     async with fake_guest() as guest, open_channel(guest.connect_socket(), hello_timeout=5) as chan:

@@ -7,9 +7,8 @@ Trio loop stays free while a test waits on a call."""
 
 from __future__ import annotations
 
-import datetime
+import contextvars
 import grp
-import importlib
 import os
 import shutil
 import subprocess
@@ -26,39 +25,20 @@ from typing import Any
 import grpc
 import pytest
 import trio
+from grpc_clients import REPO, SEED, generate, make_pki
 
 from supervisor import grpc_bridge as G
 from supervisor import metrics as M
 from supervisor.proto.sandbox.v1 import sandbox_pb2 as pb
 from supervisor.protocol import ApiError
 
-REPO = Path(__file__).resolve().parent.parent
-SEED_NAME = "shared/seeds/000_b1e1dbfa8d7a5097.txt"  # beside the clone in CI, above the worktree here
-SEED = next((p / SEED_NAME for p in REPO.parents if (p / SEED_NAME).exists()), REPO.parent / SEED_NAME)
 VENDORED = REPO / "supervisor" / "proto" / "sandbox" / "v1" / "sandbox.proto"
 
 
-# ---------------------------------------------------------------------------------------
-# the seed's client, generated now
-# ---------------------------------------------------------------------------------------
 @pytest.fixture(scope="session")
-def seed() -> Iterator[tuple[ModuleType, ModuleType]]:
-    """sandbox_pb2 and sandbox_pb2_grpc made by protoc from the seed (the vendored copy if
-    shared/ is absent), at its conventional path, as a seed client would."""
-    protoc = pytest.importorskip("grpc_tools.protoc")
-    work = Path(tempfile.mkdtemp(prefix="seed-client-"))
-    (work / "sandbox" / "v1").mkdir(parents=True)
-    shutil.copyfile(SEED if SEED.exists() else VENDORED, work / "sandbox" / "v1" / "sandbox.proto")
-    rc = protoc.main(
-        ["protoc", f"-I{work}", f"--python_out={work}", f"--grpc_python_out={work}", "sandbox/v1/sandbox.proto"]
-    )
-    assert rc == 0
-    sys.path.insert(0, str(work))
-    try:
-        yield importlib.import_module("sandbox.v1.sandbox_pb2"), importlib.import_module("sandbox.v1.sandbox_pb2_grpc")
-    finally:
-        sys.path.remove(str(work))
-        shutil.rmtree(work)
+def seed() -> tuple[ModuleType, ModuleType]:
+    """sandbox_pb2 and sandbox_pb2_grpc made by protoc from the seed, as a seed client would."""
+    return generate()
 
 
 def test_vendored_proto_is_the_seed_byte_for_byte() -> None:
@@ -449,6 +429,60 @@ def _can_connect(path: Path, user: str, extra_groups: list[int] | None = None) -
     return r.returncode == 0
 
 
+class Policy:
+    """A PeerPolicy for tests: serves or refuses everyone, and counts what it saw."""
+
+    def __init__(self, serve: bool) -> None:
+        self.serve = serve
+        self.uids: list[int] = []
+
+    def check(self, sock: Any) -> str | None:
+        from supervisor.peers import Peer
+
+        self.uids.append(Peer.of(sock).uid)
+        return None if self.serve else "not you"
+
+    def served(self) -> str:
+        return "only the test's friends"
+
+
+async def test_a_peer_policy_relays_served_clients_and_refuses_the_others(
+    tmp_path: Path, seed: tuple[ModuleType, ModuleType]
+) -> None:
+    """With a policy, the public socket is a relay: a served peer's calls go through
+    (streams both ways included), a refused one gets PERMISSION_DENIED on every call."""
+    spb, sgrpc = seed
+
+    def calls(target: str) -> list[str]:
+        out = []
+        with grpc.insecure_channel(target) as ch:
+            stub = sgrpc.SandboxServiceStub(ch)
+            for fn in (
+                lambda: stub.Create(spb.CreateSandboxRequest(id="p1")).state,
+                lambda: len(list(stub.Run(spb.RunRequest(id="p1", cmd=["count", "200"])))),
+            ):
+                try:
+                    out.append(str(fn()))
+                except grpc.RpcError as exc:
+                    out.append(f"{exc.code().name}: {exc.details()}")
+        return out
+
+    with trio.fail_after(30):
+        friends, strangers = Policy(serve=True), Policy(serve=False)
+        addrs = [
+            G.UnixAddress(tmp_path / "in.sock", policy=friends),
+            G.UnixAddress(tmp_path / "out.sock", policy=strangers),
+        ]
+        async with serving(*addrs) as edge:
+            assert (tmp_path / "in.sock").stat().st_mode & 0o777 == 0o600
+            assert await in_thread(calls, f"unix:{tmp_path / 'in.sock'}") == ["starting", "202"]
+            refused = await in_thread(calls, f"unix:{tmp_path / 'out.sock'}")
+            assert refused == ["PERMISSION_DENIED: only the test's friends"] * 2
+            assert edge.refused >= 1
+    assert friends.uids and set(friends.uids) == {os.geteuid()}
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # sockets and private dirs gone
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root (runs probes as nobody)")
 async def test_unix_socket_admits_root_and_the_group_only() -> None:
     group = "daemon"  # any group nobody is not in
@@ -472,73 +506,10 @@ async def test_unix_socket_admits_root_and_the_group_only() -> None:
 # ---------------------------------------------------------------------------------------
 # TLS on loopback, with a client certificate
 # ---------------------------------------------------------------------------------------
-def _pki() -> dict[str, bytes]:
-    """A CA, a server certificate for 127.0.0.1/localhost and a client certificate (CN ci-client)."""
-    import ipaddress
-
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
-
-    now = datetime.datetime.now(datetime.UTC)
-
-    def name(cn: str) -> x509.Name:
-        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-
-    def pem_key(k: ec.EllipticCurvePrivateKey) -> bytes:
-        return k.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-        )
-
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca = (
-        x509.CertificateBuilder()
-        .subject_name(name("sandvisor test CA"))
-        .issuer_name(name("sandvisor test CA"))
-        .public_key(ca_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(hours=1))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(ca_key, hashes.SHA256())
-    )
-
-    def leaf(cn: str, usage: x509.ObjectIdentifier, sans: list[x509.GeneralName]) -> tuple[bytes, bytes]:
-        key = ec.generate_private_key(ec.SECP256R1())
-        b = (
-            x509.CertificateBuilder()
-            .subject_name(name(cn))
-            .issuer_name(ca.subject)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(hours=1))
-            .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
-        )
-        if sans:
-            b = b.add_extension(x509.SubjectAlternativeName(sans), critical=False)
-        return b.sign(ca_key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM), pem_key(key)
-
-    server_cert, server_key = leaf(
-        "localhost",
-        ExtendedKeyUsageOID.SERVER_AUTH,
-        [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))],
-    )
-    client_cert, client_key = leaf("ci-client", ExtendedKeyUsageOID.CLIENT_AUTH, [])
-    return {
-        "ca": ca.public_bytes(serialization.Encoding.PEM),
-        "server_cert": server_cert,
-        "server_key": server_key,
-        "client_cert": client_cert,
-        "client_key": client_key,
-    }
-
-
 async def test_tls_on_loopback_with_a_client_certificate(seed: tuple[ModuleType, ModuleType]) -> None:
     pytest.importorskip("cryptography")
     spb, sgrpc = seed
-    pki = _pki()
+    pki = make_pki()
     tls = G.TlsConfig(pki["server_cert"], pki["server_key"], client_ca=pki["ca"], require_client_cert=True)
     fake = FakeSandboxes()
 
@@ -741,19 +712,73 @@ def test_responses_fill_seed_and_extended_messages() -> None:
 # ---------------------------------------------------------------------------------------
 # beside the daemon's trio_asyncio loop; start-up failures
 # ---------------------------------------------------------------------------------------
-async def test_the_edge_runs_beside_the_qmp_loop(tmp_path: Path, seed: tuple[ModuleType, ModuleType]) -> None:
-    """The daemon holds a trio_asyncio loop open (qemu.qmp) for its whole life."""
+async def test_calls_run_in_the_edges_context_beside_the_qmp_loop(tmp_path: Path) -> None:
+    """The daemon holds a trio_asyncio loop open (qemu.qmp) for its whole life, in a context
+    variable: a call (a Create that launches QEMU) must see it, as the msgpack socket's do."""
+    import asyncio
+
+    import trio_asyncio
+
     from actors.machine import qmp_loop
 
-    spb, sgrpc = seed
+    class UsesQmpLoop:
+        async def Inspect(self, req: pb.InspectSandboxRequest, call: G.Call[Any, Any]) -> pb.SandboxInfo:
+            await trio_asyncio.aio_as_trio(asyncio.sleep)(0)  # what QMP's connect does
+            return pb.SandboxInfo(id=req.id, state=WHO.get())
 
     def client(target: str) -> str:
         with grpc.insecure_channel(target) as ch:
-            return str(sgrpc.SandboxServiceStub(ch).Create(spb.CreateSandboxRequest(id="q")).state)
+            return str(G_STUB(ch).Inspect(pb.InspectSandboxRequest(id="q")).state)
 
     with trio.fail_after(20):
-        async with qmp_loop(), serving(G.UnixAddress(tmp_path / "g.sock")) as edge:
-            assert await in_thread(client, unix_target(edge)) == "starting"
+        WHO.set("the edge's runner")
+        async with qmp_loop():
+            edge = G.GrpcEdge([G.UnixAddress(tmp_path / "g.sock")], health=False, reflection=False)
+            edge.add_service(SERVICE, UsesQmpLoop())
+            async with trio.open_nursery() as nursery:
+                await nursery.start(edge.run)
+                assert await in_thread(client, unix_target(edge)) == "the edge's runner"
+                nursery.cancel_scope.cancel()
+
+
+WHO: contextvars.ContextVar[str] = contextvars.ContextVar("WHO", default="nobody")
+
+
+def G_STUB(ch: grpc.Channel) -> Any:
+    from supervisor.proto.sandbox.v1 import sandbox_pb2_grpc
+
+    return sandbox_pb2_grpc.SandboxServiceStub(ch)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="setuid children need root")
+def test_forking_beside_grpc_threads_does_not_crash_children() -> None:
+    """grpcio's fork handlers crash forked children while gRPC threads are busy (4 of 40
+    measured); the supervisor package turns them off before grpc is imported. In a fresh
+    interpreter: serve and call gRPC in threads, fork 40 setuid children (QEMU's launch)."""
+    script = r"""
+import supervisor  # first, as in `sandvisor serve`
+import asyncio, os, subprocess, sys, tempfile, threading, time
+import grpc, grpc.aio
+sock = os.path.join(tempfile.mkdtemp(), "s.sock")
+def serve():
+    async def main():
+        s = grpc.aio.server(); s.add_insecure_port("unix:" + sock); await s.start(); await asyncio.sleep(60)
+    asyncio.run(main())
+def call():
+    ch = grpc.insecure_channel("unix:" + sock)
+    while True:
+        try: grpc.channel_ready_future(ch).result(timeout=1); ch.unary_unary("/x/y")(b"", timeout=0.5)
+        except Exception: pass
+threading.Thread(target=serve, daemon=True).start(); time.sleep(0.5)
+threading.Thread(target=call, daemon=True).start(); time.sleep(0.2)
+codes = [subprocess.run(["/bin/true"], user=65534, group=65534, extra_groups=[]).returncode for _ in range(40)]
+print(os.environ.get("GRPC_ENABLE_FORK_SUPPORT"), sum(c != 0 for c in codes))
+os._exit(0)
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, cwd=REPO, check=True
+    ).stdout.split()
+    assert out == ["0", "0"], out
 
 
 async def test_a_port_in_use_fails_the_start_and_leaves_no_thread() -> None:

@@ -12,7 +12,7 @@ import pytest
 import trio
 
 from images.build import Image
-from supervisor.client import connect
+from supervisor.client import AsyncSandbox, connect
 from supervisor.protocol import ApiError
 from supervisor.throwaway import supervisor, workdir
 from tests.test_durability import run, wait_state
@@ -20,12 +20,22 @@ from tests.test_durability import run, wait_state
 pytestmark = pytest.mark.vm
 
 GUEST_TIMEOUT = 4.0
-# PTRACE_ATTACH stops guestd (init ignores SIGSTOP, not a tracer); the tracer sleeps on
-FREEZE = (
-    "import ctypes, os, time; libc = ctypes.CDLL(None, use_errno=True); "
-    "os.setsid(); r = libc.ptrace(16, 1, None, None); "
-    "open('/run/froze', 'w').write(str(r)); time.sleep(3600)"
-)
+# PTRACE_ATTACH stops guestd (init ignores SIGSTOP, not a tracer). The freezer leaves
+# the Run's session at once (its parent waits for that, then exits: the Run ends) and
+# attaches two seconds later; then it sleeps on, holding guestd stopped.
+FREEZE = """
+import os, time
+r, w = os.pipe()
+if os.fork():
+    os.read(r, 1)
+    os._exit(0)
+os.setsid()
+os.write(w, b"x")
+time.sleep(2)
+import ctypes
+ctypes.CDLL(None, use_errno=True).ptrace(16, 1, None, None)
+time.sleep(3600)
+"""
 
 
 async def test_a_silenced_guestd_costs_only_its_own_sandbox(image: Image, qmp: None) -> None:
@@ -35,14 +45,17 @@ async def test_a_silenced_guestd_costs_only_its_own_sandbox(image: Image, qmp: N
                 await c.call("Create", {"id": id})
             for id in ("hostile", "neighbour"):
                 await wait_state(c, id, "ready")
-            # the freezer runs detached; whether the Run's own exit still gets out is a race
-            cmd = ["sh", "-c", f'python3 -c "{FREEZE}" >/dev/null 2>&1 & sleep 1']
-            try:
-                async with c.open_call("Run", {"id": "hostile", "cmd": cmd, "timeout_seconds": 3}) as call:
-                    async for _ in call:
-                        pass
-            except ApiError as exc:
-                assert exc.code == "DEADLINE_EXCEEDED", exc
+            hostile = await AsyncSandbox.get("hostile", socket=work.socket)
+            await hostile.fs.write("/root/freeze.py", FREEZE.encode())
+            assert (await hostile.run(["python3", "/root/freeze.py"])).exit_code == 0
+            with trio.fail_after(60):  # until the freezer has attached
+                while True:
+                    try:
+                        await c.call("Metrics", {"id": "hostile"})
+                    except ApiError as exc:
+                        assert exc.code == "DEADLINE_EXCEEDED", exc
+                        break
+                    await trio.sleep(0.5)
             t = time.monotonic()
             with pytest.raises(ApiError) as e:
                 await c.call("Metrics", {"id": "hostile"})

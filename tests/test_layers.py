@@ -97,3 +97,11 @@ def test_no_benchmark_script_shadows_a_package() -> None:
     the images package from every benchmark."""
     packages = {p.parent.name for p in ROOT.glob("*/__init__.py")}
     assert not {p.stem for p in (ROOT / "benchmarks").glob("*.py")} & packages
+
+
+def test_the_cli_default_ip_pool_is_the_domains() -> None:
+    """cli.py spells the default pool out (the quick CLI does not import actors/)."""
+    from actors.ippool import DEFAULT_POOL
+    from supervisor.cli import DEFAULT_IP_POOL
+
+    assert DEFAULT_IP_POOL == DEFAULT_POOL

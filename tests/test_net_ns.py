@@ -19,7 +19,7 @@ from actors import dnsmsg as D
 from actors.egress import EgressPolicy
 from actors.hostnet import HostNetConfig, HostNetwork
 from actors.ippool import IpPool, link_name
-from actors.netns import NetNS
+from actors.netns import NetError, NetNS
 from actors.portfwd import Target, bind_listener, relay_tcp, relay_udp
 from tests.netlab import (
     METADATA,
@@ -29,7 +29,9 @@ from tests.netlab import (
     UPLINK_INET,
     Guest,
     Lab,
+    add_guest,
     lab_env,
+    link_internet,
     namespaces,
     probe,
     resolve,
@@ -252,7 +254,6 @@ async def test_a_tap_is_made_in_the_namespace_and_goes_with_its_fd() -> None:
         link = lab.net.open_tap(name, address, EgressPolicy.parse(None))
         assert link.tap_fd is not None and lab.host.link_exists(name)
         assert not NetNS().link_exists(name)
-        assert link.netdev_args(5)[1] == "tap,id=n0,fd=5"
         with pytest.raises(Exception, match="TAP"):
             lab.host.open_tap(name)  # IFF_TUN_EXCL: never attach to a device in use
         link.close()
@@ -265,3 +266,91 @@ async def test_unknown_senders_get_no_dns_answer() -> None:
         g = lab.guest("f")
         reply = await lab.net.dns.answer(IPv4Address(g.address), b"\x00\x01garbage-but-12+")
         assert reply is not None and D.parse(reply).rcode == D.FORMERR
+
+
+async def test_one_host_network_per_namespace() -> None:
+    async with lab_env() as lab:
+        second = HostNetwork(HostNetConfig(netns=lab.host, upstreams=((UPLINK_INET, 53),)), IpPool(POOL))
+        with pytest.raises(NetError, match="another supervisor"):
+            second.setup()
+        second.nft.close()
+        assert await probe(lab.host, "127.0.0.1", 8080) == "host-loopback 127.0.0.1"  # the first is untouched
+        g = lab.guest("still-filtered")
+        assert await probe(g.ns, SERVERS[0], 80) == f"server0 {UPLINK_HOST}"
+
+
+async def test_an_uplink_is_a_filtered_namespace_and_goes_with_its_link() -> None:
+    """A jailed user-mode QEMU's namespace (outbound access): a veth to the filter, the
+    sandbox's policy and DNS proxy, nothing of the host."""
+    async with lab_env() as lab:
+        address = lab.pool.allocate("uplink-owner")
+        name = link_name("uplink-owner")
+        policy = EgressPolicy.parse({"default": "deny", "allow": [SERVERS[0], "allowed.test"]})
+        link = lab.net.open_uplink(name, address, policy)
+        jail = NetNS(link.jail_netns)
+        try:
+            assert link.jail_netns_path == f"/run/netns/{link.jail_netns}" and os.path.exists(link.jail_netns_path)
+            assert link.jail_netns.startswith(lab.net.config.jail_prefix)
+            assert jail.read_sysctl("ipv6/conf/all/disable_ipv6") == "1"
+            assert await probe(jail, SERVERS[0], 80) == f"server0 {UPLINK_HOST}"
+            assert await probe(jail, SERVERS[2], 80) != "server2"
+            assert (await resolve(jail, str(lab.pool.gateway), "allowed.test"))[1] == ["203.0.113.20"]
+            assert await probe(jail, "203.0.113.20", 80) == f"server1 {UPLINK_HOST}"
+            for target, port in ((str(lab.pool.gateway), 8081), (UPLINK_HOST, 8081), (METADATA, 80)):
+                assert await probe(jail, target, port, timeout=1) not in ("host-any", "metadata")
+            # its loopback is up (slirp's port forwards listen there) and its own
+            await lab.nursery.start(tcp_server, jail, "127.0.0.1", 8080, "jail-loopback")
+            assert await probe(jail, "127.0.0.1", 8080) == "jail-loopback 127.0.0.1"
+        finally:
+            link.close()
+        assert not os.path.exists(link.jail_netns_path) and not lab.host.link_exists(name)
+
+
+async def test_kept_table_filters_until_the_next_supervisor_readopts_and_sweeps() -> None:
+    """serve --keep-sandboxes: the table stays while no supervisor runs (a sandbox still
+    cannot reach the host); the next one replaces it (the sandbox's traffic is dropped,
+    never let through) and readopts the links of the sandboxes it adopts; jail
+    namespaces it does not adopt are swept."""
+    with namespaces("svh", "svi") as (host, inet), namespaces("svg") as (guest_ns,):
+        link_internet(host, inet)
+        cfg = HostNetConfig(netns=host, upstreams=((UPLINK_INET, 53),))
+        pool = IpPool(POOL)
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(tcp_server, inet, SERVERS[0], 80, "server0")
+                await nursery.start(tcp_server, host, "0.0.0.0", 8081, "host-any")
+                address = pool.allocate("kept")
+                name = link_name("kept")
+                add_guest(host, guest_ns, name, address, pool.prefix, pool.gateway)
+                first = HostNetwork(cfg, pool)
+                async with trio.open_nursery() as running:
+                    await running.start(first.run)
+                    first.attach(name, address, EgressPolicy.parse(None))
+                    upl_addr = pool.allocate("kept-uplink")
+                    uplink = first.open_uplink(link_name("kept-uplink"), upl_addr, EgressPolicy.parse(None))
+                    stale_addr = pool.allocate("stale-uplink")
+                    stale = first.open_uplink(link_name("stale-uplink"), stale_addr, EgressPolicy.parse(None))
+                    assert await probe(guest_ns, SERVERS[0], 80) == f"server0 {UPLINK_HOST}"
+                    first.keep_table = True
+                    running.cancel_scope.cancel()
+                # no supervisor: the table is still there, the host still out of reach
+                assert await probe(guest_ns, str(pool.gateway), 8081, timeout=1) != "host-any"
+                assert os.path.exists(uplink.jail_netns_path) and os.path.exists(stale.jail_netns_path)
+                second = HostNetwork(cfg, pool)
+                async with trio.open_nursery() as running:
+                    await running.start(second.run)
+                    assert await probe(guest_ns, SERVERS[0], 80, timeout=1) == "timeout"  # in no set: dropped
+                    second.readopt(name, address, EgressPolicy.parse(None), uplink=False)
+                    second.readopt(link_name("kept-uplink"), upl_addr, EgressPolicy.parse(None), uplink=True)
+                    second.sweep(keep=[name, link_name("kept-uplink")])
+                    assert not os.path.exists(stale.jail_netns_path) and os.path.exists(uplink.jail_netns_path)
+                    assert await probe(guest_ns, SERVERS[0], 80) == f"server0 {UPLINK_HOST}"
+                    assert await probe(NetNS(uplink.jail_netns), SERVERS[0], 80) == f"server0 {UPLINK_HOST}"
+                    assert await probe(guest_ns, str(pool.gateway), 8081, timeout=1) != "host-any"
+                    running.cancel_scope.cancel()
+                assert not os.path.exists(uplink.jail_netns_path)  # closed with the second (not kept)
+                nursery.cancel_scope.cancel()
+        finally:
+            for leftover in os.listdir("/run/netns"):
+                if leftover.startswith(cfg.jail_prefix):
+                    subprocess.run(["ip", "netns", "del", leftover], check=False)

@@ -3,9 +3,9 @@ the DNS codec (Hypothesis-fuzzed)."""
 
 from __future__ import annotations
 
-import sqlite3
 import struct
 from ipaddress import IPv4Address, IPv4Network
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from actors import dnsmsg as D
 from actors.egress import EgressPolicy, PolicyError, paint, parse_entry
-from actors.ippool import IpPool, MemoryLeases, PoolError, PoolExhausted, SqliteLeases, guest_mac, link_name
+from actors.ippool import IpPool, MemoryLeases, PoolError, PoolExhausted, guest_mac, link_name
+from actors.store import Store, StoreLeases
 
 
 # -- pool --------------------------------------------------------------------------
@@ -33,18 +34,31 @@ def test_pool_allocates_next_fit_and_releases() -> None:
     assert pool.allocate("n2") == IPv4Address("10.9.0.4")  # next-fit: after the last handed out
 
 
-def test_pool_persists_and_drops_leases_that_no_longer_fit(tmp_path: object) -> None:
-    db = sqlite3.connect(":memory:", isolation_level=None)
-    pool = IpPool("10.9.0.0/24", SqliteLeases(db))
+def test_pool_persists_in_the_store_and_drops_leases_that_no_longer_fit(tmp_path: Path) -> None:
+    def reopened() -> Store:  # a supervisor restart: what the last one queued is committed at its exit
+        return Store(tmp_path / "sandvisor.db")
+
+    store = reopened()
+    pool = IpPool("10.9.0.0/24", StoreLeases(store))
     a = pool.allocate("a")
     b = pool.allocate("b")
     pool.release("a")
-    again = IpPool("10.9.0.0/24", SqliteLeases(db))  # a supervisor restart
+    store.close()
+    store = reopened()
+    again = IpPool("10.9.0.0/24", StoreLeases(store))
     assert again.leases() == {"b": b} and again.address_of("a") is None
     assert again.allocate("c") not in (a, b)  # the cursor starts after the highest lease
-    smaller = IpPool("10.7.0.0/29", SqliteLeases(db))  # the operator changed the pool
-    assert smaller.leases() == {} and {o for o, _ in smaller.dropped} == {"b", "c"}
-    assert list(SqliteLeases(db).load()) == []
+    assert again.allocate("d", want=a) == a  # a free address asked for (a restore keeping its own)
+    assert again.allocate("e", want=b) not in (a, b)  # held: another one
+    assert again.allocate("f", want=IPv4Address("10.9.0.1")) != IPv4Address("10.9.0.1")  # the gateway: never
+    store.close()
+    store = reopened()
+    smaller = IpPool("10.7.0.0/29", StoreLeases(store))  # the operator changed the pool
+    assert smaller.leases() == {} and {o for o, _ in smaller.dropped} == {"b", "c", "d", "e", "f"}
+    store.close()
+    store = reopened()
+    assert store.ip_leases() == []
+    store.close()
 
 
 def test_pool_store_failure_changes_nothing() -> None:

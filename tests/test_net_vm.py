@@ -1,37 +1,34 @@
-"""Tap networking with a real VM: the default image booted on a TAP that HostNetwork
-made in the lab's "host" namespace (tests/netlab.py), QEMU given the TAP's fd.
-
-MachineSpec passes only the files it opens itself to QEMU; :class:`TapSpec` (local to
-the tests until the lead wires a ``net_fds`` field into actors/machine.py) adds the
-TAP's fd and puts its number into the -netdev argument."""
+"""Tap networking with a real VM, below the supervisor: the default image booted on a
+TAP that HostNetwork made in the lab's "host" namespace (tests/netlab.py), QEMU given
+the TAP's fd the way a sandbox life gives it (VmSpec's tap NetConfig, Attach.fds),
+and guestd's net_config moving the guest to a new address as after a restore. The
+whole supervisor's side is in tests/test_net_supervisor.py."""
 
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
-import attrs
 import pytest
 import trio
 
-from actors.disk import backing_chain, create_overlay
+from actors.disk import create_overlay
 from actors.egress import EgressPolicy
+from actors.guest import GuestOpError
 from actors.hostnet import SandboxLink
 from actors.ippool import link_name
-from actors.machine import Machine, MachineSpec
-from actors.vm import Guest, _running, kernel_cmdline
+from actors.machine import Placement
+from actors.vm import TAP_FD, Attach, Guest, NetConfig, VmSpec, booted_guest
+from guestd import proto as P
 from images.build import Image
 from tests.netlab import SERVERS, UPLINK_HOST, Lab, lab_env, probe
 
 pytestmark = [pytest.mark.vm, pytest.mark.skipif(os.geteuid() != 0, reason="needs root (namespaces, TAP)")]
 
 CONNECT = "import socket,sys; print(socket.create_connection((sys.argv[1], 80), timeout=5).recv(99).decode().strip())"
-SNIPPET = Path(__file__).resolve().parent.parent / "contrib" / "guestd_netcfg.py"
 SERVER = """
 import socket, sys
 s = socket.socket(); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -42,21 +39,18 @@ while True:
 """
 
 
-@attrs.frozen
-class TapSpec(MachineSpec):
-    """A MachineSpec whose -netdev names a TAP fd: ``{tapfd}`` in ``netdev`` becomes the
-    number QEMU inherits it under."""
-
-    tap_fd: int = -1
-
-    def open_files(self) -> dict[str, int]:
-        fds = super().open_files()
-        fds["tap"] = os.dup(self.tap_fd)  # Machine closes what it passed after the launch
-        return fds
-
-    def argv(self, sock_dir: Path, fds: dict[str, int] | None = None) -> list[str]:
-        a = super().argv(sock_dir, fds)
-        return [x.replace("{tapfd}", str((fds or {})["tap"])) for x in a]
+def tap_net(link: SandboxLink) -> NetConfig:
+    g = link.guest
+    return NetConfig(
+        restrict=False,
+        address=str(g.address),
+        gateway=str(g.gateway),
+        dns=str(g.dns),
+        prefix=g.prefix,
+        tap=True,
+        mac=g.mac,
+        tap_name=link.name,
+    )
 
 
 @asynccontextmanager
@@ -65,19 +59,8 @@ async def tap_vm(image: Image, run_dir: Path, link: SandboxLink) -> AsyncIterato
     overlay = run_dir / "disk.qcow2"
     await create_overlay(image.rootfs, overlay)
     assert link.tap_fd is not None
-    spec = TapSpec(
-        kernel=image.kernel,
-        initrd=image.initrd,
-        disk=overlay,
-        disk_chain=backing_chain(overlay),
-        memory_mib=256,
-        append=kernel_cmdline("tcg", hostname="tapvm", extra=link.guest.cmdline()),
-        netdev=link.netdev_args("{tapfd}"),  # type: ignore[arg-type]
-        tap_fd=link.tap_fd,
-    )
-    vm = Machine(spec, run_dir, name="tapvm")
-    timeouts = SimpleNamespace(boot_timeout=90.0, answer_timeout=None, restore=None, mapped_restore=False)
-    async with _running(vm, time.monotonic(), timeouts) as guest:  # type: ignore[arg-type]
+    spec = VmSpec.boot(image, disk=overlay, hostname="tapvm", network=tap_net(link), boot_timeout=90.0)
+    async with booted_guest(spec, Attach(Placement.plain(run_dir), fds={TAP_FD: link.tap_fd})) as guest:
         yield guest
 
 
@@ -134,9 +117,9 @@ async def test_tap_vm_reached_at_its_address_and_filtered(image: Image, tmp_path
 
 
 async def test_guest_reconfigured_in_place_as_after_a_restore(image: Image, tmp_path: Path, qmp: None) -> None:
-    """The guest side of a restore: contrib/guestd_netcfg.py run in the real guest moves
-    eth0 to a new address and MAC; the host re-keys the link; the host reaches the new
-    address and the old one is gone."""
+    """The guest side of a restore: guestd's net_config moves eth0 to a new address and
+    MAC; the host re-keys the link; the host reaches the new address and the old one is
+    gone; a bad request is INVALID_ARGUMENT and changes nothing."""
     async with lab_env() as lab:
         old = lab.pool.allocate("vm-2")
         link = lab.net.open_tap(link_name("vm-2"), old, EgressPolicy.parse(None))
@@ -152,12 +135,15 @@ async def test_guest_reconfigured_in_place_as_after_a_restore(image: Image, tmp_
                     lab.host.ip(f"addr flush dev {link.name}")
                     link = lab.net._configure(link.name, new, EgressPolicy.parse(None), fd)
                     g = link.guest
-                    await guest.channel.write_file("/tmp/netcfg.py", SNIPPET.read_bytes())
-                    args = f"eth0 {g.address} {g.prefix} {g.gateway} {g.mac} {g.dns}"
-                    await sh(guest, f"python3 /tmp/netcfg.py {args}")
+                    await guest.channel.net_config(str(g.address), g.prefix, str(g.gateway), [str(g.dns)], g.mac)
                     await wait_probe(lab, str(new), 8000, f"vm {lab.pool.gateway}")
                     assert await probe(lab.host, str(old), 8000, timeout=1) != f"vm {lab.pool.gateway}"
                     assert (await sh(guest, "cat /sys/class/net/eth0/address")).strip() == g.mac
+                    assert (await sh(guest, "cat /etc/resolv.conf")) == f"nameserver {g.dns}\n"
+                    with pytest.raises(GuestOpError) as bad:
+                        await guest.channel.net_config("10.88.0.300", 16, str(g.gateway), [])
+                    assert bad.value.code == P.E_INVALID
+                    await wait_probe(lab, str(new), 8000, f"vm {lab.pool.gateway}")
                     # and the guest reaches the outside from its new address (masqueraded)
                     assert await sh(guest, f'python3 -c "{CONNECT}" {SERVERS[0]}') == f"server0 {UPLINK_HOST}\n"
         finally:

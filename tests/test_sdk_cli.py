@@ -206,6 +206,38 @@ def test_cli_surface(served: dict[str, str], tmp_path: Path) -> None:
         assert r.stderr.count(b"\n") == 1 and b"Traceback" not in r.stderr, (args, r.stderr)
 
 
+def test_ports_listed_and_exposed_idempotently_through_the_sdk_and_cli(served: dict[str, str]) -> None:
+    env = served
+    sock = env["SANDVISOR_SOCKET"]
+    with Sandbox.create("ports", socket=sock, network="user", ports={8000: 0}) as sb:
+        (carried,) = sb.ports()
+        assert carried.sandbox_port == 8000 and carried.protocol == "tcp" and carried.host_port > 0
+        assert carried.host_address == "127.0.0.1"
+        assert sb.expose(8000) == carried.host_port  # exposed already: its mapping, again
+        r = cli(env, "port", "add", "ports", "8000")
+        assert (r.returncode, r.stdout) == (0, f"{carried.host_port}\n".encode()), r.stderr
+        extra = int(cli(env, "port", "add", "ports", "8001").stdout)
+        listed = json.loads(cli(env, "port", "ls", "ports", "--json").stdout)
+        assert [(m["sandbox_port"], m["host_port"]) for m in listed] == [(8000, carried.host_port), (8001, extra)]
+        table = cli(env, "port", "ls", "ports").stdout.decode()
+        assert f"127.0.0.1:{extra}" in table
+        sb.unexpose(8001)
+        assert [m.sandbox_port for m in sb.ports()] == [8000]
+    for args, code in (
+        (["port", "ls", "nope"], 1),
+        (["port", "rm", "ports"], 2),  # which port?
+        # no tap networking in this supervisor (the machine's own namespace): refused, typed
+        (["create", "tapped", "--network", "tap"], 1),
+        *([(["create", "out", "--network", "outbound"], 1)] if os.geteuid() == 0 else []),
+        (["create", "bad", "--network", "user", "--outbound", "--egress-default", "deny", "--allow", "300.1.1.1"], 1),
+    ):
+        r = cli(env, *args)
+        assert r.returncode == code, (args, r)
+        assert r.stderr.count(b"\n") == 1 and b"Traceback" not in r.stderr, (args, r.stderr)
+    r = cli(env, "create", "bad", "--network", "user", "--outbound", "--allow", "300.1.1.1")
+    assert b"INVALID_ARGUMENT" in r.stderr or b"not a valid address" in r.stderr, r.stderr
+
+
 def test_exec_it_in_tmux(served: dict[str, str]) -> None:
     if not shutil.which("tmux"):
         pytest.skip("tmux is installed by images/host-packages.sh")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import stat
 import subprocess
 from contextlib import aclosing
@@ -436,3 +437,15 @@ except UnsafeRuntimeDir as e:
         assert "refused" in as_user()
     finally:
         shutil.rmtree(runtime, ignore_errors=True)
+
+
+def test_a_socket_reached_by_path_must_be_qemus() -> None:
+    """An escaped QEMU could swap its socket for a symlink to another service's: the
+    listener's pid, as the kernel recorded it, must be QEMU's."""
+    from actors.machine import LaunchError, check_peer
+
+    a, b = socket.socketpair()
+    with a, b:
+        check_peer(a, os.getpid(), Path("qmp.sock"))  # (a socketpair's peer is this process)
+        with pytest.raises(LaunchError, match="is not QEMU's"):
+            check_peer(b, os.getpid() + 1, Path("qmp.sock"))

@@ -1,38 +1,16 @@
 """guestd's ``net_config``: (re)configure the guest's eth0 over rtnetlink, stdlib only.
 
-Drop-in for ``guestd/netcfg.py`` (kept out of guestd/ on this branch: any file there
-changes the runtime image key and would rebuild the shared image). guestd runs it
-as PID 1 after a restore, before the host reports the clone ``ready``: a restored
+guestd runs it as PID 1 (lazily imported: only restores of networked sandboxes pay
+for it) after a restore, before the host reports the clone ``ready``: a restored
 clone wakes up with its origin's address, and gets a fresh address, MAC, gateway
 and resolver here. No fork (busybox ``ip`` would cost ~10 ms a process under TCG):
-a handful of netlink messages on one socket, ~1 ms in all.
+a handful of netlink messages on one socket, ~1 ms in all::
 
-Protocol addition (guestd/proto.py)::
-
-    @message("net_config")
-    class NetConfig(Message):
-        \"\"\"Host -> guest: configure ``iface`` (after a restore: a fresh address, MAC,
-        gateway, resolvers). Answered with Ok, or Error(invalid / internal).\"\"\"
-
-        rid: int
-        address: str
-        prefix: int
-        gateway: str
-        dns: list[str]
-        mac: str = ""
-        iface: str = "eth0"
-
-guestd/agent.py, in ``Agent.handle``::
-
-        elif isinstance(msg, P.NetConfig):
-            from guestd import netcfg  # lazy: only restores with a network pay the import
-
-            netcfg.configure(msg.iface, msg.address, msg.prefix, msg.gateway, msg.mac, msg.dns)
-            session.send(P.Ok(rid=rid))
-
-(``configure`` raises ValueError for bad input, which ``dispatch`` should answer as
-E_INVALID, and OSError from the kernel, answered as today.) Add ``netcfg`` to
-images/build.py's LAZY_IMPORTS-style list if the import probe misses it.
+    host (Sandbox._serve, a restore)          guestd
+      NetConfig{address, prefix, gateway,  -->  configure(): MAC, old addresses out,
+                dns, mac, iface}                new address, link up, default route,
+                                                /etc/resolv.conf (of the sysroot)
+                                       <--  Ok | Error(INVALID_ARGUMENT: a bad value)
 
 Order matters: the old addresses go first (a new address in the same subnet would be
 a *secondary* one, deleted with the primary when promote_secondaries is off), then
@@ -98,7 +76,7 @@ class _Netlink:
         seq = self.seq
         msg = _NLMSG.pack(_NLMSG.size + len(body), kind, NLM_F_REQUEST | flags, seq, 0) + body
         self.sock.send(msg)
-        out = []
+        out: list[tuple[int, bytes]] = []
         while True:
             data = self.sock.recv(65536)
             pos = 0
@@ -122,21 +100,30 @@ class _Netlink:
                     return out
 
 
+def _ip4(text: str) -> bytes:
+    """The 4 bytes of a dotted-quad IPv4 address (ValueError otherwise: inet_aton alone
+    takes "1" or "0x7f.1" too, and raises OSError)."""
+    parts = text.split(".")
+    if len(parts) != 4 or not all(p.isdigit() and len(p) <= 3 and int(p) <= 255 for p in parts):
+        raise ValueError(f"not an IPv4 address: {text!r}")
+    return bytes(int(p) for p in parts)
+
+
 def configure(
     iface: str, address: str, prefix: int, gateway: str, mac: str = "", dns: list[str] | tuple[str, ...] = ()
 ) -> None:
     """Give ``iface`` exactly ``address/prefix``, a default route via ``gateway`` (none
     when empty), the MAC ``mac`` (when set) and ``dns`` as /etc/resolv.conf's
     nameservers; link up."""
-    addr = socket.inet_aton(address)
-    gw = socket.inet_aton(gateway) if gateway else b""
+    addr = _ip4(address)
+    gw = _ip4(gateway) if gateway else b""
     if not 1 <= prefix <= 32:
         raise ValueError(f"prefix {prefix} out of range")
     hw = bytes.fromhex(mac.replace(":", "")) if mac else b""
     if mac and (len(hw) != 6 or hw[0] & 1):
         raise ValueError(f"bad unicast MAC {mac!r}")
     for d in dns:
-        socket.inet_aton(d)
+        _ip4(d)
     index = socket.if_nametoindex(iface)
     nl = _Netlink()
     try:
@@ -184,10 +171,3 @@ def write_resolv_conf(dns: list[str] | tuple[str, ...], path: str = "/etc/resolv
     finally:
         os.close(fd)
     os.rename(tmp, path)  # replaces a symlink too, never writes through one
-
-
-if __name__ == "__main__":  # python3 guestd_netcfg.py IFACE ADDR PREFIX GW [MAC [DNS...]]
-    import sys
-
-    a = sys.argv[1:]
-    configure(a[0], a[1], int(a[2]), "" if a[3] == "-" else a[3], "" if len(a) < 5 or a[4] == "-" else a[4], a[5:])

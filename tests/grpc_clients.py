@@ -1,0 +1,109 @@
+"""What tests of the gRPC edge share: clients generated from the seed's proto, TLS material.
+
+``generate()`` runs protoc (grpcio-tools) over ``shared/seeds/000_...txt`` (the vendored
+copy when shared/ is not beside the clone) at its conventional path
+``sandbox/v1/sandbox.proto`` in a temporary directory and imports ``sandbox_pb2`` and
+``sandbox_pb2_grpc`` from there, once per process (the directory goes once they are
+imported). ``make_pki()`` makes a CA, a server certificate for
+127.0.0.1/localhost and a client certificate (CN ci-client), in memory."""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import importlib
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SEED_NAME = "shared/seeds/000_b1e1dbfa8d7a5097.txt"  # beside the clone in CI, above the worktree here
+SEED = next((p / SEED_NAME for p in REPO.parents if (p / SEED_NAME).exists()), REPO.parent / SEED_NAME)
+VENDORED = REPO / "supervisor" / "proto" / "sandbox" / "v1" / "sandbox.proto"
+
+
+@functools.cache
+def generate() -> tuple[ModuleType, ModuleType]:
+    protoc = pytest.importorskip("grpc_tools.protoc")
+    work = Path(tempfile.mkdtemp(prefix="seed-client-"))
+    (work / "sandbox" / "v1").mkdir(parents=True)
+    shutil.copyfile(SEED if SEED.exists() else VENDORED, work / "sandbox" / "v1" / "sandbox.proto")
+    rc = protoc.main(
+        ["protoc", f"-I{work}", f"--python_out={work}", f"--grpc_python_out={work}", "sandbox/v1/sandbox.proto"]
+    )
+    assert rc == 0
+    sys.path.insert(0, str(work))
+    try:
+        pb2 = importlib.import_module("sandbox.v1.sandbox_pb2")
+        pb2_grpc = importlib.import_module("sandbox.v1.sandbox_pb2_grpc")
+    finally:
+        sys.path.remove(str(work))
+        shutil.rmtree(work)  # imported: the modules need their files no more
+    return pb2, pb2_grpc
+
+
+def make_pki() -> dict[str, bytes]:
+    """A CA, a server certificate for 127.0.0.1/localhost and a client certificate (CN ci-client)."""
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    now = datetime.datetime.now(datetime.UTC)
+
+    def name(cn: str) -> x509.Name:
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+    def pem_key(k: ec.EllipticCurvePrivateKey) -> bytes:
+        return k.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(name("sandvisor test CA"))
+        .issuer_name(name("sandvisor test CA"))
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(hours=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
+
+    def leaf(cn: str, usage: x509.ObjectIdentifier, sans: list[x509.GeneralName]) -> tuple[bytes, bytes]:
+        key = ec.generate_private_key(ec.SECP256R1())
+        b = (
+            x509.CertificateBuilder()
+            .subject_name(name(cn))
+            .issuer_name(ca.subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(hours=1))
+            .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+        )
+        if sans:
+            b = b.add_extension(x509.SubjectAlternativeName(sans), critical=False)
+        return b.sign(ca_key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM), pem_key(key)
+
+    server_cert, server_key = leaf(
+        "localhost",
+        ExtendedKeyUsageOID.SERVER_AUTH,
+        [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))],
+    )
+    client_cert, client_key = leaf("ci-client", ExtendedKeyUsageOID.CLIENT_AUTH, [])
+    return {
+        "ca": ca.public_bytes(serialization.Encoding.PEM),
+        "server_cert": server_cert,
+        "server_key": server_key,
+        "client_cert": client_cert,
+        "client_key": client_key,
+    }
