@@ -642,6 +642,8 @@ class Sandbox:
         kernel started; the hello's arrival anchors that clock to ours."""
         info = guest.channel.hello_info
         t = {"spawned": guest.t_launch, "qmp_ready": guest.t_qmp, "hello": guest.t_ready}
+        if guest.t_connected:
+            t["connected"] = guest.t_connected
         if guest.t_loaded:
             t["loaded"] = guest.t_loaded  # a restore: the guest's boot marks are the origin's
         elif info is not None:

@@ -241,6 +241,7 @@ class Guest:
     t_qmp: float
     t_ready: float
     t_loaded: float = 0.0  # a restore: when the saved state was in
+    t_connected: float = 0.0  # the guest channel's socket connected (Hello sent after)
 
 
 @attrs.frozen
@@ -301,6 +302,7 @@ async def _running(
 
                     nursery.start_soon(watch_exit)
                     stream = await connect_guest_socket(vm.guest_socket, pid=vm.pid)
+                t_connected = time.monotonic()
                 if stream is None or vm.exited:
                     if stream is not None:  # connected as QEMU exited: ours to close
                         await trio.aclose_forcefully(stream)
@@ -321,7 +323,7 @@ async def _running(
                             ) from None
                     if chan.hello_info is None:
                         raise BootError(f"QEMU exited during boot: {vm.describe_exit()}", vm.console.text())
-                    guest = Guest(vm, chan, t0, t_qmp, time.monotonic(), t_loaded)
+                    guest = Guest(vm, chan, t0, t_qmp, time.monotonic(), t_loaded, t_connected)
                     try:
                         yield guest
                     finally:
