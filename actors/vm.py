@@ -290,9 +290,6 @@ async def _running(
             t_qmp = time.monotonic()
             try:
                 t_loaded = 0.0
-                if spec.restore is not None and not adopted:
-                    await _load(vm, spec.restore, ignore_shared=spec.mapped_restore, fd=restore_fd)
-                    t_loaded = time.monotonic()
                 stream = None
                 with trio.CancelScope() as boot_scope:
 
@@ -307,6 +304,16 @@ async def _running(
                     if stream is not None:  # connected as QEMU exited: ours to close
                         await trio.aclose_forcefully(stream)
                     raise BootError(f"QEMU exited during boot: {vm.describe_exit()}", vm.console.text())
+                if spec.restore is not None and not adopted:
+                    # connected first: the port's host side is open as the state loads, as
+                    # the stream recorded it, so the resumed guest handles no close and
+                    # reopen of its port before the hello (measured: below)
+                    try:
+                        await _load(vm, spec.restore, ignore_shared=spec.mapped_restore, fd=restore_fd)
+                    except BaseException:
+                        await trio.aclose_forcefully(stream)
+                        raise
+                    t_loaded = time.monotonic()
                 async with open_channel(stream, hello_timeout=None, answer_timeout=spec.answer_timeout) as chan:
                     with trio.CancelScope() as hello_scope:
 

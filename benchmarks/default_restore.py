@@ -31,9 +31,9 @@ from supervisor.client import connect
 PHASES = [
     ("accepted", "spawned", "overlay + QEMU spawn"),
     ("spawned", "qmp_ready", "QMP ready"),
-    ("qmp_ready", "loaded", "state load"),
-    ("loaded", "connected", "channel connect"),
-    ("connected", "hello", "hello (the guest's answer)"),
+    ("qmp_ready", "connected", "channel connect"),
+    ("connected", "loaded", "state load"),
+    ("loaded", "hello", "hello (the guest's answer)"),
     ("hello", "ready_event", "fixups to ready"),
 ]
 MiB = 2**20

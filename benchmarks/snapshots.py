@@ -27,7 +27,7 @@ RESTORE_PHASES = [
     ("accepted", "spawned", "overlay + QEMU spawn"),
     ("spawned", "qmp_ready", "QMP ready"),
     ("qmp_ready", "loaded", "state load"),
-    ("loaded", "hello", "channel + hello"),
+    ("loaded", "hello", "hello (channel connected before the load)"),
     ("hello", "ready_event", "fixups to ready"),
 ]
 
