@@ -63,9 +63,13 @@ async def checkpoint_a_default(c: AsyncConnection) -> None:
         await trio.sleep(0.2)
 
 
-async def snapshot_memory(c: AsyncConnection, name: str) -> str:
+async def listed_snapshot(c: AsyncConnection, name: str) -> dict[str, Any]:
     [snap] = [s for s in (await c.call("ListSnapshots", {}))["snapshots"] if s["name"] == name]
-    memory: str = snap["memory"]
+    return snap
+
+
+async def snapshot_memory(c: AsyncConnection, name: str) -> str:
+    memory: str = (await listed_snapshot(c, name))["memory"]
     return memory
 
 
@@ -117,7 +121,13 @@ def test_a_crash_at_each_step_leaves_nothing_behind(image: Image, step: str) -> 
         checks do not race its helper."""
         with trio.fail_after(240):
             async with connect(work.socket) as c:
-                while await snapshot_memory(c, "snap") != "mapped" or list(work.run_root.glob("cv-*")):
+                # mapped, and settled: the record flushed and the old stream unlinked after it
+                mapped = {"disk.qcow2", "initrd", "kernel", "memory", "vmstate-mapped"}
+                while True:
+                    snap = await listed_snapshot(c, "snap")
+                    files = set(os.listdir(snap["snapshot_dir"]))
+                    if snap["memory"] == "mapped" and files == mapped and not list(work.run_root.glob("cv-*")):
+                        break
                     await trio.sleep(0.2)
 
     async def after(work: Workdir) -> None:
