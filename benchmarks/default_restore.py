@@ -52,7 +52,8 @@ def pss(pid: int) -> int:
 
 async def wait_ready(registry: Any, name: str) -> None:
     with trio.fail_after(180):
-        while registry.get(name).state not in ("ready", "failed"):
+        # (ready is set, then stored, then the ready_event mark taken: wait for the mark)
+        while registry.get(name).state != "failed" and "ready_event" not in registry.get(name).timings:
             await trio.sleep(0.01)
     if registry.get(name).state != "ready":
         raise RuntimeError(f"{name} failed: {registry.get(name).record.error}")
