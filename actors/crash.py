@@ -11,7 +11,9 @@ Steps: ``spawned`` (QEMU started, before QMP), ``hello`` (the guest answered),
 ``template-checkpoint`` (a boot template's checkpoint, before its record),
 ``checkpoint-swap`` (between the two steps of a checkpoint's disk swap),
 ``snapshot-record`` (a snapshot written, before its record), ``pool-fill`` (a warm
-pool member being restored), ``remove`` (a sandbox's record gone, before its files).
+pool member being restored), ``remove`` (a sandbox's record gone, before its files),
+``convert`` (a streamed snapshot's conversion: its helper QEMU paused with the state
+loaded, both files of the conversion written, the record not switched).
 """
 
 from __future__ import annotations
@@ -20,7 +22,16 @@ import os
 import signal
 
 STEPS = frozenset(
-    {"spawned", "hello", "template-checkpoint", "checkpoint-swap", "snapshot-record", "pool-fill", "remove"}
+    {
+        "spawned",
+        "hello",
+        "template-checkpoint",
+        "checkpoint-swap",
+        "snapshot-record",
+        "pool-fill",
+        "remove",
+        "convert",
+    }
 )
 _AT = os.environ.get("SANDVISOR_CRASH_AT", "")
 

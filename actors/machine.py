@@ -897,8 +897,12 @@ class Machine:
                 await trio.sleep(0.001)
         return dict(info)
 
-    async def migrate_from_fd(self, fd: int, *, ignore_shared: bool, timeout: float = 120.0) -> None:
-        """Load a saved state into a machine started with ``incoming``; it runs after."""
+    async def migrate_from_fd(
+        self, fd: int, *, ignore_shared: bool, resume: bool = True, timeout: float = 120.0
+    ) -> None:
+        """Load a saved state into a machine started with ``incoming``; it runs after
+        (``resume``), or stays paused (a conversion: started with ``-S``, it never runs
+        the guest)."""
         await self._migration_caps(ignore_shared)
         await self.getfd(fd, "snapfd")
         await self.qmp_execute("migrate-incoming", {"uri": "fd:snapfd"})
@@ -906,9 +910,12 @@ class Machine:
             while True:
                 st = await self.status()
                 if st == "running":
+                    if not resume:
+                        raise QMPCommandError("the loaded guest runs, though it was to stay paused")
                     return
                 if st in ("paused", "postmigrate"):
-                    await self.qmp_execute("cont")
+                    if resume:
+                        await self.qmp_execute("cont")
                     return
                 if st not in ("inmigrate", "prelaunch", "restore-vm"):
                     raise QMPCommandError(f"restore ended in run state {st!r}")

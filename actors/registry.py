@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import base64
 import builtins
+import functools
 import logging
 import os
 import stat
@@ -35,6 +36,7 @@ from pathlib import Path
 
 import trio
 
+from actors.convert import convert_streamed
 from actors.crash import crash_point
 from actors.errors import (
     AlreadyExists,
@@ -100,7 +102,15 @@ class Registry:
         self.admission = Admission(quotas or Quotas(), settings.sandboxes_dir.parent, settings.memory_dir)
         self.sandboxes: dict[str, Sandbox] = {}
         self.events = EventBus()
-        self.snapshots = SnapshotStore(settings.sandboxes_dir.parent / "snapshots", store, self._layers_in_use)
+        # streamed snapshots become mapped in the background, where guests have RAM files
+        # at all (serve --anonymous-memory: the operator chose streams)
+        self.snapshots = SnapshotStore(
+            settings.sandboxes_dir.parent / "snapshots",
+            store,
+            self._layers_in_use,
+            convert=functools.partial(convert_streamed, settings=settings) if settings.memory_dir is not None else None,
+            may_convert=lambda rec: self.admits(rec.machine.memory_mib, ram_file=False),
+        )
         self.pools = Pools(
             settings, self.snapshots, templates=templates, template_pool=template_pool, pool_size=pool_size, pools=pools
         )

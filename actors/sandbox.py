@@ -36,6 +36,7 @@ returns at once. The actor owns, for one life, the QEMU process and guest channe
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -102,7 +103,13 @@ from actors.netns import NetError, NetNS
 from actors.nft import NftError
 from actors.portfwd import PortInUse, Target, bind_listener, relay_tcp, relay_udp
 from actors.settings import Settings
-from actors.snapshot import Checkpoint, checkpoint_guest, memory_for_restore, still_running
+from actors.snapshot import (
+    Checkpoint,
+    checkpoint_guest,
+    memory_for_restore,
+    resume_spec,
+    still_running,
+)
 from actors.store import LifeState, Record, SnapshotRecord, Store
 from actors.vm import NETDEV_ID, TAP_FD, Attach, BootError, BootTimeout, Guest, NetConfig, VmSpec
 from actors.volumes import Volumes
@@ -384,28 +391,19 @@ class Sandbox:
         limits = self.limits
         chain = tuple(Path(p) for p in self.record.chain)
         if isinstance(plan, Resume):
-            snap = plan.snapshot
-            return VmSpec(
-                kernel=snap.path / "kernel",
-                initrd=snap.path / "initrd",
-                append=snap.machine.append,
+            return resume_spec(
+                plan.snapshot,
+                s,
                 disk=files.disk,
                 chain=chain,
-                cpus=snap.machine.cpus,
-                memory_mib=snap.machine.memory_mib,
-                accel=s.accel,
-                user=None if s.cells is not None else s.qemu_user,
-                network=self.network,
                 ram=ram,
                 ram_shared=ram_shared,
-                restore=snap.path / "vmstate",
+                network=self.network,
+                name=self.hostname,
                 boot_timeout=min(s.boot_timeout, RESTORE_HELLO_TIMEOUT),
                 answer_timeout=s.guest_timeout,
-                name=self.hostname,
-                balloon=snap.machine.balloon,
                 # a balloon on the snapshot's memory, mapped privately (a sealed memfd: _ram)
-                preload=s.cells.discard_shim if snap.machine.balloon and not ram_shared and s.cells else None,
-                tb_size_mib=s.tb_size_mib,
+                preload=s.cells.discard_shim if plan.snapshot.machine.balloon and not ram_shared and s.cells else None,
             )
         return VmSpec.boot(
             s.image,
@@ -484,6 +482,7 @@ class Sandbox:
         cell = None
         fds: dict[str, int] = {}
         self._sealed = ""
+        state_fd = -1
         try:
             volumes = self._claim_volumes()
             uplink = self._open_link(run_dir)
@@ -497,6 +496,10 @@ class Sandbox:
                     vcpus=self.limits.vcpus,
                     uplink=uplink,
                 )
+            if isinstance(plan, Resume):
+                # the snapshot as it is now, and its stream opened, in this one step: a
+                # conversion may switch the record (and unlink the old stream) after it
+                state_fd = self._open_state(plan.snapshot)
             ram, shared = self._ram(plan, cell, fds)
             spec = attrs.evolve(self._vm_spec(plan, ram, shared), volumes=volumes)
             placement = (
@@ -521,10 +524,16 @@ class Sandbox:
                 self._store.update_life(self.record)
 
             self._cell = cell
-            async with self.settings.launch(spec, Attach(placement, fds, on_spawned=spawned)) as guest:
+            at = Attach(placement, fds, on_spawned=spawned, restore_fd=state_fd)
+            async with self.settings.launch(spec, at) as guest:
                 self._release_ram(fds, cell)  # QEMU has its own mapping now
+                if state_fd >= 0:
+                    os.close(state_fd)  # (loaded)
+                    state_fd = -1
                 await self._serve(guest, plan, fresh=fresh)
         finally:
+            if state_fd >= 0:
+                os.close(state_fd)
             self._release_ram(fds, cell)
             self._end_life(cell)
             await self._release_volumes()
@@ -548,6 +557,16 @@ class Sandbox:
         if self._volumes is None:
             raise FailedPrecondition("this supervisor has no volumes")
         return self._volumes.claim(self.record.uid, self.id, mounts)
+
+    def _open_state(self, snap: SnapshotRecord) -> int:
+        """``snap``'s stream, opened; its memory kind goes into the timings ("mapped":
+        1, or 0 for a streamed restore: RAM read from the stream)."""
+        try:
+            fd = os.open(snap.path / snap.vmstate, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise BootError(f"cannot open the saved state of snapshot {snap.id}: {exc.strerror}") from None
+        self.timings["mapped"] = 1.0 if snap.memory == MemoryKind.MAPPED else 0.0
+        return fd
 
     def _release_ram(self, fds: dict[str, int], cell: Cell | None) -> None:
         fd = fds.pop("ram", None)
@@ -598,7 +617,8 @@ class Sandbox:
         if isinstance(plan, Resume):
             self.timings["restored"] = time.monotonic()
             what = "the boot template" if plan.fallback is not None else f"snapshot {plan.snapshot.id}"
-            self.log.append("system", f"restored from {what}".encode())
+            how = "mapped" if self.timings.get("mapped") else "streamed"
+            self.log.append("system", f"restored from {what} (memory {how})".encode())
             # the hello set the clock, but a restored vCPU busy on a loaded host answers it
             # late (a clone 4.4 s behind at load 38): then it is set again
             await self._fresh_identity(guest, clock=guest.channel.clock_stale)
@@ -664,16 +684,31 @@ class Sandbox:
     async def _fresh_identity(self, guest: Guest, *, clock: bool) -> None:
         """What a clone must not share with its snapshot: the clock (host time), the
         kernel's CRNG (reseeded with fresh host entropy, else every clone reads the
-        same /dev/urandom stream), the hostname."""
-        try:
-            if clock:
-                await guest.channel.set_clock()
-            await guest.channel.add_entropy(256)
-            if self.hostname != self._guest_hostname:  # a pool member adopted as is keeps its own
-                await guest.channel.set_hostname(self.hostname)
-                self._guest_hostname = self.hostname
-        except GuestError as exc:
-            raise MachineError(f"post-restore fixups failed: {exc}") from None
+        same /dev/urandom stream), the hostname. The requests go out together and the
+        guest answers them in one wakeup: one round trip, not three (a pool acquire
+        is little else)."""
+        ch = guest.channel
+        calls: list[Callable[[], Awaitable[object]]] = [functools.partial(ch.add_entropy, 256)]
+        if clock:
+            calls.append(ch.set_clock)
+        rename = self.hostname != self._guest_hostname  # a pool member adopted as is keeps its own
+        if rename:
+            calls.append(functools.partial(ch.set_hostname, self.hostname))
+        errors: list[GuestError] = []
+
+        async def one(call: Callable[[], Awaitable[object]]) -> None:
+            try:
+                await call()
+            except GuestError as exc:
+                errors.append(exc)
+
+        async with trio.open_nursery() as nursery:
+            for call in calls:
+                nursery.start_soon(one, call)
+        if errors:
+            raise MachineError(f"post-restore fixups failed: {errors[0]}") from None
+        if rename:
+            self._guest_hostname = self.hostname
 
     async def adopt(self, *, apply_ports: bool) -> None:
         """A warm pool member becomes the caller's sandbox (its record already holds the
@@ -705,6 +740,8 @@ class Sandbox:
         kernel started; the hello's arrival anchors that clock to ours."""
         info = guest.channel.hello_info
         t = {"spawned": guest.t_launch, "qmp_ready": guest.t_qmp, "hello": guest.t_ready}
+        if guest.t_connected:
+            t["connected"] = guest.t_connected
         if guest.t_loaded:
             t["loaded"] = guest.t_loaded  # a restore: the guest's boot marks are the origin's
         elif info is not None:

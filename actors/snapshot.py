@@ -23,8 +23,24 @@ Checkpoint (the guest is paused only between ``stop`` and ``cont``)::
 A guest whose RAM is a shared file (every cold boot, and every restore of a streamed
 snapshot) checkpoints "mapped". A guest restored from a mapped snapshot has its RAM
 mapped privately from that snapshot's file, which QEMU cannot copy as a file: its
-checkpoints are "streamed" (RAM in vmstate). Restoring a streamed snapshot gives the
-guest a shared RAM file again, so the next checkpoint is mapped again.
+checkpoints are "streamed" (RAM in vmstate). That is every checkpoint of a default
+Create (a restore of its boot template), so the store's converter task turns each
+streamed snapshot into a mapped one in the background (:mod:`actors.convert`: a jailed
+helper QEMU loads the stream into a RAM file and saves the device state alone), then
+switches the record in one step::
+
+    checkpoint (streamed)  -> record {memory: streamed, vmstate: "vmstate"}   restores stream
+    converter: memory.part, vmstate-mapped.part -> renamed; fsync
+    switch (one Trio step) -> record {memory: mapped, vmstate: "vmstate-mapped",
+                                      sizes, memory_stat}; flushed     restores map from here
+    the old stream unlinked (a restore that opened it before reads on)
+
+A restore reads the record once and opens the stream it names in the same step
+(:class:`~actors.sandbox.Sandbox`): whichever side of the switch it lands on, it has a
+consistent pair. After a crash the collector removes what a conversion left in a
+snapshot dir (``*.part``, or the files the record does not name) and the next start
+converts again; the helper's QEMU, run dir and cgroup go the way of every QEMU no
+record names (the registry's recovery).
 
 Migration capabilities must match on both sides: ``x-ignore-shared`` is on for mapped
 snapshots (checkpoint and restore) and off for streamed ones.
@@ -44,12 +60,14 @@ import attrs
 import trio
 
 from actors.crash import crash_point
-from actors.errors import FailedPrecondition, InvalidArgument, NotFound
+from actors.errors import DomainError, FailedPrecondition, InvalidArgument, NotFound
 from actors.files import SandboxFiles
+from actors.jail import JailError
 from actors.machine import MachineError, QemuUser, unsearchable_parent
-from actors.model import ImageUse, MemoryKind, SandboxConfig
+from actors.model import ImageUse, MemoryKind, NetMode, SandboxConfig
+from actors.settings import Settings
 from actors.store import MachineRecord, Record, SnapshotRecord, Store
-from actors.vm import Guest
+from actors.vm import Guest, NetConfig, VmSpec
 
 log = logging.getLogger("sandvisor.snapshot")
 
@@ -77,7 +95,7 @@ def allocated(path: Path) -> int:
         return 0
 
 
-def _stat_key(path: Path) -> list[int]:
+def stat_key(path: Path) -> list[int]:
     """Size and mtime: a write changes them. (Not ctime: the hard link a restore may
     make changes it.)"""
     st = path.stat()
@@ -141,7 +159,7 @@ async def checkpoint_guest(
     files_written = ["vmstate", "disk.qcow2", *(["memory"] if mapped else [])]
     await trio.to_thread.run_sync(_finish, snap_dir, files_written, user, spec.kernel, spec.initrd)
     sizes = {f: allocated(snap_dir / f) for f in files_written}
-    mem_stat = _stat_key(snap_dir / "memory") if mapped else []
+    mem_stat = stat_key(snap_dir / "memory") if mapped else []
     machine = MachineRecord(
         append=spec.append,
         memory_mib=spec.memory_mib,
@@ -203,6 +221,76 @@ def memory_for_restore(snap_dir: Path, run_dir: Path, user: QemuUser | None) -> 
     return link
 
 
+def helper_net(config: SandboxConfig) -> NetConfig | None:
+    """The network device a conversion's helper gives a stream of a guest of
+    ``config``: the same device, on a backend whose saved state matches the origin's
+    (slirp's state for user mode; none for a tap, whose backend saves none). The
+    helper never runs the guest: no packet moves."""
+    mode = config.network.mode
+    if mode == NetMode.USER:
+        return NetConfig(restrict=True)
+    if mode == NetMode.TAP:
+        return NetConfig(detached=True)
+    return None
+
+
+def resume_spec(
+    snap: SnapshotRecord,
+    settings: Settings,
+    *,
+    disk: Path,
+    chain: tuple[Path, ...],
+    ram: Path | None,
+    ram_shared: bool,
+    network: NetConfig | None,
+    name: str = "vm",
+    boot_timeout: float = 60.0,
+    answer_timeout: float | None = None,
+    preload: Path | None = None,
+) -> VmSpec:
+    """The machine a saved state of ``snap`` loads into: its kernel, initrd and command
+    line, its vCPUs and memory, the devices of its configuration (its balloon too).
+    Restores and the converter's helper both start from it, so their devices match the
+    stream's. ``preload``: the discard shim, for a balloon on privately mapped RAM."""
+    return VmSpec(
+        kernel=snap.path / "kernel",
+        initrd=snap.path / "initrd",
+        append=snap.machine.append,
+        disk=disk,
+        chain=chain,
+        cpus=snap.machine.cpus,
+        memory_mib=snap.machine.memory_mib,
+        accel=settings.accel,
+        machine=snap.machine.machine,
+        user=None if settings.cells is not None else settings.qemu_user,
+        network=network,
+        ram=ram,
+        ram_shared=ram_shared,
+        restore=snap.path / snap.vmstate,
+        boot_timeout=boot_timeout,
+        answer_timeout=answer_timeout,
+        name=name,
+        balloon=snap.machine.balloon,
+        preload=preload,
+        tb_size_mib=settings.tb_size_mib,
+    )
+
+
+@attrs.frozen
+class Converted:
+    """What a conversion wrote into a snapshot dir (renamed into place, synced): the
+    device state alone (``vmstate``, a file name) and ``memory``, the guest RAM."""
+
+    vmstate: str
+    sizes: dict[str, int]
+    memory_stat: list[int]
+
+
+Convert = Callable[[SnapshotRecord], Awaitable[Converted]]
+CONVERT_RETRY = 5.0  # s: a conversion that found no room looks again after this long
+PART = ".part"  # a conversion's files while it writes them
+
+
 def rfc3339(ns: int) -> str:
     return datetime.fromtimestamp(ns / 1e9, tz=UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
@@ -214,21 +302,46 @@ class SnapshotStore:
     on a snapshot before :meth:`delete`.
 
     ``in_use``: the disk layers live sandboxes stand on (their directories are never
-    collected as garbage)."""
+    collected as garbage). ``convert``: how a streamed snapshot becomes a mapped one
+    (:func:`actors.convert.convert_streamed`; None: snapshots stay as checkpointed);
+    ``may_convert``: whether there is room for one now (else it waits).
 
-    def __init__(self, root: Path, store: Store, in_use: Callable[[], set[Path]]) -> None:
+    Tasks (:meth:`run`): the collector, and the converter, which converts the streamed
+    snapshots one at a time, oldest first (each checkpoint queues its snapshot; a start
+    queues those still streamed). :attr:`convert_lock` is held for each conversion:
+    whoever holds it (a test) keeps conversions from starting."""
+
+    def __init__(
+        self,
+        root: Path,
+        store: Store,
+        in_use: Callable[[], set[Path]],
+        *,
+        convert: Convert | None = None,
+        may_convert: Callable[[SnapshotRecord], bool] | None = None,
+    ) -> None:
         self.root = root
         self.store = store
         self.in_use = in_use
         self.snapshots: dict[str, SnapshotRecord] = {}
         self.pending: set[Path] = set()  # directories of checkpoints in progress: not garbage
         self._collect_wanted = trio.Event()
+        self._convert = convert
+        self._may_convert = may_convert
+        self._to_convert: list[str] = []  # snapshot ids, oldest first
+        self._convert_wanted = trio.Event()
+        self.convert_lock = trio.Lock()
+        self.converting: SnapshotRecord | None = None  # its dir is not garbage, nor its files stray
+        self._convert_scope: trio.CancelScope | None = None
+        self._convert_done = trio.Event()
+        self._convert_done.set()
 
     def load(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
         self.root.chmod(0o711)  # restores' QEMU reaches <uid>/memory; lists nothing
         for rec in self.store.snapshots():
             self.snapshots[rec.id] = rec
+            self.convert_soon(rec)
 
     def _new_id(self) -> str:
         while True:
@@ -288,6 +401,7 @@ class SnapshotStore:
         self.store.insert_snapshot(rec)
         self.snapshots[rec.id] = rec
         self.pending.discard(snap_dir.resolve())
+        self.convert_soon(rec)
         return rec, ck
 
     def get(self, ref: str) -> SnapshotRecord:
@@ -323,13 +437,13 @@ class SnapshotStore:
             raise FailedPrecondition(
                 f"snapshot {rec.id} was taken under {rec.machine.accel}; this supervisor runs {accel}"
             )
-        for part in ("vmstate", "disk.qcow2", "kernel", "initrd"):
+        for part in (rec.vmstate, "disk.qcow2", "kernel", "initrd"):
             if not (rec.path / part).exists():
                 raise FailedPrecondition(f"snapshot {rec.id} is incomplete on disk: {part} is missing")
         if rec.memory != MemoryKind.MAPPED:
             return
         try:
-            key = _stat_key(rec.path / "memory")
+            key = stat_key(rec.path / "memory")
         except OSError as exc:
             raise FailedPrecondition(f"snapshot {rec.id}: memory file unreadable: {exc.strerror}") from None
         if key != rec.memory_stat:
@@ -347,12 +461,15 @@ class SnapshotStore:
         """Forget a snapshot whose files may still be used (a broken or stale boot
         template): its directory goes once nothing stands on it."""
         log.warning("snapshot %s dropped: %s", rec.id, why)
+        self._stop_converting(rec)
         if self.snapshots.get(rec.id) is rec:
             self.store.delete_snapshot(rec.uid)
             del self.snapshots[rec.id]
         self.collect_soon()
 
     async def delete(self, rec: SnapshotRecord) -> None:
+        self._stop_converting(rec)
+        await self._convert_done.wait()  # (its helper reaped, its files gone)
         self.store.delete_snapshot(rec.uid)
         self.snapshots.pop(rec.id, None)
         await trio.to_thread.run_sync(shutil.rmtree, rec.dir, True)
@@ -362,21 +479,131 @@ class SnapshotStore:
         self._collect_wanted.set()
 
     async def run(self, task_status: trio.TaskStatus[SnapshotStore] = trio.TASK_STATUS_IGNORED) -> None:
-        """The collector: removes garbage directories when asked (:meth:`collect_soon`)."""
-        task_status.started(self)
-        while True:
-            await self._collect_wanted.wait()
-            self._collect_wanted = trio.Event()
-            await self.collect()
+        """The collector (removes garbage when asked, :meth:`collect_soon`) and the
+        converter; cancelled, a conversion in progress is undone (its helper QEMU
+        reaped, its files removed) before this returns."""
+        async with trio.open_nursery() as nursery:
+            if self._convert is not None:
+                nursery.start_soon(self._converter, self._convert)
+            task_status.started(self)
+            while True:
+                await self._collect_wanted.wait()
+                self._collect_wanted = trio.Event()
+                await self.collect()
 
     async def collect(self) -> int:
         """Remove snapshot directories without a record that no disk chain uses (what
-        a failed checkpoint or a crash left behind); removals in a worker thread."""
-        known = {Path(r.dir).resolve() for r in self.snapshots.values()} | self.pending
+        a failed checkpoint or a crash left behind), and the files a conversion left in
+        recorded ones; removals in a worker thread."""
+        busy = {Path(self.converting.dir).resolve()} if self.converting is not None else set()
+        known = {Path(r.dir).resolve() for r in self.snapshots.values()} | self.pending | busy
         used = {p.resolve().parent for p in self.in_use()}
         garbage = [d for d in self.root.iterdir() if d.is_dir() and d.resolve() not in known | used]
         for d in garbage:
             await trio.to_thread.run_sync(shutil.rmtree, d, True)
         if garbage:
             log.info("removed %d snapshot directories nothing uses", len(garbage))
+        strays = [p for r in list(self.snapshots.values()) if r is not self.converting for p in _strays(r)]
+        for p in strays:
+            p.unlink(missing_ok=True)
+        if strays:
+            log.info("removed %d files of unfinished snapshot conversions", len(strays))
         return len(garbage)
+
+    # -- the converter -------------------------------------------------------------
+    def convert_soon(self, rec: SnapshotRecord) -> None:
+        """Queue a streamed snapshot for conversion (nothing when conversions are off).
+        A snapshot with volumes stays streamed: the helper machine has no volume
+        disks, and the stream's device state names them."""
+        if self._convert is None or rec.memory != MemoryKind.STREAMED or rec.id in self._to_convert:
+            return
+        if rec.config.volumes:
+            return
+        self._to_convert.append(rec.id)
+        self._convert_wanted.set()
+
+    def _stop_converting(self, rec: SnapshotRecord) -> None:
+        """``rec`` is going: not queued any more, and its conversion (if running) cancelled."""
+        if rec.id in self._to_convert:
+            self._to_convert.remove(rec.id)
+        if self.converting is rec and self._convert_scope is not None:
+            self._convert_scope.cancel()
+
+    def _next_to_convert(self) -> SnapshotRecord | None:
+        while self._to_convert:
+            rec = self.snapshots.get(self._to_convert[0])
+            if rec is not None and rec.memory == MemoryKind.STREAMED:
+                return rec
+            self._to_convert.pop(0)
+        return None
+
+    async def _converter(self, convert: Convert) -> None:
+        while True:
+            rec = self._next_to_convert()
+            if rec is None:
+                self._convert_wanted = trio.Event()
+                await self._convert_wanted.wait()
+                continue
+            if self._may_convert is not None and not self._may_convert(rec):
+                with trio.move_on_after(CONVERT_RETRY):  # no room now: real work comes first
+                    self._convert_wanted = trio.Event()
+                    await self._convert_wanted.wait()
+                continue
+            async with self.convert_lock:
+                if self._next_to_convert() is rec:
+                    self._to_convert.pop(0)
+                    await self.convert_one(rec, convert)
+
+    async def convert_one(self, rec: SnapshotRecord, convert: Convert) -> bool:
+        """Convert ``rec`` and switch its record (True), or leave it streamed: a failure
+        is logged and not retried until the next start; a cancel (the snapshot is
+        deleted, the supervisor exits) leaves nothing of the conversion."""
+        self.converting = rec
+        self._convert_done = trio.Event()
+        t0 = time.monotonic()
+        try:
+            with trio.CancelScope() as scope:
+                self._convert_scope = scope
+                try:
+                    out = await convert(rec)
+                except (MachineError, JailError, OSError, DomainError) as exc:
+                    log.warning("snapshot %s stays streamed: its conversion failed: %s", rec.id, exc)
+                    return False
+                except Exception:  # a bug must cost this conversion, not the supervisor
+                    log.exception("snapshot %s stays streamed: its conversion crashed", rec.id)
+                    return False
+            if scope.cancelled_caught or self.snapshots.get(rec.id) is not rec:
+                return False
+            old = rec.vmstate
+            # the switch: one step, no checkpoint inside (a restore sees all of it or none)
+            rec.memory, rec.vmstate = MemoryKind.MAPPED, out.vmstate
+            rec.sizes, rec.memory_stat = {**rec.sizes, **out.sizes}, out.memory_stat
+            self.store.update_snapshot(rec)
+        finally:
+            self.converting = None
+            self._convert_scope = None
+            self._convert_done.set()
+        log.info("snapshot %s converted to mapped in %.0f ms", rec.id, (time.monotonic() - t0) * 1000)
+        try:
+            await self.store.flush()  # the old stream goes only once the record names the new one
+        except DomainError as exc:  # a full disk: the next start removes it, whichever record it finds
+            log.warning("snapshot %s: %s", rec.id, exc.message)
+            return True
+        if old != rec.vmstate:
+            (rec.path / old).unlink(missing_ok=True)
+        return True
+
+
+def _strays(rec: SnapshotRecord) -> list[Path]:
+    """Files in a recorded snapshot's dir that an unfinished conversion left: its
+    ``*.part`` files, a RAM file or stream the record does not name."""
+    try:
+        names = [e.name for e in os.scandir(rec.path) if e.is_file(follow_symlinks=False)]
+    except OSError:
+        return []
+    named = {rec.vmstate, *(["memory"] if rec.memory == MemoryKind.MAPPED else [])}
+    return [
+        rec.path / n
+        for n in names
+        if n.endswith(PART) or ((n.startswith("vmstate") or n == "memory") and n not in named)
+    ]

@@ -156,10 +156,17 @@ class MachineRecord:
 
 @attrs.define
 class SnapshotRecord:
-    """One snapshot. ``dir`` holds vmstate, memory (when mapped), disk.qcow2 (the origin's
-    frozen overlay), kernel and initrd (links to the image parts it was saved with).
-    ``config``: the origin's configuration, which restores inherit. A boot template
-    (``template_key`` set) is the supervisor's own: hidden from callers."""
+    """One snapshot. ``dir`` holds the migration stream (``vmstate``: its file name),
+    memory (when mapped), disk.qcow2 (the origin's frozen overlay), kernel and initrd
+    (links to the image parts it was saved with). ``config``: the origin's
+    configuration, which restores inherit. A boot template (``template_key`` set) is
+    the supervisor's own: hidden from callers.
+
+    A streamed snapshot's conversion switches the record in place, in one step of the
+    Trio thread (:meth:`~actors.snapshot.SnapshotStore.convert_one`): ``memory``,
+    ``vmstate``, ``sizes`` and ``memory_stat`` change together. A restore reads them
+    once, in one step, and opens the stream there (the files it names then stay
+    readable to it whatever happens to the record)."""
 
     uid: str
     id: str
@@ -179,6 +186,7 @@ class SnapshotRecord:
     oci: ImageUse | None = None  # the OCI image the origin booted (a template's, its key's)
     chain: tuple[str, ...] = ()  # the layers below disk.qcow2, top first, as we made them
     address: str = ""  # tap: the origin's address, which a restore keeps when it is free
+    vmstate: str = "vmstate"  # the stream's file name in ``dir`` (a converted snapshot has another)
 
     @property
     def layers(self) -> tuple[Path, ...]:
@@ -411,6 +419,11 @@ class Store:
     def insert_snapshot(self, r: SnapshotRecord) -> None:
         row = (r.uid, r.id, r.created_ns, _pack(r))
         self._put(lambda db: db.execute("INSERT INTO snapshots (uid, id, created_ns, data) VALUES (?, ?, ?, ?)", row))
+
+    def update_snapshot(self, r: SnapshotRecord) -> None:
+        """A snapshot's record as it is now (a conversion switched its memory)."""
+        row = (_pack(r), r.uid)
+        self._put(lambda db: db.execute("UPDATE snapshots SET data=? WHERE uid=?", row))
 
     def delete_snapshot(self, uid: str) -> None:
         self._put(lambda db: db.execute("DELETE FROM snapshots WHERE uid=?", (uid,)))

@@ -91,7 +91,11 @@ class NetConfig:
 
     Tap (``tap`` True): QEMU gets a TAP by descriptor (``Attach.fds[TAP_FD]``, made
     by actors/hostnet.py) and the guest an address of the IP pool, its MAC
-    (``mac``), the gateway as router and resolver."""
+    (``mac``), the gateway as router and resolver.
+
+    Detached (``detached`` True): the guest's network device on a hub port nothing
+    else joins, a backend with no saved state of its own: what a snapshot
+    conversion's helper, which never runs the guest, gives a tap guest's stream."""
 
     restrict: bool = True
     net: str = "10.0.2.0/24"
@@ -102,6 +106,7 @@ class NetConfig:
     tap: bool = False
     mac: str = ""
     tap_name: str = ""  # the host side's link
+    detached: bool = False
 
 
 NETDEV_ID = "n0"
@@ -111,6 +116,8 @@ TAP_FD = "tap"  # the Attach.fds key of a tap VM's TAP descriptor
 def netdev_args(net: NetConfig | None) -> tuple[str, ...]:
     if net is None:
         return ()
+    if net.detached:
+        return ("-netdev", f"hubport,id={NETDEV_ID},hubid=0", "-device", "{net},netdev=" + NETDEV_ID)
     if net.tap:
         # vnet_hdr: QEMU reads it from the descriptor (IFF_VNET_HDR); the number is the
         # one QEMU inherits it under (MachineSpec.argv fills it in)
@@ -247,6 +254,7 @@ class Guest:
     t_qmp: float
     t_ready: float
     t_loaded: float = 0.0  # a restore: when the saved state was in
+    t_connected: float = 0.0  # the guest channel's socket connected (Hello sent after)
 
 
 @attrs.frozen
@@ -262,6 +270,9 @@ class Attach:
     adopt: AdoptedProcess | None = None
     disk_top: str = "disk0"
     staged: int = 0
+    # the saved state (``spec.restore``) opened already, the caller's: what a restore
+    # loads when its snapshot may change under it (a conversion replaces the file)
+    restore_fd: int = -1
 
 
 @asynccontextmanager
@@ -277,12 +288,14 @@ async def booted_guest(spec: VmSpec, where: Path | Attach) -> AsyncIterator[Gues
         vm.resume_life_state(at.disk_top, at.staged)
     else:
         vm = Machine(spec.machine_spec(), at.placement, name=spec.name, fds=at.fds, on_spawned=at.on_spawned)
-    async with _running(vm, time.monotonic(), spec, adopted=at.adopt is not None) as guest:
+    async with _running(vm, time.monotonic(), spec, adopted=at.adopt is not None, restore_fd=at.restore_fd) as guest:
         yield guest
 
 
 @asynccontextmanager
-async def _running(vm: Machine, t0: float, spec: VmSpec, *, adopted: bool = False) -> AsyncIterator[Guest]:
+async def _running(
+    vm: Machine, t0: float, spec: VmSpec, *, adopted: bool = False, restore_fd: int = -1
+) -> AsyncIterator[Guest]:
     boot_timeout = (spec.answer_timeout or 15.0) if adopted else spec.boot_timeout
     with collapse_single():
         async with trio.open_nursery() as nursery:
@@ -290,9 +303,6 @@ async def _running(vm: Machine, t0: float, spec: VmSpec, *, adopted: bool = Fals
             t_qmp = time.monotonic()
             try:
                 t_loaded = 0.0
-                if spec.restore is not None and not adopted:
-                    await _load(vm, spec.restore, ignore_shared=spec.mapped_restore)
-                    t_loaded = time.monotonic()
                 stream = None
                 with trio.CancelScope() as boot_scope:
 
@@ -302,10 +312,21 @@ async def _running(vm: Machine, t0: float, spec: VmSpec, *, adopted: bool = Fals
 
                     nursery.start_soon(watch_exit)
                     stream = await connect_guest_socket(vm.guest_socket, pid=vm.pid)
+                t_connected = time.monotonic()
                 if stream is None or vm.exited:
                     if stream is not None:  # connected as QEMU exited: ours to close
                         await trio.aclose_forcefully(stream)
                     raise BootError(f"QEMU exited during boot: {vm.describe_exit()}", vm.console.text())
+                if spec.restore is not None and not adopted:
+                    # connected first: the port's host side is open as the state loads, as
+                    # the stream recorded it, so the resumed guest handles no close and
+                    # reopen of its port before the hello (measured: below)
+                    try:
+                        await _load(vm, spec.restore, ignore_shared=spec.mapped_restore, fd=restore_fd)
+                    except BaseException:
+                        await trio.aclose_forcefully(stream)
+                        raise
+                    t_loaded = time.monotonic()
                 async with open_channel(stream, hello_timeout=None, answer_timeout=spec.answer_timeout) as chan:
                     with trio.CancelScope() as hello_scope:
 
@@ -322,7 +343,7 @@ async def _running(vm: Machine, t0: float, spec: VmSpec, *, adopted: bool = Fals
                             ) from None
                     if chan.hello_info is None:
                         raise BootError(f"QEMU exited during boot: {vm.describe_exit()}", vm.console.text())
-                    guest = Guest(vm, chan, t0, t_qmp, time.monotonic(), t_loaded)
+                    guest = Guest(vm, chan, t0, t_qmp, time.monotonic(), t_loaded, t_connected)
                     try:
                         yield guest
                     finally:
@@ -332,14 +353,18 @@ async def _running(vm: Machine, t0: float, spec: VmSpec, *, adopted: bool = Fals
                 nursery.cancel_scope.cancel()
 
 
-async def _load(vm: Machine, vmstate: Path, *, ignore_shared: bool) -> None:
-    try:
-        fd = os.open(vmstate, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError as exc:
-        raise LaunchError(f"cannot open the saved state {vmstate}: {exc.strerror}") from None
+async def _load(vm: Machine, vmstate: Path, *, ignore_shared: bool, fd: int = -1) -> None:
+    """Load ``vmstate`` (or ``fd``, the caller's descriptor of it) and let the guest run."""
+    own = fd < 0
+    if own:
+        try:
+            fd = os.open(vmstate, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise LaunchError(f"cannot open the saved state {vmstate}: {exc.strerror}") from None
     try:
         await vm.migrate_from_fd(fd, ignore_shared=ignore_shared)
     except MachineError as exc:
         raise BootError(f"restore failed: {exc}; {vm.describe_exit() if vm.exited else ''}") from None
     finally:
-        os.close(fd)
+        if own:
+            os.close(fd)

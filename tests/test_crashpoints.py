@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import sqlite3
 import subprocess
@@ -49,6 +50,29 @@ async def checkpoint_a(c: AsyncConnection) -> None:
     await c.call("Checkpoint", {"sandbox_id": "a", "name": "snap"})
 
 
+async def checkpoint_a_default(c: AsyncConnection) -> None:
+    """A default Create (a restore of the boot template that the first Create made)
+    checkpointed: streamed, so its conversion starts (issue 14)."""
+    await c.call("Create", {"id": "t"})
+    await wait_state(c, "t", "ready")
+    await c.call("Remove", {"id": "t", "force": True})
+    await checkpoint_a(c)
+    assert await snapshot_memory(c, "snap") == "streamed"
+    while True:  # the crash comes in the conversion, after the checkpoint: a call notices
+        await snapshot_memory(c, "snap")
+        await trio.sleep(0.2)
+
+
+async def listed_snapshot(c: AsyncConnection, name: str) -> dict[str, Any]:
+    [snap] = [s for s in (await c.call("ListSnapshots", {}))["snapshots"] if s["name"] == name]
+    return snap
+
+
+async def snapshot_memory(c: AsyncConnection, name: str) -> str:
+    memory: str = (await listed_snapshot(c, name))["memory"]
+    return memory
+
+
 async def remove_a(c: AsyncConnection) -> None:
     await c.call("Create", {"id": "a"})
     await wait_state(c, "a", "ready")
@@ -66,6 +90,7 @@ SCENARIOS: dict[str, tuple[list[str], Callable[[AsyncConnection], Awaitable[None
     "snapshot-record": (["--no-templates"], checkpoint_a),
     "pool-fill": (["--template-pool", "1"], create_a),
     "remove": (["--no-templates"], remove_a),
+    "convert": ([], checkpoint_a_default),
 }
 RESTART_ARGS = {"pool-fill": []}
 
@@ -91,6 +116,20 @@ def test_a_crash_at_each_step_leaves_nothing_behind(image: Image, step: str) -> 
                 return
             raise AssertionError(f"the supervisor did not crash at {step}")
 
+    async def converted(work: Workdir) -> None:
+        """The restarted supervisor converts the snapshot again; wait for it, so the
+        checks do not race its helper."""
+        with trio.fail_after(240):
+            async with connect(work.socket) as c:
+                # mapped, and settled: the record flushed and the old stream unlinked after it
+                mapped = {"disk.qcow2", "initrd", "kernel", "memory", "vmstate-mapped"}
+                while True:
+                    snap = await listed_snapshot(c, "snap")
+                    files = set(os.listdir(snap["snapshot_dir"]))
+                    if snap["memory"] == "mapped" and files == mapped and not list(work.run_root.glob("cv-*")):
+                        break
+                    await trio.sleep(0.2)
+
     async def after(work: Workdir) -> None:
         async with connect(work.socket) as c:
             listed = {s["id"]: s["state"] for s in (await c.call("List", {}))["sandboxes"]}
@@ -105,6 +144,12 @@ def test_a_crash_at_each_step_leaves_nothing_behind(image: Image, step: str) -> 
                 await c.call("Start", {"id": "a"})
                 await wait_state(c, "a", "ready")
             out, _ = await run(c, "a", ["cat", "/root/mark"])
+            if step == "convert":  # the snapshot the crash cut the conversion of restores, mapped
+                assert out == b"before-the-crash\n"
+                await c.call("Restore", {"snapshot_id": "snap", "id": "b"})
+                await wait_state(c, "b", "ready")
+                assert (await run(c, "b", ["cat", "/root/mark"]))[0] == b"before-the-crash\n"
+                await c.call("Remove", {"id": "b", "force": True})
             if step in ("checkpoint-swap", "snapshot-record"):
                 assert out == b"before-the-crash\n"  # the disk froze or not, nothing was lost
                 # the chain is sound: one more checkpoint, and a restore of it
@@ -123,7 +168,11 @@ def test_a_crash_at_each_step_leaves_nothing_behind(image: Image, step: str) -> 
                 assert proc.wait(timeout=60) == -9
             except subprocess.TimeoutExpired:
                 raise AssertionError(f"no crash at {step}; the supervisor's log ends:\n{log.read_text()[-3000:]}")
+        if step == "convert":  # what the crash left: the helper's QEMU, its files (cleaned up below)
+            assert any(p.name.endswith(".part") for p in (work.state / "snapshots").glob("*/*"))
         with supervisor_process(work, *RESTART_ARGS.get(step, args)) as (_, proc):
+            if step == "convert":
+                trio.run(converted, work)
             check_nothing_stray(work)
             trio.run(after, work)
         check_nothing_stray(work)
@@ -155,6 +204,11 @@ def check_nothing_stray(work: Workdir) -> None:
     snapshots = work.state / "snapshots"
     if snapshots.is_dir():
         assert {str(d) for d in snapshots.iterdir()} <= {s["dir"] for s in snaps} | used
+    # a recorded snapshot holds its files, none of a conversion (a *.part, a second stream)
+    for s in snaps:
+        memory = ["memory"] if s["memory"] == "mapped" else []
+        named = {"disk.qcow2", "kernel", "initrd", s.get("vmstate", "vmstate"), *memory}
+        assert set(os.listdir(s["dir"])) == named, s["dir"]
     # run dirs, RAM files, cgroups: only of the lives running now
     running = {Path(life["run_dir"]).name for life in lives.values()}
     assert {d.name for d in work.run_root.iterdir()} <= running
