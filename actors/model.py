@@ -248,6 +248,9 @@ class VolumeRecord:
     size_bytes: int
     created_at: int  # unix seconds
     labels: dict[str, str] = attrs.field(factory=dict)
+    # how many lives have mounted it read-write: a snapshot records it, and Restore
+    # refuses when another sandbox may have written the volume since
+    generation: int = 0
 
 
 @attrs.frozen

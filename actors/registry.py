@@ -611,7 +611,10 @@ class Registry:
         sb.check_checkpointable()  # before a directory is made for nothing
         self.admission.check_disk()
         address = str(sb.pool_address or "") if sb.config.network.mode == NetMode.TAP else ""
-        rec, ck = await self.snapshots.take(sb.checkpoint, sb.record, name=name, labels=labels, address=address)
+        gens = self.volumes.generations(sb.config.volumes)
+        rec, ck = await self.snapshots.take(
+            sb.checkpoint, sb.record, name=name, labels=labels, address=address, volume_generations=gens
+        )
         self.pools.wake()
         await self.store.flush()  # a snapshot the caller was told of is on record
         return rec, ck
@@ -642,6 +645,7 @@ class Registry:
         check_network_available(self.settings, snap.config.network)
         # the snapshot's guest has its volumes mounted: the same ones, free as they were
         self.volumes.check(snap.config.volumes, what=f"snapshot {snap.id} needs ")
+        self.volumes.check_unchanged(snap.config.volumes, snap.volume_generations, what=f"snapshot {snap.id}")
         config = snap.config.restored(labels, ttl_seconds)
         accepted = time.monotonic()
         member = self.pools.take(snap)

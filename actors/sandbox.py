@@ -603,7 +603,7 @@ class Sandbox:
         spec = load(life.spec, VmSpec)
         try:
             if self._volumes is not None and self.config.volumes:
-                self._volumes.claim(self.record.uid, self.id, self.config.volumes)
+                self._volumes.claim(self.record.uid, self.id, self.config.volumes, adopted=True)
             self._readopt_link()
             at = Attach(placement, adopt=plan.proc, disk_top=life.disk_top, staged=life.staged)
             async with self.settings.launch(spec, at) as guest:

@@ -361,6 +361,7 @@ class SnapshotStore:
         config: SandboxConfig | None = None,
         oci: ImageUse | None = None,
         address: str = "",
+        volume_generations: dict[str, int] | None = None,
     ) -> tuple[SnapshotRecord, Checkpoint]:
         """Checkpoint a sandbox into a new directory (``checkpoint(dir)``: the sandbox's
         own, guarded sequence) and record it, with ``config`` (default: the origin's)
@@ -396,6 +397,7 @@ class SnapshotStore:
             oci=oci or origin.image,
             chain=ck.chain,
             address=address,
+            volume_generations=dict(volume_generations or {}),
         )
         crash_point("template-checkpoint" if template_key else "snapshot-record")
         self.store.insert_snapshot(rec)

@@ -187,6 +187,7 @@ class SnapshotRecord:
     chain: tuple[str, ...] = ()  # the layers below disk.qcow2, top first, as we made them
     address: str = ""  # tap: the origin's address, which a restore keeps when it is free
     vmstate: str = "vmstate"  # the stream's file name in ``dir`` (a converted snapshot has another)
+    volume_generations: dict[str, int] = attrs.Factory(dict)  # its volumes' generations when taken
 
     @property
     def layers(self) -> tuple[Path, ...]:

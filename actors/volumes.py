@@ -234,12 +234,42 @@ class Volumes:
                         "read-write in one live sandbox at a time, read-only in many"
                     )
 
-    def claim(self, sandbox_uid: str, sandbox_id: str, mounts: tuple[VolumeMount, ...]) -> tuple[Volume, ...]:
-        """Claim ``mounts`` for one life (all or none); the machine's volumes, in order."""
+    def generations(self, mounts: Iterable[VolumeMount]) -> dict[str, int]:
+        """The generation of each mounted volume (a checkpoint records them)."""
+        return {m.name: self.records[m.name].generation for m in mounts if m.name in self.records}
+
+    def check_unchanged(self, mounts: Iterable[VolumeMount], taken: dict[str, int], what: str) -> None:
+        """Refuse a restore whose volumes another life mounted read-write since the
+        snapshot was taken: the restored guest's page cache and ext4 state describe the
+        volume as it was, and writing over newer contents would corrupt it. Every new
+        read-write life (a Start, a restore, another sandbox) starts a generation, so a
+        snapshot with a read-write volume restores until someone mounts it read-write
+        again. Not counted: the origin's own writes after the checkpoint (its life
+        began before). Snapshots older than generations record none: not checked."""
+        for m in mounts:
+            rec = self.records.get(m.name)
+            if rec is None or m.name not in taken:
+                continue
+            if rec.generation != taken[m.name]:
+                raise FailedPrecondition(
+                    f"{what} cannot be restored: volume {m.name!r} was mounted read-write by another "
+                    "sandbox since it was taken (volume contents are not part of a snapshot)"
+                )
+
+    def claim(
+        self, sandbox_uid: str, sandbox_id: str, mounts: tuple[VolumeMount, ...], *, adopted: bool = False
+    ) -> tuple[Volume, ...]:
+        """Claim ``mounts`` for one life (all or none); the machine's volumes, in order.
+        A new life's read-write claim starts a new generation of the volume (stored
+        with the life's next flush, before it is ready); an adopted life goes on in its own."""
         self.check(mounts, sandbox_uid)
         out = []
         for i, m in enumerate(mounts):
             self.claims.setdefault(m.name, {})[sandbox_uid] = Claim(sandbox_id, m.read_only)
+            if not m.read_only and not adopted:
+                rec = attrs.evolve(self.records[m.name], generation=self.records[m.name].generation + 1)
+                self.records[m.name] = rec
+                self._store.put_volume(rec)
             out.append(Volume(self.path(self.records[m.name]), read_only=m.read_only, serial=f"v{i}"))
         return tuple(out)
 

@@ -70,6 +70,42 @@ async def test_create_claim_release_remove_and_sweep(tmp_path: Path) -> None:
     assert list(again.records) == ["other"] and again.records["other"] == other
 
 
+async def test_generations_refuse_a_restore_over_newer_contents(tmp_path: Path) -> None:
+    """A snapshot records its volumes' generations; a read-write life of anyone after
+    it (another sandbox, a restore, a Start) makes its restore refused; read-only lives
+    and an adopted life change nothing; the generation survives a supervisor restart."""
+    store = Store(tmp_path / "sandvisor.db")
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(store.run)
+            vols = Volumes(tmp_path / "volumes", store)
+            vols.load()
+            await vols.create("data", 16 << 20)
+            rw, ro = VolumeMount("data", "/data"), VolumeMount("data", "/data", read_only=True)
+            vols.claim("uid-a", "a", (rw,))  # the origin's life
+            taken = vols.generations((rw,))  # its checkpoint
+            assert taken == {"data": 1}
+            vols.check_unchanged((rw,), taken, "snapshot s")  # the origin still writing: not counted
+            vols.release("uid-a")
+            vols.claim("uid-a", "a", (rw,), adopted=True)  # adopted after a restart: the same life
+            vols.release("uid-a")
+            for uid in ("uid-r1", "uid-r2"):  # read-only users
+                vols.claim(uid, uid, (ro,))
+            vols.release("uid-r1")
+            vols.release("uid-r2")
+            vols.check_unchanged((rw,), taken, "snapshot s")
+            vols.check_unchanged((rw,), {}, "an old snapshot")  # recorded none: not checked
+            vols.claim("uid-b", "b", (rw,))  # another sandbox writes
+            vols.release("uid-b")
+            with pytest.raises(FailedPrecondition, match="mounted read-write by another sandbox since"):
+                vols.check_unchanged((rw,), taken, "snapshot s")
+            await store.flush()
+            again = Volumes(tmp_path / "volumes", store)
+            again.load()
+            assert again.generations((rw,)) == {"data": 2}
+            nursery.cancel_scope.cancel()
+
+
 def test_config_rules_of_patches_scripts_and_volume_mounts() -> None:
     from actors.model import Patch, SandboxConfig, check_config, script_argv, script_patches
 
