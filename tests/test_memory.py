@@ -90,6 +90,9 @@ async def test_freed_guest_memory_goes_back_boot_and_clone(work: Workdir) -> Non
                 peak, after = await gives_back(registry, clone)
                 qemu_log = Path(life.files.run_dir) / "qemu.log"
                 assert b"fallocate" not in qemu_log.read_bytes()  # QEMU went on to its madvise
+                # guestd set the reporting order to 0 once the balloon's driver was in
+                order = await clone.run(["cat", "/sys/module/page_reporting/parameters/page_reporting_order"])
+                assert order.stdout == b"0\n", order
                 # the clone's memory is whole: what it wrote is there, freed pages read back
                 assert (await clone.run(["sh", "-c", "echo ok > /run/x; cat /run/x"])).stdout == b"ok\n"
             assert digest(memory) == before  # the template's memory was never written
