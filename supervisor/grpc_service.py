@@ -132,6 +132,9 @@ BINDINGS: dict[str, tuple[Rpc, ...]] = {
         Rpc("InspectVolume", "InspectVolume"),
         Rpc("ListVolumes", "ListVolumes"),
         Rpc("DeleteVolume", "DeleteVolume"),
+        Rpc("ReadTree", "ReadTree"),
+        Rpc("WriteTree", "WriteTree"),
+        Rpc("Run", "Run"),
     ),
 }
 

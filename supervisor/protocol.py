@@ -244,9 +244,9 @@ class CreateSandboxRequest:
     # plain-HTTP registry. Credentials: pull first with PullImage
     image_pull: str = ""
     image_tls_verify: bool | None = None  # None: verify (a proto3 optional on gRPC)
-    patches: list[PatchSpec] = attrs.field(factory=list)  # applied by guestd before ready (msgpack edge)
+    patches: list[PatchSpec] = attrs.field(factory=list)  # applied by guestd before ready
     volumes: list[VolumeMount] = attrs.field(factory=list)  # sandvisor.v1.CreateRequest.volumes
-    scripts: dict[str, str] = attrs.field(factory=dict)  # named scripts, run by Run{script} (msgpack edge)
+    scripts: dict[str, str] = attrs.field(factory=dict)  # named scripts, run by Run{script}
 
 
 @attrs.frozen

@@ -9,9 +9,11 @@ sync ones, run in threads so the supervisor's Trio loop (this test's) stays free
 
 from __future__ import annotations
 
+import io
 import os
 import queue
 import socket
+import tarfile
 from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
@@ -151,7 +153,12 @@ async def _lifecycle(
     # u (sandvisor.v1, user networking) boots beside a
     u = await in_thread(
         ours.Create,
-        sv.CreateRequest(base=spb.CreateSandboxRequest(id="u", network=spb.NetworkSpec(mode="user")), hostname="web"),
+        sv.CreateRequest(
+            base=spb.CreateSandboxRequest(id="u", network=spb.NetworkSpec(mode="user")),
+            hostname="web",
+            patches=[sv.PatchSpec(op="file", path="/etc/sv-patched", data=b"patched\n", mode=0o640)],
+            scripts={"hello": "echo hello $1 from $(hostname)"},
+        ),
     )
     assert (u.state, u.ip_address) == ("starting", "10.0.2.15")
 
@@ -263,8 +270,50 @@ async def _lifecycle(
     got, why = await status(snaps.DeleteSnapshot, spb.DeleteSnapshotRequest(snapshot_id=ck.snapshot_id))
     assert got == SC.FAILED_PRECONDITION and "in use" in why
 
-    # --- u: ExposePort (the seed's RPC on a sandvisor.v1 sandbox), reached from the host ---
+    # --- u: sandvisor.v1's patches, a named script, a tree in and out as tar streams ---
     await until(lambda: reg.get("u").state == State.READY)
+
+    def patch_script_tree() -> tuple[bytes, bytes, int, dict[str, bytes]]:
+        patched = b"".join(o.data for o in s.Run(spb.RunRequest(id="u", cmd=["stat", "-c", "%a", "/etc/sv-patched"])))
+        said = b"".join(
+            o.data for o in ours.Run(sv.RunRequest(base=spb.RunRequest(id="u", cmd=["world"]), script="hello"))
+        )
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+            for name, data in (("a.txt", b"alpha\n"), ("sub/b.txt", b"beta\n")):
+                info = tarfile.TarInfo(name)
+                info.size, info.mode = len(data), 0o640
+                tar.addfile(info, io.BytesIO(data))
+            empty = tarfile.TarInfo("empty")
+            empty.type, empty.mode = tarfile.DIRTYPE, 0o750
+            tar.addfile(empty)
+        raw = buf.getvalue()
+
+        def writes() -> Iterator[Any]:
+            yield sv.WriteTreeRequest(open=sv.WriteTreeOpen(id="u", path="/srv/tree"))
+            yield sv.WriteTreeRequest(chunk=spb.FileChunk(data=raw, done=True))
+
+        entries = ours.WriteTree(writes(), timeout=120).entries
+        chunks = list(ours.ReadTree(sv.ReadTreeRequest(id="u", path="/srv/tree"), timeout=120))
+        assert chunks[-1].done
+        back = {}
+        with tarfile.open(fileobj=io.BytesIO(b"".join(c.data for c in chunks))) as tar:
+            for m in tar:
+                f = tar.extractfile(m) if m.isfile() else None
+                back[m.name.removeprefix("./").rstrip("/")] = (f.read() if f else b"") + b"|%o" % (m.mode & 0o777)
+        return patched, said, entries, back
+
+    patched, said, entries, back = await in_thread(patch_script_tree)
+    assert (patched, said) == (b"640\n", b"hello world from web\n")
+    assert entries >= 3
+    assert {k: v for k, v in back.items() if k not in ("", ".")} == {
+        "a.txt": b"alpha\n|640",
+        "sub": back["sub"],
+        "sub/b.txt": b"beta\n|640",
+        "empty": b"|750",
+    }, back
+
+    # --- u: ExposePort (the seed's RPC on a sandvisor.v1 sandbox), reached from the host ---
     exposed = await in_thread(s.ExposePort, spb.ExposePortRequest(id="u", sandbox_port=8000))
     assert exposed.host_port and exposed.guest_port == 8000
     ports = await in_thread(ours.ListPorts, sv.ListPortsRequest(id="u"))

@@ -7,6 +7,64 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ReadTreeRequest(_message.Message):
+    __slots__ = ("id", "path")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    path: str
+    def __init__(self, id: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class WriteTreeOpen(_message.Message):
+    __slots__ = ("id", "path", "owner")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    path: str
+    owner: str
+    def __init__(self, id: _Optional[str] = ..., path: _Optional[str] = ..., owner: _Optional[str] = ...) -> None: ...
+
+class WriteTreeRequest(_message.Message):
+    __slots__ = ("open", "chunk")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    open: WriteTreeOpen
+    chunk: _sandbox_pb2.FileChunk
+    def __init__(self, open: _Optional[_Union[WriteTreeOpen, _Mapping]] = ..., chunk: _Optional[_Union[_sandbox_pb2.FileChunk, _Mapping]] = ...) -> None: ...
+
+class WriteTreeResponse(_message.Message):
+    __slots__ = ("entries",)
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    entries: int
+    def __init__(self, entries: _Optional[int] = ...) -> None: ...
+
+class RunRequest(_message.Message):
+    __slots__ = ("base", "script")
+    BASE_FIELD_NUMBER: _ClassVar[int]
+    SCRIPT_FIELD_NUMBER: _ClassVar[int]
+    base: _sandbox_pb2.RunRequest
+    script: str
+    def __init__(self, base: _Optional[_Union[_sandbox_pb2.RunRequest, _Mapping]] = ..., script: _Optional[str] = ...) -> None: ...
+
+class PatchSpec(_message.Message):
+    __slots__ = ("op", "path", "data", "target", "mode", "owner", "replace")
+    OP_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    REPLACE_FIELD_NUMBER: _ClassVar[int]
+    op: str
+    path: str
+    data: bytes
+    target: str
+    mode: int
+    owner: str
+    replace: bool
+    def __init__(self, op: _Optional[str] = ..., path: _Optional[str] = ..., data: _Optional[bytes] = ..., target: _Optional[str] = ..., mode: _Optional[int] = ..., owner: _Optional[str] = ..., replace: _Optional[bool] = ...) -> None: ...
+
 class InfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
@@ -57,7 +115,14 @@ class VolumeMount(_message.Message):
     def __init__(self, volume: _Optional[str] = ..., target: _Optional[str] = ..., readonly: _Optional[bool] = ...) -> None: ...
 
 class CreateRequest(_message.Message):
-    __slots__ = ("base", "idle_timeout_seconds", "hostname", "ephemeral", "ports", "outbound", "volumes", "image_pull", "image_tls_verify")
+    __slots__ = ("base", "idle_timeout_seconds", "hostname", "ephemeral", "ports", "outbound", "volumes", "image_pull", "image_tls_verify", "patches", "scripts")
+    class ScriptsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     BASE_FIELD_NUMBER: _ClassVar[int]
     IDLE_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +132,8 @@ class CreateRequest(_message.Message):
     VOLUMES_FIELD_NUMBER: _ClassVar[int]
     IMAGE_PULL_FIELD_NUMBER: _ClassVar[int]
     IMAGE_TLS_VERIFY_FIELD_NUMBER: _ClassVar[int]
+    PATCHES_FIELD_NUMBER: _ClassVar[int]
+    SCRIPTS_FIELD_NUMBER: _ClassVar[int]
     base: _sandbox_pb2.CreateSandboxRequest
     idle_timeout_seconds: int
     hostname: str
@@ -76,7 +143,9 @@ class CreateRequest(_message.Message):
     volumes: _containers.RepeatedCompositeFieldContainer[VolumeMount]
     image_pull: str
     image_tls_verify: bool
-    def __init__(self, base: _Optional[_Union[_sandbox_pb2.CreateSandboxRequest, _Mapping]] = ..., idle_timeout_seconds: _Optional[int] = ..., hostname: _Optional[str] = ..., ephemeral: _Optional[bool] = ..., ports: _Optional[_Iterable[_Union[PortMapping, _Mapping]]] = ..., outbound: _Optional[bool] = ..., volumes: _Optional[_Iterable[_Union[VolumeMount, _Mapping]]] = ..., image_pull: _Optional[str] = ..., image_tls_verify: _Optional[bool] = ...) -> None: ...
+    patches: _containers.RepeatedCompositeFieldContainer[PatchSpec]
+    scripts: _containers.ScalarMap[str, str]
+    def __init__(self, base: _Optional[_Union[_sandbox_pb2.CreateSandboxRequest, _Mapping]] = ..., idle_timeout_seconds: _Optional[int] = ..., hostname: _Optional[str] = ..., ephemeral: _Optional[bool] = ..., ports: _Optional[_Iterable[_Union[PortMapping, _Mapping]]] = ..., outbound: _Optional[bool] = ..., volumes: _Optional[_Iterable[_Union[VolumeMount, _Mapping]]] = ..., image_pull: _Optional[str] = ..., image_tls_verify: _Optional[bool] = ..., patches: _Optional[_Iterable[_Union[PatchSpec, _Mapping]]] = ..., scripts: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class StartRequest(_message.Message):
     __slots__ = ("id",)

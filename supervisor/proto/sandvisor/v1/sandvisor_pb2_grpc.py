@@ -170,6 +170,21 @@ class SandvisorServiceStub:
                 request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.DeleteVolumeRequest.SerializeToString,
                 response_deserializer=sandbox_dot_v1_dot_sandbox__pb2.Empty.FromString,
                 _registered_method=True)
+        self.ReadTree = channel.unary_stream(
+                '/sandvisor.v1.SandvisorService/ReadTree',
+                request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.ReadTreeRequest.SerializeToString,
+                response_deserializer=sandbox_dot_v1_dot_sandbox__pb2.FileChunk.FromString,
+                _registered_method=True)
+        self.WriteTree = channel.stream_unary(
+                '/sandvisor.v1.SandvisorService/WriteTree',
+                request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.WriteTreeRequest.SerializeToString,
+                response_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.WriteTreeResponse.FromString,
+                _registered_method=True)
+        self.Run = channel.unary_stream(
+                '/sandvisor.v1.SandvisorService/Run',
+                request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.RunRequest.SerializeToString,
+                response_deserializer=sandbox_dot_v1_dot_sandbox__pb2.RunOutput.FromString,
+                _registered_method=True)
 
 
 class SandvisorServiceServicer:
@@ -365,6 +380,29 @@ class SandvisorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReadTree(self, request, context):
+        """--- trees, scripts (cp -r; docs/protocol.md) ---
+        A guest directory as one tar stream (modes, owners, symlinks, empty dirs); the
+        last chunk has done == true.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WriteTree(self, request_iterator, context):
+        """A tar stream unpacked at a guest directory: open first, then chunks (the last done).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Run(self, request, context):
+        """The seed's Run, plus a named script of the sandbox's config (cmd: its arguments).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SandvisorServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -502,6 +540,21 @@ def add_SandvisorServiceServicer_to_server(servicer, server):
                     servicer.DeleteVolume,
                     request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.DeleteVolumeRequest.FromString,
                     response_serializer=sandbox_dot_v1_dot_sandbox__pb2.Empty.SerializeToString,
+            ),
+            'ReadTree': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadTree,
+                    request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.ReadTreeRequest.FromString,
+                    response_serializer=sandbox_dot_v1_dot_sandbox__pb2.FileChunk.SerializeToString,
+            ),
+            'WriteTree': grpc.stream_unary_rpc_method_handler(
+                    servicer.WriteTree,
+                    request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.WriteTreeRequest.FromString,
+                    response_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.WriteTreeResponse.SerializeToString,
+            ),
+            'Run': grpc.unary_stream_rpc_method_handler(
+                    servicer.Run,
+                    request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.RunRequest.FromString,
+                    response_serializer=sandbox_dot_v1_dot_sandbox__pb2.RunOutput.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1233,6 +1286,87 @@ class SandvisorService:
             '/sandvisor.v1.SandvisorService/DeleteVolume',
             sandvisor_dot_v1_dot_sandvisor__pb2.DeleteVolumeRequest.SerializeToString,
             sandbox_dot_v1_dot_sandbox__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadTree(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/sandvisor.v1.SandvisorService/ReadTree',
+            sandvisor_dot_v1_dot_sandvisor__pb2.ReadTreeRequest.SerializeToString,
+            sandbox_dot_v1_dot_sandbox__pb2.FileChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WriteTree(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/sandvisor.v1.SandvisorService/WriteTree',
+            sandvisor_dot_v1_dot_sandvisor__pb2.WriteTreeRequest.SerializeToString,
+            sandvisor_dot_v1_dot_sandvisor__pb2.WriteTreeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Run(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/sandvisor.v1.SandvisorService/Run',
+            sandvisor_dot_v1_dot_sandvisor__pb2.RunRequest.SerializeToString,
+            sandbox_dot_v1_dot_sandbox__pb2.RunOutput.FromString,
             options,
             channel_credentials,
             insecure,
