@@ -796,35 +796,12 @@ class ExecHandle:
                 self._why = f"the guest did not end the process within {KILL_GRACE:g}s of SIGKILL"
 
 
-class FileReadStream:
-    def __init__(self, req: _Request, size: int, mode: int, timeout: float | None = None) -> None:
-        self._req = req
-        self._timeout = timeout
-        self.size = size
-        self.mode = mode
-        self.received = 0
-        self.eof = False
+class _DataStream:
+    """The guest's Data frames of one request as an async iterator of chunks, ended by its
+    Eof, bounded by ``LIMIT`` bytes (a guest that sends more breaks the protocol)."""
 
-    def __aiter__(self) -> FileReadStream:
-        return self
-
-    async def __anext__(self) -> bytes:
-        while not self.eof:
-            msg = await self._req.next(self._timeout)
-            if isinstance(msg, P.Data):
-                self.received += len(msg.data)
-                if self.received > P.MAX_FILE:
-                    raise GuestProtocolError("guest sent more than the file limit")
-                return msg.data
-            if isinstance(msg, P.Eof):
-                self.eof = True
-            elif isinstance(msg, P.Error):
-                raise GuestOpError(msg.code, msg.message)
-        raise StopAsyncIteration
-
-
-class TreeReadStream:
-    """The tar stream of a read_tree: an async iterator of chunks, within the tree limits."""
+    LIMIT = P.MAX_FILE
+    WHAT = "the file limit"
 
     def __init__(self, req: _Request, timeout: float | None = None) -> None:
         self._req = req
@@ -832,7 +809,7 @@ class TreeReadStream:
         self.received = 0
         self.eof = False
 
-    def __aiter__(self) -> TreeReadStream:
+    def __aiter__(self) -> _DataStream:
         return self
 
     async def __anext__(self) -> bytes:
@@ -840,8 +817,8 @@ class TreeReadStream:
             msg = await self._req.next(self._timeout)
             if isinstance(msg, P.Data):
                 self.received += len(msg.data)
-                if self.received > P.MAX_TREE_STREAM:
-                    raise GuestProtocolError("guest sent more than the tree limit")
+                if self.received > self.LIMIT:
+                    raise GuestProtocolError(f"guest sent more than {self.WHAT}")
                 return msg.data
             if isinstance(msg, P.Eof):
                 self.eof = True
@@ -849,6 +826,22 @@ class TreeReadStream:
                 self.eof = True  # the guest ended its side
                 raise GuestOpError(msg.code, msg.message)
         raise StopAsyncIteration
+
+
+class FileReadStream(_DataStream):
+    """A read_file's contents (its size and mode came first)."""
+
+    def __init__(self, req: _Request, size: int, mode: int, timeout: float | None = None) -> None:
+        super().__init__(req, timeout)
+        self.size = size
+        self.mode = mode
+
+
+class TreeReadStream(_DataStream):
+    """The tar stream of a read_tree, within the tree limits."""
+
+    LIMIT = P.MAX_TREE_STREAM
+    WHAT = "the tree limit"
 
 
 PATCH_OPS = ("file", "append", "mkdir", "remove", "symlink")
