@@ -171,6 +171,18 @@ async def bench(n: int, out_dir: Path) -> dict[str, Any]:
                 progress.advance(task)
             res["template_pool_create"] = summary(tp_lat)
             registry.pools.resize(template_pool=0)
+            # the path users take (issue 14): a default Create (template-served) checkpointed
+            # -- streamed, then converted to mapped in the background -- and restored
+            await create_wave(c, registry, ["dorigin"])
+            await trio.sleep(1)
+            dsnap = (await c.call("Checkpoint", {"sandbox_id": "dorigin"}))["snapshot_id"]
+            await c.call("Remove", {"id": "dorigin", "force": True})
+            with trio.fail_after(120):
+                while registry.snapshots.get(dsnap).memory != "mapped":
+                    await trio.sleep(0.05)
+            lat, _ = await restore_runs(c, registry, dsnap, n, progress, "default-path restores")
+            res["restore_default"] = summary(lat)
+            await c.call("DeleteSnapshot", {"snapshot_id": dsnap})
             registry.pools.templates = False
             # restore and pool acquire: a snapshot of an idle sandbox
             await c.call("Create", {"id": "origin"})
@@ -234,6 +246,8 @@ def chart(res: dict[str, Any], out_dir: Path) -> None:
         left += value
     if "template_create" in res:
         ax.barh("create (template)", res["template_create"]["p50"], color="tab:olive")
+    if "restore_default" in res:
+        ax.barh("restore (default Create's snapshot)", res["restore_default"]["p50"], color="tab:cyan")
     if "pool_acquire" in res:
         ax.barh("pool acquire", res["pool_acquire"]["p50"], color="black")
     ax.barh("floor (microvm)", res["floor_microvm"]["p50"], color="grey")
@@ -271,6 +285,7 @@ def markdown(res: dict[str, Any]) -> str:
         ("create from the boot template, 4 at once", "template_concurrent_4"),
         ("create from the template's warm pool (--template-pool 1)", "template_pool_create"),
         ("restore from a snapshot (Restore RPC)", "restore"),
+        ("restore of a default Create's snapshot (converted to mapped)", "restore_default"),
         ("warm pool acquire", "pool_acquire"),
     ):
         if key in res:
