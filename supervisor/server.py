@@ -230,15 +230,26 @@ class Server:
         if path.exists() or path.is_symlink():
             path.unlink()
         sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        # bound and listening under a temporary name, then renamed into place: the path
+        # never names a socket that refuses connections (a client that waited for the
+        # file, as tests and scripts do, got ECONNREFUSED between bind and listen)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.unlink(missing_ok=True)
         old = os.umask(0o177)  # the socket is born 0600: no window where others may connect
         try:
-            await sock.bind(str(path))
+            await sock.bind(str(tmp))
         finally:
             os.umask(old)
-        if self.group:
-            os.chown(path, -1, grp.getgrnam(self.group).gr_gid)
-            os.chmod(path, 0o660)
-        sock.listen(128)
+        try:
+            if self.group:
+                os.chown(tmp, -1, grp.getgrnam(self.group).gr_gid)
+                os.chmod(tmp, 0o660)
+            sock.listen(128)
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            sock.close()
+            raise
         listener = trio.SocketListener(sock)
         try:
             async with trio.open_nursery() as nursery:
