@@ -62,6 +62,8 @@ async def create_wave(c: Any, registry: Any, names: list[str]) -> tuple[float, l
     with trio.fail_after(300):
         while not all(registry.get(x).state in ("ready", "failed") for x in names):
             await trio.sleep(0.02)
+        for x in names:  # READY is set before its flush; the "ready_event" stamp after it
+            await registry.get(x).ready_event.wait()
     wall = time.monotonic() - t0
     failed = [x for x in names if registry.get(x).state != "ready"]
     if failed:
