@@ -27,7 +27,7 @@ def tests(session: nox.Session) -> None:
 def unit(session: nox.Session) -> None:
     """The fast layer: protocol cores, actor logic on fake VMs, the import graph (no QEMU)."""
     session.install("-e", ".[test]")
-    session.run("pytest", "-q", "-m", "not vm", *session.posargs)
+    session.run("pytest", "-q", "-m", "not vm and not host", *session.posargs)
 
 
 @nox.session

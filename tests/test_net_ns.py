@@ -38,9 +38,12 @@ from tests.netlab import (
     tcp_server,
 )
 
-pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0 or not shutil.which("nft") or not shutil.which("ip"), reason="needs root, nft and ip"
-)
+pytestmark = [
+    pytest.mark.host,
+    pytest.mark.skipif(
+        os.geteuid() != 0 or not shutil.which("nft") or not shutil.which("ip"), reason="needs root, nft and ip"
+    ),
+]
 
 
 async def test_host_reaches_guest_and_table_goes_with_the_network() -> None:

@@ -55,6 +55,8 @@ from images.ocilocal import (
     run,
 )
 
+pytestmark = pytest.mark.host  # skopeo, umoci, a docker-registry: the host's tools, not nox -s unit
+
 APP_SPEC = ImageSpec(
     user="4242:4243",  # no /etc/passwd entry: numeric ids must work without one
     workdir="/srv/app",  # not in the tree: the store creates it, owned by the user

@@ -38,6 +38,8 @@ from supervisor.client import (
 )
 from supervisor.throwaway import Workdir, supervisor, workdir
 
+pytestmark = pytest.mark.host  # skopeo, umoci, a docker-registry: the host's tools, not nox -s unit
+
 # test_oci's registry and images, shared (session fixtures)
 built, pushed, auth_registry, own_registry = (
     test_oci.built,
