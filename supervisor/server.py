@@ -233,8 +233,9 @@ class Server:
         # bound and listening under a temporary name, then renamed into place: the path
         # never names a socket that refuses connections (a client that waited for the
         # file, as tests and scripts do, got ECONNREFUSED between bind and listen)
+        for stale in path.parent.glob(f".{path.name}.*"):  # a supervisor killed between bind and rename
+            stale.unlink(missing_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        tmp.unlink(missing_ok=True)
         old = os.umask(0o177)  # the socket is born 0600: no window where others may connect
         try:
             await sock.bind(str(tmp))
