@@ -66,6 +66,39 @@ def check_runtime_dir(sock: Path) -> None:
         )
 
 
+def make_dirs(path: Path, mode: int) -> list[Path]:
+    """``path`` and each of its missing parents, made with ``mode`` whatever the umask
+    (serve runs under umask 077: ``mkdir(parents=True)`` would make every parent 0700 and
+    lock QEMU's user and a --group out of what lies below). Directories that exist are
+    left as they are. Returns what was made, outermost first."""
+    missing: list[Path] = []
+    p = path
+    while not os.path.lexists(p):
+        missing.append(p)
+        p = p.parent
+    made = []
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, mode)
+        except FileExistsError:
+            continue  # made meanwhile by someone else: checked by whoever needs it
+        os.chmod(d, mode)
+        made.append(d)
+    return made
+
+
+def passable_runtime_dir() -> None:
+    """Root's runtime dir (/run/sandvisor) is the supervisor's by definition: made
+    0711 (QEMU's users reach their run dirs under it, a --group its socket; nobody lists
+    it), and, when an earlier supervisor left it 0700, opened to pass through again.
+    (systemd's ``RuntimeDirectory=`` makes it 0755: also passable, left so.)"""
+    path = runtime_dir()
+    make_dirs(path, 0o711)
+    st = path.lstat()
+    if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and st.st_mode & 0o011 != 0o011:
+        os.chmod(path, stat.S_IMODE(st.st_mode) | 0o011)
+
+
 def _private(d: Path) -> None:
     try:
         os.mkdir(d, 0o700)

@@ -10,11 +10,15 @@ accepting (the gRPC edge first), stop every sandbox within a bound, exit 0.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import ipaddress
 import logging
 import os
 import signal
+import socket
+import stat
+from collections.abc import Iterator
 from pathlib import Path
 
 import attrs
@@ -23,7 +27,7 @@ import trio
 from actors.cell import Cells, JailConfig
 from actors.hostnet import HostNetConfig, HostNetwork
 from actors.ippool import IpPool
-from actors.machine import qmp_loop, resolve_accel, unprivileged_user
+from actors.machine import qmp_loop, resolve_accel, unprivileged_user, unsearchable_parent
 from actors.quotas import Quotas, gated, start_slots
 from actors.registry import Registry
 from actors.settings import Settings
@@ -31,7 +35,14 @@ from actors.store import Store, StoreLeases
 from actors.vm import booted_guest
 from images.build import Builder, Image, load_default
 from images.oci import ImageStore
-from supervisor.config import claim_runtime_dir, default_memory_dir, default_run_root, runtime_dir
+from supervisor.config import (
+    claim_runtime_dir,
+    default_memory_dir,
+    default_run_root,
+    make_dirs,
+    passable_runtime_dir,
+    runtime_dir,
+)
 from supervisor.grpc_service import addresses, build_edge
 from supervisor.metrics import MetricsEndpoint, RegistrySource, parse_listen
 from supervisor.notify import Notifier
@@ -128,22 +139,129 @@ async def serve(
         os.umask(umask)
 
 
+class Refused(Exception):
+    """serve cannot start as configured: one line that says what to change."""
+
+
 def _private_state_dir(path: Path) -> None:
-    path.mkdir(parents=True, exist_ok=True)
+    make_dirs(path, 0o700)  # (parents too: nothing else needs to pass through them)
     st = path.stat()
     if st.st_uid == os.geteuid() and st.st_mode & 0o077:
         log.info("state dir %s was mode %o: now 0700 (it holds sandbox disks and logs)", path, st.st_mode & 0o777)
         path.chmod(0o700)
 
 
+@contextlib.contextmanager
+def _state_lock(state_dir: Path) -> Iterator[None]:
+    """One supervisor per state dir: a second would sweep the first one's QEMUs and files
+    as strays. A lock on a file in the (private) state dir, held for serve's life and
+    dropped by the kernel when the process ends, however it ends."""
+    fd = os.open(state_dir / "serve.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            other = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            raise Refused(
+                f"another sandvisor serve (pid {other}) uses the state dir {state_dir}: stop it, or give this one "
+                "its own --state-dir and --socket"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _check_socket_free(path: Path) -> None:
+    """A socket file some running supervisor answers on is not ours to replace."""
+    try:
+        if not stat.S_ISSOCK(os.stat(path).st_mode):
+            return
+    except FileNotFoundError:
+        return
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        try:
+            probe.connect(str(path))
+        except OSError:
+            return  # a dead supervisor's: the server replaces it
+    raise Refused(f"another supervisor serves on {path}: stop it, or choose another --socket")
+
+
+def _check(cfg: DaemonConfig) -> None:
+    """Settings a flag gave that nothing else checks before it is used: refused by the
+    flag's name, before anything starts."""
+    for cidr in cfg.egress_never:
+        try:
+            ipaddress.ip_network(cidr, strict=False)
+        except ValueError:
+            raise Refused(f"--egress-never {cidr!r}: expected a CIDR such as 192.168.0.0/16") from None
+    for upstream in cfg.dns_upstreams:
+        try:
+            parse_upstream(upstream)
+        except ValueError as exc:
+            raise Refused(f"--dns-upstream: {exc}") from None
+    if cfg.jail_uids is not None:
+        first, count = cfg.jail_uids
+        if first <= 0 or first + count > 2**32 - 1:
+            raise Refused(f"--jail-uids {first}:{count}: ids must lie in 1..{2**32 - 2}")
+    for name, value in (("--boot-timeout", cfg.boot_timeout), ("--guest-timeout", cfg.guest_timeout)):
+        if not value > 0:
+            raise Refused(f"{name} {value}: must be more than 0 seconds")
+    for name, n in (
+        ("--max-sandboxes", cfg.max_sandboxes),
+        ("--max-memory", cfg.max_memory_mib),
+        ("--max-disk", cfg.max_disk_mib),
+        ("--jail-overhead", cfg.jail_overhead_mib),
+        ("--pool-size", cfg.pool_size),
+        ("--template-pool", cfg.template_pool),
+        ("--max-starting", cfg.max_starting),
+        ("--tb-size", cfg.tb_size_mib),
+    ):
+        if n < 0:
+            raise Refused(f"{name} {n}: must not be negative")
+    for path in cfg.allow_paths:
+        if not path.is_dir():
+            raise Refused(f"--allow-path {path}: not a directory")
+
+
+def _layout(cfg: DaemonConfig, run_root: Path, qemu_user: str | None) -> None:
+    """The socket's dir and the run root, made with the modes they need: passable (0711)
+    where QEMU's user or a --group must pass, private (the non-root runtime dir) where
+    nothing else must. Refusals name what to change."""
+    if os.geteuid() == 0:
+        passable_runtime_dir()
+        make_dirs(cfg.socket.parent, 0o711)
+        make_dirs(run_root, 0o711)
+        if qemu_user is not None:
+            blocked = unsearchable_parent(run_root / "x")
+            if blocked is not None:
+                raise Refused(
+                    f"the run root {run_root} is not reachable by QEMU's user {qemu_user!r}: {blocked} is not o+x "
+                    f"(chmod o+x {blocked}, or choose another --run-root)"
+                )
+    else:
+        if cfg.run_root is None or cfg.socket.parent == runtime_dir():
+            claim_runtime_dir()  # ours and 0700, or refused: a predictable /tmp name someone may have made
+        make_dirs(cfg.socket.parent, 0o700)
+        make_dirs(run_root, 0o700)
+    _check_socket_free(cfg.socket)
+
+
 async def _serve(cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Registry, Server]]) -> None:
+    _check(cfg)
     _private_state_dir(cfg.state_dir)
+    with _state_lock(cfg.state_dir):
+        await _serve_locked(cfg, task_status)
+
+
+async def _serve_locked(cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Registry, Server]]) -> None:
     grpc_addrs = addresses(
         cfg.grpc, cert=cfg.grpc_cert, key=cfg.grpc_key, client_ca=cfg.grpc_client_ca, group=cfg.group
     )  # before anything starts: a wrong flag fails fast
     metrics_at = parse_listen(cfg.metrics) if cfg.metrics else None
-    if os.geteuid() != 0 and (cfg.run_root is None or cfg.socket.parent == runtime_dir()):
-        claim_runtime_dir()  # ours and 0700, or refused: a predictable /tmp name someone may have made
+    qemu_user = unprivileged_user(cfg.qemu_user)
+    _layout(cfg, cfg.run_root or default_run_root(), qemu_user.name if qemu_user is not None else None)
     accel = resolve_accel(cfg.accel)
     image = await trio.to_thread.run_sync(default_image, cfg.state_dir)
     memory_dir = None if cfg.anonymous_memory else (cfg.memory_dir or default_memory_dir(cfg.state_dir))
@@ -176,7 +294,7 @@ async def _serve(cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Registry,
         accel=accel,
         boot_timeout=cfg.boot_timeout,
         guest_timeout=cfg.guest_timeout,
-        qemu_user=unprivileged_user(cfg.qemu_user),
+        qemu_user=qemu_user,
         expose_address=cfg.expose_address,
         memory_dir=memory_dir,
         cells=cells,
@@ -262,6 +380,8 @@ async def _serve(cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Registry,
         store.close()
         if cells is not None:
             cells.close()
-        if settings.memory_dir is not None and not cfg.keep_sandboxes:
-            with contextlib.suppress(OSError):
-                settings.memory_dir.rmdir()  # empty once every sandbox is gone
+        if not cfg.keep_sandboxes:  # empty once every sandbox is gone: nothing of ours stays in /run or /dev/shm
+            for d in (settings.memory_dir, settings.run_root):
+                if d is not None:
+                    with contextlib.suppress(OSError):
+                        d.rmdir()
