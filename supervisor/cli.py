@@ -249,14 +249,78 @@ def cmd_serve(args: argparse.Namespace) -> int:
         dns_upstreams=tuple(args.dns_upstream or ()),
         egress_never=tuple(args.egress_never or ()),
     )
-    try:  # the flags' mistakes as usage errors, before anything starts
-        grpc_addresses(cfg.grpc, cert=cfg.grpc_cert, key=cfg.grpc_key, client_ca=cfg.grpc_client_ca)
+    # the flags' mistakes as usage errors, before anything starts
+    for addr in cfg.grpc:
+        try:
+            grpc_addresses((addr,), cert=cfg.grpc_cert, key=cfg.grpc_key, client_ca=cfg.grpc_client_ca)
+        except (ValueError, OSError) as exc:
+            fail(f"sandvisor serve: --grpc {addr!r}: {exc}", 2)
+    try:
         if cfg.metrics:
             parse_listen(cfg.metrics)
     except (ValueError, OSError) as exc:
-        fail(f"sandvisor serve: {exc}", 2)
-    trio.run(serve, cfg)
+        fail(f"sandvisor serve: --metrics {cfg.metrics!r}: {exc}", 2)
+    try:
+        trio.run(serve, cfg)
+    except Exception as exc:
+        reason = _refusal(exc)
+        if reason is None:
+            raise  # a bug, not a refusal: its traceback is the report
+        if args.verbose:
+            import traceback
+
+            traceback.print_exception(exc)
+        fail(f"sandvisor serve: {reason}", 1)
     return 0
+
+
+def _refusal(exc: BaseException) -> str | None:
+    """The one line of a refusal to start (or to go on): a wrong setting, a directory, a
+    port or a lock someone else holds, a missing tool or image. None when any part of
+    ``exc`` is something else (a bug: shown whole)."""
+    from actors.cgroups import CgroupError
+    from actors.errors import DomainError
+    from actors.jail import JailError
+    from actors.machine import MachineError
+    from actors.netns import NetError
+    from actors.nft import NftError
+    from images.build import BuildError
+    from supervisor.config import UnsafeRuntimeDir
+    from supervisor.daemon import Refused
+
+    leaves: list[BaseException] = []
+
+    def walk(e: BaseException) -> None:
+        if isinstance(e, BaseExceptionGroup):
+            for sub in e.exceptions:
+                walk(sub)
+        else:
+            leaves.append(e)
+
+    walk(exc)
+    known = (
+        Refused,
+        DomainError,
+        JailError,
+        MachineError,
+        BuildError,
+        UnsafeRuntimeDir,
+        NetError,
+        NftError,
+        CgroupError,
+        OSError,
+        ValueError,
+    )
+    if not leaves or not all(isinstance(e, known) for e in leaves):
+        return None
+    first = leaves[0]
+    if isinstance(first, BuildError):
+        return f"the default image cannot be built: {first} (build it with `sandvisor image build`)"
+    if isinstance(first, DomainError):
+        return first.message
+    if isinstance(first, OSError) and first.strerror:  # not "[Errno 98] ..."
+        return f"{first.filename}: {first.strerror}" if first.filename else first.strerror
+    return str(first)
 
 
 # --- completion ------------------------------------------------------------------

@@ -647,13 +647,16 @@ class GrpcEdge:
                     self.addresses.append(addr)
                 else:
                     target = addr.target
-                    port = (
-                        server.add_secure_port(target, addr.tls.credentials())
-                        if addr.tls
-                        else server.add_insecure_port(target)
-                    )
+                    try:  # (grpcio raises RuntimeError where it used to return 0)
+                        port = (
+                            server.add_secure_port(target, addr.tls.credentials())
+                            if addr.tls
+                            else server.add_insecure_port(target)
+                        )
+                    except RuntimeError:
+                        port = 0
                     if port == 0:
-                        raise OSError(f"cannot listen on {target}")
+                        raise OSError(f"gRPC: cannot listen on {target} (in use, or not an address of this host)")
                     self.addresses.append(attrs.evolve(addr, port=port))
             await server.start()
         except BaseException as exc:

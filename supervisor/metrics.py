@@ -154,7 +154,10 @@ class MetricsEndpoint:
     async def run(self, task_status: trio.TaskStatus[MetricsEndpoint] = trio.TASK_STATUS_IGNORED) -> None:
         if not is_loopback(self.host):
             log.warning("metrics on %s: readable by anyone who reaches it (sandbox ids, states)", self.host)
-        listeners = await trio.open_tcp_listeners(self.port, host=self.host)
+        try:
+            listeners = await trio.open_tcp_listeners(self.port, host=self.host)
+        except OSError as exc:
+            raise OSError(exc.errno, f"the metrics endpoint {self.host}:{self.port}: {exc.strerror}") from None
         self.port = listeners[0].socket.getsockname()[1]
         async with trio.open_nursery() as nursery:
             for listener in listeners:
