@@ -451,25 +451,60 @@ async def cp(a: argparse.Namespace) -> int:
 async def _start(a: argparse.Namespace) -> int:
     from supervisor.client import AsyncSandbox
 
-    await AsyncSandbox(a.name, socket=a.socket).start()  # boots, then waits until ready
+    for name in a.names:
+        await AsyncSandbox(name, socket=a.socket).start()  # boots, then waits until ready
+    return 0
+
+
+def status(a: argparse.Namespace) -> int:
+    """Whether the supervisor answers; with --wait, poll until it does (scripts start
+    ``sandvisor serve &`` and go on once this returns)."""
+    import time
+
+    from supervisor.errors import ApiError
+
+    deadline = time.monotonic() + max(a.wait, 0)
+    while True:
+        try:
+            with _conn(a) as c:
+                n = len(c.call("List", {"labels": {}, "state": "", "limit": 100, "cursor": ""})["sandboxes"])
+            break
+        except ApiError as exc:
+            if exc.code != "UNAVAILABLE" or time.monotonic() >= deadline:
+                raise
+            time.sleep(0.1)
+    if a.json:
+        _json({"serving": True, "sandboxes": n})
+    else:
+        print(f"serving: {n if n < 100 else '100+'} sandboxes")
     return 0
 
 
 def simple(a: argparse.Namespace) -> int:
     if a.command == "start":
         return _start(a)
+    from supervisor.errors import ApiError
+
+    failed: list[str] = []
     with _conn(a) as c:
-        if a.command == "stop":
-            c.call("Stop", {"id": a.name, "timeout_seconds": a.timeout})
-        elif a.command == "kill":
-            c.call("Kill", {"id": a.name})
-        elif a.command == "rm":
-            c.call("Remove", {"id": a.name, "force": a.force})
-        elif a.command == "ping":
-            print(f"{int(c.call('Ping', {'id': a.name})['latency_ns']) / 1e9 * 1000:.2f} ms")
-        elif a.command == "touch":
-            print(int(c.call("Touch", {"id": a.name})["activity"]))
-    return 0
+        for name in a.names:  # several names: each is tried, as docker's rm/stop/kill do
+            try:
+                if a.command == "stop":
+                    c.call("Stop", {"id": name, "timeout_seconds": a.timeout})
+                elif a.command == "kill":
+                    c.call("Kill", {"id": name})
+                elif a.command == "rm":
+                    c.call("Remove", {"id": name, "force": a.force})
+                elif a.command == "ping":
+                    print(f"{int(c.call('Ping', {'id': name})['latency_ns']) / 1e9 * 1000:.2f} ms")
+                elif a.command == "touch":
+                    print(int(c.call("Touch", {"id": name})["activity"]))
+            except ApiError as exc:
+                if len(a.names) == 1:
+                    raise
+                print(f"{name}: {exc.message}", file=sys.stderr)
+                failed.append(name)
+    return 1 if failed else 0
 
 
 _METRICS = ("ID", "CPU", "MEM", "HOST RSS", "DISK R/W", "NET RX/TX", "UP")
@@ -792,6 +827,7 @@ CLIENT_COMMANDS = frozenset(
         "touch",
         "metrics",
         "top",
+        "status",
         "checkpoint",
         "restore",
         "snapshots",
@@ -908,7 +944,7 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
         ("touch", "count as activity (idle timeout)"),
     ):
         p = cmd(name, simple, help)
-        p.add_argument("name")
+        p.add_argument("names", nargs="+", metavar="NAME")
         if name == "stop":
             p.add_argument("--timeout", type=int, default=0, metavar="S")
         if name == "rm":
@@ -920,6 +956,10 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
     p.add_argument("--watch", action="store_true")
 
     cmd("top", top, "live table of every sandbox")
+
+    p = cmd("status", status, "whether the supervisor answers (--wait S: until it does)")
+    p.add_argument("--wait", type=float, default=0, metavar="S", help="keep trying for up to S seconds")
+    p.add_argument("--json", action="store_true")
 
     p = cmd("checkpoint", checkpoint, "snapshot a ready sandbox (prints the snapshot id)")
     p.add_argument("name")
