@@ -486,3 +486,29 @@ async def test_teardown_with_links_still_open_keeps_the_table(caplog: pytest.Log
             assert "table inet sandvisor" in listing and link_name("open") not in listing
             assert await probe(guest, SERVERS[0], 80, timeout=1) != f"server0 {UPLINK_HOST}"  # dropped
             outer.cancel_scope.cancel()
+
+
+# -- port relays: a connection's failure is the connection's, never the relay's -----------
+async def test_relays_survive_a_vanished_target_namespace() -> None:
+    """The target's namespace is gone (a jail's, as its QEMU exits): each connection
+    closes, each UDP datagram is dropped, and the relays serve on (this used to raise
+    UnboundLocalError out of the relay's nursery, into the sandbox's life)."""
+    from actors.netns import NetNS
+    from actors.portfwd import Target, bind_listener, relay_tcp, relay_udp
+
+    gone = Target("127.0.0.1", 9, NetNS(file="/nonexistent/ns/net"))
+    tcp = bind_listener("127.0.0.1", 0, socket.SOCK_STREAM)
+    udp = bind_listener("127.0.0.1", 0, socket.SOCK_DGRAM)
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            tcp_port = await nursery.start(relay_tcp, tcp, gone)
+            udp_port = await nursery.start(relay_udp, udp, gone)
+            for _ in range(3):
+                stream = await trio.open_tcp_stream("127.0.0.1", tcp_port)
+                async with stream:
+                    assert await stream.receive_some(100) == b""  # closed, nothing else
+                client = trio.socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+                with client:
+                    await client.connect(("127.0.0.1", udp_port))
+                    await client.send(b"ping")
+            nursery.cancel_scope.cancel()
