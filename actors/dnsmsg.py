@@ -8,10 +8,16 @@ parse error is a :class:`DnsError`, and no input makes the parser loop, recurse 
 allocate beyond its length (compression pointers are bounded by a jump count and a
 255-octet name limit).
 
+A label is any 1..63 octets on the wire, a dot or a 0xff included. Names are read as
+raw labels (:func:`read_labels`) and shown as text losslessly (:func:`name_text`:
+RFC 1035 escapes, ``\\.`` and ``\\255``), so text goes back to exactly the labels it
+came from (:func:`name_labels`) and an error answer echoes the question's own octets
+(:func:`error_response`). :func:`is_plain` tells a name a text suffix match can judge.
+
 Hand-written rather than dnspython: the proxy needs ~5% of that library (whose
 import costs ~60 ms and whose objects are far heavier per message than these tuples),
 and owning this small decoder keeps the house rule (one module per wire protocol,
-I/O-free, fuzzed with Hypothesis: tests/test_dnsmsg.py).
+I/O-free, fuzzed with Hypothesis: tests/test_net_units.py, tests/test_hostile_dns.py).
 """
 
 from __future__ import annotations
@@ -48,7 +54,7 @@ class DnsError(ValueError):
 
 @attrs.frozen
 class Question:
-    name: str  # lower case, no trailing dot ("" is the root)
+    name: str  # presentation form (name_text): lower case, no trailing dot ("" is the root)
     qtype: int
     qclass: int = IN
 
@@ -89,9 +95,10 @@ class Message:
         return bool(self.flags & QR)
 
 
-def read_name(data: bytes, pos: int) -> tuple[str, int]:
-    """The (decompressed) name at ``pos`` and the offset just after it in the message."""
-    labels: list[str] = []
+def read_labels(data: bytes, pos: int) -> tuple[tuple[bytes, ...], int]:
+    """The (decompressed) name at ``pos`` as its raw labels, and the offset just after
+    it in the message. Label bytes are kept as sent (any octet, a dot included)."""
+    labels: list[bytes] = []
     length = 1  # the root's zero octet
     jumps = 0
     end = -1
@@ -121,24 +128,100 @@ def read_name(data: bytes, pos: int) -> tuple[str, int]:
         length += n + 1
         if length > MAX_NAME:
             raise DnsError("name longer than 255 octets")
-        labels.append(label.decode("ascii", errors="replace").lower())
+        labels.append(bytes(label))
         pos += 1 + n
-    return ".".join(labels), (end if end >= 0 else pos)
+    return tuple(labels), (end if end >= 0 else pos)
+
+
+def read_name(data: bytes, pos: int) -> tuple[str, int]:
+    """The (decompressed) name at ``pos``, in presentation form (:func:`name_text`,
+    lower case), and the offset just after it in the message."""
+    labels, pos = read_labels(data, pos)
+    return name_text(labels), pos
+
+
+def _label_text(label: bytes) -> str:
+    out = []
+    for b in label.lower():  # ASCII letters only: bytes.lower never touches other octets
+        if b in (0x2E, 0x5C):  # "." and "\\" inside a label
+            out.append("\\" + chr(b))
+        elif 0x21 <= b <= 0x7E:
+            out.append(chr(b))
+        else:
+            out.append(f"\\{b:03d}")
+    return "".join(out)
+
+
+def name_text(labels: tuple[bytes, ...]) -> str:
+    """Raw labels as one lower-case string, losslessly (RFC 1035 5.1 escapes): a dot or a
+    backslash inside a label is escaped (``\\.``), any octet outside ``!``..``~`` is
+    ``\\DDD``; :func:`name_labels` gives the labels back."""
+    return ".".join(_label_text(label) for label in labels)
+
+
+def is_plain(name: str) -> bool:
+    """A name (from :func:`read_name`) whose every label is printable ASCII without a dot
+    or a backslash: its text is the plain dotted join of its labels, so a suffix match
+    on the text is a match on whole labels."""
+    return "\\" not in name
+
+
+def name_labels(name: str) -> tuple[bytes, ...]:
+    """The labels of a name in presentation form (the inverse of :func:`name_text`; a
+    trailing dot is allowed). Anything it cannot be is a :class:`DnsError`."""
+    if name in ("", "."):
+        return ()
+    labels: list[bytes] = []
+    cur = bytearray()
+    i = 0
+    while i < len(name):
+        c = name[i]
+        if c == ".":
+            if not cur:
+                raise DnsError(f"empty label in {name[:80]!r}")
+            labels.append(bytes(cur))
+            cur = bytearray()
+            i += 1
+            continue
+        if c == "\\":
+            digits = name[i + 1 : i + 4]
+            if len(digits) == 3 and all(d in "0123456789" for d in digits):
+                value = int(digits)
+                if value > 255:
+                    raise DnsError(f"bad escape \\{digits} in {name[:80]!r}")
+                cur.append(value)
+                i += 4
+                continue
+            if i + 1 >= len(name) or not 0x20 <= ord(name[i + 1]) <= 0x7E:
+                raise DnsError(f"bad escape in {name[:80]!r}")
+            cur.append(ord(name[i + 1]))
+            i += 2
+            continue
+        if not 0x20 <= ord(c) <= 0x7E:
+            raise DnsError(f"non-ASCII or control character in name {name[:80]!r}")
+        cur.append(ord(c))
+        i += 1
+    if cur:
+        labels.append(bytes(cur))
+    return tuple(labels)
+
+
+def wire_name(labels: tuple[bytes, ...]) -> bytes:
+    """Labels on the wire (uncompressed)."""
+    out = bytearray()
+    for raw in labels:
+        if not 1 <= len(raw) <= 63:
+            raise DnsError(f"bad label {raw[:80]!r}")
+        out += bytes([len(raw)]) + raw
+    out.append(0)
+    if len(out) > MAX_NAME:
+        raise DnsError("name longer than 255 octets")
+    return bytes(out)
 
 
 def encode_name(name: str) -> bytes:
-    name = name.rstrip(".")
-    out = bytearray()
-    if name:
-        for label in name.split("."):
-            raw = label.encode("ascii")
-            if not 1 <= len(raw) <= 63:
-                raise DnsError(f"bad label {label!r} in {name!r}")
-            out += bytes([len(raw)]) + raw
-    out.append(0)
-    if len(out) > MAX_NAME:
-        raise DnsError(f"name {name[:40]!r}... longer than 255 octets")
-    return bytes(out)
+    """A name in presentation form (as :func:`read_name` gives it) on the wire."""
+    return wire_name(name_labels(name))
 
 
 def _header(data: bytes) -> tuple[int, int, int, int, int, int]:
@@ -204,14 +287,19 @@ def parse_query(data: bytes) -> tuple[int, int, Question]:
 
 
 def error_response(query: bytes, rcode: int) -> bytes:
-    """An answer with ``rcode`` to ``query``: its id and (when it parses) its question."""
+    """An answer with ``rcode`` to ``query``: its id and (when it parses) its question,
+    echoed as the raw label and type/class octets it came with (never re-encoded from
+    text: any label a parser accepts is echoed, and compression is undone). Only a
+    query shorter than a header is a :class:`DnsError`."""
     mid, flags, *_ = _header(query)
     out_flags = QR | RA | (flags & (RD | OPCODE_MASK)) | (rcode & RCODE_MASK)
     try:
-        _, _, q = parse_query(query)
+        parse_query(query)
+        labels, pos = read_labels(query, HEADER.size)
+        question = wire_name(labels) + query[pos : pos + QTAIL.size]
     except DnsError:
         return HEADER.pack(mid, out_flags, 0, 0, 0, 0)
-    return HEADER.pack(mid, out_flags, 1, 0, 0, 0) + encode_name(q.name) + QTAIL.pack(q.qtype, q.qclass)
+    return HEADER.pack(mid, out_flags, 1, 0, 0, 0) + question
 
 
 def response_id(data: bytes) -> int:
@@ -239,7 +327,8 @@ def build(msg: Message) -> bytes:
 
 
 def query(name: str, qtype: int = A, mid: int = 0, rd: bool = True) -> bytes:
-    return build(Message(mid, RD if rd else 0, (Question(name.lower().rstrip("."), qtype),)))
+    canonical = name_text(name_labels(name.lower()))  # (no trailing dot)
+    return build(Message(mid, RD if rd else 0, (Question(canonical, qtype),)))
 
 
 def address_record(name: str, address: IPv4Address | IPv6Address, ttl: int) -> Record:

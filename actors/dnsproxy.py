@@ -20,7 +20,14 @@ anything a sandbox sends from another) and by the queried name::
   stopped when its default is allow);
 - a name no entry matches: forwarded as is when the default is allow, REFUSED
   when it is deny;
-- an unknown sender: no answer; a malformed query: FORMERR.
+- an unknown sender: no answer; a malformed query: FORMERR; a name whose labels
+  hold a dot, a backslash or an octet outside printable ASCII (the policy matches
+  names as text, which such labels would make ambiguous): REFUSED, never forwarded.
+
+Every query is handled in its own error boundary (a UDP datagram, a TCP
+connection): whatever the guest sends, the worst it gets is SERVFAIL or silence,
+an unexpected error is logged and counted (``stats["errors"]``), and the proxy
+serves on. Error answers echo the question's own octets (dnsmsg.error_response).
 
 The set entries outlive the answer's TTL by a grace period and never last less
 than ``min_ttl`` (clients connect right after a TTL-0 answer). The filter is updated
@@ -49,6 +56,8 @@ MAX_INFLIGHT_PER_CLIENT = 64
 MAX_TCP_PER_CLIENT = 4
 TCP_IDLE = 10.0
 UPSTREAM_TIMEOUT = 2.0
+ACCEPT_BACKOFF = 0.1  # out of descriptors (or memory): the next accept waits this long
+LOGGED_ERRORS = 20  # unexpected errors logged with their traceback; then one in 1000
 
 
 @attrs.frozen
@@ -92,7 +101,7 @@ class DnsProxy:
         self.closed = list(closed)
         self.min_ttl, self.max_ttl, self.grace = min_ttl, max_ttl, grace
         self._clients: dict[IPv4Address, _State] = {}
-        self.stats = {"queries": 0, "refused": 0, "forwarded": 0, "opened": 0, "failed": 0}
+        self.stats = {"queries": 0, "refused": 0, "forwarded": 0, "opened": 0, "failed": 0, "formerr": 0, "errors": 0}
 
     # -- registry (the sandbox's network handle calls these) ---------------------
     def register(self, address: IPv4Address, link: str, policy: EgressPolicy) -> None:
@@ -122,9 +131,22 @@ class DnsProxy:
             raise OSError(exc.errno, f"DNS proxy cannot bind {self.address}:{self.port}: {exc.strerror}") from None
         return s
 
+    def _failed(self, what: str, host: IPv4Address) -> None:
+        """An unexpected error handling one query (a bug, or an input nobody foresaw):
+        counted and logged (the first ones with their traceback), and the proxy goes on."""
+        self.stats["errors"] += 1
+        n = self.stats["errors"]
+        if n <= LOGGED_ERRORS or n % 1000 == 0:
+            log.exception("DNS proxy: %s from %s failed (error %d; the proxy serves on)", what, host, n)
+
     async def _serve_udp(self, sock: trio.socket.SocketType, nursery: trio.Nursery) -> None:
         while True:
-            data, (host, port) = await sock.recvfrom(4096)
+            try:
+                data, (host, port) = await sock.recvfrom(4096)
+            except OSError as exc:  # (ENOMEM, ENOBUFS...): not the guest's to end the proxy
+                log.warning("DNS proxy: receiving (udp): %s", exc)
+                await trio.sleep(ACCEPT_BACKOFF)
+                continue
             state = self._clients.get(IPv4Address(host))
             if state is None or state.inflight >= MAX_INFLIGHT_PER_CLIENT:
                 continue
@@ -143,12 +165,19 @@ class DnsProxy:
                     await sock.sendto(reply, (str(host), port))
                 except OSError:
                     pass
+        except Exception:  # this datagram's boundary: never the proxy's end
+            self._failed("a UDP query", host)
         finally:
             state.inflight -= 1
 
     async def _serve_tcp(self, sock: trio.socket.SocketType, nursery: trio.Nursery) -> None:
         while True:
-            conn, (host, _port) = await sock.accept()
+            try:
+                conn, (host, _port) = await sock.accept()
+            except OSError as exc:  # EMFILE, ENFILE, ENOBUFS, ENOMEM, ECONNABORTED...
+                log.warning("DNS proxy: accepting (tcp): %s", exc)
+                await trio.sleep(ACCEPT_BACKOFF)
+                continue
             state = self._clients.get(IPv4Address(host))
             if state is None or state.tcp >= MAX_TCP_PER_CLIENT:
                 conn.close()
@@ -179,21 +208,36 @@ class DnsProxy:
                     await stream.send_all(len(reply).to_bytes(2, "big") + reply)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
             return
+        except Exception:  # this connection's boundary: it closes, the proxy serves on
+            self._failed("a TCP connection", host)
         finally:
             state.tcp -= 1
 
     # -- the decision (no sockets of the guest's here: testable directly) --------------
     async def answer(self, src: IPv4Address, data: bytes) -> bytes | None:
-        """The bytes to send back to sandbox ``src`` for query ``data`` (None: silence)."""
+        """The bytes to send back to sandbox ``src`` for query ``data`` (None: silence).
+        Never raises (but trio.Cancelled): a query it cannot or will not serve gets a
+        well-formed FORMERR, REFUSED or SERVFAIL echoing its question, and one shorter
+        than a DNS header (nothing to answer with) or from an unknown sender silence."""
         state = self._clients.get(src)
         if state is None:
             return None
         self.stats["queries"] += 1
         try:
+            return await self._decide(state.client, data)
+        except Exception:  # a bug, never the proxy's end: the guest gets SERVFAIL
+            self._failed("a query", src)
+            return _error(data, D.SERVFAIL)
+
+    async def _decide(self, client: Client, data: bytes) -> bytes | None:
+        try:
             mid, _flags, q = D.parse_query(data)
         except D.DnsError:
-            return D.error_response(data, D.FORMERR) if len(data) >= D.HEADER.size else None
-        client = state.client
+            self.stats["formerr"] += 1
+            return _error(data, D.FORMERR)
+        if not D.is_plain(q.name):  # a dot or a raw octet inside a label: no policy can judge it
+            self.stats["refused"] += 1
+            return _error(data, D.REFUSED)
         verdict, ports = client.policy.match_name(q.name)
         if verdict == "deny":
             self.stats["refused"] += 1
@@ -201,19 +245,19 @@ class DnsProxy:
                 reply = await self._forward(D.query(q.name, D.A))
                 if reply is not None:
                     self._open(client.link, [dns_deny_set(client.link)], reply, q.name)
-            return D.error_response(data, D.REFUSED)
+            return _error(data, D.REFUSED)
         if verdict == "default" and client.policy.default == "deny":
             self.stats["refused"] += 1
-            return D.error_response(data, D.REFUSED)
+            return _error(data, D.REFUSED)
         reply = await self._forward(data)
         if reply is None:
             self.stats["failed"] += 1
-            return D.error_response(data, D.SERVFAIL)
+            return _error(data, D.SERVFAIL)
         self.stats["forwarded"] += 1
         if verdict == "allow" and not self._open(
             client.link, [dns_set_name(client.link, p) for p in ports], reply, q.name
         ):
-            return D.error_response(data, D.SERVFAIL)
+            return _error(data, D.SERVFAIL)
         return D.with_id(reply, mid)
 
     def _open(self, link: str, sets: list[str], reply: bytes, qname: str) -> bool:
@@ -271,18 +315,17 @@ class DnsProxy:
 
     async def _tcp_upstream(self, data: bytes, host: str, port: int) -> bytes | None:
         sock = trio.socket.from_stdlib_socket(self.netns.socket(socket.AF_INET, socket.SOCK_STREAM))
-        with trio.move_on_after(UPSTREAM_TIMEOUT):
+        with sock, trio.move_on_after(UPSTREAM_TIMEOUT):  # (closed whatever happens)
             await sock.connect((host, port))
-            async with trio.SocketStream(sock) as s:
-                await s.send_all(len(data).to_bytes(2, "big") + data)
-                buf = b""
-                while len(buf) < 2 or len(buf) < 2 + int.from_bytes(buf[:2], "big"):
-                    chunk = await s.receive_some(65536)
-                    if not chunk:
-                        return None
-                    buf += chunk
-                return buf[2 : 2 + int.from_bytes(buf[:2], "big")]
-        sock.close()
+            s = trio.SocketStream(sock)
+            await s.send_all(len(data).to_bytes(2, "big") + data)
+            buf = b""
+            while len(buf) < 2 or len(buf) < 2 + int.from_bytes(buf[:2], "big"):
+                chunk = await s.receive_some(65536)
+                if not chunk:
+                    return None
+                buf += chunk
+            return buf[2 : 2 + int.from_bytes(buf[:2], "big")]
         return None
 
 
@@ -292,6 +335,14 @@ def _matches(reply: bytes, mid: int, q: D.Question) -> bool:
     except D.DnsError:
         return False
     return msg.id == mid and msg.is_response and msg.questions[:1] == (q,)
+
+
+def _error(query: bytes, rcode: int) -> bytes | None:
+    """An error answer to ``query`` (None: shorter than a header, nothing to answer with)."""
+    try:
+        return D.error_response(query, rcode)
+    except D.DnsError:
+        return None
 
 
 def _has_edns(query: bytes) -> bool:

@@ -205,6 +205,18 @@ class SandboxLink:
             self.tap_fd = None
 
 
+class _Watched:
+    """The DNS proxy's task status: passes ``started`` on and remembers it was called."""
+
+    def __init__(self, outer: trio.TaskStatus[None]) -> None:
+        self.outer = outer
+        self.done = False
+
+    def started(self, value: object = None) -> None:
+        self.done = True
+        self.outer.started()
+
+
 class HostNetwork:
     """The supervisor's tap networking. ``await nursery.start(net.run)``; leaving
     ``run`` (cancel) removes the table and the bridge."""
@@ -227,6 +239,7 @@ class HostNetwork:
         self._links: dict[str, SandboxLink] = {}
         self._lock_sock: socket.socket | None = None
         self.keep_table = False  # at exit: sandboxes run on (detached), their filter must stay
+        self.dns_down = False  # the DNS proxy died (logged): sandboxes resolve nothing
 
     # -- lifetime ----------------------------------------------------------------
     def _lock(self) -> None:
@@ -264,10 +277,20 @@ class HostNetwork:
     def teardown(self) -> None:
         """Every link closed, the table and the bridge removed -- unless sandboxes run on
         (``keep_table``): their links stay filtered, by the table as it is, until the
-        next supervisor replaces it."""
+        next supervisor replaces it. Fail closed: while a link is still open (its
+        sandbox was not stopped first: the supervisor is going down on an error, and
+        its QEMUs may outlive this by a moment) the table stays too; the link's own
+        rules go, so whatever it still sends is dropped, never forwarded unfiltered."""
+        if self._links and not self.keep_table:
+            log.error(
+                "tap networking stops with %d sandbox link(s) still open: the filter stays in place "
+                "(their traffic is dropped) until the next supervisor replaces it",
+                len(self._links),
+            )
+        keep = self.keep_table or bool(self._links)
         for link in list(self._links.values()):
             link.detach() if self.keep_table else link.close()
-        if not self.keep_table:
+        if not keep:
             with contextlib.suppress(NftError):
                 self.nft.run(f"delete table inet {egress.TABLE}")
             with contextlib.suppress(NetError):
@@ -281,12 +304,26 @@ class HostNetwork:
         self.setup()
         try:
             async with trio.open_nursery() as nursery:
-                await nursery.start(self.dns.run)
+                await nursery.start(self._run_dns)
                 task_status.started(self)
                 await trio.sleep_forever()
         finally:
             with trio.CancelScope(shield=True):
                 self.teardown()
+
+    async def _run_dns(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """The DNS proxy, whose failure (after it started: a bug, since it handles each
+        query in its own error boundary) ends neither tap networking nor the supervisor:
+        it is logged as an error and the filter stays as it is, failing closed (no name
+        resolves, so nothing new opens; what is open stays open for its TTL)."""
+        status = _Watched(task_status)
+        try:
+            await self.dns.run(task_status=status)
+        except Exception:
+            if not status.done:
+                raise  # (it cannot bind: the supervisor does not start)
+            self.dns_down = True
+            log.exception("the DNS proxy for sandboxes died: DNS for sandboxes is down (the filter stays in place)")
 
     # -- links -------------------------------------------------------------------
     def guest_net(self, address: IPv4Address, name: str) -> GuestNet:

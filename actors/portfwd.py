@@ -19,6 +19,12 @@ supervisor; under TCG the guest is far slower than the relay (measured).
 
 UDP: one connected socket towards the sandbox per client address, dropped after
 ``UDP_IDLE`` seconds without traffic, at most ``UDP_FLOWS`` at once.
+
+Whoever can reach the host port (any local user, for a loopback listener) and the
+guest behind it are both untrusted: each connection (each UDP flow) is its own error
+boundary, and nothing either side does (resets, descriptor exhaustion, a target
+namespace gone) ends the relay, let alone the sandbox it runs under: an accept that
+fails waits ``ACCEPT_BACKOFF`` and goes on.
 """
 
 from __future__ import annotations
@@ -33,13 +39,14 @@ import attrs
 import trio
 
 from actors.egress import TABLE
-from actors.netns import NetNS
+from actors.netns import NetError, NetNS
 
 log = logging.getLogger("sandvisor.ports")
 
 UDP_IDLE = 60.0
 UDP_FLOWS = 256
 CONNECT_TIMEOUT = 10.0
+ACCEPT_BACKOFF = 0.1  # out of descriptors (or memory): the next accept waits this long
 
 
 class PortInUse(OSError):
@@ -82,18 +89,39 @@ async def relay_tcp(
         async with trio.open_nursery() as nursery:
             task_status.started(port)
             while True:
-                conn, _ = await lsock.accept()
+                try:
+                    conn, _ = await lsock.accept()
+                except OSError as exc:  # EMFILE, ENFILE, ENOBUFS, ENOMEM, ECONNABORTED...
+                    log.warning("port %d: accepting: %s", port, exc)
+                    await trio.sleep(ACCEPT_BACKOFF)
+                    continue
                 nursery.start_soon(_tcp_pair, trio.SocketStream(conn), target)
 
 
 async def _tcp_pair(client: trio.SocketStream, target: Target) -> None:
-    async with client:
+    """One connection, its own error boundary: whatever happens, it closes and the
+    relay serves on."""
+    try:
+        async with client:
+            await _tcp_relay(client, target)
+    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+        pass
+    except Exception:  # a bug or an error nobody foresaw: logged, never the relay's end
+        log.exception("port relay to %s:%d: a connection failed", target.address, target.port)
+
+
+async def _tcp_relay(client: trio.SocketStream, target: Target) -> None:
+    try:
+        raw = target.netns.socket(socket.AF_INET, socket.SOCK_STREAM)
+    except (OSError, NetError) as exc:  # out of descriptors, the target's namespace gone
+        log.warning("port relay to %s:%d: %s", target.address, target.port, exc)
+        return
+    sock = trio.socket.from_stdlib_socket(raw)
+    with sock:
         try:
-            sock = trio.socket.from_stdlib_socket(target.netns.socket(socket.AF_INET, socket.SOCK_STREAM))
             with trio.fail_after(CONNECT_TIMEOUT):
                 await sock.connect((target.address, target.port))
         except (OSError, trio.TooSlowError):
-            sock.close()
             return  # the client sees the connection close: nothing listens in the sandbox
         upstream = trio.SocketStream(sock)
         upstream.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -123,12 +151,21 @@ async def relay_udp(
         async with trio.open_nursery() as nursery:
             task_status.started(port)
             while True:
-                data, peer = await lsock.recvfrom(65535)
+                try:
+                    data, peer = await lsock.recvfrom(65535)
+                except OSError as exc:  # (ENOMEM, ENOBUFS...)
+                    log.warning("port %d: receiving: %s", port, exc)
+                    await trio.sleep(ACCEPT_BACKOFF)
+                    continue
                 flow = flows.get(peer)
                 if flow is None:
                     if len(flows) >= UDP_FLOWS:
                         continue
-                    up = trio.socket.from_stdlib_socket(target.netns.socket(socket.AF_INET, socket.SOCK_DGRAM))
+                    try:
+                        up = trio.socket.from_stdlib_socket(target.netns.socket(socket.AF_INET, socket.SOCK_DGRAM))
+                    except (OSError, NetError) as exc:  # out of descriptors, the target's namespace gone
+                        log.warning("port relay to %s:%d: %s", target.address, target.port, exc)
+                        continue
                     try:
                         await up.connect((target.address, target.port))
                     except OSError:

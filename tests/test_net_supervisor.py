@@ -28,6 +28,7 @@ import attrs
 import pytest
 import trio
 
+from actors import dnsmsg as D
 from actors.errors import AlreadyExists, NotFound
 from actors.ippool import guest_mac
 from actors.machine import qmp_loop
@@ -204,6 +205,7 @@ async def policies_and_isolation(lab: NetLab, reg: Registry) -> tuple[dict[str, 
         got = await fetch(sb, f"{GATEWAY}:{pm.host_port}", f"{UPLINK_HOST}:{pm.host_port}")
         assert "vm" not in got, got
 
+    await hostile_dns_queries(lab, reg, a, (b, c))  # (issue 21: here, to boot no more VMs)
     return ips, {sb.id: sb.record.uid for sb in (a, b, c)}
 
 
@@ -361,3 +363,85 @@ async def test_outbound_user_mode_reaches_out_through_the_filter_only(image: Ima
                 with trio.move_on_after(1):
                     assert await client.recv(100) == b"echo:ping"
                     break
+
+
+# -- hostile DNS from a guest (issue 21: one query used to stop every sandbox) ----------------
+# run in the guest: crafted queries to the gateway over UDP, then over one TCP connection,
+# then a normal one; prints {case: [reply hex or null, ...]} (null: no answer in 2 s)
+CRAFTED_DNS = r"""
+import json, random, socket, struct, sys
+gw, name = sys.argv[1], sys.argv[2].encode()
+H = struct.Struct("!HHHHHH")
+Q = struct.pack("!HH", 1, 1)
+W = b"".join(bytes([len(x)]) + x for x in name.split(b".")) + b"\0"  # the name on the wire
+rnd = random.Random(21)
+cases = {
+    "nonascii": H.pack(1, 0x100, 1, 0, 0, 0) + b"\x01\xff" + W + Q,
+    "dotted": H.pack(2, 0x100, 1, 0, 0, 0) + b"\x03a.b" + W + Q,
+    "loop": H.pack(3, 0x100, 1, 0, 0, 0) + b"\xc0\x0c" + Q,
+    "past-end": H.pack(4, 0x100, 1, 0, 0, 0) + b"\x01x\xff\xff" + Q,
+    "truncated": H.pack(5, 0x100, 1, 0, 0, 0) + b"\x07exam",
+    "counts": H.pack(6, 0x100, 0xFFFF, 0xFFFF, 0xFFFF, 0xFFFF),
+    "short": b"\x00\x07\x01",
+    "random": bytes(rnd.getrandbits(8) for _ in range(300)),
+}
+out = {}
+u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+u.settimeout(2)
+u.connect((gw, 53))
+for case, data in cases.items():
+    u.send(data)
+    try:
+        out[case] = [u.recv(4096).hex()]
+    except socket.timeout:
+        out[case] = [None]
+t = socket.create_connection((gw, 53), timeout=5)
+for case, data in cases.items():
+    if len(data) < 12:
+        continue  # (silence over TCP is a closed connection: the last case)
+    t.sendall(len(data).to_bytes(2, "big") + data)
+    buf = b""
+    while len(buf) < 2 or len(buf) < 2 + int.from_bytes(buf[:2], "big"):
+        chunk = t.recv(65536)
+        if not chunk:
+            break
+        buf += chunk
+    out[case].append(buf[2:].hex() if len(buf) >= 2 else None)
+t.close()
+u.send(H.pack(99, 0x100, 1, 0, 0, 0) + W + Q)
+out["normal"] = [u.recv(4096).hex()]
+print(json.dumps(out))
+"""
+
+
+async def hostile_dns_queries(lab: NetLab, reg: Registry, sb: Sandbox, others: tuple[Sandbox, ...]) -> None:
+    """A tap guest (default deny, "allowed.test" allowed) sends its gateway crafted DNS
+    queries (a 0xff label, a dotted label, a compression loop, a pointer past the end,
+    a truncated question, huge counts, too short, random octets) over UDP and TCP: each
+    gets a well-formed answer or none, a normal query is answered after them, and the
+    supervisor, its proxy and the other sandboxes serve on."""
+    hn = reg.settings.hostnet
+    assert hn is not None
+    await sb.guest_call(lambda g: g.channel.write_file("/tmp/dns.py", CRAFTED_DNS.encode()))
+    replies = json.loads(await sh(sb, f"python3 /tmp/dns.py {GATEWAY} allowed.test"))
+    sent = {"nonascii": 1, "dotted": 2, "loop": 3, "past-end": 4, "truncated": 5, "counts": 6, "random": None}
+    for case, mid in sent.items():
+        for raw in replies[case]:  # (UDP, TCP)
+            assert raw is not None, (case, replies)
+            msg = D.parse(bytes.fromhex(raw))  # well-formed
+            assert msg.is_response and (mid is None or msg.id == mid), (case, msg)
+            want = D.REFUSED if case in ("nonascii", "dotted") else D.FORMERR
+            assert msg.rcode == want, (case, msg)
+    for raw in replies["nonascii"]:  # the question echoed octet for octet
+        assert bytes.fromhex(raw)[12:] == b"\x01\xff\x07allowed\x04test\x00\x00\x01\x00\x01"
+    assert replies["short"] == [None]  # nothing to answer with: silence
+    (normal,) = replies["normal"]
+    msg = D.parse(bytes.fromhex(normal))
+    assert msg.id == 99 and msg.rcode == D.NOERROR
+    assert [str(a) for a, _ in D.answered_addresses(msg, "allowed.test")] == [SERVERS[1]]
+    # the proxy and the supervisor serve on: nothing failed unforeseen, every sandbox runs
+    assert not hn.dns_down and hn.dns.stats["errors"] == 0, hn.dns.stats
+    assert all(reg.get(x.id).state == State.READY for x in (sb, *others))
+    for other in others:
+        await reach(lab.host, other.ip_address, 8000, f"vm {other.ip_address} {GATEWAY}")
+    assert (await fetch(sb, "allowed.test:80")) == ["server1"]
