@@ -26,6 +26,7 @@ import trio
 
 from actors.crash import crash_point
 from actors.disk import create_overlay
+from actors.durable import fsync_dir, fsync_path
 from actors.logs import SandboxLog
 from actors.machine import QemuUser
 from actors.settings import Settings
@@ -48,13 +49,18 @@ class SandboxFiles:
         return SandboxLog(self.log_path)
 
     async def overlay_on(self, base: Path) -> None:
-        """A fresh overlay on ``base`` replaces the sandbox's disk (a new sandbox, a restore)."""
+        """A fresh overlay on ``base`` replaces the sandbox's disk (a new sandbox, a restore).
+        Durable before QEMU writes it: the overlay's header, then its name (a power cut
+        must not bring back the old overlay, standing on layers the record no longer names)."""
         self.dir.mkdir(parents=True, exist_ok=True)
         tmp = self.dir / "disk.new.qcow2"
         tmp.unlink(missing_ok=True)
         try:
             await create_overlay(base, tmp)
+            fsync_path(tmp)
             os.replace(tmp, self.disk)
+            fsync_dir(self.dir)
+            fsync_dir(self.dir.parent)  # (the sandbox's directory may be new too)
         finally:
             tmp.unlink(missing_ok=True)
 
@@ -70,6 +76,7 @@ class SandboxFiles:
         disk, which will have moved to ``frozen`` by then."""
         self.next_disk.unlink(missing_ok=True)
         await create_overlay(self.disk, self.next_disk, backing_as=frozen)
+        fsync_path(self.next_disk)  # its header is on disk before the swap makes it the disk
         return self.next_disk
 
     def swap_disks(self, frozen: Path) -> None:
@@ -86,8 +93,8 @@ class SandboxFiles:
         os.link(self.disk, frozen)
         crash_point("checkpoint-swap")
         os.replace(self.next_disk, self.disk)
-        _fsync_dir(self.dir)
-        _fsync_dir(frozen.parent)
+        fsync_dir(self.dir)
+        fsync_dir(frozen.parent)
 
     def repair_swap(self, frozen: Path) -> bool:
         """After a crash with a checkpoint's journal set: finish the swap or undo it.
@@ -100,7 +107,7 @@ class SandboxFiles:
                 os.replace(self.next_disk, self.disk)  # linked, not replaced: finish
             else:
                 self.discard_next_disk()
-        _fsync_dir(self.dir)
+        fsync_dir(self.dir)
         return True
 
     def discard_next_disk(self) -> None:
@@ -155,11 +162,3 @@ class SandboxFiles:
         if self.ram is not None:
             with contextlib.suppress(FileNotFoundError):
                 self.ram.unlink()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

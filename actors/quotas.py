@@ -9,6 +9,15 @@ host's RAM less 1 GiB); the state dir's disk use -- logs, overlays, snapshots
 RAM file must fit in the RAM dir (a full tmpfs kills QEMUs with SIGBUS), and the
 state dir keeps ``min_free_mib``. Each refusal is RESOURCE_EXHAUSTED naming the limit.
 
+One sandbox's disks are capped too (:func:`check_sandbox_disk`, ``--max-sandbox-disk``,
+16 GiB by default): what its guest can make the host store is its overlay, which grows
+to at most its virtual size plus qcow2 metadata (:func:`actors.disk.overlay_bound`),
+and its read-write volumes (sparse raw files of their size). So the sum of those
+virtual sizes is the bound a guest meets as ENOSPC in its own file systems, never
+the host's or its neighbours'. A checkpoint freezes the overlay into the snapshot
+(the client's doing, counted by ``--max-disk``) and the guest goes on in a new overlay
+of the same virtual size: per life between checkpoints, the bound holds.
+
 Admitted work then queues for a start slot (:func:`gated`): at most ``max_starting``
 VMs come up at once, QEMU's launch to the guest's hello, boots and restores alike.
 """
@@ -38,6 +47,21 @@ class Quotas:
     max_memory_mib: int = 0  # 0: the host's RAM less 1 GiB
     max_disk_mib: int = 0  # 0: no limit on the state dir's use
     min_free_mib: int = 256  # free space the state dir's filesystem keeps
+
+
+def check_sandbox_disk(cap_mib: int, disk: int, volumes: Iterable[tuple[str, int]] = ()) -> None:
+    """May one sandbox have a disk of virtual size ``disk`` and these read-write
+    volumes (name, size)? RESOURCE_EXHAUSTED naming the sizes, else nothing (cap 0: no cap)."""
+    if not cap_mib:
+        return
+    vols = list(volumes)
+    total = disk + sum(size for _, size in vols)
+    if total > cap_mib << 20:
+        parts = [f"disk {-(-disk // (1 << 20))} MiB"] + [f"volume {n} {-(-s // (1 << 20))} MiB" for n, s in vols]
+        raise ResourceExhausted(
+            f"one sandbox's disks may take at most {cap_mib} MiB (--max-sandbox-disk); "
+            f"this one's would take {-(-total // (1 << 20))} MiB: {', '.join(parts)}"
+        )
 
 
 def host_memory_mib() -> int:

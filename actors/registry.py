@@ -38,6 +38,7 @@ import trio
 
 from actors.convert import convert_streamed
 from actors.crash import crash_point
+from actors.disk import DiskError, check_user_disk, virtual_size
 from actors.errors import (
     AlreadyExists,
     Code,
@@ -70,7 +71,7 @@ from actors.model import (
     is_hidden,
 )
 from actors.pools import Pools
-from actors.quotas import Admission, Quotas
+from actors.quotas import Admission, Quotas, check_sandbox_disk
 from actors.sandbox import Adopt, Boot, Plan, Resume, Sandbox, check_network_available
 from actors.settings import Settings
 from actors.snapshot import Checkpoint, SnapshotStore
@@ -114,7 +115,9 @@ class Registry:
         self.pools = Pools(
             settings, self.snapshots, templates=templates, template_pool=template_pool, pool_size=pool_size, pools=pools
         )
-        self.volumes = Volumes(settings.sandboxes_dir.parent / "volumes", store)
+        self.volumes = Volumes(
+            settings.sandboxes_dir.parent / "volumes", store, max_size=settings.max_sandbox_disk_mib << 20
+        )
         self._lives: trio.Nursery | None = None
         self._closing = False
         self._removing: set[str] = set()
@@ -420,6 +423,7 @@ class Registry:
         image = await self._image(config) if config.boot.image else None
         if id and id in self.sandboxes:  # created meanwhile, while the image was pulled
             return await self.create(id, config)
+        self._check_disks(config, image)
         member = self.pools.take_for_create(config, image)
         if member is None:
             self._admit(self.settings.limits(config.limits).memory_mib, ram_file=True)
@@ -434,6 +438,20 @@ class Registry:
         await self.start_life(sb, self.pools.plan_for(sb, accepted))
         await sb.persisted()
         return sb
+
+    def _check_disks(self, config: SandboxConfig, image: ImageUse | None) -> None:
+        """A caller's own rootfs stands alone (no backing or data file, actors/disk.py), and
+        the sandbox's disks fit --max-sandbox-disk (actors/quotas.py). The life checks again."""
+        try:
+            if config.boot.rootfs:
+                size = check_user_disk(Path(config.boot.rootfs)).size
+            else:
+                size = virtual_size(Path(image.rootfs) if image is not None else self.settings.image.rootfs)
+        except DiskError as exc:
+            raise FailedPrecondition(str(exc)) from None
+        recs = self.volumes.records
+        rw = [(m.name, recs[m.name].size_bytes) for m in config.volumes if not m.read_only and m.name in recs]
+        check_sandbox_disk(self.settings.max_sandbox_disk_mib, size, rw)
 
     # -- OCI images (issue 15) -------------------------------------------------------
     def image_store(self) -> ImageStore:

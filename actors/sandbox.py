@@ -54,7 +54,7 @@ import trio
 from actors.cell import Cell, Uplink
 from actors.cgroups import CgroupError, CgroupStats
 from actors.crash import crash_point
-from actors.disk import backing_chain
+from actors.disk import backing_chain, check_user_disk, virtual_size
 from actors.egress import EgressPolicy
 from actors.errors import (
     AlreadyExists,
@@ -102,6 +102,7 @@ from actors.model import (
 from actors.netns import NetError, NetNS
 from actors.nft import NftError
 from actors.portfwd import PortInUse, Target, bind_listener, relay_tcp, relay_udp
+from actors.quotas import check_sandbox_disk
 from actors.settings import Settings
 from actors.snapshot import (
     Checkpoint,
@@ -467,6 +468,9 @@ class Sandbox:
         fresh = (isinstance(plan, Resume) and plan.fallback is not None) or (
             isinstance(plan, Boot) and not self.files.disk.exists()
         )
+        own = Path(self.config.boot.rootfs) if self.config.boot.rootfs else None
+        if own is not None:  # a caller's file, checked at every life: it may have changed since
+            check_user_disk(own)  # no backing or data file: its header names nothing we open
         # a new overlay's chain is on disk before the overlay: a crash in between
         # leaves a chain without its disk (the next start makes a fresh one), never a
         # disk standing on layers its record does not name
@@ -475,7 +479,11 @@ class Sandbox:
             await self.files.overlay_on(plan.snapshot.disk)
         elif not self.files.disk.exists():
             base = self._base()
-            await self._record_chain([str(base), *map(str, backing_chain(base))])  # ours: from a trusted base
+            size, below = virtual_size(base), () if own is not None else backing_chain(base)  # ours: trusted
+            recs = self._volumes.records if self._volumes is not None else {}
+            rw = [(m.name, recs[m.name].size_bytes) for m in self.config.volumes if not m.read_only and m.name in recs]
+            check_sandbox_disk(self.settings.max_sandbox_disk_mib, size, rw)
+            await self._record_chain([str(base), *map(str, below)])
             await self.files.overlay_on(base)
         run_dir = self.files.new_run_dir()
         cells = self.settings.cells

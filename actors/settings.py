@@ -39,6 +39,9 @@ class Settings:
     cells: Cells | None = None  # the jailer (root supervisors): every QEMU in its own cell
     # directories a Create's own kernel and rootfs may come from (serve --allow-path; none by default)
     allowed_paths: tuple[Path, ...] = ()
+    # the most disk one sandbox may make the host store: its overlay's virtual size plus
+    # its read-write volumes' sizes (serve --max-sandbox-disk; 0: no cap; actors/quotas.py)
+    max_sandbox_disk_mib: int = 16 << 10
     # fresh boots get a virtio-balloon with free page reporting (MachineSpec.balloon): on
     # where every RAM a balloon can meet is safe to discard in (anonymous, the machine's
     # own RAM file, or a sealed memfd with the discard shim: a jailed supervisor)

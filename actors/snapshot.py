@@ -60,6 +60,7 @@ import attrs
 import trio
 
 from actors.crash import crash_point
+from actors.durable import fsync_dir
 from actors.errors import DomainError, FailedPrecondition, InvalidArgument, NotFound
 from actors.files import SandboxFiles
 from actors.jail import JailError
@@ -201,6 +202,8 @@ def _finish(snap_dir: Path, files: list[str], user: QemuUser | None, kernel: Pat
             os.link(src, snap_dir / name)
         except OSError:
             shutil.copy2(src, snap_dir / name)
+    fsync_dir(snap_dir)  # its names, and the directory's own name, before the record names it
+    fsync_dir(snap_dir.parent)
 
 
 def memory_for_restore(snap_dir: Path, run_dir: Path, user: QemuUser | None) -> Path:

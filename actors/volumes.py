@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING
 import attrs
 import trio
 
+from actors.durable import fsync_dir, fsync_path
 from actors.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from actors.machine import Volume
 from actors.model import VolumeMount, VolumeRecord
@@ -137,8 +138,9 @@ class Claim:
 class Volumes:
     """The named volumes of one supervisor: records, image files, claims."""
 
-    def __init__(self, root: Path, store: Store) -> None:
+    def __init__(self, root: Path, store: Store, *, max_size: int = 0) -> None:
         self.root = root
+        self.max_size = max_size  # the per-sandbox disk cap (--max-sandbox-disk; 0: none)
         self._store = store
         self.records: dict[str, VolumeRecord] = {}
         self.claims: dict[str, dict[str, Claim]] = {}  # name -> sandbox uid -> claim
@@ -175,6 +177,11 @@ class Volumes:
         check_volume_name(name)
         if not MIN_VOLUME <= size <= MAX_VOLUME:
             raise InvalidArgument(f"volume size must be {MIN_VOLUME >> 20} MiB to {MAX_VOLUME >> 30} GiB")
+        if self.max_size and size > self.max_size:
+            raise ResourceExhausted(
+                f"a volume of {-(-size // (1 << 20))} MiB is over the {self.max_size >> 20} MiB one sandbox's "
+                "disks may take (--max-sandbox-disk)"
+            )
         if name in self.records or name in self._busy:
             raise AlreadyExists(f"volume {name!r} exists")
         self._busy.add(name)
@@ -187,7 +194,9 @@ class Volumes:
             except VolumeError as exc:
                 raise ResourceExhausted(str(exc)) if "No space" in str(exc) else FailedPrecondition(str(exc)) from None
             try:
+                await trio.to_thread.run_sync(fsync_path, part)  # mkfs's blocks, then the name, then the record
                 part.rename(final)
+                fsync_dir(self.root)
                 rec = VolumeRecord(name, uid, used, int(time.time()), dict(labels or {}))
                 self._store.put_volume(rec)
                 await self._store.flush()

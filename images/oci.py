@@ -925,6 +925,7 @@ class ImageStore:
         try:
             _write_durably(tmp, body)
             tmp.rename(self.root / "refs.json")
+            _fsync_dir(self.root)  # the new refs survive a power cut (the old ones would name pruned images)
         except OSError as exc:
             with contextlib.suppress(OSError):
                 tmp.unlink()

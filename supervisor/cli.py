@@ -200,6 +200,21 @@ def _pool_arg(text: str) -> tuple[str, int]:
     return snap, int(n)
 
 
+def _sandbox_disk_arg(text: str) -> int:
+    """--max-sandbox-disk: MiB, from "16G", "512M", "2T" or a bare number of MiB ("0": no cap)."""
+    from supervisor.client import parse_size
+    from supervisor.errors import SandboxError
+
+    t = text.strip()
+    try:
+        mib = int(t) if t.isdigit() else -(-parse_size(t) // (1 << 20))
+    except SandboxError:
+        mib = -1
+    if mib < 0:
+        raise argparse.ArgumentTypeError(f"--max-sandbox-disk {text!r}: a size such as 16G, 512M, or 0 (no cap)")
+    return mib
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import logging
     from pathlib import Path
@@ -237,6 +252,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         allow_paths=tuple(Path(p).resolve() for p in args.allow_path or ()),
         max_memory_mib=args.max_memory,
         max_disk_mib=args.max_disk,
+        max_sandbox_disk_mib=args.max_sandbox_disk,
         balloon=not args.no_balloon,
         tb_size_mib=args.tb_size,
         max_starting=args.max_starting,
@@ -485,6 +501,13 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         "--max-memory", type=int, default=0, metavar="MIB", help="total guest RAM (default: host RAM - 1 GiB)"
     )
     sv.add_argument("--max-disk", type=int, default=0, metavar="MIB", help="state dir use (default: no limit)")
+    sv.add_argument(
+        "--max-sandbox-disk",
+        type=_sandbox_disk_arg,
+        default=16 << 10,
+        metavar="SIZE",
+        help="one sandbox's disk and read-write volumes, e.g. 16G (default; 0: no cap)",
+    )
     sv.add_argument(
         "--max-starting",
         type=int,

@@ -61,6 +61,7 @@ class DaemonConfig:
     max_sandboxes: int = 64  # live sandboxes, warm pool members included
     max_memory_mib: int = 0  # total guest RAM (0: the host's RAM less 1 GiB)
     max_disk_mib: int = 0  # the state dir's use: logs, overlays, snapshots (0: no limit)
+    max_sandbox_disk_mib: int = 16 << 10  # one sandbox's overlay + rw volumes, virtual sizes (0: no cap)
     jail: bool = True  # as root: every QEMU in its own jail, uid and cgroup (actors/cell.py)
     jail_overhead_mib: int = 192  # a QEMU's memory limit: guest RAM + this
     jail_uids: tuple[int, int] | None = None  # (first, count) of the cells' identities (None: the default range)
@@ -299,6 +300,7 @@ async def _serve_locked(cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Re
         memory_dir=memory_dir,
         cells=cells,
         allowed_paths=cfg.allow_paths,
+        max_sandbox_disk_mib=cfg.max_sandbox_disk_mib,
         images=ImageStore(cfg.state_dir / "oci") if os.geteuid() == 0 else None,
         balloon=balloon,
         tb_size_mib=cfg.tb_size_mib or None,
