@@ -734,7 +734,7 @@ class AsyncFS:
         behind on a failure."""
         from supervisor.treecopy import commit_temp, create_temp, open_target
 
-        dfd, name = await trio.to_thread.run_sync(open_target, Path(local), path)
+        dfd, name = await trio.to_thread.run_sync(open_target, os.fspath(local), path)
         try:
             tmp, fd = await trio.to_thread.run_sync(create_temp, dfd, name)
             done = False

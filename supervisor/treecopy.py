@@ -159,26 +159,28 @@ async def unpack_tree(
 # --- single-file copy-out: the destination ---------------------------------------------------
 
 
-def open_target(dest: Path, guest_path: str) -> tuple[int, str]:
+def open_target(dest: str | Path, guest_path: str) -> tuple[int, str]:
     """Where ``cp box:GUEST_PATH DEST`` writes: a descriptor of the directory and the
     name in it. DEST a directory, or a symlink to one (followed, as ``cp`` does; the
     user named it, and the kernel's protected_symlinks rule applies in sticky
     directories): the guest file's basename in it. Else DEST's parent and DEST's last
     component, which is never followed: :func:`commit_temp` renames over whatever is
-    there (a symlink included)."""
+    there (a symlink included). DEST ending in '/' must be a directory."""
+    dest = os.fspath(dest)
     flags = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
     try:
         return os.open(dest, flags), _leaf(PurePosixPath(guest_path).name, guest_path)
     except (FileNotFoundError, NotADirectoryError) as exc:
-        if str(dest).endswith("/"):
+        if dest.endswith("/"):
             raise _error(P.errcode(exc), f"{dest}: {exc.strerror}") from None
     except OSError as exc:
         raise _error(P.errcode(exc), f"{dest}: {exc.strerror}") from None
-    name = _leaf(dest.name, str(dest))
+    parent, name = os.path.split(dest)
+    name = _leaf(name, dest)
     try:
-        return os.open(dest.parent, flags), name
+        return os.open(parent or ".", flags), name
     except OSError as exc:
-        raise _error(P.errcode(exc), f"{dest.parent}: {exc.strerror}") from None
+        raise _error(P.errcode(exc), f"{parent}: {exc.strerror}") from None
 
 
 def _leaf(name: str, whole: str) -> str:
