@@ -110,7 +110,10 @@ class GuestTimeout(GuestError, trio.TooSlowError):
 class GuestOpError(GuestError):
     """The guest refused a request. ``code`` is one of the proto E_* codes."""
 
+    MAX_TEXT = 4096  # a guest's code and message, as far as the host keeps them (records, logs, replies)
+
     def __init__(self, code: str, message: str) -> None:
+        code, message = code[:200], message[: self.MAX_TEXT]
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
@@ -853,7 +856,7 @@ class _DataStream:
             if isinstance(msg, P.Data):
                 self.received += len(msg.data)
                 if self.received > self.LIMIT:
-                    raise GuestProtocolError(f"guest sent more than {self.WHAT}")
+                    await self._req.chan._protocol_violation(f"guest sent more than {self.WHAT}")
                 return msg.data
             if isinstance(msg, P.Eof):
                 self.eof = True
