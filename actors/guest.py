@@ -48,6 +48,40 @@ CLOCK_TRIES = 8  # ... at most this often (each try's error is its own round tri
 FRAME_TIMEOUT = 30.0  # how long a guest may take to read one frame we send (as the daemon's guest_timeout)
 _M = TypeVar("_M", bound=P.Message)
 
+# What the host takes of a guest's numbers. The codec checks types only; these ranges are
+# what the rest of the host can hold (SQLite and protobuf int64, int32 exit codes, uint64
+# counters): a guest that sends more breaks the protocol, and only its own channel.
+_U31, _U63 = (0, 2**31 - 1), (0, 2**63 - 1)
+_I64 = (-(2**63), 2**63 - 1)
+_RANGES: dict[str, dict[str, tuple[float, float]]] = {
+    "hello_ok": {"pid": _U31, "boot_ns": _U63, "ready_ns": _U63, "activity": _U63, "version": _U31},
+    "pong": {"activity": _U63, "guest_ns": _I64},
+    "ok": {"activity": _U63, "value": _U63},
+    "exec_started": {"pid": _U31},
+    "exit": {"code": _U31, "signal": _U31},
+    "file_info": {"size": _U63, "mode": (0, 0o177777)},
+    "metrics_ok": {"uptime": (0, math.inf), "ncpu": _U31, "procs": _U31},
+    "data": {"ch": _U31},
+    "eof": {"ch": _U31},
+    "credit": {"ch": _U31, "n": _U63},
+}
+_VALUE_RANGES: dict[str, dict[str, tuple[float, float]]] = {  # every value of a map field
+    "hello_ok": {"marks": (0, math.inf)},
+    "metrics_ok": {"cpu_seconds": (0, math.inf), "mem": _U63, "disk": _U63, "net": _U63},
+}
+
+
+def check_ranges(msg: P.Message) -> None:
+    """BadMessage unless every number of ``msg`` is finite and in the host's range."""
+    for name, (lo, hi) in _RANGES.get(msg.TAG, {}).items():
+        v = getattr(msg, name)
+        if not (lo <= v <= hi and math.isfinite(v)):
+            raise P.BadMessage(f"{msg.TAG}.{name} out of range: {str(v)[:40]}")
+    for name, (lo, hi) in _VALUE_RANGES.get(msg.TAG, {}).items():
+        for key, v in getattr(msg, name).items():
+            if not (lo <= v <= hi and math.isfinite(v)):
+                raise P.BadMessage(f"{msg.TAG}.{name}[{key[:40]!r}] out of range: {str(v)[:40]}")
+
 
 class GuestError(Exception):
     """Base of every error of the guest channel."""
@@ -76,7 +110,10 @@ class GuestTimeout(GuestError, trio.TooSlowError):
 class GuestOpError(GuestError):
     """The guest refused a request. ``code`` is one of the proto E_* codes."""
 
+    MAX_TEXT = 4096  # a guest's code and message, as far as the host keeps them (records, logs, replies)
+
     def __init__(self, code: str, message: str) -> None:
+        code, message = code[:200], message[: self.MAX_TEXT]
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
@@ -299,6 +336,7 @@ class GuestChannel:
                     await self._stream.aclose()
 
     def _dispatch(self, msg: P.Message) -> None:
+        check_ranges(msg)
         if isinstance(msg, P.HelloOk):
             self._hello = msg
             self._hello_event.set()
@@ -818,7 +856,7 @@ class _DataStream:
             if isinstance(msg, P.Data):
                 self.received += len(msg.data)
                 if self.received > self.LIMIT:
-                    raise GuestProtocolError(f"guest sent more than {self.WHAT}")
+                    await self._req.chan._protocol_violation(f"guest sent more than {self.WHAT}")
                 return msg.data
             if isinstance(msg, P.Eof):
                 self.eof = True

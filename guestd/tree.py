@@ -20,12 +20,17 @@ refused (:class:`TreeError`, INVALID_ARGUMENT unless said otherwise)::
     char/block dev, FIFO   special files
     a 1 GiB pax header     header payloads above MAX_TREE_META
     no end-of-archive      a truncated or malformed stream
+    a\0b, mtime=inf, uid   a NUL in a name or link, a time or owner out of range
+    =2**70, bad records    (whatever tarfile's parser raises on a hostile header,
+                           ValueError, OverflowError, ..., is a TreeError too)
     > MAX_TREE, entries    TOO_LARGE
 
 An existing file at a member's name is replaced (unlinked first: neither a symlink
 nor a hard link is ever written through); an existing directory is merged; a
 directory is never replaced by a non-directory (IS_A_DIRECTORY). Directory modes and
-times are applied last, deepest first, as tar does.
+times are applied last, deepest first, as tar does; with ``keep_existing`` (the host
+unpacking a guest's tree) only to the directories this unpack made: one that was
+already there keeps its mode, owner and times, as ``cp`` leaves them.
 
 Packing walks with descriptors too (``O_NOFOLLOW``, ``fstat`` of what was opened):
 symlinks are archived as links, regular files with their contents as of the fstat
@@ -39,6 +44,7 @@ no per-entry pax header); format POSIX pax (long names, big ids).
 from __future__ import annotations
 
 import errno
+import math
 import os
 import stat
 import struct
@@ -291,6 +297,14 @@ def pack(root_fd: int, write: Callable[[bytes], object]) -> int:
 # ---------------------------------------------------------------------------
 
 
+class _SourceError(Exception):
+    """The ``read`` callback's own exception, carried through tarfile unchanged."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
 class _Source:
     """The file object tarfile's stream mode reads from; caps the stream's length."""
 
@@ -299,7 +313,10 @@ class _Source:
         self.count = 0
 
     def read(self, n: int) -> bytes:
-        data = self._read(n)
+        try:
+            data = self._read(n)
+        except Exception as exc:
+            raise _SourceError(exc) from exc
         self.count += len(data)
         if self.count > P.MAX_TREE_STREAM:
             raise TreeError(P.E_TOO_LARGE, f"the tar stream exceeds {P.MAX_TREE_STREAM} bytes")
@@ -339,6 +356,26 @@ class _Info(tarfile.TarInfo):
         return super()._proc_member(tarfile_)  # type: ignore[misc,no-any-return]
 
 
+MAX_ID = 2**32 - 2  # uid/gid: (2**32 - 1 is -1, "unchanged", to chown)
+MAX_MTIME = 2**40  # seconds either side of the epoch (34,000 years; os.utime's range is wider)
+
+
+def _check_header(ti: tarfile.TarInfo) -> None:
+    """What tarfile parsed but the file system cannot take: refused here, typed, rather
+    than as a ValueError or OverflowError of the system call that would meet it."""
+    name = ti.name[:200]
+    if "\0" in ti.name or "\0" in ti.linkname:
+        raise TreeError(P.E_INVALID, f"a NUL in an archive name or link: {name!r}")
+    mtime = ti.mtime
+    if not isinstance(mtime, (int, float)) or not math.isfinite(mtime) or not -MAX_MTIME < mtime < MAX_MTIME:
+        raise TreeError(P.E_INVALID, f"{name!r}: mtime out of range: {str(mtime)[:40]}")
+    for what, v in (("uid", ti.uid), ("gid", ti.gid)):
+        if not isinstance(v, int) or not 0 <= v <= MAX_ID:
+            raise TreeError(P.E_INVALID, f"{name!r}: {what} out of range: {str(v)[:40]}")
+    if not isinstance(ti.size, int) or ti.size < 0 or not isinstance(ti.mode, int):
+        raise TreeError(P.E_INVALID, f"{name!r}: bad size or mode")
+
+
 def _parts(name: str) -> tuple[str, ...]:
     if name.startswith("/"):
         raise TreeError(P.E_INVALID, f"absolute name in the archive: {name[:200]!r}")
@@ -350,9 +387,17 @@ def _parts(name: str) -> tuple[str, ...]:
 
 class _Unpacker:
     def __init__(
-        self, dest_fd: int, owner: tuple[int, int] | None, keep_ids: bool, root_meta: bool, mode_mask: int
+        self,
+        dest_fd: int,
+        owner: tuple[int, int] | None,
+        keep_ids: bool,
+        root_meta: bool,
+        mode_mask: int,
+        keep_existing: bool = False,
     ) -> None:
         self.dest = dest_fd
+        self.keep_existing = keep_existing
+        self.made: set[tuple[str, ...]] = set()  # directories this unpack created
         self.owner = owner
         self.keep_ids = keep_ids
         self.root_meta = root_meta
@@ -384,6 +429,7 @@ class _Unpacker:
                     if not create:
                         raise
                     os.mkdir(comp, 0o700, dir_fd=fd)
+                    self.made.add(parts[: i + 1])
                     uid, gid = self.owner if self.owner is not None else (-1, -1)
                     self.dirs.setdefault(parts[: i + 1], (0o755, uid, gid, None))  # as tar makes parents
                     nfd = os.open(comp, _DIR, dir_fd=fd)
@@ -436,11 +482,15 @@ class _Unpacker:
         if ti.isdir():
             try:
                 os.mkdir(leaf, 0o700, dir_fd=pfd)
+                self.made.add(parts)
             except FileExistsError:
                 st = os.stat(leaf, dir_fd=pfd, follow_symlinks=False)
                 if not stat.S_ISDIR(st.st_mode):
                     os.unlink(leaf, dir_fd=pfd)
                     os.mkdir(leaf, 0o700, dir_fd=pfd)
+                    self.made.add(parts)
+            if self.keep_existing and parts not in self.made:
+                return 0  # already there: its mode, owner and times stay
             uid, gid = ids or (-1, -1)
             self.dirs[parts] = (mode, uid, gid, int(ti.mtime))
             return 0
@@ -531,16 +581,22 @@ def unpack(
     keep_ids: bool = True,
     root_meta: bool = False,
     mode_mask: int = 0o7777,
+    keep_existing: bool = False,
 ) -> int:
     """Unpack the tar stream ``read`` yields into the directory ``dest_fd``; returns
     the number of entries. ``owner``: every entry gets this uid/gid; else the
     archive's numeric ids (``keep_ids``, as root) or the caller's. ``root_meta``: the
     archive's root entry (``.``) sets the target's mode and times (the caller made it).
     ``mode_mask``: 0o777 drops setuid, setgid and sticky bits (a host unpacking a
-    guest's tree must: the guest chose them).
+    guest's tree must: the guest chose them; a client's umask too).
+    ``keep_existing``: directories that were there before keep their mode, owner and
+    times; only what this unpack made gets the archive's.
+    Every refusal or malformation is a :class:`TreeError` (an OSError of the target's
+    file system too, with its errno's code); the ``read`` callback's own exceptions
+    pass through as they are.
     The stream is read to its end, so a writer never sees a broken pipe on success."""
     src = _Source(read)
-    u = _Unpacker(dest_fd, owner, keep_ids, root_meta, mode_mask)
+    u = _Unpacker(dest_fd, owner, keep_ids, root_meta, mode_mask, keep_existing)
     entries = 0
     total = 0
     try:
@@ -558,11 +614,21 @@ def unpack(
             )
         except tarfile.ReadError as exc:
             raise TreeError(P.E_INVALID, f"not a tar stream: {exc}") from None
+        except TreeError:
+            raise
+        except _SourceError as exc:
+            raise exc.error from None
+        except Exception as exc:  # the first header is parsed here: as in next() below
+            raise TreeError(P.E_INVALID, f"malformed tar stream: {type(exc).__name__}: {exc}"[:300]) from None
         while True:
             try:
                 ti = tf.next()
-            except (tarfile.TarError, EOFError) as exc:
-                raise TreeError(P.E_INVALID, f"malformed tar stream: {exc}") from None
+            except TreeError:
+                raise
+            except _SourceError as exc:
+                raise exc.error from None
+            except Exception as exc:  # tarfile's parser on hostile headers: TarError, ValueError, OverflowError, ...
+                raise TreeError(P.E_INVALID, f"malformed tar stream: {type(exc).__name__}: {exc}"[:300]) from None
             tf.members.clear()
             if ti is None:
                 break
@@ -574,17 +640,26 @@ def unpack(
                 if total > P.MAX_TREE:
                     raise TreeError(P.E_TOO_LARGE, f"the archive's files exceed {P.MAX_TREE} bytes")
             try:
+                _check_header(ti)
                 u.member(tf, ti)
-            except (tarfile.TarError, EOFError) as exc:
-                raise TreeError(P.E_INVALID, f"{ti.name}: malformed tar stream: {exc}") from None
+            except TreeError:
+                raise
+            except _SourceError as exc:
+                raise exc.error from None
             except OSError as exc:
                 raise _os_error(exc, ti.name[:200]) from None
+            except Exception as exc:  # a sparse map, ... (never a hostile stream's exception of its own)
+                what = f"{ti.name[:200]}: malformed tar stream: {type(exc).__name__}: {exc}"
+                raise TreeError(P.E_INVALID, what[:400]) from None
         try:
             u.finish_dirs()
         except OSError as exc:
             raise _os_error(exc, "directory metadata") from None
-        while src.read(P.CHUNK):  # the writer's padding after the end-of-archive marker
-            pass
+        try:
+            while src.read(P.CHUNK):  # the writer's padding after the end-of-archive marker
+                pass
+        except _SourceError as exc:
+            raise exc.error from None
     finally:
         u.close()
     return entries

@@ -929,11 +929,15 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
     p = cmd("cp", cp, "copy a file (or with -r a directory tree) in or out: one side is NAME:/path")
     p.add_argument("-r", "--recursive", action="store_true", help="a directory tree, as one tar stream")
     p.add_argument(
-        "-a", "--archive", action="store_true", help="keep numeric owners (in: the host's; out: the guest's, as root)"
+        "-a",
+        "--archive",
+        action="store_true",
+        help="keep numeric owners (in: the host's; out: the guest's, and modes unmasked by the umask, as root);"
+        " out, directories already at DST keep their own",
     )
     p.add_argument("--owner", default="root", help="-r in: USER[:GROUP] in the guest that owns every entry")
     p.add_argument("src")
-    p.add_argument("dst")
+    p.add_argument("dst", help="out: a directory (or link to one) gets the file by name; a link at DST is replaced")
 
     for name, help in (
         ("stop", "stop gracefully"),

@@ -28,6 +28,7 @@ bodies (the protocol-level API); frames travel on :class:`supervisor.frames.Fram
 from __future__ import annotations
 
 import builtins
+import contextlib
 import functools
 import os
 import queue
@@ -723,14 +724,34 @@ class AsyncFS:
         await self.write(path, pieces(), mode=mode)
 
     async def copy_out(self, path: str, local: str | Path) -> None:
-        dest = Path(local)
-        tmp = dest.with_name(f".{dest.name}.sandvisor-part")
-        req = W.unstructure_body(W.ReadFileRequest(id=self._sb.id, path=path))
-        async with connect(self._sb.socket) as c, c.open_call("ReadFile", req) as call:
-            with open(tmp, "wb") as f:
-                async for ch in call:
-                    await trio.to_thread.run_sync(f.write, _structure(ch, W.FileChunk, "ReadFile").data)
-        tmp.replace(dest)
+        """``cp box:/path DEST``: the sandbox's file ``path`` into the host file ``local``.
+        ``local`` naming a directory (a symlink to one too, as ``cp`` follows it; the
+        kernel's protected_symlinks rule applies) means ``local/<basename of path>``.
+        The file is written to a new, unpredictable name in the target directory
+        (O_CREAT|O_EXCL|O_NOFOLLOW, mode 0666 & ~umask) and renamed into place when whole:
+        whatever is at the final name (a file, a symlink a guest's tree or another
+        user planted) is replaced, never written through or followed; nothing is left
+        behind on a failure."""
+        from supervisor.treecopy import commit_temp, create_temp, open_target
+
+        dfd, name = await trio.to_thread.run_sync(open_target, os.fspath(local), path)
+        try:
+            tmp, fd = await trio.to_thread.run_sync(create_temp, dfd, name)
+            done = False
+            try:
+                req = W.unstructure_body(W.ReadFileRequest(id=self._sb.id, path=path))
+                with open(fd, "wb", closefd=True) as f:
+                    async with connect(self._sb.socket) as c, c.open_call("ReadFile", req) as call:
+                        async for ch in call:
+                            await trio.to_thread.run_sync(f.write, _structure(ch, W.FileChunk, "ReadFile").data)
+                await trio.to_thread.run_sync(commit_temp, dfd, tmp, name)
+                done = True
+            finally:
+                if not done:
+                    with contextlib.suppress(OSError):
+                        os.unlink(tmp, dir_fd=dfd)
+        finally:
+            os.close(dfd)
 
     async def copy_tree_in(self, local: str | Path, path: str, *, owner: str = "") -> int:
         """``cp -r DIR box:/path``: the host directory ``local`` into the sandbox's
@@ -763,7 +784,12 @@ class AsyncFS:
         from supervisor.treecopy import unpack_tree
 
         dest = Path(local)
-        await trio.to_thread.run_sync(functools.partial(dest.mkdir, parents=True, exist_ok=True))
+        await trio.to_thread.run_sync(functools.partial(dest.parent.mkdir, parents=True, exist_ok=True))
+        try:  # a DEST that was there keeps its mode, owner and times (as every directory in it)
+            await trio.to_thread.run_sync(dest.mkdir)
+            made = True
+        except FileExistsError:
+            made = False
         req = W.unstructure_body(W.ReadTreeRequest(id=self._sb.id, path=path))
         async with connect(self._sb.socket) as c, c.open_call("ReadTree", req) as call:
 
@@ -776,7 +802,7 @@ class AsyncFS:
                         return
                 raise ApiError(W.UNAVAILABLE, "the tree stream ended early")
 
-            return await unpack_tree(chunks(), dest, keep_ids=keep_owners, root_meta=True)
+            return await unpack_tree(chunks(), dest, keep_ids=keep_owners, root_meta=made)
 
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}

@@ -11,9 +11,13 @@ unpacker is the one guestd itself runs.
 
 The stream from a guest is hostile: :func:`unpack_tree` refuses what guestd refuses
 (absolute names, '..', names through symlinks, devices, FIFOs, hard links out of the
-archive, oversized headers, more than the tree limits) and, beyond that, never sets
-setuid/setgid/sticky bits nor (unless asked) the guest's owners. It walks by
-directory descriptors, so a symlink in the destination cannot redirect it either.
+archive, oversized headers, more than the tree limits; every malformed header, a NUL in
+a name, a time or owner out of range) and, beyond that, never sets
+setuid/setgid/sticky bits nor (unless asked) the guest's owners. Modes, owners and
+times go only to what the copy created: a directory already at the destination keeps
+its own (as ``cp`` leaves it), and the modes are masked by the caller's umask (but
+with ``keep_ids`` as root: ``cp -a``). It walks by directory descriptors, so a symlink
+in the destination cannot redirect it either.
 Errors are the SDK's typed errors (:func:`supervisor.errors.error_for`) with guestd's
 codes (INVALID_ARGUMENT for a refused stream).
 
@@ -26,9 +30,10 @@ bytes.
 from __future__ import annotations
 
 import os
+import secrets
 from collections.abc import AsyncIterable, AsyncIterator
 from contextlib import asynccontextmanager
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import trio
 
@@ -76,13 +81,30 @@ async def packed_tree(path: Path) -> AsyncIterator[trio.MemoryReceiveChannel[byt
             nursery.cancel_scope.cancel()  # the body stopped reading: stop the packer
 
 
+def umask() -> int:
+    """This process's umask, read without changing it (Linux >= 4.7 reports it in
+    /proc/self/status; else set and restored at once)."""
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    old = os.umask(0o022)
+    os.umask(old)
+    return old
+
+
 async def unpack_tree(
     chunks: AsyncIterable[bytes], dest: Path, *, keep_ids: bool = False, root_meta: bool = False
 ) -> int:
     """Unpack a tar stream (e.g. a guest's ``read_tree``) into the directory ``dest``,
     which exists; returns the number of entries. ``keep_ids``: the archive's numeric
-    owners (as root only); else the files are the caller's. ``root_meta``: the
-    archive's root entry sets ``dest``'s mode and mtime."""
+    owners and exact modes (as root only); else the files are the caller's, their
+    modes masked by its umask. ``root_meta``: the archive's root entry sets ``dest``'s
+    mode and mtime (pass it only when the caller made ``dest``). Directories already
+    under ``dest`` keep their mode, owner and times."""
     try:
         fd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as exc:
@@ -110,8 +132,11 @@ async def unpack_tree(
         except Exception as exc:  # the source's own error (e.g. NOT_FOUND) wins over "truncated"
             failed.append(exc)
 
+    ids = keep_ids and os.geteuid() == 0
+    mask = 0o777 if ids else 0o777 & ~umask()
+
     def work() -> int:
-        return tree.unpack(read, fd, keep_ids=keep_ids and os.geteuid() == 0, root_meta=root_meta, mode_mask=0o777)
+        return tree.unpack(read, fd, keep_ids=ids, root_meta=root_meta, mode_mask=mask, keep_existing=True)
 
     try:
         with collapse_single(), recv:  # (close(), not aclose(): see packed_tree)
@@ -129,3 +154,60 @@ async def unpack_tree(
         return n
     finally:
         os.close(fd)
+
+
+# --- single-file copy-out: the destination ---------------------------------------------------
+
+
+def open_target(dest: str | Path, guest_path: str) -> tuple[int, str]:
+    """Where ``cp box:GUEST_PATH DEST`` writes: a descriptor of the directory and the
+    name in it. DEST a directory, or a symlink to one (followed, as ``cp`` does; the
+    user named it, and the kernel's protected_symlinks rule applies in sticky
+    directories): the guest file's basename in it. Else DEST's parent and DEST's last
+    component, which is never followed: :func:`commit_temp` renames over whatever is
+    there (a symlink included). DEST ending in '/' must be a directory."""
+    dest = os.fspath(dest)
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC
+    try:
+        return os.open(dest, flags), _leaf(PurePosixPath(guest_path).name, guest_path)
+    except (FileNotFoundError, NotADirectoryError) as exc:
+        if dest.endswith("/"):
+            raise _error(P.errcode(exc), f"{dest}: {exc.strerror}") from None
+    except OSError as exc:
+        raise _error(P.errcode(exc), f"{dest}: {exc.strerror}") from None
+    parent, name = os.path.split(dest)
+    name = _leaf(name, dest)
+    try:
+        return os.open(parent or ".", flags), name
+    except OSError as exc:
+        raise _error(P.errcode(exc), f"{parent}: {exc.strerror}") from None
+
+
+def _leaf(name: str, whole: str) -> str:
+    if name in ("", ".", "..") or "\0" in name:
+        raise error_for("INVALID_ARGUMENT", f"{whole!r} names no file")
+    return name
+
+
+def create_temp(dfd: int, name: str) -> tuple[str, int]:
+    """A new file beside ``name`` in ``dfd`` (mode 0666 & ~umask) under a name nobody
+    can predict, made with O_EXCL|O_NOFOLLOW: (its name, a descriptor open for writing)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    for _ in range(100):
+        tmp = f".{name[:100]}.{secrets.token_hex(8)}.sandvisor-part"
+        try:
+            return tmp, os.open(tmp, flags, 0o666, dir_fd=dfd)
+        except FileExistsError:
+            continue
+        except OSError as exc:
+            raise _error(P.errcode(exc), f"{name}: {exc.strerror}") from None
+    raise error_for("FAILED_PRECONDITION", f"{name}: no unused temporary name")
+
+
+def commit_temp(dfd: int, tmp: str, name: str) -> None:
+    """Rename the whole file ``tmp`` to ``name`` (both in ``dfd``): replaces a file or a
+    symlink there, never follows it; a directory there is an error."""
+    try:
+        os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+    except OSError as exc:
+        raise _error(P.errcode(exc), f"{name}: {exc.strerror}") from None

@@ -63,7 +63,8 @@ resolved from the fake's user table; modes with the file (or ``guest.dir_modes``
 Hostile modes (:class:`Hostile`, ``guest.hostile``, switchable at any time): go
 silent (now or after the next hello), stop reading (deaf), ignore kills, flood frames
 with unknown request ids, send data beyond credit, answer with the wrong message type,
-close the stream mid-request.
+close the stream mid-request, send any field of any message with a value of any type or
+range (``tampered``), send garbage bytes after a hello.
 
 Not modelled (a real VM is the proof of these): pipe buffers (stdin credit comes back
 when the command reads it, and a killed process's unread output is lost, where guestd
@@ -80,6 +81,7 @@ power-off sequence (sync, remount). Metrics are fixed, plausible numbers.
 
 from __future__ import annotations
 
+import copy
 import errno
 import io
 import posixpath
@@ -139,11 +141,31 @@ class Hostile:
     wrong_reply: bool = False  # answers have the wrong type (Pong for Ok/ExecStarted/FileInfo..., Ok for Pong)
     close_mid_request: bool = False  # on a request: exec/read_file send their first answer, then the
     # stream closes; other requests close it unanswered. The guest lives on (a host can reconnect).
+    # tag -> field -> value: every message of that tag the guest sends has these values, any type,
+    # any range (e.g. {"metrics_ok": {"mem": {"total": -1}}, "hello_ok": {"marks": {"init": nan}}})
+    tampered: dict[str, dict[str, Any]] = attrs.Factory(dict)
+    garbage_after_hello: bytes = b""  # raw bytes sent right after the next HelloOk (once)
 
 
 # ---------------------------------------------------------------------------
 # connections, sessions, requests (the shape of guestd's Conn, Session, Req)
 # ---------------------------------------------------------------------------
+
+
+def _tamper(msg: P.Message, hostile: Hostile) -> P.Message:
+    """``msg`` with the fields ``hostile.tampered`` gives its tag (no type checks: the wire
+    takes whatever msgpack packs)."""
+    fields = hostile.tampered.get(msg.TAG)
+    if not fields:
+        return msg
+    out = copy.copy(msg)
+    for name, value in fields.items():
+        object.__setattr__(out, name, value)
+    if any(name not in {f for f, _, _ in msg._fields} for name in fields):  # an unknown key: on the wire too
+        extra = {k: v for k, v in fields.items() if k not in {f for f, _, _ in msg._fields}}
+        wire = out.to_wire
+        object.__setattr__(out, "to_wire", lambda: wire() | extra)
+    return out
 
 
 class _Conn:
@@ -168,7 +190,7 @@ class _Conn:
                 self.hang_up()
 
     async def send(self, msg: P.Message) -> None:
-        await self.send_raw(P.encode(msg))
+        await self.send_raw(P.encode(_tamper(msg, self.guest.hostile)))
 
     def hang_up(self) -> None:
         """The host is gone (or we close on it): end the session, keep the processes."""
@@ -1073,7 +1095,10 @@ class FakeGuest:
                 marks=dict(BOOT_MARKS),
                 features=list(FEATURES),
             )
-            await conn.send_raw(P.GUEST_SYNC + P.encode(hello))
+            await conn.send_raw(P.GUEST_SYNC + P.encode(_tamper(hello, self.hostile)))
+            if self.hostile.garbage_after_hello:
+                garbage, self.hostile.garbage_after_hello = self.hostile.garbage_after_hello, b""
+                await conn.send_raw(garbage)
             if self.hostile.silent_after_hello:
                 self.hostile.silent = True
             return

@@ -156,3 +156,61 @@ def test_named_scripts_run_by_name(served: dict[str, str], tmp_path: Path) -> No
         cli(served, "rm", "-f", "scripted-cli")
     with pytest.raises(InvalidArgument, match="script name"):
         Sandbox.create("bad-script", socket=sock, scripts={"../x": "true"})
+
+
+def test_cp_out_keeps_existing_dirs_and_never_follows_a_planted_link(served: dict[str, str], tmp_path: Path) -> None:
+    """A guest's 0777 directories and setuid file copied out (issue 21): directories
+    that were at DEST keep their mode and owner, new ones get the guest's mode without
+    special bits (and, without -a, masked by the client's umask); a single-file copy
+    replaces a symlink planted at its destination (and at the old predictable temp
+    name) instead of writing through it."""
+    with Sandbox.create("cp-hostile", socket=served["SANDVISOR_SOCKET"]) as sb:
+        r = sb.run(
+            "mkdir -p /srv/x/pre/new && echo s > /srv/x/pre/suid && chmod 4777 /srv/x/pre/suid"
+            " && chmod 0777 /srv/x /srv/x/pre /srv/x/pre/new && chown -R 1000:1000 /srv/x"
+        )
+        assert r.exit_code == 0, r.stderr
+        dest = tmp_path / "dest"
+        (dest / "pre").mkdir(parents=True)
+        for d in (dest, dest / "pre"):
+            d.chmod(0o750)
+            os.chown(d, 4321, 4321)
+        r1 = cli(served, "cp", "-r", "-a", "cp-hostile:/srv/x", str(dest))
+        assert r1.returncode == 0, r1.stderr
+
+        def meta(p: Path) -> tuple[int, int, int]:
+            st = p.lstat()
+            return st.st_mode & 0o7777, st.st_uid, st.st_gid
+
+        assert meta(dest) == (0o750, 4321, 4321)  # was there: kept
+        assert meta(dest / "pre") == (0o750, 4321, 4321)
+        assert meta(dest / "pre" / "new") == (0o777, 1000, 1000)  # made by the copy, -a as root
+        assert meta(dest / "pre" / "suid") == (0o777, 1000, 1000)  # no setuid from a guest
+
+        plain = tmp_path / "plain"  # without -a: the caller's files, its umask
+        r2 = subprocess.run(
+            [sys.executable, "-m", "supervisor.cli", "cp", "-r", "cp-hostile:/srv/x", str(plain)],
+            env=served,
+            capture_output=True,
+            timeout=300,
+            check=False,
+            umask=0o027,
+        )
+        assert r2.returncode == 0, r2.stderr
+        assert meta(plain / "pre" / "new") == (0o750, 0, 0)
+        assert meta(plain / "pre" / "suid") == (0o750, 0, 0)
+
+        out, outside = tmp_path / "out", tmp_path / "outside"
+        out.mkdir()
+        outside.mkdir()
+        (outside / "victim").write_text("victim")
+        (out / "f").symlink_to(outside / "victim")  # planted at the destination
+        (out / ".f.sandvisor-part").symlink_to(outside / "victim")  # ... and at the old temp name
+        r3 = cli(served, "cp", "cp-hostile:/srv/x/pre/suid", str(out / "f"))
+        assert r3.returncode == 0, r3.stderr
+        assert not (out / "f").is_symlink() and (out / "f").read_text() == "s\n"
+        assert (outside / "victim").read_text() == "victim" and os.listdir(outside) == ["victim"]
+        r4 = cli(served, "cp", "cp-hostile:/srv/x/pre/suid", str(out))  # a directory: its basename in it
+        assert r4.returncode == 0, r4.stderr
+        assert (out / "suid").read_text() == "s\n"
+        assert sorted(os.listdir(out)) == [".f.sandvisor-part", "f", "suid"]  # no temp file left

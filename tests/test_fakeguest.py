@@ -20,6 +20,7 @@ import socket
 import tarfile
 import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 import pytest
 import trio
@@ -848,3 +849,44 @@ async def test_mounts_of_the_disks_there_are() -> None:
             with pytest.raises(GuestOpError) as e:
                 await chan.umount("/ro")
             assert e.value.code == P.E_INVALID
+
+
+@pytest.mark.parametrize(
+    ("tampered", "request_"),
+    [
+        ({"metrics_ok": {"mem": {"total": -1}}}, "metrics"),
+        ({"metrics_ok": {"uptime": float("nan")}}, "metrics"),
+        ({"metrics_ok": {"net": {"rx_bytes": 2**64 - 1}}}, "metrics"),
+        ({"metrics_ok": {"uptime": "soon"}}, "metrics"),  # a wrong type: the codec's own check
+        ({"pong": {"activity": -1}}, "ping"),
+        ({"exit": {"code": 2**64 - 1}}, "run"),
+        ({"file_info": {"size": -1}}, "read_file"),
+    ],
+)
+async def test_an_answer_out_of_the_hosts_range_is_a_protocol_error(
+    autojump_clock: MockClock, guest: FakeGuest, chan: GuestChannel, tampered: dict[str, Any], request_: str
+) -> None:
+    """Numbers the host could not hold (SQLite's and protobuf's int64, uint64 counters,
+    int32 exit codes) or not finite: the guest broke the protocol, its channel closes."""
+    guest.files["/etc/hostname"] = (0o644, b"fake\n")
+    guest.hostile.tampered = tampered
+    with trio.fail_after(5):
+        with pytest.raises(GuestProtocolError, match=r"out of range|wrong type"):
+            await _REQUESTS[request_](chan)
+        assert chan.broken
+    guest.hostile.tampered = {}
+    async with open_channel(guest.connect()) as c2:  # the guest itself is served again
+        assert (await c2.metrics()).mem["total"] > 0
+
+
+async def test_garbage_after_the_hello_breaks_the_channel_not_the_host(
+    autojump_clock: MockClock, guest: FakeGuest
+) -> None:
+    guest.hostile.garbage_after_hello = b"\x00\x00\x00\x03\xc1\xc1\xc1"
+    with trio.fail_after(5):
+        async with open_channel(guest.connect()) as chan:
+            with pytest.raises(GuestProtocolError, match="undecodable"):
+                await chan.ping()
+            assert chan.broken
+        async with open_channel(guest.connect()) as c2:  # sent once: the next host is fine
+            assert (await c2.ping()).activity >= 0

@@ -341,3 +341,163 @@ async def test_host_unpack_reports_the_sources_error_not_truncation(tmp_path: Pa
     with trio.fail_after(30), pytest.raises(SandboxError) as e:
         await unpack_tree(failing(), tmp_path)
     assert e.value.code == "NOT_FOUND"
+
+
+# --- copy-out hardening: malformed headers, pre-existing directories, single files ----------
+
+
+def pax_member(records: dict[str, str], kind: bytes = tarfile.REGTYPE, name: str = "f") -> bytes:
+    ti = tarfile.TarInfo(name)
+    ti.type, ti.mode, ti.mtime = kind, 0o644, 1_700_000_000
+    ti.size = 1 if kind == tarfile.REGTYPE else 0
+    ti.pax_headers = records
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        tf.addfile(ti, io.BytesIO(b"x") if kind == tarfile.REGTYPE else None)
+    return out.getvalue()
+
+
+def raw_pax(payload: bytes) -> bytes:
+    """A pax header with exactly ``payload`` as its records, then a one-byte file."""
+    h = tarfile.TarInfo("././@PaxHeader")
+    h.type, h.size = tarfile.XHDTYPE, len(payload)
+    f = tarfile.TarInfo("f")
+    f.size = 1
+    head = h.tobuf(tarfile.USTAR_FORMAT) + payload + bytes(-len(payload) % 512)
+    return head + f.tobuf(tarfile.USTAR_FORMAT) + b"x" + bytes(511) + bytes(1024)
+
+
+_ONE = tar_of(("f", tarfile.REGTYPE, b"x"))
+MALFORMED = {
+    "NUL in a pax path": pax_member({"path": "a\0b"}),
+    "NUL in a pax link": pax_member({"linkpath": "t\0u"}, kind=tarfile.SYMTYPE),
+    "NUL in a raw record": raw_pax(b"12 path=a\0b\n"),
+    "mtime inf": pax_member({"mtime": "inf"}),
+    "mtime nan": pax_member({"mtime": "nan"}),
+    "mtime 1e300": pax_member({"mtime": "1e300"}),
+    "directory mtime inf": pax_member({"mtime": "inf"}, kind=tarfile.DIRTYPE, name="d"),
+    "uid 2**70": pax_member({"uid": str(2**70)}),
+    "gid -5": pax_member({"gid": "-5"}),
+    "record length past the header": raw_pax(b"99999 path=x\n"),
+    "record length of 0": raw_pax(b"0 path=x\n"),
+    "record length beyond ssize_t": raw_pax(b"9999999999999999999999 path=x\n"),
+    "sparse map junk": raw_pax(b"22 GNU.sparse.map=1,x\n"),
+    "sparse 1.0 without a name": pax_member({"GNU.sparse.major": "1", "GNU.sparse.minor": "0"}),
+    "name beyond NAME_MAX": pax_member({"path": "x" * 300}),
+    "bad checksum": _ONE[:148] + b"0000000\0" + _ONE[156:],
+    "bad size digits": _ONE[:124] + b"9x9x9x9x9x9\0" + _ONE[136:],
+    "truncated header": _ONE[:300],
+}
+
+
+@pytest.mark.parametrize("what", sorted(MALFORMED))
+def test_every_malformed_header_is_a_tree_error(what: str, place: tuple[Path, Path]) -> None:
+    dest, _ = place
+    with pytest.raises(TreeError) as e:
+        unpack_bytes(MALFORMED[what], dest, keep_ids=ROOT, mode_mask=0o777)
+    assert e.value.code == P.E_INVALID, e.value.message
+
+
+def test_the_read_callbacks_own_error_passes_through(tmp_path: Path) -> None:
+    data = io.BytesIO(tar_of(("f", tarfile.REGTYPE, b"x" * 5000)))
+
+    def read(n: int) -> bytes:
+        if data.tell() > 1000:
+            raise ConnectionResetError("the source broke")
+        return data.read(min(n, 600))
+
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with pytest.raises(ConnectionResetError):
+            tree.unpack(read, fd)
+    finally:
+        os.close(fd)
+
+
+def test_pre_existing_directories_keep_their_mode_and_owner(tmp_path: Path) -> None:
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    (src / "old" / "new").mkdir(parents=True)
+    (src / "old" / "f").write_text("f")
+    for d in (src, src / "old", src / "old" / "new"):
+        d.chmod(0o777)
+    data = pack_bytes(src)
+    (dst / "old").mkdir(parents=True)
+    (dst / "old").chmod(0o750)
+    if ROOT:
+        os.chown(dst / "old", 4321, 4321)
+    unpack_bytes(data, dst, keep_ids=ROOT, mode_mask=0o777, keep_existing=True, root_meta=True)
+    assert stat.S_IMODE((dst / "old").stat().st_mode) == 0o750  # was there: kept
+    assert stat.S_IMODE(dst.stat().st_mode) == 0o777  # the root entry, asked for (the caller made it)
+    assert stat.S_IMODE((dst / "old" / "new").stat().st_mode) == 0o777  # made by the copy
+    if ROOT:
+        assert ((dst / "old").stat().st_uid, (dst / "old").stat().st_gid) == (4321, 4321)
+    # without keep_existing (guestd's write_tree, as tar): the archive's mode
+    unpack_bytes(data, dst, mode_mask=0o777)
+    assert stat.S_IMODE((dst / "old").stat().st_mode) == 0o777
+
+
+async def test_host_unpack_keeps_existing_dirs_and_applies_the_umask(tmp_path: Path) -> None:
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    (src / "keep").mkdir(parents=True)
+    (src / "made").mkdir()
+    (src / "made" / "suid").write_text("x")
+    (src / "made" / "suid").chmod(0o4777)
+    for d in (src / "keep", src / "made"):
+        d.chmod(0o777)
+    (dst / "keep").mkdir(parents=True)
+    (dst / "keep").chmod(0o700)
+    data = pack_bytes(src)
+
+    async def one() -> AsyncIterator[bytes]:
+        yield data
+
+    old = os.umask(0o027)
+    try:
+        with trio.fail_after(30):
+            await unpack_tree(one(), dst)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((dst / "keep").stat().st_mode) == 0o700
+    assert stat.S_IMODE((dst / "made").stat().st_mode) == 0o750
+    assert stat.S_IMODE((dst / "made" / "suid").stat().st_mode) == 0o750
+
+
+def test_single_file_target_never_follows_the_final_component(place: tuple[Path, Path]) -> None:
+    from supervisor.treecopy import commit_temp, create_temp, open_target
+
+    dest, outside = place
+
+    def copy(local: Path | str, guest: str, body: bytes) -> None:
+        dfd, name = open_target(local, guest)
+        try:
+            tmp, fd = create_temp(dfd, name)
+            assert tmp != create_temp.__name__ and not tmp.startswith(f".{name}.sandvisor-part")
+            os.write(fd, body)
+            os.close(fd)
+            commit_temp(dfd, tmp, name)
+        finally:
+            os.close(dfd)
+
+    (dest / "link").symlink_to(outside / "victim")  # planted: a guest's tree, another user
+    copy(dest / "link", "/etc/hosts", b"new")
+    assert not (dest / "link").is_symlink() and (dest / "link").read_bytes() == b"new"
+    (dest / "dangling").symlink_to(outside / "nothing")
+    copy(dest / "dangling", "/etc/hosts", b"d")
+    assert not (dest / "dangling").is_symlink() and not (outside / "nothing").exists()
+    copy(dest, "/etc/hosts", b"in the dir")  # a directory: the guest file's name in it
+    assert (dest / "hosts").read_bytes() == b"in the dir"
+    (dest / "sub").mkdir()
+    (dest / "to-sub").symlink_to("sub")  # a symlink to a directory is followed, as cp does
+    copy(dest / "to-sub", "/etc/hosts", b"via link")
+    assert (dest / "sub" / "hosts").read_bytes() == b"via link"
+    (dest / "sub" / "hosts").unlink()
+    (dest / "sub" / "hosts").symlink_to(outside / "victim")  # ... but not its final name
+    copy(dest / "to-sub", "/etc/hosts", b"again")
+    assert not (dest / "sub" / "hosts").is_symlink()
+    with pytest.raises(SandboxError) as e:
+        copy(f"{dest}/no-such-dir/", "/etc/hosts", b"x")
+    assert e.value.code == "NOT_FOUND"
+    with pytest.raises(SandboxError) as e:
+        copy(dest, "/", b"x")
+    assert e.value.code == "INVALID_ARGUMENT"
+    assert not [n for n in os.listdir(dest) if "sandvisor-part" in n]
