@@ -3,7 +3,10 @@ the DNS codec (Hypothesis-fuzzed)."""
 
 from __future__ import annotations
 
+import fcntl
+import os
 import re
+import stat
 import struct
 from ipaddress import IPv4Address, IPv4Network
 from pathlib import Path
@@ -14,7 +17,9 @@ from hypothesis import strategies as st
 
 from actors import dnsmsg as D
 from actors.egress import PRIVATE4, EgressPolicy, PolicyError, clip, may_open, paint, parse_entry, sandbox_rules
+from actors.hostnet import lock_netns, unlock_netns
 from actors.ippool import IpPool, MemoryLeases, PoolError, PoolExhausted, guest_mac, link_name
+from actors.netns import NetError, NetNS
 from actors.store import Store, StoreLeases
 
 
@@ -366,3 +371,42 @@ def test_dns_mutated_answers_fail_typed(seed: bytes, at: int, value: int) -> Non
         D.parse(bytes(base))
     except D.DnsError:
         pass
+
+
+# -- the one-supervisor-per-namespace lock --------------------------------------------
+def test_tap_lock_is_a_file_lock_in_a_private_directory(tmp_path: Path) -> None:
+    locks = tmp_path / "locks"
+    fd, path = lock_netns(NetNS(), locks)
+    assert stat.S_IMODE(locks.stat().st_mode) == 0o700 and path.parent == locks
+    with pytest.raises(NetError, match="another supervisor runs tap networking"):
+        lock_netns(NetNS(), locks)  # a second supervisor (flock: per open file, so here too)
+    unlock_netns(fd, path)
+    assert not path.exists()
+    fd, path = lock_netns(NetNS(), locks)  # free again
+    unlock_netns(fd, path)
+    locks.chmod(0o755)
+    unlock_netns(*lock_netns(NetNS(), locks))
+    assert stat.S_IMODE(locks.stat().st_mode) == 0o700  # ours: closed again
+    link = tmp_path / "link"
+    link.symlink_to(locks)
+    with pytest.raises(NetError, match="not a directory"):
+        lock_netns(NetNS(), link)
+    if os.geteuid() == 0:
+        os.chown(locks, 65534, 65534)  # made first by someone else
+        with pytest.raises(NetError, match="someone else made it"):
+            lock_netns(NetNS(), locks)
+
+
+def test_tap_lock_holds_the_file_that_is_there(tmp_path: Path) -> None:
+    """A taker that opened the file just before its holder unlinked it does not keep a
+    lock on the unlinked file (two holders): it locks the path's file."""
+    locks = tmp_path / "locks"
+    fd, path = lock_netns(NetNS(), locks)
+    stale = os.open(path, os.O_RDWR)  # a taker's open, before the holder lets go
+    unlock_netns(fd, path)
+    fcntl.flock(stale, fcntl.LOCK_EX | fcntl.LOCK_NB)  # it got the unlinked file's lock ...
+    try:
+        fd, path = lock_netns(NetNS(), locks)  # ... which is no lock: the path's file is free
+        unlock_netns(fd, path)
+    finally:
+        os.close(stale)
