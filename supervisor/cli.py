@@ -234,6 +234,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         template_pool=args.template_pool,
         keep_sandboxes=args.keep_sandboxes,
         jail=not args.no_jail,
+        cgroups=not args.no_cgroups,
         allow_paths=tuple(Path(p).resolve() for p in args.allow_path or ()),
         max_memory_mib=args.max_memory,
         max_disk_mib=args.max_disk,
@@ -255,7 +256,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
             parse_listen(cfg.metrics)
     except (ValueError, OSError) as exc:
         fail(f"sandvisor serve: {exc}", 2)
-    trio.run(serve, cfg)
+    from actors.cgroups import CgroupError
+    from actors.netns import NetError
+
+    try:
+        trio.run(serve, cfg)
+    except (CgroupError, NetError) as exc:  # refused at start: no cgroups, another supervisor's tap networking
+        fail(f"sandvisor serve: {exc}", 1)
     return 0
 
 
@@ -410,6 +417,11 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     )
     sv.add_argument(
         "--no-jail", action="store_true", help="as root: do not jail QEMUs (each in its own uid, namespaces, cgroup)"
+    )
+    sv.add_argument(
+        "--no-cgroups",
+        action="store_true",
+        help="jailed: run QEMUs without cgroup limits (memory, processes, CPU); default: refuse to start without them",
     )
     sv.add_argument(
         "--allow-path",
