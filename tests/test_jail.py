@@ -20,6 +20,7 @@ import trio
 from actors import cgroups, guestmem, jail
 from actors.cgroups import CgroupError, CgroupLimits, CgroupV1Manager, CgroupV2Manager
 from actors.guestmem import MemoryFileError, UnsafeDirectory
+from actors.netns import NetError
 from images.build import Image, load_default
 
 
@@ -581,3 +582,27 @@ finally:
     # the mounts stayed in that namespace: nothing of them here
     assert str(tmp_path / "cg") not in Path("/proc/self/mountinfo").read_text()
     assert version in ("1", "2") and not any(Path(d).exists() for d in dirs)
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        CgroupError("no cgroup hierarchy with memory and pids ...; not starting (serve --no-cgroups runs them so)"),
+        NetError("another supervisor runs tap networking in this network namespace"),
+    ],
+)
+def test_serve_refusals_are_one_line(
+    tmp_path: Path, exc: Exception, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from supervisor import cli, daemon
+
+    async def refused(cfg: daemon.DaemonConfig) -> None:
+        assert not cfg.cgroups  # --no-cgroups reached the config
+        raise exc
+
+    monkeypatch.setattr(daemon, "serve", refused)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["serve", "--no-cgroups", "--state-dir", str(tmp_path), "--socket", str(tmp_path / "s")])
+    assert exit_.value.code == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: sandvisor serve: ") and str(exc) in err.replace("\n", " ") and "Traceback" not in err
