@@ -32,7 +32,8 @@ from pathlib import Path
 import attrs
 
 from actors import jail
-from actors.cgroups import Cgroup, CgroupError, CgroupLimits, CgroupManager, detect
+from actors.cgroups import Cgroup, CgroupError, CgroupLimits, CgroupManager
+from actors.cgroups import find as find_cgroups
 from actors.guestmem import SealedMemoryCache, build_discard_shim, create_ram_file, private_dir, remove_ram_file
 from actors.machine import Proc
 
@@ -176,10 +177,14 @@ class Cells:
         self.sealed = SealedMemoryCache(config.sealed_budget_mib << 20)
 
     @classmethod
-    def setup(cls, config: JailConfig, *, state_dir: Path, ram_dir: Path | None, kvm: bool) -> Cells:
+    def setup(
+        cls, config: JailConfig, *, state_dir: Path, ram_dir: Path | None, kvm: bool, cgroups: bool = True
+    ) -> Cells:
         """At start: the helper (built once; the Python stage without a compiler), the
-        cgroup hierarchy (v2 or v1; none: a warning), the identity range (refused if it
-        touches real ids; ids owned by running processes stay taken), the RAM dir
+        cgroup hierarchy (v2 or v1, mounted privately where none is visible; none:
+        CgroupError, the supervisor does not start -- unless ``cgroups`` is False, serve
+        --no-cgroups: then none is used, with a warning), the identity range (refused if
+        it touches real ids; ids owned by running processes stay taken), the RAM dir
         (made 0700, or refused if someone else made it)."""
         try:
             helper: Path | None = jail.build_helper(state_dir / "bin")
@@ -193,15 +198,23 @@ class Cells:
             shim = None
         # one parent per state dir: two supervisors on a host never sweep each other's cgroups
         key = hashlib.sha256(str(state_dir.resolve()).encode()).hexdigest()[:12]
-        cgroups = detect(parent=f"sandvisor-{key}")
-        if cgroups is None:
-            log.warning("no cgroup hierarchy with memory and pids: QEMUs run without resource limits")
+        manager: CgroupManager | None = None
+        if cgroups:
+            try:
+                manager = find_cgroups(parent=f"sandvisor-{key}")
+            except CgroupError as exc:  # fail closed: never an unlimited QEMU the operator did not ask for
+                raise CgroupError(
+                    f"{exc}: QEMUs would run without memory, process and CPU limits; not starting "
+                    "(serve --no-cgroups runs them so)"
+                ) from None
+        else:
+            log.warning("serve --no-cgroups: QEMUs run without resource limits (memory, processes, CPU)")
         allocator = jail.IdentityAllocator(config.first_uid, config.uid_count)
         allocator.adopt_running()
         return cls(
             config,
             helper=helper,
-            cgroups=cgroups,
+            cgroups=manager,
             allocator=allocator,
             ram_dir=private_dir(ram_dir) if ram_dir is not None else None,
             kvm=kvm,

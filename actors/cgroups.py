@@ -3,7 +3,7 @@ and "killed by its memory limit". cgroup v2 where the host's unified hierarchy h
 controllers; v1 (memory, pids, cpu, cpuacct mounted under /sys/fs/cgroup/<ctrl>/)
 where it does not. One interface for both::
 
-    manager = detect()                         # None: no usable cgroup controllers
+    manager = detect()                         # None: no usable cgroup controllers (serve refuses)
     cg = manager.create("sbx-1a2b", CgroupLimits.for_guest(memory_mib=256, vcpus=1))
     proc = await jail.spawn(argv, spec, cgroup_procs=cg.procs_files())   # joins before exec
     ... await proc.wait()
@@ -28,6 +28,8 @@ import errno
 import os
 import re
 import signal
+import stat
+import subprocess
 import time
 from pathlib import Path
 
@@ -482,7 +484,7 @@ def cgroup_mounts(mountinfo: str) -> tuple[Path | None, dict[str, Path]]:
 
 def detect(parent: str = "sandvisor", mountinfo: str | None = None) -> CgroupManager | None:
     """v2 when the unified hierarchy has memory and pids, else v1 when memory and pids
-    are mounted, else None (no limits: the caller says so)."""
+    are mounted, else None (no limits: serve refuses, or warns when told to run without)."""
     if mountinfo is None:
         with open("/proc/self/mountinfo") as f:
             mountinfo = f.read()
@@ -494,3 +496,77 @@ def detect(parent: str = "sandvisor", mountinfo: str | None = None) -> CgroupMan
         with contextlib.suppress(CgroupError):
             return CgroupV1Manager(v1, parent)
     return None
+
+
+def hierarchy_mounts(proc_cgroup: str) -> list[tuple[str, str]]:
+    """(filesystem type, controllers) of each hierarchy this process is in that detect()
+    can use, from /proc/self/cgroup text: the unified one (``0::/...``), and each v1 one
+    with memory, pids, cpu or cpuacct, with its exact controller set (a v1 hierarchy
+    mounts again only with the options it has: cpu,cpuacct together)."""
+    out: list[tuple[str, str]] = []
+    for line in proc_cgroup.splitlines():
+        hid, _, rest = line.partition(":")
+        ctrls, _, _ = rest.partition(":")
+        if hid == "0" and not ctrls:
+            out.append(("cgroup2", ""))
+        elif ctrls and set(ctrls.split(",")) & set(CgroupV1Manager.CONTROLLERS) and "=" not in ctrls:
+            out.append(("cgroup", ctrls))
+    return out
+
+
+def mount_hierarchies(where: Path, proc_cgroup: str | None = None) -> list[Path]:
+    """Mount the cgroup hierarchies this process is in under ``where`` (root's, 0700:
+    ``where/unified``, ``where/<controllers>``), where none is visible: ``ip netns exec``
+    runs its command in a mount namespace of its own whose fresh /sys has an empty
+    /sys/fs/cgroup (the mounts stay in that namespace: it is a slave of the host's, and
+    they go with it). The kernel's hierarchies are the same ones the host's /sys/fs/cgroup
+    shows, so the limits are too. Returns the mount points made (CgroupError: none)."""
+    if proc_cgroup is None:
+        with open("/proc/self/cgroup") as f:
+            proc_cgroup = f.read()
+    wanted = hierarchy_mounts(proc_cgroup)
+    if not wanted:
+        raise CgroupError("this process is in no cgroup hierarchy with memory or pids")
+    try:
+        where.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = where.lstat()
+    except OSError as exc:
+        raise CgroupError(f"cannot make {where}: {exc.strerror}") from None
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+        raise CgroupError(f"{where} is not a 0700 directory of uid {os.geteuid()}: not mounting cgroups there")
+    made: list[Path] = []
+    errors: list[str] = []
+    for fstype, ctrls in wanted:
+        mp = where / (ctrls or "unified")
+        mp.mkdir(mode=0o700, exist_ok=True)
+        opts = ",".join(x for x in (ctrls, "nosuid,nodev,noexec") if x)
+        argv = ["mount", "-t", fstype, "-o", opts, fstype, str(mp)]
+        res = subprocess.run(argv, check=False, capture_output=True, text=True)
+        if res.returncode == 0:
+            made.append(mp)
+        else:
+            errors.append(f"{fstype} {ctrls or ''}: {res.stderr.strip() or res.returncode}".strip())
+    if not made:
+        raise CgroupError("mounting the cgroup hierarchies failed: " + "; ".join(errors))
+    return made
+
+
+MOUNT_DIR = Path("/run/sandvisor-cgroup")  # where mount_hierarchies puts them (root's, 0700)
+
+
+def find(parent: str, mount_dir: Path | None = None) -> CgroupManager:
+    """The hierarchy :func:`detect` finds, else the one :func:`mount_hierarchies` makes
+    visible (under ``mount_dir``, default MOUNT_DIR); CgroupError (why) when neither
+    gives memory and pids."""
+    mount_dir = mount_dir or MOUNT_DIR
+    found = detect(parent)
+    if found is not None:
+        return found
+    try:
+        mount_hierarchies(mount_dir)
+    except CgroupError as exc:
+        raise CgroupError(f"no cgroup hierarchy with memory and pids is mounted, and {exc}") from None
+    found = detect(parent)
+    if found is None:
+        raise CgroupError(f"no cgroup hierarchy with memory and pids (mounted what there is under {mount_dir})")
+    return found

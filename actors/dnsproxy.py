@@ -46,7 +46,7 @@ import attrs
 import trio
 
 from actors import dnsmsg as D
-from actors.egress import EgressPolicy, dns_deny_set, dns_set_name, dns_update
+from actors.egress import EgressPolicy, dns_deny_set, dns_set_name, dns_update, may_open
 from actors.netns import NetNS
 from actors.nft import Nft, NftError
 
@@ -268,7 +268,7 @@ class DnsProxy:
             return True  # nothing to open; the guest gets what upstream said
         by_ttl: dict[int, list[IPv4Address]] = {}
         for addr, ttl in D.answered_addresses(msg, qname):
-            if not isinstance(addr, IPv4Address) or any(addr in n for n in self.closed):
+            if not isinstance(addr, IPv4Address) or not may_open(addr, self.closed):
                 continue
             timeout = min(max(ttl, self.min_ttl), self.max_ttl) + self.grace
             by_ttl.setdefault(timeout, []).append(addr)

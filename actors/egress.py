@@ -12,12 +12,17 @@ Precedence, whatever the entries say (the order of the sandbox's chain)::
 
     1. never: 0/8, 127/8, 169.254/16 (metadata), 224/4, 240/4, IPv6, the operator's
        extra ranges; and the host itself (every local address: the input hook)
-    2. ports: deny entries with ports, then allow entries with ports
-    3. addresses: the most specific CIDR wins; on a tie deny beats allow. The
-       sandbox pool is an implicit deny at the pool's own prefix length, so only an
-       allow entry at least as specific as the pool opens other sandboxes
-       (``default: allow`` and ``allow: [0.0.0.0/0]`` do not)
-    4. domains: addresses answered for a denied name, then for allowed names
+    2. ports: deny entries with ports, then allow entries with ports -- each allow
+       clipped first: it opens no part of a closed range (below) it is less specific than
+    3. addresses: the most specific CIDR wins; on a tie deny beats allow. The closed
+       ranges are implicit denies at their own prefix length: the sandbox pool (other
+       sandboxes) and PRIVATE4 (RFC 1918, 100.64/10 shared/CGNAT space -- cloud
+       metadata such as 100.100.100.200 lives there -- and 198.18/15), so only an allow
+       entry at least as specific as the range opens (that part of) it: ``10.1.2.0/24``
+       opens that /24, ``default: allow`` and ``allow: [0.0.0.0/0]`` or
+       ``0.0.0.0/0:443`` open none of them
+    4. domains: addresses answered for a denied name, then for allowed names; an
+       answer in a never or closed range is never opened (:func:`may_open`)
     5. the default
 
 Table layout (one per supervisor, replaced atomically at start; a sandbox adds its
@@ -47,6 +52,13 @@ import attrs
 TABLE = "sandvisor"
 LINK_GLOB = "svn*"  # actors.ippool.LINK_PREFIX + "*"
 NEVER4 = ("0.0.0.0/8", "127.0.0.0/8", "169.254.0.0/16", "224.0.0.0/4", "240.0.0.0/4")
+# closed unless an allow entry names them (at least as specific): the networks a host's
+# neighbours live on -- RFC 1918, RFC 6598 shared space (CGNAT, cloud metadata and
+# services such as 100.100.100.200, Tailscale), RFC 2544 benchmarking space (used as
+# internal space by some networks and proxies' fake-IP modes; nothing public is there).
+# The documentation ranges (192.0.2/24, 198.51.100/24, 203.0.113/24) stay open: nothing
+# lives there either way, and the tests' stand-in internet does.
+PRIVATE4 = ("10.0.0.0/8", "100.64.0.0/10", "172.16.0.0/12", "192.168.0.0/16", "198.18.0.0/15")
 MAX_ENTRIES = 256
 REJECT = "reject with icmpx type admin-prohibited"
 _DOMAIN_LABEL = re.compile(r"^(?!-)[a-z0-9_-]{1,63}(?<!-)$")
@@ -196,16 +208,25 @@ def range_text(r: Range) -> str:
     return str(r[0]) if r[0] == r[1] else f"{r[0]}-{r[1]}"
 
 
+def closed_ranges(pool: IPv4Network | None) -> list[IPv4Network]:
+    """The implicit denies of a sandbox's policy: PRIVATE4 and the sandbox pool."""
+    return [IPv4Network(n) for n in PRIVATE4] + ([pool] if pool is not None else [])
+
+
 def paint(
-    allow: Iterable[IPv4Network], deny: Iterable[IPv4Network], pool: IPv4Network | None
+    allow: Iterable[IPv4Network],
+    deny: Iterable[IPv4Network],
+    pool: IPv4Network | None,
+    closed: Iterable[IPv4Network] = (),
 ) -> tuple[list[Range], list[Range]]:
     """Disjoint (allowed, denied) address ranges (first, last) where the most specific entry decides.
-    CIDR blocks nest or are disjoint, so painting from the least to the most specific
-    (ties: pool, then allow, then deny: the later paint wins) leaves each address
+    ``pool`` and ``closed`` are implicit denies at their own prefix length. CIDR blocks
+    nest or are disjoint, so painting from the least to the most specific (ties:
+    implicit denies, then allow, then deny: the later paint wins) leaves each address
     with the verdict of its most specific entry."""
     items: list[tuple[int, int, IPv4Network, str]] = []
-    if pool is not None:
-        items.append((pool.prefixlen, 0, pool, "deny"))
+    for c in (*closed, *([pool] if pool is not None else [])):
+        items.append((c.prefixlen, 0, c, "deny"))
     items += [(n.prefixlen, 1, n, "allow") for n in allow]
     items += [(n.prefixlen, 2, n, "deny") for n in deny]
     if not items:
@@ -231,6 +252,35 @@ def paint(
             out[here].append((IPv4Address(bounds[k]), IPv4Address(bounds[m + 1] - 1)))
         k = m + 1
     return out["allow"], out["deny"]
+
+
+def clip(net: IPv4Network, closed: Iterable[IPv4Network]) -> list[Range]:
+    """``net`` less every closed range it is less specific than: what a port-qualified
+    allow entry opens (``0.0.0.0/0:443`` is not a way into the pool or a private range;
+    ``10.1.2.0/24:443`` opens that /24, being at least as specific as 10/8)."""
+    holes = sorted(
+        (int(c.network_address), int(c.broadcast_address))
+        for c in closed
+        if c != net and c.subnet_of(net)  # CIDRs nest or are disjoint
+    )
+    out: list[Range] = []
+    at, last = int(net.network_address), int(net.broadcast_address)
+    for lo, hi in holes:
+        if lo > at:
+            out.append((IPv4Address(at), IPv4Address(lo - 1)))
+        at = max(at, hi + 1)
+    if at <= last:
+        out.append((IPv4Address(at), IPv4Address(last)))
+    return out
+
+
+def may_open(address: IPv4Address, closed: Iterable[IPv4Network] = ()) -> bool:
+    """May the DNS proxy open ``address`` (an answer for an allowed name)? Never an
+    invariant (NEVER4), private (PRIVATE4) or ``closed`` (the pool, the operator's never
+    ranges) address: a name is no way around the CIDR rules (DNS rebinding). A private
+    address a policy's CIDR allow names is open through that entry anyway."""
+    nets = (*(IPv4Network(n) for n in (*NEVER4, *PRIVATE4)), *closed)
+    return not any(address in n for n in nets)
 
 
 # -- nftables text ------------------------------------------------------------------
@@ -319,10 +369,12 @@ def sandbox_rules(link: str, address: IPv4Address, policy: EgressPolicy, pool: I
     """nft commands that add a sandbox's chain, sets and map entries (one transaction)."""
     t = f"inet {TABLE}"
     chain = f"sb_{link}"
+    closed = closed_ranges(pool)
     allow_nets, deny_nets = paint(
         [e.net for e in policy.allow if e.net is not None and e.ports is None],
         [e.net for e in policy.deny if e.net is not None and e.ports is None],
-        pool,
+        None,
+        closed,
     )
     cmds = [
         f"add chain {t} {chain}",
@@ -342,7 +394,12 @@ def sandbox_rules(link: str, address: IPv4Address, policy: EgressPolicy, pool: I
             cmds.append(f"{rule} ip daddr {e.net} {_port_match(e.ports)} {REJECT}")
     for e in policy.allow:
         if e.net is not None and e.ports is not None:
-            cmds.append(f"{rule} ip daddr {e.net} {_port_match(e.ports)} accept")
+            ranges = clip(e.net, closed)  # the implicit denies come before every allow
+            if ranges == [(e.net.network_address, e.net.broadcast_address)]:
+                cmds.append(f"{rule} ip daddr {e.net} {_port_match(e.ports)} accept")
+            elif ranges:
+                daddr = "{ " + ", ".join(map(range_text, ranges)) + " }"
+                cmds.append(f"{rule} ip daddr {daddr} {_port_match(e.ports)} accept")
     cmds += [
         f"{rule} ip daddr @{link}_deny {REJECT}",
         f"{rule} ip daddr @{link}_allow accept",

@@ -61,18 +61,20 @@ the table in place when it exits: the next one replaces it in one transaction
 unfiltered) and :meth:`HostNetwork.readopt` puts each adopted sandbox's link back.
 Jail namespaces of lives that ended with a crashed supervisor are removed by
 :meth:`HostNetwork.sweep`. One supervisor's tap networking per network namespace:
-a second one is refused at start (an abstract socket name, per namespace).
+a second one is refused at start (a lock file per namespace in a root-only directory).
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import secrets
-import socket
+import stat
 from collections.abc import Iterable, Sequence
 from ipaddress import IPv4Address, IPv4Network
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -89,7 +91,54 @@ log = logging.getLogger("sandvisor.net")
 
 BRIDGE = "sandvisor0"
 NETNS_DIR = "/run/netns"  # where `ip netns add` names namespaces
-LOCK_NAME = b"\0sandvisor-hostnet"  # an abstract socket name: one per network namespace
+# one lock file per network namespace, in a directory only root can enter (an abstract
+# socket name, the lock before, was one any local user could bind first)
+LOCK_DIR = Path("/run/sandvisor-net")
+
+
+def lock_netns(netns: NetNS, lock_dir: Path = LOCK_DIR) -> tuple[int, Path]:
+    """Take the tap-networking lock of ``netns`` (flock on ``lock_dir/netns-DEV-INO.lock``,
+    the namespace's identity): (its fd, its path). ``lock_dir`` is made 0700, and
+    refused unless it is a directory of ours (not a symlink): nobody else can make or
+    hold the lock. NetError when another process holds it."""
+    try:
+        os.mkdir(lock_dir, 0o700)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise NetError(f"tap networking's lock directory {lock_dir}: {exc.strerror}") from None
+    st = os.lstat(lock_dir)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        raise NetError(
+            f"{lock_dir} is not a directory of uid {os.geteuid()} (owner {st.st_uid}): someone else made it; "
+            "refusing tap networking's lock there (remove it)"
+        )
+    if st.st_mode & 0o077:
+        os.chmod(lock_dir, 0o700)
+    ns = os.stat(netns.path or "/proc/thread-self/ns/net")
+    path = lock_dir / f"netns-{ns.st_dev}-{ns.st_ino}.lock"
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise NetError(
+                "another supervisor runs tap networking in this network namespace (one per namespace: "
+                "give this one --ip-pool none, or run it in its own namespace)"
+            ) from None
+        # the holder before us unlinks the file as it lets go: hold the one that is there
+        with contextlib.suppress(FileNotFoundError):
+            if os.lstat(path).st_ino == os.fstat(fd).st_ino:
+                return fd, path
+        os.close(fd)
+
+
+def unlock_netns(fd: int, path: Path) -> None:
+    """Let go of :func:`lock_netns`'s lock (the file goes first, while still held)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    os.close(fd)
 
 
 @attrs.frozen
@@ -105,6 +154,7 @@ class HostNetConfig:
     # prefix per supervisor, stable across its restarts (serve derives it from the state
     # dir), so a sweep never touches another supervisor's; random unless given
     jail_prefix: str = attrs.field(factory=lambda: f"svj-{secrets.token_hex(3)}-")
+    lock_dir: Path = LOCK_DIR  # one supervisor's tap networking per namespace: lock_netns
 
 
 @attrs.frozen
@@ -237,31 +287,21 @@ class HostNetwork:
             closed=[*never, pool.network],
         )
         self._links: dict[str, SandboxLink] = {}
-        self._lock_sock: socket.socket | None = None
+        self._lock: tuple[int, Path] | None = None
         self.keep_table = False  # at exit: sandboxes run on (detached), their filter must stay
         self.dns_down = False  # the DNS proxy died (logged): sandboxes resolve nothing
 
     # -- lifetime ----------------------------------------------------------------
-    def _lock(self) -> None:
+    def _take_lock(self) -> None:
         """One supervisor's tap networking per network namespace: two would replace each
-        other's table and bridge. The lock is an abstract Unix socket name, which is per
-        network namespace and goes with its holder (no file to leave behind)."""
-        sock = self.netns.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        try:
-            sock.bind(LOCK_NAME)
-        except OSError:
-            sock.close()
-            raise NetError(
-                "another supervisor runs tap networking in this network namespace (one per namespace: "
-                "give this one --ip-pool none, or run it in its own namespace)"
-            ) from None
-        self._lock_sock = sock
+        other's table and bridge (:func:`lock_netns`; it goes with its holder)."""
+        self._lock = lock_netns(self.netns, self.config.lock_dir)
 
     def setup(self) -> None:
         """Bridge, gateway address, forwarding, the table (a crashed run's leftovers go)."""
         cfg = self.config
-        if self._lock_sock is None:
-            self._lock()
+        if self._lock is None:
+            self._take_lock()
         with contextlib.suppress(NetError):
             self.netns.ip(f"link del {cfg.bridge}")
         self.netns.ip(
@@ -296,9 +336,9 @@ class HostNetwork:
             with contextlib.suppress(NetError):
                 self.netns.ip(f"link del {self.config.bridge}")
         self.nft.close()
-        if self._lock_sock is not None:
-            self._lock_sock.close()
-            self._lock_sock = None
+        if self._lock is not None:
+            unlock_netns(*self._lock)
+            self._lock = None
 
     async def run(self, task_status: trio.TaskStatus[HostNetwork] = trio.TASK_STATUS_IGNORED) -> None:
         self.setup()

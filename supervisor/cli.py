@@ -249,6 +249,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         template_pool=args.template_pool,
         keep_sandboxes=args.keep_sandboxes,
         jail=not args.no_jail,
+        cgroups=not args.no_cgroups,
         allow_paths=tuple(Path(p).resolve() for p in args.allow_path or ()),
         max_memory_mib=args.max_memory,
         max_disk_mib=args.max_disk,
@@ -490,6 +491,11 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     )
     sv.add_argument(
         "--no-jail", action="store_true", help="as root: do not jail QEMUs (each in its own uid, namespaces, cgroup)"
+    )
+    sv.add_argument(
+        "--no-cgroups",
+        action="store_true",
+        help="jailed: run QEMUs without cgroup limits (memory, processes, CPU); default: refuse to start without them",
     )
     sv.add_argument(
         "--allow-path",

@@ -64,6 +64,7 @@ class DaemonConfig:
     max_sandbox_disk_mib: int = 16 << 10  # one sandbox's overlay + rw volumes, virtual sizes (0: no cap)
     jail: bool = True  # as root: every QEMU in its own jail, uid and cgroup (actors/cell.py)
     jail_overhead_mib: int = 192  # a QEMU's memory limit: guest RAM + this
+    cgroups: bool = True  # jailed: no usable cgroup hierarchy refuses to start; False: QEMUs unlimited
     jail_uids: tuple[int, int] | None = None  # (first, count) of the cells' identities (None: the default range)
     keep_sandboxes: bool = False  # at SIGTERM, leave sandboxes running for the next supervisor
     allow_paths: tuple[Path, ...] = ()  # where a Create's own kernel and rootfs may come from
@@ -278,6 +279,7 @@ async def _serve_locked(cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Re
                 state_dir=cfg.state_dir,
                 ram_dir=memory_dir,
                 kvm=accel == "kvm",
+                cgroups=cfg.cgroups,
             )
         )
     store = Store(cfg.state_dir / "sandvisor.db")

@@ -4,6 +4,8 @@
       eth0 198.51.100.1/24  <---- veth ---->  up0 198.51.100.2/24 (default route)
       lo   203.0.113.10, .20, .30 (servers)        services on 127.0.0.1, the uplink and 0.0.0.0
       lo   169.254.169.254 (a metadata server)     svn... ----- veth -----> "guest" netns (svg-*): eth0 10.88.x.y
+      lo   10.77.0.10 (a LAN service), 100.100.100.200 (a cloud metadata service): private,
+           reachable only by a policy that names them
       DNS server 198.51.100.1:53
 
 Every namespace (and so every link and nft table in it) is deleted on the way out,
@@ -41,8 +43,17 @@ UPLINK_HOST = "198.51.100.2"
 UPLINK_INET = "198.51.100.1"
 SERVERS = ("203.0.113.10", "203.0.113.20", "203.0.113.30")
 METADATA = "169.254.169.254"
+# private addresses (actors.egress.PRIVATE4) behind the uplink: closed even under default
+# allow; the stand-in internet above uses documentation ranges, which stay open
+LAN = "10.77.0.10"
+CLOUD_METADATA = "100.100.100.200"
 POOL = "10.88.0.0/16"
-ZONE = {"allowed.test": "203.0.113.20", "other.test": "203.0.113.30", "cdn.allowed.test": "203.0.113.20"}
+ZONE = {
+    "allowed.test": "203.0.113.20",
+    "other.test": "203.0.113.30",
+    "cdn.allowed.test": "203.0.113.20",
+    "rebind.test": LAN,  # a public name that answers a private address (DNS rebinding)
+}
 
 
 def sh(*argv: str, check: bool = True) -> None:
@@ -75,7 +86,7 @@ def link_internet(host: NetNS, inet: NetNS) -> None:
         [host.name, "route", "add", "default", "via", UPLINK_INET],
         [inet.name, "addr", "add", f"{UPLINK_INET}/24", "dev", "eth0"],
         [inet.name, "link", "set", "eth0", "up"],
-        *([inet.name, "addr", "add", f"{a}/32", "dev", "lo"] for a in (*SERVERS, METADATA)),
+        *([inet.name, "addr", "add", f"{a}/32", "dev", "lo"] for a in (*SERVERS, METADATA, LAN, CLOUD_METADATA)),
     ):
         sh("ip", "-n", *cmd)
 
@@ -209,6 +220,8 @@ async def lab_env(*, dns_ttl: int = 300, min_ttl: int = 30, grace: int = 10, tim
             for i, addr in enumerate(SERVERS):
                 await nursery.start(tcp_server, inet, addr, 80, f"server{i}")
             await nursery.start(tcp_server, inet, METADATA, 80, "metadata")
+            await nursery.start(tcp_server, inet, LAN, 80, "lan")
+            await nursery.start(tcp_server, inet, CLOUD_METADATA, 80, "cloud-metadata")
             await nursery.start(tcp_server, inet, UPLINK_INET, 80, "uplink-peer")
             asked = await nursery.start(functools.partial(dns_server, ttl=dns_ttl), inet, UPLINK_INET)
             await nursery.start(tcp_server, host, "127.0.0.1", 8080, "host-loopback")

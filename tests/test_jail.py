@@ -9,6 +9,7 @@ import shutil
 import signal
 import stat
 import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +20,7 @@ import trio
 from actors import cgroups, guestmem, jail
 from actors.cgroups import CgroupError, CgroupLimits, CgroupV1Manager, CgroupV2Manager
 from actors.guestmem import MemoryFileError, UnsafeDirectory
+from actors.netns import NetError
 from images.build import Image, load_default
 
 
@@ -483,3 +485,124 @@ def test_sealed_memory_cache_fills_once_and_trims_idle(tmp_path: Path) -> None:
 
 
 # -- jailed QEMU ------------------------------------------------------------------------------------------
+
+
+# -- no cgroups: serve fails closed; `ip netns exec` keeps them ------------------------------------
+
+
+def test_hierarchy_mounts_from_proc_self_cgroup() -> None:
+    v1 = "9:name=systemd:/\n8:pids:/\n7:blkio:/\n4:memory:/a/b\n2:cpu,cpuacct:/\n0::/\n"
+    assert cgroups.hierarchy_mounts(v1) == [
+        ("cgroup", "pids"),
+        ("cgroup", "memory"),
+        ("cgroup", "cpu,cpuacct"),  # co-mounted: mounted again only together
+        ("cgroup2", ""),
+    ]
+    assert cgroups.hierarchy_mounts("0::/user.slice/session-1.scope\n") == [("cgroup2", "")]  # v2 host
+    assert cgroups.hierarchy_mounts("1:name=systemd:/\n") == []
+
+
+def test_mount_hierarchies_refuses_others_dirs_and_no_hierarchy(tmp_path: Path) -> None:
+    with pytest.raises(CgroupError, match="no cgroup hierarchy"):
+        cgroups.mount_hierarchies(tmp_path / "m", proc_cgroup="1:name=systemd:/\n")
+    loose = tmp_path / "loose"
+    loose.mkdir(mode=0o755)
+    loose.chmod(0o755)
+    with pytest.raises(CgroupError, match="not a 0700 directory"):
+        cgroups.mount_hierarchies(loose, proc_cgroup="4:memory:/\n")
+    assert not any(loose.iterdir())
+
+
+def test_serve_refuses_to_start_without_cgroups_unless_told(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A jailed supervisor with no usable hierarchy (detect finds none, mounting fails)
+    does not start; with --no-cgroups (cgroups=False) it starts unlimited, warning."""
+    from actors import cell
+
+    def no_build(d: Path) -> Path:
+        raise jail.JailError("not built in this test")
+
+    monkeypatch.setattr(jail, "build_helper", no_build)
+    monkeypatch.setattr(cell, "build_discard_shim", no_build)
+    monkeypatch.setattr(cgroups, "detect", lambda parent="", mountinfo=None: None)  # /sys/fs/cgroup empty
+    monkeypatch.setattr(cgroups, "MOUNT_DIR", tmp_path / "loose")
+    (tmp_path / "loose").mkdir(mode=0o755)
+    (tmp_path / "loose").chmod(0o755)  # mounting refused too
+    cfg = cell.JailConfig()
+    with pytest.raises(CgroupError, match=r"without memory, process and CPU limits.*--no-cgroups"):
+        cell.Cells.setup(cfg, state_dir=tmp_path / "state", ram_dir=None, kvm=False)
+    cells = cell.Cells.setup(cfg, state_dir=tmp_path / "state", ram_dir=None, kvm=False, cgroups=False)
+    try:
+        assert cells.cgroups is None
+        assert "--no-cgroups: QEMUs run without resource limits" in caplog.text
+    finally:
+        cells.close()
+
+
+@root_only
+def test_ip_netns_exec_still_finds_the_cgroups(tmp_path: Path) -> None:
+    """`ip netns exec` gives its command a mount namespace with a fresh /sys (no
+    /sys/fs/cgroup mounts): find() mounts the process's own hierarchies privately
+    there, and a cgroup made through them has the limits (the same kernel hierarchy)."""
+    if not shutil.which("ip"):
+        pytest.skip("needs ip")
+    parent = f"sandvisor-test-netns-{os.getpid()}"
+    script = f"""
+import sys
+from pathlib import Path
+from actors import cgroups
+assert cgroups.detect({parent!r}) is None, "ip netns exec hid no cgroup mount"
+m = cgroups.find({parent!r}, mount_dir=Path({str(tmp_path / "cg")!r}))
+cg = m.create("probe", cgroups.CgroupLimits(memory_bytes=64 << 20, pids=17))
+try:
+    st = cg.stats()
+    print(m.version, st.memory_limit, st.pids_limit, *sorted(str(d) for d in m.parent_dirs()))
+finally:
+    cg.remove()
+    m.remove_parent()
+"""
+    ns = f"svt-cg-{os.getpid()}"
+    subprocess.run(["ip", "netns", "add", ns], check=True)
+    try:
+        res = subprocess.run(
+            ["ip", "netns", "exec", ns, sys.executable, "-c", script],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=Path(__file__).parent.parent,
+            check=False,
+        )
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], check=False)
+    assert res.returncode == 0, res.stderr
+    version, memory, pids, *dirs = res.stdout.split()
+    assert (memory, pids) == (str(64 << 20), "17")
+    assert all(d.startswith(str(tmp_path / "cg")) for d in dirs)
+    # the mounts stayed in that namespace: nothing of them here
+    assert str(tmp_path / "cg") not in Path("/proc/self/mountinfo").read_text()
+    assert version in ("1", "2") and not any(Path(d).exists() for d in dirs)
+
+
+@pytest.mark.parametrize(
+    "exc",
+    [
+        CgroupError("no cgroup hierarchy with memory and pids ...; not starting (serve --no-cgroups runs them so)"),
+        NetError("another supervisor runs tap networking in this network namespace"),
+    ],
+)
+def test_serve_refusals_are_one_line(
+    tmp_path: Path, exc: Exception, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from supervisor import cli, daemon
+
+    async def refused(cfg: daemon.DaemonConfig) -> None:
+        assert not cfg.cgroups  # --no-cgroups reached the config
+        raise exc
+
+    monkeypatch.setattr(daemon, "serve", refused)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["serve", "--no-cgroups", "--state-dir", str(tmp_path), "--socket", str(tmp_path / "s")])
+    assert exit_.value.code == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: sandvisor serve: ") and str(exc) in err.replace("\n", " ") and "Traceback" not in err

@@ -22,6 +22,8 @@ from actors.ippool import IpPool, link_name
 from actors.netns import NetError, NetNS
 from actors.portfwd import Target, bind_listener, relay_tcp, relay_udp
 from tests.netlab import (
+    CLOUD_METADATA,
+    LAN,
     METADATA,
     POOL,
     SERVERS,
@@ -119,6 +121,36 @@ async def test_denied_domain_is_refused_and_closed_under_default_allow() -> None
         assert await resolve(g.ns, str(lab.pool.gateway), "other.test") == (D.REFUSED, [])
         assert await probe(g.ns, SERVERS[2], 80) == "OSError"  # its address learnt: closed for the TTL
         assert await resolve(g.ns, str(lab.pool.gateway), "allowed.test") == (D.NOERROR, [SERVERS[1]])
+
+
+async def test_private_ranges_are_closed_unless_a_cidr_names_them() -> None:
+    """Under default allow the LAN (RFC 1918) and cloud metadata (100.64/10) are closed;
+    a port-qualified allow of everything opens neither them nor other sandboxes; only
+    an entry that names the range opens it; a name answering a private address (DNS
+    rebinding) opens nothing."""
+    async with lab_env() as lab:
+        gw = str(lab.pool.gateway)
+        other = lab.guest("other")
+        await lab.nursery.start(tcp_server, other.ns, "0.0.0.0", 8080, "other-sandbox")
+        await lab.nursery.start(tcp_server, lab.inet, SERVERS[0], 8080, "public-8080")
+        await lab.nursery.start(tcp_server, lab.inet, LAN, 8080, "lan-8080")
+        g = lab.guest("p")  # default allow
+        assert await probe(g.ns, SERVERS[0], 80) == f"server0 {UPLINK_HOST}"  # the internet: open
+        assert await probe(g.ns, LAN, 80) == "OSError"
+        assert await probe(g.ns, CLOUD_METADATA, 80) == "OSError"
+        assert await resolve(g.ns, gw, "rebind.test") == (D.NOERROR, [LAN])  # answered as is ...
+        assert await probe(g.ns, LAN, 80) == "OSError"  # ... opened nothing
+        g.link.set_policy(EgressPolicy.parse({"default": "deny", "allow": ["0.0.0.0/0:8080", "rebind.test"]}))
+        assert await probe(g.ns, SERVERS[0], 8080) == f"public-8080 {UPLINK_HOST}"
+        assert await probe(g.ns, SERVERS[0], 80) == "OSError"
+        assert await probe(g.ns, other.address, 8080) == "OSError"  # another sandbox's 8080
+        assert await probe(g.ns, LAN, 8080) == "OSError"
+        assert await resolve(g.ns, gw, "rebind.test") == (D.NOERROR, [LAN])
+        assert await probe(g.ns, LAN, 80) == "OSError"  # an allowed name is no way to a private address
+        g.link.set_policy(EgressPolicy.parse({"allow": ["10.77.0.0/24", f"{other.address}:8080"]}))
+        assert await probe(g.ns, LAN, 80) == f"lan {UPLINK_HOST}"  # named: open
+        assert await probe(g.ns, other.address, 8080) == f"other-sandbox {g.address}"
+        assert await probe(g.ns, CLOUD_METADATA, 80) == "OSError"  # still closed
 
 
 POLICIES = [

@@ -3,6 +3,10 @@ the DNS codec (Hypothesis-fuzzed)."""
 
 from __future__ import annotations
 
+import fcntl
+import os
+import re
+import stat
 import struct
 from ipaddress import IPv4Address, IPv4Network
 from pathlib import Path
@@ -12,8 +16,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from actors import dnsmsg as D
-from actors.egress import EgressPolicy, PolicyError, paint, parse_entry
+from actors.egress import PRIVATE4, EgressPolicy, PolicyError, clip, may_open, paint, parse_entry, sandbox_rules
+from actors.hostnet import lock_netns, unlock_netns
 from actors.ippool import IpPool, MemoryLeases, PoolError, PoolExhausted, guest_mac, link_name
+from actors.netns import NetError, NetNS
 from actors.store import Store, StoreLeases
 
 
@@ -153,6 +159,143 @@ def test_pool_is_denied_unless_explicitly_allowed() -> None:
     assert d == [] and a == [(IPv4Address("10.88.0.0"), IPv4Address("10.88.255.255"))]
 
 
+# -- the painted chain: what a sandbox reaches (an interpreter of sandbox_rules' text) --
+POOL = IPv4Network("10.88.0.0/16")
+CLOSED = [*(IPv4Network(n) for n in PRIVATE4), POOL]
+
+
+def _ranges(text: str) -> list[tuple[int, int]]:
+    out = []
+    for part in text.strip("{} ").split(","):
+        part = part.strip()
+        if "-" in part:
+            lo, hi = part.split("-")
+            out.append((int(IPv4Address(lo)), int(IPv4Address(hi))))
+        else:
+            n = IPv4Network(part)
+            out.append((int(n.network_address), int(n.broadcast_address)))
+    return out
+
+
+def chain_verdict(policy: EgressPolicy, addr: str, port: int, pool: IPv4Network = POOL) -> str:
+    """What the sandbox chain of ``policy`` does to a TCP packet to ``addr:port``
+    (the DNS sets empty: nothing resolved)."""
+    cmds = sandbox_rules("svnx", IPv4Address("10.88.0.2"), policy, pool)
+    sets: dict[str, list[tuple[int, int]]] = {}
+    for c in cmds:
+        if m := re.fullmatch(r"add set inet sandvisor (\S+) .*", c):
+            sets[m.group(1)] = []
+        elif m := re.fullmatch(r"add element inet sandvisor (svnx_\S+) (\{.*\})", c):
+            sets[m.group(1)] += _ranges(m.group(2))
+    a = int(IPv4Address(addr))
+    for c in cmds:
+        if not c.startswith("add rule inet sandvisor sb_svnx "):
+            continue
+        body = c.removeprefix("add rule inet sandvisor sb_svnx ")
+        if m := re.search(r"ip daddr (@\S+|\{[^}]*\}|\S+)", body):
+            target = m.group(1)
+            ranges = sets[target[1:]] if target.startswith("@") else _ranges(target)
+            if not any(lo <= a <= hi for lo, hi in ranges):
+                continue
+        if m := re.search(r"th dport (\d+)(?:-(\d+))?", body):
+            lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
+            if not lo <= port <= hi:
+                continue
+        return "accept" if body.endswith("accept") else "reject"
+    raise AssertionError("the chain ends without a verdict")
+
+
+def test_port_allow_does_not_open_the_pool_or_private_ranges() -> None:
+    p = EgressPolicy.parse({"default": "deny", "allow": ["0.0.0.0/0:8080"]})
+    assert chain_verdict(p, "203.0.113.5", 8080) == "accept"
+    assert chain_verdict(p, "203.0.113.5", 80) == "reject"
+    for closed in ("10.88.0.5", "10.1.2.3", "172.16.0.1", "192.168.1.1", "100.100.100.200", "198.18.0.1"):
+        assert chain_verdict(p, closed, 8080) == "reject", closed  # another sandbox's 8080, the LAN's
+    p = EgressPolicy.parse({"default": "deny", "allow": ["10.88.0.7:8080", "10.1.2.0/24:443", "10.0.0.0/8:22"]})
+    assert chain_verdict(p, "10.88.0.7", 8080) == "accept"  # as specific as the pool: that sandbox
+    assert chain_verdict(p, "10.88.0.8", 8080) == "reject"
+    assert chain_verdict(p, "10.1.2.9", 443) == "accept"  # names a part of 10/8: opens it
+    assert chain_verdict(p, "10.1.3.9", 443) == "reject"
+    assert chain_verdict(p, "10.200.0.1", 22) == "accept"  # 10/8 itself names 10/8 ...
+    assert chain_verdict(p, "10.88.0.7", 22) == "reject"  # ... but not the pool inside it
+
+
+def test_default_allow_closes_private_ranges_unless_named() -> None:
+    p = EgressPolicy.parse(None)
+    for addr in ("10.1.2.3", "172.31.255.255", "192.168.0.1", "100.64.0.1", "100.100.100.200", "198.19.0.1"):
+        assert chain_verdict(p, addr, 443) == "reject", addr
+    for addr in ("203.0.113.5", "198.51.100.1", "8.8.8.8", "100.128.0.1", "172.32.0.1", "198.20.0.1"):
+        assert chain_verdict(p, addr, 443) == "accept", addr
+    p = EgressPolicy.parse({"allow": ["0.0.0.0/0", "0.0.0.0/1", "128.0.0.0/1"]})
+    assert chain_verdict(p, "10.1.2.3", 443) == chain_verdict(p, "192.168.0.1", 443) == "reject"
+    p = EgressPolicy.parse({"allow": ["10.1.2.0/24", "192.168.0.0/16", "100.100.100.200"], "deny": ["192.168.7.0/24"]})
+    assert chain_verdict(p, "10.1.2.3", 443) == "accept"
+    assert chain_verdict(p, "10.1.3.3", 443) == "reject"
+    assert chain_verdict(p, "192.168.1.1", 443) == "accept"
+    assert chain_verdict(p, "192.168.7.1", 443) == "reject"
+    assert chain_verdict(p, "100.100.100.200", 80) == "accept"
+    assert chain_verdict(p, "10.88.0.3", 443) == "reject"  # the pool: still closed
+
+
+entries = st.builds(
+    lambda a, p, port: f"{IPv4Network((a, p), strict=False)}" + (f":{port}" if port else ""),
+    st.sampled_from([0x0A000000, 0x0A580000, 0x0A580007, 0xAC100000, 0xC0A80000, 0x64646464, 0xCB007105]),
+    st.integers(0, 32),
+    st.one_of(st.none(), st.sampled_from([80, 443])),
+)
+
+
+@given(
+    st.lists(entries, max_size=5),
+    st.lists(entries, max_size=3),
+    st.sampled_from(["allow", "deny"]),
+    st.sampled_from(["10.1.2.3", "10.88.0.7", "10.88.1.1", "172.16.5.5", "192.168.0.9", "100.100.100.200"]),
+    st.sampled_from([80, 443, 22]),
+)
+@settings(max_examples=400)
+def test_a_closed_address_opens_only_to_an_allow_at_least_as_specific(
+    allow: list[str], deny: list[str], default: str, addr: str, port: int
+) -> None:
+    try:
+        p = EgressPolicy.parse({"default": default, "allow": allow, "deny": deny})
+    except PolicyError:
+        return  # 0.0.0.0/8 and the like: never entries
+    a = IPv4Address(addr)
+    innermost = max((c for c in CLOSED if a in c), key=lambda c: c.prefixlen)
+    may = any(
+        e.net is not None
+        and a in e.net
+        and e.net.subnet_of(innermost)
+        and (e.ports is None or e.ports[0] <= port <= e.ports[1])
+        for e in p.allow
+    )
+    if chain_verdict(p, addr, port) == "accept":
+        assert may
+
+
+def test_clip_and_may_open() -> None:
+    ten = IPv4Network("10.0.0.0/8")
+    assert clip(ten, CLOSED) == [
+        (IPv4Address("10.0.0.0"), IPv4Address("10.87.255.255")),
+        (IPv4Address("10.89.0.0"), IPv4Address("10.255.255.255")),
+    ]
+    assert clip(IPv4Network("10.1.0.0/16"), CLOSED) == [(IPv4Address("10.1.0.0"), IPv4Address("10.1.255.255"))]
+    assert clip(IPv4Network("192.168.0.0/16"), CLOSED) == [(IPv4Address("192.168.0.0"), IPv4Address("192.168.255.255"))]
+    assert IPv4Address("10.0.0.0") not in [r[0] for r in clip(IPv4Network("0.0.0.0/0"), CLOSED)]
+    for addr in (
+        "10.1.2.3",
+        "172.16.0.1",
+        "192.168.1.1",
+        "100.100.100.200",
+        "198.18.0.1",
+        "169.254.169.254",
+        "127.0.0.1",
+    ):
+        assert not may_open(IPv4Address(addr)), addr  # DNS rebinding: a name opens no private address
+    assert not may_open(IPv4Address("203.0.113.9"), [IPv4Network("203.0.113.0/24")])  # --egress-never
+    assert may_open(IPv4Address("203.0.113.9")) and may_open(IPv4Address("8.8.8.8"))
+
+
 # -- DNS codec ---------------------------------------------------------------------
 def test_dns_roundtrip_and_cname_chain() -> None:
     q = D.query("www.Example.com", D.A, mid=77)
@@ -228,3 +371,42 @@ def test_dns_mutated_answers_fail_typed(seed: bytes, at: int, value: int) -> Non
         D.parse(bytes(base))
     except D.DnsError:
         pass
+
+
+# -- the one-supervisor-per-namespace lock --------------------------------------------
+def test_tap_lock_is_a_file_lock_in_a_private_directory(tmp_path: Path) -> None:
+    locks = tmp_path / "locks"
+    fd, path = lock_netns(NetNS(), locks)
+    assert stat.S_IMODE(locks.stat().st_mode) == 0o700 and path.parent == locks
+    with pytest.raises(NetError, match="another supervisor runs tap networking"):
+        lock_netns(NetNS(), locks)  # a second supervisor (flock: per open file, so here too)
+    unlock_netns(fd, path)
+    assert not path.exists()
+    fd, path = lock_netns(NetNS(), locks)  # free again
+    unlock_netns(fd, path)
+    locks.chmod(0o755)
+    unlock_netns(*lock_netns(NetNS(), locks))
+    assert stat.S_IMODE(locks.stat().st_mode) == 0o700  # ours: closed again
+    link = tmp_path / "link"
+    link.symlink_to(locks)
+    with pytest.raises(NetError, match="not a directory"):
+        lock_netns(NetNS(), link)
+    if os.geteuid() == 0:
+        os.chown(locks, 65534, 65534)  # made first by someone else
+        with pytest.raises(NetError, match="someone else made it"):
+            lock_netns(NetNS(), locks)
+
+
+def test_tap_lock_holds_the_file_that_is_there(tmp_path: Path) -> None:
+    """A taker that opened the file just before its holder unlinked it does not keep a
+    lock on the unlinked file (two holders): it locks the path's file."""
+    locks = tmp_path / "locks"
+    fd, path = lock_netns(NetNS(), locks)
+    stale = os.open(path, os.O_RDWR)  # a taker's open, before the holder lets go
+    unlock_netns(fd, path)
+    fcntl.flock(stale, fcntl.LOCK_EX | fcntl.LOCK_NB)  # it got the unlinked file's lock ...
+    try:
+        fd, path = lock_netns(NetNS(), locks)  # ... which is no lock: the path's file is free
+        unlock_netns(fd, path)
+    finally:
+        os.close(stale)

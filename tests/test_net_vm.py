@@ -24,7 +24,7 @@ from actors.machine import Placement
 from actors.vm import TAP_FD, Attach, Guest, NetConfig, VmSpec, booted_guest
 from guestd import proto as P
 from images.build import Image
-from tests.netlab import SERVERS, UPLINK_HOST, Lab, lab_env, probe
+from tests.netlab import CLOUD_METADATA, LAN, SERVERS, UPLINK_HOST, Lab, lab_env, probe, tcp_server
 
 pytestmark = [pytest.mark.vm, pytest.mark.skipif(os.geteuid() != 0, reason="needs root (namespaces, TAP)")]
 
@@ -112,6 +112,53 @@ async def test_tap_vm_reached_at_its_address_and_filtered(image: Image, tmp_path
                     assert (await sh(guest, f"{run} {SERVERS[2]}")).strip() != "server2"  # not allowed
                     assert (await sh(guest, f"{run} 169.254.169.254")).strip() != "metadata"
                     assert (await sh(guest, f"{run} {UPLINK_HOST}")).strip() != "host"
+        finally:
+            link.close()
+
+
+FETCH = """
+import socket, sys
+try:
+    s = socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=3)
+    print(s.recv(100).decode().split()[0])
+except OSError as e:
+    print(type(e).__name__)
+"""
+
+
+async def test_vm_port_allow_and_default_allow_stay_off_sandboxes_and_private_ranges(
+    image: Image, tmp_path: Path, qmp: None
+) -> None:
+    """A VM allowed 0.0.0.0/0:8080 reaches the internet's 8080 but not another sandbox's
+    8080 nor a LAN's; under default allow it reaches the internet, not a private
+    address (RFC 1918, cloud metadata at 100.100.100.200), not even through a name
+    that answers one (rebinding)."""
+    async with lab_env() as lab:
+        other = lab.guest("other")  # another sandbox (a veth guest), serving 8080
+        await lab.nursery.start(tcp_server, other.ns, "0.0.0.0", 8080, "other-sandbox")
+        await lab.nursery.start(tcp_server, lab.inet, SERVERS[0], 8080, "public-8080")
+        await lab.nursery.start(tcp_server, lab.inet, LAN, 8080, "lan-8080")
+        address = lab.pool.allocate("vm-p")
+        policy = EgressPolicy.parse({"default": "deny", "allow": ["0.0.0.0/0:8080"]})
+        link = lab.net.open_tap(link_name("vm-p"), address, policy)
+        try:
+            with trio.fail_after(240):
+                async with tap_vm(image, tmp_path / "run", link) as guest:
+                    await guest.channel.write_file("/tmp/fetch.py", FETCH.encode())
+
+                    async def get(target: str, port: int) -> str:
+                        return (await sh(guest, f"python3 /tmp/fetch.py {target} {port}")).strip()
+
+                    assert await get(SERVERS[0], 8080) == "public-8080"
+                    assert await get(other.address, 8080) != "other-sandbox"
+                    assert await get(LAN, 8080) != "lan-8080"
+                    assert await get(SERVERS[0], 80) != "server0"  # the port is all it allows
+                    link.set_policy(EgressPolicy.parse({"default": "allow", "allow": ["rebind.test"]}))
+                    assert await get(SERVERS[1], 80) == "server1"  # default allow: the internet
+                    assert await get(LAN, 80) != "lan"
+                    assert await get(CLOUD_METADATA, 80) != "cloud-metadata"
+                    assert await get(other.address, 8080) != "other-sandbox"
+                    assert await get("rebind.test", 80) != "lan"  # resolved, and still closed
         finally:
             link.close()
 
