@@ -28,6 +28,7 @@ import hashlib
 import logging
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import attrs
 
@@ -35,6 +36,9 @@ from actors import jail
 from actors.cgroups import Cgroup, CgroupError, CgroupLimits, CgroupManager, detect
 from actors.guestmem import SealedMemoryCache, build_discard_shim, create_ram_file, private_dir, remove_ram_file
 from actors.machine import Proc
+
+if TYPE_CHECKING:
+    from actors.toolcell import ToolCells
 
 log = logging.getLogger("sandvisor.cell")
 
@@ -174,6 +178,7 @@ class Cells:
         self.ram_dir = ram_dir
         self.kvm = kvm
         self.sealed = SealedMemoryCache(config.sealed_budget_mib << 20)
+        self.tools: ToolCells | None = None  # host tools on hostile data, in cells (actors/toolcell.py)
 
     @classmethod
     def setup(cls, config: JailConfig, *, state_dir: Path, ram_dir: Path | None, kvm: bool) -> Cells:
@@ -198,7 +203,7 @@ class Cells:
             log.warning("no cgroup hierarchy with memory and pids: QEMUs run without resource limits")
         allocator = jail.IdentityAllocator(config.first_uid, config.uid_count)
         allocator.adopt_running()
-        return cls(
+        cells = cls(
             config,
             helper=helper,
             cgroups=cgroups,
@@ -207,6 +212,10 @@ class Cells:
             kvm=kvm,
             discard_shim=shim,
         )
+        from actors.toolcell import ToolCells
+
+        cells.tools = ToolCells(cells, state_dir / "toolcells")  # (its id range is checked: JailError)
+        return cells
 
     def _spec(
         self, identity: jail.Identity, run_dir: Path, hostname: str, uplink: Uplink | None = None
@@ -282,6 +291,8 @@ class Cells:
         """At supervisor exit: the sealed memory, and our cgroup parent when no cell is
         left under it (--keep-sandboxes leaves running ones to the next supervisor)."""
         self.sealed.close()
+        if self.tools is not None:
+            self.tools.close()
         if self.cgroups is not None:
             with contextlib.suppress(CgroupError, OSError):
                 self.cgroups.remove_parent()

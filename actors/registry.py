@@ -115,6 +115,7 @@ class Registry:
             settings, self.snapshots, templates=templates, template_pool=template_pool, pool_size=pool_size, pools=pools
         )
         self.volumes = Volumes(settings.sandboxes_dir.parent / "volumes", store)
+        self.volumes.tools = settings.cells.tools if settings.cells is not None else None  # e2fsck in a cell
         self._lives: trio.Nursery | None = None
         self._closing = False
         self._removing: set[str] = set()
