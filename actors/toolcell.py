@@ -77,10 +77,11 @@ NETWORK_ETC = (
     "/etc/pki",
     "/etc/containers",
 )
+SCRATCH = "/.sandvisor-tool"  # (a path no bind shares: the socket dir is mounted over what is under it)
 ENV = {
     "PATH": "/usr/sbin:/usr/bin:/sbin:/bin",
-    "HOME": "/tmp",
-    "TMPDIR": "/tmp",
+    "HOME": SCRATCH,
+    "TMPDIR": SCRATCH,
     "LANG": "C.UTF-8",
     "EXT2FS_NO_MTAB_OK": "1",  # e2fsck: no /etc/mtab in a cell (the image is by fd: mounted nowhere)
 }
@@ -218,7 +219,7 @@ class ToolCells:
             identity=host,
             root=self.dir / name,
             binds=(*jail.default_binds(), *self._etc(host_network), *binds),
-            socket_dir="/tmp",  # the tool's own scratch dir (and HOME)
+            socket_dir=SCRATCH,  # the tool's own scratch dir (and HOME): bound last, so not /tmp
             netns=jail.NetNS.HOST if host_network else jail.NetNS.NEW,
             hostname="sandvisor-tool",
             rlimits=jail.Rlimits(nofile=4096, nproc=4096, core=0, extra=tuple(extra)),
