@@ -22,8 +22,11 @@ from actors.model import VolumeMount
 from actors.store import Store
 from actors.toolcell import ToolSpawn
 from actors.volumes import Volumes
+from images.build import Image as GuestImage
 from images.oci import DiskFull, ImageStore
 from images.ocilocal import ImageSpec, Layer, LocalRegistry, build_image, busybox_tree, push
+from supervisor.client import AsyncSandbox, AsyncVolumes
+from supervisor.throwaway import supervisor, workdir
 
 pytestmark = pytest.mark.host
 
@@ -225,3 +228,50 @@ async def test_an_image_over_the_cap_is_refused_while_streaming(tmp_path: Path, 
     finally:
         reg.stop()
     assert not [o for o in cells.allocator.live.values() if o.startswith("tool")]
+
+
+# -- through a supervisor: a guest corrupts its volume -----------------------------------------------
+
+
+@pytest.mark.vm
+async def test_a_volume_its_guest_corrupted_is_checked_in_a_cell(image: GuestImage) -> None:
+    """A guest scribbles over its volume's block device (unmounted: what a hostile guest
+    can do); at the end of its life the supervisor's e2fsck runs in a cell, and the
+    volume is either repaired and usable or refused with a note: the host is unharmed
+    and the supervisor serves on."""
+    with workdir("sv-tc-", private_state=True) as work:
+        async with supervisor(work) as (_cfg, reg):
+            cells = reg.settings.cells
+            assert cells is not None and cells.tools is not None
+            watch = Watch()
+            cells.tools.observers.append(watch)
+            sock = work.socket
+            with trio.fail_after(600):
+                await AsyncVolumes(sock).create("scratch", "64M")
+                async with await AsyncSandbox.create("vandal", socket=sock, volumes=["scratch:/data"]) as sb:
+                    script = (
+                        "echo hi > /data/f && sync && umount /data && for b in /sys/block/*; do "
+                        '[ "$(cat $b/serial 2>/dev/null)" = v0 ] && '
+                        "{ dd if=/dev/urandom of=/dev/${b##*/} bs=4096 seek=2 count=8 conv=fsync; "
+                        # and the superblock's s_state: "errors" (e2fsck -p then checks it all)
+                        "printf '\\002\\000' | dd of=/dev/${b##*/} bs=1 seek=1082 conv=notrunc,fsync; } 2>/dev/null; "
+                        "done; true"
+                    )
+                    r = await sb.run(["/bin/sh", "-c", script])
+                    assert r.exit_code == 0, r.stderr
+                    await sb.stop()
+                    notes = [e.data for e in await sb.logs() if e.source == "system" and b"volume scratch" in e.data]
+                    (seen,) = watch.of("e2fsck")
+                    assert_confined(cells, seen, userns=False)
+                    path = reg.volumes.path(reg.volumes.get("scratch"))
+                    st = path.stat()
+                    assert (st.st_uid, st.st_mode & 0o777) == (0, 0o600)
+                    clean = subprocess.run(["e2fsck", "-f", "-n", str(path)], check=False, capture_output=True)
+                    if clean.returncode == 0:  # repaired: usable again
+                        assert notes, "a repair is noted"
+                        await sb.start()
+                        assert (await sb.run(["/bin/sh", "-c", "ls /data >/dev/null && echo ok"])).stdout == b"ok\n"
+                    else:  # beyond what -p may fix: refused, said so
+                        assert any(b"cannot fix safely" in n for n in notes), notes
+                # the supervisor serves on
+                assert [v.name for v in await AsyncVolumes(sock).list()] == ["scratch"]
