@@ -142,6 +142,20 @@ class ToolCells:
         self._userns_fd = -1
         self._seq = itertools.count(1)
         self.observers: list[Callable[[ToolSpawn], None]] = []  # called at every spawn
+        self._sweep()
+
+    def _sweep(self) -> None:
+        """Jail dirs a dead supervisor left (its cgroups go with Cells.sweep)."""
+        for d in self.dir.iterdir():
+            parts = d.name.split("-")
+            if len(parts) > 2 and parts[0] == "tool" and parts[1].isdigit() and int(parts[1]) != os.getpid():
+                try:
+                    os.kill(int(parts[1]), 0)
+                except ProcessLookupError:
+                    with contextlib.suppress(jail.JailError):
+                        jail.remove_jail(d)
+                except PermissionError:
+                    pass
 
     # -- identities --------------------------------------------------------------------
     @contextlib.contextmanager
