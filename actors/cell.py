@@ -28,6 +28,7 @@ import hashlib
 import logging
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import attrs
 
@@ -36,6 +37,9 @@ from actors.cgroups import Cgroup, CgroupError, CgroupLimits, CgroupManager
 from actors.cgroups import find as find_cgroups
 from actors.guestmem import SealedMemoryCache, build_discard_shim, create_ram_file, private_dir, remove_ram_file
 from actors.machine import Proc
+
+if TYPE_CHECKING:
+    from actors.toolcell import ToolCells
 
 log = logging.getLogger("sandvisor.cell")
 
@@ -175,6 +179,7 @@ class Cells:
         self.ram_dir = ram_dir
         self.kvm = kvm
         self.sealed = SealedMemoryCache(config.sealed_budget_mib << 20)
+        self.tools: ToolCells | None = None  # host tools on hostile data, in cells (actors/toolcell.py)
 
     @classmethod
     def setup(
@@ -211,7 +216,7 @@ class Cells:
             log.warning("serve --no-cgroups: QEMUs run without resource limits (memory, processes, CPU)")
         allocator = jail.IdentityAllocator(config.first_uid, config.uid_count)
         allocator.adopt_running()
-        return cls(
+        cells = cls(
             config,
             helper=helper,
             cgroups=manager,
@@ -220,6 +225,10 @@ class Cells:
             kvm=kvm,
             discard_shim=shim,
         )
+        from actors.toolcell import ToolCells
+
+        cells.tools = ToolCells(cells, state_dir / "toolcells")  # (its id range is checked: JailError)
+        return cells
 
     def _spec(
         self, identity: jail.Identity, run_dir: Path, hostname: str, uplink: Uplink | None = None
@@ -295,6 +304,8 @@ class Cells:
         """At supervisor exit: the sealed memory, and our cgroup parent when no cell is
         left under it (--keep-sandboxes leaves running ones to the next supervisor)."""
         self.sealed.close()
+        if self.tools is not None:
+            self.tools.close()
         if self.cgroups is not None:
             with contextlib.suppress(CgroupError, OSError):
                 self.cgroups.remove_parent()

@@ -303,6 +303,9 @@ class JailSpec:
     rlimits: Rlimits = Rlimits()
     read_only_root: bool = True
     proc_subset_pid: bool = True  # /proc shows only processes (no /proc/sys, kcore, ...)
+    # a tool's cell (actors/toolcell.py): run as ``identity`` *inside* a user namespace
+    # (spawn's ``userns_fd``, entered after pivot_root), keeping these capabilities there
+    keep_caps: tuple[int, ...] = ()
 
     def host_path(self, in_jail: str | Path) -> Path:
         """Where an in-jail path is on the host (for the sockets QEMU makes)."""
@@ -464,6 +467,7 @@ _libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_u
 _libc.syscall.restype = ctypes.c_long
 
 CLONE_NEWNS = 0x00020000
+CLONE_NEWUSER = 0x10000000
 CLONE_NEWCGROUP = 0x02000000
 CLONE_NEWUTS = 0x04000000
 CLONE_NEWIPC = 0x08000000
@@ -532,9 +536,11 @@ class _Plan:
     gid: int
     rlimits: tuple[tuple[int, int], ...]
     err_fd: int
+    userns_fd: int = -1
+    keep_caps: int = 0  # bit mask of capabilities kept (in the user namespace)
 
 
-def _plan(spec: JailSpec, cgroup_fds: tuple[int, ...], netns_fd: int, err_fd: int) -> _Plan:
+def _plan(spec: JailSpec, cgroup_fds: tuple[int, ...], netns_fd: int, err_fd: int, userns_fd: int = -1) -> _Plan:
     root = bytes(spec.root)
     m: list[_Mount] = [
         _Mount(None, b"/", None, MS_REC | MS_PRIVATE, None, "make / private"),
@@ -585,6 +591,8 @@ def _plan(spec: JailSpec, cgroup_fds: tuple[int, ...], netns_fd: int, err_fd: in
         gid=spec.identity.gid,
         rlimits=spec.rlimits.items(),
         err_fd=err_fd,
+        userns_fd=userns_fd,
+        keep_caps=sum(1 << c for c in set(spec.keep_caps)),
     )
 
 
@@ -620,12 +628,16 @@ def _enter(plan: _Plan) -> None:
         _check(_libc.syscall(SYS_PIVOT_ROOT, b".", b"."), step)
         _check(_libc.umount2(b".", MNT_DETACH), "detach the old root")
         _check(_libc.chdir(b"/"), "chdir /")
+        if plan.userns_fd >= 0:
+            step = "enter the user namespace"
+            _check(_libc.setns(plan.userns_fd, CLONE_NEWUSER), step)
         step = "setgroups/setresgid"
         os.setgroups(list(plan.groups))
         os.setresgid(plan.gid, plan.gid, plan.gid)
         step = "drop the bounding set"
         for cap in range(_LAST_CAP + 1):
-            _check(_libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0), step)
+            if not plan.keep_caps >> cap & 1:
+                _check(_libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0), step)
         step = "clear ambient capabilities"
         _check(_libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0), step)
         step = "rlimits"
@@ -636,6 +648,8 @@ def _enter(plan: _Plan) -> None:
         step = "capset"
         hdr = _CapHeader(_LINUX_CAPABILITY_VERSION_3, 0)
         data = (_CapData * 2)()
+        data[0].effective = data[0].permitted = plan.keep_caps & 0xFFFFFFFF
+        data[1].effective = data[1].permitted = plan.keep_caps >> 32
         _check(_libc.syscall(SYS_CAPSET, ctypes.byref(hdr), ctypes.byref(data)), step)
         step = "no_new_privs"
         _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), step)
@@ -765,6 +779,10 @@ def _plan_argv(plan: _Plan) -> list[str]:
         a.append("--lo")
     if plan.groups:
         a += ["--groups", ",".join(map(str, plan.groups))]
+    if plan.userns_fd >= 0:
+        a += ["--userns-fd", str(plan.userns_fd)]
+    if plan.keep_caps:
+        a += ["--keep-caps", hex(plan.keep_caps)]
     a += ["--gid", str(plan.gid), "--uid", str(plan.uid), "--last-cap", str(_LAST_CAP)]
     for res, value in plan.rlimits:
         a += ["--rlimit", str(res), str(value)]
@@ -811,6 +829,7 @@ async def spawn(
     stderr_fd: int | None = None,
     env: Mapping[str, str] | None = None,
     helper: Path | None = None,
+    userns_fd: int = -1,
 ) -> JailedProcess:
     """Start ``argv`` inside the jail ``spec`` (built by :func:`build_jail`), joined to
     the cgroups whose ``cgroup.procs`` files are given before it runs a line of its
@@ -820,7 +839,9 @@ async def spawn(
     forked child does (no compiler needed; ~2-3x the spawn time). Returns once
     ``argv`` runs; raises :class:`JailError` naming the step that failed. The caller
     owns the process: it must be waited for (reaped). ``stderr_fd``: the process's
-    stderr (a log file), instead of a pipe to us."""
+    stderr (a log file), instead of a pipe to us. ``userns_fd``: a user namespace (a
+    tool's cell, actors/toolcell.py) entered after pivot_root: ``spec.identity`` and
+    ``spec.keep_caps`` are then the namespace's."""
     if stderr_fd is not None:
         stderr_pipe = False
     args = [_resolve(argv[0], spec), *argv[1:]]
@@ -841,7 +862,7 @@ async def spawn(
         errpipe[:] = os.pipe2(os.O_CLOEXEC)
         if stderr_pipe:
             r_out, w_out = os.pipe2(os.O_CLOEXEC)
-        plan = _plan(spec, cgroup_fds, netns_fd, errpipe[1])
+        plan = _plan(spec, cgroup_fds, netns_fd, errpipe[1], userns_fd)
         kwargs: dict[str, Any] = {
             "stdin": stdin,
             "stdout": stdout,
@@ -856,7 +877,7 @@ async def spawn(
             kwargs["preexec_fn"] = lambda: _enter(plan)
         else:
             cmd = [str(helper), *_plan_argv(plan), "--", *args]
-            kwargs["pass_fds"] = (*pass_fds, *opened, errpipe[1])
+            kwargs["pass_fds"] = (*pass_fds, *opened, errpipe[1], *((userns_fd,) if userns_fd >= 0 else ()))
         popen, detail = await trio.to_thread.run_sync(_start, cmd, kwargs, errpipe, helper is not None)
         if popen is None:
             raise JailError(f"entering the jail failed at {detail}")

@@ -8,8 +8,13 @@
  *
  *   sandvisor-jail-exec --err-fd N [--cgroup-fd N]... [--netns-fd N] --unshare FLAGS
  *       [--mount SRC TARGET FSTYPE FLAGS DATA]...   ("" = NULL)
- *       --hostname NAME [--lo] --root DIR [--groups G,G] --gid G --uid U
- *       --last-cap N [--rlimit RESOURCE VALUE]... -- PROGRAM ARGS...
+ *       --hostname NAME [--lo] --root DIR [--userns-fd N] [--keep-caps MASK]
+ *       [--groups G,G] --gid G --uid U --last-cap N [--rlimit RESOURCE VALUE]...
+ *       -- PROGRAM ARGS...
+ *
+ * --userns-fd: a user namespace entered after pivot_root (a tool's cell, see
+ * actors/toolcell.py): uid and gid are then the namespace's (0 allowed), and the
+ * capabilities of --keep-caps are kept there (bounding set and permitted).
  *
  * A failure is written to the error fd as "step: strerror" and the exit status is 127;
  * on success the error fd is close-on-exec: the parent reads EOF once PROGRAM runs.
@@ -61,7 +66,8 @@ static long num(const char *s) {
 struct mnt { const char *src, *target, *fstype, *data; unsigned long flags; };
 
 int main(int argc, char **argv) {
-    int cgroup_fds[MAX_ITEMS], n_cgroups = 0, netns_fd = -1, loopback = 0, last_cap = 63;
+    int cgroup_fds[MAX_ITEMS], n_cgroups = 0, netns_fd = -1, userns_fd = -1, loopback = 0, last_cap = 63;
+    unsigned long long keep_caps = 0;
     int rl_res[MAX_ITEMS], n_rl = 0;
     rlim_t rl_val[MAX_ITEMS];
     struct mnt mounts[MAX_ITEMS];
@@ -76,6 +82,8 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--err-fd")) { NEED(1); err_fd = (int)num(argv[++i]); }
         else if (!strcmp(a, "--cgroup-fd")) { NEED(1); if (n_cgroups == MAX_ITEMS) usage(a); cgroup_fds[n_cgroups++] = (int)num(argv[++i]); }
         else if (!strcmp(a, "--netns-fd")) { NEED(1); netns_fd = (int)num(argv[++i]); }
+        else if (!strcmp(a, "--userns-fd")) { NEED(1); userns_fd = (int)num(argv[++i]); }
+        else if (!strcmp(a, "--keep-caps")) { NEED(1); keep_caps = (unsigned long long)num(argv[++i]); }
         else if (!strcmp(a, "--unshare")) { NEED(1); flags = num(argv[++i]); }
         else if (!strcmp(a, "--mount")) {
             NEED(5);
@@ -104,7 +112,8 @@ int main(int argc, char **argv) {
         }
         else usage(a);
     }
-    if (i >= argc || flags < 0 || uid <= 0 || gid <= 0 || !root || !hostname) usage("missing arguments");
+    if (i >= argc || flags < 0 || !root || !hostname) usage("missing arguments");
+    if (userns_fd < 0 ? (uid <= 0 || gid <= 0) : (uid < 0 || gid < 0)) usage("missing arguments");
 
     for (int k = 0; k < n_cgroups; k++)
         if (write(cgroup_fds[k], "0", 1) != 1) fail("join the cgroup");
@@ -132,6 +141,7 @@ int main(int argc, char **argv) {
     if (chdir(root) || syscall(SYS_pivot_root, ".", ".")) fail("pivot_root");
     if (umount2(".", MNT_DETACH)) fail("detach the old root");
     if (chdir("/")) fail("chdir /");
+    if (userns_fd >= 0 && setns(userns_fd, CLONE_NEWUSER)) fail("enter the user namespace");
 
     gid_t groups[MAX_ITEMS];
     int n_groups = 0;
@@ -147,7 +157,7 @@ int main(int argc, char **argv) {
     if (setgroups((size_t)n_groups, groups)) fail("setgroups/setresgid");
     if (setresgid((gid_t)gid, (gid_t)gid, (gid_t)gid)) fail("setgroups/setresgid");
     for (int c = 0; c <= last_cap; c++)
-        if (prctl(PR_CAPBSET_DROP, c, 0, 0, 0)) fail("drop the bounding set");
+        if (!(c < 64 && (keep_caps >> c & 1)) && prctl(PR_CAPBSET_DROP, c, 0, 0, 0)) fail("drop the bounding set");
     if (prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)) fail("clear ambient capabilities");
     for (int k = 0; k < n_rl; k++) {
         struct rlimit r = {rl_val[k], rl_val[k]};
@@ -157,12 +167,15 @@ int main(int argc, char **argv) {
     struct __user_cap_header_struct hdr = {_LINUX_CAPABILITY_VERSION_3, 0};
     struct __user_cap_data_struct data[2];
     memset(data, 0, sizeof data);
+    data[0].effective = data[0].permitted = (__u32)(keep_caps & 0xFFFFFFFFu);
+    data[1].effective = data[1].permitted = (__u32)(keep_caps >> 32);
     if (syscall(SYS_capset, &hdr, data)) fail("capset");
     if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)) fail("no_new_privs");
     umask(077);
 
     for (int k = 0; k < n_cgroups; k++) close(cgroup_fds[k]);
     if (netns_fd >= 0) close(netns_fd);
+    if (userns_fd >= 0) close(userns_fd);
     if (fcntl(err_fd, F_SETFD, FD_CLOEXEC)) fail("close-on-exec");
     execv(argv[i], argv + i);
     fail("exec");

@@ -118,6 +118,7 @@ class Registry:
         self.volumes = Volumes(
             settings.sandboxes_dir.parent / "volumes", store, max_size=settings.max_sandbox_disk_mib << 20
         )
+        self.volumes.tools = settings.cells.tools if settings.cells is not None else None  # e2fsck in a cell
         self._lives: trio.Nursery | None = None
         self._closing = False
         self._removing: set[str] = set()

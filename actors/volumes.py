@@ -54,6 +54,7 @@ from actors.durable import fsync_dir, fsync_path
 from actors.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from actors.machine import Volume
 from actors.model import VolumeMount, VolumeRecord
+from actors.toolcell import ToolCells, ToolError, ToolResult, fsck_in_cell
 
 if TYPE_CHECKING:
     from actors.store import Store
@@ -105,10 +106,18 @@ async def create_volume_image(path: Path, size: int, *, label: str = "", owner: 
     return size
 
 
-async def check_volume_image(path: Path) -> bool:
+async def check_volume_image(path: Path, tools: ToolCells | None = None) -> bool:
     """``e2fsck -p``: replay the journal and fix what is safe to fix. True when the file
-    system was clean, False when it was repaired; VolumeError when it needs a human."""
-    p = await _run(["e2fsck", "-p", str(path)])
+    system was clean, False when it was repaired; VolumeError when it needs a human.
+    ``tools``: in a cell of its own (the image is the guest's: hostile input), the
+    image by descriptor (actors/toolcell.py); None (no jail): as the supervisor."""
+    if tools is None:
+        p: subprocess.CompletedProcess[bytes] | ToolResult = await _run(["e2fsck", "-p", str(path)])
+    else:
+        try:
+            p = await fsck_in_cell(tools, path)
+        except ToolError as exc:
+            raise VolumeError(f"e2fsck could not run in its cell: {exc}") from None
     if p.returncode == 0:
         return True
     if p.returncode in (1, 2):
@@ -145,6 +154,7 @@ class Volumes:
         self.records: dict[str, VolumeRecord] = {}
         self.claims: dict[str, dict[str, Claim]] = {}  # name -> sandbox uid -> claim
         self._busy: set[str] = set()  # names being created or removed
+        self.tools: ToolCells | None = None  # e2fsck runs in a cell (root, jail on: Registry sets it)
 
     def load(self) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -294,7 +304,7 @@ class Volumes:
                 continue
             with trio.move_on_after(CHECK_TIMEOUT) as waited:
                 try:
-                    if not await check_volume_image(self.path(self.records[name])):
+                    if not await check_volume_image(self.path(self.records[name]), self.tools):
                         notes.append(f"volume {name}: its journal was replayed (e2fsck)")
                 except VolumeError as exc:
                     notes.append(f"volume {name}: {exc}")

@@ -52,20 +52,25 @@ import base64
 import contextlib
 import enum
 import errno
+import functools
 import hashlib
 import json
 import os
 import re
 import shutil
+import signal
 import stat
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Collection, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterator, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
 import attrs
 import trio
+
+from actors import jail
+from actors.toolcell import READ_CAPS, SHIFT_COUNT, UNPACK_CAPS, ToolCells, ToolError, bind
 
 # -- errors ------------------------------------------------------------------------
 
@@ -368,6 +373,35 @@ def _quiet(_p: PullProgress) -> None:
     pass
 
 
+@attrs.frozen
+class _Tool:
+    """How one tool runs in its cell (with ToolCells; ignored without)."""
+
+    identity: jail.Identity | None  # None: root of the tools' user namespace
+    binds: tuple[jail.Bind, ...]
+    host_network: bool = False
+    keep_caps: tuple[int, ...] = ()
+    fsize: int | None = None
+
+
+@attrs.define
+class _Job:
+    """One pull's work dirs and ids (see ImageStore._job)."""
+
+    stage: Path
+    fetch: Path  # skopeo's: --tmpdir, auth file, layout, blob dir
+    owner: tuple[int, int] | None  # the pull's id (uid, gid) with cells; None: the supervisor's
+    shift: int  # the host id of the tools' user namespace root (0: no cells)
+    identity: jail.Identity | None = None
+    src: Path | None = None  # a local source, copied into fetch (with cells)
+
+    def source(self, r: Reference, digest: str = "") -> str:
+        """What skopeo reads: the reference, or the copy of a local one."""
+        if self.src is None:
+            return r.skopeo(digest)
+        return f"{r.transport}:{self.src}" + (f":{r.name}" if r.name else "")
+
+
 # -- the store -----------------------------------------------------------------------
 
 _CODE_VERSION = 1  # bump when the conversion changes what a rootfs holds
@@ -394,8 +428,11 @@ class StoreStats:
 class ImageStore:
     """The image store at ``root`` (``<state>/images/oci``); one per supervisor.
 
-    ``max_image_bytes``: refuse (DiskFull) an image whose unpacked tree is larger.
-    ``free_min``/``free_ratio``: room left in each ext4 for the sandbox's own writes."""
+    ``max_image_bytes``: refuse (DiskFull) an image whose download or unpacked tree is
+    larger, as the bytes arrive (``serve --max-image-size``).
+    ``free_min``/``free_ratio``: room left in each ext4 for the sandbox's own writes.
+    ``tools``: skopeo, umoci and mkfs.ext4 run in cells (actors/toolcell.py); None
+    (``--no-jail``): as the supervisor, as before."""
 
     def __init__(
         self,
@@ -404,12 +441,14 @@ class ImageStore:
         max_image_bytes: int | None = None,
         free_min: int = GIB,
         free_ratio: float = 0.5,
+        tools: ToolCells | None = None,
     ) -> None:
         self.root = root
         self.blobs = root / "blobs"
         self.images = root / "images"
         self.tmp = root / "tmp"
         self.max_image_bytes = max_image_bytes
+        self.tools = tools
         self.free_min = free_min
         self.free_ratio = free_ratio
         self.stats = StoreStats()
@@ -515,10 +554,13 @@ class ImageStore:
         auth_json: bytes | None = None,
     ) -> Image:
         ref = r.canonical()
-        async with self._staging("pull") as stage:
-            auth = self._auth_args(r, stage, creds, authfile, auth_json)
+        async with self._staging("pull") as stage, self._job(r, stage) as job:
+            auth = self._auth_args(r, job.fetch, creds, authfile, auth_json, job.owner)
+            if not r.is_registry and self.tools is not None:
+                emit(PullProgress(ref, "resolving", "copying the local image into the staging dir"))
+                job.src = await trio.to_thread.run_sync(self._copy_local, r, job)
             emit(PullProgress(ref, "resolving", "reading the manifest"))
-            digest, layers = await self._resolve(r, stage, auth, tls_verify, auth != ["--no-creds"] and bool(auth))
+            digest, layers = await self._resolve(r, job, auth, tls_verify, auth != ["--no-creds"] and bool(auth))
             hexd = digest.removeprefix("sha256:")
             while True:
                 if self._load(hexd) is not None:
@@ -533,10 +575,12 @@ class ImageStore:
             ev = trio.Event()
             self._inflight[hexd] = ev
             try:
-                await self._fetch_and_convert(r, digest, layers, stage, auth, tls_verify, emit)
+                await self._fetch_and_convert(r, digest, layers, job, auth, tls_verify, emit)
             except OSError as exc:
                 if exc.errno in (errno.ENOSPC, errno.EDQUOT):
                     raise DiskFull(f"{r}: the image store's disk is full ({exc})") from None
+                if exc.errno == errno.EFBIG:
+                    raise DiskFull(f"{r}: a file is over {self._cap_text()}") from None
                 raise ConversionError(f"{r}: {exc}") from None
             finally:
                 del self._inflight[hexd]
@@ -546,21 +590,42 @@ class ImageStore:
         emit(PullProgress(ref, "done", f"{img.content_bytes} bytes in {len(img.layers)} layers", digest=digest))
         return img
 
+    @contextlib.asynccontextmanager
+    async def _job(self, r: Reference, stage: Path) -> AsyncIterator[_Job]:
+        """A pull's work dirs in its staging dir. With cells: ``fetch`` (skopeo's) is an
+        id of the pull's own; ``unpack`` and ``out`` are the tools' user namespace root's
+        (umoci, mkfs); the stage itself stays the supervisor's."""
+        fetch = stage / "fetch"
+        fetch.mkdir(mode=0o700)
+        if self.tools is None:
+            yield _Job(stage, fetch, None, 0)
+            return
+        os.chmod(stage, 0o711)
+        with self.tools.identity(f"pull {r}"[:80]) as ident:
+            os.chown(fetch, ident.uid, ident.gid)
+            yield _Job(stage, fetch, (ident.uid, ident.gid), self.tools.shifted(0), ident)
+
+    def _cap_text(self) -> str:
+        return f"the image size cap of {self.max_image_bytes} bytes (serve --max-image-size)"
+
     async def _resolve(
-        self, r: Reference, stage: Path, auth: list[str], tls_verify: bool, has_creds: bool
+        self, r: Reference, job: _Job, auth: list[str], tls_verify: bool, has_creds: bool
     ) -> tuple[str, list[tuple[str, int]]]:
         """The manifest digest to pull (the linux/amd64 one of an index) and its layers."""
         self.stats.resolves += 1
-        argv = ["skopeo", "--tmpdir", str(stage), "inspect", "--raw", *auth]
+        argv = ["skopeo", "--tmpdir", str(job.fetch), "inspect", "--raw", *auth]
         if r.is_registry and not tls_verify:
             argv.append("--tls-verify=false")
-        raw = await self._run([*argv, r.skopeo()], r, "reading the manifest", has_creds=has_creds)
+        run = functools.partial(
+            self._run, r=r, step="reading the manifest", has_creds=has_creds, tool=self._skopeo(r, job)
+        )
+        raw = await run([*argv, job.source(r)])
         if r.digest and _digest_of(raw) != r.digest:
             raise DigestMismatch(f"{r}: the registry served a manifest that does not match {r.digest}")
         digest, manifest = _digest_of(raw), _json(raw, "manifest", r)
         if manifest.get("mediaType") in _INDEX_TYPES or "manifests" in manifest:
             digest = _pick_platform(manifest, r)
-            raw = await self._run([*argv, r.skopeo(digest)], r, "reading the manifest", has_creds=has_creds)
+            raw = await run([*argv, job.source(r, digest)])
             if _digest_of(raw) != digest:
                 raise DigestMismatch(f"{r}: the manifest of its linux/amd64 image does not match {digest}")
             manifest = _json(raw, "manifest", r)
@@ -570,7 +635,12 @@ class ImageStore:
         for layer in manifest.get("layers") or []:
             if not isinstance(layer, dict) or not isinstance(layer.get("digest"), str):
                 raise UnsupportedImage(f"{r}: the manifest lists a malformed layer")
+            if not _DIGEST_RE.fullmatch(layer["digest"]):
+                raise UnsupportedImage(f"{r}: unsupported digest {str(layer['digest'])[:80]!r}")
             layers.append((str(layer["digest"]), int(layer.get("size") or 0)))
+        cap = self.max_image_bytes
+        if cap is not None and sum(s for _, s in layers) > cap:
+            raise DiskFull(f"{r}: its layers are {sum(s for _, s in layers)} bytes, over {self._cap_text()}")
         return digest, layers
 
     async def _fetch_and_convert(
@@ -578,68 +648,105 @@ class ImageStore:
         r: Reference,
         digest: str,
         layers: list[tuple[str, int]],
-        stage: Path,
+        job: _Job,
         auth: list[str],
         tls_verify: bool,
         emit: ProgressFn,
     ) -> None:
         ref = r.canonical()
-        layout = stage / "layout"
+        stage, fetch = job.stage, job.fetch
+        layout = fetch / "layout"
         total = sum(s for _, s in layers)
+        # skopeo writes into a blob dir of the pull's own: what the store has is linked in
+        # (not fetched again, not writable by skopeo); what it adds is verified, then published
+        blobs_in = fetch / "blobs" / "sha256"
+        blobs_in.mkdir(parents=True)
+        reused = await trio.to_thread.run_sync(self._link_known, [d for d, _ in layers], blobs_in)
+        if job.owner is not None:
+            for d in (fetch / "blobs", blobs_in):
+                os.chown(d, *job.owner)
         argv = [
             "skopeo",
             "--tmpdir",
-            str(stage),
+            str(fetch),
             "--override-os",
             "linux",
             "--override-arch",
             "amd64",
-            *self._policy_args(),
+            *self._policy_args(job),
             "copy",
             "--quiet",
             "--remove-signatures",
             *[a.replace("--", "--src-", 1) for a in auth],
             "--dest-shared-blob-dir",
-            str(self.blobs),
+            str(fetch / "blobs"),
         ]
         if r.is_registry and not tls_verify:
             argv.append("--src-tls-verify=false")
-        argv += [r.skopeo(digest), f"oci:{layout}:img"]
+        argv += [job.source(r, digest), f"oci:{layout}:img"]
         emit(PullProgress(ref, "downloading", f"{len(layers)} layers", 0, total, digest))
         self.stats.copies += 1
-        failed: ImageError | None = None  # raised past the nursery: not inside an ExceptionGroup
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._watch_download, ref, digest, layout, layers, emit)
-            try:
-                await self._run(argv, r, "copying the image", has_creds=bool(auth) and "--no-creds" not in auth)
-            except ImageError as exc:
-                failed = exc
-            finally:
-                nursery.cancel_scope.cancel()
-        if failed is not None:
-            raise failed
+        await self._bounded(
+            self._run(
+                argv,
+                r,
+                "copying the image",
+                has_creds=bool(auth) and "--no-creds" not in auth,
+                tool=self._skopeo(r, job),
+            ),
+            fetch,
+            r,
+            "copying the image",
+            progress=lambda used: emit(PullProgress(ref, "downloading", "", min(used + reused, total), total, digest)),
+            skip=reused,
+        )
         emit(PullProgress(ref, "downloading", "done", total, total, digest))
-        # umoci reads the layout's own blobs/: point it at the shared directory
-        if (layout / "blobs").is_dir():
-            (layout / "blobs").rmdir()
-        (layout / "blobs").symlink_to(self.blobs)
         try:
+            await trio.to_thread.run_sync(self._publish_blobs, blobs_in, r)
             blobs, config_digest, cfg = self._read_layout(layout, r)
         except (KeyError, TypeError, ValueError) as exc:
             raise UnsupportedImage(f"{r}: malformed image metadata ({exc!r})") from None
+        # umoci reads a layout of the supervisor's: the index skopeo wrote (checked), the
+        # image's blobs linked from the store
+        ulayout = stage / "layout"
+        await trio.to_thread.run_sync(self._umoci_layout, ulayout, layout, blobs, r)
         emit(PullProgress(ref, "unpacking", "applying layers (umoci)", digest=digest))
-        tree = stage / "tree"
-        await self._run(
-            ["umoci", "--log", "error", "raw", "unpack", "--image", f"{layout}:img", str(tree)], r, "unpacking"
+        unpack = stage / "unpack"
+        unpack.mkdir(mode=0o700)
+        tree = unpack / "tree"
+        if self.tools is not None:
+            os.chown(unpack, job.shift, job.shift)
+        await self._bounded(
+            self._run(
+                ["umoci", "--log", "error", "raw", "unpack", "--image", f"{ulayout}:img", str(tree)],
+                r,
+                "unpacking",
+                tool=_Tool(
+                    None,
+                    (bind(ulayout), bind(unpack, writable=True)),
+                    keep_caps=UNPACK_CAPS,
+                    fsize=self.max_image_bytes,
+                ),
+            ),
+            unpack,
+            r,
+            "unpacking",
         )
         emit(PullProgress(ref, "converting", "making the ext4 root filesystem", digest=digest))
         out = stage / "out"
         out.mkdir()
         fs_uuid = str(uuid.uuid4())
-        content, disk = await trio.to_thread.run_sync(self._prepare_tree, tree, cfg)
-        await self._run(_mkfs_argv(tree, out / "rootfs.ext4", disk, content, fs_uuid), r, "making the ext4 file")
+        content, disk = await trio.to_thread.run_sync(self._prepare_tree, tree, cfg, job.shift)
+        if self.tools is not None:
+            os.chown(out, job.shift, job.shift)
+        await self._run(
+            _mkfs_argv(tree, out / "rootfs.ext4", disk, content, fs_uuid),
+            r,
+            "making the ext4 file",
+            tool=_Tool(None, (bind(unpack), bind(out, writable=True)), keep_caps=READ_CAPS, fsize=disk),
+        )
         self.stats.conversions += 1
-        (out / "rootfs.ext4").chmod(0o444)
+        _own_output(out, "rootfs.ext4")
         meta = {
             "version": _CODE_VERSION,
             "digest": digest,
@@ -665,25 +772,149 @@ class ImageStore:
             # another process published the same digest first: theirs is as good
         _fsync_dir(self.images)
 
-    async def _watch_download(
-        self, ref: str, digest: str, layout: Path, layers: list[tuple[str, int]], emit: ProgressFn
-    ) -> None:
-        """Bytes downloaded so far: layers already in blobs/ plus skopeo's temp files."""
-        total, last = sum(s for _, s in layers), -1
-        while True:
-            done = sum(s for d, s in layers if (self.blobs / d.replace(":", "/", 1)).exists())
-            with contextlib.suppress(OSError):
-                for p in layout.glob("oci-put-blob*"):
-                    with contextlib.suppress(FileNotFoundError):
-                        done += p.stat().st_size
-            done = min(done, total)
-            if done != last:
-                emit(PullProgress(ref, "downloading", "", done, total, digest))
-                last = done
-            await trio.sleep(0.25)
+    async def _bounded(
+        self,
+        work: Awaitable[bytes],
+        directory: Path,
+        r: Reference,
+        step: str,
+        *,
+        progress: Callable[[int], None] | None = None,
+        skip: int = 0,
+    ) -> bytes:
+        """Run ``work`` (a tool) while watching what ``directory`` holds: over the cap,
+        the tool is killed (cancelled) at once and the pull fails with DiskFull. ``skip``:
+        bytes of the store's own blobs linked in (not counted)."""
+        cap = self.max_image_bytes
+        over: list[int] = []
+        result: list[bytes] = []
+
+        async def watch(cancel: trio.CancelScope) -> None:
+            last = -1
+            while True:
+                t0 = time.monotonic()
+                used = max(0, await trio.to_thread.run_sync(_tree_usage, directory) - skip)
+                if cap is not None and used > cap:
+                    over.append(used)
+                    cancel.cancel()
+                    return
+                if progress is not None and used != last:
+                    progress(used)
+                    last = used
+                await trio.sleep(max(0.2, 10 * (time.monotonic() - t0)))  # a poll: walks cost
+
+        failed: list[ImageError] = []  # raised past the nursery: not inside an ExceptionGroup
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch, nursery.cancel_scope)
+            try:
+                result.append(await work)
+            except ImageError as exc:
+                failed.append(exc)
+            finally:
+                nursery.cancel_scope.cancel()
+        if over:
+            raise DiskFull(f"{r}: {step}: {over[0]} bytes so far, over {self._cap_text()}; stopped")
+        if failed:
+            raise failed[0]
+        return result[0]
+
+    def _link_known(self, digests: list[str], into: Path) -> int:
+        """Hard links of the store's blobs among ``digests`` in ``into``: bytes linked."""
+        n = 0
+        for d in dict.fromkeys(digests):
+            src = self.blobs / d.replace(":", "/", 1)
+            with contextlib.suppress(FileNotFoundError):
+                os.link(src, into / src.name, follow_symlinks=False)
+                n += os.lstat(src).st_size
+        return n
+
+    def _publish_blobs(self, blobs_in: Path, r: Reference) -> None:
+        """skopeo's new blobs into the store: each a regular file of one link, its content
+        hashed here to its name, then the supervisor's (0644), then linked in."""
+        for e in os.scandir(blobs_in):
+            dst = self.blobs / "sha256" / e.name
+            if not re.fullmatch(r"[0-9a-f]{64}", e.name) or dst.exists():
+                continue
+            fd = os.open(e.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+                    raise UnsupportedImage(f"{r}: blob {e.name} is not a plain file")
+                h = hashlib.sha256()
+                while chunk := os.read(fd, 1 << 20):
+                    h.update(chunk)
+                if h.hexdigest() != e.name:
+                    raise DigestMismatch(f"{r}: blob sha256:{e.name} does not match its digest")
+                os.fchown(fd, 0, 0)
+                os.fchmod(fd, 0o644)
+                now = os.lstat(e.path)  # (skopeo has exited: the name cannot move under us)
+                if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+                    raise UnsupportedImage(f"{r}: blob {e.name} changed while it was checked")
+                with contextlib.suppress(FileExistsError):  # a concurrent pull published it
+                    os.link(e.path, dst, follow_symlinks=False)
+            finally:
+                os.close(fd)
+
+    def _umoci_layout(self, ulayout: Path, layout: Path, blobs: list[str], r: Reference) -> None:
+        (ulayout / "blobs" / "sha256").mkdir(parents=True)
+        for sub in (ulayout, ulayout / "blobs", ulayout / "blobs" / "sha256"):
+            os.chmod(sub, 0o755)
+        index = _read_small(layout / "index.json", _MANIFEST_MAX, r)
+        for name, data in (("index.json", index), ("oci-layout", b'{"imageLayoutVersion":"1.0.0"}')):
+            (ulayout / name).write_bytes(data)
+            os.chmod(ulayout / name, 0o644)
+        for d in blobs:
+            src = self.blobs / d.replace(":", "/", 1)
+            if stat.S_IMODE(os.lstat(src).st_mode) & 0o004 == 0:
+                os.chmod(src, 0o644)  # an older store's: the tools' user reads it
+            os.link(src, ulayout / "blobs" / "sha256" / src.name, follow_symlinks=False)
+
+    def _copy_local(self, r: Reference, job: _Job) -> Path:
+        """A local source (an archive, an OCI layout dir), copied into the pull's ``fetch``
+        dir as the pull's id: skopeo in its cell reads only that. No symlink is followed;
+        at most the cap is copied."""
+        budget = [self.max_image_bytes if self.max_image_bytes is not None else 1 << 62]
+        dst = job.fetch / "source"
+
+        def copy_file(src: Path, to: Path) -> None:
+            fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    raise ImageNotFound(f"{r}: {src} is not a regular file")
+                budget[0] -= st.st_size
+                if budget[0] < 0:
+                    raise DiskFull(f"{r}: the local image is over {self._cap_text()}")
+                out = os.open(to, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+                try:
+                    while os.copy_file_range(fd, out, 1 << 30):
+                        pass
+                    if job.owner is not None:
+                        os.fchown(out, *job.owner)
+                finally:
+                    os.close(out)
+            finally:
+                os.close(fd)
+
+        src = Path(r.path)
+        try:
+            if src.is_symlink() or not src.is_dir():
+                copy_file(src, dst)
+                return dst
+            for root, dirs, files in os.walk(src):
+                rel = Path(root).relative_to(src)
+                (dst / rel).mkdir(mode=0o700)
+                if job.owner is not None:
+                    os.chown(dst / rel, *job.owner)
+                for name in files:
+                    copy_file(Path(root) / name, dst / rel / name)
+                dirs[:] = [d for d in dirs if not os.path.islink(os.path.join(root, d))]
+        except FileNotFoundError as exc:
+            raise ImageNotFound(f"{r}: {exc.filename}: no such file") from None
+        return dst
 
     def _read_layout(self, layout: Path, r: Reference) -> tuple[list[str], str, ImageConfig]:
-        index = _json((layout / "index.json").read_bytes(), "index", r)
+        index = _json(_read_small(layout / "index.json", _MANIFEST_MAX, r), "index", r)
         (entry,) = index["manifests"]
         mdigest = str(entry["digest"])
         mraw = self._blob(mdigest, _MANIFEST_MAX, r)
@@ -706,11 +937,12 @@ class ImageStore:
             raise DigestMismatch(f"{r}: blob {digest} in the store does not match its digest")
         return data
 
-    def _prepare_tree(self, tree: Path, cfg: ImageConfig) -> tuple[tuple[int, int], int]:
+    def _prepare_tree(self, tree: Path, cfg: ImageConfig, shift: int = 0) -> tuple[tuple[int, int], int]:
         """Make the unpacked tree bootable and size its ext4: ((content bytes, inodes), fs bytes).
 
         The tree is the image's: its symlinks may point anywhere on the host, so nothing
-        here follows one (mount points are replaced, a WORKDIR behind a symlink is left)."""
+        here follows one (mount points are replaced, a WORKDIR behind a symlink is left).
+        ``shift``: the host id of image id 0 (the tools' user namespace; 0 without cells)."""
         for name, mode in _MOUNT_POINTS:
             p = tree / name
             try:
@@ -723,8 +955,10 @@ class ImageStore:
             if st is None:
                 p.mkdir()
                 os.chmod(p, mode)
+                if shift:
+                    os.lchown(p, shift, shift)
         if cfg.working_dir:
-            _make_workdir(tree, cfg)
+            _make_workdir(tree, cfg, shift)
         content, inodes = _tree_size(tree)
         if self.max_image_bytes is not None and content > self.max_image_bytes:
             raise DiskFull(f"the image unpacks to {content} bytes, over this store's cap of {self.max_image_bytes}")
@@ -837,13 +1071,24 @@ class ImageStore:
                 self._active_staging.discard(d)
 
     def _auth_args(
-        self, r: Reference, stage: Path, creds: str | None, authfile: Path | None, auth_json: bytes | None = None
+        self,
+        r: Reference,
+        stage: Path,
+        creds: str | None,
+        authfile: Path | None,
+        auth_json: bytes | None = None,
+        owner: tuple[int, int] | None = None,
     ) -> list[str]:
         if not r.is_registry:
             return []
+        if authfile is not None and owner is not None:  # skopeo in its cell reads a copy of its own
+            with open(authfile, "rb") as fh:
+                auth_json = fh.read(1 << 20)
         if auth_json is not None:
             f = stage / "auth.json"
             fd = os.open(f, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            if owner is not None:
+                os.fchown(fd, *owner)
             with os.fdopen(fd, "wb") as fh:
                 fh.write(auth_json)
             return ["--authfile", str(f)]
@@ -852,6 +1097,8 @@ class ImageStore:
             token = base64.b64encode(f"{user}:{password}".encode()).decode()
             f = stage / "auth.json"
             fd = os.open(f, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            if owner is not None:
+                os.fchown(fd, *owner)
             with os.fdopen(fd, "w") as fh:  # a file, not argv: other users can read argv
                 json.dump({"auths": {r.domain: {"auth": token}}}, fh)
             return ["--authfile", str(f)]
@@ -859,30 +1106,62 @@ class ImageStore:
             return ["--authfile", str(authfile)]
         return ["--no-creds"]
 
-    def _policy_args(self) -> list[str]:
+    def _policy_args(self, job: _Job | None = None) -> list[str]:
         """The host's signature policy when it has one; otherwise accept (skopeo needs one)."""
         if Path("/etc/containers/policy.json").exists():
             return []
-        p = self.root / "policy.json"
+        p = self.root / "policy.json" if job is None or job.owner is None else job.fetch / "policy.json"
         if not p.exists():
             _write_durably(p, json.dumps(_ANON_POLICY).encode())
+            if job is not None and job.owner is not None:
+                os.chown(p, *job.owner)
         return ["--policy", str(p)]
 
-    async def _run(self, argv: list[str], r: Reference, step: str, *, has_creds: bool = False) -> bytes:
+    def _skopeo(self, r: Reference, job: _Job) -> _Tool:
+        """skopeo's cell: the pull's id; its fetch dir; the host's network for a registry
+        (none for a local source, copied into the fetch dir); no file over the cap."""
+        binds = [bind(job.fetch, writable=True)]
+        if not r.is_registry and Path("/etc/containers").is_dir():
+            binds.append(bind("/etc/containers"))  # (a registry pull binds it with the network's /etc)
+        return _Tool(job.identity, tuple(binds), host_network=r.is_registry, fsize=self.max_image_bytes)
+
+    async def _run(
+        self, argv: list[str], r: Reference, step: str, *, has_creds: bool = False, tool: _Tool | None = None
+    ) -> bytes:
         if shutil.which(argv[0]) is None:
             raise ToolMissing(f"{argv[0]} is not installed (images/host-packages.sh installs it)")
-        try:
-            # umask 022: the supervisor runs under 077 (its files are its own), but the
-            # directories umoci makes for paths a layer implies are the image's, and a
-            # non-root USER must traverse them
-            p = await trio.run_process(argv, capture_stdout=True, capture_stderr=True, check=False, umask=0o022)
-        except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise DiskFull(f"{r}: {step}: the image store's disk is full") from None
-            raise ConversionError(f"{r}: {step}: cannot run {argv[0]}: {exc}") from None
-        if p.returncode != 0:
-            raise classify_failure(p.stderr.decode(errors="replace"), r, step, has_creds=has_creds)
-        return p.stdout
+        if self.tools is not None and tool is not None:
+            try:
+                res = await self.tools.run(
+                    argv,
+                    identity=tool.identity,
+                    binds=tool.binds,
+                    host_network=tool.host_network,
+                    keep_caps=tool.keep_caps,
+                    fsize=tool.fsize,
+                )
+            except ToolError as exc:
+                raise ConversionError(f"{r}: {step}: {exc}") from None
+            if res.oom_killed:
+                raise DiskFull(f"{r}: {step}: {argv[0]} was killed by its cell's memory limit")
+            rc, out, err = res.returncode, res.stdout, res.stderr
+        else:
+            try:
+                # umask 022: the supervisor runs under 077 (its files are its own), but the
+                # directories umoci makes for paths a layer implies are the image's, and a
+                # non-root USER must traverse them
+                p = await trio.run_process(argv, capture_stdout=True, capture_stderr=True, check=False, umask=0o022)
+            except OSError as exc:
+                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                    raise DiskFull(f"{r}: {step}: the image store's disk is full") from None
+                raise ConversionError(f"{r}: {step}: cannot run {argv[0]}: {exc}") from None
+            rc, out, err = p.returncode, p.stdout, p.stderr
+        if rc != 0:
+            text = err.decode(errors="replace")
+            if rc == -signal.SIGXFSZ or "file too large" in text.lower():
+                raise DiskFull(f"{r}: {step}: a file grew over its bound ({self._cap_text()})")
+            raise classify_failure(text, r, step, has_creds=has_creds)
+        return out
 
     def _load(self, hexd: str, refs: dict[str, str] | None = None) -> Image | None:
         d = self.images / hexd
@@ -1114,7 +1393,7 @@ def _digest_like(ref: str) -> str | None:
     return None
 
 
-def _make_workdir(tree: Path, cfg: ImageConfig) -> None:
+def _make_workdir(tree: Path, cfg: ImageConfig, shift: int = 0) -> None:
     """Create a missing WORKDIR owned by the image's user (a runtime would; guestd needs
     the directory to exist). Never through a symlink: the tree is untrusted."""
     parts = [p for p in os.path.normpath("/" + cfg.working_dir).split("/") if p]
@@ -1133,7 +1412,11 @@ def _make_workdir(tree: Path, cfg: ImageConfig) -> None:
             return  # a symlink or a file on the way: leave the image as it is
     if created:
         uid, gid = _resolve_user(tree, cfg.user)
-        os.chown(created[-1], uid, gid, follow_symlinks=False)
+        if shift and not (0 <= uid < SHIFT_COUNT and 0 <= gid < SHIFT_COUNT):
+            raise UnsupportedImage(f"the image's user {cfg.user!r} is outside ids 0-{SHIFT_COUNT - 1}")
+        for d in created[:-1]:
+            os.chown(d, shift, shift, follow_symlinks=False)
+        os.chown(created[-1], uid + shift, gid + shift, follow_symlinks=False)
 
 
 def _resolve_user(tree: Path, user: str) -> tuple[int, int]:
@@ -1333,3 +1616,58 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def _read_small(path: Path, limit: int, r: Reference) -> bytes:
+    """A small file a tool wrote: a regular file (no symlink, FIFO or device), at most ``limit`` bytes."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as exc:
+        raise UnsupportedImage(f"{r}: {path.name}: {exc.strerror}") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_size > limit:
+            raise UnsupportedImage(f"{r}: {path.name} is not a regular file of at most {limit} bytes")
+        return f.read(limit + 1)[:limit]
+
+
+def _tree_usage(d: Path) -> int:
+    """Bytes the files under ``d`` take (each inode once), while a tool writes them."""
+    total, seen, stack = 0, set(), [str(d)]
+    while stack:
+        try:
+            it = os.scandir(stack.pop())
+        except OSError:
+            continue
+        with it:
+            for e in it:
+                try:
+                    st = e.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+                if st.st_ino in seen:
+                    continue
+                seen.add(st.st_ino)
+                total += st.st_blocks * 512
+                if stat.S_ISDIR(st.st_mode):
+                    stack.append(e.path)
+    return total
+
+
+def _own_output(out: Path, name: str) -> None:
+    """mkfs's output made the supervisor's: ``out`` holds one regular file of one link
+    (a tool in a cell wrote it), now root's and 0444."""
+    if os.listdir(out) != [name]:
+        raise ConversionError(f"mkfs.ext4 left {sorted(os.listdir(out))[:5]} in its output dir")
+    fd = os.open(out / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+            raise ConversionError("mkfs.ext4's output is not a plain file")
+        if os.geteuid() == 0:
+            os.fchown(fd, 0, 0)
+        os.fchmod(fd, 0o444)
+    finally:
+        os.close(fd)
+    if os.geteuid() == 0:
+        os.lchown(out, 0, 0)

@@ -193,6 +193,18 @@ def _uid_range(text: str) -> tuple[int, int]:
     return int(first), int(count)
 
 
+def _image_size(text: str) -> int:
+    from supervisor.client import InvalidArgument, parse_size
+
+    try:
+        n = parse_size(text)
+    except InvalidArgument:
+        n = 0
+    if n < 1 << 20:
+        raise argparse.ArgumentTypeError(f"--max-image-size {text!r}: a size of at least 1M (512M, 8G, ...)")
+    return n
+
+
 def _pool_arg(text: str) -> tuple[str, int]:
     snap, sep, n = text.rpartition("=")
     if not sep or not snap or not n.isdigit():
@@ -254,6 +266,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         max_memory_mib=args.max_memory,
         max_disk_mib=args.max_disk,
         max_sandbox_disk_mib=args.max_sandbox_disk,
+        max_image_bytes=args.max_image_size,
         balloon=not args.no_balloon,
         tb_size_mib=args.tb_size,
         max_starting=args.max_starting,
@@ -513,6 +526,13 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         default=16 << 10,
         metavar="SIZE",
         help="one sandbox's disk and read-write volumes, e.g. 16G (default; 0: no cap)",
+    )
+    sv.add_argument(
+        "--max-image-size",
+        default="8G",
+        type=_image_size,
+        metavar="SIZE",
+        help="an OCI image's download and its unpacked tree, each (e.g. 512M, 8G; enforced as the bytes arrive)",
     )
     sv.add_argument(
         "--max-starting",

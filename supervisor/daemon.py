@@ -62,6 +62,7 @@ class DaemonConfig:
     max_memory_mib: int = 0  # total guest RAM (0: the host's RAM less 1 GiB)
     max_disk_mib: int = 0  # the state dir's use: logs, overlays, snapshots (0: no limit)
     max_sandbox_disk_mib: int = 16 << 10  # one sandbox's overlay + rw volumes, virtual sizes (0: no cap)
+    max_image_bytes: int = 8 << 30  # an OCI image's download and unpacked tree, each, as bytes arrive
     jail: bool = True  # as root: every QEMU in its own jail, uid and cgroup (actors/cell.py)
     jail_overhead_mib: int = 192  # a QEMU's memory limit: guest RAM + this
     cgroups: bool = True  # jailed: no usable cgroup hierarchy refuses to start; False: QEMUs unlimited
@@ -303,7 +304,13 @@ async def _serve_locked(cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Re
         cells=cells,
         allowed_paths=cfg.allow_paths,
         max_sandbox_disk_mib=cfg.max_sandbox_disk_mib,
-        images=ImageStore(cfg.state_dir / "oci") if os.geteuid() == 0 else None,
+        images=ImageStore(
+            cfg.state_dir / "oci",
+            max_image_bytes=cfg.max_image_bytes,
+            tools=cells.tools if cells is not None else None,  # skopeo, umoci, mkfs in cells
+        )
+        if os.geteuid() == 0
+        else None,
         balloon=balloon,
         tb_size_mib=cfg.tb_size_mib or None,
         launch=gated(booted_guest, trio.CapacityLimiter(cfg.max_starting or start_slots())),
