@@ -529,6 +529,7 @@ def test_serve_refuses_to_start_without_cgroups_unless_told(
     monkeypatch.setattr(cgroups, "MOUNT_DIR", tmp_path / "loose")
     (tmp_path / "loose").mkdir(mode=0o755)
     (tmp_path / "loose").chmod(0o755)  # mounting refused too
+    (tmp_path / "state").mkdir(mode=0o700)  # (serve makes it before the cells)
     cfg = cell.JailConfig()
     with pytest.raises(CgroupError, match=r"without memory, process and CPU limits.*--no-cgroups"):
         cell.Cells.setup(cfg, state_dir=tmp_path / "state", ram_dir=None, kvm=False)
