@@ -138,7 +138,7 @@ def leftovers() -> dict[str, set[str]]:
         "netns": {n.split()[0] for n in _out(["ip", "netns", "list"]).splitlines() if n.startswith("svj")},
         "links": links,
         "nft": {t for t in _out(["nft", "list", "tables"]).splitlines() if "sandvisor" in t},
-        "run": _entries(RUN_DIR),
+        "run": _entries(RUN_DIR) | _entries(Path("/run/sandvisor-net")) | _entries(Path("/run/sandvisor-cgroup")),
         "shm": _entries(shm) | ({str(shm)} if shm is not None and shm.exists() else set()),
         "sandboxes": _entries(STATE / "sandboxes"),
         "snapshots": _snapshots(),
