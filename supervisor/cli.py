@@ -207,6 +207,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import trio
 
     from images.build import default_state_dir
+    from images.refs import RefPolicy
     from supervisor.config import default_socket
     from supervisor.daemon import DaemonConfig, serve
     from supervisor.grpc_service import addresses as grpc_addresses
@@ -235,6 +236,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         keep_sandboxes=args.keep_sandboxes,
         jail=not args.no_jail,
         allow_paths=tuple(Path(p).resolve() for p in args.allow_path or ()),
+        registry_allow=tuple(args.registry_allow or ()),
         max_memory_mib=args.max_memory,
         max_disk_mib=args.max_disk,
         balloon=not args.no_balloon,
@@ -253,6 +255,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         grpc_addresses(cfg.grpc, cert=cfg.grpc_cert, key=cfg.grpc_key, client_ca=cfg.grpc_client_ca)
         if cfg.metrics:
             parse_listen(cfg.metrics)
+        RefPolicy(registry_allow=cfg.registry_allow)
     except (ValueError, OSError) as exc:
         fail(f"sandvisor serve: {exc}", 2)
     trio.run(serve, cfg)
@@ -415,7 +418,15 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         "--allow-path",
         action="append",
         metavar="DIR",
-        help="a directory a Create's own kernel and rootfs may come from (repeatable; none by default)",
+        help="a directory a Create's own kernel and rootfs, and oci:/oci-archive:/docker-archive: images, "
+        "may come from (repeatable; none by default)",
+    )
+    sv.add_argument(
+        "--registry-allow",
+        action="append",
+        metavar="HOST[:PORT]",
+        help="pull images only from these registries (repeatable; default: any, except registries on loopback "
+        "or link-local addresses, which only this flag allows)",
     )
     sv.add_argument(
         "--max-memory", type=int, default=0, metavar="MIB", help="total guest RAM (default: host RAM - 1 GiB)"

@@ -31,6 +31,7 @@ from actors.store import Store, StoreLeases
 from actors.vm import booted_guest
 from images.build import Builder, Image, load_default
 from images.oci import ImageStore
+from images.refs import RefPolicy
 from supervisor.config import claim_runtime_dir, default_memory_dir, default_run_root, runtime_dir
 from supervisor.grpc_service import addresses, build_edge
 from supervisor.metrics import MetricsEndpoint, RegistrySource, parse_listen
@@ -54,7 +55,8 @@ class DaemonConfig:
     jail_overhead_mib: int = 192  # a QEMU's memory limit: guest RAM + this
     jail_uids: tuple[int, int] | None = None  # (first, count) of the cells' identities (None: the default range)
     keep_sandboxes: bool = False  # at SIGTERM, leave sandboxes running for the next supervisor
-    allow_paths: tuple[Path, ...] = ()  # where a Create's own kernel and rootfs may come from
+    allow_paths: tuple[Path, ...] = ()  # where a Create's kernel and rootfs and local image refs may come from
+    registry_allow: tuple[str, ...] = ()  # HOST[:PORT]: the only registries pulled from (none: not loopback/link-local)
     stop_timeout: float = 10.0
     guest_timeout: float = 30.0  # every guest request's deadline on the host (DEADLINE_EXCEEDED)
     group: str | None = None
@@ -142,6 +144,7 @@ async def _serve(cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Registry,
         cfg.grpc, cert=cfg.grpc_cert, key=cfg.grpc_key, client_ca=cfg.grpc_client_ca, group=cfg.group
     )  # before anything starts: a wrong flag fails fast
     metrics_at = parse_listen(cfg.metrics) if cfg.metrics else None
+    image_refs = RefPolicy(allowed_paths=cfg.allow_paths, registry_allow=cfg.registry_allow)
     if os.geteuid() != 0 and (cfg.run_root is None or cfg.socket.parent == runtime_dir()):
         claim_runtime_dir()  # ours and 0700, or refused: a predictable /tmp name someone may have made
     accel = resolve_accel(cfg.accel)
@@ -181,7 +184,7 @@ async def _serve(cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Registry,
         memory_dir=memory_dir,
         cells=cells,
         allowed_paths=cfg.allow_paths,
-        images=ImageStore(cfg.state_dir / "oci") if os.geteuid() == 0 else None,
+        images=ImageStore(cfg.state_dir / "oci", refs=image_refs) if os.geteuid() == 0 else None,
         balloon=balloon,
         tb_size_mib=cfg.tb_size_mib or None,
         launch=gated(booted_guest, trio.CapacityLimiter(cfg.max_starting or start_slots())),
