@@ -33,7 +33,7 @@ from images.build import Builder, Image, load_default
 from images.oci import ImageStore
 from images.refs import RefPolicy
 from supervisor.config import claim_runtime_dir, default_memory_dir, default_run_root, runtime_dir
-from supervisor.grpc_service import addresses, build_edge
+from supervisor.grpc_service import addresses, build_edge, tcp_auth
 from supervisor.metrics import MetricsEndpoint, RegistrySource, parse_listen
 from supervisor.notify import Notifier
 from supervisor.server import Server
@@ -75,6 +75,8 @@ class DaemonConfig:
     grpc_cert: Path | None = None  # PEM certificate chain and key for the HOST:PORT addresses
     grpc_key: Path | None = None
     grpc_client_ca: Path | None = None  # require client certificates signed by this CA
+    grpc_token_file: Path | None = None  # TCP callers send "authorization: Bearer <its token>" (0600, ours)
+    grpc_insecure: bool = False  # TCP on loopback with no client authentication: tests only (a WARNING)
     metrics: str | None = None  # HOST:PORT of the Prometheus endpoint (None: not served)
     # tap networking (root): the IP pool's CIDR ("" = none: no tap mode, no outbound for
     # jailed user-mode sandboxes). `sandvisor serve` defaults it to 10.88.0.0/16.
@@ -140,8 +142,9 @@ def _private_state_dir(path: Path) -> None:
 
 async def _serve(cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Registry, Server]]) -> None:
     _private_state_dir(cfg.state_dir)
+    grpc_auth = tcp_auth(cfg.grpc_token_file, cfg.grpc_insecure)  # the token read once, here
     grpc_addrs = addresses(
-        cfg.grpc, cert=cfg.grpc_cert, key=cfg.grpc_key, client_ca=cfg.grpc_client_ca, group=cfg.group
+        cfg.grpc, cert=cfg.grpc_cert, key=cfg.grpc_key, client_ca=cfg.grpc_client_ca, group=cfg.group, auth=grpc_auth
     )  # before anything starts: a wrong flag fails fast
     metrics_at = parse_listen(cfg.metrics) if cfg.metrics else None
     image_refs = RefPolicy(allowed_paths=cfg.allow_paths, registry_allow=cfg.registry_allow)
@@ -233,7 +236,7 @@ async def _serve(cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Registry,
 
                 async def run_edge(task_status: trio.TaskStatus[object]) -> None:
                     with edge_scope:
-                        await build_edge(registry, grpc_addrs).run(task_status=task_status)
+                        await build_edge(registry, grpc_addrs, tcp_auth=grpc_auth).run(task_status=task_status)
 
                 await nursery.start(run_edge)
                 log.info("gRPC on %s", ", ".join(map(str, grpc_addrs)))
