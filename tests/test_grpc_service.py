@@ -27,7 +27,7 @@ import grpc
 import pytest
 import trio
 from fakevm import FakeLab, fake_settings
-from grpc_clients import generate, write_token
+from grpc_clients import bearer, generate, write_token
 
 from actors.model import SandboxConfig, State
 from actors.registry import Registry
@@ -266,6 +266,57 @@ def test_serve_refuses_tcp_grpc_without_client_authentication(tmp_path: Path) ->
 # ---------------------------------------------------------------------------------------
 # sandbox.v1 on fake VMs
 # ---------------------------------------------------------------------------------------
+async def test_the_daemons_tcp_edge_serves_the_token_only(
+    tmp_path: Path, short_dir: Path, seed: tuple[ModuleType, ModuleType]
+) -> None:
+    """The daemon's edge (both protos) on loopback TCP with --grpc-token-file: a seed
+    client with the token creates a sandbox; without it, or with another, every RPC is
+    UNAUTHENTICATED and nothing happens; the Unix socket beside it needs no token."""
+    spb, sgrpc = seed
+    token = write_token(tmp_path / "token")
+    auth = S.tcp_auth(tmp_path / "token")
+    lab = FakeLab()
+    store = Store(tmp_path / "state" / "sandvisor.db")
+    try:
+        with trio.fail_after(60):
+            async with trio.open_nursery() as n:
+                await n.start(lab.run)
+                reg = await n.start(Registry(fake_settings(tmp_path, lab), store, templates=False).run)
+                addrs = S.addresses([f"unix://{short_dir / 'g.sock'}", "127.0.0.1:0"], auth=auth)
+                edge = await n.start(S.build_edge(reg, addrs, tcp_auth=auth).run)
+                tcp = edge.addresses[1]
+                assert isinstance(tcp, G.TcpAddress)
+
+                def create(target: str, md: list[tuple[str, str]], id: str) -> str:
+                    with grpc.insecure_channel(target) as ch:
+                        try:
+                            return str(
+                                sgrpc.SandboxServiceStub(ch).Create(spb.CreateSandboxRequest(id=id), metadata=md).id
+                            )
+                        except grpc.RpcError as exc:
+                            return exc.code().name
+
+                def info(md: list[tuple[str, str]]) -> str:
+                    with grpc.insecure_channel(tcp.target) as ch:
+                        try:
+                            return str(sv_grpc.SandvisorServiceStub(ch).Info(sv.InfoRequest(), metadata=md).version)
+                        except grpc.RpcError as exc:
+                            return exc.code().name
+
+                assert await in_thread(create, tcp.target, bearer(token), "tok") == "tok"
+                assert await in_thread(create, tcp.target, [], "none") == "UNAUTHENTICATED"
+                assert await in_thread(create, tcp.target, bearer(token[::-1]), "other") == "UNAUTHENTICATED"
+                assert await in_thread(info, []) == "UNAUTHENTICATED"
+                assert await in_thread(info, bearer(token)) not in ("", "UNAUTHENTICATED")
+                assert await in_thread(create, f"unix:{short_dir / 'g.sock'}", [], "unix") == "unix"
+                assert {sb.id for sb in reg.sandboxes.values()} == {"tok", "unix"}
+                assert edge.unauthenticated == 3
+                await reg.shutdown(5)
+                n.cancel_scope.cancel()
+    finally:
+        store.close()
+
+
 async def test_the_seed_lifecycle_on_fake_vms(
     tmp_path: Path, short_dir: Path, seed: tuple[ModuleType, ModuleType]
 ) -> None:
