@@ -52,6 +52,7 @@ from supervisor.proto.sandbox.v1 import sandbox_pb2_grpc as pb_grpc
 from supervisor.throwaway import Workdir, workdir
 
 HERE = Path(__file__).resolve()
+TOKEN = __import__("secrets").token_hex(32)  # --grpc-token-file's, for the TCP path (the child gets the file)
 
 
 # --- child processes ----------------------------------------------------------------------
@@ -68,6 +69,7 @@ def serve_daemon(root: str, tcp_port: str) -> None:
         run_root=work.run_root,
         accel="tcg",
         grpc=(f"unix://{work.root / 'g.sock'}", f"127.0.0.1:{tcp_port}"),
+        grpc_token_file=work.root / "token",  # TCP callers authenticate (bench: the token's cost is in)
         templates=False,
     )
     trio.run(serve, cfg)
@@ -180,6 +182,9 @@ def bench(rounds: int, n_inspect: int, n_runs: int) -> dict[str, Any]:
     with workdir("sv-bgrpc-") as work:
         g_sock, floor_sock = work.root / "g.sock", work.root / "floor.sock"
         tcp_port = free_port("127.0.0.1", "tcp")
+        fd = os.open(work.root / "token", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.write(fd, TOKEN.encode())
+        os.close(fd)
         with (
             child("serve-daemon", str(work.root), str(tcp_port), ready=g_sock),
             child("serve-floor", str(floor_sock), ready=floor_sock),
@@ -202,7 +207,7 @@ def bench(rounds: int, n_inspect: int, n_runs: int) -> dict[str, Any]:
                 paths: dict[str, Callable[[], Any]] = {
                     "inspect_msgpack": lambda: mp.call("Inspect", {"id": "live"}),
                     "inspect_grpc": lambda: stub.Inspect(req),
-                    "inspect_grpc_tcp": lambda: over_tcp.Inspect(req),
+                    "inspect_grpc_tcp": lambda: over_tcp.Inspect(req, metadata=[("authorization", f"Bearer {TOKEN}")]),
                     "inspect_floor": lambda: floor.Inspect(req),
                     "run_msgpack": lambda: mp.stream("Run", {"id": "live", "cmd": ["true"]}),
                     "run_grpc": lambda: list(stub.Run(run_req)),

@@ -89,10 +89,11 @@ def serve_thread(addr: str) -> None:
     import trio
     import trio_asyncio  # noqa: F401  # as in the daemon (qemu.qmp): it changes what asyncio.run() makes
 
-    from supervisor.grpc_bridge import GrpcEdge, Kind, Method, parse_address
+    from supervisor.grpc_bridge import GrpcEdge, Kind, Method, TcpAuth, parse_address
 
     async def main() -> None:
-        edge = GrpcEdge([parse_address(addr)], health=False, reflection=False)
+        # the bridge alone, on loopback: no client authentication (the daemon's TCP needs one)
+        edge = GrpcEdge([parse_address(addr)], health=False, reflection=False, tcp_auth=TcpAuth(insecure=True))
         for name, fn in UNARY.items():
             edge.add_method(Method("bench.Echo", name, Kind.UNARY_UNARY, lambda r, c, fn=fn: fn(r)))
         for name, sfn in STREAM.items():

@@ -64,13 +64,15 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterator, Sequence
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import attrs
 import trio
 
 from actors import jail
 from actors.toolcell import READ_CAPS, SHIFT_COUNT, UNPACK_CAPS, ToolCells, ToolError, bind
+if TYPE_CHECKING:
+    from images.refs import RefPolicy
 
 # -- errors ------------------------------------------------------------------------
 
@@ -432,7 +434,9 @@ class ImageStore:
     larger, as the bytes arrive (``serve --max-image-size``).
     ``free_min``/``free_ratio``: room left in each ext4 for the sandbox's own writes.
     ``tools``: skopeo, umoci and mkfs.ext4 run in cells (actors/toolcell.py); None
-    (``--no-jail``): as the supervisor, as before."""
+    (``--no-jail``): as the supervisor, as before.
+    ``refs``: the references a client may name (images/refs.py; default: no local path,
+    no registry on loopback or link-local)."""
 
     def __init__(
         self,
@@ -442,7 +446,11 @@ class ImageStore:
         free_min: int = GIB,
         free_ratio: float = 0.5,
         tools: ToolCells | None = None,
+        refs: RefPolicy | None = None,
     ) -> None:
+        from images.refs import RefPolicy  # (images.refs imports this module)
+
+        self.refs = refs if refs is not None else RefPolicy()
         self.root = root
         self.blobs = root / "blobs"
         self.images = root / "images"
@@ -525,6 +533,8 @@ class ImageStore:
                 raise InvalidReference(f"{ref} names a local image: pull a reference with a transport")
             return self.get(ref)
         r = parse_reference(ref)
+        if not r.is_registry:  # before the cache: a path the client may not name is never an answer
+            self.refs.check_local(r)
         if policy is not PullPolicy.ALWAYS:
             cached = self._lookup(ref)
             if cached is not None:
@@ -535,8 +545,8 @@ class ImageStore:
                 return cached
             if policy is PullPolicy.NEVER:
                 raise ImageNotFound(f"image {r} is not in the store and the pull policy is never")
-        if not r.is_registry and not Path(r.path).exists():
-            raise ImageNotFound(f"{r.transport}: {r.path} does not exist")
+        if r.is_registry:
+            await self.refs.check_registry(r)
         self._pulls += 1
         try:
             return await self._pull(r, emit, tls_verify=tls_verify, creds=creds, authfile=authfile, auth_json=auth_json)
@@ -1581,7 +1591,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("ref")
     sub.add_parser("prune")
     a = ap.parse_args(argv)
-    store = ImageStore(a.root or default_store_root())
+    from images.refs import RefPolicy
+
+    store = ImageStore(a.root or default_store_root(), refs=RefPolicy(unrestricted=True))  # the operator's own
 
     def show(pr: PullProgress) -> None:
         extra = f" {pr.done >> 20}/{pr.total >> 20} MiB" if pr.total else ""

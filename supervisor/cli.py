@@ -234,9 +234,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import trio
 
     from images.build import default_state_dir
+    from images.refs import RefPolicy
     from supervisor.config import default_socket
     from supervisor.daemon import DaemonConfig, serve
     from supervisor.grpc_service import addresses as grpc_addresses
+    from supervisor.grpc_service import tcp_auth
     from supervisor.metrics import parse_listen
 
     logging.getLogger().setLevel(logging.DEBUG if args.verbose else logging.INFO)
@@ -263,6 +265,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         jail=not args.no_jail,
         cgroups=not args.no_cgroups,
         allow_paths=tuple(Path(p).resolve() for p in args.allow_path or ()),
+        registry_allow=tuple(args.registry_allow or ()),
         max_memory_mib=args.max_memory,
         max_disk_mib=args.max_disk,
         max_sandbox_disk_mib=args.max_sandbox_disk,
@@ -274,20 +277,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
         grpc_cert=Path(args.grpc_cert) if args.grpc_cert else None,
         grpc_key=Path(args.grpc_key) if args.grpc_key else None,
         grpc_client_ca=Path(args.grpc_client_ca) if args.grpc_client_ca else None,
+        grpc_token_file=Path(args.grpc_token_file) if args.grpc_token_file else None,
+        grpc_insecure=args.grpc_insecure,
         metrics=args.metrics,
         ip_pool="" if args.ip_pool.lower() == "none" else args.ip_pool,
         dns_upstreams=tuple(args.dns_upstream or ()),
         egress_never=tuple(args.egress_never or ()),
     )
     # the flags' mistakes as usage errors, before anything starts
+    try:
+        auth = tcp_auth(cfg.grpc_token_file, cfg.grpc_insecure)
+    except (ValueError, OSError) as exc:
+        fail(f"sandvisor serve: {exc}", 2)
     for addr in cfg.grpc:
         try:
-            grpc_addresses((addr,), cert=cfg.grpc_cert, key=cfg.grpc_key, client_ca=cfg.grpc_client_ca)
+            grpc_addresses((addr,), cert=cfg.grpc_cert, key=cfg.grpc_key, client_ca=cfg.grpc_client_ca, auth=auth)
         except (ValueError, OSError) as exc:
             fail(f"sandvisor serve: --grpc {addr!r}: {exc}", 2)
     try:
         if cfg.metrics:
             parse_listen(cfg.metrics)
+        RefPolicy(registry_allow=cfg.registry_allow)
     except (ValueError, OSError) as exc:
         fail(f"sandvisor serve: --metrics {cfg.metrics!r}: {exc}", 2)
     try:
@@ -514,7 +524,15 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         "--allow-path",
         action="append",
         metavar="DIR",
-        help="a directory a Create's own kernel and rootfs may come from (repeatable; none by default)",
+        help="a directory a Create's own kernel and rootfs, and oci:/oci-archive:/docker-archive: images, "
+        "may come from (repeatable; none by default)",
+    )
+    sv.add_argument(
+        "--registry-allow",
+        action="append",
+        metavar="HOST[:PORT]",
+        help="pull images only from these registries (repeatable; default: any, except registries on loopback "
+        "or link-local addresses, which only this flag allows)",
     )
     sv.add_argument(
         "--max-memory", type=int, default=0, metavar="MIB", help="total guest RAM (default: host RAM - 1 GiB)"
@@ -561,11 +579,22 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
         action="append",
         metavar="ADDR",
         help="also serve sandbox.v1 and sandvisor.v1 over gRPC: unix:///PATH (mode as --socket's) or HOST:PORT "
-        "(TLS unless loopback); repeatable",
+        "(TLS unless loopback; clients authenticate: --grpc-client-ca or --grpc-token-file); repeatable",
     )
     sv.add_argument("--grpc-cert", metavar="PEM", help="TLS certificate chain for --grpc HOST:PORT")
     sv.add_argument("--grpc-key", metavar="PEM", help="TLS private key for --grpc HOST:PORT")
     sv.add_argument("--grpc-client-ca", metavar="PEM", help="require client certificates signed by this CA")
+    sv.add_argument(
+        "--grpc-token-file",
+        metavar="FILE",
+        help="TCP clients send metadata 'authorization: Bearer TOKEN' with the token in FILE "
+        "(ours, mode 0600; read at start)",
+    )
+    sv.add_argument(
+        "--grpc-insecure",
+        action="store_true",
+        help="TESTS ONLY: gRPC on loopback TCP with no client authentication (any local user controls every sandbox)",
+    )
     sv.add_argument(
         "--metrics", metavar="HOST:PORT", help="serve Prometheus metrics at http://HOST:PORT/metrics (host: loopback)"
     )

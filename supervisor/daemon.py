@@ -35,6 +35,7 @@ from actors.store import Store, StoreLeases
 from actors.vm import booted_guest
 from images.build import Builder, Image, load_default
 from images.oci import ImageStore
+from images.refs import RefPolicy
 from supervisor.config import (
     claim_runtime_dir,
     default_memory_dir,
@@ -43,7 +44,7 @@ from supervisor.config import (
     passable_runtime_dir,
     runtime_dir,
 )
-from supervisor.grpc_service import addresses, build_edge
+from supervisor.grpc_service import addresses, build_edge, tcp_auth
 from supervisor.metrics import MetricsEndpoint, RegistrySource, parse_listen
 from supervisor.notify import Notifier
 from supervisor.server import Server
@@ -68,7 +69,8 @@ class DaemonConfig:
     cgroups: bool = True  # jailed: no usable cgroup hierarchy refuses to start; False: QEMUs unlimited
     jail_uids: tuple[int, int] | None = None  # (first, count) of the cells' identities (None: the default range)
     keep_sandboxes: bool = False  # at SIGTERM, leave sandboxes running for the next supervisor
-    allow_paths: tuple[Path, ...] = ()  # where a Create's own kernel and rootfs may come from
+    allow_paths: tuple[Path, ...] = ()  # where a Create's kernel and rootfs and local image refs may come from
+    registry_allow: tuple[str, ...] = ()  # HOST[:PORT]: the only registries pulled from (none: not loopback/link-local)
     stop_timeout: float = 10.0
     guest_timeout: float = 30.0  # every guest request's deadline on the host (DEADLINE_EXCEEDED)
     group: str | None = None
@@ -87,6 +89,8 @@ class DaemonConfig:
     grpc_cert: Path | None = None  # PEM certificate chain and key for the HOST:PORT addresses
     grpc_key: Path | None = None
     grpc_client_ca: Path | None = None  # require client certificates signed by this CA
+    grpc_token_file: Path | None = None  # TCP callers send "authorization: Bearer <its token>" (0600, ours)
+    grpc_insecure: bool = False  # TCP on loopback with no client authentication: tests only (a WARNING)
     metrics: str | None = None  # HOST:PORT of the Prometheus endpoint (None: not served)
     # tap networking (root): the IP pool's CIDR ("" = none: no tap mode, no outbound for
     # jailed user-mode sandboxes). `sandvisor serve` defaults it to 10.88.0.0/16.
@@ -259,10 +263,12 @@ async def _serve(cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Registry,
 
 
 async def _serve_locked(cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Registry, Server]]) -> None:
+    grpc_auth = tcp_auth(cfg.grpc_token_file, cfg.grpc_insecure)  # the token read once, here
     grpc_addrs = addresses(
-        cfg.grpc, cert=cfg.grpc_cert, key=cfg.grpc_key, client_ca=cfg.grpc_client_ca, group=cfg.group
+        cfg.grpc, cert=cfg.grpc_cert, key=cfg.grpc_key, client_ca=cfg.grpc_client_ca, group=cfg.group, auth=grpc_auth
     )  # before anything starts: a wrong flag fails fast
     metrics_at = parse_listen(cfg.metrics) if cfg.metrics else None
+    image_refs = RefPolicy(allowed_paths=cfg.allow_paths, registry_allow=cfg.registry_allow)
     qemu_user = unprivileged_user(cfg.qemu_user)
     _layout(cfg, cfg.run_root or default_run_root(), qemu_user.name if qemu_user is not None else None)
     accel = resolve_accel(cfg.accel)
@@ -307,6 +313,7 @@ async def _serve_locked(cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Re
         images=ImageStore(
             cfg.state_dir / "oci",
             max_image_bytes=cfg.max_image_bytes,
+            refs=image_refs,
             tools=cells.tools if cells is not None else None,  # skopeo, umoci, mkfs in cells
         )
         if os.geteuid() == 0
@@ -359,7 +366,7 @@ async def _serve_locked(cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Re
 
                 async def run_edge(task_status: trio.TaskStatus[object]) -> None:
                     with edge_scope:
-                        await build_edge(registry, grpc_addrs).run(task_status=task_status)
+                        await build_edge(registry, grpc_addrs, tcp_auth=grpc_auth).run(task_status=task_status)
 
                 await nursery.start(run_edge)
                 log.info("gRPC on %s", ", ".join(map(str, grpc_addrs)))

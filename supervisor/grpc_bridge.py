@@ -36,6 +36,12 @@ cancelling ``run`` stops the server (``grace`` seconds for calls to finish, call
 still running get ``UNAVAILABLE``), cancels every call task, and returns only after
 the loop thread has ended: no thread, loop or socket outlives it.
 
+TCP addresses authenticate every call (:class:`TcpAuth`): a client certificate the TLS
+handshake verified (``client_ca``), or the bearer token (``authorization: Bearer TOKEN``
+metadata, compared in constant time); else the call ends UNAUTHENTICATED before any
+handler (health and reflection too) sees it. An edge with a TCP address and neither
+refuses to start; ``TcpAuth(insecure=True)`` (tests, loopback only) lets any caller in.
+
 Unix sockets are born with their mode: 0600 (root, or whoever runs the daemon) or 0660
 with the configured group, bound in a fresh 0700 directory, where they get their mode
 and group before they are renamed to their path. grpcio does not expose a peer's
@@ -58,12 +64,15 @@ import contextlib
 import contextvars
 import enum
 import grp
+import hmac
+import inspect
 import ipaddress
 import logging
 import math
 import os
 import shutil
 import socket
+import stat
 import tempfile
 import threading
 import time
@@ -98,6 +107,11 @@ MAX_CONCURRENT_RPCS = 1024  # in all: more are RESOURCE_EXHAUSTED (each is a Tri
 MAX_CONCURRENT_STREAMS = 256  # per connection, as the msgpack socket's MAX_CALLS
 REFUSED_LINGER = 10.0  # seconds a refused connection is kept, to be told PERMISSION_DENIED
 RELAY_CHUNK = 1 << 16
+MIN_TOKEN, MAX_TOKEN = 32, 1024  # a bearer token's length (openssl rand -hex 32: 64)
+UNAUTHENTICATED = (
+    "this address needs client authentication: a client certificate (serve --grpc-client-ca) "
+    "or metadata 'authorization: Bearer TOKEN' (serve --grpc-token-file)"
+)
 STATUS_BY_NAME: dict[str, grpc.StatusCode] = {c.name: c for c in grpc.StatusCode}
 
 
@@ -198,6 +212,63 @@ class TlsConfig:
         )
 
 
+@attrs.frozen
+class TcpAuth:
+    """How calls on TCP addresses authenticate besides a verified client certificate:
+    ``token`` (``authorization: Bearer TOKEN`` metadata), or ``insecure`` (nothing: tests
+    on loopback only). Unix sockets are not concerned (file mode and peer credentials)."""
+
+    token: bytes | None = attrs.field(default=None, repr=False)
+    insecure: bool = False
+
+    def __attrs_post_init__(self) -> None:
+        if self.token is not None and not MIN_TOKEN <= len(self.token) <= MAX_TOKEN:
+            raise ValueError(f"a bearer token is {MIN_TOKEN} to {MAX_TOKEN} characters")
+        if self.token is not None and not all(0x21 <= b <= 0x7E for b in self.token):
+            raise ValueError("a bearer token is printable ASCII without spaces")
+        if self.token is not None and self.insecure:
+            raise ValueError("--grpc-insecure and --grpc-token-file contradict each other: give one")
+
+
+NO_TCP_AUTH = (
+    "give --grpc-token-file FILE (bearer token) or --grpc-cert, --grpc-key and --grpc-client-ca (mTLS); "
+    "--grpc-insecure only for tests on loopback"
+)
+
+
+def check_tcp_auth(addresses: Iterable[Address], auth: TcpAuth | None) -> None:
+    """Every TCP address authenticates its clients (ValueError naming the flags otherwise)."""
+    auth = auth or TcpAuth()
+    for a in addresses:
+        if not isinstance(a, TcpAddress):
+            continue
+        if auth.insecure and not _is_loopback(a.host):
+            raise ValueError(f"gRPC on {a}: --grpc-insecure is for loopback addresses only")
+        if not (auth.token or auth.insecure or (a.tls is not None and a.tls.require_client_cert)):
+            raise ValueError(f"gRPC on {a} would let any client in: {NO_TCP_AUTH}")
+
+
+def read_token_file(path: Path | str) -> bytes:
+    """The bearer token in ``path``: a regular file of ours, not a symlink, mode 0600 or
+    stricter; its one line (surrounding whitespace dropped). Read once, at start."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ValueError(f"--grpc-token-file {path}: {exc.strerror}") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
+            raise ValueError(
+                f"--grpc-token-file {path}: must be a regular file owned by uid {os.geteuid()}, "
+                f"mode 0600 or stricter (it is {stat.filemode(st.st_mode)}, uid {st.st_uid})"
+            )
+        token = f.read(MAX_TOKEN + 2).strip()
+    try:
+        return TcpAuth(token=token).token or b""
+    except ValueError as exc:
+        raise ValueError(f"--grpc-token-file {path}: {exc}") from None
+
+
 class PeerPolicy(Protocol):
     """Who may use a Unix socket, by the peer credentials the kernel recorded at connect."""
 
@@ -223,7 +294,8 @@ class UnixAddress:
 
 @attrs.frozen
 class TcpAddress:
-    """HOST:PORT (port 0: any). Plaintext only on loopback (tests, benchmarks)."""
+    """HOST:PORT (port 0: any). Plaintext only on loopback; the edge's :class:`TcpAuth` or a
+    client CA authenticates its callers (check_tcp_auth)."""
 
     host: str
     port: int
@@ -481,10 +553,18 @@ class GrpcEdge:
         max_rpcs: int = MAX_CONCURRENT_RPCS,
         error_mapper: ErrorMapper | None = None,
         options: Sequence[tuple[str, Any]] = (),
+        tcp_auth: TcpAuth | None = None,
     ) -> None:
         self.requested: list[Address] = list(addresses)
         if not self.requested:
             raise ValueError("no address to serve on")
+        check_tcp_auth(self.requested, tcp_auth)
+        self.tcp_auth = tcp_auth or TcpAuth()
+        tcp = [a for a in self.requested if isinstance(a, TcpAddress)]
+        self._gate = _TcpGate(self) if tcp else None  # Unix-only edges pay nothing
+        self._mtls = any(a.tls is not None and a.tls.require_client_cert for a in tcp)
+        self.unauthenticated = 0  # TCP calls refused UNAUTHENTICATED
+        self._refusal_logged = -math.inf
         self.addresses: list[Address] = []  # as bound (TCP port 0 resolved), once running
         self.health = health
         self.reflection = reflection
@@ -626,7 +706,11 @@ class GrpcEdge:
                 self._stop = asyncio.Event()
                 if self._stop_requested:
                     self._stop.set()
-            server = grpc.aio.server(options=self.options, maximum_concurrent_rpcs=self.max_rpcs)
+            server = grpc.aio.server(
+                options=self.options,
+                maximum_concurrent_rpcs=self.max_rpcs,
+                interceptors=[self._gate] if self._gate is not None else None,
+            )
             server.add_generic_rpc_handlers((_Dispatcher(self),))
             await self._add_health_and_reflection(server)
             for addr in self.requested:
@@ -659,6 +743,12 @@ class GrpcEdge:
                         raise OSError(f"gRPC: cannot listen on {target} (in use, or not an address of this host)")
                     self.addresses.append(attrs.evolve(addr, port=port))
             await server.start()
+            if self._gate is not None and self.tcp_auth.insecure:
+                log.warning(
+                    "gRPC on %s: --grpc-insecure: TCP callers are NOT authenticated, any local user who can "
+                    "connect controls every sandbox (for tests only)",
+                    ", ".join(str(a) for a in self.addresses if isinstance(a, TcpAddress)),
+                )
         except BaseException as exc:
             on_ready_exc: BaseException | None = exc
         else:
@@ -680,6 +770,37 @@ class GrpcEdge:
                 _unlink_if_ours(addr.path, ino)
             for _, private in self._relays:
                 shutil.rmtree(private, ignore_errors=True)
+
+    def _tcp_refusal(self, context: grpc.aio.ServicerContext[Any, Any]) -> str | None:
+        """None if the call may go on: over a Unix socket (mode and peer credentials
+        decided), ``insecure``, a client certificate the handshake verified, or the token."""
+        if context.peer().startswith("unix:"):
+            return None
+        auth = self.tcp_auth
+        if auth.insecure:
+            return None
+        if self._mtls and context.auth_context().get("x509_pem_cert"):
+            return None  # only a verifying address asks for a certificate: one present was verified
+        if auth.token is not None:
+            for key, value in context.invocation_metadata() or ():
+                if key == "authorization":
+                    got = value if isinstance(value, bytes) else value.encode("utf-8", "surrogateescape")
+                    if hmac.compare_digest(got, b"Bearer " + auth.token):
+                        return None
+                    break
+        return UNAUTHENTICATED
+
+    async def _authenticate(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        """The gate of every call (health and reflection too): UNAUTHENTICATED, or on."""
+        why = self._tcp_refusal(context)
+        if why is None:
+            return
+        self.unauthenticated += 1
+        now = time.monotonic()
+        if now - self._refusal_logged >= 1.0:  # one line a second at most: refusals are cheap to cause
+            self._refusal_logged = now
+            log.warning("gRPC: unauthenticated call from %s refused (%d so far)", context.peer(), self.unauthenticated)
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
 
     async def _add_health_and_reflection(self, server: grpc.aio.Server) -> None:
         names = list(self._descriptor_services)
@@ -858,6 +979,55 @@ class _Dispatcher(grpc.GenericRpcHandler):
             await edge._serve(m, None, requests, context)
 
         return grpc.stream_stream_rpc_method_handler(ss, des, ser)
+
+
+class _TcpGate(grpc.aio.ServerInterceptor):
+    """Every method's behaviour behind the edge's :meth:`GrpcEdge._authenticate` (an aio
+    interceptor cannot see the peer or the TLS session, the behaviour's context can)."""
+
+    def __init__(self, edge: GrpcEdge) -> None:
+        self.edge = edge
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return handler  # unknown method: grpc answers UNIMPLEMENTED
+        return _gated(handler, self.edge._authenticate)
+
+
+def _gated(
+    handler: grpc.RpcMethodHandler[Any, Any], gate: Callable[[Any], Awaitable[None]]
+) -> grpc.RpcMethodHandler[Any, Any]:
+    def wrap(behavior: Callable[..., Any]) -> Callable[..., Any]:
+        if inspect.isasyncgenfunction(behavior):  # a streaming response as an async generator
+
+            async def agen(arg: Any, context: Any) -> AsyncIterator[Any]:
+                await gate(context)
+                async for item in behavior(arg, context):
+                    yield item
+
+            return agen
+
+        async def call(arg: Any, context: Any) -> Any:
+            await gate(context)
+            result = behavior(arg, context)
+            return await result if inspect.isawaitable(result) else result
+
+        return call
+
+    des, ser = handler.request_deserializer, handler.response_serializer
+    if handler.unary_unary is not None:
+        return grpc.unary_unary_rpc_method_handler(wrap(handler.unary_unary), des, ser)
+    if handler.unary_stream is not None:
+        return grpc.unary_stream_rpc_method_handler(wrap(handler.unary_stream), des, ser)
+    if handler.stream_unary is not None:
+        return grpc.stream_unary_rpc_method_handler(wrap(handler.stream_unary), des, ser)
+    assert handler.stream_stream is not None
+    return grpc.stream_stream_rpc_method_handler(wrap(handler.stream_stream), des, ser)
 
 
 class _Refuser(grpc.GenericRpcHandler):

@@ -331,9 +331,11 @@ def addresses(
     key: Path | None = None,
     client_ca: Path | None = None,
     group: str | None = None,
+    auth: G.TcpAuth | None = None,
 ) -> list[G.Address]:
     """``serve --grpc`` addresses: Unix sockets get ``group`` and the peer-credential policy
-    of the msgpack socket, TCP ones the TLS files (required off loopback). ValueError names
+    of the msgpack socket, TCP ones the TLS files (required off loopback) and must
+    authenticate clients (``client_ca`` or ``auth``: :func:`tcp_auth`). ValueError names
     what is wrong."""
     specs = list(specs)
     if bool(cert) != bool(key):
@@ -349,7 +351,16 @@ def addresses(
     out = [attrs.evolve(a, policy=policy) if isinstance(a, G.UnixAddress) else a for a in out]
     if tls is not None and not any(isinstance(a, G.TcpAddress) for a in out):
         raise ValueError("--grpc-cert is for HOST:PORT addresses; none is given")
+    G.check_tcp_auth(out, auth)
     return out
+
+
+def tcp_auth(token_file: Path | None = None, insecure: bool = False) -> G.TcpAuth | None:
+    """``serve --grpc-token-file`` (read now, once) or ``--grpc-insecure`` as the edge's
+    :class:`~supervisor.grpc_bridge.TcpAuth` (None: neither). ValueError names what is wrong."""
+    if token_file is None and not insecure:
+        return None
+    return G.TcpAuth(token=G.read_token_file(token_file) if token_file else None, insecure=insecure)
 
 
 def build_edge(registry: Registry, addrs: Sequence[G.Address], **options: Any) -> G.GrpcEdge:

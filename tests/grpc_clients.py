@@ -5,13 +5,17 @@ copy when shared/ is not beside the clone) at its conventional path
 ``sandbox/v1/sandbox.proto`` in a temporary directory and imports ``sandbox_pb2`` and
 ``sandbox_pb2_grpc`` from there, once per process (the directory goes once they are
 imported). ``make_pki()`` makes a CA, a server certificate for
-127.0.0.1/localhost and a client certificate (CN ci-client), in memory."""
+127.0.0.1/localhost and a client certificate (CN ci-client), in memory. ``write_token()``
+makes a bearer token file as ``serve --grpc-token-file`` wants it; ``bearer()`` is the
+metadata a client sends with it."""
 
 from __future__ import annotations
 
 import datetime
 import functools
 import importlib
+import os
+import secrets
 import shutil
 import sys
 import tempfile
@@ -107,3 +111,17 @@ def make_pki() -> dict[str, bytes]:
         "client_cert": client_cert,
         "client_key": client_key,
     }
+
+
+def write_token(path: Path) -> str:
+    """A fresh bearer token in ``path`` (0600, as --grpc-token-file requires); the token."""
+    token = secrets.token_hex(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    return token
+
+
+def bearer(token: str) -> list[tuple[str, str]]:
+    """The call metadata a TCP client authenticates with: ``authorization: Bearer TOKEN``."""
+    return [("authorization", f"Bearer {token}")]

@@ -25,7 +25,7 @@ from typing import Any
 import grpc
 import pytest
 import trio
-from grpc_clients import REPO, SEED, generate, make_pki
+from grpc_clients import REPO, SEED, bearer, generate, make_pki
 
 from supervisor import grpc_bridge as G
 from supervisor import metrics as M
@@ -539,6 +539,119 @@ async def test_tls_on_loopback_with_a_client_certificate(seed: tuple[ModuleType,
     assert call.auth["transport_security_type"] == [b"ssl"]
 
 
+# ---------------------------------------------------------------------------------------
+# client authentication on TCP (issue 21): a bearer token, a client certificate, or nothing
+# ---------------------------------------------------------------------------------------
+TOKEN = "t0k3n-" + "x" * 40
+
+
+async def test_a_bearer_token_authenticates_tcp_calls(tmp_path: Path, seed: tuple[ModuleType, ModuleType]) -> None:
+    """Plaintext loopback with a token: the token's calls are served; no token, a wrong
+    one, a prefix of it or another scheme are UNAUTHENTICATED before any handler runs
+    (health and reflection too); the Unix socket of the same edge needs none."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    spb, sgrpc = seed
+    fake = FakeSandboxes()
+
+    def create(target: str, metadata: list[tuple[str, str]], id: str) -> str:
+        with grpc.insecure_channel(target) as ch:
+            try:
+                return str(sgrpc.SandboxServiceStub(ch).Create(spb.CreateSandboxRequest(id=id), metadata=metadata).id)
+            except grpc.RpcError as exc:
+                return f"{exc.code().name}: {exc.details()}"
+
+    def run_stream(target: str, metadata: list[tuple[str, str]]) -> str:
+        with grpc.insecure_channel(target) as ch:
+            try:
+                out = list(
+                    sgrpc.SandboxServiceStub(ch).Run(spb.RunRequest(id="x", cmd=["count", "1"]), metadata=metadata)
+                )
+                return str(out[-1].exit_code)
+            except grpc.RpcError as exc:
+                return exc.code().name
+
+    def health(target: str, metadata: list[tuple[str, str]]) -> str:
+        with grpc.insecure_channel(target) as ch:
+            try:
+                return str(
+                    health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), metadata=metadata).status
+                )
+            except grpc.RpcError as exc:
+                return exc.code().name
+
+    auth = G.TcpAuth(token=TOKEN.encode())
+    with trio.fail_after(30):
+        async with serving(
+            G.UnixAddress(tmp_path / "g.sock"), G.TcpAddress("127.0.0.1", 0), fake=fake, tcp_auth=auth
+        ) as edge:
+            tcp = edge.addresses[1]
+            assert isinstance(tcp, G.TcpAddress)
+            target = tcp.target
+            assert await in_thread(create, target, bearer(TOKEN), "ok1") == "ok1"
+            assert await in_thread(run_stream, target, bearer(TOKEN)) == "7"
+            assert await in_thread(health, target, bearer(TOKEN)) == str(health_pb2.HealthCheckResponse.SERVING)
+            for i, md in enumerate(
+                ([], bearer("x" + TOKEN[1:]), bearer(TOKEN[:-1]), bearer(TOKEN + "x"), [("authorization", TOKEN)])
+            ):
+                answer = await in_thread(create, target, md, f"bad{i}")
+                assert answer.startswith("UNAUTHENTICATED: ") and "--grpc-token-file" in answer, answer
+                assert await in_thread(run_stream, target, md) == "UNAUTHENTICATED"
+                assert await in_thread(health, target, md) == "UNAUTHENTICATED"
+            assert await in_thread(create, unix_target(edge), [], "unix1") == "unix1"  # peer credentials' business
+            assert edge.unauthenticated == 15
+    assert fake.ids == {"ok1", "unix1"}  # no refused call reached a handler
+
+
+async def test_tls_without_a_client_ca_still_needs_the_token(seed: tuple[ModuleType, ModuleType]) -> None:
+    """TLS that does not verify clients is no authentication: a client certificate sent
+    anyway counts for nothing, the token does."""
+    pytest.importorskip("cryptography")
+    spb, sgrpc = seed
+    pki = make_pki()
+    tls = G.TlsConfig(pki["server_cert"], pki["server_key"])
+
+    def create(target: str, metadata: list[tuple[str, str]], id: str) -> str:
+        creds = grpc.ssl_channel_credentials(pki["ca"], pki["client_key"], pki["client_cert"])
+        with grpc.secure_channel(target, creds) as ch:
+            try:
+                return str(sgrpc.SandboxServiceStub(ch).Create(spb.CreateSandboxRequest(id=id), metadata=metadata).id)
+            except grpc.RpcError as exc:
+                return str(exc.code().name)
+
+    with trio.fail_after(30):
+        async with serving(G.TcpAddress("127.0.0.1", 0, tls=tls), tcp_auth=G.TcpAuth(token=TOKEN.encode())) as edge:
+            addr = edge.addresses[0]
+            assert isinstance(addr, G.TcpAddress)
+            target = f"localhost:{addr.port}"
+            assert await in_thread(create, target, [], "a") == "UNAUTHENTICATED"
+            assert await in_thread(create, target, bearer(TOKEN), "b") == "b"
+
+
+async def test_tcp_without_client_authentication_does_not_start() -> None:
+    for addr, auth, words in (
+        (G.TcpAddress("127.0.0.1", 0), None, "would let any client in"),
+        (G.TcpAddress("::1", 0), G.TcpAuth(), "--grpc-token-file FILE"),
+        (G.TcpAddress("0.0.0.0", 0, tls=G.TlsConfig(b"c", b"k")), None, "--grpc-client-ca"),  # TLS: not who
+        (G.TcpAddress("0.0.0.0", 0, tls=G.TlsConfig(b"c", b"k")), G.TcpAuth(insecure=True), "loopback"),
+    ):
+        with pytest.raises(ValueError, match=words):
+            G.GrpcEdge([addr], tcp_auth=auth)
+    with pytest.raises(ValueError, match="contradict"):
+        G.TcpAuth(token=TOKEN.encode(), insecure=True)
+    for bad in (b"short", b"with space" + b"x" * 40, b"\xff" * 40):
+        with pytest.raises(ValueError, match="bearer token"):
+            G.TcpAuth(token=bad)
+    G.GrpcEdge([G.UnixAddress(Path("/run/x.sock"))])  # Unix sockets: mode and peer credentials
+
+
+async def test_insecure_tcp_is_loud(caplog: pytest.LogCaptureFixture) -> None:
+    with trio.fail_after(20):
+        async with serving(G.TcpAddress("127.0.0.1", 0), tcp_auth=G.TcpAuth(insecure=True)):
+            pass
+    assert any(r.levelname == "WARNING" and "--grpc-insecure" in r.getMessage() for r in caplog.records)
+
+
 def test_plaintext_tcp_is_for_loopback_only() -> None:
     assert G.parse_address("127.0.0.1:50051") == G.TcpAddress("127.0.0.1", 50051)
     assert G.parse_address("[::1]:7") == G.TcpAddress("::1", 7)
@@ -783,10 +896,10 @@ os._exit(0)
 
 async def test_a_port_in_use_fails_the_start_and_leaves_no_thread() -> None:
     with trio.fail_after(20):
-        async with serving(G.TcpAddress("127.0.0.1", 0)) as first:
+        async with serving(G.TcpAddress("127.0.0.1", 0), tcp_auth=G.TcpAuth(insecure=True)) as first:
             taken = first.addresses[0]
             assert isinstance(taken, G.TcpAddress)
-            second = G.GrpcEdge([taken], health=False, reflection=False)
+            second = G.GrpcEdge([taken], health=False, reflection=False, tcp_auth=G.TcpAuth(insecure=True))
             async with trio.open_nursery() as nursery:
                 with pytest.raises(OSError, match="cannot listen on 127.0.0.1"):
                     await nursery.start(second.run)

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
@@ -25,7 +27,7 @@ import grpc
 import pytest
 import trio
 from fakevm import FakeLab, fake_settings
-from grpc_clients import generate
+from grpc_clients import bearer, generate, write_token
 
 from actors.model import SandboxConfig, State
 from actors.registry import Registry
@@ -34,6 +36,7 @@ from supervisor import grpc_bridge as G
 from supervisor import grpc_service as S
 from supervisor import protocol as W
 from supervisor.client import connect
+from supervisor.daemon import DaemonConfig, serve
 from supervisor.grpc_convert import message_to_dict
 from supervisor.metrics import RegistrySource
 from supervisor.proto.sandbox.v1 import sandbox_pb2 as pb
@@ -193,20 +196,127 @@ def test_grpc_addresses_from_the_daemon_flags(tmp_path: Path) -> None:
     assert isinstance(unix, G.UnixAddress) and isinstance(unix.policy, S.ServePolicy)
     with pytest.raises(ValueError, match="no such group"):
         S.addresses(["unix:///run/x/g.sock"], group="no-such-group-here")
-    assert S.addresses(["127.0.0.1:0"]) == [G.TcpAddress("127.0.0.1", 0)]
-    with pytest.raises(ValueError, match="needs TLS"):
-        S.addresses(["0.0.0.0:50051"])
+    # TCP: every client authenticates (issue 21); plaintext loopback too
+    with pytest.raises(ValueError, match=r"--grpc-token-file FILE .* --grpc-client-ca"):
+        S.addresses(["127.0.0.1:0"])
+    insecure = S.tcp_auth(insecure=True)
+    assert S.addresses(["127.0.0.1:0"], auth=insecure) == [G.TcpAddress("127.0.0.1", 0)]
+    write_token(tmp_path / "token")
+    token = S.tcp_auth(tmp_path / "token")
     (tmp_path / "c").write_bytes(b"cert")
     (tmp_path / "k").write_bytes(b"key")
+    assert S.addresses(["[::1]:0"], auth=token) == [G.TcpAddress("::1", 0)]
+    with pytest.raises(ValueError, match="needs TLS"):
+        S.addresses(["0.0.0.0:50051"], auth=token)  # a token over plaintext off loopback: never
+    with pytest.raises(ValueError, match="loopback addresses only"):
+        S.addresses(["0.0.0.0:1"], cert=tmp_path / "c", key=tmp_path / "k", auth=insecure)
     with pytest.raises(ValueError, match="go together"):
         S.addresses(["0.0.0.0:1"], cert=tmp_path / "c")
+    with pytest.raises(ValueError, match="would let any client in"):  # TLS, but anyone may connect
+        S.addresses(["0.0.0.0:1"], cert=tmp_path / "c", key=tmp_path / "k")
     [tcp] = S.addresses(["0.0.0.0:1"], cert=tmp_path / "c", key=tmp_path / "k", client_ca=tmp_path / "c")
     assert isinstance(tcp, G.TcpAddress) and tcp.tls is not None and tcp.tls.require_client_cert
+    [tcp] = S.addresses(["0.0.0.0:1"], cert=tmp_path / "c", key=tmp_path / "k", auth=token)
+    assert isinstance(tcp, G.TcpAddress) and tcp.tls is not None and not tcp.tls.require_client_cert
+
+
+def test_the_token_file_is_ours_0600_and_a_real_token(tmp_path: Path) -> None:
+    good = tmp_path / "good"
+    token = write_token(good)
+    auth = S.tcp_auth(good)
+    assert auth is not None and auth.token == token.encode() and token not in repr(auth)
+    assert S.tcp_auth() is None
+    loose = tmp_path / "loose"
+    loose.write_text(token)
+    loose.chmod(0o640)
+    link = tmp_path / "link"
+    link.symlink_to(good)
+    short = tmp_path / "short"
+    fd = os.open(short, os.O_WRONLY | os.O_CREAT, 0o600)
+    os.write(fd, b"hunter2\n")
+    os.close(fd)
+    for path, words in (
+        (loose, "mode 0600 or stricter"),
+        (link, "symbolic links"),
+        (short, "32 to 1024 characters"),
+        (tmp_path / "missing", "No such file"),
+    ):
+        with pytest.raises(ValueError, match=words):
+            S.tcp_auth(path)
+    with pytest.raises(ValueError, match="contradict"):
+        S.tcp_auth(good, insecure=True)
+
+
+def test_serve_refuses_tcp_grpc_without_client_authentication(tmp_path: Path) -> None:
+    """``sandvisor serve --grpc 127.0.0.1:PORT`` alone: one line naming the flags, exit 2,
+    nothing started (no socket, no state dir); serve() itself refuses the same config."""
+    env = {**os.environ, "SANDVISOR_SOCKET": str(tmp_path / "s.sock"), "SANDVISOR_STATE_DIR": str(tmp_path / "st")}
+    argv = [sys.executable, "-m", "supervisor.cli", "serve", "--grpc", "127.0.0.1:1", "--ip-pool", "none"]
+    r = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60, check=False)
+    assert r.returncode == 2, r.stderr
+    [line] = r.stderr.strip().splitlines()
+    assert "127.0.0.1:1" in line and "--grpc-token-file" in line and "--grpc-client-ca" in line, line
+    assert not (tmp_path / "st").exists() and not (tmp_path / "s.sock").exists()
+    cfg = DaemonConfig(socket=tmp_path / "s.sock", state_dir=tmp_path / "st", grpc=("127.0.0.1:1",))
+    with pytest.raises(ValueError, match="would let any client in"):
+        trio.run(serve, cfg)
+    assert not (tmp_path / "s.sock").exists()
 
 
 # ---------------------------------------------------------------------------------------
 # sandbox.v1 on fake VMs
 # ---------------------------------------------------------------------------------------
+async def test_the_daemons_tcp_edge_serves_the_token_only(
+    tmp_path: Path, short_dir: Path, seed: tuple[ModuleType, ModuleType]
+) -> None:
+    """The daemon's edge (both protos) on loopback TCP with --grpc-token-file: a seed
+    client with the token creates a sandbox; without it, or with another, every RPC is
+    UNAUTHENTICATED and nothing happens; the Unix socket beside it needs no token."""
+    spb, sgrpc = seed
+    token = write_token(tmp_path / "token")
+    auth = S.tcp_auth(tmp_path / "token")
+    lab = FakeLab()
+    store = Store(tmp_path / "state" / "sandvisor.db")
+    try:
+        with trio.fail_after(60):
+            async with trio.open_nursery() as n:
+                await n.start(lab.run)
+                reg = await n.start(Registry(fake_settings(tmp_path, lab), store, templates=False).run)
+                addrs = S.addresses([f"unix://{short_dir / 'g.sock'}", "127.0.0.1:0"], auth=auth)
+                edge = await n.start(S.build_edge(reg, addrs, tcp_auth=auth).run)
+                tcp = edge.addresses[1]
+                assert isinstance(tcp, G.TcpAddress)
+
+                def create(target: str, md: list[tuple[str, str]], id: str) -> str:
+                    with grpc.insecure_channel(target) as ch:
+                        try:
+                            return str(
+                                sgrpc.SandboxServiceStub(ch).Create(spb.CreateSandboxRequest(id=id), metadata=md).id
+                            )
+                        except grpc.RpcError as exc:
+                            return exc.code().name
+
+                def info(md: list[tuple[str, str]]) -> str:
+                    with grpc.insecure_channel(tcp.target) as ch:
+                        try:
+                            return str(sv_grpc.SandvisorServiceStub(ch).Info(sv.InfoRequest(), metadata=md).version)
+                        except grpc.RpcError as exc:
+                            return exc.code().name
+
+                assert await in_thread(create, tcp.target, bearer(token), "tok") == "tok"
+                assert await in_thread(create, tcp.target, [], "none") == "UNAUTHENTICATED"
+                assert await in_thread(create, tcp.target, bearer(token[::-1]), "other") == "UNAUTHENTICATED"
+                assert await in_thread(info, []) == "UNAUTHENTICATED"
+                assert await in_thread(info, bearer(token)) not in ("", "UNAUTHENTICATED")
+                assert await in_thread(create, f"unix:{short_dir / 'g.sock'}", [], "unix") == "unix"
+                assert {sb.id for sb in reg.sandboxes.values()} == {"tok", "unix"}
+                assert edge.unauthenticated == 3
+                await reg.shutdown(5)
+                n.cancel_scope.cancel()
+    finally:
+        store.close()
+
+
 async def test_the_seed_lifecycle_on_fake_vms(
     tmp_path: Path, short_dir: Path, seed: tuple[ModuleType, ModuleType]
 ) -> None:

@@ -54,6 +54,7 @@ from images.ocilocal import (
     python_tree,
     run,
 )
+from images.refs import RefPolicy
 
 pytestmark = pytest.mark.host  # skopeo, umoci, a docker-registry: the host's tools, not nox -s unit
 
@@ -145,9 +146,14 @@ def own_registry(built: Built, tmp_path: Path) -> Iterator[LocalRegistry]:
         reg.stop()
 
 
+# the tests' images and registries are all under /tmp and on 127.0.0.1: what serve's
+# --allow-path and --registry-allow would say for them (the store's default refuses both)
+REFS = RefPolicy(allowed_paths=(Path("/tmp"),), registry_allow=("127.0.0.1",))
+
+
 @pytest.fixture
 def store(tmp_path: Path) -> ImageStore:
-    return ImageStore(tmp_path / "store")
+    return ImageStore(tmp_path / "store", refs=REFS)
 
 
 def assert_clean(store: ImageStore, images: int = 0) -> None:
@@ -432,7 +438,7 @@ async def test_docker_archive_oci_archive_and_oci_dir(store: ImageStore, built: 
         ("unknown user", RegistryAuthError, "refused the credentials"),
         ("bad creds syntax", InvalidReference, "USER:PASSWORD"),
         ("missing auth file", InvalidReference, "auth file"),
-        ("missing archive", ImageNotFound, "does not exist"),
+        ("missing archive", ImageNotFound, "no such image on the supervisor's host"),
         ("not an archive", UnsupportedImage, "docker-archive"),
         ("missing oci tag", ImageNotFound, "nope"),
         ("oci dir of several images, no tag", InvalidReference, "several images"),
@@ -480,7 +486,7 @@ async def test_credentials_and_auth_file(store: ImageStore, auth_registry: Local
     ref = auth_registry.ref("private/busybox:1")
     with trio.fail_after(60):
         a = await store.pull(ref, tls_verify=False, creds=f"{TEST_USER}:{TEST_PASSWORD}")
-        other = ImageStore(tmp_path / "other")
+        other = ImageStore(tmp_path / "other", refs=REFS)
         authfile = tmp_path / "auth.json"
         token = __import__("base64").b64encode(f"{TEST_USER}:{TEST_PASSWORD}".encode()).decode()
         authfile.write_text(json.dumps({"auths": {auth_registry.host: {"auth": token}}}))
@@ -545,7 +551,7 @@ async def test_disk_full_during_conversion(
         else:
             f.write(os.urandom(30 << 20))
     build_image(layout, "big", [Layer(big)])
-    store = ImageStore(root / disk / "store")
+    store = ImageStore(root / disk / "store", refs=REFS)
     with trio.fail_after(120), pytest.raises(DiskFull) as e:
         await store.pull(f"oci:{layout}:big")
     assert step in e.value.message and e.value.code == "RESOURCE_EXHAUSTED"
@@ -557,7 +563,7 @@ async def test_disk_full_during_conversion(
 
 
 async def test_size_cap(tmp_path: Path, pushed: Pushed) -> None:
-    store = ImageStore(tmp_path / "store", max_image_bytes=1 << 20)
+    store = ImageStore(tmp_path / "store", max_image_bytes=1 << 20, refs=REFS)
     with trio.fail_after(60), pytest.raises(DiskFull) as e:
         await store.pull(pushed.busybox, tls_verify=False)
     assert "cap" in e.value.message
@@ -572,7 +578,7 @@ class GatedStore(ImageStore):
     ``fail_first``: the held pull then fails (as with its caller's bad credentials)."""
 
     def __init__(self, root: Path, *, fail_first: bool = False) -> None:
-        super().__init__(root)
+        super().__init__(root, refs=REFS)
         self.gate = trio.Event()
         self.fail_first = fail_first
         self.entered = 0

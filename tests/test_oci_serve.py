@@ -52,7 +52,8 @@ built, pushed, auth_registry, own_registry = (
 @pytest.fixture
 async def served(image: GuestImage) -> AsyncIterator[tuple[Workdir, Registry]]:
     with workdir("sv-oci-", private_state=True) as work:
-        async with supervisor(work) as (_cfg, reg):
+        # the tests' registries are on loopback, their images under /tmp: allowed explicitly
+        async with supervisor(work, registry_allow=("127.0.0.1",), allow_paths=(Path("/tmp"),)) as (_cfg, reg):
             yield work, reg
 
 
@@ -218,6 +219,36 @@ async def test_pull_failures_are_typed_leave_nothing_and_the_daemon_serves_on(
     assert "wrong-pass" not in caplog.text  # the supervisor's log, at debug level
 
 
+async def test_a_host_path_is_refused_exactly_as_a_missing_one(
+    served: tuple[Workdir, Registry], tmp_path: Path
+) -> None:
+    """The confused deputy (issue 21): root does not read a host path a client names unless
+    it is in an --allow-path directory, and the answer cannot tell "exists, not allowed"
+    from "missing": same code, same words, only the path differs. (This supervisor allows
+    /tmp: a symlink there to /etc/shadow is refused too.)"""
+    work, reg = served
+    (tmp_path / "shadow.tar").symlink_to("/etc/shadow")
+    refs = {
+        "missing": "docker-archive:/etc/no-such-archive",
+        "shadow": "docker-archive:/etc/shadow",
+        "symlink": f"docker-archive:{tmp_path}/shadow.tar",
+        "oci dir": "oci:/etc",
+    }
+    with trio.fail_after(60):
+        lines, sdk = {}, {}
+        for case, ref in refs.items():
+            with pytest.raises(NotFound) as exc:
+                await AsyncImages(work.socket).pull(ref)
+            sdk[case] = exc.value.message.replace(ref, "REF")
+            r = await cli(work, "image", "pull", ref)
+            assert r.returncode == 1, r.stderr
+            lines[case] = r.stderr.decode().strip().splitlines()[-1].replace(ref, "REF")
+        assert len(set(sdk.values())) == 1 and len(set(lines.values())) == 1, (sdk, lines)
+        assert "no such image" in sdk["shadow"] and lines["shadow"].startswith("error: ")
+        assert_no_partial(reg, 0)
+        await still_serving(work)
+
+
 async def test_credentials_and_auth_file_through_the_socket(
     served: tuple[Workdir, Registry], auth_registry: LocalRegistry, tmp_path: Path
 ) -> None:
@@ -375,7 +406,7 @@ async def test_the_image_rpcs_over_grpc(image: GuestImage, pushed: Pushed) -> No
 
     with workdir("sv-ocig-", private_state=True) as work:
         sock = work.root / "g.sock"
-        async with supervisor(work, grpc=(f"unix://{sock}",)) as (_cfg, reg):
+        async with supervisor(work, grpc=(f"unix://{sock}",), registry_allow=("127.0.0.1",)) as (_cfg, reg):
             channel = grpc.insecure_channel(f"unix:{sock}")
             stub = sv_grpc.SandvisorServiceStub(channel)
 
