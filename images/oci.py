@@ -71,6 +71,7 @@ import trio
 
 from actors import jail
 from actors.toolcell import READ_CAPS, SHIFT_COUNT, UNPACK_CAPS, ToolCells, ToolError, bind
+
 if TYPE_CHECKING:
     from images.refs import RefPolicy
 

@@ -901,7 +901,7 @@ async def test_a_port_in_use_fails_the_start_and_leaves_no_thread() -> None:
             assert isinstance(taken, G.TcpAddress)
             second = G.GrpcEdge([taken], health=False, reflection=False, tcp_auth=G.TcpAuth(insecure=True))
             async with trio.open_nursery() as nursery:
-                with pytest.raises(OSError, match="cannot listen on 127.0.0.1"):
+                with pytest.raises(OSError, match=r"cannot listen on 127\.0\.0\.1"):
                     await nursery.start(second.run)
             assert second._loop is not None
             assert second._loop.is_closed()
