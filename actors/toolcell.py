@@ -53,17 +53,13 @@ import trio
 
 from actors import jail
 from actors.cgroups import Cgroup, CgroupError, CgroupLimits
+from images.tools import SHIFT_COUNT, ToolBind, ToolError, ToolIdentity, ToolResult, bind
 
 if TYPE_CHECKING:
     from actors.cell import Cells
 
 log = logging.getLogger("sandvisor.toolcell")
 
-SHIFT_COUNT = 65536  # ids of the tools' user namespace: 0-65535, as rootless containers map
-# what umoci needs to make an image's files as the image says (in the user namespace)
-CAP_CHOWN, CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, CAP_FOWNER, CAP_FSETID, CAP_SETFCAP = 0, 1, 2, 3, 4, 31
-UNPACK_CAPS = (CAP_CHOWN, CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, CAP_FOWNER, CAP_FSETID, CAP_SETFCAP)
-READ_CAPS = (CAP_DAC_READ_SEARCH,)  # mkfs -d: read every file of the tree, whatever its mode
 OUTPUT_MAX = 16 << 20  # a tool's stdout or stderr kept (skopeo inspect: a 4 MiB manifest at most)
 # what a registry pull reads of the host's /etc (DNS, CAs, containers policy)
 NETWORK_ETC = (
@@ -87,18 +83,6 @@ ENV = {
 }
 
 
-class ToolError(Exception):
-    """A tool's cell could not be made or entered (the message names the step)."""
-
-
-@attrs.frozen
-class ToolResult:
-    returncode: int
-    stdout: bytes
-    stderr: bytes
-    oom_killed: bool = False
-
-
 @attrs.frozen
 class ToolSpawn:
     """What one run was started as (for tests and logs): host pid, the host uid it runs
@@ -114,14 +98,9 @@ class ToolSpawn:
     fsize: int | None
 
 
-def bind(path: Path | str, *, writable: bool = False) -> jail.Bind:
-    """A host path at the same path in the cell: a tool's arguments need no rewriting."""
-    p = Path(path)
-    return jail.Bind(p, str(p), writable)
-
-
 class ToolCells:
-    """Runs host tools in cells; one per supervisor (``Cells.tools``)."""
+    """Runs host tools in cells; one per supervisor (``Cells.tools``). The image store's
+    ``images.tools.ToolRunner``."""
 
     def __init__(
         self,
@@ -212,8 +191,8 @@ class ToolCells:
         self,
         argv: Sequence[str],
         *,
-        identity: jail.Identity | None,
-        binds: Sequence[jail.Bind] = (),
+        identity: ToolIdentity | None,
+        binds: Sequence[ToolBind] = (),
         host_network: bool = False,
         keep_caps: Sequence[int] = (),
         fds: Sequence[int] = (),
@@ -225,14 +204,18 @@ class ToolCells:
         there). ``fsize``: no file it writes grows past this (EFBIG; SIGXFSZ is ignored).
         A cancel kills it and removes its cell."""
         name = f"tool-{os.getpid()}-{next(self._seq)}-{uuid.uuid4().hex[:6]}"
-        host = identity or jail.Identity(self.shift_first, self.shift_first)
+        ids = (self.shift_first, self.shift_first) if identity is None else (identity.uid, identity.gid)
+        host = jail.Identity(*ids)
         extra = []
         if fsize is not None:
             extra.append((resource.RLIMIT_FSIZE, max(fsize, 1 << 20)))
         spec = jail.JailSpec(
             identity=host,
             root=self.dir / name,
-            binds=(*jail.default_binds(), *self._etc(host_network), *binds),
+            binds=(
+                *jail.default_binds(),
+                *(jail.Bind(b.path, str(b.path), b.writable) for b in (*self._etc(host_network), *binds)),
+            ),
             socket_dir=SCRATCH,  # the tool's own scratch dir (and HOME): bound last, so not /tmp
             netns=jail.NetNS.HOST if host_network else jail.NetNS.NEW,
             hostname="sandvisor-tool",
@@ -268,7 +251,7 @@ class ToolCells:
                 except jail.JailError as exc:
                     log.warning("tool cell %s: %s", name, exc)
 
-    def _etc(self, host_network: bool) -> list[jail.Bind]:
+    def _etc(self, host_network: bool) -> list[ToolBind]:
         if not host_network:
             return []
         return [bind(p) for p in NETWORK_ETC if os.path.exists(p)]

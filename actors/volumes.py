@@ -54,7 +54,8 @@ from actors.durable import fsync_dir, fsync_path
 from actors.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from actors.machine import Volume
 from actors.model import VolumeMount, VolumeRecord
-from actors.toolcell import ToolCells, ToolError, ToolResult, fsck_in_cell
+from actors.toolcell import ToolCells, fsck_in_cell
+from images.tools import ToolError, ToolResult
 
 if TYPE_CHECKING:
     from actors.store import Store

@@ -69,8 +69,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import attrs
 import trio
 
-from actors import jail
-from actors.toolcell import READ_CAPS, SHIFT_COUNT, UNPACK_CAPS, ToolCells, ToolError, bind
+from images.tools import READ_CAPS, SHIFT_COUNT, UNPACK_CAPS, ToolBind, ToolError, ToolIdentity, ToolRunner, bind
 
 if TYPE_CHECKING:
     from images.refs import RefPolicy
@@ -378,10 +377,10 @@ def _quiet(_p: PullProgress) -> None:
 
 @attrs.frozen
 class _Tool:
-    """How one tool runs in its cell (with ToolCells; ignored without)."""
+    """How one tool runs in its cell (with a ToolRunner; ignored without)."""
 
-    identity: jail.Identity | None  # None: root of the tools' user namespace
-    binds: tuple[jail.Bind, ...]
+    identity: ToolIdentity | None  # None: root of the tools' user namespace
+    binds: tuple[ToolBind, ...]
     host_network: bool = False
     keep_caps: tuple[int, ...] = ()
     fsize: int | None = None
@@ -395,7 +394,7 @@ class _Job:
     fetch: Path  # skopeo's: --tmpdir, auth file, layout, blob dir
     owner: tuple[int, int] | None  # the pull's id (uid, gid) with cells; None: the supervisor's
     shift: int  # the host id of the tools' user namespace root (0: no cells)
-    identity: jail.Identity | None = None
+    identity: ToolIdentity | None = None
     src: Path | None = None  # a local source, copied into fetch (with cells)
 
     def source(self, r: Reference, digest: str = "") -> str:
@@ -434,8 +433,8 @@ class ImageStore:
     ``max_image_bytes``: refuse (DiskFull) an image whose download or unpacked tree is
     larger, as the bytes arrive (``serve --max-image-size``).
     ``free_min``/``free_ratio``: room left in each ext4 for the sandbox's own writes.
-    ``tools``: skopeo, umoci and mkfs.ext4 run in cells (actors/toolcell.py); None
-    (``--no-jail``): as the supervisor, as before.
+    ``tools``: skopeo, umoci and mkfs.ext4 run in cells (images/tools.py's ToolRunner,
+    actors/toolcell.py's ToolCells); None (``--no-jail``): as the supervisor, as before.
     ``refs``: the references a client may name (images/refs.py; default: no local path,
     no registry on loopback or link-local)."""
 
@@ -446,7 +445,7 @@ class ImageStore:
         max_image_bytes: int | None = None,
         free_min: int = GIB,
         free_ratio: float = 0.5,
-        tools: ToolCells | None = None,
+        tools: ToolRunner | None = None,
         refs: RefPolicy | None = None,
     ) -> None:
         from images.refs import RefPolicy  # (images.refs imports this module)
