@@ -26,7 +26,7 @@ import trio
 
 from actors.cell import Cells, JailConfig
 from actors.hostnet import HostNetConfig, HostNetwork
-from actors.ippool import IpPool
+from actors.ippool import IpPool, parse_pool
 from actors.machine import qmp_loop, resolve_accel, unprivileged_user, unsearchable_parent
 from actors.quotas import Quotas, gated, start_slots
 from actors.registry import Registry
@@ -203,6 +203,8 @@ def _check(cfg: DaemonConfig) -> None:
             ipaddress.ip_network(cidr, strict=False)
         except ValueError:
             raise Refused(f"--egress-never {cidr!r}: expected a CIDR such as 192.168.0.0/16") from None
+    if cfg.ip_pool:
+        parse_pool(cfg.ip_pool)  # (PoolError names --ip-pool)
     for upstream in cfg.dns_upstreams:
         try:
             parse_upstream(upstream)
