@@ -42,11 +42,13 @@ def _status(pid: int) -> dict[str, str]:
 
 
 @pytest.fixture
-def cells(tmp_path: Path) -> Iterator[Cells]:
+def cells(tmp_path: Path, jail_helpers: tuple[Path, Path]) -> Iterator[Cells]:
     if os.geteuid() != 0:
         pytest.skip("cells need root")
     (tmp_path / "state").mkdir(mode=0o700)
-    c = Cells.setup(JailConfig(), state_dir=tmp_path / "state", ram_dir=None, kvm=False)
+    c = Cells.setup(
+        JailConfig(), helper=jail_helpers[0], discard_shim=None, state_dir=tmp_path / "state", ram_dir=None, kvm=False
+    )
     try:
         yield c
     finally:
