@@ -55,7 +55,16 @@ STDLIB_PICK: tuple[str, ...] = ("tarfile.py", "shutil.py")
 # shared libraries python3.11 and msgpack link against (the rest of libc6 goes)
 RUNTIME_LIBS = ("ld-linux-x86-64.so", "libc.so", "libm.so", "libz.so", "libexpat.so.1", "libgcc_s.so")
 # imported by guestd after boot, on paths not taken at import time
-LAZY_IMPORTS = ("socket", "traceback", "tarfile", "guestd.tree", "guestd.fsops", "guestd.netcfg")
+LAZY_IMPORTS = (
+    "socket",
+    "traceback",
+    "tarfile",
+    "guestd.files",
+    "guestd.workers",
+    "guestd.tree",
+    "guestd.fsops",
+    "guestd.netcfg",
+)
 ROOTFS_INCLUDE = ("python3", "bash", "coreutils", "procps", "ca-certificates")
 ROOTFS_SIZE_MIB = 2048  # the ext4 file is sparse: this is room for the sandbox, not disk use
 MODULES = (
