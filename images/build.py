@@ -266,6 +266,13 @@ sys.modules['msgpack'], sys.modules['msgpack.ext'] = _m, _e
 from msgpack._cmsgpack import Packer, unpackb, Unpacker
 _m.Packer, _m.unpackb, _m.Unpacker, _m.ext = Packer, unpackb, Unpacker, _e
 del _m, _e, ExtType, Timestamp, Packer, unpackb, Unpacker
+# every guestd module starts with `from __future__ import annotations`, which at run
+# time imports __future__ (a module of _Feature objects) to bind that one name: a
+# stand-in spares boot the module's load (nothing guestd imports reads its features)
+_f = type(sys)('__future__')
+_f.annotations = None
+sys.modules['__future__'] = _f
+del _f
 from guestd.agent import entry
 entry()
 """
