@@ -309,8 +309,3 @@ class InStream:
     def update(self) -> None:
         if self.fd >= 0 and not self.tty:
             self.agent.modify(self.fd, EPOLLOUT if self.buf else 0)
-
-
-# ---------------------------------------------------------------------------
-# exec
-# ---------------------------------------------------------------------------
