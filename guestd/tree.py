@@ -2,7 +2,7 @@
 ``write_tree`` and ``patch``.
 
 guestd imports this module only in the forked worker that serves one of those
-requests (see ``agent.Worker``), never at boot: ``tarfile`` (with ``shutil``) costs
+requests (see ``workers.Worker``), never at boot: ``tarfile`` (with ``shutil``) costs
 milliseconds of import that PID 1 should not pay to say hello. The host imports it
 too (``actors.trees``): a tar stream that came out of a hostile guest is unpacked on
 the host by the same code that unpacks the host's streams in the guest.

@@ -55,7 +55,16 @@ STDLIB_PICK: tuple[str, ...] = ("tarfile.py", "shutil.py")
 # shared libraries python3.11 and msgpack link against (the rest of libc6 goes)
 RUNTIME_LIBS = ("ld-linux-x86-64.so", "libc.so", "libm.so", "libz.so", "libexpat.so.1", "libgcc_s.so")
 # imported by guestd after boot, on paths not taken at import time
-LAZY_IMPORTS = ("socket", "traceback", "tarfile", "guestd.tree", "guestd.fsops", "guestd.netcfg")
+LAZY_IMPORTS = (
+    "socket",
+    "traceback",
+    "tarfile",
+    "guestd.files",
+    "guestd.workers",
+    "guestd.tree",
+    "guestd.fsops",
+    "guestd.netcfg",
+)
 ROOTFS_INCLUDE = ("python3", "bash", "coreutils", "procps", "ca-certificates")
 ROOTFS_SIZE_MIB = 2048  # the ext4 file is sparse: this is room for the sandbox, not disk use
 MODULES = (
@@ -257,6 +266,13 @@ sys.modules['msgpack'], sys.modules['msgpack.ext'] = _m, _e
 from msgpack._cmsgpack import Packer, unpackb, Unpacker
 _m.Packer, _m.unpackb, _m.Unpacker, _m.ext = Packer, unpackb, Unpacker, _e
 del _m, _e, ExtType, Timestamp, Packer, unpackb, Unpacker
+# every guestd module starts with `from __future__ import annotations`, which at run
+# time imports __future__ (a module of _Feature objects) to bind that one name: a
+# stand-in spares boot the module's load (nothing guestd imports reads its features)
+_f = type(sys)('__future__')
+_f.annotations = None
+sys.modules['__future__'] = _f
+del _f
 from guestd.agent import entry
 entry()
 """

@@ -84,6 +84,22 @@ async def test_stdin_round_trip_through_cat(chan: GuestChannel) -> None:
     assert hashlib.sha256(got).digest() == hashlib.sha256(payload).digest()
 
 
+async def test_stdin_a_process_closed_is_credited_back(chan: GuestChannel) -> None:
+    """Stdin that arrives after the process closed its input is dropped and credited
+    back (guestd/session.py InStream): four windows go through while the process runs
+    on. (Before, a process's EPIPE dropped the bytes uncredited: the host stalled
+    after one window until the process exited.)"""
+    with trio.fail_after(30):
+        async with chan.exec(["sh", "-c", "exec 0<&-; echo closed; exec sleep 300"], stdin=True) as h:
+            async for _ch, data in h:
+                if b"closed" in data:
+                    break
+            await h.send_stdin(b"x" * (4 * P.WINDOW))
+            await h.signal(signal.SIGKILL)
+            ex = await h.wait()
+    assert ex.signal == signal.SIGKILL
+
+
 async def test_pty_names_a_terminal_and_follows_resize(chan: GuestChannel) -> None:
     out = bytearray()
     with trio.fail_after(30):

@@ -1,0 +1,100 @@
+"""Machine-wide requests: the clock, the hostname, the kernel's entropy, metrics."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import struct
+import time
+
+from guestd import proto as P
+from guestd.common import read_text
+
+RNDADDENTROPY = 0x40085203
+RNDRESEEDCRNG = 0x5207
+
+
+def set_clock(ns: int) -> None:
+    time.clock_settime_ns(time.CLOCK_REALTIME, ns)
+
+
+def set_hostname(name: str) -> None:
+    if not name or len(name) > 64:
+        raise LookupError("hostname must be 1-64 characters")
+    with open("/proc/sys/kernel/hostname", "w") as f:
+        f.write(name)
+
+
+def add_entropy(data: bytes) -> None:
+    if len(data) > 4096:
+        raise LookupError("at most 4096 bytes of entropy at once")
+    buf = struct.pack("ii", len(data) * 8, len(data)) + data
+    fd = os.open("/dev/urandom", os.O_WRONLY)
+    try:
+        fcntl.ioctl(fd, RNDADDENTROPY, buf)
+        # credited entropy alone does not rekey a CRNG that is already seeded: after a
+        # restore, clones of one snapshot would read the same /dev/urandom stream
+        # until the next scheduled reseed (up to a minute). Reseed now.
+        try:
+            fcntl.ioctl(fd, RNDRESEEDCRNG)
+        except OSError:
+            pass  # ENODATA: not seeded yet (then it will seed from the pool anyway)
+    finally:
+        os.close(fd)
+
+
+def metrics(rid: int) -> P.MetricsOk:
+    hz = os.sysconf("SC_CLK_TCK")
+    cpu: dict[str, float] = {}
+    ncpu = 0
+    procs = 0
+    for line in read_text("/proc/stat").splitlines():
+        parts = line.split()
+        if parts and parts[0] == "cpu":
+            names = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+            cpu = {n: int(v) / hz for n, v in zip(names, parts[1:9], strict=False)}
+        elif parts and parts[0].startswith("cpu"):
+            ncpu += 1
+        elif parts and parts[0] == "processes":
+            procs = int(parts[1])
+    mem: dict[str, int] = {}
+    keys = {
+        "MemTotal": "total",
+        "MemAvailable": "available",
+        "MemFree": "free",
+        "Buffers": "buffers",
+        "Cached": "cached",
+    }
+    for line in read_text("/proc/meminfo").splitlines():
+        k, _, v = line.partition(":")
+        if k in keys:
+            mem[keys[k]] = int(v.split()[0]) * 1024
+    disk = {"read_bytes": 0, "write_bytes": 0, "reads": 0, "writes": 0}
+    for line in read_text("/proc/diskstats").splitlines():
+        f = line.split()
+        if len(f) >= 10 and f[2].startswith("vd") and not f[2][-1].isdigit():
+            disk["reads"] += int(f[3])
+            disk["read_bytes"] += int(f[5]) * 512
+            disk["writes"] += int(f[7])
+            disk["write_bytes"] += int(f[9]) * 512
+    net = {"rx_bytes": 0, "tx_bytes": 0, "rx_packets": 0, "tx_packets": 0}
+    for line in read_text("/proc/net/dev").splitlines()[2:]:
+        name, _, rest = line.partition(":")
+        f = rest.split()
+        if name.strip() != "lo" and len(f) >= 10:
+            net["rx_bytes"] += int(f[0])
+            net["rx_packets"] += int(f[1])
+            net["tx_bytes"] += int(f[8])
+            net["tx_packets"] += int(f[9])
+    up = read_text("/proc/uptime").split()
+    return P.MetricsOk(
+        rid=rid,
+        uptime=float(up[0]) if up else 0.0,
+        cpu_seconds=cpu,
+        ncpu=ncpu,
+        mem=mem,
+        disk=disk,
+        net=net,
+        load=read_text("/proc/loadavg").split()[:3],
+        procs=procs,
+    )

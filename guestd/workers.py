@@ -1,0 +1,397 @@
+"""Workers (imported at the first tree, patch or mount request, never at boot): requests
+served by a forked child of guestd, and the work they run."""
+
+from __future__ import annotations
+
+import _signal as signal  # the C module: 'signal' pulls in enum (~20 ms of boot)
+import fcntl
+import os
+import select
+
+from guestd import proto as P
+from guestd.common import DEFAULT_PATH, SIGDEF, ExecFailed, errcode, read_text, set_nonblock
+from guestd.session import InStream, OutStream, Req, Session
+from guestd.users import resolve_user
+
+TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs ~30 ms of boot
+
+if TYPE_CHECKING:  # pragma: no cover
+    from collections.abc import Callable
+    from typing import Any
+
+    from guestd.agent import Agent
+
+F_SETPIPE_SZ = 1031
+BLKFLSBUF = 0x1261
+PIPE_SIZE = 1 << 20  # a worker's data pipe: fewer wakeups of both sides per MiB of tar
+EPOLLIN = select.EPOLLIN
+FSTYPES = ("ext4", "ext3", "ext2", "xfs", "btrfs", "vfat", "squashfs", "erofs", "iso9660")
+
+
+class Worker(Req):
+    """A request served by a forked child of guestd: work that blocks or takes long
+    (tar packing and unpacking, patches, mounts) runs outside PID 1's event loop,
+    which goes on serving every other request meanwhile. The child is guestd's own
+    image (no exec, nothing to load but what the work imports, e.g. tarfile, which
+    PID 1 itself never pays for), holding only its pipes::
+
+        guestd (event loop)                          worker (fork, blocking I/O)
+          data pipe <-- tar (read_tree) ------------  pack(dir) -> write
+          data pipe --- tar (write_tree) ---------->  unpack(read) -> files
+          status pipe <-- b"OK\0value" | b"CODE\0message", then exit
+
+    The data streams follow the exec rules: output is read only while the host has
+    granted credit (the child blocks in write meanwhile), input is credited back as
+    the pipe takes it. The answer (Eof or Ok, or Error) is sent once the child
+    exited and its output is drained. A tree worker whose host went away (or
+    cancelled it with Signal) is killed; a patch or mount worker finishes its work."""
+
+    def __init__(self, agent: Agent, session: Session, rid: int) -> None:
+        super().__init__(session, rid)
+        self.agent = agent
+        self.pid = 0
+        self.status_fd = -1
+        self.out: OutStream | None = None  # the child's output, to the host on STDOUT (read_tree)
+        # the host's STDIN data, to the child (write_tree); none (fd -1) is credited back
+        self.stdin = InStream(self, agent, -1, eof=False, chunk=4 * P.CHUNK)
+        self.status: int | None = None
+        self.killable = False
+        self.streams_out = False  # success ends the output stream (Eof), else it is an Ok
+        self.on_ok: Callable[[int], None] | None = None
+        self.done = False
+
+    def start(
+        self,
+        work: Callable[[int], int],
+        *,
+        out: bool = False,
+        inp: bool = False,
+        keep: tuple[int, ...] = (),
+        killable: bool = False,
+        first: P.Message | None = None,
+    ) -> None:
+        fds: list[int] = []
+        try:
+            status_r, status_w = os.pipe()
+            fds += [status_r, status_w]
+            child_end = -1
+            if out or inp:
+                r, w = os.pipe()
+                fds += [r, w]
+                try:
+                    fcntl.fcntl(w, F_SETPIPE_SZ, PIPE_SIZE)
+                except OSError:
+                    pass
+                mine, child_end = (r, w) if out else (w, r)
+            pid = os.fork()
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        if pid == 0:
+            _worker_child(work, child_end, status_w, (*keep, self.agent.root_fd))
+        os.close(status_w)
+        if child_end >= 0:
+            os.close(child_end)
+            set_nonblock(mine)
+        self.pid, self.status_fd, self.killable = pid, status_r, killable
+        self.agent.procs[pid] = self
+        assert self.session is not None
+        self.session.reqs[self.rid] = self
+        if first is not None:
+            self.send(first)
+        if out:
+            self.out = OutStream(self, P.STDOUT, mine)
+            self.streams_out = True
+            self.agent.watch(mine, EPOLLIN, self.on_out)
+        elif inp:
+            self.stdin.fd = mine
+            self.stdin.watch()
+        self.update()
+
+    # -- output (read_tree) ------------------------------------------------------
+    def on_out(self, _ev: int) -> None:
+        s = self.out
+        if s is None:
+            return
+        if s.pump() < 0:
+            self.agent.unwatch(s.fd)
+            os.close(s.fd)
+            self.out = None
+            self.maybe_finish()
+            return
+        self.update()
+
+    def on_credit(self, ch: int, n: int) -> None:
+        if ch == P.STDOUT and self.out is not None:
+            self.out.add_credit(n)
+            self.update()
+
+    # -- input (write_tree) ----------------------------------------------------------
+    def on_data(self, ch: int, data: bytes) -> None:
+        self.stdin.on_data(ch, data)
+
+    def on_eof(self, ch: int) -> None:
+        self.stdin.on_eof()
+
+    # -- life ------------------------------------------------------------------------
+    def update(self) -> None:
+        if self.out is not None:
+            self.agent.modify(self.out.fd, EPOLLIN if self.out.readable() else 0)
+        self.stdin.update()
+
+    def resume(self) -> None:
+        self.update()
+
+    def on_signal(self, signum: int) -> None:
+        self.cancel()
+
+    def cancel(self) -> None:
+        """The host gave up on the request (Signal): stop the work, answer nothing."""
+        self.orphan()
+        self.finish()
+
+    def orphan(self) -> None:
+        super().orphan()
+        self.stdin.abandon()
+        if self.killable and self.status is None and self.pid:
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except OSError:
+                pass
+        self.update()
+
+    def on_exit(self, status: int) -> None:
+        self.status = status
+        self.maybe_finish()
+
+    def maybe_finish(self) -> None:
+        if self.done or self.status is None or self.out is not None:
+            return
+        self.done = True
+        self.agent.procs.pop(self.pid, None)
+        self.stdin.close()
+        chunks = []
+        while True:  # the child has exited: its end is closed, this cannot block
+            b = os.read(self.status_fd, 4096)
+            if not b:
+                break
+            chunks.append(b)
+        os.close(self.status_fd)
+        self.status_fd = -1
+        code, _, text = b"".join(chunks).decode(errors="replace").partition("\0")
+        if code == "OK":
+            value = int(text or 0)
+            if self.on_ok is not None:
+                self.on_ok(value)
+            if self.streams_out:
+                self.send(P.Eof(rid=self.rid, ch=P.STDOUT))
+            else:
+                self.send(P.Ok(rid=self.rid, value=value))
+        elif code:
+            self.send(P.Error(rid=self.rid, code=code, message=text[:2000]))
+        else:
+            st = self.status
+            why = f"signal {os.WTERMSIG(st)}" if os.WIFSIGNALED(st) else f"status {os.WEXITSTATUS(st)}"
+            text = f"guestd worker ended without an answer ({why})"
+            self.send(P.Error(rid=self.rid, code=P.E_INTERNAL, message=text))
+        self.finish()
+
+
+def _tree() -> Any:
+    """guestd.tree, imported by PID 1 itself at the first tree request (never at boot).
+    In PID 1, not in each worker: the import (tarfile, shutil, re, enum) costs ~250 ms
+    under TCG, once per guest this way instead of once per tree request (measured, a
+    read_tree of an empty directory: 150-500 ms importing in the worker; a worker
+    that imports nothing, an empty patch: 26-59 ms). The price: PID 1's loop stalls
+    for that one import, and ~1.5 MB more of its memory."""
+    from guestd import tree
+
+    return tree
+
+
+def _worker_child(work: Callable[[int], int], data_fd: int, status_w: int, keep: tuple[int, ...]) -> None:
+    """The forked worker: reset what PID 1 set up for itself, do the work, report, exit."""
+    code = 1
+    try:
+        try:
+            signal.set_wakeup_fd(-1)
+            for sig in SIGDEF:
+                signal.signal(sig, signal.SIG_DFL)
+            signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # a reader gone is an EPIPE error, not a death
+            low = 3
+            for fd in sorted({data_fd, status_w, *keep} - {-1}):
+                if fd >= low:
+                    os.closerange(low, fd)
+                    low = fd + 1
+            os.closerange(low, 1 << 20)  # (close_range: one system call)
+            os.umask(0o022)
+            answer = f"OK\0{int(work(data_fd))}"
+            code = 0
+        except BaseException as exc:
+            answer = _describe(exc)
+        os.write(status_w, answer.encode(errors="replace")[:4000])  # below PIPE_BUF: one write
+    finally:
+        os._exit(code)
+
+
+def _describe(exc: BaseException) -> str:
+    c = getattr(exc, "code", None)
+    if isinstance(c, str) and isinstance(getattr(exc, "message", None), str):  # tree.TreeError, ExecFailed
+        return f"{c}\0{exc.message}"  # type: ignore[attr-defined]
+    if isinstance(exc, OSError):
+        where = f" ({exc.filename})" if exc.filename else ""
+        return f"{errcode(exc)}\0{exc.strerror or exc}{where}"
+    if isinstance(exc, LookupError):
+        return f"{P.E_INVALID}\0{exc.args[0] if exc.args else exc}"
+    return f"{P.E_INTERNAL}\0{type(exc).__name__}: {exc}"
+
+
+def busybox_run(root_fd: int, argv: list[str]) -> None:
+    """Run a busybox applet of the initramfs (in a worker: this blocks). Its stderr
+    becomes the message of a FAILED_PRECONDITION when it fails."""
+    r, w = os.pipe()
+    try:
+        pid = os.posix_spawn(
+            f"/proc/self/fd/{root_fd}/usr/bin/busybox",
+            ["busybox", *argv],
+            {"PATH": DEFAULT_PATH},
+            file_actions=[(os.POSIX_SPAWN_DUP2, w, 2), (os.POSIX_SPAWN_DUP2, w, 1)],
+            setsigdef=SIGDEF,
+        )
+    finally:
+        os.close(w)
+    try:
+        out = b""
+        while len(out) < 4096:
+            b = os.read(r, 4096)
+            if not b:
+                break
+            out += b
+    finally:
+        os.close(r)
+    _, status = os.waitpid(pid, 0)
+    if status != 0:
+        text = out.decode(errors="replace").strip().replace("\n", "; ") or f"{argv[0]} failed ({status})"
+        raise ExecFailed(P.E_FAILED, text)
+
+
+def find_disk(device: str) -> str:
+    """``/dev/vdX`` or ``serial:NAME`` -> the block device's /dev path."""
+    if device.startswith("serial:"):
+        want = device[len("serial:") :]
+        for name in sorted(os.listdir("/sys/block")):
+            if want and read_text(f"/sys/block/{name}/serial").strip() == want:
+                return f"/dev/{name}"
+        raise ExecFailed(P.E_NOT_FOUND, f"no disk with serial {want!r}")
+    if not device.startswith("/dev/"):
+        raise LookupError("device must be a /dev path or serial:NAME")
+    return device
+
+
+def mount_work(root_fd: int, msg: P.Mount) -> int:
+    """In a worker: mount ``msg.device`` at ``msg.path``."""
+    import stat
+
+    dev = find_disk(msg.device)
+    st = os.stat(dev)
+    if not stat.S_ISBLK(st.st_mode):
+        raise ExecFailed(P.E_INVALID, f"{dev} is not a block device")
+    name = os.path.basename(dev)
+    if not msg.read_only and read_text(f"/sys/class/block/{name}/ro").strip() == "1":
+        # busybox mount would quietly fall back to a read-only mount
+        raise ExecFailed(P.E_PERM, f"{dev} is attached read-only; mount it read-only")
+    if os.path.ismount(msg.path):
+        raise ExecFailed(P.E_EXISTS, f"{msg.path} is a mount point already")
+    os.makedirs(msg.path, 0o755, exist_ok=True)
+    # A restored snapshot's kernel may hold pages of this device read before the
+    # snapshot (another disk then, e.g. a template's placeholder): drop them.
+    fd = os.open(dev, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fcntl.ioctl(fd, BLKFLSBUF, 0)
+    finally:
+        os.close(fd)
+    opts = "ro" if msg.read_only else "rw,noatime"
+    busybox_run(root_fd, ["mount", "-t", msg.fstype, "-o", opts, dev, msg.path])
+    return 0
+
+
+# ---------------------------------------------------------------------------
+# the requests served by workers
+# ---------------------------------------------------------------------------
+
+
+def read_tree(agent: Agent, session: Session, msg: P.ReadTree) -> None:
+    if not msg.path.startswith("/"):
+        raise LookupError("path must be absolute")
+    dfd = os.open(msg.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # the path's own symlink is followed
+    tree = _tree()
+
+    def work(out_fd: int) -> int:
+        return int(tree.pack(dfd, tree.write_fd(out_fd)))
+
+    try:
+        Worker(agent, session, msg.rid).start(work, out=True, keep=(dfd,), killable=True, first=P.Ok(rid=msg.rid))
+    finally:
+        os.close(dfd)
+
+
+def write_tree(agent: Agent, session: Session, msg: P.WriteTree) -> None:
+    if not msg.path.startswith("/"):
+        raise LookupError("path must be absolute")
+    ids = resolve_user(msg.owner)[:2] if msg.owner else None
+    created = False
+    if not os.path.isdir(msg.path):
+        os.makedirs(msg.path, 0o755)  # EEXIST if a file is there
+        created = True
+    dfd = os.open(msg.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    tree = _tree()
+
+    def work(in_fd: int) -> int:
+        return int(tree.unpack(tree.read_fd(in_fd), dfd, owner=ids, root_meta=created))
+
+    try:
+        Worker(agent, session, msg.rid).start(work, inp=True, keep=(dfd,), killable=True)
+    finally:
+        os.close(dfd)
+
+
+def patch(agent: Agent, session: Session, msg: P.Patch) -> None:
+    if len(msg.entries) > P.MAX_PATCH_ENTRIES:
+        raise LookupError(f"more than {P.MAX_PATCH_ENTRIES} patch entries")
+
+    def work(_fd: int) -> int:
+        from guestd import fsops
+
+        return fsops.apply_patch(msg.entries, lambda spec: resolve_user(spec)[:2], msg.base)
+
+    Worker(agent, session, msg.rid).start(work)
+
+
+def mount(agent: Agent, session: Session, msg: P.Mount) -> None:
+    if not msg.path.startswith("/") or os.path.normpath(msg.path) == "/":
+        raise LookupError("mount path must be absolute and not /")
+    if msg.fstype not in FSTYPES:
+        raise LookupError(f"unsupported file system type {msg.fstype!r}")
+    path = os.path.normpath(msg.path)
+    w = Worker(agent, session, msg.rid)
+    w.on_ok = lambda _v: agent.mounts.append(path)
+    w.start(lambda _fd: mount_work(agent.root_fd, msg))
+
+
+def umount(agent: Agent, session: Session, msg: P.Umount) -> None:
+    path = os.path.normpath(msg.path) if msg.path.startswith("/") else ""
+    if not path or not os.path.ismount(path):
+        raise LookupError(f"{msg.path} is not a mount point")
+    w = Worker(agent, session, msg.rid)
+
+    def forget(_v: int) -> None:
+        if path in agent.mounts:
+            agent.mounts.remove(path)
+
+    def work(_fd: int) -> int:
+        busybox_run(agent.root_fd, ["umount", path])
+        return 0
+
+    w.on_ok = forget
+    w.start(work)
