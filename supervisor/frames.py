@@ -12,8 +12,9 @@ converter at import time, so a one-shot CLI command pays only for what it uses
                        connections and the async SDK): receive() one envelope or
                        None at EOF, send() from any task under a lock
     BlockingConnection a plain blocking socket speaking the protocol with envelopes
-                       as plain maps (pack/unpack): hello, one call at a time,
-                       unary or server-streaming (the CLI's one-shot commands)
+                       as plain maps (pack/unpack): hello, calls multiplexed by id
+                       (unary, streaming both ways), a deadline on a read (the CLI's
+                       one-shot commands and the blocking SDK, supervisor.sdk.sync)
 
 An envelope on the wire is a map tagged by ``"t"`` (see :mod:`supervisor.protocol`,
 whose cattrs converter makes the same maps from its attrs classes)::
@@ -31,6 +32,8 @@ from __future__ import annotations
 import os
 import socket
 import struct
+import time
+from collections import deque
 from collections.abc import Iterator, Mapping
 
 import msgpack
@@ -176,9 +179,12 @@ class FramedStream:
 class BlockingConnection:
     """The client protocol over a plain blocking Unix socket, envelopes as maps.
 
-    For one-shot commands: no event loop, no converter (bodies are the wire's maps,
-    as ``AsyncConnection.call`` gives them). One call at a time; leaving a stream
-    early cancels its call. Errors are the SDK's (:func:`supervisor.errors.error_for`).
+    For one-shot commands and the blocking SDK: no event loop, no thread, no converter
+    (bodies are the wire's maps, as ``AsyncConnection.call`` gives them). Calls are
+    multiplexed by id: :meth:`start` one, read its envelopes with :meth:`next` (those
+    of the other open calls wait in their queues), :meth:`send_body`,
+    :meth:`half_close`, :meth:`cancel`. Leaving a :meth:`stream` early cancels its
+    call. Errors are the SDK's (:func:`supervisor.errors.error_for`).
     The hello is pipelined: ``open`` sends it, the first call goes right behind it,
     and the server's answer to the hello is read before the call's (a refused hello
     raises from that call); a one-shot command waits one round trip, not two.
@@ -194,6 +200,7 @@ class BlockingConnection:
         self._reader = FrameReader(max_frame)
         self._next_id = 1
         self._greeted = False
+        self._queues: dict[int, deque[dict[str, Any]]] = {}  # the open calls' unread envelopes
 
     @classmethod
     def open(cls, path: str | os.PathLike[str] | None = None, client: str = "sandvisor-cli") -> BlockingConnection:
@@ -232,16 +239,25 @@ class BlockingConnection:
     def send(self, envelope: Mapping[str, Any]) -> None:
         self.sock.sendall(pack(envelope))
 
-    def receive(self) -> dict[str, Any] | None:
-        """The next envelope, or None when the supervisor hung up."""
+    def receive(self, deadline: float | None = None) -> dict[str, Any] | None:
+        """The next envelope, or None when the supervisor hung up; TimeoutError when
+        ``deadline`` (time.monotonic) passes first (a frame cut short stays buffered)."""
         while True:
             body = self._reader.next()
             if body is not None:
                 return unpack(body)
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError
+                self.sock.settimeout(left)
             try:
                 data = self.sock.recv(RECEIVE_SIZE)
             except ConnectionError:
                 return None
+            finally:
+                if deadline is not None:
+                    self.sock.settimeout(None)
             if not data:
                 return None
             self._reader.feed(data)
@@ -257,33 +273,67 @@ class BlockingConnection:
             raise ApiError(UNAVAILABLE, "the supervisor did not answer the hello")
         self._greeted = True
 
-    def _start(self, method: str, body: Mapping[str, Any] | None) -> int:
-        id = self._next_id
-        self._next_id += 1
+    def _send_or_lost(self, envelope: Mapping[str, Any]) -> None:
         try:
-            self.send({"t": CALL, "id": id, "method": method, "body": dict(body or {})})
+            self.send(envelope)
         except OSError:
             self._greeting()  # a refused hello says why the server hung up
             raise error_for(UNAVAILABLE, "connection to the supervisor lost") from None
+
+    def start(self, method: str, body: Mapping[str, Any] | None = None) -> int:
+        """Open a call; its id."""
+        id = self._next_id
+        self._next_id += 1
+        self._queues[id] = deque()
+        self._send_or_lost({"t": CALL, "id": id, "method": method, "body": dict(body or {})})
         return id
+
+    def send_body(self, id: int, body: Mapping[str, Any]) -> None:
+        """A message of a client-streaming call."""
+        self._send_or_lost({"t": SEND, "id": id, "body": dict(body)})
+
+    def half_close(self, id: int) -> None:
+        self._send_or_lost({"t": HALF_CLOSE, "id": id})
+
+    def cancel(self, id: int) -> None:
+        """Give up call ``id`` (its envelopes still on the way are dropped)."""
+        if self._queues.pop(id, None) is not None:
+            try:
+                self.send({"t": CANCEL, "id": id})
+            except OSError:
+                pass
+
+    def next(self, id: int, deadline: float | None = None) -> dict[str, Any]:
+        """Call ``id``'s next envelope (item, or its last: end, reply or fail; after the
+        last the call is forgotten). The other open calls' envelopes read meanwhile are
+        queued for them. TimeoutError when ``deadline`` (time.monotonic) passes first."""
+        self._greeting()
+        queue = self._queues[id]
+        while not queue:
+            msg = self.receive(deadline)
+            if msg is None:
+                raise error_for(UNAVAILABLE, "connection to the supervisor lost")
+            mine = self._queues.get(int(msg.get("id") or 0))
+            if mine is not None:
+                mine.append(msg)
+            elif msg["t"] == FAIL and msg.get("id") == 0:  # the server gives up on this connection
+                raise error_for(str(msg.get("code")), str(msg.get("message")))
+        msg = queue.popleft()
+        if msg["t"] != ITEM:
+            del self._queues[id]
+        return msg
 
     def _answers(self, id: int) -> Iterator[dict[str, Any]]:
         """Call ``id``'s envelopes up to and including its last (end, reply or fail)."""
-        self._greeting()
         while True:
-            msg = self.receive()
-            if msg is None:
-                raise error_for(UNAVAILABLE, "connection to the supervisor lost")
-            if msg.get("id") == id:
-                yield msg
-                if msg["t"] != ITEM:
-                    return
-            elif msg["t"] == FAIL and msg.get("id") == 0:  # the server gives up on this connection
-                raise error_for(str(msg.get("code")), str(msg.get("message")))
+            msg = self.next(id)
+            yield msg
+            if msg["t"] != ITEM:
+                return
 
     def call(self, method: str, body: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """A unary call: its reply's body ({} for a call that ends without one)."""
-        for msg in self._answers(self._start(method, body)):
+        for msg in self._answers(self.start(method, body)):
             if msg["t"] == REPLY:
                 return dict(msg.get("body") or {})
             if msg["t"] == FAIL:
@@ -292,7 +342,7 @@ class BlockingConnection:
 
     def stream(self, method: str, body: Mapping[str, Any] | None = None) -> Iterator[dict[str, Any]]:
         """A server stream: its items' bodies. Closing the iterator early cancels the call."""
-        id = self._start(method, body)
+        id = self.start(method, body)
         done = False
         try:
             for msg in self._answers(id):
@@ -305,7 +355,4 @@ class BlockingConnection:
                 return
         finally:
             if not done:
-                try:
-                    self.send({"t": CANCEL, "id": id})
-                except OSError:
-                    pass
+                self.cancel(id)

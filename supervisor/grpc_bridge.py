@@ -83,9 +83,8 @@ from typing import Any, Generic, Protocol, TypeVar, cast
 import attrs
 
 # isort: split
-# grpcio's fork support (on by default in this release) aborts a process that forks
-# while grpc threads run, and serve forks for every QEMU: off, before grpc is imported
-os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
+# grpc's fork support off before grpc is imported (see the module): first, always
+from supervisor.grpc_env import GRPC_FORK_ENV, GRPC_FORK_SAFE
 
 # isort: split
 import grpc
@@ -93,8 +92,6 @@ import grpc.aio
 import trio
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message_factory
-
-import supervisor
 
 log = logging.getLogger("sandvisor.grpc")
 
@@ -632,11 +629,11 @@ class GrpcEdge:
         # get run()'s context instead, as tasks its caller started would (the daemon's
         # trio_asyncio loop for QMP is a context variable)
         self._context = contextvars.copy_context()
-        if not supervisor.GRPC_FORK_SAFE:
+        if not GRPC_FORK_SAFE:
             log.warning(
                 "grpc was imported before the supervisor and %s is not 0: its fork handlers may crash "
                 "the QEMU processes this supervisor forks",
-                supervisor.GRPC_FORK_ENV,
+                GRPC_FORK_ENV,
             )
         ready = trio.Event()
         failure: list[BaseException] = []

@@ -31,11 +31,10 @@ from __future__ import annotations
 
 import os
 import secrets
-from collections.abc import AsyncIterable, AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path, PurePosixPath
-
-import trio
+from typing import TYPE_CHECKING
 
 from guestd import proto as P
 from guestd import tree
@@ -45,8 +44,41 @@ from supervisor.errors import SandboxError, collapse_single, error_for
 _CODES = {P.E_TOO_LARGE: "RESOURCE_EXHAUSTED", P.E_IS_DIR: "INVALID_ARGUMENT"}  # guestd's own -> the seed's
 
 
+if TYPE_CHECKING:
+    import trio
+
+
 def _error(code: str, message: str) -> SandboxError:
     return error_for(_CODES.get(code, code), message)
+
+
+# --- blocking: the codec's calls with the SDK's errors (the sync SDK calls these directly;
+# the Trio ends below run them in a worker thread). trio is imported by those only.
+def open_dir(path: Path) -> int:
+    """A descriptor of the directory ``path`` (the caller closes it); SandboxError if not."""
+    try:
+        return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise _error(P.errcode(exc), f"{path}: {exc.strerror}") from None
+
+
+def pack(fd: int, put: Callable[[bytes], object]) -> int:
+    """The tree under the directory ``fd`` as tar chunks passed to ``put``; the number of entries."""
+    try:
+        return tree.pack(fd, put)
+    except TreeError as exc:
+        raise _error(exc.code, exc.message) from None
+
+
+def unpack(read: Callable[[int], bytes], fd: int, *, keep_ids: bool = False, root_meta: bool = False) -> int:
+    """A tar stream pulled from ``read`` unpacked into the directory ``fd`` (see
+    :func:`unpack_tree`); the number of entries. ``read``'s own errors pass unchanged."""
+    ids = keep_ids and os.geteuid() == 0
+    mask = 0o777 if ids else 0o777 & ~umask()
+    try:
+        return tree.unpack(read, fd, keep_ids=ids, root_meta=root_meta, mode_mask=mask, keep_existing=True)
+    except TreeError as exc:
+        raise _error(exc.code, f"the guest's tree: {exc.message}") from None
 
 
 @asynccontextmanager
@@ -54,23 +86,27 @@ async def packed_tree(path: Path) -> AsyncIterator[trio.MemoryReceiveChannel[byt
     """The directory ``path`` as tar chunks: iterate the yielded channel (it ends with
     the archive). A thread packs it, never more than a few chunks ahead. An error of
     the packer (TreeError, OSError) is raised as a SandboxError when the block exits."""
+    fd = open_dir(path)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError as exc:
-        raise _error(P.errcode(exc), f"{path}: {exc.strerror}") from None
+        async with packed_fd(fd) as chunks:
+            yield chunks
+    finally:
+        os.close(fd)
+
+
+@asynccontextmanager
+async def packed_fd(fd: int) -> AsyncIterator[trio.MemoryReceiveChannel[bytes]]:
+    """:func:`packed_tree` of the directory ``fd`` (the caller's; open until the block exits)."""
+    import trio
+
     send, recv = trio.open_memory_channel[bytes](4)
 
     def put(data: bytes) -> None:
         trio.from_thread.run(send.send, data)
 
     async def produce() -> None:
-        try:
-            async with send:
-                await trio.to_thread.run_sync(tree.pack, fd, put)
-        except TreeError as exc:
-            raise _error(exc.code, exc.message) from None
-        finally:
-            os.close(fd)
+        async with send:
+            await trio.to_thread.run_sync(pack, fd, put)
 
     # (recv is closed with close(), not aclose(): an aclose in a cancelled scope raises
     # Cancelled, which the nursery then absorbs with the body's own error)
@@ -105,10 +141,17 @@ async def unpack_tree(
     modes masked by its umask. ``root_meta``: the archive's root entry sets ``dest``'s
     mode and mtime (pass it only when the caller made ``dest``). Directories already
     under ``dest`` keep their mode, owner and times."""
+    fd = open_dir(dest)
     try:
-        fd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError as exc:
-        raise _error(P.errcode(exc), f"{dest}: {exc.strerror}") from None
+        return await unpack_fd(chunks, fd, keep_ids=keep_ids, root_meta=root_meta)
+    finally:
+        os.close(fd)
+
+
+async def unpack_fd(chunks: AsyncIterable[bytes], fd: int, *, keep_ids: bool = False, root_meta: bool = False) -> int:
+    """:func:`unpack_tree` into the directory ``fd`` (the caller's)."""
+    import trio
+
     send, recv = trio.open_memory_channel[bytes](4)
     pending = bytearray()
 
@@ -132,28 +175,22 @@ async def unpack_tree(
         except Exception as exc:  # the source's own error (e.g. NOT_FOUND) wins over "truncated"
             failed.append(exc)
 
-    ids = keep_ids and os.geteuid() == 0
-    mask = 0o777 if ids else 0o777 & ~umask()
-
     def work() -> int:
-        return tree.unpack(read, fd, keep_ids=ids, root_meta=root_meta, mode_mask=mask, keep_existing=True)
+        return unpack(read, fd, keep_ids=keep_ids, root_meta=root_meta)
 
-    try:
-        with collapse_single(), recv:  # (close(), not aclose(): see packed_tree)
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(feed)
-                try:
-                    n = await trio.to_thread.run_sync(work)
-                except TreeError as exc:
-                    nursery.cancel_scope.cancel()  # the stream is refused: stop reading it
-                    if failed:
-                        raise failed[0] from None
-                    raise _error(exc.code, f"the guest's tree: {exc.message}") from None
-        if failed:
-            raise failed[0]
-        return n
-    finally:
-        os.close(fd)
+    with collapse_single(), recv:  # (close(), not aclose(): see packed_tree)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(feed)
+            try:
+                n = await trio.to_thread.run_sync(work)
+            except SandboxError:
+                nursery.cancel_scope.cancel()  # the stream is refused: stop reading it
+                if failed:
+                    raise failed[0] from None
+                raise
+    if failed:
+        raise failed[0]
+    return n
 
 
 # --- single-file copy-out: the destination ---------------------------------------------------

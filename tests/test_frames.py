@@ -334,6 +334,46 @@ async def test_the_sdk_sends_typed_requests_and_returns_typed_results(sock_path:
     assert calls["Run"] == W.unstructure_body(W.RunRequest(id="web", cmd=["sh", "-c", "echo hi"]))
 
 
+def test_the_blocking_sdk_runs_the_same_plans_on_a_socket_without_loop_or_thread(sock_path: Path) -> None:
+    """Sandbox (sync) runs the plans AsyncSandbox runs, on a plain socket: typed results,
+    a live stream as a generator left early, Events and Inspect multiplexed on one
+    connection (wait_ready), typed errors; and it starts no thread and imports no trio."""
+    script = """import sys, threading
+from supervisor.sdk.sync import Sandbox
+from supervisor.errors import NotFound
+from supervisor.protocol import SandboxInfo
+path = sys.argv[1]
+sb = Sandbox.get("web", socket=path)
+info = sb.inspect()
+assert isinstance(info, SandboxInfo) and info.limits.memory_mib == 256
+r = sb.run("echo hi")
+assert (r.stdout, r.exit_code) == (b"hi\\n", 3), r
+assert [(o.stream, o.exit_code) for o in sb.run_stream(["true"])] == [("stdout", None), ("exit", 3)]
+events = sb.events()
+assert next(events).timestamp == 0 and threading.active_count() == 1
+events.close()
+assert sb.wait_ready(5).state == "ready"
+assert [s.id for s in Sandbox.list(socket=path, labels={"team": "x"}).sandboxes] == ["web"]
+try:
+    Sandbox.get("nope", socket=path)
+except NotFound:
+    pass
+else:
+    raise AssertionError("no NotFound")
+print("trio" in sys.modules, threading.active_count())
+"""
+    with fake_supervisor(sock_path, sandvisor_fake) as seen:
+        p = subprocess.run(
+            [sys.executable, "-c", script, str(sock_path)], capture_output=True, text=True, timeout=60, check=False
+        )
+    assert p.returncode == 0, p.stderr
+    assert p.stdout == "False 1\n"
+    calls = [(m["method"], m["body"]) for m in seen if m["t"] == "call"]
+    assert ("Run", W.unstructure_body(W.RunRequest(id="web", cmd=["sh", "-c", "echo hi"]))) in calls
+    assert ("List", W.unstructure_body(W.ListSandboxesRequest(labels={"team": "x"}, limit=20))) in calls
+    assert {"t": "hello", "version": 1, "client": "sandvisor-client"} in seen
+
+
 # --- the SDK's spec ------------------------------------------------------------------------
 def test_spec_groups_and_settings_make_the_create_request() -> None:
     base = SandboxSpec(

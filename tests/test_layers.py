@@ -17,6 +17,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 SDK = (
     "supervisor/client.py",
+    *(str(p.relative_to(ROOT)) for p in sorted((ROOT / "supervisor/sdk").glob("*.py"))),
     "supervisor/cli_client.py",
     "supervisor/protocol.py",
     "supervisor/frames.py",
@@ -126,3 +127,22 @@ def test_the_sdk_knows_every_domain_code() -> None:
     from supervisor.errors import CODES
 
     assert {c.value for c in Code} == set(CODES)
+
+
+def test_importing_the_sdk_changes_no_environment_and_serve_turns_grpc_fork_support_off() -> None:
+    """`import supervisor` (and the SDK, the CLI) leave os.environ alone; the modules of
+    `serve` set GRPC_ENABLE_FORK_SUPPORT=0 (unless set) before grpc is first imported."""
+    import os
+    import subprocess
+
+    script = """import os, sys
+before = dict(os.environ)
+import supervisor, supervisor.client, supervisor.cli
+assert dict(os.environ) == before and "grpc" not in sys.modules
+import supervisor.daemon
+assert "grpc" in sys.modules
+print(os.environ.get("GRPC_ENABLE_FORK_SUPPORT"))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_ENABLE_FORK_SUPPORT"}
+    p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60, check=False)
+    assert (p.returncode, p.stdout) == (0, "0\n"), p.stderr

@@ -1,0 +1,371 @@
+"""What a sandbox is made of (the spec), and the SDK's own result types.
+
+No I/O and no event loop: frozen attrs classes that build the wire's typed requests
+(:meth:`SandboxSpec.request`), shared by the Trio SDK (:mod:`supervisor.sdk.aio`) and
+the blocking one (:mod:`supervisor.sdk.sync`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal, TypedDict, Unpack
+
+import attrs
+
+from supervisor import protocol as W
+from supervisor.errors import InvalidArgument
+from supervisor.protocol import CheckpointResponse, SandboxSummary, SnapshotSummary
+
+
+def _kv(d: Mapping[str, str] | None) -> dict[str, str]:
+    return {str(k): str(v) for k, v in (d or {}).items()}
+
+
+def _ports(d: Mapping[int, int] | None) -> dict[int, int]:
+    return {int(k): int(v) for k, v in (d or {}).items()}
+
+
+def _argv(cmd: Sequence[str] | None) -> tuple[str, ...]:
+    if isinstance(cmd, str):
+        raise TypeError("cmd is a sequence of arguments (a string would be split into characters)")
+    return tuple(cmd or ())
+
+
+@attrs.frozen(kw_only=True)
+class Resources:
+    """vCPUs and guest RAM; 0 takes the supervisor's default."""
+
+    cpus: int = 0
+    memory_mib: int = 0
+
+
+@attrs.frozen(kw_only=True)
+class Workload:
+    """The sandbox's initial command (none: it waits for runs), and the environment,
+    working directory and user that its runs and execs inherit."""
+
+    cmd: tuple[str, ...] = attrs.field(default=(), converter=_argv)
+    env: dict[str, str] = attrs.field(factory=dict, converter=_kv)
+    workdir: str = ""
+    user: str = ""
+
+
+@attrs.frozen(kw_only=True)
+class Egress:
+    """Where the sandbox may connect to (tap, and user mode with ``outbound``): entries
+    are CIDRs, addresses, ``host:port`` (port ranges ``lo-hi``) and domain names
+    (``example.com``, ``*.example.com``, optionally ``:port``); ``default`` is what no
+    entry matches. The host, other sandboxes' exposed ports and 169.254.0.0/16 are
+    never reachable, whatever the policy (docs/network.md)."""
+
+    default: Literal["allow", "deny"] = "allow"
+    allow: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    deny: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+
+
+def _to_egress(v: Egress | Mapping[str, Any] | None) -> Egress | None:
+    """An Egress, or the same as a dict (``{"default": "deny", "allow": [...]}``)."""
+    if v is None or isinstance(v, Egress):
+        return v
+    return Egress(default=v.get("default", "allow"), allow=v.get("allow", ()), deny=v.get("deny", ()))
+
+
+@attrs.frozen(kw_only=True)
+class Network:
+    """``mode``: "none" (no network device), "tap" (an address of the supervisor's IP
+    pool; root supervisors), "user" (QEMU user networking: exposed ports only, unless
+    ``outbound``) or "outbound" (user mode that may reach out, as ``outbound=True``).
+    ``egress``: where it may connect to (None: anywhere but the host). ``ports``:
+    sandbox port -> host port on the supervisor's loopback (host port 0: any free port)."""
+
+    mode: Literal["none", "tap", "user", "outbound"] = "none"
+    outbound: bool = False
+    egress: Egress | None = attrs.field(default=None, converter=_to_egress)
+    ports: dict[int, int] = attrs.field(factory=dict, converter=_ports)
+
+    def spec(self) -> W.NetworkSpec:
+        mode, outbound = ("user", True) if self.mode == "outbound" else (self.mode, self.outbound)
+        eg = self.egress
+        egress = None if eg is None else W.EgressSpec(eg.default, list(eg.allow), list(eg.deny))
+        return W.NetworkSpec(mode=mode, outbound=outbound, egress=egress)
+
+
+@attrs.frozen(kw_only=True)
+class Lifetime:
+    """``ttl``: seconds until the sandbox is removed; ``idle_timeout``: seconds without
+    activity until it stops; ``ephemeral``: removed once it stops. 0/False: never."""
+
+    ttl: int = 0
+    idle_timeout: int = 0
+    ephemeral: bool = False
+
+
+@attrs.frozen(kw_only=True)
+class Boot:
+    """What boots: empty fields take the supervisor's default image. ``image``: an OCI
+    image reference as skopeo spells it (``docker://HOST/NAME:TAG``, ``oci:DIR``, ...),
+    pulled by ``pull`` policy ("always", "if-missing" (""), "never"); ``tls_verify=False``
+    for a plain-HTTP registry. Private registries: pull first with :class:`Images`."""
+
+    image: str = ""
+    pull: Literal["", "always", "if-missing", "never"] = ""
+    tls_verify: bool | None = None
+    kernel: str = ""
+    rootfs: str = ""
+    boot_args: str = ""
+
+
+@attrs.frozen(kw_only=True)
+class Patch:
+    """A change to the sandbox's file system that guestd makes once, on its fresh disk,
+    before it is ready and before its command runs. Build with the class methods;
+    ``owner`` is user[:group] by the guest's names or ids ("" = root)."""
+
+    op: str
+    path: str
+    data: bytes = b""
+    target: str = ""
+    mode: int | None = None
+    owner: str = ""
+    replace: bool = False
+
+    @classmethod
+    def file(
+        cls, path: str, data: bytes | str, *, mode: int | None = None, owner: str = "", replace: bool = False
+    ) -> Patch:
+        raw = data.encode() if isinstance(data, str) else bytes(data)
+        return cls(op="file", path=path, data=raw, mode=mode, owner=owner, replace=replace)
+
+    @classmethod
+    def append(cls, path: str, data: bytes | str, *, mode: int | None = None, owner: str = "") -> Patch:
+        raw = data.encode() if isinstance(data, str) else bytes(data)
+        return cls(op="append", path=path, data=raw, mode=mode, owner=owner)
+
+    @classmethod
+    def mkdir(cls, path: str, *, mode: int | None = None, owner: str = "") -> Patch:
+        return cls(op="mkdir", path=path, mode=mode, owner=owner)
+
+    @classmethod
+    def remove(cls, path: str) -> Patch:
+        return cls(op="remove", path=path)
+
+    @classmethod
+    def symlink(cls, target: str, link: str, *, owner: str = "", replace: bool = False) -> Patch:
+        return cls(op="symlink", path=link, target=target, owner=owner, replace=replace)
+
+    def spec(self) -> W.PatchSpec:
+        return W.PatchSpec(self.op, self.path, self.data, self.target, self.mode, self.owner, self.replace)
+
+
+@attrs.frozen
+class VolumeMount:
+    """Named volume ``name`` mounted at ``path``; ``VolumeMount.parse("NAME:/path[:ro]")``."""
+
+    name: str
+    path: str
+    read_only: bool = False
+
+    @classmethod
+    def parse(cls, text: str) -> VolumeMount:
+        name, sep, rest = text.partition(":")
+        path, _, flag = rest.partition(":")
+        if not sep or not name or not path.startswith("/") or flag not in ("", "ro", "rw"):
+            raise InvalidArgument(W.INVALID_ARGUMENT, f"volume {text!r}: NAME:/path[:ro]")
+        return cls(name, path, flag == "ro")
+
+
+def _patches(v: Sequence[Patch] | None) -> tuple[Patch, ...]:
+    return tuple(v or ())
+
+
+def _mounts(v: Sequence[VolumeMount | str] | None) -> tuple[VolumeMount, ...]:
+    return tuple(m if isinstance(m, VolumeMount) else VolumeMount.parse(m) for m in v or ())
+
+
+class Settings(TypedDict, total=False):
+    """The common settings, as keyword arguments of ``create`` and :meth:`SandboxSpec.with_`."""
+
+    cpus: int
+    memory_mib: int
+    env: Mapping[str, str]
+    labels: Mapping[str, str]
+    cmd: Sequence[str]
+    workdir: str
+    user: str
+    hostname: str
+    network: Literal["none", "tap", "user", "outbound"]
+    outbound: bool
+    egress: Egress | Mapping[str, Any] | None
+    ports: Mapping[int, int]
+    ttl: int
+    idle_timeout: int
+    ephemeral: bool
+    image: str
+    pull: Literal["", "always", "if-missing", "never"]
+    tls_verify: bool
+    patches: Sequence[Patch]
+    volumes: Sequence[VolumeMount | str]
+    scripts: Mapping[str, str]
+
+
+@attrs.frozen(kw_only=True)
+class SandboxSpec:
+    """Everything a sandbox is made of, grouped; frozen and reusable (a template for
+    many sandboxes). ``spec.with_(cpus=2, env={...})`` is a copy with settings applied:
+    maps (env, labels, ports) merge, everything else replaces."""
+
+    labels: dict[str, str] = attrs.field(factory=dict, converter=_kv)
+    hostname: str = ""
+    resources: Resources = Resources()
+    workload: Workload = Workload()
+    network: Network = Network()
+    lifetime: Lifetime = Lifetime()
+    boot: Boot = Boot()
+    patches: tuple[Patch, ...] = attrs.field(default=(), converter=_patches)
+    volumes: tuple[VolumeMount, ...] = attrs.field(default=(), converter=_mounts)
+    # named scripts (name -> body; no "#!": /bin/sh), run by name: run_script(name, *args)
+    scripts: dict[str, str] = attrs.field(factory=dict, converter=_kv)
+
+    def with_(self, **settings: Unpack[Settings]) -> SandboxSpec:
+        if not settings:
+            return self
+        s = settings
+        wl, net, life, res, boot = self.workload, self.network, self.lifetime, self.resources, self.boot
+        return attrs.evolve(
+            self,
+            boot=attrs.evolve(
+                boot,
+                image=s.get("image", boot.image),
+                pull=s.get("pull", boot.pull),
+                tls_verify=s.get("tls_verify", boot.tls_verify),
+            ),
+            labels={**self.labels, **_kv(s.get("labels"))},
+            hostname=s.get("hostname", self.hostname),
+            resources=Resources(cpus=s.get("cpus", res.cpus), memory_mib=s.get("memory_mib", res.memory_mib)),
+            workload=Workload(
+                cmd=s.get("cmd", wl.cmd),
+                env={**wl.env, **_kv(s.get("env"))},
+                workdir=s.get("workdir", wl.workdir),
+                user=s.get("user", wl.user),
+            ),
+            network=Network(
+                mode=s.get("network", net.mode),
+                outbound=s.get("outbound", net.outbound),
+                egress=s.get("egress", net.egress),
+                ports={**net.ports, **_ports(s.get("ports"))},
+            ),
+            lifetime=Lifetime(
+                ttl=s.get("ttl", life.ttl),
+                idle_timeout=s.get("idle_timeout", life.idle_timeout),
+                ephemeral=s.get("ephemeral", life.ephemeral),
+            ),
+            patches=s.get("patches", self.patches),
+            volumes=_mounts(s.get("volumes", self.volumes)),
+            scripts={**self.scripts, **_kv(s.get("scripts"))},
+        )
+
+    def request(self, name: str = "") -> W.CreateSandboxRequest:
+        """The wire's Create request for a sandbox called ``name`` ("": the supervisor names it)."""
+        return W.CreateSandboxRequest(
+            id=name,
+            labels=dict(self.labels),
+            image=self.boot.image,
+            image_pull=self.boot.pull,
+            image_tls_verify=self.boot.tls_verify,
+            kernel=self.boot.kernel,
+            rootfs=self.boot.rootfs,
+            boot_args=self.boot.boot_args,
+            limits=W.ResourceLimits(vcpus=self.resources.cpus, memory_mib=self.resources.memory_mib),
+            cmd=list(self.workload.cmd),
+            env=dict(self.workload.env),
+            working_dir=self.workload.workdir,
+            user=self.workload.user,
+            network=self.network.spec(),
+            ports=[W.PortMapping(sandbox_port=g, host_port=h, protocol="tcp") for g, h in self.network.ports.items()],
+            ttl_seconds=self.lifetime.ttl,
+            idle_timeout_seconds=self.lifetime.idle_timeout,
+            hostname=self.hostname,
+            ephemeral=self.lifetime.ephemeral,
+            patches=[p.spec() for p in self.patches],
+            volumes=[W.VolumeMount(m.name, m.path, m.read_only) for m in self.volumes],
+            scripts=dict(self.scripts),
+        )
+
+
+# ---------------------------------------------------------------------------
+# results
+# ---------------------------------------------------------------------------
+
+
+@attrs.frozen
+class RunResult:
+    stdout: bytes
+    stderr: bytes
+    exit_code: int
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0
+
+    def text(self) -> str:
+        return self.stdout.decode(errors="replace")
+
+
+@attrs.frozen
+class Output:
+    """One chunk of a streaming run: ``stream`` is stdout, stderr or exit."""
+
+    stream: str
+    data: bytes
+    exit_code: int | None = None
+
+
+@attrs.frozen
+class Page:
+    """One page of List, newest first; ``next_cursor`` ("" on the last page) asks for the next."""
+
+    sandboxes: list[SandboxSummary]
+    next_cursor: str
+
+
+SnapshotRef = str | CheckpointResponse | SnapshotSummary
+"""A snapshot: its id, a unique snapshot name, or what Checkpoint or ListSnapshots gave."""
+
+
+def _snapshot_id(ref: SnapshotRef) -> str:
+    if isinstance(ref, CheckpointResponse):
+        return ref.snapshot_id
+    if isinstance(ref, SnapshotSummary):
+        return ref.id
+    return ref
+
+
+class RunSettings(TypedDict, total=False):
+    """How a run or exec runs: env (on top of the sandbox's), workdir, user, tty, timeout (s)."""
+
+    env: Mapping[str, str]
+    workdir: str
+    user: str
+    tty: bool
+    timeout: int
+
+
+def _output(item: W.RunOutput) -> Output:
+    return Output("exit", b"", item.exit_code) if item.done else Output(item.stream, item.data)
+
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes: an int, or "256M", "1G", "512MiB", "1024" (bytes)."""
+    if isinstance(size, int):
+        return size
+    text = size.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = text[-1:] if text[-1:] in _UNITS else ""
+    number = text[: len(text) - len(unit)] if unit else text
+    try:
+        value = float(number)
+    except ValueError:
+        raise InvalidArgument(W.INVALID_ARGUMENT, f"size {size!r}: a number with K, M, G or T") from None
+    return int(value * _UNITS[unit])
