@@ -47,7 +47,7 @@ import trio
 
 log = logging.getLogger("sandvisor.qmp")
 
-MAX_LINE = 16 << 20  # bytes; the biggest answer we ask for (HMP "info" text) is far smaller
+MAX_LINE = 10 << 20  # bytes, as libvirt and qemu.qmp; the biggest answer we ask for (HMP text) is far smaller
 EVENT_BUFFER = 64  # events a slow listener may lag behind before the oldest are dropped
 
 
@@ -208,10 +208,11 @@ class QMPProtocol:
 
     def _receive(self, data: bytes) -> list[Message]:
         out: list[Message] = []
+        scan = len(self._buf)  # (no newline before: a long line is searched once, not per chunk)
         self._buf += data
         start = 0
         while True:
-            nl = self._buf.find(b"\n", start)
+            nl = self._buf.find(b"\n", max(start, scan))
             if nl < 0:
                 break
             line = bytes(self._buf[start:nl]).strip()

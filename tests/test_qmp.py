@@ -60,7 +60,7 @@ def negotiated(max_line: int = 1 << 16) -> QMPProtocol:
     return p
 
 
-@settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.binary(max_size=200), max_size=8), st.booleans())
 def test_any_bytes_give_messages_or_a_typed_error(chunks: list[bytes], greet: bool) -> None:
     p = negotiated(max_line=256) if greet else QMPProtocol(max_line=256)
@@ -86,7 +86,7 @@ JSON_LINES = st.one_of(
 )
 
 
-@settings(max_examples=300)
+@settings(max_examples=300, deadline=None)  # (a shared machine: time is not the property)
 @given(st.lists(JSON_LINES, max_size=6), st.data())
 def test_json_shaped_input_gives_messages_or_a_typed_error(lines: list[bytes], data: st.DataObject) -> None:
     """Messages that are JSON but maybe not QMP (any shape, ids we never sent, a second
@@ -107,6 +107,7 @@ def test_json_shaped_input_gives_messages_or_a_typed_error(lines: list[bytes], d
         assert a == b
 
 
+@settings(deadline=None)
 @given(st.lists(st.sampled_from(["return", "error", "event"]), max_size=20), st.integers(1, 50))
 def test_replies_match_their_commands_with_events_between(kinds: list[str], cut: int) -> None:
     p = negotiated()
