@@ -1,5 +1,11 @@
 """Sessions: tests, lint, typecheck, bench, demo. Each installs what it needs itself
-(host packages via images/host-packages.sh, Python packages into the session's venv)."""
+(host packages via images/host-packages.sh, Python packages into the session's venv).
+
+Installing the package compiles the C helpers (setup.py, actors/helpers.py). Sessions
+that install the host packages (gcc, libc6-dev) first require that build
+(SANDVISOR_REQUIRE_HELPERS=1: a failed compile fails the install); unit and typecheck
+run on any machine: without a compiler the build records why and skips the helpers,
+the tests that need them skip, and serve would refuse to start."""
 
 from __future__ import annotations
 
@@ -11,7 +17,10 @@ nox.options.reuse_existing_virtualenvs = True
 
 
 def _host(session: nox.Session) -> None:
+    """The host packages, before session.install: the package build compiles the C
+    helpers with them (and must, from here on)."""
     session.run("bash", "images/host-packages.sh", external=True)
+    session.env["SANDVISOR_REQUIRE_HELPERS"] = "1"
 
 
 @nox.session
@@ -25,7 +34,8 @@ def tests(session: nox.Session) -> None:
 
 @nox.session
 def unit(session: nox.Session) -> None:
-    """The fast layer: protocol cores, actor logic on fake VMs, the import graph (no QEMU)."""
+    """The fast layer: protocol cores, actor logic on fake VMs, the import graph (no QEMU).
+    No host packages: the C helpers are built when a compiler is there, skipped if not."""
     session.install("-e", ".[test]")
     session.run("pytest", "-q", "-m", "not vm and not host", *session.posargs)
 

@@ -35,7 +35,7 @@ import attrs
 from actors import jail
 from actors.cgroups import Cgroup, CgroupError, CgroupLimits, CgroupManager
 from actors.cgroups import find as find_cgroups
-from actors.guestmem import SealedMemoryCache, build_discard_shim, create_ram_file, private_dir, remove_ram_file
+from actors.guestmem import SealedMemoryCache, create_ram_file, private_dir, remove_ram_file
 from actors.machine import Proc
 
 if TYPE_CHECKING:
@@ -164,7 +164,7 @@ class Cells:
         self,
         config: JailConfig,
         *,
-        helper: Path | None,
+        helper: Path,
         cgroups: CgroupManager | None,
         allocator: jail.IdentityAllocator,
         ram_dir: Path | None,
@@ -172,7 +172,7 @@ class Cells:
         discard_shim: Path | None = None,
     ) -> None:
         self.config = config
-        self.helper = helper
+        self.helper = helper  # sandvisor-jail-exec, as built at install (actors/helpers.py)
         self.discard_shim = discard_shim  # preloaded into QEMUs with a balloon on a sealed memfd
         self.cgroups = cgroups
         self.allocator = allocator
@@ -183,24 +183,22 @@ class Cells:
 
     @classmethod
     def setup(
-        cls, config: JailConfig, *, state_dir: Path, ram_dir: Path | None, kvm: bool, cgroups: bool = True
+        cls,
+        config: JailConfig,
+        *,
+        helper: Path,
+        discard_shim: Path | None,
+        state_dir: Path,
+        ram_dir: Path | None,
+        kvm: bool,
+        cgroups: bool = True,
     ) -> Cells:
-        """At start: the helper (built once; the Python stage without a compiler), the
-        cgroup hierarchy (v2 or v1, mounted privately where none is visible; none:
-        CgroupError, the supervisor does not start -- unless ``cgroups`` is False, serve
-        --no-cgroups: then none is used, with a warning), the identity range (refused if
-        it touches real ids; ids owned by running processes stay taken), the RAM dir
-        (made 0700, or refused if someone else made it)."""
-        try:
-            helper: Path | None = jail.build_helper(state_dir / "bin")
-        except jail.JailError as exc:
-            log.warning("jail helper unavailable (%s): jails are entered by a slower Python stage", exc)
-            helper = None
-        try:
-            shim: Path | None = build_discard_shim(state_dir / "bin")
-        except jail.JailError as exc:
-            log.warning("discard shim unavailable (%s): restored clones cannot give freed memory back", exc)
-            shim = None
+        """At start, given the helpers serve checked (``helpers.installed``; no shim:
+        no balloons): the cgroup hierarchy (v2 or v1, mounted privately where none is
+        visible; none: CgroupError, the supervisor does not start -- unless ``cgroups``
+        is False, serve --no-cgroups: then none is used, with a warning), the identity
+        range (refused if it touches real ids; ids owned by running processes stay
+        taken), the RAM dir (made 0700, or refused if someone else made it)."""
         # one parent per state dir: two supervisors on a host never sweep each other's cgroups
         key = hashlib.sha256(str(state_dir.resolve()).encode()).hexdigest()[:12]
         manager: CgroupManager | None = None
@@ -223,7 +221,7 @@ class Cells:
             allocator=allocator,
             ram_dir=private_dir(ram_dir) if ram_dir is not None else None,
             kvm=kvm,
-            discard_shim=shim,
+            discard_shim=discard_shim,
         )
         from actors.toolcell import ToolCells
 

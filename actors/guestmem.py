@@ -39,7 +39,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from pathlib import Path
 
-from actors.jail import Identity, JailError, build_c
+from actors.jail import Identity, JailError
 
 MFD_NOEXEC_SEAL = 0x0008
 SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
@@ -192,17 +192,6 @@ def sealed_copy(source: Path | int, *, name: str = "sandvisor-snapshot-memory") 
 
 def is_sealed(fd: int) -> bool:
     return fcntl.fcntl(fd, fcntl.F_GET_SEALS) & SEALS == SEALS
-
-
-DISCARD_SHIM_SOURCE = Path(__file__).with_name("ram_discard.c")
-
-
-def build_discard_shim(directory: Path) -> Path:
-    """sandvisor-ram-discard.so (ram_discard.c): preloaded into a QEMU whose RAM is a
-    private mapping of a sealed memfd, it lets the balloon's free page reports give the
-    clone's memory back (QEMU 7.2 gives up at the hole punch the seal refuses, before
-    its madvise). Built once per source version into ``directory`` (root's)."""
-    return build_c(DISCARD_SHIM_SOURCE, directory, "sandvisor-ram-discard", ("-shared", "-fPIC"))
 
 
 class SealedMemoryCache:

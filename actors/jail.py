@@ -5,16 +5,15 @@ privileges, rlimits, a cgroup; everything else is handed over as file descriptor
 QEMU is started from a short-lived thread that has unshared its pid namespace for
 children: QEMU is pid 1 of a new pid namespace *and* the supervisor's own child, so
 its host pid is Popen's pid, its exit status is ours to reap, and a ``pidfd`` watches
-it. The jail is entered by the same plan of syscalls either way: in a small static C
-helper (``jail_exec.c``, built once by :func:`build_helper`) that Popen can *vfork*, or,
-without a compiler, in a Python ``preexec_fn`` (ctypes) in a forked child::
+it. The jail is entered by a small static C helper, ``sandvisor-jail-exec``
+(``jail_exec.c``, built by the package build: actors/helpers.py), that Popen can
+*vfork*; it makes the plan of syscalls :func:`_plan` computes, given as arguments::
 
     supervisor (Trio)          spawn thread                child (becomes QEMU, pid 1 of its pid ns)
     -----------------          ------------                -----------------------------------------
     build_jail(spec)           (dir, device nodes, socket dir; no mounts on the host)
     spawn(argv) ---to_thread-> unshare(CLONE_NEWPID)
                                Popen(helper + plan) -----> vfork, exec sandvisor-jail-exec
-                                 (or preexec_fn=stage) --> (or fork and run the stage in Python)
                                setns(our own pid ns)       write "0" to cgroup.procs (each controller)
                                                            unshare(NEWNS|NEWIPC|NEWUTS|NEWCGROUP|NEWNET)
                                                              or setns(a given netns)
@@ -33,18 +32,15 @@ directory, and the mounts vanish with QEMU, even when the supervisor is killed.
 
 Measured on the dev machine (2 cores shared with other VMs, nested virtualization,
 kernel 6.18; spawn to exit of /usr/bin/true, medians, see ``benchmarks/jail.py``): at
-load ~1, plain ``open_process`` as another user 1.6-2 ms, the Python stage 4-4.4 ms;
-at load 7-13, plain 6-15 ms, the Python stage 15-31 ms (a fork of the supervisor and
-Python in the child: page-table copies and copy-on-write faults are dear under nested
-virtualization), the C helper 12 ms -- cheaper than today's plain spawn, which forks
-too (``user=`` rules out vfork). The child's own syscalls take ~1.3 ms, 0.7 of it the
-new network namespace. Rejected: util-linux ``unshare``+``sh``+``setpriv`` (15-28 ms),
-a Python stage-2 process (12-17 ms before it does anything).
-
-Threads caveat of the Python stage: ``preexec_fn`` runs Python in a forked copy of a
-threaded process. It only calls ctypes syscalls and ``os``/``resource`` functions on
-values computed before the fork: no imports, no logging, no locks another thread may
-hold.
+load ~1, plain ``open_process`` as another user 1.6-2 ms, a Python ``preexec_fn``
+stage (removed) 4-4.4 ms; at load 7-13, plain 6-15 ms, the Python stage 15-31 ms (a
+fork of the supervisor and Python in the child: page-table copies and copy-on-write
+faults are dear under nested virtualization), the C helper 12 ms -- cheaper than
+today's plain spawn, which forks too (``user=`` rules out vfork). The child's own
+syscalls take ~1.3 ms, 0.7 of it the new network namespace. Rejected: util-linux
+``unshare``+``sh``+``setpriv`` (15-28 ms), a Python stage-2 process (12-17 ms before
+it does anything), the Python ``preexec_fn`` stage (Python in a forked copy of a
+threaded process, and a second implementation of the plan to keep equal).
 """
 
 from __future__ import annotations
@@ -52,9 +48,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import enum
-import fcntl
 import grp
-import hashlib
 import logging
 import os
 import pwd
@@ -63,7 +57,6 @@ import shutil
 import signal
 import socket
 import stat
-import struct
 import subprocess
 import threading
 from collections.abc import Iterable, Mapping, Sequence
@@ -457,14 +450,8 @@ def remove_jail(root: Path) -> None:
 # -- syscalls ---------------------------------------------------------------------------------
 
 _libc = ctypes.CDLL(None, use_errno=True)
-_libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
-_libc.umount2.argtypes = [ctypes.c_char_p, ctypes.c_int]
 _libc.unshare.argtypes = [ctypes.c_int]
 _libc.setns.argtypes = [ctypes.c_int, ctypes.c_int]
-_libc.sethostname.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
-_libc.chdir.argtypes = [ctypes.c_char_p]
-_libc.prctl.argtypes = [ctypes.c_int, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong, ctypes.c_ulong]
-_libc.syscall.restype = ctypes.c_long
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWUSER = 0x10000000
@@ -475,23 +462,6 @@ CLONE_NEWPID = 0x20000000
 CLONE_NEWNET = 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 0x1, 0x2, 0x4, 0x8
 MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 0x20, 0x1000, 0x4000, 0x40000
-MNT_DETACH = 2
-PR_CAPBSET_DROP = 24
-PR_SET_NO_NEW_PRIVS = 38
-PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 47, 4
-SYS_CAPSET = 126
-SYS_PIVOT_ROOT = 155
-_LINUX_CAPABILITY_VERSION_3 = 0x20080522
-SIOCSIFFLAGS = 0x8914
-IFF_UP, IFF_LOOPBACK, IFF_RUNNING = 0x1, 0x8, 0x40
-
-
-class _CapHeader(ctypes.Structure):
-    _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
-
-
-class _CapData(ctypes.Structure):
-    _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
 
 
 def _last_cap() -> int:
@@ -522,7 +492,7 @@ class _Mount:
 
 @attrs.frozen
 class _Plan:
-    """What the child does, computed before the fork (the child only makes syscalls)."""
+    """What the helper does (its arguments: :func:`_plan_argv`), computed before the spawn."""
 
     cgroup_fds: tuple[int, ...]
     unshare: int
@@ -594,70 +564,6 @@ def _plan(spec: JailSpec, cgroup_fds: tuple[int, ...], netns_fd: int, err_fd: in
         userns_fd=userns_fd,
         keep_caps=sum(1 << c for c in set(spec.keep_caps)),
     )
-
-
-def _enter(plan: _Plan) -> None:
-    """The child's side (``preexec_fn``): only syscalls. A failure is written to
-    ``err_fd`` (the parent reads it) and re-raised (Popen then fails)."""
-    step = "start"
-    try:
-        step = "join the cgroup"
-        for fd in plan.cgroup_fds:
-            os.write(fd, b"0")
-        step = "unshare namespaces"
-        _check(_libc.unshare(plan.unshare), step)
-        if plan.netns_fd >= 0:
-            step = "enter the network namespace"
-            _check(_libc.setns(plan.netns_fd, CLONE_NEWNET), step)
-        for mnt in plan.mounts:
-            step = mnt.what
-            _check(_libc.mount(mnt.source, mnt.target, mnt.fstype, mnt.flags, mnt.data), step)
-        step = "sethostname"
-        _check(_libc.sethostname(plan.hostname, len(plan.hostname)), step)
-        if plan.loopback:
-            step = "loopback up"
-            s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-            try:
-                fcntl.ioctl(
-                    s.fileno(), SIOCSIFFLAGS, struct.pack("16sH22x", b"lo", IFF_UP | IFF_LOOPBACK | IFF_RUNNING)
-                )
-            finally:
-                s.close()
-        step = "pivot_root"
-        _check(_libc.chdir(plan.root), step)
-        _check(_libc.syscall(SYS_PIVOT_ROOT, b".", b"."), step)
-        _check(_libc.umount2(b".", MNT_DETACH), "detach the old root")
-        _check(_libc.chdir(b"/"), "chdir /")
-        if plan.userns_fd >= 0:
-            step = "enter the user namespace"
-            _check(_libc.setns(plan.userns_fd, CLONE_NEWUSER), step)
-        step = "setgroups/setresgid"
-        os.setgroups(list(plan.groups))
-        os.setresgid(plan.gid, plan.gid, plan.gid)
-        step = "drop the bounding set"
-        for cap in range(_LAST_CAP + 1):
-            if not plan.keep_caps >> cap & 1:
-                _check(_libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0), step)
-        step = "clear ambient capabilities"
-        _check(_libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0), step)
-        step = "rlimits"
-        for res, value in plan.rlimits:
-            resource.setrlimit(res, (value, value))
-        step = "setresuid"
-        os.setresuid(plan.uid, plan.uid, plan.uid)
-        step = "capset"
-        hdr = _CapHeader(_LINUX_CAPABILITY_VERSION_3, 0)
-        data = (_CapData * 2)()
-        data[0].effective = data[0].permitted = plan.keep_caps & 0xFFFFFFFF
-        data[1].effective = data[1].permitted = plan.keep_caps >> 32
-        _check(_libc.syscall(SYS_CAPSET, ctypes.byref(hdr), ctypes.byref(data)), step)
-        step = "no_new_privs"
-        _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), step)
-        os.umask(0o077)
-    except BaseException as exc:
-        with contextlib.suppress(OSError):
-            os.write(plan.err_fd, f"{step}: {exc}".encode()[:1000])
-        raise
 
 
 _OWN_PID_NS: int | None = None
@@ -796,10 +702,8 @@ def _read_all(fd: int) -> str:
     return out.decode(errors="replace")
 
 
-def _start(
-    cmd: list[str], kwargs: dict[str, Any], errpipe: list[int], wait_exec: bool
-) -> tuple[subprocess.Popen[bytes] | None, str]:
-    """In a worker thread: Popen in a new pid namespace, then (helper) wait for the
+def _start(cmd: list[str], kwargs: dict[str, Any], errpipe: list[int]) -> tuple[subprocess.Popen[bytes] | None, str]:
+    """In a worker thread: Popen in a new pid namespace, then wait for the helper's
     final exec: EOF on the error pipe without a word. Closes the pipe's write end."""
     try:
         popen = _popen_in_new_pid_ns(cmd, kwargs)
@@ -809,11 +713,10 @@ def _start(
         return None, _read_all(errpipe[0]) or f"start: {exc}"
     os.close(errpipe[1])
     errpipe[1] = -1
-    if wait_exec:
-        detail = _read_all(errpipe[0])
-        if detail:
-            popen.wait()
-            return None, detail
+    detail = _read_all(errpipe[0])
+    if detail:
+        popen.wait()
+        return None, detail
     return popen, ""
 
 
@@ -828,15 +731,15 @@ async def spawn(
     stderr_pipe: bool = True,
     stderr_fd: int | None = None,
     env: Mapping[str, str] | None = None,
-    helper: Path | None = None,
+    helper: Path,
     userns_fd: int = -1,
 ) -> JailedProcess:
     """Start ``argv`` inside the jail ``spec`` (built by :func:`build_jail`), joined to
     the cgroups whose ``cgroup.procs`` files are given before it runs a line of its
     own. ``argv[0]`` is looked up on the host and must lie under a bind. Only
-    ``pass_fds`` (and stdio) reach it. ``helper``: sandvisor-jail-exec (from
-    :func:`build_helper`) enters the jail, vforked (fast); None: a Python stage in a
-    forked child does (no compiler needed; ~2-3x the spawn time). Returns once
+    ``pass_fds`` (and stdio) reach it. ``helper``: sandvisor-jail-exec (as built at
+    install: ``helpers.installed(helpers.JAIL_EXEC)``), which enters the jail,
+    vforked. Returns once
     ``argv`` runs; raises :class:`JailError` naming the step that failed. The caller
     owns the process: it must be waited for (reaped). ``stderr_fd``: the process's
     stderr (a log file), instead of a pipe to us. ``userns_fd``: a user namespace (a
@@ -871,14 +774,9 @@ async def spawn(
             "start_new_session": True,  # a ^C to the supervisor must not reach QEMU
             "env": dict(env) if env is not None else {},
         }
-        if helper is None:
-            cmd = args
-            kwargs["pass_fds"] = tuple(pass_fds)
-            kwargs["preexec_fn"] = lambda: _enter(plan)
-        else:
-            cmd = [str(helper), *_plan_argv(plan), "--", *args]
-            kwargs["pass_fds"] = (*pass_fds, *opened, errpipe[1], *((userns_fd,) if userns_fd >= 0 else ()))
-        popen, detail = await trio.to_thread.run_sync(_start, cmd, kwargs, errpipe, helper is not None)
+        cmd = [str(helper), *_plan_argv(plan), "--", *args]
+        kwargs["pass_fds"] = (*pass_fds, *opened, errpipe[1], *((userns_fd,) if userns_fd >= 0 else ()))
+        popen, detail = await trio.to_thread.run_sync(_start, cmd, kwargs, errpipe)
         if popen is None:
             raise JailError(f"entering the jail failed at {detail}")
         stream = None
@@ -896,55 +794,6 @@ async def spawn(
         for fd in (*opened, *errpipe, r_out, w_out):
             if fd >= 0:
                 os.close(fd)
-
-
-HELPER_SOURCE = Path(__file__).with_name("jail_exec.c")
-
-
-def check_helper(path: Path) -> Path:
-    """``path`` is a helper root may run: a regular file of ours that nobody else can
-    write, in a directory nobody else can write."""
-    check_root_dir(path.parent)
-    st = path.lstat()
-    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
-        raise JailError(f"{path} is not a regular file of ours that only we can write: refusing to run it")
-    return path
-
-
-def build_helper(directory: Path, *, cc: str = "cc") -> Path:
-    """sandvisor-jail-exec, compiled (static) from jail_exec.c into ``directory`` (made
-    root's, 0755, if missing), named by a hash of its source: built once per source
-    version, reused after. Needs a C compiler and static libc (Debian: gcc, libc6-dev)."""
-    return build_c(HELPER_SOURCE, directory, "sandvisor-jail-exec", ("-static",), cc=cc)
-
-
-def build_c(source: Path, directory: Path, name: str, flags: tuple[str, ...], *, cc: str = "cc") -> Path:
-    """``source`` compiled with ``flags`` into ``directory/name-<hash of the source>``
-    (the directory made root's, 0755, if missing): built once per source version,
-    reused after, checked like :func:`check_helper` (root runs it or loads it into QEMU)."""
-    src = source.read_bytes()
-    out = directory / f"{name}-{hashlib.sha256(src).hexdigest()[:12]}"
-    make_root_dir(directory)
-    if out.exists():
-        return check_helper(out)
-    compiler = shutil.which(cc)
-    if compiler is None:
-        raise JailError(f"no C compiler ({cc}) to build {name}: install gcc and libc6-dev")
-    tmp = directory / f".{out.name}.{os.getpid()}.tmp"
-    try:
-        p = subprocess.run(
-            [compiler, "-O2", *flags, "-o", str(tmp), "-x", "c", "-"],
-            input=src,
-            capture_output=True,
-            check=False,
-        )
-        if p.returncode != 0:
-            raise JailError(f"building {name} failed: {p.stderr.decode(errors='replace')[-500:]}")
-        os.chmod(tmp, 0o755)
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
-    return check_helper(out)
 
 
 async def socket_in_netns(

@@ -5,8 +5,9 @@
 set -euo pipefail
 # skopeo, umoci: pull and unpack OCI images (images/oci.py); docker-registry: the loopback
 # registry the image tests and benchmark push to; nftables (libnftables1), iproute2: tap
-# networking and egress policy (actors/hostnet.py, actors/nft.py); gcc, libc6-dev: the jail
-# helper (actors/jail_exec.c; without them a slower Python stage enters the jail);
+# networking and egress policy (actors/hostnet.py, actors/nft.py); gcc, libc6-dev (libc.a
+# for the static jail helper): the package build compiles actors/jail_exec.c and
+# ram_discard.c (setup.py; without them serve refuses to start as root);
 # python3: Debian's own interpreter, which tests run as other users (/root is 0700)
 PKGS=(qemu-system-x86 qemu-utils mmdebstrap busybox-static cpio e2fsprogs lz4 tmux qemu-guest-agent procps
   skopeo umoci docker-registry nftables iproute2 gcc libc6-dev python3)

@@ -24,6 +24,7 @@ from pathlib import Path
 import attrs
 import trio
 
+from actors import helpers
 from actors.cell import Cells, JailConfig
 from actors.hostnet import HostNetConfig, HostNetwork
 from actors.ippool import IpPool, parse_pool
@@ -257,6 +258,27 @@ def _layout(cfg: DaemonConfig, run_root: Path, qemu_user: str | None) -> None:
     _check_socket_free(cfg.socket)
 
 
+def _built_helpers(cfg: DaemonConfig) -> tuple[Path, Path | None] | None:
+    """The C helpers a jailed supervisor runs, as the package build made them
+    (actors/helpers.py): the jail helper, and the discard shim unless --no-balloon.
+    Missing or stale: refused, saying how to build them (nothing is compiled here, and
+    nothing falls back). None: no jail (not root, or --no-jail)."""
+    if not (cfg.jail and os.geteuid() == 0):
+        return None
+    try:
+        helper = helpers.installed(helpers.JAIL_EXEC)
+    except helpers.HelperError as exc:
+        raise Refused(str(exc)) from None
+    shim = None
+    if cfg.balloon:
+        try:
+            shim = helpers.installed(helpers.RAM_DISCARD)
+        except helpers.HelperError as exc:
+            raise Refused(f"{exc} (or serve --no-balloon: no free page reporting)") from None
+    log.info("C helpers: %s, %s (built by %s)", helper, shim, helpers.manifest()["compiler"]["version"])
+    return helper, shim
+
+
 async def _serve(cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Registry, Server]]) -> None:
     _check(cfg)
     _private_state_dir(cfg.state_dir)
@@ -265,6 +287,7 @@ async def _serve(cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Registry,
 
 
 async def _serve_locked(cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Registry, Server]]) -> None:
+    built = _built_helpers(cfg)  # before anything starts: nothing is compiled at start
     grpc_auth = tcp_auth(cfg.grpc_token_file, cfg.grpc_insecure)  # the token read once, here
     grpc_addrs = addresses(
         cfg.grpc, cert=cfg.grpc_cert, key=cfg.grpc_key, client_ca=cfg.grpc_client_ca, group=cfg.group, auth=grpc_auth
@@ -277,7 +300,7 @@ async def _serve_locked(cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Re
     image = await trio.to_thread.run_sync(default_image, cfg.state_dir)
     memory_dir = None if cfg.anonymous_memory else (cfg.memory_dir or default_memory_dir(cfg.state_dir))
     cells = None
-    if cfg.jail and os.geteuid() == 0:
+    if built is not None:
         cells = await trio.to_thread.run_sync(
             lambda: Cells.setup(
                 JailConfig(overhead_mib=cfg.jail_overhead_mib)
@@ -285,6 +308,8 @@ async def _serve_locked(cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Re
                 else JailConfig(
                     first_uid=cfg.jail_uids[0], uid_count=cfg.jail_uids[1], overhead_mib=cfg.jail_overhead_mib
                 ),
+                helper=built[0],
+                discard_shim=built[1],
                 state_dir=cfg.state_dir,
                 ram_dir=memory_dir,
                 kvm=accel == "kvm",
@@ -294,10 +319,10 @@ async def _serve_locked(cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Re
     store = Store(cfg.state_dir / "sandvisor.db")
     # a balloon's discards are safe in anonymous RAM and in a machine's own RAM file; a
     # restore maps a snapshot's memory privately, which only a jail seals (and the
-    # discard shim lets give memory back): without both, no balloons
-    balloon = cfg.balloon and (cells.discard_shim is not None if cells is not None else memory_dir is None)
+    # discard shim, required above, lets give memory back): without a jail, no balloons
+    balloon = cfg.balloon and (cells is not None or memory_dir is None)
     if cfg.balloon and not balloon:
-        log.warning("no free page reporting: guest RAM files need a jail and the discard shim (a root supervisor)")
+        log.warning("no free page reporting: guest RAM files need a jail (a root supervisor; or --anonymous-memory)")
     hostnet = host_network(cfg, store)
     settings = Settings(
         image=image,

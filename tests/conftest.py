@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 import trio
 
+from actors import helpers
 from actors.disk import create_overlay
 from actors.guest import GuestChannel, open_channel
 from actors.machine import MachineSpec
@@ -35,6 +36,19 @@ from supervisor.throwaway import supervisor_process, workdir
 def image() -> Image:
     """The default image, built (or found in the cache) once per session."""
     return Builder(default_cache()).build()  # does nothing when the cache is current
+
+
+@pytest.fixture(scope="session")
+def jail_helpers() -> tuple[Path, Path]:
+    """sandvisor-jail-exec and the discard shim as the package build made them
+    (actors/helpers.py). Skipped where that build found no C compiler (the unit layer on
+    a bare machine: the build records why); missing or stale: an error (reinstall)."""
+    if os.geteuid() != 0:
+        pytest.skip("the C helpers run as root (jails, cells)")
+    skipped = [e["skipped"] for e in helpers.manifest()["helpers"].values() if "skipped" in e]
+    if skipped:
+        pytest.skip(f"the package build made no C helpers ({skipped[0]})")
+    return helpers.installed(helpers.JAIL_EXEC), helpers.installed(helpers.RAM_DISCARD)
 
 
 async def cold_spec(image: Image, run_dir: Path, *, rootfs: Path | None = None, **kw: object) -> VmSpec:

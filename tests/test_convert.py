@@ -58,7 +58,7 @@ def leftovers(work: Workdir, rec: SnapshotRecord) -> dict[str, Any]:
     """What a conversion may leave, if it does not clean up."""
     return {
         "part files": sorted(p.name for p in rec.path.iterdir() if p.name.endswith(".part")),
-        "helper run dirs": sorted(d.name for d in work.run_root.iterdir() if d.name.startswith("cv-")),
+        "helper run dirs": sorted(d.name for d in work.run_root.glob("cv-*")),  # (gone with serve when empty)
     }
 
 

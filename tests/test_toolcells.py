@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import trio
-from test_oci import Built, Pushed, assert_clean, built, owner, pushed  # noqa: F401 (fixtures)
+from test_oci import REFS, Built, Pushed, assert_clean, built, owner, pushed  # noqa: F401 (fixtures)
 
 from actors.cell import Cells, JailConfig
 from actors.model import VolumeMount
@@ -42,11 +42,13 @@ def _status(pid: int) -> dict[str, str]:
 
 
 @pytest.fixture
-def cells(tmp_path: Path) -> Iterator[Cells]:
+def cells(tmp_path: Path, jail_helpers: tuple[Path, Path]) -> Iterator[Cells]:
     if os.geteuid() != 0:
         pytest.skip("cells need root")
     (tmp_path / "state").mkdir(mode=0o700)
-    c = Cells.setup(JailConfig(), state_dir=tmp_path / "state", ram_dir=None, kvm=False)
+    c = Cells.setup(
+        JailConfig(), helper=jail_helpers[0], discard_shim=None, state_dir=tmp_path / "state", ram_dir=None, kvm=False
+    )
     try:
         yield c
     finally:
@@ -149,7 +151,7 @@ async def test_pulls_run_their_tools_in_cells(
     assert cells.tools is not None
     watch = Watch()
     cells.tools.observers.append(watch)
-    store = ImageStore(tmp_path / "store", tools=cells.tools, max_image_bytes=1 << 30)
+    store = ImageStore(tmp_path / "store", tools=cells.tools, max_image_bytes=1 << 30, refs=REFS)
     old = os.umask(0o077)  # as serve runs
     try:
         with trio.fail_after(120):
@@ -202,7 +204,7 @@ async def test_an_image_over_the_cap_is_refused_while_streaming(tmp_path: Path, 
         push(layout, "bomb", reg.ref("t/bomb:1"))
         push(layout, "fat", reg.ref("t/fat:1"))
         push(layout, "onebig", reg.ref("t/onebig:1"))
-        store = ImageStore(tmp_path / "store", tools=cells.tools, max_image_bytes=16 * MIB)
+        store = ImageStore(tmp_path / "store", tools=cells.tools, max_image_bytes=16 * MIB, refs=REFS)
         with trio.fail_after(120):
             # a small compressed layer that unpacks past the cap: umoci is stopped on the way
             with pytest.raises(DiskFull) as e:
