@@ -17,8 +17,8 @@ Error tree::
      +-- MachineStateError  an operation in the wrong runstate (e.g. QMP after exit)
      +-- QMPCommandError    QEMU refused a QMP command (message from QEMU)
 
-QMP runs through ``qemu.qmp`` on asyncio, bridged into Trio by trio-asyncio: the
-caller must be inside :func:`qmp_loop` (the supervisor and the tests open it once).
+QMP is :mod:`actors.qmp`'s Trio-native client, its reader a task of the machine's
+nursery.
 """
 
 from __future__ import annotations
@@ -45,12 +45,10 @@ from typing import Any, Protocol
 
 import attrs
 import trio
-import trio_asyncio
-from qemu.qmp import ExecuteError as _QMPExecuteError
-from qemu.qmp import QMPClient
 
 from actors._groups import collapse_single
 from actors.crash import crash_point
+from actors.qmp import QMPClient, QMPCommandFailed, QMPError, QMPTimeout
 
 log = logging.getLogger("sandvisor.machine")
 
@@ -496,13 +494,6 @@ class _Ring:
         return b"".join(self.buf)[-self.size :].decode(errors="replace")
 
 
-@asynccontextmanager
-async def qmp_loop() -> AsyncIterator[None]:
-    """The asyncio loop qemu.qmp runs on, inside Trio."""
-    async with trio_asyncio.open_loop():
-        yield
-
-
 class Proc(Protocol):
     """A QEMU process, however it was started (a child, a jailed child, or adopted)."""
 
@@ -621,13 +612,14 @@ class Machine:
         self._exited = trio.Event()
         self.returncode: int | None = None
         self._nursery: trio.Nursery | None = None
-        self._fd_lock = trio.Lock()  # SCM_RIGHTS + its getfd/add-fd must not interleave
+        # one descriptor-carrying command at a time, until its reply: QEMU keeps the last
+        # descriptor it read and closes an earlier one its command has not claimed yet
+        self._fd_lock = trio.Lock()
         self._disk_top = "disk0"  # the block node the disk device writes to (moves on checkpoint)
         self._staged = 0  # overlays staged so far: fd set and node names stay unique
         self._fds = dict(fds or {})  # more descriptors for QEMU (RAM, taps), the caller's
         self._on_spawned = on_spawned
         self._adopted: AdoptedProcess | None = None
-        self._qmp_sock: socket.socket | None = None
         self.detached = False
 
     @classmethod
@@ -693,10 +685,7 @@ class Machine:
             with trio.CancelScope(shield=True):
                 if not self.detached:
                     await self._kill_and_reap()
-                with contextlib.suppress(Exception):  # EOF after quit/kill is reported here
-                    await trio_asyncio.aio_as_trio(self.qmp.disconnect)()
-                if self._qmp_sock is not None:
-                    self._qmp_sock.close()
+                await self.qmp.aclose()  # (its socket closed already, unless QMP never started)
             self._nursery = None
 
     async def _launch(self) -> Proc:
@@ -777,9 +766,8 @@ class Machine:
             self._nursery = nursery
             nursery.start_soon(self._reap)
             try:
-                self._qmp_sock = await self._connect("qmp.sock")
                 with trio.fail_after(10):
-                    await trio_asyncio.aio_as_trio(self.qmp.connect)(self._qmp_sock)
+                    await nursery.start(self.qmp.run, await self._connect("qmp.sock"))
             except (Exception, trio.TooSlowError) as exc:
                 with trio.move_on_after(0.5):
                     await self._exited.wait()
@@ -835,16 +823,20 @@ class Machine:
 
     # -- QMP -----------------------------------------------------------------
     async def qmp_execute(self, cmd: str, args: dict[str, Any] | None = None, *, timeout: float = 30) -> Any:
+        return await self._execute(cmd, args, timeout=timeout)
+
+    async def _execute(
+        self, cmd: str, args: dict[str, Any] | None = None, *, timeout: float = 30, fd: int | None = None
+    ) -> Any:
         if self.runstate is not Runstate.RUNNING:
             raise MachineStateError(f"QMP {cmd} on a machine that is {self.runstate.value}")
         try:
-            with trio.fail_after(timeout):
-                return await trio_asyncio.aio_as_trio(self.qmp.execute)(cmd, args)
-        except _QMPExecuteError as exc:
-            raise QMPCommandError(f"{cmd}: {exc.error.error.desc}") from None
-        except trio.TooSlowError:
+            return await self.qmp.execute(cmd, args, timeout=timeout, fd=fd)
+        except QMPCommandFailed as exc:
+            raise QMPCommandError(f"{cmd}: {exc.desc}") from None
+        except QMPTimeout:
             raise QMPCommandError(f"{cmd}: no answer within {timeout:g}s") from None
-        except Exception as exc:  # disconnected, EOF: the process is going away
+        except QMPError as exc:  # disconnected, EOF, garbage: the process is going away
             raise MachineStateError(f"QMP {cmd}: {type(exc).__name__}: {exc}") from None
 
     async def hmp(self, line: str) -> str:
@@ -854,22 +846,12 @@ class Machine:
     async def getfd(self, fd: int, name: str) -> None:
         """Hand QEMU a descriptor under ``name`` (for ``fd:name`` migration URIs)."""
         async with self._fd_lock:
-            self._send_fd(fd)
-            await self.qmp_execute("getfd", {"fdname": name})
+            await self._execute("getfd", {"fdname": name}, fd=fd)
 
     async def add_fd(self, fd: int, fdset: int, opaque: str = "") -> None:
         """Add a descriptor to fd set ``fdset`` (opened by QEMU as /dev/fdset/N)."""
         async with self._fd_lock:
-            self._send_fd(fd)
-            await self.qmp_execute("add-fd", {"fdset-id": fdset, "opaque": opaque})
-
-    def _send_fd(self, fd: int) -> None:
-        if self.runstate is not Runstate.RUNNING:
-            raise MachineStateError(f"fd passing on a machine that is {self.runstate.value}")
-        try:
-            self.qmp.send_fd_scm(fd)
-        except Exception as exc:
-            raise MachineStateError(f"cannot pass a descriptor to QEMU: {exc}") from None
+            await self._execute("add-fd", {"fdset-id": fdset, "opaque": opaque}, fd=fd)
 
     async def status(self) -> str:
         return str((await self.qmp_execute("query-status"))["status"])

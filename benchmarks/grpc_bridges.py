@@ -14,7 +14,8 @@ client in this process (one process each, so the two ends do not share a GIL):
 Modes:
 
 * ``thread``: supervisor.grpc_bridge (grpc.aio on its own loop in a thread, Trio tasks)
-* ``trio-asyncio``: grpc.aio on a trio-asyncio loop in Trio's thread (trio_as_aio per call)
+* ``trio-asyncio``: grpc.aio on a trio-asyncio loop in Trio's thread (trio_as_aio per call);
+  needs trio-asyncio installed (no longer a dependency: pip install trio-asyncio)
 * ``sync-pool``: grpcio's sync server, 16 pool threads calling into Trio (from_thread)
 * ``purerpc``: purerpc 0.8 (h2 in Python, anyio on Trio); TCP only: run with a python
   that has purerpc (``--purerpc-python``), compared with ``thread`` over TCP too
@@ -87,7 +88,6 @@ def ready() -> None:
 # --- servers ----------------------------------------------------------------------------------
 def serve_thread(addr: str) -> None:
     import trio
-    import trio_asyncio  # noqa: F401  # as in the daemon (qemu.qmp): it changes what asyncio.run() makes
 
     from supervisor.grpc_bridge import GrpcEdge, Kind, Method, TcpAuth, parse_address
 
@@ -496,7 +496,7 @@ def main() -> None:
         SERVERS[sys.argv[2]](sys.argv[3])
         return
     ap = argparse.ArgumentParser()
-    ap.add_argument("--modes", default="aio,thread,trio-asyncio,sync-pool,msgpack")
+    ap.add_argument("--modes", default="aio,thread,sync-pool,msgpack")
     ap.add_argument("--tcp-modes", default="", help="modes also measured over TCP loopback (e.g. thread,purerpc)")
     ap.add_argument("--purerpc-python", default="", help="a python with purerpc and trio installed")
     ap.add_argument("--rounds", type=int, default=3)

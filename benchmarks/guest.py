@@ -29,7 +29,6 @@ import trio
 
 from actors.disk import create_overlay
 from actors.guest import GuestChannel
-from actors.machine import qmp_loop
 from actors.vm import BASE_CMDLINE, VmSpec, booted_guest, kernel_cmdline
 from images.build import Builder, Image, default_cache
 
@@ -206,96 +205,93 @@ async def bench(n: int, out_dir: Path) -> dict[str, object]:
         floors: list[float] = []
         ours: list[float] = []
         phases: list[dict[str, float]] = []
-        async with qmp_loop():
-            for i in range(n):  # interleaved, so drift in machine load hits both alike
-                floors.append(await trio.to_thread.run_sync(boot_floor, image, initrd, floor_cmd))
-                run_dir = work / f"boot{i}"
-                async with booted_guest(await cold_boot(image, run_dir), run_dir) as g:
-                    ours.append(g.t_ready - g.t_launch)
-                    info = g.channel.hello_info
-                    assert info is not None
-                    phases.append({k: float(v) for k, v in info.marks.items()})
-                shutil.rmtree(run_dir, ignore_errors=True)
-                print(f"  boot {i + 1}/{n}: floor {floors[-1]:.2f}s ours {ours[-1]:.2f}s", flush=True)
-            results["boot"] = {
-                "floor_s": floors,
-                "ours_s": ours,
-                "floor_median_s": med(floors),
-                "ours_median_s": med(ours),
-                "ratio": med(ours) / med(floors),
-                "target_ratio": 1.3,
-                "guest_marks_median_s": {k: med([p[k] for p in phases]) for k in phases[0]},
-            }
+        for i in range(n):  # interleaved, so drift in machine load hits both alike
+            floors.append(await trio.to_thread.run_sync(boot_floor, image, initrd, floor_cmd))
+            run_dir = work / f"boot{i}"
+            async with booted_guest(await cold_boot(image, run_dir), run_dir) as g:
+                ours.append(g.t_ready - g.t_launch)
+                info = g.channel.hello_info
+                assert info is not None
+                phases.append({k: float(v) for k, v in info.marks.items()})
+            shutil.rmtree(run_dir, ignore_errors=True)
+            print(f"  boot {i + 1}/{n}: floor {floors[-1]:.2f}s ours {ours[-1]:.2f}s", flush=True)
+        results["boot"] = {
+            "floor_s": floors,
+            "ours_s": ours,
+            "floor_median_s": med(floors),
+            "ours_median_s": med(ours),
+            "ratio": med(ours) / med(floors),
+            "target_ratio": 1.3,
+            "guest_marks_median_s": {k: med([p[k] for p in phases]) for k in phases[0]},
+        }
 
-            # --- exec and file write vs qemu-guest-agent, same guest ------------
-            run_dir = work / "agents"
-            async with booted_guest(
-                await cold_boot(image, run_dir, memory_mib=512, extra_ports=(QGA_PORT,)), run_dir
-            ) as g:
-                chan = g.channel
-                await start_qga(chan)
-                qga_sock = await trio.open_unix_socket(str(run_dir / "port0.sock"))
-                qga = QGA(qga_sock)
-                with trio.fail_after(30):
-                    while True:
-                        try:
-                            await qga.sync()
-                            break
-                        except (EOFError, json.JSONDecodeError, RuntimeError):
-                            await trio.sleep(0.2)
-                # in-guest cost of the process itself (the floor under both agents)
-                r = await chan.run(
-                    [
-                        "python3",
-                        "-c",
-                        "import os,time;t=time.perf_counter()\n"
-                        "for _ in range(30): os.waitpid(os.posix_spawn('/bin/true',['true'],{}),0)\n"
-                        "print((time.perf_counter()-t)/30)",
-                    ]
-                )
-                spawn_floor = float(r.stdout)
-                ours_exec, qga_exec = [], []
-                for _ in range(3):  # warm both paths
-                    await chan.run(["/bin/true"])
-                    await qga.exec_wait("/bin/true")
-                for _ in range(max(n, 20)):
-                    t = time.monotonic()
-                    await chan.run(["/bin/true"])
-                    ours_exec.append(time.monotonic() - t)
-                    qga_exec.append(await qga.exec_wait("/bin/true"))
-                ping = []
-                for _ in range(50):
-                    t = time.monotonic()
-                    await chan.ping()
-                    ping.append(time.monotonic() - t)
-                results["exec_true"] = {
-                    "ours_median_ms": med(ours_exec) * 1e3,
-                    "qga_median_ms": med(qga_exec) * 1e3,
-                    "speedup": med(qga_exec) / med(ours_exec),
-                    "in_guest_spawn_ms": spawn_floor * 1e3,
-                    "ours_overhead_ms": (med(ours_exec) - spawn_floor) * 1e3,
-                    "qga_overhead_ms": (med(qga_exec) - spawn_floor) * 1e3,
-                    "overhead_ratio": (med(qga_exec) - spawn_floor) / max(med(ours_exec) - spawn_floor, 1e-6),
-                    "ping_median_ms": med(ping) * 1e3,
-                    "target_speedup": 3.0,
-                }
-                data = os.urandom(64 << 20)
-                ours_w, qga_w = [], []
-                for _ in range(max(2, n // 2)):
-                    t = time.monotonic()
-                    await chan.write_file("/tmp/ours.bin", data)
-                    ours_w.append(time.monotonic() - t)
-                    qga_w.append(await qga.write_file("/tmp/qga.bin", data))
-                r = await chan.run(["sh", "-c", "sha256sum /tmp/ours.bin /tmp/qga.bin | cut -c1-64 | uniq | wc -l"])
-                assert r.stdout.strip() == b"1", "the two agents wrote different bytes"
-                mib = len(data) / (1 << 20)
-                results["write_64mib"] = {
-                    "ours_mib_s": mib / med(ours_w),
-                    "qga_mib_s": mib / med(qga_w),
-                    "speedup": med(qga_w) / med(ours_w),
-                    "target_speedup": 3.0,
-                }
-                await qga_sock.aclose()
+        # --- exec and file write vs qemu-guest-agent, same guest ------------
+        run_dir = work / "agents"
+        async with booted_guest(await cold_boot(image, run_dir, memory_mib=512, extra_ports=(QGA_PORT,)), run_dir) as g:
+            chan = g.channel
+            await start_qga(chan)
+            qga_sock = await trio.open_unix_socket(str(run_dir / "port0.sock"))
+            qga = QGA(qga_sock)
+            with trio.fail_after(30):
+                while True:
+                    try:
+                        await qga.sync()
+                        break
+                    except (EOFError, json.JSONDecodeError, RuntimeError):
+                        await trio.sleep(0.2)
+            # in-guest cost of the process itself (the floor under both agents)
+            r = await chan.run(
+                [
+                    "python3",
+                    "-c",
+                    "import os,time;t=time.perf_counter()\n"
+                    "for _ in range(30): os.waitpid(os.posix_spawn('/bin/true',['true'],{}),0)\n"
+                    "print((time.perf_counter()-t)/30)",
+                ]
+            )
+            spawn_floor = float(r.stdout)
+            ours_exec, qga_exec = [], []
+            for _ in range(3):  # warm both paths
+                await chan.run(["/bin/true"])
+                await qga.exec_wait("/bin/true")
+            for _ in range(max(n, 20)):
+                t = time.monotonic()
+                await chan.run(["/bin/true"])
+                ours_exec.append(time.monotonic() - t)
+                qga_exec.append(await qga.exec_wait("/bin/true"))
+            ping = []
+            for _ in range(50):
+                t = time.monotonic()
+                await chan.ping()
+                ping.append(time.monotonic() - t)
+            results["exec_true"] = {
+                "ours_median_ms": med(ours_exec) * 1e3,
+                "qga_median_ms": med(qga_exec) * 1e3,
+                "speedup": med(qga_exec) / med(ours_exec),
+                "in_guest_spawn_ms": spawn_floor * 1e3,
+                "ours_overhead_ms": (med(ours_exec) - spawn_floor) * 1e3,
+                "qga_overhead_ms": (med(qga_exec) - spawn_floor) * 1e3,
+                "overhead_ratio": (med(qga_exec) - spawn_floor) / max(med(ours_exec) - spawn_floor, 1e-6),
+                "ping_median_ms": med(ping) * 1e3,
+                "target_speedup": 3.0,
+            }
+            data = os.urandom(64 << 20)
+            ours_w, qga_w = [], []
+            for _ in range(max(2, n // 2)):
+                t = time.monotonic()
+                await chan.write_file("/tmp/ours.bin", data)
+                ours_w.append(time.monotonic() - t)
+                qga_w.append(await qga.write_file("/tmp/qga.bin", data))
+            r = await chan.run(["sh", "-c", "sha256sum /tmp/ours.bin /tmp/qga.bin | cut -c1-64 | uniq | wc -l"])
+            assert r.stdout.strip() == b"1", "the two agents wrote different bytes"
+            mib = len(data) / (1 << 20)
+            results["write_64mib"] = {
+                "ours_mib_s": mib / med(ours_w),
+                "qga_mib_s": mib / med(qga_w),
+                "speedup": med(qga_w) / med(ours_w),
+                "target_speedup": 3.0,
+            }
+            await qga_sock.aclose()
     finally:
         shutil.rmtree(work, ignore_errors=True)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -32,7 +32,6 @@ from actors import dnsmsg as D
 from actors import egress
 from actors.egress import EgressPolicy
 from actors.ippool import link_name
-from actors.machine import qmp_loop
 from actors.model import Limits, NetMode, Network, PortSpec, SandboxConfig, State
 from actors.netns import NetNS
 from actors.portfwd import dnat_base, dnat_rules
@@ -136,55 +135,51 @@ def exposed(sb: Sandbox) -> dict[int, int]:
 
 async def bench_vm(n: int, res: dict[str, Any]) -> None:
     ports = tuple(PortSpec(p) for p in (7001, 7002, 7003))
-    with namespaces("svh") as (host,), host.entered():
-        async with qmp_loop():
-            with workdir("sv-bench-tap-", private_state=True) as work:
-                async with supervisor(work, ip_pool=POOL, dns_upstreams=("127.0.0.1",)) as (_, reg):
-                    limits = Limits(memory_mib=512)
-                    t = await reg.create("tap", SandboxConfig(network=Network(NetMode.TAP), limits=limits, ports=ports))
-                    u = await reg.create(
-                        "user", SandboxConfig(network=Network(NetMode.USER), limits=limits, ports=ports)
-                    )
-                    for sb in (t, u):
-                        with trio.fail_after(300):
-                            await sb.ready_event.wait()
-                        if sb.state != State.READY:
-                            raise RuntimeError(f"{sb.id}: {sb.record.error}")
-                        await sb.guest_call(lambda g: g.channel.write_file("/tmp/srv.py", GUEST_SERVER.encode()))
-                        await in_guest(sb, "python3 /tmp/srv.py >/dev/null 2>&1 &")
-                    hn = reg.settings.hostnet
-                    assert hn is not None
-                    # the DNAT variant (not what ExposePort does: see actors/portfwd.py), for comparison
-                    hn.nft.run(dnat_base())
-                    host.sysctl(f"ipv4/conf/{t.tap_name}/route_localnet", 1)
-                    dnat_ports = {p: 17000 + p for p in (7001, 7002, 7003)}
-                    for p, h in dnat_ports.items():
-                        hn.nft.run(dnat_rules("tcp", h, IPv4Address(t.ip_address), p))
-                    direct = {p: p for p in (7001, 7002, 7003)}
-                    paths: dict[str, tuple[NetNS, str, dict[int, int]]] = {
-                        "tap (host -> sandbox IP)": (host, t.ip_address, direct),
-                        "tap, exposed port (relay)": (host, "127.0.0.1", exposed(t)),
-                        "tap, nft DNAT (comparison)": (host, "127.0.0.1", dnat_ports),
-                        "user, exposed port (relay + slirp in the jail)": (host, "127.0.0.1", exposed(u)),
-                    }
-                    for ns, addr, pmap in paths.values():  # each path answers before we time any
-                        with trio.fail_after(60):
-                            while await probe(ns, addr, pmap[7001]) != "x":
-                                await trio.sleep(0.3)
-                    rounds: dict[str, list[dict[str, float]]] = {}
-                    for _ in range(3):  # interleaved rounds: the machine's noise hits every path alike
-                        for name, (ns, addr, pmap) in paths.items():
-                            rounds.setdefault(name, []).append(await path_numbers(ns, addr, pmap, n))
-                    res["paths"] = {name: {k: med([r[k] for r in rs]) for k in rs[0]} for name, rs in rounds.items()}
-                    tap, user = (
-                        res["paths"]["tap (host -> sandbox IP)"],
-                        res["paths"]["user, exposed port (relay + slirp in the jail)"],
-                    )
-                    res["tap_over_user"] = {
-                        "connect": user["connect_p50_ms"] / tap["connect_p50_ms"],
-                        "download": tap["download_mib_s"] / user["download_mib_s"],
-                        "upload": tap["upload_mib_s"] / user["upload_mib_s"],
-                    }
+    with namespaces("svh") as (host,), host.entered(), workdir("sv-bench-tap-", private_state=True) as work:
+        async with supervisor(work, ip_pool=POOL, dns_upstreams=("127.0.0.1",)) as (_, reg):
+            limits = Limits(memory_mib=512)
+            t = await reg.create("tap", SandboxConfig(network=Network(NetMode.TAP), limits=limits, ports=ports))
+            u = await reg.create("user", SandboxConfig(network=Network(NetMode.USER), limits=limits, ports=ports))
+            for sb in (t, u):
+                with trio.fail_after(300):
+                    await sb.ready_event.wait()
+                if sb.state != State.READY:
+                    raise RuntimeError(f"{sb.id}: {sb.record.error}")
+                await sb.guest_call(lambda g: g.channel.write_file("/tmp/srv.py", GUEST_SERVER.encode()))
+                await in_guest(sb, "python3 /tmp/srv.py >/dev/null 2>&1 &")
+            hn = reg.settings.hostnet
+            assert hn is not None
+            # the DNAT variant (not what ExposePort does: see actors/portfwd.py), for comparison
+            hn.nft.run(dnat_base())
+            host.sysctl(f"ipv4/conf/{t.tap_name}/route_localnet", 1)
+            dnat_ports = {p: 17000 + p for p in (7001, 7002, 7003)}
+            for p, h in dnat_ports.items():
+                hn.nft.run(dnat_rules("tcp", h, IPv4Address(t.ip_address), p))
+            direct = {p: p for p in (7001, 7002, 7003)}
+            paths: dict[str, tuple[NetNS, str, dict[int, int]]] = {
+                "tap (host -> sandbox IP)": (host, t.ip_address, direct),
+                "tap, exposed port (relay)": (host, "127.0.0.1", exposed(t)),
+                "tap, nft DNAT (comparison)": (host, "127.0.0.1", dnat_ports),
+                "user, exposed port (relay + slirp in the jail)": (host, "127.0.0.1", exposed(u)),
+            }
+            for ns, addr, pmap in paths.values():  # each path answers before we time any
+                with trio.fail_after(60):
+                    while await probe(ns, addr, pmap[7001]) != "x":
+                        await trio.sleep(0.3)
+            rounds: dict[str, list[dict[str, float]]] = {}
+            for _ in range(3):  # interleaved rounds: the machine's noise hits every path alike
+                for name, (ns, addr, pmap) in paths.items():
+                    rounds.setdefault(name, []).append(await path_numbers(ns, addr, pmap, n))
+            res["paths"] = {name: {k: med([r[k] for r in rs]) for k in rs[0]} for name, rs in rounds.items()}
+            tap, user = (
+                res["paths"]["tap (host -> sandbox IP)"],
+                res["paths"]["user, exposed port (relay + slirp in the jail)"],
+            )
+            res["tap_over_user"] = {
+                "connect": user["connect_p50_ms"] / tap["connect_p50_ms"],
+                "download": tap["download_mib_s"] / user["download_mib_s"],
+                "upload": tap["upload_mib_s"] / user["upload_mib_s"],
+            }
 
 
 # -- policy and DNS costs (veth guests, no VM) ------------------------------------------

@@ -35,7 +35,6 @@ import trio
 
 from actors.disk import create_overlay
 from actors.guest import GuestChannel
-from actors.machine import qmp_loop
 from actors.vm import VmSpec, booted_guest
 from images.build import Builder, default_cache
 from supervisor.treecopy import packed_tree, unpack_tree
@@ -115,7 +114,7 @@ async def bench(n: int, out_dir: Path) -> dict[str, Any]:
         await create_overlay(image.rootfs, run / "disk.qcow2")
         spec = VmSpec.boot(image, disk=run / "disk.qcow2", hostname="bench", memory_mib=512)
         res: dict[str, Any] = {"n": n}
-        async with qmp_loop(), booted_guest(spec, run) as g:
+        async with booted_guest(spec, run) as g:
             chan = g.channel
             warm = work / "warm"
             warm.mkdir()

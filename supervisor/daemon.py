@@ -28,7 +28,7 @@ from actors import helpers
 from actors.cell import Cells, JailConfig
 from actors.hostnet import HostNetConfig, HostNetwork
 from actors.ippool import IpPool, parse_pool
-from actors.machine import qmp_loop, resolve_accel, unprivileged_user, unsearchable_parent
+from actors.machine import resolve_accel, unprivileged_user, unsearchable_parent
 from actors.quotas import Quotas, gated, start_slots
 from actors.registry import Registry
 from actors.settings import Settings
@@ -362,7 +362,7 @@ async def _serve_locked(cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Re
         else "as the supervisor's user",
     )
     try:
-        async with qmp_loop(), trio.open_nursery() as nursery:
+        async with trio.open_nursery() as nursery:
             if hostnet is not None:  # before the registry: adopted sandboxes get their links back
                 await nursery.start(hostnet.run)
                 log.info("tap networking: pool %s, gateway and DNS proxy %s", hostnet.pool.network, hostnet.gateway)

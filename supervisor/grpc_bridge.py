@@ -627,7 +627,7 @@ class GrpcEdge:
         self._token = trio.lowlevel.current_trio_token()
         # call tasks are started from run_sync_soon callbacks (Trio's system context): they
         # get run()'s context instead, as tasks its caller started would (the daemon's
-        # trio_asyncio loop for QMP is a context variable)
+        # context variables)
         self._context = contextvars.copy_context()
         if not GRPC_FORK_SAFE:
             log.warning(
@@ -671,10 +671,7 @@ class GrpcEdge:
         )
 
     def _loop_thread(self, on_ready: Callable[[BaseException | None], None]) -> None:
-        # A plain selector loop, named: once trio_asyncio is imported (qemu.qmp's loop),
-        # asyncio.run() and new_event_loop() make trio_asyncio loops, in any thread.
-        with asyncio.Runner(loop_factory=asyncio.SelectorEventLoop) as runner:
-            runner.run(self._aio_main(on_ready))
+        asyncio.run(self._aio_main(on_ready))
 
     def _request_stop(self) -> None:
         with self._lock:

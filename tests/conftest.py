@@ -26,7 +26,7 @@ import trio
 from actors import helpers
 from actors.disk import create_overlay
 from actors.guest import GuestChannel, open_channel
-from actors.machine import MachineSpec, qmp_loop
+from actors.machine import MachineSpec
 from actors.vm import VmSpec, kernel_cmdline
 from images.build import Builder, Image, default_cache
 from supervisor.throwaway import supervisor_process, workdir
@@ -129,12 +129,6 @@ def serve_process(prefix: str, *, reachable: bool = False) -> Iterator[tuple[dic
     snapshot memory into their run dirs)."""
     with workdir(prefix, private_state=not reachable) as work, supervisor_process(work) as (env, _):
         yield env, work.root
-
-
-@pytest.fixture
-async def qmp() -> AsyncIterator[None]:
-    async with qmp_loop():
-        yield
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -45,9 +45,7 @@ async def ready(reg: Registry, id: str, **cfg: Any) -> Sandbox:
 
 
 @pytest.fixture
-async def jailed(image: Image, qmp: None) -> AsyncIterator[tuple[Registry, Path]]:
-    """(lives started from this test's task run in its context: ``qmp`` gives it the
-    asyncio loop qemu.qmp needs, as serve's connections have theirs)"""
+async def jailed(image: Image) -> AsyncIterator[tuple[Registry, Path]]:
     with workdir("sv-jail-") as work:
         async with supervisor(work) as (_, reg):
             assert reg.settings.cells is not None, "a root supervisor jails every QEMU"
@@ -151,7 +149,7 @@ async def test_a_memory_dir_someone_else_made_is_refused(image: Image) -> None:
             os.rmdir(mem)
 
 
-async def test_a_guest_over_its_memory_limit_fails_alone(image: Image, qmp: None) -> None:
+async def test_a_guest_over_its_memory_limit_fails_alone(image: Image) -> None:
     with workdir("sv-jail-oom-") as work, trio.fail_after(300):
         async with supervisor(work, jail_overhead_mib=0, templates=False) as (_, reg):
             from actors.model import Limits
@@ -211,7 +209,7 @@ print(data.hex())
     return W.decode(body)
 
 
-async def test_only_root_and_the_group_are_served(image: Image, qmp: None) -> None:
+async def test_only_root_and_the_group_are_served(image: Image) -> None:
     users = grp.getgrnam("users").gr_gid
     with workdir("sv-peers-") as work, trio.fail_after(60):
         async with supervisor(work, group="users"):

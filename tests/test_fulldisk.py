@@ -60,7 +60,7 @@ async def expect(code: str, coro: object) -> str:
     return e.value.message
 
 
-async def test_a_full_state_disk_refuses_work_and_loses_nothing(image: Image, qmp: None) -> None:
+async def test_a_full_state_disk_refuses_work_and_loses_nothing(image: Image) -> None:
     with workdir("sv-full-", private_state=True) as work, tmpfs(work.state, "700m"):
         (work.state / "images").symlink_to(default_cache())  # (the mount hid workdir's link)
         with trio.fail_after(600):
@@ -113,7 +113,7 @@ async def _full_disk(work: Workdir) -> None:
     assert set(states) == {"a", "b"}
 
 
-async def test_a_guest_whose_ram_would_not_fit_is_refused_up_front(image: Image, qmp: None) -> None:
+async def test_a_guest_whose_ram_would_not_fit_is_refused_up_front(image: Image) -> None:
     with workdir("sv-ramfull-") as work, tmpfs(work.root / "ram", "200m") as ram, trio.fail_after(120):
         async with supervisor(work, memory_dir=ram, templates=False) as _, connect(work.socket) as c:
             message = await expect("RESOURCE_EXHAUSTED", c.call("Create", {"id": "big", "limits": {"memory_mib": 256}}))

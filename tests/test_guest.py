@@ -546,7 +546,7 @@ async def test_patches_with_owners_and_modes(chan: GuestChannel) -> None:
         assert r.stdout == f"600 nobody {2 << 20}\n".encode()
 
 
-async def test_a_volume_written_then_seen_read_only(image: Image, tmp_run: Path, qmp: None) -> None:
+async def test_a_volume_written_then_seen_read_only(image: Image, tmp_run: Path) -> None:
     vol = tmp_run / "vol.ext4"
     await create_volume_image(vol, 64 << 20, label="data")
     base = await cold_spec(image, tmp_run, hostname="vol")

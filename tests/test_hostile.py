@@ -38,7 +38,7 @@ time.sleep(3600)
 """
 
 
-async def test_a_silenced_guestd_costs_only_its_own_sandbox(image: Image, qmp: None) -> None:
+async def test_a_silenced_guestd_costs_only_its_own_sandbox(image: Image) -> None:
     with workdir("sv-hostile-") as work, trio.fail_after(300):
         async with supervisor(work, templates=False, guest_timeout=GUEST_TIMEOUT) as _, connect(work.socket) as c:
             for id in ("hostile", "neighbour"):

@@ -72,7 +72,7 @@ def wrong_arrows(files: list[Path], allowed: set[str], forbidden: tuple[str, ...
     return bad
 
 
-THIRD_PARTY = {"trio", "trio_asyncio", "qemu", "attrs", "cattrs", "msgpack", "rich", "_typeshed", "typing_extensions"}
+THIRD_PARTY = {"trio", "attrs", "cattrs", "msgpack", "rich", "_typeshed", "typing_extensions"}
 
 
 @pytest.mark.parametrize(

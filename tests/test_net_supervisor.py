@@ -31,7 +31,6 @@ import trio
 from actors import dnsmsg as D
 from actors.errors import AlreadyExists, NotFound
 from actors.ippool import guest_mac
-from actors.machine import qmp_loop
 from actors.model import Egress, NetMode, Network, PortSpec, Protocol, SandboxConfig, State
 from actors.netns import NetNS
 from actors.registry import Registry
@@ -92,7 +91,7 @@ async def net_lab(prefix: str) -> AsyncIterator[NetLab]:
     with namespaces("svh", "svi") as (host, inet):
         link_internet(host, inet)
         with host.entered():
-            async with qmp_loop(), trio.open_nursery() as nursery:
+            async with trio.open_nursery() as nursery:
                 for i, addr in enumerate(SERVERS):
                     await nursery.start(tcp_server, inet, addr, 80, f"server{i}")
                 await nursery.start(tcp_server, inet, METADATA, 80, "metadata")

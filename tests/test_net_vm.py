@@ -82,7 +82,7 @@ async def wait_probe(lab: Lab, address: str, port: int, want: str) -> str:
     return got
 
 
-async def test_tap_vm_reached_at_its_address_and_filtered(image: Image, tmp_path: Path, qmp: None) -> None:
+async def test_tap_vm_reached_at_its_address_and_filtered(image: Image, tmp_path: Path) -> None:
     async with lab_env() as lab:
         address = lab.pool.allocate("vm-1")
         policy = EgressPolicy.parse({"default": "deny", "allow": [SERVERS[0], "allowed.test"]})
@@ -127,7 +127,7 @@ except OSError as e:
 
 
 async def test_vm_port_allow_and_default_allow_stay_off_sandboxes_and_private_ranges(
-    image: Image, tmp_path: Path, qmp: None
+    image: Image, tmp_path: Path
 ) -> None:
     """A VM allowed 0.0.0.0/0:8080 reaches the internet's 8080 but not another sandbox's
     8080 nor a LAN's; under default allow it reaches the internet, not a private
@@ -163,7 +163,7 @@ async def test_vm_port_allow_and_default_allow_stay_off_sandboxes_and_private_ra
             link.close()
 
 
-async def test_guest_reconfigured_in_place_as_after_a_restore(image: Image, tmp_path: Path, qmp: None) -> None:
+async def test_guest_reconfigured_in_place_as_after_a_restore(image: Image, tmp_path: Path) -> None:
     """The guest side of a restore: guestd's net_config moves eth0 to a new address and
     MAC; the host re-keys the link; the host reaches the new address and the old one is
     gone; a bad request is INVALID_ARGUMENT and changes nothing."""

@@ -715,7 +715,7 @@ def test_staging_of_a_dead_process_is_swept(tmp_path: Path) -> None:
 
 @pytest.mark.vm
 async def test_boot_app_image_runs_as_its_user_in_its_workdir(
-    image: GuestImage, tmp_run: Path, qmp: None, store: ImageStore, pushed: Pushed
+    image: GuestImage, tmp_run: Path, store: ImageStore, pushed: Pushed
 ) -> None:
     with trio.fail_after(180):
         img = await store.pull(pushed.app, tls_verify=False)
@@ -735,7 +735,7 @@ async def test_boot_app_image_runs_as_its_user_in_its_workdir(
 
 @pytest.mark.vm
 async def test_boot_python_image_without_a_shell(
-    image: GuestImage, tmp_run: Path, qmp: None, store: ImageStore, pushed: Pushed
+    image: GuestImage, tmp_run: Path, store: ImageStore, pushed: Pushed
 ) -> None:
     with trio.fail_after(180):
         img = await store.pull(pushed.python, tls_verify=False)

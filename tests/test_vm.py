@@ -33,7 +33,7 @@ def qemus_of(run_dir: Path) -> set[int]:
     return found
 
 
-async def test_boot_run_and_graceful_poweroff(image: Image, tmp_run: Path, qmp: None) -> None:
+async def test_boot_run_and_graceful_poweroff(image: Image, tmp_run: Path) -> None:
     with trio.fail_after(120):
         async with booted_guest(await cold_spec(image, tmp_run, hostname="cold"), tmp_run) as g:
             assert g.t_launch < g.t_qmp < g.t_ready
@@ -49,14 +49,14 @@ async def test_boot_run_and_graceful_poweroff(image: Image, tmp_run: Path, qmp: 
         assert pid not in qemus_of(tmp_run)
 
 
-async def test_cancelled_boot_leaves_no_process(image: Image, tmp_run: Path, qmp: None) -> None:
+async def test_cancelled_boot_leaves_no_process(image: Image, tmp_run: Path) -> None:
     with trio.move_on_after(0.5):
         async with booted_guest(await cold_spec(image, tmp_run), tmp_run):
             pytest.fail("cannot be ready in 0.5 s under TCG")
     assert qemus_of(tmp_run) == set()
 
 
-async def test_qemu_killed_breaks_channel(image: Image, tmp_run: Path, qmp: None) -> None:
+async def test_qemu_killed_breaks_channel(image: Image, tmp_run: Path) -> None:
     with trio.fail_after(120):
         async with booted_guest(await cold_spec(image, tmp_run), tmp_run) as g:
             assert g.machine.pid is not None
@@ -69,7 +69,7 @@ async def test_qemu_killed_breaks_channel(image: Image, tmp_run: Path, qmp: None
             assert "signal 9" in g.machine.describe_exit()
 
 
-async def test_boot_timeout_is_a_typed_error(image: Image, tmp_run: Path, qmp: None) -> None:
+async def test_boot_timeout_is_a_typed_error(image: Image, tmp_run: Path) -> None:
     # init=/bin/false-like failure: point the guest at a port name guestd will not find
     with trio.fail_after(120), pytest.raises(BootError) as e:
         async with booted_guest(
@@ -79,7 +79,7 @@ async def test_boot_timeout_is_a_typed_error(image: Image, tmp_run: Path, qmp: N
     assert "within 8s" in str(e.value)
 
 
-async def test_qemu_failing_at_start_is_a_typed_error(image: Image, tmp_run: Path, qmp: None) -> None:
+async def test_qemu_failing_at_start_is_a_typed_error(image: Image, tmp_run: Path) -> None:
     with trio.fail_after(60), pytest.raises(LaunchError) as e:
         async with booted_guest(await cold_spec(image, tmp_run, memory_mib=1 << 30), tmp_run):  # QEMU refuses 1 PiB
             pass
@@ -104,7 +104,7 @@ def busybox_rootfs(image: Image, tmp_path_factory: pytest.TempPathFactory) -> Pa
     return img
 
 
-async def test_rootfs_without_python(image: Image, tmp_run: Path, busybox_rootfs: Path, qmp: None) -> None:
+async def test_rootfs_without_python(image: Image, tmp_run: Path, busybox_rootfs: Path) -> None:
     with trio.fail_after(120):
         async with booted_guest(await cold_spec(image, tmp_run, rootfs=busybox_rootfs), tmp_run) as g:
             r = await g.channel.run(["/bin/sh", "-c", "echo hi from $(uname -s); ls /"])
