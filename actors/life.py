@@ -68,7 +68,7 @@ from actors.errors import (
 from actors.guest import GuestError, GuestOpError, GuestTimeout, PatchEntry
 from actors.hostnet import SandboxLink
 from actors.machine import AdoptedProcess, MachineError, Placement, Volume
-from actors.model import MemoryKind, script_patches
+from actors.model import MemoryKind, SandboxMetrics, script_patches
 from actors.model import dump as dump_value
 from actors.model import load as load_value
 from actors.ports import PortRelays
@@ -618,6 +618,26 @@ class Life:
             return cell.cgroup.stats()
         except (CgroupError, OSError):
             return None
+
+    def metrics(self, m: P.MetricsOk, id: str, pid: int) -> SandboxMetrics:
+        """The guest's ``m`` with the host's view of its QEMU (``pid``) and cgroup."""
+        cg = self.cgroup_stats()
+        return SandboxMetrics(
+            cgroup_memory_bytes=cg.memory_bytes if cg is not None else 0,
+            cgroup_memory_limit_bytes=(cg.memory_limit or 0) if cg is not None else 0,
+            cgroup_oom_kills=cg.oom_kills if cg is not None else 0,
+            id=id,
+            timestamp=time.time_ns(),
+            cpu_percent=round(self.cpu_percent(pid), 2),
+            memory_total_bytes=int(m.mem.get("total", 0)),
+            memory_available_bytes=int(m.mem.get("available", 0)),
+            host_rss_bytes=proc_rss(pid),
+            disk_read_bytes=int(m.disk.get("read_bytes", 0)),
+            disk_write_bytes=int(m.disk.get("write_bytes", 0)),
+            net_rx_bytes=int(m.net.get("rx_bytes", 0)),
+            net_tx_bytes=int(m.net.get("tx_bytes", 0)),
+            uptime_seconds=float(m.uptime),
+        )
 
     def cpu_percent(self, pid: int) -> float:
         """QEMU's CPU use since the previous call (first call: since the VM started)."""

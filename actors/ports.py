@@ -8,6 +8,8 @@ socket made in the namespace. Tap: a relay from the host port to the sandbox's
 address (actors/portfwd.py says why not a DNAT). A restarted supervisor re-creates
 the relays of an adopted QEMU (``relay_only``: its forwards live in QEMU still).
 
+:class:`Exposed` (one per sandbox) holds the record's mappings, across lives.
+
 :class:`PortRelays` is owned by a :class:`~actors.life.Life`: its relays run in the
 life's relay nursery and end with it. The record's ``ports`` (what is exposed,
 across lives) is the sandbox's; this module only makes a mapping real.
@@ -21,12 +23,61 @@ from collections.abc import Awaitable, Callable
 import attrs
 import trio
 
-from actors.errors import AlreadyExists, FailedPrecondition
+from actors.errors import AlreadyExists, FailedPrecondition, NotFound
 from actors.model import PortSpec, Protocol
 from actors.netns import NetNS
 from actors.portfwd import PortInUse, Target, bind_listener, relay_tcp, relay_udp
 from actors.settings import Settings
+from actors.store import Record, Store
 from actors.vm import NETDEV_ID, Guest, NetConfig
+
+
+class Exposed:
+    """A sandbox's exposed ports: the record's mappings (across lives: the next life
+    forwards them again), changed one call at a time."""
+
+    def __init__(self, record: Record, store: Store) -> None:
+        self.record, self.store = record, store
+        self._lock = trio.Lock()
+
+    async def expose(self, wanted: PortSpec, net: NetConfig | None, relays: PortRelays | None) -> PortSpec:
+        """Forward ``wanted`` in the serving life (``relays``). A port that is exposed
+        already answers with its mapping (a retried call is safe), unless the call names
+        another host port for it (ALREADY_EXISTS)."""
+        rec = self.record
+        if net is None:
+            raise FailedPrecondition(f"sandbox {rec.id} has no network (create it with network mode 'tap' or 'user')")
+        if wanted.protocol == Protocol.UDP and net.restrict:
+            raise FailedPrecondition(
+                "QEMU's restricted user networking drops the guest's UDP replies (measured); expose UDP on a "
+                "sandbox created with outbound networking allowed"
+            )
+        async with self._lock:
+            for p in rec.ports:
+                if p.key == wanted.key:
+                    if wanted.host_port in (0, p.host_port):
+                        return p  # idempotent: the mapping as it is
+                    raise AlreadyExists(f"port {wanted.label()} is exposed already, on host port {p.host_port}")
+            if relays is None:
+                raise FailedPrecondition(f"sandbox {rec.id} is {rec.state}, not ready or running")
+            pm = await relays.forward(wanted)
+            rec.ports.append(pm)
+            self.store.update_ports(rec)
+        return pm
+
+    async def unexpose(
+        self, key: tuple[int, Protocol], relays: PortRelays | None, *, hostfwd: Callable[[], bool]
+    ) -> None:
+        """Undo a mapping: QEMU's forward while it serves (``hostfwd()``), the relay."""
+        async with self._lock:
+            match = [p for p in self.record.ports if p.key == key]
+            if not match:
+                raise NotFound(f"port {key[0]}/{key[1]} is not exposed")
+            pm = match[0]
+            if relays is not None:
+                await relays.unforward(pm, hostfwd=hostfwd())
+            self.record.ports.remove(pm)
+            self.store.update_ports(self.record)
 
 
 class PortRelays:

@@ -29,8 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from contextlib import aclosing, asynccontextmanager
+from collections.abc import Awaitable, Callable
 from ipaddress import IPv4Address
 from pathlib import Path
 from typing import Any, TypeVar
@@ -42,10 +41,10 @@ from actors import netlink
 from actors.cell import Cell
 from actors.checkpoint import CheckpointLost, Checkpoints
 from actors.egress import EgressPolicy
-from actors.errors import AlreadyExists, DomainError, FailedPrecondition, Internal, InvalidArgument, NotFound
+from actors.errors import DomainError, FailedPrecondition, Internal
 from actors.events import EventBus
 from actors.files import SandboxFiles
-from actors.guest import ExecHandle, FileReadStream, GuestError, GuestOpError, TreeReadStream
+from actors.guest import GuestError
 from actors.life import (
     Adopt,
     AwaitTemplate,
@@ -70,12 +69,13 @@ from actors.model import (
     State,
     is_hidden,
 )
+from actors.ports import Exposed
 from actors.settings import Settings
 from actors.snapshot import Checkpoint
 from actors.store import Record, Store
 from actors.vm import BootError, BootTimeout, Guest, NetConfig
 from actors.volumes import Volumes
-from guestd import proto as P
+from actors.workload import Workloads
 
 __all__ = ["Adopt", "AwaitTemplate", "Boot", "Plan", "Resume", "Sandbox"]
 
@@ -123,15 +123,17 @@ class Sandbox:
         self.life: Life | None = None  # the current VM life
         self._run = _Run()
         self._run.done.set()  # no life runs (a recovered sandbox: at once)
-        self.workloads = 0
-        self.execs = 0
-        self._workload_done = trio.Event()
+        self.work = Workloads(self)
+        # the handle's work in its guest is its Workloads' (actors/workload.py)
+        self.run_workload, self.exec_session = self.work.run, self.work.exec
+        self.read_file, self.write_file = self.work.read_file, self.work.write_file
+        self.read_tree, self.write_tree = self.work.read_tree, self.work.write_tree
         # trio's clock (timers run on it): when the sandbox last saw activity, and when it
         # was created (a recovered record's age counts)
         self.last_activity = trio.current_time()
         self.born = trio.current_time() - max(0.0, time.time() - record.created_at)
         self._ckpt = Checkpoints(record, store, files, settings, self.log)
-        self._ports_lock = trio.Lock()
+        self._exposed = Exposed(record, store)
 
     # -- identity ------------------------------------------------------------
     @property
@@ -341,8 +343,8 @@ class Sandbox:
         async with trio.open_nursery() as nursery:
             run.work = nursery
             nursery.start_soon(self._watch_machine, life, guest, nursery.cancel_scope)
-            if self.initial_cmd:
-                nursery.start_soon(self._initial_cmd)
+            if self.work.initial_cmd:
+                nursery.start_soon(self.work.run_initial)
             try:
                 await run.stop.wait()
                 if not run.detached:
@@ -379,8 +381,8 @@ class Sandbox:
             raise
         self.log.append("system", b"ready (from the warm pool)")
         self.touch()
-        if self.initial_cmd:
-            run.work.start_soon(self._initial_cmd)
+        if self.work.initial_cmd:
+            run.work.start_soon(self.work.run_initial)
 
     async def _watch_machine(self, life: Life, guest: Guest, scope: trio.CancelScope) -> None:
         rc = await guest.machine.wait()
@@ -395,27 +397,7 @@ class Sandbox:
             return
         with trio.move_on_after(run.timeout):
             await self._ckpt.wait_idle()  # a checkpoint in progress finishes first
-            while self.workloads or self.execs:
-                await self._workload_done.wait()
-
-    @property
-    def initial_cmd(self) -> tuple[str, ...]:
-        """What runs at the first ready: the Create's cmd, else its OCI image's
-        Entrypoint + Cmd. As a container runtime (and the SDK reference's WithCmd): a
-        Create's cmd replaces the image's Cmd, not its Entrypoint."""
-        img = self.record.image
-        if img is None:
-            return self.config.workload.cmd
-        return (*img.entrypoint, *self.config.workload.cmd) if self.config.workload.cmd else img.argv
-
-    async def _initial_cmd(self) -> None:
-        workload = self.run_workload(list(self.initial_cmd), env={})
-        try:
-            async with aclosing(workload) as outputs:
-                async for _ in outputs:
-                    pass
-        except DomainError as exc:  # its idle event (with the error) was emitted already
-            self.log.append("system", f"initial cmd failed: {exc}".encode())
+            await self.work.drain()
 
     # -- control ---------------------------------------------------------------
     def request_stop(self, timeout: float, *, force: bool = False) -> None:
@@ -476,7 +458,7 @@ class Sandbox:
         self.last_activity = trio.current_time()
 
     # -- work ------------------------------------------------------------------
-    def _require_alive(self) -> Guest:
+    def require_alive(self) -> Guest:
         guest = self.guest
         if self.state not in ALIVE or guest is None:
             raise FailedPrecondition(f"sandbox {self.id} is {self.state}, not ready or running")
@@ -487,7 +469,7 @@ class Sandbox:
         return guest
 
     def check_checkpointable(self) -> Guest:
-        guest = self._require_alive()
+        guest = self.require_alive()
         if self.state != State.READY:
             raise FailedPrecondition(f"sandbox {self.id} is {self.state}; checkpoint needs it ready")
         if self.execs or self.workloads:
@@ -513,160 +495,42 @@ class Sandbox:
             raise FailedPrecondition(f"sandbox {self.id} is {self.state}: not a fresh boot")
         return await self._ckpt.take(guest, snap_dir)
 
-    def _workload_finished(self) -> None:
-        self._workload_done.set()
-        self._workload_done = trio.Event()
+    @property
+    def workloads(self) -> int:
+        return self.work.runs
 
-    def _defaults(self, env: dict[str, str], cwd: str, user: str) -> tuple[dict[str, str], str, str]:
-        """The sandbox's create-time env, working dir and user are every command's
-        defaults, over its OCI image's; a call's own values win."""
-        w, img = self.config.workload, self.record.image
-        if img is None:
-            return {**w.env, **env}, cwd or w.working_dir, user or w.user
-        return {**img.env, **w.env, **env}, cwd or w.working_dir or img.working_dir, user or w.user or img.user
+    @property
+    def execs(self) -> int:
+        return self.work.execs
 
-    async def run_workload(
-        self,
-        argv: list[str],
-        *,
-        env: dict[str, str],
-        cwd: str = "",
-        user: str = "",
-        tty: bool = False,
-        timeout: float = 0.0,
-    ) -> AsyncGenerator[tuple[str, bytes, int | None], None]:
-        """A Run: the sandbox goes running, output streams as (stream, data, None), the
-        last item is ("exit", b"", code); then back to ready with an idle event."""
-        guest = self._require_alive()
-        if self.state == State.RUNNING:
-            raise FailedPrecondition(f"sandbox {self.id} is running a workload already")
-        if not argv:
-            raise InvalidArgument("cmd must not be empty")
-        env, cwd, user = self._defaults(env, cwd, user)
-        self.workloads += 1
+    def workload_started(self) -> None:
         self._set(State.RUNNING)
         self.emit(Action.RUNNING)
         self.touch()
-        code = -1
-        start_error = ""
-        try:
-            async with guest.channel.exec(argv, env=env, cwd=cwd, user=user, tty=tty, timeout=timeout) as h:
-                src_names = {P.STDOUT: "output" if tty else "stdout", P.STDERR: "stderr"}
-                async for ch, data in h:
-                    name = src_names[ch]
-                    self.log.append(name, data)
-                    yield ("stdout" if tty else name), data, None
-                assert h.exit is not None
-                code = h.exit.code
-            yield "exit", b"", code
-        except GuestOpError as exc:
-            code = 127 if exc.code == P.E_NOT_FOUND else 126
-            start_error = exc.message
-            raise guest_error(exc) from None
-        except GuestError as exc:  # the guest broke, went silent, or would not end it
-            raise guest_error(exc) from None
-        finally:
-            self.workloads -= 1
-            self.touch()
-            if self.record.state == State.RUNNING:  # (not stopping or failed meanwhile)
-                self._set(State.READY, last_exited_at=int(time.time()), last_exit_code=code)
-                extra = {"error": start_error} if start_error else {}
-                self.emit(Action.IDLE, exit_code=str(code), **extra)
-            else:
-                self.record.last_exited_at, self.record.last_exit_code = int(time.time()), code
-            self._workload_finished()
 
-    @asynccontextmanager
-    async def exec_session(
-        self,
-        argv: list[str],
-        *,
-        env: dict[str, str],
-        cwd: str = "",
-        user: str = "",
-        tty: bool = False,
-        rows: int = 24,
-        cols: int = 80,
-        timeout: float = 0.0,
-    ) -> AsyncIterator[ExecHandle]:
-        guest = self._require_alive()
-        if not argv:
-            raise InvalidArgument("cmd must not be empty")
-        env, cwd, user = self._defaults(env, cwd, user)
-        self.execs += 1
+    def workload_ended(self, code: int, error: str) -> None:
         self.touch()
-        try:
-            try:
-                async with guest.channel.exec(
-                    argv, env=env, cwd=cwd, user=user, tty=tty, rows=rows, cols=cols, timeout=timeout, stdin=True
-                ) as h:
-                    yield h
-            except GuestError as exc:
-                raise guest_error(exc) from None
-        finally:
-            self.execs -= 1
-            self.touch()
-            self._workload_finished()
+        if self.record.state == State.RUNNING:  # (not stopping or failed meanwhile)
+            self._set(State.READY, last_exited_at=int(time.time()), last_exit_code=code)
+            extra = {"error": error} if error else {}
+            self.emit(Action.IDLE, exit_code=str(code), **extra)
+        else:
+            self.record.last_exited_at, self.record.last_exit_code = int(time.time()), code
 
     async def guest_call(self, fn: Callable[[Guest], Awaitable[T]]) -> T:
         await self._ckpt.wait_idle()  # short calls wait out a checkpoint's pause
-        guest = self._require_alive()
+        guest = self.require_alive()
         try:
             return await fn(guest)
         except GuestError as exc:
             raise guest_error(exc) from None
 
-    @asynccontextmanager
-    async def read_file(self, path: str) -> AsyncIterator[FileReadStream]:
-        """A file of the guest, as a stream of chunks."""
-        guest = self._require_alive()
-        try:
-            async with guest.channel.read_file(path) as f:
-                yield f
-        except GuestError as exc:
-            raise guest_error(exc) from None
-
-    async def write_file(self, path: str, chunks: AsyncIterator[bytes], *, mode: int) -> None:
-        await self.guest_call(lambda g: g.channel.write_file(path, chunks, mode=mode))
-        self.touch()
-
-    @asynccontextmanager
-    async def read_tree(self, path: str) -> AsyncIterator[TreeReadStream]:
-        """The guest directory ``path`` as one tar stream (see GuestChannel.read_tree)."""
-        guest = self._require_alive()
-        try:
-            async with guest.channel.read_tree(path) as tar:
-                yield tar
-        except GuestError as exc:
-            raise guest_error(exc) from None
-        self.touch()
-
-    async def write_tree(self, path: str, chunks: AsyncIterator[bytes], *, owner: str = "") -> int:
-        """Unpack a tar stream into the guest directory ``path``; the number of entries."""
-        n = await self.guest_call(lambda g: g.channel.write_tree(path, chunks, owner=owner))
-        self.touch()
-        return n
-
     async def metrics(self) -> SandboxMetrics:
         m = await self.guest_call(lambda g: g.channel.metrics())
         life = self.life
-        cg = life.cgroup_stats() if life is not None else None
-        return SandboxMetrics(
-            cgroup_memory_bytes=cg.memory_bytes if cg is not None else 0,
-            cgroup_memory_limit_bytes=(cg.memory_limit or 0) if cg is not None else 0,
-            cgroup_oom_kills=cg.oom_kills if cg is not None else 0,
-            id=self.id,
-            timestamp=time.time_ns(),
-            cpu_percent=round(self.cpu_percent(), 2),
-            memory_total_bytes=int(m.mem.get("total", 0)),
-            memory_available_bytes=int(m.mem.get("available", 0)),
-            host_rss_bytes=self.host_rss(),
-            disk_read_bytes=int(m.disk.get("read_bytes", 0)),
-            disk_write_bytes=int(m.disk.get("write_bytes", 0)),
-            net_rx_bytes=int(m.net.get("rx_bytes", 0)),
-            net_tx_bytes=int(m.net.get("tx_bytes", 0)),
-            uptime_seconds=float(m.uptime),
-        )
+        if life is None:
+            raise FailedPrecondition(f"sandbox {self.id} is {self.state}, not ready or running")
+        return life.metrics(m, self.id, self.record.qemu_pid)
 
     def host_rss(self) -> int:
         return proc_rss(self.record.qemu_pid)
@@ -686,41 +550,16 @@ class Sandbox:
         return list(self.record.ports)
 
     async def expose(self, sandbox_port: int, host_port: int, protocol: Protocol) -> PortSpec:
-        """Forward ``sandbox_port`` from ``host_port`` (0: one is picked). A port that is
-        exposed already answers with its mapping (a retried call is safe), unless the
-        call names another host port for it (ALREADY_EXISTS)."""
-        self._require_alive()
-        net = self.network
-        if net is None:
-            raise FailedPrecondition(f"sandbox {self.id} has no network (create it with network mode 'tap' or 'user')")
-        if protocol == Protocol.UDP and net.restrict:
-            raise FailedPrecondition(
-                "QEMU's restricted user networking drops the guest's UDP replies (measured); expose UDP on a "
-                "sandbox created with outbound networking allowed"
-            )
-        async with self._ports_lock:
-            wanted = PortSpec(sandbox_port, host_port, protocol)
-            for p in self.record.ports:
-                if p.key == wanted.key:
-                    if host_port in (0, p.host_port):
-                        return p  # idempotent: the mapping as it is
-                    raise AlreadyExists(f"port {wanted.label()} is exposed already, on host port {p.host_port}")
-            life = self.life
-            if life is None or life.ports is None:
-                raise FailedPrecondition(f"sandbox {self.id} is {self.state}, not ready or running")
-            pm = await life.ports.forward(wanted)
-            self.record.ports.append(pm)
-            self.store.update_ports(self.record)
-        return pm
+        """Forward ``sandbox_port`` from ``host_port`` (0: one is picked); see
+        :meth:`Exposed.expose`."""
+        self.require_alive()
+        relays = self.life.ports if self.life is not None else None
+        return await self._exposed.expose(PortSpec(sandbox_port, host_port, protocol), self.network, relays)
 
     async def unexpose(self, sandbox_port: int, protocol: Protocol) -> None:
-        async with self._ports_lock:
-            match = [p for p in self.record.ports if p.key == (sandbox_port, protocol)]
-            if not match:
-                raise NotFound(f"port {sandbox_port}/{protocol} is not exposed")
-            pm = match[0]
-            life = self.life
-            if life is not None and life.ports is not None:
-                await life.ports.unforward(pm, hostfwd=life.guest is not None and self.state in ALIVE)
-            self.record.ports.remove(pm)
-            self.store.update_ports(self.record)
+        life = self.life
+
+        def serving() -> bool:
+            return life is not None and life.guest is not None and self.state in ALIVE
+
+        await self._exposed.unexpose((sandbox_port, protocol), life.ports if life else None, hostfwd=serving)
