@@ -70,9 +70,10 @@ from actors.model import (
     check_name,
     is_hidden,
 )
+from actors.netlink import check_network_available
 from actors.pools import Pools
 from actors.quotas import Admission, Quotas, check_sandbox_disk
-from actors.sandbox import Adopt, Boot, Plan, Resume, Sandbox, check_network_available
+from actors.sandbox import Adopt, Boot, Plan, Resume, Sandbox
 from actors.settings import Settings
 from actors.snapshot import Checkpoint, SnapshotStore
 from actors.store import Record, SnapshotRecord, Store

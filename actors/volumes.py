@@ -10,7 +10,7 @@ read-only by many; anything else is FAILED_PRECONDITION, naming the user::
 
     Create{volumes: [{name, path, read_only}]}
       registry.create --check--> Volumes (NotFound / FailedPrecondition, nothing made)
-      Sandbox._life  --claim---> Volumes --> machine.Volume(fd by path, serial vN)
+      Life._launch   --claim---> Volumes --> machine.Volume(fd by path, serial vN)
          QEMU: virtio-blk per volume (the supervisor opens the image, QEMU gets the fd)
          guestd: mount serial:vN at path (ro: read-only device and mount)
       end of life    --release-> Volumes

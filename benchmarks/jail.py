@@ -274,9 +274,9 @@ async def prepare(s: Side) -> dict[str, Any]:
     _, sb = await create(s, "origin", templates=False)
     pid = sb.record.qemu_pid
     info: dict[str, Any] = {"qemu": qemu_identity(pid)}
-    if sb._cell is not None and sb._cell.cgroup is not None:
-        st = sb._cell.cgroup.stats()
-        info["cgroup"] = {"version": sb._cell.cgroup.version, "memory_limit_mib": (st.memory_limit or 0) // MIB}
+    if sb.cell is not None and sb.cell.cgroup is not None:
+        st = sb.cell.cgroup.stats()
+        info["cgroup"] = {"version": sb.cell.cgroup.version, "memory_limit_mib": (st.memory_limit or 0) // MIB}
         info["jail_helper"] = str(s.reg.settings.cells.helper) if s.reg.settings.cells else None
     for snap in ("mapped", "pooled"):
         r = await s.call("Checkpoint", {"sandbox_id": "origin", "name": snap})
@@ -305,8 +305,8 @@ async def idle_memory(s: Side, count: int) -> dict[str, Any]:
     per = [smaps(sb.record.qemu_pid) for sb in sbs]
     cg = []
     for sb in sbs:
-        if sb._cell is not None and sb._cell.cgroup is not None:
-            cg.append(sb._cell.cgroup.stats().memory_bytes / MIB)
+        if sb.cell is not None and sb.cell.cgroup is not None:
+            cg.append(sb.cell.cgroup.stats().memory_bytes / MIB)
     sealed = s.reg.settings.cells.sealed.cached_bytes / MIB if s.reg.settings.cells else 0.0
     for name in names:
         await remove(s, name)
@@ -344,14 +344,14 @@ async def busy_memory(s: Side, seconds: float) -> dict[str, Any]:
             if sb.state not in ("ready", "running"):
                 raise RuntimeError(f"busy sandbox {sb.id} is {sb.state}: {sb.record.error}")
             rss = smaps(sb.record.qemu_pid)["Rss"] / 1024
-            cgroup = sb._cell.cgroup if sb._cell is not None else None
+            cgroup = sb.cell.cgroup if sb.cell is not None else None
             st = cgroup.stats() if cgroup is not None else None
             usage = st.memory_bytes / MIB if st else 0.0
             peak = (st.memory_peak or 0) / MIB if st else 0.0
             samples[k].append((rss, usage, peak))
     for k, sb in sbs.items():
         loops = await sb.guest_call(lambda g: g.channel.run(["cat", "/tmp/loops"]))
-        cgroup = sb._cell.cgroup if sb._cell is not None else None
+        cgroup = sb.cell.cgroup if sb.cell is not None else None
         st = cgroup.stats() if cgroup is not None else None
         rss_mib = [x[0] for x in samples[k]]
         peak = max(x[2] for x in samples[k])

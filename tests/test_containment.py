@@ -84,7 +84,7 @@ async def test_each_qemu_is_jailed_as_its_own_user(jailed: tuple[Registry, Path]
         assert st["Groups"] == ""
         for ns in ("mnt", "pid", "net", "ipc", "uts"):
             assert os.readlink(f"/proc/{pid}/ns/{ns}") != os.readlink(f"/proc/self/ns/{ns}"), ns
-        cell = sb._cell
+        cell = sb.cell
         assert cell is not None
         root, jail_dir = os.stat(f"/proc/{pid}/root"), os.stat(cell.spec.root)  # its "/" is the jail dir
         assert (root.st_dev, root.st_ino) == (jail_dir.st_dev, jail_dir.st_ino)
@@ -116,10 +116,10 @@ async def test_a_sandbox_user_cannot_touch_another_sandbox_or_snapshot(jailed: t
     b = await ready(reg, "b")
     snap, _ = await reg.checkpoint("b", name="s")
     # a booted (a RAM file of its own); b was restored from the boot template (a sealed memfd)
-    assert a._cell is not None and b._cell is not None and a._cell.ram is not None
-    uid_b = b._cell.identity.uid
+    assert a.cell is not None and b.cell is not None and a.cell.ram is not None
+    uid_b = b.cell.identity.uid
     for path in (
-        a._cell.ram,
+        a.cell.ram,
         snap.path / "memory",
         snap.path / "vmstate",
         a.files.disk,

@@ -24,8 +24,8 @@ import trio
 from grpc_clients import generate, make_pki
 
 from actors.model import State
+from actors.ports import free_port
 from actors.registry import Registry
-from actors.sandbox import free_port
 from images.build import Image
 from supervisor.proto.sandvisor.v1 import sandvisor_pb2 as sv
 from supervisor.proto.sandvisor.v1 import sandvisor_pb2_grpc as sv_grpc
