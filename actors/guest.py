@@ -6,15 +6,10 @@ callers send under a lock. The guest is hostile: every byte it sends is bounded
 (frames by ``MAX_FRAME``, stream data by the credit we granted), and any breach
 closes the channel with a typed error instead of growing memory or crashing.
 
-Error tree::
-
-    GuestError
-     +-- ChannelClosed (trio.ClosedResourceError)   we closed the channel, then used it
-     +-- ChannelBroken (trio.BrokenResourceError)   the guest went away or broke the protocol
-     |    +-- GuestProtocolError                     ... specifically, it sent something illegal
-     +-- HelloTimeout (trio.TooSlowError)           no hello answer in time (boot hung)
-     +-- GuestTimeout (trio.TooSlowError)           no answer to a request in time (a silent guest)
-     +-- GuestOpError                               the guest refused one request (code, message)
+actors/guestwire.py holds the error tree, the range checks of the guest's numbers and the
+request values; actors/gueststreams.py the streams of one request (exec, file and tree
+reads, flow control). This module re-exports them: ``from actors.guest import ...`` is
+the channel's whole API.
 
 Deadlines: every wait for the guest to answer something the host asked (a unary
 reply, exec_started, file_info, file data, credit for a file's data, the final Ok of
@@ -27,7 +22,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import math
 import os
 import signal
 import time
@@ -35,207 +29,65 @@ from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Sequen
 from contextlib import aclosing, asynccontextmanager
 from typing import Any, TypeVar
 
-import attrs
 import trio
 
 from actors._groups import collapse_single
+from actors.gueststreams import (
+    KILL_GRACE,
+    ExecHandle,
+    FileReadStream,
+    TreeReadStream,
+    _DataStream,
+    _Request,
+    _send_with_credit,
+)
+from actors.guestwire import (
+    PATCH_OPS,
+    ChannelBroken,
+    ChannelClosed,
+    ChannelStatistics,
+    ExecResult,
+    GuestError,
+    GuestOpError,
+    GuestProtocolError,
+    GuestTimeout,
+    HelloTimeout,
+    PatchEntry,
+    check_ranges,
+)
 from guestd import proto as P
 
+__all__ = [
+    "CLOCK_STALE_S",
+    "CLOCK_TRIES",
+    "FRAME_TIMEOUT",
+    "KILL_GRACE",
+    "PATCH_OPS",
+    "ChannelBroken",
+    "ChannelClosed",
+    "ChannelStatistics",
+    "ExecHandle",
+    "ExecResult",
+    "FileReadStream",
+    "GuestChannel",
+    "GuestError",
+    "GuestOpError",
+    "GuestProtocolError",
+    "GuestTimeout",
+    "HelloTimeout",
+    "PatchEntry",
+    "TreeReadStream",
+    "_DataStream",
+    "_Request",
+    "check_ranges",
+    "open_channel",
+]
+
 log = logging.getLogger("sandvisor.guest")
-KILL_GRACE = 5.0  # how long a guest has to end a process it should have killed (timeout, SIGKILL)
 CLOCK_STALE_S = 0.05  # a set_clock answered later than this set a stale time: it is sent again
 CLOCK_TRIES = 8  # ... at most this often (each try's error is its own round trip)
 FRAME_TIMEOUT = 30.0  # how long a guest may take to read one frame we send (as the daemon's guest_timeout)
 _M = TypeVar("_M", bound=P.Message)
-
-# What the host takes of a guest's numbers. The codec checks types only; these ranges are
-# what the rest of the host can hold (SQLite and protobuf int64, int32 exit codes, uint64
-# counters): a guest that sends more breaks the protocol, and only its own channel.
-_U31, _U63 = (0, 2**31 - 1), (0, 2**63 - 1)
-_I64 = (-(2**63), 2**63 - 1)
-_RANGES: dict[str, dict[str, tuple[float, float]]] = {
-    "hello_ok": {"pid": _U31, "boot_ns": _U63, "ready_ns": _U63, "activity": _U63, "version": _U31},
-    "pong": {"activity": _U63, "guest_ns": _I64},
-    "ok": {"activity": _U63, "value": _U63},
-    "exec_started": {"pid": _U31},
-    "exit": {"code": _U31, "signal": _U31},
-    "file_info": {"size": _U63, "mode": (0, 0o177777)},
-    "metrics_ok": {"uptime": (0, math.inf), "ncpu": _U31, "procs": _U31},
-    "data": {"ch": _U31},
-    "eof": {"ch": _U31},
-    "credit": {"ch": _U31, "n": _U63},
-}
-_VALUE_RANGES: dict[str, dict[str, tuple[float, float]]] = {  # every value of a map field
-    "hello_ok": {"marks": (0, math.inf)},
-    "metrics_ok": {"cpu_seconds": (0, math.inf), "mem": _U63, "disk": _U63, "net": _U63},
-}
-
-
-def check_ranges(msg: P.Message) -> None:
-    """BadMessage unless every number of ``msg`` is finite and in the host's range."""
-    for name, (lo, hi) in _RANGES.get(msg.TAG, {}).items():
-        v = getattr(msg, name)
-        if not (lo <= v <= hi and math.isfinite(v)):
-            raise P.BadMessage(f"{msg.TAG}.{name} out of range: {str(v)[:40]}")
-    for name, (lo, hi) in _VALUE_RANGES.get(msg.TAG, {}).items():
-        for key, v in getattr(msg, name).items():
-            if not (lo <= v <= hi and math.isfinite(v)):
-                raise P.BadMessage(f"{msg.TAG}.{name}[{key[:40]!r}] out of range: {str(v)[:40]}")
-
-
-class GuestError(Exception):
-    """Base of every error of the guest channel."""
-
-
-class ChannelClosed(GuestError, trio.ClosedResourceError):
-    """This end closed the channel and then tried to use it."""
-
-
-class ChannelBroken(GuestError, trio.BrokenResourceError):
-    """The guest went away (EOF, reset) or the channel was torn down under a request."""
-
-
-class GuestProtocolError(ChannelBroken):
-    """The guest sent something the protocol forbids; the channel is now closed."""
-
-
-class HelloTimeout(GuestError, trio.TooSlowError):
-    """The guest did not answer the hello in time."""
-
-
-class GuestTimeout(GuestError, trio.TooSlowError):
-    """The guest did not answer a request within the channel's answer timeout."""
-
-
-class GuestOpError(GuestError):
-    """The guest refused a request. ``code`` is one of the proto E_* codes."""
-
-    MAX_TEXT = 4096  # a guest's code and message, as far as the host keeps them (records, logs, replies)
-
-    def __init__(self, code: str, message: str) -> None:
-        code, message = code[:200], message[: self.MAX_TEXT]
-        super().__init__(f"{code}: {message}")
-        self.code = code
-        self.message = message
-
-
-@attrs.frozen
-class ExecResult:
-    exit_code: int
-    signal: int
-    timed_out: bool
-    stdout: bytes
-    stderr: bytes
-
-
-@attrs.frozen
-class ChannelStatistics:
-    requests_in_flight: int
-    frames_in: int
-    frames_out: int
-    bytes_in: int
-    bytes_out: int
-    dropped: int  # messages for requests that no longer exist
-
-
-class _Request:
-    """Receiving side of one request.
-
-    Messages are delivered in arrival order. Stream data is merged into the trailing
-    run of data entries (at most one entry per channel there), so a process writing
-    a byte at a time to a slow consumer costs no more than the credit we granted;
-    other messages queue, at most MAX_EVENTS of them.
-    """
-
-    MAX_EVENTS = 64
-
-    def __init__(self, chan: GuestChannel, rid: int) -> None:
-        self.chan = chan
-        self.rid = rid
-        self.queue: collections.deque[P.Message | tuple[int, bytearray]] = collections.deque()
-        self.events = 0
-        self.wakeup = trio.Event()
-        self.outstanding = {P.STDOUT: P.WINDOW, P.STDERR: P.WINDOW}  # bytes the guest may still send
-        self.send_credit = P.WINDOW  # bytes we may still send on STDIN
-        self.credit_changed = trio.Event()
-        self.broken: BaseException | None = None
-        self.done = False
-
-    @property
-    def buffered(self) -> int:
-        return sum(len(x[1]) for x in self.queue if isinstance(x, tuple))
-
-    def deliver(self, msg: P.Message) -> None:
-        if isinstance(msg, P.Credit):
-            if msg.ch != P.STDIN or msg.n < 0:
-                raise P.BadMessage(f"credit on channel {msg.ch}")
-            self.send_credit += msg.n
-            if self.send_credit > P.WINDOW:
-                raise P.BadMessage("guest granted more stdin credit than the window")
-            self.credit_changed.set()
-            self.credit_changed = trio.Event()
-            return
-        if isinstance(msg, P.Data):
-            left = self.outstanding.get(msg.ch)
-            if left is None or len(msg.data) > left:
-                raise P.BadMessage(f"data beyond granted credit on channel {msg.ch}")
-            self.outstanding[msg.ch] = left - len(msg.data)
-            trailing = self._trailing(msg.ch)
-            if trailing is not None:
-                trailing.extend(msg.data)
-            else:  # (data was once lost here whenever a message, e.g. file_info, was queued)
-                self.queue.append((msg.ch, bytearray(msg.data)))
-        else:
-            self.events += 1
-            if self.events > self.MAX_EVENTS:
-                raise P.BadMessage("too many messages for one request")
-            self.queue.append(msg)
-            if isinstance(msg, P.Error):  # a sender waiting for credit must see it now
-                self.credit_changed.set()
-                self.credit_changed = trio.Event()
-        self.wakeup.set()
-
-    def _trailing(self, ch: int) -> bytearray | None:
-        """The buffer of ``ch`` in the run of data entries at the queue's end, if any:
-        data merges only there, never past a queued message (order must hold)."""
-        for item in reversed(self.queue):
-            if not isinstance(item, tuple):
-                return None
-            if item[0] == ch:
-                return item[1]
-        return None
-
-    def peek_error(self) -> P.Error | None:
-        if self.queue and isinstance(self.queue[0], P.Error):
-            err = self.queue.popleft()
-            assert isinstance(err, P.Error)
-            return err
-        return None
-
-    def fail(self, exc: BaseException) -> None:
-        self.broken = exc
-        self.wakeup.set()
-        self.credit_changed.set()
-
-    async def next(self, timeout: float | None = None) -> P.Message:
-        """The next message; ``timeout``: GuestTimeout when none came for that long."""
-        deadline = trio.current_time() + timeout if timeout is not None else math.inf
-        while not self.queue:
-            if self.broken is not None:
-                raise self.broken
-            with trio.move_on_at(deadline):
-                await self.wakeup.wait()
-            if not self.wakeup.is_set() and not self.queue:
-                raise GuestTimeout(f"the guest did not answer within {timeout:g}s")
-            self.wakeup = trio.Event()
-        item = self.queue.popleft()
-        if isinstance(item, tuple):
-            ch, buf = item
-            data = bytes(buf)
-            await self.chan._grant(self.rid, ch, len(data))
-            return P.Data(rid=self.rid, ch=ch, data=data)
-        self.events -= 1
-        return item
 
 
 class GuestChannel:
@@ -735,211 +587,6 @@ class GuestChannel:
 
     async def umount(self, path: str) -> None:
         await self._unary(lambda rid: P.Umount(rid=rid, path=path), P.Ok)
-
-
-async def _send_with_credit(chan: GuestChannel, req: _Request, data: bytes, timeout: float | None = None) -> None:
-    """Send ``data`` on STDIN, waiting for credit (GuestTimeout when none came for
-    ``timeout``); an early error from the guest wins."""
-    view = memoryview(data)
-    while view:
-        while req.send_credit <= 0:
-            err = req.peek_error()
-            if err is not None:
-                raise GuestOpError(err.code, err.message)
-            if req.broken is not None:
-                raise req.broken
-            changed = req.credit_changed
-            with trio.move_on_after(math.inf if timeout is None else timeout):
-                await changed.wait()
-            if not changed.is_set():
-                raise GuestTimeout(f"the guest granted no credit for {timeout:g}s")
-        err = req.peek_error()
-        if err is not None:
-            raise GuestOpError(err.code, err.message)
-        n = min(len(view), req.send_credit, P.CHUNK)
-        req.send_credit -= n
-        await chan._send(P.Data(rid=req.rid, ch=P.STDIN, data=bytes(view[:n])))
-        view = view[n:]
-
-
-class ExecHandle:
-    """A running process in the guest. Iterate it for ``(channel, bytes)`` output.
-
-    With a ``timeout``, the guest kills the process then; the host gives up on it
-    :data:`KILL_GRACE` later (GuestTimeout), and as long after a SIGKILL it sent: a
-    guest that ignores either cannot hold a caller forever."""
-
-    def __init__(self, chan: GuestChannel, req: _Request, *, timeout: float = 0.0, stdin: bool = False) -> None:
-        self._chan = chan
-        self._req = req
-        self.pid = 0
-        self.exit: P.Exit | None = None
-        self._stdin = stdin
-        self._stdin_closed = False
-        self._timeout = timeout
-        self._deadline = trio.current_time() + timeout + KILL_GRACE if timeout > 0 else math.inf
-        self._why = f"the process ran {KILL_GRACE:g}s past its {timeout:g}s timeout and the guest did not end it"
-
-    @property
-    def rid(self) -> int:
-        return self._req.rid
-
-    def __aiter__(self) -> ExecHandle:
-        return self
-
-    async def __anext__(self) -> tuple[int, bytes]:
-        while self.exit is None:
-            with trio.move_on_at(self._deadline):
-                msg = await self._req.next()
-                if isinstance(msg, P.Data):
-                    return msg.ch, msg.data
-                if isinstance(msg, P.Exit):
-                    self.exit = msg
-                elif isinstance(msg, P.Error):
-                    raise GuestOpError(msg.code, msg.message)
-                continue
-            raise GuestTimeout(self._why)
-        raise StopAsyncIteration
-
-    async def wait(self) -> P.Exit:
-        """Discard remaining output and wait for the exit."""
-        async for _ in self:
-            pass
-        assert self.exit is not None
-        return self.exit
-
-    async def send_stdin(self, data: bytes) -> None:
-        if not self._stdin:
-            raise GuestOpError(P.E_INVALID, "this process was started without stdin")
-        if self._stdin_closed:
-            raise ChannelClosed("stdin already closed")
-        if self.exit is not None:
-            return
-        await _send_with_credit(self._chan, self._req, data)
-
-    async def close_stdin(self) -> None:
-        if self._stdin and not self._stdin_closed and self.exit is None:
-            self._stdin_closed = True
-            await self._chan._send(P.Eof(rid=self.rid, ch=P.STDIN))
-
-    async def resize(self, rows: int, cols: int) -> None:
-        if self.exit is None:
-            await self._chan._send(P.Resize(rid=self.rid, rows=rows, cols=cols))
-
-    async def signal(self, signum: int) -> None:
-        if self.exit is None:
-            await self._chan._send(P.Signal(rid=self.rid, signum=signum))
-            if signum == signal.SIGKILL:
-                self._deadline = min(self._deadline, trio.current_time() + KILL_GRACE)
-                self._why = f"the guest did not end the process within {KILL_GRACE:g}s of SIGKILL"
-
-
-class _DataStream:
-    """The guest's Data frames of one request as an async iterator of chunks, ended by its
-    Eof, bounded by ``LIMIT`` bytes (a guest that sends more breaks the protocol)."""
-
-    LIMIT = P.MAX_FILE
-    WHAT = "the file limit"
-
-    def __init__(self, req: _Request, timeout: float | None = None) -> None:
-        self._req = req
-        self._timeout = timeout
-        self.received = 0
-        self.eof = False
-
-    def __aiter__(self) -> _DataStream:
-        return self
-
-    async def __anext__(self) -> bytes:
-        while not self.eof:
-            msg = await self._req.next(self._timeout)
-            if isinstance(msg, P.Data):
-                self.received += len(msg.data)
-                if self.received > self.LIMIT:
-                    await self._req.chan._protocol_violation(f"guest sent more than {self.WHAT}")
-                return msg.data
-            if isinstance(msg, P.Eof):
-                self.eof = True
-            elif isinstance(msg, P.Error):
-                self.eof = True  # the guest ended its side
-                raise GuestOpError(msg.code, msg.message)
-        raise StopAsyncIteration
-
-
-class FileReadStream(_DataStream):
-    """A read_file's contents (its size and mode came first)."""
-
-    def __init__(self, req: _Request, size: int, mode: int, timeout: float | None = None) -> None:
-        super().__init__(req, timeout)
-        self.size = size
-        self.mode = mode
-
-
-class TreeReadStream(_DataStream):
-    """The tar stream of a read_tree, within the tree limits."""
-
-    LIMIT = P.MAX_TREE_STREAM
-    WHAT = "the tree limit"
-
-
-PATCH_OPS = ("file", "append", "mkdir", "remove", "symlink")
-
-
-@attrs.frozen
-class PatchEntry:
-    """One patch of the guest's file system (see :meth:`GuestChannel.patch`). Build with
-    the class methods; ``owner`` is user[:group] by the guest's names (or ids), "" = root;
-    ``mode`` None = 0644 for files, 0755 for directories."""
-
-    op: str = attrs.field(validator=attrs.validators.in_(PATCH_OPS))
-    path: str
-    data: bytes = b""
-    target: str = ""
-    mode: int | None = None
-    owner: str = ""
-    replace: bool = False
-
-    @classmethod
-    def file(
-        cls, path: str, data: bytes | str, *, mode: int | None = None, owner: str = "", replace: bool = False
-    ) -> PatchEntry:
-        """A file with these contents (ALREADY_EXISTS if one is there, unless ``replace``)."""
-        raw = data.encode() if isinstance(data, str) else bytes(data)
-        return cls("file", path, raw, mode=mode, owner=owner, replace=replace)
-
-    @classmethod
-    def append(cls, path: str, data: bytes | str, *, mode: int | None = None, owner: str = "") -> PatchEntry:
-        """Append to a file (made if missing)."""
-        raw = data.encode() if isinstance(data, str) else bytes(data)
-        return cls("append", path, raw, mode=mode, owner=owner)
-
-    @classmethod
-    def mkdir(cls, path: str, *, mode: int | None = None, owner: str = "") -> PatchEntry:
-        """A directory, with its parents (idempotent; mode and owner apply to it)."""
-        return cls("mkdir", path, mode=mode, owner=owner)
-
-    @classmethod
-    def remove(cls, path: str) -> PatchEntry:
-        """Remove a file or a directory tree (idempotent; symlinks removed, not followed)."""
-        return cls("remove", path)
-
-    @classmethod
-    def symlink(cls, target: str, link: str, *, owner: str = "", replace: bool = False) -> PatchEntry:
-        return cls("symlink", link, target=target, owner=owner, replace=replace)
-
-    def to_wire(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"op": self.op, "path": self.path}
-        if self.data:
-            d["data"] = self.data
-        if self.target:
-            d["target"] = self.target
-        if self.mode is not None:
-            d["mode"] = self.mode
-        if self.owner:
-            d["owner"] = self.owner
-        if self.replace:
-            d["replace"] = True
-        return d
 
 
 @asynccontextmanager
