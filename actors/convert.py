@@ -52,7 +52,8 @@ import trio
 from actors.cell import Cell
 from actors.crash import crash_point
 from actors.disk import create_overlay
-from actors.machine import LaunchError, Machine, MachineError, Placement, QemuUser
+from actors.machine import Machine, Placement
+from actors.qemuproc import LaunchError, MachineError, QemuUser
 from actors.settings import Settings
 from actors.snapshot import PART, Converted, allocated, helper_net, resume_spec, stat_key
 from actors.store import SnapshotRecord

@@ -67,11 +67,13 @@ from actors.errors import (
 )
 from actors.guest import GuestError, GuestOpError, GuestTimeout, PatchEntry
 from actors.hostnet import SandboxLink
-from actors.machine import AdoptedProcess, MachineError, Placement, Volume
+from actors.machine import Placement
 from actors.model import MemoryKind, SandboxMetrics, script_patches
 from actors.model import dump as dump_value
 from actors.model import load as load_value
 from actors.ports import PortRelays
+from actors.qemuproc import AdoptedProcess, MachineError
+from actors.qemuspec import Volume
 from actors.quotas import check_sandbox_disk
 from actors.snapshot import memory_for_restore, resume_spec
 from actors.store import LifeState, SnapshotRecord

@@ -35,17 +35,9 @@ import trio
 from actors._groups import collapse_single
 from actors.disk import backing_chain
 from actors.guest import GuestChannel, HelloTimeout, open_channel
-from actors.machine import (
-    AdoptedProcess,
-    LaunchError,
-    Machine,
-    MachineError,
-    MachineSpec,
-    Placement,
-    QemuUser,
-    Volume,
-    connect_guest_socket,
-)
+from actors.machine import Machine, Placement
+from actors.qemuproc import AdoptedProcess, LaunchError, MachineError, QemuUser, connect_guest_socket
+from actors.qemuspec import MachineSpec, Volume
 from images.build import Image, host_tsc_khz
 
 log = logging.getLogger("sandvisor.vm")

@@ -27,7 +27,9 @@ import trio
 from fakeguest import FakeGuest, Hostile
 
 from actors.guest import open_channel
-from actors.machine import LaunchError, MachineSpec, StagedDisk
+from actors.machine import StagedDisk
+from actors.qemuproc import LaunchError
+from actors.qemuspec import MachineSpec
 from actors.settings import Settings
 from actors.vm import Attach, BootError, BootTimeout, Guest, VmSpec
 from images.build import Image

@@ -18,7 +18,7 @@ import trio
 from conftest import cold_spec
 
 from actors.guest import GuestChannel, GuestOpError, PatchEntry
-from actors.machine import TooManyDevices, Volume
+from actors.qemuspec import TooManyDevices, Volume
 from actors.vm import booted_guest
 from actors.volumes import check_volume_image, create_volume_image
 from guestd import proto as P

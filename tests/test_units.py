@@ -442,7 +442,7 @@ except UnsafeRuntimeDir as e:
 def test_a_socket_reached_by_path_must_be_qemus() -> None:
     """An escaped QEMU could swap its socket for a symlink to another service's: the
     listener's pid, as the kernel recorded it, must be QEMU's."""
-    from actors.machine import LaunchError, check_peer
+    from actors.qemuproc import LaunchError, check_peer
 
     a, b = socket.socketpair()
     with a, b:
