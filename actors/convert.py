@@ -147,7 +147,7 @@ async def convert_streamed(rec: SnapshotRecord, settings: Settings) -> Converted
             network=helper_net(rec.config),
             name=f"convert-{rec.id}",
         )
-        spec = attrs.evolve(vm.machine_spec(), extra_args=("-S",))  # never runs the guest
+        spec = attrs.evolve(vm.machine, extra_args=("-S",))  # never runs the guest
         placement = (
             Placement(sock_dir=cell.sock_dir, qemu_dir=cell.qemu_dir, log=run_dir / "qemu.log", spawn=cell.spawn)
             if cell is not None

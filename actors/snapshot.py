@@ -255,7 +255,7 @@ def resume_spec(
     line, its vCPUs and memory, the devices of its configuration (its balloon too).
     Restores and the converter's helper both start from it, so their devices match the
     stream's. ``preload``: the discard shim, for a balloon on privately mapped RAM."""
-    return VmSpec(
+    return VmSpec.of(
         kernel=snap.path / "kernel",
         initrd=snap.path / "initrd",
         append=snap.machine.append,

@@ -199,7 +199,7 @@ class FakeLab:
         guest = FakeGuest(hostname=spec.name, files=files, hostile=attrs.evolve(self.hostile))
         self.guests.append(guest)
         await self.nursery.start(guest.run)
-        machine = FakeMachine(spec.machine_spec(), guest, self)
+        machine = FakeMachine(spec.machine, guest, self)
         self.machines.append(machine)
         if at.on_spawned is not None:
             assert machine.pid is not None
