@@ -36,7 +36,7 @@ from actors import jail
 from actors.cgroups import Cgroup, CgroupError, CgroupLimits, CgroupManager
 from actors.cgroups import find as find_cgroups
 from actors.guestmem import SealedMemoryCache, create_ram_file, private_dir, remove_ram_file
-from actors.machine import Proc
+from actors.qemuproc import Proc
 
 if TYPE_CHECKING:
     from actors.toolcell import ToolCells
@@ -115,7 +115,7 @@ class Cell:
                 helper=self.cells.helper,
             )
         except jail.JailError as exc:
-            from actors.machine import LaunchError
+            from actors.qemuproc import LaunchError
 
             raise LaunchError(f"cannot start QEMU in its jail: {exc}") from None
 

@@ -20,7 +20,7 @@ import trio
 from actors.errors import FailedPrecondition, Internal
 from actors.files import SandboxFiles
 from actors.logs import SandboxLog
-from actors.machine import MachineError
+from actors.qemuproc import MachineError
 from actors.settings import Settings
 from actors.snapshot import Checkpoint, checkpoint_guest, still_running
 from actors.store import Record, Store

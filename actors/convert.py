@@ -52,7 +52,8 @@ import trio
 from actors.cell import Cell
 from actors.crash import crash_point
 from actors.disk import create_overlay
-from actors.machine import LaunchError, Machine, MachineError, Placement, QemuUser
+from actors.machine import Machine, Placement
+from actors.qemuproc import LaunchError, MachineError, QemuUser
 from actors.settings import Settings
 from actors.snapshot import PART, Converted, allocated, helper_net, resume_spec, stat_key
 from actors.store import SnapshotRecord
@@ -146,7 +147,7 @@ async def convert_streamed(rec: SnapshotRecord, settings: Settings) -> Converted
             network=helper_net(rec.config),
             name=f"convert-{rec.id}",
         )
-        spec = attrs.evolve(vm.machine_spec(), extra_args=("-S",))  # never runs the guest
+        spec = attrs.evolve(vm.machine, extra_args=("-S",))  # never runs the guest
         placement = (
             Placement(sock_dir=cell.sock_dir, qemu_dir=cell.qemu_dir, log=run_dir / "qemu.log", spawn=cell.spawn)
             if cell is not None

@@ -5,7 +5,7 @@ A sandbox's disk is a chain of qcow2 layers over a read-only base::
     sandbox overlay (read-write) -> snapshot disk -> ... -> base rootfs (raw or qcow2)
 
 QEMU never opens a layer by path (it runs unprivileged and gets descriptors, see
-:class:`~actors.machine.MachineSpec`), so the supervisor reads the chain from the
+:class:`~actors.qemuspec.MachineSpec`), so the supervisor reads the chain from the
 headers itself: the backing file name is at offsets 8 (offset) and 16 (length).
 
 Only a *trusted* base (the built image, an OCI image the store made, the store's own
@@ -32,7 +32,7 @@ from pathlib import Path
 import attrs
 import trio
 
-from actors.machine import LaunchError
+from actors.qemuproc import LaunchError
 
 QCOW2_MAGIC = b"QFI\xfb"
 MAX_CHAIN = 64

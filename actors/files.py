@@ -28,7 +28,7 @@ from actors.crash import crash_point
 from actors.disk import create_overlay
 from actors.durable import fsync_dir, fsync_path
 from actors.logs import SandboxLog
-from actors.machine import QemuUser
+from actors.qemuproc import QemuUser
 from actors.settings import Settings
 
 log = logging.getLogger("sandvisor.files")

@@ -67,15 +67,16 @@ from actors.errors import (
 )
 from actors.guest import GuestError, GuestOpError, GuestTimeout, PatchEntry
 from actors.hostnet import SandboxLink
-from actors.machine import AdoptedProcess, MachineError, Placement, Volume
+from actors.machine import Placement
 from actors.model import MemoryKind, SandboxMetrics, script_patches
 from actors.model import dump as dump_value
-from actors.model import load as load_value
 from actors.ports import PortRelays
+from actors.qemuproc import AdoptedProcess, MachineError
+from actors.qemuspec import Volume
 from actors.quotas import check_sandbox_disk
 from actors.snapshot import memory_for_restore, resume_spec
 from actors.store import LifeState, SnapshotRecord
-from actors.vm import TAP_FD, Attach, BootError, Guest, VmSpec
+from actors.vm import TAP_FD, Attach, BootError, Guest, VmSpec, load_spec
 from guestd import proto as P
 
 if TYPE_CHECKING:
@@ -321,7 +322,7 @@ class Life:
         ram, shared = self._ram(plan)
         if self._ram_fd >= 0:
             fds["ram"] = self._ram_fd
-        spec = attrs.evolve(self._vm_spec(plan, ram, shared), volumes=volumes)
+        spec = self._vm_spec(plan, ram, shared).with_volumes(volumes)
         placement = (
             Placement(sock_dir=cell.sock_dir, qemu_dir=cell.qemu_dir, log=run_dir / "qemu.log", spawn=cell.spawn)
             if cell is not None
@@ -359,7 +360,7 @@ class Life:
         if life.uid and cells is not None:
             self.cell = cells.reopen(sb.record.uid[:18], run_dir, life.uid, life.ram)
         placement = Placement(sock_dir=Path(life.sock_dir), log=run_dir / "qemu.log")
-        spec = load_value(life.spec, VmSpec)
+        spec = load_spec(life.spec)
         if sb.volumes is not None and sb.config.volumes:
             sb.volumes.claim(sb.record.uid, sb.id, sb.config.volumes, adopted=True)
         self.link = netlink.readopt_link(sb.settings, sb.config.network, sb.record.uid)

@@ -19,10 +19,10 @@ from actors.errors import FailedPrecondition, ResourceExhausted
 from actors.guest import GuestError
 from actors.hostnet import SandboxLink
 from actors.ippool import PoolExhausted, link_name
-from actors.machine import MachineError
 from actors.model import NetMode, Network
 from actors.netns import NetError
 from actors.nft import NftError
+from actors.qemuproc import MachineError
 from actors.settings import Settings
 from actors.vm import Guest, NetConfig
 

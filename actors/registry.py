@@ -54,7 +54,6 @@ from actors.events import EventBus
 from actors.files import SandboxFiles
 from actors.guestmem import private_dir
 from actors.ippool import link_name
-from actors.machine import AdoptedProcess, MachineError, start_time, unsearchable_parent
 from actors.model import (
     ALIVE,
     POOL_PREFIX,
@@ -72,6 +71,7 @@ from actors.model import (
 )
 from actors.netlink import check_network_available
 from actors.pools import Pools
+from actors.qemuproc import AdoptedProcess, MachineError, start_time, unsearchable_parent
 from actors.quotas import Admission, Quotas, check_sandbox_disk
 from actors.sandbox import Adopt, Boot, Plan, Resume, Sandbox
 from actors.settings import Settings

@@ -56,7 +56,6 @@ from actors.life import (
     proc_cpu_seconds,
     proc_rss,
 )
-from actors.machine import MachineError
 from actors.model import (
     ALIVE,
     ENDED,
@@ -70,6 +69,7 @@ from actors.model import (
     is_hidden,
 )
 from actors.ports import Exposed
+from actors.qemuproc import MachineError
 from actors.settings import Settings
 from actors.snapshot import Checkpoint
 from actors.store import Record, Store

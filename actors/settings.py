@@ -10,8 +10,8 @@ import attrs
 
 from actors.cell import Cells
 from actors.hostnet import HostNetwork
-from actors.machine import QemuUser
 from actors.model import Limits
+from actors.qemuproc import QemuUser
 from actors.vm import Attach, Guest, VmSpec, booted_guest
 from images.build import Image
 from images.oci import ImageStore

@@ -64,8 +64,8 @@ from actors.durable import fsync_dir
 from actors.errors import DomainError, FailedPrecondition, InvalidArgument, NotFound
 from actors.files import SandboxFiles
 from actors.jail import JailError
-from actors.machine import MachineError, QemuUser, unsearchable_parent
 from actors.model import ImageUse, MemoryKind, NetMode, SandboxConfig
+from actors.qemuproc import MachineError, QemuUser, unsearchable_parent
 from actors.settings import Settings
 from actors.store import MachineRecord, Record, SnapshotRecord, Store
 from actors.vm import Guest, NetConfig, VmSpec
@@ -255,7 +255,7 @@ def resume_spec(
     line, its vCPUs and memory, the devices of its configuration (its balloon too).
     Restores and the converter's helper both start from it, so their devices match the
     stream's. ``preload``: the discard shim, for a balloon on privately mapped RAM."""
-    return VmSpec(
+    return VmSpec.of(
         kernel=snap.path / "kernel",
         initrd=snap.path / "initrd",
         append=snap.machine.append,

@@ -11,7 +11,7 @@ the RAM file, the run dir) belong to the caller (a sandbox's
 ::
 
     booted_guest(spec, run_dir)
-      Machine.run -------------------> QEMU (argv from spec.machine_spec())
+      Machine.run -------------------> QEMU (argv from spec.machine)
       [restore] migrate-incoming fd: <- vmstate
       connect <run_dir>/guest.sock     (raced against QEMU exiting)
       HOST_SYNC + Hello -------------> guestd
@@ -35,17 +35,10 @@ import trio
 from actors._groups import collapse_single
 from actors.disk import backing_chain
 from actors.guest import GuestChannel, HelloTimeout, open_channel
-from actors.machine import (
-    AdoptedProcess,
-    LaunchError,
-    Machine,
-    MachineError,
-    MachineSpec,
-    Placement,
-    QemuUser,
-    Volume,
-    connect_guest_socket,
-)
+from actors.machine import Machine, Placement
+from actors.model import load as load_value
+from actors.qemuproc import AdoptedProcess, LaunchError, MachineError, connect_guest_socket
+from actors.qemuspec import MachineSpec, Volume
 from images.build import Image, host_tsc_khz
 
 log = logging.getLogger("sandvisor.vm")
@@ -144,40 +137,69 @@ def network_cmdline(net: NetConfig | None) -> str:
 
 @attrs.frozen
 class VmSpec:
-    """Everything one VM life is brought up from: the files it boots (or the state it
-    resumes), its machine, and how long it may take to say hello.
+    """Everything one VM life is brought up from: its machine (QEMU's command line:
+    the files it boots, its devices, its RAM), the state it resumes, and how long it
+    may take to say hello.
 
-    ``disk``: the sandbox's overlay, which exists (its layers are read from its
-    headers). ``ram``: guest RAM in this file, mapped shared (``ram_shared``: a
-    checkpoint copies it) or privately (a restore maps a snapshot's RAM copy-on-write);
-    None for anonymous RAM. ``restore``: a saved state (vmstate) to resume instead of
-    booting; the machine fields must be those it was saved with."""
+    ``restore``: a saved state (vmstate) to resume instead of booting; the machine
+    must be the one it was saved with, started with ``-incoming`` (``incoming``).
+    :meth:`of` and :meth:`boot` derive the machine's network devices, disk chain, RAM
+    file and ``incoming`` from what a caller knows."""
 
-    kernel: Path
-    initrd: Path
-    append: str
-    disk: Path | None = None
-    cpus: int = 1
-    memory_mib: int = 256
-    accel: str = "tcg"
-    user: QemuUser | None = None
-    network: NetConfig | None = None
-    ram: Path | None = None
-    ram_shared: bool = True
+    machine: MachineSpec
     restore: Path | None = None
-    # the layers below ``disk``, top first, as the store recorded them (None: read from
-    # the overlay's header, which only a caller that made the file itself may trust)
-    chain: tuple[Path, ...] | None = None
     boot_timeout: float = 60.0
     answer_timeout: float | None = None  # every guest request's deadline (None: none)
     name: str = "vm"
-    machine: str = "microvm"
-    sandbox: bool = True
-    extra_ports: tuple[str, ...] = ()
-    balloon: bool = False  # a virtio-balloon reporting free pages (see MachineSpec.balloon)
-    preload: Path | None = None  # the discard shim, for a balloon on privately mapped RAM
-    tb_size_mib: int | None = 64  # TCG's translation cache (see MachineSpec.tb_size_mib)
-    volumes: tuple[Volume, ...] = ()  # named volumes as virtio-blk, in order (a restore: as saved)
+
+    def __attrs_post_init__(self) -> None:
+        if self.machine.incoming != (self.restore is not None):
+            raise ValueError("a restore's machine starts with -incoming, a boot's without")
+
+    @classmethod
+    def of(
+        cls,
+        *,
+        kernel: Path,
+        initrd: Path,
+        append: str,
+        disk: Path | None = None,
+        chain: tuple[Path, ...] | None = None,
+        network: NetConfig | None = None,
+        ram: Path | None = None,
+        ram_shared: bool = True,
+        restore: Path | None = None,
+        boot_timeout: float = 60.0,
+        answer_timeout: float | None = None,
+        name: str = "vm",
+        **machine: Any,
+    ) -> VmSpec:
+        """A VM from the files it boots and the state it resumes. ``disk``: the
+        sandbox's overlay, which exists; ``chain``: the layers below it, top first, as
+        the store recorded them (None: read from the overlay's header, which only a
+        caller that made the file itself may trust). ``network``: the guest's network
+        devices. ``ram``: guest RAM in this file, mapped shared (``ram_shared``: a
+        checkpoint copies it) or privately (a restore maps a snapshot's RAM
+        copy-on-write); None for anonymous RAM. ``machine``: the rest of
+        :class:`MachineSpec` (cpus, memory_mib, accel, user, machine, balloon, ...)."""
+        return cls(
+            MachineSpec(
+                kernel=kernel,
+                initrd=initrd,
+                append=append,
+                disk=disk,
+                disk_chain=(chain if chain is not None else backing_chain(disk)) if disk is not None else (),
+                netdev=netdev_args(network),
+                memory_file=ram,
+                memory_shared=ram_shared,
+                incoming=restore is not None,
+                **machine,
+            ),
+            restore=restore,
+            boot_timeout=boot_timeout,
+            answer_timeout=answer_timeout,
+            name=name,
+        )
 
     @classmethod
     def boot(
@@ -193,14 +215,15 @@ class VmSpec:
         machine: str = "microvm",
         **kw: Any,
     ) -> VmSpec:
-        """A fresh boot of ``image`` (or of ``kernel`` with the image's runtime)."""
+        """A fresh boot of ``image`` (or of ``kernel`` with the image's runtime); ``kw``:
+        :meth:`of`'s."""
         append = kernel_cmdline(
             accel,
             root=disk is not None,
             hostname=hostname,
             extra=" ".join(x for x in (network_cmdline(network), extra_cmdline) if x),
         )
-        return cls(
+        return cls.of(
             kernel=kernel or (image.kernel if machine == "microvm" else image.kernel_bz),
             initrd=image.initrd,
             append=append,
@@ -215,33 +238,29 @@ class VmSpec:
     @property
     def mapped_restore(self) -> bool:
         """A restore whose RAM is the snapshot's file (x-ignore-shared on both sides)."""
-        return self.restore is not None and self.ram is not None and not self.ram_shared
+        m = self.machine
+        return self.restore is not None and m.memory_file is not None and not m.memory_shared
 
-    def machine_spec(self) -> MachineSpec:
-        return MachineSpec(
-            kernel=self.kernel,
-            initrd=self.initrd,
-            disk=self.disk,
-            cpus=self.cpus,
-            memory_mib=self.memory_mib,
-            append=self.append,
-            accel=self.accel,
-            machine=self.machine,
-            sandbox=self.sandbox,
-            user=self.user,
-            disk_chain=(self.chain if self.chain is not None else backing_chain(self.disk))
-            if self.disk is not None
-            else (),
-            extra_ports=self.extra_ports,
-            netdev=netdev_args(self.network),
-            memory_file=self.ram,
-            memory_shared=self.ram_shared,
-            incoming=self.restore is not None,
-            balloon=self.balloon,
-            preload=self.preload,
-            tb_size_mib=self.tb_size_mib,
-            volumes=self.volumes,
-        )
+    def with_volumes(self, volumes: tuple[Volume, ...]) -> VmSpec:
+        return attrs.evolve(self, machine=attrs.evolve(self.machine, volumes=volumes))
+
+
+def load_spec(data: Any) -> VmSpec:
+    """A VmSpec as a life record holds it (:func:`actors.model.dump`). A record an
+    earlier supervisor wrote (``serve --keep-sandboxes``, then an upgrade) has the
+    flat form, :meth:`VmSpec.of`'s arguments with ``machine`` the machine type: read as
+    that supervisor derived its machine."""
+    if isinstance(data, dict) and not isinstance(data.get("machine", {}), dict):
+        d = dict(data)
+        own = {k: d.pop(k) for k in ("restore", "boot_timeout", "answer_timeout", "name") if k in d}
+        network = load_value(d.pop("network", None), NetConfig | None)  # type: ignore[arg-type]
+        chain, disk = d.pop("chain", None), d.get("disk")
+        if chain is None and disk is not None:
+            chain = [str(p) for p in backing_chain(Path(disk))]
+        d["memory_file"], d["memory_shared"] = d.pop("ram", None), d.pop("ram_shared", True)
+        d.update(disk_chain=chain or [], netdev=list(netdev_args(network)), incoming=own.get("restore") is not None)
+        data = {"machine": d, **own}
+    return load_value(data, VmSpec)
 
 
 @attrs.define
@@ -284,10 +303,10 @@ async def booted_guest(spec: VmSpec, where: Path | Attach) -> AsyncIterator[Gues
     hello; its processes ran on)."""
     at = where if isinstance(where, Attach) else Attach(Placement.plain(where))
     if at.adopt is not None:
-        vm = Machine.adopt(spec.machine_spec(), at.placement, at.adopt, name=spec.name)
+        vm = Machine.adopt(spec.machine, at.placement, at.adopt, name=spec.name)
         vm.resume_life_state(at.disk_top, at.staged)
     else:
-        vm = Machine(spec.machine_spec(), at.placement, name=spec.name, fds=at.fds, on_spawned=at.on_spawned)
+        vm = Machine(spec.machine, at.placement, name=spec.name, fds=at.fds, on_spawned=at.on_spawned)
     async with _running(vm, time.monotonic(), spec, adopted=at.adopt is not None, restore_fd=at.restore_fd) as guest:
         yield guest
 

@@ -23,7 +23,7 @@ Volume images: raw ext4 files made and checked on the host, never mounted there.
 
 A volume is a sparse file with an ext4 file system, made by ``mkfs.ext4`` (no loop
 device, no mount: a file system the host never mounts cannot attack the host's
-kernel), attached to a VM as virtio-blk (:class:`actors.machine.Volume`) and mounted
+kernel), attached to a VM as virtio-blk (:class:`actors.qemuspec.Volume`) and mounted
 in the guest by guestd (``GuestChannel.mount``). Only the blocks the guest writes
 take disk space: ``lazy_itable_init`` and ``lazy_journal_init`` leave the inode
 tables and the journal unwritten at creation (the guest kernel zeroes the inode
@@ -52,8 +52,8 @@ import trio
 
 from actors.durable import fsync_dir, fsync_path
 from actors.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from actors.machine import Volume
 from actors.model import VolumeMount, VolumeRecord
+from actors.qemuspec import Volume
 from actors.toolcell import ToolCells, fsck_in_cell
 from images.tools import ToolError, ToolResult
 

@@ -46,7 +46,7 @@ def _host_errors(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.
 
     def run(args: argparse.Namespace) -> int:
         from actors.guest import GuestError
-        from actors.machine import MachineError
+        from actors.qemuproc import MachineError
         from images.build import BuildError
 
         try:
@@ -109,7 +109,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from actors.machine import resolve_accel
+    from actors.qemuspec import resolve_accel
     from images.build import default_cache, load_default
 
     out = Console()
@@ -321,9 +321,9 @@ def _refusal(exc: BaseException) -> str | None:
     from actors.cgroups import CgroupError
     from actors.errors import DomainError
     from actors.jail import JailError
-    from actors.machine import MachineError
     from actors.netns import NetError
     from actors.nft import NftError
+    from actors.qemuproc import MachineError
     from images.build import BuildError
     from supervisor.config import UnsafeRuntimeDir
     from supervisor.daemon import Refused

@@ -28,7 +28,8 @@ from actors import helpers
 from actors.cell import Cells, JailConfig
 from actors.hostnet import HostNetConfig, HostNetwork
 from actors.ippool import IpPool, parse_pool
-from actors.machine import resolve_accel, unprivileged_user, unsearchable_parent
+from actors.qemuproc import unprivileged_user, unsearchable_parent
+from actors.qemuspec import resolve_accel
 from actors.quotas import Quotas, gated, start_slots
 from actors.registry import Registry
 from actors.settings import Settings

@@ -26,7 +26,7 @@ import trio
 from actors import helpers
 from actors.disk import create_overlay
 from actors.guest import GuestChannel, open_channel
-from actors.machine import MachineSpec
+from actors.qemuspec import MachineSpec
 from actors.vm import VmSpec, kernel_cmdline
 from images.build import Builder, Image, default_cache
 from supervisor.throwaway import supervisor_process, workdir

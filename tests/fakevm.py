@@ -27,7 +27,9 @@ import trio
 from fakeguest import FakeGuest, Hostile
 
 from actors.guest import open_channel
-from actors.machine import LaunchError, MachineSpec, StagedDisk
+from actors.machine import StagedDisk
+from actors.qemuproc import LaunchError
+from actors.qemuspec import MachineSpec
 from actors.settings import Settings
 from actors.vm import Attach, BootError, BootTimeout, Guest, VmSpec
 from images.build import Image
@@ -197,7 +199,7 @@ class FakeLab:
         guest = FakeGuest(hostname=spec.name, files=files, hostile=attrs.evolve(self.hostile))
         self.guests.append(guest)
         await self.nursery.start(guest.run)
-        machine = FakeMachine(spec.machine_spec(), guest, self)
+        machine = FakeMachine(spec.machine, guest, self)
         self.machines.append(machine)
         if at.on_spawned is not None:
             assert machine.pid is not None

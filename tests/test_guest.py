@@ -12,13 +12,12 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import attrs
 import pytest
 import trio
 from conftest import cold_spec
 
 from actors.guest import GuestChannel, GuestOpError, PatchEntry
-from actors.machine import TooManyDevices, Volume
+from actors.qemuspec import TooManyDevices, Volume
 from actors.vm import booted_guest
 from actors.volumes import check_volume_image, create_volume_image
 from guestd import proto as P
@@ -551,12 +550,12 @@ async def test_a_volume_written_then_seen_read_only(image: Image, tmp_run: Path)
     await create_volume_image(vol, 64 << 20, label="data")
     base = await cold_spec(image, tmp_run, hostname="vol")
     # the slot budget: the channel and the root disk take two of the 24
-    spec24 = attrs.evolve(base, volumes=(Volume(vol, read_only=True),) * 23).machine_spec()
+    spec24 = base.with_volumes((Volume(vol, read_only=True),) * 23).machine
     assert spec24.max_volumes() == 22
     with pytest.raises(TooManyDevices, match="at most 22 volumes"):
         spec24.argv(tmp_run)
     with trio.fail_after(240):
-        async with booted_guest(attrs.evolve(base, volumes=(Volume(vol),)), tmp_run) as g:
+        async with booted_guest(base.with_volumes((Volume(vol),)), tmp_run) as g:
             await g.channel.mount("serial:vol0", "/data")
             await g.channel.write_file("/data/hello", b"written in life one", owner="nobody")
             await g.channel.patch([PatchEntry.mkdir("/data/dir", owner="nobody")])
@@ -568,7 +567,7 @@ async def test_a_volume_written_then_seen_read_only(image: Image, tmp_run: Path)
         run2 = tmp_run / "two"
         run2.mkdir()
         base2 = await cold_spec(image, run2, hostname="vol2")
-        spec2 = attrs.evolve(base2, volumes=(Volume(vol, read_only=True, serial="data"),))
+        spec2 = base2.with_volumes((Volume(vol, read_only=True, serial="data"),))
         async with booted_guest(spec2, run2) as g:
             with pytest.raises(GuestOpError) as e:
                 await g.channel.mount("serial:data", "/data")  # read-write on a read-only disk

@@ -13,7 +13,8 @@ import trio
 from conftest import cold_spec
 
 from actors.guest import ChannelBroken, GuestOpError
-from actors.machine import LaunchError, Runstate
+from actors.machine import Runstate
+from actors.qemuproc import LaunchError
 from actors.vm import BootError, booted_guest
 from images.build import Image
 
