@@ -52,7 +52,7 @@ def clock(impl: str) -> MockClock | None:
 @pytest.fixture
 def real_vm(impl: str, request: pytest.FixtureRequest) -> SharedVM | None:
     """The shared VM, booted (synchronously, before the test's trio.run) only for "real"."""
-    return request.getfixturevalue("shared_vm") if impl == "real" else None  # type: ignore[no-any-return]
+    return request.getfixturevalue("shared_vm") if impl == "real" else None
 
 
 @attrs.define
@@ -83,6 +83,7 @@ class Guest:
 @pytest.fixture
 async def guest(impl: str, real_vm: SharedVM | None) -> AsyncIterator[Guest]:
     if impl == "fake":
+        assert isinstance(trio.lowlevel.current_clock(), MockClock), "take `clock`: the fake's waits must cost no time"
         async with fake_guest(hostname="sandbox") as g:
             yield Guest(impl, g, None)
     else:
