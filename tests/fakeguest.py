@@ -52,13 +52,14 @@ mini shell: simple commands joined by ``;``, newline, ``&&``, ``||`` and ``&``
 
 Trees, patches and mounts (protocol 2) work on the same model: ``read_tree`` streams a
 real tar (tarfile, pax) of a directory's files, directories and symlinks (``guest.symlinks``:
-path -> target, recorded, never followed), ``write_tree`` unpacks one under guestd's rules
-(the same name checks: absolute names, ``..``, names through a symlink, devices and FIFOs,
-hard links outside the archive are INVALID_ARGUMENT, and nothing of the archive is
-written then), ``patch`` applies its entries in order, ``mount``/``umount`` record mounts
-of the disks in ``guest.disks`` (device or ``serial:NAME`` -> read-only). Owners given by
-write_file, write_tree and patch are recorded in ``guest.owners`` (path -> (uid, gid)),
-resolved from the fake's user table; modes with the file (or ``guest.dir_modes``).
+path -> target; reads follow them, writes never do), ``write_tree`` unpacks one under
+guestd's rules (the same name checks: absolute names, ``..``, names through a symlink,
+devices and FIFOs, hard links outside the archive are INVALID_ARGUMENT, and nothing of
+the archive is written then), ``patch`` applies its entries in order, ``mount``/``umount``
+record mounts of the disks in ``guest.disks`` (device or ``serial:NAME`` -> read-only).
+Owners given by write_file, write_tree and patch are recorded in ``guest.owners`` (path ->
+(uid, gid)), resolved from the fake's user and group tables; modes with the file (or
+``guest.dir_modes``).
 
 Hostile modes (:class:`Hostile`, ``guest.hostile``, switchable at any time): go
 silent (now or after the next hello), stop reading (deaf), ignore kills, flood frames
@@ -71,12 +72,15 @@ when the command reads it, and a killed process's unread output is lost, where g
 still delivers what sits in the pipe); background children holding the exec's output
 (theirs is discarded, so guestd's 200 ms drain grace never applies); a real TTY (output
 gets ONLCR and stderr merged into stdout, but there is no echo, line discipline, job
-control or ^C); users beyond a table (root, nobody, numeric ids) and permissions beyond
-the trees a test marks read-only (``guest.readonly``: EROFS, so PERMISSION_DENIED); /proc,
-/sys and special files (a write under /proc is NOT_FOUND, as guestd answers); symlinks;
+control or ^C); users and groups beyond tables (users root, nobody; groups root, nogroup,
+as Debian's; numeric ids) and permissions beyond the trees a test marks read-only
+(``guest.readonly``: EROFS, so PERMISSION_DENIED); /proc, /sys and special files (a
+write under /proc is NOT_FOUND, as guestd answers); symlinks anywhere but on reads;
 write_file's visible temporary file; guestd's out-buffer limit (a host that stops
 reading blocks the fake on a socketpair, or lets a memory stream grow); vsock; the
 power-off sequence (sync, remount). Metrics are fixed, plausible numbers.
+
+tests/test_guest_contract.py runs the same protocol tests against this fake and guestd.
 """
 
 from __future__ import annotations
@@ -114,6 +118,7 @@ UNKNOWN_RID = 1 << 30  # rids of the flood: far above what a host hands out
 _FHS = "/ /bin /dev /etc /home /root /run /sbin /tmp /var /usr /usr/bin /usr/sbin /usr/local /usr/local/bin"
 DEFAULT_DIRS = frozenset([*_FHS.split(), "/usr/local/sbin"])  # no /proc, /sys: writes there are NOT_FOUND
 USERS = {"root": (0, 0, "/root"), "nobody": (65534, 65534, "/nonexistent")}  # name -> uid, gid, home
+GROUPS = {"root": 0, "nogroup": 65534}  # name -> gid, as Debian's /etc/group (no group is called "nobody")
 _IGNORE_OR_STOP = "SIGCHLD SIGCONT SIGURG SIGWINCH SIGSTOP SIGTSTP SIGTTIN SIGTTOU"
 NOT_FATAL = frozenset(int(getattr(signal, name)) for name in _IGNORE_OR_STOP.split())  # recorded, not acted on
 
@@ -874,6 +879,7 @@ class FakeGuest:
             self.files[path] = (mode & 0o7777, bytes(data))
         self.commands: dict[str, Handler] = {**BUILTINS, **(commands or {})}
         self.users = dict(USERS)
+        self.groups = dict(GROUPS)
         self.hostile = hostile or Hostile()
         self.setclock = setclock  # sandvisor.setclock=1: a hello's host_time_ns sets the clock
         self.ncpu = ncpu
@@ -1001,7 +1007,28 @@ class FakeGuest:
             parent = posixpath.dirname(parent)
         return FileNotFoundError(errno.ENOENT, "No such file or directory")
 
+    def resolve(self, path: str) -> str:
+        """``path`` with the symlinks among its components followed, as a read's open does
+        (ELOOP past 40 of them)."""
+        hops = 0
+        parts = [p for p in path.split("/") if p]
+        i = 0
+        while i < len(parts):
+            prefix = "/" + "/".join(parts[: i + 1])
+            target = self.symlinks.get(prefix)
+            if target is None:
+                i += 1
+                continue
+            hops += 1
+            if hops > 40:
+                raise OSError(errno.ELOOP, "Too many levels of symbolic links")
+            base = self.abspath(target, posixpath.dirname(prefix))
+            parts = [p for p in base.split("/") if p] + parts[i + 1 :]
+            i = 0
+        return "/" + "/".join(parts)
+
     def load(self, path: str) -> tuple[int, bytes]:
+        path = self.resolve(path)
         if path in self.dirs:
             raise IsADirectoryError(errno.EISDIR, "Is a directory")
         if path not in self.files:
@@ -1208,7 +1235,7 @@ class FakeGuest:
             uid, name, home = int(user), user, "/"
         else:
             raise LookupError(f"unknown user {user!r}")
-        if group and not group.isdigit() and group not in self.users:
+        if group and not group.isdigit() and group not in self.groups:
             raise LookupError(f"unknown group {group!r}")
         return uid, name, home
 
@@ -1282,7 +1309,7 @@ class FakeGuest:
         uid, _name, _home = self._resolve_user(spec)
         gid = next((g for n, (u, g, _h) in self.users.items() if n == user or str(u) == user), uid)
         if group:
-            gid = int(group) if group.isdigit() else self.users[group][1]
+            gid = int(group) if group.isdigit() else self.groups[group]
         return uid, gid
 
     # -- trees, patches, mounts -------------------------------------------------------

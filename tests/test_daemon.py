@@ -65,13 +65,13 @@ async def test_lifecycle_exact_events_run_exec_logs_restart(daemon: DaemonConfig
     events: list[tuple[str, dict[str, str]]] = []
     async with connect(daemon.socket) as c, trio.open_nursery() as n:
 
-        async def watch() -> None:
+        async def watch(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
             async with c.open_call("Events", {"id": "life"}) as ev:
+                task_status.started()  # its Call frame is out, ahead of Create's on this connection
                 async for e in ev:
                     events.append((e["action"], e["attributes"]))
 
-        n.start_soon(watch)
-        await trio.sleep(0.1)
+        await n.start(watch)
         t = time.monotonic()
         resp = await c.call("Create", {"id": "life", "labels": {"team": "a"}})
         assert resp == {"id": "life", "ip_address": "", "state": "starting"}
@@ -232,7 +232,8 @@ async def test_bad_input_gets_typed_errors_and_the_daemon_keeps_serving(daemon: 
             with trio.fail_after(10):
                 while opened < MAX_CALLS:
                     await trio.sleep(0.01)
-                await trio.sleep(0.2)  # let the server see them all
+            # no wait for the server: it routes one connection's frames in order, and each
+            # Call enters its table before the next frame is read, so this one is the 257th
             with pytest.raises(ApiError) as e:
                 await c.call("List", {})
             assert e.value.code == "RESOURCE_EXHAUSTED"
@@ -360,8 +361,9 @@ async def test_ttl_removes_and_idle_timeout_stops(daemon: DaemonConfig) -> None:
     events: list[tuple[str, str, int]] = []
     async with connect(daemon.socket) as c, trio.open_nursery() as n:
 
-        async def watch() -> None:
+        async def watch(task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
             async with c.open_call("Events", {}) as ev:
+                task_status.started()  # its Call frame is out, ahead of Create's on this connection
                 async for e in ev:
                     events.append((e["sandbox_id"], e["action"], e["timestamp"]))
 
@@ -371,8 +373,7 @@ async def test_ttl_removes_and_idle_timeout_stops(daemon: DaemonConfig) -> None:
         def when(id: str, action: str) -> float:
             return next(t for i, a, t in events if i == id and a == action) / 1e9
 
-        n.start_soon(watch)
-        await trio.sleep(0.1)
+        await n.start(watch)
         await c.call("Create", {"id": "short", "ttl_seconds": 1})
         await c.call("Create", {"id": "idle", "idle_timeout_seconds": 2})
         await c.call("Create", {"id": "busy", "idle_timeout_seconds": 2})

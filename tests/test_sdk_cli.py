@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import shutil
 import subprocess
 import sys
@@ -90,18 +91,24 @@ def test_async_sdk_exec_and_events(served: dict[str, str]) -> None:
                 await proc.close_stdin()
                 out = b"".join([o.data async for o in proc if o.stream == "stdout"])
             assert out == b"got value\n" and proc.exit_code == 0
-            got = []
+            send, actions = trio.open_memory_channel[str](64)
             async with trio.open_nursery() as n:
 
                 async def watch() -> None:
                     async for e in sb.events():
-                        got.append(e.action)
-                        if e.action == "idle":
-                            n.cancel_scope.cancel()
+                        await send.send(e.action)
 
                 n.start_soon(watch)
-                await trio.sleep(0.2)
-                await sb.run(["true"])
+                with trio.fail_after(60):
+                    while True:  # probe until the subscription is live: a run's events reach it
+                        await sb.run(["true"])
+                        with trio.move_on_after(1):
+                            while await actions.receive() != "idle":
+                                pass
+                            break
+                    await sb.run(["true"])
+                    got = [await actions.receive(), await actions.receive()]
+                n.cancel_scope.cancel()
             assert got == ["running", "idle"]
             await sb.stop()
             # ephemeral: removed once stopped
@@ -166,11 +173,19 @@ def test_cli_surface(served: dict[str, str], tmp_path: Path) -> None:
         [sys.executable, "-m", "supervisor.cli", "events", "--id", "cli1", "--json"], env=env, stdout=subprocess.PIPE
     )
     try:
-        time.sleep(1.0)
-        assert cli(env, "stop", "cli1").returncode == 0
         assert ev.stdout is not None
-        first = json.loads(ev.stdout.readline())
-        assert set(first) == {"sandbox_id", "action", "timestamp", "attributes"} and first["action"] == "stopping"
+        deadline = time.monotonic() + 60
+        while True:  # probe until the subscription is live: a run's events reach it
+            assert cli(env, "run", "cli1", "--", "true").returncode == 0
+            if select.select([ev.stdout], [], [], 1.0)[0]:
+                break
+            assert time.monotonic() < deadline, "no event reached `sandvisor events`"
+        assert cli(env, "stop", "cli1").returncode == 0
+        seen = []
+        while not seen or seen[-1]["action"] != "stopping":
+            seen.append(json.loads(ev.stdout.readline()))
+        assert {e["action"] for e in seen[:-1]} <= {"running", "idle"}  # the probes' events, then the stop's
+        assert set(seen[-1]) == {"sandbox_id", "action", "timestamp", "attributes"}
     finally:
         ev.kill()
         ev.wait()
