@@ -35,6 +35,7 @@ from actors.store import Store
 from supervisor import grpc_bridge as G
 from supervisor import grpc_service as S
 from supervisor import protocol as W
+from supervisor.api import METHODS
 from supervisor.client import connect
 from supervisor.daemon import DaemonConfig, serve
 from supervisor.grpc_convert import message_to_dict
@@ -42,7 +43,7 @@ from supervisor.metrics import RegistrySource
 from supervisor.proto.sandbox.v1 import sandbox_pb2 as pb
 from supervisor.proto.sandvisor.v1 import sandvisor_pb2 as sv
 from supervisor.proto.sandvisor.v1 import sandvisor_pb2_grpc as sv_grpc
-from supervisor.server import METHODS, Server
+from supervisor.server import Server
 
 SC = grpc.StatusCode
 

@@ -29,7 +29,14 @@ GUESTD_CODEC = ("guestd", "guestd.tree", "guestd.fsops", "guestd.proto")
 GUESTD_NOT_SDK = tuple(
     f"guestd.{p.stem}" for p in sorted((ROOT / "guestd").glob("*.py")) if f"guestd.{p.stem}" not in GUESTD_CODEC
 )
-EDGES_ONLY = ("supervisor.server", "supervisor.daemon", "supervisor.mapping", "supervisor.throwaway", "supervisor.cli")
+EDGES_ONLY = (
+    "supervisor.api",
+    "supervisor.server",
+    "supervisor.daemon",
+    "supervisor.mapping",
+    "supervisor.throwaway",
+    "supervisor.cli",
+)
 
 
 def imports(path: Path, package: str = "") -> set[str]:
