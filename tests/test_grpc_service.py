@@ -37,7 +37,8 @@ from supervisor import grpc_service as S
 from supervisor import protocol as W
 from supervisor.api import METHODS
 from supervisor.client import connect
-from supervisor.daemon import DaemonConfig, serve
+from supervisor.daemon import serve
+from supervisor.daemon_config import DaemonConfig
 from supervisor.grpc_convert import message_to_dict
 from supervisor.metrics import RegistrySource
 from supervisor.proto.sandbox.v1 import sandbox_pb2 as pb

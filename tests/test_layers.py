@@ -117,14 +117,6 @@ def test_no_benchmark_script_shadows_a_package() -> None:
     assert not {p.stem for p in (ROOT / "benchmarks").glob("*.py")} & packages
 
 
-def test_the_cli_default_ip_pool_is_the_domains() -> None:
-    """cli.py spells the default pool out (the quick CLI does not import actors/)."""
-    from actors.ippool import DEFAULT_POOL
-    from supervisor.cli import DEFAULT_IP_POOL
-
-    assert DEFAULT_IP_POOL == DEFAULT_POOL
-
-
 def test_the_sdk_knows_every_domain_code() -> None:
     """The SDK may not import the domain, so it spells the seed's codes again (and the
     exception-group helper): they must stay the same set, or a client would see a code
