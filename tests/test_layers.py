@@ -24,13 +24,15 @@ SDK = (
     "supervisor/config.py",
     "supervisor/treecopy.py",
 )
-# the SDK's tree copies run guestd's stdlib-only tar codec (the same hostile-stream unpacker)
-GUESTD_CODEC = ("guestd", "guestd.tree", "guestd.fsops", "guestd.proto")
+# the SDK's tree copies run guestd's stdlib-only tar codec (the same hostile-stream unpacker);
+# its error codes are guestd/codes.py's one list
+GUESTD_CODEC = ("guestd", "guestd.tree", "guestd.fsops", "guestd.proto", "guestd.codes")
 GUESTD_NOT_SDK = tuple(
     f"guestd.{p.stem}" for p in sorted((ROOT / "guestd").glob("*.py")) if f"guestd.{p.stem}" not in GUESTD_CODEC
 )
 EDGES_ONLY = (
     "supervisor.api",
+    "supervisor.daemon_config",
     "supervisor.server",
     "supervisor.daemon",
     "supervisor.mapping",
@@ -117,11 +119,21 @@ def test_no_benchmark_script_shadows_a_package() -> None:
     assert not {p.stem for p in (ROOT / "benchmarks").glob("*.py")} & packages
 
 
-def test_the_sdk_knows_every_domain_code() -> None:
-    """The SDK may not import the domain, so it spells the seed's codes again (and the
-    exception-group helper): they must stay the same set, or a client would see a code
-    it cannot type."""
-    from actors.errors import Code
-    from supervisor.errors import CODES
+def test_one_list_of_error_codes() -> None:
+    """The seed's codes are listed once (guestd/codes.py, stdlib only: the SDK may import
+    it, the domain too); the domain and the SDK have one error class per code, and
+    guestd's own Error codes are these names but for two of the guest's own."""
+    from actors import errors as domain
+    from guestd import codes
+    from guestd import proto as P
+    from supervisor import errors as sdk
 
-    assert {c.value for c in Code} == set(CODES)
+    names = {c.value for c in codes.Code}
+    assert domain.Code is codes.Code and sdk.CODES == codes.CODES == names
+    assert set(domain.BY_CODE) == names
+    assert {c: type(sdk.error_for(c, "m")).__name__ for c in names} == {
+        c: domain.BY_CODE[codes.Code(c)].__name__ for c in names
+    }
+    assert all(getattr(sdk, c) == c for c in names)
+    guest = {v for k, v in vars(P).items() if k.startswith("E_") and isinstance(v, str)}
+    assert guest - names == {"IS_A_DIRECTORY", "TOO_LARGE"}
