@@ -98,13 +98,9 @@ def resolve_accel(accel: str) -> str:
     return accel
 
 
-def vhost_vsock_usable() -> bool:
-    return os.access("/dev/vhost-vsock", os.R_OK | os.W_OK)
-
-
 # virtio-mmio transports of QEMU's microvm machine (7.2, ioapic2 on: its default; 8 with
 # ioapic2=off). Counted with `info qtree`. Every virtio device takes one: the channel's
-# virtio-serial, the root disk, each volume, a NIC, vsock, the balloon. Beyond them QEMU
+# virtio-serial, the root disk, each volume, a NIC, the balloon. Beyond them QEMU
 # fails to start ("No 'virtio-bus' bus found"): MachineSpec refuses first, saying why.
 MICROVM_VIRTIO_SLOTS = 24
 VOLUME_FDSET = 1 << 20  # fd set of volume i: VOLUME_FDSET + i (apart from disk, layers, staged overlays)
@@ -153,7 +149,6 @@ class MachineSpec:
     # ~10% of the loop's throughput (16 and 32 thrash). Ignored under KVM.
     tb_size_mib: int | None = 64
     machine: str = "microvm"  # "pc" only for benchmarks
-    vsock_cid: int | None = None  # use vhost-vsock with this guest CID (where the host has it)
     extra_ports: tuple[str, ...] = ()  # more virtserialports, by name, each on a socket in run_dir
     # a virtio-balloon with free page reporting: memory the guest frees goes back to the
     # host within seconds (the guest reports free 2 MiB+ blocks; QEMU discards them:
@@ -198,7 +193,6 @@ class MachineSpec:
             + (self.disk is not None)
             + len(self.volumes)
             + self.balloon
-            + (self.vsock_cid is not None)
             + nics
         )
 
@@ -343,9 +337,6 @@ class MachineSpec:
         if self.balloon:
             dev = "virtio-balloon-device" if self.machine == "microvm" else "virtio-balloon-pci"
             a += ["-device", f"{dev},free-page-reporting=on"]
-        if self.vsock_cid is not None:
-            dev = "vhost-vsock-device" if self.machine == "microvm" else "vhost-vsock-pci"
-            a += ["-device", f"{dev},guest-cid={self.vsock_cid}"]
         a += _netdev(self.netdev, net, fds)
         if self.incoming:
             a += ["-incoming", "defer"]
