@@ -18,7 +18,6 @@ from actors.model import (
     Limits,
     NetMode,
     Network,
-    Patch,
     PortSpec,
     Protocol,
     SandboxConfig,
@@ -95,7 +94,7 @@ def config(req: W.CreateSandboxRequest) -> SandboxConfig:
             tls_verify=req.image_tls_verify is not False,
         ),
         hostname=req.hostname,
-        patches=tuple(Patch(p.op, p.path, p.data, p.target, p.mode, p.owner, p.replace) for p in req.patches),
+        patches=tuple(req.patches),  # (the wire's Patch is the domain's: guestd/patch.py)
         volumes=tuple(VolumeMount(v.volume, v.target, v.readonly) for v in req.volumes),
         scripts=dict(req.scripts),
     )
