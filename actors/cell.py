@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 import attrs
 
+from actors import defaults as D
 from actors import jail
 from actors.cgroups import Cgroup, CgroupError, CgroupLimits, CgroupManager
 from actors.cgroups import find as find_cgroups
@@ -52,7 +53,7 @@ class JailConfig:
 
     first_uid: int = jail.DEFAULT_ID_FIRST
     uid_count: int = jail.DEFAULT_ID_COUNT
-    overhead_mib: int = 192  # memory limit = guest RAM + this (QEMU, its TCG cache, page cache)
+    overhead_mib: int = D.JAIL_OVERHEAD_MIB  # memory limit = guest RAM + this (QEMU, its TCG cache, page cache)
     sealed_budget_mib: int = 1024  # sealed snapshot memory kept for later restores
 
 

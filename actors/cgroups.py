@@ -35,6 +35,8 @@ from pathlib import Path
 
 import attrs
 
+from actors.defaults import JAIL_OVERHEAD_MIB
+
 MIB = 1 << 20
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 CPU_PERIOD_US = 100_000
@@ -57,7 +59,7 @@ class CgroupLimits:
         memory_mib: int,
         vcpus: int,
         *,
-        overhead_mib: int = 192,
+        overhead_mib: int = JAIL_OVERHEAD_MIB,
         pids: int = 256,
         cpu_headroom: float = 0.0,
     ) -> CgroupLimits:

@@ -15,28 +15,16 @@ Error tree::
      +-- Unavailable            UNAVAILABLE           the guest or supervisor went away
      +-- Internal               INTERNAL              a bug, or QEMU refused a step
      +-- Cancelled              CANCELLED
+     +-- PermissionDenied       PERMISSION_DENIED     a client the supervisor does not serve
 """
 
 from __future__ import annotations
 
-import enum
 from typing import ClassVar
 
+from guestd import codes
 
-class Code(enum.StrEnum):
-    """The seed's error codes."""
-
-    INVALID_ARGUMENT = "INVALID_ARGUMENT"
-    NOT_FOUND = "NOT_FOUND"
-    ALREADY_EXISTS = "ALREADY_EXISTS"
-    FAILED_PRECONDITION = "FAILED_PRECONDITION"
-    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
-    DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
-    INTERNAL = "INTERNAL"
-    UNAVAILABLE = "UNAVAILABLE"
-    UNIMPLEMENTED = "UNIMPLEMENTED"
-    CANCELLED = "CANCELLED"
-    PERMISSION_DENIED = "PERMISSION_DENIED"
+Code = codes.Code  # the seed's error codes: the one list is guestd/codes.py
 
 
 class DomainError(Exception):
@@ -89,6 +77,10 @@ class Cancelled(DomainError):
     code = Code.CANCELLED
 
 
+class PermissionDenied(DomainError):
+    code = Code.PERMISSION_DENIED
+
+
 BY_CODE: dict[Code, type[DomainError]] = {
     cls.code: cls
     for cls in (
@@ -102,6 +94,7 @@ BY_CODE: dict[Code, type[DomainError]] = {
         Internal,
         Unimplemented,
         Cancelled,
+        PermissionDenied,
     )
 }
 

@@ -17,11 +17,11 @@ Error tree::
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import attrs
 import trio
 
+from guestd import patch
 from guestd import proto as P
 
 # What the host takes of a guest's numbers. The codec checks types only; these ranges are
@@ -114,61 +114,5 @@ class ChannelStatistics:
     dropped: int  # messages for requests that no longer exist
 
 
-PATCH_OPS = ("file", "append", "mkdir", "remove", "symlink")
-
-
-@attrs.frozen
-class PatchEntry:
-    """One patch of the guest's file system (see :meth:`GuestChannel.patch`). Build with
-    the class methods; ``owner`` is user[:group] by the guest's names (or ids), "" = root;
-    ``mode`` None = 0644 for files, 0755 for directories."""
-
-    op: str = attrs.field(validator=attrs.validators.in_(PATCH_OPS))
-    path: str
-    data: bytes = b""
-    target: str = ""
-    mode: int | None = None
-    owner: str = ""
-    replace: bool = False
-
-    @classmethod
-    def file(
-        cls, path: str, data: bytes | str, *, mode: int | None = None, owner: str = "", replace: bool = False
-    ) -> PatchEntry:
-        """A file with these contents (ALREADY_EXISTS if one is there, unless ``replace``)."""
-        raw = data.encode() if isinstance(data, str) else bytes(data)
-        return cls("file", path, raw, mode=mode, owner=owner, replace=replace)
-
-    @classmethod
-    def append(cls, path: str, data: bytes | str, *, mode: int | None = None, owner: str = "") -> PatchEntry:
-        """Append to a file (made if missing)."""
-        raw = data.encode() if isinstance(data, str) else bytes(data)
-        return cls("append", path, raw, mode=mode, owner=owner)
-
-    @classmethod
-    def mkdir(cls, path: str, *, mode: int | None = None, owner: str = "") -> PatchEntry:
-        """A directory, with its parents (idempotent; mode and owner apply to it)."""
-        return cls("mkdir", path, mode=mode, owner=owner)
-
-    @classmethod
-    def remove(cls, path: str) -> PatchEntry:
-        """Remove a file or a directory tree (idempotent; symlinks removed, not followed)."""
-        return cls("remove", path)
-
-    @classmethod
-    def symlink(cls, target: str, link: str, *, owner: str = "", replace: bool = False) -> PatchEntry:
-        return cls("symlink", link, target=target, owner=owner, replace=replace)
-
-    def to_wire(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"op": self.op, "path": self.path}
-        if self.data:
-            d["data"] = self.data
-        if self.target:
-            d["target"] = self.target
-        if self.mode is not None:
-            d["mode"] = self.mode
-        if self.owner:
-            d["owner"] = self.owner
-        if self.replace:
-            d["replace"] = True
-        return d
+PATCH_OPS = patch.OPS
+PatchEntry = patch.Patch  # one patch of the guest's file system (the one definition: guestd/patch.py)

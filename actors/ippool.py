@@ -33,9 +33,11 @@ from collections.abc import Iterable
 from ipaddress import IPv4Address, IPv4Network
 from typing import Protocol
 
+from actors.defaults import IP_POOL
+
 MIN_PREFIX = 8
 MAX_PREFIX = 29  # a /29 holds 5 sandboxes: smaller pools are a configuration mistake
-DEFAULT_POOL = "10.88.0.0/16"
+DEFAULT_POOL = IP_POOL
 
 # MACs: locally administered, unicast (first octet 0x02). A sandbox's MAC is derived
 # from its address (unique while the address is leased; a clone with a fresh address

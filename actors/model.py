@@ -20,6 +20,7 @@ from cattrs.preconf.msgpack import make_converter
 
 from actors.egress import EgressPolicy, PolicyError
 from actors.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from guestd import patch
 
 
 class State(enum.StrEnum):
@@ -208,26 +209,12 @@ class Timers:
     ephemeral: bool = False  # removed once it stops
 
 
-PATCH_OPS = ("file", "append", "mkdir", "remove", "symlink")
+PATCH_OPS = patch.OPS
 MAX_PATCHES = 1000
 MAX_PATCH_BYTES = 4 << 20  # patches live in the sandbox's record: bigger trees go in with cp -r
 
 
-@attrs.frozen
-class Patch:
-    """A change to the sandbox's file system, applied by guestd once, on the sandbox's
-    fresh disk, before it is reported ready and before its initial command (not on a
-    restart of its own disk, nor on a restore of its snapshots: they hold it already).
-    ``owner``: user[:group] by the guest's names or ids ("" = root); ``mode`` None:
-    0644 for files, 0755 for directories."""
-
-    op: str  # file | append | mkdir | remove | symlink
-    path: str
-    data: bytes = b""
-    target: str = ""  # symlink: what the link points to
-    mode: int | None = None
-    owner: str = ""
-    replace: bool = False  # file, symlink: replace what is there (else ALREADY_EXISTS)
+Patch = patch.Patch  # a change to the sandbox's file system (the one definition: guestd/patch.py)
 
 
 @attrs.frozen

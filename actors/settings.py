@@ -8,6 +8,7 @@ from pathlib import Path
 
 import attrs
 
+from actors import defaults as D
 from actors.cell import Cells
 from actors.hostnet import HostNetwork
 from actors.model import Limits
@@ -25,12 +26,12 @@ class Settings:
     sandboxes_dir: Path  # <state>/sandboxes/<uid>/{disk.qcow2, log}
     run_root: Path  # short paths for sockets: <run_root>/<uid[:18]>
     accel: str = "tcg"
-    boot_timeout: float = 60.0
-    guest_timeout: float = 30.0  # every guest request's deadline, on the host's side
+    boot_timeout: float = D.BOOT_TIMEOUT
+    guest_timeout: float = D.GUEST_TIMEOUT  # every guest request's deadline, on the host's side
     default_memory_mib: int = 256
     default_vcpus: int = 1
     qemu_user: QemuUser | None = None  # set when the supervisor is root
-    expose_address: str = "127.0.0.1"  # where exposed ports listen on the host
+    expose_address: str = D.EXPOSE_ADDRESS  # where exposed ports listen on the host
     # guest RAM as shared files here (tmpfs), so checkpoints are "mapped"; None: anonymous
     memory_dir: Path | None = None
     # how a life brings its VM up: booted_guest (QEMU); unit tests pass a fake VM
@@ -41,12 +42,12 @@ class Settings:
     allowed_paths: tuple[Path, ...] = ()
     # the most disk one sandbox may make the host store: its overlay's virtual size plus
     # its read-write volumes' sizes (serve --max-sandbox-disk; 0: no cap; actors/quotas.py)
-    max_sandbox_disk_mib: int = 16 << 10
+    max_sandbox_disk_mib: int = D.MAX_SANDBOX_DISK_MIB
     # fresh boots get a virtio-balloon with free page reporting (MachineSpec.balloon): on
     # where every RAM a balloon can meet is safe to discard in (anonymous, the machine's
     # own RAM file, or a sealed memfd with the discard shim: a jailed supervisor)
     balloon: bool = False
-    tb_size_mib: int | None = 64  # TCG's translation cache per QEMU (MachineSpec.tb_size_mib)
+    tb_size_mib: int | None = D.TB_SIZE_MIB  # TCG's translation cache per QEMU (MachineSpec.tb_size_mib)
     # tap networking, the IP pool, egress filter and DNS proxy (root supervisors: serve
     # --ip-pool); also the uplinks of jailed user-mode sandboxes with outbound access
     hostnet: HostNetwork | None = None

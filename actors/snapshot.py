@@ -59,6 +59,7 @@ from pathlib import Path
 import attrs
 import trio
 
+from actors import defaults as D
 from actors.crash import crash_point
 from actors.durable import fsync_dir
 from actors.errors import DomainError, FailedPrecondition, InvalidArgument, NotFound
@@ -247,7 +248,7 @@ def resume_spec(
     ram_shared: bool,
     network: NetConfig | None,
     name: str = "vm",
-    boot_timeout: float = 60.0,
+    boot_timeout: float = D.BOOT_TIMEOUT,
     answer_timeout: float | None = None,
     preload: Path | None = None,
 ) -> VmSpec:

@@ -12,7 +12,7 @@ from typing import Any
 import trio
 
 from actors.registry import Registry
-from supervisor.daemon import DaemonConfig
+from supervisor.daemon_config import DaemonConfig
 from supervisor.throwaway import supervisor, workdir
 
 

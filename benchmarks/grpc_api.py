@@ -60,7 +60,8 @@ def serve_daemon(root: str, tcp_port: str) -> None:
     """``serve`` on the work dir, with gRPC on <root>/g.sock and 127.0.0.1:PORT (SIGTERM stops it)."""
     import trio
 
-    from supervisor.daemon import DaemonConfig, serve
+    from supervisor.daemon import serve
+    from supervisor.daemon_config import DaemonConfig
 
     work = Workdir(Path(root))
     cfg = DaemonConfig(

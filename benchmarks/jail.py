@@ -55,7 +55,7 @@ from _harness import pct, summary, write_results  # noqa: E402
 from actors.registry import Registry  # noqa: E402
 from actors.sandbox import Sandbox  # noqa: E402
 from supervisor.client import AsyncConnection, connect  # noqa: E402
-from supervisor.daemon import DaemonConfig  # noqa: E402
+from supervisor.daemon_config import DaemonConfig  # noqa: E402
 from supervisor.throwaway import supervisor, workdir  # noqa: E402
 
 MIB = 1 << 20

@@ -23,7 +23,6 @@ from supervisor.errors import ApiError
 
 # Imports are inside the functions that need them: a one-shot client command (ls,
 # inspect, run, ...) loads neither Trio, rich nor the image builder (issue 14).
-DEFAULT_IP_POOL = "10.88.0.0/16"  # actors.ippool.DEFAULT_POOL (a test says so): not imported here
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (mypy reads the name)
 if TYPE_CHECKING:
     from typing import Any, NoReturn
@@ -186,104 +185,20 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 # --- serve -------------------------------------------------------------------
-def _uid_range(text: str) -> tuple[int, int]:
-    first, sep, count = text.partition(":")
-    if not sep or not first.isdigit() or not count.isdigit() or int(count) < 1:
-        raise argparse.ArgumentTypeError(f"--jail-uids {text!r}: FIRST:COUNT")
-    return int(first), int(count)
-
-
-def _image_size(text: str) -> int:
-    from supervisor.client import InvalidArgument, parse_size
-
-    try:
-        n = parse_size(text)
-    except InvalidArgument:
-        n = 0
-    if n < 1 << 20:
-        raise argparse.ArgumentTypeError(f"--max-image-size {text!r}: a size of at least 1M (512M, 8G, ...)")
-    return n
-
-
-def _pool_arg(text: str) -> tuple[str, int]:
-    snap, sep, n = text.rpartition("=")
-    if not sep or not snap or not n.isdigit():
-        raise argparse.ArgumentTypeError(f"--pool {text!r}: SNAPSHOT=N")
-    return snap, int(n)
-
-
-def _sandbox_disk_arg(text: str) -> int:
-    """--max-sandbox-disk: MiB, from "16G", "512M", "2T" or a bare number of MiB ("0": no cap)."""
-    from supervisor.client import parse_size
-    from supervisor.errors import SandboxError
-
-    t = text.strip()
-    try:
-        mib = int(t) if t.isdigit() else -(-parse_size(t) // (1 << 20))
-    except SandboxError:
-        mib = -1
-    if mib < 0:
-        raise argparse.ArgumentTypeError(f"--max-sandbox-disk {text!r}: a size such as 16G, 512M, or 0 (no cap)")
-    return mib
-
-
 def cmd_serve(args: argparse.Namespace) -> int:
     import logging
-    from pathlib import Path
 
     import trio
 
-    from images.build import default_state_dir
     from images.refs import RefPolicy
-    from supervisor.config import default_socket
-    from supervisor.daemon import DaemonConfig, serve
+    from supervisor.daemon import serve
+    from supervisor.daemon_config import from_args
     from supervisor.grpc_service import addresses as grpc_addresses
     from supervisor.grpc_service import tcp_auth
     from supervisor.metrics import parse_listen
 
     logging.getLogger().setLevel(logging.DEBUG if args.verbose else logging.INFO)
-    cfg = DaemonConfig(
-        socket=Path(args.socket) if args.socket else default_socket(),
-        state_dir=Path(args.state_dir) if args.state_dir else default_state_dir(),
-        accel=args.accel,
-        run_root=Path(args.run_root) if args.run_root else None,
-        boot_timeout=args.boot_timeout,
-        guest_timeout=args.guest_timeout,
-        jail_overhead_mib=args.jail_overhead,
-        jail_uids=args.jail_uids,
-        max_sandboxes=args.max_sandboxes,
-        group=args.group,
-        qemu_user=args.qemu_user,
-        expose_address=args.expose_address,
-        memory_dir=Path(args.memory_dir) if args.memory_dir else None,
-        anonymous_memory=args.anonymous_memory,
-        pool_size=args.pool_size,
-        pools=dict(_pool_arg(x) for x in args.pool or []),
-        templates=not args.no_templates,
-        template_pool=args.template_pool,
-        keep_sandboxes=args.keep_sandboxes,
-        jail=not args.no_jail,
-        cgroups=not args.no_cgroups,
-        allow_paths=tuple(Path(p).resolve() for p in args.allow_path or ()),
-        registry_allow=tuple(args.registry_allow or ()),
-        max_memory_mib=args.max_memory,
-        max_disk_mib=args.max_disk,
-        max_sandbox_disk_mib=args.max_sandbox_disk,
-        max_image_bytes=args.max_image_size,
-        balloon=not args.no_balloon,
-        tb_size_mib=args.tb_size,
-        max_starting=args.max_starting,
-        grpc=tuple(args.grpc or ()),
-        grpc_cert=Path(args.grpc_cert) if args.grpc_cert else None,
-        grpc_key=Path(args.grpc_key) if args.grpc_key else None,
-        grpc_client_ca=Path(args.grpc_client_ca) if args.grpc_client_ca else None,
-        grpc_token_file=Path(args.grpc_token_file) if args.grpc_token_file else None,
-        grpc_insecure=args.grpc_insecure,
-        metrics=args.metrics,
-        ip_pool="" if args.ip_pool.lower() == "none" else args.ip_pool,
-        dns_upstreams=tuple(args.dns_upstream or ()),
-        egress_never=tuple(args.egress_never or ()),
-    )
+    cfg = from_args(args)
     # the flags' mistakes as usage errors, before anything starts
     try:
         auth = tcp_auth(cfg.grpc_token_file, cfg.grpc_insecure)
@@ -373,6 +288,7 @@ def cmd_completion(args: argparse.Namespace) -> int:
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     words: dict[str, list[str]] = {}
     for name, p in sub.choices.items():
+        p.fill()
         words[name] = sorted(o for act in p._actions for o in act.option_strings if o.startswith("--"))
     cases = "\n".join(f'    {name}) opts="{" ".join(opts)}" ;;' for name, opts in sorted(words.items()))
     image_parser = sub.choices["image"]
@@ -426,13 +342,40 @@ class _Formatter(argparse.HelpFormatter):
 
 
 class _Parser(argparse.ArgumentParser):
+    later: Callable[[argparse.ArgumentParser], None] | None = None  # arguments added on first use
+
     def __init__(self, *args: Any, **kw: Any) -> None:
         kw.setdefault("formatter_class", _Formatter)
         super().__init__(*args, **kw)
 
+    def fill(self) -> None:
+        """Add the arguments left for later (a parse, a help, the completion need them)."""
+        if self.later is not None:
+            add, self.later = self.later, None
+            add(self)
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        self.fill()
+        return super().parse_known_args(args, namespace)
+
+    def format_help(self) -> str:
+        self.fill()
+        return super().format_help()
+
+    def format_usage(self) -> str:
+        self.fill()
+        return super().format_usage()
+
     def error(self, message: str) -> NoReturn:
         """Usage errors are one line and exit code 2 (argparse's own print the usage too)."""
         fail(f"{self.prog}: {message}", 2)
+
+
+def _serve_flags(parser: argparse.ArgumentParser) -> None:
+    """``serve``'s flags, made from DaemonConfig's declaration (supervisor/daemon_config.py)."""
+    from supervisor.daemon_config import add_flags
+
+    add_flags(parser)
 
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
@@ -454,168 +397,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     add_image_commands(isub)
 
     sv = sub.add_parser("serve", help="run the supervisor (the sandbox.v1 service on a Unix socket)")
-    sv.add_argument("--socket", help="socket path (default: $SANDVISOR_SOCKET, /run/sandvisor/sandvisor.sock for root)")
-    sv.add_argument("--state-dir", help="state directory (default: $SANDVISOR_STATE_DIR, /var/lib/sandvisor for root)")
-    sv.add_argument("--accel", default="auto", choices=["auto", "kvm", "tcg"])
-    sv.add_argument("--run-root", help="per-VM sockets and run dirs (default: /run/sandvisor/vms for root)")
-    sv.add_argument("--boot-timeout", type=float, default=60.0, help="seconds a boot may take before it fails")
-    sv.add_argument(
-        "--jail-overhead",
-        type=int,
-        default=192,
-        metavar="MIB",
-        help="each jailed QEMU's memory limit is its guest RAM + this (QEMU, TCG's cache; default 192)",
-    )
-    sv.add_argument(
-        "--jail-uids",
-        type=_uid_range,
-        metavar="FIRST:COUNT",
-        help="the uid/gid range jailed QEMUs get ids from (no real user may have one; default 1900000000:65536)",
-    )
-    sv.add_argument(
-        "--guest-timeout",
-        type=float,
-        default=30.0,
-        help="seconds any guest request may take on the host's side before DEADLINE_EXCEEDED (default 30)",
-    )
-    sv.add_argument("--max-sandboxes", type=int, default=64)
-    sv.add_argument("--group", help="make the socket 0660 for this group (default: owner only, 0600)")
-    sv.add_argument(
-        "--qemu-user",
-        help="user QEMU runs as when serve runs as root (default: sandvisor-qemu if it exists, else nobody; "
-        "'' to keep root)",
-    )
-    sv.add_argument(
-        "--expose-address", default="127.0.0.1", help="host address exposed ports listen on (default: loopback only)"
-    )
-    sv.add_argument("--memory-dir", help="guest RAM files, on tmpfs (default: /dev/shm/sandvisor-<key>)")
-    sv.add_argument(
-        "--anonymous-memory",
-        action="store_true",
-        help="no RAM files: checkpoints then stream RAM into the snapshot (restores load it, slower)",
-    )
-    sv.add_argument(
-        "--no-templates",
-        action="store_true",
-        help="always boot: do not restore Creates from a snapshot of the first fresh boot of their configuration",
-    )
-    sv.add_argument(
-        "--template-pool",
-        type=int,
-        default=0,
-        metavar="N",
-        help="restored sandboxes kept ready per boot template: a Create takes one (default 0)",
-    )
-    sv.add_argument("--pool-size", type=int, default=0, help="restored sandboxes kept ready per snapshot (default 0)")
-    sv.add_argument(
-        "--keep-sandboxes",
-        action="store_true",
-        help="at SIGTERM, leave sandboxes running for the next supervisor (upgrades); default: stop them",
-    )
-    sv.add_argument(
-        "--no-jail", action="store_true", help="as root: do not jail QEMUs (each in its own uid, namespaces, cgroup)"
-    )
-    sv.add_argument(
-        "--no-cgroups",
-        action="store_true",
-        help="jailed: run QEMUs without cgroup limits (memory, processes, CPU); default: refuse to start without them",
-    )
-    sv.add_argument(
-        "--allow-path",
-        action="append",
-        metavar="DIR",
-        help="a directory a Create's own kernel and rootfs, and oci:/oci-archive:/docker-archive: images, "
-        "may come from (repeatable; none by default)",
-    )
-    sv.add_argument(
-        "--registry-allow",
-        action="append",
-        metavar="HOST[:PORT]",
-        help="pull images only from these registries (repeatable; default: any, except registries on loopback "
-        "or link-local addresses, which only this flag allows)",
-    )
-    sv.add_argument(
-        "--max-memory", type=int, default=0, metavar="MIB", help="total guest RAM (default: host RAM - 1 GiB)"
-    )
-    sv.add_argument("--max-disk", type=int, default=0, metavar="MIB", help="state dir use (default: no limit)")
-    sv.add_argument(
-        "--max-sandbox-disk",
-        type=_sandbox_disk_arg,
-        default=16 << 10,
-        metavar="SIZE",
-        help="one sandbox's disk and read-write volumes, e.g. 16G (default; 0: no cap)",
-    )
-    sv.add_argument(
-        "--max-image-size",
-        default="8G",
-        type=_image_size,
-        metavar="SIZE",
-        help="an OCI image's download and its unpacked tree, each (e.g. 512M, 8G; enforced as the bytes arrive)",
-    )
-    sv.add_argument(
-        "--max-starting",
-        type=int,
-        default=0,
-        metavar="N",
-        help="VMs brought up (booted or restored) at once; more wait their turn (default: one per core, at least 2)",
-    )
-    sv.add_argument(
-        "--no-balloon",
-        action="store_true",
-        help="no virtio-balloon: memory a guest frees stays with its QEMU (default: reported and given back)",
-    )
-    sv.add_argument(
-        "--tb-size",
-        type=int,
-        default=64,
-        metavar="MIB",
-        help="TCG's translation cache per QEMU (default 64; 0: QEMU's own, 1 GiB); ignored under KVM",
-    )
-    sv.add_argument(
-        "--pool", action="append", metavar="SNAPSHOT=N", help="warm pool size for one snapshot (id or name); repeatable"
-    )
-    sv.add_argument(
-        "--grpc",
-        action="append",
-        metavar="ADDR",
-        help="also serve sandbox.v1 and sandvisor.v1 over gRPC: unix:///PATH (mode as --socket's) or HOST:PORT "
-        "(TLS unless loopback; clients authenticate: --grpc-client-ca or --grpc-token-file); repeatable",
-    )
-    sv.add_argument("--grpc-cert", metavar="PEM", help="TLS certificate chain for --grpc HOST:PORT")
-    sv.add_argument("--grpc-key", metavar="PEM", help="TLS private key for --grpc HOST:PORT")
-    sv.add_argument("--grpc-client-ca", metavar="PEM", help="require client certificates signed by this CA")
-    sv.add_argument(
-        "--grpc-token-file",
-        metavar="FILE",
-        help="TCP clients send metadata 'authorization: Bearer TOKEN' with the token in FILE "
-        "(ours, mode 0600; read at start)",
-    )
-    sv.add_argument(
-        "--grpc-insecure",
-        action="store_true",
-        help="TESTS ONLY: gRPC on loopback TCP with no client authentication (any local user controls every sandbox)",
-    )
-    sv.add_argument(
-        "--metrics", metavar="HOST:PORT", help="serve Prometheus metrics at http://HOST:PORT/metrics (host: loopback)"
-    )
-    sv.add_argument(
-        "--ip-pool",
-        default=DEFAULT_IP_POOL,
-        metavar="CIDR",
-        help=f"as root: tap networking's addresses (default {DEFAULT_IP_POOL}; 'none': no tap, no jailed outbound)",
-    )
-    sv.add_argument(
-        "--dns-upstream",
-        action="append",
-        metavar="HOST[:PORT]",
-        help="the sandboxes' DNS proxy asks these (repeatable; default: /etc/resolv.conf's)",
-    )
-    sv.add_argument(
-        "--egress-never",
-        action="append",
-        metavar="CIDR",
-        help="a range no sandbox reaches whatever its egress policy (e.g. your LAN; repeatable)",
-    )
+    sv.later = _serve_flags  # (imports attrs: only when serve is parsed, or its help shown)
     sv.set_defaults(func=_host_errors(cmd_serve))
 
     demo = sub.add_parser("demo", help="boot a sandbox from the default image and show it working")

@@ -21,7 +21,6 @@ import stat
 from collections.abc import Iterator
 from pathlib import Path
 
-import attrs
 import trio
 
 from actors import helpers
@@ -46,59 +45,13 @@ from supervisor.config import (
     passable_runtime_dir,
     runtime_dir,
 )
+from supervisor.daemon_config import DaemonConfig
 from supervisor.grpc_service import addresses, build_edge, tcp_auth
 from supervisor.metrics import MetricsEndpoint, RegistrySource, parse_listen
 from supervisor.notify import Notifier
 from supervisor.server import Server
 
 log = logging.getLogger("sandvisor.daemon")
-
-
-@attrs.frozen
-class DaemonConfig:
-    socket: Path
-    state_dir: Path
-    accel: str = "auto"
-    run_root: Path | None = None
-    boot_timeout: float = 60.0
-    max_sandboxes: int = 64  # live sandboxes, warm pool members included
-    max_memory_mib: int = 0  # total guest RAM (0: the host's RAM less 1 GiB)
-    max_disk_mib: int = 0  # the state dir's use: logs, overlays, snapshots (0: no limit)
-    max_sandbox_disk_mib: int = 16 << 10  # one sandbox's overlay + rw volumes, virtual sizes (0: no cap)
-    max_image_bytes: int = 8 << 30  # an OCI image's download and unpacked tree, each, as bytes arrive
-    jail: bool = True  # as root: every QEMU in its own jail, uid and cgroup (actors/cell.py)
-    jail_overhead_mib: int = 192  # a QEMU's memory limit: guest RAM + this
-    cgroups: bool = True  # jailed: no usable cgroup hierarchy refuses to start; False: QEMUs unlimited
-    jail_uids: tuple[int, int] | None = None  # (first, count) of the cells' identities (None: the default range)
-    keep_sandboxes: bool = False  # at SIGTERM, leave sandboxes running for the next supervisor
-    allow_paths: tuple[Path, ...] = ()  # where a Create's kernel and rootfs and local image refs may come from
-    registry_allow: tuple[str, ...] = ()  # HOST[:PORT]: the only registries pulled from (none: not loopback/link-local)
-    stop_timeout: float = 10.0
-    guest_timeout: float = 30.0  # every guest request's deadline on the host (DEADLINE_EXCEEDED)
-    group: str | None = None
-    qemu_user: str | None = None  # None: sandvisor-qemu or nobody when root; "": run QEMU as ourselves
-    expose_address: str = "127.0.0.1"  # where exposed ports listen on the host
-    memory_dir: Path | None = None  # guest RAM files (default: per state dir under /dev/shm)
-    anonymous_memory: bool = False  # no RAM files: checkpoints stream RAM (slower restores)
-    pool_size: int = 0  # warm pool members kept per snapshot
-    pools: dict[str, int] = attrs.field(factory=dict)  # per snapshot id or name
-    templates: bool = True  # Creates restore a boot template of their configuration
-    template_pool: int = 0  # restored members kept ready per boot template
-    balloon: bool = True  # free page reporting, where it is safe (Settings.balloon)
-    max_starting: int = 0  # VMs brought up at once (0: one per core, at least 2; quotas.gated)
-    tb_size_mib: int = 64  # TCG's translation cache per QEMU (0: QEMU's default, 1 GiB)
-    grpc: tuple[str, ...] = ()  # gRPC addresses: unix:///PATH (mode as the socket's), HOST:PORT (TLS off loopback)
-    grpc_cert: Path | None = None  # PEM certificate chain and key for the HOST:PORT addresses
-    grpc_key: Path | None = None
-    grpc_client_ca: Path | None = None  # require client certificates signed by this CA
-    grpc_token_file: Path | None = None  # TCP callers send "authorization: Bearer <its token>" (0600, ours)
-    grpc_insecure: bool = False  # TCP on loopback with no client authentication: tests only (a WARNING)
-    metrics: str | None = None  # HOST:PORT of the Prometheus endpoint (None: not served)
-    # tap networking (root): the IP pool's CIDR ("" = none: no tap mode, no outbound for
-    # jailed user-mode sandboxes). `sandvisor serve` defaults it to 10.88.0.0/16.
-    ip_pool: str = ""
-    dns_upstreams: tuple[str, ...] = ()  # the DNS proxy's resolvers, HOST[:PORT] (default: /etc/resolv.conf's)
-    egress_never: tuple[str, ...] = ()  # CIDRs no sandbox reaches whatever its policy says (e.g. the LAN)
 
 
 def host_network(cfg: DaemonConfig, store: Store) -> HostNetwork | None:

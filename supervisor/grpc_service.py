@@ -1,7 +1,7 @@
 """The gRPC services of ``sandvisor serve``: the seed's ``sandbox.v1`` as it is, and our ``sandvisor.v1``.
 
 No handler is written here: every RPC is bound to a method of the table both edges
-serve (:data:`supervisor.server.METHODS`), whose handlers take and return the attrs
+serve (:data:`supervisor.api.METHODS`), whose handlers take and return the attrs
 classes of :mod:`supervisor.protocol`. This module only converts::
 
     seed client --HTTP/2--> GrpcEdge (grpc_bridge) --> shim of the RPC (Trio task):
@@ -51,11 +51,11 @@ from actors.errors import InvalidArgument, Unimplemented
 from actors.registry import Registry
 from supervisor import grpc_bridge as G
 from supervisor import protocol as W
+from supervisor.api import METHODS, SERVICES, Method
 from supervisor.grpc_convert import dict_to_message, message_to_dict
 from supervisor.peers import ClientPolicy, Peer
 from supervisor.proto.sandbox.v1 import sandbox_pb2
 from supervisor.proto.sandvisor.v1 import sandvisor_pb2
-from supervisor.server import METHODS, SERVICES, Method
 
 SANDBOX, SNAPSHOTS, SANDVISOR = SERVICES
 Prepare = Callable[[dict[str, Any]], dict[str, Any]]
@@ -220,7 +220,7 @@ def to_message(value: Any, cls: type[Message]) -> Message:
 
 
 class GrpcIO:
-    """A gRPC call as the table's :class:`~supervisor.server.CallIO`."""
+    """A gRPC call as the table's :class:`~supervisor.api.CallIO`."""
 
     __slots__ = ("call", "inputs", "out")
 

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from actors.errors import Code, DomainError, FailedPrecondition, InvalidArgument
+from actors.errors import DomainError, FailedPrecondition, InvalidArgument
 from actors.model import (
     BootSource,
     Egress,
     Limits,
     NetMode,
     Network,
-    Patch,
     PortSpec,
     Protocol,
     SandboxConfig,
@@ -37,23 +36,9 @@ from images.oci import Image as OciImage
 from images.oci import PullProgress
 from supervisor import protocol as W
 
-_CODES: dict[Code, str] = {
-    Code.INVALID_ARGUMENT: W.INVALID_ARGUMENT,
-    Code.NOT_FOUND: W.NOT_FOUND,
-    Code.ALREADY_EXISTS: W.ALREADY_EXISTS,
-    Code.FAILED_PRECONDITION: W.FAILED_PRECONDITION,
-    Code.RESOURCE_EXHAUSTED: W.RESOURCE_EXHAUSTED,
-    Code.DEADLINE_EXCEEDED: W.DEADLINE_EXCEEDED,
-    Code.INTERNAL: W.INTERNAL,
-    Code.UNAVAILABLE: W.UNAVAILABLE,
-    Code.UNIMPLEMENTED: W.UNIMPLEMENTED,
-    Code.CANCELLED: W.CANCELLED,
-    Code.PERMISSION_DENIED: W.PERMISSION_DENIED,
-}
-
 
 def wire_error(exc: DomainError) -> W.ApiError:
-    return W.ApiError(_CODES[exc.code], exc.message)
+    return W.ApiError(exc.code.value, exc.message)  # (the domain's codes are the wire's: guestd/codes.py)
 
 
 # --- requests -> domain -----------------------------------------------------------------------
@@ -109,7 +94,7 @@ def config(req: W.CreateSandboxRequest) -> SandboxConfig:
             tls_verify=req.image_tls_verify is not False,
         ),
         hostname=req.hostname,
-        patches=tuple(Patch(p.op, p.path, p.data, p.target, p.mode, p.owner, p.replace) for p in req.patches),
+        patches=tuple(req.patches),  # (the wire's Patch is the domain's: guestd/patch.py)
         volumes=tuple(VolumeMount(v.volume, v.target, v.readonly) for v in req.volumes),
         scripts=dict(req.scripts),
     )

@@ -32,6 +32,7 @@ import cattrs
 from cattrs.preconf.msgpack import make_converter
 from cattrs.strategies import configure_tagged_union
 
+from guestd import patch
 from supervisor import frames as F
 from supervisor.errors import (
     ALREADY_EXISTS,
@@ -196,17 +197,7 @@ class Mount:
     readonly: bool = False
 
 
-@attrs.frozen
-class PatchSpec:
-    """A file system change applied once, before the sandbox is ready (see actors.model.Patch)."""
-
-    op: str  # file | append | mkdir | remove | symlink
-    path: str
-    data: bytes = b""
-    target: str = ""
-    mode: int | None = None
-    owner: str = ""
-    replace: bool = False
+PatchSpec = patch.Patch  # a Create's file system change (the one definition: guestd/patch.py)
 
 
 @attrs.frozen

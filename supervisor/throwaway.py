@@ -33,7 +33,8 @@ import trio
 
 from actors.registry import Registry
 from images.build import default_cache
-from supervisor.daemon import DaemonConfig, serve
+from supervisor.daemon import serve
+from supervisor.daemon_config import DaemonConfig
 
 
 @attrs.frozen

@@ -18,7 +18,7 @@ import trio
 
 from images.build import Image
 from supervisor.client import AsyncConnection, connect
-from supervisor.daemon import DaemonConfig
+from supervisor.daemon_config import DaemonConfig
 from supervisor.protocol import ApiError
 from supervisor.throwaway import supervisor, workdir
 

@@ -35,14 +35,16 @@ from actors.store import Store
 from supervisor import grpc_bridge as G
 from supervisor import grpc_service as S
 from supervisor import protocol as W
+from supervisor.api import METHODS
 from supervisor.client import connect
-from supervisor.daemon import DaemonConfig, serve
+from supervisor.daemon import serve
+from supervisor.daemon_config import DaemonConfig
 from supervisor.grpc_convert import message_to_dict
 from supervisor.metrics import RegistrySource
 from supervisor.proto.sandbox.v1 import sandbox_pb2 as pb
 from supervisor.proto.sandvisor.v1 import sandvisor_pb2 as sv
 from supervisor.proto.sandvisor.v1 import sandvisor_pb2_grpc as sv_grpc
-from supervisor.server import METHODS, Server
+from supervisor.server import Server
 
 SC = grpc.StatusCode
 

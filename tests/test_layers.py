@@ -25,12 +25,21 @@ SDK = (
     "supervisor/config.py",
     "supervisor/treecopy.py",
 )
-# the SDK's tree copies run guestd's stdlib-only tar codec (the same hostile-stream unpacker)
-GUESTD_CODEC = ("guestd", "guestd.tree", "guestd.fsops", "guestd.proto")
+# the SDK's tree copies run guestd's stdlib-only tar codec (the same hostile-stream unpacker);
+# its error codes and Patch are guestd's one definitions (codes.py, patch.py)
+GUESTD_CODEC = ("guestd", "guestd.tree", "guestd.fsops", "guestd.proto", "guestd.codes", "guestd.patch")
 GUESTD_NOT_SDK = tuple(
     f"guestd.{p.stem}" for p in sorted((ROOT / "guestd").glob("*.py")) if f"guestd.{p.stem}" not in GUESTD_CODEC
 )
-EDGES_ONLY = ("supervisor.server", "supervisor.daemon", "supervisor.mapping", "supervisor.throwaway", "supervisor.cli")
+EDGES_ONLY = (
+    "supervisor.api",
+    "supervisor.daemon_config",
+    "supervisor.server",
+    "supervisor.daemon",
+    "supervisor.mapping",
+    "supervisor.throwaway",
+    "supervisor.cli",
+)
 
 
 def imports(path: Path, package: str = "") -> set[str]:
@@ -111,22 +120,24 @@ def test_no_benchmark_script_shadows_a_package() -> None:
     assert not {p.stem for p in (ROOT / "benchmarks").glob("*.py")} & packages
 
 
-def test_the_cli_default_ip_pool_is_the_domains() -> None:
-    """cli.py spells the default pool out (the quick CLI does not import actors/)."""
-    from actors.ippool import DEFAULT_POOL
-    from supervisor.cli import DEFAULT_IP_POOL
+def test_one_list_of_error_codes() -> None:
+    """The seed's codes are listed once (guestd/codes.py, stdlib only: the SDK may import
+    it, the domain too); the domain and the SDK have one error class per code, and
+    guestd's own Error codes are these names but for two of the guest's own."""
+    from actors import errors as domain
+    from guestd import codes
+    from guestd import proto as P
+    from supervisor import errors as sdk
 
-    assert DEFAULT_IP_POOL == DEFAULT_POOL
-
-
-def test_the_sdk_knows_every_domain_code() -> None:
-    """The SDK may not import the domain, so it spells the seed's codes again (and the
-    exception-group helper): they must stay the same set, or a client would see a code
-    it cannot type."""
-    from actors.errors import Code
-    from supervisor.errors import CODES
-
-    assert {c.value for c in Code} == set(CODES)
+    names = {c.value for c in codes.Code}
+    assert domain.Code is codes.Code and sdk.CODES == codes.CODES == names
+    assert set(domain.BY_CODE) == names
+    assert {c: type(sdk.error_for(c, "m")).__name__ for c in names} == {
+        c: domain.BY_CODE[codes.Code(c)].__name__ for c in names
+    }
+    assert all(getattr(sdk, c) == c for c in names)
+    guest = {v for k, v in vars(P).items() if k.startswith("E_") and isinstance(v, str)}
+    assert guest - names == {"IS_A_DIRECTORY", "TOO_LARGE"}
 
 
 def test_importing_the_sdk_changes_no_environment_and_serve_turns_grpc_fork_support_off() -> None:

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 
 from supervisor import config, daemon
-from supervisor.daemon import DaemonConfig, Refused
+from supervisor.daemon import Refused
+from supervisor.daemon_config import DaemonConfig
 from supervisor.throwaway import workdir
 
 ROOT = Path(__file__).resolve().parents[1]

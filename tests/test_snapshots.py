@@ -27,7 +27,7 @@ from supervisor.client import (
     Sandbox,
     connect,
 )
-from supervisor.daemon import DaemonConfig
+from supervisor.daemon_config import DaemonConfig
 from supervisor.throwaway import Workdir, supervisor, workdir
 
 pytestmark = pytest.mark.vm

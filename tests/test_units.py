@@ -249,7 +249,7 @@ async def test_guest_request_keeps_data_queued_behind_a_message() -> None:
 
 
 def test_serve_pool_argument() -> None:
-    from supervisor.cli import _pool_arg
+    from supervisor.daemon_config import _pool_arg
 
     assert _pool_arg("base=2") == ("base", 2)
     assert _pool_arg("a=b=3") == ("a=b", 3)

@@ -1,0 +1,17 @@
+"""The supervisor's defaults, each defined once: the domain's settings, the jailer, the
+daemon's configuration and ``sandvisor serve``'s flags all take them from here.
+
+No imports: the command line reads it without loading the domain.
+"""
+
+BOOT_TIMEOUT = 60.0  # seconds a boot may take before it fails
+GUEST_TIMEOUT = 30.0  # every guest request's deadline on the host's side (DEADLINE_EXCEEDED)
+TB_SIZE_MIB = 64  # TCG's translation cache per QEMU (QEMU's own default: 1 GiB)
+JAIL_OVERHEAD_MIB = 192  # a jailed QEMU's memory limit is its guest RAM + this
+MAX_SANDBOXES = 64  # live sandboxes, warm pool members included
+MAX_SANDBOX_DISK_MIB = 16 << 10  # one sandbox's overlay + read-write volumes, virtual sizes
+MAX_IMAGE_BYTES = 8 << 30  # an OCI image's download and its unpacked tree, each
+EXPOSE_ADDRESS = "127.0.0.1"  # where exposed ports listen on the host
+JAIL_ID_FIRST = 1_900_000_000  # jailed QEMUs' uids/gids: above systemd-nspawn's 0x00080000-0x6FFFFFFF, below 0x7FFE0000
+JAIL_ID_COUNT = 65536
+IP_POOL = "10.88.0.0/16"  # tap networking's addresses (`sandvisor serve`; the daemon's own default: none)

@@ -1,0 +1,576 @@
+"""The method table both edges serve: one handler per method, transport-neutral.
+
+:data:`METHODS` (filled by ``@method``) maps a method's name to its request class and
+shape and its handler ``handler(registry, io, request) -> response | None`` on typed
+values (the attrs classes of :mod:`supervisor.protocol`), with ``io.send(message)``
+for a server stream and ``io.receive() -> message | None`` for a client stream (None:
+the client half-closed). Each edge adapts its wire to it::
+
+    msgpack Call{method, body} --structure (cattrs)--> request --handler--> response
+        --unstructure--> Reply | Item* End                       (supervisor.server)
+    gRPC request (protobuf) --message_to_dict, structure--> request --handler--> response
+        --unstructure, dict_to_message--> response (protobuf)    (supervisor.grpc_service)
+
+Handlers check wire shapes (the first ExecInput carries init, paths are absolute),
+map the wire to domain values and back (:mod:`supervisor.mapping`), call the registry
+or a sandbox, and raise domain errors (:mod:`actors.errors`), which each edge turns
+into its wire's code of the same name. Every lifecycle rule lives in the domain
+(:mod:`actors`). No transport here.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
+from importlib import metadata
+from typing import Any, Protocol, TypeVar
+
+import attrs
+import trio
+
+from actors.errors import DomainError, InvalidArgument, NotFound, ResourceExhausted
+from actors.events import Lagged
+from actors.model import ALIVE, State, VolumeRecord, check_labels, check_port, script_argv
+from actors.registry import DEFAULT_STOP_TIMEOUT, Registry
+from actors.sandbox import Sandbox
+from actors.snapshot import rfc3339
+from guestd import proto as P
+from images.oci import PullProgress
+from supervisor import mapping as M
+from supervisor import protocol as W
+
+
+class CallIO(Protocol):
+    """A call's streams as a handler sees them, whatever the wire."""
+
+    async def send(self, message: Any) -> None:
+        """One message of a server stream (an attrs value of the method's response class)."""
+
+    async def receive(self) -> Any | None:
+        """The client stream's next message (an attrs value), or None once the client half-closed."""
+
+
+R = TypeVar("R")
+Handler = Callable[[Registry, CallIO, Any], Awaitable[Any]]
+
+
+@attrs.frozen
+class Method:
+    """One method of the table: its request class and shape, and its handler."""
+
+    name: str
+    request: type  # the request (of a client stream: its first message)
+    handler: Handler
+    streams: bool = False  # a server stream (items, then the end); else one response
+    inputs: type | None = None  # a client stream: the class of every later message
+
+
+METHODS: dict[str, Method] = {}
+
+
+def method(
+    name: str, request: type[R], *, streams: bool = False, inputs: type | None = None
+) -> Callable[[Callable[[Registry, CallIO, R], Awaitable[Any]]], Callable[[Registry, CallIO, R], Awaitable[Any]]]:
+    def wrap(fn: Callable[[Registry, CallIO, R], Awaitable[Any]]) -> Callable[[Registry, CallIO, R], Awaitable[Any]]:
+        if name in METHODS:
+            raise ValueError(f"method {name} defined twice")
+        METHODS[name] = Method(name, request, fn, streams, inputs)
+        return fn
+
+    return wrap
+
+
+def _absolute(path: str) -> str:
+    if not path.startswith("/"):
+        raise InvalidArgument("path must be absolute")
+    return path
+
+
+@method("Create", W.CreateSandboxRequest)
+async def _create(reg: Registry, io: CallIO, req: W.CreateSandboxRequest) -> W.CreateSandboxResponse:
+    sb = await reg.create(req.id, M.config(req))
+    # the seed: "State at time of response: always starting" (ready follows as an event,
+    # at once when a warm pool member served it)
+    return W.CreateSandboxResponse(id=sb.id, ip_address=sb.ip_address, state=State.STARTING.value)
+
+
+@method("Start", W.IdRequest)
+async def _start(reg: Registry, io: CallIO, req: W.IdRequest) -> W.CreateSandboxResponse:
+    sb = await reg.start(req.id)
+    return W.CreateSandboxResponse(id=sb.id, ip_address=sb.ip_address, state=sb.state.value)
+
+
+@method("Inspect", W.IdRequest)
+async def _inspect(reg: Registry, io: CallIO, req: W.IdRequest) -> W.SandboxInfo:
+    return M.info(reg.get(req.id))
+
+
+@method("List", W.ListSandboxesRequest)
+async def _list(reg: Registry, io: CallIO, req: W.ListSandboxesRequest) -> W.ListSandboxesResponse:
+    page, cursor = reg.list(state=M.state(req.state), labels=req.labels, limit=req.limit or 20, cursor=req.cursor)
+    return W.ListSandboxesResponse([M.summary(sb) for sb in page], cursor)
+
+
+@method("ListAll", W.ListSandboxesRequest)
+async def _list_all(reg: Registry, io: CallIO, req: W.ListSandboxesRequest) -> W.ListSandboxesResponse:
+    """Every match, newest first, in one response (the seed's List has no paging)."""
+    state, out, cursor = M.state(req.state), [], ""
+    while True:
+        page, cursor = reg.list(state=state, labels=req.labels, limit=100, cursor=cursor)
+        out += [M.summary(sb) for sb in page]
+        if not cursor:
+            return W.ListSandboxesResponse(out)
+
+
+@method("Stop", W.StopSandboxRequest)
+async def _stop(reg: Registry, io: CallIO, req: W.StopSandboxRequest) -> None:
+    if req.timeout_seconds < 0:
+        raise InvalidArgument("timeout_seconds must not be negative")
+    timeout = float(req.timeout_seconds or DEFAULT_STOP_TIMEOUT)
+    sb = reg.stop(req.id, timeout)
+    with trio.move_on_after(timeout + 30):
+        await sb.wait_stopped()
+
+
+@method("Kill", W.IdRequest)
+async def _kill(reg: Registry, io: CallIO, req: W.IdRequest) -> None:
+    sb = reg.kill(req.id)
+    with trio.move_on_after(30):
+        await sb.wait_stopped()
+
+
+@method("Drain", W.IdRequest)
+async def _drain(reg: Registry, io: CallIO, req: W.IdRequest) -> None:
+    reg.drain(req.id)
+
+
+@method("WaitUntilStopped", W.IdRequest)
+async def _wait(reg: Registry, io: CallIO, req: W.IdRequest) -> W.SandboxInfo:
+    sb = reg.get(req.id)
+    await sb.wait_stopped()
+    return M.info(sb)
+
+
+@method("Remove", W.RemoveSandboxRequest)
+async def _remove(reg: Registry, io: CallIO, req: W.RemoveSandboxRequest) -> None:
+    await reg.remove(req.id, req.force)
+
+
+@method("Run", W.RunRequest, streams=True)
+async def _run(reg: Registry, io: CallIO, req: W.RunRequest) -> None:
+    sb = reg.get(req.id)
+    cmd = script_argv(sb.config.scripts, req.script, req.cmd) if req.script else req.cmd
+    workload = sb.run_workload(
+        cmd, env=req.env, cwd=req.working_dir, user=req.user, tty=req.tty, timeout=float(req.timeout_seconds)
+    )
+    # closed here, in this task: a cancelled Run (the client's cancel, a gRPC deadline, a
+    # disconnect) kills its process and returns the sandbox to ready at once, not when
+    # the garbage collector finds the generator
+    async with aclosing(workload) as outputs:
+        async for stream, data, code in outputs:
+            if code is None:
+                await io.send(W.RunOutput(stream=stream, data=data))
+            else:
+                await io.send(W.RunOutput(stream="exit", exit_code=code, done=True))
+
+
+@method("Exec", W.ExecInput, streams=True, inputs=W.ExecInput)
+async def _exec(reg: Registry, io: CallIO, first: W.ExecInput) -> None:
+    if first.init is None:
+        raise InvalidArgument("the first ExecInput must carry init")
+    req = first.init
+    sb = reg.get(req.id)
+    async with (
+        sb.exec_session(
+            req.cmd,
+            env=req.env,
+            cwd=req.working_dir,
+            user=req.user,
+            tty=req.tty,
+            rows=req.tty_size.height,
+            cols=req.tty_size.width,
+            timeout=float(req.timeout_seconds),
+        ) as h,
+        trio.open_nursery() as nursery,
+    ):
+
+        async def pump_input() -> None:
+            while True:
+                msg: W.ExecInput | None = await io.receive()
+                if msg is None:  # the client half-closed: end of stdin
+                    await h.close_stdin()
+                    return
+                if msg.stdin is not None:
+                    await h.send_stdin(msg.stdin)
+                if msg.resize is not None:
+                    if not req.tty:
+                        raise InvalidArgument("resize needs tty")
+                    await h.resize(msg.resize.height, msg.resize.width)
+                if msg.close_stdin:
+                    await h.close_stdin()
+                sb.touch()
+
+        nursery.start_soon(pump_input)
+        async for ch, data in h:
+            name = "stderr" if ch == P.STDERR else "stdout"
+            sb.log.append("output" if req.tty else name, data)
+            await io.send(W.RunOutput(stream=name, data=data))
+        nursery.cancel_scope.cancel()
+    assert h.exit is not None
+    await io.send(W.RunOutput(stream="exit", exit_code=h.exit.code, done=True))
+
+
+@method("Events", W.SandboxEventsRequest, streams=True)
+async def _events(reg: Registry, io: CallIO, req: W.SandboxEventsRequest) -> None:
+    sub = reg.events.subscribe(req.id, req.action)
+    try:
+        async for ev in sub:
+            await io.send(M.event(ev))
+    except Lagged as exc:
+        raise ResourceExhausted(str(exc)) from None
+    finally:
+        reg.events.unsubscribe(sub)
+
+
+@method("ReadFile", W.ReadFileRequest, streams=True)
+async def _read_file(reg: Registry, io: CallIO, req: W.ReadFileRequest) -> None:
+    sb = reg.get(req.id)
+    async with sb.read_file(_absolute(req.path)) as f:
+        async for chunk in f:
+            await io.send(W.FileChunk(data=chunk))
+    await io.send(W.FileChunk(done=True))
+
+
+@method("WriteFile", W.WriteFileRequest, inputs=W.WriteFileRequest)
+async def _write_file(reg: Registry, io: CallIO, first: W.WriteFileRequest) -> None:
+    if first.open is None:
+        raise InvalidArgument("the first WriteFileRequest must carry open")
+    op = first.open
+    path = _absolute(op.path)
+    sb = reg.get(op.id)
+
+    async def chunks() -> AsyncIterator[bytes]:
+        total = 0
+        while True:
+            msg: W.WriteFileRequest | None = await io.receive()
+            if msg is None:
+                return
+            if msg.chunk is None:
+                raise InvalidArgument("after open, only chunks")
+            total += len(msg.chunk.data)
+            if total > P.MAX_FILE:
+                raise ResourceExhausted(f"file exceeds {P.MAX_FILE} bytes")
+            if msg.chunk.data:
+                yield msg.chunk.data
+            if msg.chunk.done:
+                return
+
+    await sb.write_file(path, chunks(), mode=op.mode or 0o644)
+
+
+async def _chunks_in(io: CallIO, cls: type[Any], limit: int, what: str) -> AsyncIterator[bytes]:
+    """The ``chunk`` bytes of a client stream after its opening message, up to ``limit``."""
+    total = 0
+    while True:
+        msg = await io.receive()
+        if msg is None:
+            return
+        assert isinstance(msg, cls)
+        if msg.chunk is None:
+            raise InvalidArgument("after open, only chunks")
+        total += len(msg.chunk.data)
+        if total > limit:
+            raise ResourceExhausted(f"{what} exceeds {limit} bytes")
+        if msg.chunk.data:
+            yield msg.chunk.data
+        if msg.chunk.done:
+            return
+
+
+@method("ReadTree", W.ReadTreeRequest, streams=True)
+async def _read_tree(reg: Registry, io: CallIO, req: W.ReadTreeRequest) -> None:
+    """``cp -r box:/path DIR``: the guest packs, the client unpacks (with its own rights)."""
+    sb = reg.get(req.id)
+    async with sb.read_tree(_absolute(req.path)) as tar:
+        async for chunk in tar:
+            await io.send(W.FileChunk(data=chunk))
+    await io.send(W.FileChunk(done=True))
+
+
+@method("WriteTree", W.WriteTreeRequest, inputs=W.WriteTreeRequest)
+async def _write_tree(reg: Registry, io: CallIO, first: W.WriteTreeRequest) -> W.WriteTreeResponse:
+    """``cp -r DIR box:/path``: the client packs, guestd unpacks (hostile archives refused)."""
+    if first.open is None:
+        raise InvalidArgument("the first WriteTreeRequest must carry open")
+    sb = reg.get(first.open.id)
+    chunks = _chunks_in(io, W.WriteTreeRequest, P.MAX_TREE_STREAM, "tree stream")
+    n = await sb.write_tree(_absolute(first.open.path), chunks, owner=first.open.owner)
+    return W.WriteTreeResponse(entries=n)
+
+
+@method("Ping", W.IdRequest)
+async def _ping(reg: Registry, io: CallIO, req: W.IdRequest) -> W.PingResponse:
+    sb = reg.get(req.id)
+    t = time.monotonic_ns()
+    pong = await sb.guest_call(lambda g: g.channel.ping())
+    return W.PingResponse(latency_ns=time.monotonic_ns() - t, activity=pong.activity)
+
+
+@method("Touch", W.IdRequest)
+async def _touch(reg: Registry, io: CallIO, req: W.IdRequest) -> W.TouchResponse:
+    sb = reg.get(req.id)
+    activity = await sb.guest_call(lambda g: g.channel.touch())
+    sb.touch()
+    return W.TouchResponse(activity=activity)
+
+
+@method("Logs", W.LogsRequest, streams=True)
+async def _logs(reg: Registry, io: CallIO, req: W.LogsRequest) -> None:
+    if req.tail < 0:
+        raise InvalidArgument("tail must not be negative")
+    sb = reg.get(req.id)
+    if req.follow:
+        async with aclosing(sb.log.follow(tail=req.tail, since=req.since, cursor=req.cursor)) as records:
+            async for r in records:
+                if req.until and r.timestamp > req.until:
+                    return
+                await io.send(W.LogEntry(r.seq, r.timestamp, r.source, r.data))
+        return
+    for r in await sb.log.read(tail=req.tail, since=req.since, until=req.until, cursor=req.cursor):
+        await io.send(W.LogEntry(r.seq, r.timestamp, r.source, r.data))
+
+
+async def _metrics_of(sb: Sandbox) -> W.MetricsResponse:
+    return M.metrics(await sb.metrics(), cpu_seconds_total=sb.host_cpu_seconds())
+
+
+@method("Metrics", W.IdRequest)
+async def _metrics(reg: Registry, io: CallIO, req: W.IdRequest) -> W.MetricsResponse:
+    return await _metrics_of(reg.get(req.id))
+
+
+def _alive(sandboxes: list[Sandbox]) -> list[Sandbox]:
+    return [sb for sb in sandboxes if sb.state in ALIVE]
+
+
+async def _sample(sandboxes: list[Sandbox]) -> list[W.MetricsResponse]:
+    """Live sandboxes' metrics, asked concurrently: a silent guest costs its own answer
+    (bounded by the guest deadline), not everyone's."""
+    alive = _alive(sandboxes)
+    found: dict[str, W.MetricsResponse] = {}
+
+    async def one(sb: Sandbox) -> None:
+        try:
+            found[sb.id] = await _metrics_of(sb)
+        except DomainError:
+            pass
+
+    async with trio.open_nursery() as nursery:
+        for sb in alive:
+            nursery.start_soon(one, sb)
+    return [found[sb.id] for sb in alive if sb.id in found]
+
+
+@method("MetricsStream", W.MetricsStreamRequest, streams=True)
+async def _metrics_stream(reg: Registry, io: CallIO, req: W.MetricsStreamRequest) -> None:
+    if not 0.1 <= req.interval_seconds <= 3600:
+        raise InvalidArgument("interval_seconds must be 0.1 to 3600")
+    while True:
+        if req.id:
+            sb = reg.get(req.id)
+            if sb.state in ALIVE:
+                await io.send(await _metrics_of(sb))
+        else:
+            for m in await _sample(list(reg.sandboxes.values())):
+                await io.send(m)
+        await trio.sleep(req.interval_seconds)
+
+
+@method("MetricsAll", W.Empty)
+async def _metrics_all(reg: Registry, io: CallIO, req: W.Empty) -> W.MetricsAllResponse:
+    return W.MetricsAllResponse(await _sample(list(reg.sandboxes.values())))
+
+
+@method("ExposePort", W.ExposePortRequest)
+async def _expose(reg: Registry, io: CallIO, req: W.ExposePortRequest) -> W.ExposePortResponse:
+    check_port(req.sandbox_port, req.host_port)
+    pm = await reg.get(req.id).expose(req.sandbox_port, req.host_port, M.protocol(req.protocol))
+    # idempotent: a port exposed already answers with its mapping. The guest needs no
+    # relay port: slirp forwards, and on tap the relay connects, to the sandbox port
+    return W.ExposePortResponse(host_port=pm.host_port, guest_port=pm.sandbox_port)
+
+
+@method("UnexposePort", W.UnexposePortRequest)
+async def _unexpose(reg: Registry, io: CallIO, req: W.UnexposePortRequest) -> None:
+    check_port(req.sandbox_port)
+    await reg.get(req.id).unexpose(req.sandbox_port, M.protocol(req.protocol))
+
+
+@method("ListPorts", W.IdRequest)
+async def _list_ports(reg: Registry, io: CallIO, req: W.IdRequest) -> W.ListPortsResponse:
+    return M.ports(reg.get(req.id))
+
+
+@method("Checkpoint", W.CheckpointRequest)
+async def _checkpoint(reg: Registry, io: CallIO, req: W.CheckpointRequest) -> W.CheckpointResponse:
+    rec, ck = await reg.checkpoint(req.sandbox_id, name=req.name, labels=req.labels)
+    return W.CheckpointResponse(
+        snapshot_id=rec.id,
+        snapshot_dir=rec.dir,
+        created_at=rfc3339(rec.created_ns),
+        size_bytes=sum(rec.sizes.values()),
+        memory=rec.memory.value,
+        paused_ms=round(ck.paused_s * 1000, 3),
+    )
+
+
+@method("Restore", W.RestoreRequest)
+async def _restore(reg: Registry, io: CallIO, req: W.RestoreRequest) -> W.RestoreResponse:
+    sb = await reg.restore(
+        req.snapshot_id,
+        id=req.id,
+        labels=req.labels,
+        ttl_seconds=req.ttl_seconds,
+        network_override=req.network_override,
+    )
+    return W.RestoreResponse(id=sb.id, ip_address=sb.ip_address)
+
+
+@method("ListSnapshots", W.ListSnapshotsRequest)
+async def _list_snapshots(reg: Registry, io: CallIO, req: W.ListSnapshotsRequest) -> W.ListSnapshotsResponse:
+    return W.ListSnapshotsResponse(
+        [M.snapshot(r, reg.pool_ready(r)) for r in reg.list_snapshots(req.sandbox_id, req.labels)]
+    )
+
+
+@method("DeleteSnapshot", W.DeleteSnapshotRequest)
+async def _delete_snapshot(reg: Registry, io: CallIO, req: W.DeleteSnapshotRequest) -> None:
+    await reg.delete_snapshot(req.snapshot_id)
+
+
+# --- the server and its images ------------------------------------------------------------
+SERVICES = ("sandbox.v1.SandboxService", "sandbox.v1.SandboxSnapshotService", "sandvisor.v1.SandvisorService")
+
+
+def _version() -> str:
+    try:
+        return metadata.version("sandvisor")
+    except metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+@method("Info", W.Empty)
+async def _info(reg: Registry, io: CallIO, req: W.Empty) -> W.ServerInfo:
+    by_state: dict[str, int] = {}
+    for sb in reg.sandboxes.values():
+        by_state[sb.state.value] = by_state.get(sb.state.value, 0) + 1
+    return W.ServerInfo(
+        version=_version(),
+        accel=reg.settings.accel,
+        max_sandboxes=reg.admission.quotas.max_sandboxes,
+        sandboxes_by_state=by_state,
+        default_image=reg.settings.image.name,
+        services=list(SERVICES),
+    )
+
+
+def _volume(reg: Registry, rec: VolumeRecord) -> W.VolumeInfo:
+    return W.VolumeInfo(
+        name=rec.name,
+        size_mib=rec.size_bytes >> 20,
+        created_at=rec.created_at,
+        labels=dict(rec.labels),
+        mounted_by=reg.volumes.users(rec.name),
+    )
+
+
+@method("CreateVolume", W.CreateVolumeRequest)
+async def _create_volume(reg: Registry, io: CallIO, req: W.CreateVolumeRequest) -> W.VolumeInfo:
+    check_labels(req.labels)
+    rec = await reg.volumes.create(req.name, (req.size_mib or 256) << 20, req.labels)
+    return _volume(reg, rec)
+
+
+@method("InspectVolume", W.NameRequest)
+async def _inspect_volume(reg: Registry, io: CallIO, req: W.NameRequest) -> W.VolumeInfo:
+    return _volume(reg, reg.volumes.get(req.name))
+
+
+@method("ListVolumes", W.ListVolumesRequest)
+async def _list_volumes(reg: Registry, io: CallIO, req: W.ListVolumesRequest) -> W.ListVolumesResponse:
+    recs = [r for r in reg.volumes.records.values() if req.labels.items() <= r.labels.items()]
+    return W.ListVolumesResponse([_volume(reg, r) for r in sorted(recs, key=lambda r: r.name)])
+
+
+@method("DeleteVolume", W.DeleteVolumeRequest)
+async def _delete_volume(reg: Registry, io: CallIO, req: W.DeleteVolumeRequest) -> W.Empty:
+    await reg.volumes.remove(req.name)
+    return W.Empty()
+
+
+@method("ListImages", W.Empty)
+async def _list_images(reg: Registry, io: CallIO, req: W.Empty) -> W.ListImagesResponse:
+    used = reg.images_in_use()
+    oci = [M.oci_image(img, img.digest in used) for img in await trio.to_thread.run_sync(reg.list_images)]
+    return W.ListImagesResponse([await trio.to_thread.run_sync(M.image, reg.settings.image, True)], oci)
+
+
+@method("PullImage", W.PullImageRequest, streams=True)
+async def _pull_image(reg: Registry, io: CallIO, req: W.PullImageRequest) -> None:
+    """Progress items as the store reports them, then ``done`` with the image. The
+    store calls back synchronously; an unbounded channel carries the items to this
+    task (a few a second: the download watcher polls every 0.25 s)::
+
+        store.pull --progress(p)--> send_nowait --> forward() --io.send--> client
+    """
+    items_in, items_out = trio.open_memory_channel[W.PullImageProgress](math.inf)
+
+    def progress(p: PullProgress) -> None:
+        if p.phase != "done":  # the last item is ours, with the image
+            items_in.send_nowait(M.pull_progress(p))
+
+    async def forward() -> None:
+        async for item in items_out:
+            await io.send(item)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(forward)
+        with items_in:
+            img = await reg.pull_image(
+                req.ref,
+                policy=req.policy or "if-missing",
+                tls_verify=req.tls_verify is not False,
+                creds=req.creds or None,
+                auth_json=req.auth_json or None,
+                progress=progress,
+            )
+    info = M.oci_image(img, img.digest in reg.images_in_use())
+    await io.send(W.PullImageProgress(phase="done", message=", ".join(img.refs), digest=img.digest, image=info))
+
+
+@method("RemoveImage", W.ImageRefRequest)
+async def _remove_image(reg: Registry, io: CallIO, req: W.ImageRefRequest) -> W.RemoveImageResponse:
+    r = await reg.remove_image(req.ref)
+    return W.RemoveImageResponse(list(r.untagged), list(r.deleted), r.freed_bytes)
+
+
+@method("PruneImages", W.PruneImagesRequest)
+async def _prune_images(reg: Registry, io: CallIO, req: W.PruneImagesRequest) -> W.PruneImagesResponse:
+    r = await reg.prune_images(dangling_only=req.dangling_only)
+    return W.PruneImagesResponse(list(r.deleted), r.blobs_deleted, r.freed_bytes)
+
+
+@method("InspectOciImage", W.ImageRefRequest)
+async def _inspect_oci_image(reg: Registry, io: CallIO, req: W.ImageRefRequest) -> W.OciImageInfo:
+    img = reg.inspect_oci_image(req.ref)
+    return M.oci_image(img, img.digest in reg.images_in_use())
+
+
+@method("InspectImage", W.NameRequest)
+async def _inspect_image(reg: Registry, io: CallIO, req: W.NameRequest) -> W.ImageInfo:
+    image = reg.settings.image
+    if req.name not in ("", image.name):
+        raise NotFound(f"no image {req.name!r}; this supervisor serves {image.name!r}")
+    return await trio.to_thread.run_sync(M.image, image, True)
