@@ -12,6 +12,7 @@ from pathlib import Path
 
 import attrs
 
+from actors import defaults
 from actors.qemuproc import LaunchError, QemuUser
 
 GUEST_PORT_NAME = "sandvisor.0"
@@ -84,7 +85,7 @@ class MachineSpec:
     # and exec of `true` 56.8 / 42.1 / 37.6 / 35.4 ms at 32 / 64 / 128 / 1024 (four
     # guests interleaved). 64 keeps a busy guest's QEMU within its RAM + 128 MiB at
     # ~10% of the loop's throughput (16 and 32 thrash). Ignored under KVM.
-    tb_size_mib: int | None = 64
+    tb_size_mib: int | None = defaults.TB_SIZE_MIB
     machine: str = "microvm"  # "pc" only for benchmarks
     extra_ports: tuple[str, ...] = ()  # more virtserialports, by name, each on a socket in run_dir
     # a virtio-balloon with free page reporting: memory the guest frees goes back to the

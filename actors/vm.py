@@ -32,6 +32,7 @@ from typing import Any
 import attrs
 import trio
 
+from actors import defaults
 from actors._groups import collapse_single
 from actors.disk import backing_chain
 from actors.guest import GuestChannel, HelloTimeout, open_channel
@@ -148,7 +149,7 @@ class VmSpec:
 
     machine: MachineSpec
     restore: Path | None = None
-    boot_timeout: float = 60.0
+    boot_timeout: float = defaults.BOOT_TIMEOUT
     answer_timeout: float | None = None  # every guest request's deadline (None: none)
     name: str = "vm"
 
@@ -169,7 +170,7 @@ class VmSpec:
         ram: Path | None = None,
         ram_shared: bool = True,
         restore: Path | None = None,
-        boot_timeout: float = 60.0,
+        boot_timeout: float = defaults.BOOT_TIMEOUT,
         answer_timeout: float | None = None,
         name: str = "vm",
         **machine: Any,

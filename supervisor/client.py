@@ -35,6 +35,7 @@ This module only gathers the SDK's names; the SDK lives in :mod:`supervisor.sdk`
 
 from __future__ import annotations
 
+from guestd.patch import Patch
 from supervisor.errors import (
     AlreadyExists,
     Cancelled,
@@ -80,7 +81,6 @@ from supervisor.sdk.spec import (
     Network,
     Output,
     Page,
-    Patch,
     Resources,
     RunResult,
     RunSettings,

@@ -132,16 +132,14 @@ def test_a_bad_flag_is_a_usage_error(argv: list[str], capsys: pytest.CaptureFixt
 
 
 def test_the_defaults_are_defined_once() -> None:
-    """The domain's settings, the jailer and the daemon take their defaults from
-    actors/defaults.py; the VM specs (being unified elsewhere) still spell two of them,
-    which must agree."""
-    from actors import cell, cgroups, ippool, jail, machine, settings, snapshot, vm
+    """The domain's settings, the VM specs, the jailer and the daemon take their defaults
+    from actors/defaults.py."""
+    from actors import cell, cgroups, ippool, jail, qemuspec, settings, snapshot, vm
 
     def default(cls: type, name: str) -> object:
         return attrs.fields_dict(cls)[name].default
 
-    assert default(settings.Settings, "tb_size_mib") == default(machine.MachineSpec, "tb_size_mib") == D.TB_SIZE_MIB
-    assert default(vm.VmSpec, "tb_size_mib") == D.TB_SIZE_MIB
+    assert default(settings.Settings, "tb_size_mib") == default(qemuspec.MachineSpec, "tb_size_mib") == D.TB_SIZE_MIB
     assert default(settings.Settings, "boot_timeout") == default(vm.VmSpec, "boot_timeout") == D.BOOT_TIMEOUT
     assert default(settings.Settings, "guest_timeout") == D.GUEST_TIMEOUT
     assert default(cell.JailConfig, "overhead_mib") == D.JAIL_OVERHEAD_MIB

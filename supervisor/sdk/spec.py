@@ -12,6 +12,7 @@ from typing import Any, Literal, TypedDict, Unpack
 
 import attrs
 
+from guestd.patch import Patch
 from supervisor import protocol as W
 from supervisor.errors import InvalidArgument
 from supervisor.protocol import CheckpointResponse, SandboxSummary, SnapshotSummary
@@ -113,48 +114,6 @@ class Boot:
     kernel: str = ""
     rootfs: str = ""
     boot_args: str = ""
-
-
-@attrs.frozen(kw_only=True)
-class Patch:
-    """A change to the sandbox's file system that guestd makes once, on its fresh disk,
-    before it is ready and before its command runs. Build with the class methods;
-    ``owner`` is user[:group] by the guest's names or ids ("" = root)."""
-
-    op: str
-    path: str
-    data: bytes = b""
-    target: str = ""
-    mode: int | None = None
-    owner: str = ""
-    replace: bool = False
-
-    @classmethod
-    def file(
-        cls, path: str, data: bytes | str, *, mode: int | None = None, owner: str = "", replace: bool = False
-    ) -> Patch:
-        raw = data.encode() if isinstance(data, str) else bytes(data)
-        return cls(op="file", path=path, data=raw, mode=mode, owner=owner, replace=replace)
-
-    @classmethod
-    def append(cls, path: str, data: bytes | str, *, mode: int | None = None, owner: str = "") -> Patch:
-        raw = data.encode() if isinstance(data, str) else bytes(data)
-        return cls(op="append", path=path, data=raw, mode=mode, owner=owner)
-
-    @classmethod
-    def mkdir(cls, path: str, *, mode: int | None = None, owner: str = "") -> Patch:
-        return cls(op="mkdir", path=path, mode=mode, owner=owner)
-
-    @classmethod
-    def remove(cls, path: str) -> Patch:
-        return cls(op="remove", path=path)
-
-    @classmethod
-    def symlink(cls, target: str, link: str, *, owner: str = "", replace: bool = False) -> Patch:
-        return cls(op="symlink", path=link, target=target, owner=owner, replace=replace)
-
-    def spec(self) -> W.PatchSpec:
-        return W.PatchSpec(self.op, self.path, self.data, self.target, self.mode, self.owner, self.replace)
 
 
 @attrs.frozen
@@ -286,7 +245,7 @@ class SandboxSpec:
             idle_timeout_seconds=self.lifetime.idle_timeout,
             hostname=self.hostname,
             ephemeral=self.lifetime.ephemeral,
-            patches=[p.spec() for p in self.patches],
+            patches=list(self.patches),
             volumes=[W.VolumeMount(m.name, m.path, m.read_only) for m in self.volumes],
             scripts=dict(self.scripts),
         )
