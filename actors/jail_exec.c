@@ -1,6 +1,6 @@
 /*
  * sandvisor-jail-exec: enter a jail, then exec a program (QEMU). The fast path of
- * actors/jail.py: the supervisor vforks this (no copy of its page tables, no Python
+ * actors/cells/jail.py: the supervisor vforks this (no copy of its page tables, no Python
  * in a forked child) from a thread whose children start a new pid namespace, so it
  * runs as pid 1 there and its pid stays QEMU's. It makes the same syscalls, in the
  * same order, as jail.py's Python stage (_enter), from a plan jail.py writes as
@@ -13,7 +13,7 @@
  *       -- PROGRAM ARGS...
  *
  * --userns-fd: a user namespace entered after pivot_root (a tool's cell, see
- * actors/toolcell.py): uid and gid are then the namespace's (0 allowed), and the
+ * actors/cells/toolcell.py): uid and gid are then the namespace's (0 allowed), and the
  * capabilities of --keep-caps are kept there (bounding set and permitted).
  *
  * A failure is written to the error fd as "step: strerror" and the exit status is 127;

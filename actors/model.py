@@ -18,8 +18,8 @@ from typing import Any, TypeVar
 import attrs
 from cattrs.preconf.msgpack import make_converter
 
-from actors.egress import EgressPolicy, PolicyError
 from actors.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from actors.net.egress import EgressPolicy, PolicyError
 from guestd import patch
 
 
@@ -118,7 +118,7 @@ class Egress:
     """Where a sandbox may connect to (tap mode, and user mode with outbound): entries
     are CIDRs or addresses, ``host:port`` (ranges ``lo-hi``), or domain names
     (``example.com``, ``*.example.com``, with an optional ``:port``), checked by
-    actors/egress.py; the most specific entry wins, deny on a tie. Whatever it says,
+    actors/net/egress.py; the most specific entry wins, deny on a tie. Whatever it says,
     the host, link-local/metadata addresses and other sandboxes stay out of reach
     (docs/network.md)."""
 

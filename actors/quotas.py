@@ -11,7 +11,7 @@ state dir keeps ``min_free_mib``. Each refusal is RESOURCE_EXHAUSTED naming the 
 
 One sandbox's disks are capped too (:func:`check_sandbox_disk`, ``--max-sandbox-disk``,
 16 GiB by default): what its guest can make the host store is its overlay, which grows
-to at most its virtual size plus qcow2 metadata (:func:`actors.disk.overlay_bound`),
+to at most its virtual size plus qcow2 metadata (:func:`actors.machines.disk.overlay_bound`),
 and its read-write volumes (sparse raw files of their size). So the sum of those
 virtual sizes is the bound a guest meets as ENOSPC in its own file systems, never
 the host's or its neighbours'. A checkpoint freezes the overlay into the snapshot
@@ -34,7 +34,7 @@ import attrs
 import trio
 
 from actors.errors import ResourceExhausted
-from actors.vm import Attach, Guest, VmSpec
+from actors.machines.vm import Attach, Guest, VmSpec
 
 Launcher = Callable[[VmSpec, Attach], AbstractAsyncContextManager[Guest]]
 

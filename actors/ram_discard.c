@@ -1,7 +1,7 @@
 /*
  * sandvisor-ram-discard.so: lets QEMU 7.2 give back the guest memory of a restored
  * clone. Preloaded (LD_PRELOAD) into a QEMU whose guest RAM is a private mapping of a
- * sealed memfd (a mapped snapshot's memory, see actors/guestmem.py) and which has a
+ * sealed memfd (a mapped snapshot's memory, see actors/machines/guestmem.py) and which has a
  * virtio-balloon with free page reporting.
  *
  * QEMU 7.2's ram_block_discard_range() (softmmu/physmem.c), which the balloon calls

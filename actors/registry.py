@@ -1,8 +1,8 @@
 """The registry actor: ids, lifecycle, recovery, timers, snapshots' orchestration.
 
-It owns every :class:`~actors.sandbox.Sandbox` of the supervisor and the nursery
+It owns every :class:`~actors.sandboxes.sandbox.Sandbox` of the supervisor and the nursery
 their lives run in, the SQLite store, the event bus, the snapshot store and the
-:class:`~actors.pools.Pools` actor. An edge calls its methods with domain values
+:class:`~actors.snapshots.pools.Pools` actor. An edge calls its methods with domain values
 (:class:`~actors.model.SandboxConfig`, ids); they check the rules (typed
 :class:`~actors.errors.DomainError`), change the registry synchronously (so two
 Creates with one id race to exactly one sandbox) and start or stop lives.
@@ -36,9 +36,7 @@ from pathlib import Path
 
 import trio
 
-from actors.convert import convert_streamed
 from actors.crash import crash_point
-from actors.disk import DiskError, check_user_disk, virtual_size
 from actors.errors import (
     AlreadyExists,
     Code,
@@ -51,9 +49,9 @@ from actors.errors import (
     error,
 )
 from actors.events import EventBus
-from actors.files import SandboxFiles
-from actors.guestmem import private_dir
-from actors.ippool import link_name
+from actors.machines.disk import DiskError, check_user_disk, virtual_size
+from actors.machines.guestmem import private_dir
+from actors.machines.qemuproc import AdoptedProcess, MachineError, start_time, unsearchable_parent
 from actors.model import (
     ALIVE,
     POOL_PREFIX,
@@ -69,13 +67,15 @@ from actors.model import (
     check_name,
     is_hidden,
 )
-from actors.netlink import check_network_available
-from actors.pools import Pools
-from actors.qemuproc import AdoptedProcess, MachineError, start_time, unsearchable_parent
+from actors.net.ippool import link_name
+from actors.net.netlink import check_network_available
 from actors.quotas import Admission, Quotas, check_sandbox_disk
-from actors.sandbox import Adopt, Boot, Plan, Resume, Sandbox
+from actors.sandboxes.files import SandboxFiles
+from actors.sandboxes.sandbox import Adopt, Boot, Plan, Resume, Sandbox
 from actors.settings import Settings
-from actors.snapshot import Checkpoint, SnapshotStore
+from actors.snapshots.convert import convert_streamed
+from actors.snapshots.pools import Pools
+from actors.snapshots.snapshot import Checkpoint, SnapshotStore
 from actors.store import Record, SnapshotRecord, Store
 from actors.volumes import Volumes
 from images.oci import Image, ImageError, ImageStore, ProgressFn, PruneResult, RemoveResult
@@ -442,7 +442,7 @@ class Registry:
         return sb
 
     def _check_disks(self, config: SandboxConfig, image: ImageUse | None) -> None:
-        """A caller's own rootfs stands alone (no backing or data file, actors/disk.py), and
+        """A caller's own rootfs stands alone (no backing or data file, actors/machines/disk.py), and
         the sandbox's disks fit --max-sandbox-disk (actors/quotas.py). The life checks again."""
         try:
             if config.boot.rootfs:

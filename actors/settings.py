@@ -9,11 +9,11 @@ from pathlib import Path
 import attrs
 
 from actors import defaults as D
-from actors.cell import Cells
-from actors.hostnet import HostNetwork
+from actors.cells.cell import Cells
+from actors.machines.qemuproc import QemuUser
+from actors.machines.vm import Attach, Guest, VmSpec, booted_guest
 from actors.model import Limits
-from actors.qemuproc import QemuUser
-from actors.vm import Attach, Guest, VmSpec, booted_guest
+from actors.net.hostnet import HostNetwork
 from images.build import Image
 from images.oci import ImageStore
 

@@ -163,7 +163,7 @@ class SnapshotRecord:
     the supervisor's own: hidden from callers.
 
     A streamed snapshot's conversion switches the record in place, in one step of the
-    Trio thread (:meth:`~actors.snapshot.SnapshotStore.convert_one`): ``memory``,
+    Trio thread (:meth:`~actors.snapshots.snapshot.SnapshotStore.convert_one`): ``memory``,
     ``vmstate``, ``sizes`` and ``memory_stat`` change together. A restore reads them
     once, in one step, and opens the stream there (the files it names then stay
     readable to it whatever happens to the record)."""
@@ -458,7 +458,7 @@ class Store:
 
 
 class StoreLeases:
-    """The IP pool's leases in the supervisor's database (actors/ippool.py's
+    """The IP pool's leases in the supervisor's database (actors/net/ippool.py's
     ``LeaseStore``): written through the store's writer, in order with the sandbox
     records, so a lease is on disk whenever the Create that made it has answered
     (Create flushes before it answers)."""

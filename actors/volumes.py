@@ -23,7 +23,7 @@ Volume images: raw ext4 files made and checked on the host, never mounted there.
 
 A volume is a sparse file with an ext4 file system, made by ``mkfs.ext4`` (no loop
 device, no mount: a file system the host never mounts cannot attack the host's
-kernel), attached to a VM as virtio-blk (:class:`actors.qemuspec.Volume`) and mounted
+kernel), attached to a VM as virtio-blk (:class:`actors.machines.qemuspec.Volume`) and mounted
 in the guest by guestd (``GuestChannel.mount``). Only the blocks the guest writes
 take disk space: ``lazy_itable_init`` and ``lazy_journal_init`` leave the inode
 tables and the journal unwritten at creation (the guest kernel zeroes the inode
@@ -50,11 +50,11 @@ from typing import TYPE_CHECKING
 import attrs
 import trio
 
+from actors.cells.toolcell import ToolCells, fsck_in_cell
 from actors.durable import fsync_dir, fsync_path
 from actors.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from actors.machines.qemuspec import Volume
 from actors.model import VolumeMount, VolumeRecord
-from actors.qemuspec import Volume
-from actors.toolcell import ToolCells, fsck_in_cell
 from images.tools import ToolError, ToolResult
 
 if TYPE_CHECKING:
@@ -111,7 +111,7 @@ async def check_volume_image(path: Path, tools: ToolCells | None = None) -> bool
     """``e2fsck -p``: replay the journal and fix what is safe to fix. True when the file
     system was clean, False when it was repaired; VolumeError when it needs a human.
     ``tools``: in a cell of its own (the image is the guest's: hostile input), the
-    image by descriptor (actors/toolcell.py); None (no jail): as the supervisor."""
+    image by descriptor (actors/cells/toolcell.py); None (no jail): as the supervisor."""
     if tools is None:
         p: subprocess.CompletedProcess[bytes] | ToolResult = await _run(["e2fsck", "-p", str(path)])
     else:

@@ -33,7 +33,7 @@ from guest import boot_floor, floor_initrd
 from rich.progress import Progress
 from snapshots import RESTORE_PHASES, restore_runs, wait_ready
 
-from actors.vm import kernel_cmdline
+from actors.machines.vm import kernel_cmdline
 from images.build import Builder, default_cache
 from supervisor.client import connect
 

@@ -45,7 +45,7 @@ import supervisor  # noqa: F401  (first: it turns grpcio's fork handlers off, fo
 import grpc
 from _harness import write_results
 
-from actors.ports import free_port
+from actors.net.ports import free_port
 from supervisor import protocol as W
 from supervisor.proto.sandbox.v1 import sandbox_pb2 as pb
 from supervisor.proto.sandbox.v1 import sandbox_pb2_grpc as pb_grpc

@@ -27,9 +27,9 @@ from typing import Any
 
 import trio
 
-from actors.disk import create_overlay
-from actors.guest import GuestChannel
-from actors.vm import BASE_CMDLINE, VmSpec, booted_guest, kernel_cmdline
+from actors.channel.guest import GuestChannel
+from actors.machines.disk import create_overlay
+from actors.machines.vm import BASE_CMDLINE, VmSpec, booted_guest, kernel_cmdline
 from images.build import Builder, Image, default_cache
 
 QGA_PORT = "org.qemu.guest_agent.0"

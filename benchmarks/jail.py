@@ -4,7 +4,7 @@ first alternates) so the load of a shared machine hits both alike. Medians and p
 
 Two throwaway supervisors (``supervisor.throwaway``), root, TCG, 256 MiB guests:
 ``jail=True`` (every QEMU in its cell: own uid, namespaces, pivot_root, cgroup, sealed
-snapshot memory; actors/cell.py) and ``jail=False`` (``serve --no-jail``: QEMU as
+snapshot memory; actors/cells/cell.py) and ``jail=False`` (``serve --no-jail``: QEMU as
 ``nobody``, no namespaces, no cgroup). Each round, for each side, with both sides
 quiet first (their warm pools full, nothing starting):
 
@@ -53,7 +53,7 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE] + [_HE
 from _harness import pct, summary, write_results  # noqa: E402
 
 from actors.registry import Registry  # noqa: E402
-from actors.sandbox import Sandbox  # noqa: E402
+from actors.sandboxes.sandbox import Sandbox  # noqa: E402
 from supervisor.client import AsyncConnection, connect  # noqa: E402
 from supervisor.daemon_config import DaemonConfig  # noqa: E402
 from supervisor.throwaway import supervisor, workdir  # noqa: E402

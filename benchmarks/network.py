@@ -15,7 +15,7 @@ from typing import Any
 import trio
 from _harness import in_process_daemon, main, write_results
 
-from actors.ports import free_port
+from actors.net.ports import free_port
 from supervisor.client import connect
 
 IN_GUEST = """

@@ -28,14 +28,14 @@ import trio
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from _harness import main, write_results
 
-from actors import dnsmsg as D
-from actors import egress
-from actors.egress import EgressPolicy
-from actors.ippool import link_name
 from actors.model import Limits, NetMode, Network, PortSpec, SandboxConfig, State
-from actors.netns import NetNS
-from actors.portfwd import dnat_base, dnat_rules
-from actors.sandbox import Sandbox
+from actors.net import dnsmsg as D
+from actors.net import egress
+from actors.net.egress import EgressPolicy
+from actors.net.ippool import link_name
+from actors.net.netns import NetNS
+from actors.net.portfwd import dnat_base, dnat_rules
+from actors.sandboxes.sandbox import Sandbox
 from supervisor.throwaway import supervisor, workdir
 from tests.netlab import POOL, SERVERS, UPLINK_INET, lab_env, namespaces, probe, resolve
 
@@ -149,7 +149,7 @@ async def bench_vm(n: int, res: dict[str, Any]) -> None:
                 await in_guest(sb, "python3 /tmp/srv.py >/dev/null 2>&1 &")
             hn = reg.settings.hostnet
             assert hn is not None
-            # the DNAT variant (not what ExposePort does: see actors/portfwd.py), for comparison
+            # the DNAT variant (not what ExposePort does: see actors/net/portfwd.py), for comparison
             hn.nft.run(dnat_base())
             host.sysctl(f"ipv4/conf/{t.tap_name}/route_localnet", 1)
             dnat_ports = {p: 17000 + p for p in (7001, 7002, 7003)}

@@ -1,4 +1,4 @@
-"""QMP round trip: actors/qmp.py (Trio-native) against qemu.qmp on trio-asyncio (before).
+"""QMP round trip: actors/machines/qmp.py (Trio-native) against qemu.qmp on trio-asyncio (before).
 
 One QEMU (microvm, paused with ``-S``: no guest runs, so only QMP is measured), one
 client connected at a time (QEMU's QMP socket takes one). ``query-status`` round trips,
@@ -29,7 +29,7 @@ from typing import Any
 
 import trio
 
-from actors.qmp import QMPClient
+from actors.machines.qmp import QMPClient
 
 ROUND = 50
 
@@ -107,7 +107,7 @@ async def measure(n: int, work: Path) -> dict[str, Any]:
         "-nographic", "-S", "-m", "64M", "-chardev", f"socket,id=qmp,path={path},server=on,wait=off",
         "-mon", "chardev=qmp,mode=control",
     ]  # fmt: skip
-    sessions: dict[str, Session] = {"trio-native (actors/qmp.py)": ours}
+    sessions: dict[str, Session] = {"trio-native (actors/machines/qmp.py)": ours}
     if have_before():
         sessions["qemu.qmp on trio-asyncio (before)"] = before
     qemu = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)

@@ -30,7 +30,7 @@ from typing import Any
 import trio
 from _harness import write_results
 
-from actors.cgroups import detect
+from actors.cells.cgroups import detect
 from actors.registry import _our_qemus
 from supervisor.client import AsyncSandbox, SandboxError
 from supervisor.config import default_memory_dir

@@ -33,9 +33,9 @@ from typing import Any
 
 import trio
 
-from actors.disk import create_overlay
-from actors.guest import GuestChannel
-from actors.vm import VmSpec, booted_guest
+from actors.channel.guest import GuestChannel
+from actors.machines.disk import create_overlay
+from actors.machines.vm import VmSpec, booted_guest
 from images.build import Builder, default_cache
 from supervisor.treecopy import packed_tree, unpack_tree
 

@@ -16,7 +16,7 @@ Order matters: the old addresses go first (a new address in the same subnet woul
 a *secondary* one, deleted with the primary when promote_secondaries is off), then
 the new one (the kernel adds the subnet route), then the default route (replaced).
 Neighbour entries are kept: on the host every sandbox link has the same MAC
-(actors/ippool.py GATEWAY_MAC), so the gateway's entry a snapshot carries stays right.
+(actors/net/ippool.py GATEWAY_MAC), so the gateway's entry a snapshot carries stays right.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 This module is imported by guestd inside the guest (stdlib + msgpack only, and
 fast to import: it must not pull in ``typing``, ``dataclasses`` or ``inspect``,
 which cost tens of milliseconds of boot under TCG) and by the host side
-(``actors.guest``).  Both ends speak exactly the classes defined here.
+(``actors.channel.guest``).  Both ends speak exactly the classes defined here.
 
 Framing: every frame is a 4-byte big-endian length followed by that many bytes
 of msgpack.  A frame longer than :data:`MAX_FRAME` is a protocol error.  The

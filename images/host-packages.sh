@@ -5,7 +5,7 @@
 set -euo pipefail
 # skopeo, umoci: pull and unpack OCI images (images/oci.py); docker-registry: the loopback
 # registry the image tests and benchmark push to; nftables (libnftables1), iproute2: tap
-# networking and egress policy (actors/hostnet.py, actors/nft.py); gcc, libc6-dev (libc.a
+# networking and egress policy (actors/net/hostnet.py, actors/net/nft.py); gcc, libc6-dev (libc.a
 # for the static jail helper): the package build compiles actors/jail_exec.c and
 # ram_discard.c (setup.py; without them serve refuses to start as root);
 # python3: Debian's own interpreter, which tests run as other users (/root is 0700)

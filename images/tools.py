@@ -3,7 +3,7 @@
 ``ImageStore(tools=...)`` runs skopeo, umoci and mkfs.ext4 through a :class:`ToolRunner`.
 The layers point one way (guestd <- images <- actors <- supervisor): images/ may not
 import actors/, so it states here what it needs, and the domain's cells
-(``actors.toolcell.ToolCells``) implement it and import these types and constants
+(``actors.cells.toolcell.ToolCells``) implement it and import these types and constants
 from here (one definition of each).
 """
 
@@ -58,7 +58,7 @@ class ToolIdentity(Protocol):
 
 
 class ToolRunner(Protocol):
-    """Runs host tools confined (``actors.toolcell.ToolCells``)."""
+    """Runs host tools confined (``actors.cells.toolcell.ToolCells``)."""
 
     def identity(self, owner: str) -> AbstractContextManager[ToolIdentity]:
         """An id of one job's own (a pull's skopeo runs), released on exit."""

@@ -34,8 +34,8 @@ from actors.errors import DomainError, InvalidArgument, NotFound, ResourceExhaus
 from actors.events import Lagged
 from actors.model import ALIVE, State, VolumeRecord, check_labels, check_port, script_argv
 from actors.registry import DEFAULT_STOP_TIMEOUT, Registry
-from actors.sandbox import Sandbox
-from actors.snapshot import rfc3339
+from actors.sandboxes.sandbox import Sandbox
+from actors.snapshots.snapshot import rfc3339
 from guestd import proto as P
 from images.oci import PullProgress
 from supervisor import mapping as M

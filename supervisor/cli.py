@@ -44,8 +44,8 @@ def _host_errors(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.
     commands that use them; imported with them, not by every command."""
 
     def run(args: argparse.Namespace) -> int:
-        from actors.guest import GuestError
-        from actors.qemuproc import MachineError
+        from actors.channel.guest import GuestError
+        from actors.machines.qemuproc import MachineError
         from images.build import BuildError
 
         try:
@@ -108,7 +108,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from actors.qemuspec import resolve_accel
+    from actors.machines.qemuspec import resolve_accel
     from images.build import default_cache, load_default
 
     out = Console()
@@ -233,12 +233,12 @@ def _refusal(exc: BaseException) -> str | None:
     """The one line of a refusal to start (or to go on): a wrong setting, a directory, a
     port or a lock someone else holds, a missing tool or image. None when any part of
     ``exc`` is something else (a bug: shown whole)."""
-    from actors.cgroups import CgroupError
+    from actors.cells.cgroups import CgroupError
+    from actors.cells.jail import JailError
     from actors.errors import DomainError
-    from actors.jail import JailError
-    from actors.netns import NetError
-    from actors.nft import NftError
-    from actors.qemuproc import MachineError
+    from actors.machines.qemuproc import MachineError
+    from actors.net.netns import NetError
+    from actors.net.nft import NftError
     from images.build import BuildError
     from supervisor.config import UnsafeRuntimeDir
     from supervisor.daemon import Refused

@@ -3,7 +3,7 @@
 Owns, in one nursery: the registry actor (and through it every sandbox), the
 Unix-socket server, the gRPC edge and the metrics endpoint (when configured), the
 asyncio loop QMP runs on, and (root, ``ip_pool`` set) the host network: the IP pool,
-the egress filter, the DNS proxy (actors/hostnet.py). SIGTERM or SIGINT: stop
+the egress filter, the DNS proxy (actors/net/hostnet.py). SIGTERM or SIGINT: stop
 accepting (the gRPC edge first), stop every sandbox within a bound, exit 0.
 """
 
@@ -24,16 +24,16 @@ from pathlib import Path
 import trio
 
 from actors import helpers
-from actors.cell import Cells, JailConfig
-from actors.hostnet import HostNetConfig, HostNetwork
-from actors.ippool import IpPool, parse_pool
-from actors.qemuproc import unprivileged_user, unsearchable_parent
-from actors.qemuspec import resolve_accel
+from actors.cells.cell import Cells, JailConfig
+from actors.machines.qemuproc import unprivileged_user, unsearchable_parent
+from actors.machines.qemuspec import resolve_accel
+from actors.machines.vm import booted_guest
+from actors.net.hostnet import HostNetConfig, HostNetwork
+from actors.net.ippool import IpPool, parse_pool
 from actors.quotas import Quotas, gated, start_slots
 from actors.registry import Registry
 from actors.settings import Settings
 from actors.store import Store, StoreLeases
-from actors.vm import booted_guest
 from images.build import Builder, Image, load_default
 from images.oci import ImageStore
 from images.refs import RefPolicy

@@ -211,7 +211,7 @@ class DaemonConfig:
         kind="switch",
         help="at SIGTERM, leave sandboxes running for the next supervisor (upgrades); default: stop them",
     )
-    jail: bool = flag(  # as root: every QEMU in its own jail, uid and cgroup (actors/cell.py)
+    jail: bool = flag(  # as root: every QEMU in its own jail, uid and cgroup (actors/cells/cell.py)
         True,
         name="--no-jail",
         kind="negation",

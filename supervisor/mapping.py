@@ -28,8 +28,8 @@ from actors.model import (
     VolumeMount,
     Workload,
 )
-from actors.sandbox import Sandbox
-from actors.snapshot import rfc3339
+from actors.sandboxes.sandbox import Sandbox
+from actors.snapshots.snapshot import rfc3339
 from actors.store import SnapshotRecord
 from images.build import Image
 from images.oci import Image as OciImage

@@ -44,7 +44,7 @@ from actors.model import ALIVE, ENDED
 
 if TYPE_CHECKING:
     from actors.registry import Registry
-    from actors.sandbox import Sandbox
+    from actors.sandboxes.sandbox import Sandbox
 
 log = logging.getLogger("sandvisor.metrics")
 

@@ -24,10 +24,10 @@ import pytest
 import trio
 
 from actors import helpers
-from actors.disk import create_overlay
-from actors.guest import GuestChannel, open_channel
-from actors.qemuspec import MachineSpec
-from actors.vm import VmSpec, kernel_cmdline
+from actors.channel.guest import GuestChannel, open_channel
+from actors.machines.disk import create_overlay
+from actors.machines.qemuspec import MachineSpec
+from actors.machines.vm import VmSpec, kernel_cmdline
 from images.build import Builder, Image, default_cache
 from supervisor.throwaway import supervisor_process, workdir
 

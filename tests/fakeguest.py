@@ -10,7 +10,7 @@ the same mistakes (it reuses guestd's ``errcode`` and ``ExecFailed``). Its state
 connection: a host that goes away and comes back (a new stream, HOST_SYNC, Hello)
 finds its processes still running, as after a restore or a supervisor restart::
 
-    host (actors.guest.GuestChannel)              FakeGuest
+    host (actors.channel.guest.GuestChannel)              FakeGuest
       | HOST_SYNC, Hello --------------------->  | new session; the old one's requests are orphaned
       | <--------------- GUEST_SYNC, HelloOk     |   (their processes run on, output discarded)
       | Exec{rid} ---------------------------->  | FakeProcess: a Trio task running a command handler

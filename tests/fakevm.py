@@ -2,7 +2,7 @@
 
 :class:`FakeLab` is a launcher (``Settings.launch``): each life gets a
 :class:`~fakeguest.FakeGuest` (guestd's protocol, in-process) behind a real
-:class:`~actors.guest.GuestChannel`, and a :class:`FakeMachine` standing in for QEMU
+:class:`~actors.channel.guest.GuestChannel`, and a :class:`FakeMachine` standing in for QEMU
 (pid, exit, HMP port forwards, the checkpoint steps). A checkpoint keeps the guest's
 files under the vmstate it "wrote"; a restore of that vmstate starts a guest with
 those files, so a clone sees its snapshot's disk. Tests reach every guest through
@@ -26,12 +26,12 @@ import attrs
 import trio
 from fakeguest import FakeGuest, Hostile
 
-from actors.guest import open_channel
-from actors.machine import StagedDisk
-from actors.qemuproc import LaunchError
-from actors.qemuspec import MachineSpec
+from actors.channel.guest import open_channel
+from actors.machines.machine import StagedDisk
+from actors.machines.qemuproc import LaunchError
+from actors.machines.qemuspec import MachineSpec
+from actors.machines.vm import Attach, BootError, BootTimeout, Guest, VmSpec
 from actors.settings import Settings
-from actors.vm import Attach, BootError, BootTimeout, Guest, VmSpec
 from images.build import Image
 
 _pids = itertools.count(4_000_000)  # above any real pid: /proc lookups find nothing

@@ -33,17 +33,17 @@ from typing import Any
 import attrs
 import trio
 
-from actors import dnsmsg as D
-from actors.egress import EgressPolicy
-from actors.hostnet import HostNetConfig, HostNetwork, SandboxLink
-from actors.ippool import IpPool, MemoryLeases, link_name
-from actors.netns import NetNS
+from actors.net import dnsmsg as D
+from actors.net.egress import EgressPolicy
+from actors.net.hostnet import HostNetConfig, HostNetwork, SandboxLink
+from actors.net.ippool import IpPool, MemoryLeases, link_name
+from actors.net.netns import NetNS
 
 UPLINK_HOST = "198.51.100.2"
 UPLINK_INET = "198.51.100.1"
 SERVERS = ("203.0.113.10", "203.0.113.20", "203.0.113.30")
 METADATA = "169.254.169.254"
-# private addresses (actors.egress.PRIVATE4) behind the uplink: closed even under default
+# private addresses (actors.net.egress.PRIVATE4) behind the uplink: closed even under default
 # allow; the stand-in internet above uses documentation ranges, which stay open
 LAN = "10.77.0.10"
 CLOUD_METADATA = "100.100.100.200"

@@ -17,7 +17,7 @@ import trio
 
 from actors.errors import DomainError
 from actors.registry import Registry
-from actors.sandbox import Sandbox
+from actors.sandboxes.sandbox import Sandbox
 from images.build import Image
 from supervisor import protocol as W
 from supervisor.config import default_memory_dir

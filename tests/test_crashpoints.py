@@ -22,7 +22,7 @@ import msgpack
 import pytest
 import trio
 
-from actors.cgroups import detect
+from actors.cells.cgroups import detect
 from actors.crash import STEPS
 from actors.registry import _our_qemus
 from images.build import Image

@@ -553,7 +553,7 @@ async def _wait_http(port: int, timeout: float = 60) -> bytes:
 
 
 async def test_user_network_exposed_ports(daemon: DaemonConfig) -> None:
-    from actors.ports import free_port
+    from actors.net.ports import free_port
 
     web_port = free_port("127.0.0.1", "tcp")
     serve_http = "cd /tmp && echo hello-from-guest > hello.txt && (python3 -m http.server 8000 >/dev/null 2>&1 &)"

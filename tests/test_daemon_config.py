@@ -134,7 +134,11 @@ def test_a_bad_flag_is_a_usage_error(argv: list[str], capsys: pytest.CaptureFixt
 def test_the_defaults_are_defined_once() -> None:
     """The domain's settings, the VM specs, the jailer and the daemon take their defaults
     from actors/defaults.py."""
-    from actors import cell, cgroups, ippool, jail, qemuspec, settings, snapshot, vm
+    from actors import settings
+    from actors.cells import cell, cgroups, jail
+    from actors.machines import qemuspec, vm
+    from actors.net import ippool
+    from actors.snapshots import snapshot
 
     def default(cls: type, name: str) -> object:
         return attrs.fields_dict(cls)[name].default

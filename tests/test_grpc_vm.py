@@ -24,7 +24,7 @@ import trio
 from grpc_clients import generate, make_pki
 
 from actors.model import State
-from actors.ports import free_port
+from actors.net.ports import free_port
 from actors.registry import Registry
 from images.build import Image
 from supervisor.proto.sandvisor.v1 import sandvisor_pb2 as sv

@@ -17,9 +17,9 @@ import pytest
 import trio
 from conftest import cold_spec
 
-from actors.guest import GuestChannel, GuestOpError, PatchEntry
-from actors.qemuspec import TooManyDevices, Volume
-from actors.vm import booted_guest
+from actors.channel.guest import GuestChannel, GuestOpError, PatchEntry
+from actors.machines.qemuspec import TooManyDevices, Volume
+from actors.machines.vm import booted_guest
 from actors.volumes import check_volume_image, create_volume_image
 from guestd import proto as P
 from images.build import Image

@@ -31,7 +31,7 @@ from conftest import SharedVM
 from fakeguest import FakeGuest, fake_guest
 from trio.testing import MockClock
 
-from actors.guest import ChannelBroken, GuestChannel, GuestOpError, PatchEntry, open_channel
+from actors.channel.guest import ChannelBroken, GuestChannel, GuestOpError, PatchEntry, open_channel
 from guestd import proto as P
 
 E = PatchEntry

@@ -28,9 +28,9 @@ from fakevm import FakeLab, fake_settings
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from actors import files as files_mod
 from actors import volumes as volumes_mod
-from actors.disk import (
+from actors.errors import FailedPrecondition, ResourceExhausted
+from actors.machines.disk import (
     INCOMPAT_DATA_FILE,
     DiskError,
     Qcow2Header,
@@ -39,10 +39,10 @@ from actors.disk import (
     overlay_bound,
     parse_qcow2_header,
 )
-from actors.errors import FailedPrecondition, ResourceExhausted
 from actors.model import BootSource, SandboxConfig, VolumeMount
 from actors.quotas import check_sandbox_disk
 from actors.registry import Registry
+from actors.sandboxes import files as files_mod
 from actors.store import Store
 from actors.volumes import Volumes
 from images.build import Image
@@ -218,7 +218,7 @@ def test_qemu_imgs_own_backed_and_data_file_images_are_refused(tmp_path: Path) -
 @pytest.mark.host
 async def test_an_overlay_grows_to_its_bound_and_no_further(tmp_path: Path) -> None:
     """The measured bound behind --max-sandbox-disk: an overlay written in full, twice."""
-    from actors.disk import create_overlay
+    from actors.machines.disk import create_overlay
 
     base = tmp_path / "base.raw"
     with open(base, "wb") as f:

@@ -1,5 +1,5 @@
-"""Hostile input against the DNS codec (actors/dnsmsg.py) and the sandboxes' DNS proxy
-(actors/dnsproxy.py): whatever a guest sends, and whatever an upstream answers, the
+"""Hostile input against the DNS codec (actors/net/dnsmsg.py) and the sandboxes' DNS proxy
+(actors/net/dnsproxy.py): whatever a guest sends, and whatever an upstream answers, the
 codec gives a result or a :class:`DnsError` and nothing else, and the proxy answers
 with a well-formed reply (or silence) and serves on.
 
@@ -33,10 +33,10 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from actors import dnsmsg as D
-from actors.dnsproxy import DnsProxy
-from actors.egress import NEVER4, EgressPolicy
-from actors.nft import Nft, NftError
+from actors.net import dnsmsg as D
+from actors.net.dnsproxy import DnsProxy
+from actors.net.egress import NEVER4, EgressPolicy
+from actors.net.nft import Nft, NftError
 
 GUEST = IPv4Address("10.88.0.2")
 CLOSED = [*map(IPv4Network, NEVER4), IPv4Network("10.88.0.0/16")]  # as HostNetwork gives it
@@ -462,8 +462,8 @@ async def test_a_dead_proxy_ends_nothing_and_the_filter_stays(caplog: pytest.Log
 async def test_teardown_with_links_still_open_keeps_the_table(caplog: pytest.LogCaptureFixture) -> None:
     """The supervisor going down on an error, its QEMUs not stopped yet: the table
     stays (the links' own rules go: whatever they send is dropped)."""
-    from actors.hostnet import HostNetConfig, HostNetwork
-    from actors.ippool import IpPool, link_name
+    from actors.net.hostnet import HostNetConfig, HostNetwork
+    from actors.net.ippool import IpPool, link_name
     from tests.netlab import POOL, SERVERS, UPLINK_HOST, add_guest, link_internet, namespaces, probe, tcp_server
 
     with namespaces("svh", "svi", "svg") as (host, inet, guest):
@@ -493,8 +493,8 @@ async def test_relays_survive_a_vanished_target_namespace() -> None:
     """The target's namespace is gone (a jail's, as its QEMU exits): each connection
     closes, each UDP datagram is dropped, and the relays serve on (this used to raise
     UnboundLocalError out of the relay's nursery, into the sandbox's life)."""
-    from actors.netns import NetNS
-    from actors.portfwd import Target, bind_listener, relay_tcp, relay_udp
+    from actors.net.netns import NetNS
+    from actors.net.portfwd import Target, bind_listener, relay_tcp, relay_udp
 
     gone = Target("127.0.0.1", 9, NetNS(file="/nonexistent/ns/net"))
     tcp = bind_listener("127.0.0.1", 0, socket.SOCK_STREAM)

@@ -28,8 +28,8 @@ from hypothesis import strategies as st
 from test_registry import ready, registry, run
 from trio.testing import MockClock
 
+from actors.channel.guest import GuestError, check_ranges, open_channel
 from actors.errors import DomainError
-from actors.guest import GuestError, check_ranges, open_channel
 from actors.model import SandboxConfig, State
 from guestd import proto as P
 from guestd import tree

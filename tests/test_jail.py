@@ -1,5 +1,5 @@
-"""The jail (actors/jail.py), cgroups (actors/cgroups.py) and guest memory
-(actors/guestmem.py): units against fakes where the host cannot show a case (cgroup v2
+"""The jail (actors/cells/jail.py), cgroups (actors/cells/cgroups.py) and guest memory
+(actors/machines/guestmem.py): units against fakes where the host cannot show a case (cgroup v2
 here), real processes and real jailed QEMUs for the rest."""
 
 from __future__ import annotations
@@ -17,10 +17,11 @@ from pathlib import Path
 import pytest
 import trio
 
-from actors import cgroups, guestmem, jail
-from actors.cgroups import CgroupError, CgroupLimits, CgroupV1Manager, CgroupV2Manager
-from actors.guestmem import MemoryFileError, UnsafeDirectory
-from actors.netns import NetError
+from actors.cells import cgroups, jail
+from actors.cells.cgroups import CgroupError, CgroupLimits, CgroupV1Manager, CgroupV2Manager
+from actors.machines import guestmem
+from actors.machines.guestmem import MemoryFileError, UnsafeDirectory
+from actors.net.netns import NetError
 from images.build import Image, load_default
 
 
@@ -501,7 +502,7 @@ def test_serve_refuses_to_start_without_cgroups_unless_told(
 ) -> None:
     """A jailed supervisor with no usable hierarchy (detect finds none, mounting fails)
     does not start; with --no-cgroups (cgroups=False) it starts unlimited, warning."""
-    from actors import cell
+    from actors.cells import cell
 
     monkeypatch.setattr(cgroups, "detect", lambda parent="", mountinfo=None: None)  # /sys/fs/cgroup empty
     monkeypatch.setattr(cgroups, "MOUNT_DIR", tmp_path / "loose")
@@ -531,7 +532,7 @@ def test_ip_netns_exec_still_finds_the_cgroups(tmp_path: Path) -> None:
     script = f"""
 import sys
 from pathlib import Path
-from actors import cgroups
+from actors.cells import cgroups
 assert cgroups.detect({parent!r}) is None, "ip netns exec hid no cgroup mount"
 m = cgroups.find({parent!r}, mount_dir=Path({str(tmp_path / "cg")!r}))
 cg = m.create("probe", cgroups.CgroupLimits(memory_bytes=64 << 20, pids=17))

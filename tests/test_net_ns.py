@@ -15,12 +15,12 @@ from typing import Any
 import pytest
 import trio
 
-from actors import dnsmsg as D
-from actors.egress import EgressPolicy
-from actors.hostnet import HostNetConfig, HostNetwork
-from actors.ippool import IpPool, link_name
-from actors.netns import NetError, NetNS
-from actors.portfwd import Target, bind_listener, relay_tcp, relay_udp
+from actors.net import dnsmsg as D
+from actors.net.egress import EgressPolicy
+from actors.net.hostnet import HostNetConfig, HostNetwork
+from actors.net.ippool import IpPool, link_name
+from actors.net.netns import NetError, NetNS
+from actors.net.portfwd import Target, bind_listener, relay_tcp, relay_udp
 from tests.netlab import (
     CLOUD_METADATA,
     LAN,

@@ -28,13 +28,13 @@ import attrs
 import pytest
 import trio
 
-from actors import dnsmsg as D
 from actors.errors import AlreadyExists, NotFound
-from actors.ippool import guest_mac
 from actors.model import Egress, NetMode, Network, PortSpec, Protocol, SandboxConfig, State
-from actors.netns import NetNS
+from actors.net import dnsmsg as D
+from actors.net.ippool import guest_mac
+from actors.net.netns import NetNS
 from actors.registry import Registry
-from actors.sandbox import Sandbox
+from actors.sandboxes.sandbox import Sandbox
 from images.build import Image
 from supervisor.client import AsyncSandbox
 from supervisor.throwaway import Workdir, supervisor, workdir

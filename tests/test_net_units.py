@@ -15,11 +15,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors import dnsmsg as D
-from actors.egress import PRIVATE4, EgressPolicy, PolicyError, clip, may_open, paint, parse_entry, sandbox_rules
-from actors.hostnet import lock_netns, unlock_netns
-from actors.ippool import IpPool, MemoryLeases, PoolError, PoolExhausted, guest_mac, link_name
-from actors.netns import NetError, NetNS
+from actors.net import dnsmsg as D
+from actors.net.egress import PRIVATE4, EgressPolicy, PolicyError, clip, may_open, paint, parse_entry, sandbox_rules
+from actors.net.hostnet import lock_netns, unlock_netns
+from actors.net.ippool import IpPool, MemoryLeases, PoolError, PoolExhausted, guest_mac, link_name
+from actors.net.netns import NetError, NetNS
 from actors.store import Store, StoreLeases
 
 

@@ -15,13 +15,13 @@ from typing import Any
 import pytest
 import trio
 
-from actors.disk import create_overlay
-from actors.egress import EgressPolicy
-from actors.guest import GuestOpError
-from actors.hostnet import SandboxLink
-from actors.ippool import link_name
-from actors.machine import Placement
-from actors.vm import TAP_FD, Attach, Guest, NetConfig, VmSpec, booted_guest
+from actors.channel.guest import GuestOpError
+from actors.machines.disk import create_overlay
+from actors.machines.machine import Placement
+from actors.machines.vm import TAP_FD, Attach, Guest, NetConfig, VmSpec, booted_guest
+from actors.net.egress import EgressPolicy
+from actors.net.hostnet import SandboxLink
+from actors.net.ippool import link_name
 from guestd import proto as P
 from images.build import Image
 from tests.netlab import CLOUD_METADATA, LAN, SERVERS, UPLINK_HOST, Lab, lab_env, probe, tcp_server

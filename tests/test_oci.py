@@ -23,7 +23,7 @@ from conftest import cold_spec
 from hypothesis import given
 from hypothesis import strategies as st
 
-from actors.vm import booted_guest
+from actors.machines.vm import booted_guest
 from images.build import Image as GuestImage
 from images.oci import (
     DigestMismatch,

@@ -7,7 +7,8 @@ import dataclasses
 
 import msgpack
 
-from actors import guest, model
+from actors import model
+from actors.channel import guest
 from guestd.patch import Patch
 from supervisor import client
 from supervisor import protocol as W

@@ -11,7 +11,7 @@ import trio.testing
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from actors.guest import ChannelBroken, ChannelClosed, GuestChannel, GuestProtocolError, HelloTimeout
+from actors.channel.guest import ChannelBroken, ChannelClosed, GuestChannel, GuestProtocolError, HelloTimeout
 from guestd import proto as P
 
 _text = st.text(max_size=50)

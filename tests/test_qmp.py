@@ -1,4 +1,4 @@
-"""actors/qmp.py without QEMU: the protocol core under Hypothesis, the Trio client
+"""actors/machines/qmp.py without QEMU: the protocol core under Hypothesis, the Trio client
 against a fake QMP server on a socketpair. (With QEMU: every VM test goes through it.)"""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import trio.testing
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from actors.qmp import (
+from actors.machines.qmp import (
     Event,
     Greeting,
     QMPClient,

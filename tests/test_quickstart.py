@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-from actors.cgroups import detect
+from actors.cells.cgroups import detect
 from actors.store import Store
 from supervisor.config import default_memory_dir
 

@@ -22,7 +22,7 @@ from actors.events import Subscription
 from actors.model import Action, Limits, SandboxConfig, State, Timers, Workload
 from actors.quotas import Quotas, gated
 from actors.registry import Registry
-from actors.sandbox import Sandbox
+from actors.sandboxes.sandbox import Sandbox
 from actors.store import Store
 
 

@@ -1,6 +1,6 @@
 """Host tools on hostile data in cells (issue 21): e2fsck on a guest's volume, skopeo,
 umoci and mkfs.ext4 on a registry's image, each in a cell built by the jail's own
-machinery (actors/toolcell.py); image pulls capped while the bytes arrive.
+machinery (actors/cells/toolcell.py); image pulls capped while the bytes arrive.
 
 Real tools, a real loopback docker-registry, real cells (root: uids, namespaces,
 cgroups). Each run is observed while it runs: its /proc says which uid, which
@@ -17,10 +17,10 @@ import pytest
 import trio
 from test_oci import REFS, Built, Pushed, assert_clean, built, owner, pushed  # noqa: F401 (fixtures)
 
-from actors.cell import Cells, JailConfig
+from actors.cells.cell import Cells, JailConfig
+from actors.cells.toolcell import ToolSpawn
 from actors.model import VolumeMount
 from actors.store import Store
-from actors.toolcell import ToolSpawn
 from actors.volumes import Volumes
 from images.build import Image as GuestImage
 from images.oci import DiskFull, ImageStore

@@ -16,12 +16,12 @@ import trio
 from hypothesis import given
 from hypothesis import strategies as st
 
+from actors.channel.guest import _Request
 from actors.errors import DomainError
 from actors.events import EventBus, Lagged
-from actors.guest import _Request
-from actors.logs import SandboxLog
 from actors.model import Action, SandboxEvent, check_id, check_labels
 from actors.registry import check_traversable, decode_cursor, encode_cursor
+from actors.sandboxes.logs import SandboxLog
 from guestd import proto as P
 from supervisor import protocol as W
 from supervisor.protocol import ApiError
@@ -442,7 +442,7 @@ except UnsafeRuntimeDir as e:
 def test_a_socket_reached_by_path_must_be_qemus() -> None:
     """An escaped QEMU could swap its socket for a symlink to another service's: the
     listener's pid, as the kernel recorded it, must be QEMU's."""
-    from actors.qemuproc import LaunchError, check_peer
+    from actors.machines.qemuproc import LaunchError, check_peer
 
     a, b = socket.socketpair()
     with a, b:
@@ -497,10 +497,10 @@ def test_a_vm_spec_holds_its_machine_spec_and_reads_old_records() -> None:
     -incoming once; the record round-trips, and a record in the earlier flat form
     gives the machine that supervisor derived (the MachineSpec below is what its
     ``machine_spec()`` printed for FLAT_SPEC)."""
+    from actors.machines.qemuproc import QemuUser
+    from actors.machines.qemuspec import MachineSpec, Volume
+    from actors.machines.vm import NetConfig, VmSpec, load_spec
     from actors.model import dump
-    from actors.qemuproc import QemuUser
-    from actors.qemuspec import MachineSpec, Volume
-    from actors.vm import NetConfig, VmSpec, load_spec
 
     spec = VmSpec.of(
         kernel=Path("/k"),

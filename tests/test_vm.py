@@ -12,10 +12,10 @@ import pytest
 import trio
 from conftest import cold_spec
 
-from actors.guest import ChannelBroken, GuestOpError
-from actors.machine import Runstate
-from actors.qemuproc import LaunchError
-from actors.vm import BootError, booted_guest
+from actors.channel.guest import ChannelBroken, GuestOpError
+from actors.machines.machine import Runstate
+from actors.machines.qemuproc import LaunchError
+from actors.machines.vm import BootError, booted_guest
 from images.build import Image
 
 pytestmark = pytest.mark.vm

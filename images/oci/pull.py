@@ -127,7 +127,7 @@ class ImageStore(Store):
     larger, as the bytes arrive (``serve --max-image-size``).
     ``free_min``/``free_ratio``: room left in each ext4 for the sandbox's own writes.
     ``tools``: skopeo, umoci and mkfs.ext4 run in cells (images/tools.py's ToolRunner,
-    actors/toolcell.py's ToolCells); None (``--no-jail``): as the supervisor, as before.
+    actors/cells/toolcell.py's ToolCells); None (``--no-jail``): as the supervisor, as before.
     ``refs``: the references a client may name (images/refs.py; default: no local path,
     no registry on loopback or link-local)."""
 

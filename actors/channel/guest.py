@@ -1,0 +1,608 @@
+"""Host end of the guest channel: hello, request/stream multiplexing, flow control.
+
+A thin Trio adapter over the I/O-free protocol core in :mod:`guestd.proto`. One
+reader task parses frames and hands each message to the request it belongs to;
+callers send under a lock. The guest is hostile: every byte it sends is bounded
+(frames by ``MAX_FRAME``, stream data by the credit we granted), and any breach
+closes the channel with a typed error instead of growing memory or crashing.
+
+actors/channel/guestwire.py holds the error tree, the range checks of the guest's numbers and the
+request values; actors/channel/gueststreams.py the streams of one request (exec, file and tree
+reads, flow control). This module re-exports them: ``from actors.channel.guest import ...`` is
+the channel's whole API.
+
+Deadlines: every wait for the guest to answer something the host asked (a unary
+reply, exec_started, file_info, file data, credit for a file's data, the final Ok of
+a write) is bounded by ``answer_timeout``; waits on a process (its output, credit
+for its stdin) are not: a process may be silent or slow to read for as long as it
+likes, and its own timeout bounds it.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import signal
+import time
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Sequence
+from contextlib import aclosing, asynccontextmanager
+from typing import Any, TypeVar
+
+import trio
+
+from actors._groups import collapse_single
+from actors.channel.gueststreams import (
+    KILL_GRACE,
+    ExecHandle,
+    FileReadStream,
+    TreeReadStream,
+    _DataStream,
+    _Request,
+    _send_with_credit,
+)
+from actors.channel.guestwire import (
+    PATCH_OPS,
+    ChannelBroken,
+    ChannelClosed,
+    ChannelStatistics,
+    ExecResult,
+    GuestError,
+    GuestOpError,
+    GuestProtocolError,
+    GuestTimeout,
+    HelloTimeout,
+    PatchEntry,
+    check_ranges,
+)
+from guestd import proto as P
+
+__all__ = [
+    "CLOCK_STALE_S",
+    "CLOCK_TRIES",
+    "FRAME_TIMEOUT",
+    "KILL_GRACE",
+    "PATCH_OPS",
+    "ChannelBroken",
+    "ChannelClosed",
+    "ChannelStatistics",
+    "ExecHandle",
+    "ExecResult",
+    "FileReadStream",
+    "GuestChannel",
+    "GuestError",
+    "GuestOpError",
+    "GuestProtocolError",
+    "GuestTimeout",
+    "HelloTimeout",
+    "PatchEntry",
+    "TreeReadStream",
+    "_DataStream",
+    "_Request",
+    "check_ranges",
+    "open_channel",
+]
+
+log = logging.getLogger("sandvisor.guest")
+CLOCK_STALE_S = 0.05  # a set_clock answered later than this set a stale time: it is sent again
+CLOCK_TRIES = 8  # ... at most this often (each try's error is its own round trip)
+FRAME_TIMEOUT = 30.0  # how long a guest may take to read one frame we send (as the daemon's guest_timeout)
+_M = TypeVar("_M", bound=P.Message)
+
+
+class GuestChannel:
+    """One connection to guestd. Use :func:`open_channel`; do not construct directly."""
+
+    def __init__(
+        self, stream: trio.abc.Stream, *, max_frame: int = P.MAX_FRAME, answer_timeout: float | None = None
+    ) -> None:
+        self._stream = stream
+        self.answer_timeout = answer_timeout
+        self._decoder = P.FrameDecoder(max_frame)
+        self._send_lock = trio.Lock()
+        self._reqs: dict[int, _Request] = {}
+        self._next_rid = 1
+        self._closed = False
+        self._broken: ChannelBroken | None = None
+        self._hello: P.HelloOk | None = None
+        self._hello_event = trio.Event()
+        self._eof_expected = False  # set once guestd agreed to power off
+        self._syncing = False  # after our HOST_SYNC: discard input up to GUEST_SYNC
+        self._discarded = 0
+        self.hello_info: P.HelloOk | None = None
+        # seconds from sending Hello to its answer: its host_time_ns set the guest's clock
+        # this stale at most (clock_stale says whether a restore must set it again)
+        self.hello_rtt = 0.0
+        self.guest_logs: collections.deque[str] = collections.deque(maxlen=64)
+        self._stats = {"frames_in": 0, "frames_out": 0, "bytes_in": 0, "bytes_out": 0, "dropped": 0}
+
+    # -- lifecycle -----------------------------------------------------------
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def broken(self) -> bool:
+        return self._broken is not None
+
+    def expect_eof(self) -> None:
+        """The VM is being killed: its end of the channel going away is no news."""
+        self._eof_expected = True
+
+    def statistics(self) -> ChannelStatistics:
+        return ChannelStatistics(requests_in_flight=len(self._reqs), **self._stats)
+
+    async def aclose(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._fail_all(ChannelClosed("guest channel closed"))
+        with trio.CancelScope(shield=True):
+            await self._stream.aclose()
+
+    def _check(self) -> None:
+        if self._closed:
+            raise ChannelClosed("guest channel closed")
+        if self._broken is not None:
+            raise self._broken
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for req in self._reqs.values():
+            req.fail(exc)
+        self._hello_event.set()
+
+    async def _reader(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        try:
+            while True:
+                try:
+                    data = await self._stream.receive_some(1 << 16)
+                except (trio.BrokenResourceError, OSError) as exc:
+                    raise ChannelBroken(f"guest channel broke: {exc}") from None
+                except trio.ClosedResourceError:
+                    return
+                if not data:
+                    raise ChannelBroken("guest closed the channel")
+                self._stats["bytes_in"] += len(data)
+                self._decoder.feed(data)
+                if self._syncing:
+                    if not self._decoder.resync(P.GUEST_SYNC):
+                        self._discarded += len(data)
+                        if self._discarded > P.MAX_RESYNC:
+                            raise GuestProtocolError("no sync marker from the guest")
+                        continue
+                    self._syncing = False
+                try:
+                    for msg in self._decoder.messages():
+                        self._stats["frames_in"] += 1
+                        self._dispatch(msg)
+                except P.ProtocolError as exc:
+                    raise GuestProtocolError(f"guest protocol error: {exc}") from None
+        except ChannelBroken as exc:
+            if not self._closed:
+                if not self._eof_expected:
+                    log.warning("guest channel: %s", exc)
+                self._broken = exc
+                self._fail_all(exc)
+                with trio.CancelScope(shield=True):
+                    await self._stream.aclose()
+
+    def _dispatch(self, msg: P.Message) -> None:
+        check_ranges(msg)
+        if isinstance(msg, P.HelloOk):
+            self._hello = msg
+            self._hello_event.set()
+            return
+        if isinstance(msg, P.Log):
+            self.guest_logs.append(f"{msg.level}: {msg.text[:1000]}")
+            return
+        rid = getattr(msg, "rid", None)
+        if not isinstance(rid, int):
+            raise P.BadMessage(f"unexpected {msg.TAG} from the guest")
+        req = self._reqs.get(rid)
+        if req is None:
+            self._stats["dropped"] += 1  # late traffic of a request we abandoned
+            return
+        req.deliver(msg)
+
+    # -- sending -------------------------------------------------------------
+    async def _send(self, msg: P.Message) -> None:
+        self._check()
+        try:
+            frame = P.encode(msg)
+        except P.FrameTooLarge as exc:  # our own request: refuse it, the channel stays fine
+            raise GuestOpError(P.E_TOO_LARGE, f"request too large for the guest channel: {exc}") from None
+        async with self._send_lock:
+            self._check()
+            # A frame goes out whole: cut by a cancel, what follows would be read as its
+            # body. A caller cancelled before it starts sends nothing (the channel stays
+            # fine); once started, a cancel waits for the frame (bounded: a guest that
+            # does not read it in FRAME_TIMEOUT is broken, and so is the channel).
+            await trio.lowlevel.checkpoint_if_cancelled()
+            with trio.CancelScope(shield=True), trio.move_on_after(FRAME_TIMEOUT) as stalled:
+                try:
+                    await self._stream.send_all(frame)
+                except trio.ClosedResourceError:
+                    self._check()  # our reader closed it under us: the breakage it found
+                    raise ChannelClosed("guest channel closed") from None
+                except (trio.BrokenResourceError, OSError) as exc:
+                    raise ChannelBroken(f"guest channel broke: {exc}") from None
+            if stalled.cancelled_caught:
+                broken = ChannelBroken(f"the guest took no frame for {FRAME_TIMEOUT:g}s: the channel is cut mid-frame")
+                self._poison(broken)
+                await trio.lowlevel.checkpoint_if_cancelled()  # a cancelled caller sees its cancel
+                raise broken
+        self._stats["frames_out"] += 1
+        self._stats["bytes_out"] += len(frame)
+
+    async def _grant(self, rid: int, ch: int, n: int) -> None:
+        req = self._reqs.get(rid)
+        if req is not None and not req.done:
+            req.outstanding[ch] = req.outstanding.get(ch, 0) + n
+            try:
+                await self._send(P.Credit(rid=rid, ch=ch, n=n))
+            except GuestError:
+                pass  # the request sees the breakage on its next receive
+
+    def _new_request(self) -> _Request:
+        self._check()
+        rid = self._next_rid
+        self._next_rid += 1
+        req = _Request(self, rid)
+        self._reqs[rid] = req
+        return req
+
+    def _end_request(self, req: _Request) -> None:
+        req.done = True
+        self._reqs.pop(req.rid, None)
+
+    # -- hello ---------------------------------------------------------------
+    async def hello(self, timeout: float) -> P.HelloOk:
+        """Send Hello and wait for the guest's answer (this spans the guest's boot)."""
+        self._check()
+        for req in list(self._reqs.values()):  # the guest drops the old session's requests: so do we
+            req.fail(ChannelBroken("a new session with the guest began; this request was dropped"))
+        self._hello_event = trio.Event()
+        self._hello = None
+        self._syncing = True
+        self._discarded = 0
+        async with self._send_lock:
+            try:
+                await self._stream.send_all(P.HOST_SYNC)
+            except (trio.BrokenResourceError, OSError) as exc:
+                raise ChannelBroken(f"guest channel broke: {exc}") from None
+        t0 = time.monotonic()
+        await self._send(P.Hello(version=P.PROTOCOL_VERSION, host_time_ns=time.time_ns()))
+        with trio.move_on_after(timeout):
+            await self._hello_event.wait()
+        self.hello_rtt = time.monotonic() - t0
+        if self._hello is None:
+            self._check()
+            raise HelloTimeout(f"guestd did not answer hello within {timeout:g}s")
+        if self._hello.version != P.PROTOCOL_VERSION:
+            raise GuestProtocolError(f"guest speaks protocol {self._hello.version}, we speak {P.PROTOCOL_VERSION}")
+        self.hello_info = self._hello
+        return self._hello
+
+    # -- unary requests --------------------------------------------------------
+    async def _unary(self, build: Any, expect: type[_M]) -> _M:
+        req = self._new_request()
+        try:
+            await self._send(build(req.rid))
+            msg = await req.next(self.answer_timeout)
+        finally:
+            self._end_request(req)
+        if isinstance(msg, P.Error):
+            raise GuestOpError(msg.code, msg.message)
+        if not isinstance(msg, expect):
+            await self._protocol_violation(f"expected {expect.TAG}, got {msg.TAG}")
+        return msg  # type: ignore[return-value]
+
+    async def _protocol_violation(self, text: str) -> None:
+        exc = GuestProtocolError(text)
+        self._poison(exc)
+        with trio.CancelScope(shield=True):
+            await self._stream.aclose()
+        raise exc
+
+    def _poison(self, exc: ChannelBroken) -> None:
+        """The channel cannot be used any more: every request sees ``exc``."""
+        if self._broken is None:
+            self._broken = exc
+        self._fail_all(exc)
+
+    async def ping(self) -> P.Pong:
+        return await self._unary(lambda rid: P.Ping(rid=rid), P.Pong)
+
+    async def touch(self) -> int:
+        return (await self._unary(lambda rid: P.Touch(rid=rid), P.Ok)).activity
+
+    async def metrics(self) -> P.MetricsOk:
+        return await self._unary(lambda rid: P.Metrics(rid=rid), P.MetricsOk)
+
+    @property
+    def clock_stale(self) -> bool:
+        """The last hello's answer came late: the clock it set is behind by that much."""
+        return self.hello_rtt >= CLOCK_STALE_S
+
+    async def set_clock(self, realtime_ns: int | None = None) -> None:
+        """Set the guest's wall clock to ours. The time is taken when the request is
+        sent: one that waited (a vCPU still busy after a restore, a loaded host) set a
+        stale time -- measured 1.9 s behind at load 9 -- so a slow answer is followed
+        by another request, until one is answered in time: the guest's error is at most
+        the last round trip. Two tries were not enough at load 38 (a clone 4.4 s behind:
+        the second answer took seconds too), so it tries up to CLOCK_TRIES times."""
+        for _ in range(CLOCK_TRIES):
+            t0 = time.monotonic()
+            ns = time.time_ns() if realtime_ns is None else realtime_ns
+            await self._unary(lambda rid, ns=ns: P.SetClock(rid=rid, realtime_ns=ns), P.Ok)
+            if realtime_ns is not None or time.monotonic() - t0 < CLOCK_STALE_S:
+                return
+
+    async def add_entropy(self, nbytes: int = 64) -> None:
+        data = os.urandom(nbytes)
+        await self._unary(lambda rid: P.AddEntropy(rid=rid, data=data), P.Ok)
+
+    async def set_hostname(self, hostname: str) -> None:
+        await self._unary(lambda rid: P.SetHostname(rid=rid, hostname=hostname), P.Ok)
+
+    async def net_config(
+        self, address: str, prefix: int, gateway: str, dns: list[str], mac: str = "", iface: str = "eth0"
+    ) -> None:
+        """Give the guest's ``iface`` this address, MAC, default route and resolvers
+        (guestd/netcfg.py; a restored tap clone, before it is reported ready)."""
+        servers = list(dns)
+        await self._unary(
+            lambda rid: P.NetConfig(
+                rid=rid, address=address, prefix=prefix, gateway=gateway, dns=servers, mac=mac, iface=iface
+            ),
+            P.Ok,
+        )
+
+    async def shutdown(self, reboot: bool = False) -> None:
+        """Ask guestd to stop every process, sync and power off. Returns once it agreed."""
+        await self._unary(lambda rid: P.Shutdown(rid=rid, reboot=reboot), P.Ok)
+        self._eof_expected = True
+
+    # -- exec ------------------------------------------------------------------
+    @asynccontextmanager
+    async def exec(
+        self,
+        argv: list[str],
+        *,
+        env: dict[str, str] | None = None,
+        cwd: str = "",
+        user: str = "",
+        tty: bool = False,
+        rows: int = 24,
+        cols: int = 80,
+        timeout: float = 0.0,
+        stdin: bool = False,
+    ) -> AsyncIterator[ExecHandle]:
+        """Start a process; the handle streams its output. Leaving the block before the
+        process exited kills its process group (nothing is left running unowned)."""
+        req = self._new_request()
+        handle = ExecHandle(self, req, timeout=timeout, stdin=stdin)
+        try:
+            msg = P.Exec(
+                rid=req.rid,
+                argv=list(argv),
+                env=dict(env or {}),
+                cwd=cwd,
+                user=user,
+                tty=tty,
+                rows=rows,
+                cols=cols,
+                timeout=float(timeout),
+                stdin=stdin,
+            )
+            await self._send(msg)
+            first = await req.next(self.answer_timeout)
+            if isinstance(first, P.Error):
+                raise GuestOpError(first.code, first.message)
+            if not isinstance(first, P.ExecStarted):
+                await self._protocol_violation(f"expected exec_started, got {first.TAG}")
+                raise AssertionError  # unreachable
+            handle.pid = first.pid
+            yield handle
+        finally:
+            if handle.pid and handle.exit is None and not self._closed and self._broken is None:
+                with trio.CancelScope(shield=True), trio.move_on_after(2):
+                    try:
+                        await self._send(P.Signal(rid=req.rid, signum=signal.SIGKILL))
+                    except GuestError:
+                        pass
+            self._end_request(req)
+
+    async def run(self, argv: list[str], *, max_output: int = 64 << 20, **kw: Any) -> ExecResult:
+        """Run to completion and collect output (at most ``max_output`` bytes per stream)."""
+        out: dict[int, bytearray] = {P.STDOUT: bytearray(), P.STDERR: bytearray()}
+        async with self.exec(argv, **kw) as h:
+            async for ch, data in h:
+                if len(out[ch]) + len(data) > max_output:
+                    raise GuestOpError(P.E_TOO_LARGE, f"output exceeds {max_output} bytes")
+                out[ch] += data
+        assert h.exit is not None
+        return ExecResult(h.exit.code, h.exit.signal, h.exit.timed_out, bytes(out[P.STDOUT]), bytes(out[P.STDERR]))
+
+    # -- files -----------------------------------------------------------------
+    @asynccontextmanager
+    async def read_file(self, path: str) -> AsyncIterator[FileReadStream]:
+        req = self._new_request()
+        try:
+            await self._send(P.ReadFile(rid=req.rid, path=path))
+            first = await req.next(self.answer_timeout)
+            if isinstance(first, P.Error):
+                raise GuestOpError(first.code, first.message)
+            if not isinstance(first, P.FileInfo):
+                await self._protocol_violation(f"expected file_info, got {first.TAG}")
+                raise AssertionError  # unreachable
+            if first.size > P.MAX_FILE:
+                await self._protocol_violation("guest announced a file beyond the limit")
+            yield FileReadStream(req, first.size, first.mode, self.answer_timeout)
+        finally:
+            self._end_request(req)
+
+    async def read_bytes(self, path: str) -> bytes:
+        buf = bytearray()
+        async with self.read_file(path) as f:
+            async for chunk in f:
+                buf += chunk
+        return bytes(buf)
+
+    async def write_file(
+        self,
+        path: str,
+        data: bytes | AsyncIterable[bytes],
+        *,
+        mode: int = 0o644,
+        size: int = -1,
+        owner: str = "",
+    ) -> int:
+        """Write a file atomically (temp file + rename in the guest). Returns its size.
+        ``owner``: user[:group] as the guest's /etc/passwd and /etc/group name them (or
+        numeric ids); "" = root."""
+        if isinstance(data, (bytes, bytearray, memoryview)):
+            size = len(data)
+        if size > P.MAX_FILE:
+            raise GuestOpError(P.E_TOO_LARGE, f"{size} bytes exceeds the {P.MAX_FILE} byte limit")
+        msg = lambda rid: P.WriteFile(rid=rid, path=path, mode=mode, size=size, owner=owner)
+        return await self._stream_in(msg, data, P.MAX_FILE, "file")
+
+    async def _stream_in(self, build: Any, data: bytes | AsyncIterable[bytes], limit: int, what: str) -> int:
+        """A request that streams ``data`` to the guest on STDIN within credit, then Eof;
+        the guest's Ok (its value) ends it."""
+        req = self._new_request()
+        try:
+            await self._send(build(req.rid))
+            total = 0
+
+            async def chunks() -> AsyncGenerator[bytes, None]:
+                if isinstance(data, (bytes, bytearray, memoryview)):
+                    view = memoryview(data)
+                    for i in range(0, len(view), P.CHUNK):
+                        yield bytes(view[i : i + P.CHUNK])
+                else:
+                    async for c in data:
+                        for i in range(0, len(c), P.CHUNK):
+                            yield bytes(c[i : i + P.CHUNK])
+
+            async with aclosing(chunks()) as pieces:
+                async for piece in pieces:
+                    total += len(piece)
+                    if total > limit:
+                        raise GuestOpError(P.E_TOO_LARGE, f"{what} exceeds the {limit} byte limit")
+                    await _send_with_credit(self, req, piece, self.answer_timeout)
+            await self._send(P.Eof(rid=req.rid, ch=P.STDIN))
+            while True:
+                msg = await req.next(self.answer_timeout)
+                if isinstance(msg, P.Error):
+                    raise GuestOpError(msg.code, msg.message)
+                if isinstance(msg, P.Ok):
+                    return msg.value
+                await self._protocol_violation(f"expected ok, got {msg.TAG}")
+        finally:
+            self._end_request(req)
+            aclose = getattr(data, "aclose", None)
+            if aclose is not None:  # the caller's generator: what we did not consume goes now
+                with trio.CancelScope(shield=True):
+                    await aclose()
+
+    # -- trees -------------------------------------------------------------------
+    @asynccontextmanager
+    async def read_tree(self, path: str) -> AsyncIterator[TreeReadStream]:
+        """The directory ``path`` of the guest as one tar stream (POSIX pax: modes,
+        numeric owners, mtimes, symlinks as links, hard links, empty directories),
+        an async iterator of byte chunks. The archive is whole only if the iteration
+        ends without an error. Leaving the block early stops the guest's packer::
+
+            async with chan.read_tree("/srv/app") as tar:
+                async for chunk in tar:
+                    out.write(chunk)
+        """
+        req = self._new_request()
+        stream = TreeReadStream(req, self.answer_timeout)
+        try:
+            await self._send(P.ReadTree(rid=req.rid, path=path))
+            first = await req.next(self.answer_timeout)
+            if isinstance(first, P.Error):
+                raise GuestOpError(first.code, first.message)
+            if not isinstance(first, P.Ok):
+                await self._protocol_violation(f"expected ok, got {first.TAG}")
+            yield stream
+        finally:
+            if not stream.eof and not req.broken and not self._closed and self._broken is None:
+                with trio.CancelScope(shield=True), trio.move_on_after(2):
+                    try:  # the guest's worker would wait for credit until the session ends
+                        await self._send(P.Signal(rid=req.rid, signum=signal.SIGKILL))
+                    except GuestError:
+                        pass
+            self._end_request(req)
+
+    async def write_tree(self, path: str, data: bytes | AsyncIterable[bytes], *, owner: str = "") -> int:
+        """Unpack a tar stream into the guest directory ``path`` (made if missing;
+        existing directories are merged, files replaced). Returns the number of
+        entries. ``owner`` "": each entry keeps the archive's numeric uid/gid; else
+        user[:group] (the guest's names or ids) owns every entry. Hostile archives
+        (absolute names, '..', names through symlinks, devices...) are refused
+        (INVALID_ARGUMENT) without a byte written outside ``path``."""
+        msg = lambda rid: P.WriteTree(rid=rid, path=path, owner=owner)
+        return await self._stream_in(msg, data, P.MAX_TREE_STREAM, "tree")
+
+    # -- patches and mounts ----------------------------------------------------------
+    async def patch(self, entries: Sequence[PatchEntry]) -> int:
+        """Apply patch entries in order (as few requests as the frame cap allows).
+        Returns how many were applied; the first failure raises GuestOpError naming
+        the entry (its index in ``entries``) and leaves the ones before it applied."""
+        done = 0
+        batch: list[dict[str, Any]] = []
+        size = 0
+        budget = P.MAX_FRAME - 4096
+        for i, entry in enumerate(entries):
+            wire = entry.to_wire()
+            n = len(entry.data) + len(entry.path) + len(entry.target) + 128
+            if n > budget:
+                raise GuestOpError(
+                    P.E_TOO_LARGE, f"patch entry {i} ({entry.path}) carries {n} bytes: use write_file for it"
+                )
+            if batch and (size + n > budget or len(batch) >= P.MAX_PATCH_ENTRIES):
+                done += await self._patch_batch(batch, done)
+                batch, size = [], 0
+            batch.append(wire)
+            size += n
+        if batch:
+            done += await self._patch_batch(batch, done)
+        return done
+
+    async def _patch_batch(self, batch: list[dict[str, Any]], base: int) -> int:
+        ok = await self._unary(lambda rid: P.Patch(rid=rid, entries=batch, base=base), P.Ok)
+        return ok.value
+
+    async def mount(self, device: str, path: str, *, read_only: bool = False, fstype: str = "ext4") -> None:
+        """Mount a disk at ``path`` in the guest (made if missing). ``device``: a /dev
+        path or ``serial:NAME`` (see MachineSpec.volumes). guestd unmounts it when it
+        powers off."""
+        msg = lambda rid: P.Mount(rid=rid, device=device, path=path, fstype=fstype, read_only=read_only)
+        await self._unary(msg, P.Ok)
+
+    async def umount(self, path: str) -> None:
+        await self._unary(lambda rid: P.Umount(rid=rid, path=path), P.Ok)
+
+
+@asynccontextmanager
+async def open_channel(
+    stream: trio.abc.Stream, *, hello_timeout: float | None = 30.0, answer_timeout: float | None = None
+) -> AsyncIterator[GuestChannel]:
+    """Run a channel over ``stream`` (reader task in its own nursery); hello first unless
+    ``hello_timeout`` is None. The stream is closed on exit."""
+    chan = GuestChannel(stream, answer_timeout=answer_timeout)
+    with collapse_single():
+        async with trio.open_nursery() as nursery:
+            await nursery.start(chan._reader)
+            try:
+                if hello_timeout is not None:
+                    await chan.hello(hello_timeout)
+                yield chan
+            finally:
+                await chan.aclose()
+                nursery.cancel_scope.cancel()

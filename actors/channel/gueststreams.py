@@ -1,0 +1,268 @@
+"""The streams of one guest request, host side: its receiving mailbox with flow control
+(_Request: credit granted and owed), sending within the guest's credit, a process's
+output and input (ExecHandle), and file and tree reads (FileReadStream, TreeReadStream).
+
+Every byte the guest sends is bounded by the credit granted; a breach is a protocol
+error of the channel (actors/channel/guest.py), not memory grown here."""
+
+from __future__ import annotations
+
+import collections
+import math
+import signal
+from typing import TYPE_CHECKING
+
+import trio
+
+from actors.channel.guestwire import ChannelClosed, GuestOpError, GuestTimeout
+from guestd import proto as P
+
+if TYPE_CHECKING:
+    from actors.channel.guest import GuestChannel
+
+KILL_GRACE = 5.0  # how long a guest has to end a process it should have killed (timeout, SIGKILL)
+
+
+class _Request:
+    """Receiving side of one request.
+
+    Messages are delivered in arrival order. Stream data is merged into the trailing
+    run of data entries (at most one entry per channel there), so a process writing
+    a byte at a time to a slow consumer costs no more than the credit we granted;
+    other messages queue, at most MAX_EVENTS of them.
+    """
+
+    MAX_EVENTS = 64
+
+    def __init__(self, chan: GuestChannel, rid: int) -> None:
+        self.chan = chan
+        self.rid = rid
+        self.queue: collections.deque[P.Message | tuple[int, bytearray]] = collections.deque()
+        self.events = 0
+        self.wakeup = trio.Event()
+        self.outstanding = {P.STDOUT: P.WINDOW, P.STDERR: P.WINDOW}  # bytes the guest may still send
+        self.send_credit = P.WINDOW  # bytes we may still send on STDIN
+        self.credit_changed = trio.Event()
+        self.broken: BaseException | None = None
+        self.done = False
+
+    @property
+    def buffered(self) -> int:
+        return sum(len(x[1]) for x in self.queue if isinstance(x, tuple))
+
+    def deliver(self, msg: P.Message) -> None:
+        if isinstance(msg, P.Credit):
+            if msg.ch != P.STDIN or msg.n < 0:
+                raise P.BadMessage(f"credit on channel {msg.ch}")
+            self.send_credit += msg.n
+            if self.send_credit > P.WINDOW:
+                raise P.BadMessage("guest granted more stdin credit than the window")
+            self.credit_changed.set()
+            self.credit_changed = trio.Event()
+            return
+        if isinstance(msg, P.Data):
+            left = self.outstanding.get(msg.ch)
+            if left is None or len(msg.data) > left:
+                raise P.BadMessage(f"data beyond granted credit on channel {msg.ch}")
+            self.outstanding[msg.ch] = left - len(msg.data)
+            trailing = self._trailing(msg.ch)
+            if trailing is not None:
+                trailing.extend(msg.data)
+            else:  # (data was once lost here whenever a message, e.g. file_info, was queued)
+                self.queue.append((msg.ch, bytearray(msg.data)))
+        else:
+            self.events += 1
+            if self.events > self.MAX_EVENTS:
+                raise P.BadMessage("too many messages for one request")
+            self.queue.append(msg)
+            if isinstance(msg, P.Error):  # a sender waiting for credit must see it now
+                self.credit_changed.set()
+                self.credit_changed = trio.Event()
+        self.wakeup.set()
+
+    def _trailing(self, ch: int) -> bytearray | None:
+        """The buffer of ``ch`` in the run of data entries at the queue's end, if any:
+        data merges only there, never past a queued message (order must hold)."""
+        for item in reversed(self.queue):
+            if not isinstance(item, tuple):
+                return None
+            if item[0] == ch:
+                return item[1]
+        return None
+
+    def peek_error(self) -> P.Error | None:
+        if self.queue and isinstance(self.queue[0], P.Error):
+            err = self.queue.popleft()
+            assert isinstance(err, P.Error)
+            return err
+        return None
+
+    def fail(self, exc: BaseException) -> None:
+        self.broken = exc
+        self.wakeup.set()
+        self.credit_changed.set()
+
+    async def next(self, timeout: float | None = None) -> P.Message:
+        """The next message; ``timeout``: GuestTimeout when none came for that long."""
+        deadline = trio.current_time() + timeout if timeout is not None else math.inf
+        while not self.queue:
+            if self.broken is not None:
+                raise self.broken
+            with trio.move_on_at(deadline):
+                await self.wakeup.wait()
+            if not self.wakeup.is_set() and not self.queue:
+                raise GuestTimeout(f"the guest did not answer within {timeout:g}s")
+            self.wakeup = trio.Event()
+        item = self.queue.popleft()
+        if isinstance(item, tuple):
+            ch, buf = item
+            data = bytes(buf)
+            await self.chan._grant(self.rid, ch, len(data))
+            return P.Data(rid=self.rid, ch=ch, data=data)
+        self.events -= 1
+        return item
+
+
+async def _send_with_credit(chan: GuestChannel, req: _Request, data: bytes, timeout: float | None = None) -> None:
+    """Send ``data`` on STDIN, waiting for credit (GuestTimeout when none came for
+    ``timeout``); an early error from the guest wins."""
+    view = memoryview(data)
+    while view:
+        while req.send_credit <= 0:
+            err = req.peek_error()
+            if err is not None:
+                raise GuestOpError(err.code, err.message)
+            if req.broken is not None:
+                raise req.broken
+            changed = req.credit_changed
+            with trio.move_on_after(math.inf if timeout is None else timeout):
+                await changed.wait()
+            if not changed.is_set():
+                raise GuestTimeout(f"the guest granted no credit for {timeout:g}s")
+        err = req.peek_error()
+        if err is not None:
+            raise GuestOpError(err.code, err.message)
+        n = min(len(view), req.send_credit, P.CHUNK)
+        req.send_credit -= n
+        await chan._send(P.Data(rid=req.rid, ch=P.STDIN, data=bytes(view[:n])))
+        view = view[n:]
+
+
+class ExecHandle:
+    """A running process in the guest. Iterate it for ``(channel, bytes)`` output.
+
+    With a ``timeout``, the guest kills the process then; the host gives up on it
+    :data:`KILL_GRACE` later (GuestTimeout), and as long after a SIGKILL it sent: a
+    guest that ignores either cannot hold a caller forever."""
+
+    def __init__(self, chan: GuestChannel, req: _Request, *, timeout: float = 0.0, stdin: bool = False) -> None:
+        self._chan = chan
+        self._req = req
+        self.pid = 0
+        self.exit: P.Exit | None = None
+        self._stdin = stdin
+        self._stdin_closed = False
+        self._timeout = timeout
+        self._deadline = trio.current_time() + timeout + KILL_GRACE if timeout > 0 else math.inf
+        self._why = f"the process ran {KILL_GRACE:g}s past its {timeout:g}s timeout and the guest did not end it"
+
+    @property
+    def rid(self) -> int:
+        return self._req.rid
+
+    def __aiter__(self) -> ExecHandle:
+        return self
+
+    async def __anext__(self) -> tuple[int, bytes]:
+        while self.exit is None:
+            with trio.move_on_at(self._deadline):
+                msg = await self._req.next()
+                if isinstance(msg, P.Data):
+                    return msg.ch, msg.data
+                if isinstance(msg, P.Exit):
+                    self.exit = msg
+                elif isinstance(msg, P.Error):
+                    raise GuestOpError(msg.code, msg.message)
+                continue
+            raise GuestTimeout(self._why)
+        raise StopAsyncIteration
+
+    async def wait(self) -> P.Exit:
+        """Discard remaining output and wait for the exit."""
+        async for _ in self:
+            pass
+        assert self.exit is not None
+        return self.exit
+
+    async def send_stdin(self, data: bytes) -> None:
+        if not self._stdin:
+            raise GuestOpError(P.E_INVALID, "this process was started without stdin")
+        if self._stdin_closed:
+            raise ChannelClosed("stdin already closed")
+        if self.exit is not None:
+            return
+        await _send_with_credit(self._chan, self._req, data)
+
+    async def close_stdin(self) -> None:
+        if self._stdin and not self._stdin_closed and self.exit is None:
+            self._stdin_closed = True
+            await self._chan._send(P.Eof(rid=self.rid, ch=P.STDIN))
+
+    async def resize(self, rows: int, cols: int) -> None:
+        if self.exit is None:
+            await self._chan._send(P.Resize(rid=self.rid, rows=rows, cols=cols))
+
+    async def signal(self, signum: int) -> None:
+        if self.exit is None:
+            await self._chan._send(P.Signal(rid=self.rid, signum=signum))
+            if signum == signal.SIGKILL:
+                self._deadline = min(self._deadline, trio.current_time() + KILL_GRACE)
+                self._why = f"the guest did not end the process within {KILL_GRACE:g}s of SIGKILL"
+
+
+class _DataStream:
+    """The guest's Data frames of one request as an async iterator of chunks, ended by its
+    Eof, bounded by ``LIMIT`` bytes (a guest that sends more breaks the protocol)."""
+
+    LIMIT = P.MAX_FILE
+    WHAT = "the file limit"
+
+    def __init__(self, req: _Request, timeout: float | None = None) -> None:
+        self._req = req
+        self._timeout = timeout
+        self.received = 0
+        self.eof = False
+
+    def __aiter__(self) -> _DataStream:
+        return self
+
+    async def __anext__(self) -> bytes:
+        while not self.eof:
+            msg = await self._req.next(self._timeout)
+            if isinstance(msg, P.Data):
+                self.received += len(msg.data)
+                if self.received > self.LIMIT:
+                    await self._req.chan._protocol_violation(f"guest sent more than {self.WHAT}")
+                return msg.data
+            if isinstance(msg, P.Eof):
+                self.eof = True
+            elif isinstance(msg, P.Error):
+                self.eof = True  # the guest ended its side
+                raise GuestOpError(msg.code, msg.message)
+        raise StopAsyncIteration
+
+
+class FileReadStream(_DataStream):
+    """A read_file's contents (its size and mode came first)."""
+
+    def __init__(self, req: _Request, size: int, mode: int, timeout: float | None = None) -> None:
+        super().__init__(req, timeout)
+        self.size = size
+        self.mode = mode
+
+
+class TreeReadStream(_DataStream):
+    """The tar stream of a read_tree, within the tree limits."""
+
+    LIMIT = P.MAX_TREE_STREAM
+    WHAT = "the tree limit"

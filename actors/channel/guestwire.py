@@ -1,0 +1,118 @@
+"""The guest channel's vocabulary on the host side: its error tree, the ranges of the
+guest's numbers the host accepts (:func:`check_ranges`), and the values its requests
+take and give (ExecResult, ChannelStatistics, PatchEntry). The channel itself is
+actors/channel/guest.py's; the streams of one request actors/channel/gueststreams.py's.
+
+Error tree::
+
+    GuestError
+     +-- ChannelClosed (trio.ClosedResourceError)   we closed the channel, then used it
+     +-- ChannelBroken (trio.BrokenResourceError)   the guest went away or broke the protocol
+     |    +-- GuestProtocolError                     ... specifically, it sent something illegal
+     +-- HelloTimeout (trio.TooSlowError)           no hello answer in time (boot hung)
+     +-- GuestTimeout (trio.TooSlowError)           no answer to a request in time (a silent guest)
+     +-- GuestOpError                               the guest refused one request (code, message)
+"""
+
+from __future__ import annotations
+
+import math
+
+import attrs
+import trio
+
+from guestd import patch
+from guestd import proto as P
+
+# What the host takes of a guest's numbers. The codec checks types only; these ranges are
+# what the rest of the host can hold (SQLite and protobuf int64, int32 exit codes, uint64
+# counters): a guest that sends more breaks the protocol, and only its own channel.
+_U31, _U63 = (0, 2**31 - 1), (0, 2**63 - 1)
+_I64 = (-(2**63), 2**63 - 1)
+_RANGES: dict[str, dict[str, tuple[float, float]]] = {
+    "hello_ok": {"pid": _U31, "boot_ns": _U63, "ready_ns": _U63, "activity": _U63, "version": _U31},
+    "pong": {"activity": _U63, "guest_ns": _I64},
+    "ok": {"activity": _U63, "value": _U63},
+    "exec_started": {"pid": _U31},
+    "exit": {"code": _U31, "signal": _U31},
+    "file_info": {"size": _U63, "mode": (0, 0o177777)},
+    "metrics_ok": {"uptime": (0, math.inf), "ncpu": _U31, "procs": _U31},
+    "data": {"ch": _U31},
+    "eof": {"ch": _U31},
+    "credit": {"ch": _U31, "n": _U63},
+}
+_VALUE_RANGES: dict[str, dict[str, tuple[float, float]]] = {  # every value of a map field
+    "hello_ok": {"marks": (0, math.inf)},
+    "metrics_ok": {"cpu_seconds": (0, math.inf), "mem": _U63, "disk": _U63, "net": _U63},
+}
+
+
+def check_ranges(msg: P.Message) -> None:
+    """BadMessage unless every number of ``msg`` is finite and in the host's range."""
+    for name, (lo, hi) in _RANGES.get(msg.TAG, {}).items():
+        v = getattr(msg, name)
+        if not (lo <= v <= hi and math.isfinite(v)):
+            raise P.BadMessage(f"{msg.TAG}.{name} out of range: {str(v)[:40]}")
+    for name, (lo, hi) in _VALUE_RANGES.get(msg.TAG, {}).items():
+        for key, v in getattr(msg, name).items():
+            if not (lo <= v <= hi and math.isfinite(v)):
+                raise P.BadMessage(f"{msg.TAG}.{name}[{key[:40]!r}] out of range: {str(v)[:40]}")
+
+
+class GuestError(Exception):
+    """Base of every error of the guest channel."""
+
+
+class ChannelClosed(GuestError, trio.ClosedResourceError):
+    """This end closed the channel and then tried to use it."""
+
+
+class ChannelBroken(GuestError, trio.BrokenResourceError):
+    """The guest went away (EOF, reset) or the channel was torn down under a request."""
+
+
+class GuestProtocolError(ChannelBroken):
+    """The guest sent something the protocol forbids; the channel is now closed."""
+
+
+class HelloTimeout(GuestError, trio.TooSlowError):
+    """The guest did not answer the hello in time."""
+
+
+class GuestTimeout(GuestError, trio.TooSlowError):
+    """The guest did not answer a request within the channel's answer timeout."""
+
+
+class GuestOpError(GuestError):
+    """The guest refused a request. ``code`` is one of the proto E_* codes."""
+
+    MAX_TEXT = 4096  # a guest's code and message, as far as the host keeps them (records, logs, replies)
+
+    def __init__(self, code: str, message: str) -> None:
+        code, message = code[:200], message[: self.MAX_TEXT]
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+
+
+@attrs.frozen
+class ExecResult:
+    exit_code: int
+    signal: int
+    timed_out: bool
+    stdout: bytes
+    stderr: bytes
+
+
+@attrs.frozen
+class ChannelStatistics:
+    requests_in_flight: int
+    frames_in: int
+    frames_out: int
+    bytes_in: int
+    bytes_out: int
+    dropped: int  # messages for requests that no longer exist
+
+
+PATCH_OPS = patch.OPS
+PatchEntry = patch.Patch  # one patch of the guest's file system (the one definition: guestd/patch.py)

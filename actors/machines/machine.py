@@ -1,0 +1,546 @@
+"""One running QEMU process: launch (or adopt), QMP, console, the checkpoint's QMP
+steps, and the shutdown ladder.
+
+Modelled on QEMU's ``python/qemu/machine/machine.py``: a runstate guard on every
+operation, and a shutdown that always ends with the process reaped. Its command line
+is :class:`~actors.machines.qemuspec.MachineSpec`'s; the process it watches, the user it runs
+as and the error tree (:class:`~actors.machines.qemuproc.MachineError` and below) are
+:mod:`actors.machines.qemuproc`'s.
+
+Runstates::
+
+    NEW --launch()--> RUNNING --(process exits)--> EXITED
+                        |                            ^
+                        +--shutdown(): ask -> quit -> SIGTERM -> SIGKILL -> wait
+
+QMP is :mod:`actors.machines.qmp`'s Trio-native client, its reader a task of the machine's
+nursery.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import enum
+import logging
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import attrs
+import trio
+
+from actors._groups import collapse_single
+from actors.crash import crash_point
+from actors.machines.qemuproc import (
+    UNKNOWN_EXIT,
+    AdoptedProcess,
+    LaunchError,
+    MachineError,
+    MachineStateError,
+    Proc,
+    QMPCommandError,
+    check_peer,
+    start_time,
+)
+from actors.machines.qemuspec import MachineSpec
+from actors.machines.qmp import QMPClient, QMPCommandFailed, QMPError, QMPTimeout
+
+log = logging.getLogger("sandvisor.machine")
+
+CONSOLE_RING = 64 * 1024
+
+
+class Runstate(enum.Enum):
+    NEW = "new"
+    RUNNING = "running"
+    EXITED = "exited"
+
+
+@attrs.frozen
+class StagedDisk:
+    """An overlay QEMU has open as a block node, not yet written by the disk device."""
+
+    node: str
+    fdset: int
+
+
+class _Ring:
+    """The last ``size`` bytes written: guest-controlled output never grows memory."""
+
+    def __init__(self, size: int) -> None:
+        self.buf: collections.deque[bytes | bytearray] = collections.deque()
+        self.size = size
+        self.len = 0
+        self.total = 0
+
+    def add(self, data: bytes | bytearray) -> None:
+        self.buf.append(data)
+        self.len += len(data)
+        self.total += len(data)
+        while self.len > self.size and len(self.buf) > 1:
+            self.len -= len(self.buf.popleft())
+
+    def text(self) -> str:
+        return b"".join(self.buf)[-self.size :].decode(errors="replace")
+
+
+Spawner = Callable[[list[str], tuple[int, ...], int, dict[str, str]], Awaitable[Proc]]
+"""Start QEMU's argv with these descriptors, this stderr fd and these environment
+variables (its whole environment), somewhere (a jail)."""
+
+
+@attrs.frozen
+class Placement:
+    """Where a QEMU runs: its socket dir as the host reaches it and as QEMU sees it (in
+    a jail, its socket dir), its stderr log (a file the next supervisor can read), and
+    how it is started (``spawn``: into a jail; None: a plain child, as ``user``)."""
+
+    sock_dir: Path
+    log: Path
+    qemu_dir: Path | None = None  # default: sock_dir
+    spawn: Spawner | None = None
+
+    @classmethod
+    def plain(cls, run_dir: Path) -> Placement:
+        return cls(sock_dir=run_dir, log=run_dir / "qemu.log")
+
+
+class Machine:
+    """One QEMU process and its QMP connection. Owns the process, the QMP client and
+    the console; the placement's directories are the caller's (they exist).
+
+    ``run`` starts QEMU (``on_spawned`` is told its pid and start time at once, before
+    QMP: a crash from here on leaves a process the next supervisor can find); or, for
+    a machine made by :meth:`adopt`, attaches to a QEMU a previous supervisor started.
+    :meth:`detach` lets go of a running QEMU without stopping it (it outlives us)."""
+
+    def __init__(
+        self,
+        spec: MachineSpec,
+        placement: Placement | Path,
+        *,
+        name: str = "vm",
+        fds: dict[str, int] | None = None,
+        on_spawned: Callable[[int, int], None] | None = None,
+    ) -> None:
+        self.spec = spec
+        self.placement = placement if isinstance(placement, Placement) else Placement.plain(placement)
+        self.run_dir = self.placement.sock_dir
+        self.name = name
+        self.runstate = Runstate.NEW
+        self.proc: Proc | None = None
+        self.qmp = QMPClient(name)
+        self.console = _Ring(CONSOLE_RING)
+        self._exited = trio.Event()
+        self.returncode: int | None = None
+        self._nursery: trio.Nursery | None = None
+        # one descriptor-carrying command at a time, until its reply: QEMU keeps the last
+        # descriptor it read and closes an earlier one its command has not claimed yet
+        self._fd_lock = trio.Lock()
+        self._disk_top = "disk0"  # the block node the disk device writes to (moves on checkpoint)
+        self._staged = 0  # overlays staged so far: fd set and node names stay unique
+        self._fds = dict(fds or {})  # more descriptors for QEMU (RAM, taps), the caller's
+        self._on_spawned = on_spawned
+        self._adopted: AdoptedProcess | None = None
+        self.detached = False
+
+    @classmethod
+    def adopt(cls, spec: MachineSpec, placement: Placement, proc: AdoptedProcess, *, name: str = "vm") -> Machine:
+        """A machine for a running QEMU (its :meth:`run` attaches instead of starting)."""
+        m = cls(spec, placement, name=name)
+        m._adopted = proc
+        return m
+
+    @property
+    def disk_top(self) -> str:
+        return self._disk_top
+
+    @property
+    def staged(self) -> int:
+        return self._staged
+
+    def resume_life_state(self, disk_top: str, staged: int) -> None:
+        """An adopted QEMU's block graph, as recorded (a checkpoint moved its disk)."""
+        self._disk_top, self._staged = disk_top, staged
+
+    @property
+    def guest_socket(self) -> Path:
+        return self.run_dir / "guest.sock"
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def stderr_tail(self, lines: int = 3) -> list[str]:
+        try:
+            with open(self.placement.log, "rb") as f:
+                f.seek(max(0, os.fstat(f.fileno()).st_size - 4096))
+                return f.read().decode(errors="replace").strip().splitlines()[-lines:]
+        except OSError:
+            return []
+
+    def describe_exit(self) -> str:
+        rc = self.returncode
+        if rc == UNKNOWN_EXIT:
+            how = "exited (its status is unknown: a previous supervisor started it)"
+        elif rc is not None and rc < 0:
+            how = f"killed by signal {-rc}"
+        else:
+            how = f"exit status {rc}"
+        err = self.stderr_tail()
+        return f"QEMU {how}" + (f": {' | '.join(err)}" if err else "")
+
+    async def run(self, task_status: trio.TaskStatus[Machine] = trio.TASK_STATUS_IGNORED) -> None:
+        """Launch (or attach to) QEMU, then supervise it until it exits. ``started`` once
+        QMP is up."""
+        if self.runstate is not Runstate.NEW:
+            raise MachineStateError(f"machine is {self.runstate.value}, not new")
+        if self._adopted is not None:
+            self.proc = self._adopted
+        else:
+            self.proc = await self._launch()
+        self.runstate = Runstate.RUNNING
+        try:
+            with collapse_single():
+                await self._supervise(task_status)
+        finally:
+            with trio.CancelScope(shield=True):
+                if not self.detached:
+                    await self._kill_and_reap()
+                await self.qmp.aclose()  # (its socket closed already, unless QMP never started)
+            self._nursery = None
+
+    async def _launch(self) -> Proc:
+        p = self.placement
+        for old in p.sock_dir.glob("*.sock"):
+            old.unlink()
+        user = self.spec.user
+        if user is not None and p.spawn is None:
+            os.chown(p.sock_dir, user.uid, user.gid)  # QEMU creates its sockets here
+        files = self.spec.open_files()
+        fds = {**files, **self._fds}
+        argv = self.spec.argv(p.qemu_dir or p.sock_dir, fds)
+        env = self.spec.environ(fds)
+        log.debug("launch %s: %s %s", self.name, " ".join(f"{k}={v}" for k, v in env.items()), shlex.join(argv))
+        try:
+            err = os.open(p.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            for fd in files.values():
+                os.close(fd)
+            raise LaunchError(f"cannot open QEMU's log {p.log}: {exc.strerror}") from None
+        try:
+            if p.spawn is not None:
+                proc = await p.spawn(argv, tuple(fds.values()), err, env)
+            else:
+                creds: dict[str, Any] = {}
+                if user is not None:
+                    creds = {"user": user.uid, "group": user.gid, "extra_groups": list(user.groups)}
+                try:
+                    proc = await trio.lowlevel.open_process(
+                        argv,
+                        stdin=subprocess.DEVNULL,
+                        stdout=subprocess.DEVNULL,
+                        stderr=err,
+                        pass_fds=tuple(fds.values()),
+                        env={**os.environ, **env} if env else None,
+                        start_new_session=True,  # a ^C to the supervisor must not reach QEMU
+                        **creds,
+                    )
+                except OSError as exc:
+                    raise LaunchError(f"cannot start {argv[0]}: {exc}") from exc
+        finally:
+            os.close(err)
+            for fd in files.values():
+                os.close(fd)
+        if self._on_spawned is not None:
+            try:
+                self._on_spawned(proc.pid, start_time(proc.pid))
+            except BaseException:
+                proc.kill()
+                with trio.CancelScope(shield=True):
+                    await proc.wait()
+                raise
+        crash_point("spawned")
+        return proc
+
+    async def _connect(self, name: str) -> socket.socket:
+        """Connect to one of QEMU's listening sockets (made during its start-up)."""
+        path = self.run_dir / name
+        with trio.fail_after(10):
+            while True:
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+                try:
+                    s.connect(str(path))
+                    check_peer(s, self.pid, path)
+                    return s
+                except (FileNotFoundError, ConnectionRefusedError):
+                    s.close()
+                    if self.exited:
+                        raise LaunchError(f"QEMU exited before it listened on {name}: {self.describe_exit()}") from None
+                    await trio.sleep(0.002)
+                except OSError:
+                    s.close()
+                    raise
+
+    async def _supervise(self, task_status: trio.TaskStatus[Machine]) -> None:
+        assert self.proc is not None
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            nursery.start_soon(self._reap)
+            try:
+                with trio.fail_after(10):
+                    await nursery.start(self.qmp.run, await self._connect("qmp.sock"))
+            except (Exception, trio.TooSlowError) as exc:
+                with trio.move_on_after(0.5):
+                    await self._exited.wait()
+                raise LaunchError(f"QMP handshake failed: {exc}; {self.describe_exit()}") from exc
+            with contextlib.suppress(LaunchError, OSError, trio.TooSlowError):
+                con = await self._connect("console.sock")
+                nursery.start_soon(self._pump, trio.SocketStream(trio.socket.from_stdlib_socket(con)), self.console)
+            task_status.started(self)
+            await self._exited.wait()
+            nursery.cancel_scope.cancel()
+
+    def detach(self) -> None:
+        """Let go of QEMU without stopping it: leaving ``run`` closes our connections and
+        leaves the process running (for the next supervisor to adopt)."""
+        self.detached = True
+        if self._nursery is not None:
+            self._nursery.cancel_scope.cancel()
+
+    async def _pump(self, stream: trio.abc.ReceiveStream, ring: _Ring) -> None:
+        try:
+            async with stream:
+                while True:
+                    data = await stream.receive_some(4096)
+                    if not data:
+                        return
+                    ring.add(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            return
+
+    async def _reap(self) -> None:
+        assert self.proc is not None
+        self.returncode = await self.proc.wait()
+        self.runstate = Runstate.EXITED
+        self._exited.set()
+
+    async def _kill_and_reap(self) -> None:
+        if self.proc is None:
+            return
+        if self.proc.returncode is None:
+            self.proc.kill()
+        self.returncode = await self.proc.wait()
+        self.runstate = Runstate.EXITED
+        self._exited.set()
+
+    async def wait(self) -> int:
+        await self._exited.wait()
+        assert self.returncode is not None
+        return self.returncode
+
+    @property
+    def exited(self) -> bool:
+        return self._exited.is_set()
+
+    # -- QMP -----------------------------------------------------------------
+    async def qmp_execute(self, cmd: str, args: dict[str, Any] | None = None, *, timeout: float = 30) -> Any:
+        return await self._execute(cmd, args, timeout=timeout)
+
+    async def _execute(
+        self, cmd: str, args: dict[str, Any] | None = None, *, timeout: float = 30, fd: int | None = None
+    ) -> Any:
+        if self.runstate is not Runstate.RUNNING:
+            raise MachineStateError(f"QMP {cmd} on a machine that is {self.runstate.value}")
+        try:
+            return await self.qmp.execute(cmd, args, timeout=timeout, fd=fd)
+        except QMPCommandFailed as exc:
+            raise QMPCommandError(f"{cmd}: {exc.desc}") from None
+        except QMPTimeout:
+            raise QMPCommandError(f"{cmd}: no answer within {timeout:g}s") from None
+        except QMPError as exc:  # disconnected, EOF, garbage: the process is going away
+            raise MachineStateError(f"QMP {cmd}: {type(exc).__name__}: {exc}") from None
+
+    async def hmp(self, line: str) -> str:
+        """A human-monitor command. HMP reports errors as reply text; the caller checks it."""
+        return str(await self.qmp_execute("human-monitor-command", {"command-line": line}))
+
+    async def getfd(self, fd: int, name: str) -> None:
+        """Hand QEMU a descriptor under ``name`` (for ``fd:name`` migration URIs)."""
+        async with self._fd_lock:
+            await self._execute("getfd", {"fdname": name}, fd=fd)
+
+    async def add_fd(self, fd: int, fdset: int, opaque: str = "") -> None:
+        """Add a descriptor to fd set ``fdset`` (opened by QEMU as /dev/fdset/N)."""
+        async with self._fd_lock:
+            await self._execute("add-fd", {"fdset-id": fdset, "opaque": opaque}, fd=fd)
+
+    async def status(self) -> str:
+        return str((await self.qmp_execute("query-status"))["status"])
+
+    async def migrate_to_fd(self, fd: int, *, ignore_shared: bool, timeout: float = 120.0) -> dict[str, Any]:
+        """Save device state (and RAM unless it is a shared file and ``ignore_shared``)
+        into ``fd``. The caller has stopped the guest; it stays stopped. Returns QEMU's
+        final query-migrate answer."""
+        await self._migration_caps(ignore_shared)
+        await self.qmp_execute("migrate-set-parameters", {"max-bandwidth": 1 << 40, "downtime-limit": 2000})
+        await self.getfd(fd, "snapfd")
+        await self.qmp_execute("migrate", {"uri": "fd:snapfd"})
+        with trio.fail_after(timeout):
+            while True:
+                info = await self.qmp_execute("query-migrate")
+                st = info.get("status")
+                if st == "completed":
+                    break
+                if st in ("failed", "cancelled"):
+                    raise QMPCommandError(f"migration {st}: {info.get('error-desc', '')}")
+                await trio.sleep(0.002)
+            # the completed status can come while the run state is still finish-migrate;
+            # cont then fails with "Migration is not finalized yet" (measured)
+            while await self.status() == "finish-migrate":
+                await trio.sleep(0.001)
+        return dict(info)
+
+    async def migrate_from_fd(
+        self, fd: int, *, ignore_shared: bool, resume: bool = True, timeout: float = 120.0
+    ) -> None:
+        """Load a saved state into a machine started with ``incoming``; it runs after
+        (``resume``), or stays paused (a conversion: started with ``-S``, it never runs
+        the guest)."""
+        await self._migration_caps(ignore_shared)
+        await self.getfd(fd, "snapfd")
+        await self.qmp_execute("migrate-incoming", {"uri": "fd:snapfd"})
+        with trio.fail_after(timeout):
+            while True:
+                st = await self.status()
+                if st == "running":
+                    if not resume:
+                        raise QMPCommandError("the loaded guest runs, though it was to stay paused")
+                    return
+                if st in ("paused", "postmigrate"):
+                    if resume:
+                        await self.qmp_execute("cont")
+                    return
+                if st not in ("inmigrate", "prelaunch", "restore-vm"):
+                    raise QMPCommandError(f"restore ended in run state {st!r}")
+                await trio.sleep(0.002)
+
+    async def _migration_caps(self, ignore_shared: bool) -> None:
+        await self.qmp_execute(
+            "migrate-set-capabilities",
+            {"capabilities": [{"capability": "x-ignore-shared", "state": ignore_shared}]},
+        )
+
+    # -- checkpoint steps ----------------------------------------------------------
+    async def stage_disk(self, path: Path) -> StagedDisk:
+        """Open a new overlay (read-write and read-only descriptors in a fresh fd set:
+        QEMU picks by access mode when it reopens the layer read-only later) and add
+        it as a block node no device uses yet. Undone on failure."""
+        self._staged += 1
+        staged = StagedDisk(node=f"ov{self._staged}", fdset=100 + self._staged)
+        try:
+            fds = [os.open(path, os.O_RDWR | os.O_CLOEXEC), os.open(path, os.O_RDONLY | os.O_CLOEXEC)]
+        except OSError as exc:
+            raise LaunchError(f"cannot open {path}: {exc.strerror}") from None
+        added = False
+        try:
+            try:
+                for fd, opaque in zip(fds, ("rw", "ro"), strict=True):
+                    await self.add_fd(fd, staged.fdset, f"{staged.node}-{opaque}")
+                    added = True
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            await self.qmp_execute(
+                "blockdev-add",
+                {
+                    "driver": "qcow2",
+                    "node-name": staged.node,
+                    "file": {"driver": "file", "filename": f"/dev/fdset/{staged.fdset}", "locking": "off"},
+                    "backing": None,
+                },
+            )
+        except BaseException:
+            if added:
+                with trio.CancelScope(shield=True), contextlib.suppress(MachineError):
+                    await self.qmp_execute("remove-fd", {"fdset-id": staged.fdset})
+            raise
+        return staged
+
+    async def unstage_disk(self, staged: StagedDisk) -> None:
+        """Drop a staged overlay that was never switched to (best effort, shielded)."""
+        with trio.CancelScope(shield=True):
+            with contextlib.suppress(MachineError):
+                await self.qmp_execute("blockdev-del", {"node-name": staged.node})
+            with contextlib.suppress(MachineError):
+                await self.qmp_execute("remove-fd", {"fdset-id": staged.fdset})
+
+    async def switch_disk(self, staged: StagedDisk) -> None:
+        """The disk device writes the staged overlay from now on, on top of the layer it
+        wrote so far (reopened read-only). The guest must be paused."""
+        await self.qmp_execute("blockdev-snapshot", {"node": self._disk_top, "overlay": staged.node})
+        self._disk_top = staged.node
+
+    @asynccontextmanager
+    async def paused(self) -> AsyncIterator[float]:
+        """The guest paused for the block (yields when it stopped, monotonic); it runs
+        again however the block ends, or this raises."""
+        await self.qmp_execute("stop")
+        t0 = time.monotonic()
+        try:
+            yield t0
+        finally:
+            with trio.CancelScope(shield=True):
+                try:
+                    await self.qmp_execute("cont")
+                except MachineError as exc:
+                    log.warning("%s: cont after a pause failed: %s", self.name, exc)
+                    raise
+
+    # -- shutdown ladder ---------------------------------------------------------
+    async def shutdown(
+        self,
+        ask: Callable[[], Awaitable[None]] | None = None,
+        *,
+        ask_timeout: float = 10.0,
+        step_timeout: float = 3.0,
+    ) -> int:
+        """ask (guestd powers off) -> QMP quit -> SIGTERM -> SIGKILL; always reaped.
+        Shielded: a cancelled caller still leaves no process behind."""
+        with trio.CancelScope(shield=True):
+            if self.proc is None or self.detached:
+                return 0
+            steps: list[tuple[str, Callable[[], Awaitable[None]], float]] = []
+            if ask is not None:
+                steps.append(("guest poweroff", ask, ask_timeout))
+            steps.append(("QMP quit", self._quit, step_timeout))
+            steps.append(("SIGTERM", self._term, step_timeout))
+            for what, step, timeout in steps:
+                if self.exited:
+                    break
+                with trio.move_on_after(timeout):
+                    try:
+                        await step()
+                    except Exception as exc:
+                        log.debug("%s: %s failed: %s", self.name, what, exc)
+                    await self._exited.wait()
+                if not self.exited:
+                    log.info("%s: %s did not stop QEMU in %gs", self.name, what, timeout)
+            await self._kill_and_reap()
+        assert self.returncode is not None
+        return self.returncode
+
+    async def _quit(self) -> None:
+        await self.qmp_execute("quit", timeout=2)
+
+    async def _term(self) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            self.proc.send_signal(signal.SIGTERM)

@@ -1,0 +1,451 @@
+"""Egress policy of a sandbox, and the nftables rules that enforce it (I/O-free).
+
+``network.egress = {"default": "allow"|"deny", "allow": [...], "deny": [...]}``;
+an entry is a CIDR or address (``10.0.0.0/8``, ``1.2.3.4``), the same with ports
+(``1.2.3.4:443``, ``10.0.0.0/8:8000-8100``: TCP and UDP), or a domain name
+(``example.com`` is that name, ``*.example.com`` its subdomains, either with an
+optional ``:port``). Domains work through the supervisor's DNS proxy (the
+sandbox's resolver, see actors/net/dnsproxy.py): an allowed name resolves and its
+addresses are opened in the filter for the answer's TTL; a denied one is refused.
+
+Precedence, whatever the entries say (the order of the sandbox's chain)::
+
+    1. never: 0/8, 127/8, 169.254/16 (metadata), 224/4, 240/4, IPv6, the operator's
+       extra ranges; and the host itself (every local address: the input hook)
+    2. ports: deny entries with ports, then allow entries with ports -- each allow
+       clipped first: it opens no part of a closed range (below) it is less specific than
+    3. addresses: the most specific CIDR wins; on a tie deny beats allow. The closed
+       ranges are implicit denies at their own prefix length: the sandbox pool (other
+       sandboxes) and PRIVATE4 (RFC 1918, 100.64/10 shared/CGNAT space -- cloud
+       metadata such as 100.100.100.200 lives there -- and 198.18/15), so only an allow
+       entry at least as specific as the range opens (that part of) it: ``10.1.2.0/24``
+       opens that /24, ``default: allow`` and ``allow: [0.0.0.0/0]`` or
+       ``0.0.0.0/0:443`` open none of them
+    4. domains: addresses answered for a denied name, then for allowed names; an
+       answer in a never or closed range is never opened (:func:`may_open`)
+    5. the default
+
+Table layout (one per supervisor, replaced atomically at start; a sandbox adds its
+chain and sets, keyed by its link name, in one transaction and removes them in one)::
+
+    table inet sandvisor
+     prerouting (raw)  iif svn*: drop IPv6; drop unless (iif . saddr) in @links4
+     input             iif svn*: established | gateway:53 tcp+udp | ping gateway | reject
+     forward           iif svn*: established | never -> reject | iif vmap @egress -> sb_<link>
+                       oif svn*: established | drop   (nothing new from outside into a sandbox)
+     postrouting (nat) saddr pool, daddr not pool, oif not svn*: masquerade
+     sb_<link>         steps 2-5 above, sets <link>_allow, _deny (painted CIDRs),
+                       _dns, _dnsdeny, _dns_<lo>_<hi> (timeouts: filled by the DNS proxy)
+"""
+
+from __future__ import annotations
+
+import bisect
+import ipaddress
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from ipaddress import IPv4Address, IPv4Network
+from typing import Any
+
+import attrs
+
+TABLE = "sandvisor"
+LINK_GLOB = "svn*"  # actors.net.ippool.LINK_PREFIX + "*"
+NEVER4 = ("0.0.0.0/8", "127.0.0.0/8", "169.254.0.0/16", "224.0.0.0/4", "240.0.0.0/4")
+# closed unless an allow entry names them (at least as specific): the networks a host's
+# neighbours live on -- RFC 1918, RFC 6598 shared space (CGNAT, cloud metadata and
+# services such as 100.100.100.200, Tailscale), RFC 2544 benchmarking space (used as
+# internal space by some networks and proxies' fake-IP modes; nothing public is there).
+# The documentation ranges (192.0.2/24, 198.51.100/24, 203.0.113/24) stay open: nothing
+# lives there either way, and the tests' stand-in internet does.
+PRIVATE4 = ("10.0.0.0/8", "100.64.0.0/10", "172.16.0.0/12", "192.168.0.0/16", "198.18.0.0/15")
+MAX_ENTRIES = 256
+REJECT = "reject with icmpx type admin-prohibited"
+_DOMAIN_LABEL = re.compile(r"^(?!-)[a-z0-9_-]{1,63}(?<!-)$")
+
+
+class PolicyError(ValueError):
+    """An egress policy that cannot be applied (INVALID_ARGUMENT)."""
+
+
+@attrs.frozen
+class Entry:
+    """One allow or deny entry. Exactly one of ``net`` and ``domain`` is set."""
+
+    text: str
+    net: IPv4Network | None = None
+    domain: str | None = None  # "example.com" or "*.example.com", lower case, no trailing dot
+    ports: tuple[int, int] | None = None  # inclusive range; None: every port (and ICMP)
+
+    @property
+    def wildcard(self) -> bool:
+        return self.domain is not None and self.domain.startswith("*.")
+
+    def matches_name(self, name: str) -> bool:
+        if self.domain is None:
+            return False
+        if self.wildcard:
+            return name.endswith(self.domain[1:])
+        return name == self.domain
+
+    @property
+    def specificity(self) -> tuple[int, int]:
+        """Domain entries: an exact name beats any wildcard; a longer suffix beats a shorter."""
+        assert self.domain is not None
+        return (0 if self.wildcard else 1, len(self.domain))
+
+
+def _ports(text: str, entry: str) -> tuple[int, int]:
+    lo, sep, hi = text.partition("-")
+    try:
+        a, b = int(lo), int(hi) if sep else int(lo)
+    except ValueError:
+        raise PolicyError(f"egress entry {entry!r}: bad port {text!r}") from None
+    if not (1 <= a <= b <= 65535):
+        raise PolicyError(f"egress entry {entry!r}: ports must be 1-65535, low to high")
+    return a, b
+
+
+def parse_entry(raw: object) -> Entry:
+    if not isinstance(raw, str) or not raw.strip():
+        raise PolicyError(f"egress entry {raw!r}: expected a CIDR, an address, host:port or a domain name")
+    text = raw.strip().lower()
+    if len(text) > 300:
+        raise PolicyError(f"egress entry {text[:40]!r}...: too long")
+    if text.startswith("[") or text.count(":") > 1:
+        raise PolicyError(f"egress entry {text!r}: IPv6 is not supported (sandboxes have no IPv6)")
+    host, sep, port_text = text.rpartition(":") if ":" in text else (text, "", "")
+    ports = _ports(port_text, text) if sep else None
+    try:
+        net = ipaddress.ip_network(host, strict=False)
+    except ValueError:
+        net = None
+    if net is not None:
+        if not isinstance(net, IPv4Network):
+            raise PolicyError(f"egress entry {text!r}: IPv6 is not supported (sandboxes have no IPv6)")
+        if any(net.subnet_of(IPv4Network(n)) for n in NEVER4):
+            raise PolicyError(
+                f"egress entry {text!r}: loopback, link-local (metadata), multicast and reserved "
+                "addresses are never reachable from a sandbox"
+            )
+        return Entry(text, net=net, ports=ports)
+    if re.fullmatch(r"[0-9./]+", host):
+        raise PolicyError(f"egress entry {text!r}: not a valid address or CIDR")
+    name = host.rstrip(".")
+    labels = name.split(".")
+    wildcard = labels[0] == "*"
+    if wildcard:
+        labels = labels[1:]
+    if len(name) > 253 or len(labels) < 1 or not all(_DOMAIN_LABEL.match(x) for x in labels):
+        raise PolicyError(f"egress entry {text!r}: not a valid domain name (use *.example.com for subdomains)")
+    if wildcard and len(labels) < 2:
+        raise PolicyError(f"egress entry {text!r}: a wildcard needs a domain under it (*.example.com)")
+    return Entry(text, domain=("*." if wildcard else "") + ".".join(labels), ports=ports)
+
+
+@attrs.frozen
+class EgressPolicy:
+    default: str = "allow"  # "allow" | "deny"
+    allow: tuple[Entry, ...] = ()
+    deny: tuple[Entry, ...] = ()
+
+    @classmethod
+    def parse(cls, body: Mapping[str, Any] | None) -> EgressPolicy:
+        """From the API's ``network.egress`` (None or {}: allow everything but the invariants)."""
+        if body is None:
+            return cls()
+        if not isinstance(body, Mapping):
+            raise PolicyError("network.egress must be a mapping {default, allow, deny}")
+        unknown = set(body) - {"default", "allow", "deny"}
+        if unknown:
+            raise PolicyError(f"network.egress: unknown fields {sorted(unknown)}")
+        default = body.get("default") or "allow"
+        if default not in ("allow", "deny"):
+            raise PolicyError(f"network.egress.default must be 'allow' or 'deny', not {default!r}")
+        lists: dict[str, tuple[Entry, ...]] = {}
+        for key in ("allow", "deny"):
+            raw = body.get(key) or []
+            if not isinstance(raw, list | tuple):
+                raise PolicyError(f"network.egress.{key} must be a list")
+            if len(raw) > MAX_ENTRIES:
+                raise PolicyError(f"network.egress.{key}: at most {MAX_ENTRIES} entries")
+            entries = tuple(parse_entry(x) for x in raw)
+            lists[key] = tuple(dict.fromkeys(entries))  # duplicates: once
+        for e in lists["deny"]:
+            if e.domain is not None and e.ports is not None:
+                raise PolicyError(f"egress deny entry {e.text!r}: a denied name is refused whole (no port)")
+        return cls(default=default, allow=lists["allow"], deny=lists["deny"])
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"default": self.default, "allow": [e.text for e in self.allow], "deny": [e.text for e in self.deny]}
+
+    @property
+    def domains(self) -> bool:
+        return any(e.domain is not None for e in (*self.allow, *self.deny))
+
+    def match_name(self, name: str) -> tuple[str, tuple[tuple[int, int] | None, ...]]:
+        """The DNS proxy's decision for a queried name: ``("allow", port ranges)``,
+        ``("deny", ())`` or ``("default", ())``. Port range None: every port. The most
+        specific matching entry decides; on a tie deny wins."""
+        name = name.lower().rstrip(".")
+        allows = [e for e in self.allow if e.matches_name(name)]
+        denies = [e for e in self.deny if e.matches_name(name)]
+        if not allows and not denies:
+            return ("default", ())
+        best_allow = max((e.specificity for e in allows), default=None)
+        best_deny = max((e.specificity for e in denies), default=None)
+        if best_deny is not None and (best_allow is None or best_deny >= best_allow):
+            return ("deny", ())
+        ranges = tuple(dict.fromkeys(e.ports for e in allows if e.specificity == best_allow))
+        return ("allow", (None,) if None in ranges else ranges)
+
+
+# -- painting CIDRs -----------------------------------------------------------------
+Range = tuple[IPv4Address, IPv4Address]
+
+
+def range_text(r: Range) -> str:
+    return str(r[0]) if r[0] == r[1] else f"{r[0]}-{r[1]}"
+
+
+def closed_ranges(pool: IPv4Network | None) -> list[IPv4Network]:
+    """The implicit denies of a sandbox's policy: PRIVATE4 and the sandbox pool."""
+    return [IPv4Network(n) for n in PRIVATE4] + ([pool] if pool is not None else [])
+
+
+def paint(
+    allow: Iterable[IPv4Network],
+    deny: Iterable[IPv4Network],
+    pool: IPv4Network | None,
+    closed: Iterable[IPv4Network] = (),
+) -> tuple[list[Range], list[Range]]:
+    """Disjoint (allowed, denied) address ranges (first, last) where the most specific entry decides.
+    ``pool`` and ``closed`` are implicit denies at their own prefix length. CIDR blocks
+    nest or are disjoint, so painting from the least to the most specific (ties:
+    implicit denies, then allow, then deny: the later paint wins) leaves each address
+    with the verdict of its most specific entry."""
+    items: list[tuple[int, int, IPv4Network, str]] = []
+    for c in (*closed, *([pool] if pool is not None else [])):
+        items.append((c.prefixlen, 0, c, "deny"))
+    items += [(n.prefixlen, 1, n, "allow") for n in allow]
+    items += [(n.prefixlen, 2, n, "deny") for n in deny]
+    if not items:
+        return [], []
+    bounds = sorted(
+        {0, 1 << 32, *(int(n.network_address) for _, _, n, _ in items)}
+        | {int(n.broadcast_address) + 1 for _, _, n, _ in items}
+    )
+    verdict: list[str | None] = [None] * (len(bounds) - 1)
+    for _, _, net, v in sorted(items, key=lambda x: (x[0], x[1])):
+        i = bisect.bisect_left(bounds, int(net.network_address))
+        j = bisect.bisect_left(bounds, int(net.broadcast_address) + 1)
+        for k in range(i, j):
+            verdict[k] = v
+    out: dict[str, list[Range]] = {"allow": [], "deny": []}
+    k = 0
+    while k < len(verdict):
+        here = verdict[k]
+        m = k
+        while m + 1 < len(verdict) and verdict[m + 1] == here:
+            m += 1
+        if here is not None:
+            out[here].append((IPv4Address(bounds[k]), IPv4Address(bounds[m + 1] - 1)))
+        k = m + 1
+    return out["allow"], out["deny"]
+
+
+def clip(net: IPv4Network, closed: Iterable[IPv4Network]) -> list[Range]:
+    """``net`` less every closed range it is less specific than: what a port-qualified
+    allow entry opens (``0.0.0.0/0:443`` is not a way into the pool or a private range;
+    ``10.1.2.0/24:443`` opens that /24, being at least as specific as 10/8)."""
+    holes = sorted(
+        (int(c.network_address), int(c.broadcast_address))
+        for c in closed
+        if c != net and c.subnet_of(net)  # CIDRs nest or are disjoint
+    )
+    out: list[Range] = []
+    at, last = int(net.network_address), int(net.broadcast_address)
+    for lo, hi in holes:
+        if lo > at:
+            out.append((IPv4Address(at), IPv4Address(lo - 1)))
+        at = max(at, hi + 1)
+    if at <= last:
+        out.append((IPv4Address(at), IPv4Address(last)))
+    return out
+
+
+def may_open(address: IPv4Address, closed: Iterable[IPv4Network] = ()) -> bool:
+    """May the DNS proxy open ``address`` (an answer for an allowed name)? Never an
+    invariant (NEVER4), private (PRIVATE4) or ``closed`` (the pool, the operator's never
+    ranges) address: a name is no way around the CIDR rules (DNS rebinding). A private
+    address a policy's CIDR allow names is open through that entry anyway."""
+    nets = (*(IPv4Network(n) for n in (*NEVER4, *PRIVATE4)), *closed)
+    return not any(address in n for n in nets)
+
+
+# -- nftables text ------------------------------------------------------------------
+def _elements(nets: Sequence[IPv4Network | IPv4Address | str]) -> str:
+    return ", ".join(str(n) for n in nets)
+
+
+def base_ruleset(gateway: IPv4Address, pool: IPv4Network, *, never: Sequence[str] = (), dns_port: int = 53) -> str:
+    """The supervisor's table, replaced whole (a crashed run's sandbox chains go too).
+    ``never``: the operator's ranges no sandbox reaches under any policy (e.g. the LAN)."""
+    never4 = _elements([*NEVER4, *never])
+    return f"""
+table inet {TABLE}
+delete table inet {TABLE}
+table inet {TABLE} {{
+  set links4 {{ type ifname . ipv4_addr; }}
+  map egress {{ type ifname : verdict; }}
+  set never4 {{ type ipv4_addr; flags interval; auto-merge; elements = {{ {never4} }}; }}
+  chain hook_prerouting {{
+    type filter hook prerouting priority raw; policy accept;
+    iifname "{LINK_GLOB}" jump sandbox_spoof
+  }}
+  chain sandbox_spoof {{
+    meta nfproto ipv6 drop
+    iifname . ip saddr @links4 return
+    drop
+  }}
+  chain hook_input {{
+    type filter hook input priority filter; policy accept;
+    iifname "{LINK_GLOB}" jump sandbox_to_host
+  }}
+  chain sandbox_to_host {{
+    ct state established,related accept
+    ct state invalid drop
+    ip daddr {gateway} meta l4proto {{ tcp, udp }} th dport {dns_port} accept
+    ip daddr {gateway} icmp type echo-request limit rate 20/second accept
+    {REJECT}
+  }}
+  chain hook_forward {{
+    type filter hook forward priority filter; policy accept;
+    iifname "{LINK_GLOB}" jump sandbox_egress
+    oifname "{LINK_GLOB}" jump sandbox_ingress
+  }}
+  chain sandbox_egress {{
+    ct state established,related accept
+    ct state invalid drop
+    ip daddr @never4 {REJECT}
+    iifname vmap @egress
+    {REJECT}
+  }}
+  chain sandbox_ingress {{
+    ct state established,related accept
+    drop
+  }}
+  chain hook_postrouting {{
+    type nat hook postrouting priority srcnat; policy accept;
+    ip saddr {pool} ip daddr != {pool} oifname != "{LINK_GLOB}" masquerade
+  }}
+}}
+"""
+
+
+def _dns_sets(link: str, policy: EgressPolicy) -> dict[tuple[int, int] | None, str]:
+    """The DNS proxy's sets of a sandbox, by port range (None: every port)."""
+    sets: dict[tuple[int, int] | None, str] = {}
+    for e in policy.allow:
+        if e.domain is not None and e.ports not in sets:
+            sets[e.ports] = f"{link}_dns" if e.ports is None else f"{link}_dns_{e.ports[0]}_{e.ports[1]}"
+    return sets
+
+
+def dns_set_name(link: str, ports: tuple[int, int] | None) -> str:
+    return f"{link}_dns" if ports is None else f"{link}_dns_{ports[0]}_{ports[1]}"
+
+
+def dns_deny_set(link: str) -> str:
+    return f"{link}_dnsdeny"
+
+
+def _port_match(ports: tuple[int, int]) -> str:
+    lo, hi = ports
+    return f"meta l4proto {{ tcp, udp }} th dport {lo if lo == hi else f'{lo}-{hi}'}"
+
+
+def sandbox_rules(link: str, address: IPv4Address, policy: EgressPolicy, pool: IPv4Network | None) -> list[str]:
+    """nft commands that add a sandbox's chain, sets and map entries (one transaction)."""
+    t = f"inet {TABLE}"
+    chain = f"sb_{link}"
+    closed = closed_ranges(pool)
+    allow_nets, deny_nets = paint(
+        [e.net for e in policy.allow if e.net is not None and e.ports is None],
+        [e.net for e in policy.deny if e.net is not None and e.ports is None],
+        None,
+        closed,
+    )
+    cmds = [
+        f"add chain {t} {chain}",
+        f"add set {t} {link}_allow {{ type ipv4_addr; flags interval; }}",
+        f"add set {t} {link}_deny {{ type ipv4_addr; flags interval; }}",
+        f"add set {t} {dns_deny_set(link)} {{ type ipv4_addr; flags timeout; }}",
+    ]
+    dns = _dns_sets(link, policy)
+    cmds += [f"add set {t} {name} {{ type ipv4_addr; flags timeout; }}" for name in dns.values()]
+    if allow_nets:
+        cmds.append(f"add element {t} {link}_allow {{ {', '.join(map(range_text, allow_nets))} }}")
+    if deny_nets:
+        cmds.append(f"add element {t} {link}_deny {{ {', '.join(map(range_text, deny_nets))} }}")
+    rule = f"add rule {t} {chain}"
+    for e in policy.deny:
+        if e.net is not None and e.ports is not None:
+            cmds.append(f"{rule} ip daddr {e.net} {_port_match(e.ports)} {REJECT}")
+    for e in policy.allow:
+        if e.net is not None and e.ports is not None:
+            ranges = clip(e.net, closed)  # the implicit denies come before every allow
+            if ranges == [(e.net.network_address, e.net.broadcast_address)]:
+                cmds.append(f"{rule} ip daddr {e.net} {_port_match(e.ports)} accept")
+            elif ranges:
+                daddr = "{ " + ", ".join(map(range_text, ranges)) + " }"
+                cmds.append(f"{rule} ip daddr {daddr} {_port_match(e.ports)} accept")
+    cmds += [
+        f"{rule} ip daddr @{link}_deny {REJECT}",
+        f"{rule} ip daddr @{link}_allow accept",
+        f"{rule} ip daddr @{dns_deny_set(link)} {REJECT}",
+    ]
+    for ports, name in dns.items():
+        cmds.append(f"{rule} {_port_match(ports) + ' ' if ports else ''}ip daddr @{name} accept")
+    cmds.append(f"{rule} {'accept' if policy.default == 'allow' else REJECT}")
+    cmds += [
+        f'add element {t} links4 {{ "{link}" . {address} }}',
+        f'add element {t} egress {{ "{link}" : goto {chain} }}',
+    ]
+    return cmds
+
+
+def sandbox_removal(link: str, address: IPv4Address, policy: EgressPolicy) -> list[str]:
+    """nft commands that remove what :func:`sandbox_rules` added (one transaction)."""
+    t = f"inet {TABLE}"
+    cmds = [
+        f'delete element {t} egress {{ "{link}" }}',
+        f'delete element {t} links4 {{ "{link}" . {address} }}',
+        f"flush chain {t} sb_{link}",
+        f"delete chain {t} sb_{link}",
+        f"delete set {t} {link}_allow",
+        f"delete set {t} {link}_deny",
+        f"delete set {t} {dns_deny_set(link)}",
+    ]
+    cmds += [f"delete set {t} {name}" for name in _dns_sets(link, policy).values()]
+    return cmds
+
+
+def dns_update(link: str, set_names: Iterable[str], addresses: Iterable[IPv4Address], timeout_s: int) -> list[str]:
+    """Open (or refresh) answered addresses in a sandbox's DNS sets for ``timeout_s``.
+    add; delete; add in one transaction: the element ends with the new timeout on every
+    kernel (re-adding alone refreshes it only from Linux 6.10 on), and no packet sees
+    it missing."""
+    t = f"inet {TABLE}"
+    cmds = []
+    addrs = list(dict.fromkeys(addresses))
+    if not addrs:
+        return []
+    for name in set_names:
+        elems = ", ".join(f"{a} timeout {timeout_s}s" for a in addrs)
+        cmds += [
+            f"add element {t} {name} {{ {elems} }}",
+            f"delete element {t} {name} {{ {_elements(addrs)} }}",
+            f"add element {t} {name} {{ {elems} }}",
+        ]
+    return cmds

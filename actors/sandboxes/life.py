@@ -1,0 +1,675 @@
+"""One VM life of a sandbox: everything one run of a QEMU holds, freed in one place.
+
+A sandbox's life is said by a :data:`Plan`::
+
+    Boot(template=...)        a fresh boot (or its disk again, after a Stop); at the
+                              first ready, before any caller's work, ``template`` may
+                              save it as its configuration's boot template
+    Resume(snapshot, fallback) a restore of a snapshot; a boot template that does
+                              not restore is reported to ``fallback`` and the sandbox
+                              boots instead (a second Life)
+    Adopt(life, proc)         a QEMU a previous supervisor started, still running
+    AwaitTemplate(resolve)    another boot is making this configuration's template:
+                              wait for it, then Resume or Boot (the sandbox resolves it)
+
+A :class:`Life` (``Life.boot``, ``Life.resume``, ``Life.adopt``) is an async context
+manager. Entering it brings the guest up: the disk (a new overlay's chain recorded
+first), the run dir, the volume claims, the host link (TAP or uplink, egress filter
+and DNS registration), the cell (jail, cgroup, identity), the guest RAM (a fresh
+file, or a snapshot's memory: sealed in a cell), QEMU through ``Settings.launch``
+(:func:`~actors.machines.vm.booted_guest`: the Machine and the guest channel), a restored
+clone's fresh identity and network, and the nursery of its port relays
+(:class:`~actors.net.ports.PortRelays`). It owns all of that until :meth:`Life._teardown`
+frees it, in one place, shielded, whatever happened (a failed bring-up included)::
+
+    relays cancelled -> QEMU (ask, quit, TERM, KILL; reaped) or, detached, let go
+      -> state stream and RAM descriptors (sealed memory back to the cache)
+      -> link (closed; detached: kept for the next supervisor)
+      -> cell, run dir, the record's life (not when detached)
+      -> volume claims (checked after the reap; detached: released unchecked)
+
+The sandbox (:class:`~actors.sandboxes.sandbox.Sandbox`) keeps the state machine, the events
+and the handle's operations, and holds its current Life.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from contextlib import AsyncExitStack
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+import attrs
+import trio
+
+from actors._groups import collapse_single
+from actors.cells.cell import Cell
+from actors.cells.cgroups import CgroupError, CgroupStats
+from actors.channel.guest import GuestError, GuestOpError, GuestTimeout, PatchEntry
+from actors.crash import crash_point
+from actors.errors import (
+    AlreadyExists,
+    DeadlineExceeded,
+    DomainError,
+    FailedPrecondition,
+    Internal,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
+from actors.machines.disk import backing_chain, check_user_disk, virtual_size
+from actors.machines.machine import Placement
+from actors.machines.qemuproc import AdoptedProcess, MachineError
+from actors.machines.qemuspec import Volume
+from actors.machines.vm import TAP_FD, Attach, BootError, Guest, VmSpec, load_spec
+from actors.model import MemoryKind, SandboxMetrics, script_patches
+from actors.model import dump as dump_value
+from actors.net import netlink
+from actors.net.hostnet import SandboxLink
+from actors.net.ports import PortRelays
+from actors.quotas import check_sandbox_disk
+from actors.snapshots.snapshot import memory_for_restore, resume_spec
+from actors.store import LifeState, SnapshotRecord
+from guestd import proto as P
+
+if TYPE_CHECKING:
+    from actors.sandboxes.sandbox import Sandbox
+
+RESTORE_HELLO_TIMEOUT = 15.0  # a restored guest answers in ~0.1 s; one that does not in 15 s will not
+
+_GUEST_CODES: dict[str, type[DomainError]] = {
+    P.E_NOT_FOUND: NotFound,
+    P.E_INVALID: InvalidArgument,
+    P.E_IS_DIR: InvalidArgument,
+    P.E_PERM: FailedPrecondition,
+    P.E_TOO_LARGE: ResourceExhausted,
+    P.E_EXISTS: AlreadyExists,
+}
+
+
+def guest_error(exc: GuestError) -> DomainError:
+    """A guest-channel error in the domain's terms."""
+    if isinstance(exc, GuestOpError):
+        return _GUEST_CODES.get(exc.code, Internal)(exc.message)
+    if isinstance(exc, GuestTimeout):
+        return DeadlineExceeded(f"sandbox guest: {exc}")
+    return Unavailable(f"sandbox guest unavailable: {exc}")
+
+
+# -- plans ------------------------------------------------------------------------------
+@attrs.frozen
+class Boot:
+    """A fresh boot, or a stopped sandbox's disk booted again."""
+
+    accepted: float = 0.0  # monotonic: when the request was accepted (for the timings)
+    template: Callable[[Sandbox], Awaitable[None]] | None = None
+
+
+@attrs.frozen
+class Resume:
+    """A restore of ``snapshot``. With ``fallback`` (a boot template), a restore that
+    fails is reported there and the life boots instead: a Create must not fail on it."""
+
+    snapshot: SnapshotRecord
+    accepted: float = 0.0
+    # (snapshot, why, transient): transient = the guest did not answer in time
+    fallback: Callable[[SnapshotRecord, str, bool], None] | None = None
+
+
+@attrs.frozen
+class Adopt:
+    """A QEMU a previous supervisor started and recorded (``life``), still running
+    (``proc``): reconnect and serve it, with its memory, processes and ports."""
+
+    life: LifeState
+    proc: AdoptedProcess
+    accepted: float = 0.0
+
+
+@attrs.frozen
+class AwaitTemplate:
+    """The boot template this configuration restores is being made by another
+    sandbox's boot: ``resolve`` waits for that (the template is saved before the
+    maker's first ready) and says what to do then -- restore it, or boot (it failed).
+    Booting beside the maker instead would put N boots on the cores at once."""
+
+    resolve: Callable[[], Awaitable[Boot | Resume]]
+    accepted: float = 0.0
+
+
+Plan = Boot | Resume | Adopt | AwaitTemplate
+
+
+class Life:
+    """One run of a QEMU for ``sb``. ``async with Life.boot(sb, plan) as life:`` the
+    guest is up (``life.guest``) and serves the block; everything is freed after."""
+
+    def __init__(self, sb: Sandbox, plan: Boot | Resume | Adopt) -> None:
+        self.sb = sb
+        self.plan = plan
+        self.guest: Guest | None = None  # set once the guest is this sandbox's (after a restore's fixups)
+        self.cell: Cell | None = None  # its jail, cgroup, identity
+        self.link: SandboxLink | None = None  # its host link (tap; a jail's uplink)
+        self.ports: PortRelays | None = None  # its forwards and relays, while the guest is up
+        self.detaching = False  # it lets go of QEMU instead of stopping it
+        self.guest_hostname = ""  # what the fixups last set in its guest
+        self._launched: Guest | None = None
+        self._ram_fd = -1  # the guest RAM's descriptor for QEMU (a cell's), until QEMU maps it
+        self._sealed = ""  # the snapshot whose sealed memory that descriptor is
+        self._state_fd = -1  # a restore's saved state, until loaded
+        self._cpu_prev: tuple[float, float] | None = None
+        self._stack = AsyncExitStack()  # its scope, _release, QEMU (the launcher's block), the relays' nursery
+        self._scope = trio.CancelScope()
+
+    @classmethod
+    def boot(cls, sb: Sandbox, plan: Boot) -> Life:
+        """A fresh boot, or the sandbox's disk booted again."""
+        return cls(sb, plan)
+
+    @classmethod
+    def resume(cls, sb: Sandbox, plan: Resume) -> Life:
+        """A restore of ``plan.snapshot``, made this sandbox's (identity, network)."""
+        return cls(sb, plan)
+
+    @classmethod
+    def adopt(cls, sb: Sandbox, plan: Adopt) -> Life:
+        """A running QEMU a previous supervisor left, reconnected."""
+        return cls(sb, plan)
+
+    @classmethod
+    def of(cls, sb: Sandbox, plan: Boot | Resume | Adopt) -> Life:
+        if isinstance(plan, Adopt):
+            return cls.adopt(sb, plan)
+        if isinstance(plan, Resume):
+            return cls.resume(sb, plan)
+        return cls.boot(sb, plan)
+
+    # -- the context manager -------------------------------------------------------------
+    async def __aenter__(self) -> Life:
+        # the life's own scope, outermost: its teardown shields it (nothing stops the ladder)
+        self._scope = self._stack.enter_context(trio.CancelScope())
+        self._stack.push_async_callback(self._release)  # last out: after QEMU is reaped
+        try:
+            with collapse_single():
+                if isinstance(self.plan, Adopt):
+                    guest = await self._reconnect(self.plan)
+                else:
+                    guest = await self._launch(self.plan)
+                nursery = await self._stack.enter_async_context(trio.open_nursery())
+                self._stack.callback(nursery.cancel_scope.cancel)  # (first out: the relays end)
+                jailed = self.cell is not None
+                self.ports = PortRelays(self.sb.settings, guest, self.sb.network, jailed=jailed, nursery=nursery)
+                if isinstance(self.plan, Resume):
+                    await self._restored(guest, self.plan)
+                crash_point("hello")
+                self.guest = guest
+                self._record_timings(guest)
+                self.sb.record.qemu_pid = guest.machine.pid or 0
+        except BaseException:
+            await self._teardown(*sys.exc_info())
+            raise
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> bool:
+        return await self._teardown(et, ev, tb)
+
+    async def _teardown(
+        self, et: type[BaseException] | None, ev: BaseException | None, tb: TracebackType | None
+    ) -> bool:
+        """The one ladder (see the module's docstring), shielded: the relays end, QEMU
+        is stopped and reaped (``Settings.launch``'s block; or let go, detached), then
+        :meth:`_release` frees what it held."""
+        self._scope.shield = True
+        suppress = False
+        with collapse_single():
+            suppress = bool(await self._stack.__aexit__(et, ev, tb))
+        return suppress
+
+    async def _release(self) -> None:
+        """What the life held beside QEMU, once QEMU is gone: every step runs whatever
+        the one before it raised (the first error is raised at the end)."""
+        self.guest = self._launched = None
+        self.ports = None
+        errors: list[Exception] = []
+        for step in (self._close_descriptors, self._close_link, self._close_cell):
+            try:
+                step()
+            except Exception as exc:
+                errors.append(exc)
+        try:
+            await self._release_volumes()
+        except Exception as exc:
+            errors.append(exc)
+        if errors:
+            raise errors[0]
+
+    def detach(self) -> None:
+        """Let go of QEMU instead of stopping it: it runs on, with its link, cell and
+        volumes, for the next supervisor."""
+        self.detaching = True
+        if self._launched is not None:
+            self._launched.machine.detach()
+
+    def _close_descriptors(self) -> None:
+        if self._state_fd >= 0:
+            os.close(self._state_fd)
+            self._state_fd = -1
+        self._release_ram()
+
+    def _close_link(self) -> None:
+        link, self.link = self.link, None
+        if link is not None:
+            link.detach() if self.detaching else link.close()
+
+    def _close_cell(self) -> None:
+        """The cell, the run dir, the record's life (kept when detached: QEMU runs on)."""
+        sb = self.sb
+        cell, self.cell = self.cell, None
+        if self.detaching:
+            return
+        if cell is not None:
+            cell.close()
+        sb.files.end_life()
+        if sb.record.life is not None:
+            sb.record.life = None
+            sb.store.update_life(sb.record)
+
+    # -- bringing a guest up -------------------------------------------------------------
+    async def _launch(self, plan: Boot | Resume) -> Guest:
+        sb = self.sb
+        s, files = sb.settings, sb.files
+        own = Path(sb.config.boot.rootfs) if sb.config.boot.rootfs else None
+        if own is not None:  # a caller's file, checked at every life: it may have changed since
+            check_user_disk(own)  # no backing or data file: its header names nothing we open
+        # a new overlay's chain is on disk before the overlay: a crash in between
+        # leaves a chain without its disk (the next start makes a fresh one), never a
+        # disk standing on layers its record does not name
+        if isinstance(plan, Resume):
+            await self._record_chain([str(p) for p in plan.snapshot.layers])
+            await files.overlay_on(plan.snapshot.disk)
+        elif not files.disk.exists():
+            base = self._base()
+            size, below = virtual_size(base), () if own is not None else backing_chain(base)  # ours: trusted
+            recs = sb.volumes.records if sb.volumes is not None else {}
+            rw = [(m.name, recs[m.name].size_bytes) for m in sb.config.volumes if not m.read_only and m.name in recs]
+            check_sandbox_disk(s.max_sandbox_disk_mib, size, rw)
+            await self._record_chain([str(base), *map(str, below)])
+            await files.overlay_on(base)
+        run_dir = files.new_run_dir()
+        volumes = self._claim_volumes()
+        self.link, uplink = netlink.open_link(s, sb.config.network, sb.record.uid, run_dir)
+        fds: dict[str, int] = {}
+        if self.link is not None and self.link.tap_fd is not None:
+            fds[TAP_FD] = self.link.tap_fd  # (the link keeps it; QEMU gets its own copy)
+        if s.cells is not None:
+            self.cell = s.cells.open(
+                sb.record.uid[:18], run_dir, memory_mib=sb.limits.memory_mib, vcpus=sb.limits.vcpus, uplink=uplink
+            )
+        cell = self.cell
+        if isinstance(plan, Resume):
+            # the snapshot as it is now, and its stream opened, in this one step: a
+            # conversion may switch the record (and unlink the old stream) after it
+            self._state_fd = self._open_state(plan.snapshot)
+        ram, shared = self._ram(plan)
+        if self._ram_fd >= 0:
+            fds["ram"] = self._ram_fd
+        spec = self._vm_spec(plan, ram, shared).with_volumes(volumes)
+        placement = (
+            Placement(sock_dir=cell.sock_dir, qemu_dir=cell.qemu_dir, log=run_dir / "qemu.log", spawn=cell.spawn)
+            if cell is not None
+            else Placement.plain(run_dir)
+        )
+
+        def spawned(pid: int, started: int) -> None:
+            sb.record.qemu_pid = pid
+            sb.record.life = LifeState(
+                pid=pid,
+                start_time=started,
+                run_dir=str(run_dir),
+                sock_dir=str(placement.sock_dir),
+                uid=cell.identity.uid if cell is not None else 0,
+                cgroup=cell.name if cell is not None and cell.cgroup is not None else "",
+                jail_root=str(cell.spec.root) if cell is not None else "",
+                ram=str(ram) if ram is not None and shared else "",
+                spec=dump_value(spec),
+            )
+            sb.store.update_life(sb.record)
+
+        at = Attach(placement, fds, on_spawned=spawned, restore_fd=self._state_fd)
+        guest = self._launched = await self._stack.enter_async_context(s.launch(spec, at))
+        self._release_ram()  # QEMU has its own mapping now
+        if self._state_fd >= 0:
+            os.close(self._state_fd)  # (loaded)
+            self._state_fd = -1
+        return guest
+
+    async def _reconnect(self, plan: Adopt) -> Guest:
+        """Reconnect to a QEMU a previous supervisor started (its cell, sockets, guest)."""
+        sb = self.sb
+        life, cells = plan.life, sb.settings.cells
+        run_dir = Path(life.run_dir)
+        if life.uid and cells is not None:
+            self.cell = cells.reopen(sb.record.uid[:18], run_dir, life.uid, life.ram)
+        placement = Placement(sock_dir=Path(life.sock_dir), log=run_dir / "qemu.log")
+        spec = load_spec(life.spec)
+        if sb.volumes is not None and sb.config.volumes:
+            sb.volumes.claim(sb.record.uid, sb.id, sb.config.volumes, adopted=True)
+        self.link = netlink.readopt_link(sb.settings, sb.config.network, sb.record.uid)
+        at = Attach(placement, adopt=plan.proc, disk_top=life.disk_top, staged=life.staged)
+        guest = self._launched = await self._stack.enter_async_context(sb.settings.launch(spec, at))
+        return guest
+
+    async def _restored(self, guest: Guest, plan: Resume) -> None:
+        """A restored clone made this sandbox's, before anyone sees it."""
+        sb = self.sb
+        sb.timings["restored"] = time.monotonic()
+        what = "the boot template" if plan.fallback is not None else f"snapshot {plan.snapshot.id}"
+        how = "mapped" if sb.timings.get("mapped") else "streamed"
+        sb.log.append("system", f"restored from {what} (memory {how})".encode())
+        # the hello set the clock, but a restored vCPU busy on a loaded host answers it
+        # late (a clone 4.4 s behind at load 38): then it is set again
+        await self.fresh_identity(guest, clock=guest.channel.clock_stale)
+        await netlink.configure_guest_net(guest, sb.network)
+
+    async def _record_chain(self, chain: list[str]) -> None:
+        sb = self.sb
+        sb.record.chain = chain
+        sb.store.update_life(sb.record)
+        await sb.store.flush()
+
+    def _base(self) -> Path:
+        """The read-only root filesystem a fresh boot's overlay stands on."""
+        sb = self.sb
+        if sb.record.image is not None:
+            return Path(sb.record.image.rootfs)
+        boot = sb.config.boot
+        return Path(boot.rootfs) if boot.rootfs else sb.settings.image.rootfs
+
+    def _vm_spec(self, plan: Boot | Resume, ram: Path | None, ram_shared: bool = True) -> VmSpec:
+        sb = self.sb
+        s, cfg, files = sb.settings, sb.config, sb.files
+        limits = sb.limits
+        chain = tuple(Path(p) for p in sb.record.chain)
+        if isinstance(plan, Resume):
+            return resume_spec(
+                plan.snapshot,
+                s,
+                disk=files.disk,
+                chain=chain,
+                ram=ram,
+                ram_shared=ram_shared,
+                network=sb.network,
+                name=sb.hostname,
+                boot_timeout=min(s.boot_timeout, RESTORE_HELLO_TIMEOUT),
+                answer_timeout=s.guest_timeout,
+                # a balloon on the snapshot's memory, mapped privately (a sealed memfd: _ram)
+                preload=s.cells.discard_shim if plan.snapshot.machine.balloon and not ram_shared and s.cells else None,
+            )
+        return VmSpec.boot(
+            s.image,
+            disk=files.disk,
+            chain=chain,
+            accel=s.accel,
+            hostname=sb.hostname,
+            network=sb.network,
+            extra_cmdline=cfg.boot.boot_args,
+            kernel=Path(cfg.boot.kernel) if cfg.boot.kernel else None,
+            cpus=limits.vcpus,
+            memory_mib=limits.memory_mib,
+            user=None if s.cells is not None else s.qemu_user,
+            ram=ram,
+            boot_timeout=s.boot_timeout,
+            answer_timeout=s.guest_timeout,
+            balloon=s.balloon,
+            tb_size_mib=s.tb_size_mib,
+        )
+
+    def _ram(self, plan: Boot | Resume) -> tuple[Path | None, bool]:
+        """The life's guest RAM: (file, shared). A fresh shared file (a boot, a streamed
+        restore), or a mapped snapshot's memory, privately. In a cell both go to QEMU
+        by descriptor (``fds["ram"]``, held until QEMU maps it): the RAM file is the cell identity's own; the
+        snapshot's memory a sealed memfd nobody can write."""
+        sb, cell = self.sb, self.cell
+        s, files = sb.settings, sb.files
+        size = plan.snapshot.machine.memory_mib if isinstance(plan, Resume) else sb.limits.memory_mib
+        if isinstance(plan, Resume) and plan.snapshot.memory == MemoryKind.MAPPED:
+            snap = plan.snapshot
+            if cell is not None:
+                self._ram_fd = cell.cells.sealed.acquire(snap.id, snap.path / "memory")
+                self._sealed = snap.id
+                return snap.path / "memory", False
+            if snap.machine.balloon:
+                # QEMU 7.2 would punch the balloon's free pages into the snapshot's file
+                raise FailedPrecondition(
+                    f"snapshot {snap.id} has a balloon: it restores only in a jail (a root supervisor), "
+                    "where its memory is sealed"
+                )
+            return memory_for_restore(snap.path, files.run_dir, s.qemu_user), False
+        if s.memory_dir is None:
+            return None, True
+        if cell is not None:
+            path, self._ram_fd = cell.make_ram(size)
+            return path, True
+        return files.make_ram(size, s.qemu_user), True
+
+    def _release_ram(self) -> None:
+        fd, self._ram_fd = self._ram_fd, -1
+        if fd < 0:
+            return
+        if self._sealed and self.cell is not None:
+            self.cell.cells.sealed.release(self._sealed, fd)
+        else:
+            os.close(fd)
+        self._sealed = ""
+
+    def _open_state(self, snap: SnapshotRecord) -> int:
+        """``snap``'s stream, opened; its memory kind goes into the timings ("mapped":
+        1, or 0 for a streamed restore: RAM read from the stream)."""
+        try:
+            fd = os.open(snap.path / snap.vmstate, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            raise BootError(f"cannot open the saved state of snapshot {snap.id}: {exc.strerror}") from None
+        self.sb.timings["mapped"] = 1.0 if snap.memory == MemoryKind.MAPPED else 0.0
+        return fd
+
+    def _claim_volumes(self) -> tuple[Volume, ...]:
+        """This life's named volumes (FAILED_PRECONDITION when one is gone or busy)."""
+        sb = self.sb
+        mounts = sb.config.volumes
+        if not mounts:
+            return ()
+        if sb.volumes is None:
+            raise FailedPrecondition("this supervisor has no volumes")
+        return sb.volumes.claim(sb.record.uid, sb.id, mounts)
+
+    async def _release_volumes(self) -> None:
+        """After the reap (or the detach: QEMU runs on with them, the claims go with us)."""
+        sb = self.sb
+        if sb.volumes is None:
+            return
+        if self.detaching:
+            sb.volumes.release(sb.record.uid)
+            return
+        for note in await sb.volumes.release_checked(sb.record.uid):
+            sb.log.append("system", note.encode())
+
+    def _record_timings(self, guest: Guest) -> None:
+        """Host and guest milestones on one clock. The guest reports seconds since its
+        kernel started; the hello's arrival anchors that clock to ours."""
+        info = guest.channel.hello_info
+        t = {"spawned": guest.t_launch, "qmp_ready": guest.t_qmp, "hello": guest.t_ready}
+        if guest.t_connected:
+            t["connected"] = guest.t_connected
+        if guest.t_loaded:
+            t["loaded"] = guest.t_loaded  # a restore: the guest's boot marks are the origin's
+        elif info is not None:
+            kernel_start = guest.t_ready - info.ready_ns / 1e9
+            t["kernel_started"] = kernel_start
+            for mark in ("init", "modules", "rootfs", "python"):
+                if mark in info.marks:
+                    t[f"guest_{mark}"] = kernel_start + info.marks[mark]
+        self.sb.timings.update(t)
+
+    # -- what the sandbox does with its guest ----------------------------------------------
+    async def fresh_identity(self, guest: Guest, *, clock: bool) -> None:
+        """What a clone must not share with its snapshot: the clock (host time), the
+        kernel's CRNG (reseeded with fresh host entropy, else every clone reads the
+        same /dev/urandom stream), the hostname. The requests go out together and the
+        guest answers them in one wakeup: one round trip, not three (a pool acquire
+        is little else)."""
+        ch = guest.channel
+        hostname = self.sb.hostname
+        calls: list[Callable[[], Awaitable[object]]] = [functools.partial(ch.add_entropy, 256)]
+        if clock:
+            calls.append(ch.set_clock)
+        rename = hostname != self.guest_hostname  # a pool member adopted as is keeps its own
+        if rename:
+            calls.append(functools.partial(ch.set_hostname, hostname))
+        errors: list[GuestError] = []
+
+        async def one(call: Callable[[], Awaitable[object]]) -> None:
+            try:
+                await call()
+            except GuestError as exc:
+                errors.append(exc)
+
+        async with trio.open_nursery() as nursery:
+            for call in calls:
+                nursery.start_soon(one, call)
+        if errors:
+            raise MachineError(f"post-restore fixups failed: {errors[0]}") from None
+        if rename:
+            self.guest_hostname = hostname
+
+    async def mount_volumes(self, guest: Guest) -> None:
+        """Mount the life's volumes (virtio-blk serial vN, in order) where the config says."""
+        sb = self.sb
+        for i, m in enumerate(sb.config.volumes):
+            try:
+                await guest.channel.mount(f"serial:v{i}", m.path, read_only=m.read_only)
+            except GuestError as exc:
+                err = guest_error(exc)
+                sb.log.append("system", f"volume {m.name}: {err.message}".encode())
+                raise MachineError(f"volume {m.name!r} at {m.path}: {err.message}") from None
+
+    async def apply_patches(self, guest: Guest) -> None:
+        """The Create's patches, in order, by guestd (batched by the frame cap), before
+        anything of the caller's runs. Why not written into the overlay before boot: the
+        host would have to parse the guest's file system (an ext4 in a qcow2) as root,
+        and a Create served by a boot template restores a disk that is the template's,
+        not a fresh one; guestd applies them the same way on both paths, as root in the
+        guest, with the guest's own user names."""
+        sb = self.sb
+        patches = (*script_patches(sb.config.scripts), *sb.config.patches)
+        if not patches:
+            return
+        entries = [PatchEntry(p.op, p.path, p.data, p.target, p.mode, p.owner, p.replace) for p in patches]
+        try:
+            n = await guest.channel.patch(entries)
+        except GuestError as exc:
+            err = guest_error(exc)
+            sb.log.append("system", f"patches: {err.message}".encode())
+            raise MachineError(f"patches: {err.message}") from None
+        sb.log.append("system", f"{n} patches applied".encode())
+
+    async def apply_ports(self, *, relays_only: bool = False) -> None:
+        """The record's ports, forwarded in this life (host ports filled in)."""
+        sb, ports = self.sb, self.ports
+        assert ports is not None
+        applied = []
+        for pm in sb.record.ports:
+            try:
+                applied.append(await ports.forward(pm, relay_only=relays_only))
+            except DomainError as exc:
+                sb.log.append("system", f"port {pm.label()}: {exc.message}".encode())
+                raise MachineError(f"cannot expose port {pm.sandbox_port}: {exc.message}") from None
+        sb.record.ports = applied
+        sb.store.update_ports(sb.record)
+
+    def update_policy(self) -> None:
+        """A warm pool member taken by a Create: the caller's egress policy."""
+        netlink.set_policy(self.link, self.sb.egress)
+
+    def death(self, guest: Guest, rc: int) -> str:
+        """Why QEMU ended on its own (its memory limit, or how it exited)."""
+        cell = self.cell
+        if cell is not None and cell.oom_killed():
+            limit = cell.cgroup.stats().memory_limit if cell.cgroup is not None else None
+            return (
+                f"QEMU was killed by its memory limit ({(limit or 0) >> 20} MiB: guest RAM "
+                f"+ {cell.cells.config.overhead_mib} MiB)"
+            )
+        return guest.machine.describe_exit() if rc else "the guest powered off on its own"
+
+    # -- host-side metrics ---------------------------------------------------------------
+    def cgroup_stats(self) -> CgroupStats | None:
+        cell = self.cell
+        if cell is None or cell.cgroup is None:
+            return None
+        try:
+            return cell.cgroup.stats()
+        except (CgroupError, OSError):
+            return None
+
+    def metrics(self, m: P.MetricsOk, id: str, pid: int) -> SandboxMetrics:
+        """The guest's ``m`` with the host's view of its QEMU (``pid``) and cgroup."""
+        cg = self.cgroup_stats()
+        return SandboxMetrics(
+            cgroup_memory_bytes=cg.memory_bytes if cg is not None else 0,
+            cgroup_memory_limit_bytes=(cg.memory_limit or 0) if cg is not None else 0,
+            cgroup_oom_kills=cg.oom_kills if cg is not None else 0,
+            id=id,
+            timestamp=time.time_ns(),
+            cpu_percent=round(self.cpu_percent(pid), 2),
+            memory_total_bytes=int(m.mem.get("total", 0)),
+            memory_available_bytes=int(m.mem.get("available", 0)),
+            host_rss_bytes=proc_rss(pid),
+            disk_read_bytes=int(m.disk.get("read_bytes", 0)),
+            disk_write_bytes=int(m.disk.get("write_bytes", 0)),
+            net_rx_bytes=int(m.net.get("rx_bytes", 0)),
+            net_tx_bytes=int(m.net.get("tx_bytes", 0)),
+            uptime_seconds=float(m.uptime),
+        )
+
+    def cpu_percent(self, pid: int) -> float:
+        """QEMU's CPU use since the previous call (first call: since the VM started)."""
+        now, cpu = time.monotonic(), proc_cpu_seconds(pid)
+        prev = self._cpu_prev
+        self._cpu_prev = (now, cpu)
+        if prev is None or now <= prev[0]:
+            return 0.0
+        pct = 100.0 * (cpu - prev[1]) / (now - prev[0])
+        return 0.0 if math.isnan(pct) else max(0.0, pct)
+
+
+def proc_rss(pid: int) -> int:
+    """A process's resident set, in bytes (0: no such process)."""
+    if not pid:
+        return 0
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def proc_cpu_seconds(pid: int) -> float:
+    """A process's user + system CPU seconds (0: no such process)."""
+    if not pid:
+        return 0.0
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / 100.0
+    except (OSError, ValueError, IndexError):
+        return 0.0

@@ -1,0 +1,565 @@
+"""The sandbox actor: one sandbox, one VM life at a time, the seed's state machine.
+
+State machine (``sandbox.v1``)::
+
+    starting --> ready --> running --> ready      (a workload: the initial cmd or a Run)
+       |           |          |
+       +-----------+----------+--> stopping --> stopped --(Start)--> starting
+       |                                  \\
+       +--> failed (boot failed, QEMU died, the guest broke the channel)
+
+Events: created (by the registry), ready, running, idle (exit_code), stopping,
+stopped (exit_code), failed (error), removed (by the registry).
+
+Exec sessions do not change the state: they are interactive access beside the
+workload, allowed while ready or running, and they count as activity for the idle
+timeout. Run on a running sandbox is FAILED_PRECONDITION, as the seed says.
+
+Handle and tasks: the registry owns the actor and calls its methods; a run (Start to
+stopped) is started with :meth:`Sandbox.start`, which runs :meth:`Sandbox.run` in the
+nursery it is given, with a :data:`~actors.sandboxes.life.Plan`. ``run`` reports started once
+the sandbox is "starting", so Create returns at once; it then holds one
+:class:`~actors.sandboxes.life.Life` at a time (two when a boot template does not restore and
+the sandbox boots instead), which owns everything the QEMU run holds and frees it in
+one place. What one start controls (the stop request, ready, done, the timings) is
+one :class:`_Run`, made fresh by ``start``. The sandbox owns its log and record.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from ipaddress import IPv4Address
+from pathlib import Path
+from typing import Any, TypeVar
+
+import attrs
+import trio
+
+from actors.cells.cell import Cell
+from actors.channel.guest import GuestError
+from actors.errors import DomainError, FailedPrecondition, Internal
+from actors.events import EventBus
+from actors.machines.qemuproc import MachineError
+from actors.machines.vm import BootError, BootTimeout, Guest, NetConfig
+from actors.model import (
+    ALIVE,
+    ENDED,
+    Action,
+    Limits,
+    PortSpec,
+    Protocol,
+    SandboxConfig,
+    SandboxMetrics,
+    State,
+    is_hidden,
+)
+from actors.net import netlink
+from actors.net.egress import EgressPolicy
+from actors.net.ports import Exposed
+from actors.sandboxes.files import SandboxFiles
+from actors.sandboxes.life import (
+    Adopt,
+    AwaitTemplate,
+    Boot,
+    Life,
+    Plan,
+    Resume,
+    guest_error,
+    proc_cpu_seconds,
+    proc_rss,
+)
+from actors.sandboxes.workload import Workloads
+from actors.settings import Settings
+from actors.snapshots.checkpoint import CheckpointLost, Checkpoints
+from actors.snapshots.snapshot import Checkpoint
+from actors.store import Record, Store
+from actors.volumes import Volumes
+
+__all__ = ["Adopt", "AwaitTemplate", "Boot", "Plan", "Resume", "Sandbox"]
+
+READY_FLUSH_TIMEOUT = 5.0  # s: the ready state's commit before READY is announced
+
+log = logging.getLogger("sandvisor.sandbox")
+T = TypeVar("T")
+
+
+@attrs.define(eq=False)
+class _Run:
+    """What one start controls, from Start to stopped (fresh at each start)."""
+
+    stop: trio.Event = attrs.Factory(trio.Event)  # asked to stop (or QEMU died)
+    force: bool = False
+    timeout: float = 30.0
+    draining: bool = False  # no new work
+    detached: bool = False  # it ends by letting QEMU run on (serve --keep-sandboxes)
+    ready: trio.Event = attrs.Factory(trio.Event)  # it reached ready (or ended)
+    done: trio.Event = attrs.Factory(trio.Event)  # no life runs
+    scope: trio.CancelScope | None = None  # while it runs
+    work: trio.Nursery | None = None  # the serving life's tasks (its watch, the initial cmd)
+    timings: dict[str, float] = attrs.Factory(dict)  # monotonic: the cold-start breakdown
+
+
+class Sandbox:
+    """The actor. The registry calls its methods; one VM life runs in :meth:`run`."""
+
+    def __init__(
+        self,
+        record: Record,
+        settings: Settings,
+        files: SandboxFiles,
+        store: Store,
+        events: EventBus,
+        volumes: Volumes | None = None,
+    ) -> None:
+        self.record = record
+        self.volumes = volumes
+        self.settings = settings
+        self.files = files
+        self.store = store
+        self._events = events
+        self.log = files.open_log()
+        self.life: Life | None = None  # the current VM life
+        self._run = _Run()
+        self._run.done.set()  # no life runs (a recovered sandbox: at once)
+        self.work = Workloads(self)
+        # the handle's work in its guest is its Workloads' (actors/sandboxes/workload.py)
+        self.run_workload, self.exec_session = self.work.run, self.work.exec
+        self.read_file, self.write_file = self.work.read_file, self.work.write_file
+        self.read_tree, self.write_tree = self.work.read_tree, self.work.write_tree
+        # trio's clock (timers run on it): when the sandbox last saw activity, and when it
+        # was created (a recovered record's age counts)
+        self.last_activity = trio.current_time()
+        self.born = trio.current_time() - max(0.0, time.time() - record.created_at)
+        self._ckpt = Checkpoints(record, store, files, settings, self.log)
+        self._exposed = Exposed(record, store)
+
+    # -- identity ------------------------------------------------------------
+    @property
+    def id(self) -> str:
+        return self.record.id
+
+    @property
+    def state(self) -> State:
+        return self.record.state
+
+    @property
+    def config(self) -> SandboxConfig:
+        return self.record.config
+
+    @property
+    def limits(self) -> Limits:
+        return self.settings.limits(self.config.limits)
+
+    @property
+    def hostname(self) -> str:
+        return self.config.hostname or "sandbox"
+
+    @property
+    def network(self) -> NetConfig | None:
+        """The guest's network (user: slirp's fixed addresses; tap: its pool address,
+        None until it has one)."""
+        return netlink.guest_net(self.settings, self.config.network, self.record.uid)
+
+    @property
+    def ip_address(self) -> str:
+        net = self.network
+        return net.address if net else ""
+
+    @property
+    def gateway(self) -> str:
+        net = self.network
+        return net.gateway if net else ""
+
+    @property
+    def tap_name(self) -> str:
+        net = self.network
+        return net.tap_name if net else ""
+
+    @property
+    def pool_address(self) -> IPv4Address | None:
+        """Its IP pool address (tap: the guest's; user mode with outbound in a jail: its
+        uplink's), held from Create to Remove: a stopped sandbox keeps it."""
+        return netlink.pool_address(self.settings, self.record.uid)
+
+    @property
+    def egress(self) -> EgressPolicy:
+        return netlink.egress_policy(self.config.network)
+
+    def lease(self, want: str = "") -> None:
+        """Hold a pool address when the network needs one (see :func:`netlink.lease`)."""
+        netlink.lease(self.settings, self.config.network, self.record.uid, want)
+
+    def release_lease(self) -> None:
+        """The address goes back to the pool (Remove)."""
+        netlink.release_lease(self.settings, self.record.uid)
+
+    # -- what the current life holds ------------------------------------------------
+    @property
+    def guest(self) -> Guest | None:
+        """The current life's guest, once it is this sandbox's."""
+        return self.life.guest if self.life is not None else None
+
+    @property
+    def cell(self) -> Cell | None:
+        return self.life.cell if self.life is not None else None
+
+    @property
+    def ready_event(self) -> trio.Event:
+        """Set when this start reaches ready (or ends)."""
+        return self._run.ready
+
+    @property
+    def timings(self) -> dict[str, float]:
+        """Monotonic timestamps of the last start, for the cold-start breakdown."""
+        return self._run.timings
+
+    @timings.setter
+    def timings(self, value: dict[str, float]) -> None:
+        self._run.timings = value
+
+    @property
+    def checkpointing(self) -> bool:
+        return self._ckpt.active
+
+    # -- state machine -----------------------------------------------------------
+    def _set(self, state: State, **changes: Any) -> None:
+        self.record.state = state
+        for k, v in changes.items():
+            setattr(self.record, k, v)
+        self.store.update(self.record)
+
+    def emit(self, action: Action, **attributes: str) -> None:
+        if not is_hidden(self.id):  # pool members are invisible until taken
+            self._events.emit(self.id, action, attributes)
+
+    def _fail(self, error: str) -> None:
+        log.warning("sandbox %s failed: %s", self.id, error)
+        self.log.append("system", f"failed: {error}".encode())
+        self._set(State.FAILED, error=error)
+        self.emit(Action.FAILED, error=error)
+
+    async def start(self, nursery: trio.Nursery, plan: Plan) -> None:
+        """Start a life in ``nursery``; returns once it is set up (state "starting")."""
+        self._run = run = _Run()  # at once: the sandbox counts as alive from here
+        try:
+            await nursery.start(self.run, plan)
+        except BaseException:
+            run.done.set()
+            raise
+
+    async def run(self, plan: Plan, task_status: trio.TaskStatus[Sandbox] = trio.TASK_STATUS_IGNORED) -> None:
+        """Boot, restore or adopt; serve until asked to stop (or until QEMU dies), power
+        off -- or, detached (the supervisor exits and leaves sandboxes running), let go
+        of QEMU with its record as it is, for the next supervisor."""
+        run = self._run
+        if not isinstance(plan, Adopt):
+            self._set(State.STARTING, error="", qemu_pid=0)
+        run.timings = {"accepted": plan.accepted or time.monotonic()}
+        try:
+            with trio.CancelScope() as scope:
+                run.scope = scope
+                task_status.started(self)
+                if isinstance(plan, AwaitTemplate):
+                    plan = await plan.resolve()
+                await self._live(plan)
+        except BootError as exc:
+            self._fail(f"boot failed: {exc}")
+            if exc.console:
+                self.log.append("system", exc.console[-4000:].encode())
+        except (MachineError, GuestError) as exc:
+            self._fail(str(exc))
+        except DomainError as exc:
+            self._fail(exc.message)
+        except Exception as exc:  # a bug must fail this sandbox, not the supervisor
+            log.exception("sandbox %s crashed", self.id)
+            self._fail(f"internal error: {type(exc).__name__}: {exc}")
+        finally:
+            run.scope = None
+            run.ready.set()
+            if run.detached:
+                self.log.append("system", b"detached: QEMU runs on for the next supervisor")
+            elif self.state != State.FAILED:
+                self._set(State.STOPPED, qemu_pid=0)
+                self.emit(Action.STOPPED, exit_code=str(self.record.last_exit_code))
+            else:
+                self._set(State.FAILED, qemu_pid=0)
+            run.done.set()
+
+    async def _live(self, plan: Boot | Resume | Adopt) -> None:
+        """One life, served to its end; a boot template that does not restore must not
+        fail the Create: it is reported, and a second life boots."""
+        # a fresh disk gets the Create's patches (a restart of its own disk, or a
+        # restore of a snapshot, has them already); a boot template's restore is fresh
+        fresh = (isinstance(plan, Resume) and plan.fallback is not None) or (
+            isinstance(plan, Boot) and not self.files.disk.exists()
+        )
+        up = False
+        self.life = life = Life.of(self, plan)
+        try:
+            async with life:
+                up = True
+                await self._serve(life, plan, fresh=fresh)
+        except (BootError, MachineError, GuestError, DomainError) as exc:
+            if up or not isinstance(plan, Resume) or plan.fallback is None:
+                raise
+            plan.fallback(plan.snapshot, str(exc), isinstance(exc, BootTimeout))
+            self.log.append("system", f"template restore failed ({exc}); booting".encode())
+            self._set(State.STARTING, error="")
+            await self._live(Boot(accepted=plan.accepted))
+        finally:
+            self.life = None
+
+    async def _serve(self, life: Life, plan: Boot | Resume | Adopt, *, fresh: bool) -> None:
+        """A life from the guest's hello to the end of its work."""
+        guest, run = life.guest, self._run
+        assert guest is not None
+        if isinstance(plan, Adopt):  # its forwards live in QEMU still; calls of the last supervisor are gone
+            await life.apply_ports(relays_only=True)
+            self._set(State.READY)
+            self.log.append("system", b"adopted after a supervisor restart")
+        else:
+            if isinstance(plan, Boot) and plan.template is not None:
+                await plan.template(self)  # a fresh boot, nothing of the caller's in it yet
+            if not isinstance(plan, Resume):  # (a restored guest has them mounted)
+                await life.mount_volumes(guest)
+            if fresh:
+                await life.apply_patches(guest)
+            await life.apply_ports()  # ports given at create (or exposed before a stop) come first
+            self._set(State.READY, ready_at=int(time.time()), qemu_pid=guest.machine.pid or 0)
+            # on disk before anyone hears of it: a supervisor killed right after a client
+            # saw "ready" adopts the sandbox (the record said "starting": it was killed)
+            with trio.move_on_after(READY_FLUSH_TIMEOUT):
+                try:
+                    await self.store.flush()
+                except DomainError as exc:  # a full disk: it runs, but a restart will not keep it
+                    self.log.append("system", f"ready, not stored: {exc.message}".encode())
+            self.log.append("system", b"ready")
+            self.emit(Action.READY)
+        run.timings["ready_event"] = time.monotonic()
+        run.ready.set()
+        self.last_activity = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            run.work = nursery
+            nursery.start_soon(self._watch_machine, life, guest, nursery.cancel_scope)
+            if self.work.initial_cmd:
+                nursery.start_soon(self.work.run_initial)
+            try:
+                await run.stop.wait()
+                if not run.detached:
+                    await self._drain_workloads()
+            finally:
+                run.work = None
+            nursery.cancel_scope.cancel()
+        if self.state == State.FAILED or run.detached:
+            return
+        self._set(State.STOPPING)
+        if run.force and guest.machine.proc is not None:
+            guest.channel.expect_eof()
+            guest.machine.proc.kill()
+
+    async def adopt(self, *, apply_ports: bool) -> None:
+        """A warm pool member becomes the caller's sandbox (its record already holds the
+        caller's configuration): fresh identity (it may have waited a while), the
+        ports unless the member forwarded them already, then the initial command. A
+        failure fails this sandbox, as it would fail a boot."""
+        guest, life, run = self.guest, self.life, self._run
+        if guest is None or life is None or run.work is None or self.state != State.READY:
+            self._fail(f"pool member is {self.state}, not ready to be handed over")
+            run.stop.set()
+            raise MachineError(f"pool member is {self.state}")
+        try:
+            await life.fresh_identity(guest, clock=True)
+            await life.apply_patches(guest)
+            life.update_policy()  # the caller's egress policy, not the template's
+            if apply_ports:
+                await life.apply_ports()
+        except MachineError as exc:
+            self._fail(str(exc))
+            run.stop.set()
+            raise
+        self.log.append("system", b"ready (from the warm pool)")
+        self.touch()
+        if self.work.initial_cmd:
+            run.work.start_soon(self.work.run_initial)
+
+    async def _watch_machine(self, life: Life, guest: Guest, scope: trio.CancelScope) -> None:
+        rc = await guest.machine.wait()
+        if not self._run.stop.is_set():
+            self._fail(life.death(guest, rc))
+            self._run.stop.set()
+            scope.cancel()
+
+    async def _drain_workloads(self) -> None:
+        run = self._run
+        if run.force or self.state == State.FAILED:
+            return
+        with trio.move_on_after(run.timeout):
+            await self._ckpt.wait_idle()  # a checkpoint in progress finishes first
+            await self.work.drain()
+
+    # -- control ---------------------------------------------------------------
+    def request_stop(self, timeout: float, *, force: bool = False) -> None:
+        """Graceful (wait up to ``timeout`` for workloads, then power off) or forced."""
+        if self.stopped:
+            return
+        run = self._run
+        run.timeout = timeout
+        run.force = run.force or force
+        if not run.stop.is_set():
+            if self.state in ALIVE:
+                self._set(State.STOPPING)
+            self.emit(Action.STOPPING)
+            run.stop.set()
+        guest = self.guest
+        if guest is None:
+            if run.scope is not None:  # still booting: abandon the boot
+                run.scope.cancel()
+        elif run.force and guest.machine.proc is not None:
+            guest.channel.expect_eof()
+            guest.machine.proc.kill()
+
+    def detach(self) -> None:
+        """Let go of a running QEMU without stopping it (the supervisor exits with
+        --keep-sandboxes): the record keeps its state and life, for the next one."""
+        if self.stopped or self.guest is None or self.life is None:
+            return
+        self._run.detached = True
+        self.life.detach()
+        self._run.stop.set()
+
+    def drain(self) -> None:
+        """No new work; work in flight finishes, however long it takes; then stop."""
+        if self.state not in (*ALIVE, State.STARTING):
+            raise FailedPrecondition(f"sandbox {self.id} is {self.state}")
+        self._run.draining = True
+        self.request_stop(24 * 3600.0)
+
+    async def wait_stopped(self) -> None:
+        """Until no life runs, and the record says so on disk (a caller told "stopped"
+        must not find it running after a crash)."""
+        await self._run.done.wait()
+        await self.persisted()
+
+    async def persisted(self) -> None:
+        """Until the record's changes so far are on disk (a full disk: logged, not raised)."""
+        try:
+            await self.store.flush()
+        except DomainError as exc:
+            log.warning("sandbox %s: %s", self.id, exc.message)
+
+    @property
+    def stopped(self) -> bool:
+        """No life runs (a recovered sandbox, one that stopped or failed)."""
+        return self._run.done.is_set() or self.state in ENDED
+
+    def touch(self) -> None:
+        self.last_activity = trio.current_time()
+
+    # -- work ------------------------------------------------------------------
+    def require_alive(self) -> Guest:
+        guest = self.guest
+        if self.state not in ALIVE or guest is None:
+            raise FailedPrecondition(f"sandbox {self.id} is {self.state}, not ready or running")
+        if self._run.draining or self._run.stop.is_set():
+            raise FailedPrecondition(f"sandbox {self.id} is draining or stopping: no new work")
+        if self.checkpointing:
+            raise FailedPrecondition(f"sandbox {self.id} is being checkpointed; retry in a moment")
+        return guest
+
+    def check_checkpointable(self) -> Guest:
+        guest = self.require_alive()
+        if self.state != State.READY:
+            raise FailedPrecondition(f"sandbox {self.id} is {self.state}; checkpoint needs it ready")
+        if self.execs or self.workloads:
+            raise FailedPrecondition(f"sandbox {self.id} has exec sessions open; checkpoint needs it idle")
+        return guest
+
+    async def checkpoint(self, snap_dir: Path) -> Checkpoint:
+        """Save this sandbox into ``snap_dir``; it runs on afterwards. Only when ready
+        with no exec session open: work in flight would be cloned into every restore."""
+        guest = self.check_checkpointable()
+        try:
+            return await self._ckpt.take(guest, snap_dir)
+        except CheckpointLost as exc:  # never leave a sandbox "ready" but paused
+            self._fail(str(exc))
+            self._run.stop.set()
+            raise Internal(f"checkpoint of {self.id} failed: {exc}") from None
+
+    async def checkpoint_first_boot(self, snap_dir: Path) -> Checkpoint:
+        """Save a fresh boot at its first ready, before any caller's work (a boot
+        template). A lost guest raises :class:`CheckpointLost`: the life fails."""
+        guest = self.guest
+        if guest is None or self.state != State.STARTING:
+            raise FailedPrecondition(f"sandbox {self.id} is {self.state}: not a fresh boot")
+        return await self._ckpt.take(guest, snap_dir)
+
+    @property
+    def workloads(self) -> int:
+        return self.work.runs
+
+    @property
+    def execs(self) -> int:
+        return self.work.execs
+
+    def workload_started(self) -> None:
+        self._set(State.RUNNING)
+        self.emit(Action.RUNNING)
+        self.touch()
+
+    def workload_ended(self, code: int, error: str) -> None:
+        self.touch()
+        if self.record.state == State.RUNNING:  # (not stopping or failed meanwhile)
+            self._set(State.READY, last_exited_at=int(time.time()), last_exit_code=code)
+            extra = {"error": error} if error else {}
+            self.emit(Action.IDLE, exit_code=str(code), **extra)
+        else:
+            self.record.last_exited_at, self.record.last_exit_code = int(time.time()), code
+
+    async def guest_call(self, fn: Callable[[Guest], Awaitable[T]]) -> T:
+        await self._ckpt.wait_idle()  # short calls wait out a checkpoint's pause
+        guest = self.require_alive()
+        try:
+            return await fn(guest)
+        except GuestError as exc:
+            raise guest_error(exc) from None
+
+    async def metrics(self) -> SandboxMetrics:
+        m = await self.guest_call(lambda g: g.channel.metrics())
+        life = self.life
+        if life is None:
+            raise FailedPrecondition(f"sandbox {self.id} is {self.state}, not ready or running")
+        return life.metrics(m, self.id, self.record.qemu_pid)
+
+    def host_rss(self) -> int:
+        return proc_rss(self.record.qemu_pid)
+
+    def host_cpu_seconds(self) -> float:
+        return proc_cpu_seconds(self.record.qemu_pid)
+
+    def cpu_percent(self) -> float:
+        """QEMU's CPU use since the previous call (first call: since the VM started)."""
+        life = self.life
+        return life.cpu_percent(self.record.qemu_pid) if life is not None else 0.0
+
+    # -- ports (the record's mappings; the current life's forwards: actors/net/ports.py) --
+    def ports(self) -> list[PortSpec]:
+        """Its port mappings, host ports filled in (a restored sandbox's carried ones
+        with the host ports it got), in the order they were exposed."""
+        return list(self.record.ports)
+
+    async def expose(self, sandbox_port: int, host_port: int, protocol: Protocol) -> PortSpec:
+        """Forward ``sandbox_port`` from ``host_port`` (0: one is picked); see
+        :meth:`Exposed.expose`."""
+        self.require_alive()
+        relays = self.life.ports if self.life is not None else None
+        return await self._exposed.expose(PortSpec(sandbox_port, host_port, protocol), self.network, relays)
+
+    async def unexpose(self, sandbox_port: int, protocol: Protocol) -> None:
+        life = self.life
+
+        def serving() -> bool:
+            return life is not None and life.guest is not None and self.state in ALIVE
+
+        await self._exposed.unexpose((sandbox_port, protocol), life.ports if life else None, hostfwd=serving)

@@ -1,0 +1,180 @@
+"""A sandbox's work in its guest: the Run (its workload), exec sessions, files and trees.
+
+:class:`Workloads` (one per sandbox) streams them through the guest channel with the
+sandbox's defaults, and counts what is in flight (the stop's drain, the idle timer
+and the checkpoint's idleness read the counts). The state transitions a Run makes
+(running, then ready with an idle event) are the sandbox's:
+:meth:`~actors.sandboxes.sandbox.Sandbox.workload_started` and ``workload_ended``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing, asynccontextmanager
+from typing import TYPE_CHECKING
+
+import trio
+
+from actors.channel.guest import ExecHandle, FileReadStream, GuestError, GuestOpError, TreeReadStream
+from actors.errors import DomainError, FailedPrecondition, InvalidArgument
+from actors.model import State
+from actors.sandboxes.life import guest_error
+from guestd import proto as P
+
+if TYPE_CHECKING:
+    from actors.sandboxes.sandbox import Sandbox
+
+
+class Workloads:
+    """Runs, exec sessions and file transfers of ``sb``; how many Runs and execs are in flight."""
+
+    def __init__(self, sb: Sandbox) -> None:
+        self.sb = sb
+        self.runs = 0
+        self.execs = 0
+        self._finished = trio.Event()
+
+    def _finish(self) -> None:
+        self._finished.set()
+        self._finished = trio.Event()
+
+    async def drain(self) -> None:
+        """Until no Run or exec session is in flight."""
+        while self.runs or self.execs:
+            await self._finished.wait()
+
+    @property
+    def initial_cmd(self) -> tuple[str, ...]:
+        """What runs at the first ready: the Create's cmd, else its OCI image's
+        Entrypoint + Cmd. As a container runtime (and the SDK reference's WithCmd): a
+        Create's cmd replaces the image's Cmd, not its Entrypoint."""
+        img = self.sb.record.image
+        if img is None:
+            return self.sb.config.workload.cmd
+        return (*img.entrypoint, *self.sb.config.workload.cmd) if self.sb.config.workload.cmd else img.argv
+
+    async def run_initial(self) -> None:
+        workload = self.run(list(self.initial_cmd), env={})
+        try:
+            async with aclosing(workload) as outputs:
+                async for _ in outputs:
+                    pass
+        except DomainError as exc:  # its idle event (with the error) was emitted already
+            self.sb.log.append("system", f"initial cmd failed: {exc}".encode())
+
+    def defaults(self, env: dict[str, str], cwd: str, user: str) -> tuple[dict[str, str], str, str]:
+        """The sandbox's create-time env, working dir and user are every command's
+        defaults, over its OCI image's; a call's own values win."""
+        w, img = self.sb.config.workload, self.sb.record.image
+        if img is None:
+            return {**w.env, **env}, cwd or w.working_dir, user or w.user
+        return {**img.env, **w.env, **env}, cwd or w.working_dir or img.working_dir, user or w.user or img.user
+
+    async def run(
+        self,
+        argv: list[str],
+        *,
+        env: dict[str, str],
+        cwd: str = "",
+        user: str = "",
+        tty: bool = False,
+        timeout: float = 0.0,
+    ) -> AsyncGenerator[tuple[str, bytes, int | None], None]:
+        """A Run: the sandbox goes running, output streams as (stream, data, None), the
+        last item is ("exit", b"", code); then back to ready with an idle event."""
+        sb = self.sb
+        guest = sb.require_alive()
+        if sb.state == State.RUNNING:
+            raise FailedPrecondition(f"sandbox {sb.id} is running a workload already")
+        if not argv:
+            raise InvalidArgument("cmd must not be empty")
+        env, cwd, user = self.defaults(env, cwd, user)
+        self.runs += 1
+        sb.workload_started()
+        code = -1
+        start_error = ""
+        try:
+            async with guest.channel.exec(argv, env=env, cwd=cwd, user=user, tty=tty, timeout=timeout) as h:
+                src_names = {P.STDOUT: "output" if tty else "stdout", P.STDERR: "stderr"}
+                async for ch, data in h:
+                    name = src_names[ch]
+                    sb.log.append(name, data)
+                    yield ("stdout" if tty else name), data, None
+                assert h.exit is not None
+                code = h.exit.code
+            yield "exit", b"", code
+        except GuestOpError as exc:
+            code = 127 if exc.code == P.E_NOT_FOUND else 126
+            start_error = exc.message
+            raise guest_error(exc) from None
+        except GuestError as exc:  # the guest broke, went silent, or would not end it
+            raise guest_error(exc) from None
+        finally:
+            self.runs -= 1
+            sb.workload_ended(code, start_error)
+            self._finish()
+
+    @asynccontextmanager
+    async def exec(
+        self,
+        argv: list[str],
+        *,
+        env: dict[str, str],
+        cwd: str = "",
+        user: str = "",
+        tty: bool = False,
+        rows: int = 24,
+        cols: int = 80,
+        timeout: float = 0.0,
+    ) -> AsyncIterator[ExecHandle]:
+        """An exec session: interactive access beside the workload (no state change)."""
+        sb = self.sb
+        guest = sb.require_alive()
+        if not argv:
+            raise InvalidArgument("cmd must not be empty")
+        env, cwd, user = self.defaults(env, cwd, user)
+        self.execs += 1
+        sb.touch()
+        try:
+            try:
+                async with guest.channel.exec(
+                    argv, env=env, cwd=cwd, user=user, tty=tty, rows=rows, cols=cols, timeout=timeout, stdin=True
+                ) as h:
+                    yield h
+            except GuestError as exc:
+                raise guest_error(exc) from None
+        finally:
+            self.execs -= 1
+            sb.touch()
+            self._finish()
+
+    @asynccontextmanager
+    async def read_file(self, path: str) -> AsyncIterator[FileReadStream]:
+        """A file of the guest, as a stream of chunks."""
+        guest = self.sb.require_alive()
+        try:
+            async with guest.channel.read_file(path) as f:
+                yield f
+        except GuestError as exc:
+            raise guest_error(exc) from None
+
+    async def write_file(self, path: str, chunks: AsyncIterator[bytes], *, mode: int) -> None:
+        await self.sb.guest_call(lambda g: g.channel.write_file(path, chunks, mode=mode))
+        self.sb.touch()
+
+    @asynccontextmanager
+    async def read_tree(self, path: str) -> AsyncIterator[TreeReadStream]:
+        """The guest directory ``path`` as one tar stream (see GuestChannel.read_tree)."""
+        guest = self.sb.require_alive()
+        try:
+            async with guest.channel.read_tree(path) as tar:
+                yield tar
+        except GuestError as exc:
+            raise guest_error(exc) from None
+        self.sb.touch()
+
+    async def write_tree(self, path: str, chunks: AsyncIterator[bytes], *, owner: str = "") -> int:
+        """Unpack a tar stream into the guest directory ``path``; the number of entries."""
+        n = await self.sb.guest_call(lambda g: g.channel.write_tree(path, chunks, owner=owner))
+        self.sb.touch()
+        return n

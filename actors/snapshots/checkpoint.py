@@ -1,0 +1,109 @@
+"""A sandbox's guarded checkpoint: one at a time, with a journal for its disk swap.
+
+:class:`Checkpoints` is the sandbox's guard (one per sandbox, across lives): one
+checkpoint runs at a time; while it does, short guest calls wait for it
+(:meth:`Checkpoints.wait_idle`) and new work is refused. :meth:`Checkpoints.take`
+is the sequence: wait out the guest's requests in flight, journal the disk swap
+(``record.swap``: a crash from there to the end of the swap is finished or undone by
+the next supervisor, ``Registry._recover``), :func:`~actors.snapshots.snapshot.checkpoint_guest`,
+and a failure that left the guest paused is :class:`CheckpointLost` (the life cannot
+go on). Recording the snapshot is the registry's (``SnapshotStore.take``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import attrs
+import trio
+
+from actors.errors import FailedPrecondition, Internal
+from actors.machines.qemuproc import MachineError
+from actors.machines.vm import Guest
+from actors.sandboxes.files import SandboxFiles
+from actors.sandboxes.logs import SandboxLog
+from actors.settings import Settings
+from actors.snapshots.snapshot import Checkpoint, checkpoint_guest, still_running
+from actors.store import Record, Store
+
+BUSY_WAIT = 5.0  # s: requests in flight get this long to finish before a checkpoint
+
+
+class CheckpointLost(MachineError):
+    """A checkpoint failed and the guest did not run again: the life cannot go on."""
+
+
+class Checkpoints:
+    """One sandbox's checkpoints: the lock, and whether one is under way."""
+
+    def __init__(self, record: Record, store: Store, files: SandboxFiles, settings: Settings, log: SandboxLog) -> None:
+        self.record, self.store, self.files, self.settings, self.log = record, store, files, settings, log
+        self.active = False
+        self._lock = trio.Lock()
+        self._done = trio.Event()
+        self._done.set()
+
+    async def wait_idle(self) -> None:
+        """Until no checkpoint is under way."""
+        await self._done.wait()
+
+    async def take(self, guest: Guest, snap_dir: Path) -> Checkpoint:
+        """Save ``guest`` into ``snap_dir``; it runs on afterwards."""
+        async with self._lock:
+            self.active = True
+            self._done = trio.Event()
+            try:
+                return await self._take(guest, snap_dir)
+            finally:
+                self.active = False
+                self._done.set()
+
+    async def _take(self, guest: Guest, snap_dir: Path) -> Checkpoint:
+        rec, store = self.record, self.store
+        # requests in flight (metrics, files) finish first: a request sitting in the
+        # guest's queue at the pause would run again in every restore
+        with trio.move_on_after(BUSY_WAIT):
+            while guest.channel.statistics().requests_in_flight:
+                await trio.sleep(0.002)
+        if guest.channel.statistics().requests_in_flight:
+            raise FailedPrecondition(f"sandbox {rec.id}: guest channel busy; retry the checkpoint")
+
+        def frozen(disk: Path) -> None:
+            rec.chain = [str(disk), *rec.chain]
+            rec.swap = ""
+            if rec.life is not None:
+                m = guest.machine
+                rec.life = attrs.evolve(rec.life, disk_top=m.disk_top, staged=m.staged)
+            store.update_life(rec)
+
+        try:
+            # the journal: a crash from here to the end of the disk swap is finished or
+            # undone by the next supervisor (Registry._recover)
+            rec.swap = str(snap_dir / "disk.qcow2")
+            store.update_life(rec)
+            await store.flush()
+            ck = await checkpoint_guest(
+                guest,
+                files=self.files,
+                snap_dir=snap_dir,
+                user=None if self.settings.cells is not None else self.settings.qemu_user,
+                chain=tuple(rec.chain),
+                on_frozen=frozen,
+            )
+        except (MachineError, OSError) as exc:
+            self._void_journal()
+            if not await still_running(guest):
+                raise CheckpointLost(f"checkpoint failed and the guest did not resume: {exc}") from None
+            raise Internal(f"checkpoint of {rec.id} failed: {exc}") from None
+        except BaseException:
+            self._void_journal()
+            raise
+        self.log.append("system", f"checkpoint: {ck.memory}, paused {ck.paused_s * 1000:.0f} ms".encode())
+        return ck
+
+    def _void_journal(self) -> None:
+        """A checkpoint failed before its disk moved (``frozen`` clears the journal when
+        it did): nothing is under way."""
+        if self.record.swap:
+            self.record.swap = ""
+            self.store.update_life(self.record)
