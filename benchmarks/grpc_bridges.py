@@ -89,7 +89,9 @@ def ready() -> None:
 def serve_thread(addr: str) -> None:
     import trio
 
-    from supervisor.grpc_bridge import GrpcEdge, Kind, Method, TcpAuth, parse_address
+    from supervisor.grpc_addresses import parse_address
+    from supervisor.grpc_auth import TcpAuth
+    from supervisor.grpc_bridge import GrpcEdge, Kind, Method
 
     async def main() -> None:
         # the bridge alone, on loopback: no client authentication (the daemon's TCP needs one)

@@ -36,24 +36,11 @@ cancelling ``run`` stops the server (``grace`` seconds for calls to finish, call
 still running get ``UNAVAILABLE``), cancels every call task, and returns only after
 the loop thread has ended: no thread, loop or socket outlives it.
 
-TCP addresses authenticate every call (:class:`TcpAuth`): a client certificate the TLS
-handshake verified (``client_ca``), or the bearer token (``authorization: Bearer TOKEN``
-metadata, compared in constant time); else the call ends UNAUTHENTICATED before any
-handler (health and reflection too) sees it. An edge with a TCP address and neither
-refuses to start; ``TcpAuth(insecure=True)`` (tests, loopback only) lets any caller in.
-
-Unix sockets are born with their mode: 0600 (root, or whoever runs the daemon) or 0660
-with the configured group, bound in a fresh 0700 directory, where they get their mode
-and group before they are renamed to their path. grpcio does not expose a peer's
-credentials (SO_PEERCRED), so an address with a :class:`PeerPolicy` is served through
-a relay: the public socket is Trio's, each connection's credentials are checked when
-it is accepted (as the msgpack socket does at hello), and its bytes are relayed to
-grpc's own socket in that private directory, or, refused, to a second grpc server
-there that answers every call PERMISSION_DENIED::
-
-    client --unix--> public socket (Trio: SO_PEERCRED -> policy.check)
-                        |-- served --> <private>/grpc.sock (the edge's server)
-                        +-- refused -> <private>/refused.sock (PERMISSION_DENIED, policy.served())
+Addresses (:mod:`supervisor.grpc_addresses`): TCP callers authenticate by a client
+certificate or a bearer token, checked before any handler runs
+(:mod:`supervisor.grpc_auth`); Unix sockets are born with their mode, and an address
+with a peer policy is served through a relay that checks each connection's credentials
+(:mod:`supervisor.grpc_unix`).
 """
 
 from __future__ import annotations
@@ -63,22 +50,14 @@ import collections
 import contextlib
 import contextvars
 import enum
-import grp
-import hmac
-import inspect
-import ipaddress
 import logging
 import math
-import os
 import shutil
-import socket
-import stat
-import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Generic, Protocol, TypeVar, cast
+from typing import Any, Generic, TypeVar, cast
 
 import attrs
 
@@ -93,6 +72,17 @@ import trio
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message_factory
 
+from supervisor.grpc_addresses import Address, TcpAddress, UnixAddress
+from supervisor.grpc_auth import TcpAuth, TcpGate, check_tcp_auth
+from supervisor.grpc_unix import (
+    bind_unix,
+    listen_public,
+    private_dir,
+    relay_connections,
+    serve_privately,
+    unlink_if_ours,
+)
+
 log = logging.getLogger("sandvisor.grpc")
 
 ReqT = TypeVar("ReqT")
@@ -102,13 +92,6 @@ DEFAULT_WINDOW = 16  # messages in flight per direction per call
 DEFAULT_MAX_MESSAGE = 4 << 20  # as the msgpack socket's MAX_FRAME; the seed streams files in chunks
 MAX_CONCURRENT_RPCS = 1024  # in all: more are RESOURCE_EXHAUSTED (each is a Trio task and a window)
 MAX_CONCURRENT_STREAMS = 256  # per connection, as the msgpack socket's MAX_CALLS
-REFUSED_LINGER = 10.0  # seconds a refused connection is kept, to be told PERMISSION_DENIED
-RELAY_CHUNK = 1 << 16
-MIN_TOKEN, MAX_TOKEN = 32, 1024  # a bearer token's length (openssl rand -hex 32: 64)
-UNAUTHENTICATED = (
-    "this address needs client authentication: a client certificate (serve --grpc-client-ca) "
-    "or metadata 'authorization: Bearer TOKEN' (serve --grpc-token-file)"
-)
 STATUS_BY_NAME: dict[str, grpc.StatusCode] = {c.name: c for c in grpc.StatusCode}
 
 
@@ -167,177 +150,6 @@ def _leaf(exc: BaseException) -> BaseException:
     while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
         exc = exc.exceptions[0]
     return exc
-
-
-# ---------------------------------------------------------------------------------------
-# addresses
-# ---------------------------------------------------------------------------------------
-@attrs.frozen
-class TlsConfig:
-    """Server certificate (PEM), and the CA that signs client certificates if they are checked."""
-
-    cert_chain: bytes
-    private_key: bytes = attrs.field(repr=False)
-    client_ca: bytes | None = None
-    require_client_cert: bool = False
-
-    def __attrs_post_init__(self) -> None:
-        if self.require_client_cert and not self.client_ca:
-            raise ValueError("require_client_cert needs client_ca")
-
-    @classmethod
-    def from_files(
-        cls,
-        cert: Path | str,
-        key: Path | str,
-        client_ca: Path | str | None = None,
-        *,
-        require_client_cert: bool = False,
-    ) -> TlsConfig:
-        return cls(
-            Path(cert).read_bytes(),
-            Path(key).read_bytes(),
-            Path(client_ca).read_bytes() if client_ca else None,
-            require_client_cert=require_client_cert or client_ca is not None,
-        )
-
-    def credentials(self) -> grpc.ServerCredentials:
-        return grpc.ssl_server_credentials(
-            [(self.private_key, self.cert_chain)],
-            root_certificates=self.client_ca,
-            require_client_auth=self.require_client_cert,
-        )
-
-
-@attrs.frozen
-class TcpAuth:
-    """How calls on TCP addresses authenticate besides a verified client certificate:
-    ``token`` (``authorization: Bearer TOKEN`` metadata), or ``insecure`` (nothing: tests
-    on loopback only). Unix sockets are not concerned (file mode and peer credentials)."""
-
-    token: bytes | None = attrs.field(default=None, repr=False)
-    insecure: bool = False
-
-    def __attrs_post_init__(self) -> None:
-        if self.token is not None and not MIN_TOKEN <= len(self.token) <= MAX_TOKEN:
-            raise ValueError(f"a bearer token is {MIN_TOKEN} to {MAX_TOKEN} characters")
-        if self.token is not None and not all(0x21 <= b <= 0x7E for b in self.token):
-            raise ValueError("a bearer token is printable ASCII without spaces")
-        if self.token is not None and self.insecure:
-            raise ValueError("--grpc-insecure and --grpc-token-file contradict each other: give one")
-
-
-NO_TCP_AUTH = (
-    "give --grpc-token-file FILE (bearer token) or --grpc-cert, --grpc-key and --grpc-client-ca (mTLS); "
-    "--grpc-insecure only for tests on loopback"
-)
-
-
-def check_tcp_auth(addresses: Iterable[Address], auth: TcpAuth | None) -> None:
-    """Every TCP address authenticates its clients (ValueError naming the flags otherwise)."""
-    auth = auth or TcpAuth()
-    for a in addresses:
-        if not isinstance(a, TcpAddress):
-            continue
-        if auth.insecure and not _is_loopback(a.host):
-            raise ValueError(f"gRPC on {a}: --grpc-insecure is for loopback addresses only")
-        if not (auth.token or auth.insecure or (a.tls is not None and a.tls.require_client_cert)):
-            raise ValueError(f"gRPC on {a} would let any client in: {NO_TCP_AUTH}")
-
-
-def read_token_file(path: Path | str) -> bytes:
-    """The bearer token in ``path``: a regular file of ours, not a symlink, mode 0600 or
-    stricter; its one line (surrounding whitespace dropped). Read once, at start."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as exc:
-        raise ValueError(f"--grpc-token-file {path}: {exc.strerror}") from None
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
-            raise ValueError(
-                f"--grpc-token-file {path}: must be a regular file owned by uid {os.geteuid()}, "
-                f"mode 0600 or stricter (it is {stat.filemode(st.st_mode)}, uid {st.st_uid})"
-            )
-        token = f.read(MAX_TOKEN + 2).strip()
-    try:
-        return TcpAuth(token=token).token or b""
-    except ValueError as exc:
-        raise ValueError(f"--grpc-token-file {path}: {exc}") from None
-
-
-class PeerPolicy(Protocol):
-    """Who may use a Unix socket, by the peer credentials the kernel recorded at connect."""
-
-    def check(self, sock: Any) -> str | None:
-        """None to serve the connection on ``sock`` (a connected AF_UNIX socket), else why not."""
-
-    def served(self) -> str:
-        """Who is served, as a refused client is told."""
-
-
-@attrs.frozen
-class UnixAddress:
-    """A Unix socket, 0600 (the daemon's user only) or 0660 with ``group``; with a
-    ``policy``, every connection's peer credentials are checked too (a relay)."""
-
-    path: Path
-    group: str | None = None
-    policy: PeerPolicy | None = attrs.field(default=None, eq=False, repr=False)
-
-    def __str__(self) -> str:
-        return f"unix://{self.path}"
-
-
-@attrs.frozen
-class TcpAddress:
-    """HOST:PORT (port 0: any). Plaintext only on loopback; the edge's :class:`TcpAuth` or a
-    client CA authenticates its callers (check_tcp_auth)."""
-
-    host: str
-    port: int
-    tls: TlsConfig | None = None
-
-    def __attrs_post_init__(self) -> None:
-        if self.tls is None and not _is_loopback(self.host):
-            raise ValueError(f"gRPC on {self.host}:{self.port} needs TLS (plaintext is for loopback only)")
-
-    @property
-    def target(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"{host}:{self.port}"
-
-    def __str__(self) -> str:
-        return self.target
-
-
-Address = UnixAddress | TcpAddress
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def parse_address(spec: str, *, tls: TlsConfig | None = None, group: str | None = None) -> Address:
-    """``unix:///run/x.sock`` (or ``unix:/run/x.sock``) or ``HOST:PORT`` / ``[V6]:PORT``."""
-    if spec.startswith("unix:"):
-        rest = spec[len("unix:") :]
-        if rest.startswith("//"):
-            rest = rest[2:]
-        if not rest.startswith("/"):
-            raise ValueError(f"unix socket path must be absolute: {spec!r}")
-        return UnixAddress(Path(rest), group=group)
-    host, sep, port = spec.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ValueError(f"expected unix:///PATH or HOST:PORT, got {spec!r}")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-    return TcpAddress(host, int(port), tls)
 
 
 # ---------------------------------------------------------------------------------------
@@ -558,10 +370,8 @@ class GrpcEdge:
         check_tcp_auth(self.requested, tcp_auth)
         self.tcp_auth = tcp_auth or TcpAuth()
         tcp = [a for a in self.requested if isinstance(a, TcpAddress)]
-        self._gate = _TcpGate(self) if tcp else None  # Unix-only edges pay nothing
-        self._mtls = any(a.tls is not None and a.tls.require_client_cert for a in tcp)
-        self.unauthenticated = 0  # TCP calls refused UNAUTHENTICATED
-        self._refusal_logged = -math.inf
+        mtls = any(a.tls is not None and a.tls.require_client_cert for a in tcp)
+        self._gate = TcpGate(self.tcp_auth, mtls=mtls) if tcp else None  # Unix-only edges pay nothing
         self.addresses: list[Address] = []  # as bound (TCP port 0 resolved), once running
         self.health = health
         self.reflection = reflection
@@ -589,6 +399,11 @@ class GrpcEdge:
         self._relays: list[tuple[UnixAddress, Path]] = []  # (public address, private dir)
         self.calls_started = 0
         self.refused = 0  # connections refused by a peer policy
+
+    @property
+    def unauthenticated(self) -> int:
+        """TCP calls refused UNAUTHENTICATED."""
+        return self._gate.unauthenticated if self._gate is not None else 0
 
     # -- configuration (before run) ------------------------------------------------------
     def add_service(self, service: _descriptor.ServiceDescriptor, servicer: object) -> None:
@@ -651,16 +466,16 @@ class GrpcEdge:
                 await ready.wait()
                 if not failure:
                     for addr, private in self._relays:
-                        listener, ino = await _listen_public(addr, private)
+                        listener, ino = await listen_public(addr, private)
                         public.append((addr.path, ino))
-                        nursery.start_soon(self._accept, listener, addr, private)
+                        nursery.start_soon(relay_connections, listener, addr, private, self._refused_one)
                     task_status.started(self)
                     await trio.sleep_forever()
             finally:
                 self._request_stop()  # the thread task ends when the loop has; the nursery waits for it
                 nursery.cancel_scope.cancel()
                 for path, ino in public:
-                    _unlink_if_ours(path, ino)
+                    unlink_if_ours(path, ino)
         if failure:
             raise failure[0]  # out here, once the loop thread has ended, and not in a group
 
@@ -709,19 +524,12 @@ class GrpcEdge:
             await self._add_health_and_reflection(server)
             for addr in self.requested:
                 if isinstance(addr, UnixAddress) and addr.policy is not None:
-                    private = _private_dir(addr.path)
+                    private = private_dir(addr.path)
                     self._relays.append((addr, private))
-                    if server.add_insecure_port(f"unix:{private / 'grpc.sock'}") == 0:
-                        raise OSError(f"cannot listen on {private / 'grpc.sock'}")
-                    refuser = grpc.aio.server(options=self.options, maximum_concurrent_rpcs=64)
-                    refuser.add_generic_rpc_handlers((_Refuser(addr.policy.served()),))
-                    if refuser.add_insecure_port(f"unix:{private / 'refused.sock'}") == 0:
-                        raise OSError(f"cannot listen on {private / 'refused.sock'}")
-                    refusers.append(refuser)
-                    await refuser.start()
+                    refusers.append(await serve_privately(server, addr.policy, private, self.options))
                     self.addresses.append(addr)
                 elif isinstance(addr, UnixAddress):
-                    bound.append((addr, _bind_unix(server, addr)))
+                    bound.append((addr, bind_unix(server, addr)))
                     self.addresses.append(addr)
                 else:
                     target = addr.target
@@ -761,40 +569,9 @@ class GrpcEdge:
             if server is not None:
                 await server.stop(self.grace)
             for addr, ino in bound:
-                _unlink_if_ours(addr.path, ino)
+                unlink_if_ours(addr.path, ino)
             for _, private in self._relays:
                 shutil.rmtree(private, ignore_errors=True)
-
-    def _tcp_refusal(self, context: grpc.aio.ServicerContext[Any, Any]) -> str | None:
-        """None if the call may go on: over a Unix socket (mode and peer credentials
-        decided), ``insecure``, a client certificate the handshake verified, or the token."""
-        if context.peer().startswith("unix:"):
-            return None
-        auth = self.tcp_auth
-        if auth.insecure:
-            return None
-        if self._mtls and context.auth_context().get("x509_pem_cert"):
-            return None  # only a verifying address asks for a certificate: one present was verified
-        if auth.token is not None:
-            for key, value in context.invocation_metadata() or ():
-                if key == "authorization":
-                    got = value if isinstance(value, bytes) else value.encode("utf-8", "surrogateescape")
-                    if hmac.compare_digest(got, b"Bearer " + auth.token):
-                        return None
-                    break
-        return UNAUTHENTICATED
-
-    async def _authenticate(self, context: grpc.aio.ServicerContext[Any, Any]) -> None:
-        """The gate of every call (health and reflection too): UNAUTHENTICATED, or on."""
-        why = self._tcp_refusal(context)
-        if why is None:
-            return
-        self.unauthenticated += 1
-        now = time.monotonic()
-        if now - self._refusal_logged >= 1.0:  # one line a second at most: refusals are cheap to cause
-            self._refusal_logged = now
-            log.warning("gRPC: unauthenticated call from %s refused (%d so far)", context.peer(), self.unauthenticated)
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
 
     async def _add_health_and_reflection(self, server: grpc.aio.Server) -> None:
         names = list(self._descriptor_services)
@@ -863,32 +640,8 @@ class GrpcEdge:
                 with contextlib.suppress(Exception):
                     await aclose()
 
-    # -- the relay of a Unix address with a peer policy (Trio) ---------------------------------
-    async def _accept(self, listener: trio.SocketListener, addr: UnixAddress, private: Path) -> None:
-        async with listener, trio.open_nursery() as nursery:
-            while True:
-                stream = await listener.accept()
-                nursery.start_soon(self._relay, stream, addr, private)
-
-    async def _relay(self, stream: trio.SocketStream, addr: UnixAddress, private: Path) -> None:
-        assert addr.policy is not None
-        try:
-            why = addr.policy.check(stream.socket)
-        except OSError as exc:
-            why = f"peer credentials unavailable: {exc}"
-        if why is not None:
-            self.refused += 1
-            log.warning("gRPC on %s: refused: %s", addr.path, why)
-        async with stream:
-            try:
-                upstream = await trio.open_unix_socket(str(private / ("refused.sock" if why else "grpc.sock")))
-            except OSError:
-                return
-            async with upstream:
-                with trio.move_on_after(REFUSED_LINGER if why else math.inf):
-                    async with trio.open_nursery() as nursery:
-                        nursery.start_soon(_pipe, stream, upstream, nursery.cancel_scope)
-                        nursery.start_soon(_pipe, upstream, stream, nursery.cancel_scope)
+    def _refused_one(self) -> None:  # Trio thread: a peer policy refused a connection
+        self.refused += 1
 
     # -- the Trio side of a call ---------------------------------------------------------------
     def _start_call(self, method: Method, call: Call[Any, Any], request: Any) -> None:
@@ -973,138 +726,3 @@ class _Dispatcher(grpc.GenericRpcHandler):
             await edge._serve(m, None, requests, context)
 
         return grpc.stream_stream_rpc_method_handler(ss, des, ser)
-
-
-class _TcpGate(grpc.aio.ServerInterceptor):
-    """Every method's behaviour behind the edge's :meth:`GrpcEdge._authenticate` (an aio
-    interceptor cannot see the peer or the TLS session, the behaviour's context can)."""
-
-    def __init__(self, edge: GrpcEdge) -> None:
-        self.edge = edge
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler[Any, Any] | None:
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            return handler  # unknown method: grpc answers UNIMPLEMENTED
-        return _gated(handler, self.edge._authenticate)
-
-
-def _gated(
-    handler: grpc.RpcMethodHandler[Any, Any], gate: Callable[[Any], Awaitable[None]]
-) -> grpc.RpcMethodHandler[Any, Any]:
-    def wrap(behavior: Callable[..., Any]) -> Callable[..., Any]:
-        if inspect.isasyncgenfunction(behavior):  # a streaming response as an async generator
-
-            async def agen(arg: Any, context: Any) -> AsyncIterator[Any]:
-                await gate(context)
-                async for item in behavior(arg, context):
-                    yield item
-
-            return agen
-
-        async def call(arg: Any, context: Any) -> Any:
-            await gate(context)
-            result = behavior(arg, context)
-            return await result if inspect.isawaitable(result) else result
-
-        return call
-
-    des, ser = handler.request_deserializer, handler.response_serializer
-    if handler.unary_unary is not None:
-        return grpc.unary_unary_rpc_method_handler(wrap(handler.unary_unary), des, ser)
-    if handler.unary_stream is not None:
-        return grpc.unary_stream_rpc_method_handler(wrap(handler.unary_stream), des, ser)
-    if handler.stream_unary is not None:
-        return grpc.stream_unary_rpc_method_handler(wrap(handler.stream_unary), des, ser)
-    assert handler.stream_stream is not None
-    return grpc.stream_stream_rpc_method_handler(wrap(handler.stream_stream), des, ser)
-
-
-class _Refuser(grpc.GenericRpcHandler):
-    """Every method, for a peer the policy refused: PERMISSION_DENIED, saying who is served."""
-
-    def __init__(self, served: str) -> None:
-        self.served = served
-
-    def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler[Any, Any] | None:
-        served = self.served
-
-        async def refuse(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-            await context.abort(grpc.StatusCode.PERMISSION_DENIED, served)
-
-        return grpc.unary_unary_rpc_method_handler(refuse)
-
-
-async def _pipe(src: trio.SocketStream, dst: trio.SocketStream, done: trio.CancelScope) -> None:
-    """Bytes from ``src`` to ``dst`` until either end goes; then the relay ends."""
-    try:
-        while data := await src.receive_some(RELAY_CHUNK):
-            await dst.send_all(data)
-    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-        pass
-    finally:
-        done.cancel()
-
-
-# ---------------------------------------------------------------------------------------
-# Unix sockets born with their mode
-# ---------------------------------------------------------------------------------------
-def _private_dir(path: Path) -> Path:
-    """A fresh 0700 directory beside ``path`` (the same file system: a rename into place works)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=".grpc-", dir=path.parent))
-
-
-async def _listen_public(addr: UnixAddress, private: Path) -> tuple[trio.SocketListener, int]:
-    """The relay's public socket, bound with its mode and group in ``private`` and renamed
-    into place; the listener and the socket's inode."""
-    sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    tmp = private / "public.sock"
-    old = os.umask(0o177)  # born 0600
-    try:
-        await sock.bind(str(tmp))
-    finally:
-        os.umask(old)
-    if addr.group:
-        os.chown(tmp, -1, grp.getgrnam(addr.group).gr_gid)
-        os.chmod(tmp, 0o660)
-    sock.listen(128)
-    os.replace(tmp, addr.path)
-    return trio.SocketListener(sock), addr.path.stat().st_ino
-
-
-def _bind_unix(server: grpc.aio.Server, addr: UnixAddress) -> int:
-    """Bind ``addr`` with its final mode and group before anyone can reach it: grpc binds in a
-    fresh 0700 directory beside the path, then the socket is renamed into place (a Unix
-    socket is reached through its inode; the rename keeps it). Returns the inode."""
-    path = addr.path
-    private = _private_dir(path)
-    tmp = private / "s"
-    try:
-        if server.add_insecure_port(f"unix:{tmp}") == 0:
-            raise OSError(f"cannot listen on {path}")
-        if addr.group:
-            os.chown(tmp, -1, grp.getgrnam(addr.group).gr_gid)
-            os.chmod(tmp, 0o660)
-        else:
-            os.chmod(tmp, 0o600)
-        os.replace(tmp, path)
-        return path.stat().st_ino
-    finally:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-        with contextlib.suppress(OSError):
-            private.rmdir()
-
-
-def _unlink_if_ours(path: Path, ino: int) -> None:
-    """Remove the socket unless another server has put its own there since."""
-    try:
-        if path.lstat().st_ino == ino:
-            path.unlink()
-    except FileNotFoundError:
-        pass

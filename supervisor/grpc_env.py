@@ -4,9 +4,10 @@ grpcio's C core registers fork handlers by default; while other threads are in g
 they crash forked children before exec (measured: 4 of 40 setuid children of a process
 serving gRPC died of SIGSEGV, as QEMU does when it is launched as its own user). The
 supervisor forks QEMU, so they are off unless the environment says otherwise. The core
-reads the variable once, when grpc is first imported: :mod:`supervisor.grpc_bridge`,
-the supervisor's only importer of grpc, imports this module before it (and
-grpc_service, daemon and ``serve`` reach grpc through it). Not at ``import supervisor``:
+reads the variable once, when grpc is first imported: the supervisor's importers of
+grpc (:mod:`supervisor.grpc_bridge` and the modules it is made of, grpc_addresses,
+grpc_auth, grpc_unix) import this module before it (and grpc_service, daemon and
+``serve`` reach grpc through them). Not at ``import supervisor``:
 importing the package (the SDK, the CLI) must not change a user's environment.
 """
 

@@ -52,6 +52,8 @@ from actors.registry import Registry
 from supervisor import grpc_bridge as G
 from supervisor import protocol as W
 from supervisor.api import METHODS, SERVICES, Method
+from supervisor.grpc_addresses import Address, TcpAddress, TlsConfig, UnixAddress, parse_address
+from supervisor.grpc_auth import TcpAuth, check_tcp_auth, read_token_file
 from supervisor.grpc_convert import dict_to_message, message_to_dict
 from supervisor.peers import ClientPolicy, Peer
 from supervisor.proto.sandbox.v1 import sandbox_pb2
@@ -310,7 +312,7 @@ def add_services(edge: G.GrpcEdge, registry: Registry) -> None:
 @attrs.frozen
 class ServePolicy:
     """The msgpack socket's :class:`~supervisor.peers.ClientPolicy` as the gRPC edge's
-    :class:`~supervisor.grpc_bridge.PeerPolicy`: one rule for both sockets."""
+    :class:`~supervisor.grpc_addresses.PeerPolicy`: one rule for both sockets."""
 
     policy: ClientPolicy
 
@@ -331,8 +333,8 @@ def addresses(
     key: Path | None = None,
     client_ca: Path | None = None,
     group: str | None = None,
-    auth: G.TcpAuth | None = None,
-) -> list[G.Address]:
+    auth: TcpAuth | None = None,
+) -> list[Address]:
     """``serve --grpc`` addresses: Unix sockets get ``group`` and the peer-credential policy
     of the msgpack socket, TCP ones the TLS files (required off loopback) and must
     authenticate clients (``client_ca`` or ``auth``: :func:`tcp_auth`). ValueError names
@@ -342,28 +344,28 @@ def addresses(
         raise ValueError("--grpc-cert and --grpc-key go together")
     if client_ca and not cert:
         raise ValueError("--grpc-client-ca needs --grpc-cert and --grpc-key")
-    tls = G.TlsConfig.from_files(cert, key, client_ca) if cert and key else None
+    tls = TlsConfig.from_files(cert, key, client_ca) if cert and key else None
     try:
         policy = ServePolicy(ClientPolicy.for_serve(group))
     except KeyError:
         raise ValueError(f"--group {group!r}: no such group") from None
-    out = [G.parse_address(s, tls=tls, group=group) for s in specs]
-    out = [attrs.evolve(a, policy=policy) if isinstance(a, G.UnixAddress) else a for a in out]
-    if tls is not None and not any(isinstance(a, G.TcpAddress) for a in out):
+    out = [parse_address(s, tls=tls, group=group) for s in specs]
+    out = [attrs.evolve(a, policy=policy) if isinstance(a, UnixAddress) else a for a in out]
+    if tls is not None and not any(isinstance(a, TcpAddress) for a in out):
         raise ValueError("--grpc-cert is for HOST:PORT addresses; none is given")
-    G.check_tcp_auth(out, auth)
+    check_tcp_auth(out, auth)
     return out
 
 
-def tcp_auth(token_file: Path | None = None, insecure: bool = False) -> G.TcpAuth | None:
+def tcp_auth(token_file: Path | None = None, insecure: bool = False) -> TcpAuth | None:
     """``serve --grpc-token-file`` (read now, once) or ``--grpc-insecure`` as the edge's
-    :class:`~supervisor.grpc_bridge.TcpAuth` (None: neither). ValueError names what is wrong."""
+    :class:`~supervisor.grpc_auth.TcpAuth` (None: neither). ValueError names what is wrong."""
     if token_file is None and not insecure:
         return None
-    return G.TcpAuth(token=G.read_token_file(token_file) if token_file else None, insecure=insecure)
+    return TcpAuth(token=read_token_file(token_file) if token_file else None, insecure=insecure)
 
 
-def build_edge(registry: Registry, addrs: Sequence[G.Address], **options: Any) -> G.GrpcEdge:
+def build_edge(registry: Registry, addrs: Sequence[Address], **options: Any) -> G.GrpcEdge:
     """The daemon's gRPC edge: both protos' services, health and reflection."""
     edge = G.GrpcEdge(addrs, **options)
     add_services(edge, registry)

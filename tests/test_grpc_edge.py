@@ -29,6 +29,8 @@ from grpc_clients import REPO, SEED, bearer, generate, make_pki
 
 from supervisor import grpc_bridge as G
 from supervisor import metrics as M
+from supervisor.grpc_addresses import Address, TcpAddress, TlsConfig, UnixAddress, parse_address
+from supervisor.grpc_auth import TcpAuth
 from supervisor.proto.sandbox.v1 import sandbox_pb2 as pb
 from supervisor.protocol import ApiError
 
@@ -155,7 +157,7 @@ SERVICE = pb.DESCRIPTOR.services_by_name["SandboxService"]
 
 
 @asynccontextmanager
-async def serving(*addresses: G.Address, fake: FakeSandboxes | None = None, **kw: Any) -> AsyncIterator[G.GrpcEdge]:
+async def serving(*addresses: Address, fake: FakeSandboxes | None = None, **kw: Any) -> AsyncIterator[G.GrpcEdge]:
     edge = G.GrpcEdge(addresses, **kw)
     edge.add_service(SERVICE, fake or FakeSandboxes())
     async with trio.open_nursery() as nursery:
@@ -166,7 +168,7 @@ async def serving(*addresses: G.Address, fake: FakeSandboxes | None = None, **kw
 
 def unix_target(edge: G.GrpcEdge) -> str:
     addr = edge.addresses[0]
-    assert isinstance(addr, G.UnixAddress)
+    assert isinstance(addr, UnixAddress)
     return f"unix:{addr.path}"
 
 
@@ -220,7 +222,7 @@ async def test_every_kind_of_call_over_a_unix_socket(tmp_path: Path, seed: tuple
             assert (out[-1].stream, out[-1].done) == ("exit", True)
 
     with trio.fail_after(30):
-        async with serving(G.UnixAddress(tmp_path / "grpc.sock"), fake=fake) as edge:
+        async with serving(UnixAddress(tmp_path / "grpc.sock"), fake=fake) as edge:
             await in_thread(client, unix_target(edge))
     assert fake.files["/tmp/big"] == big
     assert fake.peers[0].peer.startswith("unix:")
@@ -259,7 +261,7 @@ async def test_errors_raised_in_trio_arrive_as_the_status_of_the_same_name(
         raise AssertionError("no error")
 
     with trio.fail_after(20):
-        async with serving(G.UnixAddress(tmp_path / "g.sock")) as edge:
+        async with serving(UnixAddress(tmp_path / "g.sock")) as edge:
             got, details = await in_thread(client, unix_target(edge))
     assert got == code
     assert details == "as asked"
@@ -292,7 +294,7 @@ async def test_unary_errors_unexpected_exceptions_and_unknown_methods(
         return out
 
     with trio.fail_after(20):
-        async with serving(G.UnixAddress(tmp_path / "g.sock")) as edge:
+        async with serving(UnixAddress(tmp_path / "g.sock")) as edge:
             got = await in_thread(client, unix_target(edge))
     codes = [c for c, _ in got]
     assert codes == [
@@ -338,7 +340,7 @@ async def test_a_client_cancel_cancels_the_trio_task(tmp_path: Path, seed: tuple
         raise AssertionError("stream went on")
 
     with trio.fail_after(20):
-        async with serving(G.UnixAddress(tmp_path / "g.sock"), fake=fake) as edge:
+        async with serving(UnixAddress(tmp_path / "g.sock"), fake=fake) as edge:
             assert await in_thread(client, unix_target(edge)) == grpc.StatusCode.CANCELLED
             with trio.fail_after(5):
                 await fake.cancelled.wait()
@@ -362,7 +364,7 @@ async def test_a_deadline_is_the_trio_scope_deadline_and_cancels_the_task(
         raise AssertionError("no deadline")
 
     with trio.fail_after(20):
-        async with serving(G.UnixAddress(tmp_path / "g.sock"), fake=fake) as edge:
+        async with serving(UnixAddress(tmp_path / "g.sock"), fake=fake) as edge:
             t0 = trio.current_time()
             assert await in_thread(client, unix_target(edge)) == grpc.StatusCode.DEADLINE_EXCEEDED
             with trio.fail_after(5):
@@ -390,7 +392,7 @@ async def test_stopping_the_edge_cancels_calls_and_leaves_nothing(
 
     with trio.fail_after(20):
         async with trio.open_nursery() as outer:
-            edge = G.GrpcEdge([G.UnixAddress(path)])
+            edge = G.GrpcEdge([UnixAddress(path)])
             edge.add_service(SERVICE, fake)
             scope = trio.CancelScope()
 
@@ -470,8 +472,8 @@ async def test_a_peer_policy_relays_served_clients_and_refuses_the_others(
     with trio.fail_after(30):
         friends, strangers = Policy(serve=True), Policy(serve=False)
         addrs = [
-            G.UnixAddress(tmp_path / "in.sock", policy=friends),
-            G.UnixAddress(tmp_path / "out.sock", policy=strangers),
+            UnixAddress(tmp_path / "in.sock", policy=friends),
+            UnixAddress(tmp_path / "out.sock", policy=strangers),
         ]
         async with serving(*addrs) as edge:
             assert (tmp_path / "in.sock").stat().st_mode & 0o777 == 0o600
@@ -491,7 +493,7 @@ async def test_unix_socket_admits_root_and_the_group_only() -> None:
     try:
         work.chmod(0o755)  # traversable: the socket's own mode must be what keeps others out
         with trio.fail_after(30):
-            async with serving(G.UnixAddress(work / "owner.sock"), G.UnixAddress(work / "group.sock", group=group)):
+            async with serving(UnixAddress(work / "owner.sock"), UnixAddress(work / "group.sock", group=group)):
                 owner, grouped = work / "owner.sock", work / "group.sock"
                 assert owner.stat().st_mode & 0o777 == 0o600
                 assert (grouped.stat().st_mode & 0o777, grouped.stat().st_gid) == (0o660, gid)
@@ -510,7 +512,7 @@ async def test_tls_on_loopback_with_a_client_certificate(seed: tuple[ModuleType,
     pytest.importorskip("cryptography")
     spb, sgrpc = seed
     pki = make_pki()
-    tls = G.TlsConfig(pki["server_cert"], pki["server_key"], client_ca=pki["ca"], require_client_cert=True)
+    tls = TlsConfig(pki["server_cert"], pki["server_key"], client_ca=pki["ca"], require_client_cert=True)
     fake = FakeSandboxes()
 
     def client(target: str, with_cert: bool) -> str:
@@ -526,9 +528,9 @@ async def test_tls_on_loopback_with_a_client_certificate(seed: tuple[ModuleType,
                 return str(exc.code())
 
     with trio.fail_after(30):
-        async with serving(G.parse_address("127.0.0.1:0", tls=tls), fake=fake) as edge:
+        async with serving(parse_address("127.0.0.1:0", tls=tls), fake=fake) as edge:
             addr = edge.addresses[0]
-            assert isinstance(addr, G.TcpAddress)
+            assert isinstance(addr, TcpAddress)
             assert addr.port != 0
             target = f"localhost:{addr.port}"
             assert await in_thread(client, target, True) == "t1"
@@ -580,13 +582,13 @@ async def test_a_bearer_token_authenticates_tcp_calls(tmp_path: Path, seed: tupl
             except grpc.RpcError as exc:
                 return exc.code().name
 
-    auth = G.TcpAuth(token=TOKEN.encode())
+    auth = TcpAuth(token=TOKEN.encode())
     with trio.fail_after(30):
         async with serving(
-            G.UnixAddress(tmp_path / "g.sock"), G.TcpAddress("127.0.0.1", 0), fake=fake, tcp_auth=auth
+            UnixAddress(tmp_path / "g.sock"), TcpAddress("127.0.0.1", 0), fake=fake, tcp_auth=auth
         ) as edge:
             tcp = edge.addresses[1]
-            assert isinstance(tcp, G.TcpAddress)
+            assert isinstance(tcp, TcpAddress)
             target = tcp.target
             assert await in_thread(create, target, bearer(TOKEN), "ok1") == "ok1"
             assert await in_thread(run_stream, target, bearer(TOKEN)) == "7"
@@ -609,7 +611,7 @@ async def test_tls_without_a_client_ca_still_needs_the_token(seed: tuple[ModuleT
     pytest.importorskip("cryptography")
     spb, sgrpc = seed
     pki = make_pki()
-    tls = G.TlsConfig(pki["server_cert"], pki["server_key"])
+    tls = TlsConfig(pki["server_cert"], pki["server_key"])
 
     def create(target: str, metadata: list[tuple[str, str]], id: str) -> str:
         creds = grpc.ssl_channel_credentials(pki["ca"], pki["client_key"], pki["client_cert"])
@@ -620,9 +622,9 @@ async def test_tls_without_a_client_ca_still_needs_the_token(seed: tuple[ModuleT
                 return str(exc.code().name)
 
     with trio.fail_after(30):
-        async with serving(G.TcpAddress("127.0.0.1", 0, tls=tls), tcp_auth=G.TcpAuth(token=TOKEN.encode())) as edge:
+        async with serving(TcpAddress("127.0.0.1", 0, tls=tls), tcp_auth=TcpAuth(token=TOKEN.encode())) as edge:
             addr = edge.addresses[0]
-            assert isinstance(addr, G.TcpAddress)
+            assert isinstance(addr, TcpAddress)
             target = f"localhost:{addr.port}"
             assert await in_thread(create, target, [], "a") == "UNAUTHENTICATED"
             assert await in_thread(create, target, bearer(TOKEN), "b") == "b"
@@ -630,38 +632,38 @@ async def test_tls_without_a_client_ca_still_needs_the_token(seed: tuple[ModuleT
 
 async def test_tcp_without_client_authentication_does_not_start() -> None:
     for addr, auth, words in (
-        (G.TcpAddress("127.0.0.1", 0), None, "would let any client in"),
-        (G.TcpAddress("::1", 0), G.TcpAuth(), "--grpc-token-file FILE"),
-        (G.TcpAddress("0.0.0.0", 0, tls=G.TlsConfig(b"c", b"k")), None, "--grpc-client-ca"),  # TLS: not who
-        (G.TcpAddress("0.0.0.0", 0, tls=G.TlsConfig(b"c", b"k")), G.TcpAuth(insecure=True), "loopback"),
+        (TcpAddress("127.0.0.1", 0), None, "would let any client in"),
+        (TcpAddress("::1", 0), TcpAuth(), "--grpc-token-file FILE"),
+        (TcpAddress("0.0.0.0", 0, tls=TlsConfig(b"c", b"k")), None, "--grpc-client-ca"),  # TLS: not who
+        (TcpAddress("0.0.0.0", 0, tls=TlsConfig(b"c", b"k")), TcpAuth(insecure=True), "loopback"),
     ):
         with pytest.raises(ValueError, match=words):
             G.GrpcEdge([addr], tcp_auth=auth)
     with pytest.raises(ValueError, match="contradict"):
-        G.TcpAuth(token=TOKEN.encode(), insecure=True)
+        TcpAuth(token=TOKEN.encode(), insecure=True)
     for bad in (b"short", b"with space" + b"x" * 40, b"\xff" * 40):
         with pytest.raises(ValueError, match="bearer token"):
-            G.TcpAuth(token=bad)
-    G.GrpcEdge([G.UnixAddress(Path("/run/x.sock"))])  # Unix sockets: mode and peer credentials
+            TcpAuth(token=bad)
+    G.GrpcEdge([UnixAddress(Path("/run/x.sock"))])  # Unix sockets: mode and peer credentials
 
 
 async def test_insecure_tcp_is_loud(caplog: pytest.LogCaptureFixture) -> None:
     with trio.fail_after(20):
-        async with serving(G.TcpAddress("127.0.0.1", 0), tcp_auth=G.TcpAuth(insecure=True)):
+        async with serving(TcpAddress("127.0.0.1", 0), tcp_auth=TcpAuth(insecure=True)):
             pass
     assert any(r.levelname == "WARNING" and "--grpc-insecure" in r.getMessage() for r in caplog.records)
 
 
 def test_plaintext_tcp_is_for_loopback_only() -> None:
-    assert G.parse_address("127.0.0.1:50051") == G.TcpAddress("127.0.0.1", 50051)
-    assert G.parse_address("[::1]:7") == G.TcpAddress("::1", 7)
-    assert G.parse_address("unix:///run/s.sock") == G.UnixAddress(Path("/run/s.sock"))
-    assert G.parse_address("unix:/run/s.sock", group="g") == G.UnixAddress(Path("/run/s.sock"), "g")
+    assert parse_address("127.0.0.1:50051") == TcpAddress("127.0.0.1", 50051)
+    assert parse_address("[::1]:7") == TcpAddress("::1", 7)
+    assert parse_address("unix:///run/s.sock") == UnixAddress(Path("/run/s.sock"))
+    assert parse_address("unix:/run/s.sock", group="g") == UnixAddress(Path("/run/s.sock"), "g")
     with pytest.raises(ValueError, match="needs TLS"):
-        G.parse_address("0.0.0.0:50051")
+        parse_address("0.0.0.0:50051")
     for bad in ("unix:relative.sock", "host", "host:99999", ":80"):
         with pytest.raises(ValueError):
-            G.parse_address(bad)
+            parse_address(bad)
 
 
 # ---------------------------------------------------------------------------------------
@@ -690,7 +692,7 @@ async def test_health_and_reflection(tmp_path: Path) -> None:
 
     serving_ = health_pb2.HealthCheckResponse.SERVING
     with trio.fail_after(20):
-        async with serving(G.UnixAddress(tmp_path / "g.sock")) as edge:
+        async with serving(UnixAddress(tmp_path / "g.sock")) as edge:
             target = unix_target(edge)
             assert await in_thread(check, target, "") == serving_
             assert await in_thread(check, target, "sandbox.v1.SandboxService") == serving_
@@ -839,7 +841,7 @@ async def test_calls_run_in_the_edges_context(tmp_path: Path) -> None:
 
     with trio.fail_after(20):
         WHO.set("the edge's runner")
-        edge = G.GrpcEdge([G.UnixAddress(tmp_path / "g.sock")], health=False, reflection=False)
+        edge = G.GrpcEdge([UnixAddress(tmp_path / "g.sock")], health=False, reflection=False)
         edge.add_service(SERVICE, SeesContext())
         async with trio.open_nursery() as nursery:
             await nursery.start(edge.run)
@@ -890,10 +892,10 @@ os._exit(0)
 
 async def test_a_port_in_use_fails_the_start_and_leaves_no_thread() -> None:
     with trio.fail_after(20):
-        async with serving(G.TcpAddress("127.0.0.1", 0), tcp_auth=G.TcpAuth(insecure=True)) as first:
+        async with serving(TcpAddress("127.0.0.1", 0), tcp_auth=TcpAuth(insecure=True)) as first:
             taken = first.addresses[0]
-            assert isinstance(taken, G.TcpAddress)
-            second = G.GrpcEdge([taken], health=False, reflection=False, tcp_auth=G.TcpAuth(insecure=True))
+            assert isinstance(taken, TcpAddress)
+            second = G.GrpcEdge([taken], health=False, reflection=False, tcp_auth=TcpAuth(insecure=True))
             async with trio.open_nursery() as nursery:
                 with pytest.raises(OSError, match=r"cannot listen on 127\.0\.0\.1"):
                     await nursery.start(second.run)

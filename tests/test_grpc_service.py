@@ -39,6 +39,7 @@ from supervisor.api import METHODS
 from supervisor.client import connect
 from supervisor.daemon import serve
 from supervisor.daemon_config import DaemonConfig
+from supervisor.grpc_addresses import TcpAddress, UnixAddress
 from supervisor.grpc_convert import message_to_dict
 from supervisor.metrics import RegistrySource
 from supervisor.proto.sandbox.v1 import sandbox_pb2 as pb
@@ -136,7 +137,7 @@ async def ready_via_events(st: Stack, sgrpc: Any, spb: Any, create: Callable[[],
 # the bindings and the conversions
 # ---------------------------------------------------------------------------------------
 def test_every_rpc_of_every_service_is_bound_with_its_shape() -> None:
-    edge = G.GrpcEdge([G.UnixAddress(Path("/nonexistent/g.sock"))])
+    edge = G.GrpcEdge([UnixAddress(Path("/nonexistent/g.sock"))])
     S.add_services(edge, registry=None)  # type: ignore[arg-type]
     expected = {f"/{name}/{rpc.name}" for name, desc in S.descriptors().items() for rpc in desc.methods}
     assert set(edge._methods) == expected
@@ -194,20 +195,20 @@ def test_responses_fill_the_seed_messages_and_ours() -> None:
 
 def test_grpc_addresses_from_the_daemon_flags(tmp_path: Path) -> None:
     [unix] = S.addresses(["unix:///run/x/g.sock"], group="root")
-    assert unix == G.UnixAddress(Path("/run/x/g.sock"), "root")
-    assert isinstance(unix, G.UnixAddress) and isinstance(unix.policy, S.ServePolicy)
+    assert unix == UnixAddress(Path("/run/x/g.sock"), "root")
+    assert isinstance(unix, UnixAddress) and isinstance(unix.policy, S.ServePolicy)
     with pytest.raises(ValueError, match="no such group"):
         S.addresses(["unix:///run/x/g.sock"], group="no-such-group-here")
     # TCP: every client authenticates (issue 21); plaintext loopback too
     with pytest.raises(ValueError, match=r"--grpc-token-file FILE .* --grpc-client-ca"):
         S.addresses(["127.0.0.1:0"])
     insecure = S.tcp_auth(insecure=True)
-    assert S.addresses(["127.0.0.1:0"], auth=insecure) == [G.TcpAddress("127.0.0.1", 0)]
+    assert S.addresses(["127.0.0.1:0"], auth=insecure) == [TcpAddress("127.0.0.1", 0)]
     write_token(tmp_path / "token")
     token = S.tcp_auth(tmp_path / "token")
     (tmp_path / "c").write_bytes(b"cert")
     (tmp_path / "k").write_bytes(b"key")
-    assert S.addresses(["[::1]:0"], auth=token) == [G.TcpAddress("::1", 0)]
+    assert S.addresses(["[::1]:0"], auth=token) == [TcpAddress("::1", 0)]
     with pytest.raises(ValueError, match="needs TLS"):
         S.addresses(["0.0.0.0:50051"], auth=token)  # a token over plaintext off loopback: never
     with pytest.raises(ValueError, match="loopback addresses only"):
@@ -217,9 +218,9 @@ def test_grpc_addresses_from_the_daemon_flags(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="would let any client in"):  # TLS, but anyone may connect
         S.addresses(["0.0.0.0:1"], cert=tmp_path / "c", key=tmp_path / "k")
     [tcp] = S.addresses(["0.0.0.0:1"], cert=tmp_path / "c", key=tmp_path / "k", client_ca=tmp_path / "c")
-    assert isinstance(tcp, G.TcpAddress) and tcp.tls is not None and tcp.tls.require_client_cert
+    assert isinstance(tcp, TcpAddress) and tcp.tls is not None and tcp.tls.require_client_cert
     [tcp] = S.addresses(["0.0.0.0:1"], cert=tmp_path / "c", key=tmp_path / "k", auth=token)
-    assert isinstance(tcp, G.TcpAddress) and tcp.tls is not None and not tcp.tls.require_client_cert
+    assert isinstance(tcp, TcpAddress) and tcp.tls is not None and not tcp.tls.require_client_cert
 
 
 def test_the_token_file_is_ours_0600_and_a_real_token(tmp_path: Path) -> None:
@@ -287,7 +288,7 @@ async def test_the_daemons_tcp_edge_serves_the_token_only(
                 addrs = S.addresses([f"unix://{short_dir / 'g.sock'}", "127.0.0.1:0"], auth=auth)
                 edge = await n.start(S.build_edge(reg, addrs, tcp_auth=auth).run)
                 tcp = edge.addresses[1]
-                assert isinstance(tcp, G.TcpAddress)
+                assert isinstance(tcp, TcpAddress)
 
                 def create(target: str, md: list[tuple[str, str]], id: str) -> str:
                     with grpc.insecure_channel(target) as ch:
