@@ -11,14 +11,9 @@ import os
 import sys
 from collections.abc import Callable
 
-from supervisor.cli_client import (
-    CLIENT_COMMANDS,
-    UsageError,
-    add_client_commands,
-    add_image_commands,
-    configure_logging,
-    run_client,
-)
+from supervisor.cli_client import CLIENT_COMMANDS, add_client_commands, run_client
+from supervisor.cli_common import UsageError, configure_logging
+from supervisor.cli_stores import add_image_commands
 from supervisor.errors import ApiError
 
 # Imports are inside the functions that need them: a one-shot client command (ls,

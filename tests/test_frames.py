@@ -28,7 +28,7 @@ from rich.console import Console
 
 from supervisor import frames as F
 from supervisor import protocol as W
-from supervisor.cli_client import _rich_table, plain_table
+from supervisor.cli_output import plain_table, rich_table
 from supervisor.client import (
     AsyncSandbox,
     Boot,
@@ -444,7 +444,7 @@ def rich_text(
         legacy_windows=False,
         _environ={},
     )
-    console.print(_rich_table(headers, rows, show_header=show_header))
+    console.print(rich_table(headers, rows, show_header=show_header))
     return buf.getvalue()
 
 

@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SDK = (
     "supervisor/client.py",
     *(str(p.relative_to(ROOT)) for p in sorted((ROOT / "supervisor/sdk").glob("*.py"))),
-    "supervisor/cli_client.py",
+    *(str(p.relative_to(ROOT)) for p in sorted((ROOT / "supervisor").glob("cli_*.py"))),  # the client commands
     "supervisor/protocol.py",
     "supervisor/frames.py",
     "supervisor/errors.py",
