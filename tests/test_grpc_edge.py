@@ -861,8 +861,8 @@ def G_STUB(ch: grpc.Channel) -> Any:
 @pytest.mark.skipif(os.geteuid() != 0, reason="setuid children need root")
 def test_forking_beside_grpc_threads_does_not_crash_children() -> None:
     """grpcio's fork handlers crash forked children while gRPC threads are busy (4 of 40
-    measured); supervisor.grpc_bridge, the supervisor's only importer of grpc, turns them
-    off before it imports grpc (not `import supervisor`: no import-time side effects). In a fresh
+    measured); supervisor.grpc_bridge and its modules, the supervisor's only importers of grpc,
+    turn them off before they import grpc (not `import supervisor`: no import-time side effects). In a fresh
     interpreter: serve and call gRPC in threads, fork 40 setuid children (QEMU's launch)."""
     script = r"""
 import supervisor.grpc_bridge  # grpc first imported by the supervisor, as in `sandvisor serve`
