@@ -182,9 +182,16 @@ def test_a_port_in_use_is_one_line() -> None:
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        for flag in ("--metrics", "--grpc"):
+        for flag in ("--metrics", "--grpc"):  # (gRPC on TCP authenticates: --grpc-insecure, loopback, for a test)
             r = serve(
-                work.root, "--socket", str(work.socket), "--run-root", str(work.run_root), flag, f"127.0.0.1:{port}"
+                work.root,
+                "--socket",
+                str(work.socket),
+                "--run-root",
+                str(work.run_root),
+                flag,
+                f"127.0.0.1:{port}",
+                *(["--grpc-insecure"] if flag == "--grpc" else []),
             )
             assert_one_line(r, f"127.0.0.1:{port}", "in use")
 
