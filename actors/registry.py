@@ -722,7 +722,9 @@ class Registry:
         """TTL (from creation; not reset by activity) removes; idle timeout stops;
         ephemeral sandboxes go once stopped."""
         while True:
-            await trio.sleep(0.25)
+            # (timers are whole seconds: a tick a second is precise enough, and under the
+            # unit tests' mock clock every tick costs real time)
+            await trio.sleep(1.0)
             await self.admission.measure()
             now = trio.current_time()
             for sb in list(self.sandboxes.values()):

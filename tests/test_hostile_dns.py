@@ -131,13 +131,13 @@ def check_codec(data: bytes) -> None:
 
 
 @given(st.binary(max_size=600))
-@settings(max_examples=1500)
+@settings(max_examples=300)
 def test_codec_arbitrary_bytes_typed_errors_only(data: bytes) -> None:
     check_codec(data)
 
 
 @given(queries())
-@settings(max_examples=2500)
+@settings(max_examples=500)
 def test_codec_malformed_queries_typed_errors_only(data: bytes) -> None:
     check_codec(data)
 
@@ -278,7 +278,7 @@ def check_answer(proxy: FakeUpstreamProxy, data: bytes, reply: bytes | None) -> 
 
 
 @given(queries(), upstreams(), st.sampled_from(POLICIES), st.booleans())
-@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_answer_is_well_formed_or_none_and_never_raises(
     data: bytes, ups: tuple[Upstream, Upstream], policy: dict[str, Any] | None, nft_fails: bool
 ) -> None:
@@ -295,7 +295,7 @@ def test_answer_is_well_formed_or_none_and_never_raises(
 
 
 @given(st.lists(label, min_size=1, max_size=4), st.sampled_from(POLICIES), upstreams())
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 def test_names_answered_by_policy_or_refused(
     labels: list[bytes], policy: dict[str, Any] | None, ups: tuple[Upstream, Upstream]
 ) -> None:
