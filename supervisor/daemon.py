@@ -143,8 +143,11 @@ def _check_socket_free(path: Path) -> None:
     except FileNotFoundError:
         return
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(2.0)  # a live one with a full backlog holds a blocking connect
         try:
             probe.connect(str(path))
+        except TimeoutError:
+            pass  # someone listens there, too busy to accept: live
         except OSError:
             return  # a dead supervisor's: the server replaces it
     raise Refused(f"another supervisor serves on {path}: stop it, or choose another --socket")
