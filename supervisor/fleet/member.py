@@ -1,0 +1,189 @@
+"""A supervisor as a member of a fleet: owns its Ray node and its driver connection.
+
+``serve --fleet RAY_ADDRESS --advertise HOST:PORT`` starts one :class:`FleetMember` in
+the daemon's nursery, after the registry and before the gRPC edge (which serves its
+:mod:`supervisor.fleet.service`). It:
+
+* starts this host's Ray node (:class:`~supervisor.fleet.raynode.RayNode`) with the
+  host's capacity as custom resources, connects as a driver, records itself
+  (``join``);
+* gives a slot back when a sandbox of the fleet placed here is removed (whatever edge
+  removed it), and sweeps reservations no Create followed;
+* tells the fleet which snapshots it caches (``--prefer-snapshot`` reads that);
+* watches Ray's node table: a member Ray reports dead has its sandboxes marked
+  ``lost`` and their slots released (any member may do it first; it is idempotent).
+
+Everything Ray does blocks, and runs in worker threads (:mod:`supervisor.fleet.ray_backend`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import attrs
+import trio
+
+from actors.errors import NotFound
+from actors.events import Lagged
+from actors.registry import Registry
+from supervisor.fleet.placement import PLACED, NodeSpec, Placed, Placement, Want
+from supervisor.fleet.ray_backend import RayPlacement
+from supervisor.fleet.raynode import RayNode, RayNodeConfig
+
+log = logging.getLogger("sandvisor.fleet")
+
+CONNECT_TIMEOUT = 120.0  # the Ray node's start and the driver's connection, on a loaded host
+WATCH_PERIOD = 1.0  # Ray's node table and our snapshots, read this often
+ORPHAN_GRACE = 120.0  # a reservation with no sandbox behind it is released after this
+
+
+@attrs.frozen
+class FleetConfig:
+    ray_address: str
+    advertise: str  # HOST:PORT of this supervisor's gRPC listener
+    node: str
+    slots: int
+    memory_mib: int
+    dir: Path  # <state>/fleet
+    head: bool = False
+
+    @property
+    def node_ip(self) -> str:
+        return self.advertise.rpartition(":")[0].strip("[]")
+
+    @property
+    def spec(self) -> NodeSpec:
+        return NodeSpec(self.node, self.advertise, self.slots, self.memory_mib)
+
+
+class FleetMember:
+    def __init__(self, cfg: FleetConfig, registry: Registry, placement: Placement | None = None) -> None:
+        self.cfg = cfg
+        self.registry = registry
+        self.backend = RayPlacement(cfg.ray_address, cfg.node_ip)
+        self.placement: Placement = placement or self.backend
+        self.raynode = RayNode(RayNodeConfig(cfg.ray_address, cfg.node_ip, cfg.spec, cfg.dir, head=cfg.head))
+        self.handled_dead: set[str] = set()
+        self.lost_events: list[Placed] = []  # what this member saw lost (newest last)
+
+    @property
+    def name(self) -> str:
+        return self.cfg.node
+
+    async def run(self, task_status: trio.TaskStatus[FleetMember] = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self.raynode.run)
+            try:
+                await self.backend.connect(CONNECT_TIMEOUT)
+                await self.placement.join(self.cfg.spec)
+                log.info(
+                    "fleet: joined %s as %s (%d slots, %d MiB), advertised at %s",
+                    self.cfg.ray_address,
+                    self.name,
+                    self.cfg.slots,
+                    self.cfg.memory_mib,
+                    self.cfg.advertise,
+                )
+                nursery.start_soon(self._watch_removals)
+                nursery.start_soon(self._watch)
+                task_status.started(self)
+                await trio.sleep_forever()
+            finally:
+                await self.backend.close()
+                nursery.cancel_scope.cancel()
+
+    # -- the edge's verbs (supervisor/fleet/service.py) ------------------------------------
+    async def reserve(self, want: Want) -> Placed:
+        return await self.placement.reserve(want)
+
+    # -- slots back when sandboxes go -------------------------------------------------------
+    async def _watch_removals(self) -> None:
+        while True:
+            sub = self.registry.events.subscribe(action="removed")
+            try:
+                async for ev in sub:
+                    await self._release_if_mine(ev.sandbox_id)
+            except Lagged:
+                log.info("fleet: removal events lagged: the sweep catches up")
+            finally:
+                self.registry.events.unsubscribe(sub)
+
+    async def _release_if_mine(self, name: str) -> None:
+        try:
+            rec = await self.placement.resolve(name)
+        except NotFound:
+            return
+        if rec.node == self.name and rec.state == PLACED:
+            await self.placement.release(name)
+            log.info("fleet: %s removed here: its slot is released", name)
+
+    async def _sweep(self) -> None:
+        """Reservations placed here that no sandbox followed (a client that died between
+        Reserve and Create) go back after a grace."""
+        now = time.time()
+        for rec in await self.placement.placed():
+            if (
+                rec.node == self.name
+                and rec.state == PLACED
+                and rec.name not in self.registry.sandboxes
+                and now - rec.created_at > ORPHAN_GRACE
+            ):
+                await self.placement.release(rec.name)
+                log.info("fleet: reservation %s had no sandbox after %.0f s: released", rec.name, ORPHAN_GRACE)
+
+    # -- Ray's view of the nodes, our snapshots ---------------------------------------------------
+    async def _watch(self) -> None:
+        reported: list[str] | None = None
+        sweep_at = trio.current_time() + ORPHAN_GRACE / 4
+        while True:
+            for node in await self.placement.dead():
+                if node == self.name:
+                    continue
+                lost = await self.placement.node_lost(node)
+                if node not in self.handled_dead or lost:
+                    self.handled_dead.add(node)
+                    self.lost_events += lost
+                    log.warning(
+                        "fleet: node %s is dead (Ray): %s lost, slots released",
+                        node,
+                        ", ".join(p.name for p in lost) or "no sandbox",
+                    )
+            snaps = sorted(r.id for r in self.registry.snapshots.select())
+            if snaps != reported:
+                await self.placement.cached(self.name, snaps)
+                reported = snaps
+            if trio.current_time() >= sweep_at:
+                await self._sweep()
+                sweep_at = trio.current_time() + ORPHAN_GRACE / 4
+            await trio.sleep(WATCH_PERIOD)
+
+
+def fleet_config(
+    ray_address: str,
+    advertise: str,
+    node: str | None,
+    slots: int,
+    memory_mib: int,
+    state_dir: Path,
+    head: bool,
+) -> FleetConfig:
+    """``serve``'s fleet flags as a :class:`FleetConfig` (ValueError names the flag)."""
+    host, sep, port = ray_address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"--fleet {ray_address!r}: expected HOST:PORT of the Ray head")
+    ahost, sep, aport = advertise.rpartition(":")
+    if not sep or not ahost or not aport.isdigit():
+        raise ValueError(f"--advertise {advertise!r}: expected HOST:PORT")
+    if slots <= 0 or memory_mib <= 0:
+        raise ValueError("--fleet-slots and --fleet-memory must be more than 0")
+    return FleetConfig(
+        ray_address,
+        advertise,
+        node or ahost.strip("[]"),
+        slots,
+        memory_mib,
+        state_dir / "fleet",
+        head=head,
+    )
