@@ -71,13 +71,13 @@ class RayApi:
     """The blocking calls into Ray (each one runs in a worker thread)."""
 
     def __init__(self) -> None:
+        import importlib
+
         import ray
-        from ray.experimental import internal_kv
-        from ray.util import placement_group as pgs
 
         self.ray: Any = ray
-        self.kv: Any = internal_kv
-        self.pgs: Any = pgs
+        self.kv: Any = importlib.import_module("ray.experimental.internal_kv")
+        self.pgs: Any = importlib.import_module("ray.util.placement_group")  # (ray.util's attribute is a function)
 
     def connect(self, address: str, node_ip: str) -> None:
         self.ray.init(
