@@ -67,6 +67,7 @@ class MemoryKind(enum.StrEnum):
 
     MAPPED = "mapped"
     STREAMED = "streamed"
+    DISK = "disk"  # none: a snapshot of a stopped sandbox, its disk alone (restores boot)
 
 
 @attrs.frozen

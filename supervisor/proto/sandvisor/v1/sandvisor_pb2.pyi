@@ -571,6 +571,37 @@ class DeleteVolumeRequest(_message.Message):
     force: bool
     def __init__(self, name: _Optional[str] = ..., force: _Optional[bool] = ...) -> None: ...
 
+class ExportSnapshotRequest(_message.Message):
+    __slots__ = ("snapshot_id", "include_base")
+    SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_BASE_FIELD_NUMBER: _ClassVar[int]
+    snapshot_id: str
+    include_base: bool
+    def __init__(self, snapshot_id: _Optional[str] = ..., include_base: _Optional[bool] = ...) -> None: ...
+
+class ImportSnapshotOpen(_message.Message):
+    __slots__ = ("name", "labels")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    labels: _containers.ScalarMap[str, str]
+    def __init__(self, name: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class ImportSnapshotRequest(_message.Message):
+    __slots__ = ("open", "chunk")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    open: ImportSnapshotOpen
+    chunk: _sandbox_pb2.FileChunk
+    def __init__(self, open: _Optional[_Union[ImportSnapshotOpen, _Mapping]] = ..., chunk: _Optional[_Union[_sandbox_pb2.FileChunk, _Mapping]] = ...) -> None: ...
+
 class FleetReserveRequest(_message.Message):
     __slots__ = ("name", "memory_mib", "node", "prefer_snapshot", "timeout_seconds")
     NAME_FIELD_NUMBER: _ClassVar[int]

@@ -185,6 +185,16 @@ class SandvisorServiceStub:
                 request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.RunRequest.SerializeToString,
                 response_deserializer=sandbox_dot_v1_dot_sandbox__pb2.RunOutput.FromString,
                 _registered_method=True)
+        self.ExportSnapshot = channel.unary_stream(
+                '/sandvisor.v1.SandvisorService/ExportSnapshot',
+                request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.ExportSnapshotRequest.SerializeToString,
+                response_deserializer=sandbox_dot_v1_dot_sandbox__pb2.FileChunk.FromString,
+                _registered_method=True)
+        self.ImportSnapshot = channel.stream_unary(
+                '/sandvisor.v1.SandvisorService/ImportSnapshot',
+                request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.ImportSnapshotRequest.SerializeToString,
+                response_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.SnapshotSummary.FromString,
+                _registered_method=True)
 
 
 class SandvisorServiceServicer:
@@ -403,6 +413,25 @@ class SandvisorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExportSnapshot(self, request, context):
+        """--- snapshot export and import (docs/snapshot-transfer.md) ---
+        A snapshot as one export file (framed, versioned, SHA-256 in its trailer); the
+        last chunk has done == true.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ImportSnapshot(self, request_iterator, context):
+        """An export file's bytes: open first, then chunks (the last done). A new snapshot
+        (new id), recorded only once every byte arrived and matched the digest;
+        INVALID_ARGUMENT for a corrupt or truncated file, FAILED_PRECONDITION for a
+        format version this server does not read or a base image it lacks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SandvisorServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -555,6 +584,16 @@ def add_SandvisorServiceServicer_to_server(servicer, server):
                     servicer.Run,
                     request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.RunRequest.FromString,
                     response_serializer=sandbox_dot_v1_dot_sandbox__pb2.RunOutput.SerializeToString,
+            ),
+            'ExportSnapshot': grpc.unary_stream_rpc_method_handler(
+                    servicer.ExportSnapshot,
+                    request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.ExportSnapshotRequest.FromString,
+                    response_serializer=sandbox_dot_v1_dot_sandbox__pb2.FileChunk.SerializeToString,
+            ),
+            'ImportSnapshot': grpc.stream_unary_rpc_method_handler(
+                    servicer.ImportSnapshot,
+                    request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.ImportSnapshotRequest.FromString,
+                    response_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.SnapshotSummary.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1367,6 +1406,60 @@ class SandvisorService:
             '/sandvisor.v1.SandvisorService/Run',
             sandvisor_dot_v1_dot_sandvisor__pb2.RunRequest.SerializeToString,
             sandbox_dot_v1_dot_sandbox__pb2.RunOutput.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportSnapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/sandvisor.v1.SandvisorService/ExportSnapshot',
+            sandvisor_dot_v1_dot_sandvisor__pb2.ExportSnapshotRequest.SerializeToString,
+            sandbox_dot_v1_dot_sandbox__pb2.FileChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ImportSnapshot(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/sandvisor.v1.SandvisorService/ImportSnapshot',
+            sandvisor_dot_v1_dot_sandvisor__pb2.ImportSnapshotRequest.SerializeToString,
+            sandvisor_dot_v1_dot_sandvisor__pb2.SnapshotSummary.FromString,
             options,
             channel_credentials,
             insecure,
