@@ -256,6 +256,13 @@ def _fleet_config(cfg: DaemonConfig, grpc_addrs: list[Address]) -> FleetConfig |
     if not cfg.advertise:
         raise Refused("--fleet needs --advertise HOST:PORT (the --grpc address other hosts reach this one at)")
     from supervisor.fleet.member import fleet_config
+    from supervisor.fleet.transfer import NodeTls
+
+    tls = (
+        NodeTls(cfg.grpc_client_ca, cfg.grpc_cert, cfg.grpc_key)
+        if cfg.grpc_client_ca and cfg.grpc_cert and cfg.grpc_key
+        else None
+    )
 
     try:
         fc = fleet_config(
@@ -266,6 +273,7 @@ def _fleet_config(cfg: DaemonConfig, grpc_addrs: list[Address]) -> FleetConfig |
             cfg.fleet_memory_mib,
             cfg.state_dir,
             cfg.fleet_head,
+            tls,
         )
     except ValueError as exc:
         raise Refused(str(exc)) from None

@@ -92,9 +92,7 @@ def make_pki(dir: Path, nodes: dict[str, str]) -> None:
             )
         )
         if ip is not None:
-            b = b.add_extension(
-                x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(ip))]), critical=False
-            )
+            b = b.add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(ip))]), critical=False)
         write(cn, b.sign(ca_key, hashes.SHA256()), key)
 
     for node, ip in nodes.items():
@@ -138,13 +136,15 @@ class FleetLab:
             "SANDVISOR_FLEET_KEY": str(self.pki / "client.key"),
         }
 
-    def cli(self, host: str, *args: str, via: str | None = None, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    def cli(
+        self, host: str, *args: str, via: str | None = None, timeout: float = 600
+    ) -> subprocess.CompletedProcess[str]:
         """``sandvisor --fleet ADDRESS ARGS`` run in ``host``'s namespace, asking ``via``'s member
         (default: the same host's)."""
         h = self.hosts[host]
         address = self.hosts[via or host].address
         argv = ["ip", "netns", "exec", h.ns, sys.executable, "-m", "supervisor.cli", "--fleet", address, *args]
-        return subprocess.run(argv, env=self.client_env(), capture_output=True, text=True, timeout=timeout)
+        return subprocess.run(argv, check=False, env=self.client_env(), capture_output=True, text=True, timeout=timeout)
 
     def ok(self, host: str, *args: str, via: str | None = None, timeout: float = 600) -> str:
         r = self.cli(host, *args, via=via, timeout=timeout)
@@ -154,7 +154,7 @@ class FleetLab:
     def python(self, host: str, code: str, timeout: float = 600) -> str:
         """A Python snippet (the SDK) in ``host``'s namespace; its stdout."""
         argv = ["ip", "netns", "exec", self.hosts[host].ns, sys.executable, "-c", code]
-        r = subprocess.run(argv, env=self.client_env(), capture_output=True, text=True, timeout=timeout)
+        r = subprocess.run(argv, check=False, env=self.client_env(), capture_output=True, text=True, timeout=timeout)
         assert r.returncode == 0, r.stderr[-3000:]
         return r.stdout
 
@@ -185,7 +185,8 @@ class FleetLab:
         argv = [
             "ip", "netns", "exec", h.ns, sys.executable, "-m", "supervisor.cli", "serve",
             "--accel", "tcg", "--run-root", str(h.work.run_root), "--ip-pool", "none",
-            "--grpc", h.address, "--grpc-cert", str(self.pki / f"{name}.pem"), "--grpc-key", str(self.pki / f"{name}.key"),
+            "--grpc", h.address,
+            "--grpc-cert", str(self.pki / f"{name}.pem"), "--grpc-key", str(self.pki / f"{name}.key"),
             "--grpc-client-ca", str(self.pki / "ca.pem"),
             "--fleet", f"{head.ip}:{RAY_PORT}", "--advertise", h.address, "--fleet-node", name,
             "--fleet-slots", str(slots), "--fleet-memory", str(memory_mib),
@@ -219,7 +220,7 @@ class FleetLab:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(group, signal.SIGKILL)
                 pids.append(group)
-        out = subprocess.run(["ip", "netns", "pids", h.ns], capture_output=True, text=True).stdout
+        out = subprocess.run(["ip", "netns", "pids", h.ns], check=False, capture_output=True, text=True).stdout
         for pid in map(int, out.split()):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)

@@ -177,13 +177,21 @@ class Fleet:
         lease = self.reserve(name, node=node, prefer_snapshot=snapshot_id, wait=wait)
         try:
             target = self._node(lease.address)
-            self._call(target.snapshots.Restore, sb_pb.RestoreRequest(id=name, snapshot_id=snapshot_id))
+            fetched = self.fetch(lease.address, snapshot_id)
+            self._call(target.snapshots.Restore, sb_pb.RestoreRequest(id=name, snapshot_id=fetched.snapshot_id))
             return FleetSandbox(self, lease)
         except BaseException:
             try:
                 self.release(name)
             finally:
                 raise
+
+    def fetch(self, address: str, snapshot_id: str) -> pb.FleetFetchResponse:
+        """The fleet's snapshot on the node at ``address`` (pulled there from a node that
+        caches it, node to node, unless it is there): its id on that node."""
+        req = pb.FleetFetchRequest(snapshot_id=snapshot_id)
+        out: pb.FleetFetchResponse = self._call(self._node(address).fleet.Fetch, req, timeout=3600)
+        return out
 
     def get(self, name: str) -> FleetSandbox:
         """The sandbox of this name, wherever it runs (NOT_FOUND: none)."""
@@ -233,6 +241,12 @@ class FleetSandbox:
         return str(self.record.state)
 
     def _target(self) -> _Node:
+        if self.state == "lost":
+            raise error_for(
+                "FAILED_PRECONDITION",
+                f"sandbox {self.name} was on node {self.node}, which is lost: restore its last checkpoint "
+                "elsewhere (Fleet.restore), then remove it (its record goes)",
+            )
         return self.fleet._node(self.address)
 
     def inspect(self) -> sb_pb.SandboxInfo:

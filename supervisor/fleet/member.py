@@ -31,6 +31,7 @@ from actors.registry import Registry
 from supervisor.fleet.placement import PLACED, NodeSpec, Placed, Placement, Want
 from supervisor.fleet.ray_backend import RayPlacement
 from supervisor.fleet.raynode import RayNode, RayNodeConfig
+from supervisor.fleet.transfer import NodeTls, Pulled, fleet_id, pull
 
 log = logging.getLogger("sandvisor.fleet")
 
@@ -48,6 +49,7 @@ class FleetConfig:
     memory_mib: int
     dir: Path  # <state>/fleet
     head: bool = False
+    tls: NodeTls | None = None  # towards the other members (None: --grpc-insecure, loopback tests)
 
     @property
     def node_ip(self) -> str:
@@ -67,6 +69,7 @@ class FleetMember:
         self.raynode = RayNode(RayNodeConfig(cfg.ray_address, cfg.node_ip, cfg.spec, cfg.dir, head=cfg.head))
         self.handled_dead: set[str] = set()
         self.lost_events: list[Placed] = []  # what this member saw lost (newest last)
+        self._fetching = trio.Lock()  # one pull at a time: a second of the same finds it here
 
     @property
     def name(self) -> str:
@@ -97,6 +100,33 @@ class FleetMember:
     # -- the edge's verbs (supervisor/fleet/service.py) ------------------------------------
     async def reserve(self, want: Want) -> Placed:
         return await self.placement.reserve(want)
+
+    def cached(self) -> dict[str, str]:
+        """The fleet's snapshots here: fleet id -> local id."""
+        return {fleet_id(r): r.id for r in self.registry.snapshots.select()}
+
+    async def fetch(self, snapshot_id: str) -> tuple[str, Pulled | None]:
+        """The local id of the fleet's snapshot ``snapshot_id``, pulled from a member that
+        caches it unless it is here (and the pull, if there was one)."""
+        async with self._fetching:
+            local = self.cached().get(snapshot_id)
+            if local is not None:
+                return local, None
+            sources = [s for s in await self.placement.sources(snapshot_id) if s.node != self.name]
+            if not sources:
+                raise NotFound(f"snapshot {snapshot_id} is cached on no live node of the fleet")
+            source = sources[0]
+            pulled = await pull(self.registry, source, snapshot_id, self.cfg.tls)
+            log.info(
+                "fleet: snapshot %s pulled from %s as %s: %.1f MiB in %.2f s",
+                snapshot_id,
+                source.node,
+                pulled.record.id,
+                pulled.bytes / 2**20,
+                pulled.seconds,
+            )
+            await self.placement.cached(self.name, self.cached())
+            return pulled.record.id, pulled
 
     # -- slots back when sandboxes go -------------------------------------------------------
     async def _watch_removals(self) -> None:
@@ -135,7 +165,7 @@ class FleetMember:
 
     # -- Ray's view of the nodes, our snapshots ---------------------------------------------------
     async def _watch(self) -> None:
-        reported: list[str] | None = None
+        reported: dict[str, str] | None = None
         sweep_at = trio.current_time() + ORPHAN_GRACE / 4
         while True:
             for node in await self.placement.dead():
@@ -150,7 +180,7 @@ class FleetMember:
                         node,
                         ", ".join(p.name for p in lost) or "no sandbox",
                     )
-            snaps = sorted(r.id for r in self.registry.snapshots.select())
+            snaps = self.cached()
             if snaps != reported:
                 await self.placement.cached(self.name, snaps)
                 reported = snaps
@@ -168,6 +198,7 @@ def fleet_config(
     memory_mib: int,
     state_dir: Path,
     head: bool,
+    tls: NodeTls | None = None,
 ) -> FleetConfig:
     """``serve``'s fleet flags as a :class:`FleetConfig` (ValueError names the flag)."""
     host, sep, port = ray_address.rpartition(":")
@@ -186,4 +217,5 @@ def fleet_config(
         memory_mib,
         state_dir / "fleet",
         head=head,
+        tls=tls,
     )

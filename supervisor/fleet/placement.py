@@ -8,7 +8,8 @@ Four verbs (docs/fleet.md), one backend today (:mod:`supervisor.fleet.ray_backen
     node_lost(node) every sandbox of a dead node marked lost, slots back     -> [Placed]
 
 plus what the edges show (``placed()``, ``nodes()``), how a member joins (``join``),
-reports the snapshots it caches (``cached``) and learns of dead nodes (``dead``). A
+reports the snapshots it caches (``cached``: fleet id -> its local id; ``sources``
+finds them) and learns of dead nodes (``dead``). A
 Kubernetes backend (agent-sandbox's CRDs) would implement the same protocol.
 """
 
@@ -67,6 +68,15 @@ class NodeView:
     snapshots: tuple[str, ...] = ()
 
 
+@attrs.frozen
+class Source:
+    """A live member that caches a snapshot of the fleet, and its id there."""
+
+    node: str
+    address: str
+    snapshot_id: str
+
+
 class Placement(Protocol):
     async def join(self, node: NodeSpec) -> None: ...
 
@@ -82,6 +92,8 @@ class Placement(Protocol):
 
     async def nodes(self) -> list[NodeView]: ...
 
-    async def cached(self, node: str, snapshot_ids: list[str]) -> None: ...
+    async def cached(self, node: str, snapshots: dict[str, str]) -> None: ...
+
+    async def sources(self, snapshot_id: str) -> list[Source]: ...
 
     async def dead(self) -> list[str]: ...

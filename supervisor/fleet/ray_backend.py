@@ -30,7 +30,7 @@ import attrs
 import trio
 
 from actors.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
-from supervisor.fleet.placement import LOST, PLACED, NodeSpec, NodeView, Placed, Want
+from supervisor.fleet.placement import LOST, PLACED, NodeSpec, NodeView, Placed, Source, Want
 
 NAMESPACE = "sandvisor"
 SLOT = "sandvisor_slot"
@@ -188,8 +188,20 @@ class RayPlacement:
         record = {**attrs.asdict(node), "ray_node_id": ray_id, "joined_at": time.time()}
         await self._call(api.put, f"node/{node.name}", json.dumps(record).encode())
 
-    async def cached(self, node: str, snapshot_ids: list[str]) -> None:
-        await self._call(self._api().put, f"snaps/{node}", json.dumps(sorted(snapshot_ids)).encode())
+    async def cached(self, node: str, snapshots: dict[str, str]) -> None:
+        await self._call(self._api().put, f"snaps/{node}", json.dumps(snapshots, sort_keys=True).encode())
+
+    async def sources(self, snapshot_id: str) -> list[Source]:
+        """Live members that cache the fleet's snapshot ``snapshot_id``."""
+        alive = await self._alive_ids()
+        nodes = {n["name"]: n for n in await self._node_records() if alive.get(n["ray_node_id"], False)}
+        out = []
+        for key, raw in await self._call(self._api().items, "snaps/"):
+            name = key.removeprefix("snaps/")
+            local = json.loads(raw).get(snapshot_id)
+            if local and name in nodes:
+                out.append(Source(name, nodes[name]["address"], local))
+        return sorted(out, key=lambda s: s.node)
 
     # -- the four verbs ------------------------------------------------------------------
     async def reserve(self, want: Want) -> Placed:
@@ -295,8 +307,7 @@ class RayPlacement:
         return [json.loads(v) for _, v in items]
 
     async def _caching(self, snapshot_id: str) -> list[str]:
-        items = await self._call(self._api().items, "snaps/")
-        return sorted(k.removeprefix("snaps/") for k, v in items if snapshot_id in json.loads(v))
+        return [s.node for s in await self.sources(snapshot_id)]
 
     async def _alive_ids(self) -> dict[str, bool]:
         return {n["NodeID"]: bool(n["Alive"]) for n in await self._call(self._api().ray_nodes)}
@@ -322,7 +333,7 @@ class RayPlacement:
                     len(mine),
                     n["memory_mib"],
                     sum(p.memory_mib for p in mine),
-                    tuple(json.loads(snaps.get(f"snaps/{n['name']}", b"[]"))),
+                    tuple(sorted(json.loads(snaps.get(f"snaps/{n['name']}", b"{}")))),
                 )
             )
         return out

@@ -78,12 +78,21 @@ def methods(member: FleetMember) -> list[G.Method]:
     async def nodes(msg: pb.FleetListRequest, call: Any) -> pb.FleetNodes:
         return pb.FleetNodes(nodes=[node_pb(n) for n in await placement.nodes()])
 
+    async def fetch(msg: pb.FleetFetchRequest, call: Any) -> pb.FleetFetchResponse:
+        local, pulled = await member.fetch(msg.snapshot_id)
+        if pulled is None:
+            return pb.FleetFetchResponse(snapshot_id=local)
+        return pb.FleetFetchResponse(
+            snapshot_id=local, source=pulled.source, bytes=pulled.bytes, seconds=pulled.seconds
+        )
+
     table: list[tuple[str, Any, type[Any], type[Any]]] = [
         ("Reserve", reserve, pb.FleetReserveRequest, pb.FleetSandbox),
         ("Resolve", resolve, pb.FleetNameRequest, pb.FleetSandbox),
         ("Release", release, pb.FleetNameRequest, sandbox_pb2.Empty),
         ("ListSandboxes", sandboxes, pb.FleetListRequest, pb.FleetSandboxes),
         ("ListNodes", nodes, pb.FleetListRequest, pb.FleetNodes),
+        ("Fetch", fetch, pb.FleetFetchRequest, pb.FleetFetchResponse),
     ]
     return [
         G.Method(

@@ -602,6 +602,24 @@ class ImportSnapshotRequest(_message.Message):
     chunk: _sandbox_pb2.FileChunk
     def __init__(self, open: _Optional[_Union[ImportSnapshotOpen, _Mapping]] = ..., chunk: _Optional[_Union[_sandbox_pb2.FileChunk, _Mapping]] = ...) -> None: ...
 
+class FleetFetchRequest(_message.Message):
+    __slots__ = ("snapshot_id",)
+    SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
+    snapshot_id: str
+    def __init__(self, snapshot_id: _Optional[str] = ...) -> None: ...
+
+class FleetFetchResponse(_message.Message):
+    __slots__ = ("snapshot_id", "source", "bytes", "seconds")
+    SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    snapshot_id: str
+    source: str
+    bytes: int
+    seconds: float
+    def __init__(self, snapshot_id: _Optional[str] = ..., source: _Optional[str] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
 class FleetReserveRequest(_message.Message):
     __slots__ = ("name", "memory_mib", "node", "prefer_snapshot", "timeout_seconds")
     NAME_FIELD_NUMBER: _ClassVar[int]

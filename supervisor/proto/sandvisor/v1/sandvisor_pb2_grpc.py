@@ -1509,6 +1509,11 @@ class FleetServiceStub:
                 request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.FleetListRequest.SerializeToString,
                 response_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.FleetNodes.FromString,
                 _registered_method=True)
+        self.Fetch = channel.unary_unary(
+                '/sandvisor.v1.FleetService/Fetch',
+                request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.FleetFetchRequest.SerializeToString,
+                response_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.FleetFetchResponse.FromString,
+                _registered_method=True)
 
 
 class FleetServiceServicer:
@@ -1554,6 +1559,15 @@ class FleetServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Fetch(self, request, context):
+        """The fleet's snapshot on this node: its local id, fetched first from a node that
+        caches it (node to node, mTLS: ExportSnapshot there, ImportSnapshot here,
+        digest-checked) unless this node has it. NOT_FOUND: no live node caches it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_FleetServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -1581,6 +1595,11 @@ def add_FleetServiceServicer_to_server(servicer, server):
                     servicer.ListNodes,
                     request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.FleetListRequest.FromString,
                     response_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.FleetNodes.SerializeToString,
+            ),
+            'Fetch': grpc.unary_unary_rpc_method_handler(
+                    servicer.Fetch,
+                    request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.FleetFetchRequest.FromString,
+                    response_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.FleetFetchResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1722,6 +1741,33 @@ class FleetService:
             '/sandvisor.v1.FleetService/ListNodes',
             sandvisor_dot_v1_dot_sandvisor__pb2.FleetListRequest.SerializeToString,
             sandvisor_dot_v1_dot_sandvisor__pb2.FleetNodes.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Fetch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandvisor.v1.FleetService/Fetch',
+            sandvisor_dot_v1_dot_sandvisor__pb2.FleetFetchRequest.SerializeToString,
+            sandvisor_dot_v1_dot_sandvisor__pb2.FleetFetchResponse.FromString,
             options,
             channel_credentials,
             insecure,
