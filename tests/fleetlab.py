@@ -158,6 +158,17 @@ class FleetLab:
         assert r.returncode == 0, r.stderr[-3000:]
         return r.stdout
 
+    @contextlib.contextmanager
+    def reporting(self) -> Iterator[None]:
+        """On an error: the supervisors' logs on stdout (pytest shows them with the failure)."""
+        try:
+            yield
+        except BaseException:
+            for h in self.hosts.values():
+                if h.log.exists():
+                    print(f"--- serve on {h.name} ---\n{h.log.read_text()[-6000:]}")
+            raise
+
     def nodes(self, host: str = "a") -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = json.loads(self.ok(host, "nodes", "--json"))
         return out

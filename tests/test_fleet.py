@@ -40,15 +40,10 @@ MEMORY = "256"  # MiB per guest: four of them and Ray on a shared machine
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetLab]:
     with fleet_lab(Path(tmp_path_factory.mktemp("fleet"))) as lab:
-        try:
+        with lab.reporting():
             lab.start("a")
             lab.start("b")
-            yield lab
-        except BaseException:
-            for h in lab.hosts.values():  # what the supervisors said, for the failure's report
-                if h.log.exists():
-                    print(f"--- serve on {h.name} ---\n{h.log.read_text()[-4000:]}")
-            raise
+        yield lab
 
 
 def _slots_used(lab: FleetLab, node: str) -> int:
@@ -56,6 +51,11 @@ def _slots_used(lab: FleetLab, node: str) -> int:
 
 
 def test_fleet_places_finds_moves_and_survives_a_node(lab: FleetLab) -> None:
+    with lab.reporting():
+        _walk(lab)
+
+
+def _walk(lab: FleetLab) -> None:
     nodes = {n["name"]: n for n in lab.nodes("b")}
     assert set(nodes) == {"a", "b"} and all(n["alive"] and n["slots"] == 2 for n in nodes.values())
 
@@ -80,8 +80,10 @@ def test_fleet_places_finds_moves_and_survives_a_node(lab: FleetLab) -> None:
 
     # found by name from the other host's client, which then talks to the owner itself
     for name, node in placed.items():
+        lab.ok(node, "run", name, "--", "sh", "-c", f"echo {name} > /root/me")
+    for name, node in placed.items():
         other = "b" if node == "a" else "a"
-        assert lab.ok(other, "run", name, "--", "hostname").strip() == name
+        assert lab.ok(other, "run", name, "--", "cat", "/root/me").strip() == name
     on_a = sorted(n for n, v in placed.items() if v == "a")
     on_b = sorted(n for n, v in placed.items() if v == "b")
     sdk = (

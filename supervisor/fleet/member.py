@@ -18,14 +18,16 @@ Everything Ray does blocks, and runs in worker threads (:mod:`supervisor.fleet.r
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import attrs
 import trio
 
-from actors.errors import NotFound
+from actors.errors import InvalidArgument, NotFound
 from actors.events import Lagged
 from actors.registry import Registry
 from supervisor.fleet.placement import PLACED, NodeSpec, Placed, Placement, Want
@@ -134,7 +136,8 @@ class FleetMember:
             sub = self.registry.events.subscribe(action="removed")
             try:
                 async for ev in sub:
-                    await self._release_if_mine(ev.sandbox_id)
+                    with _logged("releasing the slot of " + ev.sandbox_id):
+                        await self._release_if_mine(ev.sandbox_id)
             except Lagged:
                 log.info("fleet: removal events lagged: the sweep catches up")
             finally:
@@ -143,7 +146,7 @@ class FleetMember:
     async def _release_if_mine(self, name: str) -> None:
         try:
             rec = await self.placement.resolve(name)
-        except NotFound:
+        except (NotFound, InvalidArgument):  # not the fleet's (a template's boot, a local Create)
             return
         if rec.node == self.name and rec.state == PLACED:
             await self.placement.release(name)
@@ -168,26 +171,41 @@ class FleetMember:
         reported: dict[str, str] | None = None
         sweep_at = trio.current_time() + ORPHAN_GRACE / 4
         while True:
-            for node in await self.placement.dead():
-                if node == self.name:
-                    continue
-                lost = await self.placement.node_lost(node)
-                if node not in self.handled_dead or lost:
-                    self.handled_dead.add(node)
-                    self.lost_events += lost
-                    log.warning(
-                        "fleet: node %s is dead (Ray): %s lost, slots released",
-                        node,
-                        ", ".join(p.name for p in lost) or "no sandbox",
-                    )
-            snaps = self.cached()
-            if snaps != reported:
-                await self.placement.cached(self.name, snaps)
-                reported = snaps
+            with _logged("watching the fleet"):
+                reported = await self._watch_once(reported)
             if trio.current_time() >= sweep_at:
-                await self._sweep()
+                with _logged("sweeping reservations"):
+                    await self._sweep()
                 sweep_at = trio.current_time() + ORPHAN_GRACE / 4
             await trio.sleep(WATCH_PERIOD)
+
+    async def _watch_once(self, reported: dict[str, str] | None) -> dict[str, str] | None:
+        """Dead members' sandboxes marked lost; this node's snapshots told (if they changed)."""
+        for node in await self.placement.dead():
+            if node == self.name:
+                continue
+            lost = await self.placement.node_lost(node)
+            if node not in self.handled_dead or lost:
+                self.handled_dead.add(node)
+                self.lost_events += lost
+                log.warning(
+                    "fleet: node %s is dead (Ray): %s lost, slots released",
+                    node,
+                    ", ".join(p.name for p in lost) or "no sandbox",
+                )
+        snaps = self.cached()
+        if snaps != reported:
+            await self.placement.cached(self.name, snaps)
+        return snaps
+
+
+@contextlib.contextmanager
+def _logged(what: str) -> Iterator[None]:
+    """A background step that failed is logged; the member goes on (the next round retries)."""
+    try:
+        yield
+    except Exception as exc:  # (Ray's errors too: the cluster may be busy or a head restarting)
+        log.warning("fleet: %s failed: %s: %s", what, type(exc).__name__, exc)
 
 
 def fleet_config(
