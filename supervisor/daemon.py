@@ -16,7 +16,6 @@ import importlib.util
 import ipaddress
 import logging
 import os
-import shutil
 import signal
 import socket
 import stat
@@ -284,8 +283,6 @@ def _fleet_config(cfg: DaemonConfig, grpc_addrs: list[Address]) -> FleetConfig |
         raise Refused(
             f"--advertise {cfg.advertise}: a fleet's listener is mTLS (--grpc-cert, --grpc-key, --grpc-client-ca)"
         )
-    if shutil.which("setpriv") is None:
-        raise Refused("--fleet needs setpriv (util-linux) to tie Ray's processes to this one")
     if importlib.util.find_spec("ray") is None:
         raise Refused("--fleet needs Ray: pip install 'sandvisor[fleet]'")
     return fc

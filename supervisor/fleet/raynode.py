@@ -3,10 +3,12 @@
 ``ray start --block`` (the head, or a worker joining the head) runs in its own session,
 so its process group is all of Ray's processes here (raylet, GCS, agents); the stop
 signals that group by its id (never ``ray stop``, which kills every Ray process of the
-machine by name). ``setpriv --pdeathsig KILL``: if the supervisor dies without a
-stop (kill -9), ``ray start`` dies with it, and Ray's own children die with ``ray
-start`` (Ray starts them with the same parent-death signal). The group id is written to
-``<state>/fleet/ray.pid``; a later start kills a group left there (a crash) first.
+machine by name). The group id is written to ``<state>/fleet/ray.pid``. A supervisor
+killed without a stop (kill -9) leaves its Ray node running, as it leaves its QEMUs
+(which a restart adopts): the fleet still sees the node alive and its sandboxes placed;
+the restart kills that group first and starts a fresh node. (No parent-death signal:
+Trio spawns from a worker thread, and Linux sends it when that *thread* exits, which
+killed the node at random.)
 """
 
 from __future__ import annotations
@@ -113,7 +115,7 @@ class RayNode:
         }
         with open(cfg.dir / "ray.log", "ab") as out:
             proc = await trio.lowlevel.open_process(
-                ["setpriv", "--pdeathsig", "KILL", *argv(cfg)],
+                argv(cfg),
                 start_new_session=True,
                 stdin=subprocess.DEVNULL,
                 stdout=out,
@@ -138,7 +140,7 @@ class RayNode:
                 os.killpg(proc.pid, sig)
             with trio.move_on_after(grace):
                 await proc.wait()
-                # the group's other processes: gone with `ray start` (pdeathsig), or now
+                # the group's other processes (Ray's own children die with `ray start`), or now
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 return
