@@ -417,8 +417,6 @@ def _client_command(argv: list[str]) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    from supervisor.cli_fleet import is_fleet_command
-
     if is_fleet_command(argv):  # `sandvisor --fleet ADDRESS ...`, `sandvisor fleet nodes`
         return _fleet_main(argv)
     # everything after the first "--" is the sandbox command, never our options
@@ -442,6 +440,15 @@ def main(argv: list[str] | None = None) -> int:
         fail(str(exc), 1)
     except KeyboardInterrupt:
         fail("interrupted", 130)
+
+
+def is_fleet_command(argv: list[str]) -> bool:
+    """``--fleet ADDRESS`` before the command, or the ``fleet`` command (supervisor/cli_fleet.py)."""
+    for word in argv:
+        if word in ("-v", "--verbose"):
+            continue
+        return word in {"fleet", "--fleet"} or word.startswith("--fleet=")
+    return False
 
 
 def _fleet_main(argv: list[str]) -> int:

@@ -20,15 +20,6 @@ from supervisor.cli_common import UsageError
 USAGE = "sandvisor --fleet ADDRESS [--ca PEM --cert PEM --key PEM] COMMAND ..."
 
 
-def is_fleet_command(argv: list[str]) -> bool:
-    """``--fleet ADDRESS`` before the command, or the ``fleet`` command."""
-    for word in argv:
-        if word in ("-v", "--verbose"):
-            continue
-        return word in {"fleet", "--fleet"} or word.startswith("--fleet=")
-    return False
-
-
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="sandvisor --fleet ADDRESS", description="the fleet's sandboxes, on any host")
     p.add_argument("-v", "--verbose", action="store_true")

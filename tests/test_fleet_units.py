@@ -11,7 +11,7 @@ import pytest
 import trio
 
 from actors.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
-from supervisor.cli_fleet import is_fleet_command
+from supervisor.cli import is_fleet_command
 from supervisor.fleet import service
 from supervisor.fleet.member import fleet_config
 from supervisor.fleet.placement import LOST, PLACED, NodeSpec, Want
