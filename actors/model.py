@@ -49,6 +49,7 @@ class Action(enum.StrEnum):
     STOPPED = "stopped"
     FAILED = "failed"
     REMOVED = "removed"
+    LOST = "lost"  # a fleet sandbox whose node died (docs/fleet.md): told by every member
 
 
 class NetMode(enum.StrEnum):

@@ -23,6 +23,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -157,6 +158,28 @@ class FleetLab:
         r = subprocess.run(argv, check=False, env=self.client_env(), capture_output=True, text=True, timeout=timeout)
         assert r.returncode == 0, r.stderr[-3000:]
         return r.stdout
+
+    @contextlib.contextmanager
+    def events(self, host: str, action: str) -> Iterator[list[dict[str, Any]]]:
+        """``sandvisor events --action ACTION --json`` on ``host``'s own socket, read by a
+        thread into the list yielded; stopped (by pid) after."""
+        argv = [sys.executable, "-m", "supervisor.cli", "events", "--action", action, "--json"]
+        proc = subprocess.Popen(argv, env=self.hosts[host].work.env(), stdout=subprocess.PIPE, text=True)
+        seen: list[dict[str, Any]] = []
+
+        def read() -> None:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                seen.append(json.loads(line))
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        try:
+            yield seen
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+            reader.join(timeout=30)
 
     @contextlib.contextmanager
     def reporting(self) -> Iterator[None]:

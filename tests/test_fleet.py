@@ -6,8 +6,8 @@ in "b". One cluster for the module, one test that walks through it in order (it 
 by killing host b): four fleet Creates use both hosts, a fifth waits and then gets
 RESOURCE_EXHAUSTED; every sandbox is found by name and runs a command from the other
 host's client; a checkpoint taken on a is restored on b (pulled node to node) with its
-state; host b's processes are killed by pid: its sandboxes are reported lost, their
-slots freed, and the checkpoint is restored on a.
+state; host b's processes are killed by pid: its sandboxes are reported lost (records
+and a ``lost`` event on a member's Events), their slots freed, and the checkpoint is restored on a.
 
 Synchronous (the clients are CLI processes and SDK snippets in the hosts' namespaces):
 every subprocess has a timeout, every wait for a remote state a deadline (large: two
@@ -104,13 +104,16 @@ def _walk(lab: FleetLab) -> None:
     cached = {n["name"]: n["snapshots"] for n in lab.nodes("a")}
     assert snap in cached["a"] and snap in cached["b"], cached
 
-    # host b dies (every process of it, by pid): its sandboxes are lost, its slots released
-    assert lab.kill_host("b")
-    lost = lab.wait_for(
-        "b's sandboxes lost",
-        lambda: (s := lab.sandboxes("a")) and all(s[n]["state"] == "lost" for n in (on_b[1], "moved")) and s,
-        timeout=180,
-    )
+    # host b dies (every process of it, by pid): its sandboxes are lost (an event), its slots released
+    with lab.events("a", "lost") as told:
+        assert lab.kill_host("b")
+        lost = lab.wait_for(
+            "b's sandboxes lost",
+            lambda: (s := lab.sandboxes("a")) and all(s[n]["state"] == "lost" for n in (on_b[1], "moved")) and s,
+            timeout=180,
+        )
+        lab.wait_for("the lost events", lambda: {e["sandbox_id"] for e in told} == {on_b[1], "moved"}, timeout=60)
+    assert all(e["attributes"]["node"] == "b" for e in told), told
     assert all(lost[n]["state"] == "placed" for n in on_a), lost
     b = next(n for n in lab.nodes("a") if n["name"] == "b")
     assert not b["alive"] and b["slots_used"] == 0, b

@@ -29,8 +29,9 @@ import trio
 
 from actors.errors import InvalidArgument, NotFound
 from actors.events import Lagged
+from actors.model import Action
 from actors.registry import Registry
-from supervisor.fleet.placement import PLACED, NodeSpec, Placed, Placement, Want
+from supervisor.fleet.placement import LOST, PLACED, NodeSpec, Placed, Placement, Want
 from supervisor.fleet.ray_backend import RayPlacement
 from supervisor.fleet.raynode import RayNode, RayNodeConfig
 from supervisor.fleet.transfer import NodeTls, Pulled, fleet_id, pull
@@ -40,6 +41,7 @@ log = logging.getLogger("sandvisor.fleet")
 CONNECT_TIMEOUT = 120.0  # the Ray node's start and the driver's connection, on a loaded host
 WATCH_PERIOD = 1.0  # Ray's node table and our snapshots, read this often
 ORPHAN_GRACE = 120.0  # a reservation with no sandbox behind it is released after this
+SOURCE_GRACE = 3 * WATCH_PERIOD + 1.0  # a fetch waits this long for a node to tell it has the snapshot
 
 
 @attrs.frozen
@@ -70,7 +72,8 @@ class FleetMember:
         self.placement: Placement = placement or self.backend
         self.raynode = RayNode(RayNodeConfig(cfg.ray_address, cfg.node_ip, cfg.spec, cfg.dir, head=cfg.head))
         self.handled_dead: set[str] = set()
-        self.lost_events: list[Placed] = []  # what this member saw lost (newest last)
+        self.lost_events: list[Placed] = []  # what this member marked lost (newest last)
+        self.told_lost: set[str] = set()  # lost sandboxes this member's Events told of
         self._fetching = trio.Lock()  # one pull at a time: a second of the same finds it here
 
     @property
@@ -114,7 +117,10 @@ class FleetMember:
             local = self.cached().get(snapshot_id)
             if local is not None:
                 return local, None
-            sources = [s for s in await self.placement.sources(snapshot_id) if s.node != self.name]
+            # a snapshot just taken is told to the fleet within a watch period: a few rounds' grace
+            with trio.move_on_after(SOURCE_GRACE):
+                while not (sources := [s for s in await self.placement.sources(snapshot_id) if s.node != self.name]):
+                    await trio.sleep(WATCH_PERIOD / 4)
             if not sources:
                 raise NotFound(f"snapshot {snapshot_id} is cached on no live node of the fleet")
             source = sources[0]
@@ -193,6 +199,10 @@ class FleetMember:
                     node,
                     ", ".join(p.name for p in lost) or "no sandbox",
                 )
+        for rec in await self.placement.placed():
+            if rec.state == LOST and rec.name not in self.told_lost:
+                self.told_lost.add(rec.name)
+                self.registry.events.emit(rec.name, Action.LOST, {"node": rec.node, "fleet": self.cfg.ray_address})
         snaps = self.cached()
         if snaps != reported:
             await self.placement.cached(self.name, snaps)
