@@ -123,7 +123,11 @@ def _walk(lab: FleetLab) -> None:
     # the lost sandbox's checkpoint restored on a (a slot freed there first): the state is there
     lab.ok("a", "rm", on_a[1])
     lab.wait_for("a's slot back", lambda: _slots_used(lab, "a") == 1, timeout=60)
-    assert lab.ok("a", "restore", snap, "--name", "revived").split() == ["revived", "a"]
-    assert lab.ok("a", "run", "revived", "--", "cat", "/root/state") == "moved-state\n"
-    lab.ok("a", "rm", "moved", on_b[1])  # lost ones: their records go
-    assert set(lab.sandboxes("a")) == {on_a[0], "revived"}
+    # (by its own name: a lost sandbox's name is free for its restore)
+    assert lab.ok("a", "restore", snap, "--name", "moved").split() == ["moved", "a"]
+    assert lab.ok("b", "run", "moved", "--", "cat", "/root/state", via="a") == "moved-state\n"
+    lab.ok("a", "rm", on_b[1])  # a lost one: its record goes
+    assert {k: (v["node"], v["state"]) for k, v in lab.sandboxes("a").items()} == {
+        on_a[0]: ("a", "placed"),
+        "moved": ("a", "placed"),
+    }

@@ -154,6 +154,12 @@ async def test_a_dead_node_loses_its_sandboxes_and_slots() -> None:
         assert all(g.node == "ray-a" for g in ray.groups.values())  # b's slots released
         views = {n.name: n for n in await placement.nodes()}
         assert not views["b"].alive and views["b"].slots_used == 0
+        # a lost sandbox's name can be taken again (restored elsewhere); a placed one's cannot
+        await placement.release("s0" if states["s0"] == PLACED else "s1")
+        back = next(p.name for p in lost)
+        assert (await placement.reserve(Want(back, 256, timeout=1))).node == "a"
+        with pytest.raises(AlreadyExists):
+            await placement.reserve(Want(back, 256, timeout=1))
 
 
 def test_resources_and_config(tmp_path: Path) -> None:

@@ -214,7 +214,13 @@ class RayPlacement:
             raise NotFound(f"no node {want.node!r} in the fleet")
         claim = Placed(want.name, "", "", want.memory_mib, time.time(), state="reserving")
         if await self._call(api.put, f"sbx/{want.name}", _dump(claim), overwrite=False):
-            raise AlreadyExists(f"a sandbox named {want.name!r} is in the fleet already")
+            old = await self._call(api.get, f"sbx/{want.name}")
+            if old is None or _placed(old).state != LOST:
+                raise AlreadyExists(f"a sandbox named {want.name!r} is in the fleet already")
+            # a lost sandbox's name is free again (its restore elsewhere takes it): one claim wins
+            await self._call(api.delete, f"sbx/{want.name}")
+            if await self._call(api.put, f"sbx/{want.name}", _dump(claim), overwrite=False):
+                raise AlreadyExists(f"a sandbox named {want.name!r} is in the fleet already")
         try:
             return await self._place(want, nodes)
         except BaseException:
