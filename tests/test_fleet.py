@@ -125,7 +125,7 @@ def _walk(lab: FleetLab) -> None:
     lab.wait_for("a's slot back", lambda: _slots_used(lab, "a") == 1, timeout=60)
     # (by its own name: a lost sandbox's name is free for its restore)
     assert lab.ok("a", "restore", snap, "--name", "moved").split() == ["moved", "a"]
-    assert lab.ok("b", "run", "moved", "--", "cat", "/root/state", via="a") == "moved-state\n"
+    assert lab.ok("a", "run", "moved", "--", "cat", "/root/state") == "moved-state\n"
     lab.ok("a", "rm", on_b[1])  # a lost one: its record goes
     assert {k: (v["node"], v["state"]) for k, v in lab.sandboxes("a").items()} == {
         on_a[0]: ("a", "placed"),
