@@ -20,6 +20,7 @@ import datetime
 import ipaddress
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -31,6 +32,7 @@ from typing import Any
 
 import attrs
 
+from supervisor.fleet.raynode import temp_dir_for
 from supervisor.throwaway import Workdir, workdir
 from tests.netlab import namespaces, sh
 
@@ -272,6 +274,7 @@ class FleetLab:
             except subprocess.TimeoutExpired:
                 pass
         self.kill_host(name)  # whatever is left in its namespace
+        shutil.rmtree(temp_dir_for(h.work.state / "fleet"), ignore_errors=True)  # (a killed one's Ray session)
 
 
 @contextlib.contextmanager

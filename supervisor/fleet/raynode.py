@@ -72,10 +72,15 @@ def argv(cfg: RayNodeConfig) -> list[str]:
 
 
 def temp_dir(cfg: RayNodeConfig) -> Path:
-    # Ray's Unix sockets live under it: a short path (sun_path is 108 bytes)
+    return temp_dir_for(cfg.dir)
+
+
+def temp_dir_for(fleet_dir: Path) -> Path:
+    """Ray's temp dir of the member whose fleet dir is ``fleet_dir``: its Unix sockets live
+    under it, so a short path (sun_path is 108 bytes), unique to the state dir."""
     import hashlib
 
-    return Path("/tmp") / f"svray-{hashlib.sha256(str(cfg.dir.resolve()).encode()).hexdigest()[:10]}"
+    return Path("/tmp") / f"svray-{hashlib.sha256(str(fleet_dir.resolve()).encode()).hexdigest()[:10]}"
 
 
 def _kill_stale(pidfile: Path) -> None:
@@ -106,8 +111,7 @@ class RayNode:
         cfg.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         pidfile = cfg.dir / "ray.pid"
         _kill_stale(pidfile)
-        if cfg.head:  # a head's temp dir holds the last session's state: start afresh
-            shutil.rmtree(temp_dir(cfg), ignore_errors=True)
+        shutil.rmtree(temp_dir(cfg), ignore_errors=True)  # a session a crash left: start afresh
         env = {
             **os.environ,
             "RAY_health_check_period_ms": str(D.FLEET_HEALTH_PERIOD_MS),
@@ -133,6 +137,8 @@ class RayNode:
             with trio.CancelScope(shield=True):
                 await self._stop(proc)
                 pidfile.unlink(missing_ok=True)
+                # Ray's session (sockets, logs, the object store's spill): ours, gone with the node
+                await trio.to_thread.run_sync(lambda: shutil.rmtree(temp_dir(cfg), ignore_errors=True))
 
     async def _stop(self, proc: trio.Process) -> None:
         for sig, grace in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
