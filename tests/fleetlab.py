@@ -182,6 +182,8 @@ class FleetLab:
             proc.terminate()
             proc.wait(timeout=30)
             reader.join(timeout=30)
+            assert proc.stdout is not None
+            proc.stdout.close()
 
     @contextlib.contextmanager
     def reporting(self) -> Iterator[None]:
