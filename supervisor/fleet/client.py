@@ -15,6 +15,7 @@ traffic. The client needs neither Ray nor a place in the cluster::
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -164,7 +165,12 @@ class Fleet:
             )
             self._call(target.sandvisor.Create, pb.CreateRequest(base=base))
             sb = FleetSandbox(self, lease)
-            sb.wait_ready()
+            try:
+                sb.wait_ready()
+            except BaseException:
+                with contextlib.suppress(Exception):  # (its node then gives the slot back too)
+                    sb.remove()
+                raise
             return sb
         except BaseException:
             try:
