@@ -8,7 +8,10 @@ under TCG); its clone and a restart of the supervisor follow in the same test.""
 from __future__ import annotations
 
 import gc
+import json
 import os
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -17,12 +20,13 @@ from typing import Any
 import pytest
 import trio
 
-from actors.model import Action, NetMode, Network, SandboxConfig, State
+from actors.model import Action, State
 from actors.registry import Registry
 from actors.sandboxes import secrets as live
 from actors.sandboxes.sandbox import Sandbox
-from actors.secrets.model import PLACEHOLDER_PREFIX, SecretRef
+from actors.secrets.model import PLACEHOLDER_PREFIX
 from images.build import Image
+from supervisor.client import AsyncSandbox, Secret
 from supervisor.throwaway import supervisor, workdir
 from tests.httpslab import HttpsServer, https_server
 from tests.netlab import POOL, UPLINK_INET, link_internet, namespaces
@@ -118,11 +122,7 @@ def scan(paths: list[Path], needle: bytes) -> list[str]:
 async def test_secrets_stay_on_the_host(image: Image) -> None:
     async with lab() as (work, server):
         async with serving(work, keep_sandboxes=True) as reg:
-            config = SandboxConfig(
-                network=Network(mode=NetMode.TAP),
-                secrets=(SecretRef("TOKEN", ("api.test",)), SecretRef("OTHER", ("other.test",))),
-            )
-            sb = await ready(await reg.create("s", config, {"TOKEN": VALUE, "OTHER": OTHER_VALUE}))
+            sb = await create_through_the_edges(reg, work)
             placeholder = next(r.placeholder for r in sb.config.secrets if r.name == "TOKEN")
             assert placeholder.startswith(PLACEHOLDER_PREFIX + "TOKEN_")
             await checks_on_a_running_sandbox(reg, sb, server, placeholder)
@@ -139,6 +139,37 @@ async def test_secrets_stay_on_the_host(image: Image) -> None:
             await reg.remove("s", force=True)
             vault = reg.settings.vault
             assert vault is not None and sb.record.uid not in vault.owners
+
+
+async def cli(work: Any, *args: str, stdin: bytes = b"") -> str:
+    def call() -> subprocess.CompletedProcess[bytes]:
+        argv = [sys.executable, "-m", "supervisor.cli", *args]
+        return subprocess.run(argv, check=False, input=stdin, env=work.env(), capture_output=True, timeout=60)
+
+    r = await trio.to_thread.run_sync(call)
+    assert r.returncode == 0, r.stderr
+    return r.stdout.decode()
+
+
+async def create_through_the_edges(reg: Registry, work: Any) -> Sandbox:
+    """The store's entry by the CLI (value on stdin), the sandbox by the SDK (an ``env:``
+    source read from this process's environment, a ``store:`` one), read back by the CLI."""
+    await cli(work, "secret", "set", "other_key", stdin=OTHER_VALUE + b"\n")
+    assert (await cli(work, "secret", "ls")).split() == ["other_key"]
+    os.environ["SV_TEST_TOKEN"] = VALUE.decode()
+    try:
+        secrets = ["TOKEN=env:SV_TEST_TOKEN@api.test", Secret(name="OTHER", store="other_key", hosts="other.test")]
+        box = await AsyncSandbox.create("s", socket=work.socket, network="tap", secrets=secrets, detached=True)
+    finally:
+        del os.environ["SV_TEST_TOKEN"]
+    listed = json.loads(await cli(work, "secret", "ls", "--sandbox", box.id, "--json"))
+    assert [(x["name"], x["source"], x["hosts"]) for x in listed] == [
+        ("TOKEN", "value", ["api.test"]),
+        ("OTHER", "store:other_key", ["other.test"]),
+    ]
+    out = json.dumps(listed) + json.dumps(await box.inspect(), default=str)
+    assert VALUE.decode() not in out and OTHER_VALUE.decode() not in out
+    return await ready(reg.get("s"))
 
 
 async def checks_on_a_running_sandbox(reg: Registry, sb: Sandbox, server: HttpsServer, placeholder: str) -> None:
