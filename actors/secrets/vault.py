@@ -89,8 +89,9 @@ class Vault:
             blob = self.path.read_bytes()
         except FileNotFoundError:
             return
+        aead = self._aead  # (a key that is not ours, or not 0600: FAILED_PRECONDITION as it is)
         try:
-            data = msgpack.unpackb(self._aead.decrypt(blob[:12], blob[12:], AAD), raw=False)
+            data = msgpack.unpackb(aead.decrypt(blob[:12], blob[12:], AAD), raw=False)
         except Exception:
             raise FailedPrecondition(
                 f"{self.path} does not decrypt with {self.key_path}: the wrong key (or a damaged file)"
