@@ -37,6 +37,7 @@ class HttpsServer:
     ca: trustme.CA
     seen: list[Seen] = attrs.Factory(list)
     connections: int = 0
+    host_side: HttpsServer | None = None  # (a test's second server)
 
     def ca_pem(self) -> bytes:
         return self.ca.cert_pem.bytes()

@@ -20,16 +20,16 @@ from typing import Any
 import pytest
 import trio
 
-from actors.model import Action, State
+from actors.model import Action, NetMode, Network, SandboxConfig, State
 from actors.registry import Registry
 from actors.sandboxes import secrets as live
 from actors.sandboxes.sandbox import Sandbox
-from actors.secrets.model import PLACEHOLDER_PREFIX
+from actors.secrets.model import PLACEHOLDER_PREFIX, SecretRef
 from images.build import Image
 from supervisor.client import AsyncSandbox, Secret
 from supervisor.throwaway import supervisor, workdir
 from tests.httpslab import HttpsServer, https_server
-from tests.netlab import POOL, UPLINK_INET, link_internet, namespaces
+from tests.netlab import POOL, UPLINK_HOST, UPLINK_INET, link_internet, namespaces
 
 pytestmark = [pytest.mark.vm, pytest.mark.skipif(os.geteuid() != 0, reason="needs root (namespaces, TAP, jail)")]
 
@@ -52,6 +52,8 @@ async def lab() -> AsyncIterator[tuple[Any, HttpsServer]]:
                 from tests.netlab import dns_server
 
                 server: HttpsServer = await nursery.start(https_server, inet, "0.0.0.0")
+                # the host's own address: never reached through the proxy either
+                server.host_side = await nursery.start(https_server, host, UPLINK_HOST)
                 await nursery.start(dns_server, inet, UPLINK_INET)
                 with workdir("sv-secrets-", private_state=True) as work:
                     (work.root / "upstream-ca.pem").write_bytes(server.ca_pem())
@@ -126,6 +128,7 @@ async def test_secrets_stay_on_the_host(image: Image) -> None:
             placeholder = next(r.placeholder for r in sb.config.secrets if r.name == "TOKEN")
             assert placeholder.startswith(PLACEHOLDER_PREFIX + "TOKEN_")
             await checks_on_a_running_sandbox(reg, sb, server, placeholder)
+            await jailed_user_mode_outbound(reg, server)
             await checkpoint_and_clone(reg, sb, server, work, placeholder)
         gc.collect()
         async with serving(work) as reg:  # adopts s: the CA its guest trusts, the values, from the vault
@@ -227,6 +230,12 @@ async def checks_on_a_running_sandbox(reg: Registry, sb: Sandbox, server: HttpsS
     )
     assert out.strip() == "EHOSTUNREACH", out
 
+    # the host itself stays out of reach through the proxy (its input chain keeps the guest
+    # out; the proxy's own connections are judged by the sandbox's chain and "not local")
+    code, out = await run(sb, "curl", "-sSk", "--max-time", "20", f"https://{UPLINK_HOST}/", ok=False)
+    assert server.host_side is not None
+    assert code != 0 and server.host_side.seen == [], out
+
     # rotation: the next request carries the new value, the placeholder stays
     live.rotate(sb, "TOKEN", ROTATED)
     _, out = await run(sb, *curl("https://api.test/rotated"))
@@ -238,6 +247,20 @@ async def checks_on_a_running_sandbox(reg: Registry, sb: Sandbox, server: HttpsS
     live.remove(sb, "OTHER")
     _, out = await run(sb, "sh", "-c", "echo ${OTHER:-unset}")
     assert out.strip() == "unset"
+
+
+async def jailed_user_mode_outbound(reg: Registry, server: HttpsServer) -> None:
+    """The other mode the proxy serves: slirp in the jail's namespace, out by its uplink."""
+    config = SandboxConfig(
+        network=Network(mode=NetMode.USER, outbound=True), secrets=(SecretRef("TOKEN", ("api.test",)),)
+    )
+    u = await ready(await reg.create("u", config, {"TOKEN": b"user-mode-value-0123456789"}))
+    assert u.life is not None and u.life.link is not None and u.life.link.jail_netns  # (jailed, by its uplink)
+    _, out = await run(u, *curl("https://api.test/user-mode"))
+    assert out.startswith("hello api.test GET /user-mode"), out
+    (got,) = [s for s in server.to("api.test") if s.target == "/user-mode"]
+    assert got.headers["authorization"] == "Bearer user-mode-value-0123456789"
+    await reg.remove("u", force=True)
 
 
 async def checkpoint_and_clone(reg: Registry, sb: Sandbox, server: HttpsServer, work: Any, placeholder: str) -> None:

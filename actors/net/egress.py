@@ -337,6 +337,7 @@ table inet {TABLE} {{
   }}
   chain secret_egress {{
     ct state established,related accept
+    fib daddr type local {REJECT}
     ip daddr @never4 {REJECT}
     meta mark vmap @secret_marks
     {REJECT}
