@@ -54,9 +54,15 @@ def https_server_context(ca: trustme.CA) -> ssl.SSLContext:
 
 
 async def https_server(
-    ns: NetNS, address: str, port: int = 443, *, task_status: trio.TaskStatus[HttpsServer] = trio.TASK_STATUS_IGNORED
+    ns: NetNS,
+    address: str,
+    port: int = 443,
+    *,
+    ca: trustme.CA | None = None,
+    task_status: trio.TaskStatus[HttpsServer] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    server = HttpsServer(trustme.CA())
+    """Serve (and record) until cancelled; ``ca``: another listener's (one test CA)."""
+    server = HttpsServer(ca or trustme.CA())
     ctx = https_server_context(server.ca)
     s = ns.socket(socket.AF_INET, socket.SOCK_STREAM)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -188,13 +188,10 @@ class SecretProxy:
         stream = trio.SocketStream(sock)
         try:
             await self._serve(stream, sock)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError, ssl.SSLError, OSError):
-            pass  # a guest or a server that went away (or lied): its connection ends
-        except h11.ProtocolError as exc:
-            log.debug("%s: HTTP: %s", self.name, exc)
-        except Exception:
-            self.stats["errors"] += 1
-            log.exception("%s: secret proxy connection failed", self.name)
+        except Exception as exc:
+            if not _expected(exc):  # (else a guest or a server that went away, or lied: it ends)
+                self.stats["errors"] += 1
+                log.exception("%s: secret proxy connection failed", self.name)
         finally:
             self._live -= 1
             with trio.CancelScope(shield=True):
@@ -394,6 +391,16 @@ def _orig(sock: trio.socket.SocketType) -> tuple[str, int] | None:
     return socket.inet_ntoa(addr), port
 
 
+_EXPECTED = (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError, ssl.SSLError, OSError)
+
+
+def _expected(exc: BaseException) -> bool:
+    """What ends a connection in the ordinary course (a group of such too: the splice's)."""
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_expected(e) for e in exc.exceptions)
+    return isinstance(exc, (*_EXPECTED, h11.ProtocolError))
+
+
 def _why(exc: BaseException) -> str:
     if isinstance(exc, ssl.SSLCertVerificationError):
         return f"certificate verification failed ({exc.verify_message})"
@@ -445,5 +452,5 @@ async def _pump(src: trio.abc.Stream, dst: trio.abc.Stream) -> None:
             await dst.send_all(data)
         if isinstance(dst, trio.SocketStream):
             await dst.send_eof()
-    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+    except (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError, OSError):
         pass
