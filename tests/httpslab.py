@@ -111,6 +111,12 @@ async def _serve(server: HttpsServer, stream: trio.SSLStream[Any]) -> None:
                 while n > 0:
                     await stream.send_all(conn.send(h11.Data(data=block[: min(n, CHUNK)])))
                     n -= CHUNK
+            elif target == "/echo":  # the request's Authorization, back in a header and the body
+                auth = headers.get("authorization", "").encode()
+                text = b"you sent: " + auth + b"\n"
+                echo = [(b"content-length", str(len(text)).encode()), (b"x-echo", auth)]
+                await stream.send_all(conn.send(h11.Response(status_code=200, headers=echo)))
+                await stream.send_all(conn.send(h11.Data(data=text)))
             else:
                 text = f"hello {name} {req.method.decode()} {target}\n".encode()
                 await stream.send_all(

@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from actors.errors import FailedPrecondition, InvalidArgument
-from actors.net.secretproxy import Blocked, ProxyView, SecretProxy, _Refused, client_hello_name
+from actors.net.secretproxy import Blocked, ProxyView, Scrubber, SecretProxy, _Refused, client_hello_name
 from actors.registry import Registry
 from actors.sandboxes.secrets import upstream_context
 from actors.secrets import model as S
@@ -196,6 +196,15 @@ def test_the_proxy_puts_values_in_for_allowed_hosts_only() -> None:
     gone = proxy([token], {}, [])
     out, pairs = gone._substitute(request(b"/PH_TOKEN_0123456789abcdef", b"api.test"), b"", True, "api.test", 443)
     assert out.target == b"/PH_TOKEN_0123456789abcdef" and pairs == []
+
+
+def test_responses_are_scrubbed_even_across_chunks() -> None:
+    scrub = Scrubber([(b"VALUE-0123456789", b"PLACEHOLDER")])
+    out = b"".join(scrub.feed(c) for c in (b"a VAL", b"UE-01234", b"56789 b VALUE-0123456789", b"c")) + scrub.flush()
+    assert out == b"a PLACEHOLDER b PLACEHOLDERc"
+    assert scrub.line(b"Bearer VALUE-0123456789") == b"Bearer PLACEHOLDER"
+    none = Scrubber([])
+    assert none.feed(b"x") == b"x" and none.flush() == b""
 
 
 def test_leaves_are_minted_for_the_name_and_verify_with_the_ca(tmp_path: Path) -> None:

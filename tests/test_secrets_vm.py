@@ -191,6 +191,12 @@ async def checks_on_a_running_sandbox(reg: Registry, sb: Sandbox, server: HttpsS
     assert out.startswith("hello api.test GET /urllib"), out
     got = {s.target: s.headers["authorization"] for s in server.to("api.test")}
     assert got == {"/curl": "Bearer " + VALUE.decode(), "/urllib": "Bearer " + VALUE.decode()}
+    # an allowed host that echoes the value back gives the guest the placeholder, not the value
+    _, out = await run(sb, *curl("https://api.test/echo", "-i"))
+    assert f"you sent: Bearer {placeholder}" in out and f"x-echo: Bearer {placeholder}" in out, out
+    assert VALUE.decode() not in out
+    (echo,) = [s for s in server.to("api.test") if s.target == "/echo"]
+    assert echo.headers["authorization"] == "Bearer " + VALUE.decode()
     # in the body too (bounded), with the length set again
     _, out = await run(sb, "sh", "-c", 'curl -sS --max-time 30 -d "token=$TOKEN&x=1" https://api.test/form')
     (form,) = [s for s in server.to("api.test") if s.target == "/form"]

@@ -364,22 +364,71 @@ class SecretProxy:
             else:
                 return
         await _send(u, upstream, h11.EndOfMessage())
+        scrub = Scrubber(self._reverse_pairs())
         while True:
             ev = await _next(u, upstream)
             if isinstance(ev, h11.InformationalResponse):
                 if ev.status_code != 100:
-                    await _send(g, guest, ev)
+                    headers = [(k, scrub.line(v)) for k, v in ev.headers]
+                    await _send(g, guest, h11.InformationalResponse(status_code=ev.status_code, headers=headers))
                 continue
             if isinstance(ev, h11.Response):
-                await _send(g, guest, h11.Response(status_code=ev.status_code, headers=ev.headers, reason=ev.reason))
+                headers = [(k, scrub.line(v)) for k, v in ev.headers]
+                if scrub.pairs and req.method != b"HEAD" and ev.status_code not in (204, 304):
+                    # the body may change length: h11 frames it again (chunked, to an HTTP/1.1 guest)
+                    headers = [(k, v) for k, v in headers if k not in (b"content-length", b"transfer-encoding")]
+                await _send(g, guest, h11.Response(status_code=ev.status_code, headers=headers, reason=ev.reason))
                 continue
             if isinstance(ev, h11.Data):
-                await _send(g, guest, h11.Data(data=ev.data))
+                data = scrub.feed(ev.data)
+                if data:
+                    await _send(g, guest, h11.Data(data=data))
                 continue
             if isinstance(ev, h11.EndOfMessage):
+                rest = scrub.flush()
+                if rest:
+                    await _send(g, guest, h11.Data(data=rest))
                 await _send(g, guest, h11.EndOfMessage())
                 return
             return  # closed
+
+    def _reverse_pairs(self) -> list[tuple[bytes, bytes]]:
+        """(value, placeholder) of every secret in force: what a response must not carry back."""
+        out = []
+        for ref in self.view.refs():
+            value = self.view.value(ref)
+            if value:
+                out.append((value, ref.placeholder.encode()))
+        return out
+
+
+class Scrubber:
+    """A response's way back: every secret value in it replaced by its placeholder, so an
+    allowed host that echoes the request (or hands a token out) gives the guest the
+    placeholder, never the value. Streaming: the last len(longest value) - 1 bytes wait
+    for the next chunk (a value split across two chunks is still found)."""
+
+    def __init__(self, pairs: list[tuple[bytes, bytes]]) -> None:
+        self.pairs = pairs
+        self.keep = max((len(v) for v, _ in pairs), default=1) - 1
+        self.tail = b""
+
+    def line(self, data: bytes) -> bytes:
+        return S.substitute(data, self.pairs)
+
+    def feed(self, data: bytes) -> bytes:
+        if not self.pairs:
+            return data
+        buf = S.substitute(self.tail + data, self.pairs)
+        if self.keep <= 0:
+            self.tail = b""
+            return buf
+        self.tail = buf[-self.keep :]
+        return buf[: -self.keep]
+
+    def flush(self) -> bytes:
+        rest, self.tail = self.tail, b""
+        return rest
 
 
 def _orig(sock: trio.socket.SocketType) -> tuple[str, int] | None:
