@@ -85,6 +85,8 @@ def test_a_config_said_as_flags_parses_back_to_itself(tmp_path: Path) -> None:
         fleet_node="n1",
         fleet_slots=3,
         fleet_memory_mib=1024,
+        secrets_key=tmp_path / "secrets.key",
+        upstream_ca=tmp_path / "upstream-ca.pem",
     )
     defaults = DaemonConfig(socket=cfg.socket, state_dir=cfg.state_dir)
     left_at_default = [
