@@ -227,6 +227,19 @@ class VolumeMount:
 
 
 @attrs.frozen
+class TmpfsMount:
+    """A tmpfs mounted at ``path`` in the guest by guestd before the sandbox is ready
+    (``size_mib`` 0: the kernel's default, half the guest's RAM). Its pages are guest
+    RAM: the limit bounds what it may take of the sandbox's memory."""
+
+    path: str
+    size_mib: int = 0
+
+
+MAX_TMPFS_MIB = 1 << 20  # a limit, not an allocation: the guest's RAM bounds it anyway
+
+
+@attrs.frozen
 class VolumeRecord:
     """A named volume (:mod:`actors.volumes`): its image is ``<state>/volumes/<uid>.ext4``."""
 
@@ -252,6 +265,7 @@ class SandboxConfig:
     hostname: str = ""
     patches: tuple[Patch, ...] = ()
     volumes: tuple[VolumeMount, ...] = ()
+    tmpfs: tuple[TmpfsMount, ...] = ()  # mounted by guestd at every boot, before ready
     # named scripts: written to SCRIPTS_DIR/<name> (0755) with the patches; Run{script}
     scripts: dict[str, str] = attrs.field(factory=dict)
 
@@ -357,6 +371,7 @@ def check_config(cfg: SandboxConfig) -> None:
         raise InvalidArgument("boot_args must be one line of at most 1024 bytes")
     check_patches(cfg.patches)
     check_volume_mounts(cfg.volumes)
+    check_tmpfs_mounts(cfg.tmpfs, cfg.volumes)
     check_scripts(cfg.scripts)
     size = sum(len(p.data) for p in cfg.patches) + sum(len(b.encode()) for b in cfg.scripts.values())
     if size > MAX_PATCH_BYTES:
@@ -429,6 +444,20 @@ def check_volume_mounts(mounts: tuple[VolumeMount, ...]) -> None:
         seen.add(m.name)
     if len({m.path.rstrip("/") for m in mounts}) != len(mounts):
         raise InvalidArgument("two volumes at one path")
+
+
+def check_tmpfs_mounts(mounts: tuple[TmpfsMount, ...], volumes: tuple[VolumeMount, ...] = ()) -> None:
+    if len(mounts) > 16:
+        raise InvalidArgument(f"{len(mounts)} tmpfs mounts; at most 16")
+    for m in mounts:
+        check_guest_path(m.path, "tmpfs: path")
+        if m.path.rstrip("/") in ("", "/proc", "/sys", "/dev"):
+            raise InvalidArgument(f"tmpfs: cannot be mounted at {m.path}")
+        if not 0 <= m.size_mib <= MAX_TMPFS_MIB:
+            raise InvalidArgument(f"tmpfs {m.path}: size_mib must be 0 (the kernel's default) to {MAX_TMPFS_MIB}")
+    paths = [m.path.rstrip("/") for m in mounts] + [v.path.rstrip("/") for v in volumes]
+    if len(set(paths)) != len(paths):
+        raise InvalidArgument("two mounts (tmpfs or volumes) at one path")
 
 
 # --- the converter (the store's; msgpack) ------------------------------------------------------

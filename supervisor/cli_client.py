@@ -118,6 +118,7 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
         "--volume", action="append", metavar="NAME:/path[:ro]", help="mount a named volume (sandvisor volume create)"
     )
     p.add_argument("--script", action="append", metavar="NAME=FILE", help="a named script (run it: run --script NAME)")
+    p.add_argument("--tmpfs", action="append", metavar="/path[:SIZE]", help="a tmpfs, e.g. /scratch:64M (guest RAM)")
     p.add_argument("--workdir")
     p.add_argument("--user")
     p.add_argument("--image", metavar="REF", help="an OCI image (docker://HOST/NAME:TAG, oci:DIR, ...)")

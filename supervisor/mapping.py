@@ -25,6 +25,7 @@ from actors.model import (
     SandboxMetrics,
     State,
     Timers,
+    TmpfsMount,
     VolumeMount,
     Workload,
 )
@@ -97,6 +98,7 @@ def config(req: W.CreateSandboxRequest) -> SandboxConfig:
         patches=tuple(req.patches),  # (the wire's Patch is the domain's: guestd/patch.py)
         volumes=tuple(VolumeMount(v.volume, v.target, v.readonly) for v in req.volumes),
         scripts=dict(req.scripts),
+        tmpfs=tuple(TmpfsMount(t.target, t.size_mib) for t in req.tmpfs),
     )
 
 

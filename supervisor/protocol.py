@@ -210,6 +210,15 @@ class VolumeMount:
 
 
 @attrs.frozen
+class TmpfsMount:
+    """A tmpfs at ``target`` of at most ``size_mib`` (0: the guest kernel's default, half
+    its RAM) (sandvisor.v1.TmpfsMount)."""
+
+    target: str
+    size_mib: int = 0
+
+
+@attrs.frozen
 class CreateSandboxRequest:
     id: str = ""
     labels: dict[str, str] = attrs.field(factory=dict)
@@ -238,6 +247,7 @@ class CreateSandboxRequest:
     patches: list[PatchSpec] = attrs.field(factory=list)  # applied by guestd before ready
     volumes: list[VolumeMount] = attrs.field(factory=list)  # sandvisor.v1.CreateRequest.volumes
     scripts: dict[str, str] = attrs.field(factory=dict)  # named scripts, run by Run{script}
+    tmpfs: list[TmpfsMount] = attrs.field(factory=list)  # sandvisor.v1.CreateRequest.tmpfs
 
 
 @attrs.frozen

@@ -561,6 +561,17 @@ class Life:
                 sb.log.append("system", f"volume {m.name}: {err.message}".encode())
                 raise MachineError(f"volume {m.name!r} at {m.path}: {err.message}") from None
 
+    async def mount_tmpfs(self, guest: Guest) -> None:
+        """Mount the configuration's tmpfs file systems (each with its size limit)."""
+        sb = self.sb
+        for m in sb.config.tmpfs:
+            try:
+                await guest.channel.mount("tmpfs", m.path, fstype="tmpfs", size_mib=m.size_mib)
+            except GuestError as exc:
+                err = guest_error(exc)
+                sb.log.append("system", f"tmpfs {m.path}: {err.message}".encode())
+                raise MachineError(f"tmpfs at {m.path}: {err.message}") from None
+
     async def apply_patches(self, guest: Guest) -> None:
         """The Create's patches, in order, by guestd (batched by the frame cap), before
         anything of the caller's runs. Why not written into the overlay before boot: the

@@ -324,6 +324,8 @@ class Sandbox:
                 await plan.template(self)  # a fresh boot, nothing of the caller's in it yet
             if not isinstance(plan, Resume):  # (a restored guest has them mounted)
                 await life.mount_volumes(guest)
+            if not isinstance(plan, Resume) or plan.fallback is not None:  # (a template has none)
+                await life.mount_tmpfs(guest)
             if fresh:
                 await life.apply_patches(guest)
             await life.apply_ports()  # ports given at create (or exposed before a stop) come first
@@ -371,6 +373,8 @@ class Sandbox:
             raise MachineError(f"pool member is {self.state}")
         try:
             await life.fresh_identity(guest, clock=True)
+            if apply_ports:  # a Create's (a template's member has none; a snapshot's has its own)
+                await life.mount_tmpfs(guest)
             await life.apply_patches(guest)
             life.update_policy()  # the caller's egress policy, not the template's
             if apply_ports:

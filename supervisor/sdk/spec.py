@@ -133,6 +133,29 @@ class VolumeMount:
         return cls(name, path, flag == "ro")
 
 
+@attrs.frozen
+class Tmpfs:
+    """A tmpfs at ``path`` of at most ``size_mib`` (0: the guest kernel's default, half
+    its RAM); ``Tmpfs.parse("/path[:SIZE]")``, SIZE as ``64M``, ``1G`` or MiB."""
+
+    path: str
+    size_mib: int = 0
+
+    @classmethod
+    def parse(cls, text: str) -> Tmpfs:
+        path, sep, size = text.partition(":")
+        if not path.startswith("/") or (sep and not size):
+            raise InvalidArgument(W.INVALID_ARGUMENT, f"tmpfs {text!r}: /path[:SIZE]")
+        if not size:
+            return cls(path)
+        mib = int(size) if size.isdigit() else -(-parse_size(size) // (1 << 20))
+        return cls(path, mib)
+
+
+def _tmpfs(v: Sequence[Tmpfs | str] | None) -> tuple[Tmpfs, ...]:
+    return tuple(m if isinstance(m, Tmpfs) else Tmpfs.parse(m) for m in v or ())
+
+
 def _patches(v: Sequence[Patch] | None) -> tuple[Patch, ...]:
     return tuple(v or ())
 
@@ -165,6 +188,7 @@ class Settings(TypedDict, total=False):
     patches: Sequence[Patch]
     volumes: Sequence[VolumeMount | str]
     scripts: Mapping[str, str]
+    tmpfs: Sequence[Tmpfs | str]
 
 
 @attrs.frozen(kw_only=True)
@@ -184,6 +208,7 @@ class SandboxSpec:
     volumes: tuple[VolumeMount, ...] = attrs.field(default=(), converter=_mounts)
     # named scripts (name -> body; no "#!": /bin/sh), run by name: run_script(name, *args)
     scripts: dict[str, str] = attrs.field(factory=dict, converter=_kv)
+    tmpfs: tuple[Tmpfs, ...] = attrs.field(default=(), converter=_tmpfs)  # ("/path[:SIZE]" or Tmpfs)
 
     def with_(self, **settings: Unpack[Settings]) -> SandboxSpec:
         if not settings:
@@ -221,6 +246,7 @@ class SandboxSpec:
             patches=s.get("patches", self.patches),
             volumes=_mounts(s.get("volumes", self.volumes)),
             scripts={**self.scripts, **_kv(s.get("scripts"))},
+            tmpfs=_tmpfs(s.get("tmpfs", self.tmpfs)),
         )
 
     def request(self, name: str = "") -> W.CreateSandboxRequest:
@@ -248,6 +274,7 @@ class SandboxSpec:
             patches=list(self.patches),
             volumes=[W.VolumeMount(m.name, m.path, m.read_only) for m in self.volumes],
             scripts=dict(self.scripts),
+            tmpfs=[W.TmpfsMount(m.path, m.size_mib) for m in self.tmpfs],
         )
 
 
