@@ -236,6 +236,18 @@ class TmpfsMount:
     size_mib: int = 0
 
 
+@attrs.frozen
+class HostMount:
+    """A host directory (under a ``serve --allow-path`` directory) mounted at ``path`` in
+    the guest, served by virtiofsd in a cell of its own (:mod:`actors.hostdirs`);
+    read-only unless ``writable``."""
+
+    source: str
+    path: str
+    writable: bool = False
+
+
+MAX_HOST_MOUNTS = 8
 MAX_TMPFS_MIB = 1 << 20  # a limit, not an allocation: the guest's RAM bounds it anyway
 
 
@@ -266,6 +278,7 @@ class SandboxConfig:
     patches: tuple[Patch, ...] = ()
     volumes: tuple[VolumeMount, ...] = ()
     tmpfs: tuple[TmpfsMount, ...] = ()  # mounted by guestd at every boot, before ready
+    host_mounts: tuple[HostMount, ...] = ()  # host directories (virtio-fs), fixed at boot
     # named scripts: written to SCRIPTS_DIR/<name> (0755) with the patches; Run{script}
     scripts: dict[str, str] = attrs.field(factory=dict)
 
@@ -372,6 +385,7 @@ def check_config(cfg: SandboxConfig) -> None:
     check_patches(cfg.patches)
     check_volume_mounts(cfg.volumes)
     check_tmpfs_mounts(cfg.tmpfs, cfg.volumes)
+    check_host_mounts(cfg)
     check_scripts(cfg.scripts)
     size = sum(len(p.data) for p in cfg.patches) + sum(len(b.encode()) for b in cfg.scripts.values())
     if size > MAX_PATCH_BYTES:
@@ -458,6 +472,25 @@ def check_tmpfs_mounts(mounts: tuple[TmpfsMount, ...], volumes: tuple[VolumeMoun
     paths = [m.path.rstrip("/") for m in mounts] + [v.path.rstrip("/") for v in volumes]
     if len(set(paths)) != len(paths):
         raise InvalidArgument("two mounts (tmpfs or volumes) at one path")
+
+
+def check_host_mounts(cfg: SandboxConfig) -> None:
+    """The rules of host directory mounts that need no I/O (the directories themselves:
+    actors.hostdirs.check_host_dir)."""
+    mounts = cfg.host_mounts
+    if len(mounts) > MAX_HOST_MOUNTS:
+        raise InvalidArgument(f"{len(mounts)} host directories; at most {MAX_HOST_MOUNTS}")
+    for m in mounts:
+        src = m.source
+        if not src.startswith("/") or "\0" in src or ".." in src.split("/") or len(src.encode()) > 4096:
+            raise InvalidArgument(f"host directory {src[:80]!r}: an absolute path without '..' or NUL")
+        check_guest_path(m.path, f"host directory {src[:80]!r}: path")
+        if m.path.rstrip("/") in ("", "/proc", "/sys", "/dev"):
+            raise InvalidArgument(f"host directory {src[:80]!r}: cannot be mounted at {m.path}")
+    paths = [m.path.rstrip("/") for m in mounts] + [t.path.rstrip("/") for t in cfg.tmpfs]
+    paths += [v.path.rstrip("/") for v in cfg.volumes]
+    if len(set(paths)) != len(paths):
+        raise InvalidArgument("two mounts (tmpfs, volumes or host directories) at one path")
 
 
 # --- the converter (the store's; msgpack) ------------------------------------------------------

@@ -49,6 +49,7 @@ from actors.errors import (
     error,
 )
 from actors.events import EventBus
+from actors.hostdirs import check_host_dir
 from actors.machines.disk import DiskError, check_user_disk, virtual_size
 from actors.machines.guestmem import private_dir
 from actors.machines.qemuproc import AdoptedProcess, MachineError, start_time, unsearchable_parent
@@ -274,7 +275,7 @@ class Registry:
         with trio.CancelScope(shield=True):
             self.pools.close()
             for sb in self.sandboxes.values():
-                if sb.state in ALIVE:
+                if sb.state in ALIVE and not sb.config.host_mounts:  # (their virtiofsd ends with us)
                     sb.detach()
                 else:
                     sb.request_stop(0, force=True)
@@ -416,6 +417,8 @@ class Registry:
         for what, path in (("kernel", config.boot.kernel), ("rootfs", config.boot.rootfs)):
             if path:
                 check_host_file(what, path, self.settings.allowed_paths)
+        for m in config.host_mounts:
+            check_host_dir(m.source, self.settings.allowed_paths)
         if id and id in self.sandboxes:
             existing = self.sandboxes[id]
             if existing.config == config:

@@ -119,6 +119,12 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
     )
     p.add_argument("--script", action="append", metavar="NAME=FILE", help="a named script (run it: run --script NAME)")
     p.add_argument("--tmpfs", action="append", metavar="/path[:SIZE]", help="a tmpfs, e.g. /scratch:64M (guest RAM)")
+    p.add_argument(
+        "--mount",
+        action="append",
+        metavar="HOST_DIR:/path[:ro|rw]",
+        help="a host directory under serve --allow-path (read-only unless :rw)",
+    )
     p.add_argument("--workdir")
     p.add_argument("--user")
     p.add_argument("--image", metavar="REF", help="an OCI image (docker://HOST/NAME:TAG, oci:DIR, ...)")

@@ -80,6 +80,7 @@ async def _create(a: argparse.Namespace) -> AsyncSandbox:
         volumes=a.volume or (),
         scripts=_scripts(a.script),
         tmpfs=a.tmpfs or (),
+        mounts=a.mount or (),
         detached=True,
         wait=not a.no_wait,
     )

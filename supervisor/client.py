@@ -77,6 +77,7 @@ from supervisor.sdk.aio import (
 from supervisor.sdk.spec import (
     Boot,
     Egress,
+    HostDir,
     Lifetime,
     Network,
     Output,
@@ -108,6 +109,7 @@ __all__ = [
     "DeadlineExceeded",
     "Egress",
     "FailedPrecondition",
+    "HostDir",
     "Images",
     "Internal",
     "InvalidArgument",

@@ -15,6 +15,7 @@ from actors.errors import DomainError, FailedPrecondition, InvalidArgument
 from actors.model import (
     BootSource,
     Egress,
+    HostMount,
     Limits,
     NetMode,
     Network,
@@ -99,6 +100,7 @@ def config(req: W.CreateSandboxRequest) -> SandboxConfig:
         volumes=tuple(VolumeMount(v.volume, v.target, v.readonly) for v in req.volumes),
         scripts=dict(req.scripts),
         tmpfs=tuple(TmpfsMount(t.target, t.size_mib) for t in req.tmpfs),
+        host_mounts=tuple(HostMount(h.source, h.target, h.writable) for h in req.host_mounts),
     )
 
 

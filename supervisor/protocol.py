@@ -219,6 +219,16 @@ class TmpfsMount:
 
 
 @attrs.frozen
+class HostMount:
+    """A host directory (under a ``serve --allow-path`` directory) at ``target``,
+    read-only unless ``writable`` (sandvisor.v1.HostMount)."""
+
+    source: str
+    target: str
+    writable: bool = False
+
+
+@attrs.frozen
 class CreateSandboxRequest:
     id: str = ""
     labels: dict[str, str] = attrs.field(factory=dict)
@@ -248,6 +258,7 @@ class CreateSandboxRequest:
     volumes: list[VolumeMount] = attrs.field(factory=list)  # sandvisor.v1.CreateRequest.volumes
     scripts: dict[str, str] = attrs.field(factory=dict)  # named scripts, run by Run{script}
     tmpfs: list[TmpfsMount] = attrs.field(factory=list)  # sandvisor.v1.CreateRequest.tmpfs
+    host_mounts: list[HostMount] = attrs.field(factory=list)  # sandvisor.v1.CreateRequest.host_mounts
 
 
 @attrs.frozen

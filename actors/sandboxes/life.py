@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING
 import attrs
 import trio
 
+from actors import hostdirs
 from actors._groups import collapse_single
 from actors.cells.cell import Cell
 from actors.cells.cgroups import CgroupError, CgroupStats
@@ -323,6 +324,9 @@ class Life:
         if self._ram_fd >= 0:
             fds["ram"] = self._ram_fd
         spec = self._vm_spec(plan, ram, shared).with_volumes(volumes)
+        if sb.config.host_mounts:
+            fds.update(await self._share_dirs(plan))
+            spec = spec.with_fs_tags(tuple(hostdirs.tag(i) for i in range(len(sb.config.host_mounts))))
         placement = (
             Placement(sock_dir=cell.sock_dir, qemu_dir=cell.qemu_dir, log=run_dir / "qemu.log", spawn=cell.spawn)
             if cell is not None
@@ -351,6 +355,28 @@ class Life:
             os.close(self._state_fd)  # (loaded)
             self._state_fd = -1
         return guest
+
+    async def _share_dirs(self, plan: Boot | Resume) -> dict[str, int]:
+        """The life's host directories, each served by virtiofsd in a cell (in a nursery
+        of the life's stack, cancelled after QEMU is gone); QEMU's ends of their sockets."""
+        sb = self.sb
+        s, mounts = sb.settings, sb.config.host_mounts
+        if isinstance(plan, Resume):
+            raise FailedPrecondition("a snapshot of a sandbox with host directories cannot be restored (virtio-fs)")
+        tools = s.cells.tools if s.cells is not None else None
+        if tools is None:
+            raise FailedPrecondition(
+                "host directories are served in a cell: they need a supervisor running as root, with its jail"
+            )
+        if s.memory_dir is None:
+            raise FailedPrecondition("host directories need guest RAM in shared files (serve without anonymous memory)")
+        for m in mounts:  # at every life: a directory may have gone or changed since the Create
+            hostdirs.check_host_dir(m.source, s.allowed_paths)
+        shares = hostdirs.Shares(mounts, lambda text: sb.log.append("system", text.encode()))
+        nursery = await self._stack.enter_async_context(trio.open_nursery())
+        self._stack.callback(nursery.cancel_scope.cancel)  # (after QEMU: it was entered before)
+        self._stack.callback(shares.close)
+        return await shares.open(tools, nursery)
 
     async def _reconnect(self, plan: Adopt) -> Guest:
         """Reconnect to a QEMU a previous supervisor started (its cell, sockets, guest)."""
@@ -560,6 +586,18 @@ class Life:
                 err = guest_error(exc)
                 sb.log.append("system", f"volume {m.name}: {err.message}".encode())
                 raise MachineError(f"volume {m.name!r} at {m.path}: {err.message}") from None
+
+    async def mount_host_dirs(self, guest: Guest) -> None:
+        """Mount the life's host directories (virtio-fs tags host0, ...), read-only
+        unless writable."""
+        sb = self.sb
+        for i, m in enumerate(sb.config.host_mounts):
+            try:
+                await guest.channel.mount(hostdirs.tag(i), m.path, fstype="virtiofs", read_only=not m.writable)
+            except GuestError as exc:
+                err = guest_error(exc)
+                sb.log.append("system", f"host directory {m.source}: {err.message}".encode())
+                raise MachineError(f"host directory {m.source!r} at {m.path}: {err.message}") from None
 
     async def mount_tmpfs(self, guest: Guest) -> None:
         """Mount the configuration's tmpfs file systems (each with its size limit)."""

@@ -152,6 +152,28 @@ class Tmpfs:
         return cls(path, mib)
 
 
+@attrs.frozen
+class HostDir:
+    """A host directory ``source`` (inside a ``serve --allow-path`` directory) mounted
+    at ``path``, read-only unless ``writable``; ``HostDir.parse("HOST_DIR:/path[:ro|rw]")``."""
+
+    source: str
+    path: str
+    writable: bool = False
+
+    @classmethod
+    def parse(cls, text: str) -> HostDir:
+        source, sep, rest = text.partition(":")
+        path, _, flag = rest.partition(":")
+        if not sep or not source.startswith("/") or not path.startswith("/") or flag not in ("", "ro", "rw"):
+            raise InvalidArgument(W.INVALID_ARGUMENT, f"mount {text!r}: HOST_DIR:/path[:ro|rw]")
+        return cls(source, path, flag == "rw")
+
+
+def _host_dirs(v: Sequence[HostDir | str] | None) -> tuple[HostDir, ...]:
+    return tuple(m if isinstance(m, HostDir) else HostDir.parse(m) for m in v or ())
+
+
 def _tmpfs(v: Sequence[Tmpfs | str] | None) -> tuple[Tmpfs, ...]:
     return tuple(m if isinstance(m, Tmpfs) else Tmpfs.parse(m) for m in v or ())
 
@@ -189,6 +211,7 @@ class Settings(TypedDict, total=False):
     volumes: Sequence[VolumeMount | str]
     scripts: Mapping[str, str]
     tmpfs: Sequence[Tmpfs | str]
+    mounts: Sequence[HostDir | str]
 
 
 @attrs.frozen(kw_only=True)
@@ -209,6 +232,8 @@ class SandboxSpec:
     # named scripts (name -> body; no "#!": /bin/sh), run by name: run_script(name, *args)
     scripts: dict[str, str] = attrs.field(factory=dict, converter=_kv)
     tmpfs: tuple[Tmpfs, ...] = attrs.field(default=(), converter=_tmpfs)  # ("/path[:SIZE]" or Tmpfs)
+    # host directories ("HOST_DIR:/path[:ro|rw]" or HostDir), read-only by default
+    mounts: tuple[HostDir, ...] = attrs.field(default=(), converter=_host_dirs)
 
     def with_(self, **settings: Unpack[Settings]) -> SandboxSpec:
         if not settings:
@@ -247,6 +272,7 @@ class SandboxSpec:
             volumes=_mounts(s.get("volumes", self.volumes)),
             scripts={**self.scripts, **_kv(s.get("scripts"))},
             tmpfs=_tmpfs(s.get("tmpfs", self.tmpfs)),
+            mounts=_host_dirs(s.get("mounts", self.mounts)),
         )
 
     def request(self, name: str = "") -> W.CreateSandboxRequest:
@@ -275,6 +301,7 @@ class SandboxSpec:
             volumes=[W.VolumeMount(m.name, m.path, m.read_only) for m in self.volumes],
             scripts=dict(self.scripts),
             tmpfs=[W.TmpfsMount(m.path, m.size_mib) for m in self.tmpfs],
+            host_mounts=[W.HostMount(m.source, m.path, m.writable) for m in self.mounts],
         )
 
 
