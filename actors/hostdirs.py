@@ -83,7 +83,7 @@ def check_host_dir(source: str, allowed: tuple[Path, ...]) -> None:
     if not any(p.is_relative_to(d) for d in dirs):
         where = ", ".join(map(str, dirs)) or "none (serve --allow-path DIR allows one)"
         raise PermissionDenied(
-            f"host directory {source!r} is not in a directory the supervisor allows; allowed: {where}"
+            f"host directory {source!r} is not in a directory the supervisor allows (serve --allow-path): {where}"
         )
     try:
         st = p.lstat()

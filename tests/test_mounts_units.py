@@ -1,13 +1,22 @@
-"""tmpfs mounts: the SDK's parse and the configuration's rules (no VM)."""
+"""tmpfs mounts and host directories: the SDK's parse, the configuration's rules, the
+host directory checks, QEMU's arguments, the gRPC conversion (no VM)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import attrs
 import pytest
 
-from actors.errors import InvalidArgument
-from actors.model import SandboxConfig, TmpfsMount, VolumeMount, check_config
+from actors.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
+from actors.hostdirs import check_host_dir
+from actors.machines.qemuproc import LaunchError
+from actors.machines.qemuspec import MachineSpec
+from actors.model import HostMount, SandboxConfig, TmpfsMount, VolumeMount, check_config
 from supervisor import client as C
-from supervisor.client import Tmpfs
+from supervisor import mapping
+from supervisor import protocol as W
+from supervisor.client import HostDir, Tmpfs
 
 
 def test_tmpfs_parse() -> None:
@@ -41,3 +50,92 @@ def test_tmpfs_rules(tmpfs: tuple[TmpfsMount, ...], volumes: tuple[VolumeMount, 
     with pytest.raises(InvalidArgument, match=why):
         check_config(SandboxConfig(tmpfs=tmpfs, volumes=volumes))
     check_config(SandboxConfig(tmpfs=(TmpfsMount("/a", 64), TmpfsMount("/b"))))
+
+
+# --- host directories -----------------------------------------------------------------------
+
+
+def test_host_dir_parse_and_request() -> None:
+    assert HostDir.parse("/srv/data:/data") == HostDir("/srv/data", "/data", writable=False)  # read-only by default
+    assert HostDir.parse("/srv/data:/data:ro") == HostDir("/srv/data", "/data", writable=False)
+    assert HostDir.parse("/srv/data:/data:rw") == HostDir("/srv/data", "/data", writable=True)
+    for bad in ("srv:/data", "/srv", "/srv:data", "/srv:/data:rx"):
+        with pytest.raises(C.InvalidArgument):
+            HostDir.parse(bad)
+    req = C.SandboxSpec(mounts=["/a:/x", HostDir("/b", "/y", True)]).request()
+    assert req.host_mounts == [W.HostMount("/a", "/x", False), W.HostMount("/b", "/y", True)]
+    assert mapping.config(req).host_mounts == (HostMount("/a", "/x", False), HostMount("/b", "/y", True))
+
+
+@pytest.mark.parametrize(
+    ("mounts", "why"),
+    [
+        ((HostMount("rel", "/x"),), "absolute"),
+        ((HostMount("/a/../etc", "/x"),), "'..'"),
+        ((HostMount("/a", "x"),), "absolute path"),
+        ((HostMount("/a", "/proc"),), "cannot be mounted"),
+        ((HostMount("/a", "/x"), HostMount("/b", "/x/")), "one path"),
+        (tuple(HostMount(f"/a{i}", f"/x{i}") for i in range(9)), "at most 8"),
+    ],
+)
+def test_host_mount_rules(mounts: tuple[HostMount, ...], why: str) -> None:
+    with pytest.raises(InvalidArgument, match=why):
+        check_config(SandboxConfig(host_mounts=mounts))
+    with pytest.raises(InvalidArgument, match="one path"):
+        check_config(SandboxConfig(host_mounts=(HostMount("/a", "/t"),), tmpfs=(TmpfsMount("/t"),)))
+
+
+def test_check_host_dir_codes(tmp_path: Path) -> None:
+    allowed = tmp_path / "allowed"
+    (allowed / "dir").mkdir(parents=True)
+    (allowed / "file").write_text("x")
+    (allowed / "link").symlink_to(allowed / "dir")
+    (tmp_path / "outside").mkdir()
+    check_host_dir(str(allowed / "dir"), (allowed,))
+    check_host_dir(str(allowed), (allowed,))  # the allowed directory itself
+    for path in (tmp_path / "outside", Path("/etc")):
+        with pytest.raises(PermissionDenied, match="allow-path"):
+            check_host_dir(str(path), (allowed,))
+    with pytest.raises(PermissionDenied, match="none"):
+        check_host_dir(str(allowed / "dir"), ())  # no --allow-path: none
+    with pytest.raises(NotFound):
+        check_host_dir(str(allowed / "missing"), (allowed,))
+    for path in (allowed / "file", allowed / "link"):
+        with pytest.raises(FailedPrecondition, match="no symlink"):
+            check_host_dir(str(path), (allowed,))
+    with pytest.raises(InvalidArgument):
+        check_host_dir(f"{allowed}/../outside", (allowed,))
+
+
+def test_qemu_argv_for_host_dirs(tmp_path: Path) -> None:
+    spec = MachineSpec(kernel=Path("/k"), initrd=Path("/i"), memory_file=tmp_path / "ram", fs_tags=("host0", "host1"))
+    argv = spec.argv(tmp_path, {"fs0": 7, "fs1": 8})
+    text = " ".join(argv)
+    assert "socket,id=fs0,fd=7 -device vhost-user-fs-device,chardev=fs0,tag=host0" in text
+    assert "socket,id=fs1,fd=8 -device vhost-user-fs-device,chardev=fs1,tag=host1" in text
+    assert "-global virtio-mmio.force-legacy=off" in text  # libvhost-user serves modern devices only
+    assert "share=on" in text and spec.virtio_devices() == 3
+    assert "force-legacy" not in " ".join(attrs.evolve(spec, fs_tags=()).argv(tmp_path))
+    with pytest.raises(LaunchError, match="no server"):
+        spec.argv(tmp_path, {"fs0": 7})
+    with pytest.raises(LaunchError, match="shared"):
+        attrs.evolve(spec, memory_file=None).argv(tmp_path, {"fs0": 7, "fs1": 8})  # anonymous RAM
+    with pytest.raises(LaunchError, match="shared"):
+        attrs.evolve(spec, memory_shared=False).argv(tmp_path, {"fs0": 7, "fs1": 8})
+
+
+def test_grpc_create_carries_host_mounts() -> None:
+    from supervisor import grpc_service as S
+    from supervisor.proto.sandvisor.v1 import sandvisor_pb2 as sv
+
+    req = S.to_request(
+        sv.CreateRequest(
+            host_mounts=[
+                sv.HostMount(source="/srv", target="/data"),
+                sv.HostMount(source="/w", target="/w", writable=True),
+            ]
+        ),
+        W.CreateSandboxRequest,
+        S._sandvisor_create,
+    )
+    assert req.host_mounts == [W.HostMount("/srv", "/data", False), W.HostMount("/w", "/w", True)]
