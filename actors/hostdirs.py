@@ -154,6 +154,10 @@ class Shares:
         except ToolError as exc:
             self.on_exit(f"host directory {m.source}: its server did not start: {exc}")
             return
+        finally:
+            # our copy of the listener is the last: QEMU's connection, if virtiofsd never
+            # took it, is reset now (QEMU fails at once instead of waiting for a server)
+            listener.close()
         if r.returncode != 0:
             err = r.stderr.decode(errors="replace").strip().replace("\n", "; ")[-500:]
             self.on_exit(f"host directory {m.source}: virtiofsd exited with {r.returncode}: {err}")
