@@ -104,6 +104,10 @@ def test_read_write_host_dir(sb: Sandbox, dirs: dict[str, Path]) -> None:
     assert out.stat().st_uid != 0  # guest root is not host root: an id of the tools' user namespace
     (dirs["rw"] / "from-host.txt").write_text("seen\n")
     assert sb.run("cat /mnt/rw/from-host.txt").stdout == b"seen\n"
+    # no device node, and a set-uid file is set-uid to an id of the tools' namespace only
+    assert sb.run("mknod /mnt/rw/mem c 1 1").exit_code != 0 and not (dirs["rw"] / "mem").exists()
+    assert sb.run("cp /bin/true /mnt/rw/suid && chmod 4755 /mnt/rw/suid").exit_code == 0
+    assert (dirs["rw"] / "suid").stat().st_uid == out.stat().st_uid != 0
 
 
 def test_checkpoint_refused(sb: Sandbox) -> None:
