@@ -72,10 +72,11 @@ def tag(i: int) -> str:
     return f"{TAG_PREFIX}{i}"
 
 
-def check_host_dir(source: str, allowed: tuple[Path, ...]) -> None:
+def check_host_dir(source: str, allowed: tuple[Path, ...], *, writable: bool = False) -> None:
     """A host directory a Create may mount: inside an ``--allow-path`` directory (else
     PERMISSION_DENIED, said before the path is looked at: no probing outside), there
-    (NOT_FOUND), a directory reached through no symlink (FAILED_PRECONDITION)."""
+    (NOT_FOUND), a directory reached through no symlink, that others may read (and
+    write, ``writable``) unless it has an ACL (FAILED_PRECONDITION)."""
     p = Path(source)
     if not p.is_absolute() or ".." in p.parts:
         raise InvalidArgument(f"host directory {source!r} must be an absolute path without '..'")
@@ -93,6 +94,21 @@ def check_host_dir(source: str, allowed: tuple[Path, ...]) -> None:
         raise FailedPrecondition(f"host directory {source!r}: {exc.strerror}") from None
     if os.path.realpath(p) != str(p) or not stat.S_ISDIR(st.st_mode):
         raise FailedPrecondition(f"host directory {source!r} must be a directory reached through no symlink")
+    need = 0o007 if writable else 0o005
+    if st.st_mode & need != need and not _has_acl(p):
+        what = "readable, writable and searchable" if writable else "readable and searchable"
+        raise FailedPrecondition(
+            f"host directory {source!r} (mode {stat.S_IMODE(st.st_mode):o}) must be {what} by others: its server "
+            "runs as an id that owns nothing there (or grant it with an ACL; docs/mounts.md)"
+        )
+
+
+def _has_acl(p: Path) -> bool:
+    try:
+        os.getxattr(p, "system.posix_acl_access", follow_symlinks=False)
+    except OSError:
+        return False
+    return True
 
 
 class Shares:
@@ -102,6 +118,7 @@ class Shares:
     def __init__(self, mounts: tuple[HostMount, ...], on_exit: Callable[[str], object]) -> None:
         self.mounts = mounts
         self.on_exit = on_exit  # told how a server ended (the sandbox's log)
+        self.failure = ""  # why the first server that failed did (said before QEMU can see it)
         self._sockets: list[socket.socket] = []
 
     async def open(self, tools: ToolCells, nursery: trio.Nursery) -> dict[str, int]:
@@ -141,6 +158,7 @@ class Shares:
             "log_level=err",
         ]
         task_status.started()  # the listener queues QEMU's connection until virtiofsd accepts it
+        why = ""
         try:
             r = await tools.run(
                 argv,
@@ -151,16 +169,18 @@ class Shares:
                 memory_mib=VIRTIOFSD_MEMORY_MIB,
                 full_proc=True,  # virtiofsd reads /proc/sys/fs/file-max at start, whatever its flags
             )
+            if r.returncode != 0:
+                err = r.stderr.decode(errors="replace").strip().replace("\n", "; ")[-500:]
+                why = f"host directory {m.source}: virtiofsd exited with {r.returncode}: {err}"
         except ToolError as exc:
-            self.on_exit(f"host directory {m.source}: its server did not start: {exc}")
-            return
+            why = f"host directory {m.source}: its server did not start: {exc}"
         finally:
+            if why:
+                self.failure = self.failure or why
+                self.on_exit(why)
             # our copy of the listener is the last: QEMU's connection, if virtiofsd never
             # took it, is reset now (QEMU fails at once instead of waiting for a server)
             listener.close()
-        if r.returncode != 0:
-            err = r.stderr.decode(errors="replace").strip().replace("\n", "; ")[-500:]
-            self.on_exit(f"host directory {m.source}: virtiofsd exited with {r.returncode}: {err}")
 
     def close(self) -> None:
         for s in self._sockets:

@@ -418,7 +418,7 @@ class Registry:
             if path:
                 check_host_file(what, path, self.settings.allowed_paths)
         for m in config.host_mounts:
-            check_host_dir(m.source, self.settings.allowed_paths)
+            check_host_dir(m.source, self.settings.allowed_paths, writable=m.writable)
         if id and id in self.sandboxes:
             existing = self.sandboxes[id]
             if existing.config == config:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -21,6 +22,7 @@ from supervisor.throwaway import supervisor_process, workdir
 pytestmark = [pytest.mark.vm, pytest.mark.skipif(os.geteuid() != 0, reason="host directories are served in a cell")]
 
 SECRET = b"host-only secret\n"
+ACL_UNDEFINED_ID = 0xFFFFFFFF
 
 
 def _dir(prefix: str, mode: int) -> Path:
@@ -126,3 +128,25 @@ def test_host_dirs_outside_allow_path_refused(served: dict[str, str], dirs: dict
         Sandbox.create("bad", socket=sock, mounts=[f"{dirs['allowed']}/missing:/mnt/x"])
     r = cli(served, "create", "bad", "--mount", f"{dirs['outside']}:/mnt/x")
     assert r.returncode != 0 and "PERMISSION_DENIED" in r.stderr
+
+
+def test_a_directory_its_server_cannot_read(served: dict[str, str], dirs: dict[str, Path]) -> None:
+    """Refused at Create when its mode says so (FAILED_PRECONDITION, naming what to do);
+    with an ACL (that grants someone else) the server fails, and the Create says why."""
+    sock = served["SANDVISOR_SOCKET"]
+    private = dirs["allowed"] / "private"
+    private.mkdir(mode=0o700)
+    with pytest.raises(FailedPrecondition, match="by others"):
+        Sandbox.create("priv", socket=sock, mounts=[f"{private}:/mnt/p"])
+    with pytest.raises(FailedPrecondition, match="writable"):
+        Sandbox.create("priv", socket=sock, mounts=[f"{dirs['ro']}:/mnt/p:rw"])  # 0755: others cannot write
+    # user::rwx user:12345:r-x group::--- mask::r-x other::--- (system.posix_acl_access, version 2)
+    entries = [(0x01, 7, ACL_UNDEFINED_ID), (0x02, 5, 12345), (0x04, 0, ACL_UNDEFINED_ID)]
+    entries += [(0x10, 5, ACL_UNDEFINED_ID), (0x20, 0, ACL_UNDEFINED_ID)]
+    os.setxattr(
+        private, "system.posix_acl_access", struct.pack("<I", 2) + b"".join(struct.pack("<HHI", *e) for e in entries)
+    )
+    with pytest.raises(FailedPrecondition, match=r"virtiofsd exited .*Permission denied"):
+        Sandbox.create("priv", socket=sock, mounts=[f"{private}:/mnt/p"])
+    with pytest.raises(NotFound):
+        Sandbox.get("priv", socket=sock)  # (the SDK removed the failed one)

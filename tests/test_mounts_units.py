@@ -105,6 +105,15 @@ def test_check_host_dir_codes(tmp_path: Path) -> None:
             check_host_dir(str(path), (allowed,))
     with pytest.raises(InvalidArgument):
         check_host_dir(f"{allowed}/../outside", (allowed,))
+    # its server owns nothing there: others must be able to read it (and write, rw)
+    (allowed / "dir").chmod(0o700)
+    with pytest.raises(FailedPrecondition, match="by others"):
+        check_host_dir(str(allowed / "dir"), (allowed,))
+    (allowed / "dir").chmod(0o755)
+    with pytest.raises(FailedPrecondition, match="writable"):
+        check_host_dir(str(allowed / "dir"), (allowed,), writable=True)
+    (allowed / "dir").chmod(0o777)
+    check_host_dir(str(allowed / "dir"), (allowed,), writable=True)
 
 
 def test_qemu_argv_for_host_dirs(tmp_path: Path) -> None:

@@ -165,6 +165,7 @@ class Life:
         self._ram_fd = -1  # the guest RAM's descriptor for QEMU (a cell's), until QEMU maps it
         self._sealed = ""  # the snapshot whose sealed memory that descriptor is
         self._state_fd = -1  # a restore's saved state, until loaded
+        self._shares: hostdirs.Shares | None = None  # its host directories' servers (in its stack)
         self._cpu_prev: tuple[float, float] | None = None
         self._stack = AsyncExitStack()  # its scope, _release, QEMU (the launcher's block), the relays' nursery
         self._scope = trio.CancelScope()
@@ -349,7 +350,12 @@ class Life:
             sb.store.update_life(sb.record)
 
         at = Attach(placement, fds, on_spawned=spawned, restore_fd=self._state_fd)
-        guest = self._launched = await self._stack.enter_async_context(s.launch(spec, at))
+        try:
+            guest = self._launched = await self._stack.enter_async_context(s.launch(spec, at))
+        except (BootError, MachineError) as exc:
+            if self._shares is not None and self._shares.failure:  # QEMU failed because a server did
+                raise MachineError(self._shares.failure) from exc
+            raise
         self._release_ram()  # QEMU has its own mapping now
         if self._state_fd >= 0:
             os.close(self._state_fd)  # (loaded)
@@ -371,8 +377,8 @@ class Life:
         if s.memory_dir is None:
             raise FailedPrecondition("host directories need guest RAM in shared files (serve without anonymous memory)")
         for m in mounts:  # at every life: a directory may have gone or changed since the Create
-            hostdirs.check_host_dir(m.source, s.allowed_paths)
-        shares = hostdirs.Shares(mounts, lambda text: sb.log.append("system", text.encode()))
+            hostdirs.check_host_dir(m.source, s.allowed_paths, writable=m.writable)
+        shares = self._shares = hostdirs.Shares(mounts, lambda text: sb.log.append("system", text.encode()))
         nursery = await self._stack.enter_async_context(trio.open_nursery())
         self._stack.callback(nursery.cancel_scope.cancel)  # (after QEMU: it was entered before)
         self._stack.callback(shares.close)
