@@ -118,6 +118,14 @@ def test_checkpoint_refused(sb: Sandbox) -> None:
     assert sb.run("cat /mnt/ro/hello.txt").exit_code == 0  # it serves on
 
 
+def test_served_again_after_a_restart(sb: Sandbox, dirs: dict[str, Path]) -> None:
+    """Stop and Start: a new life, new servers, mounted again (and still read-only)."""
+    sb.stop()
+    sb.start()
+    assert sb.run("cat /mnt/ro/hello.txt /mnt/rw/out.txt").stdout == b"hello from the host\nfrom the guest\n"
+    assert sb.run("touch /mnt/ro/x").exit_code != 0
+
+
 def test_host_dirs_outside_allow_path_refused(served: dict[str, str], dirs: dict[str, Path]) -> None:
     sock = served["SANDVISOR_SOCKET"]
     with pytest.raises(PermissionDenied, match="allow"):
