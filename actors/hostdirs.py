@@ -53,6 +53,7 @@ from images.tools import ToolError, bind
 
 if TYPE_CHECKING:
     from actors.cells.toolcell import ToolCells
+    from actors.settings import Settings
 
 log = logging.getLogger("sandvisor.hostdirs")
 
@@ -109,6 +110,19 @@ def _has_acl(p: Path) -> bool:
     except OSError:
         return False
     return True
+
+
+def servers(settings: Settings) -> ToolCells:
+    """The tool cells that serve host directories, or FAILED_PRECONDITION naming why this
+    supervisor cannot (checked at Create, before anything is made, and at every boot)."""
+    tools = settings.cells.tools if settings.cells is not None else None
+    if tools is None:
+        raise FailedPrecondition(
+            "host directories are served in a cell: they need a supervisor running as root, with its jail"
+        )
+    if settings.memory_dir is None:
+        raise FailedPrecondition("host directories need guest RAM in shared files (serve without anonymous memory)")
+    return tools
 
 
 class Shares:

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import trio
 
+from actors import hostdirs
 from actors.crash import crash_point
 from actors.errors import (
     AlreadyExists,
@@ -49,7 +50,6 @@ from actors.errors import (
     error,
 )
 from actors.events import EventBus
-from actors.hostdirs import check_host_dir
 from actors.machines.disk import DiskError, check_user_disk, virtual_size
 from actors.machines.guestmem import private_dir
 from actors.machines.qemuproc import AdoptedProcess, MachineError, start_time, unsearchable_parent
@@ -417,8 +417,10 @@ class Registry:
         for what, path in (("kernel", config.boot.kernel), ("rootfs", config.boot.rootfs)):
             if path:
                 check_host_file(what, path, self.settings.allowed_paths)
+        if config.host_mounts:
+            hostdirs.servers(self.settings)
         for m in config.host_mounts:
-            check_host_dir(m.source, self.settings.allowed_paths, writable=m.writable)
+            hostdirs.check_host_dir(m.source, self.settings.allowed_paths, writable=m.writable)
         if id and id in self.sandboxes:
             existing = self.sandboxes[id]
             if existing.config == config:

@@ -148,3 +148,17 @@ def test_grpc_create_carries_host_mounts() -> None:
         S._sandvisor_create,
     )
     assert req.host_mounts == [W.HostMount("/srv", "/data", False), W.HostMount("/w", "/w", True)]
+
+
+def test_host_dirs_need_the_jail_and_shared_ram() -> None:
+    from types import SimpleNamespace
+    from typing import Any
+
+    from actors.hostdirs import servers
+
+    unjailed: Any = SimpleNamespace(cells=None, memory_dir=Path("/dev/shm/x"))
+    with pytest.raises(FailedPrecondition, match="root, with its jail"):
+        servers(unjailed)
+    anonymous: Any = SimpleNamespace(cells=SimpleNamespace(tools=object()), memory_dir=None)
+    with pytest.raises(FailedPrecondition, match="shared files"):
+        servers(anonymous)

@@ -369,13 +369,7 @@ class Life:
         s, mounts = sb.settings, sb.config.host_mounts
         if isinstance(plan, Resume):
             raise FailedPrecondition("a snapshot of a sandbox with host directories cannot be restored (virtio-fs)")
-        tools = s.cells.tools if s.cells is not None else None
-        if tools is None:
-            raise FailedPrecondition(
-                "host directories are served in a cell: they need a supervisor running as root, with its jail"
-            )
-        if s.memory_dir is None:
-            raise FailedPrecondition("host directories need guest RAM in shared files (serve without anonymous memory)")
+        tools = hostdirs.servers(s)
         for m in mounts:  # at every life: a directory may have gone or changed since the Create
             hostdirs.check_host_dir(m.source, s.allowed_paths, writable=m.writable)
         shares = self._shares = hostdirs.Shares(mounts, lambda text: sb.log.append("system", text.encode()))
