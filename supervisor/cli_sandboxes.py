@@ -81,6 +81,7 @@ async def _create(a: argparse.Namespace) -> AsyncSandbox:
         scripts=_scripts(a.script),
         tmpfs=a.tmpfs or (),
         mounts=a.mount or (),
+        secrets=a.secret or (),
         detached=True,
         wait=not a.no_wait,
     )

@@ -70,6 +70,7 @@ from supervisor.sdk.aio import (
     AsyncExec,
     AsyncImages,
     AsyncSandbox,
+    AsyncSecrets,
     AsyncVolumes,
     CallStream,
     connect,
@@ -86,6 +87,7 @@ from supervisor.sdk.spec import (
     RunResult,
     RunSettings,
     SandboxSpec,
+    Secret,
     Settings,
     SnapshotRef,
     Tmpfs,
@@ -93,7 +95,7 @@ from supervisor.sdk.spec import (
     Workload,
     parse_size,
 )
-from supervisor.sdk.sync import Images, Sandbox, Volumes, images
+from supervisor.sdk.sync import Images, Sandbox, Secrets, Volumes, images
 
 __all__ = [
     "AlreadyExists",
@@ -101,6 +103,7 @@ __all__ = [
     "AsyncExec",
     "AsyncImages",
     "AsyncSandbox",
+    "AsyncSecrets",
     "AsyncVolumes",
     "Boot",
     "CallStream",
@@ -136,6 +139,8 @@ __all__ = [
     "SandboxInfo",
     "SandboxSpec",
     "SandboxSummary",
+    "Secret",
+    "Secrets",
     "Settings",
     "SnapshotRef",
     "SnapshotSummary",

@@ -31,6 +31,7 @@ from actors.model import (
     Workload,
 )
 from actors.sandboxes.sandbox import Sandbox
+from actors.secrets.model import SecretRef
 from actors.snapshots.snapshot import rfc3339
 from actors.store import SnapshotRecord
 from images.build import Image
@@ -101,7 +102,13 @@ def config(req: W.CreateSandboxRequest) -> SandboxConfig:
         scripts=dict(req.scripts),
         tmpfs=tuple(TmpfsMount(t.target, t.size_mib) for t in req.tmpfs),
         host_mounts=tuple(HostMount(h.source, h.target, h.writable) for h in req.host_mounts),
+        secrets=tuple(SecretRef(s.name, tuple(s.hosts), placeholder=s.placeholder, store=s.store) for s in req.secrets),
     )
+
+
+def secret_values(req: W.CreateSandboxRequest) -> dict[str, bytes]:
+    """A Create's secret values by name (to the vault, never into the configuration)."""
+    return {s.name: bytes(s.value) for s in req.secrets if s.value}
 
 
 # --- domain -> replies ------------------------------------------------------------------------
