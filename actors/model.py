@@ -233,6 +233,31 @@ class VolumeMount:
 
 
 @attrs.frozen
+class TmpfsMount:
+    """A tmpfs mounted at ``path`` in the guest by guestd before the sandbox is ready
+    (``size_mib`` 0: the kernel's default, half the guest's RAM). Its pages are guest
+    RAM: the limit bounds what it may take of the sandbox's memory."""
+
+    path: str
+    size_mib: int = 0
+
+
+@attrs.frozen
+class HostMount:
+    """A host directory (under a ``serve --allow-path`` directory) mounted at ``path`` in
+    the guest, served by virtiofsd in a cell of its own (:mod:`actors.hostdirs`);
+    read-only unless ``writable``."""
+
+    source: str
+    path: str
+    writable: bool = False
+
+
+MAX_HOST_MOUNTS = 8
+MAX_TMPFS_MIB = 1 << 20  # a limit, not an allocation: the guest's RAM bounds it anyway
+
+
+@attrs.frozen
 class VolumeRecord:
     """A named volume (:mod:`actors.volumes`): its image is ``<state>/volumes/<uid>.ext4``."""
 
@@ -258,6 +283,8 @@ class SandboxConfig:
     hostname: str = ""
     patches: tuple[Patch, ...] = ()
     volumes: tuple[VolumeMount, ...] = ()
+    tmpfs: tuple[TmpfsMount, ...] = ()  # mounted by guestd at every boot, before ready
+    host_mounts: tuple[HostMount, ...] = ()  # host directories (virtio-fs), fixed at boot
     # named scripts: written to SCRIPTS_DIR/<name> (0755) with the patches; Run{script}
     scripts: dict[str, str] = attrs.field(factory=dict)
     # secrets (actors/secrets): names, hosts, placeholders -- never values (the vault's)
@@ -366,6 +393,8 @@ def check_config(cfg: SandboxConfig) -> None:
         raise InvalidArgument("boot_args must be one line of at most 1024 bytes")
     check_patches(cfg.patches)
     check_volume_mounts(cfg.volumes)
+    check_tmpfs_mounts(cfg.tmpfs, cfg.volumes)
+    check_host_mounts(cfg)
     check_scripts(cfg.scripts)
     check_secrets(cfg.secrets)
     if cfg.secrets and not cfg.network.reaches_out:
@@ -443,6 +472,39 @@ def check_volume_mounts(mounts: tuple[VolumeMount, ...]) -> None:
         seen.add(m.name)
     if len({m.path.rstrip("/") for m in mounts}) != len(mounts):
         raise InvalidArgument("two volumes at one path")
+
+
+def check_tmpfs_mounts(mounts: tuple[TmpfsMount, ...], volumes: tuple[VolumeMount, ...] = ()) -> None:
+    if len(mounts) > 16:
+        raise InvalidArgument(f"{len(mounts)} tmpfs mounts; at most 16")
+    for m in mounts:
+        check_guest_path(m.path, "tmpfs: path")
+        if m.path.rstrip("/") in ("", "/proc", "/sys", "/dev"):
+            raise InvalidArgument(f"tmpfs: cannot be mounted at {m.path}")
+        if not 0 <= m.size_mib <= MAX_TMPFS_MIB:
+            raise InvalidArgument(f"tmpfs {m.path}: size_mib must be 0 (the kernel's default) to {MAX_TMPFS_MIB}")
+    paths = [m.path.rstrip("/") for m in mounts] + [v.path.rstrip("/") for v in volumes]
+    if len(set(paths)) != len(paths):
+        raise InvalidArgument("two mounts (tmpfs or volumes) at one path")
+
+
+def check_host_mounts(cfg: SandboxConfig) -> None:
+    """The rules of host directory mounts that need no I/O (the directories themselves:
+    actors.hostdirs.check_host_dir)."""
+    mounts = cfg.host_mounts
+    if len(mounts) > MAX_HOST_MOUNTS:
+        raise InvalidArgument(f"{len(mounts)} host directories; at most {MAX_HOST_MOUNTS}")
+    for m in mounts:
+        src = m.source
+        if not src.startswith("/") or "\0" in src or ".." in src.split("/") or len(src.encode()) > 4096:
+            raise InvalidArgument(f"host directory {src[:80]!r}: an absolute path without '..' or NUL")
+        check_guest_path(m.path, f"host directory {src[:80]!r}: path")
+        if m.path.rstrip("/") in ("", "/proc", "/sys", "/dev"):
+            raise InvalidArgument(f"host directory {src[:80]!r}: cannot be mounted at {m.path}")
+    paths = [m.path.rstrip("/") for m in mounts] + [t.path.rstrip("/") for t in cfg.tmpfs]
+    paths += [v.path.rstrip("/") for v in cfg.volumes]
+    if len(set(paths)) != len(paths):
+        raise InvalidArgument("two mounts (tmpfs, volumes or host directories) at one path")
 
 
 # --- the converter (the store's; msgpack) ------------------------------------------------------

@@ -38,6 +38,7 @@ from pathlib import Path
 import attrs
 import trio
 
+from actors import hostdirs
 from actors.crash import crash_point
 from actors.errors import (
     AlreadyExists,
@@ -282,7 +283,7 @@ class Registry:
         with trio.CancelScope(shield=True):
             self.pools.close()
             for sb in self.sandboxes.values():
-                if sb.state in ALIVE:
+                if sb.state in ALIVE and not sb.config.host_mounts:  # (their virtiofsd ends with us)
                     sb.detach()
                 else:
                     sb.request_stop(0, force=True)
@@ -435,6 +436,10 @@ class Registry:
         for what, path in (("kernel", config.boot.kernel), ("rootfs", config.boot.rootfs)):
             if path:
                 check_host_file(what, path, self.settings.allowed_paths)
+        if config.host_mounts:
+            hostdirs.servers(self.settings)
+        for m in config.host_mounts:
+            hostdirs.check_host_dir(m.source, self.settings.allowed_paths, writable=m.writable)
         if id and id in self.sandboxes:
             existing = self.sandboxes[id]
             if existing.config == config:

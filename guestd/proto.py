@@ -405,13 +405,16 @@ class Patch(Message):
 class Mount(Message):
     """Mount a block device at ``path`` (made if missing). ``device``: a /dev path, or
     ``serial:NAME`` for the virtio disk whose serial is NAME. Answered Ok. guestd
-    unmounts what it mounted when it powers off."""
+    unmounts what it mounted when it powers off. ``fstype`` "tmpfs" mounts a tmpfs
+    (``device`` ignored; mode 1777, nosuid, nodev) of at most ``size_mib`` (0: the
+    kernel's default)."""
 
     rid: int
     device: str
     path: str
     fstype: str = "ext4"
     read_only: bool = False
+    size_mib: int = 0
 
 
 @message("umount")

@@ -293,6 +293,10 @@ def mount_work(root_fd: int, msg: P.Mount) -> int:
     """In a worker: mount ``msg.device`` at ``msg.path``."""
     import stat
 
+    if msg.fstype == "tmpfs":
+        return mount_tmpfs(root_fd, msg)
+    if msg.fstype == "virtiofs":
+        return mount_virtiofs(root_fd, msg)
     dev = find_disk(msg.device)
     st = os.stat(dev)
     if not stat.S_ISBLK(st.st_mode):
@@ -313,6 +317,30 @@ def mount_work(root_fd: int, msg: P.Mount) -> int:
         os.close(fd)
     opts = "ro" if msg.read_only else "rw,noatime"
     busybox_run(root_fd, ["mount", "-t", msg.fstype, "-o", opts, dev, msg.path])
+    return 0
+
+
+def mount_tmpfs(root_fd: int, msg: P.Mount) -> int:
+    """In a worker: a tmpfs at ``msg.path``, at most ``msg.size_mib`` (0: the kernel's default)."""
+    if os.path.ismount(msg.path):
+        raise ExecFailed(P.E_EXISTS, f"{msg.path} is a mount point already")
+    if not 0 <= msg.size_mib <= 1 << 20:
+        raise ExecFailed(P.E_INVALID, f"tmpfs size {msg.size_mib} MiB")
+    os.makedirs(msg.path, 0o755, exist_ok=True)
+    opts = "nosuid,nodev,mode=1777" + (f",size={msg.size_mib}m" if msg.size_mib else "")
+    if msg.read_only:
+        opts += ",ro"
+    busybox_run(root_fd, ["mount", "-t", "tmpfs", "-o", opts, "tmpfs", msg.path])
+    return 0
+
+
+def mount_virtiofs(root_fd: int, msg: P.Mount) -> int:
+    """In a worker: the virtio-fs share tagged ``msg.device`` at ``msg.path``."""
+    if os.path.ismount(msg.path):
+        raise ExecFailed(P.E_EXISTS, f"{msg.path} is a mount point already")
+    os.makedirs(msg.path, 0o755, exist_ok=True)
+    opts = "ro" if msg.read_only else "rw"
+    busybox_run(root_fd, ["mount", "-t", "virtiofs", "-o", opts, msg.device, msg.path])
     return 0
 
 
@@ -371,7 +399,7 @@ def patch(agent: Agent, session: Session, msg: P.Patch) -> None:
 def mount(agent: Agent, session: Session, msg: P.Mount) -> None:
     if not msg.path.startswith("/") or os.path.normpath(msg.path) == "/":
         raise LookupError("mount path must be absolute and not /")
-    if msg.fstype not in FSTYPES:
+    if msg.fstype not in (*FSTYPES, "tmpfs", "virtiofs"):
         raise LookupError(f"unsupported file system type {msg.fstype!r}")
     path = os.path.normpath(msg.path)
     w = Worker(agent, session, msg.rid)

@@ -120,6 +120,13 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
         "--volume", action="append", metavar="NAME:/path[:ro]", help="mount a named volume (sandvisor volume create)"
     )
     p.add_argument("--script", action="append", metavar="NAME=FILE", help="a named script (run it: run --script NAME)")
+    p.add_argument("--tmpfs", action="append", metavar="/path[:SIZE]", help="a tmpfs, e.g. /scratch:64M (guest RAM)")
+    p.add_argument(
+        "--mount",
+        action="append",
+        metavar="HOST_DIR:/path[:ro|rw]",
+        help="a host directory under serve --allow-path (read-only unless :rw)",
+    )
     p.add_argument(
         "--secret",
         action="append",

@@ -79,6 +79,8 @@ async def _create(a: argparse.Namespace) -> AsyncSandbox:
         tls_verify=a.tls_verify,
         volumes=a.volume or (),
         scripts=_scripts(a.script),
+        tmpfs=a.tmpfs or (),
+        mounts=a.mount or (),
         secrets=a.secret or (),
         detached=True,
         wait=not a.no_wait,
@@ -260,11 +262,18 @@ async def cp(a: argparse.Namespace) -> int:
 
 @on_trio
 async def _start(a: argparse.Namespace) -> int:
-    from supervisor.client import AsyncSandbox
+    from supervisor.client import AsyncSandbox, SandboxError
 
-    for name in a.names:
-        await AsyncSandbox(name, socket=a.socket).start()  # boots, then waits until ready
-    return 0
+    failed = []
+    for name in a.names:  # several names: each is tried, as rm/stop/kill do
+        try:
+            await AsyncSandbox(name, socket=a.socket).start()  # boots, then waits until ready
+        except SandboxError as exc:
+            if len(a.names) == 1:
+                raise
+            print(f"{name}: {exc.message}", file=sys.stderr)
+            failed.append(name)
+    return 1 if failed else 0
 
 
 def status(a: argparse.Namespace) -> int:

@@ -223,13 +223,14 @@ class DaemonConfig:
         kind="negation",
         help="jailed: run QEMUs without cgroup limits (memory, processes, CPU); default: refuse to start without them",
     )
-    allow_paths: tuple[Path, ...] = flag(  # where a Create's kernel and rootfs and local image refs may come from
+    # where a Create's kernel and rootfs, local image refs and host directories (--mount) may come from
+    allow_paths: tuple[Path, ...] = flag(
         (),
         name="--allow-path",
         kind="repeat",
         metavar="DIR",
-        help="a directory a Create's own kernel and rootfs, and oci:/oci-archive:/docker-archive: images, "
-        "may come from (repeatable; none by default)",
+        help="a directory a Create's own kernel and rootfs, oci:/oci-archive:/docker-archive: images, "
+        "and host directories it mounts (create --mount) may come from (repeatable; none by default)",
         parse=_resolved,
     )
     registry_allow: tuple[str, ...] = flag(  # HOST[:PORT]: the only registries pulled from

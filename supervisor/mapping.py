@@ -15,6 +15,7 @@ from actors.errors import DomainError, FailedPrecondition, InvalidArgument
 from actors.model import (
     BootSource,
     Egress,
+    HostMount,
     Limits,
     NetMode,
     Network,
@@ -25,6 +26,7 @@ from actors.model import (
     SandboxMetrics,
     State,
     Timers,
+    TmpfsMount,
     VolumeMount,
     Workload,
 )
@@ -98,6 +100,8 @@ def config(req: W.CreateSandboxRequest) -> SandboxConfig:
         patches=tuple(req.patches),  # (the wire's Patch is the domain's: guestd/patch.py)
         volumes=tuple(VolumeMount(v.volume, v.target, v.readonly) for v in req.volumes),
         scripts=dict(req.scripts),
+        tmpfs=tuple(TmpfsMount(t.target, t.size_mib) for t in req.tmpfs),
+        host_mounts=tuple(HostMount(h.source, h.target, h.writable) for h in req.host_mounts),
         secrets=tuple(SecretRef(s.name, tuple(s.hosts), placeholder=s.placeholder, store=s.store) for s in req.secrets),
     )
 

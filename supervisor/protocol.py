@@ -210,6 +210,25 @@ class VolumeMount:
 
 
 @attrs.frozen
+class TmpfsMount:
+    """A tmpfs at ``target`` of at most ``size_mib`` (0: the guest kernel's default, half
+    its RAM) (sandvisor.v1.TmpfsMount)."""
+
+    target: str
+    size_mib: int = 0
+
+
+@attrs.frozen
+class HostMount:
+    """A host directory (under a ``serve --allow-path`` directory) at ``target``,
+    read-only unless ``writable`` (sandvisor.v1.HostMount)."""
+
+    source: str
+    target: str
+    writable: bool = False
+
+
+@attrs.frozen
 class SecretSpec:
     """A secret of a Create (docs/secrets.md): ``value`` (for ``value:`` and ``env:``
     sources, which the client reads from its own environment) or ``store`` (an entry of
@@ -254,6 +273,8 @@ class CreateSandboxRequest:
     patches: list[PatchSpec] = attrs.field(factory=list)  # applied by guestd before ready
     volumes: list[VolumeMount] = attrs.field(factory=list)  # sandvisor.v1.CreateRequest.volumes
     scripts: dict[str, str] = attrs.field(factory=dict)  # named scripts, run by Run{script}
+    tmpfs: list[TmpfsMount] = attrs.field(factory=list)  # sandvisor.v1.CreateRequest.tmpfs
+    host_mounts: list[HostMount] = attrs.field(factory=list)  # sandvisor.v1.CreateRequest.host_mounts
     secrets: list[SecretSpec] = attrs.field(factory=list)  # sandvisor.v1.CreateRequest.secrets (docs/secrets.md)
 
 

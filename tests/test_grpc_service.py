@@ -182,6 +182,12 @@ def test_proto3_zero_values_take_our_defaults() -> None:
         S._sandvisor_create,
     )
     assert vols.volumes == [W.VolumeMount("v", "/data", True)]
+    tmpfs = S.to_request(
+        sv.CreateRequest(tmpfs=[sv.TmpfsMount(target="/scratch", size_mib=64), sv.TmpfsMount(target="/t")]),
+        W.CreateSandboxRequest,
+        S._sandvisor_create,
+    )
+    assert tmpfs.tmpfs == [W.TmpfsMount("/scratch", 64), W.TmpfsMount("/t", 0)]
 
 
 def test_responses_fill_the_seed_messages_and_ours() -> None:

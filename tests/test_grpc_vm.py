@@ -158,6 +158,7 @@ async def _lifecycle(
             hostname="web",
             patches=[sv.PatchSpec(op="file", path="/etc/sv-patched", data=b"patched\n", mode=0o640)],
             scripts={"hello": "echo hello $1 from $(hostname)"},
+            tmpfs=[sv.TmpfsMount(target="/scratch", size_mib=8)],
         ),
     )
     assert (u.state, u.ip_address) == ("starting", "10.0.2.15")
@@ -272,6 +273,8 @@ async def _lifecycle(
 
     # --- u: sandvisor.v1's patches, a named script, a tree in and out as tar streams ---
     await until(lambda: reg.get("u").state == State.READY)
+    df = await in_thread(lambda: b"".join(o.data for o in s.Run(spb.RunRequest(id="u", cmd=["df", "-k", "/scratch"]))))
+    assert df.split(b"\n")[1].split()[:2] == [b"tmpfs", b"8192"]  # sandvisor.v1's tmpfs, with its size limit
 
     def patch_script_tree() -> tuple[bytes, bytes, int, dict[str, bytes]]:
         patched = b"".join(o.data for o in s.Run(spb.RunRequest(id="u", cmd=["stat", "-c", "%a", "/etc/sv-patched"])))

@@ -582,11 +582,15 @@ class GuestChannel:
         ok = await self._unary(lambda rid: P.Patch(rid=rid, entries=batch, base=base), P.Ok)
         return ok.value
 
-    async def mount(self, device: str, path: str, *, read_only: bool = False, fstype: str = "ext4") -> None:
+    async def mount(
+        self, device: str, path: str, *, read_only: bool = False, fstype: str = "ext4", size_mib: int = 0
+    ) -> None:
         """Mount a disk at ``path`` in the guest (made if missing). ``device``: a /dev
-        path or ``serial:NAME`` (see MachineSpec.volumes). guestd unmounts it when it
-        powers off."""
-        msg = lambda rid: P.Mount(rid=rid, device=device, path=path, fstype=fstype, read_only=read_only)
+        path or ``serial:NAME`` (see MachineSpec.volumes); fstype "tmpfs": a tmpfs of
+        at most ``size_mib``. guestd unmounts it when it powers off."""
+        msg = lambda rid: P.Mount(
+            rid=rid, device=device, path=path, fstype=fstype, read_only=read_only, size_mib=size_mib
+        )
         await self._unary(msg, P.Ok)
 
     async def umount(self, path: str) -> None:

@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING
 import attrs
 import trio
 
+from actors import hostdirs
 from actors._groups import collapse_single
 from actors.cells.cell import Cell
 from actors.cells.cgroups import CgroupError, CgroupStats
@@ -165,6 +166,7 @@ class Life:
         self._ram_fd = -1  # the guest RAM's descriptor for QEMU (a cell's), until QEMU maps it
         self._sealed = ""  # the snapshot whose sealed memory that descriptor is
         self._state_fd = -1  # a restore's saved state, until loaded
+        self._shares: hostdirs.Shares | None = None  # its host directories' servers (in its stack)
         self._cpu_prev: tuple[float, float] | None = None
         self._stack = AsyncExitStack()  # its scope, _release, QEMU (the launcher's block), the relays' nursery
         self._scope = trio.CancelScope()
@@ -326,6 +328,9 @@ class Life:
         if self._ram_fd >= 0:
             fds["ram"] = self._ram_fd
         spec = self._vm_spec(plan, ram, shared).with_volumes(volumes)
+        if sb.config.host_mounts:
+            fds.update(await self._share_dirs(plan))
+            spec = spec.with_fs_tags(tuple(hostdirs.tag(i) for i in range(len(sb.config.host_mounts))))
         placement = (
             Placement(sock_dir=cell.sock_dir, qemu_dir=cell.qemu_dir, log=run_dir / "qemu.log", spawn=cell.spawn)
             if cell is not None
@@ -348,12 +353,33 @@ class Life:
             sb.store.update_life(sb.record)
 
         at = Attach(placement, fds, on_spawned=spawned, restore_fd=self._state_fd)
-        guest = self._launched = await self._stack.enter_async_context(s.launch(spec, at))
+        try:
+            guest = self._launched = await self._stack.enter_async_context(s.launch(spec, at))
+        except (BootError, MachineError) as exc:
+            if self._shares is not None and self._shares.failure:  # QEMU failed because a server did
+                raise MachineError(self._shares.failure) from exc
+            raise
         self._release_ram()  # QEMU has its own mapping now
         if self._state_fd >= 0:
             os.close(self._state_fd)  # (loaded)
             self._state_fd = -1
         return guest
+
+    async def _share_dirs(self, plan: Boot | Resume) -> dict[str, int]:
+        """The life's host directories, each served by virtiofsd in a cell (in a nursery
+        of the life's stack, cancelled after QEMU is gone); QEMU's ends of their sockets."""
+        sb = self.sb
+        s, mounts = sb.settings, sb.config.host_mounts
+        if isinstance(plan, Resume):
+            raise FailedPrecondition("a snapshot of a sandbox with host directories cannot be restored (virtio-fs)")
+        tools = hostdirs.servers(s)
+        for m in mounts:  # at every life: a directory may have gone or changed since the Create
+            hostdirs.check_host_dir(m.source, s.allowed_paths, writable=m.writable)
+        shares = self._shares = hostdirs.Shares(mounts, lambda text: sb.log.append("system", text.encode()))
+        nursery = await self._stack.enter_async_context(trio.open_nursery())
+        self._stack.callback(nursery.cancel_scope.cancel)  # (after QEMU: it was entered before)
+        self._stack.callback(shares.close)
+        return await shares.open(tools, nursery)
 
     async def _reconnect(self, plan: Adopt) -> Guest:
         """Reconnect to a QEMU a previous supervisor started (its cell, sockets, guest)."""
@@ -563,6 +589,29 @@ class Life:
                 err = guest_error(exc)
                 sb.log.append("system", f"volume {m.name}: {err.message}".encode())
                 raise MachineError(f"volume {m.name!r} at {m.path}: {err.message}") from None
+
+    async def mount_host_dirs(self, guest: Guest) -> None:
+        """Mount the life's host directories (virtio-fs tags host0, ...), read-only
+        unless writable."""
+        sb = self.sb
+        for i, m in enumerate(sb.config.host_mounts):
+            try:
+                await guest.channel.mount(hostdirs.tag(i), m.path, fstype="virtiofs", read_only=not m.writable)
+            except GuestError as exc:
+                err = guest_error(exc)
+                sb.log.append("system", f"host directory {m.source}: {err.message}".encode())
+                raise MachineError(f"host directory {m.source!r} at {m.path}: {err.message}") from None
+
+    async def mount_tmpfs(self, guest: Guest) -> None:
+        """Mount the configuration's tmpfs file systems (each with its size limit)."""
+        sb = self.sb
+        for m in sb.config.tmpfs:
+            try:
+                await guest.channel.mount("tmpfs", m.path, fstype="tmpfs", size_mib=m.size_mib)
+            except GuestError as exc:
+                err = guest_error(exc)
+                sb.log.append("system", f"tmpfs {m.path}: {err.message}".encode())
+                raise MachineError(f"tmpfs at {m.path}: {err.message}") from None
 
     async def apply_patches(self, guest: Guest) -> None:
         """The Create's patches, in order, by guestd (batched by the frame cap), before

@@ -324,6 +324,9 @@ class Sandbox:
                 await plan.template(self)  # a fresh boot, nothing of the caller's in it yet
             if not isinstance(plan, Resume):  # (a restored guest has them mounted)
                 await life.mount_volumes(guest)
+                await life.mount_host_dirs(guest)
+            if not isinstance(plan, Resume) or plan.fallback is not None:  # (a template has none)
+                await life.mount_tmpfs(guest)
             if fresh:
                 await life.apply_patches(guest)
             if self.config.secrets:  # every boot and restore (a clone has a CA of its own)
@@ -373,6 +376,8 @@ class Sandbox:
             raise MachineError(f"pool member is {self.state}")
         try:
             await life.fresh_identity(guest, clock=True)
+            if apply_ports:  # a Create's (a template's member has none; a snapshot's has its own)
+                await life.mount_tmpfs(guest)
             await life.apply_patches(guest)
             life.update_policy()  # the caller's egress policy, not the template's
             if apply_ports:
@@ -476,6 +481,11 @@ class Sandbox:
             raise FailedPrecondition(f"sandbox {self.id} is {self.state}; checkpoint needs it ready")
         if self.execs or self.workloads:
             raise FailedPrecondition(f"sandbox {self.id} has exec sessions open; checkpoint needs it idle")
+        if self.config.host_mounts:
+            # QEMU refuses to migrate a vhost-user-fs device (its state is virtiofsd's)
+            raise FailedPrecondition(
+                f"sandbox {self.id} has host directories mounted (virtio-fs): it cannot be checkpointed"
+            )
         return guest
 
     async def checkpoint(self, snap_dir: Path) -> Checkpoint:

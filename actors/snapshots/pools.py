@@ -94,8 +94,8 @@ class Pools:
         """What a fresh boot depends on; None when the configuration boots differently
         (own kernel, rootfs or boot arguments). The hostname, env, cmd, ports, TTL...
         are set after the boot anyway. An OCI image counts by its converted file."""
-        if not self.templates or config.boot.custom or config.volumes:
-            return None  # (volumes: devices a template's machine lacks; microvm has no hotplug)
+        if not self.templates or config.boot.custom or config.volumes or config.host_mounts:
+            return None  # (volumes, host directories: devices a template's machine lacks; microvm has no hotplug)
         s = self.settings
         limits = s.limits(config.limits)
         parts = [

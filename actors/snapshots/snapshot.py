@@ -393,7 +393,9 @@ class SnapshotStore:
             dir=str(snap_dir),
             memory=ck.memory,
             machine=ck.machine,
-            config=config or origin.config,
+            # what restores inherit: the origin's configuration with every port it has
+            # exposed (a restore forwards each again, on its own host port)
+            config=config or attrs.evolve(origin.config, ports=tuple(origin.ports)),
             sizes=ck.sizes,
             memory_stat=ck.memory_stat,
             template_key=template_key,

@@ -134,6 +134,51 @@ class VolumeMount:
         return cls(name, path, flag == "ro")
 
 
+@attrs.frozen
+class Tmpfs:
+    """A tmpfs at ``path`` of at most ``size_mib`` (0: the guest kernel's default, half
+    its RAM); ``Tmpfs.parse("/path[:SIZE]")``, SIZE as ``64M``, ``1G`` or MiB."""
+
+    path: str
+    size_mib: int = 0
+
+    @classmethod
+    def parse(cls, text: str) -> Tmpfs:
+        path, sep, size = text.partition(":")
+        if not path.startswith("/") or (sep and not size):
+            raise InvalidArgument(W.INVALID_ARGUMENT, f"tmpfs {text!r}: /path[:SIZE]")
+        if not size:
+            return cls(path)
+        mib = int(size) if size.isdigit() else -(-parse_size(size) // (1 << 20))
+        return cls(path, mib)
+
+
+@attrs.frozen
+class HostDir:
+    """A host directory ``source`` (inside a ``serve --allow-path`` directory) mounted
+    at ``path``, read-only unless ``writable``; ``HostDir.parse("HOST_DIR:/path[:ro|rw]")``."""
+
+    source: str
+    path: str
+    writable: bool = False
+
+    @classmethod
+    def parse(cls, text: str) -> HostDir:
+        source, sep, rest = text.partition(":")
+        path, _, flag = rest.partition(":")
+        if not sep or not source.startswith("/") or not path.startswith("/") or flag not in ("", "ro", "rw"):
+            raise InvalidArgument(W.INVALID_ARGUMENT, f"mount {text!r}: HOST_DIR:/path[:ro|rw]")
+        return cls(source, path, flag == "rw")
+
+
+def _host_dirs(v: Sequence[HostDir | str] | None) -> tuple[HostDir, ...]:
+    return tuple(m if isinstance(m, HostDir) else HostDir.parse(m) for m in v or ())
+
+
+def _tmpfs(v: Sequence[Tmpfs | str] | None) -> tuple[Tmpfs, ...]:
+    return tuple(m if isinstance(m, Tmpfs) else Tmpfs.parse(m) for m in v or ())
+
+
 def _hosts(v: Sequence[str] | str) -> tuple[str, ...]:
     return tuple(h.strip() for h in v.split(",")) if isinstance(v, str) else tuple(v)
 
@@ -217,6 +262,8 @@ class Settings(TypedDict, total=False):
     patches: Sequence[Patch]
     volumes: Sequence[VolumeMount | str]
     scripts: Mapping[str, str]
+    tmpfs: Sequence[Tmpfs | str]
+    mounts: Sequence[HostDir | str]
     secrets: Sequence[Secret | str]
 
 
@@ -237,6 +284,9 @@ class SandboxSpec:
     volumes: tuple[VolumeMount, ...] = attrs.field(default=(), converter=_mounts)
     # named scripts (name -> body; no "#!": /bin/sh), run by name: run_script(name, *args)
     scripts: dict[str, str] = attrs.field(factory=dict, converter=_kv)
+    tmpfs: tuple[Tmpfs, ...] = attrs.field(default=(), converter=_tmpfs)  # ("/path[:SIZE]" or Tmpfs)
+    # host directories ("HOST_DIR:/path[:ro|rw]" or HostDir), read-only by default
+    mounts: tuple[HostDir, ...] = attrs.field(default=(), converter=_host_dirs)
     # secrets the guest holds only placeholders of (docs/secrets.md); an env source is read at request()
     secrets: tuple[Secret, ...] = attrs.field(default=(), converter=_secrets)
 
@@ -276,6 +326,8 @@ class SandboxSpec:
             patches=s.get("patches", self.patches),
             volumes=_mounts(s.get("volumes", self.volumes)),
             scripts={**self.scripts, **_kv(s.get("scripts"))},
+            tmpfs=_tmpfs(s.get("tmpfs", self.tmpfs)),
+            mounts=_host_dirs(s.get("mounts", self.mounts)),
             secrets=_secrets(s.get("secrets", self.secrets)),
         )
 
@@ -304,6 +356,8 @@ class SandboxSpec:
             patches=list(self.patches),
             volumes=[W.VolumeMount(m.name, m.path, m.read_only) for m in self.volumes],
             scripts=dict(self.scripts),
+            tmpfs=[W.TmpfsMount(m.path, m.size_mib) for m in self.tmpfs],
+            host_mounts=[W.HostMount(m.source, m.path, m.writable) for m in self.mounts],
             secrets=[s.spec() for s in self.secrets],
         )
 

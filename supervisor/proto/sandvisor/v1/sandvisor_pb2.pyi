@@ -114,8 +114,26 @@ class VolumeMount(_message.Message):
     readonly: bool
     def __init__(self, volume: _Optional[str] = ..., target: _Optional[str] = ..., readonly: _Optional[bool] = ...) -> None: ...
 
+class TmpfsMount(_message.Message):
+    __slots__ = ("target", "size_mib")
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    SIZE_MIB_FIELD_NUMBER: _ClassVar[int]
+    target: str
+    size_mib: int
+    def __init__(self, target: _Optional[str] = ..., size_mib: _Optional[int] = ...) -> None: ...
+
+class HostMount(_message.Message):
+    __slots__ = ("source", "target", "writable")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    WRITABLE_FIELD_NUMBER: _ClassVar[int]
+    source: str
+    target: str
+    writable: bool
+    def __init__(self, source: _Optional[str] = ..., target: _Optional[str] = ..., writable: _Optional[bool] = ...) -> None: ...
+
 class CreateRequest(_message.Message):
-    __slots__ = ("base", "idle_timeout_seconds", "hostname", "ephemeral", "ports", "outbound", "volumes", "image_pull", "image_tls_verify", "patches", "scripts", "secrets")
+    __slots__ = ("base", "idle_timeout_seconds", "hostname", "ephemeral", "ports", "outbound", "volumes", "image_pull", "image_tls_verify", "patches", "scripts", "tmpfs", "host_mounts", "secrets")
     class ScriptsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -134,6 +152,8 @@ class CreateRequest(_message.Message):
     IMAGE_TLS_VERIFY_FIELD_NUMBER: _ClassVar[int]
     PATCHES_FIELD_NUMBER: _ClassVar[int]
     SCRIPTS_FIELD_NUMBER: _ClassVar[int]
+    TMPFS_FIELD_NUMBER: _ClassVar[int]
+    HOST_MOUNTS_FIELD_NUMBER: _ClassVar[int]
     SECRETS_FIELD_NUMBER: _ClassVar[int]
     base: _sandbox_pb2.CreateSandboxRequest
     idle_timeout_seconds: int
@@ -146,8 +166,10 @@ class CreateRequest(_message.Message):
     image_tls_verify: bool
     patches: _containers.RepeatedCompositeFieldContainer[PatchSpec]
     scripts: _containers.ScalarMap[str, str]
+    tmpfs: _containers.RepeatedCompositeFieldContainer[TmpfsMount]
+    host_mounts: _containers.RepeatedCompositeFieldContainer[HostMount]
     secrets: _containers.RepeatedCompositeFieldContainer[SecretSpec]
-    def __init__(self, base: _Optional[_Union[_sandbox_pb2.CreateSandboxRequest, _Mapping]] = ..., idle_timeout_seconds: _Optional[int] = ..., hostname: _Optional[str] = ..., ephemeral: _Optional[bool] = ..., ports: _Optional[_Iterable[_Union[PortMapping, _Mapping]]] = ..., outbound: _Optional[bool] = ..., volumes: _Optional[_Iterable[_Union[VolumeMount, _Mapping]]] = ..., image_pull: _Optional[str] = ..., image_tls_verify: _Optional[bool] = ..., patches: _Optional[_Iterable[_Union[PatchSpec, _Mapping]]] = ..., scripts: _Optional[_Mapping[str, str]] = ..., secrets: _Optional[_Iterable[_Union[SecretSpec, _Mapping]]] = ...) -> None: ...
+    def __init__(self, base: _Optional[_Union[_sandbox_pb2.CreateSandboxRequest, _Mapping]] = ..., idle_timeout_seconds: _Optional[int] = ..., hostname: _Optional[str] = ..., ephemeral: _Optional[bool] = ..., ports: _Optional[_Iterable[_Union[PortMapping, _Mapping]]] = ..., outbound: _Optional[bool] = ..., volumes: _Optional[_Iterable[_Union[VolumeMount, _Mapping]]] = ..., image_pull: _Optional[str] = ..., image_tls_verify: _Optional[bool] = ..., patches: _Optional[_Iterable[_Union[PatchSpec, _Mapping]]] = ..., scripts: _Optional[_Mapping[str, str]] = ..., tmpfs: _Optional[_Iterable[_Union[TmpfsMount, _Mapping]]] = ..., host_mounts: _Optional[_Iterable[_Union[HostMount, _Mapping]]] = ..., secrets: _Optional[_Iterable[_Union[SecretSpec, _Mapping]]] = ...) -> None: ...
 
 class StartRequest(_message.Message):
     __slots__ = ("id",)
