@@ -420,6 +420,32 @@ class Umount(Message):
     path: str
 
 
+@message("fs")
+class Fs(Message):
+    """A file-system operation (feature "fs"; served by a forked worker). ``op``:
+
+    - ``list``: the directory ``path`` (its own symlink followed); ``stat``: ``path``
+      itself (a symlink not followed). Answered Ok, then one msgpack array on
+      ch=STDOUT as Data within credit, then Eof: entries ``[name, kind, size, mode,
+      uid, gid, mtime_ns, target]`` (kind: file, dir, symlink, other; target: a
+      link's), by name; stat's one entry is named ``path``. A non-directory's list
+      is FAILED_PRECONDITION; more than MAX_LIST entries TOO_LARGE.
+    - ``mkdir``: ``path`` (``recursive``: its parents too, and one that exists is
+      fine); ``mode`` its permission bits. Over a file: FAILED_PRECONDITION.
+    - ``remove``: a file, a link (not followed), an empty directory; a non-empty one
+      with ``recursive`` only, else FAILED_PRECONDITION.
+    - ``rename``: ``path`` to ``dest`` (rename(2): one file system).
+
+    mkdir, remove and rename are answered Ok. A missing path is NOT_FOUND."""
+
+    rid: int
+    op: str
+    path: str
+    dest: str = ""
+    recursive: bool = False
+    mode: int = 0o755
+
+
 # --- system ------------------------------------------------------------------
 @message("metrics")
 class Metrics(Message):
