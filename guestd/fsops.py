@@ -191,14 +191,13 @@ def _patch_one(entry: dict[str, object], resolve: Callable[[str], tuple[int, int
 # fs requests (list, stat, mkdir, remove, rename): run in a forked worker
 # ---------------------------------------------------------------------------
 FS_OPS = ("list", "stat", "mkdir", "remove", "rename")
-MAX_LIST = 100_000  # entries of one list answer (TOO_LARGE beyond)
 _KINDS = {stat.S_IFREG: "file", stat.S_IFDIR: "dir", stat.S_IFLNK: "symlink"}
 
 
 def _entry(name: str, st: os.stat_result, target: str) -> list[object]:
     """One entry of a list or stat answer: [name, kind, size, mode, uid, gid, mtime_ns, target]."""
     kind = _KINDS.get(stat.S_IFMT(st.st_mode), "other")
-    name, target = _text(name), _text(target)
+    name, target = _text(name)[:4096], _text(target)[:4096]
     return [name, kind, st.st_size, stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid, st.st_mtime_ns, target]
 
 
@@ -211,7 +210,7 @@ def _link_target(name: str, dir_fd: int | None, st: os.stat_result) -> str:
     if not stat.S_ISLNK(st.st_mode):
         return ""
     try:
-        return os.readlink(name, dir_fd=dir_fd)[:4096]
+        return os.readlink(name, dir_fd=dir_fd)
     except OSError:
         return ""
 
@@ -231,15 +230,20 @@ def fs_list(path: str) -> list[list[object]]:
         if not stat.S_ISDIR(os.fstat(fd).st_mode):
             raise TreeError(P.E_FAILED, f"{path} is not a directory")
         out: list[list[object]] = []
+        size = 0
         with os.scandir(fd) as it:
             for e in it:
-                if len(out) >= MAX_LIST:
-                    raise TreeError(P.E_TOO_LARGE, f"{path} holds more than {MAX_LIST} entries")
+                if len(out) >= P.MAX_FS_LIST:
+                    raise TreeError(P.E_TOO_LARGE, f"{path} holds more than {P.MAX_FS_LIST} entries")
                 try:
                     st = os.stat(e.name, dir_fd=fd, follow_symlinks=False)
                 except FileNotFoundError:
                     continue  # removed meanwhile
-                out.append(_entry(e.name, st, _link_target(e.name, fd, st)))
+                entry = _entry(e.name, st, _link_target(e.name, fd, st))
+                size += 4 * (len(str(entry[0])) + len(str(entry[7]))) + 64  # (at most: 4 UTF-8 bytes a character)
+                if size > P.MAX_FS_ANSWER:
+                    raise TreeError(P.E_TOO_LARGE, f"the entries of {path} exceed {P.MAX_FS_ANSWER} bytes")
+                out.append(entry)
     finally:
         os.close(fd)
     out.sort(key=lambda x: str(x[0]))

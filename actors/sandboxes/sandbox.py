@@ -128,6 +128,7 @@ class Sandbox:
         self.run_workload, self.exec_session = self.work.run, self.work.exec
         self.read_file, self.write_file = self.work.read_file, self.work.write_file
         self.read_tree, self.write_tree = self.work.read_tree, self.work.write_tree
+        self.fs_list, self.fs_stat, self.fs_change = self.work.fs_list, self.work.fs_stat, self.work.fs_change
         # trio's clock (timers run on it): when the sandbox last saw activity, and when it
         # was created (a recovered record's age counts)
         self.last_activity = trio.current_time()

@@ -9,20 +9,23 @@ and the checkpoint's idleness read the counts). The state transitions a Run make
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing, asynccontextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import trio
 
-from actors.channel.guest import ExecHandle, FileReadStream, GuestError, GuestOpError, TreeReadStream
+from actors.channel.guest import ExecHandle, FileReadStream, FsEntry, GuestError, GuestOpError, TreeReadStream
 from actors.errors import DomainError, FailedPrecondition, InvalidArgument
 from actors.model import State
 from actors.sandboxes.life import guest_error
 from guestd import proto as P
 
 if TYPE_CHECKING:
+    from actors.machines.vm import Guest
     from actors.sandboxes.sandbox import Sandbox
+
+T = TypeVar("T")
 
 
 class Workloads:
@@ -106,6 +109,14 @@ class Workloads:
         except GuestOpError as exc:
             code = 127 if exc.code == P.E_NOT_FOUND else 126
             start_error = exc.message
+            if exc.code in (P.E_NOT_FOUND, P.E_PERM) and exc.message.startswith("exec "):
+                # as a shell: a command that is not there (127) or not executable (126)
+                # ends the Run with that code and says why on stderr; the sandbox was found
+                text = f"sandvisor: {exc.message}\n".encode()
+                sb.log.append("stderr", text)
+                yield "stderr", text, None
+                yield "exit", b"", code
+                return
             raise guest_error(exc) from None
         except GuestError as exc:  # the guest broke, went silent, or would not end it
             raise guest_error(exc) from None
@@ -178,3 +189,21 @@ class Workloads:
         n = await self.sb.guest_call(lambda g: g.channel.write_tree(path, chunks, owner=owner))
         self.sb.touch()
         return n
+
+    # -- file-system operations (guestd's fs requests) -----------------------------------
+    async def fs_list(self, path: str) -> list[FsEntry]:
+        """The entries of the guest directory ``path``, by name."""
+        return await self._fs(lambda g: g.channel.fs_entries("list", path))
+
+    async def fs_stat(self, path: str) -> FsEntry:
+        """``path`` itself (a symlink not followed)."""
+        return (await self._fs(lambda g: g.channel.fs_entries("stat", path)))[0]
+
+    async def fs_change(self, op: str, path: str, *, dest: str = "", recursive: bool = False, mode: int = 0o755) -> int:
+        """mkdir, remove or rename (see GuestChannel.fs_change)."""
+        return await self._fs(lambda g: g.channel.fs_change(op, path, dest=dest, recursive=recursive, mode=mode))
+
+    async def _fs(self, fn: Callable[[Guest], Awaitable[T]]) -> T:
+        result = await self.sb.guest_call(fn)
+        self.sb.touch()
+        return result
