@@ -21,6 +21,7 @@ into its wire's code of the same name. Every lifecycle rule lives in the domain
 from __future__ import annotations
 
 import math
+import posixpath
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
@@ -31,6 +32,7 @@ import attrs
 import trio
 
 from actors import defaults
+from actors.channel.guest import FsEntry
 from actors.errors import DeadlineExceeded, DomainError, InvalidArgument, NotFound, ResourceExhausted
 from actors.events import Lagged
 from actors.model import ALIVE, State, VolumeRecord, check_labels, check_port, script_argv
@@ -311,6 +313,56 @@ async def _write_tree(reg: Registry, io: CallIO, first: W.WriteTreeRequest) -> W
     chunks = _chunks_in(io, W.WriteTreeRequest, P.MAX_TREE_STREAM, "tree stream")
     n = await sb.write_tree(_absolute(first.open.path), chunks, owner=first.open.owner)
     return W.WriteTreeResponse(entries=n)
+
+
+# --- file-system operations (guestd's fs requests) -------------------------------------------
+def _fs_entry(e: FsEntry, path: str) -> W.FsEntry:
+    return W.FsEntry(e.name, path, e.kind, e.size, e.mode, e.uid, e.gid, e.mtime_ns, e.target)
+
+
+@method("FsList", W.FsPathRequest)
+async def _fs_list(reg: Registry, io: CallIO, req: W.FsPathRequest) -> W.FsListResponse:
+    """The entries of a directory of the guest, by name (symlinks as links)."""
+    path = _absolute(req.path)
+    base = posixpath.normpath(path)
+    entries = await reg.get(req.id).fs_list(path)
+    return W.FsListResponse([_fs_entry(e, posixpath.join(base, e.name)) for e in entries])
+
+
+@method("FsStat", W.FsPathRequest)
+async def _fs_stat(reg: Registry, io: CallIO, req: W.FsPathRequest) -> W.FsEntry:
+    path = _absolute(req.path)
+    e = await reg.get(req.id).fs_stat(path)
+    return _fs_entry(attrs.evolve(e, name=posixpath.basename(e.name) or "/"), posixpath.normpath(path))
+
+
+@method("FsExists", W.FsPathRequest)
+async def _fs_exists(reg: Registry, io: CallIO, req: W.FsPathRequest) -> W.FsExistsResponse:
+    """Whether the path exists (a dangling symlink does: it is there)."""
+    sb = reg.get(req.id)  # (a missing sandbox is NOT_FOUND)
+    try:
+        await sb.fs_stat(_absolute(req.path))
+    except NotFound:
+        return W.FsExistsResponse(False)
+    return W.FsExistsResponse(True)
+
+
+@method("FsMkdir", W.FsMkdirRequest)
+async def _fs_mkdir(reg: Registry, io: CallIO, req: W.FsMkdirRequest) -> None:
+    if not 0 <= req.mode <= 0o7777:
+        raise InvalidArgument("mode must be 0..0o7777")
+    path = _absolute(req.path)
+    await reg.get(req.id).fs_change("mkdir", path, recursive=req.parents, mode=req.mode or 0o755)
+
+
+@method("FsRemove", W.FsRemoveRequest)
+async def _fs_remove(reg: Registry, io: CallIO, req: W.FsRemoveRequest) -> None:
+    await reg.get(req.id).fs_change("remove", _absolute(req.path), recursive=req.recursive)
+
+
+@method("FsRename", W.FsRenameRequest)
+async def _fs_rename(reg: Registry, io: CallIO, req: W.FsRenameRequest) -> None:
+    await reg.get(req.id).fs_change("rename", _absolute(req.path), dest=_absolute(req.dest))
 
 
 @method("Ping", W.IdRequest)

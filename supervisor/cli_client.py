@@ -22,6 +22,7 @@ import argparse
 import os
 
 from supervisor.cli_common import tls_flag
+from supervisor.cli_files import add_fs_command, fs
 from supervisor.cli_sandboxes import (
     cp,
     create,
@@ -69,6 +70,7 @@ CLIENT_COMMANDS = frozenset(
         "snapshot",
         "port",
         "volume",
+        "fs",
     }
 )
 
@@ -154,6 +156,14 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
     p.add_argument("name")
     p.add_argument("-f", "--follow", action="store_true")
     p.add_argument("--tail", type=int, default=0)
+    p.add_argument(
+        "--source",
+        action="append",
+        choices=["stdout", "stderr", "output", "system"],
+        help="only this source's entries (repeatable; default: all)",
+    )
+    p.add_argument("--since", type=int, default=0, metavar="NS", help="from this unix time (ns)")
+    p.add_argument("--cursor", type=int, default=0, metavar="SEQ", help="after the entry of this seq (--json shows it)")
     p.add_argument("--json", action="store_true")
 
     p = cmd("events", events, "lifecycle events as they happen")
@@ -244,6 +254,9 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
     p.add_argument("--host-port", type=int, default=0)
     p.add_argument("--udp", action="store_true")
     p.add_argument("--json", action="store_true")
+
+    p = cmd("fs", fs, "files of a sandbox: fs ls|stat|exists|mkdir [-p]|rm [-r]|mv NAME:/path [DEST]")
+    add_fs_command(p)
 
 
 def run_client(args: argparse.Namespace) -> int:

@@ -53,6 +53,7 @@ from actors.model import (
     SandboxConfig,
     SandboxMetrics,
     State,
+    default_hostname,
     is_hidden,
 )
 from actors.net import netlink
@@ -155,7 +156,7 @@ class Sandbox:
 
     @property
     def hostname(self) -> str:
-        return self.config.hostname or "sandbox"
+        return self.config.hostname or default_hostname(self.id)
 
     @property
     def network(self) -> NetConfig | None:
