@@ -411,7 +411,7 @@ def fs(agent: Agent, session: Session, msg: P.Fs) -> None:
             import msgpack
 
             found = fsops.fs_list(msg.path) if msg.op == "list" else [fsops.fs_stat(msg.path)]
-            view = memoryview(msgpack.packb(found, use_bin_type=True))
+            view = memoryview(msgpack.Packer(use_bin_type=True).pack(found))  # (the runtime's msgpack has no packb)
             while view:
                 view = view[os.write(out_fd, view) :]
             return len(found)
