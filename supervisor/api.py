@@ -39,6 +39,7 @@ from actors.model import ALIVE, State, VolumeRecord, check_labels, check_port, s
 from actors.registry import DEFAULT_STOP_TIMEOUT, Registry
 from actors.sandboxes.logs import SOURCES as LOG_SOURCES
 from actors.sandboxes.sandbox import Sandbox
+from actors.sandboxes.workload import CommandNotRun
 from actors.snapshots.snapshot import rfc3339
 from guestd import proto as P
 from images.oci import PullProgress
@@ -195,6 +196,15 @@ async def _exec(reg: Registry, io: CallIO, first: W.ExecInput) -> None:
         raise InvalidArgument("the first ExecInput carries init only")
     req = first.init
     sb = reg.get(req.id)
+    try:
+        await _exec_session(sb, req, io)
+    except CommandNotRun as exc:  # raised before any output: the stream ends as a shell's
+        sb.log.append("stderr", exc.stderr)
+        await io.send(W.RunOutput(stream="stderr", data=exc.stderr))
+        await io.send(W.RunOutput(stream="exit", exit_code=exc.exit_code, done=True))
+
+
+async def _exec_session(sb: Sandbox, req: W.ExecRequest, io: CallIO) -> None:
     async with (
         sb.exec_session(
             req.cmd,

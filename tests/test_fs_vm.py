@@ -5,8 +5,8 @@ One supervisor in this Trio run (so a test may shorten its Stop grace), one sand
 (``fsbox``, mounting the volume ``vol``) for the file: each file operation through the
 SDK, the CLI and sandvisor.v1; the log filter on each edge; then, with a client
 generated from the seed's proto: a WriteFile without ``done`` or with data after it
-(INVALID_ARGUMENT, no file left), a second Exec ``init`` (INVALID_ARGUMENT), a Run of
-a missing executable (exit 127, a message on stderr), a Stop that gives up
+(INVALID_ARGUMENT, no file left), a second Exec ``init`` (INVALID_ARGUMENT), a Run or
+an Exec of a missing executable (exit 127, a message on stderr), a Stop that gives up
 (DEADLINE_EXCEEDED); then a start again, and DeleteVolume with ``force``."""
 
 from __future__ import annotations
@@ -238,6 +238,9 @@ async def _loose_ends(reg: Registry, s: Any, spb: Any, ours: Any, monkeypatch: p
     out = await in_thread(lambda: list(s.Run(spb.RunRequest(id=BOX, cmd=["no-such-program", "x"]))))
     assert out[0].stream == "stderr" and b"no-such-program" in out[0].data and b"not found" in out[0].data
     assert (out[-1].stream, out[-1].exit_code, out[-1].done) == ("exit", 127, True)
+    missing = spb.ExecInput(init=spb.ExecRequest(id=BOX, cmd=["/no/such/program"]))
+    out = await in_thread(lambda: list(s.Exec(iter([missing]))))  # so does an Exec's
+    assert out[0].stream == "stderr" and (out[-1].exit_code, out[-1].done) == (127, True)
 
     # an empty hostname is the sandbox id
     out = await in_thread(lambda: list(s.Run(spb.RunRequest(id=BOX, cmd=["hostname"]))))

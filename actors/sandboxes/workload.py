@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, TypeVar
 import trio
 
 from actors.channel.guest import ExecHandle, FileReadStream, FsEntry, GuestError, GuestOpError, TreeReadStream
-from actors.errors import DomainError, FailedPrecondition, InvalidArgument
+from actors.errors import DomainError, FailedPrecondition, InvalidArgument, NotFound
 from actors.model import State
 from actors.sandboxes.life import guest_error
 from guestd import proto as P
@@ -26,6 +26,25 @@ if TYPE_CHECKING:
     from actors.sandboxes.sandbox import Sandbox
 
 T = TypeVar("T")
+
+
+class CommandNotRun(NotFound):
+    """The command of a Run or an Exec is not there (``exit_code`` 127) or cannot be
+    executed (126): its stream ends as a shell's would, with ``stderr`` saying why,
+    not with an error (the sandbox was found)."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+        self.stderr = f"sandvisor: {message}\n".encode()
+
+
+def shell_status(exc: GuestOpError) -> CommandNotRun | None:
+    """guestd's refusal to start a command, as a shell's status (None: another failure,
+    e.g. a working directory that is not there)."""
+    if exc.code in (P.E_NOT_FOUND, P.E_PERM) and exc.message.startswith("exec "):
+        return CommandNotRun(exc.message, 127 if exc.code == P.E_NOT_FOUND else 126)
+    return None
 
 
 class Workloads:
@@ -109,13 +128,12 @@ class Workloads:
         except GuestOpError as exc:
             code = 127 if exc.code == P.E_NOT_FOUND else 126
             start_error = exc.message
-            if exc.code in (P.E_NOT_FOUND, P.E_PERM) and exc.message.startswith("exec "):
-                # as a shell: a command that is not there (127) or not executable (126)
-                # ends the Run with that code and says why on stderr; the sandbox was found
-                text = f"sandvisor: {exc.message}\n".encode()
+            status = shell_status(exc)
+            if status is not None:  # ends the Run as a shell would, saying why on stderr
+                text = status.stderr
                 sb.log.append("stderr", text)
                 yield "stderr", text, None
-                yield "exit", b"", code
+                yield "exit", b"", status.exit_code
                 return
             raise guest_error(exc) from None
         except GuestError as exc:  # the guest broke, went silent, or would not end it
@@ -152,6 +170,11 @@ class Workloads:
                     argv, env=env, cwd=cwd, user=user, tty=tty, rows=rows, cols=cols, timeout=timeout, stdin=True
                 ) as h:
                     yield h
+            except GuestOpError as exc:
+                status = shell_status(exc)
+                if status is not None:
+                    raise status from None
+                raise guest_error(exc) from None
             except GuestError as exc:
                 raise guest_error(exc) from None
         finally:
