@@ -218,17 +218,21 @@ def _link_target(name: str, dir_fd: int | None, st: os.stat_result) -> str:
 def _checked(path: str) -> str:
     if not path.startswith("/") or "\0" in path:
         raise TreeError(P.E_INVALID, "path must be absolute")
-    return os.path.normpath(path)
+    path = os.path.normpath(path)
+    return "/" + path.lstrip("/")  # (normpath keeps a leading "//")
 
 
 def fs_list(path: str) -> list[list[object]]:
     """The entries of the directory ``path`` (its own symlink followed, as ``ls``
     does), by name; each entry's own symlink is not followed."""
     path = _checked(path)
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:  # (O_DIRECTORY: never open a FIFO or a device)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except NotADirectoryError:
+        if os.path.exists(path):
+            raise TreeError(P.E_FAILED, f"{path} is not a directory") from None
+        raise
     try:
-        if not stat.S_ISDIR(os.fstat(fd).st_mode):
-            raise TreeError(P.E_FAILED, f"{path} is not a directory")
         out: list[list[object]] = []
         size = 0
         with os.scandir(fd) as it:

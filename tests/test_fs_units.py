@@ -51,6 +51,11 @@ def test_fs_operations_and_their_codes(tmp_path: Path) -> None:
     assert _code(fsops.fs_rename, f"{d}/a", f"{d}/a/b/c") == P.E_INVALID  # into itself
     assert _code(fsops.fs_rename, f"{d}/a/f", f"{d}/a/b") == P.E_FAILED  # a file over a directory
     assert _code(fsops.fs_stat, "relative") == P.E_INVALID
+    assert _code(fsops.fs_remove, "//", True) == P.E_INVALID
+    os.mkfifo(f"{d}/a/fifo")
+    assert _code(fsops.fs_list, f"{d}/a/fifo") == P.E_FAILED  # refused, not opened (it would block)
+    assert _code(fsops.fs_list, f"{d}/a/f/x") == P.E_NOT_FOUND
+    os.unlink(f"{d}/a/fifo")
     fsops.fs_rename(f"{d}/a/f", f"{d}/a/g")
     fsops.fs_remove(f"{d}/a/dangling", False)  # the link, never its target
     fsops.fs_remove(f"{d}/a", True)
