@@ -53,6 +53,7 @@ from supervisor.errors import (
 )
 from supervisor.protocol import (
     CheckpointResponse,
+    FsEntry,
     LogEntry,
     MetricsResponse,
     OciImageInfo,
@@ -107,6 +108,7 @@ __all__ = [
     "DeadlineExceeded",
     "Egress",
     "FailedPrecondition",
+    "FsEntry",
     "Images",
     "Internal",
     "InvalidArgument",
