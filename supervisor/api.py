@@ -330,13 +330,27 @@ def _fs_entry(e: FsEntry, path: str) -> W.FsEntry:
     return W.FsEntry(e.name, path, e.kind, e.size, e.mode, e.uid, e.gid, e.mtime_ns, e.target)
 
 
-@method("FsList", W.FsPathRequest)
-async def _fs_list(reg: Registry, io: CallIO, req: W.FsPathRequest) -> W.FsListResponse:
-    """The entries of a directory of the guest, by name (symlinks as links)."""
+FS_PAGE = 1000  # entries of one FsList item at most
+FS_PAGE_BYTES = 1 << 20  # ... and about this many bytes of names (a frame or gRPC message: 4 MiB)
+
+
+@method("FsList", W.FsPathRequest, streams=True)
+async def _fs_list(reg: Registry, io: CallIO, req: W.FsPathRequest) -> None:
+    """The entries of a directory of the guest, by name (symlinks as links), in pages
+    (a directory's entries may take more than one message may carry)."""
     path = _absolute(req.path)
-    base = posixpath.normpath(path)
-    entries = await reg.get(req.id).fs_list(path)
-    return W.FsListResponse([_fs_entry(e, posixpath.join(base, e.name)) for e in entries])
+    base = "/" + posixpath.normpath(path).lstrip("/")
+    page: list[W.FsEntry] = []
+    size = 0
+    for e in await reg.get(req.id).fs_list(path):
+        entry = _fs_entry(e, posixpath.join(base, e.name))
+        page.append(entry)
+        size += len(entry.name.encode()) + len(entry.path.encode()) + len(entry.target.encode()) + 64
+        if len(page) >= FS_PAGE or size >= FS_PAGE_BYTES:
+            await io.send(W.FsListResponse(page))
+            page, size = [], 0
+    if page:
+        await io.send(W.FsListResponse(page))
 
 
 @method("FsStat", W.FsPathRequest)

@@ -50,7 +50,7 @@ def fs(a: argparse.Namespace) -> int:
     body: dict[str, Any] = {"id": name, "path": path}
     with connect(a) as c:
         if a.action == "ls":
-            entries = c.call("FsList", body)["entries"]
+            entries = [e for page in c.stream("FsList", body) for e in page["entries"]]
             if a.json:
                 print_json(entries)
             else:

@@ -148,6 +148,12 @@ async def _fs_sdk(sb: AsyncSandbox) -> None:
     assert await fs.exists("/srv/a/g.txt")
     await fs.remove("/srv/a", recursive=True)
     assert not await fs.exists("/srv/a")
+    # a directory larger than one page of the list
+    r = await sb.run("mkdir /srv/big && cd /srv/big && seq -f '%04g' 2500 | xargs touch")
+    assert r.exit_code == 0, r.stderr
+    big = await fs.list("/srv/big")  # three pages
+    assert len(big) == 2500 and (big[0].name, big[-1].path) == ("0001", "/srv/big/2500")
+    await fs.remove("/srv/big", recursive=True)
 
 
 async def _fs_cli(work: Workdir) -> None:
@@ -172,8 +178,8 @@ async def _fs_grpc(ours: Any) -> None:
     st = await in_thread(ours.FsStat, sv.FsPathRequest(id=BOX, path="/g/d"))
     assert (st.kind, st.mode, st.path) == ("dir", 0o700, "/g/d")
     await in_thread(ours.FsRename, sv.FsRenameRequest(id=BOX, path="/g/d", dest="/g/e"))
-    listed = await in_thread(ours.FsList, sv.FsPathRequest(id=BOX, path="/g"))
-    assert [(e.name, e.path) for e in listed.entries] == [("e", "/g/e")]
+    listed = await in_thread(lambda: list(ours.FsList(sv.FsPathRequest(id=BOX, path="/g"))))
+    assert [(e.name, e.path) for page in listed for e in page.entries] == [("e", "/g/e")]
     assert (await in_thread(ours.FsExists, sv.FsPathRequest(id=BOX, path="/g/e"))).exists
     code, _ = await status(lambda: ours.FsMkdir(sv.FsMkdirRequest(id=BOX, path="/g/e")))
     assert code == SC.ALREADY_EXISTS
@@ -223,8 +229,8 @@ async def _loose_ends(reg: Registry, s: Any, spb: Any, ours: Any, monkeypatch: p
     assert code == SC.INVALID_ARGUMENT and "done" in why
     code, why = await status(lambda: write(spb.FileChunk(data=b"all", done=True), spb.FileChunk(data=b"more")))
     assert code == SC.INVALID_ARGUMENT and "after" in why
-    left = await in_thread(ours.FsList, sv.FsPathRequest(id=BOX, path="/data"))
-    assert [e.name for e in left.entries if e.name != "lost+found"] == []  # nor a temporary file
+    left = await in_thread(lambda: list(ours.FsList(sv.FsPathRequest(id=BOX, path="/data"))))
+    assert [e.name for page in left for e in page.entries if e.name != "lost+found"] == []  # nor a temporary file
     await in_thread(write, spb.FileChunk(data=b"whole", done=True))
     read = await in_thread(lambda: list(s.ReadFile(spb.ReadFileRequest(id=BOX, path="/data/w.txt"))))
     assert b"".join(c.data for c in read) == b"whole"

@@ -535,8 +535,8 @@ def copy_tree_out(t: Target, path: str, local: str | Path, *, keep_owners: bool 
 def fs_list(t: Target, path: str) -> Plan[builtins.list[W.FsEntry]]:
     """The entries of the directory ``path``, by name (``.kind``: file, dir, symlink,
     other; symlinks are not followed); NotFound, FailedPrecondition (not a directory)."""
-    r: W.FsListResponse = yield Unary("FsList", W.FsPathRequest(id=t.id, path=path), W.FsListResponse)
-    return r.entries
+    pages: list[W.FsListResponse] = yield from _collect("FsList", W.FsPathRequest(id=t.id, path=path), W.FsListResponse)
+    return [e for page in pages for e in page.entries]
 
 
 def fs_stat(t: Target, path: str) -> Plan[W.FsEntry]:

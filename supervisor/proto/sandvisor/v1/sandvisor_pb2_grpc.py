@@ -170,7 +170,7 @@ class SandvisorServiceStub:
                 request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.DeleteVolumeRequest.SerializeToString,
                 response_deserializer=sandbox_dot_v1_dot_sandbox__pb2.Empty.FromString,
                 _registered_method=True)
-        self.FsList = channel.unary_unary(
+        self.FsList = channel.unary_stream(
                 '/sandvisor.v1.SandvisorService/FsList',
                 request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.FsPathRequest.SerializeToString,
                 response_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.FsListResponse.FromString,
@@ -412,8 +412,9 @@ class SandvisorServiceServicer:
 
     def FsList(self, request, context):
         """--- files beyond read and write (docs/files.md) ---
-        A guest directory's entries, by name (its own symlink followed; entries' not).
-        NOT_FOUND: no such path; FAILED_PRECONDITION: not a directory.
+        A guest directory's entries, by name (its own symlink followed; entries' not),
+        in pages (at most 1000 entries, about 1 MiB). NOT_FOUND: no such path;
+        FAILED_PRECONDITION: not a directory; RESOURCE_EXHAUSTED: more than 100000 entries.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -617,7 +618,7 @@ def add_SandvisorServiceServicer_to_server(servicer, server):
                     request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.DeleteVolumeRequest.FromString,
                     response_serializer=sandbox_dot_v1_dot_sandbox__pb2.Empty.SerializeToString,
             ),
-            'FsList': grpc.unary_unary_rpc_method_handler(
+            'FsList': grpc.unary_stream_rpc_method_handler(
                     servicer.FsList,
                     request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.FsPathRequest.FromString,
                     response_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.FsListResponse.SerializeToString,
@@ -1413,7 +1414,7 @@ class SandvisorService:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
+        return grpc.experimental.unary_stream(
             request,
             target,
             '/sandvisor.v1.SandvisorService/FsList',
