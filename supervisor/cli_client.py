@@ -236,6 +236,7 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
     p.add_argument("names", nargs="*", metavar="NAME")
     p.add_argument("--size", default="256M", help="create: 256M, 1G, ...")
     p.add_argument("--label", action="append", metavar="K=V")
+    p.add_argument("-f", "--force", action="store_true", help="rm: kill the sandboxes that mount it first")
     p.add_argument("--json", action="store_true")
 
     p = cmd("snapshot", snapshots, "snapshot rm ID")

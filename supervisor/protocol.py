@@ -602,7 +602,7 @@ class ListVolumesResponse:
 @attrs.frozen
 class DeleteVolumeRequest:
     name: str
-    force: bool = False  # (a volume a live sandbox mounts is never removed: stop it first)
+    force: bool = False  # kill the live sandboxes that mount it first (else FAILED_PRECONDITION)
 
 
 @attrs.frozen

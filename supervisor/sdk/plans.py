@@ -587,9 +587,10 @@ def volume_list(t: Target, *, labels: Mapping[str, str] | None = None) -> Plan[b
     return r.volumes
 
 
-def volume_remove(t: Target, name: str) -> Plan[None]:
-    """FAILED_PRECONDITION while a live sandbox mounts it."""
-    yield Unary("DeleteVolume", W.DeleteVolumeRequest(name=name), W.Empty)
+def volume_remove(t: Target, name: str, *, force: bool = False) -> Plan[None]:
+    """FAILED_PRECONDITION while a live sandbox mounts it; ``force``: those sandboxes
+    are killed first (they stay, stopped)."""
+    yield Unary("DeleteVolume", W.DeleteVolumeRequest(name=name, force=force), W.Empty)
 
 
 Pull_ = Literal["", "always", "if-missing", "never"]
