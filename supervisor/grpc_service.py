@@ -145,6 +145,12 @@ BINDINGS: dict[str, tuple[Rpc, ...]] = {
         Rpc("FsMkdir", "FsMkdir"),
         Rpc("FsRemove", "FsRemove"),
         Rpc("FsRename", "FsRename"),
+        Rpc("SetSecret", "SetSecret"),
+        Rpc("ListSecrets", "ListSecrets"),
+        Rpc("DeleteSecret", "DeleteSecret"),
+        Rpc("RotateSecret", "RotateSecret"),
+        Rpc("RevokeSecret", "RevokeSecret"),
+        Rpc("ListSandboxSecrets", "ListSandboxSecrets"),
     ),
 }
 
