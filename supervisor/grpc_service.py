@@ -145,6 +145,8 @@ BINDINGS: dict[str, tuple[Rpc, ...]] = {
         Rpc("FsMkdir", "FsMkdir"),
         Rpc("FsRemove", "FsRemove"),
         Rpc("FsRename", "FsRename"),
+        Rpc("ExportSnapshot", "ExportSnapshot"),
+        Rpc("ImportSnapshot", "ImportSnapshot"),
         Rpc("SetSecret", "SetSecret"),
         Rpc("ListSecrets", "ListSecrets"),
         Rpc("DeleteSecret", "DeleteSecret"),
