@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 import posixpath
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
 from importlib import metadata
 from typing import Any, Protocol, TypeVar
