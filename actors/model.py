@@ -304,6 +304,14 @@ class SandboxConfig:
 
 
 # --- rules -----------------------------------------------------------------------------------
+def default_hostname(id: str) -> str:
+    """A sandbox's hostname when its config names none: its id as a hostname (runs of
+    anything but ASCII letters, digits and '-' as one '-', at most 63 characters), or
+    "sandbox" when nothing of the id is left."""
+    name = re.sub(r"[^A-Za-z0-9-]+", "-", id).strip("-")[:63].strip("-")
+    return name or "sandbox"
+
+
 MAX_ID_BYTES = 128
 RESERVED_LABEL_PREFIXES = ("sandbox.", "sandvisor.")
 MAX_WORKLOAD_BYTES = 256 * 1024  # well inside the guest channel's frame cap

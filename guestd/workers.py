@@ -423,3 +423,35 @@ def umount(agent: Agent, session: Session, msg: P.Umount) -> None:
 
     w.on_ok = forget
     w.start(work)
+
+
+def fs(agent: Agent, session: Session, msg: P.Fs) -> None:
+    """A file-system operation (see ``proto.Fs``); list and stat answer a msgpack array."""
+    from guestd import fsops
+
+    if msg.op not in fsops.FS_OPS:
+        raise LookupError(f"op must be one of {', '.join(fsops.FS_OPS)}")
+    if not 0 <= msg.mode <= 0o7777:
+        raise LookupError("mode must be 0..0o7777")
+    if msg.op in ("list", "stat"):
+
+        def answer(out_fd: int) -> int:
+            import msgpack
+
+            found = fsops.fs_list(msg.path) if msg.op == "list" else [fsops.fs_stat(msg.path)]
+            view = memoryview(msgpack.Packer(use_bin_type=True).pack(found))  # (the runtime's msgpack has no packb)
+            while view:
+                view = view[os.write(out_fd, view) :]
+            return len(found)
+
+        Worker(agent, session, msg.rid).start(answer, out=True, killable=True, first=P.Ok(rid=msg.rid))
+        return
+
+    def work(_fd: int) -> int:
+        if msg.op == "mkdir":
+            return fsops.fs_mkdir(msg.path, msg.recursive, msg.mode)
+        if msg.op == "remove":
+            return fsops.fs_remove(msg.path, msg.recursive)
+        return fsops.fs_rename(msg.path, msg.dest)
+
+    Worker(agent, session, msg.rid).start(work)

@@ -22,6 +22,7 @@ import argparse
 import os
 
 from supervisor.cli_common import tls_flag
+from supervisor.cli_files import add_fs_command, fs
 from supervisor.cli_sandboxes import (
     cp,
     create,
@@ -70,6 +71,7 @@ CLIENT_COMMANDS = frozenset(
         "snapshot",
         "port",
         "volume",
+        "fs",
         "secret",
     }
 )
@@ -170,6 +172,14 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
     p.add_argument("name")
     p.add_argument("-f", "--follow", action="store_true")
     p.add_argument("--tail", type=int, default=0)
+    p.add_argument(
+        "--source",
+        action="append",
+        choices=["stdout", "stderr", "output", "system"],
+        help="only this source's entries (repeatable; default: all)",
+    )
+    p.add_argument("--since", type=int, default=0, metavar="NS", help="from this unix time (ns)")
+    p.add_argument("--cursor", type=int, default=0, metavar="SEQ", help="after the entry of this seq (--json shows it)")
     p.add_argument("--json", action="store_true")
 
     p = cmd("events", events, "lifecycle events as they happen")
@@ -242,6 +252,7 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
     p.add_argument("names", nargs="*", metavar="NAME")
     p.add_argument("--size", default="256M", help="create: 256M, 1G, ...")
     p.add_argument("--label", action="append", metavar="K=V")
+    p.add_argument("-f", "--force", action="store_true", help="rm: kill the sandboxes that mount it first")
     p.add_argument("--json", action="store_true")
 
     p = cmd("snapshot", snapshot, "snapshot rm ID | snapshot export ID FILE | snapshot import FILE [--name N]")
@@ -266,6 +277,8 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
     p.add_argument("--udp", action="store_true")
     p.add_argument("--json", action="store_true")
 
+    p = cmd("fs", fs, "files of a sandbox: fs ls|stat|exists|mkdir [-p]|rm [-r]|mv NAME:/path [DEST]")
+    add_fs_command(p)
     p = cmd(
         "secret",
         secret,

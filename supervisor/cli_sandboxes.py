@@ -213,7 +213,8 @@ def _print_log(e: dict[str, Any], as_json: bool) -> None:
 
 def logs(a: argparse.Namespace) -> int:
     with connect(a) as c:
-        for e in c.stream("Logs", {"id": a.name, "follow": a.follow, "tail": a.tail}):
+        req = {"id": a.name, "follow": a.follow, "tail": a.tail, "since": a.since, "cursor": a.cursor}
+        for e in c.stream("Logs", {**req, "sources": a.source or []}):
             _print_log(e, a.json)
     return 0
 

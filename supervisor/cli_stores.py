@@ -215,7 +215,7 @@ def volume(a: argparse.Namespace) -> int:
             if not a.names:
                 raise UsageError("volume rm takes NAME...")
             for name in a.names:
-                c.call("DeleteVolume", {"name": name})
+                c.call("DeleteVolume", {"name": name, "force": a.force})
             return 0
         if a.action == "inspect":
             if len(a.names) != 1:

@@ -53,6 +53,7 @@ from supervisor.errors import (
 )
 from supervisor.protocol import (
     CheckpointResponse,
+    FsEntry,
     LogEntry,
     MetricsResponse,
     OciImageInfo,
@@ -112,6 +113,7 @@ __all__ = [
     "DeadlineExceeded",
     "Egress",
     "FailedPrecondition",
+    "FsEntry",
     "HostDir",
     "Images",
     "Internal",

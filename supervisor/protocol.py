@@ -467,6 +467,61 @@ class WriteTreeResponse:
 
 
 @attrs.frozen
+class FsPathRequest:
+    """FsList (a directory's entries), FsStat (the path itself), FsExists."""
+
+    id: str
+    path: str
+
+
+@attrs.frozen
+class FsEntry:
+    """One file of FsList or FsStat (symlinks are reported as links, not followed)."""
+
+    name: str  # the entry's name (FsStat: the path)
+    path: str  # its absolute path
+    kind: str  # file | dir | symlink | other
+    size: int = 0
+    mode: int = 0  # permission bits
+    uid: int = 0
+    gid: int = 0
+    mtime_ns: int = 0  # unix ns
+    target: str = ""  # a symlink's target
+
+
+@attrs.frozen
+class FsListResponse:
+    entries: list[FsEntry] = attrs.field(factory=list)
+
+
+@attrs.frozen
+class FsExistsResponse:
+    exists: bool = False
+
+
+@attrs.frozen
+class FsMkdirRequest:
+    id: str
+    path: str
+    parents: bool = False  # mkdir -p: parents too, and an existing directory is fine
+    mode: int = 0  # permission bits; 0 = 0755
+
+
+@attrs.frozen
+class FsRemoveRequest:
+    id: str
+    path: str
+    recursive: bool = False  # a directory and everything in it (else: empty directories only)
+
+
+@attrs.frozen
+class FsRenameRequest:
+    id: str
+    path: str
+    dest: str
+
+
+@attrs.frozen
 class PingResponse:
     latency_ns: int
     activity: int
@@ -485,6 +540,7 @@ class LogsRequest:
     until: int = 0  # unix ns, 0 = no end
     cursor: int = 0  # resume after this sequence number
     follow: bool = False
+    sources: list[str] = attrs.field(factory=list)  # stdout | stderr | output | system; [] = all
 
 
 @attrs.frozen
@@ -584,7 +640,7 @@ class ListVolumesResponse:
 @attrs.frozen
 class DeleteVolumeRequest:
     name: str
-    force: bool = False  # (a volume a live sandbox mounts is never removed: stop it first)
+    force: bool = False  # kill the live sandboxes that mount it first (else FAILED_PRECONDITION)
 
 
 @attrs.frozen

@@ -64,6 +64,7 @@ from actors.errors import (
     NotFound,
     ResourceExhausted,
     Unavailable,
+    Unimplemented,
 )
 from actors.machines.disk import backing_chain, check_user_disk, virtual_size
 from actors.machines.machine import Placement
@@ -93,6 +94,8 @@ _GUEST_CODES: dict[str, type[DomainError]] = {
     P.E_PERM: FailedPrecondition,
     P.E_TOO_LARGE: ResourceExhausted,
     P.E_EXISTS: AlreadyExists,
+    P.E_FAILED: FailedPrecondition,
+    P.E_UNSUPPORTED: Unimplemented,
 }
 
 

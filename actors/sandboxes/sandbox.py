@@ -53,6 +53,7 @@ from actors.model import (
     SandboxConfig,
     SandboxMetrics,
     State,
+    default_hostname,
     is_hidden,
 )
 from actors.net import netlink
@@ -128,6 +129,7 @@ class Sandbox:
         self.run_workload, self.exec_session = self.work.run, self.work.exec
         self.read_file, self.write_file = self.work.read_file, self.work.write_file
         self.read_tree, self.write_tree = self.work.read_tree, self.work.write_tree
+        self.fs_list, self.fs_stat, self.fs_change = self.work.fs_list, self.work.fs_stat, self.work.fs_change
         # trio's clock (timers run on it): when the sandbox last saw activity, and when it
         # was created (a recovered record's age counts)
         self.last_activity = trio.current_time()
@@ -154,7 +156,7 @@ class Sandbox:
 
     @property
     def hostname(self) -> str:
-        return self.config.hostname or "sandbox"
+        return self.config.hostname or default_hostname(self.id)
 
     @property
     def network(self) -> NetConfig | None:

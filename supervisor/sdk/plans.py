@@ -337,15 +337,27 @@ def metrics_stream(t: Target, interval: float = 1.0) -> StreamPlan[MetricsRespon
     return _each("MetricsStream", W.MetricsStreamRequest(id=t.id, interval_seconds=interval), MetricsResponse)
 
 
-def logs(t: Target, *, tail: int = 0, since: int = 0, until: int = 0) -> Plan[builtins.list[LogEntry]]:
+LogSources = Iterable[str]  # "stdout", "stderr", "output" (a TTY's), "system"
+
+
+def logs(
+    t: Target, *, tail: int = 0, since: int = 0, until: int = 0, cursor: int = 0, sources: LogSources = ()
+) -> Plan[builtins.list[LogEntry]]:
     """Persisted output (also of a stopped sandbox): the last ``tail`` entries (0:
-    all), between ``since`` and ``until`` (unix ns; 0: open)."""
-    return (yield from _collect("Logs", W.LogsRequest(id=t.id, tail=tail, since=since, until=until), LogEntry))
+    all), between ``since`` and ``until`` (unix ns; 0: open), after the entry whose
+    ``seq`` is ``cursor``, of ``sources`` (empty: all)."""
+    req = W.LogsRequest(id=t.id, tail=tail, since=since, until=until, cursor=cursor, sources=list(sources))
+    return (yield from _collect("Logs", req, LogEntry))
 
 
-def log_stream(t: Target, *, follow: bool = True, tail: int = 0) -> StreamPlan[LogEntry]:
-    """Log entries as they are written (``follow``), after the last ``tail`` ones."""
-    return _each("Logs", W.LogsRequest(id=t.id, follow=follow, tail=tail), LogEntry)
+def log_stream(
+    t: Target, *, follow: bool = True, tail: int = 0, since: int = 0, cursor: int = 0, sources: LogSources = ()
+) -> StreamPlan[LogEntry]:
+    """Log entries as they are written (``follow``), after the last ``tail`` ones;
+    from ``since`` (unix ns) or after the entry whose ``seq`` is ``cursor`` (a
+    stream's resume point), of ``sources`` (empty: all)."""
+    req = W.LogsRequest(id=t.id, follow=follow, tail=tail, since=since, cursor=cursor, sources=list(sources))
+    return _each("Logs", req, LogEntry)
 
 
 def events(t: Target, action: str = "") -> StreamPlan[SandboxEvent]:
@@ -575,6 +587,39 @@ def copy_tree_out(t: Target, path: str, local: str | Path, *, keep_owners: bool 
         os.close(fd)
 
 
+def fs_list(t: Target, path: str) -> Plan[builtins.list[W.FsEntry]]:
+    """The entries of the directory ``path``, by name (``.kind``: file, dir, symlink,
+    other; symlinks are not followed); NotFound, FailedPrecondition (not a directory)."""
+    pages: list[W.FsListResponse] = yield from _collect("FsList", W.FsPathRequest(id=t.id, path=path), W.FsListResponse)
+    return [e for page in pages for e in page.entries]
+
+
+def fs_stat(t: Target, path: str) -> Plan[W.FsEntry]:
+    """``path`` itself (a symlink as one, not followed); NotFound if it is not there."""
+    e: W.FsEntry = yield Unary("FsStat", W.FsPathRequest(id=t.id, path=path), W.FsEntry)
+    return e
+
+
+def fs_exists(t: Target, path: str) -> Plan[bool]:
+    r: W.FsExistsResponse = yield Unary("FsExists", W.FsPathRequest(id=t.id, path=path), W.FsExistsResponse)
+    return r.exists
+
+
+def fs_mkdir(t: Target, path: str, *, parents: bool = True, mode: int = 0o755) -> Plan[None]:
+    """``mkdir -p`` (``parents=False``: ``mkdir``, AlreadyExists if it is there)."""
+    yield Unary("FsMkdir", W.FsMkdirRequest(id=t.id, path=path, parents=parents, mode=mode), W.Empty)
+
+
+def fs_remove(t: Target, path: str, *, recursive: bool = False) -> Plan[None]:
+    """``rm`` of a file, a link or an empty directory; ``recursive``: ``rm -r``."""
+    yield Unary("FsRemove", W.FsRemoveRequest(id=t.id, path=path, recursive=recursive), W.Empty)
+
+
+def fs_rename(t: Target, path: str, dest: str) -> Plan[None]:
+    """``mv path dest`` (one file system)."""
+    yield Unary("FsRename", W.FsRenameRequest(id=t.id, path=path, dest=dest), W.Empty)
+
+
 # --- volumes and images ---------------------------------------------------------------------
 def volume_create(
     t: Target, name: str, size: int | str = "256M", *, labels: Mapping[str, str] | None = None
@@ -597,9 +642,10 @@ def volume_list(t: Target, *, labels: Mapping[str, str] | None = None) -> Plan[b
     return r.volumes
 
 
-def volume_remove(t: Target, name: str) -> Plan[None]:
-    """FAILED_PRECONDITION while a live sandbox mounts it."""
-    yield Unary("DeleteVolume", W.DeleteVolumeRequest(name=name), W.Empty)
+def volume_remove(t: Target, name: str, *, force: bool = False) -> Plan[None]:
+    """FAILED_PRECONDITION while a live sandbox mounts it; ``force``: those sandboxes
+    are killed first (they stay, stopped)."""
+    yield Unary("DeleteVolume", W.DeleteVolumeRequest(name=name, force=force), W.Empty)
 
 
 Pull_ = Literal["", "always", "if-missing", "never"]
@@ -763,6 +809,12 @@ class FSMethods:
     copy_out = op(copy_out)
     copy_tree_in = op(copy_tree_in)
     copy_tree_out = op(copy_tree_out)
+    list = op(fs_list)
+    stat = op(fs_stat)
+    exists = op(fs_exists)
+    mkdir = op(fs_mkdir)
+    remove = op(fs_remove)
+    rename = op(fs_rename)
 
 
 class VolumeMethods:

@@ -133,7 +133,7 @@ class HostMount(_message.Message):
     def __init__(self, source: _Optional[str] = ..., target: _Optional[str] = ..., writable: _Optional[bool] = ...) -> None: ...
 
 class CreateRequest(_message.Message):
-    __slots__ = ("base", "idle_timeout_seconds", "hostname", "ephemeral", "ports", "outbound", "volumes", "image_pull", "image_tls_verify", "patches", "scripts", "tmpfs", "host_mounts", "secrets")
+    __slots__ = ("base", "idle_timeout_seconds", "hostname", "ephemeral", "ports", "outbound", "volumes", "image_pull", "image_tls_verify", "patches", "scripts", "tmpfs", "host_mounts", "secrets", "egress")
     class ScriptsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -155,6 +155,7 @@ class CreateRequest(_message.Message):
     TMPFS_FIELD_NUMBER: _ClassVar[int]
     HOST_MOUNTS_FIELD_NUMBER: _ClassVar[int]
     SECRETS_FIELD_NUMBER: _ClassVar[int]
+    EGRESS_FIELD_NUMBER: _ClassVar[int]
     base: _sandbox_pb2.CreateSandboxRequest
     idle_timeout_seconds: int
     hostname: str
@@ -169,7 +170,18 @@ class CreateRequest(_message.Message):
     tmpfs: _containers.RepeatedCompositeFieldContainer[TmpfsMount]
     host_mounts: _containers.RepeatedCompositeFieldContainer[HostMount]
     secrets: _containers.RepeatedCompositeFieldContainer[SecretSpec]
-    def __init__(self, base: _Optional[_Union[_sandbox_pb2.CreateSandboxRequest, _Mapping]] = ..., idle_timeout_seconds: _Optional[int] = ..., hostname: _Optional[str] = ..., ephemeral: _Optional[bool] = ..., ports: _Optional[_Iterable[_Union[PortMapping, _Mapping]]] = ..., outbound: _Optional[bool] = ..., volumes: _Optional[_Iterable[_Union[VolumeMount, _Mapping]]] = ..., image_pull: _Optional[str] = ..., image_tls_verify: _Optional[bool] = ..., patches: _Optional[_Iterable[_Union[PatchSpec, _Mapping]]] = ..., scripts: _Optional[_Mapping[str, str]] = ..., tmpfs: _Optional[_Iterable[_Union[TmpfsMount, _Mapping]]] = ..., host_mounts: _Optional[_Iterable[_Union[HostMount, _Mapping]]] = ..., secrets: _Optional[_Iterable[_Union[SecretSpec, _Mapping]]] = ...) -> None: ...
+    egress: EgressPolicy
+    def __init__(self, base: _Optional[_Union[_sandbox_pb2.CreateSandboxRequest, _Mapping]] = ..., idle_timeout_seconds: _Optional[int] = ..., hostname: _Optional[str] = ..., ephemeral: _Optional[bool] = ..., ports: _Optional[_Iterable[_Union[PortMapping, _Mapping]]] = ..., outbound: _Optional[bool] = ..., volumes: _Optional[_Iterable[_Union[VolumeMount, _Mapping]]] = ..., image_pull: _Optional[str] = ..., image_tls_verify: _Optional[bool] = ..., patches: _Optional[_Iterable[_Union[PatchSpec, _Mapping]]] = ..., scripts: _Optional[_Mapping[str, str]] = ..., tmpfs: _Optional[_Iterable[_Union[TmpfsMount, _Mapping]]] = ..., host_mounts: _Optional[_Iterable[_Union[HostMount, _Mapping]]] = ..., secrets: _Optional[_Iterable[_Union[SecretSpec, _Mapping]]] = ..., egress: _Optional[_Union[EgressPolicy, _Mapping]] = ...) -> None: ...
+
+class EgressPolicy(_message.Message):
+    __slots__ = ("default", "allow", "deny")
+    DEFAULT_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_FIELD_NUMBER: _ClassVar[int]
+    DENY_FIELD_NUMBER: _ClassVar[int]
+    default: str
+    allow: _containers.RepeatedScalarFieldContainer[str]
+    deny: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, default: _Optional[str] = ..., allow: _Optional[_Iterable[str]] = ..., deny: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StartRequest(_message.Message):
     __slots__ = ("id",)
@@ -214,20 +226,22 @@ class ListResponse(_message.Message):
     def __init__(self, sandboxes: _Optional[_Iterable[_Union[_sandbox_pb2.SandboxSummary, _Mapping]]] = ..., next_cursor: _Optional[str] = ...) -> None: ...
 
 class LogsRequest(_message.Message):
-    __slots__ = ("id", "tail", "since", "until", "cursor", "follow")
+    __slots__ = ("id", "tail", "since", "until", "cursor", "follow", "sources")
     ID_FIELD_NUMBER: _ClassVar[int]
     TAIL_FIELD_NUMBER: _ClassVar[int]
     SINCE_FIELD_NUMBER: _ClassVar[int]
     UNTIL_FIELD_NUMBER: _ClassVar[int]
     CURSOR_FIELD_NUMBER: _ClassVar[int]
     FOLLOW_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
     id: str
     tail: int
     since: int
     until: int
     cursor: int
     follow: bool
-    def __init__(self, id: _Optional[str] = ..., tail: _Optional[int] = ..., since: _Optional[int] = ..., until: _Optional[int] = ..., cursor: _Optional[int] = ..., follow: _Optional[bool] = ...) -> None: ...
+    sources: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, id: _Optional[str] = ..., tail: _Optional[int] = ..., since: _Optional[int] = ..., until: _Optional[int] = ..., cursor: _Optional[int] = ..., follow: _Optional[bool] = ..., sources: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class LogEntry(_message.Message):
     __slots__ = ("seq", "timestamp", "source", "data")
@@ -594,6 +608,80 @@ class DeleteVolumeRequest(_message.Message):
     name: str
     force: bool
     def __init__(self, name: _Optional[str] = ..., force: _Optional[bool] = ...) -> None: ...
+
+class FsPathRequest(_message.Message):
+    __slots__ = ("id", "path")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    path: str
+    def __init__(self, id: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class FsEntry(_message.Message):
+    __slots__ = ("name", "path", "kind", "size", "mode", "uid", "gid", "mtime_ns", "target")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    UID_FIELD_NUMBER: _ClassVar[int]
+    GID_FIELD_NUMBER: _ClassVar[int]
+    MTIME_NS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    kind: str
+    size: int
+    mode: int
+    uid: int
+    gid: int
+    mtime_ns: int
+    target: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., kind: _Optional[str] = ..., size: _Optional[int] = ..., mode: _Optional[int] = ..., uid: _Optional[int] = ..., gid: _Optional[int] = ..., mtime_ns: _Optional[int] = ..., target: _Optional[str] = ...) -> None: ...
+
+class FsListResponse(_message.Message):
+    __slots__ = ("entries",)
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    entries: _containers.RepeatedCompositeFieldContainer[FsEntry]
+    def __init__(self, entries: _Optional[_Iterable[_Union[FsEntry, _Mapping]]] = ...) -> None: ...
+
+class FsExistsResponse(_message.Message):
+    __slots__ = ("exists",)
+    EXISTS_FIELD_NUMBER: _ClassVar[int]
+    exists: bool
+    def __init__(self, exists: _Optional[bool] = ...) -> None: ...
+
+class FsMkdirRequest(_message.Message):
+    __slots__ = ("id", "path", "parents", "mode")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    path: str
+    parents: bool
+    mode: int
+    def __init__(self, id: _Optional[str] = ..., path: _Optional[str] = ..., parents: _Optional[bool] = ..., mode: _Optional[int] = ...) -> None: ...
+
+class FsRemoveRequest(_message.Message):
+    __slots__ = ("id", "path", "recursive")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    RECURSIVE_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    path: str
+    recursive: bool
+    def __init__(self, id: _Optional[str] = ..., path: _Optional[str] = ..., recursive: _Optional[bool] = ...) -> None: ...
+
+class FsRenameRequest(_message.Message):
+    __slots__ = ("id", "path", "dest")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    DEST_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    path: str
+    dest: str
+    def __init__(self, id: _Optional[str] = ..., path: _Optional[str] = ..., dest: _Optional[str] = ...) -> None: ...
 
 class ExportSnapshotRequest(_message.Message):
     __slots__ = ("snapshot_id", "include_base")

@@ -170,6 +170,36 @@ class SandvisorServiceStub:
                 request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.DeleteVolumeRequest.SerializeToString,
                 response_deserializer=sandbox_dot_v1_dot_sandbox__pb2.Empty.FromString,
                 _registered_method=True)
+        self.FsList = channel.unary_stream(
+                '/sandvisor.v1.SandvisorService/FsList',
+                request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.FsPathRequest.SerializeToString,
+                response_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.FsListResponse.FromString,
+                _registered_method=True)
+        self.FsStat = channel.unary_unary(
+                '/sandvisor.v1.SandvisorService/FsStat',
+                request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.FsPathRequest.SerializeToString,
+                response_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.FsEntry.FromString,
+                _registered_method=True)
+        self.FsExists = channel.unary_unary(
+                '/sandvisor.v1.SandvisorService/FsExists',
+                request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.FsPathRequest.SerializeToString,
+                response_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.FsExistsResponse.FromString,
+                _registered_method=True)
+        self.FsMkdir = channel.unary_unary(
+                '/sandvisor.v1.SandvisorService/FsMkdir',
+                request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.FsMkdirRequest.SerializeToString,
+                response_deserializer=sandbox_dot_v1_dot_sandbox__pb2.Empty.FromString,
+                _registered_method=True)
+        self.FsRemove = channel.unary_unary(
+                '/sandvisor.v1.SandvisorService/FsRemove',
+                request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.FsRemoveRequest.SerializeToString,
+                response_deserializer=sandbox_dot_v1_dot_sandbox__pb2.Empty.FromString,
+                _registered_method=True)
+        self.FsRename = channel.unary_unary(
+                '/sandvisor.v1.SandvisorService/FsRename',
+                request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.FsRenameRequest.SerializeToString,
+                response_deserializer=sandbox_dot_v1_dot_sandbox__pb2.Empty.FromString,
+                _registered_method=True)
         self.ReadTree = channel.unary_stream(
                 '/sandvisor.v1.SandvisorService/ReadTree',
                 request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.ReadTreeRequest.SerializeToString,
@@ -420,6 +450,53 @@ class SandvisorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FsList(self, request, context):
+        """--- files beyond read and write (docs/files.md) ---
+        A guest directory's entries, by name (its own symlink followed; entries' not),
+        in pages (at most 1000 entries, about 1 MiB). NOT_FOUND: no such path;
+        FAILED_PRECONDITION: not a directory; RESOURCE_EXHAUSTED: more than 100000 entries.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FsStat(self, request, context):
+        """The path itself (a symlink is reported as one, not followed). NOT_FOUND: no such path.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FsExists(self, request, context):
+        """Whether the path exists (a dangling symlink does).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FsMkdir(self, request, context):
+        """mkdir; parents: mkdir -p. ALREADY_EXISTS (without parents) or FAILED_PRECONDITION
+        (something else is there); NOT_FOUND: a missing parent without parents.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FsRemove(self, request, context):
+        """rm of a file, a link or an empty directory; recursive: rm -r. FAILED_PRECONDITION:
+        a directory that is not empty, without recursive.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FsRename(self, request, context):
+        """rename(2) of path to dest (one file system: else FAILED_PRECONDITION).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ReadTree(self, request, context):
         """--- trees, scripts (cp -r; docs/protocol.md) ---
         A guest directory as one tar stream (modes, owners, symlinks, empty dirs); the
@@ -640,6 +717,36 @@ def add_SandvisorServiceServicer_to_server(servicer, server):
             'DeleteVolume': grpc.unary_unary_rpc_method_handler(
                     servicer.DeleteVolume,
                     request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.DeleteVolumeRequest.FromString,
+                    response_serializer=sandbox_dot_v1_dot_sandbox__pb2.Empty.SerializeToString,
+            ),
+            'FsList': grpc.unary_stream_rpc_method_handler(
+                    servicer.FsList,
+                    request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.FsPathRequest.FromString,
+                    response_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.FsListResponse.SerializeToString,
+            ),
+            'FsStat': grpc.unary_unary_rpc_method_handler(
+                    servicer.FsStat,
+                    request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.FsPathRequest.FromString,
+                    response_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.FsEntry.SerializeToString,
+            ),
+            'FsExists': grpc.unary_unary_rpc_method_handler(
+                    servicer.FsExists,
+                    request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.FsPathRequest.FromString,
+                    response_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.FsExistsResponse.SerializeToString,
+            ),
+            'FsMkdir': grpc.unary_unary_rpc_method_handler(
+                    servicer.FsMkdir,
+                    request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.FsMkdirRequest.FromString,
+                    response_serializer=sandbox_dot_v1_dot_sandbox__pb2.Empty.SerializeToString,
+            ),
+            'FsRemove': grpc.unary_unary_rpc_method_handler(
+                    servicer.FsRemove,
+                    request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.FsRemoveRequest.FromString,
+                    response_serializer=sandbox_dot_v1_dot_sandbox__pb2.Empty.SerializeToString,
+            ),
+            'FsRename': grpc.unary_unary_rpc_method_handler(
+                    servicer.FsRename,
+                    request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.FsRenameRequest.FromString,
                     response_serializer=sandbox_dot_v1_dot_sandbox__pb2.Empty.SerializeToString,
             ),
             'ReadTree': grpc.unary_stream_rpc_method_handler(
@@ -1426,6 +1533,168 @@ class SandvisorService:
             target,
             '/sandvisor.v1.SandvisorService/DeleteVolume',
             sandvisor_dot_v1_dot_sandvisor__pb2.DeleteVolumeRequest.SerializeToString,
+            sandbox_dot_v1_dot_sandbox__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FsList(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/sandvisor.v1.SandvisorService/FsList',
+            sandvisor_dot_v1_dot_sandvisor__pb2.FsPathRequest.SerializeToString,
+            sandvisor_dot_v1_dot_sandvisor__pb2.FsListResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FsStat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandvisor.v1.SandvisorService/FsStat',
+            sandvisor_dot_v1_dot_sandvisor__pb2.FsPathRequest.SerializeToString,
+            sandvisor_dot_v1_dot_sandvisor__pb2.FsEntry.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FsExists(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandvisor.v1.SandvisorService/FsExists',
+            sandvisor_dot_v1_dot_sandvisor__pb2.FsPathRequest.SerializeToString,
+            sandvisor_dot_v1_dot_sandvisor__pb2.FsExistsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FsMkdir(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandvisor.v1.SandvisorService/FsMkdir',
+            sandvisor_dot_v1_dot_sandvisor__pb2.FsMkdirRequest.SerializeToString,
+            sandbox_dot_v1_dot_sandbox__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FsRemove(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandvisor.v1.SandvisorService/FsRemove',
+            sandvisor_dot_v1_dot_sandvisor__pb2.FsRemoveRequest.SerializeToString,
+            sandbox_dot_v1_dot_sandbox__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FsRename(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandvisor.v1.SandvisorService/FsRename',
+            sandvisor_dot_v1_dot_sandvisor__pb2.FsRenameRequest.SerializeToString,
             sandbox_dot_v1_dot_sandbox__pb2.Empty.FromString,
             options,
             channel_credentials,
