@@ -582,6 +582,8 @@ class Registry:
         sb = self.get(id)
         if sb.state not in (State.STOPPED, State.FAILED) or not sb.stopped:
             raise FailedPrecondition(f"sandbox {id} is {sb.state}; only a stopped sandbox can start")
+        if sb.checkpointing:  # a disk-only checkpoint is moving its disk
+            raise FailedPrecondition(f"sandbox {id} is being checkpointed; retry in a moment")
         self._admit(sb.limits.memory_mib, ram_file=True)
         check_network_available(self.settings, sb.config.network)
         self.volumes.check(sb.config.volumes, sb.record.uid)
@@ -613,6 +615,8 @@ class Registry:
             sb.request_stop(0, force=True)
             with trio.CancelScope(shield=True), trio.move_on_after(30):
                 await sb.wait_stopped()
+        with trio.CancelScope(shield=True), trio.move_on_after(30):
+            await sb.checkpoints_done()  # (a disk-only checkpoint moves the disk of a stopped one)
         if self.sandboxes.get(id) is not sb:
             return  # removed meanwhile by another call
         del self.sandboxes[id]
@@ -630,12 +634,21 @@ class Registry:
         check_labels(labels)
         check_name(name)
         sb = self.get(sandbox_id)
-        sb.check_checkpointable()  # before a directory is made for nothing
+        stopped = sb.stopped and sb.state in (State.STOPPED, State.FAILED)
+        if stopped:  # a disk-only snapshot: its restores boot on its disk
+            sb.check_disk_checkpointable()
+        else:
+            sb.check_checkpointable()  # before a directory is made for nothing
         self.admission.check_disk()
         address = str(sb.pool_address or "") if sb.config.network.mode == NetMode.TAP else ""
         gens = self.volumes.generations(sb.config.volumes)
         rec, ck = await self.snapshots.take(
-            sb.checkpoint, sb.record, name=name, labels=labels, address=address, volume_generations=gens
+            sb.checkpoint_stopped if stopped else sb.checkpoint,
+            sb.record,
+            name=name,
+            labels=labels,
+            address=address,
+            volume_generations=gens,
         )
         self.pools.wake()
         await self.store.flush()  # a snapshot the caller was told of is on record
@@ -682,13 +695,16 @@ class Registry:
                 await self.remove(member.id, force=True)  # (its "created" was emitted: "removed" follows)
             if id and id in self.sandboxes:
                 raise AlreadyExists(f"sandbox {id!r} exists")
-        self._admit(snap.machine.memory_mib, ram_file=snap.memory != MemoryKind.MAPPED)
+        disk_only = snap.memory == MemoryKind.DISK
+        memory_mib = self.settings.limits(config.limits).memory_mib if disk_only else snap.machine.memory_mib
+        self._admit(memory_mib, ram_file=snap.memory != MemoryKind.MAPPED)
         sb = self._new_sandbox(id, config, origin=snap.id, image=snap.oci)
         sb.lease(want="" if network_override else snap.address)
         self.store.insert(sb.record)
         self.sandboxes[sb.id] = sb
         sb.emit(Action.CREATED, snapshot_id=snap.id)
-        await self.start_life(sb, Resume(snap, accepted=accepted))
+        plan: Plan = Boot(accepted=accepted, disk_of=snap) if disk_only else Resume(snap, accepted=accepted)
+        await self.start_life(sb, plan)
         await sb.ready_event.wait()
         if sb.state != State.READY:
             error = sb.record.error or sb.state

@@ -32,7 +32,7 @@ import trio
 
 from actors.errors import DomainError, InvalidArgument, NotFound, ResourceExhausted
 from actors.events import Lagged
-from actors.model import ALIVE, State, VolumeRecord, check_labels, check_port, script_argv
+from actors.model import ALIVE, MemoryKind, State, VolumeRecord, check_labels, check_port, script_argv
 from actors.registry import DEFAULT_STOP_TIMEOUT, Registry
 from actors.sandboxes.sandbox import Sandbox
 from actors.snapshots.snapshot import rfc3339
@@ -424,6 +424,7 @@ async def _checkpoint(reg: Registry, io: CallIO, req: W.CheckpointRequest) -> W.
         size_bytes=sum(rec.sizes.values()),
         memory=rec.memory.value,
         paused_ms=round(ck.paused_s * 1000, 3),
+        disk_only=rec.memory == MemoryKind.DISK,
     )
 
 

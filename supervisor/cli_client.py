@@ -200,7 +200,7 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
     p.add_argument("--wait", type=float, default=0, metavar="S", help="keep trying for up to S seconds")
     p.add_argument("--json", action="store_true")
 
-    p = cmd("checkpoint", checkpoint, "snapshot a ready sandbox (prints the snapshot id)")
+    p = cmd("checkpoint", checkpoint, "snapshot a sandbox: ready, disk and memory; stopped, its disk (prints the id)")
     p.add_argument("name")
     p.add_argument("--name", dest="snapshot_name", metavar="N")
     p.add_argument("--label", action="append", metavar="K=V")

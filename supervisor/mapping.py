@@ -16,6 +16,7 @@ from actors.model import (
     BootSource,
     Egress,
     Limits,
+    MemoryKind,
     NetMode,
     Network,
     PortSpec,
@@ -211,4 +212,5 @@ def snapshot(rec: SnapshotRecord, pool_ready: int) -> W.SnapshotSummary:
         memory=rec.memory.value,
         memory_mib=rec.machine.memory_mib,
         pool_ready=pool_ready,
+        disk_only=rec.memory == MemoryKind.DISK,
     )

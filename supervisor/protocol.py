@@ -673,8 +673,9 @@ class CheckpointResponse:
     created_at: str  # RFC3339
     # extensions: what the checkpoint wrote and how long the guest was paused
     size_bytes: int = 0
-    memory: str = ""  # "mapped" (RAM file, restores map it) or "streamed" (RAM in vmstate)
+    memory: str = ""  # "mapped" (RAM file, restores map it), "streamed" (RAM in vmstate), "disk" (none)
     paused_ms: float = 0.0
+    disk_only: bool = False  # a stopped sandbox's disk: its restores boot
 
 
 @attrs.frozen
@@ -711,6 +712,7 @@ class SnapshotSummary:
     memory: str = ""
     memory_mib: int = 0
     pool_ready: int = 0  # warm pool members ready for this snapshot
+    disk_only: bool = False  # a stopped sandbox's disk (memory "disk"): its restores boot
 
 
 @attrs.frozen

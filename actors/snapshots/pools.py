@@ -202,6 +202,8 @@ class Pools:
     def target(self, snap: SnapshotRecord) -> int:
         if snap.config.volumes:
             return 0  # a member would hold the snapshot's volumes while it waits
+        if snap.memory == MemoryKind.DISK:
+            return 0  # its restores boot: no saved state to keep warm
         if snap.template_key:
             return self.template_pool
         for key in (snap.id, snap.name):
@@ -237,7 +239,7 @@ class Pools:
 
     def take(self, snap: SnapshotRecord) -> Sandbox | None:
         """A ready member of ``snap``'s pool, out of the pool (refilled in the background)."""
-        members = self.members.get(snap.id, [])
+        members = self.members.get(snap.id, [])  # (none for a disk-only snapshot: target 0)
         for m in members:
             # ready_event: its life is fully up (READY is recorded, and flushed, a moment before)
             if m.ready_event.is_set() and m.state == State.READY and not m.checkpointing and m.guest is not None:

@@ -298,30 +298,34 @@ class ListPortsResponse(_message.Message):
     def __init__(self, ports: _Optional[_Iterable[_Union[PortMapping, _Mapping]]] = ...) -> None: ...
 
 class CheckpointResponse(_message.Message):
-    __slots__ = ("base", "size_bytes", "memory", "paused_ms")
+    __slots__ = ("base", "size_bytes", "memory", "paused_ms", "disk_only")
     BASE_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MEMORY_FIELD_NUMBER: _ClassVar[int]
     PAUSED_MS_FIELD_NUMBER: _ClassVar[int]
+    DISK_ONLY_FIELD_NUMBER: _ClassVar[int]
     base: _sandbox_pb2.CheckpointResponse
     size_bytes: int
     memory: str
     paused_ms: float
-    def __init__(self, base: _Optional[_Union[_sandbox_pb2.CheckpointResponse, _Mapping]] = ..., size_bytes: _Optional[int] = ..., memory: _Optional[str] = ..., paused_ms: _Optional[float] = ...) -> None: ...
+    disk_only: bool
+    def __init__(self, base: _Optional[_Union[_sandbox_pb2.CheckpointResponse, _Mapping]] = ..., size_bytes: _Optional[int] = ..., memory: _Optional[str] = ..., paused_ms: _Optional[float] = ..., disk_only: _Optional[bool] = ...) -> None: ...
 
 class SnapshotSummary(_message.Message):
-    __slots__ = ("base", "size_bytes", "memory", "memory_mib", "pool_ready")
+    __slots__ = ("base", "size_bytes", "memory", "memory_mib", "pool_ready", "disk_only")
     BASE_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MEMORY_FIELD_NUMBER: _ClassVar[int]
     MEMORY_MIB_FIELD_NUMBER: _ClassVar[int]
     POOL_READY_FIELD_NUMBER: _ClassVar[int]
+    DISK_ONLY_FIELD_NUMBER: _ClassVar[int]
     base: _sandbox_pb2.SnapshotSummary
     size_bytes: int
     memory: str
     memory_mib: int
     pool_ready: int
-    def __init__(self, base: _Optional[_Union[_sandbox_pb2.SnapshotSummary, _Mapping]] = ..., size_bytes: _Optional[int] = ..., memory: _Optional[str] = ..., memory_mib: _Optional[int] = ..., pool_ready: _Optional[int] = ...) -> None: ...
+    disk_only: bool
+    def __init__(self, base: _Optional[_Union[_sandbox_pb2.SnapshotSummary, _Mapping]] = ..., size_bytes: _Optional[int] = ..., memory: _Optional[str] = ..., memory_mib: _Optional[int] = ..., pool_ready: _Optional[int] = ..., disk_only: _Optional[bool] = ...) -> None: ...
 
 class ListSnapshotsResponse(_message.Message):
     __slots__ = ("snapshots",)
