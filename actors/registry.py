@@ -60,6 +60,7 @@ from actors.model import (
     ImageUse,
     MemoryKind,
     NetMode,
+    PullAuth,
     SandboxConfig,
     State,
     check_config,
@@ -407,9 +408,10 @@ class Registry:
         return page, encode_cursor(page[-1].record.seq) if len(matches) > limit else ""
 
     # -- operations --------------------------------------------------------------
-    async def create(self, id: str, config: SandboxConfig) -> Sandbox:
+    async def create(self, id: str, config: SandboxConfig, *, pull_auth: PullAuth | None = None) -> Sandbox:
         """A new sandbox, starting (or ready at once, from a warm pool). The same id
-        with the same configuration is the existing sandbox (idempotent)."""
+        with the same configuration is the existing sandbox (idempotent). ``pull_auth``:
+        the image registry's credentials and CA, for this Create's pull only."""
         self._check_open()
         check_id(id)
         check_config(config)
@@ -424,7 +426,7 @@ class Registry:
                 return existing  # idempotent: same id, same request
             raise AlreadyExists(f"sandbox {id!r} exists with a different configuration")
         accepted = time.monotonic()
-        image = await self._image(config) if config.boot.image else None
+        image = await self._image(config, pull_auth) if config.boot.image else None
         if id and id in self.sandboxes:  # created meanwhile, while the image was pulled
             return await self.create(id, config)
         self._check_disks(config, image)
@@ -472,6 +474,7 @@ class Registry:
         tls_verify: bool = True,
         creds: str | None = None,
         auth_json: bytes | None = None,
+        ca_pem: bytes | None = None,
         progress: ProgressFn | None = None,
     ) -> Image:
         """Pull ``ref`` into the store (the store's errors as the seed's codes). The
@@ -480,7 +483,13 @@ class Registry:
         store = self.image_store()
         try:
             return await store.pull(
-                ref, policy=policy, tls_verify=tls_verify, creds=creds, auth_json=auth_json, progress=progress
+                ref,
+                policy=policy,
+                tls_verify=tls_verify,
+                creds=creds,
+                auth_json=auth_json,
+                ca_pem=ca_pem,
+                progress=progress,
             )
         except ImageError as exc:
             raise error(Code(exc.code), exc.message) from None
@@ -512,13 +521,21 @@ class Registry:
         except ImageError as exc:
             raise error(Code(exc.code), exc.message) from None
 
-    async def _image(self, config: SandboxConfig) -> ImageUse:
+    async def _image(self, config: SandboxConfig, auth: PullAuth | None = None) -> ImageUse:
         """The OCI image a Create names, pulled as its policy says (a pull happens before
         Create answers: a bad reference, a missing tag, a refused pull are the Create's errors)."""
         store = self.image_store()
         boot = config.boot
+        auth = auth or PullAuth()
         try:
-            img = await store.pull(boot.image, policy=boot.pull, tls_verify=boot.tls_verify)
+            img = await store.pull(
+                boot.image,
+                policy=boot.pull,
+                tls_verify=boot.tls_verify,
+                creds=auth.creds or None,
+                auth_json=auth.auth_json or None,
+                ca_pem=auth.ca_pem or None,
+            )
         except ImageError as exc:
             raise error(Code(exc.code), exc.message) from None
         c = img.config

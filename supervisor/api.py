@@ -91,7 +91,7 @@ def _absolute(path: str) -> str:
 
 @method("Create", W.CreateSandboxRequest)
 async def _create(reg: Registry, io: CallIO, req: W.CreateSandboxRequest) -> W.CreateSandboxResponse:
-    sb = await reg.create(req.id, M.config(req))
+    sb = await reg.create(req.id, M.config(req), pull_auth=M.pull_auth(req))
     # the seed: "State at time of response: always starting" (ready follows as an event,
     # at once when a warm pool member served it)
     return W.CreateSandboxResponse(id=sb.id, ip_address=sb.ip_address, state=State.STARTING.value)
@@ -567,6 +567,7 @@ async def _pull_image(reg: Registry, io: CallIO, req: W.PullImageRequest) -> Non
                 tls_verify=req.tls_verify is not False,
                 creds=req.creds or None,
                 auth_json=req.auth_json or None,
+                ca_pem=req.ca_pem or None,
                 progress=progress,
             )
     info = M.oci_image(img, img.digest in reg.images_in_use())

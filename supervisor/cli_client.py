@@ -120,7 +120,12 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
     p.add_argument("--script", action="append", metavar="NAME=FILE", help="a named script (run it: run --script NAME)")
     p.add_argument("--workdir")
     p.add_argument("--user")
-    p.add_argument("--image", metavar="REF", help="an OCI image (docker://HOST/NAME:TAG, oci:DIR, ...)")
+    p.add_argument("--image", metavar="REF", help="an OCI image (alpine, python:3.12, ghcr.io/o/x:1, oci:DIR, ...)")
+    p.add_argument(
+        "--registry-creds-file", metavar="FILE", help="the image registry's USER:PASSWORD, from FILE (- : stdin)"
+    )
+    p.add_argument("--registry-authfile", metavar="FILE", help="the image registry's docker-style auth file")
+    p.add_argument("--registry-ca", metavar="PEM", help="CA certificates for the image registry")
     p.add_argument("--pull", choices=["always", "if-missing", "never"], help="the image's pull policy")
     p.add_argument("--tls-verify", type=tls_flag, default=True, metavar="BOOL", help="false: a plain-HTTP registry")
     p.add_argument("--no-wait", action="store_true")

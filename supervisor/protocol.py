@@ -238,6 +238,12 @@ class CreateSandboxRequest:
     patches: list[PatchSpec] = attrs.field(factory=list)  # applied by guestd before ready
     volumes: list[VolumeMount] = attrs.field(factory=list)  # sandvisor.v1.CreateRequest.volumes
     scripts: dict[str, str] = attrs.field(factory=dict)  # named scripts, run by Run{script}
+    # the image's registry: credentials ("USER:PASSWORD", or a docker-style auth file's
+    # content) and CA certificates (PEM), for the Create's pull only: never stored,
+    # never printed (repr), never in the sandbox's configuration
+    image_creds: str = attrs.field(default="", repr=False)
+    image_auth_json: bytes = attrs.field(default=b"", repr=False)
+    image_ca_pem: bytes = attrs.field(default=b"", repr=False)
 
 
 @attrs.frozen
@@ -616,8 +622,9 @@ class PullImageRequest:
     ref: str
     policy: str = ""  # always | if-missing (""; the default) | never
     tls_verify: bool | None = None  # False: a plain-HTTP registry; None: verify
-    creds: str = ""
-    auth_json: bytes = b""
+    creds: str = attrs.field(default="", repr=False)
+    auth_json: bytes = attrs.field(default=b"", repr=False)
+    ca_pem: bytes = attrs.field(default=b"", repr=False)  # the registry's CA certificates (PEM)
 
 
 @attrs.frozen

@@ -115,7 +115,7 @@ class VolumeMount(_message.Message):
     def __init__(self, volume: _Optional[str] = ..., target: _Optional[str] = ..., readonly: _Optional[bool] = ...) -> None: ...
 
 class CreateRequest(_message.Message):
-    __slots__ = ("base", "idle_timeout_seconds", "hostname", "ephemeral", "ports", "outbound", "volumes", "image_pull", "image_tls_verify", "patches", "scripts")
+    __slots__ = ("base", "idle_timeout_seconds", "hostname", "ephemeral", "ports", "outbound", "volumes", "image_pull", "image_tls_verify", "patches", "scripts", "image_creds", "image_auth_json", "image_ca_pem")
     class ScriptsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -134,6 +134,9 @@ class CreateRequest(_message.Message):
     IMAGE_TLS_VERIFY_FIELD_NUMBER: _ClassVar[int]
     PATCHES_FIELD_NUMBER: _ClassVar[int]
     SCRIPTS_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_CREDS_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_AUTH_JSON_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_CA_PEM_FIELD_NUMBER: _ClassVar[int]
     base: _sandbox_pb2.CreateSandboxRequest
     idle_timeout_seconds: int
     hostname: str
@@ -145,7 +148,10 @@ class CreateRequest(_message.Message):
     image_tls_verify: bool
     patches: _containers.RepeatedCompositeFieldContainer[PatchSpec]
     scripts: _containers.ScalarMap[str, str]
-    def __init__(self, base: _Optional[_Union[_sandbox_pb2.CreateSandboxRequest, _Mapping]] = ..., idle_timeout_seconds: _Optional[int] = ..., hostname: _Optional[str] = ..., ephemeral: _Optional[bool] = ..., ports: _Optional[_Iterable[_Union[PortMapping, _Mapping]]] = ..., outbound: _Optional[bool] = ..., volumes: _Optional[_Iterable[_Union[VolumeMount, _Mapping]]] = ..., image_pull: _Optional[str] = ..., image_tls_verify: _Optional[bool] = ..., patches: _Optional[_Iterable[_Union[PatchSpec, _Mapping]]] = ..., scripts: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    image_creds: str
+    image_auth_json: bytes
+    image_ca_pem: bytes
+    def __init__(self, base: _Optional[_Union[_sandbox_pb2.CreateSandboxRequest, _Mapping]] = ..., idle_timeout_seconds: _Optional[int] = ..., hostname: _Optional[str] = ..., ephemeral: _Optional[bool] = ..., ports: _Optional[_Iterable[_Union[PortMapping, _Mapping]]] = ..., outbound: _Optional[bool] = ..., volumes: _Optional[_Iterable[_Union[VolumeMount, _Mapping]]] = ..., image_pull: _Optional[str] = ..., image_tls_verify: _Optional[bool] = ..., patches: _Optional[_Iterable[_Union[PatchSpec, _Mapping]]] = ..., scripts: _Optional[_Mapping[str, str]] = ..., image_creds: _Optional[str] = ..., image_auth_json: _Optional[bytes] = ..., image_ca_pem: _Optional[bytes] = ...) -> None: ...
 
 class StartRequest(_message.Message):
     __slots__ = ("id",)
@@ -411,18 +417,20 @@ class OciImageInfo(_message.Message):
     def __init__(self, id: _Optional[str] = ..., digest: _Optional[str] = ..., refs: _Optional[_Iterable[str]] = ..., config_digest: _Optional[str] = ..., size_bytes: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., download_bytes: _Optional[int] = ..., layers: _Optional[int] = ..., source: _Optional[str] = ..., pulled_at: _Optional[int] = ..., in_use: _Optional[bool] = ..., env: _Optional[_Iterable[str]] = ..., working_dir: _Optional[str] = ..., user: _Optional[str] = ..., entrypoint: _Optional[_Iterable[str]] = ..., cmd: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PullImageRequest(_message.Message):
-    __slots__ = ("ref", "policy", "tls_verify", "creds", "auth_json")
+    __slots__ = ("ref", "policy", "tls_verify", "creds", "auth_json", "ca_pem")
     REF_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     TLS_VERIFY_FIELD_NUMBER: _ClassVar[int]
     CREDS_FIELD_NUMBER: _ClassVar[int]
     AUTH_JSON_FIELD_NUMBER: _ClassVar[int]
+    CA_PEM_FIELD_NUMBER: _ClassVar[int]
     ref: str
     policy: str
     tls_verify: bool
     creds: str
     auth_json: bytes
-    def __init__(self, ref: _Optional[str] = ..., policy: _Optional[str] = ..., tls_verify: _Optional[bool] = ..., creds: _Optional[str] = ..., auth_json: _Optional[bytes] = ...) -> None: ...
+    ca_pem: bytes
+    def __init__(self, ref: _Optional[str] = ..., policy: _Optional[str] = ..., tls_verify: _Optional[bool] = ..., creds: _Optional[str] = ..., auth_json: _Optional[bytes] = ..., ca_pem: _Optional[bytes] = ...) -> None: ...
 
 class PullImageProgress(_message.Message):
     __slots__ = ("phase", "message", "done", "total", "digest", "image")
