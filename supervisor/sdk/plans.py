@@ -239,7 +239,7 @@ def import_snapshot(
     f = yield Blocking(open, (Path(path), "rb"))
     with f:
         call = yield Open("ImportSnapshot", W.ImportSnapshotRequest(open=op_))
-        while piece := (yield Blocking(f.read, (CHUNK,))):
+        while piece := (yield Blocking(f.read, (3 * CHUNK,))):  # (under the wires' 4 MiB message cap)
             yield Send(call, W.ImportSnapshotRequest(chunk=W.FileChunk(data=piece)))
         yield Send(call, W.ImportSnapshotRequest(chunk=W.FileChunk(done=True)))
         r: SnapshotSummary = yield Finish(call, SnapshotSummary)
