@@ -107,6 +107,11 @@ def image_pull(a: argparse.Namespace) -> int:
             body["auth_json"] = Path(a.authfile).read_bytes()
         except OSError as exc:
             raise UsageError(f"cannot read the auth file {a.authfile}: {exc.strerror}") from None
+    if a.registry_ca is not None:
+        try:
+            body["ca_pem"] = Path(a.registry_ca).read_bytes()
+        except OSError as exc:
+            raise UsageError(f"cannot read {a.registry_ca}: {exc.strerror}") from None
     show = PullProgress(quiet=a.quiet)
     image = None
     with connect(a) as c:
@@ -180,11 +185,14 @@ def add_image_commands(isub: Any) -> None:
         return p
 
     p = cmd("pull", image_pull, "pull an OCI image into the supervisor's store (prints its digest)")
-    p.add_argument("ref", help="docker://HOST/NAME:TAG, ...@sha256:..., docker-archive:PATH, oci-archive:PATH, oci:DIR")
+    p.add_argument(
+        "ref", help="alpine, python:3.12, ghcr.io/o/x:1, docker://HOST/NAME:TAG, ...@sha256:..., oci:DIR, ..."
+    )
     p.add_argument("--policy", choices=["always", "if-missing", "never"], help="default: if-missing")
     p.add_argument("--tls-verify", type=tls_flag, default=True, metavar="BOOL", help="false: a plain-HTTP registry")
     p.add_argument("--creds", metavar="USER:PASS", help="registry credentials (never logged)")
     p.add_argument("--authfile", metavar="PATH", help="a docker-style auth file (read here, sent as content)")
+    p.add_argument("--registry-ca", metavar="PEM", help="CA certificates for the registry (read here, sent as content)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress")
 
     cmd("ls", image_ls, "list the OCI images in the supervisor's store")

@@ -107,3 +107,5 @@ async def test_create_with_a_registry_ca(
         auth = RegistryAuth.from_files(ca_file=tmp_path / "ca.pem")
         sb = await AsyncSandbox.create("t1", image=ref, registry=auth, socket=sock, wait=False)
         await sb.remove(force=True)
+        img = await AsyncImages(sock).pull(ref, policy="always", ca=tmp_path / "ca.pem")  # PullImage's ca_pem
+        assert img.refs == [ref]

@@ -606,11 +606,12 @@ Pull_ = Literal["", "always", "if-missing", "never"]
 
 
 def _pull_request(
-    ref: str, policy: Pull_, tls_verify: bool, creds: str, authfile: str | Path | None
+    ref: str, policy: Pull_, tls_verify: bool, creds: str, authfile: str | Path | None, ca: str | Path | None = None
 ) -> W.PullImageRequest:
     auth = Path(authfile).read_bytes() if authfile is not None else b""
+    ca_pem = Path(ca).read_bytes() if ca is not None else b""
     return W.PullImageRequest(
-        ref=ref, policy=policy, tls_verify=None if tls_verify else False, creds=creds, auth_json=auth
+        ref=ref, policy=policy, tls_verify=None if tls_verify else False, creds=creds, auth_json=auth, ca_pem=ca_pem
     )
 
 
@@ -622,9 +623,11 @@ def image_pull_stream(
     tls_verify: bool = True,
     creds: str = "",
     authfile: str | Path | None = None,
+    ca: str | Path | None = None,
 ) -> StreamPlan[PullImageProgress]:
-    """Progress items; the last is ``phase == "done"`` with ``.image`` set."""
-    return _each("PullImage", _pull_request(ref, policy, tls_verify, creds, authfile), PullImageProgress)
+    """Progress items; the last is ``phase == "done"`` with ``.image`` set. ``ca``: a
+    PEM file of CA certificates for the registry (read here, sent as content)."""
+    return _each("PullImage", _pull_request(ref, policy, tls_verify, creds, authfile, ca), PullImageProgress)
 
 
 def image_pull(
@@ -636,11 +639,13 @@ def image_pull(
     creds: str = "",
     authfile: str | Path | None = None,
     progress: Any = None,
+    ca: str | Path | None = None,
 ) -> Plan[OciImageInfo]:
     """Pull ``ref`` (as ``policy`` says; default if-missing) and return the image;
-    ``progress`` (a callable) sees every item on the way."""
+    ``progress`` (a callable) sees every item on the way; ``ca``: a PEM file of CA
+    certificates for the registry."""
     image = None
-    call = yield Open("PullImage", _pull_request(ref, policy, tls_verify, creds, authfile))
+    call = yield Open("PullImage", _pull_request(ref, policy, tls_verify, creds, authfile, ca))
     while (item := (yield Receive(call, PullImageProgress))) is not None:
         if progress is not None:
             progress(item)
