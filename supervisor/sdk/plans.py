@@ -457,7 +457,8 @@ def ports(t: Target) -> Plan[builtins.list[W.PortMapping]]:
 
 
 def checkpoint(t: Target, name: str = "", *, labels: Mapping[str, str] | None = None) -> Plan[CheckpointResponse]:
-    """Snapshot this (ready) sandbox, which runs on; ``.snapshot_id`` names the snapshot."""
+    """Snapshot this sandbox; ``.snapshot_id`` names the snapshot. Ready: its disk and
+    memory, and it runs on; stopped: its disk alone (``.disk_only``; restores boot)."""
     req = W.CheckpointRequest(sandbox_id=t.id, name=name, labels=_kv(labels))
     r: CheckpointResponse = yield Unary("Checkpoint", req, CheckpointResponse)
     return r
