@@ -137,7 +137,9 @@ def _plan_export(rec: SnapshotRecord, settings: Settings, include_base: bool) ->
             sources.append(_Source(name, fd, os.fstat(fd).st_size))
         for i, layer in enumerate(rec.chain, 1):
             p = Path(layer).resolve()
-            base = next(((k, r) for k, r in roots.items() if p.is_relative_to(r)), None)
+            # an image cache's root filesystem (never a snapshot's layer, wherever the caches are)
+            image_file = p.name == BASE_NAME and not p.is_relative_to(rec.path.parent.resolve())
+            base = next(((k, r) for k, r in roots.items() if p.is_relative_to(r)), None) if image_file else None
             if base is not None and not include_base:
                 kind, root = base
                 chain.append({"base": kind, "path": str(p.relative_to(root)), "size": p.stat().st_size})
