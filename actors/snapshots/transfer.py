@@ -274,8 +274,7 @@ class Importer:
         assert plan is not None
         await trio.to_thread.run_sync(self._finish, plan)
         rec = plan.record(self)
-        if self.name is None or self.name:
-            _check_name_free(self.store, rec.name)  # (again: one may have come meanwhile)
+        _check_name_free(self.store, rec.name)  # (again: one may have come meanwhile)
         self.store.store.insert_snapshot(rec)
         self.store.snapshots[rec.id] = rec
         self.store.pending.discard(self.dir.resolve())
