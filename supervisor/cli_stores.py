@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 from supervisor.cli_common import UsageError, connect, kv, tls_flag
@@ -75,16 +76,20 @@ def snapshot(a: argparse.Namespace) -> int:
 
     if a.action == "export":
         if not a.file:
-            raise UsageError("snapshot export ID FILE: FILE is missing")
-        n = Sandbox.export_snapshot(a.snapshot_id, a.file, include_base=a.include_base, socket=a.socket)
+            raise UsageError("snapshot export ID FILE: FILE is missing (- : stdout)")
+        dest = sys.stdout.buffer if a.file == "-" else a.file
+        if dest is sys.stdout.buffer and sys.stdout.isatty():
+            raise UsageError("snapshot export ID -: stdout is a terminal; redirect it or give a FILE")
+        n = Sandbox.export_snapshot(a.snapshot_id, dest, include_base=a.include_base, socket=a.socket)
         if a.json:
             print_json({"file": a.file, "size_bytes": n})
         return 0
     if a.file:
         raise UsageError("snapshot import FILE takes one file")
-    if not Path(a.snapshot_id).is_file():
+    src = sys.stdin.buffer if a.snapshot_id == "-" else a.snapshot_id
+    if src is not sys.stdin.buffer and not Path(a.snapshot_id).is_file():
         raise UsageError(f"{a.snapshot_id}: no such file")
-    r = Sandbox.import_snapshot(a.snapshot_id, name=a.snapshot_name or "", labels=kv(a.label), socket=a.socket)
+    r = Sandbox.import_snapshot(src, name=a.snapshot_name or "", labels=kv(a.label), socket=a.socket)
     if a.json:
         from supervisor import protocol as W
 

@@ -5,7 +5,9 @@ counterpart is test_snapshot_transfer.py."""
 
 from __future__ import annotations
 
+import shlex
 import struct
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -71,6 +73,19 @@ async def test_disk_only_snapshots_and_transfer_over_both_edges(tmp_path: Path, 
             await AsyncSandbox.export_snapshot("cold", f, socket=sock)
             cold2 = await AsyncSandbox.import_snapshot(f, name="cold-2", socket=sock)
             assert (cold2.memory, cold2.disk_only) == ("disk", True)
+
+            # --- the CLI through a pipe (export ID - | import -): how a file moves between hosts ---
+            cli = shlex.join([sys.executable, "-m", "supervisor.cli"])
+            out, into = f"{cli} snapshot export live - --socket {sock}", f"{cli} snapshot import - --name piped"
+            p = await trio.run_process(
+                ["bash", "-c", f"set -o pipefail; {out} | {into} --socket {sock}"],
+                capture_stdout=True,
+                capture_stderr=True,
+                check=False,
+            )
+            assert p.returncode == 0, p.stderr
+            piped = reg.snapshots.get("piped")
+            assert p.stdout.decode().strip() == piped.id and piped.memory == live.memory
 
             # --- the codes a gRPC client sees; nothing is kept by a refused import ---
             dirs = {p.name for p in reg.snapshots.root.iterdir()}

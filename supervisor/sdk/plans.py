@@ -12,7 +12,7 @@ import functools
 import os
 from collections.abc import AsyncIterable, Iterable, Mapping
 from pathlib import Path
-from typing import Any, Literal, Unpack
+from typing import Any, BinaryIO, Literal, Unpack
 
 import attrs
 
@@ -192,15 +192,28 @@ def delete_snapshot(snapshot: SnapshotRef, *, socket: str | Path | None = None) 
 
 
 def export_snapshot(
-    snapshot: SnapshotRef, path: str | Path, *, include_base: bool = False, socket: str | Path | None = None
+    snapshot: SnapshotRef,
+    path: str | Path | BinaryIO,
+    *,
+    include_base: bool = False,
+    socket: str | Path | None = None,
 ) -> Plan[int]:
     """Write the snapshot as one export file at ``path`` (a directory: ``snapshot.svsnap``
-    in it), streamed; the file appears when whole (nothing is left on a failure).
+    in it), streamed; the file appears when whole (nothing is left on a failure). A
+    binary file object (a pipe: ``sys.stdout.buffer``) is written as the data comes.
     ``include_base``: carry the image's root filesystem too (else the importing
     supervisor must have that image). Returns the file's size in bytes."""
     from supervisor.treecopy import commit_temp, create_temp, open_target
 
     req = W.ExportSnapshotRequest(snapshot_id=_snapshot_id(snapshot), include_base=include_base)
+    if not isinstance(path, str | os.PathLike):
+        call = yield Open("ExportSnapshot", req)
+        n = 0
+        while (ch := (yield Receive(call, W.FileChunk))) is not None:
+            yield Blocking(path.write, (ch.data,))
+            n += len(ch.data)
+        yield Blocking(path.flush)
+        return n
     dfd, name = yield Blocking(open_target, (os.fspath(path), "/snapshot.svsnap"))
     total = 0
     try:
@@ -226,7 +239,7 @@ def export_snapshot(
 
 
 def import_snapshot(
-    path: str | Path,
+    path: str | Path | BinaryIO,
     *,
     name: str = "",
     labels: Mapping[str, str] | None = None,
@@ -234,10 +247,11 @@ def import_snapshot(
 ) -> Plan[SnapshotSummary]:
     """A new snapshot (a new id) from an export file, streamed; recorded only once the
     whole file arrived and matched its digest. ``name``: "" keeps the export's (a name
-    another snapshot has is AlreadyExists); ``labels`` are added to the export's."""
+    another snapshot has is AlreadyExists); ``labels`` are added to the export's.
+    ``path``: a file, or a binary file object (a pipe: ``sys.stdin.buffer``)."""
     op_ = W.ImportSnapshotOpen(name=name, labels=_kv(labels))
-    f = yield Blocking(open, (Path(path), "rb"))
-    with f:
+    f = (yield Blocking(open, (Path(path), "rb"))) if isinstance(path, str | os.PathLike) else path
+    with f if f is not path else contextlib.nullcontext(f):
         call = yield Open("ImportSnapshot", W.ImportSnapshotRequest(open=op_))
         while piece := (yield Blocking(f.read, (3 * CHUNK,))):  # (under the wires' 4 MiB message cap)
             yield Send(call, W.ImportSnapshotRequest(chunk=W.FileChunk(data=piece)))
