@@ -58,6 +58,7 @@ log = logging.getLogger("sandvisor.transfer")
 
 CHUNK = 1 << 20  # bytes of file data per frame an export writes
 PARTS = ("kernel", "initrd")  # named when they are this supervisor's image's files
+FRAMES_PER_HOP = 4  # frames an export reads (and an import writes) per worker-thread hop
 DISK_CHECK_EVERY = 64 << 20  # bytes written between two free-space checks of an import
 MAX_MEMORY_MIB = 65536  # as a Create's memory_mib (actors/model.py check_config)
 BASE_NAME = "rootfs.ext4"  # what a named base layer is in either cache (never another file of theirs)
@@ -188,22 +189,28 @@ async def export_stream(
         for index, src in enumerate(sources):
             extents = await trio.to_thread.run_sync(_extents, src.fd, src.size)
             for start, end in extents:
-                for off in range(start, end, CHUNK):
-                    piece = await trio.to_thread.run_sync(_read_frame, src.fd, index, off, min(CHUNK, end - off), h)
-                    yield piece
+                for off in range(start, end, CHUNK * FRAMES_PER_HOP):
+                    stop = min(end, off + CHUNK * FRAMES_PER_HOP)
+                    for piece in await trio.to_thread.run_sync(_read_frames, src.fd, index, off, stop, h):
+                        yield piece
         yield A.end_frame(h.digest())
     finally:
         for s in sources:
             os.close(s.fd)
 
 
-def _read_frame(fd: int, index: int, off: int, n: int, h: Any) -> bytes:
-    data = os.pread(fd, n, off)
-    if len(data) != n:
-        raise FailedPrecondition("a snapshot file shrank while it was exported")
-    piece = A.data_frame(index, off, data)
-    h.update(piece)
-    return piece
+def _read_frames(fd: int, index: int, start: int, stop: int, h: Any) -> list[bytes]:
+    """Data frames of ``start``..``stop`` (a worker thread's hop: read and hashed)."""
+    out = []
+    for off in range(start, stop, CHUNK):
+        n = min(CHUNK, stop - off)
+        data = os.pread(fd, n, off)
+        if len(data) != n:
+            raise FailedPrecondition("a snapshot file shrank while it was exported")
+        piece = A.data_frame(index, off, data)
+        h.update(piece)
+        out.append(piece)
+    return out
 
 
 # --- import ----------------------------------------------------------------------------------
@@ -246,17 +253,25 @@ class Importer:
         self.store.pending.add(self.dir.resolve())
 
     async def feed(self, data: bytes) -> None:
-        for ev in self.reader.feed(data):
+        """Parse (and hash) in a worker thread, check a manifest here, write the data
+        it completed in one more hop."""
+        writes: list[A.Data] = []
+        for ev in await trio.to_thread.run_sync(self.reader.feed, data):
             if isinstance(ev, A.Manifest):
                 self.plan = _check_manifest(ev, self.settings, self.store, self.name, self.labels)
                 await trio.to_thread.run_sync(self._create_files, ev.files)
             elif isinstance(ev, A.Data):
-                t = self.targets[ev.index]
-                await trio.to_thread.run_sync(_pwrite_all, t.fd, ev.data, ev.offset)
-                self._since_check += len(ev.data)
-                if self._since_check >= DISK_CHECK_EVERY:
-                    self._since_check = 0
-                    self.check_disk()
+                writes.append(ev)
+        if writes:
+            await trio.to_thread.run_sync(self._write, writes)
+            self._since_check += sum(len(w.data) for w in writes)
+            if self._since_check >= DISK_CHECK_EVERY:
+                self._since_check = 0
+                self.check_disk()
+
+    def _write(self, writes: list[A.Data]) -> None:
+        for w in writes:
+            _pwrite_all(self.targets[w.index].fd, w.data, w.offset)
 
     def _create_files(self, files: tuple[A.FileEntry, ...]) -> None:
         for f in files:
