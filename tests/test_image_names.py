@@ -3,6 +3,11 @@ are never printed. No registry here (the loopback mirror is test_image_mirror.py
 
 from __future__ import annotations
 
+import argparse
+import io
+import sys
+from pathlib import Path
+
 import pytest
 import trio
 
@@ -139,3 +144,28 @@ def test_grpc_create_carries_registry_auth_beside_the_seed_request() -> None:
         b"{}",
         b"PEM",
     )
+
+
+def test_cli_reads_registry_secrets_from_files_or_stdin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``create --registry-creds-file FILE|-``, ``--registry-authfile``, ``--registry-ca``:
+    never argv."""
+    from supervisor.cli_common import UsageError
+    from supervisor.cli_sandboxes import _registry_auth
+
+    def ns(**kw: object) -> argparse.Namespace:
+        return argparse.Namespace(**{"registry_creds_file": None, "registry_authfile": None, "registry_ca": None, **kw})
+
+    assert _registry_auth(ns()) is None
+    (tmp_path / "creds").write_text("alice:s3cret\n")
+    (tmp_path / "ca.pem").write_bytes(b"-----BEGIN CERTIFICATE-----\n")
+    auth = _registry_auth(ns(registry_creds_file=str(tmp_path / "creds"), registry_ca=str(tmp_path / "ca.pem")))
+    assert auth is not None and (auth.creds, auth.ca_pem) == ("alice:s3cret", b"-----BEGIN CERTIFICATE-----\n")
+    monkeypatch.setattr(sys, "stdin", io.StringIO("bob:pw\n"))
+    auth = _registry_auth(ns(registry_creds_file="-"))
+    assert auth is not None and auth.creds == "bob:pw"
+    (tmp_path / "bad").write_text("nocolon\n")
+    for bad in (ns(registry_creds_file=str(tmp_path / "bad")), ns(registry_creds_file=str(tmp_path / "missing"))):
+        with pytest.raises(UsageError):
+            _registry_auth(bad)
+    with pytest.raises(UsageError, match="not both"):
+        _registry_auth(ns(registry_creds_file="-", registry_authfile=str(tmp_path / "creds")))
