@@ -13,7 +13,7 @@ MiB/s are of the export file's bytes (data extents: the RAM file's holes are not
 sent; the kernel, initrd and rootfs are named, not carried). Medians; the machine
 is shared, so rounds interleave the four measurements.
 
-Usage: python -P benchmarks/snapshot_transfer.py [-n 5] [--out docs/results]
+Usage: python benchmarks/snapshot_transfer.py [-n 5] [--out docs/results]
 """
 
 from __future__ import annotations
