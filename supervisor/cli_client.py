@@ -233,8 +233,10 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
     p.add_argument("--label", action="append", metavar="K=V")
     p.add_argument("--json", action="store_true")
 
-    p = cmd("snapshot", snapshot, "snapshot rm ID | snapshot export ID FILE | snapshot import FILE [--name N]")
-    p.add_argument("action", choices=["rm", "export", "import"])
+    p = cmd(
+        "snapshot", snapshot, "snapshot rm ID | inspect ID | export ID FILE | import FILE [--name N] (FILE -: a pipe)"
+    )
+    p.add_argument("action", choices=["rm", "inspect", "export", "import"])
     p.add_argument("snapshot_id", metavar="ID|FILE")
     p.add_argument("file", nargs="?", metavar="FILE")
     p.add_argument("--name", dest="snapshot_name", metavar="N", help="import: under this name (default: the export's)")

@@ -72,6 +72,18 @@ def snapshot(a: argparse.Namespace) -> int:
     through the SDK (the supervisor never opens a path of the caller's)."""
     if a.action == "rm":
         return snapshots(a)
+    if a.action == "inspect":  # (memory "disk", disk_only: a stopped sandbox's disk alone)
+        with connect(a) as c:
+            found = [
+                s
+                for s in c.call("ListSnapshots", {"sandbox_id": "", "labels": {}})["snapshots"]
+                if a.snapshot_id in (s["id"], s["name"])
+            ]
+        exact = [s for s in found if s["id"] == a.snapshot_id] or found
+        if len(exact) != 1:
+            raise UsageError(f"{a.snapshot_id}: {'no such snapshot' if not exact else 'several snapshots: use an id'}")
+        print_json(exact[0])
+        return 0
     from supervisor.client import Sandbox
 
     if a.action == "export":

@@ -5,6 +5,7 @@ counterpart is test_snapshot_transfer.py."""
 
 from __future__ import annotations
 
+import json
 import shlex
 import struct
 import sys
@@ -84,6 +85,10 @@ async def test_disk_only_snapshots_and_transfer_over_both_edges(tmp_path: Path, 
                 check=False,
             )
             assert p.returncode == 0, p.stderr
+            q = await trio.run_process(
+                [*shlex.split(cli), "snapshot", "inspect", "cold", "--socket", sock], capture_stdout=True
+            )
+            assert json.loads(q.stdout)["disk_only"] is True
             piped = reg.snapshots.get("piped")
             assert p.stdout.decode().strip() == piped.id and piped.memory == live.memory
 
