@@ -81,6 +81,7 @@ async def _create(a: argparse.Namespace) -> AsyncSandbox:
         registry=registry,
         volumes=a.volume or (),
         scripts=_scripts(a.script),
+        secrets=a.secret or (),
         detached=True,
         wait=not a.no_wait,
     )

@@ -70,6 +70,7 @@ from supervisor.sdk.aio import (
     AsyncExec,
     AsyncImages,
     AsyncSandbox,
+    AsyncSecrets,
     AsyncVolumes,
     CallStream,
     connect,
@@ -86,13 +87,14 @@ from supervisor.sdk.spec import (
     RunResult,
     RunSettings,
     SandboxSpec,
+    Secret,
     Settings,
     SnapshotRef,
     VolumeMount,
     Workload,
     parse_size,
 )
-from supervisor.sdk.sync import Images, Sandbox, Volumes, images
+from supervisor.sdk.sync import Images, Sandbox, Secrets, Volumes, images
 
 __all__ = [
     "AlreadyExists",
@@ -100,6 +102,7 @@ __all__ = [
     "AsyncExec",
     "AsyncImages",
     "AsyncSandbox",
+    "AsyncSecrets",
     "AsyncVolumes",
     "Boot",
     "CallStream",
@@ -135,6 +138,8 @@ __all__ = [
     "SandboxInfo",
     "SandboxSpec",
     "SandboxSummary",
+    "Secret",
+    "Secrets",
     "Settings",
     "SnapshotRef",
     "SnapshotSummary",

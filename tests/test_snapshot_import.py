@@ -17,6 +17,7 @@ import pytest
 
 from actors.errors import AlreadyExists, DomainError, FailedPrecondition, InvalidArgument
 from actors.model import MemoryKind, SandboxConfig, VolumeMount, dump
+from actors.secrets.model import SecretRef
 from actors.settings import Settings
 from actors.snapshots import archive as A
 from actors.snapshots.snapshot import SnapshotStore
@@ -201,6 +202,11 @@ HOSTILE: dict[str, tuple[Callable[[dict[str, Any], dict[str, bytes]], None], typ
         InvalidArgument,
         "volumes",
     ),
+    "secrets": (
+        _snap(lambda s: s["config"].update(secrets=[{"name": "TOKEN", "hosts": ["api.example.com"]}])),
+        InvalidArgument,
+        "secrets",
+    ),
     "host rootfs": (
         _snap(lambda s: s["config"]["boot"].update(rootfs="/etc/shadow")),
         FailedPrecondition,
@@ -261,6 +267,16 @@ async def test_truncated_and_corrupt_exports_leave_nothing(env: Env) -> None:
         with pytest.raises(InvalidArgument):
             await import_bytes(env, broken)
         assert leftovers(env) == set() and env.dst.snapshots == {}
+
+
+async def test_snapshots_with_secrets_or_volumes_do_not_travel(env: Env) -> None:
+    for cfg, words in (
+        (SandboxConfig(secrets=(SecretRef("TOKEN", ("api.example.com",)),)), "secrets"),
+        (SandboxConfig(volumes=(VolumeMount("v", "/v"),)), "volumes"),
+    ):
+        rec = attrs.evolve(env.rec, config=cfg)
+        with pytest.raises(FailedPrecondition, match=words):
+            await export_bytes(attrs.evolve(env, rec=rec))
 
 
 async def test_a_disk_only_snapshot_travels_alone(env: Env) -> None:

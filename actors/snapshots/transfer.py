@@ -111,6 +111,8 @@ def _plan_export(rec: SnapshotRecord, settings: Settings, include_base: bool) ->
     """Open what the export carries (one Trio step: no await) and say it in a manifest."""
     if rec.config.volumes:
         raise FailedPrecondition(f"snapshot {rec.id} has volumes mounted: volumes do not travel with an export")
+    if rec.config.secrets:  # (their values are in this supervisor's vault, never in a file)
+        raise FailedPrecondition(f"snapshot {rec.id} has secrets: secrets do not travel with an export")
     names = ["disk.qcow2"]
     if rec.memory != MemoryKind.DISK:
         names = [
@@ -432,9 +434,11 @@ def _check_manifest(
         raise InvalidArgument("the export's kernel command line is malformed")
     if memory == MemoryKind.MAPPED and files["memory"] != machine.memory_mib << 20:
         raise InvalidArgument("the export's memory file does not match its machine's memory")
-    check_config(config)
     if config.volumes:
         raise InvalidArgument("the export's sandbox mounts volumes: volumes do not travel")
+    if config.secrets:
+        raise InvalidArgument("the export's sandbox has secrets: secrets do not travel")
+    check_config(config)
     if config.boot.kernel or config.boot.rootfs:
         from actors.registry import check_host_file
 
