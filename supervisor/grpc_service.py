@@ -137,14 +137,14 @@ BINDINGS: dict[str, tuple[Rpc, ...]] = {
         Rpc("ReadTree", "ReadTree"),
         Rpc("WriteTree", "WriteTree"),
         Rpc("Run", "Run"),
+        Rpc("ExportSnapshot", "ExportSnapshot"),
+        Rpc("ImportSnapshot", "ImportSnapshot"),
         Rpc("SetSecret", "SetSecret"),
         Rpc("ListSecrets", "ListSecrets"),
         Rpc("DeleteSecret", "DeleteSecret"),
         Rpc("RotateSecret", "RotateSecret"),
         Rpc("RevokeSecret", "RevokeSecret"),
         Rpc("ListSandboxSecrets", "ListSandboxSecrets"),
-        Rpc("ExportSnapshot", "ExportSnapshot"),
-        Rpc("ImportSnapshot", "ImportSnapshot"),
     ),
 }
 
