@@ -65,6 +65,7 @@ def bench(session: nox.Session) -> None:
     session.run("python", "benchmarks/network.py")
     session.run("python", "benchmarks/network_tap.py")
     session.run("python", "benchmarks/snapshots.py")
+    session.run("python", "benchmarks/snapshot_transfer.py")
     session.run("python", "benchmarks/default_restore.py")
     session.run("python", "benchmarks/trees.py")
     session.run("python", "benchmarks/coldstart.py")

@@ -209,6 +209,16 @@ class ImageUse:
 
 
 @attrs.frozen
+class PullAuth:
+    """A registry's credentials and CA certificates for one pull (a Create's): never
+    part of a configuration, never stored or printed."""
+
+    creds: str = attrs.field(default="", repr=False)  # USER:PASSWORD
+    auth_json: bytes = attrs.field(default=b"", repr=False)  # a docker-style auth file's content
+    ca_pem: bytes = attrs.field(default=b"", repr=False)  # CA certificates (PEM)
+
+
+@attrs.frozen
 class Timers:
     ttl_seconds: int = 0  # removed this long after creation (activity does not reset it)
     idle_timeout_seconds: int = 0  # stopped after this long without activity

@@ -62,6 +62,7 @@ from actors.model import (
     ImageUse,
     MemoryKind,
     NetMode,
+    PullAuth,
     SandboxConfig,
     State,
     check_config,
@@ -416,10 +417,18 @@ class Registry:
         return page, encode_cursor(page[-1].record.seq) if len(matches) > limit else ""
 
     # -- operations --------------------------------------------------------------
-    async def create(self, id: str, config: SandboxConfig, secret_values: dict[str, bytes] | None = None) -> Sandbox:
+    async def create(
+        self,
+        id: str,
+        config: SandboxConfig,
+        secret_values: dict[str, bytes] | None = None,
+        *,
+        pull_auth: PullAuth | None = None,
+    ) -> Sandbox:
         """A new sandbox, starting (or ready at once, from a warm pool). The same id
         with the same configuration is the existing sandbox (idempotent). Its secrets'
-        own values (``secret_values``, by name) go to the vault, never to its record."""
+        own values (``secret_values``, by name) go to the vault, never to its record.
+        ``pull_auth``: the image registry's credentials and CA, for this Create's pull only."""
         self._check_open()
         check_id(id)
         check_config(config)
@@ -446,7 +455,7 @@ class Registry:
                 return existing  # idempotent: same id, same request
             raise AlreadyExists(f"sandbox {id!r} exists with a different configuration")
         accepted = time.monotonic()
-        image = await self._image(config) if config.boot.image else None
+        image = await self._image(config, pull_auth) if config.boot.image else None
         if id and id in self.sandboxes:  # created meanwhile, while the image was pulled
             return await self.create(id, config)
         self._check_disks(config, image)
@@ -496,6 +505,7 @@ class Registry:
         tls_verify: bool = True,
         creds: str | None = None,
         auth_json: bytes | None = None,
+        ca_pem: bytes | None = None,
         progress: ProgressFn | None = None,
     ) -> Image:
         """Pull ``ref`` into the store (the store's errors as the seed's codes). The
@@ -504,7 +514,13 @@ class Registry:
         store = self.image_store()
         try:
             return await store.pull(
-                ref, policy=policy, tls_verify=tls_verify, creds=creds, auth_json=auth_json, progress=progress
+                ref,
+                policy=policy,
+                tls_verify=tls_verify,
+                creds=creds,
+                auth_json=auth_json,
+                ca_pem=ca_pem,
+                progress=progress,
             )
         except ImageError as exc:
             raise error(Code(exc.code), exc.message) from None
@@ -536,13 +552,21 @@ class Registry:
         except ImageError as exc:
             raise error(Code(exc.code), exc.message) from None
 
-    async def _image(self, config: SandboxConfig) -> ImageUse:
+    async def _image(self, config: SandboxConfig, auth: PullAuth | None = None) -> ImageUse:
         """The OCI image a Create names, pulled as its policy says (a pull happens before
         Create answers: a bad reference, a missing tag, a refused pull are the Create's errors)."""
         store = self.image_store()
         boot = config.boot
+        auth = auth or PullAuth()
         try:
-            img = await store.pull(boot.image, policy=boot.pull, tls_verify=boot.tls_verify)
+            img = await store.pull(
+                boot.image,
+                policy=boot.pull,
+                tls_verify=boot.tls_verify,
+                creds=auth.creds or None,
+                auth_json=auth.auth_json or None,
+                ca_pem=auth.ca_pem or None,
+            )
         except ImageError as exc:
             raise error(Code(exc.code), exc.message) from None
         c = img.config
@@ -606,6 +630,8 @@ class Registry:
         sb = self.get(id)
         if sb.state not in (State.STOPPED, State.FAILED) or not sb.stopped:
             raise FailedPrecondition(f"sandbox {id} is {sb.state}; only a stopped sandbox can start")
+        if sb.checkpointing:  # a disk-only checkpoint is moving its disk
+            raise FailedPrecondition(f"sandbox {id} is being checkpointed; retry in a moment")
         self._admit(sb.limits.memory_mib, ram_file=True)
         check_network_available(self.settings, sb.config.network)
         self.volumes.check(sb.config.volumes, sb.record.uid)
@@ -637,6 +663,8 @@ class Registry:
             sb.request_stop(0, force=True)
             with trio.CancelScope(shield=True), trio.move_on_after(30):
                 await sb.wait_stopped()
+        with trio.CancelScope(shield=True), trio.move_on_after(30):
+            await sb.checkpoints_done()  # (a disk-only checkpoint moves the disk of a stopped one)
         if self.sandboxes.get(id) is not sb:
             return  # removed meanwhile by another call
         del self.sandboxes[id]
@@ -654,12 +682,21 @@ class Registry:
         check_labels(labels)
         check_name(name)
         sb = self.get(sandbox_id)
-        sb.check_checkpointable()  # before a directory is made for nothing
+        stopped = sb.stopped and sb.state in (State.STOPPED, State.FAILED)
+        if stopped:  # a disk-only snapshot: its restores boot on its disk
+            sb.check_disk_checkpointable()
+        else:
+            sb.check_checkpointable()  # before a directory is made for nothing
         self.admission.check_disk()
         address = str(sb.pool_address or "") if sb.config.network.mode == NetMode.TAP else ""
         gens = self.volumes.generations(sb.config.volumes)
         rec, ck = await self.snapshots.take(
-            sb.checkpoint, sb.record, name=name, labels=labels, address=address, volume_generations=gens
+            sb.checkpoint_stopped if stopped else sb.checkpoint,
+            sb.record,
+            name=name,
+            labels=labels,
+            address=address,
+            volume_generations=gens,
         )
         if sb.config.secrets and self.settings.vault is not None:  # its clones' values (never in the files)
             self.settings.vault.copy_owner(sb.record.uid, rec.uid)
@@ -708,7 +745,9 @@ class Registry:
                 await self.remove(member.id, force=True)  # (its "created" was emitted: "removed" follows)
             if id and id in self.sandboxes:
                 raise AlreadyExists(f"sandbox {id!r} exists")
-        self._admit(snap.machine.memory_mib, ram_file=snap.memory != MemoryKind.MAPPED)
+        disk_only = snap.memory == MemoryKind.DISK
+        memory_mib = self.settings.limits(config.limits).memory_mib if disk_only else snap.machine.memory_mib
+        self._admit(memory_mib, ram_file=snap.memory != MemoryKind.MAPPED)
         sb = self._new_sandbox(id, config, origin=snap.id, image=snap.oci)
         sb.lease(want="" if network_override else snap.address)
         if config.secrets:  # the snapshot's values, a CA of its own (config: fresh placeholders)
@@ -718,7 +757,8 @@ class Registry:
         self.store.insert(sb.record)
         self.sandboxes[sb.id] = sb
         sb.emit(Action.CREATED, snapshot_id=snap.id)
-        await self.start_life(sb, Resume(snap, accepted=accepted))
+        plan: Plan = Boot(accepted=accepted, disk_of=snap) if disk_only else Resume(snap, accepted=accepted)
+        await self.start_life(sb, plan)
         await sb.ready_event.wait()
         if sb.state != State.READY:
             error = sb.record.error or sb.state

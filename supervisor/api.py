@@ -35,7 +35,7 @@ from actors import defaults
 from actors.channel.guest import FsEntry
 from actors.errors import DeadlineExceeded, DomainError, InvalidArgument, NotFound, ResourceExhausted
 from actors.events import Lagged
-from actors.model import ALIVE, State, VolumeRecord, check_labels, check_port, script_argv
+from actors.model import ALIVE, MemoryKind, State, VolumeRecord, check_labels, check_port, script_argv
 from actors.registry import DEFAULT_STOP_TIMEOUT, Registry
 from actors.sandboxes import secrets
 from actors.sandboxes.logs import SOURCES as LOG_SOURCES
@@ -97,7 +97,7 @@ def _absolute(path: str) -> str:
 
 @method("Create", W.CreateSandboxRequest)
 async def _create(reg: Registry, io: CallIO, req: W.CreateSandboxRequest) -> W.CreateSandboxResponse:
-    sb = await reg.create(req.id, M.config(req), M.secret_values(req))
+    sb = await reg.create(req.id, M.config(req), M.secret_values(req), pull_auth=M.pull_auth(req))
     # the seed: "State at time of response: always starting" (ready follows as an event,
     # at once when a warm pool member served it)
     return W.CreateSandboxResponse(id=sb.id, ip_address=sb.ip_address, state=State.STARTING.value)
@@ -509,6 +509,7 @@ async def _checkpoint(reg: Registry, io: CallIO, req: W.CheckpointRequest) -> W.
         size_bytes=sum(rec.sizes.values()),
         memory=rec.memory.value,
         paused_ms=round(ck.paused_s * 1000, 3),
+        disk_only=rec.memory == MemoryKind.DISK,
     )
 
 
@@ -658,6 +659,7 @@ async def _pull_image(reg: Registry, io: CallIO, req: W.PullImageRequest) -> Non
                 tls_verify=req.tls_verify is not False,
                 creds=req.creds or None,
                 auth_json=req.auth_json or None,
+                ca_pem=req.ca_pem or None,
                 progress=progress,
             )
     info = M.oci_image(img, img.digest in reg.images_in_use())

@@ -207,9 +207,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         if cfg.metrics:
             parse_listen(cfg.metrics)
-        RefPolicy(registry_allow=cfg.registry_allow)
     except (ValueError, OSError) as exc:
         fail(f"sandvisor serve: --metrics {cfg.metrics!r}: {exc}", 2)
+    try:
+        RefPolicy(registry_allow=cfg.registry_allow, registry_mirrors=cfg.registry_mirrors)
+    except ValueError as exc:
+        fail(f"sandvisor serve: {exc}", 2)
     try:
         trio.run(serve, cfg)
     except Exception as exc:

@@ -138,7 +138,12 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
     )
     p.add_argument("--workdir")
     p.add_argument("--user")
-    p.add_argument("--image", metavar="REF", help="an OCI image (docker://HOST/NAME:TAG, oci:DIR, ...)")
+    p.add_argument("--image", metavar="REF", help="an OCI image (alpine, python:3.12, ghcr.io/o/x:1, oci:DIR, ...)")
+    p.add_argument(
+        "--registry-creds-file", metavar="FILE", help="the image registry's USER:PASSWORD, from FILE (- : stdin)"
+    )
+    p.add_argument("--registry-authfile", metavar="FILE", help="the image registry's docker-style auth file")
+    p.add_argument("--registry-ca", metavar="PEM", help="CA certificates for the image registry")
     p.add_argument("--pull", choices=["always", "if-missing", "never"], help="the image's pull policy")
     p.add_argument("--tls-verify", type=tls_flag, default=True, metavar="BOOL", help="false: a plain-HTTP registry")
     p.add_argument("--no-wait", action="store_true")
@@ -226,7 +231,7 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
     p.add_argument("--wait", type=float, default=0, metavar="S", help="keep trying for up to S seconds")
     p.add_argument("--json", action="store_true")
 
-    p = cmd("checkpoint", checkpoint, "snapshot a ready sandbox (prints the snapshot id)")
+    p = cmd("checkpoint", checkpoint, "snapshot a sandbox: ready, disk and memory; stopped, its disk (prints the id)")
     p.add_argument("name")
     p.add_argument("--name", dest="snapshot_name", metavar="N")
     p.add_argument("--label", action="append", metavar="K=V")
@@ -255,8 +260,10 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
     p.add_argument("-f", "--force", action="store_true", help="rm: kill the sandboxes that mount it first")
     p.add_argument("--json", action="store_true")
 
-    p = cmd("snapshot", snapshot, "snapshot rm ID | snapshot export ID FILE | snapshot import FILE [--name N]")
-    p.add_argument("action", choices=["rm", "export", "import"])
+    p = cmd(
+        "snapshot", snapshot, "snapshot rm ID | inspect ID | export ID FILE | import FILE [--name N] (FILE -: a pipe)"
+    )
+    p.add_argument("action", choices=["rm", "inspect", "export", "import"])
     p.add_argument("snapshot_id", metavar="ID|FILE")
     p.add_argument("file", nargs="?", metavar="FILE")
     p.add_argument("--name", dest="snapshot_name", metavar="N", help="import: under this name (default: the export's)")

@@ -19,7 +19,7 @@ TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~2 ms; m
 if TYPE_CHECKING:
     from typing import Any, Literal
 
-    from supervisor.client import AsyncSandbox
+    from supervisor.client import AsyncSandbox, RegistryAuth
 
 
 @on_trio
@@ -47,7 +47,8 @@ async def _create(a: argparse.Namespace) -> AsyncSandbox:
     from supervisor.client import AsyncImages, AsyncSandbox
 
     pull: Literal["", "always", "if-missing", "never"] = a.pull or ""
-    if a.image and not a.json and a.pull != "never":
+    registry = _registry_auth(a)
+    if a.image and not a.json and a.pull != "never" and registry is None:
         # pull first, with progress (a Create pulls silently before it answers); the
         # Create then finds the reference in the store
         show = PullProgress()
@@ -77,6 +78,7 @@ async def _create(a: argparse.Namespace) -> AsyncSandbox:
         image=a.image or "",
         pull=pull,
         tls_verify=a.tls_verify,
+        registry=registry,
         volumes=a.volume or (),
         scripts=_scripts(a.script),
         tmpfs=a.tmpfs or (),
@@ -85,6 +87,30 @@ async def _create(a: argparse.Namespace) -> AsyncSandbox:
         detached=True,
         wait=not a.no_wait,
     )
+
+
+def _registry_auth(a: argparse.Namespace) -> RegistryAuth | None:
+    """``--registry-creds-file`` (- : stdin), ``--registry-authfile``, ``--registry-ca``:
+    read here, never taken from argv (which every local user can read)."""
+    from supervisor.client import RegistryAuth
+
+    creds_file, authfile, ca = a.registry_creds_file, a.registry_authfile, a.registry_ca
+    if creds_file is None and authfile is None and ca is None:
+        return None
+    if creds_file is not None and authfile is not None:
+        raise UsageError("give --registry-creds-file or --registry-authfile, not both")
+    try:
+        creds = ""
+        if creds_file == "-":
+            creds = sys.stdin.readline().strip()
+        elif creds_file is not None:
+            creds = Path(creds_file).read_text().splitlines()[0].strip()
+        auth = RegistryAuth.from_files(authfile=authfile, ca_file=ca)
+    except (OSError, IndexError) as exc:
+        raise UsageError(f"cannot read the registry credentials: {getattr(exc, 'strerror', None) or 'empty'}") from None
+    if creds_file is not None and (":" not in creds or not creds.partition(":")[0]):
+        raise UsageError("the registry credentials file must hold USER:PASSWORD")
+    return RegistryAuth(creds=creds, auth_json=auth.auth_json, ca_pem=auth.ca_pem)
 
 
 def _scripts(items: list[str] | None) -> dict[str, str]:

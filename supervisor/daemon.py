@@ -313,7 +313,9 @@ async def _serve_locked(cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Re
     )  # before anything starts: a wrong flag fails fast
     metrics_at = parse_listen(cfg.metrics) if cfg.metrics else None
     fleet = _fleet_config(cfg, grpc_addrs)
-    image_refs = RefPolicy(allowed_paths=cfg.allow_paths, registry_allow=cfg.registry_allow)
+    image_refs = RefPolicy(
+        allowed_paths=cfg.allow_paths, registry_allow=cfg.registry_allow, registry_mirrors=cfg.registry_mirrors
+    )
     qemu_user = unprivileged_user(cfg.qemu_user)
     _layout(cfg, cfg.run_root or default_run_root(), qemu_user.name if qemu_user is not None else None)
     accel = resolve_accel(cfg.accel)

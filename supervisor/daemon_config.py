@@ -241,6 +241,14 @@ class DaemonConfig:
         help="pull images only from these registries (repeatable; default: any, except registries on loopback "
         "or link-local addresses, which only this flag allows)",
     )
+    registry_mirrors: tuple[str, ...] = flag(  # REGISTRY=URL: where REGISTRY's images are fetched from
+        (),
+        name="--registry-mirror",
+        kind="repeat",
+        metavar="REGISTRY=URL",
+        help="fetch REGISTRY's images (docker.io: plain names like alpine) from a mirror: URL is HOST[:PORT], "
+        "https://HOST[:PORT] or http://HOST[:PORT] (plain HTTP); the images keep their names (repeatable)",
+    )
     max_memory_mib: int = flag(  # total guest RAM (0: the host's RAM less 1 GiB)
         0, name="--max-memory", type=int, metavar="MIB", help="total guest RAM (default: host RAM - 1 GiB)"
     )

@@ -17,10 +17,12 @@ from actors.model import (
     Egress,
     HostMount,
     Limits,
+    MemoryKind,
     NetMode,
     Network,
     PortSpec,
     Protocol,
+    PullAuth,
     SandboxConfig,
     SandboxEvent,
     SandboxMetrics,
@@ -222,4 +224,14 @@ def snapshot(rec: SnapshotRecord, pool_ready: int) -> W.SnapshotSummary:
         memory=rec.memory.value,
         memory_mib=rec.machine.memory_mib,
         pool_ready=pool_ready,
+        disk_only=rec.memory == MemoryKind.DISK,
     )
+
+
+def pull_auth(req: W.CreateSandboxRequest) -> PullAuth | None:
+    """A Create's registry credentials and CA (kept out of the configuration)."""
+    if not (req.image_creds or req.image_auth_json or req.image_ca_pem):
+        return None
+    if req.image_creds and req.image_auth_json:
+        raise InvalidArgument("give image_creds or image_auth_json, not both")
+    return PullAuth(req.image_creds, req.image_auth_json, req.image_ca_pem)

@@ -276,6 +276,12 @@ class CreateSandboxRequest:
     tmpfs: list[TmpfsMount] = attrs.field(factory=list)  # sandvisor.v1.CreateRequest.tmpfs
     host_mounts: list[HostMount] = attrs.field(factory=list)  # sandvisor.v1.CreateRequest.host_mounts
     secrets: list[SecretSpec] = attrs.field(factory=list)  # sandvisor.v1.CreateRequest.secrets (docs/secrets.md)
+    # the image's registry: credentials ("USER:PASSWORD", or a docker-style auth file's
+    # content) and CA certificates (PEM), for the Create's pull only: never stored,
+    # never printed (repr), never in the sandbox's configuration
+    image_creds: str = attrs.field(default="", repr=False)
+    image_auth_json: bytes = attrs.field(default=b"", repr=False)
+    image_ca_pem: bytes = attrs.field(default=b"", repr=False)
 
 
 @attrs.frozen
@@ -710,8 +716,9 @@ class PullImageRequest:
     ref: str
     policy: str = ""  # always | if-missing (""; the default) | never
     tls_verify: bool | None = None  # False: a plain-HTTP registry; None: verify
-    creds: str = ""
-    auth_json: bytes = b""
+    creds: str = attrs.field(default="", repr=False)
+    auth_json: bytes = attrs.field(default=b"", repr=False)
+    ca_pem: bytes = attrs.field(default=b"", repr=False)  # the registry's CA certificates (PEM)
 
 
 @attrs.frozen
@@ -767,8 +774,9 @@ class CheckpointResponse:
     created_at: str  # RFC3339
     # extensions: what the checkpoint wrote and how long the guest was paused
     size_bytes: int = 0
-    memory: str = ""  # "mapped" (RAM file, restores map it) or "streamed" (RAM in vmstate)
+    memory: str = ""  # "mapped" (RAM file, restores map it), "streamed" (RAM in vmstate), "disk" (none)
     paused_ms: float = 0.0
+    disk_only: bool = False  # a stopped sandbox's disk: its restores boot
 
 
 @attrs.frozen
@@ -805,6 +813,7 @@ class SnapshotSummary:
     memory: str = ""
     memory_mib: int = 0
     pool_ready: int = 0  # warm pool members ready for this snapshot
+    disk_only: bool = False  # a stopped sandbox's disk (memory "disk"): its restores boot
 
 
 @attrs.frozen

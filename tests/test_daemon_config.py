@@ -61,6 +61,7 @@ def test_a_config_said_as_flags_parses_back_to_itself(tmp_path: Path) -> None:
         cgroups=False,
         allow_paths=(tmp_path / "a", tmp_path / "b"),
         registry_allow=("127.0.0.1:5000", "example.org"),
+        registry_mirrors=("docker.io=http://127.0.0.1:5000",),
         max_memory_mib=4096,
         max_disk_mib=9000,
         max_sandbox_disk_mib=0,

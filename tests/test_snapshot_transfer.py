@@ -167,5 +167,24 @@ async def test_export_import_restore_on_another_supervisor(works: tuple[Workdir,
             # B still serves: the origin's clone is restorable from every copy
             async with await AsyncSandbox.restore("via-grpc", socket=sb_) as again:
                 assert await again.fs.read("/root/state") == b"written on supervisor A"
+
+            # --- a stopped sandbox: a disk-only snapshot, exported; its restore boots ---
+            await origin.fs.write("/root/state", b"written before the stop")
+            await origin.stop()
+            ck = await origin.checkpoint("cold")
+            assert (ck.memory, ck.disk_only, ck.paused_ms) == ("disk", True, 0)
+            [s] = [s for s in await AsyncSandbox.snapshots(socket=sa) if s.id == ck.snapshot_id]
+            assert (s.memory, s.disk_only) == ("disk", True)
+            h = tmp_path / "cold.svsnap"
+            await AsyncSandbox.export_snapshot(ck.snapshot_id, h, socket=sa)
+            assert h.stat().st_size < 64 * MiB  # the disk alone: no memory, kernel or initrd
+            cold = await AsyncSandbox.import_snapshot(h, socket=sb_)
+            assert (cold.memory, cold.disk_only, cold.name) == ("disk", True, "cold")
+            async with await AsyncSandbox.restore(cold.id, name="booted", socket=sb_) as booted:
+                assert await booted.fs.read("/root/state") == b"written before the stop"
+                assert (await sh(booted, "test -e /run/cnt && echo yes || echo no")).strip() == "no"  # booted
+            # the origin goes on, on a new overlay over the frozen disk
+            await origin.start(wait=True)
+            assert await origin.fs.read("/root/state") == b"written before the stop"
             await origin.remove()
         assert not os.listdir(wb.state / "sandboxes")

@@ -115,6 +115,7 @@ class Boot:
 
     accepted: float = 0.0  # monotonic: when the request was accepted (for the timings)
     template: Callable[[Sandbox], Awaitable[None]] | None = None
+    disk_of: SnapshotRecord | None = None  # a restore of a disk-only snapshot: a boot on an overlay of its disk
 
 
 @attrs.frozen
@@ -301,9 +302,10 @@ class Life:
         # a new overlay's chain is on disk before the overlay: a crash in between
         # leaves a chain without its disk (the next start makes a fresh one), never a
         # disk standing on layers its record does not name
-        if isinstance(plan, Resume):
-            await self._record_chain([str(p) for p in plan.snapshot.layers])
-            await files.overlay_on(plan.snapshot.disk)
+        from_snapshot = plan.snapshot if isinstance(plan, Resume) else plan.disk_of
+        if from_snapshot is not None:
+            await self._record_chain([str(p) for p in from_snapshot.layers])
+            await files.overlay_on(from_snapshot.disk)
         elif not files.disk.exists():
             base = self._base()
             size, below = virtual_size(base), () if own is not None else backing_chain(base)  # ours: trusted

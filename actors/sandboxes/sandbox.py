@@ -75,7 +75,7 @@ from actors.sandboxes.workload import Workloads
 from actors.settings import Settings
 from actors.snapshots.checkpoint import CheckpointLost, Checkpoints
 from actors.snapshots.snapshot import Checkpoint
-from actors.store import Record, Store
+from actors.store import MachineRecord, Record, Store
 from actors.volumes import Volumes
 
 __all__ = ["Adopt", "AwaitTemplate", "Boot", "Plan", "Resume", "Sandbox"]
@@ -295,7 +295,7 @@ class Sandbox:
         # a fresh disk gets the Create's patches (a restart of its own disk, or a
         # restore of a snapshot, has them already); a boot template's restore is fresh
         fresh = (isinstance(plan, Resume) and plan.fallback is not None) or (
-            isinstance(plan, Boot) and not self.files.disk.exists()
+            isinstance(plan, Boot) and plan.disk_of is None and not self.files.disk.exists()
         )
         up = False
         self.life = life = Life.of(self, plan)
@@ -500,6 +500,30 @@ class Sandbox:
             self._fail(str(exc))
             self._run.stop.set()
             raise Internal(f"checkpoint of {self.id} failed: {exc}") from None
+
+    def check_disk_checkpointable(self) -> None:
+        """A disk-only checkpoint: the sandbox is stopped (no life runs) and stays so while it runs."""
+        if not self.stopped or self.state not in ENDED:
+            raise FailedPrecondition(f"sandbox {self.id} is {self.state}: a disk-only checkpoint needs it stopped")
+        if self.checkpointing:
+            raise FailedPrecondition(f"sandbox {self.id} is being checkpointed; retry in a moment")
+
+    async def checkpoint_stopped(self, snap_dir: Path) -> Checkpoint:
+        """Save this stopped sandbox's disk into ``snap_dir`` (restores boot on it)."""
+        self.check_disk_checkpointable()
+        limits = self.limits
+        machine = MachineRecord(
+            append="",
+            memory_mib=limits.memory_mib,
+            cpus=limits.vcpus,
+            accel=self.settings.accel,
+            balloon=self.settings.balloon,
+        )
+        return await self._ckpt.take_stopped(snap_dir, machine)
+
+    async def checkpoints_done(self) -> None:
+        """Until no checkpoint of this sandbox is under way."""
+        await self._ckpt.wait_idle()
 
     async def checkpoint_first_boot(self, snap_dir: Path) -> Checkpoint:
         """Save a fresh boot at its first ready, before any caller's work (a boot

@@ -162,10 +162,10 @@ class Reader:
             raise InvalidArgument("bytes after the export's trailer")
         return events
 
-    def close(self) -> End:
+    def close(self) -> None:
+        """At the stream's end: INVALID_ARGUMENT unless the trailer was read (and matched)."""
         if self._state != "done":
             raise InvalidArgument(f"the export is truncated (it ended after {self.received} bytes)")
-        return End(b"")
 
     def _take(self, n: int) -> bytes:
         out = bytes(self._buf[:n])

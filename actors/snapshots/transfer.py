@@ -57,8 +57,11 @@ from actors.store import MachineRecord, SnapshotRecord
 log = logging.getLogger("sandvisor.transfer")
 
 CHUNK = 1 << 20  # bytes of file data per frame an export writes
+PARTS = ("kernel", "initrd")  # named when they are this supervisor's image's files
+FRAMES_PER_HOP = 4  # frames an export reads (and an import writes) per worker-thread hop
 DISK_CHECK_EVERY = 64 << 20  # bytes written between two free-space checks of an import
-MAX_MEMORY_MIB = 1 << 20
+MAX_MEMORY_MIB = 65536  # as a Create's memory_mib (actors/model.py check_config)
+BASE_NAME = "rootfs.ext4"  # what a named base layer is in either cache (never another file of theirs)
 _PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
 
 
@@ -108,6 +111,8 @@ def _plan_export(rec: SnapshotRecord, settings: Settings, include_base: bool) ->
     """Open what the export carries (one Trio step: no await) and say it in a manifest."""
     if rec.config.volumes:
         raise FailedPrecondition(f"snapshot {rec.id} has volumes mounted: volumes do not travel with an export")
+    if rec.config.secrets:  # (their values are in this supervisor's vault, never in a file)
+        raise FailedPrecondition(f"snapshot {rec.id} has secrets: secrets do not travel with an export")
     names = ["disk.qcow2"]
     if rec.memory != MemoryKind.DISK:
         names = [
@@ -120,9 +125,14 @@ def _plan_export(rec: SnapshotRecord, settings: Settings, include_base: bool) ->
     roots = base_roots(settings)
     sources: list[_Source] = []
     chain: list[dict[str, Any]] = []
+    named: dict[str, dict[str, Any]] = {}  # kernel, initrd: the image's own files, named
     oci_base = ""
     try:
         for name in names:
+            part = _named_part(rec.path / name, settings, roots) if name in PARTS and not include_base else None
+            if part is not None:
+                named[name] = part
+                continue
             try:
                 fd = _open(rec.path / name)
             except OSError as exc:
@@ -130,9 +140,11 @@ def _plan_export(rec: SnapshotRecord, settings: Settings, include_base: bool) ->
             sources.append(_Source(name, fd, os.fstat(fd).st_size))
         for i, layer in enumerate(rec.chain, 1):
             p = Path(layer).resolve()
-            named = next(((k, r) for k, r in roots.items() if p.is_relative_to(r)), None)
-            if named is not None and not include_base:
-                kind, root = named
+            # an image cache's root filesystem (never a snapshot's layer, wherever the caches are)
+            image_file = p.name == BASE_NAME and not p.is_relative_to(rec.path.parent.resolve())
+            base = next(((k, r) for k, r in roots.items() if p.is_relative_to(r)), None) if image_file else None
+            if base is not None and not include_base:
+                kind, root = base
                 chain.append({"base": kind, "path": str(p.relative_to(root)), "size": p.stat().st_size})
                 if rec.oci is not None and p == Path(rec.oci.rootfs).resolve():
                     oci_base = f"base:{len(chain) - 1}"
@@ -161,6 +173,7 @@ def _plan_export(rec: SnapshotRecord, settings: Settings, include_base: bool) ->
             "oci_base": oci_base,
         },
         "chain": chain,
+        "parts": named,
     }
     return sources, body
 
@@ -178,22 +191,28 @@ async def export_stream(
         for index, src in enumerate(sources):
             extents = await trio.to_thread.run_sync(_extents, src.fd, src.size)
             for start, end in extents:
-                for off in range(start, end, CHUNK):
-                    piece = await trio.to_thread.run_sync(_read_frame, src.fd, index, off, min(CHUNK, end - off), h)
-                    yield piece
+                for off in range(start, end, CHUNK * FRAMES_PER_HOP):
+                    stop = min(end, off + CHUNK * FRAMES_PER_HOP)
+                    for piece in await trio.to_thread.run_sync(_read_frames, src.fd, index, off, stop, h):
+                        yield piece
         yield A.end_frame(h.digest())
     finally:
         for s in sources:
             os.close(s.fd)
 
 
-def _read_frame(fd: int, index: int, off: int, n: int, h: Any) -> bytes:
-    data = os.pread(fd, n, off)
-    if len(data) != n:
-        raise FailedPrecondition("a snapshot file shrank while it was exported")
-    piece = A.data_frame(index, off, data)
-    h.update(piece)
-    return piece
+def _read_frames(fd: int, index: int, start: int, stop: int, h: Any) -> list[bytes]:
+    """Data frames of ``start``..``stop`` (a worker thread's hop: read and hashed)."""
+    out = []
+    for off in range(start, stop, CHUNK):
+        n = min(CHUNK, stop - off)
+        data = os.pread(fd, n, off)
+        if len(data) != n:
+            raise FailedPrecondition("a snapshot file shrank while it was exported")
+        piece = A.data_frame(index, off, data)
+        h.update(piece)
+        out.append(piece)
+    return out
 
 
 # --- import ----------------------------------------------------------------------------------
@@ -236,17 +255,25 @@ class Importer:
         self.store.pending.add(self.dir.resolve())
 
     async def feed(self, data: bytes) -> None:
-        for ev in self.reader.feed(data):
+        """Parse (and hash) in a worker thread, check a manifest here, write the data
+        it completed in one more hop."""
+        writes: list[A.Data] = []
+        for ev in await trio.to_thread.run_sync(self.reader.feed, data):
             if isinstance(ev, A.Manifest):
                 self.plan = _check_manifest(ev, self.settings, self.store, self.name, self.labels)
                 await trio.to_thread.run_sync(self._create_files, ev.files)
             elif isinstance(ev, A.Data):
-                t = self.targets[ev.index]
-                await trio.to_thread.run_sync(_pwrite_all, t.fd, ev.data, ev.offset)
-                self._since_check += len(ev.data)
-                if self._since_check >= DISK_CHECK_EVERY:
-                    self._since_check = 0
-                    self.check_disk()
+                writes.append(ev)
+        if writes:
+            await trio.to_thread.run_sync(self._write, writes)
+            self._since_check += sum(len(w.data) for w in writes)
+            if self._since_check >= DISK_CHECK_EVERY:
+                self._since_check = 0
+                self.check_disk()
+
+    def _write(self, writes: list[A.Data]) -> None:
+        for w in writes:
+            _pwrite_all(self.targets[w.index].fd, w.data, w.offset)
 
     def _create_files(self, files: tuple[A.FileEntry, ...]) -> None:
         for f in files:
@@ -264,8 +291,7 @@ class Importer:
         assert plan is not None
         await trio.to_thread.run_sync(self._finish, plan)
         rec = plan.record(self)
-        if self.name is None or self.name:
-            _check_name_free(self.store, rec.name)  # (again: one may have come meanwhile)
+        _check_name_free(self.store, rec.name)  # (again: one may have come meanwhile)
         self.store.store.insert_snapshot(rec)
         self.store.snapshots[rec.id] = rec
         self.store.pending.discard(self.dir.resolve())
@@ -280,6 +306,8 @@ class Importer:
             t.fd = -1
         for t in self.targets:
             _check_file(self.dir / t.name, t.name, plan, self.settings)
+        for name, local in plan.parts.items():
+            _link_part(local, self.dir / name)
         user = self.settings.qemu_user if self.settings.cells is None else None
         if user is not None and (self.dir / "memory").exists():
             os.chown(self.dir / "memory", user.uid, user.gid)  # (see snapshot._finish)
@@ -318,6 +346,7 @@ class _Plan:
     labels: dict[str, str]
     sandbox_id: str
     created_ns: int
+    parts: dict[str, Path] = attrs.Factory(dict)  # kernel, initrd: local image files to link
 
     def record(self, imp: Importer) -> SnapshotRecord:
         d = imp.dir
@@ -381,8 +410,9 @@ def _check_manifest(
         if vmstate not in ("vmstate", "vmstate-mapped"):
             raise InvalidArgument("the export's manifest: vmstate must name vmstate or vmstate-mapped")
         need += [vmstate, "kernel", "initrd", *(["memory"] if memory == MemoryKind.MAPPED else [])]
+    parts = _check_parts(m.body.get("parts", {}), files, settings, memory)
     for n in need:
-        if n not in files:
+        if n not in files and n not in parts:
             raise InvalidArgument(f"the export carries no {n}")
     try:
         machine = load(snap.get("machine"), MachineRecord)
@@ -390,15 +420,25 @@ def _check_manifest(
         oci = load(snap["oci"], ImageUse) if snap.get("oci") is not None else None
     except Exception as exc:  # cattrs' errors for data that does not fit
         raise InvalidArgument(f"the export's manifest does not describe a snapshot: {type(exc).__name__}") from None
+    # the converter coerces what it can ("5" for 5, a default for a string where a map
+    # goes): what it read must be what the export says, field for field (fields this
+    # supervisor does not know, a newer one's, are left out)
+    for what, value, raw in (("machine", machine, snap.get("machine")), ("config", config, snap.get("config"))):
+        if not _conforms(dump(value), raw):
+            raise InvalidArgument(f"the export's manifest does not describe a snapshot: its {what} is malformed")
+    if oci is not None and not _conforms(dump(oci), snap["oci"]):
+        raise InvalidArgument("the export's manifest does not describe a snapshot: its OCI image is malformed")
     if machine.machine != "microvm" or not 1 <= machine.cpus <= 256 or not 1 <= machine.memory_mib <= MAX_MEMORY_MIB:
         raise InvalidArgument("the export's machine is not one this supervisor runs")
     if len(machine.append) > 4096 or not machine.append.isprintable():
         raise InvalidArgument("the export's kernel command line is malformed")
     if memory == MemoryKind.MAPPED and files["memory"] != machine.memory_mib << 20:
         raise InvalidArgument("the export's memory file does not match its machine's memory")
-    check_config(config)
     if config.volumes:
         raise InvalidArgument("the export's sandbox mounts volumes: volumes do not travel")
+    if config.secrets:
+        raise InvalidArgument("the export's sandbox has secrets: secrets do not travel")
+    check_config(config)
     if config.boot.kernel or config.boot.rootfs:
         from actors.registry import check_host_file
 
@@ -408,7 +448,7 @@ def _check_manifest(
     max_disk = settings.max_sandbox_disk_mib << 20
     for n, size in files.items():
         if n.startswith("layer-") or n == "disk.qcow2":
-            if max_disk and size > overlay_bound(max_disk) and n == "disk.qcow2":
+            if max_disk and size > overlay_bound(max_disk):
                 raise InvalidArgument(f"the export's {n} is larger than a sandbox's disk may be")
         elif n in ("kernel", "initrd") and size > 1 << 30:
             raise InvalidArgument(f"the export's {n} is {size} bytes")
@@ -432,8 +472,35 @@ def _check_manifest(
     ):
         raise InvalidArgument("the export's OCI image names no layer of its chain")
     return _Plan(
-        memory, vmstate, machine, config, chain, oci, oci_base, new_name, dict(new_labels), sandbox_id, created
+        memory, vmstate, machine, config, chain, oci, oci_base, new_name, dict(new_labels), sandbox_id, created, parts
     )
+
+
+def _conforms(known: Any, raw: Any) -> bool:
+    """``raw`` (a manifest's value) says exactly ``known`` (what the converter made of it,
+    dumped again): maps may lack keys (defaults) or have more (a newer writer's)."""
+    if isinstance(known, dict):
+        return isinstance(raw, dict) and all(k not in raw or _conforms(v, raw[k]) for k, v in known.items())
+    if isinstance(known, list | tuple):
+        return isinstance(raw, list | tuple) and len(raw) == len(known) and all(map(_conforms, known, raw))
+    if isinstance(known, str):  # (a StrEnum dumps as itself)
+        return isinstance(raw, str) and known == raw
+    return type(known) is type(raw) and known == raw
+
+
+def _check_parts(raw: Any, files: dict[str, int], settings: Settings, memory: MemoryKind) -> dict[str, Path]:
+    """The kernel and initrd an export names (this supervisor's image files, by path in
+    its image cache: the same build's have the same content-keyed path)."""
+    if not isinstance(raw, dict) or not set(raw) <= set(PARTS) or (raw and memory == MemoryKind.DISK):
+        raise InvalidArgument("the export's named parts are malformed")
+    roots = base_roots(settings)
+    leaves = {settings.image.kernel.name, settings.image.initrd.name}
+    out: dict[str, Path] = {}
+    for name, entry in raw.items():
+        if name in files or not isinstance(entry, dict):
+            raise InvalidArgument(f"the export both names and carries its {name}")
+        out[name] = _resolve_named(entry, {"image": roots["image"]}, leaves, name)
+    return out
 
 
 def _check_chain(raw: Any, files: dict[str, int], settings: Settings) -> tuple[str, ...]:
@@ -453,28 +520,58 @@ def _check_chain(raw: Any, files: dict[str, int], settings: Settings) -> tuple[s
                 raise InvalidArgument("the export's disk chain names a layer it does not carry")
             chain.append(f)
             continue
-        kind, rel, size = entry.get("base"), entry.get("path"), entry.get("size")
-        if kind not in roots or not isinstance(rel, str) or type(size) is not int:
-            raise InvalidArgument("the export's disk chain names a base it cannot say where to find")
-        parts = rel.split("/")
-        if not 1 <= len(parts) <= 8 or not all(_PART.match(p) for p in parts):
-            raise InvalidArgument("the export's disk chain names a base by a malformed path")
-        local = roots[kind] / rel
-        try:
-            st = local.lstat()
-            ok = stat.S_ISREG(st.st_mode) and os.path.realpath(local) == str(local) and st.st_size == size
-        except OSError:
-            ok = False
-        if not ok:
-            raise FailedPrecondition(
-                f"this supervisor lacks the base layer {kind}:{rel} ({size} bytes) the snapshot stands on: "
-                "build or pull that image here, or export with include_base"
-            )
-        chain.append(str(local))
+        chain.append(str(_resolve_named(entry, roots, {BASE_NAME}, "base layer")))
     carried = {n for n in files if n.startswith("layer-")}
     if carried - set(chain):
         raise InvalidArgument("the export carries layers its disk chain does not use")
     return tuple(chain)
+
+
+def _resolve_named(entry: dict[str, Any], roots: dict[str, Path], leaves: set[str], what: str) -> Path:
+    """A file an export names instead of carrying, in this supervisor's caches: a plain
+    relative path whose last component is one of ``leaves``, a regular file reached
+    through no symlink, of the size the exporter saw (FAILED_PRECONDITION when absent)."""
+    kind, rel, size = entry.get("base"), entry.get("path"), entry.get("size")
+    if kind not in roots or not isinstance(rel, str) or type(size) is not int:
+        raise InvalidArgument(f"the export names a {what} it cannot say where to find")
+    parts = rel.split("/")
+    if not 2 <= len(parts) <= 8 or not all(_PART.match(p) for p in parts) or parts[-1] not in leaves:
+        raise InvalidArgument(f"the export names a {what} by a malformed path")
+    local = roots[kind] / rel
+    try:
+        st = local.lstat()
+        ok = stat.S_ISREG(st.st_mode) and os.path.realpath(local) == str(local) and st.st_size == size
+    except OSError:
+        ok = False
+    if not ok:
+        raise FailedPrecondition(
+            f"this supervisor lacks the {what} {kind}:{rel} ({size} bytes) the snapshot needs: "
+            "build or pull that image here, or export with include_base"
+        )
+    return local
+
+
+def _named_part(path: Path, settings: Settings, roots: dict[str, Path]) -> dict[str, Any] | None:
+    """The kernel or initrd of a snapshot as the image file it is a link of (named, not
+    carried), or None (the image was rebuilt since: carried)."""
+    root = roots["image"]
+    for candidate in (settings.image.kernel, settings.image.initrd):
+        try:
+            same = os.path.samefile(path, candidate)
+        except OSError:
+            continue
+        real = candidate.resolve()
+        if same and real.is_relative_to(root):
+            return {"base": "image", "path": str(real.relative_to(root)), "size": real.stat().st_size}
+    return None
+
+
+def _link_part(local: Path, dest: Path) -> None:
+    """A named kernel or initrd into the new snapshot dir: linked, as a checkpoint does."""
+    try:
+        os.link(local, dest)
+    except OSError:
+        shutil.copy2(local, dest)
 
 
 def _check_file(path: Path, name: str, plan: _Plan, settings: Settings) -> None:

@@ -12,7 +12,7 @@ import functools
 import os
 from collections.abc import AsyncIterable, Iterable, Mapping
 from pathlib import Path
-from typing import Any, Literal, Unpack
+from typing import Any, BinaryIO, Literal, Unpack
 
 import attrs
 
@@ -192,15 +192,28 @@ def delete_snapshot(snapshot: SnapshotRef, *, socket: str | Path | None = None) 
 
 
 def export_snapshot(
-    snapshot: SnapshotRef, path: str | Path, *, include_base: bool = False, socket: str | Path | None = None
+    snapshot: SnapshotRef,
+    path: str | Path | BinaryIO,
+    *,
+    include_base: bool = False,
+    socket: str | Path | None = None,
 ) -> Plan[int]:
     """Write the snapshot as one export file at ``path`` (a directory: ``snapshot.svsnap``
-    in it), streamed; the file appears when whole (nothing is left on a failure).
+    in it), streamed; the file appears when whole (nothing is left on a failure). A
+    binary file object (a pipe: ``sys.stdout.buffer``) is written as the data comes.
     ``include_base``: carry the image's root filesystem too (else the importing
     supervisor must have that image). Returns the file's size in bytes."""
     from supervisor.treecopy import commit_temp, create_temp, open_target
 
     req = W.ExportSnapshotRequest(snapshot_id=_snapshot_id(snapshot), include_base=include_base)
+    if not isinstance(path, str | os.PathLike):
+        call = yield Open("ExportSnapshot", req)
+        n = 0
+        while (ch := (yield Receive(call, W.FileChunk))) is not None:
+            yield Blocking(path.write, (ch.data,))
+            n += len(ch.data)
+        yield Blocking(path.flush)
+        return n
     dfd, name = yield Blocking(open_target, (os.fspath(path), "/snapshot.svsnap"))
     total = 0
     try:
@@ -226,7 +239,7 @@ def export_snapshot(
 
 
 def import_snapshot(
-    path: str | Path,
+    path: str | Path | BinaryIO,
     *,
     name: str = "",
     labels: Mapping[str, str] | None = None,
@@ -234,12 +247,13 @@ def import_snapshot(
 ) -> Plan[SnapshotSummary]:
     """A new snapshot (a new id) from an export file, streamed; recorded only once the
     whole file arrived and matched its digest. ``name``: "" keeps the export's (a name
-    another snapshot has is AlreadyExists); ``labels`` are added to the export's."""
+    another snapshot has is AlreadyExists); ``labels`` are added to the export's.
+    ``path``: a file, or a binary file object (a pipe: ``sys.stdin.buffer``)."""
     op_ = W.ImportSnapshotOpen(name=name, labels=_kv(labels))
-    f = yield Blocking(open, (Path(path), "rb"))
-    with f:
+    f = (yield Blocking(open, (Path(path), "rb"))) if isinstance(path, str | os.PathLike) else path
+    with f if f is not path else contextlib.nullcontext(f):
         call = yield Open("ImportSnapshot", W.ImportSnapshotRequest(open=op_))
-        while piece := (yield Blocking(f.read, (CHUNK,))):
+        while piece := (yield Blocking(f.read, (3 * CHUNK,))):  # (under the wires' 4 MiB message cap)
             yield Send(call, W.ImportSnapshotRequest(chunk=W.FileChunk(data=piece)))
         yield Send(call, W.ImportSnapshotRequest(chunk=W.FileChunk(done=True)))
         r: SnapshotSummary = yield Finish(call, SnapshotSummary)
@@ -469,7 +483,8 @@ def ports(t: Target) -> Plan[builtins.list[W.PortMapping]]:
 
 
 def checkpoint(t: Target, name: str = "", *, labels: Mapping[str, str] | None = None) -> Plan[CheckpointResponse]:
-    """Snapshot this (ready) sandbox, which runs on; ``.snapshot_id`` names the snapshot."""
+    """Snapshot this sandbox; ``.snapshot_id`` names the snapshot. Ready: its disk and
+    memory, and it runs on; stopped: its disk alone (``.disk_only``; restores boot)."""
     req = W.CheckpointRequest(sandbox_id=t.id, name=name, labels=_kv(labels))
     r: CheckpointResponse = yield Unary("Checkpoint", req, CheckpointResponse)
     return r
@@ -652,11 +667,12 @@ Pull_ = Literal["", "always", "if-missing", "never"]
 
 
 def _pull_request(
-    ref: str, policy: Pull_, tls_verify: bool, creds: str, authfile: str | Path | None
+    ref: str, policy: Pull_, tls_verify: bool, creds: str, authfile: str | Path | None, ca: str | Path | None = None
 ) -> W.PullImageRequest:
     auth = Path(authfile).read_bytes() if authfile is not None else b""
+    ca_pem = Path(ca).read_bytes() if ca is not None else b""
     return W.PullImageRequest(
-        ref=ref, policy=policy, tls_verify=None if tls_verify else False, creds=creds, auth_json=auth
+        ref=ref, policy=policy, tls_verify=None if tls_verify else False, creds=creds, auth_json=auth, ca_pem=ca_pem
     )
 
 
@@ -668,9 +684,11 @@ def image_pull_stream(
     tls_verify: bool = True,
     creds: str = "",
     authfile: str | Path | None = None,
+    ca: str | Path | None = None,
 ) -> StreamPlan[PullImageProgress]:
-    """Progress items; the last is ``phase == "done"`` with ``.image`` set."""
-    return _each("PullImage", _pull_request(ref, policy, tls_verify, creds, authfile), PullImageProgress)
+    """Progress items; the last is ``phase == "done"`` with ``.image`` set. ``ca``: a
+    PEM file of CA certificates for the registry (read here, sent as content)."""
+    return _each("PullImage", _pull_request(ref, policy, tls_verify, creds, authfile, ca), PullImageProgress)
 
 
 def image_pull(
@@ -682,11 +700,13 @@ def image_pull(
     creds: str = "",
     authfile: str | Path | None = None,
     progress: Any = None,
+    ca: str | Path | None = None,
 ) -> Plan[OciImageInfo]:
     """Pull ``ref`` (as ``policy`` says; default if-missing) and return the image;
-    ``progress`` (a callable) sees every item on the way."""
+    ``progress`` (a callable) sees every item on the way; ``ca``: a PEM file of CA
+    certificates for the registry."""
     image = None
-    call = yield Open("PullImage", _pull_request(ref, policy, tls_verify, creds, authfile))
+    call = yield Open("PullImage", _pull_request(ref, policy, tls_verify, creds, authfile, ca))
     while (item := (yield Receive(call, PullImageProgress))) is not None:
         if progress is not None:
             progress(item)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, Literal, TypedDict, Unpack
 
 import attrs
@@ -103,11 +104,41 @@ class Lifetime:
 
 
 @attrs.frozen(kw_only=True)
+class RegistryAuth:
+    """An image registry's credentials and CA certificates, for a Create's pull only:
+    the supervisor never stores or logs them, and nothing here prints them (repr).
+    ``creds``: "USER:PASSWORD", or ``auth_json``: a docker-style auth file's content;
+    ``ca_pem``: CA certificates (PEM) for a registry the host's trust store does not
+    vouch for. :meth:`from_files` reads them from files (the CLI's way: never argv)."""
+
+    creds: str = attrs.field(default="", repr=False)
+    auth_json: bytes = attrs.field(default=b"", repr=False)
+    ca_pem: bytes = attrs.field(default=b"", repr=False)
+
+    @classmethod
+    def from_files(
+        cls,
+        *,
+        creds_file: str | os.PathLike[str] | None = None,
+        authfile: str | os.PathLike[str] | None = None,
+        ca_file: str | os.PathLike[str] | None = None,
+    ) -> RegistryAuth:
+        """``creds_file``: USER:PASSWORD on its first line; ``authfile``: a docker-style
+        auth file; ``ca_file``: PEM. Read here, by the caller's rights."""
+        creds = Path(creds_file).read_text().splitlines()[0].strip() if creds_file is not None else ""
+        auth_json = Path(authfile).read_bytes() if authfile is not None else b""
+        ca_pem = Path(ca_file).read_bytes() if ca_file is not None else b""
+        return cls(creds=creds, auth_json=auth_json, ca_pem=ca_pem)
+
+
+@attrs.frozen(kw_only=True)
 class Boot:
     """What boots: empty fields take the supervisor's default image. ``image``: an OCI
-    image reference as skopeo spells it (``docker://HOST/NAME:TAG``, ``oci:DIR``, ...),
-    pulled by ``pull`` policy ("always", "if-missing" (""), "never"); ``tls_verify=False``
-    for a plain-HTTP registry. Private registries: pull first with :class:`Images`."""
+    image reference: a plain name as docker reads it (``alpine``, ``python:3.12``,
+    ``ghcr.io/org/x:1``) or as skopeo spells it (``docker://HOST/NAME:TAG``, ``oci:DIR``,
+    ...), pulled by ``pull`` policy ("always", "if-missing" (""), "never");
+    ``tls_verify=False`` for a plain-HTTP registry; ``registry``: its credentials and
+    CA (:class:`RegistryAuth`; or pull first with :class:`Images`)."""
 
     image: str = ""
     pull: Literal["", "always", "if-missing", "never"] = ""
@@ -115,6 +146,7 @@ class Boot:
     kernel: str = ""
     rootfs: str = ""
     boot_args: str = ""
+    registry: RegistryAuth | None = attrs.field(default=None, repr=False)
 
 
 @attrs.frozen
@@ -259,6 +291,7 @@ class Settings(TypedDict, total=False):
     image: str
     pull: Literal["", "always", "if-missing", "never"]
     tls_verify: bool
+    registry: RegistryAuth | None
     patches: Sequence[Patch]
     volumes: Sequence[VolumeMount | str]
     scripts: Mapping[str, str]
@@ -302,6 +335,7 @@ class SandboxSpec:
                 image=s.get("image", boot.image),
                 pull=s.get("pull", boot.pull),
                 tls_verify=s.get("tls_verify", boot.tls_verify),
+                registry=s.get("registry", boot.registry),
             ),
             labels={**self.labels, **_kv(s.get("labels"))},
             hostname=s.get("hostname", self.hostname),
@@ -339,6 +373,9 @@ class SandboxSpec:
             image=self.boot.image,
             image_pull=self.boot.pull,
             image_tls_verify=self.boot.tls_verify,
+            image_creds=self.boot.registry.creds if self.boot.registry else "",
+            image_auth_json=self.boot.registry.auth_json if self.boot.registry else b"",
+            image_ca_pem=self.boot.registry.ca_pem if self.boot.registry else b"",
             kernel=self.boot.kernel,
             rootfs=self.boot.rootfs,
             boot_args=self.boot.boot_args,

@@ -133,7 +133,7 @@ class HostMount(_message.Message):
     def __init__(self, source: _Optional[str] = ..., target: _Optional[str] = ..., writable: _Optional[bool] = ...) -> None: ...
 
 class CreateRequest(_message.Message):
-    __slots__ = ("base", "idle_timeout_seconds", "hostname", "ephemeral", "ports", "outbound", "volumes", "image_pull", "image_tls_verify", "patches", "scripts", "tmpfs", "host_mounts", "secrets", "egress")
+    __slots__ = ("base", "idle_timeout_seconds", "hostname", "ephemeral", "ports", "outbound", "volumes", "image_pull", "image_tls_verify", "patches", "scripts", "tmpfs", "host_mounts", "secrets", "egress", "image_creds", "image_auth_json", "image_ca_pem")
     class ScriptsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -156,6 +156,9 @@ class CreateRequest(_message.Message):
     HOST_MOUNTS_FIELD_NUMBER: _ClassVar[int]
     SECRETS_FIELD_NUMBER: _ClassVar[int]
     EGRESS_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_CREDS_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_AUTH_JSON_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_CA_PEM_FIELD_NUMBER: _ClassVar[int]
     base: _sandbox_pb2.CreateSandboxRequest
     idle_timeout_seconds: int
     hostname: str
@@ -171,7 +174,10 @@ class CreateRequest(_message.Message):
     host_mounts: _containers.RepeatedCompositeFieldContainer[HostMount]
     secrets: _containers.RepeatedCompositeFieldContainer[SecretSpec]
     egress: EgressPolicy
-    def __init__(self, base: _Optional[_Union[_sandbox_pb2.CreateSandboxRequest, _Mapping]] = ..., idle_timeout_seconds: _Optional[int] = ..., hostname: _Optional[str] = ..., ephemeral: _Optional[bool] = ..., ports: _Optional[_Iterable[_Union[PortMapping, _Mapping]]] = ..., outbound: _Optional[bool] = ..., volumes: _Optional[_Iterable[_Union[VolumeMount, _Mapping]]] = ..., image_pull: _Optional[str] = ..., image_tls_verify: _Optional[bool] = ..., patches: _Optional[_Iterable[_Union[PatchSpec, _Mapping]]] = ..., scripts: _Optional[_Mapping[str, str]] = ..., tmpfs: _Optional[_Iterable[_Union[TmpfsMount, _Mapping]]] = ..., host_mounts: _Optional[_Iterable[_Union[HostMount, _Mapping]]] = ..., secrets: _Optional[_Iterable[_Union[SecretSpec, _Mapping]]] = ..., egress: _Optional[_Union[EgressPolicy, _Mapping]] = ...) -> None: ...
+    image_creds: str
+    image_auth_json: bytes
+    image_ca_pem: bytes
+    def __init__(self, base: _Optional[_Union[_sandbox_pb2.CreateSandboxRequest, _Mapping]] = ..., idle_timeout_seconds: _Optional[int] = ..., hostname: _Optional[str] = ..., ephemeral: _Optional[bool] = ..., ports: _Optional[_Iterable[_Union[PortMapping, _Mapping]]] = ..., outbound: _Optional[bool] = ..., volumes: _Optional[_Iterable[_Union[VolumeMount, _Mapping]]] = ..., image_pull: _Optional[str] = ..., image_tls_verify: _Optional[bool] = ..., patches: _Optional[_Iterable[_Union[PatchSpec, _Mapping]]] = ..., scripts: _Optional[_Mapping[str, str]] = ..., tmpfs: _Optional[_Iterable[_Union[TmpfsMount, _Mapping]]] = ..., host_mounts: _Optional[_Iterable[_Union[HostMount, _Mapping]]] = ..., secrets: _Optional[_Iterable[_Union[SecretSpec, _Mapping]]] = ..., egress: _Optional[_Union[EgressPolicy, _Mapping]] = ..., image_creds: _Optional[str] = ..., image_auth_json: _Optional[bytes] = ..., image_ca_pem: _Optional[bytes] = ...) -> None: ...
 
 class EgressPolicy(_message.Message):
     __slots__ = ("default", "allow", "deny")
@@ -336,30 +342,34 @@ class ListPortsResponse(_message.Message):
     def __init__(self, ports: _Optional[_Iterable[_Union[PortMapping, _Mapping]]] = ...) -> None: ...
 
 class CheckpointResponse(_message.Message):
-    __slots__ = ("base", "size_bytes", "memory", "paused_ms")
+    __slots__ = ("base", "size_bytes", "memory", "paused_ms", "disk_only")
     BASE_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MEMORY_FIELD_NUMBER: _ClassVar[int]
     PAUSED_MS_FIELD_NUMBER: _ClassVar[int]
+    DISK_ONLY_FIELD_NUMBER: _ClassVar[int]
     base: _sandbox_pb2.CheckpointResponse
     size_bytes: int
     memory: str
     paused_ms: float
-    def __init__(self, base: _Optional[_Union[_sandbox_pb2.CheckpointResponse, _Mapping]] = ..., size_bytes: _Optional[int] = ..., memory: _Optional[str] = ..., paused_ms: _Optional[float] = ...) -> None: ...
+    disk_only: bool
+    def __init__(self, base: _Optional[_Union[_sandbox_pb2.CheckpointResponse, _Mapping]] = ..., size_bytes: _Optional[int] = ..., memory: _Optional[str] = ..., paused_ms: _Optional[float] = ..., disk_only: _Optional[bool] = ...) -> None: ...
 
 class SnapshotSummary(_message.Message):
-    __slots__ = ("base", "size_bytes", "memory", "memory_mib", "pool_ready")
+    __slots__ = ("base", "size_bytes", "memory", "memory_mib", "pool_ready", "disk_only")
     BASE_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MEMORY_FIELD_NUMBER: _ClassVar[int]
     MEMORY_MIB_FIELD_NUMBER: _ClassVar[int]
     POOL_READY_FIELD_NUMBER: _ClassVar[int]
+    DISK_ONLY_FIELD_NUMBER: _ClassVar[int]
     base: _sandbox_pb2.SnapshotSummary
     size_bytes: int
     memory: str
     memory_mib: int
     pool_ready: int
-    def __init__(self, base: _Optional[_Union[_sandbox_pb2.SnapshotSummary, _Mapping]] = ..., size_bytes: _Optional[int] = ..., memory: _Optional[str] = ..., memory_mib: _Optional[int] = ..., pool_ready: _Optional[int] = ...) -> None: ...
+    disk_only: bool
+    def __init__(self, base: _Optional[_Union[_sandbox_pb2.SnapshotSummary, _Mapping]] = ..., size_bytes: _Optional[int] = ..., memory: _Optional[str] = ..., memory_mib: _Optional[int] = ..., pool_ready: _Optional[int] = ..., disk_only: _Optional[bool] = ...) -> None: ...
 
 class ListSnapshotsResponse(_message.Message):
     __slots__ = ("snapshots",)
@@ -445,18 +455,20 @@ class OciImageInfo(_message.Message):
     def __init__(self, id: _Optional[str] = ..., digest: _Optional[str] = ..., refs: _Optional[_Iterable[str]] = ..., config_digest: _Optional[str] = ..., size_bytes: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., download_bytes: _Optional[int] = ..., layers: _Optional[int] = ..., source: _Optional[str] = ..., pulled_at: _Optional[int] = ..., in_use: _Optional[bool] = ..., env: _Optional[_Iterable[str]] = ..., working_dir: _Optional[str] = ..., user: _Optional[str] = ..., entrypoint: _Optional[_Iterable[str]] = ..., cmd: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PullImageRequest(_message.Message):
-    __slots__ = ("ref", "policy", "tls_verify", "creds", "auth_json")
+    __slots__ = ("ref", "policy", "tls_verify", "creds", "auth_json", "ca_pem")
     REF_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     TLS_VERIFY_FIELD_NUMBER: _ClassVar[int]
     CREDS_FIELD_NUMBER: _ClassVar[int]
     AUTH_JSON_FIELD_NUMBER: _ClassVar[int]
+    CA_PEM_FIELD_NUMBER: _ClassVar[int]
     ref: str
     policy: str
     tls_verify: bool
     creds: str
     auth_json: bytes
-    def __init__(self, ref: _Optional[str] = ..., policy: _Optional[str] = ..., tls_verify: _Optional[bool] = ..., creds: _Optional[str] = ..., auth_json: _Optional[bytes] = ...) -> None: ...
+    ca_pem: bytes
+    def __init__(self, ref: _Optional[str] = ..., policy: _Optional[str] = ..., tls_verify: _Optional[bool] = ..., creds: _Optional[str] = ..., auth_json: _Optional[bytes] = ..., ca_pem: _Optional[bytes] = ...) -> None: ...
 
 class PullImageProgress(_message.Message):
     __slots__ = ("phase", "message", "done", "total", "digest", "image")
