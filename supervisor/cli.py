@@ -210,6 +210,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         RefPolicy(registry_allow=cfg.registry_allow)
     except (ValueError, OSError) as exc:
         fail(f"sandvisor serve: --metrics {cfg.metrics!r}: {exc}", 2)
+    if cfg.e2b:
+        from supervisor.daemon import e2b_key_file
+
+        try:
+            parse_listen(cfg.e2b)
+            e2b_key_file(cfg)
+        except (ValueError, OSError) as exc:
+            fail(f"sandvisor serve: --e2b: {exc}", 2)
     try:
         trio.run(serve, cfg)
     except Exception as exc:
