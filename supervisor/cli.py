@@ -285,6 +285,25 @@ def _refusal(exc: BaseException) -> str | None:
 _IDS_FILTER = """python3 -c 'import json,sys; print(" ".join(r["id"] for r in json.load(sys.stdin)))'"""
 
 
+def cmd_mcp(args: argparse.Namespace) -> int:
+    """``sandvisor mcp``: the MCP server (supervisor/mcp_server.py), an ordinary client."""
+    try:
+        from supervisor import mcp_server
+    except ImportError as exc:
+        fail(f"sandvisor mcp needs the mcp package (pip install 'sandvisor[mcp]'): {exc}", 1)
+    if args.http:
+        from supervisor.metrics import is_loopback, parse_listen
+
+        try:
+            host, _ = parse_listen(args.http)
+        except ValueError as exc:
+            fail(f"sandvisor mcp: --http: {exc}", 2)
+        if not is_loopback(host):
+            print(f"sandvisor mcp: WARNING: MCP on {host} has no authentication", file=sys.stderr)
+    mcp_server.run(args.socket, args.http)
+    return 0
+
+
 def cmd_completion(args: argparse.Namespace) -> int:
     """Print a bash completion script: ``source <(sandvisor completion bash)``."""
     parser = build_parser()
@@ -402,6 +421,13 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     sv = sub.add_parser("serve", help="run the supervisor (the sandbox.v1 service on a Unix socket)")
     sv.later = _serve_flags  # (imports attrs: only when serve is parsed, or its help shown)
     sv.set_defaults(func=_host_errors(cmd_serve))
+
+    mcp = sub.add_parser("mcp", help="serve sandboxes as MCP tools for agents (stdio, or --http HOST:PORT)")
+    mcp.add_argument("--socket", default=os.environ.get("SANDVISOR_SOCKET"), help="supervisor socket")
+    mcp.add_argument(
+        "--http", metavar="HOST:PORT", help="MCP's streamable HTTP at http://HOST:PORT/mcp (host: loopback)"
+    )
+    mcp.set_defaults(func=cmd_mcp)
 
     demo = sub.add_parser("demo", help="boot a sandbox from the default image and show it working")
     demo.add_argument("--cache", help="image cache directory")

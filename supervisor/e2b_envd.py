@@ -23,8 +23,8 @@ from typing import Any
 import attrs
 import trio
 
-from supervisor import e2b_fs as fs
 from supervisor import errors as E
+from supervisor import guest_fs as fs
 from supervisor import protocol as W
 from supervisor.e2b_http import (
     CONNECT_STREAM_JSON,
