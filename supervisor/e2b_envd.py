@@ -18,6 +18,7 @@ import binascii
 import itertools
 import logging
 import re
+from collections.abc import AsyncIterator
 from typing import Any
 
 import attrs
@@ -44,6 +45,7 @@ from supervisor.sdk.aio import AsyncExec, AsyncSandbox, connect
 log = logging.getLogger("sandvisor.e2b")
 
 BACKLOG = 1024  # events queued per subscriber
+SMALL = 1 << 20  # an upload up to this size is held, to retry it once its directory is made
 KEEPALIVE_S = 30.0
 _USER = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,31}$")
 
@@ -340,6 +342,35 @@ async def download(ex: Exchange, socket: str, sandbox: str) -> None:
     await ex.write(b"", more=False)
 
 
+async def _write(sb: AsyncSandbox, path: str, data: AsyncIterator[bytes]) -> None:
+    """Write ``path``, making its parent directories as envd does: a small file (up to
+    :data:`SMALL` bytes, held here) is written at once and again after ``mkdir -p`` if
+    its directory is missing; a larger one after ``mkdir -p``."""
+    head = bytearray()
+    more = True
+    while len(head) <= SMALL:
+        piece = await anext(data, None)
+        if piece is None:
+            more = False
+            break
+        head += piece
+    if not more:
+        try:
+            await sb.fs.write(path, bytes(head))
+        except E.NotFound:
+            await fs.make_parents(sb, "", path)
+            await sb.fs.write(path, bytes(head))
+        return
+
+    async def rest() -> AsyncIterator[bytes]:
+        yield bytes(head)
+        async for piece in data:
+            yield piece
+
+    await fs.make_parents(sb, "", path)
+    await sb.fs.write(path, rest())
+
+
 async def upload(ex: Exchange, socket: str, sandbox: str) -> None:
     """``POST /files``: an ``application/octet-stream`` body (``?path=``) or
     ``multipart/form-data`` with a ``file`` part per file (its file name the path
@@ -356,11 +387,11 @@ async def upload(ex: Exchange, socket: str, sandbox: str) -> None:
 
             async for name, data in parts(ctype, ex.chunks()):
                 path = _file_path(ex, ex.query.get("path") or name)
-                await sb.fs.write(path, data)
+                await _write(sb, path, data)
                 written.append({"name": path.rsplit("/", 1)[-1], "type": "file", "path": path})
         else:
             path = _file_path(ex)
-            await sb.fs.write(path, ex.chunks())
+            await _write(sb, path, ex.chunks())
             written.append({"name": path.rsplit("/", 1)[-1], "type": "file", "path": path})
     except E.SandboxError as exc:
         raise http_error(exc) from None

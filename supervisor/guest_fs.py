@@ -15,7 +15,7 @@ from typing import Any
 from supervisor import errors as E
 from supervisor.sdk.aio import AsyncSandbox
 
-# one record per entry: 9 NUL-terminated fields
+# one record per entry: 10 NUL-terminated fields
 _FIELDS = ("type", "target_type", "size", "mode", "permissions", "owner", "group", "mtime", "link", "path")
 _FORMAT = r"%y\0%Y\0%s\0%m\0%M\0%u\0%g\0%T@\0%l\0%p\0"
 _TYPES = {"f": "FILE_TYPE_FILE", "d": "FILE_TYPE_DIRECTORY", "l": "FILE_TYPE_SYMLINK"}
@@ -106,3 +106,10 @@ async def move(sb: AsyncSandbox, user: str, source: str, destination: str) -> di
 
 async def remove(sb: AsyncSandbox, user: str, path: str) -> None:
     await _sh(sb, user, _EXIST + 'exec rm -rf -- "$1"', path)
+
+
+async def make_parents(sb: AsyncSandbox, user: str, path: str) -> None:
+    """The directories above ``path`` (envd's upload makes them)."""
+    parent = path.rstrip("/").rsplit("/", 1)[0]
+    if parent:
+        await _sh(sb, user, 'exec mkdir -p -- "$1"', parent)

@@ -13,10 +13,10 @@ import trio
 
 pytest.importorskip("mcp")
 
-from mcp.client.session import ClientSession  # noqa: E402
-from mcp.client.stdio import StdioServerParameters, stdio_client  # noqa: E402
+from mcp.client.session import ClientSession
+from mcp.client.stdio import StdioServerParameters, stdio_client
 
-from supervisor.throwaway import supervisor, workdir  # noqa: E402
+from supervisor.throwaway import supervisor, workdir
 
 pytestmark = pytest.mark.vm
 
