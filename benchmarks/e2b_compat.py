@@ -99,7 +99,8 @@ def main() -> None:
         f"| commands.run(\"true\") (bash -l -c true) | {med['e2b_true']:.1f} ms | {med['sdk_bash_true']:.1f} ms "
         f"| {res['ratio_run_true']:.2f} |\n"
         f"| run([\"true\"]) (no shell) | | {med['sdk_true']:.1f} ms | |\n"
-        f"| 16 MiB write + read | {med['e2b_file']:.0f} ms | {med['sdk_file']:.0f} ms | {res['ratio_file_16mib']:.2f} |\n"
+        f"| 16 MiB write + read | {med['e2b_file']:.0f} ms | {med['sdk_file']:.0f} ms "
+        f"| {res['ratio_file_16mib']:.2f} |\n"
     )
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

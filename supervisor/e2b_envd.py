@@ -233,6 +233,8 @@ async def process_call(ex: Exchange, procs: Processes, sandbox: str, method: str
         await _stream_events(ex, events)
         return
     try:
+        if method not in ("List", "SendInput", "CloseStdin", "SendSignal"):
+            raise RpcError("unimplemented", f"process.Process/{method} is not served")
         req = await unary_request(ex)
         reply: dict[str, Any] = {}
         if method == "List":
@@ -275,6 +277,8 @@ def _b64(value: Any) -> bytes:
 async def filesystem_call(ex: Exchange, socket: str, sandbox: str, method: str) -> None:
     sb = AsyncSandbox(sandbox, socket=socket)
     try:
+        if method not in ("Stat", "ListDir", "MakeDir", "Move", "Remove"):
+            raise RpcError("unimplemented", f"filesystem.Filesystem/{method} is not served (no watchers)")
         req = await unary_request(ex)
         user = envd_user(ex)
         if method == "Stat":

@@ -23,6 +23,7 @@ async def parts(content_type: str, body: AsyncIterator[bytes]) -> AsyncIterator[
     events: list[tuple[str, bytes]] = []
     field: list[bytes] = [b""]
     header: dict[bytes, bytes] = {}
+    ended: list[bool] = []
 
     def on_header_field(data: bytes, start: int, end: int) -> None:
         field[0] += data[start:end]
@@ -47,6 +48,9 @@ async def parts(content_type: str, body: AsyncIterator[bytes]) -> AsyncIterator[
     def on_part_end() -> None:
         events.append(("end", b""))
 
+    def on_end() -> None:
+        ended.append(True)
+
     parser = MultipartParser(
         boundary,
         {
@@ -56,6 +60,7 @@ async def parts(content_type: str, body: AsyncIterator[bytes]) -> AsyncIterator[
             "on_headers_finished": on_headers_finished,
             "on_part_data": on_part_data,
             "on_part_end": on_part_end,
+            "on_end": on_end,
         },
     )
 
@@ -65,6 +70,8 @@ async def parts(content_type: str, body: AsyncIterator[bytes]) -> AsyncIterator[
             piece = await anext(body, None)
             if piece is None:
                 parser.finalize()
+                if not ended:
+                    raise HttpError(400, "multipart body ended before its closing boundary")
                 return bool(events)
             try:
                 parser.write(piece)

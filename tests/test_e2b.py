@@ -110,6 +110,10 @@ def test_commands(box: Sandbox) -> None:
     assert h.wait(on_stdout=lines.append, on_stderr=errs.append).exit_code == 0
     assert "".join(lines) == "line1\nline2\nline3\n" and errs == ["e\n"]
 
+    # connect to a running command: its output from then on, and its end
+    later = box.commands.run("sleep 1; echo done", background=True)
+    assert box.commands.connect(later.pid).wait().stdout == "done\n"
+
     # list and kill
     sleeper = box.commands.run("sleep 600", background=True)
     assert sleeper.pid in [p.pid for p in box.commands.list()]
@@ -219,3 +223,14 @@ def test_kill_last(endpoint: str, opts: dict[str, Any]) -> None:
     assert sb.sandbox_id not in [s.sandbox_id for s in Sandbox.list(**opts).next_items()]
     with pytest.raises(SandboxNotFoundException):
         Sandbox.get_info(sb.sandbox_id, **opts)
+
+
+def test_timeout_expires(box: Sandbox, opts: dict[str, Any]) -> None:
+    """(last: it ends the shared sandbox) set_timeout replaces the TTL the supervisor enforces."""
+    box.set_timeout(2)
+    deadline = time.monotonic() + 120
+    while box.sandbox_id in [s.sandbox_id for s in Sandbox.list(**opts).next_items()]:
+        assert time.monotonic() < deadline, "the sandbox outlived its timeout"
+        time.sleep(0.5)
+    with pytest.raises(SandboxNotFoundException):
+        Sandbox.get_info(box.sandbox_id, **opts)
