@@ -96,9 +96,9 @@ def main() -> None:
     md = (
         f"# E2B endpoint vs sandvisor SDK (median of {a.n}, one run, interleaved, TCG)\n\n"
         "| operation | e2b SDK via serve --e2b | sandvisor SDK | ratio |\n|---|---|---|---|\n"
-        f"| commands.run(\"true\") (bash -l -c true) | {med['e2b_true']:.1f} ms | {med['sdk_bash_true']:.1f} ms "
+        f'| commands.run("true") (bash -l -c true) | {med["e2b_true"]:.1f} ms | {med["sdk_bash_true"]:.1f} ms '
         f"| {res['ratio_run_true']:.2f} |\n"
-        f"| run([\"true\"]) (no shell) | | {med['sdk_true']:.1f} ms | |\n"
+        f'| run(["true"]) (no shell) | | {med["sdk_true"]:.1f} ms | |\n'
         f"| 16 MiB write + read | {med['e2b_file']:.0f} ms | {med['sdk_file']:.0f} ms "
         f"| {res['ratio_file_16mib']:.2f} |\n"
     )
