@@ -192,7 +192,8 @@ class Processes:
 
 # --- process.Process ---------------------------------------------------------------------------
 async def _stream_events(ex: Exchange, events: trio.MemoryReceiveChannel[dict[str, Any]]) -> None:
-    await ex.start(200, CONNECT_STREAM_JSON)
+    if not ex.started:
+        await ex.start(200, CONNECT_STREAM_JSON)
     ended = False
     with events:
         while True:
