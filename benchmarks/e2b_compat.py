@@ -2,8 +2,9 @@
 SDK on the supervisor's socket, on the same sandbox, in one run, interleaved.
 
 * ``commands.run("true")``: E2B runs it as ``/bin/bash -l -c true``, so the sandvisor
-  SDK runs the same argv (the ratio is the endpoint's overhead: HTTP, Connect, an Exec
-  held per process); plain ``["true"]`` is shown too.
+  SDK runs the same argv, as a Run and as an Exec (the endpoint holds an Exec per
+  process: that ratio is the endpoint's own overhead, HTTP and Connect); plain
+  ``["true"]`` is shown too.
 * a 16 MiB ``files.write`` + ``files.read`` (bytes) against ``fs.write`` + ``fs.read``.
 
 Medians of ``-n`` rounds; the ratio is E2B's median / the SDK's.
@@ -44,12 +45,20 @@ def _timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t
 
 
+def _exec(sb: Sandbox, argv: list[str]) -> int:
+    """The path the endpoint takes: an Exec, stdin closed, to its end."""
+    with sb.exec(argv) as proc:
+        proc.close_stdin()
+        return proc.wait()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("-n", type=int, default=20)
     ap.add_argument("--out", default="results")
     a = ap.parse_args()
-    samples: dict[str, list[float]] = {k: [] for k in ("e2b_true", "sdk_bash_true", "sdk_true", "e2b_file", "sdk_file")}
+    keys = ("e2b_true", "sdk_bash_true", "sdk_exec_bash_true", "sdk_true", "e2b_file", "sdk_file")
+    samples: dict[str, list[float]] = {k: [] for k in keys}
     data = os.urandom(BIG)
     with workdir("sv-bench-e2b-") as work:
         keys = work.root / "keys"
@@ -74,6 +83,7 @@ def main() -> None:
                     r = {
                         "e2b_true": _timed(lambda: e.commands.run("true")),
                         "sdk_bash_true": _timed(lambda: sb.run(["/bin/bash", "-l", "-c", "true"])),
+                        "sdk_exec_bash_true": _timed(lambda: _exec(sb, ["/bin/bash", "-l", "-c", "true"])),
                         "sdk_true": _timed(lambda: sb.run(["true"])),
                         "e2b_file": _timed(
                             lambda: (e.files.write("/tmp/e.bin", data), e.files.read("/tmp/e.bin", format="bytes"))
@@ -91,6 +101,7 @@ def main() -> None:
         "n": a.n,
         "median_ms": med,
         "ratio_run_true": med["e2b_true"] / med["sdk_bash_true"],
+        "ratio_run_true_vs_exec": med["e2b_true"] / med["sdk_exec_bash_true"],
         "ratio_file_16mib": med["e2b_file"] / med["sdk_file"],
     }
     md = (
@@ -98,6 +109,8 @@ def main() -> None:
         "| operation | e2b SDK via serve --e2b | sandvisor SDK | ratio |\n|---|---|---|---|\n"
         f'| commands.run("true") (bash -l -c true) | {med["e2b_true"]:.1f} ms | {med["sdk_bash_true"]:.1f} ms '
         f"| {res['ratio_run_true']:.2f} |\n"
+        f"| the same as an Exec (the endpoint's path) | | {med['sdk_exec_bash_true']:.1f} ms "
+        f"| {res['ratio_run_true_vs_exec']:.2f} |\n"
         f'| run(["true"]) (no shell) | | {med["sdk_true"]:.1f} ms | |\n'
         f"| 16 MiB write + read | {med['e2b_file']:.0f} ms | {med['sdk_file']:.0f} ms "
         f"| {res['ratio_file_16mib']:.2f} |\n"
