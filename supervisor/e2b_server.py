@@ -29,7 +29,7 @@ import secrets
 import time
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qsl
+from urllib.parse import parse_qsl, unquote
 
 import attrs
 import trio
@@ -238,7 +238,9 @@ class E2BApp:
     async def list(self, ex: Exchange) -> None:
         q = ex.query
         states = set(filter(None, q.get("state", "").split(",")))
-        labels = dict(parse_qsl(q.get("metadata", ""), keep_blank_values=True))
+        # the SDK quotes each key and value, then url-encodes the pairs, then the query
+        pairs = parse_qsl(q.get("metadata", ""), keep_blank_values=True)
+        labels = {unquote(k): unquote(v) for k, v in pairs}
         try:
             limit = min(max(int(q.get("limit", "100")), 1), 100)
         except ValueError:

@@ -27,6 +27,7 @@ from e2b import (  # noqa: E402
     Sandbox,
     SandboxException,
     SandboxNotFoundException,
+    SandboxQuery,
 )
 
 from supervisor.throwaway import supervisor_process, workdir  # noqa: E402
@@ -186,6 +187,9 @@ def test_lifecycle(box: Sandbox, opts: dict[str, Any]) -> None:
     assert 7100 < (later - info.started_at).total_seconds() < 7300 + 60
     listed = Sandbox.list(**opts).next_items()
     assert box.sandbox_id in [s.sandbox_id for s in listed]
+    mine = Sandbox.list(query=SandboxQuery(metadata={"suite": "e2b"}), **opts).next_items()
+    assert [(s.sandbox_id, s.metadata) for s in mine] == [(box.sandbox_id, {"suite": "e2b"})]
+    assert Sandbox.list(query=SandboxQuery(metadata={"suite": "other"}), **opts).next_items() == []
     again = Sandbox.connect(box.sandbox_id, **opts)
     assert again.commands.run("echo $GREETING").stdout == "hello\n"
     with pytest.raises(SandboxException, match="not implemented"):
