@@ -396,7 +396,7 @@ class Registry:
         ttl = 0 if seconds == 0 else max(1, int(age + seconds + 0.999))
         cfg = sb.config
         sb.record.config = attrs.evolve(cfg, timers=attrs.evolve(cfg.timers, ttl_seconds=ttl))
-        sb.store.update(sb.record)
+        sb.store.update_config(sb.record)
         return 0 if ttl == 0 else sb.record.created_at + ttl
 
     def list(
