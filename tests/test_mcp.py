@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,9 +17,8 @@ pytest.importorskip("mcp")
 from mcp.client.session import ClientSession
 from mcp.client.stdio import StdioServerParameters, stdio_client
 
+from actors.net.ports import free_port
 from supervisor.throwaway import supervisor, workdir
-
-pytestmark = pytest.mark.vm
 
 TOOLS = {
     "create_sandbox",
@@ -40,6 +40,7 @@ def _result(r: Any) -> dict[str, Any]:
     return json.loads(r.content[0].text)  # type: ignore[no-any-return]
 
 
+@pytest.mark.vm
 async def test_mcp_over_stdio() -> None:
     with workdir("sv-mcp-") as work:
         async with supervisor(work) as _:
@@ -95,3 +96,42 @@ async def test_mcp_over_stdio() -> None:
                         removed = _result(await s.call_tool("remove_sandbox", {"sandbox_id": sid}))
                     assert removed == {"removed": sid}
                     assert _result(await s.call_tool("list_sandboxes", {}))["sandboxes"] == []
+
+
+def test_mcp_over_streamable_http(tmp_path: Path) -> None:
+    """``--http``: the same tools over MCP's streamable HTTP (listing them needs no
+    supervisor). The client runs on asyncio (its HTTP stack's generators are finalized
+    by asyncio's hooks, where Trio's would warn)."""
+    import asyncio
+    import socket
+    import subprocess
+    import time
+
+    from mcp.client.streamable_http import streamable_http_client
+
+    port = free_port("127.0.0.1", "tcp")
+    argv = [sys.executable, "-m", "supervisor.cli", "mcp", "--socket", str(tmp_path / "none.sock")]
+    proc = subprocess.Popen([*argv, "--http", f"127.0.0.1:{port}"], stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while True:  # until it listens, bounded
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline and proc.poll() is None
+                time.sleep(0.1)
+
+        async def client() -> tuple[set[str], Any]:
+            url = f"http://127.0.0.1:{port}/mcp"
+            async with streamable_http_client(url) as (read, write), ClientSession(read, write) as s:
+                await s.initialize()
+                names = {t.name for t in (await s.list_tools()).tools}
+                return names, await s.call_tool("list_sandboxes", {})
+
+        names, r = asyncio.run(asyncio.wait_for(client(), 120))
+        assert names == TOOLS
+        assert r.is_error and "UNAVAILABLE: " in r.content[0].text  # no supervisor there
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
