@@ -163,6 +163,18 @@ class E2BApp:
         raise HttpError(404, f"no route {ex.method} {ex.path}")
 
     async def _envd(self, ex: Exchange, sandbox: str) -> None:
+        try:  # as E2B's proxy answers for a sandbox that is not there (the SDK: SandboxNotRunning)
+            info = await AsyncSandbox(sandbox, socket=self.socket).inspect()
+        except E.NotFound:
+            await ex.send_json(
+                {"code": 502, "message": f"The sandbox {sandbox} was not found", "sandboxId": sandbox}, 502
+            )
+            return
+        if info.state not in ("ready", "running"):
+            await ex.send_json(
+                {"code": 502, "message": f"The sandbox {sandbox} is {info.state}", "sandboxId": sandbox}, 502
+            )
+            return
         if ex.path == "/health":
             await ex.respond(204)
             return

@@ -27,6 +27,7 @@ from e2b import (  # noqa: E402
     Sandbox,
     SandboxException,
     SandboxNotFoundException,
+    SandboxNotRunningException,
     SandboxQuery,
 )
 
@@ -238,3 +239,8 @@ def test_timeout_expires(box: Sandbox, opts: dict[str, Any]) -> None:
         time.sleep(0.5)
     with pytest.raises(SandboxNotFoundException):
         Sandbox.get_info(box.sandbox_id, **opts)
+    assert not box.is_running()
+    with pytest.raises(SandboxNotRunningException):
+        box.commands.run("true")
+    with pytest.raises(SandboxNotRunningException):
+        box.files.read("/etc/hostname")
