@@ -88,6 +88,13 @@ async def test_mcp_over_stdio() -> None:
                         mine = _result(await s.call_tool("list_sandboxes", {"mine": True}))
                         assert [b["id"] for b in mine["sandboxes"]] == [sid]
 
+                        snap = _result(await s.call_tool("checkpoint", {"sandbox_id": sid, "name": "mcp-snap"}))
+                        assert snap["snapshot_id"] and snap["name"] == "mcp-snap"
+                        clone = _result(await s.call_tool("restore", {"snapshot": "mcp-snap", "ttl_seconds": 600}))
+                        cat = {"sandbox_id": clone["id"], "command": "cat /tmp/mcp/a.txt"}
+                        assert _result(await s.call_tool("run_command", cat))["stdout"] == content
+                        await s.call_tool("remove_sandbox", {"sandbox_id": clone["id"]})
+
                         missing = await s.call_tool("read_file", {"sandbox_id": sid, "path": "/nope"})
                         assert missing.is_error and "NOT_FOUND: " in missing.content[0].text
                         unknown = await s.call_tool("run_command", {"sandbox_id": "no-such", "command": "true"})
