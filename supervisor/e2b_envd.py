@@ -154,6 +154,11 @@ class Processes:
             if proc.execd is None:  # not started: the caller's error
                 raise rpc_error(exc) from None
             end = {"exitCode": -1, "exited": False, "status": "error", "error": f"{exc.code}: {exc.message}"}
+        except Exception as exc:  # one process's failure is its own: the endpoint serves on
+            if proc.execd is None:
+                raise RpcError("unavailable", f"cannot start the process: {exc}") from None
+            log.warning("e2b: process %d of %s failed: %r", proc.pid, proc.sandbox, exc)
+            end = {"exitCode": -1, "exited": False, "status": "error", "error": f"UNAVAILABLE: {exc}"}
         finally:
             self.table.pop(key, None)
             proc.publish({"end": end})
@@ -231,6 +236,9 @@ async def process_call(ex: Exchange, procs: Processes, sandbox: str, method: str
         except HttpError as err:
             await stream_end(ex, RpcError("invalid_argument", err.message))
             return
+        except (ValueError, TypeError):
+            await stream_end(ex, RpcError("invalid_argument", "malformed request"))
+            return
         await _stream_events(ex, events)
         return
     try:
@@ -260,6 +268,12 @@ async def process_call(ex: Exchange, procs: Processes, sandbox: str, method: str
             raise RpcError("unimplemented", f"process.Process/{method} is not served")
     except RpcError as err:
         await unary_error(ex, err)
+        return
+    except (ValueError, TypeError):
+        await unary_error(ex, RpcError("invalid_argument", "malformed request"))
+        return
+    except (trio.BrokenResourceError, trio.ClosedResourceError):
+        await unary_error(ex, RpcError("not_found", "the process has ended"))
         return
     except E.SandboxError as exc:
         await unary_error(ex, rpc_error(exc))

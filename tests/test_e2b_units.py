@@ -148,3 +148,38 @@ async def test_envd_requests_checked_before_the_supervisor() -> None:
     with pytest.raises(e2b_http.RpcError):
         e2b_envd._path("")
     assert e2b_envd._path("-rf") == "./-rf"
+
+
+async def _call(fn: Any, body: bytes) -> list[dict[str, Any]]:
+    sent: list[dict[str, Any]] = []
+    msgs = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive() -> dict[str, Any]:
+        return msgs.pop(0) if msgs else {"type": "http.disconnect"}
+
+    async def send(msg: dict[str, Any]) -> None:
+        sent.append(msg)
+
+    scope = {"method": "POST", "path": "/", "headers": []}
+    await fn(e2b_http.Exchange(scope, receive, send))
+    return sent
+
+
+async def test_malformed_process_calls_are_refused() -> None:
+    async with trio.open_nursery() as n:
+        procs = e2b_envd.Processes("/nonexistent.sock", n)
+        for method, body in (
+            ("SendInput", b'{"process": {"pid": "abc"}, "input": {"stdin": "eA=="}}'),
+            ("SendSignal", b'{"process": {"pid": [1]}, "signal": "SIGNAL_SIGKILL"}'),
+            ("CloseStdin", b'{"process": {}}'),
+            ("List", b"[1]"),
+        ):
+            sent = await _call(lambda ex, m=method: e2b_envd.process_call(ex, procs, "sb", m), body)
+            assert sent[0]["status"] == 400, (method, sent)
+        start = e2b_http.envelope({"process": {"cmd": 5}})
+        sent = await _call(lambda ex: e2b_envd.process_call(ex, procs, "sb", "Start"), start)
+        end = sent[-1]["body"]
+        assert end[0] == e2b_http.END_STREAM and json.loads(end[5:])["error"]["code"] == "invalid_argument"
+        sent = await _call(lambda ex: e2b_envd.process_call(ex, procs, "sb", "Connect"), b"\x00\x00")
+        assert json.loads(sent[-1]["body"][5:])["error"]["code"] == "invalid_argument"
+        n.cancel_scope.cancel()
