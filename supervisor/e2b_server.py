@@ -37,6 +37,7 @@ import trio
 from supervisor import e2b_envd as envd
 from supervisor import errors as E
 from supervisor.e2b_http import Exchange, HttpError, Receive, Scope, Send, http_error
+from supervisor.metrics import is_loopback
 from supervisor.sdk.aio import AsyncSandbox
 
 log = logging.getLogger("sandvisor.e2b")
@@ -272,6 +273,7 @@ class E2BApp:
         try:
             return await AsyncSandbox(sid, socket=self.socket).inspect()
         except E.NotFound:
+            self.known.pop(sid, None)  # (gone by its TTL, or removed by another client)
             raise HttpError(404, f"Sandbox {sid} not found") from None
 
     async def get(self, ex: Exchange, sid: str) -> None:
@@ -356,6 +358,10 @@ class E2BEndpoint:
             binds = await nursery.start(lambda task_status: serve(app, config, task_status=task_status))  # type: ignore[arg-type]
             self.port = int(str(binds[0]).rsplit(":", 1)[1])
             log.info("E2B API on http://%s:%d", self.host, self.port)
+            if not is_loopback(self.host):
+                log.warning(
+                    "the E2B API on %s is plain HTTP: API keys and access tokens cross the network in clear", self.host
+                )
             task_status.started()
 
 
