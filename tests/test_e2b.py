@@ -8,6 +8,7 @@ unknown sandbox is E2B's not-found; HTTP/2 by prior knowledge."""
 from __future__ import annotations
 
 import asyncio
+import io
 import os
 import socket
 import time
@@ -171,6 +172,13 @@ def test_files(box: Sandbox) -> None:
     assert not box.files.exists("/tmp/e2b/sub")
     with pytest.raises(NotFoundException):
         box.files.read("/tmp/e2b/sub/moved.txt")
+
+    # several files in one multipart body; a file-like one streamed as octet-stream; a streamed read
+    infos = box.files.write_files([{"path": "/tmp/w/a.txt", "data": "A"}, {"path": "/tmp/w/b.bin", "data": b"B"}])
+    assert [i.path for i in infos] == ["/tmp/w/a.txt", "/tmp/w/b.bin"]
+    box.files.write("/tmp/w/c.bin", io.BytesIO(b"streamed " * 1000))
+    assert b"".join(box.files.read("/tmp/w/c.bin", format="stream")) == b"streamed " * 1000
+    assert box.commands.run("cat /tmp/w/a.txt /tmp/w/b.bin").stdout == "AB"
 
     big = os.urandom(16 << 20)
     box.files.write("/tmp/big.bin", big)
