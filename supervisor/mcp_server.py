@@ -128,25 +128,30 @@ def build(socket: str | None) -> MCPServer:
         each). Long runs send progress notifications."""
         out, err = _Tail(), _Tail()
         code = -1
-        started = last = time.monotonic()
-        async with aclosing(
-            box(sandbox_id).run_stream(
-                ["/bin/sh", "-c", command], env=env or {}, workdir=workdir, timeout=timeout_seconds
-            )
-        ) as outputs:
-            async for o in outputs:
-                if o.stream == "stdout":
-                    out.add(o.data)
-                elif o.stream == "stderr":
-                    err.add(o.data)
-                elif o.exit_code is not None:
-                    code = o.exit_code
-                now = time.monotonic()
-                if now - last >= PROGRESS_EVERY:
-                    last = now
-                    await ctx.report_progress(
-                        now - started, None, f"running {now - started:.0f}s, {out.total + err.total} bytes of output"
+        started = time.monotonic()
+
+        async def tick() -> None:  # progress every PROGRESS_EVERY s, output or not
+            while True:
+                await trio.sleep(PROGRESS_EVERY)
+                t = time.monotonic() - started
+                await ctx.report_progress(t, None, f"running {t:.0f}s, {out.total + err.total} bytes of output")
+
+        with E.collapse_single():
+            async with trio.open_nursery() as ticker:
+                ticker.start_soon(tick)
+                async with aclosing(
+                    box(sandbox_id).run_stream(
+                        ["/bin/sh", "-c", command], env=env or {}, workdir=workdir, timeout=timeout_seconds
                     )
+                ) as outputs:
+                    async for o in outputs:
+                        if o.stream == "stdout":
+                            out.add(o.data)
+                        elif o.stream == "stderr":
+                            err.add(o.data)
+                        elif o.exit_code is not None:
+                            code = o.exit_code
+                ticker.cancel_scope.cancel()
         return {"exit_code": code, "stdout": out.text(), "stderr": err.text()}
 
     @server.tool()
