@@ -138,6 +138,12 @@ BINDINGS: dict[str, tuple[Rpc, ...]] = {
         Rpc("ReadTree", "ReadTree"),
         Rpc("WriteTree", "WriteTree"),
         Rpc("Run", "Run"),
+        Rpc("SetSecret", "SetSecret"),
+        Rpc("ListSecrets", "ListSecrets"),
+        Rpc("DeleteSecret", "DeleteSecret"),
+        Rpc("RotateSecret", "RotateSecret"),
+        Rpc("RevokeSecret", "RevokeSecret"),
+        Rpc("ListSandboxSecrets", "ListSandboxSecrets"),
     ),
 }
 

@@ -326,6 +326,8 @@ class Sandbox:
                 await life.mount_volumes(guest)
             if fresh:
                 await life.apply_patches(guest)
+            if self.config.secrets:  # every boot and restore (a clone has a CA of its own)
+                await life.install_ca(guest)
             await life.apply_ports()  # ports given at create (or exposed before a stop) come first
             self._set(State.READY, ready_at=int(time.time()), qemu_pid=guest.machine.pid or 0)
             # on disk before anyone hears of it: a supervisor killed right after a client
