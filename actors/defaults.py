@@ -16,3 +16,14 @@ EXPOSE_ADDRESS = "127.0.0.1"  # where exposed ports listen on the host
 JAIL_ID_FIRST = 1_900_000_000  # jailed QEMUs' uids/gids: above systemd-nspawn's 0x00080000-0x6FFFFFFF, below 0x7FFE0000
 JAIL_ID_COUNT = 65536
 IP_POOL = "10.88.0.0/16"  # tap networking's addresses (`sandvisor serve`; the daemon's own default: none)
+
+# the fleet (docs/fleet.md): a member's capacity as Ray's scheduler sees it, how long a
+# fleet Create waits for room, the raylet's object store (Ray's minimum: we move no
+# objects through it), and how fast Ray's head declares a silent node dead
+FLEET_SLOTS = 4
+FLEET_MEMORY_MIB = 4096
+FLEET_GUEST_MEMORY_MIB = 512  # a fleet Create's slot when it names no memory
+FLEET_WAIT = 60.0
+FLEET_OBJECT_STORE_MIB = 80
+FLEET_HEALTH_PERIOD_MS = 1000
+FLEET_HEALTH_MISSES = 5

@@ -50,6 +50,7 @@ class Action(enum.StrEnum):
     STOPPED = "stopped"
     FAILED = "failed"
     REMOVED = "removed"
+    LOST = "lost"  # a fleet sandbox whose node died (docs/fleet.md): told by every member
     # sandvisor's: the secret proxy refused a request carrying a secret's placeholder to
     # a host that secret does not allow (attributes: secret, host; never the value)
     SECRET_BLOCKED = "secret_blocked"
@@ -71,6 +72,7 @@ class MemoryKind(enum.StrEnum):
 
     MAPPED = "mapped"
     STREAMED = "streamed"
+    DISK = "disk"  # none: a snapshot of a stopped sandbox, its disk alone (restores boot)
 
 
 @attrs.frozen

@@ -32,6 +32,7 @@ import os
 import stat
 import time
 import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
 
 import attrs
@@ -80,6 +81,7 @@ from actors.settings import Settings
 from actors.snapshots.convert import convert_streamed
 from actors.snapshots.pools import Pools
 from actors.snapshots.snapshot import Checkpoint, SnapshotStore
+from actors.snapshots.transfer import Importer, export_stream
 from actors.store import Record, SnapshotRecord, Store
 from actors.volumes import Volumes
 from images.oci import Image, ImageError, ImageStore, ProgressFn, PruneResult, RemoveResult
@@ -756,6 +758,31 @@ class Registry:
         await self.snapshots.delete(snap)
         if self.settings.vault is not None:
             self.settings.vault.drop_owner(snap.uid)
+
+    # -- snapshot export and import (actors/snapshots/transfer.py) ------------------------
+    def export_snapshot(self, ref: str, *, include_base: bool = False) -> AsyncGenerator[bytes]:
+        """The export of a snapshot, as pieces of one file (see :func:`export_stream`)."""
+        return export_stream(self.snapshots.get(ref), self.settings, include_base=include_base)
+
+    async def import_snapshot(
+        self, chunks: AsyncIterator[bytes], *, name: str | None = None, labels: dict[str, str] | None = None
+    ) -> SnapshotRecord:
+        """A snapshot from an export's bytes, recorded once all of them arrived and
+        matched their digest; any failure leaves nothing behind."""
+        self._check_open()
+        self.admission.check_disk()
+        imp = Importer(self.snapshots, self.settings, name=name, labels=labels, check_disk=self.admission.check_disk)
+        imp.open()
+        try:
+            async for data in chunks:
+                await imp.feed(data)
+            rec = await imp.commit()
+        except BaseException:
+            await imp.abort()
+            raise
+        await self.store.flush()  # a snapshot the caller was told of is on record
+        self.pools.wake()
+        return rec
 
     # -- timers ------------------------------------------------------------------
     async def _timers(self) -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing
 from importlib import metadata
 from typing import Any, Protocol, TypeVar
@@ -54,6 +54,7 @@ class CallIO(Protocol):
 
 
 R = TypeVar("R")
+MAX_IMPORT = 1 << 40  # bytes of one snapshot import's stream (the import bounds each file itself)
 Handler = Callable[[Registry, CallIO, Any], Awaitable[Any]]
 
 
@@ -271,7 +272,7 @@ async def _write_file(reg: Registry, io: CallIO, first: W.WriteFileRequest) -> N
     await sb.write_file(path, chunks(), mode=op.mode or 0o644)
 
 
-async def _chunks_in(io: CallIO, cls: type[Any], limit: int, what: str) -> AsyncIterator[bytes]:
+async def _chunks_in(io: CallIO, cls: type[Any], limit: int, what: str) -> AsyncGenerator[bytes]:
     """The ``chunk`` bytes of a client stream after its opening message, up to ``limit``."""
     total = 0
     while True:
@@ -454,6 +455,27 @@ async def _list_snapshots(reg: Registry, io: CallIO, req: W.ListSnapshotsRequest
 @method("DeleteSnapshot", W.DeleteSnapshotRequest)
 async def _delete_snapshot(reg: Registry, io: CallIO, req: W.DeleteSnapshotRequest) -> None:
     await reg.delete_snapshot(req.snapshot_id)
+
+
+@method("ExportSnapshot", W.ExportSnapshotRequest, streams=True)
+async def _export_snapshot(reg: Registry, io: CallIO, req: W.ExportSnapshotRequest) -> None:
+    """The snapshot as one file, in chunks of about 1 MiB, then ``done``."""
+    async with aclosing(reg.export_snapshot(req.snapshot_id, include_base=req.include_base)) as pieces:
+        async for piece in pieces:
+            await io.send(W.FileChunk(data=piece))
+    await io.send(W.FileChunk(done=True))
+
+
+@method("ImportSnapshot", W.ImportSnapshotRequest, inputs=W.ImportSnapshotRequest)
+async def _import_snapshot(reg: Registry, io: CallIO, first: W.ImportSnapshotRequest) -> W.SnapshotSummary:
+    """An export file's bytes in, a new snapshot (a new id) out; nothing is recorded
+    unless every byte arrived and matched the file's digest."""
+    if first.open is None:
+        raise InvalidArgument("the first ImportSnapshotRequest must carry open")
+    op = first.open
+    async with aclosing(_chunks_in(io, W.ImportSnapshotRequest, MAX_IMPORT, "snapshot import")) as chunks:
+        rec = await reg.import_snapshot(chunks, name=op.name or None, labels=op.labels or None)
+    return M.snapshot(rec, 0)
 
 
 # --- the server and its images ------------------------------------------------------------

@@ -451,6 +451,8 @@ def _client_command(argv: list[str]) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if is_fleet_command(argv):  # `sandvisor --fleet ADDRESS ...`, `sandvisor fleet nodes`
+        return _fleet_main(argv)
     # everything after the first "--" is the sandbox command, never our options
     cmd: list[str] = []
     if "--" in argv:
@@ -469,6 +471,30 @@ def main(argv: list[str] | None = None) -> int:
     except ApiError as exc:
         fail(exc.message if exc.code in ("NOT_FOUND", "UNAVAILABLE") else f"{exc.code}: {exc.message}", 1)
     except UserError as exc:
+        fail(str(exc), 1)
+    except KeyboardInterrupt:
+        fail("interrupted", 130)
+
+
+def is_fleet_command(argv: list[str]) -> bool:
+    """``--fleet ADDRESS`` before the command, or the ``fleet`` command (supervisor/cli_fleet.py)."""
+    for word in argv:
+        if word in ("-v", "--verbose"):
+            continue
+        return word in {"fleet", "--fleet"} or word.startswith("--fleet=")
+    return False
+
+
+def _fleet_main(argv: list[str]) -> int:
+    from supervisor.cli_fleet import main as fleet_main
+
+    try:
+        return fleet_main(argv)
+    except UsageError as exc:
+        fail(str(exc), 2)
+    except ApiError as exc:
+        fail(f"{exc.code}: {exc.message}", 1)
+    except OSError as exc:
         fail(str(exc), 1)
     except KeyboardInterrupt:
         fail("interrupted", 130)

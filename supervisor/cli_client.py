@@ -38,7 +38,7 @@ from supervisor.cli_sandboxes import (
     top,
 )
 from supervisor.cli_secrets import secret
-from supervisor.cli_stores import checkpoint, restore, snapshots, volume
+from supervisor.cli_stores import checkpoint, restore, snapshot, snapshots, volume
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~2 ms; mypy reads the name)
 if TYPE_CHECKING:
@@ -242,10 +242,15 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
     p.add_argument("--label", action="append", metavar="K=V")
     p.add_argument("--json", action="store_true")
 
-    p = cmd("snapshot", snapshots, "snapshot rm ID")
-    p.add_argument("action", choices=["rm"])
-    p.add_argument("snapshot_id")
-    p.set_defaults(json=False, sandbox=None, label=None)
+    p = cmd("snapshot", snapshot, "snapshot rm ID | snapshot export ID FILE | snapshot import FILE [--name N]")
+    p.add_argument("action", choices=["rm", "export", "import"])
+    p.add_argument("snapshot_id", metavar="ID|FILE")
+    p.add_argument("file", nargs="?", metavar="FILE")
+    p.add_argument("--name", dest="snapshot_name", metavar="N", help="import: under this name (default: the export's)")
+    p.add_argument("--label", action="append", metavar="K=V", help="import: added to the export's labels")
+    p.add_argument("--include-base", action="store_true", help="export: carry the image's root filesystem too")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(sandbox=None)
 
     p = cmd(
         "port",

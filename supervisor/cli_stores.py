@@ -66,6 +66,34 @@ def snapshots(a: argparse.Namespace) -> int:
     return 0
 
 
+def snapshot(a: argparse.Namespace) -> int:
+    """snapshot rm ID | export ID FILE | import FILE: export and import stream one file
+    through the SDK (the supervisor never opens a path of the caller's)."""
+    if a.action == "rm":
+        return snapshots(a)
+    from supervisor.client import Sandbox
+
+    if a.action == "export":
+        if not a.file:
+            raise UsageError("snapshot export ID FILE: FILE is missing")
+        n = Sandbox.export_snapshot(a.snapshot_id, a.file, include_base=a.include_base, socket=a.socket)
+        if a.json:
+            print_json({"file": a.file, "size_bytes": n})
+        return 0
+    if a.file:
+        raise UsageError("snapshot import FILE takes one file")
+    if not Path(a.snapshot_id).is_file():
+        raise UsageError(f"{a.snapshot_id}: no such file")
+    r = Sandbox.import_snapshot(a.snapshot_id, name=a.snapshot_name or "", labels=kv(a.label), socket=a.socket)
+    if a.json:
+        from supervisor import protocol as W
+
+        print_json(W.unstructure_body(r))
+    else:
+        print(r.id)
+    return 0
+
+
 def image_pull(a: argparse.Namespace) -> int:
     """Pull with progress on stderr (one line redrawn on a terminal, each phase once
     otherwise); the digest (or --json, the image) on stdout."""

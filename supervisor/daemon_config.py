@@ -366,6 +366,36 @@ class DaemonConfig:
         metavar="CIDR",
         help="a range no sandbox reaches whatever its egress policy (e.g. your LAN; repeatable)",
     )
+    # the fleet (docs/fleet.md): join the Ray cluster at this address (HOST:PORT of its head)
+    fleet: str | None = flag(
+        None,
+        name="--fleet",
+        metavar="RAY_ADDRESS",
+        help="join a fleet: start this host's Ray node in the cluster at HOST:PORT (its head's GCS); "
+        "needs --advertise and a --grpc HOST:PORT with --grpc-client-ca (mTLS)",
+    )
+    fleet_head: bool = flag(  # start the cluster's head here (the --fleet address is then this host's)
+        False, name="--fleet-head", kind="switch", help="start the fleet's Ray head here, at --fleet's HOST:PORT"
+    )
+    advertise: str | None = flag(  # the gRPC HOST:PORT other hosts and clients reach this one at
+        None, name="--advertise", metavar="HOST:PORT", help="the --grpc address the fleet's clients reach this host at"
+    )
+    fleet_node: str | None = flag(  # this node's name in the fleet (default: --advertise's host)
+        None, name="--fleet-node", metavar="NAME", help="this host's name in the fleet (default: --advertise's host)"
+    )
+    fleet_slots: int = flag(
+        D.FLEET_SLOTS,
+        name="--fleet-slots",
+        type=int,
+        help=f"sandboxes the fleet may place here (default {D.FLEET_SLOTS})",
+    )
+    fleet_memory_mib: int = flag(
+        D.FLEET_MEMORY_MIB,
+        name="--fleet-memory",
+        type=int,
+        metavar="MIB",
+        help=f"guest memory the fleet may place here, MiB (default {D.FLEET_MEMORY_MIB})",
+    )
     # secrets (issue 23, docs/secrets.md): the vault's key, outside the state dir
     secrets_key: Path | None = flag(
         None,

@@ -138,6 +138,8 @@ BINDINGS: dict[str, tuple[Rpc, ...]] = {
         Rpc("ReadTree", "ReadTree"),
         Rpc("WriteTree", "WriteTree"),
         Rpc("Run", "Run"),
+        Rpc("ExportSnapshot", "ExportSnapshot"),
+        Rpc("ImportSnapshot", "ImportSnapshot"),
         Rpc("SetSecret", "SetSecret"),
         Rpc("ListSecrets", "ListSecrets"),
         Rpc("DeleteSecret", "DeleteSecret"),

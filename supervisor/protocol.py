@@ -753,6 +753,28 @@ class DeleteSnapshotRequest:
     snapshot_id: str
 
 
+@attrs.frozen
+class ExportSnapshotRequest:
+    """A server stream of FileChunks: the snapshot as one export file (the last chunk done)."""
+
+    snapshot_id: str  # an id, or a unique name
+    include_base: bool = False  # carry the image layers too (else named: the importer must have them)
+
+
+@attrs.frozen
+class ImportSnapshotOpen:
+    name: str = ""  # "": the export's own name
+    labels: dict[str, str] = attrs.field(factory=dict)  # added to (and overriding) the export's own
+
+
+@attrs.frozen
+class ImportSnapshotRequest:
+    """A client stream: ``open`` first, then the export's bytes in ``chunk``s (the last done)."""
+
+    open: ImportSnapshotOpen | None = None
+    chunk: FileChunk | None = None
+
+
 # --- the converter -------------------------------------------------------------------
 converter = make_converter(forbid_extra_keys=False)
 

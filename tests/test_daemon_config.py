@@ -81,6 +81,12 @@ def test_a_config_said_as_flags_parses_back_to_itself(tmp_path: Path) -> None:
         ip_pool="10.99.0.0/16",
         dns_upstreams=("1.1.1.1", "9.9.9.9:5353"),
         egress_never=("192.168.0.0/16",),
+        fleet="10.0.0.1:6379",
+        fleet_head=True,
+        advertise="10.0.0.1:7443",
+        fleet_node="n1",
+        fleet_slots=3,
+        fleet_memory_mib=1024,
         secrets_key=tmp_path / "secrets.key",
         upstream_ca=tmp_path / "upstream-ca.pem",
     )

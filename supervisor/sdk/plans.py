@@ -191,6 +191,61 @@ def delete_snapshot(snapshot: SnapshotRef, *, socket: str | Path | None = None) 
     yield Unary("DeleteSnapshot", W.DeleteSnapshotRequest(snapshot_id=_snapshot_id(snapshot)), W.Empty)
 
 
+def export_snapshot(
+    snapshot: SnapshotRef, path: str | Path, *, include_base: bool = False, socket: str | Path | None = None
+) -> Plan[int]:
+    """Write the snapshot as one export file at ``path`` (a directory: ``snapshot.svsnap``
+    in it), streamed; the file appears when whole (nothing is left on a failure).
+    ``include_base``: carry the image's root filesystem too (else the importing
+    supervisor must have that image). Returns the file's size in bytes."""
+    from supervisor.treecopy import commit_temp, create_temp, open_target
+
+    req = W.ExportSnapshotRequest(snapshot_id=_snapshot_id(snapshot), include_base=include_base)
+    dfd, name = yield Blocking(open_target, (os.fspath(path), "/snapshot.svsnap"))
+    total = 0
+    try:
+        tmp, fd = yield Blocking(create_temp, (dfd, name))
+        done = False
+        try:
+            with open(fd, "wb", closefd=True) as f:
+                call = yield Open("ExportSnapshot", req)
+                while (ch := (yield Receive(call, W.FileChunk))) is not None:
+                    yield Blocking(f.write, (ch.data,))
+                    total += len(ch.data)
+                yield Blocking(f.flush)
+                yield Blocking(os.fsync, (f.fileno(),))
+            yield Blocking(commit_temp, (dfd, tmp, name))
+            done = True
+        finally:
+            if not done:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp, dir_fd=dfd)
+    finally:
+        os.close(dfd)
+    return total
+
+
+def import_snapshot(
+    path: str | Path,
+    *,
+    name: str = "",
+    labels: Mapping[str, str] | None = None,
+    socket: str | Path | None = None,
+) -> Plan[SnapshotSummary]:
+    """A new snapshot (a new id) from an export file, streamed; recorded only once the
+    whole file arrived and matched its digest. ``name``: "" keeps the export's (a name
+    another snapshot has is AlreadyExists); ``labels`` are added to the export's."""
+    op_ = W.ImportSnapshotOpen(name=name, labels=_kv(labels))
+    f = yield Blocking(open, (Path(path), "rb"))
+    with f:
+        call = yield Open("ImportSnapshot", W.ImportSnapshotRequest(open=op_))
+        while piece := (yield Blocking(f.read, (CHUNK,))):
+            yield Send(call, W.ImportSnapshotRequest(chunk=W.FileChunk(data=piece)))
+        yield Send(call, W.ImportSnapshotRequest(chunk=W.FileChunk(done=True)))
+        r: SnapshotSummary = yield Finish(call, SnapshotSummary)
+    return r
+
+
 # --- state ----------------------------------------------------------------------------------
 def inspect(t: Target) -> Plan[SandboxInfo]:
     info: SandboxInfo = yield Unary("Inspect", _id(t), SandboxInfo)
@@ -676,6 +731,8 @@ class SandboxMethods:
     metrics_all = class_op(metrics_all)
     snapshots = class_op(snapshots)
     delete_snapshot = class_op(delete_snapshot)
+    export_snapshot = class_op(export_snapshot)
+    import_snapshot = class_op(import_snapshot)
     inspect = op(inspect)
     state = op(state)
     wait_ready = op(wait_ready)

@@ -587,6 +587,129 @@ class DeleteVolumeRequest(_message.Message):
     force: bool
     def __init__(self, name: _Optional[str] = ..., force: _Optional[bool] = ...) -> None: ...
 
+class ExportSnapshotRequest(_message.Message):
+    __slots__ = ("snapshot_id", "include_base")
+    SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_BASE_FIELD_NUMBER: _ClassVar[int]
+    snapshot_id: str
+    include_base: bool
+    def __init__(self, snapshot_id: _Optional[str] = ..., include_base: _Optional[bool] = ...) -> None: ...
+
+class ImportSnapshotOpen(_message.Message):
+    __slots__ = ("name", "labels")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    labels: _containers.ScalarMap[str, str]
+    def __init__(self, name: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class ImportSnapshotRequest(_message.Message):
+    __slots__ = ("open", "chunk")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    open: ImportSnapshotOpen
+    chunk: _sandbox_pb2.FileChunk
+    def __init__(self, open: _Optional[_Union[ImportSnapshotOpen, _Mapping]] = ..., chunk: _Optional[_Union[_sandbox_pb2.FileChunk, _Mapping]] = ...) -> None: ...
+
+class FleetFetchRequest(_message.Message):
+    __slots__ = ("snapshot_id",)
+    SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
+    snapshot_id: str
+    def __init__(self, snapshot_id: _Optional[str] = ...) -> None: ...
+
+class FleetFetchResponse(_message.Message):
+    __slots__ = ("snapshot_id", "source", "bytes", "seconds")
+    SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    snapshot_id: str
+    source: str
+    bytes: int
+    seconds: float
+    def __init__(self, snapshot_id: _Optional[str] = ..., source: _Optional[str] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class FleetReserveRequest(_message.Message):
+    __slots__ = ("name", "memory_mib", "node", "prefer_snapshot", "timeout_seconds")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_MIB_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    PREFER_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    memory_mib: int
+    node: str
+    prefer_snapshot: str
+    timeout_seconds: float
+    def __init__(self, name: _Optional[str] = ..., memory_mib: _Optional[int] = ..., node: _Optional[str] = ..., prefer_snapshot: _Optional[str] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class FleetNameRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class FleetListRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class FleetSandbox(_message.Message):
+    __slots__ = ("name", "node", "address", "state", "memory_mib", "created_at", "lost_at")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_MIB_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    LOST_AT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    node: str
+    address: str
+    state: str
+    memory_mib: int
+    created_at: float
+    lost_at: float
+    def __init__(self, name: _Optional[str] = ..., node: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., memory_mib: _Optional[int] = ..., created_at: _Optional[float] = ..., lost_at: _Optional[float] = ...) -> None: ...
+
+class FleetSandboxes(_message.Message):
+    __slots__ = ("sandboxes",)
+    SANDBOXES_FIELD_NUMBER: _ClassVar[int]
+    sandboxes: _containers.RepeatedCompositeFieldContainer[FleetSandbox]
+    def __init__(self, sandboxes: _Optional[_Iterable[_Union[FleetSandbox, _Mapping]]] = ...) -> None: ...
+
+class FleetNode(_message.Message):
+    __slots__ = ("name", "address", "alive", "slots", "slots_used", "memory_mib", "memory_used_mib", "snapshots")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ALIVE_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_USED_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_MIB_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_USED_MIB_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOTS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    address: str
+    alive: bool
+    slots: int
+    slots_used: int
+    memory_mib: int
+    memory_used_mib: int
+    snapshots: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., alive: _Optional[bool] = ..., slots: _Optional[int] = ..., slots_used: _Optional[int] = ..., memory_mib: _Optional[int] = ..., memory_used_mib: _Optional[int] = ..., snapshots: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class FleetNodes(_message.Message):
+    __slots__ = ("nodes",)
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    nodes: _containers.RepeatedCompositeFieldContainer[FleetNode]
+    def __init__(self, nodes: _Optional[_Iterable[_Union[FleetNode, _Mapping]]] = ...) -> None: ...
+
 class SecretSpec(_message.Message):
     __slots__ = ("name", "hosts", "value", "store", "placeholder")
     NAME_FIELD_NUMBER: _ClassVar[int]

@@ -190,6 +190,16 @@ class SandvisorServiceStub:
                 request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.RunRequest.SerializeToString,
                 response_deserializer=sandbox_dot_v1_dot_sandbox__pb2.RunOutput.FromString,
                 _registered_method=True)
+        self.ExportSnapshot = channel.unary_stream(
+                '/sandvisor.v1.SandvisorService/ExportSnapshot',
+                request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.ExportSnapshotRequest.SerializeToString,
+                response_deserializer=sandbox_dot_v1_dot_sandbox__pb2.FileChunk.FromString,
+                _registered_method=True)
+        self.ImportSnapshot = channel.stream_unary(
+                '/sandvisor.v1.SandvisorService/ImportSnapshot',
+                request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.ImportSnapshotRequest.SerializeToString,
+                response_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.SnapshotSummary.FromString,
+                _registered_method=True)
         self.SetSecret = channel.unary_unary(
                 '/sandvisor.v1.SandvisorService/SetSecret',
                 request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.SetSecretRequest.SerializeToString,
@@ -445,6 +455,25 @@ class SandvisorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExportSnapshot(self, request, context):
+        """--- snapshot export and import (docs/snapshot-transfer.md) ---
+        A snapshot as one export file (framed, versioned, SHA-256 in its trailer); the
+        last chunk has done == true.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ImportSnapshot(self, request_iterator, context):
+        """An export file's bytes: open first, then chunks (the last done). A new snapshot
+        (new id), recorded only once every byte arrived and matched the digest;
+        INVALID_ARGUMENT for a corrupt or truncated file, FAILED_PRECONDITION for a
+        format version this server does not read or a base image it lacks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def SetSecret(self, request, context):
         """--- secrets (the guest holds placeholders; docs/secrets.md) ---
         An entry of the supervisor's store (made or replaced: sandboxes naming it use the new value).
@@ -644,6 +673,16 @@ def add_SandvisorServiceServicer_to_server(servicer, server):
                     servicer.Run,
                     request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.RunRequest.FromString,
                     response_serializer=sandbox_dot_v1_dot_sandbox__pb2.RunOutput.SerializeToString,
+            ),
+            'ExportSnapshot': grpc.unary_stream_rpc_method_handler(
+                    servicer.ExportSnapshot,
+                    request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.ExportSnapshotRequest.FromString,
+                    response_serializer=sandbox_dot_v1_dot_sandbox__pb2.FileChunk.SerializeToString,
+            ),
+            'ImportSnapshot': grpc.stream_unary_rpc_method_handler(
+                    servicer.ImportSnapshot,
+                    request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.ImportSnapshotRequest.FromString,
+                    response_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.SnapshotSummary.SerializeToString,
             ),
             'SetSecret': grpc.unary_unary_rpc_method_handler(
                     servicer.SetSecret,
@@ -1524,6 +1563,60 @@ class SandvisorService:
             _registered_method=True)
 
     @staticmethod
+    def ExportSnapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/sandvisor.v1.SandvisorService/ExportSnapshot',
+            sandvisor_dot_v1_dot_sandvisor__pb2.ExportSnapshotRequest.SerializeToString,
+            sandbox_dot_v1_dot_sandbox__pb2.FileChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ImportSnapshot(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/sandvisor.v1.SandvisorService/ImportSnapshot',
+            sandvisor_dot_v1_dot_sandvisor__pb2.ImportSnapshotRequest.SerializeToString,
+            sandvisor_dot_v1_dot_sandvisor__pb2.SnapshotSummary.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def SetSecret(request,
             target,
             options=(),
@@ -1675,6 +1768,314 @@ class SandvisorService:
             '/sandvisor.v1.SandvisorService/ListSandboxSecrets',
             sandvisor_dot_v1_dot_sandvisor__pb2.ListSandboxSecretsRequest.SerializeToString,
             sandvisor_dot_v1_dot_sandvisor__pb2.ListSandboxSecretsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class FleetServiceStub:
+    """--- the fleet (docs/fleet.md): supervisors placed by Ray's scheduler ---------------------
+    Served by a supervisor that joined a fleet (serve --fleet RAY_ADDRESS --advertise
+    HOST:PORT) on its gRPC TCP listener. A client reserves through any member, then
+    talks to the owning node (FleetSandbox.address) with SandboxService/SandvisorService.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Reserve = channel.unary_unary(
+                '/sandvisor.v1.FleetService/Reserve',
+                request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.FleetReserveRequest.SerializeToString,
+                response_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.FleetSandbox.FromString,
+                _registered_method=True)
+        self.Resolve = channel.unary_unary(
+                '/sandvisor.v1.FleetService/Resolve',
+                request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.FleetNameRequest.SerializeToString,
+                response_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.FleetSandbox.FromString,
+                _registered_method=True)
+        self.Release = channel.unary_unary(
+                '/sandvisor.v1.FleetService/Release',
+                request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.FleetNameRequest.SerializeToString,
+                response_deserializer=sandbox_dot_v1_dot_sandbox__pb2.Empty.FromString,
+                _registered_method=True)
+        self.ListSandboxes = channel.unary_unary(
+                '/sandvisor.v1.FleetService/ListSandboxes',
+                request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.FleetListRequest.SerializeToString,
+                response_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.FleetSandboxes.FromString,
+                _registered_method=True)
+        self.ListNodes = channel.unary_unary(
+                '/sandvisor.v1.FleetService/ListNodes',
+                request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.FleetListRequest.SerializeToString,
+                response_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.FleetNodes.FromString,
+                _registered_method=True)
+        self.Fetch = channel.unary_unary(
+                '/sandvisor.v1.FleetService/Fetch',
+                request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.FleetFetchRequest.SerializeToString,
+                response_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.FleetFetchResponse.FromString,
+                _registered_method=True)
+
+
+class FleetServiceServicer:
+    """--- the fleet (docs/fleet.md): supervisors placed by Ray's scheduler ---------------------
+    Served by a supervisor that joined a fleet (serve --fleet RAY_ADDRESS --advertise
+    HOST:PORT) on its gRPC TCP listener. A client reserves through any member, then
+    talks to the owning node (FleetSandbox.address) with SandboxService/SandvisorService.
+    """
+
+    def Reserve(self, request, context):
+        """A slot on a node with room, through Ray's scheduler (waits up to timeout_seconds;
+        RESOURCE_EXHAUSTED then; ALREADY_EXISTS when the name is taken in the fleet).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Resolve(self, request, context):
+        """Where a sandbox of the fleet lives (NOT_FOUND: no such name).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Release(self, request, context):
+        """Give a reservation's slot back (a removed sandbox's is given back by its node).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListSandboxes(self, request, context):
+        """Every sandbox of the fleet, with its node.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListNodes(self, request, context):
+        """Every node: capacity and use.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Fetch(self, request, context):
+        """The fleet's snapshot on this node: its local id, fetched first from a node that
+        caches it (node to node, mTLS: ExportSnapshot there, ImportSnapshot here,
+        digest-checked) unless this node has it. NOT_FOUND: no live node caches it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_FleetServiceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Reserve': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reserve,
+                    request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.FleetReserveRequest.FromString,
+                    response_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.FleetSandbox.SerializeToString,
+            ),
+            'Resolve': grpc.unary_unary_rpc_method_handler(
+                    servicer.Resolve,
+                    request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.FleetNameRequest.FromString,
+                    response_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.FleetSandbox.SerializeToString,
+            ),
+            'Release': grpc.unary_unary_rpc_method_handler(
+                    servicer.Release,
+                    request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.FleetNameRequest.FromString,
+                    response_serializer=sandbox_dot_v1_dot_sandbox__pb2.Empty.SerializeToString,
+            ),
+            'ListSandboxes': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListSandboxes,
+                    request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.FleetListRequest.FromString,
+                    response_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.FleetSandboxes.SerializeToString,
+            ),
+            'ListNodes': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListNodes,
+                    request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.FleetListRequest.FromString,
+                    response_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.FleetNodes.SerializeToString,
+            ),
+            'Fetch': grpc.unary_unary_rpc_method_handler(
+                    servicer.Fetch,
+                    request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.FleetFetchRequest.FromString,
+                    response_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.FleetFetchResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'sandvisor.v1.FleetService', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('sandvisor.v1.FleetService', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class FleetService:
+    """--- the fleet (docs/fleet.md): supervisors placed by Ray's scheduler ---------------------
+    Served by a supervisor that joined a fleet (serve --fleet RAY_ADDRESS --advertise
+    HOST:PORT) on its gRPC TCP listener. A client reserves through any member, then
+    talks to the owning node (FleetSandbox.address) with SandboxService/SandvisorService.
+    """
+
+    @staticmethod
+    def Reserve(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandvisor.v1.FleetService/Reserve',
+            sandvisor_dot_v1_dot_sandvisor__pb2.FleetReserveRequest.SerializeToString,
+            sandvisor_dot_v1_dot_sandvisor__pb2.FleetSandbox.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Resolve(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandvisor.v1.FleetService/Resolve',
+            sandvisor_dot_v1_dot_sandvisor__pb2.FleetNameRequest.SerializeToString,
+            sandvisor_dot_v1_dot_sandvisor__pb2.FleetSandbox.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Release(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandvisor.v1.FleetService/Release',
+            sandvisor_dot_v1_dot_sandvisor__pb2.FleetNameRequest.SerializeToString,
+            sandbox_dot_v1_dot_sandbox__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListSandboxes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandvisor.v1.FleetService/ListSandboxes',
+            sandvisor_dot_v1_dot_sandvisor__pb2.FleetListRequest.SerializeToString,
+            sandvisor_dot_v1_dot_sandvisor__pb2.FleetSandboxes.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListNodes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandvisor.v1.FleetService/ListNodes',
+            sandvisor_dot_v1_dot_sandvisor__pb2.FleetListRequest.SerializeToString,
+            sandvisor_dot_v1_dot_sandvisor__pb2.FleetNodes.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Fetch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandvisor.v1.FleetService/Fetch',
+            sandvisor_dot_v1_dot_sandvisor__pb2.FleetFetchRequest.SerializeToString,
+            sandvisor_dot_v1_dot_sandvisor__pb2.FleetFetchResponse.FromString,
             options,
             channel_credentials,
             insecure,
