@@ -397,6 +397,19 @@ class Registry:
             raise NotFound(f"no sandbox {id!r}")
         return sb
 
+    def set_ttl(self, id: str, seconds: int) -> int:
+        """Remove the sandbox ``seconds`` from now (0: never), whatever its TTL was; the
+        wall-clock time of removal (0: never). Kept in its record: a restart keeps it."""
+        if seconds < 0:
+            raise InvalidArgument("ttl seconds must not be negative")
+        sb = self.get(id)
+        age = max(0.0, trio.current_time() - sb.born)
+        ttl = 0 if seconds == 0 else max(1, int(age + seconds + 0.999))
+        cfg = sb.config
+        sb.record.config = attrs.evolve(cfg, timers=attrs.evolve(cfg.timers, ttl_seconds=ttl))
+        sb.store.update_config(sb.record)
+        return 0 if ttl == 0 else sb.record.created_at + ttl
+
     def list(
         self, *, state: State | None = None, labels: dict[str, str] | None = None, limit: int = 20, cursor: str = ""
     ) -> tuple[builtins.list[Sandbox], str]:

@@ -407,6 +407,11 @@ async def _touch(reg: Registry, io: CallIO, req: W.IdRequest) -> W.TouchResponse
     return W.TouchResponse(activity=activity)
 
 
+@method("SetTtl", W.SetTtlRequest)
+async def _set_ttl(reg: Registry, io: CallIO, req: W.SetTtlRequest) -> W.SetTtlResponse:
+    return W.SetTtlResponse(expires_at=reg.set_ttl(req.id, req.ttl_seconds))
+
+
 @method("Logs", W.LogsRequest, streams=True)
 async def _logs(reg: Registry, io: CallIO, req: W.LogsRequest) -> None:
     if req.tail < 0:

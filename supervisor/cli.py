@@ -209,6 +209,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
             parse_listen(cfg.metrics)
     except (ValueError, OSError) as exc:
         fail(f"sandvisor serve: --metrics {cfg.metrics!r}: {exc}", 2)
+    if cfg.e2b:
+        from supervisor.daemon import e2b_key_file
+
+        try:
+            parse_listen(cfg.e2b)
+            e2b_key_file(cfg)
+        except (ValueError, OSError) as exc:
+            fail(f"sandvisor serve: --e2b: {exc}", 2)
     try:
         RefPolicy(registry_allow=cfg.registry_allow, registry_mirrors=cfg.registry_mirrors)
     except ValueError as exc:
@@ -278,6 +286,25 @@ def _refusal(exc: BaseException) -> str | None:
 
 # --- completion ------------------------------------------------------------------
 _IDS_FILTER = """python3 -c 'import json,sys; print(" ".join(r["id"] for r in json.load(sys.stdin)))'"""
+
+
+def cmd_mcp(args: argparse.Namespace) -> int:
+    """``sandvisor mcp``: the MCP server (supervisor/mcp_server.py), an ordinary client."""
+    try:
+        from supervisor import mcp_server
+    except ImportError as exc:
+        fail(f"sandvisor mcp needs the mcp package (pip install 'sandvisor[mcp]'): {exc}", 1)
+    if args.http:
+        from supervisor.metrics import is_loopback, parse_listen
+
+        try:
+            host, _ = parse_listen(args.http)
+        except ValueError as exc:
+            fail(f"sandvisor mcp: --http: {exc}", 2)
+        if not is_loopback(host):
+            print(f"sandvisor mcp: WARNING: MCP on {host} has no authentication", file=sys.stderr)
+    mcp_server.run(args.socket, args.http)
+    return 0
 
 
 def cmd_completion(args: argparse.Namespace) -> int:
@@ -397,6 +424,13 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     sv = sub.add_parser("serve", help="run the supervisor (the sandbox.v1 service on a Unix socket)")
     sv.later = _serve_flags  # (imports attrs: only when serve is parsed, or its help shown)
     sv.set_defaults(func=_host_errors(cmd_serve))
+
+    mcp = sub.add_parser("mcp", help="serve sandboxes as MCP tools for agents (stdio, or --http HOST:PORT)")
+    mcp.add_argument("--socket", default=os.environ.get("SANDVISOR_SOCKET"), help="supervisor socket")
+    mcp.add_argument(
+        "--http", metavar="HOST:PORT", help="MCP's streamable HTTP at http://HOST:PORT/mcp (host: loopback)"
+    )
+    mcp.set_defaults(func=cmd_mcp)
 
     demo = sub.add_parser("demo", help="boot a sandbox from the default image and show it working")
     demo.add_argument("--cache", help="image cache directory")

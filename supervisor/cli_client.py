@@ -62,6 +62,7 @@ CLIENT_COMMANDS = frozenset(
         "start",
         "ping",
         "touch",
+        "ttl",
         "metrics",
         "top",
         "status",
@@ -219,6 +220,10 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
             p.add_argument("--timeout", type=int, default=0, metavar="S")
         if name == "rm":
             p.add_argument("-f", "--force", action="store_true")
+
+    p = cmd("ttl", simple, "remove a sandbox SECONDS from now (0: never), replacing its TTL")
+    p.add_argument("names", nargs=1, metavar="NAME")
+    p.add_argument("seconds", type=int, metavar="SECONDS")
 
     p = cmd("metrics", metrics, "resource use of a sandbox")
     p.add_argument("name")

@@ -346,6 +346,11 @@ def simple(a: argparse.Namespace) -> int:
                     print(f"{int(c.call('Ping', {'id': name})['latency_ns']) / 1e9 * 1000:.2f} ms")
                 elif a.command == "touch":
                     print(int(c.call("Touch", {"id": name})["activity"]))
+                elif a.command == "ttl":
+                    import time
+
+                    end = int(c.call("SetTtl", {"id": name, "ttl_seconds": a.seconds})["expires_at"])
+                    print(time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(end)) if end else "never")
             except ApiError as exc:
                 if len(a.names) == 1:
                     raise

@@ -96,6 +96,16 @@ def default_image(state_dir: Path) -> Image:
     return img
 
 
+def e2b_key_file(cfg: DaemonConfig) -> Path:
+    """--e2b's key file, checked (private, ours, some keys); ValueError otherwise."""
+    if cfg.e2b_key_file is None:
+        raise ValueError("--e2b needs --e2b-key-file FILE (API keys, one a line)")
+    from supervisor.e2b_server import check_key_file
+
+    check_key_file(cfg.e2b_key_file)
+    return cfg.e2b_key_file
+
+
 async def serve(
     cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Registry, Server]] = trio.TASK_STATUS_IGNORED
 ) -> None:
@@ -312,6 +322,8 @@ async def _serve_locked(cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Re
         cfg.grpc, cert=cfg.grpc_cert, key=cfg.grpc_key, client_ca=cfg.grpc_client_ca, group=cfg.group, auth=grpc_auth
     )  # before anything starts: a wrong flag fails fast
     metrics_at = parse_listen(cfg.metrics) if cfg.metrics else None
+    e2b_at = parse_listen(cfg.e2b) if cfg.e2b else None
+    e2b_keys = e2b_key_file(cfg) if e2b_at is not None else Path()
     fleet = _fleet_config(cfg, grpc_addrs)
     image_refs = RefPolicy(
         allowed_paths=cfg.allow_paths, registry_allow=cfg.registry_allow, registry_mirrors=cfg.registry_mirrors
@@ -431,6 +443,17 @@ async def _serve_locked(cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Re
                 endpoint = MetricsEndpoint(RegistrySource(registry), *metrics_at)
                 await nursery.start(endpoint.run)
                 log.info("metrics on http://%s:%d/metrics", metrics_at[0], endpoint.port)
+            e2b_scope = trio.CancelScope()
+            if e2b_at is not None:
+                from supervisor.e2b_server import E2BEndpoint
+
+                e2b = E2BEndpoint(str(cfg.socket), *e2b_at, key_file=e2b_keys)
+
+                async def run_e2b(task_status: trio.TaskStatus[None]) -> None:
+                    with e2b_scope:
+                        await e2b.run(task_status=task_status)
+
+                await nursery.start(run_e2b)
             notify = Notifier()
             nursery.start_soon(notify.keep_alive)
             notify.ready(f"serving on {cfg.socket}")
@@ -443,6 +466,7 @@ async def _serve_locked(cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Re
             finally:
                 notify.stopping()
                 edge_scope.cancel()  # stop accepting: gRPC first (remote callers), then the socket
+                e2b_scope.cancel()
                 server_scope.cancel()
                 if cfg.keep_sandboxes:
                     if hostnet is not None:

@@ -336,6 +336,20 @@ class DaemonConfig:
         metavar="HOST:PORT",
         help="serve Prometheus metrics at http://HOST:PORT/metrics (host: loopback)",
     )
+    e2b: str | None = flag(  # HOST:PORT of the E2B-compatible API (None: not served; host: loopback)
+        None,
+        name="--e2b",
+        metavar="HOST:PORT",
+        help="serve the E2B API (the e2b SDK with E2B_API_URL/E2B_SANDBOX_URL) at http://HOST:PORT (host: loopback); "
+        "needs --e2b-key-file",
+    )
+    e2b_key_file: Path | None = flag(  # API keys, one a line (ours, mode 0600; read at start)
+        None,
+        name="--e2b-key-file",
+        metavar="FILE",
+        help="the E2B API keys, one a line (ours, mode 0600; read at start)",
+        parse=_path,
+    )
     # tap networking (root): the IP pool's CIDR ("" = none: no tap mode, no outbound for
     # jailed user-mode sandboxes). `sandvisor serve` defaults it to 10.88.0.0/16.
     ip_pool: str = flag(

@@ -121,6 +121,7 @@ BINDINGS: dict[str, tuple[Rpc, ...]] = {
         Rpc("MetricsStream", "MetricsStream"),
         Rpc("Ping", "Ping"),
         Rpc("Touch", "Touch"),
+        Rpc("SetTtl", "SetTtl"),
         Rpc("ListPorts", "ListPorts"),
         Rpc("Checkpoint", "Checkpoint"),
         Rpc("ListSnapshots", "ListSnapshots"),

@@ -383,6 +383,19 @@ class SandboxInfo:
 
 
 @attrs.frozen
+class SetTtlRequest:
+    """sandvisor extension: remove the sandbox ``ttl_seconds`` from now (0: never)."""
+
+    id: str
+    ttl_seconds: int = 0
+
+
+@attrs.frozen
+class SetTtlResponse:
+    expires_at: int = 0  # unix seconds of its removal (0: never)
+
+
+@attrs.frozen
 class ListSandboxesRequest:
     state: str = ""
     labels: dict[str, str] = attrs.field(factory=dict)

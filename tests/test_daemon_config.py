@@ -77,6 +77,8 @@ def test_a_config_said_as_flags_parses_back_to_itself(tmp_path: Path) -> None:
         grpc_token_file=tmp_path / "token",
         grpc_insecure=True,
         metrics="127.0.0.1:9100",
+        e2b="127.0.0.1:3000",
+        e2b_key_file=tmp_path / "e2b.keys",
         ip_pool="10.99.0.0/16",
         dns_upstreams=("1.1.1.1", "9.9.9.9:5353"),
         egress_never=("192.168.0.0/16",),

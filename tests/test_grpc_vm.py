@@ -14,6 +14,7 @@ import os
 import queue
 import socket
 import tarfile
+import time
 from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
@@ -320,6 +321,8 @@ async def _lifecycle(
     exposed = await in_thread(s.ExposePort, spb.ExposePortRequest(id="u", sandbox_port=8000))
     assert exposed.host_port and exposed.guest_port == 8000
     ports = await in_thread(ours.ListPorts, sv.ListPortsRequest(id="u"))
+    ttl = await in_thread(ours.SetTtl, sv.SetTtlRequest(id="u", ttl_seconds=3600))  # (sandvisor.v1: E2B's timeout)
+    assert ttl.expires_at >= int(time.time()) + 3500
     assert [(p.sandbox_port, p.host_port, p.host_address) for p in ports.ports] == [
         (8000, exposed.host_port, "127.0.0.1")
     ]

@@ -66,6 +66,8 @@ def test_sync_sdk(served: dict[str, str], tmp_path: Path) -> None:
         sb.fs.copy_out("/root/in.txt", tmp_path / "out.txt")
         assert (tmp_path / "out.txt").read_text() == "copied in\n"
         assert sb.ping() > 0 and sb.touch() >= 1
+        assert abs(sb.set_ttl(3600) - (time.time() + 3600)) < 120  # SetTtl: replaces the TTL
+        assert cli(served, "ttl", "sdk-sync", "0").stdout == b"never\n"
         assert sb.metrics().memory_total_bytes > 0
         assert any(e.data == b"a\n" for e in sb.logs())
         first = next(iter(sb.log_stream(follow=True)))  # a sync generator over a live stream, closed early

@@ -341,6 +341,13 @@ def touch(t: Target) -> Plan[int]:
     return r.activity
 
 
+def set_ttl(t: Target, seconds: int) -> Plan[int]:
+    """Remove the sandbox ``seconds`` from now (0: never), replacing its TTL; the unix
+    time of its removal (0: never)."""
+    r: W.SetTtlResponse = yield Unary("SetTtl", W.SetTtlRequest(id=t.id, ttl_seconds=seconds), W.SetTtlResponse)
+    return r.expires_at
+
+
 def metrics(t: Target) -> Plan[MetricsResponse]:
     m: MetricsResponse = yield Unary("Metrics", _id(t), MetricsResponse)
     return m
@@ -803,6 +810,7 @@ class SandboxMethods:
     remove = op(remove)
     ping = op(ping)
     touch = op(touch)
+    set_ttl = op(set_ttl)
     metrics = op(metrics)
     metrics_stream = stream(metrics_stream)
     logs = op(logs)

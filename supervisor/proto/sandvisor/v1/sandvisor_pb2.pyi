@@ -329,6 +329,20 @@ class TouchResponse(_message.Message):
     activity: int
     def __init__(self, activity: _Optional[int] = ...) -> None: ...
 
+class SetTtlRequest(_message.Message):
+    __slots__ = ("id", "ttl_seconds")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    ttl_seconds: int
+    def __init__(self, id: _Optional[str] = ..., ttl_seconds: _Optional[int] = ...) -> None: ...
+
+class SetTtlResponse(_message.Message):
+    __slots__ = ("expires_at",)
+    EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    expires_at: int
+    def __init__(self, expires_at: _Optional[int] = ...) -> None: ...
+
 class ListPortsRequest(_message.Message):
     __slots__ = ("id",)
     ID_FIELD_NUMBER: _ClassVar[int]

@@ -95,6 +95,11 @@ class SandvisorServiceStub:
                 request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.TouchRequest.SerializeToString,
                 response_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.TouchResponse.FromString,
                 _registered_method=True)
+        self.SetTtl = channel.unary_unary(
+                '/sandvisor.v1.SandvisorService/SetTtl',
+                request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.SetTtlRequest.SerializeToString,
+                response_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.SetTtlResponse.FromString,
+                _registered_method=True)
         self.ListPorts = channel.unary_unary(
                 '/sandvisor.v1.SandvisorService/ListPorts',
                 request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.ListPortsRequest.SerializeToString,
@@ -343,6 +348,13 @@ class SandvisorServiceServicer:
 
     def Touch(self, request, context):
         """Count as activity (resets the idle timer).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetTtl(self, request, context):
+        """Remove the sandbox ttl_seconds from now (0: never), replacing its TTL.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -643,6 +655,11 @@ def add_SandvisorServiceServicer_to_server(servicer, server):
                     servicer.Touch,
                     request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.TouchRequest.FromString,
                     response_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.TouchResponse.SerializeToString,
+            ),
+            'SetTtl': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetTtl,
+                    request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.SetTtlRequest.FromString,
+                    response_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.SetTtlResponse.SerializeToString,
             ),
             'ListPorts': grpc.unary_unary_rpc_method_handler(
                     servicer.ListPorts,
@@ -1129,6 +1146,33 @@ class SandvisorService:
             '/sandvisor.v1.SandvisorService/Touch',
             sandvisor_dot_v1_dot_sandvisor__pb2.TouchRequest.SerializeToString,
             sandvisor_dot_v1_dot_sandvisor__pb2.TouchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetTtl(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandvisor.v1.SandvisorService/SetTtl',
+            sandvisor_dot_v1_dot_sandvisor__pb2.SetTtlRequest.SerializeToString,
+            sandvisor_dot_v1_dot_sandvisor__pb2.SetTtlResponse.FromString,
             options,
             channel_credentials,
             insecure,
