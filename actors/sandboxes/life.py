@@ -121,6 +121,7 @@ class Resume:
     accepted: float = 0.0
     # (snapshot, why, transient): transient = the guest did not answer in time
     fallback: Callable[[SnapshotRecord, str, bool], None] | None = None
+    wake: bool = False  # a paused sandbox's own saved state: it resumes as itself (issue 25)
 
 
 @attrs.frozen
@@ -159,6 +160,7 @@ class Life:
         self.link: SandboxLink | None = None  # its host link (tap; a jail's uplink)
         self.ports: PortRelays | None = None  # its forwards and relays, while the guest is up
         self.detaching = False  # it lets go of QEMU instead of stopping it
+        self.pausing = False  # it ends for a pause: the volume claims stay (issue 25)
         self.guest_hostname = ""  # what the fixups last set in its guest
         self._launched: Guest | None = None
         self._ram_fd = -1  # the guest RAM's descriptor for QEMU (a cell's), until QEMU maps it
@@ -205,7 +207,10 @@ class Life:
                 nursery = await self._stack.enter_async_context(trio.open_nursery())
                 self._stack.callback(nursery.cancel_scope.cancel)  # (first out: the relays end)
                 jailed = self.cell is not None
-                self.ports = PortRelays(self.sb.settings, guest, self.sb.network, jailed=jailed, nursery=nursery)
+                held = self.sb.take_held_port  # a resumed sandbox's listeners
+                self.ports = PortRelays(
+                    self.sb.settings, guest, self.sb.network, jailed=jailed, nursery=nursery, held=held
+                )
                 if isinstance(self.plan, Resume):
                     await self._restored(guest, self.plan)
                 crash_point("hello")
@@ -489,7 +494,8 @@ class Life:
             return ()
         if sb.volumes is None:
             raise FailedPrecondition("this supervisor has no volumes")
-        return sb.volumes.claim(sb.record.uid, sb.id, mounts)
+        woken = isinstance(self.plan, Resume) and self.plan.wake  # claimed since before its pause
+        return sb.volumes.claim(sb.record.uid, sb.id, mounts, adopted=woken)
 
     async def _release_volumes(self) -> None:
         """After the reap (or the detach: QEMU runs on with them, the claims go with us)."""
@@ -498,6 +504,8 @@ class Life:
             return
         if self.detaching:
             sb.volumes.release(sb.record.uid)
+            return
+        if self.pausing:  # a paused guest has them mounted: they stay claimed (checked at its end)
             return
         for note in await sb.volumes.release_checked(sb.record.uid):
             sb.log.append("system", note.encode())
