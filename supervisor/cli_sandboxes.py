@@ -70,6 +70,9 @@ async def _create(a: argparse.Namespace) -> AsyncSandbox:
         cmd=trailing_command(a),
         ttl=a.ttl,
         idle_timeout=a.idle_timeout,
+        on_idle=a.on_idle,
+        paused_ttl=a.paused_ttl,
+        auto_resume=a.auto_resume,
         network=a.network,
         outbound=a.outbound,
         egress=_egress(a),
@@ -309,6 +312,8 @@ def simple(a: argparse.Namespace) -> int:
                     print(f"{int(c.call('Ping', {'id': name})['latency_ns']) / 1e9 * 1000:.2f} ms")
                 elif a.command == "touch":
                     print(int(c.call("Touch", {"id": name})["activity"]))
+                elif a.command in ("pause", "resume"):
+                    print(f"{name}: {c.call(a.command.capitalize(), {'id': name})['state']}")
             except ApiError as exc:
                 if len(a.names) == 1:
                     raise

@@ -238,6 +238,12 @@ class CreateSandboxRequest:
     patches: list[PatchSpec] = attrs.field(factory=list)  # applied by guestd before ready
     volumes: list[VolumeMount] = attrs.field(factory=list)  # sandvisor.v1.CreateRequest.volumes
     scripts: dict[str, str] = attrs.field(factory=dict)  # named scripts, run by Run{script}
+    # hibernation (issue 25): what the idle timeout does ("stop" or "pause"; "": stop), how
+    # long a paused sandbox is kept (0: until its TTL), whether calls and connections resume
+    # it (a zero default: proto3 cannot tell false from unset)
+    on_idle: str = ""
+    paused_ttl_seconds: int = 0
+    no_auto_resume: bool = False
 
 
 @attrs.frozen

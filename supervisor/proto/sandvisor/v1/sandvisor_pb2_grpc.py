@@ -185,6 +185,16 @@ class SandvisorServiceStub:
                 request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.RunRequest.SerializeToString,
                 response_deserializer=sandbox_dot_v1_dot_sandbox__pb2.RunOutput.FromString,
                 _registered_method=True)
+        self.Pause = channel.unary_unary(
+                '/sandvisor.v1.SandvisorService/Pause',
+                request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.PauseRequest.SerializeToString,
+                response_deserializer=sandbox_dot_v1_dot_sandbox__pb2.SandboxInfo.FromString,
+                _registered_method=True)
+        self.Resume = channel.unary_unary(
+                '/sandvisor.v1.SandvisorService/Resume',
+                request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.ResumeRequest.SerializeToString,
+                response_deserializer=sandbox_dot_v1_dot_sandbox__pb2.SandboxInfo.FromString,
+                _registered_method=True)
 
 
 class SandvisorServiceServicer:
@@ -403,6 +413,21 @@ class SandvisorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Pause(self, request, context):
+        """--- hibernation (docs/hibernation.md) ---
+        A ready sandbox to disk: no QEMU, no RAM; its SandboxInfo.state is "paused".
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Resume(self, request, context):
+        """A paused sandbox back as itself (id, address, ports, processes); once ready.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SandvisorServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -555,6 +580,16 @@ def add_SandvisorServiceServicer_to_server(servicer, server):
                     servicer.Run,
                     request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.RunRequest.FromString,
                     response_serializer=sandbox_dot_v1_dot_sandbox__pb2.RunOutput.SerializeToString,
+            ),
+            'Pause': grpc.unary_unary_rpc_method_handler(
+                    servicer.Pause,
+                    request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.PauseRequest.FromString,
+                    response_serializer=sandbox_dot_v1_dot_sandbox__pb2.SandboxInfo.SerializeToString,
+            ),
+            'Resume': grpc.unary_unary_rpc_method_handler(
+                    servicer.Resume,
+                    request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.ResumeRequest.FromString,
+                    response_serializer=sandbox_dot_v1_dot_sandbox__pb2.SandboxInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1367,6 +1402,60 @@ class SandvisorService:
             '/sandvisor.v1.SandvisorService/Run',
             sandvisor_dot_v1_dot_sandvisor__pb2.RunRequest.SerializeToString,
             sandbox_dot_v1_dot_sandbox__pb2.RunOutput.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Pause(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandvisor.v1.SandvisorService/Pause',
+            sandvisor_dot_v1_dot_sandvisor__pb2.PauseRequest.SerializeToString,
+            sandbox_dot_v1_dot_sandbox__pb2.SandboxInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Resume(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandvisor.v1.SandvisorService/Resume',
+            sandvisor_dot_v1_dot_sandvisor__pb2.ResumeRequest.SerializeToString,
+            sandbox_dot_v1_dot_sandbox__pb2.SandboxInfo.FromString,
             options,
             channel_credentials,
             insecure,
