@@ -39,7 +39,10 @@ import trio
 
 from actors.crash import crash_point
 from actors.errors import DomainError, FailedPrecondition, Internal, ResourceExhausted, Unavailable
+from actors.machines.qemuproc import MachineError
 from actors.model import ALIVE, Action, MemoryKind, NetMode, Protocol, State
+from actors.net import netlink
+from actors.net.netns import NetError
 from actors.net.portfwd import PortInUse, Target, bind_listener
 from actors.quotas import free_mib
 from actors.sandboxes.life import Resume
@@ -279,6 +282,15 @@ class Hibernation:
         for sb in self.paused():
             self._hold_ports(sb)
 
+    def close_all(self) -> None:
+        """The supervisor exits: the held listeners and TAPs go (the next one holds them
+        again, :meth:`hold_all`)."""
+        for sb in self.paused():
+            try:
+                self._close_ports(sb)
+            except Exception as exc:  # (its link's rules may be gone with the host network)
+                log.warning("sandbox %s: releasing what it held while paused: %s", sb.id, exc)
+
     # -- held ports -------------------------------------------------------------------
     def _relayed(self, sb: Sandbox) -> bool:
         """Whether the sandbox's forwards are our relays (tap, or a jailed user mode),
@@ -300,19 +312,49 @@ class Hibernation:
                 continue
             sock.setblocking(False)
             sb.held_ports[pm.key] = sock
+        watched: list[socket.socket | int] = [*sb.held_ports.values()]
+        tap = self._hold_tap(sb)
+        if tap is not None:
+            watched.append(tap)
         lives = self.reg._lives
-        if sb.held_ports and sb.config.timers.auto_resume and lives is not None:
+        if watched and sb.config.timers.auto_resume and lives is not None:
             self._stop_watch(sb)
             scope, done = trio.CancelScope(), trio.Event()
             self._watchers[sb.record.uid] = (scope, done)
-            lives.start_soon(self._watch, sb, list(sb.held_ports.values()), scope, done)
+            lives.start_soon(self._watch, sb, watched, scope, done)
 
-    async def _watch(self, sb: Sandbox, socks: list[socket.socket], scope: trio.CancelScope, done: trio.Event) -> None:
+    def _hold_tap(self, sb: Sandbox) -> int | None:
+        """A paused tap sandbox's TAP stays (or, after a supervisor start, is made again):
+        what is sent to its address waits in the TAP's queue -- a permanent neighbour
+        entry (its fixed MAC) spares the ARP that nobody would answer -- and is read by
+        the resumed QEMU. Its descriptor, to watch (None: not a tap sandbox)."""
+        if sb.config.network.mode != NetMode.TAP or self.reg.settings.hostnet is None:
+            return None
+        link = sb.held_link
+        if link is None or link.closed:
+            try:
+                link, _ = netlink.open_link(self.reg.settings, sb.config.network, sb.record.uid, sb.files.dir)
+            except (DomainError, MachineError, OSError) as exc:
+                sb.log.append("system", f"paused: its TAP not held: {exc}".encode())
+                return None
+            sb.held_link = link
+        if link is None or link.tap_fd is None:
+            return None
+        g = link.guest
+        try:
+            link.net.netns.ip(f"neigh replace {g.address} lladdr {g.mac} dev {link.name} nud permanent")
+        except NetError as exc:
+            sb.log.append("system", f"paused: neighbour entry: {exc}".encode())
+        return link.tap_fd
+
+    async def _watch(
+        self, sb: Sandbox, watched: list[socket.socket | int], scope: trio.CancelScope, done: trio.Event
+    ) -> None:
         woke = False
         try:
             with scope:
                 async with trio.open_nursery() as nursery:
-                    for s in socks:
+                    for s in watched:
                         nursery.start_soon(_readable, s, nursery.cancel_scope)
                 woke = not scope.cancel_called
         finally:
@@ -358,6 +400,11 @@ class Hibernation:
             trio.lowlevel.notify_closing(sock)
             sock.close()
         sb.held_ports.clear()
+        link, sb.held_link = sb.held_link, None
+        if link is not None:
+            if link.tap_fd is not None:
+                trio.lowlevel.notify_closing(link.tap_fd)
+            link.close()
 
     def _pipe(self, sb: Sandbox, pending: list[socket.socket]) -> None:
         """Connections accepted while the ports were handed to QEMU: to the port now."""
@@ -381,7 +428,7 @@ def _state(sb: Sandbox) -> State:
     return sb.state
 
 
-async def _readable(sock: socket.socket, scope: trio.CancelScope) -> None:
+async def _readable(sock: socket.socket | int, scope: trio.CancelScope) -> None:
     try:
         await trio.lowlevel.wait_readable(sock)
     except (trio.ClosedResourceError, OSError):

@@ -162,6 +162,7 @@ class Registry:
                 await trio.sleep_forever()
         finally:
             self._lives = None
+            self.hibernation.close_all()
             for sb in [*self.sandboxes.values(), *self.pools.all_members()]:
                 sb.log.close()
 

@@ -6,6 +6,7 @@ module; the restart test has its own."""
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from actors.registry import _our_qemus
 from images.build import Image
 from supervisor.client import AsyncSandbox, FailedPrecondition, connect
 from supervisor.throwaway import supervisor_process, workdir
+from tests.netlab import probe
 from tests.test_durability import run, wait_state
 
 pytestmark = pytest.mark.vm
@@ -222,3 +224,28 @@ def test_a_paused_sandbox_survives_a_supervisor_kill_9(image: Image) -> None:
         assert not _our_qemus(work.run_root)
         with supervisor_process(work):
             trio.run(resume_it, work.socket, before)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root (namespaces, TAP, jail)")
+async def test_a_tap_sandbox_keeps_its_address_and_a_connection_to_it_resumes_it(image: Image) -> None:
+    """In a network namespace of its own (tests/test_net_supervisor.py's lab): a tap
+    sandbox paused keeps its address; a connection from the host to that address while
+    it is paused waits in its TAP's queue and is answered once it is back."""
+    from actors.model import State
+    from tests.test_net_supervisor import net_lab, reach, ready, serving, start_server, tap
+
+    async with net_lab("sv-hib-tap-") as lab, serving(lab) as reg:
+        with trio.fail_after(400):
+            sb = await ready(await reg.create("t", tap()))
+            address = sb.ip_address
+            await start_server(sb)
+            await reach(lab.host, address, 8000, f"vm {address} 10.88.0.1")
+            await reg.pause("t")
+            assert sb.state == State.PAUSED and sb.ip_address == address and sb.guest is None
+            got = await probe(lab.host, address, 8000, timeout=90)  # held in the TAP, then served
+            assert got == f"vm {address} 10.88.0.1", got
+            with trio.fail_after(60):  # (the guest answers during the resume's last steps)
+                while sb.state != State.READY:
+                    await trio.sleep(0.05)
+            assert sb.ip_address == address
+            await reg.remove("t", force=True)

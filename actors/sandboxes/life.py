@@ -272,8 +272,12 @@ class Life:
 
     def _close_link(self) -> None:
         link, self.link = self.link, None
-        if link is not None:
-            link.detach() if self.detaching else link.close()
+        if link is None:
+            return
+        if self.pausing and link.tap_fd is not None and not link.closed:
+            self.sb.held_link = link  # paused: the TAP stays, its queue holds what comes for the guest
+            return
+        link.detach() if self.detaching else link.close()
 
     def _close_cell(self) -> None:
         """The cell, the run dir, the record's life (kept when detached: QEMU runs on)."""
@@ -311,7 +315,11 @@ class Life:
             await files.overlay_on(base)
         run_dir = files.new_run_dir()
         volumes = self._claim_volumes()
-        self.link, uplink = netlink.open_link(s, sb.config.network, sb.record.uid, run_dir)
+        held = sb.take_held_link() if isinstance(plan, Resume) and plan.wake else None  # paused: its TAP
+        if held is not None:
+            self.link, uplink = held, None
+        else:
+            self.link, uplink = netlink.open_link(s, sb.config.network, sb.record.uid, run_dir)
         fds: dict[str, int] = {}
         if self.link is not None and self.link.tap_fd is not None:
             fds[TAP_FD] = self.link.tap_fd  # (the link keeps it; QEMU gets its own copy)

@@ -66,6 +66,7 @@ from actors.model import (
 )
 from actors.net import netlink
 from actors.net.egress import EgressPolicy
+from actors.net.hostnet import SandboxLink
 from actors.net.ports import Exposed
 from actors.sandboxes.files import SandboxFiles
 from actors.sandboxes.life import (
@@ -149,6 +150,7 @@ class Sandbox:
         # hibernation (issue 25; actors/hibernation.py): the listeners of its ports held
         # while paused, and who resumes it when a call needs its guest
         self.held_ports: dict[tuple[int, Protocol], socket.socket] = {}
+        self.held_link: SandboxLink | None = None  # a paused tap sandbox's TAP (its queue)
         self.waker: Callable[[Sandbox], Awaitable[None]] | None = None
 
     # -- identity ------------------------------------------------------------
@@ -493,6 +495,11 @@ class Sandbox:
         """The listener of ``pm``'s host port held while it was paused, handed to the
         resumed life's relay (None: the life binds its own)."""
         return self.held_ports.pop(pm.key, None)
+
+    def take_held_link(self) -> SandboxLink | None:
+        """The TAP held while it was paused, for the resumed life (None: it opens one)."""
+        link, self.held_link = self.held_link, None
+        return link if link is not None and not link.closed else None
 
     async def awake(self) -> None:
         """A call that needs the guest: a paused sandbox is resumed first (auto-resume),
