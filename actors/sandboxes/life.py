@@ -65,6 +65,7 @@ from actors.errors import (
     Unavailable,
 )
 from actors.machines.disk import backing_chain, check_user_disk, virtual_size
+from actors.machines.guestmem import own_memory
 from actors.machines.machine import Placement
 from actors.machines.qemuproc import AdoptedProcess, MachineError
 from actors.machines.qemuspec import Volume
@@ -456,6 +457,12 @@ class Life:
         size = plan.snapshot.machine.memory_mib if isinstance(plan, Resume) else sb.limits.memory_mib
         if isinstance(plan, Resume) and plan.snapshot.memory == MemoryKind.MAPPED:
             snap = plan.snapshot
+            if cell is not None and plan.wake:
+                # a paused sandbox's own saved memory, read by this resume alone (no clone
+                # shares it, and no other jail can reach it): mapped privately from the
+                # file itself, loaded by page faults -- not first copied into a memfd
+                self._ram_fd = own_memory(snap.path / "memory", cell.identity)
+                return snap.path / "memory", False
             if cell is not None:
                 self._ram_fd = cell.cells.sealed.acquire(snap.id, snap.path / "memory")
                 self._sealed = snap.id
