@@ -86,46 +86,51 @@ class Hibernation:
     # -- pause --------------------------------------------------------------------
     async def pause(self, sb: Sandbox) -> None:
         """Hibernate a ready sandbox (idempotent on a paused one)."""
-        reg = self.reg
-        reg._check_open()
+        self.reg._check_open()
         async with self._lock(sb):
-            if sb.state == State.PAUSED:
-                return
-            sb.check_checkpointable()
-            cap = reg.admission.quotas.max_paused
-            if cap and len(self.paused()) >= cap:
-                raise ResourceExhausted(f"at most {cap} sandboxes may be paused at once (--max-paused)")
-            self._check_room(sb)
-            address = str(sb.pool_address or "") if sb.config.network.mode == NetMode.TAP else ""
-            gens = reg.volumes.generations(sb.config.volumes)
-            t0 = time.monotonic()
+            sb.hibernating = True
             try:
-                snap, ck = await reg.snapshots.take(
-                    sb.hibernate, sb.record, address=address, volume_generations=gens, paused_for=sb.record.uid
-                )
-            except Internal as exc:
-                if "No space left" in exc.message or "ENOSPC" in exc.message:
-                    raise ResourceExhausted(f"no room to pause {sb.id}: {exc.message}") from None
-                raise
-            try:
-                await reg.store.flush()
-                crash_point("pause-saved")
-                sb.mark_paused()
-                await reg.store.flush()
-            except BaseException:
-                with trio.CancelScope(shield=True):
-                    await self._undo(sb, snap)
-                raise
-            crash_point("pause-stopping")
-            sb.end_for_pause()
-            with trio.CancelScope(shield=True):
-                await sb.wait_stopped()
-                self._hold_ports(sb)
-            took = time.monotonic() - t0
-            sb.log.append(
-                "system", f"paused ({ck.memory}, {took * 1000:.0f} ms; {_touched_mib(ck)} MiB saved)".encode()
+                await self._pause(sb)
+            finally:
+                sb.hibernating = False
+
+    async def _pause(self, sb: Sandbox) -> None:
+        reg = self.reg
+        if sb.state == State.PAUSED:
+            return
+        sb.check_checkpointable()
+        cap = reg.admission.quotas.max_paused
+        if cap and len(self.paused()) >= cap:
+            raise ResourceExhausted(f"at most {cap} sandboxes may be paused at once (--max-paused)")
+        self._check_room(sb)
+        address = str(sb.pool_address or "") if sb.config.network.mode == NetMode.TAP else ""
+        gens = reg.volumes.generations(sb.config.volumes)
+        t0 = time.monotonic()
+        try:
+            snap, ck = await reg.snapshots.take(
+                sb.hibernate, sb.record, address=address, volume_generations=gens, paused_for=sb.record.uid
             )
-            sb.emit(Action.PAUSED)
+        except Internal as exc:
+            if "No space left" in exc.message or "ENOSPC" in exc.message:
+                raise ResourceExhausted(f"no room to pause {sb.id}: {exc.message}") from None
+            raise
+        try:
+            await reg.store.flush()
+            crash_point("pause-saved")
+            sb.mark_paused()
+            await reg.store.flush()
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                await self._undo(sb, snap)
+            raise
+        crash_point("pause-stopping")
+        sb.end_for_pause()
+        with trio.CancelScope(shield=True):
+            await sb.wait_stopped()
+            self._hold_ports(sb)
+        took = time.monotonic() - t0
+        sb.log.append("system", f"paused ({ck.memory}, {took * 1000:.0f} ms; {_touched_mib(ck)} MiB saved)".encode())
+        sb.emit(Action.PAUSED)
 
     def _check_room(self, sb: Sandbox) -> None:
         """A full disk refuses a pause before anything is stopped (RESOURCE_EXHAUSTED)."""

@@ -152,6 +152,7 @@ class Sandbox:
         self.held_ports: dict[tuple[int, Protocol], socket.socket] = {}
         self.held_link: SandboxLink | None = None  # a paused tap sandbox's TAP (its queue)
         self.waker: Callable[[Sandbox], Awaitable[None]] | None = None
+        self.hibernating = False  # a pause is under way (a call needing the guest waits for it, then resumes)
 
     # -- identity ------------------------------------------------------------
     @property
@@ -504,7 +505,7 @@ class Sandbox:
     async def awake(self) -> None:
         """A call that needs the guest: a paused sandbox is resumed first (auto-resume),
         or FAILED_PRECONDITION when it was created with auto-resume off."""
-        if self.state != State.PAUSED:
+        if self.state != State.PAUSED and not self.hibernating:
             return
         if not self.config.timers.auto_resume or self.waker is None:
             raise FailedPrecondition(f"sandbox {self.id} is paused (auto-resume is off): resume it first")
