@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
+from actors.channel.guest import GuestError
 from actors.crash import crash_point
 from actors.errors import DomainError, FailedPrecondition, Internal, ResourceExhausted, Unavailable
 from actors.machines.qemuproc import MachineError
@@ -55,6 +56,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("sandvisor.hibernation")
 
+WARM_TIMEOUT = 10.0  # s: the warm-up exec after an explicit resume
 ROOM_MARGIN_MIB = 64  # free space a pause needs beyond the guest's RAM (device state, disk swap)
 
 
@@ -176,8 +178,12 @@ class Hibernation:
         lives.start_soon(self.pause_quietly, sb)
 
     # -- resume -------------------------------------------------------------------
-    async def resume(self, sb: Sandbox) -> None:
-        """Bring a paused sandbox back as itself, ready (idempotent on a live one)."""
+    async def resume(self, sb: Sandbox, *, warm: bool = False) -> None:
+        """Bring a paused sandbox back as itself, ready (idempotent on a live one).
+        ``warm`` (an explicit Resume): one exec of ``true`` in the guest before this
+        returns, so the caller's first Run does not pay for what a fresh QEMU (TCG:
+        an empty translation cache) and lazily loaded memory make the first exec cost.
+        An auto-resume skips it: the call that wakes the sandbox does that work itself."""
         reg = self.reg
         reg._check_open()
         async with self._lock(sb):
@@ -212,6 +218,8 @@ class Hibernation:
             self._pipe(sb, pending)
             sb.touch()
             await sb.persisted()
+            if warm:
+                await _warm(sb)
 
     async def wake(self, sb: Sandbox) -> None:
         """Auto-resume (Sandbox.awake): as :meth:`resume`."""
@@ -426,6 +434,18 @@ class Hibernation:
                 conn.close()
                 continue
             lives.start_soon(_pipe_one, conn, Target(self.reg.settings.expose_address, pm.host_port))
+
+
+async def _warm(sb: Sandbox) -> None:
+    """Best effort: ``true`` run in the guest (not a workload: no state change)."""
+    guest = sb.guest
+    if guest is None:
+        return
+    with trio.move_on_after(WARM_TIMEOUT):
+        try:
+            await guest.channel.run(["true"], timeout=WARM_TIMEOUT)
+        except GuestError as exc:
+            log.info("sandbox %s: warming up after its resume: %s", sb.id, exc)
 
 
 def _state(sb: Sandbox) -> State:

@@ -586,7 +586,7 @@ class Registry:
         self._check_open()
         sb = self.get(id)
         if sb.state == State.PAUSED:  # Start of a paused sandbox: it resumes
-            await self.hibernation.resume(sb)
+            await self.hibernation.resume(sb, warm=True)
             return sb
         if sb.state not in (State.STOPPED, State.FAILED) or not sb.stopped:
             raise FailedPrecondition(f"sandbox {id} is {sb.state}; only a stopped sandbox can start")
@@ -619,7 +619,7 @@ class Registry:
     async def resume(self, id: str) -> Sandbox:
         """Bring a paused sandbox back, as itself; returns once it is ready."""
         sb = self.get(id)
-        await self.hibernation.resume(sb)
+        await self.hibernation.resume(sb, warm=True)
         return sb
 
     def drain(self, id: str) -> Sandbox:
