@@ -215,7 +215,7 @@ def markdown(res: dict[str, Any]) -> str:
         return f"{s['p50'] * ms:.0f} / {s['p95'] * ms:.0f} ms"
 
     r = [f"## Hibernation (TCG, n={res['n']}; p50 / p95)", ""]
-    for mib in res["sizes"]:
+    for mib in [m for m in res["sizes"] if f"{m}MiB" in res]:
         s = res[f"{mib}MiB"]
         r += [f"### {mib} MiB guest, {mib // 2} MiB touched", "", "| measure | p50 / p95 |", "|---|---|"]
         r.append(f"| cold create to ready | {f(s['cold_create_to_ready'])} |")
