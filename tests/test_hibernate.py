@@ -21,6 +21,7 @@ from conftest import serve_process
 from actors.registry import _our_qemus
 from images.build import Image
 from supervisor.client import AsyncSandbox, FailedPrecondition, connect
+from supervisor.protocol import ApiError
 from supervisor.throwaway import supervisor_process, workdir
 from tests.netlab import probe
 from tests.test_durability import run, wait_state
@@ -214,7 +215,16 @@ def test_a_paused_sandbox_survives_a_supervisor_kill_9(image: Image) -> None:
                 assert info["state"] == "ready"
                 out, _ = await run(c, "p", ["cat", "/run/cnt"])
                 assert int(out) >= before, (out, before)
-                await c.call("Remove", {"id": "p", "force": True})
+                # --max-paused 1: a second paused sandbox is refused; it runs on
+                await c.call("Pause", {"id": "p"})
+                await c.call("Create", {"id": "q"})
+                await wait_state(c, "q", "ready")
+                with pytest.raises(ApiError) as refused:
+                    await c.call("Pause", {"id": "q"})
+                assert refused.value.code == "RESOURCE_EXHAUSTED" and "--max-paused" in refused.value.message
+                assert (await c.call("Inspect", {"id": "q"}))["state"] == "ready"
+                for id in ("p", "q"):
+                    await c.call("Remove", {"id": id, "force": True})
 
     with workdir("sv-hib-kill-", private_state=True) as work:
         with supervisor_process(work) as (_, proc):
@@ -222,7 +232,7 @@ def test_a_paused_sandbox_survives_a_supervisor_kill_9(image: Image) -> None:
             proc.kill()
             proc.wait(timeout=60)
         assert not _our_qemus(work.run_root)
-        with supervisor_process(work):
+        with supervisor_process(work, "--max-paused", "1"):
             trio.run(resume_it, work.socket, before)
 
 
