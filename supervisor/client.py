@@ -70,6 +70,7 @@ from supervisor.sdk.aio import (
     AsyncExec,
     AsyncImages,
     AsyncSandbox,
+    AsyncSecrets,
     AsyncVolumes,
     CallStream,
     connect,
@@ -85,13 +86,14 @@ from supervisor.sdk.spec import (
     RunResult,
     RunSettings,
     SandboxSpec,
+    Secret,
     Settings,
     SnapshotRef,
     VolumeMount,
     Workload,
     parse_size,
 )
-from supervisor.sdk.sync import Images, Sandbox, Volumes, images
+from supervisor.sdk.sync import Images, Sandbox, Secrets, Volumes, images
 
 __all__ = [
     "AlreadyExists",
@@ -99,6 +101,7 @@ __all__ = [
     "AsyncExec",
     "AsyncImages",
     "AsyncSandbox",
+    "AsyncSecrets",
     "AsyncVolumes",
     "Boot",
     "CallStream",
@@ -133,6 +136,8 @@ __all__ = [
     "SandboxInfo",
     "SandboxSpec",
     "SandboxSummary",
+    "Secret",
+    "Secrets",
     "Settings",
     "SnapshotRef",
     "SnapshotSummary",

@@ -139,6 +139,12 @@ BINDINGS: dict[str, tuple[Rpc, ...]] = {
         Rpc("Run", "Run"),
         Rpc("Pause", "Pause"),
         Rpc("Resume", "Resume"),
+        Rpc("SetSecret", "SetSecret"),
+        Rpc("ListSecrets", "ListSecrets"),
+        Rpc("DeleteSecret", "DeleteSecret"),
+        Rpc("RotateSecret", "RotateSecret"),
+        Rpc("RevokeSecret", "RevokeSecret"),
+        Rpc("ListSandboxSecrets", "ListSandboxSecrets"),
     ),
 }
 

@@ -353,6 +353,8 @@ class Sandbox:
                 await life.mount_volumes(guest)
             if fresh:
                 await life.apply_patches(guest)
+            if self.config.secrets:  # every boot and restore (a clone has a CA of its own)
+                await life.install_ca(guest)
             await life.apply_ports()  # ports given at create (or exposed before a stop) come first
             if run.waking:
                 crash_point("resume-loaded")
