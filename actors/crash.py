@@ -13,7 +13,10 @@ Steps: ``spawned`` (QEMU started, before QMP), ``hello`` (the guest answered),
 ``snapshot-record`` (a snapshot written, before its record), ``pool-fill`` (a warm
 pool member being restored), ``remove`` (a sandbox's record gone, before its files),
 ``convert`` (a streamed snapshot's conversion: its helper QEMU paused with the state
-loaded, both files of the conversion written, the record not switched).
+loaded, both files of the conversion written, the record not switched);
+``pause-saved`` (a pause's state saved and recorded, the sandbox still ready, its
+QEMU stopped), ``pause-stopping`` (the sandbox recorded paused, its QEMU not ended),
+``resume-loaded`` (a resume's guest answered, the sandbox still recorded paused).
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ STEPS = frozenset(
         "pool-fill",
         "remove",
         "convert",
+        "pause-saved",
+        "pause-stopping",
+        "resume-loaded",
     }
 )
 _AT = os.environ.get("SANDVISOR_CRASH_AT", "")

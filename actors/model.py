@@ -33,10 +33,12 @@ class State(enum.StrEnum):
     STOPPING = "stopping"
     STOPPED = "stopped"
     FAILED = "failed"
+    PAUSED = "paused"  # hibernated to disk: no QEMU, no RAM (issue 25; not in the seed's list)
 
 
 ALIVE = frozenset({State.READY, State.RUNNING})
 ENDED = frozenset({State.STOPPED, State.FAILED})
+ON_IDLE = frozenset({"stop", "pause"})
 
 
 class Action(enum.StrEnum):
@@ -51,6 +53,8 @@ class Action(enum.StrEnum):
     FAILED = "failed"
     REMOVED = "removed"
     LOST = "lost"  # a fleet sandbox whose node died (docs/fleet.md): told by every member
+    PAUSED = "paused"  # hibernated (issue 25)
+    RESUMED = "resumed"
     # sandvisor's: the secret proxy refused a request carrying a secret's placeholder to
     # a host that secret does not allow (attributes: secret, host; never the value)
     SECRET_BLOCKED = "secret_blocked"
@@ -223,6 +227,9 @@ class Timers:
     ttl_seconds: int = 0  # removed this long after creation (activity does not reset it)
     idle_timeout_seconds: int = 0  # stopped after this long without activity
     ephemeral: bool = False  # removed once it stops
+    on_idle: str = "stop"  # what the idle timeout does: "stop" or "pause" (hibernate, issue 25)
+    paused_ttl_seconds: int = 0  # a paused sandbox is removed after this long paused (0: never)
+    auto_resume: bool = True  # a call needing the guest (or a connection) resumes a paused sandbox
 
 
 PATCH_OPS = patch.OPS
@@ -399,6 +406,10 @@ def check_config(cfg: SandboxConfig) -> None:
         raise InvalidArgument("memory_mib must be 0 (default) or 64 to 65536")
     if cfg.timers.ttl_seconds < 0 or cfg.timers.idle_timeout_seconds < 0:
         raise InvalidArgument("ttl_seconds and idle_timeout_seconds must not be negative")
+    if cfg.timers.on_idle not in ON_IDLE:
+        raise InvalidArgument(f"on_idle must be one of {', '.join(sorted(ON_IDLE))}, not {cfg.timers.on_idle!r}")
+    if cfg.timers.paused_ttl_seconds < 0:
+        raise InvalidArgument("paused_ttl_seconds must not be negative")
     if cfg.hostname and (len(cfg.hostname) > 63 or not cfg.hostname.replace("-", "").isalnum()):
         raise InvalidArgument("hostname must be 1-63 letters, digits or '-'")
     w = cfg.workload

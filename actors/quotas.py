@@ -47,6 +47,7 @@ class Quotas:
     max_memory_mib: int = 0  # 0: the host's RAM less 1 GiB
     max_disk_mib: int = 0  # 0: no limit on the state dir's use
     min_free_mib: int = 256  # free space the state dir's filesystem keeps
+    max_paused: int = 0  # paused (hibernated) sandboxes at once; 0: no limit (they hold disk, not RAM)
 
 
 def check_sandbox_disk(cap_mib: int, disk: int, volumes: Iterable[tuple[str, int]] = ()) -> None:

@@ -52,6 +52,7 @@ from actors.errors import (
     error,
 )
 from actors.events import EventBus
+from actors.hibernation import Hibernation
 from actors.machines.disk import DiskError, check_user_disk, virtual_size
 from actors.machines.guestmem import private_dir
 from actors.machines.qemuproc import AdoptedProcess, MachineError, start_time, unsearchable_parent
@@ -128,6 +129,7 @@ class Registry:
             settings.sandboxes_dir.parent / "volumes", store, max_size=settings.max_sandbox_disk_mib << 20
         )
         self.volumes.tools = settings.cells.tools if settings.cells is not None else None  # e2fsck in a cell
+        self.hibernation = Hibernation(self)  # pause and resume (issue 25)
         self._lives: trio.Nursery | None = None
         self._closing = False
         self._removing: set[str] = set()
@@ -164,11 +166,13 @@ class Registry:
                         log.warning("sandbox %s could not be adopted: %s", sb.id, sb.record.error)
                 await self.store.flush()
                 await nursery.start(self.pools.run, self)
+                self.hibernation.hold_all()
                 nursery.start_soon(self._timers)
                 task_status.started(self)
                 await trio.sleep_forever()
         finally:
             self._lives = None
+            self.hibernation.close_all()
             for sb in [*self.sandboxes.values(), *self.pools.all_members()]:
                 sb.log.close()
 
@@ -232,6 +236,7 @@ class Registry:
         for pid in _our_qemus(self.settings.run_root) - ours:
             log.warning("killing QEMU %d under our run root that no record names", pid)
             await _end(AdoptedProcess.open(pid, start_time(pid)))
+        self.hibernation.recover()  # paused sandboxes stay paused (their QEMU, if any, killed above)
         keep = {Path(plan.life.run_dir).name for _, plan in adoptions}
         self._recover_network([sb for sb, _ in adoptions])
         SandboxFiles.sweep_lives(self.settings, keep=keep)  # what no adopted life holds is stale
@@ -301,7 +306,9 @@ class Registry:
 
     # -- sandboxes: making and forgetting ---------------------------------------------
     def _sandbox(self, rec: Record) -> Sandbox:
-        return Sandbox(rec, self.settings, SandboxFiles(rec.uid, self.settings), self.store, self.events, self.volumes)
+        sb = Sandbox(rec, self.settings, SandboxFiles(rec.uid, self.settings), self.store, self.events, self.volumes)
+        sb.waker = self.hibernation.wake  # auto-resume
+        return sb
 
     def _new_sandbox(
         self,
@@ -641,6 +648,9 @@ class Registry:
     async def start(self, id: str) -> Sandbox:
         self._check_open()
         sb = self.get(id)
+        if sb.state == State.PAUSED:  # Start of a paused sandbox: it resumes
+            await self.hibernation.resume(sb, warm=True)
+            return sb
         if sb.state not in (State.STOPPED, State.FAILED) or not sb.stopped:
             raise FailedPrecondition(f"sandbox {id} is {sb.state}; only a stopped sandbox can start")
         if sb.checkpointing:  # a disk-only checkpoint is moving its disk
@@ -655,12 +665,26 @@ class Registry:
 
     def stop(self, id: str, timeout: float = DEFAULT_STOP_TIMEOUT) -> Sandbox:
         sb = self.get(id)
+        self.hibernation.discard(sb)  # a paused one: its saved memory goes, it is stopped
         sb.request_stop(timeout)
         return sb
 
     def kill(self, id: str) -> Sandbox:
         sb = self.get(id)
+        self.hibernation.discard(sb)
         sb.request_stop(0, force=True)
+        return sb
+
+    async def pause(self, id: str) -> Sandbox:
+        """Hibernate a ready sandbox (actors/hibernation.py)."""
+        sb = self.get(id)
+        await self.hibernation.pause(sb)
+        return sb
+
+    async def resume(self, id: str) -> Sandbox:
+        """Bring a paused sandbox back, as itself; returns once it is ready."""
+        sb = self.get(id)
+        await self.hibernation.resume(sb, warm=True)
         return sb
 
     def drain(self, id: str) -> Sandbox:
@@ -683,6 +707,8 @@ class Registry:
         del self.sandboxes[id]
         sb.emit(Action.REMOVED)
         with trio.CancelScope(shield=True):
+            if sb.state == State.PAUSED:
+                await self.hibernation.forget(sb)
             await self.forget(sb)
         self.snapshots.collect_soon()
 
@@ -841,7 +867,7 @@ class Registry:
             now = trio.current_time()
             for sb in list(self.sandboxes.values()):
                 timers = sb.config.timers
-                if timers.ephemeral and sb.stopped:
+                if timers.ephemeral and sb.stopped and sb.state != State.PAUSED:
                     self._remove_later(sb.id)
                     continue
                 if timers.ttl_seconds and now >= sb.born + timers.ttl_seconds:
@@ -858,8 +884,17 @@ class Registry:
                     and now - sb.last_activity >= idle
                     and not sb.stopped
                 ):
+                    if timers.on_idle == "pause":
+                        self.hibernation.pause_later(sb)
+                        continue
                     sb.log.append("system", b"idle timeout: stopping")
                     sb.request_stop(DEFAULT_STOP_TIMEOUT)
+                    continue
+                paused_ttl = timers.paused_ttl_seconds
+                if paused_ttl and sb.state == State.PAUSED and self.hibernation.paused_seconds(sb) >= paused_ttl:
+                    if sb.id not in self._removing:
+                        sb.log.append("system", b"paused ttl expired: removing")
+                    self._remove_later(sb.id)
 
     def _remove_later(self, id: str) -> None:
         if id in self._removing or self._lives is None:

@@ -188,6 +188,7 @@ class SnapshotRecord:
     address: str = ""  # tap: the origin's address, which a restore keeps when it is free
     vmstate: str = "vmstate"  # the stream's file name in ``dir`` (a converted snapshot has another)
     volume_generations: dict[str, int] = attrs.Factory(dict)  # its volumes' generations when taken
+    paused_for: str = ""  # a paused sandbox's hibernated state (its uid): hidden, gone at resume (issue 25)
 
     @property
     def layers(self) -> tuple[Path, ...]:
@@ -204,7 +205,7 @@ class SnapshotRecord:
 
     @property
     def hidden(self) -> bool:
-        return bool(self.template_key)
+        return bool(self.template_key or self.paused_for)
 
 
 def _pack(obj: Any) -> bytes:

@@ -697,6 +697,19 @@ async def _inspect_image(reg: Registry, io: CallIO, req: W.NameRequest) -> W.Ima
     return await trio.to_thread.run_sync(M.image, image, True)
 
 
+# -- hibernation (issue 25) ---------------------------------------------------------------
+@method("Pause", W.IdRequest)
+async def _pause(reg: Registry, io: CallIO, req: W.IdRequest) -> W.SandboxInfo:
+    """Hibernate a ready sandbox to disk; answers once it is paused (no QEMU)."""
+    return M.info(await reg.pause(req.id))
+
+
+@method("Resume", W.IdRequest)
+async def _resume(reg: Registry, io: CallIO, req: W.IdRequest) -> W.SandboxInfo:
+    """Bring a paused sandbox back as itself; answers once it is ready."""
+    return M.info(await reg.resume(req.id))
+
+
 # --- secrets (docs/secrets.md) ------------------------------------------------------------------
 @method("SetSecret", W.SetSecretRequest)
 async def _set_secret(reg: Registry, io: CallIO, req: W.SetSecretRequest) -> W.Empty:

@@ -60,6 +60,8 @@ CLIENT_COMMANDS = frozenset(
         "kill",
         "rm",
         "start",
+        "pause",
+        "resume",
         "ping",
         "touch",
         "ttl",
@@ -108,6 +110,16 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
     p.add_argument("--label", action="append", metavar="K=V")
     p.add_argument("--ttl", type=int, default=0, metavar="S")
     p.add_argument("--idle-timeout", type=int, default=0, metavar="S")
+    p.add_argument(
+        "--on-idle", choices=["stop", "pause"], default="stop", help="what the idle timeout does (pause: hibernate)"
+    )
+    p.add_argument("--paused-ttl", type=int, default=0, metavar="S", help="remove it after S seconds paused")
+    p.add_argument(
+        "--no-auto-resume",
+        dest="auto_resume",
+        action="store_false",
+        help="a paused sandbox refuses calls (FAILED_PRECONDITION) until resumed",
+    )
     p.add_argument(
         "--network",
         choices=["none", "tap", "user", "outbound"],
@@ -213,6 +225,8 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
         ("start", "boot a stopped sandbox again"),
         ("ping", "round trip to the guest agent"),
         ("touch", "count as activity (idle timeout)"),
+        ("pause", "hibernate to disk (no QEMU, no RAM; resumes as itself)"),
+        ("resume", "bring a paused sandbox back"),
     ):
         p = cmd(name, simple, help)
         p.add_argument("names", nargs="+", metavar="NAME")

@@ -71,6 +71,9 @@ async def _create(a: argparse.Namespace) -> AsyncSandbox:
         cmd=trailing_command(a),
         ttl=a.ttl,
         idle_timeout=a.idle_timeout,
+        on_idle=a.on_idle,
+        paused_ttl=a.paused_ttl,
+        auto_resume=a.auto_resume,
         network=a.network,
         outbound=a.outbound,
         egress=_egress(a),
@@ -351,6 +354,8 @@ def simple(a: argparse.Namespace) -> int:
 
                     end = int(c.call("SetTtl", {"id": name, "ttl_seconds": a.seconds})["expires_at"])
                     print(time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(end)) if end else "never")
+                elif a.command in ("pause", "resume"):
+                    print(f"{name}: {c.call(a.command.capitalize(), {'id': name})['state']}")
             except ApiError as exc:
                 if len(a.names) == 1:
                     raise

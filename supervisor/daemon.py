@@ -197,6 +197,7 @@ def _check(cfg: DaemonConfig) -> None:
             raise Refused(f"{name} {value}: must be more than 0 seconds")
     for name, n in (
         ("--max-sandboxes", cfg.max_sandboxes),
+        ("--max-paused", cfg.max_paused),
         ("--max-memory", cfg.max_memory_mib),
         ("--max-disk", cfg.max_disk_mib),
         ("--jail-overhead", cfg.jail_overhead_mib),
@@ -410,6 +411,7 @@ async def _serve_locked(cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Re
                         max_sandboxes=cfg.max_sandboxes,
                         max_memory_mib=cfg.max_memory_mib,
                         max_disk_mib=cfg.max_disk_mib,
+                        max_paused=cfg.max_paused,
                     ),
                     templates=cfg.templates,
                     template_pool=cfg.template_pool,

@@ -166,6 +166,9 @@ class DaemonConfig:
         f"(default {D.GUEST_TIMEOUT:g})",
     )
     max_sandboxes: int = flag(D.MAX_SANDBOXES, name="--max-sandboxes", type=int)  # live ones, warm pools' included
+    max_paused: int = flag(  # hibernated ones (issue 25): they hold disk, not RAM or a --max-sandboxes slot
+        0, name="--max-paused", type=int, help="paused sandboxes at once (0: no limit; they count against disk)"
+    )
     group: str | None = flag(
         None, name="--group", help="make the socket 0660 for this group (default: owner only, 0600)"
     )

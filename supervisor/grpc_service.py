@@ -148,6 +148,8 @@ BINDINGS: dict[str, tuple[Rpc, ...]] = {
         Rpc("FsRename", "FsRename"),
         Rpc("ExportSnapshot", "ExportSnapshot"),
         Rpc("ImportSnapshot", "ImportSnapshot"),
+        Rpc("Pause", "Pause"),
+        Rpc("Resume", "Resume"),
         Rpc("SetSecret", "SetSecret"),
         Rpc("ListSecrets", "ListSecrets"),
         Rpc("DeleteSecret", "DeleteSecret"),

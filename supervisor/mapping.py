@@ -88,7 +88,12 @@ def config(req: W.CreateSandboxRequest) -> SandboxConfig:
         workload=Workload(cmd=tuple(req.cmd), env=dict(req.env), working_dir=req.working_dir, user=req.user),
         ports=tuple(PortSpec(p.sandbox_port, p.host_port, protocol(p.protocol)) for p in req.ports),
         timers=Timers(
-            ttl_seconds=req.ttl_seconds, idle_timeout_seconds=req.idle_timeout_seconds, ephemeral=req.ephemeral
+            ttl_seconds=req.ttl_seconds,
+            idle_timeout_seconds=req.idle_timeout_seconds,
+            ephemeral=req.ephemeral,
+            on_idle=req.on_idle or "stop",
+            paused_ttl_seconds=req.paused_ttl_seconds,
+            auto_resume=not req.no_auto_resume,
         ),
         boot=BootSource(
             kernel=req.kernel,

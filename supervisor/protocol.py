@@ -275,6 +275,12 @@ class CreateSandboxRequest:
     scripts: dict[str, str] = attrs.field(factory=dict)  # named scripts, run by Run{script}
     tmpfs: list[TmpfsMount] = attrs.field(factory=list)  # sandvisor.v1.CreateRequest.tmpfs
     host_mounts: list[HostMount] = attrs.field(factory=list)  # sandvisor.v1.CreateRequest.host_mounts
+    # hibernation (issue 25): what the idle timeout does ("stop" or "pause"; "": stop), how
+    # long a paused sandbox is kept (0: until its TTL), whether calls and connections resume
+    # it (a zero default: proto3 cannot tell false from unset)
+    on_idle: str = ""
+    paused_ttl_seconds: int = 0
+    no_auto_resume: bool = False
     secrets: list[SecretSpec] = attrs.field(factory=list)  # sandvisor.v1.CreateRequest.secrets (docs/secrets.md)
     # the image's registry: credentials ("USER:PASSWORD", or a docker-style auth file's
     # content) and CA certificates (PEM), for the Create's pull only: never stored,

@@ -73,6 +73,22 @@ async def snapshot_memory(c: AsyncConnection, name: str) -> str:
     return memory
 
 
+async def pause_a(c: AsyncConnection) -> None:
+    """A ready sandbox paused (issue 25): a process counting in memory, a file on disk."""
+    await c.call("Create", {"id": "a"})
+    await wait_state(c, "a", "ready")
+    assert (await run(c, "a", MARK))[1] == 0
+    assert (
+        await run(c, "a", ["sh", "-c", "(while true; do echo x >> /run/alive; sleep 0.1; done) >/dev/null 2>&1 &"])
+    )[1] == 0
+    await c.call("Pause", {"id": "a"})
+
+
+async def resume_a(c: AsyncConnection) -> None:
+    await pause_a(c)
+    await c.call("Resume", {"id": "a"})
+
+
 async def remove_a(c: AsyncConnection) -> None:
     await c.call("Create", {"id": "a"})
     await wait_state(c, "a", "ready")
@@ -91,7 +107,12 @@ SCENARIOS: dict[str, tuple[list[str], Callable[[AsyncConnection], Awaitable[None
     "pool-fill": (["--template-pool", "1"], create_a),
     "remove": (["--no-templates"], remove_a),
     "convert": ([], checkpoint_a_default),
+    "pause-saved": ([], pause_a),
+    "pause-stopping": ([], pause_a),
+    "resume-loaded": ([], resume_a),
 }
+# a crash in a pause or a resume leaves the sandbox running or paused, never lost (issue 25)
+PAUSE_STATES = {"pause-saved": "ready", "pause-stopping": "paused", "resume-loaded": "paused"}
 RESTART_ARGS = {"pool-fill": []}
 
 
@@ -140,6 +161,12 @@ def test_a_crash_at_each_step_leaves_nothing_behind(image: Image, step: str) -> 
             info = await c.call("Inspect", {"id": "a"})
             if step == "checkpoint-swap":  # its QEMU was paused mid-checkpoint: killed, the disk kept
                 assert info["state"] == "failed" and "checkpointed" in info["error"], info
+            if step in PAUSE_STATES:
+                assert info["state"] == PAUSE_STATES[step], info
+                if info["state"] == "paused":
+                    info = await c.call("Resume", {"id": "a"})
+                # its processes came back with it (not a fresh boot): the loop's file is there
+                assert (await run(c, "a", ["test", "-s", "/run/alive"]))[1] == 0
             if info["state"] != "ready":
                 await c.call("Start", {"id": "a"})
                 await wait_state(c, "a", "ready")

@@ -48,6 +48,7 @@ def test_a_config_said_as_flags_parses_back_to_itself(tmp_path: Path) -> None:
         jail_uids=(2000000000, 1024),
         guest_timeout=7.0,
         max_sandboxes=3,
+        max_paused=5,
         group="wheel",
         qemu_user="",
         expose_address="0.0.0.0",

@@ -78,6 +78,9 @@ async def _full_disk(work: Workdir) -> None:
         # what needs space is refused, with the limit named
         assert "MiB free" in await expect("RESOURCE_EXHAUSTED", c.call("Create", {"id": "b"}))
         await expect("RESOURCE_EXHAUSTED", c.call("Checkpoint", {"sandbox_id": "a"}))
+        # a pause is refused before anything stops: the sandbox keeps running (issue 25)
+        await expect("RESOURCE_EXHAUSTED", c.call("Pause", {"id": "a"}))
+        assert (await c.call("Inspect", {"id": "a"}))["state"] == "ready"
         # the sandbox runs on: its output reaches the caller, its log drops and counts
         out, code = await run(c, "a", ["sh", "-c", "seq 1 50000"])
         assert (code, out.count(b"\n")) == (0, 50000)

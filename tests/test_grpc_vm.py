@@ -317,6 +317,21 @@ async def _lifecycle(
         "empty": b"|750",
     }, back
 
+    # --- u: Pause and Resume (sandvisor.v1); a seed client's Inspect and List say "paused" ---
+    paused = await in_thread(ours.Pause, sv.PauseRequest(id="u"), timeout=300)
+    assert paused.state == "paused" and reg.get("u").guest is None
+    assert (await in_thread(s.Inspect, spb.InspectSandboxRequest(id="u"))).state == "paused"
+    listed = await in_thread(s.List, spb.ListSandboxesRequest(state="paused"))
+    assert [x.id for x in listed.sandboxes] == ["u"]
+    resumed = await in_thread(ours.Resume, sv.ResumeRequest(id="u"), timeout=300)
+    assert resumed.state == "ready" and resumed.id == "u"
+    assert (
+        b"".join(
+            o.data for o in await in_thread(lambda: list(s.Run(spb.RunRequest(id="u", cmd=["cat", "/srv/tree/a.txt"]))))
+        )
+        == b"alpha\n"
+    )
+
     # --- u: ExposePort (the seed's RPC on a sandvisor.v1 sandbox), reached from the host ---
     exposed = await in_thread(s.ExposePort, spb.ExposePortRequest(id="u", sandbox_port=8000))
     assert exposed.host_port and exposed.guest_port == 8000

@@ -118,6 +118,29 @@ def create_ram_file(directory: Path, name: str, size: int, identity: Identity | 
         os.close(dfd)
 
 
+def own_memory(path: Path, identity: Identity) -> int:
+    """A paused sandbox's saved memory (issue 25) for its resume's QEMU: the file itself,
+    given to ``identity`` (QEMU 7.2 reopens it read-write) and opened ``O_RDWR`` for
+    ``mem-path=/proc/self/fd/N``; QEMU maps it ``MAP_PRIVATE`` (it never writes it). No
+    sealed copy: nothing else restores from it, and it goes once the guest is back."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as exc:
+        raise MemoryFileError(f"cannot open saved memory {path}: {exc.strerror}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise MemoryFileError(f"saved memory {path} is not a regular file")
+        os.fchown(fd, identity.uid, identity.gid)
+        os.fchmod(fd, 0o600)
+    except OSError as exc:
+        os.close(fd)
+        raise MemoryFileError(f"cannot prepare saved memory {path}: {exc.strerror}") from None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def remove_ram_file(directory: Path, name: str) -> None:
     dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:

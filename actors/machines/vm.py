@@ -340,6 +340,10 @@ async def _running(
                     if stream is not None:  # connected as QEMU exited: ours to close
                         await trio.aclose_forcefully(stream)
                     raise BootError(f"QEMU exited during boot: {vm.describe_exit()}", vm.console.text())
+                if adopted and await vm.status() != "running":
+                    # a supervisor killed in a pause (issue 25) left its guest stopped,
+                    # saved; the record still said ready: it runs on (the pause never was)
+                    await vm.qmp_execute("cont")
                 if spec.restore is not None and not adopted:
                     # connected first: the port's host side is open as the state loads, as
                     # the stream recorded it, so the resumed guest handles no close and

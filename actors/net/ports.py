@@ -85,7 +85,14 @@ class PortRelays:
     ``nursery``, the life's), each relay in its own cancel scope (Unexpose cancels it)."""
 
     def __init__(
-        self, settings: Settings, guest: Guest, net: NetConfig | None, *, jailed: bool, nursery: trio.Nursery
+        self,
+        settings: Settings,
+        guest: Guest,
+        net: NetConfig | None,
+        *,
+        jailed: bool,
+        nursery: trio.Nursery,
+        held: Callable[[PortSpec], socket.socket | None] | None = None,
     ) -> None:
         self.settings = settings
         self.guest = guest
@@ -93,6 +100,7 @@ class PortRelays:
         self.jailed = jailed
         self._nursery = nursery
         self._relays: dict[tuple[int, Protocol], trio.CancelScope] = {}
+        self._held = held  # a resumed sandbox's listeners, held while it was paused (issue 25)
 
     async def forward(self, pm: PortSpec, *, relay_only: bool = False) -> PortSpec:
         """Forward ``pm``; the host port it got."""
@@ -143,7 +151,7 @@ class PortRelays:
         addr = self.settings.expose_address
         kind = socket.SOCK_DGRAM if pm.protocol == Protocol.UDP else socket.SOCK_STREAM
         try:
-            listener = bind_listener(addr, pm.host_port, kind)
+            listener = (self._held(pm) if self._held is not None else None) or bind_listener(addr, pm.host_port, kind)
         except PortInUse:
             raise AlreadyExists(f"host port {pm.host_port}/{pm.protocol} is in use on {addr}") from None
         host_port = int(listener.getsockname()[1])

@@ -67,6 +67,7 @@ from actors.errors import (
     Unimplemented,
 )
 from actors.machines.disk import backing_chain, check_user_disk, virtual_size
+from actors.machines.guestmem import own_memory
 from actors.machines.machine import Placement
 from actors.machines.qemuproc import AdoptedProcess, MachineError
 from actors.machines.qemuspec import Volume
@@ -127,6 +128,7 @@ class Resume:
     accepted: float = 0.0
     # (snapshot, why, transient): transient = the guest did not answer in time
     fallback: Callable[[SnapshotRecord, str, bool], None] | None = None
+    wake: bool = False  # a paused sandbox's own saved state: it resumes as itself (issue 25)
 
 
 @attrs.frozen
@@ -165,6 +167,7 @@ class Life:
         self.link: SandboxLink | None = None  # its host link (tap; a jail's uplink)
         self.ports: PortRelays | None = None  # its forwards and relays, while the guest is up
         self.detaching = False  # it lets go of QEMU instead of stopping it
+        self.pausing = False  # it ends for a pause: the volume claims stay (issue 25)
         self.guest_hostname = ""  # what the fixups last set in its guest
         self._launched: Guest | None = None
         self._ram_fd = -1  # the guest RAM's descriptor for QEMU (a cell's), until QEMU maps it
@@ -212,7 +215,10 @@ class Life:
                 nursery = await self._stack.enter_async_context(trio.open_nursery())
                 self._stack.callback(nursery.cancel_scope.cancel)  # (first out: the relays end)
                 jailed = self.cell is not None
-                self.ports = PortRelays(self.sb.settings, guest, self.sb.network, jailed=jailed, nursery=nursery)
+                held = self.sb.take_held_port  # a resumed sandbox's listeners
+                self.ports = PortRelays(
+                    self.sb.settings, guest, self.sb.network, jailed=jailed, nursery=nursery, held=held
+                )
                 if self.sb.config.secrets and self.link is not None:  # its proxy, before the guest runs anything
                     await nursery.start(secrets.SecretsOfLife(self.sb, self.link).run)
                 if isinstance(self.plan, Resume):
@@ -276,8 +282,12 @@ class Life:
 
     def _close_link(self) -> None:
         link, self.link = self.link, None
-        if link is not None:
-            link.detach() if self.detaching else link.close()
+        if link is None:
+            return
+        if self.pausing and link.tap_fd is not None and not link.closed:
+            self.sb.held_link = link  # paused: the TAP stays, its queue holds what comes for the guest
+            return
+        link.detach() if self.detaching else link.close()
 
     def _close_cell(self) -> None:
         """The cell, the run dir, the record's life (kept when detached: QEMU runs on)."""
@@ -316,7 +326,11 @@ class Life:
             await files.overlay_on(base)
         run_dir = files.new_run_dir()
         volumes = self._claim_volumes()
-        self.link, uplink = netlink.open_link(s, sb.config.network, sb.record.uid, run_dir)
+        held = sb.take_held_link() if isinstance(plan, Resume) and plan.wake else None  # paused: its TAP
+        if held is not None:
+            self.link, uplink = held, None
+        else:
+            self.link, uplink = netlink.open_link(s, sb.config.network, sb.record.uid, run_dir)
         fds: dict[str, int] = {}
         if self.link is not None and self.link.tap_fd is not None:
             fds[TAP_FD] = self.link.tap_fd  # (the link keeps it; QEMU gets its own copy)
@@ -477,6 +491,12 @@ class Life:
         size = plan.snapshot.machine.memory_mib if isinstance(plan, Resume) else sb.limits.memory_mib
         if isinstance(plan, Resume) and plan.snapshot.memory == MemoryKind.MAPPED:
             snap = plan.snapshot
+            if cell is not None and plan.wake:
+                # a paused sandbox's own saved memory, read by this resume alone (no clone
+                # shares it, and no other jail can reach it): mapped privately from the
+                # file itself, loaded by page faults -- not first copied into a memfd
+                self._ram_fd = own_memory(snap.path / "memory", cell.identity)
+                return snap.path / "memory", False
             if cell is not None:
                 self._ram_fd = cell.cells.sealed.acquire(snap.id, snap.path / "memory")
                 self._sealed = snap.id
@@ -523,7 +543,8 @@ class Life:
             return ()
         if sb.volumes is None:
             raise FailedPrecondition("this supervisor has no volumes")
-        return sb.volumes.claim(sb.record.uid, sb.id, mounts)
+        woken = isinstance(self.plan, Resume) and self.plan.wake  # claimed since before its pause
+        return sb.volumes.claim(sb.record.uid, sb.id, mounts, adopted=woken)
 
     async def _release_volumes(self) -> None:
         """After the reap (or the detach: QEMU runs on with them, the claims go with us)."""
@@ -532,6 +553,8 @@ class Life:
             return
         if self.detaching:
             sb.volumes.release(sb.record.uid)
+            return
+        if self.pausing:  # a paused guest has them mounted: they stay claimed (checked at its end)
             return
         for note in await sb.volumes.release_checked(sb.record.uid):
             sb.log.append("system", note.encode())

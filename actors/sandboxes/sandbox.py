@@ -8,6 +8,13 @@ State machine (``sandbox.v1``)::
        |                                  \\
        +--> failed (boot failed, QEMU died, the guest broke the channel)
 
+    ready --(Pause)--> paused --(Resume, or auto-resume)--> ready     (issue 25)
+
+A pause saves the guest (``hibernate``: a checkpoint that leaves it stopped), the
+registry records it paused, then its life ends (``end_for_pause``): no QEMU, no RAM.
+A resume is a life with a ``Resume(wake=True)`` plan: the record says "paused" until
+the guest is back and ready; a resume that fails leaves it paused (with its error).
+
 Events: created (by the registry), ready, running, idle (exit_code), stopping,
 stopped (exit_code), failed (error), removed (by the registry).
 
@@ -28,6 +35,7 @@ one :class:`_Run`, made fresh by ``start``. The sandbox owns its log and record.
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from ipaddress import IPv4Address
@@ -39,6 +47,7 @@ import trio
 
 from actors.cells.cell import Cell
 from actors.channel.guest import GuestError
+from actors.crash import crash_point
 from actors.errors import DomainError, FailedPrecondition, Internal
 from actors.events import EventBus
 from actors.machines.qemuproc import MachineError
@@ -58,6 +67,7 @@ from actors.model import (
 )
 from actors.net import netlink
 from actors.net.egress import EgressPolicy
+from actors.net.hostnet import SandboxLink
 from actors.net.ports import Exposed
 from actors.sandboxes.files import SandboxFiles
 from actors.sandboxes.life import (
@@ -100,6 +110,9 @@ class _Run:
     scope: trio.CancelScope | None = None  # while it runs
     work: trio.Nursery | None = None  # the serving life's tasks (its watch, the initial cmd)
     timings: dict[str, float] = attrs.Factory(dict)  # monotonic: the cold-start breakdown
+    pausing: bool = False  # it ends for a pause (the record says paused already)
+    waking: bool = False  # a paused sandbox resuming: paused until it serves
+    served: bool = False  # it reached ready (or resumed)
 
 
 class Sandbox:
@@ -136,6 +149,12 @@ class Sandbox:
         self.born = trio.current_time() - max(0.0, time.time() - record.created_at)
         self._ckpt = Checkpoints(record, store, files, settings, self.log)
         self._exposed = Exposed(record, store)
+        # hibernation (issue 25; actors/hibernation.py): the listeners of its ports held
+        # while paused, and who resumes it when a call needs its guest
+        self.held_ports: dict[tuple[int, Protocol], socket.socket] = {}
+        self.held_link: SandboxLink | None = None  # a paused tap sandbox's TAP (its queue)
+        self.waker: Callable[[Sandbox], Awaitable[None]] | None = None
+        self.hibernating = False  # a pause is under way (a call needing the guest waits for it, then resumes)
 
     # -- identity ------------------------------------------------------------
     @property
@@ -237,6 +256,11 @@ class Sandbox:
             self._events.emit(self.id, action, attributes)
 
     def _fail(self, error: str) -> None:
+        if self._run.waking and not self._run.served:  # a resume that failed: it stays paused
+            log.warning("sandbox %s did not resume: %s", self.id, error)
+            self.log.append("system", f"resume failed: {error}".encode())
+            self._set(State.PAUSED, error=f"resume failed: {error}")
+            return
         log.warning("sandbox %s failed: %s", self.id, error)
         self.log.append("system", f"failed: {error}".encode())
         self._set(State.FAILED, error=error)
@@ -256,7 +280,8 @@ class Sandbox:
         off -- or, detached (the supervisor exits and leaves sandboxes running), let go
         of QEMU with its record as it is, for the next supervisor."""
         run = self._run
-        if not isinstance(plan, Adopt):
+        run.waking = isinstance(plan, Resume) and plan.wake
+        if not isinstance(plan, Adopt) and not run.waking:
             self._set(State.STARTING, error="", qemu_pid=0)
         run.timings = {"accepted": plan.accepted or time.monotonic()}
         try:
@@ -282,6 +307,8 @@ class Sandbox:
             run.ready.set()
             if run.detached:
                 self.log.append("system", b"detached: QEMU runs on for the next supervisor")
+            elif self.state == State.PAUSED:  # paused (or a resume that did not come back)
+                self._set(State.PAUSED, qemu_pid=0)
             elif self.state != State.FAILED:
                 self._set(State.STOPPED, qemu_pid=0)
                 self.emit(Action.STOPPED, exit_code=str(self.record.last_exit_code))
@@ -334,7 +361,11 @@ class Sandbox:
             if self.config.secrets:  # every boot and restore (a clone has a CA of its own)
                 await life.install_ca(guest)
             await life.apply_ports()  # ports given at create (or exposed before a stop) come first
-            self._set(State.READY, ready_at=int(time.time()), qemu_pid=guest.machine.pid or 0)
+            if run.waking:
+                crash_point("resume-loaded")
+            ready_at = self.record.ready_at if run.waking and self.record.ready_at else int(time.time())
+            self._set(State.READY, ready_at=ready_at, qemu_pid=guest.machine.pid or 0, error="")
+            run.served = True
             # on disk before anyone hears of it: a supervisor killed right after a client
             # saw "ready" adopts the sandbox (the record said "starting": it was killed)
             with trio.move_on_after(READY_FLUSH_TIMEOUT):
@@ -342,8 +373,8 @@ class Sandbox:
                     await self.store.flush()
                 except DomainError as exc:  # a full disk: it runs, but a restart will not keep it
                     self.log.append("system", f"ready, not stored: {exc.message}".encode())
-            self.log.append("system", b"ready")
-            self.emit(Action.READY)
+            self.log.append("system", b"resumed" if run.waking else b"ready")
+            self.emit(Action.RESUMED if run.waking else Action.READY)
         run.timings["ready_event"] = time.monotonic()
         run.ready.set()
         self.last_activity = trio.current_time()
@@ -359,7 +390,10 @@ class Sandbox:
             finally:
                 run.work = None
             nursery.cancel_scope.cancel()
-        if self.state == State.FAILED or run.detached:
+        if self.state in (State.FAILED, State.PAUSED) or run.detached:
+            if run.pausing and guest.machine.proc is not None:  # saved and stopped: nothing to wait for
+                guest.channel.expect_eof()
+                guest.machine.proc.kill()
             return
         self._set(State.STOPPING)
         if run.force and guest.machine.proc is not None:
@@ -437,6 +471,54 @@ class Sandbox:
         self._run.detached = True
         self.life.detach()
         self._run.stop.set()
+
+    # -- hibernation (issue 25; the sequence is actors/hibernation.py's) -------------------
+    async def hibernate(self, snap_dir: Path) -> Checkpoint:
+        """Save this sandbox into ``snap_dir`` for a pause: as :meth:`checkpoint`, but
+        the guest stays stopped after it (its life ends next, :meth:`end_for_pause`)."""
+        guest = self.check_checkpointable()
+        try:
+            return await self._ckpt.take(guest, snap_dir, stay_paused=True)
+        except CheckpointLost as exc:
+            self._fail(str(exc))
+            self._run.stop.set()
+            raise Internal(f"pause of {self.id} failed: {exc}") from None
+
+    def mark_paused(self) -> None:
+        """The record says paused (its saved state is recorded); the life ends next."""
+        self._run.pausing = True
+        self._set(State.PAUSED, error="")
+
+    def end_for_pause(self) -> None:
+        """End the life of a saved, stopped guest: QEMU is killed (nothing runs past the
+        saved state), the volume claims stay, no stopping/stopped events."""
+        run, life = self._run, self.life
+        run.pausing = run.force = True
+        if life is not None:
+            life.pausing = True
+        run.stop.set()
+        guest = self.guest
+        if guest is None and run.scope is not None:
+            run.scope.cancel()
+
+    def take_held_port(self, pm: PortSpec) -> socket.socket | None:
+        """The listener of ``pm``'s host port held while it was paused, handed to the
+        resumed life's relay (None: the life binds its own)."""
+        return self.held_ports.pop(pm.key, None)
+
+    def take_held_link(self) -> SandboxLink | None:
+        """The TAP held while it was paused, for the resumed life (None: it opens one)."""
+        link, self.held_link = self.held_link, None
+        return link if link is not None and not link.closed else None
+
+    async def awake(self) -> None:
+        """A call that needs the guest: a paused sandbox is resumed first (auto-resume),
+        or FAILED_PRECONDITION when it was created with auto-resume off."""
+        if self.state != State.PAUSED and not self.hibernating:
+            return
+        if not self.config.timers.auto_resume or self.waker is None:
+            raise FailedPrecondition(f"sandbox {self.id} is paused (auto-resume is off): resume it first")
+        await self.waker(self)
 
     def drain(self) -> None:
         """No new work; work in flight finishes, however long it takes; then stop."""
@@ -556,6 +638,7 @@ class Sandbox:
             self.record.last_exited_at, self.record.last_exit_code = int(time.time()), code
 
     async def guest_call(self, fn: Callable[[Guest], Awaitable[T]]) -> T:
+        await self.awake()
         await self._ckpt.wait_idle()  # short calls wait out a checkpoint's pause
         guest = self.require_alive()
         try:
@@ -590,12 +673,16 @@ class Sandbox:
     async def expose(self, sandbox_port: int, host_port: int, protocol: Protocol) -> PortSpec:
         """Forward ``sandbox_port`` from ``host_port`` (0: one is picked); see
         :meth:`Exposed.expose`."""
+        await self.awake()
         self.require_alive()
         relays = self.life.ports if self.life is not None else None
         return await self._exposed.expose(PortSpec(sandbox_port, host_port, protocol), self.network, relays)
 
     async def unexpose(self, sandbox_port: int, protocol: Protocol) -> None:
         life = self.life
+        held = self.held_ports.pop((sandbox_port, protocol), None)
+        if held is not None:  # paused: its host port is released now
+            held.close()
 
         def serving() -> bool:
             return life is not None and life.guest is not None and self.state in ALIVE

@@ -107,6 +107,7 @@ class Workloads:
         """A Run: the sandbox goes running, output streams as (stream, data, None), the
         last item is ("exit", b"", code); then back to ready with an idle event."""
         sb = self.sb
+        await sb.awake()  # a paused sandbox resumes first (issue 25)
         guest = sb.require_alive()
         if sb.state == State.RUNNING:
             raise FailedPrecondition(f"sandbox {sb.id} is running a workload already")
@@ -160,6 +161,7 @@ class Workloads:
     ) -> AsyncIterator[ExecHandle]:
         """An exec session: interactive access beside the workload (no state change)."""
         sb = self.sb
+        await sb.awake()
         guest = sb.require_alive()
         if not argv:
             raise InvalidArgument("cmd must not be empty")
@@ -187,6 +189,7 @@ class Workloads:
     @asynccontextmanager
     async def read_file(self, path: str) -> AsyncIterator[FileReadStream]:
         """A file of the guest, as a stream of chunks."""
+        await self.sb.awake()
         guest = self.sb.require_alive()
         try:
             async with guest.channel.read_file(path) as f:
@@ -201,6 +204,7 @@ class Workloads:
     @asynccontextmanager
     async def read_tree(self, path: str) -> AsyncIterator[TreeReadStream]:
         """The guest directory ``path`` as one tar stream (see GuestChannel.read_tree)."""
+        await self.sb.awake()
         guest = self.sb.require_alive()
         try:
             async with guest.channel.read_tree(path) as tar:

@@ -49,18 +49,19 @@ class Checkpoints:
         """Until no checkpoint is under way."""
         await self._done.wait()
 
-    async def take(self, guest: Guest, snap_dir: Path) -> Checkpoint:
-        """Save ``guest`` into ``snap_dir``; it runs on afterwards."""
+    async def take(self, guest: Guest, snap_dir: Path, *, stay_paused: bool = False) -> Checkpoint:
+        """Save ``guest`` into ``snap_dir``; it runs on afterwards (``stay_paused``: it
+        stays stopped, for a pause that ends its QEMU next)."""
         async with self._lock:
             self.active = True
             self._done = trio.Event()
             try:
-                return await self._take(guest, snap_dir)
+                return await self._take(guest, snap_dir, stay_paused)
             finally:
                 self.active = False
                 self._done.set()
 
-    async def _take(self, guest: Guest, snap_dir: Path) -> Checkpoint:
+    async def _take(self, guest: Guest, snap_dir: Path, stay_paused: bool = False) -> Checkpoint:
         rec, store = self.record, self.store
         # requests in flight (metrics, files) finish first: a request sitting in the
         # guest's queue at the pause would run again in every restore
@@ -91,6 +92,7 @@ class Checkpoints:
                 user=None if self.settings.cells is not None else self.settings.qemu_user,
                 chain=tuple(rec.chain),
                 on_frozen=frozen,
+                stay_paused=stay_paused,
             )
         except (MachineError, OSError) as exc:
             self._void_journal()

@@ -52,7 +52,8 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from contextlib import asynccontextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -64,6 +65,7 @@ from actors.cells.jail import JailError
 from actors.crash import crash_point
 from actors.durable import fsync_dir
 from actors.errors import DomainError, FailedPrecondition, InvalidArgument, NotFound
+from actors.machines.machine import Machine
 from actors.machines.qemuproc import MachineError, QemuUser, unsearchable_parent
 from actors.machines.vm import Guest, NetConfig, VmSpec
 from actors.model import ImageUse, MemoryKind, NetMode, SandboxConfig
@@ -112,6 +114,7 @@ async def checkpoint_guest(
     user: QemuUser | None,
     chain: tuple[str, ...] = (),
     on_frozen: Callable[[Path], None] | None = None,
+    stay_paused: bool = False,
 ) -> Checkpoint:
     """Save a running guest into ``snap_dir`` (which exists and is empty) and let it run
     on. Its disk (``files.disk``) is frozen into ``snap_dir/disk.qcow2`` and the guest
@@ -121,7 +124,9 @@ async def checkpoint_guest(
     and block node); after it, the guest runs on the new overlay and ``snap_dir`` holds
     the disk it stands on (the caller's collector keeps it while used): ``on_frozen``
     is told at once, so the sandbox's recorded chain is never behind its disk.
-    ``chain``: the layers below the current disk (they become the frozen disk's)."""
+    ``chain``: the layers below the current disk (they become the frozen disk's).
+    ``stay_paused``: the guest stays stopped after a checkpoint that succeeded (a pause
+    ends its QEMU next: nothing runs past the saved state); a failure lets it run."""
     m = guest.machine
     spec = m.spec
     mapped = spec.memory_file is not None and spec.memory_shared
@@ -132,7 +137,7 @@ async def checkpoint_guest(
     try:
         staged = await m.stage_disk(await files.stage_next_disk(frozen))
         vm_fd = os.open(snap_dir / "vmstate", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        async with m.paused() as t0:
+        async with _stopped(m, stay_paused) as t0:
             await m.switch_disk(staged)
             files.swap_disks(frozen)  # the guest is paused: nobody sees the two names change
             frozen_done = True
@@ -171,6 +176,27 @@ async def checkpoint_guest(
         balloon=spec.balloon,
     )
     return Checkpoint(MemoryKind.MAPPED if mapped else MemoryKind.STREAMED, paused, sizes, mem_stat, machine, chain)
+
+
+@asynccontextmanager
+async def _stopped(m: Machine, stay: bool) -> AsyncIterator[float]:
+    """The guest stopped for the block (``Machine.paused``); ``stay``: it runs again only
+    if the block fails."""
+    if not stay:
+        async with m.paused() as t0:
+            yield t0
+        return
+    await m.qmp_execute("stop")
+    t0 = time.monotonic()
+    try:
+        yield t0
+    except BaseException:
+        with trio.CancelScope(shield=True):
+            try:
+                await m.qmp_execute("cont")
+            except MachineError as exc:
+                log.warning("%s: cont after a failed pause: %s", m.name, exc)
+        raise
 
 
 async def still_running(guest: Guest) -> bool:
@@ -366,6 +392,7 @@ class SnapshotStore:
         oci: ImageUse | None = None,
         address: str = "",
         volume_generations: dict[str, int] | None = None,
+        paused_for: str = "",
     ) -> tuple[SnapshotRecord, Checkpoint]:
         """Checkpoint a sandbox into a new directory (``checkpoint(dir)``: the sandbox's
         own, guarded sequence) and record it, with ``config`` (default: the origin's)
@@ -404,6 +431,7 @@ class SnapshotStore:
             chain=ck.chain,
             address=address,
             volume_generations=dict(volume_generations or {}),
+            paused_for=paused_for,
         )
         crash_point("template-checkpoint" if template_key else "snapshot-record")
         self.store.insert_snapshot(rec)
@@ -477,6 +505,23 @@ class SnapshotStore:
         if self.snapshots.get(rec.id) is rec:
             self.store.delete_snapshot(rec.uid)
             del self.snapshots[rec.id]
+        self.collect_soon()
+
+    def retire(self, rec: SnapshotRecord) -> None:
+        """A paused sandbox's saved state once it resumed (or went): the record goes,
+        and its memory and streams with it; the directory stays while its frozen disk is
+        a layer of the sandbox's chain (the collector removes it after)."""
+        self._stop_converting(rec)
+        if self.snapshots.get(rec.id) is rec:
+            self.store.delete_snapshot(rec.uid)
+            del self.snapshots[rec.id]
+        try:
+            names = os.listdir(rec.path)
+        except OSError:
+            names = []
+        for n in names:
+            if n == "memory" or n.startswith("vmstate"):
+                (rec.path / n).unlink(missing_ok=True)
         self.collect_soon()
 
     async def delete(self, rec: SnapshotRecord) -> None:

@@ -324,6 +324,19 @@ def start(t: Target, *, wait: bool = True, timeout: float = 120.0) -> Plan[None]
         yield from _wait_ready(t.id, timeout)
 
 
+def pause(t: Target) -> Plan[SandboxInfo]:
+    """Hibernate to disk (issue 25): no QEMU, no RAM; id, address, ports, processes and
+    memory come back with :meth:`resume` (or with the next call that needs the guest)."""
+    info: SandboxInfo = yield Unary("Pause", _id(t), SandboxInfo)
+    return info
+
+
+def resume(t: Target) -> Plan[SandboxInfo]:
+    """Bring a paused sandbox back, as itself; returns once it is ready."""
+    info: SandboxInfo = yield Unary("Resume", _id(t), SandboxInfo)
+    return info
+
+
 def remove(t: Target, *, force: bool = False) -> Plan[None]:
     """Remove (``force``: stop it first if it runs)."""
     yield Unary("Remove", W.RemoveSandboxRequest(id=t.id, force=force), W.Empty)
@@ -823,6 +836,8 @@ class SandboxMethods:
     unexpose = op(unexpose)
     ports = op(ports)
     checkpoint = op(checkpoint)
+    pause = op(pause)
+    resume = op(resume)
     rotate_secret = op(rotate_secret)
     revoke_secret = op(revoke_secret)
     secrets = op(secrets)

@@ -96,11 +96,18 @@ class Network:
 @attrs.frozen(kw_only=True)
 class Lifetime:
     """``ttl``: seconds until the sandbox is removed; ``idle_timeout``: seconds without
-    activity until it stops; ``ephemeral``: removed once it stops. 0/False: never."""
+    activity until it stops; ``ephemeral``: removed once it stops. 0/False: never.
+    Hibernation (issue 25): ``on_idle="pause"`` pauses it at the idle timeout instead
+    (no QEMU, no RAM; it resumes as itself); ``paused_ttl``: seconds a paused sandbox is
+    kept (0: until its ``ttl``); ``auto_resume``: a call that needs the guest, or a
+    connection to an exposed port, resumes it (False: FailedPrecondition instead)."""
 
     ttl: int = 0
     idle_timeout: int = 0
     ephemeral: bool = False
+    on_idle: Literal["stop", "pause"] = "stop"
+    paused_ttl: int = 0
+    auto_resume: bool = True
 
 
 @attrs.frozen(kw_only=True)
@@ -288,6 +295,9 @@ class Settings(TypedDict, total=False):
     ttl: int
     idle_timeout: int
     ephemeral: bool
+    on_idle: Literal["stop", "pause"]
+    paused_ttl: int
+    auto_resume: bool
     image: str
     pull: Literal["", "always", "if-missing", "never"]
     tls_verify: bool
@@ -356,6 +366,9 @@ class SandboxSpec:
                 ttl=s.get("ttl", life.ttl),
                 idle_timeout=s.get("idle_timeout", life.idle_timeout),
                 ephemeral=s.get("ephemeral", life.ephemeral),
+                on_idle=s.get("on_idle", life.on_idle),
+                paused_ttl=s.get("paused_ttl", life.paused_ttl),
+                auto_resume=s.get("auto_resume", life.auto_resume),
             ),
             patches=s.get("patches", self.patches),
             volumes=_mounts(s.get("volumes", self.volumes)),
@@ -395,6 +408,9 @@ class SandboxSpec:
             scripts=dict(self.scripts),
             tmpfs=[W.TmpfsMount(m.path, m.size_mib) for m in self.tmpfs],
             host_mounts=[W.HostMount(m.source, m.path, m.writable) for m in self.mounts],
+            on_idle="" if self.lifetime.on_idle == "stop" else self.lifetime.on_idle,
+            paused_ttl_seconds=self.lifetime.paused_ttl,
+            no_auto_resume=not self.lifetime.auto_resume,
             secrets=[s.spec() for s in self.secrets],
         )
 

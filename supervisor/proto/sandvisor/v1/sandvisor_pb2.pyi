@@ -7,6 +7,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class PauseRequest(_message.Message):
+    __slots__ = ("id",)
+    ID_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    def __init__(self, id: _Optional[str] = ...) -> None: ...
+
+class ResumeRequest(_message.Message):
+    __slots__ = ("id",)
+    ID_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    def __init__(self, id: _Optional[str] = ...) -> None: ...
+
 class ReadTreeRequest(_message.Message):
     __slots__ = ("id", "path")
     ID_FIELD_NUMBER: _ClassVar[int]
@@ -133,7 +145,7 @@ class HostMount(_message.Message):
     def __init__(self, source: _Optional[str] = ..., target: _Optional[str] = ..., writable: _Optional[bool] = ...) -> None: ...
 
 class CreateRequest(_message.Message):
-    __slots__ = ("base", "idle_timeout_seconds", "hostname", "ephemeral", "ports", "outbound", "volumes", "image_pull", "image_tls_verify", "patches", "scripts", "tmpfs", "host_mounts", "secrets", "egress", "image_creds", "image_auth_json", "image_ca_pem")
+    __slots__ = ("base", "idle_timeout_seconds", "hostname", "ephemeral", "ports", "outbound", "volumes", "image_pull", "image_tls_verify", "patches", "scripts", "tmpfs", "host_mounts", "on_idle", "paused_ttl_seconds", "no_auto_resume", "secrets", "egress", "image_creds", "image_auth_json", "image_ca_pem")
     class ScriptsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -154,6 +166,9 @@ class CreateRequest(_message.Message):
     SCRIPTS_FIELD_NUMBER: _ClassVar[int]
     TMPFS_FIELD_NUMBER: _ClassVar[int]
     HOST_MOUNTS_FIELD_NUMBER: _ClassVar[int]
+    ON_IDLE_FIELD_NUMBER: _ClassVar[int]
+    PAUSED_TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NO_AUTO_RESUME_FIELD_NUMBER: _ClassVar[int]
     SECRETS_FIELD_NUMBER: _ClassVar[int]
     EGRESS_FIELD_NUMBER: _ClassVar[int]
     IMAGE_CREDS_FIELD_NUMBER: _ClassVar[int]
@@ -172,12 +187,15 @@ class CreateRequest(_message.Message):
     scripts: _containers.ScalarMap[str, str]
     tmpfs: _containers.RepeatedCompositeFieldContainer[TmpfsMount]
     host_mounts: _containers.RepeatedCompositeFieldContainer[HostMount]
+    on_idle: str
+    paused_ttl_seconds: int
+    no_auto_resume: bool
     secrets: _containers.RepeatedCompositeFieldContainer[SecretSpec]
     egress: EgressPolicy
     image_creds: str
     image_auth_json: bytes
     image_ca_pem: bytes
-    def __init__(self, base: _Optional[_Union[_sandbox_pb2.CreateSandboxRequest, _Mapping]] = ..., idle_timeout_seconds: _Optional[int] = ..., hostname: _Optional[str] = ..., ephemeral: _Optional[bool] = ..., ports: _Optional[_Iterable[_Union[PortMapping, _Mapping]]] = ..., outbound: _Optional[bool] = ..., volumes: _Optional[_Iterable[_Union[VolumeMount, _Mapping]]] = ..., image_pull: _Optional[str] = ..., image_tls_verify: _Optional[bool] = ..., patches: _Optional[_Iterable[_Union[PatchSpec, _Mapping]]] = ..., scripts: _Optional[_Mapping[str, str]] = ..., tmpfs: _Optional[_Iterable[_Union[TmpfsMount, _Mapping]]] = ..., host_mounts: _Optional[_Iterable[_Union[HostMount, _Mapping]]] = ..., secrets: _Optional[_Iterable[_Union[SecretSpec, _Mapping]]] = ..., egress: _Optional[_Union[EgressPolicy, _Mapping]] = ..., image_creds: _Optional[str] = ..., image_auth_json: _Optional[bytes] = ..., image_ca_pem: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, base: _Optional[_Union[_sandbox_pb2.CreateSandboxRequest, _Mapping]] = ..., idle_timeout_seconds: _Optional[int] = ..., hostname: _Optional[str] = ..., ephemeral: _Optional[bool] = ..., ports: _Optional[_Iterable[_Union[PortMapping, _Mapping]]] = ..., outbound: _Optional[bool] = ..., volumes: _Optional[_Iterable[_Union[VolumeMount, _Mapping]]] = ..., image_pull: _Optional[str] = ..., image_tls_verify: _Optional[bool] = ..., patches: _Optional[_Iterable[_Union[PatchSpec, _Mapping]]] = ..., scripts: _Optional[_Mapping[str, str]] = ..., tmpfs: _Optional[_Iterable[_Union[TmpfsMount, _Mapping]]] = ..., host_mounts: _Optional[_Iterable[_Union[HostMount, _Mapping]]] = ..., on_idle: _Optional[str] = ..., paused_ttl_seconds: _Optional[int] = ..., no_auto_resume: _Optional[bool] = ..., secrets: _Optional[_Iterable[_Union[SecretSpec, _Mapping]]] = ..., egress: _Optional[_Union[EgressPolicy, _Mapping]] = ..., image_creds: _Optional[str] = ..., image_auth_json: _Optional[bytes] = ..., image_ca_pem: _Optional[bytes] = ...) -> None: ...
 
 class EgressPolicy(_message.Message):
     __slots__ = ("default", "allow", "deny")

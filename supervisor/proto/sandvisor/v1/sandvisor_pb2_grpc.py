@@ -230,6 +230,16 @@ class SandvisorServiceStub:
                 request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.ImportSnapshotRequest.SerializeToString,
                 response_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.SnapshotSummary.FromString,
                 _registered_method=True)
+        self.Pause = channel.unary_unary(
+                '/sandvisor.v1.SandvisorService/Pause',
+                request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.PauseRequest.SerializeToString,
+                response_deserializer=sandbox_dot_v1_dot_sandbox__pb2.SandboxInfo.FromString,
+                _registered_method=True)
+        self.Resume = channel.unary_unary(
+                '/sandvisor.v1.SandvisorService/Resume',
+                request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.ResumeRequest.SerializeToString,
+                response_deserializer=sandbox_dot_v1_dot_sandbox__pb2.SandboxInfo.FromString,
+                _registered_method=True)
         self.SetSecret = channel.unary_unary(
                 '/sandvisor.v1.SandvisorService/SetSecret',
                 request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.SetSecretRequest.SerializeToString,
@@ -551,6 +561,21 @@ class SandvisorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Pause(self, request, context):
+        """--- hibernation (docs/hibernation.md) ---
+        A ready sandbox to disk: no QEMU, no RAM; its SandboxInfo.state is "paused".
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Resume(self, request, context):
+        """A paused sandbox back as itself (id, address, ports, processes); once ready.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def SetSecret(self, request, context):
         """--- secrets (the guest holds placeholders; docs/secrets.md) ---
         An entry of the supervisor's store (made or replaced: sandboxes naming it use the new value).
@@ -790,6 +815,16 @@ def add_SandvisorServiceServicer_to_server(servicer, server):
                     servicer.ImportSnapshot,
                     request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.ImportSnapshotRequest.FromString,
                     response_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.SnapshotSummary.SerializeToString,
+            ),
+            'Pause': grpc.unary_unary_rpc_method_handler(
+                    servicer.Pause,
+                    request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.PauseRequest.FromString,
+                    response_serializer=sandbox_dot_v1_dot_sandbox__pb2.SandboxInfo.SerializeToString,
+            ),
+            'Resume': grpc.unary_unary_rpc_method_handler(
+                    servicer.Resume,
+                    request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.ResumeRequest.FromString,
+                    response_serializer=sandbox_dot_v1_dot_sandbox__pb2.SandboxInfo.SerializeToString,
             ),
             'SetSecret': grpc.unary_unary_rpc_method_handler(
                     servicer.SetSecret,
@@ -1875,6 +1910,60 @@ class SandvisorService:
             '/sandvisor.v1.SandvisorService/ImportSnapshot',
             sandvisor_dot_v1_dot_sandvisor__pb2.ImportSnapshotRequest.SerializeToString,
             sandvisor_dot_v1_dot_sandvisor__pb2.SnapshotSummary.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Pause(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandvisor.v1.SandvisorService/Pause',
+            sandvisor_dot_v1_dot_sandvisor__pb2.PauseRequest.SerializeToString,
+            sandbox_dot_v1_dot_sandbox__pb2.SandboxInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Resume(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandvisor.v1.SandvisorService/Resume',
+            sandvisor_dot_v1_dot_sandvisor__pb2.ResumeRequest.SerializeToString,
+            sandbox_dot_v1_dot_sandbox__pb2.SandboxInfo.FromString,
             options,
             channel_credentials,
             insecure,

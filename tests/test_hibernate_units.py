@@ -1,0 +1,78 @@
+"""Hibernation's settings on every edge, without a VM (the VM tests: test_hibernate.py):
+the idle policy and auto-resume from the SDK, the CLI and the wire into the domain,
+checked; the saved state hidden from callers; the crash points named."""
+
+from __future__ import annotations
+
+import pytest
+
+from actors.crash import STEPS
+from actors.errors import InvalidArgument
+from actors.model import MemoryKind, SandboxConfig, Timers, check_config
+from actors.store import MachineRecord, SnapshotRecord
+from supervisor import mapping as M
+from supervisor import protocol as W
+from supervisor.cli import build_parser
+from supervisor.sdk.spec import Lifetime, SandboxSpec
+
+
+def test_the_idle_policy_and_auto_resume_reach_the_domain_from_the_sdk() -> None:
+    spec = SandboxSpec(lifetime=Lifetime(idle_timeout=300, on_idle="pause", paused_ttl=60, auto_resume=False))
+    req = spec.request("h")
+    assert (req.on_idle, req.paused_ttl_seconds, req.no_auto_resume) == ("pause", 60, True)
+    timers = M.config(req).timers
+    assert timers == Timers(idle_timeout_seconds=300, on_idle="pause", paused_ttl_seconds=60, auto_resume=False)
+    # the defaults say nothing on the wire (a seed-shaped request), and mean stop + auto-resume
+    plain = SandboxSpec().request("p")
+    assert (plain.on_idle, plain.paused_ttl_seconds, plain.no_auto_resume) == ("", 0, False)
+    assert M.config(plain).timers == Timers()
+    assert SandboxSpec().with_(on_idle="pause").lifetime.on_idle == "pause"
+
+
+def test_the_cli_says_the_idle_policy() -> None:
+    a = build_parser().parse_args(
+        ["create", "h", "--idle-timeout", "300", "--on-idle", "pause", "--paused-ttl", "9", "--no-auto-resume"]
+    )
+    assert (a.idle_timeout, a.on_idle, a.paused_ttl, a.auto_resume) == (300, "pause", 9, False)
+    a = build_parser().parse_args(["create", "h"])
+    assert (a.on_idle, a.paused_ttl, a.auto_resume) == ("stop", 0, True)
+    for cmd in ("pause", "resume"):
+        assert build_parser().parse_args([cmd, "a", "b"]).names == ["a", "b"]
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["create", "h", "--on-idle", "sleep"])
+
+
+@pytest.mark.parametrize(
+    "timers", [Timers(on_idle="sleep"), Timers(paused_ttl_seconds=-1)], ids=["unknown on_idle", "negative ttl"]
+)
+def test_a_bad_idle_policy_is_invalid(timers: Timers) -> None:
+    with pytest.raises(InvalidArgument):
+        check_config(SandboxConfig(timers=timers))
+
+
+def test_a_wire_on_idle_that_is_unknown_is_invalid() -> None:
+    with pytest.raises(InvalidArgument):
+        check_config(M.config(W.CreateSandboxRequest(id="x", on_idle="hibernate")))
+
+
+def test_a_paused_sandboxs_saved_state_is_hidden() -> None:
+    rec = SnapshotRecord(
+        uid="u",
+        id="snap-1",
+        name="",
+        labels={},
+        sandbox_id="s",
+        origin_uid="o",
+        created_ns=0,
+        dir="/nowhere",
+        memory=MemoryKind.MAPPED,
+        machine=MachineRecord(append="", memory_mib=256, cpus=1, accel="tcg"),
+        config=SandboxConfig(),
+    )
+    assert not rec.hidden
+    rec.paused_for = "o"
+    assert rec.hidden
+
+
+def test_the_pause_and_resume_crash_points_exist() -> None:
+    assert {"pause-saved", "pause-stopping", "resume-loaded"} <= STEPS
