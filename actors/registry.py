@@ -67,6 +67,7 @@ from actors.model import (
     check_name,
     is_hidden,
 )
+from actors.modify import check_disk_size, check_machine
 from actors.net.ippool import link_name
 from actors.net.netlink import check_network_available
 from actors.quotas import Admission, Quotas, check_sandbox_disk
@@ -357,7 +358,7 @@ class Registry:
         """The guest RAM of every live sandbox and pool member (not those evicted: they
         are being killed)."""
         members = [m for ms in self.pools.members.values() for m in ms]
-        return [sb.limits.memory_mib for sb in [*self.sandboxes.values(), *members] if not sb.stopped]
+        return [sb.limits.memory_ceiling for sb in [*self.sandboxes.values(), *members] if not sb.stopped]
 
     def admits(self, memory_mib: int, *, ram_file: bool) -> bool:
         """Would one more of ``memory_mib`` fit (for the pool keeper: members never evict)?"""
@@ -411,6 +412,7 @@ class Registry:
         self._check_open()
         check_id(id)
         check_config(config)
+        check_machine(self.settings.limits(config.limits), balloon=self.settings.balloon)
         check_network_available(self.settings, config.network)
         self.volumes.check(config.volumes)  # (a life claims them; this refuses before anything is made)
         for what, path in (("kernel", config.boot.kernel), ("rootfs", config.boot.rootfs)):
@@ -428,7 +430,7 @@ class Registry:
         self._check_disks(config, image)
         member = self.pools.take_for_create(config, image)
         if member is None:
-            self._admit(self.settings.limits(config.limits).memory_mib, ram_file=True)
+            self._admit(self.settings.limits(config.limits).memory_ceiling, ram_file=True)
         else:
             await self._adopt(member, id, config, {"pool": "1"}, apply_ports=True, accepted=accepted, image=image)
             return member  # failed, with its error, if the adoption failed: as a failed boot
@@ -453,7 +455,8 @@ class Registry:
             raise FailedPrecondition(str(exc)) from None
         recs = self.volumes.records
         rw = [(m.name, recs[m.name].size_bytes) for m in config.volumes if not m.read_only and m.name in recs]
-        check_sandbox_disk(self.settings.max_sandbox_disk_mib, size, rw)
+        check_disk_size(config.limits.disk_mib, size)
+        check_sandbox_disk(self.settings.max_sandbox_disk_mib, max(size, config.limits.disk_mib << 20), rw)
 
     # -- OCI images (issue 15) -------------------------------------------------------
     def image_store(self) -> ImageStore:
@@ -580,7 +583,7 @@ class Registry:
         sb = self.get(id)
         if sb.state not in (State.STOPPED, State.FAILED) or not sb.stopped:
             raise FailedPrecondition(f"sandbox {id} is {sb.state}; only a stopped sandbox can start")
-        self._admit(sb.limits.memory_mib, ram_file=True)
+        self._admit(sb.limits.memory_ceiling, ram_file=True)
         check_network_available(self.settings, sb.config.network)
         self.volumes.check(sb.config.volumes, sb.record.uid)
         sb.lease()  # (kept since its last life; taken again if the pool changed meanwhile)

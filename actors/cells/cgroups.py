@@ -168,6 +168,10 @@ class Cgroup(abc.ABC):
     @abc.abstractmethod
     def stats(self) -> CgroupStats: ...
 
+    @abc.abstractmethod
+    def set_cpus(self, cpus: float) -> None:
+        """The CPU quota, in CPUs, now (Modify: enforced at once; no cpu controller: nothing)."""
+
     def remove(self) -> None:
         """rmdir (after every process in it is reaped)."""
         for d in self.dirs:
@@ -255,6 +259,11 @@ class CgroupV1(Cgroup):
             cpu_usage_ns=int(_read(acct / "cpuacct.usage")) if acct else None,
             cpu_limit=self._cpu_limit(),
         )
+
+    def set_cpus(self, cpus: float) -> None:
+        cpu = self.ctrl.get("cpu")
+        if cpu is not None:
+            _write(cpu / "cpu.cfs_quota_us", str(max(1000, int(cpus * CPU_PERIOD_US))))
 
     def _cpu_limit(self) -> float | None:
         cpu = self.ctrl.get("cpu")
@@ -360,6 +369,10 @@ class CgroupV2(Cgroup):
             cpu_usage_ns=cpu["usage_usec"] * 1000 if "usage_usec" in cpu else None,
             cpu_limit=self._cpu_limit(),
         )
+
+    def set_cpus(self, cpus: float) -> None:
+        if (self.path / "cpu.max").exists():
+            _write(self.path / "cpu.max", f"{max(1000, int(cpus * CPU_PERIOD_US))} {CPU_PERIOD_US}")
 
     def _cpu_limit(self) -> float | None:
         f = self.path / "cpu.max"

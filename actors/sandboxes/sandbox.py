@@ -58,6 +58,7 @@ from actors.model import (
 from actors.net import netlink
 from actors.net.egress import EgressPolicy
 from actors.net.ports import Exposed
+from actors.sandboxes import tune
 from actors.sandboxes.files import SandboxFiles
 from actors.sandboxes.life import (
     Adopt,
@@ -327,6 +328,8 @@ class Sandbox:
             if fresh:
                 await life.apply_patches(guest)
             await life.apply_ports()  # ports given at create (or exposed before a stop) come first
+            # vCPUs and memory below the machine's ceilings, a grown root filesystem
+            await tune.at_boot(self, guest, fresh=isinstance(plan, Boot))
             self._set(State.READY, ready_at=int(time.time()), qemu_pid=guest.machine.pid or 0)
             # on disk before anyone hears of it: a supervisor killed right after a client
             # saw "ready" adopts the sandbox (the record said "starting": it was killed)
