@@ -137,6 +137,8 @@ BINDINGS: dict[str, tuple[Rpc, ...]] = {
         Rpc("ReadTree", "ReadTree"),
         Rpc("WriteTree", "WriteTree"),
         Rpc("Run", "Run"),
+        Rpc("Modify", "Modify"),
+        Rpc("Inspect", "Inspect"),
     ),
 }
 
