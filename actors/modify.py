@@ -144,10 +144,10 @@ def plan(
 
     def machine_change(value: int, now: int, ceiling_now: int, live: bool) -> Status:
         nonlocal restart
-        if machine is None:
-            return Status.NEXT_BOOT
         if value == now:
             return Status.UNCHANGED
+        if machine is None:
+            return Status.NEXT_BOOT
         if live and value <= ceiling_now:
             return Status.APPLIED
         if mod.restart:
