@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import enum
 import time
+import weakref
 from typing import TYPE_CHECKING
 
 import attrs
@@ -36,12 +37,15 @@ from actors.model import ALIVE, Limits, SandboxConfig, State, check_ceilings, ch
 
 if TYPE_CHECKING:
     from actors.registry import Registry
+    from actors.sandboxes.sandbox import Sandbox
 
 RESTART_NOTE = (
     "a restart stops the sandbox (its processes end; guest memory, /tmp and /run are lost) and boots it "
     "again from its disk with the new ceilings; its id, disk, labels, ports and address are kept"
 )
 RESTART_TIMEOUT = 600.0  # s: the stop and the boot of a --restart
+# one Modify of a sandbox at a time (a second waits: balloon targets and restarts do not interleave)
+_LOCKS: weakref.WeakKeyDictionary[Sandbox, trio.Lock] = weakref.WeakKeyDictionary()
 
 
 class Kind(enum.StrEnum):
@@ -287,9 +291,16 @@ async def modify(reg: Registry, id: str, mod: Modification) -> Plan:
     """Plan ``mod`` on sandbox ``id`` and carry the plan out (unless it is a dry run or
     not accepted): saved in the record, applied to the running machine (waiting until
     the guest settled), or by a restart when the caller asked for one."""
+    sb = reg.get(id)
+    lock = _LOCKS.setdefault(sb, trio.Lock())
+    async with lock:
+        return await _modify(reg, sb, mod)
+
+
+async def _modify(reg: Registry, sb: Sandbox, mod: Modification) -> Plan:
     from actors.sandboxes import tune  # (the sandbox layer; this module's plan is pure)
 
-    sb = reg.get(id)
+    id = sb.id
     if sb.state not in (*ALIVE, State.STOPPED, State.FAILED) or (sb.state not in ALIVE and not sb.stopped):
         raise FailedPrecondition(f"sandbox {id} is {sb.state}: modify it once it is ready or stopped")
     if sb.checkpointing:

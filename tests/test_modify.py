@@ -6,8 +6,10 @@ msgpack socket (SDK, CLI) and a gRPC unix socket."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -16,6 +18,7 @@ import trio
 
 from actors.registry import Registry
 from images.build import Image
+from images.ocilocal import Layer, build_image, busybox_tree
 from supervisor.client import AsyncSandbox
 from supervisor.proto.sandvisor.v1 import sandvisor_pb2 as sv
 from supervisor.proto.sandvisor.v1 import sandvisor_pb2_grpc as sv_grpc
@@ -43,13 +46,14 @@ async def guest(sb: AsyncSandbox) -> dict[str, int]:
     return {"nproc": int(nproc), "mem": int(mem.split()[1]) // 1024, "disk": int(df.split()[1])}
 
 
-async def test_modify_live_dry_refused_restarted_and_offline(image: Image) -> None:
+async def test_modify_live_dry_refused_restarted_and_offline(image: Image, tmp_path: Path) -> None:
     with workdir("sv-modify-") as work:
         grpc_sock = work.root / "g.sock"
         with trio.fail_after(1200):
             async with supervisor(work, grpc=(f"unix://{grpc_sock}",), templates=False, stop_timeout=10) as (_, reg):
                 with grpc.insecure_channel(f"unix:{grpc_sock}") as ch:
                     await _modify(work, sv_grpc.SandvisorServiceStub(ch), reg)
+                await _oci_root_grows(work, tmp_path)
 
 
 def cpu_quota(reg: Registry) -> float | None:
@@ -119,4 +123,21 @@ async def _modify(work: Workdir, ours: Any, reg: Registry) -> None:
     assert (await sb.inspect()).applied.disk_size_mib == 4096  # type: ignore[union-attr]
     r = await cli(work, "inspect", "m")
     assert b"requested" in r.stdout and b"disk 4096 MiB" in r.stdout
+    await sb.remove(force=True)
+
+
+async def _oci_root_grows(work: Workdir, tmp_path: Path) -> None:
+    """An OCI image's root (mkfs.ext4 -d by the converter) grows online as the default image's does."""
+    layout = tmp_path / "layout"
+    old = os.umask(0o022)
+    try:
+        build_image(layout, "bb", [Layer(busybox_tree(tmp_path / "bb"))])
+    finally:
+        os.umask(old)
+    sb = await AsyncSandbox.create(
+        "o", socket=str(work.socket), image=f"oci:{layout}:bb", disk_size="3G", detached=True
+    )
+    r = await sb.run(["/bin/busybox", "df", "-m", "/"])
+    size = int(r.stdout.decode().splitlines()[-1].split()[1])
+    assert size > 2900, r.stdout
     await sb.remove(force=True)
