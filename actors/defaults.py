@@ -11,6 +11,7 @@ GUEST_TIMEOUT = 30.0  # every guest request's deadline on the host's side (DEADL
 MODIFY_SETTLE_TIMEOUT = 60.0
 TB_SIZE_MIB = 64  # TCG's translation cache per QEMU (QEMU's own default: 1 GiB)
 JAIL_OVERHEAD_MIB = 192  # a jailed QEMU's memory limit is its guest RAM + this
+JAIL_CPU_HEADROOM = 1.0  # a jailed QEMU's CPU ceiling is its vCPUs + this (its I/O runs beside them)
 MAX_SANDBOXES = 64  # live sandboxes, warm pool members included
 MAX_SANDBOX_DISK_MIB = 16 << 10  # one sandbox's overlay + read-write volumes, virtual sizes
 MAX_IMAGE_BYTES = 8 << 30  # an OCI image's download and its unpacked tree, each

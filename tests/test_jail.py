@@ -219,7 +219,8 @@ def test_v2_against_a_fake_tree(tmp_path: Path) -> None:
     assert (sbx / "memory.swap.max").read_text() == "0"
     assert (sbx / "memory.oom.group").read_text() == "1"
     assert (sbx / "pids.max").read_text() == "100"
-    assert (sbx / "cpu.max").read_text() == "200000 100000"
+    assert (sbx / "cpu.max").read_text() == "300000 100000"  # 2 vCPUs + the I/O thread's headroom
+    assert (sbx / "cpu.weight").read_text() == "200"  # shared by vCPUs under contention
     assert cg.procs_files() == (sbx / "cgroup.procs",)
     (sbx / "memory.current").write_text("1234\n")
     (sbx / "memory.peak").write_text("5678\n")
@@ -228,7 +229,7 @@ def test_v2_against_a_fake_tree(tmp_path: Path) -> None:
     (sbx / "cpu.stat").write_text("usage_usec 42\nuser_usec 40\n")
     st = cg.stats()
     assert (st.memory_bytes, st.memory_limit, st.memory_peak, st.oom_kills) == (1234, 384 * MIB, 5678, 1)
-    assert (st.pids, st.pids_limit, st.cpu_usage_ns, st.cpu_limit) == (7, 100, 42000, 2.0)
+    assert (st.pids, st.pids_limit, st.cpu_usage_ns, st.cpu_limit) == (7, 100, 42000, 3.0)
     assert m.names() == {"sbx"}
     (sbx / "cgroup.procs").write_text("4242\n")
     with pytest.raises(CgroupError, match="holds processes"):
