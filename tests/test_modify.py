@@ -16,6 +16,7 @@ import grpc
 import pytest
 import trio
 
+from actors.defaults import JAIL_CPU_HEADROOM
 from actors.registry import Registry
 from images.build import Image
 from images.ocilocal import Layer, build_image, busybox_tree
@@ -74,7 +75,7 @@ async def _modify(work: Workdir, ours: Any, reg: Registry) -> None:
     assert (info.requested.vcpus, info.requested.max_vcpus, info.requested.disk_size_mib) == (1, 2, 3072)
     assert (info.applied.vcpus, info.applied.memory_mib, info.applied.max_memory_mib) == (1, 256, 1024)
     assert info.applied.settled and info.updated_at == 0
-    assert cpu_quota(reg) in (None, 1.0)  # (None: no cgroup cpu controller)
+    assert cpu_quota(reg) in (None, 1 + JAIL_CPU_HEADROOM)  # (None: no cgroup cpu controller)
 
     # a dry run (CLI) plans and changes nothing
     r = await cli(work, "modify", "m", "--cpus", "2", "--memory", "768", "--dry-run", "--json")
@@ -90,7 +91,7 @@ async def _modify(work: Workdir, ours: Any, reg: Registry) -> None:
     assert [(c.kind, c.status) for c in resp.changes] == [("cpus", "applied_live"), ("memory", "applied_live")]
     seen = await guest(sb)
     assert seen["nproc"] == 2 and seen["mem"] > 700, seen
-    assert cpu_quota(reg) in (None, 2.0)  # enforced at once
+    assert cpu_quota(reg) in (None, 2 + JAIL_CPU_HEADROOM)  # enforced at once
     r = await sb.run(["python3", "-c", "b = bytearray(600 << 20); print(len(b) >> 20)"])
     assert r.stdout == b"600\n", r.stderr
     details = await trio.to_thread.run_sync(lambda: ours.Inspect(sv.InspectRequest(id="m")))

@@ -10,7 +10,7 @@ with ``maxcpus=vcpus`` on the kernel command line, ``-m max_memory``); here:
   target. QEMU discards inflated pages (anonymous RAM: given back to the host; a
   mapped snapshot's memory: only the private copies, docs/modify.md).
 * vCPUs: guestd's ``set_cpus`` (CPU hotplug in the guest, synchronous) and the
-  cell's cgroup CPU quota, at once.
+  cell's cgroup CPU ceiling (vCPUs + the jail's headroom) and weight, at once.
 * disk: guestd's ``grow_root`` (EXT4_IOC_RESIZE_FS, online) at a boot whose overlay
   was grown (life.py grows it before QEMU opens it).
 """
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from actors import defaults as D
-from actors.cells.cgroups import CgroupError
+from actors.cells.cgroups import CgroupError, CgroupLimits
 from actors.channel.guest import GuestError
 from actors.errors import FailedPrecondition
 from actors.machines.disk import DiskError, virtual_size
@@ -101,7 +101,8 @@ async def _settle(sb: Sandbox, guest: Guest, *, fresh: bool = False) -> bool:
     cell = sb.cell
     if cell is not None and cell.cgroup is not None:
         try:
-            cell.cgroup.set_cpus(vcpus)
+            # the jail's rule for a machine of ``vcpus`` (its ceiling: vCPUs + headroom; its weight)
+            cell.cgroup.set_cpu(CgroupLimits.for_guest(spec.memory_mib, vcpus))
         except CgroupError as exc:
             log.warning("sandbox %s: CPU quota: %s", sb.id, exc)
     settled = online == vcpus
