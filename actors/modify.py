@@ -106,6 +106,9 @@ class Machine:
     max_memory_mib: int
     balloon: bool
     disk_mib: int
+    # its RAM is a snapshot's (a boot template's) memory mapped copy-on-write: the balloon
+    # cannot give memory back, it costs some (docs/modify.md)
+    mapped: bool = False
 
 
 @attrs.frozen
@@ -179,13 +182,18 @@ def plan(
             raise InvalidArgument("memory must be 64 to 65536 MiB")
         has_balloon = machine.balloon if machine else balloon
         ceiling = machine.max_memory_mib if machine else effective.memory_ceiling
-        st = machine_change(mod.memory_mib, effective.memory_mib, ceiling, has_balloon)
+        shrink_mapped = machine is not None and machine.mapped and mod.memory_mib < effective.memory_mib
+        st = machine_change(mod.memory_mib, effective.memory_mib, ceiling, has_balloon and not shrink_mapped)
         why = {
             Status.APPLIED: f"through the balloon, now (ceiling {ceiling} MiB)",
             Status.NEXT_BOOT: "the sandbox is stopped: its next boot has it",
             Status.RESTART: f"the sandbox restarts with {mod.memory_mib} MiB",
             Status.NEEDS_RESTART: (
-                f"above the ceiling of {ceiling} MiB (microvm has no memory hotplug): only a restart raises it "
+                "its memory is a snapshot's mapped copy-on-write (a restore or boot template): the balloon "
+                "would take no memory back but allocate what it takes in the shared snapshot memory; only a "
+                "restart (a fresh boot) lowers it (--restart)"
+                if shrink_mapped
+                else f"above the ceiling of {ceiling} MiB (microvm has no memory hotplug): only a restart raises it "
                 "(--restart)"
                 if has_balloon
                 else "this supervisor runs its machines without a balloon: only a restart changes memory (--restart)"

@@ -128,3 +128,13 @@ def test_ceilings_at_create() -> None:
     with pytest.raises(InvalidArgument):
         check_disk_size(1024, 2 << 30)
     check_disk_size(4096, 2 << 30)
+
+
+def test_a_mapped_restore_does_not_shrink_through_the_balloon() -> None:
+    """A clone's RAM is the snapshot's memory mapped copy-on-write: inflating would cost
+    memory, not free it (docs/modify.md). Growing is fine."""
+    m = Machine(max_vcpus=2, max_memory_mib=1024, balloon=True, disk_mib=2048, mapped=True)
+    eff = Limits(vcpus=1, memory_mib=768, max_vcpus=2, max_memory_mib=1024)
+    p = plan(CFG, eff, Modification(memory_mib=256), m, disk_mib=2048)
+    assert status(p, Kind.MEMORY) == Status.NEEDS_RESTART and "snapshot" in p.changes[0].why
+    assert status(plan(CFG, eff, Modification(memory_mib=1024), m, disk_mib=2048), Kind.MEMORY) == Status.APPLIED
