@@ -51,7 +51,9 @@ async def test_modify_live_dry_refused_restarted_and_offline(image: Image, tmp_p
     with workdir("sv-modify-") as work:
         grpc_sock = work.root / "g.sock"
         with trio.fail_after(1200):
-            async with supervisor(work, grpc=(f"unix://{grpc_sock}",), templates=False, stop_timeout=10) as (_, reg):
+            async with supervisor(
+                work, grpc=(f"unix://{grpc_sock}",), templates=False, stop_timeout=10, allow_paths=(tmp_path,)
+            ) as (_, reg):
                 with grpc.insecure_channel(f"unix:{grpc_sock}") as ch:
                     await _modify(work, sv_grpc.SandvisorServiceStub(ch), reg)
                 await _oci_root_grows(work, tmp_path)
