@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import attrs
 import pytest
 
 from actors.errors import FailedPrecondition, InvalidArgument
-from actors.model import Limits, SandboxConfig, Timers, Workload, check_config
+from actors.model import Applied, Limits, SandboxConfig, State, Timers, Workload, check_config
 from actors.modify import (
     BLOCKING,
     Kind,
@@ -16,6 +19,7 @@ from actors.modify import (
     check_machine,
     plan,
 )
+from actors.store import Record, Store
 
 CFG = SandboxConfig(
     labels={"team": "a", "old": "x"},
@@ -138,3 +142,17 @@ def test_a_mapped_restore_does_not_shrink_through_the_balloon() -> None:
     p = plan(CFG, eff, Modification(memory_mib=256), m, disk_mib=2048)
     assert status(p, Kind.MEMORY) == Status.NEEDS_RESTART and "snapshot" in p.changes[0].why
     assert status(plan(CFG, eff, Modification(memory_mib=1024), m, disk_mib=2048), Kind.MEMORY) == Status.APPLIED
+
+
+def test_the_record_keeps_what_was_applied_and_when(tmp_path: Path) -> None:
+    """Modify's config, Record.applied and updated_at survive the supervisor (store v4)."""
+    store = Store(tmp_path / "db")
+    r = Record(uid="u1", id="m", seq=store.next_seq(), config=CFG, state=State.READY, created_at=1)
+    store.insert(r)
+    r.config = attrs.evolve(CFG, labels={"new": "1"})
+    r.applied = Applied(vcpus=1, memory_mib=256, max_vcpus=2, max_memory_mib=1024, disk_mib=3072, balloon=True)
+    r.updated_at = 42
+    store.update_tuning(r)
+    store.close()
+    (back,) = Store(tmp_path / "db").all()
+    assert (back.config, back.applied, back.updated_at) == (r.config, r.applied, 42)
