@@ -25,7 +25,7 @@ import trio
 
 from actors import defaults as D
 from actors.cells.cgroups import CgroupError, CgroupLimits
-from actors.channel.guest import GuestError
+from actors.channel.guest import GuestOpError
 from actors.errors import FailedPrecondition
 from actors.machines.disk import DiskError, virtual_size
 from actors.machines.qemuproc import MachineError
@@ -92,7 +92,7 @@ async def at_boot(sb: Sandbox, guest: Guest, *, fresh: bool) -> None:
         try:
             size = await chan.grow_root()
             sb.log.append("system", f"root filesystem: {size >> 20} MiB".encode())
-        except GuestError as exc:  # an image whose root is not ext4, say: it boots as it is
+        except GuestOpError as exc:  # an image whose root is not ext4, say: it boots as it is
             sb.log.append("system", f"root filesystem not grown: {exc}".encode())
     await _settle(sb, guest, fresh=fresh)
 
@@ -104,7 +104,11 @@ async def _settle(sb: Sandbox, guest: Guest, *, fresh: bool = False) -> bool:
     memory = min(limits.memory_mib, spec.memory_mib) if spec.balloon else spec.memory_mib
     online = vcpus
     if chan.has_feature("resources") and not (fresh and vcpus == spec.cpus):
-        online = await chan.set_cpus(vcpus)
+        try:
+            online = await chan.set_cpus(vcpus)
+        except GuestOpError as exc:  # the guest's answer (its sysfs is its own): not settled, not fatal
+            sb.log.append("system", f"vCPUs not set: {exc}".encode())
+            online = 0
     cell = sb.cell
     if cell is not None and cell.cgroup is not None:
         try:
