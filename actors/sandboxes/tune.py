@@ -94,16 +94,19 @@ async def at_boot(sb: Sandbox, guest: Guest, *, fresh: bool) -> None:
             sb.log.append("system", f"root filesystem: {size >> 20} MiB".encode())
         except GuestOpError as exc:  # an image whose root is not ext4, say: it boots as it is
             sb.log.append("system", f"root filesystem not grown: {exc}".encode())
-    await _settle(sb, guest, fresh=fresh)
+    await _settle(sb, guest, boot=True)
 
 
-async def _settle(sb: Sandbox, guest: Guest, *, fresh: bool = False) -> bool:
-    """Balloon target, CPUs online, CPU quota; wait for the balloon; record what applies."""
+async def _settle(sb: Sandbox, guest: Guest, *, boot: bool = False) -> bool:
+    """Balloon target, CPUs online, CPU quota; wait for the balloon; record what applies.
+    ``boot``: before ready, where a machine without ceilings needs nothing (all its vCPUs
+    online, its balloon empty; a snapshot's configuration matches its machine): no
+    request then, so a boot or restore costs nothing more."""
     spec, chan, limits = guest.machine.spec, guest.channel, sb.limits
     vcpus = min(limits.vcpus, spec.cpus)
     memory = min(limits.memory_mib, spec.memory_mib) if spec.balloon else spec.memory_mib
     online = vcpus
-    if chan.has_feature("resources") and not (fresh and vcpus == spec.cpus):
+    if chan.has_feature("resources") and (vcpus != spec.cpus or not boot):
         try:
             online = await chan.set_cpus(vcpus)
         except GuestOpError as exc:  # the guest's answer (its sysfs is its own): not settled, not fatal
@@ -118,7 +121,7 @@ async def _settle(sb: Sandbox, guest: Guest, *, fresh: bool = False) -> bool:
             log.warning("sandbox %s: CPU quota: %s", sb.id, exc)
     settled = online == vcpus
     actual = memory
-    if spec.balloon and not (fresh and memory == spec.memory_mib):
+    if spec.balloon and (memory != spec.memory_mib or not boot):
         try:
             if mapped(guest):
                 # never inflate over a snapshot's mapped memory: the guest zeroes what it
