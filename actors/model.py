@@ -20,6 +20,7 @@ from cattrs.preconf.msgpack import make_converter
 
 from actors.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from actors.net.egress import EgressPolicy, PolicyError
+from actors.secrets.model import SecretRef, check_secrets, with_placeholders
 from guestd import patch
 
 
@@ -49,6 +50,9 @@ class Action(enum.StrEnum):
     STOPPED = "stopped"
     FAILED = "failed"
     REMOVED = "removed"
+    # sandvisor's: the secret proxy refused a request carrying a secret's placeholder to
+    # a host that secret does not allow (attributes: secret, host; never the value)
+    SECRET_BLOCKED = "secret_blocked"
 
 
 class NetMode(enum.StrEnum):
@@ -284,6 +288,8 @@ class SandboxConfig:
     volumes: tuple[VolumeMount, ...] = ()
     # named scripts: written to SCRIPTS_DIR/<name> (0755) with the patches; Run{script}
     scripts: dict[str, str] = attrs.field(factory=dict)
+    # secrets (actors/secrets): names, hosts, placeholders -- never values (the vault's)
+    secrets: tuple[SecretRef, ...] = ()
 
     def restored(self, labels: dict[str, str], ttl_seconds: int) -> SandboxConfig:
         """The configuration of a sandbox restored from a snapshot of this one: its own
@@ -294,6 +300,7 @@ class SandboxConfig:
             workload=attrs.evolve(self.workload, cmd=()),
             timers=Timers(ttl_seconds=ttl_seconds),
             ports=tuple(attrs.evolve(p, host_port=0) for p in self.ports),
+            secrets=with_placeholders(self.secrets),  # fresh placeholders (the generated ones)
         )
 
 
@@ -389,6 +396,11 @@ def check_config(cfg: SandboxConfig) -> None:
     check_patches(cfg.patches)
     check_volume_mounts(cfg.volumes)
     check_scripts(cfg.scripts)
+    check_secrets(cfg.secrets)
+    if cfg.secrets and not cfg.network.reaches_out:
+        raise FailedPrecondition(
+            "secrets need network mode 'tap', or 'user' with outbound: this sandbox reaches nothing"
+        )
     size = sum(len(p.data) for p in cfg.patches) + sum(len(b.encode()) for b in cfg.scripts.values())
     if size > MAX_PATCH_BYTES:
         raise InvalidArgument(f"patches and scripts carry {size} bytes; at most {MAX_PATCH_BYTES}")

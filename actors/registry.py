@@ -34,6 +34,7 @@ import time
 import uuid
 from pathlib import Path
 
+import attrs
 import trio
 
 from actors.crash import crash_point
@@ -69,10 +70,13 @@ from actors.model import (
 )
 from actors.modify import check_disk_size, check_machine
 from actors.net.ippool import link_name
-from actors.net.netlink import check_network_available
+from actors.net.netlink import check_network_available, needs_pool_address
 from actors.quotas import Admission, Quotas, check_sandbox_disk
 from actors.sandboxes.files import SandboxFiles
 from actors.sandboxes.sandbox import Adopt, Boot, Plan, Resume, Sandbox
+from actors.sandboxes.secrets import new_owner
+from actors.secrets.ca import new_ca
+from actors.secrets.model import check_value, with_placeholders, without_generated
 from actors.settings import Settings
 from actors.snapshots.convert import convert_streamed
 from actors.snapshots.pools import Pools
@@ -142,6 +146,8 @@ class Registry:
             log.info("removed %s: no volume names it", p)
         self.pools.drop_stale_templates()
         adoptions = await self._recover()
+        if s.vault is not None:  # values of sandboxes and snapshots that are gone
+            s.vault.keep_only({r.uid for r in self.store.all()} | {r.uid for r in self.store.snapshots()})
         try:
             async with trio.open_nursery() as nursery:
                 self._lives = nursery
@@ -346,6 +352,8 @@ class Registry:
         if waited.cancelled_caught:
             log.warning("removing %s: the database did not commit in %gs", sb.id, FORGET_FLUSH_TIMEOUT)
         crash_point("remove")
+        if self.settings.vault is not None:
+            self.settings.vault.drop_owner(sb.record.uid)
         await sb.files.remove()
 
     def _check_open(self) -> None:
@@ -406,14 +414,23 @@ class Registry:
         return page, encode_cursor(page[-1].record.seq) if len(matches) > limit else ""
 
     # -- operations --------------------------------------------------------------
-    async def create(self, id: str, config: SandboxConfig) -> Sandbox:
+    async def create(self, id: str, config: SandboxConfig, secret_values: dict[str, bytes] | None = None) -> Sandbox:
         """A new sandbox, starting (or ready at once, from a warm pool). The same id
-        with the same configuration is the existing sandbox (idempotent)."""
+        with the same configuration is the existing sandbox (idempotent). Its secrets'
+        own values (``secret_values``, by name) go to the vault, never to its record."""
         self._check_open()
         check_id(id)
         check_config(config)
         check_machine(self.settings.limits(config.limits), balloon=self.settings.balloon)
         check_network_available(self.settings, config.network)
+        values = secret_values or {}
+        if config.secrets:
+            check_secrets_available(self.settings, config, values)
+            if id and id in self.sandboxes:
+                existing = self.sandboxes[id]
+                if attrs.evolve(existing.config, secrets=without_generated(existing.config.secrets)) == config:
+                    return existing
+            config = attrs.evolve(config, secrets=with_placeholders(config.secrets))
         self.volumes.check(config.volumes)  # (a life claims them; this refuses before anything is made)
         for what, path in (("kernel", config.boot.kernel), ("rootfs", config.boot.rootfs)):
             if path:
@@ -436,6 +453,8 @@ class Registry:
             return member  # failed, with its error, if the adoption failed: as a failed boot
         sb = self._new_sandbox(id, config, image=image)
         sb.lease()  # its address is the Create's answer (RESOURCE_EXHAUSTED: nothing made)
+        if config.secrets and self.settings.vault is not None:
+            new_owner(self.settings.vault, sb.record.uid, values)  # values and CA before the record
         self.store.insert(sb.record)
         self.sandboxes[sb.id] = sb
         sb.emit(Action.CREATED)
@@ -638,6 +657,8 @@ class Registry:
         rec, ck = await self.snapshots.take(
             sb.checkpoint, sb.record, name=name, labels=labels, address=address, volume_generations=gens
         )
+        if sb.config.secrets and self.settings.vault is not None:  # its clones' values (never in the files)
+            self.settings.vault.copy_owner(sb.record.uid, rec.uid)
         self.pools.wake()
         await self.store.flush()  # a snapshot the caller was told of is on record
         return rec, ck
@@ -686,6 +707,10 @@ class Registry:
         self._admit(snap.machine.memory_mib, ram_file=snap.memory != MemoryKind.MAPPED)
         sb = self._new_sandbox(id, config, origin=snap.id, image=snap.oci)
         sb.lease(want="" if network_override else snap.address)
+        if config.secrets:  # the snapshot's values, a CA of its own (config: fresh placeholders)
+            check_secrets_available(self.settings, config, {}, fresh=False)
+            assert self.settings.vault is not None
+            self.settings.vault.copy_owner(snap.uid, sb.record.uid, ca=new_ca(sb.record.uid[:12]))
         self.store.insert(sb.record)
         self.sandboxes[sb.id] = sb
         sb.emit(Action.CREATED, snapshot_id=snap.id)
@@ -719,6 +744,8 @@ class Registry:
         if self.settings.cells is not None:
             self.settings.cells.sealed.drop(snap.id)
         await self.snapshots.delete(snap)
+        if self.settings.vault is not None:
+            self.settings.vault.drop_owner(snap.uid)
 
     # -- timers ------------------------------------------------------------------
     async def _timers(self) -> None:
@@ -765,6 +792,33 @@ class Registry:
             pass
         finally:
             self._removing.discard(id)
+
+
+def check_secrets_available(
+    settings: Settings, config: SandboxConfig, values: dict[str, bytes], *, fresh: bool = True
+) -> None:
+    """Secrets need the vault and a sandbox link the proxy can sit on (tap, or jailed
+    user mode with outbound); each secret its value (its own, or a store entry)."""
+    if settings.vault is None or settings.upstream_tls is None:
+        raise FailedPrecondition("this supervisor keeps no secrets")
+    if not needs_pool_address(settings, config.network) or settings.hostnet is None:
+        raise FailedPrecondition(
+            "secrets need network mode 'tap', or 'user' with outbound in the jail (a root supervisor with --ip-pool)"
+        )
+    names = {r.name for r in config.secrets}
+    extra = set(values) - names
+    if extra:
+        raise InvalidArgument(f"values for secrets that are not declared: {', '.join(sorted(extra))}")
+    for r in config.secrets:
+        if r.store:
+            if r.name in values:
+                raise InvalidArgument(f"secret {r.name}: a store entry and a value exclude each other")
+            if fresh and r.store not in settings.vault.named:  # (a restore copies its snapshot's)
+                raise NotFound(f"secret {r.name}: no entry {r.store!r} in the secret store (secret set)")
+        elif r.name in values:
+            check_value(r.name, values[r.name])
+        elif fresh:
+            raise InvalidArgument(f"secret {r.name}: no value (give value:, env: or store:)")
 
 
 def check_host_file(what: str, path: str, allowed: tuple[Path, ...]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
@@ -14,6 +15,7 @@ from actors.machines.qemuproc import QemuUser
 from actors.machines.vm import Attach, Guest, VmSpec, booted_guest
 from actors.model import Limits
 from actors.net.hostnet import HostNetwork
+from actors.secrets.vault import Vault
 from images.build import Image
 from images.oci import ImageStore
 
@@ -51,6 +53,10 @@ class Settings:
     # tap networking, the IP pool, egress filter and DNS proxy (root supervisors: serve
     # --ip-pool); also the uplinks of jailed user-mode sandboxes with outbound access
     hostnet: HostNetwork | None = None
+    # secrets (issue 23): their values and CAs (None: Creates with secrets are refused),
+    # and the proxy's TLS context to real servers (system store + serve --upstream-ca)
+    vault: Vault | None = None
+    upstream_tls: ssl.SSLContext | None = None
 
     def limits(self, requested: Limits) -> Limits:
         """The effective limits: the caller's, or the supervisor's defaults."""

@@ -271,6 +271,14 @@ class Agent:
         elif isinstance(msg, P.NetConfig):
             self.net_config(msg)
             session.send(P.Ok(rid=rid))
+        elif isinstance(msg, P.TrustCa):
+            from guestd import trust  # lazy: only sandboxes with secrets pay the import
+
+            try:
+                trust.install(msg.pem)
+            except ValueError as exc:
+                raise ExecFailed(P.E_INVALID, f"trust_ca: {exc}") from None
+            session.send(P.Ok(rid=rid))
         elif isinstance(msg, P.Shutdown):
             session.send(P.Ok(rid=rid))
             self.shutting_down = msg.reboot

@@ -494,6 +494,16 @@ class GrowRoot(Message):
     rid: int
 
 
+@message("trust_ca")
+class TrustCa(Message):
+    """Install the sandbox's CA certificate (PEM, public) into the guest's trust stores
+    (guestd/trust.py; a sandbox with secrets, after boot or restore). Answered with Ok,
+    or Error (INVALID_ARGUMENT: not a certificate)."""
+
+    rid: int
+    pem: bytes
+
+
 @message("shutdown")
 class Shutdown(Message):
     """Sync, stop every process, power off (or reboot). Answered with Ok first."""

@@ -64,8 +64,9 @@ LAZY_IMPORTS = (
     "guestd.tree",
     "guestd.fsops",
     "guestd.netcfg",
+    "guestd.trust",
 )
-ROOTFS_INCLUDE = ("python3", "bash", "coreutils", "procps", "ca-certificates")
+ROOTFS_INCLUDE = ("python3", "bash", "coreutils", "procps", "ca-certificates", "curl")
 ROOTFS_SIZE_MIB = 2048  # the ext4 file is sparse: this is room for the sandbox, not disk use
 MODULES = (
     "virtio_ring",

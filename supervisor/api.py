@@ -35,6 +35,7 @@ from actors.events import Lagged
 from actors.model import ALIVE, State, VolumeRecord, check_labels, check_port, script_argv
 from actors.modify import modify
 from actors.registry import DEFAULT_STOP_TIMEOUT, Registry
+from actors.sandboxes import secrets
 from actors.sandboxes.sandbox import Sandbox
 from actors.snapshots.snapshot import rfc3339
 from guestd import proto as P
@@ -91,7 +92,7 @@ def _absolute(path: str) -> str:
 
 @method("Create", W.CreateSandboxRequest)
 async def _create(reg: Registry, io: CallIO, req: W.CreateSandboxRequest) -> W.CreateSandboxResponse:
-    sb = await reg.create(req.id, M.config(req))
+    sb = await reg.create(req.id, M.config(req), M.secret_values(req))
     # the seed: "State at time of response: always starting" (ready follows as an event,
     # at once when a warm pool member served it)
     return W.CreateSandboxResponse(id=sb.id, ip_address=sb.ip_address, state=State.STARTING.value)
@@ -580,3 +581,40 @@ async def _inspect_image(reg: Registry, io: CallIO, req: W.NameRequest) -> W.Ima
     if req.name not in ("", image.name):
         raise NotFound(f"no image {req.name!r}; this supervisor serves {image.name!r}")
     return await trio.to_thread.run_sync(M.image, image, True)
+
+
+# --- secrets (docs/secrets.md) ------------------------------------------------------------------
+@method("SetSecret", W.SetSecretRequest)
+async def _set_secret(reg: Registry, io: CallIO, req: W.SetSecretRequest) -> W.Empty:
+    secrets.set_named(reg.settings, req.name, bytes(req.value))
+    return W.Empty()
+
+
+@method("ListSecrets", W.Empty)
+async def _list_secrets(reg: Registry, io: CallIO, req: W.Empty) -> W.ListSecretsResponse:
+    vault = reg.settings.vault
+    return W.ListSecretsResponse(sorted(vault.named) if vault is not None else [])
+
+
+@method("DeleteSecret", W.NameRequest)
+async def _delete_secret(reg: Registry, io: CallIO, req: W.NameRequest) -> W.Empty:
+    secrets.remove_named(reg.settings, req.name)
+    return W.Empty()
+
+
+@method("RotateSecret", W.RotateSecretRequest)
+async def _rotate_secret(reg: Registry, io: CallIO, req: W.RotateSecretRequest) -> W.Empty:
+    secrets.rotate(reg.get(req.id), req.name, bytes(req.value))
+    return W.Empty()
+
+
+@method("RevokeSecret", W.SandboxSecretRequest)
+async def _revoke_secret(reg: Registry, io: CallIO, req: W.SandboxSecretRequest) -> W.Empty:
+    secrets.remove(reg.get(req.id), req.name)
+    return W.Empty()
+
+
+@method("ListSandboxSecrets", W.IdRequest)
+async def _sandbox_secrets(reg: Registry, io: CallIO, req: W.IdRequest) -> W.SandboxSecretsResponse:
+    sb = reg.get(req.id)
+    return W.SandboxSecretsResponse([W.SandboxSecretInfo(*s) for s in secrets.describe(sb)])

@@ -38,6 +38,7 @@ from supervisor.cli_sandboxes import (
     status,
     top,
 )
+from supervisor.cli_secrets import secret
 from supervisor.cli_stores import checkpoint, restore, snapshots, volume
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~2 ms; mypy reads the name)
@@ -71,6 +72,7 @@ CLIENT_COMMANDS = frozenset(
         "snapshot",
         "port",
         "volume",
+        "secret",
     }
 )
 
@@ -123,6 +125,13 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
         "--volume", action="append", metavar="NAME:/path[:ro]", help="mount a named volume (sandvisor volume create)"
     )
     p.add_argument("--script", action="append", metavar="NAME=FILE", help="a named script (run it: run --script NAME)")
+    p.add_argument(
+        "--secret",
+        action="append",
+        metavar="NAME=SRC@HOSTS",
+        help="a secret the guest holds a placeholder of: SRC env:VAR, value:LITERAL or store:NAME; "
+        "HOSTS a,b,*.c[:port] (repeatable; docs/secrets.md)",
+    )
     p.add_argument("--workdir")
     p.add_argument("--user")
     p.add_argument("--image", metavar="REF", help="an OCI image (docker://HOST/NAME:TAG, oci:DIR, ...)")
@@ -262,6 +271,17 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
     p.add_argument("sandbox_port", type=int, nargs="?")
     p.add_argument("--host-port", type=int, default=0)
     p.add_argument("--udp", action="store_true")
+    p.add_argument("--json", action="store_true")
+
+    p = cmd(
+        "secret",
+        secret,
+        "secrets: secret set NAME (value on stdin) | ls [--sandbox ID] | rm NAME... | "
+        "rotate SANDBOX NAME (value on stdin) | revoke SANDBOX NAME",
+    )
+    p.add_argument("action", choices=["set", "ls", "rm", "rotate", "revoke"])
+    p.add_argument("args", nargs="*", metavar="ARG")
+    p.add_argument("--sandbox", metavar="ID", help="ls: that sandbox's secrets (names, hosts, placeholders)")
     p.add_argument("--json", action="store_true")
 
 

@@ -82,6 +82,7 @@ async def _create(a: argparse.Namespace) -> AsyncSandbox:
         tls_verify=a.tls_verify,
         volumes=a.volume or (),
         scripts=_scripts(a.script),
+        secrets=a.secret or (),
         detached=True,
         wait=not a.no_wait,
     )

@@ -73,6 +73,7 @@ from supervisor.sdk.aio import (
     AsyncExec,
     AsyncImages,
     AsyncSandbox,
+    AsyncSecrets,
     AsyncVolumes,
     CallStream,
     connect,
@@ -88,13 +89,14 @@ from supervisor.sdk.spec import (
     RunResult,
     RunSettings,
     SandboxSpec,
+    Secret,
     Settings,
     SnapshotRef,
     VolumeMount,
     Workload,
     parse_size,
 )
-from supervisor.sdk.sync import Images, Sandbox, Volumes, images
+from supervisor.sdk.sync import Images, Sandbox, Secrets, Volumes, images
 
 __all__ = [
     "AlreadyExists",
@@ -102,6 +104,7 @@ __all__ = [
     "AsyncExec",
     "AsyncImages",
     "AsyncSandbox",
+    "AsyncSecrets",
     "AsyncVolumes",
     "Boot",
     "CallStream",
@@ -139,6 +142,8 @@ __all__ = [
     "SandboxSettings",
     "SandboxSpec",
     "SandboxSummary",
+    "Secret",
+    "Secrets",
     "Settings",
     "SnapshotRef",
     "SnapshotSummary",

@@ -32,6 +32,8 @@ from actors.net.hostnet import HostNetConfig, HostNetwork
 from actors.net.ippool import IpPool, parse_pool
 from actors.quotas import Quotas, gated, start_slots
 from actors.registry import Registry
+from actors.sandboxes.secrets import upstream_context
+from actors.secrets.vault import Vault
 from actors.settings import Settings
 from actors.store import Store, StoreLeases
 from images.build import Builder, Image, load_default
@@ -156,6 +158,8 @@ def _check_socket_free(path: Path) -> None:
 def _check(cfg: DaemonConfig) -> None:
     """Settings a flag gave that nothing else checks before it is used: refused by the
     flag's name, before anything starts."""
+    if cfg.upstream_ca is not None and not cfg.upstream_ca.is_file():
+        raise Refused(f"--upstream-ca {cfg.upstream_ca}: no such file")
     for cidr in cfg.egress_never:
         try:
             ipaddress.ip_network(cidr, strict=False)
@@ -306,6 +310,8 @@ async def _serve_locked(cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Re
         tb_size_mib=cfg.tb_size_mib or None,
         launch=gated(booted_guest, trio.CapacityLimiter(cfg.max_starting or start_slots())),
         hostnet=hostnet,
+        vault=Vault(cfg.state_dir, cfg.secrets_key),
+        upstream_tls=upstream_context(str(cfg.upstream_ca or "")),
     )
     log.info(
         "serving on %s (state %s, accel %s, QEMU %s)",

@@ -352,6 +352,21 @@ class DaemonConfig:
         metavar="CIDR",
         help="a range no sandbox reaches whatever its egress policy (e.g. your LAN; repeatable)",
     )
+    # secrets (issue 23, docs/secrets.md): the vault's key, outside the state dir
+    secrets_key: Path | None = flag(
+        None,
+        name="--secrets-key",
+        metavar="FILE",
+        help="the key of the secret vault, 0600 (default /etc/sandvisor/secrets.key as root; made at first use)",
+        parse=_path,
+    )
+    upstream_ca: Path | None = flag(  # the secret proxy trusts these besides the system store
+        None,
+        name="--upstream-ca",
+        metavar="PEM",
+        help="CA certificates the secret proxy trusts for real servers, besides the system store",
+        parse=_path,
+    )
     stop_timeout: float = 10.0  # (no flag) the stop of every sandbox at SIGTERM
 
 

@@ -139,6 +139,12 @@ BINDINGS: dict[str, tuple[Rpc, ...]] = {
         Rpc("Run", "Run"),
         Rpc("Modify", "Modify"),
         Rpc("Inspect", "Inspect"),
+        Rpc("SetSecret", "SetSecret"),
+        Rpc("ListSecrets", "ListSecrets"),
+        Rpc("DeleteSecret", "DeleteSecret"),
+        Rpc("RotateSecret", "RotateSecret"),
+        Rpc("RevokeSecret", "RevokeSecret"),
+        Rpc("ListSandboxSecrets", "ListSandboxSecrets"),
     ),
 }
 

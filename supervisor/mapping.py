@@ -31,6 +31,7 @@ from actors.model import (
 )
 from actors.modify import Modification, Plan
 from actors.sandboxes.sandbox import Sandbox
+from actors.secrets.model import SecretRef
 from actors.snapshots.snapshot import rfc3339
 from actors.store import SnapshotRecord
 from images.build import Image
@@ -105,7 +106,13 @@ def config(req: W.CreateSandboxRequest) -> SandboxConfig:
         patches=tuple(req.patches),  # (the wire's Patch is the domain's: guestd/patch.py)
         volumes=tuple(VolumeMount(v.volume, v.target, v.readonly) for v in req.volumes),
         scripts=dict(req.scripts),
+        secrets=tuple(SecretRef(s.name, tuple(s.hosts), placeholder=s.placeholder, store=s.store) for s in req.secrets),
     )
+
+
+def secret_values(req: W.CreateSandboxRequest) -> dict[str, bytes]:
+    """A Create's secret values by name (to the vault, never into the configuration)."""
+    return {s.name: bytes(s.value) for s in req.secrets if s.value}
 
 
 # --- domain -> replies ------------------------------------------------------------------------

@@ -210,6 +210,22 @@ class VolumeMount:
 
 
 @attrs.frozen
+class SecretSpec:
+    """A secret of a Create (docs/secrets.md): ``value`` (for ``value:`` and ``env:``
+    sources, which the client reads from its own environment) or ``store`` (an entry of
+    the supervisor's store), the hosts it may go to; ``placeholder`` "" = made fresh."""
+
+    name: str
+    hosts: list[str] = attrs.field(factory=list)
+    value: bytes = b""
+    store: str = ""
+    placeholder: str = ""
+
+    def __repr__(self) -> str:  # (never the value: a repr may end up in a log or an error)
+        return f"SecretSpec(name={self.name!r}, hosts={self.hosts!r}, store={self.store!r})"
+
+
+@attrs.frozen
 class CreateSandboxRequest:
     id: str = ""
     labels: dict[str, str] = attrs.field(factory=dict)
@@ -242,6 +258,7 @@ class CreateSandboxRequest:
     max_vcpus: int = 0
     max_memory_mib: int = 0
     disk_size_mib: int = 0  # the root disk's size (0: the image's); grown, never shrunk
+    secrets: list[SecretSpec] = attrs.field(factory=list)  # sandvisor.v1.CreateRequest.secrets (docs/secrets.md)
 
 
 @attrs.frozen
@@ -857,3 +874,53 @@ def _why(exc: BaseException) -> str:
         notes = cattrs.transform_error(exc)
         return "; ".join(notes)[:500]
     return f"{type(exc).__name__}: {exc}"[:500]
+
+
+# --- secrets (docs/secrets.md) ----------------------------------------------------------------
+@attrs.frozen
+class SetSecretRequest:
+    """An entry of the supervisor's secret store (made or replaced: a rotation of every
+    sandbox whose secret names it)."""
+
+    name: str
+    value: bytes
+
+    def __repr__(self) -> str:
+        return f"SetSecretRequest(name={self.name!r})"
+
+
+@attrs.frozen
+class ListSecretsResponse:
+    names: list[str]  # the store's entries (never a value)
+
+
+@attrs.frozen
+class RotateSecretRequest:
+    """A sandbox's own secret gets a new value (the placeholder stays)."""
+
+    id: str
+    name: str
+    value: bytes
+
+    def __repr__(self) -> str:
+        return f"RotateSecretRequest(id={self.id!r}, name={self.name!r})"
+
+
+@attrs.frozen
+class SandboxSecretRequest:
+    id: str
+    name: str
+
+
+@attrs.frozen
+class SandboxSecretInfo:
+    name: str
+    hosts: list[str]
+    placeholder: str
+    source: str  # "value" (the sandbox's own) | "store:NAME"
+    removed: bool
+
+
+@attrs.frozen
+class SandboxSecretsResponse:
+    secrets: list[SandboxSecretInfo]

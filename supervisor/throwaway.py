@@ -75,7 +75,14 @@ def workdir(prefix: str, *, private_state: bool = False, cache: Path | None = No
 async def supervisor(work: Workdir, **options: Any) -> AsyncIterator[tuple[DaemonConfig, Registry]]:
     """``serve`` in this Trio run (TCG unless ``accel`` says otherwise); stopped after."""
     cfg = DaemonConfig(
-        **{"socket": work.socket, "state_dir": work.state, "run_root": work.run_root, "accel": "tcg", **options}
+        **{
+            "socket": work.socket,
+            "state_dir": work.state,
+            "run_root": work.run_root,
+            "accel": "tcg",
+            "secrets_key": work.root / "secrets.key",  # (never the machine's /etc/sandvisor)
+            **options,
+        }
     )
     async with trio.open_nursery() as nursery:
         registry, _server = await nursery.start(serve, cfg)
@@ -97,6 +104,8 @@ def supervisor_process(
     (stderr) is appended to ``log``, if given."""
     env = work.env()
     argv = [sys.executable, "-m", "supervisor.cli", "serve", "--accel", "tcg", "--run-root", str(work.run_root), *args]
+    if "--secrets-key" not in args:  # (never the machine's /etc/sandvisor)
+        argv += ["--secrets-key", str(work.root / "secrets.key")]
     if "--ip-pool" not in args:  # the machine's own namespace: tap networking only where a test makes its own
         argv += ["--ip-pool", "none"]
     work.socket.unlink(missing_ok=True)

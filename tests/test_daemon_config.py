@@ -79,6 +79,8 @@ def test_a_config_said_as_flags_parses_back_to_itself(tmp_path: Path) -> None:
         ip_pool="10.99.0.0/16",
         dns_upstreams=("1.1.1.1", "9.9.9.9:5353"),
         egress_never=("192.168.0.0/16",),
+        secrets_key=tmp_path / "secrets.key",
+        upstream_ca=tmp_path / "upstream-ca.pem",
     )
     defaults = DaemonConfig(socket=cfg.socket, state_dir=cfg.state_dir)
     left_at_default = [

@@ -89,7 +89,13 @@ THIRD_PARTY = {"trio", "attrs", "cattrs", "msgpack", "rich", "_typeshed", "typin
     [
         ("guestd: stdlib + msgpack", sources("guestd"), {"guestd", "msgpack"}, ()),
         ("images: not the domain, not the edges", sources("images"), {"images", *THIRD_PARTY}, ()),
-        ("actors: not the edges", sources("actors"), {"actors", "guestd", "images", *THIRD_PARTY}, ()),
+        (
+            "actors: not the edges",
+            sources("actors"),
+            # h11, cryptography: the secret proxy's HTTP/1.1, CAs and vault (docs/secrets.md)
+            {"actors", "guestd", "images", "h11", "cryptography", *THIRD_PARTY},
+            (),
+        ),
         (
             "the SDK: the wire (and guestd's tar codec), never the domain",
             [ROOT / f for f in SDK],

@@ -373,6 +373,10 @@ class GuestChannel:
             P.Ok,
         )
 
+    async def trust_ca(self, pem: bytes) -> None:
+        """Install the sandbox's CA certificate in the guest's trust stores (guestd/trust.py)."""
+        await self._unary(lambda rid: P.TrustCa(rid=rid, pem=pem), P.Ok)
+
     async def shutdown(self, reboot: bool = False) -> None:
         """Ask guestd to stop every process, sync and power off. Returns once it agreed."""
         await self._unary(lambda rid: P.Shutdown(rid=rid, reboot=reboot), P.Ok)

@@ -61,6 +61,9 @@ NEVER4 = ("0.0.0.0/8", "127.0.0.0/8", "169.254.0.0/16", "224.0.0.0/4", "240.0.0.
 PRIVATE4 = ("10.0.0.0/8", "100.64.0.0/10", "172.16.0.0/12", "192.168.0.0/16", "198.18.0.0/15")
 MAX_ENTRIES = 256
 REJECT = "reject with icmpx type admin-prohibited"
+# the secret proxy's upstream sockets (actors/net/secretproxy.py): SECRET_MARK | the low
+# 16 bits of the sandbox's address; the output hook sends them through its egress chain
+SECRET_MARK = 0x53560000
 _DOMAIN_LABEL = re.compile(r"^(?!-)[a-z0-9_-]{1,63}(?<!-)$")
 
 
@@ -299,6 +302,10 @@ table inet {TABLE} {{
   set links4 {{ type ifname . ipv4_addr; }}
   map egress {{ type ifname : verdict; }}
   set never4 {{ type ipv4_addr; flags interval; auto-merge; elements = {{ {never4} }}; }}
+  map secret_dnat {{ type ifname . inet_service : ipv4_addr . inet_service; }}
+  set secret_proxy {{ type ifname . inet_service; }}
+  set secret_links {{ type ifname; }}
+  map secret_marks {{ type mark : verdict; }}
   chain hook_prerouting {{
     type filter hook prerouting priority raw; policy accept;
     iifname "{LINK_GLOB}" jump sandbox_spoof
@@ -317,6 +324,22 @@ table inet {TABLE} {{
     ct state invalid drop
     ip daddr {gateway} meta l4proto {{ tcp, udp }} th dport {dns_port} accept
     ip daddr {gateway} icmp type echo-request limit rate 20/second accept
+    ip daddr {gateway} iifname . tcp dport @secret_proxy accept
+    {REJECT}
+  }}
+  chain hook_nat_prerouting {{
+    type nat hook prerouting priority dstnat; policy accept;
+    iifname "{LINK_GLOB}" meta nfproto ipv4 dnat ip to iifname . tcp dport map @secret_dnat
+  }}
+  chain hook_output {{
+    type filter hook output priority filter; policy accept;
+    meta mark & 0xffff0000 == {SECRET_MARK:#x} jump secret_egress
+  }}
+  chain secret_egress {{
+    ct state established,related accept
+    fib daddr type local {REJECT}
+    ip daddr @never4 {REJECT}
+    meta mark vmap @secret_marks
     {REJECT}
   }}
   chain hook_forward {{
@@ -328,6 +351,7 @@ table inet {TABLE} {{
     ct state established,related accept
     ct state invalid drop
     ip daddr @never4 {REJECT}
+    iifname @secret_links udp dport 443 {REJECT}
     iifname vmap @egress
     {REJECT}
   }}
@@ -449,3 +473,36 @@ def dns_update(link: str, set_names: Iterable[str], addresses: Iterable[IPv4Addr
             f"add element {t} {name} {{ {elems} }}",
         ]
     return cmds
+
+
+# -- the secret proxy (actors/net/secretproxy.py) -------------------------------------------
+def secret_mark(address: IPv4Address) -> int:
+    """The mark of a sandbox's proxied upstream connections (unique in a pool up to /16)."""
+    return SECRET_MARK | (int(address) & 0xFFFF)
+
+
+def secret_rules(
+    link: str, address: IPv4Address, gateway: IPv4Address, proxy_port: int, ports: Iterable[int]
+) -> list[str]:
+    """A sandbox's TCP to ``ports`` DNAT'ed to its proxy (on the gateway), the proxy's
+    port open to it, its QUIC (UDP 443) refused, the proxy's upstream connections
+    judged by its own egress chain (one transaction; the chain must exist)."""
+    t = f"inet {TABLE}"
+    dnat = ", ".join(f'"{link}" . {p} : {gateway} . {proxy_port}' for p in ports)
+    return [
+        f"add element {t} secret_dnat {{ {dnat} }}",
+        f'add element {t} secret_proxy {{ "{link}" . {proxy_port} }}',
+        f'add element {t} secret_links {{ "{link}" }}',
+        f"add element {t} secret_marks {{ {secret_mark(address):#x} : goto sb_{link} }}",
+    ]
+
+
+def secret_removal(link: str, address: IPv4Address, proxy_port: int, ports: Iterable[int]) -> list[str]:
+    t = f"inet {TABLE}"
+    keys = ", ".join(f'"{link}" . {p}' for p in ports)
+    return [
+        f"delete element {t} secret_dnat {{ {keys} }}",
+        f'delete element {t} secret_proxy {{ "{link}" . {proxy_port} }}',
+        f'delete element {t} secret_links {{ "{link}" }}',
+        f"delete element {t} secret_marks {{ {secret_mark(address):#x} }}",
+    ]

@@ -75,6 +75,7 @@ from actors.net import netlink
 from actors.net.hostnet import SandboxLink
 from actors.net.ports import PortRelays
 from actors.quotas import check_sandbox_disk
+from actors.sandboxes import secrets
 from actors.snapshots.snapshot import memory_for_restore, resume_spec
 from actors.store import LifeState, SnapshotRecord
 from guestd import proto as P
@@ -206,6 +207,8 @@ class Life:
                 self._stack.callback(nursery.cancel_scope.cancel)  # (first out: the relays end)
                 jailed = self.cell is not None
                 self.ports = PortRelays(self.sb.settings, guest, self.sb.network, jailed=jailed, nursery=nursery)
+                if self.sb.config.secrets and self.link is not None:  # its proxy, before the guest runs anything
+                    await nursery.start(secrets.SecretsOfLife(self.sb, self.link).run)
                 if isinstance(self.plan, Resume):
                     await self._restored(guest, self.plan)
                 crash_point("hello")
@@ -610,6 +613,15 @@ class Life:
                 raise MachineError(f"cannot expose port {pm.sandbox_port}: {exc.message}") from None
         sb.record.ports = applied
         sb.store.update_ports(sb.record)
+
+    async def install_ca(self, guest: Guest) -> None:
+        """The sandbox's CA into the guest's trust stores (it has secrets)."""
+        try:
+            await secrets.install_ca(self.sb, guest)
+        except GuestError as exc:
+            err = guest_error(exc)
+            self.sb.log.append("system", f"secrets: {err.message}".encode())
+            raise MachineError(f"secrets: installing the sandbox CA: {err.message}") from None
 
     def update_policy(self) -> None:
         """A warm pool member taken by a Create: the caller's egress policy."""

@@ -327,6 +327,8 @@ class Sandbox:
                 await life.mount_volumes(guest)
             if fresh:
                 await life.apply_patches(guest)
+            if self.config.secrets:  # every boot and restore (a clone has a CA of its own)
+                await life.install_ca(guest)
             await life.apply_ports()  # ports given at create (or exposed before a stop) come first
             # vCPUs and memory below the machine's ceilings, a grown root filesystem
             await tune.at_boot(self, guest, fresh=isinstance(plan, Boot))

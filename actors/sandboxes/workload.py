@@ -18,6 +18,7 @@ import trio
 from actors.channel.guest import ExecHandle, FileReadStream, GuestError, GuestOpError, TreeReadStream
 from actors.errors import DomainError, FailedPrecondition, InvalidArgument
 from actors.model import State
+from actors.sandboxes import secrets
 from actors.sandboxes.life import guest_error
 from guestd import proto as P
 
@@ -66,9 +67,10 @@ class Workloads:
         """The sandbox's create-time env, working dir and user are every command's
         defaults, over its OCI image's; a call's own values win."""
         w, img = self.sb.config.workload, self.sb.record.image
+        held = secrets.env(self.sb)  # placeholders and the CA's paths (actors/sandboxes/secrets.py)
         if img is None:
-            return {**w.env, **env}, cwd or w.working_dir, user or w.user
-        return {**img.env, **w.env, **env}, cwd or w.working_dir or img.working_dir, user or w.user or img.user
+            return {**w.env, **held, **env}, cwd or w.working_dir, user or w.user
+        return {**img.env, **w.env, **held, **env}, cwd or w.working_dir or img.working_dir, user or w.user or img.user
 
     async def run(
         self,

@@ -196,13 +196,15 @@ class Pools:
         self.snapshots.drop(tpl, f"boot template {tpl.template_key}: {why}")
 
     def take_for_create(self, config: SandboxConfig, image: ImageUse | None) -> Sandbox | None:
+        if config.secrets:
+            return None  # a member would need the caller's CA and placeholders first: a boot or restore
         key = self.template_key(config, image)
         tpl = self.template(key) if key is not None else None
         return self.take(tpl) if tpl is not None else None
 
     # -- warm pools ----------------------------------------------------------------
     def target(self, snap: SnapshotRecord) -> int:
-        if snap.config.volumes:
+        if snap.config.volumes or snap.config.secrets:
             return 0  # a member would hold the snapshot's volumes while it waits
         if snap.template_key:
             return self.template_pool
@@ -240,6 +242,8 @@ class Pools:
     def take(self, snap: SnapshotRecord) -> Sandbox | None:
         """A ready member of ``snap``'s pool, out of the pool (refilled in the background)."""
         members = self.members.get(snap.id, [])
+        if snap.config.secrets:
+            return None  # (none are kept: target())
         for m in members:
             # ready_event: its life is fully up (READY is recorded, and flushed, a moment before)
             if m.ready_event.is_set() and m.state == State.READY and not m.checkpointing and m.guest is not None:

@@ -365,6 +365,13 @@ class AsyncVolumes(plans.VolumeMethods, _Driven):
         self.socket = str(socket or default_socket())
 
 
+class AsyncSecrets(plans.SecretMethods, _Driven):
+    """The supervisor's secret store (Trio); see :class:`~supervisor.sdk.plans.SecretMethods`."""
+
+    def __init__(self, socket: str | Path | None = None) -> None:
+        self.socket = str(socket or default_socket())
+
+
 class AsyncImages(plans.ImageMethods, _Driven):
     """The supervisor's OCI image store (Trio). ``AsyncImages(socket=...)``; the
     module's ``images`` is the sync one on the default socket::

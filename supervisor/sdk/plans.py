@@ -658,6 +658,44 @@ def image_prune(t: Target, *, dangling_only: bool = False) -> Plan[PruneImagesRe
     return r
 
 
+# --- secrets (docs/secrets.md) ------------------------------------------------------------------
+def _bytes(value: str | bytes) -> bytes:
+    return value.encode() if isinstance(value, str) else bytes(value)
+
+
+def secret_set(t: Target, name: str, value: str | bytes) -> Plan[None]:
+    """An entry of the supervisor's store (made or replaced): every sandbox whose secret
+    names it (``store=NAME``) puts the new value in from its next request on."""
+    yield Unary("SetSecret", W.SetSecretRequest(name, _bytes(value)), W.Empty)
+
+
+def secret_list(t: Target) -> Plan[builtins.list[str]]:
+    """The store's entry names (never a value)."""
+    r: W.ListSecretsResponse = yield Unary("ListSecrets", W.Empty(), W.ListSecretsResponse)
+    return r.names
+
+
+def secret_remove(t: Target, name: str) -> Plan[None]:
+    yield Unary("DeleteSecret", W.NameRequest(name=name), W.Empty)
+
+
+def rotate_secret(t: Target, name: str, value: str | bytes) -> Plan[None]:
+    """A new value for this sandbox's own secret ``name``: its next request carries it
+    (the placeholder stays)."""
+    yield Unary("RotateSecret", W.RotateSecretRequest(t.id, name, _bytes(value)), W.Empty)
+
+
+def revoke_secret(t: Target, name: str) -> Plan[None]:
+    """Take secret ``name`` away from this running sandbox: its placeholder is no longer replaced."""
+    yield Unary("RevokeSecret", W.SandboxSecretRequest(t.id, name), W.Empty)
+
+
+def secrets(t: Target) -> Plan[builtins.list[W.SandboxSecretInfo]]:
+    """This sandbox's secrets: names, hosts, placeholders, sources (never a value)."""
+    r: W.SandboxSecretsResponse = yield Unary("ListSandboxSecrets", W.IdRequest(t.id), W.SandboxSecretsResponse)
+    return r.secrets
+
+
 # --- the method tables: the public surface of both SDKs, declared once ----------------------
 class SandboxMethods:
     """The sandbox's methods (:class:`~supervisor.sdk.aio.AsyncSandbox`, awaitable;
@@ -694,6 +732,9 @@ class SandboxMethods:
     unexpose = op(unexpose)
     ports = op(ports)
     checkpoint = op(checkpoint)
+    rotate_secret = op(rotate_secret)
+    revoke_secret = op(revoke_secret)
+    secrets = op(secrets)
 
 
 class FSMethods:
@@ -732,3 +773,13 @@ class ImageMethods:
     inspect = op(image_inspect)
     remove = op(image_remove)
     prune = op(image_prune)
+
+
+class SecretMethods:
+    """The supervisor's secret store (docs/secrets.md): named values a sandbox's secret
+    can take (``Secret(name=..., store=NAME, hosts=...)``); values go in, never out."""
+
+    id = ""
+    set = op(secret_set)
+    list = op(secret_list)
+    remove = op(secret_remove)

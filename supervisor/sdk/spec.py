@@ -7,6 +7,7 @@ the blocking one (:mod:`supervisor.sdk.sync`).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, TypedDict, Unpack
 
@@ -138,6 +139,57 @@ class VolumeMount:
         return cls(name, path, flag == "ro")
 
 
+def _hosts(v: Sequence[str] | str) -> tuple[str, ...]:
+    return tuple(h.strip() for h in v.split(",")) if isinstance(v, str) else tuple(v)
+
+
+@attrs.frozen(kw_only=True)
+class Secret:
+    """A secret the guest never holds (docs/secrets.md): its environment variable
+    ``name`` holds a placeholder; the supervisor's proxy replaces the placeholder with
+    the value in HTTPS requests to ``hosts`` (``api.example.com``, ``*.example.com``,
+    optionally ``:port``) and refuses it anywhere else. Exactly one source: ``value``,
+    ``env`` (a variable of *this* process's environment, read when the request is made)
+    or ``store`` (an entry of the supervisor's store: :class:`Secrets`).
+    ``Secret.parse("API_KEY=env:API_KEY@api.example.com,other.example.com")``."""
+
+    name: str
+    hosts: tuple[str, ...] = attrs.field(converter=_hosts)
+    value: str | bytes = attrs.field(default="", repr=False)
+    env: str = ""
+    store: str = ""
+    placeholder: str = ""  # "": the supervisor makes one (name + 128 random bits)
+
+    @classmethod
+    def parse(cls, text: str) -> Secret:
+        """``NAME=SOURCE@HOST[,HOST...]``, SOURCE ``env:VAR``, ``value:LITERAL`` or ``store:NAME``."""
+        name, eq, rest = text.partition("=")
+        source, at, hosts = rest.rpartition("@")
+        kind, colon, arg = source.partition(":")
+        if not eq or not at or not colon or not name or not hosts or kind not in ("env", "value", "store"):
+            raise InvalidArgument(
+                W.INVALID_ARGUMENT, "a secret is NAME=env:VAR@HOST[,HOST...] (or value:LITERAL, store:NAME)"
+            )
+        return cls(name=name, hosts=hosts, **{kind: arg})
+
+    def spec(self) -> W.SecretSpec:
+        """The wire's form: an ``env`` source read now, from this process's environment."""
+        sources = [bool(self.value), bool(self.env), bool(self.store)]
+        if sum(sources) != 1:
+            raise InvalidArgument(W.INVALID_ARGUMENT, f"secret {self.name}: exactly one of value, env and store")
+        value = self.value
+        if self.env:
+            if self.env not in os.environ:
+                raise InvalidArgument(W.INVALID_ARGUMENT, f"secret {self.name}: ${self.env} is not set here")
+            value = os.environ[self.env]
+        raw = value.encode() if isinstance(value, str) else bytes(value)
+        return W.SecretSpec(self.name, list(self.hosts), raw, self.store, self.placeholder)
+
+
+def _secrets(v: Sequence[Secret | str] | None) -> tuple[Secret, ...]:
+    return tuple(s if isinstance(s, Secret) else Secret.parse(s) for s in v or ())
+
+
 def _patches(v: Sequence[Patch] | None) -> tuple[Patch, ...]:
     return tuple(v or ())
 
@@ -173,6 +225,7 @@ class Settings(TypedDict, total=False):
     patches: Sequence[Patch]
     volumes: Sequence[VolumeMount | str]
     scripts: Mapping[str, str]
+    secrets: Sequence[Secret | str]
 
 
 @attrs.frozen(kw_only=True)
@@ -192,6 +245,8 @@ class SandboxSpec:
     volumes: tuple[VolumeMount, ...] = attrs.field(default=(), converter=_mounts)
     # named scripts (name -> body; no "#!": /bin/sh), run by name: run_script(name, *args)
     scripts: dict[str, str] = attrs.field(factory=dict, converter=_kv)
+    # secrets the guest holds only placeholders of (docs/secrets.md); an env source is read at request()
+    secrets: tuple[Secret, ...] = attrs.field(default=(), converter=_secrets)
 
     def with_(self, **settings: Unpack[Settings]) -> SandboxSpec:
         if not settings:
@@ -235,6 +290,7 @@ class SandboxSpec:
             patches=s.get("patches", self.patches),
             volumes=_mounts(s.get("volumes", self.volumes)),
             scripts={**self.scripts, **_kv(s.get("scripts"))},
+            secrets=_secrets(s.get("secrets", self.secrets)),
         )
 
     def request(self, name: str = "") -> W.CreateSandboxRequest:
@@ -265,6 +321,7 @@ class SandboxSpec:
             max_vcpus=self.resources.max_cpus,
             max_memory_mib=self.resources.max_memory_mib,
             disk_size_mib=self.resources.disk_size_mib,
+            secrets=[s.spec() for s in self.secrets],
         )
 
 

@@ -283,6 +283,13 @@ class Volumes(plans.VolumeMethods, _Driven):
         self.socket = str(socket or default_socket())
 
 
+class Secrets(plans.SecretMethods, _Driven):
+    """The supervisor's secret store, blocking; see :class:`~supervisor.sdk.plans.SecretMethods`."""
+
+    def __init__(self, socket: str | Path | None = None) -> None:
+        self.socket = str(socket or default_socket())
+
+
 class Images(plans.ImageMethods, _Driven):
     """The supervisor's OCI image store, blocking; see :class:`~supervisor.sdk.plans.ImageMethods`."""
 

@@ -195,6 +195,36 @@ class SandvisorServiceStub:
                 request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.InspectRequest.SerializeToString,
                 response_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.SandboxDetails.FromString,
                 _registered_method=True)
+        self.SetSecret = channel.unary_unary(
+                '/sandvisor.v1.SandvisorService/SetSecret',
+                request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.SetSecretRequest.SerializeToString,
+                response_deserializer=sandbox_dot_v1_dot_sandbox__pb2.Empty.FromString,
+                _registered_method=True)
+        self.ListSecrets = channel.unary_unary(
+                '/sandvisor.v1.SandvisorService/ListSecrets',
+                request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.ListSecretsRequest.SerializeToString,
+                response_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.ListSecretsResponse.FromString,
+                _registered_method=True)
+        self.DeleteSecret = channel.unary_unary(
+                '/sandvisor.v1.SandvisorService/DeleteSecret',
+                request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.DeleteSecretRequest.SerializeToString,
+                response_deserializer=sandbox_dot_v1_dot_sandbox__pb2.Empty.FromString,
+                _registered_method=True)
+        self.RotateSecret = channel.unary_unary(
+                '/sandvisor.v1.SandvisorService/RotateSecret',
+                request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.RotateSecretRequest.SerializeToString,
+                response_deserializer=sandbox_dot_v1_dot_sandbox__pb2.Empty.FromString,
+                _registered_method=True)
+        self.RevokeSecret = channel.unary_unary(
+                '/sandvisor.v1.SandvisorService/RevokeSecret',
+                request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.RevokeSecretRequest.SerializeToString,
+                response_deserializer=sandbox_dot_v1_dot_sandbox__pb2.Empty.FromString,
+                _registered_method=True)
+        self.ListSandboxSecrets = channel.unary_unary(
+                '/sandvisor.v1.SandvisorService/ListSandboxSecrets',
+                request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.ListSandboxSecretsRequest.SerializeToString,
+                response_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.ListSandboxSecretsResponse.FromString,
+                _registered_method=True)
 
 
 class SandvisorServiceServicer:
@@ -429,6 +459,48 @@ class SandvisorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetSecret(self, request, context):
+        """--- secrets (the guest holds placeholders; docs/secrets.md) ---
+        An entry of the supervisor's store (made or replaced: sandboxes naming it use the new value).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListSecrets(self, request, context):
+        """The store's entry names (never a value).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteSecret(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RotateSecret(self, request, context):
+        """A running sandbox's own secret gets a new value: its next request carries it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RevokeSecret(self, request, context):
+        """A sandbox's secret taken away: its placeholder is no longer replaced.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListSandboxSecrets(self, request, context):
+        """A sandbox's secrets: names, hosts, placeholders, sources.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SandvisorServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -591,6 +663,36 @@ def add_SandvisorServiceServicer_to_server(servicer, server):
                     servicer.Inspect,
                     request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.InspectRequest.FromString,
                     response_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.SandboxDetails.SerializeToString,
+            ),
+            'SetSecret': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetSecret,
+                    request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.SetSecretRequest.FromString,
+                    response_serializer=sandbox_dot_v1_dot_sandbox__pb2.Empty.SerializeToString,
+            ),
+            'ListSecrets': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListSecrets,
+                    request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.ListSecretsRequest.FromString,
+                    response_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.ListSecretsResponse.SerializeToString,
+            ),
+            'DeleteSecret': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteSecret,
+                    request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.DeleteSecretRequest.FromString,
+                    response_serializer=sandbox_dot_v1_dot_sandbox__pb2.Empty.SerializeToString,
+            ),
+            'RotateSecret': grpc.unary_unary_rpc_method_handler(
+                    servicer.RotateSecret,
+                    request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.RotateSecretRequest.FromString,
+                    response_serializer=sandbox_dot_v1_dot_sandbox__pb2.Empty.SerializeToString,
+            ),
+            'RevokeSecret': grpc.unary_unary_rpc_method_handler(
+                    servicer.RevokeSecret,
+                    request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.RevokeSecretRequest.FromString,
+                    response_serializer=sandbox_dot_v1_dot_sandbox__pb2.Empty.SerializeToString,
+            ),
+            'ListSandboxSecrets': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListSandboxSecrets,
+                    request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.ListSandboxSecretsRequest.FromString,
+                    response_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.ListSandboxSecretsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1457,6 +1559,168 @@ class SandvisorService:
             '/sandvisor.v1.SandvisorService/Inspect',
             sandvisor_dot_v1_dot_sandvisor__pb2.InspectRequest.SerializeToString,
             sandvisor_dot_v1_dot_sandvisor__pb2.SandboxDetails.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetSecret(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandvisor.v1.SandvisorService/SetSecret',
+            sandvisor_dot_v1_dot_sandvisor__pb2.SetSecretRequest.SerializeToString,
+            sandbox_dot_v1_dot_sandbox__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListSecrets(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandvisor.v1.SandvisorService/ListSecrets',
+            sandvisor_dot_v1_dot_sandvisor__pb2.ListSecretsRequest.SerializeToString,
+            sandvisor_dot_v1_dot_sandvisor__pb2.ListSecretsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteSecret(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandvisor.v1.SandvisorService/DeleteSecret',
+            sandvisor_dot_v1_dot_sandvisor__pb2.DeleteSecretRequest.SerializeToString,
+            sandbox_dot_v1_dot_sandbox__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RotateSecret(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandvisor.v1.SandvisorService/RotateSecret',
+            sandvisor_dot_v1_dot_sandvisor__pb2.RotateSecretRequest.SerializeToString,
+            sandbox_dot_v1_dot_sandbox__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RevokeSecret(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandvisor.v1.SandvisorService/RevokeSecret',
+            sandvisor_dot_v1_dot_sandvisor__pb2.RevokeSecretRequest.SerializeToString,
+            sandbox_dot_v1_dot_sandbox__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListSandboxSecrets(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandvisor.v1.SandvisorService/ListSandboxSecrets',
+            sandvisor_dot_v1_dot_sandvisor__pb2.ListSandboxSecretsRequest.SerializeToString,
+            sandvisor_dot_v1_dot_sandvisor__pb2.ListSandboxSecretsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,505 @@
+"""One sandbox's secret substitution proxy (issue 23; docs/secrets.md).
+
+The sandbox's link has its guest's TCP to the intercepted ports (443 and any port a
+secret's host entry names) DNAT'ed here (``egress.secret_rules``): a listener on the
+gateway address, one per sandbox, a task of the sandbox's life. For each connection::
+
+    guest --TLS--> [peek the ClientHello: its server name (SNI)]
+       SNI named by no secret (or none, or not TLS): spliced to the original destination,
+          bytes untouched (no TLS termination)
+       SNI named by a secret: TLS terminated with a leaf of the sandbox's CA (HTTP/1.1
+          only in ALPN), each request read with h11 (bounded head and body), every
+          placeholder replaced by its value -- only if the secret allows this host and
+          port, else 403 from here, an event and a log line naming the secret -- and sent
+          to the original destination over TLS verified against the system store plus
+          ``serve --upstream-ca``, SNI and certificate name being the guest's SNI
+
+Upstream sockets carry the sandbox's mark, by which the table's output hook applies
+the sandbox's own egress chain (and the never ranges) to what the proxy opens: the
+proxy reaches nothing the guest could not reach itself. The original destination is
+read from conntrack (SO_ORIGINAL_DST), never from the guest's bytes.
+
+Hostile guest: the ClientHello peek is bounded (16 KiB, 10 s), a request head by h11
+(64 KiB), a substituted body by MAX_BODY (larger bodies stream through unchanged),
+connections by MAX_CONNECTIONS (more are closed at accept), every read by an idle
+timeout. Each connection is its own error boundary: nothing it does ends the proxy.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import socket
+import ssl
+import struct
+from collections.abc import Callable, Sequence
+from ipaddress import IPv4Address
+from typing import Any
+
+import attrs
+import h11
+import trio
+
+from actors.net.netns import NetNS
+from actors.secrets import model as S
+from actors.secrets.ca import Minter
+
+log = logging.getLogger("sandvisor.secrets")
+
+SO_ORIGINAL_DST = 80
+MAX_HELLO = 16 * 1024
+HELLO_TIMEOUT = 10.0
+IDLE_TIMEOUT = 120.0
+CONNECT_TIMEOUT = 20.0
+MAX_HEAD = 64 * 1024
+MAX_BODY = 1 << 20
+MAX_CONNECTIONS = 256
+CHUNK = 64 * 1024
+
+
+@attrs.frozen
+class Blocked:
+    secret: str
+    host: str
+    port: int
+
+
+@attrs.define
+class ProxyView:
+    """What the proxy asks of its sandbox, live (a rotation or a removal applies to the
+    next connection): the secrets in force, a secret's value, the minter of its CA."""
+
+    refs: Callable[[], Sequence[S.SecretRef]]
+    value: Callable[[S.SecretRef], bytes | None]
+    minter: Callable[[], Minter]
+    blocked: Callable[[Blocked], None]
+
+
+def client_hello_name(data: bytes) -> tuple[bool, str | None]:
+    """(whether ``data`` holds a complete ClientHello (or is not TLS at all), its server
+    name). OpenSSL parses it (a throwaway server object whose SNI callback records the
+    name and ends the handshake): no hand-written TLS parser."""
+    seen: list[str | None] = []
+
+    def record(_obj: Any, name: str | None, _ctx: ssl.SSLContext) -> int:
+        seen.append(name)
+        return ssl.ALERT_DESCRIPTION_HANDSHAKE_FAILURE
+
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.sni_callback = record
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    obj = ctx.wrap_bio(incoming, outgoing, server_side=True)
+    incoming.write(data)
+    try:
+        obj.do_handshake()
+    except ssl.SSLWantReadError:
+        return (bool(seen), seen[0] if seen else None)
+    except ssl.SSLError:
+        pass
+    return True, seen[0] if seen else None
+
+
+class _Replay(trio.abc.Stream):
+    """A stream that first gives back what was peeked."""
+
+    def __init__(self, inner: trio.SocketStream, prefix: bytes) -> None:
+        self.inner = inner
+        self.prefix = prefix
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        if self.prefix:
+            data, self.prefix = self.prefix, b""
+            return data
+        return await self.inner.receive_some(max_bytes)
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        await self.inner.send_all(data)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.inner.wait_send_all_might_not_block()
+
+    async def send_eof(self) -> None:
+        await self.inner.send_eof()
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
+class _Refused(Exception):
+    """Answer the guest with this status and end the connection."""
+
+    def __init__(self, status: int, text: str) -> None:
+        super().__init__(text)
+        self.status = status
+        self.text = text
+
+
+class SecretProxy:
+    """``await nursery.start(proxy.run)`` -> the port it listens on (the gateway's)."""
+
+    def __init__(
+        self,
+        view: ProxyView,
+        *,
+        listen: IPv4Address,
+        guest: IPv4Address,
+        mark: int,
+        upstream: ssl.SSLContext,
+        netns: NetNS | None = None,
+        name: str = "",
+    ) -> None:
+        self.view = view
+        self.listen = listen
+        self.guest = guest
+        self.mark = mark
+        self.upstream = upstream
+        self.netns = netns or NetNS()
+        self.name = name
+        self.port = 0
+        self.stats = {"intercepted": 0, "passed": 0, "blocked": 0, "errors": 0, "refused": 0}
+        self._live = 0
+
+    async def run(self, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
+        raw = self.netns.socket()
+        raw.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        raw.bind((str(self.listen), 0))
+        raw.listen(128)
+        self.port = raw.getsockname()[1]
+        listener = trio.socket.from_stdlib_socket(raw)
+        with listener:
+            async with trio.open_nursery() as nursery:
+                task_status.started(self.port)
+                while True:
+                    try:
+                        sock, _addr = await listener.accept()
+                    except OSError as exc:
+                        if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                            await trio.sleep(0.1)
+                            continue
+                        raise
+                    if self._live >= MAX_CONNECTIONS:
+                        self.stats["refused"] += 1
+                        sock.close()
+                        continue
+                    self._live += 1
+                    nursery.start_soon(self._connection, sock)
+
+    async def _connection(self, sock: trio.socket.SocketType) -> None:
+        stream = trio.SocketStream(sock)
+        try:
+            await self._serve(stream, sock)
+        except Exception as exc:
+            if not _expected(exc):  # (else a guest or a server that went away, or lied: it ends)
+                self.stats["errors"] += 1
+                log.exception("%s: secret proxy connection failed", self.name)
+        finally:
+            self._live -= 1
+            with trio.CancelScope(shield=True):
+                await stream.aclose()
+
+    async def _serve(self, stream: trio.SocketStream, sock: trio.socket.SocketType) -> None:
+        peer = sock.getpeername()
+        dst = _orig(sock)
+        if peer[0] != str(self.guest) or dst is None or (dst[0] == str(self.listen) and dst[1] == self.port):
+            return  # not the guest's redirected connection
+        data = b""
+        name: str | None = None
+        with trio.fail_after(HELLO_TIMEOUT):
+            while len(data) < MAX_HELLO:
+                chunk = await stream.receive_some(MAX_HELLO - len(data))
+                if not chunk:
+                    return
+                data += chunk
+                done, name = client_hello_name(data)
+                if done:
+                    break
+        refs = self.view.refs()
+        if name is not None and S.named_by_any(refs, name, dst[1]):
+            self.stats["intercepted"] += 1
+            await self._intercept(_Replay(stream, data), name, dst)
+        else:
+            self.stats["passed"] += 1
+            await self._splice(stream, data, dst)
+
+    # -- pass-through ------------------------------------------------------------------
+    async def _connect(self, dst: tuple[str, int]) -> trio.SocketStream:
+        up = trio.socket.from_stdlib_socket(self.netns.socket())
+        up.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, self.mark)
+        try:
+            with trio.fail_after(CONNECT_TIMEOUT):
+                await up.connect(dst)
+        except BaseException:
+            up.close()
+            raise
+        return trio.SocketStream(up)
+
+    async def _splice(self, guest: trio.SocketStream, first: bytes, dst: tuple[str, int]) -> None:
+        upstream = await self._connect(dst)
+        async with upstream:
+            await upstream.send_all(first)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_pump, guest, upstream)
+                nursery.start_soon(_pump, upstream, guest)
+
+    # -- interception --------------------------------------------------------------------
+    async def _intercept(self, raw: _Replay, name: str, dst: tuple[str, int]) -> None:
+        guest = trio.SSLStream(raw, self.view.minter().context(name), server_side=True)
+        with trio.fail_after(HELLO_TIMEOUT):
+            await guest.do_handshake()
+        g = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD)
+        upstream: trio.SSLStream[trio.SocketStream] | None = None
+        u = h11.Connection(h11.CLIENT)
+        try:
+            while True:
+                req = await _next(g, guest)
+                if not isinstance(req, h11.Request):
+                    return
+                try:
+                    body, whole = await self._read_request(g, guest)
+                    out, pairs = self._substitute(req, body, whole, name, dst[1])
+                except _Refused as r:
+                    await _answer(g, guest, r.status, r.text)
+                    return
+                if upstream is None:
+                    try:
+                        upstream = await self._open_upstream(dst, name)
+                    except (OSError, ssl.SSLError, trio.TooSlowError, trio.BrokenResourceError) as exc:
+                        await _answer(g, guest, 502, f"sandvisor secret proxy: {name}: upstream: {_why(exc)}")
+                        return
+                await self._forward(g, guest, u, upstream, out, S.substitute(body, pairs) if whole else body, whole)
+                if g.our_state is h11.DONE and g.their_state is h11.DONE and u.our_state is h11.DONE:
+                    if u.their_state is not h11.DONE:
+                        return
+                    g.start_next_cycle()
+                    u.start_next_cycle()
+                else:
+                    return
+        finally:
+            if upstream is not None:
+                with trio.CancelScope(shield=True):
+                    await upstream.aclose()
+
+    async def _open_upstream(self, dst: tuple[str, int], name: str) -> trio.SSLStream[trio.SocketStream]:
+        tcp = await self._connect(dst)
+        up = trio.SSLStream(tcp, self.upstream, server_hostname=name, https_compatible=True)
+        try:
+            with trio.fail_after(CONNECT_TIMEOUT):
+                await up.do_handshake()
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                await tcp.aclose()
+            raise
+        return up
+
+    async def _read_request(self, g: h11.Connection, guest: trio.abc.Stream) -> tuple[bytes, bool]:
+        """A request's body up to MAX_BODY: (body, whether it is the whole body)."""
+        if g.they_are_waiting_for_100_continue:
+            await _send(g, guest, h11.InformationalResponse(status_code=100, headers=[]))
+        body = bytearray()
+        while True:
+            ev = await _next(g, guest)
+            if isinstance(ev, h11.Data):
+                body += ev.data
+                if len(body) > MAX_BODY:
+                    return bytes(body), False
+            elif isinstance(ev, h11.EndOfMessage):
+                return bytes(body), True
+            else:
+                raise _Refused(400, "sandvisor secret proxy: a broken request")
+
+    def _substitute(
+        self, req: h11.Request, body: bytes, whole: bool, name: str, port: int
+    ) -> tuple[h11.Request, list[tuple[bytes, bytes]]]:
+        """The request to send upstream, placeholders replaced (a whole body's too: its
+        Content-Length set again), and the pairs replaced; _Refused (403) when a
+        placeholder may not go to this host."""
+        pairs: list[tuple[bytes, bytes]] = []
+        host = b""
+        for k, v in req.headers:
+            if k == b"host":
+                host = v
+        texts = [req.target, *(v for _, v in req.headers), body if whole else b""]
+        for ref in self.view.refs():
+            ph = ref.placeholder.encode()
+            if not any(ph in t for t in texts):
+                continue
+            value = self.view.value(ref)
+            if value is None:
+                continue  # removed, or its store entry is gone: the placeholder goes as it is
+            if not S.allowed(ref, name, port):
+                self.stats["blocked"] += 1
+                self.view.blocked(Blocked(ref.name, name, port))
+                raise _Refused(403, f"sandvisor: secret {ref.name} may not be sent to {name}:{port}\n")
+            if host and host.decode("latin-1").rsplit(":", 1)[0].lower().rstrip(".") != name.lower().rstrip("."):
+                raise _Refused(403, f"sandvisor: secret {ref.name}: Host does not match the TLS server name\n")
+            pairs.append((ph, value))
+        headers = [(k, S.substitute(v, pairs)) for k, v in req.headers if not (whole and k == b"expect")]
+        if whole:
+            headers = [(k, v) for k, v in headers if k not in (b"content-length", b"transfer-encoding")]
+            if body or req.method not in (b"GET", b"HEAD", b"DELETE", b"OPTIONS"):
+                headers.append((b"content-length", str(len(S.substitute(body, pairs))).encode()))
+        return h11.Request(method=req.method, target=S.substitute(req.target, pairs), headers=headers), pairs
+
+    async def _forward(
+        self,
+        g: h11.Connection,
+        guest: trio.abc.Stream,
+        u: h11.Connection,
+        upstream: trio.abc.Stream,
+        req: h11.Request,
+        body: bytes,
+        whole: bool,
+    ) -> None:
+        """Send the request (a body beyond MAX_BODY streams on unchanged), then the
+        response back to the guest as it comes."""
+        await _send(u, upstream, req)
+        if body:
+            await _send(u, upstream, h11.Data(data=body))
+        while not whole:
+            ev = await _next(g, guest)
+            if isinstance(ev, h11.Data):
+                await _send(u, upstream, h11.Data(data=ev.data))
+            elif isinstance(ev, h11.EndOfMessage):
+                break
+            else:
+                return
+        await _send(u, upstream, h11.EndOfMessage())
+        scrub = Scrubber(self._reverse_pairs())
+        while True:
+            ev = await _next(u, upstream)
+            if isinstance(ev, h11.InformationalResponse):
+                if ev.status_code != 100:
+                    headers = [(k, scrub.line(v)) for k, v in ev.headers]
+                    await _send(g, guest, h11.InformationalResponse(status_code=ev.status_code, headers=headers))
+                continue
+            if isinstance(ev, h11.Response):
+                headers = [(k, scrub.line(v)) for k, v in ev.headers]
+                if scrub.pairs and req.method != b"HEAD" and ev.status_code not in (204, 304):
+                    # the body may change length: h11 frames it again (chunked, to an HTTP/1.1 guest)
+                    headers = [(k, v) for k, v in headers if k not in (b"content-length", b"transfer-encoding")]
+                await _send(g, guest, h11.Response(status_code=ev.status_code, headers=headers, reason=ev.reason))
+                continue
+            if isinstance(ev, h11.Data):
+                data = scrub.feed(ev.data)
+                if data:
+                    await _send(g, guest, h11.Data(data=data))
+                continue
+            if isinstance(ev, h11.EndOfMessage):
+                rest = scrub.flush()
+                if rest:
+                    await _send(g, guest, h11.Data(data=rest))
+                await _send(g, guest, h11.EndOfMessage())
+                return
+            return  # closed
+
+    def _reverse_pairs(self) -> list[tuple[bytes, bytes]]:
+        """(value, placeholder) of every secret in force: what a response must not carry back."""
+        out = []
+        for ref in self.view.refs():
+            value = self.view.value(ref)
+            if value:
+                out.append((value, ref.placeholder.encode()))
+        return out
+
+
+class Scrubber:
+    """A response's way back: every secret value in it replaced by its placeholder, so an
+    allowed host that echoes the request (or hands a token out) gives the guest the
+    placeholder, never the value. Streaming: the last len(longest value) - 1 bytes wait
+    for the next chunk (a value split across two chunks is still found)."""
+
+    def __init__(self, pairs: list[tuple[bytes, bytes]]) -> None:
+        self.pairs = pairs
+        self.keep = max((len(v) for v, _ in pairs), default=1) - 1
+        self.tail = b""
+
+    def line(self, data: bytes) -> bytes:
+        return S.substitute(data, self.pairs)
+
+    def feed(self, data: bytes) -> bytes:
+        if not self.pairs:
+            return data
+        buf = S.substitute(self.tail + data, self.pairs)
+        if self.keep <= 0:
+            self.tail = b""
+            return buf
+        self.tail = buf[-self.keep :]
+        return buf[: -self.keep]
+
+    def flush(self) -> bytes:
+        rest, self.tail = self.tail, b""
+        return rest
+
+
+def _orig(sock: trio.socket.SocketType) -> tuple[str, int] | None:
+    try:
+        raw = sock.getsockopt(socket.SOL_IP, SO_ORIGINAL_DST, 16)
+    except OSError:
+        return None
+    port, addr = struct.unpack_from("!2xH4s", raw)
+    return socket.inet_ntoa(addr), port
+
+
+_EXPECTED = (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError, ssl.SSLError, OSError)
+
+
+def _expected(exc: BaseException) -> bool:
+    """What ends a connection in the ordinary course (a group of such too: the splice's)."""
+    if isinstance(exc, BaseExceptionGroup):
+        return all(_expected(e) for e in exc.exceptions)
+    return isinstance(exc, (*_EXPECTED, h11.ProtocolError))
+
+
+def _why(exc: BaseException) -> str:
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return f"certificate verification failed ({exc.verify_message})"
+    if isinstance(exc, trio.TooSlowError):
+        return "timed out"
+    return type(exc).__name__ if not str(exc) else str(exc)[:200]
+
+
+async def _next(conn: h11.Connection, stream: trio.abc.Stream) -> Any:
+    while True:
+        ev = conn.next_event()
+        if ev is h11.NEED_DATA:
+            with trio.fail_after(IDLE_TIMEOUT):
+                data = await stream.receive_some(CHUNK)
+            conn.receive_data(bytes(data))
+            continue
+        if ev is h11.PAUSED:
+            return h11.ConnectionClosed()
+        return ev
+
+
+async def _send(conn: h11.Connection, stream: trio.abc.Stream, event: Any) -> None:
+    data = conn.send(event)
+    if data:
+        await stream.send_all(data)
+
+
+async def _answer(g: h11.Connection, guest: trio.abc.Stream, status: int, text: str) -> None:
+    body = text.encode()
+    if g.our_state is not h11.SEND_RESPONSE:
+        return
+    headers = [
+        (b"content-type", b"text/plain"),
+        (b"content-length", str(len(body)).encode()),
+        (b"connection", b"close"),
+    ]
+    await _send(g, guest, h11.Response(status_code=status, headers=headers))
+    await _send(g, guest, h11.Data(data=body))
+    await _send(g, guest, h11.EndOfMessage())
+
+
+async def _pump(src: trio.abc.Stream, dst: trio.abc.Stream) -> None:
+    try:
+        while True:
+            with trio.fail_after(IDLE_TIMEOUT * 5):
+                data = await src.receive_some(CHUNK)
+            if not data:
+                break
+            await dst.send_all(data)
+        if isinstance(dst, trio.SocketStream):
+            await dst.send_eof()
+    except (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError, OSError):
+        pass

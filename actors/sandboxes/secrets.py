@@ -1,0 +1,201 @@
+"""A sandbox's secrets at run time (issue 23; docs/secrets.md): the environment its
+processes get (placeholders, the CA's paths), its CA installed in the guest, its
+substitution proxy (a task of the life, with its nftables elements), rotation and
+removal. The values are the vault's (actors/secrets/vault.py); none of them passes here
+on its way to the guest -- only to the proxy, which puts them in on the way out."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import ssl
+from typing import TYPE_CHECKING
+
+import trio
+
+from actors.errors import FailedPrecondition, InvalidArgument, NotFound
+from actors.model import Action
+from actors.net import egress
+from actors.net.nft import NftError
+from actors.net.secretproxy import Blocked, ProxyView, SecretProxy
+from actors.secrets import model as S
+from actors.secrets.ca import Minter, new_ca
+from actors.secrets.vault import Vault
+from guestd import trust
+
+if TYPE_CHECKING:
+    from actors.machines.vm import Guest
+    from actors.net.hostnet import SandboxLink
+    from actors.sandboxes.sandbox import Sandbox
+    from actors.settings import Settings
+
+log = logging.getLogger("sandvisor.secrets")
+
+CA_ENV = {
+    "SSL_CERT_FILE": trust.BUNDLE,
+    "REQUESTS_CA_BUNDLE": trust.BUNDLE,
+    "CURL_CA_BUNDLE": trust.BUNDLE,
+    "PIP_CERT": trust.BUNDLE,
+    "NODE_EXTRA_CA_CERTS": trust.CA,
+}
+
+
+def vault_of(sb: Sandbox) -> Vault:
+    return _vault(sb.settings)
+
+
+def live_refs(sb: Sandbox) -> list[S.SecretRef]:
+    """The sandbox's secrets not removed from it."""
+    v = sb.settings.vault
+    return [r for r in sb.config.secrets if v is None or not v.removed(sb.record.uid, r.name)]
+
+
+def env(sb: Sandbox) -> dict[str, str]:
+    """What every process of the sandbox gets: each secret's placeholder under its name,
+    and the CA's paths (no value: the guest never holds one)."""
+    refs = live_refs(sb)
+    if not sb.config.secrets:
+        return {}
+    return {**CA_ENV, **{r.name: r.placeholder for r in refs}}
+
+
+def new_owner(vault: Vault, uid: str, values: dict[str, bytes]) -> None:
+    """A new sandbox's values and its own CA, on disk before it starts."""
+    vault.put_owner(uid, values, new_ca(uid[:12]))
+
+
+class SecretsOfLife:
+    """One life's part: the proxy task and the elements that steer the guest to it."""
+
+    def __init__(self, sb: Sandbox, link: SandboxLink) -> None:
+        self.sb = sb
+        self.link = link
+        self.minter: Minter | None = None
+        self.port = 0
+        self.ports: tuple[int, ...] = ()
+
+    def _minter(self) -> Minter:
+        if self.minter is None:
+            ca = vault_of(self.sb).ca(self.sb.record.uid)
+            if ca is None:
+                raise FailedPrecondition(f"sandbox {self.sb.id}: its CA is missing from the vault")
+            self.minter = Minter(*ca)
+        return self.minter
+
+    def _value(self, ref: S.SecretRef) -> bytes | None:
+        return vault_of(self.sb).value(self.sb.record.uid, ref.name, ref.store)
+
+    def _blocked(self, b: Blocked) -> None:
+        sb = self.sb
+        sb.log.append("system", f"secret {b.secret}: a request to {b.host}:{b.port} was refused (not allowed)".encode())
+        log.warning("%s: secret %s: a request to %s:%d was refused", sb.id, b.secret, b.host, b.port)
+        sb.emit(Action.SECRET_BLOCKED, secret=b.secret, host=f"{b.host}:{b.port}")
+
+    async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        sb, link = self.sb, self.link
+        settings = sb.settings
+        hn = settings.hostnet
+        assert hn is not None and settings.upstream_tls is not None
+        self._minter()
+        view = ProxyView(refs=lambda: live_refs(sb), value=self._value, minter=self._minter, blocked=self._blocked)
+        address = link.guest.address
+        proxy = SecretProxy(
+            view,
+            listen=hn.gateway,
+            guest=address,
+            mark=egress.secret_mark(address),
+            upstream=settings.upstream_tls,
+            netns=hn.netns,
+            name=sb.id,
+        )
+        self.ports = S.intercepted_ports(sb.config.secrets)
+        async with trio.open_nursery() as nursery:
+            self.port = await nursery.start(proxy.run)
+            hn.nft.run(egress.secret_rules(link.name, address, hn.gateway, self.port, self.ports))
+            try:
+                task_status.started()
+                await trio.sleep_forever()
+            finally:
+                if not link.closed:
+                    with contextlib.suppress(NftError):
+                        hn.nft.run(egress.secret_removal(link.name, address, self.port, self.ports))
+                nursery.cancel_scope.cancel()
+
+
+async def install_ca(sb: Sandbox, guest: Guest) -> None:
+    """The sandbox's CA certificate into the guest's trust stores (boot, restore)."""
+    ca = vault_of(sb).ca(sb.record.uid)
+    if ca is None:
+        raise FailedPrecondition(f"sandbox {sb.id}: its CA is missing from the vault")
+    await guest.channel.trust_ca(ca[0])
+    sb.log.append("system", f"{len(sb.config.secrets)} secret(s): the sandbox CA is trusted in the guest".encode())
+
+
+def rotate(sb: Sandbox, name: str, value: bytes) -> None:
+    """A new value for ``name`` (the sandbox's own; a store-sourced secret is rotated by
+    ``secret set`` of its entry): the next request substitutes it. Placeholder unchanged."""
+    ref = _ref(sb, name)
+    S.check_value(name, value)
+    if ref.store:
+        raise FailedPrecondition(f"secret {name} comes from the store entry {ref.store}: set that entry instead")
+    vault_of(sb).set_value(sb.record.uid, name, value)
+    sb.log.append("system", f"secret {name}: rotated".encode())
+
+
+def remove(sb: Sandbox, name: str) -> None:
+    """Take ``name`` away: its placeholder is no longer replaced (new connections and
+    the next request of open ones), its hosts no longer intercepted for it."""
+    _ref(sb, name)
+    vault_of(sb).remove_value(sb.record.uid, name)
+    sb.log.append("system", f"secret {name}: removed".encode())
+
+
+def _ref(sb: Sandbox, name: str) -> S.SecretRef:
+    for r in sb.config.secrets:
+        if r.name == name:
+            return r
+    raise NotFound(f"sandbox {sb.id} has no secret {name!r}")
+
+
+def upstream_context(extra_ca: str = "") -> ssl.SSLContext:
+    """The proxy's TLS to real servers: the system store, plus ``serve --upstream-ca``."""
+    ctx = ssl.create_default_context()
+    if extra_ca:
+        ctx.load_verify_locations(cafile=extra_ca)
+    ctx.set_alpn_protocols(["http/1.1"])
+    return ctx
+
+
+def set_named(settings: Settings, name: str, value: bytes) -> None:
+    """An entry of the supervisor's store (``secret set``): every sandbox whose secret
+    names it substitutes the new value from its next request on."""
+    vault = _vault(settings)
+    if not S.NAME.fullmatch(name):
+        raise InvalidArgument(f"secret name {name[:40]!r}: [A-Za-z_][A-Za-z0-9_]*")
+    S.check_value(name, value)
+    vault.set_named(name, value)
+
+
+def remove_named(settings: Settings, name: str) -> None:
+    _vault(settings).remove_named(name)
+
+
+def describe(sb: Sandbox) -> list[tuple[str, list[str], str, str, bool]]:
+    """A sandbox's secrets read back: (name, hosts, placeholder, source, removed); never a value."""
+    v = sb.settings.vault
+    return [
+        (
+            r.name,
+            list(r.hosts),
+            r.placeholder,
+            f"store:{r.store}" if r.store else "value",
+            v is not None and v.removed(sb.record.uid, r.name),
+        )
+        for r in sb.config.secrets
+    ]
+
+
+def _vault(settings: Settings) -> Vault:
+    if settings.vault is None:
+        raise FailedPrecondition("this supervisor keeps no secrets (its vault is off)")
+    return settings.vault
