@@ -121,6 +121,36 @@ def is_hidden(id: str) -> bool:
 class Limits:
     vcpus: int = 0  # 0: the supervisor's default
     memory_mib: int = 0
+    # ceilings (docs/modify.md): QEMU's microvm hotplugs nothing, so a sandbox boots with
+    # its ceilings and Modify moves vcpus and memory_mib below them live (CPUs taken
+    # offline in the guest, memory through the balloon); 0: the value itself
+    max_vcpus: int = 0
+    max_memory_mib: int = 0
+    disk_mib: int = 0  # the root disk's size (grown, never shrunk); 0: the image's
+
+    @property
+    def vcpu_ceiling(self) -> int:
+        return max(self.vcpus, self.max_vcpus)
+
+    @property
+    def memory_ceiling(self) -> int:
+        return max(self.memory_mib, self.max_memory_mib)
+
+
+@attrs.frozen
+class Applied:
+    """What a running sandbox's machine has now (Inspect's read-back; docs/modify.md):
+    its ceilings (the machine's vCPUs and RAM), the vCPUs online and the memory the
+    balloon leaves the guest, the root disk's size; ``settled``: the guest reached
+    them (balloon at its target, CPUs online)."""
+
+    vcpus: int
+    memory_mib: int
+    max_vcpus: int
+    max_memory_mib: int
+    disk_mib: int = 0
+    balloon: bool = False
+    settled: bool = True
 
 
 @attrs.frozen
@@ -404,6 +434,7 @@ def check_config(cfg: SandboxConfig) -> None:
         raise InvalidArgument(f"vcpus must be 0 (default) to {max_vcpus()}")
     if cfg.limits.memory_mib and not 64 <= cfg.limits.memory_mib <= 65536:
         raise InvalidArgument("memory_mib must be 0 (default) or 64 to 65536")
+    check_ceilings(cfg.limits)
     if cfg.timers.ttl_seconds < 0 or cfg.timers.idle_timeout_seconds < 0:
         raise InvalidArgument("ttl_seconds and idle_timeout_seconds must not be negative")
     if cfg.timers.on_idle not in ON_IDLE:
@@ -433,6 +464,23 @@ def check_config(cfg: SandboxConfig) -> None:
     size = sum(len(p.data) for p in cfg.patches) + sum(len(b.encode()) for b in cfg.scripts.values())
     if size > MAX_PATCH_BYTES:
         raise InvalidArgument(f"patches and scripts carry {size} bytes; at most {MAX_PATCH_BYTES}")
+
+
+MAX_DISK_MIB = 1 << 20  # 1 TiB: a root disk's size (serve --max-sandbox-disk caps it lower)
+
+
+def check_ceilings(limits: Limits) -> None:
+    """The ceilings and the disk size: in range, and not below the values they bound."""
+    if not 0 <= limits.max_vcpus <= max_vcpus():
+        raise InvalidArgument(f"max_vcpus must be 0 (the vcpus) to {max_vcpus()}")
+    if limits.max_vcpus and limits.vcpus > limits.max_vcpus:
+        raise InvalidArgument(f"vcpus {limits.vcpus} is above max_vcpus {limits.max_vcpus}")
+    if limits.max_memory_mib and not 64 <= limits.max_memory_mib <= 65536:
+        raise InvalidArgument("max_memory_mib must be 0 (the memory) or 64 to 65536")
+    if limits.max_memory_mib and limits.memory_mib > limits.max_memory_mib:
+        raise InvalidArgument(f"memory_mib {limits.memory_mib} is above max_memory_mib {limits.max_memory_mib}")
+    if not 0 <= limits.disk_mib <= MAX_DISK_MIB:
+        raise InvalidArgument(f"disk size must be 0 (the image's) to {MAX_DISK_MIB} MiB")
 
 
 SCRIPTS_DIR = "/.sandvisor/scripts"

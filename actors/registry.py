@@ -72,6 +72,7 @@ from actors.model import (
     check_name,
     is_hidden,
 )
+from actors.modify import check_disk_size, check_machine
 from actors.net.ippool import link_name
 from actors.net.netlink import check_network_available, needs_pool_address
 from actors.quotas import Admission, Quotas, check_sandbox_disk
@@ -376,7 +377,7 @@ class Registry:
         """The guest RAM of every live sandbox and pool member (not those evicted: they
         are being killed)."""
         members = [m for ms in self.pools.members.values() for m in ms]
-        return [sb.limits.memory_mib for sb in [*self.sandboxes.values(), *members] if not sb.stopped]
+        return [sb.limits.memory_ceiling for sb in [*self.sandboxes.values(), *members] if not sb.stopped]
 
     def admits(self, memory_mib: int, *, ram_file: bool) -> bool:
         """Would one more of ``memory_mib`` fit (for the pool keeper: members never evict)?"""
@@ -452,6 +453,7 @@ class Registry:
         self._check_open()
         check_id(id)
         check_config(config)
+        check_machine(self.settings.limits(config.limits), balloon=self.settings.balloon)
         check_network_available(self.settings, config.network)
         values = secret_values or {}
         if config.secrets:
@@ -481,7 +483,7 @@ class Registry:
         self._check_disks(config, image)
         member = self.pools.take_for_create(config, image)
         if member is None:
-            self._admit(self.settings.limits(config.limits).memory_mib, ram_file=True)
+            self._admit(self.settings.limits(config.limits).memory_ceiling, ram_file=True)
         else:
             await self._adopt(member, id, config, {"pool": "1"}, apply_ports=True, accepted=accepted, image=image)
             return member  # failed, with its error, if the adoption failed: as a failed boot
@@ -508,7 +510,8 @@ class Registry:
             raise FailedPrecondition(str(exc)) from None
         recs = self.volumes.records
         rw = [(m.name, recs[m.name].size_bytes) for m in config.volumes if not m.read_only and m.name in recs]
-        check_sandbox_disk(self.settings.max_sandbox_disk_mib, size, rw)
+        check_disk_size(config.limits.disk_mib, size)
+        check_sandbox_disk(self.settings.max_sandbox_disk_mib, max(size, config.limits.disk_mib << 20), rw)
 
     # -- OCI images (issue 15) -------------------------------------------------------
     def image_store(self) -> ImageStore:
@@ -655,7 +658,7 @@ class Registry:
             raise FailedPrecondition(f"sandbox {id} is {sb.state}; only a stopped sandbox can start")
         if sb.checkpointing:  # a disk-only checkpoint is moving its disk
             raise FailedPrecondition(f"sandbox {id} is being checkpointed; retry in a moment")
-        self._admit(sb.limits.memory_mib, ram_file=True)
+        self._admit(sb.limits.memory_ceiling, ram_file=True)
         check_network_available(self.settings, sb.config.network)
         self.volumes.check(sb.config.volumes, sb.record.uid)
         sb.lease()  # (kept since its last life; taken again if the pool changed meanwhile)

@@ -60,8 +60,15 @@ class Settings:
 
     def limits(self, requested: Limits) -> Limits:
         """The effective limits: the caller's, or the supervisor's defaults."""
+        vcpus = requested.vcpus or self.default_vcpus
+        memory = requested.memory_mib or self.default_memory_mib
         return Limits(
-            vcpus=requested.vcpus or self.default_vcpus, memory_mib=requested.memory_mib or self.default_memory_mib
+            vcpus=vcpus,
+            memory_mib=memory,
+            max_vcpus=max(vcpus, requested.max_vcpus),
+            # memory above the value needs the balloon to be given back (registry refuses it without)
+            max_memory_mib=max(memory, requested.max_memory_mib),
+            disk_mib=requested.disk_mib,
         )
 
     def image_parts(self) -> tuple[str, ...]:

@@ -20,7 +20,8 @@ fails the flush with RESOURCE_EXHAUSTED and keeps the queue, retried until it fi
 Schema versions (``PRAGMA user_version``): 0 is the first release, whose ``config``
 column held the wire's CreateSandboxRequest as a dict; 2 holds a SandboxConfig, the
 live port mappings in ``ports`` and the snapshot a sandbox came from in ``origin``;
-3 adds the checkpoint journal (``swap``). Older databases are migrated in place when
+3 adds the checkpoint journal (``swap``); 4 what Modify changed (``tuning``: the
+machine as applied, ``updated_at``). Older databases are migrated in place when
 opened (columns added; version 0's configurations rewritten).
 """
 
@@ -38,6 +39,7 @@ import trio
 
 from actors.errors import ResourceExhausted
 from actors.model import (
+    Applied,
     BootSource,
     ImageUse,
     Limits,
@@ -57,7 +59,7 @@ from actors.model import (
 
 log = logging.getLogger("sandvisor.store")
 
-VERSION = 3
+VERSION = 4
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sandboxes (
     uid TEXT PRIMARY KEY,
@@ -95,6 +97,7 @@ _COLUMNS = (
     "ALTER TABLE sandboxes ADD COLUMN chain BLOB",
     "ALTER TABLE sandboxes ADD COLUMN life BLOB",
     "ALTER TABLE sandboxes ADD COLUMN swap TEXT",
+    "ALTER TABLE sandboxes ADD COLUMN tuning BLOB",
 )
 
 
@@ -120,6 +123,8 @@ class Record:
     chain: list[str] = attrs.Factory(list)  # the layers below its overlay, top first, as we made them
     life: LifeState | None = None  # the QEMU running now (None when none runs)
     swap: str = ""  # journal: the frozen disk of a checkpoint whose disk swap may be under way
+    applied: Applied | None = None  # the running machine's vCPUs, memory, disk (None: none runs)
+    updated_at: int = 0  # unix seconds: the last Modify that changed something (0: none)
 
 
 @attrs.frozen
@@ -372,6 +377,11 @@ class Store:
         row = (_pack(r.life), _pack(r.chain), r.qemu_pid, r.swap, r.uid)
         self._put(lambda db: db.execute("UPDATE sandboxes SET life=?, chain=?, qemu_pid=?, swap=? WHERE uid=?", row))
 
+    def update_tuning(self, r: Record) -> None:
+        """The configuration (a Modify changes it), the machine as applied, ``updated_at``."""
+        row = (_pack(r.config), _pack({"applied": r.applied, "updated_at": r.updated_at}), r.uid)
+        self._put(lambda db: db.execute("UPDATE sandboxes SET config=?, tuning=? WHERE uid=?", row))
+
     def update_ports(self, r: Record) -> None:
         row = (_pack(r.ports), r.uid)
         self._put(lambda db: db.execute("UPDATE sandboxes SET ports=? WHERE uid=?", row))
@@ -397,7 +407,7 @@ class Store:
     def all(self) -> list[Record]:
         rows = self.db.execute(
             "SELECT uid, id, seq, config, state, created_at, ready_at, last_exited_at, last_exit_code, error, "
-            "qemu_pid, ports, origin, image, chain, life, swap FROM sandboxes ORDER BY seq"
+            "qemu_pid, ports, origin, image, chain, life, swap, tuning FROM sandboxes ORDER BY seq"
         ).fetchall()
         return [
             Record(
@@ -418,6 +428,7 @@ class Store:
                 chain=load(_unpack(r[14]), list[str]) if r[14] else [],
                 life=_life(r[15]),
                 swap=r[16] or "",
+                **_tuning(r[17]),
             )
             for r in rows
         ]
@@ -485,6 +496,14 @@ class StoreLeases:
 def _life(blob: bytes | None) -> LifeState | None:
     data = _unpack(blob) if blob else None
     return load(data, LifeState) if data else None
+
+
+def _tuning(blob: bytes | None) -> dict[str, Any]:
+    data = _unpack(blob) if blob else None
+    if not isinstance(data, dict):
+        return {}
+    applied = data.get("applied")
+    return {"applied": load(applied, Applied) if applied else None, "updated_at": int(data.get("updated_at") or 0)}
 
 
 def _image(blob: bytes | None) -> ImageUse | None:

@@ -177,6 +177,7 @@ class Agent:
                         "patch",
                         "mount",
                         "fs",
+                        "resources",
                         "vsock" if self.vsock_fd >= 0 else "serial",
                     ],
                 )
@@ -251,6 +252,10 @@ class Agent:
         elif isinstance(msg, P.SetHostname):
             self.set_hostname(msg.hostname)
             session.send(P.Ok(rid=rid))
+        elif isinstance(msg, P.SetCpus):
+            session.send(P.Ok(rid=rid, value=system.set_cpus(msg.online)))
+        elif isinstance(msg, P.GrowRoot):
+            session.send(P.Ok(rid=rid, value=system.grow_root(self.cmdline.get("sandvisor.root", "/dev/vda"))))
         elif isinstance(msg, (P.ReadTree, P.WriteTree, P.Patch, P.Mount, P.Umount, P.Fs)):
             from guestd import workers  # lazy: boot never pays for it
 

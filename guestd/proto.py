@@ -506,6 +506,26 @@ class NetConfig(Message):
     iface: str = "eth0"
 
 
+@message("set_cpus")
+class SetCpus(Message):
+    """Bring vCPUs 0..online-1 online and the others offline (CPU hotplug through
+    /sys/devices/system/cpu/cpuN/online: QEMU's microvm has no vCPU hotplug, so a
+    machine boots with its ceiling and the guest takes the rest offline). Answered
+    Ok(value=the CPUs online after)."""
+
+    rid: int
+    online: int
+
+
+@message("grow_root")
+class GrowRoot(Message):
+    """Grow the root ext4 filesystem online to the size of its device (a disk that
+    was made bigger than its filesystem: EXT4_IOC_RESIZE_FS, as resize2fs does on a
+    mounted filesystem). Answered Ok(value=the filesystem's size in bytes)."""
+
+    rid: int
+
+
 @message("trust_ca")
 class TrustCa(Message):
     """Install the sandbox's CA certificate (PEM, public) into the guest's trust stores

@@ -98,3 +98,60 @@ def metrics(rid: int) -> P.MetricsOk:
         load=read_text("/proc/loadavg").split()[:3],
         procs=procs,
     )
+
+
+CPU_DIR = "/sys/devices/system/cpu"
+EXT4_IOC_RESIZE_FS = 0x40086610  # _IOW('f', 16, __u64)
+
+
+def set_cpus(online: int) -> int:
+    """vCPUs 0..online-1 online, the others offline; how many are online after. CPU 0
+    cannot go offline; a CPU without an ``online`` file (not hotpluggable) stays."""
+    present = _cpu_range(read_text(f"{CPU_DIR}/present"))
+    if online < 1:
+        raise LookupError("set_cpus: at least one CPU stays online")
+    for n in sorted(present, reverse=True):  # offline from the top, online from the bottom
+        if n >= online:
+            _cpu_online(n, False)
+    for n in sorted(present):
+        if 0 < n < online:
+            _cpu_online(n, True)
+    return len(_cpu_range(read_text(f"{CPU_DIR}/online")))
+
+
+def _cpu_online(n: int, on: bool) -> None:
+    path = f"{CPU_DIR}/cpu{n}/online"
+    want = "1" if on else "0"
+    if not os.path.exists(path) or read_text(path).strip() == want:
+        return
+    with open(path, "w") as f:
+        f.write(want)
+
+
+def _cpu_range(text: str) -> set[int]:
+    """A kernel CPU list (``0-3,5``) as a set."""
+    out: set[int] = set()
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def grow_root(device: str) -> int:
+    """The root ext4 filesystem grown online to ``device``'s size (/dev/vda: its size
+    from sysfs); its size in bytes after. A filesystem as big as its device stays."""
+    name = device.rsplit("/", 1)[-1]
+    sectors = read_text(f"/sys/class/block/{name}/size").strip()
+    if not sectors.isdigit():
+        raise LookupError(f"grow_root: no block device {device}")
+    bsize = os.statvfs("/").f_bsize
+    blocks = int(sectors) * 512 // bsize
+    fd = os.open("/", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.ioctl(fd, EXT4_IOC_RESIZE_FS, struct.pack("Q", blocks))
+    finally:
+        os.close(fd)
+    st = os.statvfs("/")
+    return st.f_blocks * st.f_frsize

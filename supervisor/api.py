@@ -36,6 +36,7 @@ from actors.channel.guest import FsEntry
 from actors.errors import DeadlineExceeded, DomainError, InvalidArgument, NotFound, ResourceExhausted
 from actors.events import Lagged
 from actors.model import ALIVE, MemoryKind, State, VolumeRecord, check_labels, check_port, script_argv
+from actors.modify import modify
 from actors.registry import DEFAULT_STOP_TIMEOUT, Registry
 from actors.sandboxes import secrets
 from actors.sandboxes.logs import SOURCES as LOG_SOURCES
@@ -112,6 +113,11 @@ async def _start(reg: Registry, io: CallIO, req: W.IdRequest) -> W.CreateSandbox
 @method("Inspect", W.IdRequest)
 async def _inspect(reg: Registry, io: CallIO, req: W.IdRequest) -> W.SandboxInfo:
     return M.info(reg.get(req.id))
+
+
+@method("Modify", W.ModifyRequest)
+async def _modify(reg: Registry, io: CallIO, req: W.ModifyRequest) -> W.ModifyResponse:
+    return M.modify_response(await modify(reg, req.id, M.modification(req)))
 
 
 @method("List", W.ListSandboxesRequest)

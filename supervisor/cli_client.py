@@ -32,6 +32,7 @@ from supervisor.cli_sandboxes import (
     logs,
     ls,
     metrics,
+    modify,
     port,
     run,
     simple,
@@ -53,6 +54,7 @@ CLIENT_COMMANDS = frozenset(
         "exec",
         "ls",
         "inspect",
+        "modify",
         "logs",
         "events",
         "cp",
@@ -106,6 +108,9 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
     p.add_argument("name")
     p.add_argument("--cpus", type=int, default=0)
     p.add_argument("--memory", type=int, default=0, metavar="MIB")
+    p.add_argument("--max-cpus", type=int, default=0, metavar="N", help="ceiling: modify --cpus up to it, live")
+    p.add_argument("--max-memory", type=int, default=0, metavar="MIB", help="ceiling: modify --memory up to it, live")
+    p.add_argument("--disk-size", metavar="SIZE", help="the root disk's size (4G, 8192M; default: the image's)")
     p.add_argument("--env", action="append", metavar="K=V")
     p.add_argument("--label", action="append", metavar="K=V")
     p.add_argument("--ttl", type=int, default=0, metavar="S")
@@ -184,6 +189,20 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
 
     p = cmd("inspect", inspect, "every field of a sandbox")
     p.add_argument("name")
+    p.add_argument("--json", action="store_true")
+
+    p = cmd("modify", modify, "change a sandbox (live below its ceilings); prints the plan (docs/modify.md)")
+    p.add_argument("name")
+    p.add_argument("--cpus", type=int, metavar="N")
+    p.add_argument("--memory", type=int, metavar="MIB")
+    p.add_argument("--disk-size", metavar="SIZE", help="grow the root disk (a stopped sandbox, or with --restart)")
+    p.add_argument("--env", action="append", metavar="K=V", help="merged into its env (future runs and execs)")
+    p.add_argument("--workdir")
+    p.add_argument("--label", action="append", metavar="K=V", help="merged into its labels (K= removes K)")
+    p.add_argument("--ttl", type=int, metavar="S")
+    p.add_argument("--idle-timeout", type=int, metavar="S")
+    p.add_argument("--dry-run", action="store_true", help="print the plan; change nothing")
+    p.add_argument("--restart", action="store_true", help="a change above a ceiling restarts the sandbox")
     p.add_argument("--json", action="store_true")
 
     p = cmd("logs", logs, "a sandbox's persisted output")

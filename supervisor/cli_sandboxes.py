@@ -64,6 +64,9 @@ async def _create(a: argparse.Namespace) -> AsyncSandbox:
         socket=a.socket,
         cpus=a.cpus,
         memory_mib=a.memory,
+        max_cpus=a.max_cpus,
+        max_memory_mib=a.max_memory,
+        **({"disk_size": a.disk_size} if a.disk_size else {}),
         env=kv(a.env),
         labels=kv(a.label),
         workdir=a.workdir or "",
@@ -226,8 +229,69 @@ def inspect(a: argparse.Namespace) -> int:
     rows.append(("last_exit_code", str(info["last_exit_code"])))
     if info["error"]:
         rows.append(("error", info["error"]))
+    for k in ("requested", "applied"):
+        if info.get(k):
+            rows.append((k, _settings(info[k])))
+    if info.get("updated_at"):
+        rows.append(("updated_at", ts(info["updated_at"])))
     print_table(("FIELD", "VALUE"), rows, show_header=False)
     return 0
+
+
+def _settings(s: dict[str, Any]) -> str:
+    parts = [
+        f"cpus {s['vcpus']}/{s['max_vcpus']}",
+        f"memory {s['memory_mib']}/{s['max_memory_mib']} MiB",
+        f"disk {s['disk_size_mib'] or 'image'}" + (" MiB" if s["disk_size_mib"] else ""),
+    ]
+    if s.get("working_dir"):
+        parts.append(f"workdir {s['working_dir']}")
+    if s.get("env"):
+        parts.append("env " + ",".join(sorted(s["env"])))
+    if s.get("settled"):
+        parts.append("settled")
+    return ", ".join(parts)
+
+
+def modify(a: argparse.Namespace) -> int:
+    """One call: the plan, a row per change; exit 1 when a change is refused or needs
+    --restart (then nothing changed), 0 otherwise (a dry run that would apply too)."""
+    body: dict[str, Any] = {"id": a.name, "dry_run": a.dry_run, "restart": a.restart}
+    for key, value in (
+        ("vcpus", a.cpus),
+        ("memory_mib", a.memory),
+        ("working_dir", a.workdir),
+        ("ttl_seconds", a.ttl),
+        ("idle_timeout_seconds", a.idle_timeout),
+    ):
+        if value is not None:
+            body[key] = value
+    if a.disk_size:
+        from supervisor.sdk.spec import size_mib
+
+        body["disk_size_mib"] = size_mib(a.disk_size)
+    if a.env:
+        body["env"] = kv(a.env)
+    if a.label:
+        body["labels"] = kv(a.label)
+    with connect(a) as c:
+        r = c.call("Modify", body)
+    if a.json:
+        print_json(r)
+    else:
+        rows = [(c["kind"], c["value"], c["status"], c["why"]) for c in r["changes"]]
+        print_table(("CHANGE", "VALUE", "STATUS", "WHY"), rows)
+        if r["dry_run"]:
+            print("dry run: nothing changed")
+        elif not r["applied"]:
+            print("not applied: nothing changed", file=sys.stderr)
+        else:
+            if r["note"]:
+                print(r["note"])
+            if r["settled"]:
+                print(f"settled in {r['settle_seconds']:.2f} s")
+    blocked = any(c["status"] in ("refused", "needs_restart") for c in r["changes"])
+    return 1 if blocked else 0
 
 
 def _print_log(e: dict[str, Any], as_json: bool) -> None:

@@ -150,6 +150,8 @@ BINDINGS: dict[str, tuple[Rpc, ...]] = {
         Rpc("ImportSnapshot", "ImportSnapshot"),
         Rpc("Pause", "Pause"),
         Rpc("Resume", "Resume"),
+        Rpc("Modify", "Modify"),
+        Rpc("Inspect", "Inspect"),
         Rpc("SetSecret", "SetSecret"),
         Rpc("ListSecrets", "ListSecrets"),
         Rpc("DeleteSecret", "DeleteSecret"),

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from actors.errors import DomainError, FailedPrecondition, InvalidArgument
 from actors.model import (
+    ALIVE,
     BootSource,
     Egress,
     HostMount,
@@ -32,6 +33,7 @@ from actors.model import (
     VolumeMount,
     Workload,
 )
+from actors.modify import Modification, Plan
 from actors.sandboxes.sandbox import Sandbox
 from actors.secrets.model import SecretRef
 from actors.snapshots.snapshot import rfc3339
@@ -83,7 +85,13 @@ def config(req: W.CreateSandboxRequest) -> SandboxConfig:
         raise FailedPrecondition("ssh keys are not supported in sandbox.v1: use Exec for access")
     return SandboxConfig(
         labels=dict(req.labels),
-        limits=Limits(vcpus=req.limits.vcpus, memory_mib=req.limits.memory_mib),
+        limits=Limits(
+            vcpus=req.limits.vcpus,
+            memory_mib=req.limits.memory_mib,
+            max_vcpus=req.max_vcpus,
+            max_memory_mib=req.max_memory_mib,
+            disk_mib=req.disk_size_mib,
+        ),
         network=network(req.network),
         workload=Workload(cmd=tuple(req.cmd), env=dict(req.env), working_dir=req.working_dir, user=req.user),
         ports=tuple(PortSpec(p.sandbox_port, p.host_port, protocol(p.protocol)) for p in req.ports),
@@ -133,6 +141,72 @@ def info(sb: Sandbox) -> W.SandboxInfo:
         last_exited_at=r.last_exited_at,
         last_exit_code=r.last_exit_code,
         error=r.error if r.state == State.FAILED else "",
+        requested=requested(sb),
+        applied=applied(sb),
+        updated_at=r.updated_at,
+    )
+
+
+def requested(sb: Sandbox) -> W.SandboxSettings:
+    """The configuration as asked (Create and the Modifies since; defaults resolved)."""
+    cfg, limits = sb.config, sb.limits
+    return W.SandboxSettings(
+        vcpus=limits.vcpus,
+        memory_mib=limits.memory_mib,
+        max_vcpus=limits.vcpu_ceiling,
+        max_memory_mib=limits.memory_ceiling,
+        disk_size_mib=limits.disk_mib,
+        env=dict(cfg.workload.env),
+        working_dir=cfg.workload.working_dir,
+        ttl_seconds=cfg.timers.ttl_seconds,
+        idle_timeout_seconds=cfg.timers.idle_timeout_seconds,
+    )
+
+
+def applied(sb: Sandbox) -> W.SandboxSettings | None:
+    """What the running machine has (None: none runs)."""
+    a = sb.record.applied
+    if a is None or sb.state not in ALIVE:
+        return None
+    cfg = sb.config
+    return W.SandboxSettings(
+        vcpus=a.vcpus,
+        memory_mib=a.memory_mib,
+        max_vcpus=a.max_vcpus,
+        max_memory_mib=a.max_memory_mib,
+        disk_size_mib=a.disk_mib,
+        env=dict(cfg.workload.env),  # (env, workdir and timers apply at once)
+        working_dir=cfg.workload.working_dir,
+        ttl_seconds=cfg.timers.ttl_seconds,
+        idle_timeout_seconds=cfg.timers.idle_timeout_seconds,
+        settled=a.settled,
+    )
+
+
+def modification(req: W.ModifyRequest) -> Modification:
+    return Modification(
+        vcpus=req.vcpus,
+        memory_mib=req.memory_mib,
+        disk_mib=req.disk_size_mib,
+        env=dict(req.env) or None,
+        working_dir=req.working_dir,
+        labels=dict(req.labels) or None,
+        ttl_seconds=req.ttl_seconds,
+        idle_timeout_seconds=req.idle_timeout_seconds,
+        dry_run=req.dry_run,
+        restart=req.restart,
+    )
+
+
+def modify_response(p: Plan) -> W.ModifyResponse:
+    return W.ModifyResponse(
+        changes=[W.ModifyChange(c.kind.value, c.status.value, c.value, c.previous, c.why) for c in p.changes],
+        applied=p.applied,
+        dry_run=p.dry_run,
+        restarted=p.restart and p.applied,
+        note=p.note,
+        settled=p.settled,
+        settle_seconds=round(p.settle_seconds, 3),
     )
 
 

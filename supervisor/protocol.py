@@ -281,6 +281,10 @@ class CreateSandboxRequest:
     on_idle: str = ""
     paused_ttl_seconds: int = 0
     no_auto_resume: bool = False
+    # ceilings Modify moves vcpus and memory below live (0: the values; docs/modify.md)
+    max_vcpus: int = 0
+    max_memory_mib: int = 0
+    disk_size_mib: int = 0  # the root disk's size (0: the image's); grown, never shrunk
     secrets: list[SecretSpec] = attrs.field(factory=list)  # sandvisor.v1.CreateRequest.secrets (docs/secrets.md)
     # the image's registry: credentials ("USER:PASSWORD", or a docker-style auth file's
     # content) and CA certificates (PEM), for the Create's pull only: never stored,
@@ -375,6 +379,24 @@ class SandboxNetwork:
 
 
 @attrs.frozen
+class SandboxSettings:
+    """sandvisor extension: a sandbox's configuration as requested (Create and every
+    Modify since), or as its running machine applies it (``settled``: the guest has
+    reached it: balloon at its target, vCPUs online)."""
+
+    vcpus: int = 0
+    memory_mib: int = 0
+    max_vcpus: int = 0
+    max_memory_mib: int = 0
+    disk_size_mib: int = 0
+    env: dict[str, str] = attrs.field(factory=dict)
+    working_dir: str = ""
+    ttl_seconds: int = 0
+    idle_timeout_seconds: int = 0
+    settled: bool = False
+
+
+@attrs.frozen
 class SandboxInfo:
     id: str
     state: str
@@ -386,6 +408,49 @@ class SandboxInfo:
     last_exited_at: int
     last_exit_code: int
     error: str
+    # sandvisor extensions: read-back (None for the seed's Inspect: it has no field for them)
+    requested: SandboxSettings | None = None
+    applied: SandboxSettings | None = None  # None: no machine runs
+    updated_at: int = 0  # unix seconds of the last Modify that changed something (0: none)
+
+
+@attrs.frozen
+class ModifyRequest:
+    """sandvisor extension (Modify): what to change; an absent field stays. ``env`` and
+    ``labels`` are merged (a label set to "" is removed)."""
+
+    id: str
+    vcpus: int | None = None
+    memory_mib: int | None = None
+    disk_size_mib: int | None = None
+    env: dict[str, str] = attrs.field(factory=dict)
+    working_dir: str | None = None
+    labels: dict[str, str] = attrs.field(factory=dict)
+    ttl_seconds: int | None = None
+    idle_timeout_seconds: int | None = None
+    dry_run: bool = False
+    restart: bool = False  # a change above a ceiling (or of the disk) restarts the sandbox
+
+
+@attrs.frozen
+class ModifyChange:
+    kind: str  # cpus, memory, disk_size, env, workdir, labels, ttl, idle_timeout
+    # applied_live, applied_at_next_boot, applied_by_restart, needs_restart, refused, unchanged
+    status: str
+    value: str = ""
+    previous: str = ""
+    why: str = ""
+
+
+@attrs.frozen
+class ModifyResponse:
+    changes: list[ModifyChange] = attrs.field(factory=list)
+    applied: bool = False  # False: a dry run, or a change refused (then nothing changed)
+    dry_run: bool = False
+    restarted: bool = False
+    note: str = ""  # what the restart meant
+    settled: bool = False  # the guest reached the new vCPUs and memory
+    settle_seconds: float = 0.0
 
 
 @attrs.frozen

@@ -177,6 +177,11 @@ class Cgroup(abc.ABC):
     @abc.abstractmethod
     def stats(self) -> CgroupStats: ...
 
+    @abc.abstractmethod
+    def set_cpu(self, limits: CgroupLimits) -> None:
+        """``limits``' CPU ceiling and weight, now (Modify: enforced at once; no cpu
+        controller: nothing)."""
+
     def remove(self) -> None:
         """rmdir (after every process in it is reaped)."""
         for d in self.dirs:
@@ -264,6 +269,15 @@ class CgroupV1(Cgroup):
             cpu_usage_ns=int(_read(acct / "cpuacct.usage")) if acct else None,
             cpu_limit=self._cpu_limit(),
         )
+
+    def set_cpu(self, limits: CgroupLimits) -> None:
+        cpu = self.ctrl.get("cpu")
+        if cpu is None:
+            return
+        if limits.cpus is not None:
+            _write(cpu / "cpu.cfs_quota_us", str(max(1000, int(limits.cpus * CPU_PERIOD_US))))
+        if limits.cpu_weight is not None:
+            _write(cpu / "cpu.shares", str(max(2, min(262144, limits.cpu_weight * 1024 // 100))))
 
     def _cpu_limit(self) -> float | None:
         cpu = self.ctrl.get("cpu")
@@ -371,6 +385,12 @@ class CgroupV2(Cgroup):
             cpu_usage_ns=cpu["usage_usec"] * 1000 if "usage_usec" in cpu else None,
             cpu_limit=self._cpu_limit(),
         )
+
+    def set_cpu(self, limits: CgroupLimits) -> None:
+        if limits.cpus is not None and (self.path / "cpu.max").exists():
+            _write(self.path / "cpu.max", f"{max(1000, int(limits.cpus * CPU_PERIOD_US))} {CPU_PERIOD_US}")
+        if limits.cpu_weight is not None and (self.path / "cpu.weight").exists():
+            _write(self.path / "cpu.weight", str(max(1, min(10000, limits.cpu_weight))))
 
     def _cpu_limit(self) -> float | None:
         f = self.path / "cpu.max"

@@ -350,6 +350,20 @@ class GuestChannel:
     async def set_hostname(self, hostname: str) -> None:
         await self._unary(lambda rid: P.SetHostname(rid=rid, hostname=hostname), P.Ok)
 
+    async def set_cpus(self, online: int) -> int:
+        """vCPUs 0..online-1 online, the others offline; how many are online after."""
+        r = await self._unary(lambda rid: P.SetCpus(rid=rid, online=online), P.Ok)
+        return r.value
+
+    async def grow_root(self) -> int:
+        """The root filesystem grown to its device; its size in bytes after."""
+        r = await self._unary(lambda rid: P.GrowRoot(rid=rid), P.Ok)
+        return r.value
+
+    def has_feature(self, name: str) -> bool:
+        """guestd said so at hello (an older guest runtime lacks newer requests)."""
+        return self.hello_info is not None and name in self.hello_info.features
+
     async def net_config(
         self, address: str, prefix: int, gateway: str, dns: list[str], mac: str = "", iface: str = "eth0"
     ) -> None:

@@ -249,3 +249,16 @@ async def create_overlay(base: Path, overlay: Path, *, backing_as: Path | None =
     p = await trio.run_process(argv, capture_stdout=True, capture_stderr=True, check=False)
     if p.returncode != 0:
         raise DiskError(f"qemu-img create failed: {p.stderr.decode(errors='replace').strip()}")
+
+
+async def grow_overlay(overlay: Path, size: int) -> bool:
+    """Grow a qcow2 overlay (no QEMU has it open) to virtual size ``size``; never
+    shrinks. True if it grew. The guest grows its filesystem at boot (guestd's
+    grow_root); the layers below stay as they are (reads past them are zeros)."""
+    if virtual_size(overlay) >= size:
+        return False
+    argv = ["qemu-img", "resize", "-q", "-f", "qcow2", str(overlay), str(size)]
+    p = await trio.run_process(argv, capture_stdout=True, capture_stderr=True, check=False)
+    if p.returncode != 0:
+        raise DiskError(f"qemu-img resize failed: {p.stderr.decode(errors='replace').strip()}")
+    return True

@@ -66,7 +66,7 @@ from actors.errors import (
     Unavailable,
     Unimplemented,
 )
-from actors.machines.disk import backing_chain, check_user_disk, virtual_size
+from actors.machines.disk import backing_chain, check_user_disk, grow_overlay, virtual_size
 from actors.machines.guestmem import own_memory
 from actors.machines.machine import Placement
 from actors.machines.qemuproc import AdoptedProcess, MachineError
@@ -321,9 +321,12 @@ class Life:
             size, below = virtual_size(base), () if own is not None else backing_chain(base)  # ours: trusted
             recs = sb.volumes.records if sb.volumes is not None else {}
             rw = [(m.name, recs[m.name].size_bytes) for m in sb.config.volumes if not m.read_only and m.name in recs]
-            check_sandbox_disk(s.max_sandbox_disk_mib, size, rw)
+            check_sandbox_disk(s.max_sandbox_disk_mib, max(size, sb.limits.disk_mib << 20), rw)
             await self._record_chain([str(base), *map(str, below)])
             await files.overlay_on(base)
+        if not isinstance(plan, Resume) and sb.limits.disk_mib:
+            # --disk-size (Create, or Modify of a stopped sandbox): grown before QEMU opens it
+            await grow_overlay(files.disk, sb.limits.disk_mib << 20)
         run_dir = files.new_run_dir()
         volumes = self._claim_volumes()
         held = sb.take_held_link() if isinstance(plan, Resume) and plan.wake else None  # paused: its TAP
@@ -336,7 +339,7 @@ class Life:
             fds[TAP_FD] = self.link.tap_fd  # (the link keeps it; QEMU gets its own copy)
         if s.cells is not None:
             self.cell = s.cells.open(
-                sb.record.uid[:18], run_dir, memory_mib=sb.limits.memory_mib, vcpus=sb.limits.vcpus, uplink=uplink
+                sb.record.uid[:18], run_dir, memory_mib=self.boot_memory_mib(plan), vcpus=sb.limits.vcpus, uplink=uplink
             )
         cell = self.cell
         if isinstance(plan, Resume):
@@ -469,10 +472,15 @@ class Life:
             accel=s.accel,
             hostname=sb.hostname,
             network=sb.network,
-            extra_cmdline=cfg.boot.boot_args,
+            # the vCPUs above the value stay offline from boot (Modify brings them online)
+            extra_cmdline=" ".join(
+                x
+                for x in (cfg.boot.boot_args, f"maxcpus={limits.vcpus}" if limits.vcpu_ceiling > limits.vcpus else "")
+                if x
+            ),
             kernel=Path(cfg.boot.kernel) if cfg.boot.kernel else None,
-            cpus=limits.vcpus,
-            memory_mib=limits.memory_mib,
+            cpus=limits.vcpu_ceiling,
+            memory_mib=self.boot_memory_mib(plan),
             user=None if s.cells is not None else s.qemu_user,
             ram=ram,
             boot_timeout=s.boot_timeout,
@@ -488,7 +496,7 @@ class Life:
         snapshot's memory a sealed memfd nobody can write."""
         sb, cell = self.sb, self.cell
         s, files = sb.settings, sb.files
-        size = plan.snapshot.machine.memory_mib if isinstance(plan, Resume) else sb.limits.memory_mib
+        size = self.boot_memory_mib(plan)
         if isinstance(plan, Resume) and plan.snapshot.memory == MemoryKind.MAPPED:
             snap = plan.snapshot
             if cell is not None and plan.wake:
@@ -514,6 +522,14 @@ class Life:
             path, self._ram_fd = cell.make_ram(size)
             return path, True
         return files.make_ram(size, s.qemu_user), True
+
+    def boot_memory_mib(self, plan: Boot | Resume) -> int:
+        """The machine's RAM: a snapshot's, or the memory ceiling (the balloon gives the
+        guest its value: docs/modify.md); without a balloon, the value."""
+        if isinstance(plan, Resume):
+            return plan.snapshot.machine.memory_mib
+        limits = self.sb.limits
+        return limits.memory_ceiling if self.sb.settings.balloon else limits.memory_mib
 
     def _release_ram(self) -> None:
         fd, self._ram_fd = self._ram_fd, -1

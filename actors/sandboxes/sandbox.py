@@ -69,6 +69,7 @@ from actors.net import netlink
 from actors.net.egress import EgressPolicy
 from actors.net.hostnet import SandboxLink
 from actors.net.ports import Exposed
+from actors.sandboxes import tune
 from actors.sandboxes.files import SandboxFiles
 from actors.sandboxes.life import (
     Adopt,
@@ -361,6 +362,8 @@ class Sandbox:
             if self.config.secrets:  # every boot and restore (a clone has a CA of its own)
                 await life.install_ca(guest)
             await life.apply_ports()  # ports given at create (or exposed before a stop) come first
+            # vCPUs and memory below the machine's ceilings, a grown root filesystem
+            await tune.at_boot(self, guest, fresh=isinstance(plan, Boot))
             if run.waking:
                 crash_point("resume-loaded")
             ready_at = self.record.ready_at if run.waking and self.record.ready_at else int(time.time())

@@ -98,6 +98,8 @@ class Pools:
             return None  # (volumes, host directories: devices a template's machine lacks; microvm has no hotplug)
         s = self.settings
         limits = s.limits(config.limits)
+        if limits.vcpu_ceiling > limits.vcpus or limits.memory_ceiling > limits.memory_mib or limits.disk_mib:
+            return None  # (boots at its ceilings, on a grown disk: a machine of its own)
         parts = [
             s.accel,
             *s.image_parts(),

@@ -22,6 +22,7 @@ from supervisor.protocol import (
     CheckpointResponse,
     LogEntry,
     MetricsResponse,
+    ModifyResponse,
     OciImageInfo,
     PruneImagesResponse,
     PullImageProgress,
@@ -67,6 +68,7 @@ from supervisor.sdk.spec import (
     _output,
     _snapshot_id,
     parse_size,
+    size_mib,
 )
 
 CHUNK = 1 << 20
@@ -264,6 +266,43 @@ def import_snapshot(
 def inspect(t: Target) -> Plan[SandboxInfo]:
     info: SandboxInfo = yield Unary("Inspect", _id(t), SandboxInfo)
     return info
+
+
+def modify(
+    t: Target,
+    *,
+    cpus: int | None = None,
+    memory_mib: int | None = None,
+    disk_size: int | str | None = None,
+    env: Mapping[str, str] | None = None,
+    workdir: str | None = None,
+    labels: Mapping[str, str] | None = None,
+    ttl: int | None = None,
+    idle_timeout: int | None = None,
+    dry_run: bool = False,
+    restart: bool = False,
+) -> Plan[ModifyResponse]:
+    """Change the sandbox (docs/modify.md): vCPUs and memory live below its ceilings,
+    the root disk (grow only) of a stopped sandbox, env and workdir of future runs,
+    labels (a label set to "" is removed), TTL, idle timeout. Returns the plan: each
+    change with its status and why; ``applied`` False (a dry run, or a change refused
+    or needing ``restart``): nothing changed. ``restart``: a change only a new machine
+    applies restarts the sandbox (its processes end, guest memory is lost)."""
+    req = W.ModifyRequest(
+        id=t.id,
+        vcpus=cpus,
+        memory_mib=memory_mib,
+        disk_size_mib=size_mib(disk_size) if disk_size is not None else None,
+        env=_kv(env),
+        working_dir=workdir,
+        labels=_kv(labels),
+        ttl_seconds=ttl,
+        idle_timeout_seconds=idle_timeout,
+        dry_run=dry_run,
+        restart=restart,
+    )
+    r: ModifyResponse = yield Unary("Modify", req, ModifyResponse)
+    return r
 
 
 def state(t: Target) -> Plan[str]:
@@ -813,6 +852,7 @@ class SandboxMethods:
     export_snapshot = class_op(export_snapshot)
     import_snapshot = class_op(import_snapshot)
     inspect = op(inspect)
+    modify = op(modify)
     state = op(state)
     wait_ready = op(wait_ready)
     stop = op(stop)

@@ -36,10 +36,15 @@ def _argv(cmd: Sequence[str] | None) -> tuple[str, ...]:
 
 @attrs.frozen(kw_only=True)
 class Resources:
-    """vCPUs and guest RAM; 0 takes the supervisor's default."""
+    """vCPUs and guest RAM; 0 takes the supervisor's default. ``max_cpus`` and
+    ``max_memory_mib``: the ceilings ``modify`` moves them below, live (0: the values);
+    ``disk_size_mib``: the root disk's size (0: the image's; docs/modify.md)."""
 
     cpus: int = 0
     memory_mib: int = 0
+    max_cpus: int = 0
+    max_memory_mib: int = 0
+    disk_size_mib: int = 0
 
 
 @attrs.frozen(kw_only=True)
@@ -282,6 +287,9 @@ class Settings(TypedDict, total=False):
 
     cpus: int
     memory_mib: int
+    max_cpus: int
+    max_memory_mib: int
+    disk_size: int | str  # "4G", "512M", or bytes
     env: Mapping[str, str]
     labels: Mapping[str, str]
     cmd: Sequence[str]
@@ -349,7 +357,13 @@ class SandboxSpec:
             ),
             labels={**self.labels, **_kv(s.get("labels"))},
             hostname=s.get("hostname", self.hostname),
-            resources=Resources(cpus=s.get("cpus", res.cpus), memory_mib=s.get("memory_mib", res.memory_mib)),
+            resources=Resources(
+                cpus=s.get("cpus", res.cpus),
+                memory_mib=s.get("memory_mib", res.memory_mib),
+                max_cpus=s.get("max_cpus", res.max_cpus),
+                max_memory_mib=s.get("max_memory_mib", res.max_memory_mib),
+                disk_size_mib=size_mib(s["disk_size"]) if "disk_size" in s else res.disk_size_mib,
+            ),
             workload=Workload(
                 cmd=s.get("cmd", wl.cmd),
                 env={**wl.env, **_kv(s.get("env"))},
@@ -411,6 +425,9 @@ class SandboxSpec:
             on_idle="" if self.lifetime.on_idle == "stop" else self.lifetime.on_idle,
             paused_ttl_seconds=self.lifetime.paused_ttl,
             no_auto_resume=not self.lifetime.auto_resume,
+            max_vcpus=self.resources.max_cpus,
+            max_memory_mib=self.resources.max_memory_mib,
+            disk_size_mib=self.resources.disk_size_mib,
             secrets=[s.spec() for s in self.secrets],
         )
 
@@ -492,3 +509,8 @@ def parse_size(size: int | str) -> int:
     except ValueError:
         raise InvalidArgument(W.INVALID_ARGUMENT, f"size {size!r}: a number with K, M, G or T") from None
     return int(value * _UNITS[unit])
+
+
+def size_mib(size: int | str) -> int:
+    """MiB, rounded up: "4G", "512M", or bytes."""
+    return -(-parse_size(size) // (1 << 20))

@@ -145,7 +145,7 @@ class HostMount(_message.Message):
     def __init__(self, source: _Optional[str] = ..., target: _Optional[str] = ..., writable: _Optional[bool] = ...) -> None: ...
 
 class CreateRequest(_message.Message):
-    __slots__ = ("base", "idle_timeout_seconds", "hostname", "ephemeral", "ports", "outbound", "volumes", "image_pull", "image_tls_verify", "patches", "scripts", "tmpfs", "host_mounts", "on_idle", "paused_ttl_seconds", "no_auto_resume", "secrets", "egress", "image_creds", "image_auth_json", "image_ca_pem")
+    __slots__ = ("base", "idle_timeout_seconds", "hostname", "ephemeral", "ports", "outbound", "volumes", "image_pull", "image_tls_verify", "patches", "scripts", "tmpfs", "host_mounts", "on_idle", "paused_ttl_seconds", "no_auto_resume", "max_vcpus", "max_memory_mib", "disk_size_mib", "secrets", "egress", "image_creds", "image_auth_json", "image_ca_pem")
     class ScriptsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -169,6 +169,9 @@ class CreateRequest(_message.Message):
     ON_IDLE_FIELD_NUMBER: _ClassVar[int]
     PAUSED_TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     NO_AUTO_RESUME_FIELD_NUMBER: _ClassVar[int]
+    MAX_VCPUS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MEMORY_MIB_FIELD_NUMBER: _ClassVar[int]
+    DISK_SIZE_MIB_FIELD_NUMBER: _ClassVar[int]
     SECRETS_FIELD_NUMBER: _ClassVar[int]
     EGRESS_FIELD_NUMBER: _ClassVar[int]
     IMAGE_CREDS_FIELD_NUMBER: _ClassVar[int]
@@ -190,12 +193,15 @@ class CreateRequest(_message.Message):
     on_idle: str
     paused_ttl_seconds: int
     no_auto_resume: bool
+    max_vcpus: int
+    max_memory_mib: int
+    disk_size_mib: int
     secrets: _containers.RepeatedCompositeFieldContainer[SecretSpec]
     egress: EgressPolicy
     image_creds: str
     image_auth_json: bytes
     image_ca_pem: bytes
-    def __init__(self, base: _Optional[_Union[_sandbox_pb2.CreateSandboxRequest, _Mapping]] = ..., idle_timeout_seconds: _Optional[int] = ..., hostname: _Optional[str] = ..., ephemeral: _Optional[bool] = ..., ports: _Optional[_Iterable[_Union[PortMapping, _Mapping]]] = ..., outbound: _Optional[bool] = ..., volumes: _Optional[_Iterable[_Union[VolumeMount, _Mapping]]] = ..., image_pull: _Optional[str] = ..., image_tls_verify: _Optional[bool] = ..., patches: _Optional[_Iterable[_Union[PatchSpec, _Mapping]]] = ..., scripts: _Optional[_Mapping[str, str]] = ..., tmpfs: _Optional[_Iterable[_Union[TmpfsMount, _Mapping]]] = ..., host_mounts: _Optional[_Iterable[_Union[HostMount, _Mapping]]] = ..., on_idle: _Optional[str] = ..., paused_ttl_seconds: _Optional[int] = ..., no_auto_resume: _Optional[bool] = ..., secrets: _Optional[_Iterable[_Union[SecretSpec, _Mapping]]] = ..., egress: _Optional[_Union[EgressPolicy, _Mapping]] = ..., image_creds: _Optional[str] = ..., image_auth_json: _Optional[bytes] = ..., image_ca_pem: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, base: _Optional[_Union[_sandbox_pb2.CreateSandboxRequest, _Mapping]] = ..., idle_timeout_seconds: _Optional[int] = ..., hostname: _Optional[str] = ..., ephemeral: _Optional[bool] = ..., ports: _Optional[_Iterable[_Union[PortMapping, _Mapping]]] = ..., outbound: _Optional[bool] = ..., volumes: _Optional[_Iterable[_Union[VolumeMount, _Mapping]]] = ..., image_pull: _Optional[str] = ..., image_tls_verify: _Optional[bool] = ..., patches: _Optional[_Iterable[_Union[PatchSpec, _Mapping]]] = ..., scripts: _Optional[_Mapping[str, str]] = ..., tmpfs: _Optional[_Iterable[_Union[TmpfsMount, _Mapping]]] = ..., host_mounts: _Optional[_Iterable[_Union[HostMount, _Mapping]]] = ..., on_idle: _Optional[str] = ..., paused_ttl_seconds: _Optional[int] = ..., no_auto_resume: _Optional[bool] = ..., max_vcpus: _Optional[int] = ..., max_memory_mib: _Optional[int] = ..., disk_size_mib: _Optional[int] = ..., secrets: _Optional[_Iterable[_Union[SecretSpec, _Mapping]]] = ..., egress: _Optional[_Union[EgressPolicy, _Mapping]] = ..., image_creds: _Optional[str] = ..., image_auth_json: _Optional[bytes] = ..., image_ca_pem: _Optional[bytes] = ...) -> None: ...
 
 class EgressPolicy(_message.Message):
     __slots__ = ("default", "allow", "deny")
@@ -849,6 +855,127 @@ class FleetNodes(_message.Message):
     NODES_FIELD_NUMBER: _ClassVar[int]
     nodes: _containers.RepeatedCompositeFieldContainer[FleetNode]
     def __init__(self, nodes: _Optional[_Iterable[_Union[FleetNode, _Mapping]]] = ...) -> None: ...
+
+class ModifyRequest(_message.Message):
+    __slots__ = ("id", "vcpus", "memory_mib", "disk_size_mib", "env", "working_dir", "labels", "ttl_seconds", "idle_timeout_seconds", "dry_run", "restart")
+    class EnvEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    ID_FIELD_NUMBER: _ClassVar[int]
+    VCPUS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_MIB_FIELD_NUMBER: _ClassVar[int]
+    DISK_SIZE_MIB_FIELD_NUMBER: _ClassVar[int]
+    ENV_FIELD_NUMBER: _ClassVar[int]
+    WORKING_DIR_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    IDLE_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    DRY_RUN_FIELD_NUMBER: _ClassVar[int]
+    RESTART_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    vcpus: int
+    memory_mib: int
+    disk_size_mib: int
+    env: _containers.ScalarMap[str, str]
+    working_dir: str
+    labels: _containers.ScalarMap[str, str]
+    ttl_seconds: int
+    idle_timeout_seconds: int
+    dry_run: bool
+    restart: bool
+    def __init__(self, id: _Optional[str] = ..., vcpus: _Optional[int] = ..., memory_mib: _Optional[int] = ..., disk_size_mib: _Optional[int] = ..., env: _Optional[_Mapping[str, str]] = ..., working_dir: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., ttl_seconds: _Optional[int] = ..., idle_timeout_seconds: _Optional[int] = ..., dry_run: _Optional[bool] = ..., restart: _Optional[bool] = ...) -> None: ...
+
+class ModifyChange(_message.Message):
+    __slots__ = ("kind", "status", "value", "previous", "why")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_FIELD_NUMBER: _ClassVar[int]
+    WHY_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    status: str
+    value: str
+    previous: str
+    why: str
+    def __init__(self, kind: _Optional[str] = ..., status: _Optional[str] = ..., value: _Optional[str] = ..., previous: _Optional[str] = ..., why: _Optional[str] = ...) -> None: ...
+
+class ModifyResponse(_message.Message):
+    __slots__ = ("changes", "applied", "dry_run", "restarted", "note", "settled", "settle_seconds")
+    CHANGES_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    DRY_RUN_FIELD_NUMBER: _ClassVar[int]
+    RESTARTED_FIELD_NUMBER: _ClassVar[int]
+    NOTE_FIELD_NUMBER: _ClassVar[int]
+    SETTLED_FIELD_NUMBER: _ClassVar[int]
+    SETTLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    changes: _containers.RepeatedCompositeFieldContainer[ModifyChange]
+    applied: bool
+    dry_run: bool
+    restarted: bool
+    note: str
+    settled: bool
+    settle_seconds: float
+    def __init__(self, changes: _Optional[_Iterable[_Union[ModifyChange, _Mapping]]] = ..., applied: _Optional[bool] = ..., dry_run: _Optional[bool] = ..., restarted: _Optional[bool] = ..., note: _Optional[str] = ..., settled: _Optional[bool] = ..., settle_seconds: _Optional[float] = ...) -> None: ...
+
+class InspectRequest(_message.Message):
+    __slots__ = ("id",)
+    ID_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    def __init__(self, id: _Optional[str] = ...) -> None: ...
+
+class SandboxSettings(_message.Message):
+    __slots__ = ("vcpus", "memory_mib", "max_vcpus", "max_memory_mib", "disk_size_mib", "env", "working_dir", "ttl_seconds", "idle_timeout_seconds", "settled")
+    class EnvEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    VCPUS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_MIB_FIELD_NUMBER: _ClassVar[int]
+    MAX_VCPUS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MEMORY_MIB_FIELD_NUMBER: _ClassVar[int]
+    DISK_SIZE_MIB_FIELD_NUMBER: _ClassVar[int]
+    ENV_FIELD_NUMBER: _ClassVar[int]
+    WORKING_DIR_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    IDLE_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SETTLED_FIELD_NUMBER: _ClassVar[int]
+    vcpus: int
+    memory_mib: int
+    max_vcpus: int
+    max_memory_mib: int
+    disk_size_mib: int
+    env: _containers.ScalarMap[str, str]
+    working_dir: str
+    ttl_seconds: int
+    idle_timeout_seconds: int
+    settled: bool
+    def __init__(self, vcpus: _Optional[int] = ..., memory_mib: _Optional[int] = ..., max_vcpus: _Optional[int] = ..., max_memory_mib: _Optional[int] = ..., disk_size_mib: _Optional[int] = ..., env: _Optional[_Mapping[str, str]] = ..., working_dir: _Optional[str] = ..., ttl_seconds: _Optional[int] = ..., idle_timeout_seconds: _Optional[int] = ..., settled: _Optional[bool] = ...) -> None: ...
+
+class SandboxDetails(_message.Message):
+    __slots__ = ("base", "requested", "applied", "updated_at")
+    BASE_FIELD_NUMBER: _ClassVar[int]
+    REQUESTED_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    UPDATED_AT_FIELD_NUMBER: _ClassVar[int]
+    base: _sandbox_pb2.SandboxInfo
+    requested: SandboxSettings
+    applied: SandboxSettings
+    updated_at: int
+    def __init__(self, base: _Optional[_Union[_sandbox_pb2.SandboxInfo, _Mapping]] = ..., requested: _Optional[_Union[SandboxSettings, _Mapping]] = ..., applied: _Optional[_Union[SandboxSettings, _Mapping]] = ..., updated_at: _Optional[int] = ...) -> None: ...
 
 class SecretSpec(_message.Message):
     __slots__ = ("name", "hosts", "value", "store", "placeholder")

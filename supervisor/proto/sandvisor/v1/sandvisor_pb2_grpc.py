@@ -240,6 +240,16 @@ class SandvisorServiceStub:
                 request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.ResumeRequest.SerializeToString,
                 response_deserializer=sandbox_dot_v1_dot_sandbox__pb2.SandboxInfo.FromString,
                 _registered_method=True)
+        self.Modify = channel.unary_unary(
+                '/sandvisor.v1.SandvisorService/Modify',
+                request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.ModifyRequest.SerializeToString,
+                response_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.ModifyResponse.FromString,
+                _registered_method=True)
+        self.Inspect = channel.unary_unary(
+                '/sandvisor.v1.SandvisorService/Inspect',
+                request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.InspectRequest.SerializeToString,
+                response_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.SandboxDetails.FromString,
+                _registered_method=True)
         self.SetSecret = channel.unary_unary(
                 '/sandvisor.v1.SandvisorService/SetSecret',
                 request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.SetSecretRequest.SerializeToString,
@@ -576,6 +586,22 @@ class SandvisorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Modify(self, request, context):
+        """--- modify (docs/modify.md) ---
+        Change a sandbox's vCPUs, memory, root disk size, env, workdir, labels, TTL or
+        idle timeout; answers with the plan: each change with its status and why.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Inspect(self, request, context):
+        """The seed's SandboxInfo plus the configuration as requested and as applied.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def SetSecret(self, request, context):
         """--- secrets (the guest holds placeholders; docs/secrets.md) ---
         An entry of the supervisor's store (made or replaced: sandboxes naming it use the new value).
@@ -825,6 +851,16 @@ def add_SandvisorServiceServicer_to_server(servicer, server):
                     servicer.Resume,
                     request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.ResumeRequest.FromString,
                     response_serializer=sandbox_dot_v1_dot_sandbox__pb2.SandboxInfo.SerializeToString,
+            ),
+            'Modify': grpc.unary_unary_rpc_method_handler(
+                    servicer.Modify,
+                    request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.ModifyRequest.FromString,
+                    response_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.ModifyResponse.SerializeToString,
+            ),
+            'Inspect': grpc.unary_unary_rpc_method_handler(
+                    servicer.Inspect,
+                    request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.InspectRequest.FromString,
+                    response_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.SandboxDetails.SerializeToString,
             ),
             'SetSecret': grpc.unary_unary_rpc_method_handler(
                     servicer.SetSecret,
@@ -1964,6 +2000,60 @@ class SandvisorService:
             '/sandvisor.v1.SandvisorService/Resume',
             sandvisor_dot_v1_dot_sandvisor__pb2.ResumeRequest.SerializeToString,
             sandbox_dot_v1_dot_sandbox__pb2.SandboxInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Modify(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandvisor.v1.SandvisorService/Modify',
+            sandvisor_dot_v1_dot_sandvisor__pb2.ModifyRequest.SerializeToString,
+            sandvisor_dot_v1_dot_sandvisor__pb2.ModifyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Inspect(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandvisor.v1.SandvisorService/Inspect',
+            sandvisor_dot_v1_dot_sandvisor__pb2.InspectRequest.SerializeToString,
+            sandvisor_dot_v1_dot_sandvisor__pb2.SandboxDetails.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,361 @@
+"""Modify: change a sandbox's configuration, live where its machine allows, and say how.
+
+QEMU's ``microvm`` hotplugs nothing (no vCPU, no DIMM, no virtio-mmio device), so a
+sandbox boots with its ceilings (``Limits.max_vcpus``, ``max_memory_mib``) and moves
+below them live: vCPUs go offline and online in the guest (guestd's ``set_cpus``) and
+the cgroup's CPU quota follows at once; memory goes to and from the virtio balloon.
+Above a ceiling only a new machine helps: a restart, which the caller must ask for.
+
+:func:`plan` is the whole decision, with no I/O: for each requested change a
+:class:`Change` with its :class:`Status` and why, and the configuration after. A plan
+is all or nothing: if one change is refused or needs a restart nobody asked for,
+nothing is applied. :func:`modify` carries a plan out on a sandbox of the registry.
+A change kind is one :class:`Kind` member and a few lines in :func:`plan` (secrets,
+issue 23, will be one)::
+
+    Modify{vcpus, memory, disk, env, workdir, labels, ttl, idle, dry_run, restart}
+      plan(config, running machine)  ->  changes + config after
+      dry run, or refused            ->  the plan, nothing changed
+      config saved (record, updated_at)
+      running, no restart            ->  balloon / CPUs / cgroup now, wait until settled
+      running, restart               ->  stop, start (new ceilings), wait until ready
+      stopped                        ->  the next boot has it (a bigger disk is grown then)
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+import weakref
+from typing import TYPE_CHECKING
+
+import attrs
+import trio
+
+from actors.errors import FailedPrecondition, InvalidArgument
+from actors.model import ALIVE, Limits, SandboxConfig, State, check_ceilings, check_labels, max_vcpus
+
+if TYPE_CHECKING:
+    from actors.registry import Registry
+    from actors.sandboxes.sandbox import Sandbox
+
+RESTART_NOTE = (
+    "a restart stops the sandbox (its processes end; guest memory, /tmp and /run are lost) and boots it "
+    "again from its disk with the new ceilings; its id, disk, labels, ports and address are kept"
+)
+RESTART_TIMEOUT = 600.0  # s: the stop and the boot of a --restart
+# one Modify of a sandbox at a time (a second waits: balloon targets and restarts do not interleave)
+_LOCKS: weakref.WeakKeyDictionary[Sandbox, trio.Lock] = weakref.WeakKeyDictionary()
+
+
+class Kind(enum.StrEnum):
+    CPUS = "cpus"
+    MEMORY = "memory"
+    DISK = "disk_size"
+    ENV = "env"
+    WORKDIR = "workdir"
+    LABELS = "labels"
+    TTL = "ttl"
+    IDLE_TIMEOUT = "idle_timeout"
+
+
+class Status(enum.StrEnum):
+    APPLIED = "applied_live"  # in effect now
+    NEXT_BOOT = "applied_at_next_boot"  # saved; the sandbox's next boot has it
+    RESTART = "applied_by_restart"  # in effect after the restart the caller asked for
+    NEEDS_RESTART = "needs_restart"  # only a restart applies it: nothing done (no --restart)
+    REFUSED = "refused"  # cannot be done (why says)
+    UNCHANGED = "unchanged"
+
+
+BLOCKING = frozenset({Status.NEEDS_RESTART, Status.REFUSED})
+
+
+@attrs.frozen
+class Change:
+    kind: Kind
+    status: Status
+    value: str  # as requested
+    previous: str = ""
+    why: str = ""
+
+
+@attrs.frozen
+class Modification:
+    """What a caller asks to change (None: leave it). ``env`` and ``labels`` are merged
+    into the sandbox's (a label set to "" is removed)."""
+
+    vcpus: int | None = None
+    memory_mib: int | None = None
+    disk_mib: int | None = None
+    env: dict[str, str] | None = None
+    working_dir: str | None = None
+    labels: dict[str, str] | None = None
+    ttl_seconds: int | None = None
+    idle_timeout_seconds: int | None = None
+    dry_run: bool = False
+    restart: bool = False
+
+
+@attrs.frozen
+class Machine:
+    """A running sandbox's machine as Modify sees it: its ceilings, whether it has a
+    balloon, its root disk's size now (MiB)."""
+
+    max_vcpus: int
+    max_memory_mib: int
+    balloon: bool
+    disk_mib: int
+    # its RAM is a snapshot's (a boot template's) memory mapped copy-on-write: the balloon
+    # cannot give memory back, it costs some (docs/modify.md)
+    mapped: bool = False
+
+
+@attrs.frozen
+class Plan:
+    changes: tuple[Change, ...]
+    config: SandboxConfig  # the configuration once applied
+    dry_run: bool = False
+    restart: bool = False  # carrying it out restarts the sandbox
+    note: str = ""
+    # filled in by modify() once applied
+    applied: bool = False
+    settled: bool = False
+    settle_seconds: float = 0.0
+
+    @property
+    def accepted(self) -> bool:
+        """Every change can be applied as asked."""
+        return not any(c.status in BLOCKING for c in self.changes)
+
+
+def plan(
+    config: SandboxConfig,
+    effective: Limits,
+    mod: Modification,
+    machine: Machine | None,
+    *,
+    disk_mib: int,
+    max_disk_mib: int = 0,
+    balloon: bool = True,
+) -> Plan:
+    """The plan of ``mod`` on a sandbox with ``config`` (its limits resolved against the
+    supervisor's defaults: ``effective``), running on ``machine`` (None: stopped).
+    ``disk_mib``: its root disk's size now; ``max_disk_mib``: serve's
+    --max-sandbox-disk (0: none); ``balloon``: the supervisor gives machines a balloon
+    (else memory moves only with a restart, and no ceiling is above the value).
+    Bad values are INVALID_ARGUMENT; what the state forbids is a refused change."""
+    changes: list[Change] = []
+    limits = config.limits
+    restart = False
+
+    def machine_change(value: int, now: int, ceiling_now: int, live: bool) -> Status:
+        nonlocal restart
+        if value == now:
+            return Status.UNCHANGED
+        if machine is None:
+            return Status.NEXT_BOOT
+        if live and value <= ceiling_now:
+            return Status.APPLIED
+        if mod.restart:
+            restart = True
+            return Status.RESTART
+        return Status.NEEDS_RESTART
+
+    if mod.vcpus is not None:
+        if not 1 <= mod.vcpus <= max_vcpus():
+            raise InvalidArgument(f"cpus must be 1 to {max_vcpus()}")
+        ceiling = machine.max_vcpus if machine else effective.vcpu_ceiling
+        st = machine_change(mod.vcpus, effective.vcpus, ceiling, True)
+        why = {
+            Status.APPLIED: f"vCPUs online in the guest and its CPU quota now (ceiling {ceiling})",
+            Status.NEXT_BOOT: "the sandbox is stopped: its next boot has them",
+            Status.RESTART: f"above the ceiling of {ceiling} vCPUs: the sandbox restarts with {mod.vcpus}",
+            Status.NEEDS_RESTART: f"above the ceiling of {ceiling} vCPUs (microvm has no CPU hotplug): "
+            "only a restart raises it (--restart)",
+        }.get(st, "")
+        changes.append(Change(Kind.CPUS, st, str(mod.vcpus), str(effective.vcpus), why))
+        limits = attrs.evolve(limits, vcpus=mod.vcpus, max_vcpus=max(effective.vcpu_ceiling, mod.vcpus))
+
+    if mod.memory_mib is not None:
+        if not 64 <= mod.memory_mib <= 65536:
+            raise InvalidArgument("memory must be 64 to 65536 MiB")
+        has_balloon = machine.balloon if machine else balloon
+        ceiling = machine.max_memory_mib if machine else effective.memory_ceiling
+        shrink_mapped = machine is not None and machine.mapped and mod.memory_mib < effective.memory_mib
+        st = machine_change(mod.memory_mib, effective.memory_mib, ceiling, has_balloon and not shrink_mapped)
+        why = {
+            Status.APPLIED: f"through the balloon, now (ceiling {ceiling} MiB)",
+            Status.NEXT_BOOT: "the sandbox is stopped: its next boot has it",
+            Status.RESTART: f"the sandbox restarts with {mod.memory_mib} MiB",
+            Status.NEEDS_RESTART: (
+                "its memory is a snapshot's mapped copy-on-write (a restore or boot template): the balloon "
+                "would take no memory back but allocate what it takes in the shared snapshot memory; only a "
+                "restart (a fresh boot) lowers it (--restart)"
+                if shrink_mapped
+                else f"above the ceiling of {ceiling} MiB (microvm has no memory hotplug): only a restart raises it "
+                "(--restart)"
+                if has_balloon
+                else "this supervisor runs its machines without a balloon: only a restart changes memory (--restart)"
+            ),
+        }.get(st, "")
+        changes.append(Change(Kind.MEMORY, st, str(mod.memory_mib), str(effective.memory_mib), why))
+        top = max(effective.memory_ceiling, mod.memory_mib) if balloon else mod.memory_mib
+        limits = attrs.evolve(limits, memory_mib=mod.memory_mib, max_memory_mib=top)
+
+    if mod.disk_mib is not None:
+        now = disk_mib
+        if mod.disk_mib < 1:
+            raise InvalidArgument("disk size must be positive")
+        if mod.disk_mib < now:
+            changes.append(
+                Change(Kind.DISK, Status.REFUSED, str(mod.disk_mib), str(now), "a root disk only grows, never shrinks")
+            )
+        elif max_disk_mib and mod.disk_mib > max_disk_mib:
+            changes.append(
+                Change(
+                    Kind.DISK,
+                    Status.REFUSED,
+                    str(mod.disk_mib),
+                    str(now),
+                    f"above the supervisor's --max-sandbox-disk of {max_disk_mib} MiB",
+                )
+            )
+        else:
+            st = machine_change(mod.disk_mib, now, now, False)
+            why = {
+                Status.NEXT_BOOT: "grown before the next boot; the guest grows its filesystem at boot",
+                Status.RESTART: "the sandbox restarts on the grown disk",
+                Status.NEEDS_RESTART: "a running machine's disk does not grow: only a restart (--restart), "
+                "or stop the sandbox first",
+            }.get(st, "")
+            changes.append(Change(Kind.DISK, st, str(mod.disk_mib), str(now), why))
+            limits = attrs.evolve(limits, disk_mib=mod.disk_mib)
+
+    workload, timers, labels = config.workload, config.timers, dict(config.labels)
+    live = "for future Runs and Execs" if machine is not None else "saved; Runs and Execs after the next boot use it"
+    if mod.env is not None:
+        env = {**workload.env, **mod.env}
+        st = Status.UNCHANGED if env == workload.env else Status.APPLIED
+        changes.append(Change(Kind.ENV, st, _kv(mod.env), _kv(workload.env), live))
+        workload = attrs.evolve(workload, env=env)
+    if mod.working_dir is not None:
+        if mod.working_dir and not mod.working_dir.startswith("/"):
+            raise InvalidArgument("workdir must be an absolute path")
+        st = Status.UNCHANGED if mod.working_dir == workload.working_dir else Status.APPLIED
+        changes.append(Change(Kind.WORKDIR, st, mod.working_dir, workload.working_dir, live))
+        workload = attrs.evolve(workload, working_dir=mod.working_dir)
+    if mod.labels is not None:
+        check_labels({k: v for k, v in mod.labels.items() if v})
+        for k, v in mod.labels.items():
+            if v:
+                labels[k] = v
+            else:
+                labels.pop(k, None)
+        st = Status.UNCHANGED if labels == config.labels else Status.APPLIED
+        changes.append(Change(Kind.LABELS, st, _kv(mod.labels), _kv(config.labels), "now"))
+    if mod.ttl_seconds is not None:
+        if mod.ttl_seconds < 0:
+            raise InvalidArgument("ttl must not be negative")
+        st = Status.UNCHANGED if mod.ttl_seconds == timers.ttl_seconds else Status.APPLIED
+        why = "now, counted from the sandbox's creation (0: none)"
+        changes.append(Change(Kind.TTL, st, str(mod.ttl_seconds), str(timers.ttl_seconds), why))
+        timers = attrs.evolve(timers, ttl_seconds=mod.ttl_seconds)
+    if mod.idle_timeout_seconds is not None:
+        if mod.idle_timeout_seconds < 0:
+            raise InvalidArgument("idle timeout must not be negative")
+        st = Status.UNCHANGED if mod.idle_timeout_seconds == timers.idle_timeout_seconds else Status.APPLIED
+        why = "now, counted from the last activity (0: none)"
+        changes.append(
+            Change(Kind.IDLE_TIMEOUT, st, str(mod.idle_timeout_seconds), str(timers.idle_timeout_seconds), why)
+        )
+        timers = attrs.evolve(timers, idle_timeout_seconds=mod.idle_timeout_seconds)
+
+    check_ceilings(limits)
+    after = attrs.evolve(config, limits=limits, workload=workload, timers=timers, labels=labels)
+    return Plan(tuple(changes), after, dry_run=mod.dry_run, restart=restart, note=RESTART_NOTE if restart else "")
+
+
+def check_machine(limits: Limits, *, balloon: bool) -> None:
+    """A memory ceiling above the value needs the balloon (FAILED_PRECONDITION)."""
+    if limits.memory_ceiling > limits.memory_mib and not balloon:
+        raise FailedPrecondition(
+            "a memory ceiling above the memory needs the virtio balloon: this supervisor runs without one "
+            "(root, without --no-balloon)"
+        )
+
+
+def check_disk_size(disk_mib: int, image_bytes: int) -> None:
+    """A root disk size at create is at least the image's (INVALID_ARGUMENT)."""
+    if disk_mib and disk_mib << 20 < image_bytes:
+        raise InvalidArgument(f"disk size {disk_mib} MiB is below the image's {-(-image_bytes // (1 << 20))} MiB")
+
+
+def _kv(d: dict[str, str]) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted(d.items()))
+
+
+async def modify(reg: Registry, id: str, mod: Modification) -> Plan:
+    """Plan ``mod`` on sandbox ``id`` and carry the plan out (unless it is a dry run or
+    not accepted): saved in the record, applied to the running machine (waiting until
+    the guest settled), or by a restart when the caller asked for one."""
+    sb = reg.get(id)
+    lock = _LOCKS.setdefault(sb, trio.Lock())
+    async with lock:
+        return await _modify(reg, sb, mod)
+
+
+async def _modify(reg: Registry, sb: Sandbox, mod: Modification) -> Plan:
+    from actors.sandboxes import tune  # (the sandbox layer; this module's plan is pure)
+
+    id = sb.id
+    if sb.state not in (*ALIVE, State.STOPPED, State.FAILED) or (sb.state not in ALIVE and not sb.stopped):
+        raise FailedPrecondition(f"sandbox {id} is {sb.state}: modify it once it is ready or stopped")
+    if sb.checkpointing:
+        raise FailedPrecondition(f"sandbox {id} is being checkpointed: modify it after")
+    s = reg.settings
+    machine = tune.machine_of(sb) if sb.state in ALIVE else None
+    p = plan(
+        sb.config,
+        sb.limits,
+        mod,
+        machine,
+        disk_mib=machine.disk_mib if machine else tune.disk_mib(sb),
+        max_disk_mib=s.max_sandbox_disk_mib,
+        balloon=s.balloon,
+    )
+    if mod.dry_run or not p.accepted:
+        return p
+    before = sb.limits
+    changed = any(c.status != Status.UNCHANGED for c in p.changes)
+    sb.record.config = p.config
+    if changed:
+        sb.record.updated_at = int(time.time())
+    sb.store.update_tuning(sb.record)
+    await sb.store.flush()
+    if changed:
+        sb.log.append(
+            "system", ("modified: " + "; ".join(f"{c.kind} {c.value} ({c.status})" for c in p.changes)).encode()
+        )
+    if machine is None or not changed:
+        return attrs.evolve(p, applied=True, settled=machine is not None)
+    if p.restart:
+        t0 = time.monotonic()
+        await _restart(reg, id)
+        return attrs.evolve(p, applied=True, settled=True, settle_seconds=time.monotonic() - t0)
+    after = sb.limits
+    if after.vcpus == before.vcpus and after.memory_mib == before.memory_mib:
+        return attrs.evolve(p, applied=True, settled=True)
+    settled, seconds = await tune.apply_live(sb)
+    return attrs.evolve(p, applied=True, settled=settled, settle_seconds=seconds)
+
+
+async def _restart(reg: Registry, id: str) -> None:
+    """Stop the sandbox and start it again (a new machine: the new ceilings), ready."""
+    with trio.fail_after(RESTART_TIMEOUT):
+        sb = reg.stop(id)
+        await sb.wait_stopped()
+        sb = await reg.start(id)
+        await sb.ready_event.wait()
+    if sb.state not in ALIVE:
+        raise FailedPrecondition(f"sandbox {id} did not come back after the restart: {sb.record.error}")

@@ -1,0 +1,164 @@
+"""A running sandbox's vCPUs and memory set below its machine's ceilings (Modify, and
+every boot), its root filesystem grown to its disk, and what was applied recorded.
+
+The machine boots with its ceilings (actors/sandboxes/life.py: ``-smp max_vcpus``
+with ``maxcpus=vcpus`` on the kernel command line, ``-m max_memory``); here:
+
+* memory: QMP ``balloon`` to the value; the guest's balloon driver (no
+  deflate-on-oom: it takes the pages out of the guest's managed memory, so MemTotal
+  follows) inflates or deflates; settled when ``query-balloon``'s ``actual`` is the
+  target. QEMU discards inflated pages (anonymous RAM: given back to the host; a
+  mapped snapshot's memory: only the private copies, docs/modify.md).
+* vCPUs: guestd's ``set_cpus`` (CPU hotplug in the guest, synchronous) and the
+  cell's cgroup CPU ceiling (vCPUs + the jail's headroom) and weight, at once.
+* disk: guestd's ``grow_root`` (EXT4_IOC_RESIZE_FS, online) at a boot whose overlay
+  was grown (life.py grows it before QEMU opens it).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import trio
+
+from actors import defaults as D
+from actors.cells.cgroups import CgroupError, CgroupLimits
+from actors.channel.guest import GuestOpError
+from actors.errors import FailedPrecondition
+from actors.machines.disk import DiskError, virtual_size
+from actors.machines.qemuproc import MachineError
+from actors.machines.vm import Guest
+from actors.model import Applied
+from actors.modify import Machine
+
+if TYPE_CHECKING:
+    from actors.sandboxes.sandbox import Sandbox
+
+log = logging.getLogger("sandvisor.tune")
+
+MIB = 1 << 20
+BALLOON_POLL = 0.1  # s: query-balloon while the guest moves toward the target
+
+
+def machine_of(sb: Sandbox) -> Machine:
+    """The running machine's ceilings, balloon and disk (FAILED_PRECONDITION: none)."""
+    guest = sb.guest
+    if guest is None:
+        raise FailedPrecondition(f"sandbox {sb.id} has no running machine")
+    spec = guest.machine.spec
+    applied = sb.record.applied
+    return Machine(
+        max_vcpus=spec.cpus,
+        max_memory_mib=spec.memory_mib,
+        balloon=spec.balloon,
+        disk_mib=applied.disk_mib if applied is not None else disk_mib(sb),
+        mapped=mapped(guest),
+    )
+
+
+def mapped(guest: Guest) -> bool:
+    """The guest's RAM is a snapshot's memory mapped privately (copy-on-write)."""
+    m = guest.machine.spec
+    return m.memory_file is not None and not m.memory_shared
+
+
+def disk_mib(sb: Sandbox) -> int:
+    """The root disk's size now (MiB): its overlay's, or what its first boot will make."""
+    try:
+        return -(-virtual_size(sb.files.disk) // MIB)
+    except (DiskError, OSError):
+        return sb.limits.disk_mib
+
+
+async def apply_live(sb: Sandbox) -> tuple[bool, float]:
+    """The sandbox's vCPUs and memory given to its running guest now; (settled, seconds)."""
+    guest = sb.guest
+    if guest is None:
+        raise FailedPrecondition(f"sandbox {sb.id} has no running machine")
+    t0 = time.monotonic()
+    settled = await _settle(sb, guest)
+    return settled, time.monotonic() - t0
+
+
+async def at_boot(sb: Sandbox, guest: Guest, *, fresh: bool) -> None:
+    """A life's guest given the sandbox's vCPUs and memory before it is ready (a
+    restore's machine is its snapshot's: the same moves), its root filesystem grown
+    (``fresh``: a boot, of an overlay that may have grown; its vCPUs above the value
+    are offline already: maxcpus)."""
+    chan = guest.channel
+    if fresh and sb.limits.disk_mib and chan.has_feature("resources"):
+        try:
+            size = await chan.grow_root()
+            sb.log.append("system", f"root filesystem: {size >> 20} MiB".encode())
+        except GuestOpError as exc:  # an image whose root is not ext4, say: it boots as it is
+            sb.log.append("system", f"root filesystem not grown: {exc}".encode())
+    await _settle(sb, guest, boot=True)
+
+
+async def _settle(sb: Sandbox, guest: Guest, *, boot: bool = False) -> bool:
+    """Balloon target, CPUs online, CPU quota; wait for the balloon; record what applies.
+    ``boot``: before ready, where a machine without ceilings needs nothing (all its vCPUs
+    online, its balloon empty; a snapshot's configuration matches its machine): no
+    request then, so a boot or restore costs nothing more."""
+    spec, chan, limits = guest.machine.spec, guest.channel, sb.limits
+    vcpus = min(limits.vcpus, spec.cpus)
+    memory = min(limits.memory_mib, spec.memory_mib) if spec.balloon else spec.memory_mib
+    online = vcpus
+    if chan.has_feature("resources") and (vcpus != spec.cpus or not boot):
+        try:
+            online = await chan.set_cpus(vcpus)
+        except GuestOpError as exc:  # the guest's answer (its sysfs is its own): not settled, not fatal
+            sb.log.append("system", f"vCPUs not set: {exc}".encode())
+            online = 0
+    cell = sb.cell
+    if cell is not None and cell.cgroup is not None:
+        try:
+            # the jail's rule for a machine of ``vcpus`` (its ceiling: vCPUs + headroom; its weight)
+            cell.cgroup.set_cpu(CgroupLimits.for_guest(spec.memory_mib, vcpus))
+        except CgroupError as exc:
+            log.warning("sandbox %s: CPU quota: %s", sb.id, exc)
+    settled = online == vcpus
+    actual = memory
+    if spec.balloon and (memory != spec.memory_mib or not boot):
+        try:
+            if mapped(guest):
+                # never inflate over a snapshot's mapped memory: the guest zeroes what it
+                # gives the balloon (init_on_alloc), so every page taken that the clone
+                # had not touched becomes a page of the shared memfd, charged to this
+                # clone, that no discard frees (measured: docs/modify.md)
+                now = int((await guest.machine.qmp_execute("query-balloon")).get("actual", 0)) // MIB
+                memory = max(memory, now)
+            actual = await _balloon(guest, memory)
+        except MachineError as exc:
+            log.warning("sandbox %s: balloon: %s", sb.id, exc)
+            actual = 0
+        settled = settled and actual == memory
+    sb.record.applied = Applied(
+        vcpus=online,
+        memory_mib=actual,
+        max_vcpus=spec.cpus,
+        max_memory_mib=spec.memory_mib,
+        disk_mib=disk_mib(sb),
+        balloon=spec.balloon,
+        settled=settled,
+    )
+    sb.store.update_tuning(sb.record)
+    return settled
+
+
+async def _balloon(guest: Guest, memory_mib: int) -> int:
+    """Ask the balloon for ``memory_mib`` of guest memory; wait (bounded) until the guest
+    has it; the MiB it has then."""
+    vm = guest.machine
+    await vm.qmp_execute("balloon", {"value": memory_mib * MIB})
+    actual = memory_mib
+    with trio.move_on_after(D.MODIFY_SETTLE_TIMEOUT):
+        while True:
+            info = await vm.qmp_execute("query-balloon")
+            actual = int(info.get("actual", 0)) // MIB
+            if actual == memory_mib:
+                break
+            await trio.sleep(BALLOON_POLL)
+    return actual
