@@ -320,6 +320,14 @@ class ProxyCell:
                 or (dst[0] == str(self.listen) and dst[1] == self.port)
             ):
                 self.stats["refused"] += 1
+                log.info(
+                    "%s: connection from %s to %s refused (pending %d, proxy %s)",
+                    self.name,
+                    peer,
+                    dst,
+                    self._pending,
+                    self._conns is not None,
+                )
                 sock.close()
                 continue
             self.stats["accepted"] += 1
@@ -346,8 +354,10 @@ class ProxyCell:
                 return
             fds = [sock.fileno()] + ([up.fileno()] if up is not None else [])
             head = wire.frame({"gen": gen, "dst": list(dst), "err": err})[wire.HEADER.size :]
-            with contextlib.suppress(OSError):
+            try:
                 await conns.sendmsg([head], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))])
+            except OSError as exc:
+                log.warning("%s: a connection could not be handed to the proxy: %s", self.name, exc)
         finally:
             self._pending -= 1
             sock.close()

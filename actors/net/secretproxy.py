@@ -14,7 +14,7 @@ the sandbox's mark (actors/net/secretcell.py) and hands both sockets over. Here:
           and sent upstream over TLS verified against the system store plus
           ``serve --upstream-ca``, SNI and certificate name being the guest's SNI
 
-Hostile guest: the ClientHello peek is bounded (16 KiB, 10 s), a request head by h11
+Hostile guest: the ClientHello peek is bounded (16 KiB, 30 s), a request head by h11
 (64 KiB), a substituted body by MAX_BODY (larger bodies stream through unchanged),
 every read by an idle timeout. Each connection is its own error boundary: nothing it
 does ends the proxy.
@@ -37,7 +37,7 @@ from actors.secrets.ca import Minter
 log = logging.getLogger("sandvisor.secrets")
 
 MAX_HELLO = 16 * 1024
-HELLO_TIMEOUT = 10.0
+HELLO_TIMEOUT = 30.0  # the ClientHello, then the guest's handshake (a TCG guest under load is slow)
 IDLE_TIMEOUT = 120.0
 CONNECT_TIMEOUT = 20.0
 MAX_HEAD = 64 * 1024

@@ -27,6 +27,7 @@ log = logging.getLogger("sandvisor.secrets.proxy")
 
 MAX_FDS = 2
 GEN_WAIT = 30.0  # a connection waits at most this for the config it was accepted under
+MAX_CONNECTIONS = 256  # live at once (more are closed as they come)
 EVENTS_BUFFERED = 64  # reports waiting to go up (more are dropped)
 
 
@@ -102,19 +103,31 @@ async def serve(control: trio.socket.SocketType, conns: trio.socket.SocketType) 
                 n = await control.send(data)
                 data = data[n:]
 
+    live = 0
+
     async def one(guest: socket.socket, up: socket.socket | None, head: dict[str, Any]) -> None:
+        nonlocal live
         g = trio.socket.from_stdlib_socket(guest)
         u = trio.socket.from_stdlib_socket(up) if up is not None else None
+        live += 1
         try:
             with trio.fail_after(GEN_WAIT):
                 await state.reached(int(head["gen"]))
+            if live > MAX_CONNECTIONS:
+                raise trio.TooSlowError
         except trio.TooSlowError:
             g.close()
             if u is not None:
                 u.close()
+            live -= 1
             return
-        dst = (str(head["dst"][0]), int(head["dst"][1]))
-        await proxy.handle(g, dst, u, str(head.get("err", "")))
+        try:
+            dst = (str(head["dst"][0]), int(head["dst"][1]))
+            await proxy.handle(g, dst, u, str(head.get("err", "")))
+        except Exception:  # (nothing one connection does ends the process)
+            log.exception("a connection failed")
+        finally:
+            live -= 1
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(write_events)
@@ -132,6 +145,8 @@ async def serve(control: trio.socket.SocketType, conns: trio.socket.SocketType) 
                 if not data and not fds:
                     return  # the supervisor closed it
                 socks = [socket.socket(fileno=fd) for fd in fds]
+                for extra in socks[MAX_FDS:]:
+                    extra.close()
                 if not socks:
                     continue
                 head = wire.unpack(data)
