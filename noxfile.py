@@ -57,7 +57,7 @@ def typecheck(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Benchmarks: ratios against peers measured in the same run (results/ holds the output)."""
     _host(session)
-    session.install("-e", ".[bench]")
+    session.install("-e", ".[bench,fleet,test]")  # (fleet: Ray; test: cryptography for fleet.py's PKI)
     session.run("sandvisor", "image", "build")
     session.run("python", "benchmarks/guest.py", *session.posargs)
     session.run("python", "benchmarks/api.py")
@@ -65,6 +65,7 @@ def bench(session: nox.Session) -> None:
     session.run("python", "benchmarks/network.py")
     session.run("python", "benchmarks/network_tap.py")
     session.run("python", "benchmarks/snapshots.py")
+    session.run("python", "benchmarks/snapshot_transfer.py")
     session.run("python", "benchmarks/default_restore.py")
     session.run("python", "benchmarks/trees.py")
     session.run("python", "benchmarks/coldstart.py")
@@ -75,6 +76,7 @@ def bench(session: nox.Session) -> None:
     session.run("python", "benchmarks/burst.py")
     session.run("python", "benchmarks/memory.py")
     session.run("python", "benchmarks/jail.py")
+    session.run("python", "benchmarks/fleet.py")
 
 
 @nox.session

@@ -50,6 +50,7 @@ class Action(enum.StrEnum):
     STOPPED = "stopped"
     FAILED = "failed"
     REMOVED = "removed"
+    LOST = "lost"  # a fleet sandbox whose node died (docs/fleet.md): told by every member
     # sandvisor's: the secret proxy refused a request carrying a secret's placeholder to
     # a host that secret does not allow (attributes: secret, host; never the value)
     SECRET_BLOCKED = "secret_blocked"
@@ -71,6 +72,7 @@ class MemoryKind(enum.StrEnum):
 
     MAPPED = "mapped"
     STREAMED = "streamed"
+    DISK = "disk"  # none: a snapshot of a stopped sandbox, its disk alone (restores boot)
 
 
 @attrs.frozen
@@ -207,6 +209,16 @@ class ImageUse:
 
 
 @attrs.frozen
+class PullAuth:
+    """A registry's credentials and CA certificates for one pull (a Create's): never
+    part of a configuration, never stored or printed."""
+
+    creds: str = attrs.field(default="", repr=False)  # USER:PASSWORD
+    auth_json: bytes = attrs.field(default=b"", repr=False)  # a docker-style auth file's content
+    ca_pem: bytes = attrs.field(default=b"", repr=False)  # CA certificates (PEM)
+
+
+@attrs.frozen
 class Timers:
     ttl_seconds: int = 0  # removed this long after creation (activity does not reset it)
     idle_timeout_seconds: int = 0  # stopped after this long without activity
@@ -228,6 +240,31 @@ class VolumeMount:
     name: str
     path: str
     read_only: bool = False
+
+
+@attrs.frozen
+class TmpfsMount:
+    """A tmpfs mounted at ``path`` in the guest by guestd before the sandbox is ready
+    (``size_mib`` 0: the kernel's default, half the guest's RAM). Its pages are guest
+    RAM: the limit bounds what it may take of the sandbox's memory."""
+
+    path: str
+    size_mib: int = 0
+
+
+@attrs.frozen
+class HostMount:
+    """A host directory (under a ``serve --allow-path`` directory) mounted at ``path`` in
+    the guest, served by virtiofsd in a cell of its own (:mod:`actors.hostdirs`);
+    read-only unless ``writable``."""
+
+    source: str
+    path: str
+    writable: bool = False
+
+
+MAX_HOST_MOUNTS = 8
+MAX_TMPFS_MIB = 1 << 20  # a limit, not an allocation: the guest's RAM bounds it anyway
 
 
 @attrs.frozen
@@ -256,6 +293,8 @@ class SandboxConfig:
     hostname: str = ""
     patches: tuple[Patch, ...] = ()
     volumes: tuple[VolumeMount, ...] = ()
+    tmpfs: tuple[TmpfsMount, ...] = ()  # mounted by guestd at every boot, before ready
+    host_mounts: tuple[HostMount, ...] = ()  # host directories (virtio-fs), fixed at boot
     # named scripts: written to SCRIPTS_DIR/<name> (0755) with the patches; Run{script}
     scripts: dict[str, str] = attrs.field(factory=dict)
     # secrets (actors/secrets): names, hosts, placeholders -- never values (the vault's)
@@ -275,6 +314,14 @@ class SandboxConfig:
 
 
 # --- rules -----------------------------------------------------------------------------------
+def default_hostname(id: str) -> str:
+    """A sandbox's hostname when its config names none: its id as a hostname (runs of
+    anything but ASCII letters, digits and '-' as one '-', at most 63 characters), or
+    "sandbox" when nothing of the id is left."""
+    name = re.sub(r"[^A-Za-z0-9-]+", "-", id).strip("-")[:63].strip("-")
+    return name or "sandbox"
+
+
 MAX_ID_BYTES = 128
 RESERVED_LABEL_PREFIXES = ("sandbox.", "sandvisor.")
 MAX_WORKLOAD_BYTES = 256 * 1024  # well inside the guest channel's frame cap
@@ -364,6 +411,8 @@ def check_config(cfg: SandboxConfig) -> None:
         raise InvalidArgument("boot_args must be one line of at most 1024 bytes")
     check_patches(cfg.patches)
     check_volume_mounts(cfg.volumes)
+    check_tmpfs_mounts(cfg.tmpfs, cfg.volumes)
+    check_host_mounts(cfg)
     check_scripts(cfg.scripts)
     check_secrets(cfg.secrets)
     if cfg.secrets and not cfg.network.reaches_out:
@@ -441,6 +490,39 @@ def check_volume_mounts(mounts: tuple[VolumeMount, ...]) -> None:
         seen.add(m.name)
     if len({m.path.rstrip("/") for m in mounts}) != len(mounts):
         raise InvalidArgument("two volumes at one path")
+
+
+def check_tmpfs_mounts(mounts: tuple[TmpfsMount, ...], volumes: tuple[VolumeMount, ...] = ()) -> None:
+    if len(mounts) > 16:
+        raise InvalidArgument(f"{len(mounts)} tmpfs mounts; at most 16")
+    for m in mounts:
+        check_guest_path(m.path, "tmpfs: path")
+        if m.path.rstrip("/") in ("", "/proc", "/sys", "/dev"):
+            raise InvalidArgument(f"tmpfs: cannot be mounted at {m.path}")
+        if not 0 <= m.size_mib <= MAX_TMPFS_MIB:
+            raise InvalidArgument(f"tmpfs {m.path}: size_mib must be 0 (the kernel's default) to {MAX_TMPFS_MIB}")
+    paths = [m.path.rstrip("/") for m in mounts] + [v.path.rstrip("/") for v in volumes]
+    if len(set(paths)) != len(paths):
+        raise InvalidArgument("two mounts (tmpfs or volumes) at one path")
+
+
+def check_host_mounts(cfg: SandboxConfig) -> None:
+    """The rules of host directory mounts that need no I/O (the directories themselves:
+    actors.hostdirs.check_host_dir)."""
+    mounts = cfg.host_mounts
+    if len(mounts) > MAX_HOST_MOUNTS:
+        raise InvalidArgument(f"{len(mounts)} host directories; at most {MAX_HOST_MOUNTS}")
+    for m in mounts:
+        src = m.source
+        if not src.startswith("/") or "\0" in src or ".." in src.split("/") or len(src.encode()) > 4096:
+            raise InvalidArgument(f"host directory {src[:80]!r}: an absolute path without '..' or NUL")
+        check_guest_path(m.path, f"host directory {src[:80]!r}: path")
+        if m.path.rstrip("/") in ("", "/proc", "/sys", "/dev"):
+            raise InvalidArgument(f"host directory {src[:80]!r}: cannot be mounted at {m.path}")
+    paths = [m.path.rstrip("/") for m in mounts] + [t.path.rstrip("/") for t in cfg.tmpfs]
+    paths += [v.path.rstrip("/") for v in cfg.volumes]
+    if len(set(paths)) != len(paths):
+        raise InvalidArgument("two mounts (tmpfs, volumes or host directories) at one path")
 
 
 # --- the converter (the store's; msgpack) ------------------------------------------------------

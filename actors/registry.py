@@ -32,11 +32,13 @@ import os
 import stat
 import time
 import uuid
+from collections.abc import AsyncGenerator, AsyncIterator
 from pathlib import Path
 
 import attrs
 import trio
 
+from actors import hostdirs
 from actors.crash import crash_point
 from actors.errors import (
     AlreadyExists,
@@ -60,6 +62,7 @@ from actors.model import (
     ImageUse,
     MemoryKind,
     NetMode,
+    PullAuth,
     SandboxConfig,
     State,
     check_config,
@@ -80,6 +83,7 @@ from actors.settings import Settings
 from actors.snapshots.convert import convert_streamed
 from actors.snapshots.pools import Pools
 from actors.snapshots.snapshot import Checkpoint, SnapshotStore
+from actors.snapshots.transfer import Importer, export_stream
 from actors.store import Record, SnapshotRecord, Store
 from actors.volumes import Volumes
 from images.oci import Image, ImageError, ImageStore, ProgressFn, PruneResult, RemoveResult
@@ -280,7 +284,7 @@ class Registry:
         with trio.CancelScope(shield=True):
             self.pools.close()
             for sb in self.sandboxes.values():
-                if sb.state in ALIVE:
+                if sb.state in ALIVE and not sb.config.host_mounts:  # (their virtiofsd ends with us)
                     sb.detach()
                 else:
                     sb.request_stop(0, force=True)
@@ -393,6 +397,19 @@ class Registry:
             raise NotFound(f"no sandbox {id!r}")
         return sb
 
+    def set_ttl(self, id: str, seconds: int) -> int:
+        """Remove the sandbox ``seconds`` from now (0: never), whatever its TTL was; the
+        wall-clock time of removal (0: never). Kept in its record: a restart keeps it."""
+        if seconds < 0:
+            raise InvalidArgument("ttl seconds must not be negative")
+        sb = self.get(id)
+        age = max(0.0, trio.current_time() - sb.born)
+        ttl = 0 if seconds == 0 else max(1, int(age + seconds + 0.999))
+        cfg = sb.config
+        sb.record.config = attrs.evolve(cfg, timers=attrs.evolve(cfg.timers, ttl_seconds=ttl))
+        sb.store.update_config(sb.record)
+        return 0 if ttl == 0 else sb.record.created_at + ttl
+
     def list(
         self, *, state: State | None = None, labels: dict[str, str] | None = None, limit: int = 20, cursor: str = ""
     ) -> tuple[builtins.list[Sandbox], str]:
@@ -413,10 +430,18 @@ class Registry:
         return page, encode_cursor(page[-1].record.seq) if len(matches) > limit else ""
 
     # -- operations --------------------------------------------------------------
-    async def create(self, id: str, config: SandboxConfig, secret_values: dict[str, bytes] | None = None) -> Sandbox:
+    async def create(
+        self,
+        id: str,
+        config: SandboxConfig,
+        secret_values: dict[str, bytes] | None = None,
+        *,
+        pull_auth: PullAuth | None = None,
+    ) -> Sandbox:
         """A new sandbox, starting (or ready at once, from a warm pool). The same id
         with the same configuration is the existing sandbox (idempotent). Its secrets'
-        own values (``secret_values``, by name) go to the vault, never to its record."""
+        own values (``secret_values``, by name) go to the vault, never to its record.
+        ``pull_auth``: the image registry's credentials and CA, for this Create's pull only."""
         self._check_open()
         check_id(id)
         check_config(config)
@@ -433,13 +458,17 @@ class Registry:
         for what, path in (("kernel", config.boot.kernel), ("rootfs", config.boot.rootfs)):
             if path:
                 check_host_file(what, path, self.settings.allowed_paths)
+        if config.host_mounts:
+            hostdirs.servers(self.settings)
+        for m in config.host_mounts:
+            hostdirs.check_host_dir(m.source, self.settings.allowed_paths, writable=m.writable)
         if id and id in self.sandboxes:
             existing = self.sandboxes[id]
             if existing.config == config:
                 return existing  # idempotent: same id, same request
             raise AlreadyExists(f"sandbox {id!r} exists with a different configuration")
         accepted = time.monotonic()
-        image = await self._image(config) if config.boot.image else None
+        image = await self._image(config, pull_auth) if config.boot.image else None
         if id and id in self.sandboxes:  # created meanwhile, while the image was pulled
             return await self.create(id, config)
         self._check_disks(config, image)
@@ -489,6 +518,7 @@ class Registry:
         tls_verify: bool = True,
         creds: str | None = None,
         auth_json: bytes | None = None,
+        ca_pem: bytes | None = None,
         progress: ProgressFn | None = None,
     ) -> Image:
         """Pull ``ref`` into the store (the store's errors as the seed's codes). The
@@ -497,7 +527,13 @@ class Registry:
         store = self.image_store()
         try:
             return await store.pull(
-                ref, policy=policy, tls_verify=tls_verify, creds=creds, auth_json=auth_json, progress=progress
+                ref,
+                policy=policy,
+                tls_verify=tls_verify,
+                creds=creds,
+                auth_json=auth_json,
+                ca_pem=ca_pem,
+                progress=progress,
             )
         except ImageError as exc:
             raise error(Code(exc.code), exc.message) from None
@@ -529,13 +565,21 @@ class Registry:
         except ImageError as exc:
             raise error(Code(exc.code), exc.message) from None
 
-    async def _image(self, config: SandboxConfig) -> ImageUse:
+    async def _image(self, config: SandboxConfig, auth: PullAuth | None = None) -> ImageUse:
         """The OCI image a Create names, pulled as its policy says (a pull happens before
         Create answers: a bad reference, a missing tag, a refused pull are the Create's errors)."""
         store = self.image_store()
         boot = config.boot
+        auth = auth or PullAuth()
         try:
-            img = await store.pull(boot.image, policy=boot.pull, tls_verify=boot.tls_verify)
+            img = await store.pull(
+                boot.image,
+                policy=boot.pull,
+                tls_verify=boot.tls_verify,
+                creds=auth.creds or None,
+                auth_json=auth.auth_json or None,
+                ca_pem=auth.ca_pem or None,
+            )
         except ImageError as exc:
             raise error(Code(exc.code), exc.message) from None
         c = img.config
@@ -599,6 +643,8 @@ class Registry:
         sb = self.get(id)
         if sb.state not in (State.STOPPED, State.FAILED) or not sb.stopped:
             raise FailedPrecondition(f"sandbox {id} is {sb.state}; only a stopped sandbox can start")
+        if sb.checkpointing:  # a disk-only checkpoint is moving its disk
+            raise FailedPrecondition(f"sandbox {id} is being checkpointed; retry in a moment")
         self._admit(sb.limits.memory_mib, ram_file=True)
         check_network_available(self.settings, sb.config.network)
         self.volumes.check(sb.config.volumes, sb.record.uid)
@@ -630,6 +676,8 @@ class Registry:
             sb.request_stop(0, force=True)
             with trio.CancelScope(shield=True), trio.move_on_after(30):
                 await sb.wait_stopped()
+        with trio.CancelScope(shield=True), trio.move_on_after(30):
+            await sb.checkpoints_done()  # (a disk-only checkpoint moves the disk of a stopped one)
         if self.sandboxes.get(id) is not sb:
             return  # removed meanwhile by another call
         del self.sandboxes[id]
@@ -647,12 +695,21 @@ class Registry:
         check_labels(labels)
         check_name(name)
         sb = self.get(sandbox_id)
-        sb.check_checkpointable()  # before a directory is made for nothing
+        stopped = sb.stopped and sb.state in (State.STOPPED, State.FAILED)
+        if stopped:  # a disk-only snapshot: its restores boot on its disk
+            sb.check_disk_checkpointable()
+        else:
+            sb.check_checkpointable()  # before a directory is made for nothing
         self.admission.check_disk()
         address = str(sb.pool_address or "") if sb.config.network.mode == NetMode.TAP else ""
         gens = self.volumes.generations(sb.config.volumes)
         rec, ck = await self.snapshots.take(
-            sb.checkpoint, sb.record, name=name, labels=labels, address=address, volume_generations=gens
+            sb.checkpoint_stopped if stopped else sb.checkpoint,
+            sb.record,
+            name=name,
+            labels=labels,
+            address=address,
+            volume_generations=gens,
         )
         if sb.config.secrets and self.settings.vault is not None:  # its clones' values (never in the files)
             self.settings.vault.copy_owner(sb.record.uid, rec.uid)
@@ -701,7 +758,9 @@ class Registry:
                 await self.remove(member.id, force=True)  # (its "created" was emitted: "removed" follows)
             if id and id in self.sandboxes:
                 raise AlreadyExists(f"sandbox {id!r} exists")
-        self._admit(snap.machine.memory_mib, ram_file=snap.memory != MemoryKind.MAPPED)
+        disk_only = snap.memory == MemoryKind.DISK
+        memory_mib = self.settings.limits(config.limits).memory_mib if disk_only else snap.machine.memory_mib
+        self._admit(memory_mib, ram_file=snap.memory != MemoryKind.MAPPED)
         sb = self._new_sandbox(id, config, origin=snap.id, image=snap.oci)
         sb.lease(want="" if network_override else snap.address)
         if config.secrets:  # the snapshot's values, a CA of its own (config: fresh placeholders)
@@ -711,7 +770,8 @@ class Registry:
         self.store.insert(sb.record)
         self.sandboxes[sb.id] = sb
         sb.emit(Action.CREATED, snapshot_id=snap.id)
-        await self.start_life(sb, Resume(snap, accepted=accepted))
+        plan: Plan = Boot(accepted=accepted, disk_of=snap) if disk_only else Resume(snap, accepted=accepted)
+        await self.start_life(sb, plan)
         await sb.ready_event.wait()
         if sb.state != State.READY:
             error = sb.record.error or sb.state
@@ -743,6 +803,31 @@ class Registry:
         await self.snapshots.delete(snap)
         if self.settings.vault is not None:
             self.settings.vault.drop_owner(snap.uid)
+
+    # -- snapshot export and import (actors/snapshots/transfer.py) ------------------------
+    def export_snapshot(self, ref: str, *, include_base: bool = False) -> AsyncGenerator[bytes]:
+        """The export of a snapshot, as pieces of one file (see :func:`export_stream`)."""
+        return export_stream(self.snapshots.get(ref), self.settings, include_base=include_base)
+
+    async def import_snapshot(
+        self, chunks: AsyncIterator[bytes], *, name: str | None = None, labels: dict[str, str] | None = None
+    ) -> SnapshotRecord:
+        """A snapshot from an export's bytes, recorded once all of them arrived and
+        matched their digest; any failure leaves nothing behind."""
+        self._check_open()
+        self.admission.check_disk()
+        imp = Importer(self.snapshots, self.settings, name=name, labels=labels, check_disk=self.admission.check_disk)
+        imp.open()
+        try:
+            async for data in chunks:
+                await imp.feed(data)
+            rec = await imp.commit()
+        except BaseException:
+            await imp.abort()
+            raise
+        await self.store.flush()  # a snapshot the caller was told of is on record
+        self.pools.wake()
+        return rec
 
     # -- timers ------------------------------------------------------------------
     async def _timers(self) -> None:

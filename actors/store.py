@@ -375,6 +375,11 @@ class Store:
         row = (_pack(r.ports), r.uid)
         self._put(lambda db: db.execute("UPDATE sandboxes SET ports=? WHERE uid=?", row))
 
+    def update_config(self, r: Record) -> None:
+        """Its configuration (SetTtl changes its timers)."""
+        row = (_pack(r.config), r.uid)
+        self._put(lambda db: db.execute("UPDATE sandboxes SET config=? WHERE uid=?", row))
+
     def rekey(self, r: Record) -> None:
         """A warm pool member handed out: it takes the caller's id and configuration."""
         row = (r.id, r.seq, _pack(r.config), r.created_at, _pack(r.ports), r.origin, _pack(r.image), r.uid)

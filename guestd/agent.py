@@ -176,6 +176,7 @@ class Agent:
                         "trees",
                         "patch",
                         "mount",
+                        "fs",
                         "vsock" if self.vsock_fd >= 0 else "serial",
                     ],
                 )
@@ -250,7 +251,7 @@ class Agent:
         elif isinstance(msg, P.SetHostname):
             self.set_hostname(msg.hostname)
             session.send(P.Ok(rid=rid))
-        elif isinstance(msg, (P.ReadTree, P.WriteTree, P.Patch, P.Mount, P.Umount)):
+        elif isinstance(msg, (P.ReadTree, P.WriteTree, P.Patch, P.Mount, P.Umount, P.Fs)):
             from guestd import workers  # lazy: boot never pays for it
 
             if isinstance(msg, P.ReadTree):
@@ -261,6 +262,8 @@ class Agent:
                 workers.patch(self, session, msg)
             elif isinstance(msg, P.Mount):
                 workers.mount(self, session, msg)
+            elif isinstance(msg, P.Fs):
+                workers.fs(self, session, msg)
             else:
                 workers.umount(self, session, msg)
         elif isinstance(msg, P.NetConfig):

@@ -153,6 +153,11 @@ class FileWriter(Req):
             except OSError:
                 pass
 
+    def on_signal(self, signum: int) -> None:
+        """The host gave up on the write (its data did not end): nothing is committed."""
+        self.discard()
+        self.finish()
+
     def orphan(self) -> None:
         super().orphan()
         self.discard()

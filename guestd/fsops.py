@@ -9,6 +9,7 @@ over what was there, a directory is removed by descriptors.
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 
@@ -184,3 +185,157 @@ def _patch_one(entry: dict[str, object], resolve: Callable[[str], tuple[int, int
                 os.close(fd)
     finally:
         os.close(pfd)
+
+
+# ---------------------------------------------------------------------------
+# fs requests (list, stat, mkdir, remove, rename): run in a forked worker
+# ---------------------------------------------------------------------------
+FS_OPS = ("list", "stat", "mkdir", "remove", "rename")
+_KINDS = {stat.S_IFREG: "file", stat.S_IFDIR: "dir", stat.S_IFLNK: "symlink"}
+
+
+def _entry(name: str, st: os.stat_result, target: str) -> list[object]:
+    """One entry of a list or stat answer: [name, kind, size, mode, uid, gid, mtime_ns, target]."""
+    kind = _KINDS.get(stat.S_IFMT(st.st_mode), "other")
+    name, target = _text(name)[:4096], _text(target)[:4096]
+    return [name, kind, st.st_size, stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid, st.st_mtime_ns, target]
+
+
+def _text(name: str) -> str:
+    """A name as text the host can carry (bytes that are not UTF-8 as escapes)."""
+    return os.fsencode(name).decode("utf-8", "backslashreplace")
+
+
+def _link_target(name: str, dir_fd: int | None, st: os.stat_result) -> str:
+    if not stat.S_ISLNK(st.st_mode):
+        return ""
+    try:
+        return os.readlink(name, dir_fd=dir_fd)
+    except OSError:
+        return ""
+
+
+def _checked(path: str) -> str:
+    if not path.startswith("/") or "\0" in path:
+        raise TreeError(P.E_INVALID, "path must be absolute")
+    path = os.path.normpath(path)
+    return "/" + path.lstrip("/")  # (normpath keeps a leading "//")
+
+
+def fs_list(path: str) -> list[list[object]]:
+    """The entries of the directory ``path`` (its own symlink followed, as ``ls``
+    does), by name; each entry's own symlink is not followed."""
+    path = _checked(path)
+    try:  # (O_DIRECTORY: never open a FIFO or a device)
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
+    except NotADirectoryError:
+        if os.path.exists(path):
+            raise TreeError(P.E_FAILED, f"{path} is not a directory") from None
+        raise
+    try:
+        out: list[list[object]] = []
+        size = 0
+        with os.scandir(fd) as it:
+            for e in it:
+                if len(out) >= P.MAX_FS_LIST:
+                    raise TreeError(P.E_TOO_LARGE, f"{path} holds more than {P.MAX_FS_LIST} entries")
+                try:
+                    st = os.stat(e.name, dir_fd=fd, follow_symlinks=False)
+                except FileNotFoundError:
+                    continue  # removed meanwhile
+                entry = _entry(e.name, st, _link_target(e.name, fd, st))
+                size += 4 * (len(str(entry[0])) + len(str(entry[7]))) + 64  # (at most: 4 UTF-8 bytes a character)
+                if size > P.MAX_FS_ANSWER:
+                    raise TreeError(P.E_TOO_LARGE, f"the entries of {path} exceed {P.MAX_FS_ANSWER} bytes")
+                out.append(entry)
+    finally:
+        os.close(fd)
+    out.sort(key=lambda x: str(x[0]))
+    return out
+
+
+def fs_stat(path: str) -> list[object]:
+    """``path`` itself (a symlink is reported as one, not followed)."""
+    path = _checked(path)
+    st = os.stat(path, follow_symlinks=False)
+    return _entry(path, st, _link_target(path, None, st))
+
+
+def fs_mkdir(path: str, parents: bool, mode: int) -> int:
+    """``mkdir [-p] path``: made (1), or there already with ``parents`` (0)."""
+    path = _checked(path)
+    if path == "/":
+        if parents:
+            return 0
+        raise TreeError(P.E_EXISTS, "/ exists")
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        st = None
+    except NotADirectoryError:
+        raise TreeError(P.E_FAILED, f"a parent of {path} is not a directory") from None
+    if st is not None:
+        if not stat.S_ISDIR(st.st_mode):
+            raise TreeError(P.E_FAILED, f"{path} exists and is not a directory")
+        if parents:
+            return 0
+        raise TreeError(P.E_EXISTS, f"{path} exists")
+    parent = os.path.dirname(path)
+    if parents:
+        try:
+            os.makedirs(parent, 0o755, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):
+            raise TreeError(P.E_FAILED, f"a parent of {path} is not a directory") from None
+    elif not os.path.isdir(parent):
+        if os.path.lexists(parent):
+            raise TreeError(P.E_FAILED, f"{parent} is not a directory")
+        raise TreeError(P.E_NOT_FOUND, f"{parent} does not exist (parents is false)")
+    os.mkdir(path, mode)
+    os.chmod(path, mode)  # (not the umask's)
+    return 1
+
+
+def fs_remove(path: str, recursive: bool) -> int:
+    """``rm [-r] path``: a file, a link (never followed) or an empty directory; a
+    non-empty one only with ``recursive``."""
+    path = _checked(path)
+    if path == "/":
+        raise TreeError(P.E_INVALID, "the root directory cannot be removed")
+    parent, leaf = os.path.split(path)
+    pfd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        st = os.stat(leaf, dir_fd=pfd, follow_symlinks=False)
+        if not stat.S_ISDIR(st.st_mode):
+            os.unlink(leaf, dir_fd=pfd)
+        elif recursive:
+            rmtree_at(pfd, leaf)
+        else:
+            try:
+                os.rmdir(leaf, dir_fd=pfd)
+            except OSError as exc:
+                if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                    raise TreeError(P.E_FAILED, f"{path} is not empty (recursive is false)") from None
+                raise
+    finally:
+        os.close(pfd)
+    return 1
+
+
+def fs_rename(src: str, dest: str) -> int:
+    """``mv src dest`` on one file system (the last component of either is not followed)."""
+    src, dest = _checked(src), _checked(dest)
+    if "/" in (src, dest):
+        raise TreeError(P.E_INVALID, "the root directory cannot be renamed")
+    try:
+        os.rename(src, dest)
+    except OSError as exc:
+        if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
+            raise TreeError(P.E_FAILED, f"{dest} is a directory that is not empty") from None
+        if exc.errno == errno.EXDEV:
+            raise TreeError(P.E_FAILED, f"{src} and {dest} are on different file systems") from None
+        if exc.errno == errno.EINVAL:
+            raise TreeError(P.E_INVALID, f"cannot move {src} into itself") from None
+        if exc.errno in (errno.EISDIR, errno.ENOTDIR) and os.path.lexists(src) and os.path.lexists(dest):
+            raise TreeError(P.E_FAILED, f"{dest} is in the way: a directory and a non-directory") from None
+        raise
+    return 1

@@ -48,6 +48,8 @@ MAX_TREE = 1 << 30  # ReadTree / WriteTree: bytes of file contents in one tree
 MAX_TREE_ENTRIES = 200_000  # ReadTree / WriteTree: entries (files, directories, links) in one tree
 MAX_TREE_STREAM = MAX_TREE + MAX_TREE_ENTRIES * 2048  # the tar stream itself (contents + headers)
 MAX_TREE_META = 1 << 20  # one pax or GNU long-name header's payload
+MAX_FS_LIST = 100_000  # Fs list: entries of one directory's answer (TOO_LARGE beyond)
+MAX_FS_ANSWER = 32 << 20  # Fs list or stat: bytes of the msgpack answer (TOO_LARGE beyond)
 MAX_PATCH_ENTRIES = 10_000  # entries of one Patch request (its frame bounds their bytes)
 _HDR = struct.Struct(">I")
 # one Packer for every frame (msgpack.packb builds a new one per call); it resets after
@@ -405,19 +407,49 @@ class Patch(Message):
 class Mount(Message):
     """Mount a block device at ``path`` (made if missing). ``device``: a /dev path, or
     ``serial:NAME`` for the virtio disk whose serial is NAME. Answered Ok. guestd
-    unmounts what it mounted when it powers off."""
+    unmounts what it mounted when it powers off. ``fstype`` "tmpfs" mounts a tmpfs
+    (``device`` ignored; mode 1777, nosuid, nodev) of at most ``size_mib`` (0: the
+    kernel's default)."""
 
     rid: int
     device: str
     path: str
     fstype: str = "ext4"
     read_only: bool = False
+    size_mib: int = 0
 
 
 @message("umount")
 class Umount(Message):
     rid: int
     path: str
+
+
+@message("fs")
+class Fs(Message):
+    """A file-system operation (feature "fs"; served by a forked worker). ``op``:
+
+    - ``list``: the directory ``path`` (its own symlink followed); ``stat``: ``path``
+      itself (a symlink not followed). Answered Ok, then one msgpack array on
+      ch=STDOUT as Data within credit, then Eof: entries ``[name, kind, size, mode,
+      uid, gid, mtime_ns, target]`` (kind: file, dir, symlink, other; target: a
+      link's), by name; stat's one entry is named ``path``. A non-directory's list
+      is FAILED_PRECONDITION; more than MAX_FS_LIST entries or MAX_FS_ANSWER bytes
+      TOO_LARGE.
+    - ``mkdir``: ``path`` (``recursive``: its parents too, and one that exists is
+      fine); ``mode`` its permission bits. Over a file: FAILED_PRECONDITION.
+    - ``remove``: a file, a link (not followed), an empty directory; a non-empty one
+      with ``recursive`` only, else FAILED_PRECONDITION.
+    - ``rename``: ``path`` to ``dest`` (rename(2): one file system).
+
+    mkdir, remove and rename are answered Ok. A missing path is NOT_FOUND."""
+
+    rid: int
+    op: str
+    path: str
+    dest: str = ""
+    recursive: bool = False
+    mode: int = 0o755
 
 
 # --- system ------------------------------------------------------------------

@@ -293,6 +293,10 @@ def mount_work(root_fd: int, msg: P.Mount) -> int:
     """In a worker: mount ``msg.device`` at ``msg.path``."""
     import stat
 
+    if msg.fstype == "tmpfs":
+        return mount_tmpfs(root_fd, msg)
+    if msg.fstype == "virtiofs":
+        return mount_virtiofs(root_fd, msg)
     dev = find_disk(msg.device)
     st = os.stat(dev)
     if not stat.S_ISBLK(st.st_mode):
@@ -313,6 +317,30 @@ def mount_work(root_fd: int, msg: P.Mount) -> int:
         os.close(fd)
     opts = "ro" if msg.read_only else "rw,noatime"
     busybox_run(root_fd, ["mount", "-t", msg.fstype, "-o", opts, dev, msg.path])
+    return 0
+
+
+def mount_tmpfs(root_fd: int, msg: P.Mount) -> int:
+    """In a worker: a tmpfs at ``msg.path``, at most ``msg.size_mib`` (0: the kernel's default)."""
+    if os.path.ismount(msg.path):
+        raise ExecFailed(P.E_EXISTS, f"{msg.path} is a mount point already")
+    if not 0 <= msg.size_mib <= 1 << 20:
+        raise ExecFailed(P.E_INVALID, f"tmpfs size {msg.size_mib} MiB")
+    os.makedirs(msg.path, 0o755, exist_ok=True)
+    opts = "nosuid,nodev,mode=1777" + (f",size={msg.size_mib}m" if msg.size_mib else "")
+    if msg.read_only:
+        opts += ",ro"
+    busybox_run(root_fd, ["mount", "-t", "tmpfs", "-o", opts, "tmpfs", msg.path])
+    return 0
+
+
+def mount_virtiofs(root_fd: int, msg: P.Mount) -> int:
+    """In a worker: the virtio-fs share tagged ``msg.device`` at ``msg.path``."""
+    if os.path.ismount(msg.path):
+        raise ExecFailed(P.E_EXISTS, f"{msg.path} is a mount point already")
+    os.makedirs(msg.path, 0o755, exist_ok=True)
+    opts = "ro" if msg.read_only else "rw"
+    busybox_run(root_fd, ["mount", "-t", "virtiofs", "-o", opts, msg.device, msg.path])
     return 0
 
 
@@ -371,7 +399,7 @@ def patch(agent: Agent, session: Session, msg: P.Patch) -> None:
 def mount(agent: Agent, session: Session, msg: P.Mount) -> None:
     if not msg.path.startswith("/") or os.path.normpath(msg.path) == "/":
         raise LookupError("mount path must be absolute and not /")
-    if msg.fstype not in FSTYPES:
+    if msg.fstype not in (*FSTYPES, "tmpfs", "virtiofs"):
         raise LookupError(f"unsupported file system type {msg.fstype!r}")
     path = os.path.normpath(msg.path)
     w = Worker(agent, session, msg.rid)
@@ -395,3 +423,35 @@ def umount(agent: Agent, session: Session, msg: P.Umount) -> None:
 
     w.on_ok = forget
     w.start(work)
+
+
+def fs(agent: Agent, session: Session, msg: P.Fs) -> None:
+    """A file-system operation (see ``proto.Fs``); list and stat answer a msgpack array."""
+    from guestd import fsops
+
+    if msg.op not in fsops.FS_OPS:
+        raise LookupError(f"op must be one of {', '.join(fsops.FS_OPS)}")
+    if not 0 <= msg.mode <= 0o7777:
+        raise LookupError("mode must be 0..0o7777")
+    if msg.op in ("list", "stat"):
+
+        def answer(out_fd: int) -> int:
+            import msgpack
+
+            found = fsops.fs_list(msg.path) if msg.op == "list" else [fsops.fs_stat(msg.path)]
+            view = memoryview(msgpack.Packer(use_bin_type=True).pack(found))  # (the runtime's msgpack has no packb)
+            while view:
+                view = view[os.write(out_fd, view) :]
+            return len(found)
+
+        Worker(agent, session, msg.rid).start(answer, out=True, killable=True, first=P.Ok(rid=msg.rid))
+        return
+
+    def work(_fd: int) -> int:
+        if msg.op == "mkdir":
+            return fsops.fs_mkdir(msg.path, msg.recursive, msg.mode)
+        if msg.op == "remove":
+            return fsops.fs_remove(msg.path, msg.recursive)
+        return fsops.fs_rename(msg.path, msg.dest)
+
+    Worker(agent, session, msg.rid).start(work)

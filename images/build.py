@@ -82,6 +82,8 @@ MODULES = (
     "vmw_vsock_virtio_transport",
     "vsock_loopback",
     "virtio_balloon",  # loaded by guestd after the first hello (free page reporting)
+    "fuse",
+    "virtiofs",  # host directories (docs/mounts.md): loaded by /init when the device is there
 )
 # runtime trimming: what guestd never touches
 _RUNTIME_DROP = (

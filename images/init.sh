@@ -29,11 +29,12 @@ $B mount -a -T /etc/fstab.early   # sysfs, devtmpfs
 mkdir /dev/pts /dev/shm          # in devtmpfs, so they exist in /sysroot/dev as well
 # the channel and the disk are (nearly) always there: one modprobe for both
 modprobe -a virtio_mmio virtio_console virtio_blk
-# other drivers only for devices that are there (virtio IDs: 1 net, 19 vsock)
+# other drivers only for devices that are there (virtio IDs: 1 net, 19 vsock, 26 fs)
 IDS= MODS=
 for d in /sys/bus/virtio/devices/*/device; do [ -e "$d" ] && read -r id < "$d" && IDS="$IDS $id"; done
 case "$IDS" in *0x0001*) MODS="$MODS virtio_net" ;; esac
 case "$IDS" in *0x0013*) MODS="$MODS vmw_vsock_virtio_transport" ;; esac
+case "$IDS" in *0x001a*) MODS="$MODS virtiofs" ;; esac
 [ "$VSOCK" = loopback ] && MODS="$MODS vsock_loopback"
 [ -n "$MODS" ] && modprobe -a $MODS
 read -r SV_T_MODULES _ < /proc/uptime

@@ -41,7 +41,12 @@ storage:
 http:
   addr: 127.0.0.1:{port}
   secret: sandvisor-test
-{auth}"""
+{tls}{auth}"""
+_TLS = """\
+  tls:
+    certificate: {cert}
+    key: {key}
+"""
 _AUTH = """\
 auth:
   htpasswd:
@@ -51,11 +56,13 @@ auth:
 
 
 class LocalRegistry:
-    """A docker-registry process serving plain HTTP on 127.0.0.1. ``auth``: htpasswd
-    with TEST_USER/TEST_PASSWORD. Restartable on the same port and storage."""
+    """A docker-registry process serving plain HTTP on 127.0.0.1 (``tls``: HTTPS with
+    this certificate and key). ``auth``: htpasswd with TEST_USER/TEST_PASSWORD.
+    Restartable on the same port and storage."""
 
-    def __init__(self, work: Path, *, auth: bool = False) -> None:
+    def __init__(self, work: Path, *, auth: bool = False, tls: tuple[Path, Path] | None = None) -> None:
         self.work = work
+        self.tls = tls
         self.storage = work / "storage"
         self.log = work / "registry.log"
         self.auth = auth
@@ -76,7 +83,8 @@ class LocalRegistry:
             (self.work / "htpasswd").write_text(TEST_HTPASSWD)
             auth = _AUTH.format(htpasswd=self.work / "htpasswd")
         cfg = self.work / "config.yml"
-        cfg.write_text(_CONFIG.format(storage=self.storage, port=self.port, auth=auth))
+        tls = _TLS.format(cert=self.tls[0], key=self.tls[1]) if self.tls is not None else ""
+        cfg.write_text(_CONFIG.format(storage=self.storage, port=self.port, auth=auth, tls=tls))
         start = self.log.stat().st_size if self.log.exists() else 0
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(

@@ -11,10 +11,13 @@ the store's cache and before skopeo sees the reference::
         path realpath-checked: no symlink on the way, no '..', inside an --allow-path
         directory, a directory (oci:) or a regular file (the archives)
         else NOT_FOUND, one message for "missing" and "not allowed" (no probing)
-    docker://HOST[:PORT]/NAME...
+    docker://HOST[:PORT]/NAME...  (and plain names: alpine is docker.io/library/alpine:latest)
         --registry-allow given: HOST or HOST:PORT must be listed (else FAILED_PRECONDITION)
         not listed: the host is resolved once; loopback, link-local or unspecified
         addresses are refused (FAILED_PRECONDITION), naming the flag that allows it
+        a registry with a mirror (serve --registry-mirror REGISTRY=URL): fetched from
+        the mirror, which the operator named (not checked again); the image keeps its
+        name (docker.io/library/alpine:latest), whichever host served it
 
 Remaining windows (docs/security.md): skopeo resolves the registry's name again (a name
 that rebinds to 127.0.0.1 between the check and skopeo's connection gets through); a
@@ -93,6 +96,34 @@ def internal_address(addr: str) -> bool:
 
 
 @attrs.frozen
+class Mirror:
+    """``serve --registry-mirror REGISTRY=URL``: REGISTRY's images are fetched from ``host``."""
+
+    registry: str  # HOST[:PORT] as references spell it (docker.io)
+    host: str  # HOST[:PORT] of the mirror
+    insecure: bool = False  # http://: plain HTTP (skopeo --tls-verify=false)
+
+
+def parse_mirror(spec: str) -> Mirror:
+    """``REGISTRY=URL``: URL is ``HOST[:PORT]`` or ``https://HOST[:PORT]`` (TLS, verified)
+    or ``http://HOST[:PORT]`` (plain HTTP); no path. ValueError names what is wrong."""
+    registry, sep, url = spec.partition("=")
+    if not sep or not registry or not url:
+        raise ValueError(f"--registry-mirror {spec!r}: expected REGISTRY=URL, e.g. docker.io=https://mirror.example")
+    insecure = url.startswith("http://")
+    url = url.removeprefix("http://").removeprefix("https://").rstrip("/")
+    if "/" in url or "://" in url:
+        raise ValueError(f"--registry-mirror {spec!r}: the mirror is HOST[:PORT], with no path")
+    reg_host, reg_port = split_host(registry)
+    host, port = split_host(url)
+    return Mirror(_join_host(reg_host, reg_port), _join_host(host, port), insecure)
+
+
+def _join_host(host: str, port: int | None) -> str:
+    return (f"[{host}]" if ":" in host else host) + (f":{port}" if port else "")
+
+
+@attrs.frozen
 class RefPolicy:
     """``allowed_paths``: directories local references may name (serve --allow-path; none:
     no local reference). ``registry_allow``: HOST or HOST:PORT the supervisor may pull from
@@ -103,10 +134,20 @@ class RefPolicy:
     registry_allow: tuple[str, ...] = ()
     unrestricted: bool = False
     resolver: Resolver = attrs.field(default=resolve, eq=False, repr=False)
+    registry_mirrors: tuple[str, ...] = ()  # REGISTRY=URL (serve --registry-mirror)
     _allow: tuple[tuple[str, int | None], ...] = attrs.field(init=False, eq=False, repr=False)
+    _mirrors: dict[str, Mirror] = attrs.field(init=False, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
         object.__setattr__(self, "_allow", tuple(split_host(s) for s in self.registry_allow))
+        mirrors = [parse_mirror(s) for s in self.registry_mirrors]
+        object.__setattr__(self, "_mirrors", {m.registry: m for m in mirrors})
+        if len(self._mirrors) < len(mirrors):
+            raise ValueError("--registry-mirror: one mirror per registry")
+
+    def mirror(self, r: Reference) -> Mirror | None:
+        """The mirror ``r``'s registry is fetched from, if the operator named one."""
+        return self._mirrors.get(r.domain) if r.is_registry else None
 
     # -- local transports -------------------------------------------------------------
     def check_local(self, r: Reference) -> None:
@@ -149,8 +190,8 @@ class RefPolicy:
 
     async def check_registry(self, r: Reference) -> None:
         """Before skopeo contacts ``r``'s registry: listed, or (no list) not internal."""
-        if self.unrestricted:
-            return
+        if self.unrestricted or self.mirror(r) is not None:
+            return  # (a mirror: the operator's own choice of host)
         domain = r.domain
         if self.listed(domain):
             return

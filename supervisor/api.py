@@ -21,8 +21,9 @@ into its wire's code of the same name. Every lifecycle rule lives in the domain
 from __future__ import annotations
 
 import math
+import posixpath
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
 from importlib import metadata
 from typing import Any, Protocol, TypeVar
@@ -30,12 +31,16 @@ from typing import Any, Protocol, TypeVar
 import attrs
 import trio
 
-from actors.errors import DomainError, InvalidArgument, NotFound, ResourceExhausted
+from actors import defaults
+from actors.channel.guest import FsEntry
+from actors.errors import DeadlineExceeded, DomainError, InvalidArgument, NotFound, ResourceExhausted
 from actors.events import Lagged
-from actors.model import ALIVE, State, VolumeRecord, check_labels, check_port, script_argv
+from actors.model import ALIVE, MemoryKind, State, VolumeRecord, check_labels, check_port, script_argv
 from actors.registry import DEFAULT_STOP_TIMEOUT, Registry
 from actors.sandboxes import secrets
+from actors.sandboxes.logs import SOURCES as LOG_SOURCES
 from actors.sandboxes.sandbox import Sandbox
+from actors.sandboxes.workload import CommandNotRun
 from actors.snapshots.snapshot import rfc3339
 from guestd import proto as P
 from images.oci import PullProgress
@@ -54,6 +59,7 @@ class CallIO(Protocol):
 
 
 R = TypeVar("R")
+MAX_IMPORT = 1 << 40  # bytes of one snapshot import's stream (the import bounds each file itself)
 Handler = Callable[[Registry, CallIO, Any], Awaitable[Any]]
 
 
@@ -91,7 +97,7 @@ def _absolute(path: str) -> str:
 
 @method("Create", W.CreateSandboxRequest)
 async def _create(reg: Registry, io: CallIO, req: W.CreateSandboxRequest) -> W.CreateSandboxResponse:
-    sb = await reg.create(req.id, M.config(req), M.secret_values(req))
+    sb = await reg.create(req.id, M.config(req), M.secret_values(req), pull_auth=M.pull_auth(req))
     # the seed: "State at time of response: always starting" (ready follows as an event,
     # at once when a warm pool member served it)
     return W.CreateSandboxResponse(id=sb.id, ip_address=sb.ip_address, state=State.STARTING.value)
@@ -131,15 +137,22 @@ async def _stop(reg: Registry, io: CallIO, req: W.StopSandboxRequest) -> None:
         raise InvalidArgument("timeout_seconds must not be negative")
     timeout = float(req.timeout_seconds or DEFAULT_STOP_TIMEOUT)
     sb = reg.stop(req.id, timeout)
-    with trio.move_on_after(timeout + 30):
+    await _stopped(sb, timeout + defaults.STOP_GRACE)
+
+
+async def _stopped(sb: Sandbox, within: float) -> None:
+    """Until ``sb`` stopped; a VM that did not in ``within`` seconds is DEADLINE_EXCEEDED
+    (the stop goes on: it was asked, and it may still end)."""
+    with trio.move_on_after(within):
         await sb.wait_stopped()
+        return
+    raise DeadlineExceeded(f"sandbox {sb.id} did not stop within {within:g}s (it is {sb.state.value})")
 
 
 @method("Kill", W.IdRequest)
 async def _kill(reg: Registry, io: CallIO, req: W.IdRequest) -> None:
     sb = reg.kill(req.id)
-    with trio.move_on_after(30):
-        await sb.wait_stopped()
+    await _stopped(sb, defaults.STOP_GRACE)
 
 
 @method("Drain", W.IdRequest)
@@ -181,8 +194,19 @@ async def _run(reg: Registry, io: CallIO, req: W.RunRequest) -> None:
 async def _exec(reg: Registry, io: CallIO, first: W.ExecInput) -> None:
     if first.init is None:
         raise InvalidArgument("the first ExecInput must carry init")
+    if first.stdin is not None or first.resize is not None or first.close_stdin:
+        raise InvalidArgument("the first ExecInput carries init only")
     req = first.init
     sb = reg.get(req.id)
+    try:
+        await _exec_session(sb, req, io)
+    except CommandNotRun as exc:  # raised before any output: the stream ends as a shell's
+        sb.log.append("stderr", exc.stderr)
+        await io.send(W.RunOutput(stream="stderr", data=exc.stderr))
+        await io.send(W.RunOutput(stream="exit", exit_code=exc.exit_code, done=True))
+
+
+async def _exec_session(sb: Sandbox, req: W.ExecRequest, io: CallIO) -> None:
     async with (
         sb.exec_session(
             req.cmd,
@@ -203,6 +227,8 @@ async def _exec(reg: Registry, io: CallIO, first: W.ExecInput) -> None:
                 if msg is None:  # the client half-closed: end of stdin
                     await h.close_stdin()
                     return
+                if msg.init is not None:
+                    raise InvalidArgument("init is the first ExecInput's only")
                 if msg.stdin is not None:
                     await h.send_stdin(msg.stdin)
                 if msg.resize is not None:
@@ -252,32 +278,20 @@ async def _write_file(reg: Registry, io: CallIO, first: W.WriteFileRequest) -> N
     path = _absolute(op.path)
     sb = reg.get(op.id)
 
-    async def chunks() -> AsyncIterator[bytes]:
-        total = 0
-        while True:
-            msg: W.WriteFileRequest | None = await io.receive()
-            if msg is None:
-                return
-            if msg.chunk is None:
-                raise InvalidArgument("after open, only chunks")
-            total += len(msg.chunk.data)
-            if total > P.MAX_FILE:
-                raise ResourceExhausted(f"file exceeds {P.MAX_FILE} bytes")
-            if msg.chunk.data:
-                yield msg.chunk.data
-            if msg.chunk.done:
-                return
-
-    await sb.write_file(path, chunks(), mode=op.mode or 0o644)
+    await sb.write_file(path, _chunks_in(io, W.WriteFileRequest, P.MAX_FILE, "file"), mode=op.mode or 0o644)
 
 
-async def _chunks_in(io: CallIO, cls: type[Any], limit: int, what: str) -> AsyncIterator[bytes]:
-    """The ``chunk`` bytes of a client stream after its opening message, up to ``limit``."""
+async def _chunks_in(io: CallIO, cls: type[Any], limit: int, what: str) -> AsyncGenerator[bytes]:
+    """The ``chunk`` bytes of a client stream after its opening message, up to ``limit``.
+    The stream must end with a chunk marked ``done`` and then the client's half-close:
+    one that ends without it, or sends more after it, is INVALID_ARGUMENT, raised before
+    the guest is told the data ended, so nothing is committed (the guest discards its
+    temporary file when the request goes)."""
     total = 0
     while True:
         msg = await io.receive()
         if msg is None:
-            return
+            raise InvalidArgument(f"the {what} stream ended without a chunk marked done: nothing was written")
         assert isinstance(msg, cls)
         if msg.chunk is None:
             raise InvalidArgument("after open, only chunks")
@@ -287,6 +301,8 @@ async def _chunks_in(io: CallIO, cls: type[Any], limit: int, what: str) -> Async
         if msg.chunk.data:
             yield msg.chunk.data
         if msg.chunk.done:
+            if await io.receive() is not None:
+                raise InvalidArgument(f"the {what} stream sent data after its chunk marked done: nothing was written")
             return
 
 
@@ -311,6 +327,70 @@ async def _write_tree(reg: Registry, io: CallIO, first: W.WriteTreeRequest) -> W
     return W.WriteTreeResponse(entries=n)
 
 
+# --- file-system operations (guestd's fs requests) -------------------------------------------
+def _fs_entry(e: FsEntry, path: str) -> W.FsEntry:
+    return W.FsEntry(e.name, path, e.kind, e.size, e.mode, e.uid, e.gid, e.mtime_ns, e.target)
+
+
+FS_PAGE = 1000  # entries of one FsList item at most
+FS_PAGE_BYTES = 1 << 20  # ... and about this many bytes of names (a frame or gRPC message: 4 MiB)
+
+
+@method("FsList", W.FsPathRequest, streams=True)
+async def _fs_list(reg: Registry, io: CallIO, req: W.FsPathRequest) -> None:
+    """The entries of a directory of the guest, by name (symlinks as links), in pages
+    (a directory's entries may take more than one message may carry)."""
+    path = _absolute(req.path)
+    base = "/" + posixpath.normpath(path).lstrip("/")
+    page: list[W.FsEntry] = []
+    size = 0
+    for e in await reg.get(req.id).fs_list(path):
+        entry = _fs_entry(e, posixpath.join(base, e.name))
+        page.append(entry)
+        size += len(entry.name.encode()) + len(entry.path.encode()) + len(entry.target.encode()) + 64
+        if len(page) >= FS_PAGE or size >= FS_PAGE_BYTES:
+            await io.send(W.FsListResponse(page))
+            page, size = [], 0
+    if page:
+        await io.send(W.FsListResponse(page))
+
+
+@method("FsStat", W.FsPathRequest)
+async def _fs_stat(reg: Registry, io: CallIO, req: W.FsPathRequest) -> W.FsEntry:
+    path = _absolute(req.path)
+    e = await reg.get(req.id).fs_stat(path)
+    return _fs_entry(attrs.evolve(e, name=posixpath.basename(e.name) or "/"), posixpath.normpath(path))
+
+
+@method("FsExists", W.FsPathRequest)
+async def _fs_exists(reg: Registry, io: CallIO, req: W.FsPathRequest) -> W.FsExistsResponse:
+    """Whether the path exists (a dangling symlink does: it is there)."""
+    sb = reg.get(req.id)  # (a missing sandbox is NOT_FOUND)
+    try:
+        await sb.fs_stat(_absolute(req.path))
+    except NotFound:
+        return W.FsExistsResponse(False)
+    return W.FsExistsResponse(True)
+
+
+@method("FsMkdir", W.FsMkdirRequest)
+async def _fs_mkdir(reg: Registry, io: CallIO, req: W.FsMkdirRequest) -> None:
+    if not 0 <= req.mode <= 0o7777:
+        raise InvalidArgument("mode must be 0..0o7777")
+    path = _absolute(req.path)
+    await reg.get(req.id).fs_change("mkdir", path, recursive=req.parents, mode=req.mode or 0o755)
+
+
+@method("FsRemove", W.FsRemoveRequest)
+async def _fs_remove(reg: Registry, io: CallIO, req: W.FsRemoveRequest) -> None:
+    await reg.get(req.id).fs_change("remove", _absolute(req.path), recursive=req.recursive)
+
+
+@method("FsRename", W.FsRenameRequest)
+async def _fs_rename(reg: Registry, io: CallIO, req: W.FsRenameRequest) -> None:
+    await reg.get(req.id).fs_change("rename", _absolute(req.path), dest=_absolute(req.dest))
+
+
 @method("Ping", W.IdRequest)
 async def _ping(reg: Registry, io: CallIO, req: W.IdRequest) -> W.PingResponse:
     sb = reg.get(req.id)
@@ -327,19 +407,29 @@ async def _touch(reg: Registry, io: CallIO, req: W.IdRequest) -> W.TouchResponse
     return W.TouchResponse(activity=activity)
 
 
+@method("SetTtl", W.SetTtlRequest)
+async def _set_ttl(reg: Registry, io: CallIO, req: W.SetTtlRequest) -> W.SetTtlResponse:
+    return W.SetTtlResponse(expires_at=reg.set_ttl(req.id, req.ttl_seconds))
+
+
 @method("Logs", W.LogsRequest, streams=True)
 async def _logs(reg: Registry, io: CallIO, req: W.LogsRequest) -> None:
     if req.tail < 0:
         raise InvalidArgument("tail must not be negative")
+    bad = sorted(set(req.sources) - set(LOG_SOURCES))
+    if bad:
+        raise InvalidArgument(f"unknown log source {bad[0][:40]!r}: the sources are {', '.join(LOG_SOURCES)}")
+    sources = frozenset(req.sources)
     sb = reg.get(req.id)
     if req.follow:
-        async with aclosing(sb.log.follow(tail=req.tail, since=req.since, cursor=req.cursor)) as records:
+        follow = sb.log.follow(tail=req.tail, since=req.since, cursor=req.cursor, sources=sources)
+        async with aclosing(follow) as records:
             async for r in records:
                 if req.until and r.timestamp > req.until:
                     return
                 await io.send(W.LogEntry(r.seq, r.timestamp, r.source, r.data))
         return
-    for r in await sb.log.read(tail=req.tail, since=req.since, until=req.until, cursor=req.cursor):
+    for r in await sb.log.read(tail=req.tail, since=req.since, until=req.until, cursor=req.cursor, sources=sources):
         await io.send(W.LogEntry(r.seq, r.timestamp, r.source, r.data))
 
 
@@ -424,6 +514,7 @@ async def _checkpoint(reg: Registry, io: CallIO, req: W.CheckpointRequest) -> W.
         size_bytes=sum(rec.sizes.values()),
         memory=rec.memory.value,
         paused_ms=round(ck.paused_s * 1000, 3),
+        disk_only=rec.memory == MemoryKind.DISK,
     )
 
 
@@ -449,6 +540,27 @@ async def _list_snapshots(reg: Registry, io: CallIO, req: W.ListSnapshotsRequest
 @method("DeleteSnapshot", W.DeleteSnapshotRequest)
 async def _delete_snapshot(reg: Registry, io: CallIO, req: W.DeleteSnapshotRequest) -> None:
     await reg.delete_snapshot(req.snapshot_id)
+
+
+@method("ExportSnapshot", W.ExportSnapshotRequest, streams=True)
+async def _export_snapshot(reg: Registry, io: CallIO, req: W.ExportSnapshotRequest) -> None:
+    """The snapshot as one file, in chunks of about 1 MiB, then ``done``."""
+    async with aclosing(reg.export_snapshot(req.snapshot_id, include_base=req.include_base)) as pieces:
+        async for piece in pieces:
+            await io.send(W.FileChunk(data=piece))
+    await io.send(W.FileChunk(done=True))
+
+
+@method("ImportSnapshot", W.ImportSnapshotRequest, inputs=W.ImportSnapshotRequest)
+async def _import_snapshot(reg: Registry, io: CallIO, first: W.ImportSnapshotRequest) -> W.SnapshotSummary:
+    """An export file's bytes in, a new snapshot (a new id) out; nothing is recorded
+    unless every byte arrived and matched the file's digest."""
+    if first.open is None:
+        raise InvalidArgument("the first ImportSnapshotRequest must carry open")
+    op = first.open
+    async with aclosing(_chunks_in(io, W.ImportSnapshotRequest, MAX_IMPORT, "snapshot import")) as chunks:
+        rec = await reg.import_snapshot(chunks, name=op.name or None, labels=op.labels or None)
+    return M.snapshot(rec, 0)
 
 
 # --- the server and its images ------------------------------------------------------------
@@ -507,6 +619,13 @@ async def _list_volumes(reg: Registry, io: CallIO, req: W.ListVolumesRequest) ->
 
 @method("DeleteVolume", W.DeleteVolumeRequest)
 async def _delete_volume(reg: Registry, io: CallIO, req: W.DeleteVolumeRequest) -> W.Empty:
+    """FAILED_PRECONDITION while a live sandbox mounts it; ``force``: those sandboxes are
+    killed first (as ``rm -f`` of each), then it goes."""
+    reg.volumes.get(req.name)
+    if req.force:
+        killed = [reg.kill(id) for id in reg.volumes.users(req.name) if id in reg.sandboxes]
+        for sb in killed:
+            await _stopped(sb, defaults.STOP_GRACE)
     await reg.volumes.remove(req.name)
     return W.Empty()
 
@@ -545,6 +664,7 @@ async def _pull_image(reg: Registry, io: CallIO, req: W.PullImageRequest) -> Non
                 tls_verify=req.tls_verify is not False,
                 creds=req.creds or None,
                 auth_json=req.auth_json or None,
+                ca_pem=req.ca_pem or None,
                 progress=progress,
             )
     info = M.oci_image(img, img.digest in reg.images_in_use())

@@ -207,9 +207,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
     try:
         if cfg.metrics:
             parse_listen(cfg.metrics)
-        RefPolicy(registry_allow=cfg.registry_allow)
     except (ValueError, OSError) as exc:
         fail(f"sandvisor serve: --metrics {cfg.metrics!r}: {exc}", 2)
+    if cfg.e2b:
+        from supervisor.daemon import e2b_key_file
+
+        try:
+            parse_listen(cfg.e2b)
+            e2b_key_file(cfg)
+        except (ValueError, OSError) as exc:
+            fail(f"sandvisor serve: --e2b: {exc}", 2)
+    try:
+        RefPolicy(registry_allow=cfg.registry_allow, registry_mirrors=cfg.registry_mirrors)
+    except ValueError as exc:
+        fail(f"sandvisor serve: {exc}", 2)
     try:
         trio.run(serve, cfg)
     except Exception as exc:
@@ -275,6 +286,25 @@ def _refusal(exc: BaseException) -> str | None:
 
 # --- completion ------------------------------------------------------------------
 _IDS_FILTER = """python3 -c 'import json,sys; print(" ".join(r["id"] for r in json.load(sys.stdin)))'"""
+
+
+def cmd_mcp(args: argparse.Namespace) -> int:
+    """``sandvisor mcp``: the MCP server (supervisor/mcp_server.py), an ordinary client."""
+    try:
+        from supervisor import mcp_server
+    except ImportError as exc:
+        fail(f"sandvisor mcp needs the mcp package (pip install 'sandvisor[mcp]'): {exc}", 1)
+    if args.http:
+        from supervisor.metrics import is_loopback, parse_listen
+
+        try:
+            host, _ = parse_listen(args.http)
+        except ValueError as exc:
+            fail(f"sandvisor mcp: --http: {exc}", 2)
+        if not is_loopback(host):
+            print(f"sandvisor mcp: WARNING: MCP on {host} has no authentication", file=sys.stderr)
+    mcp_server.run(args.socket, args.http)
+    return 0
 
 
 def cmd_completion(args: argparse.Namespace) -> int:
@@ -395,6 +425,13 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     sv.later = _serve_flags  # (imports attrs: only when serve is parsed, or its help shown)
     sv.set_defaults(func=_host_errors(cmd_serve))
 
+    mcp = sub.add_parser("mcp", help="serve sandboxes as MCP tools for agents (stdio, or --http HOST:PORT)")
+    mcp.add_argument("--socket", default=os.environ.get("SANDVISOR_SOCKET"), help="supervisor socket")
+    mcp.add_argument(
+        "--http", metavar="HOST:PORT", help="MCP's streamable HTTP at http://HOST:PORT/mcp (host: loopback)"
+    )
+    mcp.set_defaults(func=cmd_mcp)
+
     demo = sub.add_parser("demo", help="boot a sandbox from the default image and show it working")
     demo.add_argument("--cache", help="image cache directory")
     demo.add_argument("--accel", default="auto", choices=["auto", "kvm", "tcg"])
@@ -417,6 +454,8 @@ def _client_command(argv: list[str]) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if is_fleet_command(argv):  # `sandvisor --fleet ADDRESS ...`, `sandvisor fleet nodes`
+        return _fleet_main(argv)
     # everything after the first "--" is the sandbox command, never our options
     cmd: list[str] = []
     if "--" in argv:
@@ -435,6 +474,30 @@ def main(argv: list[str] | None = None) -> int:
     except ApiError as exc:
         fail(exc.message if exc.code in ("NOT_FOUND", "UNAVAILABLE") else f"{exc.code}: {exc.message}", 1)
     except UserError as exc:
+        fail(str(exc), 1)
+    except KeyboardInterrupt:
+        fail("interrupted", 130)
+
+
+def is_fleet_command(argv: list[str]) -> bool:
+    """``--fleet ADDRESS`` before the command, or the ``fleet`` command (supervisor/cli_fleet.py)."""
+    for word in argv:
+        if word in ("-v", "--verbose"):
+            continue
+        return word in {"fleet", "--fleet"} or word.startswith("--fleet=")
+    return False
+
+
+def _fleet_main(argv: list[str]) -> int:
+    from supervisor.cli_fleet import main as fleet_main
+
+    try:
+        return fleet_main(argv)
+    except UsageError as exc:
+        fail(str(exc), 2)
+    except ApiError as exc:
+        fail(f"{exc.code}: {exc.message}", 1)
+    except OSError as exc:
         fail(str(exc), 1)
     except KeyboardInterrupt:
         fail("interrupted", 130)

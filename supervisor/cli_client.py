@@ -22,6 +22,7 @@ import argparse
 import os
 
 from supervisor.cli_common import tls_flag
+from supervisor.cli_files import add_fs_command, fs
 from supervisor.cli_sandboxes import (
     cp,
     create,
@@ -38,7 +39,7 @@ from supervisor.cli_sandboxes import (
     top,
 )
 from supervisor.cli_secrets import secret
-from supervisor.cli_stores import checkpoint, restore, snapshots, volume
+from supervisor.cli_stores import checkpoint, restore, snapshot, snapshots, volume
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~2 ms; mypy reads the name)
 if TYPE_CHECKING:
@@ -61,6 +62,7 @@ CLIENT_COMMANDS = frozenset(
         "start",
         "ping",
         "touch",
+        "ttl",
         "metrics",
         "top",
         "status",
@@ -70,6 +72,7 @@ CLIENT_COMMANDS = frozenset(
         "snapshot",
         "port",
         "volume",
+        "fs",
         "secret",
     }
 )
@@ -120,6 +123,13 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
         "--volume", action="append", metavar="NAME:/path[:ro]", help="mount a named volume (sandvisor volume create)"
     )
     p.add_argument("--script", action="append", metavar="NAME=FILE", help="a named script (run it: run --script NAME)")
+    p.add_argument("--tmpfs", action="append", metavar="/path[:SIZE]", help="a tmpfs, e.g. /scratch:64M (guest RAM)")
+    p.add_argument(
+        "--mount",
+        action="append",
+        metavar="HOST_DIR:/path[:ro|rw]",
+        help="a host directory under serve --allow-path (read-only unless :rw)",
+    )
     p.add_argument(
         "--secret",
         action="append",
@@ -129,7 +139,12 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
     )
     p.add_argument("--workdir")
     p.add_argument("--user")
-    p.add_argument("--image", metavar="REF", help="an OCI image (docker://HOST/NAME:TAG, oci:DIR, ...)")
+    p.add_argument("--image", metavar="REF", help="an OCI image (alpine, python:3.12, ghcr.io/o/x:1, oci:DIR, ...)")
+    p.add_argument(
+        "--registry-creds-file", metavar="FILE", help="the image registry's USER:PASSWORD, from FILE (- : stdin)"
+    )
+    p.add_argument("--registry-authfile", metavar="FILE", help="the image registry's docker-style auth file")
+    p.add_argument("--registry-ca", metavar="PEM", help="CA certificates for the image registry")
     p.add_argument("--pull", choices=["always", "if-missing", "never"], help="the image's pull policy")
     p.add_argument("--tls-verify", type=tls_flag, default=True, metavar="BOOL", help="false: a plain-HTTP registry")
     p.add_argument("--no-wait", action="store_true")
@@ -163,6 +178,14 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
     p.add_argument("name")
     p.add_argument("-f", "--follow", action="store_true")
     p.add_argument("--tail", type=int, default=0)
+    p.add_argument(
+        "--source",
+        action="append",
+        choices=["stdout", "stderr", "output", "system"],
+        help="only this source's entries (repeatable; default: all)",
+    )
+    p.add_argument("--since", type=int, default=0, metavar="NS", help="from this unix time (ns)")
+    p.add_argument("--cursor", type=int, default=0, metavar="SEQ", help="after the entry of this seq (--json shows it)")
     p.add_argument("--json", action="store_true")
 
     p = cmd("events", events, "lifecycle events as they happen")
@@ -198,6 +221,10 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
         if name == "rm":
             p.add_argument("-f", "--force", action="store_true")
 
+    p = cmd("ttl", simple, "remove a sandbox SECONDS from now (0: never), replacing its TTL")
+    p.add_argument("names", nargs=1, metavar="NAME")
+    p.add_argument("seconds", type=int, metavar="SECONDS")
+
     p = cmd("metrics", metrics, "resource use of a sandbox")
     p.add_argument("name")
     p.add_argument("--json", action="store_true")
@@ -209,7 +236,7 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
     p.add_argument("--wait", type=float, default=0, metavar="S", help="keep trying for up to S seconds")
     p.add_argument("--json", action="store_true")
 
-    p = cmd("checkpoint", checkpoint, "snapshot a ready sandbox (prints the snapshot id)")
+    p = cmd("checkpoint", checkpoint, "snapshot a sandbox: ready, disk and memory; stopped, its disk (prints the id)")
     p.add_argument("name")
     p.add_argument("--name", dest="snapshot_name", metavar="N")
     p.add_argument("--label", action="append", metavar="K=V")
@@ -235,12 +262,20 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
     p.add_argument("names", nargs="*", metavar="NAME")
     p.add_argument("--size", default="256M", help="create: 256M, 1G, ...")
     p.add_argument("--label", action="append", metavar="K=V")
+    p.add_argument("-f", "--force", action="store_true", help="rm: kill the sandboxes that mount it first")
     p.add_argument("--json", action="store_true")
 
-    p = cmd("snapshot", snapshots, "snapshot rm ID")
-    p.add_argument("action", choices=["rm"])
-    p.add_argument("snapshot_id")
-    p.set_defaults(json=False, sandbox=None, label=None)
+    p = cmd(
+        "snapshot", snapshot, "snapshot rm ID | inspect ID | export ID FILE | import FILE [--name N] (FILE -: a pipe)"
+    )
+    p.add_argument("action", choices=["rm", "inspect", "export", "import"])
+    p.add_argument("snapshot_id", metavar="ID|FILE")
+    p.add_argument("file", nargs="?", metavar="FILE")
+    p.add_argument("--name", dest="snapshot_name", metavar="N", help="import: under this name (default: the export's)")
+    p.add_argument("--label", action="append", metavar="K=V", help="import: added to the export's labels")
+    p.add_argument("--include-base", action="store_true", help="export: carry the image's root filesystem too")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(sandbox=None)
 
     p = cmd(
         "port",
@@ -254,6 +289,8 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
     p.add_argument("--udp", action="store_true")
     p.add_argument("--json", action="store_true")
 
+    p = cmd("fs", fs, "files of a sandbox: fs ls|stat|exists|mkdir [-p]|rm [-r]|mv NAME:/path [DEST]")
+    add_fs_command(p)
     p = cmd(
         "secret",
         secret,

@@ -19,7 +19,7 @@ TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~2 ms; m
 if TYPE_CHECKING:
     from typing import Any, Literal
 
-    from supervisor.client import AsyncSandbox
+    from supervisor.client import AsyncSandbox, RegistryAuth
 
 
 @on_trio
@@ -47,7 +47,8 @@ async def _create(a: argparse.Namespace) -> AsyncSandbox:
     from supervisor.client import AsyncImages, AsyncSandbox
 
     pull: Literal["", "always", "if-missing", "never"] = a.pull or ""
-    if a.image and not a.json and a.pull != "never":
+    registry = _registry_auth(a)
+    if a.image and not a.json and a.pull != "never" and registry is None:
         # pull first, with progress (a Create pulls silently before it answers); the
         # Create then finds the reference in the store
         show = PullProgress()
@@ -77,12 +78,39 @@ async def _create(a: argparse.Namespace) -> AsyncSandbox:
         image=a.image or "",
         pull=pull,
         tls_verify=a.tls_verify,
+        registry=registry,
         volumes=a.volume or (),
         scripts=_scripts(a.script),
+        tmpfs=a.tmpfs or (),
+        mounts=a.mount or (),
         secrets=a.secret or (),
         detached=True,
         wait=not a.no_wait,
     )
+
+
+def _registry_auth(a: argparse.Namespace) -> RegistryAuth | None:
+    """``--registry-creds-file`` (- : stdin), ``--registry-authfile``, ``--registry-ca``:
+    read here, never taken from argv (which every local user can read)."""
+    from supervisor.client import RegistryAuth
+
+    creds_file, authfile, ca = a.registry_creds_file, a.registry_authfile, a.registry_ca
+    if creds_file is None and authfile is None and ca is None:
+        return None
+    if creds_file is not None and authfile is not None:
+        raise UsageError("give --registry-creds-file or --registry-authfile, not both")
+    try:
+        creds = ""
+        if creds_file == "-":
+            creds = sys.stdin.readline().strip()
+        elif creds_file is not None:
+            creds = Path(creds_file).read_text().splitlines()[0].strip()
+        auth = RegistryAuth.from_files(authfile=authfile, ca_file=ca)
+    except (OSError, IndexError) as exc:
+        raise UsageError(f"cannot read the registry credentials: {getattr(exc, 'strerror', None) or 'empty'}") from None
+    if creds_file is not None and (":" not in creds or not creds.partition(":")[0]):
+        raise UsageError("the registry credentials file must hold USER:PASSWORD")
+    return RegistryAuth(creds=creds, auth_json=auth.auth_json, ca_pem=auth.ca_pem)
 
 
 def _scripts(items: list[str] | None) -> dict[str, str]:
@@ -211,7 +239,8 @@ def _print_log(e: dict[str, Any], as_json: bool) -> None:
 
 def logs(a: argparse.Namespace) -> int:
     with connect(a) as c:
-        for e in c.stream("Logs", {"id": a.name, "follow": a.follow, "tail": a.tail}):
+        req = {"id": a.name, "follow": a.follow, "tail": a.tail, "since": a.since, "cursor": a.cursor}
+        for e in c.stream("Logs", {**req, "sources": a.source or []}):
             _print_log(e, a.json)
     return 0
 
@@ -260,11 +289,18 @@ async def cp(a: argparse.Namespace) -> int:
 
 @on_trio
 async def _start(a: argparse.Namespace) -> int:
-    from supervisor.client import AsyncSandbox
+    from supervisor.client import AsyncSandbox, SandboxError
 
-    for name in a.names:
-        await AsyncSandbox(name, socket=a.socket).start()  # boots, then waits until ready
-    return 0
+    failed = []
+    for name in a.names:  # several names: each is tried, as rm/stop/kill do
+        try:
+            await AsyncSandbox(name, socket=a.socket).start()  # boots, then waits until ready
+        except SandboxError as exc:
+            if len(a.names) == 1:
+                raise
+            print(f"{name}: {exc.message}", file=sys.stderr)
+            failed.append(name)
+    return 1 if failed else 0
 
 
 def status(a: argparse.Namespace) -> int:
@@ -310,6 +346,11 @@ def simple(a: argparse.Namespace) -> int:
                     print(f"{int(c.call('Ping', {'id': name})['latency_ns']) / 1e9 * 1000:.2f} ms")
                 elif a.command == "touch":
                     print(int(c.call("Touch", {"id": name})["activity"]))
+                elif a.command == "ttl":
+                    import time
+
+                    end = int(c.call("SetTtl", {"id": name, "ttl_seconds": a.seconds})["expires_at"])
+                    print(time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(end)) if end else "never")
             except ApiError as exc:
                 if len(a.names) == 1:
                     raise

@@ -12,14 +12,16 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import importlib.util
 import ipaddress
 import logging
 import os
 import signal
 import socket
 import stat
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import trio
 
@@ -48,10 +50,14 @@ from supervisor.config import (
     runtime_dir,
 )
 from supervisor.daemon_config import DaemonConfig
+from supervisor.grpc_addresses import Address, TcpAddress
 from supervisor.grpc_service import addresses, build_edge, tcp_auth
 from supervisor.metrics import MetricsEndpoint, RegistrySource, parse_listen
 from supervisor.notify import Notifier
 from supervisor.server import Server
+
+if TYPE_CHECKING:
+    from supervisor.fleet.member import FleetConfig, FleetMember
 
 log = logging.getLogger("sandvisor.daemon")
 
@@ -88,6 +94,16 @@ def default_image(state_dir: Path) -> Image:
         log.info("the default image is not built yet: building it (once)")
         img = Builder(state_dir / "images", progress=lambda part, msg: log.info("image %s: %s", part, msg)).build()
     return img
+
+
+def e2b_key_file(cfg: DaemonConfig) -> Path:
+    """--e2b's key file, checked (private, ours, some keys); ValueError otherwise."""
+    if cfg.e2b_key_file is None:
+        raise ValueError("--e2b needs --e2b-key-file FILE (API keys, one a line)")
+    from supervisor.e2b_server import check_key_file
+
+    check_key_file(cfg.e2b_key_file)
+    return cfg.e2b_key_file
 
 
 async def serve(
@@ -240,6 +256,58 @@ def _built_helpers(cfg: DaemonConfig) -> tuple[Path, Path | None] | None:
     return helper, shim
 
 
+def _fleet_config(cfg: DaemonConfig, grpc_addrs: list[Address]) -> FleetConfig | None:
+    """``--fleet``'s settings, checked: the advertised address is a --grpc TCP listener
+    whose clients present certificates (mTLS), as other hosts and clients call it."""
+    if cfg.fleet is None:
+        for name, given in (("--advertise", cfg.advertise), ("--fleet-node", cfg.fleet_node)):
+            if given:
+                raise Refused(f"{name} is for a fleet member: give --fleet RAY_ADDRESS too")
+        if cfg.fleet_head:
+            raise Refused("--fleet-head needs --fleet HOST:PORT (where the head listens)")
+        return None
+    if not cfg.advertise:
+        raise Refused("--fleet needs --advertise HOST:PORT (the --grpc address other hosts reach this one at)")
+    from supervisor.fleet.member import fleet_config
+    from supervisor.fleet.transfer import NodeTls
+
+    tls = (
+        NodeTls(cfg.grpc_client_ca, cfg.grpc_cert, cfg.grpc_key)
+        if cfg.grpc_client_ca and cfg.grpc_cert and cfg.grpc_key
+        else None
+    )
+
+    try:
+        fc = fleet_config(
+            cfg.fleet,
+            cfg.advertise,
+            cfg.fleet_node,
+            cfg.fleet_slots,
+            cfg.fleet_memory_mib,
+            cfg.state_dir,
+            cfg.fleet_head,
+            tls,
+        )
+    except ValueError as exc:
+        raise Refused(str(exc)) from None
+    listener = next((a for a in grpc_addrs if isinstance(a, TcpAddress) and a.target == cfg.advertise), None)
+    if listener is None:
+        raise Refused(f"--advertise {cfg.advertise}: not one of the --grpc HOST:PORT addresses")
+    if (listener.tls is None or not listener.tls.require_client_cert) and not cfg.grpc_insecure:
+        raise Refused(
+            f"--advertise {cfg.advertise}: a fleet's listener is mTLS (--grpc-cert, --grpc-key, --grpc-client-ca)"
+        )
+    if importlib.util.find_spec("ray") is None:
+        raise Refused("--fleet needs Ray: pip install 'sandvisor[fleet]'")
+    return fc
+
+
+def _fleet_member(fc: FleetConfig, registry: Registry) -> Callable[[trio.TaskStatus[FleetMember]], Awaitable[None]]:
+    from supervisor.fleet.member import FleetMember
+
+    return FleetMember(fc, registry).run
+
+
 async def _serve(cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Registry, Server]]) -> None:
     _check(cfg)
     _private_state_dir(cfg.state_dir)
@@ -254,7 +322,12 @@ async def _serve_locked(cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Re
         cfg.grpc, cert=cfg.grpc_cert, key=cfg.grpc_key, client_ca=cfg.grpc_client_ca, group=cfg.group, auth=grpc_auth
     )  # before anything starts: a wrong flag fails fast
     metrics_at = parse_listen(cfg.metrics) if cfg.metrics else None
-    image_refs = RefPolicy(allowed_paths=cfg.allow_paths, registry_allow=cfg.registry_allow)
+    e2b_at = parse_listen(cfg.e2b) if cfg.e2b else None
+    e2b_keys = e2b_key_file(cfg) if e2b_at is not None else Path()
+    fleet = _fleet_config(cfg, grpc_addrs)
+    image_refs = RefPolicy(
+        allowed_paths=cfg.allow_paths, registry_allow=cfg.registry_allow, registry_mirrors=cfg.registry_mirrors
+    )
     qemu_user = unprivileged_user(cfg.qemu_user)
     _layout(cfg, cfg.run_root or default_run_root(), qemu_user.name if qemu_user is not None else None)
     accel = resolve_accel(cfg.accel)
@@ -351,12 +424,18 @@ async def _serve_locked(cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Re
                     await Server(registry, cfg.socket, group=cfg.group).serve(task_status=task_status)
 
             server = await nursery.start(run_server)
+            member = await nursery.start(_fleet_member(fleet, registry)) if fleet is not None else None
             edge_scope = trio.CancelScope()
             if grpc_addrs:
 
                 async def run_edge(task_status: trio.TaskStatus[object]) -> None:
                     with edge_scope:
-                        await build_edge(registry, grpc_addrs, tcp_auth=grpc_auth).run(task_status=task_status)
+                        edge = build_edge(registry, grpc_addrs, tcp_auth=grpc_auth)
+                        if member is not None:
+                            from supervisor.fleet import service as fleet_service
+
+                            edge.add_methods(fleet_service.SERVICE, fleet_service.methods(member))
+                        await edge.run(task_status=task_status)
 
                 await nursery.start(run_edge)
                 log.info("gRPC on %s", ", ".join(map(str, grpc_addrs)))
@@ -364,6 +443,17 @@ async def _serve_locked(cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Re
                 endpoint = MetricsEndpoint(RegistrySource(registry), *metrics_at)
                 await nursery.start(endpoint.run)
                 log.info("metrics on http://%s:%d/metrics", metrics_at[0], endpoint.port)
+            e2b_scope = trio.CancelScope()
+            if e2b_at is not None:
+                from supervisor.e2b_server import E2BEndpoint
+
+                e2b = E2BEndpoint(str(cfg.socket), *e2b_at, key_file=e2b_keys)
+
+                async def run_e2b(task_status: trio.TaskStatus[None]) -> None:
+                    with e2b_scope:
+                        await e2b.run(task_status=task_status)
+
+                await nursery.start(run_e2b)
             notify = Notifier()
             nursery.start_soon(notify.keep_alive)
             notify.ready(f"serving on {cfg.socket}")
@@ -376,6 +466,7 @@ async def _serve_locked(cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Re
             finally:
                 notify.stopping()
                 edge_scope.cancel()  # stop accepting: gRPC first (remote callers), then the socket
+                e2b_scope.cancel()
                 server_scope.cancel()
                 if cfg.keep_sandboxes:
                     if hostnet is not None:

@@ -223,13 +223,14 @@ class DaemonConfig:
         kind="negation",
         help="jailed: run QEMUs without cgroup limits (memory, processes, CPU); default: refuse to start without them",
     )
-    allow_paths: tuple[Path, ...] = flag(  # where a Create's kernel and rootfs and local image refs may come from
+    # where a Create's kernel and rootfs, local image refs and host directories (--mount) may come from
+    allow_paths: tuple[Path, ...] = flag(
         (),
         name="--allow-path",
         kind="repeat",
         metavar="DIR",
-        help="a directory a Create's own kernel and rootfs, and oci:/oci-archive:/docker-archive: images, "
-        "may come from (repeatable; none by default)",
+        help="a directory a Create's own kernel and rootfs, oci:/oci-archive:/docker-archive: images, "
+        "and host directories it mounts (create --mount) may come from (repeatable; none by default)",
         parse=_resolved,
     )
     registry_allow: tuple[str, ...] = flag(  # HOST[:PORT]: the only registries pulled from
@@ -239,6 +240,14 @@ class DaemonConfig:
         metavar="HOST[:PORT]",
         help="pull images only from these registries (repeatable; default: any, except registries on loopback "
         "or link-local addresses, which only this flag allows)",
+    )
+    registry_mirrors: tuple[str, ...] = flag(  # REGISTRY=URL: where REGISTRY's images are fetched from
+        (),
+        name="--registry-mirror",
+        kind="repeat",
+        metavar="REGISTRY=URL",
+        help="fetch REGISTRY's images (docker.io: plain names like alpine) from a mirror: URL is HOST[:PORT], "
+        "https://HOST[:PORT] or http://HOST[:PORT] (plain HTTP); the images keep their names (repeatable)",
     )
     max_memory_mib: int = flag(  # total guest RAM (0: the host's RAM less 1 GiB)
         0, name="--max-memory", type=int, metavar="MIB", help="total guest RAM (default: host RAM - 1 GiB)"
@@ -327,6 +336,20 @@ class DaemonConfig:
         metavar="HOST:PORT",
         help="serve Prometheus metrics at http://HOST:PORT/metrics (host: loopback)",
     )
+    e2b: str | None = flag(  # HOST:PORT of the E2B-compatible API (None: not served; host: loopback)
+        None,
+        name="--e2b",
+        metavar="HOST:PORT",
+        help="serve the E2B API (the e2b SDK with E2B_API_URL/E2B_SANDBOX_URL) at http://HOST:PORT (host: loopback); "
+        "needs --e2b-key-file",
+    )
+    e2b_key_file: Path | None = flag(  # API keys, one a line (ours, mode 0600; read at start)
+        None,
+        name="--e2b-key-file",
+        metavar="FILE",
+        help="the E2B API keys, one a line (ours, mode 0600; read at start)",
+        parse=_path,
+    )
     # tap networking (root): the IP pool's CIDR ("" = none: no tap mode, no outbound for
     # jailed user-mode sandboxes). `sandvisor serve` defaults it to 10.88.0.0/16.
     ip_pool: str = flag(
@@ -351,6 +374,36 @@ class DaemonConfig:
         kind="repeat",
         metavar="CIDR",
         help="a range no sandbox reaches whatever its egress policy (e.g. your LAN; repeatable)",
+    )
+    # the fleet (docs/fleet.md): join the Ray cluster at this address (HOST:PORT of its head)
+    fleet: str | None = flag(
+        None,
+        name="--fleet",
+        metavar="RAY_ADDRESS",
+        help="join a fleet: start this host's Ray node in the cluster at HOST:PORT (its head's GCS); "
+        "needs --advertise and a --grpc HOST:PORT with --grpc-client-ca (mTLS)",
+    )
+    fleet_head: bool = flag(  # start the cluster's head here (the --fleet address is then this host's)
+        False, name="--fleet-head", kind="switch", help="start the fleet's Ray head here, at --fleet's HOST:PORT"
+    )
+    advertise: str | None = flag(  # the gRPC HOST:PORT other hosts and clients reach this one at
+        None, name="--advertise", metavar="HOST:PORT", help="the --grpc address the fleet's clients reach this host at"
+    )
+    fleet_node: str | None = flag(  # this node's name in the fleet (default: --advertise's host)
+        None, name="--fleet-node", metavar="NAME", help="this host's name in the fleet (default: --advertise's host)"
+    )
+    fleet_slots: int = flag(
+        D.FLEET_SLOTS,
+        name="--fleet-slots",
+        type=int,
+        help=f"sandboxes the fleet may place here (default {D.FLEET_SLOTS})",
+    )
+    fleet_memory_mib: int = flag(
+        D.FLEET_MEMORY_MIB,
+        name="--fleet-memory",
+        type=int,
+        metavar="MIB",
+        help=f"guest memory the fleet may place here, MiB (default {D.FLEET_MEMORY_MIB})",
     )
     # secrets (issue 23, docs/secrets.md): the vault's key, outside the state dir
     secrets_key: Path | None = flag(

@@ -74,10 +74,12 @@ class Rpc:
 
 
 def _sandvisor_create(d: dict[str, Any]) -> dict[str, Any]:
-    """sandvisor.v1.CreateRequest: ``outbound`` is a field of the network, ``host_address``
-    is the server's to set."""
+    """sandvisor.v1.CreateRequest: ``outbound`` and ``egress`` are fields of the network,
+    ``host_address`` is the server's to set."""
     if d.pop("outbound", False):
         d["network"] = {**d.get("network", {}), "outbound": True}
+    if "egress" in d:  # (a field of the network, as on the msgpack edge)
+        d["network"] = {**d.get("network", {}), "egress": d.pop("egress")}
     for p in d.get("ports", ()):
         p.pop("host_address", None)
     return d
@@ -119,6 +121,7 @@ BINDINGS: dict[str, tuple[Rpc, ...]] = {
         Rpc("MetricsStream", "MetricsStream"),
         Rpc("Ping", "Ping"),
         Rpc("Touch", "Touch"),
+        Rpc("SetTtl", "SetTtl"),
         Rpc("ListPorts", "ListPorts"),
         Rpc("Checkpoint", "Checkpoint"),
         Rpc("ListSnapshots", "ListSnapshots"),
@@ -137,6 +140,14 @@ BINDINGS: dict[str, tuple[Rpc, ...]] = {
         Rpc("ReadTree", "ReadTree"),
         Rpc("WriteTree", "WriteTree"),
         Rpc("Run", "Run"),
+        Rpc("FsList", "FsList"),
+        Rpc("FsStat", "FsStat"),
+        Rpc("FsExists", "FsExists"),
+        Rpc("FsMkdir", "FsMkdir"),
+        Rpc("FsRemove", "FsRemove"),
+        Rpc("FsRename", "FsRename"),
+        Rpc("ExportSnapshot", "ExportSnapshot"),
+        Rpc("ImportSnapshot", "ImportSnapshot"),
         Rpc("SetSecret", "SetSecret"),
         Rpc("ListSecrets", "ListSecrets"),
         Rpc("DeleteSecret", "DeleteSecret"),

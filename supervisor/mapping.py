@@ -15,16 +15,20 @@ from actors.errors import DomainError, FailedPrecondition, InvalidArgument
 from actors.model import (
     BootSource,
     Egress,
+    HostMount,
     Limits,
+    MemoryKind,
     NetMode,
     Network,
     PortSpec,
     Protocol,
+    PullAuth,
     SandboxConfig,
     SandboxEvent,
     SandboxMetrics,
     State,
     Timers,
+    TmpfsMount,
     VolumeMount,
     Workload,
 )
@@ -98,6 +102,8 @@ def config(req: W.CreateSandboxRequest) -> SandboxConfig:
         patches=tuple(req.patches),  # (the wire's Patch is the domain's: guestd/patch.py)
         volumes=tuple(VolumeMount(v.volume, v.target, v.readonly) for v in req.volumes),
         scripts=dict(req.scripts),
+        tmpfs=tuple(TmpfsMount(t.target, t.size_mib) for t in req.tmpfs),
+        host_mounts=tuple(HostMount(h.source, h.target, h.writable) for h in req.host_mounts),
         secrets=tuple(SecretRef(s.name, tuple(s.hosts), placeholder=s.placeholder, store=s.store) for s in req.secrets),
     )
 
@@ -218,4 +224,14 @@ def snapshot(rec: SnapshotRecord, pool_ready: int) -> W.SnapshotSummary:
         memory=rec.memory.value,
         memory_mib=rec.machine.memory_mib,
         pool_ready=pool_ready,
+        disk_only=rec.memory == MemoryKind.DISK,
     )
+
+
+def pull_auth(req: W.CreateSandboxRequest) -> PullAuth | None:
+    """A Create's registry credentials and CA (kept out of the configuration)."""
+    if not (req.image_creds or req.image_auth_json or req.image_ca_pem):
+        return None
+    if req.image_creds and req.image_auth_json:
+        raise InvalidArgument("give image_creds or image_auth_json, not both")
+    return PullAuth(req.image_creds, req.image_auth_json, req.image_ca_pem)

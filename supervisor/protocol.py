@@ -210,6 +210,25 @@ class VolumeMount:
 
 
 @attrs.frozen
+class TmpfsMount:
+    """A tmpfs at ``target`` of at most ``size_mib`` (0: the guest kernel's default, half
+    its RAM) (sandvisor.v1.TmpfsMount)."""
+
+    target: str
+    size_mib: int = 0
+
+
+@attrs.frozen
+class HostMount:
+    """A host directory (under a ``serve --allow-path`` directory) at ``target``,
+    read-only unless ``writable`` (sandvisor.v1.HostMount)."""
+
+    source: str
+    target: str
+    writable: bool = False
+
+
+@attrs.frozen
 class SecretSpec:
     """A secret of a Create (docs/secrets.md): ``value`` (for ``value:`` and ``env:``
     sources, which the client reads from its own environment) or ``store`` (an entry of
@@ -254,7 +273,15 @@ class CreateSandboxRequest:
     patches: list[PatchSpec] = attrs.field(factory=list)  # applied by guestd before ready
     volumes: list[VolumeMount] = attrs.field(factory=list)  # sandvisor.v1.CreateRequest.volumes
     scripts: dict[str, str] = attrs.field(factory=dict)  # named scripts, run by Run{script}
+    tmpfs: list[TmpfsMount] = attrs.field(factory=list)  # sandvisor.v1.CreateRequest.tmpfs
+    host_mounts: list[HostMount] = attrs.field(factory=list)  # sandvisor.v1.CreateRequest.host_mounts
     secrets: list[SecretSpec] = attrs.field(factory=list)  # sandvisor.v1.CreateRequest.secrets (docs/secrets.md)
+    # the image's registry: credentials ("USER:PASSWORD", or a docker-style auth file's
+    # content) and CA certificates (PEM), for the Create's pull only: never stored,
+    # never printed (repr), never in the sandbox's configuration
+    image_creds: str = attrs.field(default="", repr=False)
+    image_auth_json: bytes = attrs.field(default=b"", repr=False)
+    image_ca_pem: bytes = attrs.field(default=b"", repr=False)
 
 
 @attrs.frozen
@@ -356,6 +383,19 @@ class SandboxInfo:
 
 
 @attrs.frozen
+class SetTtlRequest:
+    """sandvisor extension: remove the sandbox ``ttl_seconds`` from now (0: never)."""
+
+    id: str
+    ttl_seconds: int = 0
+
+
+@attrs.frozen
+class SetTtlResponse:
+    expires_at: int = 0  # unix seconds of its removal (0: never)
+
+
+@attrs.frozen
 class ListSandboxesRequest:
     state: str = ""
     labels: dict[str, str] = attrs.field(factory=dict)
@@ -446,6 +486,61 @@ class WriteTreeResponse:
 
 
 @attrs.frozen
+class FsPathRequest:
+    """FsList (a directory's entries), FsStat (the path itself), FsExists."""
+
+    id: str
+    path: str
+
+
+@attrs.frozen
+class FsEntry:
+    """One file of FsList or FsStat (symlinks are reported as links, not followed)."""
+
+    name: str  # the entry's name (FsStat: the path)
+    path: str  # its absolute path
+    kind: str  # file | dir | symlink | other
+    size: int = 0
+    mode: int = 0  # permission bits
+    uid: int = 0
+    gid: int = 0
+    mtime_ns: int = 0  # unix ns
+    target: str = ""  # a symlink's target
+
+
+@attrs.frozen
+class FsListResponse:
+    entries: list[FsEntry] = attrs.field(factory=list)
+
+
+@attrs.frozen
+class FsExistsResponse:
+    exists: bool = False
+
+
+@attrs.frozen
+class FsMkdirRequest:
+    id: str
+    path: str
+    parents: bool = False  # mkdir -p: parents too, and an existing directory is fine
+    mode: int = 0  # permission bits; 0 = 0755
+
+
+@attrs.frozen
+class FsRemoveRequest:
+    id: str
+    path: str
+    recursive: bool = False  # a directory and everything in it (else: empty directories only)
+
+
+@attrs.frozen
+class FsRenameRequest:
+    id: str
+    path: str
+    dest: str
+
+
+@attrs.frozen
 class PingResponse:
     latency_ns: int
     activity: int
@@ -464,6 +559,7 @@ class LogsRequest:
     until: int = 0  # unix ns, 0 = no end
     cursor: int = 0  # resume after this sequence number
     follow: bool = False
+    sources: list[str] = attrs.field(factory=list)  # stdout | stderr | output | system; [] = all
 
 
 @attrs.frozen
@@ -563,7 +659,7 @@ class ListVolumesResponse:
 @attrs.frozen
 class DeleteVolumeRequest:
     name: str
-    force: bool = False  # (a volume a live sandbox mounts is never removed: stop it first)
+    force: bool = False  # kill the live sandboxes that mount it first (else FAILED_PRECONDITION)
 
 
 @attrs.frozen
@@ -633,8 +729,9 @@ class PullImageRequest:
     ref: str
     policy: str = ""  # always | if-missing (""; the default) | never
     tls_verify: bool | None = None  # False: a plain-HTTP registry; None: verify
-    creds: str = ""
-    auth_json: bytes = b""
+    creds: str = attrs.field(default="", repr=False)
+    auth_json: bytes = attrs.field(default=b"", repr=False)
+    ca_pem: bytes = attrs.field(default=b"", repr=False)  # the registry's CA certificates (PEM)
 
 
 @attrs.frozen
@@ -690,8 +787,9 @@ class CheckpointResponse:
     created_at: str  # RFC3339
     # extensions: what the checkpoint wrote and how long the guest was paused
     size_bytes: int = 0
-    memory: str = ""  # "mapped" (RAM file, restores map it) or "streamed" (RAM in vmstate)
+    memory: str = ""  # "mapped" (RAM file, restores map it), "streamed" (RAM in vmstate), "disk" (none)
     paused_ms: float = 0.0
+    disk_only: bool = False  # a stopped sandbox's disk: its restores boot
 
 
 @attrs.frozen
@@ -728,6 +826,7 @@ class SnapshotSummary:
     memory: str = ""
     memory_mib: int = 0
     pool_ready: int = 0  # warm pool members ready for this snapshot
+    disk_only: bool = False  # a stopped sandbox's disk (memory "disk"): its restores boot
 
 
 @attrs.frozen
@@ -738,6 +837,28 @@ class ListSnapshotsResponse:
 @attrs.frozen
 class DeleteSnapshotRequest:
     snapshot_id: str
+
+
+@attrs.frozen
+class ExportSnapshotRequest:
+    """A server stream of FileChunks: the snapshot as one export file (the last chunk done)."""
+
+    snapshot_id: str  # an id, or a unique name
+    include_base: bool = False  # carry the image layers too (else named: the importer must have them)
+
+
+@attrs.frozen
+class ImportSnapshotOpen:
+    name: str = ""  # "": the export's own name
+    labels: dict[str, str] = attrs.field(factory=dict)  # added to (and overriding) the export's own
+
+
+@attrs.frozen
+class ImportSnapshotRequest:
+    """A client stream: ``open`` first, then the export's bytes in ``chunk``s (the last done)."""
+
+    open: ImportSnapshotOpen | None = None
+    chunk: FileChunk | None = None
 
 
 # --- the converter -------------------------------------------------------------------

@@ -797,6 +797,15 @@ def test_seed_and_extended_requests_structure_into_one_class() -> None:
         message_to_dict(sv.CreateRequest(base=seed_req, hostname="h", ephemeral=True)), W.CreateSandboxRequest
     )
     assert ext == attrs_evolve(plain, hostname="h", ephemeral=True)
+    from supervisor.grpc_service import _sandvisor_create, to_request
+
+    # sandvisor.v1 Create carries an egress policy, a field of the network on both edges
+    policy = sv.EgressPolicy(allow=["10.1.0.0/16"], deny=["example.com:443"])
+    eg = to_request(sv.CreateRequest(base=seed_req, egress=policy), W.CreateSandboxRequest, _sandvisor_create)
+    assert eg.network.egress == W.EgressSpec(default="allow", allow=["10.1.0.0/16"], deny=["example.com:443"])
+    deny_all = sv.CreateRequest(egress=sv.EgressPolicy(default="deny"))
+    deny = to_request(deny_all, W.CreateSandboxRequest, _sandvisor_create)
+    assert deny.network.egress == W.EgressSpec(default="deny")
     assert message_to_dict(pb.ExecInput(stdin=b"x")) == {"stdin": b"x"}  # a oneof: only its member
 
 

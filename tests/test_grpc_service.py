@@ -182,6 +182,12 @@ def test_proto3_zero_values_take_our_defaults() -> None:
         S._sandvisor_create,
     )
     assert vols.volumes == [W.VolumeMount("v", "/data", True)]
+    tmpfs = S.to_request(
+        sv.CreateRequest(tmpfs=[sv.TmpfsMount(target="/scratch", size_mib=64), sv.TmpfsMount(target="/t")]),
+        W.CreateSandboxRequest,
+        S._sandvisor_create,
+    )
+    assert tmpfs.tmpfs == [W.TmpfsMount("/scratch", 64), W.TmpfsMount("/t", 0)]
 
 
 def test_responses_fill_the_seed_messages_and_ours() -> None:
@@ -514,6 +520,10 @@ async def test_sandvisor_v1_reaches_the_same_sandboxes(
             await in_thread(lambda: list(s.Run(spb.RunRequest(id="u", cmd=["echo", "logged"]))))
             logs = await in_thread(lambda: list(ours.Logs(sv.LogsRequest(id="u"))))
             assert ("stdout", b"logged\n") in {(e.source, e.data) for e in logs}
+            only = await in_thread(lambda: list(ours.Logs(sv.LogsRequest(id="u", sources=["stdout"]))))
+            assert only and {e.source for e in only} == {"stdout"}
+            code, _ = await status_of(lambda: ours.Logs(sv.LogsRequest(id="u", sources=["nope"])))
+            assert code == SC.INVALID_ARGUMENT
             m = await in_thread(ours.Metrics, sv.MetricsRequest(id="u"))
             assert m.id == "u" and m.memory_total_bytes > 0
             stream = ours.MetricsStream(sv.MetricsStreamRequest(id="u"))  # interval 0: the default 1 s

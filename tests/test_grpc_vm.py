@@ -14,6 +14,7 @@ import os
 import queue
 import socket
 import tarfile
+import time
 from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
@@ -158,6 +159,7 @@ async def _lifecycle(
             hostname="web",
             patches=[sv.PatchSpec(op="file", path="/etc/sv-patched", data=b"patched\n", mode=0o640)],
             scripts={"hello": "echo hello $1 from $(hostname)"},
+            tmpfs=[sv.TmpfsMount(target="/scratch", size_mib=8)],
         ),
     )
     assert (u.state, u.ip_address) == ("starting", "10.0.2.15")
@@ -272,6 +274,8 @@ async def _lifecycle(
 
     # --- u: sandvisor.v1's patches, a named script, a tree in and out as tar streams ---
     await until(lambda: reg.get("u").state == State.READY)
+    df = await in_thread(lambda: b"".join(o.data for o in s.Run(spb.RunRequest(id="u", cmd=["df", "-k", "/scratch"]))))
+    assert df.split(b"\n")[1].split()[:2] == [b"tmpfs", b"8192"]  # sandvisor.v1's tmpfs, with its size limit
 
     def patch_script_tree() -> tuple[bytes, bytes, int, dict[str, bytes]]:
         patched = b"".join(o.data for o in s.Run(spb.RunRequest(id="u", cmd=["stat", "-c", "%a", "/etc/sv-patched"])))
@@ -317,6 +321,8 @@ async def _lifecycle(
     exposed = await in_thread(s.ExposePort, spb.ExposePortRequest(id="u", sandbox_port=8000))
     assert exposed.host_port and exposed.guest_port == 8000
     ports = await in_thread(ours.ListPorts, sv.ListPortsRequest(id="u"))
+    ttl = await in_thread(ours.SetTtl, sv.SetTtlRequest(id="u", ttl_seconds=3600))  # (sandvisor.v1: E2B's timeout)
+    assert ttl.expires_at >= int(time.time()) + 3500
     assert [(p.sandbox_port, p.host_port, p.host_address) for p in ports.ports] == [
         (8000, exposed.host_port, "127.0.0.1")
     ]

@@ -299,6 +299,18 @@ async def test_restores_of_a_tap_snapshot_each_get_their_own_address_and_ports(i
         assert fresh.ip_address not in {*ips, kept.ip_address}
         await reach(lab.host, fresh.ip_address, 8000, f"vm {fresh.ip_address} {GATEWAY}")
 
+        # a port exposed after create is carried too (issue 24): a clone of a clone lists
+        # both mappings, each on a new host port, and serves them
+        await start_server(fresh, 8001)
+        later = await fresh.expose(8001, 0, Protocol.TCP)
+        snap2, _ = await reg.checkpoint("fresh", name="web2")
+        again = await reg.restore(snap2.id, id="again")
+        carried = {p.sandbox_port: p.host_port for p in again.ports()}
+        assert set(carried) == {8000, 8001} and later.host_port != carried[8001]
+        assert carried[8000] != fresh.ports()[0].host_port
+        for port in (8000, 8001):
+            await reach(lab.host, "127.0.0.1", carried[port], f"vm {again.ip_address} {GATEWAY}")
+
 
 async def test_outbound_user_mode_reaches_out_through_the_filter_only(image: Image) -> None:
     """User mode with outbound access, jailed: slirp's sockets are in the jail's own

@@ -208,9 +208,7 @@ def test_reference_forms(ref: str, canonical: str) -> None:
     ("ref", "words"),
     [
         ("", "empty"),
-        ("busybox:latest", "transport"),
         ("http://x/y", "transport"),
-        ("docker:busybox", "docker://"),
         ("docker://", "no repository"),
         ("docker://Upper/Case", "component"),
         ("docker://127.0.0.1:5000/x:bad tag", "whitespace"),
@@ -219,12 +217,11 @@ def test_reference_forms(ref: str, canonical: str) -> None:
         ("docker://127.0.0.1:5000/x@md5:" + "a" * 32, "digest"),
         ("docker://host_name.com:5000/x", "registry host"),
         ("docker://a//b", "component"),
-        ("docker-archive:relative.tar", "absolute"),
-        ("oci:", "absolute"),
         ("oci:/x:bad tag!", "whitespace"),
         ("oci:/x:ta!g", "image name"),
         ("dir:/tmp/x", "transport"),
-        ("containers-storage:x", "transport"),
+        # (busybox:latest, docker:busybox, oci:, containers-storage:x are plain image
+        # names now, as docker reads them: tests/test_image_names.py)
     ],
 )
 def test_malformed_references(ref: str, words: str) -> None:
@@ -442,7 +439,7 @@ async def test_docker_archive_oci_archive_and_oci_dir(store: ImageStore, built: 
         ("not an archive", UnsupportedImage, "docker-archive"),
         ("missing oci tag", ImageNotFound, "nope"),
         ("oci dir of several images, no tag", InvalidReference, "several images"),
-        ("malformed reference", InvalidReference, "transport"),
+        ("malformed reference", InvalidReference, "component"),
     ],
 )
 async def test_bad_input_is_a_typed_error_and_leaves_nothing(
@@ -470,7 +467,7 @@ async def test_bad_input_is_a_typed_error_and_leaves_nothing(
         "not an archive": (f"docker-archive:{built.layout}/index.json", {}),
         "missing oci tag": (f"oci:{built.layout}:nope", {}),
         "oci dir of several images, no tag": (f"oci:{built.layout}", {}),
-        "malformed reference": ("busybox", {}),
+        "malformed reference": ("Busy/Box", {}),
     }[case]
     with trio.fail_after(60), pytest.raises(cls) as e:
         await store.pull(ref, **kw)  # type: ignore[arg-type]

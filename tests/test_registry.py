@@ -17,7 +17,16 @@ import trio
 from fakevm import FakeLab, fake_settings
 from trio.testing import MockClock
 
-from actors.errors import AlreadyExists, DeadlineExceeded, FailedPrecondition, Internal, ResourceExhausted, Unavailable
+from actors.errors import (
+    AlreadyExists,
+    DeadlineExceeded,
+    FailedPrecondition,
+    Internal,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
 from actors.events import Subscription
 from actors.model import Action, Limits, SandboxConfig, State, Timers, Workload
 from actors.quotas import Quotas, gated
@@ -114,6 +123,9 @@ async def test_idempotent_and_racing_creates(tmp_path: Path, clock: MockClock) -
         with pytest.raises(AlreadyExists):
             await reg.create("twin", SandboxConfig(labels={"k": "w"}))
         assert await next_actions(sub, 1) == ["twin:created"]
+        # booted once: wait for it (the mock clock jumps while the boot's worker threads
+        # run, so "within 1 s" was a race on a loaded machine), then no second event
+        await ready(got[0])
         with trio.move_on_after(1):
             pytest.fail(f"a second created event: {await next_actions(sub, 1)}")
         assert len(lab.guests) == 1
@@ -373,3 +385,30 @@ async def test_records_survive_a_restart(tmp_path: Path, clock: MockClock) -> No
             await again.get("kept").wait_stopped()
         await again.start("kept")
         await ready(again.get("kept"))
+
+
+async def test_set_ttl_replaces_the_ttl_from_now(tmp_path: Path, clock: MockClock) -> None:
+    """SetTtl (E2B's set_timeout): removal that many seconds from now; 0: never; kept in the record."""
+    lab = FakeLab()
+    async with registry(tmp_path, lab) as reg:
+        long = await reg.create("long", SandboxConfig(timers=Timers(ttl_seconds=10_000)))
+        keep = await reg.create("keep", SandboxConfig(timers=Timers(ttl_seconds=50)))
+        await ready(long)
+        await ready(keep)
+        await trio.sleep(20)
+        t0 = trio.current_time()
+        assert reg.set_ttl("long", 30) >= long.record.created_at + 50
+        assert reg.set_ttl("keep", 0) == 0
+        assert long.record.config.timers.ttl_seconds >= 50
+        await reg.store.flush()
+        [rec] = [r for r in reg.store.all() if r.id == "long"]
+        assert rec.config.timers.ttl_seconds == long.config.timers.ttl_seconds  # persisted
+        while "long" in reg.sandboxes:
+            await trio.sleep(1)
+        assert trio.current_time() - t0 == pytest.approx(30, abs=2)
+        await trio.sleep(100)
+        assert "keep" in reg.sandboxes
+        with pytest.raises(InvalidArgument):
+            reg.set_ttl("keep", -1)
+        with pytest.raises(NotFound):
+            reg.set_ttl("long", 10)

@@ -53,7 +53,7 @@ def test_sync_sdk(served: dict[str, str], tmp_path: Path) -> None:
     with Sandbox.create("sdk-sync", socket=sock, labels={"via": "sdk"}, env={"GREETING": "hi"}) as sb:
         assert sb.state() == "ready"
         r = sb.run("echo $GREETING from $(hostname); echo oops >&2; exit 2")
-        assert (r.stdout, r.stderr, r.exit_code, r.ok) == (b"hi from sandbox\n", b"oops\n", 2, False)
+        assert (r.stdout, r.stderr, r.exit_code, r.ok) == (b"hi from sdk-sync\n", b"oops\n", 2, False)
         chunks = list(sb.run_stream(["sh", "-c", "echo a; echo b >&2"]))
         assert chunks[-1].stream == "exit" and chunks[-1].exit_code == 0
         assert {(c.stream, c.data) for c in chunks[:-1]} == {("stdout", b"a\n"), ("stderr", b"b\n")}
@@ -66,6 +66,8 @@ def test_sync_sdk(served: dict[str, str], tmp_path: Path) -> None:
         sb.fs.copy_out("/root/in.txt", tmp_path / "out.txt")
         assert (tmp_path / "out.txt").read_text() == "copied in\n"
         assert sb.ping() > 0 and sb.touch() >= 1
+        assert abs(sb.set_ttl(3600) - (time.time() + 3600)) < 120  # SetTtl: replaces the TTL
+        assert cli(served, "ttl", "sdk-sync", "0").stdout == b"never\n"
         assert sb.metrics().memory_total_bytes > 0
         assert any(e.data == b"a\n" for e in sb.logs())
         first = next(iter(sb.log_stream(follow=True)))  # a sync generator over a live stream, closed early
@@ -310,7 +312,7 @@ def test_examples_run_against_a_real_daemon(served: dict[str, str]) -> None:
         [sys.executable, str(root / "quickstart.py")], env=served, capture_output=True, timeout=300, check=False
     )
     assert r.returncode == 0, r.stderr
-    assert b"hello from sandbox" in r.stdout and b"written by the host" in r.stdout
+    assert b"hello from quickstart" in r.stdout and b"written by the host" in r.stdout
     assert b"exit code of false: 1" in r.stdout
     r = subprocess.run(
         [sys.executable, str(root / "parallel_agents.py")], env=served, capture_output=True, timeout=300, check=False

@@ -198,10 +198,13 @@ class ToolCells:
         fds: Sequence[int] = (),
         fsize: int | None = None,
         memory_mib: int | None = None,
+        full_proc: bool = False,
     ) -> ToolResult:
         """``argv`` in a cell of its own, to its exit: its status and output (each cut at
         16 MiB). ``identity`` None: root of the tools' user namespace (with ``keep_caps``
         there). ``fsize``: no file it writes grows past this (EFBIG; SIGXFSZ is ignored).
+        ``full_proc``: /proc with /proc/sys (read-only there: its files are the host's
+        root's), for a tool that reads it (virtiofsd: fs/file-max).
         A cancel kills it and removes its cell."""
         name = f"tool-{os.getpid()}-{next(self._seq)}-{uuid.uuid4().hex[:6]}"
         ids = (self.shift_first, self.shift_first) if identity is None else (identity.uid, identity.gid)
@@ -221,6 +224,7 @@ class ToolCells:
             hostname="sandvisor-tool",
             rlimits=jail.Rlimits(nofile=4096, nproc=4096, core=0, extra=tuple(extra)),
             keep_caps=tuple(keep_caps) if identity is None else (),
+            proc_subset_pid=not full_proc,
         )
         userns_fd = await trio.to_thread.run_sync(self._userns) if identity is None else -1
         try:

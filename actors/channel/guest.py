@@ -36,6 +36,7 @@ from actors.channel.gueststreams import (
     KILL_GRACE,
     ExecHandle,
     FileReadStream,
+    FsAnswerStream,
     TreeReadStream,
     _DataStream,
     _Request,
@@ -47,6 +48,7 @@ from actors.channel.guestwire import (
     ChannelClosed,
     ChannelStatistics,
     ExecResult,
+    FsEntry,
     GuestError,
     GuestOpError,
     GuestProtocolError,
@@ -54,6 +56,7 @@ from actors.channel.guestwire import (
     HelloTimeout,
     PatchEntry,
     check_ranges,
+    parse_fs_entries,
 )
 from guestd import proto as P
 
@@ -69,6 +72,7 @@ __all__ = [
     "ExecHandle",
     "ExecResult",
     "FileReadStream",
+    "FsEntry",
     "GuestChannel",
     "GuestError",
     "GuestOpError",
@@ -477,6 +481,7 @@ class GuestChannel:
         """A request that streams ``data`` to the guest on STDIN within credit, then Eof;
         the guest's Ok (its value) ends it."""
         req = self._new_request()
+        sent_eof = False
         try:
             await self._send(build(req.rid))
             total = 0
@@ -498,6 +503,7 @@ class GuestChannel:
                         raise GuestOpError(P.E_TOO_LARGE, f"{what} exceeds the {limit} byte limit")
                     await _send_with_credit(self, req, piece, self.answer_timeout)
             await self._send(P.Eof(rid=req.rid, ch=P.STDIN))
+            sent_eof = True
             while True:
                 msg = await req.next(self.answer_timeout)
                 if isinstance(msg, P.Error):
@@ -506,6 +512,13 @@ class GuestChannel:
                     return msg.value
                 await self._protocol_violation(f"expected ok, got {msg.TAG}")
         finally:
+            if not sent_eof and not req.done and not self._closed and self._broken is None:
+                # the data did not end (the caller's stream failed): the guest drops what it has
+                with trio.CancelScope(shield=True), trio.move_on_after(2):
+                    try:
+                        await self._send(P.Signal(rid=req.rid, signum=signal.SIGKILL))
+                    except GuestError:
+                        pass
             self._end_request(req)
             aclose = getattr(data, "aclose", None)
             if aclose is not None:  # the caller's generator: what we did not consume goes now
@@ -582,15 +595,62 @@ class GuestChannel:
         ok = await self._unary(lambda rid: P.Patch(rid=rid, entries=batch, base=base), P.Ok)
         return ok.value
 
-    async def mount(self, device: str, path: str, *, read_only: bool = False, fstype: str = "ext4") -> None:
+    async def mount(
+        self, device: str, path: str, *, read_only: bool = False, fstype: str = "ext4", size_mib: int = 0
+    ) -> None:
         """Mount a disk at ``path`` in the guest (made if missing). ``device``: a /dev
-        path or ``serial:NAME`` (see MachineSpec.volumes). guestd unmounts it when it
-        powers off."""
-        msg = lambda rid: P.Mount(rid=rid, device=device, path=path, fstype=fstype, read_only=read_only)
+        path or ``serial:NAME`` (see MachineSpec.volumes); fstype "tmpfs": a tmpfs of
+        at most ``size_mib``. guestd unmounts it when it powers off."""
+        msg = lambda rid: P.Mount(
+            rid=rid, device=device, path=path, fstype=fstype, read_only=read_only, size_mib=size_mib
+        )
         await self._unary(msg, P.Ok)
 
     async def umount(self, path: str) -> None:
         await self._unary(lambda rid: P.Umount(rid=rid, path=path), P.Ok)
+
+    # -- file-system operations (feature "fs") -------------------------------------------
+    def _require(self, feature: str) -> None:
+        info = self.hello_info
+        if info is not None and feature not in info.features:  # an older guestd (an old snapshot)
+            raise GuestOpError(P.E_UNSUPPORTED, f"this sandbox's guest agent has no {feature!r} requests")
+
+    async def fs_entries(self, op: str, path: str) -> list[FsEntry]:
+        """``list`` (a directory's entries) or ``stat`` (``path`` itself), checked: the
+        answer is the guest's, bounded by MAX_FS_ANSWER bytes and MAX_FS_LIST entries."""
+        self._require("fs")
+        req = self._new_request()
+        stream = FsAnswerStream(req, self.answer_timeout)
+        try:
+            await self._send(P.Fs(rid=req.rid, op=op, path=path))
+            first = await req.next(self.answer_timeout)
+            if isinstance(first, P.Error):
+                raise GuestOpError(first.code, first.message)
+            if not isinstance(first, P.Ok):
+                await self._protocol_violation(f"expected ok, got {first.TAG}")
+            body = bytearray()
+            async for chunk in stream:
+                body += chunk
+        finally:
+            if not stream.eof and not req.broken and not self._closed and self._broken is None:
+                with trio.CancelScope(shield=True), trio.move_on_after(2):
+                    try:
+                        await self._send(P.Signal(rid=req.rid, signum=signal.SIGKILL))
+                    except GuestError:
+                        pass
+            self._end_request(req)
+        try:
+            return parse_fs_entries(bytes(body))
+        except ValueError as exc:
+            await self._protocol_violation(f"fs {op} answer: {exc}")
+            raise AssertionError from None  # unreachable
+
+    async def fs_change(self, op: str, path: str, *, dest: str = "", recursive: bool = False, mode: int = 0o755) -> int:
+        """``mkdir`` (``recursive``: parents), ``remove`` (``recursive``: a tree), ``rename``
+        (to ``dest``): see ``proto.Fs``. The guest's Ok value (mkdir: 0 if it was there)."""
+        self._require("fs")
+        msg = lambda rid: P.Fs(rid=rid, op=op, path=path, dest=dest, recursive=recursive, mode=mode)
+        return (await self._unary(msg, P.Ok)).value
 
 
 @asynccontextmanager

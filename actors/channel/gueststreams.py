@@ -266,3 +266,10 @@ class TreeReadStream(_DataStream):
 
     LIMIT = P.MAX_TREE_STREAM
     WHAT = "the tree limit"
+
+
+class FsAnswerStream(_DataStream):
+    """The msgpack answer of an Fs list or stat."""
+
+    LIMIT = P.MAX_FS_ANSWER
+    WHAT = "the fs answer limit"

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 
 import attrs
+import msgpack
 import trio
 
 from guestd import patch
@@ -112,6 +113,52 @@ class ChannelStatistics:
     bytes_in: int
     bytes_out: int
     dropped: int  # messages for requests that no longer exist
+
+
+FS_KINDS = ("file", "dir", "symlink", "other")
+
+
+@attrs.frozen
+class FsEntry:
+    """One entry of a guest's fs list or stat answer (checked: the guest chose it)."""
+
+    name: str
+    kind: str  # file | dir | symlink | other
+    size: int
+    mode: int  # permission bits (0..0o7777)
+    uid: int
+    gid: int
+    mtime_ns: int
+    target: str = ""  # a symlink's
+
+
+def parse_fs_entries(body: bytes) -> list[FsEntry]:
+    """A guest's msgpack answer to an Fs list or stat; ValueError unless every entry
+    has the shape and ranges ``proto.Fs`` gives (names: 1..4096 characters)."""
+    try:
+        raw = msgpack.unpackb(body, raw=False, use_list=True, max_array_len=P.MAX_FS_LIST, max_map_len=0, max_ext_len=0)
+    except Exception as exc:  # msgpack's zoo of errors on garbage
+        raise ValueError(f"undecodable ({type(exc).__name__})") from None
+    if type(raw) is not list:
+        raise ValueError("not an array")
+    out = []
+    for item in raw:
+        if type(item) is not list or len(item) != 8:
+            raise ValueError("an entry is not an array of 8")
+        name, kind, size, mode, uid, gid, mtime, target = item
+        if type(name) is not str or not 0 < len(name) <= 4096 or type(target) is not str or len(target) > 4096:
+            raise ValueError("bad name or target")
+        if kind not in FS_KINDS:
+            raise ValueError(f"bad kind {str(kind)[:20]!r}")
+        ints = (size, mode, uid, gid, mtime)
+        if any(type(v) is not int for v in ints) or not (
+            0 <= size < 2**63 and 0 <= mode <= 0o7777 and 0 <= uid < 2**32 and 0 <= gid < 2**32
+        ):
+            raise ValueError("a number out of range")
+        if not -(2**63) <= mtime < 2**63:
+            raise ValueError("mtime out of range")
+        out.append(FsEntry(name, kind, size, mode, uid, gid, mtime, target))
+    return out
 
 
 PATCH_OPS = patch.OPS

@@ -120,6 +120,10 @@ class MachineSpec:
     # a restore gets as many volumes as the machine it was taken from had.
     volumes: tuple[Volume, ...] = ()
 
+    # virtio-fs shares (host directories, actors/hostdirs.py), by tag: each a
+    # vhost-user-fs device whose server's socket QEMU inherits as fds["fs<i>"]
+    fs_tags: tuple[str, ...] = ()
+
     def volume_serial(self, i: int) -> str:
         return self.volumes[i].serial or f"vol{i}"
 
@@ -130,6 +134,7 @@ class MachineSpec:
             1  # virtio-serial: the guest channel and every extra port
             + (self.disk is not None)
             + len(self.volumes)
+            + len(self.fs_tags)
             + self.balloon
             + nics
         )
@@ -272,6 +277,18 @@ class MachineSpec:
                 "-device",
                 f"{blk},drive=vol{i},serial={self.volume_serial(i)}",
             ]
+        for i, fs_tag in enumerate(self.fs_tags):
+            # vhost-user: the server maps guest RAM, which must be a shared file
+            if fds.get(f"fs{i}") is None:
+                raise LaunchError(f"virtio-fs share {fs_tag}: no server connection")
+            if not self.memory_shared or (self.memory_file is None and fds.get("ram") is None):
+                raise LaunchError("host directories (virtio-fs) need guest RAM in a shared file")
+            dev = "vhost-user-fs-device" if self.machine == "microvm" else "vhost-user-fs-pci"
+            a += ["-chardev", f"socket,id=fs{i},fd={fds[f'fs{i}']}", "-device", f"{dev},chardev=fs{i},tag={fs_tag}"]
+        if self.fs_tags and self.machine == "microvm":
+            # virtio-mmio is legacy (version 1) by default; virtiofsd's libvhost-user serves
+            # modern devices only (every device of the machine is then modern)
+            a += ["-global", "virtio-mmio.force-legacy=off"]
         if self.balloon:
             dev = "virtio-balloon-device" if self.machine == "microvm" else "virtio-balloon-pci"
             a += ["-device", f"{dev},free-page-reporting=on"]

@@ -245,6 +245,9 @@ class VmSpec:
     def with_volumes(self, volumes: tuple[Volume, ...]) -> VmSpec:
         return attrs.evolve(self, machine=attrs.evolve(self.machine, volumes=volumes))
 
+    def with_fs_tags(self, tags: tuple[str, ...]) -> VmSpec:
+        return attrs.evolve(self, machine=attrs.evolve(self.machine, fs_tags=tags))
+
 
 def load_spec(data: Any) -> VmSpec:
     """A VmSpec as a life record holds it (:func:`actors.model.dump`). A record an

@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING
 import attrs
 import trio
 
+from actors import hostdirs
 from actors._groups import collapse_single
 from actors.cells.cell import Cell
 from actors.cells.cgroups import CgroupError, CgroupStats
@@ -63,6 +64,7 @@ from actors.errors import (
     NotFound,
     ResourceExhausted,
     Unavailable,
+    Unimplemented,
 )
 from actors.machines.disk import backing_chain, check_user_disk, virtual_size
 from actors.machines.machine import Placement
@@ -92,6 +94,8 @@ _GUEST_CODES: dict[str, type[DomainError]] = {
     P.E_PERM: FailedPrecondition,
     P.E_TOO_LARGE: ResourceExhausted,
     P.E_EXISTS: AlreadyExists,
+    P.E_FAILED: FailedPrecondition,
+    P.E_UNSUPPORTED: Unimplemented,
 }
 
 
@@ -111,6 +115,7 @@ class Boot:
 
     accepted: float = 0.0  # monotonic: when the request was accepted (for the timings)
     template: Callable[[Sandbox], Awaitable[None]] | None = None
+    disk_of: SnapshotRecord | None = None  # a restore of a disk-only snapshot: a boot on an overlay of its disk
 
 
 @attrs.frozen
@@ -166,6 +171,7 @@ class Life:
         self._ram_fd = -1  # the guest RAM's descriptor for QEMU (a cell's), until QEMU maps it
         self._sealed = ""  # the snapshot whose sealed memory that descriptor is
         self._state_fd = -1  # a restore's saved state, until loaded
+        self._shares: hostdirs.Shares | None = None  # its host directories' servers (in its stack)
         self._cpu_prev: tuple[float, float] | None = None
         self._stack = AsyncExitStack()  # its scope, _release, QEMU (the launcher's block), the relays' nursery
         self._scope = trio.CancelScope()
@@ -298,9 +304,10 @@ class Life:
         # a new overlay's chain is on disk before the overlay: a crash in between
         # leaves a chain without its disk (the next start makes a fresh one), never a
         # disk standing on layers its record does not name
-        if isinstance(plan, Resume):
-            await self._record_chain([str(p) for p in plan.snapshot.layers])
-            await files.overlay_on(plan.snapshot.disk)
+        from_snapshot = plan.snapshot if isinstance(plan, Resume) else plan.disk_of
+        if from_snapshot is not None:
+            await self._record_chain([str(p) for p in from_snapshot.layers])
+            await files.overlay_on(from_snapshot.disk)
         elif not files.disk.exists():
             base = self._base()
             size, below = virtual_size(base), () if own is not None else backing_chain(base)  # ours: trusted
@@ -328,6 +335,9 @@ class Life:
         if self._ram_fd >= 0:
             fds["ram"] = self._ram_fd
         spec = self._vm_spec(plan, ram, shared).with_volumes(volumes)
+        if sb.config.host_mounts:
+            fds.update(await self._share_dirs(plan))
+            spec = spec.with_fs_tags(tuple(hostdirs.tag(i) for i in range(len(sb.config.host_mounts))))
         placement = (
             Placement(sock_dir=cell.sock_dir, qemu_dir=cell.qemu_dir, log=run_dir / "qemu.log", spawn=cell.spawn)
             if cell is not None
@@ -350,12 +360,33 @@ class Life:
             sb.store.update_life(sb.record)
 
         at = Attach(placement, fds, on_spawned=spawned, restore_fd=self._state_fd)
-        guest = self._launched = await self._stack.enter_async_context(s.launch(spec, at))
+        try:
+            guest = self._launched = await self._stack.enter_async_context(s.launch(spec, at))
+        except (BootError, MachineError) as exc:
+            if self._shares is not None and self._shares.failure:  # QEMU failed because a server did
+                raise MachineError(self._shares.failure) from exc
+            raise
         self._release_ram()  # QEMU has its own mapping now
         if self._state_fd >= 0:
             os.close(self._state_fd)  # (loaded)
             self._state_fd = -1
         return guest
+
+    async def _share_dirs(self, plan: Boot | Resume) -> dict[str, int]:
+        """The life's host directories, each served by virtiofsd in a cell (in a nursery
+        of the life's stack, cancelled after QEMU is gone); QEMU's ends of their sockets."""
+        sb = self.sb
+        s, mounts = sb.settings, sb.config.host_mounts
+        if isinstance(plan, Resume):
+            raise FailedPrecondition("a snapshot of a sandbox with host directories cannot be restored (virtio-fs)")
+        tools = hostdirs.servers(s)
+        for m in mounts:  # at every life: a directory may have gone or changed since the Create
+            hostdirs.check_host_dir(m.source, s.allowed_paths, writable=m.writable)
+        shares = self._shares = hostdirs.Shares(mounts, lambda text: sb.log.append("system", text.encode()))
+        nursery = await self._stack.enter_async_context(trio.open_nursery())
+        self._stack.callback(nursery.cancel_scope.cancel)  # (after QEMU: it was entered before)
+        self._stack.callback(shares.close)
+        return await shares.open(tools, nursery)
 
     async def _reconnect(self, plan: Adopt) -> Guest:
         """Reconnect to a QEMU a previous supervisor started (its cell, sockets, guest)."""
@@ -565,6 +596,29 @@ class Life:
                 err = guest_error(exc)
                 sb.log.append("system", f"volume {m.name}: {err.message}".encode())
                 raise MachineError(f"volume {m.name!r} at {m.path}: {err.message}") from None
+
+    async def mount_host_dirs(self, guest: Guest) -> None:
+        """Mount the life's host directories (virtio-fs tags host0, ...), read-only
+        unless writable."""
+        sb = self.sb
+        for i, m in enumerate(sb.config.host_mounts):
+            try:
+                await guest.channel.mount(hostdirs.tag(i), m.path, fstype="virtiofs", read_only=not m.writable)
+            except GuestError as exc:
+                err = guest_error(exc)
+                sb.log.append("system", f"host directory {m.source}: {err.message}".encode())
+                raise MachineError(f"host directory {m.source!r} at {m.path}: {err.message}") from None
+
+    async def mount_tmpfs(self, guest: Guest) -> None:
+        """Mount the configuration's tmpfs file systems (each with its size limit)."""
+        sb = self.sb
+        for m in sb.config.tmpfs:
+            try:
+                await guest.channel.mount("tmpfs", m.path, fstype="tmpfs", size_mib=m.size_mib)
+            except GuestError as exc:
+                err = guest_error(exc)
+                sb.log.append("system", f"tmpfs {m.path}: {err.message}".encode())
+                raise MachineError(f"tmpfs at {m.path}: {err.message}") from None
 
     async def apply_patches(self, guest: Guest) -> None:
         """The Create's patches, in order, by guestd (batched by the frame cap), before

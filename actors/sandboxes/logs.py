@@ -20,6 +20,7 @@ import os
 import struct
 import time
 from collections.abc import AsyncGenerator, Iterator
+from contextlib import aclosing
 from pathlib import Path
 
 import attrs
@@ -28,6 +29,7 @@ import trio
 
 _HDR = struct.Struct(">I")
 SOURCES = ("stdout", "stderr", "output", "system")
+Sources = tuple[str, ...] | frozenset[str]  # a filter of SOURCES (empty: all)
 FOLLOW_CHUNK = 1 << 20  # a follower reads at most this much per wakeup, then yields
 
 
@@ -157,20 +159,42 @@ class SandboxLog:
             for _, rec in _records(data):
                 yield rec
 
-    def read_sync(self, *, tail: int = 0, since: int = 0, until: int = 0, cursor: int = 0) -> list[LogRecord]:
+    def read_sync(
+        self, *, tail: int = 0, since: int = 0, until: int = 0, cursor: int = 0, sources: Sources = ()
+    ) -> list[LogRecord]:
+        """Records after ``cursor``, from ``since`` to ``until`` (unix ns; 0: open), of
+        ``sources`` (empty: every source); ``tail``: the last so many of those."""
         recs = [
-            r for r in self._scan() if r.seq > cursor and r.timestamp >= since and (not until or r.timestamp <= until)
+            r
+            for r in self._scan()
+            if r.seq > cursor
+            and r.timestamp >= since
+            and (not until or r.timestamp <= until)
+            and (not sources or r.source in sources)
         ]
         return recs[-tail:] if tail else recs
 
-    async def read(self, *, tail: int = 0, since: int = 0, until: int = 0, cursor: int = 0) -> list[LogRecord]:
+    async def read(
+        self, *, tail: int = 0, since: int = 0, until: int = 0, cursor: int = 0, sources: Sources = ()
+    ) -> list[LogRecord]:
         """Records of both files (a scan of up to twice ``max_bytes``, in a worker thread)."""
-        return await trio.to_thread.run_sync(lambda: self.read_sync(tail=tail, since=since, until=until, cursor=cursor))
+        return await trio.to_thread.run_sync(
+            lambda: self.read_sync(tail=tail, since=since, until=until, cursor=cursor, sources=sources)
+        )
 
-    async def follow(self, *, tail: int = 0, since: int = 0, cursor: int = 0) -> AsyncGenerator[LogRecord, None]:
-        """What is there (as :meth:`read`), then each record as it is appended."""
+    async def follow(
+        self, *, tail: int = 0, since: int = 0, cursor: int = 0, sources: Sources = ()
+    ) -> AsyncGenerator[LogRecord, None]:
+        """What is there (as :meth:`read`), then each record as it is appended (of
+        ``sources``, if given)."""
+        async with aclosing(self._follow(tail=tail, since=since, cursor=cursor, sources=sources)) as records:
+            async for r in records:
+                if not sources or r.source in sources:
+                    yield r
+
+    async def _follow(self, *, tail: int, since: int, cursor: int, sources: Sources) -> AsyncGenerator[LogRecord, None]:
         generation, offset = self.generation, self._size  # new records start here
-        for r in await self.read(tail=tail, since=since, cursor=cursor):
+        for r in await self.read(tail=tail, since=since, cursor=cursor, sources=sources):
             cursor = r.seq
             yield r
         while not self._closed:

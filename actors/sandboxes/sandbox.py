@@ -53,6 +53,7 @@ from actors.model import (
     SandboxConfig,
     SandboxMetrics,
     State,
+    default_hostname,
     is_hidden,
 )
 from actors.net import netlink
@@ -74,7 +75,7 @@ from actors.sandboxes.workload import Workloads
 from actors.settings import Settings
 from actors.snapshots.checkpoint import CheckpointLost, Checkpoints
 from actors.snapshots.snapshot import Checkpoint
-from actors.store import Record, Store
+from actors.store import MachineRecord, Record, Store
 from actors.volumes import Volumes
 
 __all__ = ["Adopt", "AwaitTemplate", "Boot", "Plan", "Resume", "Sandbox"]
@@ -128,6 +129,7 @@ class Sandbox:
         self.run_workload, self.exec_session = self.work.run, self.work.exec
         self.read_file, self.write_file = self.work.read_file, self.work.write_file
         self.read_tree, self.write_tree = self.work.read_tree, self.work.write_tree
+        self.fs_list, self.fs_stat, self.fs_change = self.work.fs_list, self.work.fs_stat, self.work.fs_change
         # trio's clock (timers run on it): when the sandbox last saw activity, and when it
         # was created (a recovered record's age counts)
         self.last_activity = trio.current_time()
@@ -154,7 +156,7 @@ class Sandbox:
 
     @property
     def hostname(self) -> str:
-        return self.config.hostname or "sandbox"
+        return self.config.hostname or default_hostname(self.id)
 
     @property
     def network(self) -> NetConfig | None:
@@ -293,7 +295,7 @@ class Sandbox:
         # a fresh disk gets the Create's patches (a restart of its own disk, or a
         # restore of a snapshot, has them already); a boot template's restore is fresh
         fresh = (isinstance(plan, Resume) and plan.fallback is not None) or (
-            isinstance(plan, Boot) and not self.files.disk.exists()
+            isinstance(plan, Boot) and plan.disk_of is None and not self.files.disk.exists()
         )
         up = False
         self.life = life = Life.of(self, plan)
@@ -324,6 +326,9 @@ class Sandbox:
                 await plan.template(self)  # a fresh boot, nothing of the caller's in it yet
             if not isinstance(plan, Resume):  # (a restored guest has them mounted)
                 await life.mount_volumes(guest)
+                await life.mount_host_dirs(guest)
+            if not isinstance(plan, Resume) or plan.fallback is not None:  # (a template has none)
+                await life.mount_tmpfs(guest)
             if fresh:
                 await life.apply_patches(guest)
             if self.config.secrets:  # every boot and restore (a clone has a CA of its own)
@@ -373,6 +378,8 @@ class Sandbox:
             raise MachineError(f"pool member is {self.state}")
         try:
             await life.fresh_identity(guest, clock=True)
+            if apply_ports:  # a Create's (a template's member has none; a snapshot's has its own)
+                await life.mount_tmpfs(guest)
             await life.apply_patches(guest)
             life.update_policy()  # the caller's egress policy, not the template's
             if apply_ports:
@@ -476,6 +483,11 @@ class Sandbox:
             raise FailedPrecondition(f"sandbox {self.id} is {self.state}; checkpoint needs it ready")
         if self.execs or self.workloads:
             raise FailedPrecondition(f"sandbox {self.id} has exec sessions open; checkpoint needs it idle")
+        if self.config.host_mounts:
+            # QEMU refuses to migrate a vhost-user-fs device (its state is virtiofsd's)
+            raise FailedPrecondition(
+                f"sandbox {self.id} has host directories mounted (virtio-fs): it cannot be checkpointed"
+            )
         return guest
 
     async def checkpoint(self, snap_dir: Path) -> Checkpoint:
@@ -488,6 +500,30 @@ class Sandbox:
             self._fail(str(exc))
             self._run.stop.set()
             raise Internal(f"checkpoint of {self.id} failed: {exc}") from None
+
+    def check_disk_checkpointable(self) -> None:
+        """A disk-only checkpoint: the sandbox is stopped (no life runs) and stays so while it runs."""
+        if not self.stopped or self.state not in ENDED:
+            raise FailedPrecondition(f"sandbox {self.id} is {self.state}: a disk-only checkpoint needs it stopped")
+        if self.checkpointing:
+            raise FailedPrecondition(f"sandbox {self.id} is being checkpointed; retry in a moment")
+
+    async def checkpoint_stopped(self, snap_dir: Path) -> Checkpoint:
+        """Save this stopped sandbox's disk into ``snap_dir`` (restores boot on it)."""
+        self.check_disk_checkpointable()
+        limits = self.limits
+        machine = MachineRecord(
+            append="",
+            memory_mib=limits.memory_mib,
+            cpus=limits.vcpus,
+            accel=self.settings.accel,
+            balloon=self.settings.balloon,
+        )
+        return await self._ckpt.take_stopped(snap_dir, machine)
+
+    async def checkpoints_done(self) -> None:
+        """Until no checkpoint of this sandbox is under way."""
+        await self._ckpt.wait_idle()
 
     async def checkpoint_first_boot(self, snap_dir: Path) -> Checkpoint:
         """Save a fresh boot at its first ready, before any caller's work (a boot

@@ -9,21 +9,43 @@ and the checkpoint's idleness read the counts). The state transitions a Run make
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing, asynccontextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import trio
 
-from actors.channel.guest import ExecHandle, FileReadStream, GuestError, GuestOpError, TreeReadStream
-from actors.errors import DomainError, FailedPrecondition, InvalidArgument
+from actors.channel.guest import ExecHandle, FileReadStream, FsEntry, GuestError, GuestOpError, TreeReadStream
+from actors.errors import DomainError, FailedPrecondition, InvalidArgument, NotFound
 from actors.model import State
 from actors.sandboxes import secrets
 from actors.sandboxes.life import guest_error
 from guestd import proto as P
 
 if TYPE_CHECKING:
+    from actors.machines.vm import Guest
     from actors.sandboxes.sandbox import Sandbox
+
+T = TypeVar("T")
+
+
+class CommandNotRun(NotFound):
+    """The command of a Run or an Exec is not there (``exit_code`` 127) or cannot be
+    executed (126): its stream ends as a shell's would, with ``stderr`` saying why,
+    not with an error (the sandbox was found)."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+        self.stderr = f"sandvisor: {message}\n".encode()
+
+
+def shell_status(exc: GuestOpError) -> CommandNotRun | None:
+    """guestd's refusal to start a command, as a shell's status (None: another failure,
+    e.g. a working directory that is not there)."""
+    if exc.code in (P.E_NOT_FOUND, P.E_PERM) and exc.message.startswith("exec "):
+        return CommandNotRun(exc.message, 127 if exc.code == P.E_NOT_FOUND else 126)
+    return None
 
 
 class Workloads:
@@ -108,6 +130,13 @@ class Workloads:
         except GuestOpError as exc:
             code = 127 if exc.code == P.E_NOT_FOUND else 126
             start_error = exc.message
+            status = shell_status(exc)
+            if status is not None:  # ends the Run as a shell would, saying why on stderr
+                text = status.stderr
+                sb.log.append("stderr", text)
+                yield "stderr", text, None
+                yield "exit", b"", status.exit_code
+                return
             raise guest_error(exc) from None
         except GuestError as exc:  # the guest broke, went silent, or would not end it
             raise guest_error(exc) from None
@@ -143,6 +172,11 @@ class Workloads:
                     argv, env=env, cwd=cwd, user=user, tty=tty, rows=rows, cols=cols, timeout=timeout, stdin=True
                 ) as h:
                     yield h
+            except GuestOpError as exc:
+                status = shell_status(exc)
+                if status is not None:
+                    raise status from None
+                raise guest_error(exc) from None
             except GuestError as exc:
                 raise guest_error(exc) from None
         finally:
@@ -180,3 +214,21 @@ class Workloads:
         n = await self.sb.guest_call(lambda g: g.channel.write_tree(path, chunks, owner=owner))
         self.sb.touch()
         return n
+
+    # -- file-system operations (guestd's fs requests) -----------------------------------
+    async def fs_list(self, path: str) -> list[FsEntry]:
+        """The entries of the guest directory ``path``, by name."""
+        return await self._fs(lambda g: g.channel.fs_entries("list", path))
+
+    async def fs_stat(self, path: str) -> FsEntry:
+        """``path`` itself (a symlink not followed)."""
+        return (await self._fs(lambda g: g.channel.fs_entries("stat", path)))[0]
+
+    async def fs_change(self, op: str, path: str, *, dest: str = "", recursive: bool = False, mode: int = 0o755) -> int:
+        """mkdir, remove or rename (see GuestChannel.fs_change)."""
+        return await self._fs(lambda g: g.channel.fs_change(op, path, dest=dest, recursive=recursive, mode=mode))
+
+    async def _fs(self, fn: Callable[[Guest], Awaitable[T]]) -> T:
+        result = await self.sb.guest_call(fn)
+        self.sb.touch()
+        return result

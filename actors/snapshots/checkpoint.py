@@ -17,14 +17,16 @@ from pathlib import Path
 import attrs
 import trio
 
+from actors.durable import fsync_path
 from actors.errors import FailedPrecondition, Internal
 from actors.machines.qemuproc import MachineError
 from actors.machines.vm import Guest
+from actors.model import MemoryKind
 from actors.sandboxes.files import SandboxFiles
 from actors.sandboxes.logs import SandboxLog
 from actors.settings import Settings
-from actors.snapshots.snapshot import Checkpoint, checkpoint_guest, still_running
-from actors.store import Record, Store
+from actors.snapshots.snapshot import Checkpoint, allocated, checkpoint_guest, still_running
+from actors.store import MachineRecord, Record, Store
 
 BUSY_WAIT = 5.0  # s: requests in flight get this long to finish before a checkpoint
 
@@ -100,6 +102,42 @@ class Checkpoints:
             raise
         self.log.append("system", f"checkpoint: {ck.memory}, paused {ck.paused_s * 1000:.0f} ms".encode())
         return ck
+
+    async def take_stopped(self, snap_dir: Path, machine: MachineRecord) -> Checkpoint:
+        """A stopped sandbox's disk frozen into ``snap_dir`` (a disk-only snapshot): the
+        disk swap of a live checkpoint, with no QEMU, under the same journal. The
+        sandbox goes on (at its next Start) on a new overlay on top of it."""
+        async with self._lock:
+            self.active = True
+            self._done = trio.Event()
+            try:
+                return await self._freeze_stopped(snap_dir, machine)
+            finally:
+                self.active = False
+                self._done.set()
+
+    async def _freeze_stopped(self, snap_dir: Path, machine: MachineRecord) -> Checkpoint:
+        rec, store, files = self.record, self.store, self.files
+        if not files.disk.exists():
+            raise FailedPrecondition(f"sandbox {rec.id} has no disk yet (it never booted)")
+        frozen = snap_dir / "disk.qcow2"
+        below = tuple(rec.chain)
+        rec.swap = str(frozen)
+        store.update_life(rec)
+        await store.flush()
+        try:
+            await files.stage_next_disk(frozen)
+            await trio.to_thread.run_sync(fsync_path, files.disk)  # the last life's writes, before it is a snapshot
+            files.swap_disks(frozen)
+        except BaseException:
+            files.discard_next_disk()
+            self._void_journal()
+            raise
+        rec.chain = [str(frozen), *below]
+        rec.swap = ""
+        store.update_life(rec)
+        self.log.append("system", b"checkpoint: disk only (the sandbox is stopped)")
+        return Checkpoint(MemoryKind.DISK, 0.0, {"disk.qcow2": allocated(frozen)}, [], machine, below)
 
     def _void_journal(self) -> None:
         """A checkpoint failed before its disk moved (``frozen`` clears the journal when

@@ -94,8 +94,8 @@ class Pools:
         """What a fresh boot depends on; None when the configuration boots differently
         (own kernel, rootfs or boot arguments). The hostname, env, cmd, ports, TTL...
         are set after the boot anyway. An OCI image counts by its converted file."""
-        if not self.templates or config.boot.custom or config.volumes:
-            return None  # (volumes: devices a template's machine lacks; microvm has no hotplug)
+        if not self.templates or config.boot.custom or config.volumes or config.host_mounts:
+            return None  # (volumes, host directories: devices a template's machine lacks; microvm has no hotplug)
         s = self.settings
         limits = s.limits(config.limits)
         parts = [
@@ -204,6 +204,8 @@ class Pools:
     def target(self, snap: SnapshotRecord) -> int:
         if snap.config.volumes or snap.config.secrets:
             return 0  # a member would hold the snapshot's volumes while it waits
+        if snap.memory == MemoryKind.DISK:
+            return 0  # its restores boot: no saved state to keep warm
         if snap.template_key:
             return self.template_pool
         for key in (snap.id, snap.name):
@@ -239,7 +241,7 @@ class Pools:
 
     def take(self, snap: SnapshotRecord) -> Sandbox | None:
         """A ready member of ``snap``'s pool, out of the pool (refilled in the background)."""
-        members = self.members.get(snap.id, [])
+        members = self.members.get(snap.id, [])  # (none for a disk-only snapshot: target 0)
         if snap.config.secrets:
             return None  # (none are kept: target())
         for m in members:

@@ -393,7 +393,9 @@ class SnapshotStore:
             dir=str(snap_dir),
             memory=ck.memory,
             machine=ck.machine,
-            config=config or origin.config,
+            # what restores inherit: the origin's configuration with every port it has
+            # exposed (a restore forwards each again, on its own host port)
+            config=config or attrs.evolve(origin.config, ports=tuple(origin.ports)),
             sizes=ck.sizes,
             memory_stat=ck.memory_stat,
             template_key=template_key,
@@ -439,6 +441,10 @@ class SnapshotStore:
         return [r for r in self.snapshots.values() if r.template_key]
 
     def check_restorable(self, rec: SnapshotRecord, accel: str) -> None:
+        if rec.memory == MemoryKind.DISK:  # its restores boot: any accelerator, this supervisor's kernel
+            if not rec.disk.exists():
+                raise FailedPrecondition(f"snapshot {rec.id} is incomplete on disk: disk.qcow2 is missing")
+            return
         if rec.machine.accel != accel:
             raise FailedPrecondition(
                 f"snapshot {rec.id} was taken under {rec.machine.accel}; this supervisor runs {accel}"

@@ -93,9 +93,14 @@ class _Job:
     shift: int  # the host id of the tools' user namespace root (0: no cells)
     identity: ToolIdentity | None = None
     src: Path | None = None  # a local source, copied into fetch (with cells)
+    mirror: str = ""  # HOST[:PORT] a registry reference is fetched from (serve --registry-mirror)
+    cert_dir: str = ""  # CA certificates the caller gave for its registry (skopeo --cert-dir)
 
     def source(self, r: Reference, digest: str = "") -> str:
-        """What skopeo reads: the reference, or the copy of a local one."""
+        """What skopeo reads: the reference (at its registry's mirror, if any), or the
+        copy of a local one."""
+        if self.mirror:
+            return attrs.evolve(r, domain=self.mirror).skopeo(digest)
         if self.src is None:
             return r.skopeo(digest)
         return f"{r.transport}:{self.src}" + (f":{r.name}" if r.name else "")
@@ -163,6 +168,7 @@ class ImageStore(Store):
         authfile: Path | None = None,
         auth_json: bytes | None = None,
         progress: ProgressFn | None = None,
+        ca_pem: bytes | None = None,
     ) -> Image:
         """The image ``ref`` names, pulled and converted if needed (see the module doc).
 
@@ -185,6 +191,8 @@ class ImageStore(Store):
             _check_auth_json(auth_json)
         if sum(x is not None for x in (creds, authfile, auth_json)) > 1:
             raise InvalidReference("give one of creds, an auth file")
+        if ca_pem is not None:
+            _check_ca_pem(ca_pem)
         if _digest_like(ref) is not None:
             if policy is PullPolicy.ALWAYS:
                 raise InvalidReference(f"{ref} names a local image: pull a reference with a transport")
@@ -206,7 +214,9 @@ class ImageStore(Store):
             await self.refs.check_registry(r)
         self._pulls += 1
         try:
-            return await self._pull(r, emit, tls_verify=tls_verify, creds=creds, authfile=authfile, auth_json=auth_json)
+            return await self._pull(
+                r, emit, tls_verify=tls_verify, creds=creds, authfile=authfile, auth_json=auth_json, ca_pem=ca_pem
+            )
         finally:
             self._pulls -= 1
 
@@ -219,10 +229,18 @@ class ImageStore(Store):
         creds: str | None,
         authfile: Path | None,
         auth_json: bytes | None = None,
+        ca_pem: bytes | None = None,
     ) -> Image:
         ref = r.canonical()
         async with self._staging("pull") as stage, self._job(r, stage) as job:
-            auth = self._auth_args(r, job.fetch, creds, authfile, auth_json, job.owner)
+            mirror = self.refs.mirror(r)
+            if mirror is not None:
+                job.mirror = mirror.host
+                tls_verify = tls_verify and not mirror.insecure
+                emit(PullProgress(ref, "resolving", f"from {r.domain}'s mirror {mirror.host}"))
+            auth = self._auth_args(r, job.fetch, creds, authfile, auth_json, job.owner, host=job.mirror)
+            if ca_pem is not None and r.is_registry:
+                job.cert_dir = str(_write_cert_dir(job.fetch, ca_pem, job.owner))
             if not r.is_registry and self.tools is not None:
                 emit(PullProgress(ref, "resolving", "copying the local image into the staging dir"))
                 job.src = await trio.to_thread.run_sync(self._copy_local, r, job)
@@ -283,6 +301,8 @@ class ImageStore(Store):
         argv = ["skopeo", "--tmpdir", str(job.fetch), "inspect", "--raw", *auth]
         if r.is_registry and not tls_verify:
             argv.append("--tls-verify=false")
+        if job.cert_dir:
+            argv += ["--cert-dir", job.cert_dir]
         run = functools.partial(
             self._run, r=r, step="reading the manifest", has_creds=has_creds, tool=self._skopeo(r, job)
         )
@@ -350,6 +370,8 @@ class ImageStore(Store):
         ]
         if r.is_registry and not tls_verify:
             argv.append("--src-tls-verify=false")
+        if job.cert_dir:
+            argv += ["--src-cert-dir", job.cert_dir]
         argv += [job.source(r, digest), f"oci:{layout}:img"]
         emit(PullProgress(ref, "downloading", f"{len(layers)} layers", 0, total, digest))
         self.stats.copies += 1
@@ -575,7 +597,10 @@ class ImageStore(Store):
         authfile: Path | None,
         auth_json: bytes | None = None,
         owner: tuple[int, int] | None = None,
+        host: str = "",
     ) -> list[str]:
+        """skopeo's credentials argument: always a file (argv is readable by every user).
+        ``host``: the registry host skopeo contacts when not ``r``'s own (a mirror)."""
         if not r.is_registry:
             return []
         if authfile is not None and owner is not None:  # skopeo in its cell reads a copy of its own
@@ -597,7 +622,7 @@ class ImageStore(Store):
             if owner is not None:
                 os.fchown(fd, *owner)
             with os.fdopen(fd, "w") as fh:  # a file, not argv: other users can read argv
-                json.dump({"auths": {r.domain: {"auth": token}}}, fh)
+                json.dump({"auths": {host or r.domain: {"auth": token}}}, fh)
             return ["--authfile", str(f)]
         if authfile is not None:
             return ["--authfile", str(authfile)]
@@ -659,6 +684,30 @@ class ImageStore(Store):
                 raise DiskFull(f"{r}: {step}: a file grew over its bound ({self._cap_text()})")
             raise classify_failure(text, r, step, has_creds=has_creds)
         return out
+
+
+MAX_CA_PEM = 1 << 20
+
+
+def _check_ca_pem(pem: bytes) -> None:
+    """CA certificates a caller gives for its registry: PEM, bounded (never echoed)."""
+    if not pem or len(pem) > MAX_CA_PEM:
+        raise InvalidReference(f"the registry CA certificates must be 1 byte to {MAX_CA_PEM >> 20} MiB of PEM")
+    if b"-----BEGIN CERTIFICATE-----" not in pem:
+        raise InvalidReference("the registry CA certificates are not PEM (no BEGIN CERTIFICATE)")
+
+
+def _write_cert_dir(fetch: Path, pem: bytes, owner: tuple[int, int] | None) -> Path:
+    """skopeo's --cert-dir: the caller's CA certificates as ca.crt in the pull's own dir."""
+    d = fetch / "certs"
+    d.mkdir(mode=0o700)
+    fd = os.open(d / "ca.crt", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(pem)
+    if owner is not None:
+        os.chown(d / "ca.crt", *owner)
+        os.chown(d, *owner)
+    return d
 
 
 def _check_auth_json(raw: bytes) -> None:

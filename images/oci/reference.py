@@ -21,6 +21,7 @@ _TAG_RE = re.compile(r"[\w][\w.-]{0,127}")
 _DIGEST_RE = re.compile(r"sha256:[0-9a-f]{64}")
 _LOCAL_NAME_RE = re.compile(r"[A-Za-z0-9._-]+(?:[:/@][A-Za-z0-9._-]+)*")
 DOCKER_HUB = "docker.io"
+LEGACY_HUBS = frozenset({"index.docker.io", "registry-1.docker.io"})
 
 
 @attrs.frozen
@@ -60,23 +61,30 @@ class Reference:
 
 def parse_reference(ref: str) -> Reference:
     """``docker://[HOST/]NAME[:TAG][@sha256:HEX]``, ``docker-archive:PATH[:NAME:TAG|:@N]``,
-    ``oci-archive:PATH[:TAG]``, ``oci:DIR[:TAG]``. A transport is required (a bare
-    ``busybox`` might mean a registry on the internet); paths must be absolute (a daemon
-    has no business guessing its client's working directory)."""
+    ``oci-archive:PATH[:TAG]``, ``oci:DIR[:TAG]``, or a plain name as docker reads it
+    (``alpine``, ``python:3.12``, ``ghcr.io/org/x:1``, ``localhost:5000/x``,
+    ``x@sha256:...``): a registry reference, docker.io's when its first component is no
+    host (no '.' or ':', not ``localhost``), ``library/`` for a one-component name
+    there, ``latest`` without a tag or digest. A transport is recognised only with its
+    own syntax (``docker://``; a local one followed by an absolute path): ``oci:latest``
+    is docker.io/library/oci:latest, as docker reads it. Paths must be absolute (a
+    daemon has no business guessing its client's working directory)."""
     if not isinstance(ref, str) or not ref:
         raise InvalidReference("empty image reference")
     if len(ref) > 4096 or any(c.isspace() or ord(c) < 32 or ord(c) == 127 for c in ref):
         raise InvalidReference(f"malformed image reference {ref[:80]!r}: whitespace or control characters")
     transport, sep, rest = ref.partition(":")
-    if not sep or transport not in TRANSPORTS:
-        raise InvalidReference(
-            f"malformed image reference {ref!r}: it needs a transport, one of "
-            "docker://HOST/NAME:TAG, docker-archive:PATH, oci-archive:PATH, oci:DIR[:TAG]"
-        )
-    if transport == "docker":
-        if not rest.startswith("//"):
-            raise InvalidReference(f"malformed image reference {ref!r}: docker references start with docker://")
+    if sep and transport == "docker" and rest.startswith("//"):
         return _parse_docker(ref, rest[2:])
+    if sep and transport in TRANSPORTS and transport != "docker" and rest.startswith("/"):
+        pass  # a local transport, below
+    elif sep and rest.startswith("/"):  # "dir:/x", "http://x": a transport we do not take
+        raise InvalidReference(
+            f"malformed image reference {ref!r}: transport {transport!r} is not one of "
+            "docker://HOST/NAME:TAG, docker-archive:PATH, oci-archive:PATH, oci:DIR[:TAG] (or a plain name)"
+        )
+    else:
+        return _parse_docker(ref, ref)
     path, _, name = rest.partition(":")
     if not path or not path.startswith("/"):
         raise InvalidReference(f"malformed image reference {ref!r}: {transport}: takes an absolute path")
@@ -105,6 +113,8 @@ def _parse_docker(ref: str, s: str) -> Reference:
         domain, path = first, remainder
         if not _DOMAIN_RE.fullmatch(domain):
             raise bad(f"bad registry host {domain!r}")
+        if domain in LEGACY_HUBS:  # docker's own aliases of Docker Hub
+            domain = DOCKER_HUB
     else:
         domain, path = DOCKER_HUB, name
     if not path:

@@ -12,7 +12,7 @@ import functools
 import os
 from collections.abc import AsyncIterable, Iterable, Mapping
 from pathlib import Path
-from typing import Any, Literal, Unpack
+from typing import Any, BinaryIO, Literal, Unpack
 
 import attrs
 
@@ -191,6 +191,75 @@ def delete_snapshot(snapshot: SnapshotRef, *, socket: str | Path | None = None) 
     yield Unary("DeleteSnapshot", W.DeleteSnapshotRequest(snapshot_id=_snapshot_id(snapshot)), W.Empty)
 
 
+def export_snapshot(
+    snapshot: SnapshotRef,
+    path: str | Path | BinaryIO,
+    *,
+    include_base: bool = False,
+    socket: str | Path | None = None,
+) -> Plan[int]:
+    """Write the snapshot as one export file at ``path`` (a directory: ``snapshot.svsnap``
+    in it), streamed; the file appears when whole (nothing is left on a failure). A
+    binary file object (a pipe: ``sys.stdout.buffer``) is written as the data comes.
+    ``include_base``: carry the image's root filesystem too (else the importing
+    supervisor must have that image). Returns the file's size in bytes."""
+    from supervisor.treecopy import commit_temp, create_temp, open_target
+
+    req = W.ExportSnapshotRequest(snapshot_id=_snapshot_id(snapshot), include_base=include_base)
+    if not isinstance(path, str | os.PathLike):
+        call = yield Open("ExportSnapshot", req)
+        n = 0
+        while (ch := (yield Receive(call, W.FileChunk))) is not None:
+            yield Blocking(path.write, (ch.data,))
+            n += len(ch.data)
+        yield Blocking(path.flush)
+        return n
+    dfd, name = yield Blocking(open_target, (os.fspath(path), "/snapshot.svsnap"))
+    total = 0
+    try:
+        tmp, fd = yield Blocking(create_temp, (dfd, name))
+        done = False
+        try:
+            with open(fd, "wb", closefd=True) as f:
+                call = yield Open("ExportSnapshot", req)
+                while (ch := (yield Receive(call, W.FileChunk))) is not None:
+                    yield Blocking(f.write, (ch.data,))
+                    total += len(ch.data)
+                yield Blocking(f.flush)
+                yield Blocking(os.fsync, (f.fileno(),))
+            yield Blocking(commit_temp, (dfd, tmp, name))
+            done = True
+        finally:
+            if not done:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp, dir_fd=dfd)
+    finally:
+        os.close(dfd)
+    return total
+
+
+def import_snapshot(
+    path: str | Path | BinaryIO,
+    *,
+    name: str = "",
+    labels: Mapping[str, str] | None = None,
+    socket: str | Path | None = None,
+) -> Plan[SnapshotSummary]:
+    """A new snapshot (a new id) from an export file, streamed; recorded only once the
+    whole file arrived and matched its digest. ``name``: "" keeps the export's (a name
+    another snapshot has is AlreadyExists); ``labels`` are added to the export's.
+    ``path``: a file, or a binary file object (a pipe: ``sys.stdin.buffer``)."""
+    op_ = W.ImportSnapshotOpen(name=name, labels=_kv(labels))
+    f = (yield Blocking(open, (Path(path), "rb"))) if isinstance(path, str | os.PathLike) else path
+    with f if f is not path else contextlib.nullcontext(f):
+        call = yield Open("ImportSnapshot", W.ImportSnapshotRequest(open=op_))
+        while piece := (yield Blocking(f.read, (3 * CHUNK,))):  # (under the wires' 4 MiB message cap)
+            yield Send(call, W.ImportSnapshotRequest(chunk=W.FileChunk(data=piece)))
+        yield Send(call, W.ImportSnapshotRequest(chunk=W.FileChunk(done=True)))
+        r: SnapshotSummary = yield Finish(call, SnapshotSummary)
+    return r
+
+
 # --- state ----------------------------------------------------------------------------------
 def inspect(t: Target) -> Plan[SandboxInfo]:
     info: SandboxInfo = yield Unary("Inspect", _id(t), SandboxInfo)
@@ -272,6 +341,13 @@ def touch(t: Target) -> Plan[int]:
     return r.activity
 
 
+def set_ttl(t: Target, seconds: int) -> Plan[int]:
+    """Remove the sandbox ``seconds`` from now (0: never), replacing its TTL; the unix
+    time of its removal (0: never)."""
+    r: W.SetTtlResponse = yield Unary("SetTtl", W.SetTtlRequest(id=t.id, ttl_seconds=seconds), W.SetTtlResponse)
+    return r.expires_at
+
+
 def metrics(t: Target) -> Plan[MetricsResponse]:
     m: MetricsResponse = yield Unary("Metrics", _id(t), MetricsResponse)
     return m
@@ -282,15 +358,27 @@ def metrics_stream(t: Target, interval: float = 1.0) -> StreamPlan[MetricsRespon
     return _each("MetricsStream", W.MetricsStreamRequest(id=t.id, interval_seconds=interval), MetricsResponse)
 
 
-def logs(t: Target, *, tail: int = 0, since: int = 0, until: int = 0) -> Plan[builtins.list[LogEntry]]:
+LogSources = Iterable[str]  # "stdout", "stderr", "output" (a TTY's), "system"
+
+
+def logs(
+    t: Target, *, tail: int = 0, since: int = 0, until: int = 0, cursor: int = 0, sources: LogSources = ()
+) -> Plan[builtins.list[LogEntry]]:
     """Persisted output (also of a stopped sandbox): the last ``tail`` entries (0:
-    all), between ``since`` and ``until`` (unix ns; 0: open)."""
-    return (yield from _collect("Logs", W.LogsRequest(id=t.id, tail=tail, since=since, until=until), LogEntry))
+    all), between ``since`` and ``until`` (unix ns; 0: open), after the entry whose
+    ``seq`` is ``cursor``, of ``sources`` (empty: all)."""
+    req = W.LogsRequest(id=t.id, tail=tail, since=since, until=until, cursor=cursor, sources=list(sources))
+    return (yield from _collect("Logs", req, LogEntry))
 
 
-def log_stream(t: Target, *, follow: bool = True, tail: int = 0) -> StreamPlan[LogEntry]:
-    """Log entries as they are written (``follow``), after the last ``tail`` ones."""
-    return _each("Logs", W.LogsRequest(id=t.id, follow=follow, tail=tail), LogEntry)
+def log_stream(
+    t: Target, *, follow: bool = True, tail: int = 0, since: int = 0, cursor: int = 0, sources: LogSources = ()
+) -> StreamPlan[LogEntry]:
+    """Log entries as they are written (``follow``), after the last ``tail`` ones;
+    from ``since`` (unix ns) or after the entry whose ``seq`` is ``cursor`` (a
+    stream's resume point), of ``sources`` (empty: all)."""
+    req = W.LogsRequest(id=t.id, follow=follow, tail=tail, since=since, cursor=cursor, sources=list(sources))
+    return _each("Logs", req, LogEntry)
 
 
 def events(t: Target, action: str = "") -> StreamPlan[SandboxEvent]:
@@ -402,7 +490,8 @@ def ports(t: Target) -> Plan[builtins.list[W.PortMapping]]:
 
 
 def checkpoint(t: Target, name: str = "", *, labels: Mapping[str, str] | None = None) -> Plan[CheckpointResponse]:
-    """Snapshot this (ready) sandbox, which runs on; ``.snapshot_id`` names the snapshot."""
+    """Snapshot this sandbox; ``.snapshot_id`` names the snapshot. Ready: its disk and
+    memory, and it runs on; stopped: its disk alone (``.disk_only``; restores boot)."""
     req = W.CheckpointRequest(sandbox_id=t.id, name=name, labels=_kv(labels))
     r: CheckpointResponse = yield Unary("Checkpoint", req, CheckpointResponse)
     return r
@@ -520,6 +609,39 @@ def copy_tree_out(t: Target, path: str, local: str | Path, *, keep_owners: bool 
         os.close(fd)
 
 
+def fs_list(t: Target, path: str) -> Plan[builtins.list[W.FsEntry]]:
+    """The entries of the directory ``path``, by name (``.kind``: file, dir, symlink,
+    other; symlinks are not followed); NotFound, FailedPrecondition (not a directory)."""
+    pages: list[W.FsListResponse] = yield from _collect("FsList", W.FsPathRequest(id=t.id, path=path), W.FsListResponse)
+    return [e for page in pages for e in page.entries]
+
+
+def fs_stat(t: Target, path: str) -> Plan[W.FsEntry]:
+    """``path`` itself (a symlink as one, not followed); NotFound if it is not there."""
+    e: W.FsEntry = yield Unary("FsStat", W.FsPathRequest(id=t.id, path=path), W.FsEntry)
+    return e
+
+
+def fs_exists(t: Target, path: str) -> Plan[bool]:
+    r: W.FsExistsResponse = yield Unary("FsExists", W.FsPathRequest(id=t.id, path=path), W.FsExistsResponse)
+    return r.exists
+
+
+def fs_mkdir(t: Target, path: str, *, parents: bool = True, mode: int = 0o755) -> Plan[None]:
+    """``mkdir -p`` (``parents=False``: ``mkdir``, AlreadyExists if it is there)."""
+    yield Unary("FsMkdir", W.FsMkdirRequest(id=t.id, path=path, parents=parents, mode=mode), W.Empty)
+
+
+def fs_remove(t: Target, path: str, *, recursive: bool = False) -> Plan[None]:
+    """``rm`` of a file, a link or an empty directory; ``recursive``: ``rm -r``."""
+    yield Unary("FsRemove", W.FsRemoveRequest(id=t.id, path=path, recursive=recursive), W.Empty)
+
+
+def fs_rename(t: Target, path: str, dest: str) -> Plan[None]:
+    """``mv path dest`` (one file system)."""
+    yield Unary("FsRename", W.FsRenameRequest(id=t.id, path=path, dest=dest), W.Empty)
+
+
 # --- volumes and images ---------------------------------------------------------------------
 def volume_create(
     t: Target, name: str, size: int | str = "256M", *, labels: Mapping[str, str] | None = None
@@ -542,20 +664,22 @@ def volume_list(t: Target, *, labels: Mapping[str, str] | None = None) -> Plan[b
     return r.volumes
 
 
-def volume_remove(t: Target, name: str) -> Plan[None]:
-    """FAILED_PRECONDITION while a live sandbox mounts it."""
-    yield Unary("DeleteVolume", W.DeleteVolumeRequest(name=name), W.Empty)
+def volume_remove(t: Target, name: str, *, force: bool = False) -> Plan[None]:
+    """FAILED_PRECONDITION while a live sandbox mounts it; ``force``: those sandboxes
+    are killed first (they stay, stopped)."""
+    yield Unary("DeleteVolume", W.DeleteVolumeRequest(name=name, force=force), W.Empty)
 
 
 Pull_ = Literal["", "always", "if-missing", "never"]
 
 
 def _pull_request(
-    ref: str, policy: Pull_, tls_verify: bool, creds: str, authfile: str | Path | None
+    ref: str, policy: Pull_, tls_verify: bool, creds: str, authfile: str | Path | None, ca: str | Path | None = None
 ) -> W.PullImageRequest:
     auth = Path(authfile).read_bytes() if authfile is not None else b""
+    ca_pem = Path(ca).read_bytes() if ca is not None else b""
     return W.PullImageRequest(
-        ref=ref, policy=policy, tls_verify=None if tls_verify else False, creds=creds, auth_json=auth
+        ref=ref, policy=policy, tls_verify=None if tls_verify else False, creds=creds, auth_json=auth, ca_pem=ca_pem
     )
 
 
@@ -567,9 +691,11 @@ def image_pull_stream(
     tls_verify: bool = True,
     creds: str = "",
     authfile: str | Path | None = None,
+    ca: str | Path | None = None,
 ) -> StreamPlan[PullImageProgress]:
-    """Progress items; the last is ``phase == "done"`` with ``.image`` set."""
-    return _each("PullImage", _pull_request(ref, policy, tls_verify, creds, authfile), PullImageProgress)
+    """Progress items; the last is ``phase == "done"`` with ``.image`` set. ``ca``: a
+    PEM file of CA certificates for the registry (read here, sent as content)."""
+    return _each("PullImage", _pull_request(ref, policy, tls_verify, creds, authfile, ca), PullImageProgress)
 
 
 def image_pull(
@@ -581,11 +707,13 @@ def image_pull(
     creds: str = "",
     authfile: str | Path | None = None,
     progress: Any = None,
+    ca: str | Path | None = None,
 ) -> Plan[OciImageInfo]:
     """Pull ``ref`` (as ``policy`` says; default if-missing) and return the image;
-    ``progress`` (a callable) sees every item on the way."""
+    ``progress`` (a callable) sees every item on the way; ``ca``: a PEM file of CA
+    certificates for the registry."""
     image = None
-    call = yield Open("PullImage", _pull_request(ref, policy, tls_verify, creds, authfile))
+    call = yield Open("PullImage", _pull_request(ref, policy, tls_verify, creds, authfile, ca))
     while (item := (yield Receive(call, PullImageProgress))) is not None:
         if progress is not None:
             progress(item)
@@ -669,6 +797,8 @@ class SandboxMethods:
     metrics_all = class_op(metrics_all)
     snapshots = class_op(snapshots)
     delete_snapshot = class_op(delete_snapshot)
+    export_snapshot = class_op(export_snapshot)
+    import_snapshot = class_op(import_snapshot)
     inspect = op(inspect)
     state = op(state)
     wait_ready = op(wait_ready)
@@ -680,6 +810,7 @@ class SandboxMethods:
     remove = op(remove)
     ping = op(ping)
     touch = op(touch)
+    set_ttl = op(set_ttl)
     metrics = op(metrics)
     metrics_stream = stream(metrics_stream)
     logs = op(logs)
@@ -706,6 +837,12 @@ class FSMethods:
     copy_out = op(copy_out)
     copy_tree_in = op(copy_tree_in)
     copy_tree_out = op(copy_tree_out)
+    list = op(fs_list)
+    stat = op(fs_stat)
+    exists = op(fs_exists)
+    mkdir = op(fs_mkdir)
+    remove = op(fs_remove)
+    rename = op(fs_rename)
 
 
 class VolumeMethods:

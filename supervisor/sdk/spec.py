@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, Literal, TypedDict, Unpack
 
 import attrs
@@ -103,11 +104,41 @@ class Lifetime:
 
 
 @attrs.frozen(kw_only=True)
+class RegistryAuth:
+    """An image registry's credentials and CA certificates, for a Create's pull only:
+    the supervisor never stores or logs them, and nothing here prints them (repr).
+    ``creds``: "USER:PASSWORD", or ``auth_json``: a docker-style auth file's content;
+    ``ca_pem``: CA certificates (PEM) for a registry the host's trust store does not
+    vouch for. :meth:`from_files` reads them from files (the CLI's way: never argv)."""
+
+    creds: str = attrs.field(default="", repr=False)
+    auth_json: bytes = attrs.field(default=b"", repr=False)
+    ca_pem: bytes = attrs.field(default=b"", repr=False)
+
+    @classmethod
+    def from_files(
+        cls,
+        *,
+        creds_file: str | os.PathLike[str] | None = None,
+        authfile: str | os.PathLike[str] | None = None,
+        ca_file: str | os.PathLike[str] | None = None,
+    ) -> RegistryAuth:
+        """``creds_file``: USER:PASSWORD on its first line; ``authfile``: a docker-style
+        auth file; ``ca_file``: PEM. Read here, by the caller's rights."""
+        creds = Path(creds_file).read_text().splitlines()[0].strip() if creds_file is not None else ""
+        auth_json = Path(authfile).read_bytes() if authfile is not None else b""
+        ca_pem = Path(ca_file).read_bytes() if ca_file is not None else b""
+        return cls(creds=creds, auth_json=auth_json, ca_pem=ca_pem)
+
+
+@attrs.frozen(kw_only=True)
 class Boot:
     """What boots: empty fields take the supervisor's default image. ``image``: an OCI
-    image reference as skopeo spells it (``docker://HOST/NAME:TAG``, ``oci:DIR``, ...),
-    pulled by ``pull`` policy ("always", "if-missing" (""), "never"); ``tls_verify=False``
-    for a plain-HTTP registry. Private registries: pull first with :class:`Images`."""
+    image reference: a plain name as docker reads it (``alpine``, ``python:3.12``,
+    ``ghcr.io/org/x:1``) or as skopeo spells it (``docker://HOST/NAME:TAG``, ``oci:DIR``,
+    ...), pulled by ``pull`` policy ("always", "if-missing" (""), "never");
+    ``tls_verify=False`` for a plain-HTTP registry; ``registry``: its credentials and
+    CA (:class:`RegistryAuth`; or pull first with :class:`Images`)."""
 
     image: str = ""
     pull: Literal["", "always", "if-missing", "never"] = ""
@@ -115,6 +146,7 @@ class Boot:
     kernel: str = ""
     rootfs: str = ""
     boot_args: str = ""
+    registry: RegistryAuth | None = attrs.field(default=None, repr=False)
 
 
 @attrs.frozen
@@ -132,6 +164,51 @@ class VolumeMount:
         if not sep or not name or not path.startswith("/") or flag not in ("", "ro", "rw"):
             raise InvalidArgument(W.INVALID_ARGUMENT, f"volume {text!r}: NAME:/path[:ro]")
         return cls(name, path, flag == "ro")
+
+
+@attrs.frozen
+class Tmpfs:
+    """A tmpfs at ``path`` of at most ``size_mib`` (0: the guest kernel's default, half
+    its RAM); ``Tmpfs.parse("/path[:SIZE]")``, SIZE as ``64M``, ``1G`` or MiB."""
+
+    path: str
+    size_mib: int = 0
+
+    @classmethod
+    def parse(cls, text: str) -> Tmpfs:
+        path, sep, size = text.partition(":")
+        if not path.startswith("/") or (sep and not size):
+            raise InvalidArgument(W.INVALID_ARGUMENT, f"tmpfs {text!r}: /path[:SIZE]")
+        if not size:
+            return cls(path)
+        mib = int(size) if size.isdigit() else -(-parse_size(size) // (1 << 20))
+        return cls(path, mib)
+
+
+@attrs.frozen
+class HostDir:
+    """A host directory ``source`` (inside a ``serve --allow-path`` directory) mounted
+    at ``path``, read-only unless ``writable``; ``HostDir.parse("HOST_DIR:/path[:ro|rw]")``."""
+
+    source: str
+    path: str
+    writable: bool = False
+
+    @classmethod
+    def parse(cls, text: str) -> HostDir:
+        source, sep, rest = text.partition(":")
+        path, _, flag = rest.partition(":")
+        if not sep or not source.startswith("/") or not path.startswith("/") or flag not in ("", "ro", "rw"):
+            raise InvalidArgument(W.INVALID_ARGUMENT, f"mount {text!r}: HOST_DIR:/path[:ro|rw]")
+        return cls(source, path, flag == "rw")
+
+
+def _host_dirs(v: Sequence[HostDir | str] | None) -> tuple[HostDir, ...]:
+    return tuple(m if isinstance(m, HostDir) else HostDir.parse(m) for m in v or ())
+
+
+def _tmpfs(v: Sequence[Tmpfs | str] | None) -> tuple[Tmpfs, ...]:
+    return tuple(m if isinstance(m, Tmpfs) else Tmpfs.parse(m) for m in v or ())
 
 
 def _hosts(v: Sequence[str] | str) -> tuple[str, ...]:
@@ -214,9 +291,12 @@ class Settings(TypedDict, total=False):
     image: str
     pull: Literal["", "always", "if-missing", "never"]
     tls_verify: bool
+    registry: RegistryAuth | None
     patches: Sequence[Patch]
     volumes: Sequence[VolumeMount | str]
     scripts: Mapping[str, str]
+    tmpfs: Sequence[Tmpfs | str]
+    mounts: Sequence[HostDir | str]
     secrets: Sequence[Secret | str]
 
 
@@ -237,6 +317,9 @@ class SandboxSpec:
     volumes: tuple[VolumeMount, ...] = attrs.field(default=(), converter=_mounts)
     # named scripts (name -> body; no "#!": /bin/sh), run by name: run_script(name, *args)
     scripts: dict[str, str] = attrs.field(factory=dict, converter=_kv)
+    tmpfs: tuple[Tmpfs, ...] = attrs.field(default=(), converter=_tmpfs)  # ("/path[:SIZE]" or Tmpfs)
+    # host directories ("HOST_DIR:/path[:ro|rw]" or HostDir), read-only by default
+    mounts: tuple[HostDir, ...] = attrs.field(default=(), converter=_host_dirs)
     # secrets the guest holds only placeholders of (docs/secrets.md); an env source is read at request()
     secrets: tuple[Secret, ...] = attrs.field(default=(), converter=_secrets)
 
@@ -252,6 +335,7 @@ class SandboxSpec:
                 image=s.get("image", boot.image),
                 pull=s.get("pull", boot.pull),
                 tls_verify=s.get("tls_verify", boot.tls_verify),
+                registry=s.get("registry", boot.registry),
             ),
             labels={**self.labels, **_kv(s.get("labels"))},
             hostname=s.get("hostname", self.hostname),
@@ -276,6 +360,8 @@ class SandboxSpec:
             patches=s.get("patches", self.patches),
             volumes=_mounts(s.get("volumes", self.volumes)),
             scripts={**self.scripts, **_kv(s.get("scripts"))},
+            tmpfs=_tmpfs(s.get("tmpfs", self.tmpfs)),
+            mounts=_host_dirs(s.get("mounts", self.mounts)),
             secrets=_secrets(s.get("secrets", self.secrets)),
         )
 
@@ -287,6 +373,9 @@ class SandboxSpec:
             image=self.boot.image,
             image_pull=self.boot.pull,
             image_tls_verify=self.boot.tls_verify,
+            image_creds=self.boot.registry.creds if self.boot.registry else "",
+            image_auth_json=self.boot.registry.auth_json if self.boot.registry else b"",
+            image_ca_pem=self.boot.registry.ca_pem if self.boot.registry else b"",
             kernel=self.boot.kernel,
             rootfs=self.boot.rootfs,
             boot_args=self.boot.boot_args,
@@ -304,6 +393,8 @@ class SandboxSpec:
             patches=list(self.patches),
             volumes=[W.VolumeMount(m.name, m.path, m.read_only) for m in self.volumes],
             scripts=dict(self.scripts),
+            tmpfs=[W.TmpfsMount(m.path, m.size_mib) for m in self.tmpfs],
+            host_mounts=[W.HostMount(m.source, m.path, m.writable) for m in self.mounts],
             secrets=[s.spec() for s in self.secrets],
         )
 

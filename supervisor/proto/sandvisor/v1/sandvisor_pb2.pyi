@@ -114,8 +114,26 @@ class VolumeMount(_message.Message):
     readonly: bool
     def __init__(self, volume: _Optional[str] = ..., target: _Optional[str] = ..., readonly: _Optional[bool] = ...) -> None: ...
 
+class TmpfsMount(_message.Message):
+    __slots__ = ("target", "size_mib")
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    SIZE_MIB_FIELD_NUMBER: _ClassVar[int]
+    target: str
+    size_mib: int
+    def __init__(self, target: _Optional[str] = ..., size_mib: _Optional[int] = ...) -> None: ...
+
+class HostMount(_message.Message):
+    __slots__ = ("source", "target", "writable")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    WRITABLE_FIELD_NUMBER: _ClassVar[int]
+    source: str
+    target: str
+    writable: bool
+    def __init__(self, source: _Optional[str] = ..., target: _Optional[str] = ..., writable: _Optional[bool] = ...) -> None: ...
+
 class CreateRequest(_message.Message):
-    __slots__ = ("base", "idle_timeout_seconds", "hostname", "ephemeral", "ports", "outbound", "volumes", "image_pull", "image_tls_verify", "patches", "scripts", "secrets")
+    __slots__ = ("base", "idle_timeout_seconds", "hostname", "ephemeral", "ports", "outbound", "volumes", "image_pull", "image_tls_verify", "patches", "scripts", "tmpfs", "host_mounts", "secrets", "egress", "image_creds", "image_auth_json", "image_ca_pem")
     class ScriptsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -134,7 +152,13 @@ class CreateRequest(_message.Message):
     IMAGE_TLS_VERIFY_FIELD_NUMBER: _ClassVar[int]
     PATCHES_FIELD_NUMBER: _ClassVar[int]
     SCRIPTS_FIELD_NUMBER: _ClassVar[int]
+    TMPFS_FIELD_NUMBER: _ClassVar[int]
+    HOST_MOUNTS_FIELD_NUMBER: _ClassVar[int]
     SECRETS_FIELD_NUMBER: _ClassVar[int]
+    EGRESS_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_CREDS_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_AUTH_JSON_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_CA_PEM_FIELD_NUMBER: _ClassVar[int]
     base: _sandbox_pb2.CreateSandboxRequest
     idle_timeout_seconds: int
     hostname: str
@@ -146,8 +170,24 @@ class CreateRequest(_message.Message):
     image_tls_verify: bool
     patches: _containers.RepeatedCompositeFieldContainer[PatchSpec]
     scripts: _containers.ScalarMap[str, str]
+    tmpfs: _containers.RepeatedCompositeFieldContainer[TmpfsMount]
+    host_mounts: _containers.RepeatedCompositeFieldContainer[HostMount]
     secrets: _containers.RepeatedCompositeFieldContainer[SecretSpec]
-    def __init__(self, base: _Optional[_Union[_sandbox_pb2.CreateSandboxRequest, _Mapping]] = ..., idle_timeout_seconds: _Optional[int] = ..., hostname: _Optional[str] = ..., ephemeral: _Optional[bool] = ..., ports: _Optional[_Iterable[_Union[PortMapping, _Mapping]]] = ..., outbound: _Optional[bool] = ..., volumes: _Optional[_Iterable[_Union[VolumeMount, _Mapping]]] = ..., image_pull: _Optional[str] = ..., image_tls_verify: _Optional[bool] = ..., patches: _Optional[_Iterable[_Union[PatchSpec, _Mapping]]] = ..., scripts: _Optional[_Mapping[str, str]] = ..., secrets: _Optional[_Iterable[_Union[SecretSpec, _Mapping]]] = ...) -> None: ...
+    egress: EgressPolicy
+    image_creds: str
+    image_auth_json: bytes
+    image_ca_pem: bytes
+    def __init__(self, base: _Optional[_Union[_sandbox_pb2.CreateSandboxRequest, _Mapping]] = ..., idle_timeout_seconds: _Optional[int] = ..., hostname: _Optional[str] = ..., ephemeral: _Optional[bool] = ..., ports: _Optional[_Iterable[_Union[PortMapping, _Mapping]]] = ..., outbound: _Optional[bool] = ..., volumes: _Optional[_Iterable[_Union[VolumeMount, _Mapping]]] = ..., image_pull: _Optional[str] = ..., image_tls_verify: _Optional[bool] = ..., patches: _Optional[_Iterable[_Union[PatchSpec, _Mapping]]] = ..., scripts: _Optional[_Mapping[str, str]] = ..., tmpfs: _Optional[_Iterable[_Union[TmpfsMount, _Mapping]]] = ..., host_mounts: _Optional[_Iterable[_Union[HostMount, _Mapping]]] = ..., secrets: _Optional[_Iterable[_Union[SecretSpec, _Mapping]]] = ..., egress: _Optional[_Union[EgressPolicy, _Mapping]] = ..., image_creds: _Optional[str] = ..., image_auth_json: _Optional[bytes] = ..., image_ca_pem: _Optional[bytes] = ...) -> None: ...
+
+class EgressPolicy(_message.Message):
+    __slots__ = ("default", "allow", "deny")
+    DEFAULT_FIELD_NUMBER: _ClassVar[int]
+    ALLOW_FIELD_NUMBER: _ClassVar[int]
+    DENY_FIELD_NUMBER: _ClassVar[int]
+    default: str
+    allow: _containers.RepeatedScalarFieldContainer[str]
+    deny: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, default: _Optional[str] = ..., allow: _Optional[_Iterable[str]] = ..., deny: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StartRequest(_message.Message):
     __slots__ = ("id",)
@@ -192,20 +232,22 @@ class ListResponse(_message.Message):
     def __init__(self, sandboxes: _Optional[_Iterable[_Union[_sandbox_pb2.SandboxSummary, _Mapping]]] = ..., next_cursor: _Optional[str] = ...) -> None: ...
 
 class LogsRequest(_message.Message):
-    __slots__ = ("id", "tail", "since", "until", "cursor", "follow")
+    __slots__ = ("id", "tail", "since", "until", "cursor", "follow", "sources")
     ID_FIELD_NUMBER: _ClassVar[int]
     TAIL_FIELD_NUMBER: _ClassVar[int]
     SINCE_FIELD_NUMBER: _ClassVar[int]
     UNTIL_FIELD_NUMBER: _ClassVar[int]
     CURSOR_FIELD_NUMBER: _ClassVar[int]
     FOLLOW_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
     id: str
     tail: int
     since: int
     until: int
     cursor: int
     follow: bool
-    def __init__(self, id: _Optional[str] = ..., tail: _Optional[int] = ..., since: _Optional[int] = ..., until: _Optional[int] = ..., cursor: _Optional[int] = ..., follow: _Optional[bool] = ...) -> None: ...
+    sources: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, id: _Optional[str] = ..., tail: _Optional[int] = ..., since: _Optional[int] = ..., until: _Optional[int] = ..., cursor: _Optional[int] = ..., follow: _Optional[bool] = ..., sources: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class LogEntry(_message.Message):
     __slots__ = ("seq", "timestamp", "source", "data")
@@ -287,6 +329,20 @@ class TouchResponse(_message.Message):
     activity: int
     def __init__(self, activity: _Optional[int] = ...) -> None: ...
 
+class SetTtlRequest(_message.Message):
+    __slots__ = ("id", "ttl_seconds")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    ttl_seconds: int
+    def __init__(self, id: _Optional[str] = ..., ttl_seconds: _Optional[int] = ...) -> None: ...
+
+class SetTtlResponse(_message.Message):
+    __slots__ = ("expires_at",)
+    EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    expires_at: int
+    def __init__(self, expires_at: _Optional[int] = ...) -> None: ...
+
 class ListPortsRequest(_message.Message):
     __slots__ = ("id",)
     ID_FIELD_NUMBER: _ClassVar[int]
@@ -300,30 +356,34 @@ class ListPortsResponse(_message.Message):
     def __init__(self, ports: _Optional[_Iterable[_Union[PortMapping, _Mapping]]] = ...) -> None: ...
 
 class CheckpointResponse(_message.Message):
-    __slots__ = ("base", "size_bytes", "memory", "paused_ms")
+    __slots__ = ("base", "size_bytes", "memory", "paused_ms", "disk_only")
     BASE_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MEMORY_FIELD_NUMBER: _ClassVar[int]
     PAUSED_MS_FIELD_NUMBER: _ClassVar[int]
+    DISK_ONLY_FIELD_NUMBER: _ClassVar[int]
     base: _sandbox_pb2.CheckpointResponse
     size_bytes: int
     memory: str
     paused_ms: float
-    def __init__(self, base: _Optional[_Union[_sandbox_pb2.CheckpointResponse, _Mapping]] = ..., size_bytes: _Optional[int] = ..., memory: _Optional[str] = ..., paused_ms: _Optional[float] = ...) -> None: ...
+    disk_only: bool
+    def __init__(self, base: _Optional[_Union[_sandbox_pb2.CheckpointResponse, _Mapping]] = ..., size_bytes: _Optional[int] = ..., memory: _Optional[str] = ..., paused_ms: _Optional[float] = ..., disk_only: _Optional[bool] = ...) -> None: ...
 
 class SnapshotSummary(_message.Message):
-    __slots__ = ("base", "size_bytes", "memory", "memory_mib", "pool_ready")
+    __slots__ = ("base", "size_bytes", "memory", "memory_mib", "pool_ready", "disk_only")
     BASE_FIELD_NUMBER: _ClassVar[int]
     SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MEMORY_FIELD_NUMBER: _ClassVar[int]
     MEMORY_MIB_FIELD_NUMBER: _ClassVar[int]
     POOL_READY_FIELD_NUMBER: _ClassVar[int]
+    DISK_ONLY_FIELD_NUMBER: _ClassVar[int]
     base: _sandbox_pb2.SnapshotSummary
     size_bytes: int
     memory: str
     memory_mib: int
     pool_ready: int
-    def __init__(self, base: _Optional[_Union[_sandbox_pb2.SnapshotSummary, _Mapping]] = ..., size_bytes: _Optional[int] = ..., memory: _Optional[str] = ..., memory_mib: _Optional[int] = ..., pool_ready: _Optional[int] = ...) -> None: ...
+    disk_only: bool
+    def __init__(self, base: _Optional[_Union[_sandbox_pb2.SnapshotSummary, _Mapping]] = ..., size_bytes: _Optional[int] = ..., memory: _Optional[str] = ..., memory_mib: _Optional[int] = ..., pool_ready: _Optional[int] = ..., disk_only: _Optional[bool] = ...) -> None: ...
 
 class ListSnapshotsResponse(_message.Message):
     __slots__ = ("snapshots",)
@@ -409,18 +469,20 @@ class OciImageInfo(_message.Message):
     def __init__(self, id: _Optional[str] = ..., digest: _Optional[str] = ..., refs: _Optional[_Iterable[str]] = ..., config_digest: _Optional[str] = ..., size_bytes: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., download_bytes: _Optional[int] = ..., layers: _Optional[int] = ..., source: _Optional[str] = ..., pulled_at: _Optional[int] = ..., in_use: _Optional[bool] = ..., env: _Optional[_Iterable[str]] = ..., working_dir: _Optional[str] = ..., user: _Optional[str] = ..., entrypoint: _Optional[_Iterable[str]] = ..., cmd: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PullImageRequest(_message.Message):
-    __slots__ = ("ref", "policy", "tls_verify", "creds", "auth_json")
+    __slots__ = ("ref", "policy", "tls_verify", "creds", "auth_json", "ca_pem")
     REF_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     TLS_VERIFY_FIELD_NUMBER: _ClassVar[int]
     CREDS_FIELD_NUMBER: _ClassVar[int]
     AUTH_JSON_FIELD_NUMBER: _ClassVar[int]
+    CA_PEM_FIELD_NUMBER: _ClassVar[int]
     ref: str
     policy: str
     tls_verify: bool
     creds: str
     auth_json: bytes
-    def __init__(self, ref: _Optional[str] = ..., policy: _Optional[str] = ..., tls_verify: _Optional[bool] = ..., creds: _Optional[str] = ..., auth_json: _Optional[bytes] = ...) -> None: ...
+    ca_pem: bytes
+    def __init__(self, ref: _Optional[str] = ..., policy: _Optional[str] = ..., tls_verify: _Optional[bool] = ..., creds: _Optional[str] = ..., auth_json: _Optional[bytes] = ..., ca_pem: _Optional[bytes] = ...) -> None: ...
 
 class PullImageProgress(_message.Message):
     __slots__ = ("phase", "message", "done", "total", "digest", "image")
@@ -572,6 +634,203 @@ class DeleteVolumeRequest(_message.Message):
     name: str
     force: bool
     def __init__(self, name: _Optional[str] = ..., force: _Optional[bool] = ...) -> None: ...
+
+class FsPathRequest(_message.Message):
+    __slots__ = ("id", "path")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    path: str
+    def __init__(self, id: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class FsEntry(_message.Message):
+    __slots__ = ("name", "path", "kind", "size", "mode", "uid", "gid", "mtime_ns", "target")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    UID_FIELD_NUMBER: _ClassVar[int]
+    GID_FIELD_NUMBER: _ClassVar[int]
+    MTIME_NS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    path: str
+    kind: str
+    size: int
+    mode: int
+    uid: int
+    gid: int
+    mtime_ns: int
+    target: str
+    def __init__(self, name: _Optional[str] = ..., path: _Optional[str] = ..., kind: _Optional[str] = ..., size: _Optional[int] = ..., mode: _Optional[int] = ..., uid: _Optional[int] = ..., gid: _Optional[int] = ..., mtime_ns: _Optional[int] = ..., target: _Optional[str] = ...) -> None: ...
+
+class FsListResponse(_message.Message):
+    __slots__ = ("entries",)
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    entries: _containers.RepeatedCompositeFieldContainer[FsEntry]
+    def __init__(self, entries: _Optional[_Iterable[_Union[FsEntry, _Mapping]]] = ...) -> None: ...
+
+class FsExistsResponse(_message.Message):
+    __slots__ = ("exists",)
+    EXISTS_FIELD_NUMBER: _ClassVar[int]
+    exists: bool
+    def __init__(self, exists: _Optional[bool] = ...) -> None: ...
+
+class FsMkdirRequest(_message.Message):
+    __slots__ = ("id", "path", "parents", "mode")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    path: str
+    parents: bool
+    mode: int
+    def __init__(self, id: _Optional[str] = ..., path: _Optional[str] = ..., parents: _Optional[bool] = ..., mode: _Optional[int] = ...) -> None: ...
+
+class FsRemoveRequest(_message.Message):
+    __slots__ = ("id", "path", "recursive")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    RECURSIVE_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    path: str
+    recursive: bool
+    def __init__(self, id: _Optional[str] = ..., path: _Optional[str] = ..., recursive: _Optional[bool] = ...) -> None: ...
+
+class FsRenameRequest(_message.Message):
+    __slots__ = ("id", "path", "dest")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    DEST_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    path: str
+    dest: str
+    def __init__(self, id: _Optional[str] = ..., path: _Optional[str] = ..., dest: _Optional[str] = ...) -> None: ...
+
+class ExportSnapshotRequest(_message.Message):
+    __slots__ = ("snapshot_id", "include_base")
+    SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_BASE_FIELD_NUMBER: _ClassVar[int]
+    snapshot_id: str
+    include_base: bool
+    def __init__(self, snapshot_id: _Optional[str] = ..., include_base: _Optional[bool] = ...) -> None: ...
+
+class ImportSnapshotOpen(_message.Message):
+    __slots__ = ("name", "labels")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    labels: _containers.ScalarMap[str, str]
+    def __init__(self, name: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class ImportSnapshotRequest(_message.Message):
+    __slots__ = ("open", "chunk")
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    open: ImportSnapshotOpen
+    chunk: _sandbox_pb2.FileChunk
+    def __init__(self, open: _Optional[_Union[ImportSnapshotOpen, _Mapping]] = ..., chunk: _Optional[_Union[_sandbox_pb2.FileChunk, _Mapping]] = ...) -> None: ...
+
+class FleetFetchRequest(_message.Message):
+    __slots__ = ("snapshot_id",)
+    SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
+    snapshot_id: str
+    def __init__(self, snapshot_id: _Optional[str] = ...) -> None: ...
+
+class FleetFetchResponse(_message.Message):
+    __slots__ = ("snapshot_id", "source", "bytes", "seconds")
+    SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    snapshot_id: str
+    source: str
+    bytes: int
+    seconds: float
+    def __init__(self, snapshot_id: _Optional[str] = ..., source: _Optional[str] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+
+class FleetReserveRequest(_message.Message):
+    __slots__ = ("name", "memory_mib", "node", "prefer_snapshot", "timeout_seconds")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_MIB_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    PREFER_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    memory_mib: int
+    node: str
+    prefer_snapshot: str
+    timeout_seconds: float
+    def __init__(self, name: _Optional[str] = ..., memory_mib: _Optional[int] = ..., node: _Optional[str] = ..., prefer_snapshot: _Optional[str] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class FleetNameRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class FleetListRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class FleetSandbox(_message.Message):
+    __slots__ = ("name", "node", "address", "state", "memory_mib", "created_at", "lost_at")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_MIB_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    LOST_AT_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    node: str
+    address: str
+    state: str
+    memory_mib: int
+    created_at: float
+    lost_at: float
+    def __init__(self, name: _Optional[str] = ..., node: _Optional[str] = ..., address: _Optional[str] = ..., state: _Optional[str] = ..., memory_mib: _Optional[int] = ..., created_at: _Optional[float] = ..., lost_at: _Optional[float] = ...) -> None: ...
+
+class FleetSandboxes(_message.Message):
+    __slots__ = ("sandboxes",)
+    SANDBOXES_FIELD_NUMBER: _ClassVar[int]
+    sandboxes: _containers.RepeatedCompositeFieldContainer[FleetSandbox]
+    def __init__(self, sandboxes: _Optional[_Iterable[_Union[FleetSandbox, _Mapping]]] = ...) -> None: ...
+
+class FleetNode(_message.Message):
+    __slots__ = ("name", "address", "alive", "slots", "slots_used", "memory_mib", "memory_used_mib", "snapshots")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ALIVE_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    SLOTS_USED_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_MIB_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_USED_MIB_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOTS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    address: str
+    alive: bool
+    slots: int
+    slots_used: int
+    memory_mib: int
+    memory_used_mib: int
+    snapshots: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., alive: _Optional[bool] = ..., slots: _Optional[int] = ..., slots_used: _Optional[int] = ..., memory_mib: _Optional[int] = ..., memory_used_mib: _Optional[int] = ..., snapshots: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class FleetNodes(_message.Message):
+    __slots__ = ("nodes",)
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    nodes: _containers.RepeatedCompositeFieldContainer[FleetNode]
+    def __init__(self, nodes: _Optional[_Iterable[_Union[FleetNode, _Mapping]]] = ...) -> None: ...
 
 class SecretSpec(_message.Message):
     __slots__ = ("name", "hosts", "value", "store", "placeholder")

@@ -95,6 +95,11 @@ class SandvisorServiceStub:
                 request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.TouchRequest.SerializeToString,
                 response_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.TouchResponse.FromString,
                 _registered_method=True)
+        self.SetTtl = channel.unary_unary(
+                '/sandvisor.v1.SandvisorService/SetTtl',
+                request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.SetTtlRequest.SerializeToString,
+                response_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.SetTtlResponse.FromString,
+                _registered_method=True)
         self.ListPorts = channel.unary_unary(
                 '/sandvisor.v1.SandvisorService/ListPorts',
                 request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.ListPortsRequest.SerializeToString,
@@ -170,6 +175,36 @@ class SandvisorServiceStub:
                 request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.DeleteVolumeRequest.SerializeToString,
                 response_deserializer=sandbox_dot_v1_dot_sandbox__pb2.Empty.FromString,
                 _registered_method=True)
+        self.FsList = channel.unary_stream(
+                '/sandvisor.v1.SandvisorService/FsList',
+                request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.FsPathRequest.SerializeToString,
+                response_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.FsListResponse.FromString,
+                _registered_method=True)
+        self.FsStat = channel.unary_unary(
+                '/sandvisor.v1.SandvisorService/FsStat',
+                request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.FsPathRequest.SerializeToString,
+                response_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.FsEntry.FromString,
+                _registered_method=True)
+        self.FsExists = channel.unary_unary(
+                '/sandvisor.v1.SandvisorService/FsExists',
+                request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.FsPathRequest.SerializeToString,
+                response_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.FsExistsResponse.FromString,
+                _registered_method=True)
+        self.FsMkdir = channel.unary_unary(
+                '/sandvisor.v1.SandvisorService/FsMkdir',
+                request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.FsMkdirRequest.SerializeToString,
+                response_deserializer=sandbox_dot_v1_dot_sandbox__pb2.Empty.FromString,
+                _registered_method=True)
+        self.FsRemove = channel.unary_unary(
+                '/sandvisor.v1.SandvisorService/FsRemove',
+                request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.FsRemoveRequest.SerializeToString,
+                response_deserializer=sandbox_dot_v1_dot_sandbox__pb2.Empty.FromString,
+                _registered_method=True)
+        self.FsRename = channel.unary_unary(
+                '/sandvisor.v1.SandvisorService/FsRename',
+                request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.FsRenameRequest.SerializeToString,
+                response_deserializer=sandbox_dot_v1_dot_sandbox__pb2.Empty.FromString,
+                _registered_method=True)
         self.ReadTree = channel.unary_stream(
                 '/sandvisor.v1.SandvisorService/ReadTree',
                 request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.ReadTreeRequest.SerializeToString,
@@ -184,6 +219,16 @@ class SandvisorServiceStub:
                 '/sandvisor.v1.SandvisorService/Run',
                 request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.RunRequest.SerializeToString,
                 response_deserializer=sandbox_dot_v1_dot_sandbox__pb2.RunOutput.FromString,
+                _registered_method=True)
+        self.ExportSnapshot = channel.unary_stream(
+                '/sandvisor.v1.SandvisorService/ExportSnapshot',
+                request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.ExportSnapshotRequest.SerializeToString,
+                response_deserializer=sandbox_dot_v1_dot_sandbox__pb2.FileChunk.FromString,
+                _registered_method=True)
+        self.ImportSnapshot = channel.stream_unary(
+                '/sandvisor.v1.SandvisorService/ImportSnapshot',
+                request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.ImportSnapshotRequest.SerializeToString,
+                response_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.SnapshotSummary.FromString,
                 _registered_method=True)
         self.SetSecret = channel.unary_unary(
                 '/sandvisor.v1.SandvisorService/SetSecret',
@@ -308,6 +353,13 @@ class SandvisorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetTtl(self, request, context):
+        """Remove the sandbox ttl_seconds from now (0: never), replacing its TTL.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ListPorts(self, request, context):
         """--- ports ---
         Ports exposed on the host (at create or with ExposePort).
@@ -410,6 +462,53 @@ class SandvisorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FsList(self, request, context):
+        """--- files beyond read and write (docs/files.md) ---
+        A guest directory's entries, by name (its own symlink followed; entries' not),
+        in pages (at most 1000 entries, about 1 MiB). NOT_FOUND: no such path;
+        FAILED_PRECONDITION: not a directory; RESOURCE_EXHAUSTED: more than 100000 entries.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FsStat(self, request, context):
+        """The path itself (a symlink is reported as one, not followed). NOT_FOUND: no such path.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FsExists(self, request, context):
+        """Whether the path exists (a dangling symlink does).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FsMkdir(self, request, context):
+        """mkdir; parents: mkdir -p. ALREADY_EXISTS (without parents) or FAILED_PRECONDITION
+        (something else is there); NOT_FOUND: a missing parent without parents.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FsRemove(self, request, context):
+        """rm of a file, a link or an empty directory; recursive: rm -r. FAILED_PRECONDITION:
+        a directory that is not empty, without recursive.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def FsRename(self, request, context):
+        """rename(2) of path to dest (one file system: else FAILED_PRECONDITION).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def ReadTree(self, request, context):
         """--- trees, scripts (cp -r; docs/protocol.md) ---
         A guest directory as one tar stream (modes, owners, symlinks, empty dirs); the
@@ -428,6 +527,25 @@ class SandvisorServiceServicer:
 
     def Run(self, request, context):
         """The seed's Run, plus a named script of the sandbox's config (cmd: its arguments).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ExportSnapshot(self, request, context):
+        """--- snapshot export and import (docs/snapshot-transfer.md) ---
+        A snapshot as one export file (framed, versioned, SHA-256 in its trailer); the
+        last chunk has done == true.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ImportSnapshot(self, request_iterator, context):
+        """An export file's bytes: open first, then chunks (the last done). A new snapshot
+        (new id), recorded only once every byte arrived and matched the digest;
+        INVALID_ARGUMENT for a corrupt or truncated file, FAILED_PRECONDITION for a
+        format version this server does not read or a base image it lacks.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -538,6 +656,11 @@ def add_SandvisorServiceServicer_to_server(servicer, server):
                     request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.TouchRequest.FromString,
                     response_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.TouchResponse.SerializeToString,
             ),
+            'SetTtl': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetTtl,
+                    request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.SetTtlRequest.FromString,
+                    response_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.SetTtlResponse.SerializeToString,
+            ),
             'ListPorts': grpc.unary_unary_rpc_method_handler(
                     servicer.ListPorts,
                     request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.ListPortsRequest.FromString,
@@ -613,6 +736,36 @@ def add_SandvisorServiceServicer_to_server(servicer, server):
                     request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.DeleteVolumeRequest.FromString,
                     response_serializer=sandbox_dot_v1_dot_sandbox__pb2.Empty.SerializeToString,
             ),
+            'FsList': grpc.unary_stream_rpc_method_handler(
+                    servicer.FsList,
+                    request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.FsPathRequest.FromString,
+                    response_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.FsListResponse.SerializeToString,
+            ),
+            'FsStat': grpc.unary_unary_rpc_method_handler(
+                    servicer.FsStat,
+                    request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.FsPathRequest.FromString,
+                    response_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.FsEntry.SerializeToString,
+            ),
+            'FsExists': grpc.unary_unary_rpc_method_handler(
+                    servicer.FsExists,
+                    request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.FsPathRequest.FromString,
+                    response_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.FsExistsResponse.SerializeToString,
+            ),
+            'FsMkdir': grpc.unary_unary_rpc_method_handler(
+                    servicer.FsMkdir,
+                    request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.FsMkdirRequest.FromString,
+                    response_serializer=sandbox_dot_v1_dot_sandbox__pb2.Empty.SerializeToString,
+            ),
+            'FsRemove': grpc.unary_unary_rpc_method_handler(
+                    servicer.FsRemove,
+                    request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.FsRemoveRequest.FromString,
+                    response_serializer=sandbox_dot_v1_dot_sandbox__pb2.Empty.SerializeToString,
+            ),
+            'FsRename': grpc.unary_unary_rpc_method_handler(
+                    servicer.FsRename,
+                    request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.FsRenameRequest.FromString,
+                    response_serializer=sandbox_dot_v1_dot_sandbox__pb2.Empty.SerializeToString,
+            ),
             'ReadTree': grpc.unary_stream_rpc_method_handler(
                     servicer.ReadTree,
                     request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.ReadTreeRequest.FromString,
@@ -627,6 +780,16 @@ def add_SandvisorServiceServicer_to_server(servicer, server):
                     servicer.Run,
                     request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.RunRequest.FromString,
                     response_serializer=sandbox_dot_v1_dot_sandbox__pb2.RunOutput.SerializeToString,
+            ),
+            'ExportSnapshot': grpc.unary_stream_rpc_method_handler(
+                    servicer.ExportSnapshot,
+                    request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.ExportSnapshotRequest.FromString,
+                    response_serializer=sandbox_dot_v1_dot_sandbox__pb2.FileChunk.SerializeToString,
+            ),
+            'ImportSnapshot': grpc.stream_unary_rpc_method_handler(
+                    servicer.ImportSnapshot,
+                    request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.ImportSnapshotRequest.FromString,
+                    response_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.SnapshotSummary.SerializeToString,
             ),
             'SetSecret': grpc.unary_unary_rpc_method_handler(
                     servicer.SetSecret,
@@ -983,6 +1146,33 @@ class SandvisorService:
             '/sandvisor.v1.SandvisorService/Touch',
             sandvisor_dot_v1_dot_sandvisor__pb2.TouchRequest.SerializeToString,
             sandvisor_dot_v1_dot_sandvisor__pb2.TouchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetTtl(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandvisor.v1.SandvisorService/SetTtl',
+            sandvisor_dot_v1_dot_sandvisor__pb2.SetTtlRequest.SerializeToString,
+            sandvisor_dot_v1_dot_sandvisor__pb2.SetTtlResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -1399,6 +1589,168 @@ class SandvisorService:
             _registered_method=True)
 
     @staticmethod
+    def FsList(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/sandvisor.v1.SandvisorService/FsList',
+            sandvisor_dot_v1_dot_sandvisor__pb2.FsPathRequest.SerializeToString,
+            sandvisor_dot_v1_dot_sandvisor__pb2.FsListResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FsStat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandvisor.v1.SandvisorService/FsStat',
+            sandvisor_dot_v1_dot_sandvisor__pb2.FsPathRequest.SerializeToString,
+            sandvisor_dot_v1_dot_sandvisor__pb2.FsEntry.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FsExists(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandvisor.v1.SandvisorService/FsExists',
+            sandvisor_dot_v1_dot_sandvisor__pb2.FsPathRequest.SerializeToString,
+            sandvisor_dot_v1_dot_sandvisor__pb2.FsExistsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FsMkdir(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandvisor.v1.SandvisorService/FsMkdir',
+            sandvisor_dot_v1_dot_sandvisor__pb2.FsMkdirRequest.SerializeToString,
+            sandbox_dot_v1_dot_sandbox__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FsRemove(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandvisor.v1.SandvisorService/FsRemove',
+            sandvisor_dot_v1_dot_sandvisor__pb2.FsRemoveRequest.SerializeToString,
+            sandbox_dot_v1_dot_sandbox__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FsRename(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandvisor.v1.SandvisorService/FsRename',
+            sandvisor_dot_v1_dot_sandvisor__pb2.FsRenameRequest.SerializeToString,
+            sandbox_dot_v1_dot_sandbox__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
     def ReadTree(request,
             target,
             options=(),
@@ -1469,6 +1821,60 @@ class SandvisorService:
             '/sandvisor.v1.SandvisorService/Run',
             sandvisor_dot_v1_dot_sandvisor__pb2.RunRequest.SerializeToString,
             sandbox_dot_v1_dot_sandbox__pb2.RunOutput.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExportSnapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/sandvisor.v1.SandvisorService/ExportSnapshot',
+            sandvisor_dot_v1_dot_sandvisor__pb2.ExportSnapshotRequest.SerializeToString,
+            sandbox_dot_v1_dot_sandbox__pb2.FileChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ImportSnapshot(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/sandvisor.v1.SandvisorService/ImportSnapshot',
+            sandvisor_dot_v1_dot_sandvisor__pb2.ImportSnapshotRequest.SerializeToString,
+            sandvisor_dot_v1_dot_sandvisor__pb2.SnapshotSummary.FromString,
             options,
             channel_credentials,
             insecure,
@@ -1631,6 +2037,314 @@ class SandvisorService:
             '/sandvisor.v1.SandvisorService/ListSandboxSecrets',
             sandvisor_dot_v1_dot_sandvisor__pb2.ListSandboxSecretsRequest.SerializeToString,
             sandvisor_dot_v1_dot_sandvisor__pb2.ListSandboxSecretsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class FleetServiceStub:
+    """--- the fleet (docs/fleet.md): supervisors placed by Ray's scheduler ---------------------
+    Served by a supervisor that joined a fleet (serve --fleet RAY_ADDRESS --advertise
+    HOST:PORT) on its gRPC TCP listener. A client reserves through any member, then
+    talks to the owning node (FleetSandbox.address) with SandboxService/SandvisorService.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Reserve = channel.unary_unary(
+                '/sandvisor.v1.FleetService/Reserve',
+                request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.FleetReserveRequest.SerializeToString,
+                response_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.FleetSandbox.FromString,
+                _registered_method=True)
+        self.Resolve = channel.unary_unary(
+                '/sandvisor.v1.FleetService/Resolve',
+                request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.FleetNameRequest.SerializeToString,
+                response_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.FleetSandbox.FromString,
+                _registered_method=True)
+        self.Release = channel.unary_unary(
+                '/sandvisor.v1.FleetService/Release',
+                request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.FleetNameRequest.SerializeToString,
+                response_deserializer=sandbox_dot_v1_dot_sandbox__pb2.Empty.FromString,
+                _registered_method=True)
+        self.ListSandboxes = channel.unary_unary(
+                '/sandvisor.v1.FleetService/ListSandboxes',
+                request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.FleetListRequest.SerializeToString,
+                response_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.FleetSandboxes.FromString,
+                _registered_method=True)
+        self.ListNodes = channel.unary_unary(
+                '/sandvisor.v1.FleetService/ListNodes',
+                request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.FleetListRequest.SerializeToString,
+                response_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.FleetNodes.FromString,
+                _registered_method=True)
+        self.Fetch = channel.unary_unary(
+                '/sandvisor.v1.FleetService/Fetch',
+                request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.FleetFetchRequest.SerializeToString,
+                response_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.FleetFetchResponse.FromString,
+                _registered_method=True)
+
+
+class FleetServiceServicer:
+    """--- the fleet (docs/fleet.md): supervisors placed by Ray's scheduler ---------------------
+    Served by a supervisor that joined a fleet (serve --fleet RAY_ADDRESS --advertise
+    HOST:PORT) on its gRPC TCP listener. A client reserves through any member, then
+    talks to the owning node (FleetSandbox.address) with SandboxService/SandvisorService.
+    """
+
+    def Reserve(self, request, context):
+        """A slot on a node with room, through Ray's scheduler (waits up to timeout_seconds;
+        RESOURCE_EXHAUSTED then; ALREADY_EXISTS when the name is taken in the fleet).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Resolve(self, request, context):
+        """Where a sandbox of the fleet lives (NOT_FOUND: no such name).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Release(self, request, context):
+        """Give a reservation's slot back (a removed sandbox's is given back by its node).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListSandboxes(self, request, context):
+        """Every sandbox of the fleet, with its node.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListNodes(self, request, context):
+        """Every node: capacity and use.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Fetch(self, request, context):
+        """The fleet's snapshot on this node: its local id, fetched first from a node that
+        caches it (node to node, mTLS: ExportSnapshot there, ImportSnapshot here,
+        digest-checked) unless this node has it. NOT_FOUND: no live node caches it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_FleetServiceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Reserve': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reserve,
+                    request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.FleetReserveRequest.FromString,
+                    response_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.FleetSandbox.SerializeToString,
+            ),
+            'Resolve': grpc.unary_unary_rpc_method_handler(
+                    servicer.Resolve,
+                    request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.FleetNameRequest.FromString,
+                    response_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.FleetSandbox.SerializeToString,
+            ),
+            'Release': grpc.unary_unary_rpc_method_handler(
+                    servicer.Release,
+                    request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.FleetNameRequest.FromString,
+                    response_serializer=sandbox_dot_v1_dot_sandbox__pb2.Empty.SerializeToString,
+            ),
+            'ListSandboxes': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListSandboxes,
+                    request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.FleetListRequest.FromString,
+                    response_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.FleetSandboxes.SerializeToString,
+            ),
+            'ListNodes': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListNodes,
+                    request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.FleetListRequest.FromString,
+                    response_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.FleetNodes.SerializeToString,
+            ),
+            'Fetch': grpc.unary_unary_rpc_method_handler(
+                    servicer.Fetch,
+                    request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.FleetFetchRequest.FromString,
+                    response_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.FleetFetchResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'sandvisor.v1.FleetService', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('sandvisor.v1.FleetService', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class FleetService:
+    """--- the fleet (docs/fleet.md): supervisors placed by Ray's scheduler ---------------------
+    Served by a supervisor that joined a fleet (serve --fleet RAY_ADDRESS --advertise
+    HOST:PORT) on its gRPC TCP listener. A client reserves through any member, then
+    talks to the owning node (FleetSandbox.address) with SandboxService/SandvisorService.
+    """
+
+    @staticmethod
+    def Reserve(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandvisor.v1.FleetService/Reserve',
+            sandvisor_dot_v1_dot_sandvisor__pb2.FleetReserveRequest.SerializeToString,
+            sandvisor_dot_v1_dot_sandvisor__pb2.FleetSandbox.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Resolve(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandvisor.v1.FleetService/Resolve',
+            sandvisor_dot_v1_dot_sandvisor__pb2.FleetNameRequest.SerializeToString,
+            sandvisor_dot_v1_dot_sandvisor__pb2.FleetSandbox.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Release(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandvisor.v1.FleetService/Release',
+            sandvisor_dot_v1_dot_sandvisor__pb2.FleetNameRequest.SerializeToString,
+            sandbox_dot_v1_dot_sandbox__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListSandboxes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandvisor.v1.FleetService/ListSandboxes',
+            sandvisor_dot_v1_dot_sandvisor__pb2.FleetListRequest.SerializeToString,
+            sandvisor_dot_v1_dot_sandvisor__pb2.FleetSandboxes.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListNodes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandvisor.v1.FleetService/ListNodes',
+            sandvisor_dot_v1_dot_sandvisor__pb2.FleetListRequest.SerializeToString,
+            sandvisor_dot_v1_dot_sandvisor__pb2.FleetNodes.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Fetch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandvisor.v1.FleetService/Fetch',
+            sandvisor_dot_v1_dot_sandvisor__pb2.FleetFetchRequest.SerializeToString,
+            sandvisor_dot_v1_dot_sandvisor__pb2.FleetFetchResponse.FromString,
             options,
             channel_credentials,
             insecure,

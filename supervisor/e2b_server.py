@@ -1,0 +1,375 @@
+"""The E2B-compatible endpoint (``sandvisor serve --e2b HOST:PORT --e2b-key-file FILE``):
+E2B's REST API as the ``e2b`` Python SDK calls it, and envd's services on each sandbox
+(:mod:`supervisor.e2b_envd`), so that the SDK runs unchanged with ``E2B_API_URL`` and
+``E2B_SANDBOX_URL`` both pointing here. It is an ordinary client of the supervisor: every
+operation goes through the SDK on the supervisor's Unix socket.
+
+HTTP/1.1 and HTTP/2 (cleartext, by prior knowledge; and TLS with ALPN) come from
+Hypercorn, an ASGI server that runs on Trio; the app here is plain ASGI.
+
+Authentication, on every request: REST calls send ``X-API-KEY`` (one of the key file's
+lines, compared in constant time); envd calls send the ``X-Access-Token`` this endpoint
+handed out for that sandbox at create/connect (an HMAC of the sandbox id under a key
+made at start), or an API key. Anything else is 401.
+
+Templates: ``base`` (the SDK's default), ``default`` or "" boot the supervisor's default
+image; the id or name of a snapshot restores it; anything else is an OCI image
+reference. A sandbox's ``timeout`` is its TTL (``set_timeout`` replaces it).
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import hmac
+import logging
+import os
+import re
+import secrets
+import time
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qsl, unquote
+
+import attrs
+import trio
+
+from supervisor import e2b_envd as envd
+from supervisor import errors as E
+from supervisor.e2b_http import Exchange, HttpError, Receive, Scope, Send, http_error
+from supervisor.metrics import is_loopback
+from supervisor.sdk.aio import AsyncSandbox
+
+log = logging.getLogger("sandvisor.e2b")
+
+ENVD_VERSION = "0.6.1"  # what the SDK is told: the envd features served are those of this version
+DEFAULT_TIMEOUT = 300  # s: the SDK's own default sandbox timeout
+MAX_TIMEOUT = 24 * 3600
+DEFAULT_TEMPLATES = frozenset({"", "base", "default"})
+_ID = r"([A-Za-z0-9][A-Za-z0-9_.-]{0,127})"
+_ROUTES = [
+    ("POST", re.compile(r"^/(?:v2/)?sandboxes$"), "create"),
+    ("GET", re.compile(r"^/(?:v2/)?sandboxes$"), "list"),
+    ("GET", re.compile(rf"^/sandboxes/{_ID}$"), "get"),
+    ("DELETE", re.compile(rf"^/sandboxes/{_ID}$"), "kill"),
+    ("POST", re.compile(rf"^/sandboxes/{_ID}/timeout$"), "timeout"),
+    ("POST", re.compile(rf"^/sandboxes/{_ID}/pause$"), "pause"),
+    ("POST", re.compile(rf"^/sandboxes/{_ID}/resume$"), "resume"),
+    ("POST", re.compile(rf"^/(?:v2/)?sandboxes/{_ID}/connect$"), "connect"),
+]
+_RPC = re.compile(r"^/(process\.Process|filesystem\.Filesystem)/([A-Za-z]+)$")
+
+
+def read_keys(path: Path) -> list[bytes]:
+    """The API keys of ``path``: one a line, blank lines and ``#`` comments skipped."""
+    keys = [line.strip().encode() for line in path.read_text().splitlines()]
+    keys = [k for k in keys if k and not k.startswith(b"#")]
+    if not keys:
+        raise ValueError(f"{path}: no API keys (one a line)")
+    return keys
+
+
+@attrs.define
+class Known:
+    """What E2B says of a sandbox and sandvisor does not keep: its template, its end."""
+
+    template: str
+    end_at: int  # unix seconds (0: never)
+
+
+def _iso(ts: int) -> str:
+    return datetime.datetime.fromtimestamp(ts, datetime.UTC).isoformat().replace("+00:00", "Z")
+
+
+def _timeout(value: Any, default: int) -> int:
+    if value is None:
+        return default
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 < value <= MAX_TIMEOUT:
+        raise HttpError(400, f"timeout: whole seconds between 1 and {MAX_TIMEOUT}")
+    return value
+
+
+def _labels(value: Any) -> dict[str, str]:
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+        raise HttpError(400, "metadata: a map of strings")
+    return {str(k): v for k, v in value.items()}
+
+
+class E2BApp:
+    """The ASGI app. ``socket``: the supervisor's; ``keys``: the API keys."""
+
+    def __init__(self, socket: str, keys: list[bytes], procs: envd.Processes) -> None:
+        self.socket = socket
+        self.keys = keys
+        self.procs = procs
+        self.secret = secrets.token_bytes(32)
+        self.known: dict[str, Known] = {}
+
+    # -- auth --------------------------------------------------------------------------------
+    def _key_ok(self, given: str | None) -> bool:
+        if not given:
+            return False
+        g = given.encode()
+        ok = False
+        for k in self.keys:  # every key compared, in constant time each
+            ok |= hmac.compare_digest(g, k)
+        return ok
+
+    def access_token(self, sandbox: str) -> str:
+        return hmac.new(self.secret, sandbox.encode(), hashlib.sha256).hexdigest()
+
+    def _token_ok(self, sandbox: str, given: str | None) -> bool:
+        return bool(given) and hmac.compare_digest(self.access_token(sandbox).encode(), (given or "").encode())
+
+    # -- ASGI --------------------------------------------------------------------------------
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        if scope["type"] != "http":
+            return
+        ex = Exchange(scope, receive, send)
+        try:
+            await self._route(ex)
+        except HttpError as err:
+            if not ex.started:
+                await ex.fail(err.status, err.message)
+        except E.SandboxError as exc:
+            if not ex.started:
+                answer = http_error(exc)
+                await ex.fail(answer.status, answer.message)
+            else:
+                log.info("e2b: %s %s failed mid-answer: %s", ex.method, ex.path, exc)
+
+    async def _route(self, ex: Exchange) -> None:
+        sandbox = ex.headers.get("e2b-sandbox-id")
+        if sandbox is not None:
+            if not (
+                self._token_ok(sandbox, ex.headers.get("x-access-token")) or self._key_ok(ex.headers.get("x-api-key"))
+            ):
+                raise HttpError(401, "invalid or missing access token")
+            await self._envd(ex, sandbox)
+            return
+        if not self._key_ok(ex.headers.get("x-api-key")):
+            raise HttpError(401, "Invalid API key")
+        for method, pattern, name in _ROUTES:
+            m = pattern.match(ex.path)
+            if m and ex.method == method:
+                await getattr(self, name)(ex, *m.groups())
+                return
+        raise HttpError(404, f"no route {ex.method} {ex.path}")
+
+    async def _envd(self, ex: Exchange, sandbox: str) -> None:
+        try:  # as E2B's proxy answers for a sandbox that is not there (the SDK: SandboxNotRunning)
+            info = await AsyncSandbox(sandbox, socket=self.socket).inspect()
+        except E.NotFound:
+            await ex.send_json(
+                {"code": 502, "message": f"The sandbox {sandbox} was not found", "sandboxId": sandbox}, 502
+            )
+            return
+        if info.state not in ("ready", "running"):
+            await ex.send_json(
+                {"code": 502, "message": f"The sandbox {sandbox} is {info.state}", "sandboxId": sandbox}, 502
+            )
+            return
+        if ex.path == "/health":
+            await ex.respond(204)
+            return
+        if ex.path == "/files":
+            if ex.method == "GET":
+                await envd.download(ex, self.socket, sandbox)
+            elif ex.method == "POST":
+                await envd.upload(ex, self.socket, sandbox)
+            else:
+                raise HttpError(405, "GET or POST")
+            return
+        m = _RPC.match(ex.path)
+        if m is None or ex.method != "POST":
+            raise HttpError(404, f"no envd route {ex.method} {ex.path}")
+        if m.group(1) == "process.Process":
+            await envd.process_call(ex, self.procs, sandbox, m.group(2))
+        else:
+            await envd.filesystem_call(ex, self.socket, sandbox, m.group(2))
+
+    # -- the REST API ------------------------------------------------------------------------
+    def _created(self, sandbox: str, template: str) -> dict[str, Any]:
+        return {
+            "templateID": template,
+            "sandboxID": sandbox,
+            "clientID": "sandvisor",
+            "envdVersion": ENVD_VERSION,
+            "envdAccessToken": self.access_token(sandbox),
+        }
+
+    async def _template(self, template: str) -> str | None:
+        """The snapshot id ``template`` names, if it names one."""
+        for s in await AsyncSandbox.snapshots(socket=self.socket):
+            if template in (s.id, s.name):
+                return s.id
+        return None
+
+    async def create(self, ex: Exchange) -> None:
+        body = await ex.json()
+        template = body.get("templateID", "")
+        if not isinstance(template, str):
+            raise HttpError(400, "templateID: a string")
+        ttl = _timeout(body.get("timeout"), DEFAULT_TIMEOUT)
+        labels = _labels(body.get("metadata"))
+        env = _labels(body.get("envVars"))
+        snapshot = None if template in DEFAULT_TEMPLATES else await self._template(template)
+        if snapshot is not None:
+            if env:
+                raise HttpError(400, "envVars: not supported for a snapshot template (it keeps its own)")
+            sb = await AsyncSandbox.restore(snapshot, labels=labels, ttl=ttl, socket=self.socket)
+        else:
+            image = "" if template in DEFAULT_TEMPLATES else template
+            sb = await AsyncSandbox.create(socket=self.socket, image=image, labels=labels, env=env, ttl=ttl)
+        info = await sb.inspect()
+        self.known[sb.id] = Known(template or "base", info.created_at + ttl)
+        await ex.send_json(self._created(sb.id, template or "base"), 201)
+
+    def _listed(self, sid: str, state: str, labels: dict[str, str], created_at: int) -> dict[str, Any]:
+        known = self.known.get(sid)
+        return {
+            "templateID": known.template if known else "base",
+            "sandboxID": sid,
+            "clientID": "sandvisor",
+            "startedAt": _iso(created_at),
+            "endAt": _iso(known.end_at if known and known.end_at else created_at),
+            "cpuCount": 0,
+            "memoryMB": 0,
+            "diskSizeMB": 0,
+            "state": "running",
+            "envdVersion": ENVD_VERSION,
+            "metadata": labels,
+        }
+
+    async def list(self, ex: Exchange) -> None:
+        q = ex.query
+        states = set(filter(None, q.get("state", "").split(",")))
+        # the SDK quotes each key and value, then url-encodes the pairs, then the query
+        pairs = parse_qsl(q.get("metadata", ""), keep_blank_values=True)
+        labels = {unquote(k): unquote(v) for k, v in pairs}
+        try:
+            limit = min(max(int(q.get("limit", "100")), 1), 100)
+        except ValueError:
+            raise HttpError(400, "limit: a number") from None
+        if states and "running" not in states:  # nothing here is ever paused
+            await ex.send_json([])
+            return
+        page = await AsyncSandbox.list(socket=self.socket, labels=labels, limit=limit, cursor=q.get("nextToken", ""))
+        out = [
+            self._listed(s.id, s.state, s.labels, s.created_at)
+            for s in page.sandboxes
+            if s.state in ("ready", "running")
+        ]
+        await ex.send_json(out, headers=[("x-next-token", page.next_cursor)] if page.next_cursor else [])
+
+    async def _info(self, sid: str) -> Any:
+        try:
+            return await AsyncSandbox(sid, socket=self.socket).inspect()
+        except E.NotFound:
+            self.known.pop(sid, None)  # (gone by its TTL, or removed by another client)
+            raise HttpError(404, f"Sandbox {sid} not found") from None
+
+    async def get(self, ex: Exchange, sid: str) -> None:
+        info = await self._info(sid)
+        detail = self._listed(sid, info.state, info.labels, info.created_at)
+        detail.update(
+            cpuCount=info.limits.vcpus, memoryMB=info.limits.memory_mib, envdAccessToken=self.access_token(sid)
+        )
+        await ex.send_json(detail)
+
+    async def kill(self, ex: Exchange, sid: str) -> None:
+        try:
+            await AsyncSandbox(sid, socket=self.socket).remove(force=True)
+        except E.NotFound:
+            raise HttpError(404, f"Sandbox {sid} not found") from None
+        self.procs.forget(sid)
+        self.known.pop(sid, None)
+        await ex.respond(204)
+
+    async def _set_timeout(self, sid: str, seconds: int) -> None:
+        try:
+            end = await AsyncSandbox(sid, socket=self.socket).set_ttl(seconds)
+        except E.NotFound:
+            raise HttpError(404, f"Sandbox {sid} not found") from None
+        known = self.known.setdefault(sid, Known("base", 0))
+        known.end_at = end
+
+    async def timeout(self, ex: Exchange, sid: str) -> None:
+        body = await ex.json()
+        await self._set_timeout(sid, _timeout(body.get("timeout"), DEFAULT_TIMEOUT))
+        await ex.respond(204)
+
+    async def connect(self, ex: Exchange, sid: str) -> None:
+        body = await ex.json()
+        info = await self._info(sid)
+        if info.state not in ("ready", "running"):
+            raise HttpError(409, f"Sandbox {sid} is {info.state}")
+        if body.get("timeout") is not None:  # E2B: connecting may extend the timeout, never shortens it
+            seconds = _timeout(body.get("timeout"), DEFAULT_TIMEOUT)
+            known = self.known.get(sid)
+            now = int(time.time())
+            if known is None or (known.end_at and known.end_at < now + seconds):
+                await self._set_timeout(sid, seconds)
+        template = self.known[sid].template if sid in self.known else "base"
+        await ex.send_json(self._created(sid, template), 200)
+
+    async def pause(self, ex: Exchange, sid: str) -> None:
+        await self._info(sid)
+        raise HttpError(501, "pause is not implemented by sandvisor's E2B endpoint (no hibernation yet)")
+
+    async def resume(self, ex: Exchange, sid: str) -> None:
+        await self._info(sid)
+        raise HttpError(501, "resume is not implemented by sandvisor's E2B endpoint (no hibernation yet)")
+
+
+@attrs.define
+class E2BEndpoint:
+    """The endpoint as an actor: ``await nursery.start(ep.run)`` returns once it
+    listens (``ep.port``: the bound port, for port 0); cancelled, it stops and ends its
+    processes."""
+
+    socket: str
+    host: str
+    port: int
+    key_file: Path
+    keys: list[bytes] = attrs.field(init=False, factory=list)
+
+    def __attrs_post_init__(self) -> None:
+        self.keys = read_keys(self.key_file)
+
+    async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        from hypercorn.config import Config
+        from hypercorn.trio import serve
+
+        config = Config()
+        config.bind = [f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"]
+        config.accesslog = None
+        config.errorlog = log
+        config.graceful_timeout = 1.0
+        async with trio.open_nursery() as nursery:
+            app = E2BApp(self.socket, self.keys, envd.Processes(self.socket, nursery))
+            binds = await nursery.start(lambda task_status: serve(app, config, task_status=task_status))  # type: ignore[arg-type]
+            self.port = int(str(binds[0]).rsplit(":", 1)[1])
+            log.info("E2B API on http://%s:%d", self.host, self.port)
+            if not is_loopback(self.host):
+                log.warning(
+                    "the E2B API on %s is plain HTTP: API keys and access tokens cross the network in clear", self.host
+                )
+            task_status.started()
+
+
+def check_key_file(path: Path) -> None:
+    """Refuse a key file others may read or write (it holds secrets)."""
+    st = path.stat()
+    if st.st_mode & 0o077:
+        raise ValueError(f"{path}: mode {st.st_mode & 0o777:o}; the key file must be private (chmod 600)")
+    if st.st_uid != os.geteuid():
+        raise ValueError(f"{path}: not owned by this user")
+    read_keys(path)

@@ -1,0 +1,1 @@
+"""A fleet of supervisors placed by Ray's scheduler (docs/fleet.md)."""

@@ -1,0 +1,185 @@
+"""The E2B endpoint's parts without a VM: the key file, authentication of every
+request (ASGI, in process), Connect's envelopes, the streaming multipart parser."""
+
+from __future__ import annotations
+
+import base64
+import json
+import struct
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from supervisor import e2b_envd, e2b_http
+from supervisor.e2b_multipart import parts
+from supervisor.e2b_server import E2BApp, check_key_file, read_keys
+
+
+def test_key_file(tmp_path: Path) -> None:
+    f = tmp_path / "keys"
+    f.write_text("# comment\n\nk1\n  k2  \n")
+    f.chmod(0o600)
+    check_key_file(f)
+    assert read_keys(f) == [b"k1", b"k2"]
+    f.chmod(0o644)
+    with pytest.raises(ValueError, match="chmod 600"):
+        check_key_file(f)
+    f.chmod(0o600)
+    f.write_text("# none\n")
+    with pytest.raises(ValueError, match="no API keys"):
+        check_key_file(f)
+
+
+def test_serve_e2b_needs_a_key_file(tmp_path: Path) -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "supervisor.cli", "serve", "--e2b", "127.0.0.1:0", "--socket", str(tmp_path / "s")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert r.returncode == 2 and "--e2b-key-file" in r.stderr
+
+
+async def _ask(app: E2BApp, method: str, path: str, headers: dict[str, str], body: bytes = b"") -> tuple[int, Any]:
+    sent: list[dict[str, Any]] = []
+    msgs = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive() -> dict[str, Any]:
+        return msgs.pop(0) if msgs else {"type": "http.disconnect"}
+
+    async def send(msg: dict[str, Any]) -> None:
+        sent.append(msg)
+
+    scope = {
+        "type": "http",
+        "method": method,
+        "path": path,
+        "query_string": b"",
+        "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()],
+    }
+    await app(scope, receive, send)
+    data = b"".join(m.get("body", b"") for m in sent[1:])
+    return sent[0]["status"], json.loads(data) if data else None
+
+
+async def test_every_request_is_authenticated() -> None:
+    async with trio.open_nursery() as n:
+        app = E2BApp("/nonexistent.sock", [b"good", b"also-good"], e2b_envd.Processes("/nonexistent.sock", n))
+        for headers in ({}, {"X-API-KEY": "bad"}, {"X-API-KEY": "goo"}, {"X-API-KEY": "good "}):
+            for method, path in (("GET", "/v2/sandboxes"), ("POST", "/v2/sandboxes"), ("DELETE", "/sandboxes/x")):
+                assert await _ask(app, method, path, headers) == (401, {"code": 401, "message": "Invalid API key"})
+        token = app.access_token("box1")
+        envd = {"E2b-Sandbox-Id": "box1"}
+        assert (await _ask(app, "GET", "/health", envd))[0] == 401
+        assert (await _ask(app, "GET", "/health", {**envd, "X-Access-Token": app.access_token("box2")}))[0] == 401
+        # past authentication: the supervisor is asked whether the sandbox is there (unreachable here: 503)
+        for good in ({"X-Access-Token": token}, {"X-API-KEY": "also-good"}):
+            status, body = await _ask(app, "GET", "/health", {**envd, **good})
+            assert status == 503 and body["message"].startswith("UNAVAILABLE: ")
+        # an authenticated call of a route that is not there: E2B's error shape
+        assert await _ask(app, "GET", "/nope", {"X-API-KEY": "good"}) == (
+            404,
+            {"code": 404, "message": "no route GET /nope"},
+        )
+        # the supervisor unreachable: its UNAVAILABLE as 503
+        status, body = await _ask(app, "GET", "/v2/sandboxes", {"X-API-KEY": "good"})
+        assert status == 503 and body["message"].startswith("UNAVAILABLE: ")
+        n.cancel_scope.cancel()
+
+
+async def test_connect_envelopes() -> None:
+    msg = e2b_http.envelope({"a": 1}, e2b_http.END_STREAM)
+    flags, size = struct.unpack(">BI", msg[:5])
+    assert (flags, json.loads(msg[5 : 5 + size])) == (2, {"a": 1})
+
+
+async def _chunks(data: bytes, size: int) -> AsyncIterator[bytes]:
+    for i in range(0, len(data), size):
+        yield data[i : i + size]
+
+
+@pytest.mark.parametrize("size", [1, 7, 64, 1 << 20])
+async def test_multipart_streams_parts_in_order(size: int) -> None:
+    boundary = "XyZ-boundary"
+    big = bytes(range(256)) * 300
+    body = (
+        f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="/tmp/a"\r\n'
+        "Content-Type: application/octet-stream\r\n\r\n"
+    ).encode()
+    body += big + f'\r\n--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="/b c"\r\n\r\n'.encode()
+    body += b"second" + f"\r\n--{boundary}--\r\n".encode()
+    got = []
+    async for name, data in parts(f"multipart/form-data; boundary={boundary}", _chunks(body, size)):
+        got.append((name, b"".join([piece async for piece in data])))
+    assert got == [("/tmp/a", big), ("/b c", b"second")]
+
+
+async def test_multipart_refuses_garbage() -> None:
+    with pytest.raises(e2b_http.HttpError):
+        async for _ in parts("multipart/form-data", _chunks(b"x", 1)):
+            pass
+    with pytest.raises(e2b_http.HttpError):
+        async for _, data in parts("multipart/form-data; boundary=b", _chunks(b"--b\r\nbroken", 3)):
+            async for _ in data:
+                pass
+
+
+async def test_envd_requests_checked_before_the_supervisor() -> None:
+    def exchange(headers: dict[str, str]) -> e2b_http.Exchange:
+        scope = {
+            "method": "POST",
+            "path": "/",
+            "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()],
+        }
+        return e2b_http.Exchange(scope, None, None)  # type: ignore[arg-type]
+
+    basic = "Basic " + base64.b64encode(b"nobody:").decode()
+    assert e2b_envd.envd_user(exchange({"Authorization": basic})) == "nobody"
+    assert e2b_envd.envd_user(exchange({})) == ""
+    for bad in (b"a b:", b"-x:", b"$(id):"):
+        with pytest.raises(e2b_http.HttpError):
+            e2b_envd.envd_user(exchange({"Authorization": "Basic " + base64.b64encode(bad).decode()}))
+    with pytest.raises(e2b_http.RpcError):
+        e2b_envd._path("")
+    assert e2b_envd._path("-rf") == "./-rf"
+
+
+async def _call(fn: Any, body: bytes) -> list[dict[str, Any]]:
+    sent: list[dict[str, Any]] = []
+    msgs = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive() -> dict[str, Any]:
+        return msgs.pop(0) if msgs else {"type": "http.disconnect"}
+
+    async def send(msg: dict[str, Any]) -> None:
+        sent.append(msg)
+
+    scope = {"method": "POST", "path": "/", "headers": []}
+    await fn(e2b_http.Exchange(scope, receive, send))
+    return sent
+
+
+async def test_malformed_process_calls_are_refused() -> None:
+    async with trio.open_nursery() as n:
+        procs = e2b_envd.Processes("/nonexistent.sock", n)
+        for method, body in (
+            ("SendInput", b'{"process": {"pid": "abc"}, "input": {"stdin": "eA=="}}'),
+            ("SendSignal", b'{"process": {"pid": [1]}, "signal": "SIGNAL_SIGKILL"}'),
+            ("CloseStdin", b'{"process": {}}'),
+            ("List", b"[1]"),
+        ):
+            sent = await _call(lambda ex, m=method: e2b_envd.process_call(ex, procs, "sb", m), body)
+            assert sent[0]["status"] == 400, (method, sent)
+        start = e2b_http.envelope({"process": {"cmd": 5}})
+        sent = await _call(lambda ex: e2b_envd.process_call(ex, procs, "sb", "Start"), start)
+        end = sent[-1]["body"]
+        assert end[0] == e2b_http.END_STREAM and json.loads(end[5:])["error"]["code"] == "invalid_argument"
+        sent = await _call(lambda ex: e2b_envd.process_call(ex, procs, "sb", "Connect"), b"\x00\x00")
+        assert json.loads(sent[-1]["body"][5:])["error"]["code"] == "invalid_argument"
+        n.cancel_scope.cancel()
