@@ -155,11 +155,7 @@ def proxy(refs: list[S.SecretRef], values: dict[str, bytes], blocked: list[Block
     view = ProxyView(
         refs=lambda: refs, value=lambda r: values.get(r.name), minter=lambda: minter, blocked=blocked.append
     )
-    from ipaddress import IPv4Address
-
-    return SecretProxy(
-        view, listen=IPv4Address("10.88.0.1"), guest=IPv4Address("10.88.0.2"), mark=1, upstream=upstream_context()
-    )
+    return SecretProxy(view, upstream=upstream_context())
 
 
 def request(target: bytes, host: bytes, *more: tuple[bytes, bytes]) -> h11.Request:

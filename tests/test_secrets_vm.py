@@ -127,21 +127,44 @@ async def test_secrets_stay_on_the_host(image: Image) -> None:
             sb = await create_through_the_edges(reg, work)
             placeholder = next(r.placeholder for r in sb.config.secrets if r.name == "TOKEN")
             assert placeholder.startswith(PLACEHOLDER_PREFIX + "TOKEN_")
+            first_proxy = proxy_confined(sb)
             await checks_on_a_running_sandbox(reg, sb, server, placeholder)
             await jailed_user_mode_outbound(reg, server)
             await checkpoint_and_clone(reg, sb, server, work, placeholder)
         gc.collect()
+        assert not Path(f"/proc/{first_proxy}").exists()  # (the first supervisor's exit reaped it)
         async with serving(work) as reg:  # adopts s: the CA its guest trusts, the values, from the vault
             sb = reg.get("s")
             assert sb.state == State.READY
+            pid = proxy_confined(sb)  # a new proxy process for the adopted sandbox
             before = len(server.to("api.test"))
             _, out = await run(sb, *curl("https://api.test/after-restart"))
             assert out.startswith("hello api.test GET /after-restart"), out
             got = server.to("api.test")[before:]
             assert [s.headers["authorization"] for s in got] == ["Bearer " + ROTATED.decode()]
             await reg.remove("s", force=True)
+            assert not Path(f"/proc/{pid}").exists()  # killed and reaped with its sandbox
             vault = reg.settings.vault
             assert vault is not None and sb.record.uid not in vault.owners
+
+
+def proxy_confined(sb: Sandbox) -> int:
+    """The sandbox's proxy process runs confined: not root, no capabilities,
+    no_new_privs, namespaces of its own (mount: it sees no state dir; net: empty) -> its pid."""
+    assert sb.life is not None and sb.life.secrets is not None and sb.life.secrets.cell is not None
+    pid = sb.life.secrets.cell.pid
+    assert pid > 0
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+    uids = fields["Uid"].split()
+    assert uids[0] != "0" and len(set(uids)) == 1, uids
+    for cap in ("CapEff", "CapPrm", "CapInh", "CapBnd", "CapAmb"):
+        assert int(fields[cap], 16) == 0, (cap, fields[cap])
+    assert fields["NoNewPrivs"].strip() == "1"
+    for ns in ("mnt", "net", "pid"):
+        assert os.readlink(f"/proc/{pid}/ns/{ns}") != os.readlink(f"/proc/self/ns/{ns}"), ns
+    root = Path(f"/proc/{pid}/root")
+    assert not (root / str(sb.settings.sandboxes_dir).lstrip("/")).exists()  # its view has no state dir
+    return pid
 
 
 async def cli(work: Any, *args: str, stdin: bytes = b"") -> str:

@@ -1,59 +1,47 @@
-"""One sandbox's secret substitution proxy (issue 23; docs/secrets.md).
-
-The sandbox's link has its guest's TCP to the intercepted ports (443 and any port a
-secret's host entry names) DNAT'ed here (``egress.secret_rules``): a listener on the
-gateway address, one per sandbox, a task of the sandbox's life. For each connection::
+"""One sandbox's secret substitution proxy (issue 23; docs/secrets.md): what runs in
+the proxy's cell (actors/secrets/proxyproc.py, an unprivileged process of its own),
+never in the supervisor. The supervisor accepts the guest's redirected connection,
+reads its original destination from conntrack, opens the upstream TCP connection with
+the sandbox's mark (actors/net/secretcell.py) and hands both sockets over. Here::
 
     guest --TLS--> [peek the ClientHello: its server name (SNI)]
-       SNI named by no secret (or none, or not TLS): spliced to the original destination,
+       SNI named by no secret (or none, or not TLS): spliced to the upstream socket,
           bytes untouched (no TLS termination)
        SNI named by a secret: TLS terminated with a leaf of the sandbox's CA (HTTP/1.1
           only in ALPN), each request read with h11 (bounded head and body), every
           placeholder replaced by its value -- only if the secret allows this host and
-          port, else 403 from here, an event and a log line naming the secret -- and sent
-          to the original destination over TLS verified against the system store plus
+          port, else 403 from here, and a report to the supervisor naming the secret --
+          and sent upstream over TLS verified against the system store plus
           ``serve --upstream-ca``, SNI and certificate name being the guest's SNI
 
-Upstream sockets carry the sandbox's mark, by which the table's output hook applies
-the sandbox's own egress chain (and the never ranges) to what the proxy opens: the
-proxy reaches nothing the guest could not reach itself. The original destination is
-read from conntrack (SO_ORIGINAL_DST), never from the guest's bytes.
-
-Hostile guest: the ClientHello peek is bounded (16 KiB, 10 s), a request head by h11
+Hostile guest: the ClientHello peek is bounded (16 KiB, 30 s), a request head by h11
 (64 KiB), a substituted body by MAX_BODY (larger bodies stream through unchanged),
-connections by MAX_CONNECTIONS (more are closed at accept), every read by an idle
-timeout. Each connection is its own error boundary: nothing it does ends the proxy.
+every read by an idle timeout. Each connection is its own error boundary: nothing it
+does ends the proxy.
 """
 
 from __future__ import annotations
 
-import errno
 import logging
-import socket
 import ssl
-import struct
 from collections.abc import Callable, Sequence
-from ipaddress import IPv4Address
 from typing import Any
 
 import attrs
 import h11
 import trio
 
-from actors.net.netns import NetNS
 from actors.secrets import model as S
 from actors.secrets.ca import Minter
 
 log = logging.getLogger("sandvisor.secrets")
 
-SO_ORIGINAL_DST = 80
 MAX_HELLO = 16 * 1024
-HELLO_TIMEOUT = 10.0
+HELLO_TIMEOUT = 30.0  # the ClientHello, then the guest's handshake (a TCG guest under load is slow)
 IDLE_TIMEOUT = 120.0
 CONNECT_TIMEOUT = 20.0
 MAX_HEAD = 64 * 1024
 MAX_BODY = 1 << 20
-MAX_CONNECTIONS = 256
 CHUNK = 64 * 1024
 
 
@@ -135,73 +123,38 @@ class _Refused(Exception):
 
 
 class SecretProxy:
-    """``await nursery.start(proxy.run)`` -> the port it listens on (the gateway's)."""
+    """The connections the supervisor hands over (:meth:`handle`), each with the
+    upstream socket it opened for it. Runs in the proxy's cell
+    (actors/secrets/proxyproc.py), never in the supervisor."""
 
-    def __init__(
-        self,
-        view: ProxyView,
-        *,
-        listen: IPv4Address,
-        guest: IPv4Address,
-        mark: int,
-        upstream: ssl.SSLContext,
-        netns: NetNS | None = None,
-        name: str = "",
-    ) -> None:
+    def __init__(self, view: ProxyView, *, upstream: ssl.SSLContext, name: str = "") -> None:
         self.view = view
-        self.listen = listen
-        self.guest = guest
-        self.mark = mark
         self.upstream = upstream
-        self.netns = netns or NetNS()
         self.name = name
-        self.port = 0
-        self.stats = {"intercepted": 0, "passed": 0, "blocked": 0, "errors": 0, "refused": 0}
-        self._live = 0
+        self.stats = {"intercepted": 0, "passed": 0, "blocked": 0, "errors": 0}
 
-    async def run(self, task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
-        raw = self.netns.socket()
-        raw.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        raw.bind((str(self.listen), 0))
-        raw.listen(128)
-        self.port = raw.getsockname()[1]
-        listener = trio.socket.from_stdlib_socket(raw)
-        with listener:
-            async with trio.open_nursery() as nursery:
-                task_status.started(self.port)
-                while True:
-                    try:
-                        sock, _addr = await listener.accept()
-                    except OSError as exc:
-                        if exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                            await trio.sleep(0.1)
-                            continue
-                        raise
-                    if self._live >= MAX_CONNECTIONS:
-                        self.stats["refused"] += 1
-                        sock.close()
-                        continue
-                    self._live += 1
-                    nursery.start_soon(self._connection, sock)
-
-    async def _connection(self, sock: trio.socket.SocketType) -> None:
-        stream = trio.SocketStream(sock)
+    async def handle(
+        self, guest: trio.socket.SocketType, dst: tuple[str, int], up: trio.socket.SocketType | None, err: str
+    ) -> None:
+        """One guest connection to ``dst`` (conntrack's), ``up`` connected there (None:
+        ``err`` says why not). Its own error boundary; both sockets are closed at the end."""
+        stream = trio.SocketStream(guest)
+        upstream = trio.SocketStream(up) if up is not None else None
         try:
-            await self._serve(stream, sock)
+            await self._serve(stream, dst, upstream, err)
         except Exception as exc:
             if not _expected(exc):  # (else a guest or a server that went away, or lied: it ends)
                 self.stats["errors"] += 1
                 log.exception("%s: secret proxy connection failed", self.name)
         finally:
-            self._live -= 1
             with trio.CancelScope(shield=True):
                 await stream.aclose()
+                if upstream is not None:
+                    await upstream.aclose()
 
-    async def _serve(self, stream: trio.SocketStream, sock: trio.socket.SocketType) -> None:
-        peer = sock.getpeername()
-        dst = _orig(sock)
-        if peer[0] != str(self.guest) or dst is None or (dst[0] == str(self.listen) and dst[1] == self.port):
-            return  # not the guest's redirected connection
+    async def _serve(
+        self, stream: trio.SocketStream, dst: tuple[str, int], upstream: trio.SocketStream | None, err: str
+    ) -> None:
         data = b""
         name: str | None = None
         with trio.fail_after(HELLO_TIMEOUT):
@@ -216,33 +169,22 @@ class SecretProxy:
         refs = self.view.refs()
         if name is not None and S.named_by_any(refs, name, dst[1]):
             self.stats["intercepted"] += 1
-            await self._intercept(_Replay(stream, data), name, dst)
-        else:
+            await self._intercept(_Replay(stream, data), name, dst, upstream, err)
+        elif upstream is not None:
             self.stats["passed"] += 1
-            await self._splice(stream, data, dst)
+            await self._splice(stream, data, upstream)
 
     # -- pass-through ------------------------------------------------------------------
-    async def _connect(self, dst: tuple[str, int]) -> trio.SocketStream:
-        up = trio.socket.from_stdlib_socket(self.netns.socket())
-        up.setsockopt(socket.SOL_SOCKET, socket.SO_MARK, self.mark)
-        try:
-            with trio.fail_after(CONNECT_TIMEOUT):
-                await up.connect(dst)
-        except BaseException:
-            up.close()
-            raise
-        return trio.SocketStream(up)
-
-    async def _splice(self, guest: trio.SocketStream, first: bytes, dst: tuple[str, int]) -> None:
-        upstream = await self._connect(dst)
-        async with upstream:
-            await upstream.send_all(first)
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(_pump, guest, upstream)
-                nursery.start_soon(_pump, upstream, guest)
+    async def _splice(self, guest: trio.SocketStream, first: bytes, upstream: trio.SocketStream) -> None:
+        await upstream.send_all(first)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_pump, guest, upstream)
+            nursery.start_soon(_pump, upstream, guest)
 
     # -- interception --------------------------------------------------------------------
-    async def _intercept(self, raw: _Replay, name: str, dst: tuple[str, int]) -> None:
+    async def _intercept(
+        self, raw: _Replay, name: str, dst: tuple[str, int], tcp: trio.SocketStream | None, err: str
+    ) -> None:
         guest = trio.SSLStream(raw, self.view.minter().context(name), server_side=True)
         with trio.fail_after(HELLO_TIMEOUT):
             await guest.do_handshake()
@@ -261,8 +203,11 @@ class SecretProxy:
                     await _answer(g, guest, r.status, r.text)
                     return
                 if upstream is None:
+                    if tcp is None:
+                        await _answer(g, guest, 502, f"sandvisor secret proxy: {name}: upstream: {err[:200]}")
+                        return
                     try:
-                        upstream = await self._open_upstream(dst, name)
+                        upstream = await self._open_upstream(tcp, name)
                     except (OSError, ssl.SSLError, trio.TooSlowError, trio.BrokenResourceError) as exc:
                         await _answer(g, guest, 502, f"sandvisor secret proxy: {name}: upstream: {_why(exc)}")
                         return
@@ -279,8 +224,7 @@ class SecretProxy:
                 with trio.CancelScope(shield=True):
                     await upstream.aclose()
 
-    async def _open_upstream(self, dst: tuple[str, int], name: str) -> trio.SSLStream[trio.SocketStream]:
-        tcp = await self._connect(dst)
+    async def _open_upstream(self, tcp: trio.SocketStream, name: str) -> trio.SSLStream[trio.SocketStream]:
         up = trio.SSLStream(tcp, self.upstream, server_hostname=name, https_compatible=True)
         try:
             with trio.fail_after(CONNECT_TIMEOUT):
@@ -429,15 +373,6 @@ class Scrubber:
     def flush(self) -> bytes:
         rest, self.tail = self.tail, b""
         return rest
-
-
-def _orig(sock: trio.socket.SocketType) -> tuple[str, int] | None:
-    try:
-        raw = sock.getsockopt(socket.SOL_IP, SO_ORIGINAL_DST, 16)
-    except OSError:
-        return None
-    port, addr = struct.unpack_from("!2xH4s", raw)
-    return socket.inet_ntoa(addr), port
 
 
 _EXPECTED = (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError, ssl.SSLError, OSError)

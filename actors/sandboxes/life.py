@@ -166,6 +166,7 @@ class Life:
         self.cell: Cell | None = None  # its jail, cgroup, identity
         self.link: SandboxLink | None = None  # its host link (tap; a jail's uplink)
         self.ports: PortRelays | None = None  # its forwards and relays, while the guest is up
+        self.secrets: secrets.SecretsOfLife | None = None  # its secret proxy (a sandbox with secrets)
         self.detaching = False  # it lets go of QEMU instead of stopping it
         self.pausing = False  # it ends for a pause: the volume claims stay (issue 25)
         self.guest_hostname = ""  # what the fixups last set in its guest
@@ -220,7 +221,8 @@ class Life:
                     self.sb.settings, guest, self.sb.network, jailed=jailed, nursery=nursery, held=held
                 )
                 if self.sb.config.secrets and self.link is not None:  # its proxy, before the guest runs anything
-                    await nursery.start(secrets.SecretsOfLife(self.sb, self.link).run)
+                    self.secrets = secrets.SecretsOfLife(self.sb, self.link)
+                    await nursery.start(self.secrets.run)
                 if isinstance(self.plan, Resume):
                     await self._restored(guest, self.plan)
                 crash_point("hello")

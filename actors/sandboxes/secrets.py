@@ -1,6 +1,7 @@
 """A sandbox's secrets at run time (issue 23; docs/secrets.md): the environment its
 processes get (placeholders, the CA's paths), its CA installed in the guest, its
-substitution proxy (a task of the life, with its nftables elements), rotation and
+substitution proxy (a confined process owned by a task of the life, with its
+nftables elements: actors/net/secretcell.py), rotation and
 removal. The values are the vault's (actors/secrets/vault.py); none of them passes here
 on its way to the guest -- only to the proxy, which puts them in on the way out."""
 
@@ -9,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import ssl
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -17,9 +18,9 @@ from actors.errors import FailedPrecondition, InvalidArgument, NotFound
 from actors.model import Action
 from actors.net import egress
 from actors.net.nft import NftError
-from actors.net.secretproxy import Blocked, ProxyView, SecretProxy
+from actors.net.secretcell import ProxyCell
 from actors.secrets import model as S
-from actors.secrets.ca import Minter, new_ca
+from actors.secrets.ca import new_ca
 from actors.secrets.vault import Vault
 from guestd import trust
 
@@ -65,57 +66,75 @@ def new_owner(vault: Vault, uid: str, values: dict[str, bytes]) -> None:
 
 
 class SecretsOfLife:
-    """One life's part: the proxy task and the elements that steer the guest to it."""
+    """One life's part: the proxy's cell (actors/net/secretcell.py: a confined process,
+    the supervisor's listener) and the elements that steer the guest to it."""
 
     def __init__(self, sb: Sandbox, link: SandboxLink) -> None:
         self.sb = sb
         self.link = link
-        self.minter: Minter | None = None
         self.port = 0
         self.ports: tuple[int, ...] = ()
+        self.cell: ProxyCell | None = None
+        self._upstream_ca = b""
 
-    def _minter(self) -> Minter:
-        if self.minter is None:
-            ca = vault_of(self.sb).ca(self.sb.record.uid)
-            if ca is None:
-                raise FailedPrecondition(f"sandbox {self.sb.id}: its CA is missing from the vault")
-            self.minter = Minter(*ca)
-        return self.minter
-
-    def _value(self, ref: S.SecretRef) -> bytes | None:
-        return vault_of(self.sb).value(self.sb.record.uid, ref.name, ref.store)
-
-    def _blocked(self, b: Blocked) -> None:
+    def config(self) -> dict[str, Any]:
+        """What the proxy holds: this sandbox's secrets in force with their values, its
+        CA, the CAs it verifies servers with (the supervisor's context's: the system
+        store and ``serve --upstream-ca``; the proxy's cell sees no /etc)."""
         sb = self.sb
-        sb.log.append("system", f"secret {b.secret}: a request to {b.host}:{b.port} was refused (not allowed)".encode())
-        log.warning("%s: secret %s: a request to %s:%d was refused", sb.id, b.secret, b.host, b.port)
-        sb.emit(Action.SECRET_BLOCKED, secret=b.secret, host=f"{b.host}:{b.port}")
+        vault = vault_of(sb)
+        ca = vault.ca(sb.record.uid)
+        if ca is None:
+            raise FailedPrecondition(f"sandbox {sb.id}: its CA is missing from the vault")
+        secrets = [
+            [r.name, list(r.hosts), r.placeholder, vault.value(sb.record.uid, r.name, r.store)] for r in live_refs(sb)
+        ]
+        return {"secrets": secrets, "ca": list(ca), "upstream_ca": self._upstream_ca}
+
+    def _blocked(self, secret: str, host: str, port: int) -> None:
+        sb = self.sb
+        sb.log.append("system", f"secret {secret}: a request to {host}:{port} was refused (not allowed)".encode())
+        log.warning("%s: secret %s: a request to %s:%d was refused", sb.id, secret, host, port)
+        sb.emit(Action.SECRET_BLOCKED, secret=secret, host=f"{host}:{port}")
 
     async def run(self, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         sb, link = self.sb, self.link
         settings = sb.settings
         hn = settings.hostnet
         assert hn is not None and settings.upstream_tls is not None
-        self._minter()
-        view = ProxyView(refs=lambda: live_refs(sb), value=self._value, minter=self._minter, blocked=self._blocked)
+        self._upstream_ca = "".join(
+            ssl.DER_cert_to_PEM_cert(der) for der in settings.upstream_tls.get_ca_certs(binary_form=True)
+        ).encode()
+        self.config()  # (its CA is there: FAILED_PRECONDITION before anything starts)
         address = link.guest.address
-        proxy = SecretProxy(
-            view,
+        cell = ProxyCell(
+            sb.id,
             listen=hn.gateway,
             guest=address,
             mark=egress.secret_mark(address),
-            upstream=settings.upstream_tls,
             netns=hn.netns,
-            name=sb.id,
+            config=self.config,
+            names=lambda: {r.name for r in sb.config.secrets},
+            blocked=self._blocked,
+            cells=settings.cells,
+            exclude=[
+                settings.sandboxes_dir.parent,
+                settings.run_root,
+                *([settings.memory_dir] if settings.memory_dir else []),
+            ],
         )
+        self.cell = cell
+        vault = vault_of(sb)
         self.ports = S.intercepted_ports(sb.config.secrets)
         async with trio.open_nursery() as nursery:
-            self.port = await nursery.start(proxy.run)
+            self.port = await nursery.start(cell.run)
+            vault.listeners.append(cell.push)
             hn.nft.run(egress.secret_rules(link.name, address, hn.gateway, self.port, self.ports))
             try:
                 task_status.started()
                 await trio.sleep_forever()
             finally:
+                vault.listeners.remove(cell.push)
                 if not link.closed:
                     with contextlib.suppress(NftError):
                         hn.nft.run(egress.secret_removal(link.name, address, self.port, self.ports))

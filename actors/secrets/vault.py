@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +76,8 @@ class Vault:
         self._cipher: AESGCM | None = None  # the key is read (or made) at the first need
         self.named: dict[str, bytes] = {}
         self.owners: dict[str, dict[str, Any]] = {}
+        # called after every change (the live proxies' ``push``: actors/sandboxes/secrets.py)
+        self.listeners: list[Callable[[], None]] = []
         self._load()
 
     # -- persistence -------------------------------------------------------------------
@@ -111,6 +114,8 @@ class Vault:
         finally:
             os.close(fd)
         os.rename(tmp, self.path)
+        for changed in list(self.listeners):
+            changed()
 
     # -- the store's named entries -------------------------------------------------------
     def set_named(self, name: str, value: bytes) -> None:
