@@ -27,6 +27,7 @@ import os
 import re
 import secrets
 import time
+from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qsl, unquote
@@ -243,7 +244,7 @@ class E2BApp:
             "cpuCount": 0,
             "memoryMB": 0,
             "diskSizeMB": 0,
-            "state": "running",
+            "state": "paused" if state == "paused" else "running",
             "envdVersion": ENVD_VERSION,
             "metadata": labels,
         }
@@ -258,15 +259,11 @@ class E2BApp:
             limit = min(max(int(q.get("limit", "100")), 1), 100)
         except ValueError:
             raise HttpError(400, "limit: a number") from None
-        if states and "running" not in states:  # nothing here is ever paused
-            await ex.send_json([])
-            return
+        wanted = {"ready", "running"} if not states or "running" in states else set()
+        if not states or "paused" in states:
+            wanted.add("paused")
         page = await AsyncSandbox.list(socket=self.socket, labels=labels, limit=limit, cursor=q.get("nextToken", ""))
-        out = [
-            self._listed(s.id, s.state, s.labels, s.created_at)
-            for s in page.sandboxes
-            if s.state in ("ready", "running")
-        ]
+        out = [self._listed(s.id, s.state, s.labels, s.created_at) for s in page.sandboxes if s.state in wanted]
         await ex.send_json(out, headers=[("x-next-token", page.next_cursor)] if page.next_cursor else [])
 
     async def _info(self, sid: str) -> Any:
@@ -309,7 +306,9 @@ class E2BApp:
     async def connect(self, ex: Exchange, sid: str) -> None:
         body = await ex.json()
         info = await self._info(sid)
-        if info.state not in ("ready", "running"):
+        if info.state == "paused":  # E2B's connect resumes a paused sandbox
+            await self._call(sid, AsyncSandbox(sid, socket=self.socket).resume())
+        elif info.state not in ("ready", "running"):
             raise HttpError(409, f"Sandbox {sid} is {info.state}")
         if body.get("timeout") is not None:  # E2B: connecting may extend the timeout, never shortens it
             seconds = _timeout(body.get("timeout"), DEFAULT_TIMEOUT)
@@ -321,12 +320,34 @@ class E2BApp:
         await ex.send_json(self._created(sid, template), 200)
 
     async def pause(self, ex: Exchange, sid: str) -> None:
-        await self._info(sid)
-        raise HttpError(501, "pause is not implemented by sandvisor's E2B endpoint (no hibernation yet)")
+        """E2B's pause is sandvisor's hibernation (docs/hibernation.md): 204, or 409 when
+        it already is paused."""
+        info = await self._info(sid)
+        if info.state == "paused":
+            raise HttpError(409, f"Sandbox {sid} is already paused")
+        await self._call(sid, AsyncSandbox(sid, socket=self.socket).pause())
+        await ex.respond(204)
 
     async def resume(self, ex: Exchange, sid: str) -> None:
-        await self._info(sid)
-        raise HttpError(501, "resume is not implemented by sandvisor's E2B endpoint (no hibernation yet)")
+        """(the older API's resume; the SDK's connect resumes too) 201 with the sandbox,
+        409 when it is not paused."""
+        body = await ex.json()
+        info = await self._info(sid)
+        if info.state != "paused":
+            raise HttpError(409, f"Sandbox {sid} is not paused")
+        await self._call(sid, AsyncSandbox(sid, socket=self.socket).resume())
+        if body.get("timeout") is not None:
+            await self._set_timeout(sid, _timeout(body.get("timeout"), DEFAULT_TIMEOUT))
+        template = self.known[sid].template if sid in self.known else "base"
+        await ex.send_json(self._created(sid, template), 201)
+
+    async def _call(self, sid: str, call: Awaitable[object]) -> None:
+        try:
+            await call
+        except E.NotFound:
+            raise HttpError(404, f"Sandbox {sid} not found") from None
+        except E.FailedPrecondition as exc:
+            raise HttpError(409, str(exc)) from None
 
 
 @attrs.define

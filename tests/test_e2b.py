@@ -27,10 +27,10 @@ from e2b import (  # noqa: E402
     CommandExitException,
     NotFoundException,
     Sandbox,
-    SandboxException,
     SandboxNotFoundException,
     SandboxNotRunningException,
     SandboxQuery,
+    SandboxState,
 )
 
 from supervisor.throwaway import supervisor_process, workdir  # noqa: E402
@@ -202,8 +202,16 @@ def test_lifecycle(box: Sandbox, opts: dict[str, Any]) -> None:
     assert Sandbox.list(query=SandboxQuery(metadata={"suite": "other"}), **opts).next_items() == []
     again = Sandbox.connect(box.sandbox_id, **opts)
     assert again.commands.run("echo $GREETING").stdout == "hello\n"
-    with pytest.raises(SandboxException, match="not implemented"):
-        box.pause()
+    # pause is sandvisor's hibernation; connect resumes it, processes and files intact
+    box.commands.run("echo kept > /tmp/before-pause")
+    assert box.pause() is True
+    paused = Sandbox.list(query=SandboxQuery(state=[SandboxState.PAUSED]), **opts).next_items()
+    assert box.sandbox_id in [s.sandbox_id for s in paused]
+    assert box.get_info().state.value == "paused"
+    assert Sandbox.pause(box.sandbox_id, **opts) is False  # 409: already paused
+    resumed = Sandbox.connect(box.sandbox_id, **opts)
+    assert resumed.get_info().state.value == "running"
+    assert resumed.commands.run("cat /tmp/before-pause").stdout == "kept\n"
 
 
 def test_errors(endpoint: str, opts: dict[str, Any]) -> None:
