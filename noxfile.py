@@ -77,6 +77,11 @@ def bench(session: nox.Session) -> None:
     session.run("python", "benchmarks/memory.py")
     session.run("python", "benchmarks/jail.py")
     session.run("python", "benchmarks/fleet.py")
+    session.run("python", "benchmarks/files.py")
+    session.run("python", "benchmarks/modify.py")
+    session.run("python", "benchmarks/hibernate.py")
+    session.run("python", "benchmarks/secret_proxy.py")
+    session.run("python", "benchmarks/e2b_compat.py")
 
 
 @nox.session
