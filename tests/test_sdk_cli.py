@@ -155,6 +155,9 @@ def test_cli_surface(served: dict[str, str], tmp_path: Path) -> None:
         "last_exited_at",
         "last_exit_code",
         "error",
+        "requested",  # the read-back (issue 24): configuration as requested, as applied
+        "applied",
+        "updated_at",
     }
     assert info["last_exit_code"] == 9
 
@@ -195,13 +198,19 @@ def test_cli_surface(served: dict[str, str], tmp_path: Path) -> None:
             ev.stdout.close()
     assert json.loads(cli(env, "inspect", "cli1", "--json").stdout)["state"] == "stopped"
     # refused operations on a sandbox that exists: one line, exit 1, the reason
+    # a stopped sandbox's checkpoint is a disk-only snapshot (issue 24)
     r = cli(env, "checkpoint", "cli1")
+    assert r.returncode == 0 and r.stdout.startswith(b"snap-"), r
+    snap = r.stdout.decode().strip()  # (the sandbox's disk now stands on it: not removable)
+    assert b"in use" in cli(env, "snapshot", "rm", snap).stderr
+    r = cli(env, "run", "cli1", "--", "true")
     assert (r.returncode, r.stderr.count(b"\n")) == (1, 1) and b"FAILED_PRECONDITION" in r.stderr, r
     assert b"is stopped" in r.stderr, r
     assert cli(env, "start", "cli1").returncode == 0
     r = cli(env, "port", "add", "cli1", "80")
     assert (r.returncode, r.stderr.count(b"\n")) == (1, 1) and b"has no network" in r.stderr, r
     assert cli(env, "rm", "-f", "cli1").returncode == 0
+    assert cli(env, "snapshot", "rm", snap).returncode == 0  # its sandbox is gone: it goes too
 
     assert json.loads(cli(env, "snapshots", "--json").stdout) == []
     # bad input: one line on stderr, exit 2 (usage) or 1 (operation)
