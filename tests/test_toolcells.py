@@ -65,12 +65,14 @@ class Watch:
         os.kill(s.pid, 19)  # SIGSTOP: look at it while it runs
         try:
             st = _status(s.pid)
-            ns = {}
-            for n in ("mnt", "pid", "net", "ipc", "uts", "user"):
-                try:
+            ns: dict[str, bool] = {}
+            try:
+                for n in ("mnt", "pid", "net", "ipc", "uts", "user"):
                     ns[n] = os.readlink(f"/proc/{s.pid}/ns/{n}") != os.readlink(f"/proc/self/ns/{n}")
-                except OSError:
-                    pass  # it had exited already (a zombie has no namespaces)
+            except OSError:
+                # It had exited already. All or nothing: a zombie still shows its pid and
+                # user namespaces (they hang off its struct pid and creds) but not the rest.
+                ns = {}
             self.spawns.append((s, st, ns))
         finally:
             os.kill(s.pid, 18)  # SIGCONT
