@@ -57,6 +57,9 @@ def write_file(session: Session, msg: P.WriteFile) -> None:
     tmp = f"{parent}/.{os.path.basename(msg.path)}.sandvisor-{msg.rid}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     session.reqs[msg.rid] = FileWriter(session, msg.rid, fd, msg.path, tmp, msg.mode & 0o7777, ids)
+    extra = min(msg.window, P.FILE_WINDOW) - P.WINDOW
+    if extra > 0:  # the host asked for a deeper pipe: it may run this much further ahead
+        session.send(P.Credit(rid=msg.rid, ch=P.STDIN, n=extra))
 
 
 class FileReader(Req):

@@ -43,6 +43,11 @@ PROTOCOL_VERSION = 2
 MAX_FRAME = 1 << 20  # 1 MiB: a frame above this closes the channel
 CHUNK = 64 * 1024  # data payloads are split into chunks of at most this size
 WINDOW = 256 * 1024  # initial flow-control credit per stream, in bytes
+# a file's stream may run this far ahead of its reader: the host grants a ReadFile's data
+# this much in all (WINDOW, then the rest at once); a WriteFile's ``window`` asks the guest
+# to grant its data this much (an older guest ignores it and grants WINDOW). Four windows
+# keep the virtio-serial pipe busy while the other end works (docs/results/chan.md).
+FILE_WINDOW = 4 * WINDOW
 MAX_FILE = 256 * 1024 * 1024  # ReadFile / WriteFile limit
 MAX_TREE = 1 << 30  # ReadTree / WriteTree: bytes of file contents in one tree
 MAX_TREE_ENTRIES = 200_000  # ReadTree / WriteTree: entries (files, directories, links) in one tree
@@ -349,6 +354,9 @@ class WriteFile(Message):
     mode: int = 0o644
     size: int = -1  # announced size if known, checked against MAX_FILE up front
     owner: str = ""  # user[:group] (names from the guest's /etc/passwd, or ids); "" = root
+    # credit the host asks for, in all (at most FILE_WINDOW); 0 = WINDOW (the guest's
+    # first Credit grants the difference; the host refuses more than it asked for)
+    window: int = 0
 
 
 @message("file_info")
@@ -565,7 +573,7 @@ def encode(msg: Message) -> bytes:
     return _HDR.pack(len(body)) + body
 
 
-def decode(body: bytes) -> Message:
+def decode(body: bytes | memoryview) -> Message:
     """Parse one frame body (without its length prefix) into a message."""
     try:
         obj = msgpack.unpackb(body, raw=False, strict_map_key=True, use_list=True)
@@ -639,7 +647,9 @@ class FrameDecoder:
             start = self._pos + 4
             if len(buf) < start + n:
                 return
-            with memoryview(buf) as mv:
-                body = bytes(mv[start : start + n])
             self._pos = start + n
-            yield decode(body)
+            # decoded in place: msgpack copies what it keeps (a Data's bytes), so the
+            # body is not copied out first (the view is gone before the buffer changes)
+            with memoryview(buf) as mv, mv[start : start + n] as body:
+                msg = decode(body)
+            yield msg

@@ -326,7 +326,7 @@ async def test_exec_output_beyond_credit_breaks_the_channel(
 async def test_file_contents_beyond_credit_break_the_channel(
     autojump_clock: MockClock, guest: FakeGuest, chan: GuestChannel
 ) -> None:
-    guest.files["/tmp/big"] = (0o644, bytes(1 << 20))
+    guest.files["/tmp/big"] = (0o644, bytes(2 * P.FILE_WINDOW))  # beyond the whole file window
     guest.hostile.overrun_credit = True
     with trio.fail_after(5):
         async with chan.read_file("/tmp/big") as f:

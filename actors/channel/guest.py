@@ -461,6 +461,8 @@ class GuestChannel:
                 raise AssertionError  # unreachable
             if first.size > P.MAX_FILE:
                 await self._protocol_violation("guest announced a file beyond the limit")
+            if first.size > P.WINDOW:  # a deeper pipe for a file beyond one window
+                await self._grant(req.rid, P.STDOUT, P.FILE_WINDOW - P.WINDOW)
             yield FileReadStream(req, first.size, first.mode, self.answer_timeout)
         finally:
             self._end_request(req)
@@ -488,13 +490,17 @@ class GuestChannel:
             size = len(data)
         if size > P.MAX_FILE:
             raise GuestOpError(P.E_TOO_LARGE, f"{size} bytes exceeds the {P.MAX_FILE} byte limit")
-        msg = lambda rid: P.WriteFile(rid=rid, path=path, mode=mode, size=size, owner=owner)
-        return await self._stream_in(msg, data, P.MAX_FILE, "file")
+        msg = lambda rid: P.WriteFile(rid=rid, path=path, mode=mode, size=size, owner=owner, window=P.FILE_WINDOW)
+        return await self._stream_in(msg, data, P.MAX_FILE, "file", window=P.FILE_WINDOW)
 
-    async def _stream_in(self, build: Any, data: bytes | AsyncIterable[bytes], limit: int, what: str) -> int:
+    async def _stream_in(
+        self, build: Any, data: bytes | AsyncIterable[bytes], limit: int, what: str, *, window: int = P.WINDOW
+    ) -> int:
         """A request that streams ``data`` to the guest on STDIN within credit, then Eof;
-        the guest's Ok (its value) ends it."""
+        the guest's Ok (its value) ends it. ``window``: the credit the request asked the
+        guest for (what it may grant in all)."""
         req = self._new_request()
+        req.max_send_credit = window
         sent_eof = False
         try:
             await self._send(build(req.rid))

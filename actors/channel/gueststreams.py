@@ -42,6 +42,7 @@ class _Request:
         self.wakeup = trio.Event()
         self.outstanding = {P.STDOUT: P.WINDOW, P.STDERR: P.WINDOW}  # bytes the guest may still send
         self.send_credit = P.WINDOW  # bytes we may still send on STDIN
+        self.max_send_credit = P.WINDOW  # what the guest may grant in all (a WriteFile asks for more)
         self.credit_changed = trio.Event()
         self.broken: BaseException | None = None
         self.done = False
@@ -55,7 +56,7 @@ class _Request:
             if msg.ch != P.STDIN or msg.n < 0:
                 raise P.BadMessage(f"credit on channel {msg.ch}")
             self.send_credit += msg.n
-            if self.send_credit > P.WINDOW:
+            if self.send_credit > self.max_send_credit:
                 raise P.BadMessage("guest granted more stdin credit than the window")
             self.credit_changed.set()
             self.credit_changed = trio.Event()

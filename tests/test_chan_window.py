@@ -1,0 +1,130 @@
+"""The file window (proto.FILE_WINDOW): a write_file asks the guest for a deeper pipe and
+runs that far ahead of its credit, never further; a guest that grants more than was
+asked breaks the channel; a read_file grants the guest the file window in all, and
+data beyond it breaks the channel. A hand-written guest on a memory stream."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+import pytest
+import trio
+import trio.testing
+
+from actors.channel.guest import GuestChannel, GuestProtocolError, open_channel
+from guestd import proto as P
+
+
+class RawGuest:
+    """Answers hello, then hands every other message to ``on_message``."""
+
+    def __init__(self, stream: trio.abc.Stream) -> None:
+        self.stream = stream
+        self.decoder = P.FrameDecoder()
+        self.got: list[P.Message] = []
+
+    async def send(self, msg: P.Message) -> None:
+        await self.stream.send_all(P.encode(msg))
+
+    async def serve(self, on_message: Callable[[P.Message], object]) -> None:
+        synced = False
+        while True:
+            data = await self.stream.receive_some(1 << 16)
+            if not data:
+                return
+            self.decoder.feed(data)
+            if not synced:
+                if not self.decoder.resync(P.HOST_SYNC):
+                    continue
+                synced = True
+            for msg in self.decoder.messages():
+                if isinstance(msg, P.Hello):
+                    await self.stream.send_all(P.GUEST_SYNC)
+                    await self.send(
+                        P.HelloOk(
+                            version=P.PROTOCOL_VERSION, pid=1, boot_ns=0, ready_ns=0, activity=0, features=["files"]
+                        )
+                    )
+                    continue
+                self.got.append(msg)
+                reply = on_message(msg)
+                if isinstance(reply, P.Message):
+                    await self.send(reply)
+                elif isinstance(reply, list):
+                    for m in reply:
+                        await self.send(m)
+
+
+@asynccontextmanager
+async def channel_to(on_message: Callable[[P.Message], object]) -> AsyncIterator[tuple[GuestChannel, RawGuest]]:
+    host_end, guest_end = trio.testing.memory_stream_pair()
+    guest = RawGuest(guest_end)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(guest.serve, on_message)
+        try:
+            async with open_channel(host_end, hello_timeout=5) as chan:
+                yield chan, guest
+        finally:
+            nursery.cancel_scope.cancel()
+
+
+def data_bytes(guest: RawGuest) -> int:
+    return sum(len(m.data) for m in guest.got if isinstance(m, P.Data))
+
+
+async def test_a_write_file_runs_one_file_window_ahead_and_no_further() -> None:
+    extra = P.FILE_WINDOW - P.WINDOW
+    stalled = trio.Event()
+
+    def on_message(msg: P.Message) -> object:
+        if isinstance(msg, P.WriteFile):
+            assert msg.window == P.FILE_WINDOW  # the host asks for the deeper pipe
+            return P.Credit(rid=msg.rid, ch=P.STDIN, n=extra)
+        if isinstance(msg, P.Data) and data_bytes(guest) >= P.FILE_WINDOW:
+            stalled.set()  # every granted byte came; nothing more is credited
+        return None
+
+    with trio.fail_after(30):
+        async with channel_to(on_message) as (chan, guest), trio.open_nursery() as nursery:
+            nursery.start_soon(chan.write_file, "/tmp/f", bytes(4 * P.FILE_WINDOW))
+            await stalled.wait()
+            await trio.testing.wait_all_tasks_blocked()
+            assert data_bytes(guest) == P.FILE_WINDOW
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_guest_granting_more_than_the_asked_window_breaks_the_channel() -> None:
+    def on_message(msg: P.Message) -> object:
+        if isinstance(msg, P.WriteFile):
+            return P.Credit(rid=msg.rid, ch=P.STDIN, n=P.FILE_WINDOW)  # WINDOW more than asked
+        return None
+
+    with trio.fail_after(30):
+        async with channel_to(on_message) as (chan, _guest):
+            with pytest.raises(GuestProtocolError, match="more stdin credit"):
+                await chan.write_file("/tmp/f", bytes(4 * P.FILE_WINDOW))
+
+
+async def test_a_read_file_grants_the_file_window_and_data_beyond_it_breaks_the_channel() -> None:
+    size = 4 * P.FILE_WINDOW
+    credit: dict[int, int] = {}
+
+    def on_message(msg: P.Message) -> object:
+        if isinstance(msg, P.ReadFile):
+            credit[msg.rid] = P.WINDOW
+            return P.FileInfo(rid=msg.rid, size=size, mode=0o644)
+        if isinstance(msg, P.Credit):
+            credit[msg.rid] += msg.n
+            if credit[msg.rid] == P.FILE_WINDOW:  # the whole window granted up front: overrun it
+                return [
+                    P.Data(rid=msg.rid, ch=P.STDOUT, data=bytes(P.CHUNK)) for _ in range(P.FILE_WINDOW // P.CHUNK + 1)
+                ]
+        return None
+
+    with trio.fail_after(30):
+        async with channel_to(on_message) as (chan, _guest), chan.read_file("/tmp/f") as f:
+            await trio.testing.wait_all_tasks_blocked()  # nothing consumed: nothing granted again
+            with pytest.raises(GuestProtocolError, match="beyond granted credit"):
+                async for _chunk in f:
+                    pass
