@@ -611,7 +611,7 @@ class FrameDecoder:
         self._pos = 0
         self._max = max_frame
 
-    def feed(self, data: bytes | bytearray) -> None:
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
         if self._pos:
             del self._buf[: self._pos]
             self._pos = 0
