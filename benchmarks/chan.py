@@ -6,10 +6,11 @@ shared machine's load decides) it reports QEMU's CPU seconds per 64 MiB, by thre
 host process's: CPU time is what a change of the data path changes, whatever the load.
 
 Variants: ``NAME=IMAGE_DIR`` (a directory holding the default.json of an image cache,
-e.g. an older runtime built into a private cache); ``NAME=IMAGE_DIR:window=N`` caps the
-host's file window at N bytes (``window=262144``: the single 256 KiB window of before).
+e.g. an older runtime built into a private cache); ``NAME=IMAGE_DIR:window=N,chunk=M``
+sets the host's file window and write frames (``window=262144,chunk=65536``: the
+host's path before the file window).
 
-Usage: python benchmarks/chan.py [-n 2] --variant base=/var/lib/sandvisor/images:window=262144
+Usage: python benchmarks/chan.py [-n 2] --variant base=OLD_IMAGES:window=262144,chunk=65536
        --variant new=$SANDVISOR_STATE_DIR/images [--out results/]
 """
 
@@ -53,12 +54,12 @@ def host_cpu() -> float:
     return t.user + t.system
 
 
-async def one_round(name: str, image_dir: Path, window: int, data: bytes) -> dict[str, Any]:
+async def one_round(name: str, image_dir: Path, window: int, chunk: int, data: bytes) -> dict[str, Any]:
     image = load_default(image_dir)
     if image is None:
         raise SystemExit(f"{name}: no image in {image_dir}")
-    saved = P.FILE_WINDOW
-    P.FILE_WINDOW = window
+    saved = P.FILE_WINDOW, P.FILE_CHUNK
+    P.FILE_WINDOW, P.FILE_CHUNK = window, chunk
     work = Path(tempfile.mkdtemp(prefix="sv-chan-"))
     res: dict[str, Any] = {"load": os.getloadavg()[0]}
     try:
@@ -89,18 +90,18 @@ async def one_round(name: str, image_dir: Path, window: int, data: bytes) -> dic
             back = await timed("read_root", chan.read_bytes("/root/bench.bin"))
             assert back == data
     finally:
-        P.FILE_WINDOW = saved
+        P.FILE_WINDOW, P.FILE_CHUNK = saved
         shutil.rmtree(work, ignore_errors=True)
     return res
 
 
-async def bench(n: int, out_dir: Path, variants: list[tuple[str, Path, int]]) -> dict[str, Any]:
+async def bench(n: int, out_dir: Path, variants: list[tuple[str, Path, int, int]]) -> dict[str, Any]:
     data = os.urandom(SIZE)
     rounds: dict[str, list[dict[str, Any]]] = {v[0]: [] for v in variants}
     for i in range(n):
         order = variants[i % len(variants) :] + variants[: i % len(variants)]
-        for name, image_dir, window in order:
-            r = await one_round(name, image_dir, window, data)
+        for name, image_dir, window, chunk in order:
+            r = await one_round(name, image_dir, window, chunk, data)
             rounds[name].append(r)
             print(
                 f"round {i + 1}/{n} {name} (load {r['load']:.1f}): "
@@ -114,9 +115,9 @@ async def bench(n: int, out_dir: Path, variants: list[tuple[str, Path, int]]) ->
         "| variant | op | MiB/s | QEMU vCPU s | QEMU main s | host s | load |",
         "|---|---|---|---|---|---|---|",
     ]
-    for name, image_dir, window in variants:
+    for name, image_dir, window, chunk in variants:
         rs = rounds[name]
-        entry: dict[str, Any] = {"image_dir": str(image_dir), "window": window, "rounds": rs}
+        entry: dict[str, Any] = {"image_dir": str(image_dir), "window": window, "chunk": chunk, "rounds": rs}
         for op in OPS:
             med = {k: statistics.median(r[op][k] for r in rs) for k in rs[0][op]}
             entry[op] = med
@@ -132,16 +133,16 @@ async def bench(n: int, out_dir: Path, variants: list[tuple[str, Path, int]]) ->
 OPS = ("write_tmp", "write_root", "read_root")
 
 
-def parse_variant(text: str) -> tuple[str, Path, int]:
+def parse_variant(text: str) -> tuple[str, Path, int, int]:
     name, _, rest = text.partition("=")
-    where, _, opt = rest.partition(":")
-    window = P.FILE_WINDOW
-    if opt:
+    where, _, opts = rest.partition(":")
+    o = {"window": P.FILE_WINDOW, "chunk": P.FILE_CHUNK}
+    for opt in filter(None, opts.split(",")):
         key, _, value = opt.partition("=")
-        if key != "window":
+        if key not in o:
             raise SystemExit(f"unknown variant option {key!r}")
-        window = int(value)
-    return name, Path(where), window
+        o[key] = int(value)
+    return name, Path(where), o["window"], o["chunk"]
 
 
 def main() -> None:

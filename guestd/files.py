@@ -81,7 +81,7 @@ class FileReader(Req):
             return
         if self.credit <= 0:
             return  # rescheduled by the host's next credit
-        data = os.read(self.fd, min(P.CHUNK, self.credit, max(self.left, 0) or P.CHUNK))
+        data = os.read(self.fd, min(P.FILE_CHUNK, self.credit, max(self.left, 0) or P.CHUNK))
         if not data or self.left <= 0:
             self.send(P.Eof(rid=self.rid, ch=P.STDOUT))
             self.close()

@@ -48,6 +48,10 @@ WINDOW = 256 * 1024  # initial flow-control credit per stream, in bytes
 # to grant its data this much (an older guest ignores it and grants WINDOW). Four windows
 # keep the virtio-serial pipe busy while the other end works (docs/results/chan.md).
 FILE_WINDOW = 4 * WINDOW
+# a file's data frames (write_file's from the host, read_file's from guestd) carry up to
+# this much: a quarter of the frames for the same bytes (each costs guestd a turn of
+# Python under TCG); older peers take any frame up to MAX_FRAME within credit
+FILE_CHUNK = 4 * CHUNK
 MAX_FILE = 256 * 1024 * 1024  # ReadFile / WriteFile limit
 MAX_TREE = 1 << 30  # ReadTree / WriteTree: bytes of file contents in one tree
 MAX_TREE_ENTRIES = 200_000  # ReadTree / WriteTree: entries (files, directories, links) in one tree

@@ -160,7 +160,7 @@ class GuestChannel:
         try:
             while True:
                 try:
-                    data = await self._stream.receive_some(1 << 16)
+                    data = await self._stream.receive_some(1 << 18)
                 except (trio.BrokenResourceError, OSError) as exc:
                     raise ChannelBroken(f"guest channel broke: {exc}") from None
                 except trio.ClosedResourceError:
@@ -491,14 +491,21 @@ class GuestChannel:
         if size > P.MAX_FILE:
             raise GuestOpError(P.E_TOO_LARGE, f"{size} bytes exceeds the {P.MAX_FILE} byte limit")
         msg = lambda rid: P.WriteFile(rid=rid, path=path, mode=mode, size=size, owner=owner, window=P.FILE_WINDOW)
-        return await self._stream_in(msg, data, P.MAX_FILE, "file", window=P.FILE_WINDOW)
+        return await self._stream_in(msg, data, P.MAX_FILE, "file", window=P.FILE_WINDOW, chunk=P.FILE_CHUNK)
 
     async def _stream_in(
-        self, build: Any, data: bytes | AsyncIterable[bytes], limit: int, what: str, *, window: int = P.WINDOW
+        self,
+        build: Any,
+        data: bytes | AsyncIterable[bytes],
+        limit: int,
+        what: str,
+        *,
+        window: int = P.WINDOW,
+        chunk: int = P.CHUNK,
     ) -> int:
         """A request that streams ``data`` to the guest on STDIN within credit, then Eof;
         the guest's Ok (its value) ends it. ``window``: the credit the request asked the
-        guest for (what it may grant in all)."""
+        guest for (what it may grant in all); ``chunk``: the largest data frame."""
         req = self._new_request()
         req.max_send_credit = window
         sent_eof = False
@@ -509,19 +516,19 @@ class GuestChannel:
             async def chunks() -> AsyncGenerator[bytes, None]:
                 if isinstance(data, (bytes, bytearray, memoryview)):
                     view = memoryview(data)
-                    for i in range(0, len(view), P.CHUNK):
-                        yield bytes(view[i : i + P.CHUNK])
+                    for i in range(0, len(view), chunk):
+                        yield bytes(view[i : i + chunk])
                 else:
                     async for c in data:
-                        for i in range(0, len(c), P.CHUNK):
-                            yield bytes(c[i : i + P.CHUNK])
+                        for i in range(0, len(c), chunk):
+                            yield bytes(c[i : i + chunk])
 
             async with aclosing(chunks()) as pieces:
                 async for piece in pieces:
                     total += len(piece)
                     if total > limit:
                         raise GuestOpError(P.E_TOO_LARGE, f"{what} exceeds the {limit} byte limit")
-                    await _send_with_credit(self, req, piece, self.answer_timeout)
+                    await _send_with_credit(self, req, piece, self.answer_timeout, chunk)
             await self._send(P.Eof(rid=req.rid, ch=P.STDIN))
             sent_eof = True
             while True:

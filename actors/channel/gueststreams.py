@@ -124,9 +124,11 @@ class _Request:
         return item
 
 
-async def _send_with_credit(chan: GuestChannel, req: _Request, data: bytes, timeout: float | None = None) -> None:
-    """Send ``data`` on STDIN, waiting for credit (GuestTimeout when none came for
-    ``timeout``); an early error from the guest wins."""
+async def _send_with_credit(
+    chan: GuestChannel, req: _Request, data: bytes, timeout: float | None = None, chunk: int = P.CHUNK
+) -> None:
+    """Send ``data`` on STDIN in frames of at most ``chunk`` bytes, waiting for credit
+    (GuestTimeout when none came for ``timeout``); an early error from the guest wins."""
     view = memoryview(data)
     while view:
         while req.send_credit <= 0:
@@ -143,7 +145,7 @@ async def _send_with_credit(chan: GuestChannel, req: _Request, data: bytes, time
         err = req.peek_error()
         if err is not None:
             raise GuestOpError(err.code, err.message)
-        n = min(len(view), req.send_credit, P.CHUNK)
+        n = min(len(view), req.send_credit, chunk)
         req.send_credit -= n
         await chan._send(P.Data(rid=req.rid, ch=P.STDIN, data=bytes(view[:n])))
         view = view[n:]
