@@ -78,13 +78,16 @@ class Conn:
             try:
                 n = os.writev(self.fd, iov)
             except BlockingIOError:
-                break
+                n = -1
             except OSError:
+                n = -2
+            del iov  # the views go before the buffer changes size (drop clears it)
+            mv.release()
+            if n == -1:
+                break
+            if n == -2:
                 self.drop()
                 return
-            finally:  # the views go before the buffer changes size
-                del iov
-                mv.release()
             del self.out[:n]
         self.agent.update_conn(self)
 

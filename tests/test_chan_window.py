@@ -5,6 +5,8 @@ data beyond it breaks the channel. A hand-written guest on a memory stream."""
 
 from __future__ import annotations
 
+import signal
+import socket
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
@@ -129,3 +131,56 @@ async def test_a_read_file_grants_the_file_window_and_data_beyond_it_breaks_the_
             with pytest.raises(GuestProtocolError, match="beyond granted credit"):
                 async for _chunk in f:
                     pass
+
+
+# --- guestd's end of the pipe: Conn's readv / writev (guestd/session.py) ------------------
+
+
+class _Agent:
+    """What Conn asks of the agent."""
+
+    def __init__(self) -> None:
+        self.dirty: set[object] = set()
+        self.seen: list[P.Message] = []
+
+    def update_conn(self, conn: object) -> None:
+        pass
+
+    def remove_conn(self, conn: object) -> None:
+        pass
+
+    def dispatch(self, conn: object, msg: P.Message) -> None:
+        self.seen.append(msg)
+
+
+def _conn() -> tuple[object, _Agent, socket.socket, socket.socket]:
+    from guestd.session import Conn
+
+    ours, peer = socket.socketpair()
+    ours.setblocking(False)
+    agent = _Agent()
+    return Conn(agent, ours.fileno(), "vsock"), agent, ours, peer  # type: ignore[arg-type]
+
+
+def test_guestd_reads_frames_split_across_its_read_pieces() -> None:
+    conn, agent, ours, peer = _conn()
+    with ours, peer:
+        frames = [P.encode(P.Data(rid=1, ch=0, data=bytes([i]) * (P.FILE_CHUNK + i))) for i in range(3)]
+        stream = P.HOST_SYNC + b"".join(frames)
+        for i in range(0, len(stream), 100_001):  # pieces cut inside frames
+            peer.sendall(stream[i : i + 100_001])
+            conn.on_readable()  # type: ignore[attr-defined]
+        assert [len(m.data) for m in agent.seen] == [P.FILE_CHUNK + i for i in range(3)]  # type: ignore[attr-defined]
+
+
+def test_guestd_writes_through_a_full_pipe_and_drops_a_peer_that_went() -> None:
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # (as guestd does)
+    conn, _agent, ours, peer = _conn()
+    with ours:
+        conn.out += b"x" * (4 << 20)  # type: ignore[attr-defined]
+        conn.flush()  # type: ignore[attr-defined]
+        left = len(conn.out)  # type: ignore[attr-defined]
+        assert 0 < left < 4 << 20  # the socket took what it could, the rest waits
+        peer.close()
+        conn.flush()  # type: ignore[attr-defined]  # EPIPE: dropped, and its buffer cleared
+        assert not conn.out  # type: ignore[attr-defined]
