@@ -1,0 +1,213 @@
+"""Agent overhead of an exec (issue 28): the ``exec true`` round trip over the guest
+channel minus the in-guest spawn of ``true`` measured alone, for two guest runtimes
+booted side by side and measured interleaved (A: a baseline runtime's initrd, e.g.
+main's; B: this tree's), so drift in the machine's load hits both alike.
+
+``--profile`` boots a third guest (this tree's runtime with ``sandvisor.execprof=1``):
+guestd then sends the time marks of each exec (guestd/exec.py), the guest's own
+breakdown of where an exec's time goes.
+
+Usage: python benchmarks/exec.py --baseline-initrd OLD.cpio [-n N] [--profile] [--out results/]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from contextlib import AsyncExitStack
+from pathlib import Path
+from typing import Any
+
+import attrs
+import trio
+
+from actors.channel.guest import GuestChannel
+from actors.machines.disk import create_overlay
+from actors.machines.vm import VmSpec, booted_guest
+from images.build import Builder, Image, default_cache
+
+FLOOR = (
+    "import os,time\n"
+    "ts=[]\n"
+    "for _ in range(40):\n"
+    "  t=time.perf_counter(); os.waitpid(os.posix_spawn('/bin/true',['true'],{}),0); ts.append(time.perf_counter()-t)\n"
+    "ts.sort(); print(ts[len(ts)//2])"
+)
+
+
+def med(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+async def boot(stack: AsyncExitStack, image: Image, run_dir: Path, extra: str = "") -> GuestChannel:
+    run_dir.mkdir(parents=True)
+    await create_overlay(image.rootfs, run_dir / "disk.qcow2")
+    spec = VmSpec.boot(image, disk=run_dir / "disk.qcow2", extra_cmdline=extra)
+    g = await stack.enter_async_context(booted_guest(spec, run_dir))
+    return g.channel
+
+
+async def spawn_floor(chan: GuestChannel) -> float:
+    r = await chan.run(["python3", "-c", FLOOR])
+    return float(r.stdout)
+
+
+async def timed_run(chan: GuestChannel, argv: list[str], **kw: Any) -> float:
+    t = time.perf_counter()
+    r = await chan.run(argv, **kw)
+    dt = time.perf_counter() - t
+    assert r.exit_code == 0, r
+    return dt
+
+
+def parse_marks(text: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for word in text.split():
+        k, _, v = word.partition("=")
+        while k in out:
+            k += "'"
+        out[k] = float(v) / 1e3  # ms
+    return out
+
+
+async def bench(n: int, baseline: Path, profile: bool, out_dir: Path) -> dict[str, Any]:
+    image = Builder(default_cache()).build()
+    old = attrs.evolve(image, initrd=baseline)
+    work = Path(tempfile.mkdtemp(prefix="sandvisor-bench-exec-"))
+    res: dict[str, Any] = {"n": n, "loadavg_start": os.getloadavg()}
+    try:
+        async with AsyncExitStack() as stack:
+            chans = {"A": await boot(stack, old, work / "a"), "B": await boot(stack, image, work / "b")} if n else {}
+            cases: dict[str, tuple[list[str], dict[str, Any]]] = {
+                "true": (["/bin/true"], {}),
+                "true_path": (["true"], {}),  # argv[0] resolved on PATH
+                "true_user": (["/bin/true"], {"user": "nobody"}),  # setuid: fork path
+                "echo": (["/bin/echo", "hi"], {}),  # one output chunk and its credit
+            }
+            if n:
+                await ab(chans, cases, n, res)
+            if profile:
+                await profile_run(stack, image, work, cases, res)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "exec.json").write_text(json.dumps(res, indent=2))
+    md = markdown(res)
+    (out_dir / "exec.md").write_text(md)
+    print(md)
+    return res
+
+
+async def ab(
+    chans: dict[str, GuestChannel], cases: dict[str, tuple[list[str], dict[str, Any]]], n: int, res: dict[str, Any]
+) -> None:
+    for c in chans.values():  # warm both
+        for argv, kw in cases.values():
+            for _ in range(3):
+                await timed_run(c, argv, **kw)
+    floors: dict[str, list[float]] = {"A": [], "B": []}
+    rt: dict[str, dict[str, list[float]]] = {k: {"A": [], "B": []} for k in cases}
+    ping: dict[str, list[float]] = {"A": [], "B": []}
+    rounds = n
+    for i in range(rounds):
+        order = ("A", "B") if i % 2 == 0 else ("B", "A")
+        if i % 10 == 0:
+            for k in order:
+                floors[k].append(await spawn_floor(chans[k]))
+        for case, (argv, kw) in cases.items():
+            for k in order:
+                rt[case][k].append(await timed_run(chans[k], argv, **kw))
+        for k in order:
+            t = time.perf_counter()
+            await chans[k].ping()
+            ping[k].append(time.perf_counter() - t)
+    res["loadavg_end"] = os.getloadavg()
+    res["rounds"] = rounds
+    for k in ("A", "B"):
+        fl = med(floors[k])
+        res[k] = {
+            "in_guest_spawn_ms": fl * 1e3,
+            "ping_ms": med(ping[k]) * 1e3,
+            **{f"{case}_ms": med(rt[case][k]) * 1e3 for case in cases},
+            "overhead_ms": (med(rt["true"][k]) - fl) * 1e3,
+        }
+    res["overhead_ratio_A_over_B"] = res["A"]["overhead_ms"] / max(res["B"]["overhead_ms"], 1e-6)
+    res["raw"] = {"floors": floors, "rt": rt}
+
+
+async def profile_run(
+    stack: AsyncExitStack,
+    image: Image,
+    work: Path,
+    cases: dict[str, tuple[list[str], dict[str, Any]]],
+    res: dict[str, Any],
+) -> None:
+    res.setdefault("loadavg_start", os.getloadavg())
+    chan = await boot(stack, image, work / "p", extra="sandvisor.execprof=1 clocksource=tsc tsc=reliable")
+    fl = await spawn_floor(chan)
+    prof: dict[str, list[dict[str, float]]] = {}
+    for case, (argv, kw) in cases.items():
+        for _ in range(3):
+            await timed_run(chan, argv, **kw)
+        chan.guest_logs.clear()
+        rts = []
+        for _ in range(20):
+            rts.append(await timed_run(chan, argv, **kw))
+            await chan.ping()  # the marks' Log arrives after the exit
+        marks = [parse_marks(x.partition(": ")[2]) for x in chan.guest_logs if x.startswith("execprof")]
+        prof[case] = marks
+        res.setdefault("profile", {})[case] = {
+            "round_trip_ms": med(rts) * 1e3,
+            "in_guest_spawn_ms": fl * 1e3,
+            "marks_median_ms": {k: med([m[k] for m in marks if k in m]) for k in marks[0]},
+        }
+    res["loadavg_end"] = os.getloadavg()
+
+
+def markdown(r: dict[str, Any]) -> str:
+    lines = [f"load average start {r['loadavg_start'][0]:.2f}, end {r['loadavg_end'][0]:.2f} (2 cores)", ""]
+    if "A" in r:
+        a, b = r["A"], r["B"]
+        lines += [
+            f"## exec agent overhead, A (baseline runtime) vs B (this tree), interleaved, TCG, {r['rounds']} rounds",
+            "",
+            "| measure (median) | A | B | A/B |",
+            "|---|---|---|---|",
+        ]
+        for key in (
+            "in_guest_spawn_ms",
+            "true_ms",
+            "overhead_ms",
+            "true_path_ms",
+            "true_user_ms",
+            "echo_ms",
+            "ping_ms",
+        ):
+            lines.append(f"| {key} | {a[key]:.2f} | {b[key]:.2f} | {a[key] / max(b[key], 1e-6):.2f}x |")
+    for case, p in r.get("profile", {}).items():
+        marks = " ".join(f"{k}={v:.2f}" for k, v in p["marks_median_ms"].items())
+        lines += [
+            "",
+            f"profile `{case}` (B with sandvisor.execprof=1): round trip {p['round_trip_ms']:.2f} ms, "
+            f"in-guest spawn {p['in_guest_spawn_ms']:.2f} ms; guest marks (ms since the frame's read): {marks}",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("-n", type=int, default=30)
+    ap.add_argument("--baseline-initrd", required=True, type=Path)
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--out", default="results", type=Path)
+    a = ap.parse_args()
+    trio.run(bench, a.n, a.baseline_initrd, a.profile, a.out)
+
+
+if __name__ == "__main__":
+    main()
