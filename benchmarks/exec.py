@@ -32,9 +32,9 @@ from actors.machines.vm import VmSpec, booted_guest
 from images.build import Builder, Image, default_cache
 
 FLOOR = (
-    "import os,time\n"
-    "ts=[]\n"
-    "for _ in range(40):\n"
+    "import os,sys,time\n"
+    "ts=[0.0]\n"
+    "for _ in range(int(sys.argv[1])):\n"
     "  t=time.perf_counter(); os.waitpid(os.posix_spawn('/bin/true',['true'],{}),0); ts.append(time.perf_counter()-t)\n"
     "ts.sort(); print(ts[len(ts)//2])"
 )
@@ -44,25 +44,63 @@ def med(xs: list[float]) -> float:
     return statistics.median(xs)
 
 
+QEMU: dict[int, int] = {}  # id(channel) -> its QEMU's pid
+
+
+def qemu_cpu(chan: GuestChannel) -> float:
+    """CPU seconds QEMU spent so far, all its threads (schedstat: ns, not 10 ms ticks).
+    Under TCG that is the guest's emulated work, which load on the host does not
+    inflate as it inflates wall time."""
+    total = 0
+    task_dir = Path(f"/proc/{QEMU[id(chan)]}/task")
+    for t in task_dir.iterdir():
+        try:
+            total += int((t / "schedstat").read_text().split()[0])
+        except (OSError, ValueError):
+            pass
+    return total / 1e9
+
+
 async def boot(stack: AsyncExitStack, image: Image, run_dir: Path, extra: str = "") -> GuestChannel:
     run_dir.mkdir(parents=True)
     await create_overlay(image.rootfs, run_dir / "disk.qcow2")
     spec = VmSpec.boot(image, disk=run_dir / "disk.qcow2", extra_cmdline=extra)
     g = await stack.enter_async_context(booted_guest(spec, run_dir))
+    pid = g.machine.pid
+    assert pid is not None
+    QEMU[id(g.channel)] = pid
     return g.channel
 
 
-async def spawn_floor(chan: GuestChannel) -> float:
-    r = await chan.run(["python3", "-c", FLOOR])
-    return float(r.stdout)
+async def idle_rate(chan: GuestChannel, seconds: float = 3.0) -> float:
+    """QEMU CPU seconds per wall second of an idle guest (its timer ticks)."""
+    c0, t0 = qemu_cpu(chan), time.perf_counter()
+    await trio.sleep(seconds)
+    return (qemu_cpu(chan) - c0) / (time.perf_counter() - t0)
 
 
-async def timed_run(chan: GuestChannel, argv: list[str], **kw: Any) -> float:
-    t = time.perf_counter()
+async def spawn_floor(chan: GuestChannel, idle: float = 0.0) -> tuple[float, float]:
+    """In-guest posix_spawn + wait of /bin/true: (median wall seconds, QEMU CPU seconds
+    per spawn: a run of 40 minus a run of 0, idle ticks taken out)."""
+    cpu = []
+    for n in (40, 0):
+        c0, t0 = qemu_cpu(chan), time.perf_counter()
+        r = await chan.run(["python3", "-c", FLOOR, str(n)])
+        cpu.append(qemu_cpu(chan) - c0 - idle * (time.perf_counter() - t0))
+        if n:
+            wall = float(r.stdout)
+    return wall, (cpu[0] - cpu[1]) / 40
+
+
+async def timed_run(chan: GuestChannel, argv: list[str], idle: float = 0.0, **kw: Any) -> tuple[float, float, float]:
+    """(wall, QEMU CPU minus idle ticks, our own CPU) of one exec, in seconds."""
+    c0, h0, t = qemu_cpu(chan), time.process_time(), time.perf_counter()
     r = await chan.run(argv, **kw)
     dt = time.perf_counter() - t
+    host = time.process_time() - h0
+    cpu = qemu_cpu(chan) - c0 - idle * dt
     assert r.exit_code == 0, r
-    return dt
+    return dt, cpu, host
 
 
 def parse_marks(text: str) -> dict[str, float]:
@@ -110,18 +148,19 @@ async def ab(
         for argv, kw in cases.values():
             for _ in range(3):
                 await timed_run(c, argv, **kw)
-    floors: dict[str, list[float]] = {"A": [], "B": []}
-    rt: dict[str, dict[str, list[float]]] = {k: {"A": [], "B": []} for k in cases}
+    idle = {k: await idle_rate(c) for k, c in chans.items()}
+    floors: dict[str, list[tuple[float, float]]] = {"A": [], "B": []}
+    rt: dict[str, dict[str, list[tuple[float, float, float]]]] = {k: {"A": [], "B": []} for k in cases}
     ping: dict[str, list[float]] = {"A": [], "B": []}
     rounds = n
     for i in range(rounds):
         order = ("A", "B") if i % 2 == 0 else ("B", "A")
-        if i % 10 == 0:
+        if i % 5 == 0:
             for k in order:
-                floors[k].append(await spawn_floor(chans[k]))
+                floors[k].append(await spawn_floor(chans[k], idle[k]))
         for case, (argv, kw) in cases.items():
             for k in order:
-                rt[case][k].append(await timed_run(chans[k], argv, **kw))
+                rt[case][k].append(await timed_run(chans[k], argv, idle[k], **kw))
         for k in order:
             t = time.perf_counter()
             await chans[k].ping()
@@ -129,14 +168,21 @@ async def ab(
     res["loadavg_end"] = os.getloadavg()
     res["rounds"] = rounds
     for k in ("A", "B"):
-        fl = med(floors[k])
+        fl = med([f[0] for f in floors[k]])
+        fl_cpu = med([f[1] for f in floors[k]])
         res[k] = {
+            "idle_qemu_cpu_per_s": idle[k],
             "in_guest_spawn_ms": fl * 1e3,
+            "in_guest_spawn_cpu_ms": fl_cpu * 1e3,
             "ping_ms": med(ping[k]) * 1e3,
-            **{f"{case}_ms": med(rt[case][k]) * 1e3 for case in cases},
-            "overhead_ms": (med(rt["true"][k]) - fl) * 1e3,
+            **{f"{case}_ms": med([x[0] for x in rt[case][k]]) * 1e3 for case in cases},
+            **{f"{case}_cpu_ms": med([x[1] for x in rt[case][k]]) * 1e3 for case in cases},
+            **{f"{case}_host_cpu_ms": med([x[2] for x in rt[case][k]]) * 1e3 for case in cases},
+            "overhead_ms": (med([x[0] for x in rt["true"][k]]) - fl) * 1e3,
+            "overhead_cpu_ms": (med([x[1] for x in rt["true"][k]]) - fl_cpu) * 1e3,
         }
     res["overhead_ratio_A_over_B"] = res["A"]["overhead_ms"] / max(res["B"]["overhead_ms"], 1e-6)
+    res["overhead_cpu_ratio_A_over_B"] = res["A"]["overhead_cpu_ms"] / max(res["B"]["overhead_cpu_ms"], 1e-6)
     res["raw"] = {"floors": floors, "rt": rt}
 
 
@@ -149,7 +195,7 @@ async def profile_run(
 ) -> None:
     res.setdefault("loadavg_start", os.getloadavg())
     chan = await boot(stack, image, work / "p", extra="sandvisor.execprof=1 clocksource=tsc tsc=reliable")
-    fl = await spawn_floor(chan)
+    fl, _ = await spawn_floor(chan)
     prof: dict[str, list[dict[str, float]]] = {}
     for case, (argv, kw) in cases.items():
         for _ in range(3):
@@ -157,7 +203,7 @@ async def profile_run(
         chan.guest_logs.clear()
         rts = []
         for _ in range(20):
-            rts.append(await timed_run(chan, argv, **kw))
+            rts.append((await timed_run(chan, argv, **kw))[0])
             await chan.ping()  # the marks' Log arrives after the exit
         marks = [parse_marks(x.partition(": ")[2]) for x in chan.guest_logs if x.startswith("execprof")]
         prof[case] = marks
@@ -179,15 +225,7 @@ def markdown(r: dict[str, Any]) -> str:
             "| measure (median) | A | B | A/B |",
             "|---|---|---|---|",
         ]
-        for key in (
-            "in_guest_spawn_ms",
-            "true_ms",
-            "overhead_ms",
-            "true_path_ms",
-            "true_user_ms",
-            "echo_ms",
-            "ping_ms",
-        ):
+        for key in (k for k in a if k.endswith("_ms")):
             lines.append(f"| {key} | {a[key]:.2f} | {b[key]:.2f} | {a[key] / max(b[key], 1e-6):.2f}x |")
     for case, p in r.get("profile", {}).items():
         marks = " ".join(f"{k}={v:.2f}" for k, v in p["marks_median_ms"].items())

@@ -25,6 +25,9 @@ if TYPE_CHECKING:  # pragma: no cover
     from guestd.agent import Agent
 
 PROFILE = "sandvisor.execprof"  # =1 on the kernel command line: time marks of each exec, as a Log
+# back to default in every process: what guestd catches or ignores, and SIGXFSZ, which
+# Python ignores at start-up (a process past RLIMIT_FSIZE is killed, not handed EFBIG)
+CHILD_SIGDEF = (*SIGDEF, signal.SIGXFSZ)
 DRAIN_GRACE = 0.2  # after exit, wait this long for background holders of the pipes
 EPOLLIN, EPOLLOUT = select.EPOLLIN, select.EPOLLOUT
 
@@ -330,7 +333,7 @@ def spawn(
                 env,
                 file_actions=[(os.POSIX_SPAWN_DUP2, fd, i) for i, fd in enumerate(stdio)],
                 setsid=True,
-                setsigdef=SIGDEF,
+                setsigdef=CHILD_SIGDEF,
                 setsigmask=(),
             )
         except OSError as exc:
@@ -443,7 +446,7 @@ def fork_exec(
         stage = "exec"
         try:
             os.close(rerr)
-            for sig in SIGDEF:
+            for sig in CHILD_SIGDEF:
                 signal.signal(sig, signal.SIG_DFL)
             signal.pthread_sigmask(signal.SIG_SETMASK, [])
             os.setsid()
