@@ -7,7 +7,11 @@ main's; B: this tree's), so drift in the machine's load hits both alike.
 guestd then sends the time marks of each exec (guestd/exec.py), the guest's own
 breakdown of where an exec's time goes.
 
-Usage: python benchmarks/exec.py --baseline-initrd OLD.cpio [-n N] [--profile] [--out results/]
+Usage: python benchmarks/exec.py [--baseline-initrd OLD.cpio] [--a-extra CMDLINE] [--b-extra CMDLINE]
+       [-n N] [--profile] [--out results/]
+
+QEMU CPU per exec (all its threads' schedstat, idle ticks taken out) is the guest's
+emulated work: host load inflates wall times many times over, this much less.
 """
 
 from __future__ import annotations
@@ -113,14 +117,26 @@ def parse_marks(text: str) -> dict[str, float]:
     return out
 
 
-async def bench(n: int, baseline: Path, profile: bool, out_dir: Path) -> dict[str, Any]:
+async def bench(
+    n: int, baseline: Path | None, profile: bool, out_dir: Path, a_extra: str, b_extra: str
+) -> dict[str, Any]:
     image = Builder(default_cache()).build()
-    old = attrs.evolve(image, initrd=baseline)
+    old = attrs.evolve(image, initrd=baseline) if baseline else image
     work = Path(tempfile.mkdtemp(prefix="sandvisor-bench-exec-"))
-    res: dict[str, Any] = {"n": n, "loadavg_start": os.getloadavg()}
+    res: dict[str, Any] = {
+        "n": n,
+        "loadavg_start": os.getloadavg(),
+        "A": {"initrd": str(old.initrd), "cmdline": a_extra},
+        "B": {"initrd": str(image.initrd), "cmdline": b_extra},
+    }
     try:
         async with AsyncExitStack() as stack:
-            chans = {"A": await boot(stack, old, work / "a"), "B": await boot(stack, image, work / "b")} if n else {}
+            chans = {}
+            if n:
+                chans = {
+                    "A": await boot(stack, old, work / "a", a_extra),
+                    "B": await boot(stack, image, work / "b", b_extra),
+                }
             cases: dict[str, tuple[list[str], dict[str, Any]]] = {
                 "true": (["/bin/true"], {}),
                 "true_path": (["true"], {}),  # argv[0] resolved on PATH
@@ -170,7 +186,7 @@ async def ab(
     for k in ("A", "B"):
         fl = med([f[0] for f in floors[k]])
         fl_cpu = med([f[1] for f in floors[k]])
-        res[k] = {
+        res[k] |= {
             "idle_qemu_cpu_per_s": idle[k],
             "in_guest_spawn_ms": fl * 1e3,
             "in_guest_spawn_cpu_ms": fl_cpu * 1e3,
@@ -225,6 +241,8 @@ def markdown(r: dict[str, Any]) -> str:
             "| measure (median) | A | B | A/B |",
             "|---|---|---|---|",
         ]
+        lines.insert(-2, f"A: {a['initrd']} `{a['cmdline']}`; B: {b['initrd']} `{b['cmdline']}`")
+        lines.insert(-2, "")
         for key in (k for k in a if k.endswith("_ms")):
             lines.append(f"| {key} | {a[key]:.2f} | {b[key]:.2f} | {a[key] / max(b[key], 1e-6):.2f}x |")
     for case, p in r.get("profile", {}).items():
@@ -240,11 +258,15 @@ def markdown(r: dict[str, Any]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("-n", type=int, default=30)
-    ap.add_argument("--baseline-initrd", required=True, type=Path)
+    ap.add_argument("--baseline-initrd", type=Path, help="A's runtime (default: this tree's, as B's)")
+    # the same clocksource for both: without it the watchdog picks tsc or refined-jiffies
+    # per boot (load decides), and the two guests' clocks and idle ticks differ
+    ap.add_argument("--a-extra", default="tsc=reliable", help="A's extra kernel command line")
+    ap.add_argument("--b-extra", default="tsc=reliable", help="B's extra kernel command line")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--out", default="results", type=Path)
     a = ap.parse_args()
-    trio.run(bench, a.n, a.baseline_initrd, a.profile, a.out)
+    trio.run(bench, a.n, a.baseline_initrd, a.profile, a.out, a.a_extra, a.b_extra)
 
 
 if __name__ == "__main__":

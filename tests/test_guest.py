@@ -56,12 +56,13 @@ GLIBC_INTERNAL = (1 << 31) | (1 << 32)
 
 async def test_processes_start_clean_as_root_and_as_a_user(chan: GuestChannel) -> None:
     """Each spawn path (root: posix_spawn; a user: C fork+exec; a TTY: fork) starts its
-    process the same: a session and process group of its own, no signal ignored or
-    blocked, none of guestd's descriptors, umask 022 -- and a user's failures typed."""
+    process the same: a session and process group of its own, SCHED_OTHER (guestd is
+    SCHED_BATCH), no signal ignored or blocked, none of guestd's descriptors, umask 022
+    -- and a user's failures typed."""
     script = (
         "ls /proc/self/fd | sort -n | tr '\\n' ' '; echo; "
         "grep -E '^Sig(Blk|Ign)' /proc/self/status | tr -d '\\t'; "
-        "ps -o pid=,pgid=,sid= -p $$ | awk '{print ($1==$2 && $2==$3)}'; umask; id -un"
+        "ps -o pid=,pgid=,sid=,cls= -p $$ | awk '{print ($1==$2 && $2==$3) $4}'; umask; id -un"
     )
     with trio.fail_after(120):
         for kw in ({}, {"user": "nobody"}, {"user": "nobody", "cwd": "/tmp"}):
@@ -69,10 +70,14 @@ async def test_processes_start_clean_as_root_and_as_a_user(chan: GuestChannel) -
             fds, blk, ign, leader, umask, who = r.stdout.decode().splitlines()
             assert fds.split() == ["0", "1", "2", "3"], (kw, fds)  # 3: ls's own directory
             assert blk == "SigBlk:0000000000000000" and int(ign.split(":")[1], 16) & ~GLIBC_INTERNAL == 0, (kw, ign)
-            assert (leader, umask, who) == ("1", "0022", kw.get("user", "root")), kw
-        r = await chan.run(["sh", "-c", "grep -E '^Sig(Blk|Ign)' /proc/self/status | tr -d '\\t'; id -un"], tty=True)
-        blk, ign, who = r.stdout.decode().split()
-        assert (blk, who) == ("SigBlk:0000000000000000", "root") and int(ign.split(":")[1], 16) & ~GLIBC_INTERNAL == 0
+            assert (leader, umask, who) == ("1TS", "0022", kw.get("user", "root")), kw  # TS: SCHED_OTHER
+        r = await chan.run(
+            ["sh", "-c", "grep -E '^Sig(Blk|Ign)' /proc/self/status | tr -d '\\t'; id -un; ps -o cls= -p $$"], tty=True
+        )
+        blk, ign, who, cls = r.stdout.decode().split()
+        assert (blk, who, cls) == ("SigBlk:0000000000000000", "root", "TS") and int(
+            ign.split(":")[1], 16
+        ) & ~GLIBC_INTERNAL == 0
         cases: list[tuple[list[str], str, str, str]] = [
             (["true"], "/no/such/dir", P.E_NOT_FOUND, "chdir '/no/such/dir'"),
             (["/no/such/binary"], "", P.E_NOT_FOUND, "No such file or directory"),
