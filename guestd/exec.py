@@ -28,7 +28,6 @@ PROFILE = "sandvisor.execprof"  # =1 on the kernel command line: time marks of e
 # back to default in every process: what guestd catches or ignores, and SIGXFSZ, which
 # Python ignores at start-up (a process past RLIMIT_FSIZE is killed, not handed EFBIG)
 CHILD_SIGDEF = (*SIGDEF, signal.SIGXFSZ)
-BATCH = "sandvisor.execbatch"  # =0 on the kernel command line: guestd stays SCHED_OTHER
 DRAIN_GRACE = 0.2  # after exit, wait this long for background holders of the pipes
 EPOLLIN, EPOLLOUT = select.EPOLLIN, select.EPOLLOUT
 
@@ -111,7 +110,7 @@ class Proc(Req):
             stdio = (rin, wout, werr)
         self.mark("spawn")
         try:
-            self.pid = spawn(msg.argv, env, cwd, uid, gid, groups, stdio, msg.tty, batch(self.agent.cmdline))
+            self.pid = spawn(msg.argv, env, cwd, uid, gid, groups, stdio, msg.tty)
         except BaseException:
             for s in self.outs:
                 os.close(s.fd)
@@ -283,35 +282,6 @@ class Proc(Req):
 
 
 _DEVNULL = -1
-_BATCH: bool | None = None
-_OTHER = (os.SCHED_OTHER, os.sched_param(0))
-
-
-def batch(cmdline: dict[str, str]) -> bool:
-    """guestd runs SCHED_BATCH from its first exec on (``sandvisor.execbatch=0``: not),
-    its processes SCHED_OTHER. A batch task does not preempt on wakeup: a process
-    closing its pipes, or one a vfork just let go, is not cut off by guestd on the one
-    vCPU -- each such switch costs a full TLB flush under TCG -- and guestd handles the
-    exec's start, its output's ends and its exit in fewer turns and writes. guestd
-    still runs at the next tick (4 ms) when a process keeps the vCPU busy."""
-    global _BATCH
-    if _BATCH is None:
-        _BATCH = False
-        if cmdline.get(BATCH, "1") != "0":
-            try:
-                os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
-                _BATCH = True
-            except OSError:
-                pass
-    return _BATCH
-
-
-def to_other(pid: int) -> None:
-    """A process forked from a SCHED_BATCH guestd: back to the policy everyone has."""
-    try:
-        os.sched_setscheduler(pid, *_OTHER)
-    except OSError:  # (gone already)
-        pass
 
 
 def devnull() -> int:
@@ -343,10 +313,8 @@ def spawn(
     groups: list[int],
     stdio: tuple[int, int, int],
     tty: bool,
-    batch: bool = False,
 ) -> int:
-    """Start a process (SCHED_OTHER whatever guestd's policy is). Root without
-    a TTY (the common case) goes through posix_spawn, which glibc implements with
+    """Start a process. Root without a TTY (the common case) goes through posix_spawn, which glibc implements with
     CLONE_VFORK: no copy of guestd's page tables, a few ms less per exec under TCG.
     Another user without a TTY: CPython's C fork+exec (:func:`c_fork_exec`), a child
     that runs no Python. A controlling TTY forks."""
@@ -367,20 +335,16 @@ def spawn(
                 setsid=True,
                 setsigdef=CHILD_SIGDEF,
                 setsigmask=(),
-                scheduler=_OTHER,
             )
         except OSError as exc:
             raise ExecFailed(errcode(exc), f"exec {argv[0]!r}: {exc.strerror}") from None
         finally:
             os.chdir("/")
-    pid = 0
     if not tty and _C_FORK_EXEC:
         pid = c_fork_exec(path, argv, env, cwd, uid, gid, groups, stdio)
-    if not pid:
-        pid = fork_exec(path, argv, env, cwd, uid, gid, groups, stdio, tty)
-    if batch:
-        to_other(pid)
-    return pid
+        if pid:
+            return pid
+    return fork_exec(path, argv, env, cwd, uid, gid, groups, stdio, tty)
 
 
 _C_FORK_EXEC = True  # False once this Python's _posixsubprocess turned out to differ

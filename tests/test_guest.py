@@ -56,8 +56,8 @@ GLIBC_INTERNAL = (1 << 31) | (1 << 32)
 
 async def test_processes_start_clean_as_root_and_as_a_user(chan: GuestChannel) -> None:
     """Each spawn path (root: posix_spawn; a user: C fork+exec; a TTY: fork) starts its
-    process the same: a session and process group of its own, SCHED_OTHER (guestd is
-    SCHED_BATCH), no signal ignored or blocked, none of guestd's descriptors, umask 022
+    process the same: a session and process group of its own, SCHED_OTHER, no signal
+    ignored or blocked, none of guestd's descriptors, umask 022
     -- and a user's failures typed."""
     script = (
         "ls /proc/self/fd | sort -n | tr '\\n' ' '; echo; "
