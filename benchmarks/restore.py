@@ -4,8 +4,10 @@ Each round restores a snapshot of an idle sandbox twice -- once with
 ``SANDVISOR_LEGACY_RESTORE=1`` (the path before issue 28: QMP and the guest channel
 found by path with a connect loop, the saved state fed by QMP round trips, the hello
 and each fix-up its own round trip) and once without, in alternating order -- and then
-takes a warm pool member both ways. The in-process daemon reads the variable at each
-restore, so both run against the same host load.
+takes a warm pool member both ways. Each path restores a snapshot saved by its own
+machines (the new path's carry no runstate: they restore running, without a ``cont``).
+The in-process daemon reads the variable at each restore, so both run against the same
+host load.
 
 Rows: Restore RPC round trip (ready on return) and the restore's phases
 (benchmarks/snapshots.py's RESTORE_PHASES), pool acquire round trip; p50/p90 and the
@@ -30,10 +32,6 @@ from snapshots import RESTORE_PHASES, wait_ready
 from supervisor.client import connect
 
 MODES = ("old", "new")
-
-
-def loadavg() -> str:
-    return Path("/proc/loadavg").read_text().split(" ", 3)[:3].__str__()
 
 
 def _mode(mode: str) -> None:
@@ -61,36 +59,41 @@ async def bench(n: int, out_dir: Path) -> dict[str, Any]:
     try:
         async with in_process_daemon("sv-restore-") as (cfg, registry), connect(cfg.socket) as c:
             registry.pools.templates = False
-            await c.call("Create", {"id": "origin"})
-            await wait_ready(registry, "origin")
-            await trio.sleep(1)
-            snap = (await c.call("Checkpoint", {"sandbox_id": "origin"}))["snapshot_id"]
-            await c.call("Remove", {"id": "origin", "force": True})
-            res["memory"] = registry.snapshots.get(snap).memory
+            snaps = {}
+            for mode in MODES:  # each path restores a snapshot its own machines saved
+                _mode(mode)
+                await c.call("Create", {"id": f"origin-{mode}"})
+                await wait_ready(registry, f"origin-{mode}")
+                await trio.sleep(1)
+                snaps[mode] = (await c.call("Checkpoint", {"sandbox_id": f"origin-{mode}"}))["snapshot_id"]
+                await c.call("Remove", {"id": f"origin-{mode}", "force": True})
+            res["memory"] = registry.snapshots.get(snaps["new"]).memory
             with Progress() as progress:
                 task = progress.add_task("restores (old/new interleaved)", total=2 * n)
                 for i in range(n):
                     for mode in MODES if i % 2 == 0 else MODES[::-1]:
                         _mode(mode)
-                        x, ph = await _restore(c, registry, snap, f"r{mode}{i}")
+                        x, ph = await _restore(c, registry, snaps[mode], f"r{mode}{i}")
                         lat[mode].append(x)
                         phases[mode].append(ph)
                         progress.advance(task)
-                registry.pools.resize(snapshot=snap, size=1)
+                for snap in snaps.values():
+                    registry.pools.resize(snapshot=snap, size=1)
                 task = progress.add_task("pool acquires (old/new interleaved)", total=2 * n)
                 for i in range(n):
                     for mode in MODES if i % 2 == 0 else MODES[::-1]:
                         with trio.fail_after(120):
-                            while registry.pool_ready(registry.snapshots.get(snap)) < 1:
+                            while registry.pool_ready(registry.snapshots.get(snaps[mode])) < 1:
                                 await trio.sleep(0.01)
                         await trio.sleep(0.2)  # the member's own fix-ups are done
                         _mode(mode)
-                        x, _ = await _restore(c, registry, snap, f"p{mode}{i}")
+                        x, _ = await _restore(c, registry, snaps[mode], f"p{mode}{i}")
                         pool[mode].append(x)
                         progress.advance(task)
                 _mode("new")
-                registry.pools.resize(snapshot=snap, size=0)
-                await c.call("DeleteSnapshot", {"snapshot_id": snap})
+                for snap in snaps.values():
+                    registry.pools.resize(snapshot=snap, size=0)
+                    await c.call("DeleteSnapshot", {"snapshot_id": snap})
     finally:
         _mode("new")
     res["load_end"] = Path("/proc/loadavg").read_text().split()[:3]
