@@ -11,11 +11,12 @@ the RAM file, the run dir) belong to the caller (a sandbox's
 ::
 
     booted_guest(spec, run_dir)
-      Machine.run -------------------> QEMU (argv from spec.machine)
-      [restore] migrate-incoming fd: <- vmstate
-      connect <run_dir>/guest.sock     (raced against QEMU exiting)
-      HOST_SYNC + Hello -------------> guestd
-                        <------------- GUEST_SYNC + HelloOk
+      Machine.run -------------------> QEMU (argv from spec.machine; its QMP, console and
+                                       guest sockets made and connected before it starts)
+      [restore] migrate-incoming fd:N <- vmstate (inherited; sent with the QMP handshake)
+      HOST_SYNC + Hello -------------> guestd (waits in the socket as the state loads)
+      [restore] fix-ups (Attach.fixups, pipelined behind the Hello)
+                        <------------- GUEST_SYNC + HelloOk (+ the fix-ups' answers)
       yield Guest ... then ladder: guest poweroff -> quit -> SIGTERM -> SIGKILL, reaped
 """
 
@@ -404,6 +405,14 @@ async def _running(
                                 raise BootError(f"restore failed: {exc}", vm.console.text()) from None
                             t_loaded = time.monotonic()
 
+                        fix_errors: list[Exception] = []
+
+                        async def fix(fixups: Callable[[GuestChannel], Awaitable[None]]) -> None:
+                            try:
+                                await fixups(chan)
+                            except Exception as exc:  # raised after the load and the hello, which say why first
+                                fix_errors.append(exc)
+
                         try:
                             # the Hello (and the fix-ups behind it) wait in the socket
                             # while the state loads: the guest reads them as it runs
@@ -413,8 +422,10 @@ async def _running(
                                     if fed:
                                         steps.start_soon(load)
                                     if fixups is not None:
-                                        steps.start_soon(fixups, chan)
+                                        steps.start_soon(fix, fixups)
                                     await chan.wait_hello(boot_timeout)
+                            if fix_errors and not vm.exited:
+                                raise fix_errors[0]
                         except HelloTimeout:
                             raise BootTimeout(
                                 f"guest did not become ready within {boot_timeout:g}s", vm.console.text()
