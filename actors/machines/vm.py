@@ -402,6 +402,8 @@ async def _running(
                             try:
                                 await vm.loaded()
                             except MachineError as exc:
+                                if vm.exited:  # said below, with QEMU's exit (the hello scope is cancelled)
+                                    return
                                 raise BootError(f"restore failed: {exc}", vm.console.text()) from None
                             t_loaded = time.monotonic()
 
