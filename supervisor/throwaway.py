@@ -97,13 +97,26 @@ def supervisor_process(
     start_timeout: float = 30.0,
     extra_env: dict[str, str] | None = None,
     log: Path | None = None,
+    python_args: tuple[str, ...] = (),
 ) -> Iterator[tuple[dict[str, str], subprocess.Popen[bytes]]]:
     """``sandvisor serve`` as a child process, yielded once its socket is there with the
     environment that finds it; SIGTERM (a graceful stop) after, if it still runs.
     ``extra_env`` goes to the supervisor only (SANDVISOR_CRASH_AT: tests); its log
-    (stderr) is appended to ``log``, if given."""
+    (stderr) is appended to ``log``, if given. ``python_args`` go to the interpreter
+    before ``-m supervisor.cli`` (benchmarks: ``-m cProfile -o FILE``)."""
     env = work.env()
-    argv = [sys.executable, "-m", "supervisor.cli", "serve", "--accel", "tcg", "--run-root", str(work.run_root), *args]
+    argv = [
+        sys.executable,
+        *python_args,
+        "-m",
+        "supervisor.cli",
+        "serve",
+        "--accel",
+        "tcg",
+        "--run-root",
+        str(work.run_root),
+        *args,
+    ]
     if "--secrets-key" not in args:  # (never the machine's /etc/sandvisor)
         argv += ["--secrets-key", str(work.root / "secrets.key")]
     if "--ip-pool" not in args:  # the machine's own namespace: tap networking only where a test makes its own
