@@ -164,6 +164,7 @@ def markdown(res: dict[str, Any], s: dict[str, Any]) -> str:
 
 # -- supervisor CPU, paired before/after (issue 28 item 6) ------------------------------
 THIS_TREE = Path(__file__).resolve().parent.parent
+IDLE_SAMPLE_S = 5.0  # s: the supervisor at rest before each wave (its CPU per second)
 
 
 def cpu_s(pid: int, *, children: bool = False) -> float:
@@ -180,6 +181,11 @@ async def cpu_wave(sock: str, pid: int, k: int, tag: str, *, profile: bool = Fal
     the removal after. ``profile``: serve runs under benchmarks/_profserve.py, which
     profiles the burst (SIGUSR1 .. SIGUSR2)."""
     out: dict[str, Any] = {"lat": [], "ready": [], "failures": []}
+    # the supervisor's own ticking (timers, pools) at rest, per second: a wave that the
+    # host's load makes longer would otherwise count more of it per Create
+    i0, ti = cpu_s(pid), time.monotonic()
+    await trio.sleep(IDLE_SAMPLE_S)
+    idle_rate = (cpu_s(pid) - i0) / (time.monotonic() - ti)
     if profile:
         os.kill(pid, signal.SIGUSR1)
     load0 = os.getloadavg()[0]
@@ -203,12 +209,17 @@ async def cpu_wave(sock: str, pid: int, k: int, tag: str, *, profile: bool = Fal
         "ready_p50_s": pct(out["ready"], 50),
         "wall_s": wall,
         "serve_cpu_per_create_s": (c1 - c0) / k,
+        "lat_s": sorted(lat),
+        "ready_s": sorted(out["ready"]),
+        "serve_cpu_per_create_net_s": max(0.0, c1 - c0 - idle_rate * wall) / k,
+        "serve_idle_cpu_per_s": idle_rate,
         "serve_cpu_per_remove_s": (c2 - c1) / k,
         "helpers_cpu_per_create_s": (k1 - k0) / k,
         "load_before": load0,
         "load_avg": os.getloadavg()[0],
     }
-    print(f"  {tag}: {json.dumps({k: v for k, v in res.items() if k != 'failures'})} failures={len(res['failures'])}")
+    shown = {k: v for k, v in res.items() if k not in ("failures", "lat_s", "ready_s")}
+    print(f"  {tag}: {json.dumps(shown)} failures={len(res['failures'])}")
     for f in res["failures"][:5]:
         print("    ", f)
     return res
@@ -218,9 +229,9 @@ async def side_round(
     tree: Path, waves: list[tuple[str, int]], tag: str, profile: Path | None, args: tuple[str, ...] = ()
 ) -> dict[str, Any]:
     """One side's supervisor: the template, then the waves. The SDK (this process) polls
-    for ready as that side's SDK did: "before" every second (plans.READY_POLL_MAX 1 s)."""
+    for ready as that side's SDK did: another tree's every second (plans.READY_POLL_MAX 1 s)."""
     res: dict[str, Any] = {}
-    plans.READY_POLL_MAX = 1.0 if tag.startswith("before") else READY_POLL_MAX
+    plans.READY_POLL_MAX = READY_POLL_MAX if tree == THIS_TREE else 1.0
     py: tuple[str, ...] = (
         (str(THIS_TREE / "benchmarks" / "_profserve.py"), str(profile / f"{tag}.prof")) if profile else ()
     )
@@ -264,11 +275,21 @@ async def ab(
     return res
 
 
+KEYS = (
+    "serve_cpu_per_create_s",
+    "serve_cpu_per_create_net_s",
+    "helpers_cpu_per_create_s",
+    "serve_cpu_per_remove_s",
+    "p50_s",
+    "p95_s",
+)
+
+
 def ab_summary(res: dict[str, Any], waves: list[tuple[str, int]]) -> dict[str, Any]:
     s: dict[str, Any] = {}
     for name, _k in waves:
         w: dict[str, Any] = {}
-        for key in ("serve_cpu_per_create_s", "helpers_cpu_per_create_s", "serve_cpu_per_remove_s", "p50_s", "p95_s"):
+        for key in KEYS:
             b = [p["before"][name][key] for p in res["pairs"]]
             a = [p["after"][name][key] for p in res["pairs"]]
             ratios = sorted(x / y for x, y in zip(a, b, strict=True) if y)
@@ -298,6 +319,7 @@ def ab_markdown(res: dict[str, Any], s: dict[str, Any]) -> str:
     for name, w in s.items():
         for key, label in (
             ("serve_cpu_per_create_s", "serve CPU per Create + Run (s)"),
+            ("serve_cpu_per_create_net_s", "the same, less serve's CPU at rest over the wave (s)"),
             ("helpers_cpu_per_create_s", "serve's reaped children's CPU per Create (s)"),
             ("serve_cpu_per_remove_s", "serve CPU per Remove (s)"),
             ("p50_s", "p50 latency (s)"),
