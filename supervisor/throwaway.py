@@ -116,9 +116,10 @@ class Workdir:
         return []
 
 
-def kill_processes(work: Workdir, timeout: float = 30.0) -> dict[int, str]:
+def kill_processes(work: Workdir, timeout: float = 120.0) -> dict[int, str]:
     """SIGKILL every process :meth:`Workdir.processes` finds, until none is left (each
-    dies in its own time: a QEMU with GiBs mapped takes a moment); what was found."""
+    dies in its own time: a QEMU killed mid-I/O on a loaded host took over 30 s); what
+    was found."""
     found: dict[int, str] = {}
     deadline = time.monotonic() + timeout
     while (now := work.processes()) and time.monotonic() < deadline:
