@@ -16,6 +16,11 @@
   restore's phases: overlay + QEMU spawn -> QMP -> state load -> hello -> ready.
 
 Usage: python benchmarks/coldstart.py [-n N] [--out results/]
+
+A/B of the boot path (issue 28), both in the same rounds as the floors:
+``SANDVISOR_BENCH_RUNTIME_B=<initrd>`` and/or ``SANDVISOR_BENCH_TCG_CPU_B=<model>`` add a
+"B" row of cold creates with that runtime / TCG CPU model, interleaved with the A row;
+``SANDVISOR_BENCH_BOOT_ONLY=1`` stops after those rounds (results: coldstart_boot.*).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from guest import boot_floor, boot_floor_phases, floor_initrd
 from rich.progress import Progress
 from snapshots import RESTORE_PHASES, restore_runs, wait_ready
 
+from actors.machines import qemuspec
 from actors.machines.vm import kernel_cmdline
 from images.build import Builder, default_cache
 from supervisor.client import connect
@@ -111,17 +117,19 @@ async def bench(n: int, out_dir: Path) -> dict[str, Any]:
     # A/B (issue 28): SANDVISOR_BENCH_RUNTIME_B names another runtime initrd (e.g. an
     # older build's, hard-linked aside); each round then creates with both, interleaved
     # with the floors, so the two rows and the floor see the same machine load
+    # and SANDVISOR_BENCH_TCG_CPU_B the B row's TCG CPU model (e.g. "max", before ERMS went)
     runtime_b = os.environ.get("SANDVISOR_BENCH_RUNTIME_B")
+    cpu_b = os.environ.get("SANDVISOR_BENCH_TCG_CPU_B")
     boot_only = bool(os.environ.get("SANDVISOR_BENCH_BOOT_ONLY"))
     with tempfile.TemporaryDirectory() as d, Progress() as progress:
         initrd = floor_initrd(Path(d))
         async with in_process_daemon("sv-cold-") as (cfg, registry), connect(cfg.socket) as c:
             registry.pools.templates = False  # the boot path first: every create boots
             settings = {"A": registry.settings}
-            if runtime_b:
-                settings["B"] = attrs.evolve(
-                    registry.settings, image=attrs.evolve(registry.settings.image, initrd=Path(runtime_b))
-                )
+            if runtime_b or cpu_b:
+                img_b = attrs.evolve(registry.settings.image, initrd=Path(runtime_b or image.initrd))
+                settings["B"] = attrs.evolve(registry.settings, image=img_b)
+            cpus = {"A": qemuspec.TCG_CPU, "B": cpu_b or qemuspec.TCG_CPU}
             # rounds: floor (microvm), floor (pc), a cold create per runtime
             task = progress.add_task("floors and sequential creates", total=n)
             floors, pc, pre_clock = [], [], []
@@ -135,12 +143,13 @@ async def bench(n: int, out_dir: Path) -> dict[str, Any]:
                 pc.append(await trio.to_thread.run_sync(boot_floor, image, initrd, pc_cmd, "pc"))
                 for k, st in settings.items():
                     registry.settings = st  # (read by each new sandbox)
+                    qemuspec.TCG_CPU = cpus[k]  # (read by each QEMU command line)
                     wall, lat, phases = await create_wave(c, registry, [f"seq{k}{i}"])
                     seq[k][0].extend(lat)
                     seq[k][1].extend(phases)
                     seq[k][2].append(wall)
                     await remove_all(c, [f"seq{k}{i}"])
-                registry.settings = settings["A"]
+                registry.settings, qemuspec.TCG_CPU = settings["A"], cpus["A"]
                 progress.advance(task)
             res["floor_microvm"] = summary(floors)
             res["floor_pc"] = summary(pc)
@@ -154,8 +163,8 @@ async def bench(n: int, out_dir: Path) -> dict[str, Any]:
                 res["phases_median_s" if k == "A" else "phases_b_median_s"] = {
                     label: statistics.median(p[label] for p in phases if label in p) for _, _, label in PHASES
                 }
-            if runtime_b:
-                res["runtime_b"] = runtime_b
+            if "B" in settings:
+                res["runtime_b"] = f"initrd {runtime_b or 'A'}, TCG CPU {cpus['B']}"
             if boot_only:  # SANDVISOR_BENCH_BOOT_ONLY: the rounds above only
                 return finish(res, out_dir, "coldstart_boot")
             res["concurrent"] = {}
@@ -315,7 +324,7 @@ def markdown(res: dict[str, Any]) -> str:
     if "sequential_b" in res:
         s = res["sequential_b"]
         rows.append(
-            f"| cold create (boot path), sequential, runtime B | {s['p50']:.3f} | {s['p90']:.3f} | {s['p99']:.3f} "
+            f"| cold create (boot path), sequential, B | {s['p50']:.3f} | {s['p90']:.3f} | {s['p99']:.3f} "
             f"| {s['throughput_per_s']:.2f} | {s['p50'] / fl:.2f}x |"
         )
     for k, r in res.get("concurrent", {}).items():
@@ -338,7 +347,7 @@ def markdown(res: dict[str, Any]) -> str:
     rows += ["", "Phases of a sequential create (median, s):", ""]
     rows += [f"- {label}: {v:.3f}" for label, v in res["phases_median_s"].items()]
     if "phases_b_median_s" in res:
-        rows += ["", f"Phases of a sequential create, runtime B ({res['runtime_b']}) (median, s):", ""]
+        rows += ["", f"Phases of a sequential create, B ({res['runtime_b']}) (median, s):", ""]
         rows += [f"- {label}: {v:.3f}" for label, v in res["phases_b_median_s"].items()]
     if "floor_phases_median_s" in res:
         rows += ["", "Phases of the floor (median, s):", ""]
