@@ -47,3 +47,15 @@ async def test_hello_reports_every_boot_mark(chan: GuestChannel) -> None:
     for k in ("init", "modules", "rootfs", "python", "ready"):
         assert k in marks, marks
     assert 0 < marks["init"] <= marks["modules"] <= marks["rootfs"] <= marks["python"] <= marks["ready"]
+
+
+async def test_the_guest_keeps_the_tsc_clocksource(chan: GuestChannel) -> None:
+    """Under TCG the command line says ``tsc=reliable``: the watchdog must not swap the
+    TSC for refined-jiffies (a 250 Hz tick even when idle) on a loaded host."""
+    with trio.fail_after(120):
+        cmdline = (await chan.run(["cat", "/proc/cmdline"])).stdout
+        if b"tsc=reliable" not in cmdline:
+            pytest.skip("not TCG: the guest has its hypervisor's clock")
+        r = await chan.run(["cat", "/sys/devices/system/clocksource/clocksource0/current_clocksource"])
+        assert r.exit_code == 0, r.stderr
+        assert r.stdout.strip() == b"tsc", r.stdout
