@@ -14,12 +14,18 @@ import os
 import select
 
 from guestd import proto as P
-from guestd.common import log
+from guestd.common import log, now
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs ~30 ms of boot
 
 if TYPE_CHECKING:  # pragma: no cover
+    from typing import Protocol
+
     from guestd.agent import Agent
+
+    class Profiled(Protocol):
+        def on_flushed(self) -> None: ...
+
 
 MAX_OUTBUF = 8 * 1024 * 1024  # a host that stops reading this long is dropped
 # Reads and writes of the channel, sized for the virtio console, which hands out at most
@@ -57,6 +63,8 @@ class Conn:
         self.discarded = 0
         self.rview = memoryview(bytearray(READ_PIECE * READ_PIECES))
         self.iov = [self.rview[i : i + READ_PIECE] for i in range(0, len(self.rview), READ_PIECE)]
+        self.t_read = 0.0  # when the last read began (exec profile marks, exec.py)
+        self.prof: list[Profiled] = []  # requests that want a mark at the next flush
 
     def send(self, msg: P.Message) -> None:
         if self.away:
@@ -89,6 +97,10 @@ class Conn:
                 self.drop()
                 return
             del self.out[:n]
+        if self.prof:
+            prof, self.prof = self.prof, []
+            for p in prof:
+                p.on_flushed()
         self.agent.update_conn(self)
 
     @property
@@ -96,6 +108,7 @@ class Conn:
         return len(self.out) > P.WINDOW
 
     def on_readable(self) -> None:
+        self.t_read = now()
         try:
             got = os.readv(self.fd, self.iov)
         except BlockingIOError:
@@ -124,8 +137,11 @@ class Conn:
                 return
             except P.ProtocolError as exc:
                 # lost the frame boundary (a host that reconnected mid-frame, or garbage):
-                # wait for the next host's sync marker; the buffered bytes are searched too
-                log(f"{self.kind}: protocol error from host: {exc}; resynchronising")
+                # wait for the next host's sync marker; the buffered bytes are searched too.
+                # A marker at a frame boundary is no error: a new host on a session that
+                # was live (every restore of a snapshot), nothing to tell the console
+                if not self.decoder.at(P.HOST_SYNC):
+                    log(f"{self.kind}: protocol error from host: {exc}; resynchronising")
                 self.syncing = True
                 got = 0
 

@@ -41,6 +41,14 @@ def resolve_accel(accel: str) -> str:
 # virtio-serial, the root disk, each volume, a NIC, the balloon. Beyond them QEMU
 # fails to start ("No 'virtio-bus' bus found"): MachineSpec refuses first, saying why.
 MICROVM_VIRTIO_SLOTS = 24
+# TCG's CPU: everything QEMU emulates, less ERMS and FSRM ("rep movsb/stosb are fast").
+# Under TCG they are not: each iteration of a rep string instruction is one pass through
+# a translated block, so the guest kernel's memcpy/clear_page and glibc's large copies,
+# which pick `rep movsb`/`rep stosb` when the flags are there, move a byte per pass
+# (without them: 8 bytes, or an unrolled loop). Measured on the boot path, A/B in one
+# run: docs/results/boot.md. CPUID is not in the migration stream: a snapshot taken with
+# the flags restores under this model (its kernel keeps the `rep movsb` it patched in).
+TCG_CPU = "max,erms=off,fsrm=off"
 VOLUME_FDSET = 1 << 20  # fd set of volume i: VOLUME_FDSET + i (apart from disk, layers, staged overlays)
 
 
@@ -164,6 +172,15 @@ class MachineSpec:
         reconnect (fd passing works over the QMP socket too)."""
         fds = fds or {}
         self.check_devices()
+
+        def chardev(ident: str, name: str) -> str:
+            # a listening socket the supervisor made and connected to already (fds
+            # "listen:NAME"): QEMU accepts that connection as it starts (wait=on: no
+            # connect loop, no race), and later ones (an adopting supervisor) by path
+            if f"listen:{name}" in fds:
+                return f"socket,id={ident},fd={fds[f'listen:{name}']},server=on,wait=on"
+            return f"socket,id={ident},path={sock_dir / name},server=on,wait=off"
+
         accel = self.accel
         if self.machine == "microvm":
             # the defaults are the fast path: rtc=off alone costs ~2 s of boot under TCG
@@ -177,7 +194,7 @@ class MachineSpec:
         accel_opts = accel
         if accel == "tcg" and self.tb_size_mib is not None:
             accel_opts += f",tb-size={self.tb_size_mib}"
-        cpu = "host" if accel == "kvm" else "max"
+        cpu = "host" if accel == "kvm" else TCG_CPU
         a = [
             self.qemu,
             "-M",
@@ -203,17 +220,17 @@ class MachineSpec:
             "-append",
             self.append,
             "-chardev",
-            f"socket,id=con,path={sock_dir / 'console.sock'},server=on,wait=off",
+            chardev("con", "console.sock"),
             "-serial",
             "chardev:con",
             "-chardev",
-            f"socket,id=qmp,path={sock_dir / 'qmp.sock'},server=on,wait=off",
+            chardev("qmp", "qmp.sock"),
             "-mon",
             "chardev=qmp,mode=control",
             "-device",
             ser,
             "-chardev",
-            f"socket,id=guest,path={sock_dir / 'guest.sock'},server=on,wait=off",
+            chardev("guest", "guest.sock"),
             "-device",
             f"virtserialport,chardev=guest,name={GUEST_PORT_NAME}",
         ]
@@ -295,6 +312,11 @@ class MachineSpec:
         a += _netdev(self.netdev, net, fds)
         if self.incoming:
             a += ["-incoming", "defer"]
+        if "listen:qmp.sock" in fds:
+            # a guest saved paused (every checkpoint) restores running, without a `cont`
+            # round trip: no runstate in the stream, so its restore obeys autostart
+            # (not -S). A state saved with one still restores paused (VM.restore conts).
+            a += ["-global", "migration.store-global-state=off"]
         if self.sandbox:
             a += ["-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"]
         a += list(self.extra_args)
