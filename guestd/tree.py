@@ -46,6 +46,7 @@ from __future__ import annotations
 import errno
 import math
 import os
+import re
 import stat
 import struct
 import tarfile
@@ -416,6 +417,11 @@ def _malformed(what: str) -> TreeError:
     return TreeError(P.E_INVALID, f"malformed tar stream: {what}"[:300])
 
 
+# mode, uid, gid, size, mtime and checksum as tar writes them (zero-padded, NUL-ended;
+# the checksum "%06o\0 "): every other spelling goes through _octal, field by field
+_NUMBERS = re.compile(rb"([0-7]{7})\0([0-7]{7})\0([0-7]{7})\0([0-7]{11})\0([0-7]{11})\0([0-7]{6})\0 ")
+
+
 def _octal(block: bytes, field: tuple[int, int], what: str) -> int:
     raw = block[field[0] : field[1]]
     if raw[:1] in (b"\x80", b"\xff"):  # GNU base-256 (big ids, sizes, times)
@@ -486,12 +492,16 @@ def _next_member(r: _Reader, glob: dict[str, bytes]) -> _Member | None:
             raise _malformed("truncated header")
         if not any(block):
             return None  # the end-of-archive marker
-        chksum = _octal(block, _CHKSUM, "checksum")
+        fast = _NUMBERS.match(block, 100, 156)
+        if fast is not None:  # (the fields as tar and tarfile write them: one match for six)
+            mode, uid, gid, size, mtime, chksum = (int(g, 8) for g in fast.groups())
+        else:
+            chksum = _octal(block, _CHKSUM, "checksum")
+            size = _octal(block, _SIZE, "size")
         unsigned = 256 + sum(block[:148]) + sum(block[156:])
         if chksum != unsigned and chksum != 256 + sum(_SIGNED.unpack_from(block)):
             raise _malformed("bad checksum in a header")
         kind = block[_TYPE]
-        size = _octal(block, _SIZE, "size")
         if size < 0:
             raise _malformed("negative size")
         if kind in b"xXgLK":  # pax (local, Solaris, global) and GNU long-name headers
@@ -513,9 +523,11 @@ def _next_member(r: _Reader, glob: dict[str, bytes]) -> _Member | None:
         name = _text(block[_NAME[0] : _NAME[1]])
         if block[_MAGIC[0] : _MAGIC[1]] == _POSIX_MAGIC and block[_PREFIX[0]]:
             name = _text(block[_PREFIX[0] : _PREFIX[1]]) + "/" + name
-        m = _Member(name, _text(block[_LINK[0] : _LINK[1]]), kind, _octal(block, _MODE, "mode"))
-        m.uid, m.gid, m.size = _octal(block, _UID, "uid"), _octal(block, _GID, "gid"), size
-        m.mtime = _octal(block, _MTIME, "mtime")
+        if fast is None:
+            mode, uid, gid = _octal(block, _MODE, "mode"), _octal(block, _UID, "uid"), _octal(block, _GID, "gid")
+            mtime = _octal(block, _MTIME, "mtime")
+        m = _Member(name, _text(block[_LINK[0] : _LINK[1]]), kind, mode)
+        m.uid, m.gid, m.size, m.mtime = uid, gid, size, mtime
         if long_name is not None:
             m.name = long_name
         if long_link is not None:
@@ -573,6 +585,9 @@ def _umask() -> int:
 
 
 def _parts(name: str) -> tuple[str, ...]:
+    parts = tuple(name.split("/"))
+    if "" not in parts and "." not in parts and ".." not in parts:
+        return parts  # (the common name: no empty, '.' or '..' component)
     if name.startswith("/"):
         raise TreeError(P.E_INVALID, f"absolute name in the archive: {name[:200]!r}")
     parts = tuple(p for p in name.split("/") if p not in ("", "."))
@@ -600,18 +615,22 @@ class _Unpacker:
         self.mask = mode_mask
         self.files: set[tuple[str, ...]] = set()  # regular files of this archive: hard link targets
         self.dirs: dict[tuple[str, ...], tuple[int, int, int, int | None]] = {}  # mode, uid, gid, mtime
-        self._key: tuple[str, ...] | None = None
-        self._fd = -1
+        # the current parent directory and its ancestors, open from the target down:
+        # a member in another directory opens only what differs from the last one's path
+        self._path: list[str] = []
+        self._fds: list[int] = []
+        self._key: tuple[str, ...] | None = ()
         self._sgid: bool | None = None  # whether the current parent has the setgid bit
         self.me = (os.geteuid(), os.getegid())  # the owner of what this process creates
         self.later = 0o7022 | _umask()  # mode bits a new file gets only by fchmod, once whole
 
-    def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
-            self._key = None
-            self._sgid = None
+    def close(self, keep: int = 0) -> None:
+        """Close the open path below its first ``keep`` directories."""
+        while len(self._fds) > keep:
+            os.close(self._fds.pop())
+            self._path.pop()
+        self._key = None
+        self._sgid = None
 
     def setgid_parent(self, pfd: int) -> bool:
         """Whether the current parent directory gives its group to new files."""
@@ -624,26 +643,32 @@ class _Unpacker:
             return self.owner
         return (uid, gid) if self.keep_ids else None
 
+    def step(self, fd: int, parts: tuple[str, ...], i: int, *, create: bool, name: str) -> int:
+        """A new descriptor of the directory ``parts[i]`` in ``fd`` (``parts[:i]``): never a
+        symlink; made (0700 until :meth:`finish_dirs`) if missing and ``create``."""
+        comp = parts[i]
+        try:
+            return os.open(comp, _DIR, dir_fd=fd)
+        except FileNotFoundError:
+            if not create:
+                raise
+            os.mkdir(comp, 0o700, dir_fd=fd)
+            self.made.add(parts[: i + 1])
+            uid, gid = self.owner if self.owner is not None else (-1, -1)
+            self.dirs.setdefault(parts[: i + 1], (0o755, uid, gid, None))  # as tar makes parents
+            return os.open(comp, _DIR, dir_fd=fd)
+        except OSError as exc:
+            if exc.errno in (errno.ENOTDIR, errno.ELOOP):  # a file or a symlink in the way
+                where = "/".join(parts[: i + 1])
+                raise TreeError(P.E_INVALID, f"{name}: {where} is a symlink or not a directory") from None
+            raise
+
     def walk(self, parts: tuple[str, ...], *, create: bool, name: str) -> int:
         """A new descriptor of the directory ``parts`` (from the target, no symlinks)."""
         fd = os.dup(self.dest)
         try:
-            for i, comp in enumerate(parts):
-                try:
-                    nfd = os.open(comp, _DIR, dir_fd=fd)
-                except FileNotFoundError:
-                    if not create:
-                        raise
-                    os.mkdir(comp, 0o700, dir_fd=fd)
-                    self.made.add(parts[: i + 1])
-                    uid, gid = self.owner if self.owner is not None else (-1, -1)
-                    self.dirs.setdefault(parts[: i + 1], (0o755, uid, gid, None))  # as tar makes parents
-                    nfd = os.open(comp, _DIR, dir_fd=fd)
-                except OSError as exc:
-                    if exc.errno in (errno.ENOTDIR, errno.ELOOP):  # a file or a symlink in the way
-                        where = "/".join(parts[: i + 1])
-                        raise TreeError(P.E_INVALID, f"{name}: {where} is a symlink or not a directory") from None
-                    raise
+            for i in range(len(parts)):
+                nfd = self.step(fd, parts, i, create=create, name=name)
                 os.close(fd)
                 fd = nfd
         except BaseException:
@@ -653,11 +678,22 @@ class _Unpacker:
 
     def parent(self, parts: tuple[str, ...], name: str) -> int:
         key = parts[:-1]
-        if key != self._key:
-            self.close()
-            self._fd = self.walk(key, create=True, name=name)
-            self._key = key
-        return self._fd
+        if key == self._key:
+            return self._fds[-1] if self._fds else self.dest
+        path = self._path
+        common = 0
+        for have, want in zip(path, key, strict=False):
+            if have != want:
+                break
+            common += 1
+        self.close(common)
+        fd = self._fds[-1] if self._fds else self.dest
+        for i in range(common, len(key)):
+            fd = self.step(fd, key, i, create=True, name=name)
+            self._fds.append(fd)
+            path.append(key[i])
+        self._key = key
+        return fd
 
     def clear(self, pfd: int, leaf: str, name: str) -> None:
         """Make room for a non-directory at ``leaf``: unlink what is there, never a directory."""
@@ -758,19 +794,37 @@ class _Unpacker:
         raise TreeError(P.E_INVALID, f"{name}: unsupported tar entry type {bytes([ti.type])!r}")
 
     def finish_dirs(self) -> None:
-        """Directory owners, modes and times, deepest first (their contents are in)."""
+        """Directory owners, modes and times, deepest first (their contents are in): in
+        name order, each directory opened once from its parent's descriptor, and set
+        when the walk leaves it (every directory below it is done by then)."""
         self.close()
-        for parts in sorted(self.dirs, key=len, reverse=True):
-            mode, uid, gid, mtime = self.dirs[parts]
-            fd = self.walk(parts, create=False, name="/".join(parts) or ".")
-            try:
+        stack: list[tuple[tuple[str, ...], int]] = [((), os.dup(self.dest))]
+        try:
+            for parts in sorted(self.dirs):
+                while parts[: len(stack[-1][0])] != stack[-1][0]:
+                    self._set_dir(*stack.pop())
+                have, fd = stack[-1]
+                for i in range(len(have), len(parts)):
+                    fd = self.step(fd, parts, i, create=False, name="/".join(parts))
+                    stack.append((parts[: i + 1], fd))
+            while stack:
+                self._set_dir(*stack.pop())
+        finally:
+            for _, fd in stack:
+                os.close(fd)
+
+    def _set_dir(self, parts: tuple[str, ...], fd: int) -> None:
+        try:
+            meta = self.dirs.get(parts)
+            if meta is not None:
+                mode, uid, gid, mtime = meta
                 if uid >= 0:
                     os.fchown(fd, uid, gid)
                 os.fchmod(fd, mode)
                 if mtime is not None:
                     os.utime(fd, ns=(mtime * 10**9, mtime * 10**9))
-            finally:
-                os.close(fd)
+        finally:
+            os.close(fd)
 
 
 def unpack(
