@@ -562,3 +562,34 @@ def test_reader_octal_fields_are_strict(field: bytes, place: tuple[Path, Path]) 
     with pytest.raises(TreeError) as e:
         unpack_bytes(bytes(one), dest)
     assert e.value.code == P.E_INVALID
+
+
+def test_every_file_gets_its_exact_mode_and_owner(tmp_path: Path) -> None:
+    """Files made with their final mode when that is safe (no fchmod), else 0600 and
+    fchmod once whole: either way the archive's exact mode; the archive's owner even
+    when it is the unpacker's own and a setgid parent would give its group instead."""
+    modes = (0o644, 0o600, 0o000, 0o755, 0o664, 0o666, 0o4755, 0o2750, 0o1777, 0o444, 0o700, 0o640)
+    out = io.BytesIO()
+    me = (os.geteuid(), os.getegid())
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        for sub in ("", "sg/"):
+            for m in modes:
+                ti = tarfile.TarInfo(f"{sub}f{m:o}")
+                ti.mode, ti.size, ti.mtime, (ti.uid, ti.gid) = m, 1, 1_600_000_000, me
+                tf.addfile(ti, io.BytesIO(b"x"))
+    dst = tmp_path / "dst"
+    (dst / "sg").mkdir(parents=True)
+    os.chmod(dst / "sg", 0o2775)
+    if ROOT:
+        os.chown(dst / "sg", 0, 4321)
+    old = os.umask(0o027)
+    try:
+        unpack_bytes(out.getvalue(), dst, keep_ids=ROOT)
+    finally:
+        os.umask(old)
+    for sub in ("", "sg/"):
+        for m in modes:
+            st = os.lstat(dst / f"{sub}f{m:o}")
+            assert (stat.S_IMODE(st.st_mode), int(st.st_mtime)) == (m, 1_600_000_000), (sub, oct(m))
+            if ROOT:
+                assert (st.st_uid, st.st_gid) == me, (sub, oct(m))
