@@ -630,6 +630,11 @@ class FrameDecoder:
     def buffered(self) -> int:
         return len(self._buf) - self._pos
 
+    def at(self, marker: bytes) -> bool:
+        """The unconsumed bytes start with ``marker`` (all of it that has come)."""
+        head = bytes(self._buf[self._pos : self._pos + len(marker)])
+        return bool(head) and marker.startswith(head)
+
     def messages(self) -> Iterator[Message]:
         buf = self._buf
         while len(buf) - self._pos >= 4:

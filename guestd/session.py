@@ -102,8 +102,11 @@ class Conn:
                 return
             except P.ProtocolError as exc:
                 # lost the frame boundary (a host that reconnected mid-frame, or garbage):
-                # wait for the next host's sync marker; the buffered bytes are searched too
-                log(f"{self.kind}: protocol error from host: {exc}; resynchronising")
+                # wait for the next host's sync marker; the buffered bytes are searched too.
+                # A marker at a frame boundary is no error: a new host on a session that
+                # was live (every restore of a snapshot), nothing to tell the console
+                if not self.decoder.at(P.HOST_SYNC):
+                    log(f"{self.kind}: protocol error from host: {exc}; resynchronising")
                 self.syncing = True
                 data = b""
 

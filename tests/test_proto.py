@@ -289,3 +289,21 @@ def test_fuzzed_guest_bytes_never_crash_the_host(chunks: list[bytes]) -> None:
             n.cancel_scope.cancel()
 
     trio.run(main)
+
+
+def test_a_marker_at_a_frame_boundary_is_told_from_garbage() -> None:
+    """guestd resyncs quietly on a new host's marker where a frame would start (a
+    restored session: no protocol error on the console), and says so for garbage."""
+    dec = P.FrameDecoder()
+    dec.feed(P.encode(P.Ping(rid=1)) + P.HOST_SYNC[:5])
+    with pytest.raises(P.FrameTooLarge):
+        list(dec.messages())
+    assert dec.at(P.HOST_SYNC)  # (the first bytes of it are enough)
+    dec.feed(P.HOST_SYNC[5:] + P.encode(P.Ping(rid=2)))
+    assert dec.at(P.HOST_SYNC) and dec.resync(P.HOST_SYNC)
+    assert [m.rid for m in dec.messages()] == [2]  # type: ignore[attr-defined]
+    junk = P.FrameDecoder()
+    junk.feed(b"\xfe" * 8)
+    with pytest.raises(P.FrameTooLarge):
+        list(junk.messages())
+    assert not junk.at(P.HOST_SYNC) and not P.FrameDecoder().at(P.HOST_SYNC)

@@ -4,6 +4,7 @@ against a fake QMP server on a socketpair. (With QEMU: every VM test goes throug
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import socket
@@ -395,3 +396,55 @@ async def test_close_ends_run_and_fails_waiters() -> None:
             await client.execute("never")
         with pytest.raises(QMPDisconnected, match="closed"):
             await client.execute("echo")
+
+
+async def _greet_after(sock: socket.socket, lines: int, refuse: str = "", cmds: list[Any] | None = None) -> None:
+    """A QEMU that greets only once it has read ``lines`` commands (into ``cmds``), then
+    answers each in order (``refuse``: that command's answer is an error)."""
+    s = trio.socket.from_stdlib_socket(sock)
+    buf = b""
+    cmds = [] if cmds is None else cmds
+    with s:
+        while buf.count(b"\n") < lines:
+            data = await s.recv(4096)
+            assert data, "the client hung up"
+            buf += data
+        await s.send(GREETING)
+        for line in buf.splitlines():
+            cmd = json.loads(line)
+            cmds.append(cmd)
+            if cmd["execute"] == refuse:
+                err = {"id": cmd["id"], "error": {"class": "GenericError", "desc": "refused"}}
+                await s.send(json.dumps(err).encode() + b"\n")
+            else:
+                await s.send(json.dumps({"return": {}, "id": cmd["id"]}).encode() + b"\n")
+        await trio.sleep_forever()
+
+
+async def test_eager_handshake_pipelines_the_commands_behind_it() -> None:
+    """A connection made before QEMU started (Machine._pre_connect) negotiates without
+    waiting for the greeting, and the restore's commands go right behind it: QEMU reads
+    all of them before it greets, and answers them in order."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    client = QMPClient("eager")
+    then = (("migrate-set-capabilities", {"capabilities": []}), ("migrate-incoming", {"uri": "fd:7"}))
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            got: list[dict[str, Any]] = []
+            nursery.start_soon(_greet_after, b, 3, "", got)
+            await nursery.start(functools.partial(client.run, a, eager=True, then=then))
+            assert client.connected
+            nursery.cancel_scope.cancel()
+    assert [c["execute"] for c in got] == ["qmp_capabilities", "migrate-set-capabilities", "migrate-incoming"]
+
+
+async def test_a_refused_pipelined_command_fails_the_handshake() -> None:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    client = QMPClient("eager")
+    then = (("migrate-incoming", {"uri": "fd:7"}),)
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_greet_after, b, 2, "migrate-incoming")
+            with pytest.raises(QMPCommandFailed, match="refused"):
+                await nursery.start(functools.partial(client.run, a, eager=True, then=then))
+            nursery.cancel_scope.cancel()

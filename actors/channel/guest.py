@@ -25,7 +25,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import aclosing, asynccontextmanager
 from typing import Any, TypeVar
 
@@ -117,6 +117,7 @@ class GuestChannel:
         # seconds from sending Hello to its answer: its host_time_ns set the guest's clock
         # this stale at most (clock_stale says whether a restore must set it again)
         self.hello_rtt = 0.0
+        self._hello_sent = 0.0
         self.guest_logs: collections.deque[str] = collections.deque(maxlen=64)
         self._stats = {"frames_in": 0, "frames_out": 0, "bytes_in": 0, "bytes_out": 0, "dropped": 0}
 
@@ -263,6 +264,12 @@ class GuestChannel:
     # -- hello ---------------------------------------------------------------
     async def hello(self, timeout: float) -> P.HelloOk:
         """Send Hello and wait for the guest's answer (this spans the guest's boot)."""
+        await self.send_hello()
+        return await self.wait_hello(timeout)
+
+    async def send_hello(self) -> None:
+        """HOST_SYNC and Hello, sent: requests sent after it (:meth:`post`) are the new
+        session's, answered after its HelloOk, in the same wakeup of the guest."""
         self._check()
         for req in list(self._reqs.values()):  # the guest drops the old session's requests: so do we
             req.fail(ChannelBroken("a new session with the guest began; this request was dropped"))
@@ -275,8 +282,12 @@ class GuestChannel:
                 await self._stream.send_all(P.HOST_SYNC)
             except (trio.BrokenResourceError, OSError) as exc:
                 raise ChannelBroken(f"guest channel broke: {exc}") from None
-        t0 = time.monotonic()
+        self._hello_sent = time.monotonic()
         await self._send(P.Hello(version=P.PROTOCOL_VERSION, host_time_ns=time.time_ns()))
+
+    async def wait_hello(self, timeout: float) -> P.HelloOk:
+        """The answer to :meth:`send_hello`'s Hello (HelloTimeout after ``timeout``)."""
+        t0 = self._hello_sent
         with trio.move_on_after(timeout):
             await self._hello_event.wait()
         self.hello_rtt = time.monotonic() - t0
@@ -301,6 +312,36 @@ class GuestChannel:
         if not isinstance(msg, expect):
             await self._protocol_violation(f"expected {expect.TAG}, got {msg.TAG}")
         return msg  # type: ignore[return-value]
+
+    async def post(self, builds: Sequence[Callable[[int], P.Message]]) -> Callable[[], Awaitable[None]]:
+        """Send these requests now, in order (each built from its request id), without
+        waiting: what the guest does after them sees their effect. The returned function
+        waits for every answer (Ok) and raises the first error (a restore's and a pool
+        acquire's fix-ups: no round trip of their own on the way to ready)."""
+        reqs: list[_Request] = []
+        try:
+            for build in builds:
+                req = self._new_request()
+                reqs.append(req)
+                await self._send(build(req.rid))
+        except BaseException:
+            for req in reqs:
+                self._end_request(req)
+            raise
+
+        async def answers() -> None:
+            try:
+                for req in reqs:
+                    msg = await req.next(self.answer_timeout)
+                    if isinstance(msg, P.Error):
+                        raise GuestOpError(msg.code, msg.message)
+                    if not isinstance(msg, P.Ok):
+                        await self._protocol_violation(f"expected {P.Ok.TAG}, got {msg.TAG}")
+            finally:
+                for req in reqs:
+                    self._end_request(req)
+
+        return answers
 
     async def _protocol_violation(self, text: str) -> None:
         exc = GuestProtocolError(text)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import enum
+import functools
 import logging
 import os
 import shlex
@@ -48,6 +49,7 @@ from actors.machines.qemuproc import (
     Proc,
     QMPCommandError,
     check_peer,
+    legacy_restore,
     start_time,
 )
 from actors.machines.qemuspec import MachineSpec
@@ -151,6 +153,10 @@ class Machine:
         self._on_spawned = on_spawned
         self._adopted: AdoptedProcess | None = None
         self.detached = False
+        # our connected ends of QEMU's sockets (qmp, console, guest), made before it
+        # started (_pre_connect); each taken by its user
+        self._pre: dict[str, socket.socket] = {}
+        self.restore_fd = -1  # a saved state QEMU loads as it starts (-incoming fd:), the caller's
 
     @classmethod
     def adopt(cls, spec: MachineSpec, placement: Placement, proc: AdoptedProcess, *, name: str = "vm") -> Machine:
@@ -206,12 +212,17 @@ class Machine:
         if self._adopted is not None:
             self.proc = self._adopted
         else:
-            self.proc = await self._launch()
+            try:
+                self.proc = await self._launch()
+            except BaseException:
+                self._close_pre()
+                raise
         self.runstate = Runstate.RUNNING
         try:
             with collapse_single():
                 await self._supervise(task_status)
         finally:
+            self._close_pre()  # (the ones nobody took)
             with trio.CancelScope(shield=True):
                 if not self.detached:
                     await self._kill_and_reap()
@@ -227,6 +238,17 @@ class Machine:
             os.chown(p.sock_dir, user.uid, user.gid)  # QEMU creates its sockets here
         files = self.spec.open_files()
         fds = {**files, **self._fds}
+        if not legacy_restore():
+            try:
+                files.update(self._pre_connect())
+            except OSError as exc:
+                for fd in files.values():
+                    os.close(fd)
+                self._close_pre()
+                raise LaunchError(f"cannot make QEMU's sockets in {p.sock_dir}: {exc.strerror}") from None
+            fds.update(files)
+            if self.restore_fd >= 0 and self.spec.incoming:
+                fds["incoming"] = self.restore_fd  # inherited: migrate-incoming fd:N, sent with the handshake
         argv = self.spec.argv(p.qemu_dir or p.sock_dir, fds)
         env = self.spec.environ(fds)
         log.debug("launch %s: %s %s", self.name, " ".join(f"{k}={v}" for k, v in env.items()), shlex.join(argv))
@@ -271,6 +293,53 @@ class Machine:
         crash_point("spawned")
         return proc
 
+    def _pre_connect(self) -> dict[str, int]:
+        """QEMU's listening sockets, made here and connected to at once (the connection
+        waits in the backlog: QEMU, started with ``wait=on``, accepts it as it starts):
+        no connect loop after the spawn, and QMP, the console and the guest channel are
+        ours before QEMU runs. Their listening descriptors, for QEMU (closed after the
+        spawn); a later supervisor connects by path. QEMU listens on them again, so the
+        kernel's peer credentials are QEMU's (:func:`check_peer` on adoption)."""
+        listeners: dict[str, int] = {}
+        for name in ("qmp", "console", "guest"):
+            path = self.run_dir / f"{name}.sock"
+            lsock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+            try:
+                lsock.bind(str(path))
+                lsock.listen(1)
+                client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+                self._pre[name] = client
+                client.connect(str(path))
+            except OSError:
+                lsock.close()
+                for fd in listeners.values():
+                    os.close(fd)
+                raise
+            listeners[f"listen:{name}.sock"] = lsock.detach()
+        return listeners
+
+    def _incoming_commands(self) -> tuple[tuple[str, dict[str, Any]], ...]:
+        """A restore's QMP steps, sent with the handshake (no round trip each): the
+        migration capability (x-ignore-shared for a mapped restore: RAM is the file
+        QEMU mapped), then migrate-incoming from the saved state QEMU inherited (by its
+        number). :meth:`loaded` waits for the load."""
+        if self.restore_fd < 0 or not self.spec.incoming:
+            return ()
+        mapped = self.spec.memory_file is not None and not self.spec.memory_shared
+        caps = {"capabilities": [{"capability": "x-ignore-shared", "state": mapped}]}
+        return (("migrate-set-capabilities", caps), ("migrate-incoming", {"uri": f"fd:{self.restore_fd}"}))
+
+    def _close_pre(self) -> None:
+        for sock in self._pre.values():
+            sock.close()
+        self._pre.clear()
+
+    def take_guest_stream(self) -> trio.SocketStream | None:
+        """Our connection to the guest channel, made before QEMU started (None: the
+        legacy path, or adopted: connect by path)."""
+        sock = self._pre.pop("guest", None)
+        return trio.SocketStream(trio.socket.from_stdlib_socket(sock)) if sock is not None else None
+
     async def _connect(self, name: str) -> socket.socket:
         """Connect to one of QEMU's listening sockets (made during its start-up)."""
         path = self.run_dir / name
@@ -297,13 +366,16 @@ class Machine:
             nursery.start_soon(self._reap)
             try:
                 with trio.fail_after(10):
-                    await nursery.start(self.qmp.run, await self._connect("qmp.sock"))
+                    pre = self._pre.pop("qmp", None)
+                    sock = pre if pre is not None else await self._connect("qmp.sock")
+                    then = self._incoming_commands() if pre is not None else ()
+                    await nursery.start(functools.partial(self.qmp.run, sock, eager=pre is not None, then=then))
             except (Exception, trio.TooSlowError) as exc:
                 with trio.move_on_after(0.5):
                     await self._exited.wait()
                 raise LaunchError(f"QMP handshake failed: {exc}; {self.describe_exit()}") from exc
             with contextlib.suppress(LaunchError, OSError, trio.TooSlowError):
-                con = await self._connect("console.sock")
+                con = self._pre.pop("console", None) or await self._connect("console.sock")
                 nursery.start_soon(self._pump, trio.SocketStream(trio.socket.from_stdlib_socket(con)), self.console)
             task_status.started(self)
             await self._exited.wait()
@@ -418,6 +490,13 @@ class Machine:
         await self._migration_caps(ignore_shared)
         await self.getfd(fd, "snapfd")
         await self.qmp_execute("migrate-incoming", {"uri": "fd:snapfd"})
+        await self.loaded(resume=resume, timeout=timeout)
+
+    async def loaded(self, *, resume: bool = True, timeout: float = 120.0) -> None:
+        """Wait for an incoming state to be in (started with it by descriptor, or after
+        :meth:`migrate_from_fd`'s migrate-incoming); it runs after (``resume``: a state
+        saved with its paused runstate is told ``cont``), or stays paused. QEMU loads a
+        file in one go of its main loop and answers QMP after it: one or two polls."""
         with trio.fail_after(timeout):
             while True:
                 st = await self.status()
@@ -431,7 +510,7 @@ class Machine:
                     return
                 if st not in ("inmigrate", "prelaunch", "restore-vm"):
                     raise QMPCommandError(f"restore ended in run state {st!r}")
-                await trio.sleep(0.002)
+                await trio.sleep(0.001)
 
     async def _migration_caps(self, ignore_shared: bool) -> None:
         await self.qmp_execute(

@@ -164,6 +164,15 @@ class MachineSpec:
         reconnect (fd passing works over the QMP socket too)."""
         fds = fds or {}
         self.check_devices()
+
+        def chardev(ident: str, name: str) -> str:
+            # a listening socket the supervisor made and connected to already (fds
+            # "listen:NAME"): QEMU accepts that connection as it starts (wait=on: no
+            # connect loop, no race), and later ones (an adopting supervisor) by path
+            if f"listen:{name}" in fds:
+                return f"socket,id={ident},fd={fds[f'listen:{name}']},server=on,wait=on"
+            return f"socket,id={ident},path={sock_dir / name},server=on,wait=off"
+
         accel = self.accel
         if self.machine == "microvm":
             # the defaults are the fast path: rtc=off alone costs ~2 s of boot under TCG
@@ -203,17 +212,17 @@ class MachineSpec:
             "-append",
             self.append,
             "-chardev",
-            f"socket,id=con,path={sock_dir / 'console.sock'},server=on,wait=off",
+            chardev("con", "console.sock"),
             "-serial",
             "chardev:con",
             "-chardev",
-            f"socket,id=qmp,path={sock_dir / 'qmp.sock'},server=on,wait=off",
+            chardev("qmp", "qmp.sock"),
             "-mon",
             "chardev=qmp,mode=control",
             "-device",
             ser,
             "-chardev",
-            f"socket,id=guest,path={sock_dir / 'guest.sock'},server=on,wait=off",
+            chardev("guest", "guest.sock"),
             "-device",
             f"virtserialport,chardev=guest,name={GUEST_PORT_NAME}",
         ]
@@ -295,6 +304,11 @@ class MachineSpec:
         a += _netdev(self.netdev, net, fds)
         if self.incoming:
             a += ["-incoming", "defer"]
+        if "listen:qmp.sock" in fds:
+            # a guest saved paused (every checkpoint) restores running, without a `cont`
+            # round trip: no runstate in the stream, so its restore obeys autostart
+            # (not -S). A state saved with one still restores paused (VM.restore conts).
+            a += ["-global", "migration.store-global-state=off"]
         if self.sandbox:
             a += ["-sandbox", "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"]
         a += list(self.extra_args)

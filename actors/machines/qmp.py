@@ -39,7 +39,7 @@ import logging
 import math
 import socket
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import attrs
@@ -185,7 +185,7 @@ class QMPProtocol:
             raise QMPProtocolError(f"{name}: arguments are not JSON: {exc}") from None
         self._next_id += 1
         self.pending[ident] = name
-        if name == "qmp_capabilities" and self.state == "negotiating":
+        if name == "qmp_capabilities" and self.state in ("greeting", "negotiating") and self._negotiation is None:
             self._negotiation = ident
         return ident, data
 
@@ -283,12 +283,22 @@ class QMPClient:
         return self._closed is None and self._proto.state == "ready"
 
     async def run(
-        self, sock: socket.socket, *, task_status: trio.TaskStatus[QMPClient] = trio.TASK_STATUS_IGNORED
+        self,
+        sock: socket.socket,
+        *,
+        eager: bool = False,
+        then: Sequence[tuple[str, dict[str, Any] | None]] = (),
+        task_status: trio.TaskStatus[QMPClient] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """Own ``sock`` (a connected stream socket to QEMU's QMP): wait for the greeting,
         negotiate, report started, then read until EOF, a protocol error or cancel. The
         socket is closed when this returns, however it does; a failed handshake raises
-        QMPDisconnected (or QMPProtocolError, QMPCommandFailed)."""
+        QMPDisconnected (or QMPProtocolError, QMPCommandFailed). ``eager``: negotiate
+        without waiting for the greeting (a connection made before QEMU started: QEMU
+        reads the command after it greeted), one round trip less. ``then``: commands
+        sent right behind the negotiation, without waiting for its answer (QEMU runs
+        them in order after it); started once all are answered, the first refusal
+        raised."""
         if self._sock is not None or self._closed is not None:
             sock.close()
             raise QMPError("a QMPClient runs once")
@@ -298,8 +308,13 @@ class QMPClient:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._read)
                 try:
-                    await self._greeted.wait()
-                    await self._call("qmp_capabilities", {"enable": []}, math.inf, None)
+                    if not eager:
+                        await self._greeted.wait()
+                    waiters = [await self._post("qmp_capabilities", {"enable": []})]
+                    for command, args in then:
+                        waiters.append(await self._post(command, args))
+                    for (command, _), w in zip([("qmp_capabilities", None), *then], waiters, strict=True):
+                        await self._answer(command, w)
                 except QMPError as exc:
                     failure = exc
                     nursery.cancel_scope.cancel()
@@ -417,6 +432,26 @@ class QMPClient:
                     self._forget(ident, w)
         except trio.TooSlowError:
             raise QMPTimeout(f"QMP {command}: no answer within {timeout:g}s") from None
+        reply = w.reply
+        if reply is None:
+            raise QMPDisconnected(f"QMP {command}: {self._closed or 'closed'}")
+        if not reply.ok:
+            raise QMPCommandFailed(command, reply.error_class, reply.desc)
+        return reply.value
+
+    async def _post(self, command: str, args: dict[str, Any] | None) -> _Waiter:
+        """Send ``command`` now; its waiter (the handshake's pipelined commands)."""
+        w = _Waiter()
+        async with self._send_lock:
+            if self._closed is not None:
+                raise QMPDisconnected(f"QMP {command}: {self._closed}")
+            ident, data = self._proto.command(command, args)
+            self._waiters[ident] = w
+            await self._send(data, None)
+        return w
+
+    async def _answer(self, command: str, w: _Waiter) -> Any:
+        await w.done.wait()
         reply = w.reply
         if reply is None:
             raise QMPDisconnected(f"QMP {command}: {self._closed or 'closed'}")

@@ -11,11 +11,12 @@ the RAM file, the run dir) belong to the caller (a sandbox's
 ::
 
     booted_guest(spec, run_dir)
-      Machine.run -------------------> QEMU (argv from spec.machine)
-      [restore] migrate-incoming fd: <- vmstate
-      connect <run_dir>/guest.sock     (raced against QEMU exiting)
-      HOST_SYNC + Hello -------------> guestd
-                        <------------- GUEST_SYNC + HelloOk
+      Machine.run -------------------> QEMU (argv from spec.machine; its QMP, console and
+                                       guest sockets made and connected before it starts)
+      [restore] migrate-incoming fd:N <- vmstate (inherited; sent with the QMP handshake)
+      HOST_SYNC + Hello -------------> guestd (waits in the socket as the state loads)
+      [restore] fix-ups (Attach.fixups, pipelined behind the Hello)
+                        <------------- GUEST_SYNC + HelloOk (+ the fix-ups' answers)
       yield Guest ... then ladder: guest poweroff -> quit -> SIGTERM -> SIGKILL, reaped
 """
 
@@ -24,7 +25,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,13 @@ from actors._groups import collapse_single
 from actors.channel.guest import GuestChannel, HelloTimeout, open_channel
 from actors.machines.disk import backing_chain
 from actors.machines.machine import Machine, Placement
-from actors.machines.qemuproc import AdoptedProcess, LaunchError, MachineError, connect_guest_socket
+from actors.machines.qemuproc import (
+    AdoptedProcess,
+    LaunchError,
+    MachineError,
+    connect_guest_socket,
+    legacy_restore,
+)
 from actors.machines.qemuspec import MachineSpec, Volume
 from actors.model import load as load_value
 from images.build import Image, host_tsc_khz
@@ -296,6 +303,10 @@ class Attach:
     # the saved state (``spec.restore``) opened already, the caller's: what a restore
     # loads when its snapshot may change under it (a conversion replaces the file)
     restore_fd: int = -1
+    # a restore's fix-ups (identity, network): requests sent right behind the Hello,
+    # answered in the same wakeup of the guest (GuestChannel.post); done before the
+    # guest is yielded. None on the legacy path (the caller sends them after).
+    fixups: Callable[[GuestChannel], Awaitable[None]] | None = None
 
 
 @asynccontextmanager
@@ -311,13 +322,35 @@ async def booted_guest(spec: VmSpec, where: Path | Attach) -> AsyncIterator[Gues
         vm.resume_life_state(at.disk_top, at.staged)
     else:
         vm = Machine(spec.machine, at.placement, name=spec.name, fds=at.fds, on_spawned=at.on_spawned)
-    async with _running(vm, time.monotonic(), spec, adopted=at.adopt is not None, restore_fd=at.restore_fd) as guest:
-        yield guest
+    adopted = at.adopt is not None
+    own_fd = -1
+    if spec.restore is not None and not adopted and not legacy_restore():
+        # QEMU loads the saved state as it starts (-incoming fd:), no QMP round trip
+        if at.restore_fd < 0:
+            try:
+                own_fd = os.open(spec.restore, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError as exc:
+                raise LaunchError(f"cannot open the saved state {spec.restore}: {exc.strerror}") from None
+        vm.restore_fd = at.restore_fd if at.restore_fd >= 0 else own_fd
+    try:
+        async with _running(
+            vm, time.monotonic(), spec, adopted=adopted, restore_fd=at.restore_fd, fixups=at.fixups
+        ) as guest:
+            yield guest
+    finally:
+        if own_fd >= 0:
+            os.close(own_fd)
 
 
 @asynccontextmanager
 async def _running(
-    vm: Machine, t0: float, spec: VmSpec, *, adopted: bool = False, restore_fd: int = -1
+    vm: Machine,
+    t0: float,
+    spec: VmSpec,
+    *,
+    adopted: bool = False,
+    restore_fd: int = -1,
+    fixups: Callable[[GuestChannel], Awaitable[None]] | None = None,
 ) -> AsyncIterator[Guest]:
     boot_timeout = (spec.answer_timeout or 15.0) if adopted else spec.boot_timeout
     with collapse_single():
@@ -334,7 +367,7 @@ async def _running(
                         boot_scope.cancel()
 
                     nursery.start_soon(watch_exit)
-                    stream = await connect_guest_socket(vm.guest_socket, pid=vm.pid)
+                    stream = vm.take_guest_stream() or await connect_guest_socket(vm.guest_socket, pid=vm.pid)
                 t_connected = time.monotonic()
                 if stream is None or vm.exited:
                     if stream is not None:  # connected as QEMU exited: ours to close
@@ -344,7 +377,8 @@ async def _running(
                     # a supervisor killed in a pause (issue 25) left its guest stopped,
                     # saved; the record still said ready: it runs on (the pause never was)
                     await vm.qmp_execute("cont")
-                if spec.restore is not None and not adopted:
+                fed = spec.restore is not None and not adopted and vm.restore_fd >= 0  # loading already
+                if spec.restore is not None and not adopted and not fed:
                     # connected first: the port's host side is open as the state loads, as
                     # the stream recorded it, so the resumed guest handles no close and
                     # reopen of its port before the hello (measured: below)
@@ -362,8 +396,38 @@ async def _running(
                             hello_scope.cancel()
 
                         nursery.start_soon(watch_exit_hello)
+
+                        async def load() -> None:
+                            nonlocal t_loaded
+                            try:
+                                await vm.loaded()
+                            except MachineError as exc:
+                                if vm.exited:  # said below, with QEMU's exit (the hello scope is cancelled)
+                                    return
+                                raise BootError(f"restore failed: {exc}", vm.console.text()) from None
+                            t_loaded = time.monotonic()
+
+                        fix_errors: list[Exception] = []
+
+                        async def fix(fixups: Callable[[GuestChannel], Awaitable[None]]) -> None:
+                            try:
+                                await fixups(chan)
+                            except Exception as exc:  # raised after the load and the hello, which say why first
+                                fix_errors.append(exc)
+
                         try:
-                            await chan.hello(boot_timeout)
+                            # the Hello (and the fix-ups behind it) wait in the socket
+                            # while the state loads: the guest reads them as it runs
+                            await chan.send_hello()
+                            with collapse_single():
+                                async with trio.open_nursery() as steps:
+                                    if fed:
+                                        steps.start_soon(load)
+                                    if fixups is not None:
+                                        steps.start_soon(fix, fixups)
+                                    await chan.wait_hello(boot_timeout)
+                            if fix_errors and not vm.exited:
+                                raise fix_errors[0]
                         except HelloTimeout:
                             raise BootTimeout(
                                 f"guest did not become ready within {boot_timeout:g}s", vm.console.text()

@@ -52,7 +52,7 @@ from actors import hostdirs
 from actors._groups import collapse_single
 from actors.cells.cell import Cell
 from actors.cells.cgroups import CgroupError, CgroupStats
-from actors.channel.guest import GuestError, GuestOpError, GuestTimeout, PatchEntry
+from actors.channel.guest import CLOCK_STALE_S, GuestChannel, GuestError, GuestOpError, GuestTimeout, PatchEntry
 from actors.crash import crash_point
 from actors.errors import (
     AlreadyExists,
@@ -69,7 +69,7 @@ from actors.errors import (
 from actors.machines.disk import backing_chain, check_user_disk, grow_overlay, virtual_size
 from actors.machines.guestmem import own_memory
 from actors.machines.machine import Placement
-from actors.machines.qemuproc import AdoptedProcess, MachineError
+from actors.machines.qemuproc import AdoptedProcess, MachineError, legacy_restore
 from actors.machines.qemuspec import Volume
 from actors.machines.vm import TAP_FD, Attach, BootError, Guest, VmSpec, load_spec
 from actors.model import MemoryKind, SandboxMetrics, script_patches
@@ -176,6 +176,7 @@ class Life:
         self._state_fd = -1  # a restore's saved state, until loaded
         self._shares: hostdirs.Shares | None = None  # its host directories' servers (in its stack)
         self._cpu_prev: tuple[float, float] | None = None
+        self._fixed = False  # a restore's fix-ups came with its hello (Attach.fixups)
         self._stack = AsyncExitStack()  # its scope, _release, QEMU (the launcher's block), the relays' nursery
         self._scope = trio.CancelScope()
 
@@ -376,7 +377,10 @@ class Life:
             )
             sb.store.update_life(sb.record)
 
-        at = Attach(placement, fds, on_spawned=spawned, restore_fd=self._state_fd)
+        pipelined = isinstance(plan, Resume) and not legacy_restore()
+        at = Attach(
+            placement, fds, on_spawned=spawned, restore_fd=self._state_fd, fixups=self._fixups if pipelined else None
+        )
         try:
             guest = self._launched = await self._stack.enter_async_context(s.launch(spec, at))
         except (BootError, MachineError) as exc:
@@ -430,8 +434,36 @@ class Life:
         sb.log.append("system", f"restored from {what} (memory {how})".encode())
         # the hello set the clock, but a restored vCPU busy on a loaded host answers it
         # late (a clone 4.4 s behind at load 38): then it is set again
+        if self._fixed:  # the rest came with the hello (_fixups)
+            if guest.channel.clock_stale:
+                try:
+                    await guest.channel.set_clock()
+                except GuestError as exc:
+                    raise MachineError(f"post-restore fixups failed: {exc}") from None
+            return
         await self.fresh_identity(guest, clock=guest.channel.clock_stale)
         await netlink.configure_guest_net(guest, sb.network)
+
+    async def _fixups(self, chan: GuestChannel) -> None:
+        """A restored clone's identity (entropy, hostname) and tap network, sent right
+        behind the Hello (Attach.fixups): answered in the guest's same wakeup, no
+        round trip of their own. The clock is the Hello's (set again after it if its
+        answer came late: _restored)."""
+        builds = self.identity_requests(clock=False)
+        net = self.sb.network
+        if net is not None and net.tap:
+            builds.append(
+                lambda rid: P.NetConfig(
+                    rid=rid, address=net.address, prefix=net.prefix, gateway=net.gateway, dns=[net.dns], mac=net.mac
+                )
+            )
+        answers = await chan.post(builds)
+        try:
+            await answers()
+        except GuestError as exc:
+            raise MachineError(f"post-restore fixups failed: {exc}") from None
+        self.guest_hostname = self.sb.hostname
+        self._fixed = True
 
     async def _record_chain(self, chain: list[str]) -> None:
         sb = self.sb
@@ -624,6 +656,38 @@ class Life:
             raise MachineError(f"post-restore fixups failed: {errors[0]}") from None
         if rename:
             self.guest_hostname = hostname
+
+    def identity_requests(self, *, clock: bool) -> list[Callable[[int], P.Message]]:
+        """:meth:`fresh_identity`'s requests, for GuestChannel.post (the clock's time
+        taken as it is sent): fresh entropy, the clock, the hostname if the guest's is
+        another."""
+        data = os.urandom(256)
+        builds: list[Callable[[int], P.Message]] = [lambda rid: P.AddEntropy(rid=rid, data=data)]
+        if clock:
+            builds.append(lambda rid: P.SetClock(rid=rid, realtime_ns=time.time_ns()))
+        hostname = self.sb.hostname
+        if hostname != self.guest_hostname:
+            builds.append(lambda rid: P.SetHostname(rid=rid, hostname=hostname))
+        return builds
+
+    async def post_identity(self, guest: Guest) -> Callable[[], Awaitable[None]]:
+        """A warm pool member handed over: its fresh identity sent, not waited for (what
+        the caller does next is behind it on the channel); the answers' waiter, which
+        sets the clock again if they came late. MachineError when the guest is gone."""
+        ch = guest.channel
+        t0 = time.monotonic()
+        try:
+            answers = await ch.post(self.identity_requests(clock=True))
+        except GuestError as exc:
+            raise MachineError(f"fixups failed: {exc}") from None
+        self.guest_hostname = self.sb.hostname
+
+        async def done() -> None:
+            await answers()
+            if time.monotonic() - t0 >= CLOCK_STALE_S:
+                await ch.set_clock()
+
+        return done
 
     async def mount_volumes(self, guest: Guest) -> None:
         """Mount the life's volumes (virtio-blk serial vN, in order) where the config says."""

@@ -50,7 +50,7 @@ from actors.channel.guest import GuestError
 from actors.crash import crash_point
 from actors.errors import DomainError, FailedPrecondition, Internal
 from actors.events import EventBus
-from actors.machines.qemuproc import MachineError
+from actors.machines.qemuproc import MachineError, legacy_restore
 from actors.machines.vm import BootError, BootTimeout, Guest, NetConfig
 from actors.model import (
     ALIVE,
@@ -414,7 +414,10 @@ class Sandbox:
             run.stop.set()
             raise MachineError(f"pool member is {self.state}")
         try:
-            await life.fresh_identity(guest, clock=True)
+            if legacy_restore():
+                await life.fresh_identity(guest, clock=True)
+            else:  # sent, answered in the background: no round trip on the way to ready
+                run.work.start_soon(self._fixed_up, await life.post_identity(guest))
             if apply_ports:  # a Create's (a template's member has none; a snapshot's has its own)
                 await life.mount_tmpfs(guest)
             await life.apply_patches(guest)
@@ -429,6 +432,16 @@ class Sandbox:
         self.touch()
         if self.work.initial_cmd:
             run.work.start_soon(self.work.run_initial)
+
+    async def _fixed_up(self, answers: Callable[[], Awaitable[None]]) -> None:
+        """A taken pool member's fix-ups answered (Life.post_identity); a guest that
+        failed them fails the sandbox, as a failed hand-over would have."""
+        try:
+            await answers()
+        except GuestError as exc:
+            if not self._run.stop.is_set():
+                self._fail(f"fixups of the warm pool member failed: {exc}")
+                self._run.stop.set()
 
     async def _watch_machine(self, life: Life, guest: Guest, scope: trio.CancelScope) -> None:
         rc = await guest.machine.wait()
