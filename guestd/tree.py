@@ -313,7 +313,7 @@ class _SourceError(Exception):
         self.error = error
 
 
-READ_SIZE = 256 * 1024  # bytes asked of the ``read`` callback at once
+READ_SIZE = 64 * 1024  # bytes asked of the ``read`` callback at once (below malloc's mmap threshold)
 _BLOCK = 512
 _NAME, _MODE, _UID, _GID, _SIZE, _MTIME = (0, 100), (100, 108), (108, 116), (116, 124), (124, 136), (136, 148)
 _CHKSUM, _TYPE, _LINK, _MAGIC, _PREFIX = (148, 156), 156, (157, 257), (257, 265), (345, 500)
@@ -337,7 +337,7 @@ class _Reader:
 
     def _more(self, want: int) -> bool:
         try:
-            data = self._read(max(want, READ_SIZE))
+            data = self._read(READ_SIZE)  # (a pipe gives what it holds: asking for more only allocates more)
         except Exception as exc:
             raise _SourceError(exc) from exc
         if not data:
