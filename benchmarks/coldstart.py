@@ -16,10 +16,16 @@
   restore's phases: overlay + QEMU spawn -> QMP -> state load -> hello -> ready.
 
 Usage: python benchmarks/coldstart.py [-n N] [--out results/]
+
+A/B of the boot path (issue 28), both in the same rounds as the floors:
+``SANDVISOR_BENCH_RUNTIME_B=<initrd>`` and/or ``SANDVISOR_BENCH_TCG_CPU_B=<model>`` add a
+"B" row of cold creates with that runtime / TCG CPU model, interleaved with the A row;
+``SANDVISOR_BENCH_BOOT_ONLY=1`` stops after those rounds (results: coldstart_boot.*).
 """
 
 from __future__ import annotations
 
+import os
 import resource
 import statistics
 import tempfile
@@ -27,12 +33,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import attrs
 import trio
 from _harness import in_process_daemon, main, summary, write_results
-from guest import boot_floor, floor_initrd
+from guest import boot_floor, boot_floor_phases, floor_initrd
 from rich.progress import Progress
 from snapshots import RESTORE_PHASES, restore_runs, wait_ready
 
+from actors.machines import qemuspec
 from actors.machines.vm import kernel_cmdline
 from images.build import Builder, default_cache
 from supervisor.client import connect
@@ -106,34 +114,59 @@ async def bench(n: int, out_dir: Path) -> dict[str, Any]:
     image = Builder(default_cache()).build()
     res: dict[str, Any] = {"n": n, "kernel": image.kernel_version}
     floor_cmd = " ".join(w for w in kernel_cmdline("tcg", root=False).split() if not w.startswith("sandvisor."))
+    # A/B (issue 28): SANDVISOR_BENCH_RUNTIME_B names another runtime initrd (e.g. an
+    # older build's, hard-linked aside); each round then creates with both, interleaved
+    # with the floors, so the two rows and the floor see the same machine load
+    # and SANDVISOR_BENCH_TCG_CPU_B the B row's TCG CPU model (e.g. "max", before ERMS went)
+    runtime_b = os.environ.get("SANDVISOR_BENCH_RUNTIME_B")
+    cpu_b = os.environ.get("SANDVISOR_BENCH_TCG_CPU_B")
+    boot_only = bool(os.environ.get("SANDVISOR_BENCH_BOOT_ONLY"))
     with tempfile.TemporaryDirectory() as d, Progress() as progress:
         initrd = floor_initrd(Path(d))
-        task = progress.add_task("floors", total=2 * n)
-        floors, pc = [], []
-        for _ in range(n):
-            floors.append(await trio.to_thread.run_sync(boot_floor, image, initrd, floor_cmd))
-            progress.advance(task)
-            pc_cmd = floor_cmd.replace(" pci=off", "")
-            pc.append(await trio.to_thread.run_sync(boot_floor, image, initrd, pc_cmd, "pc"))
-            progress.advance(task)
-        res["floor_microvm"] = summary(floors)
-        res["floor_pc"] = summary(pc)
-
         async with in_process_daemon("sv-cold-") as (cfg, registry), connect(cfg.socket) as c:
             registry.pools.templates = False  # the boot path first: every create boots
-            task = progress.add_task("sequential creates", total=n)
-            seq_lat, seq_phases, seq_wall = [], [], 0.0
+            settings = {"A": registry.settings}
+            if runtime_b or cpu_b:
+                img_b = attrs.evolve(registry.settings.image, initrd=Path(runtime_b or image.initrd))
+                settings["B"] = attrs.evolve(registry.settings, image=img_b)
+            cpus = {"A": qemuspec.TCG_CPU, "B": cpu_b or qemuspec.TCG_CPU}
+            # rounds: floor (microvm), floor (pc), a cold create per runtime
+            task = progress.add_task("floors and sequential creates", total=n)
+            floors, pc, pre_clock = [], [], []
+            Rows = tuple[list[float], list[dict[str, float]], list[float]]
+            seq: dict[str, Rows] = {k: ([], [], []) for k in settings}
             for i in range(n):
-                wall, lat, phases = await create_wave(c, registry, [f"seq{i}"])
-                seq_wall += wall
-                seq_lat += lat
-                seq_phases += phases
-                await remove_all(c, [f"seq{i}"])
+                t, pre = await trio.to_thread.run_sync(boot_floor_phases, image, initrd, floor_cmd)
+                floors.append(t)
+                pre_clock.append(pre)
+                pc_cmd = floor_cmd.replace(" pci=off", "")
+                pc.append(await trio.to_thread.run_sync(boot_floor, image, initrd, pc_cmd, "pc"))
+                for k, st in settings.items():
+                    registry.settings = st  # (read by each new sandbox)
+                    qemuspec.TCG_CPU = cpus[k]  # (read by each QEMU command line)
+                    wall, lat, phases = await create_wave(c, registry, [f"seq{k}{i}"])
+                    seq[k][0].extend(lat)
+                    seq[k][1].extend(phases)
+                    seq[k][2].append(wall)
+                    await remove_all(c, [f"seq{k}{i}"])
+                registry.settings, qemuspec.TCG_CPU = settings["A"], cpus["A"]
                 progress.advance(task)
-            res["sequential"] = {**summary(seq_lat), "throughput_per_s": n / seq_wall}
-            res["phases_median_s"] = {
-                label: statistics.median(p[label] for p in seq_phases if label in p) for _, _, label in PHASES
+            res["floor_microvm"] = summary(floors)
+            res["floor_pc"] = summary(pc)
+            res["floor_phases_median_s"] = {
+                "QEMU spawn to kernel clock": statistics.median(pre_clock),
+                "kernel clock to marker": statistics.median(f - p for f, p in zip(floors, pre_clock, strict=True)),
             }
+            for k, (lat, phases, walls) in seq.items():
+                key = "sequential" if k == "A" else "sequential_b"
+                res[key] = {**summary(lat), "throughput_per_s": n / sum(walls)}
+                res["phases_median_s" if k == "A" else "phases_b_median_s"] = {
+                    label: statistics.median(p[label] for p in phases if label in p) for _, _, label in PHASES
+                }
+            if "B" in settings:
+                res["runtime_b"] = f"initrd {runtime_b or 'A'}, TCG CPU {cpus['B']}"
+            if boot_only:  # SANDVISOR_BENCH_BOOT_ONLY: the rounds above only
+                return finish(res, out_dir, "coldstart_boot")
             res["concurrent"] = {}
             task = progress.add_task("concurrent creates", total=4)
             for k in (1, 2, 4, 8):
@@ -221,16 +254,23 @@ async def bench(n: int, out_dir: Path) -> dict[str, Any]:
                     await remove_all(c, names)
                     progress.advance(task)
             res["memory"] = mem
-    res["ratio_create_p50_to_floor"] = res["sequential"]["p50"] / res["floor_microvm"]["p50"]
     res["concurrency_4_vs_sequential_throughput"] = (
         res["concurrent"]["4"]["throughput_per_s"] / res["sequential"]["throughput_per_s"]
     )
-    chart(res, out_dir)
-    write_results(out_dir, "coldstart", res, markdown(res))
+    return finish(res, out_dir, "coldstart")
+
+
+def finish(res: dict[str, Any], out_dir: Path, name: str) -> dict[str, Any]:
+    res["ratio_create_p50_to_floor"] = res["sequential"]["p50"] / res["floor_microvm"]["p50"]
+    if "sequential_b" in res:
+        res["ratio_create_b_p50_to_floor"] = res["sequential_b"]["p50"] / res["floor_microvm"]["p50"]
+    res["loadavg"] = Path("/proc/loadavg").read_text().split()[:3]
+    write_results(out_dir, name, res, markdown(res))
+    chart(res, out_dir, name)
     return res
 
 
-def chart(res: dict[str, Any], out_dir: Path) -> None:
+def chart(res: dict[str, Any], out_dir: Path, name: str = "coldstart") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -241,6 +281,10 @@ def chart(res: dict[str, Any], out_dir: Path) -> None:
     left = 0.0
     for label, value in res["phases_median_s"].items():
         ax.barh("cold create (boot)", value, left=left, label=label)
+        left += value
+    left = 0.0
+    for value in res.get("phases_b_median_s", {}).values():
+        ax.barh("cold create (boot), runtime B", value, left=left, hatch="..")
         left += value
     left = 0.0
     for label, value in res.get("restore_phases_median_s", {}).items():
@@ -258,7 +302,7 @@ def chart(res: dict[str, Any], out_dir: Path) -> None:
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     ax.set_title(f"sandvisor cold start, TCG, kernel {res['kernel']}")
     fig.tight_layout()
-    fig.savefig(out_dir / "coldstart.png", dpi=120)
+    fig.savefig(out_dir / f"{name}.png", dpi=120)
     plt.close(fig)
 
 
@@ -277,7 +321,13 @@ def markdown(res: dict[str, Any]) -> str:
         f"| cold create (boot path), sequential | {s['p50']:.3f} | {s['p90']:.3f} | {s['p99']:.3f} "
         f"| {s['throughput_per_s']:.2f} | {s['p50'] / fl:.2f}x |"
     )
-    for k, r in res["concurrent"].items():
+    if "sequential_b" in res:
+        s = res["sequential_b"]
+        rows.append(
+            f"| cold create (boot path), sequential, B | {s['p50']:.3f} | {s['p90']:.3f} | {s['p99']:.3f} "
+            f"| {s['throughput_per_s']:.2f} | {s['p50'] / fl:.2f}x |"
+        )
+    for k, r in res.get("concurrent", {}).items():
         rows.append(
             f"| cold create (boot path), {k} at once | {r['p50']:.3f} | {r['p90']:.3f} | {r['p99']:.3f} "
             f"| {r['throughput_per_s']:.2f} | {r['p50'] / fl:.2f}x |"
@@ -296,22 +346,35 @@ def markdown(res: dict[str, Any]) -> str:
             rows.append(f"| {name} | {r['p50']:.3f} | {r['p90']:.3f} | {r['p99']:.3f} | {tp} | {r['p50'] / fl:.2f}x |")
     rows += ["", "Phases of a sequential create (median, s):", ""]
     rows += [f"- {label}: {v:.3f}" for label, v in res["phases_median_s"].items()]
+    if "phases_b_median_s" in res:
+        rows += ["", f"Phases of a sequential create, B ({res['runtime_b']}) (median, s):", ""]
+        rows += [f"- {label}: {v:.3f}" for label, v in res["phases_b_median_s"].items()]
+    if "floor_phases_median_s" in res:
+        rows += ["", "Phases of the floor (median, s):", ""]
+        rows += [f"- {label}: {v:.3f}" for label, v in res["floor_phases_median_s"].items()]
+        rows += [
+            "",
+            '("firmware/loader" runs from QMP ready to the guest kernel\'s clock: no firmware runs (PVH',
+            "direct boot); it is QEMU loading the kernel and initramfs and the kernel's early setup",
+            "before its clock starts, the floor's \"QEMU spawn to kernel clock\" less QEMU's spawn.)",
+        ]
     if "restore_phases_median_s" in res:
         rows += ["", "Phases of a restore (median, s):", ""]
         rows += [f"- {label}: {v:.3f}" for label, v in res["restore_phases_median_s"].items()]
-    rows += ["", "Memory per idle sandbox:", ""]
-    for k, m in res["memory"].items():
+    rows += ["", "Memory per idle sandbox:", ""] if "memory" in res else []
+    for k, m in res.get("memory", {}).items():
         mode, count = k.split("-")
         rows.append(
             f"- {count} sandboxes ({mode}): QEMU RSS {m['qemu_rss_mib_median']:.0f} MiB, PSS "
             f"{m['qemu_pss_mib_median']:.0f} MiB each; supervisor max RSS {m['supervisor_maxrss_mib']:.0f} MiB; "
             f"{m['per_sandbox_mib']:.0f} MiB per sandbox (PSS + supervisor share)"
         )
-    rows += [
-        "",
-        f"Throughput with 4 concurrent starts vs sequential: {res['concurrency_4_vs_sequential_throughput']:.2f}x",
-        "",
-    ]
+    if "concurrency_4_vs_sequential_throughput" in res:
+        rows += [
+            "",
+            f"Throughput with 4 concurrent starts vs sequential: {res['concurrency_4_vs_sequential_throughput']:.2f}x",
+        ]
+    rows += ["", f"Load average at the end: {' '.join(res.get('loadavg', []))}", ""]
     return "\n".join(rows)
 
 

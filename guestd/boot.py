@@ -116,7 +116,11 @@ def drain_blocking(conn: Conn, limit: float = 1.0) -> None:
 
 def poweroff(root_fd: int, reboot: bool, mounts: list[str] | None = None) -> None:
     """Stop every process, unmount the volumes, flush the disks, power off (PID 1 never
-    just exits)."""
+    just exits). Only as PID 1 of a guest: anywhere else ``kill(-1)`` would signal
+    every process the caller may (a guestd run on a host for a test or a profile
+    killed the host's processes once)."""
+    if os.getpid() != 1:
+        raise RuntimeError("poweroff: not PID 1 (not a guest's init); refused")
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.kill(-1, sig)

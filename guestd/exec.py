@@ -13,7 +13,7 @@ import os
 import select
 
 from guestd import proto as P
-from guestd.common import DEFAULT_PATH, SIGDEF, TIOCSCTTY, TIOCSWINSZ, WINSZ, ExecFailed, errcode, now, set_nonblock
+from guestd.common import DEFAULT_PATH, SIGDEF, TIOCSCTTY, TIOCSWINSZ, WINSZ, ExecFailed, errcode, now
 from guestd.session import InStream, OutStream, Req, Session
 from guestd.users import resolve_user
 
@@ -24,6 +24,10 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from guestd.agent import Agent
 
+PROFILE = "sandvisor.execprof"  # =1 on the kernel command line: time marks of each exec, as a Log
+# back to default in every process: what guestd catches or ignores, and SIGXFSZ, which
+# Python ignores at start-up (a process past RLIMIT_FSIZE is killed, not handed EFBIG)
+CHILD_SIGDEF = (*SIGDEF, signal.SIGXFSZ)
 DRAIN_GRACE = 0.2  # after exit, wait this long for background holders of the pipes
 EPOLLIN, EPOLLOUT = select.EPOLLIN, select.EPOLLOUT
 
@@ -41,42 +45,70 @@ class Proc(Req):
         self.outs: list[OutStream] = []
         self.stdin = InStream(self, agent, -1, eof=True, tty=msg.tty)
         self.done = False
+        self.last_session: Session | None = None
+        # profile marks (seconds, monotonic), from the read of the Exec frame on
+        self.marks: list[tuple[str, float]] | None = None
+        if agent.cmdline.get(PROFILE) == "1":
+            self.marks = [("read", session.conn.t_read), ("init", now())]
+
+    def mark(self, name: str) -> None:
+        if self.marks is not None:
+            self.marks.append((name, now()))
+
+    def on_flushed(self) -> None:
+        """Profile: the connection wrote what this exec queued; after its Exit, send the marks."""
+        if self.marks is None:
+            return
+        self.mark("flushed")
+        if self.done:
+            t0 = self.marks[0][1]
+            text = " ".join(f"{k}={(t - t0) * 1e6:.0f}" for k, t in self.marks)
+            self.marks = None
+            if self.session is None and self.last_session is not None:
+                self.last_session.send(P.Log(level="execprof", text=text))
+
+    def want_flush_mark(self) -> None:
+        if self.marks is not None and self.session is not None:
+            self.last_session = self.session
+            self.session.conn.prof.append(self)
 
     # -- start ---------------------------------------------------------------
     def start(self, msg: P.Exec) -> None:
         uid, gid, groups, home, name = resolve_user(msg.user)
+        self.mark("user")
         env = {"PATH": DEFAULT_PATH, "HOME": home, "USER": name, "LOGNAME": name, "HOSTNAME": self.agent.hostname}
         if msg.tty:
             env["TERM"] = "xterm-256color"
-        env.update(msg.env)
+        if msg.env:
+            env.update(msg.env)
         cwd = msg.cwd or (home if os.path.isdir(home) else "/")
-        child_fds: list[int] = []
         stdin_fd = -1
         if msg.tty:
             master, slave = os.openpty()
             fcntl.ioctl(master, TIOCSWINSZ, WINSZ.pack(msg.rows, msg.cols, 0, 0))
             stdio = (slave, slave, slave)
-            child_fds.append(slave)
-            set_nonblock(master)
+            child_fds = [slave]
+            os.set_blocking(master, False)
             self.outs.append(OutStream(self, P.STDOUT, master))
             if msg.stdin:
                 stdin_fd = master
         else:
+            # (os.pipe: close-on-exec; the child gets its ends by dup2, guestd's stay behind)
             if msg.stdin:
-                rin, win = os.pipe()
-                set_nonblock(win)
-                stdin_fd = win
-                child_fds.append(rin)
+                rin, stdin_fd = os.pipe()
+                os.set_blocking(stdin_fd, False)
+                child_fds = [rin]
             else:
-                rin = os.open("/dev/null", os.O_RDONLY)
-                child_fds.append(rin)
+                rin = devnull()  # one /dev/null for every exec without stdin: not ours to close
+                child_fds = []
             rout, wout = os.pipe()
             rerr, werr = os.pipe()
-            child_fds += [wout, werr]
-            for fd in (rout, rerr):
-                set_nonblock(fd)
-            self.outs += [OutStream(self, P.STDOUT, rout), OutStream(self, P.STDERR, rerr)]
+            child_fds += (wout, werr)
+            os.set_blocking(rout, False)
+            os.set_blocking(rerr, False)
+            self.outs += (OutStream(self, P.STDOUT, rout), OutStream(self, P.STDERR, rerr))
             stdio = (rin, wout, werr)
+        self.mark("spawn")
         try:
             self.pid = spawn(msg.argv, env, cwd, uid, gid, groups, stdio, msg.tty)
         except BaseException:
@@ -89,12 +121,19 @@ class Proc(Req):
         finally:
             for fd in child_fds:
                 os.close(fd)
-        self.stdin = InStream(self, self.agent, stdin_fd, eof=stdin_fd < 0, tty=msg.tty)
-        self.agent.procs[self.pid] = self
+        self.mark("spawned")
+        if stdin_fd >= 0:
+            self.stdin = InStream(self, self.agent, stdin_fd, eof=False, tty=msg.tty)
+        agent = self.agent
+        agent.procs[self.pid] = self
         for s in self.outs:
-            self.agent.watch(s.fd, EPOLLIN, self.on_out_event(s))
-        self.stdin.watch()
-        self.update()
+            agent.watch(s.fd, EPOLLIN if s.readable() else 0, self.on_out_event(s))
+        if stdin_fd >= 0:
+            self.stdin.watch()
+        if self.deadline:
+            agent.timers.add(self)
+        self.mark("started")
+        self.want_flush_mark()
 
     # -- output --------------------------------------------------------------
     def on_out_event(self, s: OutStream) -> Callable[[int], None]:
@@ -122,8 +161,26 @@ class Proc(Req):
             self.stdin.fd = -1
         self.agent.unwatch(s.fd)
         os.close(s.fd)
+        self.mark(f"eof{s.ch}")
         self.send(P.Eof(rid=self.rid, ch=s.ch))
+        if self.status is None and not any(o.open for o in self.outs):
+            self.reap_now()
         self.maybe_finish()
+
+    def reap_now(self) -> None:
+        """Every output hit EOF, most likely because the process is exiting: the close of
+        its pipes woke guestd (it preempts the exiting child on the one vCPU) before the
+        child reached its SIGCHLD. Yield to it and reap it here, so its Eofs and Exit
+        leave in one write and one turn of the loop, not two of each. (Not reaped yet --
+        another vCPU, or a process that closed its outputs and runs on -- SIGCHLD reaps it
+        as before.)"""
+        os.sched_yield()
+        try:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == self.pid:
+            self.on_exit(status)
 
     def on_credit(self, ch: int, n: int) -> None:
         for s in self.outs:
@@ -158,6 +215,7 @@ class Proc(Req):
                 pass
 
     def on_exit(self, status: int) -> None:
+        self.mark("reaped")
         self.status = status
         self.exited_at = now()
         self.maybe_finish()
@@ -196,6 +254,8 @@ class Proc(Req):
             sig, code = 0, os.WEXITSTATUS(st)
         self.stdin.close()
         self.send(P.Exit(rid=self.rid, code=code, signal=sig, timed_out=self.timed_out))
+        self.mark("exit")
+        self.want_flush_mark()
         self.finish()
         self.agent.procs.pop(self.pid, None)
         self.agent.timers.discard(self)
@@ -221,6 +281,18 @@ class Proc(Req):
             self.agent.timers.add(self)
 
 
+_DEVNULL = -1
+
+
+def devnull() -> int:
+    """guestd's one /dev/null (close-on-exec), the stdin of every exec that has none.
+    Opened at the first exec: that is after the chroot into the rootfs."""
+    global _DEVNULL
+    if _DEVNULL < 0:
+        _DEVNULL = os.open("/dev/null", os.O_RDONLY)
+    return _DEVNULL
+
+
 def which(name: str, env: dict[str, str]) -> str:
     """Resolve argv[0] on the command's own PATH (not guestd's), like execvp would."""
     if "/" in name:
@@ -242,9 +314,10 @@ def spawn(
     stdio: tuple[int, int, int],
     tty: bool,
 ) -> int:
-    """Start a process. Root without a TTY (the common case) goes through posix_spawn,
-    which glibc implements with CLONE_VFORK: no copy of guestd's page tables, a few ms
-    less per exec under TCG. Anything needing setuid or a controlling TTY forks."""
+    """Start a process. Root without a TTY (the common case) goes through posix_spawn, which glibc implements with
+    CLONE_VFORK: no copy of guestd's page tables, a few ms less per exec under TCG.
+    Another user without a TTY: CPython's C fork+exec (:func:`c_fork_exec`), a child
+    that runs no Python. A controlling TTY forks."""
     if not argv:
         raise ExecFailed(P.E_INVALID, "empty command")
     path = which(argv[0], env)
@@ -260,14 +333,99 @@ def spawn(
                 env,
                 file_actions=[(os.POSIX_SPAWN_DUP2, fd, i) for i, fd in enumerate(stdio)],
                 setsid=True,
-                setsigdef=SIGDEF,
+                setsigdef=CHILD_SIGDEF,
                 setsigmask=(),
             )
         except OSError as exc:
             raise ExecFailed(errcode(exc), f"exec {argv[0]!r}: {exc.strerror}") from None
         finally:
             os.chdir("/")
+    if not tty and _C_FORK_EXEC:
+        pid = c_fork_exec(path, argv, env, cwd, uid, gid, groups, stdio)
+        if pid:
+            return pid
     return fork_exec(path, argv, env, cwd, uid, gid, groups, stdio, tty)
+
+
+_C_FORK_EXEC = True  # False once this Python's _posixsubprocess turned out to differ
+
+
+def c_fork_exec(
+    path: str,
+    argv: list[str],
+    env: dict[str, str],
+    cwd: str,
+    uid: int,
+    gid: int,
+    groups: list[int],
+    stdio: tuple[int, int, int],
+) -> int:
+    """fork + exec in C (CPython's _posixsubprocess, what subprocess uses; built in, no
+    import cost): the child touches none of guestd's Python heap, so neither side pays
+    copy-on-write faults for it -- under TCG the Python child of :func:`fork_exec` cost
+    several ms more. Its private signature is CPython 3.11's; a Python whose differs
+    (TypeError) makes this return 0 and the caller fall back to :func:`fork_exec`.
+
+    The child: new session, stdio by dup2, chdir, umask 022, SIGPIPE back to default
+    (caught signals reset at exec by themselves; guestd blocks none), groups, gid, uid,
+    exec. Every other descriptor of guestd's is close-on-exec (PEP 446)."""
+    global _C_FORK_EXEC
+    import _posixsubprocess
+
+    rerr, werr = os.pipe()
+    try:
+        try:
+            pid: int = _posixsubprocess.fork_exec(
+                [os.fsencode(a) for a in argv],
+                [os.fsencode(path)],
+                False,  # close_fds: guestd's own are close-on-exec
+                (werr,),
+                cwd,
+                [os.fsencode(f"{k}={v}") for k, v in env.items()],
+                *(stdio[0], -1, -1, stdio[1], -1, stdio[2]),  # p2cread, c2pwrite, errwrite in their slots
+                rerr,
+                werr,
+                True,  # restore_signals: SIGPIPE (ignored by guestd) to default
+                True,  # setsid
+                -1,  # process_group
+                gid,
+                groups,
+                uid,
+                0o022,
+                None,  # type: ignore[arg-type]  # preexec_fn: none (the stub says it is required)
+                False,  # allow_vfork
+            )
+        except TypeError:
+            _C_FORK_EXEC = False
+            return 0
+        except ValueError as exc:  # an embedded NUL in argv or env
+            raise ExecFailed(P.E_INVALID, f"exec {argv[0]!r}: {exc}") from None
+        os.close(werr)
+        werr = -1
+        data = b""
+        while True:
+            d = os.read(rerr, 4096)
+            if not d:
+                break
+            data += d
+    finally:
+        os.close(rerr)
+        if werr >= 0:
+            os.close(werr)
+    if not data:
+        return pid
+    os.waitpid(pid, 0)
+    _kind, _, rest = data.partition(b":")
+    hex_errno, _, where = rest.partition(b":")
+    try:
+        num = int(hex_errno, 16)
+    except ValueError:
+        num = 0
+    text = os.strerror(num) if num else data.decode(errors="replace")
+    code = errcode(OSError(num, text))
+    if where.startswith(b"noexec"):  # before exec: chdir (the ids were the host's to pick)
+        raise ExecFailed(code, f"chdir {cwd!r}: {text}")
+    raise ExecFailed(code, f"exec {argv[0]!r}: {text}")
 
 
 def fork_exec(
@@ -288,7 +446,7 @@ def fork_exec(
         stage = "exec"
         try:
             os.close(rerr)
-            for sig in SIGDEF:
+            for sig in CHILD_SIGDEF:
                 signal.signal(sig, signal.SIG_DFL)
             signal.pthread_sigmask(signal.SIG_SETMASK, [])
             os.setsid()

@@ -14,12 +14,18 @@ import os
 import select
 
 from guestd import proto as P
-from guestd.common import log
+from guestd.common import log, now
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs ~30 ms of boot
 
 if TYPE_CHECKING:  # pragma: no cover
+    from typing import Protocol
+
     from guestd.agent import Agent
+
+    class Profiled(Protocol):
+        def on_flushed(self) -> None: ...
+
 
 MAX_OUTBUF = 8 * 1024 * 1024  # a host that stops reading this long is dropped
 EPOLLOUT = select.EPOLLOUT
@@ -43,6 +49,8 @@ class Conn:
         self.stalled = False  # some stream declined to read because we were congested
         self.syncing = True  # discarding input up to HOST_SYNC (at start, after an error)
         self.discarded = 0
+        self.t_read = 0.0  # when the last read began (exec profile marks, exec.py)
+        self.prof: list[Profiled] = []  # requests that want a mark at the next flush
 
     def send(self, msg: P.Message) -> None:
         if self.away:
@@ -67,6 +75,10 @@ class Conn:
                 self.drop()
                 return
             del self.out[:n]
+        if self.prof:
+            prof, self.prof = self.prof, []
+            for p in prof:
+                p.on_flushed()
         self.agent.update_conn(self)
 
     @property
@@ -74,6 +86,7 @@ class Conn:
         return len(self.out) > P.WINDOW
 
     def on_readable(self) -> None:
+        self.t_read = now()
         try:
             data = os.read(self.fd, 1 << 20)
         except BlockingIOError:

@@ -7,10 +7,11 @@ set -euo pipefail
 # registry the image tests and benchmark push to; nftables (libnftables1), iproute2: tap
 # networking and egress policy (actors/net/hostnet.py, actors/net/nft.py); gcc, libc6-dev (libc.a
 # for the static jail helper): the package build compiles actors/jail_exec.c and
-# ram_discard.c (setup.py; without them serve refuses to start as root);
+# ram_discard.c (setup.py; without them serve refuses to start as root); binutils (objcopy):
+# the image build strips the guest modules (images/build.py strip_module);
 # python3: Debian's own interpreter, which tests run as other users (/root is 0700)
 PKGS=(qemu-system-x86 qemu-utils mmdebstrap busybox-static cpio e2fsprogs lz4 tmux qemu-guest-agent procps
-  skopeo umoci docker-registry nftables iproute2 gcc libc6-dev python3)
+  skopeo umoci docker-registry nftables iproute2 gcc libc6-dev python3 binutils)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

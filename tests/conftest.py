@@ -29,6 +29,7 @@ from actors.machines.disk import create_overlay
 from actors.machines.qemuspec import MachineSpec
 from actors.machines.vm import VmSpec, kernel_cmdline
 from images.build import Builder, Image, default_cache
+from supervisor import throwaway
 from supervisor.throwaway import supervisor_process, workdir
 
 
@@ -137,3 +138,31 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for item in items:
             if "vm" in item.keywords:
                 item.add_marker(skip)
+
+
+# -- nothing of a test's supervisors outlives them (house rule: no orphans) ---------------
+# Each throwaway workdir checks at its exit, after its supervisors are gone, that none of
+# their processes (QEMU, virtiofsd, secret proxies, tool cells: by the workdir's cgroups
+# and dirs, never another run's) or jail namespaces are left; what it finds it kills and
+# records. A test (or a fixture it tore down) that left any fails in its teardown.
+_left_before: dict[str, int] = {}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    _left_before[item.nodeid] = len(throwaway.LEFT_BEHIND)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    yield  # (module and session fixtures end in the teardown of their last test)
+    new = throwaway.LEFT_BEHIND[_left_before.pop(item.nodeid, len(throwaway.LEFT_BEHIND)) :]
+    if new:
+        pytest.fail("left behind by the supervisors (killed after):\n  " + "\n  ".join(new), pytrace=False)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatus: int) -> None:
+    if throwaway.LEFT_BEHIND:
+        terminalreporter.section("left behind by supervisors (house rule: no orphans)")
+        for line in throwaway.LEFT_BEHIND:
+            terminalreporter.line(line)

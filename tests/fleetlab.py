@@ -33,7 +33,7 @@ from typing import Any
 import attrs
 
 from supervisor.fleet.raynode import temp_dir_for
-from supervisor.throwaway import Workdir, workdir
+from supervisor.throwaway import Workdir, kill_processes, workdir
 from tests.netlab import namespaces, sh
 
 NET = "192.0.2"  # TEST-NET-1: only ever inside the two namespaces
@@ -245,9 +245,11 @@ class FleetLab:
             raise RuntimeError(f"serve on host {h.name} exited ({h.proc.returncode}): {h.log.read_text()[-3000:]}")
         return h.work.socket.exists()
 
-    def kill_host(self, name: str) -> list[int]:
+    def kill_host(self, name: str, *, cells: bool = True) -> list[int]:
         """Every process of the host, by pid: the supervisor, Ray's group, the rest of the
-        namespace (QEMUs). The pids killed."""
+        namespace, and (``cells``) its QEMUs and cells -- each in a network namespace of
+        its own, found by their cgroups (supervisor/throwaway.py): a host that dies takes
+        its sandboxes with it. The pids killed."""
         h = self.hosts[name]
         pids: list[int] = []
         if h.proc is not None and h.proc.poll() is None:
@@ -265,6 +267,8 @@ class FleetLab:
                 pids.append(pid)
         if h.proc is not None:
             h.proc.wait(timeout=60)
+        if cells:  # (after the supervisor: it starts no more)
+            pids.extend(kill_processes(h.work))
         return pids
 
     def stop(self, name: str) -> None:
@@ -275,7 +279,7 @@ class FleetLab:
                 h.proc.wait(timeout=90)
             except subprocess.TimeoutExpired:
                 pass
-        self.kill_host(name)  # whatever is left in its namespace
+        self.kill_host(name, cells=False)  # whatever is left in its namespace (its QEMUs: its own to stop)
         shutil.rmtree(temp_dir_for(h.work.state / "fleet"), ignore_errors=True)  # (a killed one's Ray session)
 
 

@@ -50,6 +50,55 @@ async def test_stdin_a_process_closed_is_credited_back(chan: GuestChannel) -> No
     assert ex.signal == signal.SIGKILL
 
 
+# glibc's posix_spawn leaves its two internal signals (32, 33) ignored in every child
+GLIBC_INTERNAL = (1 << 31) | (1 << 32)
+
+
+async def test_processes_start_clean_as_root_and_as_a_user(chan: GuestChannel) -> None:
+    """Each spawn path (root: posix_spawn; a user: C fork+exec; a TTY: fork) starts its
+    process the same: a session and process group of its own, SCHED_OTHER, no signal
+    ignored or blocked, none of guestd's descriptors, umask 022
+    -- and a user's failures typed."""
+    script = (
+        "ls /proc/self/fd | sort -n | tr '\\n' ' '; echo; "
+        "grep -E '^Sig(Blk|Ign)' /proc/self/status | tr -d '\\t'; "
+        "ps -o pid=,pgid=,sid=,cls= -p $$ | awk '{print ($1==$2 && $2==$3) $4}'; umask; id -un"
+    )
+    with trio.fail_after(120):
+        for kw in ({}, {"user": "nobody"}, {"user": "nobody", "cwd": "/tmp"}):
+            r = await chan.run(["sh", "-c", script], **kw)  # type: ignore[arg-type]
+            fds, blk, ign, leader, umask, who = r.stdout.decode().splitlines()
+            assert fds.split() == ["0", "1", "2", "3"], (kw, fds)  # 3: ls's own directory
+            assert blk == "SigBlk:0000000000000000" and int(ign.split(":")[1], 16) & ~GLIBC_INTERNAL == 0, (kw, ign)
+            assert (leader, umask, who) == ("1TS", "0022", kw.get("user", "root")), kw  # TS: SCHED_OTHER
+        r = await chan.run(
+            ["sh", "-c", "grep -E '^Sig(Blk|Ign)' /proc/self/status | tr -d '\\t'; id -un; ps -o cls= -p $$"], tty=True
+        )
+        blk, ign, who, cls = r.stdout.decode().split()
+        assert (blk, who, cls) == ("SigBlk:0000000000000000", "root", "TS") and int(
+            ign.split(":")[1], 16
+        ) & ~GLIBC_INTERNAL == 0
+        cases: list[tuple[list[str], str, str, str]] = [
+            (["true"], "/no/such/dir", P.E_NOT_FOUND, "chdir '/no/such/dir'"),
+            (["/no/such/binary"], "", P.E_NOT_FOUND, "No such file or directory"),
+            (["/root/secret"], "", P.E_PERM, "Permission denied"),
+        ]
+        await chan.run(["sh", "-c", "printf '#!/bin/sh\\n' >/root/secret; chmod 700 /root/secret"])
+        for argv, cwd, code, text in cases:
+            with pytest.raises(GuestOpError) as e:
+                await chan.run(argv, user="nobody", cwd=cwd)
+            assert e.value.code == code and text in e.value.message, (argv, e.value)
+        assert (await chan.run(["/root/secret"])).exit_code == 0  # root may
+
+
+async def test_a_process_that_closes_its_outputs_runs_on_to_its_exit(chan: GuestChannel) -> None:
+    """Both outputs at EOF while the process runs on: guestd does not take that for its
+    exit (it reaps only what exited; guestd/exec.py reap_now), the Exit carries the real code."""
+    with trio.fail_after(60):
+        r = await chan.run(["sh", "-c", "echo bye; exec >&- 2>&-; sleep 1; exit 5"])
+    assert (r.stdout, r.exit_code) == (b"bye\n", 5)
+
+
 async def test_pty_names_a_terminal_and_follows_resize(chan: GuestChannel) -> None:
     out = bytearray()
     with trio.fail_after(30):

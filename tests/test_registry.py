@@ -238,8 +238,11 @@ async def test_start_slots_bound_the_vms_coming_up_at_once(tmp_path: Path, clock
         t0 = trio.current_time()
         for sb in sbs:
             await ready(sb)
-        assert lab.most_bringing_up == 2
-        assert trio.current_time() - t0 == pytest.approx(3.0, abs=0.5)  # (mock clock) three rounds of two
+        assert lab.most_bringing_up == 2  # the bound, and reached: two at once
+        # (mock clock) at least three rounds of two; not "exactly": the autojump clock
+        # also jumps while the store's commit thread runs past its 20 ms threshold on a
+        # loaded host (4.0 s seen), which says nothing about the slots
+        assert trio.current_time() - t0 >= 3.0 - 1e-6
 
 
 async def test_warm_members_serve_creates_and_restores_and_refill(tmp_path: Path, clock: MockClock) -> None:

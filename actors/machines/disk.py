@@ -236,19 +236,71 @@ def overlay_bound(size: int) -> int:
     return size + size // 4096 + (1 << 20)
 
 
+# An empty overlay is a few clusters that depend only on qemu-img's arguments (backing
+# name, its format, the virtual size; no time, no random): the first one qemu-img makes
+# for a key is kept (its non-zero 4 KiB blocks) and the next ones are written from it --
+# no qemu-img process on a Create's path (a fork and exec and its own start-up: ~10 ms
+# of CPU each on a TCG host; docs/results/burst-fast.md).
+OVERLAY_BLOCK = 4096
+OVERLAY_KEEP_MAX = 1 << 20  # bytes: an overlay image larger than this is not kept (a huge L1 table)
+OVERLAY_KEYS_MAX = 64  # kept images (a snapshot's disk is a key of its own; the oldest go first)
+
+
+@attrs.frozen
+class _Empty:
+    length: int
+    blocks: tuple[tuple[int, bytes], ...]  # (offset, data) of the non-zero blocks
+
+
+_empty_overlays: dict[tuple[str, str, int], _Empty] = {}
+
+
+def _keep_empty(key: tuple[str, str, int], path: Path) -> None:
+    with open(path, "rb") as f:
+        data = f.read(OVERLAY_KEEP_MAX + 1)
+    if len(data) > OVERLAY_KEEP_MAX or data[:4] != QCOW2_MAGIC:
+        return
+    chunks = ((off, data[off : off + OVERLAY_BLOCK]) for off in range(0, len(data), OVERLAY_BLOCK))
+    blocks = tuple((off, chunk) for off, chunk in chunks if chunk.strip(b"\0"))
+    while len(_empty_overlays) >= OVERLAY_KEYS_MAX:
+        del _empty_overlays[next(iter(_empty_overlays))]
+    _empty_overlays[key] = _Empty(len(data), blocks)
+
+
+def _write_empty(image: _Empty, path: Path) -> None:
+    """The kept image at ``path`` (sparse, as qemu-img leaves it; mode 0644 less the umask, as qemu-img's)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        for off, data in image.blocks:
+            os.pwrite(fd, data, off)
+        os.ftruncate(fd, image.length)
+    finally:
+        os.close(fd)
+
+
 async def create_overlay(base: Path, overlay: Path, *, backing_as: Path | None = None) -> None:
     """A qcow2 overlay on ``base`` (raw or qcow2). ``-u`` with the size read here:
     qemu-img then does not open the chain (it may hold layers QEMU has open).
     ``backing_as``: the name to record for the backing file when ``base`` is about to
-    move there (a checkpoint freezes the overlay into the snapshot's directory)."""
+    move there (a checkpoint freezes the overlay into the snapshot's directory). The
+    same arguments again: the bytes qemu-img made the first time (``_empty_overlays``)."""
     base = base.resolve()
     info = inspect_disk(base)
     name = str(backing_as.resolve() if backing_as else base)
+    key = (name, info.format, info.size)
+    kept = _empty_overlays.get(key)
+    if kept is not None:
+        try:
+            _write_empty(kept, overlay)
+        except OSError as exc:
+            raise DiskError(f"cannot write the overlay {overlay}: {exc.strerror}") from None
+        return
     argv = ["qemu-img", "create", "-q", "-f", "qcow2", "-u", "-b", name, "-F", info.format, str(overlay)]
     argv.append(str(info.size))
     p = await trio.run_process(argv, capture_stdout=True, capture_stderr=True, check=False)
     if p.returncode != 0:
         raise DiskError(f"qemu-img create failed: {p.stderr.decode(errors='replace').strip()}")
+    _keep_empty(key, overlay)
 
 
 async def grow_overlay(overlay: Path, size: int) -> bool:

@@ -58,6 +58,7 @@ from actors.machines.qmp import QMPClient, QMPCommandFailed, QMPError, QMPTimeou
 log = logging.getLogger("sandvisor.machine")
 
 CONSOLE_RING = 64 * 1024
+CONNECT_POLL_FIRST, CONNECT_POLL_MAX = 0.002, 0.02  # s: the polls for QEMU's sockets (_connect)
 
 
 class Runstate(enum.Enum):
@@ -341,8 +342,12 @@ class Machine:
         return trio.SocketStream(trio.socket.from_stdlib_socket(sock)) if sock is not None else None
 
     async def _connect(self, name: str) -> socket.socket:
-        """Connect to one of QEMU's listening sockets (made during its start-up)."""
+        """Connect to one of QEMU's listening sockets (made during its start-up). Polled,
+        backing off from 2 ms to 20 ms: a QEMU coming up in a burst takes 0.1-1 s to
+        listen, and each try is a socket, a connect and a wakeup of the supervisor
+        (at 2 ms: 12% of its CPU per Create in a burst of 16; docs/results/burst-fast.md)."""
         path = self.run_dir / name
+        delay = CONNECT_POLL_FIRST
         with trio.fail_after(10):
             while True:
                 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
@@ -354,7 +359,8 @@ class Machine:
                     s.close()
                     if self.exited:
                         raise LaunchError(f"QEMU exited before it listened on {name}: {self.describe_exit()}") from None
-                    await trio.sleep(0.002)
+                    await trio.sleep(delay)
+                    delay = min(delay * 1.5, CONNECT_POLL_MAX)
                 except OSError:
                     s.close()
                     raise

@@ -41,6 +41,14 @@ def resolve_accel(accel: str) -> str:
 # virtio-serial, the root disk, each volume, a NIC, the balloon. Beyond them QEMU
 # fails to start ("No 'virtio-bus' bus found"): MachineSpec refuses first, saying why.
 MICROVM_VIRTIO_SLOTS = 24
+# TCG's CPU: everything QEMU emulates, less ERMS and FSRM ("rep movsb/stosb are fast").
+# Under TCG they are not: each iteration of a rep string instruction is one pass through
+# a translated block, so the guest kernel's memcpy/clear_page and glibc's large copies,
+# which pick `rep movsb`/`rep stosb` when the flags are there, move a byte per pass
+# (without them: 8 bytes, or an unrolled loop). Measured on the boot path, A/B in one
+# run: docs/results/boot.md. CPUID is not in the migration stream: a snapshot taken with
+# the flags restores under this model (its kernel keeps the `rep movsb` it patched in).
+TCG_CPU = "max,erms=off,fsrm=off"
 VOLUME_FDSET = 1 << 20  # fd set of volume i: VOLUME_FDSET + i (apart from disk, layers, staged overlays)
 
 
@@ -186,7 +194,7 @@ class MachineSpec:
         accel_opts = accel
         if accel == "tcg" and self.tb_size_mib is not None:
             accel_opts += f",tb-size={self.tb_size_mib}"
-        cpu = "host" if accel == "kvm" else "max"
+        cpu = "host" if accel == "kvm" else TCG_CPU
         a = [
             self.qemu,
             "-M",

@@ -72,6 +72,12 @@ def kernel_cmdline(accel: str, *, root: bool = True, hostname: str = "sandbox", 
         khz = host_tsc_khz()
         if khz:
             parts.append(f"tsc_early_khz={khz}")  # TCG boots hang ~1 in 30 calibrating otherwise
+        # TCG's TSC is QEMU's virtual clock (all vCPUs alike, paused and migrated with the
+        # VM), but on a loaded host the clocksource watchdog sees it skew against the
+        # HPET/PM timer and falls back to refined-jiffies: a 4 ms clock and a 250 Hz tick
+        # even when idle (an idle guest 4.2-5.2% of a core against 1.0-1.3% on the TSC;
+        # docs/results/exec.md). Which clock a guest got depended on the load at its boot.
+        parts.append("tsc=reliable")
     if root:
         parts.append("sandvisor.root=/dev/vda")
     parts.append(f"sandvisor.hostname={hostname}")

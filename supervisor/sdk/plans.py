@@ -73,6 +73,10 @@ from supervisor.sdk.spec import (
 
 CHUNK = 1 << 20
 ENDED = ("ready", "failed", "stopped")  # the events that end a wait for ready
+# s: a wait for ready asks Inspect after 1 s (an event before the server subscribed the
+# wait is missed), then less often (by then the subscription is in place: the event
+# ends the wait); every Inspect is a call the supervisor serves (issue 28: bursts)
+READY_POLL_FIRST, READY_POLL_MAX = 1.0, 8.0
 
 
 def _each(method: str, request: Any, item: type[Any]) -> StreamPlan[Any]:
@@ -313,10 +317,12 @@ def _wait_ready(id: str, timeout: float) -> Plan[SandboxInfo]:
     events = yield Open("Events", W.SandboxEventsRequest(id=id))
     info: SandboxInfo = yield Unary("Inspect", W.IdRequest(id=id), SandboxInfo)
     deadline = (yield Now()) + timeout
+    interval = READY_POLL_FIRST
     while info.state == "starting":
-        # the event ends the wait at once; the 1 s poll covers an event that came before
+        # the event ends the wait at once; the poll covers an event that came before
         # the server had subscribed this call (the calls run concurrently)
-        poll = min(deadline, (yield Now()) + 1.0)
+        poll = min(deadline, (yield Now()) + interval)
+        interval = min(interval * 2, READY_POLL_MAX)
         while (ev := (yield Receive(events, SandboxEvent, poll))) is not TIMED_OUT:
             if ev is None:  # the stream ended (the sandbox is gone): Inspect says how
                 break
