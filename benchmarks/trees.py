@@ -173,7 +173,8 @@ async def bench(
                 chans[label] = chan
             for i in range(n):
                 for name, src in trees.items():
-                    for label, chan in chans.items():
+                    order = list(chans.items())  # which guest goes first alternates (the load drifts)
+                    for label, chan in order if i % 2 == 0 else order[::-1]:
                         key = f"{name}{'@' + label if label else ''}"
                         for how, fn in (("cp_in", cp_in), ("tar_in", tar_in)):
                             dest = f"/tmp/{how}-{name}-{i}"
