@@ -14,15 +14,24 @@ issue's case, where per-file cost dominates), one of 16 files of 4 MiB (bulk
 throughput) and a real one (``--real``, default the first of CPython's test directory,
 /usr/lib/python3/dist-packages, /usr/share/doc with over 1,000 files; ``--real ''``:
 none). Medians of ``-n`` rounds; ratios are the median over rounds of ours / tar's
-time in that round (below 1: faster).
+time in that round (below 1: faster). The last column: the CPU seconds the guest's
+QEMU process spent on each (medians), and the median of each round's ratio: on a
+shared, loaded host that is the steadier measure of what the copy costs the guest.
 
-Usage: python -P benchmarks/trees.py [-n 5] [--out results/]  (-P: benchmarks/images.py
-would shadow the images package)
+A/B in one run (``--baseline DIR``): DIR holds a ``default.json`` of another image
+(e.g. one built from main's guestd, copied aside before building this branch's); a
+second VM boots from it and every round times ``cp -r`` (and tar) on both VMs, back to
+back: rows marked "(baseline)", and ``ours/baseline``, the median of each round's
+ratio of this tree's times on the two guests.
+
+Usage: python -P benchmarks/trees.py [-n 5] [--out results/] [--baseline DIR]
+(-P: benchmarks/images.py would shadow the images package)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -38,7 +47,7 @@ import trio
 from actors.channel.guest import GuestChannel
 from actors.machines.disk import create_overlay
 from actors.machines.vm import VmSpec, booted_guest
-from images.build import Builder, default_cache
+from images.build import Builder, Image, default_cache, load_default
 from supervisor.treecopy import packed_tree, unpack_tree
 
 
@@ -67,6 +76,16 @@ def real_tree() -> str:
         if os.path.isdir(cand) and sum(len(f) for _, _, f in os.walk(cand)) > 1000:
             return cand
     return ""
+
+
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) the process ``pid`` (a guest's QEMU: its vCPU and I/O
+    threads) has used: what a copy costs the guest, without the waits a loaded host adds."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def size_of(root: Path) -> int:
@@ -113,8 +132,18 @@ async def tar_out(chan: GuestChannel, src: str, dest: Path) -> None:
     assert h.exit is not None and h.exit.code == 0
 
 
-async def bench(n: int, out_dir: Path, real: str = "", which: list[str] | None = None) -> dict[str, Any]:
-    image = Builder(default_cache()).build()
+GUESTS = ("", "baseline")  # this checkout's image; --baseline's
+
+
+async def bench(
+    n: int, out_dir: Path, real: str = "", which: list[str] | None = None, baseline: Path | None = None
+) -> dict[str, Any]:
+    images: dict[str, Image] = {"": Builder(default_cache()).build()}
+    if baseline is not None:
+        other = load_default(baseline)
+        if other is None:
+            raise SystemExit(f"no built image in {baseline} (default.json)")
+        images["baseline"] = other
     work = Path(tempfile.mkdtemp(prefix="sandvisor-bench-trees-"))
     try:
         trees = {"small": work / "small", "bulk": work / "bulk"}
@@ -124,64 +153,102 @@ async def bench(n: int, out_dir: Path, real: str = "", which: list[str] | None =
         if real:
             trees["real"] = Path(real)
         trees = {k: v for k, v in trees.items() if which is None or k in which}
-        run = work / "run"
-        run.mkdir()
-        await create_overlay(image.rootfs, run / "disk.qcow2")
-        spec = VmSpec.boot(image, disk=run / "disk.qcow2", hostname="bench", memory_mib=512)
-        res: dict[str, Any] = {"n": n}
-        async with booted_guest(spec, run) as g:
-            chan = g.channel
-            warm = work / "warm"
-            warm.mkdir()
-            await cp_out(chan, "/etc/apt", warm)  # PID 1 imports tarfile once: not part of any round
-            times: dict[str, list[float]] = {}
+        res: dict[str, Any] = {"n": n, "baseline": str(baseline or "")}
+        times: dict[str, list[float]] = {}
+        cpu: dict[str, list[float]] = {}  # the guest's QEMU process: CPU seconds (the load's waits left out)
+        async with contextlib.AsyncExitStack() as stack:
+            chans: dict[str, GuestChannel] = {}
+            pids: dict[str, int] = {}
+            for label, image in images.items():
+                run = work / f"run{label}"
+                run.mkdir()
+                await create_overlay(image.rootfs, run / "disk.qcow2")
+                spec = VmSpec.boot(image, disk=run / "disk.qcow2", hostname="bench", memory_mib=512)
+                guest = await stack.enter_async_context(booted_guest(spec, run))
+                chan = guest.channel
+                pids[label] = guest.machine.pid or 0
+                warm = work / f"warm{label}"
+                warm.mkdir()
+                await cp_out(chan, "/etc/apt", warm)  # PID 1 imports the tree module once: not part of any round
+                chans[label] = chan
             for i in range(n):
                 for name, src in trees.items():
-                    for how, fn in (("cp_in", cp_in), ("tar_in", tar_in)):
-                        dest = f"/tmp/{how}-{name}-{i}"
-                        t = time.perf_counter()
-                        await fn(chan, src, dest)
-                        times.setdefault(f"{name}.{how}", []).append(time.perf_counter() - t)
-                    for how, fn2 in (("cp_out", cp_out), ("tar_out", tar_out)):
-                        dest_dir = work / f"{how}-{name}-{i}"
-                        dest_dir.mkdir()
-                        t = time.perf_counter()
-                        await fn2(chan, f"/tmp/cp_in-{name}-{i}", dest_dir)
-                        times.setdefault(f"{name}.{how}", []).append(time.perf_counter() - t)
-                        shutil.rmtree(dest_dir)
-                    await chan.run(["rm", "-rf", f"/tmp/cp_in-{name}-{i}", f"/tmp/tar_in-{name}-{i}"])
+                    order = list(chans.items())  # which guest goes first alternates (the load drifts)
+                    for label, chan in order if i % 2 == 0 else order[::-1]:
+                        key = f"{name}{'@' + label if label else ''}"
+                        for how, fn in (("cp_in", cp_in), ("tar_in", tar_in)):
+                            dest = f"/tmp/{how}-{name}-{i}"
+                            t, c = time.perf_counter(), cpu_s(pids[label])
+                            await fn(chan, src, dest)
+                            times.setdefault(f"{key}.{how}", []).append(time.perf_counter() - t)
+                            cpu.setdefault(f"{key}.{how}", []).append(cpu_s(pids[label]) - c)
+                        for how, fn2 in (("cp_out", cp_out), ("tar_out", tar_out)):
+                            dest_dir = work / f"{how}-{name}-{i}"
+                            dest_dir.mkdir()
+                            t, c = time.perf_counter(), cpu_s(pids[label])
+                            await fn2(chan, f"/tmp/cp_in-{name}-{i}", dest_dir)
+                            times.setdefault(f"{key}.{how}", []).append(time.perf_counter() - t)
+                            cpu.setdefault(f"{key}.{how}", []).append(cpu_s(pids[label]) - c)
+                            shutil.rmtree(dest_dir)
+                        await chan.run(["rm", "-rf", f"/tmp/cp_in-{name}-{i}", f"/tmp/tar_in-{name}-{i}"])
+        rows: list[str] = []
         for name, src in trees.items():
             size = size_of(src)
-            entry: dict[str, Any] = {"bytes": size, "entries": sum(len(d) + len(f) for _, d, f in os.walk(src))}
-            for how in ("cp_in", "tar_in", "cp_out", "tar_out"):
-                med = statistics.median(times[f"{name}.{how}"])
-                entry[how] = {"median_s": med, "mib_s": size / med / (1 << 20), "all_s": times[f"{name}.{how}"]}
-            # the median of each round's own ratio: a round's two runs are adjacent, so
-            # they share the machine's load (the medians of times do not, on a busy host)
-            for d, ours, tar in (("in", "cp_in", "tar_in"), ("out", "cp_out", "tar_out")):
-                pairs = zip(times[f"{name}.{ours}"], times[f"{name}.{tar}"], strict=True)
-                entry[f"ratio_{d}"] = statistics.median(a / b for a, b in pairs)
-            res[name] = entry
+            entries = sum(len(d) + len(f) for _, d, f in os.walk(src))
+            for label in chans:
+                key = f"{name}{'@' + label if label else ''}"
+                entry: dict[str, Any] = {"bytes": size, "entries": entries}
+                for how in ("cp_in", "tar_in", "cp_out", "tar_out"):
+                    med = statistics.median(times[f"{key}.{how}"])
+                    entry[how] = {
+                        "median_s": med,
+                        "mib_s": size / med / (1 << 20),
+                        "all_s": times[f"{key}.{how}"],
+                        "vm_cpu_s": cpu[f"{key}.{how}"],
+                    }
+                # the median of each round's own ratio: a round's two runs are adjacent, so
+                # they share the machine's load (the medians of times do not, on a busy host)
+                for d, ours, tar in (("in", "cp_in", "tar_in"), ("out", "cp_out", "tar_out")):
+                    pairs = zip(times[f"{key}.{ours}"], times[f"{key}.{tar}"], strict=True)
+                    entry[f"ratio_{d}"] = statistics.median(a / b for a, b in pairs)
+                    cpairs = zip(cpu[f"{key}.{ours}"], cpu[f"{key}.{tar}"], strict=True)
+                    entry[f"cpu_ratio_{d}"] = statistics.median(a / b for a, b in cpairs if b > 0)
+                    if label:  # this tree's cp on this checkout's guest against the baseline's, round by round
+                        pairs = zip(times[f"{name}.{ours}"], times[f"{key}.{ours}"], strict=True)
+                        entry[f"ours_vs_baseline_{d}"] = statistics.median(a / b for a, b in pairs)
+                        cpairs = zip(cpu[f"{name}.{ours}"], cpu[f"{key}.{ours}"], strict=True)
+                        entry[f"ours_vs_baseline_cpu_{d}"] = statistics.median(a / b for a, b in cpairs if b > 0)
+                res[key] = entry
+                for d, ours, tar in (("in", "cp_in", "tar_in"), ("out", "cp_out", "tar_out")):
+                    vs = ""
+                    if label:
+                        vs = f" | {entry[f'ours_vs_baseline_{d}']:.2f} (CPU {entry[f'ours_vs_baseline_cpu_{d}']:.2f})"
+                    elif len(chans) > 1:
+                        vs = " | "
+                    ours_cpu, tar_cpu = (statistics.median(entry[h]["vm_cpu_s"]) for h in (ours, tar))
+                    rows.append(
+                        f"| {name}{' (' + label + ')' if label else ''} ({entries} entries, "
+                        f"{size / (1 << 20):.1f} MiB) | {d} | "
+                        f"{entry[ours]['median_s']:.2f} | {entry[ours]['mib_s']:.1f} | {entry[tar]['median_s']:.2f} | "
+                        f"{entry[tar]['mib_s']:.1f} | {entry[f'ratio_{d}']:.2f}{vs} | "
+                        f"{ours_cpu:.2f} / {tar_cpu:.2f} = {entry[f'cpu_ratio_{d}']:.2f} |"
+                    )
     finally:
         shutil.rmtree(work, ignore_errors=True)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "trees.json").write_text(json.dumps(res, indent=2))
     res["real_tree"] = real
+    ab = len(images) > 1
     lines = [
         f"# cp -r vs tar over exec (TCG, medians of {n}; real tree: {real or 'none'}; "
         f"load {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs)",
         "",
-        "| tree | direction | ours s | MiB/s | tar over exec s | MiB/s | ours/tar (paired) |",
-        "|---|---|---|---|---|---|---|",
+        "| tree | direction | ours s | MiB/s | tar over exec s | MiB/s | ours/tar (paired) |"
+        + (" ours/baseline (paired) |" if ab else "")
+        + " VM CPU s, ours / tar = ratio |",
+        "|---|---|---|---|---|---|---|" + ("---|" if ab else "") + "---|",
+        *rows,
     ]
-    for name in trees:
-        e = res[name]
-        for d, ours, tar in (("in", "cp_in", "tar_in"), ("out", "cp_out", "tar_out")):
-            lines.append(
-                f"| {name} ({e['entries']} entries, {e['bytes'] / (1 << 20):.1f} MiB) | {d} | "
-                f"{e[ours]['median_s']:.2f} | {e[ours]['mib_s']:.1f} | {e[tar]['median_s']:.2f} | "
-                f"{e[tar]['mib_s']:.1f} | {e[f'ratio_{d}']:.2f} |"
-            )
     md = "\n".join(lines) + "\n"
     (out_dir / "trees.md").write_text(md)
     print(md)
@@ -194,8 +261,10 @@ def main() -> None:
     ap.add_argument("--out", default="results")
     ap.add_argument("--real", default=None, help="a real tree to copy too (default: found; '': none)")
     ap.add_argument("--trees", default="small,bulk,real", help="which trees (comma-separated)")
+    ap.add_argument("--baseline", type=Path, help="a directory with another image's default.json: A/B in one run")
     a = ap.parse_args()
-    trio.run(bench, a.n, Path(a.out), real_tree() if a.real is None else a.real, a.trees.split(","))
+    real = real_tree() if a.real is None else a.real
+    trio.run(bench, a.n, Path(a.out), real, a.trees.split(","), a.baseline)
 
 
 if __name__ == "__main__":

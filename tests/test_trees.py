@@ -501,3 +501,95 @@ def test_single_file_target_never_follows_the_final_component(place: tuple[Path,
         copy(dest, "/", b"x")
     assert e.value.code == "INVALID_ARGUMENT"
     assert not [n for n in os.listdir(dest) if "sandvisor-part" in n]
+
+
+# --- the hand-rolled reader: the header forms other tars write ----------------------
+
+
+def test_reader_takes_the_forms_other_tars_write(tmp_path: Path) -> None:
+    """GNU long names and base-256 numbers, ustar prefixes, a global pax header, an
+    old-style directory, in one stream read a few bytes at a time; all as tarfile reads them."""
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.GNU_FORMAT) as tf:
+        big = tarfile.TarInfo("g" * 150)  # GNU long name
+        big.size, big.uid, big.mtime = 3, 8**8, 1_700_000_000  # a uid beyond 7 octal digits: base-256
+        tf.addfile(big, io.BytesIO(b"big"))
+    gnu = out.getvalue().rstrip(b"\0")  # (without its end-of-archive marker: the data ends in "big")
+    gnu += bytes(-len(gnu) % 512)
+    ustar = tarfile.TarInfo("p" * 120 + "/q")  # ustar's prefix field
+    ustar.size = 1
+    old_dir = tarfile.TarInfo("od/")
+    old_dir.type, old_dir.mode = tarfile.AREGTYPE, 0o755
+    glob = tarfile.TarInfo("././@PaxHeader")
+    payload = b"17 mtime=1234567\n"
+    glob.type, glob.size = tarfile.XGLTYPE, len(payload)
+    data = (
+        gnu
+        + ustar.tobuf(tarfile.USTAR_FORMAT)
+        + b"x"
+        + bytes(511)
+        + glob.tobuf(tarfile.USTAR_FORMAT)
+        + payload
+        + bytes(-len(payload) % 512)
+        + old_dir.tobuf(tarfile.USTAR_FORMAT)
+        + bytes(1024)
+    )
+    src = io.BytesIO(data)
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        assert tree.unpack(lambda n: src.read(min(n, 7)), fd, keep_ids=False) == 3
+    finally:
+        os.close(fd)
+    assert (tmp_path / ("g" * 150)).read_bytes() == b"big"
+    assert (tmp_path / ("p" * 120) / "q").read_bytes() == b"x"
+    assert (tmp_path / "od").is_dir() and (tmp_path / "od").stat().st_mtime == 1234567  # the global mtime
+    with tarfile.open(fileobj=io.BytesIO(data)) as tf:
+        names = {ti.name for ti in tf}
+    assert names == {"g" * 150, "p" * 120 + "/q", "od"}
+
+
+@pytest.mark.parametrize("field", [b"0o00644\0", b"0_644\0\0\0", b"+644\0\0\0\0", b"\x80" + bytes(6) + b"\x01"])
+def test_reader_octal_fields_are_strict(field: bytes, place: tuple[Path, Path]) -> None:
+    """What int() would take but is no octal field: refused (base-256 only where tar writes it)."""
+    dest, _ = place
+    one = bytearray(tar_of(("f", tarfile.REGTYPE, b"x")))
+    one[100:108] = field  # the mode
+    one[148:156] = b"        "
+    one[148:155] = b"%06o\0" % sum(one[:512])
+    if field[0] == 0x80:  # base-256 mode: read as the number (1), not refused
+        assert unpack_bytes(bytes(one), dest) >= 1
+        return
+    with pytest.raises(TreeError) as e:
+        unpack_bytes(bytes(one), dest)
+    assert e.value.code == P.E_INVALID
+
+
+def test_every_file_gets_its_exact_mode_and_owner(tmp_path: Path) -> None:
+    """Files made with their final mode when that is safe (no fchmod), else 0600 and
+    fchmod once whole: either way the archive's exact mode; the archive's owner even
+    when it is the unpacker's own and a setgid parent would give its group instead."""
+    modes = (0o644, 0o600, 0o000, 0o755, 0o664, 0o666, 0o4755, 0o2750, 0o1777, 0o444, 0o700, 0o640)
+    out = io.BytesIO()
+    me = (os.geteuid(), os.getegid())
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tf:
+        for sub in ("", "sg/"):
+            for m in modes:
+                ti = tarfile.TarInfo(f"{sub}f{m:o}")
+                ti.mode, ti.size, ti.mtime, (ti.uid, ti.gid) = m, 1, 1_600_000_000, me
+                tf.addfile(ti, io.BytesIO(b"x"))
+    dst = tmp_path / "dst"
+    (dst / "sg").mkdir(parents=True)
+    os.chmod(dst / "sg", 0o2775)
+    if ROOT:
+        os.chown(dst / "sg", 0, 4321)
+    old = os.umask(0o027)
+    try:
+        unpack_bytes(out.getvalue(), dst, keep_ids=ROOT)
+    finally:
+        os.umask(old)
+    for sub in ("", "sg/"):
+        for m in modes:
+            st = os.lstat(dst / f"{sub}f{m:o}")
+            assert (stat.S_IMODE(st.st_mode), int(st.st_mtime)) == (m, 1_600_000_000), (sub, oct(m))
+            if ROOT:
+                assert (st.st_uid, st.st_gid) == me, (sub, oct(m))
