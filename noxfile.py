@@ -82,6 +82,9 @@ def bench(session: nox.Session) -> None:
     session.run("python", "benchmarks/hibernate.py")
     session.run("python", "benchmarks/secret_proxy.py")
     session.run("python", "benchmarks/e2b_compat.py")
+    session.run("python", "benchmarks/restore.py")  # (the old restore path interleaved: A/B)
+    session.run("python", "benchmarks/exec.py")  # (chan.py, an A/B of runtimes, needs --variant)
+    session.run("python", "benchmarks/cgroup_weight.py", "--out", "results")
 
 
 @nox.session
