@@ -36,6 +36,7 @@ import trio
 from actors import defaults
 from actors._groups import collapse_single
 from actors.channel.guest import GuestChannel, HelloTimeout, open_channel
+from actors.channel.guestwire import ChannelBroken
 from actors.machines.disk import backing_chain
 from actors.machines.machine import Machine, Placement
 from actors.machines.qemuproc import (
@@ -403,14 +404,22 @@ async def _running(
 
                         nursery.start_soon(watch_exit_hello)
 
+                        load_errors: list[BootError] = []
+
                         async def load() -> None:
+                            # A failed load is the reason: recorded and the hello's wait
+                            # ended, not raised beside the channel's own break (QEMU
+                            # exiting resets QMP and the channel at once: a group of two
+                            # that the template fallback would not see as a BootError).
                             nonlocal t_loaded
                             try:
                                 await vm.loaded()
                             except MachineError as exc:
                                 if vm.exited:  # said below, with QEMU's exit (the hello scope is cancelled)
                                     return
-                                raise BootError(f"restore failed: {exc}", vm.console.text()) from None
+                                load_errors.append(BootError(f"restore failed: {exc}", vm.console.text()))
+                                steps.cancel_scope.cancel()
+                                return
                             t_loaded = time.monotonic()
 
                         fix_errors: list[Exception] = []
@@ -432,12 +441,20 @@ async def _running(
                                     if fixups is not None:
                                         steps.start_soon(fix, fixups)
                                     await chan.wait_hello(boot_timeout)
+                            if load_errors:
+                                raise load_errors[0]
                             if fix_errors and not vm.exited:
                                 raise fix_errors[0]
                         except HelloTimeout:
                             raise BootTimeout(
                                 f"guest did not become ready within {boot_timeout:g}s", vm.console.text()
                             ) from None
+                        except ChannelBroken as exc:
+                            # the guest's end closed before its hello: QEMU is exiting
+                            # (a load it refused says why first)
+                            if load_errors:
+                                raise load_errors[0] from None
+                            raise BootError(f"the guest channel broke during boot: {exc}", vm.console.text()) from None
                     if chan.hello_info is None:
                         raise BootError(f"QEMU exited during boot: {vm.describe_exit()}", vm.console.text())
                     guest = Guest(vm, chan, t0, t_qmp, time.monotonic(), t_loaded, t_connected)
