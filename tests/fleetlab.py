@@ -16,7 +16,6 @@ process group). Used by tests/test_fleet.py and benchmarks/fleet.py.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import ipaddress
 import json
 import os
@@ -45,62 +44,20 @@ def make_pki(dir: Path, nodes: dict[str, str]) -> None:
     """ca.pem; NAME.pem/NAME.key per node (its IP as SAN; server and client use);
     client.pem/client.key."""
     from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+    from cryptography.x509.oid import ExtendedKeyUsageOID
 
-    now = datetime.datetime.now(datetime.UTC)
+    from tests.pki import Authority
 
-    def name(cn: str) -> x509.Name:
-        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-
-    def write(stem: str, cert: Any, key: Any) -> None:
-        (dir / f"{stem}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-        if key is not None:
-            fd = os.open(dir / f"{stem}.key", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "wb") as f:
-                f.write(
-                    key.private_bytes(
-                        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-                    )
-                )
-
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca = (
-        x509.CertificateBuilder()
-        .subject_name(name("fleet test CA"))
-        .issuer_name(name("fleet test CA"))
-        .public_key(ca_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(hours=4))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(ca_key, hashes.SHA256())
-    )
-    write("ca", ca, None)
-
-    def leaf(cn: str, ip: str | None) -> None:
-        key = ec.generate_private_key(ec.SECP256R1())
-        b = (
-            x509.CertificateBuilder()
-            .subject_name(name(cn))
-            .issuer_name(ca.subject)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(hours=4))
-            .add_extension(
-                x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
-                critical=False,
-            )
-        )
-        if ip is not None:
-            b = b.add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(ip))]), critical=False)
-        write(cn, b.sign(ca_key, hashes.SHA256()), key)
-
-    for node, ip in nodes.items():
-        leaf(node, ip)
-    leaf("client", None)
+    ca = Authority("fleet test CA", hours=4)
+    (dir / "ca.pem").write_bytes(ca.pem)
+    usages = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+    for cn, ip in [*nodes.items(), ("client", None)]:
+        sans = [x509.IPAddress(ipaddress.ip_address(ip))] if ip is not None else None
+        cert, key = ca.leaf(cn, usages, sans)
+        (dir / f"{cn}.pem").write_bytes(cert)
+        fd = os.open(dir / f"{cn}.key", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(key)
 
 
 @attrs.define

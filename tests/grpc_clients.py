@@ -11,7 +11,6 @@ metadata a client sends with it."""
 
 from __future__ import annotations
 
-import datetime
 import functools
 import importlib
 import os
@@ -55,57 +54,19 @@ def make_pki() -> dict[str, bytes]:
     import ipaddress
 
     from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+    from cryptography.x509.oid import ExtendedKeyUsageOID
 
-    now = datetime.datetime.now(datetime.UTC)
+    from tests.pki import Authority
 
-    def name(cn: str) -> x509.Name:
-        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
-
-    def pem_key(k: ec.EllipticCurvePrivateKey) -> bytes:
-        return k.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-        )
-
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca = (
-        x509.CertificateBuilder()
-        .subject_name(name("sandvisor test CA"))
-        .issuer_name(name("sandvisor test CA"))
-        .public_key(ca_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(hours=1))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(ca_key, hashes.SHA256())
-    )
-
-    def leaf(cn: str, usage: x509.ObjectIdentifier, sans: list[x509.GeneralName]) -> tuple[bytes, bytes]:
-        key = ec.generate_private_key(ec.SECP256R1())
-        b = (
-            x509.CertificateBuilder()
-            .subject_name(name(cn))
-            .issuer_name(ca.subject)
-            .public_key(key.public_key())
-            .serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(hours=1))
-            .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
-        )
-        if sans:
-            b = b.add_extension(x509.SubjectAlternativeName(sans), critical=False)
-        return b.sign(ca_key, hashes.SHA256()).public_bytes(serialization.Encoding.PEM), pem_key(key)
-
-    server_cert, server_key = leaf(
+    ca = Authority("sandvisor test CA")
+    server_cert, server_key = ca.leaf(
         "localhost",
-        ExtendedKeyUsageOID.SERVER_AUTH,
+        [ExtendedKeyUsageOID.SERVER_AUTH],
         [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))],
     )
-    client_cert, client_key = leaf("ci-client", ExtendedKeyUsageOID.CLIENT_AUTH, [])
+    client_cert, client_key = ca.leaf("ci-client", [ExtendedKeyUsageOID.CLIENT_AUTH])
     return {
-        "ca": ca.public_bytes(serialization.Encoding.PEM),
+        "ca": ca.pem,
         "server_cert": server_cert,
         "server_key": server_key,
         "client_cert": client_cert,
