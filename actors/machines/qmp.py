@@ -432,12 +432,7 @@ class QMPClient:
                     self._forget(ident, w)
         except trio.TooSlowError:
             raise QMPTimeout(f"QMP {command}: no answer within {timeout:g}s") from None
-        reply = w.reply
-        if reply is None:
-            raise QMPDisconnected(f"QMP {command}: {self._closed or 'closed'}")
-        if not reply.ok:
-            raise QMPCommandFailed(command, reply.error_class, reply.desc)
-        return reply.value
+        return self._result(command, w)
 
     async def _post(self, command: str, args: dict[str, Any] | None) -> _Waiter:
         """Send ``command`` now; its waiter (the handshake's pipelined commands)."""
@@ -452,6 +447,10 @@ class QMPClient:
 
     async def _answer(self, command: str, w: _Waiter) -> Any:
         await w.done.wait()
+        return self._result(command, w)
+
+    def _result(self, command: str, w: _Waiter) -> Any:
+        """An answered waiter's value, or the error it stands for."""
         reply = w.reply
         if reply is None:
             raise QMPDisconnected(f"QMP {command}: {self._closed or 'closed'}")
