@@ -23,6 +23,7 @@ Every header is parsed defensively (:func:`parse_qcow2_header`): reads are bound
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
@@ -300,7 +301,8 @@ async def create_overlay(base: Path, overlay: Path, *, backing_as: Path | None =
     p = await trio.run_process(argv, capture_stdout=True, capture_stderr=True, check=False)
     if p.returncode != 0:
         raise DiskError(f"qemu-img create failed: {p.stderr.decode(errors='replace').strip()}")
-    _keep_empty(key, overlay)
+    with contextlib.suppress(OSError):  # (only a cache: the overlay is made)
+        _keep_empty(key, overlay)
 
 
 async def grow_overlay(overlay: Path, size: int) -> bool:

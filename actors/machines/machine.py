@@ -250,8 +250,13 @@ class Machine:
             fds.update(files)
             if self.restore_fd >= 0 and self.spec.incoming:
                 fds["incoming"] = self.restore_fd  # inherited: migrate-incoming fd:N, sent with the handshake
-        argv = self.spec.argv(p.qemu_dir or p.sock_dir, fds)
-        env = self.spec.environ(fds)
+        try:
+            argv = self.spec.argv(p.qemu_dir or p.sock_dir, fds)
+            env = self.spec.environ(fds)
+        except BaseException:  # (a device check refused): the descriptors are still ours
+            for fd in files.values():
+                os.close(fd)
+            raise
         log.debug("launch %s: %s %s", self.name, " ".join(f"{k}={v}" for k, v in env.items()), shlex.join(argv))
         try:
             err = os.open(p.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
