@@ -159,6 +159,7 @@ class Conn:
             self.session.close()
             self.session = None
         self.out.clear()
+        self.prof.clear()  # (the old session's marks are not the next host's)
         self.decoder.reset()
         self.syncing = True
         if self.kind == "port":

@@ -484,6 +484,7 @@ def _next_member(r: _Reader, glob: dict[str, bytes]) -> _Member | None:
     pax: dict[str, bytes] = {}
     long_name: str | None = None
     long_link: str | None = None
+    meta = 0  # this member's metadata headers' bytes: MAX_TREE_META in all, not each
     while True:
         block = r.take(_BLOCK)
         if not block:
@@ -505,8 +506,9 @@ def _next_member(r: _Reader, glob: dict[str, bytes]) -> _Member | None:
         if size < 0:
             raise _malformed("negative size")
         if kind in b"xXgLK":  # pax (local, Solaris, global) and GNU long-name headers
-            if size > P.MAX_TREE_META:
-                raise TreeError(P.E_INVALID, f"a tar header of {size} bytes (the limit is {P.MAX_TREE_META})")
+            meta += size
+            if meta > P.MAX_TREE_META:
+                raise TreeError(P.E_INVALID, f"tar headers of {meta} bytes (the limit is {P.MAX_TREE_META})")
             payload = r.take(size)
             if len(payload) < size:
                 raise TreeError(P.E_INVALID, "truncated tar stream")
@@ -517,6 +519,8 @@ def _next_member(r: _Reader, glob: dict[str, bytes]) -> _Member | None:
                 long_link = _text(payload)
             elif kind == 0x67:  # "g": for every member after it
                 glob.update(_pax_records(payload))
+                if sum(len(k) + len(v) for k, v in glob.items()) > P.MAX_TREE_META:  # they add up over members
+                    raise TreeError(P.E_INVALID, f"global pax records over {P.MAX_TREE_META} bytes")
             else:
                 pax.update(_pax_records(payload))
             continue

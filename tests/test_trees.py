@@ -593,3 +593,30 @@ def test_every_file_gets_its_exact_mode_and_owner(tmp_path: Path) -> None:
             assert (stat.S_IMODE(st.st_mode), int(st.st_mtime)) == (m, 1_600_000_000), (sub, oct(m))
             if ROOT:
                 assert (st.st_uid, st.st_gid) == me, (sub, oct(m))
+
+
+def test_many_pax_headers_before_one_member_are_bounded_together(place: tuple[Path, Path]) -> None:
+    """MAX_TREE_META bounds a member's metadata headers in all, not each one (a run of
+    small pax headers, or global ones piling up, would otherwise grow without end)."""
+    dest, _ = place
+
+    def record(n: int) -> bytes:
+        body = b" comment=" + b"c" * n + b"\n"
+        length = len(body) + len(str(len(body)))
+        length = len(body) + len(str(length))
+        return str(length).encode() + body
+
+    def pax_header(kind: bytes, payload: bytes) -> bytes:
+        ti = tarfile.TarInfo("././@PaxHeader")
+        ti.type, ti.size = kind, len(payload)
+        return ti.tobuf(tarfile.USTAR_FORMAT) + payload + bytes(-len(payload) % 512)
+
+    piece = record(P.MAX_TREE_META // 8)
+    for kind in (tarfile.XHDTYPE, tarfile.XGLTYPE):
+        data = b"".join(pax_header(kind, piece) for _ in range(12)) + tar_of(("f", tarfile.REGTYPE, b"x"))
+        with pytest.raises(TreeError) as e:
+            unpack_bytes(data, dest)
+        assert e.value.code == P.E_INVALID, kind
+    ok = b"".join(pax_header(tarfile.XHDTYPE, record(10)) for _ in range(3)) + tar_of(("f", tarfile.REGTYPE, b"x"))
+    unpack_bytes(ok, dest)
+    assert (dest / "f").read_bytes() == b"x"
