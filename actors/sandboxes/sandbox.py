@@ -50,7 +50,7 @@ from actors.channel.guest import GuestError
 from actors.crash import crash_point
 from actors.errors import DomainError, FailedPrecondition, Internal
 from actors.events import EventBus
-from actors.machines.qemuproc import MachineError, legacy_restore
+from actors.machines.qemuproc import MachineError
 from actors.machines.vm import BootError, BootTimeout, Guest, NetConfig
 from actors.model import (
     ALIVE,
@@ -414,10 +414,10 @@ class Sandbox:
             run.stop.set()
             raise MachineError(f"pool member is {self.state}")
         try:
-            if legacy_restore():
-                await life.fresh_identity(guest, clock=True)
-            else:  # sent, answered in the background: no round trip on the way to ready
-                run.work.start_soon(self._fixed_up, await life.post_identity(guest))
+            # awaited: with the answers in the background (Life.post_identity) a clean-clone
+            # run saw events and the first Run race the fix-ups (test_daemon's TTL order,
+            # test_snapshots' pool member), so the hand-over waits for them again
+            await life.fresh_identity(guest, clock=True)
             if apply_ports:  # a Create's (a template's member has none; a snapshot's has its own)
                 await life.mount_tmpfs(guest)
             await life.apply_patches(guest)
