@@ -7,10 +7,12 @@ loopback-or-TLS rule, the Host check, the token file."""
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import os
 import secrets
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -169,35 +171,41 @@ def private_token(path: Path) -> str:
 
 
 @contextmanager
-def mcp_http(tmp: Path, socket_path: Path, host: str, *args: str) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """``sandvisor mcp --http HOST:PORT ARGS`` as a child, yielded with its URL once it listens."""
-    port = free_port(host, "tcp")
+def mcp_http(
+    tmp: Path, socket_path: Path, host: str, *args: str, reach: str = "", scheme: str = "http"
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """``sandvisor mcp --http HOST:PORT ARGS`` as a child, yielded with its URL (at
+    ``reach``, default ``host``) once it listens."""
+    reach = reach or host
+    port = free_port(reach, "tcp")
     argv = [sys.executable, "-m", "supervisor.cli", "mcp", "--socket", str(socket_path)]
     proc = subprocess.Popen([*argv, "--http", f"{host}:{port}", *args], stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 120
         while True:  # until it listens, bounded
             try:
-                socket.create_connection((host, port), timeout=1).close()
+                socket.create_connection((reach, port), timeout=1).close()
                 break
             except OSError:
                 assert time.monotonic() < deadline and proc.poll() is None
                 time.sleep(0.1)
-        yield f"http://{host}:{port}/mcp", proc
+        yield f"{scheme}://{reach}:{port}/mcp", proc
     finally:
         proc.terminate()
         proc.wait(timeout=30)
 
 
-async def mcp_client(url: str, token: str, work: Callable[[ClientSession], Awaitable[R]]) -> R:
+async def mcp_client(
+    url: str, token: str, work: Callable[[ClientSession], Awaitable[R]], *, verify: ssl.SSLContext | bool = True
+) -> R:
     """The mcp package's own streamable HTTP client with the token in its headers (on
     asyncio: its HTTP stack's generators are finalized by asyncio's hooks, where Trio's
     would warn)."""
+    import httpx2
     from mcp.client.streamable_http import streamable_http_client
-    from mcp.shared._httpx_utils import create_mcp_http_client
 
     async with (
-        create_mcp_http_client(headers={"Authorization": f"Bearer {token}"}) as http,
+        httpx2.AsyncClient(headers={"Authorization": f"Bearer {token}"}, verify=verify, timeout=60) as http,
         streamable_http_client(url, http_client=http) as (read, write),
         ClientSession(read, write) as s,
     ):
@@ -227,13 +235,49 @@ def test_mcp_over_streamable_http_needs_the_token(tmp_path: Path) -> None:
             assert r.is_error and "UNAVAILABLE: " in r.content[0].text  # no supervisor there
 
 
-def mcp_start(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "supervisor.cli", "mcp", *args], capture_output=True, text=True, timeout=60, check=False
+def test_mcp_http_off_loopback_is_served_over_tls_with_the_token(tmp_path: Path) -> None:
+    """``--http 0.0.0.0:PORT`` with ``--tls-cert/--tls-key`` starts (reached here through
+    127.0.0.1: no traffic leaves the host); HTTPS, the token still required."""
+    import httpx2
+    from cryptography import x509
+    from cryptography.x509.oid import ExtendedKeyUsageOID
+
+    from tests.pki import Authority
+
+    ca = Authority("mcp-test-ca")
+    cert, key = ca.leaf(
+        "127.0.0.1", [ExtendedKeyUsageOID.SERVER_AUTH], [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
     )
+    (tmp_path / "cert.pem").write_bytes(cert)
+    (tmp_path / "key.pem").write_bytes(key)
+    token = private_token(tmp_path / "token")
+    tls = ("--tls-cert", str(tmp_path / "cert.pem"), "--tls-key", str(tmp_path / "key.pem"))
+    trust = ssl.create_default_context(cadata=ca.pem.decode())
+    args = ("--token-file", str(tmp_path / "token"), *tls)
+    with mcp_http(tmp_path, tmp_path / "none.sock", "0.0.0.0", *args, reach="127.0.0.1", scheme="https") as (url, _):
+        with httpx2.Client(verify=trust) as http:
+            r = http.post(url, json={}, headers={"Accept": "application/json, text/event-stream"})
+            assert r.status_code == 401 and r.headers["www-authenticate"].startswith("Bearer")
+
+        async def tools(s: ClientSession) -> set[str]:
+            return {t.name for t in (await s.list_tools()).tools}
+
+        assert asyncio.run(asyncio.wait_for(mcp_client(url, token, tools, verify=trust), 120)) == TOOLS
 
 
-def test_mcp_http_refuses_to_start_without_a_private_token_or_off_loopback_without_tls(tmp_path: Path) -> None:
+def test_mcp_http_refuses_to_start_without_a_private_token_or_off_loopback_without_tls(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """(In this process: the CLI's own main, as the command runs it; a process each costs
+    seconds of imports.)"""
+    from supervisor import cli
+
+    def mcp_start(*args: str) -> subprocess.CompletedProcess[str]:
+        with pytest.raises(SystemExit) as exit_:
+            cli.main(["mcp", *args])
+        code = exit_.value.code
+        return subprocess.CompletedProcess(args, code if isinstance(code, int) else 1, "", capsys.readouterr().err)
+
     token_file = tmp_path / "token"
     private_token(token_file)
     port = str(free_port("127.0.0.1", "tcp"))
@@ -271,6 +315,8 @@ def test_mcp_http_as_another_local_user_is_refused_and_the_token_holder_served()
     """A root supervisor with a VM; ``mcp --http`` started by root. uid 65534, which the
     Unix socket refuses, is refused here too: no token or a wrong one, 401. The mcp
     client with the token creates a sandbox and lists it."""
+    if os.geteuid() != 0:
+        pytest.skip("another local user's client: setpriv needs root")
     with workdir("sv-mcp-http-") as work, supervisor_process(work):
         token = private_token(work.root / "mcp.token")
         with mcp_http(work.root, work.socket, "127.0.0.1", "--token-file", str(work.root / "mcp.token")) as (url, _):
