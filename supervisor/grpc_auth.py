@@ -15,11 +15,8 @@ import hmac
 import inspect
 import logging
 import math
-import os
-import stat
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from pathlib import Path
 from typing import Any
 
 import attrs
@@ -32,10 +29,12 @@ import grpc
 import grpc.aio
 
 from supervisor.grpc_addresses import Address, TcpAddress, is_loopback
+from supervisor.tokens import check_token, read_token_file
+
+__all__ = ["NO_TCP_AUTH", "UNAUTHENTICATED", "TcpAuth", "TcpGate", "check_tcp_auth", "read_token_file"]
 
 log = logging.getLogger("sandvisor.grpc")
 
-MIN_TOKEN, MAX_TOKEN = 32, 1024  # a bearer token's length (openssl rand -hex 32: 64)
 UNAUTHENTICATED = (
     "this address needs client authentication: a client certificate (serve --grpc-client-ca) "
     "or metadata 'authorization: Bearer TOKEN' (serve --grpc-token-file)"
@@ -52,10 +51,8 @@ class TcpAuth:
     insecure: bool = False
 
     def __attrs_post_init__(self) -> None:
-        if self.token is not None and not MIN_TOKEN <= len(self.token) <= MAX_TOKEN:
-            raise ValueError(f"a bearer token is {MIN_TOKEN} to {MAX_TOKEN} characters")
-        if self.token is not None and not all(0x21 <= b <= 0x7E for b in self.token):
-            raise ValueError("a bearer token is printable ASCII without spaces")
+        if self.token is not None:
+            check_token(self.token)
         if self.token is not None and self.insecure:
             raise ValueError("--grpc-insecure and --grpc-token-file contradict each other: give one")
 
@@ -76,27 +73,6 @@ def check_tcp_auth(addresses: Iterable[Address], auth: TcpAuth | None) -> None:
             raise ValueError(f"gRPC on {a}: --grpc-insecure is for loopback addresses only")
         if not (auth.token or auth.insecure or (a.tls is not None and a.tls.require_client_cert)):
             raise ValueError(f"gRPC on {a} would let any client in: {NO_TCP_AUTH}")
-
-
-def read_token_file(path: Path | str) -> bytes:
-    """The bearer token in ``path``: a regular file of ours, not a symlink, mode 0600 or
-    stricter; its one line (surrounding whitespace dropped). Read once, at start."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as exc:
-        raise ValueError(f"--grpc-token-file {path}: {exc.strerror}") from None
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
-            raise ValueError(
-                f"--grpc-token-file {path}: must be a regular file owned by uid {os.geteuid()}, "
-                f"mode 0600 or stricter (it is {stat.filemode(st.st_mode)}, uid {st.st_uid})"
-            )
-        token = f.read(MAX_TOKEN + 2).strip()
-    try:
-        return TcpAuth(token=token).token or b""
-    except ValueError as exc:
-        raise ValueError(f"--grpc-token-file {path}: {exc}") from None
 
 
 class TcpGate(grpc.aio.ServerInterceptor):
