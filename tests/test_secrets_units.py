@@ -9,6 +9,7 @@ import shutil
 import ssl
 import tempfile
 from collections.abc import Iterator
+from ipaddress import IPv4Address, IPv4Network
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from actors.errors import FailedPrecondition, InvalidArgument, PermissionDenied
+from actors.net import egress
+from actors.net.ippool import MIN_PREFIX
 from actors.net.secretproxy import Blocked, ProxyView, Scrubber, SecretProxy, _Refused, client_hello_name
 from actors.registry import Registry
 from actors.sandboxes.secrets import check_store_hosts, hosts_in_force, upstream_context
@@ -124,6 +127,18 @@ def test_a_store_secret_may_narrow_its_entry_s_hosts_never_widen_them(tmp_path: 
     assert Vault(tmp_path, tmp_path / "key").named_hosts("gh") == ["x.uploads.example"]  # (kept, encrypted)
     vault.remove_named("gh")
     assert hosts_in_force(vault, ref) == ()
+
+
+def test_the_secret_mark_is_unique_in_the_largest_pool() -> None:
+    pool = IPv4Network(f"10.0.0.0/{MIN_PREFIX}")
+    a, b = IPv4Address("10.1.0.7"), IPv4Address("10.2.0.7")  # (the same low 16 bits)
+    marks = {egress.secret_mark(x, pool) for x in (a, b, pool.network_address + 1, pool.broadcast_address - 1)}
+    assert len(marks) == 4 and all(m & egress.SECRET_MARK_MASK == egress.SECRET_MARK for m in marks)
+    with pytest.raises(ValueError):
+        egress.secret_mark(IPv4Address("11.0.0.1"), pool)
+    assert egress.secret_rules("svx", a, IPv4Address("10.0.0.1"), 1234, (443,), pool)[-1].endswith(
+        f"{egress.secret_mark(a, pool):#x} : goto sb_svx }}"
+    )
 
 
 def test_placeholders_are_the_name_and_unguessable_and_fresh_for_clones() -> None:
