@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gzip
 import ssl
+import zlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -20,7 +21,7 @@ import pytest
 import trio
 import trustme
 
-from actors.net.secretproxy import Blocked, ProxyView, SecretProxy, _Refused, check_request
+from actors.net.secretproxy import CHUNK, Blocked, Inflater, ProxyView, SecretProxy, _Refused, check_request
 from actors.sandboxes.secrets import upstream_context
 from actors.secrets import model as S
 from actors.secrets.ca import Minter, new_ca
@@ -276,6 +277,17 @@ async def test_a_compressed_echo_is_inflated_and_scrubbed() -> None:
         # an encoding the scrubber cannot read: refused, nothing of it passed on
         out = await t.send(req(f"GET /br HTTP/1.1\nHost: api.test\nAuthorization: Bearer {PH}\nConnection: close\n"))
         assert response(out)[0] == 502 and VALUE not in out
+
+
+def test_the_inflater_takes_pieces_members_and_bombs_in_bounded_steps() -> None:
+    big = b"a" * (4 << 20)
+    packed = gzip.compress(b"first:" + VALUE) + gzip.compress(big)
+    inflate = Inflater()
+    pieces = [p for i in range(0, len(packed), 7) for p in inflate.feed(packed[i : i + 7])]
+    assert b"".join(pieces) + inflate.flush() == b"first:" + VALUE + big
+    assert max(len(p) for p in pieces) <= CHUNK
+    with pytest.raises(zlib.error):
+        Inflater().feed(b"not compressed at all")
 
 
 async def test_the_reason_phrase_is_the_standard_one() -> None:

@@ -427,13 +427,14 @@ class Inflater:
     def feed(self, data: bytes) -> list[bytes]:
         out = []
         while data:
-            if self.z.eof:  # a second gzip member
-                data = self.z.unused_data + data
-                self.z = zlib.decompressobj(wbits=32 + zlib.MAX_WBITS)
             piece = self.z.decompress(data, CHUNK)
-            data = self.z.unconsumed_tail
             if piece:
                 out.append(piece)
+            if self.z.eof:  # what follows is another gzip member (or garbage: zlib.error)
+                data = self.z.unused_data
+                self.z = zlib.decompressobj(wbits=32 + zlib.MAX_WBITS)
+            else:
+                data = self.z.unconsumed_tail
         return out
 
     def flush(self) -> bytes:
