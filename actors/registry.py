@@ -78,7 +78,7 @@ from actors.net.netlink import check_network_available, needs_pool_address
 from actors.quotas import Admission, Quotas, check_sandbox_disk
 from actors.sandboxes.files import SandboxFiles
 from actors.sandboxes.sandbox import Adopt, Boot, Plan, Resume, Sandbox
-from actors.sandboxes.secrets import new_owner
+from actors.sandboxes.secrets import check_store_hosts, new_owner
 from actors.secrets.ca import new_ca
 from actors.secrets.model import check_value, with_placeholders, without_generated
 from actors.settings import Settings
@@ -935,6 +935,8 @@ def check_secrets_available(
                 raise InvalidArgument(f"secret {r.name}: a store entry and a value exclude each other")
             if fresh and r.store not in settings.vault.named:  # (a restore copies its snapshot's)
                 raise NotFound(f"secret {r.name}: no entry {r.store!r} in the secret store (secret set)")
+            if fresh:  # (a restore's hosts are narrowed by the entry's at each request)
+                check_store_hosts(settings.vault, r)
         elif r.name in values:
             check_value(r.name, values[r.name])
         elif fresh:

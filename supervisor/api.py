@@ -719,7 +719,7 @@ async def _resume(reg: Registry, io: CallIO, req: W.IdRequest) -> W.SandboxInfo:
 # --- secrets (docs/secrets.md) ------------------------------------------------------------------
 @method("SetSecret", W.SetSecretRequest)
 async def _set_secret(reg: Registry, io: CallIO, req: W.SetSecretRequest) -> W.Empty:
-    secrets.set_named(reg.settings, req.name, bytes(req.value))
+    secrets.set_named(reg.settings, req.name, bytes(req.value), list(req.hosts))
     return W.Empty()
 
 

@@ -150,9 +150,10 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
     p.add_argument(
         "--secret",
         action="append",
-        metavar="NAME=SRC@HOSTS",
+        metavar="NAME=SRC@HOSTS[;substitute=all]",
         help="a secret the guest holds a placeholder of: SRC env:VAR, value:LITERAL or store:NAME; "
-        "HOSTS a,b,*.c[:port] (repeatable; docs/secrets.md)",
+        "HOSTS a,b,*.c[:port]; ;substitute=all: in the URL and body too, not only the headers "
+        "(repeatable; docs/secrets.md)",
     )
     p.add_argument("--workdir")
     p.add_argument("--user")
@@ -327,12 +328,19 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
     p = cmd(
         "secret",
         secret,
-        "secrets: secret set NAME (value on stdin) | ls [--sandbox ID] | rm NAME... | "
+        "secrets: secret set NAME [--hosts H,...] (value on stdin) | ls [--sandbox ID] | rm NAME... | "
         "rotate SANDBOX NAME (value on stdin) | revoke SANDBOX NAME",
     )
     p.add_argument("action", choices=["set", "ls", "rm", "rotate", "revoke"])
     p.add_argument("args", nargs="*", metavar="ARG")
     p.add_argument("--sandbox", metavar="ID", help="ls: that sandbox's secrets (names, hosts, placeholders)")
+    p.add_argument(
+        "--hosts",
+        metavar="H,...",
+        default="",
+        help="set: the hosts the entry's value may go to (a,b,*.c[:port]; a sandbox's secret may narrow them, "
+        "never widen them); required for a new entry, else the entry keeps its own",
+    )
     p.add_argument("--json", action="store_true")
 
 

@@ -26,7 +26,7 @@ def read_value() -> bytes:
 
 
 def secret(a: argparse.Namespace) -> int:
-    """secret set NAME | ls [--sandbox ID] | rm NAME... | rotate SANDBOX NAME | revoke SANDBOX NAME"""
+    """secret set NAME [--hosts H,...] | ls [--sandbox ID] | rm NAME... | rotate SANDBOX NAME | revoke SANDBOX NAME"""
     args = a.args
     want = {"set": 1, "rotate": 2, "revoke": 2}
     if a.action in want and len(args) != want[a.action]:
@@ -35,10 +35,13 @@ def secret(a: argparse.Namespace) -> int:
         raise UsageError("secret rm takes NAME...")
     if a.action == "ls" and args:
         raise UsageError("secret ls takes no names (--sandbox ID: that sandbox's secrets)")
+    if a.hosts and a.action != "set":
+        raise UsageError("--hosts is for secret set")
+    hosts = [h.strip() for h in a.hosts.split(",") if h.strip()]
     value = read_value() if a.action in ("set", "rotate") else b""
     with connect(a) as c:
         if a.action == "set":
-            c.call("SetSecret", {"name": args[0], "value": value})
+            c.call("SetSecret", {"name": args[0], "value": value, "hosts": hosts})
         elif a.action == "rm":
             for name in args:
                 c.call("DeleteSecret", {"name": name})
@@ -52,10 +55,17 @@ def secret(a: argparse.Namespace) -> int:
                 print_json(r["secrets"])
             else:
                 rows = [
-                    (s["name"], s["source"], ",".join(s["hosts"]), s["placeholder"], "yes" if s["removed"] else "")
+                    (
+                        s["name"],
+                        s["source"],
+                        ",".join(s["hosts"]),
+                        s.get("substitute", "headers"),
+                        s["placeholder"],
+                        "yes" if s["removed"] else "",
+                    )
                     for s in r["secrets"]
                 ]
-                print_table(("NAME", "SOURCE", "HOSTS", "PLACEHOLDER", "REVOKED"), rows)
+                print_table(("NAME", "SOURCE", "HOSTS", "SUBSTITUTE", "PLACEHOLDER", "REVOKED"), rows)
         else:
             names = c.call("ListSecrets", {})["names"]
             if a.json:

@@ -35,7 +35,7 @@ from actors.model import (
 )
 from actors.modify import Modification, Plan
 from actors.sandboxes.sandbox import Sandbox
-from actors.secrets.model import SecretRef
+from actors.secrets.model import HEADERS, SecretRef
 from actors.snapshots.snapshot import rfc3339
 from actors.store import SnapshotRecord
 from images.build import Image
@@ -117,7 +117,12 @@ def config(req: W.CreateSandboxRequest) -> SandboxConfig:
         scripts=dict(req.scripts),
         tmpfs=tuple(TmpfsMount(t.target, t.size_mib) for t in req.tmpfs),
         host_mounts=tuple(HostMount(h.source, h.target, h.writable) for h in req.host_mounts),
-        secrets=tuple(SecretRef(s.name, tuple(s.hosts), placeholder=s.placeholder, store=s.store) for s in req.secrets),
+        secrets=tuple(
+            SecretRef(
+                s.name, tuple(s.hosts), placeholder=s.placeholder, store=s.store, substitute=s.substitute or HEADERS
+            )
+            for s in req.secrets
+        ),
     )
 
 

@@ -232,13 +232,16 @@ class HostMount:
 class SecretSpec:
     """A secret of a Create (docs/secrets.md): ``value`` (for ``value:`` and ``env:``
     sources, which the client reads from its own environment) or ``store`` (an entry of
-    the supervisor's store), the hosts it may go to; ``placeholder`` "" = made fresh."""
+    the supervisor's store), the hosts it may go to; ``placeholder`` "" = made fresh;
+    ``substitute`` where the placeholder is replaced: "headers" ("" too) or "all"
+    (the URL and the body as well)."""
 
     name: str
     hosts: list[str] = attrs.field(factory=list)
     value: bytes = b""
     store: str = ""
     placeholder: str = ""
+    substitute: str = ""
 
     def __repr__(self) -> str:  # (never the value: a repr may end up in a log or an error)
         return f"SecretSpec(name={self.name!r}, hosts={self.hosts!r}, store={self.store!r})"
@@ -1007,13 +1010,15 @@ def _why(exc: BaseException) -> str:
 @attrs.frozen
 class SetSecretRequest:
     """An entry of the supervisor's secret store (made or replaced: a rotation of every
-    sandbox whose secret names it)."""
+    sandbox whose secret names it), and the hosts its value may go to (none: the
+    entry's own are kept; a new entry must be given them)."""
 
     name: str
     value: bytes
+    hosts: list[str] = attrs.field(factory=list)
 
     def __repr__(self) -> str:
-        return f"SetSecretRequest(name={self.name!r})"
+        return f"SetSecretRequest(name={self.name!r}, hosts={self.hosts!r})"
 
 
 @attrs.frozen
@@ -1046,6 +1051,7 @@ class SandboxSecretInfo:
     placeholder: str
     source: str  # "value" (the sandbox's own) | "store:NAME"
     removed: bool
+    substitute: str = "headers"  # "headers" | "all"
 
 
 @attrs.frozen

@@ -4,10 +4,12 @@ One TLS listener (in a namespace the test made) with a certificate from a test C
 (``trustme``, made per run) for ``api.test``, ``other.test`` and ``plain.test``; it
 answers every HTTP/1.1 request (h11) and records what it got: the TLS server name
 and ALPN, the method, the target, the headers and the body. ``GET /bytes/N`` answers N
-bytes (the benchmark's download)."""
+bytes (the benchmark's download); ``/echo`` and ``/echo-gz`` (gzip'd, asked or not) answer
+with the Authorization they got, as a hostile allowed host would."""
 
 from __future__ import annotations
 
+import gzip
 import socket
 import ssl
 from typing import Any
@@ -111,6 +113,11 @@ async def _serve(server: HttpsServer, stream: trio.SSLStream[Any]) -> None:
                 while n > 0:
                     await stream.send_all(conn.send(h11.Data(data=block[: min(n, CHUNK)])))
                     n -= CHUNK
+            elif target == "/echo-gz":  # the same, gzip'd whatever the request's Accept-Encoding said
+                packed = gzip.compress(b"you sent: " + headers.get("authorization", "").encode() + b"\n")
+                zipped = [(b"content-length", str(len(packed)).encode()), (b"content-encoding", b"gzip")]
+                await stream.send_all(conn.send(h11.Response(status_code=200, headers=zipped)))
+                await stream.send_all(conn.send(h11.Data(data=packed)))
             elif target == "/echo":  # the request's Authorization, back in a header and the body
                 auth = headers.get("authorization", "").encode()
                 text = b"you sent: " + auth + b"\n"

@@ -105,7 +105,10 @@ def config(gen: int, ca: tuple[bytes, bytes], upstream_ca: bytes, value: bytes, 
     return {
         "t": "config",
         "gen": gen,
-        "secrets": [["TOKEN", [f"api.test:{port}"], PH, value], ["OTHER", ["other.test"], OTHER_PH, b"other-value"]],
+        "secrets": [
+            ["TOKEN", [f"api.test:{port}"], PH, value, "headers"],
+            ["OTHER", ["other.test"], OTHER_PH, b"other-value", "headers"],
+        ],
         "ca": list(ca),
         "upstream_ca": upstream_ca,
     }

@@ -9,9 +9,11 @@ import shutil
 import ssl
 import tempfile
 from collections.abc import Iterator
+from ipaddress import IPv4Address, IPv4Network
 from pathlib import Path
 from typing import Any
 
+import attrs
 import grpc
 import h11
 import pytest
@@ -19,10 +21,12 @@ import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.errors import FailedPrecondition, InvalidArgument
+from actors.errors import FailedPrecondition, InvalidArgument, PermissionDenied
+from actors.net import egress
+from actors.net.ippool import MIN_PREFIX
 from actors.net.secretproxy import Blocked, ProxyView, Scrubber, SecretProxy, _Refused, client_hello_name
 from actors.registry import Registry
-from actors.sandboxes.secrets import upstream_context
+from actors.sandboxes.secrets import check_store_hosts, hosts_in_force, upstream_context
 from actors.secrets import model as S
 from actors.secrets.ca import Minter, new_ca
 from actors.secrets.vault import Vault
@@ -73,6 +77,68 @@ def test_secrets_are_checked() -> None:
     for value in (b"", b"a\nb", b"a\rb", b"a\0b", b"x" * (S.MAX_VALUE_BYTES + 1)):
         with pytest.raises(InvalidArgument):
             S.check_value("A", value)
+
+
+def test_public_suffix_wide_patterns_are_refused() -> None:
+    for wide in ("*.com", "*.co.uk", "*.github.io", "*.test", "*.uk:8443", "*.compute.amazonaws.com"):
+        with pytest.raises(InvalidArgument, match="public suffix"):
+            S.check_pattern(wide)
+        with pytest.raises(InvalidArgument):
+            S.check_secrets([S.SecretRef("A", ("api.example.com", wide))])
+    for fine in ("*.example.com", "*.api.test", "s3.amazonaws.com", "github.io", "api.test:8443", "*.octo.github.io"):
+        S.check_pattern(fine)
+    with pytest.raises(InvalidArgument, match="substitute"):
+        S.check_secrets([S.SecretRef("A", ("api.test",), substitute="body")])
+
+
+def test_a_pattern_covers_only_what_it_matches() -> None:
+    stored = ["api.example.com", "*.example.org", "h.test:8443"]
+    assert (
+        S.within(["api.example.com", "a.example.org", "*.b.example.org", "*.example.org", "h.test:8443"], stored) == []
+    )
+    assert S.within(
+        ["example.org", "api.example.com:8443", "*.example.com", "h.test", "x.api.example.com"], stored
+    ) == [
+        "example.org",
+        "api.example.com:8443",
+        "*.example.com",
+        "h.test",
+        "x.api.example.com",
+    ]
+    assert S.within(["a.test"], []) == ["a.test"]
+
+
+def test_a_store_secret_may_narrow_its_entry_s_hosts_never_widen_them(tmp_path: Path) -> None:
+    vault = Vault(tmp_path, tmp_path / "key")
+    vault.set_named("gh", VALUE, ["api.github.example", "*.uploads.example"])
+    check_store_hosts(vault, S.SecretRef("T", ("api.github.example",), store="gh"))
+    check_store_hosts(vault, S.SecretRef("T", ("x.uploads.example", "*.a.uploads.example"), store="gh"))
+    for wide in (("attacker.example",), ("api.github.example", "uploads.example"), ("api.github.example:8443",)):
+        with pytest.raises(PermissionDenied):
+            check_store_hosts(vault, S.SecretRef("T", wide, store="gh"))
+    vault.set_named("old", VALUE)  # (an entry kept before hosts were: it goes nowhere)
+    with pytest.raises(PermissionDenied, match="no hosts"):
+        check_store_hosts(vault, S.SecretRef("T", ("a.test",), store="old"))
+    # what a running sandbox's proxy gets: only what the entry covers now
+    ref = S.SecretRef("T", ("api.github.example", "x.uploads.example"), store="gh")
+    assert hosts_in_force(vault, ref) == ref.hosts
+    vault.set_named("gh", VALUE, ["x.uploads.example"])  # narrowed later
+    assert hosts_in_force(vault, ref) == ("x.uploads.example",)
+    assert Vault(tmp_path, tmp_path / "key").named_hosts("gh") == ["x.uploads.example"]  # (kept, encrypted)
+    vault.remove_named("gh")
+    assert hosts_in_force(vault, ref) == ()
+
+
+def test_the_secret_mark_is_unique_in_the_largest_pool() -> None:
+    pool = IPv4Network(f"10.0.0.0/{MIN_PREFIX}")
+    a, b = IPv4Address("10.1.0.7"), IPv4Address("10.2.0.7")  # (the same low 16 bits)
+    marks = {egress.secret_mark(x, pool) for x in (a, b, pool.network_address + 1, pool.broadcast_address - 1)}
+    assert len(marks) == 4 and all(m & egress.SECRET_MARK_MASK == egress.SECRET_MARK for m in marks)
+    with pytest.raises(ValueError):
+        egress.secret_mark(IPv4Address("11.0.0.1"), pool)
+    assert egress.secret_rules("svx", a, IPv4Address("10.0.0.1"), 1234, (443,), pool)[-1].endswith(
+        f"{egress.secret_mark(a, pool):#x} : goto sb_svx }}"
+    )
 
 
 def test_placeholders_are_the_name_and_unguessable_and_fresh_for_clones() -> None:
@@ -163,17 +229,20 @@ def request(target: bytes, host: bytes, *more: tuple[bytes, bytes]) -> h11.Reque
 
 
 def test_the_proxy_puts_values_in_for_allowed_hosts_only() -> None:
-    token = S.SecretRef("TOKEN", ("api.test",), placeholder="PH_TOKEN_0123456789abcdef")
-    other = S.SecretRef("OTHER", ("other.test",), placeholder="PH_OTHER_0123456789abcdef")
+    token = S.SecretRef("TOKEN", ("api.test",), placeholder="PH_TOKEN_0123456789abcdef", substitute=S.ALL)
+    other = S.SecretRef("OTHER", ("other.test",), placeholder="PH_OTHER_0123456789abcdef", substitute=S.ALL)
     blocked: list[Blocked] = []
     p = proxy([token, other], {"TOKEN": VALUE, "OTHER": b"other-value"}, blocked)
     req = request(
-        b"/x?k=PH_TOKEN_0123456789abcdef", b"api.test", (b"authorization", b"Bearer PH_TOKEN_0123456789abcdef")
+        b"/x?k=PH_TOKEN_0123456789abcdef",
+        b"api.test",
+        (b"authorization", b"Bearer PH_TOKEN_0123456789abcdef"),
+        (b"accept-encoding", b"gzip"),
     )
-    out, pairs = p._substitute(req, b"a=PH_TOKEN_0123456789abcdef", True, "api.test", 443)
+    out, body = p._substitute(req, b"a=PH_TOKEN_0123456789abcdef", True, "api.test", 443)
     assert out.target == b"/x?k=" + VALUE and (b"authorization", b"Bearer " + VALUE) in out.headers
-    assert (b"content-length", str(len(b"a=" + VALUE)).encode()) in out.headers
-    assert S.substitute(b"a=PH_TOKEN_0123456789abcdef", pairs) == b"a=" + VALUE
+    assert (b"content-length", str(len(b"a=" + VALUE)).encode()) in out.headers and body == b"a=" + VALUE
+    assert [v for k, v in out.headers if k == b"accept-encoding"] == [b"identity"]
     # a placeholder to a host its secret does not allow: 403, the secret named, not its value
     with pytest.raises(_Refused) as refused:
         p._substitute(request(b"/", b"api.test"), b"x=PH_OTHER_0123456789abcdef", True, "api.test", 443)
@@ -183,15 +252,16 @@ def test_the_proxy_puts_values_in_for_allowed_hosts_only() -> None:
         and b"other-value" not in refused.value.text.encode()
     )
     assert blocked == [Blocked("OTHER", "api.test", 443)]
-    # a Host that is not the TLS server name (domain fronting): refused
-    with pytest.raises(_Refused):
-        p._substitute(
-            request(b"/", b"evil.test", (b"authorization", b"PH_TOKEN_0123456789abcdef")), b"", True, "api.test", 443
-        )
     # a removed secret's placeholder goes as it is
     gone = proxy([token], {}, [])
-    out, pairs = gone._substitute(request(b"/PH_TOKEN_0123456789abcdef", b"api.test"), b"", True, "api.test", 443)
-    assert out.target == b"/PH_TOKEN_0123456789abcdef" and pairs == []
+    out, body = gone._substitute(request(b"/PH_TOKEN_0123456789abcdef", b"api.test"), b"", True, "api.test", 443)
+    assert out.target == b"/PH_TOKEN_0123456789abcdef"
+    # substitute="headers" (the default): the target and the body keep the placeholder
+    headers_only = proxy([attrs.evolve(token, substitute=S.HEADERS)], {"TOKEN": VALUE}, [])
+    req = request(b"/?k=PH_TOKEN_0123456789abcdef", b"api.test", (b"x-key", b"PH_TOKEN_0123456789abcdef"))
+    out, body = headers_only._substitute(req, b"PH_TOKEN_0123456789abcdef", True, "api.test", 443)
+    assert out.target == b"/?k=PH_TOKEN_0123456789abcdef" and body == b"PH_TOKEN_0123456789abcdef"
+    assert (b"x-key", VALUE) in out.headers
 
 
 def test_responses_are_scrubbed_even_across_chunks() -> None:
@@ -255,6 +325,13 @@ def test_the_sdk_secret_reads_env_sources_here(monkeypatch: pytest.MonkeyPatch) 
     spec = s.spec()
     assert spec.value == b"v1" and spec.hosts == ["api.test", "*.other.test:8443"] and "v1" not in repr(spec)
     assert Secret.parse("A=store:entry@a.test").spec().store == "entry"
+    assert spec.substitute == "headers"
+    everywhere = Secret.parse("A=value:x;y@z@a.test,b.test;substitute=all")  # (a literal may hold ; and @)
+    assert everywhere.hosts == ("a.test", "b.test") and everywhere.value == "x;y@z"
+    assert everywhere.spec().substitute == "all"
+    for bad_text in ("A=value:x@a.test;substitute=body", "A=value:x@a.test;other=all"):
+        with pytest.raises(ClientInvalidArgument):
+            Secret.parse(bad_text)
     assert "hidden" not in repr(Secret(name="A", value="hidden", hosts="a.test"))
     monkeypatch.delenv("MY_KEY")
     for bad in (s.spec, lambda: Secret.parse("A=api.test"), lambda: Secret(name="A", hosts="a").spec()):
@@ -288,7 +365,13 @@ async def test_the_store_on_both_edges_and_no_value_in_errors(tmp_path: Path, sh
                 ours = sv_grpc.SandvisorServiceStub(channel)
 
                 def over_grpc() -> Any:
-                    ours.SetSecret(sv.SetSecretRequest(name="k1", value=VALUE))
+                    for hosts, why in (([], "--hosts"), (["*.com"], "public suffix")):  # (a new entry needs hosts)
+                        with pytest.raises(grpc.RpcError) as refused:
+                            ours.SetSecret(sv.SetSecretRequest(name="k1", value=VALUE, hosts=hosts))
+                        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                        assert why in str(refused.value.details())
+                    ours.SetSecret(sv.SetSecretRequest(name="k1", value=VALUE, hosts=["api.test"]))
+                    ours.SetSecret(sv.SetSecretRequest(name="k1", value=VALUE))  # (a rotation keeps the hosts)
                     names = ours.ListSecrets(sv.ListSecretsRequest()).names
                     try:
                         ours.Create(
@@ -312,7 +395,8 @@ async def test_the_store_on_both_edges_and_no_value_in_errors(tmp_path: Path, sh
                 assert err2[0] == grpc.StatusCode.NOT_FOUND
                 async with connect(short_dir / "m.sock") as c:
                     assert (await c.call("ListSecrets", {}))["names"] == ["k1"]
-                    await c.call("SetSecret", {"name": "k2", "value": b"v2"})
+                    await c.call("SetSecret", {"name": "k2", "value": b"v2", "hosts": ["*.k2.test"]})
+                    assert vault.named_hosts("k1") == ["api.test"] and vault.named_hosts("k2") == ["*.k2.test"]
                     await c.call("DeleteSecret", {"name": "k1"})
                     assert (await c.call("ListSecrets", {}))["names"] == ["k2"]
                     with pytest.raises(Exception) as bad:

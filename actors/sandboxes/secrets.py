@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from actors.errors import FailedPrecondition, InvalidArgument, NotFound
+from actors.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 from actors.model import Action
 from actors.net import egress
 from actors.net.nft import NftError
@@ -60,6 +60,32 @@ def env(sb: Sandbox) -> dict[str, str]:
     return {**CA_ENV, **{r.name: r.placeholder for r in refs}}
 
 
+def hosts_in_force(vault: Vault, ref: S.SecretRef) -> tuple[str, ...]:
+    """Where ``ref``'s value may go now: its own hosts, and for a ``store:`` secret only
+    those its entry's hosts still cover (``secret set --hosts`` narrowed later applies
+    to running sandboxes from their next request)."""
+    if not ref.store:
+        return ref.hosts
+    stored = vault.named_hosts(ref.store)
+    wide = set(S.within(ref.hosts, stored))
+    return tuple(h for h in ref.hosts if h not in wide)
+
+
+def check_store_hosts(vault: Vault, ref: S.SecretRef) -> None:
+    """A Create's ``store:`` secret may narrow its entry's hosts, never widen them."""
+    stored = vault.named_hosts(ref.store)
+    if not stored:
+        raise PermissionDenied(
+            f"secret {ref.name}: the store entry {ref.store!r} has no hosts yet (secret set {ref.store} --hosts ...)"
+        )
+    wide = S.within(ref.hosts, stored)
+    if wide:
+        raise PermissionDenied(
+            f"secret {ref.name}: {', '.join(wide)} is not within the hosts of the store entry {ref.store!r}"
+            f" ({', '.join(stored)})"
+        )
+
+
 def new_owner(vault: Vault, uid: str, values: dict[str, bytes]) -> None:
     """A new sandbox's values and its own CA, on disk before it starts."""
     vault.put_owner(uid, values, new_ca(uid[:12]))
@@ -87,7 +113,14 @@ class SecretsOfLife:
         if ca is None:
             raise FailedPrecondition(f"sandbox {sb.id}: its CA is missing from the vault")
         secrets = [
-            [r.name, list(r.hosts), r.placeholder, vault.value(sb.record.uid, r.name, r.store)] for r in live_refs(sb)
+            [
+                r.name,
+                list(hosts_in_force(vault, r)),
+                r.placeholder,
+                vault.value(sb.record.uid, r.name, r.store),
+                r.substitute,
+            ]
+            for r in live_refs(sb)
         ]
         return {"secrets": secrets, "ca": list(ca), "upstream_ca": self._upstream_ca}
 
@@ -111,7 +144,7 @@ class SecretsOfLife:
             sb.id,
             listen=hn.gateway,
             guest=address,
-            mark=egress.secret_mark(address),
+            mark=egress.secret_mark(address, hn.pool.network),
             netns=hn.netns,
             config=self.config,
             names=lambda: {r.name for r in sb.config.secrets},
@@ -129,7 +162,7 @@ class SecretsOfLife:
         async with trio.open_nursery() as nursery:
             self.port = await nursery.start(cell.run)
             vault.listeners.append(cell.push)
-            hn.nft.run(egress.secret_rules(link.name, address, hn.gateway, self.port, self.ports))
+            hn.nft.run(egress.secret_rules(link.name, address, hn.gateway, self.port, self.ports, hn.pool.network))
             try:
                 task_status.started()
                 await trio.sleep_forever()
@@ -137,7 +170,7 @@ class SecretsOfLife:
                 vault.listeners.remove(cell.push)
                 if not link.closed:
                     with contextlib.suppress(NftError):
-                        hn.nft.run(egress.secret_removal(link.name, address, self.port, self.ports))
+                        hn.nft.run(egress.secret_removal(link.name, address, self.port, self.ports, hn.pool.network))
                 nursery.cancel_scope.cancel()
 
 
@@ -185,22 +218,28 @@ def upstream_context(extra_ca: str = "") -> ssl.SSLContext:
     return ctx
 
 
-def set_named(settings: Settings, name: str, value: bytes) -> None:
+def set_named(settings: Settings, name: str, value: bytes, hosts: list[str] | None = None) -> None:
     """An entry of the supervisor's store (``secret set``): every sandbox whose secret
-    names it substitutes the new value from its next request on."""
+    names it substitutes the new value from its next request on. ``hosts`` (the hosts
+    it may go to) replace the entry's; none given: it keeps its own (a new entry, or one
+    that has none, must be given them)."""
     vault = _vault(settings)
     if not S.NAME.fullmatch(name):
         raise InvalidArgument(f"secret name {name[:40]!r}: [A-Za-z_][A-Za-z0-9_]*")
     S.check_value(name, value)
-    vault.set_named(name, value)
+    checked = list(S.check_hosts(hosts, f"store entry {name}")) if hosts else None
+    if checked is None and not vault.named_hosts(name):
+        raise InvalidArgument(f"store entry {name}: give the hosts its value may go to (secret set --hosts)")
+    vault.set_named(name, value, checked)
 
 
 def remove_named(settings: Settings, name: str) -> None:
     _vault(settings).remove_named(name)
 
 
-def describe(sb: Sandbox) -> list[tuple[str, list[str], str, str, bool]]:
-    """A sandbox's secrets read back: (name, hosts, placeholder, source, removed); never a value."""
+def describe(sb: Sandbox) -> list[tuple[str, list[str], str, str, bool, str]]:
+    """A sandbox's secrets read back: (name, hosts, placeholder, source, removed,
+    substitute); never a value."""
     v = sb.settings.vault
     return [
         (
@@ -209,6 +248,7 @@ def describe(sb: Sandbox) -> list[tuple[str, list[str], str, str, bool]]:
             r.placeholder,
             f"store:{r.store}" if r.store else "value",
             v is not None and v.removed(sb.record.uid, r.name),
+            r.substitute,
         )
         for r in sb.config.secrets
     ]

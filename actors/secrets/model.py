@@ -8,14 +8,26 @@ placeholder and the hosts it may be sent to. I/O-free; checked here (INVALID_ARG
 
 Hosts: ``api.example.com`` (that name), ``*.example.com`` (its subdomains, not the
 name itself), either with ``:port`` (else 443). Names only: the proxy decides by the
-TLS server name (SNI), and an address is never one.
+TLS server name (SNI), and an address is never one. A wildcard over a public suffix
+(``*.com``, ``*.co.uk``, ``*.github.io``: the Public Suffix List, ICANN and private
+sections, from the ``publicsuffixlist`` package) is refused: it names hosts of
+unrelated owners.
+
+Where a placeholder is replaced: in the request's headers (``substitute="headers"``,
+the default), or in its target and body too (``"all"``): an allowed API that stores
+what it is sent (a gist, an issue) would hand a value put in a body back to anyone.
+
+A ``store:`` secret's hosts are at most its store entry's (``secret set --hosts``):
+:func:`covers` says whether a Create's pattern is within a stored one.
 """
 
 from __future__ import annotations
 
+import functools
 import re
 import secrets as _random
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import attrs
 
@@ -29,6 +41,9 @@ MAX_HOSTS = 64
 MAX_VALUE_BYTES = 64 * 1024
 HTTPS_PORT = 443
 PLACEHOLDER_PREFIX = "SANDVISOR_SECRET_"
+HEADERS = "headers"  # where placeholders are replaced: the request's headers only (the default)
+ALL = "all"  # ... and its target (URL) and body
+SUBSTITUTE = (HEADERS, ALL)
 
 
 @attrs.frozen
@@ -40,6 +55,7 @@ class SecretRef:
     placeholder: str = ""  # "" until the registry makes one (then generated is True)
     store: str = ""  # the supervisor store's entry; "": the sandbox's own value (the vault's)
     generated: bool = False  # the supervisor made the placeholder: a clone gets a fresh one
+    substitute: str = HEADERS  # HEADERS or ALL (where the proxy replaces the placeholder)
 
 
 @attrs.frozen
@@ -71,6 +87,56 @@ def parse_host(text: str) -> HostRule:
     if all(label.isdigit() for label in labels):
         raise InvalidArgument(f"secret host {text!r}: addresses are not names (the proxy matches the TLS server name)")
     return HostRule(name, port)
+
+
+@functools.cache
+def _suffixes() -> Any:
+    """The Public Suffix List (the package's copy; read at the first need, ~0.1 s)."""
+    from publicsuffixlist import PublicSuffixList
+
+    return PublicSuffixList()
+
+
+def check_pattern(text: str) -> HostRule:
+    """A host pattern as a caller gives it: :func:`parse_host`, and no wildcard over a
+    public suffix (ICANN or private: ``*.com``, ``*.co.uk``, ``*.github.io``; an
+    unknown top-level name counts as one, so ``*.test`` too). A single name is allowed
+    even when it is a suffix (``s3.amazonaws.com`` is one host)."""
+    rule = parse_host(text)
+    if rule.name.startswith("*.") and _suffixes().is_public(rule.name[2:]):
+        raise InvalidArgument(
+            f"secret host {text!r}: {rule.name[2:]} is a public suffix (its subdomains belong to unrelated owners)"
+        )
+    return rule
+
+
+def covers(outer: HostRule, inner: HostRule) -> bool:
+    """Is every host:port ``inner`` matches matched by ``outer`` too?"""
+    if outer.port != inner.port:
+        return False
+    if not outer.name.startswith("*."):
+        return inner.name == outer.name
+    tail = outer.name[1:]  # ".example.com"
+    if inner.name.startswith("*."):
+        return inner.name[1:] == tail or inner.name[1:].endswith(tail)
+    return inner.name.endswith(tail) and len(inner.name) > len(tail)
+
+
+def within(hosts: Sequence[str], stored: Sequence[str]) -> list[str]:
+    """The patterns of ``hosts`` no pattern of ``stored`` covers (empty: a narrowing)."""
+    outer = [parse_host(h) for h in stored]
+    return [h for h in hosts if not any(covers(o, parse_host(h)) for o in outer)]
+
+
+def check_hosts(hosts: Sequence[str], what: str) -> tuple[str, ...]:
+    """A list of host patterns as given (a secret's, a store entry's), normalised."""
+    if not hosts or len(hosts) > MAX_HOSTS:
+        raise InvalidArgument(f"{what}: 1 to {MAX_HOSTS} allowed hosts")
+    out = []
+    for h in hosts:
+        r = check_pattern(h)
+        out.append(r.name if r.port == HTTPS_PORT else f"{r.name}:{r.port}")
+    return tuple(out)
 
 
 def rules(ref: SecretRef) -> tuple[HostRule, ...]:
@@ -121,9 +187,11 @@ def check_secrets(refs: Sequence[SecretRef]) -> None:
         if r.name in names:
             raise InvalidArgument(f"secret {r.name} is given twice")
         names.add(r.name)
-        if not r.hosts or len(r.hosts) > MAX_HOSTS:
-            raise InvalidArgument(f"secret {r.name}: 1 to {MAX_HOSTS} allowed hosts")
-        rules(r)
+        check_hosts(r.hosts, f"secret {r.name}")
+        if r.substitute not in SUBSTITUTE:
+            raise InvalidArgument(
+                f"secret {r.name}: substitute is {' or '.join(SUBSTITUTE)}, not {r.substitute[:20]!r}"
+            )
         if r.store and not NAME.fullmatch(r.store):
             raise InvalidArgument(f"secret {r.name}: store entry {r.store[:40]!r} is not a valid name")
         if r.placeholder:

@@ -46,8 +46,11 @@ class State:
 
     def apply(self, msg: dict[str, Any]) -> None:
         refs, values = [], {}
-        for name, hosts, placeholder, value in msg["secrets"]:
-            refs.append(S.SecretRef(str(name), tuple(str(h) for h in hosts), placeholder=str(placeholder)))
+        for name, hosts, placeholder, value, substitute in msg["secrets"]:
+            where = S.ALL if substitute == S.ALL else S.HEADERS
+            refs.append(
+                S.SecretRef(str(name), tuple(str(h) for h in hosts), placeholder=str(placeholder), substitute=where)
+            )
             if value is not None:
                 values[str(name)] = bytes(value)
         ca = (bytes(msg["ca"][0]), bytes(msg["ca"][1]))

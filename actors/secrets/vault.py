@@ -3,7 +3,9 @@
 ``<state>/secrets.vault`` (0600, replaced atomically) holds, encrypted with a key that
 lives *outside* the state dir (``serve --secrets-key``, by default
 /etc/sandvisor/secrets.key for root, ``~/.config/sandvisor/secrets.key`` otherwise;
-made 0600 at first use): the store's named entries (``secret set``), each sandbox's
+made 0600 at first use): the store's named entries (``secret set``) with the hosts
+each may go to (``secret set --hosts``: a Create may narrow them, never widen them;
+an entry without hosts goes nowhere), each sandbox's
 own values (by its uid), the secrets removed from it, and its CA (certificate and
 private key: the guest trusts that CA across a supervisor restart, so the next
 supervisor must mint leaves from the same key). A snapshot's copy is kept by the
@@ -75,6 +77,7 @@ class Vault:
         self.key_path = key_path or default_key_path()
         self._cipher: AESGCM | None = None  # the key is read (or made) at the first need
         self.named: dict[str, bytes] = {}
+        self.hosts: dict[str, list[str]] = {}  # a named entry's allowed host patterns
         self.owners: dict[str, dict[str, Any]] = {}
         # called after every change (the live proxies' ``push``: actors/sandboxes/secrets.py)
         self.listeners: list[Callable[[], None]] = []
@@ -100,10 +103,11 @@ class Vault:
                 f"{self.path} does not decrypt with {self.key_path}: the wrong key (or a damaged file)"
             ) from None
         self.named = dict(data.get("named", {}))
+        self.hosts = {k: list(v) for k, v in data.get("hosts", {}).items()}
         self.owners = dict(data.get("owners", {}))
 
     def _save(self) -> None:
-        plain = msgpack.packb({"named": self.named, "owners": self.owners}, use_bin_type=True)
+        plain = msgpack.packb({"named": self.named, "hosts": self.hosts, "owners": self.owners}, use_bin_type=True)
         nonce = os.urandom(12)
         blob = nonce + self._aead.encrypt(nonce, plain, AAD)
         tmp = self.path.with_name(VAULT_FILE + ".tmp")
@@ -118,14 +122,22 @@ class Vault:
             changed()
 
     # -- the store's named entries -------------------------------------------------------
-    def set_named(self, name: str, value: bytes) -> None:
+    def set_named(self, name: str, value: bytes, hosts: list[str] | None = None) -> None:
+        """An entry's value, and its hosts when given (else it keeps the ones it has)."""
         self.named[name] = value
+        if hosts is not None:
+            self.hosts[name] = list(hosts)
         self._save()
+
+    def named_hosts(self, name: str) -> list[str]:
+        """Where an entry's value may go ([]: nowhere; an entry set before hosts were kept)."""
+        return list(self.hosts.get(name, []))
 
     def remove_named(self, name: str) -> None:
         if name not in self.named:
             raise NotFound(f"no secret {name!r} in the store")
         del self.named[name]
+        self.hosts.pop(name, None)
         self._save()
 
     # -- a sandbox's (or a snapshot's) own ----------------------------------------------

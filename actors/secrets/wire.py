@@ -2,7 +2,8 @@
 docs/secrets.md, "The proxy's cell"). Two socketpairs, both made by the supervisor:
 
 ``control`` (SOCK_STREAM): frames of a 4-byte big-endian length and a msgpack map.
-    down: ``{"t": "config", "gen": N, "secrets": [[name, [hosts], placeholder, value|None]],
+    down: ``{"t": "config", "gen": N, "secrets": [[name, [hosts], placeholder, value|None,
+           "headers"|"all"]],
            "ca": [cert PEM, key PEM], "upstream_ca": PEM}`` at start and after every
            change of the vault (a rotation, a removal, a store entry set)
     up:   ``{"t": "blocked", "secret": NAME, "host": SNI, "port": N}`` (frames of at most

@@ -10,7 +10,7 @@ import builtins
 import contextlib
 import functools
 import os
-from collections.abc import AsyncIterable, Iterable, Mapping
+from collections.abc import AsyncIterable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO, Literal, Unpack
 
@@ -810,10 +810,14 @@ def _bytes(value: str | bytes) -> bytes:
     return value.encode() if isinstance(value, str) else bytes(value)
 
 
-def secret_set(t: Target, name: str, value: str | bytes) -> Plan[None]:
+def secret_set(t: Target, name: str, value: str | bytes, hosts: Sequence[str] | str = ()) -> Plan[None]:
     """An entry of the supervisor's store (made or replaced): every sandbox whose secret
-    names it (``store=NAME``) puts the new value in from its next request on."""
-    yield Unary("SetSecret", W.SetSecretRequest(name, _bytes(value)), W.Empty)
+    names it (``store=NAME``) puts the new value in from its next request on. ``hosts``
+    (``"api.example.com,*.example.org"`` or a list): where its value may go; a sandbox's
+    secret may narrow them, never widen them. None given: the entry keeps its own (a new
+    entry must be given them)."""
+    listed = [h.strip() for h in hosts.split(",")] if isinstance(hosts, str) else builtins.list(hosts)
+    yield Unary("SetSecret", W.SetSecretRequest(name, _bytes(value), listed), W.Empty)
 
 
 def secret_list(t: Target) -> Plan[builtins.list[str]]:

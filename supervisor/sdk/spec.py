@@ -234,8 +234,11 @@ class Secret:
     the value in HTTPS requests to ``hosts`` (``api.example.com``, ``*.example.com``,
     optionally ``:port``) and refuses it anywhere else. Exactly one source: ``value``,
     ``env`` (a variable of *this* process's environment, read when the request is made)
-    or ``store`` (an entry of the supervisor's store: :class:`Secrets`).
-    ``Secret.parse("API_KEY=env:API_KEY@api.example.com,other.example.com")``."""
+    or ``store`` (an entry of the supervisor's store: :class:`Secrets`; its hosts
+    must be within the entry's). ``substitute``: where the placeholder is replaced,
+    ``"headers"`` (the default: the request's headers only) or ``"all"`` (its URL and
+    body too: only for a host that hands nothing it is sent back to others).
+    ``Secret.parse("API_KEY=env:API_KEY@api.example.com,other.example.com;substitute=all")``."""
 
     name: str
     hosts: tuple[str, ...] = attrs.field(converter=_hosts)
@@ -243,18 +246,26 @@ class Secret:
     env: str = ""
     store: str = ""
     placeholder: str = ""  # "": the supervisor makes one (name + 128 random bits)
+    substitute: Literal["headers", "all"] = "headers"
 
     @classmethod
     def parse(cls, text: str) -> Secret:
-        """``NAME=SOURCE@HOST[,HOST...]``, SOURCE ``env:VAR``, ``value:LITERAL`` or ``store:NAME``."""
+        """``NAME=SOURCE@HOST[,HOST...][;substitute=headers|all]``, SOURCE ``env:VAR``,
+        ``value:LITERAL`` or ``store:NAME``."""
+        usage = "a secret is NAME=env:VAR@HOST[,HOST...][;substitute=all] (or value:LITERAL, store:NAME)"
         name, eq, rest = text.partition("=")
-        source, at, hosts = rest.rpartition("@")
+        source, at, tail = rest.rpartition("@")
+        hosts, _, options = tail.partition(";")
         kind, colon, arg = source.partition(":")
         if not eq or not at or not colon or not name or not hosts or kind not in ("env", "value", "store"):
-            raise InvalidArgument(
-                W.INVALID_ARGUMENT, "a secret is NAME=env:VAR@HOST[,HOST...] (or value:LITERAL, store:NAME)"
-            )
-        return cls(name=name, hosts=hosts, **{kind: arg})
+            raise InvalidArgument(W.INVALID_ARGUMENT, usage)
+        substitute = "headers"
+        for option in filter(None, options.split(";")):
+            key, _, val = option.partition("=")
+            if key.strip() != "substitute" or val.strip() not in ("headers", "all"):
+                raise InvalidArgument(W.INVALID_ARGUMENT, f"{usage}: not {option[:40]!r}")
+            substitute = val.strip()
+        return cls(name=name, hosts=hosts, substitute=substitute, **{kind: arg})  # type: ignore[arg-type]
 
     def spec(self) -> W.SecretSpec:
         """The wire's form: an ``env`` source read now, from this process's environment."""
@@ -267,7 +278,7 @@ class Secret:
                 raise InvalidArgument(W.INVALID_ARGUMENT, f"secret {self.name}: ${self.env} is not set here")
             value = os.environ[self.env]
         raw = value.encode() if isinstance(value, str) else bytes(value)
-        return W.SecretSpec(self.name, list(self.hosts), raw, self.store, self.placeholder)
+        return W.SecretSpec(self.name, list(self.hosts), raw, self.store, self.placeholder, self.substitute)
 
 
 def _secrets(v: Sequence[Secret | str] | None) -> tuple[Secret, ...]:

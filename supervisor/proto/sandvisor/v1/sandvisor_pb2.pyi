@@ -978,26 +978,30 @@ class SandboxDetails(_message.Message):
     def __init__(self, base: _Optional[_Union[_sandbox_pb2.SandboxInfo, _Mapping]] = ..., requested: _Optional[_Union[SandboxSettings, _Mapping]] = ..., applied: _Optional[_Union[SandboxSettings, _Mapping]] = ..., updated_at: _Optional[int] = ...) -> None: ...
 
 class SecretSpec(_message.Message):
-    __slots__ = ("name", "hosts", "value", "store", "placeholder")
+    __slots__ = ("name", "hosts", "value", "store", "placeholder", "substitute")
     NAME_FIELD_NUMBER: _ClassVar[int]
     HOSTS_FIELD_NUMBER: _ClassVar[int]
     VALUE_FIELD_NUMBER: _ClassVar[int]
     STORE_FIELD_NUMBER: _ClassVar[int]
     PLACEHOLDER_FIELD_NUMBER: _ClassVar[int]
+    SUBSTITUTE_FIELD_NUMBER: _ClassVar[int]
     name: str
     hosts: _containers.RepeatedScalarFieldContainer[str]
     value: bytes
     store: str
     placeholder: str
-    def __init__(self, name: _Optional[str] = ..., hosts: _Optional[_Iterable[str]] = ..., value: _Optional[bytes] = ..., store: _Optional[str] = ..., placeholder: _Optional[str] = ...) -> None: ...
+    substitute: str
+    def __init__(self, name: _Optional[str] = ..., hosts: _Optional[_Iterable[str]] = ..., value: _Optional[bytes] = ..., store: _Optional[str] = ..., placeholder: _Optional[str] = ..., substitute: _Optional[str] = ...) -> None: ...
 
 class SetSecretRequest(_message.Message):
-    __slots__ = ("name", "value")
+    __slots__ = ("name", "value", "hosts")
     NAME_FIELD_NUMBER: _ClassVar[int]
     VALUE_FIELD_NUMBER: _ClassVar[int]
+    HOSTS_FIELD_NUMBER: _ClassVar[int]
     name: str
     value: bytes
-    def __init__(self, name: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
+    hosts: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., value: _Optional[bytes] = ..., hosts: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ListSecretsRequest(_message.Message):
     __slots__ = ()
@@ -1040,18 +1044,20 @@ class ListSandboxSecretsRequest(_message.Message):
     def __init__(self, id: _Optional[str] = ...) -> None: ...
 
 class SandboxSecretInfo(_message.Message):
-    __slots__ = ("name", "hosts", "placeholder", "source", "removed")
+    __slots__ = ("name", "hosts", "placeholder", "source", "removed", "substitute")
     NAME_FIELD_NUMBER: _ClassVar[int]
     HOSTS_FIELD_NUMBER: _ClassVar[int]
     PLACEHOLDER_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     REMOVED_FIELD_NUMBER: _ClassVar[int]
+    SUBSTITUTE_FIELD_NUMBER: _ClassVar[int]
     name: str
     hosts: _containers.RepeatedScalarFieldContainer[str]
     placeholder: str
     source: str
     removed: bool
-    def __init__(self, name: _Optional[str] = ..., hosts: _Optional[_Iterable[str]] = ..., placeholder: _Optional[str] = ..., source: _Optional[str] = ..., removed: _Optional[bool] = ...) -> None: ...
+    substitute: str
+    def __init__(self, name: _Optional[str] = ..., hosts: _Optional[_Iterable[str]] = ..., placeholder: _Optional[str] = ..., source: _Optional[str] = ..., removed: _Optional[bool] = ..., substitute: _Optional[str] = ...) -> None: ...
 
 class ListSandboxSecretsResponse(_message.Message):
     __slots__ = ("secrets",)
