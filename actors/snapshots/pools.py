@@ -273,9 +273,11 @@ class Pools:
                     self._leaving.remove(m)
                     await host.forget(m)
                 starting = False
-                for members in self.members.values():
+                # (a copy: a discard awaits, and a drain from another task pops a key meanwhile)
+                for members in list(self.members.values()):
                     for m in [m for m in members if m.stopped]:
-                        members.remove(m)
+                        if m in members:  # (a watcher may have taken it out while the last discard awaited)
+                            members.remove(m)
                         await self._discard(m, host)
                     starting = starting or any(m.state == State.STARTING for m in members)
                 if not starting and not self._closing:
