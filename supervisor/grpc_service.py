@@ -259,9 +259,11 @@ def call_principal(call: G.Call[Any, Any], auth: TcpAuth, unix_peers: Mapping[st
         return p
     if kind == "unix":  # a socket with no peer policy: its file mode alone let the caller in
         return Principal.uid(os.geteuid(), admin=True)
-    cns = call.auth.get("x509_common_name")
-    if cns:  # (only a verifying address asks for a certificate: one present was verified)
-        return auth.cert_principal(cns[0].decode(errors="replace"))
+    # (only a verifying address asks for a certificate: one present was verified); its
+    # common name, else its first subject alternative name
+    names = call.auth.get("x509_common_name") or call.auth.get("x509_subject_alternative_name")
+    if names:
+        return auth.cert_principal(names[0].decode(errors="replace"))
     value = call.metadata_value("authorization")
     if value is not None:
         token = auth.bearer(value if isinstance(value, bytes) else value.encode("utf-8", "surrogateescape"))
