@@ -34,7 +34,7 @@ from actors.store import SCHEMA, Store
 from supervisor import grpc_service as S
 from supervisor.errors import SandboxError
 from supervisor.grpc_addresses import TcpAddress, TlsConfig
-from supervisor.grpc_auth import TcpAuth, Token, read_token_file
+from supervisor.grpc_auth import TcpAuth, Token, read_grpc_tokens
 from supervisor.peers import ClientPolicy, Peer
 from supervisor.proto.sandbox.v1 import sandbox_pb2 as pb
 from supervisor.proto.sandvisor.v1 import sandvisor_pb2 as sv
@@ -134,7 +134,7 @@ def test_token_file_lines_name_their_principals(tmp_path: Path) -> None:
     a, b, op = "a" * 40, "b" * 40, "c" * 40
     f.write_text(f"# ci and people\n{a} ci\n{b} ops admin\n\n{op}\n")
     f.chmod(0o600)
-    tokens = read_token_file(f)
+    tokens = read_grpc_tokens(f)
     assert [t.principal for t in tokens] == [
         Principal("token:ci"),
         Principal("token:ops", admin=True),
@@ -145,7 +145,7 @@ def test_token_file_lines_name_their_principals(tmp_path: Path) -> None:
     for text in (f"{a} ci admin extra\n", f"{a} ci root\n", f"{a} ci\n{b} ci\n", f"{a} x\n{a} y\n", "# none\n"):
         f.write_text(text)
         with pytest.raises(ValueError):
-            read_token_file(f)
+            read_grpc_tokens(f)
     assert TcpAuth(admin_cns=frozenset({"ops"})).cert_principal("ci") == Principal("cert:ci")
     assert TcpAuth().cert_principal("ci") == Principal("cert:ci", admin=True)  # no list: the operator's CA
 
