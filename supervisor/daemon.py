@@ -330,9 +330,15 @@ async def _serve(cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Registry,
 
 async def _serve_locked(cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Registry, Server]]) -> None:
     built = _built_helpers(cfg)  # before anything starts: nothing is compiled at start
-    grpc_auth = tcp_auth(cfg.grpc_token_file, cfg.grpc_insecure)  # the token read once, here
+    grpc_auth = tcp_auth(cfg.grpc_token_file, cfg.grpc_insecure, cfg.grpc_admin_cert_cn)  # the token read once, here
     grpc_addrs = addresses(
-        cfg.grpc, cert=cfg.grpc_cert, key=cfg.grpc_key, client_ca=cfg.grpc_client_ca, group=cfg.group, auth=grpc_auth
+        cfg.grpc,
+        cert=cfg.grpc_cert,
+        key=cfg.grpc_key,
+        client_ca=cfg.grpc_client_ca,
+        group=cfg.group,
+        admin_group=cfg.admin_group,
+        auth=grpc_auth,
     )  # before anything starts: a wrong flag fails fast
     metrics_at = check_metrics_listen(cfg.metrics) if cfg.metrics else None
     metrics_key = metrics_token(cfg) if metrics_at is not None else b""
@@ -436,7 +442,9 @@ async def _serve_locked(cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Re
 
             async def run_server(task_status: trio.TaskStatus[Server]) -> None:
                 with server_scope:
-                    await Server(registry, cfg.socket, group=cfg.group).serve(task_status=task_status)
+                    await Server(registry, cfg.socket, group=cfg.group, admin_group=cfg.admin_group).serve(
+                        task_status=task_status
+                    )
 
             server = await nursery.start(run_server)
             member = await nursery.start(_fleet_member(fleet, registry)) if fleet is not None else None

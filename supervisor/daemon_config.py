@@ -172,6 +172,12 @@ class DaemonConfig:
     group: str | None = flag(
         None, name="--group", help="make the socket 0660 for this group (default: owner only, 0600)"
     )
+    admin_group: str | None = flag(  # docs/security.md: principals; --group members see only their own
+        None,
+        name="--admin-group",
+        help="members of this group are admins on the sockets: they see and act on every sandbox, snapshot, "
+        "volume and stored secret (default: root and the supervisor's uid only)",
+    )
     qemu_user: str | None = flag(  # None: sandvisor-qemu or nobody when root; "": run QEMU as ourselves
         None,
         name="--qemu-user",
@@ -323,9 +329,18 @@ class DaemonConfig:
         None,
         name="--grpc-token-file",
         metavar="FILE",
-        help="TCP clients send metadata 'authorization: Bearer TOKEN' with the token in FILE "
-        "(ours, mode 0600; read at start)",
+        help="TCP clients send metadata 'authorization: Bearer TOKEN' with a token in FILE "
+        "(ours, mode 0600; read at start): lines 'TOKEN [LABEL [admin]]', the principal token:LABEL "
+        "(a token without a label is the operator's: an admin)",
         parse=_path,
+    )
+    grpc_admin_cert_cn: tuple[str, ...] = flag(  # docs/security.md: principals
+        (),
+        name="--grpc-admin-cert-cn",
+        kind="repeat",
+        metavar="CN",
+        help="client certificates with this common name are admins; the others are the principal cert:CN "
+        "and see only their own (default: every verified client certificate is an admin); repeatable",
     )
     grpc_insecure: bool = flag(  # TCP on loopback with no client authentication: tests only (a WARNING)
         False,

@@ -29,10 +29,9 @@ def check_token(token: bytes) -> bytes:
     return token
 
 
-def read_token_file(path: Path | str, flag: str = "--grpc-token-file") -> bytes:
-    """The bearer token in ``path``: a regular file of ours, not a symlink, mode 0600 or
-    stricter; its one line (surrounding whitespace dropped). ``flag`` names the option in
-    errors (ValueError)."""
+def read_private(path: Path | str, flag: str, limit: int) -> bytes:
+    """Up to ``limit`` bytes of ``path``: a regular file of ours, not a symlink, mode 0600
+    or stricter (ValueError naming ``flag`` otherwise)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as exc:
@@ -44,7 +43,14 @@ def read_token_file(path: Path | str, flag: str = "--grpc-token-file") -> bytes:
                 f"{flag} {path}: must be a regular file owned by uid {os.geteuid()}, "
                 f"mode 0600 or stricter (it is {stat.filemode(st.st_mode)}, uid {st.st_uid})"
             )
-        token = f.read(MAX_TOKEN + 2).strip()
+        return f.read(limit)
+
+
+def read_token_file(path: Path | str, flag: str = "--grpc-token-file") -> bytes:
+    """The bearer token in ``path``: a regular file of ours, not a symlink, mode 0600 or
+    stricter; its one line (surrounding whitespace dropped). ``flag`` names the option in
+    errors (ValueError)."""
+    token = read_private(path, flag, MAX_TOKEN + 2).strip()
     try:
         return check_token(token)
     except ValueError as exc:

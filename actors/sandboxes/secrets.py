@@ -19,6 +19,7 @@ from actors.model import Action
 from actors.net import egress
 from actors.net.nft import NftError
 from actors.net.secretcell import ProxyCell
+from actors.principals import LEGACY_OWNER
 from actors.secrets import model as S
 from actors.secrets.ca import new_ca
 from actors.secrets.vault import Vault
@@ -218,11 +219,13 @@ def upstream_context(extra_ca: str = "") -> ssl.SSLContext:
     return ctx
 
 
-def set_named(settings: Settings, name: str, value: bytes, hosts: list[str] | None = None) -> None:
-    """An entry of the supervisor's store (``secret set``): every sandbox whose secret
-    names it substitutes the new value from its next request on. ``hosts`` (the hosts
-    it may go to) replace the entry's; none given: it keeps its own (a new entry, or one
-    that has none, must be given them)."""
+def set_named(
+    settings: Settings, name: str, value: bytes, hosts: list[str] | None = None, owner: str = LEGACY_OWNER
+) -> None:
+    """An entry of the supervisor's store (``secret set``) of ``owner``: every sandbox
+    whose secret names it substitutes the new value from its next request on. ``hosts``
+    (the hosts it may go to) replace the entry's; none given: it keeps its own (a new
+    entry, or one that has none, must be given them)."""
     vault = _vault(settings)
     if not S.NAME.fullmatch(name):
         raise InvalidArgument(f"secret name {name[:40]!r}: [A-Za-z_][A-Za-z0-9_]*")
@@ -230,7 +233,7 @@ def set_named(settings: Settings, name: str, value: bytes, hosts: list[str] | No
     checked = list(S.check_hosts(hosts, f"store entry {name}")) if hosts else None
     if checked is None and not vault.named_hosts(name):
         raise InvalidArgument(f"store entry {name}: give the hosts its value may go to (secret set --hosts)")
-    vault.set_named(name, value, checked)
+    vault.set_named(name, value, checked, owner)
 
 
 def remove_named(settings: Settings, name: str) -> None:

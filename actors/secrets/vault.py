@@ -29,6 +29,7 @@ import msgpack
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from actors.errors import FailedPrecondition, NotFound
+from actors.principals import LEGACY_OWNER
 
 AAD = b"sandvisor-secrets-v1"
 VAULT_FILE = "secrets.vault"
@@ -78,6 +79,7 @@ class Vault:
         self._cipher: AESGCM | None = None  # the key is read (or made) at the first need
         self.named: dict[str, bytes] = {}
         self.hosts: dict[str, list[str]] = {}  # a named entry's allowed host patterns
+        self.named_owners: dict[str, str] = {}  # a named entry's owner (absent: LEGACY_OWNER's)
         self.owners: dict[str, dict[str, Any]] = {}
         # called after every change (the live proxies' ``push``: actors/sandboxes/secrets.py)
         self.listeners: list[Callable[[], None]] = []
@@ -105,9 +107,13 @@ class Vault:
         self.named = dict(data.get("named", {}))
         self.hosts = {k: list(v) for k, v in data.get("hosts", {}).items()}
         self.owners = dict(data.get("owners", {}))
+        self.named_owners = dict(data.get("named_owners", {}))
 
     def _save(self) -> None:
-        plain = msgpack.packb({"named": self.named, "hosts": self.hosts, "owners": self.owners}, use_bin_type=True)
+        plain = msgpack.packb(
+            {"named": self.named, "hosts": self.hosts, "owners": self.owners, "named_owners": self.named_owners},
+            use_bin_type=True,
+        )
         nonce = os.urandom(12)
         blob = nonce + self._aead.encrypt(nonce, plain, AAD)
         tmp = self.path.with_name(VAULT_FILE + ".tmp")
@@ -122,22 +128,27 @@ class Vault:
             changed()
 
     # -- the store's named entries -------------------------------------------------------
-    def set_named(self, name: str, value: bytes, hosts: list[str] | None = None) -> None:
-        """An entry's value, and its hosts when given (else it keeps the ones it has)."""
+    def set_named(self, name: str, value: bytes, hosts: list[str] | None = None, owner: str = LEGACY_OWNER) -> None:
+        """An entry's value and owner, and its hosts when given (else it keeps the ones it has)."""
         self.named[name] = value
         if hosts is not None:
             self.hosts[name] = list(hosts)
+        self.named_owners[name] = owner
         self._save()
 
     def named_hosts(self, name: str) -> list[str]:
         """Where an entry's value may go ([]: nowhere; an entry set before hosts were kept)."""
         return list(self.hosts.get(name, []))
 
+    def named_owner(self, name: str) -> str:
+        return self.named_owners.get(name, LEGACY_OWNER)
+
     def remove_named(self, name: str) -> None:
         if name not in self.named:
             raise NotFound(f"no secret {name!r} in the store")
         del self.named[name]
         self.hosts.pop(name, None)
+        self.named_owners.pop(name, None)
         self._save()
 
     # -- a sandbox's (or a snapshot's) own ----------------------------------------------
