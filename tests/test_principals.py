@@ -180,7 +180,7 @@ def test_records_stored_before_owners_belong_to_uid_0(tmp_path: Path) -> None:
     vault = Vault(tmp_path, tmp_path / "key")
     vault.named["old"] = b"v"  # as a vault written before owners: no named_owners
     assert vault.named_owner("old") == LEGACY_OWNER
-    vault.set_named("new", b"v", "uid:1000")
+    vault.set_named("new", b"v", owner="uid:1000")
     assert Vault(tmp_path, tmp_path / "key").named_owner("new") == "uid:1000"
 
 

@@ -233,7 +233,7 @@ def set_named(
     checked = list(S.check_hosts(hosts, f"store entry {name}")) if hosts else None
     if checked is None and not vault.named_hosts(name):
         raise InvalidArgument(f"store entry {name}: give the hosts its value may go to (secret set --hosts)")
-    vault.set_named(name, value, checked, owner)
+    vault.set_named(name, value, checked, owner=owner)
 
 
 def remove_named(settings: Settings, name: str) -> None:

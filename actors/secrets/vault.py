@@ -128,7 +128,7 @@ class Vault:
             changed()
 
     # -- the store's named entries -------------------------------------------------------
-    def set_named(self, name: str, value: bytes, hosts: list[str] | None = None, owner: str = LEGACY_OWNER) -> None:
+    def set_named(self, name: str, value: bytes, hosts: list[str] | None = None, *, owner: str = LEGACY_OWNER) -> None:
         """An entry's value and owner, and its hosts when given (else it keeps the ones it has)."""
         self.named[name] = value
         if hosts is not None:
