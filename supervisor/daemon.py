@@ -320,7 +320,13 @@ async def _serve_locked(cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Re
     built = _built_helpers(cfg)  # before anything starts: nothing is compiled at start
     grpc_auth = tcp_auth(cfg.grpc_token_file, cfg.grpc_insecure)  # the token read once, here
     grpc_addrs = addresses(
-        cfg.grpc, cert=cfg.grpc_cert, key=cfg.grpc_key, client_ca=cfg.grpc_client_ca, group=cfg.group, auth=grpc_auth
+        cfg.grpc,
+        cert=cfg.grpc_cert,
+        key=cfg.grpc_key,
+        client_ca=cfg.grpc_client_ca,
+        group=cfg.group,
+        admin_group=cfg.admin_group,
+        auth=grpc_auth,
     )  # before anything starts: a wrong flag fails fast
     metrics_at = parse_listen(cfg.metrics) if cfg.metrics else None
     e2b_at = parse_listen(cfg.e2b) if cfg.e2b else None
@@ -423,7 +429,9 @@ async def _serve_locked(cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Re
 
             async def run_server(task_status: trio.TaskStatus[Server]) -> None:
                 with server_scope:
-                    await Server(registry, cfg.socket, group=cfg.group).serve(task_status=task_status)
+                    await Server(registry, cfg.socket, group=cfg.group, admin_group=cfg.admin_group).serve(
+                        task_status=task_status
+                    )
 
             server = await nursery.start(run_server)
             member = await nursery.start(_fleet_member(fleet, registry)) if fleet is not None else None

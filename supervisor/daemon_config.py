@@ -172,6 +172,12 @@ class DaemonConfig:
     group: str | None = flag(
         None, name="--group", help="make the socket 0660 for this group (default: owner only, 0600)"
     )
+    admin_group: str | None = flag(  # docs/security.md: principals; --group members see only their own
+        None,
+        name="--admin-group",
+        help="members of this group are admins on the sockets: they see and act on every sandbox, snapshot, "
+        "volume and stored secret (default: root and the supervisor's uid only)",
+    )
     qemu_user: str | None = flag(  # None: sandvisor-qemu or nobody when root; "": run QEMU as ourselves
         None,
         name="--qemu-user",

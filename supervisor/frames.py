@@ -203,7 +203,14 @@ class BlockingConnection:
         self._queues: dict[int, deque[dict[str, Any]]] = {}  # the open calls' unread envelopes
 
     @classmethod
-    def open(cls, path: str | os.PathLike[str] | None = None, client: str = "sandvisor-cli") -> BlockingConnection:
+    def open(
+        cls,
+        path: str | os.PathLike[str] | None = None,
+        client: str = "sandvisor-cli",
+        *,
+        act_as: str = "",
+        act_as_admin: bool = False,
+    ) -> BlockingConnection:
         if path is None:
             from supervisor.config import UnsafeRuntimeDir, check_runtime_dir, default_socket
 
@@ -221,7 +228,10 @@ class BlockingConnection:
             raise error_for(UNAVAILABLE, f"cannot reach the supervisor at {sock_path}: {exc.strerror}") from None
         conn = cls(sock)
         try:
-            conn.send({"t": HELLO, "version": PROTOCOL_VERSION, "client": client})
+            hello: dict[str, Any] = {"t": HELLO, "version": PROTOCOL_VERSION, "client": client}
+            if act_as or act_as_admin:
+                hello.update(act_as=act_as, act_as_admin=act_as_admin)
+            conn.send(hello)
         except OSError:
             conn.close()
             raise error_for(UNAVAILABLE, "connection to the supervisor lost") from None

@@ -354,6 +354,7 @@ def addresses(
     key: Path | None = None,
     client_ca: Path | None = None,
     group: str | None = None,
+    admin_group: str | None = None,
     auth: TcpAuth | None = None,
 ) -> list[Address]:
     """``serve --grpc`` addresses: Unix sockets get ``group`` and the peer-credential policy
@@ -370,6 +371,10 @@ def addresses(
         policy = ServePolicy(ClientPolicy.for_serve(group))
     except KeyError:
         raise ValueError(f"--group {group!r}: no such group") from None
+    try:
+        policy = ServePolicy(ClientPolicy.for_serve(group, admin_group))
+    except KeyError:
+        raise ValueError(f"--admin-group {admin_group!r}: no such group") from None
     out = [parse_address(s, tls=tls, group=group) for s in specs]
     out = [attrs.evolve(a, policy=policy) if isinstance(a, UnixAddress) else a for a in out]
     if tls is not None and not any(isinstance(a, TcpAddress) for a in out):

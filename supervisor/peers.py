@@ -10,6 +10,11 @@ the second, and it does not depend on file permissions someone may have loosened
 
 Served: root, the supervisor's own uid, and members of the ``--group`` group
 (primary or supplementary, as the kernel saw them at connect time: no /proc race).
+
+Each served peer is the principal ``uid:N`` (:meth:`ClientPolicy.principal`); an admin
+(sees and acts on every sandbox, snapshot, volume and stored secret) when it is root,
+the supervisor's own uid, or a member of ``serve --admin-group``. ``--group`` members
+are served but see only what they own (docs/security.md).
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import socket
 import struct
 
 import attrs
+
+from actors.principals import Principal
 
 SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux 4.13; Python has no name for it
 
@@ -48,16 +55,29 @@ class ClientPolicy:
     owner: int  # the supervisor's effective uid
     group: int | None = None  # the gid of ``serve --group``
     group_name: str = ""
+    admin_group: int | None = None  # the gid of ``serve --admin-group``: its members are admins
 
     @classmethod
-    def for_serve(cls, group: str | None) -> ClientPolicy:
+    def for_serve(cls, group: str | None, admin_group: str | None = None) -> ClientPolicy:
+        """KeyError for a group that does not exist."""
+        admins = grp.getgrnam(admin_group).gr_gid if admin_group else None
         if not group:
-            return cls(os.geteuid())
-        return cls(os.geteuid(), grp.getgrnam(group).gr_gid, group)
+            return cls(os.geteuid(), admin_group=admins)
+        return cls(os.geteuid(), grp.getgrnam(group).gr_gid, group, admins)
+
+    def is_admin(self, peer: Peer) -> bool:
+        if peer.uid in (0, self.owner):
+            return True
+        g = self.admin_group
+        return g is not None and (peer.gid == g or g in peer.groups)
+
+    def principal(self, peer: Peer) -> Principal:
+        """The principal of a served peer: ``uid:N``, an admin or not."""
+        return Principal.uid(peer.uid, admin=self.is_admin(peer))
 
     def refusal(self, peer: Peer) -> str | None:
         """None when ``peer`` is served, else why not (for the client to read)."""
-        if peer.uid in (0, self.owner):
+        if self.is_admin(peer):
             return None
         if self.group is not None and (peer.gid == self.group or self.group in peer.groups):
             return None

@@ -77,6 +77,10 @@ T = TypeVar("T")
 class ClientHello:
     version: int
     client: str = ""
+    # acting for another principal (docs/security.md): honoured from an admin peer only;
+    # from anyone else the hello fails PERMISSION_DENIED
+    act_as: str = ""
+    act_as_admin: bool = False
 
 
 @attrs.frozen

@@ -27,6 +27,7 @@ import trio
 
 from actors._groups import collapse_single
 from actors.errors import DomainError, InvalidArgument
+from actors.principals import Principal, check_name
 from actors.registry import Registry
 from supervisor import mapping as M
 from supervisor import protocol as W
@@ -52,6 +53,12 @@ class CallCtx:
     scope: trio.CancelScope = attrs.field(factory=trio.CancelScope)
     inputs: type | None = None  # the class ``Send`` bodies structure into
 
+    @property
+    def principal(self) -> Principal:
+        """Who asks (the connection's, fixed at hello)."""
+        assert self.conn.principal is not None
+        return self.conn.principal
+
     async def send(self, message: Any) -> None:
         await self.conn.send(W.Item(self.id, W.unstructure_body(message)))
 
@@ -72,6 +79,7 @@ class Connection:
         self.name = name
         self.peer = peer
         self.calls: dict[int, CallCtx] = {}
+        self.principal: Principal | None = None  # set by a hello that was accepted
 
     async def send(self, msg: W.Envelope) -> None:
         await self.frames.send(msg)
@@ -91,6 +99,9 @@ class Connection:
                 )
                 return
             why = "peer credentials unavailable" if self.peer is None else self.server.policy.refusal(self.peer)
+            if why is None:
+                assert self.peer is not None
+                self.principal, why = self._principal(self.server.policy.principal(self.peer), hello)
             if why is not None:
                 log.warning("%s: refused: %s", self.name, why)
                 await self._fail_and_close(0, W.PERMISSION_DENIED, why)
@@ -110,6 +121,21 @@ class Connection:
             pass
         finally:
             await self.frames.aclose()
+
+    def _principal(self, peer: Principal, hello: W.ClientHello) -> tuple[Principal | None, str | None]:
+        """The connection's principal: the peer's, or the one an admin peer acts for
+        (``act_as``); else (None, why not)."""
+        if not hello.act_as:
+            if hello.act_as_admin:
+                return None, "act_as_admin needs act_as"
+            return peer, None
+        if not peer.admin:
+            return None, f"{peer.name} may not act for another principal: only admins may"
+        bad = check_name(hello.act_as)
+        if bad is not None:
+            return None, f"act_as: {bad}"
+        log.info("%s: %s acts as %s%s", self.name, peer.name, hello.act_as, " (admin)" if hello.act_as_admin else "")
+        return Principal(hello.act_as, hello.act_as_admin), None
 
     async def _fail_and_close(self, id: int, code: str, message: str) -> None:
         try:
@@ -186,11 +212,13 @@ class Connection:
 
 
 class Server:
-    def __init__(self, registry: Registry, socket_path: Path, *, group: str | None = None) -> None:
+    def __init__(
+        self, registry: Registry, socket_path: Path, *, group: str | None = None, admin_group: str | None = None
+    ) -> None:
         self.registry = registry
         self.socket_path = socket_path
         self.group = group
-        self.policy = ClientPolicy.for_serve(group)
+        self.policy = ClientPolicy.for_serve(group, admin_group)
         self.connections = 0
 
     async def serve(self, task_status: trio.TaskStatus[Server] = trio.TASK_STATUS_IGNORED) -> None:

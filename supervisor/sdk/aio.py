@@ -30,6 +30,7 @@ from supervisor.errors import SandboxError, collapse_single, error_for
 from supervisor.frames import FramedStream
 from supervisor.protocol import ApiError
 from supervisor.sdk import plans
+from supervisor.sdk.acting import hello_fields
 from supervisor.sdk.ops import (
     TIMED_OUT,
     AsyncDriven,
@@ -114,17 +115,19 @@ class AsyncConnection:
     A reader task (started by :func:`connect`) routes each incoming envelope to its
     call's channel; any task may open calls."""
 
-    def __init__(self, stream: trio.SocketStream) -> None:
+    def __init__(self, stream: trio.SocketStream, *, act_as: str = "", act_as_admin: bool = False) -> None:
         self.frames = FramedStream(stream)
         self.calls: dict[int, CallStream] = {}
         self.next_id = 1
         self.closed = False
+        self.act_as = act_as
+        self.act_as_admin = act_as_admin
 
     async def _send(self, msg: W.Envelope) -> None:
         await self.frames.send(msg)
 
     async def _hello(self) -> None:
-        await self._send(W.ClientHello(W.PROTOCOL_VERSION, "sandvisor-client"))
+        await self._send(W.ClientHello(W.PROTOCOL_VERSION, "sandvisor-client", self.act_as, self.act_as_admin))
         msg = await self.frames.receive()
         if isinstance(msg, W.Fail):
             raise error_for(msg.code, msg.message)
@@ -184,7 +187,13 @@ class AsyncConnection:
 
 
 @asynccontextmanager
-async def connect(path: Path | str | None = None) -> AsyncIterator[AsyncConnection]:
+async def connect(
+    path: Path | str | None = None, *, act_as: str = "", act_as_admin: bool = False
+) -> AsyncIterator[AsyncConnection]:
+    """A connection to the supervisor at ``path`` (None: the default socket). ``act_as``:
+    an admin's connection acting for that principal (docs/security.md); without it, the
+    context's (:func:`supervisor.sdk.acting.acting_as`), else the caller's own uid."""
+    act_as, act_as_admin = hello_fields(act_as, act_as_admin)
     default = default_socket()
     path = default if path is None else Path(path)
     if path == default:
@@ -197,7 +206,7 @@ async def connect(path: Path | str | None = None) -> AsyncIterator[AsyncConnecti
         stream = await trio.open_unix_socket(sock_path)
     except OSError as exc:
         raise error_for(W.UNAVAILABLE, f"cannot reach the supervisor at {sock_path}: {exc.strerror}") from None
-    conn = AsyncConnection(stream)
+    conn = AsyncConnection(stream, act_as=act_as, act_as_admin=act_as_admin)
     with collapse_single():
         async with stream, trio.open_nursery() as nursery:
             await conn._hello()

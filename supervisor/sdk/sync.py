@@ -22,6 +22,7 @@ from supervisor.config import UnsafeRuntimeDir, check_runtime_dir, default_socke
 from supervisor.errors import SandboxError, error_for
 from supervisor.frames import FAIL, ITEM, REPLY, BlockingConnection
 from supervisor.sdk import plans
+from supervisor.sdk.acting import hello_fields
 from supervisor.sdk.ops import (
     TIMED_OUT,
     Blocking,
@@ -52,9 +53,12 @@ R = TypeVar("R")
 H = TypeVar("H", bound="Sandbox")
 
 
-def open_connection(socket: str | Path | None) -> BlockingConnection:
+def open_connection(socket: str | Path | None, *, act_as: str = "", act_as_admin: bool = False) -> BlockingConnection:
     """A connection to the supervisor at ``socket`` (None: the default one, whose
-    runtime directory must be safe, as :func:`supervisor.sdk.aio.connect` checks)."""
+    runtime directory must be safe, as :func:`supervisor.sdk.aio.connect` checks).
+    ``act_as``: an admin's connection acting for that principal; without it, the
+    context's (:func:`supervisor.sdk.acting.acting_as`)."""
+    act_as, act_as_admin = hello_fields(act_as, act_as_admin)
     default = default_socket()
     path = default if socket is None else Path(socket)
     if path == default:
@@ -62,7 +66,7 @@ def open_connection(socket: str | Path | None) -> BlockingConnection:
             check_runtime_dir(path)
         except UnsafeRuntimeDir as exc:
             raise error_for(W.FAILED_PRECONDITION, str(exc)) from None
-    return BlockingConnection.open(path, client="sandvisor-client")
+    return BlockingConnection.open(path, client="sandvisor-client", act_as=act_as, act_as_admin=act_as_admin)
 
 
 class Call:
