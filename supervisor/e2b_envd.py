@@ -153,20 +153,21 @@ class Processes:
         end: dict[str, Any] = {"exitCode": -1, "exited": False, "status": "killed"}
         sb = proc.target.handle()
         try:
-            async with sb.exec(argv, env=how["env"], workdir=how["workdir"], user=how["user"]) as execd:
-                proc.execd = execd
-                self.table[key] = proc
-                proc.publish({"start": {"pid": proc.pid}})
-                task_status.started()
-                if not stdin:
-                    await execd.close_stdin()
-                with proc.scope:
-                    async for o in execd:
-                        if o.stream == "exit":
-                            code = o.exit_code if o.exit_code is not None else -1
-                            end = {"exitCode": code, "exited": True, "status": f"exit status {code}"}
-                        elif o.data:
-                            proc.publish({"data": {o.stream: base64.b64encode(o.data).decode()}})
+            with proc.target.client.acting():  # (the key's, whichever task runs this)
+                async with sb.exec(argv, env=how["env"], workdir=how["workdir"], user=how["user"]) as execd:
+                    proc.execd = execd
+                    self.table[key] = proc
+                    proc.publish({"start": {"pid": proc.pid}})
+                    task_status.started()
+                    if not stdin:
+                        await execd.close_stdin()
+                    with proc.scope:
+                        async for o in execd:
+                            if o.stream == "exit":
+                                code = o.exit_code if o.exit_code is not None else -1
+                                end = {"exitCode": code, "exited": True, "status": f"exit status {code}"}
+                            elif o.data:
+                                proc.publish({"data": {o.stream: base64.b64encode(o.data).decode()}})
         except E.SandboxError as exc:
             if proc.execd is None:  # not started: the caller's error
                 raise rpc_error(exc) from None

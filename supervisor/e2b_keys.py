@@ -21,18 +21,20 @@ open nothing, a later sandbox given the same id included (another uid).
 
 from __future__ import annotations
 
+import builtins
 import hashlib
 import hmac
-import builtins
 import re
 import secrets
-from contextlib import AbstractAsyncContextManager
+from collections.abc import Iterator
+from contextlib import AbstractAsyncContextManager, contextmanager
 from pathlib import Path
 from typing import Any
 
 import attrs
 
 from supervisor import protocol as W
+from supervisor.sdk.acting import acting_as
 from supervisor.sdk.aio import AsyncConnection, AsyncSandbox, connect
 
 LABEL = re.compile(r"[A-Za-z0-9_@-]{1,64}")
@@ -137,25 +139,38 @@ class Tokens:
 @attrs.frozen
 class Client:
     """The supervisor as one key sees it: every connection to the socket acts as the
-    key's principal (``act_as``), so the domain's ownership rules apply to it."""
+    key's principal (the hello's ``act_as``; the endpoint runs inside serve, an admin
+    peer), so the domain's ownership rules apply to it. The SDK's classes open a
+    connection per operation and take the principal from the context: a handle of
+    :meth:`sandbox` is used inside :meth:`acting` (the endpoint enters it for each
+    request and each held process)."""
 
     socket: str
     key: Key
 
+    @contextmanager
+    def acting(self) -> Iterator[None]:
+        with acting_as(self.key.principal, admin=self.key.admin):
+            yield
+
     def connect(self) -> AbstractAsyncContextManager[AsyncConnection]:
-        return connect(self.socket)
+        return connect(self.socket, act_as=self.key.principal, act_as_admin=self.key.admin)
 
     def sandbox(self, sid: str) -> AsyncSandbox:
         return AsyncSandbox(sid, socket=self.socket)
 
     async def create(self, **kw: Any) -> AsyncSandbox:
-        return await AsyncSandbox.create(socket=self.socket, **kw)
+        with self.acting():
+            return await AsyncSandbox.create(socket=self.socket, **kw)
 
     async def restore(self, snapshot: str, **kw: Any) -> AsyncSandbox:
-        return await AsyncSandbox.restore(snapshot, socket=self.socket, **kw)
+        with self.acting():
+            return await AsyncSandbox.restore(snapshot, socket=self.socket, **kw)
 
     async def list(self, **kw: Any) -> Any:
-        return await AsyncSandbox.list(socket=self.socket, **kw)
+        with self.acting():
+            return await AsyncSandbox.list(socket=self.socket, **kw)
 
     async def snapshots(self) -> builtins.list[W.SnapshotSummary]:
-        return builtins.list(await AsyncSandbox.snapshots(socket=self.socket))
+        with self.acting():
+            return builtins.list(await AsyncSandbox.snapshots(socket=self.socket))

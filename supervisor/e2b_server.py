@@ -144,7 +144,9 @@ class E2BApp:
                 if found is None:
                     raise HttpError(401, "invalid or missing access token")
                 key, uid = found, ""
-            await self._envd(ex, Client(self.socket, key), sandbox, uid)
+            client = Client(self.socket, key)
+            with client.acting():
+                await self._envd(ex, client, sandbox, uid)
             return
         found = find_key(self.keys, ex.headers.get("x-api-key"))
         if found is None:
@@ -153,7 +155,8 @@ class E2BApp:
         for method, pattern, name in _ROUTES:
             m = pattern.match(ex.path)
             if m and ex.method == method:
-                await getattr(self, name)(ex, client, *m.groups())
+                with client.acting():
+                    await getattr(self, name)(ex, client, *m.groups())
                 return
         raise HttpError(404, f"no route {ex.method} {ex.path}")
 
