@@ -2,7 +2,8 @@
 
 Each subscriber has a bounded buffer; one that falls behind by more than that is
 told it lagged (:class:`Lagged` at its next receive) and dropped. Subscribers filter
-by sandbox id and action.
+by sandbox id and action, and see only the events of sandboxes their principal may
+see (``viewer``: actors/principals.py).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import attrs
 import trio
 
 from actors.model import Action, SandboxEvent
+from actors.principals import LEGACY_OWNER, Principal
 
 
 class Lagged(Exception):
@@ -26,6 +28,7 @@ class Subscription:
     send: trio.MemorySendChannel[SandboxEvent]
     receive: trio.MemoryReceiveChannel[SandboxEvent]
     lagged: bool = False
+    viewer: Principal | None = None  # None: every event
 
     def __aiter__(self) -> Subscription:
         return self
@@ -44,9 +47,9 @@ class EventBus:
         self.buffer = buffer
         self.subs: list[Subscription] = []
 
-    def subscribe(self, id: str = "", action: str = "") -> Subscription:
+    def subscribe(self, id: str = "", action: str = "", viewer: Principal | None = None) -> Subscription:
         send, receive = trio.open_memory_channel[SandboxEvent](self.buffer)
-        sub = Subscription(id, action, send, receive)
+        sub = Subscription(id, action, send, receive, viewer=viewer)
         self.subs.append(sub)
         return sub
 
@@ -59,6 +62,8 @@ class EventBus:
         for sub in list(self.subs):
             if (sub.id and sub.id != ev.sandbox_id) or (sub.action and sub.action != ev.action):
                 continue
+            if sub.viewer is not None and not sub.viewer.may_see(ev.owner):
+                continue
             try:
                 sub.send.send_nowait(ev)
             except trio.WouldBlock:
@@ -67,5 +72,7 @@ class EventBus:
             except trio.ClosedResourceError:
                 self.unsubscribe(sub)
 
-    def emit(self, sandbox_id: str, action: Action, attributes: dict[str, str] | None = None) -> None:
-        self.publish(SandboxEvent(sandbox_id, action, time.time_ns(), dict(attributes or {})))
+    def emit(
+        self, sandbox_id: str, action: Action, attributes: dict[str, str] | None = None, owner: str = LEGACY_OWNER
+    ) -> None:
+        self.publish(SandboxEvent(sandbox_id, action, time.time_ns(), dict(attributes or {}), owner))

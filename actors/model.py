@@ -20,6 +20,7 @@ from cattrs.preconf.msgpack import make_converter
 
 from actors.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from actors.net.egress import EgressPolicy, PolicyError
+from actors.principals import LEGACY_OWNER
 from actors.secrets.model import SecretRef, check_secrets, with_placeholders
 from guestd import patch
 
@@ -85,6 +86,7 @@ class SandboxEvent:
     action: Action
     timestamp: int  # unix ns
     attributes: dict[str, str] = attrs.field(factory=dict)
+    owner: str = LEGACY_OWNER  # the sandbox's owner: who may see the event (actors/principals.py)
 
 
 @attrs.frozen
@@ -316,6 +318,7 @@ class VolumeRecord:
     # how many lives have mounted it read-write: a snapshot records it, and Restore
     # refuses when another sandbox may have written the volume since
     generation: int = 0
+    owner: str = LEGACY_OWNER  # the principal that made it (actors/principals.py)
 
 
 @attrs.frozen

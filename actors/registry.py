@@ -75,6 +75,7 @@ from actors.model import (
 from actors.modify import check_disk_size, check_machine
 from actors.net.ippool import link_name
 from actors.net.netlink import check_network_available, needs_pool_address
+from actors.principals import LEGACY_OWNER, Principal
 from actors.quotas import Admission, Quotas, check_sandbox_disk
 from actors.sandboxes.files import SandboxFiles
 from actors.sandboxes.sandbox import Adopt, Boot, Plan, Resume, Sandbox
@@ -319,9 +320,10 @@ class Registry:
         hidden: bool = False,
         origin: str = "",
         image: ImageUse | None = None,
+        owner: str = LEGACY_OWNER,
     ) -> Sandbox:
         """A sandbox actor with a fresh record (not stored or registered yet). Hidden:
-        a warm pool member, with an id no caller can use."""
+        a warm pool member, with an id no caller can use (its owner is whoever takes it)."""
         uid = str(uuid.uuid4())
         rec = Record(
             uid=uid,
@@ -333,6 +335,7 @@ class Registry:
             ports=list(config.ports),
             origin=origin,
             image=image,
+            owner=owner,
         )
         return self._sandbox(rec)
 
@@ -419,10 +422,17 @@ class Registry:
         return 0 if ttl == 0 else sb.record.created_at + ttl
 
     def list(
-        self, *, state: State | None = None, labels: dict[str, str] | None = None, limit: int = 20, cursor: str = ""
+        self,
+        *,
+        state: State | None = None,
+        labels: dict[str, str] | None = None,
+        limit: int = 20,
+        cursor: str = "",
+        viewer: Principal | None = None,
     ) -> tuple[builtins.list[Sandbox], str]:
-        """Newest first, filtered by state and labels (all must match); a page of
-        ``limit`` and the cursor of the next page ("" on the last)."""
+        """Newest first, filtered by state and labels (all must match) and what ``viewer``
+        may see (None: all); a page of ``limit`` and the cursor of the next page ("" on
+        the last)."""
         if not 1 <= limit <= 100:
             raise InvalidArgument("limit must be between 1 and 100")
         labels = labels or {}
@@ -433,6 +443,7 @@ class Registry:
             if (state is None or sb.state == state)
             and all(sb.config.labels.get(k) == v for k, v in labels.items())
             and (before is None or sb.record.seq < before)
+            and (viewer is None or viewer.may_see(sb.record.owner))
         ]
         page = matches[:limit]
         return page, encode_cursor(page[-1].record.seq) if len(matches) > limit else ""
@@ -445,9 +456,11 @@ class Registry:
         secret_values: dict[str, bytes] | None = None,
         *,
         pull_auth: PullAuth | None = None,
+        owner: str = LEGACY_OWNER,
     ) -> Sandbox:
-        """A new sandbox, starting (or ready at once, from a warm pool). The same id
-        with the same configuration is the existing sandbox (idempotent). Its secrets'
+        """A new sandbox of ``owner``, starting (or ready at once, from a warm pool). The
+        same id with the same configuration and owner is the existing sandbox (idempotent);
+        ids are one namespace (another owner's is ALREADY_EXISTS). Its secrets'
         own values (``secret_values``, by name) go to the vault, never to its record.
         ``pull_auth``: the image registry's credentials and CA, for this Create's pull only."""
         self._check_open()
@@ -460,7 +473,8 @@ class Registry:
             check_secrets_available(self.settings, config, values)
             if id and id in self.sandboxes:
                 existing = self.sandboxes[id]
-                if attrs.evolve(existing.config, secrets=without_generated(existing.config.secrets)) == config:
+                same = attrs.evolve(existing.config, secrets=without_generated(existing.config.secrets)) == config
+                if same and existing.record.owner == owner:
                     return existing
             config = attrs.evolve(config, secrets=with_placeholders(config.secrets))
         self.volumes.check(config.volumes)  # (a life claims them; this refuses before anything is made)
@@ -473,21 +487,23 @@ class Registry:
             hostdirs.check_host_dir(m.source, self.settings.allowed_paths, writable=m.writable)
         if id and id in self.sandboxes:
             existing = self.sandboxes[id]
-            if existing.config == config:
-                return existing  # idempotent: same id, same request
+            if existing.config == config and existing.record.owner == owner:
+                return existing  # idempotent: same id, same request, same caller
             raise AlreadyExists(f"sandbox {id!r} exists with a different configuration")
         accepted = time.monotonic()
         image = await self._image(config, pull_auth) if config.boot.image else None
         if id and id in self.sandboxes:  # created meanwhile, while the image was pulled
-            return await self.create(id, config)
+            return await self.create(id, config, owner=owner)
         self._check_disks(config, image)
         member = self.pools.take_for_create(config, image)
         if member is None:
             self._admit(self.settings.limits(config.limits).memory_ceiling, ram_file=True)
         else:
-            await self._adopt(member, id, config, {"pool": "1"}, apply_ports=True, accepted=accepted, image=image)
+            await self._adopt(
+                member, id, config, {"pool": "1"}, apply_ports=True, accepted=accepted, image=image, owner=owner
+            )
             return member  # failed, with its error, if the adoption failed: as a failed boot
-        sb = self._new_sandbox(id, config, image=image)
+        sb = self._new_sandbox(id, config, image=image, owner=owner)
         sb.lease()  # its address is the Create's answer (RESOURCE_EXHAUSTED: nothing made)
         if config.secrets and self.settings.vault is not None:
             new_owner(self.settings.vault, sb.record.uid, values)  # values and CA before the record
@@ -623,6 +639,7 @@ class Registry:
         apply_ports: bool,
         accepted: float,
         image: ImageUse | None = None,
+        owner: str = LEGACY_OWNER,
     ) -> bool:
         """A ready warm pool member becomes the caller's sandbox: the caller's id and
         configuration, created; fresh identity, ports, initial command (Sandbox.adopt);
@@ -633,6 +650,7 @@ class Registry:
         rec.created_at = rec.ready_at = int(time.time())
         sb.born = trio.current_time()
         rec.config = config
+        rec.owner = owner
         if image is not None:
             rec.image = image
         if apply_ports:
@@ -717,8 +735,9 @@ class Registry:
 
     # -- snapshots (SandboxSnapshotService) ------------------------------------------
     async def checkpoint(
-        self, sandbox_id: str, *, name: str = "", labels: dict[str, str] | None = None
+        self, sandbox_id: str, *, name: str = "", labels: dict[str, str] | None = None, owner: str = LEGACY_OWNER
     ) -> tuple[SnapshotRecord, Checkpoint]:
+        """A snapshot of the sandbox, owned by ``owner`` (who asked)."""
         self._check_open()
         labels = labels or {}
         check_labels(labels)
@@ -739,6 +758,7 @@ class Registry:
             labels=labels,
             address=address,
             volume_generations=gens,
+            owner=owner,
         )
         if sb.config.secrets and self.settings.vault is not None:  # its clones' values (never in the files)
             self.settings.vault.copy_owner(sb.record.uid, rec.uid)
@@ -754,6 +774,7 @@ class Registry:
         labels: dict[str, str] | None = None,
         ttl_seconds: int = 0,
         network_override: bool = False,
+        owner: str = LEGACY_OWNER,
     ) -> Sandbox:
         """A new sandbox from a snapshot, returned once ready (as the seed says). A tap
         clone keeps its snapshot's address when that is free and ``network_override``
@@ -779,7 +800,13 @@ class Registry:
         if member is not None:
             # the member forwarded the snapshot's ports already, on its own host ports
             if await self._adopt(
-                member, id, config, {"snapshot_id": snap.id, "pool": "1"}, apply_ports=False, accepted=accepted
+                member,
+                id,
+                config,
+                {"snapshot_id": snap.id, "pool": "1"},
+                apply_ports=False,
+                accepted=accepted,
+                owner=owner,
             ):
                 return member
             log.warning("pool member for %s could not be handed over (%s): restoring", snap.id, member.record.error)
@@ -790,7 +817,7 @@ class Registry:
         disk_only = snap.memory == MemoryKind.DISK
         memory_mib = self.settings.limits(config.limits).memory_mib if disk_only else snap.machine.memory_mib
         self._admit(memory_mib, ram_file=snap.memory != MemoryKind.MAPPED)
-        sb = self._new_sandbox(id, config, origin=snap.id, image=snap.oci)
+        sb = self._new_sandbox(id, config, origin=snap.id, image=snap.oci, owner=owner)
         sb.lease(want="" if network_override else snap.address)
         if config.secrets:  # the snapshot's values, a CA of its own (config: fresh placeholders)
             check_secrets_available(self.settings, config, {}, fresh=False)
@@ -810,9 +837,9 @@ class Registry:
         return sb
 
     def list_snapshots(
-        self, sandbox_id: str = "", labels: dict[str, str] | None = None
+        self, sandbox_id: str = "", labels: dict[str, str] | None = None, viewer: Principal | None = None
     ) -> builtins.list[SnapshotRecord]:
-        return self.snapshots.select(sandbox_id, labels)
+        return self.snapshots.select(sandbox_id, labels, viewer)
 
     def pool_ready(self, snap: SnapshotRecord) -> int:
         return self.pools.ready(snap)
@@ -839,10 +866,15 @@ class Registry:
         return export_stream(self.snapshots.get(ref), self.settings, include_base=include_base)
 
     async def import_snapshot(
-        self, chunks: AsyncIterator[bytes], *, name: str | None = None, labels: dict[str, str] | None = None
+        self,
+        chunks: AsyncIterator[bytes],
+        *,
+        name: str | None = None,
+        labels: dict[str, str] | None = None,
+        owner: str = LEGACY_OWNER,
     ) -> SnapshotRecord:
-        """A snapshot from an export's bytes, recorded once all of them arrived and
-        matched their digest; any failure leaves nothing behind."""
+        """A snapshot of ``owner`` from an export's bytes, recorded once all of them
+        arrived and matched their digest; any failure leaves nothing behind."""
         self._check_open()
         self.admission.check_disk()
         imp = Importer(self.snapshots, self.settings, name=name, labels=labels, check_disk=self.admission.check_disk)
@@ -854,6 +886,9 @@ class Registry:
         except BaseException:
             await imp.abort()
             raise
+        if rec.owner != owner:  # (queued behind the record, before the flush below)
+            rec.owner = owner
+            self.store.update_snapshot(rec)
         await self.store.flush()  # a snapshot the caller was told of is on record
         self.pools.wake()
         return rec

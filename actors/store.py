@@ -21,7 +21,9 @@ Schema versions (``PRAGMA user_version``): 0 is the first release, whose ``confi
 column held the wire's CreateSandboxRequest as a dict; 2 holds a SandboxConfig, the
 live port mappings in ``ports`` and the snapshot a sandbox came from in ``origin``;
 3 adds the checkpoint journal (``swap``); 4 what Modify changed (``tuning``: the
-machine as applied, ``updated_at``). Older databases are migrated in place when
+machine as applied, ``updated_at``); 5 each sandbox's ``owner`` (a principal's name:
+actors/principals.py; older rows are :data:`~actors.principals.LEGACY_OWNER`'s, as are
+snapshots and volumes stored without one). Older databases are migrated in place when
 opened (columns added; version 0's configurations rewritten).
 """
 
@@ -56,10 +58,11 @@ from actors.model import (
     dump,
     load,
 )
+from actors.principals import LEGACY_OWNER
 
 log = logging.getLogger("sandvisor.store")
 
-VERSION = 4
+VERSION = 5
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sandboxes (
     uid TEXT PRIMARY KEY,
@@ -98,6 +101,7 @@ _COLUMNS = (
     "ALTER TABLE sandboxes ADD COLUMN life BLOB",
     "ALTER TABLE sandboxes ADD COLUMN swap TEXT",
     "ALTER TABLE sandboxes ADD COLUMN tuning BLOB",
+    "ALTER TABLE sandboxes ADD COLUMN owner TEXT",
 )
 
 
@@ -125,6 +129,7 @@ class Record:
     swap: str = ""  # journal: the frozen disk of a checkpoint whose disk swap may be under way
     applied: Applied | None = None  # the running machine's vCPUs, memory, disk (None: none runs)
     updated_at: int = 0  # unix seconds: the last Modify that changed something (0: none)
+    owner: str = LEGACY_OWNER  # the principal it is the sandbox of (actors/principals.py)
 
 
 @attrs.frozen
@@ -194,6 +199,7 @@ class SnapshotRecord:
     vmstate: str = "vmstate"  # the stream's file name in ``dir`` (a converted snapshot has another)
     volume_generations: dict[str, int] = attrs.Factory(dict)  # its volumes' generations when taken
     paused_for: str = ""  # a paused sandbox's hibernated state (its uid): hidden, gone at resume (issue 25)
+    owner: str = LEGACY_OWNER  # the principal that made it (hidden ones: no caller sees them anyway)
 
     @property
     def layers(self) -> tuple[Path, ...]:
@@ -351,11 +357,12 @@ class Store:
             r.origin,
             _pack(r.image),
             _pack(r.chain),
+            r.owner,
         )
         self._put(
             lambda db: db.execute(
-                "INSERT INTO sandboxes (uid, id, seq, config, state, created_at, ports, origin, image, chain) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "INSERT INTO sandboxes (uid, id, seq, config, state, created_at, ports, origin, image, chain, owner) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 row,
             )
         )
@@ -392,11 +399,12 @@ class Store:
         self._put(lambda db: db.execute("UPDATE sandboxes SET config=? WHERE uid=?", row))
 
     def rekey(self, r: Record) -> None:
-        """A warm pool member handed out: it takes the caller's id and configuration."""
-        row = (r.id, r.seq, _pack(r.config), r.created_at, _pack(r.ports), r.origin, _pack(r.image), r.uid)
+        """A warm pool member handed out: it takes the caller's id, configuration and owner."""
+        row = (r.id, r.seq, _pack(r.config), r.created_at, _pack(r.ports), r.origin, _pack(r.image), r.owner, r.uid)
         self._put(
             lambda db: db.execute(
-                "UPDATE sandboxes SET id=?, seq=?, config=?, created_at=?, ports=?, origin=?, image=? WHERE uid=?",
+                "UPDATE sandboxes SET id=?, seq=?, config=?, created_at=?, ports=?, origin=?, image=?, owner=? "
+                "WHERE uid=?",
                 row,
             )
         )
@@ -407,7 +415,7 @@ class Store:
     def all(self) -> list[Record]:
         rows = self.db.execute(
             "SELECT uid, id, seq, config, state, created_at, ready_at, last_exited_at, last_exit_code, error, "
-            "qemu_pid, ports, origin, image, chain, life, swap, tuning FROM sandboxes ORDER BY seq"
+            "qemu_pid, ports, origin, image, chain, life, swap, tuning, owner FROM sandboxes ORDER BY seq"
         ).fetchall()
         return [
             Record(
@@ -429,6 +437,7 @@ class Store:
                 life=_life(r[15]),
                 swap=r[16] or "",
                 **_tuning(r[17]),
+                owner=r[18] or LEGACY_OWNER,
             )
             for r in rows
         ]

@@ -55,6 +55,7 @@ from actors.durable import fsync_dir, fsync_path
 from actors.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from actors.machines.qemuspec import Volume
 from actors.model import VolumeMount, VolumeRecord
+from actors.principals import LEGACY_OWNER
 from images.tools import ToolError, ToolResult
 
 if TYPE_CHECKING:
@@ -184,7 +185,9 @@ class Volumes:
     def users(self, name: str) -> list[str]:
         return sorted(c.sandbox_id for c in self.claims.get(name, {}).values())
 
-    async def create(self, name: str, size: int = DEFAULT_SIZE, labels: dict[str, str] | None = None) -> VolumeRecord:
+    async def create(
+        self, name: str, size: int = DEFAULT_SIZE, labels: dict[str, str] | None = None, owner: str = LEGACY_OWNER
+    ) -> VolumeRecord:
         check_volume_name(name)
         if not MIN_VOLUME <= size <= MAX_VOLUME:
             raise InvalidArgument(f"volume size must be {MIN_VOLUME >> 20} MiB to {MAX_VOLUME >> 30} GiB")
@@ -208,7 +211,7 @@ class Volumes:
                 await trio.to_thread.run_sync(fsync_path, part)  # mkfs's blocks, then the name, then the record
                 part.rename(final)
                 fsync_dir(self.root)
-                rec = VolumeRecord(name, uid, used, int(time.time()), dict(labels or {}))
+                rec = VolumeRecord(name, uid, used, int(time.time()), dict(labels or {}), owner=owner)
                 self._store.put_volume(rec)
                 await self._store.flush()
             except BaseException:

@@ -196,7 +196,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cfg = from_args(args)
     # the flags' mistakes as usage errors, before anything starts
     try:
-        auth = tcp_auth(cfg.grpc_token_file, cfg.grpc_insecure)
+        auth = tcp_auth(cfg.grpc_token_file, cfg.grpc_insecure, cfg.grpc_admin_cert_cn)
     except (ValueError, OSError) as exc:
         fail(f"sandvisor serve: {exc}", 2)
     for addr in cfg.grpc:

@@ -318,7 +318,7 @@ async def _serve(cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Registry,
 
 async def _serve_locked(cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Registry, Server]]) -> None:
     built = _built_helpers(cfg)  # before anything starts: nothing is compiled at start
-    grpc_auth = tcp_auth(cfg.grpc_token_file, cfg.grpc_insecure)  # the token read once, here
+    grpc_auth = tcp_auth(cfg.grpc_token_file, cfg.grpc_insecure, cfg.grpc_admin_cert_cn)  # the token read once, here
     grpc_addrs = addresses(
         cfg.grpc,
         cert=cfg.grpc_cert,

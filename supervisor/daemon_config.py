@@ -329,9 +329,18 @@ class DaemonConfig:
         None,
         name="--grpc-token-file",
         metavar="FILE",
-        help="TCP clients send metadata 'authorization: Bearer TOKEN' with the token in FILE "
-        "(ours, mode 0600; read at start)",
+        help="TCP clients send metadata 'authorization: Bearer TOKEN' with a token in FILE "
+        "(ours, mode 0600; read at start): lines 'TOKEN [LABEL [admin]]', the principal token:LABEL "
+        "(a token without a label is the operator's: an admin)",
         parse=_path,
+    )
+    grpc_admin_cert_cn: tuple[str, ...] = flag(  # docs/security.md: principals
+        (),
+        name="--grpc-admin-cert-cn",
+        kind="repeat",
+        metavar="CN",
+        help="client certificates with this common name are admins; the others are the principal cert:CN "
+        "and see only their own (default: every verified client certificate is an admin); repeatable",
     )
     grpc_insecure: bool = flag(  # TCP on loopback with no client authentication: tests only (a WARNING)
         False,

@@ -14,6 +14,8 @@ from typing import Any, Protocol
 
 import attrs
 
+from actors.principals import Principal
+
 # isort: split
 # grpc's fork support off before grpc is imported (see the module): first, always
 import supervisor.grpc_env  # noqa: F401
@@ -67,6 +69,9 @@ class PeerPolicy(Protocol):
 
     def served(self) -> str:
         """Who is served, as a refused client is told."""
+
+    def principal(self, sock: Any) -> Principal:
+        """The principal of a served connection (its peer credentials: ``uid:N``)."""
 
 
 @attrs.frozen

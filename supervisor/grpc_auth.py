@@ -7,6 +7,13 @@ handler (health and reflection too) sees it (:class:`TcpGate`, the server's inte
 An edge with a TCP address and neither refuses to start (:func:`check_tcp_auth`);
 ``TcpAuth(insecure=True)`` (tests, loopback only) lets any caller in. Unix sockets are
 not concerned: their file mode and peer credentials decide (:mod:`supervisor.grpc_unix`).
+
+Each call's principal (:func:`call_principal`, docs/security.md): ``cert:<CN>`` for a
+verified client certificate (an admin when its CN is one of ``admin_cns``, or when no
+``--grpc-admin-cert-cn`` is given: then every certificate of the operator's CA is the
+operator's), ``token:<label>`` for a token (the token file's lines are ``TOKEN [LABEL
+[admin]]``; a token without a label is the operator's own: ``token:operator``, an
+admin), ``uid:N`` on a Unix socket (the relay's peer credentials).
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+
+from actors.principals import Principal, check_name
 
 # isort: split
 import supervisor.grpc_env  # noqa: F401  grpc's fork support off before grpc is imported: first, always
@@ -42,22 +51,75 @@ UNAUTHENTICATED = (
 )
 
 
+OPERATOR = "operator"  # the label of a token given without one (the operator's own: an admin)
+
+
+def _check_token(token: bytes) -> None:
+    if not MIN_TOKEN <= len(token) <= MAX_TOKEN:
+        raise ValueError(f"a bearer token is {MIN_TOKEN} to {MAX_TOKEN} characters")
+    if not all(0x21 <= b <= 0x7E for b in token):
+        raise ValueError("a bearer token is printable ASCII without spaces")
+
+
+@attrs.frozen
+class Token:
+    """A bearer token and the principal it stands for (``token:<label>``)."""
+
+    secret: bytes = attrs.field(repr=False)
+    label: str = OPERATOR
+    admin: bool = True
+
+    def __attrs_post_init__(self) -> None:
+        _check_token(self.secret)
+        bad = check_name(f"token:{self.label}")
+        if bad is not None:
+            raise ValueError(f"token label {self.label[:40]!r}: {bad}")
+
+    @property
+    def principal(self) -> Principal:
+        return Principal(f"token:{self.label}", self.admin)
+
+
 @attrs.frozen
 class TcpAuth:
     """How calls on TCP addresses authenticate besides a verified client certificate:
-    ``token`` (``authorization: Bearer TOKEN`` metadata), or ``insecure`` (nothing: tests
-    on loopback only). Unix sockets are not concerned (file mode and peer credentials)."""
+    ``token`` (``authorization: Bearer TOKEN`` metadata: the operator's, an admin),
+    ``tokens`` (each with its principal), or ``insecure`` (nothing: tests on loopback
+    only; such callers are admins). ``admin_cns``: the client certificates' common names
+    that are admins (None: every verified certificate). Unix sockets are not concerned
+    (file mode and peer credentials)."""
 
     token: bytes | None = attrs.field(default=None, repr=False)
     insecure: bool = False
+    tokens: tuple[Token, ...] = ()
+    admin_cns: frozenset[str] | None = None
 
     def __attrs_post_init__(self) -> None:
-        if self.token is not None and not MIN_TOKEN <= len(self.token) <= MAX_TOKEN:
-            raise ValueError(f"a bearer token is {MIN_TOKEN} to {MAX_TOKEN} characters")
-        if self.token is not None and not all(0x21 <= b <= 0x7E for b in self.token):
-            raise ValueError("a bearer token is printable ASCII without spaces")
-        if self.token is not None and self.insecure:
+        if self.token is not None:
+            _check_token(self.token)
+        if (self.token is not None or self.tokens) and self.insecure:
             raise ValueError("--grpc-insecure and --grpc-token-file contradict each other: give one")
+        labels = [t.label for t in self.all_tokens]
+        if len(set(labels)) != len(labels):
+            raise ValueError("each token of --grpc-token-file has its own label")
+        secrets = [t.secret for t in self.all_tokens]
+        if len(set(secrets)) != len(secrets):
+            raise ValueError("a token is given twice in --grpc-token-file")
+
+    @property
+    def all_tokens(self) -> tuple[Token, ...]:
+        return (*((Token(self.token),) if self.token is not None else ()), *self.tokens)
+
+    def bearer(self, value: bytes) -> Token | None:
+        """The token an ``authorization`` value presents (each compared in constant time)."""
+        found = None
+        for t in self.all_tokens:  # every one compared: no early exit to time
+            if hmac.compare_digest(value, b"Bearer " + t.secret):
+                found = t
+        return found
+
+    def cert_principal(self, cn: str) -> Principal:
+        return Principal(f"cert:{cn}", self.admin_cns is None or cn in self.admin_cns)
 
 
 NO_TCP_AUTH = (
@@ -74,13 +136,16 @@ def check_tcp_auth(addresses: Iterable[Address], auth: TcpAuth | None) -> None:
             continue
         if auth.insecure and not is_loopback(a.host):
             raise ValueError(f"gRPC on {a}: --grpc-insecure is for loopback addresses only")
-        if not (auth.token or auth.insecure or (a.tls is not None and a.tls.require_client_cert)):
+        if not (auth.all_tokens or auth.insecure or (a.tls is not None and a.tls.require_client_cert)):
             raise ValueError(f"gRPC on {a} would let any client in: {NO_TCP_AUTH}")
 
 
-def read_token_file(path: Path | str) -> bytes:
-    """The bearer token in ``path``: a regular file of ours, not a symlink, mode 0600 or
-    stricter; its one line (surrounding whitespace dropped). Read once, at start."""
+def read_token_file(path: Path | str) -> tuple[Token, ...]:
+    """The bearer tokens in ``path``: a regular file of ours, not a symlink, mode 0600 or
+    stricter. Each line is ``TOKEN [LABEL [admin]]`` (blank lines and ``#`` comments
+    skipped): a token without a label is the operator's (``token:operator``, an admin),
+    one with a label is ``token:LABEL``, an admin only when the line says ``admin``.
+    Read once, at start."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:
@@ -92,11 +157,25 @@ def read_token_file(path: Path | str) -> bytes:
                 f"--grpc-token-file {path}: must be a regular file owned by uid {os.geteuid()}, "
                 f"mode 0600 or stricter (it is {stat.filemode(st.st_mode)}, uid {st.st_uid})"
             )
-        token = f.read(MAX_TOKEN + 2).strip()
+        text = f.read(1 << 20)
+    tokens: list[Token] = []
     try:
-        return TcpAuth(token=token).token or b""
+        for n, line in enumerate(text.splitlines(), 1):
+            fields = line.split()
+            if not fields or fields[0].startswith(b"#"):
+                continue
+            if len(fields) > 3 or (len(fields) == 3 and fields[2] != b"admin"):
+                raise ValueError(f"line {n}: expected TOKEN [LABEL [admin]]")
+            if len(fields) == 1:
+                tokens.append(Token(fields[0]))
+            else:
+                tokens.append(Token(fields[0], fields[1].decode("ascii", "replace"), len(fields) == 3))
+        if not tokens:
+            raise ValueError("no token in it")
+        TcpAuth(tokens=tuple(tokens))  # (labels and tokens each once)
     except ValueError as exc:
         raise ValueError(f"--grpc-token-file {path}: {exc}") from None
+    return tuple(tokens)
 
 
 class TcpGate(grpc.aio.ServerInterceptor):
@@ -123,18 +202,18 @@ class TcpGate(grpc.aio.ServerInterceptor):
     def refusal(self, context: grpc.aio.ServicerContext[Any, Any]) -> str | None:
         """None if the call may go on: over a Unix socket (mode and peer credentials
         decided), ``insecure``, a client certificate the handshake verified, or the token."""
-        if context.peer().startswith("unix:"):
+        if context.peer().startswith(("unix:", "unix-abstract:")):
             return None
         auth = self.auth
         if auth.insecure:
             return None
         if self.mtls and context.auth_context().get("x509_pem_cert"):
             return None  # only a verifying address asks for a certificate: one present was verified
-        if auth.token is not None:
+        if auth.all_tokens:
             for key, value in context.invocation_metadata() or ():
                 if key == "authorization":
                     got = value if isinstance(value, bytes) else value.encode("utf-8", "surrogateescape")
-                    if hmac.compare_digest(got, b"Bearer " + auth.token):
+                    if auth.bearer(got) is not None:
                         return None
                     break
         return UNAUTHENTICATED

@@ -72,6 +72,7 @@ import trio
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message_factory
 
+from actors.principals import Principal
 from supervisor.grpc_addresses import Address, TcpAddress, UnixAddress
 from supervisor.grpc_auth import TcpAuth, TcpGate, check_tcp_auth
 from supervisor.grpc_unix import (
@@ -185,8 +186,9 @@ class Call(Generic[ReqT, RespT]):
         self.method = method.path
         self.peer = context.peer()
         self.metadata = cast(Sequence[tuple[str, str | bytes]], context.invocation_metadata() or ())
+        unix = self.peer.startswith(("unix:", "unix-abstract:"))
         self.auth: Mapping[str, Sequence[bytes]] = (
-            {} if self.peer.startswith("unix:") else {k: list(v) for k, v in context.auth_context().items()}
+            {} if unix else {k: list(v) for k, v in context.auth_context().items()}
         )
         remaining = context.time_remaining()
         self._remaining = remaining if remaining is not None and remaining < 1e9 else None
@@ -397,6 +399,7 @@ class GrpcEdge:
         self._lock = threading.Lock()
         self._health_servicer: Any = None
         self._relays: list[tuple[UnixAddress, Path]] = []  # (public address, private dir)
+        self.unix_peers: dict[str, Principal] = {}  # relayed connections' principals, by grpc's peer name
         self.calls_started = 0
         self.refused = 0  # connections refused by a peer policy
 
@@ -468,7 +471,9 @@ class GrpcEdge:
                     for addr, private in self._relays:
                         listener, ino = await listen_public(addr, private)
                         public.append((addr.path, ino))
-                        nursery.start_soon(relay_connections, listener, addr, private, self._refused_one)
+                        nursery.start_soon(
+                            relay_connections, listener, addr, private, self._refused_one, self.unix_peers
+                        )
                     task_status.started(self)
                     await trio.sleep_forever()
             finally:

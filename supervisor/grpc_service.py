@@ -23,6 +23,11 @@ WriteFile read their first message as the request and the rest with ``io.receive
 cancels the handler's Trio task (grpc_bridge), which kills a Run's or an Exec's
 process in the guest as a msgpack ``Cancel`` does.
 
+Principals: each call's (docs/security.md) is its client certificate's ``cert:<CN>``,
+its bearer token's ``token:<label>`` (TCP), or its peer credentials' ``uid:N`` (a Unix
+socket, through the relay): :func:`call_principal`, given to the handler as
+``io.principal``.
+
 Errors: the handlers raise domain errors (:mod:`actors.errors`) or, for malformed
 requests, ``ApiError(INVALID_ARGUMENT)``; both carry a ``code`` that is a status code's
 name, which the edge sends as that status with the message.
@@ -38,8 +43,9 @@ networking lands); "user" is our mode, which sandvisor.v1 documents.
 from __future__ import annotations
 
 import functools
+import os
 import types
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Union, get_args, get_origin
 
@@ -47,7 +53,8 @@ import attrs
 from google.protobuf import message_factory
 from google.protobuf.message import Message
 
-from actors.errors import InvalidArgument, Unimplemented
+from actors.errors import InvalidArgument, PermissionDenied, Unimplemented
+from actors.principals import Principal
 from actors.registry import Registry
 from supervisor import grpc_bridge as G
 from supervisor import protocol as W
@@ -242,15 +249,39 @@ def to_message(value: Any, cls: type[Message]) -> Message:
     return dict_to_message(W.unstructure_body(value), cls)
 
 
+def call_principal(call: G.Call[Any, Any], auth: TcpAuth, unix_peers: Mapping[str, Principal]) -> Principal:
+    """Who makes ``call`` (the gate let it in: TcpGate on TCP, the relay on a Unix socket)."""
+    kind, _, name = call.peer.partition(":")
+    if kind == "unix-abstract":  # through the relay: the peer credentials it read
+        p = unix_peers.get(name)
+        if p is None:
+            raise PermissionDenied("peer credentials unavailable")
+        return p
+    if kind == "unix":  # a socket with no peer policy: its file mode alone let the caller in
+        return Principal.uid(os.geteuid(), admin=True)
+    cns = call.auth.get("x509_common_name")
+    if cns:  # (only a verifying address asks for a certificate: one present was verified)
+        return auth.cert_principal(cns[0].decode(errors="replace"))
+    value = call.metadata_value("authorization")
+    if value is not None:
+        token = auth.bearer(value if isinstance(value, bytes) else value.encode("utf-8", "surrogateescape"))
+        if token is not None:
+            return token.principal
+    if auth.insecure:
+        return Principal("insecure:loopback", admin=True)
+    raise PermissionDenied("no principal: a client certificate or a bearer token is needed")
+
+
 class GrpcIO:
     """A gRPC call as the table's :class:`~supervisor.api.CallIO`."""
 
-    __slots__ = ("call", "inputs", "out")
+    __slots__ = ("call", "inputs", "out", "principal")
 
-    def __init__(self, call: G.Call[Any, Any], out: type[Message], inputs: type | None) -> None:
+    def __init__(self, call: G.Call[Any, Any], out: type[Message], inputs: type | None, principal: Principal) -> None:
         self.call = call
         self.out = out
         self.inputs = inputs
+        self.principal = principal
 
     async def send(self, message: Any) -> None:
         await self.call.send(to_message(message, self.out))
@@ -275,8 +306,12 @@ def _unimplemented(service: str, rpc: Any, why: str) -> G.Method:
     return G.Method(service, rpc.name, G.Kind.of(rpc.client_streaming, rpc.server_streaming), refuse)
 
 
-def bind(registry: Registry, service: str, rpc: Any, binding: Rpc) -> G.Method:
-    """The edge's method for one RPC: convert, call the table's handler, convert back."""
+Who = Callable[[G.Call[Any, Any]], Principal]
+
+
+def bind(registry: Registry, service: str, rpc: Any, binding: Rpc, who: Who) -> G.Method:
+    """The edge's method for one RPC: convert, call the table's handler (as ``who`` says
+    the caller is), convert back."""
     if binding.method is None:
         return _unimplemented(service, rpc, binding.why)
     m = METHODS[binding.method]
@@ -291,7 +326,7 @@ def bind(registry: Registry, service: str, rpc: Any, binding: Rpc) -> G.Method:
     if not rpc.client_streaming:
 
         async def unary_in(msg: Message, call: G.Call[Any, Any]) -> Message | None:
-            io = GrpcIO(call, out_cls, None)
+            io = GrpcIO(call, out_cls, None, who(call))
             result = await handler(registry, io, to_request(msg, request, prepare))
             return None if rpc.server_streaming else to_message(result, out_cls)
 
@@ -302,7 +337,7 @@ def bind(registry: Registry, service: str, rpc: Any, binding: Rpc) -> G.Method:
             first = await call.receive()
             if first is None:
                 raise InvalidArgument(f"{rpc.name} needs a first message")
-            io = GrpcIO(call, out_cls, m.inputs)
+            io = GrpcIO(call, out_cls, m.inputs, who(call))
             result = await handler(registry, io, to_request(first, request, prepare))
             return None if rpc.server_streaming else to_message(result, out_cls)
 
@@ -319,12 +354,16 @@ def bind(registry: Registry, service: str, rpc: Any, binding: Rpc) -> G.Method:
 
 def add_services(edge: G.GrpcEdge, registry: Registry) -> None:
     """Serve sandbox.v1 and sandvisor.v1 on ``edge``; every RPC of each is bound."""
+
+    def who(call: G.Call[Any, Any]) -> Principal:
+        return call_principal(call, edge.tcp_auth, edge.unix_peers)
+
     for name, desc in descriptors().items():
         bindings = {b.name: b for b in BINDINGS[name]}
         missing = [r.name for r in desc.methods if r.name not in bindings]
         if missing:
             raise TypeError(f"{name}: no binding for {', '.join(missing)}")
-        edge.add_methods(name, [bind(registry, name, rpc, bindings[rpc.name]) for rpc in desc.methods])
+        edge.add_methods(name, [bind(registry, name, rpc, bindings[rpc.name], who) for rpc in desc.methods])
 
 
 # ---------------------------------------------------------------------------------------
@@ -339,6 +378,9 @@ class ServePolicy:
 
     def check(self, sock: Any) -> str | None:
         return self.policy.refusal(Peer.of(sock))
+
+    def principal(self, sock: Any) -> Principal:
+        return self.policy.principal(Peer.of(sock))
 
     def served(self) -> str:
         p = self.policy
@@ -368,13 +410,9 @@ def addresses(
         raise ValueError("--grpc-client-ca needs --grpc-cert and --grpc-key")
     tls = TlsConfig.from_files(cert, key, client_ca) if cert and key else None
     try:
-        policy = ServePolicy(ClientPolicy.for_serve(group))
-    except KeyError:
-        raise ValueError(f"--group {group!r}: no such group") from None
-    try:
         policy = ServePolicy(ClientPolicy.for_serve(group, admin_group))
     except KeyError:
-        raise ValueError(f"--admin-group {admin_group!r}: no such group") from None
+        raise ValueError(f"--group {group!r} or --admin-group {admin_group!r}: no such group") from None
     out = [parse_address(s, tls=tls, group=group) for s in specs]
     out = [attrs.evolve(a, policy=policy) if isinstance(a, UnixAddress) else a for a in out]
     if tls is not None and not any(isinstance(a, TcpAddress) for a in out):
@@ -383,12 +421,14 @@ def addresses(
     return out
 
 
-def tcp_auth(token_file: Path | None = None, insecure: bool = False) -> TcpAuth | None:
-    """``serve --grpc-token-file`` (read now, once) or ``--grpc-insecure`` as the edge's
-    :class:`~supervisor.grpc_auth.TcpAuth` (None: neither). ValueError names what is wrong."""
-    if token_file is None and not insecure:
+def tcp_auth(token_file: Path | None = None, insecure: bool = False, admin_cns: Sequence[str] = ()) -> TcpAuth | None:
+    """``serve --grpc-token-file`` (read now, once), ``--grpc-insecure`` and
+    ``--grpc-admin-cert-cn`` as the edge's :class:`~supervisor.grpc_auth.TcpAuth` (None:
+    none of them). ValueError names what is wrong."""
+    if token_file is None and not insecure and not admin_cns:
         return None
-    return TcpAuth(token=read_token_file(token_file) if token_file else None, insecure=insecure)
+    tokens = read_token_file(token_file) if token_file else ()
+    return TcpAuth(insecure=insecure, tokens=tokens, admin_cns=frozenset(admin_cns) if admin_cns else None)
 
 
 def build_edge(registry: Registry, addrs: Sequence[Address], **options: Any) -> G.GrpcEdge:

@@ -13,6 +13,12 @@ answers every call PERMISSION_DENIED (:func:`serve_privately`)::
     client --unix--> public socket (Trio: SO_PEERCRED -> policy.check)
                         |-- served --> <private>/grpc.sock (the edge's server)
                         +-- refused -> <private>/refused.sock (PERMISSION_DENIED, policy.served())
+
+The relay's connection to grpc.sock is bound to a fresh abstract name (random, one per
+connection), which grpc reports as the call's peer (``unix-abstract:NAME``): the
+edge's ``unix_peers`` maps it to the client's principal while the connection lasts
+(:meth:`~supervisor.grpc_addresses.PeerPolicy.principal`). Only the relay can reach
+grpc.sock (its directory is 0700), so the name is the relay's word.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import grpc
 import grpc.aio
 import trio
 
+from actors.principals import Principal
 from supervisor.grpc_addresses import PeerPolicy, UnixAddress
 
 log = logging.getLogger("sandvisor.grpc")
@@ -127,34 +134,69 @@ async def serve_privately(
 
 
 async def relay_connections(
-    listener: trio.SocketListener, addr: UnixAddress, private: Path, on_refused: Callable[[], None]
+    listener: trio.SocketListener,
+    addr: UnixAddress,
+    private: Path,
+    on_refused: Callable[[], None],
+    peers: dict[str, Principal] | None = None,
 ) -> None:
-    """Accept on the public socket; relay each connection (Trio), until cancelled."""
+    """Accept on the public socket; relay each connection (Trio), until cancelled.
+    ``peers``: each served connection's principal, by the peer name grpc will report."""
     async with listener, trio.open_nursery() as nursery:
         while True:
             stream = await listener.accept()
-            nursery.start_soon(_relay, stream, addr, private, on_refused)
+            nursery.start_soon(_relay, stream, addr, private, on_refused, {} if peers is None else peers)
 
 
-async def _relay(stream: trio.SocketStream, addr: UnixAddress, private: Path, on_refused: Callable[[], None]) -> None:
+async def _open_upstream(path: Path, name: str) -> trio.SocketStream:
+    """A connection to ``path`` from a socket bound to the abstract ``name``."""
+    sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        if name:
+            await sock.bind("\0" + name)
+        await sock.connect(str(path))
+    except BaseException:
+        sock.close()
+        raise
+    return trio.SocketStream(sock)
+
+
+async def _relay(
+    stream: trio.SocketStream,
+    addr: UnixAddress,
+    private: Path,
+    on_refused: Callable[[], None],
+    peers: dict[str, Principal],
+) -> None:
     assert addr.policy is not None
+    name = ""
     try:
         why = addr.policy.check(stream.socket)
+        if why is None:
+            name = f"sandvisor-grpc-{os.getpid()}-{os.urandom(12).hex()}"
+            peers[name] = addr.policy.principal(stream.socket)
     except OSError as exc:
         why = f"peer credentials unavailable: {exc}"
     if why is not None:
         on_refused()
         log.warning("gRPC on %s: refused: %s", addr.path, why)
-    async with stream:
-        try:
-            upstream = await trio.open_unix_socket(str(private / ("refused.sock" if why else "grpc.sock")))
-        except OSError:
-            return
-        async with upstream:
-            with trio.move_on_after(REFUSED_LINGER if why else math.inf):
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(_pipe, stream, upstream, nursery.cancel_scope)
-                    nursery.start_soon(_pipe, upstream, stream, nursery.cancel_scope)
+    try:
+        async with stream:
+            try:
+                upstream = await _open_upstream(private / ("refused.sock" if why else "grpc.sock"), name)
+            except OSError:
+                return
+            await _relay_open(stream, upstream, why)
+    finally:
+        peers.pop(name, None)
+
+
+async def _relay_open(stream: trio.SocketStream, upstream: trio.SocketStream, why: str | None) -> None:
+    async with upstream:
+        with trio.move_on_after(REFUSED_LINGER if why else math.inf):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_pipe, stream, upstream, nursery.cancel_scope)
+                nursery.start_soon(_pipe, upstream, stream, nursery.cancel_scope)
 
 
 class Refuser(grpc.GenericRpcHandler):

@@ -27,6 +27,7 @@ import pytest
 import trio
 from grpc_clients import REPO, SEED, bearer, generate, make_pki
 
+from actors.principals import Principal
 from supervisor import grpc_bridge as G
 from supervisor import metrics as M
 from supervisor.grpc_addresses import Address, TcpAddress, TlsConfig, UnixAddress, parse_address
@@ -446,6 +447,11 @@ class Policy:
 
     def served(self) -> str:
         return "only the test's friends"
+
+    def principal(self, sock: Any) -> Principal:
+        from supervisor.peers import Peer
+
+        return Principal.uid(Peer.of(sock).uid)
 
 
 async def test_a_peer_policy_relays_served_clients_and_refuses_the_others(

@@ -233,7 +233,7 @@ def test_the_token_file_is_ours_0600_and_a_real_token(tmp_path: Path) -> None:
     good = tmp_path / "good"
     token = write_token(good)
     auth = S.tcp_auth(good)
-    assert auth is not None and auth.token == token.encode() and token not in repr(auth)
+    assert auth is not None and auth.all_tokens[0].secret == token.encode() and token not in repr(auth)
     assert S.tcp_auth() is None
     loose = tmp_path / "loose"
     loose.write_text(token)

@@ -254,7 +254,7 @@ class Sandbox:
 
     def emit(self, action: Action, **attributes: str) -> None:
         if not is_hidden(self.id):  # pool members are invisible until taken
-            self._events.emit(self.id, action, attributes)
+            self._events.emit(self.id, action, attributes, self.record.owner)
 
     def _fail(self, error: str) -> None:
         if self._run.waking and not self._run.served:  # a resume that failed: it stays paused

@@ -19,6 +19,7 @@ from actors.model import Action
 from actors.net import egress
 from actors.net.nft import NftError
 from actors.net.secretcell import ProxyCell
+from actors.principals import LEGACY_OWNER
 from actors.secrets import model as S
 from actors.secrets.ca import new_ca
 from actors.secrets.vault import Vault
@@ -185,14 +186,14 @@ def upstream_context(extra_ca: str = "") -> ssl.SSLContext:
     return ctx
 
 
-def set_named(settings: Settings, name: str, value: bytes) -> None:
-    """An entry of the supervisor's store (``secret set``): every sandbox whose secret
-    names it substitutes the new value from its next request on."""
+def set_named(settings: Settings, name: str, value: bytes, owner: str = LEGACY_OWNER) -> None:
+    """An entry of the supervisor's store (``secret set``) of ``owner``: every sandbox
+    whose secret names it substitutes the new value from its next request on."""
     vault = _vault(settings)
     if not S.NAME.fullmatch(name):
         raise InvalidArgument(f"secret name {name[:40]!r}: [A-Za-z_][A-Za-z0-9_]*")
     S.check_value(name, value)
-    vault.set_named(name, value)
+    vault.set_named(name, value, owner)
 
 
 def remove_named(settings: Settings, name: str) -> None:

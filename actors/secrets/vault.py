@@ -27,6 +27,7 @@ import msgpack
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from actors.errors import FailedPrecondition, NotFound
+from actors.principals import LEGACY_OWNER
 
 AAD = b"sandvisor-secrets-v1"
 VAULT_FILE = "secrets.vault"
@@ -75,6 +76,7 @@ class Vault:
         self.key_path = key_path or default_key_path()
         self._cipher: AESGCM | None = None  # the key is read (or made) at the first need
         self.named: dict[str, bytes] = {}
+        self.named_owners: dict[str, str] = {}  # a named entry's owner (absent: LEGACY_OWNER's)
         self.owners: dict[str, dict[str, Any]] = {}
         # called after every change (the live proxies' ``push``: actors/sandboxes/secrets.py)
         self.listeners: list[Callable[[], None]] = []
@@ -101,9 +103,12 @@ class Vault:
             ) from None
         self.named = dict(data.get("named", {}))
         self.owners = dict(data.get("owners", {}))
+        self.named_owners = dict(data.get("named_owners", {}))
 
     def _save(self) -> None:
-        plain = msgpack.packb({"named": self.named, "owners": self.owners}, use_bin_type=True)
+        plain = msgpack.packb(
+            {"named": self.named, "owners": self.owners, "named_owners": self.named_owners}, use_bin_type=True
+        )
         nonce = os.urandom(12)
         blob = nonce + self._aead.encrypt(nonce, plain, AAD)
         tmp = self.path.with_name(VAULT_FILE + ".tmp")
@@ -118,14 +123,19 @@ class Vault:
             changed()
 
     # -- the store's named entries -------------------------------------------------------
-    def set_named(self, name: str, value: bytes) -> None:
+    def set_named(self, name: str, value: bytes, owner: str = LEGACY_OWNER) -> None:
         self.named[name] = value
+        self.named_owners[name] = owner
         self._save()
+
+    def named_owner(self, name: str) -> str:
+        return self.named_owners.get(name, LEGACY_OWNER)
 
     def remove_named(self, name: str) -> None:
         if name not in self.named:
             raise NotFound(f"no secret {name!r} in the store")
         del self.named[name]
+        self.named_owners.pop(name, None)
         self._save()
 
     # -- a sandbox's (or a snapshot's) own ----------------------------------------------

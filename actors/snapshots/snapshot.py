@@ -69,6 +69,7 @@ from actors.machines.machine import Machine
 from actors.machines.qemuproc import MachineError, QemuUser, unsearchable_parent
 from actors.machines.vm import Guest, NetConfig, VmSpec
 from actors.model import ImageUse, MemoryKind, NetMode, SandboxConfig
+from actors.principals import LEGACY_OWNER, Principal
 from actors.sandboxes.files import SandboxFiles
 from actors.settings import Settings
 from actors.store import MachineRecord, Record, SnapshotRecord, Store
@@ -393,6 +394,7 @@ class SnapshotStore:
         address: str = "",
         volume_generations: dict[str, int] | None = None,
         paused_for: str = "",
+        owner: str = LEGACY_OWNER,
     ) -> tuple[SnapshotRecord, Checkpoint]:
         """Checkpoint a sandbox into a new directory (``checkpoint(dir)``: the sandbox's
         own, guarded sequence) and record it, with ``config`` (default: the origin's)
@@ -432,6 +434,7 @@ class SnapshotStore:
             address=address,
             volume_generations=dict(volume_generations or {}),
             paused_for=paused_for,
+            owner=owner,
         )
         crash_point("template-checkpoint" if template_key else "snapshot-record")
         self.store.insert_snapshot(rec)
@@ -440,27 +443,36 @@ class SnapshotStore:
         self.convert_soon(rec)
         return rec, ck
 
-    def get(self, ref: str) -> SnapshotRecord:
-        """By id, else by name when exactly one snapshot has it (templates are not callers')."""
+    def get(self, ref: str, viewer: Principal | None = None) -> SnapshotRecord:
+        """By id, else by name when exactly one snapshot has it (templates are not callers');
+        of those ``viewer`` may see (None: all)."""
         if not ref:
             raise InvalidArgument("snapshot_id is required")
+
+        def shown(r: SnapshotRecord) -> bool:
+            return not r.hidden and (viewer is None or viewer.may_see(r.owner))
+
         rec = self.snapshots.get(ref)
-        if rec is not None and not rec.hidden:
+        if rec is not None and shown(rec):
             return rec
-        named = [r for r in self.snapshots.values() if r.name == ref and not r.hidden]
+        named = [r for r in self.snapshots.values() if r.name == ref and shown(r)]
         if len(named) == 1:
             return named[0]
         if len(named) > 1:
             raise InvalidArgument(f"{len(named)} snapshots are named {ref!r}: use an id")
         raise NotFound(f"no snapshot {ref!r}")
 
-    def select(self, sandbox_id: str = "", labels: dict[str, str] | None = None) -> list[SnapshotRecord]:
-        """The callers' snapshots, oldest first, by origin and labels (all must match)."""
+    def select(
+        self, sandbox_id: str = "", labels: dict[str, str] | None = None, viewer: Principal | None = None
+    ) -> list[SnapshotRecord]:
+        """The callers' snapshots, oldest first, by origin and labels (all must match), of
+        those ``viewer`` may see (None: all)."""
         labels = labels or {}
         return [
             r
             for r in sorted(self.snapshots.values(), key=lambda r: r.created_ns)
             if not r.hidden
+            and (viewer is None or viewer.may_see(r.owner))
             and (not sandbox_id or r.sandbox_id == sandbox_id)
             and all(r.labels.get(k) == v for k, v in labels.items())
         ]
