@@ -350,6 +350,23 @@ def test_socket_sandboxes_and_stale_tokens(served: tuple[str, str], opts: dict[s
         assert Sandbox.connect(sid, **ops).commands.run("echo three").stdout == "three\n"
 
 
+def test_snapshot_templates_without_network(served: tuple[str, str], opts: dict[str, Any]) -> None:
+    """A snapshot whose origin had a network is refused as a template, for an admin key
+    too (a restore would keep it; endpoint sandboxes have none); a key that may not see
+    it does not find it."""
+    _, sock = served
+    ops, alice = _as(opts, OPS), _as(opts, ALICE)
+    with sv.Sandbox.create("netted", socket=sock, ttl=600, network="user") as origin:
+        snap = origin.checkpoint("netted-snap").snapshot_id
+    before = set(_ids(ops))
+    for template in (snap, "netted-snap"):
+        with pytest.raises(SandboxException, match=r"400: template .*network 'user'"):
+            Sandbox.create(template, timeout=60, **ops)
+    with pytest.raises(SandboxException, match="404"):
+        Sandbox.create(snap, timeout=60, **alice)
+    assert set(_ids(ops)) == before  # nothing was made
+
+
 def test_kill_last(endpoint: str, opts: dict[str, Any]) -> None:
     """(runs after the shared sandbox's tests) a sandbox killed through the API is gone."""
     sb = Sandbox.create(timeout=300, **opts)

@@ -88,7 +88,8 @@ def test_tokens_are_bound_to_key_sandbox_and_uid() -> None:
     assert label == "a" and uid == "uid-1" and len(mac) == 64
     assert tokens.open(f"b.{uid}.{mac}", "box") is None  # handed to a, not b
     assert tokens.open(f"a.uid-2.{mac}", "box") is None  # another sandbox of that id (a later uid)
-    assert tokens.open(f"a.{uid}.{mac[:-1]}0", "box") is None
+    flipped = mac[:-1] + ("1" if mac[-1] == "0" else "0")
+    assert tokens.open(f"a.{uid}.{flipped}", "box") is None
     for bad in (None, "", t + ".x", "a..", "nobody.uid-1." + mac, f"a.{uid}"):
         assert tokens.open(bad, "box") is None
     assert Tokens([a, b]).open(t, "box") is None  # another endpoint's secret (a restart): nothing
@@ -260,4 +261,44 @@ async def test_malformed_process_calls_are_refused() -> None:
         assert end[0] == e2b_http.END_STREAM and json.loads(end[5:])["error"]["code"] == "invalid_argument"
         sent = await _call(lambda ex: e2b_envd.process_call(ex, procs, target, "Connect"), b"\x00\x00")
         assert json.loads(sent[-1]["body"][5:])["error"]["code"] == "invalid_argument"
+        n.cancel_scope.cancel()
+
+
+class _Snapshots(Client):
+    """A key's client whose ListSnapshots answers ``listed`` (what the supervisor lets the key see)."""
+
+    listed: tuple[Any, ...] = ()
+
+    async def snapshots(self) -> list[Any]:
+        return list(self.listed)
+
+
+async def test_templates_a_key_may_restore() -> None:
+    from supervisor import protocol as W
+
+    def snap(id: str, name: str, **kw: Any) -> W.SnapshotSummary:
+        return W.SnapshotSummary(id, "origin", name, {}, "/d", "t", **kw)
+
+    listed = (
+        snap("snap-0a", "plain", network="none"),
+        snap("snap-0b", "netted", network="user"),
+        snap("snap-0c", "secret", network="tap", secrets=["gh"]),
+        snap("snap-0d", "mounted", network="none", host_mounts=1),
+    )
+    async with trio.open_nursery() as n:
+        app = E2BApp("/nonexistent.sock", [Key("a", b"k")], e2b_envd.Processes(n))
+        client = _Snapshots("/nonexistent.sock", Key("a", b"k"))
+        object.__setattr__(client, "listed", listed)
+        assert await app._template(client, "snap-0a") == "snap-0a"
+        assert await app._template(client, "plain") == "snap-0a"
+        for name, why in (("netted", "network 'user'"), ("snap-0c", "secrets gh"), ("mounted", "host directories")):
+            with pytest.raises(e2b_http.HttpError, match=why) as err:
+                await app._template(client, name)
+            assert err.value.status == 400
+        # a snapshot id the key does not see: not found, never taken for an image reference
+        with pytest.raises(e2b_http.HttpError, match="template snap-0e not found") as err:
+            await app._template(client, "snap-0e")
+        assert err.value.status == 404
+        assert await app._template(client, "docker.io/library/python:3.12") is None
+        assert await app._template(client, "someone-elses-name") is None  # (an image reference, like any miss)
         n.cancel_scope.cancel()
