@@ -13,8 +13,8 @@ the client half-closed). Each edge adapts its wire to it::
 
 Every handler acts for ``io.principal`` (:mod:`actors.principals`): a sandbox, snapshot,
 volume or stored secret it may not see is NOT_FOUND with the text of a real miss
-(:func:`_sandbox`, :func:`_snapshot`, :func:`_volume_of`, :func:`_secret_of`), lists
-hold only what it may see, and what it makes is its own.
+(:mod:`supervisor.access`), lists hold only what it may see, and what it makes is its
+own.
 
 Handlers check wire shapes (the first ExecInput carries init, paths are absolute),
 map the wire to domain values and back (:mod:`supervisor.mapping`), call the registry
@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 import posixpath
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from contextlib import aclosing
 from importlib import metadata
 from typing import Any, Protocol, TypeVar
@@ -51,7 +51,6 @@ from actors.events import Lagged
 from actors.model import (
     ALIVE,
     MemoryKind,
-    SandboxConfig,
     State,
     VolumeRecord,
     check_labels,
@@ -66,9 +65,9 @@ from actors.sandboxes.logs import SOURCES as LOG_SOURCES
 from actors.sandboxes.sandbox import Sandbox
 from actors.sandboxes.workload import CommandNotRun
 from actors.snapshots.snapshot import rfc3339
-from actors.store import SnapshotRecord
 from guestd import proto as P
 from images.oci import PullProgress
+from supervisor import access as A
 from supervisor import mapping as M
 from supervisor import protocol as W
 
@@ -118,59 +117,6 @@ def method(
     return wrap
 
 
-# --- what the caller may see ------------------------------------------------------------------
-def _sandbox(reg: Registry, io: CallIO, id: str) -> Sandbox:
-    """The sandbox ``id`` if the caller may see it; else NOT_FOUND as for no sandbox."""
-    sb = reg.get(id)
-    if not io.principal.may_see(sb.record.owner):
-        raise NotFound(f"no sandbox {id!r}")
-    return sb
-
-
-def _visible(io: CallIO, sandboxes: Iterable[Sandbox]) -> list[Sandbox]:
-    return [sb for sb in sandboxes if io.principal.may_see(sb.record.owner)]
-
-
-def _snapshot(reg: Registry, io: CallIO, ref: str) -> SnapshotRecord:
-    """The snapshot ``ref`` (id, or a name) among those the caller may see."""
-    return reg.snapshots.get(ref, io.principal)
-
-
-def _volume_of(reg: Registry, io: CallIO, name: str) -> VolumeRecord:
-    rec = reg.volumes.get(name)
-    if not io.principal.may_see(rec.owner):
-        raise NotFound(f"volume {name!r} does not exist")
-    return rec
-
-
-def _secret_of(reg: Registry, io: CallIO, name: str) -> None:
-    """NOT_FOUND (as for a missing entry) when the caller may not see the stored secret ``name``."""
-    vault = reg.settings.vault
-    if vault is not None and name in vault.named and not io.principal.may_see(vault.named_owner(name)):
-        raise NotFound(f"no secret {name!r} in the store")
-
-
-def _check_uses(reg: Registry, io: CallIO, config: SandboxConfig) -> None:
-    """A new sandbox mounts only volumes, and uses only stored secrets, its caller may see."""
-    for m in config.volumes:
-        if m.name in reg.volumes.records and not io.principal.may_see(reg.volumes.records[m.name].owner):
-            raise NotFound(f"volume {m.name!r} does not exist")
-    vault = reg.settings.vault
-    for r in config.secrets:
-        if (
-            r.store
-            and vault is not None
-            and r.store in vault.named
-            and not io.principal.may_see(vault.named_owner(r.store))
-        ):
-            raise NotFound(f"secret {r.name}: no entry {r.store!r} in the secret store (secret set)")
-
-
-def _admin_only(io: CallIO, what: str) -> None:
-    if not io.principal.admin:
-        raise PermissionDenied(f"{what} is for admins: {io.principal.name} is not one")
-
-
 def _absolute(path: str) -> str:
     if not path.startswith("/"):
         raise InvalidArgument("path must be absolute")
@@ -180,7 +126,7 @@ def _absolute(path: str) -> str:
 @method("Create", W.CreateSandboxRequest)
 async def _create(reg: Registry, io: CallIO, req: W.CreateSandboxRequest) -> W.CreateSandboxResponse:
     config = M.config(req)
-    _check_uses(reg, io, config)
+    A.check_uses(reg, io.principal, config)
     sb = await reg.create(req.id, config, M.secret_values(req), pull_auth=M.pull_auth(req), owner=io.principal.name)
     # the seed: "State at time of response: always starting" (ready follows as an event,
     # at once when a warm pool member served it)
@@ -189,18 +135,18 @@ async def _create(reg: Registry, io: CallIO, req: W.CreateSandboxRequest) -> W.C
 
 @method("Start", W.IdRequest)
 async def _start(reg: Registry, io: CallIO, req: W.IdRequest) -> W.CreateSandboxResponse:
-    sb = await reg.start(_sandbox(reg, io, req.id).id)
+    sb = await reg.start(A.sandbox(reg, io.principal, req.id).id)
     return W.CreateSandboxResponse(id=sb.id, ip_address=sb.ip_address, state=sb.state.value)
 
 
 @method("Inspect", W.IdRequest)
 async def _inspect(reg: Registry, io: CallIO, req: W.IdRequest) -> W.SandboxInfo:
-    return M.info(_sandbox(reg, io, req.id))
+    return M.info(A.sandbox(reg, io.principal, req.id))
 
 
 @method("Modify", W.ModifyRequest)
 async def _modify(reg: Registry, io: CallIO, req: W.ModifyRequest) -> W.ModifyResponse:
-    return M.modify_response(await modify(reg, _sandbox(reg, io, req.id).id, M.modification(req)))
+    return M.modify_response(await modify(reg, A.sandbox(reg, io.principal, req.id).id, M.modification(req)))
 
 
 @method("List", W.ListSandboxesRequest)
@@ -227,7 +173,7 @@ async def _stop(reg: Registry, io: CallIO, req: W.StopSandboxRequest) -> None:
     if req.timeout_seconds < 0:
         raise InvalidArgument("timeout_seconds must not be negative")
     timeout = float(req.timeout_seconds or DEFAULT_STOP_TIMEOUT)
-    sb = reg.stop(_sandbox(reg, io, req.id).id, timeout)
+    sb = reg.stop(A.sandbox(reg, io.principal, req.id).id, timeout)
     await _stopped(sb, timeout + defaults.STOP_GRACE)
 
 
@@ -242,30 +188,30 @@ async def _stopped(sb: Sandbox, within: float) -> None:
 
 @method("Kill", W.IdRequest)
 async def _kill(reg: Registry, io: CallIO, req: W.IdRequest) -> None:
-    sb = reg.kill(_sandbox(reg, io, req.id).id)
+    sb = reg.kill(A.sandbox(reg, io.principal, req.id).id)
     await _stopped(sb, defaults.STOP_GRACE)
 
 
 @method("Drain", W.IdRequest)
 async def _drain(reg: Registry, io: CallIO, req: W.IdRequest) -> None:
-    reg.drain(_sandbox(reg, io, req.id).id)
+    reg.drain(A.sandbox(reg, io.principal, req.id).id)
 
 
 @method("WaitUntilStopped", W.IdRequest)
 async def _wait(reg: Registry, io: CallIO, req: W.IdRequest) -> W.SandboxInfo:
-    sb = _sandbox(reg, io, req.id)
+    sb = A.sandbox(reg, io.principal, req.id)
     await sb.wait_stopped()
     return M.info(sb)
 
 
 @method("Remove", W.RemoveSandboxRequest)
 async def _remove(reg: Registry, io: CallIO, req: W.RemoveSandboxRequest) -> None:
-    await reg.remove(_sandbox(reg, io, req.id).id, req.force)
+    await reg.remove(A.sandbox(reg, io.principal, req.id).id, req.force)
 
 
 @method("Run", W.RunRequest, streams=True)
 async def _run(reg: Registry, io: CallIO, req: W.RunRequest) -> None:
-    sb = _sandbox(reg, io, req.id)
+    sb = A.sandbox(reg, io.principal, req.id)
     cmd = script_argv(sb.config.scripts, req.script, req.cmd) if req.script else req.cmd
     workload = sb.run_workload(
         cmd, env=req.env, cwd=req.working_dir, user=req.user, tty=req.tty, timeout=float(req.timeout_seconds)
@@ -288,7 +234,7 @@ async def _exec(reg: Registry, io: CallIO, first: W.ExecInput) -> None:
     if first.stdin is not None or first.resize is not None or first.close_stdin:
         raise InvalidArgument("the first ExecInput carries init only")
     req = first.init
-    sb = _sandbox(reg, io, req.id)
+    sb = A.sandbox(reg, io.principal, req.id)
     try:
         await _exec_session(sb, req, io)
     except CommandNotRun as exc:  # raised before any output: the stream ends as a shell's
@@ -354,7 +300,7 @@ async def _events(reg: Registry, io: CallIO, req: W.SandboxEventsRequest) -> Non
 
 @method("ReadFile", W.ReadFileRequest, streams=True)
 async def _read_file(reg: Registry, io: CallIO, req: W.ReadFileRequest) -> None:
-    sb = _sandbox(reg, io, req.id)
+    sb = A.sandbox(reg, io.principal, req.id)
     async with sb.read_file(_absolute(req.path)) as f:
         async for chunk in f:
             await io.send(W.FileChunk(data=chunk))
@@ -367,7 +313,7 @@ async def _write_file(reg: Registry, io: CallIO, first: W.WriteFileRequest) -> N
         raise InvalidArgument("the first WriteFileRequest must carry open")
     op = first.open
     path = _absolute(op.path)
-    sb = _sandbox(reg, io, op.id)
+    sb = A.sandbox(reg, io.principal, op.id)
 
     await sb.write_file(path, _chunks_in(io, W.WriteFileRequest, P.MAX_FILE, "file"), mode=op.mode or 0o644)
 
@@ -400,7 +346,7 @@ async def _chunks_in(io: CallIO, cls: type[Any], limit: int, what: str) -> Async
 @method("ReadTree", W.ReadTreeRequest, streams=True)
 async def _read_tree(reg: Registry, io: CallIO, req: W.ReadTreeRequest) -> None:
     """``cp -r box:/path DIR``: the guest packs, the client unpacks (with its own rights)."""
-    sb = _sandbox(reg, io, req.id)
+    sb = A.sandbox(reg, io.principal, req.id)
     async with sb.read_tree(_absolute(req.path)) as tar:
         async for chunk in tar:
             await io.send(W.FileChunk(data=chunk))
@@ -412,7 +358,7 @@ async def _write_tree(reg: Registry, io: CallIO, first: W.WriteTreeRequest) -> W
     """``cp -r DIR box:/path``: the client packs, guestd unpacks (hostile archives refused)."""
     if first.open is None:
         raise InvalidArgument("the first WriteTreeRequest must carry open")
-    sb = _sandbox(reg, io, first.open.id)
+    sb = A.sandbox(reg, io.principal, first.open.id)
     chunks = _chunks_in(io, W.WriteTreeRequest, P.MAX_TREE_STREAM, "tree stream")
     n = await sb.write_tree(_absolute(first.open.path), chunks, owner=first.open.owner)
     return W.WriteTreeResponse(entries=n)
@@ -435,7 +381,7 @@ async def _fs_list(reg: Registry, io: CallIO, req: W.FsPathRequest) -> None:
     base = "/" + posixpath.normpath(path).lstrip("/")
     page: list[W.FsEntry] = []
     size = 0
-    for e in await _sandbox(reg, io, req.id).fs_list(path):
+    for e in await A.sandbox(reg, io.principal, req.id).fs_list(path):
         entry = _fs_entry(e, posixpath.join(base, e.name))
         page.append(entry)
         size += len(entry.name.encode()) + len(entry.path.encode()) + len(entry.target.encode()) + 64
@@ -449,14 +395,14 @@ async def _fs_list(reg: Registry, io: CallIO, req: W.FsPathRequest) -> None:
 @method("FsStat", W.FsPathRequest)
 async def _fs_stat(reg: Registry, io: CallIO, req: W.FsPathRequest) -> W.FsEntry:
     path = _absolute(req.path)
-    e = await _sandbox(reg, io, req.id).fs_stat(path)
+    e = await A.sandbox(reg, io.principal, req.id).fs_stat(path)
     return _fs_entry(attrs.evolve(e, name=posixpath.basename(e.name) or "/"), posixpath.normpath(path))
 
 
 @method("FsExists", W.FsPathRequest)
 async def _fs_exists(reg: Registry, io: CallIO, req: W.FsPathRequest) -> W.FsExistsResponse:
     """Whether the path exists (a dangling symlink does: it is there)."""
-    sb = _sandbox(reg, io, req.id)  # (a missing sandbox is NOT_FOUND)
+    sb = A.sandbox(reg, io.principal, req.id)  # (a missing sandbox is NOT_FOUND)
     try:
         await sb.fs_stat(_absolute(req.path))
     except NotFound:
@@ -469,22 +415,22 @@ async def _fs_mkdir(reg: Registry, io: CallIO, req: W.FsMkdirRequest) -> None:
     if not 0 <= req.mode <= 0o7777:
         raise InvalidArgument("mode must be 0..0o7777")
     path = _absolute(req.path)
-    await _sandbox(reg, io, req.id).fs_change("mkdir", path, recursive=req.parents, mode=req.mode or 0o755)
+    await A.sandbox(reg, io.principal, req.id).fs_change("mkdir", path, recursive=req.parents, mode=req.mode or 0o755)
 
 
 @method("FsRemove", W.FsRemoveRequest)
 async def _fs_remove(reg: Registry, io: CallIO, req: W.FsRemoveRequest) -> None:
-    await _sandbox(reg, io, req.id).fs_change("remove", _absolute(req.path), recursive=req.recursive)
+    await A.sandbox(reg, io.principal, req.id).fs_change("remove", _absolute(req.path), recursive=req.recursive)
 
 
 @method("FsRename", W.FsRenameRequest)
 async def _fs_rename(reg: Registry, io: CallIO, req: W.FsRenameRequest) -> None:
-    await _sandbox(reg, io, req.id).fs_change("rename", _absolute(req.path), dest=_absolute(req.dest))
+    await A.sandbox(reg, io.principal, req.id).fs_change("rename", _absolute(req.path), dest=_absolute(req.dest))
 
 
 @method("Ping", W.IdRequest)
 async def _ping(reg: Registry, io: CallIO, req: W.IdRequest) -> W.PingResponse:
-    sb = _sandbox(reg, io, req.id)
+    sb = A.sandbox(reg, io.principal, req.id)
     t = time.monotonic_ns()
     pong = await sb.guest_call(lambda g: g.channel.ping())
     return W.PingResponse(latency_ns=time.monotonic_ns() - t, activity=pong.activity)
@@ -492,7 +438,7 @@ async def _ping(reg: Registry, io: CallIO, req: W.IdRequest) -> W.PingResponse:
 
 @method("Touch", W.IdRequest)
 async def _touch(reg: Registry, io: CallIO, req: W.IdRequest) -> W.TouchResponse:
-    sb = _sandbox(reg, io, req.id)
+    sb = A.sandbox(reg, io.principal, req.id)
     activity = await sb.guest_call(lambda g: g.channel.touch())
     sb.touch()
     return W.TouchResponse(activity=activity)
@@ -500,7 +446,7 @@ async def _touch(reg: Registry, io: CallIO, req: W.IdRequest) -> W.TouchResponse
 
 @method("SetTtl", W.SetTtlRequest)
 async def _set_ttl(reg: Registry, io: CallIO, req: W.SetTtlRequest) -> W.SetTtlResponse:
-    return W.SetTtlResponse(expires_at=reg.set_ttl(_sandbox(reg, io, req.id).id, req.ttl_seconds))
+    return W.SetTtlResponse(expires_at=reg.set_ttl(A.sandbox(reg, io.principal, req.id).id, req.ttl_seconds))
 
 
 @method("Logs", W.LogsRequest, streams=True)
@@ -511,7 +457,7 @@ async def _logs(reg: Registry, io: CallIO, req: W.LogsRequest) -> None:
     if bad:
         raise InvalidArgument(f"unknown log source {bad[0][:40]!r}: the sources are {', '.join(LOG_SOURCES)}")
     sources = frozenset(req.sources)
-    sb = _sandbox(reg, io, req.id)
+    sb = A.sandbox(reg, io.principal, req.id)
     if req.follow:
         follow = sb.log.follow(tail=req.tail, since=req.since, cursor=req.cursor, sources=sources)
         async with aclosing(follow) as records:
@@ -530,7 +476,7 @@ async def _metrics_of(sb: Sandbox) -> W.MetricsResponse:
 
 @method("Metrics", W.IdRequest)
 async def _metrics(reg: Registry, io: CallIO, req: W.IdRequest) -> W.MetricsResponse:
-    return await _metrics_of(_sandbox(reg, io, req.id))
+    return await _metrics_of(A.sandbox(reg, io.principal, req.id))
 
 
 def _alive(sandboxes: list[Sandbox]) -> list[Sandbox]:
@@ -561,24 +507,24 @@ async def _metrics_stream(reg: Registry, io: CallIO, req: W.MetricsStreamRequest
         raise InvalidArgument("interval_seconds must be 0.1 to 3600")
     while True:
         if req.id:
-            sb = _sandbox(reg, io, req.id)
+            sb = A.sandbox(reg, io.principal, req.id)
             if sb.state in ALIVE:
                 await io.send(await _metrics_of(sb))
         else:
-            for m in await _sample(_visible(io, reg.sandboxes.values())):
+            for m in await _sample(A.visible(io.principal, reg.sandboxes.values())):
                 await io.send(m)
         await trio.sleep(req.interval_seconds)
 
 
 @method("MetricsAll", W.Empty)
 async def _metrics_all(reg: Registry, io: CallIO, req: W.Empty) -> W.MetricsAllResponse:
-    return W.MetricsAllResponse(await _sample(_visible(io, reg.sandboxes.values())))
+    return W.MetricsAllResponse(await _sample(A.visible(io.principal, reg.sandboxes.values())))
 
 
 @method("ExposePort", W.ExposePortRequest)
 async def _expose(reg: Registry, io: CallIO, req: W.ExposePortRequest) -> W.ExposePortResponse:
     check_port(req.sandbox_port, req.host_port)
-    pm = await _sandbox(reg, io, req.id).expose(req.sandbox_port, req.host_port, M.protocol(req.protocol))
+    pm = await A.sandbox(reg, io.principal, req.id).expose(req.sandbox_port, req.host_port, M.protocol(req.protocol))
     # idempotent: a port exposed already answers with its mapping. The guest needs no
     # relay port: slirp forwards, and on tap the relay connects, to the sandbox port
     return W.ExposePortResponse(host_port=pm.host_port, guest_port=pm.sandbox_port)
@@ -587,17 +533,17 @@ async def _expose(reg: Registry, io: CallIO, req: W.ExposePortRequest) -> W.Expo
 @method("UnexposePort", W.UnexposePortRequest)
 async def _unexpose(reg: Registry, io: CallIO, req: W.UnexposePortRequest) -> None:
     check_port(req.sandbox_port)
-    await _sandbox(reg, io, req.id).unexpose(req.sandbox_port, M.protocol(req.protocol))
+    await A.sandbox(reg, io.principal, req.id).unexpose(req.sandbox_port, M.protocol(req.protocol))
 
 
 @method("ListPorts", W.IdRequest)
 async def _list_ports(reg: Registry, io: CallIO, req: W.IdRequest) -> W.ListPortsResponse:
-    return M.ports(_sandbox(reg, io, req.id))
+    return M.ports(A.sandbox(reg, io.principal, req.id))
 
 
 @method("Checkpoint", W.CheckpointRequest)
 async def _checkpoint(reg: Registry, io: CallIO, req: W.CheckpointRequest) -> W.CheckpointResponse:
-    sb = _sandbox(reg, io, req.sandbox_id)
+    sb = A.sandbox(reg, io.principal, req.sandbox_id)
     rec, ck = await reg.checkpoint(sb.id, name=req.name, labels=req.labels, owner=io.principal.name)
     return W.CheckpointResponse(
         snapshot_id=rec.id,
@@ -613,7 +559,7 @@ async def _checkpoint(reg: Registry, io: CallIO, req: W.CheckpointRequest) -> W.
 @method("Restore", W.RestoreRequest)
 async def _restore(reg: Registry, io: CallIO, req: W.RestoreRequest) -> W.RestoreResponse:
     sb = await reg.restore(
-        _snapshot(reg, io, req.snapshot_id).id,
+        A.snapshot(reg, io.principal, req.snapshot_id).id,
         id=req.id,
         labels=req.labels,
         ttl_seconds=req.ttl_seconds,
@@ -632,13 +578,13 @@ async def _list_snapshots(reg: Registry, io: CallIO, req: W.ListSnapshotsRequest
 
 @method("DeleteSnapshot", W.DeleteSnapshotRequest)
 async def _delete_snapshot(reg: Registry, io: CallIO, req: W.DeleteSnapshotRequest) -> None:
-    await reg.delete_snapshot(_snapshot(reg, io, req.snapshot_id).id)
+    await reg.delete_snapshot(A.snapshot(reg, io.principal, req.snapshot_id).id)
 
 
 @method("ExportSnapshot", W.ExportSnapshotRequest, streams=True)
 async def _export_snapshot(reg: Registry, io: CallIO, req: W.ExportSnapshotRequest) -> None:
     """The snapshot as one file, in chunks of about 1 MiB, then ``done``."""
-    snap = _snapshot(reg, io, req.snapshot_id)
+    snap = A.snapshot(reg, io.principal, req.snapshot_id)
     async with aclosing(reg.export_snapshot(snap.id, include_base=req.include_base)) as pieces:
         async for piece in pieces:
             await io.send(W.FileChunk(data=piece))
@@ -671,7 +617,7 @@ def _version() -> str:
 @method("Info", W.Empty)
 async def _info(reg: Registry, io: CallIO, req: W.Empty) -> W.ServerInfo:
     by_state: dict[str, int] = {}
-    for sb in _visible(io, reg.sandboxes.values()):
+    for sb in A.visible(io.principal, reg.sandboxes.values()):
         by_state[sb.state.value] = by_state.get(sb.state.value, 0) + 1
     return W.ServerInfo(
         version=_version(),
@@ -684,7 +630,7 @@ async def _info(reg: Registry, io: CallIO, req: W.Empty) -> W.ServerInfo:
 
 
 def _volume(reg: Registry, io: CallIO, rec: VolumeRecord) -> W.VolumeInfo:
-    users = [id for id in reg.volumes.users(rec.name) if id not in reg.sandboxes or _may_see_id(reg, io, id)]
+    users = [id for id in reg.volumes.users(rec.name) if id not in reg.sandboxes or A.sees_id(reg, io.principal, id)]
     return W.VolumeInfo(
         name=rec.name,
         size_mib=rec.size_bytes >> 20,
@@ -692,10 +638,6 @@ def _volume(reg: Registry, io: CallIO, rec: VolumeRecord) -> W.VolumeInfo:
         labels=dict(rec.labels),
         mounted_by=users,
     )
-
-
-def _may_see_id(reg: Registry, io: CallIO, id: str) -> bool:
-    return io.principal.may_see(reg.sandboxes[id].record.owner)
 
 
 @method("CreateVolume", W.CreateVolumeRequest)
@@ -707,7 +649,7 @@ async def _create_volume(reg: Registry, io: CallIO, req: W.CreateVolumeRequest) 
 
 @method("InspectVolume", W.NameRequest)
 async def _inspect_volume(reg: Registry, io: CallIO, req: W.NameRequest) -> W.VolumeInfo:
-    return _volume(reg, io, _volume_of(reg, io, req.name))
+    return _volume(reg, io, A.volume(reg, io.principal, req.name))
 
 
 @method("ListVolumes", W.ListVolumesRequest)
@@ -724,10 +666,10 @@ async def _list_volumes(reg: Registry, io: CallIO, req: W.ListVolumesRequest) ->
 async def _delete_volume(reg: Registry, io: CallIO, req: W.DeleteVolumeRequest) -> W.Empty:
     """FAILED_PRECONDITION while a live sandbox mounts it; ``force``: those sandboxes are
     killed first (as ``rm -f`` of each), then it goes."""
-    _volume_of(reg, io, req.name)
+    A.volume(reg, io.principal, req.name)
     if req.force:
         users = [id for id in reg.volumes.users(req.name) if id in reg.sandboxes]
-        if not all(_may_see_id(reg, io, id) for id in users):
+        if not all(A.sees_id(reg, io.principal, id) for id in users):
             raise PermissionDenied(f"volume {req.name!r} is mounted by a sandbox {io.principal.name} may not stop")
         killed = [reg.kill(id) for id in users]
         for sb in killed:
@@ -779,14 +721,14 @@ async def _pull_image(reg: Registry, io: CallIO, req: W.PullImageRequest) -> Non
 
 @method("RemoveImage", W.ImageRefRequest)
 async def _remove_image(reg: Registry, io: CallIO, req: W.ImageRefRequest) -> W.RemoveImageResponse:
-    _admin_only(io, "removing an image (images are shared)")
+    A.admin_only(io.principal, "removing an image (images are shared)")
     r = await reg.remove_image(req.ref)
     return W.RemoveImageResponse(list(r.untagged), list(r.deleted), r.freed_bytes)
 
 
 @method("PruneImages", W.PruneImagesRequest)
 async def _prune_images(reg: Registry, io: CallIO, req: W.PruneImagesRequest) -> W.PruneImagesResponse:
-    _admin_only(io, "pruning images (images are shared)")
+    A.admin_only(io.principal, "pruning images (images are shared)")
     r = await reg.prune_images(dangling_only=req.dangling_only)
     return W.PruneImagesResponse(list(r.deleted), r.blobs_deleted, r.freed_bytes)
 
@@ -809,13 +751,13 @@ async def _inspect_image(reg: Registry, io: CallIO, req: W.NameRequest) -> W.Ima
 @method("Pause", W.IdRequest)
 async def _pause(reg: Registry, io: CallIO, req: W.IdRequest) -> W.SandboxInfo:
     """Hibernate a ready sandbox to disk; answers once it is paused (no QEMU)."""
-    return M.info(await reg.pause(_sandbox(reg, io, req.id).id))
+    return M.info(await reg.pause(A.sandbox(reg, io.principal, req.id).id))
 
 
 @method("Resume", W.IdRequest)
 async def _resume(reg: Registry, io: CallIO, req: W.IdRequest) -> W.SandboxInfo:
     """Bring a paused sandbox back as itself; answers once it is ready."""
-    return M.info(await reg.resume(_sandbox(reg, io, req.id).id))
+    return M.info(await reg.resume(A.sandbox(reg, io.principal, req.id).id))
 
 
 # --- secrets (docs/secrets.md) ------------------------------------------------------------------
@@ -842,24 +784,24 @@ async def _list_secrets(reg: Registry, io: CallIO, req: W.Empty) -> W.ListSecret
 
 @method("DeleteSecret", W.NameRequest)
 async def _delete_secret(reg: Registry, io: CallIO, req: W.NameRequest) -> W.Empty:
-    _secret_of(reg, io, req.name)
+    A.stored_secret(reg, io.principal, req.name)
     secrets.remove_named(reg.settings, req.name)
     return W.Empty()
 
 
 @method("RotateSecret", W.RotateSecretRequest)
 async def _rotate_secret(reg: Registry, io: CallIO, req: W.RotateSecretRequest) -> W.Empty:
-    secrets.rotate(_sandbox(reg, io, req.id), req.name, bytes(req.value))
+    secrets.rotate(A.sandbox(reg, io.principal, req.id), req.name, bytes(req.value))
     return W.Empty()
 
 
 @method("RevokeSecret", W.SandboxSecretRequest)
 async def _revoke_secret(reg: Registry, io: CallIO, req: W.SandboxSecretRequest) -> W.Empty:
-    secrets.remove(_sandbox(reg, io, req.id), req.name)
+    secrets.remove(A.sandbox(reg, io.principal, req.id), req.name)
     return W.Empty()
 
 
 @method("ListSandboxSecrets", W.IdRequest)
 async def _sandbox_secrets(reg: Registry, io: CallIO, req: W.IdRequest) -> W.SandboxSecretsResponse:
-    sb = _sandbox(reg, io, req.id)
+    sb = A.sandbox(reg, io.principal, req.id)
     return W.SandboxSecretsResponse([W.SandboxSecretInfo(*s) for s in secrets.describe(sb)])

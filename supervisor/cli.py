@@ -186,10 +186,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import trio
 
     from images.refs import RefPolicy
-    from supervisor.daemon import serve
+    from supervisor.daemon import metrics_token, serve
     from supervisor.daemon_config import from_args
     from supervisor.grpc_service import addresses as grpc_addresses
     from supervisor.grpc_service import tcp_auth
+    from supervisor.metrics import check_listen as check_metrics_listen
     from supervisor.metrics import parse_listen
 
     logging.getLogger().setLevel(logging.DEBUG if args.verbose else logging.INFO)
@@ -206,7 +207,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             fail(f"sandvisor serve: --grpc {addr!r}: {exc}", 2)
     try:
         if cfg.metrics:
-            parse_listen(cfg.metrics)
+            check_metrics_listen(cfg.metrics)
+            metrics_token(cfg)
     except (ValueError, OSError) as exc:
         fail(f"sandvisor serve: --metrics {cfg.metrics!r}: {exc}", 2)
     if cfg.e2b:
@@ -294,16 +296,16 @@ def cmd_mcp(args: argparse.Namespace) -> int:
         from supervisor import mcp_server
     except ImportError as exc:
         fail(f"sandvisor mcp needs the mcp package (pip install 'sandvisor[mcp]'): {exc}", 1)
+    door = None
     if args.http:
-        from supervisor.metrics import is_loopback, parse_listen
-
         try:
-            host, _ = parse_listen(args.http)
+            door, made = mcp_server.http_door(args.http, args.token_file, tls_cert=args.tls_cert, tls_key=args.tls_key)
         except ValueError as exc:
-            fail(f"sandvisor mcp: --http: {exc}", 2)
-        if not is_loopback(host):
-            print(f"sandvisor mcp: WARNING: MCP on {host} has no authentication", file=sys.stderr)
-    mcp_server.run(args.socket, args.http)
+            fail(f"sandvisor mcp: {exc}", 2)
+        if made:
+            print(f"sandvisor mcp: a new token in {args.token_file} (mode 0600)", file=sys.stderr)
+        print(f"sandvisor mcp: {door.url} (Authorization: Bearer <the token>)", file=sys.stderr)
+    mcp_server.run(args.socket, door)
     return 0
 
 
@@ -428,8 +430,19 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     mcp = sub.add_parser("mcp", help="serve sandboxes as MCP tools for agents (stdio, or --http HOST:PORT)")
     mcp.add_argument("--socket", default=os.environ.get("SANDVISOR_SOCKET"), help="supervisor socket")
     mcp.add_argument(
-        "--http", metavar="HOST:PORT", help="MCP's streamable HTTP at http://HOST:PORT/mcp (host: loopback)"
+        "--http",
+        metavar="HOST:PORT",
+        help="MCP's streamable HTTP at http://HOST:PORT/mcp (loopback; other hosts need --tls-cert/--tls-key); "
+        "needs --token-file",
     )
+    mcp.add_argument(
+        "--token-file",
+        metavar="FILE",
+        help="with --http: clients send 'Authorization: Bearer TOKEN' with the token in FILE "
+        "(yours, mode 0600; made with a new random token if absent)",
+    )
+    mcp.add_argument("--tls-cert", metavar="PEM", help="with --http: serve HTTPS with this certificate chain")
+    mcp.add_argument("--tls-key", metavar="PEM", help="with --http: the certificate's private key")
     mcp.set_defaults(func=cmd_mcp)
 
     demo = sub.add_parser("demo", help="boot a sandbox from the default image and show it working")

@@ -53,8 +53,10 @@ from supervisor.daemon_config import DaemonConfig
 from supervisor.grpc_addresses import Address, TcpAddress
 from supervisor.grpc_service import addresses, build_edge, tcp_auth
 from supervisor.metrics import MetricsEndpoint, RegistrySource, parse_listen
+from supervisor.metrics import check_listen as check_metrics_listen
 from supervisor.notify import Notifier
 from supervisor.server import Server
+from supervisor.tokens import make_token_file, read_token_file
 
 if TYPE_CHECKING:
     from supervisor.fleet.member import FleetConfig, FleetMember
@@ -104,6 +106,16 @@ def e2b_key_file(cfg: DaemonConfig) -> Path:
 
     check_key_file(cfg.e2b_key_file)
     return cfg.e2b_key_file
+
+
+def metrics_token(cfg: DaemonConfig) -> bytes:
+    """--metrics's bearer token: read from --metrics-token-file (made, 0600, with a new
+    random token if there is no file there); ValueError otherwise."""
+    if cfg.metrics_token_file is None:
+        raise ValueError("--metrics needs --metrics-token-file FILE (scrapers send 'Authorization: Bearer TOKEN')")
+    if make_token_file(cfg.metrics_token_file, "--metrics-token-file"):
+        log.info("--metrics-token-file %s: a new token, mode 0600", cfg.metrics_token_file)
+    return read_token_file(cfg.metrics_token_file, "--metrics-token-file")
 
 
 async def serve(
@@ -328,7 +340,8 @@ async def _serve_locked(cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Re
         admin_group=cfg.admin_group,
         auth=grpc_auth,
     )  # before anything starts: a wrong flag fails fast
-    metrics_at = parse_listen(cfg.metrics) if cfg.metrics else None
+    metrics_at = check_metrics_listen(cfg.metrics) if cfg.metrics else None
+    metrics_key = metrics_token(cfg) if metrics_at is not None else b""
     e2b_at = parse_listen(cfg.e2b) if cfg.e2b else None
     e2b_keys = e2b_key_file(cfg) if e2b_at is not None else Path()
     fleet = _fleet_config(cfg, grpc_addrs)
@@ -450,7 +463,7 @@ async def _serve_locked(cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Re
                 await nursery.start(run_edge)
                 log.info("gRPC on %s", ", ".join(map(str, grpc_addrs)))
             if metrics_at is not None:
-                endpoint = MetricsEndpoint(RegistrySource(registry), *metrics_at)
+                endpoint = MetricsEndpoint(RegistrySource(registry), *metrics_at, token=metrics_key)
                 await nursery.start(endpoint.run)
                 log.info("metrics on http://%s:%d/metrics", metrics_at[0], endpoint.port)
             e2b_scope = trio.CancelScope()

@@ -352,7 +352,15 @@ class DaemonConfig:
         None,
         name="--metrics",
         metavar="HOST:PORT",
-        help="serve Prometheus metrics at http://HOST:PORT/metrics (host: loopback)",
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (loopback only); needs --metrics-token-file",
+    )
+    metrics_token_file: Path | None = flag(  # scrapers send "Authorization: Bearer <its token>" (0600, ours)
+        None,
+        name="--metrics-token-file",
+        metavar="FILE",
+        help="scrapers of --metrics send 'Authorization: Bearer TOKEN' with the token in FILE "
+        "(ours, mode 0600; made with a new random token if absent; read at start)",
+        parse=_path,
     )
     e2b: str | None = flag(  # HOST:PORT of the E2B-compatible API (None: not served; host: loopback)
         None,

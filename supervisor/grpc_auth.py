@@ -22,8 +22,6 @@ import hmac
 import inspect
 import logging
 import math
-import os
-import stat
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from pathlib import Path
@@ -41,10 +39,21 @@ import grpc
 import grpc.aio
 
 from supervisor.grpc_addresses import Address, TcpAddress, is_loopback
+from supervisor.tokens import check_token, read_private, read_token_file
+
+__all__ = [
+    "NO_TCP_AUTH",
+    "UNAUTHENTICATED",
+    "TcpAuth",
+    "TcpGate",
+    "Token",
+    "check_tcp_auth",
+    "read_grpc_tokens",
+    "read_token_file",
+]
 
 log = logging.getLogger("sandvisor.grpc")
 
-MIN_TOKEN, MAX_TOKEN = 32, 1024  # a bearer token's length (openssl rand -hex 32: 64)
 UNAUTHENTICATED = (
     "this address needs client authentication: a client certificate (serve --grpc-client-ca) "
     "or metadata 'authorization: Bearer TOKEN' (serve --grpc-token-file)"
@@ -52,13 +61,6 @@ UNAUTHENTICATED = (
 
 
 OPERATOR = "operator"  # the label of a token given without one (the operator's own: an admin)
-
-
-def _check_token(token: bytes) -> None:
-    if not MIN_TOKEN <= len(token) <= MAX_TOKEN:
-        raise ValueError(f"a bearer token is {MIN_TOKEN} to {MAX_TOKEN} characters")
-    if not all(0x21 <= b <= 0x7E for b in token):
-        raise ValueError("a bearer token is printable ASCII without spaces")
 
 
 @attrs.frozen
@@ -70,7 +72,7 @@ class Token:
     admin: bool = True
 
     def __attrs_post_init__(self) -> None:
-        _check_token(self.secret)
+        check_token(self.secret)
         bad = check_name(f"token:{self.label}")
         if bad is not None:
             raise ValueError(f"token label {self.label[:40]!r}: {bad}")
@@ -96,7 +98,7 @@ class TcpAuth:
 
     def __attrs_post_init__(self) -> None:
         if self.token is not None:
-            _check_token(self.token)
+            check_token(self.token)
         if (self.token is not None or self.tokens) and self.insecure:
             raise ValueError("--grpc-insecure and --grpc-token-file contradict each other: give one")
         labels = [t.label for t in self.all_tokens]
@@ -140,24 +142,13 @@ def check_tcp_auth(addresses: Iterable[Address], auth: TcpAuth | None) -> None:
             raise ValueError(f"gRPC on {a} would let any client in: {NO_TCP_AUTH}")
 
 
-def read_token_file(path: Path | str) -> tuple[Token, ...]:
+def read_grpc_tokens(path: Path | str) -> tuple[Token, ...]:
     """The bearer tokens in ``path``: a regular file of ours, not a symlink, mode 0600 or
     stricter. Each line is ``TOKEN [LABEL [admin]]`` (blank lines and ``#`` comments
     skipped): a token without a label is the operator's (``token:operator``, an admin),
     one with a label is ``token:LABEL``, an admin only when the line says ``admin``.
     Read once, at start."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as exc:
-        raise ValueError(f"--grpc-token-file {path}: {exc.strerror}") from None
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(f.fileno())
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
-            raise ValueError(
-                f"--grpc-token-file {path}: must be a regular file owned by uid {os.geteuid()}, "
-                f"mode 0600 or stricter (it is {stat.filemode(st.st_mode)}, uid {st.st_uid})"
-            )
-        text = f.read(1 << 20)
+    text = read_private(path, "--grpc-token-file", 1 << 20)
     tokens: list[Token] = []
     try:
         for n, line in enumerate(text.splitlines(), 1):

@@ -60,7 +60,7 @@ from supervisor import grpc_bridge as G
 from supervisor import protocol as W
 from supervisor.api import METHODS, SERVICES, Method
 from supervisor.grpc_addresses import Address, TcpAddress, TlsConfig, UnixAddress, parse_address
-from supervisor.grpc_auth import TcpAuth, check_tcp_auth, read_token_file
+from supervisor.grpc_auth import TcpAuth, check_tcp_auth, read_grpc_tokens
 from supervisor.grpc_convert import dict_to_message, message_to_dict
 from supervisor.peers import ClientPolicy, Peer
 from supervisor.proto.sandbox.v1 import sandbox_pb2
@@ -259,9 +259,11 @@ def call_principal(call: G.Call[Any, Any], auth: TcpAuth, unix_peers: Mapping[st
         return p
     if kind == "unix":  # a socket with no peer policy: its file mode alone let the caller in
         return Principal.uid(os.geteuid(), admin=True)
-    cns = call.auth.get("x509_common_name")
-    if cns:  # (only a verifying address asks for a certificate: one present was verified)
-        return auth.cert_principal(cns[0].decode(errors="replace"))
+    # (only a verifying address asks for a certificate: one present was verified); its
+    # common name, else its first subject alternative name
+    names = call.auth.get("x509_common_name") or call.auth.get("x509_subject_alternative_name")
+    if names:
+        return auth.cert_principal(names[0].decode(errors="replace"))
     value = call.metadata_value("authorization")
     if value is not None:
         token = auth.bearer(value if isinstance(value, bytes) else value.encode("utf-8", "surrogateescape"))
@@ -427,7 +429,7 @@ def tcp_auth(token_file: Path | None = None, insecure: bool = False, admin_cns: 
     none of them). ValueError names what is wrong."""
     if token_file is None and not insecure and not admin_cns:
         return None
-    tokens = read_token_file(token_file) if token_file else ()
+    tokens = read_grpc_tokens(token_file) if token_file else ()
     return TcpAuth(insecure=insecure, tokens=tokens, admin_cns=frozenset(admin_cns) if admin_cns else None)
 
 

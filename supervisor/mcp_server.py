@@ -1,7 +1,12 @@
 """``sandvisor mcp``: sandboxes as Model Context Protocol tools, for desktop and IDE
 agents. Built on the ``mcp`` package's :class:`MCPServer`; an ordinary client of the
-supervisor (the Trio SDK on its Unix socket). stdio by default; ``--http HOST:PORT``
-serves MCP's streamable HTTP transport (loopback by default) with Hypercorn on Trio.
+supervisor (the Trio SDK on its Unix socket), acting as the user who started it.
+stdio by default; ``--http HOST:PORT`` serves MCP's streamable HTTP transport with
+Hypercorn on Trio. That is a door to that user's powers, so it checks who is asking:
+every request carries ``Authorization: Bearer TOKEN`` (the token in ``--token-file``,
+a 0600 file of that user's; constant-time compare) or gets 401; a host that is not
+loopback by its address class is refused unless served with TLS; plain-HTTP binds keep
+the SDK's DNS-rebinding check (Host and Origin headers).
 
 Every sandbox it creates gets a TTL (default :data:`DEFAULT_TTL`), so an agent's
 sandboxes do not outlive its session by much, and the label ``created-by=sandvisor-mcp``.
@@ -17,14 +22,17 @@ from collections.abc import Awaitable, Callable
 from contextlib import aclosing
 from typing import Annotated, Any, Literal, ParamSpec, TypeVar
 
+import attrs
 import trio
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
 from pydantic import Field
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from supervisor import errors as E
 from supervisor import guest_fs
 from supervisor.sdk.aio import AsyncSandbox
+from supervisor.tokens import bearer_ok, make_token_file, read_token_file
 
 DEFAULT_TTL = 3600  # s: an agent's sandbox goes an hour after creation unless asked otherwise
 MAX_TTL = 7 * 24 * 3600
@@ -243,22 +251,114 @@ def build(socket: str | None) -> MCPServer:
     return server
 
 
-def run(socket: str | None, http: str | None) -> None:
-    """Serve on stdio, or streamable HTTP at ``http`` (HOST:PORT, loopback by default)."""
+@attrs.frozen
+class HttpDoor:
+    """How ``--http`` serves: where, the bearer token every request carries, TLS, and the
+    Host headers the SDK's DNS-rebinding check lets through (None: no check, over TLS)."""
+
+    host: str
+    port: int
+    token: bytes = attrs.field(repr=False)
+    tls: tuple[str, str] | None = None  # (certificate chain PEM, key PEM)
+    allowed_hosts: tuple[str, ...] | None = ()
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{'https' if self.tls else 'http'}://{host}:{self.port}/mcp"
+
+
+NOT_LOOPBACK = "is not a loopback address: serve it with TLS (--tls-cert and --tls-key), or on loopback"
+
+
+def http_door(
+    spec: str, token_file: str | None, *, tls_cert: str | None = None, tls_key: str | None = None
+) -> tuple[HttpDoor, bool]:
+    """``--http HOST:PORT``'s door, checked before anything listens (ValueError saying what
+    to change), and whether its token file was made now. A token file is required (made,
+    0600, with a new random token if there is no file at that path; refused if it is not
+    a private file of ours); a host that is not loopback by its class (names resolved) is
+    refused without TLS."""
+    from supervisor.metrics import is_loopback, parse_listen
+
+    host, port = parse_listen(spec)
+    if (tls_cert is None) != (tls_key is None):
+        raise ValueError("--tls-cert and --tls-key go together")
+    tls = (tls_cert, tls_key) if tls_cert is not None and tls_key is not None else None
+    loopback = is_loopback(host)
+    if not loopback and tls is None:
+        raise ValueError(f"--http {spec}: {host} {NOT_LOOPBACK}")
+    if not token_file:
+        raise ValueError("--http needs --token-file FILE: every request carries 'Authorization: Bearer TOKEN'")
+    made = make_token_file(token_file, "--token-file")
+    token = read_token_file(token_file, "--token-file")
+    allowed: tuple[str, ...] | None = None  # over TLS a rebound name fails the certificate check
+    if tls is None:
+        named = f"[{host}]" if ":" in host else host
+        allowed = tuple(dict.fromkeys((named, "localhost")))
+    return HttpDoor(host, port, token, tls, allowed), made
+
+
+class BearerGate:
+    """Every HTTP request (and WebSocket) carries ``Authorization: Bearer TOKEN`` or gets
+    401 with ``WWW-Authenticate: Bearer`` before the MCP app sees it."""
+
+    def __init__(self, app: ASGIApp, token: bytes) -> None:
+        self.app = app
+        self.token = token
+        self.refused = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] in ("http", "websocket"):
+            given = [v for k, v in scope["headers"] if k == b"authorization"]
+            if len(given) != 1 or not bearer_ok(given[0], self.token):
+                self.refused += 1
+                if scope["type"] == "websocket":
+                    await send({"type": "websocket.close", "code": 1008})
+                    return
+                body = b"Authorization: Bearer TOKEN (the token in sandvisor mcp's --token-file)\n"
+                headers = [
+                    (b"www-authenticate", b'Bearer realm="sandvisor mcp"'),
+                    (b"content-type", b"text/plain"),
+                    (b"content-length", str(len(body)).encode()),
+                ]
+                await send({"type": "http.response.start", "status": 401, "headers": headers})
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)
+
+
+def http_app(server: MCPServer, door: HttpDoor) -> BearerGate:
+    """The streamable HTTP app behind the token, with the SDK's DNS-rebinding check on the
+    Host and Origin headers (every plain-HTTP bind: loopback ones included)."""
+    from mcp.server.transport_security import TransportSecuritySettings
+
+    if door.allowed_hosts is None:
+        security = TransportSecuritySettings(enable_dns_rebinding_protection=False)
+    else:
+        security = TransportSecuritySettings(
+            enable_dns_rebinding_protection=True,
+            allowed_hosts=[f"{h}:*" for h in door.allowed_hosts],
+            allowed_origins=[f"http://{h}:*" for h in door.allowed_hosts],
+        )
+    app = server.streamable_http_app(host=door.host, transport_security=security)
+    return BearerGate(app, door.token)
+
+
+def run(socket: str | None, door: HttpDoor | None) -> None:
+    """Serve on stdio, or streamable HTTP through ``door`` (see :func:`http_door`)."""
     import anyio
 
     server = build(socket)
-    if http is None:
+    if door is None:
         anyio.run(server.run_stdio_async, backend="trio")
         return
     from hypercorn.config import Config
     from hypercorn.trio import serve
 
-    from supervisor.metrics import parse_listen
-
-    host, port = parse_listen(http)
-    app = server.streamable_http_app(host=host)
     config = Config()
-    config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+    config.bind = [f"[{door.host}]:{door.port}" if ":" in door.host else f"{door.host}:{door.port}"]
     config.accesslog = None
-    trio.run(serve, app, config)  # type: ignore[arg-type]
+    if door.tls is not None:
+        config.certfile, config.keyfile = door.tls
+    trio.run(serve, http_app(server, door), config)  # type: ignore[arg-type]

@@ -4,8 +4,16 @@ A tiny HTTP/1.1 server in Trio (no thread: a scrape runs in Trio's thread, so th
 source reads the registry's state as it is, with no lock) answers ``GET /metrics``::
 
     Prometheus ──GET /metrics──► MetricsEndpoint ──await source.collect_metrics()──► registry
-                                     │ (scrape_timeout; 503 if the source is late)
+      Authorization: Bearer T        │ (401 without the token; scrape_timeout: 503 if the source is late;
+                                     │  one collection at a time, kept for cache_for seconds)
                                      └─ prometheus_client renders samples + process_* of the supervisor
+
+The endpoint is a door: it names every sandbox and image, and a collection asks every
+guest. So every request carries ``Authorization: Bearer TOKEN`` (``serve
+--metrics-token-file``, read by :mod:`supervisor.tokens`; compared in constant time) or
+gets 401 before anything is read; the address is loopback only (plain HTTP: a token must
+not cross a network); and however often token holders scrape, the guests are asked at
+most once per ``cache_for`` seconds (concurrent scrapes share one collection).
 
 The source is anything with ``async def collect_metrics() -> MetricsSample``; the
 daemon's is :class:`RegistrySource`: what each live sandbox's QEMU process has used on
@@ -29,6 +37,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import socket
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol
@@ -41,6 +50,7 @@ from prometheus_client.registry import Collector
 
 from actors.errors import DomainError
 from actors.model import ALIVE, ENDED
+from supervisor.tokens import bearer_ok, check_token
 
 if TYPE_CHECKING:
     from actors.registry import Registry
@@ -52,6 +62,7 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 9464  # the Prometheus exporters' registry has no sandvisor entry; this one is free there
 MAX_REQUEST = 8192
 MAX_CONNECTIONS = 16
+CACHE_FOR = 5.0  # s: a scrape within this long of the last collection is answered from it
 
 
 @attrs.frozen
@@ -129,12 +140,29 @@ def parse_listen(spec: str) -> tuple[str, int]:
 
 
 def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
+    """Every address ``host`` names is a loopback one (its class, 127.0.0.0/8 and ::1: not
+    a list of spellings); a name is resolved first (False if it does not resolve)."""
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
+        pass
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (OSError, UnicodeError):
         return False
+    addrs = {str(info[4][0]).split("%", 1)[0] for info in infos}
+    return bool(addrs) and all(ipaddress.ip_address(a).is_loopback for a in addrs)
+
+
+NOT_LOOPBACK = "plain HTTP with a bearer token is for loopback addresses only (127.0.0.0/8, ::1)"
+
+
+def check_listen(spec: str) -> tuple[str, int]:
+    """``--metrics``'s address, parsed and loopback (ValueError otherwise)."""
+    host, port = parse_listen(spec)
+    if not is_loopback(host):
+        raise ValueError(f"{host}: {NOT_LOOPBACK}; scrape from another host through a tunnel or a TLS proxy")
+    return host, port
 
 
 class MetricsEndpoint:
@@ -142,18 +170,31 @@ class MetricsEndpoint:
     (``ep.port`` then holds the bound port, for port 0)."""
 
     def __init__(
-        self, source: MetricsSource, host: str = DEFAULT_HOST, port: int = DEFAULT_PORT, *, scrape_timeout: float = 5.0
+        self,
+        source: MetricsSource,
+        host: str = DEFAULT_HOST,
+        port: int = DEFAULT_PORT,
+        *,
+        token: bytes,
+        scrape_timeout: float = 5.0,
+        cache_for: float = CACHE_FOR,
     ) -> None:
         self.source = source
         self.host = host
         self.port = port
+        self.token = check_token(token)
         self.scrape_timeout = scrape_timeout
-        self.scrapes = 0
+        self.cache_for = cache_for
+        self.scrapes = 0  # scrapes answered 200
+        self.collections = 0  # times the source was asked
+        self.unauthorized = 0
         self._slots = trio.Semaphore(MAX_CONNECTIONS)
+        self._collecting = trio.Lock()
+        self._last: tuple[float, MetricsSample] | None = None
 
     async def run(self, task_status: trio.TaskStatus[MetricsEndpoint] = trio.TASK_STATUS_IGNORED) -> None:
         if not is_loopback(self.host):
-            log.warning("metrics on %s: readable by anyone who reaches it (sandbox ids, states)", self.host)
+            raise ValueError(f"the metrics endpoint on {self.host}: {NOT_LOOPBACK}")
         try:
             listeners = await trio.open_tcp_listeners(self.port, host=self.host)
         except OSError as exc:
@@ -193,15 +234,39 @@ class MetricsEndpoint:
         verb, target, _ = parts
         if verb not in ("GET", "HEAD"):
             return "405 Method Not Allowed", b"GET /metrics\n", "text/plain"
+        if not bearer_ok(_header(head, b"authorization"), self.token):
+            self.unauthorized += 1
+            return "401 Unauthorized", b"Authorization: Bearer TOKEN (serve --metrics-token-file)\n", "text/plain"
         if target.split("?", 1)[0] != "/metrics":
             return "404 Not Found", b"GET /metrics\n", "text/plain"
         sample: MetricsSample | None = None
         with trio.move_on_after(self.scrape_timeout):
-            sample = await self.source.collect_metrics()
+            sample = await self._sample()
         if sample is None:
             return "503 Service Unavailable", b"the supervisor did not answer in time\n", "text/plain"
         self.scrapes += 1
         return "200 OK", render(sample), CONTENT_TYPE_LATEST
+
+    async def _sample(self) -> MetricsSample:
+        """The last collection if it is younger than ``cache_for``, else a new one (one at a
+        time: scrapes that arrive during a collection get its result)."""
+        async with self._collecting:
+            if self._last is not None and trio.current_time() - self._last[0] < self.cache_for:
+                return self._last[1]
+            sample = await self.source.collect_metrics()
+            self.collections += 1
+            self._last = (trio.current_time(), sample)
+            return sample
+
+
+def _header(head: bytes, name: bytes) -> bytes | None:
+    """The value of the request head's one ``name`` header (None if absent or repeated)."""
+    found = [
+        line.split(b":", 1)[1].strip()
+        for line in head.split(b"\r\n")[1:]
+        if b":" in line and line.split(b":", 1)[0].strip().lower() == name
+    ]
+    return found[0] if len(found) == 1 else None
 
 
 async def _read_head(stream: trio.SocketStream) -> bytes | None:
@@ -217,8 +282,9 @@ async def _read_head(stream: trio.SocketStream) -> bytes | None:
 
 
 def _response(status: str, body: bytes, ctype: str, *, head_only: bool = False) -> bytes:
+    challenge = 'WWW-Authenticate: Bearer realm="sandvisor metrics"\r\n' if status.startswith("401") else ""
     head = (
-        f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n"
+        f"HTTP/1.1 {status}\r\nContent-Type: {ctype}\r\nContent-Length: {len(body)}\r\n{challenge}"
         "Connection: close\r\nCache-Control: no-store\r\n\r\n"
     )
     return head.encode() + (b"" if head_only else body)

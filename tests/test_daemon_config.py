@@ -80,6 +80,7 @@ def test_a_config_said_as_flags_parses_back_to_itself(tmp_path: Path) -> None:
         grpc_admin_cert_cn=("ops", "fleet-admin"),
         grpc_insecure=True,
         metrics="127.0.0.1:9100",
+        metrics_token_file=tmp_path / "metrics.token",
         e2b="127.0.0.1:3000",
         e2b_key_file=tmp_path / "e2b.keys",
         ip_pool="10.99.0.0/16",

@@ -721,8 +721,10 @@ async def test_health_and_reflection(tmp_path: Path) -> None:
 class FakeSource:
     def __init__(self, delay: float = 0.0) -> None:
         self.delay = delay
+        self.asked = 0
 
     async def collect_metrics(self) -> M.MetricsSample:
+        self.asked += 1
         await trio.sleep(self.delay)
         return M.MetricsSample(
             sandboxes=[
@@ -733,15 +735,28 @@ class FakeSource:
         )
 
 
-async def _get(port: int, path: str) -> tuple[str, bytes]:
+METRICS_TOKEN = b"m" * 40
+
+
+async def _get(port: int, path: str, token: bytes | None = METRICS_TOKEN) -> tuple[str, bytes]:
+    return (await _get_head(port, path, token))[::2]
+
+
+async def _get_head(port: int, path: str, token: bytes | None = METRICS_TOKEN) -> tuple[str, list[bytes], bytes]:
     stream = await trio.open_tcp_stream("127.0.0.1", port)
+    auth = b"Authorization: Bearer " + token + b"\r\n" if token is not None else b""
     async with stream:
-        await stream.send_all(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        await stream.send_all(f"GET {path} HTTP/1.1\r\nHost: x\r\n".encode() + auth + b"\r\n")
         data = b""
         while chunk := await stream.receive_some(65536):
             data += chunk
     head, _, body = data.partition(b"\r\n\r\n")
-    return head.split(b"\r\n")[0].decode(), body
+    lines = head.split(b"\r\n")
+    return lines[0].decode(), lines[1:], body
+
+
+def _endpoint(source: M.MetricsSource, **kw: Any) -> M.MetricsEndpoint:
+    return M.MetricsEndpoint(source, "127.0.0.1", 0, token=METRICS_TOKEN, **kw)
 
 
 async def test_metrics_endpoint_lists_each_sandbox_cpu_and_memory() -> None:
@@ -749,7 +764,7 @@ async def test_metrics_endpoint_lists_each_sandbox_cpu_and_memory() -> None:
 
     with trio.fail_after(20):
         async with trio.open_nursery() as nursery:
-            ep = await nursery.start(M.MetricsEndpoint(FakeSource(), "127.0.0.1", 0).run)
+            ep = await nursery.start(_endpoint(FakeSource()).run)
             status, body = await _get(ep.port, "/metrics")
             assert status == "HTTP/1.1 200 OK"
             assert (await _get(ep.port, "/"))[0] == "HTTP/1.1 404 Not Found"
@@ -769,12 +784,63 @@ async def test_metrics_endpoint_lists_each_sandbox_cpu_and_memory() -> None:
     assert any(name == "process_resident_memory_bytes" for name, _ in samples)  # the supervisor itself
 
 
+async def test_metrics_endpoint_answers_401_without_the_token_and_asks_no_one() -> None:
+    source = FakeSource()
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            ep = await nursery.start(_endpoint(source).run)
+            for token in (None, b"m" * 39, b"m" * 41, b"x" * 40):
+                status, head, body = await _get_head(ep.port, "/metrics", token)
+                assert status == "HTTP/1.1 401 Unauthorized", token
+                assert b'WWW-Authenticate: Bearer realm="sandvisor metrics"' in head
+                assert b"sb-a" not in body
+            assert (await _get(ep.port, "/nope", None))[0] == "HTTP/1.1 401 Unauthorized"  # no map of paths either
+            assert source.asked == 0 and ep.unauthorized == 5
+            assert (await _get(ep.port, "/metrics"))[0] == "HTTP/1.1 200 OK"
+            nursery.cancel_scope.cancel()
+
+
+async def test_metrics_scrapes_share_one_collection_while_it_is_fresh() -> None:
+    """However often a token holder scrapes, the guests are asked once per ``cache_for``
+    seconds, and concurrent scrapes wait for the one collection under way."""
+    source = FakeSource(delay=0.2)
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            ep = await nursery.start(_endpoint(source, cache_for=3600).run)
+            statuses: list[str] = []
+
+            async def scrape() -> None:
+                statuses.append((await _get(ep.port, "/metrics"))[0])
+
+            async with trio.open_nursery() as scrapes:
+                for _ in range(8):
+                    scrapes.start_soon(scrape)
+            assert statuses == ["HTTP/1.1 200 OK"] * 8
+            assert (source.asked, ep.collections, ep.scrapes) == (1, 1, 8)
+            ep.cache_for = 0  # stale at once: each scrape collects again
+            await _get(ep.port, "/metrics")
+            assert source.asked == 2
+            nursery.cancel_scope.cancel()
+
+
 async def test_metrics_endpoint_answers_503_when_the_source_is_late() -> None:
     with trio.fail_after(20):
         async with trio.open_nursery() as nursery:
-            ep = await nursery.start(M.MetricsEndpoint(FakeSource(delay=10), "127.0.0.1", 0, scrape_timeout=0.1).run)
+            ep = await nursery.start(_endpoint(FakeSource(delay=10), scrape_timeout=0.1).run)
             assert (await _get(ep.port, "/metrics"))[0] == "HTTP/1.1 503 Service Unavailable"
             nursery.cancel_scope.cancel()
+
+
+async def test_metrics_endpoint_is_loopback_only() -> None:
+    assert M.check_listen("localhost:9100") == ("localhost", 9100)  # a name: resolved, judged by its class
+    assert M.check_listen("127.0.0.2:9100") == ("127.0.0.2", 9100)
+    for spec in ("0.0.0.0:9100", "[::]:9100", "192.0.2.1:9100"):
+        with pytest.raises(ValueError, match="loopback addresses only"):
+            M.check_listen(spec)
+    with pytest.raises(ValueError, match="loopback addresses only"):
+        await M.MetricsEndpoint(FakeSource(), "0.0.0.0", 0, token=METRICS_TOKEN).run()
+    with pytest.raises(ValueError, match="32 to 1024"):
+        M.MetricsEndpoint(FakeSource(), token=b"short")
 
 
 def test_metrics_listen_defaults_to_loopback() -> None:

@@ -97,15 +97,22 @@ class Interactive:
         return got
 
 
-def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
+def get_metrics(port: int, token: bytes | None) -> tuple[bytes, bytes]:
+    """GET /metrics with ``Authorization: Bearer TOKEN`` (none if None): the head and the body."""
+    auth = b"Authorization: Bearer " + token + b"\r\n" if token is not None else b""
     with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
-        s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n" + auth + b"\r\n")
         data = b""
         while chunk := s.recv(65536):
             data += chunk
     head, _, body = data.partition(b"\r\n\r\n")
+    return head, body
+
+
+def scrape(port: int, token: bytes) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    head, body = get_metrics(port, token)
     assert head.startswith(b"HTTP/1.1 200"), head
     return {
         (s.name, tuple(sorted(s.labels.items()))): s.value
@@ -413,8 +420,10 @@ async def _lifecycle(
 def test_serve_flags_start_the_grpc_edge_and_the_metrics_endpoint(
     image: Image, seed: tuple[ModuleType, ModuleType]
 ) -> None:
-    """``sandvisor serve --grpc unix://... --metrics HOST:PORT`` as a process (no VM booted):
-    health, a seed call, the metrics endpoint; SIGTERM removes the gRPC socket."""
+    """``sandvisor serve --grpc unix://... --metrics HOST:PORT --metrics-token-file F`` as a
+    process (no VM booted): health, a seed call, the metrics endpoint (401 without the
+    token, made 0600 by serve since the file was not there; 200 with it); SIGTERM removes
+    the gRPC socket."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from supervisor.throwaway import supervisor_process
@@ -423,7 +432,9 @@ def test_serve_flags_start_the_grpc_edge_and_the_metrics_endpoint(
     with workdir("sv-grpc-cli-") as work:
         grpc_sock = work.root / "g.sock"
         port = free_port("127.0.0.1", "tcp")
-        with supervisor_process(work, "--grpc", f"unix://{grpc_sock}", "--metrics", f"127.0.0.1:{port}") as (_, proc):
+        token_file = work.root / "metrics.token"
+        metrics = ("--metrics", f"127.0.0.1:{port}", "--metrics-token-file", str(token_file))
+        with supervisor_process(work, "--grpc", f"unix://{grpc_sock}", *metrics) as (_, proc):
             with grpc.insecure_channel(f"unix:{grpc_sock}") as ch:
                 grpc.channel_ready_future(ch).result(timeout=30)  # the edge starts just after the socket
                 health = health_pb2_grpc.HealthStub(ch).Check(
@@ -435,7 +446,12 @@ def test_serve_flags_start_the_grpc_edge_and_the_metrics_endpoint(
                 with pytest.raises(grpc.RpcError) as e:
                     s.Inspect(spb.InspectSandboxRequest(id="nope"), timeout=30)
                 assert e.value.code() == SC.NOT_FOUND
-            assert any(name == "process_resident_memory_bytes" for name, _ in scrape(port))
+            assert token_file.stat().st_mode & 0o777 == 0o600
+            head, body = get_metrics(port, None)
+            assert head.startswith(b"HTTP/1.1 401") and b"WWW-Authenticate: Bearer" in head and b"process_" not in body
+            assert get_metrics(port, b"0" * 64)[0].startswith(b"HTTP/1.1 401")
+            token = token_file.read_bytes().strip()
+            assert any(name == "process_resident_memory_bytes" for name, _ in scrape(port, token))
             proc.terminate()
             assert proc.wait(timeout=60) == 0
         assert not grpc_sock.exists()

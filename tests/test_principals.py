@@ -23,7 +23,7 @@ import msgpack
 import pytest
 import trio
 from fakevm import FakeLab, fake_settings
-from grpc_clients import bearer
+from grpc_clients import bearer, make_pki
 from peerclient import install
 
 from actors.model import SandboxConfig, State, VolumeRecord, dump
@@ -33,9 +33,10 @@ from actors.secrets.vault import Vault
 from actors.store import SCHEMA, Store
 from supervisor import grpc_service as S
 from supervisor.errors import SandboxError
-from supervisor.grpc_addresses import TcpAddress
-from supervisor.grpc_auth import TcpAuth, Token, read_token_file
+from supervisor.grpc_addresses import TcpAddress, TlsConfig
+from supervisor.grpc_auth import TcpAuth, Token, read_grpc_tokens
 from supervisor.peers import ClientPolicy, Peer
+from supervisor.proto.sandbox.v1 import sandbox_pb2 as pb
 from supervisor.proto.sandvisor.v1 import sandvisor_pb2 as sv
 from supervisor.proto.sandvisor.v1 import sandvisor_pb2_grpc as sv_grpc
 from supervisor.sdk.acting import acting_as
@@ -133,7 +134,7 @@ def test_token_file_lines_name_their_principals(tmp_path: Path) -> None:
     a, b, op = "a" * 40, "b" * 40, "c" * 40
     f.write_text(f"# ci and people\n{a} ci\n{b} ops admin\n\n{op}\n")
     f.chmod(0o600)
-    tokens = read_token_file(f)
+    tokens = read_grpc_tokens(f)
     assert [t.principal for t in tokens] == [
         Principal("token:ci"),
         Principal("token:ops", admin=True),
@@ -144,7 +145,7 @@ def test_token_file_lines_name_their_principals(tmp_path: Path) -> None:
     for text in (f"{a} ci admin extra\n", f"{a} ci root\n", f"{a} ci\n{b} ci\n", f"{a} x\n{a} y\n", "# none\n"):
         f.write_text(text)
         with pytest.raises(ValueError):
-            read_token_file(f)
+            read_grpc_tokens(f)
     assert TcpAuth(admin_cns=frozenset({"ops"})).cert_principal("ci") == Principal("cert:ci")
     assert TcpAuth().cert_principal("ci") == Principal("cert:ci", admin=True)  # no list: the operator's CA
 
@@ -347,6 +348,39 @@ async def test_the_principal_reaches_handlers_over_grpc(tmp_path: Path, short_di
                 assert await trio.to_thread.run_sync(listed, tcp.target, bearer(ops)) == {"mine", "theirs"}
                 assert await trio.to_thread.run_sync(listed, unix, []) == {"mine", "theirs"}  # root, relayed
                 await until(lambda: not edge.unix_peers)  # each relayed connection's entry goes with it
+                await reg.shutdown(5)
+                n.cancel_scope.cancel()
+    finally:
+        store.close()
+
+
+async def test_a_client_certificate_is_its_cn_and_an_admin_only_when_listed(tmp_path: Path) -> None:
+    """mTLS: ``cert:ci-client`` sees only its own when ``--grpc-admin-cert-cn`` names others."""
+    pytest.importorskip("cryptography")
+    pki = make_pki()
+    tls = TlsConfig(pki["server_cert"], pki["server_key"], client_ca=pki["ca"], require_client_cert=True)
+    auth = TcpAuth(admin_cns=frozenset({"ops"}))
+    fake = FakeLab()
+    store = Store(tmp_path / "state" / "sandvisor.db")
+    try:
+        with trio.fail_after(60):
+            async with trio.open_nursery() as n:
+                await n.start(fake.run)
+                reg = await n.start(Registry(fake_settings(tmp_path, fake), store, templates=False).run)
+                edge = await n.start(S.build_edge(reg, [TcpAddress("127.0.0.1", 0, tls=tls)], tcp_auth=auth).run)
+                tcp = edge.addresses[0]
+                assert isinstance(tcp, TcpAddress)
+
+                def create_and_list(id: str) -> set[str]:
+                    creds = grpc.ssl_channel_credentials(pki["ca"], pki["client_key"], pki["client_cert"])
+                    with grpc.secure_channel(tcp.target, creds) as ch:
+                        stub = sv_grpc.SandvisorServiceStub(ch)
+                        stub.Create(sv.CreateRequest(base=pb.CreateSandboxRequest(id=id)))
+                        return {s.id for s in stub.List(sv.ListRequest()).sandboxes}
+
+                await reg.create("other", SandboxConfig(), owner="cert:ops")
+                assert await trio.to_thread.run_sync(create_and_list, "ci") == {"ci"}
+                assert reg.get("ci").record.owner == "cert:ci-client"
                 await reg.shutdown(5)
                 n.cancel_scope.cancel()
     finally:

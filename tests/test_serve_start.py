@@ -157,6 +157,9 @@ def assert_one_line(r: subprocess.CompletedProcess[str], *fragments: str) -> Non
         (["--boot-timeout", "0"], "--boot-timeout"),
         (["--allow-path", "/nonexistent-dir"], "--allow-path /nonexistent-dir"),
         (["--grpc", "tcp:nothing"], "--grpc 'tcp:nothing'"),
+        (["--metrics", "127.0.0.1:9464"], "needs --metrics-token-file"),
+        (["--metrics", "0.0.0.0:9464", "--metrics-token-file", "/nonexistent-dir/t"], "loopback addresses only"),
+        (["--metrics", "127.0.0.2:9464", "--metrics-token-file", "/nonexistent-dir/t"], "--metrics-token-file"),
     ],
 )
 def test_bad_flag_values_are_one_line(
@@ -202,7 +205,7 @@ def test_a_port_in_use_is_one_line() -> None:
                 str(work.run_root),
                 flag,
                 f"127.0.0.1:{port}",
-                *(["--grpc-insecure"] if flag == "--grpc" else []),
+                *(["--grpc-insecure"] if flag == "--grpc" else ["--metrics-token-file", str(work.root / "m.token")]),
             )
             assert_one_line(r, f"127.0.0.1:{port}", "in use")
 
