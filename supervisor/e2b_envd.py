@@ -3,12 +3,15 @@ endpoint on a sandvisor sandbox: the ``process.Process`` and ``filesystem.Filesy
 Connect services and the ``/files`` upload and download (HTTP), routed by the
 ``E2b-Sandbox-Id`` header (:mod:`supervisor.e2b_server`).
 
-A process is an Exec of the supervisor held by :class:`Processes` (the endpoint's;
-one task each, in its nursery): ``Start`` opens it and streams its events, ``Connect``
-subscribes to a running one, ``SendInput``/``CloseStdin`` feed it, ``SendSignal`` ends
-it (leaving the Exec kills the process), ``List`` lists them. pids are the endpoint's
-own numbers. A subscriber that falls behind by :data:`BACKLOG` events is dropped (its
-stream ends with ``resource_exhausted``); the process runs on.
+Every call acts for the key that asked (:class:`Target`: the key's client, the
+sandbox's id and uid). A process is an Exec of the supervisor held by
+:class:`Processes` (the endpoint's; one task each, in its nursery; found by the
+sandbox's uid, so a later sandbox given the same id sees none of them): ``Start``
+opens it and streams its events, ``Connect`` subscribes to a running one,
+``SendInput``/``CloseStdin`` feed it, ``SendSignal`` ends it (leaving the Exec kills
+the process), ``List`` lists them. pids are the endpoint's own numbers. A subscriber
+that falls behind by :data:`BACKLOG` events is dropped (its stream ends with
+``resource_exhausted``); the process runs on.
 """
 
 from __future__ import annotations
@@ -40,7 +43,8 @@ from supervisor.e2b_http import (
     unary_error,
     unary_request,
 )
-from supervisor.sdk.aio import AsyncExec, AsyncSandbox, connect
+from supervisor.e2b_keys import Client
+from supervisor.sdk.aio import AsyncExec, AsyncSandbox
 
 log = logging.getLogger("sandvisor.e2b")
 
@@ -74,10 +78,23 @@ def _path(p: Any) -> str:
     return "./" + p if p.startswith("-") else p
 
 
+@attrs.frozen
+class Target:
+    """The sandbox of an envd call: ``client`` acts for the key that asked; ``uid``: the
+    sandbox's per-create identity (the one its id names now)."""
+
+    client: Client
+    sandbox: str
+    uid: str
+
+    def handle(self) -> AsyncSandbox:
+        return self.client.sandbox(self.sandbox)
+
+
 @attrs.define(eq=False)
 class Process:
     pid: int
-    sandbox: str
+    target: Target
     config: dict[str, Any]
     tag: str
     scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
@@ -104,22 +121,22 @@ class Process:
 
 
 class Processes:
-    """The endpoint's processes: one task each in ``nursery`` (the endpoint's)."""
+    """The endpoint's processes: one task each in ``nursery`` (the endpoint's), keyed
+    by the sandbox's uid and the pid."""
 
-    def __init__(self, socket: str, nursery: trio.Nursery) -> None:
-        self.socket = socket
+    def __init__(self, nursery: trio.Nursery) -> None:
         self.nursery = nursery
         self.table: dict[tuple[str, int], Process] = {}
         self._pids = itertools.count(1000)
 
-    async def start(self, sandbox: str, req: dict[str, Any], user: str) -> tuple[Process, Any]:
+    async def start(self, target: Target, req: dict[str, Any], user: str) -> tuple[Process, Any]:
         cfg = req.get("process") or {}
         cmd = cfg.get("cmd")
         args = cfg.get("args") or []
         envs = cfg.get("envs") or {}
         if not isinstance(cmd, str) or not cmd or not isinstance(args, list) or not isinstance(envs, dict):
             raise RpcError("invalid_argument", "process.cmd is required; args a list, envs a map")
-        proc = Process(next(self._pids), sandbox, {"cmd": cmd, "args": [str(a) for a in args]}, str(req.get("tag", "")))
+        proc = Process(next(self._pids), target, {"cmd": cmd, "args": [str(a) for a in args]}, str(req.get("tag", "")))
         if cfg.get("cwd"):
             proc.config["cwd"] = str(cfg["cwd"])
         if envs:
@@ -132,24 +149,25 @@ class Processes:
     async def _run(
         self, proc: Process, argv: list[str], how: dict[str, Any], stdin: bool, task_status: trio.TaskStatus[None]
     ) -> None:
-        key = (proc.sandbox, proc.pid)
+        key = (proc.target.uid, proc.pid)
         end: dict[str, Any] = {"exitCode": -1, "exited": False, "status": "killed"}
-        sb = AsyncSandbox(proc.sandbox, socket=self.socket)
+        sb = proc.target.handle()
         try:
-            async with sb.exec(argv, env=how["env"], workdir=how["workdir"], user=how["user"]) as execd:
-                proc.execd = execd
-                self.table[key] = proc
-                proc.publish({"start": {"pid": proc.pid}})
-                task_status.started()
-                if not stdin:
-                    await execd.close_stdin()
-                with proc.scope:
-                    async for o in execd:
-                        if o.stream == "exit":
-                            code = o.exit_code if o.exit_code is not None else -1
-                            end = {"exitCode": code, "exited": True, "status": f"exit status {code}"}
-                        elif o.data:
-                            proc.publish({"data": {o.stream: base64.b64encode(o.data).decode()}})
+            with proc.target.client.acting():  # (the key's, whichever task runs this)
+                async with sb.exec(argv, env=how["env"], workdir=how["workdir"], user=how["user"]) as execd:
+                    proc.execd = execd
+                    self.table[key] = proc
+                    proc.publish({"start": {"pid": proc.pid}})
+                    task_status.started()
+                    if not stdin:
+                        await execd.close_stdin()
+                    with proc.scope:
+                        async for o in execd:
+                            if o.stream == "exit":
+                                code = o.exit_code if o.exit_code is not None else -1
+                                end = {"exitCode": code, "exited": True, "status": f"exit status {code}"}
+                            elif o.data:
+                                proc.publish({"data": {o.stream: base64.b64encode(o.data).decode()}})
         except E.SandboxError as exc:
             if proc.execd is None:  # not started: the caller's error
                 raise rpc_error(exc) from None
@@ -157,41 +175,41 @@ class Processes:
         except Exception as exc:  # one process's failure is its own: the endpoint serves on
             if proc.execd is None:
                 raise RpcError("unavailable", f"cannot start the process: {exc}") from None
-            log.warning("e2b: process %d of %s failed: %r", proc.pid, proc.sandbox, exc)
+            log.warning("e2b: process %d of %s failed: %r", proc.pid, proc.target.sandbox, exc)
             end = {"exitCode": -1, "exited": False, "status": "error", "error": f"UNAVAILABLE: {exc}"}
         finally:
             self.table.pop(key, None)
             proc.publish({"end": end})
             proc.close()
 
-    def get(self, sandbox: str, selector: Any) -> Process:
+    def get(self, uid: str, selector: Any) -> Process:
         sel = selector if isinstance(selector, dict) else {}
         if "pid" in sel:
-            p = self.table.get((sandbox, int(sel["pid"])))
+            p = self.table.get((uid, int(sel["pid"])))
             if p is not None:
                 return p
             raise RpcError("not_found", f"process with pid {sel['pid']} not found")
         if "tag" in sel:
-            for (sid, _), p in self.table.items():
-                if sid == sandbox and p.tag == sel["tag"]:
+            for (u, _), p in self.table.items():
+                if u == uid and p.tag == sel["tag"]:
                     return p
             raise RpcError("not_found", f"process with tag {sel['tag']!r} not found")
         raise RpcError("invalid_argument", "process selector: pid or tag")
 
-    def listing(self, sandbox: str) -> list[dict[str, Any]]:
+    def listing(self, uid: str) -> list[dict[str, Any]]:
         out = []
-        for (sid, pid), p in sorted(self.table.items()):
-            if sid == sandbox:
+        for (u, pid), p in sorted(self.table.items()):
+            if u == uid:
                 info: dict[str, Any] = {"config": p.config, "pid": pid}
                 if p.tag:
                     info["tag"] = p.tag
                 out.append(info)
         return out
 
-    def forget(self, sandbox: str) -> None:
-        """The sandbox is gone: end its processes."""
-        for (sid, _), p in list(self.table.items()):
-            if sid == sandbox:
+    def forget(self, uid: str) -> None:
+        """The sandbox (this uid) is gone: end its processes."""
+        for (u, _), p in list(self.table.items()):
+            if u == uid:
                 p.scope.cancel()
 
 
@@ -219,14 +237,14 @@ async def _stream_events(ex: Exchange, events: trio.MemoryReceiveChannel[dict[st
     )
 
 
-async def process_call(ex: Exchange, procs: Processes, sandbox: str, method: str) -> None:
+async def process_call(ex: Exchange, procs: Processes, target: Target, method: str) -> None:
     if method in ("Start", "Connect"):
         try:
             req = await stream_request(ex)
             if method == "Start":
-                _, events = await procs.start(sandbox, req, envd_user(ex))
+                _, events = await procs.start(target, req, envd_user(ex))
             else:
-                proc = procs.get(sandbox, (req.get("process") or {}))
+                proc = procs.get(target.uid, (req.get("process") or {}))
                 events = proc.subscribe()
                 await ex.start(200, CONNECT_STREAM_JSON)
                 await ex.write(envelope({"event": {"start": {"pid": proc.pid}}}))
@@ -247,20 +265,20 @@ async def process_call(ex: Exchange, procs: Processes, sandbox: str, method: str
         req = await unary_request(ex)
         reply: dict[str, Any] = {}
         if method == "List":
-            reply = {"processes": procs.listing(sandbox)}
+            reply = {"processes": procs.listing(target.uid)}
         elif method == "SendInput":
-            proc = procs.get(sandbox, req.get("process"))
+            proc = procs.get(target.uid, req.get("process"))
             data = (req.get("input") or {}).get("stdin")
             if data is None:
                 raise RpcError("unimplemented", "only stdin input is supported (no PTY)")
             if proc.execd is not None:
                 await proc.execd.send(_b64(data))
         elif method == "CloseStdin":
-            proc = procs.get(sandbox, req.get("process"))
+            proc = procs.get(target.uid, req.get("process"))
             if proc.execd is not None:
                 await proc.execd.close_stdin()
         elif method == "SendSignal":
-            proc = procs.get(sandbox, req.get("process"))
+            proc = procs.get(target.uid, req.get("process"))
             if req.get("signal") not in ("SIGNAL_SIGKILL", "SIGNAL_SIGTERM", 9, 15):
                 raise RpcError("invalid_argument", "signal: SIGNAL_SIGKILL or SIGNAL_SIGTERM")
             proc.scope.cancel()  # leaving the Exec kills the process
@@ -289,8 +307,8 @@ def _b64(value: Any) -> bytes:
 
 
 # --- filesystem.Filesystem ---------------------------------------------------------------------
-async def filesystem_call(ex: Exchange, socket: str, sandbox: str, method: str) -> None:
-    sb = AsyncSandbox(sandbox, socket=socket)
+async def filesystem_call(ex: Exchange, target: Target, method: str) -> None:
+    sb = target.handle()
     try:
         if method not in ("Stat", "ListDir", "MakeDir", "Move", "Remove"):
             raise RpcError("unimplemented", f"filesystem.Filesystem/{method} is not served (no watchers)")
@@ -335,14 +353,14 @@ def _file_path(ex: Exchange, path: str | None = None) -> str:
     return p
 
 
-async def download(ex: Exchange, socket: str, sandbox: str) -> None:
+async def download(ex: Exchange, target: Target) -> None:
     """``GET /files?path=``: the file, streamed as the supervisor's ReadFile sends it."""
     path = _file_path(ex)
     _checked_user(ex.query.get("username", ""))
     try:
         async with (
-            connect(socket) as conn,
-            conn.open_call("ReadFile", W.unstructure_body(W.ReadFileRequest(sandbox, path))) as call,
+            target.client.connect() as conn,
+            conn.open_call("ReadFile", W.unstructure_body(W.ReadFileRequest(target.sandbox, path))) as call,
         ):
             async for item in call:
                 chunk = W.structure_body(item, W.FileChunk)
@@ -390,14 +408,14 @@ async def _write(sb: AsyncSandbox, path: str, data: AsyncIterator[bytes]) -> Non
     await sb.fs.write(path, rest())
 
 
-async def upload(ex: Exchange, socket: str, sandbox: str) -> None:
+async def upload(ex: Exchange, target: Target) -> None:
     """``POST /files``: an ``application/octet-stream`` body (``?path=``) or
     ``multipart/form-data`` with a ``file`` part per file (its file name the path
     when there is no ``?path=``), each streamed into the sandbox as it arrives."""
     _checked_user(ex.query.get("username", ""))
     if ex.headers.get("content-encoding", "identity") not in ("identity", ""):
         raise HttpError(400, "compressed uploads are not supported")
-    sb = AsyncSandbox(sandbox, socket=socket)
+    sb = target.handle()
     written: list[dict[str, str]] = []
     ctype = ex.headers.get("content-type", "")
     try:

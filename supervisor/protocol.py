@@ -415,6 +415,8 @@ class SandboxInfo:
     last_exited_at: int
     last_exit_code: int
     error: str
+    # sandvisor extension: the per-create identity (a later sandbox given the same id has another)
+    uid: str = ""
     # sandvisor extensions: read-back (None for the seed's Inspect: it has no field for them)
     requested: SandboxSettings | None = None
     applied: SandboxSettings | None = None  # None: no machine runs
@@ -899,7 +901,10 @@ class SnapshotSummary:
     labels: dict[str, str]
     snapshot_dir: str
     created_at: str  # RFC3339
-    # extensions
+    # extensions: what a restore keeps of its origin (its network mode, secrets' names, host directories)
+    network: str = ""
+    secrets: list[str] = attrs.field(factory=list)
+    host_mounts: int = 0
     size_bytes: int = 0
     memory: str = ""
     memory_mib: int = 0

@@ -3,7 +3,11 @@ throwaway supervisor, one real VM shared by the module): create, commands (foreg
 background with callbacks, sync and asyncio; envs, cwd, user; stdin; kill; list),
 files (write/read/list/exists/remove/make_dir/rename, a 16 MiB round trip),
 set_timeout, get_info, Sandbox.list, Sandbox.connect, kill; a wrong key is 401; an
-unknown sandbox is E2B's not-found; HTTP/2 by prior knowledge."""
+unknown sandbox is E2B's not-found; HTTP/2 by prior knowledge. Keys are principals: a
+key sees only what it made (another key's sandbox and snapshot are not found for it, in
+every call), an admin key sees all, a sandbox made through the supervisor's socket is
+invisible to a non-admin key, and an access token opens only the sandbox (uid) it was
+handed out for."""
 
 from __future__ import annotations
 
@@ -27,17 +31,21 @@ from e2b import (  # noqa: E402
     CommandExitException,
     NotFoundException,
     Sandbox,
+    SandboxException,
     SandboxNotFoundException,
     SandboxNotRunningException,
     SandboxQuery,
     SandboxState,
 )
 
+from supervisor.sdk import sync as sv  # noqa: E402
+from supervisor.sdk.acting import acting_as  # noqa: E402
 from supervisor.throwaway import supervisor_process, workdir  # noqa: E402
 
 pytestmark = pytest.mark.vm
 
-KEY = "e2b_sandvisor_test_key"
+KEY = "e2b_sandvisor_test_key"  # a bare key: its principal is e2b:key-<hash>
+ALICE, BOB, OPS = "e2b_alice_key", "e2b_bob_key", "e2b_ops_key"
 
 
 def _free_port() -> int:
@@ -47,13 +55,15 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def endpoint() -> Iterator[str]:
+def served() -> Iterator[tuple[str, str]]:
+    """(the endpoint's URL, the supervisor's socket)."""
     with workdir("sv-e2b-") as work:
         keys = work.root / "keys"
-        keys.write_text(f"# test keys\nother-key\n{KEY}\n")
+        keys.write_text(f"# test keys\nother-key\n{KEY}\nalice {ALICE}\nbob {BOB}\nops {OPS} admin\n")
         keys.chmod(0o600)
         port = _free_port()
-        args = ("--e2b", f"127.0.0.1:{port}", "--e2b-key-file", str(keys))
+        # (pulls only from a registry nobody runs: a template taken for an image reference never leaves the host)
+        args = ("--e2b", f"127.0.0.1:{port}", "--e2b-key-file", str(keys), "--registry-allow", "127.0.0.1:9")
         with supervisor_process(work, *args, log=work.root / "serve.log"):
             deadline = time.monotonic() + 60
             while True:  # the socket is there before the E2B port: wait for it, bounded
@@ -64,7 +74,12 @@ def endpoint() -> Iterator[str]:
                     if time.monotonic() > deadline:
                         raise
                     time.sleep(0.05)
-            yield f"http://127.0.0.1:{port}"
+            yield f"http://127.0.0.1:{port}", str(work.socket)
+
+
+@pytest.fixture(scope="module")
+def endpoint(served: tuple[str, str]) -> str:
+    return served[0]
 
 
 @pytest.fixture(scope="module")
@@ -238,6 +253,120 @@ def test_http2(endpoint: str) -> None:
     assert r.http_version == "HTTP/2" and r.status_code == 200
 
 
+def _as(opts: dict[str, Any], key: str) -> dict[str, Any]:
+    return {**opts, "api_key": key}
+
+
+def _ids(opts: dict[str, Any]) -> list[str]:
+    return [s.sandbox_id for s in Sandbox.list(**opts).next_items()]
+
+
+def _envd(endpoint: str, sid: str, method: str, path: str, headers: dict[str, str], **kw: Any) -> Any:
+    return httpx.request(method, f"{endpoint}{path}", headers={"E2b-Sandbox-Id": sid, **headers}, timeout=60, **kw)
+
+
+def test_keys_are_principals(served: tuple[str, str], box: Sandbox, opts: dict[str, Any]) -> None:
+    """Bob cannot list, inspect, connect to, run in, read from, time, pause, kill or
+    restore (by id) Alice's sandbox and snapshot: each is E2B's not-found; Alice's
+    token does not open another sandbox; the admin key sees and acts on both keys'."""
+    endpoint, sock = served
+    alice, bob, ops = _as(opts, ALICE), _as(opts, BOB), _as(opts, OPS)
+    mine = Sandbox.create(timeout=1200, metadata={"who": "alice"}, **alice)
+    try:
+        sid = mine.sandbox_id
+        mine.files.write("/tmp/alice.txt", "alice's")
+        with acting_as("e2b:alice"):  # (the endpoint takes no snapshots: made for Alice on the socket)
+            snap = sv.Sandbox(sid, socket=sock).checkpoint("alice-snap").snapshot_id
+
+        assert sid in _ids(alice) and box.sandbox_id not in _ids(alice)
+        assert sid not in _ids(bob) and box.sandbox_id not in _ids(bob)
+        assert Sandbox.list(query=SandboxQuery(metadata={"who": "alice"}), **bob).next_items() == []
+        for call in (
+            lambda: Sandbox.get_info(sid, **bob),
+            lambda: Sandbox.connect(sid, **bob),
+            lambda: Sandbox.set_timeout(sid, 60, **bob),
+            lambda: Sandbox.pause(sid, **bob),
+        ):
+            with pytest.raises(SandboxNotFoundException):
+                call()
+        assert Sandbox.kill(sid, **bob) is False
+        # restoring Alice's snapshot as a template: not found (never an image pull)
+        with pytest.raises(SandboxException, match="404"):
+            Sandbox.create(snap, timeout=60, **bob)
+
+        # envd calls: Bob's key does not reach Alice's sandbox (the SDK: not running), nor does her token another
+        stat = ("POST", "/filesystem.Filesystem/Stat")
+        for method, path, kw in (("GET", "/files?path=/tmp/alice.txt", {}), (*stat, {"json": {"path": "/tmp"}})):
+            r = _envd(endpoint, sid, method, path, {"X-API-KEY": BOB}, **kw)
+            assert r.status_code == 502 and r.json()["message"] == f"The sandbox {sid} was not found", r.text
+            token = {"X-Access-Token": mine._envd_access_token or ""}
+            assert _envd(endpoint, box.sandbox_id, method, path, token, **kw).status_code == 401
+            assert _envd(endpoint, sid, method, path, token, **kw).status_code == 200
+        assert mine.files.read("/tmp/alice.txt") == "alice's"  # still hers, unharmed
+
+        # the admin key: both keys' sandboxes, and it acts on them
+        assert {sid, box.sandbox_id} <= set(_ids(ops))
+        assert Sandbox.get_info(sid, **ops).metadata == {"who": "alice"}
+        assert Sandbox.connect(sid, **ops).files.read("/tmp/alice.txt") == "alice's"
+        assert Sandbox.connect(box.sandbox_id, **ops).commands.run("echo $GREETING").stdout == "hello\n"
+        # Alice's own snapshot is hers to restore
+        clone = Sandbox.create(snap, timeout=600, **alice)
+        try:
+            assert clone.files.read("/tmp/alice.txt") == "alice's"
+            assert clone.sandbox_id not in _ids(bob)
+        finally:
+            clone.kill()
+    finally:
+        mine.kill()
+    assert sid not in _ids(ops)
+
+
+def test_socket_sandboxes_and_stale_tokens(served: tuple[str, str], opts: dict[str, Any]) -> None:
+    """A sandbox made on the supervisor's socket is invisible to a non-admin key; a token
+    of a removed sandbox opens nothing, a later sandbox given the same id included."""
+    endpoint, sock = served
+    alice, ops = _as(opts, ALICE), _as(opts, OPS)
+    first = Sandbox.create(timeout=600, **alice)
+    sid = first.sandbox_id
+    stale = first._envd_access_token
+    assert first.commands.run("echo one").stdout == "one\n"
+    assert first.kill() is True
+    with sv.Sandbox.create(sid, socket=sock, ttl=600):  # the same id, made on the socket (root's)
+        assert sid not in _ids(alice)
+        with pytest.raises(SandboxNotFoundException):
+            Sandbox.get_info(sid, **alice)
+        with pytest.raises(SandboxNotFoundException):
+            Sandbox.connect(sid, **alice)
+        assert Sandbox.kill(sid, **alice) is False
+        # the old handle's token is the removed sandbox's: not this one's (the SDK: not running)
+        with pytest.raises(SandboxNotRunningException):
+            first.commands.run("echo two")
+        with pytest.raises(SandboxNotRunningException):
+            first.files.read("/etc/hostname")
+        r = _envd(endpoint, sid, "GET", "/health", {"X-Access-Token": stale or ""})
+        assert r.status_code == 502
+        # the admin key sees it, and a token it gets opens it
+        assert sid in _ids(ops)
+        assert Sandbox.connect(sid, **ops).commands.run("echo three").stdout == "three\n"
+
+
+def test_snapshot_templates_without_network(served: tuple[str, str], opts: dict[str, Any]) -> None:
+    """A snapshot whose origin had a network is refused as a template, for an admin key
+    too (a restore would keep it; endpoint sandboxes have none); a key that may not see
+    it does not find it."""
+    _, sock = served
+    ops, alice = _as(opts, OPS), _as(opts, ALICE)
+    with sv.Sandbox.create("netted", socket=sock, ttl=600, network="user") as origin:
+        snap = origin.checkpoint("netted-snap").snapshot_id
+    before = set(_ids(ops))
+    for template in (snap, "netted-snap"):
+        with pytest.raises(SandboxException, match=r"400: template .*network 'user'"):
+            Sandbox.create(template, timeout=60, **ops)
+    with pytest.raises(SandboxException, match="404"):
+        Sandbox.create(snap, timeout=60, **alice)
+    assert set(_ids(ops)) == before  # nothing was made
+
+
 def test_kill_last(endpoint: str, opts: dict[str, Any]) -> None:
     """(runs after the shared sandbox's tests) a sandbox killed through the API is gone."""
     sb = Sandbox.create(timeout=300, **opts)
@@ -251,11 +380,14 @@ def test_timeout_expires(box: Sandbox, opts: dict[str, Any]) -> None:
     """(last: it ends the shared sandbox) set_timeout replaces the TTL the supervisor enforces."""
     box.set_timeout(2)
     deadline = time.monotonic() + 120
-    while box.sandbox_id in [s.sandbox_id for s in Sandbox.list(**opts).next_items()]:
+    while True:  # until it is removed (it leaves the listing as it starts stopping: before Inspect misses it)
+        try:
+            Sandbox.get_info(box.sandbox_id, **opts)
+        except SandboxNotFoundException:
+            break
         assert time.monotonic() < deadline, "the sandbox outlived its timeout"
         time.sleep(0.5)
-    with pytest.raises(SandboxNotFoundException):
-        Sandbox.get_info(box.sandbox_id, **opts)
+    assert box.sandbox_id not in [s.sandbox_id for s in Sandbox.list(**opts).next_items()]
     assert not box.is_running()
     with pytest.raises(SandboxNotRunningException):
         box.commands.run("true")

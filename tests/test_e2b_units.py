@@ -1,4 +1,5 @@
-"""The E2B endpoint's parts without a VM: the key file, authentication of every
+"""The E2B endpoint's parts without a VM: the key file (labels, admin marks, bare
+keys), access tokens bound to a key, a sandbox id and its uid, authentication of every
 request (ASGI, in process), Connect's envelopes, the streaming multipart parser."""
 
 from __future__ import annotations
@@ -16,16 +17,24 @@ import pytest
 import trio
 
 from supervisor import e2b_envd, e2b_http
+from supervisor.e2b_keys import Client, Key, Tokens, derived_label, find_key, parse_keys, read_keys
 from supervisor.e2b_multipart import parts
-from supervisor.e2b_server import E2BApp, check_key_file, read_keys
+from supervisor.e2b_server import E2BApp, check_key_file
 
 
 def test_key_file(tmp_path: Path) -> None:
     f = tmp_path / "keys"
-    f.write_text("# comment\n\nk1\n  k2  \n")
+    f.write_text("# comment\n\nk1\n  k2  \nalice sk-alice\nops\tsk-ops   admin\n")
     f.chmod(0o600)
     check_key_file(f)
-    assert read_keys(f) == [b"k1", b"k2"]
+    keys = read_keys(f)
+    assert [(k.label, k.secret, k.admin) for k in keys] == [
+        (derived_label(b"k1"), b"k1", False),
+        (derived_label(b"k2"), b"k2", False),
+        ("alice", b"sk-alice", False),
+        ("ops", b"sk-ops", True),
+    ]
+    assert [k.principal for k in keys[2:]] == ["e2b:alice", "e2b:ops"]
     f.chmod(0o644)
     with pytest.raises(ValueError, match="chmod 600"):
         check_key_file(f)
@@ -33,6 +42,72 @@ def test_key_file(tmp_path: Path) -> None:
     f.write_text("# none\n")
     with pytest.raises(ValueError, match="no API keys"):
         check_key_file(f)
+
+
+def test_bare_key_label_is_a_hash_never_the_key() -> None:
+    (key,) = parse_keys("e2b_a-very-secret-key\n")
+    assert key.label == derived_label(b"e2b_a-very-secret-key")
+    assert key.label.startswith("key-") and len(key.label) == 20 and "secret" not in key.label
+    assert key.principal == f"e2b:{key.label}" and not key.admin
+    assert "secret" not in repr(key)
+    assert derived_label(b"k1") != derived_label(b"k2")
+
+
+@pytest.mark.parametrize(
+    ("text", "why"),
+    [
+        ("a k1\na k2\n", "label 'a' is given twice"),
+        ("a k1\nb k1\n", "this key is given twice"),
+        ("k1\nk1\n", "is given twice"),
+        ("a.b k1\n", "a label is 1-64"),
+        ("a k1 root\n", "expected KEY, LABEL KEY or LABEL KEY admin"),
+        ("a k1 admin extra\n", "expected KEY"),
+        ("", "no API keys"),
+    ],
+)
+def test_key_file_refusals_name_the_line_never_the_key(text: str, why: str) -> None:
+    with pytest.raises(ValueError, match=why) as err:
+        parse_keys(text, "keys")
+    assert "k1" not in str(err.value) and "k2" not in str(err.value)
+
+
+def test_find_key_compares_every_key() -> None:
+    keys = parse_keys("a k1\nb k2 admin\n")
+    assert find_key(keys, "k2") == keys[1] and find_key(keys, "k1") == keys[0]
+    for bad in (None, "", "k", "k1 ", "K1", "k3"):
+        assert find_key(keys, bad) is None
+
+
+def test_tokens_are_bound_to_key_sandbox_and_uid() -> None:
+    a, b = parse_keys("a k1\nb k2\n")
+    tokens = Tokens([a, b])
+    t = tokens.mint(a, "box", "uid-1")
+    assert tokens.open(t, "box") == (a, "uid-1")
+    assert tokens.open(t, "box2") is None  # another sandbox id
+    label, uid, mac = t.split(".")
+    assert label == "a" and uid == "uid-1" and len(mac) == 64
+    assert tokens.open(f"b.{uid}.{mac}", "box") is None  # handed to a, not b
+    assert tokens.open(f"a.uid-2.{mac}", "box") is None  # another sandbox of that id (a later uid)
+    flipped = mac[:-1] + ("1" if mac[-1] == "0" else "0")
+    assert tokens.open(f"a.{uid}.{flipped}", "box") is None
+    for bad in (None, "", t + ".x", "a..", "nobody.uid-1." + mac, f"a.{uid}"):
+        assert tokens.open(bad, "box") is None
+    assert Tokens([a, b]).open(t, "box") is None  # another endpoint's secret (a restart): nothing
+    assert tokens.mint(a, "box", "uid-2") != t
+    with pytest.raises(ValueError):
+        tokens.mint(a, "box", "")  # no uid, no token
+
+
+def test_client_acts_as_its_key() -> None:
+    from supervisor.sdk.acting import hello_fields
+
+    admin = Key("ops", b"k", admin=True)
+    client = Client("/nonexistent.sock", admin)
+    with client.acting():
+        assert hello_fields() == ("e2b:ops", True)
+    assert hello_fields() == ("", False)
+    with Client("/x", Key("a", b"k1")).acting():
+        assert hello_fields() == ("e2b:a", False)
 
 
 def test_serve_e2b_needs_a_key_file(tmp_path: Path) -> None:
@@ -70,14 +145,17 @@ async def _ask(app: E2BApp, method: str, path: str, headers: dict[str, str], bod
 
 async def test_every_request_is_authenticated() -> None:
     async with trio.open_nursery() as n:
-        app = E2BApp("/nonexistent.sock", [b"good", b"also-good"], e2b_envd.Processes("/nonexistent.sock", n))
+        keys = parse_keys("good\nother also-good\n")
+        app = E2BApp("/nonexistent.sock", keys, e2b_envd.Processes(n))
         for headers in ({}, {"X-API-KEY": "bad"}, {"X-API-KEY": "goo"}, {"X-API-KEY": "good "}):
             for method, path in (("GET", "/v2/sandboxes"), ("POST", "/v2/sandboxes"), ("DELETE", "/sandboxes/x")):
                 assert await _ask(app, method, path, headers) == (401, {"code": 401, "message": "Invalid API key"})
-        token = app.access_token("box1")
+        token = app.tokens.mint(keys[0], "box1", "uid-1")
         envd = {"E2b-Sandbox-Id": "box1"}
         assert (await _ask(app, "GET", "/health", envd))[0] == 401
-        assert (await _ask(app, "GET", "/health", {**envd, "X-Access-Token": app.access_token("box2")}))[0] == 401
+        other_box = app.tokens.mint(keys[0], "box2", "uid-1")
+        assert (await _ask(app, "GET", "/health", {**envd, "X-Access-Token": other_box}))[0] == 401
+        assert (await _ask(app, "GET", "/health", {**envd, "X-Access-Token": "box1"}))[0] == 401
         # past authentication: the supervisor is asked whether the sandbox is there (unreachable here: 503)
         for good in ({"X-Access-Token": token}, {"X-API-KEY": "also-good"}):
             status, body = await _ask(app, "GET", "/health", {**envd, **good})
@@ -167,19 +245,60 @@ async def _call(fn: Any, body: bytes) -> list[dict[str, Any]]:
 
 async def test_malformed_process_calls_are_refused() -> None:
     async with trio.open_nursery() as n:
-        procs = e2b_envd.Processes("/nonexistent.sock", n)
+        procs = e2b_envd.Processes(n)
+        target = e2b_envd.Target(Client("/nonexistent.sock", Key("a", b"k")), "sb", "uid-1")
         for method, body in (
             ("SendInput", b'{"process": {"pid": "abc"}, "input": {"stdin": "eA=="}}'),
             ("SendSignal", b'{"process": {"pid": [1]}, "signal": "SIGNAL_SIGKILL"}'),
             ("CloseStdin", b'{"process": {}}'),
             ("List", b"[1]"),
         ):
-            sent = await _call(lambda ex, m=method: e2b_envd.process_call(ex, procs, "sb", m), body)
+            sent = await _call(lambda ex, m=method: e2b_envd.process_call(ex, procs, target, m), body)
             assert sent[0]["status"] == 400, (method, sent)
         start = e2b_http.envelope({"process": {"cmd": 5}})
-        sent = await _call(lambda ex: e2b_envd.process_call(ex, procs, "sb", "Start"), start)
+        sent = await _call(lambda ex: e2b_envd.process_call(ex, procs, target, "Start"), start)
         end = sent[-1]["body"]
         assert end[0] == e2b_http.END_STREAM and json.loads(end[5:])["error"]["code"] == "invalid_argument"
-        sent = await _call(lambda ex: e2b_envd.process_call(ex, procs, "sb", "Connect"), b"\x00\x00")
+        sent = await _call(lambda ex: e2b_envd.process_call(ex, procs, target, "Connect"), b"\x00\x00")
         assert json.loads(sent[-1]["body"][5:])["error"]["code"] == "invalid_argument"
+        n.cancel_scope.cancel()
+
+
+class _Snapshots(Client):
+    """A key's client whose ListSnapshots answers ``listed`` (what the supervisor lets the key see)."""
+
+    listed: tuple[Any, ...] = ()
+
+    async def snapshots(self) -> list[Any]:
+        return list(self.listed)
+
+
+async def test_templates_a_key_may_restore() -> None:
+    from supervisor import protocol as W
+
+    def snap(id: str, name: str, **kw: Any) -> W.SnapshotSummary:
+        return W.SnapshotSummary(id, "origin", name, {}, "/d", "t", **kw)
+
+    listed = (
+        snap("snap-0a", "plain", network="none"),
+        snap("snap-0b", "netted", network="user"),
+        snap("snap-0c", "secret", network="tap", secrets=["gh"]),
+        snap("snap-0d", "mounted", network="none", host_mounts=1),
+    )
+    async with trio.open_nursery() as n:
+        app = E2BApp("/nonexistent.sock", [Key("a", b"k")], e2b_envd.Processes(n))
+        client = _Snapshots("/nonexistent.sock", Key("a", b"k"))
+        object.__setattr__(client, "listed", listed)
+        assert await app._template(client, "snap-0a") == "snap-0a"
+        assert await app._template(client, "plain") == "snap-0a"
+        for name, why in (("netted", "network 'user'"), ("snap-0c", "secrets gh"), ("mounted", "host directories")):
+            with pytest.raises(e2b_http.HttpError, match=why) as err:
+                await app._template(client, name)
+            assert err.value.status == 400
+        # a snapshot id the key does not see: not found, never taken for an image reference
+        with pytest.raises(e2b_http.HttpError, match="template snap-0e not found") as err:
+            await app._template(client, "snap-0e")
+        assert err.value.status == 404
+        assert await app._template(client, "docker.io/library/python:3.12") is None
+        assert await app._template(client, "someone-elses-name") is None  # (an image reference, like any miss)
         n.cancel_scope.cancel()
