@@ -14,9 +14,11 @@ part directories and the manifest -- under its own umask, as on a new host."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import stat
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,6 +36,14 @@ pytestmark = pytest.mark.vm
 BUILD_TIMEOUT = 900.0  # s: serve builds the kernel and runtime parts before it serves
 
 
+def place(src: Path, dest: Path) -> None:
+    """``src`` at ``dest``: a hard link, or a (sparse) copy on another file system."""
+    try:
+        os.link(src, dest)
+    except OSError:
+        subprocess.run(["cp", "--sparse=always", "--reflink=auto", str(src), str(dest)], check=True)
+
+
 @pytest.fixture
 def fresh(image: Image) -> Iterator[tuple[Workdir, Path]]:
     """A workdir whose state dir's image cache is a new, empty directory but for what
@@ -47,21 +57,20 @@ def fresh(image: Image) -> Iterator[tuple[Workdir, Path]]:
         pytest.skip(f"the image cache {shared} keeps no downloaded {', '.join(missing)} (built before it kept them)")
     old = os.umask(0o077)
     try:
-        cache = Path(os.path.realpath("/tmp")) / f"sv-fresh-cache-{os.getpid()}"
-        cache.mkdir()
+        cache = Path(tempfile.mkdtemp(prefix="sv-fresh-cache-", dir="/tmp"))
         with workdir("sv-fresh-", private_state=True, cache=cache) as work:
             try:
                 (cache / DEBS).mkdir()
                 for p, v in wanted:
                     for deb in (shared / DEBS).glob(deb_glob(p, v)):
-                        os.link(deb, cache / DEBS / deb.name)
+                        place(deb, cache / DEBS / deb.name)
                 rootfs = cache / image.rootfs.parent.name
                 rootfs.mkdir()
-                os.link(image.rootfs, rootfs / image.rootfs.name)
+                place(image.rootfs, rootfs / image.rootfs.name)
                 assert load_default(cache) is None  # no image there: serve must build it
                 yield work, cache
             finally:
-                subprocess.run(["rm", "-rf", str(cache)], check=False)
+                shutil.rmtree(cache, ignore_errors=True)
     finally:
         os.umask(old)
 

@@ -229,6 +229,7 @@ def _finish(snap_dir: Path, files: list[str], user: QemuUser | None, kernel: Pat
             os.link(src, snap_dir / name)
         except OSError:
             shutil.copy2(src, snap_dir / name)
+            os.chmod(snap_dir / name, 0o644)  # a jailed QEMU opens it itself (-kernel /proc/self/fd/N)
     fsync_dir(snap_dir)  # its names, and the directory's own name, before the record names it
     fsync_dir(snap_dir.parent)
 
