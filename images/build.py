@@ -12,18 +12,29 @@ Layout of the image cache (``<state>/images``)::
     runtime-<key>/initrd.cpio                                (busybox, python3.11, msgpack, guestd)
     rootfs-<key>/rootfs.ext4                                 (Debian minbase + python3, read-only base)
     default.json                                             (the manifest: which parts make "default")
+    debs/<package>_<version>_<arch>.deb                      (what kernel and runtime were made of, kept)
 
 Only Debian's packages are used, fetched with apt (``apt-get download`` and
 mmdebstrap over the host's apt sources); never the host's own kernel or files.
+
+Modes: the parts are public (Debian's bits and guestd), and a jailed QEMU, another
+uid, opens the kernel and initrd itself (``-kernel /proc/self/fd/N`` is a new open,
+checked against the file's mode), so they must be readable by all whoever builds
+them: a build runs under umask 022 whatever its caller's (``serve`` runs under 077),
+which also gives the initramfs and rootfs trees the modes of an ordinary build, and
+each published part gets its modes explicitly (directories 0755, files 0644, the
+read-only rootfs 0444), a cached one too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -142,6 +153,10 @@ class Image:
     def exists(self) -> bool:
         return all(p.exists() for p in (self.kernel, self.kernel_bz, self.initrd, self.rootfs))
 
+    def readable(self) -> bool:
+        """Every part readable by all (what a jailed QEMU, another uid, needs)."""
+        return all(p.stat().st_mode & stat.S_IROTH for p in (self.kernel, self.kernel_bz, self.initrd, self.rootfs))
+
 
 Progress = Callable[[str, str], None]  # (part, message)
 
@@ -222,18 +237,82 @@ def _staging(cache: Path, name: str) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+BUILD_UMASK = 0o022  # what the build and the tools it runs create is readable by all
+PART_FILE_MODE, PART_DIR_MODE = 0o644, 0o755
+
+
+@contextmanager
+def _build_umask() -> Iterator[None]:
+    old = os.umask(BUILD_UMASK)
+    try:
+        yield
+    finally:
+        os.umask(old)
+
+
+def public_modes(part: Path) -> None:
+    """A part's directory and everything in it readable by all, written by its owner
+    alone: directories 0755, files 0644, a file without its owner's write bit (the
+    rootfs) 0444. Explicit, whatever the umask it was made under; a mode that is right
+    already is left alone (a cache someone else owns stays usable)."""
+
+    def chmod(path: str, want: int) -> None:
+        st = os.lstat(path)
+        if stat.S_IMODE(st.st_mode) != want and not stat.S_ISLNK(st.st_mode):
+            os.chmod(path, want)
+
+    for d, _dirs, files in os.walk(part):
+        chmod(d, PART_DIR_MODE)
+        for name in files:
+            p = os.path.join(d, name)
+            st = os.lstat(p)
+            if stat.S_ISREG(st.st_mode):
+                chmod(p, PART_FILE_MODE if st.st_mode & stat.S_IWUSR else PART_FILE_MODE & ~0o222)
+
+
 def _publish(tmp: Path, final: Path) -> None:
+    public_modes(tmp)
     if final.exists():
         shutil.rmtree(final)
     tmp.rename(final)
 
 
-def _download(pkgs: list[str], dest: Path) -> list[Path]:
+DEBS = "debs"  # the cache's downloaded packages, kept: a rebuild downloads none of them again
+
+
+def deb_glob(pkg: str, ver: str) -> str:
+    """The name apt-get download gives ``pkg`` at ``ver`` (any architecture)."""
+    return f"{pkg}_{ver.replace(':', '%3a')}_*.deb"
+
+
+def _link(src: Path, dest: Path) -> None:
+    try:
+        os.link(src, dest)
+    except OSError:
+        shutil.copy(src, dest)
+
+
+def _download(versions: list[tuple[str, str]], dest: Path, kept: Path) -> list[Path]:
+    """The .deb of each (package, version) in ``dest``: linked from ``kept`` when it is
+    there, else fetched with apt-get download (and kept)."""
     dest.mkdir(parents=True, exist_ok=True)
-    run(["apt-get", "download", "-q", *pkgs], cwd=dest)
+    kept.mkdir(exist_ok=True)
+    missing = []
+    for pkg, ver in versions:
+        found = sorted(kept.glob(deb_glob(pkg, ver)))
+        if found:
+            _link(found[0], dest / found[0].name)
+        else:
+            missing.append((pkg, ver))
+    if missing:
+        run(["apt-get", "download", "-q", *(f"{pkg}={ver}" for pkg, ver in missing)], cwd=dest)
+        for pkg, ver in missing:
+            for deb in dest.glob(deb_glob(pkg, ver)):
+                with contextlib.suppress(FileExistsError):
+                    _link(deb, kept / deb.name)
     debs = sorted(dest.glob("*.deb"))
-    if len(debs) < len(pkgs):
-        raise BuildError(f"apt-get download gave {len(debs)} packages for {len(pkgs)}")
+    if len(debs) < len(versions):
+        raise BuildError(f"apt-get download gave {len(debs)} packages for {len(versions)}")
     return debs
 
 
@@ -370,20 +449,23 @@ class Builder:
     cache: Path
     progress: Progress = _quiet
     built: list[str] = attrs.field(factory=list)
+    wanted_debs: list[tuple[str, str]] = attrs.field(factory=list)  # (package, version) of this image
 
     # -- parts ---------------------------------------------------------------
     def kernel(self) -> tuple[Path, str, str]:
         pkg = kernel_package()
         ((_, ver),) = candidates([pkg])
+        self.wanted_debs.append((pkg, ver))
         key = _digest("kernel", 2, pkg, ver, MODULES)
         final = self.cache / f"kernel-{key}"
         release = pkg.removeprefix("linux-image-")
         if (final / "vmlinux").exists():
             self.progress("kernel", f"cached {pkg} {ver}")
+            public_modes(final)  # (a part an older build made under serve's umask)
             return final, release, key
         self.progress("kernel", f"downloading {pkg} {ver}")
         with _staging(self.cache, "kernel") as tmp:
-            (deb,) = [d for d in _download([pkg], tmp / "debs") if d.name.startswith(pkg)]
+            (deb,) = [d for d in _download([(pkg, ver)], tmp / "debs", self.cache / DEBS) if d.name.startswith(pkg)]
             tree = tmp / "tree"
             run(["dpkg-deb", "-x", str(deb), str(tree)])
             out = tmp / "out"
@@ -404,16 +486,18 @@ class Builder:
 
     def runtime(self, kernel_dir: Path, kernel_key: str, release: str) -> tuple[Path, str]:
         versions = candidates((*RUNTIME_PACKAGES, STDLIB_PACKAGE))
+        self.wanted_debs.extend(versions)
         key = _digest("runtime", 3, versions, kernel_key, Path(__file__), HERE / "init.sh", *guestd_sources())
         final = self.cache / f"runtime-{key}"
         if (final / "initrd.cpio").exists():
             self.progress("runtime", "cached")
+            public_modes(final)
             return final, key
         self.progress("runtime", f"downloading {len(versions)} packages")
         with _staging(self.cache, "runtime") as tmp:
             root = tmp / "root"
             root.mkdir()
-            for deb in _download([*RUNTIME_PACKAGES, STDLIB_PACKAGE], tmp / "debs"):
+            for deb in _download(versions, tmp / "debs", self.cache / DEBS):
                 if deb.name.startswith(STDLIB_PACKAGE + "_"):
                     run(["dpkg-deb", "-x", str(deb), str(tmp / "stdlib")])
                 else:
@@ -502,6 +586,7 @@ class Builder:
         final = self.cache / f"rootfs-{key}"
         if (final / "rootfs.ext4").exists():
             self.progress("rootfs", "cached")
+            public_modes(final)
             return final, key
         self.progress("rootfs", "mmdebstrap minbase (a minute or two)")
         with _staging(self.cache, "rootfs") as tmp:
@@ -588,6 +673,13 @@ class Builder:
 
     # -- the whole image -------------------------------------------------------
     def build(self) -> Image:
+        """Build (or find) every part and write the manifest; under umask 022 (see the
+        module's docstring on modes)."""
+        with _build_umask():
+            return self._build()
+
+    def _build(self) -> Image:
+        self.cache.mkdir(parents=True, exist_ok=True)
         kdir, release, kkey = self.kernel()
         rdir, rkey = self.runtime(kdir, kkey, release)
         fdir, fkey = self.rootfs()
@@ -603,6 +695,7 @@ class Builder:
         manifest = self.cache / "default.json"
         tmp = manifest.with_suffix(".tmp")
         tmp.write_text(json.dumps(img.to_json(), indent=2))
+        tmp.chmod(PART_FILE_MODE)
         tmp.rename(manifest)
         self._gc(keep={kdir.name, rdir.name, fdir.name})
         return img
@@ -616,6 +709,10 @@ class Builder:
             stale_staging = p.name.startswith(".") and time.time() - p.stat().st_mtime > 3600
             if superseded or stale_staging:
                 shutil.rmtree(p, ignore_errors=True)
+        wanted = {d.name for pkg, ver in self.wanted_debs for d in (self.cache / DEBS).glob(deb_glob(pkg, ver))}
+        for deb in (self.cache / DEBS).glob("*.deb"):
+            if deb.name not in wanted:  # a version no part of this image is made of
+                deb.unlink(missing_ok=True)
 
 
 def load_default(cache: Path | None = None) -> Image | None:

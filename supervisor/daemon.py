@@ -92,8 +92,8 @@ def parse_upstream(text: str) -> tuple[str, int]:
 
 def default_image(state_dir: Path) -> Image:
     img = load_default(state_dir / "images")
-    if img is None:
-        log.info("the default image is not built yet: building it (once)")
+    if img is None or not img.readable():  # (unreadable: made under a umask like serve's by an older build)
+        log.info("the default image is not built yet, or not readable by a jailed QEMU: building it (once)")
         img = Builder(state_dir / "images", progress=lambda part, msg: log.info("image %s: %s", part, msg)).build()
     return img
 

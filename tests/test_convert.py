@@ -124,34 +124,49 @@ async def test_a_default_create_checkpoints_streamed_and_restores_mapped(work: W
         print(f"restores during the conversion: {len(kinds)}, mapped: {sum(kinds):.0f}")
 
 
+async def held_mid_way(work: Workdir, registry: Registry, rec: SnapshotRecord) -> None:
+    """Until ``rec``'s conversion waits at the store's hold (the caller holds it): its
+    helper QEMU is up, paused, and both of its files are written, the record not switched."""
+    with trio.fail_after(120):
+        while (
+            registry.snapshots.converting is not rec or not registry.snapshots.convert_hold.statistics().tasks_waiting
+        ):
+            await trio.sleep(0.01)
+    assert leftovers(work, rec) == {
+        "part files": ["memory.part", "vmstate-mapped.part"],
+        "helper run dirs": [f"cv-{rec.uid}"],
+    }
+    assert rec.memory == "streamed"
+
+
 async def test_a_conversion_cut_short_leaves_nothing(work: Workdir) -> None:
     """A snapshot deleted while its conversion runs, and a supervisor that exits during
     one: the helper QEMU is reaped, its cell, run dir and files go; the snapshot that
-    stayed converts at the next start."""
+    stayed converts at the next start. Each conversion is held at its last step (the
+    store's hold), so the delete and the exit cut it there, however fast it ran."""
     with trio.fail_after(600):
         async with supervisor(work) as (cfg, registry):
             sock = str(cfg.socket)
             _maker, origin = await default_created(sock)
+            ours = {registry.get(i).record.qemu_pid for i in ("maker", "origin")}
+            hold = registry.snapshots.convert_hold
+            await hold.acquire()  # (released after this supervisor exited)
             async with registry.snapshots.convert_lock:  # (no disk may stand on it: deletable)
                 other = await AsyncSandbox.create("other", socket=sock)
                 doomed = await other.checkpoint("doomed")
                 await other.remove()
             rec = registry.snapshots.get(doomed.snapshot_id)
-            with trio.fail_after(60):
-                while registry.snapshots.converting is not rec:
-                    await trio.sleep(0.01)
-            await trio.sleep(0.3)  # (its helper runs)
+            await held_mid_way(work, registry, rec)
+            assert len(_our_qemus(work.run_root) - ours) == 1  # (its helper)
             await AsyncSandbox.delete_snapshot(doomed.snapshot_id, socket=sock)
             assert not rec.path.exists()
-            assert _our_qemus(work.run_root) == {registry.get(i).record.qemu_pid for i in ("maker", "origin")}
+            assert _our_qemus(work.run_root) == ours
             assert not any(d.name.startswith("cv-") for d in work.run_root.iterdir())
             # this one's conversion is under way when the supervisor exits
             kept = await origin.checkpoint("kept")
             rec = registry.snapshots.get(kept.snapshot_id)
-            with trio.fail_after(60):
-                while registry.snapshots.converting is not rec:
-                    await trio.sleep(0.01)
-            await trio.sleep(0.3)
+            await held_mid_way(work, registry, rec)
+        hold.release()
         assert rec.memory == "streamed"
         assert leftovers(work, rec) == {"part files": [], "helper run dirs": []}
         assert not _our_qemus(work.run_root)

@@ -83,7 +83,7 @@ def alive(pid: int) -> bool:
 
 
 def test_a_supervisor_killed_and_restarted_keeps_every_sandbox(image: Image) -> None:
-    interrupted: list[BaseException] = []
+    interrupted: list[ApiError] = []
 
     async def before(work: Workdir) -> dict[str, int]:
         async with connect(work.socket) as c:
@@ -104,16 +104,25 @@ def test_a_supervisor_killed_and_restarted_keeps_every_sandbox(image: Image) -> 
         return pids
 
     async def kill_mid_run(work: Workdir, proc: Any) -> None:
+        # killed once the guest runs the process: its first output came back. (The
+        # sandbox is "running" from the Run's acceptance, before the guest got the
+        # command: a kill then loses the command, and nothing would run on.)
+        started = trio.Event()
         async with connect(work.socket) as c, trio.open_nursery() as n:
 
             async def long_run() -> None:
+                cmd = ["sh", "-c", "echo started; sleep 4; echo finished > /root/after"]
                 try:
-                    await run(c, "busy", ["sh", "-c", "sleep 4; echo finished > /root/after"])
+                    async with c.open_call("Run", {"id": "busy", "cmd": cmd}) as call:
+                        async for item in call:
+                            if item["data"]:
+                                started.set()
                 except ApiError as exc:
                     interrupted.append(exc)
 
             n.start_soon(long_run)
-            await wait_state(c, "busy", "running")
+            await started.wait()
+            assert (await c.call("Inspect", {"id": "busy"}))["state"] == "running"
             proc.kill()  # SIGKILL: no cleanup at all
             await trio.to_thread.run_sync(proc.wait)
 

@@ -523,6 +523,32 @@ def test_serve_refuses_to_start_without_cgroups_unless_told(
 
 
 @root_only
+def test_an_exit_removes_what_closes_left_and_the_parent_in_every_hierarchy(
+    test_cgroups: cgroups.CgroupManager | None,
+) -> None:
+    """A cgroup a cell's close could not remove (busy then) goes at supervisor exit,
+    and the parent with it in every hierarchy; one that holds a process stays, and the
+    parent with it, until it is empty."""
+    m = test_cgroups
+    if m is None:
+        pytest.skip("no cgroup hierarchy with memory and pids")
+    m.create("left", CgroupLimits(memory_bytes=64 << 20, pids=8))
+    busy = m.create("busy", CgroupLimits(memory_bytes=64 << 20, pids=8))
+    p = subprocess.Popen(["sleep", "60"])
+    try:
+        for f in busy.procs_files():
+            f.write_text(str(p.pid))
+        assert not m.remove_empty()
+        assert m.names() == {"busy"}
+        assert all(d.is_dir() for d in m.parent_dirs())
+    finally:
+        p.kill()
+        p.wait()
+    assert m.remove_empty()
+    assert not any(d.exists() for d in m.parent_dirs())
+
+
+@root_only
 def test_ip_netns_exec_still_finds_the_cgroups(tmp_path: Path) -> None:
     """`ip netns exec` gives its command a mount namespace with a fresh /sys (no
     /sys/fs/cgroup mounts): find() mounts the process's own hierarchies privately

@@ -306,5 +306,8 @@ class Cells:
         if self.tools is not None:
             self.tools.close()
         if self.cgroups is not None:
-            with contextlib.suppress(CgroupError, OSError):
-                self.cgroups.remove_parent()
+            try:
+                if not self.cgroups.remove_empty():
+                    log.info("cgroup parent %s stays: cgroups under it hold processes", self.cgroups.parent)
+            except (CgroupError, OSError) as exc:
+                log.warning("cgroup parent %s left: %s", self.cgroups.parent, exc)

@@ -276,13 +276,28 @@ class CgroupManager(abc.ABC):
         """The parent's directory in each hierarchy."""
 
     def remove_parent(self) -> bool:
-        """rmdir the parent when no cgroup is left under it (supervisor exit)."""
+        """rmdir the parent in every hierarchy when no cgroup is left under it
+        (supervisor exit); False when one is. A hierarchy whose parent cannot go does
+        not keep the others': each is tried, then CgroupError names the ones left."""
         if self.names():
             return False
+        errors = []
         for d in self.parent_dirs():
-            with contextlib.suppress(FileNotFoundError):
+            try:
                 _rmdir(d)
+            except CgroupError as exc:
+                errors.append(str(exc))
+        if errors:
+            raise CgroupError("; ".join(errors))
         return True
+
+    def remove_empty(self) -> bool:
+        """At supervisor exit: every cgroup under the parent that holds no process (one
+        whose removal failed when its cell closed: a process of it not yet reaped keeps a
+        cgroup busy while ``cgroup.procs`` no longer lists it), then the parent in every
+        hierarchy. False when a cgroup holds a process (--keep-sandboxes: it stays, and
+        the parent with it)."""
+        return not self.collect(keep=set()) and self.remove_parent()
 
     def collect(self, keep: set[str]) -> dict[str, set[int]]:
         """Remove empty cgroups not in ``keep`` (left by a crash); returns the ones

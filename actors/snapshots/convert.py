@@ -55,7 +55,7 @@ from actors.machines.disk import create_overlay
 from actors.machines.machine import Machine, Placement
 from actors.machines.qemuproc import LaunchError, MachineError, QemuUser
 from actors.settings import Settings
-from actors.snapshots.snapshot import PART, Converted, allocated, helper_net, resume_spec, stat_key
+from actors.snapshots.snapshot import PART, Converted, Hold, allocated, helper_net, resume_spec, stat_key
 from actors.store import SnapshotRecord
 
 log = logging.getLogger("sandvisor.convert")
@@ -112,9 +112,10 @@ def _fsync(path: Path, flags: int = os.O_RDONLY) -> None:
         os.close(fd)
 
 
-async def convert_streamed(rec: SnapshotRecord, settings: Settings) -> Converted:
+async def convert_streamed(rec: SnapshotRecord, hold: Hold, settings: Settings) -> Converted:
     """Write ``memory`` and a device-only stream into ``rec``'s dir (see the module's
-    diagram); the record is the caller's to switch. Raises :class:`MachineError`
+    diagram); the record is the caller's to switch. ``hold`` is awaited at the last
+    step, where the crash point ``convert`` is (the helper paused, both files written). Raises :class:`MachineError`
     (the helper failed), :class:`~actors.cells.jail.JailError` or ``OSError``."""
     snap_dir = rec.path
     mem_part, state_part = snap_dir / f"memory{PART}", snap_dir / f"{MAPPED_STATE}{PART}"
@@ -155,7 +156,7 @@ async def convert_streamed(rec: SnapshotRecord, settings: Settings) -> Converted
         )
         helper = Machine(spec, placement, name=vm.name, fds={"ram": mfd}, on_spawned=_nice)
         with trio.move_on_after(CONVERT_TIMEOUT) as deadline:
-            await _run_helper(helper, rec, state_part, mem_part, mfd)
+            await _run_helper(helper, rec, state_part, mem_part, mfd, hold)
         if deadline.cancelled_caught:
             raise ConvertError(f"the helper did not finish within {CONVERT_TIMEOUT:g}s")
         if os.fstat(mfd).st_size != size:  # (sealed: cannot happen)
@@ -180,7 +181,7 @@ def _nice(pid: int, _started: int) -> None:
         os.setpriority(os.PRIO_PROCESS, pid, HELPER_NICE)
 
 
-async def _run_helper(m: Machine, rec: SnapshotRecord, state_part: Path, mem_part: Path, mfd: int) -> None:
+async def _run_helper(m: Machine, rec: SnapshotRecord, state_part: Path, mem_part: Path, mfd: int, hold: Hold) -> None:
     """Start the helper, load the stream, save the device state through a pipe, copy
     the RAM out; the helper is quit and reaped however this ends."""
     async with trio.open_nursery() as nursery:
@@ -217,6 +218,7 @@ async def _run_helper(m: Machine, rec: SnapshotRecord, state_part: Path, mem_par
             if p.returncode != 0:
                 raise OSError(f"copying the converted memory failed: {p.stderr.decode(errors='replace')[:200]}")
             crash_point("convert")
+            await hold()
         finally:
             await m.shutdown()
             nursery.cancel_scope.cancel()

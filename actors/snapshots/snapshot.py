@@ -230,6 +230,7 @@ def _finish(snap_dir: Path, files: list[str], user: QemuUser | None, kernel: Pat
             os.link(src, snap_dir / name)
         except OSError:
             shutil.copy2(src, snap_dir / name)
+            os.chmod(snap_dir / name, 0o644)  # a jailed QEMU opens it itself (-kernel /proc/self/fd/N)
     fsync_dir(snap_dir)  # its names, and the directory's own name, before the record names it
     fsync_dir(snap_dir.parent)
 
@@ -317,7 +318,9 @@ class Converted:
     memory_stat: list[int]
 
 
-Convert = Callable[[SnapshotRecord], Awaitable[Converted]]
+Hold = Callable[[], Awaitable[None]]
+# (a snapshot, the hold its conversion passes at its last step) -> what it wrote
+Convert = Callable[[SnapshotRecord, Hold], Awaitable[Converted]]
 CONVERT_RETRY = 5.0  # s: a conversion that found no room looks again after this long
 PART = ".part"  # a conversion's files while it writes them
 
@@ -340,7 +343,11 @@ class SnapshotStore:
     Tasks (:meth:`run`): the collector, and the converter, which converts the streamed
     snapshots one at a time, oldest first (each checkpoint queues its snapshot; a start
     queues those still streamed). :attr:`convert_lock` is held for each conversion:
-    whoever holds it (a test) keeps conversions from starting."""
+    whoever holds it (a test) keeps conversions from starting. Whoever holds
+    :attr:`convert_hold` stops a conversion under way at its last step, the crash point
+    ``convert`` (its helper QEMU paused with the stream loaded, both ``.part`` files
+    written, the record not switched), until it is released: a delete or an exit then
+    cuts it there. ``convert_hold.statistics().tasks_waiting`` says one waits."""
 
     def __init__(
         self,
@@ -362,6 +369,7 @@ class SnapshotStore:
         self._to_convert: list[str] = []  # snapshot ids, oldest first
         self._convert_wanted = trio.Event()
         self.convert_lock = trio.Lock()
+        self.convert_hold = trio.Lock()
         self.converting: SnapshotRecord | None = None  # its dir is not garbage, nor its files stray
         self._convert_scope: trio.CancelScope | None = None
         self._convert_done = trio.Event()
@@ -634,7 +642,7 @@ class SnapshotStore:
             with trio.CancelScope() as scope:
                 self._convert_scope = scope
                 try:
-                    out = await convert(rec)
+                    out = await convert(rec, self._hold)
                 except (MachineError, JailError, OSError, DomainError) as exc:
                     log.warning("snapshot %s stays streamed: its conversion failed: %s", rec.id, exc)
                     return False
@@ -661,6 +669,11 @@ class SnapshotStore:
         if old != rec.vmstate:
             (rec.path / old).unlink(missing_ok=True)
         return True
+
+    async def _hold(self) -> None:
+        """A conversion's last step: it waits here while someone holds :attr:`convert_hold`."""
+        async with self.convert_hold:
+            pass
 
 
 def _strays(rec: SnapshotRecord) -> list[Path]:

@@ -572,6 +572,7 @@ def _link_part(local: Path, dest: Path) -> None:
         os.link(local, dest)
     except OSError:
         shutil.copy2(local, dest)
+        os.chmod(dest, 0o644)  # as the image's: a jailed QEMU opens it itself
 
 
 def _check_file(path: Path, name: str, plan: _Plan, settings: Settings) -> None:
