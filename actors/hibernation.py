@@ -16,9 +16,10 @@ Pause, in order (each step durable before the next; the crash points name them):
 
 Resume is a life with ``Resume(snapshot, wake=True)``: the record says "paused" until
 the guest is back and ready (``resume-loaded``: a crash before that leaves it paused),
-then "ready", event ``resumed``; the snapshot's record, memory and stream go, its
-frozen disk stays as a layer of the sandbox's chain. A resume that fails leaves the
-sandbox paused, with the error.
+then "ready", event ``resumed``; the snapshot's record, memory and stream go, and its
+frozen disk, now the sandbox's alone, merges back into the running overlay in the
+background (:meth:`Hibernation.merge`): pause after pause, the chain stays as deep as
+at the first. A resume that fails leaves the sandbox paused, with the error.
 
 Auto-resume: a call that needs the guest (Sandbox.awake) resumes it first; so does an
 inbound connection to a held port (the listener is watched; on its first readable
