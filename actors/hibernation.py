@@ -32,11 +32,14 @@ sandbox's own address is not watched (docs/hibernation.md says why).
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 import socket
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import attrs
 import trio
 
 from actors.channel.guest import GuestError
@@ -54,6 +57,7 @@ from actors.snapshots.snapshot import Checkpoint
 from actors.store import SnapshotRecord
 
 if TYPE_CHECKING:
+    from actors.machines.machine import Machine
     from actors.registry import Registry
 
 log = logging.getLogger("sandvisor.hibernation")
@@ -283,8 +287,9 @@ class Hibernation:
                 return
             t0 = time.monotonic()
             try:
+                self._keep_boot_files(sb, m, chain[:n])
                 await m.merge_layers(n, chain[n])
-            except MachineError as exc:
+            except (MachineError, OSError) as exc:
                 if sb.state == State.READY:
                     sb.log.append("system", f"disk: merging {n} layer(s) of its own failed: {exc}".encode())
                     log.warning("sandbox %s: merging %d disk layer(s): %s", sb.id, n, exc)
@@ -294,11 +299,39 @@ class Hibernation:
             sb.record.chain = chain[n:]
             sb.store.update_life(sb.record)
             await sb.store.flush()
-            for layer in chain[:n]:  # (their directories go with the collector, once its
-                Path(layer).unlink(missing_ok=True)  # QEMU's kernel link there is not used)
-            self.reg.snapshots.collect_soon()
+            self.reg.snapshots.collect_soon()  # (their directories)
             ms = (time.monotonic() - t0) * 1000
             sb.log.append("system", f"disk: {n} layer(s) of its own merged into it in {ms:.0f} ms".encode())
+
+    def _keep_boot_files(self, sb: Sandbox, m: Machine, merged: list[str]) -> None:
+        """A resumed QEMU runs the kernel and initrd of its snapshot's directory (links),
+        which its next checkpoint links again: before that directory goes with a merged
+        layer, they are linked into the sandbox's own, and the machine (and its life
+        record, for a supervisor that adopts it) names them there."""
+        gone = {Path(p).parent for p in merged}
+        moved: dict[str, Path] = {}
+        for name in ("kernel", "initrd"):
+            src: Path = getattr(m.spec, name)
+            if src.parent not in gone:
+                continue
+            dst, tmp = sb.files.dir / name, sb.files.dir / f"{name}.new"
+            tmp.unlink(missing_ok=True)
+            try:
+                os.link(src, tmp)
+            except OSError:
+                shutil.copy2(src, tmp)
+            os.replace(tmp, dst)
+            moved[name] = dst
+        if not moved:
+            return
+        m.spec = attrs.evolve(
+            m.spec, kernel=moved.get("kernel", m.spec.kernel), initrd=moved.get("initrd", m.spec.initrd)
+        )
+        life = sb.record.life
+        if life is not None and isinstance(life.spec, dict) and isinstance(life.spec.get("machine"), dict):
+            machine = {**life.spec["machine"], **{k: str(v) for k, v in moved.items()}}
+            sb.record.life = attrs.evolve(life, spec={**life.spec, "machine": machine})
+            sb.store.update_life(sb.record)
 
     # -- the end of a paused sandbox --------------------------------------------------
     def discard(self, sb: Sandbox) -> None:

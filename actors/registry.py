@@ -299,19 +299,10 @@ class Registry:
             await self.store.flush()
 
     def _layers_in_use(self) -> set[Path]:
-        """Every disk layer a sandbox or pool member stands on (as recorded), and the
-        kernel its QEMU runs (a restored one's is a link in the snapshot's directory,
-        which a checkpoint links again: kept after the layers there merged away)."""
+        """Every disk layer a sandbox or pool member stands on (as recorded)."""
         used: set[Path] = set()
         for sb in [*self.sandboxes.values(), *self.pools.all_members()]:
             used.update(Path(p) for p in sb.record.chain)
-            guest, life = sb.guest, sb.record.life
-            if guest is not None:
-                used.add(guest.machine.spec.kernel)
-            elif life is not None and isinstance(life.spec, dict):  # (a QEMU not adopted yet)
-                machine = life.spec.get("machine")
-                if isinstance(machine, dict) and isinstance(machine.get("kernel"), str):
-                    used.add(Path(machine["kernel"]))
         return used
 
     # -- sandboxes: making and forgetting ---------------------------------------------
