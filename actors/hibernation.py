@@ -16,9 +16,10 @@ Pause, in order (each step durable before the next; the crash points name them):
 
 Resume is a life with ``Resume(snapshot, wake=True)``: the record says "paused" until
 the guest is back and ready (``resume-loaded``: a crash before that leaves it paused),
-then "ready", event ``resumed``; the snapshot's record, memory and stream go, its
-frozen disk stays as a layer of the sandbox's chain. A resume that fails leaves the
-sandbox paused, with the error.
+then "ready", event ``resumed``; the snapshot's record, memory and stream go, and its
+frozen disk, now the sandbox's alone, merges back into the running overlay in the
+background (:meth:`Hibernation.merge`): pause after pause, the chain stays as deep as
+at the first. A resume that fails leaves the sandbox paused, with the error.
 
 Auto-resume: a call that needs the guest (Sandbox.awake) resumes it first; so does an
 inbound connection to a held port (the listener is watched; on its first readable
@@ -31,10 +32,14 @@ sandbox's own address is not watched (docs/hibernation.md says why).
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 import socket
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+import attrs
 import trio
 
 from actors.channel.guest import GuestError
@@ -52,12 +57,14 @@ from actors.snapshots.snapshot import Checkpoint
 from actors.store import SnapshotRecord
 
 if TYPE_CHECKING:
+    from actors.machines.machine import Machine
     from actors.registry import Registry
 
 log = logging.getLogger("sandvisor.hibernation")
 
 WARM_TIMEOUT = 10.0  # s: the warm-up exec after an explicit resume
 ROOM_MARGIN_MIB = 64  # free space a pause needs beyond the guest's RAM (device state, disk swap)
+MAX_OWN_LAYERS = 4  # unmerged layers of its own (merges that failed) past which a pause is refused
 
 
 class Hibernation:
@@ -105,6 +112,13 @@ class Hibernation:
         if cap and len(self.paused()) >= cap:
             raise ResourceExhausted(f"at most {cap} sandboxes may be paused at once (--max-paused)")
         self._check_room(sb)
+        await self.merge(sb)  # (what an earlier resume's merge left: it failed, or a restart came first)
+        own = self.own_layers(sb)
+        if own > MAX_OWN_LAYERS:
+            raise ResourceExhausted(
+                f"sandbox {sb.id} stands on {own} disk layers of its own that did not merge (at most "
+                f"{MAX_OWN_LAYERS}): it cannot be paused again; its log says why (stop and start it, or checkpoint)"
+            )
         address = str(sb.pool_address or "") if sb.config.network.mode == NetMode.TAP else ""
         gens = reg.volumes.generations(sb.config.volumes)
         t0 = time.monotonic()
@@ -215,6 +229,8 @@ class Hibernation:
             reg.snapshots.retire(snap)
             if reg.settings.cells is not None:
                 reg.settings.cells.sealed.drop(snap.id)
+            if reg._lives is not None:  # its frozen disk goes back into the running one
+                reg._lives.start_soon(self.merge, sb)
             self._pipe(sb, pending)
             sb.touch()
             await sb.persisted()
@@ -230,6 +246,92 @@ class Hibernation:
             await self.resume(sb)
         except DomainError as exc:
             sb.log.append("system", f"auto-resume on a connection failed: {exc.message}".encode())
+
+    # -- the disk's layers ------------------------------------------------------------
+    def own_layers(self, sb: Sandbox) -> int:
+        """How many layers at the top of the sandbox's chain are its alone: a frozen disk
+        in the snapshot store with no snapshot record (a pause's, once resumed; a deleted
+        snapshot's) that no other sandbox, pool member or snapshot stands on."""
+        snaps = self.reg.snapshots
+        root = snaps.root.resolve()
+        recorded = {Path(r.dir).resolve() for r in snaps.snapshots.values()} | snaps.pending
+        others: set[Path] = set()
+        for o in [*self.reg.sandboxes.values(), *self.reg.pools.all_members()]:
+            if o is not sb:
+                others.update(Path(p).resolve() for p in o.record.chain)
+        for r in snaps.snapshots.values():
+            others.update(Path(p).resolve() for p in r.chain)
+        n = 0
+        for layer in sb.record.chain[:-1]:  # (the base is never merged)
+            p = Path(layer).resolve()
+            if p.parent.parent != root or p.parent in recorded or p in others:
+                break
+            n += 1
+        return n
+
+    async def merge(self, sb: Sandbox) -> None:
+        """Merge the layers of a running sandbox's disk that are its alone (what its pause
+        froze) back into its overlay (Machine.merge_layers: QEMU's block-stream, the
+        guest runs on), so pause after pause neither deepens its chain nor keeps a copy
+        of what it overwrote; the merged layers' directories go (the collector). Only
+        on the block graph its QEMU was launched with (a checkpoint since then moved the
+        disk: the next pause's merge). A failure is logged: the chain stays as it was
+        (the same data), and a pause tries again."""
+        async with sb.layers_exclusive():
+            guest, chain = sb.guest, list(sb.record.chain)
+            n = self.own_layers(sb)
+            if guest is None or sb.state != State.READY or n == 0:
+                return
+            m = guest.machine
+            if m.disk_top != "disk0" or [str(p) for p in m.spec.disk_chain] != chain:
+                return
+            t0 = time.monotonic()
+            try:
+                self._keep_boot_files(sb, m, chain[:n])
+                await m.merge_layers(n, chain[n])
+            except (MachineError, OSError) as exc:
+                if sb.state == State.READY:
+                    sb.log.append("system", f"disk: merging {n} layer(s) of its own failed: {exc}".encode())
+                    log.warning("sandbox %s: merging %d disk layer(s): %s", sb.id, n, exc)
+                return
+            # the header names chain[n] from here: a crash before this flush leaves the
+            # record naming layers the top no longer reads (harmless: it holds their data)
+            sb.record.chain = chain[n:]
+            sb.store.update_life(sb.record)
+            await sb.store.flush()
+            self.reg.snapshots.collect_soon()  # (their directories)
+            ms = (time.monotonic() - t0) * 1000
+            sb.log.append("system", f"disk: {n} layer(s) of its own merged into it in {ms:.0f} ms".encode())
+
+    def _keep_boot_files(self, sb: Sandbox, m: Machine, merged: list[str]) -> None:
+        """A resumed QEMU runs the kernel and initrd of its snapshot's directory (links),
+        which its next checkpoint links again: before that directory goes with a merged
+        layer, they are linked into the sandbox's own, and the machine (and its life
+        record, for a supervisor that adopts it) names them there."""
+        gone = {Path(p).parent for p in merged}
+        moved: dict[str, Path] = {}
+        for name in ("kernel", "initrd"):
+            src: Path = getattr(m.spec, name)
+            if src.parent not in gone:
+                continue
+            dst, tmp = sb.files.dir / name, sb.files.dir / f"{name}.new"
+            tmp.unlink(missing_ok=True)
+            try:
+                os.link(src, tmp)
+            except OSError:
+                shutil.copy2(src, tmp)
+            os.replace(tmp, dst)
+            moved[name] = dst
+        if not moved:
+            return
+        m.spec = attrs.evolve(
+            m.spec, kernel=moved.get("kernel", m.spec.kernel), initrd=moved.get("initrd", m.spec.initrd)
+        )
+        life = sb.record.life
+        if life is not None and isinstance(life.spec, dict) and isinstance(life.spec.get("machine"), dict):
+            machine = {**life.spec["machine"], **{k: str(v) for k, v in moved.items()}}
+            sb.record.life = attrs.evolve(life, spec={**life.spec, "machine": machine})
+            sb.store.update_life(sb.record)
 
     # -- the end of a paused sandbox --------------------------------------------------
     def discard(self, sb: Sandbox) -> None:

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from actors.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
-from actors.model import HostMount
+from actors.model import HOST_DIR_OPTION_CHARS, HostMount
 from images.tools import ToolError, bind
 
 if TYPE_CHECKING:
@@ -78,6 +78,8 @@ def check_host_dir(source: str, allowed: tuple[Path, ...], *, writable: bool = F
     PERMISSION_DENIED, said before the path is looked at: no probing outside), there
     (NOT_FOUND), a directory reached through no symlink, that others may read (and
     write, ``writable``) unless it has an ACL (FAILED_PRECONDITION)."""
+    if any(c in HOST_DIR_OPTION_CHARS for c in source):  # (a record made before this rule, too)
+        raise InvalidArgument(f"host directory {source!r}: ',' and '\\' are not allowed (virtiofsd's option syntax)")
     p = Path(source)
     if not p.is_absolute() or ".." in p.parts:
         raise InvalidArgument(f"host directory {source!r} must be an absolute path without '..'")

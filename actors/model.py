@@ -303,6 +303,9 @@ class HostMount:
 
 
 MAX_HOST_MOUNTS = 8
+# characters a host directory's path may not hold: virtiofsd reads it as ``-o source=PATH``,
+# an option list (libfuse's fuse_opt) where ',' separates options and '\' escapes
+HOST_DIR_OPTION_CHARS = frozenset(",\\")
 MAX_TMPFS_MIB = 1 << 20  # a limit, not an allocation: the guest's RAM bounds it anyway
 
 
@@ -578,6 +581,11 @@ def check_host_mounts(cfg: SandboxConfig) -> None:
         src = m.source
         if not src.startswith("/") or "\0" in src or ".." in src.split("/") or len(src.encode()) > 4096:
             raise InvalidArgument(f"host directory {src[:80]!r}: an absolute path without '..' or NUL")
+        if any(c in HOST_DIR_OPTION_CHARS for c in src):
+            raise InvalidArgument(
+                f"host directory {src[:80]!r}: its server takes the path in an option list, "
+                "where ',' and '\\' are syntax: rename the directory (or mount a parent)"
+            )
         check_guest_path(m.path, f"host directory {src[:80]!r}: path")
         if m.path.rstrip("/") in ("", "/proc", "/sys", "/dev"):
             raise InvalidArgument(f"host directory {src[:80]!r}: cannot be mounted at {m.path}")

@@ -6,10 +6,13 @@ module; the restart test has its own."""
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -43,7 +46,7 @@ while True:
 @pytest.fixture(scope="module")
 def served(image: Image) -> Iterator[dict[str, Any]]:
     with serve_process("sv-hib-", reachable=True) as (env, work):
-        yield {"env": env, "sock": str(work / "s.sock"), "run_root": work / "run"}
+        yield {"env": env, "sock": str(work / "s.sock"), "run_root": work / "run", "state": work / "state"}
 
 
 async def counter(sb: AsyncSandbox) -> int:
@@ -123,6 +126,121 @@ async def test_pause_frees_qemu_and_resume_continues_the_processes(served: dict[
             third = await counter(sb)
             assert third >= second and await sb.state() == "ready"
             await sb.remove()
+
+
+def own_chain(disk: Path, state: Path) -> tuple[int, int]:
+    """(depth, allocated bytes) of a sandbox's disk chain as its headers say (the
+    overlay and every layer under the state dir but the built image)."""
+    out = subprocess.run(
+        ["qemu-img", "info", "-U", "--backing-chain", "--output=json", str(disk)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    files = [Path(x["filename"]) for x in json.loads(out.stdout)]
+    mine = [f for f in files if f.resolve().is_relative_to(state.resolve()) and "images" not in f.parts]
+    return len(files), sum(f.stat().st_blocks * 512 for f in mine)
+
+
+CYCLES = 20
+
+
+def write_mark(i: int) -> list[str]:
+    """Rewrite a 2 MiB file in place (the same disk blocks each time) and keep its hash
+    in a mark file of its own; both on the disk (fsync, sync)."""
+    return [
+        "sh",
+        "-c",
+        "dd if=/dev/urandom of=/root/data bs=1M count=2 conv=notrunc,fsync status=none && "
+        f"sha256sum /root/data | cut -d' ' -f1 | tee /root/mark-{i} && sync",
+    ]
+
+
+async def pause_resume(
+    sb: AsyncSandbox, disk: Path, state: Path, i: int, sums: list[str]
+) -> tuple[int, int, float, float]:
+    """One cycle: a write, a pause, the chain measured while paused, a resume."""
+    r = await sb.run(write_mark(i))
+    assert r.exit_code == 0, r
+    sums.append(r.stdout.decode().strip())
+    t0 = time.monotonic()
+    await sb.pause()
+    t1 = time.monotonic()
+    depth, used = own_chain(disk, state)
+    await sb.resume()
+    return depth, used, t1 - t0, time.monotonic() - t1
+
+
+async def check_marks(sb: AsyncSandbox, sums: list[str]) -> None:
+    """Every mark and the last data, read back from the disk (not the page cache)."""
+    check = "echo 3 > /proc/sys/vm/drop_caches; " + "; ".join(f"cat /root/mark-{i}" for i in range(len(sums)))
+    r = await sb.run(["sh", "-c", check + "; sha256sum /root/data | cut -d' ' -f1"])
+    assert r.exit_code == 0, r
+    assert r.stdout.decode().split() == [*sums, sums[-1]]
+
+
+async def test_pause_resume_cycles_keep_the_disk_chain_bounded(served: dict[str, Any]) -> None:
+    """20 pauses and resumes with writes in between: each resume merges the layer its
+    pause froze back into the overlay (block-stream), so the chain's depth and the
+    sandbox's disk bytes stay where the first pause left them (a 2 MiB file rewritten
+    in place each time would otherwise leave a 2 MiB layer per cycle), and what was
+    written before every pause is read back from the disk after the last resume."""
+    sock, state = served["sock"], served["state"]
+    before = set(os.listdir(state / "sandboxes"))
+    with trio.fail_after(1200):
+        sb = await AsyncSandbox.create("cycles", socket=sock)
+        try:
+            [uid] = set(os.listdir(state / "sandboxes")) - before
+            disk = state / "sandboxes" / uid / "disk.qcow2"
+            sums: list[str] = []
+            rows = [await pause_resume(sb, disk, state, i, sums) for i in range(CYCLES)]
+            print("\ncycle depth bytes pause_s resume_s")
+            for i, (depth, used, p, r_) in enumerate(rows, 1):
+                print(f"{i:5} {depth:5} {used:9} {p:7.2f} {r_:8.2f}")
+            await check_marks(sb, sums)
+            merged = [e.data.decode() for e in await sb.logs(sources=["system"]) if b"merged into it" in e.data]
+            print("\n".join(merged))
+            assert len(merged) >= CYCLES - 1, merged  # (the last resume's may still run)
+            assert {d for d, _, _, _ in rows} == {rows[0][0]}, rows  # one frozen layer while paused, every time
+            assert rows[-1][1] <= rows[0][1] + (8 << 20), rows  # what the first pause left, and the marks
+        finally:
+            await sb.remove(force=True)
+
+
+def test_a_resumed_sandbox_adopted_by_the_next_supervisor_merges_too(image: Image) -> None:
+    """serve --keep-sandboxes stopped right after a resume (its merge done, under way or
+    not begun): the next supervisor adopts the running QEMU, and its pauses merge what
+    is left -- the chain as deep as at the first pause, every write intact."""
+    sums: list[str] = []
+
+    async def first(sock: Path, state: Path) -> tuple[Path, int]:
+        with trio.fail_after(600):
+            before = set(os.listdir(state / "sandboxes")) if (state / "sandboxes").exists() else set()
+            sb = await AsyncSandbox.create("a", socket=sock)
+            [uid] = set(os.listdir(state / "sandboxes")) - before
+            disk = state / "sandboxes" / uid / "disk.qcow2"
+            depth, _, _, _ = await pause_resume(sb, disk, state, 0, sums)
+            r = await sb.run(write_mark(1))
+            assert r.exit_code == 0, r
+            sums.append(r.stdout.decode().strip())
+            return disk, depth
+
+    async def second(sock: Path, state: Path, disk: Path, depth: int) -> None:
+        with trio.fail_after(600):
+            sb = AsyncSandbox("a", socket=sock)
+            assert await sb.state() == "ready"
+            rows = [await pause_resume(sb, disk, state, i, sums) for i in range(2, 5)]
+            assert [d for d, _, _, _ in rows] == [depth] * 3, rows
+            await check_marks(sb, sums)
+            await sb.remove(force=True)
+
+    with workdir("sv-hib-adopt-", private_state=True) as work:
+        with supervisor_process(work, "--keep-sandboxes") as (_, proc):
+            disk, depth = trio.run(first, work.socket, work.state)
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=60) == 0
+        with supervisor_process(work):
+            trio.run(second, work.socket, work.state, disk, depth)
 
 
 async def test_an_exposed_ports_first_connection_after_a_pause_is_served(served: dict[str, Any]) -> None:

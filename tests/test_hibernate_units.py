@@ -4,6 +4,9 @@ checked; the saved state hidden from callers; the crash points named."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import pytest
 
 from actors.crash import STEPS
@@ -76,3 +79,42 @@ def test_a_paused_sandboxs_saved_state_is_hidden() -> None:
 
 def test_the_pause_and_resume_crash_points_exist() -> None:
     assert {"pause-saved", "pause-stopping", "resume-loaded"} <= STEPS
+
+
+def test_the_layers_a_resume_merges_are_the_sandboxs_alone(tmp_path: Path) -> None:
+    """Hibernation.own_layers: from the top of the chain, the frozen disks in the
+    snapshot store with no record that no other sandbox or snapshot stands on; never
+    a recorded snapshot's (nor what is below it), one another chain holds, one outside
+    the store, or the base."""
+    from types import SimpleNamespace
+
+    from actors.hibernation import Hibernation
+
+    root = tmp_path / "snapshots"
+    layer = {n: str(root / n / "disk.qcow2") for n in ("p2", "p1", "kept", "shared", "tmpl")}
+    base = str(tmp_path / "images" / "rootfs.img")
+
+    def sandbox(*chain: str) -> Any:
+        return SimpleNamespace(record=SimpleNamespace(chain=list(chain)))
+
+    mine = sandbox(layer["p2"], layer["p1"], layer["kept"], layer["tmpl"], base)
+    other = sandbox(layer["shared"], layer["tmpl"], base)
+    recorded = SimpleNamespace(dir=str(root / "kept"), chain=(layer["tmpl"], base))
+    template = SimpleNamespace(dir=str(root / "tmpl"), chain=(base,))
+    snaps = SimpleNamespace(root=root, snapshots={"k": recorded, "t": template}, pending=set())
+    reg = SimpleNamespace(
+        snapshots=snaps, sandboxes={"a": mine, "b": other}, pools=SimpleNamespace(all_members=lambda: [])
+    )
+    h = Hibernation(reg)  # type: ignore[arg-type]
+    assert h.own_layers(mine) == 2  # p2, p1: "kept" is a snapshot's
+    mine.record.chain = [layer["p1"], layer["shared"], layer["tmpl"], base]
+    assert h.own_layers(mine) == 1  # "shared" is another sandbox's too
+    mine.record.chain = [layer["p1"], base]
+    snaps.pending = {(root / "p1").resolve()}  # a checkpoint in progress there
+    assert h.own_layers(mine) == 0
+    snaps.pending = set()
+    assert h.own_layers(mine) == 1
+    mine.record.chain = [base]
+    assert h.own_layers(mine) == 0  # the base never
+    mine.record.chain = [str(tmp_path / "elsewhere" / "disk.qcow2"), base]
+    assert h.own_layers(mine) == 0  # not the store's

@@ -76,6 +76,9 @@ def test_host_dir_parse_and_request() -> None:
         ((HostMount("/a", "/proc"),), "cannot be mounted"),
         ((HostMount("/a", "/x"), HostMount("/b", "/x/")), "one path"),
         (tuple(HostMount(f"/a{i}", f"/x{i}") for i in range(9)), "at most 8"),
+        ((HostMount("/srv/a,modcaps=+sys_admin", "/x"),), "option list"),
+        ((HostMount("/srv/a\\,b", "/x"),), "option list"),
+        ((HostMount("/srv/a\\b", "/x"),), "option list"),
     ],
 )
 def test_host_mount_rules(mounts: tuple[HostMount, ...], why: str) -> None:
@@ -162,3 +165,22 @@ def test_host_dirs_need_the_jail_and_shared_ram() -> None:
     anonymous: Any = SimpleNamespace(cells=SimpleNamespace(tools=object()), memory_dir=None)
     with pytest.raises(FailedPrecondition, match="shared files"):
         servers(anonymous)
+
+
+def test_host_dir_option_syntax_refused_before_its_server(tmp_path: Path) -> None:
+    """A directory whose name has ',' or '\\' (which virtiofsd's ``-o source=`` would
+    split or unescape into more options) is refused at every boot, before any look at
+    the path; one without them is served."""
+    allowed = tmp_path / "allowed"
+    for name in ("a,sandbox=none", "a\\b"):
+        d = allowed / name
+        d.mkdir(parents=True, mode=0o755)
+        d.chmod(0o755)
+        with pytest.raises(InvalidArgument, match="not allowed"):
+            check_host_dir(str(d), (allowed,))
+        with pytest.raises(InvalidArgument, match="not allowed"):
+            check_host_dir(str(d), ())  # said before PERMISSION_DENIED: no probing either
+    (allowed / "a b=c").mkdir(mode=0o755)
+    (allowed / "a b=c").chmod(0o755)
+    allowed.chmod(0o755)
+    check_host_dir(str(allowed / "a b=c"), (allowed,))

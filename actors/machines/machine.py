@@ -52,10 +52,11 @@ from actors.machines.qemuproc import (
     legacy_restore,
     start_time,
 )
-from actors.machines.qemuspec import MachineSpec
+from actors.machines.qemuspec import LAYER_FDSET, MachineSpec
 from actors.machines.qmp import QMPClient, QMPCommandFailed, QMPError, QMPTimeout
 
 log = logging.getLogger("sandvisor.machine")
+MERGE_POLL = 0.02  # s: how often a merge asks QEMU how its block job is doing
 
 CONSOLE_RING = 64 * 1024
 CONNECT_POLL_FIRST, CONNECT_POLL_MAX = 0.002, 0.02  # s: the polls for QEMU's sockets (_connect)
@@ -578,6 +579,54 @@ class Machine:
         wrote so far (reopened read-only). The guest must be paused."""
         await self.qmp_execute("blockdev-snapshot", {"node": self._disk_top, "overlay": staged.node})
         self._disk_top = staged.node
+
+    async def merge_layers(self, count: int, backing_file: str, *, timeout: float = 600.0) -> None:
+        """Merge the disk's ``count`` backing layers nearest its top (the launch's nodes
+        ``layer0`` .. ``layer{count-1}``) into the top node while the guest runs
+        (block-stream: every cluster they hold and the top does not is copied up); the
+        top is then backed by ``layer{count}``, whose name ``backing_file`` is written into
+        its header (QEMU knows it only as an fd set). The merged layers' nodes and fd sets
+        go after (QEMU closes their files). A failure or cancellation cancels the job and
+        leaves the graph as it was (the top may hold some of their clusters: the same data)."""
+        job = f"merge-{os.urandom(6).hex()}"  # (unique in QEMU: an earlier supervisor's job may be left)
+        args = {"job-id": job, "device": self._disk_top, "base-node": f"layer{count}", "backing-file": backing_file}
+        await self.qmp_execute("block-stream", {**args, "auto-dismiss": False})
+        done = False
+        try:
+            with trio.fail_after(timeout):
+                while True:
+                    state = await self._job(job)
+                    if state.get("status") == "concluded":
+                        break
+                    await trio.sleep(MERGE_POLL)
+            if state.get("error"):
+                raise QMPCommandError(f"block-stream: {state['error']}")
+            done = True
+        except trio.TooSlowError:
+            raise QMPCommandError(f"block-stream: not done within {timeout:g}s") from None
+        finally:
+            with trio.CancelScope(shield=True), trio.move_on_after(10), contextlib.suppress(MachineError):
+                if not done:
+                    with contextlib.suppress(MachineError):
+                        await self.qmp_execute("job-cancel", {"id": job})
+                    while (await self._job(job)).get("status") not in ("concluded", None):
+                        await trio.sleep(MERGE_POLL)
+                await self.qmp_execute("job-dismiss", {"id": job})
+        for i in range(count):  # top first: a node goes before the one it stands on
+            for what, cmd, arg in (
+                ("node", "blockdev-del", {"node-name": f"layer{i}"}),
+                ("node", "blockdev-del", {"node-name": f"layer{i}file"}),
+                ("fd set", "remove-fd", {"fdset-id": LAYER_FDSET + i}),
+            ):
+                try:
+                    await self.qmp_execute(cmd, arg)
+                except QMPCommandError as exc:  # (no fd set when QEMU opened it by path)
+                    log.info("%s: merged layer %d: its %s stays: %s", self.name, i, what, exc)
+
+    async def _job(self, job: str) -> dict[str, Any]:
+        """QEMU's state of block job ``job`` ({} once it is gone)."""
+        jobs = await self.qmp_execute("query-jobs")
+        return next((dict(j) for j in jobs if j.get("id") == job), {})
 
     @asynccontextmanager
     async def paused(self) -> AsyncIterator[float]:

@@ -49,6 +49,7 @@ MICROVM_VIRTIO_SLOTS = 24
 # run: docs/results/boot.md. CPUID is not in the migration stream: a snapshot taken with
 # the flags restores under this model (its kernel keeps the `rep movsb` it patched in).
 TCG_CPU = "max,erms=off,fsrm=off"
+LAYER_FDSET = 10  # fd set of backing layer i: LAYER_FDSET + i
 VOLUME_FDSET = 1 << 20  # fd set of volume i: VOLUME_FDSET + i (apart from disk, layers, staged overlays)
 
 
@@ -260,9 +261,9 @@ class MachineSpec:
             below = ""
             for i, layer in reversed(list(enumerate(self.disk_chain))):
                 name = f"layer{i}"
-                path = f"/dev/fdset/{10 + i}" if f"layer{i}" in fds else str(layer)
+                path = f"/dev/fdset/{LAYER_FDSET + i}" if f"layer{i}" in fds else str(layer)
                 if f"layer{i}" in fds:
-                    a += ["-add-fd", f"fd={fds[f'layer{i}']},set={10 + i},opaque=layer{i}"]
+                    a += ["-add-fd", f"fd={fds[f'layer{i}']},set={LAYER_FDSET + i},opaque=layer{i}"]
                 a += ["-blockdev", f"driver=file,filename={path},node-name={name}file,read-only=on,locking=off"]
                 fmt = _image_format(layer)
                 backing = f",backing={below}" if below else (",backing=null" if fmt == "qcow2" else "")

@@ -38,6 +38,7 @@ import logging
 import socket
 import time
 from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
 from ipaddress import IPv4Address
 from pathlib import Path
 from typing import Any, TypeVar
@@ -499,6 +500,10 @@ class Sandbox:
             self._fail(str(exc))
             self._run.stop.set()
             raise Internal(f"pause of {self.id} failed: {exc}") from None
+
+    def layers_exclusive(self) -> AbstractAsyncContextManager[None]:
+        """No checkpoint moves the disk while the block runs (a merge of its layers)."""
+        return self._ckpt.exclusive()
 
     def mark_paused(self) -> None:
         """The record says paused (its saved state is recorded); the life ends next."""

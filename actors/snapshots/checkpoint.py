@@ -12,6 +12,8 @@ go on). Recording the snapshot is the registry's (``SnapshotStore.take``).
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import attrs
@@ -48,6 +50,13 @@ class Checkpoints:
     async def wait_idle(self) -> None:
         """Until no checkpoint is under way."""
         await self._done.wait()
+
+    @asynccontextmanager
+    async def exclusive(self) -> AsyncIterator[None]:
+        """No checkpoint starts while the block runs (a merge of the disk's layers: the
+        disk must not move under it); guest calls go on as usual."""
+        async with self._lock:
+            yield
 
     async def take(self, guest: Guest, snap_dir: Path, *, stay_paused: bool = False) -> Checkpoint:
         """Save ``guest`` into ``snap_dir``; it runs on afterwards (``stay_paused``: it
