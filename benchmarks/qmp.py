@@ -6,16 +6,23 @@ client connected at a time (QEMU's QMP socket takes one). ``query-status`` round
 machine's noise hits both alike; medians and p90 in microseconds. Also the start-up:
 connect + greeting + qmp_capabilities.
 
-The "before" client needs ``qemu.qmp`` and ``trio-asyncio`` (no longer dependencies:
-``pip install qemu.qmp trio-asyncio``); without them only the new client is measured.
+The "before" client needs ``trio-asyncio`` (not a dependency: ``pip install trio-asyncio``);
+without it only the Trio-native client is measured.
 
-Usage: python -P benchmarks/qmp.py [-n 200] [--out results/]
+``--parse`` (no QEMU): the protocol core's cost per message QEMU sends (events and
+replies as QEMU 7.2 words them, fed in 64 KiB chunks through ``QMPProtocol.receive_data``),
+next to qemu.qmp's bare ``Message(line)`` (JSON only: no shape checks, no bounds) as a
+reference; CPU time (the shared machine's other load counts less), the best of 7
+runs, in microseconds per message.
+
+Usage: python -P benchmarks/qmp.py [-n 200] [--parse] [--out results/]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import socket
@@ -28,8 +35,9 @@ from pathlib import Path
 from typing import Any
 
 import trio
+from qemu.qmp.message import Message
 
-from actors.machines.qmp import QMPClient
+from actors.machines.qmp import QMPClient, QMPProtocol
 
 ROUND = 50
 
@@ -93,7 +101,6 @@ async def before(path: Path, n: int) -> tuple[float, list[float]]:
 
 def have_before() -> bool:
     try:
-        import qemu.qmp  # noqa: F401
         import trio_asyncio  # noqa: F401
     except ImportError:
         return False
@@ -143,11 +150,79 @@ async def measure(n: int, work: Path) -> dict[str, Any]:
     }
 
 
+GREETING = (
+    b'{"QMP": {"version": {"qemu": {"micro": 0, "minor": 2, "major": 7}, "package": ""}, "capabilities": ["oob"]}}'
+)
+TS = b'"timestamp": {"seconds": 1733100000, "microseconds": 123456}'
+PARSE_SAMPLES = {
+    "event STOP": b"{" + TS + b', "event": "STOP"}',
+    "event MIGRATION": b"{" + TS + b', "event": "MIGRATION", "data": {"status": "completed"}}',
+    "reply query-status": b'{"return": {"status": "running", "singlestep": false, "running": true}, "id": %d}',
+    "reply query-migrate": (
+        b'{"return": {"expected-downtime": 300, "status": "completed", "setup-time": 2, "total-time": 412,'
+        b' "ram": {"total": 268435456, "postcopy-requests": 0, "dirty-sync-count": 3, "multifd-bytes": 0,'
+        b' "pages-per-second": 81920, "downtime-bytes": 4096, "page-size": 4096, "remaining": 0,'
+        b' "postcopy-bytes": 0, "mbps": 2560.5, "transferred": 9437184, "dirty-sync-missed-zero-copy": 0,'
+        b' "precopy-bytes": 9433088, "duplicate": 62464, "dirty-pages-rate": 0, "skipped": 0,'
+        b' "normal-bytes": 9330688, "normal": 2278}, "downtime": 12}, "id": %d}'
+    ),
+    "reply error": b'{"id": %d, "error": {"class": "GenericError", "desc": "Device \'x\' not found"}}',
+}
+
+
+def parse_cost(count: int = 20_000, runs: int = 7) -> dict[str, dict[str, float]]:
+    """Per message (µs): the protocol core on a stream of one kind, and the bare Message."""
+    out: dict[str, dict[str, float]] = {}
+    for kind, line in PARSE_SAMPLES.items():
+        best_core = best_msg = math.inf
+        for _ in range(runs):
+            proto = QMPProtocol()
+            proto.receive_data(GREETING + b"\n")
+            lines = []
+            for _ in range(count):
+                ident = proto.command("query-status")[0]
+                lines.append(line % ident if b"%d" in line else line)
+            stream = b"\n".join(lines) + b"\n"
+            t = time.process_time()
+            got = 0
+            for i in range(0, len(stream), 65536):
+                got += len(proto.receive_data(stream[i : i + 65536]))
+            best_core = min(best_core, (time.process_time() - t) / count)
+            assert got == count, (kind, got)
+            t = time.process_time()
+            for x in lines:
+                Message(x)
+            best_msg = min(best_msg, (time.process_time() - t) / count)
+        out[kind] = {"core_us": best_core * 1e6, "message_us": best_msg * 1e6}
+    return out
+
+
+def parse_main(out: Path) -> None:
+    res = parse_cost()
+    (out / "qmp_parse.json").write_text(json.dumps(res, indent=2) + "\n")
+    lines = [
+        "## QMP parse cost per message (µs of CPU, best of 7 runs of 20,000)",
+        "",
+        "| message | protocol core (receive_data) | qemu.qmp Message(line) alone |",
+        "|---|---|---|",
+    ]
+    lines += [f"| {k} | {r['core_us']:.2f} | {r['message_us']:.2f} |" for k, r in res.items()]
+    text = "\n".join(lines) + "\n"
+    (out / "qmp_parse.md").write_text(text)
+    print(text)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("-n", type=int, default=200)
+    ap.add_argument("--parse", action="store_true", help="the protocol core's parse cost only (no QEMU)")
     ap.add_argument("--out", default="results")
     args = ap.parse_args()
+    if args.parse:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        parse_main(out)
+        return
     work = Path(tempfile.mkdtemp(prefix="sv-bench-qmp-"))
     try:
         load0 = os.getloadavg()[0]

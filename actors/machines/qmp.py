@@ -22,13 +22,25 @@ Two layers, as hypercorn (and h11) split them:
   cancelled nursery) closes the socket and fails every command still waiting with
   :class:`QMPDisconnected`.
 
-Error tree::
+Error tree (each also the ``qemu.qmp`` error of the same meaning, so code written
+against qemu.qmp's exceptions catches ours)::
 
-    QMPError
-     +-- QMPProtocolError   QEMU sent something that is not QMP (the connection is dropped)
-     +-- QMPDisconnected    no connection (never made, closed, EOF, broken)
-     +-- QMPTimeout         no reply within the command's timeout
-     +-- QMPCommandFailed   QEMU answered with an error (``error_class``, ``desc``)
+    QMPError                qemu.qmp.QMPError
+     +-- QMPProtocolError   qemu.qmp.error.ProtocolError: QEMU sent something that is
+     |                      not QMP (the connection is dropped)
+     +-- QMPDisconnected    qemu.qmp.ExecInterruptedError: no connection (never made,
+     |                      closed, EOF, broken)
+     +-- QMPTimeout         no reply within the command's timeout (qemu.qmp has none)
+     +-- QMPCommandFailed   qemu.qmp.ExecuteError: QEMU answered with an error
+                            (``error_class``, ``desc``, ``sent``, ``received``)
+
+What comes from ``qemu.qmp`` (only its parts without I/O; its client is asyncio's):
+:class:`QMPMessage` is its :class:`~qemu.qmp.message.Message` with RFC 8259's JSON
+both ways (the stock codec writes and accepts ``NaN``/``Infinity`` and lets
+``RecursionError``, ``ValueError`` and ``UnicodeDecodeError`` through untyped); its
+models check the greeting and error answers. An incoming line is decoded to a dict, not
+wrapped in a Message (half the parse cost again: benchmarks/qmp.py ``--parse``); only an
+error answer becomes one, for :class:`QMPCommandFailed`.
 """
 
 from __future__ import annotations
@@ -43,7 +55,11 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import attrs
+import qemu.qmp
 import trio
+from qemu.qmp import models as qmp_models
+from qemu.qmp.error import ProtocolError
+from qemu.qmp.message import DeserializationError, Message, UnexpectedTypeError
 
 log = logging.getLogger("sandvisor.qmp")
 
@@ -51,15 +67,15 @@ MAX_LINE = 10 << 20  # bytes, as libvirt and qemu.qmp; the biggest answer we ask
 EVENT_BUFFER = 64  # events a slow listener may lag behind before the oldest are dropped
 
 
-class QMPError(Exception):
+class QMPError(qemu.qmp.QMPError):
     """Base of the QMP client's errors."""
 
 
-class QMPProtocolError(QMPError):
+class QMPProtocolError(QMPError, ProtocolError):
     """QEMU sent something that is not QMP."""
 
 
-class QMPDisconnected(QMPError):
+class QMPDisconnected(QMPError, qemu.qmp.ExecInterruptedError):
     """The connection is gone (or never came up)."""
 
 
@@ -67,17 +83,57 @@ class QMPTimeout(QMPError):
     """No reply in time."""
 
 
-class QMPCommandFailed(QMPError):
-    """QEMU refused a command."""
+class QMPCommandFailed(QMPError, qemu.qmp.ExecuteError):
+    """QEMU refused a command: qemu.qmp's ExecuteError (``error``, ``sent``,
+    ``received``, ``error_class``) with the command's name in its text."""
 
-    def __init__(self, command: str, error_class: str, desc: str) -> None:
-        super().__init__(f"{command}: {desc}")
+    def __init__(
+        self, command: str, error_response: qmp_models.ErrorResponse, sent: Message, received: Message
+    ) -> None:
+        super().__init__(error_response, sent, received)
         self.command = command
-        self.error_class = error_class
-        self.desc = desc
+
+    @property
+    def desc(self) -> str:
+        return self.error.error.desc
+
+    def __str__(self) -> str:
+        return f"{self.command}: {self.desc}"
 
 
 # -- messages ---------------------------------------------------------------------------
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+_DECODER = json.JSONDecoder(parse_constant=_reject_constant)  # (one decoder: json.loads makes one per call)
+
+
+def decode_object(line: bytes) -> dict[str, Any]:
+    """One JSON object (RFC 8259: no NaN/Infinity, UTF-8); DeserializationError or
+    UnexpectedTypeError (qemu.qmp's) for anything else, however deep or long."""
+    try:
+        obj = _DECODER.decode(line.decode())
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, int digits, NaN
+        raise DeserializationError(f"not JSON: {type(exc).__name__}", line[:200]) from None
+    if not isinstance(obj, dict):
+        raise UnexpectedTypeError(f"a QMP message is an object, not {type(obj).__name__}", type(obj).__name__)
+    return obj
+
+
+class QMPMessage(Message):
+    """qemu.qmp's Message with a strict codec: only RFC 8259 JSON in and out, every
+    failure one of Message's own ProtocolErrors (or TypeError/ValueError on writing)."""
+
+    @classmethod
+    def _serialize(cls, value: object) -> bytes:
+        return json.dumps(value, separators=(",", ":"), allow_nan=False).encode()
+
+    @classmethod
+    def _deserialize(cls, data: bytes) -> dict[str, object]:
+        return decode_object(data)
+
+
 @attrs.frozen
 class Greeting:
     version: dict[str, Any]
@@ -86,13 +142,18 @@ class Greeting:
 
 @attrs.frozen
 class Reply:
-    """The answer to command ``id``: ``ok`` with ``value``, or an error (class, desc)."""
+    """The answer to command ``id``: ``ok`` with ``value``, or an error (class, desc).
+    An error also keeps qemu.qmp's view of it (``error``, the ``sent`` command and the
+    ``received`` answer), outside equality."""
 
     id: int
     ok: bool
     value: Any = None
     error_class: str = ""
     desc: str = ""
+    error: qmp_models.ErrorResponse | None = attrs.field(default=None, eq=False, repr=False)
+    received: Message | None = attrs.field(default=None, eq=False, repr=False)
+    sent: Message | None = attrs.field(default=None, eq=False, repr=False)
 
 
 @attrs.frozen
@@ -102,29 +163,24 @@ class Event:
     timestamp: float  # seconds since the epoch, as QEMU stamped it (0 if it did not)
 
 
-Message = Greeting | Reply | Event
+Incoming = Greeting | Reply | Event
 
 
-def _reject_constant(name: str) -> Any:
-    raise QMPProtocolError(f"not JSON: {name}")
-
-
-def parse_message(line: bytes) -> Message:
+def parse_message(line: bytes) -> Incoming:
     """One QMP message from one line (without its newline)."""
     try:
-        obj = json.loads(line, parse_constant=_reject_constant)
-    except (ValueError, RecursionError) as exc:  # JSONDecodeError, UnicodeDecodeError, int digits
-        raise QMPProtocolError(f"not JSON: {type(exc).__name__}") from None
-    if not isinstance(obj, dict):
-        raise QMPProtocolError(f"a QMP message is an object, not {type(obj).__name__}")
+        obj = decode_object(line)
+    except ProtocolError as exc:
+        raise QMPProtocolError(exc.error_message) from None  # (never the raw bytes into a log)
     if "QMP" in obj:
-        g = obj["QMP"]
-        if not isinstance(g, dict):
+        try:  # qemu.qmp's model: QMP an object with a version object and a capabilities array
+            model = qmp_models.Greeting(obj)
+        except (KeyError, TypeError):
+            raise QMPProtocolError("malformed greeting") from None
+        version, caps = model.QMP.version, model.QMP.capabilities
+        if not isinstance(caps, list) or not all(isinstance(c, str) for c in caps):  # (its Sequence takes a str)
             raise QMPProtocolError("malformed greeting")
-        version, caps = g.get("version", {}), g.get("capabilities", [])
-        if not isinstance(version, dict) or not isinstance(caps, list) or not all(isinstance(c, str) for c in caps):
-            raise QMPProtocolError("malformed greeting")
-        return Greeting(version, tuple(caps))
+        return Greeting(dict(version), tuple(caps))
     if "event" in obj:
         name, data, ts = obj["event"], obj.get("data", {}), obj.get("timestamp", {})
         if not isinstance(name, str) or not isinstance(data, dict) or not isinstance(ts, dict):
@@ -141,18 +197,27 @@ def parse_message(line: bytes) -> Message:
             raise QMPProtocolError(f"a reply without one of our ids: {desc or 'no id'}"[:200])
         if "return" in obj:
             return Reply(ident, True, obj["return"])
-        err = obj["error"]
-        if not isinstance(err, dict) or not isinstance(err.get("class"), str) or not isinstance(err.get("desc"), str):
-            raise QMPProtocolError("malformed error reply")
-        return Reply(ident, False, error_class=err["class"], desc=err["desc"])
+        received = QMPMessage(obj, eager=False)
+        try:  # qemu.qmp's model: error an object with string class and desc
+            error = qmp_models.ErrorResponse(received)
+        except (KeyError, TypeError):
+            raise QMPProtocolError("malformed error reply") from None
+        return Reply(
+            ident, False, error_class=error.error.class_, desc=error.error.desc, error=error, received=received
+        )
     raise QMPProtocolError("neither greeting, reply nor event")
 
 
-def encode_command(name: str, args: dict[str, Any] | None, ident: int) -> bytes:
+def command_message(name: str, args: dict[str, Any] | None, ident: int) -> QMPMessage:
+    """A command as qemu.qmp's Message, serialised now (TypeError, ValueError: not JSON)."""
     msg: dict[str, Any] = {"execute": name, "id": ident}
     if args is not None:
         msg["arguments"] = args
-    return json.dumps(msg, separators=(",", ":"), allow_nan=False).encode() + b"\n"
+    return QMPMessage(msg)
+
+
+def encode_command(name: str, args: dict[str, Any] | None, ident: int) -> bytes:
+    return bytes(command_message(name, args, ident)) + b"\n"
 
 
 class QMPProtocol:
@@ -169,7 +234,7 @@ class QMPProtocol:
         self.greeting: Greeting | None = None
         self._buf = bytearray()
         self._next_id = 1
-        self.pending: dict[int, str] = {}  # id -> command name
+        self.pending: dict[int, QMPMessage] = {}  # id -> the command sent
         self._abandoned: set[int] = set()  # ids whose waiter gave up; their late replies are dropped
         self._negotiation: int | None = None
 
@@ -180,21 +245,21 @@ class QMPProtocol:
             raise QMPProtocolError("the connection is broken")
         ident = self._next_id
         try:
-            data = encode_command(name, args, ident)
+            msg = command_message(name, args, ident)
         except (TypeError, ValueError) as exc:
             raise QMPProtocolError(f"{name}: arguments are not JSON: {exc}") from None
         self._next_id += 1
-        self.pending[ident] = name
+        self.pending[ident] = msg
         if name == "qmp_capabilities" and self.state in ("greeting", "negotiating") and self._negotiation is None:
             self._negotiation = ident
-        return ident, data
+        return ident, bytes(msg) + b"\n"
 
     def abandon(self, ident: int) -> None:
         """The caller no longer waits for ``ident`` (timeout, cancel): drop its reply."""
         if self.pending.pop(ident, None) is not None:
             self._abandoned.add(ident)
 
-    def receive_data(self, data: bytes) -> list[Message]:
+    def receive_data(self, data: bytes) -> list[Incoming]:
         """Feed bytes from QEMU; the complete messages they finish, in order. Replies
         are to outstanding commands (abandoned ones are dropped silently)."""
         if self.state == "broken":
@@ -206,8 +271,8 @@ class QMPProtocol:
             self._buf.clear()
             raise
 
-    def _receive(self, data: bytes) -> list[Message]:
-        out: list[Message] = []
+    def _receive(self, data: bytes) -> list[Incoming]:
+        out: list[Incoming] = []
         scan = len(self._buf)  # (no newline before: a long line is searched once, not per chunk)
         self._buf += data
         start = 0
@@ -228,7 +293,7 @@ class QMPProtocol:
             raise QMPProtocolError(f"more than {self.max_line} bytes without a newline")
         return out
 
-    def _accept(self, msg: Message) -> Message | None:
+    def _accept(self, msg: Incoming) -> Incoming | None:
         if isinstance(msg, Greeting):
             if self.state != "greeting":
                 raise QMPProtocolError("a second greeting")
@@ -242,13 +307,14 @@ class QMPProtocol:
         if msg.id in self._abandoned:
             self._abandoned.discard(msg.id)
             return None
-        if self.pending.pop(msg.id, None) is None:
+        sent = self.pending.pop(msg.id, None)
+        if sent is None:
             raise QMPProtocolError(f"a reply to id {msg.id}, which is not outstanding")
         if msg.id == self._negotiation:
             if not msg.ok:
                 raise QMPProtocolError(f"qmp_capabilities refused: {msg.desc}"[:200])
             self.state = "ready"
-        return msg
+        return msg if msg.ok else attrs.evolve(msg, sent=sent)
 
 
 # -- the Trio transport -----------------------------------------------------------------
@@ -455,7 +521,8 @@ class QMPClient:
         if reply is None:
             raise QMPDisconnected(f"QMP {command}: {self._closed or 'closed'}")
         if not reply.ok:
-            raise QMPCommandFailed(command, reply.error_class, reply.desc)
+            assert reply.error is not None and reply.sent is not None and reply.received is not None
+            raise QMPCommandFailed(command, reply.error, reply.sent, reply.received)
         return reply.value
 
     def _forget(self, ident: int, w: _Waiter) -> None:
