@@ -122,7 +122,7 @@ def inner(a_address: str, b_address: str, n: int) -> dict[str, Any]:
 def outer(n: int, out: Path) -> None:
     from _harness import write_results
 
-    from tests.fleetlab import fleet_lab
+    from tests.support.fleetlab import fleet_lab
 
     with tempfile.TemporaryDirectory() as tmp, fleet_lab(Path(tmp)) as lab, lab.reporting():
         lab.start("a", slots=32, memory_mib=32 * 128)

@@ -37,7 +37,7 @@ from actors.net.netns import NetNS
 from actors.net.portfwd import dnat_base, dnat_rules
 from actors.sandboxes.sandbox import Sandbox
 from supervisor.throwaway import supervisor, workdir
-from tests.netlab import POOL, SERVERS, UPLINK_INET, lab_env, namespaces, probe, resolve
+from tests.support.netlab import POOL, SERVERS, UPLINK_INET, lab_env, namespaces, probe, resolve
 
 MIB = 16
 NAT_ONLY = """table inet floor {

@@ -38,8 +38,8 @@ from _harness import main, write_results
 from actors.model import NetMode, Network, SandboxConfig, State
 from actors.secrets.model import SecretRef
 from supervisor.throwaway import supervisor, workdir
-from tests.httpslab import https_server
-from tests.netlab import POOL, UPLINK_INET, dns_server, link_internet, namespaces
+from tests.support.httpslab import https_server
+from tests.support.netlab import POOL, UPLINK_INET, dns_server, link_internet, namespaces
 
 DOWNLOAD = 64 << 20
 GUEST = r"""

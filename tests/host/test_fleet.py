@@ -1,0 +1,133 @@
+"""A fleet of two hosts placed by Ray's scheduler, with real VMs (docs/fleet.md).
+
+Two network namespaces joined by a veth act as two hosts (tests/fleetlab.py): Ray's
+head and a supervisor with 2 slots in "a", a Ray worker and a supervisor with 2 slots
+in "b". One cluster for the module, one test that walks through it in order (it ends
+by killing host b): four fleet Creates use both hosts, a fifth waits and then gets
+RESOURCE_EXHAUSTED; every sandbox is found by name and runs a command from the other
+host's client; a checkpoint taken on a is restored on b (pulled node to node) with its
+state; host b's processes are killed by pid: its sandboxes are reported lost (records
+and a ``lost`` event on a member's Events), their slots freed, and the checkpoint is restored on a.
+
+Synchronous (the clients are CLI processes and SDK snippets in the hosts' namespaces):
+every subprocess has a timeout, every wait for a remote state a deadline (large: two
+supervisors, Ray and four TCG guests on a loaded 2-core machine). Run it under
+``flock /tmp/sandvisor-net.lock``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.support.fleetlab import FleetLab, fleet_lab
+
+pytestmark = [
+    pytest.mark.vm,
+    pytest.mark.host,
+    pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root"),
+    pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="the fleet extra (ray) is not installed"),
+]
+
+MEMORY = "256"  # MiB per guest: four of them and Ray on a shared machine
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetLab]:
+    with fleet_lab(Path(tmp_path_factory.mktemp("fleet"))) as lab:
+        with lab.reporting():
+            lab.start("a")
+            lab.start("b")
+        yield lab
+
+
+def _slots_used(lab: FleetLab, node: str) -> int:
+    return next(int(n["slots_used"]) for n in lab.nodes("a") if n["name"] == node)
+
+
+def test_fleet_places_finds_moves_and_survives_a_node(lab: FleetLab) -> None:
+    with lab.reporting():
+        _walk(lab)
+
+
+def _walk(lab: FleetLab) -> None:
+    nodes = {n["name"]: n for n in lab.nodes("b")}
+    assert set(nodes) == {"a", "b"} and all(n["alive"] and n["slots"] == 2 for n in nodes.values())
+
+    # four fleet Creates, from both hosts' clients through either member: Ray's
+    # scheduler fills both hosts (2 slots each)
+    placed: dict[str, str] = {}
+    for i, (client, via) in enumerate((("a", "a"), ("b", "b"), ("a", "b"), ("b", "a"))):
+        name, node = lab.ok(client, "create", f"s{i}", "--memory", MEMORY, via=via).split()
+        placed[name] = node
+    assert sorted(placed.values()) == ["a", "a", "b", "b"], placed
+    r = lab.cli("a", "create", "s0", "--memory", MEMORY)
+    assert r.returncode == 1 and "ALREADY_EXISTS" in r.stderr, r.stderr
+
+    # a fifth waits for room, then RESOURCE_EXHAUSTED; nothing of it is left
+    t = time.monotonic()
+    r = lab.cli("b", "create", "s4", "--memory", MEMORY, "--wait", "4")
+    assert r.returncode == 1 and "RESOURCE_EXHAUSTED" in r.stderr, r.stderr
+    assert time.monotonic() - t >= 4
+    listed = lab.sandboxes("b")
+    assert {k: v["node"] for k, v in listed.items()} == placed
+    assert all(v["state"] == "placed" for v in listed.values())
+
+    # found by name from the other host's client, which then talks to the owner itself
+    for name, node in placed.items():
+        lab.ok(node, "run", name, "--", "sh", "-c", f"echo {name} > /root/me")
+    for name, node in placed.items():
+        other = "b" if node == "a" else "a"
+        assert lab.ok(other, "run", name, "--", "cat", "/root/me").strip() == name
+    on_a = sorted(n for n, v in placed.items() if v == "a")
+    on_b = sorted(n for n, v in placed.items() if v == "b")
+    sdk = (
+        "import os; from supervisor.fleet.client import Fleet, FleetTls\n"
+        "tls = FleetTls.from_files(*(os.environ[f'SANDVISOR_FLEET_{k}'] for k in ('CA', 'CERT', 'KEY')))\n"
+        f"with Fleet({lab.hosts['b'].address!r}, tls=tls) as f:\n"
+        f"    sb = f.get({on_a[0]!r}); print(sb.node, sb.address, sb.run(['sh', '-c', 'echo sdk']).text().strip())\n"
+    )
+    assert lab.python("b", sdk).split() == ["a", lab.hosts["a"].address, "sdk"]
+
+    # checkpoint on a, restore on b: the snapshot is pulled from a (digest-checked), the state is there
+    lab.ok("a", "run", on_a[0], "--", "sh", "-c", "echo moved-state > /root/state && sync")
+    snap = lab.ok("b", "checkpoint", on_a[0], "--name", "warm").strip()
+    lab.ok("b", "rm", on_b[0])  # a slot on b
+    lab.wait_for("b's slot back", lambda: _slots_used(lab, "b") == 1, timeout=60)
+    assert lab.ok("a", "restore", snap, "--name", "moved", "--node", "b").split() == ["moved", "b"]
+    assert lab.ok("a", "run", "moved", "--", "cat", "/root/state") == "moved-state\n"
+    cached = {n["name"]: n["snapshots"] for n in lab.nodes("a")}
+    assert snap in cached["a"] and snap in cached["b"], cached
+
+    # host b dies (every process of it, by pid): its sandboxes are lost (an event), its slots released
+    with lab.events("a", "lost") as told:
+        assert lab.kill_host("b")
+        lost = lab.wait_for(
+            "b's sandboxes lost",
+            lambda: (s := lab.sandboxes("a")) and all(s[n]["state"] == "lost" for n in (on_b[1], "moved")) and s,
+            timeout=180,
+        )
+        lab.wait_for("the lost events", lambda: {e["sandbox_id"] for e in told} == {on_b[1], "moved"}, timeout=60)
+    assert all(e["attributes"]["node"] == "b" for e in told), told
+    assert all(lost[n]["state"] == "placed" for n in on_a), lost
+    b = next(n for n in lab.nodes("a") if n["name"] == "b")
+    assert not b["alive"] and b["slots_used"] == 0, b
+    r = lab.cli("a", "run", "moved", "--", "true")
+    assert r.returncode == 1 and "FAILED_PRECONDITION" in r.stderr and "lost" in r.stderr, r.stderr
+
+    # the lost sandbox's checkpoint restored on a (a slot freed there first): the state is there
+    lab.ok("a", "rm", on_a[1])
+    lab.wait_for("a's slot back", lambda: _slots_used(lab, "a") == 1, timeout=60)
+    # (by its own name: a lost sandbox's name is free for its restore)
+    assert lab.ok("a", "restore", snap, "--name", "moved").split() == ["moved", "a"]
+    assert lab.ok("a", "run", "moved", "--", "cat", "/root/state") == "moved-state\n"
+    lab.ok("a", "rm", on_b[1])  # a lost one: its record goes
+    assert {k: (v["node"], v["state"]) for k, v in lab.sandboxes("a").items()} == {
+        on_a[0]: ("a", "placed"),
+        "moved": ("a", "placed"),
+    }
