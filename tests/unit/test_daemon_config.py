@@ -166,3 +166,13 @@ def test_the_defaults_are_defined_once() -> None:
     assert snapshot.resume_spec.__kwdefaults__["boot_timeout"] == D.BOOT_TIMEOUT  # type: ignore[index]
     assert (jail.DEFAULT_ID_FIRST, jail.DEFAULT_ID_COUNT) == (D.JAIL_ID_FIRST, D.JAIL_ID_COUNT)
     assert ippool.DEFAULT_POOL == D.IP_POOL
+
+
+def test_serve_pool_argument() -> None:
+    from supervisor.daemon_config import _pool_arg
+
+    assert _pool_arg("base=2") == ("base", 2)
+    assert _pool_arg("a=b=3") == ("a=b", 3)
+    for bad in ("base", "=2", "base=x", "base=-1"):
+        with pytest.raises(Exception, match="SNAPSHOT=N"):
+            _pool_arg(bad)

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from actors.errors import DomainError
+from actors.registry import check_traversable
 from supervisor import config, daemon
 from supervisor.daemon import Refused
 from supervisor.daemon_config import DaemonConfig
@@ -220,3 +222,71 @@ def test_verbose_adds_the_traceback(tmp_path: Path) -> None:
         check=False,
     )
     assert r.returncode == 1 and "Traceback" in r.stderr and "--jail-uids 0:10" in r.stderr
+
+
+def test_a_run_root_qemu_cannot_reach_is_refused_at_start() -> None:
+    import tempfile
+
+    top = Path(tempfile.mkdtemp(prefix="sv-reach-", dir="/tmp"))  # /tmp is o+x: the check is ours alone
+    try:
+        private = top / "private"
+        private.mkdir(mode=0o700)
+        (private / "run").mkdir()
+        with pytest.raises(DomainError) as e:
+            check_traversable(private / "run", "nobody")
+        assert e.value.code == "FAILED_PRECONDITION" and "not reachable" in e.value.message
+        assert str(private) in e.value.message  # it names the directory that blocks
+        private.chmod(0o711)
+        top.chmod(0o711)
+        check_traversable(private / "run", "nobody")  # now QEMU's user gets through
+    finally:
+        import shutil
+
+        shutil.rmtree(top, ignore_errors=True)
+
+
+def test_a_non_root_runtime_dir_someone_else_made_is_refused(tmp_path: Path) -> None:
+    """serve as a non-root user claims /tmp/sandvisor-<uid> (0700, its own) or refuses
+    one another user made first; a client refuses to talk to a socket in such a dir."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to act as two users")
+    uid = 40000 + os.getpid() % 10000
+    runtime = Path(f"/tmp/sandvisor-{uid}")
+    code = f"""
+import sys; sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})
+from supervisor.config import UnsafeRuntimeDir, check_runtime_dir, claim_runtime_dir, default_socket
+try:
+    print(claim_runtime_dir())
+    check_runtime_dir(default_socket())
+    print("client ok")
+except UnsafeRuntimeDir as e:
+    print("refused:", e)
+"""
+
+    def as_user() -> str:
+        env = {k: v for k, v in os.environ.items() if k not in ("XDG_RUNTIME_DIR", "SANDVISOR_SOCKET")}
+        r = subprocess.run(
+            ["/usr/bin/python3", "-S", "-c", code],
+            user=uid,
+            group=uid,
+            env=env,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=30,
+        )
+        return r.stdout.strip()
+
+    shutil.rmtree(runtime, ignore_errors=True)
+    try:
+        runtime.mkdir(mode=0o777)  # made first by someone else (root here)
+        runtime.chmod(0o777)
+        assert as_user().startswith(f"refused: {runtime} belongs to uid 0")
+        runtime.rmdir()
+        assert as_user().splitlines() == [f"{runtime}/sandvisor", "client ok"]
+        info = runtime.stat()
+        assert (info.st_uid, stat.S_IMODE(info.st_mode)) == (uid, 0o700)
+        os.chown(runtime / "sandvisor", 0, 0)  # swapped under the client
+        assert "refused" in as_user()
+    finally:
+        shutil.rmtree(runtime, ignore_errors=True)
