@@ -46,6 +46,14 @@ def jail_helpers() -> tuple[Path, Path]:
 
 
 @pytest.fixture
+def short_dir() -> Iterator[Path]:
+    """A directory under /tmp with a short path, for Unix sockets."""
+    d = Path(tempfile.mkdtemp(prefix="g", dir="/tmp"))  # Unix socket paths are short
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
 def tmp_run(tmp_path: Path) -> Path:
     d = tmp_path / "run"
     d.mkdir()

@@ -1,6 +1,6 @@
 """guestd/netcfg.py (guestd's ``net_config``) against a real kernel: an interface in a
 namespace the test makes, configured, then reconfigured as after a restore. The
-real-VM runs are in tests/test_net_vm.py and tests/test_net_supervisor.py."""
+real-VM runs are in tests/vm/test_net.py and tests/vm/test_net_supervisor.py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Images by plain name through a loopback registry mirror (serve --registry-mirror
 docker.io=http://127.0.0.1:PORT), and a Create's own registry credentials and CA
-certificates (never stored, never logged), against test_oci's loopback registries and a
+certificates (never stored, never logged), against the loopback registries of tests/host/conftest.py and a
 TLS one made here. Nothing leaves loopback: docker.io is never resolved (the mirror is
 the operator's)."""
 
@@ -18,11 +18,8 @@ from images.build import Image as GuestImage
 from images.ocilocal import TEST_PASSWORD, TEST_USER, LocalRegistry, push
 from supervisor.client import AsyncImages, AsyncSandbox, FailedPrecondition, NotFound, RegistryAuth, Unavailable
 from supervisor.throwaway import Workdir, supervisor, workdir
-from tests.host import test_oci
-from tests.host.test_oci import Built, Pushed
 from tests.support.grpc_clients import make_pki
-
-built, pushed, auth_registry = test_oci.built, test_oci.pushed, test_oci.auth_registry
+from tests.support.registrylab import Built, Pushed
 
 
 @pytest.fixture(scope="module")

@@ -2,21 +2,19 @@
 built here from directories with umoci and pushed with skopeo, the store pulling and
 converting them; and converted images booted in real VMs.
 
-The registry and the images are session fixtures (a registry starts in ~0.1 s, but the
-images take a second to build); every test gets its own store in its tmp_path."""
+The registry and the images are session fixtures (tests/host/conftest.py: a registry starts
+in ~0.1 s, but the images take a second to build); every test gets its own store in its tmp_path."""
 
 from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import attrs
 import pytest
 import trio
 from hypothesis import given
@@ -44,137 +42,19 @@ from images.oci import (
 from images.ocilocal import (
     TEST_PASSWORD,
     TEST_USER,
-    ImageSpec,
     Layer,
     LocalRegistry,
     build_image,
-    busybox_tree,
     push,
-    python_tree,
     run,
 )
-from images.refs import RefPolicy
+from tests.support.registrylab import APP_SPEC, REFS, Built, Pushed, assert_clean, names, owner
 from tests.support.vms import cold_spec
-
-APP_SPEC = ImageSpec(
-    user="4242:4243",  # no /etc/passwd entry: numeric ids must work without one
-    workdir="/srv/app",  # not in the tree: the store creates it, owned by the user
-    env=("PATH=/bin", "GREETING=hello"),
-    cmd=("/bin/sh", "-c", 'echo "$GREETING from $(pwd) as $(id -u):$(id -g)"'),
-)
-
-
-@attrs.frozen
-class Built:
-    layout: Path  # one OCI layout, tags busybox, python, app
-    archive: Path  # docker-archive of app
-    oci_archive: Path  # oci-archive of busybox
-
-
-@attrs.frozen
-class Pushed:
-    reg: LocalRegistry
-    busybox: str  # docker://127.0.0.1:PORT/test/busybox:1
-    python: str
-    app: str
-    digests: dict[str, str]  # name -> manifest digest as pushed
-
-
-@pytest.fixture(scope="session")
-def built(tmp_path_factory: pytest.TempPathFactory) -> Built:
-    w = tmp_path_factory.mktemp("oci-images")
-    layout = w / "layout"
-    bb = busybox_tree(w / "bb")
-    build_image(layout, "busybox", [Layer(bb)], ImageSpec(cmd=("/bin/sh",)))
-    # python: lower layer with files that upper layers delete (whiteout) and hide (opaque)
-    py = python_tree(w / "py")
-    (py / "etc").mkdir()
-    (py / "etc" / "doomed.txt").write_text("deleted by the next layer\n")
-    (py / "etc" / "kept.txt").write_text("kept\n")
-    (py / "opt/lower").mkdir(parents=True)
-    for n in ("a", "b"):
-        (py / "opt/lower" / n).write_text(n)
-    upper = w / "upper"
-    upper.mkdir()
-    (upper / "c").write_text("c")
-    build_image(
-        layout,
-        "python",
-        [Layer(py), Layer(target="/etc/doomed.txt", whiteout=True), Layer(upper, "/opt/lower", opaque=True)],
-        ImageSpec(cmd=("/usr/bin/python3", "-S")),
-    )
-    motd = w / "motd"
-    (motd / "etc").mkdir(parents=True)
-    (motd / "etc" / "motd").write_text("app image\n")
-    build_image(layout, "app", [Layer(motd)], APP_SPEC, base="busybox")
-    archive = w / "app-docker.tar"
-    run(["skopeo", "copy", "--quiet", f"oci:{layout}:app", f"docker-archive:{archive}:test/app:1"])
-    oci_archive = w / "busybox-oci.tar"
-    run(["skopeo", "copy", "--quiet", f"oci:{layout}:busybox", f"oci-archive:{oci_archive}:busybox"])
-    return Built(layout, archive, oci_archive)
-
-
-@pytest.fixture(scope="session")
-def pushed(built: Built, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pushed]:
-    reg = LocalRegistry(tmp_path_factory.mktemp("registry")).start()
-    try:
-        digests = {n: push(built.layout, n, reg.ref(f"test/{n}:1")) for n in ("busybox", "python", "app")}
-        yield Pushed(reg, reg.ref("test/busybox:1"), reg.ref("test/python:1"), reg.ref("test/app:1"), digests)
-    finally:
-        reg.stop()
-
-
-@pytest.fixture(scope="session")
-def auth_registry(built: Built, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRegistry]:
-    reg = LocalRegistry(tmp_path_factory.mktemp("auth-registry"), auth=True).start()
-    try:
-        push(built.layout, "busybox", reg.ref("private/busybox:1"), creds=f"{TEST_USER}:{TEST_PASSWORD}")
-        yield reg
-    finally:
-        reg.stop()
-
-
-@pytest.fixture
-def own_registry(built: Built, tmp_path: Path) -> Iterator[LocalRegistry]:
-    """A registry of this test's own, to stop or corrupt."""
-    reg = LocalRegistry(tmp_path / "registry").start()
-    try:
-        yield reg
-    finally:
-        reg.stop()
-
-
-# the tests' images and registries are all under /tmp and on 127.0.0.1: what serve's
-# --allow-path and --registry-allow would say for them (the store's default refuses both)
-REFS = RefPolicy(allowed_paths=(Path("/tmp"),), registry_allow=("127.0.0.1",))
 
 
 @pytest.fixture
 def store(tmp_path: Path) -> ImageStore:
     return ImageStore(tmp_path / "store", refs=REFS)
-
-
-def assert_clean(store: ImageStore, images: int = 0) -> None:
-    """No partial image: nothing staged, only complete images, no stray files."""
-    assert list(store.tmp.iterdir()) == []
-    assert len(list(store.images.iterdir())) == images
-    assert len(store.list_images()) == images
-
-
-def debugfs(img: Path, cmd: str) -> str:
-    return subprocess.run(["debugfs", "-R", cmd, str(img)], capture_output=True, text=True, check=True).stdout
-
-
-def names(img: Path, path: str) -> set[str]:
-    out = debugfs(img, f"ls -p {path}")
-    return {ln.split("/")[5] for ln in out.splitlines() if ln.count("/") >= 6} - {".", ".."}
-
-
-def owner(img: Path, path: str) -> tuple[int, int, int]:
-    out = debugfs(img, f"stat {path}")
-    m = re.search(r"Mode:\s+(\d+).*?User:\s+(\d+)\s+Group:\s+(\d+)", out, re.S)
-    assert m, out
-    return int(m.group(1), 8), int(m.group(2)), int(m.group(3))
 
 
 # -- references, configs, error classification (no registry) ------------------------
@@ -219,7 +99,7 @@ def test_reference_forms(ref: str, canonical: str) -> None:
         ("oci:/x:ta!g", "image name"),
         ("dir:/tmp/x", "transport"),
         # (busybox:latest, docker:busybox, oci:, containers-storage:x are plain image
-        # names now, as docker reads them: tests/test_image_names.py)
+        # names now, as docker reads them: tests/unit/test_image_names.py)
     ],
 )
 def test_malformed_references(ref: str, words: str) -> None:

@@ -1,6 +1,6 @@
 """OCI images through a running supervisor (issue 15): PullImage with progress,
 ListImages, RemoveImage, PruneImages and Create{image} over the socket, from the SDK
-(sync and async) and the CLI, against the real loopback registry of test_oci (its
+(sync and async) and the CLI, against the real loopback registry of tests/host/conftest.py (its
 session fixtures: images built here with umoci, pushed with skopeo).
 
 The supervisor runs in this Trio run (``throwaway.supervisor``), so a test can look
@@ -35,16 +35,7 @@ from supervisor.client import (
     Unavailable,
 )
 from supervisor.throwaway import Workdir, supervisor, workdir
-from tests.host import test_oci
-from tests.host.test_oci import Built, Pushed
-
-# test_oci's registry and images, shared (session fixtures)
-built, pushed, auth_registry, own_registry = (
-    test_oci.built,
-    test_oci.pushed,
-    test_oci.auth_registry,
-    test_oci.own_registry,
-)
+from tests.support.registrylab import Built, Pushed
 
 
 @pytest.fixture

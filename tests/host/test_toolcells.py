@@ -26,7 +26,7 @@ from images.oci import DiskFull, ImageStore
 from images.ocilocal import ImageSpec, Layer, LocalRegistry, build_image, busybox_tree, push
 from supervisor.client import AsyncSandbox, AsyncVolumes
 from supervisor.throwaway import supervisor, workdir
-from tests.host.test_oci import REFS, Built, Pushed, assert_clean, built, owner, pushed  # noqa: F401 (fixtures)
+from tests.support.registrylab import REFS, Built, Pushed, assert_clean, owner
 
 MIB = 1 << 20
 
@@ -145,8 +145,8 @@ async def test_a_corrupted_volume_is_checked_in_a_cell(tmp_path: Path, cells: Ce
 async def test_pulls_run_their_tools_in_cells(
     tmp_path: Path,
     cells: Cells,
-    built: Built,  # noqa: F811
-    pushed: Pushed,  # noqa: F811
+    built: Built,
+    pushed: Pushed,
 ) -> None:
     assert cells.tools is not None
     watch = Watch()

@@ -80,7 +80,7 @@ write_file's visible temporary file; guestd's out-buffer limit (a host that stop
 reading blocks the fake on a socketpair, or lets a memory stream grow); vsock; the
 power-off sequence (sync, remount). Metrics are fixed, plausible numbers.
 
-tests/test_guest_contract.py runs the same protocol tests against this fake and guestd.
+tests/unit/test_guest_contract.py runs the same protocol tests against this fake and guestd.
 """
 
 from __future__ import annotations

@@ -53,7 +53,7 @@ ZONE = {
     "other.test": "203.0.113.30",
     "cdn.allowed.test": "203.0.113.20",
     "rebind.test": LAN,  # a public name that answers a private address (DNS rebinding)
-    # the secret proxy's tests (tests/httpslab.py: one HTTPS server for the three)
+    # the secret proxy's tests (tests/support/httpslab.py: one HTTPS server for the three)
     "api.test": "203.0.113.10",
     "plain.test": "203.0.113.20",
 }

@@ -1,6 +1,6 @@
 """Test TLS material in memory: one CA that issues leaf certificates (EC P-256, PEM,
-PKCS#8 keys). Shared by the gRPC edge's tests (tests/grpc_clients.py) and the fleet
-lab (tests/fleetlab.py)."""
+PKCS#8 keys). Shared by the gRPC edge's tests (tests/support/grpc_clients.py) and the fleet
+lab (tests/support/fleetlab.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The real host channel (actors.channel.guest) against the in-process fake guestd (tests/fakeguest.py).
+"""The real host channel (actors.channel.guest) against the in-process fake guestd (tests/support/fakeguest.py).
 
 No QEMU, and nearly all on Trio's autojump clock (the guest's sleeps and the host's
 timeouts cost no wall time): measured 0.6 s for the file on a quiet machine, 2-5 s

@@ -1,11 +1,11 @@
-"""The gRPC services on the registry and sandbox actors, on fake VMs (tests/fakevm.py).
+"""The gRPC services on the registry and sandbox actors, on fake VMs (tests/support/fakevm.py).
 
 Clients generated at test time from the seed's proto (and our own sandvisor.v1 code)
 call the daemon's edge (supervisor.grpc_service on supervisor.grpc_bridge) over a Unix
 socket: every RPC is bound, requests and responses convert with proto3's zero values,
 errors arrive as the status of the same name, a client cancel or a deadline kills the
 process in the guest, sandvisor.v1 reaches the same sandboxes, and both edges answer
-from one method table. No QEMU: the real lifecycle is tests/test_grpc_vm.py's.
+from one method table. No QEMU: the real lifecycle is tests/vm/test_grpc.py's.
 
 The clients are grpcio's sync ones, run in threads, so the Trio loop stays free; the
 clock is real (grpc's threads do not tell a mock clock they are busy)."""
@@ -13,12 +13,9 @@ clock is real (grpc's threads do not tell a mock clock they are busy)."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -43,9 +40,9 @@ from supervisor.metrics import RegistrySource
 from supervisor.proto.sandbox.v1 import sandbox_pb2 as pb
 from supervisor.proto.sandvisor.v1 import sandvisor_pb2 as sv
 from supervisor.proto.sandvisor.v1 import sandvisor_pb2_grpc as sv_grpc
-from supervisor.server import Server
 from tests.support.fakevm import FakeLab, fake_settings
 from tests.support.grpc_clients import bearer, generate, write_token
+from tests.support.grpcstack import Stack, stack, status_of
 
 SC = grpc.StatusCode
 
@@ -55,63 +52,8 @@ def seed() -> tuple[ModuleType, ModuleType]:
     return generate()
 
 
-@pytest.fixture
-def short_dir() -> Iterator[Path]:
-    d = Path(tempfile.mkdtemp(prefix="g", dir="/tmp"))  # Unix socket paths are short
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
-class Stack:
-    def __init__(self, reg: Registry, lab: FakeLab, target: str, msgpack: Path, edge: G.GrpcEdge) -> None:
-        self.reg = reg
-        self.lab = lab
-        self.target = target
-        self.msgpack = msgpack
-        self.edge = edge
-        self.channel = grpc.insecure_channel(target)
-
-
-@asynccontextmanager
-async def stack(root: Path, sock_dir: Path) -> AsyncIterator[Stack]:
-    """A registry on fake VMs behind both edges: gRPC and the msgpack socket."""
-    lab = FakeLab()
-    store = Store(root / "state" / "sandvisor.db")
-    try:
-        async with trio.open_nursery() as n:
-            await n.start(lab.run)
-            reg = await n.start(Registry(fake_settings(root, lab), store, templates=False).run)
-            try:
-                # as the daemon makes them: the peer-credential policy on, so through the relay
-                edge = await n.start(S.build_edge(reg, S.addresses([f"unix://{sock_dir / 'g.sock'}"])).run)
-                await n.start(Server(reg, sock_dir / "m.sock").serve)
-                st = Stack(reg, lab, f"unix:{sock_dir / 'g.sock'}", sock_dir / "m.sock", edge)
-                try:
-                    yield st
-                finally:
-                    st.channel.close()
-            finally:
-                await reg.shutdown(5)
-                n.cancel_scope.cancel()
-    finally:
-        store.close()
-
-
 async def in_thread(fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
     return await trio.to_thread.run_sync(lambda: fn(*args, **kw))
-
-
-async def status_of(fn: Callable[..., Any], *args: Any, **kw: Any) -> tuple[grpc.StatusCode, str]:
-    def call() -> tuple[grpc.StatusCode, str]:
-        try:
-            result = fn(*args, **kw)
-            if hasattr(result, "__next__"):
-                list(result)
-        except grpc.RpcError as exc:
-            return exc.code(), exc.details()
-        raise AssertionError("no error")
-
-    return await trio.to_thread.run_sync(call)
 
 
 async def until(cond: Callable[[], bool], timeout: float = 10) -> None:
@@ -604,7 +546,7 @@ async def test_the_registry_feeds_the_prometheus_collector(tmp_path: Path, short
 async def test_peer_credentials_authorise_as_on_the_msgpack_socket(tmp_path: Path, short_dir: Path) -> None:
     """Served: root and the supervisor's uid (and --group). Another uid that reaches the socket
     anyway (its mode loosened) is refused by its peer credentials, as the msgpack socket
-    refuses it at hello (what it is told: tests/test_grpc_edge.py); the socket is 0600."""
+    refuses it at hello (what it is told: tests/unit/test_grpc_edge.py); the socket is 0600."""
     probe = (
         "import socket, sys; s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); "
         "s.sendall(b'PRI * HTTP/2.0\\r\\n\\r\\nSM\\r\\n\\r\\n'); print(len(s.recv(9)))"

@@ -1,6 +1,6 @@
 """The guest protocol's contract, written once and run against both implementations.
 
-``impl`` is "fake" (tests/fakeguest.py: in-process, on Trio's autojump clock, so the
+``impl`` is "fake" (tests/support/fakeguest.py: in-process, on Trio's autojump clock, so the
 guest's sleeps and the host's timeouts cost no wall time; part of the unit session)
 and "real" (guestd in the session's shared VM, conftest.shared_vm; marked ``vm``). Every
 test gets a fresh :class:`GuestChannel` (``chan``) and a fresh scratch directory in the

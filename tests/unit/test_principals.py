@@ -3,7 +3,7 @@ and a principal sees and acts on what it owns; admins on everything.
 
 The socket's principals are real peers: clients run as other uids (``setpriv``-like:
 Trio's ``run_process(user=, group=)``) with Debian's python and :mod:`peerclient`.
-The real-VM end of it is tests/test_principals_vm.py.
+The real-VM end of it is tests/vm/test_principals.py.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ when there is no jailer, gets a sandbox's secrets over the control channel and a
 connection's two sockets over SCM_RIGHTS, puts the value in, scrubs the echo, reports
 a refusal, applies a rotation to the next connection, and ends when the channel closes.
 The confined start (an unprivileged id, no capabilities, own namespaces) is tested with
-a real VM in tests/test_secrets_vm.py."""
+a real VM in tests/vm/test_secrets.py."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Disk-only snapshots and snapshot export/import on fake VMs (tests/fakevm.py), through
+"""Disk-only snapshots and snapshot export/import on fake VMs (tests/support/fakevm.py), through
 both edges: sandvisor.v1 over gRPC (server-streaming ExportSnapshot, client-streaming
 ImportSnapshot, their status codes) and the msgpack socket (the SDK). The real-VM
 counterpart is test_snapshot_transfer.py."""
@@ -21,9 +21,8 @@ from supervisor.client import AsyncSandbox
 from supervisor.proto.sandbox.v1 import sandbox_pb2 as pb
 from supervisor.proto.sandvisor.v1 import sandvisor_pb2 as sv
 from supervisor.proto.sandvisor.v1 import sandvisor_pb2_grpc as sv_grpc
-from tests.unit.test_grpc_service import short_dir, stack, status_of
+from tests.support.grpcstack import stack, status_of
 
-__all__ = ["short_dir"]  # (a fixture, used by name)
 SC = grpc.StatusCode
 
 

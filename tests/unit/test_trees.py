@@ -1,6 +1,6 @@
 """guestd.tree, guestd.fsops and supervisor.treecopy on the host's own kernel (no VM): the
 tar packer and the hostile-input unpacker guestd's workers run in the guest, and the
-host runs on a guest's streams; patches. The real-VM runs are in tests/test_guest.py."""
+host runs on a guest's streams; patches. The real-VM runs are in tests/vm/test_guest.py."""
 
 from __future__ import annotations
 

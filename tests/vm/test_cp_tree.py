@@ -17,8 +17,8 @@ import trio
 
 from images.build import Image
 from supervisor.client import AsyncSandbox, FailedPrecondition, InvalidArgument, NotFound, Patch, Sandbox, SandboxError
+from tests.support.trees import listing, make_tree
 from tests.support.vms import serve_process
-from tests.vm.test_guest import listing, make_tree
 
 
 @pytest.fixture(scope="module")

@@ -625,7 +625,7 @@ async def test_user_network_exposed_ports(daemon: DaemonConfig) -> None:
 
         for bad, code in (
             # this supervisor has no tap networking (throwaway supervisors run in the
-            # machine's own namespace: tests/test_net_supervisor.py makes its own)
+            # machine's own namespace: tests/vm/test_net_supervisor.py makes its own)
             ({"id": "x", "network": {"mode": "tap"}}, "FAILED_PRECONDITION"),
             *(  # jailed outbound goes through the (absent) filter
                 [({"id": "x", "network": {"mode": "user", "outbound": True}}, "FAILED_PRECONDITION")]

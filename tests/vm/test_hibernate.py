@@ -360,7 +360,7 @@ async def test_a_tap_sandbox_keeps_its_address_and_a_connection_to_it_resumes_it
     sandbox paused keeps its address; a connection from the host to that address while
     it is paused waits in its TAP's queue and is answered once it is back."""
     from actors.model import State
-    from tests.vm.test_net_supervisor import net_lab, reach, ready, serving, start_server, tap
+    from tests.support.taplab import net_lab, reach, ready, serving, start_server, tap
 
     async with net_lab("sv-hib-tap-") as lab, serving(lab) as reg:
         with trio.fail_after(400):

@@ -1,6 +1,6 @@
 """A real guest turned hostile (issue 13): root in the guest ptrace-stops guestd (PID
 1), so the channel goes silent after hello -- the real-VM case of the fake guest's
-hostile behaviours (tests/test_fakeguest.py covers silence, ignored kills and floods
+hostile behaviours (tests/unit/test_fakeguest.py covers silence, ignored kills and floods
 of unknown request ids frame by frame). Every request to it ends on the host's
 deadline, its neighbours' metrics still come, and Stop ends it promptly."""
 

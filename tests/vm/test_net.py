@@ -1,8 +1,8 @@
 """Tap networking with a real VM, below the supervisor: the default image booted on a
-TAP that HostNetwork made in the lab's "host" namespace (tests/netlab.py), QEMU given
+TAP that HostNetwork made in the lab's "host" namespace (tests/support/netlab.py), QEMU given
 the TAP's fd the way a sandbox life gives it (VmSpec's tap NetConfig, Attach.fds),
 and guestd's net_config moving the guest to a new address as after a restore. The
-whole supervisor's side is in tests/test_net_supervisor.py."""
+whole supervisor's side is in tests/vm/test_net_supervisor.py."""
 
 from __future__ import annotations
 

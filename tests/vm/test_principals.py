@@ -1,7 +1,7 @@
 """Principals end to end: a real ``sandvisor serve --group nogroup`` process, real VMs,
 and clients of other uids (Debian's python, :mod:`peerclient`): a member of ``--group``
 sees and acts on its own sandbox only; root, an admin, sees and acts on all.
-(The ownership matrix on fake VMs: tests/test_principals.py.)"""
+(The ownership matrix on fake VMs: tests/unit/test_principals.py.)"""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Secrets that never enter the guest (issue 23), with real VMs and real clients
-(curl, Python's urllib) in network namespaces the test makes (tests/netlab.py): a tap
+(curl, Python's urllib) in network namespaces the test makes (tests/support/netlab.py): a tap
 sandbox whose guest holds placeholders, the supervisor's proxy putting the value in on
-the way to the hosts the secret allows, a stand-in HTTPS internet (tests/httpslab.py)
+the way to the hosts the secret allows, a stand-in HTTPS internet (tests/support/httpslab.py)
 recording what arrives. One sandbox serves the whole module's checks (boots are dear
 under TCG); its clone and a restart of the supervisor follow in the same test."""
 
