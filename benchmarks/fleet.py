@@ -1,4 +1,4 @@
-"""The fleet (TCG, two hosts as two network namespaces on one machine; tests/fleetlab.py):
+"""The fleet (TCG, two hosts as two network namespaces on one machine; tests/support/fleetlab.py):
 
 * fleet Create against a direct Create on the same node: both through the node's gRPC
   (mTLS), both to ready; the fleet's adds the Reserve (Ray placement group, KV records)

@@ -6,7 +6,7 @@ interleaved; the egress policy's cost on connection setup and the DNS proxy's on
 lookup (veth guests, no VM); per-sandbox link setup and the nftables/iproute2 call
 costs behind the design.
 
-The supervisor runs in a namespace this script makes (as tests/test_net_supervisor.py
+The supervisor runs in a namespace this script makes (as tests/vm/test_net_supervisor.py
 does); every packet stays there or on its loopback.
 
 Usage: python benchmarks/network_tap.py [-n N] [--out docs/results/]

@@ -1,5 +1,5 @@
 """The secret proxy's cost (issue 23), TCG, through the whole supervisor: HTTPS from a
-tap sandbox's guest to one stand-in server (tests/httpslab.py, in a namespace this
+tap sandbox's guest to one stand-in server (tests/support/httpslab.py, in a namespace this
 script makes), three ways, rounds interleaved:
 
 - ``intercepted``: api.test:443, named by the sandbox's secret: the proxy terminates
