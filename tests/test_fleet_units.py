@@ -195,6 +195,8 @@ def test_resources_and_config(tmp_path: Path) -> None:
         fleet_config(f"10.0.0.1:{RayPorts(0).node_manager}", "10.0.0.1:7443", None, 2, 1024, tmp_path, True)
     with pytest.raises(ValueError, match="--fleet-peer"):
         check_peers(["10.0.0.300"])
+    with pytest.raises(ValueError, match="not names"):
+        fleet_config("head.example:6379", "10.0.0.1:7443", None, 2, 1024, tmp_path, True)
 
 
 def test_ray_node_runs_as_its_user_on_pinned_ports(tmp_path: Path) -> None:

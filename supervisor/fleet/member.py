@@ -282,7 +282,11 @@ def fleet_config(
     first, last = D.FLEET_RAY_PORT_BASE, D.FLEET_RAY_PORT_BASE + 41
     if first <= int(port) <= last:
         raise ValueError(f"--fleet {ray_address!r}: ports {first}-{last} are the Ray node's own")
-    nets = check_peers([*(peers or (host,)), ahost])
+    try:  # (the head's and this host's addresses: the filter admits addresses, not names)
+        implicit = check_peers([*(() if peers else (host,)), ahost])
+    except ValueError:
+        raise ValueError(f"--fleet {ray_address!r} and --advertise {advertise!r}: addresses, not names") from None
+    nets = tuple(dict.fromkeys(check_peers(peers) + implicit))
     return FleetConfig(
         ray_address,
         advertise,
