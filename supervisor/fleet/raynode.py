@@ -144,7 +144,7 @@ def _kill_stale(pidfile: Path) -> None:
         cmdline = Path(f"/proc/{pgid}/cmdline").read_bytes()
     except OSError:
         cmdline = b""
-    if LAUNCHER.encode() in cmdline:
+    if LAUNCHER.encode() in cmdline or b"ray.scripts.scripts" in cmdline:  # (or an older serve's, as root)
         log.warning("fleet: a Ray node left by an earlier run (group %d): killed", pgid)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pgid, signal.SIGKILL)
