@@ -20,6 +20,7 @@ SDK = (
     *(str(p.relative_to(ROOT)) for p in sorted((ROOT / "supervisor/sdk").glob("*.py"))),
     *(str(p.relative_to(ROOT)) for p in sorted((ROOT / "supervisor").glob("cli_*.py"))),  # the client commands
     "supervisor/protocol.py",
+    *(str(p.relative_to(ROOT)) for p in sorted((ROOT / "supervisor/messages").glob("*.py"))),  # its bodies
     "supervisor/frames.py",
     "supervisor/errors.py",
     "supervisor/config.py",
