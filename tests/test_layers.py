@@ -28,7 +28,15 @@ SDK = (
 )
 # the SDK's tree copies run guestd's stdlib-only tar codec (the same hostile-stream unpacker);
 # its error codes and Patch are guestd's one definitions (codes.py, patch.py)
-GUESTD_CODEC = ("guestd", "guestd.tree", "guestd.fsops", "guestd.proto", "guestd.codes", "guestd.patch")
+GUESTD_CODEC = (
+    "guestd",
+    "guestd.tree",
+    "guestd.tarformat",
+    "guestd.fsops",
+    "guestd.proto",
+    "guestd.codes",
+    "guestd.patch",
+)
 GUESTD_NOT_SDK = tuple(
     f"guestd.{p.stem}" for p in sorted((ROOT / "guestd").glob("*.py")) if f"guestd.{p.stem}" not in GUESTD_CODEC
 )
