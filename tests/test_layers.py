@@ -42,6 +42,8 @@ GUESTD_NOT_SDK = tuple(
 )
 EDGES_ONLY = (
     "supervisor.api",
+    "supervisor.api_store",
+    "supervisor.api_table",
     "supervisor.daemon_config",
     "supervisor.server",
     "supervisor.daemon",
