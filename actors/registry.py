@@ -16,9 +16,10 @@ Handle and tasks::
 
 Message flow of a Create::
 
-    edge --create(id, config)--> check id/config/files; same id + same config: the
-         existing sandbox (idempotent); a warm member of its template: adopted;
-         else a record (stored), "created", Pools.plan_for -> Sandbox.start(plan)
+    edge --create(id, config)--> check id/config/files; same id + same request: the
+         existing sandbox (idempotent: _created, asked again after an image's pull);
+         a warm member of its template: adopted; else a record (stored), "created",
+         Pools.plan_for -> Sandbox.start(plan)
          --started (state starting)--> the edge answers {state: starting}
 """
 
@@ -471,12 +472,9 @@ class Registry:
         values = secret_values or {}
         if config.secrets:
             check_secrets_available(self.settings, config, values)
-            if id and id in self.sandboxes:
-                existing = self.sandboxes[id]
-                same = attrs.evolve(existing.config, secrets=without_generated(existing.config.secrets)) == config
-                if same and existing.record.owner == owner:
-                    return existing
-            config = attrs.evolve(config, secrets=with_placeholders(config.secrets))
+        existing = self._created(id, config, owner)  # (before the checks of what a new sandbox would take)
+        if existing is not None:
+            return existing
         self.volumes.check(config.volumes)  # (a life claims them; this refuses before anything is made)
         for what, path in (("kernel", config.boot.kernel), ("rootfs", config.boot.rootfs)):
             if path:
@@ -485,16 +483,15 @@ class Registry:
             hostdirs.servers(self.settings)
         for m in config.host_mounts:
             hostdirs.check_host_dir(m.source, self.settings.allowed_paths, writable=m.writable)
-        if id and id in self.sandboxes:
-            existing = self.sandboxes[id]
-            if existing.config == config and existing.record.owner == owner:
-                return existing  # idempotent: same id, same request, same caller
-            raise AlreadyExists(f"sandbox {id!r} exists with a different configuration")
         accepted = time.monotonic()
         image = await self._image(config, pull_auth) if config.boot.image else None
-        if id and id in self.sandboxes:  # created meanwhile, while the image was pulled
-            return await self.create(id, config, owner=owner)
+        existing = self._created(id, config, owner)  # created meanwhile, while the image was pulled
+        if existing is not None:
+            return existing
+        # from here to the registration below nothing awaits: one Create of an id makes it
         self._check_disks(config, image)
+        if config.secrets:  # (the caller's request is compared above; the record keeps the placeholders)
+            config = attrs.evolve(config, secrets=with_placeholders(config.secrets))
         member = self.pools.take_for_create(config, image)
         if member is None:
             self._admit(self.settings.limits(config.limits).memory_ceiling, ram_file=True)
@@ -513,6 +510,19 @@ class Registry:
         await self.start_life(sb, self.pools.plan_for(sb, accepted))
         await sb.persisted()
         return sb
+
+    def _created(self, id: str, requested: SandboxConfig, owner: str) -> Sandbox | None:
+        """The idempotency of Create, decided in one place: the sandbox ``id`` names if
+        it was made by the same request (the configuration as the caller asked for it:
+        its secrets' generated placeholders aside) of the same owner; None if no sandbox
+        has the id; any other request for a taken id is ALREADY_EXISTS."""
+        existing = self.sandboxes.get(id) if id else None
+        if existing is None:
+            return None
+        asked = attrs.evolve(existing.config, secrets=without_generated(existing.config.secrets))
+        if asked == requested and existing.record.owner == owner:
+            return existing  # idempotent: same id, same request, same caller
+        raise AlreadyExists(f"sandbox {id!r} exists with a different configuration")
 
     def _check_disks(self, config: SandboxConfig, image: ImageUse | None) -> None:
         """A caller's own rootfs stands alone (no backing or data file, actors/machines/disk.py), and
