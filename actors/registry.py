@@ -16,9 +16,10 @@ Handle and tasks::
 
 Message flow of a Create::
 
-    edge --create(id, config)--> check id/config/files; same id + same request: the
-         existing sandbox (idempotent: _created, asked again after an image's pull);
-         a warm member of its template: adopted; else a record (stored), "created",
+    edge --create(id, config)--> check id/config/files; effective limits resolved
+         (kept in the record); same id + same request: the existing sandbox
+         (idempotent: _created, asked again after an image's pull); a warm member
+         of its template: adopted; else a record (stored), "created",
          Pools.plan_for -> Sandbox.start(plan)
          --started (state starting)--> the edge answers {state: starting}
 """
@@ -62,6 +63,7 @@ from actors.model import (
     POOL_PREFIX,
     Action,
     ImageUse,
+    Limits,
     MemoryKind,
     NetMode,
     PullAuth,
@@ -317,14 +319,16 @@ class Registry:
         self,
         id: str,
         config: SandboxConfig,
+        limits: Limits,
         *,
         hidden: bool = False,
         origin: str = "",
         image: ImageUse | None = None,
         owner: str = LEGACY_OWNER,
     ) -> Sandbox:
-        """A sandbox actor with a fresh record (not stored or registered yet). Hidden:
-        a warm pool member, with an id no caller can use (its owner is whoever takes it)."""
+        """A sandbox actor with a fresh record (not stored or registered yet), with its
+        effective ``limits`` (kept: later boots use them, whatever the defaults are then).
+        Hidden: a warm pool member, with an id no caller can use (its owner is whoever takes it)."""
         uid = str(uuid.uuid4())
         rec = Record(
             uid=uid,
@@ -337,12 +341,15 @@ class Registry:
             origin=origin,
             image=image,
             owner=owner,
+            limits=limits,
         )
         return self._sandbox(rec)
 
     def new_member(self, snap: SnapshotRecord) -> Sandbox:
         """A hidden sandbox (stored, not registered) for a warm pool of ``snap``."""
-        sb = self._new_sandbox("", snap.config.restored({}, 0), hidden=True, origin=snap.id, image=snap.oci)
+        config = snap.config.restored({}, 0)
+        limits = self.settings.limits(config.limits)
+        sb = self._new_sandbox("", config, limits, hidden=True, origin=snap.id, image=snap.oci)
         self.store.insert(sb.record)
         return sb
 
@@ -467,7 +474,10 @@ class Registry:
         self._check_open()
         check_id(id)
         check_config(config)
-        check_machine(self.settings.limits(config.limits), balloon=self.settings.balloon)
+        # the effective resources, resolved here once: kept in the record, they are what
+        # every later boot, restore, pool and Modify of the sandbox uses
+        limits = self.settings.limits(config.limits)
+        check_machine(limits, balloon=self.settings.balloon)
         check_network_available(self.settings, config.network)
         values = secret_values or {}
         if config.secrets:
@@ -492,15 +502,23 @@ class Registry:
         self._check_disks(config, image)
         if config.secrets:  # (the caller's request is compared above; the record keeps the placeholders)
             config = attrs.evolve(config, secrets=with_placeholders(config.secrets))
-        member = self.pools.take_for_create(config, image)
+        member = self.pools.take_for_create(config, limits, image)
         if member is None:
-            self._admit(self.settings.limits(config.limits).memory_ceiling, ram_file=True)
+            self._admit(limits.memory_ceiling, ram_file=True)
         else:
             await self._adopt(
-                member, id, config, {"pool": "1"}, apply_ports=True, accepted=accepted, image=image, owner=owner
+                member,
+                id,
+                config,
+                {"pool": "1"},
+                apply_ports=True,
+                accepted=accepted,
+                image=image,
+                owner=owner,
+                limits=limits,
             )
             return member  # failed, with its error, if the adoption failed: as a failed boot
-        sb = self._new_sandbox(id, config, image=image, owner=owner)
+        sb = self._new_sandbox(id, config, limits, image=image, owner=owner)
         sb.lease()  # its address is the Create's answer (RESOURCE_EXHAUSTED: nothing made)
         if config.secrets and self.settings.vault is not None:
             new_owner(self.settings.vault, sb.record.uid, values)  # values and CA before the record
@@ -650,9 +668,11 @@ class Registry:
         accepted: float,
         image: ImageUse | None = None,
         owner: str = LEGACY_OWNER,
+        limits: Limits | None = None,
     ) -> bool:
         """A ready warm pool member becomes the caller's sandbox: the caller's id and
-        configuration, created; fresh identity, ports, initial command (Sandbox.adopt);
+        configuration (and a Create's effective ``limits``: its template's machine has
+        them), created; fresh identity, ports, initial command (Sandbox.adopt);
         ready. False if that failed (the sandbox is then failed, and stopping)."""
         rec = sb.record
         rec.id = id or rec.uid
@@ -661,6 +681,8 @@ class Registry:
         sb.born = trio.current_time()
         rec.config = config
         rec.owner = owner
+        if limits is not None:
+            rec.limits = limits
         if image is not None:
             rec.image = image
         if apply_ports:
@@ -825,9 +847,10 @@ class Registry:
             if id and id in self.sandboxes:
                 raise AlreadyExists(f"sandbox {id!r} exists")
         disk_only = snap.memory == MemoryKind.DISK
-        memory_mib = self.settings.limits(config.limits).memory_mib if disk_only else snap.machine.memory_mib
+        limits = self.settings.limits(config.limits)  # (resolved once: kept in its record)
+        memory_mib = limits.memory_mib if disk_only else snap.machine.memory_mib
         self._admit(memory_mib, ram_file=snap.memory != MemoryKind.MAPPED)
-        sb = self._new_sandbox(id, config, origin=snap.id, image=snap.oci, owner=owner)
+        sb = self._new_sandbox(id, config, limits, origin=snap.id, image=snap.oci, owner=owner)
         sb.lease(want="" if network_override else snap.address)
         if config.secrets:  # the snapshot's values, a CA of its own (config: fresh placeholders)
             check_secrets_available(self.settings, config, {}, fresh=False)

@@ -27,6 +27,7 @@ from trio.testing import MockClock
 from actors import registry as registry_module
 from actors.errors import AlreadyExists, InvalidArgument
 from actors.model import Action, BootSource, NetMode, Network, PullAuth, SandboxConfig, State
+from actors.modify import Modification, modify
 from actors.registry import Registry
 from actors.sandboxes.sandbox import Sandbox
 from actors.secrets.model import SecretRef
@@ -157,3 +158,73 @@ async def test_concurrent_idempotent_creates_with_secrets_and_an_image_get_one_s
                 break
         with trio.move_on_after(1):
             pytest.fail(f"a second created event: {await sub.__anext__()}")
+
+
+async def stopped(reg: Registry, id: str) -> Sandbox:
+    sb = reg.stop(id, 5)
+    with trio.fail_after(30):
+        await sb.wait_stopped()
+    return sb
+
+
+async def test_a_stopped_sandbox_boots_with_the_resources_it_was_made_with(tmp_path: Path, clock: MockClock) -> None:
+    """serve's defaults changed between two supervisors: the sandbox keeps its own."""
+    lab = FakeLab()
+    async with registry(tmp_path, lab, default_memory_mib=256, default_vcpus=1) as reg:
+        sb = await reg.create("a", SandboxConfig())
+        await ready(sb)
+        assert lab.machines[-1].spec.memory_mib == 256
+        await stopped(reg, "a")
+    async with registry(tmp_path, lab, default_memory_mib=512, default_vcpus=2) as reg:
+        sb = reg.get("a")
+        assert (sb.limits.memory_mib, sb.limits.vcpus) == (256, 1)
+        await reg.start("a")
+        await ready(sb)
+        spec = lab.machines[-1].spec
+        assert (spec.memory_mib, spec.cpus) == (256, 1)  # not the new defaults
+        # a Modify of the CPUs leaves the memory as it was made, not as the defaults say now
+        await stopped(reg, "a")
+        plan = await modify(reg, "a", Modification(vcpus=2))
+        assert plan.applied
+        assert (sb.limits.memory_mib, sb.limits.vcpus) == (256, 2)
+        await reg.start("a")
+        await ready(sb)
+        spec = lab.machines[-1].spec
+        assert (spec.memory_mib, spec.cpus) == (256, 2)
+        # a restore of its (disk-only) snapshot boots with them too
+        await stopped(reg, "a")
+        snap, _ = await reg.checkpoint("a", name="a-disk")
+        with trio.fail_after(60):
+            clone = await reg.restore(snap.id, id="clone")
+        assert (clone.limits.memory_mib, clone.limits.vcpus) == (256, 2)
+        spec = lab.machines[-1].spec
+        assert (spec.memory_mib, spec.cpus) == (256, 2)
+        # a new sandbox takes the defaults of now
+        b = await reg.create("b", SandboxConfig())
+        await ready(b)
+        assert (lab.machines[-1].spec.memory_mib, b.limits.vcpus) == (512, 2)
+
+
+async def test_a_record_kept_without_its_resources_takes_the_first_loaders_defaults_once(
+    tmp_path: Path, clock: MockClock
+) -> None:
+    lab = FakeLab()
+    async with registry(tmp_path, lab, default_memory_mib=256) as reg:
+        sb = await reg.create("old", SandboxConfig())
+        await ready(sb)
+        await stopped(reg, "old")
+        await reg.store.flush()
+    store = Store(tmp_path / "state" / "sandvisor.db")  # as a supervisor that kept no limits wrote it
+    try:
+        store.db.execute("UPDATE sandboxes SET tuning=NULL")
+        store.db.commit()
+        assert [r.limits for r in store.all()] == [None]
+    finally:
+        store.close()
+    async with registry(tmp_path, lab, default_memory_mib=384) as reg:
+        assert reg.get("old").limits.memory_mib == 384
+        await reg.store.flush()
+    async with registry(tmp_path, lab, default_memory_mib=512) as reg:
+        await reg.start("old")
+        await ready(reg.get("old"))
+        assert lab.machines[-1].spec.memory_mib == 384  # written back by the first, kept since
