@@ -300,6 +300,11 @@ def _fleet_config(cfg: DaemonConfig, grpc_addrs: list[Address]) -> FleetConfig |
             cfg.state_dir,
             cfg.fleet_head,
             tls,
+            run_root=cfg.run_root or default_run_root(),
+            token_file=cfg.fleet_token_file,
+            peers=cfg.fleet_peers,
+            ray_user=cfg.fleet_user,
+            ray_python=cfg.fleet_python,
         )
     except ValueError as exc:
         raise Refused(str(exc)) from None

@@ -431,6 +431,33 @@ class DaemonConfig:
         metavar="MIB",
         help=f"guest memory the fleet may place here, MiB (default {D.FLEET_MEMORY_MIB})",
     )
+    fleet_token_file: Path | None = flag(  # Ray's token (0600): the head makes STATE/fleet/ray-token
+        None,
+        name="--fleet-token-file",
+        metavar="FILE",
+        help="the fleet's Ray token, a 0600 file (the head makes STATE/fleet/ray-token when not given; "
+        "every other member needs a copy of it)",
+        parse=_path,
+    )
+    fleet_peers: tuple[str, ...] = flag(  # who may reach this host's Ray ports (nftables)
+        (),
+        name="--fleet-peer",
+        kind="repeat",
+        metavar="ADDRESS|CIDR",
+        help="a member of the fleet, allowed to reach this host's Ray ports (repeatable; default: the head)",
+    )
+    fleet_user: str = flag(
+        D.FLEET_RAY_USER,
+        name="--fleet-user",
+        metavar="USER",
+        help=f"the unprivileged user Ray runs as (default {D.FLEET_RAY_USER}, made when absent)",
+    )
+    fleet_python: str | None = flag(
+        None,
+        name="--fleet-python",
+        metavar="PATH",
+        help="the Python Ray's user runs Ray with (default: serve's own; the same version)",
+    )
     # secrets (issue 23, docs/secrets.md): the vault's key, outside the state dir
     secrets_key: Path | None = flag(
         None,

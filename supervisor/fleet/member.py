@@ -4,9 +4,10 @@
 the daemon's nursery, after the registry and before the gRPC edge (which serves its
 :mod:`supervisor.fleet.service`). It:
 
-* starts this host's Ray node (:class:`~supervisor.fleet.raynode.RayNode`) with the
-  host's capacity as custom resources, connects as a driver, records itself
-  (``join``);
+* starts this host's Ray node (:class:`~supervisor.fleet.raynode.RayNode`, as Ray's
+  own unprivileged user, token authentication on, its ports filtered) with the host's
+  capacity as custom resources, connects as a driver (with the fleet's token), records
+  itself (``join``);
 * gives a slot back when a sandbox of the fleet placed here is removed (whatever edge
   removed it), and sweeps reservations no Create followed;
 * tells the fleet which snapshots it caches (``--prefer-snapshot`` reads that);
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,13 +29,15 @@ from pathlib import Path
 import attrs
 import trio
 
+from actors import defaults as D
 from actors.errors import InvalidArgument, NotFound
 from actors.events import Lagged
 from actors.model import Action
 from actors.registry import Registry
 from supervisor.fleet.placement import LOST, PLACED, NodeSpec, Placed, Placement, Want
 from supervisor.fleet.ray_backend import RayPlacement
-from supervisor.fleet.raynode import RayNode, RayNodeConfig
+from supervisor.fleet.rayhost import check_peers, check_token, make_token, tls_env
+from supervisor.fleet.raynode import RayNode, RayNodeConfig, ray_dir_for
 from supervisor.fleet.transfer import NodeTls, Pulled, fleet_id, pull
 
 log = logging.getLogger("sandvisor.fleet")
@@ -54,10 +58,19 @@ class FleetConfig:
     dir: Path  # <state>/fleet
     head: bool = False
     tls: NodeTls | None = None  # towards the other members (None: --grpc-insecure, loopback tests)
+    run_root: Path = Path("/run/sandvisor/vms")  # Ray's own dir goes under it
+    token_file: Path | None = None  # the fleet's Ray token (None: the head makes <dir>/ray-token)
+    peers: tuple[str, ...] = ()  # networks that may reach this host's Ray ports
+    ray_user: str = D.FLEET_RAY_USER
+    ray_python: str = sys.executable
 
     @property
     def node_ip(self) -> str:
         return self.advertise.rpartition(":")[0].strip("[]")
+
+    @property
+    def token(self) -> Path:
+        return self.token_file or self.dir / "ray-token"
 
     @property
     def spec(self) -> NodeSpec:
@@ -68,9 +81,24 @@ class FleetMember:
     def __init__(self, cfg: FleetConfig, registry: Registry, placement: Placement | None = None) -> None:
         self.cfg = cfg
         self.registry = registry
-        self.backend = RayPlacement(cfg.ray_address, cfg.node_ip)
+        tls = tls_env(cfg.tls.ca, cfg.tls.cert, cfg.tls.key) if cfg.tls is not None else None
+        self.backend = RayPlacement(cfg.ray_address, cfg.node_ip, cfg.token, tls)
         self.placement: Placement = placement or self.backend
-        self.raynode = RayNode(RayNodeConfig(cfg.ray_address, cfg.node_ip, cfg.spec, cfg.dir, head=cfg.head))
+        self.raynode = RayNode(
+            RayNodeConfig(
+                cfg.ray_address,
+                cfg.node_ip,
+                cfg.spec,
+                cfg.dir,
+                ray_dir_for(cfg.run_root),
+                cfg.token,
+                peers=cfg.peers,
+                user=cfg.ray_user,
+                python=cfg.ray_python,
+                head=cfg.head,
+                tls=cfg.tls,
+            )
+        )
         self.handled_dead: set[str] = set()
         self.lost_events: list[Placed] = []  # what this member marked lost (newest last)
         self.told_lost: set[str] = set()  # lost sandboxes this member's Events told of
@@ -81,10 +109,15 @@ class FleetMember:
         return self.cfg.node
 
     async def run(self, task_status: trio.TaskStatus[FleetMember] = trio.TASK_STATUS_IGNORED) -> None:
+        self.cfg.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if self.cfg.token_file is None:
+            make_token(self.cfg.token)  # (the head's: members are given a copy)
+        check_token(self.cfg.token)
         async with trio.open_nursery() as nursery:
             await nursery.start(self.raynode.run)
             try:
                 await self.backend.connect(CONNECT_TIMEOUT)
+                await self.raynode.driver_connected()
                 await self.placement.join(self.cfg.spec)
                 log.info(
                     "fleet: joined %s as %s (%d slots, %d MiB), advertised at %s",
@@ -227,8 +260,15 @@ def fleet_config(
     state_dir: Path,
     head: bool,
     tls: NodeTls | None = None,
+    *,
+    run_root: Path = Path("/run/sandvisor/vms"),
+    token_file: Path | None = None,
+    peers: tuple[str, ...] = (),
+    ray_user: str = D.FLEET_RAY_USER,
+    ray_python: str | None = None,
 ) -> FleetConfig:
-    """``serve``'s fleet flags as a :class:`FleetConfig` (ValueError names the flag)."""
+    """``serve``'s fleet flags as a :class:`FleetConfig` (ValueError names the flag).
+    The peers: those given, else the head's host; this host's own address is always one."""
     host, sep, port = ray_address.rpartition(":")
     if not sep or not host or not port.isdigit():
         raise ValueError(f"--fleet {ray_address!r}: expected HOST:PORT of the Ray head")
@@ -237,6 +277,16 @@ def fleet_config(
         raise ValueError(f"--advertise {advertise!r}: expected HOST:PORT")
     if slots <= 0 or memory_mib <= 0:
         raise ValueError("--fleet-slots and --fleet-memory must be more than 0")
+    if token_file is None and not head:
+        raise ValueError("--fleet without --fleet-head needs --fleet-token-file (a copy of the head's Ray token)")
+    first, last = D.FLEET_RAY_PORT_BASE, D.FLEET_RAY_PORT_BASE + 41
+    if first <= int(port) <= last:
+        raise ValueError(f"--fleet {ray_address!r}: ports {first}-{last} are the Ray node's own")
+    try:  # (the head's and this host's addresses: the filter admits addresses, not names)
+        implicit = check_peers([*(() if peers else (host,)), ahost])
+    except ValueError:
+        raise ValueError(f"--fleet {ray_address!r} and --advertise {advertise!r}: addresses, not names") from None
+    nets = tuple(dict.fromkeys(check_peers(peers) + implicit))
     return FleetConfig(
         ray_address,
         advertise,
@@ -246,4 +296,9 @@ def fleet_config(
         state_dir / "fleet",
         head=head,
         tls=tls,
+        run_root=run_root,
+        token_file=token_file,
+        peers=nets,
+        ray_user=ray_user,
+        ray_python=ray_python or sys.executable,
     )

@@ -5,6 +5,13 @@ Ray's API blocks: every call runs in a worker thread (``trio.to_thread``), never
 Trio loop; :class:`RayPlacement` is the one owner of the driver connection (``ray.init``
 in :meth:`RayPlacement.connect`, ``ray.shutdown`` in :meth:`RayPlacement.close`).
 
+The driver is the supervisor's own process (root): it presents the fleet's token (Ray's
+token authentication: ``RAY_AUTH_MODE=token``, ``RAY_AUTH_TOKEN_PATH`` the root-only
+token file, set in this process before Ray is imported) and, with Ray's TLS on, the
+node's certificate; it runs nothing for anyone: it
+calls the GCS's key-value store and placement groups, submits no task, gets no object.
+Ray's workers are the raylet's children, and so Ray's user's (supervisor/fleet/raynode.py).
+
 Each node's raylet is started with the resources::
 
     sandvisor_slot: SLOTS   sandvisor_memory_mib: MiB   sandvisor_node:NAME: 1
@@ -21,9 +28,11 @@ claimed with a put that does not overwrite: two Creates of one name, one wins.
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import attrs
@@ -70,9 +79,14 @@ def _placed(raw: bytes) -> Placed:
 class RayApi:
     """The blocking calls into Ray (each one runs in a worker thread)."""
 
-    def __init__(self) -> None:
+    def __init__(self, token: Path | None = None, tls: dict[str, str] | None = None) -> None:
         import importlib
 
+        if token is not None:  # (read by Ray's C++ token loader: before ray is imported)
+            os.environ["RAY_AUTH_MODE"] = "token"
+            os.environ["RAY_AUTH_TOKEN_PATH"] = str(token)
+            os.environ.pop("RAY_AUTH_TOKEN", None)
+        os.environ.update(tls or {})
         import ray
 
         self.ray: Any = ray
@@ -144,9 +158,13 @@ class RayApi:
 class RayPlacement:
     """:class:`~supervisor.fleet.placement.Placement` on a Ray cluster."""
 
-    def __init__(self, address: str, node_ip: str) -> None:
+    def __init__(
+        self, address: str, node_ip: str, token: Path | None = None, tls: dict[str, str] | None = None
+    ) -> None:
         self.address = address
         self.node_ip = node_ip
+        self.token = token
+        self.tls = tls  # Ray's TLS settings for the driver (rayhost.tls_env), if it is on
         self.api: RayApi | None = None
         self._limiter = trio.CapacityLimiter(8)  # threads in Ray calls at once
 
@@ -160,7 +178,7 @@ class RayPlacement:
 
     async def connect(self, timeout: float) -> None:
         """``ray.init`` as a driver on this node's raylet (retried until it is up)."""
-        api = await self._call(RayApi)
+        api = await self._call(RayApi, self.token, self.tls)
         last: Exception | None = None
         with trio.move_on_after(timeout) as scope:
             while True:

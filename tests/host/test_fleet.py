@@ -1,5 +1,12 @@
 """A fleet of two hosts placed by Ray's scheduler, with real VMs (docs/fleet.md).
 
+First, who the fleet's Ray cluster refuses: an unprivileged local user on member b and a
+host on the cluster network that is no member each try to run a Ray task through the
+head's GCS port and through the Ray Client port, and fail; so does root on b without the
+token. Root on b with the token runs one, as Ray's own user, not root. Ray's processes
+are that user's, its dir is theirs and private, its ports are the pinned ones, and the
+token is on no command line.
+
 Two network namespaces joined by a veth act as two hosts (tests/fleetlab.py): Ray's
 head and a supervisor with 2 slots in "a", a Ray worker and a supervisor with 2 slots
 in "b". One cluster for the module, one test that walks through it in order (it ends
@@ -18,14 +25,34 @@ supervisors, Ray and four TCG guests on a loaded 2-core machine). Run it under
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import pwd
+import shutil
+import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.support.fleetlab import FleetLab, fleet_lab
+from actors import defaults as D
+from supervisor.fleet.rayhost import RayPorts
+from supervisor.fleet.raynode import ray_dir_for
+from tests.support.fleetlab import (
+    GRPC_PORT,
+    OUTSIDER,
+    RAY_PORT,
+    FleetLab,
+    attack_argv,
+    attack_env,
+    fleet_lab,
+    group_pids,
+    listeners,
+    run_attacks,
+    uids,
+)
 
 pytestmark = [
     pytest.mark.vm,
@@ -48,6 +75,82 @@ def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FleetLab]:
 
 def _slots_used(lab: FleetLab, node: str) -> int:
     return next(int(n["slots_used"]) for n in lab.nodes("a") if n["name"] == node)
+
+
+def test_ray_refuses_local_users_outsiders_and_no_token(lab: FleetLab) -> None:
+    """(First: the walk below ends by killing host b.)"""
+    with lab.reporting():
+        _ray_is_closed(lab)
+
+
+def _ray_is_closed(lab: FleetLab) -> None:
+    ray_uid = pwd.getpwnam(D.FLEET_RAY_USER).pw_uid
+    token = lab.token.read_text().strip()
+    ports = RayPorts(RAY_PORT)
+    allowed = {RAY_PORT, GRPC_PORT} | {int(p) for p in ports.all() if "-" not in p}
+    lo, hi = ports.workers
+    for h in lab.hosts.values():
+        group = h.ray_group()
+        assert group is not None
+        pids = group_pids(group)
+        assert len(pids) >= 3, pids  # ray start, the raylet, its agents (and the GCS on a)
+        for pid in pids:
+            assert uids(pid) == {ray_uid}, (h.name, pid, Path(f"/proc/{pid}/cmdline").read_bytes())
+            assert token.encode() not in Path(f"/proc/{pid}/environ").read_bytes()
+        # Ray's dir: its user's, private, under the run root (not /tmp's shared space)
+        st = ray_dir_for(h.work.run_root).stat()
+        assert st.st_uid == ray_uid and st.st_mode & 0o777 == 0o700
+        # every listener of the host is a pinned port (the driver's in the workers' range),
+        # none is Ray Client's
+        for port, _ in listeners(h.ns):
+            assert port in allowed or lo <= port <= hi, (h.name, port, listeners(h.ns))
+        assert all(port != RayPorts.RAY_CLIENT for port, _ in listeners(h.ns))
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):  # the token is on no command line
+        try:
+            assert token.encode() not in cmdline.read_bytes(), cmdline
+        except OSError:
+            continue
+    # Ray's user reaches none of the supervisor's state
+    state = lab.hosts["b"].work.state
+    r = subprocess.run(["setpriv", f"--reuid={ray_uid}", f"--regid={ray_uid}", "--clear-groups", "ls", str(state)],
+                       capture_output=True, text=True, check=False)  # fmt: skip
+    assert r.returncode != 0 and "Permission denied" in r.stderr, r
+
+    gcs, client = lab.ray_address(), f"ray://{lab.hosts['a'].ip}:{RayPorts.RAY_CLIENT}"
+    b, c = lab.hosts["b"].ns, lab.outsider
+    with tempfile.TemporaryDirectory(prefix="sv-fleet-attack-") as tmp:
+        dir = Path(tmp)
+        dir.chmod(0o1777)
+        # the worst case: the token and b's Ray certificate leaked to the attackers (readable by all)
+        leaked = dir / "leaked"
+        leaked.mkdir(mode=0o755)
+        for src, name in ((lab.token, "token"), (lab.pki / "ca.pem", "ca.pem"), (lab.pki / "b.pem", "node.pem")):
+            shutil.copy(src, leaked / name)
+        shutil.copy(lab.pki / "b.key", leaked / "node.key")
+        wrong = leaked / "wrong-token"
+        wrong.write_text("0" * 64)
+        for f in leaked.iterdir():
+            f.chmod(0o644)
+        token_file = leaked / "token"
+        cases = {
+            # refused by the filter on b (a local uid that is neither root nor Ray's)
+            "nobody on b, GCS": (attack_argv(lab, b, gcs, uid=65534), attack_env(dir, token_file, leaked)),
+            "nobody on b, Ray Client": (attack_argv(lab, b, client, uid=65534), attack_env(dir, token_file, leaked)),
+            # refused by the filter on a (no peer)
+            "outsider, GCS": (attack_argv(lab, c, gcs, uid=None), attack_env(dir, token_file, leaked)),
+            "outsider, Ray Client": (attack_argv(lab, c, client, uid=None), attack_env(dir, token_file, leaked)),
+            # let through by the filters; refused by Ray's token check, by Ray's TLS
+            "root on b, a wrong token": (attack_argv(lab, b, gcs, uid=None), attack_env(dir, wrong, leaked)),
+            "root on b, no certificate": (attack_argv(lab, b, gcs, uid=None), attack_env(dir, token_file, None)),
+            # all of it: runs, and as Ray's user
+            "root on b, the token": (attack_argv(lab, b, gcs, uid=None), attack_env(dir, token_file, leaked)),
+        }
+        got = run_attacks(cases)
+    print(f"(outsider at {OUTSIDER})", json.dumps(got, indent=1))
+    assert got.pop("root on b, the token") == f"RAN {ray_uid}"
+    for case, line in got.items():
+        assert not line.startswith("RAN"), (case, line)
+    assert "Failed to connect" in got["root on b, a wrong token"], got
 
 
 def test_fleet_places_finds_moves_and_survives_a_node(lab: FleetLab) -> None:

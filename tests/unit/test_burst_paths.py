@@ -15,7 +15,7 @@ import trio
 from actors.machines import disk
 from images.build import Image
 from supervisor.client import AsyncSandbox
-from supervisor.sdk import plans
+from supervisor.sdk import sandbox_plans
 from supervisor.sdk.ops import TIMED_OUT, Now, Open, Receive, Unary
 from supervisor.throwaway import supervisor, workdir
 
@@ -72,7 +72,7 @@ def test_the_kept_images_are_bounded(tmp_path: Path) -> None:
 def test_the_wait_for_ready_asks_inspect_less_often_as_it_goes_on() -> None:
     """An event ends the wait at once; without one, Inspect is asked after 1, 2, 4, 8,
     8 ... s (a burst's callers waiting 10 s ask 4 times, not 10)."""
-    plan = plans._wait_ready("sb", 60.0)
+    plan = sandbox_plans._wait_ready("sb", 60.0)
     now = 100.0
     effect: Any = next(plan)
     assert isinstance(effect, Open)

@@ -92,6 +92,10 @@ def test_a_config_said_as_flags_parses_back_to_itself(tmp_path: Path) -> None:
         fleet_node="n1",
         fleet_slots=3,
         fleet_memory_mib=1024,
+        fleet_token_file=tmp_path / "ray-token",
+        fleet_peers=("10.0.0.0/29", "10.0.1.5"),
+        fleet_user="ray-here",
+        fleet_python="/usr/bin/python3",
         secrets_key=tmp_path / "secrets.key",
         upstream_ca=tmp_path / "upstream-ca.pem",
     )

@@ -20,6 +20,7 @@ SDK = (
     *(str(p.relative_to(ROOT)) for p in sorted((ROOT / "supervisor/sdk").glob("*.py"))),
     *(str(p.relative_to(ROOT)) for p in sorted((ROOT / "supervisor").glob("cli_*.py"))),  # the client commands
     "supervisor/protocol.py",
+    *(str(p.relative_to(ROOT)) for p in sorted((ROOT / "supervisor/messages").glob("*.py"))),  # its bodies
     "supervisor/frames.py",
     "supervisor/errors.py",
     "supervisor/config.py",
@@ -27,12 +28,22 @@ SDK = (
 )
 # the SDK's tree copies run guestd's stdlib-only tar codec (the same hostile-stream unpacker);
 # its error codes and Patch are guestd's one definitions (codes.py, patch.py)
-GUESTD_CODEC = ("guestd", "guestd.tree", "guestd.fsops", "guestd.proto", "guestd.codes", "guestd.patch")
+GUESTD_CODEC = (
+    "guestd",
+    "guestd.tree",
+    "guestd.tarformat",
+    "guestd.fsops",
+    "guestd.proto",
+    "guestd.codes",
+    "guestd.patch",
+)
 GUESTD_NOT_SDK = tuple(
     f"guestd.{p.stem}" for p in sorted((ROOT / "guestd").glob("*.py")) if f"guestd.{p.stem}" not in GUESTD_CODEC
 )
 EDGES_ONLY = (
     "supervisor.api",
+    "supervisor.api_store",
+    "supervisor.api_table",
     "supervisor.daemon_config",
     "supervisor.server",
     "supervisor.daemon",

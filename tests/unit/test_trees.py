@@ -15,7 +15,7 @@ import pytest
 import trio
 
 from guestd import proto as P
-from guestd import tree
+from guestd import tarformat, tree
 from guestd.fsops import TreeError, apply_patch
 from supervisor.errors import SandboxError
 from supervisor.treecopy import packed_tree, unpack_tree
@@ -141,7 +141,7 @@ def test_our_headers_are_tarfiles(name: str, kind: bytes, link: str, uid: int, s
     ti = tarfile.TarInfo(name)
     ti.type, ti.linkname, ti.uid, ti.gid, ti.size, ti.mtime, ti.mode = kind, link, uid, uid, size, mtime, 0o4755
     ti.uname = ti.gname = ""
-    assert tree.header(ti) == ti.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape")
+    assert tarformat.header(ti) == ti.tobuf(tarfile.PAX_FORMAT, "utf-8", "surrogateescape")
 
 
 HOSTILE = {
