@@ -189,3 +189,52 @@ def test_a_missing_discard_shim_refuses_balloons_unless_no_balloon(
         None,
     )
     assert daemon._built_helpers(DaemonConfig(socket=tmp_path / "s", state_dir=tmp_path / "state", jail=False)) is None
+
+
+# in a process with the shim preloaded: punch a 1 MiB hole at the start of each file
+# named, through libc's fallocate (what QEMU calls), and say how each went
+PUNCH = """
+import ctypes, json, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_long, ctypes.c_long]
+out = {}
+for name in sys.argv[1:]:
+    fd = os.open(name, os.O_RDWR)
+    r = libc.fallocate(fd, 0x01 | 0x02, 0, 1 << 20)  # FALLOC_FL_KEEP_SIZE | FALLOC_FL_PUNCH_HOLE
+    out[name] = r if r == 0 else -ctypes.get_errno()
+    os.close(fd)
+print(json.dumps(out))
+"""
+
+
+def test_the_discard_shim_never_punches_the_private_ram_it_is_told_of(tmp_path: Path) -> None:
+    """A resume's QEMU maps a paused sandbox's saved memory privately from the file
+    itself: the balloon's hole punches in that file (SANDVISOR_PRIVATE_RAM names it)
+    succeed without touching it -- the file is the sandbox's saved state until the
+    resume is done --, while any other file's (a disk's discard) go to the kernel."""
+    built()
+    shim = helpers.BIN_DIR / helpers.RAM_DISCARD.name
+    saved, disk = tmp_path / "memory", tmp_path / "disk"
+    for f in (saved, disk):
+        f.write_bytes(b"\x5a" * (2 << 20))
+    st = saved.stat()
+
+    def punch(private_ram: str) -> dict[str, int]:
+        env = {**os.environ, "LD_PRELOAD": str(shim), "SANDVISOR_PRIVATE_RAM": private_ram}
+        r = subprocess.run(
+            [sys.executable, "-c", PUNCH, str(saved), str(disk)], env=env, capture_output=True, text=True, check=True
+        )
+        result: dict[str, int] = json.loads(r.stdout)
+        return result
+
+    assert punch(f"{st.st_dev}:{st.st_ino}") == {str(saved): 0, str(disk): 0}
+    assert saved.read_bytes() == b"\x5a" * (2 << 20)  # not punched: whole, and not written
+    assert [saved.stat().st_size, saved.stat().st_mtime_ns] == [st.st_size, st.st_mtime_ns]
+    if disk.read_bytes()[: 1 << 20] != bytes(1 << 20):
+        pytest.skip(f"{tmp_path}'s file system cannot punch holes")
+    assert disk.read_bytes()[1 << 20 :] == b"\x5a" * (1 << 20)  # the other file was punched, as asked
+    # a malformed or absent name protects nothing (and breaks nothing)
+    for bad in ("", "x", f"{st.st_dev}:", f"{st.st_dev}:{st.st_ino}x"):
+        saved.write_bytes(b"\x5a" * (2 << 20))
+        assert punch(bad)[str(saved)] == 0
+        assert saved.read_bytes()[: 1 << 20] == bytes(1 << 20), bad

@@ -1,7 +1,8 @@
 """Memory a guest frees goes back to the host: a virtio-balloon with free page
-reporting, on a cold boot (its own RAM file: holes punched) and on a clone of the boot
+reporting, on a cold boot (its own RAM file: holes punched), on a clone of the boot
 template (a private mapping of the template's sealed memory: the discard shim lets
-QEMU drop its private copies, and the template's memory is never written).
+QEMU drop its private copies, and the template's memory is never written), and on a
+resumed sandbox (a private mapping of its saved memory file, which is never punched).
 
 How fast it happens is the benchmark's business (benchmarks/memory.py); here only
 that it happens, within a generous deadline, and that nothing else is touched."""
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 import trio
 
+from actors.model import MemoryKind
 from actors.registry import Registry
 from images.build import Image
 from supervisor.client import AsyncSandbox
@@ -109,3 +111,45 @@ async def test_freed_guest_memory_goes_back_boot_and_clone(work: Workdir) -> Non
                 assert (await clone.run(["sh", "-c", "echo ok > /run/x; cat /run/x"])).stdout == b"ok\n"
             assert digest(memory) == before  # the template's memory was never written
             assert peak - after >= 100 * MIB  # it had grown by them, and gave them back
+
+
+def fd_digest(fd: int) -> str:
+    h = hashlib.sha256()
+    off = 0
+    while chunk := os.pread(fd, 8 * MIB, off):
+        h.update(chunk)
+        off += len(chunk)
+    return h.hexdigest()
+
+
+async def test_a_resumed_guest_gives_memory_back_without_touching_its_saved_memory(work: Workdir) -> None:
+    """A paused sandbox resumes with its saved memory mapped privately from the file
+    itself (no sealed copy); its balloon gives freed memory back (the discard shim lets
+    QEMU drop its private copies) but never punches that file: until the resume is done
+    it is the sandbox's saved state (a resume cut short leaves it paused on it)."""
+    with trio.fail_after(300):
+        async with supervisor(work) as (cfg, registry), await AsyncSandbox.create("p", socket=cfg.socket) as sb:
+            await sb.pause()
+            saved = registry.hibernation.saved(registry.get("p"))
+            assert saved is not None and saved.memory == MemoryKind.MAPPED
+            fd = os.open(saved.path / "memory", os.O_RDONLY | os.O_CLOEXEC)  # (the resume unlinks it)
+            try:
+                st = os.fstat(fd)
+                before = fd_digest(fd)
+                await sb.resume()
+                life = registry.get("p")
+                assert life.guest is not None and life.guest.machine.spec.preload is not None
+                environ = Path(f"/proc/{life.record.qemu_pid}/environ").read_bytes().split(b"\0")
+                assert f"SANDVISOR_PRIVATE_RAM={st.st_dev}:{st.st_ino}".encode() in environ
+                await gives_back(registry, sb)
+                qemu_log = Path(life.files.run_dir) / "qemu.log"
+                assert b"fallocate" not in qemu_log.read_bytes()
+                after = os.fstat(fd)
+                assert [after.st_size, after.st_mtime_ns, after.st_blocks] == [
+                    st.st_size,
+                    st.st_mtime_ns,
+                    st.st_blocks,
+                ]
+                assert fd_digest(fd) == before
+            finally:
+                os.close(fd)
