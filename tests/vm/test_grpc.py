@@ -16,6 +16,7 @@ import socket
 import tarfile
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -135,6 +136,7 @@ async def test_seed_clients_drive_the_lifecycle_over_grpc(image: Image, seed: tu
             "grpc_key": work.root / "server_key",
             "grpc_client_ca": work.root / "ca",
             "metrics": f"127.0.0.1:{metrics_port}",
+            "metrics_token_file": work.root / "metrics.token",  # (made 0600 by serve: it is not there)
             "templates": False,  # two boots of two configurations: a template of each would be waste
             "stop_timeout": 5,
         }
@@ -142,12 +144,19 @@ async def test_seed_clients_drive_the_lifecycle_over_grpc(image: Image, seed: tu
             async with supervisor(work, **options) as (_cfg, reg):
                 assert grpc_sock.stat().st_mode & 0o777 == 0o600  # as the msgpack socket
                 with grpc.insecure_channel(f"unix:{grpc_sock}") as ch:
-                    await _lifecycle(reg, ch, spb, sgrpc, tls_port, metrics_port, pki)
+                    await _lifecycle(reg, ch, spb, sgrpc, tls_port, (metrics_port, work.root / "metrics.token"), pki)
 
 
 async def _lifecycle(
-    reg: Registry, ch: grpc.Channel, spb: Any, sgrpc: Any, tls_port: int, metrics_port: int, pki: dict[str, bytes]
+    reg: Registry,
+    ch: grpc.Channel,
+    spb: Any,
+    sgrpc: Any,
+    tls_port: int,
+    metrics: tuple[int, Path],
+    pki: dict[str, bytes],
 ) -> None:
+    metrics_port, metrics_token = metrics
     s = sgrpc.SandboxServiceStub(ch)
     snaps = sgrpc.SandboxSnapshotServiceStub(ch)
     ours = sv_grpc.SandvisorServiceStub(ch)
@@ -382,7 +391,7 @@ async def _lifecycle(
     assert await in_thread(over_tls, False) == str(SC.UNAVAILABLE)
 
     # --- the Prometheus endpoint lists each running sandbox's CPU and memory ---
-    samples = await in_thread(scrape, metrics_port)
+    samples = await in_thread(scrape, metrics_port, metrics_token.read_bytes().strip())
     for id in ("a", "b", "u"):
         label = (("id", id),)
         assert samples[("sandvisor_sandbox_cpu_seconds_total", label)] > 0, id

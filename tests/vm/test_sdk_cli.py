@@ -153,6 +153,7 @@ def test_cli_surface(served: dict[str, str], tmp_path: Path) -> None:
         "last_exited_at",
         "last_exit_code",
         "error",
+        "uid",  # this life's identity (the id may be reused once it is gone): E2B tokens are bound to it
         "requested",  # the read-back (issue 24): configuration as requested, as applied
         "applied",
         "updated_at",
