@@ -42,6 +42,7 @@ from images.build import Image
 from images.oci import Image as OciImage
 from images.oci import PullProgress
 from supervisor import protocol as W
+from supervisor.ssh_keys import parse_keys
 
 
 def wire_error(exc: DomainError) -> W.ApiError:
@@ -81,8 +82,12 @@ def network(spec: W.NetworkSpec) -> Network:
 def config(req: W.CreateSandboxRequest) -> SandboxConfig:
     if req.mounts:
         raise FailedPrecondition("mounts are not supported in sandbox.v1: copy files in with WriteFile")
-    if req.ssh_public_key is not None:
-        raise FailedPrecondition("ssh keys are not supported in sandbox.v1: use Exec for access")
+    ssh_keys: tuple[str, ...] = ()
+    if req.ssh_public_key is not None:  # (one key, or several lines: serve --ssh's, docs/ssh.md)
+        try:
+            ssh_keys = parse_keys(req.ssh_public_key)
+        except ValueError as exc:
+            raise InvalidArgument(str(exc)) from None
     return SandboxConfig(
         labels=dict(req.labels),
         limits=Limits(
@@ -123,6 +128,7 @@ def config(req: W.CreateSandboxRequest) -> SandboxConfig:
             )
             for s in req.secrets
         ),
+        ssh_keys=ssh_keys,
     )
 
 
@@ -150,6 +156,8 @@ def info(sb: Sandbox) -> W.SandboxInfo:
         requested=requested(sb),
         applied=applied(sb),
         updated_at=r.updated_at,
+        owner=r.owner,
+        ssh_keys=list(r.config.ssh_keys),
     )
 
 

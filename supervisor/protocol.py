@@ -421,6 +421,8 @@ class SandboxInfo:
     requested: SandboxSettings | None = None
     applied: SandboxSettings | None = None  # None: no machine runs
     updated_at: int = 0  # unix seconds of the last Modify that changed something (0: none)
+    owner: str = ""  # the principal that made it (docs/security.md)
+    ssh_keys: list[str] = attrs.field(factory=list)  # the public keys its SSH endpoint accepts (docs/ssh.md)
 
 
 @attrs.frozen

@@ -429,7 +429,7 @@ async def test_errors_arrive_with_the_status_of_the_same_name(
                     SC.FAILED_PRECONDITION,
                     lambda: s.Create(spb.CreateSandboxRequest(id="m", mounts=[spb.Mount(source="/", target="/h")])),
                 ),
-                (SC.FAILED_PRECONDITION, lambda: s.Create(spb.CreateSandboxRequest(id="k", ssh_public_key=""))),
+                (SC.INVALID_ARGUMENT, lambda: s.Create(spb.CreateSandboxRequest(id="k", ssh_public_key=""))),  # no key
                 (
                     SC.FAILED_PRECONDITION,
                     lambda: s.Create(spb.CreateSandboxRequest(id="t", network=spb.NetworkSpec(mode="tap"))),
