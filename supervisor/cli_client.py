@@ -40,7 +40,7 @@ from supervisor.cli_sandboxes import (
     top,
 )
 from supervisor.cli_secrets import secret
-from supervisor.cli_ssh import add_ssh_command, ssh
+from supervisor.cli_ssh import add_ssh_command, add_ssh_key_command, ssh, ssh_key
 from supervisor.cli_stores import checkpoint, restore, snapshot, snapshots, volume
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~2 ms; mypy reads the name)
@@ -52,6 +52,7 @@ CLIENT_COMMANDS = frozenset(
     {
         "create",
         "ssh",
+        "ssh-key",
         "run",
         "exec",
         "ls",
@@ -334,6 +335,8 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
 
     p = cmd("ssh", ssh, "ssh to a sandbox through serve --ssh (the system's ssh; docs/ssh.md)")
     add_ssh_command(p)
+    p = cmd("ssh-key", ssh_key, "the SSH keys a sandbox accepts: ssh-key add|rm NAME FILE... | ls NAME")
+    add_ssh_key_command(p)
     p = cmd("fs", fs, "files of a sandbox: fs ls|stat|exists|mkdir [-p]|rm [-r]|mv NAME:/path [DEST]")
     add_fs_command(p)
     p = cmd(

@@ -1,5 +1,6 @@
 """``sandvisor ssh NAME``: the system's ``ssh`` to a sandbox through ``serve --ssh``
-(docs/ssh.md), and ``create --ssh-key FILE``'s reading of key files."""
+(docs/ssh.md); ``sandvisor ssh-key add|rm|ls NAME [FILE...]``: the keys it accepts
+(Modify and Inspect); and ``create --ssh-key FILE``'s reading of key files."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
-from supervisor.cli_common import UsageError, trailing_command
+from supervisor.cli_common import UsageError, connect, trailing_command
 from supervisor.ssh_keys import parse_keys
 
 DEFAULT_AT = "127.0.0.1:2222"
@@ -83,3 +84,30 @@ def add_ssh_command(p: argparse.ArgumentParser) -> None:
     p.add_argument("-i", dest="identity", metavar="KEY", help="the private key (ssh -i)")
     p.add_argument("-t", dest="tty", action="store_true", help="a terminal even with a command (ssh -t)")
     p.add_argument("--print", action="store_true", help="print the ssh command instead of running it")
+
+
+def ssh_key(a: argparse.Namespace) -> int:
+    """``add``/``rm`` NAME FILE...: one Modify; ``ls`` NAME: the keys Inspect shows."""
+    if a.action == "ls":
+        if a.files:
+            raise UsageError("ssh-key ls takes just the sandbox's name")
+        with connect(a) as c:
+            keys = c.call("Inspect", {"id": a.name}).get("ssh_keys") or []
+        for key in keys:
+            print(key)
+        return 0
+    if not a.files:
+        raise UsageError(f"ssh-key {a.action} needs a public key FILE")
+    field = "ssh_keys_add" if a.action == "add" else "ssh_keys_remove"
+    with connect(a) as c:
+        r = c.call("Modify", {"id": a.name, field: list(read_key_files(a.files))})
+    change = next((ch for ch in r["changes"] if ch["kind"] == "ssh_keys"), None)
+    if change is not None:
+        print(f"{a.name}: {change['value']} ssh key(s) ({change['status']})")
+    return 0
+
+
+def add_ssh_key_command(p: argparse.ArgumentParser) -> None:
+    p.add_argument("action", choices=["add", "rm", "ls"])
+    p.add_argument("name")
+    p.add_argument("files", nargs="*", metavar="FILE", help="public key files (.pub, authorized_keys lines)")

@@ -82,12 +82,8 @@ def network(spec: W.NetworkSpec) -> Network:
 def config(req: W.CreateSandboxRequest) -> SandboxConfig:
     if req.mounts:
         raise FailedPrecondition("mounts are not supported in sandbox.v1: copy files in with WriteFile")
-    ssh_keys: tuple[str, ...] = ()
-    if req.ssh_public_key is not None:  # (one key, or several lines: serve --ssh's, docs/ssh.md)
-        try:
-            ssh_keys = parse_keys(req.ssh_public_key)
-        except ValueError as exc:
-            raise InvalidArgument(str(exc)) from None
+    # (one key, or several lines: serve --ssh's, docs/ssh.md)
+    ssh_keys = _keys(req.ssh_public_key) if req.ssh_public_key is not None else ()
     return SandboxConfig(
         labels=dict(req.labels),
         limits=Limits(
@@ -209,7 +205,16 @@ def modification(req: W.ModifyRequest) -> Modification:
         idle_timeout_seconds=req.idle_timeout_seconds,
         dry_run=req.dry_run,
         restart=req.restart,
+        ssh_keys_add=_keys("\n".join(req.ssh_keys_add)) if req.ssh_keys_add else (),
+        ssh_keys_remove=_keys("\n".join(req.ssh_keys_remove)) if req.ssh_keys_remove else (),
     )
+
+
+def _keys(text: str) -> tuple[str, ...]:
+    try:
+        return parse_keys(text)
+    except ValueError as exc:
+        raise InvalidArgument(str(exc)) from None
 
 
 def modify_response(p: Plan) -> W.ModifyResponse:

@@ -441,6 +441,8 @@ class ModifyRequest:
     idle_timeout_seconds: int | None = None
     dry_run: bool = False
     restart: bool = False  # a change above a ceiling (or of the disk) restarts the sandbox
+    ssh_keys_add: list[str] = attrs.field(factory=list)  # OpenSSH public key lines (docs/ssh.md)
+    ssh_keys_remove: list[str] = attrs.field(factory=list)
 
 
 @attrs.frozen

@@ -423,6 +423,9 @@ class SandboxSFTP(asyncssh.SFTPServer):
         f.dirty = write and (entry is None or bool(pflags & asyncssh.FXF_TRUNC))
         return f
 
+    def open56(self, path: bytes, desired_access: int, flags: int, attrs: asyncssh.SFTPAttrs) -> _File:
+        raise asyncssh.SFTPOpUnsupported("SFTP versions 5 and 6 are not served")
+
     def read(self, file_obj: object, offset: int, size: int) -> bytes:
         assert isinstance(file_obj, _File)
         return bytes(file_obj.data[offset : offset + size])

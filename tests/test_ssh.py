@@ -8,6 +8,7 @@ import os
 import shutil
 import socket
 import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -59,7 +60,9 @@ class Lab:
 
     def ssh(self, *args: str, key: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
         argv = ["ssh", "-p", str(self.port), *self.opts(key), *args]
-        return subprocess.run(argv, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL)
+        return subprocess.run(
+            argv, check=False, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL
+        )
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +108,7 @@ def test_command(lab: Lab, box: str) -> None:
     p = subprocess.run(
         ["ssh", "-p", str(lab.port), *lab.opts(), f"{box}@127.0.0.1", "wc -c"],
         input="12345",
+        check=False,
         capture_output=True,
         text=True,
         timeout=120,
@@ -148,11 +152,11 @@ def test_pty_session(lab: Lab, box: str) -> None:
             time.sleep(0.5)
         subprocess.run(["tmux", "send-keys", "-t", session, "exit 0", "Enter"], check=True)
         deadline = time.monotonic() + 60
-        while subprocess.run(["tmux", "has-session", "-t", session], capture_output=True).returncode == 0:
+        while subprocess.run(["tmux", "has-session", "-t", session], check=False, capture_output=True).returncode == 0:
             assert time.monotonic() < deadline, "ssh did not end with the shell"
             time.sleep(0.2)
     finally:
-        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
+        subprocess.run(["tmux", "kill-session", "-t", session], check=False, capture_output=True)
 
 
 def test_scp_and_sftp(lab: Lab, box: str) -> None:
@@ -160,11 +164,15 @@ def test_scp_and_sftp(lab: Lab, box: str) -> None:
     data = os.urandom(300_000)
     src.write_bytes(data)
     base = ["-P", str(lab.port), *lab.opts()]
-    r = subprocess.run(["scp", *base, str(src), f"{box}@127.0.0.1:/tmp/up.bin"], capture_output=True, timeout=120)
+    r = subprocess.run(
+        ["scp", *base, str(src), f"{box}@127.0.0.1:/tmp/up.bin"], check=False, capture_output=True, timeout=120
+    )
     assert r.returncode == 0, r.stderr
     assert sv.Sandbox(box, socket=lab.socket).fs.read("/tmp/up.bin") == data
     back = lab.root / "back.bin"
-    r = subprocess.run(["scp", *base, f"{box}@127.0.0.1:/tmp/up.bin", str(back)], capture_output=True, timeout=120)
+    r = subprocess.run(
+        ["scp", *base, f"{box}@127.0.0.1:/tmp/up.bin", str(back)], check=False, capture_output=True, timeout=120
+    )
     assert r.returncode == 0, r.stderr
     assert back.read_bytes() == data
 
@@ -179,7 +187,12 @@ def test_scp_and_sftp(lab: Lab, box: str) -> None:
         "rmdir /tmp/sf\n"
     )
     r2 = subprocess.run(
-        ["sftp", "-b", "-", *base, f"{box}@127.0.0.1"], input=script, capture_output=True, text=True, timeout=120
+        ["sftp", "-b", "-", *base, f"{box}@127.0.0.1"],
+        input=script,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert r2.returncode == 0, r2.stderr
     assert "b.txt" in r2.stdout
@@ -189,6 +202,7 @@ def test_scp_and_sftp(lab: Lab, box: str) -> None:
     r3 = subprocess.run(
         ["sftp", "-b", "-", *base, f"{box}@127.0.0.1"],
         input=f"get /nonexistent {lab.root / 'x'}\n",
+        check=False,
         capture_output=True,
         text=True,
         timeout=120,
@@ -213,6 +227,29 @@ def test_refused_keys(lab: Lab, box: str) -> None:
     finally:
         other.kill()
         other.remove(force=True)
+
+
+def test_keys_added_and_removed(lab: Lab, box: str) -> None:
+    """``sandvisor ssh-key add|ls|rm``: a key added later opens the sandbox for new
+    connections; removed, it is refused again."""
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        env = {**os.environ, "SANDVISOR_SOCKET": lab.socket}
+        argv = [sys.executable, "-m", "supervisor.cli", "ssh-key", *args]
+        return subprocess.run(argv, check=False, capture_output=True, text=True, timeout=60, env=env)
+
+    other_pub = str(lab.root / "other_ed25519.pub")
+    assert lab.ssh(f"{box}@127.0.0.1", "true", key=lab.other).returncode == 255
+    r = cli("add", box, other_pub)
+    assert r.returncode == 0, r.stderr
+    assert len(cli("ls", box).stdout.splitlines()) == 2
+    assert lab.ssh(f"{box}@127.0.0.1", "echo in", key=lab.other).stdout == "in\n"
+    assert cli("rm", box, other_pub).returncode == 0
+    assert lab.ssh(f"{box}@127.0.0.1", "true", key=lab.other).returncode == 255
+    assert lab.ssh(f"{box}@127.0.0.1", "echo still").stdout == "still\n"  # the first key stays
+    # a private key given by mistake never leaves the client
+    r = cli("add", box, str(lab.other))
+    assert r.returncode != 0 and "private key" in r.stderr
 
 
 def test_forwarding_refused(lab: Lab, box: str) -> None:
