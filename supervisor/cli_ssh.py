@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shlex
-import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -36,6 +34,8 @@ def read_key_files(paths: Sequence[str]) -> tuple[str, ...]:
 
 
 def ssh_command(a: argparse.Namespace) -> list[str]:
+    import shlex  # (here: a one-shot command imports only what it uses)
+
     host, sep, port = a.at.rpartition(":")
     if not sep or not port.isdigit():
         raise UsageError(f"--at {a.at!r}: HOST:PORT")
@@ -61,6 +61,9 @@ def ssh_command(a: argparse.Namespace) -> list[str]:
 
 
 def ssh(a: argparse.Namespace) -> int:
+    import shlex
+    import shutil
+
     argv = ssh_command(a)
     if a.print:
         print(shlex.join(argv))

@@ -49,7 +49,7 @@ log = logging.getLogger("sandvisor.ssh")
 
 T = TypeVar("T")
 HOST_KEY_NAME = "ssh_host_ed25519_key"
-MAX_CONNECTIONS = 32  # at once; each session holds a worker thread while its process runs
+MAX_SESSIONS = 32  # commands and shells at once; each holds a worker thread while its process runs
 MAX_OPEN_FILE = 256 << 20  # an SFTP file is read whole / written whole (the sandbox's file calls)
 LOGIN_TIMEOUT = 30  # s
 
@@ -185,21 +185,32 @@ SHELL = ["/bin/sh", "-l"]
 
 
 async def run_session(process: asyncssh.SSHServerProcess[bytes]) -> None:
-    """A session: ``ssh box CMD`` (sh -c CMD) or a shell, with a PTY when asked."""
+    """A session: ``ssh box CMD`` (sh -c CMD) or a shell, with a PTY when asked (at most
+    MAX_SESSIONS at once, over all connections)."""
     t = target_of(process.channel)
+    sessions = t.gateway.sessions
+    if sessions is None or sessions.locked():
+        process.stderr.write(b"sandvisor: too many SSH sessions at once; try again later\r\n")
+        process.exit(255)
+        return
+    async with sessions:
+        await _session(process, t)
+
+
+async def _session(process: asyncssh.SSHServerProcess[bytes], t: Target) -> None:
     term = process.get_terminal_type()
     width, height, _, _ = process.get_terminal_size()
     cmd = ["/bin/sh", "-c", process.command] if process.command else SHELL
     env = {"TERM": term} if term else {}
     loop = asyncio.get_running_loop()
-    outputs: asyncio.Queue[Any] = asyncio.Queue()
+    outputs: asyncio.Queue[Any] = asyncio.Queue(maxsize=8)  # (the worker waits for a slow client)
     opened: asyncio.Future[Any] = loop.create_future()
     sends = threading.Lock()
     stop = threading.Event()
 
     def pump() -> None:  # a worker thread: open the Exec, forward its output
         def put(item: Any) -> None:
-            loop.call_soon_threadsafe(outputs.put_nowait, item)
+            asyncio.run_coroutine_threadsafe(outputs.put(item), loop).result()
 
         try:
             with (
@@ -219,10 +230,17 @@ async def run_session(process: asyncssh.SSHServerProcess[bytes]) -> None:
     worker = loop.run_in_executor(t.gateway.pool, pump)
     code = 255
     stdin_task: asyncio.Task[None] | None = None
+    watch: asyncio.Task[None] | None = None
     try:
         ex = await opened
         if isinstance(ex, BaseException):
             raise ex
+
+        async def hang_up_when_closed() -> None:  # the client went: so does the process
+            await process.channel.wait_closed()
+            _hang_up(ex)
+
+        watch = asyncio.create_task(hang_up_when_closed())
 
         def send(fn: Callable[[], None]) -> None:
             with sends:
@@ -258,15 +276,23 @@ async def run_session(process: asyncssh.SSHServerProcess[bytes]) -> None:
         log.debug("ssh session of %s ended: %s", t.sandbox, exc)
     finally:
         stop.set()
-        if stdin_task is not None:
-            stdin_task.cancel()
-            with contextlib.suppress(BaseException):
-                await stdin_task
+        for task in (stdin_task, watch):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
         if opened.done() and not isinstance(opened.result(), BaseException):
             _hang_up(opened.result())  # a process still running: its connection goes, so does it
+        drain = asyncio.create_task(_drain(outputs))  # (the worker's last puts)
         with contextlib.suppress(BaseException):
             await worker
+        drain.cancel()
     process.exit(code)
+
+
+async def _drain(q: asyncio.Queue[Any]) -> None:
+    while True:
+        await q.get()
 
 
 def _settle(fut: asyncio.Future[Any], value: Any) -> None:
@@ -479,9 +505,10 @@ class _Loop:
         self.socket = socket
         self.host, self.port = host, port
         self.key = key
-        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=2 * MAX_CONNECTIONS + 8, thread_name_prefix="ssh")
+        self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=MAX_SESSIONS + 16, thread_name_prefix="ssh")
         self.loop: asyncio.AbstractEventLoop | None = None
         self.stopping: asyncio.Event | None = None
+        self.sessions: asyncio.Semaphore | None = None
 
     async def blocking(self, fn: Callable[[], T]) -> T:
         """``fn()`` on a worker thread (the context, so ``acting_as``, goes with it)."""
@@ -496,6 +523,7 @@ class _Loop:
     async def serve(self, ready: Callable[[BaseException | None], None]) -> None:
         self.loop = asyncio.get_running_loop()
         self.stopping = asyncio.Event()
+        self.sessions = asyncio.Semaphore(MAX_SESSIONS)
         try:
             server = await asyncssh.create_server(
                 self._server,

@@ -118,6 +118,26 @@ def test_command(lab: Lab, box: str) -> None:
     assert "[127.0.0.1]" in lab.known.read_text()
 
 
+def test_client_gone_ends_the_process(lab: Lab, box: str) -> None:
+    """A client that goes away mid-command takes the sandbox's process with it."""
+    sb = sv.Sandbox(box, socket=lab.socket)
+    count = "cat /proc/[0-9]*/cmdline 2>/dev/null | tr '\\0' ' ' | grep -o 'sleep 31[3]' | wc -l"
+    argv = ["ssh", "-p", str(lab.port), *lab.opts(), f"{box}@127.0.0.1", "sleep 313"]
+    p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while sb.run(count).stdout.strip() == b"0":
+            assert time.monotonic() < deadline and p.poll() is None
+            time.sleep(0.2)
+    finally:
+        p.kill()
+        p.wait(timeout=30)
+    deadline = time.monotonic() + 60
+    while sb.run(count).stdout.strip() != b"0":
+        assert time.monotonic() < deadline, "the command outlived its client"
+        time.sleep(0.2)
+
+
 def test_pty_session(lab: Lab, box: str) -> None:
     if shutil.which("tmux") is None:
         pytest.skip("no tmux")

@@ -80,3 +80,12 @@ def test_sftp_touches_no_host_file() -> None:
     assert "open" in handlers and "scandir" in handlers
     missing = [n for n in handlers if vars(SandboxSFTP).get(n) is None]
     assert missing == []
+
+
+def test_sandvisor_ssh_prints_the_command(capsys: pytest.CaptureFixture[str]) -> None:
+    from supervisor.cli import main
+
+    argv = ["ssh", "box", "--at", "127.0.0.1:2200", "--user", "nobody", "-i", "k", "--print", "--", "ls", "-l"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out.strip()
+    assert out == "ssh -p 2200 -o HostKeyAlias=sandvisor-127.0.0.1-2200 -i k box+nobody@127.0.0.1 -- 'ls -l'"
