@@ -5,7 +5,7 @@ makes :func:`crash_point` of that name kill the process on the spot, as an OOM k
 or a power cut would; with the variable unset it does nothing and costs a string
 compare. The crash-point tests restart the supervisor afterwards and check that
 every QEMU is adopted or gone, every recorded disk is consistent, and nothing stray
-is left (tests/test_durability.py).
+is left (tests/vm/test_durability.py).
 
 Steps: ``spawned`` (QEMU started, before QMP), ``hello`` (the guest answered),
 ``template-checkpoint`` (a boot template's checkpoint, before its record),

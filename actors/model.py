@@ -138,6 +138,19 @@ class Limits:
     def memory_ceiling(self) -> int:
         return max(self.memory_mib, self.max_memory_mib)
 
+    def filled(self, vcpus: int, memory_mib: int) -> Limits:
+        """The effective limits: these, with ``vcpus`` and ``memory_mib`` where they say 0
+        (a ceiling is at least its value; the disk is as asked)."""
+        cpus = self.vcpus or vcpus
+        memory = self.memory_mib or memory_mib
+        return Limits(
+            vcpus=cpus,
+            memory_mib=memory,
+            max_vcpus=max(cpus, self.max_vcpus),
+            max_memory_mib=max(memory, self.max_memory_mib),
+            disk_mib=self.disk_mib,
+        )
+
 
 @attrs.frozen
 class Applied:

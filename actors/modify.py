@@ -143,8 +143,8 @@ def plan(
     max_disk_mib: int = 0,
     balloon: bool = True,
 ) -> Plan:
-    """The plan of ``mod`` on a sandbox with ``config`` (its limits resolved against the
-    supervisor's defaults: ``effective``), running on ``machine`` (None: stopped).
+    """The plan of ``mod`` on a sandbox with ``config`` (its limits as resolved when it
+    was made, its record's: ``effective``), running on ``machine`` (None: stopped).
     ``disk_mib``: its root disk's size now; ``max_disk_mib``: serve's
     --max-sandbox-disk (0: none); ``balloon``: the supervisor gives machines a balloon
     (else memory moves only with a restart, and no ceiling is above the value).
@@ -358,7 +358,7 @@ async def _modify(reg: Registry, sb: Sandbox, mod: Modification) -> Plan:
         return p
     before = sb.limits
     changed = any(c.status != Status.UNCHANGED for c in p.changes)
-    sb.record.config = p.config
+    sb.retune(p.config)  # (its limits and configuration, stored below)
     if changed:
         sb.record.updated_at = int(time.time())
     sb.store.update_tuning(sb.record)

@@ -16,9 +16,11 @@ Handle and tasks::
 
 Message flow of a Create::
 
-    edge --create(id, config)--> check id/config/files; same id + same config: the
-         existing sandbox (idempotent); a warm member of its template: adopted;
-         else a record (stored), "created", Pools.plan_for -> Sandbox.start(plan)
+    edge --create(id, config)--> check id/config/files; effective limits resolved
+         (kept in the record); same id + same request: the existing sandbox
+         (idempotent: _created, asked again after an image's pull); a warm member
+         of its template: adopted; else a record (stored), "created",
+         Pools.plan_for -> Sandbox.start(plan)
          --started (state starting)--> the edge answers {state: starting}
 """
 
@@ -61,6 +63,7 @@ from actors.model import (
     POOL_PREFIX,
     Action,
     ImageUse,
+    Limits,
     MemoryKind,
     NetMode,
     PullAuth,
@@ -316,14 +319,16 @@ class Registry:
         self,
         id: str,
         config: SandboxConfig,
+        limits: Limits,
         *,
         hidden: bool = False,
         origin: str = "",
         image: ImageUse | None = None,
         owner: str = LEGACY_OWNER,
     ) -> Sandbox:
-        """A sandbox actor with a fresh record (not stored or registered yet). Hidden:
-        a warm pool member, with an id no caller can use (its owner is whoever takes it)."""
+        """A sandbox actor with a fresh record (not stored or registered yet), with its
+        effective ``limits`` (kept: later boots use them, whatever the defaults are then).
+        Hidden: a warm pool member, with an id no caller can use (its owner is whoever takes it)."""
         uid = str(uuid.uuid4())
         rec = Record(
             uid=uid,
@@ -336,12 +341,15 @@ class Registry:
             origin=origin,
             image=image,
             owner=owner,
+            limits=limits,
         )
         return self._sandbox(rec)
 
     def new_member(self, snap: SnapshotRecord) -> Sandbox:
         """A hidden sandbox (stored, not registered) for a warm pool of ``snap``."""
-        sb = self._new_sandbox("", snap.config.restored({}, 0), hidden=True, origin=snap.id, image=snap.oci)
+        config = snap.config.restored({}, 0)
+        limits = self.settings.limits(config.limits)
+        sb = self._new_sandbox("", config, limits, hidden=True, origin=snap.id, image=snap.oci)
         self.store.insert(sb.record)
         return sb
 
@@ -466,17 +474,17 @@ class Registry:
         self._check_open()
         check_id(id)
         check_config(config)
-        check_machine(self.settings.limits(config.limits), balloon=self.settings.balloon)
+        # the effective resources, resolved here once: kept in the record, they are what
+        # every later boot, restore, pool and Modify of the sandbox uses
+        limits = self.settings.limits(config.limits)
+        check_machine(limits, balloon=self.settings.balloon)
         check_network_available(self.settings, config.network)
         values = secret_values or {}
         if config.secrets:
             check_secrets_available(self.settings, config, values)
-            if id and id in self.sandboxes:
-                existing = self.sandboxes[id]
-                same = attrs.evolve(existing.config, secrets=without_generated(existing.config.secrets)) == config
-                if same and existing.record.owner == owner:
-                    return existing
-            config = attrs.evolve(config, secrets=with_placeholders(config.secrets))
+        existing = self._created(id, config, owner)  # (before the checks of what a new sandbox would take)
+        if existing is not None:
+            return existing
         self.volumes.check(config.volumes)  # (a life claims them; this refuses before anything is made)
         for what, path in (("kernel", config.boot.kernel), ("rootfs", config.boot.rootfs)):
             if path:
@@ -485,25 +493,32 @@ class Registry:
             hostdirs.servers(self.settings)
         for m in config.host_mounts:
             hostdirs.check_host_dir(m.source, self.settings.allowed_paths, writable=m.writable)
-        if id and id in self.sandboxes:
-            existing = self.sandboxes[id]
-            if existing.config == config and existing.record.owner == owner:
-                return existing  # idempotent: same id, same request, same caller
-            raise AlreadyExists(f"sandbox {id!r} exists with a different configuration")
         accepted = time.monotonic()
         image = await self._image(config, pull_auth) if config.boot.image else None
-        if id and id in self.sandboxes:  # created meanwhile, while the image was pulled
-            return await self.create(id, config, owner=owner)
+        existing = self._created(id, config, owner)  # created meanwhile, while the image was pulled
+        if existing is not None:
+            return existing
+        # from here to the registration below nothing awaits: one Create of an id makes it
         self._check_disks(config, image)
-        member = self.pools.take_for_create(config, image)
+        if config.secrets:  # (the caller's request is compared above; the record keeps the placeholders)
+            config = attrs.evolve(config, secrets=with_placeholders(config.secrets))
+        member = self.pools.take_for_create(config, limits, image)
         if member is None:
-            self._admit(self.settings.limits(config.limits).memory_ceiling, ram_file=True)
+            self._admit(limits.memory_ceiling, ram_file=True)
         else:
             await self._adopt(
-                member, id, config, {"pool": "1"}, apply_ports=True, accepted=accepted, image=image, owner=owner
+                member,
+                id,
+                config,
+                {"pool": "1"},
+                apply_ports=True,
+                accepted=accepted,
+                image=image,
+                owner=owner,
+                limits=limits,
             )
             return member  # failed, with its error, if the adoption failed: as a failed boot
-        sb = self._new_sandbox(id, config, image=image, owner=owner)
+        sb = self._new_sandbox(id, config, limits, image=image, owner=owner)
         sb.lease()  # its address is the Create's answer (RESOURCE_EXHAUSTED: nothing made)
         if config.secrets and self.settings.vault is not None:
             new_owner(self.settings.vault, sb.record.uid, values)  # values and CA before the record
@@ -513,6 +528,19 @@ class Registry:
         await self.start_life(sb, self.pools.plan_for(sb, accepted))
         await sb.persisted()
         return sb
+
+    def _created(self, id: str, requested: SandboxConfig, owner: str) -> Sandbox | None:
+        """The idempotency of Create, decided in one place: the sandbox ``id`` names if
+        it was made by the same request (the configuration as the caller asked for it:
+        its secrets' generated placeholders aside) of the same owner; None if no sandbox
+        has the id; any other request for a taken id is ALREADY_EXISTS."""
+        existing = self.sandboxes.get(id) if id else None
+        if existing is None:
+            return None
+        asked = attrs.evolve(existing.config, secrets=without_generated(existing.config.secrets))
+        if asked == requested and existing.record.owner == owner:
+            return existing  # idempotent: same id, same request, same caller
+        raise AlreadyExists(f"sandbox {id!r} exists with a different configuration")
 
     def _check_disks(self, config: SandboxConfig, image: ImageUse | None) -> None:
         """A caller's own rootfs stands alone (no backing or data file, actors/machines/disk.py), and
@@ -640,9 +668,11 @@ class Registry:
         accepted: float,
         image: ImageUse | None = None,
         owner: str = LEGACY_OWNER,
+        limits: Limits | None = None,
     ) -> bool:
         """A ready warm pool member becomes the caller's sandbox: the caller's id and
-        configuration, created; fresh identity, ports, initial command (Sandbox.adopt);
+        configuration (and a Create's effective ``limits``: its template's machine has
+        them), created; fresh identity, ports, initial command (Sandbox.adopt);
         ready. False if that failed (the sandbox is then failed, and stopping)."""
         rec = sb.record
         rec.id = id or rec.uid
@@ -651,6 +681,8 @@ class Registry:
         sb.born = trio.current_time()
         rec.config = config
         rec.owner = owner
+        if limits is not None:
+            rec.limits = limits
         if image is not None:
             rec.image = image
         if apply_ports:
@@ -815,9 +847,10 @@ class Registry:
             if id and id in self.sandboxes:
                 raise AlreadyExists(f"sandbox {id!r} exists")
         disk_only = snap.memory == MemoryKind.DISK
-        memory_mib = self.settings.limits(config.limits).memory_mib if disk_only else snap.machine.memory_mib
+        limits = self.settings.limits(config.limits)  # (resolved once: kept in its record)
+        memory_mib = limits.memory_mib if disk_only else snap.machine.memory_mib
         self._admit(memory_mib, ram_file=snap.memory != MemoryKind.MAPPED)
-        sb = self._new_sandbox(id, config, origin=snap.id, image=snap.oci, owner=owner)
+        sb = self._new_sandbox(id, config, limits, origin=snap.id, image=snap.oci, owner=owner)
         sb.lease(want="" if network_override else snap.address)
         if config.secrets:  # the snapshot's values, a CA of its own (config: fresh placeholders)
             check_secrets_available(self.settings, config, {}, fresh=False)

@@ -59,17 +59,11 @@ class Settings:
     upstream_tls: ssl.SSLContext | None = None
 
     def limits(self, requested: Limits) -> Limits:
-        """The effective limits: the caller's, or the supervisor's defaults."""
-        vcpus = requested.vcpus or self.default_vcpus
-        memory = requested.memory_mib or self.default_memory_mib
-        return Limits(
-            vcpus=vcpus,
-            memory_mib=memory,
-            max_vcpus=max(vcpus, requested.max_vcpus),
-            # memory above the value needs the balloon to be given back (registry refuses it without)
-            max_memory_mib=max(memory, requested.max_memory_mib),
-            disk_mib=requested.disk_mib,
-        )
+        """The effective limits of a new sandbox: the caller's, or the supervisor's
+        defaults. Resolved once, when the sandbox is made, and kept in its record
+        (``Record.limits``): a later change of the defaults leaves it as it was made.
+        Memory above the value needs the balloon to be given back (Create refuses it without)."""
+        return requested.filled(self.default_vcpus, self.default_memory_mib)
 
     def image_parts(self) -> tuple[str, ...]:
         img = self.image

@@ -24,7 +24,9 @@ live port mappings in ``ports`` and the snapshot a sandbox came from in ``origin
 machine as applied, ``updated_at``); 5 each sandbox's ``owner`` (a principal's name:
 actors/principals.py; older rows are :data:`~actors.principals.LEGACY_OWNER`'s, as are
 snapshots and volumes stored without one). Older databases are migrated in place when
-opened (columns added; version 0's configurations rewritten).
+opened (columns added; version 0's configurations rewritten). ``tuning`` also holds
+the effective limits, resolved when the sandbox was made (``Record.limits``); a row
+without them gets the defaults of the supervisor that first loads it, written back once.
 """
 
 from __future__ import annotations
@@ -128,6 +130,10 @@ class Record:
     life: LifeState | None = None  # the QEMU running now (None when none runs)
     swap: str = ""  # journal: the frozen disk of a checkpoint whose disk swap may be under way
     applied: Applied | None = None  # the running machine's vCPUs, memory, disk (None: none runs)
+    # the effective resources (the requested limits with the supervisor's defaults, as
+    # resolved when the sandbox was made; Modify changes them): every boot, restore,
+    # pool and Modify uses these. None: stored before they were kept (resolved on load)
+    limits: Limits | None = None
     updated_at: int = 0  # unix seconds: the last Modify that changed something (0: none)
     owner: str = LEGACY_OWNER  # the principal it is the sandbox of (actors/principals.py)
 
@@ -358,11 +364,12 @@ class Store:
             _pack(r.image),
             _pack(r.chain),
             r.owner,
+            _pack_tuning(r),
         )
         self._put(
             lambda db: db.execute(
-                "INSERT INTO sandboxes (uid, id, seq, config, state, created_at, ports, origin, image, chain, owner) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "INSERT INTO sandboxes (uid, id, seq, config, state, created_at, ports, origin, image, chain, owner, "
+                "tuning) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 row,
             )
         )
@@ -385,8 +392,9 @@ class Store:
         self._put(lambda db: db.execute("UPDATE sandboxes SET life=?, chain=?, qemu_pid=?, swap=? WHERE uid=?", row))
 
     def update_tuning(self, r: Record) -> None:
-        """The configuration (a Modify changes it), the machine as applied, ``updated_at``."""
-        row = (_pack(r.config), _pack({"applied": r.applied, "updated_at": r.updated_at}), r.uid)
+        """The configuration and effective limits (a Modify changes them), the machine as
+        applied, ``updated_at``."""
+        row = (_pack(r.config), _pack_tuning(r), r.uid)
         self._put(lambda db: db.execute("UPDATE sandboxes SET config=?, tuning=? WHERE uid=?", row))
 
     def update_ports(self, r: Record) -> None:
@@ -399,12 +407,23 @@ class Store:
         self._put(lambda db: db.execute("UPDATE sandboxes SET config=? WHERE uid=?", row))
 
     def rekey(self, r: Record) -> None:
-        """A warm pool member handed out: it takes the caller's id, configuration and owner."""
-        row = (r.id, r.seq, _pack(r.config), r.created_at, _pack(r.ports), r.origin, _pack(r.image), r.owner, r.uid)
+        """A warm pool member handed out: it takes the caller's id, configuration, limits and owner."""
+        row = (
+            r.id,
+            r.seq,
+            _pack(r.config),
+            r.created_at,
+            _pack(r.ports),
+            r.origin,
+            _pack(r.image),
+            r.owner,
+            _pack_tuning(r),
+            r.uid,
+        )
         self._put(
             lambda db: db.execute(
-                "UPDATE sandboxes SET id=?, seq=?, config=?, created_at=?, ports=?, origin=?, image=?, owner=? "
-                "WHERE uid=?",
+                "UPDATE sandboxes SET id=?, seq=?, config=?, created_at=?, ports=?, origin=?, image=?, owner=?, "
+                "tuning=? WHERE uid=?",
                 row,
             )
         )
@@ -507,12 +526,20 @@ def _life(blob: bytes | None) -> LifeState | None:
     return load(data, LifeState) if data else None
 
 
+def _pack_tuning(r: Record) -> bytes:
+    return _pack({"applied": r.applied, "updated_at": r.updated_at, "limits": r.limits})
+
+
 def _tuning(blob: bytes | None) -> dict[str, Any]:
     data = _unpack(blob) if blob else None
     if not isinstance(data, dict):
         return {}
-    applied = data.get("applied")
-    return {"applied": load(applied, Applied) if applied else None, "updated_at": int(data.get("updated_at") or 0)}
+    applied, limits = data.get("applied"), data.get("limits")
+    return {
+        "applied": load(applied, Applied) if applied else None,
+        "updated_at": int(data.get("updated_at") or 0),
+        "limits": load(limits, Limits) if limits else None,
+    }
 
 
 def _image(blob: bytes | None) -> ImageUse | None:

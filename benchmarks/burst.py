@@ -44,8 +44,8 @@ import trio
 from _harness import pct
 
 from supervisor.client import AsyncSandbox
-from supervisor.sdk import plans
-from supervisor.sdk.plans import READY_POLL_MAX
+from supervisor.sdk import sandbox_plans
+from supervisor.sdk.sandbox_plans import READY_POLL_MAX
 from supervisor.throwaway import supervisor_process, workdir
 
 
@@ -229,9 +229,9 @@ async def side_round(
     tree: Path, waves: list[tuple[str, int]], tag: str, profile: Path | None, args: tuple[str, ...] = ()
 ) -> dict[str, Any]:
     """One side's supervisor: the template, then the waves. The SDK (this process) polls
-    for ready as that side's SDK did: another tree's every second (plans.READY_POLL_MAX 1 s)."""
+    for ready as that side's SDK did: another tree's every second (sandbox_plans.READY_POLL_MAX 1 s)."""
     res: dict[str, Any] = {}
-    plans.READY_POLL_MAX = READY_POLL_MAX if tree == THIS_TREE else 1.0
+    sandbox_plans.READY_POLL_MAX = READY_POLL_MAX if tree == THIS_TREE else 1.0
     py: tuple[str, ...] = (
         (str(THIS_TREE / "benchmarks" / "_profserve.py"), str(profile / f"{tag}.prof")) if profile else ()
     )

@@ -1,4 +1,4 @@
-"""The fleet (TCG, two hosts as two network namespaces on one machine; tests/fleetlab.py):
+"""The fleet (TCG, two hosts as two network namespaces on one machine; tests/support/fleetlab.py):
 
 * fleet Create against a direct Create on the same node: both through the node's gRPC
   (mTLS), both to ready; the fleet's adds the Reserve (Ray placement group, KV records)
@@ -122,7 +122,7 @@ def inner(a_address: str, b_address: str, n: int) -> dict[str, Any]:
 def outer(n: int, out: Path) -> None:
     from _harness import write_results
 
-    from tests.fleetlab import fleet_lab
+    from tests.support.fleetlab import fleet_lab
 
     with tempfile.TemporaryDirectory() as tmp, fleet_lab(Path(tmp)) as lab, lab.reporting():
         lab.start("a", slots=32, memory_mib=32 * 128)

@@ -6,7 +6,7 @@ interleaved; the egress policy's cost on connection setup and the DNS proxy's on
 lookup (veth guests, no VM); per-sandbox link setup and the nftables/iproute2 call
 costs behind the design.
 
-The supervisor runs in a namespace this script makes (as tests/test_net_supervisor.py
+The supervisor runs in a namespace this script makes (as tests/vm/test_net_supervisor.py
 does); every packet stays there or on its loopback.
 
 Usage: python benchmarks/network_tap.py [-n N] [--out docs/results/]
@@ -37,7 +37,7 @@ from actors.net.netns import NetNS
 from actors.net.portfwd import dnat_base, dnat_rules
 from actors.sandboxes.sandbox import Sandbox
 from supervisor.throwaway import supervisor, workdir
-from tests.netlab import POOL, SERVERS, UPLINK_INET, lab_env, namespaces, probe, resolve
+from tests.support.netlab import POOL, SERVERS, UPLINK_INET, lab_env, namespaces, probe, resolve
 
 MIB = 16
 NAT_ONLY = """table inet floor {

@@ -1,5 +1,5 @@
 """The secret proxy's cost (issue 23), TCG, through the whole supervisor: HTTPS from a
-tap sandbox's guest to one stand-in server (tests/httpslab.py, in a namespace this
+tap sandbox's guest to one stand-in server (tests/support/httpslab.py, in a namespace this
 script makes), three ways, rounds interleaved:
 
 - ``intercepted``: api.test:443, named by the sandbox's secret: the proxy terminates
@@ -38,8 +38,8 @@ from _harness import main, write_results
 from actors.model import NetMode, Network, SandboxConfig, State
 from actors.secrets.model import SecretRef
 from supervisor.throwaway import supervisor, workdir
-from tests.httpslab import https_server
-from tests.netlab import POOL, UPLINK_INET, dns_server, link_internet, namespaces
+from tests.support.httpslab import https_server
+from tests.support.netlab import POOL, UPLINK_INET, dns_server, link_internet, namespaces
 
 DOWNLOAD = 64 << 20
 GUEST = r"""

@@ -23,7 +23,7 @@ import time
 from guestd import boot, system
 from guestd import proto as P
 from guestd.common import (
-    DEFAULT_PATH,  # (re-exported: tests/fakeguest.py)
+    DEFAULT_PATH,  # (re-exported: tests/support/fakeguest.py)
     T_START,
     ExecFailed,
     errcode,

@@ -73,6 +73,7 @@ LAZY_IMPORTS = (
     "guestd.files",
     "guestd.workers",
     "guestd.tree",
+    "guestd.tarformat",
     "guestd.fsops",
     "guestd.netcfg",
     "guestd.trust",

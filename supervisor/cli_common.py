@@ -1,7 +1,7 @@
 """What every client command of the ``sandvisor`` CLI uses: argument helpers, the
 connection (a plain blocking socket), and the runner of the commands written on Trio.
 
-Stdlib only at import (a one-shot command loads no Trio, rich or attrs: tests/test_frames.py).
+Stdlib only at import (a one-shot command loads no Trio, rich or attrs: tests/unit/test_frames.py).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ print_table prints what rich's Console().print(Table(*headers, box=None)) prints
 for byte, without importing rich (~25 ms): cells padded by one space each side, the
 header bold on a terminal. Where rich would do more (markup, emoji codes, wide or
 control characters, a table wider than the console, colour forced by the
-environment) it hands the table to rich. tests/test_frames.py holds it to rich.
+environment) it hands the table to rich. tests/unit/test_frames.py holds it to rich.
 """
 
 from __future__ import annotations

@@ -26,11 +26,12 @@ bodies (the protocol-level API); frames travel on :class:`supervisor.frames.Fram
 
 This module only gathers the SDK's names; the SDK lives in :mod:`supervisor.sdk`::
 
-    sdk/spec.py   SandboxSpec and its groups, the result types      (no I/O)
-    sdk/ops.py    the effects a plan yields; the method-table descriptors
-    sdk/plans.py  every operation, written once, as a plan; the method tables
-    sdk/aio.py    the Trio driver (FramedStream): AsyncSandbox, ..., connect
-    sdk/sync.py   the blocking driver (BlockingConnection, no thread): Sandbox, ...
+    sdk/spec.py     SandboxSpec and its groups, the result types      (no I/O)
+    sdk/ops.py      the effects a plan yields; the method-table descriptors
+    sdk/*_plans.py  every operation, written once, as a plan, by area
+    sdk/plans.py    the method tables
+    sdk/aio.py      the Trio driver (FramedStream): AsyncSandbox, ..., connect
+    sdk/sync.py     the blocking driver (BlockingConnection, no thread): Sandbox, ...
 """
 
 from __future__ import annotations

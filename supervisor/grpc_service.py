@@ -58,7 +58,9 @@ from actors.principals import Principal
 from actors.registry import Registry
 from supervisor import grpc_bridge as G
 from supervisor import protocol as W
-from supervisor.api import METHODS, SERVICES, Method
+from supervisor.api import METHODS
+from supervisor.api_store import SERVICES
+from supervisor.api_table import Method
 from supervisor.grpc_addresses import Address, TcpAddress, TlsConfig, UnixAddress, parse_address
 from supervisor.grpc_auth import TcpAuth, check_tcp_auth, read_grpc_tokens
 from supervisor.grpc_convert import dict_to_message, message_to_dict

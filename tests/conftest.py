@@ -12,12 +12,8 @@ import os
 # anything imports grpc (supervisor/grpc_bridge.py does the same for serve).
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
 import shutil
-import socket
-import subprocess
 import tempfile
-import time
 from collections.abc import AsyncIterator, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -25,12 +21,9 @@ import trio
 
 from actors import helpers
 from actors.channel.guest import GuestChannel, open_channel
-from actors.machines.disk import create_overlay
-from actors.machines.qemuspec import MachineSpec
-from actors.machines.vm import VmSpec, kernel_cmdline
 from images.build import Builder, Image, default_cache
 from supervisor import throwaway
-from supervisor.throwaway import supervisor_process, workdir
+from tests.support.vms import SharedVM, launch_sync
 
 
 @pytest.fixture(scope="session")
@@ -52,11 +45,12 @@ def jail_helpers() -> tuple[Path, Path]:
     return helpers.installed(helpers.JAIL_EXEC), helpers.installed(helpers.RAM_DISCARD)
 
 
-async def cold_spec(image: Image, run_dir: Path, *, rootfs: Path | None = None, **kw: object) -> VmSpec:
-    """A fresh boot of ``image`` on a scratch overlay in ``run_dir`` (on ``rootfs``, if given)."""
-    disk = run_dir / "disk.qcow2"
-    await create_overlay(rootfs or image.rootfs, disk)
-    return VmSpec.boot(image, disk=disk, **kw)  # type: ignore[arg-type]
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    """A directory under /tmp with a short path, for Unix sockets."""
+    d = Path(tempfile.mkdtemp(prefix="g", dir="/tmp"))  # Unix socket paths are short
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture
@@ -64,38 +58,6 @@ def tmp_run(tmp_path: Path) -> Path:
     d = tmp_path / "run"
     d.mkdir()
     return d
-
-
-class SharedVM:
-    def __init__(self, proc: subprocess.Popen[bytes], run_dir: Path, keep: list[socket.socket]) -> None:
-        self.proc = proc
-        self.run_dir = run_dir
-        self.keep = keep
-
-    @property
-    def guest_socket(self) -> Path:
-        return self.run_dir / "guest.sock"
-
-
-def launch_sync(image: Image, run_dir: Path, extra_cmdline: str = "") -> SharedVM:
-    trio.run(create_overlay, image.rootfs, run_dir / "disk.qcow2")
-    spec = MachineSpec(
-        kernel=image.kernel,
-        initrd=image.initrd,
-        disk=run_dir / "disk.qcow2",
-        disk_chain=(image.rootfs,),
-        memory_mib=512,
-        append=kernel_cmdline("tcg", hostname="shared", extra=extra_cmdline),
-    )
-    argv = spec.argv(run_dir)  # QMP and the console listen in run_dir; nobody needs them here
-    with open(run_dir / "qemu.err", "wb") as err:
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stderr=err)
-    deadline = time.monotonic() + 10
-    while not (run_dir / "guest.sock").exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"QEMU failed: {(run_dir / 'qemu.err').read_text()}")
-        time.sleep(0.005)
-    return SharedVM(proc, run_dir, [])
 
 
 @pytest.fixture(scope="session")
@@ -122,17 +84,24 @@ async def chan(shared_vm: SharedVM) -> AsyncIterator[GuestChannel]:
         yield c
 
 
-@contextmanager
-def serve_process(prefix: str, *, reachable: bool = False) -> Iterator[tuple[dict[str, str], Path]]:
-    """A real ``sandvisor serve`` process on a throwaway state dir sharing the built
-    image; yields the environment the SDK and CLI find it by, and its work dir.
-    ``reachable``: QEMU's user can map files under the state dir (else restores link
-    snapshot memory into their run dirs)."""
-    with workdir(prefix, private_state=not reachable) as work, supervisor_process(work) as (env, _):
-        yield env, work.root
+# -- markers follow folders --------------------------------------------------------------
+# tests/unit: no QEMU, no host tools (nox -s unit: -m "not vm and not host"); tests/vm: boots
+# real QEMU VMs; tests/host: drives the host's tools and namespaces (and may boot VMs too:
+# such tests also carry an explicit vm mark). A file in unit/ may mark a few of its tests
+# vm or host (the same check run on a fake and on a real guest); one in vm/ or host/ never
+# needs to restate its folder.
+_FOLDER_MARKS = {"vm": pytest.mark.vm, "host": pytest.mark.host}
+_TESTS = Path(__file__).resolve().parent
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        folder = item.path.resolve().relative_to(_TESTS).parts[0]
+        if folder in _FOLDER_MARKS:
+            item.add_marker(_FOLDER_MARKS[folder])
+        elif folder != "unit":
+            raise pytest.UsageError(f"{item.nodeid}: a test belongs in tests/unit, tests/vm or tests/host")
     if os.environ.get("SANDVISOR_SKIP_VM") == "1":
         skip = pytest.mark.skip(reason="SANDVISOR_SKIP_VM=1")
         for item in items:

@@ -121,7 +121,8 @@ def create_ram_file(directory: Path, name: str, size: int, identity: Identity | 
 def own_memory(path: Path, identity: Identity) -> int:
     """A paused sandbox's saved memory (issue 25) for its resume's QEMU: the file itself,
     given to ``identity`` (QEMU 7.2 reopens it read-write) and opened ``O_RDWR`` for
-    ``mem-path=/proc/self/fd/N``; QEMU maps it ``MAP_PRIVATE`` (it never writes it). No
+    ``mem-path=/proc/self/fd/N``; QEMU maps it ``MAP_PRIVATE`` (it never writes it; a
+    balloon's hole punches in it the discard shim skips: QemuSpec.environ names it). No
     sealed copy: nothing else restores from it, and it goes once the guest is back."""
     try:
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)

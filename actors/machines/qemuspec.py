@@ -105,7 +105,9 @@ class MachineSpec:
     # privately: a restore that maps a snapshot's memory must map a sealed memfd
     # (the kernel refuses the punch) with ``preload`` = the discard shim (which lets
     # QEMU go on to its madvise: actors/ram_discard.c); an unsealed private file would
-    # have the snapshot's pages zeroed under every clone. Part of the machine: a
+    # have the snapshot's pages zeroed under every clone. A paused sandbox's resume maps
+    # its saved memory file itself: the shim is told that file (:meth:`environ`) and
+    # skips its punches too. Part of the machine: a
     # snapshot restores only with the same setting (MachineRecord.balloon).
     balloon: bool = False
     # a shared object QEMU's dynamic loader preloads (LD_PRELOAD, passed by descriptor):
@@ -356,10 +358,17 @@ class MachineSpec:
 
     def environ(self, fds: dict[str, int]) -> dict[str, str]:
         """QEMU's environment beyond the one it would inherit: the preload, by descriptor
-        (``/proc/self/fd/N``: no path of ours, and the jail has no view of it)."""
-        if "preload" in fds:
-            return {"LD_PRELOAD": f"/proc/self/fd/{fds['preload']}"}
-        return {}
+        (``/proc/self/fd/N``: no path of ours, and the jail has no view of it), and for
+        the discard shim the file of privately mapped RAM (``fds["ram"]``, by device and
+        inode), which it never lets QEMU punch: a paused sandbox's saved memory is not
+        sealed (actors/ram_discard.c)."""
+        if "preload" not in fds:
+            return {}
+        env = {"LD_PRELOAD": f"/proc/self/fd/{fds['preload']}"}
+        if "ram" in fds and not self.memory_shared:
+            st = os.fstat(fds["ram"])
+            env["SANDVISOR_PRIVATE_RAM"] = f"{st.st_dev}:{st.st_ino}"
+        return env
 
 
 def open_regular(path: Path, flags: int) -> int:

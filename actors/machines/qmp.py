@@ -14,7 +14,7 @@ Two layers, as hypercorn (and h11) split them:
   ``command(name, args)`` gives the id and the bytes to send. Anything QEMU could send
   (partial lines, garbage, unknown ids, lines beyond ``max_line``, nesting beyond
   Python's recursion) is a :class:`QMPProtocolError` or a valid message, nothing else
-  (tests/test_qmp.py fuzzes it). QEMU is not trusted (docs/security.md): a hostile one
+  (tests/unit/test_qmp.py fuzzes it). QEMU is not trusted (docs/security.md): a hostile one
   breaks its own connection, never the supervisor.
 * :class:`QMPClient`, the Trio transport: ``await nursery.start(client.run, sock)``
   negotiates and then reads in that task; :meth:`QMPClient.execute` sends one command

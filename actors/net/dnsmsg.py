@@ -17,7 +17,7 @@ came from (:func:`name_labels`) and an error answer echoes the question's own oc
 Hand-written rather than dnspython: the proxy needs ~5% of that library (whose
 import costs ~60 ms and whose objects are far heavier per message than these tuples),
 and owning this small decoder keeps the house rule (one module per wire protocol,
-I/O-free, fuzzed with Hypothesis: tests/test_net_units.py, tests/test_hostile_dns.py).
+I/O-free, fuzzed with Hypothesis: tests/unit/test_net.py, tests/unit/test_hostile_dns.py).
 """
 
 from __future__ import annotations

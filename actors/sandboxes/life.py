@@ -496,7 +496,8 @@ class Life:
                 name=sb.hostname,
                 boot_timeout=min(s.boot_timeout, RESTORE_HELLO_TIMEOUT),
                 answer_timeout=s.guest_timeout,
-                # a balloon on the snapshot's memory, mapped privately (a sealed memfd: _ram)
+                # a balloon on the snapshot's memory, mapped privately (a sealed memfd, or a
+                # paused sandbox's own file, which the shim never lets QEMU punch: _ram)
                 preload=s.cells.discard_shim if plan.snapshot.machine.balloon and not ram_shared and s.cells else None,
             )
         return VmSpec.boot(

@@ -130,6 +130,9 @@ class Sandbox:
         volumes: Volumes | None = None,
     ) -> None:
         self.record = record
+        if record.limits is None:  # stored before effective limits were kept: ours, written back once
+            record.limits = settings.limits(record.config.limits)
+            store.update_tuning(record)
         self.volumes = volumes
         self.settings = settings
         self.files = files
@@ -173,7 +176,17 @@ class Sandbox:
 
     @property
     def limits(self) -> Limits:
-        return self.settings.limits(self.config.limits)
+        """The effective resources, as resolved when the sandbox was made (or Modify
+        changed them): never the supervisor's defaults of now."""
+        limits = self.record.limits
+        assert limits is not None  # (resolved in __init__)
+        return limits
+
+    def retune(self, config: SandboxConfig) -> None:
+        """A Modify's configuration; the limits it leaves at 0 stay as they were."""
+        before = self.limits
+        self.record.config = config
+        self.record.limits = config.limits.filled(before.vcpus, before.memory_mib)
 
     @property
     def hostname(self) -> str:

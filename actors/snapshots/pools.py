@@ -36,7 +36,7 @@ import trio
 
 from actors.crash import crash_point
 from actors.errors import DomainError
-from actors.model import ImageUse, MemoryKind, SandboxConfig, State
+from actors.model import ImageUse, Limits, MemoryKind, SandboxConfig, State
 from actors.sandboxes.sandbox import AwaitTemplate, Boot, Plan, Resume, Sandbox
 from actors.settings import Settings
 from actors.snapshots.snapshot import SnapshotStore
@@ -90,14 +90,14 @@ class Pools:
         self._closing = False
 
     # -- boot templates ------------------------------------------------------------
-    def template_key(self, config: SandboxConfig, image: ImageUse | None) -> str | None:
+    def template_key(self, config: SandboxConfig, limits: Limits, image: ImageUse | None) -> str | None:
         """What a fresh boot depends on; None when the configuration boots differently
         (own kernel, rootfs or boot arguments). The hostname, env, cmd, ports, TTL...
-        are set after the boot anyway. An OCI image counts by its converted file."""
+        are set after the boot anyway. An OCI image counts by its converted file.
+        ``limits``: the sandbox's effective ones (its record's)."""
         if not self.templates or config.boot.custom or config.volumes or config.host_mounts:
             return None  # (volumes, host directories: devices a template's machine lacks; microvm has no hotplug)
         s = self.settings
-        limits = s.limits(config.limits)
         if limits.vcpu_ceiling > limits.vcpus or limits.memory_ceiling > limits.memory_mib or limits.disk_mib:
             return None  # (boots at its ceilings, on a grown disk: a machine of its own)
         parts = [
@@ -132,7 +132,7 @@ class Pools:
         """How a new sandbox starts: restore its configuration's template, wait for the
         boot making it, or boot (and save the boot as the template when there is none
         yet, nor a boot making one)."""
-        key = self.template_key(sb.config, sb.record.image)
+        key = self.template_key(sb.config, sb.limits, sb.record.image)
         if key is None or key in self._broken:
             return Boot(accepted=accepted)
         tpl = self.template(key)
@@ -161,8 +161,9 @@ class Pools:
         """Checkpoint a fresh boot (at its first ready, before any user work) as the
         template of its configuration. Failing costs nothing but the template (unless
         the guest was lost: then the boot fails, by CheckpointLost)."""
-        # what a restore of the template inherits: only what the key covers
-        config = SandboxConfig(limits=sb.config.limits, network=sb.config.network)
+        # what a restore of the template inherits: only what the key covers (the limits
+        # as its machine has them: a member of it gets no defaults of a later supervisor)
+        config = SandboxConfig(limits=sb.limits, network=sb.config.network)
         try:
             _, ck = await self.snapshots.take(
                 sb.checkpoint_first_boot,
@@ -195,10 +196,10 @@ class Pools:
             self._broken.add(tpl.template_key)  # a new one would likely fail the same way
         self.snapshots.drop(tpl, f"boot template {tpl.template_key}: {why}")
 
-    def take_for_create(self, config: SandboxConfig, image: ImageUse | None) -> Sandbox | None:
+    def take_for_create(self, config: SandboxConfig, limits: Limits, image: ImageUse | None) -> Sandbox | None:
         if config.secrets:
             return None  # a member would need the caller's CA and placeholders first: a boot or restore
-        key = self.template_key(config, image)
+        key = self.template_key(config, limits, image)
         tpl = self.template(key) if key is not None else None
         return self.take(tpl) if tpl is not None else None
 

@@ -431,8 +431,10 @@ class SnapshotStore:
             memory=ck.memory,
             machine=ck.machine,
             # what restores inherit: the origin's configuration with every port it has
-            # exposed (a restore forwards each again, on its own host port)
-            config=config or attrs.evolve(origin.config, ports=tuple(origin.ports)),
+            # exposed (a restore forwards each again, on its own host port), and its
+            # limits as resolved when it was made (not the defaults of a later supervisor)
+            config=config
+            or attrs.evolve(origin.config, ports=tuple(origin.ports), limits=origin.limits or origin.config.limits),
             sizes=ck.sizes,
             memory_stat=ck.memory_stat,
             template_key=template_key,

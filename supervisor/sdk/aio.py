@@ -29,7 +29,7 @@ from supervisor.config import UnsafeRuntimeDir, check_runtime_dir, default_socke
 from supervisor.errors import SandboxError, collapse_single, error_for
 from supervisor.frames import FramedStream
 from supervisor.protocol import ApiError
-from supervisor.sdk import plans
+from supervisor.sdk import plans, sandbox_plans
 from supervisor.sdk.acting import hello_fields
 from supervisor.sdk.ops import (
     TIMED_OUT,
@@ -332,20 +332,20 @@ class AsyncExec:
         self.exit_code: int | None = None
 
     async def send(self, data: bytes) -> None:
-        await self._call.send(plans.exec_stdin(data))
+        await self._call.send(sandbox_plans.exec_stdin(data))
 
     async def close_stdin(self) -> None:
-        await self._call.send(plans.exec_close_stdin())
+        await self._call.send(sandbox_plans.exec_close_stdin())
 
     async def resize(self, width: int, height: int) -> None:
-        await self._call.send(plans.exec_resize(width, height))
+        await self._call.send(sandbox_plans.exec_resize(width, height))
 
     def __aiter__(self) -> AsyncIterator[Output]:
         return self._outputs()
 
     async def _outputs(self) -> AsyncIterator[Output]:
         async for item in self._call:
-            o = plans.exec_output(item)
+            o = sandbox_plans.exec_output(item)
             if o.exit_code is not None:
                 self.exit_code = o.exit_code
                 yield o
@@ -435,7 +435,8 @@ class AsyncSandbox(plans.SandboxMethods, _Driven):
     ) -> AsyncIterator[AsyncExec]:
         """An interactive process (stdin, optional PTY of ``size`` columns x rows, and
         resize). Leaving the block before it exited kills it."""
-        async with connect(self.socket) as c, c.open_call("Exec", plans.exec_request(self, cmd, size, how)) as call:
+        request = sandbox_plans.exec_request(self, cmd, size, how)
+        async with connect(self.socket) as c, c.open_call("Exec", request) as call:
             yield AsyncExec(call)
 
     async def attach(

@@ -1,6 +1,6 @@
 """The SDK's effects: what an operation asks its driver for, and the method table's descriptors.
 
-Every SDK operation is written once, in :mod:`supervisor.sdk.plans`, as a *plan*: a
+Every SDK operation is written once, in the ``*_plans`` modules, as a *plan*: a
 plain generator that knows no I/O. It builds the wire's typed requests, yields one
 effect at a time (a unary call, open a call, the next item of it, send on it, ...),
 gets the typed answer back (or the error thrown in at the ``yield``), interprets
@@ -300,3 +300,27 @@ class maker(Generic[P]):
     def __get__(self, obj: Any, owner: Any) -> Any:
         plan = self.plan
         return _named(lambda *a, **k: owner._make(k.get("socket"), plan(*a, **k)), plan)
+
+
+# --- helpers of the plans ------------------------------------------------------------------
+CHUNK = 1 << 20  # bytes of one file chunk a plan sends
+
+
+def each(method: str, request: Any, item: type[Any]) -> StreamPlan[Any]:
+    """A server stream's items, typed, to the caller."""
+    call = yield Open(method, request)
+    while (x := (yield Receive(call, item))) is not None:
+        yield Emit(x)
+
+
+def collect(method: str, request: Any, item: type[Any]) -> Plan[list[Any]]:
+    """A (short) server stream's items, typed, as a list."""
+    call = yield Open(method, request)
+    out = []
+    while (x := (yield Receive(call, item))) is not None:
+        out.append(x)
+    return out
+
+
+def id_request(t: Target) -> W.IdRequest:
+    return W.IdRequest(id=t.id)

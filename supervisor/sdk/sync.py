@@ -21,7 +21,7 @@ from supervisor import protocol as W
 from supervisor.config import UnsafeRuntimeDir, check_runtime_dir, default_socket
 from supervisor.errors import SandboxError, error_for
 from supervisor.frames import FAIL, ITEM, REPLY, BlockingConnection
-from supervisor.sdk import plans
+from supervisor.sdk import plans, sandbox_plans
 from supervisor.sdk.acting import hello_fields
 from supervisor.sdk.ops import (
     TIMED_OUT,
@@ -248,17 +248,17 @@ class Exec:
         self.exit_code: int | None = None
 
     def send(self, data: bytes) -> None:
-        self._call.send(plans.exec_stdin(data))
+        self._call.send(sandbox_plans.exec_stdin(data))
 
     def close_stdin(self) -> None:
-        self._call.send(plans.exec_close_stdin())
+        self._call.send(sandbox_plans.exec_close_stdin())
 
     def resize(self, width: int, height: int) -> None:
-        self._call.send(plans.exec_resize(width, height))
+        self._call.send(sandbox_plans.exec_resize(width, height))
 
     def __iter__(self) -> Iterator[Output]:
         for item in self._call:
-            o = plans.exec_output(item)
+            o = sandbox_plans.exec_output(item)
             if o.exit_code is not None:
                 self.exit_code = o.exit_code
                 yield o
@@ -341,7 +341,7 @@ class Sandbox(plans.SandboxMethods, _Driven):
         """An interactive process (stdin, optional PTY of ``size`` columns x rows, and
         resize). Leaving the block before it exited kills it."""
         with open_connection(self.socket) as c:
-            call = Call(c, "Exec", plans.exec_request(self, cmd, size, how))
+            call = Call(c, "Exec", sandbox_plans.exec_request(self, cmd, size, how))
             try:
                 yield Exec(call)
             finally:

@@ -1,0 +1,1 @@
+"""Helpers the tests share: fakes, PKI, network and fleet labs, clients."""

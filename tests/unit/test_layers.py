@@ -1,0 +1,185 @@
+"""The layers point one way: guestd <- images <- actors (the domain) <- supervisor (the edges).
+
+Read from the source with ast (every import, also those inside functions): the guest
+agent imports nothing of the host; the image builder nothing of the domain or the
+edges; the domain nothing of the edges; the SDK (the client side of the wire) only
+the wire-protocol module and its own helpers, never the domain.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SDK = (
+    "supervisor/client.py",
+    *(str(p.relative_to(ROOT)) for p in sorted((ROOT / "supervisor/sdk").glob("*.py"))),
+    *(str(p.relative_to(ROOT)) for p in sorted((ROOT / "supervisor").glob("cli_*.py"))),  # the client commands
+    "supervisor/protocol.py",
+    *(str(p.relative_to(ROOT)) for p in sorted((ROOT / "supervisor/messages").glob("*.py"))),  # its bodies
+    "supervisor/frames.py",
+    "supervisor/errors.py",
+    "supervisor/config.py",
+    "supervisor/treecopy.py",
+)
+# the SDK's tree copies run guestd's stdlib-only tar codec (the same hostile-stream unpacker);
+# its error codes and Patch are guestd's one definitions (codes.py, patch.py)
+GUESTD_CODEC = (
+    "guestd",
+    "guestd.tree",
+    "guestd.tarformat",
+    "guestd.fsops",
+    "guestd.proto",
+    "guestd.codes",
+    "guestd.patch",
+)
+GUESTD_NOT_SDK = tuple(
+    f"guestd.{p.stem}" for p in sorted((ROOT / "guestd").glob("*.py")) if f"guestd.{p.stem}" not in GUESTD_CODEC
+)
+EDGES_ONLY = (
+    "supervisor.api",
+    "supervisor.api_store",
+    "supervisor.api_table",
+    "supervisor.daemon_config",
+    "supervisor.server",
+    "supervisor.daemon",
+    "supervisor.mapping",
+    "supervisor.throwaway",
+    "supervisor.cli",
+)
+
+
+def imports(path: Path, package: str = "") -> set[str]:
+    """Every module ``path`` imports, absolute, at any depth of the file."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = package or ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    out: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                mod = ".".join([*base, node.module] if node.module else base)
+            else:
+                mod = node.module or ""
+            out.add(mod)
+            out.update(f"{mod}.{a.name}" for a in node.names)  # `from pkg import mod`
+    return out
+
+
+def sources(package: str) -> list[Path]:
+    return sorted((ROOT / package).rglob("*.py"))
+
+
+def top(mod: str) -> str:
+    return mod.split(".", maxsplit=1)[0]
+
+
+def wrong_arrows(files: list[Path], allowed: set[str], forbidden: tuple[str, ...] = (), package: str = "") -> list[str]:
+    bad = []
+    for f in files:
+        for mod in sorted(imports(f, package)):
+            t = top(mod)
+            if any(mod == f or mod.startswith(f + ".") for f in forbidden) or (
+                t not in allowed and t not in sys.stdlib_module_names
+            ):
+                bad.append(f"{f.name} imports {mod}")
+    return bad
+
+
+QEMU_QMP_ASYNCIO = (
+    "qemu.qmp.QMPClient",
+    "qemu.qmp.qmp_client",
+    "qemu.qmp.protocol",
+    "qemu.qmp.events",
+    "qemu.qmp.legacy",
+)
+THIRD_PARTY = {"trio", "attrs", "cattrs", "msgpack", "rich", "_typeshed", "typing_extensions"}
+
+
+@pytest.mark.parametrize(
+    ("what", "files", "allowed", "forbidden"),
+    [
+        ("guestd: stdlib + msgpack", sources("guestd"), {"guestd", "msgpack"}, ()),
+        ("images: not the domain, not the edges", sources("images"), {"images", *THIRD_PARTY}, ()),
+        (
+            "actors: not the edges",
+            sources("actors"),
+            # h11, cryptography: the secret proxy's HTTP/1.1, CAs and vault; publicsuffixlist:
+            # secret host patterns over a public suffix refused (docs/secrets.md); qemu.qmp: its
+            # parts without I/O only (actors/machines/qmp.py), never its asyncio client
+            {"actors", "guestd", "images", "h11", "cryptography", "publicsuffixlist", "qemu", *THIRD_PARTY},
+            QEMU_QMP_ASYNCIO,
+        ),
+        (
+            "the SDK: the wire (and guestd's tar codec), never the domain",
+            [ROOT / f for f in SDK],
+            {"supervisor", "guestd", *THIRD_PARTY},
+            (*EDGES_ONLY, *GUESTD_NOT_SDK),
+        ),
+    ],
+)
+def test_layers_point_one_way(what: str, files: list[Path], allowed: set[str], forbidden: tuple[str, ...]) -> None:
+    assert files
+    assert wrong_arrows(files, allowed, forbidden) == [], what
+
+
+def test_the_checker_sees_wrong_arrows(tmp_path: Path) -> None:
+    bad = tmp_path / "probe.py"
+    bad.write_text(
+        "import os\ndef f():\n    from supervisor.protocol import ApiError\n    from ..supervisor import server\n"
+    )
+    found = wrong_arrows([bad], {"actors"}, package="actors")
+    assert "probe.py imports supervisor.protocol" in found and "probe.py imports supervisor.server" in found
+    assert not any("os" in x.split()[-1] for x in found)
+
+
+def test_no_benchmark_script_shadows_a_package() -> None:
+    """A script's own directory comes first on sys.path: benchmarks/images.py once hid
+    the images package from every benchmark."""
+    packages = {p.parent.name for p in ROOT.glob("*/__init__.py")}
+    assert not {p.stem for p in (ROOT / "benchmarks").glob("*.py")} & packages
+
+
+def test_one_list_of_error_codes() -> None:
+    """The seed's codes are listed once (guestd/codes.py, stdlib only: the SDK may import
+    it, the domain too); the domain and the SDK have one error class per code, and
+    guestd's own Error codes are these names but for two of the guest's own."""
+    from actors import errors as domain
+    from guestd import codes
+    from guestd import proto as P
+    from supervisor import errors as sdk
+
+    names = {c.value for c in codes.Code}
+    assert domain.Code is codes.Code and sdk.CODES == codes.CODES == names
+    assert set(domain.BY_CODE) == names
+    assert {c: type(sdk.error_for(c, "m")).__name__ for c in names} == {
+        c: domain.BY_CODE[codes.Code(c)].__name__ for c in names
+    }
+    assert all(getattr(sdk, c) == c for c in names)
+    guest = {v for k, v in vars(P).items() if k.startswith("E_") and isinstance(v, str)}
+    assert guest - names == {"IS_A_DIRECTORY", "TOO_LARGE"}
+
+
+def test_importing_the_sdk_changes_no_environment_and_serve_turns_grpc_fork_support_off() -> None:
+    """`import supervisor` (and the SDK, the CLI) leave os.environ alone; the modules of
+    `serve` set GRPC_ENABLE_FORK_SUPPORT=0 (unless set) before grpc is first imported."""
+    import os
+    import subprocess
+
+    script = """import os, sys
+before = dict(os.environ)
+import supervisor, supervisor.client, supervisor.cli
+assert dict(os.environ) == before and "grpc" not in sys.modules
+import supervisor.daemon
+assert "grpc" in sys.modules
+print(os.environ.get("GRPC_ENABLE_FORK_SUPPORT"))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_ENABLE_FORK_SUPPORT"}
+    p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60, check=False)
+    assert (p.returncode, p.stdout) == (0, "0\n"), p.stderr
