@@ -355,6 +355,8 @@ class SandboxConfig:
     scripts: dict[str, str] = attrs.field(factory=dict)
     # secrets (actors/secrets): names, hosts, placeholders -- never values (the vault's)
     secrets: tuple[SecretRef, ...] = ()
+    # SSH public keys (OpenSSH lines) that serve --ssh accepts for this sandbox (docs/ssh.md)
+    ssh_keys: tuple[str, ...] = ()
 
     def restored(self, labels: dict[str, str], ttl_seconds: int) -> SandboxConfig:
         """The configuration of a sandbox restored from a snapshot of this one: its own
@@ -366,6 +368,7 @@ class SandboxConfig:
             timers=Timers(ttl_seconds=ttl_seconds),
             ports=tuple(attrs.evolve(p, host_port=0) for p in self.ports),
             secrets=with_placeholders(self.secrets),  # fresh placeholders (the generated ones)
+            ssh_keys=(),  # a key opens the sandboxes it was given to, not their restored copies
         )
 
 

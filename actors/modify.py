@@ -57,6 +57,7 @@ class Kind(enum.StrEnum):
     LABELS = "labels"
     TTL = "ttl"
     IDLE_TIMEOUT = "idle_timeout"
+    SSH_KEYS = "ssh_keys"
 
 
 class Status(enum.StrEnum):
@@ -95,6 +96,9 @@ class Modification:
     idle_timeout_seconds: int | None = None
     dry_run: bool = False
     restart: bool = False
+    # SSH public keys (checked OpenSSH lines) added to / removed from the sandbox's (docs/ssh.md)
+    ssh_keys_add: tuple[str, ...] = ()
+    ssh_keys_remove: tuple[str, ...] = ()
 
 
 @attrs.frozen
@@ -271,9 +275,35 @@ def plan(
         )
         timers = attrs.evolve(timers, idle_timeout_seconds=mod.idle_timeout_seconds)
 
+    ssh_keys = config.ssh_keys
+    if mod.ssh_keys_add or mod.ssh_keys_remove:
+        ssh_keys = _ssh_keys(config.ssh_keys, mod.ssh_keys_add, mod.ssh_keys_remove)
+        st = Status.UNCHANGED if ssh_keys == config.ssh_keys else Status.APPLIED
+        why = "for new SSH connections"
+        changes.append(Change(Kind.SSH_KEYS, st, str(len(ssh_keys)), str(len(config.ssh_keys)), why))
+
     check_ceilings(limits)
-    after = attrs.evolve(config, limits=limits, workload=workload, timers=timers, labels=labels)
+    after = attrs.evolve(config, limits=limits, workload=workload, timers=timers, labels=labels, ssh_keys=ssh_keys)
     return Plan(tuple(changes), after, dry_run=mod.dry_run, restart=restart, note=RESTART_NOTE if restart else "")
+
+
+MAX_SSH_KEYS = 32
+
+
+def _ssh_keys(now: tuple[str, ...], add: tuple[str, ...], remove: tuple[str, ...]) -> tuple[str, ...]:
+    """The keys after removing and adding (a key is its type and data: comments aside)."""
+
+    def data(key: str) -> str:
+        return " ".join(key.split()[:2])
+
+    gone = {data(k) for k in remove}
+    keys = [k for k in now if data(k) not in gone]
+    for k in add:
+        if data(k) not in {data(x) for x in keys}:
+            keys.append(k)
+    if len(keys) > MAX_SSH_KEYS:
+        raise InvalidArgument(f"at most {MAX_SSH_KEYS} ssh keys per sandbox")
+    return tuple(keys)
 
 
 def check_machine(limits: Limits, *, balloon: bool) -> None:

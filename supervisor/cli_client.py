@@ -40,6 +40,7 @@ from supervisor.cli_sandboxes import (
     top,
 )
 from supervisor.cli_secrets import secret
+from supervisor.cli_ssh import add_ssh_command, add_ssh_key_command, ssh, ssh_key
 from supervisor.cli_stores import checkpoint, restore, snapshot, snapshots, volume
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~2 ms; mypy reads the name)
@@ -50,6 +51,8 @@ if TYPE_CHECKING:
 CLIENT_COMMANDS = frozenset(
     {
         "create",
+        "ssh",
+        "ssh-key",
         "run",
         "exec",
         "ls",
@@ -154,6 +157,13 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
         help="a secret the guest holds a placeholder of: SRC env:VAR, value:LITERAL or store:NAME; "
         "HOSTS a,b,*.c[:port]; ;substitute=all: in the URL and body too, not only the headers "
         "(repeatable; docs/secrets.md)",
+    )
+    p.add_argument(
+        "--ssh-key",
+        action="append",
+        metavar="FILE",
+        help="a public key file (.pub, or authorized_keys lines) that serve --ssh accepts for this sandbox "
+        "(repeatable; docs/ssh.md)",
     )
     p.add_argument("--workdir")
     p.add_argument("--user")
@@ -323,6 +333,10 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
     p.add_argument("--udp", action="store_true")
     p.add_argument("--json", action="store_true")
 
+    p = cmd("ssh", ssh, "ssh to a sandbox through serve --ssh (the system's ssh; docs/ssh.md)")
+    add_ssh_command(p)
+    p = cmd("ssh-key", ssh_key, "the SSH keys a sandbox accepts: ssh-key add|rm NAME FILE... | ls NAME")
+    add_ssh_key_command(p)
     p = cmd("fs", fs, "files of a sandbox: fs ls|stat|exists|mkdir [-p]|rm [-r]|mv NAME:/path [DEST]")
     add_fs_command(p)
     p = cmd(

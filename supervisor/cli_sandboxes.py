@@ -14,6 +14,7 @@ from pathlib import Path
 
 from supervisor.cli_common import UsageError, connect, kv, on_trio, ports, trailing_command
 from supervisor.cli_output import PullProgress, print_json, print_table, rich_table, ts
+from supervisor.cli_ssh import read_key_files
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~2 ms; mypy reads the name)
 if TYPE_CHECKING:
@@ -90,6 +91,7 @@ async def _create(a: argparse.Namespace) -> AsyncSandbox:
         tmpfs=a.tmpfs or (),
         mounts=a.mount or (),
         secrets=a.secret or (),
+        ssh_keys=read_key_files(a.ssh_key or ()),
         detached=True,
         wait=not a.no_wait,
     )

@@ -349,6 +349,7 @@ async def _serve_locked(cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Re
     metrics_key = metrics_token(cfg) if metrics_at is not None else b""
     e2b_at = parse_listen(cfg.e2b) if cfg.e2b else None
     e2b_keys = e2b_key_file(cfg) if e2b_at is not None else Path()
+    ssh_at = parse_listen(cfg.ssh) if cfg.ssh else None
     fleet = _fleet_config(cfg, grpc_addrs)
     image_refs = RefPolicy(
         allowed_paths=cfg.allow_paths, registry_allow=cfg.registry_allow, registry_mirrors=cfg.registry_mirrors
@@ -482,6 +483,16 @@ async def _serve_locked(cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Re
                         await e2b.run(task_status=task_status)
 
                 await nursery.start(run_e2b)
+            if ssh_at is not None:
+                from supervisor.ssh_gateway import SSHGateway
+
+                ssh = SSHGateway(str(cfg.socket), *ssh_at, state_dir=cfg.state_dir)
+
+                async def run_ssh(task_status: trio.TaskStatus[None]) -> None:
+                    with e2b_scope:  # (stops with the other listeners, before the socket)
+                        await ssh.run(task_status=task_status)
+
+                await nursery.start(run_ssh)
             notify = Notifier()
             nursery.start_soon(notify.keep_alive)
             notify.ready(f"serving on {cfg.socket}")

@@ -376,6 +376,13 @@ class DaemonConfig:
         help="the E2B API keys, one a line (ours, mode 0600; read at start)",
         parse=_path,
     )
+    ssh: str | None = flag(  # HOST:PORT of the SSH endpoint (None: not served; host: loopback)
+        None,
+        name="--ssh",
+        metavar="HOST:PORT",
+        help="serve SSH (ssh, scp, sftp to SANDBOX@HOST by the keys a sandbox was given) at HOST:PORT "
+        "(host: loopback; docs/ssh.md)",
+    )
     # tap networking (root): the IP pool's CIDR ("" = none: no tap mode, no outbound for
     # jailed user-mode sandboxes). `sandvisor serve` defaults it to 10.88.0.0/16.
     ip_pool: str = flag(

@@ -15,7 +15,7 @@ default" here. The table's request classes mostly default to zero already; where
 do not (a terminal of 80x24, MetricsStream's interval of 1 s, protocol "tcp"), a zero
 from a protobuf message is dropped before structuring so the class's default applies.
 Unset messages and proto3 ``optional`` fields are absent (their class default, or
-None: so ``ssh_public_key`` set to "" is still refused, as the seed says).
+None: so ``ssh_public_key`` set to "" is a key that is not there, refused).
 
 Streams: Run, Events, ReadFile, Logs and MetricsStream send with ``io.send``; Exec and
 WriteFile read their first message as the request and the rest with ``io.receive``

@@ -42,6 +42,7 @@ from images.build import Image
 from images.oci import Image as OciImage
 from images.oci import PullProgress
 from supervisor import protocol as W
+from supervisor.ssh_keys import parse_keys
 
 
 def wire_error(exc: DomainError) -> W.ApiError:
@@ -81,8 +82,8 @@ def network(spec: W.NetworkSpec) -> Network:
 def config(req: W.CreateSandboxRequest) -> SandboxConfig:
     if req.mounts:
         raise FailedPrecondition("mounts are not supported in sandbox.v1: copy files in with WriteFile")
-    if req.ssh_public_key is not None:
-        raise FailedPrecondition("ssh keys are not supported in sandbox.v1: use Exec for access")
+    # (one key, or several lines: serve --ssh's, docs/ssh.md)
+    ssh_keys = _keys(req.ssh_public_key) if req.ssh_public_key is not None else ()
     return SandboxConfig(
         labels=dict(req.labels),
         limits=Limits(
@@ -123,6 +124,7 @@ def config(req: W.CreateSandboxRequest) -> SandboxConfig:
             )
             for s in req.secrets
         ),
+        ssh_keys=ssh_keys,
     )
 
 
@@ -150,6 +152,8 @@ def info(sb: Sandbox) -> W.SandboxInfo:
         requested=requested(sb),
         applied=applied(sb),
         updated_at=r.updated_at,
+        owner=r.owner,
+        ssh_keys=list(r.config.ssh_keys),
     )
 
 
@@ -201,7 +205,16 @@ def modification(req: W.ModifyRequest) -> Modification:
         idle_timeout_seconds=req.idle_timeout_seconds,
         dry_run=req.dry_run,
         restart=req.restart,
+        ssh_keys_add=_keys("\n".join(req.ssh_keys_add)) if req.ssh_keys_add else (),
+        ssh_keys_remove=_keys("\n".join(req.ssh_keys_remove)) if req.ssh_keys_remove else (),
     )
+
+
+def _keys(text: str) -> tuple[str, ...]:
+    try:
+        return parse_keys(text)
+    except ValueError as exc:
+        raise InvalidArgument(str(exc)) from None
 
 
 def modify_response(p: Plan) -> W.ModifyResponse:

@@ -275,6 +275,8 @@ class SandboxInfo:
     requested: SandboxSettings | None = None
     applied: SandboxSettings | None = None  # None: no machine runs
     updated_at: int = 0  # unix seconds of the last Modify that changed something (0: none)
+    owner: str = ""  # the principal that made it (docs/security.md)
+    ssh_keys: list[str] = attrs.field(factory=list)  # the public keys its SSH endpoint accepts (docs/ssh.md)
 
 
 @attrs.frozen
@@ -293,6 +295,8 @@ class ModifyRequest:
     idle_timeout_seconds: int | None = None
     dry_run: bool = False
     restart: bool = False  # a change above a ceiling (or of the disk) restarts the sandbox
+    ssh_keys_add: list[str] = attrs.field(factory=list)  # OpenSSH public key lines (docs/ssh.md)
+    ssh_keys_remove: list[str] = attrs.field(factory=list)
 
 
 @attrs.frozen

@@ -20,6 +20,10 @@ from supervisor.errors import InvalidArgument
 from supervisor.protocol import CheckpointResponse, SandboxSummary, SnapshotSummary
 
 
+def _strs(v: Sequence[str] | None) -> tuple[str, ...]:
+    return tuple(v or ())
+
+
 def _kv(d: Mapping[str, str] | None) -> dict[str, str]:
     return {str(k): str(v) for k, v in (d or {}).items()}
 
@@ -327,6 +331,7 @@ class Settings(TypedDict, total=False):
     tmpfs: Sequence[Tmpfs | str]
     mounts: Sequence[HostDir | str]
     secrets: Sequence[Secret | str]
+    ssh_keys: Sequence[str]
 
 
 @attrs.frozen(kw_only=True)
@@ -351,6 +356,8 @@ class SandboxSpec:
     mounts: tuple[HostDir, ...] = attrs.field(default=(), converter=_host_dirs)
     # secrets the guest holds only placeholders of (docs/secrets.md); an env source is read at request()
     secrets: tuple[Secret, ...] = attrs.field(default=(), converter=_secrets)
+    # SSH public keys (OpenSSH .pub lines) that serve --ssh accepts for it (docs/ssh.md)
+    ssh_keys: tuple[str, ...] = attrs.field(default=(), converter=_strs)
 
     def with_(self, **settings: Unpack[Settings]) -> SandboxSpec:
         if not settings:
@@ -401,6 +408,7 @@ class SandboxSpec:
             tmpfs=_tmpfs(s.get("tmpfs", self.tmpfs)),
             mounts=_host_dirs(s.get("mounts", self.mounts)),
             secrets=_secrets(s.get("secrets", self.secrets)),
+            ssh_keys=_strs(s.get("ssh_keys", self.ssh_keys)),
         )
 
     def request(self, name: str = "") -> W.CreateSandboxRequest:
@@ -440,6 +448,7 @@ class SandboxSpec:
             max_memory_mib=self.resources.max_memory_mib,
             disk_size_mib=self.resources.disk_size_mib,
             secrets=[s.spec() for s in self.secrets],
+            ssh_public_key="\n".join(self.ssh_keys) if self.ssh_keys else None,
         )
 
 

@@ -83,6 +83,7 @@ def test_a_config_said_as_flags_parses_back_to_itself(tmp_path: Path) -> None:
         metrics_token_file=tmp_path / "metrics.token",
         e2b="127.0.0.1:3000",
         e2b_key_file=tmp_path / "e2b.keys",
+        ssh="127.0.0.1:2222",
         ip_pool="10.99.0.0/16",
         dns_upstreams=("1.1.1.1", "9.9.9.9:5353"),
         egress_never=("192.168.0.0/16",),

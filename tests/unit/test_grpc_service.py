@@ -371,7 +371,7 @@ async def test_errors_arrive_with_the_status_of_the_same_name(
                     SC.FAILED_PRECONDITION,
                     lambda: s.Create(spb.CreateSandboxRequest(id="m", mounts=[spb.Mount(source="/", target="/h")])),
                 ),
-                (SC.FAILED_PRECONDITION, lambda: s.Create(spb.CreateSandboxRequest(id="k", ssh_public_key=""))),
+                (SC.INVALID_ARGUMENT, lambda: s.Create(spb.CreateSandboxRequest(id="k", ssh_public_key=""))),  # no key
                 (
                     SC.FAILED_PRECONDITION,
                     lambda: s.Create(spb.CreateSandboxRequest(id="t", network=spb.NetworkSpec(mode="tap"))),
@@ -517,6 +517,7 @@ async def test_both_edges_answer_from_one_table(
             # the read-back (docs/modify.md) is sandvisor.v1's: the seed's SandboxInfo has no field for it
             ext = {k: over_msgpack.pop(k) for k in ("requested", "applied", "updated_at")}
             assert over_msgpack.pop("uid") == st.reg.get("one").record.uid  # (the socket's alone: the E2B endpoint's)
+            assert over_msgpack.pop("ssh_keys") == [] and over_msgpack.pop("owner")  # (the socket's: serve --ssh's)
             assert message_to_dict(over_grpc) == over_msgpack
             ours = sv_grpc.SandvisorServiceStub(st.channel)
             details = await in_thread(ours.Inspect, sv.InspectRequest(id="one"))

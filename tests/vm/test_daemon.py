@@ -169,7 +169,7 @@ async def test_bad_input_gets_typed_errors_and_the_daemon_keeps_serving(daemon: 
             # must not name a real registry, so no well-formed remote name here)
             ("Create", {"id": "ok", "image": "docker.io/library/Alpine"}, "INVALID_ARGUMENT"),
             ("Create", {"id": "ok", "mounts": [{"source": "/", "target": "/m"}]}, "FAILED_PRECONDITION"),
-            ("Create", {"id": "ok", "ssh_public_key": "ssh-ed25519 AAAA"}, "FAILED_PRECONDITION"),
+            ("Create", {"id": "ok", "ssh_public_key": "ssh-ed25519 AAAA"}, "INVALID_ARGUMENT"),  # not a key
             ("Create", {"id": 5}, "INVALID_ARGUMENT"),
             ("Create", {"id": "ok", "limits": {"vcpus": "two"}}, "INVALID_ARGUMENT"),
             ("Create", {"id": "ok", "limits": {"memory_mib": 1}}, "INVALID_ARGUMENT"),
