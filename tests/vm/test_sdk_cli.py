@@ -154,6 +154,8 @@ def test_cli_surface(served: dict[str, str], tmp_path: Path) -> None:
         "last_exit_code",
         "error",
         "uid",  # this life's identity (the id may be reused once it is gone): E2B tokens are bound to it
+        "owner",  # the principal that made it (docs/security.md)
+        "ssh_keys",  # the public keys serve --ssh lets in (docs/ssh.md)
         "requested",  # the read-back (issue 24): configuration as requested, as applied
         "applied",
         "updated_at",
