@@ -402,15 +402,28 @@ async def _logs(reg: Registry, io: CallIO, req: W.LogsRequest) -> None:
         raise InvalidArgument(f"unknown log source {bad[0][:40]!r}: the sources are {', '.join(LOG_SOURCES)}")
     sources = frozenset(req.sources)
     sb = A.sandbox(reg, io.principal, req.id)
+    cursor, tail = req.cursor, req.tail
     if req.follow:
+        # the stream ends at ``until`` by the clock too, not only at a later entry; only
+        # the wait for the next entry is cancelled (never a send: the frame stays whole)
+        end = trio.current_time() + (req.until - time.time_ns()) / 1e9 if req.until else float("inf")
         follow = sb.log.follow(tail=req.tail, since=req.since, cursor=req.cursor, sources=sources)
         async with aclosing(follow) as records:
-            async for r in records:
+            while True:
+                r = None
+                with trio.move_on_at(end):
+                    try:
+                        r = await anext(records)
+                    except StopAsyncIteration:
+                        return
+                if r is None:
+                    break
                 if req.until and r.timestamp > req.until:
                     return
                 await io.send(W.LogEntry(r.seq, r.timestamp, r.source, r.data))
-        return
-    for r in await sb.log.read(tail=req.tail, since=req.since, until=req.until, cursor=req.cursor, sources=sources):
+                cursor, tail = r.seq, 0
+        # the clock passed ``until``: what was written up to it and is not sent yet
+    for r in await sb.log.read(tail=tail, since=req.since, until=req.until, cursor=cursor, sources=sources):
         await io.send(W.LogEntry(r.seq, r.timestamp, r.source, r.data))
 
 

@@ -30,7 +30,11 @@ class UserError(Exception):
 def fail(message: str, code: int = 1) -> NoReturn:
     from rich.console import Console
 
-    Console(stderr=True).print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    from supervisor.cli_output import markup_escape
+
+    Console(stderr=True, emoji=False).print(
+        f"[bold red]error:[/] {markup_escape(message)}", highlight=False, soft_wrap=True
+    )
     sys.exit(code)
 
 
@@ -64,8 +68,9 @@ def cmd_image_build(args: argparse.Namespace) -> int:
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
     from images.build import Builder, default_cache
+    from supervisor.cli_output import markup_escape
 
-    err, out = Console(stderr=True), Console()
+    err, out = Console(stderr=True, emoji=False), Console(emoji=False)
     cache = Path(args.cache) if args.cache else default_cache()
     if args.json:
         b = Builder(cache)
@@ -79,15 +84,15 @@ def cmd_image_build(args: argparse.Namespace) -> int:
 
         def report(part: str, msg: str) -> None:
             if part not in tasks:
-                tasks[part] = progress.add_task(msg, part=part)
-            progress.update(tasks[part], description=msg)  # type: ignore[arg-type]
+                tasks[part] = progress.add_task(markup_escape(msg), part=markup_escape(part))
+            progress.update(tasks[part], description=markup_escape(msg))  # type: ignore[arg-type]
 
         b = Builder(cache, progress=report)
         img = b.build()
     if b.built:
-        out.print(f"built: {', '.join(b.built)}  ->  {cache / 'default.json'}")
+        out.print(f"built: {', '.join(b.built)}  ->  {cache / 'default.json'}", markup=False)
     else:
-        out.print(f"image up to date, nothing to do ({cache / 'default.json'})")
+        out.print(f"image up to date, nothing to do ({cache / 'default.json'})", markup=False)
     return 0
 
 
@@ -105,8 +110,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     from actors.machines.qemuspec import resolve_accel
     from images.build import default_cache, load_default
+    from supervisor.cli_output import markup_escape as esc
 
-    out = Console()
+    out = Console(emoji=False)  # data (command output, ids, paths) prints as it is
     img = load_default(Path(args.cache) if args.cache else None)
     if img is None:
         raise UserError("the default image is not built: run 'sandvisor image build'")
@@ -120,7 +126,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         with workdir("sandvisor-demo-", cache=cache) as work:
             async with supervisor(work, accel=accel) as (cfg, _):
                 sock = cfg.socket
-                out.print(f"[bold]supervisor[/] up on {sock} (accel={accel}, kernel {img.kernel_version})")
+                out.print(f"[bold]supervisor[/] up on {esc(sock)} (accel={accel}, kernel {esc(img.kernel_version)})")
                 t0 = time.monotonic()
                 sb = await AsyncSandbox.create("demo", hostname="demo", socket=sock, labels={"via": "demo"})
                 out.print(f"sandbox [bold]demo[/] booted and ready in {time.monotonic() - t0:.2f}s")
@@ -131,14 +137,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 ):
                     t = time.monotonic()
                     r = await sb.run(argv)
-                    out.print(f"[dim]$ {' '.join(argv)}[/]  [dim]({(time.monotonic() - t) * 1000:.0f} ms)[/]")
+                    out.print(f"[dim]$ {esc(' '.join(argv))}[/]  [dim]({(time.monotonic() - t) * 1000:.0f} ms)[/]")
                     if r.stdout:
-                        out.print(r.stdout.decode(errors="replace").rstrip(), highlight=False)
+                        out.print(r.stdout.decode(errors="replace").rstrip(), highlight=False, markup=False)
                     if r.stderr:
-                        out.print(f"[yellow]{r.stderr.decode(errors='replace').rstrip()}[/]", highlight=False)
+                        out.print(f"[yellow]{esc(r.stderr.decode(errors='replace').rstrip())}[/]", highlight=False)
                     out.print(f"[dim]exit code {r.exit_code}[/]")
                 await sb.fs.write("/root/greeting", b"written by the host before the checkpoint\n")
-                out.print(f"file round trip: {await sb.fs.read('/root/greeting')!r}")
+                out.print(f"file round trip: {await sb.fs.read('/root/greeting')!r}", markup=False)
                 m = await sb.metrics()
                 table = Table("metric", "value", title="sandbox metrics")
                 table.add_row("uptime", f"{m.uptime_seconds:.1f} s")
@@ -151,7 +157,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
                 t = time.monotonic()
                 snap = (await sb.checkpoint("demo-snap")).snapshot_id
-                out.print(f"checkpoint [bold]{snap}[/] in {(time.monotonic() - t) * 1000:.0f} ms (the sandbox runs on)")
+                out.print(
+                    f"checkpoint [bold]{esc(snap)}[/] in {(time.monotonic() - t) * 1000:.0f} ms (the sandbox runs on)"
+                )
                 clones: list[AsyncSandbox] = []
                 t = time.monotonic()
 
@@ -164,7 +172,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 out.print(f"two clones restored side by side, ready in {time.monotonic() - t:.2f}s")
                 for c in sorted(clones, key=lambda c: c.id):
                     r = await c.run(["sh", "-c", "cat /root/greeting; head -c 6 /dev/urandom | od -An -tx1"])
-                    out.print(f"[dim]{c.id}:[/] " + " | ".join(r.stdout.decode().split("\n")[:2]), highlight=False)
+                    out.print(
+                        f"[dim]{esc(c.id)}:[/] " + esc(" | ".join(r.stdout.decode().split("\n")[:2])), highlight=False
+                    )
                 t = time.monotonic()
                 quick = await AsyncSandbox.create("demo-2", socket=sock)
                 out.print(

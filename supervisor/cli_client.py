@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from supervisor.cli_common import tls_flag
+from supervisor.cli_common import tls_flag, unix_ns
 from supervisor.cli_files import add_fs_command, fs
 from supervisor.cli_sandboxes import (
     cp,
@@ -191,6 +191,8 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
     p.add_argument("-i", "--interactive", action="store_true")
     p.add_argument("-t", "--tty", action="store_true")
     p.add_argument("--env", action="append", metavar="K=V")
+    p.add_argument("--workdir", help="the directory it runs in (default: the sandbox's)")
+    p.add_argument("--user", help="the user it runs as, a name or uid (default: the sandbox's)")
     p.add_argument("name")
 
     p = cmd("ls", ls, "list sandboxes")
@@ -226,7 +228,20 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
         choices=["stdout", "stderr", "output", "system"],
         help="only this source's entries (repeatable; default: all)",
     )
-    p.add_argument("--since", type=int, default=0, metavar="NS", help="from this unix time (ns)")
+    p.add_argument(
+        "--since",
+        type=unix_ns,
+        default=0,
+        metavar="TIME",
+        help="from this time (unix ns, or ISO 8601: 2026-01-02T03:04:05Z)",
+    )
+    p.add_argument(
+        "--until",
+        type=unix_ns,
+        default=0,
+        metavar="TIME",
+        help="up to this time, as --since; with -f the stream ends there",
+    )
     p.add_argument("--cursor", type=int, default=0, metavar="SEQ", help="after the entry of this seq (--json shows it)")
     p.add_argument("--json", action="store_true")
 

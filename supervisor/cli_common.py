@@ -57,6 +57,23 @@ def tls_flag(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
+def unix_ns(text: str) -> int:
+    """A point in time for ``logs --since/--until``: unix nanoseconds, or an ISO 8601
+    time (``2026-01-02T03:04:05Z``; without a zone: UTC)."""
+    if text.isdigit():
+        return int(text)
+    import datetime
+
+    try:
+        t = datetime.datetime.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected unix ns or an ISO 8601 time, got {text!r}") from None
+    if t.tzinfo is None:
+        t = t.replace(tzinfo=datetime.UTC)
+    delta = t - datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC)
+    return max(0, (delta.days * 86400 + delta.seconds) * 10**9 + delta.microseconds * 1000)
+
+
 def trailing_command(args: argparse.Namespace) -> list[str]:
     """The command after ``--`` (split off before argparse: see cli.main)."""
     return list(getattr(args, "cmd", None) or [])

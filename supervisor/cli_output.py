@@ -118,12 +118,23 @@ def print_table(headers: Sequence[str], rows: Sequence[Sequence[str]], *, show_h
 
 
 def rich_table(headers: Sequence[str], rows: Sequence[Sequence[str]], *, show_header: bool = True) -> Any:
+    """The table rich prints; cells are data (names, labels, errors), printed verbatim
+    (a ``[red]`` in a label is text, not markup)."""
     from rich.table import Table
+    from rich.text import Text
 
     t = Table(*headers, box=None, show_header=show_header)
     for r in rows:
-        t.add_row(*r)
+        t.add_row(*(Text(c) for c in r))
     return t
+
+
+def markup_escape(text: object) -> str:
+    """``text`` for a rich markup string: brackets in data (``pip install 'x[mcp]'``, a
+    ``[red]`` label, a path) print as they are."""
+    from rich.markup import escape
+
+    return escape(str(text))
 
 
 def mib(n: int) -> str:

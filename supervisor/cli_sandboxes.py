@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 from supervisor.cli_common import UsageError, connect, kv, on_trio, ports, trailing_command
-from supervisor.cli_output import PullProgress, print_json, print_table, rich_table, ts
+from supervisor.cli_output import PullProgress, markup_escape, print_json, print_table, rich_table, ts
 from supervisor.cli_ssh import read_key_files
 
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~2 ms; mypy reads the name)
@@ -29,7 +29,7 @@ async def create(a: argparse.Namespace) -> int:
     if not a.json and not a.no_wait and sys.stderr.isatty():
         from rich.console import Console
 
-        status = Console(stderr=True).status(f"booting {a.name or 'a sandbox'} ...")
+        status = Console(stderr=True, emoji=False).status(f"booting {markup_escape(a.name or 'a sandbox')} ...")
         status.start()
     try:
         sb = await _create(a)
@@ -183,8 +183,10 @@ async def exec_(a: argparse.Namespace) -> int:
     if not a.interactive and not a.tty:
         # output only: stdin is not the process's
         with open(os.devnull, "rb") as devnull:
-            return await sb.attach(cmd, tty=False, env=kv(a.env), stdin_fd=devnull.fileno())
-    return await sb.attach(cmd, tty=a.tty, env=kv(a.env))
+            return await sb.attach(
+                cmd, tty=False, env=kv(a.env), workdir=a.workdir or "", user=a.user or "", stdin_fd=devnull.fileno()
+            )
+    return await sb.attach(cmd, tty=a.tty, env=kv(a.env), workdir=a.workdir or "", user=a.user or "")
 
 
 def ls(a: argparse.Namespace) -> int:
@@ -308,7 +310,7 @@ def _print_log(e: dict[str, Any], as_json: bool) -> None:
 
 def logs(a: argparse.Namespace) -> int:
     with connect(a) as c:
-        req = {"id": a.name, "follow": a.follow, "tail": a.tail, "since": a.since, "cursor": a.cursor}
+        req = {"id": a.name, "follow": a.follow, "tail": a.tail, "since": a.since, "until": a.until, "cursor": a.cursor}
         for e in c.stream("Logs", {**req, "sources": a.source or []}):
             _print_log(e, a.json)
     return 0

@@ -103,9 +103,9 @@ def snapshot(a: argparse.Namespace) -> int:
         raise UsageError(f"{a.snapshot_id}: no such file")
     r = Sandbox.import_snapshot(src, name=a.snapshot_name or "", labels=kv(a.label), socket=a.socket)
     if a.json:
-        from supervisor import protocol as W
+        from supervisor import protocol
 
-        print_json(W.unstructure_body(r))
+        print_json(protocol.unstructure_body(r))
     else:
         print(r.id)
     return 0

@@ -283,12 +283,22 @@ def logs(
 
 
 def log_stream(
-    t: Target, *, follow: bool = True, tail: int = 0, since: int = 0, cursor: int = 0, sources: LogSources = ()
+    t: Target,
+    *,
+    follow: bool = True,
+    tail: int = 0,
+    since: int = 0,
+    until: int = 0,
+    cursor: int = 0,
+    sources: LogSources = (),
 ) -> StreamPlan[LogEntry]:
     """Log entries as they are written (``follow``), after the last ``tail`` ones;
     from ``since`` (unix ns) or after the entry whose ``seq`` is ``cursor`` (a
-    stream's resume point), of ``sources`` (empty: all)."""
-    req = W.LogsRequest(id=t.id, follow=follow, tail=tail, since=since, cursor=cursor, sources=list(sources))
+    stream's resume point), of ``sources`` (empty: all); up to ``until`` (unix ns, 0:
+    open): a followed stream ends when the supervisor's clock passes it."""
+    req = W.LogsRequest(
+        id=t.id, follow=follow, tail=tail, since=since, until=until, cursor=cursor, sources=list(sources)
+    )
     return each("Logs", req, LogEntry)
 
 
