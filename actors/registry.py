@@ -1,4 +1,4 @@
-"""The registry actor: ids, lifecycle, recovery, timers, snapshots' orchestration.
+"""The registry actor: ids, lifecycle, recovery, snapshots' orchestration.
 
 It owns every :class:`~actors.sandboxes.sandbox.Sandbox` of the supervisor and the nursery
 their lives run in, the SQLite store, the event bus, the snapshot store and the
@@ -11,27 +11,29 @@ Handle and tasks::
 
     Registry.run(task_status)         opens the lives' nursery; started when ready
       +-- Pools.run(self)             the warm pool keeper
-      +-- _timers                     TTL removes, idle stops, ephemeral removals
+      +-- Timers.run()                TTL removes, idle stops, ephemeral removals (actors/timers.py)
       +-- Sandbox.run(plan)           one task per VM life
+
+Its roles kept elsewhere: the rules of a Create (actors/create_checks.py), what the
+previous supervisor left (actors/recovery.py), OCI images (actors/oci_images.py), the
+timers (actors/timers.py), List's pages (actors/listing.py).
 
 Message flow of a Create::
 
-    edge --create(id, config)--> check id/config/files; effective limits resolved
-         (kept in the record); same id + same request: the existing sandbox
-         (idempotent: _created, asked again after an image's pull); a warm member
-         of its template: adopted; else a record (stored), "created",
+    edge --create(id, config)--> check id/config/files (actors/create_checks.py); effective
+         limits resolved (kept in the record); same id + same request: the existing
+         sandbox (idempotent: create_checks.created, asked again after an image's pull,
+         actors/oci_images.py); a warm member of its template: adopted; else a record
+         (stored), "created",
          Pools.plan_for -> Sandbox.start(plan)
          --started (state starting)--> the edge answers {state: starting}
 """
 
 from __future__ import annotations
 
-import base64
 import builtins
 import functools
 import logging
-import os
-import stat
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -40,24 +42,21 @@ from pathlib import Path
 import attrs
 import trio
 
-from actors import hostdirs
+from actors import create_checks, listing, recovery
 from actors.crash import crash_point
 from actors.errors import (
     AlreadyExists,
-    Code,
     DomainError,
     FailedPrecondition,
     InvalidArgument,
     NotFound,
     ResourceExhausted,
     Unavailable,
-    error,
 )
 from actors.events import EventBus
 from actors.hibernation import Hibernation
-from actors.machines.disk import DiskError, check_user_disk, virtual_size
 from actors.machines.guestmem import private_dir
-from actors.machines.qemuproc import AdoptedProcess, MachineError, start_time, unsearchable_parent
+from actors.machines.qemuproc import AdoptedProcess, MachineError, start_time
 from actors.model import (
     ALIVE,
     POOL_PREFIX,
@@ -75,24 +74,24 @@ from actors.model import (
     check_name,
     is_hidden,
 )
-from actors.modify import check_disk_size, check_machine
-from actors.net.ippool import link_name
-from actors.net.netlink import check_network_available, needs_pool_address
+from actors.modify import check_machine
+from actors.net.netlink import check_network_available
+from actors.oci_images import OciImages
 from actors.principals import LEGACY_OWNER, Principal
-from actors.quotas import Admission, Quotas, check_sandbox_disk
+from actors.quotas import Admission, Quotas
 from actors.sandboxes.files import SandboxFiles
 from actors.sandboxes.sandbox import Adopt, Boot, Plan, Resume, Sandbox
-from actors.sandboxes.secrets import check_store_hosts, new_owner
+from actors.sandboxes.secrets import new_owner
 from actors.secrets.ca import new_ca
-from actors.secrets.model import check_value, with_placeholders, without_generated
+from actors.secrets.model import with_placeholders
 from actors.settings import Settings
 from actors.snapshots.convert import convert_streamed
 from actors.snapshots.pools import Pools
 from actors.snapshots.snapshot import Checkpoint, SnapshotStore
 from actors.snapshots.transfer import Importer, export_stream
 from actors.store import Record, SnapshotRecord, Store
+from actors.timers import Timers
 from actors.volumes import Volumes
-from images.oci import Image, ImageError, ImageStore, ProgressFn, PruneResult, RemoveResult
 
 FORGET_FLUSH_TIMEOUT = 10.0  # s: the database's commit of a removal before the files go
 
@@ -134,10 +133,11 @@ class Registry:
             settings.sandboxes_dir.parent / "volumes", store, max_size=settings.max_sandbox_disk_mib << 20
         )
         self.volumes.tools = settings.cells.tools if settings.cells is not None else None  # e2fsck in a cell
-        self.hibernation = Hibernation(self)  # pause and resume (issue 25)
+        self.hibernation = Hibernation(self)  # pause and resume
+        self.oci = OciImages(settings, self.images_in_use)
+        self.timers = Timers(self.sandboxes, self.admission, self.hibernation, self.remove, DEFAULT_STOP_TIMEOUT)
         self._lives: trio.Nursery | None = None
         self._closing = False
-        self._removing: set[str] = set()
 
     # -- lifecycle of the registry ---------------------------------------------
     async def run(self, task_status: trio.TaskStatus[Registry] = trio.TASK_STATUS_IGNORED) -> None:
@@ -146,7 +146,7 @@ class Registry:
         s.run_root.mkdir(parents=True, exist_ok=True)
         if s.qemu_user is not None:
             s.run_root.chmod(0o711)  # QEMU's user reaches its own run dir, lists none
-            check_traversable(s.run_root, s.qemu_user.name)
+            recovery.check_traversable(s.run_root, s.qemu_user.name)
         if s.memory_dir is not None and s.cells is None:  # (in cells, Cells made it 0700: RAM goes by fd)
             s.memory_dir.parent.mkdir(parents=True, exist_ok=True)
             private_dir(s.memory_dir, 0o711 if s.qemu_user is not None else 0o700)  # QEMU's user passes through
@@ -172,7 +172,7 @@ class Registry:
                 await self.store.flush()
                 await nursery.start(self.pools.run, self)
                 self.hibernation.hold_all()
-                nursery.start_soon(self._timers)
+                nursery.start_soon(self.timers.run)
                 task_status.started(self)
                 await trio.sleep_forever()
         finally:
@@ -214,15 +214,15 @@ class Registry:
             proc = AdoptedProcess.open(rec.life.pid, rec.life.start_time) if rec.life is not None else None
             swapping = bool(rec.swap)  # a crash during a checkpoint: its QEMU (paused) is not adopted
             if swapping:
-                self._repair_swap(sb)
+                recovery.repair_swap(self.store, sb)
             adoptable = rec.state in ALIVE and not is_hidden(rec.id) and not swapping
             if proc is not None and rec.life is not None and adoptable:
                 adoptions.append((sb, Adopt(rec.life, proc, accepted=time.monotonic())))
                 ours.add(proc.pid)
                 self.sandboxes[rec.id] = sb
                 continue
-            killed = await _end(proc)
-            self._close_life(sb)
+            killed = await recovery.end_qemu(proc)
+            recovery.close_life(self.settings, self.store, sb)
             if is_hidden(rec.id):  # a warm pool member: it goes, and so does its QEMU
                 await self.forget(sb)
                 continue
@@ -238,54 +238,18 @@ class Registry:
                 rec.state, rec.qemu_pid = State.FAILED, 0
                 self.store.update(rec)
             self.sandboxes[rec.id] = sb
-        for pid in _our_qemus(self.settings.run_root) - ours:
+        for pid in recovery.our_qemus(self.settings.run_root) - ours:
             log.warning("killing QEMU %d under our run root that no record names", pid)
-            await _end(AdoptedProcess.open(pid, start_time(pid)))
+            await recovery.end_qemu(AdoptedProcess.open(pid, start_time(pid)))
         self.hibernation.recover()  # paused sandboxes stay paused (their QEMU, if any, killed above)
         keep = {Path(plan.life.run_dir).name for _, plan in adoptions}
-        self._recover_network([sb for sb, _ in adoptions])
+        recovery.recover_network(self.settings, self.sandboxes.values(), [sb for sb, _ in adoptions])
         SandboxFiles.sweep_lives(self.settings, keep=keep)  # what no adopted life holds is stale
         SandboxFiles.sweep_unrecorded(self.settings, {rec.uid for rec in records})
         if self.settings.cells is not None:
             self.settings.cells.sweep(keep=keep)
         await self.snapshots.collect()
         return adoptions
-
-    def _repair_swap(self, sb: Sandbox) -> None:
-        """Finish or undo the disk swap of a checkpoint the previous supervisor died in
-        (the journal names the frozen disk); the chain then says where the disk stands."""
-        rec = sb.record
-        frozen = rec.swap
-        if sb.files.repair_swap(Path(frozen)) and (not rec.chain or rec.chain[0] != frozen):
-            rec.chain = [frozen, *rec.chain]
-        rec.swap = ""
-        self.store.update_life(rec)
-        done = "finished" if rec.chain[:1] == [frozen] else "undone"
-        log.warning("sandbox %s: the disk swap of a checkpoint was %s", rec.id, done)
-
-    def _recover_network(self, adopted: builtins.list[Sandbox]) -> None:
-        """Leases whose sandbox is gone (a crash between a Remove's record and its lease)
-        go back to the pool; jail namespaces no adopted life runs in go."""
-        hn = self.settings.hostnet
-        if hn is None:
-            return
-        owners = {sb.record.uid for sb in self.sandboxes.values()}
-        for owner in hn.pool.leases():
-            if owner not in owners:
-                hn.pool.release(owner)
-        for owner, address in hn.pool.dropped:
-            log.warning("the IP pool changed: sandbox %s loses its address %s", owner, address)
-        hn.sweep(keep={link_name(sb.record.uid) for sb in adopted})
-
-    def _close_life(self, sb: Sandbox) -> None:
-        """What a dead life left (its cell: cgroup, jail dir, identity, RAM file)."""
-        life, cells = sb.record.life, self.settings.cells
-        if life is None:
-            return
-        if life.uid and cells is not None:
-            cells.reopen(sb.record.uid[:18], Path(life.run_dir), life.uid, life.ram).close()
-        sb.record.life = None
-        self.store.update_life(sb.record)
 
     async def detach_all(self) -> None:
         """Let every running sandbox go on without us (serve --keep-sandboxes): their
@@ -438,23 +402,10 @@ class Registry:
         cursor: str = "",
         viewer: Principal | None = None,
     ) -> tuple[builtins.list[Sandbox], str]:
-        """Newest first, filtered by state and labels (all must match) and what ``viewer``
-        may see (None: all); a page of ``limit`` and the cursor of the next page ("" on
-        the last)."""
-        if not 1 <= limit <= 100:
-            raise InvalidArgument("limit must be between 1 and 100")
-        labels = labels or {}
-        before = decode_cursor(cursor) if cursor else None
-        matches = [
-            sb
-            for sb in sorted(self.sandboxes.values(), key=lambda s: s.record.seq, reverse=True)
-            if (state is None or sb.state == state)
-            and all(sb.config.labels.get(k) == v for k, v in labels.items())
-            and (before is None or sb.record.seq < before)
-            and (viewer is None or viewer.may_see(sb.record.owner))
-        ]
-        page = matches[:limit]
-        return page, encode_cursor(page[-1].record.seq) if len(matches) > limit else ""
+        """A page of the sandboxes (actors/listing.py)."""
+        return listing.page(
+            self.sandboxes.values(), state=state, labels=labels, limit=limit, cursor=cursor, viewer=viewer
+        )
 
     # -- operations --------------------------------------------------------------
     async def create(
@@ -481,25 +432,21 @@ class Registry:
         check_network_available(self.settings, config.network)
         values = secret_values or {}
         if config.secrets:
-            check_secrets_available(self.settings, config, values)
-        existing = self._created(id, config, owner)  # (before the checks of what a new sandbox would take)
+            create_checks.check_secrets_available(self.settings, config, values)
+        # (asked before the checks of what a new sandbox would take)
+        existing = create_checks.created(self.sandboxes, id, config, owner)
         if existing is not None:
             return existing
         self.volumes.check(config.volumes)  # (a life claims them; this refuses before anything is made)
-        for what, path in (("kernel", config.boot.kernel), ("rootfs", config.boot.rootfs)):
-            if path:
-                check_host_file(what, path, self.settings.allowed_paths)
-        if config.host_mounts:
-            hostdirs.servers(self.settings)
-        for m in config.host_mounts:
-            hostdirs.check_host_dir(m.source, self.settings.allowed_paths, writable=m.writable)
+        create_checks.check_host_paths(self.settings, config)
         accepted = time.monotonic()
-        image = await self._image(config, pull_auth) if config.boot.image else None
-        existing = self._created(id, config, owner)  # created meanwhile, while the image was pulled
+        image = await self.oci.use(config, pull_auth) if config.boot.image else None
+        # created meanwhile, while the image was pulled?
+        existing = create_checks.created(self.sandboxes, id, config, owner)
         if existing is not None:
             return existing
         # from here to the registration below nothing awaits: one Create of an id makes it
-        self._check_disks(config, image)
+        create_checks.check_disks(self.settings, self.volumes, config, image)
         if config.secrets:  # (the caller's request is compared above; the record keeps the placeholders)
             config = attrs.evolve(config, secrets=with_placeholders(config.secrets))
         member = self.pools.take_for_create(config, limits, image)
@@ -529,126 +476,7 @@ class Registry:
         await sb.persisted()
         return sb
 
-    def _created(self, id: str, requested: SandboxConfig, owner: str) -> Sandbox | None:
-        """The idempotency of Create, decided in one place: the sandbox ``id`` names if
-        it was made by the same request (the configuration as the caller asked for it:
-        its secrets' generated placeholders aside) of the same owner; None if no sandbox
-        has the id; any other request for a taken id is ALREADY_EXISTS."""
-        existing = self.sandboxes.get(id) if id else None
-        if existing is None:
-            return None
-        asked = attrs.evolve(existing.config, secrets=without_generated(existing.config.secrets))
-        if asked == requested and existing.record.owner == owner:
-            return existing  # idempotent: same id, same request, same caller
-        raise AlreadyExists(f"sandbox {id!r} exists with a different configuration")
-
-    def _check_disks(self, config: SandboxConfig, image: ImageUse | None) -> None:
-        """A caller's own rootfs stands alone (no backing or data file, actors/machines/disk.py), and
-        the sandbox's disks fit --max-sandbox-disk (actors/quotas.py). The life checks again."""
-        try:
-            if config.boot.rootfs:
-                size = check_user_disk(Path(config.boot.rootfs)).size
-            else:
-                size = virtual_size(Path(image.rootfs) if image is not None else self.settings.image.rootfs)
-        except DiskError as exc:
-            raise FailedPrecondition(str(exc)) from None
-        recs = self.volumes.records
-        rw = [(m.name, recs[m.name].size_bytes) for m in config.volumes if not m.read_only and m.name in recs]
-        check_disk_size(config.limits.disk_mib, size)
-        check_sandbox_disk(self.settings.max_sandbox_disk_mib, max(size, config.limits.disk_mib << 20), rw)
-
-    # -- OCI images (issue 15) -------------------------------------------------------
-    def image_store(self) -> ImageStore:
-        store = self.settings.images
-        if store is None:
-            raise FailedPrecondition("this supervisor has no image store (OCI images need a root supervisor)")
-        return store
-
-    async def pull_image(
-        self,
-        ref: str,
-        *,
-        policy: str = "if-missing",
-        tls_verify: bool = True,
-        creds: str | None = None,
-        auth_json: bytes | None = None,
-        ca_pem: bytes | None = None,
-        progress: ProgressFn | None = None,
-    ) -> Image:
-        """Pull ``ref`` into the store (the store's errors as the seed's codes). The
-        credentials go to skopeo in a 0600 file and nowhere else: not in a log line,
-        not in an error message."""
-        store = self.image_store()
-        try:
-            return await store.pull(
-                ref,
-                policy=policy,
-                tls_verify=tls_verify,
-                creds=creds,
-                auth_json=auth_json,
-                ca_pem=ca_pem,
-                progress=progress,
-            )
-        except ImageError as exc:
-            raise error(Code(exc.code), exc.message) from None
-
-    def list_images(self) -> builtins.list[Image]:
-        return self.settings.images.list_images() if self.settings.images is not None else []
-
-    def inspect_oci_image(self, ref: str) -> Image:
-        try:
-            return self.image_store().get(ref)
-        except ImageError as exc:
-            raise error(Code(exc.code), exc.message) from None
-
-    async def remove_image(self, ref: str) -> RemoveResult:
-        """Untag or delete; an image a sandbox, a warm pool member, a snapshot or a boot
-        template stands on is FAILED_PRECONDITION (the in-use set is taken and the image
-        moved out with no checkpoint between: a Create cannot slip in)."""
-        store = self.image_store()
-        try:
-            return await store.remove(ref, in_use=self.images_in_use())
-        except ImageError as exc:
-            raise error(Code(exc.code), exc.message) from None
-
-    async def prune_images(self, *, dangling_only: bool = False) -> PruneResult:
-        """Every image nothing stands on (see remove_image), unused layers, stale staging."""
-        store = self.image_store()
-        try:
-            return await store.prune(self.images_in_use(), dangling_only=dangling_only)
-        except ImageError as exc:
-            raise error(Code(exc.code), exc.message) from None
-
-    async def _image(self, config: SandboxConfig, auth: PullAuth | None = None) -> ImageUse:
-        """The OCI image a Create names, pulled as its policy says (a pull happens before
-        Create answers: a bad reference, a missing tag, a refused pull are the Create's errors)."""
-        store = self.image_store()
-        boot = config.boot
-        auth = auth or PullAuth()
-        try:
-            img = await store.pull(
-                boot.image,
-                policy=boot.pull,
-                tls_verify=boot.tls_verify,
-                creds=auth.creds or None,
-                auth_json=auth.auth_json or None,
-                ca_pem=auth.ca_pem or None,
-            )
-        except ImageError as exc:
-            raise error(Code(exc.code), exc.message) from None
-        c = img.config
-        return ImageUse(
-            ref=boot.image,
-            digest=img.digest,
-            template_key=img.template_key,
-            rootfs=str(img.rootfs),
-            env=c.env_dict(),
-            working_dir=c.working_dir,
-            user=c.user,
-            argv=tuple(c.argv()),
-            entrypoint=c.entrypoint,
-        )
-
+    # -- OCI images ----------------------------------------------------------------
     def images_in_use(self) -> set[str]:
         """Digests of the images some sandbox, member or snapshot stands on (never removed)."""
         used = {
@@ -808,7 +636,7 @@ class Registry:
         network_override: bool = False,
         owner: str = LEGACY_OWNER,
     ) -> Sandbox:
-        """A new sandbox from a snapshot, returned once ready (as the seed says). A tap
+        """A new sandbox from a snapshot, returned once ready. A tap
         clone keeps its snapshot's address when that is free and ``network_override``
         is not asked; else (the origin or another clone holds it) it gets a fresh one.
         Either way a fresh TAP and MAC, and its guest is configured before ready."""
@@ -853,7 +681,7 @@ class Registry:
         sb = self._new_sandbox(id, config, limits, origin=snap.id, image=snap.oci, owner=owner)
         sb.lease(want="" if network_override else snap.address)
         if config.secrets:  # the snapshot's values, a CA of its own (config: fresh placeholders)
-            check_secrets_available(self.settings, config, {}, fresh=False)
+            create_checks.check_secrets_available(self.settings, config, {}, fresh=False)
             assert self.settings.vault is not None
             self.settings.vault.copy_owner(snap.uid, sb.record.uid, ca=new_ca(sb.record.uid[:12]))
         self.store.insert(sb.record)
@@ -925,175 +753,3 @@ class Registry:
         await self.store.flush()  # a snapshot the caller was told of is on record
         self.pools.wake()
         return rec
-
-    # -- timers ------------------------------------------------------------------
-    async def _timers(self) -> None:
-        """TTL (from creation; not reset by activity) removes; idle timeout stops;
-        ephemeral sandboxes go once stopped."""
-        while True:
-            # (timers are whole seconds: a tick a second is precise enough, and under the
-            # unit tests' mock clock every tick costs real time)
-            await trio.sleep(1.0)
-            await self.admission.measure()
-            now = trio.current_time()
-            for sb in list(self.sandboxes.values()):
-                timers = sb.config.timers
-                if timers.ephemeral and sb.stopped and sb.state != State.PAUSED:
-                    self._remove_later(sb.id)
-                    continue
-                if timers.ttl_seconds and now >= sb.born + timers.ttl_seconds:
-                    if sb.id not in self._removing:
-                        sb.log.append("system", b"ttl expired: removing")
-                    self._remove_later(sb.id)
-                    continue
-                idle = timers.idle_timeout_seconds
-                if (
-                    idle
-                    and sb.state == State.READY
-                    and not sb.workloads
-                    and not sb.execs
-                    and now - sb.last_activity >= idle
-                    and not sb.stopped
-                ):
-                    if timers.on_idle == "pause":
-                        self.hibernation.pause_later(sb)
-                        continue
-                    sb.log.append("system", b"idle timeout: stopping")
-                    sb.request_stop(DEFAULT_STOP_TIMEOUT)
-                    continue
-                paused_ttl = timers.paused_ttl_seconds
-                if paused_ttl and sb.state == State.PAUSED and self.hibernation.paused_seconds(sb) >= paused_ttl:
-                    if sb.id not in self._removing:
-                        sb.log.append("system", b"paused ttl expired: removing")
-                    self._remove_later(sb.id)
-
-    def _remove_later(self, id: str) -> None:
-        if id in self._removing or self._lives is None:
-            return
-        self._removing.add(id)
-        self._lives.start_soon(self._remove_quietly, id)
-
-    async def _remove_quietly(self, id: str) -> None:
-        try:
-            await self.remove(id, force=True)
-        except DomainError:
-            pass
-        finally:
-            self._removing.discard(id)
-
-
-def check_secrets_available(
-    settings: Settings, config: SandboxConfig, values: dict[str, bytes], *, fresh: bool = True
-) -> None:
-    """Secrets need the vault and a sandbox link the proxy can sit on (tap, or jailed
-    user mode with outbound); each secret its value (its own, or a store entry)."""
-    if settings.vault is None or settings.upstream_tls is None:
-        raise FailedPrecondition("this supervisor keeps no secrets")
-    if not needs_pool_address(settings, config.network) or settings.hostnet is None:
-        raise FailedPrecondition(
-            "secrets need network mode 'tap', or 'user' with outbound in the jail (a root supervisor with --ip-pool)"
-        )
-    names = {r.name for r in config.secrets}
-    extra = set(values) - names
-    if extra:
-        raise InvalidArgument(f"values for secrets that are not declared: {', '.join(sorted(extra))}")
-    for r in config.secrets:
-        if r.store:
-            if r.name in values:
-                raise InvalidArgument(f"secret {r.name}: a store entry and a value exclude each other")
-            if fresh and r.store not in settings.vault.named:  # (a restore copies its snapshot's)
-                raise NotFound(f"secret {r.name}: no entry {r.store!r} in the secret store (secret set)")
-            if fresh:  # (a restore's hosts are narrowed by the entry's at each request)
-                check_store_hosts(settings.vault, r)
-        elif r.name in values:
-            check_value(r.name, values[r.name])
-        elif fresh:
-            raise InvalidArgument(f"secret {r.name}: no value (give value:, env: or store:)")
-
-
-def check_host_file(what: str, path: str, allowed: tuple[Path, ...]) -> None:
-    """A caller's own kernel or rootfs: a regular file, reached through no symlink, in a
-    directory the operator allows. Root opens it for QEMU: without these rules a
-    Create could hand a guest /etc/shadow or the host's disk."""
-    p = Path(path)
-    if not p.is_absolute() or ".." in p.parts:
-        raise InvalidArgument(f"{what} must be an absolute path without '..'")
-    dirs = [d.resolve() for d in allowed]
-    if not any(p.is_relative_to(d) for d in dirs):
-        where = ", ".join(map(str, dirs)) or "none (serve --allow-path DIR allows one)"
-        raise FailedPrecondition(f"{what} {path!r} is not in a directory the supervisor allows; allowed: {where}")
-    try:
-        st = p.lstat()
-    except FileNotFoundError:
-        raise NotFound(f"{what} {path!r} is not a file on the supervisor's host") from None
-    except OSError as exc:
-        raise FailedPrecondition(f"{what} {path!r}: {exc.strerror}") from None
-    if os.path.realpath(p) != str(p) or not stat.S_ISREG(st.st_mode):
-        raise FailedPrecondition(f"{what} {path!r} must be a regular file reached through no symlink")
-
-
-def check_traversable(path: Path, user: str) -> None:
-    """QEMU runs as ``user`` and creates its guest socket under ``path``: every parent
-    must let others through (o+x). Said at start, not at the first boot's failure."""
-    blocked = unsearchable_parent(path / "x")  # the run root itself must be passable too
-    if blocked is not None:
-        raise FailedPrecondition(
-            f"the run root {path} is not reachable by QEMU's user {user!r}: {blocked} is not o+x "
-            "(choose another run root, or another --qemu-user)"
-        )
-
-
-def encode_cursor(seq: int) -> str:
-    return base64.urlsafe_b64encode(f"seq:{seq}".encode()).decode()
-
-
-def decode_cursor(cursor: str) -> int:
-    try:
-        raw = base64.urlsafe_b64decode(cursor.encode()).decode()
-        kind, _, value = raw.partition(":")
-        if kind != "seq" or not value.isdigit():
-            raise ValueError
-        return int(value)
-    except (ValueError, UnicodeDecodeError):
-        raise InvalidArgument("invalid cursor") from None
-
-
-async def _end(proc: AdoptedProcess | None, timeout: float = 10.0) -> bool:
-    """SIGKILL a QEMU and wait until it is gone (a pidfd: no recycled pid is hit).
-    True if it was running."""
-    if proc is None:
-        return False
-    proc.kill()
-    with trio.move_on_after(timeout) as scope:
-        await proc.wait()
-    if scope.cancelled_caught:
-        log.error("QEMU %d did not die within %gs of SIGKILL", proc.pid, timeout)
-    return True
-
-
-def _our_qemus(run_root: Path) -> set[int]:
-    """QEMUs whose "/" is a jail dir under our run root (the same directory inode: a
-    pivot_root-ed process's root has no path in our mount namespace), or whose argv
-    names our run root (unjailed)."""
-    root = str(run_root.resolve()).encode()
-    jails = set()
-    for jail_dir in run_root.glob("*/root"):
-        try:
-            st = jail_dir.stat()
-            jails.add((st.st_dev, st.st_ino))
-        except OSError:
-            continue
-    found = set()
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            argv = Path(entry.path, "cmdline").read_bytes()
-            if b"qemu-system" not in argv.split(b"\0", 1)[0]:
-                continue
-            st = os.stat(Path(entry.path, "root"))
-        except OSError:
-            continue
-        if (st.st_dev, st.st_ino) in jails or root + b"/" in argv:
-            found.add(int(entry.name))
-    return found

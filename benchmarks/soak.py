@@ -31,7 +31,7 @@ import trio
 from _harness import write_results
 
 from actors.cells.cgroups import detect
-from actors.registry import _our_qemus
+from actors.recovery import our_qemus
 from supervisor.client import AsyncSandbox, SandboxError
 from supervisor.config import default_memory_dir
 from supervisor.throwaway import Workdir, supervisor_process, workdir
@@ -54,7 +54,7 @@ def footprint(work: Workdir, pid: int) -> dict[str, int]:
     return {
         "supervisor_fds": len(os.listdir(f"/proc/{pid}/fd")),
         "supervisor_rss_mib": rss,
-        "qemu_processes": len(_our_qemus(work.run_root)),
+        "qemu_processes": len(our_qemus(work.run_root)),
         "state_files": count(work.state / "sandboxes") + count(work.state / "snapshots"),
         "run_root_entries": count(work.run_root),
         "ram_files": count(default_memory_dir(work.state)),

@@ -110,7 +110,7 @@ async def _delete_volume(reg: Registry, io: CallIO, req: W.DeleteVolumeRequest) 
 @method("ListImages", W.Empty)
 async def _list_images(reg: Registry, io: CallIO, req: W.Empty) -> W.ListImagesResponse:
     used = reg.images_in_use()
-    oci = [M.oci_image(img, img.digest in used) for img in await trio.to_thread.run_sync(reg.list_images)]
+    oci = [M.oci_image(img, img.digest in used) for img in await trio.to_thread.run_sync(reg.oci.list)]
     return W.ListImagesResponse([await trio.to_thread.run_sync(M.image, reg.settings.image, True)], oci)
 
 
@@ -135,7 +135,7 @@ async def _pull_image(reg: Registry, io: CallIO, req: W.PullImageRequest) -> Non
     async with trio.open_nursery() as nursery:
         nursery.start_soon(forward)
         with items_in:
-            img = await reg.pull_image(
+            img = await reg.oci.pull(
                 req.ref,
                 policy=req.policy or "if-missing",
                 tls_verify=req.tls_verify is not False,
@@ -151,20 +151,20 @@ async def _pull_image(reg: Registry, io: CallIO, req: W.PullImageRequest) -> Non
 @method("RemoveImage", W.ImageRefRequest)
 async def _remove_image(reg: Registry, io: CallIO, req: W.ImageRefRequest) -> W.RemoveImageResponse:
     A.admin_only(io.principal, "removing an image (images are shared)")
-    r = await reg.remove_image(req.ref)
+    r = await reg.oci.remove(req.ref)
     return W.RemoveImageResponse(list(r.untagged), list(r.deleted), r.freed_bytes)
 
 
 @method("PruneImages", W.PruneImagesRequest)
 async def _prune_images(reg: Registry, io: CallIO, req: W.PruneImagesRequest) -> W.PruneImagesResponse:
     A.admin_only(io.principal, "pruning images (images are shared)")
-    r = await reg.prune_images(dangling_only=req.dangling_only)
+    r = await reg.oci.prune(dangling_only=req.dangling_only)
     return W.PruneImagesResponse(list(r.deleted), r.blobs_deleted, r.freed_bytes)
 
 
 @method("InspectOciImage", W.ImageRefRequest)
 async def _inspect_oci_image(reg: Registry, io: CallIO, req: W.ImageRefRequest) -> W.OciImageInfo:
-    img = reg.inspect_oci_image(req.ref)
+    img = reg.oci.inspect(req.ref)
     return M.oci_image(img, img.digest in reg.images_in_use())
 
 

@@ -440,7 +440,7 @@ def _check_manifest(
         raise InvalidArgument("the export's sandbox has secrets: secrets do not travel")
     check_config(config)
     if config.boot.kernel or config.boot.rootfs:
-        from actors.registry import check_host_file
+        from actors.create_checks import check_host_file
 
         for what, path in (("kernel", config.boot.kernel), ("rootfs", config.boot.rootfs)):
             if path:

@@ -23,7 +23,7 @@ import pytest
 import trio
 from trio.testing import MockClock
 
-from actors import registry as registry_module
+from actors import create_checks
 from actors.errors import AlreadyExists, InvalidArgument
 from actors.model import Action, BootSource, NetMode, Network, PullAuth, SandboxConfig, State
 from actors.modify import Modification, modify
@@ -113,7 +113,7 @@ async def test_concurrent_idempotent_creates_with_secrets_and_an_image_get_one_s
         if missing:
             raise InvalidArgument(f"secret {min(missing)}: no value (give value:, env: or store:)")
 
-    monkeypatch.setattr(registry_module, "check_secrets_available", values_given)
+    monkeypatch.setattr(create_checks, "check_secrets_available", values_given)
     lab = FakeLab()
     images = SlowImages(fake_settings(tmp_path, lab).image.rootfs, expected=2)
     (tmp_path / "vault").mkdir()

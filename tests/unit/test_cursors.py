@@ -1,4 +1,4 @@
-"""List cursors (actors/registry.py): round trips, and garbage is INVALID_ARGUMENT."""
+"""List cursors (actors/listing.py): round trips, and garbage is INVALID_ARGUMENT."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from actors.errors import DomainError
-from actors.registry import decode_cursor, encode_cursor
+from actors.listing import decode_cursor, encode_cursor
 
 
 @given(st.integers(min_value=0, max_value=2**62))

@@ -1,4 +1,4 @@
-"""Host files a Create may name (actors/registry.py's check_host_file): regular files in the
+"""Host files a Create may name (actors/create_checks.py's check_host_file): regular files in the
 allowed directories only, no symlinks on the way."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from actors.errors import DomainError
 
 
 def test_a_create_may_name_only_regular_files_in_allowed_dirs(tmp_path: Path) -> None:
-    from actors.registry import check_host_file
+    from actors.create_checks import check_host_file
 
     allowed = tmp_path / "images"
     allowed.mkdir()

@@ -27,6 +27,7 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from actors import create_checks
 from actors import volumes as volumes_mod
 from actors.errors import FailedPrecondition, ResourceExhausted
 from actors.machines.disk import (
@@ -314,7 +315,8 @@ async def test_create_refuses_layered_rootfs_and_disks_over_the_cap(tmp_path: Pa
                 await reg.volumes.create("huge", 41 * MIB)
             assert lab.guests == [] and reg.sandboxes == {}  # no QEMU got anything
             ro = (VolumeMount("data", "/data"), VolumeMount("more", "/more", read_only=True))
-            reg._check_disks(SandboxConfig(boot=own, volumes=ro), None)  # a read-only volume does not grow
+            # a read-only volume does not grow
+            create_checks.check_disks(reg.settings, reg.volumes, SandboxConfig(boot=own, volumes=ro), None)
             ok = await reg.create("ok", SandboxConfig(boot=own))
             with trio.fail_after(60):
                 await ok.ready_event.wait()

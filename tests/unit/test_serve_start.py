@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from actors.errors import DomainError
-from actors.registry import check_traversable
+from actors.recovery import check_traversable
 from supervisor import config, daemon
 from supervisor.daemon import Refused
 from supervisor.daemon_config import DaemonConfig

@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 import trio
 
-from actors.registry import Registry, _our_qemus
+from actors.recovery import our_qemus
+from actors.registry import Registry
 from actors.store import SnapshotRecord
 from images.build import Image
 from supervisor.client import AsyncSandbox
@@ -155,10 +156,10 @@ async def test_a_conversion_cut_short_leaves_nothing(work: Workdir) -> None:
                 await other.remove()
             rec = registry.snapshots.get(doomed.snapshot_id)
             await held_mid_way(work, registry, rec)
-            assert len(_our_qemus(work.run_root) - ours) == 1  # (its helper)
+            assert len(our_qemus(work.run_root) - ours) == 1  # (its helper)
             await AsyncSandbox.delete_snapshot(doomed.snapshot_id, socket=sock)
             assert not rec.path.exists()
-            assert _our_qemus(work.run_root) == ours
+            assert our_qemus(work.run_root) == ours
             assert not any(d.name.startswith("cv-") for d in work.run_root.iterdir())
             # this one's conversion is under way when the supervisor exits
             kept = await origin.checkpoint("kept")
@@ -167,7 +168,7 @@ async def test_a_conversion_cut_short_leaves_nothing(work: Workdir) -> None:
         hold.release()
         assert rec.memory == "streamed"
         assert leftovers(work, rec) == {"part files": [], "helper run dirs": []}
-        assert not _our_qemus(work.run_root)
+        assert not our_qemus(work.run_root)
         assert sorted(os.listdir(rec.path)) == ["disk.qcow2", "initrd", "kernel", "vmstate"]
         async with supervisor(work) as (cfg, registry):
             rec = registry.snapshots.get(kept.snapshot_id)

@@ -24,7 +24,7 @@ import trio
 
 from actors.cells.cgroups import detect
 from actors.crash import STEPS
-from actors.registry import _our_qemus
+from actors.recovery import our_qemus
 from images.build import Image
 from supervisor.client import AsyncConnection, connect
 from supervisor.config import default_memory_dir
@@ -214,7 +214,7 @@ def check_nothing_stray(work: Workdir) -> None:
     lives = {uid: msgpack.unpackb(life) for uid, _, _, _, life, _ in rows if life and msgpack.unpackb(life)}
     assert all(not swap for *_, swap in rows), "a checkpoint's journal was left set"
     # every QEMU under our run root is a recorded, running life
-    assert _our_qemus(work.run_root) == {life["pid"] for life in lives.values()}
+    assert our_qemus(work.run_root) == {life["pid"] for life in lives.values()}
     # sandbox directories: one per record, and each disk checks clean on its recorded chain
     sandboxes = work.state / "sandboxes"
     assert {d.name for d in sandboxes.iterdir()} == {uid for uid, *_ in rows}

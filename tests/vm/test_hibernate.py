@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import trio
 
-from actors.registry import _our_qemus
+from actors.recovery import our_qemus
 from images.build import Image
 from supervisor.client import AsyncSandbox, FailedPrecondition, connect
 from supervisor.protocol import ApiError
@@ -74,7 +74,7 @@ async def test_pause_frees_qemu_and_resume_continues_the_processes(served: dict[
                 while await counter(sb) < 3:
                     await trio.sleep(0.1)
             before = await sb.inspect()
-            [pid] = _our_qemus(run_root)
+            [pid] = our_qemus(run_root)
             assert (await sb.metrics()).host_rss_bytes > 0
             events: list[str] = []
             async with connect(sock) as ec, ec.open_call("Events", {}) as stream:
@@ -90,7 +90,7 @@ async def test_pause_frees_qemu_and_resume_continues_the_processes(served: dict[
                     assert info.state == "paused"
                     at_pause = int((await sb.inspect()).created_at)
                     # no QEMU: the process is gone (and its RSS with it)
-                    assert not alive(pid) and not _our_qemus(run_root)
+                    assert not alive(pid) and not our_qemus(run_root)
                     listed = await AsyncSandbox.list(labels={"k": "v"}, socket=sock)
                     assert [(s.id, s.state) for s in listed.sandboxes] == [("count", "paused")]
                     await trio.sleep(1.0)  # paused time: the counter must not move
@@ -110,7 +110,7 @@ async def test_pause_frees_qemu_and_resume_continues_the_processes(served: dict[
                 before.ready_at,
             )
             assert after.network.ip_address == before.network.ip_address
-            [pid2] = _our_qemus(run_root)
+            [pid2] = our_qemus(run_root)
             assert pid2 != pid
             # the loop went on from where it was (not restarted) and keeps rising
             first = await counter(sb)
@@ -349,7 +349,7 @@ def test_a_paused_sandbox_survives_a_supervisor_kill_9(image: Image) -> None:
             before = trio.run(pause_it, work.socket)
             proc.kill()
             proc.wait(timeout=60)
-        assert not _our_qemus(work.run_root)
+        assert not our_qemus(work.run_root)
         with supervisor_process(work, "--max-paused", "1"):
             trio.run(resume_it, work.socket, before)
 
