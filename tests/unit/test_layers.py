@@ -151,8 +151,7 @@ def test_one_list_of_error_codes() -> None:
     it, the domain too); the domain and the SDK have one error class per code, and
     guestd's own Error codes are these names but for two of the guest's own."""
     from actors import errors as domain
-    from guestd import codes
-    from guestd import proto as P
+    from guestd import codes, proto
     from supervisor import errors as sdk
 
     names = {c.value for c in codes.Code}
@@ -162,7 +161,7 @@ def test_one_list_of_error_codes() -> None:
         c: domain.BY_CODE[codes.Code(c)].__name__ for c in names
     }
     assert all(getattr(sdk, c) == c for c in names)
-    guest = {v for k, v in vars(P).items() if k.startswith("E_") and isinstance(v, str)}
+    guest = {v for k, v in vars(proto).items() if k.startswith("E_") and isinstance(v, str)}
     assert guest - names == {"IS_A_DIRECTORY", "TOO_LARGE"}
 
 
@@ -183,3 +182,40 @@ print(os.environ.get("GRPC_ENABLE_FORK_SUPPORT"))
     env = {k: v for k, v in os.environ.items() if k != "GRPC_ENABLE_FORK_SUPPORT"}
     p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60, check=False)
     assert (p.returncode, p.stdout) == (0, "0\n"), p.stderr
+
+
+# files other branches are editing as this check lands; each is to lose its one-letter alias
+# and leave this list
+ONE_LETTER_ALIASES_KNOWN = {"supervisor/cli_stores.py: protocol as W"}
+
+
+def one_letter_aliases(path: Path, root: Path = ROOT) -> list[str]:
+    """Imports of a module (or function: a lowercase name) under a one-letter name, such
+    as ``from supervisor import protocol as W``: a letter says nothing, and the same letter
+    came to mean different modules in different files. Classes (``PatchEntry as E``) pass."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            for a in node.names:
+                name = a.name.rsplit(".", 1)[-1]
+                if a.asname and len(a.asname) == 1 and not name[:1].isupper():
+                    out.append(f"{path.relative_to(root)}: {name} as {a.asname}")
+    return out
+
+
+def test_no_module_goes_by_one_letter() -> None:
+    found = {x for p in ("actors", "supervisor", "guestd", "images") for f in sources(p) for x in one_letter_aliases(f)}
+    assert found - ONE_LETTER_ALIASES_KNOWN == set()
+
+
+def test_the_alias_check_sees_one_letter_names(tmp_path: Path) -> None:
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "import os.path as p\nfrom guestd import proto as P\nfrom guestd.patch import PatchEntry as E\n"
+        "from supervisor import protocol\ndef f():\n    from actors import defaults as D\n"
+    )
+    assert sorted(one_letter_aliases(probe, tmp_path)) == [
+        "probe.py: defaults as D",
+        "probe.py: path as p",
+        "probe.py: proto as P",
+    ]

@@ -26,7 +26,7 @@ import trio
 
 from actors.errors import AlreadyExists, NotFound
 from actors.model import Egress, NetMode, Network, PortSpec, Protocol, SandboxConfig, State
-from actors.net import dnsmsg as D
+from actors.net import dnsmsg
 from actors.net.ippool import guest_mac
 from actors.registry import Registry
 from actors.sandboxes.sandbox import Sandbox
@@ -336,17 +336,17 @@ async def hostile_dns_queries(lab: NetLab, reg: Registry, sb: Sandbox, others: t
     for case, mid in sent.items():
         for raw in replies[case]:  # (UDP, TCP)
             assert raw is not None, (case, replies)
-            msg = D.parse(bytes.fromhex(raw))  # well-formed
+            msg = dnsmsg.parse(bytes.fromhex(raw))  # well-formed
             assert msg.is_response and (mid is None or msg.id == mid), (case, msg)
-            want = D.REFUSED if case in ("nonascii", "dotted") else D.FORMERR
+            want = dnsmsg.REFUSED if case in ("nonascii", "dotted") else dnsmsg.FORMERR
             assert msg.rcode == want, (case, msg)
     for raw in replies["nonascii"]:  # the question echoed octet for octet
         assert bytes.fromhex(raw)[12:] == b"\x01\xff\x07allowed\x04test\x00\x00\x01\x00\x01"
     assert replies["short"] == [None]  # nothing to answer with: silence
     (normal,) = replies["normal"]
-    msg = D.parse(bytes.fromhex(normal))
-    assert msg.id == 99 and msg.rcode == D.NOERROR
-    assert [str(a) for a, _ in D.answered_addresses(msg, "allowed.test")] == [SERVERS[1]]
+    msg = dnsmsg.parse(bytes.fromhex(normal))
+    assert msg.id == 99 and msg.rcode == dnsmsg.NOERROR
+    assert [str(a) for a, _ in dnsmsg.answered_addresses(msg, "allowed.test")] == [SERVERS[1]]
     # the proxy and the supervisor serve on: nothing failed unforeseen, every sandbox runs
     assert not hn.dns_down and hn.dns.stats["errors"] == 0, hn.dns.stats
     assert all(reg.get(x.id).state == State.READY for x in (sb, *others))
