@@ -53,7 +53,7 @@ class Settings:
     # tap networking, the IP pool, egress filter and DNS proxy (root supervisors: serve
     # --ip-pool); also the uplinks of jailed user-mode sandboxes with outbound access
     hostnet: HostNetwork | None = None
-    # secrets (issue 23): their values and CAs (None: Creates with secrets are refused),
+    # secrets: their values and CAs (None: Creates with secrets are refused),
     # and the proxy's TLS context to real servers (system store + serve --upstream-ca)
     vault: Vault | None = None
     upstream_tls: ssl.SSLContext | None = None

@@ -1,4 +1,4 @@
-"""gRPC against the msgpack socket, on one supervisor and one sandbox (issue 17's figures).
+"""gRPC against the msgpack socket, on one supervisor and one sandbox.
 
 The supervisor (``serve``, TCG) runs in a child process with both edges: its msgpack
 socket and sandbox.v1 over gRPC on a Unix socket (through the peer-credential relay,

@@ -80,7 +80,7 @@ async def _create(reg: Registry, io: CallIO, req: protocol.CreateSandboxRequest)
     sb = await reg.create(
         req.id, config, mapping.secret_values(req), pull_auth=mapping.pull_auth(req), owner=io.principal.name
     )
-    # the seed: "State at time of response: always starting" (ready follows as an event,
+    # sandbox.v1: "State at time of response: always starting" (ready follows as an event,
     # at once when a warm pool member served it)
     return protocol.CreateSandboxResponse(id=sb.id, ip_address=sb.ip_address, state=State.STARTING.value)
 
@@ -113,7 +113,7 @@ async def _list(reg: Registry, io: CallIO, req: protocol.ListSandboxesRequest) -
 
 @method("ListAll", protocol.ListSandboxesRequest)
 async def _list_all(reg: Registry, io: CallIO, req: protocol.ListSandboxesRequest) -> protocol.ListSandboxesResponse:
-    """Every match, newest first, in one response (the seed's List has no paging)."""
+    """Every match, newest first, in one response (sandbox.v1's List has no paging)."""
     state, out, cursor = mapping.state(req.state), [], ""
     while True:
         page, cursor = reg.list(state=state, labels=req.labels, limit=100, cursor=cursor, viewer=io.principal)

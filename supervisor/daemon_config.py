@@ -168,7 +168,7 @@ class DaemonConfig:
     max_sandboxes: int = flag(
         defaults.MAX_SANDBOXES, name="--max-sandboxes", type=int
     )  # live ones, warm pools' included
-    max_paused: int = flag(  # hibernated ones (issue 25): they hold disk, not RAM or a --max-sandboxes slot
+    max_paused: int = flag(  # hibernated ones: they hold disk, not RAM or a --max-sandboxes slot
         0, name="--max-paused", type=int, help="paused sandboxes at once (0: no limit; they count against disk)"
     )
     group: str | None = flag(
@@ -468,7 +468,7 @@ class DaemonConfig:
         metavar="PATH",
         help="the Python Ray's user runs Ray with (default: serve's own; the same version)",
     )
-    # secrets (issue 23, docs/secrets.md): the vault's key, outside the state dir
+    # secrets (docs/secrets.md): the vault's key, outside the state dir
     secrets_key: Path | None = flag(
         None,
         name="--secrets-key",

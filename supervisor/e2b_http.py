@@ -29,7 +29,7 @@ END_STREAM = 0x02
 CONNECT_JSON = "application/json"
 CONNECT_STREAM_JSON = "application/connect+json"
 
-# the seed's codes as Connect's, and Connect's HTTP statuses (unary errors)
+# sandbox.v1's codes as Connect's, and Connect's HTTP statuses (unary errors)
 CONNECT_CODE = {
     errors.INVALID_ARGUMENT: "invalid_argument",
     errors.NOT_FOUND: "not_found",
@@ -58,7 +58,7 @@ CONNECT_STATUS = {
     "unavailable": 503,
     "unauthenticated": 401,
 }
-# the seed's codes as the REST API's HTTP statuses
+# sandbox.v1's codes as the REST API's HTTP statuses
 HTTP_STATUS = {
     errors.INVALID_ARGUMENT: 400,
     errors.NOT_FOUND: 404,

@@ -1,4 +1,4 @@
-"""The gRPC services of ``sandvisor serve``: the seed's ``sandbox.v1`` as it is, and our ``sandvisor.v1``.
+"""The gRPC services of ``sandvisor serve``: the ``sandbox.v1`` contract as it is, and our ``sandvisor.v1``.
 
 No handler is written here: every RPC is bound to a method of the table both edges
 serve (:data:`supervisor.api.METHODS`), whose handlers take and return the attrs
@@ -103,7 +103,7 @@ BINDINGS: dict[str, tuple[Rpc, ...]] = {
         Rpc("Stop", "Stop"),
         Rpc("Remove", "Remove"),
         Rpc("Inspect", "Inspect"),
-        Rpc("List", "ListAll"),  # the seed's List has no paging: every match
+        Rpc("List", "ListAll"),  # sandbox.v1's List has no paging: every match
         Rpc("Events", "Events"),
         Rpc("ReadFile", "ReadFile"),
         Rpc("WriteFile", "WriteFile"),
@@ -171,7 +171,7 @@ BINDINGS: dict[str, tuple[Rpc, ...]] = {
 
 
 def descriptors() -> dict[str, Any]:
-    """The service descriptors, by full name (the seed's are the vendored proto's)."""
+    """The service descriptors, by full name (sandbox.v1's are the vendored proto's)."""
     return {
         SANDBOX: sandbox_pb2.DESCRIPTOR.services_by_name["SandboxService"],
         SNAPSHOTS: sandbox_pb2.DESCRIPTOR.services_by_name["SandboxSnapshotService"],

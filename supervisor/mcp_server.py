@@ -10,7 +10,7 @@ the SDK's DNS-rebinding check (Host and Origin headers).
 
 Every sandbox it creates gets a TTL (default :data:`DEFAULT_TTL`), so an agent's
 sandboxes do not outlive its session by much, and the label ``created-by=sandvisor-mcp``.
-Errors are tool errors whose text starts with the seed's code (``NOT_FOUND: ...``).
+Errors are tool errors whose text starts with sandbox.v1's code (``NOT_FOUND: ...``).
 """
 
 from __future__ import annotations

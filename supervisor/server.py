@@ -4,7 +4,7 @@ Each connection is a task; each call on it is a task in the connection's nursery
 with its own cancel scope, so a ``Cancel`` or a disconnect stops the call's work
 (an exec is killed in the guest, a stream stops). Frames are capped; a frame that
 does not decode closes the connection after a ``Fail`` (id 0) saying why; a call
-that fails gets a ``Fail`` with the seed's code and the connection goes on.
+that fails gets a ``Fail`` with sandbox.v1's code and the connection goes on.
 
 A ``Call{method, body}`` is structured (cattrs) into the method's request class and
 run by its handler from :data:`supervisor.api.METHODS` (the table the gRPC edge

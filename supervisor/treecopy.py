@@ -40,7 +40,7 @@ from guestd import proto, tree
 from guestd.fsops import TreeError
 from supervisor.errors import SandboxError, collapse_single, error_for
 
-_CODES = {proto.E_TOO_LARGE: "RESOURCE_EXHAUSTED", proto.E_IS_DIR: "INVALID_ARGUMENT"}  # guestd's own -> the seed's
+_CODES = {proto.E_TOO_LARGE: "RESOURCE_EXHAUSTED", proto.E_IS_DIR: "INVALID_ARGUMENT"}  # guestd's own -> sandbox.v1's
 
 
 if TYPE_CHECKING:

@@ -1,6 +1,6 @@
 """A sandbox life's cell: the jail, cgroup, identity and RAM file one QEMU runs in.
 
-When the supervisor is root, every QEMU runs in a cell (issue 12; Firecracker's
+When the supervisor is root, every QEMU runs in a cell (Firecracker's
 jailer is the model)::
 
     Cells (one per supervisor)             Cell (one per VM life; made before QEMU, gone after its reap)

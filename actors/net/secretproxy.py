@@ -1,4 +1,4 @@
-"""One sandbox's secret substitution proxy (issue 23; docs/secrets.md): what runs in
+"""One sandbox's secret substitution proxy (docs/secrets.md): what runs in
 the proxy's cell (actors/secrets/proxyproc.py, an unprivileged process of its own),
 never in the supervisor. The supervisor accepts the guest's redirected connection,
 reads its original destination from conntrack, opens the upstream TCP connection with

@@ -128,7 +128,7 @@ class Resume:
     accepted: float = 0.0
     # (snapshot, why, transient): transient = the guest did not answer in time
     fallback: Callable[[SnapshotRecord, str, bool], None] | None = None
-    wake: bool = False  # a paused sandbox's own saved state: it resumes as itself (issue 25)
+    wake: bool = False  # a paused sandbox's own saved state: it resumes as itself
 
 
 @attrs.frozen
@@ -168,7 +168,7 @@ class Life:
         self.ports: PortRelays | None = None  # its forwards and relays, while the guest is up
         self.secrets: secrets.SecretsOfLife | None = None  # its secret proxy (a sandbox with secrets)
         self.detaching = False  # it lets go of QEMU instead of stopping it
-        self.pausing = False  # it ends for a pause: the volume claims stay (issue 25)
+        self.pausing = False  # it ends for a pause: the volume claims stay
         self.guest_hostname = ""  # what the fixups last set in its guest
         self._launched: Guest | None = None
         self._ram_fd = -1  # the guest RAM's descriptor for QEMU (a cell's), until QEMU maps it

@@ -1,4 +1,4 @@
-"""A sandbox's secrets at run time (issue 23; docs/secrets.md): the environment its
+"""A sandbox's secrets at run time (docs/secrets.md): the environment its
 processes get (placeholders, the CA's paths), its CA installed in the guest, its
 substitution proxy (a confined process owned by a task of the life, with its
 nftables elements: actors/net/secretcell.py), rotation and

@@ -107,7 +107,7 @@ class Workloads:
         """A Run: the sandbox goes running, output streams as (stream, data, None), the
         last item is ("exit", b"", code); then back to ready with an idle event."""
         sb = self.sb
-        await sb.awake()  # a paused sandbox resumes first (issue 25)
+        await sb.awake()  # a paused sandbox resumes first
         guest = sb.require_alive()
         if sb.state == State.RUNNING:
             raise FailedPrecondition(f"sandbox {sb.id} is running a workload already")

@@ -225,7 +225,7 @@ def start(t: Target, *, wait: bool = True, timeout: float = 120.0) -> Plan[None]
 
 
 def pause(t: Target) -> Plan[SandboxInfo]:
-    """Hibernate to disk (issue 25): no QEMU, no RAM; id, address, ports, processes and
+    """Hibernate to disk: no QEMU, no RAM; id, address, ports, processes and
     memory come back with :meth:`resume` (or with the next call that needs the guest)."""
     info: SandboxInfo = yield Unary("Pause", id_request(t), SandboxInfo)
     return info

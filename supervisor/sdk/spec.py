@@ -106,7 +106,7 @@ class Network:
 class Lifetime:
     """``ttl``: seconds until the sandbox is removed; ``idle_timeout``: seconds without
     activity until it stops; ``ephemeral``: removed once it stops. 0/False: never.
-    Hibernation (issue 25): ``on_idle="pause"`` pauses it at the idle timeout instead
+    Hibernation: ``on_idle="pause"`` pauses it at the idle timeout instead
     (no QEMU, no RAM; it resumes as itself); ``paused_ttl``: seconds a paused sandbox is
     kept (0: until its ``ttl``); ``auto_resume``: a call that needs the guest, or a
     connection to an exposed port, resumes it (False: FailedPrecondition instead)."""

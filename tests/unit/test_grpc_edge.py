@@ -1,5 +1,5 @@
 """The gRPC edge without VMs: supervisor.grpc_bridge with a fake sandbox.v1 servicer, driven by
-clients generated at test time from the seed's proto, over a Unix socket and over TLS on
+clients generated at test time from sandbox.v1's proto, over a Unix socket and over TLS on
 loopback; health, reflection, the generated code's currency, the metrics endpoint.
 
 The clients are grpcio's sync ones, run in threads (trio.to_thread), so the server's
@@ -39,7 +39,7 @@ VENDORED = REPO / "supervisor" / "proto" / "sandbox" / "v1" / "sandbox.proto"
 
 @pytest.fixture(scope="session")
 def seed() -> tuple[ModuleType, ModuleType]:
-    """sandbox_pb2 and sandbox_pb2_grpc made by protoc from the seed, as a seed client would."""
+    """sandbox_pb2 and sandbox_pb2_grpc made by protoc from sandbox.v1, as a sandbox.v1 client would."""
     return generate()
 
 
@@ -552,7 +552,7 @@ async def test_tls_on_loopback_with_a_client_certificate(seed: tuple[ModuleType,
 
 
 # ---------------------------------------------------------------------------------------
-# client authentication on TCP (issue 21): a bearer token, a client certificate, or nothing
+# client authentication on TCP: a bearer token, a client certificate, or nothing
 # ---------------------------------------------------------------------------------------
 TOKEN = "t0k3n-" + "x" * 40
 

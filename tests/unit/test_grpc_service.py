@@ -1,6 +1,6 @@
 """The gRPC services on the registry and sandbox actors, on fake VMs (tests/support/fakevm.py).
 
-Clients generated at test time from the seed's proto (and our own sandvisor.v1 code)
+Clients generated at test time from sandbox.v1's proto (and our own sandvisor.v1 code)
 call the daemon's edge (supervisor.grpc_service on supervisor.grpc_bridge) over a Unix
 socket: every RPC is bound, requests and responses convert with proto3's zero values,
 errors arrive as the status of the same name, a client cancel or a deadline kills the
@@ -159,7 +159,7 @@ def test_grpc_addresses_from_the_daemon_flags(tmp_path: Path) -> None:
     assert isinstance(unix, UnixAddress) and isinstance(unix.policy, grpc_service.ServePolicy)
     with pytest.raises(ValueError, match="no such group"):
         grpc_service.addresses(["unix:///run/x/g.sock"], group="no-such-group-here")
-    # TCP: every client authenticates (issue 21); plaintext loopback too
+    # TCP: every client authenticates; plaintext loopback too
     with pytest.raises(ValueError, match=r"--grpc-token-file FILE .* --grpc-client-ca"):
         grpc_service.addresses(["127.0.0.1:0"])
     insecure = grpc_service.tcp_auth(insecure=True)
@@ -332,7 +332,7 @@ async def test_the_seed_lifecycle_on_fake_vms(
                 256,
                 3,
             )
-            for i in range(21):  # the seed's List has no paging: all of them, not a page of 20
+            for i in range(21):  # sandbox.v1's List has no paging: all of them, not a page of 20
                 await st.reg.create(f"many{i}", st.reg.get("a").config)
             listed = await in_thread(s.List, spb.ListSandboxesRequest())
             assert len(listed.sandboxes) == 22
@@ -403,7 +403,7 @@ async def test_errors_arrive_with_the_status_of_the_same_name(
             )
             got, why = await status_of(sv_stub.Create, missing)
             assert got == SC.NOT_FOUND and "nope" in why
-            # one running workload at a time, as the seed says
+            # one running workload at a time, as sandbox.v1 says
             hang = s.Run(spb.RunRequest(id="e", cmd=["sleep", "100"]))
             await until(lambda: st.reg.get("e").state == State.RUNNING)
             got, _ = await status_of(s.Run, spb.RunRequest(id="e", cmd=["true"]))
@@ -466,7 +466,7 @@ async def test_sandvisor_v1_reaches_the_same_sandboxes(
             ports = await in_thread(ours.ListPorts, sv.ListPortsRequest(id="u"))
             [p] = ports.ports
             assert (p.sandbox_port, p.protocol, p.host_address) == (8080, "tcp", "127.0.0.1") and p.host_port
-            exposed = await in_thread(s.ExposePort, spb.ExposePortRequest(id="u", sandbox_port=9000))  # the seed's RPC
+            exposed = await in_thread(s.ExposePort, spb.ExposePortRequest(id="u", sandbox_port=9000))  # sandbox.v1 RPC
             assert exposed.host_port and exposed.guest_port == 9000
             assert len((await in_thread(ours.ListPorts, sv.ListPortsRequest(id="u"))).ports) == 2
             await in_thread(s.UnexposePort, spb.UnexposePortRequest(id="u", sandbox_port=9000))
@@ -526,7 +526,7 @@ async def test_both_edges_answer_from_one_table(
                 assert (await c.call("Info", {}))["sandboxes_by_state"] == {"ready": 1}
             stub = sgrpc.SandboxServiceStub(st.channel)
             over_grpc = await in_thread(stub.Inspect, spb.InspectSandboxRequest(id="one"))
-            # the read-back (docs/modify.md) is sandvisor.v1's: the seed's SandboxInfo has no field for it
+            # the read-back (docs/modify.md) is sandvisor.v1's: sandbox.v1's SandboxInfo has no field for it
             ext = {k: over_msgpack.pop(k) for k in ("requested", "applied", "updated_at")}
             assert over_msgpack.pop("uid") == st.reg.get("one").record.uid  # (the socket's alone: the E2B endpoint's)
             assert over_msgpack.pop("ssh_keys") == [] and over_msgpack.pop("owner")  # (the socket's: serve --ssh's)

@@ -1,4 +1,4 @@
-"""Host-side consumers of guest bytes, on hostile input (issue 21): the guest channel's
+"""Host-side consumers of guest bytes, on hostile input: the guest channel's
 frame decoder and the copy-out tar reader as Hypothesis properties ("a typed error or a
 valid result, never another exception"), and a hostile guestd's answers (out-of-range
 values, garbage frames after its hello) through the registry and the server's

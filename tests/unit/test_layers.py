@@ -147,7 +147,7 @@ def test_no_benchmark_script_shadows_a_package() -> None:
 
 
 def test_one_list_of_error_codes() -> None:
-    """The seed's codes are listed once (guestd/codes.py, stdlib only: the SDK may import
+    """The error codes of sandbox.v1 are listed once (guestd/codes.py, stdlib only: the SDK may import
     it, the domain too); the domain and the SDK have one error class per code, and
     guestd's own Error codes are these names but for two of the guest's own."""
     from actors import errors as domain

@@ -1,4 +1,4 @@
-"""Secrets (issue 23) without VMs: host rules, placeholders, substitution, the vault's
+"""Secrets without VMs: host rules, placeholders, substitution, the vault's
 encryption, the ClientHello peek, the proxy's verdicts, guestd's trust store install,
 the SDK's Secret, and the store's RPCs on both edges (fake VMs)."""
 

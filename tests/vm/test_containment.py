@@ -1,4 +1,4 @@
-"""Containment (issue 12) against real VMs: every QEMU jailed as its own user, in its
+"""Containment against real VMs: every QEMU jailed as its own user, in its
 own namespaces and cgroup, without privileges, reaching only its own files."""
 
 from __future__ import annotations

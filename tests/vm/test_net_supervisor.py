@@ -1,6 +1,6 @@
 """Networking through the whole supervisor, with real VMs: tap sandboxes with egress
 policies, restores of a tap snapshot, a supervisor restart, outbound user mode in
-the jail (issue 16; issue 12 item 7).
+the jail.
 
 The supervisor under test runs in this process, in a "host" network namespace the
 test makes (tests/support/netlab.py: the main thread enters it for the whole test, so the
@@ -101,7 +101,7 @@ async def policies_and_isolation(lab: NetLab, reg: Registry) -> tuple[dict[str, 
         got = await fetch(sb, f"{GATEWAY}:{pm.host_port}", f"{UPLINK_HOST}:{pm.host_port}")
         assert "vm" not in got, got
 
-    await hostile_dns_queries(lab, reg, a, (b, c))  # (issue 21: here, to boot no more VMs)
+    await hostile_dns_queries(lab, reg, a, (b, c))  # (here, to boot no more VMs)
     return ips, {sb.id: sb.record.uid for sb in (a, b, c)}
 
 
@@ -196,7 +196,7 @@ async def test_restores_of_a_tap_snapshot_each_get_their_own_address_and_ports(i
         assert fresh.ip_address not in {*ips, kept.ip_address}
         await reach(lab.host, fresh.ip_address, 8000, f"vm {fresh.ip_address} {GATEWAY}")
 
-        # a port exposed after create is carried too (issue 24): a clone of a clone lists
+        # a port exposed after create is carried too: a clone of a clone lists
         # both mappings, each on a new host port, and serves them
         await start_server(fresh, 8001)
         later = await fresh.expose(8001, 0, Protocol.TCP)
@@ -273,7 +273,7 @@ async def test_outbound_user_mode_reaches_out_through_the_filter_only(image: Ima
                     break
 
 
-# -- hostile DNS from a guest (issue 21: one query used to stop every sandbox) ----------------
+# -- hostile DNS from a guest (one query used to stop every sandbox) ----------------
 # run in the guest: crafted queries to the gateway over UDP, then over one TCP connection,
 # then a normal one; prints {case: [reply hex or null, ...]} (null: no answer in 2 s)
 CRAFTED_DNS = r"""
