@@ -1,4 +1,4 @@
-"""Domain errors: every failure a caller can cause or see carries one of the seed's codes.
+"""Domain errors: every failure a caller can cause or see carries one of sandbox.v1's codes.
 
 The domain raises these; each edge (the msgpack socket, gRPC) maps :class:`Code` to
 its wire's code of the same name. Nothing here knows a wire.
@@ -24,7 +24,7 @@ from typing import ClassVar
 
 from guestd import codes
 
-Code = codes.Code  # the seed's error codes: the one list is guestd/codes.py
+Code = codes.Code  # sandbox.v1's error codes: the one list is guestd/codes.py
 
 
 class DomainError(Exception):

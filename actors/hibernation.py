@@ -1,4 +1,4 @@
-"""Hibernation (issue 25): a ready sandbox paused to disk, resumed as itself.
+"""Hibernation: a ready sandbox paused to disk, resumed as itself.
 
 A paused sandbox has no QEMU and holds no RAM. Its guest's memory and device state are
 a hidden snapshot of its own (``SnapshotRecord.paused_for`` = its uid: no caller sees,

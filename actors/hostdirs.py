@@ -1,4 +1,4 @@
-"""Host directories mounted into a sandbox (issue 24): checked against ``serve
+"""Host directories mounted into a sandbox: checked against ``serve
 --allow-path``, served by virtiofsd in a cell of its own, fixed at boot.
 
 Why virtio-fs and not virtio-9p: the guest kernel (Debian's cloud kernel) is built

@@ -26,7 +26,7 @@ from guestd import patch
 
 
 class State(enum.StrEnum):
-    """The seed's sandbox states."""
+    """The sandbox states of sandbox.v1 (and paused, ours)."""
 
     STARTING = "starting"
     READY = "ready"
@@ -34,7 +34,7 @@ class State(enum.StrEnum):
     STOPPING = "stopping"
     STOPPED = "stopped"
     FAILED = "failed"
-    PAUSED = "paused"  # hibernated to disk: no QEMU, no RAM (issue 25; not in the seed's list)
+    PAUSED = "paused"  # hibernated to disk: no QEMU, no RAM (not in sandbox.v1's list)
 
 
 ALIVE = frozenset({State.READY, State.RUNNING})
@@ -43,7 +43,7 @@ ON_IDLE = frozenset({"stop", "pause"})
 
 
 class Action(enum.StrEnum):
-    """The seed's event actions."""
+    """The event actions of sandbox.v1 (and paused, ours)."""
 
     CREATED = "created"
     READY = "ready"
@@ -54,7 +54,7 @@ class Action(enum.StrEnum):
     FAILED = "failed"
     REMOVED = "removed"
     LOST = "lost"  # a fleet sandbox whose node died (docs/fleet.md): told by every member
-    PAUSED = "paused"  # hibernated (issue 25)
+    PAUSED = "paused"  # hibernated
     RESUMED = "resumed"
     # sandvisor's: the secret proxy refused a request carrying a secret's placeholder to
     # a host that secret does not allow (attributes: secret, host; never the value)
@@ -272,7 +272,7 @@ class Timers:
     ttl_seconds: int = 0  # removed this long after creation (activity does not reset it)
     idle_timeout_seconds: int = 0  # stopped after this long without activity
     ephemeral: bool = False  # removed once it stops
-    on_idle: str = "stop"  # what the idle timeout does: "stop" or "pause" (hibernate, issue 25)
+    on_idle: str = "stop"  # what the idle timeout does: "stop" or "pause" (hibernate)
     paused_ttl_seconds: int = 0  # a paused sandbox is removed after this long paused (0: never)
     auto_resume: bool = True  # a call needing the guest (or a connection) resumes a paused sandbox
 

@@ -10,8 +10,8 @@ Above a ceiling only a new machine helps: a restart, which the caller must ask f
 :class:`Change` with its :class:`Status` and why, and the configuration after. A plan
 is all or nothing: if one change is refused or needs a restart nobody asked for,
 nothing is applied. :func:`modify` carries a plan out on a sandbox of the registry.
-A change kind is one :class:`Kind` member and a few lines in :func:`plan` (secrets,
-issue 23, will be one)::
+A change kind is one :class:`Kind` member and a few lines in :func:`plan` (secrets
+will be one)::
 
     Modify{vcpus, memory, disk, env, workdir, labels, ttl, idle, dry_run, restart}
       plan(config, running machine)  ->  changes + config after

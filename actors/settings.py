@@ -9,7 +9,7 @@ from pathlib import Path
 
 import attrs
 
-from actors import defaults as D
+from actors import defaults
 from actors.cells.cell import Cells
 from actors.machines.qemuproc import QemuUser
 from actors.machines.vm import Attach, Guest, VmSpec, booted_guest
@@ -28,12 +28,12 @@ class Settings:
     sandboxes_dir: Path  # <state>/sandboxes/<uid>/{disk.qcow2, log}
     run_root: Path  # short paths for sockets: <run_root>/<uid[:18]>
     accel: str = "tcg"
-    boot_timeout: float = D.BOOT_TIMEOUT
-    guest_timeout: float = D.GUEST_TIMEOUT  # every guest request's deadline, on the host's side
+    boot_timeout: float = defaults.BOOT_TIMEOUT
+    guest_timeout: float = defaults.GUEST_TIMEOUT  # every guest request's deadline, on the host's side
     default_memory_mib: int = 256
     default_vcpus: int = 1
     qemu_user: QemuUser | None = None  # set when the supervisor is root
-    expose_address: str = D.EXPOSE_ADDRESS  # where exposed ports listen on the host
+    expose_address: str = defaults.EXPOSE_ADDRESS  # where exposed ports listen on the host
     # guest RAM as shared files here (tmpfs), so checkpoints are "mapped"; None: anonymous
     memory_dir: Path | None = None
     # how a life brings its VM up: booted_guest (QEMU); unit tests pass a fake VM
@@ -44,16 +44,16 @@ class Settings:
     allowed_paths: tuple[Path, ...] = ()
     # the most disk one sandbox may make the host store: its overlay's virtual size plus
     # its read-write volumes' sizes (serve --max-sandbox-disk; 0: no cap; actors/quotas.py)
-    max_sandbox_disk_mib: int = D.MAX_SANDBOX_DISK_MIB
+    max_sandbox_disk_mib: int = defaults.MAX_SANDBOX_DISK_MIB
     # fresh boots get a virtio-balloon with free page reporting (MachineSpec.balloon): on
     # where every RAM a balloon can meet is safe to discard in (anonymous, the machine's
     # own RAM file, or a sealed memfd with the discard shim: a jailed supervisor)
     balloon: bool = False
-    tb_size_mib: int | None = D.TB_SIZE_MIB  # TCG's translation cache per QEMU (MachineSpec.tb_size_mib)
+    tb_size_mib: int | None = defaults.TB_SIZE_MIB  # TCG's translation cache per QEMU (MachineSpec.tb_size_mib)
     # tap networking, the IP pool, egress filter and DNS proxy (root supervisors: serve
     # --ip-pool); also the uplinks of jailed user-mode sandboxes with outbound access
     hostnet: HostNetwork | None = None
-    # secrets (issue 23): their values and CAs (None: Creates with secrets are refused),
+    # secrets: their values and CAs (None: Creates with secrets are refused),
     # and the proxy's TLS context to real servers (system store + serve --upstream-ca)
     vault: Vault | None = None
     upstream_tls: ssl.SSLContext | None = None

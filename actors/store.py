@@ -204,7 +204,7 @@ class SnapshotRecord:
     address: str = ""  # tap: the origin's address, which a restore keeps when it is free
     vmstate: str = "vmstate"  # the stream's file name in ``dir`` (a converted snapshot has another)
     volume_generations: dict[str, int] = attrs.Factory(dict)  # its volumes' generations when taken
-    paused_for: str = ""  # a paused sandbox's hibernated state (its uid): hidden, gone at resume (issue 25)
+    paused_for: str = ""  # a paused sandbox's hibernated state (its uid): hidden, gone at resume
     owner: str = LEGACY_OWNER  # the principal that made it (hidden ones: no caller sees them anyway)
 
     @property

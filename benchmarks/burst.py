@@ -13,7 +13,7 @@ error on the way (reported by type and message). Sandboxes are removed between w
 
 Usage: python benchmarks/burst.py [-n ROUNDS] [--out results/]
 
-Supervisor CPU (issue 28 item 6): ``--ab BEFORE_TREE`` runs paired rounds, a fresh
+Supervisor CPU per Create in a burst: ``--ab BEFORE_TREE`` runs paired rounds, a fresh
 supervisor per side, the sides alternating which goes first: "before" is ``sandvisor
 serve`` imported from another checkout (``PYTHONPATH``; e.g. a ``git worktree`` of the
 base commit with its helpers built), "after" from this one. Each side: one Create + Run
@@ -162,7 +162,7 @@ def markdown(res: dict[str, Any], s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-# -- supervisor CPU, paired before/after (issue 28 item 6) ------------------------------
+# -- supervisor CPU, paired before/after -----------------------------------------------
 THIS_TREE = Path(__file__).resolve().parent.parent
 IDLE_SAMPLE_S = 5.0  # s: the supervisor at rest before each wave (its CPU per second)
 

@@ -30,7 +30,7 @@ from _harness import write_results
 
 from actors.machines.disk import create_overlay
 from actors.machines.vm import VmSpec, booted_guest
-from guestd import proto as P
+from guestd import proto
 from images.build import load_default
 
 SIZE = 64 << 20
@@ -58,8 +58,8 @@ async def one_round(name: str, image_dir: Path, window: int, chunk: int, data: b
     image = load_default(image_dir)
     if image is None:
         raise SystemExit(f"{name}: no image in {image_dir}")
-    saved = P.FILE_WINDOW, P.FILE_CHUNK
-    P.FILE_WINDOW, P.FILE_CHUNK = window, chunk
+    saved = proto.FILE_WINDOW, proto.FILE_CHUNK
+    proto.FILE_WINDOW, proto.FILE_CHUNK = window, chunk
     work = Path(tempfile.mkdtemp(prefix="sv-chan-"))
     res: dict[str, Any] = {"load": os.getloadavg()[0]}
     try:
@@ -90,7 +90,7 @@ async def one_round(name: str, image_dir: Path, window: int, chunk: int, data: b
             back = await timed("read_root", chan.read_bytes("/root/bench.bin"))
             assert back == data
     finally:
-        P.FILE_WINDOW, P.FILE_CHUNK = saved
+        proto.FILE_WINDOW, proto.FILE_CHUNK = saved
         shutil.rmtree(work, ignore_errors=True)
     return res
 
@@ -136,7 +136,7 @@ OPS = ("write_tmp", "write_root", "read_root")
 def parse_variant(text: str) -> tuple[str, Path, int, int]:
     name, _, rest = text.partition("=")
     where, _, opts = rest.partition(":")
-    o = {"window": P.FILE_WINDOW, "chunk": P.FILE_CHUNK}
+    o = {"window": proto.FILE_WINDOW, "chunk": proto.FILE_CHUNK}
     for opt in filter(None, opts.split(",")):
         key, _, value = opt.partition("=")
         if key not in o:

@@ -17,7 +17,7 @@
 
 Usage: python benchmarks/coldstart.py [-n N] [--out results/]
 
-A/B of the boot path (issue 28), both in the same rounds as the floors:
+A/B of the boot path, both in the same rounds as the floors:
 ``SANDVISOR_BENCH_RUNTIME_B=<initrd>`` and/or ``SANDVISOR_BENCH_TCG_CPU_B=<model>`` add a
 "B" row of cold creates with that runtime / TCG CPU model, interleaved with the A row;
 ``SANDVISOR_BENCH_BOOT_ONLY=1`` stops after those rounds (results: coldstart_boot.*).
@@ -114,7 +114,7 @@ async def bench(n: int, out_dir: Path) -> dict[str, Any]:
     image = Builder(default_cache()).build()
     res: dict[str, Any] = {"n": n, "kernel": image.kernel_version}
     floor_cmd = " ".join(w for w in kernel_cmdline("tcg", root=False).split() if not w.startswith("sandvisor."))
-    # A/B (issue 28): SANDVISOR_BENCH_RUNTIME_B names another runtime initrd (e.g. an
+    # A/B: SANDVISOR_BENCH_RUNTIME_B names another runtime initrd (e.g. an
     # older build's, hard-linked aside); each round then creates with both, interleaved
     # with the floors, so the two rows and the floor see the same machine load
     # and SANDVISOR_BENCH_TCG_CPU_B the B row's TCG CPU model (e.g. "max", before ERMS went)
@@ -206,7 +206,7 @@ async def bench(n: int, out_dir: Path) -> dict[str, Any]:
                 progress.advance(task)
             res["template_pool_create"] = summary(tp_lat)
             registry.pools.resize(template_pool=0)
-            # the path users take (issue 14): a default Create (template-served) checkpointed
+            # the path users take: a default Create (template-served) checkpointed
             # -- streamed, then converted to mapped in the background -- and restored
             await create_wave(c, registry, ["dorigin"])
             await trio.sleep(1)

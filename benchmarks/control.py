@@ -1,5 +1,5 @@
 """The one-shot control plane: wall time of ``sandvisor ls``, ``inspect`` and ``run -- true``
-against the bare interpreter's start-up, measured in one run (issue 14, item 4).
+against the bare interpreter's start-up, measured in one run.
 
 A user's ``sandvisor ls`` pays the interpreter's start-up, the CLI's imports, a
 connection and the call. The floor is ``python -c pass`` of the same venv's python,

@@ -1,4 +1,4 @@
-"""The default path's snapshots (issue 14): a default Create (served by its boot
+"""The default path's snapshots: a default Create (served by its boot
 template) checkpointed, then restored, before its conversion (streamed) and after
 (mapped); against template-served Creates, measured in the same run.
 

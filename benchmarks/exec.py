@@ -1,4 +1,4 @@
-"""Agent overhead of an exec (issue 28): the ``exec true`` round trip over the guest
+"""Agent overhead of an exec: the ``exec true`` round trip over the guest
 channel minus the in-guest spawn of ``true`` measured alone, for two guest runtimes
 booted side by side and measured interleaved (A: a baseline runtime's initrd, e.g.
 main's; B: this tree's), so drift in the machine's load hits both alike.

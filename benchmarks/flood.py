@@ -1,4 +1,4 @@
-"""The supervisor's one thread under an output flood (issue 13's benchmark).
+"""The supervisor's one thread under an output flood.
 
 ``sandvisor serve`` as a child process; a guest floods output (``yes`` of an 80-byte
 line) through a Run whose client drains it, while another client follows the log

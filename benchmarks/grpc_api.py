@@ -1,4 +1,4 @@
-"""gRPC against the msgpack socket, on one supervisor and one sandbox (issue 17's figures).
+"""gRPC against the msgpack socket, on one supervisor and one sandbox.
 
 The supervisor (``serve``, TCG) runs in a child process with both edges: its msgpack
 socket and sandbox.v1 over gRPC on a Unix socket (through the peer-credential relay,
@@ -46,7 +46,7 @@ import grpc
 from _harness import write_results
 
 from actors.net.ports import free_port
-from supervisor import protocol as W
+from supervisor import protocol
 from supervisor.proto.sandbox.v1 import sandbox_pb2 as pb
 from supervisor.proto.sandbox.v1 import sandbox_pb2_grpc as pb_grpc
 from supervisor.throwaway import Workdir, workdir
@@ -127,16 +127,16 @@ class Msgpack:
     def __init__(self, path: Path) -> None:
         self.sock = socket.socket(socket.AF_UNIX)
         self.sock.connect(str(path))
-        self.reader = W.FrameReader()
+        self.reader = protocol.FrameReader()
         self.ids = 0
-        self.sock.sendall(W.encode(W.ClientHello(W.PROTOCOL_VERSION, "bench")))
-        assert isinstance(self._next(), W.ServerHello)
+        self.sock.sendall(protocol.encode(protocol.ClientHello(protocol.PROTOCOL_VERSION, "bench")))
+        assert isinstance(self._next(), protocol.ServerHello)
 
-    def _next(self) -> W.Envelope:
+    def _next(self) -> protocol.Envelope:
         while True:
             body = self.reader.next()
             if body is not None:
-                return W.decode(body)
+                return protocol.decode(body)
             data = self.sock.recv(1 << 16)
             if not data:
                 raise ConnectionError("the supervisor hung up")
@@ -144,22 +144,22 @@ class Msgpack:
 
     def call(self, method: str, body: dict[str, Any]) -> dict[str, Any]:
         self.ids += 1
-        self.sock.sendall(W.encode(W.Call(self.ids, method, body)))
+        self.sock.sendall(protocol.encode(protocol.Call(self.ids, method, body)))
         msg = self._next()
-        if isinstance(msg, W.Fail):
-            raise W.ApiError(msg.code, msg.message)
-        assert isinstance(msg, W.Reply) and msg.id == self.ids
+        if isinstance(msg, protocol.Fail):
+            raise protocol.ApiError(msg.code, msg.message)
+        assert isinstance(msg, protocol.Reply) and msg.id == self.ids
         return msg.body
 
     def stream(self, method: str, body: dict[str, Any]) -> list[dict[str, Any]]:
         self.ids += 1
-        self.sock.sendall(W.encode(W.Call(self.ids, method, body)))
+        self.sock.sendall(protocol.encode(protocol.Call(self.ids, method, body)))
         items = []
         while True:
             msg = self._next()
-            if isinstance(msg, W.Item):
+            if isinstance(msg, protocol.Item):
                 items.append(msg.body)
-            elif isinstance(msg, W.End):
+            elif isinstance(msg, protocol.End):
                 return items
             else:
                 raise RuntimeError(f"{method}: {msg}")

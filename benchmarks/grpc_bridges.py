@@ -300,31 +300,31 @@ def serve_msgpack(addr: str) -> None:
     import attrs
     import trio
 
-    from supervisor import server as S
+    from supervisor import server
 
     @attrs.frozen
     class Blob:
         data: bytes = b""
 
-    @S.method("BenchUnary")
+    @server.method("BenchUnary")
     async def _u(srv: Any, ctx: Any, body: dict[str, Any]) -> Any:
         return Blob(await w_unary(body["data"]))
 
-    @S.method("BenchStream", S.STREAM)
+    @server.method("BenchStream", server.STREAM)
     async def _s(srv: Any, ctx: Any, body: dict[str, Any]) -> Any:
         await w_stream(body["data"], lambda b: ctx.item(Blob(b)))
 
-    @S.method("BenchHang", S.STREAM)
+    @server.method("BenchHang", server.STREAM)
     async def _h(srv: Any, ctx: Any, body: dict[str, Any]) -> Any:
         await w_hang(body["data"], lambda b: ctx.item(Blob(b)))
 
-    @S.method("BenchCancelTime")
+    @server.method("BenchCancelTime")
     async def _c(srv: Any, ctx: Any, body: dict[str, Any]) -> Any:
         return Blob(await w_cancel_time(body["data"]))
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:
-            await nursery.start(S.Server(None, Path(addr)).serve)  # type: ignore[arg-type]
+            await nursery.start(server.Server(None, Path(addr)).serve)  # type: ignore[arg-type]
             ready()
 
     trio.run(main)

@@ -1,4 +1,4 @@
-"""Hibernation (issue 25): pause and resume against a cold boot and a restore, in one run.
+"""Hibernation: pause and resume against a cold boot and a restore, in one run.
 
 For a 256 MiB and a 1 GiB guest (booted: no boot templates, so its RAM is a shared
 file and its first pause is "mapped"), with half its RAM touched (random data in a

@@ -1,4 +1,4 @@
-"""What the jail costs (issue 12), on the production path: a jailed and an unjailed
+"""What the jail costs, on the production path: a jailed and an unjailed
 supervisor side by side in one run, interleaved round by round (the side that goes
 first alternates) so the load of a shared machine hits both alike. Medians and p90.
 
@@ -15,7 +15,7 @@ quiet first (their warm pools full, nothing starting):
 * pool acquire: Restore RPC round trip of a second mapped snapshot whose warm pool
   holds one ready member (``pools={"pooled": 1}``), waited for before each acquire.
 
-Each ratio is jailed / unjailed of the medians (issue 12: at most 1.10 each).
+Each ratio is jailed / unjailed of the medians (at most 1.10 each).
 
 Memory: RSS and PSS (``/proc/<qemu>/smaps_rollup``) per idle sandbox created from the
 boot template, with 1 and with 8 live at once (jailed; unjailed beside it for

@@ -1,4 +1,4 @@
-"""Bounded memory (issue 14, item 3): TCG's translation cache size chosen by measurement,
+"""Bounded memory: TCG's translation cache size chosen by measurement,
 and memory a guest frees going back to the host.
 
 tb-size sweep: one throwaway supervisor per size (``DaemonConfig.tb_size_mib``; 0 is
@@ -42,7 +42,7 @@ from supervisor.throwaway import supervisor, workdir
 
 MIB = 1 << 20
 GUEST_MIB = 256  # the supervisor's default guest RAM
-HEADROOM_MIB = 128  # issue 14: a busy sandbox within guest RAM + 128 MiB
+HEADROOM_MIB = 128  # the budget: a busy sandbox within guest RAM + 128 MiB
 SIZES = (32, 64, 128, 256, 0)  # MiB; 0: QEMU's default (1 GiB)
 EXECS = 20
 LOOP = "i=0; while true; do ls /usr/bin >/dev/null; python3 -c 1; i=$((i+1)); echo $i >/tmp/loops; done"

@@ -1,4 +1,4 @@
-"""Modify (issue 24): how long a live change takes to settle, and what the balloon gives
+"""Modify: how long a live change takes to settle, and what the balloon gives
 back to the host, for a cold-booted sandbox and a clone of a boot template.
 
 Settle: a sandbox created with ``cpus 1 / max 2, memory 256 / max 1024``; per round,

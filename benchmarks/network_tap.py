@@ -29,8 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from _harness import main, write_results
 
 from actors.model import Limits, NetMode, Network, PortSpec, SandboxConfig, State
-from actors.net import dnsmsg as D
-from actors.net import egress
+from actors.net import dnsmsg, egress
 from actors.net.egress import EgressPolicy
 from actors.net.ippool import link_name
 from actors.net.netns import NetNS
@@ -223,10 +222,10 @@ async def bench_policy(n: int, res: dict[str, Any]) -> None:
         t_proxy, t_direct = [], []
         for _ in range(n):
             t = time.perf_counter()
-            assert (await resolve(small.ns, gw, "allowed.test"))[0] == D.NOERROR
+            assert (await resolve(small.ns, gw, "allowed.test"))[0] == dnsmsg.NOERROR
             t_proxy.append(time.perf_counter() - t)
             t = time.perf_counter()
-            assert (await resolve(plain.ns, UPLINK_INET, "allowed.test"))[0] == D.NOERROR
+            assert (await resolve(plain.ns, UPLINK_INET, "allowed.test"))[0] == dnsmsg.NOERROR
             t_direct.append(time.perf_counter() - t)
         res["dns_lookup_ms"] = {
             "via proxy (allowed, opens the filter)": med(t_proxy) * 1e3,

@@ -1,7 +1,7 @@
 """Restore and warm-pool acquire, the new path against the old one, interleaved in one run.
 
 Each round restores a snapshot of an idle sandbox twice -- once with
-``SANDVISOR_LEGACY_RESTORE=1`` (the path before issue 28: QMP and the guest channel
+``SANDVISOR_LEGACY_RESTORE=1`` (the older path: QMP and the guest channel
 found by path with a connect loop, the saved state fed by QMP round trips, the hello
 and each fix-up its own round trip) and once without, in alternating order -- and then
 takes a warm pool member both ways. Each path restores a snapshot saved by its own

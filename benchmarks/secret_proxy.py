@@ -1,4 +1,4 @@
-"""The secret proxy's cost (issue 23), TCG, through the whole supervisor: HTTPS from a
+"""The secret proxy's cost, TCG, through the whole supervisor: HTTPS from a
 tap sandbox's guest to one stand-in server (tests/support/httpslab.py, in a namespace this
 script makes), three ways, rounds interleaved:
 

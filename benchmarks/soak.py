@@ -1,4 +1,4 @@
-"""Soak (issue 13): cycles of the whole life of a sandbox through the SDK against
+"""Soak: cycles of the whole life of a sandbox through the SDK against
 ``sandvisor serve`` as a child process, with a ``kill -9`` of the supervisor and a
 restart every few cycles, bounded in time (default 10 minutes).
 

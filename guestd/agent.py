@@ -20,8 +20,7 @@ import os
 import select
 import time
 
-from guestd import boot, system
-from guestd import proto as P
+from guestd import boot, proto, system
 from guestd.common import (
     DEFAULT_PATH,  # (re-exported: tests/support/fakeguest.py)
     T_START,
@@ -152,17 +151,17 @@ class Agent:
                     self.update_conn(conn)
 
     # -- dispatch ----------------------------------------------------------------
-    def dispatch(self, conn: Conn, msg: P.Message) -> None:
-        if isinstance(msg, P.Hello):
+    def dispatch(self, conn: Conn, msg: proto.Message) -> None:
+        if isinstance(msg, proto.Hello):
             if conn.session is not None:
                 conn.session.close()
             conn.session = Session(conn)
-            conn.out += P.GUEST_SYNC
+            conn.out += proto.GUEST_SYNC
             if msg.host_time_ns and self.cmdline.get("sandvisor.setclock", "1") == "1":
                 system.set_clock(msg.host_time_ns)
             conn.send(
-                P.HelloOk(
-                    version=P.PROTOCOL_VERSION,
+                proto.HelloOk(
+                    version=proto.PROTOCOL_VERSION,
                     pid=os.getpid(),
                     boot_ns=T_START,
                     ready_ns=time.clock_gettime_ns(time.CLOCK_BOOTTIME),
@@ -188,118 +187,118 @@ class Agent:
             return
         session = conn.session
         if session is None:
-            raise P.BadMessage(f"{msg.TAG} before hello")
+            raise proto.BadMessage(f"{msg.TAG} before hello")
         rid = getattr(msg, "rid", None)
         try:
             self.handle(session, msg)
-        except P.ProtocolError:
+        except proto.ProtocolError:
             raise
         except ExecFailed as exc:
-            session.send(P.Error(rid=rid or 0, code=exc.code, message=exc.message))
+            session.send(proto.Error(rid=rid or 0, code=exc.code, message=exc.message))
         except LookupError as exc:
-            session.send(P.Error(rid=rid or 0, code=P.E_INVALID, message=str(exc.args[0])))
+            session.send(proto.Error(rid=rid or 0, code=proto.E_INVALID, message=str(exc.args[0])))
         except OSError as exc:
-            session.send(P.Error(rid=rid or 0, code=errcode(exc), message=f"{exc.strerror}"))
+            session.send(proto.Error(rid=rid or 0, code=errcode(exc), message=f"{exc.strerror}"))
         except Exception as exc:  # a bug here must not kill PID 1
             log(f"internal error on {msg.TAG}: {type(exc).__name__}: {exc}")
-            session.send(P.Error(rid=rid or 0, code=P.E_INTERNAL, message=f"{type(exc).__name__}: {exc}"))
+            session.send(proto.Error(rid=rid or 0, code=proto.E_INTERNAL, message=f"{type(exc).__name__}: {exc}"))
 
-    def handle(self, session: Session, msg: P.Message) -> None:
-        if isinstance(msg, (P.Data, P.Eof, P.Credit, P.Resize, P.Signal)):
+    def handle(self, session: Session, msg: proto.Message) -> None:
+        if isinstance(msg, (proto.Data, proto.Eof, proto.Credit, proto.Resize, proto.Signal)):
             req = session.reqs.get(msg.rid)
             if req is None:
                 return  # finished meanwhile: late stream traffic is harmless
-            if isinstance(msg, P.Data):
+            if isinstance(msg, proto.Data):
                 req.on_data(msg.ch, msg.data)
-            elif isinstance(msg, P.Eof):
+            elif isinstance(msg, proto.Eof):
                 req.on_eof(msg.ch)
-            elif isinstance(msg, P.Credit):
+            elif isinstance(msg, proto.Credit):
                 req.on_credit(msg.ch, msg.n)
-            elif isinstance(msg, P.Resize):
+            elif isinstance(msg, proto.Resize):
                 req.on_resize(msg.rows, msg.cols)
             else:
                 req.on_signal(msg.signum)
             return
         rid = getattr(msg, "rid", 0)
         if rid in session.reqs:
-            raise P.BadMessage(f"request id {rid} already in use")
-        if isinstance(msg, P.Ping):
-            session.send(P.Pong(rid=rid, activity=self.activity, guest_ns=time.time_ns()))
-        elif isinstance(msg, P.Touch):
+            raise proto.BadMessage(f"request id {rid} already in use")
+        if isinstance(msg, proto.Ping):
+            session.send(proto.Pong(rid=rid, activity=self.activity, guest_ns=time.time_ns()))
+        elif isinstance(msg, proto.Touch):
             self.activity += 1
-            session.send(P.Ok(rid=rid, activity=self.activity))
-        elif isinstance(msg, P.Exec):
+            session.send(proto.Ok(rid=rid, activity=self.activity))
+        elif isinstance(msg, proto.Exec):
             self.activity += 1
             proc = Proc(self, session, msg)
             proc.start(msg)
             session.reqs[rid] = proc
-            session.send(P.ExecStarted(rid=rid, pid=proc.pid))
-        elif isinstance(msg, (P.ReadFile, P.WriteFile)):
+            session.send(proto.ExecStarted(rid=rid, pid=proc.pid))
+        elif isinstance(msg, (proto.ReadFile, proto.WriteFile)):
             from guestd import files  # lazy: boot never pays for it
 
-            if isinstance(msg, P.ReadFile):
+            if isinstance(msg, proto.ReadFile):
                 files.read_file(self, session, msg)
             else:
                 files.write_file(session, msg)
-        elif isinstance(msg, P.Metrics):
+        elif isinstance(msg, proto.Metrics):
             session.send(system.metrics(rid))
-        elif isinstance(msg, P.SetClock):
+        elif isinstance(msg, proto.SetClock):
             system.set_clock(msg.realtime_ns)
-            session.send(P.Ok(rid=rid))
-        elif isinstance(msg, P.AddEntropy):
+            session.send(proto.Ok(rid=rid))
+        elif isinstance(msg, proto.AddEntropy):
             system.add_entropy(msg.data)
-            session.send(P.Ok(rid=rid))
-        elif isinstance(msg, P.SetHostname):
+            session.send(proto.Ok(rid=rid))
+        elif isinstance(msg, proto.SetHostname):
             self.set_hostname(msg.hostname)
-            session.send(P.Ok(rid=rid))
-        elif isinstance(msg, P.SetCpus):
-            session.send(P.Ok(rid=rid, value=system.set_cpus(msg.online)))
-        elif isinstance(msg, P.GrowRoot):
-            session.send(P.Ok(rid=rid, value=system.grow_root(self.cmdline.get("sandvisor.root", "/dev/vda"))))
-        elif isinstance(msg, (P.ReadTree, P.WriteTree, P.Patch, P.Mount, P.Umount, P.Fs)):
+            session.send(proto.Ok(rid=rid))
+        elif isinstance(msg, proto.SetCpus):
+            session.send(proto.Ok(rid=rid, value=system.set_cpus(msg.online)))
+        elif isinstance(msg, proto.GrowRoot):
+            session.send(proto.Ok(rid=rid, value=system.grow_root(self.cmdline.get("sandvisor.root", "/dev/vda"))))
+        elif isinstance(msg, (proto.ReadTree, proto.WriteTree, proto.Patch, proto.Mount, proto.Umount, proto.Fs)):
             from guestd import workers  # lazy: boot never pays for it
 
-            if isinstance(msg, P.ReadTree):
+            if isinstance(msg, proto.ReadTree):
                 workers.read_tree(self, session, msg)
-            elif isinstance(msg, P.WriteTree):
+            elif isinstance(msg, proto.WriteTree):
                 workers.write_tree(self, session, msg)
-            elif isinstance(msg, P.Patch):
+            elif isinstance(msg, proto.Patch):
                 workers.patch(self, session, msg)
-            elif isinstance(msg, P.Mount):
+            elif isinstance(msg, proto.Mount):
                 workers.mount(self, session, msg)
-            elif isinstance(msg, P.Fs):
+            elif isinstance(msg, proto.Fs):
                 workers.fs(self, session, msg)
             else:
                 workers.umount(self, session, msg)
-        elif isinstance(msg, P.NetConfig):
+        elif isinstance(msg, proto.NetConfig):
             self.net_config(msg)
-            session.send(P.Ok(rid=rid))
-        elif isinstance(msg, P.TrustCa):
+            session.send(proto.Ok(rid=rid))
+        elif isinstance(msg, proto.TrustCa):
             from guestd import trust  # lazy: only sandboxes with secrets pay the import
 
             try:
                 trust.install(msg.pem)
             except ValueError as exc:
-                raise ExecFailed(P.E_INVALID, f"trust_ca: {exc}") from None
-            session.send(P.Ok(rid=rid))
-        elif isinstance(msg, P.Shutdown):
-            session.send(P.Ok(rid=rid))
+                raise ExecFailed(proto.E_INVALID, f"trust_ca: {exc}") from None
+            session.send(proto.Ok(rid=rid))
+        elif isinstance(msg, proto.Shutdown):
+            session.send(proto.Ok(rid=rid))
             self.shutting_down = msg.reboot
         else:
-            raise P.BadMessage(f"unexpected {msg.TAG} from host")
+            raise proto.BadMessage(f"unexpected {msg.TAG} from host")
 
     # -- operations ------------------------------------------------------------
     def set_hostname(self, name: str) -> None:
         system.set_hostname(name)
         self.hostname = name
 
-    def net_config(self, msg: P.NetConfig) -> None:
+    def net_config(self, msg: proto.NetConfig) -> None:
         from guestd import netcfg  # lazy: only restores of networked sandboxes pay the import
 
         try:
             netcfg.configure(msg.iface, msg.address, msg.prefix, msg.gateway, msg.mac, msg.dns)
         except ValueError as exc:
-            raise ExecFailed(P.E_INVALID, f"net_config: {exc}") from None
+            raise ExecFailed(proto.E_INVALID, f"net_config: {exc}") from None
 
     # -- signals and children ----------------------------------------------------
     def reap(self) -> None:
@@ -358,7 +357,7 @@ class Agent:
                     try:
                         r.run()
                     except OSError as exc:
-                        r.send(P.Error(rid=r.rid, code=errcode(exc), message=str(exc.strerror)))
+                        r.send(proto.Error(rid=r.rid, code=errcode(exc), message=str(exc.strerror)))
                         r.close()
             if self.timers:
                 t = now()

@@ -1,4 +1,4 @@
-"""The seed's error codes: the one list.
+"""The error codes of sandbox.v1: the one list.
 
 Every layer takes them from here: the domain's errors (actors/errors.py), the SDK's
 exceptions and the wire's codes (supervisor/errors.py; the SDK may import guestd's
@@ -13,7 +13,7 @@ import enum
 
 
 class Code(enum.StrEnum):
-    """The seed's error codes (a ``str``: ``Code.NOT_FOUND == "NOT_FOUND"``)."""
+    """The error codes of sandbox.v1 (a ``str``: ``Code.NOT_FOUND == "NOT_FOUND"``)."""
 
     INVALID_ARGUMENT = "INVALID_ARGUMENT"  # the request is malformed
     NOT_FOUND = "NOT_FOUND"  # no such sandbox, snapshot, file

@@ -25,7 +25,7 @@ import os
 import struct
 import time
 
-from guestd import proto as P
+from guestd import proto
 
 # CLOCK_BOOTTIME when guestd's own code started (the stdlib and proto loaded): the
 # "python" boot mark, and HelloOk.boot_ns. guestd's first module imports this one.
@@ -40,7 +40,7 @@ WINSZ = struct.Struct("HHHH")
 # what guestd catches or ignores, back to default in every process it starts
 SIGDEF = (signal.SIGPIPE, signal.SIGCHLD, signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
 
-errcode = P.errcode  # (in proto: guestd.tree and the host's tree unpacking use it too)
+errcode = proto.errcode  # (in proto: guestd.tree and the host's tree unpacking use it too)
 
 
 def now() -> float:
@@ -74,7 +74,7 @@ def read_text(path: str) -> str:
 
 
 class ExecFailed(Exception):
-    """A request failed with a protocol error code (``P.E_*``) and a message."""
+    """A request failed with a protocol error code (``proto.E_*``) and a message."""
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)

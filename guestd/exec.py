@@ -12,7 +12,7 @@ import fcntl
 import os
 import select
 
-from guestd import proto as P
+from guestd import proto
 from guestd.common import DEFAULT_PATH, SIGDEF, TIOCSCTTY, TIOCSWINSZ, WINSZ, ExecFailed, errcode, now
 from guestd.session import InStream, OutStream, Req, Session
 from guestd.users import resolve_user
@@ -33,7 +33,7 @@ EPOLLIN, EPOLLOUT = select.EPOLLIN, select.EPOLLOUT
 
 
 class Proc(Req):
-    def __init__(self, agent: Agent, session: Session, msg: P.Exec) -> None:
+    def __init__(self, agent: Agent, session: Session, msg: proto.Exec) -> None:
         super().__init__(session, msg.rid)
         self.agent = agent
         self.tty = msg.tty
@@ -65,7 +65,7 @@ class Proc(Req):
             text = " ".join(f"{k}={(t - t0) * 1e6:.0f}" for k, t in self.marks)
             self.marks = None
             if self.session is None and self.last_session is not None:
-                self.last_session.send(P.Log(level="execprof", text=text))
+                self.last_session.send(proto.Log(level="execprof", text=text))
 
     def want_flush_mark(self) -> None:
         if self.marks is not None and self.session is not None:
@@ -73,7 +73,7 @@ class Proc(Req):
             self.session.conn.prof.append(self)
 
     # -- start ---------------------------------------------------------------
-    def start(self, msg: P.Exec) -> None:
+    def start(self, msg: proto.Exec) -> None:
         uid, gid, groups, home, name = resolve_user(msg.user)
         self.mark("user")
         env = {"PATH": DEFAULT_PATH, "HOME": home, "USER": name, "LOGNAME": name, "HOSTNAME": self.agent.hostname}
@@ -89,7 +89,7 @@ class Proc(Req):
             stdio = (slave, slave, slave)
             child_fds = [slave]
             os.set_blocking(master, False)
-            self.outs.append(OutStream(self, P.STDOUT, master))
+            self.outs.append(OutStream(self, proto.STDOUT, master))
             if msg.stdin:
                 stdin_fd = master
         else:
@@ -106,7 +106,7 @@ class Proc(Req):
             child_fds += (wout, werr)
             os.set_blocking(rout, False)
             os.set_blocking(rerr, False)
-            self.outs += (OutStream(self, P.STDOUT, rout), OutStream(self, P.STDERR, rerr))
+            self.outs += (OutStream(self, proto.STDOUT, rout), OutStream(self, proto.STDERR, rerr))
             stdio = (rin, wout, werr)
         self.mark("spawn")
         try:
@@ -162,7 +162,7 @@ class Proc(Req):
         self.agent.unwatch(s.fd)
         os.close(s.fd)
         self.mark(f"eof{s.ch}")
-        self.send(P.Eof(rid=self.rid, ch=s.ch))
+        self.send(proto.Eof(rid=self.rid, ch=s.ch))
         if self.status is None and not any(o.open for o in self.outs):
             self.reap_now()
         self.maybe_finish()
@@ -253,7 +253,7 @@ class Proc(Req):
         else:
             sig, code = 0, os.WEXITSTATUS(st)
         self.stdin.close()
-        self.send(P.Exit(rid=self.rid, code=code, signal=sig, timed_out=self.timed_out))
+        self.send(proto.Exit(rid=self.rid, code=code, signal=sig, timed_out=self.timed_out))
         self.mark("exit")
         self.want_flush_mark()
         self.finish()
@@ -301,7 +301,7 @@ def which(name: str, env: dict[str, str]) -> str:
         p = f"{d or '.'}/{name}"
         if os.access(p, os.X_OK) and not os.path.isdir(p):
             return p
-    raise ExecFailed(P.E_NOT_FOUND, f"exec {name!r}: executable file not found in $PATH")
+    raise ExecFailed(proto.E_NOT_FOUND, f"exec {name!r}: executable file not found in $PATH")
 
 
 def spawn(
@@ -319,7 +319,7 @@ def spawn(
     Another user without a TTY: CPython's C fork+exec (:func:`c_fork_exec`), a child
     that runs no Python. A controlling TTY forks."""
     if not argv:
-        raise ExecFailed(P.E_INVALID, "empty command")
+        raise ExecFailed(proto.E_INVALID, "empty command")
     path = which(argv[0], env)
     if uid == 0 and gid == 0 and not tty:
         try:
@@ -399,7 +399,7 @@ def c_fork_exec(
             _C_FORK_EXEC = False
             return 0
         except ValueError as exc:  # an embedded NUL in argv or env
-            raise ExecFailed(P.E_INVALID, f"exec {argv[0]!r}: {exc}") from None
+            raise ExecFailed(proto.E_INVALID, f"exec {argv[0]!r}: {exc}") from None
         os.close(werr)
         werr = -1
         data = b""
@@ -465,7 +465,7 @@ def fork_exec(
             stage = "exec"
             os.execve(path, argv, env)
         except BaseException as exc:
-            code = errcode(exc) if isinstance(exc, OSError) else P.E_INVALID
+            code = errcode(exc) if isinstance(exc, OSError) else proto.E_INVALID
             target = cwd if stage == "chdir" else argv[0]
             what = f"{stage} {target!r}: {exc.strerror if isinstance(exc, OSError) else exc}"
             try:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import errno
 import os
 
-from guestd import proto as P
+from guestd import proto
 from guestd.common import errcode
 from guestd.session import Req, Session
 from guestd.users import resolve_user
@@ -18,7 +18,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from guestd.agent import Agent
 
 
-def read_file(agent: Agent, session: Session, msg: P.ReadFile) -> None:
+def read_file(agent: Agent, session: Session, msg: proto.ReadFile) -> None:
     if not msg.path.startswith("/"):
         raise LookupError("path must be absolute")
     fd = os.open(msg.path, os.O_RDONLY | os.O_NOCTTY | os.O_NONBLOCK)
@@ -28,25 +28,27 @@ def read_file(agent: Agent, session: Session, msg: P.ReadFile) -> None:
             raise IsADirectoryError(errno.EISDIR, "Is a directory")
         if (st.st_mode & 0o170000) != 0o100000:
             raise LookupError(f"{msg.path} is not a regular file")
-        if st.st_size > P.MAX_FILE:
-            session.send(P.Error(rid=msg.rid, code=P.E_TOO_LARGE, message=f"{st.st_size} bytes > {P.MAX_FILE}"))
+        if st.st_size > proto.MAX_FILE:
+            session.send(
+                proto.Error(rid=msg.rid, code=proto.E_TOO_LARGE, message=f"{st.st_size} bytes > {proto.MAX_FILE}")
+            )
             os.close(fd)
             return
         os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)
         raise
-    session.send(P.FileInfo(rid=msg.rid, size=st.st_size, mode=st.st_mode & 0o7777))
+    session.send(proto.FileInfo(rid=msg.rid, size=st.st_size, mode=st.st_mode & 0o7777))
     reader = FileReader(agent, session, msg.rid, fd, st.st_size)
     session.reqs[msg.rid] = reader
     agent.runnable.add(reader)
 
 
-def write_file(session: Session, msg: P.WriteFile) -> None:
+def write_file(session: Session, msg: proto.WriteFile) -> None:
     if not msg.path.startswith("/") or msg.path.endswith("/"):
         raise LookupError("path must be absolute and name a file")
-    if msg.size > P.MAX_FILE:
-        session.send(P.Error(rid=msg.rid, code=P.E_TOO_LARGE, message=f"{msg.size} bytes > {P.MAX_FILE}"))
+    if msg.size > proto.MAX_FILE:
+        session.send(proto.Error(rid=msg.rid, code=proto.E_TOO_LARGE, message=f"{msg.size} bytes > {proto.MAX_FILE}"))
         return
     if os.path.isdir(msg.path):
         raise IsADirectoryError(errno.EISDIR, "Is a directory")
@@ -57,15 +59,15 @@ def write_file(session: Session, msg: P.WriteFile) -> None:
     tmp = f"{parent}/.{os.path.basename(msg.path)}.sandvisor-{msg.rid}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     session.reqs[msg.rid] = FileWriter(session, msg.rid, fd, msg.path, tmp, msg.mode & 0o7777, ids)
-    extra = min(msg.window, P.FILE_WINDOW) - P.WINDOW
+    extra = min(msg.window, proto.FILE_WINDOW) - proto.WINDOW
     if extra > 0:  # the host asked for a deeper pipe: it may run this much further ahead
-        session.send(P.Credit(rid=msg.rid, ch=P.STDIN, n=extra))
+        session.send(proto.Credit(rid=msg.rid, ch=proto.STDIN, n=extra))
 
 
 class FileReader(Req):
     def __init__(self, agent: Agent, session: Session, rid: int, fd: int, size: int) -> None:
         super().__init__(session, rid)
-        self.agent, self.fd, self.left, self.credit = agent, fd, size, P.WINDOW
+        self.agent, self.fd, self.left, self.credit = agent, fd, size, proto.WINDOW
 
     def on_credit(self, ch: int, n: int) -> None:
         self.credit = min(self.credit + max(n, 0), 1 << 30)
@@ -81,14 +83,14 @@ class FileReader(Req):
             return
         if self.credit <= 0:
             return  # rescheduled by the host's next credit
-        data = os.read(self.fd, min(P.FILE_CHUNK, self.credit, max(self.left, 0) or P.CHUNK))
+        data = os.read(self.fd, min(proto.FILE_CHUNK, self.credit, max(self.left, 0) or proto.CHUNK))
         if not data or self.left <= 0:
-            self.send(P.Eof(rid=self.rid, ch=P.STDOUT))
+            self.send(proto.Eof(rid=self.rid, ch=proto.STDOUT))
             self.close()
             return
         self.left -= len(data)
         self.credit -= len(data)
-        self.send(P.Data(rid=self.rid, ch=P.STDOUT, data=data))
+        self.send(proto.Data(rid=self.rid, ch=proto.STDOUT, data=data))
         self.agent.runnable.add(self)
 
     def close(self) -> None:
@@ -115,8 +117,8 @@ class FileWriter(Req):
 
     def on_data(self, ch: int, data: bytes) -> None:
         self.size += len(data)
-        if self.size > P.MAX_FILE:
-            self.fail(P.E_TOO_LARGE, f"file exceeds {P.MAX_FILE} bytes")
+        if self.size > proto.MAX_FILE:
+            self.fail(proto.E_TOO_LARGE, f"file exceeds {proto.MAX_FILE} bytes")
             return
         try:
             view = memoryview(data)
@@ -126,7 +128,7 @@ class FileWriter(Req):
         except OSError as exc:
             self.fail(errcode(exc), f"write {self.path}: {exc.strerror}")
             return
-        self.send(P.Credit(rid=self.rid, ch=P.STDIN, n=len(data)))
+        self.send(proto.Credit(rid=self.rid, ch=proto.STDIN, n=len(data)))
 
     def on_eof(self, ch: int) -> None:
         try:
@@ -139,11 +141,11 @@ class FileWriter(Req):
         except OSError as exc:
             self.fail(errcode(exc), f"write {self.path}: {exc.strerror}")
             return
-        self.send(P.Ok(rid=self.rid, value=self.size))
+        self.send(proto.Ok(rid=self.rid, value=self.size))
         self.finish()
 
     def fail(self, code: str, text: str) -> None:
-        self.send(P.Error(rid=self.rid, code=code, message=text))
+        self.send(proto.Error(rid=self.rid, code=code, message=text))
         self.discard()
         self.finish()
 

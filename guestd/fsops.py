@@ -13,7 +13,7 @@ import errno
 import os
 import stat
 
-from guestd import proto as P
+from guestd import proto
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # pragma: no cover
@@ -37,7 +37,7 @@ PATCH_OPS = ("file", "append", "mkdir", "remove", "symlink")
 def _field(entry: dict[str, object], key: str, kind: type, default: object) -> object:
     value = entry.get(key, default)
     if type(value) is not kind:
-        raise TreeError(P.E_INVALID, f"{key} must be {kind.__name__}")
+        raise TreeError(proto.E_INVALID, f"{key} must be {kind.__name__}")
     return value
 
 
@@ -61,8 +61,8 @@ def apply_patch(entries: list[dict[str, object]], resolve: Callable[[str], tuple
     """Apply ``entries`` in order (see ``proto.Patch``); ``resolve`` maps an owner spec
     to (uid, gid). Returns how many were applied; the first failure raises TreeError
     naming its entry."""
-    if len(entries) > P.MAX_PATCH_ENTRIES:
-        raise TreeError(P.E_INVALID, f"more than {P.MAX_PATCH_ENTRIES} patch entries")
+    if len(entries) > proto.MAX_PATCH_ENTRIES:
+        raise TreeError(proto.E_INVALID, f"more than {proto.MAX_PATCH_ENTRIES} patch entries")
     for i, entry in enumerate(entries):
         path = entry.get("path")
         what = f"entry {base + i} ({str(path)[:200]})"
@@ -71,9 +71,9 @@ def apply_patch(entries: list[dict[str, object]], resolve: Callable[[str], tuple
         except TreeError as exc:
             raise TreeError(exc.code, f"{what}: {exc.message}") from None
         except LookupError as exc:
-            raise TreeError(P.E_INVALID, f"{what}: {exc.args[0] if exc.args else exc}") from None
+            raise TreeError(proto.E_INVALID, f"{what}: {exc.args[0] if exc.args else exc}") from None
         except OSError as exc:
-            raise TreeError(P.errcode(exc), f"{what}: {exc.strerror or exc}") from None
+            raise TreeError(proto.errcode(exc), f"{what}: {exc.strerror or exc}") from None
     return len(entries)
 
 
@@ -87,14 +87,14 @@ def _patch_one(entry: dict[str, object], resolve: Callable[[str], tuple[int, int
     replace = _field(entry, "replace", bool, False)
     assert isinstance(path, str) and isinstance(mode, int) and isinstance(data, bytes) and isinstance(target, str)
     if op not in PATCH_OPS:
-        raise TreeError(P.E_INVALID, f"op must be one of {', '.join(PATCH_OPS)}")
+        raise TreeError(proto.E_INVALID, f"op must be one of {', '.join(PATCH_OPS)}")
     if not path.startswith("/") or "\0" in path:
-        raise TreeError(P.E_INVALID, "path must be absolute")
+        raise TreeError(proto.E_INVALID, "path must be absolute")
     if mode < -1 or mode > 0o7777:
-        raise TreeError(P.E_INVALID, "mode must be -1 or 0..0o7777")
+        raise TreeError(proto.E_INVALID, "mode must be -1 or 0..0o7777")
     path = os.path.normpath(path)
     if path in ("/", "//"):
-        raise TreeError(P.E_INVALID, "the root directory cannot be patched")
+        raise TreeError(proto.E_INVALID, "the root directory cannot be patched")
     ids = resolve(owner_spec) if isinstance(owner_spec, str) and owner_spec else None
     parent, leaf = os.path.split(path)
     if op != "remove":
@@ -120,7 +120,7 @@ def _patch_one(entry: dict[str, object], resolve: Callable[[str], tuple[int, int
                 os.unlink(leaf, dir_fd=pfd)
         elif op == "mkdir":
             if st is not None and not is_dir:
-                raise TreeError(P.E_EXISTS, "exists and is not a directory")
+                raise TreeError(proto.E_EXISTS, "exists and is not a directory")
             if st is None:
                 os.mkdir(leaf, 0o755, dir_fd=pfd)
             fd = os.open(leaf, DIR_FLAGS, dir_fd=pfd)
@@ -133,9 +133,9 @@ def _patch_one(entry: dict[str, object], resolve: Callable[[str], tuple[int, int
                 os.close(fd)
         elif op in ("file", "symlink"):
             if is_dir:
-                raise TreeError(P.E_IS_DIR, "a directory is in the way")
+                raise TreeError(proto.E_IS_DIR, "a directory is in the way")
             if st is not None and not replace:
-                raise TreeError(P.E_EXISTS, "exists (replace is false)")
+                raise TreeError(proto.E_EXISTS, "exists (replace is false)")
             tmp = f".sandvisor-patch.{os.getpid()}"
             try:
                 os.unlink(tmp, dir_fd=pfd)
@@ -143,7 +143,7 @@ def _patch_one(entry: dict[str, object], resolve: Callable[[str], tuple[int, int
                 pass
             if op == "symlink":
                 if not target:
-                    raise TreeError(P.E_INVALID, "a symlink needs a target")
+                    raise TreeError(proto.E_INVALID, "a symlink needs a target")
                 os.symlink(target, tmp, dir_fd=pfd)
                 if ids is not None:
                     os.chown(tmp, *ids, dir_fd=pfd, follow_symlinks=False)
@@ -169,11 +169,11 @@ def _patch_one(entry: dict[str, object], resolve: Callable[[str], tuple[int, int
                 raise
         else:  # append
             if is_dir:
-                raise TreeError(P.E_IS_DIR, "a directory is in the way")
+                raise TreeError(proto.E_IS_DIR, "a directory is in the way")
             fd = os.open(leaf, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=pfd)
             try:
                 if not stat.S_ISREG(os.fstat(fd).st_mode):
-                    raise TreeError(P.E_INVALID, "not a regular file")
+                    raise TreeError(proto.E_INVALID, "not a regular file")
                 view = memoryview(data)
                 while view:
                     view = view[os.write(fd, view) :]
@@ -217,7 +217,7 @@ def _link_target(name: str, dir_fd: int | None, st: os.stat_result) -> str:
 
 def _checked(path: str) -> str:
     if not path.startswith("/") or "\0" in path:
-        raise TreeError(P.E_INVALID, "path must be absolute")
+        raise TreeError(proto.E_INVALID, "path must be absolute")
     path = os.path.normpath(path)
     return "/" + path.lstrip("/")  # (normpath keeps a leading "//")
 
@@ -230,23 +230,23 @@ def fs_list(path: str) -> list[list[object]]:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     except NotADirectoryError:
         if os.path.exists(path):
-            raise TreeError(P.E_FAILED, f"{path} is not a directory") from None
+            raise TreeError(proto.E_FAILED, f"{path} is not a directory") from None
         raise
     try:
         out: list[list[object]] = []
         size = 0
         with os.scandir(fd) as it:
             for e in it:
-                if len(out) >= P.MAX_FS_LIST:
-                    raise TreeError(P.E_TOO_LARGE, f"{path} holds more than {P.MAX_FS_LIST} entries")
+                if len(out) >= proto.MAX_FS_LIST:
+                    raise TreeError(proto.E_TOO_LARGE, f"{path} holds more than {proto.MAX_FS_LIST} entries")
                 try:
                     st = os.stat(e.name, dir_fd=fd, follow_symlinks=False)
                 except FileNotFoundError:
                     continue  # removed meanwhile
                 entry = _entry(e.name, st, _link_target(e.name, fd, st))
                 size += 4 * (len(str(entry[0])) + len(str(entry[7]))) + 64  # (at most: 4 UTF-8 bytes a character)
-                if size > P.MAX_FS_ANSWER:
-                    raise TreeError(P.E_TOO_LARGE, f"the entries of {path} exceed {P.MAX_FS_ANSWER} bytes")
+                if size > proto.MAX_FS_ANSWER:
+                    raise TreeError(proto.E_TOO_LARGE, f"the entries of {path} exceed {proto.MAX_FS_ANSWER} bytes")
                 out.append(entry)
     finally:
         os.close(fd)
@@ -267,29 +267,29 @@ def fs_mkdir(path: str, parents: bool, mode: int) -> int:
     if path == "/":
         if parents:
             return 0
-        raise TreeError(P.E_EXISTS, "/ exists")
+        raise TreeError(proto.E_EXISTS, "/ exists")
     try:
         st = os.stat(path)
     except FileNotFoundError:
         st = None
     except NotADirectoryError:
-        raise TreeError(P.E_FAILED, f"a parent of {path} is not a directory") from None
+        raise TreeError(proto.E_FAILED, f"a parent of {path} is not a directory") from None
     if st is not None:
         if not stat.S_ISDIR(st.st_mode):
-            raise TreeError(P.E_FAILED, f"{path} exists and is not a directory")
+            raise TreeError(proto.E_FAILED, f"{path} exists and is not a directory")
         if parents:
             return 0
-        raise TreeError(P.E_EXISTS, f"{path} exists")
+        raise TreeError(proto.E_EXISTS, f"{path} exists")
     parent = os.path.dirname(path)
     if parents:
         try:
             os.makedirs(parent, 0o755, exist_ok=True)
         except (FileExistsError, NotADirectoryError):
-            raise TreeError(P.E_FAILED, f"a parent of {path} is not a directory") from None
+            raise TreeError(proto.E_FAILED, f"a parent of {path} is not a directory") from None
     elif not os.path.isdir(parent):
         if os.path.lexists(parent):
-            raise TreeError(P.E_FAILED, f"{parent} is not a directory")
-        raise TreeError(P.E_NOT_FOUND, f"{parent} does not exist (parents is false)")
+            raise TreeError(proto.E_FAILED, f"{parent} is not a directory")
+        raise TreeError(proto.E_NOT_FOUND, f"{parent} does not exist (parents is false)")
     os.mkdir(path, mode)
     os.chmod(path, mode)  # (not the umask's)
     return 1
@@ -300,7 +300,7 @@ def fs_remove(path: str, recursive: bool) -> int:
     non-empty one only with ``recursive``."""
     path = _checked(path)
     if path == "/":
-        raise TreeError(P.E_INVALID, "the root directory cannot be removed")
+        raise TreeError(proto.E_INVALID, "the root directory cannot be removed")
     parent, leaf = os.path.split(path)
     pfd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
@@ -314,7 +314,7 @@ def fs_remove(path: str, recursive: bool) -> int:
                 os.rmdir(leaf, dir_fd=pfd)
             except OSError as exc:
                 if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
-                    raise TreeError(P.E_FAILED, f"{path} is not empty (recursive is false)") from None
+                    raise TreeError(proto.E_FAILED, f"{path} is not empty (recursive is false)") from None
                 raise
     finally:
         os.close(pfd)
@@ -325,17 +325,17 @@ def fs_rename(src: str, dest: str) -> int:
     """``mv src dest`` on one file system (the last component of either is not followed)."""
     src, dest = _checked(src), _checked(dest)
     if "/" in (src, dest):
-        raise TreeError(P.E_INVALID, "the root directory cannot be renamed")
+        raise TreeError(proto.E_INVALID, "the root directory cannot be renamed")
     try:
         os.rename(src, dest)
     except OSError as exc:
         if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
-            raise TreeError(P.E_FAILED, f"{dest} is a directory that is not empty") from None
+            raise TreeError(proto.E_FAILED, f"{dest} is a directory that is not empty") from None
         if exc.errno == errno.EXDEV:
-            raise TreeError(P.E_FAILED, f"{src} and {dest} are on different file systems") from None
+            raise TreeError(proto.E_FAILED, f"{src} and {dest} are on different file systems") from None
         if exc.errno == errno.EINVAL:
-            raise TreeError(P.E_INVALID, f"cannot move {src} into itself") from None
+            raise TreeError(proto.E_INVALID, f"cannot move {src} into itself") from None
         if exc.errno in (errno.EISDIR, errno.ENOTDIR) and os.path.lexists(src) and os.path.lexists(dest):
-            raise TreeError(P.E_FAILED, f"{dest} is in the way: a directory and a non-directory") from None
+            raise TreeError(proto.E_FAILED, f"{dest} is in the way: a directory and a non-directory") from None
         raise
     return 1

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import select
 
-from guestd import proto as P
+from guestd import proto
 from guestd.common import log, now
 
 TYPE_CHECKING = False  # not typing.TYPE_CHECKING: importing typing costs ~30 ms of boot
@@ -54,7 +54,7 @@ class Conn:
         self.agent = agent
         self.fd = fd
         self.kind = kind  # "port" (persistent fd, host comes and goes) or "vsock"
-        self.decoder = P.FrameDecoder()
+        self.decoder = proto.FrameDecoder()
         self.out = bytearray()
         self.session: Session | None = None
         self.away = False
@@ -66,10 +66,10 @@ class Conn:
         self.t_read = 0.0  # when the last read began (exec profile marks, exec.py)
         self.prof: list[Profiled] = []  # requests that want a mark at the next flush
 
-    def send(self, msg: P.Message) -> None:
+    def send(self, msg: proto.Message) -> None:
         if self.away:
             return
-        self.out += P.encode(msg)
+        self.out += proto.encode(msg)
         if len(self.out) > MAX_OUTBUF:
             log(f"{self.kind}: host is not reading; dropping the session")
             self.drop()
@@ -105,7 +105,7 @@ class Conn:
 
     @property
     def congested(self) -> bool:
-        return len(self.out) > P.WINDOW
+        return len(self.out) > proto.WINDOW
 
     def on_readable(self) -> None:
         self.t_read = now()
@@ -121,9 +121,9 @@ class Conn:
         self.decoder.feed(self.rview[:got])
         while True:
             if self.syncing:
-                if not self.decoder.resync(P.HOST_SYNC):
+                if not self.decoder.resync(proto.HOST_SYNC):
                     self.discarded += got
-                    if self.discarded > P.MAX_RESYNC and self.kind != "port":
+                    if self.discarded > proto.MAX_RESYNC and self.kind != "port":
                         self.drop()
                     return
                 self.syncing = False
@@ -135,12 +135,12 @@ class Conn:
                     if self.away:
                         return
                 return
-            except P.ProtocolError as exc:
+            except proto.ProtocolError as exc:
                 # lost the frame boundary (a host that reconnected mid-frame, or garbage):
                 # wait for the next host's sync marker; the buffered bytes are searched too.
                 # A marker at a frame boundary is no error: a new host on a session that
                 # was live (every restore of a snapshot), nothing to tell the console
-                if not self.decoder.at(P.HOST_SYNC):
+                if not self.decoder.at(proto.HOST_SYNC):
                     log(f"{self.kind}: protocol error from host: {exc}; resynchronising")
                 self.syncing = True
                 got = 0
@@ -176,7 +176,7 @@ class Session:
         self.conn = conn
         self.reqs: dict[int, Req] = {}
 
-    def send(self, msg: P.Message) -> None:
+    def send(self, msg: proto.Message) -> None:
         self.conn.send(msg)
 
     def close(self) -> None:
@@ -192,7 +192,7 @@ class Req:
         self.session: Session | None = session
         self.rid = rid
 
-    def send(self, msg: P.Message) -> None:
+    def send(self, msg: proto.Message) -> None:
         if self.session is not None:
             self.session.send(msg)
 
@@ -208,13 +208,13 @@ class Req:
         """Re-arm the request's epoll interest (streams, timers)."""
 
     def on_data(self, ch: int, data: bytes) -> None:
-        raise P.BadMessage("this request takes no data")
+        raise proto.BadMessage("this request takes no data")
 
     def on_eof(self, ch: int) -> None:
-        raise P.BadMessage("this request takes no eof")
+        raise proto.BadMessage("this request takes no eof")
 
     def on_credit(self, ch: int, n: int) -> None:
-        raise P.BadMessage("this request takes no credit")
+        raise proto.BadMessage("this request takes no credit")
 
     def on_resize(self, rows: int, cols: int) -> None:
         """A terminal's new size (only a process with a TTY has one)."""
@@ -238,7 +238,7 @@ class OutStream:
 
     def __init__(self, req: Req, ch: int, fd: int) -> None:
         self.req, self.ch, self.fd = req, ch, fd
-        self.credit = P.WINDOW
+        self.credit = proto.WINDOW
         self.open = True
 
     def readable(self) -> bool:
@@ -255,7 +255,7 @@ class OutStream:
 
     def pump(self) -> int:
         """One read: the bytes sent on (0: none to read or no credit; -1: end of stream)."""
-        want = P.CHUNK if self.req.session is None else min(P.CHUNK, self.credit)
+        want = proto.CHUNK if self.req.session is None else min(proto.CHUNK, self.credit)
         if want <= 0:
             return 0
         try:
@@ -268,7 +268,7 @@ class OutStream:
             return -1
         if self.req.session is not None:
             self.credit -= len(data)
-            self.req.send(P.Data(rid=self.req.rid, ch=self.ch, data=data))
+            self.req.send(proto.Data(rid=self.req.rid, ch=self.ch, data=data))
         return len(data)
 
 
@@ -280,7 +280,9 @@ class InStream:
     the host's eof ``fd`` is closed -- or, for a TTY (``fd`` is the PTY master, owned
     by the output stream), ^D is written."""
 
-    def __init__(self, req: Req, agent: Agent, fd: int, *, eof: bool, tty: bool = False, chunk: int = P.CHUNK) -> None:
+    def __init__(
+        self, req: Req, agent: Agent, fd: int, *, eof: bool, tty: bool = False, chunk: int = proto.CHUNK
+    ) -> None:
         self.req, self.agent, self.fd = req, agent, fd
         self.eof = eof
         self.tty = tty
@@ -293,10 +295,10 @@ class InStream:
             self.agent.watch(self.fd, 0, lambda _ev: self.write())
 
     def on_data(self, ch: int, data: bytes) -> None:
-        if ch != P.STDIN or self.eof:
-            raise P.BadMessage("data after eof or on a wrong channel")
-        if len(self.buf) + len(data) > P.WINDOW:
-            raise P.BadMessage("data beyond granted credit")
+        if ch != proto.STDIN or self.eof:
+            raise proto.BadMessage("data after eof or on a wrong channel")
+        if len(self.buf) + len(data) > proto.WINDOW:
+            raise proto.BadMessage("data beyond granted credit")
         self.buf += data
         self.write()
 
@@ -320,7 +322,7 @@ class InStream:
             written += len(self.buf)
             self.buf.clear()
         if written:
-            self.req.send(P.Credit(rid=self.req.rid, ch=P.STDIN, n=written))
+            self.req.send(proto.Credit(rid=self.req.rid, ch=proto.STDIN, n=written))
         if not self.buf and self.eof:
             self.close(eot=True)
         self.req.update()

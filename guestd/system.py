@@ -7,7 +7,7 @@ import os
 import struct
 import time
 
-from guestd import proto as P
+from guestd import proto
 from guestd.common import read_text
 
 RNDADDENTROPY = 0x40085203
@@ -43,7 +43,7 @@ def add_entropy(data: bytes) -> None:
         os.close(fd)
 
 
-def metrics(rid: int) -> P.MetricsOk:
+def metrics(rid: int) -> proto.MetricsOk:
     hz = os.sysconf("SC_CLK_TCK")
     cpu: dict[str, float] = {}
     ncpu = 0
@@ -87,7 +87,7 @@ def metrics(rid: int) -> P.MetricsOk:
             net["tx_bytes"] += int(f[8])
             net["tx_packets"] += int(f[9])
     up = read_text("/proc/uptime").split()
-    return P.MetricsOk(
+    return proto.MetricsOk(
         rid=rid,
         uptime=float(up[0]) if up else 0.0,
         cpu_seconds=cpu,

@@ -18,7 +18,7 @@ import stat
 import struct
 import tarfile
 
-from guestd import proto as P
+from guestd import proto
 from guestd.fsops import TreeError
 
 TYPE_CHECKING = False
@@ -140,8 +140,8 @@ class Reader:
         if not data:
             return False
         self.count += len(data)
-        if self.count > P.MAX_TREE_STREAM:
-            raise TreeError(P.E_TOO_LARGE, f"the tar stream exceeds {P.MAX_TREE_STREAM} bytes")
+        if self.count > proto.MAX_TREE_STREAM:
+            raise TreeError(proto.E_TOO_LARGE, f"the tar stream exceeds {proto.MAX_TREE_STREAM} bytes")
         if self.pos:
             del self.buf[: self.pos]  # (a front delete of a bytearray moves no bytes)
             self.pos = 0
@@ -159,7 +159,7 @@ class Reader:
     def skip(self, n: int) -> None:
         while n > 0:
             if self.pos >= len(self.buf) and not self._more(n):
-                raise TreeError(P.E_INVALID, "truncated tar stream")
+                raise TreeError(proto.E_INVALID, "truncated tar stream")
             k = min(n, len(self.buf) - self.pos)
             self.pos += k
             n -= k
@@ -169,7 +169,7 @@ class Reader:
         pad = -n % _BLOCK
         while n > 0:
             if self.pos >= len(self.buf) and not self._more(n):
-                raise TreeError(P.E_INVALID, f"{name}: truncated tar stream")
+                raise TreeError(proto.E_INVALID, f"{name}: truncated tar stream")
             with memoryview(self.buf) as mv:
                 view = mv[self.pos : self.pos + n]
                 k = len(view)
@@ -183,7 +183,7 @@ class Reader:
     def drain(self) -> None:
         """Read to the end (the writer's padding after the end-of-archive marker)."""
         self.pos = len(self.buf)
-        while self._more(P.CHUNK):
+        while self._more(proto.CHUNK):
             self.pos = len(self.buf)
 
 
@@ -206,7 +206,7 @@ class Member:
 
 
 def _malformed(what: str) -> TreeError:
-    return TreeError(P.E_INVALID, f"malformed tar stream: {what}"[:300])
+    return TreeError(proto.E_INVALID, f"malformed tar stream: {what}"[:300])
 
 
 # mode, uid, gid, size, mtime and checksum as tar writes them (zero-padded, NUL-ended;
@@ -280,7 +280,7 @@ def next_member(r: Reader, glob: dict[str, bytes]) -> Member | None:
     while True:
         block = r.take(_BLOCK)
         if not block:
-            raise TreeError(P.E_INVALID, "truncated tar stream (no end-of-archive marker)")
+            raise TreeError(proto.E_INVALID, "truncated tar stream (no end-of-archive marker)")
         if len(block) < _BLOCK:
             raise _malformed("truncated header")
         if not any(block):
@@ -299,11 +299,11 @@ def next_member(r: Reader, glob: dict[str, bytes]) -> Member | None:
             raise _malformed("negative size")
         if kind in b"xXgLK":  # pax (local, Solaris, global) and GNU long-name headers
             meta += size
-            if meta > P.MAX_TREE_META:
-                raise TreeError(P.E_INVALID, f"tar headers of {meta} bytes (the limit is {P.MAX_TREE_META})")
+            if meta > proto.MAX_TREE_META:
+                raise TreeError(proto.E_INVALID, f"tar headers of {meta} bytes (the limit is {proto.MAX_TREE_META})")
             payload = r.take(size)
             if len(payload) < size:
-                raise TreeError(P.E_INVALID, "truncated tar stream")
+                raise TreeError(proto.E_INVALID, "truncated tar stream")
             r.skip(-size % _BLOCK)
             if kind == 0x4C:  # "L"
                 long_name = _text(payload)
@@ -311,8 +311,8 @@ def next_member(r: Reader, glob: dict[str, bytes]) -> Member | None:
                 long_link = _text(payload)
             elif kind == 0x67:  # "g": for every member after it
                 glob.update(_pax_records(payload))
-                if sum(len(k) + len(v) for k, v in glob.items()) > P.MAX_TREE_META:  # they add up over members
-                    raise TreeError(P.E_INVALID, f"global pax records over {P.MAX_TREE_META} bytes")
+                if sum(len(k) + len(v) for k, v in glob.items()) > proto.MAX_TREE_META:  # they add up over members
+                    raise TreeError(proto.E_INVALID, f"global pax records over {proto.MAX_TREE_META} bytes")
             else:
                 pax.update(_pax_records(payload))
             continue
@@ -339,7 +339,7 @@ def next_member(r: Reader, glob: dict[str, bytes]) -> Member | None:
             elif key == "mtime":
                 m.mtime = _pax_number(value, key, float)
             elif key.startswith("GNU.sparse."):
-                raise TreeError(P.E_INVALID, f"{m.name[:200]!r}: sparse files are not supported")
+                raise TreeError(proto.E_INVALID, f"{m.name[:200]!r}: sparse files are not supported")
         if m.type == 0 and m.name.endswith("/"):
             m.type = 0x35  # an old-style directory
         if m.isdir():
@@ -356,12 +356,12 @@ def check_header(ti: Member) -> None:
     than as a ValueError or OverflowError of the system call that would meet it."""
     name = ti.name[:200]
     if "\0" in ti.name or "\0" in ti.linkname:
-        raise TreeError(P.E_INVALID, f"a NUL in an archive name or link: {name!r}")
+        raise TreeError(proto.E_INVALID, f"a NUL in an archive name or link: {name!r}")
     mtime = ti.mtime
     if not isinstance(mtime, (int, float)) or not math.isfinite(mtime) or not -MAX_MTIME < mtime < MAX_MTIME:
-        raise TreeError(P.E_INVALID, f"{name!r}: mtime out of range: {str(mtime)[:40]}")
+        raise TreeError(proto.E_INVALID, f"{name!r}: mtime out of range: {str(mtime)[:40]}")
     for what, v in (("uid", ti.uid), ("gid", ti.gid)):
         if not isinstance(v, int) or not 0 <= v <= MAX_ID:
-            raise TreeError(P.E_INVALID, f"{name!r}: {what} out of range: {str(v)[:40]}")
+            raise TreeError(proto.E_INVALID, f"{name!r}: {what} out of range: {str(v)[:40]}")
     if not isinstance(ti.size, int) or ti.size < 0 or not isinstance(ti.mode, int):
-        raise TreeError(P.E_INVALID, f"{name!r}: bad size or mode")
+        raise TreeError(proto.E_INVALID, f"{name!r}: bad size or mode")

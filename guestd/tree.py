@@ -51,7 +51,7 @@ import os
 import stat
 import tarfile
 
-from guestd import proto as P
+from guestd import proto
 from guestd.fsops import DIR_FLAGS as _DIR
 from guestd.fsops import TreeError
 from guestd.tarformat import SPECIAL_TYPES, Member, Reader, SourceError, check_header, entry, next_member
@@ -64,7 +64,7 @@ MAX_DEPTH = 256  # directory levels of a tree (each holds a descriptor while it 
 
 
 def _os_error(exc: OSError, what: str) -> TreeError:
-    return TreeError(P.errcode(exc), f"{what}: {exc.strerror or exc}")
+    return TreeError(proto.errcode(exc), f"{what}: {exc.strerror or exc}")
 
 
 # ---------------------------------------------------------------------------
@@ -72,7 +72,7 @@ def _os_error(exc: OSError, what: str) -> TreeError:
 # ---------------------------------------------------------------------------
 
 
-BATCH = 4 * P.CHUNK  # bytes handed to ``write`` at once (fewer pipe writes and wakeups)
+BATCH = 4 * proto.CHUNK  # bytes handed to ``write`` at once (fewer pipe writes and wakeups)
 _PAD = bytes(tarfile.RECORDSIZE)
 
 
@@ -86,8 +86,8 @@ class _Out:
 
     def put(self, data: bytes) -> None:
         self.total += len(data)
-        if self.total > P.MAX_TREE_STREAM:
-            raise TreeError(P.E_TOO_LARGE, f"the tree's tar stream exceeds {P.MAX_TREE_STREAM} bytes")
+        if self.total > proto.MAX_TREE_STREAM:
+            raise TreeError(proto.E_TOO_LARGE, f"the tree's tar stream exceeds {proto.MAX_TREE_STREAM} bytes")
         self.buf += data
         if len(self.buf) >= BATCH:
             self.flush()
@@ -139,10 +139,10 @@ def pack(root_fd: int, write: Callable[[bytes], object]) -> int:
         nonlocal entries, total
         entries += 1
         total += size
-        if entries > P.MAX_TREE_ENTRIES:
-            raise TreeError(P.E_TOO_LARGE, f"the tree has more than {P.MAX_TREE_ENTRIES} entries")
-        if total > P.MAX_TREE:
-            raise TreeError(P.E_TOO_LARGE, f"the tree's files exceed {P.MAX_TREE} bytes")
+        if entries > proto.MAX_TREE_ENTRIES:
+            raise TreeError(proto.E_TOO_LARGE, f"the tree has more than {proto.MAX_TREE_ENTRIES} entries")
+        if total > proto.MAX_TREE:
+            raise TreeError(proto.E_TOO_LARGE, f"the tree's files exceed {proto.MAX_TREE} bytes")
         out.put(head)
         if fd >= 0:
             out.contents(fd, size)
@@ -154,7 +154,7 @@ def pack(root_fd: int, write: Callable[[bytes], object]) -> int:
     def enter(fd: int, prefix: str) -> None:
         if len(stack) >= MAX_DEPTH:
             os.close(fd)
-            raise TreeError(P.E_TOO_LARGE, f"the tree is deeper than {MAX_DEPTH} levels")
+            raise TreeError(proto.E_TOO_LARGE, f"the tree is deeper than {MAX_DEPTH} levels")
         with os.scandir(fd) as it:  # (whether an entry is a regular file: from readdir's d_type)
             names = sorted((e.name, e.is_file(follow_symlinks=False)) for e in it)
         names.reverse()  # popped from the end: in name order
@@ -253,10 +253,10 @@ def _parts(name: str) -> tuple[str, ...]:
     if "" not in parts and "." not in parts and ".." not in parts:
         return parts  # (the common name: no empty, '.' or '..' component)
     if name.startswith("/"):
-        raise TreeError(P.E_INVALID, f"absolute name in the archive: {name[:200]!r}")
+        raise TreeError(proto.E_INVALID, f"absolute name in the archive: {name[:200]!r}")
     parts = tuple(p for p in name.split("/") if p not in ("", "."))
     if ".." in parts:
-        raise TreeError(P.E_INVALID, f"'..' in an archive name: {name[:200]!r}")
+        raise TreeError(proto.E_INVALID, f"'..' in an archive name: {name[:200]!r}")
     return parts
 
 
@@ -324,7 +324,7 @@ class _Unpacker:
         except OSError as exc:
             if exc.errno in (errno.ENOTDIR, errno.ELOOP):  # a file or a symlink in the way
                 where = "/".join(parts[: i + 1])
-                raise TreeError(P.E_INVALID, f"{name}: {where} is a symlink or not a directory") from None
+                raise TreeError(proto.E_INVALID, f"{name}: {where} is a symlink or not a directory") from None
             raise
 
     def walk(self, parts: tuple[str, ...], *, create: bool, name: str) -> int:
@@ -366,18 +366,18 @@ class _Unpacker:
         except FileNotFoundError:
             return
         if stat.S_ISDIR(st.st_mode):
-            raise TreeError(P.E_IS_DIR, f"{name}: a directory is in the way")
+            raise TreeError(proto.E_IS_DIR, f"{name}: a directory is in the way")
         os.unlink(leaf, dir_fd=pfd)
 
     def member(self, r: Reader, ti: Member) -> int:
         name = ti.name
         parts = _parts(name)
         if len(parts) > MAX_DEPTH:
-            raise TreeError(P.E_INVALID, f"a name deeper than {MAX_DEPTH} levels: {name[:200]!r}")
+            raise TreeError(proto.E_INVALID, f"a name deeper than {MAX_DEPTH} levels: {name[:200]!r}")
         mode = ti.mode & self.mask
         if not parts:
             if not ti.isdir():
-                raise TreeError(P.E_INVALID, "the archive's root entry is not a directory")
+                raise TreeError(proto.E_INVALID, "the archive's root entry is not a directory")
             if self.root_meta:
                 uid, gid = self.ids(ti.uid, ti.gid) or (-1, -1)
                 self.dirs[()] = (mode, uid, gid, int(ti.mtime))
@@ -442,7 +442,7 @@ class _Unpacker:
             target = _parts(ti.linkname)
             if target not in self.files:
                 what = f"a hard link to {ti.linkname[:200]!r}, not a file of this archive"
-                raise TreeError(P.E_INVALID, f"{name}: {what}")
+                raise TreeError(proto.E_INVALID, f"{name}: {what}")
             if target == parts:
                 return 0
             self.clear(pfd, leaf, name)
@@ -454,8 +454,8 @@ class _Unpacker:
             self.files.add(parts)
             return 0
         if ti.type in SPECIAL_TYPES:
-            raise TreeError(P.E_INVALID, f"{name}: device nodes and FIFOs are refused")
-        raise TreeError(P.E_INVALID, f"{name}: unsupported tar entry type {bytes([ti.type])!r}")
+            raise TreeError(proto.E_INVALID, f"{name}: device nodes and FIFOs are refused")
+        raise TreeError(proto.E_INVALID, f"{name}: unsupported tar entry type {bytes([ti.type])!r}")
 
     def finish_dirs(self) -> None:
         """Directory owners, modes and times, deepest first (their contents are in): in
@@ -524,12 +524,12 @@ def unpack(
             if ti is None:
                 break
             entries += 1
-            if entries > P.MAX_TREE_ENTRIES:
-                raise TreeError(P.E_TOO_LARGE, f"the archive has more than {P.MAX_TREE_ENTRIES} entries")
+            if entries > proto.MAX_TREE_ENTRIES:
+                raise TreeError(proto.E_TOO_LARGE, f"the archive has more than {proto.MAX_TREE_ENTRIES} entries")
             if ti.isreg():
                 total += ti.size
-                if total > P.MAX_TREE:
-                    raise TreeError(P.E_TOO_LARGE, f"the archive's files exceed {P.MAX_TREE} bytes")
+                if total > proto.MAX_TREE:
+                    raise TreeError(proto.E_TOO_LARGE, f"the archive's files exceed {proto.MAX_TREE} bytes")
             try:
                 check_header(ti)
                 u.member(r, ti)

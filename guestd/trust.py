@@ -1,6 +1,6 @@
 """guestd's ``trust_ca``: the sandbox's CA certificate (public: its key stays on the
 host) into the guest's trust stores, so clients verify the secret proxy's leaves
-without flags (issue 23; docs/secrets.md).
+without flags (docs/secrets.md).
 
 Writes /etc/sandvisor/ca.pem (the CA alone: NODE_EXTRA_CA_CERTS) and, in every system
 bundle the image has (Debian/Ubuntu and Alpine /etc/ssl/certs/ca-certificates.crt,

@@ -8,7 +8,7 @@ import fcntl
 import os
 import select
 
-from guestd import proto as P
+from guestd import proto
 from guestd.common import DEFAULT_PATH, SIGDEF, ExecFailed, errcode, read_text, set_nonblock
 from guestd.session import InStream, OutStream, Req, Session
 from guestd.users import resolve_user
@@ -53,7 +53,7 @@ class Worker(Req):
         self.status_fd = -1
         self.out: OutStream | None = None  # the child's output, to the host on STDOUT (read_tree)
         # the host's STDIN data, to the child (write_tree); none (fd -1) is credited back
-        self.stdin = InStream(self, agent, -1, eof=False, chunk=4 * P.CHUNK)
+        self.stdin = InStream(self, agent, -1, eof=False, chunk=4 * proto.CHUNK)
         self.status: int | None = None
         self.killable = False
         self.streams_out = False  # success ends the output stream (Eof), else it is an Ok
@@ -68,7 +68,7 @@ class Worker(Req):
         inp: bool = False,
         keep: tuple[int, ...] = (),
         killable: bool = False,
-        first: P.Message | None = None,
+        first: proto.Message | None = None,
     ) -> None:
         fds: list[int] = []
         try:
@@ -101,7 +101,7 @@ class Worker(Req):
         if first is not None:
             self.send(first)
         if out:
-            self.out = OutStream(self, P.STDOUT, mine)
+            self.out = OutStream(self, proto.STDOUT, mine)
             self.streams_out = True
             self.agent.watch(mine, EPOLLIN, self.on_out)
         elif inp:
@@ -123,7 +123,7 @@ class Worker(Req):
         self.update()
 
     def on_credit(self, ch: int, n: int) -> None:
-        if ch == P.STDOUT and self.out is not None:
+        if ch == proto.STDOUT and self.out is not None:
             self.out.add_credit(n)
             self.update()
 
@@ -185,16 +185,16 @@ class Worker(Req):
             if self.on_ok is not None:
                 self.on_ok(value)
             if self.streams_out:
-                self.send(P.Eof(rid=self.rid, ch=P.STDOUT))
+                self.send(proto.Eof(rid=self.rid, ch=proto.STDOUT))
             else:
-                self.send(P.Ok(rid=self.rid, value=value))
+                self.send(proto.Ok(rid=self.rid, value=value))
         elif code:
-            self.send(P.Error(rid=self.rid, code=code, message=text[:2000]))
+            self.send(proto.Error(rid=self.rid, code=code, message=text[:2000]))
         else:
             st = self.status
             why = f"signal {os.WTERMSIG(st)}" if os.WIFSIGNALED(st) else f"status {os.WEXITSTATUS(st)}"
             text = f"guestd worker ended without an answer ({why})"
-            self.send(P.Error(rid=self.rid, code=P.E_INTERNAL, message=text))
+            self.send(proto.Error(rid=self.rid, code=proto.E_INTERNAL, message=text))
         self.finish()
 
 
@@ -243,8 +243,8 @@ def _describe(exc: BaseException) -> str:
         where = f" ({exc.filename})" if exc.filename else ""
         return f"{errcode(exc)}\0{exc.strerror or exc}{where}"
     if isinstance(exc, LookupError):
-        return f"{P.E_INVALID}\0{exc.args[0] if exc.args else exc}"
-    return f"{P.E_INTERNAL}\0{type(exc).__name__}: {exc}"
+        return f"{proto.E_INVALID}\0{exc.args[0] if exc.args else exc}"
+    return f"{proto.E_INTERNAL}\0{type(exc).__name__}: {exc}"
 
 
 def busybox_run(root_fd: int, argv: list[str]) -> None:
@@ -273,7 +273,7 @@ def busybox_run(root_fd: int, argv: list[str]) -> None:
     _, status = os.waitpid(pid, 0)
     if status != 0:
         text = out.decode(errors="replace").strip().replace("\n", "; ") or f"{argv[0]} failed ({status})"
-        raise ExecFailed(P.E_FAILED, text)
+        raise ExecFailed(proto.E_FAILED, text)
 
 
 def find_disk(device: str) -> str:
@@ -283,13 +283,13 @@ def find_disk(device: str) -> str:
         for name in sorted(os.listdir("/sys/block")):
             if want and read_text(f"/sys/block/{name}/serial").strip() == want:
                 return f"/dev/{name}"
-        raise ExecFailed(P.E_NOT_FOUND, f"no disk with serial {want!r}")
+        raise ExecFailed(proto.E_NOT_FOUND, f"no disk with serial {want!r}")
     if not device.startswith("/dev/"):
         raise LookupError("device must be a /dev path or serial:NAME")
     return device
 
 
-def mount_work(root_fd: int, msg: P.Mount) -> int:
+def mount_work(root_fd: int, msg: proto.Mount) -> int:
     """In a worker: mount ``msg.device`` at ``msg.path``."""
     import stat
 
@@ -300,13 +300,13 @@ def mount_work(root_fd: int, msg: P.Mount) -> int:
     dev = find_disk(msg.device)
     st = os.stat(dev)
     if not stat.S_ISBLK(st.st_mode):
-        raise ExecFailed(P.E_INVALID, f"{dev} is not a block device")
+        raise ExecFailed(proto.E_INVALID, f"{dev} is not a block device")
     name = os.path.basename(dev)
     if not msg.read_only and read_text(f"/sys/class/block/{name}/ro").strip() == "1":
         # busybox mount would quietly fall back to a read-only mount
-        raise ExecFailed(P.E_PERM, f"{dev} is attached read-only; mount it read-only")
+        raise ExecFailed(proto.E_PERM, f"{dev} is attached read-only; mount it read-only")
     if os.path.ismount(msg.path):
-        raise ExecFailed(P.E_EXISTS, f"{msg.path} is a mount point already")
+        raise ExecFailed(proto.E_EXISTS, f"{msg.path} is a mount point already")
     os.makedirs(msg.path, 0o755, exist_ok=True)
     # A restored snapshot's kernel may hold pages of this device read before the
     # snapshot (another disk then, e.g. a template's placeholder): drop them.
@@ -320,12 +320,12 @@ def mount_work(root_fd: int, msg: P.Mount) -> int:
     return 0
 
 
-def mount_tmpfs(root_fd: int, msg: P.Mount) -> int:
+def mount_tmpfs(root_fd: int, msg: proto.Mount) -> int:
     """In a worker: a tmpfs at ``msg.path``, at most ``msg.size_mib`` (0: the kernel's default)."""
     if os.path.ismount(msg.path):
-        raise ExecFailed(P.E_EXISTS, f"{msg.path} is a mount point already")
+        raise ExecFailed(proto.E_EXISTS, f"{msg.path} is a mount point already")
     if not 0 <= msg.size_mib <= 1 << 20:
-        raise ExecFailed(P.E_INVALID, f"tmpfs size {msg.size_mib} MiB")
+        raise ExecFailed(proto.E_INVALID, f"tmpfs size {msg.size_mib} MiB")
     os.makedirs(msg.path, 0o755, exist_ok=True)
     opts = "nosuid,nodev,mode=1777" + (f",size={msg.size_mib}m" if msg.size_mib else "")
     if msg.read_only:
@@ -334,10 +334,10 @@ def mount_tmpfs(root_fd: int, msg: P.Mount) -> int:
     return 0
 
 
-def mount_virtiofs(root_fd: int, msg: P.Mount) -> int:
+def mount_virtiofs(root_fd: int, msg: proto.Mount) -> int:
     """In a worker: the virtio-fs share tagged ``msg.device`` at ``msg.path``."""
     if os.path.ismount(msg.path):
-        raise ExecFailed(P.E_EXISTS, f"{msg.path} is a mount point already")
+        raise ExecFailed(proto.E_EXISTS, f"{msg.path} is a mount point already")
     os.makedirs(msg.path, 0o755, exist_ok=True)
     opts = "ro" if msg.read_only else "rw"
     busybox_run(root_fd, ["mount", "-t", "virtiofs", "-o", opts, msg.device, msg.path])
@@ -349,7 +349,7 @@ def mount_virtiofs(root_fd: int, msg: P.Mount) -> int:
 # ---------------------------------------------------------------------------
 
 
-def read_tree(agent: Agent, session: Session, msg: P.ReadTree) -> None:
+def read_tree(agent: Agent, session: Session, msg: proto.ReadTree) -> None:
     if not msg.path.startswith("/"):
         raise LookupError("path must be absolute")
     dfd = os.open(msg.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # the path's own symlink is followed
@@ -359,12 +359,12 @@ def read_tree(agent: Agent, session: Session, msg: P.ReadTree) -> None:
         return int(tree.pack(dfd, tree.write_fd(out_fd)))
 
     try:
-        Worker(agent, session, msg.rid).start(work, out=True, keep=(dfd,), killable=True, first=P.Ok(rid=msg.rid))
+        Worker(agent, session, msg.rid).start(work, out=True, keep=(dfd,), killable=True, first=proto.Ok(rid=msg.rid))
     finally:
         os.close(dfd)
 
 
-def write_tree(agent: Agent, session: Session, msg: P.WriteTree) -> None:
+def write_tree(agent: Agent, session: Session, msg: proto.WriteTree) -> None:
     if not msg.path.startswith("/"):
         raise LookupError("path must be absolute")
     ids = resolve_user(msg.owner)[:2] if msg.owner else None
@@ -384,9 +384,9 @@ def write_tree(agent: Agent, session: Session, msg: P.WriteTree) -> None:
         os.close(dfd)
 
 
-def patch(agent: Agent, session: Session, msg: P.Patch) -> None:
-    if len(msg.entries) > P.MAX_PATCH_ENTRIES:
-        raise LookupError(f"more than {P.MAX_PATCH_ENTRIES} patch entries")
+def patch(agent: Agent, session: Session, msg: proto.Patch) -> None:
+    if len(msg.entries) > proto.MAX_PATCH_ENTRIES:
+        raise LookupError(f"more than {proto.MAX_PATCH_ENTRIES} patch entries")
 
     def work(_fd: int) -> int:
         from guestd import fsops
@@ -396,7 +396,7 @@ def patch(agent: Agent, session: Session, msg: P.Patch) -> None:
     Worker(agent, session, msg.rid).start(work)
 
 
-def mount(agent: Agent, session: Session, msg: P.Mount) -> None:
+def mount(agent: Agent, session: Session, msg: proto.Mount) -> None:
     if not msg.path.startswith("/") or os.path.normpath(msg.path) == "/":
         raise LookupError("mount path must be absolute and not /")
     if msg.fstype not in (*FSTYPES, "tmpfs", "virtiofs"):
@@ -407,7 +407,7 @@ def mount(agent: Agent, session: Session, msg: P.Mount) -> None:
     w.start(lambda _fd: mount_work(agent.root_fd, msg))
 
 
-def umount(agent: Agent, session: Session, msg: P.Umount) -> None:
+def umount(agent: Agent, session: Session, msg: proto.Umount) -> None:
     path = os.path.normpath(msg.path) if msg.path.startswith("/") else ""
     if not path or not os.path.ismount(path):
         raise LookupError(f"{msg.path} is not a mount point")
@@ -425,7 +425,7 @@ def umount(agent: Agent, session: Session, msg: P.Umount) -> None:
     w.start(work)
 
 
-def fs(agent: Agent, session: Session, msg: P.Fs) -> None:
+def fs(agent: Agent, session: Session, msg: proto.Fs) -> None:
     """A file-system operation (see ``proto.Fs``); list and stat answer a msgpack array."""
     from guestd import fsops
 
@@ -444,7 +444,7 @@ def fs(agent: Agent, session: Session, msg: P.Fs) -> None:
                 view = view[os.write(out_fd, view) :]
             return len(found)
 
-        Worker(agent, session, msg.rid).start(answer, out=True, killable=True, first=P.Ok(rid=msg.rid))
+        Worker(agent, session, msg.rid).start(answer, out=True, killable=True, first=proto.Ok(rid=msg.rid))
         return
 
     def work(_fd: int) -> int:

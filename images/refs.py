@@ -1,4 +1,4 @@
-"""Which image references a client may make the supervisor pull (issue 21: the confused deputy).
+"""Which image references a client may make the supervisor pull (the confused deputy).
 
 A pull runs skopeo as the supervisor (root): without these rules a client names any
 host path (``docker-archive:/etc/shadow``) or any host-local service

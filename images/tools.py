@@ -1,4 +1,4 @@
-"""What the image store asks of a tool runner: the port images/ owns (issue 21).
+"""What the image store asks of a tool runner: the port images/ owns.
 
 ``ImageStore(tools=...)`` runs skopeo, umoci and mkfs.ext4 through a :class:`ToolRunner`.
 The layers point one way (guestd <- images <- actors <- supervisor): images/ may not

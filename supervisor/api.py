@@ -58,11 +58,8 @@ from actors.sandboxes.logs import SOURCES as LOG_SOURCES
 from actors.sandboxes.sandbox import Sandbox
 from actors.sandboxes.workload import CommandNotRun
 from actors.snapshots.snapshot import rfc3339
-from guestd import proto as P
-from supervisor import access as A
-from supervisor import api_store
-from supervisor import mapping as M
-from supervisor import protocol as W
+from guestd import proto
+from supervisor import access, api_store, mapping, protocol
 from supervisor.api_table import CallIO, Method, Table, joined, stopped
 
 MAX_IMPORT = 1 << 40  # bytes of one snapshot import's stream (the import bounds each file itself)
@@ -76,86 +73,90 @@ def _absolute(path: str) -> str:
     return path
 
 
-@method("Create", W.CreateSandboxRequest)
-async def _create(reg: Registry, io: CallIO, req: W.CreateSandboxRequest) -> W.CreateSandboxResponse:
-    config = M.config(req)
-    A.check_uses(reg, io.principal, config)
-    sb = await reg.create(req.id, config, M.secret_values(req), pull_auth=M.pull_auth(req), owner=io.principal.name)
-    # the seed: "State at time of response: always starting" (ready follows as an event,
-    # at once when a warm pool member served it)
-    return W.CreateSandboxResponse(id=sb.id, ip_address=sb.ip_address, state=State.STARTING.value)
-
-
-@method("Start", W.IdRequest)
-async def _start(reg: Registry, io: CallIO, req: W.IdRequest) -> W.CreateSandboxResponse:
-    sb = await reg.start(A.sandbox(reg, io.principal, req.id).id)
-    return W.CreateSandboxResponse(id=sb.id, ip_address=sb.ip_address, state=sb.state.value)
-
-
-@method("Inspect", W.IdRequest)
-async def _inspect(reg: Registry, io: CallIO, req: W.IdRequest) -> W.SandboxInfo:
-    return M.info(A.sandbox(reg, io.principal, req.id))
-
-
-@method("Modify", W.ModifyRequest)
-async def _modify(reg: Registry, io: CallIO, req: W.ModifyRequest) -> W.ModifyResponse:
-    return M.modify_response(await modify(reg, A.sandbox(reg, io.principal, req.id).id, M.modification(req)))
-
-
-@method("List", W.ListSandboxesRequest)
-async def _list(reg: Registry, io: CallIO, req: W.ListSandboxesRequest) -> W.ListSandboxesResponse:
-    page, cursor = reg.list(
-        state=M.state(req.state), labels=req.labels, limit=req.limit or 20, cursor=req.cursor, viewer=io.principal
+@method("Create", protocol.CreateSandboxRequest)
+async def _create(reg: Registry, io: CallIO, req: protocol.CreateSandboxRequest) -> protocol.CreateSandboxResponse:
+    config = mapping.config(req)
+    access.check_uses(reg, io.principal, config)
+    sb = await reg.create(
+        req.id, config, mapping.secret_values(req), pull_auth=mapping.pull_auth(req), owner=io.principal.name
     )
-    return W.ListSandboxesResponse([M.summary(sb) for sb in page], cursor)
+    # sandbox.v1: "State at time of response: always starting" (ready follows as an event,
+    # at once when a warm pool member served it)
+    return protocol.CreateSandboxResponse(id=sb.id, ip_address=sb.ip_address, state=State.STARTING.value)
 
 
-@method("ListAll", W.ListSandboxesRequest)
-async def _list_all(reg: Registry, io: CallIO, req: W.ListSandboxesRequest) -> W.ListSandboxesResponse:
-    """Every match, newest first, in one response (the seed's List has no paging)."""
-    state, out, cursor = M.state(req.state), [], ""
+@method("Start", protocol.IdRequest)
+async def _start(reg: Registry, io: CallIO, req: protocol.IdRequest) -> protocol.CreateSandboxResponse:
+    sb = await reg.start(access.sandbox(reg, io.principal, req.id).id)
+    return protocol.CreateSandboxResponse(id=sb.id, ip_address=sb.ip_address, state=sb.state.value)
+
+
+@method("Inspect", protocol.IdRequest)
+async def _inspect(reg: Registry, io: CallIO, req: protocol.IdRequest) -> protocol.SandboxInfo:
+    return mapping.info(access.sandbox(reg, io.principal, req.id))
+
+
+@method("Modify", protocol.ModifyRequest)
+async def _modify(reg: Registry, io: CallIO, req: protocol.ModifyRequest) -> protocol.ModifyResponse:
+    return mapping.modify_response(
+        await modify(reg, access.sandbox(reg, io.principal, req.id).id, mapping.modification(req))
+    )
+
+
+@method("List", protocol.ListSandboxesRequest)
+async def _list(reg: Registry, io: CallIO, req: protocol.ListSandboxesRequest) -> protocol.ListSandboxesResponse:
+    page, cursor = reg.list(
+        state=mapping.state(req.state), labels=req.labels, limit=req.limit or 20, cursor=req.cursor, viewer=io.principal
+    )
+    return protocol.ListSandboxesResponse([mapping.summary(sb) for sb in page], cursor)
+
+
+@method("ListAll", protocol.ListSandboxesRequest)
+async def _list_all(reg: Registry, io: CallIO, req: protocol.ListSandboxesRequest) -> protocol.ListSandboxesResponse:
+    """Every match, newest first, in one response (sandbox.v1's List has no paging)."""
+    state, out, cursor = mapping.state(req.state), [], ""
     while True:
         page, cursor = reg.list(state=state, labels=req.labels, limit=100, cursor=cursor, viewer=io.principal)
-        out += [M.summary(sb) for sb in page]
+        out += [mapping.summary(sb) for sb in page]
         if not cursor:
-            return W.ListSandboxesResponse(out)
+            return protocol.ListSandboxesResponse(out)
 
 
-@method("Stop", W.StopSandboxRequest)
-async def _stop(reg: Registry, io: CallIO, req: W.StopSandboxRequest) -> None:
+@method("Stop", protocol.StopSandboxRequest)
+async def _stop(reg: Registry, io: CallIO, req: protocol.StopSandboxRequest) -> None:
     if req.timeout_seconds < 0:
         raise InvalidArgument("timeout_seconds must not be negative")
     timeout = float(req.timeout_seconds or DEFAULT_STOP_TIMEOUT)
-    sb = reg.stop(A.sandbox(reg, io.principal, req.id).id, timeout)
+    sb = reg.stop(access.sandbox(reg, io.principal, req.id).id, timeout)
     await stopped(sb, timeout + defaults.STOP_GRACE)
 
 
-@method("Kill", W.IdRequest)
-async def _kill(reg: Registry, io: CallIO, req: W.IdRequest) -> None:
-    sb = reg.kill(A.sandbox(reg, io.principal, req.id).id)
+@method("Kill", protocol.IdRequest)
+async def _kill(reg: Registry, io: CallIO, req: protocol.IdRequest) -> None:
+    sb = reg.kill(access.sandbox(reg, io.principal, req.id).id)
     await stopped(sb, defaults.STOP_GRACE)
 
 
-@method("Drain", W.IdRequest)
-async def _drain(reg: Registry, io: CallIO, req: W.IdRequest) -> None:
-    reg.drain(A.sandbox(reg, io.principal, req.id).id)
+@method("Drain", protocol.IdRequest)
+async def _drain(reg: Registry, io: CallIO, req: protocol.IdRequest) -> None:
+    reg.drain(access.sandbox(reg, io.principal, req.id).id)
 
 
-@method("WaitUntilStopped", W.IdRequest)
-async def _wait(reg: Registry, io: CallIO, req: W.IdRequest) -> W.SandboxInfo:
-    sb = A.sandbox(reg, io.principal, req.id)
+@method("WaitUntilStopped", protocol.IdRequest)
+async def _wait(reg: Registry, io: CallIO, req: protocol.IdRequest) -> protocol.SandboxInfo:
+    sb = access.sandbox(reg, io.principal, req.id)
     await sb.wait_stopped()
-    return M.info(sb)
+    return mapping.info(sb)
 
 
-@method("Remove", W.RemoveSandboxRequest)
-async def _remove(reg: Registry, io: CallIO, req: W.RemoveSandboxRequest) -> None:
-    await reg.remove(A.sandbox(reg, io.principal, req.id).id, req.force)
+@method("Remove", protocol.RemoveSandboxRequest)
+async def _remove(reg: Registry, io: CallIO, req: protocol.RemoveSandboxRequest) -> None:
+    await reg.remove(access.sandbox(reg, io.principal, req.id).id, req.force)
 
 
-@method("Run", W.RunRequest, streams=True)
-async def _run(reg: Registry, io: CallIO, req: W.RunRequest) -> None:
-    sb = A.sandbox(reg, io.principal, req.id)
+@method("Run", protocol.RunRequest, streams=True)
+async def _run(reg: Registry, io: CallIO, req: protocol.RunRequest) -> None:
+    sb = access.sandbox(reg, io.principal, req.id)
     cmd = script_argv(sb.config.scripts, req.script, req.cmd) if req.script else req.cmd
     workload = sb.run_workload(
         cmd, env=req.env, cwd=req.working_dir, user=req.user, tty=req.tty, timeout=float(req.timeout_seconds)
@@ -166,28 +167,28 @@ async def _run(reg: Registry, io: CallIO, req: W.RunRequest) -> None:
     async with aclosing(workload) as outputs:
         async for stream, data, code in outputs:
             if code is None:
-                await io.send(W.RunOutput(stream=stream, data=data))
+                await io.send(protocol.RunOutput(stream=stream, data=data))
             else:
-                await io.send(W.RunOutput(stream="exit", exit_code=code, done=True))
+                await io.send(protocol.RunOutput(stream="exit", exit_code=code, done=True))
 
 
-@method("Exec", W.ExecInput, streams=True, inputs=W.ExecInput)
-async def _exec(reg: Registry, io: CallIO, first: W.ExecInput) -> None:
+@method("Exec", protocol.ExecInput, streams=True, inputs=protocol.ExecInput)
+async def _exec(reg: Registry, io: CallIO, first: protocol.ExecInput) -> None:
     if first.init is None:
         raise InvalidArgument("the first ExecInput must carry init")
     if first.stdin is not None or first.resize is not None or first.close_stdin:
         raise InvalidArgument("the first ExecInput carries init only")
     req = first.init
-    sb = A.sandbox(reg, io.principal, req.id)
+    sb = access.sandbox(reg, io.principal, req.id)
     try:
         await _exec_session(sb, req, io)
     except CommandNotRun as exc:  # raised before any output: the stream ends as a shell's
         sb.log.append("stderr", exc.stderr)
-        await io.send(W.RunOutput(stream="stderr", data=exc.stderr))
-        await io.send(W.RunOutput(stream="exit", exit_code=exc.exit_code, done=True))
+        await io.send(protocol.RunOutput(stream="stderr", data=exc.stderr))
+        await io.send(protocol.RunOutput(stream="exit", exit_code=exc.exit_code, done=True))
 
 
-async def _exec_session(sb: Sandbox, req: W.ExecRequest, io: CallIO) -> None:
+async def _exec_session(sb: Sandbox, req: protocol.ExecRequest, io: CallIO) -> None:
     async with (
         sb.exec_session(
             req.cmd,
@@ -204,7 +205,7 @@ async def _exec_session(sb: Sandbox, req: W.ExecRequest, io: CallIO) -> None:
 
         async def pump_input() -> None:
             while True:
-                msg: W.ExecInput | None = await io.receive()
+                msg: protocol.ExecInput | None = await io.receive()
                 if msg is None:  # the client half-closed: end of stdin
                     await h.close_stdin()
                     return
@@ -222,44 +223,44 @@ async def _exec_session(sb: Sandbox, req: W.ExecRequest, io: CallIO) -> None:
 
         nursery.start_soon(pump_input)
         async for ch, data in h:
-            name = "stderr" if ch == P.STDERR else "stdout"
+            name = "stderr" if ch == proto.STDERR else "stdout"
             sb.log.append("output" if req.tty else name, data)
-            await io.send(W.RunOutput(stream=name, data=data))
+            await io.send(protocol.RunOutput(stream=name, data=data))
         nursery.cancel_scope.cancel()
     assert h.exit is not None
-    await io.send(W.RunOutput(stream="exit", exit_code=h.exit.code, done=True))
+    await io.send(protocol.RunOutput(stream="exit", exit_code=h.exit.code, done=True))
 
 
-@method("Events", W.SandboxEventsRequest, streams=True)
-async def _events(reg: Registry, io: CallIO, req: W.SandboxEventsRequest) -> None:
+@method("Events", protocol.SandboxEventsRequest, streams=True)
+async def _events(reg: Registry, io: CallIO, req: protocol.SandboxEventsRequest) -> None:
     sub = reg.events.subscribe(req.id, req.action, viewer=io.principal)
     try:
         async for ev in sub:
-            await io.send(M.event(ev))
+            await io.send(mapping.event(ev))
     except Lagged as exc:
         raise ResourceExhausted(str(exc)) from None
     finally:
         reg.events.unsubscribe(sub)
 
 
-@method("ReadFile", W.ReadFileRequest, streams=True)
-async def _read_file(reg: Registry, io: CallIO, req: W.ReadFileRequest) -> None:
-    sb = A.sandbox(reg, io.principal, req.id)
+@method("ReadFile", protocol.ReadFileRequest, streams=True)
+async def _read_file(reg: Registry, io: CallIO, req: protocol.ReadFileRequest) -> None:
+    sb = access.sandbox(reg, io.principal, req.id)
     async with sb.read_file(_absolute(req.path)) as f:
         async for chunk in f:
-            await io.send(W.FileChunk(data=chunk))
-    await io.send(W.FileChunk(done=True))
+            await io.send(protocol.FileChunk(data=chunk))
+    await io.send(protocol.FileChunk(done=True))
 
 
-@method("WriteFile", W.WriteFileRequest, inputs=W.WriteFileRequest)
-async def _write_file(reg: Registry, io: CallIO, first: W.WriteFileRequest) -> None:
+@method("WriteFile", protocol.WriteFileRequest, inputs=protocol.WriteFileRequest)
+async def _write_file(reg: Registry, io: CallIO, first: protocol.WriteFileRequest) -> None:
     if first.open is None:
         raise InvalidArgument("the first WriteFileRequest must carry open")
     op = first.open
     path = _absolute(op.path)
-    sb = A.sandbox(reg, io.principal, op.id)
+    sb = access.sandbox(reg, io.principal, op.id)
 
-    await sb.write_file(path, _chunks_in(io, W.WriteFileRequest, P.MAX_FILE, "file"), mode=op.mode or 0o644)
+    await sb.write_file(path, _chunks_in(io, protocol.WriteFileRequest, proto.MAX_FILE, "file"), mode=op.mode or 0o644)
 
 
 async def _chunks_in(io: CallIO, cls: type[Any], limit: int, what: str) -> AsyncGenerator[bytes]:
@@ -287,121 +288,125 @@ async def _chunks_in(io: CallIO, cls: type[Any], limit: int, what: str) -> Async
             return
 
 
-@method("ReadTree", W.ReadTreeRequest, streams=True)
-async def _read_tree(reg: Registry, io: CallIO, req: W.ReadTreeRequest) -> None:
+@method("ReadTree", protocol.ReadTreeRequest, streams=True)
+async def _read_tree(reg: Registry, io: CallIO, req: protocol.ReadTreeRequest) -> None:
     """``cp -r box:/path DIR``: the guest packs, the client unpacks (with its own rights)."""
-    sb = A.sandbox(reg, io.principal, req.id)
+    sb = access.sandbox(reg, io.principal, req.id)
     async with sb.read_tree(_absolute(req.path)) as tar:
         async for chunk in tar:
-            await io.send(W.FileChunk(data=chunk))
-    await io.send(W.FileChunk(done=True))
+            await io.send(protocol.FileChunk(data=chunk))
+    await io.send(protocol.FileChunk(done=True))
 
 
-@method("WriteTree", W.WriteTreeRequest, inputs=W.WriteTreeRequest)
-async def _write_tree(reg: Registry, io: CallIO, first: W.WriteTreeRequest) -> W.WriteTreeResponse:
+@method("WriteTree", protocol.WriteTreeRequest, inputs=protocol.WriteTreeRequest)
+async def _write_tree(reg: Registry, io: CallIO, first: protocol.WriteTreeRequest) -> protocol.WriteTreeResponse:
     """``cp -r DIR box:/path``: the client packs, guestd unpacks (hostile archives refused)."""
     if first.open is None:
         raise InvalidArgument("the first WriteTreeRequest must carry open")
-    sb = A.sandbox(reg, io.principal, first.open.id)
-    chunks = _chunks_in(io, W.WriteTreeRequest, P.MAX_TREE_STREAM, "tree stream")
+    sb = access.sandbox(reg, io.principal, first.open.id)
+    chunks = _chunks_in(io, protocol.WriteTreeRequest, proto.MAX_TREE_STREAM, "tree stream")
     n = await sb.write_tree(_absolute(first.open.path), chunks, owner=first.open.owner)
-    return W.WriteTreeResponse(entries=n)
+    return protocol.WriteTreeResponse(entries=n)
 
 
 # --- file-system operations (guestd's fs requests) -------------------------------------------
-def _fs_entry(e: FsEntry, path: str) -> W.FsEntry:
-    return W.FsEntry(e.name, path, e.kind, e.size, e.mode, e.uid, e.gid, e.mtime_ns, e.target)
+def _fs_entry(e: FsEntry, path: str) -> protocol.FsEntry:
+    return protocol.FsEntry(e.name, path, e.kind, e.size, e.mode, e.uid, e.gid, e.mtime_ns, e.target)
 
 
 FS_PAGE = 1000  # entries of one FsList item at most
 FS_PAGE_BYTES = 1 << 20  # ... and about this many bytes of names (a frame or gRPC message: 4 MiB)
 
 
-@method("FsList", W.FsPathRequest, streams=True)
-async def _fs_list(reg: Registry, io: CallIO, req: W.FsPathRequest) -> None:
+@method("FsList", protocol.FsPathRequest, streams=True)
+async def _fs_list(reg: Registry, io: CallIO, req: protocol.FsPathRequest) -> None:
     """The entries of a directory of the guest, by name (symlinks as links), in pages
     (a directory's entries may take more than one message may carry)."""
     path = _absolute(req.path)
     base = "/" + posixpath.normpath(path).lstrip("/")
-    page: list[W.FsEntry] = []
+    page: list[protocol.FsEntry] = []
     size = 0
-    for e in await A.sandbox(reg, io.principal, req.id).fs_list(path):
+    for e in await access.sandbox(reg, io.principal, req.id).fs_list(path):
         entry = _fs_entry(e, posixpath.join(base, e.name))
         page.append(entry)
         size += len(entry.name.encode()) + len(entry.path.encode()) + len(entry.target.encode()) + 64
         if len(page) >= FS_PAGE or size >= FS_PAGE_BYTES:
-            await io.send(W.FsListResponse(page))
+            await io.send(protocol.FsListResponse(page))
             page, size = [], 0
     if page:
-        await io.send(W.FsListResponse(page))
+        await io.send(protocol.FsListResponse(page))
 
 
-@method("FsStat", W.FsPathRequest)
-async def _fs_stat(reg: Registry, io: CallIO, req: W.FsPathRequest) -> W.FsEntry:
+@method("FsStat", protocol.FsPathRequest)
+async def _fs_stat(reg: Registry, io: CallIO, req: protocol.FsPathRequest) -> protocol.FsEntry:
     path = _absolute(req.path)
-    e = await A.sandbox(reg, io.principal, req.id).fs_stat(path)
+    e = await access.sandbox(reg, io.principal, req.id).fs_stat(path)
     return _fs_entry(attrs.evolve(e, name=posixpath.basename(e.name) or "/"), posixpath.normpath(path))
 
 
-@method("FsExists", W.FsPathRequest)
-async def _fs_exists(reg: Registry, io: CallIO, req: W.FsPathRequest) -> W.FsExistsResponse:
+@method("FsExists", protocol.FsPathRequest)
+async def _fs_exists(reg: Registry, io: CallIO, req: protocol.FsPathRequest) -> protocol.FsExistsResponse:
     """Whether the path exists (a dangling symlink does: it is there)."""
-    sb = A.sandbox(reg, io.principal, req.id)  # (a missing sandbox is NOT_FOUND)
+    sb = access.sandbox(reg, io.principal, req.id)  # (a missing sandbox is NOT_FOUND)
     try:
         await sb.fs_stat(_absolute(req.path))
     except NotFound:
-        return W.FsExistsResponse(False)
-    return W.FsExistsResponse(True)
+        return protocol.FsExistsResponse(False)
+    return protocol.FsExistsResponse(True)
 
 
-@method("FsMkdir", W.FsMkdirRequest)
-async def _fs_mkdir(reg: Registry, io: CallIO, req: W.FsMkdirRequest) -> None:
+@method("FsMkdir", protocol.FsMkdirRequest)
+async def _fs_mkdir(reg: Registry, io: CallIO, req: protocol.FsMkdirRequest) -> None:
     if not 0 <= req.mode <= 0o7777:
         raise InvalidArgument("mode must be 0..0o7777")
     path = _absolute(req.path)
-    await A.sandbox(reg, io.principal, req.id).fs_change("mkdir", path, recursive=req.parents, mode=req.mode or 0o755)
+    await access.sandbox(reg, io.principal, req.id).fs_change(
+        "mkdir", path, recursive=req.parents, mode=req.mode or 0o755
+    )
 
 
-@method("FsRemove", W.FsRemoveRequest)
-async def _fs_remove(reg: Registry, io: CallIO, req: W.FsRemoveRequest) -> None:
-    await A.sandbox(reg, io.principal, req.id).fs_change("remove", _absolute(req.path), recursive=req.recursive)
+@method("FsRemove", protocol.FsRemoveRequest)
+async def _fs_remove(reg: Registry, io: CallIO, req: protocol.FsRemoveRequest) -> None:
+    await access.sandbox(reg, io.principal, req.id).fs_change("remove", _absolute(req.path), recursive=req.recursive)
 
 
-@method("FsRename", W.FsRenameRequest)
-async def _fs_rename(reg: Registry, io: CallIO, req: W.FsRenameRequest) -> None:
-    await A.sandbox(reg, io.principal, req.id).fs_change("rename", _absolute(req.path), dest=_absolute(req.dest))
+@method("FsRename", protocol.FsRenameRequest)
+async def _fs_rename(reg: Registry, io: CallIO, req: protocol.FsRenameRequest) -> None:
+    await access.sandbox(reg, io.principal, req.id).fs_change("rename", _absolute(req.path), dest=_absolute(req.dest))
 
 
-@method("Ping", W.IdRequest)
-async def _ping(reg: Registry, io: CallIO, req: W.IdRequest) -> W.PingResponse:
-    sb = A.sandbox(reg, io.principal, req.id)
+@method("Ping", protocol.IdRequest)
+async def _ping(reg: Registry, io: CallIO, req: protocol.IdRequest) -> protocol.PingResponse:
+    sb = access.sandbox(reg, io.principal, req.id)
     t = time.monotonic_ns()
     pong = await sb.guest_call(lambda g: g.channel.ping())
-    return W.PingResponse(latency_ns=time.monotonic_ns() - t, activity=pong.activity)
+    return protocol.PingResponse(latency_ns=time.monotonic_ns() - t, activity=pong.activity)
 
 
-@method("Touch", W.IdRequest)
-async def _touch(reg: Registry, io: CallIO, req: W.IdRequest) -> W.TouchResponse:
-    sb = A.sandbox(reg, io.principal, req.id)
+@method("Touch", protocol.IdRequest)
+async def _touch(reg: Registry, io: CallIO, req: protocol.IdRequest) -> protocol.TouchResponse:
+    sb = access.sandbox(reg, io.principal, req.id)
     activity = await sb.guest_call(lambda g: g.channel.touch())
     sb.touch()
-    return W.TouchResponse(activity=activity)
+    return protocol.TouchResponse(activity=activity)
 
 
-@method("SetTtl", W.SetTtlRequest)
-async def _set_ttl(reg: Registry, io: CallIO, req: W.SetTtlRequest) -> W.SetTtlResponse:
-    return W.SetTtlResponse(expires_at=reg.set_ttl(A.sandbox(reg, io.principal, req.id).id, req.ttl_seconds))
+@method("SetTtl", protocol.SetTtlRequest)
+async def _set_ttl(reg: Registry, io: CallIO, req: protocol.SetTtlRequest) -> protocol.SetTtlResponse:
+    return protocol.SetTtlResponse(
+        expires_at=reg.set_ttl(access.sandbox(reg, io.principal, req.id).id, req.ttl_seconds)
+    )
 
 
-@method("Logs", W.LogsRequest, streams=True)
-async def _logs(reg: Registry, io: CallIO, req: W.LogsRequest) -> None:
+@method("Logs", protocol.LogsRequest, streams=True)
+async def _logs(reg: Registry, io: CallIO, req: protocol.LogsRequest) -> None:
     if req.tail < 0:
         raise InvalidArgument("tail must not be negative")
     bad = sorted(set(req.sources) - set(LOG_SOURCES))
     if bad:
         raise InvalidArgument(f"unknown log source {bad[0][:40]!r}: the sources are {', '.join(LOG_SOURCES)}")
     sources = frozenset(req.sources)
-    sb = A.sandbox(reg, io.principal, req.id)
+    sb = access.sandbox(reg, io.principal, req.id)
     cursor, tail = req.cursor, req.tail
     if req.follow:
         # the stream ends at ``until`` by the clock too, not only at a later entry; only
@@ -420,31 +425,31 @@ async def _logs(reg: Registry, io: CallIO, req: W.LogsRequest) -> None:
                     break
                 if req.until and r.timestamp > req.until:
                     return
-                await io.send(W.LogEntry(r.seq, r.timestamp, r.source, r.data))
+                await io.send(protocol.LogEntry(r.seq, r.timestamp, r.source, r.data))
                 cursor, tail = r.seq, 0
         # the clock passed ``until``: what was written up to it and is not sent yet
     for r in await sb.log.read(tail=tail, since=req.since, until=req.until, cursor=cursor, sources=sources):
-        await io.send(W.LogEntry(r.seq, r.timestamp, r.source, r.data))
+        await io.send(protocol.LogEntry(r.seq, r.timestamp, r.source, r.data))
 
 
-async def _metrics_of(sb: Sandbox) -> W.MetricsResponse:
-    return M.metrics(await sb.metrics(), cpu_seconds_total=sb.host_cpu_seconds())
+async def _metrics_of(sb: Sandbox) -> protocol.MetricsResponse:
+    return mapping.metrics(await sb.metrics(), cpu_seconds_total=sb.host_cpu_seconds())
 
 
-@method("Metrics", W.IdRequest)
-async def _metrics(reg: Registry, io: CallIO, req: W.IdRequest) -> W.MetricsResponse:
-    return await _metrics_of(A.sandbox(reg, io.principal, req.id))
+@method("Metrics", protocol.IdRequest)
+async def _metrics(reg: Registry, io: CallIO, req: protocol.IdRequest) -> protocol.MetricsResponse:
+    return await _metrics_of(access.sandbox(reg, io.principal, req.id))
 
 
 def _alive(sandboxes: list[Sandbox]) -> list[Sandbox]:
     return [sb for sb in sandboxes if sb.state in ALIVE]
 
 
-async def _sample(sandboxes: list[Sandbox]) -> list[W.MetricsResponse]:
+async def _sample(sandboxes: list[Sandbox]) -> list[protocol.MetricsResponse]:
     """Live sandboxes' metrics, asked concurrently: a silent guest costs its own answer
     (bounded by the guest deadline), not everyone's."""
     alive = _alive(sandboxes)
-    found: dict[str, W.MetricsResponse] = {}
+    found: dict[str, protocol.MetricsResponse] = {}
 
     async def one(sb: Sandbox) -> None:
         try:
@@ -458,51 +463,53 @@ async def _sample(sandboxes: list[Sandbox]) -> list[W.MetricsResponse]:
     return [found[sb.id] for sb in alive if sb.id in found]
 
 
-@method("MetricsStream", W.MetricsStreamRequest, streams=True)
-async def _metrics_stream(reg: Registry, io: CallIO, req: W.MetricsStreamRequest) -> None:
+@method("MetricsStream", protocol.MetricsStreamRequest, streams=True)
+async def _metrics_stream(reg: Registry, io: CallIO, req: protocol.MetricsStreamRequest) -> None:
     if not 0.1 <= req.interval_seconds <= 3600:
         raise InvalidArgument("interval_seconds must be 0.1 to 3600")
     while True:
         if req.id:
-            sb = A.sandbox(reg, io.principal, req.id)
+            sb = access.sandbox(reg, io.principal, req.id)
             if sb.state in ALIVE:
                 await io.send(await _metrics_of(sb))
         else:
-            for m in await _sample(A.visible(io.principal, reg.sandboxes.values())):
+            for m in await _sample(access.visible(io.principal, reg.sandboxes.values())):
                 await io.send(m)
         await trio.sleep(req.interval_seconds)
 
 
-@method("MetricsAll", W.Empty)
-async def _metrics_all(reg: Registry, io: CallIO, req: W.Empty) -> W.MetricsAllResponse:
-    return W.MetricsAllResponse(await _sample(A.visible(io.principal, reg.sandboxes.values())))
+@method("MetricsAll", protocol.Empty)
+async def _metrics_all(reg: Registry, io: CallIO, req: protocol.Empty) -> protocol.MetricsAllResponse:
+    return protocol.MetricsAllResponse(await _sample(access.visible(io.principal, reg.sandboxes.values())))
 
 
-@method("ExposePort", W.ExposePortRequest)
-async def _expose(reg: Registry, io: CallIO, req: W.ExposePortRequest) -> W.ExposePortResponse:
+@method("ExposePort", protocol.ExposePortRequest)
+async def _expose(reg: Registry, io: CallIO, req: protocol.ExposePortRequest) -> protocol.ExposePortResponse:
     check_port(req.sandbox_port, req.host_port)
-    pm = await A.sandbox(reg, io.principal, req.id).expose(req.sandbox_port, req.host_port, M.protocol(req.protocol))
+    pm = await access.sandbox(reg, io.principal, req.id).expose(
+        req.sandbox_port, req.host_port, mapping.port_protocol(req.protocol)
+    )
     # idempotent: a port exposed already answers with its mapping. The guest needs no
     # relay port: slirp forwards, and on tap the relay connects, to the sandbox port
-    return W.ExposePortResponse(host_port=pm.host_port, guest_port=pm.sandbox_port)
+    return protocol.ExposePortResponse(host_port=pm.host_port, guest_port=pm.sandbox_port)
 
 
-@method("UnexposePort", W.UnexposePortRequest)
-async def _unexpose(reg: Registry, io: CallIO, req: W.UnexposePortRequest) -> None:
+@method("UnexposePort", protocol.UnexposePortRequest)
+async def _unexpose(reg: Registry, io: CallIO, req: protocol.UnexposePortRequest) -> None:
     check_port(req.sandbox_port)
-    await A.sandbox(reg, io.principal, req.id).unexpose(req.sandbox_port, M.protocol(req.protocol))
+    await access.sandbox(reg, io.principal, req.id).unexpose(req.sandbox_port, mapping.port_protocol(req.protocol))
 
 
-@method("ListPorts", W.IdRequest)
-async def _list_ports(reg: Registry, io: CallIO, req: W.IdRequest) -> W.ListPortsResponse:
-    return M.ports(A.sandbox(reg, io.principal, req.id))
+@method("ListPorts", protocol.IdRequest)
+async def _list_ports(reg: Registry, io: CallIO, req: protocol.IdRequest) -> protocol.ListPortsResponse:
+    return mapping.ports(access.sandbox(reg, io.principal, req.id))
 
 
-@method("Checkpoint", W.CheckpointRequest)
-async def _checkpoint(reg: Registry, io: CallIO, req: W.CheckpointRequest) -> W.CheckpointResponse:
-    sb = A.sandbox(reg, io.principal, req.sandbox_id)
+@method("Checkpoint", protocol.CheckpointRequest)
+async def _checkpoint(reg: Registry, io: CallIO, req: protocol.CheckpointRequest) -> protocol.CheckpointResponse:
+    sb = access.sandbox(reg, io.principal, req.sandbox_id)
     rec, ck = await reg.checkpoint(sb.id, name=req.name, labels=req.labels, owner=io.principal.name)
-    return W.CheckpointResponse(
+    return protocol.CheckpointResponse(
         snapshot_id=rec.id,
         snapshot_dir=rec.dir,
         created_at=rfc3339(rec.created_ns),
@@ -513,64 +520,71 @@ async def _checkpoint(reg: Registry, io: CallIO, req: W.CheckpointRequest) -> W.
     )
 
 
-@method("Restore", W.RestoreRequest)
-async def _restore(reg: Registry, io: CallIO, req: W.RestoreRequest) -> W.RestoreResponse:
+@method("Restore", protocol.RestoreRequest)
+async def _restore(reg: Registry, io: CallIO, req: protocol.RestoreRequest) -> protocol.RestoreResponse:
     sb = await reg.restore(
-        A.snapshot(reg, io.principal, req.snapshot_id).id,
+        access.snapshot(reg, io.principal, req.snapshot_id).id,
         id=req.id,
         labels=req.labels,
         ttl_seconds=req.ttl_seconds,
         network_override=req.network_override,
         owner=io.principal.name,
     )
-    return W.RestoreResponse(id=sb.id, ip_address=sb.ip_address)
+    return protocol.RestoreResponse(id=sb.id, ip_address=sb.ip_address)
 
 
-@method("ListSnapshots", W.ListSnapshotsRequest)
-async def _list_snapshots(reg: Registry, io: CallIO, req: W.ListSnapshotsRequest) -> W.ListSnapshotsResponse:
-    return W.ListSnapshotsResponse(
-        [M.snapshot(r, reg.pool_ready(r)) for r in reg.list_snapshots(req.sandbox_id, req.labels, viewer=io.principal)]
+@method("ListSnapshots", protocol.ListSnapshotsRequest)
+async def _list_snapshots(
+    reg: Registry, io: CallIO, req: protocol.ListSnapshotsRequest
+) -> protocol.ListSnapshotsResponse:
+    return protocol.ListSnapshotsResponse(
+        [
+            mapping.snapshot(r, reg.pool_ready(r))
+            for r in reg.list_snapshots(req.sandbox_id, req.labels, viewer=io.principal)
+        ]
     )
 
 
-@method("DeleteSnapshot", W.DeleteSnapshotRequest)
-async def _delete_snapshot(reg: Registry, io: CallIO, req: W.DeleteSnapshotRequest) -> None:
-    await reg.delete_snapshot(A.snapshot(reg, io.principal, req.snapshot_id).id)
+@method("DeleteSnapshot", protocol.DeleteSnapshotRequest)
+async def _delete_snapshot(reg: Registry, io: CallIO, req: protocol.DeleteSnapshotRequest) -> None:
+    await reg.delete_snapshot(access.snapshot(reg, io.principal, req.snapshot_id).id)
 
 
-@method("ExportSnapshot", W.ExportSnapshotRequest, streams=True)
-async def _export_snapshot(reg: Registry, io: CallIO, req: W.ExportSnapshotRequest) -> None:
+@method("ExportSnapshot", protocol.ExportSnapshotRequest, streams=True)
+async def _export_snapshot(reg: Registry, io: CallIO, req: protocol.ExportSnapshotRequest) -> None:
     """The snapshot as one file, in chunks of about 1 MiB, then ``done``."""
-    snap = A.snapshot(reg, io.principal, req.snapshot_id)
+    snap = access.snapshot(reg, io.principal, req.snapshot_id)
     async with aclosing(reg.export_snapshot(snap.id, include_base=req.include_base)) as pieces:
         async for piece in pieces:
-            await io.send(W.FileChunk(data=piece))
-    await io.send(W.FileChunk(done=True))
+            await io.send(protocol.FileChunk(data=piece))
+    await io.send(protocol.FileChunk(done=True))
 
 
-@method("ImportSnapshot", W.ImportSnapshotRequest, inputs=W.ImportSnapshotRequest)
-async def _import_snapshot(reg: Registry, io: CallIO, first: W.ImportSnapshotRequest) -> W.SnapshotSummary:
+@method("ImportSnapshot", protocol.ImportSnapshotRequest, inputs=protocol.ImportSnapshotRequest)
+async def _import_snapshot(
+    reg: Registry, io: CallIO, first: protocol.ImportSnapshotRequest
+) -> protocol.SnapshotSummary:
     """An export file's bytes in, a new snapshot (a new id) out; nothing is recorded
     unless every byte arrived and matched the file's digest."""
     if first.open is None:
         raise InvalidArgument("the first ImportSnapshotRequest must carry open")
     op = first.open
-    async with aclosing(_chunks_in(io, W.ImportSnapshotRequest, MAX_IMPORT, "snapshot import")) as chunks:
+    async with aclosing(_chunks_in(io, protocol.ImportSnapshotRequest, MAX_IMPORT, "snapshot import")) as chunks:
         rec = await reg.import_snapshot(chunks, name=op.name or None, labels=op.labels or None, owner=io.principal.name)
-    return M.snapshot(rec, 0)
+    return mapping.snapshot(rec, 0)
 
 
 # --- hibernation ------------------------------------------------------------------------------
-@method("Pause", W.IdRequest)
-async def _pause(reg: Registry, io: CallIO, req: W.IdRequest) -> W.SandboxInfo:
+@method("Pause", protocol.IdRequest)
+async def _pause(reg: Registry, io: CallIO, req: protocol.IdRequest) -> protocol.SandboxInfo:
     """Hibernate a ready sandbox to disk; answers once it is paused (no QEMU)."""
-    return M.info(await reg.pause(A.sandbox(reg, io.principal, req.id).id))
+    return mapping.info(await reg.pause(access.sandbox(reg, io.principal, req.id).id))
 
 
-@method("Resume", W.IdRequest)
-async def _resume(reg: Registry, io: CallIO, req: W.IdRequest) -> W.SandboxInfo:
+@method("Resume", protocol.IdRequest)
+async def _resume(reg: Registry, io: CallIO, req: protocol.IdRequest) -> protocol.SandboxInfo:
     """Bring a paused sandbox back as itself; answers once it is ready."""
-    return M.info(await reg.resume(A.sandbox(reg, io.principal, req.id).id))
+    return mapping.info(await reg.resume(access.sandbox(reg, io.principal, req.id).id))
 
 
 METHODS: dict[str, Method] = joined(_TABLE, api_store.TABLE)  # every method both edges serve

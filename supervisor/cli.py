@@ -17,7 +17,7 @@ from supervisor.cli_stores import add_image_commands
 from supervisor.errors import ApiError
 
 # Imports are inside the functions that need them: a one-shot client command (ls,
-# inspect, run, ...) loads neither Trio, rich nor the image builder (issue 14).
+# inspect, run, ...) loads neither Trio, rich nor the image builder (benchmarks/control.py).
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (mypy reads the name)
 if TYPE_CHECKING:
     from typing import Any, NoReturn

@@ -5,7 +5,7 @@ serve default). Human output is tables; ``--json`` output is stable. Errors are 
 line on stderr: exit 2 for usage errors (bad ``K=V``, bad port), 1 for failed
 operations; ``run`` and ``exec`` exit with the command's own exit code.
 
-One-shot commands are quick (issue 14): a command that is one call or one server
+One-shot commands are quick (benchmarks/control.py): a command that is one call or one server
 stream (run, ls, inspect, logs, events, stop, kill, rm, ping, touch, metrics, top,
 checkpoint, restore, snapshots, port) speaks the protocol over a plain blocking
 socket (:class:`supervisor.frames.BlockingConnection`, bodies as the wire's maps):

@@ -5,7 +5,7 @@ Trio-async. Requests are the protocol module's typed classes; results are typed
 values with attributes (:class:`SandboxInfo`, :class:`Page` of :class:`SandboxSummary`,
 :class:`MetricsResponse`, :class:`SnapshotSummary`, :class:`CheckpointResponse`,
 :class:`LogEntry`, :class:`SandboxEvent`). Failures raise subclasses of
-:class:`SandboxError` named after the seed's codes (:class:`NotFound`,
+:class:`SandboxError` named after sandbox.v1's codes (:class:`NotFound`,
 :class:`InvalidArgument`, ...).
 
 A sandbox is described by a :class:`SandboxSpec` (grouped: :class:`Resources`,

@@ -21,7 +21,7 @@ from typing import Any
 
 import attrs
 
-from actors import defaults as D
+from actors import defaults
 
 FLAG = "sandvisor.flag"  # the metadata key of a field's Flag
 FIELDS = "the field's"  # Flag.default: the flag's default is the field's
@@ -139,15 +139,15 @@ class DaemonConfig:
         None, name="--run-root", help="per-VM sockets and run dirs (default: /run/sandvisor/vms for root)", parse=_path
     )
     boot_timeout: float = flag(
-        D.BOOT_TIMEOUT, name="--boot-timeout", type=float, help="seconds a boot may take before it fails"
+        defaults.BOOT_TIMEOUT, name="--boot-timeout", type=float, help="seconds a boot may take before it fails"
     )
     jail_overhead_mib: int = flag(  # a QEMU's memory limit: guest RAM + this
-        D.JAIL_OVERHEAD_MIB,
+        defaults.JAIL_OVERHEAD_MIB,
         name="--jail-overhead",
         type=int,
         metavar="MIB",
         help="each jailed QEMU's memory limit is its guest RAM + this (QEMU, TCG's cache; "
-        f"default {D.JAIL_OVERHEAD_MIB})",
+        f"default {defaults.JAIL_OVERHEAD_MIB})",
     )
     jail_uids: tuple[int, int] | None = flag(  # (first, count) of the cells' identities (None: the default range)
         None,
@@ -155,18 +155,20 @@ class DaemonConfig:
         type=_uid_range,
         metavar="FIRST:COUNT",
         help="the uid/gid range jailed QEMUs get ids from (no real user may have one; "
-        f"default {D.JAIL_ID_FIRST}:{D.JAIL_ID_COUNT})",
+        f"default {defaults.JAIL_ID_FIRST}:{defaults.JAIL_ID_COUNT})",
         show=lambda r: f"{r[0]}:{r[1]}",
     )
     guest_timeout: float = flag(  # every guest request's deadline on the host (DEADLINE_EXCEEDED)
-        D.GUEST_TIMEOUT,
+        defaults.GUEST_TIMEOUT,
         name="--guest-timeout",
         type=float,
         help="seconds any guest request may take on the host's side before DEADLINE_EXCEEDED "
-        f"(default {D.GUEST_TIMEOUT:g})",
+        f"(default {defaults.GUEST_TIMEOUT:g})",
     )
-    max_sandboxes: int = flag(D.MAX_SANDBOXES, name="--max-sandboxes", type=int)  # live ones, warm pools' included
-    max_paused: int = flag(  # hibernated ones (issue 25): they hold disk, not RAM or a --max-sandboxes slot
+    max_sandboxes: int = flag(
+        defaults.MAX_SANDBOXES, name="--max-sandboxes", type=int
+    )  # live ones, warm pools' included
+    max_paused: int = flag(  # hibernated ones: they hold disk, not RAM or a --max-sandboxes slot
         0, name="--max-paused", type=int, help="paused sandboxes at once (0: no limit; they count against disk)"
     )
     group: str | None = flag(
@@ -185,7 +187,7 @@ class DaemonConfig:
         "'' to keep root)",
     )
     expose_address: str = flag(  # where exposed ports listen on the host
-        D.EXPOSE_ADDRESS,
+        defaults.EXPOSE_ADDRESS,
         name="--expose-address",
         help="host address exposed ports listen on (default: loopback only)",
     )
@@ -265,14 +267,14 @@ class DaemonConfig:
         0, name="--max-disk", type=int, metavar="MIB", help="state dir use (default: no limit)"
     )
     max_sandbox_disk_mib: int = flag(  # one sandbox's overlay + rw volumes, virtual sizes (0: no cap)
-        D.MAX_SANDBOX_DISK_MIB,
+        defaults.MAX_SANDBOX_DISK_MIB,
         name="--max-sandbox-disk",
         type=_sandbox_disk_arg,
         metavar="SIZE",
         help="one sandbox's disk and read-write volumes, e.g. 16G (default; 0: no cap)",
     )
     max_image_bytes: int = flag(  # an OCI image's download and unpacked tree, each, as bytes arrive
-        D.MAX_IMAGE_BYTES,
+        defaults.MAX_IMAGE_BYTES,
         name="--max-image-size",
         type=_image_size,
         metavar="SIZE",
@@ -292,11 +294,12 @@ class DaemonConfig:
         help="no virtio-balloon: memory a guest frees stays with its QEMU (default: reported and given back)",
     )
     tb_size_mib: int = flag(  # TCG's translation cache per QEMU (0: QEMU's default, 1 GiB)
-        D.TB_SIZE_MIB,
+        defaults.TB_SIZE_MIB,
         name="--tb-size",
         type=int,
         metavar="MIB",
-        help=f"TCG's translation cache per QEMU (default {D.TB_SIZE_MIB}; 0: QEMU's own, 1 GiB); ignored under KVM",
+        help=f"TCG's translation cache per QEMU (default {defaults.TB_SIZE_MIB}; 0: QEMU's own, 1 GiB)"
+        "; ignored under KVM",
     )
     pools: dict[str, int] = flag(  # per snapshot id or name
         factory=dict,
@@ -388,9 +391,9 @@ class DaemonConfig:
     ip_pool: str = flag(
         "",
         name="--ip-pool",
-        default=D.IP_POOL,
+        default=defaults.IP_POOL,
         metavar="CIDR",
-        help=f"as root: tap networking's addresses (default {D.IP_POOL}; 'none': no tap, no jailed outbound)",
+        help=f"as root: tap networking's addresses (default {defaults.IP_POOL}; 'none': no tap, no jailed outbound)",
         parse=_ip_pool,
         show=lambda v: v or "none",
     )
@@ -426,17 +429,17 @@ class DaemonConfig:
         None, name="--fleet-node", metavar="NAME", help="this host's name in the fleet (default: --advertise's host)"
     )
     fleet_slots: int = flag(
-        D.FLEET_SLOTS,
+        defaults.FLEET_SLOTS,
         name="--fleet-slots",
         type=int,
-        help=f"sandboxes the fleet may place here (default {D.FLEET_SLOTS})",
+        help=f"sandboxes the fleet may place here (default {defaults.FLEET_SLOTS})",
     )
     fleet_memory_mib: int = flag(
-        D.FLEET_MEMORY_MIB,
+        defaults.FLEET_MEMORY_MIB,
         name="--fleet-memory",
         type=int,
         metavar="MIB",
-        help=f"guest memory the fleet may place here, MiB (default {D.FLEET_MEMORY_MIB})",
+        help=f"guest memory the fleet may place here, MiB (default {defaults.FLEET_MEMORY_MIB})",
     )
     fleet_token_file: Path | None = flag(  # Ray's token (0600): the head makes STATE/fleet/ray-token
         None,
@@ -454,10 +457,10 @@ class DaemonConfig:
         help="a member of the fleet, allowed to reach this host's Ray ports (repeatable; default: the head)",
     )
     fleet_user: str = flag(
-        D.FLEET_RAY_USER,
+        defaults.FLEET_RAY_USER,
         name="--fleet-user",
         metavar="USER",
-        help=f"the unprivileged user Ray runs as (default {D.FLEET_RAY_USER}, made when absent)",
+        help=f"the unprivileged user Ray runs as (default {defaults.FLEET_RAY_USER}, made when absent)",
     )
     fleet_python: str | None = flag(
         None,
@@ -465,7 +468,7 @@ class DaemonConfig:
         metavar="PATH",
         help="the Python Ray's user runs Ray with (default: serve's own; the same version)",
     )
-    # secrets (issue 23, docs/secrets.md): the vault's key, outside the state dir
+    # secrets (docs/secrets.md): the vault's key, outside the state dir
     secrets_key: Path | None = flag(
         None,
         name="--secrets-key",

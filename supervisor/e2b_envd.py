@@ -27,9 +27,8 @@ from typing import Any
 import attrs
 import trio
 
-from supervisor import errors as E
+from supervisor import errors, protocol
 from supervisor import guest_fs as fs
-from supervisor import protocol as W
 from supervisor.e2b_http import (
     CONNECT_STREAM_JSON,
     Exchange,
@@ -168,7 +167,7 @@ class Processes:
                                 end = {"exitCode": code, "exited": True, "status": f"exit status {code}"}
                             elif o.data:
                                 proc.publish({"data": {o.stream: base64.b64encode(o.data).decode()}})
-        except E.SandboxError as exc:
+        except errors.SandboxError as exc:
             if proc.execd is None:  # not started: the caller's error
                 raise rpc_error(exc) from None
             end = {"exitCode": -1, "exited": False, "status": "error", "error": f"{exc.code}: {exc.message}"}
@@ -293,7 +292,7 @@ async def process_call(ex: Exchange, procs: Processes, target: Target, method: s
     except (trio.BrokenResourceError, trio.ClosedResourceError):
         await unary_error(ex, RpcError("not_found", "the process has ended"))
         return
-    except E.SandboxError as exc:
+    except errors.SandboxError as exc:
         await unary_error(ex, rpc_error(exc))
         return
     await ex.send_json(reply)
@@ -337,7 +336,7 @@ async def filesystem_call(ex: Exchange, target: Target, method: str) -> None:
     except (ValueError, TypeError):
         await unary_error(ex, RpcError("invalid_argument", "malformed request"))
         return
-    except E.SandboxError as exc:
+    except errors.SandboxError as exc:
         await unary_error(ex, rpc_error(exc))
         return
     await ex.send_json(reply)
@@ -360,17 +359,19 @@ async def download(ex: Exchange, target: Target) -> None:
     try:
         async with (
             target.client.connect() as conn,
-            conn.open_call("ReadFile", W.unstructure_body(W.ReadFileRequest(target.sandbox, path))) as call,
+            conn.open_call(
+                "ReadFile", protocol.unstructure_body(protocol.ReadFileRequest(target.sandbox, path))
+            ) as call,
         ):
             async for item in call:
-                chunk = W.structure_body(item, W.FileChunk)
+                chunk = protocol.structure_body(item, protocol.FileChunk)
                 if not ex.started:
                     await ex.start(200, "application/octet-stream")
                 if chunk.data:
                     await ex.write(chunk.data)
                 if chunk.done:
                     break
-    except E.SandboxError as exc:
+    except errors.SandboxError as exc:
         if ex.started:
             raise
         raise http_error(exc) from None
@@ -394,7 +395,7 @@ async def _write(sb: AsyncSandbox, path: str, data: AsyncIterator[bytes]) -> Non
     if not more:
         try:
             await sb.fs.write(path, bytes(head))
-        except E.NotFound:
+        except errors.NotFound:
             await fs.make_parents(sb, "", path)
             await sb.fs.write(path, bytes(head))
         return
@@ -430,6 +431,6 @@ async def upload(ex: Exchange, target: Target) -> None:
             path = _file_path(ex)
             await _write(sb, path, ex.chunks())
             written.append({"name": path.rsplit("/", 1)[-1], "type": "file", "path": path})
-    except E.SandboxError as exc:
+    except errors.SandboxError as exc:
         raise http_error(exc) from None
     await ex.send_json(written)

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 from urllib.parse import parse_qs
 
-from supervisor import errors as E
+from supervisor import errors
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict[str, Any]]]
@@ -29,19 +29,19 @@ END_STREAM = 0x02
 CONNECT_JSON = "application/json"
 CONNECT_STREAM_JSON = "application/connect+json"
 
-# the seed's codes as Connect's, and Connect's HTTP statuses (unary errors)
+# sandbox.v1's codes as Connect's, and Connect's HTTP statuses (unary errors)
 CONNECT_CODE = {
-    E.INVALID_ARGUMENT: "invalid_argument",
-    E.NOT_FOUND: "not_found",
-    E.ALREADY_EXISTS: "already_exists",
-    E.FAILED_PRECONDITION: "failed_precondition",
-    E.RESOURCE_EXHAUSTED: "resource_exhausted",
-    E.DEADLINE_EXCEEDED: "deadline_exceeded",
-    E.INTERNAL: "internal",
-    E.UNAVAILABLE: "unavailable",
-    E.UNIMPLEMENTED: "unimplemented",
-    E.CANCELLED: "canceled",
-    E.PERMISSION_DENIED: "permission_denied",
+    errors.INVALID_ARGUMENT: "invalid_argument",
+    errors.NOT_FOUND: "not_found",
+    errors.ALREADY_EXISTS: "already_exists",
+    errors.FAILED_PRECONDITION: "failed_precondition",
+    errors.RESOURCE_EXHAUSTED: "resource_exhausted",
+    errors.DEADLINE_EXCEEDED: "deadline_exceeded",
+    errors.INTERNAL: "internal",
+    errors.UNAVAILABLE: "unavailable",
+    errors.UNIMPLEMENTED: "unimplemented",
+    errors.CANCELLED: "canceled",
+    errors.PERMISSION_DENIED: "permission_denied",
 }
 CONNECT_STATUS = {
     "canceled": 499,
@@ -58,17 +58,17 @@ CONNECT_STATUS = {
     "unavailable": 503,
     "unauthenticated": 401,
 }
-# the seed's codes as the REST API's HTTP statuses
+# sandbox.v1's codes as the REST API's HTTP statuses
 HTTP_STATUS = {
-    E.INVALID_ARGUMENT: 400,
-    E.NOT_FOUND: 404,
-    E.ALREADY_EXISTS: 409,
-    E.FAILED_PRECONDITION: 409,
-    E.RESOURCE_EXHAUSTED: 429,
-    E.DEADLINE_EXCEEDED: 504,
-    E.UNAVAILABLE: 503,
-    E.UNIMPLEMENTED: 501,
-    E.PERMISSION_DENIED: 403,
+    errors.INVALID_ARGUMENT: 400,
+    errors.NOT_FOUND: 404,
+    errors.ALREADY_EXISTS: 409,
+    errors.FAILED_PRECONDITION: 409,
+    errors.RESOURCE_EXHAUSTED: 429,
+    errors.DEADLINE_EXCEEDED: 504,
+    errors.UNAVAILABLE: 503,
+    errors.UNIMPLEMENTED: 501,
+    errors.PERMISSION_DENIED: 403,
 }
 
 
@@ -81,7 +81,7 @@ class HttpError(Exception):
         self.message = message
 
 
-def http_error(exc: E.ApiError) -> HttpError:
+def http_error(exc: errors.ApiError) -> HttpError:
     return HttpError(HTTP_STATUS.get(exc.code, 500), f"{exc.code}: {exc.message}")
 
 
@@ -159,7 +159,7 @@ class RpcError(Exception):
         self.message = message
 
 
-def rpc_error(exc: E.ApiError) -> RpcError:
+def rpc_error(exc: errors.ApiError) -> RpcError:
     return RpcError(CONNECT_CODE.get(exc.code, "unknown"), exc.message)
 
 

@@ -33,7 +33,7 @@ from typing import Any
 
 import attrs
 
-from supervisor import protocol as W
+from supervisor import protocol
 from supervisor.sdk.acting import acting_as
 from supervisor.sdk.aio import AsyncConnection, AsyncSandbox, connect
 
@@ -171,6 +171,6 @@ class Client:
         with self.acting():
             return await AsyncSandbox.list(socket=self.socket, **kw)
 
-    async def snapshots(self) -> builtins.list[W.SnapshotSummary]:
+    async def snapshots(self) -> builtins.list[protocol.SnapshotSummary]:
         with self.acting():
             return builtins.list(await AsyncSandbox.snapshots(socket=self.socket))

@@ -38,7 +38,7 @@ import attrs
 import trio
 
 from supervisor import e2b_envd as envd
-from supervisor import errors as E
+from supervisor import errors
 from supervisor.e2b_http import Exchange, HttpError, Receive, Scope, Send, http_error
 from supervisor.e2b_keys import Client, Key, Tokens, find_key, read_keys
 from supervisor.metrics import is_loopback
@@ -126,7 +126,7 @@ class E2BApp:
         except HttpError as err:
             if not ex.started:
                 await ex.fail(err.status, err.message)
-        except E.SandboxError as exc:
+        except errors.SandboxError as exc:
             if not ex.started:
                 answer = http_error(exc)
                 await ex.fail(answer.status, answer.message)
@@ -165,7 +165,7 @@ class E2BApp:
         handed out for ("" for an API key: whichever sandbox of that id the key sees)."""
         try:  # as E2B's proxy answers for a sandbox that is not there (the SDK: SandboxNotRunning)
             info = await client.sandbox(sandbox).inspect()
-        except E.NotFound:
+        except errors.NotFound:
             info = None
         if info is None or (uid and info.uid != uid):  # the token's sandbox is gone
             await ex.send_json(
@@ -287,7 +287,7 @@ class E2BApp:
     async def _info(self, client: Client, sid: str) -> Any:
         try:
             return await client.sandbox(sid).inspect()
-        except E.NotFound:
+        except errors.NotFound:
             if client.key.admin:  # (gone by its TTL, or removed by another client)
                 self.known.pop(sid, None)
             raise HttpError(404, f"Sandbox {sid} not found") from None
@@ -307,7 +307,7 @@ class E2BApp:
         info = await self._info(client, sid)
         try:
             await client.sandbox(sid).remove(force=True)
-        except E.NotFound:
+        except errors.NotFound:
             raise HttpError(404, f"Sandbox {sid} not found") from None
         self.procs.forget(info.uid)
         self.known.pop(sid, None)
@@ -316,7 +316,7 @@ class E2BApp:
     async def _set_timeout(self, client: Client, sid: str, uid: str, seconds: int) -> None:
         try:
             end = await client.sandbox(sid).set_ttl(seconds)
-        except E.NotFound:
+        except errors.NotFound:
             raise HttpError(404, f"Sandbox {sid} not found") from None
         known = self._known(sid, uid)
         if known is None:
@@ -368,9 +368,9 @@ class E2BApp:
     async def _call(self, sid: str, call: Awaitable[object]) -> None:
         try:
             await call
-        except E.NotFound:
+        except errors.NotFound:
             raise HttpError(404, f"Sandbox {sid} not found") from None
-        except E.FailedPrecondition as exc:
+        except errors.FailedPrecondition as exc:
             raise HttpError(409, str(exc)) from None
 
 

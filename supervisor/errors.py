@@ -1,4 +1,4 @@
-"""The client protocol's error codes (the seed's) and the exceptions that carry them.
+"""The client protocol's error codes (sandbox.v1's) and the exceptions that carry them.
 
 Both ends raise :class:`ApiError`; the SDK raises the subclass named after the code
 (:class:`NotFound`, :class:`InvalidArgument`, ...), all of them :class:`SandboxError`.
@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from guestd import codes
 from guestd.codes import Code
 
-# the seed's codes, from the one list (guestd/codes.py: stdlib only, which the SDK may import)
+# sandbox.v1's codes, from the one list (guestd/codes.py: stdlib only, which the SDK may import)
 CODES = codes.CODES
 INVALID_ARGUMENT = Code.INVALID_ARGUMENT.value
 NOT_FOUND = Code.NOT_FOUND.value
@@ -29,7 +29,7 @@ PERMISSION_DENIED = Code.PERMISSION_DENIED.value  # a client the supervisor does
 
 
 class ApiError(Exception):
-    """An error with one of the seed's codes and a human message (both ends use it)."""
+    """An error with one of sandbox.v1's codes and a human message (both ends use it)."""
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(f"{code}: {message}")
@@ -38,7 +38,7 @@ class ApiError(Exception):
 
 
 class SandboxError(ApiError):
-    """Base of the SDK's errors; ``code`` is the seed's error code."""
+    """Base of the SDK's errors; ``code`` is sandbox.v1's error code."""
 
 
 class InvalidArgument(SandboxError):

@@ -27,7 +27,7 @@ Cancellation: a client cancel, an expired deadline or the edge stopping cancel t
 aio shim; the shim cancels the call's Trio scope. The deadline is also put on the
 Trio scope itself when the call starts (so work stops on time even if the core's
 notice is late). Errors raised in Trio map to status codes by name: anything with a
-``code`` attribute that names a :class:`grpc.StatusCode` (the seed's codes, our
+``code`` attribute that names a :class:`grpc.StatusCode` (sandbox.v1's codes, our
 ``ApiError``, the domain's errors) becomes that status with its ``message``; an
 unexpected exception is ``INTERNAL`` (and logged).
 
@@ -90,7 +90,7 @@ ReqT = TypeVar("ReqT")
 RespT = TypeVar("RespT")
 
 DEFAULT_WINDOW = 16  # messages in flight per direction per call
-DEFAULT_MAX_MESSAGE = 4 << 20  # as the msgpack socket's MAX_FRAME; the seed streams files in chunks
+DEFAULT_MAX_MESSAGE = 4 << 20  # as the msgpack socket's MAX_FRAME; sandbox.v1 streams files in chunks
 MAX_CONCURRENT_RPCS = 1024  # in all: more are RESOURCE_EXHAUSTED (each is a Trio task and a window)
 MAX_CONCURRENT_STREAMS = 256  # per connection, as the msgpack socket's MAX_CALLS
 STATUS_BY_NAME: dict[str, grpc.StatusCode] = {c.name: c for c in grpc.StatusCode}

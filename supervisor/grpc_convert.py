@@ -11,7 +11,7 @@ field or a proto3 ``optional`` only when set (so the attrs default applies), a o
 only as its set member. An extended sandvisor.v1 message's ``base`` (the embedded seed
 message) is flattened into the top level, so ``sandvisor.v1.CreateRequest`` and
 ``sandbox.v1.CreateSandboxRequest`` both structure into one class. Keys a message
-does not have (extensions the seed lacks) are left out of it.
+does not have (extensions sandbox.v1 lacks) are left out of it.
 """
 
 from __future__ import annotations

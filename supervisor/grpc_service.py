@@ -1,4 +1,4 @@
-"""The gRPC services of ``sandvisor serve``: the seed's ``sandbox.v1`` as it is, and our ``sandvisor.v1``.
+"""The gRPC services of ``sandvisor serve``: the ``sandbox.v1`` contract as it is, and our ``sandvisor.v1``.
 
 No handler is written here: every RPC is bound to a method of the table both edges
 serve (:data:`supervisor.api.METHODS`), whose handlers take and return the attrs
@@ -56,8 +56,7 @@ from google.protobuf.message import Message
 from actors.errors import InvalidArgument, PermissionDenied, Unimplemented
 from actors.principals import Principal
 from actors.registry import Registry
-from supervisor import grpc_bridge as G
-from supervisor import protocol as W
+from supervisor import grpc_bridge, protocol
 from supervisor.api import METHODS
 from supervisor.api_store import SERVICES
 from supervisor.api_table import Method
@@ -104,7 +103,7 @@ BINDINGS: dict[str, tuple[Rpc, ...]] = {
         Rpc("Stop", "Stop"),
         Rpc("Remove", "Remove"),
         Rpc("Inspect", "Inspect"),
-        Rpc("List", "ListAll"),  # the seed's List has no paging: every match
+        Rpc("List", "ListAll"),  # sandbox.v1's List has no paging: every match
         Rpc("Events", "Events"),
         Rpc("ReadFile", "ReadFile"),
         Rpc("WriteFile", "WriteFile"),
@@ -172,7 +171,7 @@ BINDINGS: dict[str, tuple[Rpc, ...]] = {
 
 
 def descriptors() -> dict[str, Any]:
-    """The service descriptors, by full name (the seed's are the vendored proto's)."""
+    """The service descriptors, by full name (sandbox.v1's are the vendored proto's)."""
     return {
         SANDBOX: sandbox_pb2.DESCRIPTOR.services_by_name["SandboxService"],
         SNAPSHOTS: sandbox_pb2.DESCRIPTOR.services_by_name["SandboxSnapshotService"],
@@ -240,7 +239,7 @@ def to_request(msg: Message, cls: type, prepare: Prepare | None = None) -> Any:
     data = message_to_dict(msg)
     if prepare is not None:
         data = prepare(data)
-    return W.structure_body(zeros_to_defaults(data, cls), cls)
+    return protocol.structure_body(zeros_to_defaults(data, cls), cls)
 
 
 def to_message(value: Any, cls: type[Message]) -> Message:
@@ -248,10 +247,10 @@ def to_message(value: Any, cls: type[Message]) -> Message:
     are left out; a seed message embedded as ``base`` is filled from the top level."""
     if value is None:
         return cls()
-    return dict_to_message(W.unstructure_body(value), cls)
+    return dict_to_message(protocol.unstructure_body(value), cls)
 
 
-def call_principal(call: G.Call[Any, Any], auth: TcpAuth, unix_peers: Mapping[str, Principal]) -> Principal:
+def call_principal(call: grpc_bridge.Call[Any, Any], auth: TcpAuth, unix_peers: Mapping[str, Principal]) -> Principal:
     """Who makes ``call`` (the gate let it in: TcpGate on TCP, the relay on a Unix socket)."""
     kind, _, name = call.peer.partition(":")
     if kind == "unix-abstract":  # through the relay: the peer credentials it read
@@ -281,7 +280,9 @@ class GrpcIO:
 
     __slots__ = ("call", "inputs", "out", "principal")
 
-    def __init__(self, call: G.Call[Any, Any], out: type[Message], inputs: type | None, principal: Principal) -> None:
+    def __init__(
+        self, call: grpc_bridge.Call[Any, Any], out: type[Message], inputs: type | None, principal: Principal
+    ) -> None:
         self.call = call
         self.out = out
         self.inputs = inputs
@@ -303,17 +304,19 @@ def _check_shape(path: str, rpc: Any, m: Method) -> None:
         raise TypeError(f"{path}: the RPC's streams do not match method {m.name}")
 
 
-def _unimplemented(service: str, rpc: Any, why: str) -> G.Method:
+def _unimplemented(service: str, rpc: Any, why: str) -> grpc_bridge.Method:
     async def refuse(*_: Any) -> None:
         raise Unimplemented(f"{rpc.name}: {why}")
 
-    return G.Method(service, rpc.name, G.Kind.of(rpc.client_streaming, rpc.server_streaming), refuse)
+    return grpc_bridge.Method(
+        service, rpc.name, grpc_bridge.Kind.of(rpc.client_streaming, rpc.server_streaming), refuse
+    )
 
 
-Who = Callable[[G.Call[Any, Any]], Principal]
+Who = Callable[[grpc_bridge.Call[Any, Any]], Principal]
 
 
-def bind(registry: Registry, service: str, rpc: Any, binding: Rpc, who: Who) -> G.Method:
+def bind(registry: Registry, service: str, rpc: Any, binding: Rpc, who: Who) -> grpc_bridge.Method:
     """The edge's method for one RPC: convert, call the table's handler (as ``who`` says
     the caller is), convert back."""
     if binding.method is None:
@@ -323,13 +326,13 @@ def bind(registry: Registry, service: str, rpc: Any, binding: Rpc, who: Who) -> 
     _check_shape(path, rpc, m)
     req_cls = message_factory.GetMessageClass(rpc.input_type)
     out_cls = message_factory.GetMessageClass(rpc.output_type)
-    kind = G.Kind.of(rpc.client_streaming, rpc.server_streaming)
+    kind = grpc_bridge.Kind.of(rpc.client_streaming, rpc.server_streaming)
     handler, request, prepare = m.handler, m.request, binding.prepare
-    handle: G.Handler
+    handle: grpc_bridge.Handler
 
     if not rpc.client_streaming:
 
-        async def unary_in(msg: Message, call: G.Call[Any, Any]) -> Message | None:
+        async def unary_in(msg: Message, call: grpc_bridge.Call[Any, Any]) -> Message | None:
             io = GrpcIO(call, out_cls, None, who(call))
             result = await handler(registry, io, to_request(msg, request, prepare))
             return None if rpc.server_streaming else to_message(result, out_cls)
@@ -337,7 +340,7 @@ def bind(registry: Registry, service: str, rpc: Any, binding: Rpc, who: Who) -> 
         handle = unary_in
     else:
 
-        async def stream_in(call: G.Call[Any, Any]) -> Message | None:
+        async def stream_in(call: grpc_bridge.Call[Any, Any]) -> Message | None:
             first = await call.receive()
             if first is None:
                 raise InvalidArgument(f"{rpc.name} needs a first message")
@@ -346,7 +349,7 @@ def bind(registry: Registry, service: str, rpc: Any, binding: Rpc, who: Who) -> 
             return None if rpc.server_streaming else to_message(result, out_cls)
 
         handle = stream_in
-    return G.Method(
+    return grpc_bridge.Method(
         service,
         rpc.name,
         kind,
@@ -356,10 +359,10 @@ def bind(registry: Registry, service: str, rpc: Any, binding: Rpc, who: Who) -> 
     )
 
 
-def add_services(edge: G.GrpcEdge, registry: Registry) -> None:
+def add_services(edge: grpc_bridge.GrpcEdge, registry: Registry) -> None:
     """Serve sandbox.v1 and sandvisor.v1 on ``edge``; every RPC of each is bound."""
 
-    def who(call: G.Call[Any, Any]) -> Principal:
+    def who(call: grpc_bridge.Call[Any, Any]) -> Principal:
         return call_principal(call, edge.tcp_auth, edge.unix_peers)
 
     for name, desc in descriptors().items():
@@ -435,8 +438,8 @@ def tcp_auth(token_file: Path | None = None, insecure: bool = False, admin_cns: 
     return TcpAuth(insecure=insecure, tokens=tokens, admin_cns=frozenset(admin_cns) if admin_cns else None)
 
 
-def build_edge(registry: Registry, addrs: Sequence[Address], **options: Any) -> G.GrpcEdge:
+def build_edge(registry: Registry, addrs: Sequence[Address], **options: Any) -> grpc_bridge.GrpcEdge:
     """The daemon's gRPC edge: both protos' services, health and reflection."""
-    edge = G.GrpcEdge(addrs, **options)
+    edge = grpc_bridge.GrpcEdge(addrs, **options)
     add_services(edge, registry)
     return edge

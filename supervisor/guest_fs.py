@@ -12,7 +12,7 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
-from supervisor import errors as E
+from supervisor import errors
 from supervisor.sdk.aio import AsyncSandbox
 
 # one record per entry: 10 NUL-terminated fields
@@ -28,16 +28,16 @@ async def _sh(sb: AsyncSandbox, user: str, script: str, *args: str) -> bytes:
     exit code stands for."""
     r = await sb.run(["/bin/sh", "-c", script, "sh", *args], user=user)
     if r.exit_code == _MISSING:
-        raise E.NotFound(E.NOT_FOUND, f"path {args[0]!r} does not exist")
+        raise errors.NotFound(errors.NOT_FOUND, f"path {args[0]!r} does not exist")
     if r.exit_code == _EXISTS:
-        raise E.AlreadyExists(E.ALREADY_EXISTS, f"path {args[0]!r} already exists")
+        raise errors.AlreadyExists(errors.ALREADY_EXISTS, f"path {args[0]!r} already exists")
     if r.exit_code == _NOT_DIR:
-        raise E.InvalidArgument(E.INVALID_ARGUMENT, f"path {args[0]!r} is not a directory")
+        raise errors.InvalidArgument(errors.INVALID_ARGUMENT, f"path {args[0]!r} is not a directory")
     if r.exit_code != 0:
         msg = r.stderr.decode("utf-8", "replace").strip()[-500:]
         if "Permission denied" in msg:
-            raise E.PermissionDenied(E.PERMISSION_DENIED, msg)
-        raise E.Internal(E.INTERNAL, msg or f"exit code {r.exit_code}")
+            raise errors.PermissionDenied(errors.PERMISSION_DENIED, msg)
+        raise errors.Internal(errors.INTERNAL, msg or f"exit code {r.exit_code}")
     return r.stdout
 
 
@@ -80,7 +80,7 @@ async def stat(sb: AsyncSandbox, user: str, path: str) -> dict[str, Any]:
     out = await _sh(sb, user, _EXIST + f"exec find \"$1\" -maxdepth 0 -printf '{_FORMAT}'", path)
     entries = _entries(out)
     if not entries:
-        raise E.NotFound(E.NOT_FOUND, f"path {path!r} does not exist")
+        raise errors.NotFound(errors.NOT_FOUND, f"path {path!r} does not exist")
     return entries[0]
 
 

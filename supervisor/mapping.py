@@ -41,12 +41,12 @@ from actors.store import SnapshotRecord
 from images.build import Image
 from images.oci import Image as OciImage
 from images.oci import PullProgress
-from supervisor import protocol as W
+from supervisor import protocol
 from supervisor.ssh_keys import parse_keys
 
 
-def wire_error(exc: DomainError) -> W.ApiError:
-    return W.ApiError(exc.code.value, exc.message)  # (the domain's codes are the wire's: guestd/codes.py)
+def wire_error(exc: DomainError) -> protocol.ApiError:
+    return protocol.ApiError(exc.code.value, exc.message)  # (the domain's codes are the wire's: guestd/codes.py)
 
 
 # --- requests -> domain -----------------------------------------------------------------------
@@ -59,7 +59,7 @@ def state(text: str) -> State | None:
         raise InvalidArgument(f"unknown state {text!r}; one of {', '.join(State)}") from None
 
 
-def protocol(text: str) -> Protocol:
+def port_protocol(text: str) -> Protocol:
     try:
         return Protocol(text or Protocol.TCP)
     except ValueError:
@@ -73,13 +73,13 @@ def net_mode(text: str) -> NetMode:
         raise InvalidArgument(f"network mode {text!r}: one of none, tap, user") from None
 
 
-def network(spec: W.NetworkSpec) -> Network:
+def network(spec: protocol.NetworkSpec) -> Network:
     eg = spec.egress
     egress = None if eg is None else Egress(default=eg.default, allow=tuple(eg.allow), deny=tuple(eg.deny))
     return Network(mode=net_mode(spec.mode), outbound=spec.outbound, egress=egress)
 
 
-def config(req: W.CreateSandboxRequest) -> SandboxConfig:
+def config(req: protocol.CreateSandboxRequest) -> SandboxConfig:
     if req.mounts:
         raise FailedPrecondition("mounts are not supported in sandbox.v1: copy files in with WriteFile")
     # (one key, or several lines: serve --ssh's, docs/ssh.md)
@@ -95,7 +95,7 @@ def config(req: W.CreateSandboxRequest) -> SandboxConfig:
         ),
         network=network(req.network),
         workload=Workload(cmd=tuple(req.cmd), env=dict(req.env), working_dir=req.working_dir, user=req.user),
-        ports=tuple(PortSpec(p.sandbox_port, p.host_port, protocol(p.protocol)) for p in req.ports),
+        ports=tuple(PortSpec(p.sandbox_port, p.host_port, port_protocol(p.protocol)) for p in req.ports),
         timers=Timers(
             ttl_seconds=req.ttl_seconds,
             idle_timeout_seconds=req.idle_timeout_seconds,
@@ -128,21 +128,21 @@ def config(req: W.CreateSandboxRequest) -> SandboxConfig:
     )
 
 
-def secret_values(req: W.CreateSandboxRequest) -> dict[str, bytes]:
+def secret_values(req: protocol.CreateSandboxRequest) -> dict[str, bytes]:
     """A Create's secret values by name (to the vault, never into the configuration)."""
     return {s.name: bytes(s.value) for s in req.secrets if s.value}
 
 
 # --- domain -> replies ------------------------------------------------------------------------
-def info(sb: Sandbox) -> W.SandboxInfo:
+def info(sb: Sandbox) -> protocol.SandboxInfo:
     r = sb.record
     limits = sb.limits
-    return W.SandboxInfo(
+    return protocol.SandboxInfo(
         id=r.id,
         state=r.state.value,
         labels=dict(r.config.labels),
-        limits=W.ResourceLimits(vcpus=limits.vcpus, memory_mib=limits.memory_mib),
-        network=W.SandboxNetwork(ip_address=sb.ip_address, gateway=sb.gateway, tap_name=sb.tap_name),
+        limits=protocol.ResourceLimits(vcpus=limits.vcpus, memory_mib=limits.memory_mib),
+        network=protocol.SandboxNetwork(ip_address=sb.ip_address, gateway=sb.gateway, tap_name=sb.tap_name),
         created_at=r.created_at,
         ready_at=r.ready_at,
         last_exited_at=r.last_exited_at,
@@ -157,10 +157,10 @@ def info(sb: Sandbox) -> W.SandboxInfo:
     )
 
 
-def requested(sb: Sandbox) -> W.SandboxSettings:
+def requested(sb: Sandbox) -> protocol.SandboxSettings:
     """The configuration as asked (Create and the Modifies since; defaults resolved)."""
     cfg, limits = sb.config, sb.limits
-    return W.SandboxSettings(
+    return protocol.SandboxSettings(
         vcpus=limits.vcpus,
         memory_mib=limits.memory_mib,
         max_vcpus=limits.vcpu_ceiling,
@@ -173,13 +173,13 @@ def requested(sb: Sandbox) -> W.SandboxSettings:
     )
 
 
-def applied(sb: Sandbox) -> W.SandboxSettings | None:
+def applied(sb: Sandbox) -> protocol.SandboxSettings | None:
     """What the running machine has (None: none runs)."""
     a = sb.record.applied
     if a is None or sb.state not in ALIVE:
         return None
     cfg = sb.config
-    return W.SandboxSettings(
+    return protocol.SandboxSettings(
         vcpus=a.vcpus,
         memory_mib=a.memory_mib,
         max_vcpus=a.max_vcpus,
@@ -193,7 +193,7 @@ def applied(sb: Sandbox) -> W.SandboxSettings | None:
     )
 
 
-def modification(req: W.ModifyRequest) -> Modification:
+def modification(req: protocol.ModifyRequest) -> Modification:
     return Modification(
         vcpus=req.vcpus,
         memory_mib=req.memory_mib,
@@ -217,9 +217,9 @@ def _keys(text: str) -> tuple[str, ...]:
         raise InvalidArgument(str(exc)) from None
 
 
-def modify_response(p: Plan) -> W.ModifyResponse:
-    return W.ModifyResponse(
-        changes=[W.ModifyChange(c.kind.value, c.status.value, c.value, c.previous, c.why) for c in p.changes],
+def modify_response(p: Plan) -> protocol.ModifyResponse:
+    return protocol.ModifyResponse(
+        changes=[protocol.ModifyChange(c.kind.value, c.status.value, c.value, c.previous, c.why) for c in p.changes],
         applied=p.applied,
         dry_run=p.dry_run,
         restarted=p.restart and p.applied,
@@ -229,26 +229,26 @@ def modify_response(p: Plan) -> W.ModifyResponse:
     )
 
 
-def summary(sb: Sandbox) -> W.SandboxSummary:
+def summary(sb: Sandbox) -> protocol.SandboxSummary:
     r = sb.record
-    return W.SandboxSummary(
+    return protocol.SandboxSummary(
         id=r.id, state=r.state.value, labels=dict(r.config.labels), ip_address=sb.ip_address, created_at=r.created_at
     )
 
 
-def ports(sb: Sandbox) -> W.ListPortsResponse:
+def ports(sb: Sandbox) -> protocol.ListPortsResponse:
     address = sb.settings.expose_address
-    return W.ListPortsResponse(
-        [W.PortMapping(p.sandbox_port, p.host_port, p.protocol.value, host_address=address) for p in sb.ports()]
+    return protocol.ListPortsResponse(
+        [protocol.PortMapping(p.sandbox_port, p.host_port, p.protocol.value, host_address=address) for p in sb.ports()]
     )
 
 
-def event(ev: SandboxEvent) -> W.SandboxEvent:
-    return W.SandboxEvent(ev.sandbox_id, ev.action.value, ev.timestamp, dict(ev.attributes))
+def event(ev: SandboxEvent) -> protocol.SandboxEvent:
+    return protocol.SandboxEvent(ev.sandbox_id, ev.action.value, ev.timestamp, dict(ev.attributes))
 
 
-def metrics(m: SandboxMetrics, *, cpu_seconds_total: float = 0.0) -> W.MetricsResponse:
-    return W.MetricsResponse(
+def metrics(m: SandboxMetrics, *, cpu_seconds_total: float = 0.0) -> protocol.MetricsResponse:
+    return protocol.MetricsResponse(
         id=m.id,
         timestamp=m.timestamp,
         cpu_percent=m.cpu_percent,
@@ -267,11 +267,11 @@ def metrics(m: SandboxMetrics, *, cpu_seconds_total: float = 0.0) -> W.MetricsRe
     )
 
 
-def image(img: Image, is_default: bool) -> W.ImageInfo:
+def image(img: Image, is_default: bool) -> protocol.ImageInfo:
     """An image's description (stats its files: call it in a worker thread)."""
     paths: list[Path] = [img.kernel, img.initrd, img.rootfs]
     stats = [p.stat() for p in paths if p.exists()]
-    return W.ImageInfo(
+    return protocol.ImageInfo(
         name=img.name,
         kernel=str(img.kernel),
         initrd=str(img.initrd),
@@ -284,9 +284,9 @@ def image(img: Image, is_default: bool) -> W.ImageInfo:
     )
 
 
-def oci_image(img: OciImage, in_use: bool) -> W.OciImageInfo:
+def oci_image(img: OciImage, in_use: bool) -> protocol.OciImageInfo:
     c = img.config
-    return W.OciImageInfo(
+    return protocol.OciImageInfo(
         id=img.id,
         digest=img.digest,
         refs=list(img.refs),
@@ -306,12 +306,12 @@ def oci_image(img: OciImage, in_use: bool) -> W.OciImageInfo:
     )
 
 
-def pull_progress(p: PullProgress) -> W.PullImageProgress:
-    return W.PullImageProgress(phase=p.phase, message=p.message, done=p.done, total=p.total, digest=p.digest)
+def pull_progress(p: PullProgress) -> protocol.PullImageProgress:
+    return protocol.PullImageProgress(phase=p.phase, message=p.message, done=p.done, total=p.total, digest=p.digest)
 
 
-def snapshot(rec: SnapshotRecord, pool_ready: int) -> W.SnapshotSummary:
-    return W.SnapshotSummary(
+def snapshot(rec: SnapshotRecord, pool_ready: int) -> protocol.SnapshotSummary:
+    return protocol.SnapshotSummary(
         id=rec.id,
         sandbox_id=rec.sandbox_id,
         name=rec.name,
@@ -329,7 +329,7 @@ def snapshot(rec: SnapshotRecord, pool_ready: int) -> W.SnapshotSummary:
     )
 
 
-def pull_auth(req: W.CreateSandboxRequest) -> PullAuth | None:
+def pull_auth(req: protocol.CreateSandboxRequest) -> PullAuth | None:
     """A Create's registry credentials and CA (kept out of the configuration)."""
     if not (req.image_creds or req.image_auth_json or req.image_ca_pem):
         return None

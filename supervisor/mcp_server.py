@@ -10,7 +10,7 @@ the SDK's DNS-rebinding check (Host and Origin headers).
 
 Every sandbox it creates gets a TTL (default :data:`DEFAULT_TTL`), so an agent's
 sandboxes do not outlive its session by much, and the label ``created-by=sandvisor-mcp``.
-Errors are tool errors whose text starts with the seed's code (``NOT_FOUND: ...``).
+Errors are tool errors whose text starts with sandbox.v1's code (``NOT_FOUND: ...``).
 """
 
 from __future__ import annotations
@@ -29,8 +29,7 @@ from mcp.server.mcpserver.exceptions import ToolError
 from pydantic import Field
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from supervisor import errors as E
-from supervisor import guest_fs
+from supervisor import errors, guest_fs
 from supervisor.sdk.aio import AsyncSandbox
 from supervisor.tokens import bearer_ok, make_token_file, read_token_file
 
@@ -76,7 +75,7 @@ def guarded(fn: Callable[P, Awaitable[R]]) -> Callable[P, Awaitable[R]]:
     async def call(*args: P.args, **kw: P.kwargs) -> R:
         try:
             return await fn(*args, **kw)
-        except E.SandboxError as exc:
+        except errors.SandboxError as exc:
             raise ToolError(f"{exc.code}: {exc.message}") from None
 
     return call
@@ -144,7 +143,7 @@ def build(socket: str | None) -> MCPServer:
                 t = time.monotonic() - started
                 await ctx.report_progress(t, None, f"running {t:.0f}s, {out.total + err.total} bytes of output")
 
-        with E.collapse_single():
+        with errors.collapse_single():
             async with trio.open_nursery() as ticker:
                 ticker.start_soon(tick)
                 async with aclosing(
@@ -187,7 +186,9 @@ def build(socket: str | None) -> MCPServer:
         """Read a file of the sandbox (up to 1 MiB)."""
         data = await box(sandbox_id).fs.read(path)
         if len(data) > MAX_READ:
-            raise ToolError(f"{E.RESOURCE_EXHAUSTED}: {path} has {len(data)} bytes; read_file returns up to {MAX_READ}")
+            raise ToolError(
+                f"{errors.RESOURCE_EXHAUSTED}: {path} has {len(data)} bytes; read_file returns up to {MAX_READ}"
+            )
         text = base64.b64encode(data).decode() if encoding == "base64" else data.decode("utf-8", "replace")
         return {"path": path, "bytes": len(data), "content": text}
 

@@ -35,7 +35,7 @@ import cattrs
 from cattrs.preconf.msgpack import make_converter
 from cattrs.strategies import configure_tagged_union
 
-from supervisor import frames as F
+from supervisor import frames
 from supervisor.errors import (
     ALREADY_EXISTS,
     CANCELLED,
@@ -338,16 +338,16 @@ class Fail:
 
 Envelope = ClientHello | ServerHello | Call | Send | HalfClose | Cancel | Reply | Item | End | Fail
 _ENVELOPES: dict[type, str] = {
-    ClientHello: F.HELLO,
-    ServerHello: F.HELLO_OK,
-    Call: F.CALL,
-    Send: F.SEND,
-    HalfClose: F.HALF_CLOSE,
-    Cancel: F.CANCEL,
-    Reply: F.REPLY,
-    Item: F.ITEM,
-    End: F.END,
-    Fail: F.FAIL,
+    ClientHello: frames.HELLO,
+    ServerHello: frames.HELLO_OK,
+    Call: frames.CALL,
+    Send: frames.SEND,
+    HalfClose: frames.HALF_CLOSE,
+    Cancel: frames.CANCEL,
+    Reply: frames.REPLY,
+    Item: frames.ITEM,
+    End: frames.END,
+    Fail: frames.FAIL,
 }
 
 
@@ -388,7 +388,7 @@ configure_tagged_union(Envelope, converter, tag_name="t", tag_generator=lambda c
 
 def encode(msg: Envelope) -> bytes:
     """An envelope as a whole frame (header included); over the cap: RESOURCE_EXHAUSTED."""
-    return F.frame(converter.dumps(msg, Envelope))
+    return frames.frame(converter.dumps(msg, Envelope))
 
 
 def decode(body: bytes) -> Envelope:

@@ -4,7 +4,7 @@ Each connection is a task; each call on it is a task in the connection's nursery
 with its own cancel scope, so a ``Cancel`` or a disconnect stops the call's work
 (an exec is killed in the guest, a stream stops). Frames are capped; a frame that
 does not decode closes the connection after a ``Fail`` (id 0) saying why; a call
-that fails gets a ``Fail`` with the seed's code and the connection goes on.
+that fails gets a ``Fail`` with sandbox.v1's code and the connection goes on.
 
 A ``Call{method, body}`` is structured (cattrs) into the method's request class and
 run by its handler from :data:`supervisor.api.METHODS` (the table the gRPC edge
@@ -29,8 +29,7 @@ from actors._groups import collapse_single
 from actors.errors import DomainError, InvalidArgument
 from actors.principals import Principal, check_name
 from actors.registry import Registry
-from supervisor import mapping as M
-from supervisor import protocol as W
+from supervisor import mapping, protocol
 from supervisor.api import METHODS
 from supervisor.frames import FramedStream
 from supervisor.peers import ClientPolicy, Peer
@@ -60,7 +59,7 @@ class CallCtx:
         return self.conn.principal
 
     async def send(self, message: Any) -> None:
-        await self.conn.send(W.Item(self.id, W.unstructure_body(message)))
+        await self.conn.send(protocol.Item(self.id, protocol.unstructure_body(message)))
 
     async def receive(self) -> Any | None:
         try:
@@ -69,7 +68,7 @@ class CallCtx:
             return None
         if self.inputs is None:
             raise InvalidArgument(f"{self.method} takes no stream")
-        return W.structure_body(raw, self.inputs)
+        return protocol.structure_body(raw, self.inputs)
 
 
 class Connection:
@@ -81,21 +80,21 @@ class Connection:
         self.calls: dict[int, CallCtx] = {}
         self.principal: Principal | None = None  # set by a hello that was accepted
 
-    async def send(self, msg: W.Envelope) -> None:
+    async def send(self, msg: protocol.Envelope) -> None:
         await self.frames.send(msg)
 
     async def serve(self) -> None:
         try:
             with trio.move_on_after(HELLO_TIMEOUT) as hello_scope:
                 hello = await self.frames.receive()
-            if hello_scope.cancelled_caught or not isinstance(hello, W.ClientHello):
-                await self._fail_and_close(0, W.INVALID_ARGUMENT, "expected hello first")
+            if hello_scope.cancelled_caught or not isinstance(hello, protocol.ClientHello):
+                await self._fail_and_close(0, protocol.INVALID_ARGUMENT, "expected hello first")
                 return
-            if hello.version != W.PROTOCOL_VERSION:
+            if hello.version != protocol.PROTOCOL_VERSION:
                 await self._fail_and_close(
                     0,
-                    W.FAILED_PRECONDITION,
-                    f"protocol {hello.version} unsupported; server speaks {W.PROTOCOL_VERSION}",
+                    protocol.FAILED_PRECONDITION,
+                    f"protocol {hello.version} unsupported; server speaks {protocol.PROTOCOL_VERSION}",
                 )
                 return
             why = "peer credentials unavailable" if self.peer is None else self.server.policy.refusal(self.peer)
@@ -104,9 +103,9 @@ class Connection:
                 self.principal, why = self._principal(self.server.policy.principal(self.peer), hello)
             if why is not None:
                 log.warning("%s: refused: %s", self.name, why)
-                await self._fail_and_close(0, W.PERMISSION_DENIED, why)
+                await self._fail_and_close(0, protocol.PERMISSION_DENIED, why)
                 return
-            await self.send(W.ServerHello(W.PROTOCOL_VERSION, "sandvisor"))
+            await self.send(protocol.ServerHello(protocol.PROTOCOL_VERSION, "sandvisor"))
             with collapse_single():
                 async with trio.open_nursery() as nursery:
                     while True:
@@ -122,7 +121,7 @@ class Connection:
         finally:
             await self.frames.aclose()
 
-    def _principal(self, peer: Principal, hello: W.ClientHello) -> tuple[Principal | None, str | None]:
+    def _principal(self, peer: Principal, hello: protocol.ClientHello) -> tuple[Principal | None, str | None]:
         """The connection's principal: the peer's, or the one an admin peer acts for
         (``act_as``); else (None, why not)."""
         if not hello.act_as:
@@ -140,71 +139,79 @@ class Connection:
     async def _fail_and_close(self, id: int, code: str, message: str) -> None:
         try:
             with trio.move_on_after(2):
-                await self.send(W.Fail(id, code, message))
+                await self.send(protocol.Fail(id, code, message))
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError, ApiError):
             pass
 
-    async def _route(self, nursery: trio.Nursery, msg: W.Envelope) -> None:
-        if isinstance(msg, W.Call):
+    async def _route(self, nursery: trio.Nursery, msg: protocol.Envelope) -> None:
+        if isinstance(msg, protocol.Call):
             if msg.id in self.calls or msg.id <= 0:
-                await self.send(W.Fail(msg.id, W.INVALID_ARGUMENT, f"call id {msg.id} is in use or invalid"))
+                await self.send(
+                    protocol.Fail(msg.id, protocol.INVALID_ARGUMENT, f"call id {msg.id} is in use or invalid")
+                )
                 return
             if len(self.calls) >= MAX_CALLS:
-                await self.send(W.Fail(msg.id, W.RESOURCE_EXHAUSTED, f"at most {MAX_CALLS} open calls per connection"))
+                await self.send(
+                    protocol.Fail(msg.id, protocol.RESOURCE_EXHAUSTED, f"at most {MAX_CALLS} open calls per connection")
+                )
                 return
             send, recv = trio.open_memory_channel[dict[str, Any]](16)
             ctx = CallCtx(msg.id, msg.method, self, send, recv)
             self.calls[msg.id] = ctx
             nursery.start_soon(self._run_call, ctx, msg.body)
-        elif isinstance(msg, W.Send):
+        elif isinstance(msg, protocol.Send):
             target = self.calls.get(msg.id)
             if target is not None:
                 try:
                     await target.inbox_send.send(msg.body)  # a full inbox holds back this connection only
                 except (trio.ClosedResourceError, trio.BrokenResourceError):
                     pass
-        elif isinstance(msg, W.HalfClose):
+        elif isinstance(msg, protocol.HalfClose):
             target = self.calls.get(msg.id)
             if target is not None:
                 target.inbox_send.close()
-        elif isinstance(msg, W.Cancel):
+        elif isinstance(msg, protocol.Cancel):
             target = self.calls.get(msg.id)
             if target is not None:
                 target.scope.cancel()
         else:
-            raise ApiError(W.INVALID_ARGUMENT, f"unexpected {type(msg).__name__} from a client")
+            raise ApiError(protocol.INVALID_ARGUMENT, f"unexpected {type(msg).__name__} from a client")
 
     async def _run_call(self, ctx: CallCtx, body: dict[str, Any]) -> None:
         entry = METHODS.get(ctx.method)
         try:
             with ctx.scope:
                 if entry is None:
-                    raise ApiError(W.UNIMPLEMENTED, f"unknown method {ctx.method!r}")
-                request: Any = W.structure_body(body, entry.request)
+                    raise ApiError(protocol.UNIMPLEMENTED, f"unknown method {ctx.method!r}")
+                request: Any = protocol.structure_body(body, entry.request)
                 ctx.inputs = entry.inputs
                 try:
                     with collapse_single():  # a handler's own nursery must not hide its error's code
                         result = await entry.handler(self.server.registry, ctx, request)
                 except DomainError as exc:
-                    raise M.wire_error(exc) from None
+                    raise mapping.wire_error(exc) from None
                 if entry.streams:
-                    await self.send(W.End(ctx.id))
+                    await self.send(protocol.End(ctx.id))
                 else:
-                    await self.send(W.Reply(ctx.id, W.unstructure_body(result if result is not None else W.Empty())))
+                    await self.send(
+                        protocol.Reply(
+                            ctx.id, protocol.unstructure_body(result if result is not None else protocol.Empty())
+                        )
+                    )
             if ctx.scope.cancelled_caught:
-                await self.send(W.Fail(ctx.id, W.CANCELLED, "cancelled by the client"))
+                await self.send(protocol.Fail(ctx.id, protocol.CANCELLED, "cancelled by the client"))
         except ApiError as exc:
-            await self._safe_send(W.Fail(ctx.id, exc.code, exc.message))
+            await self._safe_send(protocol.Fail(ctx.id, exc.code, exc.message))
         except (trio.BrokenResourceError, trio.ClosedResourceError):
             pass
         except Exception as exc:
             log.exception("call %s %s failed", ctx.method, ctx.id)
-            await self._safe_send(W.Fail(ctx.id, W.INTERNAL, f"{type(exc).__name__}: {exc}"))
+            await self._safe_send(protocol.Fail(ctx.id, protocol.INTERNAL, f"{type(exc).__name__}: {exc}"))
         finally:
             self.calls.pop(ctx.id, None)
             ctx.inbox_send.close()
 
-    async def _safe_send(self, msg: W.Envelope) -> None:
+    async def _safe_send(self, msg: protocol.Envelope) -> None:
         try:
             await self.send(msg)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):

@@ -40,7 +40,7 @@ from typing import Any, TypeVar
 import asyncssh
 import trio
 
-from supervisor import protocol as W
+from supervisor import protocol
 from supervisor.errors import NotFound, SandboxError
 from supervisor.sdk.acting import acting_as
 from supervisor.sdk.sync import Sandbox
@@ -141,7 +141,7 @@ class _Server(asyncssh.SSHServer):
             return set()
         try:
             sb = Sandbox(sandbox, socket=self.gateway.socket)
-            info: W.SandboxInfo = await self.gateway.blocking(sb.inspect)
+            info: protocol.SandboxInfo = await self.gateway.blocking(sb.inspect)
         except NotFound:
             return set()
         except SandboxError as exc:
@@ -313,7 +313,7 @@ def _sftp_error(exc: SandboxError) -> asyncssh.SFTPError:
     return asyncssh.SFTPFailure(str(exc))
 
 
-def _attrs(e: W.FsEntry) -> asyncssh.SFTPAttrs:
+def _attrs(e: protocol.FsEntry) -> asyncssh.SFTPAttrs:
     kind = {"file": stat.S_IFREG, "dir": stat.S_IFDIR, "symlink": stat.S_IFLNK}.get(e.kind, 0)
     secs = e.mtime_ns // 10**9
     return asyncssh.SFTPAttrs(
@@ -349,7 +349,7 @@ class SandboxSFTP(asyncssh.SFTPServer):
         except SandboxError as exc:
             raise _sftp_error(exc) from None
 
-    async def _entry(self, path: str) -> W.FsEntry:
+    async def _entry(self, path: str) -> protocol.FsEntry:
         return await self._call(lambda sb: sb.fs.stat(path))
 
     # paths and attributes
@@ -426,7 +426,7 @@ class SandboxSFTP(asyncssh.SFTPServer):
     async def open(self, path: bytes, pflags: int, attrs: asyncssh.SFTPAttrs) -> _File:
         p = self._path(path)
         write = bool(pflags & (asyncssh.FXF_WRITE | asyncssh.FXF_APPEND))
-        entry: W.FsEntry | None = None
+        entry: protocol.FsEntry | None = None
         try:
             entry = await self.t.call(lambda sb: sb.fs.stat(p))
         except NotFound:

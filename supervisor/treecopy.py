@@ -36,12 +36,11 @@ from contextlib import asynccontextmanager
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
-from guestd import proto as P
-from guestd import tree
+from guestd import proto, tree
 from guestd.fsops import TreeError
 from supervisor.errors import SandboxError, collapse_single, error_for
 
-_CODES = {P.E_TOO_LARGE: "RESOURCE_EXHAUSTED", P.E_IS_DIR: "INVALID_ARGUMENT"}  # guestd's own -> the seed's
+_CODES = {proto.E_TOO_LARGE: "RESOURCE_EXHAUSTED", proto.E_IS_DIR: "INVALID_ARGUMENT"}  # guestd's own -> sandbox.v1's
 
 
 if TYPE_CHECKING:
@@ -59,7 +58,7 @@ def open_dir(path: Path) -> int:
     try:
         return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as exc:
-        raise _error(P.errcode(exc), f"{path}: {exc.strerror}") from None
+        raise _error(proto.errcode(exc), f"{path}: {exc.strerror}") from None
 
 
 def pack(fd: int, put: Callable[[bytes], object]) -> int:
@@ -209,15 +208,15 @@ def open_target(dest: str | Path, guest_path: str) -> tuple[int, str]:
         return os.open(dest, flags), _leaf(PurePosixPath(guest_path).name, guest_path)
     except (FileNotFoundError, NotADirectoryError) as exc:
         if dest.endswith("/"):
-            raise _error(P.errcode(exc), f"{dest}: {exc.strerror}") from None
+            raise _error(proto.errcode(exc), f"{dest}: {exc.strerror}") from None
     except OSError as exc:
-        raise _error(P.errcode(exc), f"{dest}: {exc.strerror}") from None
+        raise _error(proto.errcode(exc), f"{dest}: {exc.strerror}") from None
     parent, name = os.path.split(dest)
     name = _leaf(name, dest)
     try:
         return os.open(parent or ".", flags), name
     except OSError as exc:
-        raise _error(P.errcode(exc), f"{parent}: {exc.strerror}") from None
+        raise _error(proto.errcode(exc), f"{parent}: {exc.strerror}") from None
 
 
 def _leaf(name: str, whole: str) -> str:
@@ -237,7 +236,7 @@ def create_temp(dfd: int, name: str) -> tuple[str, int]:
         except FileExistsError:
             continue
         except OSError as exc:
-            raise _error(P.errcode(exc), f"{name}: {exc.strerror}") from None
+            raise _error(proto.errcode(exc), f"{name}: {exc.strerror}") from None
     raise error_for("FAILED_PRECONDITION", f"{name}: no unused temporary name")
 
 
@@ -247,4 +246,4 @@ def commit_temp(dfd: int, tmp: str, name: str) -> None:
     try:
         os.rename(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
     except OSError as exc:
-        raise _error(P.errcode(exc), f"{name}: {exc.strerror}") from None
+        raise _error(proto.errcode(exc), f"{name}: {exc.strerror}") from None

@@ -1,6 +1,6 @@
 """A sandbox life's cell: the jail, cgroup, identity and RAM file one QEMU runs in.
 
-When the supervisor is root, every QEMU runs in a cell (issue 12; Firecracker's
+When the supervisor is root, every QEMU runs in a cell (Firecracker's
 jailer is the model)::
 
     Cells (one per supervisor)             Cell (one per VM life; made before QEMU, gone after its reap)
@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from actors import defaults as D
+from actors import defaults
 from actors.cells import jail
 from actors.cells.cgroups import Cgroup, CgroupError, CgroupLimits, CgroupManager
 from actors.cells.cgroups import find as find_cgroups
@@ -53,7 +53,7 @@ class JailConfig:
 
     first_uid: int = jail.DEFAULT_ID_FIRST
     uid_count: int = jail.DEFAULT_ID_COUNT
-    overhead_mib: int = D.JAIL_OVERHEAD_MIB  # memory limit = guest RAM + this (QEMU, its TCG cache, page cache)
+    overhead_mib: int = defaults.JAIL_OVERHEAD_MIB  # memory limit = guest RAM + this (QEMU, its TCG cache, page cache)
     sealed_budget_mib: int = 1024  # sealed snapshot memory kept for later restores
 
 

@@ -66,7 +66,7 @@ from typing import Any
 import attrs
 import trio
 
-from actors import defaults as D
+from actors import defaults
 
 log = logging.getLogger("sandvisor.jail")
 
@@ -78,8 +78,8 @@ class JailError(Exception):
 # -- identities ------------------------------------------------------------------
 
 NOBODY = 65534
-DEFAULT_ID_FIRST = D.JAIL_ID_FIRST  # above systemd-nspawn's 0x00080000-0x6FFFFFFF, below 0x7FFE0000
-DEFAULT_ID_COUNT = D.JAIL_ID_COUNT
+DEFAULT_ID_FIRST = defaults.JAIL_ID_FIRST  # above systemd-nspawn's 0x00080000-0x6FFFFFFF, below 0x7FFE0000
+DEFAULT_ID_COUNT = defaults.JAIL_ID_COUNT
 
 
 @attrs.frozen

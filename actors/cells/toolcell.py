@@ -1,4 +1,4 @@
-"""Host tools on hostile data, each in a cell (issue 21): e2fsck on a volume a guest
+"""Host tools on hostile data, each in a cell: e2fsck on a volume a guest
 wrote, skopeo on what a registry sends, umoci on its layers, mkfs.ext4 on the tree
 they unpack to. The machinery is QEMU's (actors/cells/cell.py, actors/cells/jail.py, the helper
 sandvisor-jail-exec, actors/cells/cgroups.py); a tool's cell differs in what it binds and

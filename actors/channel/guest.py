@@ -58,7 +58,7 @@ from actors.channel.guestwire import (
     check_ranges,
     parse_fs_entries,
 )
-from guestd import proto as P
+from guestd import proto
 
 __all__ = [
     "CLOCK_STALE_S",
@@ -91,29 +91,29 @@ log = logging.getLogger("sandvisor.guest")
 CLOCK_STALE_S = 0.05  # a set_clock answered later than this set a stale time: it is sent again
 CLOCK_TRIES = 8  # ... at most this often (each try's error is its own round trip)
 FRAME_TIMEOUT = 30.0  # how long a guest may take to read one frame we send (as the daemon's guest_timeout)
-_M = TypeVar("_M", bound=P.Message)
+_M = TypeVar("_M", bound=proto.Message)
 
 
 class GuestChannel:
     """One connection to guestd. Use :func:`open_channel`; do not construct directly."""
 
     def __init__(
-        self, stream: trio.abc.Stream, *, max_frame: int = P.MAX_FRAME, answer_timeout: float | None = None
+        self, stream: trio.abc.Stream, *, max_frame: int = proto.MAX_FRAME, answer_timeout: float | None = None
     ) -> None:
         self._stream = stream
         self.answer_timeout = answer_timeout
-        self._decoder = P.FrameDecoder(max_frame)
+        self._decoder = proto.FrameDecoder(max_frame)
         self._send_lock = trio.Lock()
         self._reqs: dict[int, _Request] = {}
         self._next_rid = 1
         self._closed = False
         self._broken: ChannelBroken | None = None
-        self._hello: P.HelloOk | None = None
+        self._hello: proto.HelloOk | None = None
         self._hello_event = trio.Event()
         self._eof_expected = False  # set once guestd agreed to power off
         self._syncing = False  # after our HOST_SYNC: discard input up to GUEST_SYNC
         self._discarded = 0
-        self.hello_info: P.HelloOk | None = None
+        self.hello_info: proto.HelloOk | None = None
         # seconds from sending Hello to its answer: its host_time_ns set the guest's clock
         # this stale at most (clock_stale says whether a restore must set it again)
         self.hello_rtt = 0.0
@@ -171,9 +171,9 @@ class GuestChannel:
                 self._stats["bytes_in"] += len(data)
                 self._decoder.feed(data)
                 if self._syncing:
-                    if not self._decoder.resync(P.GUEST_SYNC):
+                    if not self._decoder.resync(proto.GUEST_SYNC):
                         self._discarded += len(data)
-                        if self._discarded > P.MAX_RESYNC:
+                        if self._discarded > proto.MAX_RESYNC:
                             raise GuestProtocolError("no sync marker from the guest")
                         continue
                     self._syncing = False
@@ -181,7 +181,7 @@ class GuestChannel:
                     for msg in self._decoder.messages():
                         self._stats["frames_in"] += 1
                         self._dispatch(msg)
-                except P.ProtocolError as exc:
+                except proto.ProtocolError as exc:
                     raise GuestProtocolError(f"guest protocol error: {exc}") from None
         except ChannelBroken as exc:
             if not self._closed:
@@ -192,18 +192,18 @@ class GuestChannel:
                 with trio.CancelScope(shield=True):
                     await self._stream.aclose()
 
-    def _dispatch(self, msg: P.Message) -> None:
+    def _dispatch(self, msg: proto.Message) -> None:
         check_ranges(msg)
-        if isinstance(msg, P.HelloOk):
+        if isinstance(msg, proto.HelloOk):
             self._hello = msg
             self._hello_event.set()
             return
-        if isinstance(msg, P.Log):
+        if isinstance(msg, proto.Log):
             self.guest_logs.append(f"{msg.level}: {msg.text[:1000]}")
             return
         rid = getattr(msg, "rid", None)
         if not isinstance(rid, int):
-            raise P.BadMessage(f"unexpected {msg.TAG} from the guest")
+            raise proto.BadMessage(f"unexpected {msg.TAG} from the guest")
         req = self._reqs.get(rid)
         if req is None:
             self._stats["dropped"] += 1  # late traffic of a request we abandoned
@@ -211,12 +211,12 @@ class GuestChannel:
         req.deliver(msg)
 
     # -- sending -------------------------------------------------------------
-    async def _send(self, msg: P.Message) -> None:
+    async def _send(self, msg: proto.Message) -> None:
         self._check()
         try:
-            frame = P.encode(msg)
-        except P.FrameTooLarge as exc:  # our own request: refuse it, the channel stays fine
-            raise GuestOpError(P.E_TOO_LARGE, f"request too large for the guest channel: {exc}") from None
+            frame = proto.encode(msg)
+        except proto.FrameTooLarge as exc:  # our own request: refuse it, the channel stays fine
+            raise GuestOpError(proto.E_TOO_LARGE, f"request too large for the guest channel: {exc}") from None
         async with self._send_lock:
             self._check()
             # A frame goes out whole: cut by a cancel, what follows would be read as its
@@ -245,7 +245,7 @@ class GuestChannel:
         if req is not None and not req.done:
             req.outstanding[ch] = req.outstanding.get(ch, 0) + n
             try:
-                await self._send(P.Credit(rid=rid, ch=ch, n=n))
+                await self._send(proto.Credit(rid=rid, ch=ch, n=n))
             except GuestError:
                 pass  # the request sees the breakage on its next receive
 
@@ -262,7 +262,7 @@ class GuestChannel:
         self._reqs.pop(req.rid, None)
 
     # -- hello ---------------------------------------------------------------
-    async def hello(self, timeout: float) -> P.HelloOk:
+    async def hello(self, timeout: float) -> proto.HelloOk:
         """Send Hello and wait for the guest's answer (this spans the guest's boot)."""
         await self.send_hello()
         return await self.wait_hello(timeout)
@@ -279,13 +279,13 @@ class GuestChannel:
         self._discarded = 0
         async with self._send_lock:
             try:
-                await self._stream.send_all(P.HOST_SYNC)
+                await self._stream.send_all(proto.HOST_SYNC)
             except (trio.BrokenResourceError, OSError) as exc:
                 raise ChannelBroken(f"guest channel broke: {exc}") from None
         self._hello_sent = time.monotonic()
-        await self._send(P.Hello(version=P.PROTOCOL_VERSION, host_time_ns=time.time_ns()))
+        await self._send(proto.Hello(version=proto.PROTOCOL_VERSION, host_time_ns=time.time_ns()))
 
-    async def wait_hello(self, timeout: float) -> P.HelloOk:
+    async def wait_hello(self, timeout: float) -> proto.HelloOk:
         """The answer to :meth:`send_hello`'s Hello (HelloTimeout after ``timeout``)."""
         t0 = self._hello_sent
         with trio.move_on_after(timeout):
@@ -294,8 +294,8 @@ class GuestChannel:
         if self._hello is None:
             self._check()
             raise HelloTimeout(f"guestd did not answer hello within {timeout:g}s")
-        if self._hello.version != P.PROTOCOL_VERSION:
-            raise GuestProtocolError(f"guest speaks protocol {self._hello.version}, we speak {P.PROTOCOL_VERSION}")
+        if self._hello.version != proto.PROTOCOL_VERSION:
+            raise GuestProtocolError(f"guest speaks protocol {self._hello.version}, we speak {proto.PROTOCOL_VERSION}")
         self.hello_info = self._hello
         return self._hello
 
@@ -307,13 +307,13 @@ class GuestChannel:
             msg = await req.next(self.answer_timeout)
         finally:
             self._end_request(req)
-        if isinstance(msg, P.Error):
+        if isinstance(msg, proto.Error):
             raise GuestOpError(msg.code, msg.message)
         if not isinstance(msg, expect):
             await self._protocol_violation(f"expected {expect.TAG}, got {msg.TAG}")
         return msg  # type: ignore[return-value]
 
-    async def post(self, builds: Sequence[Callable[[int], P.Message]]) -> Callable[[], Awaitable[None]]:
+    async def post(self, builds: Sequence[Callable[[int], proto.Message]]) -> Callable[[], Awaitable[None]]:
         """Send these requests now, in order (each built from its request id), without
         waiting: what the guest does after them sees their effect. The returned function
         waits for every answer (Ok) and raises the first error (a restore's and a pool
@@ -333,10 +333,10 @@ class GuestChannel:
             try:
                 for req in reqs:
                     msg = await req.next(self.answer_timeout)
-                    if isinstance(msg, P.Error):
+                    if isinstance(msg, proto.Error):
                         raise GuestOpError(msg.code, msg.message)
-                    if not isinstance(msg, P.Ok):
-                        await self._protocol_violation(f"expected {P.Ok.TAG}, got {msg.TAG}")
+                    if not isinstance(msg, proto.Ok):
+                        await self._protocol_violation(f"expected {proto.Ok.TAG}, got {msg.TAG}")
             finally:
                 for req in reqs:
                     self._end_request(req)
@@ -356,14 +356,14 @@ class GuestChannel:
             self._broken = exc
         self._fail_all(exc)
 
-    async def ping(self) -> P.Pong:
-        return await self._unary(lambda rid: P.Ping(rid=rid), P.Pong)
+    async def ping(self) -> proto.Pong:
+        return await self._unary(lambda rid: proto.Ping(rid=rid), proto.Pong)
 
     async def touch(self) -> int:
-        return (await self._unary(lambda rid: P.Touch(rid=rid), P.Ok)).activity
+        return (await self._unary(lambda rid: proto.Touch(rid=rid), proto.Ok)).activity
 
-    async def metrics(self) -> P.MetricsOk:
-        return await self._unary(lambda rid: P.Metrics(rid=rid), P.MetricsOk)
+    async def metrics(self) -> proto.MetricsOk:
+        return await self._unary(lambda rid: proto.Metrics(rid=rid), proto.MetricsOk)
 
     @property
     def clock_stale(self) -> bool:
@@ -380,25 +380,25 @@ class GuestChannel:
         for _ in range(CLOCK_TRIES):
             t0 = time.monotonic()
             ns = time.time_ns() if realtime_ns is None else realtime_ns
-            await self._unary(lambda rid, ns=ns: P.SetClock(rid=rid, realtime_ns=ns), P.Ok)
+            await self._unary(lambda rid, ns=ns: proto.SetClock(rid=rid, realtime_ns=ns), proto.Ok)
             if realtime_ns is not None or time.monotonic() - t0 < CLOCK_STALE_S:
                 return
 
     async def add_entropy(self, nbytes: int = 64) -> None:
         data = os.urandom(nbytes)
-        await self._unary(lambda rid: P.AddEntropy(rid=rid, data=data), P.Ok)
+        await self._unary(lambda rid: proto.AddEntropy(rid=rid, data=data), proto.Ok)
 
     async def set_hostname(self, hostname: str) -> None:
-        await self._unary(lambda rid: P.SetHostname(rid=rid, hostname=hostname), P.Ok)
+        await self._unary(lambda rid: proto.SetHostname(rid=rid, hostname=hostname), proto.Ok)
 
     async def set_cpus(self, online: int) -> int:
         """vCPUs 0..online-1 online, the others offline; how many are online after."""
-        r = await self._unary(lambda rid: P.SetCpus(rid=rid, online=online), P.Ok)
+        r = await self._unary(lambda rid: proto.SetCpus(rid=rid, online=online), proto.Ok)
         return r.value
 
     async def grow_root(self) -> int:
         """The root filesystem grown to its device; its size in bytes after."""
-        r = await self._unary(lambda rid: P.GrowRoot(rid=rid), P.Ok)
+        r = await self._unary(lambda rid: proto.GrowRoot(rid=rid), proto.Ok)
         return r.value
 
     def has_feature(self, name: str) -> bool:
@@ -412,19 +412,19 @@ class GuestChannel:
         (guestd/netcfg.py; a restored tap clone, before it is reported ready)."""
         servers = list(dns)
         await self._unary(
-            lambda rid: P.NetConfig(
+            lambda rid: proto.NetConfig(
                 rid=rid, address=address, prefix=prefix, gateway=gateway, dns=servers, mac=mac, iface=iface
             ),
-            P.Ok,
+            proto.Ok,
         )
 
     async def trust_ca(self, pem: bytes) -> None:
         """Install the sandbox's CA certificate in the guest's trust stores (guestd/trust.py)."""
-        await self._unary(lambda rid: P.TrustCa(rid=rid, pem=pem), P.Ok)
+        await self._unary(lambda rid: proto.TrustCa(rid=rid, pem=pem), proto.Ok)
 
     async def shutdown(self, reboot: bool = False) -> None:
         """Ask guestd to stop every process, sync and power off. Returns once it agreed."""
-        await self._unary(lambda rid: P.Shutdown(rid=rid, reboot=reboot), P.Ok)
+        await self._unary(lambda rid: proto.Shutdown(rid=rid, reboot=reboot), proto.Ok)
         self._eof_expected = True
 
     # -- exec ------------------------------------------------------------------
@@ -447,7 +447,7 @@ class GuestChannel:
         req = self._new_request()
         handle = ExecHandle(self, req, timeout=timeout, stdin=stdin)
         try:
-            msg = P.Exec(
+            msg = proto.Exec(
                 rid=req.rid,
                 argv=list(argv),
                 env=dict(env or {}),
@@ -461,9 +461,9 @@ class GuestChannel:
             )
             await self._send(msg)
             first = await req.next(self.answer_timeout)
-            if isinstance(first, P.Error):
+            if isinstance(first, proto.Error):
                 raise GuestOpError(first.code, first.message)
-            if not isinstance(first, P.ExecStarted):
+            if not isinstance(first, proto.ExecStarted):
                 await self._protocol_violation(f"expected exec_started, got {first.TAG}")
                 raise AssertionError  # unreachable
             handle.pid = first.pid
@@ -472,38 +472,40 @@ class GuestChannel:
             if handle.pid and handle.exit is None and not self._closed and self._broken is None:
                 with trio.CancelScope(shield=True), trio.move_on_after(2):
                     try:
-                        await self._send(P.Signal(rid=req.rid, signum=signal.SIGKILL))
+                        await self._send(proto.Signal(rid=req.rid, signum=signal.SIGKILL))
                     except GuestError:
                         pass
             self._end_request(req)
 
     async def run(self, argv: list[str], *, max_output: int = 64 << 20, **kw: Any) -> ExecResult:
         """Run to completion and collect output (at most ``max_output`` bytes per stream)."""
-        out: dict[int, bytearray] = {P.STDOUT: bytearray(), P.STDERR: bytearray()}
+        out: dict[int, bytearray] = {proto.STDOUT: bytearray(), proto.STDERR: bytearray()}
         async with self.exec(argv, **kw) as h:
             async for ch, data in h:
                 if len(out[ch]) + len(data) > max_output:
-                    raise GuestOpError(P.E_TOO_LARGE, f"output exceeds {max_output} bytes")
+                    raise GuestOpError(proto.E_TOO_LARGE, f"output exceeds {max_output} bytes")
                 out[ch] += data
         assert h.exit is not None
-        return ExecResult(h.exit.code, h.exit.signal, h.exit.timed_out, bytes(out[P.STDOUT]), bytes(out[P.STDERR]))
+        return ExecResult(
+            h.exit.code, h.exit.signal, h.exit.timed_out, bytes(out[proto.STDOUT]), bytes(out[proto.STDERR])
+        )
 
     # -- files -----------------------------------------------------------------
     @asynccontextmanager
     async def read_file(self, path: str) -> AsyncIterator[FileReadStream]:
         req = self._new_request()
         try:
-            await self._send(P.ReadFile(rid=req.rid, path=path))
+            await self._send(proto.ReadFile(rid=req.rid, path=path))
             first = await req.next(self.answer_timeout)
-            if isinstance(first, P.Error):
+            if isinstance(first, proto.Error):
                 raise GuestOpError(first.code, first.message)
-            if not isinstance(first, P.FileInfo):
+            if not isinstance(first, proto.FileInfo):
                 await self._protocol_violation(f"expected file_info, got {first.TAG}")
                 raise AssertionError  # unreachable
-            if first.size > P.MAX_FILE:
+            if first.size > proto.MAX_FILE:
                 await self._protocol_violation("guest announced a file beyond the limit")
-            if first.size > P.WINDOW:  # a deeper pipe for a file beyond one window
-                await self._grant(req.rid, P.STDOUT, P.FILE_WINDOW - P.WINDOW)
+            if first.size > proto.WINDOW:  # a deeper pipe for a file beyond one window
+                await self._grant(req.rid, proto.STDOUT, proto.FILE_WINDOW - proto.WINDOW)
             yield FileReadStream(req, first.size, first.mode, self.answer_timeout)
         finally:
             self._end_request(req)
@@ -529,10 +531,14 @@ class GuestChannel:
         numeric ids); "" = root."""
         if isinstance(data, (bytes, bytearray, memoryview)):
             size = len(data)
-        if size > P.MAX_FILE:
-            raise GuestOpError(P.E_TOO_LARGE, f"{size} bytes exceeds the {P.MAX_FILE} byte limit")
-        msg = lambda rid: P.WriteFile(rid=rid, path=path, mode=mode, size=size, owner=owner, window=P.FILE_WINDOW)
-        return await self._stream_in(msg, data, P.MAX_FILE, "file", window=P.FILE_WINDOW, chunk=P.FILE_CHUNK)
+        if size > proto.MAX_FILE:
+            raise GuestOpError(proto.E_TOO_LARGE, f"{size} bytes exceeds the {proto.MAX_FILE} byte limit")
+        msg = lambda rid: proto.WriteFile(
+            rid=rid, path=path, mode=mode, size=size, owner=owner, window=proto.FILE_WINDOW
+        )
+        return await self._stream_in(
+            msg, data, proto.MAX_FILE, "file", window=proto.FILE_WINDOW, chunk=proto.FILE_CHUNK
+        )
 
     async def _stream_in(
         self,
@@ -541,8 +547,8 @@ class GuestChannel:
         limit: int,
         what: str,
         *,
-        window: int = P.WINDOW,
-        chunk: int = P.CHUNK,
+        window: int = proto.WINDOW,
+        chunk: int = proto.CHUNK,
     ) -> int:
         """A request that streams ``data`` to the guest on STDIN within credit, then Eof;
         the guest's Ok (its value) ends it. ``window``: the credit the request asked the
@@ -568,15 +574,15 @@ class GuestChannel:
                 async for piece in pieces:
                     total += len(piece)
                     if total > limit:
-                        raise GuestOpError(P.E_TOO_LARGE, f"{what} exceeds the {limit} byte limit")
+                        raise GuestOpError(proto.E_TOO_LARGE, f"{what} exceeds the {limit} byte limit")
                     await _send_with_credit(self, req, piece, self.answer_timeout, chunk)
-            await self._send(P.Eof(rid=req.rid, ch=P.STDIN))
+            await self._send(proto.Eof(rid=req.rid, ch=proto.STDIN))
             sent_eof = True
             while True:
                 msg = await req.next(self.answer_timeout)
-                if isinstance(msg, P.Error):
+                if isinstance(msg, proto.Error):
                     raise GuestOpError(msg.code, msg.message)
-                if isinstance(msg, P.Ok):
+                if isinstance(msg, proto.Ok):
                     return msg.value
                 await self._protocol_violation(f"expected ok, got {msg.TAG}")
         finally:
@@ -584,7 +590,7 @@ class GuestChannel:
                 # the data did not end (the caller's stream failed): the guest drops what it has
                 with trio.CancelScope(shield=True), trio.move_on_after(2):
                     try:
-                        await self._send(P.Signal(rid=req.rid, signum=signal.SIGKILL))
+                        await self._send(proto.Signal(rid=req.rid, signum=signal.SIGKILL))
                     except GuestError:
                         pass
             self._end_request(req)
@@ -608,18 +614,18 @@ class GuestChannel:
         req = self._new_request()
         stream = TreeReadStream(req, self.answer_timeout)
         try:
-            await self._send(P.ReadTree(rid=req.rid, path=path))
+            await self._send(proto.ReadTree(rid=req.rid, path=path))
             first = await req.next(self.answer_timeout)
-            if isinstance(first, P.Error):
+            if isinstance(first, proto.Error):
                 raise GuestOpError(first.code, first.message)
-            if not isinstance(first, P.Ok):
+            if not isinstance(first, proto.Ok):
                 await self._protocol_violation(f"expected ok, got {first.TAG}")
             yield stream
         finally:
             if not stream.eof and not req.broken and not self._closed and self._broken is None:
                 with trio.CancelScope(shield=True), trio.move_on_after(2):
                     try:  # the guest's worker would wait for credit until the session ends
-                        await self._send(P.Signal(rid=req.rid, signum=signal.SIGKILL))
+                        await self._send(proto.Signal(rid=req.rid, signum=signal.SIGKILL))
                     except GuestError:
                         pass
             self._end_request(req)
@@ -631,8 +637,8 @@ class GuestChannel:
         user[:group] (the guest's names or ids) owns every entry. Hostile archives
         (absolute names, '..', names through symlinks, devices...) are refused
         (INVALID_ARGUMENT) without a byte written outside ``path``."""
-        msg = lambda rid: P.WriteTree(rid=rid, path=path, owner=owner)
-        return await self._stream_in(msg, data, P.MAX_TREE_STREAM, "tree")
+        msg = lambda rid: proto.WriteTree(rid=rid, path=path, owner=owner)
+        return await self._stream_in(msg, data, proto.MAX_TREE_STREAM, "tree")
 
     # -- patches and mounts ----------------------------------------------------------
     async def patch(self, entries: Sequence[PatchEntry]) -> int:
@@ -642,15 +648,15 @@ class GuestChannel:
         done = 0
         batch: list[dict[str, Any]] = []
         size = 0
-        budget = P.MAX_FRAME - 4096
+        budget = proto.MAX_FRAME - 4096
         for i, entry in enumerate(entries):
             wire = entry.to_wire()
             n = len(entry.data) + len(entry.path) + len(entry.target) + 128
             if n > budget:
                 raise GuestOpError(
-                    P.E_TOO_LARGE, f"patch entry {i} ({entry.path}) carries {n} bytes: use write_file for it"
+                    proto.E_TOO_LARGE, f"patch entry {i} ({entry.path}) carries {n} bytes: use write_file for it"
                 )
-            if batch and (size + n > budget or len(batch) >= P.MAX_PATCH_ENTRIES):
+            if batch and (size + n > budget or len(batch) >= proto.MAX_PATCH_ENTRIES):
                 done += await self._patch_batch(batch, done)
                 batch, size = [], 0
             batch.append(wire)
@@ -660,7 +666,7 @@ class GuestChannel:
         return done
 
     async def _patch_batch(self, batch: list[dict[str, Any]], base: int) -> int:
-        ok = await self._unary(lambda rid: P.Patch(rid=rid, entries=batch, base=base), P.Ok)
+        ok = await self._unary(lambda rid: proto.Patch(rid=rid, entries=batch, base=base), proto.Ok)
         return ok.value
 
     async def mount(
@@ -669,19 +675,19 @@ class GuestChannel:
         """Mount a disk at ``path`` in the guest (made if missing). ``device``: a /dev
         path or ``serial:NAME`` (see MachineSpec.volumes); fstype "tmpfs": a tmpfs of
         at most ``size_mib``. guestd unmounts it when it powers off."""
-        msg = lambda rid: P.Mount(
+        msg = lambda rid: proto.Mount(
             rid=rid, device=device, path=path, fstype=fstype, read_only=read_only, size_mib=size_mib
         )
-        await self._unary(msg, P.Ok)
+        await self._unary(msg, proto.Ok)
 
     async def umount(self, path: str) -> None:
-        await self._unary(lambda rid: P.Umount(rid=rid, path=path), P.Ok)
+        await self._unary(lambda rid: proto.Umount(rid=rid, path=path), proto.Ok)
 
     # -- file-system operations (feature "fs") -------------------------------------------
     def _require(self, feature: str) -> None:
         info = self.hello_info
         if info is not None and feature not in info.features:  # an older guestd (an old snapshot)
-            raise GuestOpError(P.E_UNSUPPORTED, f"this sandbox's guest agent has no {feature!r} requests")
+            raise GuestOpError(proto.E_UNSUPPORTED, f"this sandbox's guest agent has no {feature!r} requests")
 
     async def fs_entries(self, op: str, path: str) -> list[FsEntry]:
         """``list`` (a directory's entries) or ``stat`` (``path`` itself), checked: the
@@ -690,11 +696,11 @@ class GuestChannel:
         req = self._new_request()
         stream = FsAnswerStream(req, self.answer_timeout)
         try:
-            await self._send(P.Fs(rid=req.rid, op=op, path=path))
+            await self._send(proto.Fs(rid=req.rid, op=op, path=path))
             first = await req.next(self.answer_timeout)
-            if isinstance(first, P.Error):
+            if isinstance(first, proto.Error):
                 raise GuestOpError(first.code, first.message)
-            if not isinstance(first, P.Ok):
+            if not isinstance(first, proto.Ok):
                 await self._protocol_violation(f"expected ok, got {first.TAG}")
             body = bytearray()
             async for chunk in stream:
@@ -703,7 +709,7 @@ class GuestChannel:
             if not stream.eof and not req.broken and not self._closed and self._broken is None:
                 with trio.CancelScope(shield=True), trio.move_on_after(2):
                     try:
-                        await self._send(P.Signal(rid=req.rid, signum=signal.SIGKILL))
+                        await self._send(proto.Signal(rid=req.rid, signum=signal.SIGKILL))
                     except GuestError:
                         pass
             self._end_request(req)
@@ -717,8 +723,8 @@ class GuestChannel:
         """``mkdir`` (``recursive``: parents), ``remove`` (``recursive``: a tree), ``rename``
         (to ``dest``): see ``proto.Fs``. The guest's Ok value (mkdir: 0 if it was there)."""
         self._require("fs")
-        msg = lambda rid: P.Fs(rid=rid, op=op, path=path, dest=dest, recursive=recursive, mode=mode)
-        return (await self._unary(msg, P.Ok)).value
+        msg = lambda rid: proto.Fs(rid=rid, op=op, path=path, dest=dest, recursive=recursive, mode=mode)
+        return (await self._unary(msg, proto.Ok)).value
 
 
 @asynccontextmanager

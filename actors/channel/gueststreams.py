@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from actors.channel.guestwire import ChannelClosed, GuestOpError, GuestTimeout
-from guestd import proto as P
+from guestd import proto
 
 if TYPE_CHECKING:
     from actors.channel.guest import GuestChannel
@@ -37,12 +37,12 @@ class _Request:
     def __init__(self, chan: GuestChannel, rid: int) -> None:
         self.chan = chan
         self.rid = rid
-        self.queue: collections.deque[P.Message | tuple[int, bytearray]] = collections.deque()
+        self.queue: collections.deque[proto.Message | tuple[int, bytearray]] = collections.deque()
         self.events = 0
         self.wakeup = trio.Event()
-        self.outstanding = {P.STDOUT: P.WINDOW, P.STDERR: P.WINDOW}  # bytes the guest may still send
-        self.send_credit = P.WINDOW  # bytes we may still send on STDIN
-        self.max_send_credit = P.WINDOW  # what the guest may grant in all (a WriteFile asks for more)
+        self.outstanding = {proto.STDOUT: proto.WINDOW, proto.STDERR: proto.WINDOW}  # bytes the guest may still send
+        self.send_credit = proto.WINDOW  # bytes we may still send on STDIN
+        self.max_send_credit = proto.WINDOW  # what the guest may grant in all (a WriteFile asks for more)
         self.credit_changed = trio.Event()
         self.broken: BaseException | None = None
         self.done = False
@@ -51,20 +51,20 @@ class _Request:
     def buffered(self) -> int:
         return sum(len(x[1]) for x in self.queue if isinstance(x, tuple))
 
-    def deliver(self, msg: P.Message) -> None:
-        if isinstance(msg, P.Credit):
-            if msg.ch != P.STDIN or msg.n < 0:
-                raise P.BadMessage(f"credit on channel {msg.ch}")
+    def deliver(self, msg: proto.Message) -> None:
+        if isinstance(msg, proto.Credit):
+            if msg.ch != proto.STDIN or msg.n < 0:
+                raise proto.BadMessage(f"credit on channel {msg.ch}")
             self.send_credit += msg.n
             if self.send_credit > self.max_send_credit:
-                raise P.BadMessage("guest granted more stdin credit than the window")
+                raise proto.BadMessage("guest granted more stdin credit than the window")
             self.credit_changed.set()
             self.credit_changed = trio.Event()
             return
-        if isinstance(msg, P.Data):
+        if isinstance(msg, proto.Data):
             left = self.outstanding.get(msg.ch)
             if left is None or len(msg.data) > left:
-                raise P.BadMessage(f"data beyond granted credit on channel {msg.ch}")
+                raise proto.BadMessage(f"data beyond granted credit on channel {msg.ch}")
             self.outstanding[msg.ch] = left - len(msg.data)
             trailing = self._trailing(msg.ch)
             if trailing is not None:
@@ -74,9 +74,9 @@ class _Request:
         else:
             self.events += 1
             if self.events > self.MAX_EVENTS:
-                raise P.BadMessage("too many messages for one request")
+                raise proto.BadMessage("too many messages for one request")
             self.queue.append(msg)
-            if isinstance(msg, P.Error):  # a sender waiting for credit must see it now
+            if isinstance(msg, proto.Error):  # a sender waiting for credit must see it now
                 self.credit_changed.set()
                 self.credit_changed = trio.Event()
         self.wakeup.set()
@@ -91,10 +91,10 @@ class _Request:
                 return item[1]
         return None
 
-    def peek_error(self) -> P.Error | None:
-        if self.queue and isinstance(self.queue[0], P.Error):
+    def peek_error(self) -> proto.Error | None:
+        if self.queue and isinstance(self.queue[0], proto.Error):
             err = self.queue.popleft()
-            assert isinstance(err, P.Error)
+            assert isinstance(err, proto.Error)
             return err
         return None
 
@@ -103,7 +103,7 @@ class _Request:
         self.wakeup.set()
         self.credit_changed.set()
 
-    async def next(self, timeout: float | None = None) -> P.Message:
+    async def next(self, timeout: float | None = None) -> proto.Message:
         """The next message; ``timeout``: GuestTimeout when none came for that long."""
         deadline = trio.current_time() + timeout if timeout is not None else math.inf
         while not self.queue:
@@ -119,13 +119,13 @@ class _Request:
             ch, buf = item
             data = bytes(buf)
             await self.chan._grant(self.rid, ch, len(data))
-            return P.Data(rid=self.rid, ch=ch, data=data)
+            return proto.Data(rid=self.rid, ch=ch, data=data)
         self.events -= 1
         return item
 
 
 async def _send_with_credit(
-    chan: GuestChannel, req: _Request, data: bytes, timeout: float | None = None, chunk: int = P.CHUNK
+    chan: GuestChannel, req: _Request, data: bytes, timeout: float | None = None, chunk: int = proto.CHUNK
 ) -> None:
     """Send ``data`` on STDIN in frames of at most ``chunk`` bytes, waiting for credit
     (GuestTimeout when none came for ``timeout``); an early error from the guest wins."""
@@ -147,7 +147,7 @@ async def _send_with_credit(
             raise GuestOpError(err.code, err.message)
         n = min(len(view), req.send_credit, chunk)
         req.send_credit -= n
-        await chan._send(P.Data(rid=req.rid, ch=P.STDIN, data=bytes(view[:n])))
+        await chan._send(proto.Data(rid=req.rid, ch=proto.STDIN, data=bytes(view[:n])))
         view = view[n:]
 
 
@@ -162,7 +162,7 @@ class ExecHandle:
         self._chan = chan
         self._req = req
         self.pid = 0
-        self.exit: P.Exit | None = None
+        self.exit: proto.Exit | None = None
         self._stdin = stdin
         self._stdin_closed = False
         self._timeout = timeout
@@ -180,17 +180,17 @@ class ExecHandle:
         while self.exit is None:
             with trio.move_on_at(self._deadline):
                 msg = await self._req.next()
-                if isinstance(msg, P.Data):
+                if isinstance(msg, proto.Data):
                     return msg.ch, msg.data
-                if isinstance(msg, P.Exit):
+                if isinstance(msg, proto.Exit):
                     self.exit = msg
-                elif isinstance(msg, P.Error):
+                elif isinstance(msg, proto.Error):
                     raise GuestOpError(msg.code, msg.message)
                 continue
             raise GuestTimeout(self._why)
         raise StopAsyncIteration
 
-    async def wait(self) -> P.Exit:
+    async def wait(self) -> proto.Exit:
         """Discard remaining output and wait for the exit."""
         async for _ in self:
             pass
@@ -199,7 +199,7 @@ class ExecHandle:
 
     async def send_stdin(self, data: bytes) -> None:
         if not self._stdin:
-            raise GuestOpError(P.E_INVALID, "this process was started without stdin")
+            raise GuestOpError(proto.E_INVALID, "this process was started without stdin")
         if self._stdin_closed:
             raise ChannelClosed("stdin already closed")
         if self.exit is not None:
@@ -209,15 +209,15 @@ class ExecHandle:
     async def close_stdin(self) -> None:
         if self._stdin and not self._stdin_closed and self.exit is None:
             self._stdin_closed = True
-            await self._chan._send(P.Eof(rid=self.rid, ch=P.STDIN))
+            await self._chan._send(proto.Eof(rid=self.rid, ch=proto.STDIN))
 
     async def resize(self, rows: int, cols: int) -> None:
         if self.exit is None:
-            await self._chan._send(P.Resize(rid=self.rid, rows=rows, cols=cols))
+            await self._chan._send(proto.Resize(rid=self.rid, rows=rows, cols=cols))
 
     async def signal(self, signum: int) -> None:
         if self.exit is None:
-            await self._chan._send(P.Signal(rid=self.rid, signum=signum))
+            await self._chan._send(proto.Signal(rid=self.rid, signum=signum))
             if signum == signal.SIGKILL:
                 self._deadline = min(self._deadline, trio.current_time() + KILL_GRACE)
                 self._why = f"the guest did not end the process within {KILL_GRACE:g}s of SIGKILL"
@@ -227,7 +227,7 @@ class _DataStream:
     """The guest's Data frames of one request as an async iterator of chunks, ended by its
     Eof, bounded by ``LIMIT`` bytes (a guest that sends more breaks the protocol)."""
 
-    LIMIT = P.MAX_FILE
+    LIMIT = proto.MAX_FILE
     WHAT = "the file limit"
 
     def __init__(self, req: _Request, timeout: float | None = None) -> None:
@@ -242,14 +242,14 @@ class _DataStream:
     async def __anext__(self) -> bytes:
         while not self.eof:
             msg = await self._req.next(self._timeout)
-            if isinstance(msg, P.Data):
+            if isinstance(msg, proto.Data):
                 self.received += len(msg.data)
                 if self.received > self.LIMIT:
                     await self._req.chan._protocol_violation(f"guest sent more than {self.WHAT}")
                 return msg.data
-            if isinstance(msg, P.Eof):
+            if isinstance(msg, proto.Eof):
                 self.eof = True
-            elif isinstance(msg, P.Error):
+            elif isinstance(msg, proto.Error):
                 self.eof = True  # the guest ended its side
                 raise GuestOpError(msg.code, msg.message)
         raise StopAsyncIteration
@@ -267,12 +267,12 @@ class FileReadStream(_DataStream):
 class TreeReadStream(_DataStream):
     """The tar stream of a read_tree, within the tree limits."""
 
-    LIMIT = P.MAX_TREE_STREAM
+    LIMIT = proto.MAX_TREE_STREAM
     WHAT = "the tree limit"
 
 
 class FsAnswerStream(_DataStream):
     """The msgpack answer of an Fs list or stat."""
 
-    LIMIT = P.MAX_FS_ANSWER
+    LIMIT = proto.MAX_FS_ANSWER
     WHAT = "the fs answer limit"

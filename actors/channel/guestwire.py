@@ -22,8 +22,7 @@ import attrs
 import msgpack
 import trio
 
-from guestd import patch
-from guestd import proto as P
+from guestd import patch, proto
 
 # What the host takes of a guest's numbers. The codec checks types only; these ranges are
 # what the rest of the host can hold (SQLite and protobuf int64, int32 exit codes, uint64
@@ -48,16 +47,16 @@ _VALUE_RANGES: dict[str, dict[str, tuple[float, float]]] = {  # every value of a
 }
 
 
-def check_ranges(msg: P.Message) -> None:
+def check_ranges(msg: proto.Message) -> None:
     """BadMessage unless every number of ``msg`` is finite and in the host's range."""
     for name, (lo, hi) in _RANGES.get(msg.TAG, {}).items():
         v = getattr(msg, name)
         if not (lo <= v <= hi and math.isfinite(v)):
-            raise P.BadMessage(f"{msg.TAG}.{name} out of range: {str(v)[:40]}")
+            raise proto.BadMessage(f"{msg.TAG}.{name} out of range: {str(v)[:40]}")
     for name, (lo, hi) in _VALUE_RANGES.get(msg.TAG, {}).items():
         for key, v in getattr(msg, name).items():
             if not (lo <= v <= hi and math.isfinite(v)):
-                raise P.BadMessage(f"{msg.TAG}.{name}[{key[:40]!r}] out of range: {str(v)[:40]}")
+                raise proto.BadMessage(f"{msg.TAG}.{name}[{key[:40]!r}] out of range: {str(v)[:40]}")
 
 
 class GuestError(Exception):
@@ -136,7 +135,9 @@ def parse_fs_entries(body: bytes) -> list[FsEntry]:
     """A guest's msgpack answer to an Fs list or stat; ValueError unless every entry
     has the shape and ranges ``proto.Fs`` gives (names: 1..4096 characters)."""
     try:
-        raw = msgpack.unpackb(body, raw=False, use_list=True, max_array_len=P.MAX_FS_LIST, max_map_len=0, max_ext_len=0)
+        raw = msgpack.unpackb(
+            body, raw=False, use_list=True, max_array_len=proto.MAX_FS_LIST, max_map_len=0, max_ext_len=0
+        )
     except Exception as exc:  # msgpack's zoo of errors on garbage
         raise ValueError(f"undecodable ({type(exc).__name__})") from None
     if type(raw) is not list:

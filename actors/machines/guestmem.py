@@ -119,7 +119,7 @@ def create_ram_file(directory: Path, name: str, size: int, identity: Identity | 
 
 
 def own_memory(path: Path, identity: Identity) -> int:
-    """A paused sandbox's saved memory (issue 25) for its resume's QEMU: the file itself,
+    """A paused sandbox's saved memory for its resume's QEMU: the file itself,
     given to ``identity`` (QEMU 7.2 reopens it read-write) and opened ``O_RDWR`` for
     ``mem-path=/proc/self/fd/N``; QEMU maps it ``MAP_PRIVATE`` (it never writes it; a
     balloon's hole punches in it the discard shim skips: QemuSpec.environ names it). No

@@ -36,7 +36,7 @@ LEGACY_RESTORE_ENV = "SANDVISOR_LEGACY_RESTORE"
 
 
 def legacy_restore() -> bool:
-    """``SANDVISOR_LEGACY_RESTORE=1``: the launch and restore path before issue 28 (QMP
+    """``SANDVISOR_LEGACY_RESTORE=1``: the older launch and restore path (QMP
     and the guest channel found by path, the saved state fed over QMP, each fix-up a
     round trip of its own): benchmarks/restore.py's old side, read at every launch."""
     return os.environ.get(LEGACY_RESTORE_ENV) == "1"

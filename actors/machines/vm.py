@@ -381,7 +381,7 @@ async def _running(
                         await trio.aclose_forcefully(stream)
                     raise BootError(f"QEMU exited during boot: {vm.describe_exit()}", vm.console.text())
                 if adopted and await vm.status() != "running":
-                    # a supervisor killed in a pause (issue 25) left its guest stopped,
+                    # a supervisor killed in a pause left its guest stopped,
                     # saved; the record still said ready: it runs on (the pause never was)
                     await vm.qmp_execute("cont")
                 fed = spec.restore is not None and not adopted and vm.restore_fd >= 0  # loading already

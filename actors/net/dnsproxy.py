@@ -45,7 +45,7 @@ from ipaddress import IPv4Address, IPv4Network
 import attrs
 import trio
 
-from actors.net import dnsmsg as D
+from actors.net import dnsmsg
 from actors.net.egress import EgressPolicy, dns_deny_set, dns_set_name, dns_update, may_open
 from actors.net.netns import NetNS
 from actors.net.nft import Nft, NftError
@@ -227,47 +227,47 @@ class DnsProxy:
             return await self._decide(state.client, data)
         except Exception:  # a bug, never the proxy's end: the guest gets SERVFAIL
             self._failed("a query", src)
-            return _error(data, D.SERVFAIL)
+            return _error(data, dnsmsg.SERVFAIL)
 
     async def _decide(self, client: Client, data: bytes) -> bytes | None:
         try:
-            mid, _flags, q = D.parse_query(data)
-        except D.DnsError:
+            mid, _flags, q = dnsmsg.parse_query(data)
+        except dnsmsg.DnsError:
             self.stats["formerr"] += 1
-            return _error(data, D.FORMERR)
-        if not D.is_plain(q.name):  # a dot or a raw octet inside a label: no policy can judge it
+            return _error(data, dnsmsg.FORMERR)
+        if not dnsmsg.is_plain(q.name):  # a dot or a raw octet inside a label: no policy can judge it
             self.stats["refused"] += 1
-            return _error(data, D.REFUSED)
+            return _error(data, dnsmsg.REFUSED)
         verdict, ports = client.policy.match_name(q.name)
         if verdict == "deny":
             self.stats["refused"] += 1
-            if q.qtype in (D.A, D.ANY) and client.policy.default == "allow":
-                reply = await self._forward(D.query(q.name, D.A))
+            if q.qtype in (dnsmsg.A, dnsmsg.ANY) and client.policy.default == "allow":
+                reply = await self._forward(dnsmsg.query(q.name, dnsmsg.A))
                 if reply is not None:
                     self._open(client.link, [dns_deny_set(client.link)], reply, q.name)
-            return _error(data, D.REFUSED)
+            return _error(data, dnsmsg.REFUSED)
         if verdict == "default" and client.policy.default == "deny":
             self.stats["refused"] += 1
-            return _error(data, D.REFUSED)
+            return _error(data, dnsmsg.REFUSED)
         reply = await self._forward(data)
         if reply is None:
             self.stats["failed"] += 1
-            return _error(data, D.SERVFAIL)
+            return _error(data, dnsmsg.SERVFAIL)
         self.stats["forwarded"] += 1
         if verdict == "allow" and not self._open(
             client.link, [dns_set_name(client.link, p) for p in ports], reply, q.name
         ):
-            return _error(data, D.SERVFAIL)
-        return D.with_id(reply, mid)
+            return _error(data, dnsmsg.SERVFAIL)
+        return dnsmsg.with_id(reply, mid)
 
     def _open(self, link: str, sets: list[str], reply: bytes, qname: str) -> bool:
         """Put the answer's IPv4 addresses in ``sets``; False when the filter refused."""
         try:
-            msg = D.parse(reply)
-        except D.DnsError:
+            msg = dnsmsg.parse(reply)
+        except dnsmsg.DnsError:
             return True  # nothing to open; the guest gets what upstream said
         by_ttl: dict[int, list[IPv4Address]] = {}
-        for addr, ttl in D.answered_addresses(msg, qname):
+        for addr, ttl in dnsmsg.answered_addresses(msg, qname):
             if not isinstance(addr, IPv4Address) or not may_open(addr, self.closed):
                 continue
             timeout = min(max(ttl, self.min_ttl), self.max_ttl) + self.grace
@@ -286,21 +286,21 @@ class DnsProxy:
     async def _forward(self, data: bytes) -> bytes | None:
         """Ask the upstreams in turn (UDP; TCP when the answer is truncated)."""
         try:
-            _, _, q = D.parse_query(data)
-        except D.DnsError:
+            _, _, q = dnsmsg.parse_query(data)
+        except dnsmsg.DnsError:
             return None
         for host, port in self.upstreams:
             mid = secrets.randbits(16)
-            out = D.with_id(data, mid)
+            out = dnsmsg.with_id(data, mid)
             try:
                 reply = await self._udp_upstream(out, host, port)
                 if reply is not None and _matches(reply, mid, q):
-                    if D.parse(reply).flags & D.TC:
+                    if dnsmsg.parse(reply).flags & dnsmsg.TC:
                         reply = await self._tcp_upstream(out, host, port)
                         if reply is None or not _matches(reply, mid, q):
                             continue
                     return reply
-            except (OSError, D.DnsError):
+            except (OSError, dnsmsg.DnsError):
                 continue
         return None
 
@@ -329,10 +329,10 @@ class DnsProxy:
         return None
 
 
-def _matches(reply: bytes, mid: int, q: D.Question) -> bool:
+def _matches(reply: bytes, mid: int, q: dnsmsg.Question) -> bool:
     try:
-        msg = D.parse(reply)
-    except D.DnsError:
+        msg = dnsmsg.parse(reply)
+    except dnsmsg.DnsError:
         return False
     return msg.id == mid and msg.is_response and msg.questions[:1] == (q,)
 
@@ -340,22 +340,22 @@ def _matches(reply: bytes, mid: int, q: D.Question) -> bool:
 def _error(query: bytes, rcode: int) -> bytes | None:
     """An error answer to ``query`` (None: shorter than a header, nothing to answer with)."""
     try:
-        return D.error_response(query, rcode)
-    except D.DnsError:
+        return dnsmsg.error_response(query, rcode)
+    except dnsmsg.DnsError:
         return None
 
 
 def _has_edns(query: bytes) -> bool:
     try:
-        return any(r.rtype == D.OPT for r in D.parse(query).additional)
-    except D.DnsError:
+        return any(r.rtype == dnsmsg.OPT for r in dnsmsg.parse(query).additional)
+    except dnsmsg.DnsError:
         return False
 
 
 def _truncated(query: bytes) -> bytes:
     """An empty answer with TC set: the client retries over TCP."""
-    out = bytearray(D.error_response(query, D.NOERROR))
-    out[2] |= D.TC >> 8
+    out = bytearray(dnsmsg.error_response(query, dnsmsg.NOERROR))
+    out[2] |= dnsmsg.TC >> 8
     return bytes(out)
 
 

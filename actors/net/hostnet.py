@@ -36,7 +36,7 @@ a crashed supervisor leaves no device (its QEMUs die with it, see the registry's
 recovery). The fd goes to QEMU (``-netdev tap,fd=N,vnet_hdr=on``), which needs no
 network namespace of its own contents, no capability and no path.
 
-User-mode networking with outbound access (issue 12: "outbound without the host")
+User-mode networking with outbound access ("outbound without the host")
 uses the same links: a jailed QEMU's slirp opens its sockets in the jail's network
 namespace, which :meth:`HostNetwork.open_uplink` makes with one veth into it (host
 end ``svn...``, jail end ``eth0`` holding a pool address): the same filter, egress

@@ -2,7 +2,7 @@
 
 Pure bookkeeping (no I/O but the persistence callback): who holds which address.
 An address is held by an *owner* (the sandbox's uid, never its user-chosen id)
-from Create (the seed's CreateSandboxResponse.ip_address is known while the
+from Create (sandbox.v1's CreateSandboxResponse.ip_address is known while the
 sandbox is still starting) until Remove; a stopped sandbox keeps its address, and
 the leases survive a supervisor restart through a :class:`LeaseStore`.
 

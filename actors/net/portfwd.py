@@ -1,6 +1,6 @@
 """Exposed ports: a host port forwarded to a sandbox port (tap: the sandbox's address).
 
-The seed's design: "the daemon binds a host listener forwarding into the guest". A
+sandbox.v1's design: "the daemon binds a host listener forwarding into the guest". A
 userspace relay, one Trio task per mapping::
 
     client --> 127.0.0.1:host_port (the supervisor's listener) ==> sandbox_ip:sandbox_port

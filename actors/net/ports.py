@@ -100,7 +100,7 @@ class PortRelays:
         self.jailed = jailed
         self._nursery = nursery
         self._relays: dict[tuple[int, Protocol], trio.CancelScope] = {}
-        self._held = held  # a resumed sandbox's listeners, held while it was paused (issue 25)
+        self._held = held  # a resumed sandbox's listeners, held while it was paused
 
     async def forward(self, pm: PortSpec, *, relay_only: bool = False) -> PortSpec:
         """Forward ``pm``; the host port it got."""
@@ -134,7 +134,7 @@ class PortRelays:
             relay.cancel()
 
     async def _forward_tap(self, net: NetConfig, pm: PortSpec) -> PortSpec:
-        """A relay from the host port to the sandbox's address (the seed: "the daemon
+        """A relay from the host port to the sandbox's address (sandbox.v1's design: "the daemon
         binds a host listener"). The host reaches every sandbox; the filter stops only
         what sandboxes send."""
         hn = self.settings.hostnet

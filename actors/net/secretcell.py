@@ -1,4 +1,4 @@
-"""A sandbox's secret proxy, confined (issue 23; docs/secrets.md, "The proxy's cell").
+"""A sandbox's secret proxy, confined (docs/secrets.md, "The proxy's cell").
 
 The supervisor keeps what needs privilege and parses nothing the guest chose::
 

@@ -1,4 +1,4 @@
-"""One sandbox's secret substitution proxy (issue 23; docs/secrets.md): what runs in
+"""One sandbox's secret substitution proxy (docs/secrets.md): what runs in
 the proxy's cell (actors/secrets/proxyproc.py, an unprivileged process of its own),
 never in the supervisor. The supervisor accepts the guest's redirected connection,
 reads its original destination from conntrack, opens the upstream TCP connection with
@@ -40,7 +40,7 @@ import attrs
 import h11
 import trio
 
-from actors.secrets import model as S
+from actors.secrets import model as secrets_model
 from actors.secrets.ca import Minter
 
 log = logging.getLogger("sandvisor.secrets")
@@ -66,8 +66,8 @@ class ProxyView:
     """What the proxy asks of its sandbox, live (a rotation or a removal applies to the
     next connection): the secrets in force, a secret's value, the minter of its CA."""
 
-    refs: Callable[[], Sequence[S.SecretRef]]
-    value: Callable[[S.SecretRef], bytes | None]
+    refs: Callable[[], Sequence[secrets_model.SecretRef]]
+    value: Callable[[secrets_model.SecretRef], bytes | None]
     minter: Callable[[], Minter]
     blocked: Callable[[Blocked], None]
 
@@ -207,7 +207,7 @@ class SecretProxy:
                 if done:
                     break
         refs = self.view.refs()
-        if name is not None and S.named_by_any(refs, name, dst[1]):
+        if name is not None and secrets_model.named_by_any(refs, name, dst[1]):
             self.stats["intercepted"] += 1
             await self._intercept(_Replay(stream, data), name, dst, upstream, err)
         elif upstream is not None:
@@ -288,7 +288,7 @@ class SecretProxy:
         read (it streams through) when no secret in force is replaced in bodies."""
         if g.they_are_waiting_for_100_continue:
             await _send(g, guest, h11.InformationalResponse(status_code=100, headers=[]))
-        if not any(r.substitute == S.ALL for r in self.view.refs()):
+        if not any(r.substitute == secrets_model.ALL for r in self.view.refs()):
             return b"", False
         body = bytearray()
         while True:
@@ -314,7 +314,7 @@ class SecretProxy:
         rest: list[tuple[bytes, bytes]] = []  # ... for the target and the body
         for ref in self.view.refs():
             ph = ref.placeholder.encode()
-            everywhere = ref.substitute == S.ALL
+            everywhere = ref.substitute == secrets_model.ALL
             if not (
                 any(ph in v for _, v in req.headers) or (everywhere and (ph in req.target or (whole and ph in body)))
             ):
@@ -322,7 +322,7 @@ class SecretProxy:
             value = self.view.value(ref)
             if value is None:
                 continue  # removed, or its store entry is gone: the placeholder goes as it is
-            if not S.allowed(ref, name, port):
+            if not secrets_model.allowed(ref, name, port):
                 self.stats["blocked"] += 1
                 self.view.blocked(Blocked(ref.name, name, port))
                 raise _Refused(403, f"sandvisor: secret {ref.name} may not be sent to {name}:{port}\n")
@@ -330,13 +330,13 @@ class SecretProxy:
             if everywhere:
                 rest.append((ph, value))
         drop = {b"accept-encoding", *((b"expect", b"content-length", b"transfer-encoding") if whole else ())}
-        headers = [(k, S.substitute(v, heads)) for k, v in req.headers if k not in drop]
+        headers = [(k, secrets_model.substitute(v, heads)) for k, v in req.headers if k not in drop]
         headers.append((b"accept-encoding", b"identity"))
         if whole:
-            body = S.substitute(body, rest)
+            body = secrets_model.substitute(body, rest)
             if body or req.method not in (b"GET", b"HEAD", b"DELETE", b"OPTIONS"):
                 headers.append((b"content-length", str(len(body)).encode()))
-        return h11.Request(method=req.method, target=S.substitute(req.target, rest), headers=headers), body
+        return h11.Request(method=req.method, target=secrets_model.substitute(req.target, rest), headers=headers), body
 
     async def _forward(
         self,
@@ -453,12 +453,12 @@ class Scrubber:
         self.tail = b""
 
     def line(self, data: bytes) -> bytes:
-        return S.substitute(data, self.pairs)
+        return secrets_model.substitute(data, self.pairs)
 
     def feed(self, data: bytes) -> bytes:
         if not self.pairs:
             return data
-        buf = S.substitute(self.tail + data, self.pairs)
+        buf = secrets_model.substitute(self.tail + data, self.pairs)
         if self.keep <= 0:
             self.tail = b""
             return buf

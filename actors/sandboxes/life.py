@@ -81,7 +81,7 @@ from actors.quotas import check_sandbox_disk
 from actors.sandboxes import secrets
 from actors.snapshots.snapshot import memory_for_restore, resume_spec
 from actors.store import LifeState, SnapshotRecord
-from guestd import proto as P
+from guestd import proto
 
 if TYPE_CHECKING:
     from actors.sandboxes.sandbox import Sandbox
@@ -89,14 +89,14 @@ if TYPE_CHECKING:
 RESTORE_HELLO_TIMEOUT = 15.0  # a restored guest answers in ~0.1 s; one that does not in 15 s will not
 
 _GUEST_CODES: dict[str, type[DomainError]] = {
-    P.E_NOT_FOUND: NotFound,
-    P.E_INVALID: InvalidArgument,
-    P.E_IS_DIR: InvalidArgument,
-    P.E_PERM: FailedPrecondition,
-    P.E_TOO_LARGE: ResourceExhausted,
-    P.E_EXISTS: AlreadyExists,
-    P.E_FAILED: FailedPrecondition,
-    P.E_UNSUPPORTED: Unimplemented,
+    proto.E_NOT_FOUND: NotFound,
+    proto.E_INVALID: InvalidArgument,
+    proto.E_IS_DIR: InvalidArgument,
+    proto.E_PERM: FailedPrecondition,
+    proto.E_TOO_LARGE: ResourceExhausted,
+    proto.E_EXISTS: AlreadyExists,
+    proto.E_FAILED: FailedPrecondition,
+    proto.E_UNSUPPORTED: Unimplemented,
 }
 
 
@@ -128,7 +128,7 @@ class Resume:
     accepted: float = 0.0
     # (snapshot, why, transient): transient = the guest did not answer in time
     fallback: Callable[[SnapshotRecord, str, bool], None] | None = None
-    wake: bool = False  # a paused sandbox's own saved state: it resumes as itself (issue 25)
+    wake: bool = False  # a paused sandbox's own saved state: it resumes as itself
 
 
 @attrs.frozen
@@ -168,7 +168,7 @@ class Life:
         self.ports: PortRelays | None = None  # its forwards and relays, while the guest is up
         self.secrets: secrets.SecretsOfLife | None = None  # its secret proxy (a sandbox with secrets)
         self.detaching = False  # it lets go of QEMU instead of stopping it
-        self.pausing = False  # it ends for a pause: the volume claims stay (issue 25)
+        self.pausing = False  # it ends for a pause: the volume claims stay
         self.guest_hostname = ""  # what the fixups last set in its guest
         self._launched: Guest | None = None
         self._ram_fd = -1  # the guest RAM's descriptor for QEMU (a cell's), until QEMU maps it
@@ -453,7 +453,7 @@ class Life:
         net = self.sb.network
         if net is not None and net.tap:
             builds.append(
-                lambda rid: P.NetConfig(
+                lambda rid: proto.NetConfig(
                     rid=rid, address=net.address, prefix=net.prefix, gateway=net.gateway, dns=[net.dns], mac=net.mac
                 )
             )
@@ -658,17 +658,17 @@ class Life:
         if rename:
             self.guest_hostname = hostname
 
-    def identity_requests(self, *, clock: bool) -> list[Callable[[int], P.Message]]:
+    def identity_requests(self, *, clock: bool) -> list[Callable[[int], proto.Message]]:
         """:meth:`fresh_identity`'s requests, for GuestChannel.post (the clock's time
         taken as it is sent): fresh entropy, the clock, the hostname if the guest's is
         another."""
         data = os.urandom(256)
-        builds: list[Callable[[int], P.Message]] = [lambda rid: P.AddEntropy(rid=rid, data=data)]
+        builds: list[Callable[[int], proto.Message]] = [lambda rid: proto.AddEntropy(rid=rid, data=data)]
         if clock:
-            builds.append(lambda rid: P.SetClock(rid=rid, realtime_ns=time.time_ns()))
+            builds.append(lambda rid: proto.SetClock(rid=rid, realtime_ns=time.time_ns()))
         hostname = self.sb.hostname
         if hostname != self.guest_hostname:
-            builds.append(lambda rid: P.SetHostname(rid=rid, hostname=hostname))
+            builds.append(lambda rid: proto.SetHostname(rid=rid, hostname=hostname))
         return builds
 
     async def post_identity(self, guest: Guest) -> Callable[[], Awaitable[None]]:
@@ -792,7 +792,7 @@ class Life:
         except (CgroupError, OSError):
             return None
 
-    def metrics(self, m: P.MetricsOk, id: str, pid: int) -> SandboxMetrics:
+    def metrics(self, m: proto.MetricsOk, id: str, pid: int) -> SandboxMetrics:
         """The guest's ``m`` with the host's view of its QEMU (``pid``) and cgroup."""
         cg = self.cgroup_stats()
         return SandboxMetrics(

@@ -1,4 +1,4 @@
-"""The sandbox actor: one sandbox, one VM life at a time, the seed's state machine.
+"""The sandbox actor: one sandbox, one VM life at a time, sandbox.v1's state machine.
 
 State machine (``sandbox.v1``)::
 
@@ -8,7 +8,7 @@ State machine (``sandbox.v1``)::
        |                                  \\
        +--> failed (boot failed, QEMU died, the guest broke the channel)
 
-    ready --(Pause)--> paused --(Resume, or auto-resume)--> ready     (issue 25)
+    ready --(Pause)--> paused --(Resume, or auto-resume)--> ready
 
 A pause saves the guest (``hibernate``: a checkpoint that leaves it stopped), the
 registry records it paused, then its life ends (``end_for_pause``): no QEMU, no RAM.
@@ -20,7 +20,7 @@ stopped (exit_code), failed (error), removed (by the registry).
 
 Exec sessions do not change the state: they are interactive access beside the
 workload, allowed while ready or running, and they count as activity for the idle
-timeout. Run on a running sandbox is FAILED_PRECONDITION, as the seed says.
+timeout. Run on a running sandbox is FAILED_PRECONDITION, as sandbox.v1 says.
 
 Handle and tasks: the registry owns the actor and calls its methods; a run (Start to
 stopped) is started with :meth:`Sandbox.start`, which runs :meth:`Sandbox.run` in the
@@ -154,7 +154,7 @@ class Sandbox:
         self.born = trio.current_time() - max(0.0, time.time() - record.created_at)
         self._ckpt = Checkpoints(record, store, files, settings, self.log)
         self._exposed = Exposed(record, store)
-        # hibernation (issue 25; actors/hibernation.py): the listeners of its ports held
+        # hibernation (actors/hibernation.py): the listeners of its ports held
         # while paused, and who resumes it when a call needs its guest
         self.held_ports: dict[tuple[int, Protocol], socket.socket] = {}
         self.held_link: SandboxLink | None = None  # a paused tap sandbox's TAP (its queue)
@@ -502,7 +502,7 @@ class Sandbox:
         self.life.detach()
         self._run.stop.set()
 
-    # -- hibernation (issue 25; the sequence is actors/hibernation.py's) -------------------
+    # -- hibernation (the sequence is actors/hibernation.py's) -------------------
     async def hibernate(self, snap_dir: Path) -> Checkpoint:
         """Save this sandbox into ``snap_dir`` for a pause: as :meth:`checkpoint`, but
         the guest stays stopped after it (its life ends next, :meth:`end_for_pause`)."""

@@ -1,4 +1,4 @@
-"""A sandbox's secrets at run time (issue 23; docs/secrets.md): the environment its
+"""A sandbox's secrets at run time (docs/secrets.md): the environment its
 processes get (placeholders, the CA's paths), its CA installed in the guest, its
 substitution proxy (a confined process owned by a task of the life, with its
 nftables elements: actors/net/secretcell.py), rotation and
@@ -20,7 +20,7 @@ from actors.net import egress
 from actors.net.nft import NftError
 from actors.net.secretcell import ProxyCell
 from actors.principals import LEGACY_OWNER
-from actors.secrets import model as S
+from actors.secrets import model as secrets_model
 from actors.secrets.ca import new_ca
 from actors.secrets.vault import Vault
 from guestd import trust
@@ -46,7 +46,7 @@ def vault_of(sb: Sandbox) -> Vault:
     return _vault(sb.settings)
 
 
-def live_refs(sb: Sandbox) -> list[S.SecretRef]:
+def live_refs(sb: Sandbox) -> list[secrets_model.SecretRef]:
     """The sandbox's secrets not removed from it."""
     v = sb.settings.vault
     return [r for r in sb.config.secrets if v is None or not v.removed(sb.record.uid, r.name)]
@@ -61,25 +61,25 @@ def env(sb: Sandbox) -> dict[str, str]:
     return {**CA_ENV, **{r.name: r.placeholder for r in refs}}
 
 
-def hosts_in_force(vault: Vault, ref: S.SecretRef) -> tuple[str, ...]:
+def hosts_in_force(vault: Vault, ref: secrets_model.SecretRef) -> tuple[str, ...]:
     """Where ``ref``'s value may go now: its own hosts, and for a ``store:`` secret only
     those its entry's hosts still cover (``secret set --hosts`` narrowed later applies
     to running sandboxes from their next request)."""
     if not ref.store:
         return ref.hosts
     stored = vault.named_hosts(ref.store)
-    wide = set(S.within(ref.hosts, stored))
+    wide = set(secrets_model.within(ref.hosts, stored))
     return tuple(h for h in ref.hosts if h not in wide)
 
 
-def check_store_hosts(vault: Vault, ref: S.SecretRef) -> None:
+def check_store_hosts(vault: Vault, ref: secrets_model.SecretRef) -> None:
     """A Create's ``store:`` secret may narrow its entry's hosts, never widen them."""
     stored = vault.named_hosts(ref.store)
     if not stored:
         raise PermissionDenied(
             f"secret {ref.name}: the store entry {ref.store!r} has no hosts yet (secret set {ref.store} --hosts ...)"
         )
-    wide = S.within(ref.hosts, stored)
+    wide = secrets_model.within(ref.hosts, stored)
     if wide:
         raise PermissionDenied(
             f"secret {ref.name}: {', '.join(wide)} is not within the hosts of the store entry {ref.store!r}"
@@ -159,7 +159,7 @@ class SecretsOfLife:
         )
         self.cell = cell
         vault = vault_of(sb)
-        self.ports = S.intercepted_ports(sb.config.secrets)
+        self.ports = secrets_model.intercepted_ports(sb.config.secrets)
         async with trio.open_nursery() as nursery:
             self.port = await nursery.start(cell.run)
             vault.listeners.append(cell.push)
@@ -188,7 +188,7 @@ def rotate(sb: Sandbox, name: str, value: bytes) -> None:
     """A new value for ``name`` (the sandbox's own; a store-sourced secret is rotated by
     ``secret set`` of its entry): the next request substitutes it. Placeholder unchanged."""
     ref = _ref(sb, name)
-    S.check_value(name, value)
+    secrets_model.check_value(name, value)
     if ref.store:
         raise FailedPrecondition(f"secret {name} comes from the store entry {ref.store}: set that entry instead")
     vault_of(sb).set_value(sb.record.uid, name, value)
@@ -203,7 +203,7 @@ def remove(sb: Sandbox, name: str) -> None:
     sb.log.append("system", f"secret {name}: removed".encode())
 
 
-def _ref(sb: Sandbox, name: str) -> S.SecretRef:
+def _ref(sb: Sandbox, name: str) -> secrets_model.SecretRef:
     for r in sb.config.secrets:
         if r.name == name:
             return r
@@ -227,10 +227,10 @@ def set_named(
     (the hosts it may go to) replace the entry's; none given: it keeps its own (a new
     entry, or one that has none, must be given them)."""
     vault = _vault(settings)
-    if not S.NAME.fullmatch(name):
+    if not secrets_model.NAME.fullmatch(name):
         raise InvalidArgument(f"secret name {name[:40]!r}: [A-Za-z_][A-Za-z0-9_]*")
-    S.check_value(name, value)
-    checked = list(S.check_hosts(hosts, f"store entry {name}")) if hosts else None
+    secrets_model.check_value(name, value)
+    checked = list(secrets_model.check_hosts(hosts, f"store entry {name}")) if hosts else None
     if checked is None and not vault.named_hosts(name):
         raise InvalidArgument(f"store entry {name}: give the hosts its value may go to (secret set --hosts)")
     vault.set_named(name, value, checked, owner=owner)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from actors import defaults as D
+from actors import defaults
 from actors.cells.cgroups import CgroupError, CgroupLimits
 from actors.channel.guest import GuestOpError
 from actors.errors import FailedPrecondition
@@ -154,7 +154,7 @@ async def _balloon(guest: Guest, memory_mib: int) -> int:
     vm = guest.machine
     await vm.qmp_execute("balloon", {"value": memory_mib * MIB})
     actual = memory_mib
-    with trio.move_on_after(D.MODIFY_SETTLE_TIMEOUT):
+    with trio.move_on_after(defaults.MODIFY_SETTLE_TIMEOUT):
         while True:
             info = await vm.qmp_execute("query-balloon")
             actual = int(info.get("actual", 0)) // MIB

@@ -20,7 +20,7 @@ from actors.errors import DomainError, FailedPrecondition, InvalidArgument, NotF
 from actors.model import State
 from actors.sandboxes import secrets
 from actors.sandboxes.life import guest_error
-from guestd import proto as P
+from guestd import proto
 
 if TYPE_CHECKING:
     from actors.machines.vm import Guest
@@ -43,8 +43,8 @@ class CommandNotRun(NotFound):
 def shell_status(exc: GuestOpError) -> CommandNotRun | None:
     """guestd's refusal to start a command, as a shell's status (None: another failure,
     e.g. a working directory that is not there)."""
-    if exc.code in (P.E_NOT_FOUND, P.E_PERM) and exc.message.startswith("exec "):
-        return CommandNotRun(exc.message, 127 if exc.code == P.E_NOT_FOUND else 126)
+    if exc.code in (proto.E_NOT_FOUND, proto.E_PERM) and exc.message.startswith("exec "):
+        return CommandNotRun(exc.message, 127 if exc.code == proto.E_NOT_FOUND else 126)
     return None
 
 
@@ -107,7 +107,7 @@ class Workloads:
         """A Run: the sandbox goes running, output streams as (stream, data, None), the
         last item is ("exit", b"", code); then back to ready with an idle event."""
         sb = self.sb
-        await sb.awake()  # a paused sandbox resumes first (issue 25)
+        await sb.awake()  # a paused sandbox resumes first
         guest = sb.require_alive()
         if sb.state == State.RUNNING:
             raise FailedPrecondition(f"sandbox {sb.id} is running a workload already")
@@ -120,7 +120,7 @@ class Workloads:
         start_error = ""
         try:
             async with guest.channel.exec(argv, env=env, cwd=cwd, user=user, tty=tty, timeout=timeout) as h:
-                src_names = {P.STDOUT: "output" if tty else "stdout", P.STDERR: "stderr"}
+                src_names = {proto.STDOUT: "output" if tty else "stdout", proto.STDERR: "stderr"}
                 async for ch, data in h:
                     name = src_names[ch]
                     sb.log.append(name, data)
@@ -129,7 +129,7 @@ class Workloads:
                 code = h.exit.code
             yield "exit", b"", code
         except GuestOpError as exc:
-            code = 127 if exc.code == P.E_NOT_FOUND else 126
+            code = 127 if exc.code == proto.E_NOT_FOUND else 126
             start_error = exc.message
             status = shell_status(exc)
             if status is not None:  # ends the Run as a shell would, saying why on stderr

@@ -19,7 +19,7 @@ from typing import Any
 import trio
 
 from actors.net.secretproxy import Blocked, ProxyView, SecretProxy
-from actors.secrets import model as S
+from actors.secrets import model as secrets_model
 from actors.secrets import wire
 from actors.secrets.ca import Minter
 
@@ -36,7 +36,7 @@ class State:
 
     def __init__(self) -> None:
         self.gen = -1
-        self.refs: list[S.SecretRef] = []
+        self.refs: list[secrets_model.SecretRef] = []
         self.values: dict[str, bytes] = {}
         self.minter: Minter | None = None
         self.upstream: ssl.SSLContext | None = None
@@ -47,9 +47,11 @@ class State:
     def apply(self, msg: dict[str, Any]) -> None:
         refs, values = [], {}
         for name, hosts, placeholder, value, substitute in msg["secrets"]:
-            where = S.ALL if substitute == S.ALL else S.HEADERS
+            where = secrets_model.ALL if substitute == secrets_model.ALL else secrets_model.HEADERS
             refs.append(
-                S.SecretRef(str(name), tuple(str(h) for h in hosts), placeholder=str(placeholder), substitute=where)
+                secrets_model.SecretRef(
+                    str(name), tuple(str(h) for h in hosts), placeholder=str(placeholder), substitute=where
+                )
             )
             if value is not None:
                 values[str(name)] = bytes(value)

@@ -1,5 +1,5 @@
-"""The channel between the supervisor and a sandbox's confined secret proxy (issue 23;
-docs/secrets.md, "The proxy's cell"). Two socketpairs, both made by the supervisor:
+"""The channel between the supervisor and a sandbox's confined secret proxy
+(docs/secrets.md, "The proxy's cell"). Two socketpairs, both made by the supervisor:
 
 ``control`` (SOCK_STREAM): frames of a 4-byte big-endian length and a msgpack map.
     down: ``{"t": "config", "gen": N, "secrets": [[name, [hosts], placeholder, value|None,

@@ -60,7 +60,7 @@ from pathlib import Path
 import attrs
 import trio
 
-from actors import defaults as D
+from actors import defaults
 from actors.cells.jail import JailError
 from actors.crash import crash_point
 from actors.durable import fsync_dir
@@ -276,7 +276,7 @@ def resume_spec(
     ram_shared: bool,
     network: NetConfig | None,
     name: str = "vm",
-    boot_timeout: float = D.BOOT_TIMEOUT,
+    boot_timeout: float = defaults.BOOT_TIMEOUT,
     answer_timeout: float | None = None,
     preload: Path | None = None,
 ) -> VmSpec:

@@ -50,7 +50,7 @@ from actors.errors import AlreadyExists, FailedPrecondition, InvalidArgument
 from actors.machines.disk import MAX_CHAIN, DiskError, inspect_disk, overlay_bound
 from actors.model import ImageUse, MemoryKind, SandboxConfig, check_config, check_labels, check_name, dump, load
 from actors.settings import Settings
-from actors.snapshots import archive as A
+from actors.snapshots import archive
 from actors.snapshots.snapshot import SnapshotStore, allocated, stat_key
 from actors.store import MachineRecord, SnapshotRecord
 
@@ -185,7 +185,7 @@ async def export_stream(
     sources, body = _plan_export(rec, settings, include_base)
     h = hashlib.sha256()
     try:
-        first = A.head() + A.manifest_frame([A.FileEntry(s.name, s.size) for s in sources], body)
+        first = archive.head() + archive.manifest_frame([archive.FileEntry(s.name, s.size) for s in sources], body)
         h.update(first)
         yield first
         for index, src in enumerate(sources):
@@ -195,7 +195,7 @@ async def export_stream(
                     stop = min(end, off + CHUNK * FRAMES_PER_HOP)
                     for piece in await trio.to_thread.run_sync(_read_frames, src.fd, index, off, stop, h):
                         yield piece
-        yield A.end_frame(h.digest())
+        yield archive.end_frame(h.digest())
     finally:
         for s in sources:
             os.close(s.fd)
@@ -209,7 +209,7 @@ def _read_frames(fd: int, index: int, start: int, stop: int, h: Any) -> list[byt
         data = os.pread(fd, n, off)
         if len(data) != n:
             raise FailedPrecondition("a snapshot file shrank while it was exported")
-        piece = A.data_frame(index, off, data)
+        piece = archive.data_frame(index, off, data)
         h.update(piece)
         out.append(piece)
     return out
@@ -242,7 +242,7 @@ class Importer:
             check_labels(labels)
         self.store, self.settings = store, settings
         self.name, self.labels, self.check_disk = name, labels, check_disk
-        self.reader = A.Reader()
+        self.reader = archive.Reader()
         self.uid = os.urandom(8).hex()
         self.dir = store.root / self.uid
         self.targets: list[_Target] = []
@@ -257,12 +257,12 @@ class Importer:
     async def feed(self, data: bytes) -> None:
         """Parse (and hash) in a worker thread, check a manifest here, write the data
         it completed in one more hop."""
-        writes: list[A.Data] = []
+        writes: list[archive.Data] = []
         for ev in await trio.to_thread.run_sync(self.reader.feed, data):
-            if isinstance(ev, A.Manifest):
+            if isinstance(ev, archive.Manifest):
                 self.plan = _check_manifest(ev, self.settings, self.store, self.name, self.labels)
                 await trio.to_thread.run_sync(self._create_files, ev.files)
-            elif isinstance(ev, A.Data):
+            elif isinstance(ev, archive.Data):
                 writes.append(ev)
         if writes:
             await trio.to_thread.run_sync(self._write, writes)
@@ -271,11 +271,11 @@ class Importer:
                 self._since_check = 0
                 self.check_disk()
 
-    def _write(self, writes: list[A.Data]) -> None:
+    def _write(self, writes: list[archive.Data]) -> None:
         for w in writes:
             _pwrite_all(self.targets[w.index].fd, w.data, w.offset)
 
-    def _create_files(self, files: tuple[A.FileEntry, ...]) -> None:
+    def _create_files(self, files: tuple[archive.FileEntry, ...]) -> None:
         for f in files:
             fd = os.open(self.dir / f.name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
             self.targets.append(_Target(f.name, f.size, fd))
@@ -392,7 +392,7 @@ def _field(d: dict[str, Any], key: str, t: type, default: Any) -> Any:
 
 
 def _check_manifest(
-    m: A.Manifest, settings: Settings, store: SnapshotStore, name: str | None, labels: dict[str, str] | None
+    m: archive.Manifest, settings: Settings, store: SnapshotStore, name: str | None, labels: dict[str, str] | None
 ) -> _Plan:
     """Every field of the manifest checked against this supervisor's rules and limits,
     before a byte of a file is written."""

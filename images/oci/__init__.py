@@ -1,4 +1,4 @@
-"""OCI and Docker images as sandbox root filesystems: pull, convert, cache (issue 15).
+"""OCI and Docker images as sandbox root filesystems: pull, convert, cache.
 
 A reference as skopeo spells it is pulled with skopeo into a staging OCI layout whose
 blobs live in one shared, content-addressed blob directory, unpacked with umoci (which
@@ -37,7 +37,7 @@ Layout of the store (``<state>/images/oci``)::
 Every failure leaves the store as it was: work happens in a staging directory removed
 on the way out (error or cancellation); an image appears by one rename. Two pulls of one
 image in this store run the download and conversion once (the second waits). Errors are
-ImageError subclasses whose ``code`` is one of the seed's codes.
+ImageError subclasses whose ``code`` is one of sandbox.v1's codes.
 
 Measured (benchmarks/oci_images.py, docs/results/images.md; 2 cores shared with other
 engineers' TCG VMs, load 12-25): a 99 MB, 4-layer image (35 MB compressed) costs 3.3 s

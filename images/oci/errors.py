@@ -1,4 +1,4 @@
-"""The image store's errors (each ``code`` one of the seed's) and how a tool's failure maps onto them."""
+"""The image store's errors (each ``code`` one of sandbox.v1's) and how a tool's failure maps onto them."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ UNAVAILABLE = "UNAVAILABLE"
 
 
 class ImageError(Exception):
-    """An image could not be pulled, converted, found or removed; ``code`` is the seed's."""
+    """An image could not be pulled, converted, found or removed; ``code`` is sandbox.v1's."""
 
     code: ClassVar[str] = INTERNAL
 
@@ -47,7 +47,7 @@ class RegistryUnavailable(ImageError):
 class RegistryAuthError(ImageError):
     """The registry wants credentials, or refused the ones given.
 
-    FAILED_PRECONDITION: the seed has no UNAUTHENTICATED, and retrying the same call
+    FAILED_PRECONDITION: sandbox.v1 has no UNAUTHENTICATED, and retrying the same call
     cannot succeed until the caller fixes its credentials."""
 
     code = FAILED_PRECONDITION

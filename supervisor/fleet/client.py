@@ -269,7 +269,7 @@ class FleetSandbox:
                 return
             if info.state in ("failed", "stopped") or time.monotonic() > deadline:
                 raise error_for("FAILED_PRECONDITION", f"sandbox {self.name} is {info.state}: {info.error}")
-            time.sleep(READY_POLL)  # (polls a remote state: the seed's events would race the Create)
+            time.sleep(READY_POLL)  # (polls a remote state: sandbox.v1's events would race the Create)
 
     def run(self, cmd: list[str], *, timeout: float | None = None) -> RunResult:
         out, err, code = bytearray(), bytearray(), -1

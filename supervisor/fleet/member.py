@@ -29,7 +29,7 @@ from pathlib import Path
 import attrs
 import trio
 
-from actors import defaults as D
+from actors import defaults
 from actors.errors import InvalidArgument, NotFound
 from actors.events import Lagged
 from actors.model import Action
@@ -61,7 +61,7 @@ class FleetConfig:
     run_root: Path = Path("/run/sandvisor/vms")  # Ray's own dir goes under it
     token_file: Path | None = None  # the fleet's Ray token (None: the head makes <dir>/ray-token)
     peers: tuple[str, ...] = ()  # networks that may reach this host's Ray ports
-    ray_user: str = D.FLEET_RAY_USER
+    ray_user: str = defaults.FLEET_RAY_USER
     ray_python: str = sys.executable
 
     @property
@@ -264,7 +264,7 @@ def fleet_config(
     run_root: Path = Path("/run/sandvisor/vms"),
     token_file: Path | None = None,
     peers: tuple[str, ...] = (),
-    ray_user: str = D.FLEET_RAY_USER,
+    ray_user: str = defaults.FLEET_RAY_USER,
     ray_python: str | None = None,
 ) -> FleetConfig:
     """``serve``'s fleet flags as a :class:`FleetConfig` (ValueError names the flag).
@@ -279,7 +279,7 @@ def fleet_config(
         raise ValueError("--fleet-slots and --fleet-memory must be more than 0")
     if token_file is None and not head:
         raise ValueError("--fleet without --fleet-head needs --fleet-token-file (a copy of the head's Ray token)")
-    first, last = D.FLEET_RAY_PORT_BASE, D.FLEET_RAY_PORT_BASE + 41
+    first, last = defaults.FLEET_RAY_PORT_BASE, defaults.FLEET_RAY_PORT_BASE + 41
     if first <= int(port) <= last:
         raise ValueError(f"--fleet {ray_address!r}: ports {first}-{last} are the Ray node's own")
     try:  # (the head's and this host's addresses: the filter admits addresses, not names)

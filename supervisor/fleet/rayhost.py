@@ -30,7 +30,7 @@ from pathlib import Path
 
 import attrs
 
-from actors import defaults as D
+from actors import defaults
 from actors.errors import FailedPrecondition
 
 TABLE = "sandvisor-fleet"  # one per network namespace: one member per host
@@ -43,13 +43,13 @@ class RayUser:
     gid: int
 
 
-def ray_user(name: str = D.FLEET_RAY_USER) -> RayUser:
+def ray_user(name: str = defaults.FLEET_RAY_USER) -> RayUser:
     """``name``'s uid and gid; the default user is made (a system user, its own group, no
     home, no shell) when absent. Root, or a user sharing root's group, is refused."""
     try:
         pw = pwd.getpwnam(name)
     except KeyError:
-        if name != D.FLEET_RAY_USER:
+        if name != defaults.FLEET_RAY_USER:
             raise FailedPrecondition(f"--fleet-user {name!r}: no such user") from None
         useradd = ["useradd", "--system", "--user-group", "--no-create-home", "--home-dir", "/nonexistent"]
         subprocess.run(
@@ -156,7 +156,7 @@ class RayPorts:
     """Every TCP port a member's Ray node listens on (the GCS on the head only)."""
 
     gcs: int
-    base: int = D.FLEET_RAY_PORT_BASE
+    base: int = defaults.FLEET_RAY_PORT_BASE
 
     @property
     def node_manager(self) -> int:

@@ -33,7 +33,7 @@ from pathlib import Path
 import attrs
 import trio
 
-from actors import defaults as D
+from actors import defaults
 from actors.errors import FailedPrecondition, Unavailable
 from supervisor.fleet import rayhost
 from supervisor.fleet.placement import NodeSpec
@@ -56,10 +56,10 @@ class RayNodeConfig:
     ray_dir: Path  # RUN_ROOT/ray: Ray's temp dir (sockets, session, the token's copy), its user's
     token: Path  # the fleet's token file (0600, root's)
     peers: tuple[str, ...] = ()  # who may reach Ray's ports (networks)
-    user: str = D.FLEET_RAY_USER
+    user: str = defaults.FLEET_RAY_USER
     python: str = sys.executable  # must be Ray's user's to run, and the driver's version
     head: bool = False
-    object_store_mib: int = D.FLEET_OBJECT_STORE_MIB
+    object_store_mib: int = defaults.FLEET_OBJECT_STORE_MIB
     firewall: bool = True  # (off only in unit tests)
     tls: NodeTls | None = None  # Ray's TLS with the node's certificate (None: Ray's traffic in the clear)
 
@@ -124,8 +124,8 @@ def environment(cfg: RayNodeConfig, user: rayhost.RayUser, token: Path) -> dict[
         "RAY_AUTH_TOKEN_PATH": str(token),
         "RAY_USAGE_STATS_ENABLED": "0",
         "AUTOSCALER_METRIC_PORT": str(cfg.ports.autoscaler_metrics),
-        "RAY_health_check_period_ms": str(D.FLEET_HEALTH_PERIOD_MS),
-        "RAY_health_check_failure_threshold": str(D.FLEET_HEALTH_MISSES),
+        "RAY_health_check_period_ms": str(defaults.FLEET_HEALTH_PERIOD_MS),
+        "RAY_health_check_failure_threshold": str(defaults.FLEET_HEALTH_MISSES),
     }
 
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from actors import defaults as D
+from actors import defaults
 from actors.errors import InvalidArgument
-from supervisor import grpc_bridge as G
+from supervisor import grpc_bridge
 from supervisor.fleet.member import FleetMember
 from supervisor.fleet.placement import NodeView, Placed, Want
 from supervisor.proto.sandbox.v1 import sandbox_pb2
@@ -47,19 +47,19 @@ def node_pb(n: NodeView) -> pb.FleetNode:
 
 
 def want(req: pb.FleetReserveRequest) -> Want:
-    timeout = req.timeout_seconds or D.FLEET_WAIT
+    timeout = req.timeout_seconds or defaults.FLEET_WAIT
     if not 0 < timeout <= MAX_WAIT:
         raise InvalidArgument(f"timeout_seconds {req.timeout_seconds}: 0 < t <= {MAX_WAIT:.0f}")
     return Want(
         req.name,
-        int(req.memory_mib or D.FLEET_GUEST_MEMORY_MIB),
+        int(req.memory_mib or defaults.FLEET_GUEST_MEMORY_MIB),
         node=req.node,
         prefer_snapshot=req.prefer_snapshot,
         timeout=timeout,
     )
 
 
-def methods(member: FleetMember) -> list[G.Method]:
+def methods(member: FleetMember) -> list[grpc_bridge.Method]:
     placement = member.placement
 
     async def reserve(msg: pb.FleetReserveRequest, call: Any) -> pb.FleetSandbox:
@@ -95,10 +95,10 @@ def methods(member: FleetMember) -> list[G.Method]:
         ("Fetch", fetch, pb.FleetFetchRequest, pb.FleetFetchResponse),
     ]
     return [
-        G.Method(
+        grpc_bridge.Method(
             SERVICE,
             name,
-            G.Kind.UNARY_UNARY,
+            grpc_bridge.Kind.UNARY_UNARY,
             fn,
             request_deserializer=req.FromString,
             response_serializer=resp.SerializeToString,

@@ -32,7 +32,7 @@ class EgressSpec:
 @attrs.frozen
 class NetworkSpec:
     # "none" (default, see docs/network.md) | "tap" (a TAP and an address of the IP pool,
-    # the seed's) | "user" (QEMU's slirp: exposed ports only, unless outbound)
+    # sandbox.v1's) | "user" (QEMU's slirp: exposed ports only, unless outbound)
     mode: str = ""
     outbound: bool = False  # sandvisor extension: user mode without restrict (the guest may reach out)
     egress: EgressSpec | None = None  # sandvisor extension (None: everything but the host and metadata)
@@ -136,7 +136,7 @@ class CreateSandboxRequest:
     scripts: dict[str, str] = attrs.field(factory=dict)  # named scripts, run by Run{script}
     tmpfs: list[TmpfsMount] = attrs.field(factory=list)  # sandvisor.v1.CreateRequest.tmpfs
     host_mounts: list[HostMount] = attrs.field(factory=list)  # sandvisor.v1.CreateRequest.host_mounts
-    # hibernation (issue 25): what the idle timeout does ("stop" or "pause"; "": stop), how
+    # hibernation: what the idle timeout does ("stop" or "pause"; "": stop), how
     # long a paused sandbox is kept (0: until its TTL), whether calls and connections resume
     # it (a zero default: proto3 cannot tell false from unset)
     on_idle: str = ""
@@ -209,7 +209,7 @@ class ExecRequest:
 
 @attrs.frozen
 class ExecInput:
-    """Exactly one of the three is set (the seed's oneof)."""
+    """Exactly one of the three is set (sandbox.v1's oneof)."""
 
     init: ExecRequest | None = None
     stdin: bytes | None = None
@@ -271,7 +271,7 @@ class SandboxInfo:
     error: str
     # sandvisor extension: the per-create identity (a later sandbox given the same id has another)
     uid: str = ""
-    # sandvisor extensions: read-back (None for the seed's Inspect: it has no field for them)
+    # sandvisor extensions: read-back (None for sandbox.v1's Inspect: it has no field for them)
     requested: SandboxSettings | None = None
     applied: SandboxSettings | None = None  # None: no machine runs
     updated_at: int = 0  # unix seconds of the last Modify that changed something (0: none)

@@ -76,7 +76,7 @@ class ImageInfo:
 
 @attrs.frozen
 class OciImageInfo:
-    """An OCI image in the supervisor's store (issue 15): what ``image ls`` shows and
+    """An OCI image in the supervisor's store: what ``image ls`` shows and
     the defaults a sandbox of it gets (env, working_dir, user, entrypoint + cmd)."""
 
     id: str  # 12 hex digits of the digest

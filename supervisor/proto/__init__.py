@@ -1,1 +1,1 @@
-"""Protocol buffers of the gRPC edge: the seed's sandbox.v1 (verbatim) and our sandvisor.v1, with generated code."""
+"""Protocol buffers of the gRPC edge: the sandbox.v1 contract (verbatim) and our sandvisor.v1, with generated code."""

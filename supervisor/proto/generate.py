@@ -5,7 +5,7 @@
 
 The protos sit at their conventional paths under ``supervisor/proto`` (the package
 path, ``sandbox/v1/sandbox.proto``), so the descriptors carry the same file names as
-any client's code generated from the seed, and both load in one process. protoc
+any client's code generated from sandbox.v1, and both load in one process. protoc
 writes ``from sandbox.v1 import ...`` for those paths; the imports are rewritten to
 ``supervisor.proto.sandbox.v1``. The code is checked in (not generated at install)
 so that an install needs no protoc; grpcio-tools is pinned in the ``proto`` extra so

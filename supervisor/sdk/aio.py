@@ -24,7 +24,7 @@ from typing import Any, TypeVar, Unpack
 
 import trio
 
-from supervisor import protocol as W
+from supervisor import protocol
 from supervisor.config import UnsafeRuntimeDir, check_runtime_dir, default_socket
 from supervisor.errors import SandboxError, collapse_single, error_for
 from supervisor.frames import FramedStream
@@ -68,19 +68,19 @@ class CallStream:
         self.conn = conn
         self.id = id
         self.method = method
-        self.send_ch, self.recv_ch = trio.open_memory_channel[W.Envelope](256)
+        self.send_ch, self.recv_ch = trio.open_memory_channel[protocol.Envelope](256)
         self.reply: dict[str, Any] | None = None
         self.done = False
 
     async def send(self, body: dict[str, Any]) -> None:
-        await self.conn._send(W.Send(self.id, body))
+        await self.conn._send(protocol.Send(self.id, body))
 
     async def half_close(self) -> None:
-        await self.conn._send(W.HalfClose(self.id))
+        await self.conn._send(protocol.HalfClose(self.id))
 
     async def cancel(self) -> None:
         if not self.done:
-            await self.conn._send(W.Cancel(self.id))
+            await self.conn._send(protocol.Cancel(self.id))
 
     def __aiter__(self) -> CallStream:
         return self
@@ -92,13 +92,13 @@ class CallStream:
             msg = await self.recv_ch.receive()
         except trio.EndOfChannel:
             self.done = True
-            raise error_for(W.UNAVAILABLE, "connection to the supervisor lost") from None
-        if isinstance(msg, W.Item):
+            raise error_for(protocol.UNAVAILABLE, "connection to the supervisor lost") from None
+        if isinstance(msg, protocol.Item):
             return msg.body
         self.done = True
-        if isinstance(msg, W.Fail):
+        if isinstance(msg, protocol.Fail):
             raise error_for(msg.code, msg.message)
-        if isinstance(msg, W.Reply):
+        if isinstance(msg, protocol.Reply):
             self.reply = msg.body
         raise StopAsyncIteration
 
@@ -123,16 +123,18 @@ class AsyncConnection:
         self.act_as = act_as
         self.act_as_admin = act_as_admin
 
-    async def _send(self, msg: W.Envelope) -> None:
+    async def _send(self, msg: protocol.Envelope) -> None:
         await self.frames.send(msg)
 
     async def _hello(self) -> None:
-        await self._send(W.ClientHello(W.PROTOCOL_VERSION, "sandvisor-client", self.act_as, self.act_as_admin))
+        await self._send(
+            protocol.ClientHello(protocol.PROTOCOL_VERSION, "sandvisor-client", self.act_as, self.act_as_admin)
+        )
         msg = await self.frames.receive()
-        if isinstance(msg, W.Fail):
+        if isinstance(msg, protocol.Fail):
             raise error_for(msg.code, msg.message)
-        if not isinstance(msg, W.ServerHello):
-            raise ApiError(W.UNAVAILABLE, "the supervisor did not answer the hello")
+        if not isinstance(msg, protocol.ServerHello):
+            raise ApiError(protocol.UNAVAILABLE, "the supervisor did not answer the hello")
 
     async def _reader(self) -> None:
         try:
@@ -140,13 +142,13 @@ class AsyncConnection:
                 msg = await self.frames.receive()
                 if msg is None:
                     break
-                if isinstance(msg, W.Fail) and msg.id == 0:
+                if isinstance(msg, protocol.Fail) and msg.id == 0:
                     break
                 call = self.calls.get(getattr(msg, "id", -1))
                 if call is None:
                     continue
                 await call.send_ch.send(msg)  # a slow consumer holds back this connection
-                if not isinstance(msg, W.Item):
+                if not isinstance(msg, protocol.Item):
                     self.calls.pop(call.id, None)
                     call.send_ch.close()
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
@@ -160,11 +162,11 @@ class AsyncConnection:
     @asynccontextmanager
     async def open_call(self, method: str, body: dict[str, Any] | None = None) -> AsyncIterator[CallStream]:
         if self.closed:
-            raise ApiError(W.UNAVAILABLE, "connection to the supervisor lost")
+            raise ApiError(protocol.UNAVAILABLE, "connection to the supervisor lost")
         call = CallStream(self, self.next_id, method)
         self.next_id += 1
         self.calls[call.id] = call
-        await self._send(W.Call(call.id, method, body or {}))
+        await self._send(protocol.Call(call.id, method, body or {}))
         try:
             yield call
         finally:
@@ -200,12 +202,12 @@ async def connect(
         try:
             check_runtime_dir(path)
         except UnsafeRuntimeDir as exc:
-            raise error_for(W.FAILED_PRECONDITION, str(exc)) from None
+            raise error_for(protocol.FAILED_PRECONDITION, str(exc)) from None
     sock_path = str(path)
     try:
         stream = await trio.open_unix_socket(sock_path)
     except OSError as exc:
-        raise error_for(W.UNAVAILABLE, f"cannot reach the supervisor at {sock_path}: {exc.strerror}") from None
+        raise error_for(protocol.UNAVAILABLE, f"cannot reach the supervisor at {sock_path}: {exc.strerror}") from None
     conn = AsyncConnection(stream, act_as=act_as, act_as_admin=act_as_admin)
     with collapse_single():
         async with stream, trio.open_nursery() as nursery:
@@ -224,10 +226,12 @@ async def _perform(c: AsyncConnection, calls: AsyncExitStack, op: Op, socket: st
         if op.cleanup:
             with trio.CancelScope(shield=True):
                 async with connect(socket) as fresh:
-                    return structure(await fresh.call(op.method, W.unstructure_body(op.request)), op.reply, op.method)
-        return structure(await c.call(op.method, W.unstructure_body(op.request)), op.reply, op.method)
+                    return structure(
+                        await fresh.call(op.method, protocol.unstructure_body(op.request)), op.reply, op.method
+                    )
+        return structure(await c.call(op.method, protocol.unstructure_body(op.request)), op.reply, op.method)
     if isinstance(op, Open):
-        return await calls.enter_async_context(c.open_call(op.method, W.unstructure_body(op.request)))
+        return await calls.enter_async_context(c.open_call(op.method, protocol.unstructure_body(op.request)))
     if isinstance(op, Receive):
         with trio.move_on_at(math.inf if op.deadline is None else op.deadline):
             try:
@@ -236,7 +240,7 @@ async def _perform(c: AsyncConnection, calls: AsyncExitStack, op: Op, socket: st
                 return None
         return TIMED_OUT
     if isinstance(op, Send):
-        return await op.call.send(W.unstructure_body(op.request))
+        return await op.call.send(protocol.unstructure_body(op.request))
     if isinstance(op, Finish):
         await op.call.half_close()
         return structure(await op.call.result(), op.reply, op.call.method)
@@ -256,14 +260,14 @@ async def _perform(c: AsyncConnection, calls: AsyncExitStack, op: Op, socket: st
 
         async with packed_fd(op.fd) as pieces:
             async for piece in pieces:
-                await op.call.send(W.unstructure_body(op.wrap(piece)))
+                await op.call.send(protocol.unstructure_body(op.wrap(piece)))
         return None
     if isinstance(op, ReceiveTree):
         from supervisor.treecopy import unpack_fd
 
         async def chunks() -> AsyncIterator[bytes]:
             async for item in op.call:
-                ch = structure(item, W.FileChunk, "ReadTree")
+                ch = structure(item, protocol.FileChunk, "ReadTree")
                 if ch.data:
                     yield ch.data
                 if ch.done:

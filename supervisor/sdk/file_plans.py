@@ -12,7 +12,7 @@ import os
 from collections.abc import AsyncIterable, Iterable
 from pathlib import Path
 
-from supervisor import protocol as W
+from supervisor import protocol
 from supervisor.sdk.ops import (
     CHUNK,
     Blocking,
@@ -32,7 +32,9 @@ from supervisor.sdk.ops import (
 
 # --- files ----------------------------------------------------------------------------------
 def read(t: Target, path: str) -> Plan[bytes]:
-    chunks: list[W.FileChunk] = yield from collect("ReadFile", W.ReadFileRequest(id=t.id, path=path), W.FileChunk)
+    chunks: list[protocol.FileChunk] = yield from collect(
+        "ReadFile", protocol.ReadFileRequest(id=t.id, path=path), protocol.FileChunk
+    )
     return b"".join(ch.data for ch in chunks)
 
 
@@ -41,17 +43,19 @@ def write(
 ) -> Plan[None]:
     """Write ``data`` (bytes, or an iterable of pieces; async too on Trio) to the file
     ``path``, streamed in 1 MiB chunks."""
-    call = yield Open("WriteFile", W.WriteFileRequest(open=W.WriteFileOpen(id=t.id, path=path, mode=mode)))
+    call = yield Open(
+        "WriteFile", protocol.WriteFileRequest(open=protocol.WriteFileOpen(id=t.id, path=path, mode=mode))
+    )
     if isinstance(data, (bytes, bytearray, memoryview)):
         view = memoryview(data)
         for i in range(0, len(view), CHUNK):
-            yield Send(call, W.WriteFileRequest(chunk=W.FileChunk(data=bytes(view[i : i + CHUNK]))))
+            yield Send(call, protocol.WriteFileRequest(chunk=protocol.FileChunk(data=bytes(view[i : i + CHUNK]))))
     else:
         source = data if isinstance(data, AsyncIterable) else iter(data)
         while (piece := (yield Pull(source))) is not None:
-            yield Send(call, W.WriteFileRequest(chunk=W.FileChunk(data=bytes(piece))))
-    yield Send(call, W.WriteFileRequest(chunk=W.FileChunk(done=True)))
-    yield Finish(call, W.Empty)
+            yield Send(call, protocol.WriteFileRequest(chunk=protocol.FileChunk(data=bytes(piece))))
+    yield Send(call, protocol.WriteFileRequest(chunk=protocol.FileChunk(done=True)))
+    yield Finish(call, protocol.Empty)
 
 
 def copy_in(t: Target, local: str | Path, path: str) -> Plan[None]:
@@ -60,11 +64,13 @@ def copy_in(t: Target, local: str | Path, path: str) -> Plan[None]:
     mode = src.stat().st_mode & 0o7777
     f = yield Blocking(open, (src, "rb"))
     with f:
-        call = yield Open("WriteFile", W.WriteFileRequest(open=W.WriteFileOpen(id=t.id, path=path, mode=mode)))
+        call = yield Open(
+            "WriteFile", protocol.WriteFileRequest(open=protocol.WriteFileOpen(id=t.id, path=path, mode=mode))
+        )
         while piece := (yield Blocking(f.read, (CHUNK,))):
-            yield Send(call, W.WriteFileRequest(chunk=W.FileChunk(data=piece)))
-        yield Send(call, W.WriteFileRequest(chunk=W.FileChunk(done=True)))
-        yield Finish(call, W.Empty)
+            yield Send(call, protocol.WriteFileRequest(chunk=protocol.FileChunk(data=piece)))
+        yield Send(call, protocol.WriteFileRequest(chunk=protocol.FileChunk(done=True)))
+        yield Finish(call, protocol.Empty)
 
 
 def copy_out(t: Target, path: str, local: str | Path) -> Plan[None]:
@@ -84,8 +90,8 @@ def copy_out(t: Target, path: str, local: str | Path) -> Plan[None]:
         done = False
         try:
             with open(fd, "wb", closefd=True) as f:
-                call = yield Open("ReadFile", W.ReadFileRequest(id=t.id, path=path))
-                while (ch := (yield Receive(call, W.FileChunk))) is not None:
+                call = yield Open("ReadFile", protocol.ReadFileRequest(id=t.id, path=path))
+                while (ch := (yield Receive(call, protocol.FileChunk))) is not None:
                     yield Blocking(f.write, (ch.data,))
             yield Blocking(commit_temp, (dfd, tmp, name))
             done = True
@@ -108,12 +114,14 @@ def copy_tree_in(t: Target, local: str | Path, path: str, *, owner: str = "") ->
 
     fd = yield Blocking(open_dir, (Path(local),))
     try:
-        call = yield Open("WriteTree", W.WriteTreeRequest(open=W.WriteTreeOpen(id=t.id, path=path, owner=owner)))
-        yield SendTree(call, fd, lambda piece: W.WriteTreeRequest(chunk=W.FileChunk(data=piece)))
+        call = yield Open(
+            "WriteTree", protocol.WriteTreeRequest(open=protocol.WriteTreeOpen(id=t.id, path=path, owner=owner))
+        )
+        yield SendTree(call, fd, lambda piece: protocol.WriteTreeRequest(chunk=protocol.FileChunk(data=piece)))
     finally:
         os.close(fd)
-    yield Send(call, W.WriteTreeRequest(chunk=W.FileChunk(done=True)))
-    r: W.WriteTreeResponse = yield Finish(call, W.WriteTreeResponse)
+    yield Send(call, protocol.WriteTreeRequest(chunk=protocol.FileChunk(done=True)))
+    r: protocol.WriteTreeResponse = yield Finish(call, protocol.WriteTreeResponse)
     return r.entries
 
 
@@ -135,41 +143,45 @@ def copy_tree_out(t: Target, path: str, local: str | Path, *, keep_owners: bool 
         made = False
     fd = yield Blocking(open_dir, (dest,))
     try:
-        call = yield Open("ReadTree", W.ReadTreeRequest(id=t.id, path=path))
+        call = yield Open("ReadTree", protocol.ReadTreeRequest(id=t.id, path=path))
         n: int = yield ReceiveTree(call, fd, keep_owners, made)
         return n
     finally:
         os.close(fd)
 
 
-def fs_list(t: Target, path: str) -> Plan[builtins.list[W.FsEntry]]:
+def fs_list(t: Target, path: str) -> Plan[builtins.list[protocol.FsEntry]]:
     """The entries of the directory ``path``, by name (``.kind``: file, dir, symlink,
     other; symlinks are not followed); NotFound, FailedPrecondition (not a directory)."""
-    pages: list[W.FsListResponse] = yield from collect("FsList", W.FsPathRequest(id=t.id, path=path), W.FsListResponse)
+    pages: list[protocol.FsListResponse] = yield from collect(
+        "FsList", protocol.FsPathRequest(id=t.id, path=path), protocol.FsListResponse
+    )
     return [e for page in pages for e in page.entries]
 
 
-def fs_stat(t: Target, path: str) -> Plan[W.FsEntry]:
+def fs_stat(t: Target, path: str) -> Plan[protocol.FsEntry]:
     """``path`` itself (a symlink as one, not followed); NotFound if it is not there."""
-    e: W.FsEntry = yield Unary("FsStat", W.FsPathRequest(id=t.id, path=path), W.FsEntry)
+    e: protocol.FsEntry = yield Unary("FsStat", protocol.FsPathRequest(id=t.id, path=path), protocol.FsEntry)
     return e
 
 
 def fs_exists(t: Target, path: str) -> Plan[bool]:
-    r: W.FsExistsResponse = yield Unary("FsExists", W.FsPathRequest(id=t.id, path=path), W.FsExistsResponse)
+    r: protocol.FsExistsResponse = yield Unary(
+        "FsExists", protocol.FsPathRequest(id=t.id, path=path), protocol.FsExistsResponse
+    )
     return r.exists
 
 
 def fs_mkdir(t: Target, path: str, *, parents: bool = True, mode: int = 0o755) -> Plan[None]:
     """``mkdir -p`` (``parents=False``: ``mkdir``, AlreadyExists if it is there)."""
-    yield Unary("FsMkdir", W.FsMkdirRequest(id=t.id, path=path, parents=parents, mode=mode), W.Empty)
+    yield Unary("FsMkdir", protocol.FsMkdirRequest(id=t.id, path=path, parents=parents, mode=mode), protocol.Empty)
 
 
 def fs_remove(t: Target, path: str, *, recursive: bool = False) -> Plan[None]:
     """``rm`` of a file, a link or an empty directory; ``recursive``: ``rm -r``."""
-    yield Unary("FsRemove", W.FsRemoveRequest(id=t.id, path=path, recursive=recursive), W.Empty)
+    yield Unary("FsRemove", protocol.FsRemoveRequest(id=t.id, path=path, recursive=recursive), protocol.Empty)
 
 
 def fs_rename(t: Target, path: str, dest: str) -> Plan[None]:
     """``mv path dest`` (one file system)."""
-    yield Unary("FsRename", W.FsRenameRequest(id=t.id, path=path, dest=dest), W.Empty)
+    yield Unary("FsRename", protocol.FsRenameRequest(id=t.id, path=path, dest=dest), protocol.Empty)

@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from supervisor import protocol as W
+from supervisor import protocol
 from supervisor.errors import error_for
 from supervisor.protocol import (
     OciImageInfo,
@@ -37,19 +37,19 @@ def volume_create(
     t: Target, name: str, size: int | str = "256M", *, labels: Mapping[str, str] | None = None
 ) -> Plan[VolumeInfo]:
     mib = -(-parse_size(size) // (1 << 20))
-    req = W.CreateVolumeRequest(name=name, size_mib=mib, labels=dict(labels or {}))
+    req = protocol.CreateVolumeRequest(name=name, size_mib=mib, labels=dict(labels or {}))
     info: VolumeInfo = yield Unary("CreateVolume", req, VolumeInfo)
     return info
 
 
 def volume_get(t: Target, name: str) -> Plan[VolumeInfo]:
-    info: VolumeInfo = yield Unary("InspectVolume", W.NameRequest(name=name), VolumeInfo)
+    info: VolumeInfo = yield Unary("InspectVolume", protocol.NameRequest(name=name), VolumeInfo)
     return info
 
 
 def volume_list(t: Target, *, labels: Mapping[str, str] | None = None) -> Plan[builtins.list[VolumeInfo]]:
-    r: W.ListVolumesResponse = yield Unary(
-        "ListVolumes", W.ListVolumesRequest(labels=dict(labels or {})), W.ListVolumesResponse
+    r: protocol.ListVolumesResponse = yield Unary(
+        "ListVolumes", protocol.ListVolumesRequest(labels=dict(labels or {})), protocol.ListVolumesResponse
     )
     return r.volumes
 
@@ -57,7 +57,7 @@ def volume_list(t: Target, *, labels: Mapping[str, str] | None = None) -> Plan[b
 def volume_remove(t: Target, name: str, *, force: bool = False) -> Plan[None]:
     """FAILED_PRECONDITION while a live sandbox mounts it; ``force``: those sandboxes
     are killed first (they stay, stopped)."""
-    yield Unary("DeleteVolume", W.DeleteVolumeRequest(name=name, force=force), W.Empty)
+    yield Unary("DeleteVolume", protocol.DeleteVolumeRequest(name=name, force=force), protocol.Empty)
 
 
 Pull_ = Literal["", "always", "if-missing", "never"]
@@ -65,10 +65,10 @@ Pull_ = Literal["", "always", "if-missing", "never"]
 
 def _pull_request(
     ref: str, policy: Pull_, tls_verify: bool, creds: str, authfile: str | Path | None, ca: str | Path | None = None
-) -> W.PullImageRequest:
+) -> protocol.PullImageRequest:
     auth = Path(authfile).read_bytes() if authfile is not None else b""
     ca_pem = Path(ca).read_bytes() if ca is not None else b""
-    return W.PullImageRequest(
+    return protocol.PullImageRequest(
         ref=ref, policy=policy, tls_verify=None if tls_verify else False, creds=creds, auth_json=auth, ca_pem=ca_pem
     )
 
@@ -110,28 +110,28 @@ def image_pull(
         if item.image is not None:
             image = item.image
     if image is None:
-        raise error_for(W.INTERNAL, "PullImage ended without an image")
+        raise error_for(protocol.INTERNAL, "PullImage ended without an image")
     got: OciImageInfo = image
     return got
 
 
 def image_list(t: Target) -> Plan[builtins.list[OciImageInfo]]:
-    r: W.ListImagesResponse = yield Unary("ListImages", W.Empty(), W.ListImagesResponse)
+    r: protocol.ListImagesResponse = yield Unary("ListImages", protocol.Empty(), protocol.ListImagesResponse)
     return r.oci_images
 
 
 def image_inspect(t: Target, ref: str) -> Plan[OciImageInfo]:
-    info: OciImageInfo = yield Unary("InspectOciImage", W.ImageRefRequest(ref), OciImageInfo)
+    info: OciImageInfo = yield Unary("InspectOciImage", protocol.ImageRefRequest(ref), OciImageInfo)
     return info
 
 
 def image_remove(t: Target, ref: str) -> Plan[RemoveImageResponse]:
     """Untag ``ref``, or delete the image (a digest, or its last reference);
     FailedPrecondition while a sandbox, snapshot or template stands on it."""
-    r: RemoveImageResponse = yield Unary("RemoveImage", W.ImageRefRequest(ref), RemoveImageResponse)
+    r: RemoveImageResponse = yield Unary("RemoveImage", protocol.ImageRefRequest(ref), RemoveImageResponse)
     return r
 
 
 def image_prune(t: Target, *, dangling_only: bool = False) -> Plan[PruneImagesResponse]:
-    r: PruneImagesResponse = yield Unary("PruneImages", W.PruneImagesRequest(dangling_only), PruneImagesResponse)
+    r: PruneImagesResponse = yield Unary("PruneImages", protocol.PruneImagesRequest(dangling_only), PruneImagesResponse)
     return r

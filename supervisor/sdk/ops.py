@@ -31,7 +31,7 @@ from typing import Any, Concatenate, Generic, ParamSpec, Protocol, TypeVar, over
 
 import attrs
 
-from supervisor import protocol as W
+from supervisor import protocol
 from supervisor.errors import error_for
 
 T = TypeVar("T")
@@ -147,13 +147,13 @@ TIMED_OUT: Any = object()  # what Receive gives at its deadline
 def structure(body: dict[str, Any], cls: type[T], method: str) -> T:
     """A reply or item body as ``cls``; a body this SDK cannot read is INTERNAL."""
     try:
-        return W.structure_body(body, cls)
-    except W.ApiError as exc:  # the supervisor answered something this SDK does not read
-        raise error_for(W.INTERNAL, f"unexpected answer to {method}: {exc.message}") from None
+        return protocol.structure_body(body, cls)
+    except protocol.ApiError as exc:  # the supervisor answered something this SDK does not read
+        raise error_for(protocol.INTERNAL, f"unexpected answer to {method}: {exc.message}") from None
 
 
-def tree_chunks_ended() -> W.ApiError:
-    return W.ApiError(W.UNAVAILABLE, "the tree stream ended early")
+def tree_chunks_ended() -> protocol.ApiError:
+    return protocol.ApiError(protocol.UNAVAILABLE, "the tree stream ended early")
 
 
 @attrs.frozen
@@ -322,5 +322,5 @@ def collect(method: str, request: Any, item: type[Any]) -> Plan[list[Any]]:
     return out
 
 
-def id_request(t: Target) -> W.IdRequest:
-    return W.IdRequest(id=t.id)
+def id_request(t: Target) -> protocol.IdRequest:
+    return protocol.IdRequest(id=t.id)

@@ -154,7 +154,7 @@ class VolumeMethods:
 
 
 class ImageMethods:
-    """The supervisor's OCI image store (issue 15): pull (with progress), list, inspect,
+    """The supervisor's OCI image store: pull (with progress), list, inspect,
     remove, prune. Credentials: ``creds="USER:PASSWORD"`` or ``authfile=PATH`` (a
     docker-style auth file, read here and sent as its content: the supervisor opens no
     path of yours)."""

@@ -14,7 +14,7 @@ from typing import Any, Unpack
 
 import attrs
 
-from supervisor import protocol as W
+from supervisor import protocol
 from supervisor.errors import NotFound, SandboxError, error_for
 from supervisor.protocol import (
     LogEntry,
@@ -78,24 +78,26 @@ def create(
     req = (spec or SandboxSpec()).with_(**settings).request(name)
     if replace and name:
         try:
-            yield Unary("Remove", W.RemoveSandboxRequest(id=name, force=True), W.Empty)
+            yield Unary("Remove", protocol.RemoveSandboxRequest(id=name, force=True), protocol.Empty)
         except NotFound:
             pass
-    resp: W.CreateSandboxResponse = yield Unary("Create", req, W.CreateSandboxResponse)
+    resp: protocol.CreateSandboxResponse = yield Unary("Create", req, protocol.CreateSandboxResponse)
     if wait:
         try:
             yield from _wait_ready(resp.id, timeout)
         except BaseException:
             if not detached:
                 with contextlib.suppress(SandboxError):
-                    yield Unary("Remove", W.RemoveSandboxRequest(id=resp.id, force=True), W.Empty, cleanup=True)
+                    yield Unary(
+                        "Remove", protocol.RemoveSandboxRequest(id=resp.id, force=True), protocol.Empty, cleanup=True
+                    )
             raise
     return Made(resp.id, detached)
 
 
 def get(name: str, *, socket: str | Path | None = None) -> Plan[Made]:
     """A handle on an existing sandbox (NotFound if there is none); detached."""
-    yield Unary("Inspect", W.IdRequest(id=name), SandboxInfo)
+    yield Unary("Inspect", protocol.IdRequest(id=name), SandboxInfo)
     return Made(name, True)
 
 
@@ -108,14 +110,14 @@ def list_(
     cursor: str = "",
 ) -> Plan[Page]:
     """One page of sandboxes, newest first, filtered by state and labels (all must match)."""
-    req = W.ListSandboxesRequest(state=state, labels=_kv(labels), limit=limit, cursor=cursor)
-    r: W.ListSandboxesResponse = yield Unary("List", req, W.ListSandboxesResponse)
+    req = protocol.ListSandboxesRequest(state=state, labels=_kv(labels), limit=limit, cursor=cursor)
+    r: protocol.ListSandboxesResponse = yield Unary("List", req, protocol.ListSandboxesResponse)
     return Page(r.sandboxes, r.next_cursor)
 
 
 def metrics_all(*, socket: str | Path | None = None) -> Plan[builtins.list[MetricsResponse]]:
     """One sample of every ready or running sandbox."""
-    r: W.MetricsAllResponse = yield Unary("MetricsAll", W.Empty(), W.MetricsAllResponse)
+    r: protocol.MetricsAllResponse = yield Unary("MetricsAll", protocol.Empty(), protocol.MetricsAllResponse)
     return r.sandboxes
 
 
@@ -145,7 +147,7 @@ def modify(
     change with its status and why; ``applied`` False (a dry run, or a change refused
     or needing ``restart``): nothing changed. ``restart``: a change only a new machine
     applies restarts the sandbox (its processes end, guest memory is lost)."""
-    req = W.ModifyRequest(
+    req = protocol.ModifyRequest(
         id=t.id,
         vcpus=cpus,
         memory_mib=memory_mib,
@@ -167,8 +169,8 @@ def state(t: Target) -> Plan[str]:
 
 
 def _wait_ready(id: str, timeout: float) -> Plan[SandboxInfo]:
-    events = yield Open("Events", W.SandboxEventsRequest(id=id))
-    info: SandboxInfo = yield Unary("Inspect", W.IdRequest(id=id), SandboxInfo)
+    events = yield Open("Events", protocol.SandboxEventsRequest(id=id))
+    info: SandboxInfo = yield Unary("Inspect", protocol.IdRequest(id=id), SandboxInfo)
     deadline = (yield Now()) + timeout
     interval = READY_POLL_FIRST
     while info.state == "starting":
@@ -184,9 +186,9 @@ def _wait_ready(id: str, timeout: float) -> Plan[SandboxInfo]:
         else:
             if poll >= deadline:
                 yield Expired()
-        info = yield Unary("Inspect", W.IdRequest(id=id), SandboxInfo)
+        info = yield Unary("Inspect", protocol.IdRequest(id=id), SandboxInfo)
     if info.state not in ("ready", "running"):
-        raise error_for(W.FAILED_PRECONDITION, f"sandbox {id} is {info.state}: {info.error}")
+        raise error_for(protocol.FAILED_PRECONDITION, f"sandbox {id} is {info.state}: {info.error}")
     return info
 
 
@@ -198,16 +200,16 @@ def wait_ready(t: Target, timeout: float = 120.0) -> Plan[SandboxInfo]:
 
 def stop(t: Target, timeout: int = 0) -> Plan[None]:
     """Stop gracefully (``timeout`` seconds before it is killed; 0: the default)."""
-    yield Unary("Stop", W.StopSandboxRequest(id=t.id, timeout_seconds=timeout), W.Empty)
+    yield Unary("Stop", protocol.StopSandboxRequest(id=t.id, timeout_seconds=timeout), protocol.Empty)
 
 
 def kill(t: Target) -> Plan[None]:
-    yield Unary("Kill", id_request(t), W.Empty)
+    yield Unary("Kill", id_request(t), protocol.Empty)
 
 
 def drain(t: Target) -> Plan[None]:
     """Refuse new work, let the running workload finish, then stop."""
-    yield Unary("Drain", id_request(t), W.Empty)
+    yield Unary("Drain", id_request(t), protocol.Empty)
 
 
 def wait_until_stopped(t: Target) -> Plan[SandboxInfo]:
@@ -217,13 +219,13 @@ def wait_until_stopped(t: Target) -> Plan[SandboxInfo]:
 
 def start(t: Target, *, wait: bool = True, timeout: float = 120.0) -> Plan[None]:
     """Boot a stopped sandbox again (from its disk)."""
-    yield Unary("Start", id_request(t), W.CreateSandboxResponse)
+    yield Unary("Start", id_request(t), protocol.CreateSandboxResponse)
     if wait:
         yield from _wait_ready(t.id, timeout)
 
 
 def pause(t: Target) -> Plan[SandboxInfo]:
-    """Hibernate to disk (issue 25): no QEMU, no RAM; id, address, ports, processes and
+    """Hibernate to disk: no QEMU, no RAM; id, address, ports, processes and
     memory come back with :meth:`resume` (or with the next call that needs the guest)."""
     info: SandboxInfo = yield Unary("Pause", id_request(t), SandboxInfo)
     return info
@@ -237,25 +239,27 @@ def resume(t: Target) -> Plan[SandboxInfo]:
 
 def remove(t: Target, *, force: bool = False) -> Plan[None]:
     """Remove (``force``: stop it first if it runs)."""
-    yield Unary("Remove", W.RemoveSandboxRequest(id=t.id, force=force), W.Empty)
+    yield Unary("Remove", protocol.RemoveSandboxRequest(id=t.id, force=force), protocol.Empty)
 
 
 def ping(t: Target) -> Plan[float]:
     """Round trip to the guest agent, in seconds (does not count as activity)."""
-    r: W.PingResponse = yield Unary("Ping", id_request(t), W.PingResponse)
+    r: protocol.PingResponse = yield Unary("Ping", id_request(t), protocol.PingResponse)
     return r.latency_ns / 1e9
 
 
 def touch(t: Target) -> Plan[int]:
     """Count as activity (the idle timeout starts again); the guest's activity counter."""
-    r: W.TouchResponse = yield Unary("Touch", id_request(t), W.TouchResponse)
+    r: protocol.TouchResponse = yield Unary("Touch", id_request(t), protocol.TouchResponse)
     return r.activity
 
 
 def set_ttl(t: Target, seconds: int) -> Plan[int]:
     """Remove the sandbox ``seconds`` from now (0: never), replacing its TTL; the unix
     time of its removal (0: never)."""
-    r: W.SetTtlResponse = yield Unary("SetTtl", W.SetTtlRequest(id=t.id, ttl_seconds=seconds), W.SetTtlResponse)
+    r: protocol.SetTtlResponse = yield Unary(
+        "SetTtl", protocol.SetTtlRequest(id=t.id, ttl_seconds=seconds), protocol.SetTtlResponse
+    )
     return r.expires_at
 
 
@@ -266,7 +270,7 @@ def metrics(t: Target) -> Plan[MetricsResponse]:
 
 def metrics_stream(t: Target, interval: float = 1.0) -> StreamPlan[MetricsResponse]:
     """A sample every ``interval`` seconds while the sandbox is ready or running."""
-    return each("MetricsStream", W.MetricsStreamRequest(id=t.id, interval_seconds=interval), MetricsResponse)
+    return each("MetricsStream", protocol.MetricsStreamRequest(id=t.id, interval_seconds=interval), MetricsResponse)
 
 
 LogSources = Iterable[str]  # "stdout", "stderr", "output" (a TTY's), "system"
@@ -278,7 +282,7 @@ def logs(
     """Persisted output (also of a stopped sandbox): the last ``tail`` entries (0:
     all), between ``since`` and ``until`` (unix ns; 0: open), after the entry whose
     ``seq`` is ``cursor``, of ``sources`` (empty: all)."""
-    req = W.LogsRequest(id=t.id, tail=tail, since=since, until=until, cursor=cursor, sources=list(sources))
+    req = protocol.LogsRequest(id=t.id, tail=tail, since=since, until=until, cursor=cursor, sources=list(sources))
     return (yield from collect("Logs", req, LogEntry))
 
 
@@ -296,7 +300,7 @@ def log_stream(
     from ``since`` (unix ns) or after the entry whose ``seq`` is ``cursor`` (a
     stream's resume point), of ``sources`` (empty: all); up to ``until`` (unix ns, 0:
     open): a followed stream ends when the supervisor's clock passes it."""
-    req = W.LogsRequest(
+    req = protocol.LogsRequest(
         id=t.id, follow=follow, tail=tail, since=since, until=until, cursor=cursor, sources=list(sources)
     )
     return each("Logs", req, LogEntry)
@@ -304,13 +308,13 @@ def log_stream(
 
 def events(t: Target, action: str = "") -> StreamPlan[SandboxEvent]:
     """This sandbox's lifecycle events from now on (``action``: only those)."""
-    return each("Events", W.SandboxEventsRequest(id=t.id, action=action), SandboxEvent)
+    return each("Events", protocol.SandboxEventsRequest(id=t.id, action=action), SandboxEvent)
 
 
 # --- work -----------------------------------------------------------------------------------
-def run_request(t: Target, cmd: builtins.list[str] | str, how: RunSettings) -> W.RunRequest:
+def run_request(t: Target, cmd: builtins.list[str] | str, how: RunSettings) -> protocol.RunRequest:
     """A run's request; a string is run with ``sh -c``."""
-    return W.RunRequest(
+    return protocol.RunRequest(
         id=t.id,
         cmd=["sh", "-c", cmd] if isinstance(cmd, str) else list(cmd),
         env=_kv(how.get("env")),
@@ -321,16 +325,16 @@ def run_request(t: Target, cmd: builtins.list[str] | str, how: RunSettings) -> W
     )
 
 
-def _outputs(req: W.RunRequest) -> StreamPlan[Output]:
+def _outputs(req: protocol.RunRequest) -> StreamPlan[Output]:
     call = yield Open("Run", req)
-    while (item := (yield Receive(call, W.RunOutput))) is not None:
+    while (item := (yield Receive(call, protocol.RunOutput))) is not None:
         yield Emit(_output(item))
 
 
-def _result(req: W.RunRequest) -> Plan[RunResult]:
+def _result(req: protocol.RunRequest) -> Plan[RunResult]:
     call = yield Open("Run", req)
     out, err, code = bytearray(), bytearray(), -1
-    while (item := (yield Receive(call, W.RunOutput))) is not None:
+    while (item := (yield Receive(call, protocol.RunOutput))) is not None:
         o = _output(item)
         if o.stream == "stdout":
             out += o.data
@@ -361,50 +365,52 @@ def run_script(t: Target, name: str, *args: str, **how: Unpack[RunSettings]) -> 
 def exec_request(t: Target, cmd: builtins.list[str] | str, size: tuple[int, int], how: RunSettings) -> dict[str, Any]:
     """The opening message of an Exec (its body on the wire)."""
     r = run_request(t, cmd, how)
-    init = W.ExecRequest(
+    init = protocol.ExecRequest(
         id=r.id,
         cmd=r.cmd,
         env=r.env,
         working_dir=r.working_dir,
         user=r.user,
         tty=r.tty,
-        tty_size=W.TerminalSize(width=size[0], height=size[1]),
+        tty_size=protocol.TerminalSize(width=size[0], height=size[1]),
         timeout_seconds=r.timeout_seconds,
     )
-    return W.unstructure_body(W.ExecInput(init=init))
+    return protocol.unstructure_body(protocol.ExecInput(init=init))
 
 
 def exec_stdin(data: bytes) -> dict[str, Any]:
-    return W.unstructure_body(W.ExecInput(stdin=bytes(data)))
+    return protocol.unstructure_body(protocol.ExecInput(stdin=bytes(data)))
 
 
 def exec_close_stdin() -> dict[str, Any]:
-    return W.unstructure_body(W.ExecInput(close_stdin=True))
+    return protocol.unstructure_body(protocol.ExecInput(close_stdin=True))
 
 
 def exec_resize(width: int, height: int) -> dict[str, Any]:
-    return W.unstructure_body(W.ExecInput(resize=W.TerminalSize(width=width, height=height)))
+    return protocol.unstructure_body(protocol.ExecInput(resize=protocol.TerminalSize(width=width, height=height)))
 
 
 def exec_output(body: dict[str, Any]) -> Output:
-    return _output(structure(body, W.ExecOutput, "Exec"))
+    return _output(structure(body, protocol.ExecOutput, "Exec"))
 
 
 # --- ports ----------------------------------------------------------------------------------
 def expose(t: Target, sandbox_port: int, host_port: int = 0, *, udp: bool = False) -> Plan[int]:
     """Forward a host port (on the supervisor's loopback) to ``sandbox_port``; returns it."""
-    req = W.ExposePortRequest(id=t.id, sandbox_port=sandbox_port, host_port=host_port, protocol="udp" if udp else "tcp")
-    r: W.ExposePortResponse = yield Unary("ExposePort", req, W.ExposePortResponse)
+    req = protocol.ExposePortRequest(
+        id=t.id, sandbox_port=sandbox_port, host_port=host_port, protocol="udp" if udp else "tcp"
+    )
+    r: protocol.ExposePortResponse = yield Unary("ExposePort", req, protocol.ExposePortResponse)
     return r.host_port
 
 
 def unexpose(t: Target, sandbox_port: int, *, udp: bool = False) -> Plan[None]:
-    req = W.UnexposePortRequest(id=t.id, sandbox_port=sandbox_port, protocol="udp" if udp else "tcp")
-    yield Unary("UnexposePort", req, W.Empty)
+    req = protocol.UnexposePortRequest(id=t.id, sandbox_port=sandbox_port, protocol="udp" if udp else "tcp")
+    yield Unary("UnexposePort", req, protocol.Empty)
 
 
-def ports(t: Target) -> Plan[builtins.list[W.PortMapping]]:
+def ports(t: Target) -> Plan[builtins.list[protocol.PortMapping]]:
     """The port mappings (``sandbox_port``, ``host_port``, ``protocol``,
     ``host_address``): a restored sandbox's carried ones with the host ports it got."""
-    r: W.ListPortsResponse = yield Unary("ListPorts", id_request(t), W.ListPortsResponse)
+    r: protocol.ListPortsResponse = yield Unary("ListPorts", id_request(t), protocol.ListPortsResponse)
     return r.ports

@@ -7,7 +7,7 @@ from __future__ import annotations
 import builtins
 from collections.abc import Sequence
 
-from supervisor import protocol as W
+from supervisor import protocol
 from supervisor.sdk.ops import (
     Plan,
     Target,
@@ -27,31 +27,33 @@ def secret_set(t: Target, name: str, value: str | bytes, hosts: Sequence[str] | 
     secret may narrow them, never widen them. None given: the entry keeps its own (a new
     entry must be given them)."""
     listed = [h.strip() for h in hosts.split(",")] if isinstance(hosts, str) else builtins.list(hosts)
-    yield Unary("SetSecret", W.SetSecretRequest(name, _bytes(value), listed), W.Empty)
+    yield Unary("SetSecret", protocol.SetSecretRequest(name, _bytes(value), listed), protocol.Empty)
 
 
 def secret_list(t: Target) -> Plan[builtins.list[str]]:
     """The store's entry names (never a value)."""
-    r: W.ListSecretsResponse = yield Unary("ListSecrets", W.Empty(), W.ListSecretsResponse)
+    r: protocol.ListSecretsResponse = yield Unary("ListSecrets", protocol.Empty(), protocol.ListSecretsResponse)
     return r.names
 
 
 def secret_remove(t: Target, name: str) -> Plan[None]:
-    yield Unary("DeleteSecret", W.NameRequest(name=name), W.Empty)
+    yield Unary("DeleteSecret", protocol.NameRequest(name=name), protocol.Empty)
 
 
 def rotate_secret(t: Target, name: str, value: str | bytes) -> Plan[None]:
     """A new value for this sandbox's own secret ``name``: its next request carries it
     (the placeholder stays)."""
-    yield Unary("RotateSecret", W.RotateSecretRequest(t.id, name, _bytes(value)), W.Empty)
+    yield Unary("RotateSecret", protocol.RotateSecretRequest(t.id, name, _bytes(value)), protocol.Empty)
 
 
 def revoke_secret(t: Target, name: str) -> Plan[None]:
     """Take secret ``name`` away from this running sandbox: its placeholder is no longer replaced."""
-    yield Unary("RevokeSecret", W.SandboxSecretRequest(t.id, name), W.Empty)
+    yield Unary("RevokeSecret", protocol.SandboxSecretRequest(t.id, name), protocol.Empty)
 
 
-def secrets(t: Target) -> Plan[builtins.list[W.SandboxSecretInfo]]:
+def secrets(t: Target) -> Plan[builtins.list[protocol.SandboxSecretInfo]]:
     """This sandbox's secrets: names, hosts, placeholders, sources (never a value)."""
-    r: W.SandboxSecretsResponse = yield Unary("ListSandboxSecrets", W.IdRequest(t.id), W.SandboxSecretsResponse)
+    r: protocol.SandboxSecretsResponse = yield Unary(
+        "ListSandboxSecrets", protocol.IdRequest(t.id), protocol.SandboxSecretsResponse
+    )
     return r.secrets

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import BinaryIO
 
-from supervisor import protocol as W
+from supervisor import protocol
 from supervisor.protocol import (
     CheckpointResponse,
     SnapshotSummary,
@@ -49,14 +49,14 @@ def restore(
     result), ready when this returns. As a context manager it is removed on exit
     unless ``detached``. A tap clone keeps the snapshot's address when it is free,
     unless ``network_override``."""
-    req = W.RestoreRequest(
+    req = protocol.RestoreRequest(
         snapshot_id=_snapshot_id(snapshot),
         id=name,
         labels=_kv(labels),
         ttl_seconds=ttl,
         network_override=network_override,
     )
-    r: W.RestoreResponse = yield Unary("Restore", req, W.RestoreResponse)
+    r: protocol.RestoreResponse = yield Unary("Restore", req, protocol.RestoreResponse)
     return Made(r.id, detached)
 
 
@@ -64,13 +64,13 @@ def snapshots(
     *, sandbox: str = "", labels: Mapping[str, str] | None = None, socket: str | Path | None = None
 ) -> Plan[builtins.list[SnapshotSummary]]:
     """Snapshots, oldest first; filtered by origin sandbox id and labels (all must match)."""
-    req = W.ListSnapshotsRequest(sandbox_id=sandbox, labels=_kv(labels))
-    r: W.ListSnapshotsResponse = yield Unary("ListSnapshots", req, W.ListSnapshotsResponse)
+    req = protocol.ListSnapshotsRequest(sandbox_id=sandbox, labels=_kv(labels))
+    r: protocol.ListSnapshotsResponse = yield Unary("ListSnapshots", req, protocol.ListSnapshotsResponse)
     return r.snapshots
 
 
 def delete_snapshot(snapshot: SnapshotRef, *, socket: str | Path | None = None) -> Plan[None]:
-    yield Unary("DeleteSnapshot", W.DeleteSnapshotRequest(snapshot_id=_snapshot_id(snapshot)), W.Empty)
+    yield Unary("DeleteSnapshot", protocol.DeleteSnapshotRequest(snapshot_id=_snapshot_id(snapshot)), protocol.Empty)
 
 
 def export_snapshot(
@@ -87,11 +87,11 @@ def export_snapshot(
     supervisor must have that image). Returns the file's size in bytes."""
     from supervisor.treecopy import commit_temp, create_temp, open_target
 
-    req = W.ExportSnapshotRequest(snapshot_id=_snapshot_id(snapshot), include_base=include_base)
+    req = protocol.ExportSnapshotRequest(snapshot_id=_snapshot_id(snapshot), include_base=include_base)
     if not isinstance(path, str | os.PathLike):
         call = yield Open("ExportSnapshot", req)
         n = 0
-        while (ch := (yield Receive(call, W.FileChunk))) is not None:
+        while (ch := (yield Receive(call, protocol.FileChunk))) is not None:
             yield Blocking(path.write, (ch.data,))
             n += len(ch.data)
         yield Blocking(path.flush)
@@ -104,7 +104,7 @@ def export_snapshot(
         try:
             with open(fd, "wb", closefd=True) as f:
                 call = yield Open("ExportSnapshot", req)
-                while (ch := (yield Receive(call, W.FileChunk))) is not None:
+                while (ch := (yield Receive(call, protocol.FileChunk))) is not None:
                     yield Blocking(f.write, (ch.data,))
                     total += len(ch.data)
                 yield Blocking(f.flush)
@@ -131,13 +131,13 @@ def import_snapshot(
     whole file arrived and matched its digest. ``name``: "" keeps the export's (a name
     another snapshot has is AlreadyExists); ``labels`` are added to the export's.
     ``path``: a file, or a binary file object (a pipe: ``sys.stdin.buffer``)."""
-    op_ = W.ImportSnapshotOpen(name=name, labels=_kv(labels))
+    op_ = protocol.ImportSnapshotOpen(name=name, labels=_kv(labels))
     f = (yield Blocking(open, (Path(path), "rb"))) if isinstance(path, str | os.PathLike) else path
     with f if f is not path else contextlib.nullcontext(f):
-        call = yield Open("ImportSnapshot", W.ImportSnapshotRequest(open=op_))
+        call = yield Open("ImportSnapshot", protocol.ImportSnapshotRequest(open=op_))
         while piece := (yield Blocking(f.read, (3 * CHUNK,))):  # (under the wires' 4 MiB message cap)
-            yield Send(call, W.ImportSnapshotRequest(chunk=W.FileChunk(data=piece)))
-        yield Send(call, W.ImportSnapshotRequest(chunk=W.FileChunk(done=True)))
+            yield Send(call, protocol.ImportSnapshotRequest(chunk=protocol.FileChunk(data=piece)))
+        yield Send(call, protocol.ImportSnapshotRequest(chunk=protocol.FileChunk(done=True)))
         r: SnapshotSummary = yield Finish(call, SnapshotSummary)
     return r
 
@@ -145,6 +145,6 @@ def import_snapshot(
 def checkpoint(t: Target, name: str = "", *, labels: Mapping[str, str] | None = None) -> Plan[CheckpointResponse]:
     """Snapshot this sandbox; ``.snapshot_id`` names the snapshot. Ready: its disk and
     memory, and it runs on; stopped: its disk alone (``.disk_only``; restores boot)."""
-    req = W.CheckpointRequest(sandbox_id=t.id, name=name, labels=_kv(labels))
+    req = protocol.CheckpointRequest(sandbox_id=t.id, name=name, labels=_kv(labels))
     r: CheckpointResponse = yield Unary("Checkpoint", req, CheckpointResponse)
     return r

@@ -15,7 +15,7 @@ from typing import Any, Literal, TypedDict, Unpack
 import attrs
 
 from guestd.patch import Patch
-from supervisor import protocol as W
+from supervisor import protocol
 from supervisor.errors import InvalidArgument
 from supervisor.protocol import CheckpointResponse, SandboxSummary, SnapshotSummary
 
@@ -95,18 +95,18 @@ class Network:
     egress: Egress | None = attrs.field(default=None, converter=_to_egress)
     ports: dict[int, int] = attrs.field(factory=dict, converter=_ports)
 
-    def spec(self) -> W.NetworkSpec:
+    def spec(self) -> protocol.NetworkSpec:
         mode, outbound = ("user", True) if self.mode == "outbound" else (self.mode, self.outbound)
         eg = self.egress
-        egress = None if eg is None else W.EgressSpec(eg.default, list(eg.allow), list(eg.deny))
-        return W.NetworkSpec(mode=mode, outbound=outbound, egress=egress)
+        egress = None if eg is None else protocol.EgressSpec(eg.default, list(eg.allow), list(eg.deny))
+        return protocol.NetworkSpec(mode=mode, outbound=outbound, egress=egress)
 
 
 @attrs.frozen(kw_only=True)
 class Lifetime:
     """``ttl``: seconds until the sandbox is removed; ``idle_timeout``: seconds without
     activity until it stops; ``ephemeral``: removed once it stops. 0/False: never.
-    Hibernation (issue 25): ``on_idle="pause"`` pauses it at the idle timeout instead
+    Hibernation: ``on_idle="pause"`` pauses it at the idle timeout instead
     (no QEMU, no RAM; it resumes as itself); ``paused_ttl``: seconds a paused sandbox is
     kept (0: until its ``ttl``); ``auto_resume``: a call that needs the guest, or a
     connection to an exposed port, resumes it (False: FailedPrecondition instead)."""
@@ -178,7 +178,7 @@ class VolumeMount:
         name, sep, rest = text.partition(":")
         path, _, flag = rest.partition(":")
         if not sep or not name or not path.startswith("/") or flag not in ("", "ro", "rw"):
-            raise InvalidArgument(W.INVALID_ARGUMENT, f"volume {text!r}: NAME:/path[:ro]")
+            raise InvalidArgument(protocol.INVALID_ARGUMENT, f"volume {text!r}: NAME:/path[:ro]")
         return cls(name, path, flag == "ro")
 
 
@@ -194,7 +194,7 @@ class Tmpfs:
     def parse(cls, text: str) -> Tmpfs:
         path, sep, size = text.partition(":")
         if not path.startswith("/") or (sep and not size):
-            raise InvalidArgument(W.INVALID_ARGUMENT, f"tmpfs {text!r}: /path[:SIZE]")
+            raise InvalidArgument(protocol.INVALID_ARGUMENT, f"tmpfs {text!r}: /path[:SIZE]")
         if not size:
             return cls(path)
         mib = int(size) if size.isdigit() else -(-parse_size(size) // (1 << 20))
@@ -215,7 +215,7 @@ class HostDir:
         source, sep, rest = text.partition(":")
         path, _, flag = rest.partition(":")
         if not sep or not source.startswith("/") or not path.startswith("/") or flag not in ("", "ro", "rw"):
-            raise InvalidArgument(W.INVALID_ARGUMENT, f"mount {text!r}: HOST_DIR:/path[:ro|rw]")
+            raise InvalidArgument(protocol.INVALID_ARGUMENT, f"mount {text!r}: HOST_DIR:/path[:ro|rw]")
         return cls(source, path, flag == "rw")
 
 
@@ -262,27 +262,27 @@ class Secret:
         hosts, _, options = tail.partition(";")
         kind, colon, arg = source.partition(":")
         if not eq or not at or not colon or not name or not hosts or kind not in ("env", "value", "store"):
-            raise InvalidArgument(W.INVALID_ARGUMENT, usage)
+            raise InvalidArgument(protocol.INVALID_ARGUMENT, usage)
         substitute = "headers"
         for option in filter(None, options.split(";")):
             key, _, val = option.partition("=")
             if key.strip() != "substitute" or val.strip() not in ("headers", "all"):
-                raise InvalidArgument(W.INVALID_ARGUMENT, f"{usage}: not {option[:40]!r}")
+                raise InvalidArgument(protocol.INVALID_ARGUMENT, f"{usage}: not {option[:40]!r}")
             substitute = val.strip()
         return cls(name=name, hosts=hosts, substitute=substitute, **{kind: arg})  # type: ignore[arg-type]
 
-    def spec(self) -> W.SecretSpec:
+    def spec(self) -> protocol.SecretSpec:
         """The wire's form: an ``env`` source read now, from this process's environment."""
         sources = [bool(self.value), bool(self.env), bool(self.store)]
         if sum(sources) != 1:
-            raise InvalidArgument(W.INVALID_ARGUMENT, f"secret {self.name}: exactly one of value, env and store")
+            raise InvalidArgument(protocol.INVALID_ARGUMENT, f"secret {self.name}: exactly one of value, env and store")
         value = self.value
         if self.env:
             if self.env not in os.environ:
-                raise InvalidArgument(W.INVALID_ARGUMENT, f"secret {self.name}: ${self.env} is not set here")
+                raise InvalidArgument(protocol.INVALID_ARGUMENT, f"secret {self.name}: ${self.env} is not set here")
             value = os.environ[self.env]
         raw = value.encode() if isinstance(value, str) else bytes(value)
-        return W.SecretSpec(self.name, list(self.hosts), raw, self.store, self.placeholder, self.substitute)
+        return protocol.SecretSpec(self.name, list(self.hosts), raw, self.store, self.placeholder, self.substitute)
 
 
 def _secrets(v: Sequence[Secret | str] | None) -> tuple[Secret, ...]:
@@ -411,9 +411,9 @@ class SandboxSpec:
             ssh_keys=_strs(s.get("ssh_keys", self.ssh_keys)),
         )
 
-    def request(self, name: str = "") -> W.CreateSandboxRequest:
+    def request(self, name: str = "") -> protocol.CreateSandboxRequest:
         """The wire's Create request for a sandbox called ``name`` ("": the supervisor names it)."""
-        return W.CreateSandboxRequest(
+        return protocol.CreateSandboxRequest(
             id=name,
             labels=dict(self.labels),
             image=self.boot.image,
@@ -425,22 +425,24 @@ class SandboxSpec:
             kernel=self.boot.kernel,
             rootfs=self.boot.rootfs,
             boot_args=self.boot.boot_args,
-            limits=W.ResourceLimits(vcpus=self.resources.cpus, memory_mib=self.resources.memory_mib),
+            limits=protocol.ResourceLimits(vcpus=self.resources.cpus, memory_mib=self.resources.memory_mib),
             cmd=list(self.workload.cmd),
             env=dict(self.workload.env),
             working_dir=self.workload.workdir,
             user=self.workload.user,
             network=self.network.spec(),
-            ports=[W.PortMapping(sandbox_port=g, host_port=h, protocol="tcp") for g, h in self.network.ports.items()],
+            ports=[
+                protocol.PortMapping(sandbox_port=g, host_port=h, protocol="tcp") for g, h in self.network.ports.items()
+            ],
             ttl_seconds=self.lifetime.ttl,
             idle_timeout_seconds=self.lifetime.idle_timeout,
             hostname=self.hostname,
             ephemeral=self.lifetime.ephemeral,
             patches=list(self.patches),
-            volumes=[W.VolumeMount(m.name, m.path, m.read_only) for m in self.volumes],
+            volumes=[protocol.VolumeMount(m.name, m.path, m.read_only) for m in self.volumes],
             scripts=dict(self.scripts),
-            tmpfs=[W.TmpfsMount(m.path, m.size_mib) for m in self.tmpfs],
-            host_mounts=[W.HostMount(m.source, m.path, m.writable) for m in self.mounts],
+            tmpfs=[protocol.TmpfsMount(m.path, m.size_mib) for m in self.tmpfs],
+            host_mounts=[protocol.HostMount(m.source, m.path, m.writable) for m in self.mounts],
             on_idle="" if self.lifetime.on_idle == "stop" else self.lifetime.on_idle,
             paused_ttl_seconds=self.lifetime.paused_ttl,
             no_auto_resume=not self.lifetime.auto_resume,
@@ -510,7 +512,7 @@ class RunSettings(TypedDict, total=False):
     timeout: int
 
 
-def _output(item: W.RunOutput) -> Output:
+def _output(item: protocol.RunOutput) -> Output:
     return Output("exit", b"", item.exit_code) if item.done else Output(item.stream, item.data)
 
 
@@ -527,7 +529,7 @@ def parse_size(size: int | str) -> int:
     try:
         value = float(number)
     except ValueError:
-        raise InvalidArgument(W.INVALID_ARGUMENT, f"size {size!r}: a number with K, M, G or T") from None
+        raise InvalidArgument(protocol.INVALID_ARGUMENT, f"size {size!r}: a number with K, M, G or T") from None
     return int(value * _UNITS[unit])
 
 

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar, Unpack
 
-from supervisor import protocol as W
+from supervisor import protocol
 from supervisor.config import UnsafeRuntimeDir, check_runtime_dir, default_socket
 from supervisor.errors import SandboxError, error_for
 from supervisor.frames import FAIL, ITEM, REPLY, BlockingConnection
@@ -65,7 +65,7 @@ def open_connection(socket: str | Path | None, *, act_as: str = "", act_as_admin
         try:
             check_runtime_dir(path)
         except UnsafeRuntimeDir as exc:
-            raise error_for(W.FAILED_PRECONDITION, str(exc)) from None
+            raise error_for(protocol.FAILED_PRECONDITION, str(exc)) from None
     return BlockingConnection.open(path, client="sandvisor-client", act_as=act_as, act_as_admin=act_as_admin)
 
 
@@ -120,9 +120,9 @@ class Call:
 def _put(call: Call, wrap: Any) -> Any:
     def put(piece: bytes) -> None:
         try:
-            call.send(W.unstructure_body(wrap(piece)))
+            call.send(protocol.unstructure_body(wrap(piece)))
         except OSError:  # (the codec would take it for its own: say what it is)
-            raise error_for(W.UNAVAILABLE, "connection to the supervisor lost") from None
+            raise error_for(protocol.UNAVAILABLE, "connection to the supervisor lost") from None
 
     return put
 
@@ -137,7 +137,7 @@ def _reader(call: Call) -> Any:
             body = call.next()
             if body is None:
                 raise tree_chunks_ended()
-            ch = structure(body, W.FileChunk, "ReadTree")
+            ch = structure(body, protocol.FileChunk, "ReadTree")
             pending.extend(ch.data)
             ended = ch.done
         data = bytes(pending[:n])
@@ -152,10 +152,10 @@ def _perform(c: BlockingConnection, op: Op, socket: str | Path | None) -> Any:
     if isinstance(op, Unary):
         if op.cleanup:
             with open_connection(socket) as fresh:
-                return structure(fresh.call(op.method, W.unstructure_body(op.request)), op.reply, op.method)
-        return structure(c.call(op.method, W.unstructure_body(op.request)), op.reply, op.method)
+                return structure(fresh.call(op.method, protocol.unstructure_body(op.request)), op.reply, op.method)
+        return structure(c.call(op.method, protocol.unstructure_body(op.request)), op.reply, op.method)
     if isinstance(op, Open):
-        return Call(c, op.method, W.unstructure_body(op.request))
+        return Call(c, op.method, protocol.unstructure_body(op.request))
     if isinstance(op, Receive):
         try:
             body = op.call.next(op.deadline)
@@ -163,7 +163,7 @@ def _perform(c: BlockingConnection, op: Op, socket: str | Path | None) -> Any:
             return TIMED_OUT
         return None if body is None else structure(body, op.item, op.call.method)
     if isinstance(op, Send):
-        return op.call.send(W.unstructure_body(op.request))
+        return op.call.send(protocol.unstructure_body(op.request))
     if isinstance(op, Finish):
         op.call.half_close()
         return structure(op.call.result(), op.reply, op.call.method)

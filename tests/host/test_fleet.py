@@ -37,7 +37,7 @@ from pathlib import Path
 
 import pytest
 
-from actors import defaults as D
+from actors import defaults
 from supervisor.fleet.rayhost import RayPorts
 from supervisor.fleet.raynode import ray_dir_for
 from tests.support.fleetlab import (
@@ -84,7 +84,7 @@ def test_ray_refuses_local_users_outsiders_and_no_token(lab: FleetLab) -> None:
 
 
 def _ray_is_closed(lab: FleetLab) -> None:
-    ray_uid = pwd.getpwnam(D.FLEET_RAY_USER).pw_uid
+    ray_uid = pwd.getpwnam(defaults.FLEET_RAY_USER).pw_uid
     token = lab.token.read_text().strip()
     ports = RayPorts(RAY_PORT)
     allowed = {RAY_PORT, GRPC_PORT} | {int(p) for p in ports.all() if "-" not in p}

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import trio
 
-from actors.net import dnsmsg as D
+from actors.net import dnsmsg
 from actors.net.egress import EgressPolicy
 from actors.net.hostnet import HostNetConfig, HostNetwork
 from actors.net.ippool import IpPool, link_name
@@ -93,20 +93,20 @@ async def test_default_deny_reaches_an_allowed_cidr_and_domain_only() -> None:
         gw = str(lab.pool.gateway)
         assert await probe(g.ns, SERVERS[0], 80) == f"server0 {UPLINK_HOST}"
         assert await probe(g.ns, SERVERS[1], 80) == "OSError"  # not resolved yet: closed
-        assert await resolve(g.ns, gw, "allowed.test") == (D.NOERROR, [SERVERS[1]])
+        assert await resolve(g.ns, gw, "allowed.test") == (dnsmsg.NOERROR, [SERVERS[1]])
         assert await probe(g.ns, SERVERS[1], 80) == f"server1 {UPLINK_HOST}"
-        assert await resolve(g.ns, gw, "other.test") == (D.REFUSED, [])
+        assert await resolve(g.ns, gw, "other.test") == (dnsmsg.REFUSED, [])
         assert "other.test" not in lab.asked  # refused without asking upstream
         assert await probe(g.ns, SERVERS[2], 80) == "OSError"
         assert await probe(g.ns, UPLINK_INET, 80) == "OSError"
         rcode, addrs = await resolve(g.ns, gw, "www.allowed.test")  # CNAME chain
-        assert (rcode, addrs) == (D.NOERROR, [SERVERS[1]])
+        assert (rcode, addrs) == (dnsmsg.NOERROR, [SERVERS[1]])
 
 
 async def test_dns_answers_expire_from_the_filter() -> None:
     async with lab_env(dns_ttl=1, min_ttl=1, grace=0) as lab:
         g = lab.guest("t", {"default": "deny", "allow": ["allowed.test:80"]})
-        assert await resolve(g.ns, str(lab.pool.gateway), "allowed.test") == (D.NOERROR, [SERVERS[1]])
+        assert await resolve(g.ns, str(lab.pool.gateway), "allowed.test") == (dnsmsg.NOERROR, [SERVERS[1]])
         assert await probe(g.ns, SERVERS[1], 80) == f"server1 {UPLINK_HOST}"
         with trio.fail_after(10):
             while await probe(g.ns, SERVERS[1], 80) != "OSError":  # timeout 1 s: gone soon after
@@ -117,9 +117,9 @@ async def test_denied_domain_is_refused_and_closed_under_default_allow() -> None
     async with lab_env() as lab:
         g = lab.guest("x", {"default": "allow", "deny": ["other.test"]})
         assert await probe(g.ns, SERVERS[2], 80) == f"server2 {UPLINK_HOST}"  # open by default
-        assert await resolve(g.ns, str(lab.pool.gateway), "other.test") == (D.REFUSED, [])
+        assert await resolve(g.ns, str(lab.pool.gateway), "other.test") == (dnsmsg.REFUSED, [])
         assert await probe(g.ns, SERVERS[2], 80) == "OSError"  # its address learnt: closed for the TTL
-        assert await resolve(g.ns, str(lab.pool.gateway), "allowed.test") == (D.NOERROR, [SERVERS[1]])
+        assert await resolve(g.ns, str(lab.pool.gateway), "allowed.test") == (dnsmsg.NOERROR, [SERVERS[1]])
 
 
 async def test_private_ranges_are_closed_unless_a_cidr_names_them() -> None:
@@ -137,14 +137,14 @@ async def test_private_ranges_are_closed_unless_a_cidr_names_them() -> None:
         assert await probe(g.ns, SERVERS[0], 80) == f"server0 {UPLINK_HOST}"  # the internet: open
         assert await probe(g.ns, LAN, 80) == "OSError"
         assert await probe(g.ns, CLOUD_METADATA, 80) == "OSError"
-        assert await resolve(g.ns, gw, "rebind.test") == (D.NOERROR, [LAN])  # answered as is ...
+        assert await resolve(g.ns, gw, "rebind.test") == (dnsmsg.NOERROR, [LAN])  # answered as is ...
         assert await probe(g.ns, LAN, 80) == "OSError"  # ... opened nothing
         g.link.set_policy(EgressPolicy.parse({"default": "deny", "allow": ["0.0.0.0/0:8080", "rebind.test"]}))
         assert await probe(g.ns, SERVERS[0], 8080) == f"public-8080 {UPLINK_HOST}"
         assert await probe(g.ns, SERVERS[0], 80) == "OSError"
         assert await probe(g.ns, other.address, 8080) == "OSError"  # another sandbox's 8080
         assert await probe(g.ns, LAN, 8080) == "OSError"
-        assert await resolve(g.ns, gw, "rebind.test") == (D.NOERROR, [LAN])
+        assert await resolve(g.ns, gw, "rebind.test") == (dnsmsg.NOERROR, [LAN])
         assert await probe(g.ns, LAN, 80) == "OSError"  # an allowed name is no way to a private address
         g.link.set_policy(EgressPolicy.parse({"allow": ["10.77.0.0/24", f"{other.address}:8080"]}))
         assert await probe(g.ns, LAN, 80) == f"lan {UPLINK_HOST}"  # named: open
@@ -296,10 +296,10 @@ async def test_a_tap_is_made_in_the_namespace_and_goes_with_its_fd() -> None:
 
 async def test_unknown_senders_get_no_dns_answer() -> None:
     async with lab_env() as lab:
-        assert await lab.net.dns.answer(IPv4Address("10.88.9.9"), D.query("allowed.test")) is None
+        assert await lab.net.dns.answer(IPv4Address("10.88.9.9"), dnsmsg.query("allowed.test")) is None
         g = lab.guest("f")
         reply = await lab.net.dns.answer(IPv4Address(g.address), b"\x00\x01garbage-but-12+")
-        assert reply is not None and D.parse(reply).rcode == D.FORMERR
+        assert reply is not None and dnsmsg.parse(reply).rcode == dnsmsg.FORMERR
 
 
 async def test_one_host_network_per_namespace() -> None:

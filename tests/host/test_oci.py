@@ -1,4 +1,4 @@
-"""OCI images as root filesystems (issue 15): a real docker-registry on loopback, images
+"""OCI images as root filesystems: a real docker-registry on loopback, images
 built here from directories with umoci and pushed with skopeo, the store pulling and
 converting them; and converted images booted in real VMs.
 

@@ -1,4 +1,4 @@
-"""OCI images through a running supervisor (issue 15): PullImage with progress,
+"""OCI images through a running supervisor: PullImage with progress,
 ListImages, RemoveImage, PruneImages and Create{image} over the socket, from the SDK
 (sync and async) and the CLI, against the real loopback registry of tests/host/conftest.py (its
 session fixtures: images built here with umoci, pushed with skopeo).
@@ -211,7 +211,7 @@ async def test_pull_failures_are_typed_leave_nothing_and_the_daemon_serves_on(
 async def test_a_host_path_is_refused_exactly_as_a_missing_one(
     served: tuple[Workdir, Registry], tmp_path: Path
 ) -> None:
-    """The confused deputy (issue 21): root does not read a host path a client names unless
+    """The confused deputy: root does not read a host path a client names unless
     it is in an --allow-path directory, and the answer cannot tell "exists, not allowed"
     from "missing": same code, same words, only the path differs. (This supervisor allows
     /tmp: a symlink there to /etc/shadow is refused too.)"""

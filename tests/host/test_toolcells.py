@@ -1,4 +1,4 @@
-"""Host tools on hostile data in cells (issue 21): e2fsck on a guest's volume, skopeo,
+"""Host tools on hostile data in cells: e2fsck on a guest's volume, skopeo,
 umoci and mkfs.ext4 on a registry's image, each in a cell built by the jail's own
 machinery (actors/cells/toolcell.py); image pulls capped while the bytes arrive.
 

@@ -102,7 +102,7 @@ import attrs
 import trio
 import trio.testing
 
-from guestd import proto as P
+from guestd import proto
 from guestd.agent import DEFAULT_PATH, ExecFailed, errcode
 from guestd.fsops import PATCH_OPS
 from guestd.tree import MAX_DEPTH
@@ -157,7 +157,7 @@ class Hostile:
 # ---------------------------------------------------------------------------
 
 
-def _tamper(msg: P.Message, hostile: Hostile) -> P.Message:
+def _tamper(msg: proto.Message, hostile: Hostile) -> proto.Message:
     """``msg`` with the fields ``hostile.tampered`` gives its tag (no type checks: the wire
     takes whatever msgpack packs)."""
     fields = hostile.tampered.get(msg.TAG)
@@ -179,7 +179,7 @@ class _Conn:
     def __init__(self, guest: FakeGuest, stream: trio.abc.Stream) -> None:
         self.guest = guest
         self.stream = stream
-        self.decoder = P.FrameDecoder()
+        self.decoder = proto.FrameDecoder()
         self.session: _Session | None = None
         self.syncing = True  # discarding input up to HOST_SYNC (at start, after a protocol error)
         self.closed = False
@@ -194,8 +194,8 @@ class _Conn:
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 self.hang_up()
 
-    async def send(self, msg: P.Message) -> None:
-        await self.send_raw(P.encode(_tamper(msg, self.guest.hostile)))
+    async def send(self, msg: proto.Message) -> None:
+        await self.send_raw(proto.encode(_tamper(msg, self.guest.hostile)))
 
     def hang_up(self) -> None:
         """The host is gone (or we close on it): end the session, keep the processes."""
@@ -227,7 +227,7 @@ class _Conn:
         """guestd's Conn.on_readable: resync to HOST_SYNC, dispatch, resync again on an error."""
         while True:
             if self.syncing:
-                if not self.decoder.resync(P.HOST_SYNC):
+                if not self.decoder.resync(proto.HOST_SYNC):
                     return
                 self.syncing = False
                 if self.session is not None:  # a new host: the old one's requests are orphaned
@@ -239,7 +239,7 @@ class _Conn:
                     if self.closed or self.guest.hostile.silent:
                         return
                 return
-            except P.ProtocolError as exc:
+            except proto.ProtocolError as exc:
                 # guestd logs this to the console and waits for the next host's sync marker
                 self.guest.protocol_errors.append(str(exc))
                 self.syncing = True
@@ -252,17 +252,17 @@ class _Session:
         self.conn = conn
         self.reqs: dict[int, _Req] = {}
 
-    async def send(self, msg: P.Message) -> None:
+    async def send(self, msg: proto.Message) -> None:
         await self.conn.send(msg)
 
-    async def answer(self, msg: P.Message) -> None:
+    async def answer(self, msg: proto.Message) -> None:
         """The first (or final) answer of a request: where wrong_reply and the flood act."""
         hostile = self.conn.guest.hostile
         for i in range(hostile.flood_unknown_rids):
-            await self.send(P.Data(rid=UNKNOWN_RID + i, ch=P.STDOUT, data=b"\0" * 1024))
+            await self.send(proto.Data(rid=UNKNOWN_RID + i, ch=proto.STDOUT, data=b"\0" * 1024))
         if hostile.wrong_reply:
             rid = getattr(msg, "rid", 0)
-            msg = P.Ok(rid=rid) if isinstance(msg, P.Pong) else P.Pong(rid=rid, activity=0, guest_ns=0)
+            msg = proto.Ok(rid=rid) if isinstance(msg, proto.Pong) else proto.Pong(rid=rid, activity=0, guest_ns=0)
         await self.send(msg)
 
     def close(self) -> None:
@@ -283,7 +283,7 @@ class _Req:
         self.changed.set()
         self.changed = trio.Event()
 
-    async def send(self, msg: P.Message) -> None:
+    async def send(self, msg: proto.Message) -> None:
         if self.session is not None:
             await self.session.send(msg)
 
@@ -297,20 +297,20 @@ class _Req:
         self.wake()
 
     async def on_data(self, ch: int, data: bytes) -> None:
-        raise P.BadMessage("this request takes no data")
+        raise proto.BadMessage("this request takes no data")
 
     async def on_eof(self, ch: int) -> None:
-        raise P.BadMessage("this request takes no eof")
+        raise proto.BadMessage("this request takes no eof")
 
     def on_credit(self, ch: int, n: int) -> None:
-        raise P.BadMessage("this request takes no credit")
+        raise proto.BadMessage("this request takes no credit")
 
 
 class _ExecReq(_Req):
     def __init__(self, session: _Session, rid: int, proc: FakeProcess) -> None:
         super().__init__(session, rid)
         self.proc = proc
-        self.credit = {P.STDOUT: P.WINDOW, P.STDERR: P.WINDOW}
+        self.credit = {proto.STDOUT: proto.WINDOW, proto.STDERR: proto.WINDOW}
 
     def on_credit(self, ch: int, n: int) -> None:
         if ch in self.credit:
@@ -319,10 +319,10 @@ class _ExecReq(_Req):
 
     async def on_data(self, ch: int, data: bytes) -> None:
         proc = self.proc
-        if ch != P.STDIN or proc.stdin_eof:
-            raise P.BadMessage("stdin data after eof or on a wrong channel")
-        if len(proc.stdin_buf) + len(data) > P.WINDOW:
-            raise P.BadMessage("stdin beyond granted credit")
+        if ch != proto.STDIN or proc.stdin_eof:
+            raise proto.BadMessage("stdin data after eof or on a wrong channel")
+        if len(proc.stdin_buf) + len(data) > proto.WINDOW:
+            raise proto.BadMessage("stdin beyond granted credit")
         proc.stdin_buf += data
         self.wake()
 
@@ -343,11 +343,11 @@ class _ExecReq(_Req):
             if self.credit[ch] <= 0 and not self.proc.guest.hostile.overrun_credit:
                 await self.changed.wait()
                 continue
-            n = min(len(view), P.CHUNK)
+            n = min(len(view), proto.CHUNK)
             if not self.proc.guest.hostile.overrun_credit:
                 n = min(n, self.credit[ch])
             self.credit[ch] -= n
-            await self.send(P.Data(rid=self.rid, ch=ch, data=bytes(view[:n])))
+            await self.send(proto.Data(rid=self.rid, ch=ch, data=bytes(view[:n])))
             view = view[n:]
 
 
@@ -357,7 +357,7 @@ class _FileReadReq(_Req):
     def __init__(self, session: _Session, rid: int, data: bytes) -> None:
         super().__init__(session, rid)
         self.data = data
-        self.credit = P.WINDOW
+        self.credit = proto.WINDOW
 
     def cancel(self) -> None:
         """A Signal from the host (leaving a read_tree early): guestd kills its worker."""
@@ -373,15 +373,15 @@ class _FileReadReq(_Req):
         overrun = self.session is not None and self.session.conn.guest.hostile.overrun_credit
         while self.session is not None:
             if not view:
-                await self.send(P.Eof(rid=self.rid, ch=P.STDOUT))
+                await self.send(proto.Eof(rid=self.rid, ch=proto.STDOUT))
                 self.finish()
                 return
             if self.credit <= 0 and not overrun:
                 await self.changed.wait()
                 continue
-            n = min(len(view), P.CHUNK) if overrun else min(len(view), P.CHUNK, self.credit)
+            n = min(len(view), proto.CHUNK) if overrun else min(len(view), proto.CHUNK, self.credit)
             self.credit -= n
-            await self.send(P.Data(rid=self.rid, ch=P.STDOUT, data=bytes(view[:n])))
+            await self.send(proto.Data(rid=self.rid, ch=proto.STDOUT, data=bytes(view[:n])))
             view = view[n:]
 
 
@@ -403,12 +403,12 @@ class _FileWriteReq(_Req):
 
     async def on_data(self, ch: int, data: bytes) -> None:
         # like guestd: no credit check here; each chunk is credited back once "written"
-        limit = P.MAX_TREE_STREAM if self.tree else P.MAX_FILE
+        limit = proto.MAX_TREE_STREAM if self.tree else proto.MAX_FILE
         if len(self.buf) + len(data) > limit:
-            await self.fail(P.E_TOO_LARGE, f"{'tree' if self.tree else 'file'} exceeds {limit} bytes")
+            await self.fail(proto.E_TOO_LARGE, f"{'tree' if self.tree else 'file'} exceeds {limit} bytes")
             return
         self.buf += data
-        await self.send(P.Credit(rid=self.rid, ch=P.STDIN, n=len(data)))
+        await self.send(proto.Credit(rid=self.rid, ch=proto.STDIN, n=len(data)))
 
     async def on_eof(self, ch: int) -> None:
         try:
@@ -426,11 +426,11 @@ class _FileWriteReq(_Req):
             await self.fail(errcode(exc), f"write {self.path}: {exc.strerror}")
             return
         if self.session is not None:
-            await self.session.answer(P.Ok(rid=self.rid, value=value))
+            await self.session.answer(proto.Ok(rid=self.rid, value=value))
         self.finish()
 
     async def fail(self, code: str, text: str) -> None:
-        await self.send(P.Error(rid=self.rid, code=code, message=text))
+        await self.send(proto.Error(rid=self.rid, code=code, message=text))
         self.finish()
 
 
@@ -473,7 +473,7 @@ class FakeProcess:
         self.signals: list[int] = []  # every signal sent to it, delivered or not
         self.ignored: set[int] = set()  # a handler may ignore signals (not SIGKILL, unless hostile)
         self.timed_out = False
-        self.exit: P.Exit | None = None
+        self.exit: proto.Exit | None = None
         self.exited = trio.Event()
         self.req: _ExecReq | None = None  # None: orphaned or background, output discarded
         self.stdin_buf = bytearray()
@@ -489,15 +489,15 @@ class FakeProcess:
         return f"<FakeProcess {self.pid} {shlex.join(self.argv)!r} exit={self.exit}>"
 
     # -- io (used by commands) --------------------------------------------------
-    async def write(self, data: bytes, ch: int = P.STDOUT) -> None:
+    async def write(self, data: bytes, ch: int = proto.STDOUT) -> None:
         if self.tty:
-            ch, data = P.STDOUT, data.replace(b"\n", b"\r\n")  # one stream, ONLCR
+            ch, data = proto.STDOUT, data.replace(b"\n", b"\r\n")  # one stream, ONLCR
         req = self.req
         if req is not None:
             await req.write(ch, data)
         await trio.lowlevel.checkpoint()
 
-    async def read(self, n: int = P.CHUNK) -> bytes:
+    async def read(self, n: int = proto.CHUNK) -> bytes:
         """Up to ``n`` bytes of stdin; b"" at EOF. Returns the credit to the host."""
         while not self.stdin_buf and not self.stdin_eof:
             req = self.req
@@ -507,7 +507,7 @@ class FakeProcess:
         data = bytes(self.stdin_buf[:n])
         del self.stdin_buf[:n]
         if data and self.req is not None:
-            await self.req.send(P.Credit(rid=self.req.rid, ch=P.STDIN, n=len(data)))
+            await self.req.send(proto.Credit(rid=self.req.rid, ch=proto.STDIN, n=len(data)))
         return data
 
     # -- signals -----------------------------------------------------------------
@@ -550,7 +550,7 @@ class FakeProcess:
                 code = await handler(Command(self, self.argv))
             nursery.cancel_scope.cancel()
         sig = self._killed_by
-        self.exit = P.Exit(
+        self.exit = proto.Exit(
             rid=self.req.rid if self.req else 0,
             code=128 + sig if sig else code & 0xFF,
             signal=sig,
@@ -561,8 +561,8 @@ class FakeProcess:
         self.exited.set()
         req = self.req
         if req is not None:  # every stream's Eof, then Exit, as guestd (Exit ends the request)
-            for ch in (P.STDOUT,) if self.tty else (P.STDOUT, P.STDERR):
-                await req.send(P.Eof(rid=req.rid, ch=ch))
+            for ch in (proto.STDOUT,) if self.tty else (proto.STDOUT, proto.STDERR):
+                await req.send(proto.Eof(rid=req.rid, ch=ch))
             await req.send(self.exit)
             req.finish()
             self.req = None
@@ -574,8 +574,8 @@ class Command:
     def __init__(self, proc: FakeProcess, argv: list[str], out: Sink | None = None, err: Sink | None = None) -> None:
         self.proc = proc
         self.argv = argv
-        self._out = out or (lambda b: proc.write(b, P.STDOUT))
-        self._err = err or (lambda b: proc.write(b, P.STDERR))
+        self._out = out or (lambda b: proc.write(b, proto.STDOUT))
+        self._err = err or (lambda b: proc.write(b, proto.STDERR))
 
     @property
     def guest(self) -> FakeGuest:
@@ -587,7 +587,7 @@ class Command:
     async def error(self, data: bytes | str) -> None:
         await self._err(data.encode() if isinstance(data, str) else data)
 
-    async def read(self, n: int = P.CHUNK) -> bytes:
+    async def read(self, n: int = proto.CHUNK) -> bytes:
         return await self.proc.read(n)
 
     async def read_all(self) -> bytes:
@@ -648,8 +648,8 @@ async def _head(cmd: Command) -> int:
     n, name = int(cmd.argv[2]), cmd.argv[3]
     if name == "/dev/zero":
         while n > 0:
-            await cmd.write(b"\0" * min(n, P.CHUNK))
-            n -= P.CHUNK
+            await cmd.write(b"\0" * min(n, proto.CHUNK))
+            n -= proto.CHUNK
         return 0
     try:
         await cmd.write(cmd.guest.load(cmd.guest.abspath(name, cmd.proc.cwd))[1][:n])
@@ -889,7 +889,7 @@ class FakeGuest:
         self.hellos = 0
         self.connections = 0
         self.entropy: list[bytes] = []
-        self.net_configs: list[P.NetConfig] = []  # what net_config set, in order
+        self.net_configs: list[proto.NetConfig] = []  # what net_config set, in order
         self.clock_offset_ns = 0  # guest realtime minus host realtime
         self.clock_sets: list[int] = []
         self.shutdowns: list[bool] = []  # the reboot flag of each Shutdown request
@@ -1105,16 +1105,16 @@ class FakeGuest:
         return BOOT_MARKS["ready"] + trio.current_time() - self._t0
 
     # -- dispatch (guestd's Agent.dispatch and Agent.handle) ---------------------------
-    async def _dispatch(self, conn: _Conn, msg: P.Message) -> None:
-        if isinstance(msg, P.Hello):
+    async def _dispatch(self, conn: _Conn, msg: proto.Message) -> None:
+        if isinstance(msg, proto.Hello):
             if conn.session is not None:
                 conn.session.close()
             conn.session = _Session(conn)
             self.hellos += 1
             if msg.host_time_ns and self.setclock:
                 self._set_clock(msg.host_time_ns)
-            hello = P.HelloOk(
-                version=P.PROTOCOL_VERSION,
+            hello = proto.HelloOk(
+                version=proto.PROTOCOL_VERSION,
                 pid=1,
                 boot_ns=int(BOOT_MARKS["python"] * 1e9),
                 ready_ns=int(self.uptime() * 1e9),
@@ -1122,7 +1122,7 @@ class FakeGuest:
                 marks=dict(BOOT_MARKS),
                 features=list(FEATURES),
             )
-            await conn.send_raw(P.GUEST_SYNC + P.encode(_tamper(hello, self.hostile)))
+            await conn.send_raw(proto.GUEST_SYNC + proto.encode(_tamper(hello, self.hostile)))
             if self.hostile.garbage_after_hello:
                 garbage, self.hostile.garbage_after_hello = self.hostile.garbage_after_hello, b""
                 await conn.send_raw(garbage)
@@ -1131,99 +1131,99 @@ class FakeGuest:
             return
         session = conn.session
         if session is None:
-            raise P.BadMessage(f"{msg.TAG} before hello")
+            raise proto.BadMessage(f"{msg.TAG} before hello")
         rid = getattr(msg, "rid", None)
         try:
             await self._handle(session, msg)
-        except P.ProtocolError:
+        except proto.ProtocolError:
             raise
         except ExecFailed as exc:
-            await session.send(P.Error(rid=rid or 0, code=exc.code, message=exc.message))
+            await session.send(proto.Error(rid=rid or 0, code=exc.code, message=exc.message))
         except LookupError as exc:
-            await session.send(P.Error(rid=rid or 0, code=P.E_INVALID, message=str(exc.args[0])))
+            await session.send(proto.Error(rid=rid or 0, code=proto.E_INVALID, message=str(exc.args[0])))
         except OSError as exc:
-            await session.send(P.Error(rid=rid or 0, code=errcode(exc), message=f"{exc.strerror}"))
+            await session.send(proto.Error(rid=rid or 0, code=errcode(exc), message=f"{exc.strerror}"))
 
-    async def _handle(self, session: _Session, msg: P.Message) -> None:
-        if isinstance(msg, (P.Data, P.Eof, P.Credit, P.Resize, P.Signal)):
+    async def _handle(self, session: _Session, msg: proto.Message) -> None:
+        if isinstance(msg, (proto.Data, proto.Eof, proto.Credit, proto.Resize, proto.Signal)):
             req = session.reqs.get(msg.rid)
             if req is None:
                 return  # finished meanwhile: late stream traffic is harmless
-            if isinstance(msg, P.Data):
+            if isinstance(msg, proto.Data):
                 await req.on_data(msg.ch, msg.data)
-            elif isinstance(msg, P.Eof):
+            elif isinstance(msg, proto.Eof):
                 await req.on_eof(msg.ch)
-            elif isinstance(msg, P.Credit):
+            elif isinstance(msg, proto.Credit):
                 req.on_credit(msg.ch, msg.n)
-            elif isinstance(msg, P.Resize) and isinstance(req, _ExecReq):
+            elif isinstance(msg, proto.Resize) and isinstance(req, _ExecReq):
                 req.proc.resize(msg.rows, msg.cols)
-            elif isinstance(msg, P.Signal) and isinstance(req, _ExecReq):
+            elif isinstance(msg, proto.Signal) and isinstance(req, _ExecReq):
                 req.proc.signal_group(msg.signum)
-            elif isinstance(msg, P.Signal) and isinstance(req, _FileReadReq):
+            elif isinstance(msg, proto.Signal) and isinstance(req, _FileReadReq):
                 req.cancel()
             return
         rid: int = getattr(msg, "rid", 0)
         if rid in session.reqs:
-            raise P.BadMessage(f"request id {rid} already in use")
-        if self.hostile.close_mid_request and not isinstance(msg, (P.Exec, P.ReadFile, P.ReadTree)):
+            raise proto.BadMessage(f"request id {rid} already in use")
+        if self.hostile.close_mid_request and not isinstance(msg, (proto.Exec, proto.ReadFile, proto.ReadTree)):
             session.conn.hang_up()
             await trio.aclose_forcefully(session.conn.stream)
             return
-        if isinstance(msg, P.Ping):
-            await session.answer(P.Pong(rid=rid, activity=self.activity, guest_ns=self.realtime_ns()))
-        elif isinstance(msg, P.Touch):
+        if isinstance(msg, proto.Ping):
+            await session.answer(proto.Pong(rid=rid, activity=self.activity, guest_ns=self.realtime_ns()))
+        elif isinstance(msg, proto.Touch):
             self.activity += 1
-            await session.answer(P.Ok(rid=rid, activity=self.activity))
-        elif isinstance(msg, P.Exec):
+            await session.answer(proto.Ok(rid=rid, activity=self.activity))
+        elif isinstance(msg, proto.Exec):
             await self._exec(session, msg)
-        elif isinstance(msg, P.ReadFile):
+        elif isinstance(msg, proto.ReadFile):
             await self._read_file(session, msg)
-        elif isinstance(msg, P.WriteFile):
+        elif isinstance(msg, proto.WriteFile):
             await self._write_file(session, msg)
-        elif isinstance(msg, P.Metrics):
+        elif isinstance(msg, proto.Metrics):
             await session.answer(self._metrics(rid))
-        elif isinstance(msg, P.SetClock):
+        elif isinstance(msg, proto.SetClock):
             self._set_clock(msg.realtime_ns)
-            await session.answer(P.Ok(rid=rid))
-        elif isinstance(msg, P.AddEntropy):
+            await session.answer(proto.Ok(rid=rid))
+        elif isinstance(msg, proto.AddEntropy):
             if len(msg.data) > 4096:
                 raise LookupError("at most 4096 bytes of entropy at once")
             self.entropy.append(msg.data)
-            await session.answer(P.Ok(rid=rid))
-        elif isinstance(msg, P.SetHostname):
+            await session.answer(proto.Ok(rid=rid))
+        elif isinstance(msg, proto.SetHostname):
             if not msg.hostname or len(msg.hostname) > 64:
                 raise LookupError("hostname must be 1-64 characters")
             self.hostname = msg.hostname
-            await session.answer(P.Ok(rid=rid))
-        elif isinstance(msg, P.ReadTree):
+            await session.answer(proto.Ok(rid=rid))
+        elif isinstance(msg, proto.ReadTree):
             await self._read_tree(session, msg)
-        elif isinstance(msg, P.WriteTree):
+        elif isinstance(msg, proto.WriteTree):
             await self._write_tree(session, msg)
-        elif isinstance(msg, P.Patch):
+        elif isinstance(msg, proto.Patch):
             try:
                 n = self.apply_patch(msg.entries, msg.base)
             except _FsError as exc:
-                await session.send(P.Error(rid=rid, code=exc.code, message=exc.message))
+                await session.send(proto.Error(rid=rid, code=exc.code, message=exc.message))
                 return
-            await session.answer(P.Ok(rid=rid, value=n))
-        elif isinstance(msg, P.Mount):
+            await session.answer(proto.Ok(rid=rid, value=n))
+        elif isinstance(msg, proto.Mount):
             self._mount(msg)
-            await session.answer(P.Ok(rid=rid))
-        elif isinstance(msg, P.Umount):
+            await session.answer(proto.Ok(rid=rid))
+        elif isinstance(msg, proto.Umount):
             if msg.path not in self.mounts:
                 raise LookupError(f"{msg.path} is not a mount point")
             del self.mounts[msg.path]
             self.readonly.discard(msg.path)
-            await session.answer(P.Ok(rid=rid))
-        elif isinstance(msg, P.NetConfig):
+            await session.answer(proto.Ok(rid=rid))
+        elif isinstance(msg, proto.NetConfig):
             self.net_configs.append(msg)
-            await session.answer(P.Ok(rid=rid))
-        elif isinstance(msg, P.Shutdown):
+            await session.answer(proto.Ok(rid=rid))
+        elif isinstance(msg, proto.Shutdown):
             self.shutdowns.append(msg.reboot)
-            await session.answer(P.Ok(rid=rid))
+            await session.answer(proto.Ok(rid=rid))
             self.power_off()  # a reboot too: the fake has no second boot
         else:
-            raise P.BadMessage(f"unexpected {msg.TAG} from host")
+            raise proto.BadMessage(f"unexpected {msg.TAG} from host")
 
     def _resolve_user(self, spec: str) -> tuple[int, str, str]:
         """guestd's resolve_user, from a table: -> (uid, name, home)."""
@@ -1239,7 +1239,7 @@ class FakeGuest:
             raise LookupError(f"unknown group {group!r}")
         return uid, name, home
 
-    async def _exec(self, session: _Session, msg: P.Exec) -> None:
+    async def _exec(self, session: _Session, msg: proto.Exec) -> None:
         self.activity += 1
         uid, name, home = self._resolve_user(msg.user)
         env = {"PATH": DEFAULT_PATH, "HOME": home, "USER": name, "LOGNAME": name, "HOSTNAME": self.hostname}
@@ -1248,35 +1248,37 @@ class FakeGuest:
         env.update(msg.env)
         cwd = msg.cwd or (home if home in self.dirs else "/")
         if not msg.argv:
-            raise ExecFailed(P.E_INVALID, "empty command")
+            raise ExecFailed(proto.E_INVALID, "empty command")
         handler = self.lookup(msg.argv[0])
         if handler is None and "/" not in msg.argv[0]:
-            raise ExecFailed(P.E_NOT_FOUND, f"exec {msg.argv[0]!r}: executable file not found in $PATH")
+            raise ExecFailed(proto.E_NOT_FOUND, f"exec {msg.argv[0]!r}: executable file not found in $PATH")
         if cwd not in self.dirs:
             exc = self._missing(cwd) if cwd not in self.files else NotADirectoryError(errno.ENOTDIR, "Not a directory")
             raise ExecFailed(errcode(exc), f"chdir {cwd!r}: {exc.strerror}")
         if handler is None:
-            raise ExecFailed(P.E_NOT_FOUND, f"exec {msg.argv[0]!r}: No such file or directory")
+            raise ExecFailed(proto.E_NOT_FOUND, f"exec {msg.argv[0]!r}: No such file or directory")
         proc = self._new_process(
             list(msg.argv), env, cwd, name, uid, tty=msg.tty, rows=msg.rows, cols=msg.cols, stdin=msg.stdin
         )
         req = _ExecReq(session, msg.rid, proc)
         proc.req = req
         session.reqs[msg.rid] = req
-        await session.answer(P.ExecStarted(rid=msg.rid, pid=proc.pid))
+        await session.answer(proto.ExecStarted(rid=msg.rid, pid=proc.pid))
         self.nursery.start_soon(proc._run, handler, msg.timeout)
         if self.hostile.close_mid_request:
             session.conn.hang_up()
             await trio.aclose_forcefully(session.conn.stream)
 
-    async def _read_file(self, session: _Session, msg: P.ReadFile) -> None:
+    async def _read_file(self, session: _Session, msg: proto.ReadFile) -> None:
         if not msg.path.startswith("/"):
             raise LookupError("path must be absolute")
         mode, data = self.load(self.abspath(msg.path))
-        if len(data) > P.MAX_FILE:
-            await session.send(P.Error(rid=msg.rid, code=P.E_TOO_LARGE, message=f"{len(data)} bytes > {P.MAX_FILE}"))
+        if len(data) > proto.MAX_FILE:
+            await session.send(
+                proto.Error(rid=msg.rid, code=proto.E_TOO_LARGE, message=f"{len(data)} bytes > {proto.MAX_FILE}")
+            )
             return
-        await session.answer(P.FileInfo(rid=msg.rid, size=len(data), mode=mode))
+        await session.answer(proto.FileInfo(rid=msg.rid, size=len(data), mode=mode))
         if self.hostile.close_mid_request:
             session.conn.hang_up()
             await trio.aclose_forcefully(session.conn.stream)
@@ -1285,11 +1287,13 @@ class FakeGuest:
         session.reqs[msg.rid] = req
         self.nursery.start_soon(req.run)
 
-    async def _write_file(self, session: _Session, msg: P.WriteFile) -> None:
+    async def _write_file(self, session: _Session, msg: proto.WriteFile) -> None:
         if not msg.path.startswith("/") or msg.path.endswith("/"):
             raise LookupError("path must be absolute and name a file")
-        if msg.size > P.MAX_FILE:
-            await session.send(P.Error(rid=msg.rid, code=P.E_TOO_LARGE, message=f"{msg.size} bytes > {P.MAX_FILE}"))
+        if msg.size > proto.MAX_FILE:
+            await session.send(
+                proto.Error(rid=msg.rid, code=proto.E_TOO_LARGE, message=f"{msg.size} bytes > {proto.MAX_FILE}")
+            )
             return
         path = self.abspath(msg.path)
         if path in self.dirs:
@@ -1355,41 +1359,41 @@ class FakeGuest:
                 members = tf.getmembers()
                 contents = {m.name: tf.extractfile(m).read() for m in members if m.isreg()}  # type: ignore[union-attr]
         except tarfile.TarError as exc:
-            raise _FsError(P.E_INVALID, f"malformed tar stream: {exc}") from None
-        if len(members) > P.MAX_TREE_ENTRIES:
-            raise _FsError(P.E_TOO_LARGE, f"the archive has more than {P.MAX_TREE_ENTRIES} entries")
+            raise _FsError(proto.E_INVALID, f"malformed tar stream: {exc}") from None
+        if len(members) > proto.MAX_TREE_ENTRIES:
+            raise _FsError(proto.E_TOO_LARGE, f"the archive has more than {proto.MAX_TREE_ENTRIES} entries")
         plan: list[tuple[str, tarfile.TarInfo]] = []
         made: set[str] = set()
         files: set[str] = set()
         for m in members:
             if m.name.startswith("/"):
-                raise _FsError(P.E_INVALID, f"absolute name in the archive: {m.name[:200]!r}")
+                raise _FsError(proto.E_INVALID, f"absolute name in the archive: {m.name[:200]!r}")
             parts = [p for p in m.name.split("/") if p not in ("", ".")]
             if ".." in parts:
-                raise _FsError(P.E_INVALID, f"'..' in an archive name: {m.name[:200]!r}")
+                raise _FsError(proto.E_INVALID, f"'..' in an archive name: {m.name[:200]!r}")
             if len(parts) > MAX_DEPTH:
-                raise _FsError(P.E_INVALID, f"a name deeper than {MAX_DEPTH} levels")
+                raise _FsError(proto.E_INVALID, f"a name deeper than {MAX_DEPTH} levels")
             path = self._in(root, m.name)
             for i in range(1, len(parts)):
                 prefix = posixpath.join(root, *parts[:i])
                 if prefix in self.symlinks or prefix in made or prefix in self.files:
-                    raise _FsError(P.E_INVALID, f"{m.name}: {'/'.join(parts[:i])} is a symlink or not a directory")
+                    raise _FsError(proto.E_INVALID, f"{m.name}: {'/'.join(parts[:i])} is a symlink or not a directory")
             if m.ischr() or m.isblk() or m.isfifo():
-                raise _FsError(P.E_INVALID, f"{m.name}: device nodes and FIFOs are refused")
+                raise _FsError(proto.E_INVALID, f"{m.name}: device nodes and FIFOs are refused")
             if m.islnk() and self._in(root, m.linkname) not in files:
-                raise _FsError(P.E_INVALID, f"{m.name}: a hard link to {m.linkname!r}, not a file of this archive")
+                raise _FsError(proto.E_INVALID, f"{m.name}: a hard link to {m.linkname!r}, not a file of this archive")
             if not (m.isdir() or m.isreg() or m.issym() or m.islnk()):
-                raise _FsError(P.E_INVALID, f"{m.name}: unsupported tar entry type {m.type!r}")
+                raise _FsError(proto.E_INVALID, f"{m.name}: unsupported tar entry type {m.type!r}")
             if m.issym() or m.isreg() or m.islnk():
                 if path in self.dirs:
-                    raise _FsError(P.E_IS_DIR, f"{m.name}: a directory is in the way")
+                    raise _FsError(proto.E_IS_DIR, f"{m.name}: a directory is in the way")
                 made.add(path)
             if m.isreg():
                 files.add(path)
             plan.append((path, m))
         total = sum(m.size for _, m in plan if m.isreg())
-        if total > P.MAX_TREE:
-            raise _FsError(P.E_TOO_LARGE, f"the archive's files exceed {P.MAX_TREE} bytes")
+        if total > proto.MAX_TREE:
+            raise _FsError(proto.E_TOO_LARGE, f"the archive's files exceed {proto.MAX_TREE} bytes")
         self.mkdir(root, parents=True)
         for path, m in plan:
             d = posixpath.dirname(path)
@@ -1426,7 +1430,7 @@ class FakeGuest:
             except _FsError as exc:
                 raise _FsError(exc.code, f"entry {base + i} ({str(e.get('path'))[:200]}): {exc.message}") from None
             except LookupError as exc:
-                raise _FsError(P.E_INVALID, f"entry {base + i} ({e.get('path')}): {exc.args[0]}") from None
+                raise _FsError(proto.E_INVALID, f"entry {base + i} ({e.get('path')}): {exc.args[0]}") from None
             except OSError as exc:
                 raise _FsError(errcode(exc), f"entry {base + i} ({e.get('path')}): {exc.strerror}") from None
         return len(entries)
@@ -1435,18 +1439,18 @@ class FakeGuest:
         kinds = {"op": str, "path": str, "data": bytes, "target": str, "mode": int, "owner": str, "replace": bool}
         for key, kind in kinds.items():
             if key in e and type(e[key]) is not kind:
-                raise _FsError(P.E_INVALID, f"{key} must be {kind.__name__}")
+                raise _FsError(proto.E_INVALID, f"{key} must be {kind.__name__}")
         op, path = e.get("op", ""), e.get("path", "")
         data, mode, replace = e.get("data", b""), e.get("mode", -1), e.get("replace", False)
         if op not in PATCH_OPS:
-            raise _FsError(P.E_INVALID, f"op must be one of {', '.join(PATCH_OPS)}")
+            raise _FsError(proto.E_INVALID, f"op must be one of {', '.join(PATCH_OPS)}")
         if not path.startswith("/"):
-            raise _FsError(P.E_INVALID, "path must be absolute")
+            raise _FsError(proto.E_INVALID, "path must be absolute")
         if mode < -1 or mode > 0o7777:
-            raise _FsError(P.E_INVALID, "mode must be -1 or 0..0o7777")
+            raise _FsError(proto.E_INVALID, "mode must be -1 or 0..0o7777")
         path = posixpath.normpath(path)
         if path == "/":
-            raise _FsError(P.E_INVALID, "the root directory cannot be patched")
+            raise _FsError(proto.E_INVALID, "the root directory cannot be patched")
         owner = self._owner(e.get("owner", ""))
         exists = path in self.files or path in self.dirs or path in self.symlinks
         if op == "remove":
@@ -1458,32 +1462,32 @@ class FakeGuest:
         self.mkdir(posixpath.dirname(path), parents=True)
         if op == "mkdir":
             if exists and path not in self.dirs:
-                raise _FsError(P.E_EXISTS, "exists and is not a directory")
+                raise _FsError(proto.E_EXISTS, "exists and is not a directory")
             self.mkdir(path, parents=True)
             if mode >= 0 or not exists:
                 self.dir_modes[path] = 0o755 if mode < 0 else mode
         elif path in self.dirs:
-            raise _FsError(P.E_IS_DIR, "a directory is in the way")
+            raise _FsError(proto.E_IS_DIR, "a directory is in the way")
         elif op in ("file", "symlink") and exists and not replace:
-            raise _FsError(P.E_EXISTS, "exists (replace is false)")
+            raise _FsError(proto.E_EXISTS, "exists (replace is false)")
         elif op == "file":
             self.symlinks.pop(path, None)
             self.store(path, data, 0o644 if mode < 0 else mode)
         elif op == "symlink":
             if not e.get("target"):
-                raise _FsError(P.E_INVALID, "a symlink needs a target")
+                raise _FsError(proto.E_INVALID, "a symlink needs a target")
             self._check_writable(path)
             self.files.pop(path, None)
             self.symlinks[path] = e["target"]
         else:  # append
             if path in self.symlinks:
-                raise _FsError(P.E_INVALID, "Too many levels of symbolic links")
+                raise _FsError(proto.E_INVALID, "Too many levels of symbolic links")
             old_mode, old = self.files.get(path, (0o644, b""))
             self.store(path, old + data, old_mode if mode < 0 else mode)
         if owner is not None:
             self.owners[path] = owner
 
-    async def _read_tree(self, session: _Session, msg: P.ReadTree) -> None:
+    async def _read_tree(self, session: _Session, msg: proto.ReadTree) -> None:
         if not msg.path.startswith("/"):
             raise LookupError("path must be absolute")
         path = self.abspath(msg.path)
@@ -1492,7 +1496,7 @@ class FakeGuest:
                 raise NotADirectoryError(errno.ENOTDIR, "Not a directory")
             raise self._missing(path)
         data = self.pack_tree(path)
-        await session.answer(P.Ok(rid=msg.rid))
+        await session.answer(proto.Ok(rid=msg.rid))
         if self.hostile.close_mid_request:
             session.conn.hang_up()
             await trio.aclose_forcefully(session.conn.stream)
@@ -1501,7 +1505,7 @@ class FakeGuest:
         session.reqs[msg.rid] = req
         self.nursery.start_soon(req.run)
 
-    async def _write_tree(self, session: _Session, msg: P.WriteTree) -> None:
+    async def _write_tree(self, session: _Session, msg: proto.WriteTree) -> None:
         if not msg.path.startswith("/"):
             raise LookupError("path must be absolute")
         path = self.abspath(msg.path)
@@ -1511,25 +1515,25 @@ class FakeGuest:
         self._check_writable(path)
         session.reqs[msg.rid] = _FileWriteReq(session, msg.rid, self, path, 0, owner, tree=True)
 
-    def _mount(self, msg: P.Mount) -> None:
+    def _mount(self, msg: proto.Mount) -> None:
         if not msg.path.startswith("/") or posixpath.normpath(msg.path) == "/":
             raise LookupError("mount path must be absolute and not /")
         if msg.device not in self.disks:
             what = f"no disk with serial {msg.device[7:]!r}" if msg.device.startswith("serial:") else msg.device
-            raise ExecFailed(P.E_NOT_FOUND, what)
+            raise ExecFailed(proto.E_NOT_FOUND, what)
         if self.disks[msg.device] and not msg.read_only:
-            raise ExecFailed(P.E_PERM, f"{msg.device} is attached read-only; mount it read-only")
+            raise ExecFailed(proto.E_PERM, f"{msg.device} is attached read-only; mount it read-only")
         path = posixpath.normpath(msg.path)
         if path in self.mounts:
-            raise ExecFailed(P.E_EXISTS, f"{path} is a mount point already")
+            raise ExecFailed(proto.E_EXISTS, f"{path} is a mount point already")
         self.mkdir(path, parents=True)
         self.mounts[path] = (msg.device, msg.read_only)
         if msg.read_only:
             self.readonly.add(path)
 
-    def _metrics(self, rid: int) -> P.MetricsOk:
+    def _metrics(self, rid: int) -> proto.MetricsOk:
         up = self.uptime()
-        return P.MetricsOk(
+        return proto.MetricsOk(
             rid=rid,
             uptime=up,
             cpu_seconds={"user": up / 10, "nice": 0.0, "system": up / 20, "idle": up * self.ncpu * 0.85}

@@ -1,4 +1,4 @@
-"""What tests of the gRPC edge share: clients generated from the seed's proto, TLS material.
+"""What tests of the gRPC edge share: clients generated from sandbox.v1's proto, TLS material.
 
 ``generate()`` runs protoc (grpcio-tools) over ``shared/seeds/000_...txt`` (the vendored
 copy when shared/ is not beside the clone) at its conventional path

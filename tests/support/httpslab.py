@@ -1,4 +1,4 @@
-"""A stand-in HTTPS server for the secret proxy's tests and benchmark (issue 23).
+"""A stand-in HTTPS server for the secret proxy's tests and benchmark.
 
 One TLS listener (in a namespace the test made) with a certificate from a test CA
 (``trustme``, made per run) for ``api.test``, ``other.test`` and ``plain.test``; it

@@ -33,7 +33,7 @@ from typing import Any
 import attrs
 import trio
 
-from actors.net import dnsmsg as D
+from actors.net import dnsmsg
 from actors.net.egress import EgressPolicy
 from actors.net.hostnet import HostNetConfig, HostNetwork, SandboxLink
 from actors.net.ippool import IpPool, MemoryLeases, link_name
@@ -140,24 +140,24 @@ async def dns_server(
         while True:
             data, peer = await sock.recvfrom(4096)
             try:
-                mid, flags, q = D.parse_query(data)
-            except D.DnsError:
+                mid, flags, q = dnsmsg.parse_query(data)
+            except dnsmsg.DnsError:
                 continue
             asked.append(q.name)
-            answers: tuple[D.Record, ...] = ()
-            rcode = D.NXDOMAIN
+            answers: tuple[dnsmsg.Record, ...] = ()
+            rcode = dnsmsg.NXDOMAIN
             if q.name == "www.allowed.test":  # a CNAME chain
                 answers = (
-                    D.Record(q.name, D.CNAME, D.IN, ttl, b"", target="cdn.allowed.test"),
-                    D.address_record("cdn.allowed.test", IPv4Address(ZONE["cdn.allowed.test"]), ttl),
+                    dnsmsg.Record(q.name, dnsmsg.CNAME, dnsmsg.IN, ttl, b"", target="cdn.allowed.test"),
+                    dnsmsg.address_record("cdn.allowed.test", IPv4Address(ZONE["cdn.allowed.test"]), ttl),
                 )
-                rcode = D.NOERROR
+                rcode = dnsmsg.NOERROR
             elif q.name in ZONE:
-                rcode = D.NOERROR
-                if q.qtype == D.A:
-                    answers = (D.address_record(q.name, IPv4Address(ZONE[q.name]), ttl),)
-            msg = D.Message(mid, D.QR | D.RA | (flags & D.RD) | rcode, (q,), answers)
-            await sock.sendto(D.build(msg), peer)
+                rcode = dnsmsg.NOERROR
+                if q.qtype == dnsmsg.A:
+                    answers = (dnsmsg.address_record(q.name, IPv4Address(ZONE[q.name]), ttl),)
+            msg = dnsmsg.Message(mid, dnsmsg.QR | dnsmsg.RA | (flags & dnsmsg.RD) | rcode, (q,), answers)
+            await sock.sendto(dnsmsg.build(msg), peer)
 
 
 async def probe(ns: NetNS, address: str, port: int, timeout: float = 3.0) -> str:
@@ -179,10 +179,10 @@ async def resolve(ns: NetNS, server: str, name: str, timeout: float = 3.0) -> tu
     sock = trio.socket.from_stdlib_socket(ns.socket(socket.AF_INET, socket.SOCK_DGRAM))
     with sock:
         await sock.connect((server, 53))
-        await sock.send(D.query(name, D.A, mid=4242))
+        await sock.send(dnsmsg.query(name, dnsmsg.A, mid=4242))
         with trio.move_on_after(timeout):
-            msg = D.parse(await sock.recv(4096))
-            return msg.rcode, [str(a) for a, _ in D.answered_addresses(msg, name)]
+            msg = dnsmsg.parse(await sock.recv(4096))
+            return msg.rcode, [str(a) for a, _ in dnsmsg.answered_addresses(msg, name)]
     return -1, []
 
 

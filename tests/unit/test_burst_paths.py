@@ -1,4 +1,4 @@
-"""The supervisor's own work per Create in a burst (issue 28 item 6; docs/results/burst-fast.md):
+"""The supervisor's own work per Create in a burst (docs/results/burst-fast.md):
 an empty overlay written from the bytes qemu-img made once, the SDK's wait for ready
 asking Inspect less often as the wait goes on."""
 

@@ -15,7 +15,7 @@ import trio
 import trio.testing
 
 from actors.channel.guest import GuestChannel, GuestProtocolError, open_channel
-from guestd import proto as P
+from guestd import proto
 
 
 class RawGuest:
@@ -23,13 +23,13 @@ class RawGuest:
 
     def __init__(self, stream: trio.abc.Stream) -> None:
         self.stream = stream
-        self.decoder = P.FrameDecoder()
-        self.got: list[P.Message] = []
+        self.decoder = proto.FrameDecoder()
+        self.got: list[proto.Message] = []
 
-    async def send(self, msg: P.Message) -> None:
-        await self.stream.send_all(P.encode(msg))
+    async def send(self, msg: proto.Message) -> None:
+        await self.stream.send_all(proto.encode(msg))
 
-    async def serve(self, on_message: Callable[[P.Message], object]) -> None:
+    async def serve(self, on_message: Callable[[proto.Message], object]) -> None:
         synced = False
         while True:
             data = await self.stream.receive_some(1 << 16)
@@ -37,21 +37,21 @@ class RawGuest:
                 return
             self.decoder.feed(data)
             if not synced:
-                if not self.decoder.resync(P.HOST_SYNC):
+                if not self.decoder.resync(proto.HOST_SYNC):
                     continue
                 synced = True
             for msg in self.decoder.messages():
-                if isinstance(msg, P.Hello):
-                    await self.stream.send_all(P.GUEST_SYNC)
+                if isinstance(msg, proto.Hello):
+                    await self.stream.send_all(proto.GUEST_SYNC)
                     await self.send(
-                        P.HelloOk(
-                            version=P.PROTOCOL_VERSION, pid=1, boot_ns=0, ready_ns=0, activity=0, features=["files"]
+                        proto.HelloOk(
+                            version=proto.PROTOCOL_VERSION, pid=1, boot_ns=0, ready_ns=0, activity=0, features=["files"]
                         )
                     )
                     continue
                 self.got.append(msg)
                 reply = on_message(msg)
-                if isinstance(reply, P.Message):
+                if isinstance(reply, proto.Message):
                     await self.send(reply)
                 elif isinstance(reply, list):
                     for m in reply:
@@ -59,7 +59,7 @@ class RawGuest:
 
 
 @asynccontextmanager
-async def channel_to(on_message: Callable[[P.Message], object]) -> AsyncIterator[tuple[GuestChannel, RawGuest]]:
+async def channel_to(on_message: Callable[[proto.Message], object]) -> AsyncIterator[tuple[GuestChannel, RawGuest]]:
     host_end, guest_end = trio.testing.memory_stream_pair()
     guest = RawGuest(guest_end)
     async with trio.open_nursery() as nursery:
@@ -72,56 +72,57 @@ async def channel_to(on_message: Callable[[P.Message], object]) -> AsyncIterator
 
 
 def data_bytes(guest: RawGuest) -> int:
-    return sum(len(m.data) for m in guest.got if isinstance(m, P.Data))
+    return sum(len(m.data) for m in guest.got if isinstance(m, proto.Data))
 
 
 async def test_a_write_file_runs_one_file_window_ahead_and_no_further() -> None:
-    extra = P.FILE_WINDOW - P.WINDOW
+    extra = proto.FILE_WINDOW - proto.WINDOW
     stalled = trio.Event()
 
-    def on_message(msg: P.Message) -> object:
-        if isinstance(msg, P.WriteFile):
-            assert msg.window == P.FILE_WINDOW  # the host asks for the deeper pipe
-            return P.Credit(rid=msg.rid, ch=P.STDIN, n=extra)
-        if isinstance(msg, P.Data) and data_bytes(guest) >= P.FILE_WINDOW:
+    def on_message(msg: proto.Message) -> object:
+        if isinstance(msg, proto.WriteFile):
+            assert msg.window == proto.FILE_WINDOW  # the host asks for the deeper pipe
+            return proto.Credit(rid=msg.rid, ch=proto.STDIN, n=extra)
+        if isinstance(msg, proto.Data) and data_bytes(guest) >= proto.FILE_WINDOW:
             stalled.set()  # every granted byte came; nothing more is credited
         return None
 
     with trio.fail_after(30):
         async with channel_to(on_message) as (chan, guest), trio.open_nursery() as nursery:
-            nursery.start_soon(chan.write_file, "/tmp/f", bytes(4 * P.FILE_WINDOW))
+            nursery.start_soon(chan.write_file, "/tmp/f", bytes(4 * proto.FILE_WINDOW))
             await stalled.wait()
             await trio.testing.wait_all_tasks_blocked()
-            assert data_bytes(guest) == P.FILE_WINDOW
+            assert data_bytes(guest) == proto.FILE_WINDOW
             nursery.cancel_scope.cancel()
 
 
 async def test_a_guest_granting_more_than_the_asked_window_breaks_the_channel() -> None:
-    def on_message(msg: P.Message) -> object:
-        if isinstance(msg, P.WriteFile):
+    def on_message(msg: proto.Message) -> object:
+        if isinstance(msg, proto.WriteFile):
             # more than asked for in all, whatever the host sent meanwhile
-            return P.Credit(rid=msg.rid, ch=P.STDIN, n=P.FILE_WINDOW + 1)
+            return proto.Credit(rid=msg.rid, ch=proto.STDIN, n=proto.FILE_WINDOW + 1)
         return None
 
     with trio.fail_after(30):
         async with channel_to(on_message) as (chan, _guest):
             with pytest.raises(GuestProtocolError, match="more stdin credit"):
-                await chan.write_file("/tmp/f", bytes(4 * P.FILE_WINDOW))
+                await chan.write_file("/tmp/f", bytes(4 * proto.FILE_WINDOW))
 
 
 async def test_a_read_file_grants_the_file_window_and_data_beyond_it_breaks_the_channel() -> None:
-    size = 4 * P.FILE_WINDOW
+    size = 4 * proto.FILE_WINDOW
     credit: dict[int, int] = {}
 
-    def on_message(msg: P.Message) -> object:
-        if isinstance(msg, P.ReadFile):
-            credit[msg.rid] = P.WINDOW
-            return P.FileInfo(rid=msg.rid, size=size, mode=0o644)
-        if isinstance(msg, P.Credit):
+    def on_message(msg: proto.Message) -> object:
+        if isinstance(msg, proto.ReadFile):
+            credit[msg.rid] = proto.WINDOW
+            return proto.FileInfo(rid=msg.rid, size=size, mode=0o644)
+        if isinstance(msg, proto.Credit):
             credit[msg.rid] += msg.n
-            if credit[msg.rid] == P.FILE_WINDOW:  # the whole window granted up front: overrun it
+            if credit[msg.rid] == proto.FILE_WINDOW:  # the whole window granted up front: overrun it
                 return [
-                    P.Data(rid=msg.rid, ch=P.STDOUT, data=bytes(P.CHUNK)) for _ in range(P.FILE_WINDOW // P.CHUNK + 1)
+                    proto.Data(rid=msg.rid, ch=proto.STDOUT, data=bytes(proto.CHUNK))
+                    for _ in range(proto.FILE_WINDOW // proto.CHUNK + 1)
                 ]
         return None
 
@@ -141,7 +142,7 @@ class _Agent:
 
     def __init__(self) -> None:
         self.dirty: set[object] = set()
-        self.seen: list[P.Message] = []
+        self.seen: list[proto.Message] = []
 
     def update_conn(self, conn: object) -> None:
         pass
@@ -149,7 +150,7 @@ class _Agent:
     def remove_conn(self, conn: object) -> None:
         pass
 
-    def dispatch(self, conn: object, msg: P.Message) -> None:
+    def dispatch(self, conn: object, msg: proto.Message) -> None:
         self.seen.append(msg)
 
 
@@ -165,12 +166,12 @@ def _conn() -> tuple[object, _Agent, socket.socket, socket.socket]:
 def test_guestd_reads_frames_split_across_its_read_pieces() -> None:
     conn, agent, ours, peer = _conn()
     with ours, peer:
-        frames = [P.encode(P.Data(rid=1, ch=0, data=bytes([i]) * (P.FILE_CHUNK + i))) for i in range(3)]
-        stream = P.HOST_SYNC + b"".join(frames)
+        frames = [proto.encode(proto.Data(rid=1, ch=0, data=bytes([i]) * (proto.FILE_CHUNK + i))) for i in range(3)]
+        stream = proto.HOST_SYNC + b"".join(frames)
         for i in range(0, len(stream), 100_001):  # pieces cut inside frames
             peer.sendall(stream[i : i + 100_001])
             conn.on_readable()  # type: ignore[attr-defined]
-        assert [len(m.data) for m in agent.seen] == [P.FILE_CHUNK + i for i in range(3)]  # type: ignore[attr-defined]
+        assert [len(m.data) for m in agent.seen] == [proto.FILE_CHUNK + i for i in range(3)]  # type: ignore[attr-defined]
 
 
 def test_guestd_writes_through_a_full_pipe_and_drops_a_peer_that_went() -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from actors.channel.guest import _Request
-from guestd import proto as P
+from guestd import proto
 
 
 class _NoGrant:
@@ -15,20 +15,20 @@ async def test_guest_request_keeps_data_queued_behind_a_message() -> None:
     """Data arriving while a message (file_info) is still queued is kept, in order, and
     data merges only into the trailing run of data entries."""
     req = _Request(_NoGrant(), 1)  # type: ignore[arg-type]
-    req.deliver(P.FileInfo(rid=1, size=6, mode=0o644))
-    req.deliver(P.Data(rid=1, ch=P.STDOUT, data=b"abc"))
-    req.deliver(P.Data(rid=1, ch=P.STDERR, data=b"!"))
-    req.deliver(P.Data(rid=1, ch=P.STDOUT, data=b"def"))
-    req.deliver(P.Eof(rid=1, ch=P.STDOUT))
-    req.deliver(P.Data(rid=1, ch=P.STDERR, data=b"?"))
+    req.deliver(proto.FileInfo(rid=1, size=6, mode=0o644))
+    req.deliver(proto.Data(rid=1, ch=proto.STDOUT, data=b"abc"))
+    req.deliver(proto.Data(rid=1, ch=proto.STDERR, data=b"!"))
+    req.deliver(proto.Data(rid=1, ch=proto.STDOUT, data=b"def"))
+    req.deliver(proto.Eof(rid=1, ch=proto.STDOUT))
+    req.deliver(proto.Data(rid=1, ch=proto.STDERR, data=b"?"))
     got = []
     for _ in range(5):
         m = await req.next()
         got.append((m.TAG, getattr(m, "ch", None), getattr(m, "data", None)))
     assert got == [
         ("file_info", None, None),
-        ("data", P.STDOUT, b"abcdef"),
-        ("data", P.STDERR, b"!"),
-        ("eof", P.STDOUT, None),
-        ("data", P.STDERR, b"?"),
+        ("data", proto.STDOUT, b"abcdef"),
+        ("data", proto.STDERR, b"!"),
+        ("eof", proto.STDOUT, None),
+        ("data", proto.STDERR, b"?"),
     ]

@@ -10,7 +10,7 @@ from pathlib import Path
 import attrs
 import pytest
 
-from actors import defaults as D
+from actors import defaults
 from supervisor.cli import build_parser
 from supervisor.daemon_config import FLAG, DaemonConfig, flags, from_args, to_argv
 
@@ -100,26 +100,26 @@ def test_a_config_said_as_flags_parses_back_to_itself(tmp_path: Path) -> None:
         secrets_key=tmp_path / "secrets.key",
         upstream_ca=tmp_path / "upstream-ca.pem",
     )
-    defaults = DaemonConfig(socket=cfg.socket, state_dir=cfg.state_dir)
+    default_cfg = DaemonConfig(socket=cfg.socket, state_dir=cfg.state_dir)
     left_at_default = [
         a.name
         for a in attrs.fields(DaemonConfig)
-        if a.name not in NOT_FLAGS and getattr(cfg, a.name) == getattr(defaults, a.name)
+        if a.name not in NOT_FLAGS and getattr(cfg, a.name) == getattr(default_cfg, a.name)
     ]
     assert left_at_default == ["socket", "state_dir"]  # (required: no default to differ from)
     assert parse(to_argv(cfg)) == cfg
-    assert parse(to_argv(defaults)) == defaults  # (ip_pool "" said as --ip-pool none)
+    assert parse(to_argv(default_cfg)) == default_cfg  # (ip_pool "" said as --ip-pool none)
 
 
 def test_no_flags_give_the_declared_defaults(tmp_path: Path) -> None:
     cfg = parse(["--socket", str(tmp_path / "s"), "--state-dir", str(tmp_path / "st")])
     # the one flag whose default is not the field's: serve has tap networking on by default
-    assert cfg == DaemonConfig(socket=tmp_path / "s", state_dir=tmp_path / "st", ip_pool=D.IP_POOL)
+    assert cfg == DaemonConfig(socket=tmp_path / "s", state_dir=tmp_path / "st", ip_pool=defaults.IP_POOL)
     assert (cfg.tb_size_mib, cfg.boot_timeout, cfg.guest_timeout, cfg.jail_overhead_mib) == (
-        D.TB_SIZE_MIB,
-        D.BOOT_TIMEOUT,
-        D.GUEST_TIMEOUT,
-        D.JAIL_OVERHEAD_MIB,
+        defaults.TB_SIZE_MIB,
+        defaults.BOOT_TIMEOUT,
+        defaults.GUEST_TIMEOUT,
+        defaults.JAIL_OVERHEAD_MIB,
     )
 
 
@@ -163,14 +163,18 @@ def test_the_defaults_are_defined_once() -> None:
     def default(cls: type, name: str) -> object:
         return attrs.fields_dict(cls)[name].default
 
-    assert default(settings.Settings, "tb_size_mib") == default(qemuspec.MachineSpec, "tb_size_mib") == D.TB_SIZE_MIB
-    assert default(settings.Settings, "boot_timeout") == default(vm.VmSpec, "boot_timeout") == D.BOOT_TIMEOUT
-    assert default(settings.Settings, "guest_timeout") == D.GUEST_TIMEOUT
-    assert default(cell.JailConfig, "overhead_mib") == D.JAIL_OVERHEAD_MIB
-    assert cgroups.CgroupLimits.for_guest.__kwdefaults__["overhead_mib"] == D.JAIL_OVERHEAD_MIB  # type: ignore[index]
-    assert snapshot.resume_spec.__kwdefaults__["boot_timeout"] == D.BOOT_TIMEOUT  # type: ignore[index]
-    assert (jail.DEFAULT_ID_FIRST, jail.DEFAULT_ID_COUNT) == (D.JAIL_ID_FIRST, D.JAIL_ID_COUNT)
-    assert ippool.DEFAULT_POOL == D.IP_POOL
+    assert (
+        default(settings.Settings, "tb_size_mib")
+        == default(qemuspec.MachineSpec, "tb_size_mib")
+        == defaults.TB_SIZE_MIB
+    )
+    assert default(settings.Settings, "boot_timeout") == default(vm.VmSpec, "boot_timeout") == defaults.BOOT_TIMEOUT
+    assert default(settings.Settings, "guest_timeout") == defaults.GUEST_TIMEOUT
+    assert default(cell.JailConfig, "overhead_mib") == defaults.JAIL_OVERHEAD_MIB
+    assert cgroups.CgroupLimits.for_guest.__kwdefaults__["overhead_mib"] == defaults.JAIL_OVERHEAD_MIB  # type: ignore[index]
+    assert snapshot.resume_spec.__kwdefaults__["boot_timeout"] == defaults.BOOT_TIMEOUT  # type: ignore[index]
+    assert (jail.DEFAULT_ID_FIRST, jail.DEFAULT_ID_COUNT) == (defaults.JAIL_ID_FIRST, defaults.JAIL_ID_COUNT)
+    assert ippool.DEFAULT_POOL == defaults.IP_POOL
 
 
 def test_serve_pool_argument() -> None:

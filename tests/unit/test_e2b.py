@@ -274,10 +274,10 @@ class _Snapshots(Client):
 
 
 async def test_templates_a_key_may_restore() -> None:
-    from supervisor import protocol as W
+    from supervisor import protocol
 
-    def snap(id: str, name: str, **kw: Any) -> W.SnapshotSummary:
-        return W.SnapshotSummary(id, "origin", name, {}, "/d", "t", **kw)
+    def snap(id: str, name: str, **kw: Any) -> protocol.SnapshotSummary:
+        return protocol.SnapshotSummary(id, "origin", name, {}, "/d", "t", **kw)
 
     listed = (
         snap("snap-0a", "plain", network="none"),

@@ -38,7 +38,7 @@ from actors.channel.guest import (
     HelloTimeout,
     open_channel,
 )
-from guestd import proto as P
+from guestd import proto
 from tests.support.fakeguest import Command, FakeGuest, fake_guest
 
 
@@ -62,7 +62,7 @@ async def test_hello_reports_boot_and_sets_the_clock(
     autojump_clock: MockClock, guest: FakeGuest, chan: GuestChannel
 ) -> None:
     info = chan.hello_info
-    assert info is not None and info.version == P.PROTOCOL_VERSION and info.pid == 1
+    assert info is not None and info.version == proto.PROTOCOL_VERSION and info.pid == 1
     assert 0 < info.boot_ns <= info.ready_ns
     assert {"init", "modules", "rootfs", "python", "ready"} <= set(info.marks)
     assert "exec" in info.features
@@ -147,7 +147,7 @@ async def test_a_write_under_a_read_only_tree_is_permission_denied(
     guest.readonly.add("/ro")
     with trio.fail_after(5), pytest.raises(GuestOpError) as e:
         await chan.write_file("/ro/x", b"x")
-    assert e.value.code == P.E_PERM and "/ro/x" not in guest.files
+    assert e.value.code == proto.E_PERM and "/ro/x" not in guest.files
 
 
 async def test_shell_redirections_and_file_commands(
@@ -326,7 +326,7 @@ async def test_exec_output_beyond_credit_breaks_the_channel(
 async def test_file_contents_beyond_credit_break_the_channel(
     autojump_clock: MockClock, guest: FakeGuest, chan: GuestChannel
 ) -> None:
-    guest.files["/tmp/big"] = (0o644, bytes(2 * P.FILE_WINDOW))  # beyond the whole file window
+    guest.files["/tmp/big"] = (0o644, bytes(2 * proto.FILE_WINDOW))  # beyond the whole file window
     guest.hostile.overrun_credit = True
     with trio.fail_after(5):
         async with chan.read_file("/tmp/big") as f:
@@ -410,7 +410,7 @@ async def test_a_send_blocked_when_the_channel_breaks_raises_a_guest_error() -> 
 
     async def flood(cmd: Command) -> int:
         await go.wait()
-        await cmd.write(bytes(2 * P.WINDOW))
+        await cmd.write(bytes(2 * proto.WINDOW))
         return 0
 
     errors: list[Exception] = []
@@ -455,10 +455,10 @@ async def test_mounts_of_the_disks_there_are() -> None:
             await chan.mount("serial:ro", "/ro", read_only=True)
             assert guest.mounts == {"/data": ("serial:vol0", False), "/ro": ("serial:ro", True)}
             for args, kw, code in (
-                (("serial:nope", "/x"), {}, P.E_NOT_FOUND),
-                (("serial:ro", "/rw"), {}, P.E_PERM),
-                (("serial:vol0", "/data"), {}, P.E_EXISTS),
-                (("serial:vol0", "/"), {}, P.E_INVALID),
+                (("serial:nope", "/x"), {}, proto.E_NOT_FOUND),
+                (("serial:ro", "/rw"), {}, proto.E_PERM),
+                (("serial:vol0", "/data"), {}, proto.E_EXISTS),
+                (("serial:vol0", "/"), {}, proto.E_INVALID),
             ):
                 with pytest.raises(GuestOpError) as e:
                     await chan.mount(*args, **kw)  # type: ignore[arg-type]
@@ -469,7 +469,7 @@ async def test_mounts_of_the_disks_there_are() -> None:
             assert list(guest.mounts) == ["/data"]
             with pytest.raises(GuestOpError) as e:
                 await chan.umount("/ro")
-            assert e.value.code == P.E_INVALID
+            assert e.value.code == proto.E_INVALID
 
 
 @pytest.mark.parametrize(

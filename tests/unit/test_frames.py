@@ -26,8 +26,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from rich.console import Console
 
-from supervisor import frames as F
-from supervisor import protocol as W
+from supervisor import frames, protocol
 from supervisor.cli_output import plain_table, rich_table
 from supervisor.client import (
     AsyncSandbox,
@@ -51,105 +50,105 @@ _body = st.dictionaries(
     st.text(max_size=8), st.one_of(st.integers(-(2**40), 2**40), _text, st.binary(max_size=16), st.booleans())
 )
 envelopes = st.one_of(
-    st.builds(W.ClientHello, version=_id, client=_text),
-    st.builds(W.ServerHello, version=_id, server=_text),
-    st.builds(W.Call, id=_id, method=_text, body=_body),
-    st.builds(W.Send, id=_id, body=_body),
-    st.builds(W.HalfClose, id=_id),
-    st.builds(W.Cancel, id=_id),
-    st.builds(W.Reply, id=_id, body=_body),
-    st.builds(W.Item, id=_id, body=_body),
-    st.builds(W.End, id=_id),
-    st.builds(W.Fail, id=_id, code=st.sampled_from(sorted(W.CODES)), message=_text),
+    st.builds(protocol.ClientHello, version=_id, client=_text),
+    st.builds(protocol.ServerHello, version=_id, server=_text),
+    st.builds(protocol.Call, id=_id, method=_text, body=_body),
+    st.builds(protocol.Send, id=_id, body=_body),
+    st.builds(protocol.HalfClose, id=_id),
+    st.builds(protocol.Cancel, id=_id),
+    st.builds(protocol.Reply, id=_id, body=_body),
+    st.builds(protocol.Item, id=_id, body=_body),
+    st.builds(protocol.End, id=_id),
+    st.builds(protocol.Fail, id=_id, code=st.sampled_from(sorted(protocol.CODES)), message=_text),
 )
 
 
 @given(envelopes)
-def test_plain_maps_and_the_converter_write_the_same_wire(msg: W.Envelope) -> None:
-    frame = W.encode(msg)
-    as_map = F.unpack(frame[4:])
-    assert as_map == W.converter.unstructure(msg, W.Envelope)
-    assert W.decode(F.pack(as_map)[4:]) == msg
+def test_plain_maps_and_the_converter_write_the_same_wire(msg: protocol.Envelope) -> None:
+    frame = protocol.encode(msg)
+    as_map = frames.unpack(frame[4:])
+    assert as_map == protocol.converter.unstructure(msg, protocol.Envelope)
+    assert protocol.decode(frames.pack(as_map)[4:]) == msg
 
 
 @given(st.binary(max_size=64))
 def test_unpack_of_garbage_is_invalid_argument(body: bytes) -> None:
     try:
-        obj = F.unpack(body)
+        obj = frames.unpack(body)
     except ApiError as exc:
-        assert exc.code == W.INVALID_ARGUMENT
+        assert exc.code == protocol.INVALID_ARGUMENT
     else:
         assert isinstance(obj, dict) and isinstance(obj["t"], str)
 
 
 @given(st.lists(envelopes, max_size=6), st.data())
 @settings(suppress_health_check=[HealthCheck.too_slow])
-def test_frame_reader_reassembles_any_chunking(msgs: list[W.Envelope], data: st.DataObject) -> None:
-    stream = b"".join(W.encode(m) for m in msgs)
+def test_frame_reader_reassembles_any_chunking(msgs: list[protocol.Envelope], data: st.DataObject) -> None:
+    stream = b"".join(protocol.encode(m) for m in msgs)
     cuts = sorted(data.draw(st.lists(st.integers(0, len(stream)), max_size=8)))
-    r = F.FrameReader()
+    r = frames.FrameReader()
     got = []
     for a, b in zip([0, *cuts], [*cuts, len(stream)], strict=True):
         r.feed(stream[a:b])
         while (body := r.next()) is not None:
-            got.append(W.decode(body))
+            got.append(protocol.decode(body))
     assert got == msgs and r.buffered == 0
 
 
 def test_frames_over_the_cap_are_resource_exhausted() -> None:
-    r = F.FrameReader(max_frame=10)
+    r = frames.FrameReader(max_frame=10)
     r.feed(struct.pack(">I", 11))  # the header alone says so
     with pytest.raises(ApiError) as e:
         r.next()
-    assert e.value.code == W.RESOURCE_EXHAUSTED
+    assert e.value.code == protocol.RESOURCE_EXHAUSTED
     with pytest.raises(ApiError) as e:
-        F.frame(b"x" * 11, max_frame=10)
-    assert e.value.code == W.RESOURCE_EXHAUSTED
+        frames.frame(b"x" * 11, max_frame=10)
+    assert e.value.code == protocol.RESOURCE_EXHAUSTED
     with pytest.raises(ApiError) as e:
-        W.encode(W.Call(1, "WriteFile", {"data": b"x" * W.MAX_FRAME}))
-    assert e.value.code == W.RESOURCE_EXHAUSTED
+        protocol.encode(protocol.Call(1, "WriteFile", {"data": b"x" * protocol.MAX_FRAME}))
+    assert e.value.code == protocol.RESOURCE_EXHAUSTED
 
 
 # --- FramedStream (Trio): what the server and the async SDK use --------------------------
-def envelope_pair() -> tuple[F.FramedStream, F.FramedStream]:
+def envelope_pair() -> tuple[frames.FramedStream, frames.FramedStream]:
     a, b = trio.testing.memory_stream_pair()
-    return F.FramedStream(a), F.FramedStream(b)
+    return frames.FramedStream(a), frames.FramedStream(b)
 
 
 async def test_framed_stream_round_trip_eof_and_truncation() -> None:
     a, b = envelope_pair()
-    await a.send(W.Call(1, "List", {"limit": 3}))
-    await a.send(W.End(1))
-    assert await b.receive() == W.Call(1, "List", {"limit": 3})
-    assert await b.receive() == W.End(1)
-    await a.stream.send_all(W.encode(W.End(2))[:5])  # a frame cut short, then EOF
+    await a.send(protocol.Call(1, "List", {"limit": 3}))
+    await a.send(protocol.End(1))
+    assert await b.receive() == protocol.Call(1, "List", {"limit": 3})
+    assert await b.receive() == protocol.End(1)
+    await a.stream.send_all(protocol.encode(protocol.End(2))[:5])  # a frame cut short, then EOF
     await a.aclose()
     assert await b.receive() is None
     with pytest.raises(trio.ClosedResourceError):
-        await a.send(W.End(3))
+        await a.send(protocol.End(3))
     await a.aclose()  # idempotent
 
 
 async def test_framed_stream_typed_errors() -> None:
     x, y = trio.testing.memory_stream_pair()
-    reader = F.FramedStream(y, max_frame=100)
+    reader = frames.FramedStream(y, max_frame=100)
     await x.send_all(struct.pack(">I", 101))
     with pytest.raises(ApiError) as e:
         await reader.receive()
-    assert e.value.code == W.RESOURCE_EXHAUSTED
+    assert e.value.code == protocol.RESOURCE_EXHAUSTED
     x, y = trio.testing.memory_stream_pair()
-    reader = F.FramedStream(y)
-    await x.send_all(F.frame(msgpack.packb({"t": "nonsense"})))
+    reader = frames.FramedStream(y)
+    await x.send_all(frames.frame(msgpack.packb({"t": "nonsense"})))
     with pytest.raises(ApiError) as e:
         await reader.receive()
-    assert e.value.code == W.INVALID_ARGUMENT
+    assert e.value.code == protocol.INVALID_ARGUMENT
 
 
 async def test_framed_stream_concurrent_senders_never_interleave() -> None:
     a, b = envelope_pair()
     big = b"z" * 200_000  # many partial writes each
-    sent = [W.Item(i, {"data": big}) for i in range(1, 9)]
-    got: list[W.Envelope | None] = []
+    sent = [protocol.Item(i, {"data": big}) for i in range(1, 9)]
+    got: list[protocol.Envelope | None] = []
     async with trio.open_nursery() as n:
         for m in sent:
             n.start_soon(a.send, m)
@@ -164,8 +163,8 @@ async def test_framed_stream_concurrent_senders_never_interleave() -> None:
 
 async def test_plain_maps_reach_a_framed_stream_as_envelopes() -> None:
     x, y = trio.testing.memory_stream_pair()
-    await x.send_all(F.pack({"t": "call", "id": 7, "method": "Inspect", "body": {"id": "x"}}))
-    assert await F.FramedStream(y).receive() == W.Call(7, "Inspect", {"id": "x"})
+    await x.send_all(frames.pack({"t": "call", "id": 7, "method": "Inspect", "body": {"id": "x"}}))
+    assert await frames.FramedStream(y).receive() == protocol.Call(7, "Inspect", {"id": "x"})
 
 
 # --- a fake supervisor on a Unix socket (blocking; one connection at a time) ----------------
@@ -183,10 +182,10 @@ def fake_supervisor(path: Path, handle: Handler, hello: dict[str, Any] | None = 
     stop = threading.Event()
 
     def serve_one(conn: socket.socket) -> None:
-        reader = F.FrameReader()
+        reader = frames.FrameReader()
 
         def send(m: dict[str, Any]) -> None:
-            conn.sendall(F.pack(m))
+            conn.sendall(frames.pack(m))
 
         with conn:
             first = True
@@ -199,7 +198,7 @@ def fake_supervisor(path: Path, handle: Handler, hello: dict[str, Any] | None = 
                     return
                 reader.feed(data)
                 while (body := reader.next()) is not None:
-                    msg = F.unpack(body)
+                    msg = frames.unpack(body)
                     seen.append(msg)
                     if first:
                         first = False
@@ -285,7 +284,7 @@ def sock_path() -> Iterator[Path]:
 
 def test_blocking_connection_calls_streams_and_errors(sock_path: Path) -> None:
     with fake_supervisor(sock_path, sandvisor_fake) as seen:
-        with F.BlockingConnection.open(sock_path) as c:
+        with frames.BlockingConnection.open(sock_path) as c:
             assert c.call("Inspect", {"id": "web"}) == INFO
             items = list(c.stream("Run", {"id": "web", "cmd": ["true"]}))
             assert [i["stream"] for i in items] == ["stdout", "exit"] and items[1]["exit_code"] == 3
@@ -298,19 +297,19 @@ def test_blocking_connection_calls_streams_and_errors(sock_path: Path) -> None:
         assert seen[0] == {"t": "hello", "version": 1, "client": "sandvisor-cli"}
         assert {"t": "cancel", "id": 4} in seen
         with (
-            F.BlockingConnection.open(sock_path) as c,
+            frames.BlockingConnection.open(sock_path) as c,
             pytest.raises(Unavailable, match="connection to the supervisor lost"),
         ):
             c.call("Hangup")
     with pytest.raises(Unavailable, match="cannot reach the supervisor"):
-        F.BlockingConnection.open(sock_path)
+        frames.BlockingConnection.open(sock_path)
 
 
 def test_blocking_connection_refused_hello(sock_path: Path) -> None:
     refusal = {"t": "fail", "id": 0, "code": "FAILED_PRECONDITION", "message": "protocol 1 unsupported"}
     with (
         fake_supervisor(sock_path, sandvisor_fake, hello=refusal),
-        F.BlockingConnection.open(sock_path) as c,
+        frames.BlockingConnection.open(sock_path) as c,
         pytest.raises(ApiError) as e,
     ):
         c.call("List")  # the hello is pipelined: its refusal comes with the first call
@@ -322,7 +321,7 @@ async def test_the_sdk_sends_typed_requests_and_returns_typed_results(sock_path:
         sb = await AsyncSandbox.get("web", socket=sock_path)
         info = await sb.inspect()
         assert isinstance(info, SandboxInfo) and info.state == "ready" and info.limits.memory_mib == 256
-        assert info == W.structure_body(INFO, SandboxInfo)
+        assert info == protocol.structure_body(INFO, SandboxInfo)
         page = await AsyncSandbox.list(socket=sock_path, labels={"team": "x"})
         assert [(s.id, s.labels) for s in page.sandboxes] == [("web", {"team": "x"})] and page.next_cursor == ""
         r = await sb.run("echo hi")
@@ -330,8 +329,8 @@ async def test_the_sdk_sends_typed_requests_and_returns_typed_results(sock_path:
         with pytest.raises(NotFound):
             await AsyncSandbox.get("nope", socket=sock_path)
     calls = {m["method"]: m["body"] for m in seen if m["t"] == "call"}
-    assert calls["List"] == W.unstructure_body(W.ListSandboxesRequest(labels={"team": "x"}, limit=20))
-    assert calls["Run"] == W.unstructure_body(W.RunRequest(id="web", cmd=["sh", "-c", "echo hi"]))
+    assert calls["List"] == protocol.unstructure_body(protocol.ListSandboxesRequest(labels={"team": "x"}, limit=20))
+    assert calls["Run"] == protocol.unstructure_body(protocol.RunRequest(id="web", cmd=["sh", "-c", "echo hi"]))
 
 
 def test_the_blocking_sdk_runs_the_same_plans_on_a_socket_without_loop_or_thread(sock_path: Path) -> None:
@@ -369,8 +368,8 @@ print("trio" in sys.modules, threading.active_count())
     assert p.returncode == 0, p.stderr
     assert p.stdout == "False 1\n"
     calls = [(m["method"], m["body"]) for m in seen if m["t"] == "call"]
-    assert ("Run", W.unstructure_body(W.RunRequest(id="web", cmd=["sh", "-c", "echo hi"]))) in calls
-    assert ("List", W.unstructure_body(W.ListSandboxesRequest(labels={"team": "x"}, limit=20))) in calls
+    assert ("Run", protocol.unstructure_body(protocol.RunRequest(id="web", cmd=["sh", "-c", "echo hi"]))) in calls
+    assert ("List", protocol.unstructure_body(protocol.ListSandboxesRequest(labels={"team": "x"}, limit=20))) in calls
     assert {"t": "hello", "version": 1, "client": "sandvisor-client"} in seen
 
 
@@ -385,15 +384,15 @@ def test_spec_groups_and_settings_make_the_create_request() -> None:
     )
     spec = base.with_(env={"B": "2"}, labels={"n": "1"}, memory_mib=1024, ports={8080: 0}, network="user")
     req = spec.request("web")
-    assert req == W.CreateSandboxRequest(
+    assert req == protocol.CreateSandboxRequest(
         id="web",
         labels={"team": "a", "n": "1"},
         boot_args="quiet",
-        limits=W.ResourceLimits(vcpus=2, memory_mib=1024),
+        limits=protocol.ResourceLimits(vcpus=2, memory_mib=1024),
         cmd=["sleep", "1"],
         env={"A": "1", "B": "2"},
-        network=W.NetworkSpec(mode="user"),
-        ports=[W.PortMapping(sandbox_port=8080)],
+        network=protocol.NetworkSpec(mode="user"),
+        ports=[protocol.PortMapping(sandbox_port=8080)],
         ttl_seconds=60,
     )
     assert base.with_() is base and base.workload.env == {"A": "1"}  # frozen, reused
@@ -412,15 +411,15 @@ def test_spec_groups_and_settings_make_the_create_request() -> None:
         idle_timeout=6,
         ephemeral=True,
     )
-    assert every.request() == W.CreateSandboxRequest(
+    assert every.request() == protocol.CreateSandboxRequest(
         labels={"l": "v"},
-        limits=W.ResourceLimits(1, 300),
+        limits=protocol.ResourceLimits(1, 300),
         cmd=["true"],
         env={"E": "e"},
         working_dir="/w",
         user="u",
-        network=W.NetworkSpec(mode="user"),
-        ports=[W.PortMapping(1, 2)],
+        network=protocol.NetworkSpec(mode="user"),
+        ports=[protocol.PortMapping(1, 2)],
         ttl_seconds=5,
         idle_timeout_seconds=6,
         hostname="h",
@@ -519,7 +518,7 @@ def _fake_source() -> str:
         "import os, socket, threading",
         "from contextlib import contextmanager",
         "from pathlib import Path",
-        "from supervisor import frames as F",
+        "from supervisor import frames",
         f"INFO = {INFO!r}",
         inspect.getsource(fake_supervisor),
         inspect.getsource(sandvisor_fake),

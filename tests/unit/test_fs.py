@@ -14,8 +14,7 @@ import trio
 
 from actors.channel.guest import GuestOpError, open_channel
 from actors.channel.guestwire import FsEntry, parse_fs_entries
-from guestd import fsops
-from guestd import proto as P
+from guestd import fsops, proto
 from guestd.fsops import TreeError
 from tests.support.fakeguest import fake_guest
 
@@ -26,7 +25,7 @@ def _code(fn: Any, *args: Any) -> str:
     except TreeError as exc:
         return exc.code
     except OSError as exc:
-        return P.errcode(exc)
+        return proto.errcode(exc)
     raise AssertionError("no error")
 
 
@@ -40,21 +39,21 @@ def test_fs_operations_and_their_codes(tmp_path: Path) -> None:
     want = [("b", "dir", ""), ("dangling", "symlink", "/nowhere"), ("f", "file", "")]
     assert [(e[0], e[1], e[7]) for e in listed] == want
     assert fsops.fs_stat(f"{d}/a/f")[1:3] == ["file", 5]
-    assert _code(fsops.fs_mkdir, f"{d}/a/f", True, 0o755) == P.E_FAILED  # over a file
-    assert _code(fsops.fs_mkdir, f"{d}/a/f/x", True, 0o755) == P.E_FAILED  # under a file
-    assert _code(fsops.fs_mkdir, f"{d}/a", False, 0o755) == P.E_EXISTS
-    assert _code(fsops.fs_mkdir, f"{d}/q/r", False, 0o755) == P.E_NOT_FOUND
-    assert _code(fsops.fs_list, f"{d}/a/f") == P.E_FAILED
-    assert _code(fsops.fs_list, f"{d}/nope") == P.E_NOT_FOUND
-    assert _code(fsops.fs_remove, f"{d}/a", False) == P.E_FAILED  # not empty
-    assert _code(fsops.fs_remove, "/", True) == P.E_INVALID
-    assert _code(fsops.fs_rename, f"{d}/a", f"{d}/a/b/c") == P.E_INVALID  # into itself
-    assert _code(fsops.fs_rename, f"{d}/a/f", f"{d}/a/b") == P.E_FAILED  # a file over a directory
-    assert _code(fsops.fs_stat, "relative") == P.E_INVALID
-    assert _code(fsops.fs_remove, "//", True) == P.E_INVALID
+    assert _code(fsops.fs_mkdir, f"{d}/a/f", True, 0o755) == proto.E_FAILED  # over a file
+    assert _code(fsops.fs_mkdir, f"{d}/a/f/x", True, 0o755) == proto.E_FAILED  # under a file
+    assert _code(fsops.fs_mkdir, f"{d}/a", False, 0o755) == proto.E_EXISTS
+    assert _code(fsops.fs_mkdir, f"{d}/q/r", False, 0o755) == proto.E_NOT_FOUND
+    assert _code(fsops.fs_list, f"{d}/a/f") == proto.E_FAILED
+    assert _code(fsops.fs_list, f"{d}/nope") == proto.E_NOT_FOUND
+    assert _code(fsops.fs_remove, f"{d}/a", False) == proto.E_FAILED  # not empty
+    assert _code(fsops.fs_remove, "/", True) == proto.E_INVALID
+    assert _code(fsops.fs_rename, f"{d}/a", f"{d}/a/b/c") == proto.E_INVALID  # into itself
+    assert _code(fsops.fs_rename, f"{d}/a/f", f"{d}/a/b") == proto.E_FAILED  # a file over a directory
+    assert _code(fsops.fs_stat, "relative") == proto.E_INVALID
+    assert _code(fsops.fs_remove, "//", True) == proto.E_INVALID
     os.mkfifo(f"{d}/a/fifo")
-    assert _code(fsops.fs_list, f"{d}/a/fifo") == P.E_FAILED  # refused, not opened (it would block)
-    assert _code(fsops.fs_list, f"{d}/a/f/x") == P.E_NOT_FOUND
+    assert _code(fsops.fs_list, f"{d}/a/fifo") == proto.E_FAILED  # refused, not opened (it would block)
+    assert _code(fsops.fs_list, f"{d}/a/f/x") == proto.E_NOT_FOUND
     os.unlink(f"{d}/a/fifo")
     fsops.fs_rename(f"{d}/a/f", f"{d}/a/g")
     fsops.fs_remove(f"{d}/a/dangling", False)  # the link, never its target
@@ -89,7 +88,7 @@ async def test_a_guest_without_fs_requests_is_unimplemented() -> None:
         async with fake_guest() as g, open_channel(g.connect(), hello_timeout=5) as chan:
             with pytest.raises(GuestOpError) as exc:
                 await chan.fs_entries("list", "/")
-            assert exc.value.code == P.E_UNSUPPORTED
+            assert exc.value.code == proto.E_UNSUPPORTED
             with pytest.raises(GuestOpError):
                 await chan.fs_change("mkdir", "/x")
             assert (await chan.ping()).activity >= 0  # the channel is fine: nothing was sent

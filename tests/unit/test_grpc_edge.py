@@ -1,5 +1,5 @@
 """The gRPC edge without VMs: supervisor.grpc_bridge with a fake sandbox.v1 servicer, driven by
-clients generated at test time from the seed's proto, over a Unix socket and over TLS on
+clients generated at test time from sandbox.v1's proto, over a Unix socket and over TLS on
 loopback; health, reflection, the generated code's currency, the metrics endpoint.
 
 The clients are grpcio's sync ones, run in threads (trio.to_thread), so the server's
@@ -27,8 +27,7 @@ import pytest
 import trio
 
 from actors.principals import Principal
-from supervisor import grpc_bridge as G
-from supervisor import metrics as M
+from supervisor import grpc_bridge, metrics
 from supervisor.grpc_addresses import Address, TcpAddress, TlsConfig, UnixAddress, parse_address
 from supervisor.grpc_auth import TcpAuth
 from supervisor.proto.sandbox.v1 import sandbox_pb2 as pb
@@ -40,7 +39,7 @@ VENDORED = REPO / "supervisor" / "proto" / "sandbox" / "v1" / "sandbox.proto"
 
 @pytest.fixture(scope="session")
 def seed() -> tuple[ModuleType, ModuleType]:
-    """sandbox_pb2 and sandbox_pb2_grpc made by protoc from the seed, as a seed client would."""
+    """sandbox_pb2 and sandbox_pb2_grpc made by protoc from sandbox.v1, as a sandbox.v1 client would."""
     return generate()
 
 
@@ -74,28 +73,28 @@ class FakeSandboxes:
         self.cancelled = trio.Event()
         self.hang_deadline: float | None = None
         self.hang_started = 0
-        self.peers: list[G.Call[Any, Any]] = []
+        self.peers: list[grpc_bridge.Call[Any, Any]] = []
 
-    async def Create(self, req: pb.CreateSandboxRequest, call: G.Call[Any, Any]) -> pb.CreateSandboxResponse:
+    async def Create(self, req: pb.CreateSandboxRequest, call: grpc_bridge.Call[Any, Any]) -> pb.CreateSandboxResponse:
         self.peers.append(call)
         if not req.id or "/" in req.id:
             raise ApiError("INVALID_ARGUMENT", f"bad id {req.id!r}")
         if req.id in self.ids:
             raise ApiError("ALREADY_EXISTS", f"sandbox {req.id} exists")
         if req.image:
-            raise G.StatusError("FAILED_PRECONDITION", "image is not supported")
+            raise grpc_bridge.StatusError("FAILED_PRECONDITION", "image is not supported")
         self.ids.add(req.id)
         return pb.CreateSandboxResponse(id=req.id, state="starting")
 
-    async def Inspect(self, req: pb.InspectSandboxRequest, call: G.Call[Any, Any]) -> pb.SandboxInfo:
+    async def Inspect(self, req: pb.InspectSandboxRequest, call: grpc_bridge.Call[Any, Any]) -> pb.SandboxInfo:
         if req.id not in self.ids:
             raise ApiError("NOT_FOUND", f"no sandbox {req.id}")
         return pb.SandboxInfo(id=req.id, state="ready", labels={"a": "b"})
 
-    async def Remove(self, req: pb.RemoveSandboxRequest, call: G.Call[Any, Any]) -> pb.Empty:
+    async def Remove(self, req: pb.RemoveSandboxRequest, call: grpc_bridge.Call[Any, Any]) -> pb.Empty:
         raise ZeroDivisionError("a bug")  # INTERNAL
 
-    async def Run(self, req: pb.RunRequest, call: G.Call[Any, pb.RunOutput]) -> None:
+    async def Run(self, req: pb.RunRequest, call: grpc_bridge.Call[Any, pb.RunOutput]) -> None:
         cmd = list(req.cmd)
         if cmd and cmd[0] == "raise":
             raise ApiError(cmd[1], "as asked")
@@ -112,7 +111,7 @@ class FakeSandboxes:
         await call.send(pb.RunOutput(stream="stderr", data=b"warn\n"))
         await call.send(pb.RunOutput(stream="exit", exit_code=7, done=True))
 
-    async def Exec(self, call: G.Call[pb.ExecInput, pb.ExecOutput]) -> None:
+    async def Exec(self, call: grpc_bridge.Call[pb.ExecInput, pb.ExecOutput]) -> None:
         first = await call.receive()
         if first is None or first.WhichOneof("payload") != "init":
             raise ApiError("INVALID_ARGUMENT", "the first ExecInput must carry init")
@@ -128,12 +127,12 @@ class FakeSandboxes:
                 await call.send(pb.ExecOutput(stream="stdout", data=f"{msg.resize.width}x{msg.resize.height}".encode()))
         await call.send(pb.ExecOutput(stream="exit", exit_code=0, done=True))
 
-    async def Events(self, req: pb.SandboxEventsRequest, call: G.Call[Any, pb.SandboxEvent]) -> None:
+    async def Events(self, req: pb.SandboxEventsRequest, call: grpc_bridge.Call[Any, pb.SandboxEvent]) -> None:
         for action in ("created", "ready"):
             if not req.action or req.action == action:
                 await call.send(pb.SandboxEvent(sandbox_id=req.id, action=action, timestamp=time.time_ns()))
 
-    async def WriteFile(self, call: G.Call[pb.WriteFileRequest, pb.Empty]) -> pb.Empty:
+    async def WriteFile(self, call: grpc_bridge.Call[pb.WriteFileRequest, pb.Empty]) -> pb.Empty:
         first = await call.receive()
         if first is None or first.WhichOneof("payload") != "open":
             raise ApiError("INVALID_ARGUMENT", "the first WriteFileRequest must carry open")
@@ -145,7 +144,7 @@ class FakeSandboxes:
         self.files[first.open.path] = b"".join(parts)
         return pb.Empty()
 
-    async def ReadFile(self, req: pb.ReadFileRequest, call: G.Call[Any, pb.FileChunk]) -> None:
+    async def ReadFile(self, req: pb.ReadFileRequest, call: grpc_bridge.Call[Any, pb.FileChunk]) -> None:
         data = self.files.get(req.path)
         if data is None:
             raise ApiError("NOT_FOUND", f"no file {req.path}")
@@ -158,8 +157,10 @@ SERVICE = pb.DESCRIPTOR.services_by_name["SandboxService"]
 
 
 @asynccontextmanager
-async def serving(*addresses: Address, fake: FakeSandboxes | None = None, **kw: Any) -> AsyncIterator[G.GrpcEdge]:
-    edge = G.GrpcEdge(addresses, **kw)
+async def serving(
+    *addresses: Address, fake: FakeSandboxes | None = None, **kw: Any
+) -> AsyncIterator[grpc_bridge.GrpcEdge]:
+    edge = grpc_bridge.GrpcEdge(addresses, **kw)
     edge.add_service(SERVICE, fake or FakeSandboxes())
     async with trio.open_nursery() as nursery:
         await nursery.start(edge.run)
@@ -167,7 +168,7 @@ async def serving(*addresses: Address, fake: FakeSandboxes | None = None, **kw: 
         nursery.cancel_scope.cancel()
 
 
-def unix_target(edge: G.GrpcEdge) -> str:
+def unix_target(edge: grpc_bridge.GrpcEdge) -> str:
     addr = edge.addresses[0]
     assert isinstance(addr, UnixAddress)
     return f"unix:{addr.path}"
@@ -311,13 +312,16 @@ async def test_unary_errors_unexpected_exceptions_and_unknown_methods(
 
 
 def test_status_mapping_is_by_name() -> None:
-    assert G.status_of(ApiError("NOT_FOUND", "gone")) == (grpc.StatusCode.NOT_FOUND, "gone")
-    assert G.status_of(G.StatusError(grpc.StatusCode.ABORTED, "x")) == (grpc.StatusCode.ABORTED, "x")
-    assert G.status_of(trio.TooSlowError()) == (grpc.StatusCode.DEADLINE_EXCEEDED, "timed out")
-    assert G.status_of(ApiError("NO_SUCH_CODE", "x")) is None
-    assert G.status_of(ValueError("x")) is None
+    assert grpc_bridge.status_of(ApiError("NOT_FOUND", "gone")) == (grpc.StatusCode.NOT_FOUND, "gone")
+    assert grpc_bridge.status_of(grpc_bridge.StatusError(grpc.StatusCode.ABORTED, "x")) == (
+        grpc.StatusCode.ABORTED,
+        "x",
+    )
+    assert grpc_bridge.status_of(trio.TooSlowError()) == (grpc.StatusCode.DEADLINE_EXCEEDED, "timed out")
+    assert grpc_bridge.status_of(ApiError("NO_SUCH_CODE", "x")) is None
+    assert grpc_bridge.status_of(ValueError("x")) is None
     with pytest.raises(ValueError, match="unknown status code"):
-        G.StatusError("WHATEVER")
+        grpc_bridge.StatusError("WHATEVER")
 
 
 # ---------------------------------------------------------------------------------------
@@ -393,7 +397,7 @@ async def test_stopping_the_edge_cancels_calls_and_leaves_nothing(
 
     with trio.fail_after(20):
         async with trio.open_nursery() as outer:
-            edge = G.GrpcEdge([UnixAddress(path)])
+            edge = grpc_bridge.GrpcEdge([UnixAddress(path)])
             edge.add_service(SERVICE, fake)
             scope = trio.CancelScope()
 
@@ -548,7 +552,7 @@ async def test_tls_on_loopback_with_a_client_certificate(seed: tuple[ModuleType,
 
 
 # ---------------------------------------------------------------------------------------
-# client authentication on TCP (issue 21): a bearer token, a client certificate, or nothing
+# client authentication on TCP: a bearer token, a client certificate, or nothing
 # ---------------------------------------------------------------------------------------
 TOKEN = "t0k3n-" + "x" * 40
 
@@ -644,13 +648,13 @@ async def test_tcp_without_client_authentication_does_not_start() -> None:
         (TcpAddress("0.0.0.0", 0, tls=TlsConfig(b"c", b"k")), TcpAuth(insecure=True), "loopback"),
     ):
         with pytest.raises(ValueError, match=words):
-            G.GrpcEdge([addr], tcp_auth=auth)
+            grpc_bridge.GrpcEdge([addr], tcp_auth=auth)
     with pytest.raises(ValueError, match="contradict"):
         TcpAuth(token=TOKEN.encode(), insecure=True)
     for bad in (b"short", b"with space" + b"x" * 40, b"\xff" * 40):
         with pytest.raises(ValueError, match="bearer token"):
             TcpAuth(token=bad)
-    G.GrpcEdge([UnixAddress(Path("/run/x.sock"))])  # Unix sockets: mode and peer credentials
+    grpc_bridge.GrpcEdge([UnixAddress(Path("/run/x.sock"))])  # Unix sockets: mode and peer credentials
 
 
 async def test_insecure_tcp_is_loud(caplog: pytest.LogCaptureFixture) -> None:
@@ -723,13 +727,13 @@ class FakeSource:
         self.delay = delay
         self.asked = 0
 
-    async def collect_metrics(self) -> M.MetricsSample:
+    async def collect_metrics(self) -> metrics.MetricsSample:
         self.asked += 1
         await trio.sleep(self.delay)
-        return M.MetricsSample(
+        return metrics.MetricsSample(
             sandboxes=[
-                M.SandboxSample("sb-a", "ready", 1.5, 300 << 20, 512 << 20, 400 << 20, image="default"),
-                M.SandboxSample("sb-b", "running", 12.25, 700 << 20, 1024 << 20, None, image="default"),
+                metrics.SandboxSample("sb-a", "ready", 1.5, 300 << 20, 512 << 20, 400 << 20, image="default"),
+                metrics.SandboxSample("sb-b", "running", 12.25, 700 << 20, 1024 << 20, None, image="default"),
             ],
             by_state={"ready": 1, "running": 1, "stopped": 3},
         )
@@ -755,8 +759,8 @@ async def _get_head(port: int, path: str, token: bytes | None = METRICS_TOKEN) -
     return lines[0].decode(), lines[1:], body
 
 
-def _endpoint(source: M.MetricsSource, **kw: Any) -> M.MetricsEndpoint:
-    return M.MetricsEndpoint(source, "127.0.0.1", 0, token=METRICS_TOKEN, **kw)
+def _endpoint(source: metrics.MetricsSource, **kw: Any) -> metrics.MetricsEndpoint:
+    return metrics.MetricsEndpoint(source, "127.0.0.1", 0, token=METRICS_TOKEN, **kw)
 
 
 async def test_metrics_endpoint_lists_each_sandbox_cpu_and_memory() -> None:
@@ -832,52 +836,52 @@ async def test_metrics_endpoint_answers_503_when_the_source_is_late() -> None:
 
 
 async def test_metrics_endpoint_is_loopback_only() -> None:
-    assert M.check_listen("localhost:9100") == ("localhost", 9100)  # a name: resolved, judged by its class
-    assert M.check_listen("127.0.0.2:9100") == ("127.0.0.2", 9100)
+    assert metrics.check_listen("localhost:9100") == ("localhost", 9100)  # a name: resolved, judged by its class
+    assert metrics.check_listen("127.0.0.2:9100") == ("127.0.0.2", 9100)
     for spec in ("0.0.0.0:9100", "[::]:9100", "192.0.2.1:9100"):
         with pytest.raises(ValueError, match="loopback addresses only"):
-            M.check_listen(spec)
+            metrics.check_listen(spec)
     with pytest.raises(ValueError, match="loopback addresses only"):
-        await M.MetricsEndpoint(FakeSource(), "0.0.0.0", 0, token=METRICS_TOKEN).run()
+        await metrics.MetricsEndpoint(FakeSource(), "0.0.0.0", 0, token=METRICS_TOKEN).run()
     with pytest.raises(ValueError, match="32 to 1024"):
-        M.MetricsEndpoint(FakeSource(), token=b"short")
+        metrics.MetricsEndpoint(FakeSource(), token=b"short")
 
 
 def test_metrics_listen_defaults_to_loopback() -> None:
-    assert M.parse_listen("9100") == ("127.0.0.1", 9100)
-    assert M.parse_listen(":9100") == ("127.0.0.1", 9100)
-    assert M.parse_listen("[::1]:9100") == ("::1", 9100)
-    assert M.parse_listen("0.0.0.0:9100") == ("0.0.0.0", 9100)
+    assert metrics.parse_listen("9100") == ("127.0.0.1", 9100)
+    assert metrics.parse_listen(":9100") == ("127.0.0.1", 9100)
+    assert metrics.parse_listen("[::1]:9100") == ("::1", 9100)
+    assert metrics.parse_listen("0.0.0.0:9100") == ("0.0.0.0", 9100)
     with pytest.raises(ValueError):
-        M.parse_listen("x:y")
+        metrics.parse_listen("x:y")
 
 
 # ---------------------------------------------------------------------------------------
 # protobuf <-> the attrs classes both edges share
 # ---------------------------------------------------------------------------------------
 def test_seed_and_extended_requests_structure_into_one_class() -> None:
-    from supervisor import protocol as W
+    from supervisor import protocol
     from supervisor.grpc_convert import message_to_dict
     from supervisor.proto.sandvisor.v1 import sandvisor_pb2 as sv
 
     seed_req = pb.CreateSandboxRequest(id="a", labels={"k": "v"}, cmd=["sh"], limits=pb.ResourceLimits(vcpus=2))
-    plain = W.structure_body(message_to_dict(seed_req), W.CreateSandboxRequest)
+    plain = protocol.structure_body(message_to_dict(seed_req), protocol.CreateSandboxRequest)
     assert (plain.id, plain.labels, plain.cmd, plain.limits.vcpus) == ("a", {"k": "v"}, ["sh"], 2)
     assert plain.ssh_public_key is None  # proto3 optional, unset: the attrs default
-    assert plain.network == W.NetworkSpec()  # unset message: the attrs default
-    ext = W.structure_body(
-        message_to_dict(sv.CreateRequest(base=seed_req, hostname="h", ephemeral=True)), W.CreateSandboxRequest
+    assert plain.network == protocol.NetworkSpec()  # unset message: the attrs default
+    ext = protocol.structure_body(
+        message_to_dict(sv.CreateRequest(base=seed_req, hostname="h", ephemeral=True)), protocol.CreateSandboxRequest
     )
     assert ext == attrs_evolve(plain, hostname="h", ephemeral=True)
     from supervisor.grpc_service import _sandvisor_create, to_request
 
     # sandvisor.v1 Create carries an egress policy, a field of the network on both edges
     policy = sv.EgressPolicy(allow=["10.1.0.0/16"], deny=["example.com:443"])
-    eg = to_request(sv.CreateRequest(base=seed_req, egress=policy), W.CreateSandboxRequest, _sandvisor_create)
-    assert eg.network.egress == W.EgressSpec(default="allow", allow=["10.1.0.0/16"], deny=["example.com:443"])
+    eg = to_request(sv.CreateRequest(base=seed_req, egress=policy), protocol.CreateSandboxRequest, _sandvisor_create)
+    assert eg.network.egress == protocol.EgressSpec(default="allow", allow=["10.1.0.0/16"], deny=["example.com:443"])
     deny_all = sv.CreateRequest(egress=sv.EgressPolicy(default="deny"))
-    deny = to_request(deny_all, W.CreateSandboxRequest, _sandvisor_create)
-    assert deny.network.egress == W.EgressSpec(default="deny")
+    deny = to_request(deny_all, protocol.CreateSandboxRequest, _sandvisor_create)
+    assert deny.network.egress == protocol.EgressSpec(default="deny")
     assert message_to_dict(pb.ExecInput(stdin=b"x")) == {"stdin": b"x"}  # a oneof: only its member
 
 
@@ -888,20 +892,24 @@ def attrs_evolve(obj: Any, **kw: Any) -> Any:
 
 
 def test_responses_fill_seed_and_extended_messages() -> None:
-    from supervisor import protocol as W
+    from supervisor import protocol
     from supervisor.grpc_convert import dict_to_message, message_to_dict
     from supervisor.proto.sandvisor.v1 import sandvisor_pb2 as sv
 
-    info = W.SandboxInfo("a", "ready", {"k": "v"}, W.ResourceLimits(1, 512), W.SandboxNetwork(), 1, 2, 0, 0, "")
-    msg = dict_to_message(W.unstructure_body(info), pb.SandboxInfo)
+    info = protocol.SandboxInfo(
+        "a", "ready", {"k": "v"}, protocol.ResourceLimits(1, 512), protocol.SandboxNetwork(), 1, 2, 0, 0, ""
+    )
+    msg = dict_to_message(protocol.unstructure_body(info), pb.SandboxInfo)
     assert msg.HasField("network")
-    assert W.structure_body(message_to_dict(msg), W.SandboxInfo) == info
-    ck = W.CheckpointResponse("s1", "/d", "2026-11-30T00:00:00Z", size_bytes=5, memory="mapped", paused_ms=1.5)
-    seed_msg = dict_to_message(W.unstructure_body(ck), pb.CheckpointResponse)  # extensions left out
+    assert protocol.structure_body(message_to_dict(msg), protocol.SandboxInfo) == info
+    ck = protocol.CheckpointResponse("s1", "/d", "2026-11-30T00:00:00Z", size_bytes=5, memory="mapped", paused_ms=1.5)
+    seed_msg = dict_to_message(protocol.unstructure_body(ck), pb.CheckpointResponse)  # extensions left out
     assert (seed_msg.snapshot_id, seed_msg.created_at) == ("s1", "2026-11-30T00:00:00Z")
-    ours = dict_to_message(W.unstructure_body(ck), sv.CheckpointResponse)  # seed part in base
+    ours = dict_to_message(protocol.unstructure_body(ck), sv.CheckpointResponse)  # seed part in base
     assert (ours.base.snapshot_id, ours.size_bytes, ours.memory, ours.paused_ms) == ("s1", 5, "mapped", 1.5)
-    out = dict_to_message(W.unstructure_body(W.RunOutput(stream="exit", exit_code=3, done=True)), pb.RunOutput)
+    out = dict_to_message(
+        protocol.unstructure_body(protocol.RunOutput(stream="exit", exit_code=3, done=True)), pb.RunOutput
+    )
     assert (out.stream, out.exit_code, out.done, out.data) == ("exit", 3, True, b"")
 
 
@@ -913,7 +921,7 @@ async def test_calls_run_in_the_edges_context(tmp_path: Path) -> None:
     as the msgpack socket's calls do, not in Trio's system context."""
 
     class SeesContext:
-        async def Inspect(self, req: pb.InspectSandboxRequest, call: G.Call[Any, Any]) -> pb.SandboxInfo:
+        async def Inspect(self, req: pb.InspectSandboxRequest, call: grpc_bridge.Call[Any, Any]) -> pb.SandboxInfo:
             return pb.SandboxInfo(id=req.id, state=WHO.get())
 
     def client(target: str) -> str:
@@ -922,7 +930,7 @@ async def test_calls_run_in_the_edges_context(tmp_path: Path) -> None:
 
     with trio.fail_after(20):
         WHO.set("the edge's runner")
-        edge = G.GrpcEdge([UnixAddress(tmp_path / "g.sock")], health=False, reflection=False)
+        edge = grpc_bridge.GrpcEdge([UnixAddress(tmp_path / "g.sock")], health=False, reflection=False)
         edge.add_service(SERVICE, SeesContext())
         async with trio.open_nursery() as nursery:
             await nursery.start(edge.run)
@@ -976,7 +984,7 @@ async def test_a_port_in_use_fails_the_start_and_leaves_no_thread() -> None:
         async with serving(TcpAddress("127.0.0.1", 0), tcp_auth=TcpAuth(insecure=True)) as first:
             taken = first.addresses[0]
             assert isinstance(taken, TcpAddress)
-            second = G.GrpcEdge([taken], health=False, reflection=False, tcp_auth=TcpAuth(insecure=True))
+            second = grpc_bridge.GrpcEdge([taken], health=False, reflection=False, tcp_auth=TcpAuth(insecure=True))
             async with trio.open_nursery() as nursery:
                 with pytest.raises(OSError, match=r"cannot listen on 127\.0\.0\.1"):
                     await nursery.start(second.run)

@@ -1,6 +1,6 @@
 """The gRPC services on the registry and sandbox actors, on fake VMs (tests/support/fakevm.py).
 
-Clients generated at test time from the seed's proto (and our own sandvisor.v1 code)
+Clients generated at test time from sandbox.v1's proto (and our own sandvisor.v1 code)
 call the daemon's edge (supervisor.grpc_service on supervisor.grpc_bridge) over a Unix
 socket: every RPC is bound, requests and responses convert with proto3's zero values,
 errors arrive as the status of the same name, a client cancel or a deadline kills the
@@ -27,9 +27,7 @@ import trio
 from actors.model import SandboxConfig, State
 from actors.registry import Registry
 from actors.store import Store
-from supervisor import grpc_bridge as G
-from supervisor import grpc_service as S
-from supervisor import protocol as W
+from supervisor import grpc_bridge, grpc_service, protocol
 from supervisor.api import METHODS
 from supervisor.client import connect
 from supervisor.daemon import serve
@@ -79,104 +77,118 @@ async def ready_via_events(st: Stack, sgrpc: Any, spb: Any, create: Callable[[],
 # the bindings and the conversions
 # ---------------------------------------------------------------------------------------
 def test_every_rpc_of_every_service_is_bound_with_its_shape() -> None:
-    edge = G.GrpcEdge([UnixAddress(Path("/nonexistent/g.sock"))])
-    S.add_services(edge, registry=None)  # type: ignore[arg-type]
-    expected = {f"/{name}/{rpc.name}" for name, desc in S.descriptors().items() for rpc in desc.methods}
+    edge = grpc_bridge.GrpcEdge([UnixAddress(Path("/nonexistent/g.sock"))])
+    grpc_service.add_services(edge, registry=None)  # type: ignore[arg-type]
+    expected = {f"/{name}/{rpc.name}" for name, desc in grpc_service.descriptors().items() for rpc in desc.methods}
     assert set(edge._methods) == expected
     seed_rpcs = {m.name for m in pb.DESCRIPTOR.services_by_name["SandboxService"].methods}
     assert seed_rpcs == {
         *("Create", "Run", "Exec", "Stop", "Remove", "Inspect", "List", "Events"),
         *("ReadFile", "WriteFile", "ExposePort", "UnexposePort"),
     }
-    for name, bindings in S.BINDINGS.items():
+    for name, bindings in grpc_service.BINDINGS.items():
         for b in bindings:
             if b.method is not None:
                 assert b.method in METHODS, (name, b)
 
 
 def test_proto3_zero_values_take_our_defaults() -> None:
-    ex = S.to_request(pb.ExecInput(init=pb.ExecRequest(id="a", tty=True, tty_size=pb.TerminalSize())), W.ExecInput)
-    assert ex.init.tty_size == W.TerminalSize(80, 24)
-    unset = S.to_request(pb.ExecInput(init=pb.ExecRequest(id="a")), W.ExecInput)
-    assert unset.init.tty_size == W.TerminalSize(80, 24)
-    assert S.to_request(pb.ExecInput(resize=pb.TerminalSize(width=100)), W.ExecInput).resize == W.TerminalSize(100, 24)
-    assert S.to_request(pb.ExecInput(stdin=b""), W.ExecInput).stdin == b""  # a oneof member set: kept
-    assert S.to_request(pb.ExposePortRequest(id="a", sandbox_port=80), W.ExposePortRequest).protocol == "tcp"
-    assert S.to_request(sv.MetricsStreamRequest(), W.MetricsStreamRequest).interval_seconds == 1.0
-    create = S.to_request(pb.CreateSandboxRequest(), W.CreateSandboxRequest)
-    assert create == W.CreateSandboxRequest()  # every zero is "the default"
-    assert S.to_request(pb.CreateSandboxRequest(ssh_public_key=""), W.CreateSandboxRequest).ssh_public_key == ""
-    ours = S.to_request(
+    ex = grpc_service.to_request(
+        pb.ExecInput(init=pb.ExecRequest(id="a", tty=True, tty_size=pb.TerminalSize())), protocol.ExecInput
+    )
+    assert ex.init.tty_size == protocol.TerminalSize(80, 24)
+    unset = grpc_service.to_request(pb.ExecInput(init=pb.ExecRequest(id="a")), protocol.ExecInput)
+    assert unset.init.tty_size == protocol.TerminalSize(80, 24)
+    assert grpc_service.to_request(
+        pb.ExecInput(resize=pb.TerminalSize(width=100)), protocol.ExecInput
+    ).resize == protocol.TerminalSize(100, 24)
+    assert grpc_service.to_request(pb.ExecInput(stdin=b""), protocol.ExecInput).stdin == b""  # a oneof member set: kept
+    assert (
+        grpc_service.to_request(pb.ExposePortRequest(id="a", sandbox_port=80), protocol.ExposePortRequest).protocol
+        == "tcp"
+    )
+    assert grpc_service.to_request(sv.MetricsStreamRequest(), protocol.MetricsStreamRequest).interval_seconds == 1.0
+    create = grpc_service.to_request(pb.CreateSandboxRequest(), protocol.CreateSandboxRequest)
+    assert create == protocol.CreateSandboxRequest()  # every zero is "the default"
+    assert (
+        grpc_service.to_request(
+            pb.CreateSandboxRequest(ssh_public_key=""), protocol.CreateSandboxRequest
+        ).ssh_public_key
+        == ""
+    )
+    ours = grpc_service.to_request(
         sv.CreateRequest(
             base=pb.CreateSandboxRequest(id="x", network=pb.NetworkSpec(mode="user")),
             outbound=True,
             hostname="h",
             ports=[sv.PortMapping(sandbox_port=80, host_address="0.0.0.0")],
         ),
-        W.CreateSandboxRequest,
-        S._sandvisor_create,
+        protocol.CreateSandboxRequest,
+        grpc_service._sandvisor_create,
     )
-    assert ours.network == W.NetworkSpec(mode="user", outbound=True)
-    assert (ours.id, ours.hostname, ours.ports) == ("x", "h", [W.PortMapping(80, 0, "tcp")])
-    vols = S.to_request(
+    assert ours.network == protocol.NetworkSpec(mode="user", outbound=True)
+    assert (ours.id, ours.hostname, ours.ports) == ("x", "h", [protocol.PortMapping(80, 0, "tcp")])
+    vols = grpc_service.to_request(
         sv.CreateRequest(volumes=[sv.VolumeMount(volume="v", target="/data", readonly=True)]),
-        W.CreateSandboxRequest,
-        S._sandvisor_create,
+        protocol.CreateSandboxRequest,
+        grpc_service._sandvisor_create,
     )
-    assert vols.volumes == [W.VolumeMount("v", "/data", True)]
-    tmpfs = S.to_request(
+    assert vols.volumes == [protocol.VolumeMount("v", "/data", True)]
+    tmpfs = grpc_service.to_request(
         sv.CreateRequest(tmpfs=[sv.TmpfsMount(target="/scratch", size_mib=64), sv.TmpfsMount(target="/t")]),
-        W.CreateSandboxRequest,
-        S._sandvisor_create,
+        protocol.CreateSandboxRequest,
+        grpc_service._sandvisor_create,
     )
-    assert tmpfs.tmpfs == [W.TmpfsMount("/scratch", 64), W.TmpfsMount("/t", 0)]
+    assert tmpfs.tmpfs == [protocol.TmpfsMount("/scratch", 64), protocol.TmpfsMount("/t", 0)]
 
 
 def test_responses_fill_the_seed_messages_and_ours() -> None:
-    info = W.ListSnapshotsResponse([W.SnapshotSummary("s", "a", "n", {}, "/d", "t", size_bytes=7, pool_ready=2)])
-    seed_msg = S.to_message(info, pb.ListSnapshotsResponse)
+    info = protocol.ListSnapshotsResponse(
+        [protocol.SnapshotSummary("s", "a", "n", {}, "/d", "t", size_bytes=7, pool_ready=2)]
+    )
+    seed_msg = grpc_service.to_message(info, pb.ListSnapshotsResponse)
     assert (seed_msg.snapshots[0].id, seed_msg.snapshots[0].snapshot_dir) == ("s", "/d")
-    ours = S.to_message(info, sv.ListSnapshotsResponse)
+    ours = grpc_service.to_message(info, sv.ListSnapshotsResponse)
     assert (ours.snapshots[0].base.id, ours.snapshots[0].size_bytes, ours.snapshots[0].pool_ready) == ("s", 7, 2)
-    assert S.to_message(None, pb.Empty) == pb.Empty()
+    assert grpc_service.to_message(None, pb.Empty) == pb.Empty()
 
 
 def test_grpc_addresses_from_the_daemon_flags(tmp_path: Path) -> None:
-    [unix] = S.addresses(["unix:///run/x/g.sock"], group="root")
+    [unix] = grpc_service.addresses(["unix:///run/x/g.sock"], group="root")
     assert unix == UnixAddress(Path("/run/x/g.sock"), "root")
-    assert isinstance(unix, UnixAddress) and isinstance(unix.policy, S.ServePolicy)
+    assert isinstance(unix, UnixAddress) and isinstance(unix.policy, grpc_service.ServePolicy)
     with pytest.raises(ValueError, match="no such group"):
-        S.addresses(["unix:///run/x/g.sock"], group="no-such-group-here")
-    # TCP: every client authenticates (issue 21); plaintext loopback too
+        grpc_service.addresses(["unix:///run/x/g.sock"], group="no-such-group-here")
+    # TCP: every client authenticates; plaintext loopback too
     with pytest.raises(ValueError, match=r"--grpc-token-file FILE .* --grpc-client-ca"):
-        S.addresses(["127.0.0.1:0"])
-    insecure = S.tcp_auth(insecure=True)
-    assert S.addresses(["127.0.0.1:0"], auth=insecure) == [TcpAddress("127.0.0.1", 0)]
+        grpc_service.addresses(["127.0.0.1:0"])
+    insecure = grpc_service.tcp_auth(insecure=True)
+    assert grpc_service.addresses(["127.0.0.1:0"], auth=insecure) == [TcpAddress("127.0.0.1", 0)]
     write_token(tmp_path / "token")
-    token = S.tcp_auth(tmp_path / "token")
+    token = grpc_service.tcp_auth(tmp_path / "token")
     (tmp_path / "c").write_bytes(b"cert")
     (tmp_path / "k").write_bytes(b"key")
-    assert S.addresses(["[::1]:0"], auth=token) == [TcpAddress("::1", 0)]
+    assert grpc_service.addresses(["[::1]:0"], auth=token) == [TcpAddress("::1", 0)]
     with pytest.raises(ValueError, match="needs TLS"):
-        S.addresses(["0.0.0.0:50051"], auth=token)  # a token over plaintext off loopback: never
+        grpc_service.addresses(["0.0.0.0:50051"], auth=token)  # a token over plaintext off loopback: never
     with pytest.raises(ValueError, match="loopback addresses only"):
-        S.addresses(["0.0.0.0:1"], cert=tmp_path / "c", key=tmp_path / "k", auth=insecure)
+        grpc_service.addresses(["0.0.0.0:1"], cert=tmp_path / "c", key=tmp_path / "k", auth=insecure)
     with pytest.raises(ValueError, match="go together"):
-        S.addresses(["0.0.0.0:1"], cert=tmp_path / "c")
+        grpc_service.addresses(["0.0.0.0:1"], cert=tmp_path / "c")
     with pytest.raises(ValueError, match="would let any client in"):  # TLS, but anyone may connect
-        S.addresses(["0.0.0.0:1"], cert=tmp_path / "c", key=tmp_path / "k")
-    [tcp] = S.addresses(["0.0.0.0:1"], cert=tmp_path / "c", key=tmp_path / "k", client_ca=tmp_path / "c")
+        grpc_service.addresses(["0.0.0.0:1"], cert=tmp_path / "c", key=tmp_path / "k")
+    [tcp] = grpc_service.addresses(["0.0.0.0:1"], cert=tmp_path / "c", key=tmp_path / "k", client_ca=tmp_path / "c")
     assert isinstance(tcp, TcpAddress) and tcp.tls is not None and tcp.tls.require_client_cert
-    [tcp] = S.addresses(["0.0.0.0:1"], cert=tmp_path / "c", key=tmp_path / "k", auth=token)
+    [tcp] = grpc_service.addresses(["0.0.0.0:1"], cert=tmp_path / "c", key=tmp_path / "k", auth=token)
     assert isinstance(tcp, TcpAddress) and tcp.tls is not None and not tcp.tls.require_client_cert
 
 
 def test_the_token_file_is_ours_0600_and_a_real_token(tmp_path: Path) -> None:
     good = tmp_path / "good"
     token = write_token(good)
-    auth = S.tcp_auth(good)
+    auth = grpc_service.tcp_auth(good)
     assert auth is not None and auth.all_tokens[0].secret == token.encode() and token not in repr(auth)
-    assert S.tcp_auth() is None
+    assert grpc_service.tcp_auth() is None
     loose = tmp_path / "loose"
     loose.write_text(token)
     loose.chmod(0o640)
@@ -193,9 +205,9 @@ def test_the_token_file_is_ours_0600_and_a_real_token(tmp_path: Path) -> None:
         (tmp_path / "missing", "No such file"),
     ):
         with pytest.raises(ValueError, match=words):
-            S.tcp_auth(path)
+            grpc_service.tcp_auth(path)
     with pytest.raises(ValueError, match="contradict"):
-        S.tcp_auth(good, insecure=True)
+        grpc_service.tcp_auth(good, insecure=True)
 
 
 def test_serve_refuses_tcp_grpc_without_client_authentication(tmp_path: Path) -> None:
@@ -225,7 +237,7 @@ async def test_the_daemons_tcp_edge_serves_the_token_only(
     UNAUTHENTICATED and nothing happens; the Unix socket beside it needs no token."""
     spb, sgrpc = seed
     token = write_token(tmp_path / "token")
-    auth = S.tcp_auth(tmp_path / "token")
+    auth = grpc_service.tcp_auth(tmp_path / "token")
     lab = FakeLab()
     store = Store(tmp_path / "state" / "sandvisor.db")
     try:
@@ -233,8 +245,8 @@ async def test_the_daemons_tcp_edge_serves_the_token_only(
             async with trio.open_nursery() as n:
                 await n.start(lab.run)
                 reg = await n.start(Registry(fake_settings(tmp_path, lab), store, templates=False).run)
-                addrs = S.addresses([f"unix://{short_dir / 'g.sock'}", "127.0.0.1:0"], auth=auth)
-                edge = await n.start(S.build_edge(reg, addrs, tcp_auth=auth).run)
+                addrs = grpc_service.addresses([f"unix://{short_dir / 'g.sock'}", "127.0.0.1:0"], auth=auth)
+                edge = await n.start(grpc_service.build_edge(reg, addrs, tcp_auth=auth).run)
                 tcp = edge.addresses[1]
                 assert isinstance(tcp, TcpAddress)
 
@@ -320,7 +332,7 @@ async def test_the_seed_lifecycle_on_fake_vms(
                 256,
                 3,
             )
-            for i in range(21):  # the seed's List has no paging: all of them, not a page of 20
+            for i in range(21):  # sandbox.v1's List has no paging: all of them, not a page of 20
                 await st.reg.create(f"many{i}", st.reg.get("a").config)
             listed = await in_thread(s.List, spb.ListSandboxesRequest())
             assert len(listed.sandboxes) == 22
@@ -391,7 +403,7 @@ async def test_errors_arrive_with_the_status_of_the_same_name(
             )
             got, why = await status_of(sv_stub.Create, missing)
             assert got == SC.NOT_FOUND and "nope" in why
-            # one running workload at a time, as the seed says
+            # one running workload at a time, as sandbox.v1 says
             hang = s.Run(spb.RunRequest(id="e", cmd=["sleep", "100"]))
             await until(lambda: st.reg.get("e").state == State.RUNNING)
             got, _ = await status_of(s.Run, spb.RunRequest(id="e", cmd=["true"]))
@@ -454,7 +466,7 @@ async def test_sandvisor_v1_reaches_the_same_sandboxes(
             ports = await in_thread(ours.ListPorts, sv.ListPortsRequest(id="u"))
             [p] = ports.ports
             assert (p.sandbox_port, p.protocol, p.host_address) == (8080, "tcp", "127.0.0.1") and p.host_port
-            exposed = await in_thread(s.ExposePort, spb.ExposePortRequest(id="u", sandbox_port=9000))  # the seed's RPC
+            exposed = await in_thread(s.ExposePort, spb.ExposePortRequest(id="u", sandbox_port=9000))  # sandbox.v1 RPC
             assert exposed.host_port and exposed.guest_port == 9000
             assert len((await in_thread(ours.ListPorts, sv.ListPortsRequest(id="u"))).ports) == 2
             await in_thread(s.UnexposePort, spb.UnexposePortRequest(id="u", sandbox_port=9000))
@@ -514,7 +526,7 @@ async def test_both_edges_answer_from_one_table(
                 assert (await c.call("Info", {}))["sandboxes_by_state"] == {"ready": 1}
             stub = sgrpc.SandboxServiceStub(st.channel)
             over_grpc = await in_thread(stub.Inspect, spb.InspectSandboxRequest(id="one"))
-            # the read-back (docs/modify.md) is sandvisor.v1's: the seed's SandboxInfo has no field for it
+            # the read-back (docs/modify.md) is sandvisor.v1's: sandbox.v1's SandboxInfo has no field for it
             ext = {k: over_msgpack.pop(k) for k in ("requested", "applied", "updated_at")}
             assert over_msgpack.pop("uid") == st.reg.get("one").record.uid  # (the socket's alone: the E2B endpoint's)
             assert over_msgpack.pop("ssh_keys") == [] and over_msgpack.pop("owner")  # (the socket's: serve --ssh's)

@@ -30,7 +30,7 @@ import trio
 from trio.testing import MockClock
 
 from actors.channel.guest import ChannelBroken, GuestChannel, GuestOpError, PatchEntry, open_channel
-from guestd import proto as P
+from guestd import proto
 from tests.support.fakeguest import FakeGuest, fake_guest
 from tests.support.vms import SharedVM
 
@@ -156,7 +156,7 @@ async def _exit_code(chan: GuestChannel, argv: list[str]) -> int:
 
 async def test_hello_reports_the_guest(clock: object, chan: GuestChannel) -> None:
     info = chan.hello_info
-    assert info is not None and info.version == P.PROTOCOL_VERSION
+    assert info is not None and info.version == proto.PROTOCOL_VERSION
     assert info.pid == 1  # guestd is PID 1
     assert 0 < info.boot_ns <= info.ready_ns
     assert {"init", "modules", "rootfs", "python", "ready"} <= set(info.marks)
@@ -203,7 +203,7 @@ async def test_clock_entropy_hostname_and_their_bad_input(clock: object, chan: G
         for bad in bad_calls:
             with pytest.raises(GuestOpError) as e:
                 await bad()
-            assert e.value.code == P.E_INVALID
+            assert e.value.code == proto.E_INVALID
         await chan.set_hostname(before)
 
 
@@ -236,7 +236,7 @@ async def test_a_new_host_finds_the_processes_and_state_of_the_last(
                     if await c3.read_bytes(survivor) == b"survived\n":
                         break
                 except GuestOpError as exc:
-                    assert exc.code == P.E_NOT_FOUND
+                    assert exc.code == proto.E_NOT_FOUND
                 await trio.sleep(0.1)
 
 
@@ -266,11 +266,11 @@ async def test_exec_gets_env_cwd_and_user(clock: object, chan: GuestChannel) -> 
 
 async def test_exec_errors_are_typed(clock: object, chan: GuestChannel) -> None:
     cases: list[tuple[list[str], dict[str, str], str, str]] = [
-        (["no-such-cmd"], {}, P.E_NOT_FOUND, "executable file not found in $PATH"),
-        (["/no/such/binary"], {}, P.E_NOT_FOUND, "No such file or directory"),
-        (["true"], {"user": "no-such-user"}, P.E_INVALID, "unknown user 'no-such-user'"),
-        (["true"], {"cwd": "/no/such/dir"}, P.E_NOT_FOUND, "chdir '/no/such/dir'"),
-        ([], {}, P.E_INVALID, "empty command"),
+        (["no-such-cmd"], {}, proto.E_NOT_FOUND, "executable file not found in $PATH"),
+        (["/no/such/binary"], {}, proto.E_NOT_FOUND, "No such file or directory"),
+        (["true"], {"user": "no-such-user"}, proto.E_INVALID, "unknown user 'no-such-user'"),
+        (["true"], {"cwd": "/no/such/dir"}, proto.E_NOT_FOUND, "chdir '/no/such/dir'"),
+        ([], {}, proto.E_INVALID, "empty command"),
     ]
     with trio.fail_after(30):
         for argv, kw, code, text in cases:
@@ -292,7 +292,7 @@ async def test_stdin_round_trips_through_cat(clock: object, chan: GuestChannel) 
 
             n.start_soon(feed)
             async for ch, data in h:
-                assert ch == P.STDOUT and len(data) <= P.WINDOW
+                assert ch == proto.STDOUT and len(data) <= proto.WINDOW
                 got += data
     assert h.exit is not None and h.exit.code == 0
     assert got == payload
@@ -304,9 +304,9 @@ async def test_output_honours_credit_and_a_stalled_consumer_bounds_it(clock: obj
         assert len(r.stdout) == 8 << 20 and r.exit_code == 0
         async with chan.exec(["head", "-c", str(20 << 20), "/dev/zero"]) as h:  # a consumer that never reads
             req = chan._reqs[h.rid]
-            while req.buffered < P.WINDOW:  # the guest fills the window it was granted...
+            while req.buffered < proto.WINDOW:  # the guest fills the window it was granted...
                 await trio.sleep(0.01)
-            assert req.buffered == P.WINDOW and not chan.broken  # ...and stops there (beyond: a protocol error)
+            assert req.buffered == proto.WINDOW and not chan.broken  # ...and stops there (beyond: a protocol error)
         # leaving the block killed it; the channel is fine
         assert (await chan.run(["echo", "ok"])).stdout == b"ok\n"
 
@@ -344,14 +344,14 @@ async def test_a_pty_merges_streams_and_follows_resize(clock: object, chan: Gues
         script = "stty size; echo err >&2; cat; stty size; exit 7"  # cat: until the host's end of input
         async with chan.exec(["sh", "-c", script], tty=True, stdin=True, rows=30, cols=100) as h:
             async for ch, data in h:
-                assert ch == P.STDOUT
+                assert ch == proto.STDOUT
                 out += data
                 if out.endswith(b"err\r\n"):
                     break
             await h.resize(40, 132)
             await h.close_stdin()  # guestd sends ^D to the line discipline
             async for ch, data in h:
-                assert ch == P.STDOUT
+                assert ch == proto.STDOUT
                 out += data
     assert out == b"30 100\r\nerr\r\n40 132\r\n"  # ONLCR, one stream
     assert h.exit is not None and h.exit.code == 7
@@ -374,7 +374,7 @@ async def test_file_round_trip_in_chunks(clock: object, chan: GuestChannel, scra
         await chan.write_file(f"{scratch}/empty", b"")
         assert await chan.read_bytes(f"{scratch}/empty") == b""
         r = await chan.run(["cat", f"{scratch}/blob"])  # what a process in the guest sees
-    assert back == data and max(chunks) <= P.WINDOW and r.stdout == data
+    assert back == data and max(chunks) <= proto.WINDOW and r.stdout == data
 
 
 async def _nothing() -> AsyncIterator[bytes]:
@@ -384,15 +384,18 @@ async def _nothing() -> AsyncIterator[bytes]:
 
 async def test_file_errors_are_typed(clock: object, chan: GuestChannel, scratch: str) -> None:
     cases: list[tuple[Callable[[], Awaitable[object]], str]] = [
-        (lambda: chan.read_bytes("/no/such/file"), P.E_NOT_FOUND),
-        (lambda: chan.read_bytes("/etc"), P.E_IS_DIR),
-        (lambda: chan.read_bytes("relative"), P.E_INVALID),
-        (lambda: chan.write_file("/no/such/dir/file", b"x"), P.E_NOT_FOUND),
-        (lambda: chan.write_file("/tmp", b"x"), P.E_IS_DIR),
-        (lambda: chan.write_file(f"{scratch}/", b"x"), P.E_INVALID),
-        (lambda: chan.write_file("/proc/x", b"x"), P.E_NOT_FOUND),  # procfs: no new files
-        (lambda: chan.write_file(f"{scratch}/f", b"x", owner="no-such-user"), P.E_INVALID),
-        (lambda: chan.write_file(f"{scratch}/huge", _nothing(), size=P.MAX_FILE + 1), P.E_TOO_LARGE),  # host-side
+        (lambda: chan.read_bytes("/no/such/file"), proto.E_NOT_FOUND),
+        (lambda: chan.read_bytes("/etc"), proto.E_IS_DIR),
+        (lambda: chan.read_bytes("relative"), proto.E_INVALID),
+        (lambda: chan.write_file("/no/such/dir/file", b"x"), proto.E_NOT_FOUND),
+        (lambda: chan.write_file("/tmp", b"x"), proto.E_IS_DIR),
+        (lambda: chan.write_file(f"{scratch}/", b"x"), proto.E_INVALID),
+        (lambda: chan.write_file("/proc/x", b"x"), proto.E_NOT_FOUND),  # procfs: no new files
+        (lambda: chan.write_file(f"{scratch}/f", b"x", owner="no-such-user"), proto.E_INVALID),
+        (
+            lambda: chan.write_file(f"{scratch}/huge", _nothing(), size=proto.MAX_FILE + 1),
+            proto.E_TOO_LARGE,
+        ),  # host-side
     ]
     with trio.fail_after(30):
         for i, (call, code) in enumerate(cases):
@@ -400,10 +403,10 @@ async def test_file_errors_are_typed(clock: object, chan: GuestChannel, scratch:
                 await call()
             assert e.value.code == code, (i, e.value)
         req = chan._new_request()  # the guest enforces the limit too, whatever a host announces
-        await chan._send(P.WriteFile(rid=req.rid, path=f"{scratch}/huge", size=P.MAX_FILE + 1))
+        await chan._send(proto.WriteFile(rid=req.rid, path=f"{scratch}/huge", size=proto.MAX_FILE + 1))
         err = await req.next()
         chan._end_request(req)
-        assert isinstance(err, P.Error) and err.code == P.E_TOO_LARGE
+        assert isinstance(err, proto.Error) and err.code == proto.E_TOO_LARGE
         assert (await chan.ping()).activity >= 0
         assert set(await _read_tree(chan, scratch)) == {"."}  # nothing was written
 
@@ -421,7 +424,7 @@ async def test_write_file_with_an_owner_and_a_mode(clock: object, chan: GuestCha
 
 
 async def test_tree_round_trip_with_modes_links_and_an_owner(clock: object, chan: GuestChannel, scratch: str) -> None:
-    big = os.urandom(3 * P.WINDOW)  # beyond one window: credit flows both ways
+    big = os.urandom(3 * proto.WINDOW)  # beyond one window: credit flows both ways
     tar = io.BytesIO()
     with tarfile.open(fileobj=tar, mode="w", format=tarfile.PAX_FORMAT) as tf:
         for name, kind, mode, data, link in (
@@ -481,14 +484,14 @@ async def test_hostile_trees_are_refused_and_write_nothing_outside(
         for what, data in hostile.items():
             with pytest.raises(GuestOpError) as e:
                 await chan.write_tree(h, data)
-            assert e.value.code == P.E_INVALID, (what, e.value)
-        for path, owner, code in (("relative", "", P.E_INVALID), (f"{scratch}/t", "no-such-user", P.E_INVALID)):
+            assert e.value.code == proto.E_INVALID, (what, e.value)
+        for path, owner, code in (("relative", "", proto.E_INVALID), (f"{scratch}/t", "no-such-user", proto.E_INVALID)):
             with pytest.raises(GuestOpError) as e:
                 await chan.write_tree(path, _tar(("f", tarfile.REGTYPE, b"x")), owner=owner)
             assert e.value.code == code
         with pytest.raises(GuestOpError) as e:
             await chan.write_tree(victim, _tar(("f", tarfile.REGTYPE, b"x")))  # onto a file
-        assert e.value.code == P.E_EXISTS
+        assert e.value.code == proto.E_EXISTS
         # nothing outside, the victim intact (inside: guestd writes as it goes, the fake checks first)
         assert set(await _read_tree(chan, outside)) == {"."}
         assert await chan.read_bytes(victim) == b"victim\n"
@@ -503,14 +506,14 @@ async def test_read_tree_errors_and_an_early_exit(clock: object, chan: GuestChan
     with trio.fail_after(60):
         await chan.write_file(f"{scratch}/file", b"hi")
         for path, code in (
-            (f"{scratch}/nowhere", P.E_NOT_FOUND),
-            (f"{scratch}/file", P.E_NOT_FOUND),
-            ("rel", P.E_INVALID),
+            (f"{scratch}/nowhere", proto.E_NOT_FOUND),
+            (f"{scratch}/file", proto.E_NOT_FOUND),
+            ("rel", proto.E_INVALID),
         ):
             with pytest.raises(GuestOpError) as e:
                 await _read_tree(chan, path)
             assert e.value.code == code
-        await chan.patch([E.file(f"{scratch}/big/blob", os.urandom(P.MAX_FRAME // 2))])
+        await chan.patch([E.file(f"{scratch}/big/blob", os.urandom(proto.MAX_FRAME // 2))])
         async with chan.read_tree(f"{scratch}/big") as tar:
             async for _chunk in tar:
                 break  # leaving early: the host cancels the guest's side
@@ -543,25 +546,25 @@ async def test_patch_entries_in_order_with_owners_and_modes(clock: object, chan:
         # replace=False refuses an existing path; the error names the entry; earlier entries stay
         with pytest.raises(GuestOpError) as e:
             await chan.patch([E.file(f"{app}/b", "b"), E.file(f"{app}/conf/a.txt", "again")])
-        assert e.value.code == P.E_EXISTS and f"entry 1 ({app}/conf/a.txt)" in e.value.message
+        assert e.value.code == proto.E_EXISTS and f"entry 1 ({app}/conf/a.txt)" in e.value.message
         assert await chan.read_bytes(f"{app}/b") == b"b"
         await chan.patch([E.file(f"{app}/conf/a.txt", "again", replace=True), E.remove(f"{app}/conf")])
         assert "conf" not in await _read_tree(chan, app)
         # a patch bigger than a frame is split; the numbers in errors stay the patch's own
-        half = bytes(P.MAX_FRAME // 2)
+        half = bytes(proto.MAX_FRAME // 2)
         with pytest.raises(GuestOpError) as e:
             await chan.patch([E.file(f"{scratch}/p/{i}", half) for i in range(3)] + [E.mkdir(f"{scratch}/p/0")])
-        assert f"entry 3 ({scratch}/p/0)" in e.value.message and e.value.code == P.E_EXISTS
+        assert f"entry 3 ({scratch}/p/0)" in e.value.message and e.value.code == proto.E_EXISTS
         for bad, code in (
-            (E.file(f"{scratch}/x", "x", owner="no-such-user"), P.E_INVALID),
-            (E.file(f"{scratch}/x", "x", owner="nobody:no-such-group"), P.E_INVALID),
-            (E("file", "relative"), P.E_INVALID),
-            (E.mkdir("/"), P.E_INVALID),
-            (E.file(app, "x", replace=True), P.E_IS_DIR),
+            (E.file(f"{scratch}/x", "x", owner="no-such-user"), proto.E_INVALID),
+            (E.file(f"{scratch}/x", "x", owner="nobody:no-such-group"), proto.E_INVALID),
+            (E("file", "relative"), proto.E_INVALID),
+            (E.mkdir("/"), proto.E_INVALID),
+            (E.file(app, "x", replace=True), proto.E_IS_DIR),
         ):
             with pytest.raises(GuestOpError) as e:
                 await chan.patch([bad])
             assert e.value.code == code, (bad, e.value)
         with pytest.raises(GuestOpError) as e:
-            await chan.patch([E.file(f"{scratch}/huge", bytes(P.MAX_FRAME))])  # refused on the host: use write_file
-        assert e.value.code == P.E_TOO_LARGE
+            await chan.patch([E.file(f"{scratch}/huge", bytes(proto.MAX_FRAME))])  # refused on the host: use write_file
+        assert e.value.code == proto.E_TOO_LARGE

@@ -13,8 +13,7 @@ from actors.crash import STEPS
 from actors.errors import InvalidArgument
 from actors.model import MemoryKind, SandboxConfig, Timers, check_config
 from actors.store import MachineRecord, SnapshotRecord
-from supervisor import mapping as M
-from supervisor import protocol as W
+from supervisor import mapping, protocol
 from supervisor.cli import build_parser
 from supervisor.sdk.spec import Lifetime, SandboxSpec
 
@@ -23,12 +22,12 @@ def test_the_idle_policy_and_auto_resume_reach_the_domain_from_the_sdk() -> None
     spec = SandboxSpec(lifetime=Lifetime(idle_timeout=300, on_idle="pause", paused_ttl=60, auto_resume=False))
     req = spec.request("h")
     assert (req.on_idle, req.paused_ttl_seconds, req.no_auto_resume) == ("pause", 60, True)
-    timers = M.config(req).timers
+    timers = mapping.config(req).timers
     assert timers == Timers(idle_timeout_seconds=300, on_idle="pause", paused_ttl_seconds=60, auto_resume=False)
     # the defaults say nothing on the wire (a seed-shaped request), and mean stop + auto-resume
     plain = SandboxSpec().request("p")
     assert (plain.on_idle, plain.paused_ttl_seconds, plain.no_auto_resume) == ("", 0, False)
-    assert M.config(plain).timers == Timers()
+    assert mapping.config(plain).timers == Timers()
     assert SandboxSpec().with_(on_idle="pause").lifetime.on_idle == "pause"
 
 
@@ -55,7 +54,7 @@ def test_a_bad_idle_policy_is_invalid(timers: Timers) -> None:
 
 def test_a_wire_on_idle_that_is_unknown_is_invalid() -> None:
     with pytest.raises(InvalidArgument):
-        check_config(M.config(W.CreateSandboxRequest(id="x", on_idle="hibernate")))
+        check_config(mapping.config(protocol.CreateSandboxRequest(id="x", on_idle="hibernate")))
 
 
 def test_a_paused_sandboxs_saved_state_is_hidden() -> None:

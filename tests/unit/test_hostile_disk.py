@@ -1,4 +1,4 @@
-"""Hostile disk images and disk exhaustion (issue 21).
+"""Hostile disk images and disk exhaustion.
 
 A Create's own rootfs (from an ``--allow-path`` directory) is a file the caller chose:
 its qcow2 header is hostile input. A backing name or an external data file would make

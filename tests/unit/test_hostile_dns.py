@@ -33,7 +33,7 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from actors.net import dnsmsg as D
+from actors.net import dnsmsg
 from actors.net.dnsproxy import DnsProxy
 from actors.net.egress import NEVER4, EgressPolicy
 from actors.net.nft import Nft, NftError
@@ -89,10 +89,12 @@ def queries(draw: st.DrawFn) -> bytes:
     """A query as a guest could send it: a header (mostly sane, sometimes not), one
     question (sometimes more, or none), maybe trailing octets, maybe cut anywhere."""
     mid = draw(st.integers(0, 0xFFFF))
-    flags = draw(st.one_of(st.just(D.RD), st.just(0), st.integers(0, 0xFFFF)))
+    flags = draw(st.one_of(st.just(dnsmsg.RD), st.just(0), st.integers(0, 0xFFFF)))
     qd = draw(st.one_of(st.just(1), st.integers(0, 0xFFFF)))
     counts = draw(st.one_of(st.just((0, 0, 0)), st.tuples(*[st.integers(0, 0xFFFF)] * 3)))
-    qtail = struct.pack("!HH", draw(st.sampled_from([D.A, D.AAAA, D.ANY, D.TXT, 0, 0xFFFF])), D.IN)
+    qtail = struct.pack(
+        "!HH", draw(st.sampled_from([dnsmsg.A, dnsmsg.AAAA, dnsmsg.ANY, dnsmsg.TXT, 0, 0xFFFF])), dnsmsg.IN
+    )
     data = HDR.pack(mid, flags, qd, *counts) + draw(names()) + qtail + draw(st.binary(max_size=40))
     if draw(st.booleans()):
         data = data[: draw(st.integers(0, len(data)))]
@@ -101,32 +103,32 @@ def queries(draw: st.DrawFn) -> bytes:
 
 # -- the codec: a result or a DnsError, never another exception ---------------------------
 def check_codec(data: bytes) -> None:
-    for fn in (D.parse, D.parse_query):
+    for fn in (dnsmsg.parse, dnsmsg.parse_query):
         try:
             fn(data)
-        except D.DnsError:
+        except dnsmsg.DnsError:
             pass
-    q: D.Question | None
+    q: dnsmsg.Question | None
     try:
-        _mid, _flags, q = D.parse_query(data)
-    except D.DnsError:
+        _mid, _flags, q = dnsmsg.parse_query(data)
+    except dnsmsg.DnsError:
         q = None
     if q is not None:
-        raw = D.read_labels(data, 12)[0]
-        assert D.name_labels(q.name) == tuple(x.lower() for x in raw)
-        assert D.encode_name(q.name) == wire([x.lower() for x in raw])
+        raw = dnsmsg.read_labels(data, 12)[0]
+        assert dnsmsg.name_labels(q.name) == tuple(x.lower() for x in raw)
+        assert dnsmsg.encode_name(q.name) == wire([x.lower() for x in raw])
     if len(data) < 12:
-        with pytest.raises(D.DnsError):
-            D.error_response(data, D.REFUSED)
+        with pytest.raises(dnsmsg.DnsError):
+            dnsmsg.error_response(data, dnsmsg.REFUSED)
         return
-    for rcode in (D.FORMERR, D.REFUSED, D.SERVFAIL):
-        reply = D.error_response(data, rcode)
-        msg = D.parse(reply)  # well-formed, always
+    for rcode in (dnsmsg.FORMERR, dnsmsg.REFUSED, dnsmsg.SERVFAIL):
+        reply = dnsmsg.error_response(data, rcode)
+        msg = dnsmsg.parse(reply)  # well-formed, always
         assert msg.id == HDR.unpack_from(data)[0] and msg.is_response and msg.rcode == rcode
         if q is None:
             assert msg.questions == ()
         else:  # the question's own octets, case and all (compression undone)
-            labels, end = D.read_labels(data, 12)
+            labels, end = dnsmsg.read_labels(data, 12)
             assert msg.questions == (q,) and reply[12:] == wire(labels) + data[end : end + 4]
 
 
@@ -144,33 +146,33 @@ def test_codec_malformed_queries_typed_errors_only(data: bytes) -> None:
 
 @given(st.lists(st.binary(min_size=1, max_size=63), max_size=5))
 def test_names_round_trip_through_text_losslessly(labels: list[bytes]) -> None:
-    text = D.name_text(tuple(labels))
-    assert D.name_labels(text) == tuple(x.lower() for x in labels)
-    assert D.is_plain(text) == all(all(0x21 <= b <= 0x7E and b not in b".\\" for b in x) for x in labels)
+    text = dnsmsg.name_text(tuple(labels))
+    assert dnsmsg.name_labels(text) == tuple(x.lower() for x in labels)
+    assert dnsmsg.is_plain(text) == all(all(0x21 <= b <= 0x7E and b not in b".\\" for b in x) for x in labels)
     if len(wire(labels)) <= 255:
-        assert D.read_name(D.encode_name(text), 0) == (text, len(wire(labels)))
+        assert dnsmsg.read_name(dnsmsg.encode_name(text), 0) == (text, len(wire(labels)))
 
 
 @given(st.text(max_size=80))
 def test_text_names_encode_or_fail_typed(text: str) -> None:
     try:
-        D.encode_name(text)
-        D.query(text)
-    except D.DnsError:
+        dnsmsg.encode_name(text)
+        dnsmsg.query(text)
+    except dnsmsg.DnsError:
         pass
 
 
 def test_the_reported_queries() -> None:
     """The finding's exact queries: \\xff.example.com and a.b (a dot in a label)."""
     for raw in (b"\x01\xff\x07example\x03com\x00", b"\x03a.b\x00", b"\x03a.b\x07example\x03com\x00"):
-        data = HDR.pack(7, D.RD, 1, 0, 0, 0) + raw + struct.pack("!HH", D.A, D.IN)
-        _, _, q = D.parse_query(data)
-        assert not D.is_plain(q.name)
-        reply = D.error_response(data, D.REFUSED)
-        assert reply[12:] == data[12:] and D.parse(reply).rcode == D.REFUSED
+        data = HDR.pack(7, dnsmsg.RD, 1, 0, 0, 0) + raw + struct.pack("!HH", dnsmsg.A, dnsmsg.IN)
+        _, _, q = dnsmsg.parse_query(data)
+        assert not dnsmsg.is_plain(q.name)
+        reply = dnsmsg.error_response(data, dnsmsg.REFUSED)
+        assert reply[12:] == data[12:] and dnsmsg.parse(reply).rcode == dnsmsg.REFUSED
     # a compressed question is echoed uncompressed (a pointer would point into nowhere)
-    data = HDR.pack(8, 0, 1, 0, 0, 0) + b"\x01a\xc0\x14" + struct.pack("!HH", D.A, D.IN) + b"\x03com\x00"
-    assert D.parse(D.error_response(data, D.FORMERR)).questions == (D.Question("a.com", D.A),)
+    data = HDR.pack(8, 0, 1, 0, 0, 0) + b"\x01a\xc0\x14" + struct.pack("!HH", dnsmsg.A, dnsmsg.IN) + b"\x03com\x00"
+    assert dnsmsg.parse(dnsmsg.error_response(data, dnsmsg.FORMERR)).questions == (dnsmsg.Question("a.com", dnsmsg.A),)
 
 
 # -- the proxy's answer(): a well-formed reply or None, never an exception ----------------
@@ -190,15 +192,17 @@ Upstream = Callable[[bytes], "bytes | None"]
 
 
 def good_answer(query: bytes, *, flags: int = 0, mid_delta: int = 0) -> bytes:
-    mid, rflags, q = D.parse_query(query)
+    mid, rflags, q = dnsmsg.parse_query(query)
     records = (
-        D.Record(q.name, D.CNAME, D.IN, 30, b"", target="cdn.example.net"),
-        D.address_record("cdn.example.net", IPv4Address("203.0.113.5"), 0),
-        D.address_record(q.name, IPv4Address("10.88.0.9"), 60),  # a sandbox: never opened
-        D.address_record(q.name, IPv4Address("169.254.169.254"), 60),  # metadata: never opened
+        dnsmsg.Record(q.name, dnsmsg.CNAME, dnsmsg.IN, 30, b"", target="cdn.example.net"),
+        dnsmsg.address_record("cdn.example.net", IPv4Address("203.0.113.5"), 0),
+        dnsmsg.address_record(q.name, IPv4Address("10.88.0.9"), 60),  # a sandbox: never opened
+        dnsmsg.address_record(q.name, IPv4Address("169.254.169.254"), 60),  # metadata: never opened
     )
-    msg = D.Message((mid + mid_delta) & 0xFFFF, D.QR | D.RA | (rflags & D.RD) | flags, (q,), records)
-    return D.build(msg)
+    msg = dnsmsg.Message(
+        (mid + mid_delta) & 0xFFFF, dnsmsg.QR | dnsmsg.RA | (rflags & dnsmsg.RD) | flags, (q,), records
+    )
+    return dnsmsg.build(msg)
 
 
 def mutate(data: bytes, at: int, value: int) -> bytes:
@@ -226,7 +230,7 @@ def upstreams(draw: st.DrawFn) -> tuple[Upstream, Upstream]:
             if kind == "mutated":
                 return mutate(good_answer(query), at, value)
             if kind == "tc":
-                return good_answer(query, flags=D.TC)
+                return good_answer(query, flags=dnsmsg.TC)
             if kind == "oserror":
                 raise OSError(111, "Connection refused")
             return None
@@ -265,16 +269,16 @@ def check_answer(proxy: FakeUpstreamProxy, data: bytes, reply: bytes | None) -> 
         assert reply is None  # nothing to answer with (no id)
         return
     assert reply is not None
-    msg = D.parse(reply)  # well-formed, always
+    msg = dnsmsg.parse(reply)  # well-formed, always
     assert msg.is_response and msg.id == HDR.unpack_from(data)[0]
     try:
-        _, _, q = D.parse_query(data)
-    except D.DnsError:
-        assert msg.rcode == D.FORMERR and msg.questions == ()
+        _, _, q = dnsmsg.parse_query(data)
+    except dnsmsg.DnsError:
+        assert msg.rcode == dnsmsg.FORMERR and msg.questions == ()
         return
     assert msg.questions[:1] == (q,)
-    if not D.is_plain(q.name):  # refused unjudged and never forwarded
-        assert msg.rcode == D.REFUSED and proxy.asked == []
+    if not dnsmsg.is_plain(q.name):  # refused unjudged and never forwarded
+        assert msg.rcode == dnsmsg.REFUSED and proxy.asked == []
 
 
 @given(queries(), upstreams(), st.sampled_from(POLICIES), st.booleans())
@@ -308,12 +312,12 @@ def test_names_answered_by_policy_or_refused(
         full = [*labels, *suffix]
         if len(wire(full)) > 255:
             continue
-        data = HDR.pack(99, D.RD, 1, 0, 0, 0) + wire(full) + struct.pack("!HH", D.A, D.IN)
+        data = HDR.pack(99, dnsmsg.RD, 1, 0, 0, 0) + wire(full) + struct.pack("!HH", dnsmsg.A, dnsmsg.IN)
         proxy.asked.clear()
         reply = trio.run(proxy.answer, GUEST, data)
         check_answer(proxy, data, reply)
-        _, _, q = D.parse_query(data)
-        if not D.is_plain(q.name):
+        _, _, q = dnsmsg.parse_query(data)
+        if not dnsmsg.is_plain(q.name):
             assert reply is not None and reply[12:] == data[12:]  # the question echoed octet for octet
     assert proxy.stats["errors"] == 0
     for cmd in nft.commands:  # never a sandbox or the metadata service
@@ -328,10 +332,10 @@ async def test_an_unexpected_error_in_answer_is_servfail_counted_and_logged(capl
         raise RuntimeError("a bug")
 
     proxy._decide = broken  # type: ignore[method-assign]
-    query = D.query("example.com", mid=5)
+    query = dnsmsg.query("example.com", mid=5)
     with caplog.at_level(logging.ERROR, logger="sandvisor.dns"):
         reply = await proxy.answer(GUEST, query)
-    assert reply is not None and D.parse(reply).rcode == D.SERVFAIL and D.parse(reply).id == 5
+    assert reply is not None and dnsmsg.parse(reply).rcode == dnsmsg.SERVFAIL and dnsmsg.parse(reply).id == 5
     assert proxy.stats["errors"] == 1 and "the proxy serves on" in caplog.text
     assert await proxy.answer(GUEST, b"\x00") is None  # too short to answer, still no exception
 
@@ -344,11 +348,11 @@ def free_port() -> int:
 
 
 HOSTILE = [
-    HDR.pack(1, D.RD, 1, 0, 0, 0) + b"\x01\xff\x07example\x03com\x00" + struct.pack("!HH", D.A, D.IN),
-    HDR.pack(2, D.RD, 1, 0, 0, 0) + b"\x03a.b\x07example\x03com\x00" + struct.pack("!HH", D.A, D.IN),
-    HDR.pack(3, D.RD, 1, 0, 0, 0) + b"\xc0\x0c" + struct.pack("!HH", D.A, D.IN),  # compression loop
-    HDR.pack(4, D.RD, 1, 0, 0, 0) + b"\x07exam",  # truncated
-    HDR.pack(5, D.RD, 0xFFFF, 0xFFFF, 0xFFFF, 0xFFFF),  # huge counts
+    HDR.pack(1, dnsmsg.RD, 1, 0, 0, 0) + b"\x01\xff\x07example\x03com\x00" + struct.pack("!HH", dnsmsg.A, dnsmsg.IN),
+    HDR.pack(2, dnsmsg.RD, 1, 0, 0, 0) + b"\x03a.b\x07example\x03com\x00" + struct.pack("!HH", dnsmsg.A, dnsmsg.IN),
+    HDR.pack(3, dnsmsg.RD, 1, 0, 0, 0) + b"\xc0\x0c" + struct.pack("!HH", dnsmsg.A, dnsmsg.IN),  # compression loop
+    HDR.pack(4, dnsmsg.RD, 1, 0, 0, 0) + b"\x07exam",  # truncated
+    HDR.pack(5, dnsmsg.RD, 0xFFFF, 0xFFFF, 0xFFFF, 0xFFFF),  # huge counts
     b"\x00\x06",  # shorter than a header: silence
     bytes(range(256)) * 4,  # random-ish octets
 ]
@@ -367,7 +371,7 @@ async def test_serving_loops_survive_hostile_datagrams_connections_and_bugs() ->
         return await real_decide(client, data)
 
     proxy._decide = sometimes_broken  # type: ignore[method-assign]
-    boom = D.query("boom.example.com", mid=77)
+    boom = dnsmsg.query("boom.example.com", mid=77)
     with trio.fail_after(20):
         async with trio.open_nursery() as nursery:
             await nursery.start(proxy.run)
@@ -377,11 +381,11 @@ async def test_serving_loops_survive_hostile_datagrams_connections_and_bugs() ->
                 for data in [*HOSTILE, boom]:
                     await udp.send(data)
                     if len(data) >= 12:  # each gets its well-formed answer
-                        msg = D.parse(await udp.recv(4096))
+                        msg = dnsmsg.parse(await udp.recv(4096))
                         assert msg.id == HDR.unpack_from(data)[0] and msg.is_response
-                await udp.send(D.query("fine.example.com", mid=4242))
-                msg = D.parse(await udp.recv(4096))
-                assert msg.id == 4242 and msg.rcode == D.NOERROR and msg.answers
+                await udp.send(dnsmsg.query("fine.example.com", mid=4242))
+                msg = dnsmsg.parse(await udp.recv(4096))
+                assert msg.id == 4242 and msg.rcode == dnsmsg.NOERROR and msg.answers
             # TCP: one connection's hostile messages, then a bug; the next connection is served
             for messages in (HOSTILE[:5], [boom]):
                 stream = await trio.open_tcp_stream("127.0.0.1", port)
@@ -389,7 +393,7 @@ async def test_serving_loops_survive_hostile_datagrams_connections_and_bugs() ->
                     for data in messages:
                         await stream.send_all(len(data).to_bytes(2, "big") + data)
                         got = await _read_tcp(stream)
-                        assert got is not None and D.parse(got).id == HDR.unpack_from(data)[0]
+                        assert got is not None and dnsmsg.parse(got).id == HDR.unpack_from(data)[0]
             stream = await trio.open_tcp_stream("127.0.0.1", port)
             async with stream:
                 await stream.send_all(b"\xff\xff" + b"\x00" * 100 + b"")  # a length it never sends
@@ -397,10 +401,10 @@ async def test_serving_loops_survive_hostile_datagrams_connections_and_bugs() ->
                 assert await _read_tcp(stream) is None  # closed, nothing else
             stream = await trio.open_tcp_stream("127.0.0.1", port)
             async with stream:
-                q = D.query("fine.example.com", mid=4343)
+                q = dnsmsg.query("fine.example.com", mid=4343)
                 await stream.send_all(len(q).to_bytes(2, "big") + q)
                 got = await _read_tcp(stream)
-                assert got is not None and D.parse(got).id == 4343 and D.parse(got).rcode == D.NOERROR
+                assert got is not None and dnsmsg.parse(got).id == 4343 and dnsmsg.parse(got).rcode == dnsmsg.NOERROR
             assert proxy.stats["errors"] == 2  # the two injected bugs, and nothing else
             nursery.cancel_scope.cancel()
 
@@ -441,7 +445,7 @@ async def test_a_dead_proxy_ends_nothing_and_the_filter_stays(caplog: pytest.Log
 
     async with lab_env() as lab:
         g = lab.guest("dns-dies", {"default": "deny", "allow": [SERVERS[0], "allowed.test"]})
-        assert (await resolve(g.ns, str(lab.pool.gateway), "allowed.test"))[0] == D.NOERROR
+        assert (await resolve(g.ns, str(lab.pool.gateway), "allowed.test"))[0] == dnsmsg.NOERROR
         trigger[0] = g.address
         lab.net.dns._clients = Exploding(lab.net.dns._clients)
         with caplog.at_level(logging.ERROR, logger="sandvisor.net"):

@@ -1,4 +1,4 @@
-"""Host-side consumers of guest bytes, on hostile input (issue 21): the guest channel's
+"""Host-side consumers of guest bytes, on hostile input: the guest channel's
 frame decoder and the copy-out tar reader as Hypothesis properties ("a typed error or a
 valid result, never another exception"), and a hostile guestd's answers (out-of-range
 values, garbage frames after its hello) through the registry and the server's
@@ -29,11 +29,9 @@ from trio.testing import MockClock
 from actors.channel.guest import GuestError, check_ranges, open_channel
 from actors.errors import DomainError
 from actors.model import SandboxConfig, State
-from guestd import proto as P
-from guestd import tree
+from guestd import proto, tree
 from guestd.fsops import TreeError
-from supervisor import mapping as M
-from supervisor import protocol as W
+from supervisor import mapping, protocol
 from supervisor.grpc_convert import dict_to_message
 from supervisor.proto.sandvisor.v1 import sandvisor_pb2 as sv
 from supervisor.treecopy import umask
@@ -93,8 +91,8 @@ async def _exercise(sb: Any) -> list[str]:
 
     async def metrics() -> None:
         m = await sb.metrics()
-        body = W.unstructure_body(M.metrics(m))
-        W.encode(W.Reply(1, body))
+        body = protocol.unstructure_body(mapping.metrics(m))
+        protocol.encode(protocol.Reply(1, body))
         dict_to_message(body, sv.SandboxMetrics)
 
     async def runs() -> None:
@@ -130,7 +128,9 @@ async def test_a_hostile_answer_fails_at_most_its_own_sandbox(what: str, tmp_pat
         if what in TAMPERED:
             lab.hostile.tampered = TAMPERED[what]
         else:
-            hello = P.encode(P.HelloOk(version=P.PROTOCOL_VERSION, pid=1, boot_ns=0, ready_ns=0, activity=0))
+            hello = proto.encode(
+                proto.HelloOk(version=proto.PROTOCOL_VERSION, pid=1, boot_ns=0, ready_ns=0, activity=0)
+            )
             lab.hostile.garbage_after_hello = GARBAGE[what] or hello
         bad = await reg.create("bad", SandboxConfig())
         with trio.fail_after(120):
@@ -175,7 +175,7 @@ def _frame(draw: st.DrawFn) -> bytes:
     raw msgpack value, or arbitrary bytes, behind a length prefix that may lie."""
     kind = draw(st.sampled_from(["message", "value", "bytes"]))
     if kind == "message":
-        cls = draw(st.sampled_from(sorted(P.REGISTRY.values(), key=lambda c: c.TAG)))
+        cls = draw(st.sampled_from(sorted(proto.REGISTRY.values(), key=lambda c: c.TAG)))
         body: dict[str, Any] = {"t": cls.TAG}
         for name, _, _ in cls._fields:
             if draw(st.booleans()):
@@ -201,14 +201,14 @@ def _split(data: bytes, cuts: list[int]) -> list[bytes]:
 def test_frame_decoding_is_a_protocol_error_or_messages(frames: list[bytes], tail: bytes, cuts: list[int]) -> None:
     """The host's decoder (FrameDecoder, decode, check_ranges) over any bytes, split
     anywhere: messages, or a ProtocolError; nothing else."""
-    dec = P.FrameDecoder()
+    dec = proto.FrameDecoder()
     try:
         for piece in _split(b"".join(frames) + tail, cuts):
             dec.feed(piece)
             for msg in dec.messages():
                 check_ranges(msg)
-                assert isinstance(msg, P.Message)
-    except P.ProtocolError:
+                assert isinstance(msg, proto.Message)
+    except proto.ProtocolError:
         pass
 
 
@@ -218,7 +218,9 @@ def test_a_channel_fed_anything_fails_typed(frames: list[bytes], tail: bytes, cu
     """A real GuestChannel whose guest says hello and then sends anything: the calls in
     flight end with a GuestError (or an answer), the channel's reader never raises into
     its nursery."""
-    hello = P.GUEST_SYNC + P.encode(P.HelloOk(version=P.PROTOCOL_VERSION, pid=1, boot_ns=0, ready_ns=0, activity=0))
+    hello = proto.GUEST_SYNC + proto.encode(
+        proto.HelloOk(version=proto.PROTOCOL_VERSION, pid=1, boot_ns=0, ready_ns=0, activity=0)
+    )
 
     async def main() -> None:
         host, guest = trio.testing.memory_stream_pair()
@@ -281,7 +283,13 @@ def _unpack_into_fresh_dir(data: bytes) -> None:
             n = tree.unpack(io.BytesIO(data).read, fd, keep_ids=ROOT, mode_mask=0o777, keep_existing=True)
             assert n >= 0
         except TreeError as exc:
-            assert exc.code in (P.E_INVALID, P.E_TOO_LARGE, P.E_IS_DIR, P.E_NOT_FOUND, P.E_EXISTS), exc.code
+            assert exc.code in (
+                proto.E_INVALID,
+                proto.E_TOO_LARGE,
+                proto.E_IS_DIR,
+                proto.E_NOT_FOUND,
+                proto.E_EXISTS,
+            ), exc.code
         finally:
             os.close(fd)
         assert os.listdir(outside) == []

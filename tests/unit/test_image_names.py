@@ -14,7 +14,7 @@ import trio
 from actors.model import PullAuth
 from images.oci import InvalidReference, parse_reference
 from images.refs import RefPolicy, RegistryRefused, parse_mirror
-from supervisor import protocol as W
+from supervisor import protocol
 from supervisor.grpc_service import _sandvisor_create, to_request
 from supervisor.proto.sandbox.v1 import sandbox_pb2 as spb
 from supervisor.proto.sandvisor.v1 import sandvisor_pb2 as sv
@@ -123,7 +123,7 @@ def test_registry_secrets_are_never_printed() -> None:
     spec = SandboxSpec().with_(image="alpine", registry=auth)
     req = spec.request("x")
     assert (req.image_creds, req.image_ca_pem) == (secret, pem)
-    pull = W.PullImageRequest(ref="alpine", creds=secret, ca_pem=pem)
+    pull = protocol.PullImageRequest(ref="alpine", creds=secret, ca_pem=pem)
     for value in (auth, spec, req, pull, PullAuth(secret, b"{}", pem)):
         for text in (repr(value), str(value)):
             assert "hunter2" not in text and "MIIsecret" not in text, text
@@ -136,7 +136,7 @@ def test_grpc_create_carries_registry_auth_beside_the_seed_request() -> None:
         image_auth_json=b"{}",
         image_ca_pem=b"PEM",
     )
-    req = to_request(msg, W.CreateSandboxRequest, _sandvisor_create)
+    req = to_request(msg, protocol.CreateSandboxRequest, _sandvisor_create)
     assert (req.id, req.image, req.image_creds, req.image_auth_json, req.image_ca_pem) == (
         "p",
         "python:3.12",

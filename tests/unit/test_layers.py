@@ -9,7 +9,10 @@ the wire-protocol module and its own helpers, never the domain.
 from __future__ import annotations
 
 import ast
+import io
+import re
 import sys
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -147,12 +150,11 @@ def test_no_benchmark_script_shadows_a_package() -> None:
 
 
 def test_one_list_of_error_codes() -> None:
-    """The seed's codes are listed once (guestd/codes.py, stdlib only: the SDK may import
+    """The error codes of sandbox.v1 are listed once (guestd/codes.py, stdlib only: the SDK may import
     it, the domain too); the domain and the SDK have one error class per code, and
     guestd's own Error codes are these names but for two of the guest's own."""
     from actors import errors as domain
-    from guestd import codes
-    from guestd import proto as P
+    from guestd import codes, proto
     from supervisor import errors as sdk
 
     names = {c.value for c in codes.Code}
@@ -162,7 +164,7 @@ def test_one_list_of_error_codes() -> None:
         c: domain.BY_CODE[codes.Code(c)].__name__ for c in names
     }
     assert all(getattr(sdk, c) == c for c in names)
-    guest = {v for k, v in vars(P).items() if k.startswith("E_") and isinstance(v, str)}
+    guest = {v for k, v in vars(proto).items() if k.startswith("E_") and isinstance(v, str)}
     assert guest - names == {"IS_A_DIRECTORY", "TOO_LARGE"}
 
 
@@ -183,3 +185,78 @@ print(os.environ.get("GRPC_ENABLE_FORK_SUPPORT"))
     env = {k: v for k, v in os.environ.items() if k != "GRPC_ENABLE_FORK_SUPPORT"}
     p = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60, check=False)
     assert (p.returncode, p.stdout) == (0, "0\n"), p.stderr
+
+
+def one_letter_aliases(path: Path, root: Path = ROOT) -> list[str]:
+    """Imports of a module (or function: a lowercase name) under a one-letter name, such
+    as ``from supervisor import protocol as W``: a letter says nothing, and the same letter
+    came to mean different modules in different files. Classes (``PatchEntry as E``) pass."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            for a in node.names:
+                name = a.name.rsplit(".", 1)[-1]
+                if a.asname and len(a.asname) == 1 and not name[:1].isupper():
+                    out.append(f"{path.relative_to(root)}: {name} as {a.asname}")
+    return out
+
+
+def test_no_module_goes_by_one_letter() -> None:
+    found = {x for p in ("actors", "supervisor", "guestd", "images") for f in sources(p) for x in one_letter_aliases(f)}
+    assert found == set()
+
+
+def test_the_alias_check_sees_one_letter_names(tmp_path: Path) -> None:
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "import os.path as p\nfrom guestd import proto as P\nfrom guestd.patch import PatchEntry as E\n"
+        "from supervisor import protocol\ndef f():\n    from actors import defaults as D\n"
+    )
+    assert sorted(one_letter_aliases(probe, tmp_path)) == [
+        "probe.py: defaults as D",
+        "probe.py: path as p",
+        "probe.py: proto as P",
+    ]
+
+
+TICKET_WORDS = re.compile(r"(?i)\bissue \d+|\bthe seed\b")
+
+
+def ticket_words(path: Path, root: Path = ROOT) -> list[str]:
+    """Comments and docstrings that name a ticket by its number, or the project's first
+    brief, instead of saying what they mean (hibernation; the sandbox.v1 contract)."""
+    src = path.read_text()
+    docs = {
+        (n.lineno, n.col_offset)
+        for n in ast.walk(ast.parse(src, str(path)))
+        if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant) and isinstance(n.value.value, str)
+    }
+    return [
+        f"{path.relative_to(root)}:{t.start[0]}"
+        for t in tokenize.generate_tokens(io.StringIO(src).readline)
+        if (t.type == tokenize.COMMENT or (t.type == tokenize.STRING and t.start in docs))
+        and TICKET_WORDS.search(t.string)
+    ]
+
+
+def test_comments_say_what_not_which_ticket() -> None:
+    found = [
+        x
+        for p in ("actors", "supervisor", "guestd", "images", "benchmarks", "tests")
+        for f in sources(p)
+        if not f.name.endswith(("_pb2.py", "_pb2_grpc.py"))
+        for x in ticket_words(f)
+    ]
+    assert found == []
+
+
+def test_the_ticket_check_sees_comments_and_docstrings_only(tmp_path: Path) -> None:
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        '"""Pause (issue 25)."""\n'
+        "x = 1  # as the seed says\n"
+        'y = "issue 12 in a string is output, not a comment"\n'
+        "def f():\n"
+        '    """The seed\'s codes."""\n'
+    )
+    assert ticket_words(probe, tmp_path) == ["probe.py:1", "probe.py:2", "probe.py:5"]

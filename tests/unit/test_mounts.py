@@ -13,9 +13,7 @@ from actors.hostdirs import check_host_dir
 from actors.machines.qemuproc import LaunchError
 from actors.machines.qemuspec import MachineSpec
 from actors.model import HostMount, SandboxConfig, TmpfsMount, VolumeMount, check_config
-from supervisor import client as C
-from supervisor import mapping
-from supervisor import protocol as W
+from supervisor import client, mapping, protocol
 from supervisor.client import HostDir, Tmpfs
 
 
@@ -26,9 +24,9 @@ def test_tmpfs_parse() -> None:
     assert Tmpfs.parse("/scratch:100") == Tmpfs("/scratch", 100)  # a bare number: MiB
     assert Tmpfs.parse("/s:1500K") == Tmpfs("/s", 2)  # rounded up
     for bad in ("scratch", "/s:", "/s:lots"):
-        with pytest.raises(C.InvalidArgument):
+        with pytest.raises(client.InvalidArgument):
             Tmpfs.parse(bad)
-    spec = C.SandboxSpec(tmpfs=["/a:8M", Tmpfs("/b")])
+    spec = client.SandboxSpec(tmpfs=["/a:8M", Tmpfs("/b")])
     assert [(t.target, t.size_mib) for t in spec.request().tmpfs] == [("/a", 8), ("/b", 0)]
     assert spec.with_(tmpfs=["/c"]).tmpfs == (Tmpfs("/c"),)
 
@@ -60,10 +58,10 @@ def test_host_dir_parse_and_request() -> None:
     assert HostDir.parse("/srv/data:/data:ro") == HostDir("/srv/data", "/data", writable=False)
     assert HostDir.parse("/srv/data:/data:rw") == HostDir("/srv/data", "/data", writable=True)
     for bad in ("srv:/data", "/srv", "/srv:data", "/srv:/data:rx"):
-        with pytest.raises(C.InvalidArgument):
+        with pytest.raises(client.InvalidArgument):
             HostDir.parse(bad)
-    req = C.SandboxSpec(mounts=["/a:/x", HostDir("/b", "/y", True)]).request()
-    assert req.host_mounts == [W.HostMount("/a", "/x", False), W.HostMount("/b", "/y", True)]
+    req = client.SandboxSpec(mounts=["/a:/x", HostDir("/b", "/y", True)]).request()
+    assert req.host_mounts == [protocol.HostMount("/a", "/x", False), protocol.HostMount("/b", "/y", True)]
     assert mapping.config(req).host_mounts == (HostMount("/a", "/x", False), HostMount("/b", "/y", True))
 
 
@@ -137,20 +135,20 @@ def test_qemu_argv_for_host_dirs(tmp_path: Path) -> None:
 
 
 def test_grpc_create_carries_host_mounts() -> None:
-    from supervisor import grpc_service as S
+    from supervisor import grpc_service
     from supervisor.proto.sandvisor.v1 import sandvisor_pb2 as sv
 
-    req = S.to_request(
+    req = grpc_service.to_request(
         sv.CreateRequest(
             host_mounts=[
                 sv.HostMount(source="/srv", target="/data"),
                 sv.HostMount(source="/w", target="/w", writable=True),
             ]
         ),
-        W.CreateSandboxRequest,
-        S._sandvisor_create,
+        protocol.CreateSandboxRequest,
+        grpc_service._sandvisor_create,
     )
-    assert req.host_mounts == [W.HostMount("/srv", "/data", False), W.HostMount("/w", "/w", True)]
+    assert req.host_mounts == [protocol.HostMount("/srv", "/data", False), protocol.HostMount("/w", "/w", True)]
 
 
 def test_host_dirs_need_the_jail_and_shared_ram() -> None:

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.net import dnsmsg as D
+from actors.net import dnsmsg
 from actors.net.egress import PRIVATE4, EgressPolicy, PolicyError, clip, may_open, paint, parse_entry, sandbox_rules
 from actors.net.hostnet import lock_netns, unlock_netns
 from actors.net.ippool import IpPool, MemoryLeases, PoolError, PoolExhausted, guest_mac, link_name
@@ -298,49 +298,49 @@ def test_clip_and_may_open() -> None:
 
 # -- DNS codec ---------------------------------------------------------------------
 def test_dns_roundtrip_and_cname_chain() -> None:
-    q = D.query("www.Example.com", D.A, mid=77)
-    mid, flags, question = D.parse_query(q)
-    assert (mid, question) == (77, D.Question("www.example.com", D.A)) and flags & D.RD
-    ans = D.Message(
+    q = dnsmsg.query("www.Example.com", dnsmsg.A, mid=77)
+    mid, flags, question = dnsmsg.parse_query(q)
+    assert (mid, question) == (77, dnsmsg.Question("www.example.com", dnsmsg.A)) and flags & dnsmsg.RD
+    ans = dnsmsg.Message(
         77,
-        D.QR | D.RD | D.RA,
+        dnsmsg.QR | dnsmsg.RD | dnsmsg.RA,
         (question,),
         (
-            D.Record("www.example.com", D.CNAME, D.IN, 300, b"", target="cdn.example.net"),
-            D.address_record("cdn.example.net", IPv4Address("203.0.113.5"), 60),
-            D.address_record("unrelated.org", IPv4Address("203.0.113.66"), 60),
+            dnsmsg.Record("www.example.com", dnsmsg.CNAME, dnsmsg.IN, 300, b"", target="cdn.example.net"),
+            dnsmsg.address_record("cdn.example.net", IPv4Address("203.0.113.5"), 60),
+            dnsmsg.address_record("unrelated.org", IPv4Address("203.0.113.66"), 60),
         ),
     )
-    parsed = D.parse(D.build(ans))
+    parsed = dnsmsg.parse(dnsmsg.build(ans))
     assert parsed.answers[0].target == "cdn.example.net"
-    assert D.answered_addresses(parsed, "www.example.com") == [(IPv4Address("203.0.113.5"), 60)]
-    err = D.parse(D.error_response(q, D.REFUSED))
-    assert err.id == 77 and err.rcode == D.REFUSED and err.questions == (question,) and err.is_response
+    assert dnsmsg.answered_addresses(parsed, "www.example.com") == [(IPv4Address("203.0.113.5"), 60)]
+    err = dnsmsg.parse(dnsmsg.error_response(q, dnsmsg.REFUSED))
+    assert err.id == 77 and err.rcode == dnsmsg.REFUSED and err.questions == (question,) and err.is_response
 
 
 def test_dns_compression_pointers_are_bounded() -> None:
     loop = struct.pack("!HHHHHH", 1, 0, 1, 0, 0, 0) + b"\xc0\x0c" + b"\x00\x01\x00\x01"
-    with pytest.raises(D.DnsError):
-        D.parse(loop)
+    with pytest.raises(dnsmsg.DnsError):
+        dnsmsg.parse(loop)
     # a pointer to a valid name earlier in the message
-    msg = D.build(D.Message(1, 0, (D.Question("a.b", D.A),)))
-    compressed = msg + b"\xc0\x0c" + struct.pack("!HHIH", D.A, D.IN, 5, 4) + b"\x01\x02\x03\x04"
-    compressed = struct.pack("!HHHHHH", 1, D.QR, 1, 1, 0, 0) + compressed[12:]
-    parsed = D.parse(compressed)
+    msg = dnsmsg.build(dnsmsg.Message(1, 0, (dnsmsg.Question("a.b", dnsmsg.A),)))
+    compressed = msg + b"\xc0\x0c" + struct.pack("!HHIH", dnsmsg.A, dnsmsg.IN, 5, 4) + b"\x01\x02\x03\x04"
+    compressed = struct.pack("!HHHHHH", 1, dnsmsg.QR, 1, 1, 0, 0) + compressed[12:]
+    parsed = dnsmsg.parse(compressed)
     assert parsed.answers[0].name == "a.b" and parsed.answers[0].address == IPv4Address("1.2.3.4")
 
 
 @given(st.binary(max_size=600))
 @settings(max_examples=2000)
 def test_dns_parser_never_fails_but_typed(data: bytes) -> None:
-    for fn in (D.parse, D.parse_query):
+    for fn in (dnsmsg.parse, dnsmsg.parse_query):
         try:
             fn(data)
-        except D.DnsError:
+        except dnsmsg.DnsError:
             pass
     try:
-        D.error_response(data, D.REFUSED)
-    except D.DnsError:
+        dnsmsg.error_response(data, dnsmsg.REFUSED)
+    except dnsmsg.DnsError:
         assert len(data) < 12
 
 
@@ -354,22 +354,22 @@ names = st.lists(labels, min_size=1, max_size=5).map(".".join)
     st.lists(st.tuples(names, st.integers(0, 2**31 - 1), st.binary(min_size=4, max_size=4)), max_size=8),
 )
 def test_dns_build_parse_roundtrip(mid: int, qname: str, records: list[tuple[str, int, bytes]]) -> None:
-    msg = D.Message(
+    msg = dnsmsg.Message(
         mid,
-        D.QR,
-        (D.Question(qname, D.A),),
-        tuple(D.Record(n, D.A, D.IN, ttl, raw) for n, ttl, raw in records),
+        dnsmsg.QR,
+        (dnsmsg.Question(qname, dnsmsg.A),),
+        tuple(dnsmsg.Record(n, dnsmsg.A, dnsmsg.IN, ttl, raw) for n, ttl, raw in records),
     )
-    assert D.parse(D.build(msg)) == msg
+    assert dnsmsg.parse(dnsmsg.build(msg)) == msg
 
 
 @given(st.binary(min_size=12, max_size=200), st.integers(0, 199), st.integers(0, 255))
 def test_dns_mutated_answers_fail_typed(seed: bytes, at: int, value: int) -> None:
-    base = bytearray(D.build(D.Message(1, D.QR, (D.Question("x.example", D.A),))) + seed)
+    base = bytearray(dnsmsg.build(dnsmsg.Message(1, dnsmsg.QR, (dnsmsg.Question("x.example", dnsmsg.A),))) + seed)
     base[at % len(base)] = value
     try:
-        D.parse(bytes(base))
-    except D.DnsError:
+        dnsmsg.parse(bytes(base))
+    except dnsmsg.DnsError:
         pass
 
 

@@ -10,8 +10,7 @@ import msgpack
 from actors import model
 from actors.channel import guest
 from guestd.patch import Patch
-from supervisor import client
-from supervisor import protocol as W
+from supervisor import client, protocol
 from supervisor.proto.sandvisor.v1 import sandvisor_pb2
 
 FIELDS = ("op", "path", "data", "target", "mode", "owner", "replace")
@@ -25,7 +24,7 @@ SAMPLE = (
 
 
 def test_one_definition() -> None:
-    assert model.Patch is guest.PatchEntry is W.PatchSpec is Patch
+    assert model.Patch is guest.PatchEntry is protocol.PatchSpec is Patch
     assert model.PATCH_OPS == guest.PATCH_OPS
     assert tuple(f.name for f in dataclasses.fields(Patch)) == FIELDS
 
@@ -37,11 +36,11 @@ def test_the_sdk_and_grpc_say_the_same_fields() -> None:
 
 
 def test_a_create_carries_its_patches_through_the_wire_into_the_domain() -> None:
-    from supervisor import mapping as M
+    from supervisor import mapping
 
-    req = W.CreateSandboxRequest(patches=list(SAMPLE))
-    raw = msgpack.unpackb(msgpack.packb(W.unstructure_body(req)), raw=False)
-    back = W.structure_body(raw, W.CreateSandboxRequest)
+    req = protocol.CreateSandboxRequest(patches=list(SAMPLE))
+    raw = msgpack.unpackb(msgpack.packb(protocol.unstructure_body(req)), raw=False)
+    back = protocol.structure_body(raw, protocol.CreateSandboxRequest)
     assert back == req and all(type(p) is Patch for p in back.patches)
-    assert M.config(back).patches == SAMPLE
+    assert mapping.config(back).patches == SAMPLE
     assert SAMPLE[3].to_wire() == {"op": "append", "path": "/etc/motd", "data": b"\x00hi"}

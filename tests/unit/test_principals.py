@@ -28,7 +28,7 @@ from actors.principals import LEGACY_OWNER, Principal, check_name
 from actors.registry import Registry
 from actors.secrets.vault import Vault
 from actors.store import SCHEMA, Store
-from supervisor import grpc_service as S
+from supervisor import grpc_service
 from supervisor.errors import SandboxError
 from supervisor.grpc_addresses import TcpAddress, TlsConfig
 from supervisor.grpc_auth import TcpAuth, Token, read_grpc_tokens
@@ -321,8 +321,8 @@ async def test_the_principal_reaches_handlers_over_grpc(tmp_path: Path, short_di
             async with trio.open_nursery() as n:
                 await n.start(fake.run)
                 reg = await n.start(Registry(fake_settings(tmp_path, fake), store, templates=False).run)
-                addrs = S.addresses([f"unix://{short_dir / 'g.sock'}", "127.0.0.1:0"], auth=auth)
-                edge = await n.start(S.build_edge(reg, addrs, tcp_auth=auth).run)
+                addrs = grpc_service.addresses([f"unix://{short_dir / 'g.sock'}", "127.0.0.1:0"], auth=auth)
+                edge = await n.start(grpc_service.build_edge(reg, addrs, tcp_auth=auth).run)
                 tcp = edge.addresses[1]
                 assert isinstance(tcp, TcpAddress)
 
@@ -367,7 +367,9 @@ async def test_a_client_certificate_is_its_cn_and_an_admin_only_when_listed(tmp_
             async with trio.open_nursery() as n:
                 await n.start(fake.run)
                 reg = await n.start(Registry(fake_settings(tmp_path, fake), store, templates=False).run)
-                edge = await n.start(S.build_edge(reg, [TcpAddress("127.0.0.1", 0, tls=tls)], tcp_auth=auth).run)
+                edge = await n.start(
+                    grpc_service.build_edge(reg, [TcpAddress("127.0.0.1", 0, tls=tls)], tcp_auth=auth).run
+                )
                 tcp = edge.addresses[0]
                 assert isinstance(tcp, TcpAddress)
 

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from actors.channel.guest import ChannelBroken, ChannelClosed, GuestChannel, GuestProtocolError, HelloTimeout
-from guestd import proto as P
+from guestd import proto
 
 _text = st.text(max_size=50)
 _STRATS = {
@@ -39,29 +39,29 @@ _STRATS = {
 }
 
 
-def _message_strategy() -> st.SearchStrategy[P.Message]:
+def _message_strategy() -> st.SearchStrategy[proto.Message]:
     options = []
-    for cls in P.REGISTRY.values():
+    for cls in proto.REGISTRY.values():
         anns = {k: v for k, v in cls.__annotations__.items() if not v.startswith("ClassVar")}
         options.append(st.builds(lambda c=cls, **kw: c(**kw), **{k: _STRATS[v] for k, v in anns.items()}))
     return st.one_of(options)
 
 
 @given(_message_strategy())
-def test_every_message_round_trips(msg: P.Message) -> None:
-    frame = P.encode(msg)
+def test_every_message_round_trips(msg: proto.Message) -> None:
+    frame = proto.encode(msg)
     (n,) = struct.unpack(">I", frame[:4])
     assert n == len(frame) - 4
-    assert P.decode(frame[4:]) == msg
+    assert proto.decode(frame[4:]) == msg
 
 
 @settings(deadline=None)  # a correctness property: a loaded shared machine once took >200 ms
 @given(st.lists(_message_strategy(), min_size=1, max_size=8), st.data())
-def test_decoder_reassembles_any_chunking(msgs: list[P.Message], data: st.DataObject) -> None:
-    stream = b"".join(P.encode(m) for m in msgs)
+def test_decoder_reassembles_any_chunking(msgs: list[proto.Message], data: st.DataObject) -> None:
+    stream = b"".join(proto.encode(m) for m in msgs)
     cuts = sorted(data.draw(st.lists(st.integers(0, len(stream)), max_size=10)))
-    dec = P.FrameDecoder()
-    out: list[P.Message] = []
+    dec = proto.FrameDecoder()
+    out: list[proto.Message] = []
     prev = 0
     for c in [*cuts, len(stream)]:
         dec.feed(stream[prev:c])
@@ -74,8 +74,8 @@ def test_decoder_reassembles_any_chunking(msgs: list[P.Message], data: st.DataOb
 @given(st.binary(max_size=300))
 def test_garbage_bodies_only_raise_protocol_errors(body: bytes) -> None:
     try:
-        P.decode(body)
-    except P.ProtocolError:
+        proto.decode(body)
+    except proto.ProtocolError:
         pass
 
 
@@ -89,49 +89,49 @@ def test_garbage_bodies_only_raise_protocol_errors(body: bytes) -> None:
 def test_wrong_shapes_are_bad_messages(obj: dict[str, object]) -> None:
     obj = {**obj, "t": "exit"}
     try:
-        msg = P.decode(msgpack.packb(obj, use_bin_type=True))
-    except P.BadMessage:
+        msg = proto.decode(msgpack.packb(obj, use_bin_type=True))
+    except proto.BadMessage:
         return
-    assert isinstance(msg, P.Exit) and isinstance(msg.code, int) and isinstance(msg.rid, int)
+    assert isinstance(msg, proto.Exit) and isinstance(msg.code, int) and isinstance(msg.rid, int)
 
 
 @given(st.binary(max_size=200), st.binary(max_size=200))
 def test_resync_finds_the_marker_after_any_garbage(junk: bytes, tail: bytes) -> None:
-    dec = P.FrameDecoder()
-    frame = P.encode(P.Ping(rid=3))
-    stream = junk + P.HOST_SYNC + frame + tail
+    dec = proto.FrameDecoder()
+    frame = proto.encode(proto.Ping(rid=3))
+    stream = junk + proto.HOST_SYNC + frame + tail
     found = False
-    msgs: list[P.Message] = []
+    msgs: list[proto.Message] = []
     for i in range(0, len(stream), 7):
         dec.feed(stream[i : i + 7])
         while not msgs:  # what guestd does: resync, parse, and resync again on an error
             if not found:
-                found = dec.resync(P.HOST_SYNC)
+                found = dec.resync(proto.HOST_SYNC)
                 if not found:
                     break
             try:
                 for m in dec.messages():
                     msgs.append(m)
                 break
-            except P.ProtocolError:
+            except proto.ProtocolError:
                 if msgs:
                     break  # the random tail after the frame may well be garbage
                 found = False
-    assert msgs[:1] == [P.Ping(rid=3)]
+    assert msgs[:1] == [proto.Ping(rid=3)]
 
 
 def test_markers_are_never_valid_frame_starts() -> None:
-    for marker in (P.HOST_SYNC, P.GUEST_SYNC):
-        dec = P.FrameDecoder()
+    for marker in (proto.HOST_SYNC, proto.GUEST_SYNC):
+        dec = proto.FrameDecoder()
         dec.feed(marker)
-        with pytest.raises(P.FrameTooLarge):
+        with pytest.raises(proto.FrameTooLarge):
             list(dec.messages())
 
 
 def test_frame_above_cap_is_refused_before_buffering() -> None:
-    dec = P.FrameDecoder()
-    dec.feed(struct.pack(">I", P.MAX_FRAME + 1))
-    with pytest.raises(P.FrameTooLarge):
+    dec = proto.FrameDecoder()
+    dec.feed(struct.pack(">I", proto.MAX_FRAME + 1))
+    with pytest.raises(proto.FrameTooLarge):
         list(dec.messages())
 
 
@@ -141,9 +141,9 @@ def test_frame_above_cap_is_refused_before_buffering() -> None:
 class FakeGuest:
     def __init__(self, stream: trio.abc.Stream) -> None:
         self.stream = stream
-        self.dec = P.FrameDecoder()
+        self.dec = proto.FrameDecoder()
 
-    async def recv(self) -> P.Message:
+    async def recv(self) -> proto.Message:
         while True:
             for m in self.dec.messages():
                 return m
@@ -152,16 +152,16 @@ class FakeGuest:
                 raise EOFError
             self.dec.feed(data)
 
-    async def send(self, msg: P.Message) -> None:
-        await self.stream.send_all(P.encode(msg))
+    async def send(self, msg: proto.Message) -> None:
+        await self.stream.send_all(proto.encode(msg))
 
     async def answer_hello(self) -> None:
-        while not self.dec.resync(P.HOST_SYNC):
+        while not self.dec.resync(proto.HOST_SYNC):
             self.dec.feed(await self.stream.receive_some(65536))
         m = await self.recv()
-        assert isinstance(m, P.Hello)
-        await self.stream.send_all(b"stale bytes of an old session" + P.GUEST_SYNC)
-        await self.send(P.HelloOk(version=P.PROTOCOL_VERSION, pid=1, boot_ns=1, ready_ns=2, activity=0))
+        assert isinstance(m, proto.Hello)
+        await self.stream.send_all(b"stale bytes of an old session" + proto.GUEST_SYNC)
+        await self.send(proto.HelloOk(version=proto.PROTOCOL_VERSION, pid=1, boot_ns=1, ready_ns=2, activity=0))
 
 
 async def _pair(nursery: trio.Nursery) -> tuple[GuestChannel, FakeGuest]:
@@ -197,7 +197,7 @@ def _frame(body: bytes) -> bytes:
     [
         b"\xff\xff\xff\xff",  # a 4 GiB length prefix
         _frame(b"\xc1\xc1\xc1"),  # not msgpack
-        P.encode(P.Pong(rid=1, activity=0, guest_ns=0))[:4],  # truncated: a length, then EOF
+        proto.encode(proto.Pong(rid=1, activity=0, guest_ns=0))[:4],  # truncated: a length, then EOF
         _frame(msgpack.packb([1])),  # not a map
         _frame(msgpack.packb({"t": "pong", "rid": "x", "activity": 0, "guest_ns": 0})),  # wrong type
         _frame(msgpack.packb({"t": "nope"})),  # unknown tag
@@ -242,10 +242,10 @@ async def test_data_beyond_credit_is_a_protocol_error() -> None:
 
             async def guest() -> None:
                 m = await fake.recv()
-                assert isinstance(m, P.Exec)
-                await fake.send(P.ExecStarted(rid=m.rid, pid=5))
-                for _ in range(P.WINDOW // P.CHUNK + 1):  # one chunk more than granted
-                    await fake.send(P.Data(rid=m.rid, ch=P.STDOUT, data=b"x" * P.CHUNK))
+                assert isinstance(m, proto.Exec)
+                await fake.send(proto.ExecStarted(rid=m.rid, pid=5))
+                for _ in range(proto.WINDOW // proto.CHUNK + 1):  # one chunk more than granted
+                    await fake.send(proto.Data(rid=m.rid, ch=proto.STDOUT, data=b"x" * proto.CHUNK))
 
             n.start_soon(guest)
             async with chan.exec(["x"]) as h:  # a consumer that never reads
@@ -268,7 +268,7 @@ def test_fuzzed_guest_bytes_never_crash_the_host(chunks: list[bytes]) -> None:
                 try:
                     for c in chunks:
                         await fake.stream.send_all(c)
-                    await fake.stream.send_all(P.encode(P.Log(level="x", text="y")))
+                    await fake.stream.send_all(proto.encode(proto.Log(level="x", text="y")))
                 except (trio.BrokenResourceError, trio.ClosedResourceError):
                     pass  # the host already hung up on us
                 await trio.testing.wait_all_tasks_blocked()
@@ -279,12 +279,12 @@ def test_fuzzed_guest_bytes_never_crash_the_host(chunks: list[bytes]) -> None:
                         async with trio.open_nursery() as inner:
                             inner.start_soon(chan.ping)
                             m = await fake.recv()
-                            await fake.send(P.Pong(rid=getattr(m, "rid", 0), activity=0, guest_ns=0))
+                            await fake.send(proto.Pong(rid=getattr(m, "rid", 0), activity=0, guest_ns=0))
                     except* ChannelBroken:
                         assert chan.broken
                     except* (EOFError, trio.BrokenResourceError, trio.ClosedResourceError):
                         assert chan.broken
-            assert chan._decoder.buffered <= P.MAX_FRAME + 4
+            assert chan._decoder.buffered <= proto.MAX_FRAME + 4
             assert chan.statistics().requests_in_flight <= 1
             n.cancel_scope.cancel()
 
@@ -294,16 +294,16 @@ def test_fuzzed_guest_bytes_never_crash_the_host(chunks: list[bytes]) -> None:
 def test_a_marker_at_a_frame_boundary_is_told_from_garbage() -> None:
     """guestd resyncs quietly on a new host's marker where a frame would start (a
     restored session: no protocol error on the console), and says so for garbage."""
-    dec = P.FrameDecoder()
-    dec.feed(P.encode(P.Ping(rid=1)) + P.HOST_SYNC[:5])
-    with pytest.raises(P.FrameTooLarge):
+    dec = proto.FrameDecoder()
+    dec.feed(proto.encode(proto.Ping(rid=1)) + proto.HOST_SYNC[:5])
+    with pytest.raises(proto.FrameTooLarge):
         list(dec.messages())
-    assert dec.at(P.HOST_SYNC)  # (the first bytes of it are enough)
-    dec.feed(P.HOST_SYNC[5:] + P.encode(P.Ping(rid=2)))
-    assert dec.at(P.HOST_SYNC) and dec.resync(P.HOST_SYNC)
+    assert dec.at(proto.HOST_SYNC)  # (the first bytes of it are enough)
+    dec.feed(proto.HOST_SYNC[5:] + proto.encode(proto.Ping(rid=2)))
+    assert dec.at(proto.HOST_SYNC) and dec.resync(proto.HOST_SYNC)
     assert [m.rid for m in dec.messages()] == [2]  # type: ignore[attr-defined]
-    junk = P.FrameDecoder()
+    junk = proto.FrameDecoder()
     junk.feed(b"\xfe" * 8)
-    with pytest.raises(P.FrameTooLarge):
+    with pytest.raises(proto.FrameTooLarge):
         list(junk.messages())
-    assert not junk.at(P.HOST_SYNC) and not P.FrameDecoder().at(P.HOST_SYNC)
+    assert not junk.at(proto.HOST_SYNC) and not proto.FrameDecoder().at(proto.HOST_SYNC)

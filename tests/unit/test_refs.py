@@ -1,4 +1,4 @@
-"""Image references a client may name (images/refs.py, issue 21): no tools, no registry.
+"""Image references a client may name (images/refs.py): no tools, no registry.
 
 The store refuses a local path outside ``serve --allow-path`` exactly as a missing one
 (no probing of the host's files), and a registry on loopback or link-local unless

@@ -1,4 +1,4 @@
-"""The secret proxy's process and its channel (issue 23; actors/secrets/proxyproc.py,
+"""The secret proxy's process and its channel (actors/secrets/proxyproc.py,
 actors/secrets/wire.py) without VMs: the process, started as the supervisor starts it
 when there is no jailer, gets a sandbox's secrets over the control channel and a
 connection's two sockets over SCM_RIGHTS, puts the value in, scrubs the echo, reports

@@ -23,7 +23,7 @@ import trustme
 
 from actors.net.secretproxy import CHUNK, Blocked, Inflater, ProxyView, SecretProxy, _Refused, check_request
 from actors.sandboxes.secrets import upstream_context
-from actors.secrets import model as S
+from actors.secrets import model as secrets_model
 from actors.secrets.ca import Minter, new_ca
 
 PH = "PH_TOKEN_0123456789abcdef"
@@ -128,7 +128,7 @@ class Lab:
 
 
 @asynccontextmanager
-async def lab(refs: list[S.SecretRef]) -> AsyncIterator[Lab]:
+async def lab(refs: list[secrets_model.SecretRef]) -> AsyncIterator[Lab]:
     ca = trustme.CA()
     cert, key = new_ca("t")
     minter = Minter(cert, key)
@@ -162,8 +162,8 @@ def response(out: bytes) -> tuple[int, bytes, dict[bytes, bytes], bytes]:
     return status, reason, headers, data
 
 
-TOKEN = S.SecretRef("TOKEN", ("api.test",), placeholder=PH)
-WHOLE = S.SecretRef("WHOLE", ("api.test",), placeholder=ALL_PH, substitute=S.ALL)
+TOKEN = secrets_model.SecretRef("TOKEN", ("api.test",), placeholder=PH)
+WHOLE = secrets_model.SecretRef("WHOLE", ("api.test",), placeholder=ALL_PH, substitute=secrets_model.ALL)
 
 
 def req(head: str, body: bytes = b"") -> bytes:
@@ -300,7 +300,7 @@ async def test_the_reason_phrase_is_the_standard_one() -> None:
 
 
 async def test_a_placeholder_for_another_host_is_still_403() -> None:
-    other = S.SecretRef("OTHER", ("other.test",), placeholder="PH_OTHER_0123456789abcdef")
+    other = secrets_model.SecretRef("OTHER", ("other.test",), placeholder="PH_OTHER_0123456789abcdef")
     async with lab([TOKEN, other]) as t:
         out = await t.send(
             req("GET / HTTP/1.1\nHost: api.test\nAuthorization: Bearer PH_OTHER_0123456789abcdef\nConnection: close\n")

@@ -1,4 +1,4 @@
-"""Secrets (issue 23) without VMs: host rules, placeholders, substitution, the vault's
+"""Secrets without VMs: host rules, placeholders, substitution, the vault's
 encryption, the ClientHello peek, the proxy's verdicts, guestd's trust store install,
 the SDK's Secret, and the store's RPCs on both edges (fake VMs)."""
 
@@ -27,12 +27,12 @@ from actors.net.ippool import MIN_PREFIX
 from actors.net.secretproxy import Blocked, ProxyView, Scrubber, SecretProxy, _Refused, client_hello_name
 from actors.registry import Registry
 from actors.sandboxes.secrets import check_store_hosts, hosts_in_force, upstream_context
-from actors.secrets import model as S
+from actors.secrets import model as secrets_model
 from actors.secrets.ca import Minter, new_ca
 from actors.secrets.vault import Vault
 from actors.store import Store
 from guestd import trust
-from supervisor import grpc_service as GS
+from supervisor import grpc_service
 from supervisor.client import Secret
 from supervisor.errors import InvalidArgument as ClientInvalidArgument
 from supervisor.proto.sandbox.v1 import sandbox_pb2 as pb
@@ -47,7 +47,11 @@ VALUE = b"sk-unit-THE-VALUE-0123456789"
 
 # -- the model ---------------------------------------------------------------------------------
 def test_host_rules_match_names_wildcards_and_ports() -> None:
-    exact, wild, port = S.parse_host("API.example.com"), S.parse_host("*.example.com"), S.parse_host("h.test:8443")
+    exact, wild, port = (
+        secrets_model.parse_host("API.example.com"),
+        secrets_model.parse_host("*.example.com"),
+        secrets_model.parse_host("h.test:8443"),
+    )
     assert exact.matches("api.example.com", 443) and exact.matches("API.EXAMPLE.COM.", 443)
     assert not exact.matches("api.example.com", 8443) and not exact.matches("xapi.example.com", 443)
     assert wild.matches("a.example.com", 443) and wild.matches("a.b.example.com", 443)
@@ -55,48 +59,56 @@ def test_host_rules_match_names_wildcards_and_ports() -> None:
     assert port.matches("h.test", 8443) and not port.matches("h.test", 443)
     for bad in ("", "*.", "a..b", "1.2.3.4", "h.test:0", "h.test:x", "-a.test", "a b.test", "*.*.test"):
         with pytest.raises(InvalidArgument):
-            S.parse_host(bad)
-    refs = [S.SecretRef("A", ("api.test",)), S.SecretRef("B", ("*.cdn.test:8443",))]
-    assert S.intercepted_ports(refs) == (443, 8443)
-    assert S.named_by_any(refs, "x.cdn.test", 8443) and not S.named_by_any(refs, "plain.test", 443)
+            secrets_model.parse_host(bad)
+    refs = [secrets_model.SecretRef("A", ("api.test",)), secrets_model.SecretRef("B", ("*.cdn.test:8443",))]
+    assert secrets_model.intercepted_ports(refs) == (443, 8443)
+    assert secrets_model.named_by_any(refs, "x.cdn.test", 8443) and not secrets_model.named_by_any(
+        refs, "plain.test", 443
+    )
 
 
 def test_secrets_are_checked() -> None:
-    ok = S.SecretRef("API_KEY", ("api.test",))
-    S.check_secrets([ok])
+    ok = secrets_model.SecretRef("API_KEY", ("api.test",))
+    secrets_model.check_secrets([ok])
     for refs in (
-        [S.SecretRef("1BAD", ("api.test",))],
-        [S.SecretRef("A-B", ("api.test",))],
+        [secrets_model.SecretRef("1BAD", ("api.test",))],
+        [secrets_model.SecretRef("A-B", ("api.test",))],
         [ok, ok],
-        [S.SecretRef("A", ())],
-        [S.SecretRef("A", ("api.test",), placeholder="short")],
-        [S.SecretRef("A", ("a.test",), placeholder="x" * 20), S.SecretRef("B", ("a.test",), placeholder="x" * 24)],
+        [secrets_model.SecretRef("A", ())],
+        [secrets_model.SecretRef("A", ("api.test",), placeholder="short")],
+        [
+            secrets_model.SecretRef("A", ("a.test",), placeholder="x" * 20),
+            secrets_model.SecretRef("B", ("a.test",), placeholder="x" * 24),
+        ],
     ):
         with pytest.raises(InvalidArgument):
-            S.check_secrets(refs)
-    for value in (b"", b"a\nb", b"a\rb", b"a\0b", b"x" * (S.MAX_VALUE_BYTES + 1)):
+            secrets_model.check_secrets(refs)
+    for value in (b"", b"a\nb", b"a\rb", b"a\0b", b"x" * (secrets_model.MAX_VALUE_BYTES + 1)):
         with pytest.raises(InvalidArgument):
-            S.check_value("A", value)
+            secrets_model.check_value("A", value)
 
 
 def test_public_suffix_wide_patterns_are_refused() -> None:
     for wide in ("*.com", "*.co.uk", "*.github.io", "*.test", "*.uk:8443", "*.compute.amazonaws.com"):
         with pytest.raises(InvalidArgument, match="public suffix"):
-            S.check_pattern(wide)
+            secrets_model.check_pattern(wide)
         with pytest.raises(InvalidArgument):
-            S.check_secrets([S.SecretRef("A", ("api.example.com", wide))])
+            secrets_model.check_secrets([secrets_model.SecretRef("A", ("api.example.com", wide))])
     for fine in ("*.example.com", "*.api.test", "s3.amazonaws.com", "github.io", "api.test:8443", "*.octo.github.io"):
-        S.check_pattern(fine)
+        secrets_model.check_pattern(fine)
     with pytest.raises(InvalidArgument, match="substitute"):
-        S.check_secrets([S.SecretRef("A", ("api.test",), substitute="body")])
+        secrets_model.check_secrets([secrets_model.SecretRef("A", ("api.test",), substitute="body")])
 
 
 def test_a_pattern_covers_only_what_it_matches() -> None:
     stored = ["api.example.com", "*.example.org", "h.test:8443"]
     assert (
-        S.within(["api.example.com", "a.example.org", "*.b.example.org", "*.example.org", "h.test:8443"], stored) == []
+        secrets_model.within(
+            ["api.example.com", "a.example.org", "*.b.example.org", "*.example.org", "h.test:8443"], stored
+        )
+        == []
     )
-    assert S.within(
+    assert secrets_model.within(
         ["example.org", "api.example.com:8443", "*.example.com", "h.test", "x.api.example.com"], stored
     ) == [
         "example.org",
@@ -105,22 +117,22 @@ def test_a_pattern_covers_only_what_it_matches() -> None:
         "h.test",
         "x.api.example.com",
     ]
-    assert S.within(["a.test"], []) == ["a.test"]
+    assert secrets_model.within(["a.test"], []) == ["a.test"]
 
 
 def test_a_store_secret_may_narrow_its_entry_s_hosts_never_widen_them(tmp_path: Path) -> None:
     vault = Vault(tmp_path, tmp_path / "key")
     vault.set_named("gh", VALUE, ["api.github.example", "*.uploads.example"])
-    check_store_hosts(vault, S.SecretRef("T", ("api.github.example",), store="gh"))
-    check_store_hosts(vault, S.SecretRef("T", ("x.uploads.example", "*.a.uploads.example"), store="gh"))
+    check_store_hosts(vault, secrets_model.SecretRef("T", ("api.github.example",), store="gh"))
+    check_store_hosts(vault, secrets_model.SecretRef("T", ("x.uploads.example", "*.a.uploads.example"), store="gh"))
     for wide in (("attacker.example",), ("api.github.example", "uploads.example"), ("api.github.example:8443",)):
         with pytest.raises(PermissionDenied):
-            check_store_hosts(vault, S.SecretRef("T", wide, store="gh"))
+            check_store_hosts(vault, secrets_model.SecretRef("T", wide, store="gh"))
     vault.set_named("old", VALUE)  # (an entry kept before hosts were: it goes nowhere)
     with pytest.raises(PermissionDenied, match="no hosts"):
-        check_store_hosts(vault, S.SecretRef("T", ("a.test",), store="old"))
+        check_store_hosts(vault, secrets_model.SecretRef("T", ("a.test",), store="old"))
     # what a running sandbox's proxy gets: only what the entry covers now
-    ref = S.SecretRef("T", ("api.github.example", "x.uploads.example"), store="gh")
+    ref = secrets_model.SecretRef("T", ("api.github.example", "x.uploads.example"), store="gh")
     assert hosts_in_force(vault, ref) == ref.hosts
     vault.set_named("gh", VALUE, ["x.uploads.example"])  # narrowed later
     assert hosts_in_force(vault, ref) == ("x.uploads.example",)
@@ -142,23 +154,26 @@ def test_the_secret_mark_is_unique_in_the_largest_pool() -> None:
 
 
 def test_placeholders_are_the_name_and_unguessable_and_fresh_for_clones() -> None:
-    made = S.with_placeholders(
-        [S.SecretRef("TOKEN", ("a.test",)), S.SecretRef("MINE", ("a.test",), "my-own-placeholder")]
+    made = secrets_model.with_placeholders(
+        [
+            secrets_model.SecretRef("TOKEN", ("a.test",)),
+            secrets_model.SecretRef("MINE", ("a.test",), "my-own-placeholder"),
+        ]
     )
     token, mine = made
-    assert token.generated and token.placeholder.startswith(S.PLACEHOLDER_PREFIX + "TOKEN_")
-    assert len(token.placeholder) == len(S.PLACEHOLDER_PREFIX + "TOKEN_") + 32
+    assert token.generated and token.placeholder.startswith(secrets_model.PLACEHOLDER_PREFIX + "TOKEN_")
+    assert len(token.placeholder) == len(secrets_model.PLACEHOLDER_PREFIX + "TOKEN_") + 32
     assert not mine.generated and mine.placeholder == "my-own-placeholder"
-    again = S.with_placeholders(made)  # a clone's configuration
+    again = secrets_model.with_placeholders(made)  # a clone's configuration
     assert again[0].placeholder != token.placeholder and again[1] == mine
-    assert S.without_generated(made) == (S.SecretRef("TOKEN", ("a.test",)), mine)
-    S.check_secrets(made)
+    assert secrets_model.without_generated(made) == (secrets_model.SecretRef("TOKEN", ("a.test",)), mine)
+    secrets_model.check_secrets(made)
 
 
 def test_substitution_replaces_every_occurrence() -> None:
     pairs = [(b"PH_A", b"va"), (b"PH_B", b"vb")]
-    assert S.substitute(b"PH_A x PH_A PH_B", pairs) == b"va x va vb"
-    assert S.substitute(b"nothing", pairs) == b"nothing"
+    assert secrets_model.substitute(b"PH_A x PH_A PH_B", pairs) == b"va x va vb"
+    assert secrets_model.substitute(b"nothing", pairs) == b"nothing"
 
 
 # -- the vault ---------------------------------------------------------------------------------
@@ -216,7 +231,7 @@ def test_hostile_bytes_never_break_the_peek(data: bytes) -> None:
     assert name is None or isinstance(name, str)
 
 
-def proxy(refs: list[S.SecretRef], values: dict[str, bytes], blocked: list[Blocked]) -> SecretProxy:
+def proxy(refs: list[secrets_model.SecretRef], values: dict[str, bytes], blocked: list[Blocked]) -> SecretProxy:
     minter = Minter(*new_ca("t"))
     view = ProxyView(
         refs=lambda: refs, value=lambda r: values.get(r.name), minter=lambda: minter, blocked=blocked.append
@@ -229,8 +244,12 @@ def request(target: bytes, host: bytes, *more: tuple[bytes, bytes]) -> h11.Reque
 
 
 def test_the_proxy_puts_values_in_for_allowed_hosts_only() -> None:
-    token = S.SecretRef("TOKEN", ("api.test",), placeholder="PH_TOKEN_0123456789abcdef", substitute=S.ALL)
-    other = S.SecretRef("OTHER", ("other.test",), placeholder="PH_OTHER_0123456789abcdef", substitute=S.ALL)
+    token = secrets_model.SecretRef(
+        "TOKEN", ("api.test",), placeholder="PH_TOKEN_0123456789abcdef", substitute=secrets_model.ALL
+    )
+    other = secrets_model.SecretRef(
+        "OTHER", ("other.test",), placeholder="PH_OTHER_0123456789abcdef", substitute=secrets_model.ALL
+    )
     blocked: list[Blocked] = []
     p = proxy([token, other], {"TOKEN": VALUE, "OTHER": b"other-value"}, blocked)
     req = request(
@@ -257,7 +276,7 @@ def test_the_proxy_puts_values_in_for_allowed_hosts_only() -> None:
     out, body = gone._substitute(request(b"/PH_TOKEN_0123456789abcdef", b"api.test"), b"", True, "api.test", 443)
     assert out.target == b"/PH_TOKEN_0123456789abcdef"
     # substitute="headers" (the default): the target and the body keep the placeholder
-    headers_only = proxy([attrs.evolve(token, substitute=S.HEADERS)], {"TOKEN": VALUE}, [])
+    headers_only = proxy([attrs.evolve(token, substitute=secrets_model.HEADERS)], {"TOKEN": VALUE}, [])
     req = request(b"/?k=PH_TOKEN_0123456789abcdef", b"api.test", (b"x-key", b"PH_TOKEN_0123456789abcdef"))
     out, body = headers_only._substitute(req, b"PH_TOKEN_0123456789abcdef", True, "api.test", 443)
     assert out.target == b"/?k=PH_TOKEN_0123456789abcdef" and body == b"PH_TOKEN_0123456789abcdef"
@@ -359,7 +378,9 @@ async def test_the_store_on_both_edges_and_no_value_in_errors(tmp_path: Path, sh
             async with trio.open_nursery() as n:
                 await n.start(lab.run)
                 reg: Registry = await n.start(Registry(settings, store, templates=False).run)
-                await n.start(GS.build_edge(reg, GS.addresses([f"unix://{short_dir / 'g.sock'}"])).run)
+                await n.start(
+                    grpc_service.build_edge(reg, grpc_service.addresses([f"unix://{short_dir / 'g.sock'}"])).run
+                )
                 await n.start(Server(reg, short_dir / "m.sock").serve)
                 channel = grpc.insecure_channel(f"unix:{short_dir / 'g.sock'}")
                 ours = sv_grpc.SandvisorServiceStub(channel)

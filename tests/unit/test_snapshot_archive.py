@@ -12,16 +12,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from actors.errors import DomainError, FailedPrecondition, InvalidArgument
-from actors.snapshots import archive as A
+from actors.snapshots import archive
 
 
-def build(files: dict[str, list[tuple[int, bytes]]], sizes: dict[str, int], version: int = A.VERSION) -> bytes:
-    entries = [A.FileEntry(n, sizes[n]) for n in files]
-    out = A.head(version) + A.manifest_frame(entries, {"snapshot": {"memory": "disk"}})
+def build(files: dict[str, list[tuple[int, bytes]]], sizes: dict[str, int], version: int = archive.VERSION) -> bytes:
+    entries = [archive.FileEntry(n, sizes[n]) for n in files]
+    out = archive.head(version) + archive.manifest_frame(entries, {"snapshot": {"memory": "disk"}})
     for i, name in enumerate(files):
         for off, data in files[name]:
-            out += A.data_frame(i, off, data)
-    return out + A.end_frame(hashlib.sha256(out).digest())
+            out += archive.data_frame(i, off, data)
+    return out + archive.end_frame(hashlib.sha256(out).digest())
 
 
 SAMPLE = build(
@@ -30,9 +30,9 @@ SAMPLE = build(
 )
 
 
-def read_all(stream: bytes, cuts: list[int] | None = None) -> list[A.Event]:
-    r = A.Reader()
-    events: list[A.Event] = []
+def read_all(stream: bytes, cuts: list[int] | None = None) -> list[archive.Event]:
+    r = archive.Reader()
+    events: list[archive.Event] = []
     last = 0
     for c in [*(cuts or []), len(stream)]:
         events += r.feed(stream[last:c])
@@ -44,11 +44,11 @@ def read_all(stream: bytes, cuts: list[int] | None = None) -> list[A.Event]:
 def test_round_trip() -> None:
     events = read_all(SAMPLE)
     m = events[0]
-    assert isinstance(m, A.Manifest)
+    assert isinstance(m, archive.Manifest)
     assert [(f.name, f.size) for f in m.files] == [("disk.qcow2", 8192), ("layer-1", 20)]
-    data = [(e.index, e.offset, e.data) for e in events if isinstance(e, A.Data)]
+    data = [(e.index, e.offset, e.data) for e in events if isinstance(e, archive.Data)]
     assert data == [(0, 0, b"QFI\xfb" + b"x" * 100), (0, 4096, b"y" * 50), (1, 10, b"z" * 10)]
-    assert isinstance(events[-1], A.End)
+    assert isinstance(events[-1], archive.End)
 
 
 @settings(deadline=None)
@@ -59,7 +59,7 @@ def test_any_chunking_reads_the_same(cuts: list[int]) -> None:
 
 def test_every_truncation_is_refused() -> None:
     for n in range(len(SAMPLE)):
-        r = A.Reader()
+        r = archive.Reader()
         with pytest.raises(InvalidArgument):
             r.feed(SAMPLE[:n])
             r.close()
@@ -75,13 +75,13 @@ def test_every_flipped_byte_is_refused() -> None:
 
 def test_version_and_magic() -> None:
     future = build({"disk.qcow2": []}, {"disk.qcow2": 0}, version=2)
-    with pytest.raises(A.UnsupportedFormat) as e:
-        A.Reader().feed(future)
+    with pytest.raises(archive.UnsupportedFormat) as e:
+        archive.Reader().feed(future)
     assert isinstance(e.value, FailedPrecondition)
     assert "version 2" in e.value.message
     with pytest.raises(InvalidArgument, match="magic"):
-        A.Reader().feed(b"PK\x03\x04" + b"\0" * 20)
-    with pytest.raises(A.CorruptExport):
+        archive.Reader().feed(b"PK\x03\x04" + b"\0" * 20)
+    with pytest.raises(archive.CorruptExport):
         read_all(SAMPLE[:-1] + bytes([SAMPLE[-1] ^ 1]))
     with pytest.raises(InvalidArgument, match="after the export's trailer"):
         read_all(SAMPLE + b"x")
@@ -89,8 +89,8 @@ def test_version_and_magic() -> None:
 
 def _with_manifest(body: object, frames: bytes = b"") -> bytes:
     raw = msgpack.packb(body, use_bin_type=True)
-    out = A.head() + A.frame(b"M", raw) + frames
-    return out + A.end_frame(hashlib.sha256(out).digest())
+    out = archive.head() + archive.frame(b"M", raw) + frames
+    return out + archive.end_frame(hashlib.sha256(out).digest())
 
 
 @pytest.mark.parametrize(
@@ -102,15 +102,15 @@ def _with_manifest(body: object, frames: bytes = b"") -> bytes:
         ({"files": [{"name": "disk.qcow2", "size": 1}, {"name": "disk.qcow2", "size": 1}]}, b"", "twice"),
         ({"files": "x"}, b"", "list of files"),
         ([1, 2], b"", "list of files"),
-        ({"files": [{"name": "disk.qcow2", "size": 4}]}, A.data_frame(0, 2, b"abc"), "out of bounds"),
-        ({"files": [{"name": "disk.qcow2", "size": 4}]}, A.data_frame(1, 0, b"a"), "out of order"),
+        ({"files": [{"name": "disk.qcow2", "size": 4}]}, archive.data_frame(0, 2, b"abc"), "out of bounds"),
+        ({"files": [{"name": "disk.qcow2", "size": 4}]}, archive.data_frame(1, 0, b"a"), "out of order"),
         (
             {"files": [{"name": "disk.qcow2", "size": 4}]},
-            A.data_frame(0, 2, b"ab") + A.data_frame(0, 0, b"a"),
+            archive.data_frame(0, 2, b"ab") + archive.data_frame(0, 0, b"a"),
             "out of bounds",
         ),
-        ({"files": []}, A.frame(b"Q", b""), "unknown frame"),
-        ({"files": []}, A.frame(b"M", b"\x80"), "unknown frame"),
+        ({"files": []}, archive.frame(b"Q", b""), "unknown frame"),
+        ({"files": []}, archive.frame(b"M", b"\x80"), "unknown frame"),
     ],
 )
 def test_hostile_manifests_and_frames(body: object, frames: bytes, match: str) -> None:
@@ -119,20 +119,20 @@ def test_hostile_manifests_and_frames(body: object, frames: bytes, match: str) -
 
 
 def test_oversized_frames_are_refused_before_they_are_buffered() -> None:
-    r = A.Reader()
+    r = archive.Reader()
     with pytest.raises(InvalidArgument, match="manifest is"):
-        r.feed(A.head() + struct.pack(">cI", b"M", A.MAX_MANIFEST + 1))
-    r = A.Reader()
-    r.feed(A.head() + A.frame(b"M", msgpack.packb({"files": []})))
+        r.feed(archive.head() + struct.pack(">cI", b"M", archive.MAX_MANIFEST + 1))
+    r = archive.Reader()
+    r.feed(archive.head() + archive.frame(b"M", msgpack.packb({"files": []})))
     with pytest.raises(InvalidArgument, match="data frame"):
-        r.feed(struct.pack(">cI", b"D", A.MAX_CHUNK + A.DATA.size + 1))
+        r.feed(struct.pack(">cI", b"D", archive.MAX_CHUNK + archive.DATA.size + 1))
 
 
 @settings(deadline=None, max_examples=300, suppress_health_check=[HealthCheck.too_slow])
 @given(st.binary(max_size=400), st.integers(0, 400))
 def test_garbage_only_raises_typed_errors(tail: bytes, cut: int) -> None:
-    for stream in (tail, A.head() + tail, SAMPLE[:cut] + tail):
-        r = A.Reader()
+    for stream in (tail, archive.head() + tail, SAMPLE[:cut] + tail):
+        r = archive.Reader()
         try:
             r.feed(stream)
             r.close()

@@ -19,7 +19,7 @@ from actors.errors import AlreadyExists, DomainError, FailedPrecondition, Invali
 from actors.model import MemoryKind, SandboxConfig, VolumeMount, dump
 from actors.secrets.model import SecretRef
 from actors.settings import Settings
-from actors.snapshots import archive as A
+from actors.snapshots import archive
 from actors.snapshots.snapshot import SnapshotStore
 from actors.snapshots.transfer import Importer, export_stream
 from actors.store import MachineRecord, SnapshotRecord, Store
@@ -127,8 +127,8 @@ def leftovers(env: Env) -> set[str]:
 
 async def test_round_trip_names_the_image_files_and_keeps_holes(env: Env) -> None:
     data = await export_bytes(env)
-    manifest = A.Reader().feed(data[: 2 * MIB])[0]
-    assert isinstance(manifest, A.Manifest)
+    manifest = archive.Reader().feed(data[: 2 * MIB])[0]
+    assert isinstance(manifest, archive.Manifest)
     assert [f.name for f in manifest.files] == ["vmstate", "memory", "disk.qcow2"]  # kernel, initrd named
     assert manifest.body["chain"] == [{"base": "image", "path": "rootfs-f/rootfs.ext4", "size": 8 * MIB}]
     assert len(data) < 2 * MIB  # the memory file's hole is not sent
@@ -162,24 +162,24 @@ async def test_include_base_carries_the_rootfs_and_image_files(env: Env) -> None
 def rebuild(data: bytes, change: Callable[[dict[str, Any], dict[str, bytes]], None]) -> bytes:
     """The export ``data`` with its manifest and files changed, framed and hashed anew:
     what a hostile peer can make."""
-    events = A.Reader().feed(data)
+    events = archive.Reader().feed(data)
     m = events[0]
-    assert isinstance(m, A.Manifest)
+    assert isinstance(m, archive.Manifest)
     files = {f.name: bytearray(f.size) for f in m.files}
     for ev in events[1:]:
-        if isinstance(ev, A.Data):
+        if isinstance(ev, archive.Data):
             name = m.files[ev.index].name
             files[name][ev.offset : ev.offset + len(ev.data)] = ev.data
     body = {k: v for k, v in m.body.items() if k != "files"}
     out = {k: bytes(v) for k, v in files.items()}
     change(body, out)
-    raw = A.head() + A.manifest_frame([A.FileEntry(n, len(b)) for n, b in out.items()], body)
+    raw = archive.head() + archive.manifest_frame([archive.FileEntry(n, len(b)) for n, b in out.items()], body)
     for i, b in enumerate(out.values()):
         for off in range(0, len(b), MIB):
             piece = b[off : off + MIB]
             if piece.count(0) != len(piece):  # (holes stay holes)
-                raw += A.data_frame(i, off, piece)
-    return raw + A.end_frame(hashlib.sha256(raw).digest())
+                raw += archive.data_frame(i, off, piece)
+    return raw + archive.end_frame(hashlib.sha256(raw).digest())
 
 
 def _snap(f: Callable[[dict[str, Any]], None]) -> Callable[[dict[str, Any], dict[str, bytes]], None]:
@@ -283,8 +283,8 @@ async def test_a_disk_only_snapshot_travels_alone(env: Env) -> None:
     rec = attrs.evolve(env.rec, memory=MemoryKind.DISK, vmstate="vmstate")
     env = attrs.evolve(env, rec=rec)
     data = await export_bytes(env)
-    m = A.Reader().feed(data)[0]
-    assert isinstance(m, A.Manifest) and [f.name for f in m.files] == ["disk.qcow2"]
+    m = archive.Reader().feed(data)[0]
+    assert isinstance(m, archive.Manifest) and [f.name for f in m.files] == ["disk.qcow2"]
     got = await import_bytes(env, data)
     assert got.memory == MemoryKind.DISK and sorted(os.listdir(got.path)) == ["disk.qcow2"]
     env.dst.check_restorable(got, "kvm")  # a boot: any accelerator

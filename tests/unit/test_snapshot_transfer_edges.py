@@ -16,7 +16,7 @@ import grpc
 import trio
 
 from actors.model import SandboxConfig, State
-from actors.snapshots import archive as A
+from actors.snapshots import archive
 from supervisor.client import AsyncSandbox
 from supervisor.proto.sandbox.v1 import sandbox_pb2 as pb
 from supervisor.proto.sandvisor.v1 import sandvisor_pb2 as sv
@@ -93,7 +93,7 @@ async def test_disk_only_snapshots_and_transfer_over_both_edges(tmp_path: Path, 
 
             # --- the codes a gRPC client sees; nothing is kept by a refused import ---
             dirs = {p.name for p in reg.snapshots.root.iterdir()}
-            future = A.MAGIC + struct.pack(">I", 9) + data[A.HEAD :]
+            future = archive.MAGIC + struct.pack(">I", 9) + data[archive.HEAD :]
             flipped = bytearray(data)
             flipped[len(data) // 2] ^= 4
             cases = [

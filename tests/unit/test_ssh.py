@@ -13,8 +13,7 @@ import pytest
 
 from actors.model import SandboxConfig
 from actors.modify import Modification, plan
-from supervisor import mapping as M
-from supervisor import protocol as W
+from supervisor import mapping, protocol
 from supervisor.ssh_gateway import SandboxSFTP, host_key, split_user
 from supervisor.ssh_keys import parse_keys
 
@@ -43,11 +42,11 @@ def test_real_keys(tmp_path: Path) -> None:
 
 def test_create_and_modify_map_keys(tmp_path: Path) -> None:
     a, b = _key(tmp_path, "a").strip(), _key(tmp_path, "b").strip()
-    cfg = M.config(W.CreateSandboxRequest(id="x", ssh_public_key=a))
+    cfg = mapping.config(protocol.CreateSandboxRequest(id="x", ssh_public_key=a))
     assert cfg.ssh_keys == (a,)
     with pytest.raises(Exception, match="no ssh public key"):
-        M.config(W.CreateSandboxRequest(id="x", ssh_public_key=""))
-    mod = M.modification(W.ModifyRequest(id="x", ssh_keys_add=[b]))
+        mapping.config(protocol.CreateSandboxRequest(id="x", ssh_public_key=""))
+    mod = mapping.modification(protocol.ModifyRequest(id="x", ssh_keys_add=[b]))
     after = plan(cfg, cfg.limits, mod, None, disk_mib=0).config
     assert after.ssh_keys == (a, b)
     after = plan(after, after.limits, Modification(ssh_keys_remove=(a,)), None, disk_mib=0).config

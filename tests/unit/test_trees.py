@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from guestd import proto as P
-from guestd import tarformat, tree
+from guestd import proto, tarformat, tree
 from guestd.fsops import TreeError, apply_patch
 from supervisor.errors import SandboxError
 from supervisor.treecopy import packed_tree, unpack_tree
@@ -171,7 +170,7 @@ def test_hostile_archives_are_refused(what: str, place: tuple[Path, Path]) -> No
     (dest / "planted").symlink_to(outside)  # a link a process in the guest made
     with pytest.raises(TreeError) as e:
         unpack_bytes(HOSTILE[what], dest)
-    assert e.value.code == P.E_INVALID
+    assert e.value.code == proto.E_INVALID
     if what == "truncated":
         assert not (dest / "t").exists()  # no half file of a broken stream
 
@@ -189,34 +188,34 @@ def test_a_planted_symlink_is_neither_followed_nor_written_through(place: tuple[
     (dest / "dir").mkdir()
     with pytest.raises(TreeError) as e:
         unpack_bytes(tar_of(("dir", tarfile.REGTYPE, b"x")), dest)
-    assert e.value.code == P.E_IS_DIR
+    assert e.value.code == proto.E_IS_DIR
 
 
 def test_oversized_headers_and_limits(place: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     dest, _ = place
     pax = tarfile.TarInfo("././@PaxHeader")
-    pax.type, pax.size = tarfile.XHDTYPE, P.MAX_TREE_META + 512
-    data = pax.tobuf(tarfile.USTAR_FORMAT) + bytes(P.MAX_TREE_META + 512) + tar_of(("f", tarfile.REGTYPE, b"x"))
+    pax.type, pax.size = tarfile.XHDTYPE, proto.MAX_TREE_META + 512
+    data = pax.tobuf(tarfile.USTAR_FORMAT) + bytes(proto.MAX_TREE_META + 512) + tar_of(("f", tarfile.REGTYPE, b"x"))
     with pytest.raises(TreeError) as e:
         unpack_bytes(data, dest)
-    assert e.value.code == P.E_INVALID and "header" in e.value.message
-    longname = tar_of(("n" * (P.MAX_TREE_META + 10), tarfile.REGTYPE, b"x"), fmt=tarfile.GNU_FORMAT)
+    assert e.value.code == proto.E_INVALID and "header" in e.value.message
+    longname = tar_of(("n" * (proto.MAX_TREE_META + 10), tarfile.REGTYPE, b"x"), fmt=tarfile.GNU_FORMAT)
     with pytest.raises(TreeError):
         unpack_bytes(longname, dest)
-    monkeypatch.setattr(P, "MAX_TREE", 1000)
+    monkeypatch.setattr(proto, "MAX_TREE", 1000)
     with pytest.raises(TreeError) as e:
         unpack_bytes(tar_of(("a", tarfile.REGTYPE, bytes(600)), ("b", tarfile.REGTYPE, bytes(600))), dest)
-    assert e.value.code == P.E_TOO_LARGE
-    monkeypatch.setattr(P, "MAX_TREE_ENTRIES", 3)
+    assert e.value.code == proto.E_TOO_LARGE
+    monkeypatch.setattr(proto, "MAX_TREE_ENTRIES", 3)
     with pytest.raises(TreeError) as e:
         unpack_bytes(tar_of(*[(f"f{i}", tarfile.REGTYPE, b"") for i in range(4)]), dest)
-    assert e.value.code == P.E_TOO_LARGE
+    assert e.value.code == proto.E_TOO_LARGE
     src = dest / "src"
     for i in range(4):
         (src / str(i)).mkdir(parents=True, exist_ok=True)
     with pytest.raises(TreeError) as e:
         pack_bytes(src)
-    assert e.value.code == P.E_TOO_LARGE
+    assert e.value.code == proto.E_TOO_LARGE
 
 
 def test_the_archive_root_sets_the_target_only_when_asked(tmp_path: Path) -> None:
@@ -274,7 +273,7 @@ def test_patch_never_writes_through_a_symlink_and_names_the_failing_entry(place:
     (dest / "dirlink").symlink_to(outside)
     with pytest.raises(TreeError) as e:
         apply_patch([{"op": "file", "path": f"{dest}/ok", "data": b"1"}, {"op": "file", "path": f"{dest}/link"}], ids)
-    assert e.value.code == P.E_EXISTS and e.value.message.startswith(f"entry 1 ({dest}/link)")
+    assert e.value.code == proto.E_EXISTS and e.value.message.startswith(f"entry 1 ({dest}/link)")
     apply_patch([{"op": "file", "path": f"{dest}/link", "data": b"mine", "replace": True}], ids)
     assert (dest / "link").read_bytes() == b"mine" and not (dest / "link").is_symlink()
     with pytest.raises(TreeError) as e:
@@ -286,15 +285,15 @@ def test_patch_never_writes_through_a_symlink_and_names_the_failing_entry(place:
     apply_patch([{"op": "remove", "path": f"{dest}/tree"}], ids)
     assert not (dest / "tree").exists()
     for bad, code in (
-        ({"op": "chmod", "path": f"{dest}/x"}, P.E_INVALID),
-        ({"op": "file", "path": "relative"}, P.E_INVALID),
-        ({"op": "file", "path": "/"}, P.E_INVALID),
-        ({"op": "file", "path": f"{dest}/x", "mode": "0644"}, P.E_INVALID),
-        ({"op": "file", "path": f"{dest}/x", "mode": 0o10000}, P.E_INVALID),
-        ({"op": "file", "path": f"{dest}/x", "owner": "ghost"}, P.E_INVALID),
-        ({"op": "symlink", "path": f"{dest}/x"}, P.E_INVALID),
-        ({"op": "mkdir", "path": f"{dest}/ok"}, P.E_EXISTS),
-        ({"op": "file", "path": f"{dest}", "replace": True}, P.E_IS_DIR),
+        ({"op": "chmod", "path": f"{dest}/x"}, proto.E_INVALID),
+        ({"op": "file", "path": "relative"}, proto.E_INVALID),
+        ({"op": "file", "path": "/"}, proto.E_INVALID),
+        ({"op": "file", "path": f"{dest}/x", "mode": "0644"}, proto.E_INVALID),
+        ({"op": "file", "path": f"{dest}/x", "mode": 0o10000}, proto.E_INVALID),
+        ({"op": "file", "path": f"{dest}/x", "owner": "ghost"}, proto.E_INVALID),
+        ({"op": "symlink", "path": f"{dest}/x"}, proto.E_INVALID),
+        ({"op": "mkdir", "path": f"{dest}/ok"}, proto.E_EXISTS),
+        ({"op": "file", "path": f"{dest}", "replace": True}, proto.E_IS_DIR),
     ):
         with pytest.raises(TreeError) as e:
             apply_patch([bad], ids, base=7)
@@ -326,11 +325,11 @@ async def test_host_unpack_refuses_a_hostile_guest(place: tuple[Path, Path]) -> 
 
     with trio.fail_after(30), pytest.raises(SandboxError) as e:
         await unpack_tree(stream(), dest)
-    assert e.value.code == P.E_INVALID and "the guest's tree" in e.value.message
+    assert e.value.code == proto.E_INVALID and "the guest's tree" in e.value.message
     with trio.fail_after(30), pytest.raises(SandboxError) as e:
         async with packed_tree(dest / "missing"):
             pass
-    assert e.value.code == P.E_NOT_FOUND
+    assert e.value.code == proto.E_NOT_FOUND
 
 
 async def test_host_unpack_reports_the_sources_error_not_truncation(tmp_path: Path) -> None:
@@ -395,7 +394,7 @@ def test_every_malformed_header_is_a_tree_error(what: str, place: tuple[Path, Pa
     dest, _ = place
     with pytest.raises(TreeError) as e:
         unpack_bytes(MALFORMED[what], dest, keep_ids=ROOT, mode_mask=0o777)
-    assert e.value.code == P.E_INVALID, e.value.message
+    assert e.value.code == proto.E_INVALID, e.value.message
 
 
 def test_the_read_callbacks_own_error_passes_through(tmp_path: Path) -> None:
@@ -561,7 +560,7 @@ def test_reader_octal_fields_are_strict(field: bytes, place: tuple[Path, Path]) 
         return
     with pytest.raises(TreeError) as e:
         unpack_bytes(bytes(one), dest)
-    assert e.value.code == P.E_INVALID
+    assert e.value.code == proto.E_INVALID
 
 
 def test_every_file_gets_its_exact_mode_and_owner(tmp_path: Path) -> None:
@@ -611,12 +610,12 @@ def test_many_pax_headers_before_one_member_are_bounded_together(place: tuple[Pa
         ti.type, ti.size = kind, len(payload)
         return ti.tobuf(tarfile.USTAR_FORMAT) + payload + bytes(-len(payload) % 512)
 
-    piece = record(P.MAX_TREE_META // 8)
+    piece = record(proto.MAX_TREE_META // 8)
     for kind in (tarfile.XHDTYPE, tarfile.XGLTYPE):
         data = b"".join(pax_header(kind, piece) for _ in range(12)) + tar_of(("f", tarfile.REGTYPE, b"x"))
         with pytest.raises(TreeError) as e:
             unpack_bytes(data, dest)
-        assert e.value.code == P.E_INVALID, kind
+        assert e.value.code == proto.E_INVALID, kind
     ok = b"".join(pax_header(tarfile.XHDTYPE, record(10)) for _ in range(3)) + tar_of(("f", tarfile.REGTYPE, b"x"))
     unpack_bytes(ok, dest)
     assert (dest / "f").read_bytes() == b"x"

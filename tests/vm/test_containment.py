@@ -1,4 +1,4 @@
-"""Containment (issue 12) against real VMs: every QEMU jailed as its own user, in its
+"""Containment against real VMs: every QEMU jailed as its own user, in its
 own namespaces and cgroup, without privileges, reaching only its own files."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from actors.errors import DomainError
 from actors.registry import Registry
 from actors.sandboxes.sandbox import Sandbox
 from images.build import Image
-from supervisor import protocol as W
+from supervisor import protocol
 from supervisor.config import default_memory_dir
 from supervisor.throwaway import supervisor, workdir
 
@@ -173,7 +173,7 @@ async def test_a_guest_over_its_memory_limit_fails_alone(image: Image) -> None:
             assert m.uptime_seconds > 0 and bystander.state == "ready"
 
 
-def hello_as(uid: int, gid: int, groups: list[int], sock: Path) -> W.Envelope:
+def hello_as(uid: int, gid: int, groups: list[int], sock: Path) -> protocol.Envelope:
     """The supervisor's first answer to a hello from a process of ``uid``/``gid``."""
     code = f"""
 import socket, sys
@@ -183,7 +183,7 @@ try:
     s.connect({str(sock)!r})
 except OSError as e:
     print("connect:", e.strerror); sys.exit()
-s.sendall(bytes.fromhex({W.encode(W.ClientHello(W.PROTOCOL_VERSION, "test")).hex()!r}))
+s.sendall(bytes.fromhex({protocol.encode(protocol.ClientHello(protocol.PROTOCOL_VERSION, "test")).hex()!r}))
 data = b""
 while (len(data) < 4 or len(data) < 4 + int.from_bytes(data[:4], "big")) and (chunk := s.recv(65536)):
     data += chunk  # one frame: the answer to the hello
@@ -202,11 +202,11 @@ print(data.hex())
     out = r.stdout.strip()
     if out.startswith("connect:"):
         raise PermissionError(out)
-    reader = W.FrameReader()
+    reader = protocol.FrameReader()
     reader.feed(bytes.fromhex(out))
     body = reader.next()
     assert body is not None, out
-    return W.decode(body)
+    return protocol.decode(body)
 
 
 async def test_only_root_and_the_group_are_served(image: Image) -> None:
@@ -216,11 +216,11 @@ async def test_only_root_and_the_group_are_served(image: Image) -> None:
             sock = work.socket
             assert stat.S_IMODE(sock.stat().st_mode) == 0o660 and sock.stat().st_gid == users
             member = await trio.to_thread.run_sync(hello_as, 4242, 4242, [users], sock)
-            assert isinstance(member, W.ServerHello)
+            assert isinstance(member, protocol.ServerHello)
             with pytest.raises(PermissionError):  # the first gate: the socket's mode
                 await trio.to_thread.run_sync(hello_as, 4243, 4243, [], sock)
             sock.chmod(0o666)  # loosened by someone: peer credentials still decide
             refused = await trio.to_thread.run_sync(hello_as, 4243, 4243, [], sock)
-            assert isinstance(refused, W.Fail) and refused.code == "PERMISSION_DENIED", refused
+            assert isinstance(refused, protocol.Fail) and refused.code == "PERMISSION_DENIED", refused
             assert "uid 4243 may not use this supervisor" in refused.message
             assert "group 'users'" in refused.message

@@ -1,4 +1,4 @@
-"""Streamed snapshots become mapped (issue 14): a checkpoint of a default Create (a
+"""Streamed snapshots become mapped: a checkpoint of a default Create (a
 restore of its boot template, RAM mapped privately) streams its RAM; the snapshot
 store's converter turns it into a mapped snapshot in a jailed helper QEMU, and the
 restores that race it still work. Real VMs, in-process supervisors (the tests reach

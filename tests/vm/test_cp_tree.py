@@ -1,4 +1,4 @@
-"""Files in before boot and whole trees (issue 15, item 4) through a real ``sandvisor
+"""Files in before boot and whole trees through a real ``sandvisor
 serve``: ``cp -r`` by the SDK (sync and async) and the CLI as one tar stream, and
 patches given at Create."""
 
@@ -129,7 +129,7 @@ def test_patches_at_create_are_there_before_the_command(served: dict[str, str]) 
 
 
 def test_named_scripts_run_by_name(served: dict[str, str], tmp_path: Path) -> None:
-    """Scripts kept with the sandbox's config (issue 15, item 5), written with the
+    """Scripts kept with the sandbox's config, written with the
     patches, run by name through the SDK and the CLI."""
     sock = served["SANDVISOR_SOCKET"]
     scripts = {
@@ -157,7 +157,7 @@ def test_named_scripts_run_by_name(served: dict[str, str], tmp_path: Path) -> No
 
 
 def test_cp_out_keeps_existing_dirs_and_never_follows_a_planted_link(served: dict[str, str], tmp_path: Path) -> None:
-    """A guest's 0777 directories and setuid file copied out (issue 21): directories
+    """A guest's 0777 directories and setuid file copied out: directories
     that were at DEST keep their mode and owner, new ones get the guest's mode without
     special bits (and, without -a, masked by the client's umask); a single-file copy
     replaces a symlink planted at its destination (and at the old predictable temp

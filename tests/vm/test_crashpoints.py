@@ -2,7 +2,7 @@
 every QEMU is adopted or gone, every recorded disk checks clean and stands on the
 chain its record names, and nothing stray is left -- no sandbox or snapshot
 directory without a record, no run dir, RAM file or cgroup of a life that is not
-running (issue 13). The steps are :data:`actors.crash.STEPS`; each test crashes at
+running. The steps are :data:`actors.crash.STEPS`; each test crashes at
 the first time its step runs, in the production configuration (root: jailed QEMUs in
 cgroups; boot templates on unless the scenario needs a plain checkpoint)."""
 
@@ -52,7 +52,7 @@ async def checkpoint_a(c: AsyncConnection) -> None:
 
 async def checkpoint_a_default(c: AsyncConnection) -> None:
     """A default Create (a restore of the boot template that the first Create made)
-    checkpointed: streamed, so its conversion starts (issue 14)."""
+    checkpointed: streamed, so its conversion starts."""
     await c.call("Create", {"id": "t"})
     await wait_state(c, "t", "ready")
     await c.call("Remove", {"id": "t", "force": True})
@@ -74,7 +74,7 @@ async def snapshot_memory(c: AsyncConnection, name: str) -> str:
 
 
 async def pause_a(c: AsyncConnection) -> None:
-    """A ready sandbox paused (issue 25): a process counting in memory, a file on disk."""
+    """A ready sandbox paused: a process counting in memory, a file on disk."""
     await c.call("Create", {"id": "a"})
     await wait_state(c, "a", "ready")
     assert (await run(c, "a", MARK))[1] == 0
@@ -111,7 +111,7 @@ SCENARIOS: dict[str, tuple[list[str], Callable[[AsyncConnection], Awaitable[None
     "pause-stopping": ([], pause_a),
     "resume-loaded": ([], resume_a),
 }
-# a crash in a pause or a resume leaves the sandbox running or paused, never lost (issue 25)
+# a crash in a pause or a resume leaves the sandbox running or paused, never lost
 PAUSE_STATES = {"pause-saved": "ready", "pause-stopping": "paused", "resume-loaded": "paused"}
 RESTART_ARGS = {"pool-fill": []}
 

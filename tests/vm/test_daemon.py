@@ -165,7 +165,7 @@ async def test_bad_input_gets_typed_errors_and_the_daemon_keeps_serving(daemon: 
             ("Create", {"id": "é" * 65}, "INVALID_ARGUMENT"),  # 130 UTF-8 bytes
             ("Create", {"id": "ok", "labels": {"sandvisor.x": "1"}}, "INVALID_ARGUMENT"),
             ("Create", {"id": "ok", "labels": {"sandbox.y": "1"}}, "INVALID_ARGUMENT"),
-            # a malformed reference (plain names resolve as docker's do since issue 24: a test
+            # a malformed reference (plain names resolve as docker's do: a test
             # must not name a real registry, so no well-formed remote name here)
             ("Create", {"id": "ok", "image": "docker.io/library/Alpine"}, "INVALID_ARGUMENT"),
             ("Create", {"id": "ok", "mounts": [{"source": "/", "target": "/m"}]}, "FAILED_PRECONDITION"),

@@ -1,4 +1,4 @@
-"""Durability (issue 13) against real VMs: a supervisor killed with SIGKILL and started
+"""Durability against real VMs: a supervisor killed with SIGKILL and started
 again keeps every sandbox -- memory, processes, exposed ports, the same QEMU -- and a
 supervisor stopped with --keep-sandboxes leaves them to the next one."""
 

@@ -38,7 +38,7 @@ from e2b import (  # noqa: E402
     SandboxState,
 )
 
-from supervisor.sdk import sync as sv  # noqa: E402
+from supervisor.sdk import sync  # noqa: E402
 from supervisor.sdk.acting import acting_as  # noqa: E402
 from supervisor.throwaway import supervisor_process, workdir  # noqa: E402
 
@@ -274,7 +274,7 @@ def test_keys_are_principals(served: tuple[str, str], box: Sandbox, opts: dict[s
         sid = mine.sandbox_id
         mine.files.write("/tmp/alice.txt", "alice's")
         with acting_as("e2b:alice"):  # (the endpoint takes no snapshots: made for Alice on the socket)
-            snap = sv.Sandbox(sid, socket=sock).checkpoint("alice-snap").snapshot_id
+            snap = sync.Sandbox(sid, socket=sock).checkpoint("alice-snap").snapshot_id
 
         assert sid in _ids(alice) and box.sandbox_id not in _ids(alice)
         assert sid not in _ids(bob) and box.sandbox_id not in _ids(bob)
@@ -329,7 +329,7 @@ def test_socket_sandboxes_and_stale_tokens(served: tuple[str, str], opts: dict[s
     stale = first._envd_access_token
     assert first.commands.run("echo one").stdout == "one\n"
     assert first.kill() is True
-    with sv.Sandbox.create(sid, socket=sock, ttl=600):  # the same id, made on the socket (root's)
+    with sync.Sandbox.create(sid, socket=sock, ttl=600):  # the same id, made on the socket (root's)
         assert sid not in _ids(alice)
         with pytest.raises(SandboxNotFoundException):
             Sandbox.get_info(sid, **alice)
@@ -354,7 +354,7 @@ def test_snapshot_templates_without_network(served: tuple[str, str], opts: dict[
     it does not find it."""
     _, sock = served
     ops, alice = _as(opts, OPS), _as(opts, ALICE)
-    with sv.Sandbox.create("netted", socket=sock, ttl=600, network="user") as origin:
+    with sync.Sandbox.create("netted", socket=sock, ttl=600, network="user") as origin:
         snap = origin.checkpoint("netted-snap").snapshot_id
     before = set(_ids(ops))
     for template in (snap, "netted-snap"):

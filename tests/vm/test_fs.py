@@ -1,10 +1,10 @@
 """Files beyond read and write (list, stat, exists, mkdir, rm, mv), the logs' source
-filter and cursor, and the seed proto's loose ends, against real VMs.
+filter and cursor, and the sandbox.v1 proto's loose ends, against real VMs.
 
 One supervisor in this Trio run (so a test may shorten its Stop grace), one sandbox
 (``fsbox``, mounting the volume ``vol``) for the file: each file operation through the
 SDK, the CLI and sandvisor.v1; the log filter on each edge; then, with a client
-generated from the seed's proto: a WriteFile without ``done`` or with data after it
+generated from sandbox.v1's proto: a WriteFile without ``done`` or with data after it
 (INVALID_ARGUMENT, no file left), a second Exec ``init`` (INVALID_ARGUMENT), a Run or
 an Exec of a missing executable (exit 127, a message on stderr), a Stop that gives up
 (DEADLINE_EXCEEDED); then a start again, and DeleteVolume with ``force``."""

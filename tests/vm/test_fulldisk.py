@@ -1,4 +1,4 @@
-"""A full disk against real VMs (issue 13): the state dir on a small tmpfs this test
+"""A full disk against real VMs: the state dir on a small tmpfs this test
 mounts, filled to the last block. What needs space fails with RESOURCE_EXHAUSTED,
 the supervisor and its sandboxes keep running, log writes are dropped and counted
 instead of raising, nothing stored is corrupted, and all of it works again once
@@ -78,7 +78,7 @@ async def _full_disk(work: Workdir) -> None:
         # what needs space is refused, with the limit named
         assert "MiB free" in await expect("RESOURCE_EXHAUSTED", c.call("Create", {"id": "b"}))
         await expect("RESOURCE_EXHAUSTED", c.call("Checkpoint", {"sandbox_id": "a"}))
-        # a pause is refused before anything stops: the sandbox keeps running (issue 25)
+        # a pause is refused before anything stops: the sandbox keeps running
         await expect("RESOURCE_EXHAUSTED", c.call("Pause", {"id": "a"}))
         assert (await c.call("Inspect", {"id": "a"}))["state"] == "ready"
         # the sandbox runs on: its output reaches the caller, its log drops and counts

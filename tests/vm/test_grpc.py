@@ -1,7 +1,7 @@
-"""sandbox.v1 over gRPC against real VMs: clients generated from the seed's proto drive a
+"""sandbox.v1 over gRPC against real VMs: clients generated from sandbox.v1's proto drive a
 throwaway supervisor over its gRPC Unix socket, and over TLS on loopback.
 
-One supervisor and two boots for the file (TCG boots are the cost): ``a`` is the seed
+One supervisor and two boots for the file (TCG boots are the cost): ``a`` is the sandbox.v1
 client's sandbox (network mode "", which is none) and goes through the whole lifecycle,
 its snapshot restores into ``b``; ``u`` is created through sandvisor.v1 with user
 networking, for ExposePort, TLS and the Prometheus endpoint. The clients are grpcio's
@@ -347,7 +347,7 @@ async def _lifecycle(
         == b"alpha\n"
     )
 
-    # --- u: ExposePort (the seed's RPC on a sandvisor.v1 sandbox), reached from the host ---
+    # --- u: ExposePort (sandbox.v1's RPC on a sandvisor.v1 sandbox), reached from the host ---
     exposed = await in_thread(s.ExposePort, spb.ExposePortRequest(id="u", sandbox_port=8000))
     assert exposed.host_port and exposed.guest_port == 8000
     ports = await in_thread(ours.ListPorts, sv.ListPortsRequest(id="u"))

@@ -20,7 +20,7 @@ from actors.channel.guest import GuestChannel, GuestOpError, PatchEntry
 from actors.machines.qemuspec import TooManyDevices, Volume
 from actors.machines.vm import booted_guest
 from actors.volumes import check_volume_image, create_volume_image
-from guestd import proto as P
+from guestd import proto
 from images.build import Image
 from supervisor.treecopy import packed_tree, unpack_tree
 from tests.support.trees import listing, make_tree
@@ -43,7 +43,7 @@ async def test_stdin_a_process_closed_is_credited_back(chan: GuestChannel) -> No
             async for _ch, data in h:
                 if b"closed" in data:
                     break
-            await h.send_stdin(b"x" * (4 * P.WINDOW))
+            await h.send_stdin(b"x" * (4 * proto.WINDOW))
             await h.signal(signal.SIGKILL)
             ex = await h.wait()
     assert ex.signal == signal.SIGKILL
@@ -78,9 +78,9 @@ async def test_processes_start_clean_as_root_and_as_a_user(chan: GuestChannel) -
             ign.split(":")[1], 16
         ) & ~GLIBC_INTERNAL == 0
         cases: list[tuple[list[str], str, str, str]] = [
-            (["true"], "/no/such/dir", P.E_NOT_FOUND, "chdir '/no/such/dir'"),
-            (["/no/such/binary"], "", P.E_NOT_FOUND, "No such file or directory"),
-            (["/root/secret"], "", P.E_PERM, "Permission denied"),
+            (["true"], "/no/such/dir", proto.E_NOT_FOUND, "chdir '/no/such/dir'"),
+            (["/no/such/binary"], "", proto.E_NOT_FOUND, "No such file or directory"),
+            (["/root/secret"], "", proto.E_PERM, "Permission denied"),
         ]
         await chan.run(["sh", "-c", "printf '#!/bin/sh\\n' >/root/secret; chmod 700 /root/secret"])
         for argv, cwd, code, text in cases:
@@ -175,9 +175,9 @@ async def test_file_round_trip_20mib(chan: GuestChannel) -> None:
 async def test_vsock_listener_with_loopback(chan: GuestChannel) -> None:
     """guestd listens on AF_VSOCK where the guest has a transport (vsock_loopback here):
     a client inside the guest speaks the same framing to it."""
-    hello = (P.HOST_SYNC + P.encode(P.Hello(version=P.PROTOCOL_VERSION))).hex()
-    sync = P.GUEST_SYNC.hex()
-    ping = P.encode(P.Ping(rid=7)).hex()
+    hello = (proto.HOST_SYNC + proto.encode(proto.Hello(version=proto.PROTOCOL_VERSION))).hex()
+    sync = proto.GUEST_SYNC.hex()
+    ping = proto.encode(proto.Ping(rid=7)).hex()
     script = f"""
 import socket, struct
 s = socket.socket(socket.AF_VSOCK, socket.SOCK_STREAM)
@@ -201,9 +201,9 @@ print(frames[0].hex()); print(frames[1].hex())
     with trio.fail_after(60):
         r = await chan.run(["python3", "-c", script])
     assert r.exit_code == 0, r.stderr
-    first, second = (P.decode(bytes.fromhex(x.decode())) for x in r.stdout.split())
-    assert isinstance(first, P.HelloOk) and "vsock" in first.features
-    assert isinstance(second, P.Pong) and second.rid == 7
+    first, second = (proto.decode(bytes.fromhex(x.decode())) for x in r.stdout.split())
+    assert isinstance(first, proto.HelloOk) and "vsock" in first.features
+    assert isinstance(second, proto.Pong) and second.rid == 7
 
 
 # --- trees, patches, volumes (protocol 2) ------------------------------------------------
@@ -261,7 +261,7 @@ async def test_an_oversized_pax_header_is_refused(chan: GuestChannel) -> None:
         await chan.run(["rm", "-rf", "/tmp/pax"])
         with pytest.raises(GuestOpError) as e:
             await chan.write_tree("/tmp/pax", data)
-        assert e.value.code == P.E_INVALID
+        assert e.value.code == proto.E_INVALID
         r = await chan.run(["sh", "-c", "ls -A /tmp/pax 2>/dev/null | wc -l"])
         assert r.stdout == b"0\n"
         assert (await chan.ping()).activity >= 0
@@ -309,13 +309,13 @@ async def test_a_volume_written_then_seen_read_only(image: Image, tmp_run: Path)
         async with booted_guest(spec2, run2) as g:
             with pytest.raises(GuestOpError) as e:
                 await g.channel.mount("serial:data", "/data")  # read-write on a read-only disk
-            assert e.value.code == P.E_PERM
+            assert e.value.code == proto.E_PERM
             await g.channel.mount("serial:data", "/data", read_only=True)
             assert await g.channel.read_bytes("/data/hello") == b"written in life one"
             r = await g.channel.run(["sh", "-c", "stat -c '%U' /data/hello /data/dir; touch /data/x"])
             assert r.stdout == b"nobody\nnobody\n" and b"Read-only file system" in r.stderr
             with pytest.raises(GuestOpError) as e:
                 await g.channel.mount("serial:nope", "/other")
-            assert e.value.code == P.E_NOT_FOUND
+            assert e.value.code == proto.E_NOT_FOUND
             await g.channel.umount("/data")
             assert (await g.channel.run(["grep", "-c", " /data ", "/proc/mounts"])).stdout == b"0\n"

@@ -1,4 +1,4 @@
-"""Hibernation (issue 25) against a real `sandvisor serve` and real VMs: a paused
+"""Hibernation against a real `sandvisor serve` and real VMs: a paused
 sandbox has no QEMU and comes back as itself -- its processes and memory, its ports
 (auto-resume on a connection), its address; the idle policy pauses; auto-resume off
 refuses; a paused sandbox survives a supervisor's kill -9. One supervisor for the

@@ -1,6 +1,6 @@
 """Host directories mounted into a sandbox (virtio-fs, virtiofsd in a cell), end to end:
 a real ``sandvisor serve --allow-path`` (root, jailed), the CLI and the SDK, one real VM
-with a read-only and a read-write mount (issue 24 item 4)."""
+with a read-only and a read-write mount."""
 
 from __future__ import annotations
 

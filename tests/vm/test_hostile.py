@@ -1,4 +1,4 @@
-"""A real guest turned hostile (issue 13): root in the guest ptrace-stops guestd (PID
+"""A real guest turned hostile: root in the guest ptrace-stops guestd (PID
 1), so the channel goes silent after hello -- the real-VM case of the fake guest's
 hostile behaviours (tests/unit/test_fakeguest.py covers silence, ignored kills and floods
 of unknown request ids frame by frame). Every request to it ends on the host's

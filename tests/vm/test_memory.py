@@ -51,7 +51,7 @@ def digest(path: Path) -> str:
 
 async def gives_back(registry: Registry, sb: AsyncSandbox) -> tuple[int, int]:
     """Allocate and free 150 MiB in the guest; its QEMU's RSS must fall by 100 MiB (most
-    of them) from the peak within 10 s of the Run's exit (issue 14; the guest reports
+    of them) from the peak within 10 s of the Run's exit (the guest reports
     free blocks after ~2 s). What stays is the page cache of python3's files. Returns
     (peak, after)."""
     pid = registry.get(sb.id).record.qemu_pid

@@ -1,5 +1,5 @@
 """tmpfs mounts and the ports of restored clones, end to end: a real ``sandvisor serve``
-(jailed QEMUs), the CLI and the SDK, real VMs (issue 24 items 4 and 9). One supervisor
+(jailed QEMUs), the CLI and the SDK, real VMs. One supervisor
 and one origin sandbox for the module."""
 
 from __future__ import annotations

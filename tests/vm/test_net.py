@@ -22,7 +22,7 @@ from actors.machines.vm import TAP_FD, Attach, Guest, NetConfig, VmSpec, booted_
 from actors.net.egress import EgressPolicy
 from actors.net.hostnet import SandboxLink
 from actors.net.ippool import link_name
-from guestd import proto as P
+from guestd import proto
 from images.build import Image
 from tests.support.netlab import CLOUD_METADATA, LAN, SERVERS, UPLINK_HOST, Lab, lab_env, probe, tcp_server
 
@@ -189,7 +189,7 @@ async def test_guest_reconfigured_in_place_as_after_a_restore(image: Image, tmp_
                     assert (await sh(guest, "cat /etc/resolv.conf")) == f"nameserver {g.dns}\n"
                     with pytest.raises(GuestOpError) as bad:
                         await guest.channel.net_config("10.88.0.300", 16, str(g.gateway), [])
-                    assert bad.value.code == P.E_INVALID
+                    assert bad.value.code == proto.E_INVALID
                     await wait_probe(lab, str(new), 8000, f"vm {lab.pool.gateway}")
                     # and the guest reaches the outside from its new address (masqueraded)
                     assert await sh(guest, f'python3 -c "{CONNECT}" {SERVERS[0]}') == f"server0 {UPLINK_HOST}\n"

@@ -1,6 +1,6 @@
 """Networking through the whole supervisor, with real VMs: tap sandboxes with egress
 policies, restores of a tap snapshot, a supervisor restart, outbound user mode in
-the jail (issue 16; issue 12 item 7).
+the jail.
 
 The supervisor under test runs in this process, in a "host" network namespace the
 test makes (tests/support/netlab.py: the main thread enters it for the whole test, so the
@@ -26,7 +26,7 @@ import trio
 
 from actors.errors import AlreadyExists, NotFound
 from actors.model import Egress, NetMode, Network, PortSpec, Protocol, SandboxConfig, State
-from actors.net import dnsmsg as D
+from actors.net import dnsmsg
 from actors.net.ippool import guest_mac
 from actors.registry import Registry
 from actors.sandboxes.sandbox import Sandbox
@@ -101,7 +101,7 @@ async def policies_and_isolation(lab: NetLab, reg: Registry) -> tuple[dict[str, 
         got = await fetch(sb, f"{GATEWAY}:{pm.host_port}", f"{UPLINK_HOST}:{pm.host_port}")
         assert "vm" not in got, got
 
-    await hostile_dns_queries(lab, reg, a, (b, c))  # (issue 21: here, to boot no more VMs)
+    await hostile_dns_queries(lab, reg, a, (b, c))  # (here, to boot no more VMs)
     return ips, {sb.id: sb.record.uid for sb in (a, b, c)}
 
 
@@ -196,7 +196,7 @@ async def test_restores_of_a_tap_snapshot_each_get_their_own_address_and_ports(i
         assert fresh.ip_address not in {*ips, kept.ip_address}
         await reach(lab.host, fresh.ip_address, 8000, f"vm {fresh.ip_address} {GATEWAY}")
 
-        # a port exposed after create is carried too (issue 24): a clone of a clone lists
+        # a port exposed after create is carried too: a clone of a clone lists
         # both mappings, each on a new host port, and serves them
         await start_server(fresh, 8001)
         later = await fresh.expose(8001, 0, Protocol.TCP)
@@ -273,7 +273,7 @@ async def test_outbound_user_mode_reaches_out_through_the_filter_only(image: Ima
                     break
 
 
-# -- hostile DNS from a guest (issue 21: one query used to stop every sandbox) ----------------
+# -- hostile DNS from a guest (one query used to stop every sandbox) ----------------
 # run in the guest: crafted queries to the gateway over UDP, then over one TCP connection,
 # then a normal one; prints {case: [reply hex or null, ...]} (null: no answer in 2 s)
 CRAFTED_DNS = r"""
@@ -336,17 +336,17 @@ async def hostile_dns_queries(lab: NetLab, reg: Registry, sb: Sandbox, others: t
     for case, mid in sent.items():
         for raw in replies[case]:  # (UDP, TCP)
             assert raw is not None, (case, replies)
-            msg = D.parse(bytes.fromhex(raw))  # well-formed
+            msg = dnsmsg.parse(bytes.fromhex(raw))  # well-formed
             assert msg.is_response and (mid is None or msg.id == mid), (case, msg)
-            want = D.REFUSED if case in ("nonascii", "dotted") else D.FORMERR
+            want = dnsmsg.REFUSED if case in ("nonascii", "dotted") else dnsmsg.FORMERR
             assert msg.rcode == want, (case, msg)
     for raw in replies["nonascii"]:  # the question echoed octet for octet
         assert bytes.fromhex(raw)[12:] == b"\x01\xff\x07allowed\x04test\x00\x00\x01\x00\x01"
     assert replies["short"] == [None]  # nothing to answer with: silence
     (normal,) = replies["normal"]
-    msg = D.parse(bytes.fromhex(normal))
-    assert msg.id == 99 and msg.rcode == D.NOERROR
-    assert [str(a) for a, _ in D.answered_addresses(msg, "allowed.test")] == [SERVERS[1]]
+    msg = dnsmsg.parse(bytes.fromhex(normal))
+    assert msg.id == 99 and msg.rcode == dnsmsg.NOERROR
+    assert [str(a) for a, _ in dnsmsg.answered_addresses(msg, "allowed.test")] == [SERVERS[1]]
     # the proxy and the supervisor serve on: nothing failed unforeseen, every sandbox runs
     assert not hn.dns_down and hn.dns.stats["errors"] == 0, hn.dns.stats
     assert all(reg.get(x.id).state == State.READY for x in (sb, *others))

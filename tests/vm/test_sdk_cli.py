@@ -156,7 +156,7 @@ def test_cli_surface(served: dict[str, str], tmp_path: Path) -> None:
         "uid",  # this life's identity (the id may be reused once it is gone): E2B tokens are bound to it
         "owner",  # the principal that made it (docs/security.md)
         "ssh_keys",  # the public keys serve --ssh lets in (docs/ssh.md)
-        "requested",  # the read-back (issue 24): configuration as requested, as applied
+        "requested",  # the read-back: configuration as requested, as applied
         "applied",
         "updated_at",
     }
@@ -199,7 +199,7 @@ def test_cli_surface(served: dict[str, str], tmp_path: Path) -> None:
             ev.stdout.close()
     assert json.loads(cli(env, "inspect", "cli1", "--json").stdout)["state"] == "stopped"
     # refused operations on a sandbox that exists: one line, exit 1, the reason
-    # a stopped sandbox's checkpoint is a disk-only snapshot (issue 24)
+    # a stopped sandbox's checkpoint is a disk-only snapshot
     r = cli(env, "checkpoint", "cli1")
     assert r.returncode == 0 and r.stdout.startswith(b"snap-"), r
     snap = r.stdout.decode().strip()  # (the sandbox's disk now stands on it: not removable)

@@ -1,4 +1,4 @@
-"""Secrets that never enter the guest (issue 23), with real VMs and real clients
+"""Secrets that never enter the guest, with real VMs and real clients
 (curl, Python's urllib) in network namespaces the test makes (tests/support/netlab.py): a tap
 sandbox whose guest holds placeholders, the supervisor's proxy putting the value in on
 the way to the hosts the secret allows, a stand-in HTTPS internet (tests/support/httpslab.py)

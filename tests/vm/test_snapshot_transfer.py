@@ -22,7 +22,7 @@ import pytest
 import trio
 
 from actors.registry import Registry
-from actors.snapshots import archive as A
+from actors.snapshots import archive
 from images.build import Image
 from supervisor.client import AlreadyExists, AsyncSandbox, FailedPrecondition, InvalidArgument
 from supervisor.proto.sandbox.v1 import sandbox_pb2 as spb
@@ -128,7 +128,7 @@ async def test_export_import_restore_on_another_supervisor(works: tuple[Workdir,
 
             summary, exported = await in_thread(grpc_import)
             assert (summary.base.name, summary.memory) == ("via-grpc", imported.memory)
-            assert exported[: len(A.MAGIC)] == A.MAGIC and len(exported) > 50 * MiB
+            assert exported[: len(archive.MAGIC)] == archive.MAGIC and len(exported) > 50 * MiB
 
             # --- the CLI: export from A, import into B under a name ---
             cli = [sys.executable, "-m", "supervisor.cli"]
@@ -146,7 +146,7 @@ async def test_export_import_restore_on_another_supervisor(works: tuple[Workdir,
             flipped = bytearray(data)
             flipped[len(data) // 2] ^= 0x40
             truncated = data[: len(data) * 2 // 3]
-            future = A.MAGIC + struct.pack(">I", A.VERSION + 1) + data[A.HEAD :]
+            future = archive.MAGIC + struct.pack(">I", archive.VERSION + 1) + data[archive.HEAD :]
             cases: list[tuple[str, bytes, type[Exception], str]] = [
                 ("flipped", bytes(flipped), InvalidArgument, "SHA-256"),
                 ("truncated", truncated, InvalidArgument, "truncated"),

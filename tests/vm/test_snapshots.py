@@ -338,7 +338,7 @@ async def test_template_pool_makes_creates_ready_at_once(fresh_state: Workdir) -
                         "cmd": ["sh", "-c", "echo $WHO > /root/cmd"],
                     },
                 )
-                assert r["state"] == "starting"  # as the seed says, always; yet ready already:
+                assert r["state"] == "starting"  # as sandbox.v1 says, always; yet ready already:
                 assert (await c.call("Inspect", {"id": "quick"}))["state"] in ("ready", "running")
             quick = await AsyncSandbox.get("quick", socket=sock)
             logs = b"".join(e.data for e in await quick.logs() if e.source == "system")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.sdk import sync as sv
+from supervisor.sdk import sync
 from supervisor.throwaway import supervisor_process, workdir
 
 pytestmark = pytest.mark.skipif(
@@ -90,7 +90,7 @@ def lab() -> Iterator[Lab]:
 def box(lab: Lab) -> Iterator[str]:
     name = f"ssh-{uuid.uuid4().hex[:6]}"
     pub = (lab.root / "id_ed25519.pub").read_text()
-    sb = sv.Sandbox.create(name, socket=lab.socket, ssh_keys=[pub])
+    sb = sync.Sandbox.create(name, socket=lab.socket, ssh_keys=[pub])
     try:
         yield name
     finally:
@@ -119,7 +119,7 @@ def test_command(lab: Lab, box: str) -> None:
 
 def test_client_gone_ends_the_process(lab: Lab, box: str) -> None:
     """A client that goes away mid-command takes the sandbox's process with it."""
-    sb = sv.Sandbox(box, socket=lab.socket)
+    sb = sync.Sandbox(box, socket=lab.socket)
     count = "cat /proc/[0-9]*/cmdline 2>/dev/null | tr '\\0' ' ' | grep -o 'sleep 31[3]' | wc -l"
     argv = ["ssh", "-p", str(lab.port), *lab.opts(), f"{box}@127.0.0.1", "sleep 313"]
     p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -187,7 +187,7 @@ def test_scp_and_sftp(lab: Lab, box: str) -> None:
         ["scp", *base, str(src), f"{box}@127.0.0.1:/tmp/up.bin"], check=False, capture_output=True, timeout=120
     )
     assert r.returncode == 0, r.stderr
-    assert sv.Sandbox(box, socket=lab.socket).fs.read("/tmp/up.bin") == data
+    assert sync.Sandbox(box, socket=lab.socket).fs.read("/tmp/up.bin") == data
     back = lab.root / "back.bin"
     r = subprocess.run(
         ["scp", *base, f"{box}@127.0.0.1:/tmp/up.bin", str(back)], check=False, capture_output=True, timeout=120
@@ -216,7 +216,7 @@ def test_scp_and_sftp(lab: Lab, box: str) -> None:
     assert r2.returncode == 0, r2.stderr
     assert "b.txt" in r2.stdout
     assert (lab.root / "got.txt").read_text() == "via sftp\n"
-    assert not sv.Sandbox(box, socket=lab.socket).fs.exists("/tmp/sf")
+    assert not sync.Sandbox(box, socket=lab.socket).fs.exists("/tmp/sf")
     # a missing file is the client's "No such file"
     r3 = subprocess.run(
         ["sftp", "-b", "-", *base, f"{box}@127.0.0.1"],
@@ -235,7 +235,7 @@ def test_refused_keys(lab: Lab, box: str) -> None:
     r = lab.ssh("no-such-box@127.0.0.1", "echo hi")  # no sandbox: the same refusal
     assert r.returncode == 255 and "Permission denied" in r.stderr
     # another sandbox, not given this key: the key opens only the sandboxes it was added to
-    other = sv.Sandbox.create(
+    other = sync.Sandbox.create(
         f"ssh-o-{uuid.uuid4().hex[:6]}", socket=lab.socket, ssh_keys=[(lab.root / "other_ed25519.pub").read_text()]
     )
     try:

@@ -1,4 +1,4 @@
-"""Named volumes (issue 15, item 3) through a real ``sandvisor serve`` and real VMs:
+"""Named volumes through a real ``sandvisor serve`` and real VMs:
 a volume outlives the sandbox that wrote it, is read-write in one live sandbox at a
 time and read-only in many, a snapshot records it and Restore refuses clearly when it
 is busy or gone; the SDK and the CLI."""
