@@ -21,7 +21,7 @@ import socket
 import stat
 from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -32,6 +32,7 @@ from actors.machines.qemuspec import resolve_accel
 from actors.machines.vm import booted_guest
 from actors.net.hostnet import HostNetConfig, HostNetwork
 from actors.net.ippool import IpPool, parse_pool
+from actors.principals import Principal
 from actors.quotas import Quotas, gated, start_slots
 from actors.registry import Registry
 from actors.sandboxes.secrets import upstream_context
@@ -51,7 +52,7 @@ from supervisor.config import (
 )
 from supervisor.daemon_config import DaemonConfig
 from supervisor.grpc_addresses import Address, TcpAddress
-from supervisor.grpc_service import addresses, build_edge, tcp_auth
+from supervisor.grpc_service import addresses, build_edge, call_principal, tcp_auth
 from supervisor.metrics import MetricsEndpoint, RegistrySource, parse_listen
 from supervisor.metrics import check_listen as check_metrics_listen
 from supervisor.notify import Notifier
@@ -463,7 +464,10 @@ async def _serve_locked(cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Re
                         if member is not None:
                             from supervisor.fleet import service as fleet_service
 
-                            edge.add_methods(fleet_service.SERVICE, fleet_service.methods(member))
+                            def who(call: Any) -> Principal:
+                                return call_principal(call, edge.tcp_auth, edge.unix_peers)
+
+                            edge.add_methods(fleet_service.SERVICE, fleet_service.methods(member, who))
                         await edge.run(task_status=task_status)
 
                 await nursery.start(run_edge)

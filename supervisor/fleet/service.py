@@ -7,11 +7,13 @@ sandbox traffic goes through the member it asked.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from actors import defaults
 from actors.errors import InvalidArgument
-from supervisor import grpc_bridge
+from actors.principals import Principal
+from supervisor import access, grpc_bridge
 from supervisor.fleet.member import FleetMember
 from supervisor.fleet.placement import NodeView, Placed, Want
 from supervisor.proto.sandbox.v1 import sandbox_pb2
@@ -59,7 +61,10 @@ def want(req: pb.FleetReserveRequest) -> Want:
     )
 
 
-def methods(member: FleetMember) -> list[grpc_bridge.Method]:
+def methods(member: FleetMember, who: Callable[[Any], Principal]) -> list[grpc_bridge.Method]:
+    """The service's methods, each for admins only (``who``: a call's principal): members
+    call each other with admin certificates, and placement records are the fleet's, not
+    any one principal's (a Release frees anyone's name)."""
     placement = member.placement
 
     async def reserve(msg: pb.FleetReserveRequest, call: Any) -> pb.FleetSandbox:
@@ -86,6 +91,13 @@ def methods(member: FleetMember) -> list[grpc_bridge.Method]:
             snapshot_id=local, source=pulled.source, bytes=pulled.bytes, seconds=pulled.seconds
         )
 
+    def admins_only(fn: Callable[[Any, Any], Awaitable[Any]]) -> Callable[[Any, Any], Awaitable[Any]]:
+        async def gated(msg: Any, call: Any) -> Any:
+            access.admin_only(who(call), "the fleet service")
+            return await fn(msg, call)
+
+        return gated
+
     table: list[tuple[str, Any, type[Any], type[Any]]] = [
         ("Reserve", reserve, pb.FleetReserveRequest, pb.FleetSandbox),
         ("Resolve", resolve, pb.FleetNameRequest, pb.FleetSandbox),
@@ -99,7 +111,7 @@ def methods(member: FleetMember) -> list[grpc_bridge.Method]:
             SERVICE,
             name,
             grpc_bridge.Kind.UNARY_UNARY,
-            fn,
+            admins_only(fn),
             request_deserializer=req.FromString,
             response_serializer=resp.SerializeToString,
         )

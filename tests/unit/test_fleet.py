@@ -16,7 +16,8 @@ import attrs
 import pytest
 import trio
 
-from actors.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted
+from actors.errors import AlreadyExists, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
+from actors.principals import Principal
 from supervisor.cli import is_fleet_command
 from supervisor.fleet import service
 from supervisor.fleet.member import fleet_config
@@ -128,6 +129,29 @@ async def test_reserve_fills_the_nodes_then_waits_and_is_exhausted() -> None:
         with pytest.raises(NotFound):
             await placement.resolve("s0")
         assert (await placement.reserve(Want("s5", 256, timeout=1))).name == "s5"
+
+
+async def test_the_fleet_service_is_for_admins_only() -> None:
+    """Placement records are the fleet's: a principal the gRPC edge lets in but who is no
+    admin (a labelled token, a certificate not in --grpc-admin-cert-cn, a --group uid)
+    may neither list nor release them; a member's admin certificate may."""
+    with trio.fail_after(30):
+        placement, _ray = await _fleet()
+        await placement.reserve(Want("s0", 256, timeout=1))
+
+        @attrs.define
+        class Member:
+            placement: RayPlacement
+
+        caller = Principal("token:ci")
+        table = {m.name: m.handler for m in service.methods(Member(placement), lambda call: caller)}  # type: ignore[arg-type]
+        for name, msg in [("ListSandboxes", pb.FleetListRequest()), ("Release", pb.FleetNameRequest(name="s0"))]:
+            with pytest.raises(PermissionDenied):
+                await table[name](msg, None)
+        assert [p.name for p in await placement.placed()] == ["s0"]  # nothing released
+        caller = Principal("cert:member-b", admin=True)
+        listed = await table["ListSandboxes"](pb.FleetListRequest(), None)
+        assert [p.name for p in listed.sandboxes] == ["s0"]
 
 
 async def test_pins_prefers_a_snapshot_and_checks_names() -> None:
