@@ -230,7 +230,7 @@ class Hibernation:
             if reg.settings.cells is not None:
                 reg.settings.cells.sealed.drop(snap.id)
             if reg._lives is not None:  # its frozen disk goes back into the running one
-                reg._lives.start_soon(self.merge, sb)
+                reg._lives.start_soon(self._merge_behind, sb)
             self._pipe(sb, pending)
             sb.touch()
             await sb.persisted()
@@ -268,6 +268,15 @@ class Hibernation:
                 break
             n += 1
         return n
+
+    async def _merge_behind(self, sb: Sandbox) -> None:
+        """:meth:`merge` as a task of the registry's lives' nursery, after a resume: an
+        error of it (a full disk at the store's flush, a guest gone meanwhile) is the
+        sandbox's log line, never the registry's end (a pause merges again)."""
+        try:
+            await self.merge(sb)
+        except Exception as exc:
+            log.warning("sandbox %s: merging its disk after a resume: %r", sb.id, exc)
 
     async def merge(self, sb: Sandbox) -> None:
         """Merge the layers of a running sandbox's disk that are its alone (what its pause

@@ -119,7 +119,9 @@ def install(data: bytes, dest: Path, user: RayUser) -> Path:
     fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o400)
     with os.fdopen(fd, "wb") as f:
         f.write(data)
-    os.chown(dest, user.uid, user.gid)
+        # by the descriptor: the dir is the Ray user's, who could swap the name for a
+        # symlink between the open and a chown by path (root would chown its target)
+        os.fchown(f.fileno(), user.uid, user.gid)
     return dest
 
 
