@@ -43,14 +43,16 @@ import trio
 from supervisor import protocol
 from supervisor.errors import NotFound, SandboxError
 from supervisor.sdk.acting import acting_as
-from supervisor.sdk.sync import Sandbox
+from supervisor.sdk.ops import each
+from supervisor.sdk.sync import Sandbox, drive_stream
 
 log = logging.getLogger("sandvisor.ssh")
 
 T = TypeVar("T")
 HOST_KEY_NAME = "ssh_host_ed25519_key"
-MAX_SESSIONS = 32  # commands and shells at once; each holds a worker thread while its process runs
+MAX_SESSIONS = 32  # session channels at once (commands, shells, SFTP, scp), over all connections
 MAX_OPEN_FILE = 256 << 20  # an SFTP file is read whole / written whole (the sandbox's file calls)
+SFTP_BUDGET = 512 << 20  # bytes of open SFTP files buffered at once, over all connections
 LOGIN_TIMEOUT = 30  # s
 
 
@@ -78,15 +80,43 @@ def split_user(username: str) -> tuple[str, str]:
     return (sandbox, user) if plus else (username, "")
 
 
-class Target:
-    """What a connection reached: the sandbox, its owner (whom the endpoint acts as),
-    the guest user; and the endpoint's pool and socket for calls."""
+def key_blobs(lines: list[str]) -> set[bytes]:
+    """The public key blobs of OpenSSH key lines (lines that are not keys: skipped)."""
+    blobs = set()
+    for line in lines:
+        try:
+            blobs.add(asyncssh.import_public_key(line).public_data)
+        except (asyncssh.KeyImportError, ValueError):
+            continue
+    return blobs
 
-    def __init__(self, gateway: _Loop, sandbox: str, owner: str, user: str) -> None:
+
+class Refused(Exception):
+    """A new channel of a connection whose login no longer holds."""
+
+
+class Target:
+    """What a connection reached: the sandbox (its id and uid: a sandbox made again under
+    the name is another), its owner (whom the endpoint acts as), the guest user, the key
+    the client proved; and the endpoint's pool and socket for calls."""
+
+    def __init__(self, gateway: _Loop, sandbox: str, owner: str, user: str, uid: str = "") -> None:
         self.gateway = gateway
         self.sandbox = sandbox
         self.owner = owner
         self.user = user
+        self.uid = uid
+        self.key = b""  # the blob of the key that logged in
+
+    async def recheck(self) -> None:
+        """Raise :class:`Refused` unless the sandbox is still the one logged into (same
+        uid, seen as its owner) and still lists the key: each new channel asks again."""
+        try:
+            info: protocol.SandboxInfo = await self.call(lambda sb: sb.inspect())
+        except SandboxError as exc:
+            raise Refused(f"the sandbox is gone: {exc}") from None
+        if info.uid != self.uid or not self.key or self.key not in key_blobs(info.ssh_keys):
+            raise Refused("this connection's key or sandbox is no longer valid; log in again")
 
     def sb(self) -> Sandbox:
         return Sandbox(self.sandbox, socket=self.gateway.socket)
@@ -131,7 +161,13 @@ class _Server(asyncssh.SSHServer):
     async def validate_public_key(self, username: str, key: asyncssh.SSHKey) -> bool:
         if username not in self.keys:
             self.keys[username] = await self._lookup(username)
-        return key.public_data in self.keys[username]
+        ok = key.public_data in self.keys[username]
+        if ok and self.conn is not None:
+            # the last key accepted is the one whose signature is checked next (no await
+            # between), so the one that logged in: its removal ends new channels
+            targets = self.conn.get_extra_info("sandvisor_targets") or {}
+            targets[username].key = key.public_data
+        return ok
 
     async def _lookup(self, username: str) -> set[bytes]:
         """The key blobs of the sandbox ``username`` names (none: not found, or no keys);
@@ -147,15 +183,10 @@ class _Server(asyncssh.SSHServer):
         except SandboxError as exc:
             log.warning("ssh: looking up %r: %s", sandbox, exc)
             return set()
-        blobs = set()
-        for line in info.ssh_keys:
-            try:
-                blobs.add(asyncssh.import_public_key(line).public_data)
-            except (asyncssh.KeyImportError, ValueError):
-                continue
+        blobs = key_blobs(info.ssh_keys)
         if blobs and self.conn is not None:
             targets = self.conn.get_extra_info("sandvisor_targets") or {}
-            targets[username] = Target(self.gateway, info.id, info.owner, user)
+            targets[username] = Target(self.gateway, info.id, info.owner, user, info.uid)
             self.conn.set_extra_info(sandvisor_targets=targets)
         return blobs
 
@@ -186,15 +217,23 @@ SHELL = ["/bin/sh", "-l"]
 
 async def run_session(process: asyncssh.SSHServerProcess[bytes]) -> None:
     """A session: ``ssh box CMD`` (sh -c CMD) or a shell, with a PTY when asked (at most
-    MAX_SESSIONS at once, over all connections)."""
+    MAX_SESSIONS session channels at once, over all connections); the login is checked
+    again first (:meth:`Target.recheck`)."""
     t = target_of(process.channel)
-    sessions = t.gateway.sessions
-    if sessions is None or sessions.locked():
+    if not t.gateway.sessions.take(1):
         process.stderr.write(b"sandvisor: too many SSH sessions at once; try again later\r\n")
         process.exit(255)
         return
-    async with sessions:
+    try:
+        try:
+            await t.recheck()
+        except Refused as exc:
+            process.stderr.write(f"sandvisor: {exc}\r\n".encode())
+            process.exit(255)
+            return
         await _session(process, t)
+    finally:
+        t.gateway.sessions.give(1)
 
 
 async def _session(process: asyncssh.SSHServerProcess[bytes], t: Target) -> None:
@@ -321,15 +360,73 @@ def _attrs(e: protocol.FsEntry) -> asyncssh.SFTPAttrs:
     )
 
 
-class _File:
-    """An open file: its content in memory (read whole at open, written whole at close)."""
+class Budget:
+    """A count shared by all connections (on the endpoint's loop: no lock): session
+    channels, or bytes of open SFTP files held in memory."""
 
-    def __init__(self, path: str, data: bytes, mode: int, writable: bool) -> None:
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.used = 0
+
+    def take(self, n: int) -> bool:
+        if self.used + n > self.total:
+            return False
+        self.used += n
+        return True
+
+    def give(self, n: int) -> None:
+        self.used -= n
+        assert self.used >= 0
+
+
+class _File:
+    """An open file: its content in memory (read whole at open, written whole at close);
+    ``held``: the bytes of the gateway's SFTP budget it holds."""
+
+    def __init__(self, path: str, data: bytes, mode: int, writable: bool, held: int = 0) -> None:
         self.path = path
         self.data = bytearray(data)
         self.mode = mode
         self.writable = writable
         self.dirty = False
+        self.held = held
+
+
+def read_capped(sb: Sandbox, path: str, cap: int) -> bytes:
+    """The file ``path``, refused past ``cap`` bytes (a file that grew after its stat
+    included: the read stops there)."""
+    out = bytearray()
+    chunks = drive_stream(
+        sb.socket, each("ReadFile", protocol.ReadFileRequest(id=sb.id, path=path), protocol.FileChunk)
+    )
+    try:
+        for ch in chunks:
+            out += ch.data
+            if len(out) > cap:
+                raise asyncssh.SFTPFailure(f"{path}: larger than {cap >> 20} MiB")
+    finally:
+        chunks.close()  # type: ignore[attr-defined]
+    return bytes(out)
+
+
+async def open_sftp(chan: asyncssh.SSHServerChannel[bytes]) -> SandboxSFTP:
+    """An SFTP or scp channel: counted in MAX_SESSIONS and the login checked again
+    (:meth:`Target.recheck`); refused, the channel is closed with the reason."""
+    server = SandboxSFTP(chan)
+    if not server.t.gateway.sessions.take(1):
+        reason = "too many SSH sessions at once; try again later"
+    else:
+        server.slot = True
+        try:
+            await server.t.recheck()
+            return server
+        except Refused as exc:
+            reason = str(exc)
+        server.release()
+    with contextlib.suppress(OSError, asyncssh.Error):
+        chan.write_stderr(f"sandvisor: {reason}\r\n".encode())
+        chan.exit(255)
+    return server
 
 
 class SandboxSFTP(asyncssh.SFTPServer):
@@ -339,6 +436,30 @@ class SandboxSFTP(asyncssh.SFTPServer):
     def __init__(self, chan: asyncssh.SSHServerChannel[bytes]) -> None:
         super().__init__(chan)
         self.t = target_of(chan)
+        self.slot = False  # holds one of MAX_SESSIONS
+        self.files: set[_File] = set()  # open, holding some of the SFTP budget
+
+    def _hold(self, f: _File, size: int) -> None:
+        """``f`` may hold ``size`` bytes (an SFTP failure past the gateway's budget)."""
+        more = size - f.held
+        if more > 0:
+            if not self.t.gateway.budget.take(more):
+                raise asyncssh.SFTPFailure("the SSH endpoint's buffer for open files is full; try again later")
+            f.held = size
+            self.files.add(f)
+
+    def _let_go(self, f: _File) -> None:
+        self.t.gateway.budget.give(f.held)
+        f.held = 0
+        self.files.discard(f)
+
+    def release(self) -> None:
+        """Give back what this channel holds (its files' bytes, its session slot): at its end."""
+        for f in list(self.files):
+            self._let_go(f)
+        if self.slot:
+            self.slot = False
+            self.t.gateway.sessions.give(1)
 
     def _path(self, path: bytes) -> str:
         return posixpath.normpath(posixpath.join("/", path.decode("utf-8", "surrogateescape")))
@@ -440,12 +561,19 @@ class SandboxSFTP(asyncssh.SFTPServer):
             if pflags & asyncssh.FXF_EXCL and pflags & asyncssh.FXF_CREAT:
                 raise asyncssh.SFTPFileAlreadyExists(f"{p}: exists")
         mode = entry.mode if entry is not None else (attrs.permissions or 0o644) & 0o7777
-        data = b""
+        f = _File(p, b"", mode, write)
         if entry is not None and not (write and pflags & asyncssh.FXF_TRUNC):
             if entry.size > MAX_OPEN_FILE:
                 raise asyncssh.SFTPFailure(f"{p}: larger than {MAX_OPEN_FILE >> 20} MiB")
-            data = await self._call(lambda sb: sb.fs.read(p))
-        f = _File(p, data, mode, write)
+            self._hold(f, entry.size)
+            try:
+                cap = min(MAX_OPEN_FILE, f.held + self.t.gateway.budget.total - self.t.gateway.budget.used)
+                data = await self._call(lambda sb: read_capped(sb, p, cap))
+                self._hold(f, len(data))
+            except BaseException:
+                self._let_go(f)
+                raise
+            f.data[:] = data
         f.dirty = write and (entry is None or bool(pflags & asyncssh.FXF_TRUNC))
         return f
 
@@ -464,6 +592,7 @@ class SandboxSFTP(asyncssh.SFTPServer):
         end = offset + len(data)
         if end > MAX_OPEN_FILE:
             raise asyncssh.SFTPFailure(f"files over SFTP are at most {MAX_OPEN_FILE >> 20} MiB")
+        self._hold(f, end)
         if end > len(f.data):
             f.data.extend(bytes(end - len(f.data)))
         f.data[offset:end] = data
@@ -472,14 +601,18 @@ class SandboxSFTP(asyncssh.SFTPServer):
 
     async def close(self, file_obj: object) -> None:
         assert isinstance(file_obj, _File)
+        try:
+            await self.fsync(file_obj)
+        finally:
+            self._let_go(file_obj)
+
+    async def fsync(self, file_obj: object) -> None:
+        assert isinstance(file_obj, _File)
         f = file_obj
         if f.dirty:
             data, mode = bytes(f.data), f.mode
             await self._call(lambda sb: sb.fs.write(f.path, data, mode=mode))
             f.dirty = False
-
-    async def fsync(self, file_obj: object) -> None:
-        await self.close(file_obj)
 
     def fstat(self, file_obj: object) -> asyncssh.SFTPAttrs:
         assert isinstance(file_obj, _File)
@@ -492,6 +625,7 @@ class SandboxSFTP(asyncssh.SFTPServer):
             file_obj.dirty = True
 
     def exit(self) -> None:
+        self.release()
         # an exit status, as sshd sends at a subsystem's end (scp's SFTP mode fails without one)
         with contextlib.suppress(OSError, asyncssh.Error):
             self.channel.exit(0)
@@ -508,7 +642,8 @@ class _Loop:
         self.pool = concurrent.futures.ThreadPoolExecutor(max_workers=MAX_SESSIONS + 16, thread_name_prefix="ssh")
         self.loop: asyncio.AbstractEventLoop | None = None
         self.stopping: asyncio.Event | None = None
-        self.sessions: asyncio.Semaphore | None = None
+        self.sessions = Budget(MAX_SESSIONS)
+        self.budget = Budget(SFTP_BUDGET)
 
     async def blocking(self, fn: Callable[[], T]) -> T:
         """``fn()`` on a worker thread (the context, so ``acting_as``, goes with it)."""
@@ -523,7 +658,6 @@ class _Loop:
     async def serve(self, ready: Callable[[BaseException | None], None]) -> None:
         self.loop = asyncio.get_running_loop()
         self.stopping = asyncio.Event()
-        self.sessions = asyncio.Semaphore(MAX_SESSIONS)
         try:
             server = await asyncssh.create_server(
                 self._server,
@@ -531,7 +665,7 @@ class _Loop:
                 self.port,
                 server_host_keys=[self.key],
                 process_factory=run_session,
-                sftp_factory=SandboxSFTP,
+                sftp_factory=open_sftp,
                 allow_scp=True,
                 encoding=None,
                 agent_forwarding=False,

@@ -3,18 +3,24 @@ that its SFTP server replaces every method of asyncssh's that would touch host f
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import os
 import subprocess
+import types
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import asyncssh
 import pytest
 
 from actors.model import SandboxConfig
 from actors.modify import Modification, plan
-from supervisor import mapping, protocol
-from supervisor.ssh_gateway import SandboxSFTP, host_key, split_user
+from supervisor import mapping, protocol, ssh_gateway
+from supervisor.errors import NotFound
+from supervisor.sdk.sync import Sandbox
+from supervisor.ssh_gateway import Budget, Refused, SandboxSFTP, Target, host_key, split_user
 from supervisor.ssh_keys import parse_keys
 
 ED = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIKqGvGvPRsXBzbK1bX1PG0S1Q8I1nQ2y7nq3VwWJ2kL4 me@host"
@@ -88,3 +94,118 @@ def test_sandvisor_ssh_prints_the_command(capsys: pytest.CaptureFixture[str]) ->
     assert main(argv) == 0
     out = capsys.readouterr().out.strip()
     assert out == "ssh -p 2200 -o HostKeyAlias=sandvisor-127.0.0.1-2200 -i k box+nobody@127.0.0.1 -- 'ls -l'"
+
+
+class _Gateway:
+    def __init__(self, budget: int) -> None:
+        self.sessions = Budget(2)
+        self.budget = Budget(budget)
+
+
+class _StubTarget(Target):
+    """A Target whose calls run ``fn`` on a stub sandbox (no supervisor)."""
+
+    def __init__(self, gateway: Any, sb: Any, uid: str = "u1", key: bytes = b"") -> None:
+        super().__init__(gateway, "box", "alice", "", uid)
+        self.key = key
+        self.stub = sb
+
+    async def call(self, fn: Callable[[Any], Any]) -> Any:
+        return fn(self.stub)
+
+
+class _Fs:
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def stat(self, path: str) -> protocol.FsEntry:
+        return protocol.FsEntry(name=path, path=path, kind="file", size=self.size, mode=0o644)
+
+
+class _Sb:
+    def __init__(self, size: int) -> None:
+        self.fs = _Fs(size)
+
+
+def _sftp(gateway: _Gateway, size: int = 0) -> SandboxSFTP:
+    s = SandboxSFTP.__new__(SandboxSFTP)  # (no channel: the file methods only)
+    s.t = _StubTarget(gateway, _Sb(size))
+    s.slot, s.files = False, set()
+    return s
+
+
+def test_sftp_budget_is_gateway_wide(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Open files hold bytes of one budget over all channels: an open or a write past it
+    is an SFTP failure, a close or the channel's end gives them back."""
+    monkeypatch.setattr(ssh_gateway, "read_capped", lambda sb, p, cap: b"x" * min(sb.fs.size, cap))
+    g = _Gateway(budget=1000)
+    a, b = _sftp(g, size=600), _sftp(g, size=600)
+    w = asyncssh.FXF_WRITE
+
+    async def main() -> None:
+        f = await a.open(b"/f", asyncssh.FXF_READ, asyncssh.SFTPAttrs())
+        assert g.budget.used == 600 and a.read(f, 0, 10) == b"x" * 10
+        with pytest.raises(asyncssh.SFTPFailure, match="full"):  # another channel: past the budget
+            await b.open(b"/f", asyncssh.FXF_READ, asyncssh.SFTPAttrs())
+        assert g.budget.used == 600
+        h = await b.open(b"/new", w | asyncssh.FXF_CREAT | asyncssh.FXF_TRUNC, asyncssh.SFTPAttrs())
+        assert b.write(h, 0, b"y" * 300) == 300 and g.budget.used == 900
+        with pytest.raises(asyncssh.SFTPFailure, match="full"):  # a far offset zero-fills: refused
+            b.write(h, 999, b"z")
+        assert g.budget.used == 900 and len(h.data) == 300
+        await a.close(f)
+        assert g.budget.used == 300
+        b.release()  # the channel's end
+        assert g.budget.used == 0 and not b.files
+
+    asyncio.run(main())
+
+
+def test_sftp_read_capped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file that grew after its stat is cut off at the cap, not read whole."""
+    sent: list[int] = []
+
+    def chunks(socket: Any, plan: Any) -> Any:
+        plan.close()
+        for _ in range(100):
+            sent.append(1)
+            yield protocol.FileChunk(data=b"a" * 100)
+
+    monkeypatch.setattr(ssh_gateway, "drive_stream", chunks)
+    sb = Sandbox("box", socket="/nonexistent")
+    with pytest.raises(asyncssh.SFTPFailure, match="larger"):
+        ssh_gateway.read_capped(sb, "/f", 250)
+    assert len(sent) == 3
+    assert ssh_gateway.read_capped(sb, "/f", 100_000) == b"a" * 10_000
+
+
+def test_recheck_refuses_a_removed_key_or_a_new_sandbox(tmp_path: Path) -> None:
+    """Each new channel asks again: the same sandbox (uid) as its owner sees it, the key
+    that logged in still listed."""
+    k1, k2 = _key(tmp_path, "a").strip(), _key(tmp_path, "b").strip()
+    blob = asyncssh.import_public_key(k1).public_data
+
+    class Sb:
+        def __init__(self, info: Any) -> None:
+            self.info = info
+
+        def inspect(self) -> Any:
+            if self.info is None:
+                raise NotFound("NOT_FOUND", "no sandbox box")
+            return self.info
+
+    def check(info: Any, key: bytes = blob) -> None:
+        asyncio.run(_StubTarget(_Gateway(0), Sb(info), uid="u1", key=key).recheck())
+
+    def Info(uid: str, ssh_keys: list[str]) -> Any:  # (what recheck reads of an Inspect)
+        return types.SimpleNamespace(id="box", uid=uid, ssh_keys=ssh_keys)
+
+    check(Info(uid="u1", ssh_keys=[k2, k1]))
+    for info, key in [
+        (Info(uid="u1", ssh_keys=[k2]), blob),  # key removed
+        (Info(uid="u2", ssh_keys=[k1]), blob),  # made again under the name
+        (None, blob),  # gone, or not the owner's any more
+        (Info(uid="u1", ssh_keys=[k1]), b""),  # no key recorded
+    ]:
+        with pytest.raises(Refused):
+            check(info, key)

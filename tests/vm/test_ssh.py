@@ -263,7 +263,27 @@ def test_keys_added_and_removed(lab: Lab, box: str) -> None:
     assert r.returncode == 0, r.stderr
     assert len(cli("ls", box).stdout.splitlines()) == 2
     assert lab.ssh(f"{box}@127.0.0.1", "echo in", key=lab.other).stdout == "in\n"
-    assert cli("rm", box, other_pub).returncode == 0
+    # a connection kept open (a ControlMaster) loses it too: its next channel is refused
+    ctl = lab.root / "ctl"
+    master = subprocess.Popen(
+        ["ssh", "-p", str(lab.port), *lab.opts(lab.other), "-M", "-S", str(ctl), "-N", f"{box}@127.0.0.1"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        via = ("-S", str(ctl), "-o", "ControlMaster=no")
+        deadline = time.monotonic() + 60
+        while lab.ssh("-S", str(ctl), "-O", "check", f"{box}@127.0.0.1").returncode != 0:  # the master is up
+            assert time.monotonic() < deadline and master.poll() is None
+            time.sleep(0.2)
+        assert lab.ssh(*via, f"{box}@127.0.0.1", "echo in", key=lab.other).stdout == "in\n"
+        assert cli("rm", box, other_pub).returncode == 0
+        r = lab.ssh(*via, f"{box}@127.0.0.1", "echo in", key=lab.other)
+        assert r.returncode == 255 and "no longer valid" in r.stderr and "in" not in r.stdout, r
+    finally:
+        master.kill()
+        master.wait(timeout=30)
     assert lab.ssh(f"{box}@127.0.0.1", "true", key=lab.other).returncode == 255
     assert lab.ssh(f"{box}@127.0.0.1", "echo still").stdout == "still\n"  # the first key stays
     # a private key given by mistake never leaves the client
