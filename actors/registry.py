@@ -539,6 +539,7 @@ class Registry:
         self._admit(sb.limits.memory_ceiling, ram_file=True)
         check_network_available(self.settings, sb.config.network)
         self.volumes.check(sb.config.volumes, sb.record.uid)
+        self.volumes.check_owner(sb.config.volumes, sb.record.owner)
         sb.lease()  # (kept since its last life; taken again if the pool changed meanwhile)
         await self.start_life(sb, Boot(accepted=time.monotonic()))
         await sb.persisted()
@@ -653,6 +654,7 @@ class Registry:
         check_network_available(self.settings, snap.config.network)
         # the snapshot's guest has its volumes mounted: the same ones, free as they were
         self.volumes.check(snap.config.volumes, what=f"snapshot {snap.id} needs ")
+        self.volumes.check_owner(snap.config.volumes, owner, what=f"snapshot {snap.id} needs ")
         self.volumes.check_unchanged(snap.config.volumes, snap.volume_generations, what=f"snapshot {snap.id}")
         config = snap.config.restored(labels, ttl_seconds)
         accepted = time.monotonic()

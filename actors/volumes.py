@@ -55,7 +55,7 @@ from actors.durable import fsync_dir, fsync_path
 from actors.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from actors.machines.qemuspec import Volume
 from actors.model import VolumeMount, VolumeRecord
-from actors.principals import LEGACY_OWNER
+from actors.principals import LEGACY_OWNER, SYSTEM
 from images.tools import ToolError, ToolResult
 
 if TYPE_CHECKING:
@@ -256,6 +256,21 @@ class Volumes:
                         f"{what}volume {m.name!r} is mounted {mode} by sandbox {c.sandbox_id}: "
                         "read-write in one live sandbox at a time, read-only in many"
                     )
+
+    def check_owner(self, mounts: Iterable[VolumeMount], owner: str, what: str = "") -> None:
+        """Refuse a Start or a restore that would mount a volume ``owner`` does not own.
+        Mounts name volumes, and a stopped sandbox or a snapshot holds no claim: its
+        volume can be deleted and its name taken by another principal's new one, which
+        would then be mounted. The admin owners the supervisor knows by name (the
+        legacy owner, the supervisor's own) are excepted; another admin's sandbox
+        mounting another principal's volume is refused too (its Create was checked
+        against the caller, who is not known here)."""
+        if owner in (LEGACY_OWNER, SYSTEM.name):
+            return
+        for m in mounts:
+            rec = self.records.get(m.name)
+            if rec is not None and rec.owner != owner:
+                raise FailedPrecondition(f"{what}volume {m.name!r} is no longer this sandbox's owner's ({owner})")
 
     def generations(self, mounts: Iterable[VolumeMount]) -> dict[str, int]:
         """The generation of each mounted volume (a checkpoint records them)."""

@@ -201,7 +201,8 @@ async def _list_secrets(reg: Registry, io: CallIO, req: protocol.Empty) -> proto
 @method("DeleteSecret", protocol.NameRequest)
 async def _delete_secret(reg: Registry, io: CallIO, req: protocol.NameRequest) -> protocol.Empty:
     access.stored_secret(reg, io.principal, req.name)
-    secrets.remove_named(reg.settings, req.name)
+    users = [sb.config for sb in reg.sandboxes.values()] + [s.config for s in reg.snapshots.snapshots.values()]
+    secrets.remove_named(reg.settings, req.name, users)
     return protocol.Empty()
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import ssl
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -27,6 +28,7 @@ from guestd import trust
 
 if TYPE_CHECKING:
     from actors.machines.vm import Guest
+    from actors.model import SandboxConfig
     from actors.net.hostnet import SandboxLink
     from actors.sandboxes.sandbox import Sandbox
     from actors.settings import Settings
@@ -236,7 +238,16 @@ def set_named(
     vault.set_named(name, value, checked, owner=owner)
 
 
-def remove_named(settings: Settings, name: str) -> None:
+def remove_named(settings: Settings, name: str, users: Iterable[SandboxConfig]) -> None:
+    """Delete the store entry ``name``, refused while ``users`` (the configurations of
+    every sandbox record, in any state, and every snapshot) name it: a reference is by
+    name and read at each use, so a freed name set again by another principal would
+    hand that one's value to these sandboxes."""
+    n = sum(1 for c in users if any(r.store == name for r in c.secrets))
+    if n:
+        raise FailedPrecondition(
+            f"secret {name!r} is used by {n} sandbox(es) or snapshot(s) (store:{name}): remove them first"
+        )
     _vault(settings).remove_named(name)
 
 

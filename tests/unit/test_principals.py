@@ -18,14 +18,16 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import attrs
 import grpc
 import msgpack
 import pytest
 import trio
 
-from actors.model import SandboxConfig, State, VolumeRecord, dump
+from actors.model import SandboxConfig, State, VolumeMount, VolumeRecord, dump
 from actors.principals import LEGACY_OWNER, Principal, check_name
 from actors.registry import Registry
+from actors.secrets.model import SecretRef
 from actors.secrets.vault import Vault
 from actors.store import SCHEMA, Store
 from supervisor import grpc_service
@@ -78,14 +80,14 @@ class Lab:
 
 
 @asynccontextmanager
-async def lab(root: Path, sock_dir: Path, *, admin_group: str | None = None) -> AsyncIterator[Lab]:
+async def lab(root: Path, sock_dir: Path, *, admin_group: str | None = None, **kw: Any) -> AsyncIterator[Lab]:
     """A registry on fake VMs behind the msgpack socket, served to group nogroup."""
     fake = FakeLab()
     store = Store(root / "state" / "sandvisor.db")
     try:
         async with trio.open_nursery() as n:
             await n.start(fake.run)
-            reg = await n.start(Registry(fake_settings(root, fake), store, templates=False).run)
+            reg = await n.start(Registry(fake_settings(root, fake, **kw), store, templates=False).run)
             try:
                 server = Server(reg, sock_dir / "m.sock", group="nogroup", admin_group=admin_group)
                 await n.start(server.serve)
@@ -307,6 +309,76 @@ async def test_snapshots_volumes_and_events_follow_their_owner(tmp_path: Path, s
             async with connect(lb.sock) as root:
                 listed = await root.call("ListSnapshots", {})
                 assert [s["id"] for s in listed["snapshots"]] == [snap]
+
+
+async def test_a_stopped_sandbox_or_snapshot_never_mounts_a_volume_its_name_now_names_for_another(
+    tmp_path: Path, short_dir: Path
+) -> None:
+    """A stopped sandbox and a snapshot hold no claim on their volumes: a volume deleted
+    meanwhile and made again by another principal under the same name is not mounted
+    by their Start or Restore (FAILED_PRECONDITION), and the new owner's still is."""
+    with trio.fail_after(120):
+        async with (
+            lab(tmp_path, short_dir) as lb,
+            connect(lb.sock, act_as="uid:7") as seven,
+            connect(lb.sock, act_as="uid:8") as eight,
+        ):
+            await seven.call("CreateVolume", {"name": "data", "size_mib": 16})
+            await seven.call("Create", {"id": "s7"})
+            await until(lambda: lb.reg.get("s7").state == State.READY)
+            # (fake VMs mount no disks: the mount is put in the record as a Create would)
+            rec = lb.reg.get("s7").record
+            rec.config = attrs.evolve(rec.config, volumes=(VolumeMount("data", "/v"),))
+            await seven.call("Checkpoint", {"sandbox_id": "s7", "name": "seven"})
+            await seven.call("Stop", {"id": "s7"})
+            await until(lambda: lb.reg.get("s7").state == State.STOPPED)
+            await seven.call("DeleteVolume", {"name": "data"})
+            await eight.call("CreateVolume", {"name": "data", "size_mib": 16})
+            with pytest.raises(SandboxError, match="volume 'data' is no longer this sandbox's owner's") as e:
+                await seven.call("Start", {"id": "s7"})
+            assert e.value.code == "FAILED_PRECONDITION"
+            with pytest.raises(SandboxError, match="volume 'data' is no longer this sandbox's owner's") as e:
+                await seven.call("Restore", {"snapshot_id": "seven", "id": "c7"})
+            assert e.value.code == "FAILED_PRECONDITION"
+            assert lb.reg.get("s7").state == State.STOPPED and "c7" not in lb.reg.sandboxes
+            assert (await eight.call("InspectVolume", {"name": "data"}))["name"] == "data"
+
+
+async def test_a_stored_secret_in_use_is_not_deleted_so_its_name_is_not_reused(tmp_path: Path, short_dir: Path) -> None:
+    """A ``store:`` reference is by name, read at each use: the entry may not be deleted
+    (FAILED_PRECONDITION) while a sandbox record in any state or a snapshot names it,
+    else another principal could set the name again and be sent this one's guests'
+    requests with its value in them. Once they are removed it goes."""
+    (tmp_path / "vault").mkdir()
+    vault = Vault(tmp_path / "vault", tmp_path / "vault.key")
+    with trio.fail_after(120):
+        async with (
+            lab(tmp_path, short_dir, vault=vault) as lb,
+            connect(lb.sock, act_as="uid:7") as seven,
+            connect(lb.sock, act_as="uid:8") as eight,
+        ):
+            await seven.call("SetSecret", {"name": "gh", "value": b"seven's", "hosts": ["api.github.com"]})
+            await seven.call("Create", {"id": "s7"})
+            await until(lambda: lb.reg.get("s7").state == State.READY)
+            # (fake VMs have no secrets proxy: the reference is put in the record as a Create would)
+            ref = SecretRef("GH", ("api.github.com",), placeholder="p" * 20, store="gh")
+            rec = lb.reg.get("s7").record
+            rec.config = attrs.evolve(rec.config, secrets=(ref,))
+            snap = (await seven.call("Checkpoint", {"sandbox_id": "s7", "name": "seven"}))["snapshot_id"]
+            await seven.call("Stop", {"id": "s7"})
+            await until(lambda: lb.reg.get("s7").state == State.STOPPED)
+            with pytest.raises(SandboxError, match=r"used by 2 sandbox\(es\) or snapshot\(s\).*remove them first") as e:
+                await seven.call("DeleteSecret", {"name": "gh"})
+            assert e.value.code == "FAILED_PRECONDITION"
+            with pytest.raises(SandboxError, match="another principal's"):
+                await eight.call("SetSecret", {"name": "gh", "value": b"eight's", "hosts": ["api.github.com"]})
+            assert vault.value("", "GH", "gh") == b"seven's"
+            await seven.call("Remove", {"id": "s7"})
+            with pytest.raises(SandboxError, match=r"used by 1 sandbox"):
+                await seven.call("DeleteSecret", {"name": "gh"})
+            await seven.call("DeleteSnapshot", {"snapshot_id": snap})
+            await seven.call("DeleteSecret", {"name": "gh"})
+            assert "gh" not in vault.named
 
 
 async def test_the_principal_reaches_handlers_over_grpc(tmp_path: Path, short_dir: Path) -> None:
