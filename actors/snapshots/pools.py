@@ -50,6 +50,12 @@ STALE = "the image, the accelerator or the machine's devices changed"
 TRANSIENT_FAILURES = 3
 
 
+def takeable(m: Sandbox) -> bool:
+    """A member a Create or Restore may take now. ``ready_event``: its life is fully up
+    (READY is recorded, and flushed in a worker thread, a moment before it is set)."""
+    return m.ready_event.is_set() and m.state == State.READY and not m.checkpointing and m.guest is not None
+
+
 class PoolHost(Protocol):
     """What the pools need of the registry."""
 
@@ -225,7 +231,8 @@ class Pools:
         self._wake.set()
 
     def ready(self, snap: SnapshotRecord) -> int:
-        return sum(1 for m in self.members.get(snap.id, []) if m.state == State.READY)
+        """Members :meth:`take` would hand out now."""
+        return sum(1 for m in self.members.get(snap.id, []) if takeable(m))
 
     def all_members(self) -> list[Sandbox]:
         """Members in a pool, and those leaving one that still run."""
@@ -248,8 +255,7 @@ class Pools:
         if snap.config.secrets:
             return None  # (none are kept: target())
         for m in members:
-            # ready_event: its life is fully up (READY is recorded, and flushed, a moment before)
-            if m.ready_event.is_set() and m.state == State.READY and not m.checkpointing and m.guest is not None:
+            if takeable(m):
                 members.remove(m)
                 self._wake.set()
                 return m

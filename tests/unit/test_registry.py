@@ -31,6 +31,7 @@ from actors.model import Action, Limits, SandboxConfig, State, Timers, Workload
 from actors.quotas import Quotas, gated
 from actors.registry import Registry
 from actors.sandboxes.sandbox import Sandbox
+from actors.snapshots.pools import takeable
 from actors.store import Store
 from tests.support.fakevm import FakeLab, fake_settings
 
@@ -251,7 +252,7 @@ async def test_warm_members_serve_creates_and_restores_and_refill(tmp_path: Path
         origin = await reg.create("origin", SandboxConfig())
         await ready(origin)
         with trio.fail_after(60):
-            while not any(m.state == State.READY for m in reg.pools.all_members()):
+            while not any(takeable(m) for m in reg.pools.all_members()):
                 await trio.sleep(0.1)
         sub = reg.events.subscribe("quick")
         quick = await reg.create("quick", SandboxConfig(workload=Workload(cmd=("true",))))

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import trio
 
+from actors.snapshots.pools import takeable
 from images.build import Image
 from supervisor.client import (
     AlreadyExists,
@@ -326,7 +327,7 @@ async def test_template_pool_makes_creates_ready_at_once(fresh_state: Workdir) -
         async with supervisor(fresh_state, template_pool=1) as (cfg, registry):
             sock = cfg.socket
             first = await AsyncSandbox.create("first", socket=sock)  # boots; saves the template
-            while not any(m.state == "ready" for m in registry.pools.all_members()):
+            while not any(takeable(m) for m in registry.pools.all_members()):
                 await trio.sleep(0.05)
             async with connect(sock) as c:
                 r = await c.call(
