@@ -30,7 +30,6 @@ import functools
 import logging
 import os
 import posixpath
-import socket
 import stat
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -44,7 +43,7 @@ from supervisor import protocol
 from supervisor.errors import NotFound, SandboxError
 from supervisor.sdk.acting import acting_as
 from supervisor.sdk.ops import each
-from supervisor.sdk.sync import Sandbox, drive_stream
+from supervisor.sdk.sync import Exec, Sandbox, drive_stream
 
 log = logging.getLogger("sandvisor.ssh")
 
@@ -339,10 +338,9 @@ def _settle(fut: asyncio.Future[Any], value: Any) -> None:
         fut.set_result(value)
 
 
-def _hang_up(ex: Any) -> None:
+def _hang_up(ex: Exec) -> None:
     """Close an Exec's connection (unblocks the worker reading it; the supervisor ends the call)."""
-    with contextlib.suppress(OSError, AttributeError):
-        ex._call.conn.sock.shutdown(socket.SHUT_RDWR)
+    ex.hang_up()
 
 
 # --- SFTP: the sandbox's file calls --------------------------------------------------------

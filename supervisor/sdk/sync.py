@@ -11,6 +11,8 @@ trio (only ``attach``/``shell``, which bridge a terminal, run the Trio SDK's).
 from __future__ import annotations
 
 import builtins
+import contextlib
+import socket
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -270,6 +272,12 @@ class Exec:
             pass
         assert self.exit_code is not None
         return self.exit_code
+
+    def hang_up(self) -> None:
+        """End the call from any thread: its connection is shut down, so a reader blocked
+        in the iteration returns and the supervisor ends the process (a client gone)."""
+        with contextlib.suppress(OSError):
+            self._call.conn.sock.shutdown(socket.SHUT_RDWR)
 
 
 class FS(plans.FSMethods, _Driven):
