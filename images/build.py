@@ -29,6 +29,7 @@ read-only rootfs 0444), a cached one too.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -702,18 +703,63 @@ class Builder:
         return img
 
     def _gc(self, keep: set[str]) -> None:
-        """Old parts of the default image are superseded: remove them, and stale staging dirs."""
+        """Superseded parts of the default image, and stale staging dirs, are removed;
+        but not a part a running supervisor (or test session) holds (:func:`hold_parts`):
+        it boots every new sandbox from it. A superseded rootfs stays: the disks of
+        stopped sandboxes and snapshots, in any state dir, stand on it as their base."""
         for p in self.cache.iterdir():
-            if not p.is_dir():
+            if not p.is_dir() or p.is_symlink():
                 continue
-            superseded = p.name not in keep and re.match(r"^(kernel|runtime|rootfs)-[0-9a-f]{16}$", p.name)
+            superseded = p.name not in keep and re.match(r"^(kernel|runtime)-[0-9a-f]{16}$", p.name)
             stale_staging = p.name.startswith(".") and time.time() - p.stat().st_mtime > 3600
-            if superseded or stale_staging:
+            if stale_staging:
                 shutil.rmtree(p, ignore_errors=True)
+            elif superseded:
+                with _unheld(p) as free:
+                    if free:
+                        shutil.rmtree(p, ignore_errors=True)
+                    else:
+                        self.progress(p.name.split("-")[0], f"kept superseded {p.name}: in use")
         wanted = {d.name for pkg, ver in self.wanted_debs for d in (self.cache / DEBS).glob(deb_glob(pkg, ver))}
         for deb in (self.cache / DEBS).glob("*.deb"):
             if deb.name not in wanted:  # a version no part of this image is made of
                 deb.unlink(missing_ok=True)
+
+
+def hold_parts(img: Image) -> contextlib.ExitStack:
+    """Shared locks (flock) on the directories of ``img``'s parts, held until the
+    returned stack closes: a build elsewhere that supersedes them leaves them in place
+    meanwhile. A supervisor holds its image's for its life, a test session for its own."""
+    stack = contextlib.ExitStack()
+    try:
+        for part in {img.kernel.parent, img.initrd.parent, img.rootfs.parent}:
+            fd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            stack.callback(os.close, fd)
+            fcntl.flock(fd, fcntl.LOCK_SH)
+    except BaseException:
+        stack.close()
+        raise
+    return stack
+
+
+@contextmanager
+def _unheld(part: Path) -> Iterator[bool]:
+    """Whether no process holds ``part`` (its exclusive lock taken, kept until the
+    block ends so nobody starts holding it while it is removed)."""
+    try:
+        fd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        yield False
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        free = True
+    except BlockingIOError:
+        free = False
+    try:
+        yield free
+    finally:
+        os.close(fd)
 
 
 def load_default(cache: Path | None = None) -> Image | None:

@@ -39,7 +39,7 @@ from actors.sandboxes.secrets import upstream_context
 from actors.secrets.vault import Vault
 from actors.settings import Settings
 from actors.store import Store, StoreLeases
-from images.build import Builder, Image, load_default
+from images.build import Builder, Image, hold_parts, load_default
 from images.oci import ImageStore
 from images.refs import RefPolicy
 from supervisor.config import (
@@ -424,6 +424,7 @@ async def _serve_locked(cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Re
         if settings.qemu_user
         else "as the supervisor's user",
     )
+    parts = hold_parts(image)  # a build elsewhere leaves the parts we boot from in place
     try:
         async with trio.open_nursery() as nursery:
             if hostnet is not None:  # before the registry: adopted sandboxes get their links back
@@ -519,6 +520,7 @@ async def _serve_locked(cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Re
                     await registry.shutdown(cfg.stop_timeout)
                 nursery.cancel_scope.cancel()
     finally:
+        parts.close()
         store.close()
         if cells is not None:
             cells.close()

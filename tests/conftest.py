@@ -21,15 +21,18 @@ import trio
 
 from actors import helpers
 from actors.channel.guest import GuestChannel, open_channel
-from images.build import Builder, Image, default_cache
+from images.build import Builder, Image, default_cache, hold_parts
 from supervisor import throwaway
 from tests.support.vms import SharedVM, launch_sync
 
 
 @pytest.fixture(scope="session")
-def image() -> Image:
-    """The default image, built (or found in the cache) once per session."""
-    return Builder(default_cache()).build()  # does nothing when the cache is current
+def image() -> Iterator[Image]:
+    """The default image, built (or found in the cache) once per session, and held
+    (a build of another tree sharing the cache leaves its parts in place meanwhile)."""
+    img = Builder(default_cache()).build()  # does nothing when the cache is current
+    with hold_parts(img):
+        yield img
 
 
 @pytest.fixture(scope="session")
