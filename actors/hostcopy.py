@@ -8,6 +8,8 @@ the path is looked at), every component below that directory is opened with
 O_NOFOLLOW from its parent's descriptor (a symlink on the way is INVALID_ARGUMENT: no
 link leads out of the allowed directory, nor a rename racing the walk), files are
 opened O_NONBLOCK and must be regular (a FIFO, socket or device is INVALID_ARGUMENT),
+what is read must be readable by every local user (the supervisor reads as root for a
+caller: PERMISSION_DENIED otherwise, as host directory mounts ask the same),
 symlinks inside a copied tree are copied as links (their targets never read), and
 what one sandbox's copies carry is bounded (:data:`MAX_COPY_BYTES`, each file
 :data:`MAX_COPY_FILE`, at most :data:`~actors.model.MAX_PATCHES` entries in all).
@@ -96,10 +98,21 @@ def _open_parent(source: str, allowed: tuple[Path, ...]) -> tuple[int, str]:
                 raise _refusal(source, exc, "a directory on the way") from None
             os.close(fd)
             fd = nfd
+            _others_may(os.fstat(fd).st_mode, stat.S_IXOTH, source, f"the directory {part!r} on the way")
     except BaseException:
         os.close(fd)
         raise
     return fd, name
+
+
+def _others_may(mode: int, need: int, source: str, what: str) -> None:
+    """What a copy reads, every local user may read: the supervisor reads as root on a
+    caller's behalf, and a caller may be anyone its socket lets in (PERMISSION_DENIED)."""
+    if mode & need != need:
+        raise PermissionDenied(
+            f"host source {source!r}: {what} (mode {stat.S_IMODE(mode):o}) is not readable by others: "
+            "a copy takes only what every local user may read"
+        )
 
 
 def _refusal(source: str, exc: OSError, what: str) -> Exception:
@@ -121,6 +134,7 @@ def _read_file(dir_fd: int, name: str, source: str, budget: _Budget) -> tuple[by
         raise _refusal(source, exc, "a regular file") from None
     try:
         st = os.fstat(fd)
+        _others_may(st.st_mode, stat.S_IROTH, source, "the file")
         if not stat.S_ISREG(st.st_mode):
             raise InvalidArgument(
                 f"host source {source!r}: not a regular file (a FIFO, socket or device is not copied)"
@@ -152,6 +166,7 @@ def _guest_name(source: str, name: str) -> str:
 
 def _copy_tree(fd: int, source: str, dst: str, replace: bool, budget: _Budget, out: list[Patch]) -> None:
     st = os.fstat(fd)
+    _others_may(st.st_mode, stat.S_IROTH | stat.S_IXOTH, source, "the directory")
     budget.take(source)
     out.append(Patch("mkdir", dst, mode=stat.S_IMODE(st.st_mode) & 0o777))
     with os.scandir(fd) as it:

@@ -176,7 +176,7 @@ def allowed(tmp_path: Path) -> Path:
     (root / "tree" / "rel").symlink_to("top.txt")
     (root / "tree" / "abs").symlink_to("/etc/shadow")  # copied as a link: never read
     (root / "file").write_bytes(b"\x00data")
-    (root / "file").chmod(0o640)
+    (root / "file").chmod(0o604)
     return root
 
 
@@ -192,7 +192,7 @@ def test_copy_patches_expand_to_files_directories_and_links(allowed: Path) -> No
     )
     assert got == (
         keep,
-        Patch("file", "/etc/f", b"\x00data", mode=0o640, replace=True),
+        Patch("file", "/etc/f", b"\x00data", mode=0o604, replace=True),
         Patch("mkdir", "/srv/t", mode=(allowed / "tree").stat().st_mode & 0o777),
         Patch("symlink", "/srv/t/abs", target="/etc/shadow"),
         Patch("symlink", "/srv/t/rel", target="top.txt"),
@@ -231,6 +231,18 @@ def test_copy_patches_refuse(allowed: Path, tmp_path: Path) -> None:
         expand(Patch.copy_file(str(allowed / "big"), "/x"))
     with pytest.raises(NotFound):
         expand(Patch.copy_file(str(allowed / "nothing"), "/x"))
+    # only what every local user may read: the supervisor reads as root for its caller
+    (allowed / "private").write_text("mine")
+    (allowed / "private").chmod(0o600)
+    with pytest.raises(PermissionDenied, match="readable by others"):
+        expand(Patch.copy_file(str(allowed / "private"), "/x"))
+    (allowed / "closed" / "in").mkdir(parents=True)
+    (allowed / "closed" / "in" / "f").write_text("f")
+    (allowed / "closed").chmod(0o700)
+    with pytest.raises(PermissionDenied, match="readable by others"):
+        expand(Patch.copy_file(str(allowed / "closed" / "in" / "f"), "/x"))
+    with pytest.raises(PermissionDenied, match="readable by others"):
+        expand(Patch.copy_dir(str(allowed / "closed"), "/x"))
     with pytest.raises(InvalidArgument, match=r"not a directory|symlink"):
         expand(Patch.copy_dir(str(allowed / "file"), "/x"))
     (allowed / "big").unlink()

@@ -59,7 +59,7 @@ async def test_workload_shape(image: Image, tmp_path: Path) -> None:
     host = tmp_path / "host"
     (host / "tree" / "sub").mkdir(parents=True)
     (host / "tool.sh").write_text("#!/bin/sh\necho tool\n")
-    (host / "tool.sh").chmod(0o750)
+    (host / "tool.sh").chmod(0o754)
     (host / "tree" / "a.txt").write_text("A\n")
     (host / "tree" / "sub" / "b.txt").write_text("B\n")
     (host / "tree" / "link").symlink_to("a.txt")
@@ -142,7 +142,7 @@ async def _restricted_and_control(work: Workdir, host: Path) -> None:
     assert b"[madvise]" in (await sb.run("cat /sys/kernel/mm/transparent_hugepage/enabled")).stdout
     assert (await sb.run("tool")).stdout == b"tool\n"
     r = await sb.run("stat -c %a /usr/local/bin/tool; cat /srv/tree/a.txt /srv/tree/sub/b.txt; readlink /srv/tree/link")
-    assert r.stdout == b"750\nA\nB\na.txt\n", r
+    assert r.stdout == b"754\nA\nB\na.txt\n", r
     # the stored shell: shell() runs it when the call names none
     assert (await sb.inspect()).shell == "/bin/bash"
     argv = await sb.shell_argv()
