@@ -35,6 +35,7 @@ from supervisor.cli_sandboxes import (
     modify,
     port,
     run,
+    shell,
     simple,
     status,
     top,
@@ -55,6 +56,7 @@ CLIENT_COMMANDS = frozenset(
         "ssh-key",
         "run",
         "exec",
+        "shell",
         "ls",
         "inspect",
         "modify",
@@ -225,6 +227,10 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
     p.add_argument("--env", action="append", metavar="K=V")
     p.add_argument("--workdir", help="the directory it runs in (default: the sandbox's)")
     p.add_argument("--user", help="the user it runs as, a name or uid (default: the sandbox's)")
+    p.add_argument("name")
+
+    p = cmd("shell", shell, "an interactive shell in the sandbox (its create --shell, else /bin/sh)")
+    p.add_argument("--shell", help="this shell instead (a path, or a name on the sandbox's PATH)")
     p.add_argument("name")
 
     p = cmd("ls", ls, "list sandboxes")

@@ -230,6 +230,13 @@ async def exec_(a: argparse.Namespace) -> int:
     return await sb.attach(cmd, tty=a.tty, env=kv(a.env), workdir=a.workdir or "", user=a.user or "")
 
 
+@on_trio
+async def shell(a: argparse.Namespace) -> int:
+    from supervisor.client import AsyncSandbox
+
+    return await AsyncSandbox(a.name, socket=a.socket).shell(a.shell or None)
+
+
 def ls(a: argparse.Namespace) -> int:
     rows: list[dict[str, Any]] = []
     cursor = ""

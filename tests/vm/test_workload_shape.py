@@ -29,9 +29,10 @@ EP_SPEC = ImageSpec(entrypoint=("/bin/echo", "ep"), cmd=("image-cmd",))
 SETUID_ID = "cp /usr/bin/id /usr/local/bin/sid && chmod 4755 /usr/local/bin/sid"
 
 
-async def cli(work: Workdir, *args: str) -> subprocess.CompletedProcess[bytes]:
+async def cli(work: Workdir, *args: str, stdin: bytes = b"") -> subprocess.CompletedProcess[bytes]:
     return await trio.run_process(
         [sys.executable, "-m", "supervisor.cli", *args],
+        stdin=stdin,
         env=work.env(),
         capture_stdout=True,
         capture_stderr=True,
@@ -161,4 +162,7 @@ async def _restricted_and_control(work: Workdir, host: Path) -> None:
         for fd in (rin, rout, wout):
             if fd >= 0:
                 os.close(fd)
+    # the CLI's shell: the same, on a terminal in the guest
+    r = await cli(work, "shell", "control", stdin=b'echo "shell=$0"; exit 3\n')
+    assert r.returncode == 3 and b"shell=/bin/bash" in r.stdout, r
     await sb.remove(force=True)
