@@ -13,7 +13,7 @@ from pathlib import Path
 
 import attrs
 
-from actors import hostdirs
+from actors import hostcopy, hostdirs
 from actors.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from actors.machines.disk import DiskError, check_user_disk, virtual_size
 from actors.model import ImageUse, SandboxConfig
@@ -51,6 +51,8 @@ def check_host_paths(settings: Settings, config: SandboxConfig) -> None:
         hostdirs.servers(settings)
     for m in config.host_mounts:
         hostdirs.check_host_dir(m.source, settings.allowed_paths, writable=m.writable)
+    if any(p.source for p in config.patches):  # copy patches: read now to be refused now (bounded)
+        hostcopy.expand(config.patches, settings.allowed_paths)
 
 
 def check_host_file(what: str, path: str, allowed: tuple[Path, ...]) -> None:

@@ -357,6 +357,15 @@ class SandboxConfig:
     secrets: tuple[SecretRef, ...] = ()
     # SSH public keys (OpenSSH lines) that serve --ssh accepts for this sandbox (docs/ssh.md)
     ssh_keys: tuple[str, ...] = ()
+    # -- workload shape (the microsandbox SDK's; checked by check_shape) --
+    # the image ENTRYPOINT for the initial workload (None: the image's; (): none)
+    entrypoint: tuple[str, ...] | None = None
+    cmd_cleared: bool = False  # the image CMD is dropped (a Create's cmd given empty)
+    shell: str = ""  # what the SDK's and CLI's shell() run when the call names none ("": /bin/sh)
+    security_profile: str = ""  # "" (default) | "restricted": no_new_privs, nosuid,nodev (guestd/shape.py)
+    log_level: str = ""  # guestd's and the supervisor's lines of this sandbox (actors/sandlog.py)
+    quiet_logs: bool = False  # none of them (as log_level "off")
+    thp: str = ""  # the guest's transparent huge page policy: always | madvise | never ("": the kernel's)
 
     def restored(self, labels: dict[str, str], ttl_seconds: int) -> SandboxConfig:
         """The configuration of a sandbox restored from a snapshot of this one: its own
@@ -479,6 +488,7 @@ def check_config(cfg: SandboxConfig) -> None:
     check_host_mounts(cfg)
     check_scripts(cfg.scripts)
     check_secrets(cfg.secrets)
+    check_shape(cfg)
     if cfg.secrets and not cfg.network.reaches_out:
         raise FailedPrecondition(
             "secrets need network mode 'tap', or 'user' with outbound: this sandbox reaches nothing"
@@ -548,8 +558,15 @@ def check_patches(patches: tuple[Patch, ...]) -> None:
         raise InvalidArgument(f"{len(patches)} patches; at most {MAX_PATCHES}")
     size = 0
     for i, p in enumerate(patches):
-        if p.op not in PATCH_OPS:
-            raise InvalidArgument(f"patch {i}: op {p.op!r} is not one of {', '.join(PATCH_OPS)}")
+        if p.op not in PATCH_OPS and p.op not in patch.HOST_OPS:
+            ops = ", ".join((*PATCH_OPS, *patch.HOST_OPS))
+            raise InvalidArgument(f"patch {i}: op {p.op!r} is not one of {ops}")
+        if (p.op in patch.HOST_OPS) != bool(p.source):
+            raise InvalidArgument(f"patch {i}: a host source is for copy_file and copy_dir, and they need one")
+        if p.source:
+            src = p.source
+            if not src.startswith("/") or "\0" in src or ".." in src.split("/") or len(src.encode()) > 4096:
+                raise InvalidArgument(f"patch {i}: host source {src[:80]!r}: an absolute path without '..' or NUL")
         check_guest_path(p.path, f"patch {i}: path")
         if p.mode is not None and not 0 <= p.mode <= 0o7777:
             raise InvalidArgument(f"patch {i}: mode must be 0 to 0o7777")
@@ -609,6 +626,30 @@ def check_host_mounts(cfg: SandboxConfig) -> None:
     paths += [v.path.rstrip("/") for v in cfg.volumes]
     if len(set(paths)) != len(paths):
         raise InvalidArgument("two mounts (tmpfs, volumes or host directories) at one path")
+
+
+SECURITY_PROFILES = ("", "default", "restricted")
+LOG_LEVELS = ("", "trace", "debug", "info", "warn", "error", "off")
+THP_POLICIES = ("", "always", "madvise", "never")
+
+
+def check_shape(cfg: SandboxConfig) -> None:
+    """The workload shape's values: an entrypoint whose program is named, a shell path,
+    profiles, levels and policies by name, and the host sources of copy patches."""
+    if cfg.entrypoint and not cfg.entrypoint[0]:
+        raise InvalidArgument("entrypoint[0] must not be empty")
+    if cfg.entrypoint and sum(len(a.encode()) for a in cfg.entrypoint) > MAX_WORKLOAD_BYTES:
+        raise InvalidArgument("entrypoint: at most 256 KiB")
+    if cfg.cmd_cleared and cfg.workload.cmd:
+        raise InvalidArgument("cmd_cleared and a cmd exclude each other")
+    if cfg.shell and ("\0" in cfg.shell or len(cfg.shell.encode()) > 4096 or not cfg.shell.strip()):
+        raise InvalidArgument("shell: a program path (or name on PATH) without NUL, at most 4096 bytes")
+    if cfg.security_profile not in SECURITY_PROFILES:
+        raise InvalidArgument(f"security_profile {cfg.security_profile!r}: default or restricted")
+    if cfg.log_level not in LOG_LEVELS:
+        raise InvalidArgument(f"log_level {cfg.log_level!r}: one of {', '.join(LOG_LEVELS[1:])}")
+    if cfg.thp not in THP_POLICIES:
+        raise InvalidArgument(f"thp {cfg.thp!r}: always, madvise or never")
 
 
 # --- the converter (the store's; msgpack) ------------------------------------------------------

@@ -73,6 +73,8 @@ class Agent:
         self.deferred_loaded = False
         self.dirty: set[Conn] = set()  # connections with output to write at the end of this turn
         self.mounts: list[str] = []  # what mount requests mounted, unmounted (last first) at power-off
+        self.path_extra = ""  # appended to every exec's PATH (guestd/shape.py)
+        self.restricted = False  # every exec with no_new_privs (guestd/shape.py)
 
     # -- epoll bookkeeping ---------------------------------------------------
     def watch(self, fd: int, mask: int, handler: Callable[[int], None]) -> None:
@@ -280,6 +282,11 @@ class Agent:
                 trust.install(msg.pem)
             except ValueError as exc:
                 raise ExecFailed(proto.E_INVALID, f"trust_ca: {exc}") from None
+            session.send(proto.Ok(rid=rid))
+        elif isinstance(msg, proto.Configure):
+            from guestd import shape  # lazy: only sandboxes with a shape of their own pay the import
+
+            shape.configure(self, msg)
             session.send(proto.Ok(rid=rid))
         elif isinstance(msg, proto.Shutdown):
             session.send(proto.Ok(rid=rid))

@@ -81,6 +81,10 @@ class Proc(Req):
             env["TERM"] = "xterm-256color"
         if msg.env:
             env.update(msg.env)
+        if self.agent.path_extra:
+            from guestd.shape import with_path
+
+            with_path(env, self.agent.path_extra)
         cwd = msg.cwd or (home if os.path.isdir(home) else "/")
         stdin_fd = -1
         if msg.tty:
@@ -110,7 +114,8 @@ class Proc(Req):
             stdio = (rin, wout, werr)
         self.mark("spawn")
         try:
-            self.pid = spawn(msg.argv, env, cwd, uid, gid, groups, stdio, msg.tty)
+            nnp_root = self.agent.root_fd if self.agent.restricted else -1
+            self.pid = spawn(msg.argv, env, cwd, uid, gid, groups, stdio, msg.tty, nnp_root=nnp_root)
         except BaseException:
             for s in self.outs:
                 os.close(s.fd)
@@ -313,6 +318,8 @@ def spawn(
     groups: list[int],
     stdio: tuple[int, int, int],
     tty: bool,
+    *,
+    nnp_root: int = -1,
 ) -> int:
     """Start a process. Root without a TTY (the common case) goes through posix_spawn, which glibc implements with
     CLONE_VFORK: no copy of guestd's page tables, a few ms less per exec under TCG.
@@ -321,6 +328,10 @@ def spawn(
     if not argv:
         raise ExecFailed(proto.E_INVALID, "empty command")
     path = which(argv[0], env)
+    if nnp_root >= 0:  # the restricted profile: no_new_privs, set by a static busybox (guestd/shape.py)
+        from guestd.shape import nnp_argv
+
+        path, argv = nnp_argv(nnp_root, path, argv)
     if uid == 0 and gid == 0 and not tty:
         try:
             os.chdir(cwd)  # single-threaded: the child inherits it; we go back at once

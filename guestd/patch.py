@@ -14,6 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 OPS = ("file", "append", "mkdir", "remove", "symlink")
+# read on the supervisor's host (a path under serve --allow-path), sent to guestd as
+# the file, mkdir and symlink entries they expand to (actors/hostcopy.py)
+HOST_OPS = ("copy_file", "copy_dir")
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,7 @@ class Patch:
     mode: int | None = None
     owner: str = ""
     replace: bool = False  # file, symlink: replace what is there (else ALREADY_EXISTS)
+    source: str = ""  # copy_file, copy_dir: the host path (absolute, under serve --allow-path)
 
     @classmethod
     def file(
@@ -61,6 +65,19 @@ class Patch:
     def symlink(cls, target: str, link: str, *, owner: str = "", replace: bool = False) -> Patch:
         """A symbolic link at ``link`` pointing to ``target``."""
         return cls("symlink", link, target=target, owner=owner, replace=replace)
+
+    @classmethod
+    def copy_file(cls, src: str, dst: str, *, mode: int | None = None, replace: bool = False) -> Patch:
+        """The host file ``src`` (under the supervisor's ``--allow-path``, read by the
+        supervisor at boot, never by the guest) as the guest file ``dst``; ``mode``
+        None: the host file's permission bits."""
+        return cls("copy_file", dst, mode=mode, replace=replace, source=str(src))
+
+    @classmethod
+    def copy_dir(cls, src: str, dst: str, *, replace: bool = False) -> Patch:
+        """The host directory tree ``src`` (as copy_file; its symlinks copied as links,
+        never followed) as the guest directory ``dst``."""
+        return cls("copy_dir", dst, replace=replace, source=str(src))
 
     def to_wire(self) -> dict[str, Any]:
         """guestd's ``patch`` entry (fields at their defaults left out)."""

@@ -548,6 +548,24 @@ class TrustCa(Message):
     pem: bytes
 
 
+@message("configure")
+class Configure(Message):
+    """The sandbox's workload shape, sent once per boot before its mounts and patches
+    (a restore holds it already). ``path_extra``: a directory appended to every exec's
+    PATH (the scripts directory); ``restricted``: every exec runs with no_new_privs
+    (setuid bits and file capabilities ignored) and the root file system and every
+    writable mount after it are nosuid,nodev; ``thp``: the transparent huge page
+    policy (always | madvise | never; "": the kernel's); ``log_level``: what guestd's
+    own diagnostics show ("": warnings; "error" or "off": none). Answered with Ok, or
+    Error (INVALID_ARGUMENT for a value it does not know)."""
+
+    rid: int
+    path_extra: str = ""
+    restricted: bool = False
+    thp: str = ""
+    log_level: str = ""
+
+
 @message("shutdown")
 class Shutdown(Message):
     """Sync, stop every process, power off (or reboot). Answered with Ok first."""

@@ -247,6 +247,12 @@ def _describe(exc: BaseException) -> str:
     return f"{proto.E_INTERNAL}\0{type(exc).__name__}: {exc}"
 
 
+# the restricted security profile (guestd/shape.py): writable mounts made from then on
+# are nosuid,nodev (tmpfs mounts always are)
+RESTRICTED = False
+RESTRICTED_OPTS = ",nosuid,nodev"
+
+
 def busybox_run(root_fd: int, argv: list[str]) -> None:
     """Run a busybox applet of the initramfs (in a worker: this blocks). Its stderr
     becomes the message of a FAILED_PRECONDITION when it fails."""
@@ -315,7 +321,7 @@ def mount_work(root_fd: int, msg: proto.Mount) -> int:
         fcntl.ioctl(fd, BLKFLSBUF, 0)
     finally:
         os.close(fd)
-    opts = "ro" if msg.read_only else "rw,noatime"
+    opts = "ro" if msg.read_only else "rw,noatime" + RESTRICTED_OPTS * RESTRICTED
     busybox_run(root_fd, ["mount", "-t", msg.fstype, "-o", opts, dev, msg.path])
     return 0
 
@@ -339,7 +345,7 @@ def mount_virtiofs(root_fd: int, msg: proto.Mount) -> int:
     if os.path.ismount(msg.path):
         raise ExecFailed(proto.E_EXISTS, f"{msg.path} is a mount point already")
     os.makedirs(msg.path, 0o755, exist_ok=True)
-    opts = "ro" if msg.read_only else "rw"
+    opts = "ro" if msg.read_only else "rw" + RESTRICTED_OPTS * RESTRICTED
     busybox_run(root_fd, ["mount", "-t", "virtiofs", "-o", opts, msg.device, msg.path])
     return 0
 

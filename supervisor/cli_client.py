@@ -35,6 +35,7 @@ from supervisor.cli_sandboxes import (
     modify,
     port,
     run,
+    shell,
     simple,
     status,
     top,
@@ -55,6 +56,7 @@ CLIENT_COMMANDS = frozenset(
         "ssh-key",
         "run",
         "exec",
+        "shell",
         "ls",
         "inspect",
         "modify",
@@ -177,6 +179,38 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
     p.add_argument("--tls-verify", type=tls_flag, default=True, metavar="BOOL", help="false: a plain-HTTP registry")
     p.add_argument("--no-wait", action="store_true")
     p.add_argument("--json", action="store_true")
+    # workload shape and copy patches (supervisor/cli_sandboxes.py shape_settings)
+    p.add_argument(
+        "--entrypoint",
+        metavar="ARGV",
+        help="replace the image's ENTRYPOINT (split as a shell would; '' for none); drops its CMD",
+    )
+    p.add_argument("--no-cmd", action="store_true", help="clear the image's CMD (its ENTRYPOINT runs alone)")
+    p.add_argument("--shell", metavar="PATH", help="what shell runs when the call names none (default /bin/sh)")
+    p.add_argument(
+        "--security-profile",
+        choices=["default", "restricted"],
+        help="restricted: every exec with no_new_privs (setuid bits give nothing), writable mounts nosuid,nodev",
+    )
+    p.add_argument(
+        "--log-level",
+        choices=["trace", "debug", "info", "warn", "error", "off"],
+        help="the guest agent's diagnostics and the supervisor's lines about this sandbox",
+    )
+    p.add_argument("--quiet-logs", action="store_true", help="none of them (as --log-level off)")
+    p.add_argument("--thp", choices=["always", "madvise", "never"], help="the guest's transparent huge page policy")
+    p.add_argument(
+        "--copy-file",
+        action="append",
+        metavar="HOST_FILE:/path",
+        help="a host file under serve --allow-path, copied in before ready (read by the supervisor)",
+    )
+    p.add_argument(
+        "--copy-dir",
+        action="append",
+        metavar="HOST_DIR:/path",
+        help="a host directory tree under serve --allow-path, copied in before ready (symlinks as links)",
+    )
 
     p = cmd("run", run, "run a command as the sandbox's workload, streaming its output")
     p.add_argument("name")
@@ -193,6 +227,10 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
     p.add_argument("--env", action="append", metavar="K=V")
     p.add_argument("--workdir", help="the directory it runs in (default: the sandbox's)")
     p.add_argument("--user", help="the user it runs as, a name or uid (default: the sandbox's)")
+    p.add_argument("name")
+
+    p = cmd("shell", shell, "an interactive shell in the sandbox (its create --shell, else /bin/sh)")
+    p.add_argument("--shell", help="this shell instead (a path, or a name on the sandbox's PATH)")
     p.add_argument("name")
 
     p = cmd("ls", ls, "list sandboxes")

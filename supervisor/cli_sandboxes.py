@@ -20,7 +20,7 @@ TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~2 ms; m
 if TYPE_CHECKING:
     from typing import Any, Literal
 
-    from supervisor.client import AsyncSandbox, RegistryAuth
+    from supervisor.client import AsyncSandbox, RegistryAuth, Settings
 
 
 @on_trio
@@ -60,6 +60,7 @@ async def _create(a: argparse.Namespace) -> AsyncSandbox:
             progress=lambda p: show(p.phase, p.message, p.done, p.total),
         )
         pull = "if-missing"
+    shape: Any = shape_settings(a)  # (a TypedDict of other keys: mypy would see them twice)
     return await AsyncSandbox.create(
         a.name,
         socket=a.socket,
@@ -72,7 +73,6 @@ async def _create(a: argparse.Namespace) -> AsyncSandbox:
         labels=kv(a.label),
         workdir=a.workdir or "",
         user=a.user or "",
-        cmd=trailing_command(a),
         ttl=a.ttl,
         idle_timeout=a.idle_timeout,
         on_idle=a.on_idle,
@@ -94,7 +94,48 @@ async def _create(a: argparse.Namespace) -> AsyncSandbox:
         ssh_keys=read_key_files(a.ssh_key or ()),
         detached=True,
         wait=not a.no_wait,
+        **shape,
     )
+
+
+def shape_settings(a: argparse.Namespace) -> Settings:
+    """The create's command, workload shape and copy patches: ``cmd`` only when one is
+    given after ``--`` or ``--no-cmd`` clears the image's (an empty cmd clears it)."""
+    import shlex
+
+    from guestd.patch import Patch
+
+    out: Settings = {}
+    cmd = trailing_command(a)
+    if cmd or a.no_cmd:
+        if cmd and a.no_cmd:
+            raise UsageError("--no-cmd and a command after -- exclude each other")
+        out["cmd"] = cmd
+    if a.entrypoint is not None:
+        out["entrypoint"] = shlex.split(a.entrypoint)
+    if a.shell:
+        out["shell"] = a.shell
+    if a.security_profile:
+        out["security_profile"] = a.security_profile
+    if a.log_level:
+        out["log_level"] = a.log_level
+    if a.quiet_logs:
+        out["quiet_logs"] = True
+    if a.thp:
+        out["thp"] = a.thp
+    copies = []
+    for flag, items, make in (
+        ("--copy-file", a.copy_file, Patch.copy_file),
+        ("--copy-dir", a.copy_dir, Patch.copy_dir),
+    ):
+        for item in items or ():
+            src, sep, dst = item.rpartition(":")
+            if not sep or not src or not dst.startswith("/"):
+                raise UsageError(f"{flag} {item!r}: HOST_PATH:/guest/path")
+            copies.append(make(str(Path(src).absolute()), dst))
+    if copies:
+        out["patches"] = copies
+    return out
 
 
 def _registry_auth(a: argparse.Namespace) -> RegistryAuth | None:
@@ -187,6 +228,13 @@ async def exec_(a: argparse.Namespace) -> int:
                 cmd, tty=False, env=kv(a.env), workdir=a.workdir or "", user=a.user or "", stdin_fd=devnull.fileno()
             )
     return await sb.attach(cmd, tty=a.tty, env=kv(a.env), workdir=a.workdir or "", user=a.user or "")
+
+
+@on_trio
+async def shell(a: argparse.Namespace) -> int:
+    from supervisor.client import AsyncSandbox
+
+    return await AsyncSandbox(a.name, socket=a.socket).shell(a.shell or None)
 
 
 def ls(a: argparse.Namespace) -> int:

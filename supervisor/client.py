@@ -9,7 +9,7 @@ values with attributes (:class:`SandboxInfo`, :class:`Page` of :class:`SandboxSu
 :class:`InvalidArgument`, ...).
 
 A sandbox is described by a :class:`SandboxSpec` (grouped: :class:`Resources`,
-:class:`Workload`, :class:`Network`, :class:`Lifetime`, :class:`Boot`), reusable
+:class:`Workload`, :class:`Network`, :class:`Lifetime`, :class:`Boot`, :class:`Shape`), reusable
 and frozen; the common settings are also keyword arguments of ``create``, applied
 on top of the spec (maps merge, the rest replaces)::
 
@@ -95,6 +95,7 @@ from supervisor.sdk.spec import (
     SandboxSpec,
     Secret,
     Settings,
+    Shape,
     SnapshotRef,
     Tmpfs,
     VolumeMount,
@@ -153,6 +154,7 @@ __all__ = [
     "Secret",
     "Secrets",
     "Settings",
+    "Shape",
     "SnapshotRef",
     "SnapshotSummary",
     "Tmpfs",

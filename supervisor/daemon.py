@@ -25,11 +25,12 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
-from actors import helpers
+from actors import helpers, sandlog
 from actors.cells.cell import Cells, JailConfig
 from actors.machines.qemuproc import unprivileged_user, unsearchable_parent
 from actors.machines.qemuspec import resolve_accel
 from actors.machines.vm import booted_guest
+from actors.model import SandboxConfig
 from actors.net.hostnet import HostNetConfig, HostNetwork
 from actors.net.ippool import IpPool, parse_pool
 from actors.principals import Principal
@@ -117,6 +118,17 @@ def metrics_token(cfg: DaemonConfig) -> bytes:
     if make_token_file(cfg.metrics_token_file, "--metrics-token-file"):
         log.info("--metrics-token-file %s: a new token, mode 0600", cfg.metrics_token_file)
     return read_token_file(cfg.metrics_token_file, "--metrics-token-file")
+
+
+async def _sandbox_log_levels(registry: Registry) -> None:
+    """The supervisor's log lines about a sandbox at that sandbox's level, until cancelled."""
+
+    def lookup(id: str) -> SandboxConfig | None:
+        sb = registry.sandboxes.get(id)
+        return sb.config if sb is not None else None
+
+    with sandlog.filtering(lookup):
+        await trio.sleep_forever()
 
 
 async def serve(
@@ -446,6 +458,8 @@ async def _serve_locked(cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Re
                     pools=cfg.pools,
                 ).run
             )
+            # the sandboxes' own log levels for the lines about them (actors/sandlog.py)
+            nursery.start_soon(_sandbox_log_levels, registry)
             server_scope = trio.CancelScope()
 
             async def run_server(task_status: trio.TaskStatus[Server]) -> None:

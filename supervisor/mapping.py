@@ -125,6 +125,13 @@ def config(req: protocol.CreateSandboxRequest) -> SandboxConfig:
             for s in req.secrets
         ),
         ssh_keys=ssh_keys,
+        entrypoint=tuple(req.entrypoint) if req.entrypoint or req.entrypoint_cleared else None,
+        cmd_cleared=req.cmd_cleared,
+        shell=req.shell,
+        security_profile="" if req.security_profile == "default" else req.security_profile,
+        log_level=req.log_level,
+        quiet_logs=req.quiet_logs,
+        thp=req.thp,
     )
 
 
@@ -154,6 +161,7 @@ def info(sb: Sandbox) -> protocol.SandboxInfo:
         updated_at=r.updated_at,
         owner=r.owner,
         ssh_keys=list(r.config.ssh_keys),
+        shell=r.config.shell,
     )
 
 

@@ -422,6 +422,17 @@ class GuestChannel:
         """Install the sandbox's CA certificate in the guest's trust stores (guestd/trust.py)."""
         await self._unary(lambda rid: proto.TrustCa(rid=rid, pem=pem), proto.Ok)
 
+    async def configure(
+        self, *, path_extra: str = "", restricted: bool = False, thp: str = "", log_level: str = ""
+    ) -> None:
+        """The sandbox's workload shape (guestd/shape.py): once per boot, before its mounts."""
+        await self._unary(
+            lambda rid: proto.Configure(
+                rid=rid, path_extra=path_extra, restricted=restricted, thp=thp, log_level=log_level
+            ),
+            proto.Ok,
+        )
+
     async def shutdown(self, reboot: bool = False) -> None:
         """Ask guestd to stop every process, sync and power off. Returns once it agreed."""
         await self._unary(lambda rid: proto.Shutdown(rid=rid, reboot=reboot), proto.Ok)

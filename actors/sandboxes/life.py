@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING
 import attrs
 import trio
 
-from actors import hostdirs
+from actors import hostcopy, hostdirs
 from actors._groups import collapse_single
 from actors.cells.cell import Cell
 from actors.cells.cgroups import CgroupError, CgroupStats
@@ -72,7 +72,7 @@ from actors.machines.machine import Placement
 from actors.machines.qemuproc import AdoptedProcess, MachineError, legacy_restore
 from actors.machines.qemuspec import Volume
 from actors.machines.vm import TAP_FD, Attach, BootError, Guest, VmSpec, load_spec
-from actors.model import MemoryKind, SandboxMetrics, script_patches
+from actors.model import SCRIPTS_DIR, MemoryKind, SandboxMetrics, script_patches
 from actors.model import dump as dump_value
 from actors.net import netlink
 from actors.net.hostnet import SandboxLink
@@ -713,6 +713,24 @@ class Life:
                 sb.log.append("system", f"host directory {m.source}: {err.message}".encode())
                 raise MachineError(f"host directory {m.source!r} at {m.path}: {err.message}") from None
 
+    async def apply_shape(self, guest: Guest) -> None:
+        """The configuration's workload shape in the guest (guestd/shape.py): the scripts
+        directory on every exec's PATH, the restricted profile, the THP policy, guestd's
+        log level. First of a boot's requests: the restricted profile's nosuid,nodev
+        applies to the mounts after it."""
+        c = self.sb.config
+        path_extra = SCRIPTS_DIR if c.scripts else ""
+        restricted = c.security_profile == "restricted"
+        level = "off" if c.quiet_logs else c.log_level
+        if not (path_extra or restricted or c.thp or level):
+            return
+        try:
+            await guest.channel.configure(path_extra=path_extra, restricted=restricted, thp=c.thp, log_level=level)
+        except GuestError as exc:
+            err = guest_error(exc)
+            self.sb.log.append("system", f"workload shape: {err.message}".encode())
+            raise MachineError(f"workload shape: {err.message}") from None
+
     async def mount_tmpfs(self, guest: Guest) -> None:
         """Mount the configuration's tmpfs file systems (each with its size limit)."""
         sb = self.sb
@@ -732,7 +750,12 @@ class Life:
         not a fresh one; guestd applies them the same way on both paths, as root in the
         guest, with the guest's own user names."""
         sb = self.sb
-        patches = (*script_patches(sb.config.scripts), *sb.config.patches)
+        try:  # copy patches: the host files as they are now (actors/hostcopy.py)
+            own = hostcopy.expand(sb.config.patches, sb.settings.allowed_paths)
+        except DomainError as exc:
+            sb.log.append("system", f"patches: {exc.message}".encode())
+            raise MachineError(f"patches: {exc.message}") from None
+        patches = (*script_patches(sb.config.scripts), *own)
         if not patches:
             return
         entries = [PatchEntry(p.op, p.path, p.data, p.target, p.mode, p.owner, p.replace) for p in patches]

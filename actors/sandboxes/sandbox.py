@@ -366,6 +366,8 @@ class Sandbox:
         else:
             if isinstance(plan, Boot) and plan.template is not None:
                 await plan.template(self)  # a fresh boot, nothing of the caller's in it yet
+            if not isinstance(plan, Resume) or plan.fallback is not None:  # (a restored guest holds it)
+                await life.apply_shape(guest)
             if not isinstance(plan, Resume):  # (a restored guest has them mounted)
                 await life.mount_volumes(guest)
                 await life.mount_host_dirs(guest)
@@ -432,6 +434,7 @@ class Sandbox:
             # run saw events and the first Run race the fix-ups (test_daemon's TTL order,
             # test_snapshots' pool member), so the hand-over waits for them again
             await life.fresh_identity(guest, clock=True)
+            await life.apply_shape(guest)  # (a member's guest has the template's: none)
             if apply_ports:  # a Create's (a template's member has none; a snapshot's has its own)
                 await life.mount_tmpfs(guest)
             await life.apply_patches(guest)

@@ -17,7 +17,7 @@ import trio
 
 from actors.channel.guest import ExecHandle, FileReadStream, FsEntry, GuestError, GuestOpError, TreeReadStream
 from actors.errors import DomainError, FailedPrecondition, InvalidArgument, NotFound
-from actors.model import State
+from actors.model import ImageUse, State
 from actors.sandboxes import secrets
 from actors.sandboxes.life import guest_error
 from guestd import proto
@@ -48,6 +48,18 @@ def shell_status(exc: GuestOpError) -> CommandNotRun | None:
     return None
 
 
+def initial_argv(
+    img: ImageUse | None, cmd: tuple[str, ...], entrypoint: tuple[str, ...] | None, cmd_cleared: bool
+) -> tuple[str, ...]:
+    """The initial workload's argv (see :attr:`Workloads.initial_cmd`)."""
+    if img is None:
+        return (*(entrypoint or ()), *cmd)
+    if entrypoint is not None:  # (the image's CMD was its ENTRYPOINT's arguments: dropped too)
+        return (*entrypoint, *cmd)
+    image_cmd = img.argv[len(img.entrypoint) :]
+    return (*img.entrypoint, *(cmd or (() if cmd_cleared else image_cmd)))
+
+
 class Workloads:
     """Runs, exec sessions and file transfers of ``sb``; how many Runs and execs are in flight."""
 
@@ -68,13 +80,15 @@ class Workloads:
 
     @property
     def initial_cmd(self) -> tuple[str, ...]:
-        """What runs at the first ready: the Create's cmd, else its OCI image's
-        Entrypoint + Cmd. As a container runtime (and the SDK reference's WithCmd): a
-        Create's cmd replaces the image's Cmd, not its Entrypoint."""
-        img = self.sb.record.image
-        if img is None:
-            return self.sb.config.workload.cmd
-        return (*img.entrypoint, *self.sb.config.workload.cmd) if self.sb.config.workload.cmd else img.argv
+        """What runs at the first ready: the entrypoint (the Create's, else its OCI
+        image's ENTRYPOINT) followed by the cmd (the Create's, else, unless the Create
+        cleared it or gave its own entrypoint, the image's CMD). As a container runtime
+        (docker run --entrypoint, a pod's command) and the SDK reference's
+        WithEntrypoint and WithCmd: a Create's cmd replaces the image's CMD; its
+        entrypoint replaces the image's ENTRYPOINT and drops its CMD (the old
+        entrypoint's arguments); an empty one given clears it."""
+        c = self.sb.config
+        return initial_argv(self.sb.record.image, c.workload.cmd, c.entrypoint, c.cmd_cleared)
 
     async def run_initial(self) -> None:
         workload = self.run(list(self.initial_cmd), env={})

@@ -153,6 +153,18 @@ class CreateSandboxRequest:
     image_creds: str = attrs.field(default="", repr=False)
     image_auth_json: bytes = attrs.field(default=b"", repr=False)
     image_ca_pem: bytes = attrs.field(default=b"", repr=False)
+    # workload shape (sandvisor.v1 CreateRequest 120-127): the image ENTRYPOINT replaced
+    # (empty: the image's, unless entrypoint_cleared: none), the image CMD cleared, the
+    # shell of shell(), the in-guest security profile ("default" | "restricted"), the
+    # log level of the sandbox's lines (trace..error, "off"), none of them, the THP policy
+    entrypoint: list[str] = attrs.field(factory=list)
+    entrypoint_cleared: bool = False
+    cmd_cleared: bool = False
+    shell: str = ""
+    security_profile: str = ""
+    log_level: str = ""
+    quiet_logs: bool = False
+    thp: str = ""
 
 
 @attrs.frozen
@@ -277,6 +289,7 @@ class SandboxInfo:
     updated_at: int = 0  # unix seconds of the last Modify that changed something (0: none)
     owner: str = ""  # the principal that made it (docs/security.md)
     ssh_keys: list[str] = attrs.field(factory=list)  # the public keys its SSH endpoint accepts (docs/ssh.md)
+    shell: str = ""  # what the clients' shell runs when the call names none ("": /bin/sh)
 
 
 @attrs.frozen

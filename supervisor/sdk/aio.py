@@ -500,6 +500,7 @@ class AsyncSandbox(plans.SandboxMethods, _Driven):
         assert proc.exit_code is not None
         return proc.exit_code
 
-    async def shell(self, shell: str = "/bin/sh") -> int:
-        """An interactive shell on the caller's terminal."""
-        return await self.attach([shell], tty=True)
+    async def shell(self, shell: str | None = None) -> int:
+        """An interactive shell on the caller's terminal: ``shell``, else the sandbox's
+        (its Create's ``shell``), else /bin/sh."""
+        return await self.attach(await self.shell_argv(shell), tty=True)

@@ -60,6 +60,7 @@ from supervisor.sdk.sandbox_plans import (
     run_script,
     run_stream,
     set_ttl,
+    shell_argv,
     start,
     state,
     stop,
@@ -93,6 +94,7 @@ class SandboxMethods:
     export_snapshot = class_op(export_snapshot)
     import_snapshot = class_op(import_snapshot)
     inspect = op(inspect)
+    shell_argv = op(shell_argv)
     modify = op(modify)
     state = op(state)
     wait_ready = op(wait_ready)

@@ -127,6 +127,14 @@ def inspect(t: Target) -> Plan[SandboxInfo]:
     return info
 
 
+def shell_argv(t: Target, shell: str | None = None) -> Plan[list[str]]:
+    """What ``shell()`` runs: ``shell``, else the sandbox's (its Create's ``shell``), else /bin/sh."""
+    if shell:
+        return [shell]
+    info = yield from inspect(t)
+    return [info.shell or "/bin/sh"]
+
+
 def modify(
     t: Target,
     *,

@@ -289,6 +289,33 @@ def _secrets(v: Sequence[Secret | str] | None) -> tuple[Secret, ...]:
     return tuple(s if isinstance(s, Secret) else Secret.parse(s) for s in v or ())
 
 
+def _entrypoint(v: Sequence[str] | None) -> tuple[str, ...] | None:
+    return None if v is None else _argv(v)
+
+
+LogLevel = Literal["", "trace", "debug", "info", "warn", "error", "off"]
+
+
+@attrs.frozen(kw_only=True)
+class Shape:
+    """How the sandbox's workload is shaped. ``entrypoint``: replaces the image's
+    ENTRYPOINT for the initial workload (and drops its CMD, as ``docker run
+    --entrypoint``); None: the image's, []: none. ``cmd_cleared``: the image's CMD is
+    dropped (``cmd=[]`` given sets it). ``shell``: what :meth:`shell` runs when the call
+    names none ("": /bin/sh). ``security_profile`` "restricted": every exec with
+    no_new_privs (setuid bits give nothing), the writable mounts nosuid,nodev.
+    ``log_level``/``quiet_logs``: the guest agent's diagnostics and the supervisor's
+    lines about this sandbox. ``thp``: the guest's transparent huge page policy."""
+
+    entrypoint: tuple[str, ...] | None = attrs.field(default=None, converter=_entrypoint)
+    cmd_cleared: bool = False
+    shell: str = ""
+    security_profile: Literal["", "default", "restricted"] = ""
+    log_level: LogLevel = ""
+    quiet_logs: bool = False
+    thp: Literal["", "always", "madvise", "never"] = ""
+
+
 def _patches(v: Sequence[Patch] | None) -> tuple[Patch, ...]:
     return tuple(v or ())
 
@@ -332,6 +359,13 @@ class Settings(TypedDict, total=False):
     mounts: Sequence[HostDir | str]
     secrets: Sequence[Secret | str]
     ssh_keys: Sequence[str]
+    # workload shape (Shape): cmd=[] clears the image CMD
+    entrypoint: Sequence[str] | None
+    shell: str
+    security_profile: Literal["", "default", "restricted"]
+    log_level: LogLevel
+    quiet_logs: bool
+    thp: Literal["", "always", "madvise", "never"]
 
 
 @attrs.frozen(kw_only=True)
@@ -358,6 +392,7 @@ class SandboxSpec:
     secrets: tuple[Secret, ...] = attrs.field(default=(), converter=_secrets)
     # SSH public keys (OpenSSH .pub lines) that serve --ssh accepts for it (docs/ssh.md)
     ssh_keys: tuple[str, ...] = attrs.field(default=(), converter=_strs)
+    shape: Shape = Shape()  # entrypoint, CMD cleared, shell, security profile, logs, THP
 
     def with_(self, **settings: Unpack[Settings]) -> SandboxSpec:
         if not settings:
@@ -409,6 +444,15 @@ class SandboxSpec:
             mounts=_host_dirs(s.get("mounts", self.mounts)),
             secrets=_secrets(s.get("secrets", self.secrets)),
             ssh_keys=_strs(s.get("ssh_keys", self.ssh_keys)),
+            shape=Shape(
+                entrypoint=s.get("entrypoint", self.shape.entrypoint),
+                cmd_cleared=not s["cmd"] if "cmd" in s else self.shape.cmd_cleared,
+                shell=s.get("shell", self.shape.shell),
+                security_profile=s.get("security_profile", self.shape.security_profile),
+                log_level=s.get("log_level", self.shape.log_level),
+                quiet_logs=s.get("quiet_logs", self.shape.quiet_logs),
+                thp=s.get("thp", self.shape.thp),
+            ),
         )
 
     def request(self, name: str = "") -> protocol.CreateSandboxRequest:
@@ -451,6 +495,14 @@ class SandboxSpec:
             disk_size_mib=self.resources.disk_size_mib,
             secrets=[s.spec() for s in self.secrets],
             ssh_public_key="\n".join(self.ssh_keys) if self.ssh_keys else None,
+            entrypoint=list(self.shape.entrypoint or ()),
+            entrypoint_cleared=self.shape.entrypoint == (),
+            cmd_cleared=self.shape.cmd_cleared and not self.workload.cmd,
+            shell=self.shape.shell,
+            security_profile=self.shape.security_profile,
+            log_level=self.shape.log_level,
+            quiet_logs=self.shape.quiet_logs,
+            thp=self.shape.thp,
         )
 
 

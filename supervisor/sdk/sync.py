@@ -389,9 +389,10 @@ class Sandbox(plans.SandboxMethods, _Driven):
         )
         return trio.run(fn)
 
-    def shell(self, shell: str = "/bin/sh") -> int:
-        """An interactive shell on the caller's terminal."""
-        return self.attach([shell], tty=True)
+    def shell(self, shell: str | None = None) -> int:
+        """An interactive shell on the caller's terminal: ``shell``, else the sandbox's
+        (its Create's ``shell``), else /bin/sh."""
+        return self.attach(self.shell_argv(shell), tty=True)
 
 
 images = Images()  # on the default socket (SANDVISOR_SOCKET): client.images.pull(...)

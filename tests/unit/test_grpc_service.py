@@ -527,7 +527,7 @@ async def test_both_edges_answer_from_one_table(
             stub = sgrpc.SandboxServiceStub(st.channel)
             over_grpc = await in_thread(stub.Inspect, spb.InspectSandboxRequest(id="one"))
             # the read-back (docs/modify.md) is sandvisor.v1's: sandbox.v1's SandboxInfo has no field for it
-            ext = {k: over_msgpack.pop(k) for k in ("requested", "applied", "updated_at")}
+            ext = {k: over_msgpack.pop(k) for k in ("requested", "applied", "updated_at", "shell")}
             assert over_msgpack.pop("uid") == st.reg.get("one").record.uid  # (the socket's alone: the E2B endpoint's)
             assert over_msgpack.pop("ssh_keys") == [] and over_msgpack.pop("owner")  # (the socket's: serve --ssh's)
             assert message_to_dict(over_grpc) == over_msgpack

@@ -13,7 +13,7 @@ from guestd.patch import Patch
 from supervisor import client, protocol
 from supervisor.proto.sandvisor.v1 import sandvisor_pb2
 
-FIELDS = ("op", "path", "data", "target", "mode", "owner", "replace")
+FIELDS = ("op", "path", "data", "target", "mode", "owner", "replace", "source")
 SAMPLE = (
     Patch.mkdir("/srv/app", mode=0o750, owner="nobody"),
     Patch.file("/srv/app/run.sh", "#!/bin/sh\n", mode=0o755, replace=True),
