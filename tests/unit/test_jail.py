@@ -1,5 +1,5 @@
 """The jail (actors/cells/jail.py), cgroups (actors/cells/cgroups.py) and guest memory
-(actors/machines/guestmem.py): units against fakes where the host cannot show a case (cgroup v2
+(actors/cells/guestmem.py): units against fakes where the host cannot show a case (cgroup v2
 here), real processes and real jailed QEMUs for the rest."""
 
 from __future__ import annotations
