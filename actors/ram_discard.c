@@ -2,7 +2,7 @@
  * sandvisor-ram-discard.so: lets QEMU 7.2 give back the guest memory of a restored
  * clone or a resumed sandbox. Preloaded (LD_PRELOAD) into a QEMU whose guest RAM is a
  * private mapping of a sealed memfd (a mapped snapshot's memory, see
- * actors/cells/guestmem.py) or of a paused sandbox's saved memory, and which has a
+ * actors/machines/guestmem.py) or of a paused sandbox's saved memory, and which has a
  * virtio-balloon with free page reporting.
  *
  * QEMU 7.2's ram_block_discard_range() (softmmu/physmem.c), which the balloon calls
@@ -18,7 +18,7 @@
  * private mappings; 7.2 gives up at the EPERM before its madvise, and logs a line.
  *
  * A paused sandbox's resume maps its saved memory privately from the file itself (no
- * sealed copy: own_memory in actors/cells/guestmem.py), which the kernel lets QEMU
+ * sealed copy: own_memory in actors/machines/guestmem.py), which the kernel lets QEMU
  * punch. That file is the sandbox's saved state until the resume is done: a resume
  * that fails, or whose supervisor is killed while its QEMU runs on, leaves the sandbox
  * paused on it. A punch there zeroes pages the resumed guest reports free -- free now,
