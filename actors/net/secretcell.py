@@ -38,18 +38,16 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from ipaddress import IPv4Address
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import trio
 
 from actors.cells import jail
+from actors.cells.cell import Cells
 from actors.cells.cgroups import Cgroup, CgroupError, CgroupLimits
 from actors.cells.identities import JailError
 from actors.net.netns import NetNS
 from actors.secrets import wire
-
-if TYPE_CHECKING:
-    from actors.cells.cell import Cells
 
 log = logging.getLogger("sandvisor.secrets")
 
