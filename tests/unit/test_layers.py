@@ -300,10 +300,6 @@ KNOWN_DEBT: frozenset[tuple[str, str]] = frozenset(
 )
 # Circles of imports between files of one folder, each with its reason; none between folders.
 CIRCLES_WITHIN_A_FOLDER: dict[frozenset[str], str] = {
-    frozenset({"actors.channel.guest", "actors.channel.gueststreams"}): (
-        "gueststreams.py is the stream half of GuestChannel, split out for size: its streams "
-        "hold their channel (a TYPE_CHECKING import) and call its send and credit methods"
-    ),
     frozenset(
         {
             "actors.sandboxes.sandbox",
