@@ -125,3 +125,45 @@ def test_on_disk_paths_come_from_the_generated_uid() -> None:
     ]
     assert calls
     assert [ast.unparse(c.args[0]) for c in calls if not ast.unparse(c.args[0]).endswith(".uid")] == []
+
+
+def test_qemu_runs_sandboxed_and_opens_no_file_of_ours_by_path(tmp_path: Path) -> None:
+    """QEMU's command line: its seccomp sandbox with every deny, no defaults, no user
+    config; the kernel, initrd, disk, its backing layers, volumes, the preload and RAM
+    reach it as descriptors, so no path of the state directory is on it."""
+    import os
+
+    from actors.machines.qemuproc import QemuUser
+    from actors.machines.qemuspec import Volume
+    from actors.machines.vm import NetConfig, VmSpec
+
+    state, sock_dir = tmp_path / "state", tmp_path / "sock"
+    state.mkdir()
+    for name in ("k", "i", "disk.qcow2", "base.img", "v.ext4", "p.so", "ram"):
+        (state / name).write_bytes(b"\0" * 4096)
+    machine = VmSpec.of(
+        kernel=state / "k",
+        initrd=state / "i",
+        append="console=ttyS0",
+        disk=state / "disk.qcow2",
+        chain=(state / "base.img",),
+        cpus=1,
+        memory_mib=256,
+        user=QemuUser("nobody", 65534, 65534, (65534,)),
+        network=NetConfig(restrict=True),
+        ram=state / "ram",
+        name="sb",
+        preload=state / "p.so",
+        volumes=(Volume(state / "v.ext4", read_only=True, serial="data"),),
+    ).machine
+    fds = machine.open_files()
+    fds["ram"] = os.open(state / "ram", os.O_RDWR)
+    try:
+        argv = machine.argv(sock_dir, fds)
+        env = machine.environ(fds)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    assert argv[argv.index("-sandbox") + 1] == "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny"
+    assert {"-nodefaults", "-no-user-config"} <= set(argv)
+    assert [a for a in [*argv, *env.values()] if str(state) in a] == []
