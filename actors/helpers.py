@@ -3,7 +3,7 @@ by ``serve`` at start, never compiled by the supervisor.
 
     sandvisor-jail-exec        jail_exec.c     static PIE; enters the jail, vforked (actors/cells/jail.py)
     sandvisor-ram-discard.so   ram_discard.c   LD_PRELOADed into a QEMU 7.2 whose balloon runs on
-                                               privately mapped, sealed RAM (actors/machines/guestmem.py)
+                                               privately mapped, sealed RAM (actors/cells/guestmem.py)
 
 They land in ``actors/bin/`` -- the build dir's for ``pip install .`` and wheels (so the
 installed package holds them), the source tree's for ``pip install -e .`` -- beside

@@ -43,17 +43,14 @@ import stat
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import trio
 
+from actors.cells.toolcell import ToolCells
 from actors.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
 from actors.model import HOST_DIR_OPTION_CHARS, HostMount
+from actors.settings import Settings
 from images.tools import ToolError, bind
-
-if TYPE_CHECKING:
-    from actors.cells.toolcell import ToolCells
-    from actors.settings import Settings
 
 log = logging.getLogger("sandvisor.hostdirs")
 

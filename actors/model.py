@@ -18,8 +18,8 @@ from typing import Any, TypeVar
 import attrs
 from cattrs.preconf.msgpack import make_converter
 
+from actors.egress_policy import EgressPolicy, PolicyError
 from actors.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
-from actors.net.egress import EgressPolicy, PolicyError
 from actors.principals import LEGACY_OWNER
 from actors.secrets.model import SecretRef, check_secrets, with_placeholders
 from guestd import patch

@@ -45,7 +45,6 @@ import time
 import uuid
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import attrs
 import trio
@@ -56,10 +55,8 @@ from actors.errors import AlreadyExists, FailedPrecondition, InvalidArgument, No
 from actors.machines.qemuspec import Volume
 from actors.model import VolumeMount, VolumeRecord
 from actors.principals import LEGACY_OWNER, SYSTEM
+from actors.store import Store
 from images.tools import ToolError, ToolResult
-
-if TYPE_CHECKING:
-    from actors.store import Store
 
 MIN_VOLUME = 8 << 20  # ext4 with a journal needs a few MiB; below this mkfs refuses or wastes most of it
 BLOCK = 4096

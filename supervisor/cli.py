@@ -252,7 +252,7 @@ def _refusal(exc: BaseException) -> str | None:
     port or a lock someone else holds, a missing tool or image. None when any part of
     ``exc`` is something else (a bug: shown whole)."""
     from actors.cells.cgroups import CgroupError
-    from actors.cells.jail import JailError
+    from actors.cells.identities import JailError
     from actors.errors import DomainError
     from actors.machines.qemuproc import MachineError
     from actors.net.netns import NetError

@@ -28,7 +28,6 @@ import hashlib
 import logging
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import attrs
 
@@ -36,11 +35,9 @@ from actors import defaults
 from actors.cells import jail
 from actors.cells.cgroups import Cgroup, CgroupError, CgroupLimits, CgroupManager
 from actors.cells.cgroups import find as find_cgroups
-from actors.machines.guestmem import SealedMemoryCache, create_ram_file, private_dir, remove_ram_file
-from actors.machines.qemuproc import Proc
-
-if TYPE_CHECKING:
-    from actors.cells.toolcell import ToolCells
+from actors.cells.guestmem import SealedMemoryCache, create_ram_file, private_dir, remove_ram_file
+from actors.cells.identities import DEFAULT_ID_COUNT, DEFAULT_ID_FIRST, Identity, IdentityAllocator, JailError
+from actors.cells.toolcell import ToolCells
 
 log = logging.getLogger("sandvisor.cell")
 
@@ -51,8 +48,8 @@ SOCKET_DIR = "/run"  # QEMU's socket dir, in the jail
 class JailConfig:
     """How QEMUs are jailed (``serve``'s options)."""
 
-    first_uid: int = jail.DEFAULT_ID_FIRST
-    uid_count: int = jail.DEFAULT_ID_COUNT
+    first_uid: int = DEFAULT_ID_FIRST
+    uid_count: int = DEFAULT_ID_COUNT
     overhead_mib: int = defaults.JAIL_OVERHEAD_MIB  # memory limit = guest RAM + this (QEMU, its TCG cache, page cache)
     sealed_budget_mib: int = 1024  # sealed snapshot memory kept for later restores
 
@@ -83,7 +80,7 @@ class Cell:
         self,
         cells: Cells,
         name: str,
-        identity: jail.Identity,
+        identity: Identity,
         spec: jail.JailSpec,
         cgroup: Cgroup | None,
     ) -> None:
@@ -104,27 +101,26 @@ class Cell:
     def qemu_dir(self) -> Path:
         return Path(self.spec.socket_dir)
 
-    async def spawn(self, argv: list[str], fds: tuple[int, ...], stderr: int, env: dict[str, str]) -> Proc:
-        try:
-            return await jail.spawn(
-                argv,
-                self.spec,
-                pass_fds=fds,
-                env=env,
-                cgroup_procs=self.cgroup.procs_files() if self.cgroup else (),
-                stderr_fd=stderr,
-                helper=self.cells.helper,
-            )
-        except jail.JailError as exc:
-            from actors.machines.qemuproc import LaunchError
-
-            raise LaunchError(f"cannot start QEMU in its jail: {exc}") from None
+    async def spawn(
+        self, argv: list[str], fds: tuple[int, ...], stderr: int, env: dict[str, str]
+    ) -> jail.JailedProcess:
+        """QEMU in this cell (a ``Machine``'s spawner; a refused step is a ``JailError``,
+        which the machine reports as its ``LaunchError``)."""
+        return await jail.spawn(
+            argv,
+            self.spec,
+            pass_fds=fds,
+            env=env,
+            cgroup_procs=self.cgroup.procs_files() if self.cgroup else (),
+            stderr_fd=stderr,
+            helper=self.cells.helper,
+        )
 
     def make_ram(self, size_mib: int) -> tuple[Path, int]:
         """The life's RAM file, the identity's: its path (for checkpoints) and a descriptor for QEMU."""
         directory = self.cells.ram_dir
         if directory is None:
-            raise jail.JailError("no RAM dir: guest RAM is anonymous")
+            raise JailError("no RAM dir: guest RAM is anonymous")
         fd = create_ram_file(directory, f"{self.name}.ram", size_mib << 20, self.identity)
         self.ram = directory / f"{self.name}.ram"
         return self.ram, fd
@@ -150,7 +146,7 @@ class Cell:
                 log.warning("cell %s: cgroup: %s", self.name, exc)
         try:
             jail.remove_jail(self.spec.root)
-        except jail.JailError as exc:
+        except JailError as exc:
             log.warning("cell %s: %s", self.name, exc)
         if self.ram is not None and self.cells.ram_dir is not None:
             with contextlib.suppress(OSError):
@@ -167,7 +163,7 @@ class Cells:
         *,
         helper: Path,
         cgroups: CgroupManager | None,
-        allocator: jail.IdentityAllocator,
+        allocator: IdentityAllocator,
         ram_dir: Path | None,
         kvm: bool,
         discard_shim: Path | None = None,
@@ -213,7 +209,7 @@ class Cells:
                 ) from None
         else:
             log.warning("serve --no-cgroups: QEMUs run without resource limits (memory, processes, CPU)")
-        allocator = jail.IdentityAllocator(config.first_uid, config.uid_count)
+        allocator = IdentityAllocator(config.first_uid, config.uid_count)
         allocator.adopt_running()
         cells = cls(
             config,
@@ -224,14 +220,10 @@ class Cells:
             kvm=kvm,
             discard_shim=discard_shim,
         )
-        from actors.cells.toolcell import ToolCells
-
         cells.tools = ToolCells(cells, state_dir / "toolcells")  # (its id range is checked: JailError)
         return cells
 
-    def _spec(
-        self, identity: jail.Identity, run_dir: Path, hostname: str, uplink: Uplink | None = None
-    ) -> jail.JailSpec:
+    def _spec(self, identity: Identity, run_dir: Path, hostname: str, uplink: Uplink | None = None) -> jail.JailSpec:
         spec = jail.JailSpec(
             identity=identity, root=run_dir / "root", kvm=self.kvm, socket_dir=SOCKET_DIR, hostname=hostname[:63]
         )
@@ -262,7 +254,7 @@ class Cells:
                     cgroup = self.cgroups.create(name, self._limits(memory_mib, vcpus))
                 except CgroupError as exc:
                     jail.remove_jail(spec.root)
-                    raise jail.JailError(f"cgroup for {name}: {exc}") from None
+                    raise JailError(f"cgroup for {name}: {exc}") from None
         except BaseException:
             self.allocator.release(identity)
             raise
@@ -270,7 +262,7 @@ class Cells:
 
     def reopen(self, name: str, run_dir: Path, uid: int, ram: str, hostname: str = "sandbox") -> Cell:
         """The cell of a QEMU a previous supervisor started (to tear it down after)."""
-        identity = jail.Identity(uid, uid)
+        identity = Identity(uid, uid)
         self.allocator.adopt(identity, name)
         cgroup = None
         if self.cgroups is not None:

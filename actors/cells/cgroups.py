@@ -15,7 +15,7 @@ The process joins its cgroup itself, before it execs (``jail.spawn`` writes "0" 
 
 Memory is charged to the cgroup of whoever first touches a page: a guest's RAM file
 (tmpfs, share=on) is QEMU's; a restore's pages shared with the snapshot (a sealed memfd
-the supervisor filled, see actors/machines/guestmem.py) stay the supervisor's, only the pages the
+the supervisor filled, see actors/cells/guestmem.py) stay the supervisor's, only the pages the
 guest writes (copy-on-write) are QEMU's. Swap is capped at 0 (memsw = memory in v1,
 memory.swap.max = 0 in v2): a guest cannot grow past its limit into swap.
 """

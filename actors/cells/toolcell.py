@@ -46,17 +46,30 @@ import subprocess
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import attrs
 import trio
 
 from actors.cells import jail
-from actors.cells.cgroups import Cgroup, CgroupError, CgroupLimits
+from actors.cells.cgroups import Cgroup, CgroupError, CgroupLimits, CgroupManager
+from actors.cells.identities import Identity, IdentityAllocator, JailError
 from images.tools import SHIFT_COUNT, ToolBind, ToolError, ToolIdentity, ToolResult, bind
 
-if TYPE_CHECKING:
-    from actors.cells.cell import Cells
+
+class ToolHost(Protocol):
+    """What tool cells take of the QEMU cells (actors/cells/cell.py's ``Cells``, which
+    makes its ``ToolCells``): the identity range, the cgroup manager, the jail helper."""
+
+    @property
+    def allocator(self) -> IdentityAllocator: ...
+
+    @property
+    def cgroups(self) -> CgroupManager | None: ...
+
+    @property
+    def helper(self) -> Path: ...
+
 
 log = logging.getLogger("sandvisor.toolcell")
 
@@ -104,7 +117,7 @@ class ToolCells:
 
     def __init__(
         self,
-        cells: Cells,
+        cells: ToolHost,
         directory: Path,
         *,
         memory_mib: int = 1024,
@@ -116,7 +129,7 @@ class ToolCells:
         self.memory_mib = memory_mib
         self.pids = pids
         first = shift_first if shift_first is not None else cells.allocator.first + cells.allocator.count
-        jail.IdentityAllocator(first, SHIFT_COUNT)  # refused if it touches real ids (JailError)
+        IdentityAllocator(first, SHIFT_COUNT)  # refused if it touches real ids (JailError)
         self.shift_first = first
         self._userns_fd = -1
         self._seq = itertools.count(1)
@@ -131,14 +144,14 @@ class ToolCells:
                 try:
                     os.kill(int(parts[1]), 0)
                 except ProcessLookupError:
-                    with contextlib.suppress(jail.JailError):
+                    with contextlib.suppress(JailError):
                         jail.remove_jail(d)
                 except PermissionError:
                     pass
 
     # -- identities --------------------------------------------------------------------
     @contextlib.contextmanager
-    def identity(self, owner: str) -> Iterator[jail.Identity]:
+    def identity(self, owner: str) -> Iterator[Identity]:
         """An id of the QEMU range for one job (a pull's skopeo runs, one e2fsck)."""
         ident = self.cells.allocator.allocate(f"tool {owner}")
         try:
@@ -208,7 +221,7 @@ class ToolCells:
         A cancel kills it and removes its cell."""
         name = f"tool-{os.getpid()}-{next(self._seq)}-{uuid.uuid4().hex[:6]}"
         ids = (self.shift_first, self.shift_first) if identity is None else (identity.uid, identity.gid)
-        host = jail.Identity(*ids)
+        host = Identity(*ids)
         extra = []
         if fsize is not None:
             extra.append((resource.RLIMIT_FSIZE, max(fsize, 1 << 20)))
@@ -229,7 +242,7 @@ class ToolCells:
         userns_fd = await trio.to_thread.run_sync(self._userns) if identity is None else -1
         try:
             await trio.to_thread.run_sync(jail.build_jail, spec)
-        except (jail.JailError, OSError) as exc:
+        except (JailError, OSError) as exc:
             raise ToolError(f"{argv[0]}: cannot build its cell: {exc}") from None
         cgroup: Cgroup | None = None
         try:
@@ -252,7 +265,7 @@ class ToolCells:
                         log.warning("tool cell %s: cgroup: %s", name, exc)
                 try:
                     await trio.to_thread.run_sync(jail.remove_jail, spec.root)
-                except jail.JailError as exc:
+                except JailError as exc:
                     log.warning("tool cell %s: %s", name, exc)
 
     def _etc(self, host_network: bool) -> list[ToolBind]:
@@ -275,7 +288,7 @@ class ToolCells:
         try:
             proc = await jail.spawn(
                 argv,
-                attrs.evolve(spec, identity=jail.Identity(0, 0)) if in_userns else spec,
+                attrs.evolve(spec, identity=Identity(0, 0)) if in_userns else spec,
                 pass_fds=tuple(fds),
                 cgroup_procs=cgroup.procs_files() if cgroup is not None else (),
                 stdout=w_out,
@@ -283,7 +296,7 @@ class ToolCells:
                 helper=self.cells.helper,
                 userns_fd=userns_fd,
             )
-        except jail.JailError as exc:
+        except JailError as exc:
             os.close(r_out)
             raise ToolError(f"cannot start {argv[0]} in its cell: {exc}") from None
         finally:

@@ -211,7 +211,8 @@ class GuestChannel:
         req.deliver(msg)
 
     # -- sending -------------------------------------------------------------
-    async def _send(self, msg: proto.Message) -> None:
+    async def send_message(self, msg: proto.Message) -> None:
+        """One frame to guestd, whole (its requests' streams send through this too)."""
         self._check()
         try:
             frame = proto.encode(msg)
@@ -240,12 +241,13 @@ class GuestChannel:
         self._stats["frames_out"] += 1
         self._stats["bytes_out"] += len(frame)
 
-    async def _grant(self, rid: int, ch: int, n: int) -> None:
+    async def grant_credit(self, rid: int, ch: int, n: int) -> None:
+        """``n`` more bytes of request ``rid``'s output channel ``ch`` consumed: credit them back."""
         req = self._reqs.get(rid)
         if req is not None and not req.done:
             req.outstanding[ch] = req.outstanding.get(ch, 0) + n
             try:
-                await self._send(proto.Credit(rid=rid, ch=ch, n=n))
+                await self.send_message(proto.Credit(rid=rid, ch=ch, n=n))
             except GuestError:
                 pass  # the request sees the breakage on its next receive
 
@@ -283,7 +285,7 @@ class GuestChannel:
             except (trio.BrokenResourceError, OSError) as exc:
                 raise ChannelBroken(f"guest channel broke: {exc}") from None
         self._hello_sent = time.monotonic()
-        await self._send(proto.Hello(version=proto.PROTOCOL_VERSION, host_time_ns=time.time_ns()))
+        await self.send_message(proto.Hello(version=proto.PROTOCOL_VERSION, host_time_ns=time.time_ns()))
 
     async def wait_hello(self, timeout: float) -> proto.HelloOk:
         """The answer to :meth:`send_hello`'s Hello (HelloTimeout after ``timeout``)."""
@@ -303,14 +305,14 @@ class GuestChannel:
     async def _unary(self, build: Any, expect: type[_M]) -> _M:
         req = self._new_request()
         try:
-            await self._send(build(req.rid))
+            await self.send_message(build(req.rid))
             msg = await req.next(self.answer_timeout)
         finally:
             self._end_request(req)
         if isinstance(msg, proto.Error):
             raise GuestOpError(msg.code, msg.message)
         if not isinstance(msg, expect):
-            await self._protocol_violation(f"expected {expect.TAG}, got {msg.TAG}")
+            await self.fail_protocol(f"expected {expect.TAG}, got {msg.TAG}")
         return msg  # type: ignore[return-value]
 
     async def post(self, builds: Sequence[Callable[[int], proto.Message]]) -> Callable[[], Awaitable[None]]:
@@ -323,7 +325,7 @@ class GuestChannel:
             for build in builds:
                 req = self._new_request()
                 reqs.append(req)
-                await self._send(build(req.rid))
+                await self.send_message(build(req.rid))
         except BaseException:
             for req in reqs:
                 self._end_request(req)
@@ -336,14 +338,15 @@ class GuestChannel:
                     if isinstance(msg, proto.Error):
                         raise GuestOpError(msg.code, msg.message)
                     if not isinstance(msg, proto.Ok):
-                        await self._protocol_violation(f"expected {proto.Ok.TAG}, got {msg.TAG}")
+                        await self.fail_protocol(f"expected {proto.Ok.TAG}, got {msg.TAG}")
             finally:
                 for req in reqs:
                     self._end_request(req)
 
         return answers
 
-    async def _protocol_violation(self, text: str) -> None:
+    async def fail_protocol(self, text: str) -> None:
+        """guestd broke the protocol: the channel is poisoned and closed; raises."""
         exc = GuestProtocolError(text)
         self._poison(exc)
         with trio.CancelScope(shield=True):
@@ -470,12 +473,12 @@ class GuestChannel:
                 timeout=float(timeout),
                 stdin=stdin,
             )
-            await self._send(msg)
+            await self.send_message(msg)
             first = await req.next(self.answer_timeout)
             if isinstance(first, proto.Error):
                 raise GuestOpError(first.code, first.message)
             if not isinstance(first, proto.ExecStarted):
-                await self._protocol_violation(f"expected exec_started, got {first.TAG}")
+                await self.fail_protocol(f"expected exec_started, got {first.TAG}")
                 raise AssertionError  # unreachable
             handle.pid = first.pid
             yield handle
@@ -483,7 +486,7 @@ class GuestChannel:
             if handle.pid and handle.exit is None and not self._closed and self._broken is None:
                 with trio.CancelScope(shield=True), trio.move_on_after(2):
                     try:
-                        await self._send(proto.Signal(rid=req.rid, signum=signal.SIGKILL))
+                        await self.send_message(proto.Signal(rid=req.rid, signum=signal.SIGKILL))
                     except GuestError:
                         pass
             self._end_request(req)
@@ -506,17 +509,17 @@ class GuestChannel:
     async def read_file(self, path: str) -> AsyncIterator[FileReadStream]:
         req = self._new_request()
         try:
-            await self._send(proto.ReadFile(rid=req.rid, path=path))
+            await self.send_message(proto.ReadFile(rid=req.rid, path=path))
             first = await req.next(self.answer_timeout)
             if isinstance(first, proto.Error):
                 raise GuestOpError(first.code, first.message)
             if not isinstance(first, proto.FileInfo):
-                await self._protocol_violation(f"expected file_info, got {first.TAG}")
+                await self.fail_protocol(f"expected file_info, got {first.TAG}")
                 raise AssertionError  # unreachable
             if first.size > proto.MAX_FILE:
-                await self._protocol_violation("guest announced a file beyond the limit")
+                await self.fail_protocol("guest announced a file beyond the limit")
             if first.size > proto.WINDOW:  # a deeper pipe for a file beyond one window
-                await self._grant(req.rid, proto.STDOUT, proto.FILE_WINDOW - proto.WINDOW)
+                await self.grant_credit(req.rid, proto.STDOUT, proto.FILE_WINDOW - proto.WINDOW)
             yield FileReadStream(req, first.size, first.mode, self.answer_timeout)
         finally:
             self._end_request(req)
@@ -568,7 +571,7 @@ class GuestChannel:
         req.max_send_credit = window
         sent_eof = False
         try:
-            await self._send(build(req.rid))
+            await self.send_message(build(req.rid))
             total = 0
 
             async def chunks() -> AsyncGenerator[bytes, None]:
@@ -587,7 +590,7 @@ class GuestChannel:
                     if total > limit:
                         raise GuestOpError(proto.E_TOO_LARGE, f"{what} exceeds the {limit} byte limit")
                     await _send_with_credit(self, req, piece, self.answer_timeout, chunk)
-            await self._send(proto.Eof(rid=req.rid, ch=proto.STDIN))
+            await self.send_message(proto.Eof(rid=req.rid, ch=proto.STDIN))
             sent_eof = True
             while True:
                 msg = await req.next(self.answer_timeout)
@@ -595,13 +598,13 @@ class GuestChannel:
                     raise GuestOpError(msg.code, msg.message)
                 if isinstance(msg, proto.Ok):
                     return msg.value
-                await self._protocol_violation(f"expected ok, got {msg.TAG}")
+                await self.fail_protocol(f"expected ok, got {msg.TAG}")
         finally:
             if not sent_eof and not req.done and not self._closed and self._broken is None:
                 # the data did not end (the caller's stream failed): the guest drops what it has
                 with trio.CancelScope(shield=True), trio.move_on_after(2):
                     try:
-                        await self._send(proto.Signal(rid=req.rid, signum=signal.SIGKILL))
+                        await self.send_message(proto.Signal(rid=req.rid, signum=signal.SIGKILL))
                     except GuestError:
                         pass
             self._end_request(req)
@@ -625,18 +628,18 @@ class GuestChannel:
         req = self._new_request()
         stream = TreeReadStream(req, self.answer_timeout)
         try:
-            await self._send(proto.ReadTree(rid=req.rid, path=path))
+            await self.send_message(proto.ReadTree(rid=req.rid, path=path))
             first = await req.next(self.answer_timeout)
             if isinstance(first, proto.Error):
                 raise GuestOpError(first.code, first.message)
             if not isinstance(first, proto.Ok):
-                await self._protocol_violation(f"expected ok, got {first.TAG}")
+                await self.fail_protocol(f"expected ok, got {first.TAG}")
             yield stream
         finally:
             if not stream.eof and not req.broken and not self._closed and self._broken is None:
                 with trio.CancelScope(shield=True), trio.move_on_after(2):
                     try:  # the guest's worker would wait for credit until the session ends
-                        await self._send(proto.Signal(rid=req.rid, signum=signal.SIGKILL))
+                        await self.send_message(proto.Signal(rid=req.rid, signum=signal.SIGKILL))
                     except GuestError:
                         pass
             self._end_request(req)
@@ -707,12 +710,12 @@ class GuestChannel:
         req = self._new_request()
         stream = FsAnswerStream(req, self.answer_timeout)
         try:
-            await self._send(proto.Fs(rid=req.rid, op=op, path=path))
+            await self.send_message(proto.Fs(rid=req.rid, op=op, path=path))
             first = await req.next(self.answer_timeout)
             if isinstance(first, proto.Error):
                 raise GuestOpError(first.code, first.message)
             if not isinstance(first, proto.Ok):
-                await self._protocol_violation(f"expected ok, got {first.TAG}")
+                await self.fail_protocol(f"expected ok, got {first.TAG}")
             body = bytearray()
             async for chunk in stream:
                 body += chunk
@@ -720,14 +723,14 @@ class GuestChannel:
             if not stream.eof and not req.broken and not self._closed and self._broken is None:
                 with trio.CancelScope(shield=True), trio.move_on_after(2):
                     try:
-                        await self._send(proto.Signal(rid=req.rid, signum=signal.SIGKILL))
+                        await self.send_message(proto.Signal(rid=req.rid, signum=signal.SIGKILL))
                     except GuestError:
                         pass
             self._end_request(req)
         try:
             return parse_fs_entries(bytes(body))
         except ValueError as exc:
-            await self._protocol_violation(f"fs {op} answer: {exc}")
+            await self.fail_protocol(f"fs {op} answer: {exc}")
             raise AssertionError from None  # unreachable
 
     async def fs_change(self, op: str, path: str, *, dest: str = "", recursive: bool = False, mode: int = 0o755) -> int:

@@ -10,15 +10,24 @@ from __future__ import annotations
 import collections
 import math
 import signal
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import trio
 
 from actors.channel.guestwire import ChannelClosed, GuestOpError, GuestTimeout
 from guestd import proto
 
-if TYPE_CHECKING:
-    from actors.channel.guest import GuestChannel
+
+class RequestChannel(Protocol):
+    """What a request's streams use of their channel (actors/channel/guest.py's
+    ``GuestChannel``, which makes them): frames out, credit back, a protocol breach."""
+
+    async def send_message(self, msg: proto.Message) -> None: ...
+
+    async def grant_credit(self, rid: int, ch: int, n: int) -> None: ...
+
+    async def fail_protocol(self, text: str) -> None: ...
+
 
 KILL_GRACE = 5.0  # how long a guest has to end a process it should have killed (timeout, SIGKILL)
 
@@ -34,7 +43,7 @@ class _Request:
 
     MAX_EVENTS = 64
 
-    def __init__(self, chan: GuestChannel, rid: int) -> None:
+    def __init__(self, chan: RequestChannel, rid: int) -> None:
         self.chan = chan
         self.rid = rid
         self.queue: collections.deque[proto.Message | tuple[int, bytearray]] = collections.deque()
@@ -118,14 +127,14 @@ class _Request:
         if isinstance(item, tuple):
             ch, buf = item
             data = bytes(buf)
-            await self.chan._grant(self.rid, ch, len(data))
+            await self.chan.grant_credit(self.rid, ch, len(data))
             return proto.Data(rid=self.rid, ch=ch, data=data)
         self.events -= 1
         return item
 
 
 async def _send_with_credit(
-    chan: GuestChannel, req: _Request, data: bytes, timeout: float | None = None, chunk: int = proto.CHUNK
+    chan: RequestChannel, req: _Request, data: bytes, timeout: float | None = None, chunk: int = proto.CHUNK
 ) -> None:
     """Send ``data`` on STDIN in frames of at most ``chunk`` bytes, waiting for credit
     (GuestTimeout when none came for ``timeout``); an early error from the guest wins."""
@@ -147,7 +156,7 @@ async def _send_with_credit(
             raise GuestOpError(err.code, err.message)
         n = min(len(view), req.send_credit, chunk)
         req.send_credit -= n
-        await chan._send(proto.Data(rid=req.rid, ch=proto.STDIN, data=bytes(view[:n])))
+        await chan.send_message(proto.Data(rid=req.rid, ch=proto.STDIN, data=bytes(view[:n])))
         view = view[n:]
 
 
@@ -158,7 +167,7 @@ class ExecHandle:
     :data:`KILL_GRACE` later (GuestTimeout), and as long after a SIGKILL it sent: a
     guest that ignores either cannot hold a caller forever."""
 
-    def __init__(self, chan: GuestChannel, req: _Request, *, timeout: float = 0.0, stdin: bool = False) -> None:
+    def __init__(self, chan: RequestChannel, req: _Request, *, timeout: float = 0.0, stdin: bool = False) -> None:
         self._chan = chan
         self._req = req
         self.pid = 0
@@ -209,15 +218,15 @@ class ExecHandle:
     async def close_stdin(self) -> None:
         if self._stdin and not self._stdin_closed and self.exit is None:
             self._stdin_closed = True
-            await self._chan._send(proto.Eof(rid=self.rid, ch=proto.STDIN))
+            await self._chan.send_message(proto.Eof(rid=self.rid, ch=proto.STDIN))
 
     async def resize(self, rows: int, cols: int) -> None:
         if self.exit is None:
-            await self._chan._send(proto.Resize(rid=self.rid, rows=rows, cols=cols))
+            await self._chan.send_message(proto.Resize(rid=self.rid, rows=rows, cols=cols))
 
     async def signal(self, signum: int) -> None:
         if self.exit is None:
-            await self._chan._send(proto.Signal(rid=self.rid, signum=signum))
+            await self._chan.send_message(proto.Signal(rid=self.rid, signum=signum))
             if signum == signal.SIGKILL:
                 self._deadline = min(self._deadline, trio.current_time() + KILL_GRACE)
                 self._why = f"the guest did not end the process within {KILL_GRACE:g}s of SIGKILL"
@@ -245,7 +254,7 @@ class _DataStream:
             if isinstance(msg, proto.Data):
                 self.received += len(msg.data)
                 if self.received > self.LIMIT:
-                    await self._req.chan._protocol_violation(f"guest sent more than {self.WHAT}")
+                    await self._req.chan.fail_protocol(f"guest sent more than {self.WHAT}")
                 return msg.data
             if isinstance(msg, proto.Eof):
                 self.eof = True

@@ -39,6 +39,7 @@ import attrs
 import trio
 
 from actors._groups import collapse_single
+from actors.cells.identities import JailError
 from actors.crash import crash_point
 from actors.machines.qemuproc import (
     UNKNOWN_EXIT,
@@ -267,7 +268,10 @@ class Machine:
             raise LaunchError(f"cannot open QEMU's log {p.log}: {exc.strerror}") from None
         try:
             if p.spawn is not None:
-                proc = await p.spawn(argv, tuple(fds.values()), err, env)
+                try:
+                    proc = await p.spawn(argv, tuple(fds.values()), err, env)
+                except JailError as exc:  # a cell's spawner (actors/cells/cell.py)
+                    raise LaunchError(f"cannot start QEMU in its jail: {exc}") from None
             else:
                 creds: dict[str, Any] = {}
                 if user is not None:

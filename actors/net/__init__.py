@@ -1,1 +1,2 @@
-"""Host networking: tap links, the IP pool, egress policy (nftables), the DNS proxy, port relays."""
+"""Host networking: tap links, the IP pool, the nftables rules of the egress policy, the
+DNS proxy, port relays, the secret proxy's cell."""

@@ -12,22 +12,33 @@ from __future__ import annotations
 
 from ipaddress import IPv4Address
 from pathlib import Path
+from typing import Protocol
 
-from actors.cells.cell import Uplink
+from actors.cells.cell import Cells, Uplink
 from actors.channel.guest import GuestError
 from actors.errors import FailedPrecondition, ResourceExhausted
 from actors.machines.qemuproc import MachineError
 from actors.machines.vm import Guest, NetConfig
 from actors.model import NetMode, Network
 from actors.net.egress import EgressPolicy
-from actors.net.hostnet import SandboxLink
+from actors.net.hostnet import HostNetwork, SandboxLink
 from actors.net.ippool import PoolExhausted, link_name
 from actors.net.netns import NetError
 from actors.net.nft import NftError
-from actors.settings import Settings
 
 
-def needs_pool_address(settings: Settings, net: Network) -> bool:
+class NetSettings(Protocol):
+    """What a sandbox's network needs of the supervisor's settings (actors/settings.py's
+    ``Settings`` is one; the settings sit above the network, which never imports them)."""
+
+    @property
+    def cells(self) -> Cells | None: ...
+
+    @property
+    def hostnet(self) -> HostNetwork | None: ...
+
+
+def needs_pool_address(settings: NetSettings, net: Network) -> bool:
     """Tap sandboxes have a pool address; so do jailed user-mode sandboxes with
     outbound access (their uplink's)."""
     if net.mode == NetMode.TAP:
@@ -35,7 +46,7 @@ def needs_pool_address(settings: Settings, net: Network) -> bool:
     return net.mode == NetMode.USER and net.outbound and settings.cells is not None
 
 
-def check_network_available(settings: Settings, net: Network) -> None:
+def check_network_available(settings: NetSettings, net: Network) -> None:
     """What a network needs of this supervisor (FAILED_PRECONDITION otherwise)."""
     if net.mode == NetMode.TAP and settings.hostnet is None:
         raise FailedPrecondition(
@@ -58,13 +69,13 @@ def egress_policy(net: Network) -> EgressPolicy:
     return EgressPolicy.parse(eg.to_dict() if eg is not None else None)
 
 
-def pool_address(settings: Settings, uid: str) -> IPv4Address | None:
+def pool_address(settings: NetSettings, uid: str) -> IPv4Address | None:
     """``uid``'s IP pool address, if it holds one."""
     hn = settings.hostnet
     return hn.pool.address_of(uid) if hn is not None else None
 
 
-def guest_net(settings: Settings, net: Network, uid: str) -> NetConfig | None:
+def guest_net(settings: NetSettings, net: Network, uid: str) -> NetConfig | None:
     """The guest's network (user: slirp's fixed addresses; tap: its pool address,
     None until it has one)."""
     if net.mode == NetMode.USER:
@@ -89,7 +100,7 @@ def guest_net(settings: Settings, net: Network, uid: str) -> NetConfig | None:
     )
 
 
-def lease(settings: Settings, net: Network, uid: str, want: str = "") -> None:
+def lease(settings: NetSettings, net: Network, uid: str, want: str = "") -> None:
     """Hold a pool address when the network needs one (idempotent): ``want`` (a
     restore: its snapshot's) when that is free, else the next free one."""
     hn = settings.hostnet
@@ -101,14 +112,14 @@ def lease(settings: Settings, net: Network, uid: str, want: str = "") -> None:
         raise ResourceExhausted(str(exc)) from None
 
 
-def release_lease(settings: Settings, uid: str) -> None:
+def release_lease(settings: NetSettings, uid: str) -> None:
     """The address goes back to the pool (Remove)."""
     hn = settings.hostnet
     if hn is not None:
         hn.pool.release(uid)
 
 
-def open_link(settings: Settings, net: Network, uid: str, run_dir: Path) -> tuple[SandboxLink | None, Uplink | None]:
+def open_link(settings: NetSettings, net: Network, uid: str, run_dir: Path) -> tuple[SandboxLink | None, Uplink | None]:
     """A life's host link, before QEMU starts: a TAP (its descriptor goes to QEMU), or
     for a jailed user-mode sandbox with outbound access the uplink namespace its QEMU
     runs in (returned, for the cell). The caller owns the link."""
@@ -136,7 +147,7 @@ def open_link(settings: Settings, net: Network, uid: str, run_dir: Path) -> tupl
     return link, Uplink(Path(link.jail_netns_path), resolv)
 
 
-def readopt_link(settings: Settings, net: Network, uid: str) -> SandboxLink | None:
+def readopt_link(settings: NetSettings, net: Network, uid: str) -> SandboxLink | None:
     """An adopted QEMU's link (its TAP, its uplink), filtered again."""
     hn = settings.hostnet
     if hn is None or not needs_pool_address(settings, net):

@@ -18,6 +18,7 @@ across lives) is the sandbox's; this module only makes a mapping real.
 from __future__ import annotations
 
 import socket
+import typing
 from collections.abc import Awaitable, Callable
 
 import attrs
@@ -26,10 +27,21 @@ import trio
 from actors.errors import AlreadyExists, FailedPrecondition, NotFound
 from actors.machines.vm import NETDEV_ID, Guest, NetConfig
 from actors.model import PortSpec, Protocol
+from actors.net.hostnet import HostNetwork
 from actors.net.netns import NetNS
 from actors.net.portfwd import PortInUse, Target, bind_listener, relay_tcp, relay_udp
-from actors.settings import Settings
 from actors.store import Record, Store
+
+
+class PortSettings(typing.Protocol):
+    """What port relays need of the supervisor's settings (actors/settings.py's ``Settings``
+    is one; the settings sit above the network, which never imports them)."""
+
+    @property
+    def expose_address(self) -> str: ...
+
+    @property
+    def hostnet(self) -> HostNetwork | None: ...
 
 
 class Exposed:
@@ -86,7 +98,7 @@ class PortRelays:
 
     def __init__(
         self,
-        settings: Settings,
+        settings: PortSettings,
         guest: Guest,
         net: NetConfig | None,
         *,

@@ -38,17 +38,16 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from ipaddress import IPv4Address
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import trio
 
 from actors.cells import jail
+from actors.cells.cell import Cells
 from actors.cells.cgroups import Cgroup, CgroupError, CgroupLimits
+from actors.cells.identities import JailError
 from actors.net.netns import NetNS
 from actors.secrets import wire
-
-if TYPE_CHECKING:
-    from actors.cells.cell import Cells
 
 log = logging.getLogger("sandvisor.secrets")
 
@@ -76,9 +75,7 @@ def python_binds(exclude: list[Path]) -> tuple[list[jail.Bind], str, str]:
     """What the proxy's Python needs, read-only: the interpreter's prefix, the package's
     directory and the import path (minus anything holding ``exclude``: the state and
     run dirs). (binds, the interpreter, PYTHONPATH)."""
-    import actors
-
-    pkg = Path(actors.__file__).resolve().parents[1]
+    pkg = Path(__file__).resolve().parents[2]  # the directory holding the actors package
     paths = [pkg, *(Path(p).resolve() for p in sys.path if p and os.path.isabs(p) and os.path.isdir(p))]
     paths = list(dict.fromkeys(paths))
     ex = [e.resolve() for e in exclude]
@@ -200,7 +197,7 @@ class ProxyCell:
                 for undo in reversed(cleanup):
                     try:
                         await trio.to_thread.run_sync(undo)
-                    except (jail.JailError, CgroupError, OSError) as exc:
+                    except (JailError, CgroupError, OSError) as exc:
                         log.warning("%s: secret proxy cell: %s", self.name, exc)
 
     async def _spawn(

@@ -18,10 +18,10 @@ from typing import Any
 
 import trio
 
-from actors.net.secretproxy import Blocked, ProxyView, SecretProxy
 from actors.secrets import model as secrets_model
 from actors.secrets import wire
 from actors.secrets.ca import Minter
+from actors.secrets.secretproxy import Blocked, ProxyView, SecretProxy
 
 log = logging.getLogger("sandvisor.secrets.proxy")
 

@@ -116,7 +116,7 @@ async def convert_streamed(rec: SnapshotRecord, hold: Hold, settings: Settings) 
     """Write ``memory`` and a device-only stream into ``rec``'s dir (see the module's
     diagram); the record is the caller's to switch. ``hold`` is awaited at the last
     step, where the crash point ``convert`` is (the helper paused, both files written). Raises :class:`MachineError`
-    (the helper failed), :class:`~actors.cells.jail.JailError` or ``OSError``."""
+    (the helper failed), :class:`~actors.cells.identities.JailError` or ``OSError``."""
     snap_dir = rec.path
     mem_part, state_part = snap_dir / f"memory{PART}", snap_dir / f"{MAPPED_STATE}{PART}"
     run_dir = settings.run_root / f"cv-{rec.uid}"

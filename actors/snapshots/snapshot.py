@@ -61,7 +61,7 @@ import attrs
 import trio
 
 from actors import defaults
-from actors.cells.jail import JailError
+from actors.cells.identities import JailError
 from actors.crash import crash_point
 from actors.durable import fsync_dir
 from actors.errors import DomainError, FailedPrecondition, InvalidArgument, NotFound

@@ -7,14 +7,22 @@ from guestd import proto
 
 
 class _NoGrant:
-    async def _grant(self, rid: int, ch: int, n: int) -> None:
+    """A channel (``RequestChannel``) that grants nothing back and sends nothing."""
+
+    async def send_message(self, msg: proto.Message) -> None:
+        raise AssertionError(msg)
+
+    async def grant_credit(self, rid: int, ch: int, n: int) -> None:
         pass
+
+    async def fail_protocol(self, text: str) -> None:
+        raise AssertionError(text)
 
 
 async def test_guest_request_keeps_data_queued_behind_a_message() -> None:
     """Data arriving while a message (file_info) is still queued is kept, in order, and
     data merges only into the trailing run of data entries."""
-    req = _Request(_NoGrant(), 1)  # type: ignore[arg-type]
+    req = _Request(_NoGrant(), 1)
     req.deliver(proto.FileInfo(rid=1, size=6, mode=0o644))
     req.deliver(proto.Data(rid=1, ch=proto.STDOUT, data=b"abc"))
     req.deliver(proto.Data(rid=1, ch=proto.STDERR, data=b"!"))

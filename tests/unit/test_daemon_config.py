@@ -155,7 +155,7 @@ def test_the_defaults_are_defined_once() -> None:
     """The domain's settings, the VM specs, the jailer and the daemon take their defaults
     from actors/defaults.py."""
     from actors import settings
-    from actors.cells import cell, cgroups, jail
+    from actors.cells import cell, cgroups, identities
     from actors.machines import qemuspec, vm
     from actors.net import ippool
     from actors.snapshots import snapshot
@@ -173,7 +173,10 @@ def test_the_defaults_are_defined_once() -> None:
     assert default(cell.JailConfig, "overhead_mib") == defaults.JAIL_OVERHEAD_MIB
     assert cgroups.CgroupLimits.for_guest.__kwdefaults__["overhead_mib"] == defaults.JAIL_OVERHEAD_MIB  # type: ignore[index]
     assert snapshot.resume_spec.__kwdefaults__["boot_timeout"] == defaults.BOOT_TIMEOUT  # type: ignore[index]
-    assert (jail.DEFAULT_ID_FIRST, jail.DEFAULT_ID_COUNT) == (defaults.JAIL_ID_FIRST, defaults.JAIL_ID_COUNT)
+    assert (identities.DEFAULT_ID_FIRST, identities.DEFAULT_ID_COUNT) == (
+        defaults.JAIL_ID_FIRST,
+        defaults.JAIL_ID_COUNT,
+    )
     assert ippool.DEFAULT_POOL == defaults.IP_POOL
 
 

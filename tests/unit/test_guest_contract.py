@@ -403,7 +403,7 @@ async def test_file_errors_are_typed(clock: object, chan: GuestChannel, scratch:
                 await call()
             assert e.value.code == code, (i, e.value)
         req = chan._new_request()  # the guest enforces the limit too, whatever a host announces
-        await chan._send(proto.WriteFile(rid=req.rid, path=f"{scratch}/huge", size=proto.MAX_FILE + 1))
+        await chan.send_message(proto.WriteFile(rid=req.rid, path=f"{scratch}/huge", size=proto.MAX_FILE + 1))
         err = await req.next()
         chan._end_request(req)
         assert isinstance(err, proto.Error) and err.code == proto.E_TOO_LARGE

@@ -1,5 +1,5 @@
 """The jail (actors/cells/jail.py), cgroups (actors/cells/cgroups.py) and guest memory
-(actors/machines/guestmem.py): units against fakes where the host cannot show a case (cgroup v2
+(actors/cells/guestmem.py): units against fakes where the host cannot show a case (cgroup v2
 here), real processes and real jailed QEMUs for the rest."""
 
 from __future__ import annotations
@@ -17,10 +17,9 @@ from pathlib import Path
 import pytest
 import trio
 
-from actors.cells import cgroups, jail
+from actors.cells import cgroups, guestmem, identities, jail
 from actors.cells.cgroups import CgroupError, CgroupLimits, CgroupV1Manager, CgroupV2Manager
-from actors.machines import guestmem
-from actors.machines.guestmem import MemoryFileError, UnsafeDirectory
+from actors.cells.guestmem import MemoryFileError, UnsafeDirectory
 from actors.net.netns import NetError
 from images.build import Image, load_default
 
@@ -92,9 +91,9 @@ def test_cgroups() -> Iterator[cgroups.CgroupManager | None]:
         assert not any(d.exists() for d in mgr.parent_dirs())
 
 
-def allocator() -> jail.IdentityAllocator:
+def allocator() -> identities.IdentityAllocator:
     """Sandbox ids, none of which a process on this host has (other test runs, benchmarks)."""
-    alloc = jail.IdentityAllocator()
+    alloc = identities.IdentityAllocator()
     alloc.adopt_running()
     return alloc
 
@@ -132,22 +131,22 @@ def test_identity_range_refuses_real_ids(tmp_path: Path) -> None:
     (tmp_path / "passwd").write_text("root:x:0:0::/root:/bin/sh\nbob:x:5000:5000::/home/bob:/bin/sh\n")
     (tmp_path / "group").write_text("root:x:0:\nbob:x:5000:\n")
     (tmp_path / "subuid").write_text("bob:100000:65536\n")
-    with pytest.raises(jail.JailError, match="passwd has 'bob'"):
-        jail.IdentityAllocator(4000, 2000, etc=tmp_path)
-    with pytest.raises(jail.JailError, match="subuid gives 'bob'"):
-        jail.IdentityAllocator(150000, 10, etc=tmp_path)
-    with pytest.raises(jail.JailError, match="65534"):
-        jail.IdentityAllocator(60000, 10000, etc=tmp_path)
-    with pytest.raises(jail.JailError, match="not a valid range"):
-        jail.IdentityAllocator(0, 10, etc=tmp_path)
-    jail.IdentityAllocator(200000, 1000, etc=tmp_path)  # clear of everything
+    with pytest.raises(identities.JailError, match="passwd has 'bob'"):
+        identities.IdentityAllocator(4000, 2000, etc=tmp_path)
+    with pytest.raises(identities.JailError, match="subuid gives 'bob'"):
+        identities.IdentityAllocator(150000, 10, etc=tmp_path)
+    with pytest.raises(identities.JailError, match="65534"):
+        identities.IdentityAllocator(60000, 10000, etc=tmp_path)
+    with pytest.raises(identities.JailError, match="not a valid range"):
+        identities.IdentityAllocator(0, 10, etc=tmp_path)
+    identities.IdentityAllocator(200000, 1000, etc=tmp_path)  # clear of everything
 
 
 def test_identities_are_never_shared_and_reused_late(tmp_path: Path) -> None:
-    alloc = jail.IdentityAllocator(1_900_100_000, 3, etc=tmp_path)
+    alloc = identities.IdentityAllocator(1_900_100_000, 3, etc=tmp_path)
     a, b, c = (alloc.allocate(x) for x in "abc")
     assert len({a.uid, b.uid, c.uid}) == 3 and all(i.uid == i.gid for i in (a, b, c))
-    with pytest.raises(jail.JailError, match="no free sandbox uid"):
+    with pytest.raises(identities.JailError, match="no free sandbox uid"):
         alloc.allocate("d")
     alloc.release(b)
     assert alloc.allocate("d") == b  # the only free one
@@ -155,7 +154,7 @@ def test_identities_are_never_shared_and_reused_late(tmp_path: Path) -> None:
     alloc.release(c)
     # round-robin: the next after the last handed out, not the lowest free
     assert alloc.allocate("e") == c
-    with pytest.raises(jail.JailError, match="live for e"):
+    with pytest.raises(identities.JailError, match="live for e"):
         alloc.adopt(c, "f")
     alloc.adopt(a, "a-again")
     assert alloc.live == {a.uid: "a-again", b.uid: "d", c.uid: "e"}
@@ -163,7 +162,7 @@ def test_identities_are_never_shared_and_reused_late(tmp_path: Path) -> None:
 
 @root_only
 def test_running_processes_keep_their_uid(tmp_path: Path) -> None:
-    alloc = jail.IdentityAllocator(1_900_200_000, 2, etc=tmp_path)
+    alloc = identities.IdentityAllocator(1_900_200_000, 2, etc=tmp_path)
     p = subprocess.Popen(["sleep", "30"], user=1_900_200_000, group=1_900_200_000, extra_groups=[])
     try:
         assert alloc.adopt_running() == {1_900_200_000: p.pid}
@@ -335,35 +334,35 @@ async def test_spawn_failures_name_the_step(base: Path, helper: Path) -> None:
     spec = jail.JailSpec(identity=ident, root=base / "j", netns=Path("/etc/hostname"))
     jail.build_jail(spec)
     try:
-        with pytest.raises(jail.JailError, match="enter the network namespace"):
+        with pytest.raises(identities.JailError, match="enter the network namespace"):
             await jail.spawn(["/usr/bin/true"], spec, helper=helper)
-        with pytest.raises(jail.JailError, match="outside every bind"):
+        with pytest.raises(identities.JailError, match="outside every bind"):
             await jail.spawn(
                 [shutil.which("python3") or "/nonexistent"],
                 jail.JailSpec(identity=ident, root=base / "j", binds=()),
                 helper=helper,
             )
-        with pytest.raises(jail.JailError, match="No such file"):
+        with pytest.raises(identities.JailError, match="No such file"):
             await jail.spawn(
                 ["/usr/bin/true"], jail.JailSpec(identity=ident, root=base / "j", netns=Path("/nope")), helper=helper
             )
         missing = jail.JailSpec(
             identity=ident, root=base / "j", binds=(*jail.default_binds(), jail.Bind(base / "gone", "/x"))
         )
-        with pytest.raises(jail.JailError, match=r"mount .*/x: No such file"):
+        with pytest.raises(identities.JailError, match=r"mount .*/x: No such file"):
             await jail.spawn(["/usr/bin/true"], missing, helper=helper)
     finally:
         jail.remove_jail(spec.root)
     spec.root.mkdir()
-    with pytest.raises(jail.JailError, match="exists already"):
+    with pytest.raises(identities.JailError, match="exists already"):
         jail.build_jail(spec)
     spec.root.rmdir()
-    with pytest.raises(jail.JailError, match="only /dev/null"):
+    with pytest.raises(identities.JailError, match="only /dev/null"):
         jail.build_jail(jail.JailSpec(identity=ident, root=base / "dev", devices=("/dev/sda",)))
     assert not (base / "dev").exists()
     (base / "open").mkdir(mode=0o777)
     (base / "open").chmod(0o777)
-    with pytest.raises(jail.JailError, match="writable by group or others"):
+    with pytest.raises(identities.JailError, match="writable by group or others"):
         jail.build_jail(jail.JailSpec(identity=ident, root=base / "open" / "j"))
 
 
@@ -394,7 +393,7 @@ def test_private_dir_is_made_checked_and_foreign_ones_refused(shm: Path) -> None
 @root_only
 def test_ram_files_are_exclusive_and_the_sandboxs_own(shm: Path) -> None:
     d = guestmem.private_dir(shm / "ram")
-    ident = jail.Identity(1_900_300_001, 1_900_300_001)
+    ident = identities.Identity(1_900_300_001, 1_900_300_001)
     fd = guestmem.create_ram_file(d, "a.ram", 4 * MIB, ident)
     try:
         st = os.fstat(fd)

@@ -15,8 +15,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from actors.egress_policy import PRIVATE4, EgressPolicy, PolicyError, parse_entry
 from actors.net import dnsmsg
-from actors.net.egress import PRIVATE4, EgressPolicy, PolicyError, clip, may_open, paint, parse_entry, sandbox_rules
+from actors.net.egress import clip, may_open, paint, sandbox_rules
 from actors.net.hostnet import lock_netns, unlock_netns
 from actors.net.ippool import IpPool, MemoryLeases, PoolError, PoolExhausted, guest_mac, link_name
 from actors.net.netns import NetError, NetNS

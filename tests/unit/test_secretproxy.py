@@ -21,10 +21,10 @@ import pytest
 import trio
 import trustme
 
-from actors.net.secretproxy import CHUNK, Blocked, Inflater, ProxyView, SecretProxy, _Refused, check_request
 from actors.sandboxes.secrets import upstream_context
 from actors.secrets import model as secrets_model
 from actors.secrets.ca import Minter, new_ca
+from actors.secrets.secretproxy import CHUNK, Blocked, Inflater, ProxyView, SecretProxy, _Refused, check_request
 
 PH = "PH_TOKEN_0123456789abcdef"
 ALL_PH = "PH_WHOLE_0123456789abcdef"

@@ -24,11 +24,11 @@ from hypothesis import strategies as st
 from actors.errors import FailedPrecondition, InvalidArgument, PermissionDenied
 from actors.net import egress
 from actors.net.ippool import MIN_PREFIX
-from actors.net.secretproxy import Blocked, ProxyView, Scrubber, SecretProxy, _Refused, client_hello_name
 from actors.registry import Registry
 from actors.sandboxes.secrets import check_store_hosts, hosts_in_force, upstream_context
 from actors.secrets import model as secrets_model
 from actors.secrets.ca import Minter, new_ca
+from actors.secrets.secretproxy import Blocked, ProxyView, Scrubber, SecretProxy, _Refused, client_hello_name
 from actors.secrets.vault import Vault
 from actors.store import Store
 from guestd import trust
