@@ -8,6 +8,7 @@ real-VM half is tests/vm/test_net_create.py.
 from __future__ import annotations
 
 import shutil
+import sys
 import tempfile
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -287,3 +288,45 @@ async def test_create_refuses_unknown_profiles_and_bind_addresses_the_operator_d
             assert {p.host_address for p in cfg.ports} == {"127.0.0.2", "192.0.2.7"}
             await AsyncSandbox.create("f", socket=sock, network_profile="none", detached=True, wait=False)
             assert reg.sandboxes["f"].config.network == Network(profile="none")
+
+
+async def test_the_cli_s_create_flags(tmp_path: Path, short_dir: Path) -> None:
+    """``create --port [ADDR:]HOST:GUEST[/udp] --port-address --dns --dns-search
+    --network-profile``, the real CLI against the real socket."""
+    sock = short_dir / "s.sock"
+
+    async def cli(*args: str) -> trio.Process:
+        argv = [sys.executable, "-m", "supervisor.cli", "create", "--socket", str(sock), "--no-wait", *args]
+        return await trio.run_process(argv, capture_stdout=True, capture_stderr=True, check=False)
+
+    with trio.fail_after(60):
+        async with served(tmp_path, sock) as reg:
+            done = await cli(
+                "c",
+                "--network",
+                "outbound",
+                "--port",
+                "127.0.0.2:5353:53/udp",
+                "--port",
+                "8080",
+                "--port-address",
+                "127.0.0.3",
+                "--dns",
+                "192.0.2.53",
+                "--dns-search",
+                "a.test",
+                "--dns-search",
+                "b.test",
+            )
+            assert done.returncode == 0, done.stderr
+            net = reg.sandboxes["c"].config.network
+            assert (net.port_address, net.dns) == ("127.0.0.3", Dns(("192.0.2.53",), ("a.test", "b.test")))
+            assert set(reg.sandboxes["c"].config.ports) == {
+                PortSpec(53, 5353, Protocol.UDP, "127.0.0.2"),
+                PortSpec(8080, 0, Protocol.TCP, "127.0.0.3"),
+            }
+            done = await cli("d", "--network-profile", "nope")
+            assert done.returncode != 0 and b"unknown network profile 'nope'" in done.stderr, done.stderr
+            done = await cli("e", "--port", "1:2/sctp")
+            assert done.returncode != 0 and b"tcp or udp" in done.stderr, done.stderr
+            assert set(reg.sandboxes) == {"c"}
