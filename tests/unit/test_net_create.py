@@ -8,6 +8,7 @@ real-VM half is tests/vm/test_net_create.py.
 from __future__ import annotations
 
 import shutil
+import subprocess
 import sys
 import tempfile
 from collections.abc import AsyncIterator, Iterator
@@ -27,7 +28,7 @@ from actors.registry import Registry
 from actors.sandboxes.life import resolv_conf
 from actors.store import Store
 from supervisor import mapping, protocol
-from supervisor.client import AsyncSandbox, PortBinding
+from supervisor.client import AsyncSandbox, PortBinding, Sandbox
 from supervisor.client import Dns as SdkDns
 from supervisor.client import PermissionDenied as WirePermissionDenied
 from supervisor.errors import InvalidArgument as WireInvalidArgument
@@ -289,13 +290,32 @@ async def test_create_refuses_unknown_profiles_and_bind_addresses_the_operator_d
             await AsyncSandbox.create("f", socket=sock, network_profile="none", detached=True, wait=False)
             assert reg.sandboxes["f"].config.network == Network(profile="none")
 
+            # the blocking SDK takes the same settings (and gets the same refusals)
+            def blocking() -> None:
+                Sandbox.create(
+                    "g",
+                    socket=sock,
+                    network="outbound",
+                    port_bindings=["0:53/udp"],
+                    dns=SdkDns(search=["s.test"]),
+                    detached=True,
+                    wait=False,
+                )
+                with pytest.raises(WirePermissionDenied):
+                    Sandbox.create("h", socket=sock, network="outbound", port_address="192.0.2.9", wait=False)
+
+            await trio.to_thread.run_sync(blocking)
+            g = reg.sandboxes["g"].config
+            assert g.ports == (PortSpec(53, 0, Protocol.UDP),) and g.network.dns == Dns((), ("s.test",))
+            assert "h" not in reg.sandboxes
+
 
 async def test_the_cli_s_create_flags(tmp_path: Path, short_dir: Path) -> None:
     """``create --port [ADDR:]HOST:GUEST[/udp] --port-address --dns --dns-search
     --network-profile``, the real CLI against the real socket."""
     sock = short_dir / "s.sock"
 
-    async def cli(*args: str) -> trio.Process:
+    async def cli(*args: str) -> subprocess.CompletedProcess[bytes]:
         argv = [sys.executable, "-m", "supervisor.cli", "create", "--socket", str(sock), "--no-wait", *args]
         return await trio.run_process(argv, capture_stdout=True, capture_stderr=True, check=False)
 
