@@ -93,6 +93,14 @@ async def test_ports_profiles_and_dns_given_at_create(image: Image) -> None:
             await dns_through_the_proxy(q)
             await udp_port(q, q_sdk)
             await bind_address(lab, q, q_sdk)
+            # a restored clone: the guest's resolv.conf written again after net_config's,
+            # the origin's expanded rules, each port on its own address again
+            snap, _ = await reg.checkpoint("q", name="q-snap")
+            clone = await reg.restore(snap.id, id="qc")
+            assert await sh(clone, "cat /etc/resolv.conf") == f"nameserver {NOBODY}\nsearch test\n"
+            assert clone.config.network == q.config.network and clone.ip_address != q.ip_address
+            carried = {(pm.sandbox_port, pm.host_address) for pm in clone.ports()}
+            assert carried == {(5300, ""), (8000, UPLINK_HOST), (8001, "127.0.0.5")}
             await p_sdk.remove()
             servers.cancel_scope.cancel()
         # the operator changes the file: the next supervisor has the new rules, and the
