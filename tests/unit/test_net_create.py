@@ -39,6 +39,8 @@ from supervisor.sdk.spec import SandboxSpec
 from supervisor.server import Server
 from tests.support.fakevm import FakeLab, fake_settings
 from tests.unit.test_net import chain_verdict
+from tests.unit.test_principals import ALICE, ROOT_ONLY
+from tests.unit.test_principals import lab as principals_lab
 
 POOL = IPv4Network("10.88.0.0/16")
 
@@ -350,3 +352,41 @@ async def test_the_cli_s_create_flags(tmp_path: Path, short_dir: Path) -> None:
             done = await cli("e", "--port", "1:2/sctp")
             assert done.returncode != 0 and b"tcp or udp" in done.stderr, done.stderr
             assert set(reg.sandboxes) == {"c"}
+
+
+@ROOT_ONLY
+async def test_a_group_member_binds_only_where_the_operator_allows(tmp_path: Path) -> None:
+    """The bind-address door for an unprivileged client (uid 65534 in --group, through
+    setpriv's ids): 0.0.0.0 and a LAN address the operator did not list are refused
+    (nothing made), on create and on a later expose; a listed one and loopback work."""
+    d = Path(tempfile.mkdtemp(prefix="b", dir="/tmp"))
+    d.chmod(0o755)  # the other uid reaches the socket in it
+    try:
+        with trio.fail_after(120):
+            async with principals_lab(tmp_path, d, port_addresses=("192.0.2.7",)) as lb:
+                user = {"mode": "user"}
+                got = await lb.as_uid(
+                    ALICE,
+                    [
+                        ("Create", {"id": "a", "network": user, "port_address": "0.0.0.0"}),
+                        (
+                            "Create",
+                            {"id": "b", "network": user, "ports": [{"sandbox_port": 80, "host_address": "192.0.2.8"}]},
+                        ),
+                        (
+                            "Create",
+                            {"id": "c", "network": user, "ports": [{"sandbox_port": 80, "host_address": "192.0.2.7"}]},
+                        ),
+                        ("ExposePort", {"id": "c", "sandbox_port": 81, "host_address": "0.0.0.0"}),
+                    ],
+                )
+                assert [g.get("fail", [""])[0] for g in got] == [
+                    "PERMISSION_DENIED",
+                    "PERMISSION_DENIED",
+                    "",
+                    "PERMISSION_DENIED",
+                ]
+                assert set(lb.reg.sandboxes) == {"c"}
+                assert lb.reg.get("c").config.ports == (PortSpec(80, 0, Protocol.TCP, "192.0.2.7"),)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
