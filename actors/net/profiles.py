@@ -1,8 +1,9 @@
 """Named network profiles: a name a Create gives instead of an egress policy.
 
 Built in: ``public`` (the internet; private ranges, the host and other sandboxes stay
-closed as under any policy), ``private`` (only the private ranges: RFC 1918 and
-100.64/10; nothing public, no names outside them) and ``none`` (no network device).
+closed as under any policy), ``private`` (only the RFC 1918 ranges: the LAN; not
+100.64/10, where cloud metadata services live; nothing public, no names outside them)
+and ``none`` (no network device).
 An operator adds profiles in a TOML file (``serve --network-profiles FILE``)::
 
     [profile.corp]
@@ -28,7 +29,7 @@ from actors.errors import InvalidArgument
 from actors.model import Egress, NetMode, Network
 from actors.net.egress import EgressPolicy, PolicyError
 
-PRIVATE_RANGES = ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10")
+PRIVATE_RANGES = ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16")  # RFC 1918
 NONE = "none"
 BUILTIN: dict[str, Egress | None] = {
     "public": Egress(default="allow"),

@@ -171,6 +171,7 @@ def test_builtin_profiles_expand_to_egress_rules() -> None:
     assert verdict("private", "10.1.2.3") == "accept"
     assert verdict("private", "192.168.4.4") == "accept"
     assert verdict("private", "10.88.0.9") == "reject"  # other sandboxes: still closed
+    assert verdict("private", "100.100.100.200") == "reject"  # 100.64/10: cloud metadata, not the LAN
     assert profiles.expand(Network(profile="none"), {}) == Network(profile="none")
     user = profiles.expand(Network(mode=NetMode.USER, outbound=True, profile="private"), {})
     assert user.mode == NetMode.USER and user.egress == profiles.BUILTIN["private"]
