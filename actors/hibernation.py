@@ -424,13 +424,12 @@ class Hibernation:
     def _hold_ports(self, sb: Sandbox) -> None:
         """Bind the host ports of a paused sandbox's mappings (they stay reserved) and,
         with auto-resume, watch them: the first connection (or datagram) resumes it."""
-        addr = self.reg.settings.expose_address
         for pm in sb.record.ports:
             if pm.key in sb.held_ports or not pm.host_port:
                 continue
             kind = socket.SOCK_DGRAM if pm.protocol == Protocol.UDP else socket.SOCK_STREAM
             try:
-                sock = bind_listener(addr, pm.host_port, kind)
+                sock = bind_listener(self.reg.settings.bind_address(pm), pm.host_port, kind)
             except (PortInUse, OSError) as exc:
                 sb.log.append("system", f"paused: host port {pm.host_port} not held: {exc}".encode())
                 continue
@@ -544,7 +543,7 @@ class Hibernation:
             if pm is None:
                 conn.close()
                 continue
-            lives.start_soon(_pipe_one, conn, Target(self.reg.settings.expose_address, pm.host_port))
+            lives.start_soon(_pipe_one, conn, Target(self.reg.settings.bind_address(pm), pm.host_port))
 
 
 async def _warm(sb: Sandbox) -> None:

@@ -53,6 +53,7 @@ from actors.model import (
     script_argv,
 )
 from actors.modify import modify
+from actors.net import profiles
 from actors.registry import DEFAULT_STOP_TIMEOUT, Registry
 from actors.sandboxes.logs import SOURCES as LOG_SOURCES
 from actors.sandboxes.sandbox import Sandbox
@@ -76,6 +77,9 @@ def _absolute(path: str) -> str:
 @method("Create", protocol.CreateSandboxRequest)
 async def _create(reg: Registry, io: CallIO, req: protocol.CreateSandboxRequest) -> protocol.CreateSandboxResponse:
     config = mapping.config(req)
+    config = attrs.evolve(config, network=profiles.expand(config.network, reg.settings.network_profiles))
+    for address in {config.network.port_address, *(p.host_address for p in config.ports)}:
+        reg.settings.check_bind_address(address)
     access.check_uses(reg, io.principal, config)
     sb = await reg.create(
         req.id, config, mapping.secret_values(req), pull_auth=mapping.pull_auth(req), owner=io.principal.name
@@ -487,7 +491,7 @@ async def _metrics_all(reg: Registry, io: CallIO, req: protocol.Empty) -> protoc
 async def _expose(reg: Registry, io: CallIO, req: protocol.ExposePortRequest) -> protocol.ExposePortResponse:
     check_port(req.sandbox_port, req.host_port)
     pm = await access.sandbox(reg, io.principal, req.id).expose(
-        req.sandbox_port, req.host_port, mapping.port_protocol(req.protocol)
+        req.sandbox_port, req.host_port, mapping.port_protocol(req.protocol), req.host_address
     )
     # idempotent: a port exposed already answers with its mapping. The guest needs no
     # relay port: slirp forwards, and on tap the relay connects, to the sandbox port

@@ -140,7 +140,21 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
     p.add_argument("--egress-default", choices=["allow", "deny"], help="what no --allow/--deny entry matches")
     p.add_argument("--allow", action="append", metavar="ENTRY", help="CIDR, host:port or domain (repeatable)")
     p.add_argument("--deny", action="append", metavar="ENTRY", help="CIDR, host:port or domain (repeatable)")
-    p.add_argument("--port", action="append", metavar="HOST:GUEST")
+    p.add_argument(
+        "--port",
+        action="append",
+        metavar="[ADDR:]HOST:GUEST[/udp]",
+        help="expose a sandbox port (HOST 0: any free one; ADDR: loopback or what serve --port-address allows; "
+        "repeatable)",
+    )
+    p.add_argument("--port-address", metavar="ADDR", help="the host address every --port listens on")
+    p.add_argument(
+        "--network-profile",
+        metavar="NAME",
+        help="public, private, none, or one of serve --network-profiles: its egress rules (no --allow/--deny)",
+    )
+    p.add_argument("--dns", action="append", metavar="IPV4", help="a nameserver the guest's resolv.conf names")
+    p.add_argument("--dns-search", action="append", metavar="DOMAIN", help="a search domain of the guest")
     p.add_argument(
         "--volume", action="append", metavar="NAME:/path[:ro]", help="mount a named volume (sandvisor volume create)"
     )
@@ -384,6 +398,7 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
     p.add_argument("sandbox_port", type=int, nargs="?")
     p.add_argument("--host-port", type=int, default=0)
     p.add_argument("--udp", action="store_true")
+    p.add_argument("--address", default="", metavar="ADDR", help="host address to listen on (add)")
     p.add_argument("--json", action="store_true")
 
     p = cmd("ssh", ssh, "ssh to a sandbox through serve --ssh (the system's ssh; docs/ssh.md)")

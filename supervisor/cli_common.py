@@ -31,22 +31,6 @@ def kv(items: list[str] | None, what: str = "K=V") -> dict[str, str]:
     return result
 
 
-def ports(items: list[str] | None) -> dict[int, int]:
-    result = {}
-    for item in items or []:
-        host, sep, guest = item.partition(":")
-        if (
-            not sep
-            or not host.isdigit()
-            or not guest.isdigit()
-            or not 0 <= int(host) <= 65535
-            or not 0 < int(guest) <= 65535
-        ):
-            raise UsageError(f"expected HOST:GUEST ports, got {item!r}")
-        result[int(guest)] = int(host)
-    return result
-
-
 def tls_flag(text: str) -> bool:
     """``--tls-verify=false`` as podman and skopeo spell it."""
     v = text.lower()

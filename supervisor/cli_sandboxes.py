@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-from supervisor.cli_common import UsageError, connect, kv, on_trio, ports, trailing_command
+from supervisor.cli_common import UsageError, connect, kv, on_trio, trailing_command
 from supervisor.cli_output import PullProgress, markup_escape, print_json, print_table, rich_table, ts
 from supervisor.cli_ssh import read_key_files
 
@@ -81,7 +81,10 @@ async def _create(a: argparse.Namespace) -> AsyncSandbox:
         network=a.network,
         outbound=a.outbound,
         egress=_egress(a),
-        ports=ports(a.port),
+        port_bindings=_port_bindings(a.port),
+        port_address=a.port_address or "",
+        network_profile=a.network_profile or "",
+        dns=_dns(a),
         image=a.image or "",
         pull=pull,
         tls_verify=a.tls_verify,
@@ -183,6 +186,28 @@ def _egress(a: argparse.Namespace) -> Any:
     from supervisor.client import Egress
 
     return Egress(default=a.egress_default or "allow", allow=a.allow or (), deny=a.deny or ())
+
+
+def _port_bindings(items: list[str] | None) -> list[Any]:
+    """``--port [ADDR:]HOST:GUEST[/udp]`` (repeatable) as the SDK's PortBindings."""
+    from supervisor.client import PortBinding
+
+    out = []
+    for item in items or ():
+        try:
+            out.append(PortBinding.parse(item))
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+    return out
+
+
+def _dns(a: argparse.Namespace) -> Any:
+    """``--dns``/``--dns-search`` as the SDK's Dns (None: not given)."""
+    if not a.dns and not a.dns_search:
+        return None
+    from supervisor.client import Dns
+
+    return Dns(nameservers=a.dns or (), search=a.dns_search or ())
 
 
 def run(a: argparse.Namespace) -> int:
@@ -542,10 +567,10 @@ def port(a: argparse.Namespace) -> int:
         raise UsageError(f"port {a.action} needs SANDBOX_PORT")
     with connect(a) as c:
         if a.action == "add":
-            r = c.call(
-                "ExposePort",
-                {"id": a.name, "sandbox_port": a.sandbox_port, "host_port": a.host_port, "protocol": proto},
-            )
+            body = {"id": a.name, "sandbox_port": a.sandbox_port, "host_port": a.host_port, "protocol": proto}
+            if a.address:
+                body["host_address"] = a.address
+            r = c.call("ExposePort", body)
             print(r["host_port"])
         else:
             c.call("UnexposePort", {"id": a.name, "sandbox_port": a.sandbox_port, "protocol": proto})

@@ -30,7 +30,8 @@ from actors.cells.cell import Cells, JailConfig
 from actors.machines.qemuproc import unprivileged_user, unsearchable_parent
 from actors.machines.qemuspec import resolve_accel
 from actors.machines.vm import booted_guest
-from actors.model import SandboxConfig
+from actors.model import Egress, SandboxConfig
+from actors.net import profiles
 from actors.net.hostnet import HostNetConfig, HostNetwork
 from actors.net.ippool import IpPool, parse_pool
 from actors.principals import Principal
@@ -81,6 +82,16 @@ def host_network(cfg: DaemonConfig, store: Store) -> HostNetwork | None:
         jail_prefix=f"svj-{key}-",
     )
     return HostNetwork(config, IpPool(cfg.ip_pool, StoreLeases(store)))
+
+
+def network_profiles(cfg: DaemonConfig) -> dict[str, Egress]:
+    """The operator's named network profiles (--network-profiles), read once at start."""
+    if cfg.network_profiles is None:
+        return {}
+    try:
+        return profiles.load(cfg.network_profiles)
+    except profiles.ProfileFileError as exc:
+        raise Refused(f"--network-profiles: {exc}") from None
 
 
 def parse_upstream(text: str) -> tuple[str, int]:
@@ -213,6 +224,12 @@ def _check(cfg: DaemonConfig) -> None:
             parse_upstream(upstream)
         except ValueError as exc:
             raise Refused(f"--dns-upstream: {exc}") from None
+    for address in cfg.port_addresses:
+        try:
+            ipaddress.IPv4Address(address)
+        except ValueError:
+            raise Refused(f"--port-address {address!r}: expected an IPv4 address such as 192.0.2.10") from None
+    network_profiles(cfg)  # (a bad file is refused by its flag before anything starts)
     if cfg.jail_uids is not None:
         first, count = cfg.jail_uids
         if first <= 0 or first + count > 2**32 - 1:
@@ -424,6 +441,8 @@ async def _serve_locked(cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Re
         hostnet=hostnet,
         vault=Vault(cfg.state_dir, cfg.secrets_key),
         upstream_tls=upstream_context(str(cfg.upstream_ca or "")),
+        port_addresses=cfg.port_addresses,
+        network_profiles=network_profiles(cfg),
     )
     log.info(
         "serving on %s (state %s, accel %s, QEMU %s)",

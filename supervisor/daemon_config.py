@@ -484,6 +484,24 @@ class DaemonConfig:
         parse=_path,
     )
     stop_timeout: float = 10.0  # (no flag) the stop of every sandbox at SIGTERM
+    # networking (docs/network.md): non-loopback host addresses a sandbox's exposed ports
+    # may listen on (a door: every host of that network reaches the port; docs/security.md)
+    port_addresses: tuple[str, ...] = flag(
+        (),
+        name="--port-address",
+        kind="repeat",
+        metavar="ADDRESS",
+        help="a host address (IPv4; 0.0.0.0 for all) a Create may expose its ports on, besides loopback and "
+        "--expose-address (repeatable; opens those ports to that network)",
+    )
+    network_profiles: Path | None = flag(  # named egress policies a Create may name (TOML)
+        None,
+        name="--network-profiles",
+        metavar="FILE",
+        help="a TOML file of named network profiles ([profile.NAME] default/allow/deny) besides "
+        "public, private and none; read at start",
+        parse=_path,
+    )
 
 
 def flags() -> list[tuple[attrs.Attribute[Any], Flag]]:

@@ -82,14 +82,11 @@ class Rpc:
 
 
 def _sandvisor_create(d: dict[str, Any]) -> dict[str, Any]:
-    """sandvisor.v1.CreateRequest: ``outbound`` and ``egress`` are fields of the network,
-    ``host_address`` is the server's to set."""
+    """sandvisor.v1.CreateRequest: ``outbound`` and ``egress`` are fields of the network."""
     if d.pop("outbound", False):
         d["network"] = {**d.get("network", {}), "outbound": True}
     if "egress" in d:  # (a field of the network, as on the msgpack edge)
         d["network"] = {**d.get("network", {}), "egress": d.pop("egress")}
-    for p in d.get("ports", ()):
-        p.pop("host_address", None)
     return d
 
 

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import attrs
+
 from actors.errors import DomainError, FailedPrecondition, InvalidArgument
 from actors.model import (
     ALIVE,
     BootSource,
+    Dns,
     Egress,
     HostMount,
     Limits,
@@ -73,10 +76,23 @@ def net_mode(text: str) -> NetMode:
         raise InvalidArgument(f"network mode {text!r}: one of none, tap, user") from None
 
 
-def network(spec: protocol.NetworkSpec) -> Network:
+def network(spec: protocol.NetworkSpec, req: protocol.CreateSandboxRequest | None = None) -> Network:
     eg = spec.egress
     egress = None if eg is None else Egress(default=eg.default, allow=tuple(eg.allow), deny=tuple(eg.deny))
-    return Network(mode=net_mode(spec.mode), outbound=spec.outbound, egress=egress)
+    net = Network(mode=net_mode(spec.mode), outbound=spec.outbound, egress=egress)
+    if req is None:
+        return net
+    d = req.dns
+    dns = Dns(tuple(d.nameservers), tuple(d.search)) if d is not None else Dns()
+    return attrs.evolve(net, profile=req.network_profile, port_address=req.port_address, dns=dns)
+
+
+def create_ports(req: protocol.CreateSandboxRequest) -> tuple[PortSpec, ...]:
+    """A Create's ports, each on its own host address or the sandbox's."""
+    return tuple(
+        PortSpec(p.sandbox_port, p.host_port, port_protocol(p.protocol), p.host_address or req.port_address)
+        for p in req.ports
+    )
 
 
 def config(req: protocol.CreateSandboxRequest) -> SandboxConfig:
@@ -93,9 +109,9 @@ def config(req: protocol.CreateSandboxRequest) -> SandboxConfig:
             max_memory_mib=req.max_memory_mib,
             disk_mib=req.disk_size_mib,
         ),
-        network=network(req.network),
+        network=network(req.network, req),
         workload=Workload(cmd=tuple(req.cmd), env=dict(req.env), working_dir=req.working_dir, user=req.user),
-        ports=tuple(PortSpec(p.sandbox_port, p.host_port, port_protocol(p.protocol)) for p in req.ports),
+        ports=create_ports(req),
         timers=Timers(
             ttl_seconds=req.ttl_seconds,
             idle_timeout_seconds=req.idle_timeout_seconds,
@@ -245,9 +261,9 @@ def summary(sb: Sandbox) -> protocol.SandboxSummary:
 
 
 def ports(sb: Sandbox) -> protocol.ListPortsResponse:
-    address = sb.settings.expose_address
+    bind = sb.settings.bind_address
     return protocol.ListPortsResponse(
-        [protocol.PortMapping(p.sandbox_port, p.host_port, p.protocol.value, host_address=address) for p in sb.ports()]
+        [protocol.PortMapping(p.sandbox_port, p.host_port, p.protocol.value, host_address=bind(p)) for p in sb.ports()]
     )
 
 

@@ -72,6 +72,7 @@ from supervisor.messages.files import (
 from supervisor.messages.sandboxes import (
     CreateSandboxRequest,
     CreateSandboxResponse,
+    DnsSpec,
     EgressSpec,
     ExecInput,
     ExecOutput,
@@ -180,6 +181,7 @@ __all__ = [  # the errors, the frame constants and every body (supervisor.messag
     "CreateVolumeRequest",
     "DeleteSnapshotRequest",
     "DeleteVolumeRequest",
+    "DnsSpec",
     "EgressSpec",
     "Empty",
     "ExecInput",

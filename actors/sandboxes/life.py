@@ -790,6 +790,21 @@ class Life:
             self.sb.log.append("system", f"secrets: {err.message}".encode())
             raise MachineError(f"secrets: installing the sandbox CA: {err.message}") from None
 
+    async def configure_dns(self, guest: Guest) -> None:
+        """The guest's /etc/resolv.conf as its Create's DNS settings say (every boot and
+        restore: /init and net_config write the proxy's address alone). The nameservers
+        it names are answered by the DNS proxy all the same (the filter redirects port 53)."""
+        dns, net = self.sb.config.network.dns, self.sb.network
+        if not dns or net is None:
+            return
+        text = resolv_conf(dns.nameservers or (net.dns,), dns.search)
+        try:
+            await guest.channel.write_file("/etc/resolv.conf", text.encode())
+        except GuestError as exc:
+            err = guest_error(exc)
+            self.sb.log.append("system", f"dns: {err.message}".encode())
+            raise MachineError(f"dns: writing /etc/resolv.conf: {err.message}") from None
+
     def update_policy(self) -> None:
         """A warm pool member taken by a Create: the caller's egress policy."""
         netlink.set_policy(self.link, self.sb.egress)
@@ -868,3 +883,11 @@ def proc_cpu_seconds(pid: int) -> float:
         return (int(fields[11]) + int(fields[12])) / 100.0
     except (OSError, ValueError, IndexError):
         return 0.0
+
+
+def resolv_conf(nameservers: tuple[str, ...], search: tuple[str, ...]) -> str:
+    """A resolv.conf: its nameservers, then its search domains."""
+    lines = [f"nameserver {ns}" for ns in nameservers]
+    if search:
+        lines.append("search " + " ".join(search))
+    return "\n".join(lines) + "\n"

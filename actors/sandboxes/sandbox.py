@@ -377,6 +377,7 @@ class Sandbox:
                 await life.apply_patches(guest)
             if self.config.secrets:  # every boot and restore (a clone has a CA of its own)
                 await life.install_ca(guest)
+            await life.configure_dns(guest)  # (every boot and restore: /init writes its own)
             await life.apply_ports()  # ports given at create (or exposed before a stop) come first
             # vCPUs and memory below the machine's ceilings, a grown root filesystem
             await tune.at_boot(self, guest, fresh=isinstance(plan, Boot))
@@ -438,6 +439,7 @@ class Sandbox:
             if apply_ports:  # a Create's (a template's member has none; a snapshot's has its own)
                 await life.mount_tmpfs(guest)
             await life.apply_patches(guest)
+            await life.configure_dns(guest)
             life.update_policy()  # the caller's egress policy, not the template's
             if apply_ports:
                 await life.apply_ports()
@@ -707,13 +709,15 @@ class Sandbox:
         with the host ports it got), in the order they were exposed."""
         return list(self.record.ports)
 
-    async def expose(self, sandbox_port: int, host_port: int, protocol: Protocol) -> PortSpec:
-        """Forward ``sandbox_port`` from ``host_port`` (0: one is picked); see
-        :meth:`Exposed.expose`."""
+    async def expose(self, sandbox_port: int, host_port: int, protocol: Protocol, host_address: str = "") -> PortSpec:
+        """Forward ``sandbox_port`` from ``host_port`` (0: one is picked) on ``host_address``
+        ("": the sandbox's bind address); see :meth:`Exposed.expose`."""
+        address = host_address or self.config.network.port_address
+        self.settings.check_bind_address(address)
         await self.awake()
         self.require_alive()
         relays = self.life.ports if self.life is not None else None
-        return await self._exposed.expose(PortSpec(sandbox_port, host_port, protocol), self.network, relays)
+        return await self._exposed.expose(PortSpec(sandbox_port, host_port, protocol, address), self.network, relays)
 
     async def unexpose(self, sandbox_port: int, protocol: Protocol) -> None:
         life = self.life

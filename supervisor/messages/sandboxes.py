@@ -40,12 +40,22 @@ class NetworkSpec:
 
 @attrs.frozen
 class PortMapping:
-    """sandvisor extension: ports exposed at create (``--port HOST:GUEST``), and ListPorts' answer."""
+    """sandvisor extension: ports exposed at create (``--port [ADDR:]HOST:GUEST[/udp]``), and ListPorts' answer."""
 
     sandbox_port: int
     host_port: int = 0
     protocol: str = "tcp"
-    host_address: str = ""  # set by the server (ListPorts); ignored in requests
+    host_address: str = ""  # where the host port listens ("": the sandbox's or the supervisor's)
+
+
+@attrs.frozen
+class DnsSpec:
+    """sandvisor extension: the guest's resolv.conf: IPv4 ``nameservers`` (none: the
+    supervisor's DNS proxy's address) and ``search`` domains. Every query goes to the
+    supervisor's DNS proxy, whatever address the guest sends it to."""
+
+    nameservers: list[str] = attrs.field(factory=list)
+    search: list[str] = attrs.field(factory=list)
 
 
 @attrs.frozen
@@ -165,6 +175,13 @@ class CreateSandboxRequest:
     log_level: str = ""
     quiet_logs: bool = False
     thp: str = ""
+    # networking (docs/network.md): a named profile expanded to the egress policy at
+    # Create (public, private, none, or the operator's); the host address exposed ports
+    # listen on ("": the supervisor's; others as serve --port-address allows); the
+    # guest's resolv.conf (queries still go through the supervisor's DNS proxy)
+    network_profile: str = ""
+    port_address: str = ""
+    dns: DnsSpec | None = None
 
 
 @attrs.frozen
@@ -452,6 +469,7 @@ class ExposePortRequest:
     sandbox_port: int
     host_port: int = 0
     protocol: str = "tcp"
+    host_address: str = ""  # sandvisor extension ("": the sandbox's bind address)
 
 
 @attrs.frozen

@@ -403,10 +403,11 @@ def exec_output(body: dict[str, Any]) -> Output:
 
 
 # --- ports ----------------------------------------------------------------------------------
-def expose(t: Target, sandbox_port: int, host_port: int = 0, *, udp: bool = False) -> Plan[int]:
-    """Forward a host port (on the supervisor's loopback) to ``sandbox_port``; returns it."""
+def expose(t: Target, sandbox_port: int, host_port: int = 0, *, udp: bool = False, address: str = "") -> Plan[int]:
+    """Forward a host port to ``sandbox_port``; returns it. ``address``: the host address
+    it listens on ("": the sandbox's ``port_address``, else the supervisor's loopback)."""
     req = protocol.ExposePortRequest(
-        id=t.id, sandbox_port=sandbox_port, host_port=host_port, protocol="udp" if udp else "tcp"
+        id=t.id, sandbox_port=sandbox_port, host_port=host_port, protocol="udp" if udp else "tcp", host_address=address
     )
     r: protocol.ExposePortResponse = yield Unary("ExposePort", req, protocol.ExposePortResponse)
     return r.host_port

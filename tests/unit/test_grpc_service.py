@@ -127,7 +127,8 @@ def test_proto3_zero_values_take_our_defaults() -> None:
         grpc_service._sandvisor_create,
     )
     assert ours.network == protocol.NetworkSpec(mode="user", outbound=True)
-    assert (ours.id, ours.hostname, ours.ports) == ("x", "h", [protocol.PortMapping(80, 0, "tcp")])
+    # a port's host address is the caller's bind address (checked against serve --port-address)
+    assert (ours.id, ours.hostname, ours.ports) == ("x", "h", [protocol.PortMapping(80, 0, "tcp", "0.0.0.0")])
     vols = grpc_service.to_request(
         sv.CreateRequest(volumes=[sv.VolumeMount(volume="v", target="/data", readonly=True)]),
         protocol.CreateSandboxRequest,

@@ -276,7 +276,10 @@ DOMAIN_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("values", ("egress_policy", "model", "events", "store")),
     ("one VM", ("channel", "cells", "machines")),
     ("the host's network", ("net",)),
-    ("settings and shared services", ("settings", "quotas", "volumes", "hostdirs", "hostcopy", "oci_images", "sandlog")),
+    (
+        "settings and shared services",
+        ("settings", "quotas", "volumes", "hostdirs", "hostcopy", "oci_images", "sandlog"),
+    ),
     ("one sandbox", ("sandboxes",)),
     ("what outlives a life", ("snapshots",)),
     (
