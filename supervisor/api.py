@@ -59,7 +59,7 @@ from actors.sandboxes.sandbox import Sandbox
 from actors.sandboxes.workload import CommandNotRun
 from actors.snapshots.snapshot import rfc3339
 from guestd import proto
-from supervisor import access, api_store, mapping, protocol
+from supervisor import access, api_readback, api_store, mapping, protocol
 from supervisor.api_table import CallIO, Method, Table, joined, stopped
 
 MAX_IMPORT = 1 << 40  # bytes of one snapshot import's stream (the import bounds each file itself)
@@ -425,11 +425,11 @@ async def _logs(reg: Registry, io: CallIO, req: protocol.LogsRequest) -> None:
                     break
                 if req.until and r.timestamp > req.until:
                     return
-                await io.send(protocol.LogEntry(r.seq, r.timestamp, r.source, r.data))
+                await io.send(protocol.LogEntry(r.seq, r.timestamp, r.source, r.data, r.session))
                 cursor, tail = r.seq, 0
         # the clock passed ``until``: what was written up to it and is not sent yet
     for r in await sb.log.read(tail=tail, since=req.since, until=req.until, cursor=cursor, sources=sources):
-        await io.send(protocol.LogEntry(r.seq, r.timestamp, r.source, r.data))
+        await io.send(protocol.LogEntry(r.seq, r.timestamp, r.source, r.data, r.session))
 
 
 async def _metrics_of(sb: Sandbox) -> protocol.MetricsResponse:
@@ -587,4 +587,4 @@ async def _resume(reg: Registry, io: CallIO, req: protocol.IdRequest) -> protoco
     return mapping.info(await reg.resume(access.sandbox(reg, io.principal, req.id).id))
 
 
-METHODS: dict[str, Method] = joined(_TABLE, api_store.TABLE)  # every method both edges serve
+METHODS: dict[str, Method] = joined(_TABLE, api_store.TABLE, api_readback.TABLE)  # every method both edges serve

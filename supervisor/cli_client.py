@@ -23,6 +23,7 @@ import os
 
 from supervisor.cli_common import tls_flag, unix_ns
 from supervisor.cli_files import add_fs_command, fs
+from supervisor.cli_readback import add_config_command, config
 from supervisor.cli_sandboxes import (
     cp,
     create,
@@ -51,6 +52,7 @@ if TYPE_CHECKING:
 CLIENT_COMMANDS = frozenset(
     {
         "create",
+        "config",
         "ssh",
         "ssh-key",
         "run",
@@ -177,6 +179,15 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
     p.add_argument("--tls-verify", type=tls_flag, default=True, metavar="BOOL", help="false: a plain-HTTP registry")
     p.add_argument("--no-wait", action="store_true")
     p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--from-config",
+        metavar="FILE",
+        help="the settings of `sandvisor config NAME` (- : stdin); flags given here go on top",
+    )
+
+    add_config_command(
+        cmd("config", config, "a sandbox's whole configuration, as JSON that create --from-config takes")
+    )
 
     p = cmd("run", run, "run a command as the sandbox's workload, streaming its output")
     p.add_argument("name")

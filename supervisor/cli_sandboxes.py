@@ -20,7 +20,7 @@ TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~2 ms; m
 if TYPE_CHECKING:
     from typing import Any, Literal
 
-    from supervisor.client import AsyncSandbox, RegistryAuth
+    from supervisor.client import AsyncSandbox, RegistryAuth, Settings
 
 
 @on_trio
@@ -45,7 +45,7 @@ async def create(a: argparse.Namespace) -> int:
 
 
 async def _create(a: argparse.Namespace) -> AsyncSandbox:
-    from supervisor.client import AsyncImages, AsyncSandbox
+    from supervisor.client import AsyncImages, AsyncSandbox, SandboxSpec
 
     pull: Literal["", "always", "if-missing", "never"] = a.pull or ""
     registry = _registry_auth(a)
@@ -60,9 +60,7 @@ async def _create(a: argparse.Namespace) -> AsyncSandbox:
             progress=lambda p: show(p.phase, p.message, p.done, p.total),
         )
         pull = "if-missing"
-    return await AsyncSandbox.create(
-        a.name,
-        socket=a.socket,
+    given = dict(
         cpus=a.cpus,
         memory_mib=a.memory,
         max_cpus=a.max_cpus,
@@ -92,9 +90,32 @@ async def _create(a: argparse.Namespace) -> AsyncSandbox:
         mounts=a.mount or (),
         secrets=a.secret or (),
         ssh_keys=read_key_files(a.ssh_key or ()),
-        detached=True,
-        wait=not a.no_wait,
     )
+    spec = None
+    if a.from_config is not None:  # the file's settings, with the flags given on top
+        spec = SandboxSpec().with_(**_read_config(a.from_config))
+        given = {k: v for k, v in given.items() if not _unset(k, v)}
+    return await AsyncSandbox.create(a.name, spec, socket=a.socket, detached=True, wait=not a.no_wait, **given)
+
+
+_FLAG_DEFAULTS = {"on_idle": "stop", "auto_resume": True, "network": "none", "tls_verify": True}
+
+
+def _unset(key: str, value: object) -> bool:
+    """A create flag left at its default (with --from-config, the file's value stays)."""
+    if key in _FLAG_DEFAULTS:
+        return value == _FLAG_DEFAULTS[key]
+    return value is None or value in (0, "", False, (), [], {})
+
+
+def _read_config(path: str) -> Settings:
+    from supervisor.client import load_config_json
+
+    try:
+        text = sys.stdin.read() if path == "-" else Path(path).read_text()
+    except OSError as exc:
+        raise UsageError(f"--from-config {path}: {exc.strerror}") from None
+    return load_config_json(text)
 
 
 def _registry_auth(a: argparse.Namespace) -> RegistryAuth | None:
@@ -432,7 +453,7 @@ def simple(a: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-_METRICS = ("ID", "CPU", "MEM", "HOST RSS", "DISK R/W", "NET RX/TX", "UP")
+_METRICS = ("ID", "CPU", "MEM", "HOST RSS", "DISK R/W", "NET RX/TX", "ROOT USED/FREE (HOST)", "UP")
 
 
 def _metrics_row(m: dict[str, Any]) -> tuple[str, ...]:
@@ -443,6 +464,8 @@ def _metrics_row(m: dict[str, Any]) -> tuple[str, ...]:
         f"{m['host_rss_bytes'] >> 20} MiB",
         f"{m['disk_read_bytes'] >> 10}/{m['disk_write_bytes'] >> 10} KiB",
         f"{m['net_rx_bytes']}/{m['net_tx_bytes']}",
+        f"{m.get('root_used_bytes', 0) >> 20}/{m.get('root_free_bytes', 0) >> 20} MiB"
+        f" ({m.get('root_host_allocated_bytes', 0) >> 20})",
         f"{m['uptime_seconds']:.0f}s",
     )
 

@@ -68,6 +68,7 @@ from supervisor.protocol import (
     SandboxSettings,
     SandboxSummary,
     SnapshotSummary,
+    SshEndpoint,
     VolumeInfo,
 )
 from supervisor.sdk.aio import (
@@ -80,6 +81,7 @@ from supervisor.sdk.aio import (
     CallStream,
     connect,
 )
+from supervisor.sdk.config_plans import load_config_json
 from supervisor.sdk.spec import (
     Boot,
     Egress,
@@ -155,6 +157,7 @@ __all__ = [
     "Settings",
     "SnapshotRef",
     "SnapshotSummary",
+    "SshEndpoint",
     "Tmpfs",
     "Unavailable",
     "Unimplemented",
@@ -165,5 +168,6 @@ __all__ = [
     "connect",
     "error_for",
     "images",
+    "load_config_json",
     "parse_size",
 ]

@@ -69,6 +69,7 @@ from supervisor.messages.files import (
     WriteTreeRequest,
     WriteTreeResponse,
 )
+from supervisor.messages.readback import ConfigRequest, PatchInfo, SandboxConfigResponse, SshEndpoint
 from supervisor.messages.sandboxes import (
     CreateSandboxRequest,
     CreateSandboxResponse,
@@ -175,6 +176,7 @@ __all__ = [  # the errors, the frame constants and every body (supervisor.messag
     "ApiError",
     "CheckpointRequest",
     "CheckpointResponse",
+    "ConfigRequest",
     "CreateSandboxRequest",
     "CreateSandboxResponse",
     "CreateVolumeRequest",
@@ -224,6 +226,7 @@ __all__ = [  # the errors, the frame constants and every body (supervisor.messag
     "NameRequest",
     "NetworkSpec",
     "OciImageInfo",
+    "PatchInfo",
     "PatchSpec",
     "PingResponse",
     "PortMapping",
@@ -241,6 +244,7 @@ __all__ = [  # the errors, the frame constants and every body (supervisor.messag
     "RotateSecretRequest",
     "RunOutput",
     "RunRequest",
+    "SandboxConfigResponse",
     "SandboxEvent",
     "SandboxEventsRequest",
     "SandboxInfo",
@@ -256,6 +260,7 @@ __all__ = [  # the errors, the frame constants and every body (supervisor.messag
     "SetTtlRequest",
     "SetTtlResponse",
     "SnapshotSummary",
+    "SshEndpoint",
     "StopSandboxRequest",
     "TerminalSize",
     "TmpfsMount",

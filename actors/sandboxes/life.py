@@ -810,6 +810,9 @@ class Life:
             net_rx_bytes=int(m.net.get("rx_bytes", 0)),
             net_tx_bytes=int(m.net.get("tx_bytes", 0)),
             uptime_seconds=float(m.uptime),
+            root_used_bytes=_guest_count(m.disk.get("root_used_bytes", 0)),
+            root_free_bytes=_guest_count(m.disk.get("root_free_bytes", 0)),
+            root_host_allocated_bytes=allocated_bytes(self.sb.files.disk),
         )
 
     def cpu_percent(self, pid: int) -> float:
@@ -821,6 +824,19 @@ class Life:
             return 0.0
         pct = 100.0 * (cpu - prev[1]) / (now - prev[0])
         return 0.0 if math.isnan(pct) else max(0.0, pct)
+
+
+def _guest_count(v: object) -> int:
+    """A byte count the guest reported: an int in 0..2**63-1, else 0 (its word only)."""
+    return v if isinstance(v, int) and 0 <= v < 1 << 63 else 0
+
+
+def allocated_bytes(path: Path) -> int:
+    """What a (sparse) file takes on the host's disk (0: none there)."""
+    try:
+        return path.stat().st_blocks * 512
+    except OSError:
+        return 0
 
 
 def proc_rss(pid: int) -> int:

@@ -398,6 +398,11 @@ class LogEntry:
     timestamp: int  # unix ns
     source: str  # stdout | stderr | output | system
     data: bytes
+    session_id: int = 0  # the Run session that wrote it (increasing per sandbox); 0: none (system)
+
+    def text(self) -> str:
+        """The bytes as text (UTF-8; what does not decode is replaced)."""
+        return self.data.decode(errors="replace")
 
 
 @attrs.frozen
@@ -418,6 +423,11 @@ class MetricsResponse:
     cgroup_memory_bytes: int = 0
     cgroup_memory_limit_bytes: int = 0
     cgroup_oom_kills: int = 0
+    # the root disk: used and free as the guest's statfs of / says (the guest's word),
+    # and what its writable layer (the qcow2 overlay) takes on the host's disk
+    root_used_bytes: int = 0
+    root_free_bytes: int = 0
+    root_host_allocated_bytes: int = 0
 
 
 @attrs.frozen
