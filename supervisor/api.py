@@ -181,6 +181,9 @@ async def _exec(reg: Registry, io: CallIO, first: protocol.ExecInput) -> None:
     req = first.init
     sb = access.sandbox(reg, io.principal, req.id)
     try:
+        if req.detachable:
+            await api_readback.held_exec(sb, req, io)
+            return
         await _exec_session(sb, req, io)
     except CommandNotRun as exc:  # raised before any output: the stream ends as a shell's
         sb.log.append("stderr", exc.stderr)
@@ -189,6 +192,7 @@ async def _exec(reg: Registry, io: CallIO, first: protocol.ExecInput) -> None:
 
 
 async def _exec_session(sb: Sandbox, req: protocol.ExecRequest, io: CallIO) -> None:
+    session = sb.log.new_session()  # its log entries carry it
     async with (
         sb.exec_session(
             req.cmd,
@@ -224,7 +228,7 @@ async def _exec_session(sb: Sandbox, req: protocol.ExecRequest, io: CallIO) -> N
         nursery.start_soon(pump_input)
         async for ch, data in h:
             name = "stderr" if ch == proto.STDERR else "stdout"
-            sb.log.append("output" if req.tty else name, data)
+            sb.log.append("output" if req.tty else name, data, session)
             await io.send(protocol.RunOutput(stream=name, data=data))
         nursery.cancel_scope.cancel()
     assert h.exit is not None

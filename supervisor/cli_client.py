@@ -25,6 +25,7 @@ from supervisor.cli_common import tls_flag, unix_ns
 from supervisor.cli_files import add_fs_command, fs
 from supervisor.cli_readback import add_config_command, config
 from supervisor.cli_sandboxes import (
+    attach,
     cp,
     create,
     events,
@@ -44,6 +45,7 @@ from supervisor.cli_secrets import secret
 from supervisor.cli_ssh import add_ssh_command, add_ssh_key_command, ssh, ssh_key
 from supervisor.cli_stores import checkpoint, restore, snapshot, snapshots, volume
 
+DEFAULT_DETACH_KEYS = "ctrl-p,ctrl-q"  # the SDK's (supervisor.sdk.detach), not imported: a quick start
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~2 ms; mypy reads the name)
 if TYPE_CHECKING:
     from typing import Any
@@ -57,6 +59,7 @@ CLIENT_COMMANDS = frozenset(
         "ssh-key",
         "run",
         "exec",
+        "attach",
         "ls",
         "inspect",
         "modify",
@@ -205,6 +208,15 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
     p.add_argument("--workdir", help="the directory it runs in (default: the sandbox's)")
     p.add_argument("--user", help="the user it runs as, a name or uid (default: the sandbox's)")
     p.add_argument("name")
+    detach_keys = (
+        "keys that leave the session running (docker's syntax; '' : none); sandvisor attach NAME SESSION goes back"
+    )
+    p.add_argument("--detach-keys", default=DEFAULT_DETACH_KEYS, metavar="KEYS", help=detach_keys)
+
+    p = cmd("attach", attach, "back to a detached exec session (its output since the detach first)")
+    p.add_argument("name")
+    p.add_argument("session", type=int, metavar="SESSION", help="the session id exec printed at the detach")
+    p.add_argument("--detach-keys", default=DEFAULT_DETACH_KEYS, metavar="KEYS", help=detach_keys)
 
     p = cmd("ls", ls, "list sandboxes")
     p.add_argument("--state")

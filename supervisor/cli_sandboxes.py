@@ -207,7 +207,27 @@ async def exec_(a: argparse.Namespace) -> int:
             return await sb.attach(
                 cmd, tty=False, env=kv(a.env), workdir=a.workdir or "", user=a.user or "", stdin_fd=devnull.fileno()
             )
-    return await sb.attach(cmd, tty=a.tty, env=kv(a.env), workdir=a.workdir or "", user=a.user or "")
+    from supervisor.client import Detached
+
+    try:
+        return await sb.attach(
+            cmd, tty=a.tty, env=kv(a.env), workdir=a.workdir or "", user=a.user or "", detach_keys=a.detach_keys
+        )
+    except Detached as d:
+        print(f"\r\ndetached: sandvisor attach {a.name} {d.session_id}", file=sys.stderr)
+        return 0
+
+
+@on_trio
+async def attach(a: argparse.Namespace) -> int:
+    """Back to a detached exec session (its output since the detach first)."""
+    from supervisor.client import AsyncSandbox, Detached
+
+    try:
+        return await AsyncSandbox(a.name, socket=a.socket).attach_session(a.session, detach_keys=a.detach_keys)
+    except Detached as d:
+        print(f"\r\ndetached: sandvisor attach {a.name} {d.session_id}", file=sys.stderr)
+        return 0
 
 
 def ls(a: argparse.Namespace) -> int:

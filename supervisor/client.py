@@ -82,6 +82,7 @@ from supervisor.sdk.aio import (
     connect,
 )
 from supervisor.sdk.config_plans import load_config_json
+from supervisor.sdk.detach import DEFAULT_DETACH_KEYS, Detached
 from supervisor.sdk.spec import (
     Boot,
     Egress,
@@ -106,6 +107,7 @@ from supervisor.sdk.spec import (
 from supervisor.sdk.sync import Images, Sandbox, Secrets, Volumes, images
 
 __all__ = [
+    "DEFAULT_DETACH_KEYS",
     "AlreadyExists",
     "AsyncConnection",
     "AsyncExec",
@@ -118,6 +120,7 @@ __all__ = [
     "Cancelled",
     "CheckpointResponse",
     "DeadlineExceeded",
+    "Detached",
     "Egress",
     "FailedPrecondition",
     "FsEntry",

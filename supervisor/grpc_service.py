@@ -106,6 +106,13 @@ def _sandvisor_config(d: dict[str, Any]) -> dict[str, Any]:
     return d
 
 
+def _detachable(d: dict[str, Any]) -> dict[str, Any]:
+    """sandvisor.v1 ExecDetachable's first message: sandbox.v1's init, detachable."""
+    if "init" in d:
+        d["init"] = {**d["init"], "detachable": True}
+    return d
+
+
 _BUILDS = "images are built on the supervisor's host: sandvisor image build"
 
 BINDINGS: dict[str, tuple[Rpc, ...]] = {
@@ -181,6 +188,8 @@ BINDINGS: dict[str, tuple[Rpc, ...]] = {
         Rpc("ListSandboxSecrets", "ListSandboxSecrets"),
         Rpc("Config", "Config", reply=_sandvisor_config),
         Rpc("SshEndpoint", "SshEndpoint"),
+        Rpc("ExecDetachable", "Exec", prepare=_detachable),
+        Rpc("Attach", "Attach", prepare=lambda d: dict(d.get("attach") or {})),
     ),
 }
 

@@ -69,7 +69,7 @@ from supervisor.messages.files import (
     WriteTreeRequest,
     WriteTreeResponse,
 )
-from supervisor.messages.readback import ConfigRequest, PatchInfo, SandboxConfigResponse, SshEndpoint
+from supervisor.messages.readback import AttachRequest, ConfigRequest, PatchInfo, SandboxConfigResponse, SshEndpoint
 from supervisor.messages.sandboxes import (
     CreateSandboxRequest,
     CreateSandboxResponse,
@@ -174,6 +174,7 @@ __all__ = [  # the errors, the frame constants and every body (supervisor.messag
     "UNAVAILABLE",
     "UNIMPLEMENTED",
     "ApiError",
+    "AttachRequest",
     "CheckpointRequest",
     "CheckpointResponse",
     "ConfigRequest",

@@ -79,6 +79,7 @@ from actors.net.hostnet import SandboxLink
 from actors.net.ports import PortRelays
 from actors.quotas import check_sandbox_disk
 from actors.sandboxes import secrets
+from actors.sandboxes.sessions import HeldSessions
 from actors.snapshots.snapshot import memory_for_restore, resume_spec
 from actors.store import LifeState, SnapshotRecord
 from guestd import proto
@@ -167,6 +168,7 @@ class Life:
         self.link: SandboxLink | None = None  # its host link (tap; a jail's uplink)
         self.ports: PortRelays | None = None  # its forwards and relays, while the guest is up
         self.secrets: secrets.SecretsOfLife | None = None  # its secret proxy (a sandbox with secrets)
+        self.sessions: HeldSessions | None = None  # its detachable exec sessions, while the guest is up
         self.detaching = False  # it lets go of QEMU instead of stopping it
         self.pausing = False  # it ends for a pause: the volume claims stay
         self.guest_hostname = ""  # what the fixups last set in its guest
@@ -216,6 +218,7 @@ class Life:
                     guest = await self._launch(self.plan)
                 nursery = await self._stack.enter_async_context(trio.open_nursery())
                 self._stack.callback(nursery.cancel_scope.cancel)  # (first out: the relays end)
+                self.sessions = HeldSessions(nursery)  # (they end with the relays)
                 jailed = self.cell is not None
                 held = self.sb.take_held_port  # a resumed sandbox's listeners
                 self.ports = PortRelays(
@@ -257,6 +260,7 @@ class Life:
         the one before it raised (the first error is raised at the end)."""
         self.guest = self._launched = None
         self.ports = None
+        self.sessions = None
         errors: list[Exception] = []
         for step in (self._close_descriptors, self._close_link, self._close_cell):
             try:

@@ -1,5 +1,6 @@
 """Read-back bodies (sandvisor extensions): a sandbox's whole configuration as a Create
-would take it (Config), and its SSH endpoint (SshEndpoint).
+would take it (Config), its SSH endpoint (SshEndpoint), and a detached exec session
+attached again (Attach).
 
 The field order of each class is the msgpack wire's (:mod:`supervisor.protocol`).
 """
@@ -53,3 +54,13 @@ class SshEndpoint:
     host_key: str
     fingerprint: str
     known_hosts: str
+
+
+@attrs.frozen
+class AttachRequest:
+    """Attach's first message: the detached session ``session_id`` of sandbox ``id``
+    (its output since the detach comes first, then the live stream; later messages
+    are ExecInput: stdin, resize, close_stdin, detach)."""
+
+    id: str
+    session_id: int

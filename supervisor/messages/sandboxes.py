@@ -187,6 +187,9 @@ class RunOutput:
     data: bytes = b""
     exit_code: int = 0
     done: bool = False
+    # sandvisor extension: stream "detached" (done) ends a detachable Exec (or an
+    # Attach) the client left with ExecInput.detach: its process runs on as this session
+    session_id: int = 0
 
 
 @attrs.frozen
@@ -205,6 +208,9 @@ class ExecRequest:
     tty: bool = False
     tty_size: TerminalSize = attrs.field(factory=TerminalSize)
     timeout_seconds: int = 0
+    # sandvisor extension: the session may be left running (ExecInput.detach) and
+    # attached again (Attach); a client that goes away without detaching still ends it
+    detachable: bool = False
 
 
 @attrs.frozen
@@ -215,6 +221,7 @@ class ExecInput:
     stdin: bytes | None = None
     resize: TerminalSize | None = None
     close_stdin: bool = False  # sandvisor extension: end of input
+    detach: bool = False  # sandvisor extension: leave a detachable session running (the call ends)
 
 
 ExecOutput = RunOutput

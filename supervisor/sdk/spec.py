@@ -545,11 +545,13 @@ class RunResult:
 
 @attrs.frozen
 class Output:
-    """One chunk of a streaming run: ``stream`` is stdout, stderr or exit."""
+    """One chunk of a streaming run: ``stream`` is stdout, stderr or exit (or, ending a
+    detachable exec the client detached from, "detached" with its ``session_id``)."""
 
     stream: str
     data: bytes
     exit_code: int | None = None
+    session_id: int = 0
 
 
 @attrs.frozen
@@ -583,6 +585,8 @@ class RunSettings(TypedDict, total=False):
 
 
 def _output(item: protocol.RunOutput) -> Output:
+    if item.done and item.stream == "detached":
+        return Output("detached", b"", session_id=item.session_id)
     return Output("exit", b"", item.exit_code) if item.done else Output(item.stream, item.data)
 
 

@@ -12,6 +12,7 @@ import tempfile
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import attrs
 import msgpack
@@ -38,7 +39,7 @@ from actors.sandboxes.logs import _HDR, SandboxLog
 from actors.secrets.model import SecretRef
 from actors.store import Store
 from guestd.patch import Patch
-from supervisor import api_readback, config_readback, mapping, protocol
+from supervisor import api_readback, config_readback, grpc_service, mapping, protocol
 from supervisor.client import AsyncSandbox, InvalidArgument, SandboxSpec, Tmpfs, Unavailable, load_config_json
 from supervisor.client import VolumeMount as SdkVolume
 from supervisor.sdk.config_plans import settings_of
@@ -234,3 +235,67 @@ def test_log_entries_carry_their_run_session(tmp_path: Path) -> None:
     again.close()
     entry = protocol.LogEntry(1, 2, "stdout", b"h\xc3\xa9llo\xff", 7)
     assert entry.text() == "héllo\ufffd" and entry.session_id == 7
+
+
+def test_every_configuration_field_is_read_back() -> None:
+    """A field added to SandboxConfig must be read back too (supervisor/config_readback.py
+    and supervisor/sdk/config_plans.py), or Config stops being the whole configuration."""
+    handled = {
+        "labels", "limits", "network", "workload", "ports", "timers", "boot", "hostname", "patches",
+        "volumes", "tmpfs", "host_mounts", "scripts", "secrets", "ssh_keys",
+    }  # fmt: skip
+    assert {f.name for f in attrs.fields(SandboxConfig)} == handled, "read the new field back in Config"
+
+
+async def test_config_and_detach_over_sandvisor_v1(tmp_path: Path, short_dir: Path) -> None:
+    """sandvisor.v1: Config keeps what sandbox.v1's base cannot (outbound, egress), and a
+    detachable exec is left running and attached again (fake VMs)."""
+    import queue
+
+    from supervisor.proto.sandbox.v1 import sandbox_pb2 as pb
+    from supervisor.proto.sandvisor.v1 import sandvisor_pb2 as sv
+    from supervisor.proto.sandvisor.v1 import sandvisor_pb2_grpc as sv_grpc
+    from tests.support.grpcstack import stack, status_of
+
+    async def in_thread(fn: Any) -> Any:
+        return await trio.to_thread.run_sync(fn, abandon_on_cancel=True)
+
+    with trio.fail_after(60):
+        async with stack(tmp_path, short_dir) as st:
+            ours = sv_grpc.SandvisorServiceStub(st.channel)
+            base = pb.CreateSandboxRequest(id="g", network=pb.NetworkSpec(mode="user"), env={"A": "1"})
+            await in_thread(lambda: ours.Create(sv.CreateRequest(base=base, outbound=True)))
+            with trio.fail_after(30):
+                while st.reg.get("g").state.value != "ready":
+                    await trio.sleep(0.05)
+            got = await in_thread(lambda: ours.Config(sv.ConfigRequest(id="g")))
+            c = got.config
+            assert c.outbound and c.base.network.mode == "user" and dict(c.base.env) == {"A": "1"} and got.id == "g"
+            # an egress policy (a fake VM cannot have one): its own field of CreateRequest
+            rich = protocol.SandboxConfigResponse("x", config_readback.create_request(RICH, RICH.limits))
+            msg = grpc_service.to_message(rich, sv.SandboxConfig, grpc_service._sandvisor_config)
+            assert msg.config.outbound and msg.config.egress.default == "deny"
+            assert list(msg.config.egress.deny) == ["10.0.0.0/8"] and msg.config.base.network.mode == "user"
+            assert (await status_of(ours.SshEndpoint, sv.SshEndpointRequest(id="g")))[0].name == "UNAVAILABLE"
+
+            inputs: queue.Queue[sv.SessionInput | None] = queue.Queue()
+            inputs.put(sv.SessionInput(init=pb.ExecRequest(id="g", cmd=["cat"])))
+            inputs.put(sv.SessionInput(stdin=b"one"))
+            outputs = ours.ExecDetachable(iter(inputs.get, None))
+            first = await in_thread(lambda: next(outputs))
+            assert (first.stream, first.data) == ("stdout", b"one")
+            inputs.put(sv.SessionInput(detach=True))
+            rest = await in_thread(lambda: list(outputs))
+            assert [(o.stream, o.done) for o in rest] == [("detached", True)] and rest[0].session_id > 0
+            sid = rest[0].session_id
+            inputs.put(None)
+
+            again: queue.Queue[sv.SessionInput | None] = queue.Queue()
+            again.put(sv.SessionInput(attach=sv.AttachRequest(id="g", session_id=sid)))
+            again.put(sv.SessionInput(stdin=b"two"))
+            again.put(sv.SessionInput(close_stdin=True))
+            out = await in_thread(lambda: list(ours.Attach(iter(again.get, None))))
+            assert [(o.stream, o.data) for o in out] == [("stdout", b"two"), ("exit", b"")] and out[-1].done
+            again.put(None)
+            gone = sv.SessionInput(attach=sv.AttachRequest(id="g", session_id=sid))
+            assert (await status_of(lambda: list(ours.Attach(iter([gone])))))[0].name == "NOT_FOUND"

@@ -6,6 +6,7 @@ endpoint ``sb.ssh()`` gives, used by the real OpenSSH client with its pinned hos
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 import socket
 import subprocess
@@ -19,7 +20,7 @@ import trio
 
 from guestd.patch import Patch
 from images.build import Image
-from supervisor.client import AsyncSandbox, Sandbox, Unavailable
+from supervisor.client import AsyncSandbox, FailedPrecondition, NotFound, Sandbox, Unavailable
 from supervisor.throwaway import supervisor_process, workdir
 
 
@@ -190,3 +191,111 @@ def test_ssh_endpoint_unavailable_without_serve_ssh(image: Image) -> None:
                 sb.ssh()
         finally:
             sb.remove(force=True)
+
+
+def _wait_logged(box: Sandbox, session_id: int, text: str, timeout: float = 60) -> None:
+    """Until the sandbox's log holds ``text`` from session ``session_id`` (bounded)."""
+    deadline = time.monotonic() + timeout
+    while not any(e.session_id == session_id and text in e.text() for e in box.logs(tail=50)):
+        assert time.monotonic() < deadline, f"{text!r} of session {session_id} never logged"
+        time.sleep(0.2)
+
+
+def test_a_detached_session_keeps_running_and_is_attached_again(box: Sandbox) -> None:
+    """SDK: detach, output while away (logged with the session's id, buffered), attach
+    again: the buffered output first, then stdin and the exit, as before."""
+    script = "echo ready; sleep 1; echo while-away; while read l; do echo got:$l; done; exit 7"
+    with box.exec(["sh", "-c", script], detachable=True) as p:
+        first = next(iter(p))
+        assert first.data == b"ready\n"
+        sid = p.detach()
+    _wait_logged(box, sid, "while-away")
+    with box.session(sid) as again:
+        out = iter(again)
+        assert next(out).data == b"while-away\n"  # kept while no one was attached
+        again.send(b"x\n")
+        assert next(out).data == b"got:x\n"
+        again.close_stdin()
+        assert again.wait() == 7
+    with pytest.raises(Exception, match=f"no session {sid}"), box.session(sid) as gone:
+        gone.wait()
+
+    # a client that leaves without detaching ends the process, as a plain exec's
+    with box.exec(["sh", "-c", "echo up; exec sleep 313"], detachable=True) as p:
+        assert next(iter(p)).data == b"up\n"
+    deadline = time.monotonic() + 60
+    while box.run("pgrep -f 'sleep [3]13'").ok:  # ([3]: not the shell that runs pgrep)
+        assert time.monotonic() < deadline, "the left session's process runs on"
+        time.sleep(0.2)
+
+    async def main() -> int:  # the async SDK: detach, attach, detach again, attach, end
+        asb = AsyncSandbox("rb", socket=box.socket)
+        async with asb.exec(["sh", "-c", "cat"], detachable=True) as p:
+            sid = await p.detach()
+        async with asb.session(sid) as p:
+            assert await p.detach() == sid
+        async with asb.session(sid) as p:
+            await p.send(b"async\n")
+            await p.close_stdin()
+            got = [o async for o in p]
+            assert got[0].data == b"async\n" and got[-1].stream == "exit"
+            return await p.wait()
+
+    assert trio.run(main) == 0
+
+
+@pytest.mark.skipif(not shutil.which("tmux"), reason="no tmux")
+def test_cli_exec_it_detach_keys_and_attach(lab: Lab, box: Sandbox) -> None:
+    """``sandvisor exec -it`` on a real terminal (tmux): ctrl-p ctrl-q leaves the shell
+    running; ``sandvisor attach NAME SESSION`` goes back to it, its output since first."""
+    name = f"rb{time.monotonic_ns() % 100000}"
+    env = {**lab.env, "TERM": "xterm"}
+    cli = [sys.executable, "-m", "supervisor.cli"]
+
+    def screen() -> str:
+        r = subprocess.run(["tmux", "capture-pane", "-p", "-t", name], capture_output=True, text=True, check=False)
+        return r.stdout
+
+    def wait_for(text: str) -> str:
+        deadline = time.monotonic() + 90
+        while text not in (s := screen()):
+            assert time.monotonic() < deadline, f"{text!r} never showed; the screen:\n{s}"
+            time.sleep(0.2)
+        return s
+
+    def keys(*k: str) -> None:
+        subprocess.run(["tmux", "send-keys", "-t", name, *k], check=True)
+
+    def start(*argv: str) -> None:  # the pane stays a while after the CLI ends: its last words stay readable
+        line = shlex.join([*cli, *argv]) + "; sleep 60"
+        subprocess.run(["tmux", "new-session", "-d", "-s", name, "-x", "100", "-y", "30", line], check=True, env=env)
+
+    start("exec", "-it", "rb", "--", "sh")
+    try:
+        wait_for("#")  # the shell's prompt: the terminal is raw by now (typed-ahead keys would be flushed)
+        keys("echo one-$((40+2))", "Enter")
+        wait_for("one-42")
+        keys("C-p", "C-q")
+        s = wait_for("detached: sandvisor attach rb ")
+        sid = int(s.split("detached: sandvisor attach rb ")[1].split()[0])
+        subprocess.run(["tmux", "kill-session", "-t", name], check=False, capture_output=True)
+        start("attach", "rb", str(sid))
+        deadline = time.monotonic() + 90
+        while "two-43" not in screen():  # keys typed before the attach is raw are flushed: type until seen
+            keys("echo two-$((40+3))", "Enter")
+            assert time.monotonic() < deadline, screen()
+            time.sleep(1)
+        keys("exit 0", "Enter")
+        deadline = time.monotonic() + 60
+        while True:  # until the session is gone (the CLI holds it until the shell ends)
+            try:
+                with box.session(sid) as gone:
+                    gone.detach()
+            except NotFound:
+                break
+            except FailedPrecondition:
+                pass
+            assert time.monotonic() < deadline, "the session outlived its shell"
+            time.sleep(0.2)
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", name], check=False, capture_output=True)

@@ -1126,3 +1126,41 @@ class SshEndpointInfo(_message.Message):
     fingerprint: str
     known_hosts: str
     def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ..., user: _Optional[str] = ..., host_key: _Optional[str] = ..., fingerprint: _Optional[str] = ..., known_hosts: _Optional[str] = ...) -> None: ...
+
+class SessionInput(_message.Message):
+    __slots__ = ("init", "attach", "stdin", "resize", "close_stdin", "detach")
+    INIT_FIELD_NUMBER: _ClassVar[int]
+    ATTACH_FIELD_NUMBER: _ClassVar[int]
+    STDIN_FIELD_NUMBER: _ClassVar[int]
+    RESIZE_FIELD_NUMBER: _ClassVar[int]
+    CLOSE_STDIN_FIELD_NUMBER: _ClassVar[int]
+    DETACH_FIELD_NUMBER: _ClassVar[int]
+    init: _sandbox_pb2.ExecRequest
+    attach: AttachRequest
+    stdin: bytes
+    resize: _sandbox_pb2.TerminalSize
+    close_stdin: bool
+    detach: bool
+    def __init__(self, init: _Optional[_Union[_sandbox_pb2.ExecRequest, _Mapping]] = ..., attach: _Optional[_Union[AttachRequest, _Mapping]] = ..., stdin: _Optional[bytes] = ..., resize: _Optional[_Union[_sandbox_pb2.TerminalSize, _Mapping]] = ..., close_stdin: _Optional[bool] = ..., detach: _Optional[bool] = ...) -> None: ...
+
+class AttachRequest(_message.Message):
+    __slots__ = ("id", "session_id")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    session_id: int
+    def __init__(self, id: _Optional[str] = ..., session_id: _Optional[int] = ...) -> None: ...
+
+class SessionOutput(_message.Message):
+    __slots__ = ("stream", "data", "exit_code", "done", "session_id")
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    stream: str
+    data: bytes
+    exit_code: int
+    done: bool
+    session_id: int
+    def __init__(self, stream: _Optional[str] = ..., data: _Optional[bytes] = ..., exit_code: _Optional[int] = ..., done: _Optional[bool] = ..., session_id: _Optional[int] = ...) -> None: ...
