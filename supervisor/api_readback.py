@@ -109,7 +109,7 @@ async def _attached(sb: Sandbox, session: HeldSession, io: CallIO) -> None:
     """``io`` is ``session``'s client until the process ends (its exit is sent), the
     client detaches ("detached" is sent: it runs on) or goes away (it ends)."""
     send, receive = trio.open_memory_channel[tuple[str, bytes]](16)
-    held = session.attach(send)
+    held = session.attach(send)  # (another client's session: refused here, before it is this call's)
     left = False  # the client detached
     try:
         for name, data in held:
@@ -155,7 +155,8 @@ async def _attached(sb: Sandbox, session: HeldSession, io: CallIO) -> None:
         if session.exit_code is None:
             raise Unavailable(f"session {session.id} ended with its sandbox ({sb.state.value})")
         await io.send(protocol.RunOutput(stream="exit", exit_code=session.exit_code, done=True))
-        session.finish()
     finally:
-        if not left and not session.ended.is_set():
+        if not left and session.ended.is_set():
+            session.finish()  # ended, and its client saw it (or went away): nothing to keep
+        elif not left:
             session.end()  # the client went away without detaching: as a plain exec's

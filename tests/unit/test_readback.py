@@ -299,3 +299,25 @@ async def test_config_and_detach_over_sandvisor_v1(tmp_path: Path, short_dir: Pa
             again.put(None)
             gone = sv.SessionInput(attach=sv.AttachRequest(id="g", session_id=sid))
             assert (await status_of(lambda: list(ours.Attach(iter([gone])))))[0].name == "NOT_FOUND"
+
+
+async def test_another_principal_reads_back_nothing(tmp_path: Path, short_dir: Path) -> None:
+    """Config, SshEndpoint and Attach of a sandbox another principal owns: NOT_FOUND with
+    a real miss's text (no existence oracle), as every call on it."""
+    from supervisor.client import NotFound
+    from supervisor.sdk.acting import acting_as
+
+    sock = short_dir / "s.sock"
+    async with serving(tmp_path, sock) as reg:
+        with trio.fail_after(60):
+            mine = await AsyncSandbox.create("mine", socket=sock, detached=True)
+            reg.endpoints.update(ssh="127.0.0.1:2222", ssh_host_key="ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIA== x")
+            with acting_as("uid:65534"):
+                other = AsyncSandbox("mine", socket=sock)
+                for call in (other.config, other.config_json, other.ssh):
+                    with pytest.raises(NotFound, match="no sandbox 'mine'"):
+                        await call()
+                with pytest.raises(NotFound, match="no sandbox 'mine'"):
+                    async with other.session(1) as s:
+                        await s.wait()
+            assert (await mine.config())["hostname"] == ""

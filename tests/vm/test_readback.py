@@ -249,7 +249,7 @@ def test_cli_exec_it_detach_keys_and_attach(lab: Lab, box: Sandbox) -> None:
     """``sandvisor exec -it`` on a real terminal (tmux): ctrl-p ctrl-q leaves the shell
     running; ``sandvisor attach NAME SESSION`` goes back to it, its output since first."""
     name = f"rb{time.monotonic_ns() % 100000}"
-    env = {**lab.env, "TERM": "xterm"}
+    env = lab.env
     cli = [sys.executable, "-m", "supervisor.cli"]
 
     def screen() -> str:
@@ -267,8 +267,11 @@ def test_cli_exec_it_detach_keys_and_attach(lab: Lab, box: Sandbox) -> None:
         subprocess.run(["tmux", "send-keys", "-t", name, *k], check=True)
 
     def start(*argv: str) -> None:  # the pane stays a while after the CLI ends: its last words stay readable
-        line = shlex.join([*cli, *argv]) + "; sleep 60"
-        subprocess.run(["tmux", "new-session", "-d", "-s", name, "-x", "100", "-y", "30", line], check=True, env=env)
+        # (env: a tmux server running already gives a new session its own environment, not ours)
+        line = shlex.join(["env", *(f"{k}={v}" for k, v in env.items() if k.startswith("SANDVISOR")), *cli, *argv])
+        subprocess.run(
+            ["tmux", "new-session", "-d", "-s", name, "-x", "100", "-y", "30", line + "; sleep 60"], check=True
+        )
 
     start("exec", "-it", "rb", "--", "sh")
     try:
