@@ -73,6 +73,7 @@ async def _ssh_endpoint(reg: Registry, io: CallIO, req: protocol.IdRequest) -> p
 async def held_exec(sb: Sandbox, req: protocol.ExecRequest, io: CallIO) -> None:
     """A detachable Exec: its process is the life's (a held session), this call its
     first client; ExecInput.detach leaves it running."""
+    await sb.awake()  # a paused sandbox resumes first, as for any exec
     sb.require_alive()
     life = sb.life
     sessions = life.sessions if life is not None else None

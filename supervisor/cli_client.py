@@ -209,7 +209,7 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
     p.add_argument("--user", help="the user it runs as, a name or uid (default: the sandbox's)")
     p.add_argument("name")
     detach_keys = (
-        "keys that leave the session running (docker's syntax; '' : none); sandvisor attach NAME SESSION goes back"
+        "with -t: keys that leave the session running (docker's syntax; '' : none); attach NAME SESSION goes back"
     )
     p.add_argument("--detach-keys", default=DEFAULT_DETACH_KEYS, metavar="KEYS", help=detach_keys)
 

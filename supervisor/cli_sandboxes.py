@@ -210,8 +210,10 @@ async def exec_(a: argparse.Namespace) -> int:
     from supervisor.client import Detached
 
     try:
+        # detach keys on a terminal only: piped stdin is data, where any byte sequence may occur
+        keys = a.detach_keys if a.tty else ""
         return await sb.attach(
-            cmd, tty=a.tty, env=kv(a.env), workdir=a.workdir or "", user=a.user or "", detach_keys=a.detach_keys
+            cmd, tty=a.tty, env=kv(a.env), workdir=a.workdir or "", user=a.user or "", detach_keys=keys
         )
     except Detached as d:
         print(f"\r\ndetached: sandvisor attach {a.name} {d.session_id}", file=sys.stderr)
