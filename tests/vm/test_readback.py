@@ -247,48 +247,48 @@ def test_a_detached_session_keeps_running_and_is_attached_again(box: Sandbox) ->
 @pytest.mark.skipif(not shutil.which("tmux"), reason="no tmux")
 def test_cli_exec_it_detach_keys_and_attach(lab: Lab, box: Sandbox) -> None:
     """``sandvisor exec -it`` on a real terminal (tmux): ctrl-p ctrl-q leaves the shell
-    running; ``sandvisor attach NAME SESSION`` goes back to it, its output since first."""
-    name = f"rb{time.monotonic_ns() % 100000}"
+    running; ``sandvisor attach NAME SESSION`` goes back to it."""
+    tag = f"rb{time.monotonic_ns() % 100000}"
+    first, second = f"{tag}a", f"{tag}b"  # (two sessions: killing a server's last one ends it, racing the next)
     env = lab.env
     cli = [sys.executable, "-m", "supervisor.cli"]
 
-    def screen() -> str:
+    def screen(name: str) -> str:
         r = subprocess.run(["tmux", "capture-pane", "-p", "-t", name], capture_output=True, text=True, check=False)
         return r.stdout
 
-    def wait_for(text: str) -> str:
+    def wait_for(name: str, text: str) -> str:
         deadline = time.monotonic() + 90
-        while text not in (s := screen()):
+        while text not in (s := screen(name)):
             assert time.monotonic() < deadline, f"{text!r} never showed; the screen:\n{s}"
             time.sleep(0.2)
         return s
 
-    def keys(*k: str) -> None:
+    def keys(name: str, *k: str) -> None:
         subprocess.run(["tmux", "send-keys", "-t", name, *k], check=True)
 
-    def start(*argv: str) -> None:  # the pane stays a while after the CLI ends: its last words stay readable
+    def start(name: str, *argv: str) -> None:  # the pane stays after the CLI ends: its last words readable
         # (env: a tmux server running already gives a new session its own environment, not ours)
         line = shlex.join(["env", *(f"{k}={v}" for k, v in env.items() if k.startswith("SANDVISOR")), *cli, *argv])
         subprocess.run(
-            ["tmux", "new-session", "-d", "-s", name, "-x", "100", "-y", "30", line + "; sleep 60"], check=True
+            ["tmux", "new-session", "-d", "-s", name, "-x", "100", "-y", "30", line + "; sleep 120"], check=True
         )
 
-    start("exec", "-it", "rb", "--", "sh")
     try:
-        wait_for("#")  # the shell's prompt: the terminal is raw by now (typed-ahead keys would be flushed)
-        keys("echo one-$((40+2))", "Enter")
-        wait_for("one-42")
-        keys("C-p", "C-q")
-        s = wait_for("detached: sandvisor attach rb ")
+        start(first, "exec", "-it", "rb", "--", "sh")
+        wait_for(first, "#")  # the shell's prompt: the terminal is raw by now (typed-ahead keys would be flushed)
+        keys(first, "echo one-$((40+2))", "Enter")
+        wait_for(first, "one-42")
+        keys(first, "C-p", "C-q")
+        s = wait_for(first, "detached: sandvisor attach rb ")
         sid = int(s.split("detached: sandvisor attach rb ")[1].split()[0])
-        subprocess.run(["tmux", "kill-session", "-t", name], check=False, capture_output=True)
-        start("attach", "rb", str(sid))
+        start(second, "attach", "rb", str(sid))
         deadline = time.monotonic() + 90
-        while "two-43" not in screen():  # keys typed before the attach is raw are flushed: type until seen
-            keys("echo two-$((40+3))", "Enter")
-            assert time.monotonic() < deadline, screen()
+        while "two-43" not in screen(second):  # keys typed before the attach is raw are flushed: type until seen
+            keys(second, "echo two-$((40+3))", "Enter")
+            assert time.monotonic() < deadline, screen(second)
             time.sleep(1)
-        keys("exit 0", "Enter")
+        keys(second, "exit 0", "Enter")
         deadline = time.monotonic() + 60
         while True:  # until the session is gone (the CLI holds it until the shell ends)
             try:
@@ -301,4 +301,5 @@ def test_cli_exec_it_detach_keys_and_attach(lab: Lab, box: Sandbox) -> None:
             assert time.monotonic() < deadline, "the session outlived its shell"
             time.sleep(0.2)
     finally:
-        subprocess.run(["tmux", "kill-session", "-t", name], check=False, capture_output=True)
+        for name in (first, second):
+            subprocess.run(["tmux", "kill-session", "-t", name], check=False, capture_output=True)
