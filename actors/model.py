@@ -109,6 +109,11 @@ class SandboxMetrics:
     cgroup_memory_bytes: int = 0
     cgroup_memory_limit_bytes: int = 0
     cgroup_oom_kills: int = 0
+    # the root disk: used and free by the guest's statfs of / (its word: clamped, not
+    # trusted), and the bytes its writable layer (the qcow2 overlay) takes on the host
+    root_used_bytes: int = 0
+    root_free_bytes: int = 0
+    root_host_allocated_bytes: int = 0
 
 
 POOL_PREFIX = "\x00pool:"  # ids of warm pool members: no caller id can hold a control character

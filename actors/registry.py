@@ -138,6 +138,9 @@ class Registry:
         self.timers = Timers(self.sandboxes, self.admission, self.hibernation, self.remove, DEFAULT_STOP_TIMEOUT)
         self._lives: trio.Nursery | None = None
         self._closing = False
+        # what the serving process publishes beside its socket (set by the composition
+        # root: "ssh" HOST:PORT and "ssh_host_key", serve --ssh's); read by the edges
+        self.endpoints: dict[str, str] = {}
 
     # -- lifecycle of the registry ---------------------------------------------
     async def run(self, task_status: trio.TaskStatus[Registry] = trio.TASK_STATUS_IGNORED) -> None:

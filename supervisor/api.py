@@ -60,7 +60,7 @@ from actors.sandboxes.sandbox import Sandbox
 from actors.sandboxes.workload import CommandNotRun
 from actors.snapshots.snapshot import rfc3339
 from guestd import proto
-from supervisor import access, api_store, mapping, protocol
+from supervisor import access, api_readback, api_store, mapping, protocol
 from supervisor.api_table import CallIO, Method, Table, joined, stopped
 
 MAX_IMPORT = 1 << 40  # bytes of one snapshot import's stream (the import bounds each file itself)
@@ -185,6 +185,9 @@ async def _exec(reg: Registry, io: CallIO, first: protocol.ExecInput) -> None:
     req = first.init
     sb = access.sandbox(reg, io.principal, req.id)
     try:
+        if req.detachable:
+            await api_readback.held_exec(sb, req, io)
+            return
         await _exec_session(sb, req, io)
     except CommandNotRun as exc:  # raised before any output: the stream ends as a shell's
         sb.log.append("stderr", exc.stderr)
@@ -193,6 +196,7 @@ async def _exec(reg: Registry, io: CallIO, first: protocol.ExecInput) -> None:
 
 
 async def _exec_session(sb: Sandbox, req: protocol.ExecRequest, io: CallIO) -> None:
+    session = sb.log.new_session()  # its log entries carry it
     async with (
         sb.exec_session(
             req.cmd,
@@ -228,7 +232,7 @@ async def _exec_session(sb: Sandbox, req: protocol.ExecRequest, io: CallIO) -> N
         nursery.start_soon(pump_input)
         async for ch, data in h:
             name = "stderr" if ch == proto.STDERR else "stdout"
-            sb.log.append("output" if req.tty else name, data)
+            sb.log.append("output" if req.tty else name, data, session)
             await io.send(protocol.RunOutput(stream=name, data=data))
         nursery.cancel_scope.cancel()
     assert h.exit is not None
@@ -429,11 +433,11 @@ async def _logs(reg: Registry, io: CallIO, req: protocol.LogsRequest) -> None:
                     break
                 if req.until and r.timestamp > req.until:
                     return
-                await io.send(protocol.LogEntry(r.seq, r.timestamp, r.source, r.data))
+                await io.send(protocol.LogEntry(r.seq, r.timestamp, r.source, r.data, r.session))
                 cursor, tail = r.seq, 0
         # the clock passed ``until``: what was written up to it and is not sent yet
     for r in await sb.log.read(tail=tail, since=req.since, until=req.until, cursor=cursor, sources=sources):
-        await io.send(protocol.LogEntry(r.seq, r.timestamp, r.source, r.data))
+        await io.send(protocol.LogEntry(r.seq, r.timestamp, r.source, r.data, r.session))
 
 
 async def _metrics_of(sb: Sandbox) -> protocol.MetricsResponse:
@@ -591,4 +595,4 @@ async def _resume(reg: Registry, io: CallIO, req: protocol.IdRequest) -> protoco
     return mapping.info(await reg.resume(access.sandbox(reg, io.principal, req.id).id))
 
 
-METHODS: dict[str, Method] = joined(_TABLE, api_store.TABLE)  # every method both edges serve
+METHODS: dict[str, Method] = joined(_TABLE, api_store.TABLE, api_readback.TABLE)  # every method both edges serve

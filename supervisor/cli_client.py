@@ -23,7 +23,9 @@ import os
 
 from supervisor.cli_common import tls_flag, unix_ns
 from supervisor.cli_files import add_fs_command, fs
+from supervisor.cli_readback import add_config_command, config
 from supervisor.cli_sandboxes import (
+    attach,
     cp,
     create,
     events,
@@ -44,6 +46,7 @@ from supervisor.cli_secrets import secret
 from supervisor.cli_ssh import add_ssh_command, add_ssh_key_command, ssh, ssh_key
 from supervisor.cli_stores import checkpoint, restore, snapshot, snapshots, volume
 
+DEFAULT_DETACH_KEYS = "ctrl-p,ctrl-q"  # the SDK's (supervisor.sdk.detach), not imported: a quick start
 TYPE_CHECKING = False  # typing.TYPE_CHECKING without importing typing (~2 ms; mypy reads the name)
 if TYPE_CHECKING:
     from typing import Any
@@ -52,11 +55,13 @@ if TYPE_CHECKING:
 CLIENT_COMMANDS = frozenset(
     {
         "create",
+        "config",
         "ssh",
         "ssh-key",
         "run",
         "exec",
         "shell",
+        "attach",
         "ls",
         "inspect",
         "modify",
@@ -225,6 +230,15 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
         metavar="HOST_DIR:/path",
         help="a host directory tree under serve --allow-path, copied in before ready (symlinks as links)",
     )
+    p.add_argument(
+        "--from-config",
+        metavar="FILE",
+        help="the settings of `sandvisor config NAME` (- : stdin); flags given here go on top",
+    )
+
+    add_config_command(
+        cmd("config", config, "a sandbox's whole configuration, as JSON that create --from-config takes")
+    )
 
     p = cmd("run", run, "run a command as the sandbox's workload, streaming its output")
     p.add_argument("name")
@@ -242,6 +256,15 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
     p.add_argument("--workdir", help="the directory it runs in (default: the sandbox's)")
     p.add_argument("--user", help="the user it runs as, a name or uid (default: the sandbox's)")
     p.add_argument("name")
+    detach_keys = (
+        "with -t: keys that leave the session running (docker's syntax; '' : none); attach NAME SESSION goes back"
+    )
+    p.add_argument("--detach-keys", default=DEFAULT_DETACH_KEYS, metavar="KEYS", help=detach_keys)
+
+    p = cmd("attach", attach, "back to a detached exec session (its output since the detach first)")
+    p.add_argument("name")
+    p.add_argument("session", type=int, metavar="SESSION", help="the session id exec printed at the detach")
+    p.add_argument("--detach-keys", default=DEFAULT_DETACH_KEYS, metavar="KEYS", help=detach_keys)
 
     p = cmd("shell", shell, "an interactive shell in the sandbox (its create --shell, else /bin/sh)")
     p.add_argument("--shell", help="this shell instead (a path, or a name on the sandbox's PATH)")

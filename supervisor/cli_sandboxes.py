@@ -45,7 +45,7 @@ async def create(a: argparse.Namespace) -> int:
 
 
 async def _create(a: argparse.Namespace) -> AsyncSandbox:
-    from supervisor.client import AsyncImages, AsyncSandbox
+    from supervisor.client import AsyncImages, AsyncSandbox, SandboxSpec
 
     pull: Literal["", "always", "if-missing", "never"] = a.pull or ""
     registry = _registry_auth(a)
@@ -61,9 +61,7 @@ async def _create(a: argparse.Namespace) -> AsyncSandbox:
         )
         pull = "if-missing"
     shape: Any = shape_settings(a)  # (a TypedDict of other keys: mypy would see them twice)
-    return await AsyncSandbox.create(
-        a.name,
-        socket=a.socket,
+    given = dict(
         cpus=a.cpus,
         memory_mib=a.memory,
         max_cpus=a.max_cpus,
@@ -95,10 +93,33 @@ async def _create(a: argparse.Namespace) -> AsyncSandbox:
         mounts=a.mount or (),
         secrets=a.secret or (),
         ssh_keys=read_key_files(a.ssh_key or ()),
-        detached=True,
-        wait=not a.no_wait,
-        **shape,
     )
+    spec = None
+    if a.from_config is not None:  # the file's settings, with the flags given on top
+        spec = SandboxSpec().with_(**_read_config(a.from_config))
+        given = {k: v for k, v in given.items() if not _unset(k, v)}
+    given.update(shape)  # (only what was given: cmd=[] from --no-cmd clears a file's too)
+    return await AsyncSandbox.create(a.name, spec, socket=a.socket, detached=True, wait=not a.no_wait, **given)
+
+
+_FLAG_DEFAULTS = {"on_idle": "stop", "auto_resume": True, "network": "none", "tls_verify": True}
+
+
+def _unset(key: str, value: object) -> bool:
+    """A create flag left at its default (with --from-config, the file's value stays)."""
+    if key in _FLAG_DEFAULTS:
+        return value == _FLAG_DEFAULTS[key]
+    return value is None or value in (0, "", False, (), [], {})
+
+
+def _read_config(path: str) -> Settings:
+    from supervisor.client import load_config_json
+
+    try:
+        text = sys.stdin.read() if path == "-" else Path(path).read_text()
+    except OSError as exc:
+        raise UsageError(f"--from-config {path}: {exc.strerror}") from None
+    return load_config_json(text)
 
 
 def shape_settings(a: argparse.Namespace) -> Settings:
@@ -252,7 +273,29 @@ async def exec_(a: argparse.Namespace) -> int:
             return await sb.attach(
                 cmd, tty=False, env=kv(a.env), workdir=a.workdir or "", user=a.user or "", stdin_fd=devnull.fileno()
             )
-    return await sb.attach(cmd, tty=a.tty, env=kv(a.env), workdir=a.workdir or "", user=a.user or "")
+    from supervisor.client import Detached
+
+    try:
+        # detach keys on a terminal only: piped stdin is data, where any byte sequence may occur
+        keys = a.detach_keys if a.tty else ""
+        return await sb.attach(
+            cmd, tty=a.tty, env=kv(a.env), workdir=a.workdir or "", user=a.user or "", detach_keys=keys
+        )
+    except Detached as d:
+        print(f"\r\ndetached: sandvisor attach {a.name} {d.session_id}", file=sys.stderr)
+        return 0
+
+
+@on_trio
+async def attach(a: argparse.Namespace) -> int:
+    """Back to a detached exec session (its output since the detach first)."""
+    from supervisor.client import AsyncSandbox, Detached
+
+    try:
+        return await AsyncSandbox(a.name, socket=a.socket).attach_session(a.session, detach_keys=a.detach_keys)
+    except Detached as d:
+        print(f"\r\ndetached: sandvisor attach {a.name} {d.session_id}", file=sys.stderr)
+        return 0
 
 
 @on_trio
@@ -505,7 +548,7 @@ def simple(a: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-_METRICS = ("ID", "CPU", "MEM", "HOST RSS", "DISK R/W", "NET RX/TX", "UP")
+_METRICS = ("ID", "CPU", "MEM", "HOST RSS", "DISK R/W", "NET RX/TX", "ROOT USED/FREE (HOST)", "UP")
 
 
 def _metrics_row(m: dict[str, Any]) -> tuple[str, ...]:
@@ -516,6 +559,8 @@ def _metrics_row(m: dict[str, Any]) -> tuple[str, ...]:
         f"{m['host_rss_bytes'] >> 20} MiB",
         f"{m['disk_read_bytes'] >> 10}/{m['disk_write_bytes'] >> 10} KiB",
         f"{m['net_rx_bytes']}/{m['net_tx_bytes']}",
+        f"{m.get('root_used_bytes', 0) >> 20}/{m.get('root_free_bytes', 0) >> 20} MiB"
+        f" ({m.get('root_host_allocated_bytes', 0) >> 20})",
         f"{m['uptime_seconds']:.0f}s",
     )
 

@@ -64,6 +64,8 @@ def ssh(a: argparse.Namespace) -> int:
     import shlex
     import shutil
 
+    if a.endpoint:
+        return endpoint(a)
     argv = ssh_command(a)
     if a.print:
         print(shlex.join(argv))
@@ -73,6 +75,22 @@ def ssh(a: argparse.Namespace) -> int:
         raise UsageError("no ssh on PATH; the command would be: " + shlex.join(argv))
     os.execv(exe, argv)
     return 255  # (not reached)
+
+
+def endpoint(a: argparse.Namespace) -> int:
+    """``--endpoint``: where the supervisor serves the sandbox's SSH (its own word, not
+    ``--at``): host, port, user, the host key's fingerprint and a known_hosts line."""
+    from supervisor.cli_output import print_json
+
+    with connect(a) as c:
+        ep = c.call("SshEndpoint", {"id": a.name})
+    if a.json:
+        print_json(ep)
+    else:
+        print(f"ssh -p {ep['port']} {ep['user']}@{ep['host']}")
+        print(f"host key {ep['fingerprint']}")
+        print(f"known_hosts: {ep['known_hosts']}")
+    return 0
 
 
 def add_ssh_command(p: argparse.ArgumentParser) -> None:
@@ -87,6 +105,10 @@ def add_ssh_command(p: argparse.ArgumentParser) -> None:
     p.add_argument("-i", dest="identity", metavar="KEY", help="the private key (ssh -i)")
     p.add_argument("-t", dest="tty", action="store_true", help="a terminal even with a command (ssh -t)")
     p.add_argument("--print", action="store_true", help="print the ssh command instead of running it")
+    p.add_argument(
+        "--endpoint", action="store_true", help="print the supervisor's SSH endpoint for it (address, user, host key)"
+    )
+    p.add_argument("--json", action="store_true", help="with --endpoint: as JSON")
 
 
 def ssh_key(a: argparse.Namespace) -> int:

@@ -68,6 +68,7 @@ from supervisor.protocol import (
     SandboxSettings,
     SandboxSummary,
     SnapshotSummary,
+    SshEndpoint,
     VolumeInfo,
 )
 from supervisor.sdk.aio import (
@@ -80,6 +81,8 @@ from supervisor.sdk.aio import (
     CallStream,
     connect,
 )
+from supervisor.sdk.config_plans import load_config_json
+from supervisor.sdk.detach import DEFAULT_DETACH_KEYS, Detached
 from supervisor.sdk.spec import (
     Boot,
     Dns,
@@ -107,6 +110,7 @@ from supervisor.sdk.spec import (
 from supervisor.sdk.sync import Images, Sandbox, Secrets, Volumes, images
 
 __all__ = [
+    "DEFAULT_DETACH_KEYS",
     "AlreadyExists",
     "AsyncConnection",
     "AsyncExec",
@@ -119,6 +123,7 @@ __all__ = [
     "Cancelled",
     "CheckpointResponse",
     "DeadlineExceeded",
+    "Detached",
     "Dns",
     "Egress",
     "FailedPrecondition",
@@ -161,6 +166,7 @@ __all__ = [
     "Shape",
     "SnapshotRef",
     "SnapshotSummary",
+    "SshEndpoint",
     "Tmpfs",
     "Unavailable",
     "Unimplemented",
@@ -171,5 +177,6 @@ __all__ = [
     "connect",
     "error_for",
     "images",
+    "load_config_json",
     "parse_size",
 ]

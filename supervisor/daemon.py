@@ -531,6 +531,7 @@ async def _serve_locked(cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Re
                         await ssh.run(task_status=task_status)
 
                 await nursery.start(run_ssh)
+                registry.endpoints.update(ssh=ssh.address, ssh_host_key=ssh.host_key_line)
             notify = Notifier()
             nursery.start_soon(notify.keep_alive)
             notify.ready(f"serving on {cfg.socket}")

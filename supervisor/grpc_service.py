@@ -79,6 +79,7 @@ class Rpc:
     method: str | None
     prepare: Prepare | None = None  # request dict fix-ups before structuring
     why: str = ""  # what an UNIMPLEMENTED says
+    reply: Prepare | None = None  # response dict fix-ups before the message is filled
 
 
 def _sandvisor_create(d: dict[str, Any]) -> dict[str, Any]:
@@ -87,6 +88,25 @@ def _sandvisor_create(d: dict[str, Any]) -> dict[str, Any]:
         d["network"] = {**d.get("network", {}), "outbound": True}
     if "egress" in d:  # (a field of the network, as on the msgpack edge)
         d["network"] = {**d.get("network", {}), "egress": d.pop("egress")}
+    return d
+
+
+def _sandvisor_config(d: dict[str, Any]) -> dict[str, Any]:
+    """SandboxConfig's CreateRequest: ``outbound`` and ``egress`` are its own fields
+    (the msgpack edge keeps them in the network), as in a Create."""
+    cfg = d.get("config") or {}
+    net = cfg.get("network") or {}
+    if net.pop("outbound", False):
+        cfg["outbound"] = True
+    if net.get("egress") is not None:
+        cfg["egress"] = net.pop("egress")
+    return d
+
+
+def _detachable(d: dict[str, Any]) -> dict[str, Any]:
+    """sandvisor.v1 ExecDetachable's first message: sandbox.v1's init, detachable."""
+    if "init" in d:
+        d["init"] = {**d["init"], "detachable": True}
     return d
 
 
@@ -163,6 +183,10 @@ BINDINGS: dict[str, tuple[Rpc, ...]] = {
         Rpc("RotateSecret", "RotateSecret"),
         Rpc("RevokeSecret", "RevokeSecret"),
         Rpc("ListSandboxSecrets", "ListSandboxSecrets"),
+        Rpc("Config", "Config", reply=_sandvisor_config),
+        Rpc("SshEndpoint", "SshEndpoint"),
+        Rpc("ExecDetachable", "Exec", prepare=_detachable),
+        Rpc("Attach", "Attach", prepare=lambda d: dict(d.get("attach") or {})),
     ),
 }
 
@@ -239,12 +263,13 @@ def to_request(msg: Message, cls: type, prepare: Prepare | None = None) -> Any:
     return protocol.structure_body(zeros_to_defaults(data, cls), cls)
 
 
-def to_message(value: Any, cls: type[Message]) -> Message:
+def to_message(value: Any, cls: type[Message], reply: Prepare | None = None) -> Message:
     """A table response as protobuf ``cls`` (None: the empty message). Fields ``cls`` lacks
     are left out; a seed message embedded as ``base`` is filled from the top level."""
     if value is None:
         return cls()
-    return dict_to_message(protocol.unstructure_body(value), cls)
+    data = protocol.unstructure_body(value)
+    return dict_to_message(reply(data) if reply is not None else data, cls)
 
 
 def call_principal(call: grpc_bridge.Call[Any, Any], auth: TcpAuth, unix_peers: Mapping[str, Principal]) -> Principal:
@@ -332,7 +357,7 @@ def bind(registry: Registry, service: str, rpc: Any, binding: Rpc, who: Who) -> 
         async def unary_in(msg: Message, call: grpc_bridge.Call[Any, Any]) -> Message | None:
             io = GrpcIO(call, out_cls, None, who(call))
             result = await handler(registry, io, to_request(msg, request, prepare))
-            return None if rpc.server_streaming else to_message(result, out_cls)
+            return None if rpc.server_streaming else to_message(result, out_cls, binding.reply)
 
         handle = unary_in
     else:

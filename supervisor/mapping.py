@@ -288,6 +288,9 @@ def metrics(m: SandboxMetrics, *, cpu_seconds_total: float = 0.0) -> protocol.Me
         cgroup_memory_limit_bytes=m.cgroup_memory_limit_bytes,
         cgroup_oom_kills=m.cgroup_oom_kills,
         cpu_seconds_total=cpu_seconds_total,
+        root_used_bytes=m.root_used_bytes,
+        root_free_bytes=m.root_free_bytes,
+        root_host_allocated_bytes=m.root_host_allocated_bytes,
     )
 
 

@@ -69,6 +69,7 @@ from supervisor.messages.files import (
     WriteTreeRequest,
     WriteTreeResponse,
 )
+from supervisor.messages.readback import AttachRequest, ConfigRequest, PatchInfo, SandboxConfigResponse, SshEndpoint
 from supervisor.messages.sandboxes import (
     CreateSandboxRequest,
     CreateSandboxResponse,
@@ -174,8 +175,10 @@ __all__ = [  # the errors, the frame constants and every body (supervisor.messag
     "UNAVAILABLE",
     "UNIMPLEMENTED",
     "ApiError",
+    "AttachRequest",
     "CheckpointRequest",
     "CheckpointResponse",
+    "ConfigRequest",
     "CreateSandboxRequest",
     "CreateSandboxResponse",
     "CreateVolumeRequest",
@@ -226,6 +229,7 @@ __all__ = [  # the errors, the frame constants and every body (supervisor.messag
     "NameRequest",
     "NetworkSpec",
     "OciImageInfo",
+    "PatchInfo",
     "PatchSpec",
     "PingResponse",
     "PortMapping",
@@ -243,6 +247,7 @@ __all__ = [  # the errors, the frame constants and every body (supervisor.messag
     "RotateSecretRequest",
     "RunOutput",
     "RunRequest",
+    "SandboxConfigResponse",
     "SandboxEvent",
     "SandboxEventsRequest",
     "SandboxInfo",
@@ -258,6 +263,7 @@ __all__ = [  # the errors, the frame constants and every body (supervisor.messag
     "SetTtlRequest",
     "SetTtlResponse",
     "SnapshotSummary",
+    "SshEndpoint",
     "StopSandboxRequest",
     "TerminalSize",
     "TmpfsMount",

@@ -700,6 +700,17 @@ class SSHGateway:
     def port(self) -> int:
         return self.inner.port
 
+    @property
+    def address(self) -> str:
+        """HOST:PORT as bound (an IPv6 host in brackets)."""
+        host = self.inner.host
+        return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
+
+    @property
+    def host_key_line(self) -> str:
+        """The host key's public half, an OpenSSH line (``ssh-ed25519 AAAA... sandvisor``)."""
+        return bytes(self.inner.key.export_public_key("openssh")).decode().strip()
+
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         started = threading.Event()
         failure: list[BaseException] = []

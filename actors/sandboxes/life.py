@@ -79,6 +79,7 @@ from actors.net.hostnet import SandboxLink
 from actors.net.ports import PortRelays
 from actors.quotas import check_sandbox_disk
 from actors.sandboxes import secrets
+from actors.sandboxes.sessions import HeldSessions
 from actors.snapshots.snapshot import memory_for_restore, resume_spec
 from actors.store import LifeState, SnapshotRecord
 from guestd import proto
@@ -167,6 +168,7 @@ class Life:
         self.link: SandboxLink | None = None  # its host link (tap; a jail's uplink)
         self.ports: PortRelays | None = None  # its forwards and relays, while the guest is up
         self.secrets: secrets.SecretsOfLife | None = None  # its secret proxy (a sandbox with secrets)
+        self.sessions: HeldSessions | None = None  # its detachable exec sessions, while the guest is up
         self.detaching = False  # it lets go of QEMU instead of stopping it
         self.pausing = False  # it ends for a pause: the volume claims stay
         self.guest_hostname = ""  # what the fixups last set in its guest
@@ -216,6 +218,7 @@ class Life:
                     guest = await self._launch(self.plan)
                 nursery = await self._stack.enter_async_context(trio.open_nursery())
                 self._stack.callback(nursery.cancel_scope.cancel)  # (first out: the relays end)
+                self.sessions = HeldSessions(nursery)  # (they end with the relays)
                 jailed = self.cell is not None
                 held = self.sb.take_held_port  # a resumed sandbox's listeners
                 self.ports = PortRelays(
@@ -257,6 +260,7 @@ class Life:
         the one before it raised (the first error is raised at the end)."""
         self.guest = self._launched = None
         self.ports = None
+        self.sessions = None
         errors: list[Exception] = []
         for step in (self._close_descriptors, self._close_link, self._close_cell):
             try:
@@ -848,6 +852,9 @@ class Life:
             net_rx_bytes=int(m.net.get("rx_bytes", 0)),
             net_tx_bytes=int(m.net.get("tx_bytes", 0)),
             uptime_seconds=float(m.uptime),
+            root_used_bytes=_guest_count(m.disk.get("root_used_bytes", 0)),
+            root_free_bytes=_guest_count(m.disk.get("root_free_bytes", 0)),
+            root_host_allocated_bytes=allocated_bytes(self.sb.files.disk),
         )
 
     def cpu_percent(self, pid: int) -> float:
@@ -859,6 +866,19 @@ class Life:
             return 0.0
         pct = 100.0 * (cpu - prev[1]) / (now - prev[0])
         return 0.0 if math.isnan(pct) else max(0.0, pct)
+
+
+def _guest_count(v: object) -> int:
+    """A byte count the guest reported: an int in 0..2**63-1, else 0 (its word only)."""
+    return v if isinstance(v, int) and 0 <= v < 1 << 63 else 0
+
+
+def allocated_bytes(path: Path) -> int:
+    """What a (sparse) file takes on the host's disk (0: none there)."""
+    try:
+        return path.stat().st_blocks * 512
+    except OSError:
+        return 0
 
 
 def proc_rss(pid: int) -> int:

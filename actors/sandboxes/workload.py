@@ -130,6 +130,7 @@ class Workloads:
         env, cwd, user = self.defaults(env, cwd, user)
         self.runs += 1
         sb.workload_started()
+        session = sb.log.new_session()  # its log records carry it (LogEntry.session_id)
         code = -1
         start_error = ""
         try:
@@ -137,7 +138,7 @@ class Workloads:
                 src_names = {proto.STDOUT: "output" if tty else "stdout", proto.STDERR: "stderr"}
                 async for ch, data in h:
                     name = src_names[ch]
-                    sb.log.append(name, data)
+                    sb.log.append(name, data, session)
                     yield ("stdout" if tty else name), data, None
                 assert h.exit is not None
                 code = h.exit.code
@@ -148,7 +149,7 @@ class Workloads:
             status = shell_status(exc)
             if status is not None:  # ends the Run as a shell would, saying why on stderr
                 text = status.stderr
-                sb.log.append("stderr", text)
+                sb.log.append("stderr", text, session)
                 yield "stderr", text, None
                 yield "exit", b"", status.exit_code
                 return

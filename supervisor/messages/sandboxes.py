@@ -216,6 +216,9 @@ class RunOutput:
     data: bytes = b""
     exit_code: int = 0
     done: bool = False
+    # sandvisor extension: stream "detached" (done) ends a detachable Exec (or an
+    # Attach) the client left with ExecInput.detach: its process runs on as this session
+    session_id: int = 0
 
 
 @attrs.frozen
@@ -234,6 +237,9 @@ class ExecRequest:
     tty: bool = False
     tty_size: TerminalSize = attrs.field(factory=TerminalSize)
     timeout_seconds: int = 0
+    # sandvisor extension: the session may be left running (ExecInput.detach) and
+    # attached again (Attach); a client that goes away without detaching still ends it
+    detachable: bool = False
 
 
 @attrs.frozen
@@ -244,6 +250,7 @@ class ExecInput:
     stdin: bytes | None = None
     resize: TerminalSize | None = None
     close_stdin: bool = False  # sandvisor extension: end of input
+    detach: bool = False  # sandvisor extension: leave a detachable session running (the call ends)
 
 
 ExecOutput = RunOutput
@@ -428,6 +435,11 @@ class LogEntry:
     timestamp: int  # unix ns
     source: str  # stdout | stderr | output | system
     data: bytes
+    session_id: int = 0  # the Run session that wrote it (increasing per sandbox); 0: none (system)
+
+    def text(self) -> str:
+        """The bytes as text (UTF-8; what does not decode is replaced)."""
+        return self.data.decode(errors="replace")
 
 
 @attrs.frozen
@@ -448,6 +460,11 @@ class MetricsResponse:
     cgroup_memory_bytes: int = 0
     cgroup_memory_limit_bytes: int = 0
     cgroup_oom_kills: int = 0
+    # the root disk: used and free as the guest's statfs of / says (the guest's word),
+    # and what its writable layer (the qcow2 overlay) takes on the host's disk
+    root_used_bytes: int = 0
+    root_free_bytes: int = 0
+    root_host_allocated_bytes: int = 0
 
 
 @attrs.frozen

@@ -18,7 +18,7 @@ import signal
 import termios
 import tty as tty_mod
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from pathlib import Path
 from typing import Any, TypeVar, Unpack
 
@@ -31,6 +31,7 @@ from supervisor.frames import FramedStream
 from supervisor.protocol import ApiError
 from supervisor.sdk import plans, sandbox_plans
 from supervisor.sdk.acting import hello_fields
+from supervisor.sdk.detach import DEFAULT_DETACH_KEYS, Detached, DetachMatcher, parse_detach_keys
 from supervisor.sdk.ops import (
     TIMED_OUT,
     AsyncDriven,
@@ -334,9 +335,26 @@ class AsyncExec:
     def __init__(self, call: CallStream) -> None:
         self._call = call
         self.exit_code: int | None = None
+        self.session_id = 0  # set when it was detached from (its process runs on)
 
     async def send(self, data: bytes) -> None:
         await self._call.send(sandbox_plans.exec_stdin(data))
+
+    async def request_detach(self) -> None:
+        """Ask to leave a detachable session running: the output iteration ends at the
+        supervisor's answer (then ``session_id`` is set)."""
+        await self._call.send(sandbox_plans.exec_detach())
+
+    async def detach(self) -> int:
+        """Leave a detachable session running (``exec(..., detachable=True)``, or one
+        attached again with :meth:`AsyncSandbox.session`): its output until then is
+        read and dropped; returns its session id."""
+        await self.request_detach()
+        async for _ in self:
+            pass
+        if not self.session_id:
+            raise error_for(protocol.FAILED_PRECONDITION, "the session ended before it was detached")
+        return self.session_id
 
     async def close_stdin(self) -> None:
         await self._call.send(sandbox_plans.exec_close_stdin())
@@ -350,6 +368,9 @@ class AsyncExec:
     async def _outputs(self) -> AsyncIterator[Output]:
         async for item in self._call:
             o = sandbox_plans.exec_output(item)
+            if o.stream == "detached":
+                self.session_id = o.session_id
+                return
             if o.exit_code is not None:
                 self.exit_code = o.exit_code
                 yield o
@@ -359,7 +380,8 @@ class AsyncExec:
     async def wait(self) -> int:
         async for _ in self:
             pass
-        assert self.exit_code is not None
+        if self.exit_code is None:
+            raise Detached(self.session_id)
         return self.exit_code
 
 
@@ -435,12 +457,23 @@ class AsyncSandbox(plans.SandboxMethods, _Driven):
         cmd: builtins.list[str] | str,
         *,
         size: tuple[int, int] = (80, 24),
+        detachable: bool = False,
         **how: Unpack[RunSettings],
     ) -> AsyncIterator[AsyncExec]:
         """An interactive process (stdin, optional PTY of ``size`` columns x rows, and
-        resize). Leaving the block before it exited kills it."""
-        request = sandbox_plans.exec_request(self, cmd, size, how)
+        resize). Leaving the block before it exited kills it, unless it was
+        ``detachable`` and :meth:`AsyncExec.detach` left it running."""
+        request = sandbox_plans.exec_request(self, cmd, size, how, detachable=detachable)
         async with connect(self.socket) as c, c.open_call("Exec", request) as call:
+            yield AsyncExec(call)
+
+    @asynccontextmanager
+    async def session(self, session_id: int) -> AsyncIterator[AsyncExec]:
+        """A detached session again: its output since the detach (at most 1 MiB kept),
+        then live; leave it running again with :meth:`AsyncExec.detach` (leaving the
+        block otherwise ends it, as an exec's)."""
+        request = sandbox_plans.attach_request(self, session_id)
+        async with connect(self.socket) as c, c.open_call("Attach", request) as call:
             yield AsyncExec(call)
 
     async def attach(
@@ -454,53 +487,94 @@ class AsyncSandbox(plans.SandboxMethods, _Driven):
         stdin_fd: int = 0,
         stdout_fd: int = 1,
         stderr_fd: int = 2,
+        detach_keys: str = "",
     ) -> int:
         """Bridge the caller's terminal (or fds) to a process in the sandbox: raw mode
-        and window-size changes when stdin is a terminal. Returns the exit code."""
+        and window-size changes when stdin is a terminal. Returns the exit code.
+        ``detach_keys`` (``"ctrl-p,ctrl-q"``, docker's syntax; "": none): typed, they
+        leave the process running and raise :class:`Detached` with its session id
+        (:meth:`attach_session` goes back to it)."""
         use_tty = os.isatty(stdin_fd) if tty is None else tty
         size = os.get_terminal_size(stdout_fd) if os.isatty(stdout_fd) else os.terminal_size((80, 24))
-        raw = use_tty and os.isatty(stdin_fd)
-        old = termios.tcgetattr(stdin_fd) if raw else None
-        try:
-            if raw:
-                tty_mod.setraw(stdin_fd)
-            with collapse_single():
-                async with (
-                    self.exec(
-                        cmd, tty=use_tty, size=(size.columns, size.lines), env=env or {}, workdir=workdir, user=user
-                    ) as proc,
-                    trio.open_nursery() as n,
-                ):
+        opened = self.exec(
+            cmd,
+            tty=use_tty,
+            size=(size.columns, size.lines),
+            env=env or {},
+            workdir=workdir,
+            user=user,
+            detachable=bool(detach_keys),
+        )
+        return await _bridge(opened, use_tty, detach_keys, stdin_fd, stdout_fd, stderr_fd)
 
-                    async def pump_stdin() -> None:
-                        async with trio.lowlevel.FdStream(os.dup(stdin_fd)) as stdin:
-                            while data := await stdin.receive_some(65536):
-                                await proc.send(data)
-                        await proc.close_stdin()
-
-                    async def on_winch() -> None:
-                        with trio.open_signal_receiver(signal.SIGWINCH) as sigs:
-                            async for _ in sigs:
-                                sz = os.get_terminal_size(stdout_fd)
-                                await proc.resize(sz.columns, sz.lines)
-
-                    n.start_soon(pump_stdin)
-                    if raw:
-                        n.start_soon(on_winch)
-                    async for o in proc:
-                        if o.stream != "exit":
-                            fd = stderr_fd if o.stream == "stderr" else stdout_fd
-                            view = memoryview(o.data)
-                            while view:
-                                view = view[await trio.to_thread.run_sync(os.write, fd, view) :]
-                    n.cancel_scope.cancel()
-        finally:
-            if old is not None:
-                termios.tcsetattr(stdin_fd, termios.TCSADRAIN, old)
-        assert proc.exit_code is not None
-        return proc.exit_code
+    async def attach_session(
+        self,
+        session_id: int,
+        *,
+        stdin_fd: int = 0,
+        stdout_fd: int = 1,
+        stderr_fd: int = 2,
+        detach_keys: str = DEFAULT_DETACH_KEYS,
+    ) -> int:
+        """:meth:`attach` to a detached session again (``sandvisor attach NAME SESSION``)."""
+        use_tty = os.isatty(stdin_fd)
+        return await _bridge(self.session(session_id), use_tty, detach_keys, stdin_fd, stdout_fd, stderr_fd)
 
     async def shell(self, shell: str | None = None) -> int:
         """An interactive shell on the caller's terminal: ``shell``, else the sandbox's
         (its Create's ``shell``), else /bin/sh."""
         return await self.attach(await self.shell_argv(shell), tty=True)
+
+
+async def _bridge(
+    opened: AbstractAsyncContextManager[AsyncExec],
+    use_tty: bool,
+    detach_keys: str,
+    stdin_fd: int,
+    stdout_fd: int,
+    stderr_fd: int,
+) -> int:
+    """The terminal (or fds) bridged to the process ``opened`` gives; its exit code, or
+    :class:`Detached` when the detach keys were typed."""
+    matcher = DetachMatcher(parse_detach_keys(detach_keys) if detach_keys else b"")
+    raw = use_tty and os.isatty(stdin_fd)
+    old = termios.tcgetattr(stdin_fd) if raw else None
+    try:
+        if raw:
+            tty_mod.setraw(stdin_fd)
+        with collapse_single():
+            async with opened as proc, trio.open_nursery() as n:
+
+                async def pump_stdin() -> None:
+                    async with trio.lowlevel.FdStream(os.dup(stdin_fd)) as stdin:
+                        while data := await stdin.receive_some(65536):
+                            data, detach = matcher.feed(data)
+                            if data:
+                                await proc.send(data)
+                            if detach:
+                                await proc.request_detach()
+                                return
+                    await proc.close_stdin()
+
+                async def on_winch() -> None:
+                    with trio.open_signal_receiver(signal.SIGWINCH) as sigs:
+                        async for _ in sigs:
+                            sz = os.get_terminal_size(stdout_fd)
+                            await proc.resize(sz.columns, sz.lines)
+
+                n.start_soon(pump_stdin)
+                if raw:
+                    n.start_soon(on_winch)
+                async for o in proc:
+                    if o.stream != "exit":
+                        fd = stderr_fd if o.stream == "stderr" else stdout_fd
+                        view = memoryview(o.data)
+                        while view:
+                            view = view[await trio.to_thread.run_sync(os.write, fd, view) :]
+                n.cancel_scope.cancel()
+    finally:
+        if old is not None:
+            termios.tcsetattr(stdin_fd, termios.TCSADRAIN, old)
+    if proc.exit_code is None:
+        raise Detached(proc.session_id)
+    return proc.exit_code

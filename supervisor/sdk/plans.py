@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+from supervisor.sdk.config_plans import config, config_json, ssh
 from supervisor.sdk.file_plans import (
     copy_in,
     copy_out,
@@ -124,6 +125,9 @@ class SandboxMethods:
     rotate_secret = op(rotate_secret)
     revoke_secret = op(revoke_secret)
     secrets = op(secrets)
+    config = op(config)
+    config_json = op(config_json)
+    ssh = op(ssh)
 
 
 class FSMethods:

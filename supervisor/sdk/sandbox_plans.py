@@ -370,8 +370,11 @@ def run_script(t: Target, name: str, *args: str, **how: Unpack[RunSettings]) -> 
     return (yield from _result(attrs.evolve(run_request(t, list(args), how), script=name)))
 
 
-def exec_request(t: Target, cmd: builtins.list[str] | str, size: tuple[int, int], how: RunSettings) -> dict[str, Any]:
-    """The opening message of an Exec (its body on the wire)."""
+def exec_request(
+    t: Target, cmd: builtins.list[str] | str, size: tuple[int, int], how: RunSettings, *, detachable: bool = False
+) -> dict[str, Any]:
+    """The opening message of an Exec (its body on the wire); ``detachable``: the
+    session may be left running (:func:`exec_detach`) and attached again."""
     r = run_request(t, cmd, how)
     init = protocol.ExecRequest(
         id=r.id,
@@ -382,8 +385,18 @@ def exec_request(t: Target, cmd: builtins.list[str] | str, size: tuple[int, int]
         tty=r.tty,
         tty_size=protocol.TerminalSize(width=size[0], height=size[1]),
         timeout_seconds=r.timeout_seconds,
+        detachable=detachable,
     )
     return protocol.unstructure_body(protocol.ExecInput(init=init))
+
+
+def exec_detach() -> dict[str, Any]:
+    return protocol.unstructure_body(protocol.ExecInput(detach=True))
+
+
+def attach_request(t: Target, session_id: int) -> dict[str, Any]:
+    """The opening message of an Attach to detached session ``session_id``."""
+    return protocol.unstructure_body(protocol.AttachRequest(id=t.id, session_id=session_id))
 
 
 def exec_stdin(data: bytes) -> dict[str, Any]:

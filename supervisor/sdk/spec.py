@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal, TypedDict, Unpack
+from typing import Any, Literal, TypedDict, TypeVar, Unpack
 
 import attrs
 
@@ -302,12 +302,29 @@ class HostDir:
         return cls(source, path, flag == "rw")
 
 
+M = TypeVar("M", VolumeMount, Tmpfs, HostDir)
+
+
+def _guest_path(path: str) -> str:
+    return path.rstrip("/") or "/"
+
+
+def by_path(mounts: Sequence[M]) -> tuple[M, ...]:
+    """Mounts keyed by guest path: a later entry for a path replaces an earlier one
+    (as the reference's WithMounts map does), in the order the paths were last given."""
+    out: dict[str, M] = {}
+    for m in mounts:
+        out.pop(_guest_path(m.path), None)
+        out[_guest_path(m.path)] = m
+    return tuple(out.values())
+
+
 def _host_dirs(v: Sequence[HostDir | str] | None) -> tuple[HostDir, ...]:
-    return tuple(m if isinstance(m, HostDir) else HostDir.parse(m) for m in v or ())
+    return by_path([m if isinstance(m, HostDir) else HostDir.parse(m) for m in v or ()])
 
 
 def _tmpfs(v: Sequence[Tmpfs | str] | None) -> tuple[Tmpfs, ...]:
-    return tuple(m if isinstance(m, Tmpfs) else Tmpfs.parse(m) for m in v or ())
+    return by_path([m if isinstance(m, Tmpfs) else Tmpfs.parse(m) for m in v or ()])
 
 
 def _hosts(v: Sequence[str] | str) -> tuple[str, ...]:
@@ -337,8 +354,8 @@ class Secret:
 
     @classmethod
     def parse(cls, text: str) -> Secret:
-        """``NAME=SOURCE@HOST[,HOST...][;substitute=headers|all]``, SOURCE ``env:VAR``,
-        ``value:LITERAL`` or ``store:NAME``."""
+        """``NAME=SOURCE@HOST[,HOST...][;substitute=headers|all][;placeholder=P]``, SOURCE
+        ``env:VAR``, ``value:LITERAL`` or ``store:NAME``."""
         usage = "a secret is NAME=env:VAR@HOST[,HOST...][;substitute=all] (or value:LITERAL, store:NAME)"
         name, eq, rest = text.partition("=")
         source, at, tail = rest.rpartition("@")
@@ -346,13 +363,16 @@ class Secret:
         kind, colon, arg = source.partition(":")
         if not eq or not at or not colon or not name or not hosts or kind not in ("env", "value", "store"):
             raise InvalidArgument(protocol.INVALID_ARGUMENT, usage)
-        substitute = "headers"
+        substitute, placeholder = "headers", ""
         for option in filter(None, options.split(";")):
             key, _, val = option.partition("=")
+            if key.strip() == "placeholder" and val.strip():
+                placeholder = val.strip()
+                continue
             if key.strip() != "substitute" or val.strip() not in ("headers", "all"):
                 raise InvalidArgument(protocol.INVALID_ARGUMENT, f"{usage}: not {option[:40]!r}")
             substitute = val.strip()
-        return cls(name=name, hosts=hosts, substitute=substitute, **{kind: arg})  # type: ignore[arg-type]
+        return cls(name=name, hosts=hosts, substitute=substitute, placeholder=placeholder, **{kind: arg})  # type: ignore[arg-type]
 
     def spec(self) -> protocol.SecretSpec:
         """The wire's form: an ``env`` source read now, from this process's environment."""
@@ -399,12 +419,53 @@ class Shape:
     thp: Literal["", "always", "madvise", "never"] = ""
 
 
-def _patches(v: Sequence[Patch] | None) -> tuple[Patch, ...]:
-    return tuple(v or ())
+def _patch(p: Patch | Mapping[str, Any]) -> Patch:
+    """A Patch, or one as a read-back configuration spells it (a dict: op, path, mode,
+    owner, target, replace, and its bytes as ``data_base64``; one described by ``size``
+    alone was read back without them: refused, naming it)."""
+    if isinstance(p, Patch):
+        return p
+    import base64
+
+    data = base64.b64decode(p["data_base64"]) if "data_base64" in p else b""
+    if not data and p.get("size"):
+        raise InvalidArgument(
+            protocol.INVALID_ARGUMENT,
+            f"patch {p.get('op')} {p.get('path')}: its {p['size']} bytes were not read back (config(patch_data=True))",
+        )
+    return Patch(
+        str(p["op"]),
+        str(p["path"]),
+        data,
+        target=str(p.get("target", "")),
+        mode=p.get("mode"),
+        owner=str(p.get("owner", "")),
+        replace=bool(p.get("replace", False)),
+        source=str(p.get("source", "")),
+    )
+
+
+def _patches(v: Sequence[Patch | Mapping[str, Any]] | None) -> tuple[Patch, ...]:
+    return tuple(_patch(p) for p in v or ())
 
 
 def _mounts(v: Sequence[VolumeMount | str] | None) -> tuple[VolumeMount, ...]:
-    return tuple(m if isinstance(m, VolumeMount) else VolumeMount.parse(m) for m in v or ())
+    return by_path([m if isinstance(m, VolumeMount) else VolumeMount.parse(m) for m in v or ()])
+
+
+MountKinds = tuple[tuple[VolumeMount, ...], tuple[Tmpfs, ...], tuple[HostDir, ...]]
+
+
+def later_mounts(before: MountKinds, given: Settings) -> MountKinds:
+    """The mounts of every kind (volumes, tmpfs, host directories) after ``given``'s, as
+    one map keyed by guest path: they merge, and an entry given now replaces whatever
+    was mounted at its path before, of any kind (the reference's WithMounts)."""
+    new = (_mounts(given.get("volumes")), _tmpfs(given.get("tmpfs")), _host_dirs(given.get("mounts")))
+    now = {_guest_path(m.path) for kind in new for m in kind}
+    vols = by_path([*(m for m in before[0] if _guest_path(m.path) not in now), *new[0]])
+    tmps = by_path([*(m for m in before[1] if _guest_path(m.path) not in now), *new[1]])
+    dirs = by_path([*(m for m in before[2] if _guest_path(m.path) not in now), *new[2]])
+    return vols, tmps, dirs
 
 
 class Settings(TypedDict, total=False):
@@ -435,7 +496,7 @@ class Settings(TypedDict, total=False):
     pull: Literal["", "always", "if-missing", "never"]
     tls_verify: bool
     registry: RegistryAuth | None
-    patches: Sequence[Patch]
+    patches: Sequence[Patch | Mapping[str, Any]]
     volumes: Sequence[VolumeMount | str]
     scripts: Mapping[str, str]
     tmpfs: Sequence[Tmpfs | str]
@@ -455,13 +516,19 @@ class Settings(TypedDict, total=False):
     port_address: str
     network_profile: str
     dns: Dns | Mapping[str, Any] | None
+    # the boot's own files (a read-back configuration names them when it has them)
+    kernel: str
+    rootfs: str
+    boot_args: str
 
 
 @attrs.frozen(kw_only=True)
 class SandboxSpec:
     """Everything a sandbox is made of, grouped; frozen and reusable (a template for
     many sandboxes). ``spec.with_(cpus=2, env={...})`` is a copy with settings applied:
-    maps (env, labels, ports) merge, everything else replaces."""
+    maps (env, labels, ports, scripts) merge, and so do mounts (volumes, tmpfs, host
+    directories), keyed by guest path: a later entry replaces an earlier one at its
+    path, of any kind; everything else replaces."""
 
     labels: dict[str, str] = attrs.field(factory=dict, converter=_kv)
     hostname: str = ""
@@ -488,6 +555,7 @@ class SandboxSpec:
             return self
         s = settings
         wl, net, life, res, boot = self.workload, self.network, self.lifetime, self.resources, self.boot
+        volumes, tmpfs, mounts = later_mounts((self.volumes, self.tmpfs, self.mounts), s)
         return attrs.evolve(
             self,
             boot=attrs.evolve(
@@ -496,6 +564,9 @@ class SandboxSpec:
                 pull=s.get("pull", boot.pull),
                 tls_verify=s.get("tls_verify", boot.tls_verify),
                 registry=s.get("registry", boot.registry),
+                kernel=s.get("kernel", boot.kernel),
+                rootfs=s.get("rootfs", boot.rootfs),
+                boot_args=s.get("boot_args", boot.boot_args),
             ),
             labels={**self.labels, **_kv(s.get("labels"))},
             hostname=s.get("hostname", self.hostname),
@@ -530,11 +601,11 @@ class SandboxSpec:
                 paused_ttl=s.get("paused_ttl", life.paused_ttl),
                 auto_resume=s.get("auto_resume", life.auto_resume),
             ),
-            patches=s.get("patches", self.patches),
-            volumes=_mounts(s.get("volumes", self.volumes)),
+            patches=_patches(s.get("patches", self.patches)),
+            volumes=volumes,
             scripts={**self.scripts, **_kv(s.get("scripts"))},
-            tmpfs=_tmpfs(s.get("tmpfs", self.tmpfs)),
-            mounts=_host_dirs(s.get("mounts", self.mounts)),
+            tmpfs=tmpfs,
+            mounts=mounts,
             secrets=_secrets(s.get("secrets", self.secrets)),
             ssh_keys=_strs(s.get("ssh_keys", self.ssh_keys)),
             shape=Shape(
@@ -625,11 +696,13 @@ class RunResult:
 
 @attrs.frozen
 class Output:
-    """One chunk of a streaming run: ``stream`` is stdout, stderr or exit."""
+    """One chunk of a streaming run: ``stream`` is stdout, stderr or exit (or, ending a
+    detachable exec the client detached from, "detached" with its ``session_id``)."""
 
     stream: str
     data: bytes
     exit_code: int | None = None
+    session_id: int = 0
 
 
 @attrs.frozen
@@ -663,6 +736,8 @@ class RunSettings(TypedDict, total=False):
 
 
 def _output(item: protocol.RunOutput) -> Output:
+    if item.done and item.stream == "detached":
+        return Output("detached", b"", session_id=item.session_id)
     return Output("exit", b"", item.exit_code) if item.done else Output(item.stream, item.data)
 
 

@@ -25,6 +25,7 @@ from supervisor.errors import SandboxError, error_for
 from supervisor.frames import FAIL, ITEM, REPLY, BlockingConnection
 from supervisor.sdk import plans, sandbox_plans
 from supervisor.sdk.acting import hello_fields
+from supervisor.sdk.detach import DEFAULT_DETACH_KEYS, Detached
 from supervisor.sdk.ops import (
     TIMED_OUT,
     Blocking,
@@ -248,9 +249,20 @@ class Exec:
     def __init__(self, call: Call) -> None:
         self._call = call
         self.exit_code: int | None = None
+        self.session_id = 0  # set when it was detached from (its process runs on)
 
     def send(self, data: bytes) -> None:
         self._call.send(sandbox_plans.exec_stdin(data))
+
+    def detach(self) -> int:
+        """Leave a detachable session running (``exec(..., detachable=True)``, or
+        :meth:`Sandbox.session`): output until then is read and dropped; its session id."""
+        self._call.send(sandbox_plans.exec_detach())
+        for _ in self:
+            pass
+        if not self.session_id:
+            raise error_for(protocol.FAILED_PRECONDITION, "the session ended before it was detached")
+        return self.session_id
 
     def close_stdin(self) -> None:
         self._call.send(sandbox_plans.exec_close_stdin())
@@ -261,6 +273,9 @@ class Exec:
     def __iter__(self) -> Iterator[Output]:
         for item in self._call:
             o = sandbox_plans.exec_output(item)
+            if o.stream == "detached":
+                self.session_id = o.session_id
+                return
             if o.exit_code is not None:
                 self.exit_code = o.exit_code
                 yield o
@@ -270,7 +285,8 @@ class Exec:
     def wait(self) -> int:
         for _ in self:
             pass
-        assert self.exit_code is not None
+        if self.exit_code is None:
+            raise Detached(self.session_id)
         return self.exit_code
 
     def hang_up(self) -> None:
@@ -344,12 +360,25 @@ class Sandbox(plans.SandboxMethods, _Driven):
         cmd: builtins.list[str] | str,
         *,
         size: tuple[int, int] = (80, 24),
+        detachable: bool = False,
         **how: Unpack[RunSettings],
     ) -> Iterator[Exec]:
         """An interactive process (stdin, optional PTY of ``size`` columns x rows, and
-        resize). Leaving the block before it exited kills it."""
+        resize). Leaving the block before it exited kills it, unless it was
+        ``detachable`` and :meth:`Exec.detach` left it running."""
         with open_connection(self.socket) as c:
-            call = Call(c, "Exec", sandbox_plans.exec_request(self, cmd, size, how))
+            call = Call(c, "Exec", sandbox_plans.exec_request(self, cmd, size, how, detachable=detachable))
+            try:
+                yield Exec(call)
+            finally:
+                call.close()
+
+    @contextmanager
+    def session(self, session_id: int) -> Iterator[Exec]:
+        """A detached session again: its output since the detach, then live (see
+        :meth:`supervisor.sdk.aio.AsyncSandbox.session`)."""
+        with open_connection(self.socket) as c:
+            call = Call(c, "Attach", sandbox_plans.attach_request(self, session_id))
             try:
                 yield Exec(call)
             finally:
@@ -366,6 +395,7 @@ class Sandbox(plans.SandboxMethods, _Driven):
         stdin_fd: int = 0,
         stdout_fd: int = 1,
         stderr_fd: int = 2,
+        detach_keys: str = "",
     ) -> int:
         """:meth:`supervisor.sdk.aio.AsyncSandbox.attach` (a terminal bridge: stdin, output
         and SIGWINCH at once), run on a Trio loop in this thread."""
@@ -386,6 +416,34 @@ class Sandbox(plans.SandboxMethods, _Driven):
             stdin_fd=stdin_fd,
             stdout_fd=stdout_fd,
             stderr_fd=stderr_fd,
+            detach_keys=detach_keys,
+        )
+        return trio.run(fn)
+
+    def attach_session(
+        self,
+        session_id: int,
+        *,
+        stdin_fd: int = 0,
+        stdout_fd: int = 1,
+        stderr_fd: int = 2,
+        detach_keys: str = DEFAULT_DETACH_KEYS,
+    ) -> int:
+        """:meth:`supervisor.sdk.aio.AsyncSandbox.attach_session`, on a Trio loop in this thread."""
+        import functools
+
+        import trio
+
+        from supervisor.sdk.aio import AsyncSandbox
+
+        a = AsyncSandbox(self.id, socket=self.socket)
+        fn = functools.partial(
+            a.attach_session,
+            session_id,
+            stdin_fd=stdin_fd,
+            stdout_fd=stdout_fd,
+            stderr_fd=stderr_fd,
+            detach_keys=detach_keys,
         )
         return trio.run(fn)
 

@@ -28,7 +28,7 @@ def test_tmpfs_parse() -> None:
             Tmpfs.parse(bad)
     spec = client.SandboxSpec(tmpfs=["/a:8M", Tmpfs("/b")])
     assert [(t.target, t.size_mib) for t in spec.request().tmpfs] == [("/a", 8), ("/b", 0)]
-    assert spec.with_(tmpfs=["/c"]).tmpfs == (Tmpfs("/c"),)
+    assert spec.with_(tmpfs=["/c"]).tmpfs == (Tmpfs("/a", 8), Tmpfs("/b"), Tmpfs("/c"))  # mounts merge by path
 
 
 @pytest.mark.parametrize(

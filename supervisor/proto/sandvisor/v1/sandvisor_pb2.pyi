@@ -306,16 +306,18 @@ class LogsRequest(_message.Message):
     def __init__(self, id: _Optional[str] = ..., tail: _Optional[int] = ..., since: _Optional[int] = ..., until: _Optional[int] = ..., cursor: _Optional[int] = ..., follow: _Optional[bool] = ..., sources: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class LogEntry(_message.Message):
-    __slots__ = ("seq", "timestamp", "source", "data")
+    __slots__ = ("seq", "timestamp", "source", "data", "session_id")
     SEQ_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     seq: int
     timestamp: int
     source: str
     data: bytes
-    def __init__(self, seq: _Optional[int] = ..., timestamp: _Optional[int] = ..., source: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
+    session_id: int
+    def __init__(self, seq: _Optional[int] = ..., timestamp: _Optional[int] = ..., source: _Optional[str] = ..., data: _Optional[bytes] = ..., session_id: _Optional[int] = ...) -> None: ...
 
 class MetricsRequest(_message.Message):
     __slots__ = ("id",)
@@ -332,7 +334,7 @@ class MetricsStreamRequest(_message.Message):
     def __init__(self, id: _Optional[str] = ..., interval_seconds: _Optional[float] = ...) -> None: ...
 
 class SandboxMetrics(_message.Message):
-    __slots__ = ("id", "timestamp", "cpu_percent", "memory_total_bytes", "memory_available_bytes", "host_rss_bytes", "disk_read_bytes", "disk_write_bytes", "net_rx_bytes", "net_tx_bytes", "uptime_seconds", "cpu_seconds_total")
+    __slots__ = ("id", "timestamp", "cpu_percent", "memory_total_bytes", "memory_available_bytes", "host_rss_bytes", "disk_read_bytes", "disk_write_bytes", "net_rx_bytes", "net_tx_bytes", "uptime_seconds", "cpu_seconds_total", "root_used_bytes", "root_free_bytes", "root_host_allocated_bytes")
     ID_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
     CPU_PERCENT_FIELD_NUMBER: _ClassVar[int]
@@ -345,6 +347,9 @@ class SandboxMetrics(_message.Message):
     NET_TX_BYTES_FIELD_NUMBER: _ClassVar[int]
     UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
     CPU_SECONDS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    ROOT_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ROOT_FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ROOT_HOST_ALLOCATED_BYTES_FIELD_NUMBER: _ClassVar[int]
     id: str
     timestamp: int
     cpu_percent: float
@@ -357,7 +362,10 @@ class SandboxMetrics(_message.Message):
     net_tx_bytes: int
     uptime_seconds: float
     cpu_seconds_total: float
-    def __init__(self, id: _Optional[str] = ..., timestamp: _Optional[int] = ..., cpu_percent: _Optional[float] = ..., memory_total_bytes: _Optional[int] = ..., memory_available_bytes: _Optional[int] = ..., host_rss_bytes: _Optional[int] = ..., disk_read_bytes: _Optional[int] = ..., disk_write_bytes: _Optional[int] = ..., net_rx_bytes: _Optional[int] = ..., net_tx_bytes: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., cpu_seconds_total: _Optional[float] = ...) -> None: ...
+    root_used_bytes: int
+    root_free_bytes: int
+    root_host_allocated_bytes: int
+    def __init__(self, id: _Optional[str] = ..., timestamp: _Optional[int] = ..., cpu_percent: _Optional[float] = ..., memory_total_bytes: _Optional[int] = ..., memory_available_bytes: _Optional[int] = ..., host_rss_bytes: _Optional[int] = ..., disk_read_bytes: _Optional[int] = ..., disk_write_bytes: _Optional[int] = ..., net_rx_bytes: _Optional[int] = ..., net_tx_bytes: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., cpu_seconds_total: _Optional[float] = ..., root_used_bytes: _Optional[int] = ..., root_free_bytes: _Optional[int] = ..., root_host_allocated_bytes: _Optional[int] = ...) -> None: ...
 
 class PingRequest(_message.Message):
     __slots__ = ("id",)
@@ -1098,3 +1106,95 @@ class ListSandboxSecretsResponse(_message.Message):
     SECRETS_FIELD_NUMBER: _ClassVar[int]
     secrets: _containers.RepeatedCompositeFieldContainer[SandboxSecretInfo]
     def __init__(self, secrets: _Optional[_Iterable[_Union[SandboxSecretInfo, _Mapping]]] = ...) -> None: ...
+
+class ConfigRequest(_message.Message):
+    __slots__ = ("id", "patch_data")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    PATCH_DATA_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    patch_data: bool
+    def __init__(self, id: _Optional[str] = ..., patch_data: _Optional[bool] = ...) -> None: ...
+
+class PatchInfo(_message.Message):
+    __slots__ = ("op", "path", "size", "sha256")
+    OP_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    op: str
+    path: str
+    size: int
+    sha256: str
+    def __init__(self, op: _Optional[str] = ..., path: _Optional[str] = ..., size: _Optional[int] = ..., sha256: _Optional[str] = ...) -> None: ...
+
+class SandboxConfig(_message.Message):
+    __slots__ = ("id", "config", "patches", "image_digest")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_FIELD_NUMBER: _ClassVar[int]
+    PATCHES_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    config: CreateRequest
+    patches: _containers.RepeatedCompositeFieldContainer[PatchInfo]
+    image_digest: str
+    def __init__(self, id: _Optional[str] = ..., config: _Optional[_Union[CreateRequest, _Mapping]] = ..., patches: _Optional[_Iterable[_Union[PatchInfo, _Mapping]]] = ..., image_digest: _Optional[str] = ...) -> None: ...
+
+class SshEndpointRequest(_message.Message):
+    __slots__ = ("id",)
+    ID_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    def __init__(self, id: _Optional[str] = ...) -> None: ...
+
+class SshEndpointInfo(_message.Message):
+    __slots__ = ("host", "port", "user", "host_key", "fingerprint", "known_hosts")
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    USER_FIELD_NUMBER: _ClassVar[int]
+    HOST_KEY_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_HOSTS_FIELD_NUMBER: _ClassVar[int]
+    host: str
+    port: int
+    user: str
+    host_key: str
+    fingerprint: str
+    known_hosts: str
+    def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ..., user: _Optional[str] = ..., host_key: _Optional[str] = ..., fingerprint: _Optional[str] = ..., known_hosts: _Optional[str] = ...) -> None: ...
+
+class SessionInput(_message.Message):
+    __slots__ = ("init", "attach", "stdin", "resize", "close_stdin", "detach")
+    INIT_FIELD_NUMBER: _ClassVar[int]
+    ATTACH_FIELD_NUMBER: _ClassVar[int]
+    STDIN_FIELD_NUMBER: _ClassVar[int]
+    RESIZE_FIELD_NUMBER: _ClassVar[int]
+    CLOSE_STDIN_FIELD_NUMBER: _ClassVar[int]
+    DETACH_FIELD_NUMBER: _ClassVar[int]
+    init: _sandbox_pb2.ExecRequest
+    attach: AttachRequest
+    stdin: bytes
+    resize: _sandbox_pb2.TerminalSize
+    close_stdin: bool
+    detach: bool
+    def __init__(self, init: _Optional[_Union[_sandbox_pb2.ExecRequest, _Mapping]] = ..., attach: _Optional[_Union[AttachRequest, _Mapping]] = ..., stdin: _Optional[bytes] = ..., resize: _Optional[_Union[_sandbox_pb2.TerminalSize, _Mapping]] = ..., close_stdin: _Optional[bool] = ..., detach: _Optional[bool] = ...) -> None: ...
+
+class AttachRequest(_message.Message):
+    __slots__ = ("id", "session_id")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    session_id: int
+    def __init__(self, id: _Optional[str] = ..., session_id: _Optional[int] = ...) -> None: ...
+
+class SessionOutput(_message.Message):
+    __slots__ = ("stream", "data", "exit_code", "done", "session_id")
+    STREAM_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    stream: str
+    data: bytes
+    exit_code: int
+    done: bool
+    session_id: int
+    def __init__(self, stream: _Optional[str] = ..., data: _Optional[bytes] = ..., exit_code: _Optional[int] = ..., done: _Optional[bool] = ..., session_id: _Optional[int] = ...) -> None: ...

@@ -280,6 +280,26 @@ class SandvisorServiceStub:
                 request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.ListSandboxSecretsRequest.SerializeToString,
                 response_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.ListSandboxSecretsResponse.FromString,
                 _registered_method=True)
+        self.Config = channel.unary_unary(
+                '/sandvisor.v1.SandvisorService/Config',
+                request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.ConfigRequest.SerializeToString,
+                response_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.SandboxConfig.FromString,
+                _registered_method=True)
+        self.SshEndpoint = channel.unary_unary(
+                '/sandvisor.v1.SandvisorService/SshEndpoint',
+                request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.SshEndpointRequest.SerializeToString,
+                response_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.SshEndpointInfo.FromString,
+                _registered_method=True)
+        self.ExecDetachable = channel.stream_stream(
+                '/sandvisor.v1.SandvisorService/ExecDetachable',
+                request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.SessionInput.SerializeToString,
+                response_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.SessionOutput.FromString,
+                _registered_method=True)
+        self.Attach = channel.stream_stream(
+                '/sandvisor.v1.SandvisorService/Attach',
+                request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.SessionInput.SerializeToString,
+                response_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.SessionOutput.FromString,
+                _registered_method=True)
 
 
 class SandvisorServiceServicer:
@@ -644,6 +664,37 @@ class SandvisorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Config(self, request, context):
+        """Read-back: the sandbox's whole configuration as the Create that makes an equal
+        sandbox (secrets by name, never values; file patches described unless asked).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SshEndpoint(self, request, context):
+        """Where serve --ssh serves the sandbox (UNAVAILABLE when it serves no SSH).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ExecDetachable(self, request_iterator, context):
+        """An exec session the client may leave running (SessionInput.detach): sandbox.v1's
+        Exec otherwise; the first message carries init.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Attach(self, request_iterator, context):
+        """Back to a detached session: the first message carries attach; its output kept
+        since the detach comes first, then the live stream.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SandvisorServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -891,6 +942,26 @@ def add_SandvisorServiceServicer_to_server(servicer, server):
                     servicer.ListSandboxSecrets,
                     request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.ListSandboxSecretsRequest.FromString,
                     response_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.ListSandboxSecretsResponse.SerializeToString,
+            ),
+            'Config': grpc.unary_unary_rpc_method_handler(
+                    servicer.Config,
+                    request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.ConfigRequest.FromString,
+                    response_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.SandboxConfig.SerializeToString,
+            ),
+            'SshEndpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.SshEndpoint,
+                    request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.SshEndpointRequest.FromString,
+                    response_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.SshEndpointInfo.SerializeToString,
+            ),
+            'ExecDetachable': grpc.stream_stream_rpc_method_handler(
+                    servicer.ExecDetachable,
+                    request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.SessionInput.FromString,
+                    response_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.SessionOutput.SerializeToString,
+            ),
+            'Attach': grpc.stream_stream_rpc_method_handler(
+                    servicer.Attach,
+                    request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.SessionInput.FromString,
+                    response_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.SessionOutput.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -2216,6 +2287,114 @@ class SandvisorService:
             '/sandvisor.v1.SandvisorService/ListSandboxSecrets',
             sandvisor_dot_v1_dot_sandvisor__pb2.ListSandboxSecretsRequest.SerializeToString,
             sandvisor_dot_v1_dot_sandvisor__pb2.ListSandboxSecretsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Config(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandvisor.v1.SandvisorService/Config',
+            sandvisor_dot_v1_dot_sandvisor__pb2.ConfigRequest.SerializeToString,
+            sandvisor_dot_v1_dot_sandvisor__pb2.SandboxConfig.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SshEndpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandvisor.v1.SandvisorService/SshEndpoint',
+            sandvisor_dot_v1_dot_sandvisor__pb2.SshEndpointRequest.SerializeToString,
+            sandvisor_dot_v1_dot_sandvisor__pb2.SshEndpointInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExecDetachable(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/sandvisor.v1.SandvisorService/ExecDetachable',
+            sandvisor_dot_v1_dot_sandvisor__pb2.SessionInput.SerializeToString,
+            sandvisor_dot_v1_dot_sandvisor__pb2.SessionOutput.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Attach(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/sandvisor.v1.SandvisorService/Attach',
+            sandvisor_dot_v1_dot_sandvisor__pb2.SessionInput.SerializeToString,
+            sandvisor_dot_v1_dot_sandvisor__pb2.SessionOutput.FromString,
             options,
             channel_credentials,
             insecure,
