@@ -36,8 +36,9 @@ import os
 import shutil
 import socket
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol as Interface
 
 import attrs
 import trio
@@ -45,20 +46,20 @@ import trio
 from actors.channel.guest import GuestError
 from actors.crash import crash_point
 from actors.errors import DomainError, FailedPrecondition, Internal, ResourceExhausted, Unavailable
+from actors.machines.machine import Machine
 from actors.machines.qemuproc import MachineError
 from actors.model import ALIVE, Action, MemoryKind, NetMode, Protocol, State
 from actors.net import netlink
 from actors.net.netns import NetError
 from actors.net.portfwd import PortInUse, Target, bind_listener
-from actors.quotas import free_mib
-from actors.sandboxes.life import Resume
+from actors.quotas import Admission, free_mib
+from actors.sandboxes.life import Plan, Resume
 from actors.sandboxes.sandbox import Sandbox
-from actors.snapshots.snapshot import Checkpoint
-from actors.store import SnapshotRecord
-
-if TYPE_CHECKING:
-    from actors.machines.machine import Machine
-    from actors.registry import Registry
+from actors.settings import Settings
+from actors.snapshots.pools import Pools
+from actors.snapshots.snapshot import Checkpoint, SnapshotStore
+from actors.store import SnapshotRecord, Store
+from actors.volumes import Volumes
 
 log = logging.getLogger("sandvisor.hibernation")
 
@@ -67,10 +68,34 @@ ROOM_MARGIN_MIB = 64  # free space a pause needs beyond the guest's RAM (device 
 MAX_OWN_LAYERS = 4  # unmerged layers of its own (merges that failed) past which a pause is refused
 
 
+class HibernationHost(Interface):
+    """What hibernation uses of the registry (which implements it): its parts, and the
+    admission and lives of new work. The registry imports this module, not the reverse."""
+
+    settings: Settings
+    store: Store
+    admission: Admission
+    snapshots: SnapshotStore
+    pools: Pools
+    volumes: Volumes
+
+    @property
+    def sandboxes(self) -> Mapping[str, Sandbox]: ...
+
+    @property
+    def lives(self) -> trio.Nursery | None: ...
+
+    def check_open(self) -> None: ...
+
+    def admit(self, memory_mib: int, *, ram_file: bool) -> None: ...
+
+    async def start_life(self, sb: Sandbox, plan: Plan) -> None: ...
+
+
 class Hibernation:
     """The registry's pauses and resumes (one at a time per sandbox)."""
 
-    def __init__(self, registry: Registry) -> None:
+    def __init__(self, registry: HibernationHost) -> None:
         self.reg = registry
         self._locks: dict[str, trio.Lock] = {}  # by uid
         self._watchers: dict[str, tuple[trio.CancelScope, trio.Event]] = {}  # held ports' watchers, by uid
@@ -95,7 +120,7 @@ class Hibernation:
     # -- pause --------------------------------------------------------------------
     async def pause(self, sb: Sandbox) -> None:
         """Hibernate a ready sandbox (idempotent on a paused one)."""
-        self.reg._check_open()
+        self.reg.check_open()
         async with self._lock(sb):
             sb.hibernating = True
             try:
@@ -161,10 +186,7 @@ class Hibernation:
 
     async def _undo(self, sb: Sandbox, snap: SnapshotRecord) -> None:
         """A pause that failed after its checkpoint: the guest runs on, the state goes."""
-        if sb.state == State.PAUSED:
-            sb.record.state = State.READY
-            sb.store.update(sb.record)
-        sb._run.pausing = False
+        sb.unmark_paused()
         guest = sb.guest
         if guest is not None:
             try:
@@ -184,7 +206,7 @@ class Hibernation:
             self._pausing.discard(uid)
 
     def pause_later(self, sb: Sandbox) -> None:
-        lives = self.reg._lives
+        lives = self.reg.lives
         if sb.record.uid in self._pausing or lives is None:
             return
         self._pausing.add(sb.record.uid)
@@ -199,7 +221,7 @@ class Hibernation:
         an empty translation cache) and lazily loaded memory make the first exec cost.
         An auto-resume skips it: the call that wakes the sandbox does that work itself."""
         reg = self.reg
-        reg._check_open()
+        reg.check_open()
         async with self._lock(sb):
             if sb.state in ALIVE:
                 return
@@ -210,7 +232,7 @@ class Hibernation:
             if snap is None:
                 raise FailedPrecondition(f"sandbox {sb.id} is paused but its saved state is gone")
             reg.snapshots.check_restorable(snap, reg.settings.accel)
-            reg._admit(snap.machine.memory_mib, ram_file=snap.memory != MemoryKind.MAPPED)
+            reg.admit(snap.machine.memory_mib, ram_file=snap.memory != MemoryKind.MAPPED)
             accepted = time.monotonic()
             pending = await self._release_ports(sb)
             try:
@@ -229,8 +251,8 @@ class Hibernation:
             reg.snapshots.retire(snap)
             if reg.settings.cells is not None:
                 reg.settings.cells.sealed.drop(snap.id)
-            if reg._lives is not None:  # its frozen disk goes back into the running one
-                reg._lives.start_soon(self._merge_behind, sb)
+            if reg.lives is not None:  # its frozen disk goes back into the running one
+                reg.lives.start_soon(self._merge_behind, sb)
             self._pipe(sb, pending)
             sb.touch()
             await sb.persisted()
@@ -305,9 +327,7 @@ class Hibernation:
                 return
             # the header names chain[n] from here: a crash before this flush leaves the
             # record naming layers the top no longer reads (harmless: it holds their data)
-            sb.record.chain = chain[n:]
-            sb.store.update_life(sb.record)
-            await sb.store.flush()
+            await sb.note_chain(chain[n:])
             self.reg.snapshots.collect_soon()  # (their directories)
             ms = (time.monotonic() - t0) * 1000
             sb.log.append("system", f"disk: {n} layer(s) of its own merged into it in {ms:.0f} ms".encode())
@@ -339,8 +359,7 @@ class Hibernation:
         life = sb.record.life
         if life is not None and isinstance(life.spec, dict) and isinstance(life.spec.get("machine"), dict):
             machine = {**life.spec["machine"], **{k: str(v) for k, v in moved.items()}}
-            sb.record.life = attrs.evolve(life, spec={**life.spec, "machine": machine})
-            sb.store.update_life(sb.record)
+            sb.note_life(attrs.evolve(life, spec={**life.spec, "machine": machine}))
 
     # -- the end of a paused sandbox --------------------------------------------------
     def discard(self, sb: Sandbox) -> None:
@@ -349,11 +368,10 @@ class Hibernation:
         if sb.state != State.PAUSED or not sb.stopped:
             return
         self._drop(sb)
-        sb.record.state, sb.record.qemu_pid = State.STOPPED, 0
-        sb.store.update(sb.record)
+        sb.mark_stopped()
         sb.emit(Action.STOPPING)
         sb.emit(Action.STOPPED, exit_code=str(sb.record.last_exit_code))
-        lives = self.reg._lives
+        lives = self.reg.lives
         if sb.config.volumes and lives is not None:
             lives.start_soon(self._release_volumes, sb)
 
@@ -392,8 +410,7 @@ class Hibernation:
                 reg.snapshots.retire(snap)
         for sb in self.paused():
             if self.saved(sb) is None:
-                sb.record.state, sb.record.error = State.FAILED, "paused, but its saved state is gone"
-                sb.store.update(sb.record)
+                sb.mark_failed("paused, but its saved state is gone")
                 continue
             if sb.config.volumes:
                 try:
@@ -440,7 +457,7 @@ class Hibernation:
         tap = self._hold_tap(sb)
         if tap is not None:
             watched.append(tap)
-        lives = self.reg._lives
+        lives = self.reg.lives
         if watched and sb.config.timers.auto_resume and lives is not None:
             self._stop_watch(sb)
             scope, done = trio.CancelScope(), trio.Event()
@@ -532,7 +549,7 @@ class Hibernation:
 
     def _pipe(self, sb: Sandbox, pending: list[socket.socket]) -> None:
         """Connections accepted while the ports were handed to QEMU: to the port now."""
-        lives = self.reg._lives
+        lives = self.reg.lives
         if not pending or lives is None:
             for conn in pending:
                 conn.close()

@@ -229,7 +229,7 @@ class Life:
                 crash_point("hello")
                 self.guest = guest
                 self._record_timings(guest)
-                self.sb.record.qemu_pid = guest.machine.pid or 0
+                self.sb.note_pid(guest.machine.pid or 0)
         except BaseException:
             await self._teardown(*sys.exc_info())
             raise
@@ -301,9 +301,7 @@ class Life:
         if cell is not None:
             cell.close()
         sb.files.end_life()
-        if sb.record.life is not None:
-            sb.record.life = None
-            sb.store.update_life(sb.record)
+        sb.note_life_ended()
 
     # -- bringing a guest up -------------------------------------------------------------
     async def _launch(self, plan: Boot | Resume) -> Guest:
@@ -363,19 +361,20 @@ class Life:
         )
 
         def spawned(pid: int, started: int) -> None:
-            sb.record.qemu_pid = pid
-            sb.record.life = LifeState(
-                pid=pid,
-                start_time=started,
-                run_dir=str(run_dir),
-                sock_dir=str(placement.sock_dir),
-                uid=cell.identity.uid if cell is not None else 0,
-                cgroup=cell.name if cell is not None and cell.cgroup is not None else "",
-                jail_root=str(cell.spec.root) if cell is not None else "",
-                ram=str(ram) if ram is not None and shared else "",
-                spec=dump_value(spec),
+            sb.note_pid(pid)
+            sb.note_life(
+                LifeState(
+                    pid=pid,
+                    start_time=started,
+                    run_dir=str(run_dir),
+                    sock_dir=str(placement.sock_dir),
+                    uid=cell.identity.uid if cell is not None else 0,
+                    cgroup=cell.name if cell is not None and cell.cgroup is not None else "",
+                    jail_root=str(cell.spec.root) if cell is not None else "",
+                    ram=str(ram) if ram is not None and shared else "",
+                    spec=dump_value(spec),
+                )
             )
-            sb.store.update_life(sb.record)
 
         pipelined = isinstance(plan, Resume) and not legacy_restore()
         at = Attach(
@@ -466,10 +465,7 @@ class Life:
         self._fixed = True
 
     async def _record_chain(self, chain: list[str]) -> None:
-        sb = self.sb
-        sb.record.chain = chain
-        sb.store.update_life(sb.record)
-        await sb.store.flush()
+        await self.sb.note_chain(chain)
 
     def _base(self) -> Path:
         """The read-only root filesystem a fresh boot's overlay stands on."""
@@ -755,8 +751,7 @@ class Life:
             except DomainError as exc:
                 sb.log.append("system", f"port {pm.label()}: {exc.message}".encode())
                 raise MachineError(f"cannot expose port {pm.sandbox_port}: {exc.message}") from None
-        sb.record.ports = applied
-        sb.store.update_ports(sb.record)
+        sb.note_ports(applied)
 
     async def install_ca(self, guest: Guest) -> None:
         """The sandbox's CA into the guest's trust stores (it has secrets)."""

@@ -57,6 +57,8 @@ from actors.model import (
     ALIVE,
     ENDED,
     Action,
+    Applied,
+    ImageUse,
     Limits,
     PortSpec,
     Protocol,
@@ -87,7 +89,7 @@ from actors.sandboxes.workload import Workloads
 from actors.settings import Settings
 from actors.snapshots.checkpoint import CheckpointLost, Checkpoints
 from actors.snapshots.snapshot import Checkpoint
-from actors.store import MachineRecord, Record, Store
+from actors.store import LifeState, MachineRecord, Record, Store
 from actors.volumes import Volumes
 
 __all__ = ["Adopt", "AwaitTemplate", "Boot", "Plan", "Resume", "Sandbox"]
@@ -128,6 +130,7 @@ class Sandbox:
         store: Store,
         events: EventBus,
         volumes: Volumes | None = None,
+        waker: Callable[[Sandbox], Awaitable[None]] | None = None,
     ) -> None:
         self.record = record
         if record.limits is None:  # stored before effective limits were kept: ours, written back once
@@ -152,14 +155,15 @@ class Sandbox:
         # was created (a recovered record's age counts)
         self.last_activity = trio.current_time()
         self.born = trio.current_time() - max(0.0, time.time() - record.created_at)
-        self._ckpt = Checkpoints(record, store, files, settings, self.log)
-        self._exposed = Exposed(record, store)
+        self._ckpt = Checkpoints(record, self, files, settings, self.log)
+        self._exposed = Exposed(record, self.note_ports)
         # hibernation (actors/hibernation.py): the listeners of its ports held
         # while paused, and who resumes it when a call needs its guest
         self.held_ports: dict[tuple[int, Protocol], socket.socket] = {}
         self.held_link: SandboxLink | None = None  # a paused tap sandbox's TAP (its queue)
-        self.waker: Callable[[Sandbox], Awaitable[None]] | None = None
+        self.waker = waker  # who resumes it (None: nobody; a call needing its guest is refused)
         self.hibernating = False  # a pause is under way (a call needing the guest waits for it, then resumes)
+        self.modify_lock = trio.Lock()  # one Modify at a time (balloon targets and restarts do not interleave)
 
     # -- identity ------------------------------------------------------------
     @property
@@ -182,11 +186,15 @@ class Sandbox:
         assert limits is not None  # (resolved in __init__)
         return limits
 
-    def retune(self, config: SandboxConfig) -> None:
-        """A Modify's configuration; the limits it leaves at 0 stay as they were."""
+    def retune(self, config: SandboxConfig, *, changed: bool) -> None:
+        """A Modify's configuration, stored; the limits it leaves at 0 stay as they were
+        (``changed``: something changed, ``updated_at`` says when)."""
         before = self.limits
         self.record.config = config
         self.record.limits = config.limits.filled(before.vcpus, before.memory_mib)
+        if changed:
+            self.record.updated_at = int(time.time())
+        self.store.update_tuning(self.record)
 
     @property
     def hostname(self) -> str:
@@ -258,6 +266,113 @@ class Sandbox:
     @property
     def checkpointing(self) -> bool:
         return self._ckpt.active
+
+    # -- the record: this actor is its one writer (tests/unit/test_one_writer.py) --------
+    def save_new(self) -> None:
+        """Its record stored for the first time (a Create, a restore, a pool member)."""
+        self.store.insert(self.record)
+
+    def delete_record(self) -> None:
+        """Its record goes (a Remove: before its files)."""
+        self.store.delete(self.record.uid)
+
+    def hand_over(
+        self,
+        id: str,
+        seq: int,
+        config: SandboxConfig,
+        owner: str,
+        *,
+        limits: Limits | None,
+        image: ImageUse | None,
+        ports: list[PortSpec] | None,
+    ) -> None:
+        """A warm pool member becomes a caller's sandbox: their id, configuration and
+        owner (a Create's limits, image and ports), created now."""
+        rec = self.record
+        rec.id, rec.seq, rec.config, rec.owner = id or rec.uid, seq, config, owner
+        rec.created_at = rec.ready_at = int(time.time())
+        self.born = trio.current_time()
+        if limits is not None:
+            rec.limits = limits
+        if image is not None:
+            rec.image = image
+        if ports is not None:
+            rec.ports = ports
+        self.store.rekey(rec)
+
+    def set_ttl(self, ttl_seconds: int) -> None:
+        """Its TTL (seconds from its creation; 0: none), stored."""
+        cfg = self.config
+        self.record.config = attrs.evolve(cfg, timers=attrs.evolve(cfg.timers, ttl_seconds=ttl_seconds))
+        self.store.update_config(self.record)
+
+    def note_applied(self, applied: Applied) -> None:
+        """What the running machine has now (vCPUs, memory, disk), stored."""
+        self.record.applied = applied
+        self.store.update_tuning(self.record)
+
+    def note_pid(self, pid: int) -> None:
+        """Its QEMU's pid (stored with the next state)."""
+        self.record.qemu_pid = pid
+
+    def note_life(self, life: LifeState) -> None:
+        """The running QEMU as the next supervisor needs it (spawned, or its files moved), stored."""
+        self.record.life = life
+        self.store.update_life(self.record)
+
+    def note_life_ended(self) -> None:
+        """No QEMU runs for it any more (its life's cell and run dir are gone)."""
+        if self.record.life is not None:
+            self.record.life = None
+            self.store.update_life(self.record)
+
+    async def note_chain(self, chain: list[str]) -> None:
+        """The layers below its overlay, top first: on disk before it goes on."""
+        self.record.chain = chain
+        self.store.update_life(self.record)
+        await self.store.flush()
+
+    def note_ports(self, ports: list[PortSpec]) -> None:
+        """Its port mappings (host ports filled in), stored."""
+        self.record.ports = ports
+        self.store.update_ports(self.record)
+
+    async def journal_swap(self, frozen: str) -> None:
+        """A checkpoint's disk swap to ``frozen`` may be under way from here: on disk
+        first (the next supervisor finishes or undoes it: actors/recovery.py)."""
+        self.record.swap = frozen
+        self.store.update_life(self.record)
+        await self.store.flush()
+
+    def swapped(self, frozen: str, *, disk_top: str | None = None, staged: int | None = None) -> None:
+        """The disk swap is done: ``frozen`` is the top of its chain (and the running
+        QEMU's block graph is ``disk_top``, ``staged``); the journal is closed."""
+        rec = self.record
+        rec.chain, rec.swap = [frozen, *rec.chain], ""
+        if rec.life is not None and disk_top is not None and staged is not None:
+            rec.life = attrs.evolve(rec.life, disk_top=disk_top, staged=staged)
+        self.store.update_life(rec)
+
+    def void_swap(self) -> None:
+        """No disk swap is under way (a checkpoint failed before its disk moved)."""
+        if self.record.swap:
+            self.record.swap = ""
+            self.store.update_life(self.record)
+
+    def mark_stopped(self) -> None:
+        """Stopped, with no life (a supervisor start; a paused one stopped)."""
+        self._set(State.STOPPED, qemu_pid=0)
+
+    def mark_failed(self, error: str) -> None:
+        """Failed with ``error``, with no life (a supervisor start found it so)."""
+        self._set(State.FAILED, error=error, qemu_pid=0)
+
+    def unmark_paused(self) -> None:
+        """A pause that failed after its checkpoint: ready again (its guest runs on)."""
+        if self.state == State.PAUSED:
+            self._set(State.READY)
+        self._run.pausing = False
 
     # -- state machine -----------------------------------------------------------
     def _set(self, state: State, **changes: Any) -> None:

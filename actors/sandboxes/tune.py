@@ -21,6 +21,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+import attrs
 import trio
 
 from actors import defaults
@@ -31,7 +32,6 @@ from actors.machines.disk import DiskError, virtual_size
 from actors.machines.qemuproc import MachineError
 from actors.machines.vm import Guest
 from actors.model import Applied
-from actors.modify import Machine
 
 if TYPE_CHECKING:
     from actors.sandboxes.sandbox import Sandbox
@@ -40,6 +40,20 @@ log = logging.getLogger("sandvisor.tune")
 
 MIB = 1 << 20
 BALLOON_POLL = 0.1  # s: query-balloon while the guest moves toward the target
+
+
+@attrs.frozen
+class Machine:
+    """A running sandbox's machine as Modify sees it: its ceilings, whether it has a
+    balloon, its root disk's size now (MiB)."""
+
+    max_vcpus: int
+    max_memory_mib: int
+    balloon: bool
+    disk_mib: int
+    # its RAM is a snapshot's (a boot template's) memory mapped copy-on-write: the balloon
+    # cannot give memory back, it costs some (docs/modify.md)
+    mapped: bool = False
 
 
 def machine_of(sb: Sandbox) -> Machine:
@@ -135,16 +149,17 @@ async def _settle(sb: Sandbox, guest: Guest, *, boot: bool = False) -> bool:
             log.warning("sandbox %s: balloon: %s", sb.id, exc)
             actual = 0
         settled = settled and actual == memory
-    sb.record.applied = Applied(
-        vcpus=online,
-        memory_mib=actual,
-        max_vcpus=spec.cpus,
-        max_memory_mib=spec.memory_mib,
-        disk_mib=disk_mib(sb),
-        balloon=spec.balloon,
-        settled=settled,
+    sb.note_applied(
+        Applied(
+            vcpus=online,
+            memory_mib=actual,
+            max_vcpus=spec.cpus,
+            max_memory_mib=spec.memory_mib,
+            disk_mib=disk_mib(sb),
+            balloon=spec.balloon,
+            settled=settled,
+        )
     )
-    sb.store.update_tuning(sb.record)
     return settled
 
 
