@@ -35,7 +35,6 @@ and the handle's operations, and holds its current Life.
 from __future__ import annotations
 
 import functools
-import math
 import os
 import sys
 import time
@@ -51,7 +50,6 @@ import trio
 from actors import hostdirs
 from actors._groups import collapse_single
 from actors.cells.cell import Cell
-from actors.cells.cgroups import CgroupError, CgroupStats
 from actors.channel.guest import CLOCK_STALE_S, GuestChannel, GuestError, GuestOpError, GuestTimeout, PatchEntry
 from actors.crash import crash_point
 from actors.errors import (
@@ -72,13 +70,13 @@ from actors.machines.machine import Placement
 from actors.machines.qemuproc import AdoptedProcess, MachineError, legacy_restore
 from actors.machines.qemuspec import Volume
 from actors.machines.vm import TAP_FD, Attach, BootError, Guest, VmSpec, load_spec
-from actors.model import MemoryKind, SandboxMetrics, script_patches
+from actors.model import MemoryKind, script_patches
 from actors.model import dump as dump_value
 from actors.net import netlink
 from actors.net.hostnet import SandboxLink
 from actors.net.ports import PortRelays
 from actors.quotas import check_sandbox_disk
-from actors.sandboxes import secrets
+from actors.sandboxes import secrets, usage
 from actors.snapshots.snapshot import memory_for_restore, resume_spec
 from actors.store import LifeState, SnapshotRecord
 from guestd import proto
@@ -175,7 +173,7 @@ class Life:
         self._sealed = ""  # the snapshot whose sealed memory that descriptor is
         self._state_fd = -1  # a restore's saved state, until loaded
         self._shares: hostdirs.Shares | None = None  # its host directories' servers (in its stack)
-        self._cpu_prev: tuple[float, float] | None = None
+        self.cpu = usage.CpuMeter()  # QEMU's CPU use between two looks (Metrics)
         self._fixed = False  # a restore's fix-ups came with its hello (Attach.fixups)
         self._stack = AsyncExitStack()  # its scope, _release, QEMU (the launcher's block), the relays' nursery
         self._scope = trio.CancelScope()
@@ -776,67 +774,3 @@ class Life:
                 f"+ {cell.cells.config.overhead_mib} MiB)"
             )
         return guest.machine.describe_exit() if rc else "the guest powered off on its own"
-
-    # -- host-side metrics ---------------------------------------------------------------
-    def cgroup_stats(self) -> CgroupStats | None:
-        cell = self.cell
-        if cell is None or cell.cgroup is None:
-            return None
-        try:
-            return cell.cgroup.stats()
-        except (CgroupError, OSError):
-            return None
-
-    def metrics(self, m: proto.MetricsOk, id: str, pid: int) -> SandboxMetrics:
-        """The guest's ``m`` with the host's view of its QEMU (``pid``) and cgroup."""
-        cg = self.cgroup_stats()
-        return SandboxMetrics(
-            cgroup_memory_bytes=cg.memory_bytes if cg is not None else 0,
-            cgroup_memory_limit_bytes=(cg.memory_limit or 0) if cg is not None else 0,
-            cgroup_oom_kills=cg.oom_kills if cg is not None else 0,
-            id=id,
-            timestamp=time.time_ns(),
-            cpu_percent=round(self.cpu_percent(pid), 2),
-            memory_total_bytes=int(m.mem.get("total", 0)),
-            memory_available_bytes=int(m.mem.get("available", 0)),
-            host_rss_bytes=proc_rss(pid),
-            disk_read_bytes=int(m.disk.get("read_bytes", 0)),
-            disk_write_bytes=int(m.disk.get("write_bytes", 0)),
-            net_rx_bytes=int(m.net.get("rx_bytes", 0)),
-            net_tx_bytes=int(m.net.get("tx_bytes", 0)),
-            uptime_seconds=float(m.uptime),
-        )
-
-    def cpu_percent(self, pid: int) -> float:
-        """QEMU's CPU use since the previous call (first call: since the VM started)."""
-        now, cpu = time.monotonic(), proc_cpu_seconds(pid)
-        prev = self._cpu_prev
-        self._cpu_prev = (now, cpu)
-        if prev is None or now <= prev[0]:
-            return 0.0
-        pct = 100.0 * (cpu - prev[1]) / (now - prev[0])
-        return 0.0 if math.isnan(pct) else max(0.0, pct)
-
-
-def proc_rss(pid: int) -> int:
-    """A process's resident set, in bytes (0: no such process)."""
-    if not pid:
-        return 0
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        pass
-    return 0
-
-
-def proc_cpu_seconds(pid: int) -> float:
-    """A process's user + system CPU seconds (0: no such process)."""
-    if not pid:
-        return 0.0
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / 100.0
-    except (OSError, ValueError, IndexError):
-        return 0.0

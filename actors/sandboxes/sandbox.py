@@ -39,7 +39,6 @@ import socket
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
-from ipaddress import IPv4Address
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -52,7 +51,7 @@ from actors.crash import crash_point
 from actors.errors import DomainError, FailedPrecondition, Internal
 from actors.events import EventBus
 from actors.machines.qemuproc import MachineError
-from actors.machines.vm import BootError, BootTimeout, Guest, NetConfig
+from actors.machines.vm import BootError, BootTimeout, Guest
 from actors.model import (
     ALIVE,
     ENDED,
@@ -65,15 +64,13 @@ from actors.model import (
     SandboxConfig,
     SandboxMetrics,
     State,
-    default_hostname,
     is_hidden,
 )
-from actors.net import netlink
-from actors.net.egress import EgressPolicy
 from actors.net.hostnet import SandboxLink
 from actors.net.ports import Exposed
-from actors.sandboxes import tune
+from actors.sandboxes import tune, usage
 from actors.sandboxes.files import SandboxFiles
+from actors.sandboxes.identity import Identity
 from actors.sandboxes.life import (
     Adopt,
     AwaitTemplate,
@@ -82,8 +79,6 @@ from actors.sandboxes.life import (
     Plan,
     Resume,
     guest_error,
-    proc_cpu_seconds,
-    proc_rss,
 )
 from actors.sandboxes.workload import Workloads
 from actors.settings import Settings
@@ -119,7 +114,7 @@ class _Run:
     served: bool = False  # it reached ready (or resumed)
 
 
-class Sandbox:
+class Sandbox(Identity):
     """The actor. The registry calls its methods; one VM life runs in :meth:`run`."""
 
     def __init__(
@@ -165,27 +160,6 @@ class Sandbox:
         self.hibernating = False  # a pause is under way (a call needing the guest waits for it, then resumes)
         self.modify_lock = trio.Lock()  # one Modify at a time (balloon targets and restarts do not interleave)
 
-    # -- identity ------------------------------------------------------------
-    @property
-    def id(self) -> str:
-        return self.record.id
-
-    @property
-    def state(self) -> State:
-        return self.record.state
-
-    @property
-    def config(self) -> SandboxConfig:
-        return self.record.config
-
-    @property
-    def limits(self) -> Limits:
-        """The effective resources, as resolved when the sandbox was made (or Modify
-        changed them): never the supervisor's defaults of now."""
-        limits = self.record.limits
-        assert limits is not None  # (resolved in __init__)
-        return limits
-
     def retune(self, config: SandboxConfig, *, changed: bool) -> None:
         """A Modify's configuration, stored; the limits it leaves at 0 stay as they were
         (``changed``: something changed, ``updated_at`` says when)."""
@@ -195,49 +169,6 @@ class Sandbox:
         if changed:
             self.record.updated_at = int(time.time())
         self.store.update_tuning(self.record)
-
-    @property
-    def hostname(self) -> str:
-        return self.config.hostname or default_hostname(self.id)
-
-    @property
-    def network(self) -> NetConfig | None:
-        """The guest's network (user: slirp's fixed addresses; tap: its pool address,
-        None until it has one)."""
-        return netlink.guest_net(self.settings, self.config.network, self.record.uid)
-
-    @property
-    def ip_address(self) -> str:
-        net = self.network
-        return net.address if net else ""
-
-    @property
-    def gateway(self) -> str:
-        net = self.network
-        return net.gateway if net else ""
-
-    @property
-    def tap_name(self) -> str:
-        net = self.network
-        return net.tap_name if net else ""
-
-    @property
-    def pool_address(self) -> IPv4Address | None:
-        """Its IP pool address (tap: the guest's; user mode with outbound in a jail: its
-        uplink's), held from Create to Remove: a stopped sandbox keeps it."""
-        return netlink.pool_address(self.settings, self.record.uid)
-
-    @property
-    def egress(self) -> EgressPolicy:
-        return netlink.egress_policy(self.config.network)
-
-    def lease(self, want: str = "") -> None:
-        """Hold a pool address when the network needs one (see :func:`netlink.lease`)."""
-        netlink.lease(self.settings, self.config.network, self.record.uid, want)
-
-    def release_lease(self) -> None:
-        """The address goes back to the pool (Remove)."""
-        netlink.release_lease(self.settings, self.record.uid)
 
     # -- what the current life holds ------------------------------------------------
     @property
@@ -800,18 +731,18 @@ class Sandbox:
         life = self.life
         if life is None:
             raise FailedPrecondition(f"sandbox {self.id} is {self.state}, not ready or running")
-        return life.metrics(m, self.id, self.record.qemu_pid)
+        return usage.sandbox_metrics(m, self.id, self.record.qemu_pid, life.cell, life.cpu)
 
     def host_rss(self) -> int:
-        return proc_rss(self.record.qemu_pid)
+        return usage.proc_rss(self.record.qemu_pid)
 
     def host_cpu_seconds(self) -> float:
-        return proc_cpu_seconds(self.record.qemu_pid)
+        return usage.proc_cpu_seconds(self.record.qemu_pid)
 
     def cpu_percent(self) -> float:
         """QEMU's CPU use since the previous call (first call: since the VM started)."""
         life = self.life
-        return life.cpu_percent(self.record.qemu_pid) if life is not None else 0.0
+        return life.cpu.percent(self.record.qemu_pid) if life is not None else 0.0
 
     # -- ports (the record's mappings; the current life's forwards: actors/net/ports.py) --
     def ports(self) -> list[PortSpec]:
