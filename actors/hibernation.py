@@ -51,9 +51,14 @@ from actors.machines.qemuproc import MachineError
 from actors.model import ALIVE, Action, MemoryKind, NetMode, Protocol, State
 from actors.net import netlink
 from actors.net.netns import NetError
-from actors.net.portfwd import PortInUse, Target, bind_listener
+from actors.net.portfwd import (
+    PortInUse,
+    Target,
+    _tcp_pair,  # (the relay's one connection, with its error boundary)
+    bind_listener,
+)
 from actors.quotas import Admission, free_mib
-from actors.sandboxes.life import Plan, Resume
+from actors.sandboxes.plans import Plan, Resume
 from actors.sandboxes.sandbox import Sandbox
 from actors.settings import Settings
 from actors.snapshots.pools import Pools
@@ -478,7 +483,7 @@ class Hibernation:
             except (DomainError, MachineError, OSError) as exc:
                 sb.log.append("system", f"paused: its TAP not held: {exc}".encode())
                 return None
-            sb.held_link = link
+            sb.hold_link(link)
         if link is None or link.tap_fd is None:
             return None
         g = link.guest
@@ -590,8 +595,6 @@ async def _readable(sock: socket.socket | int, scope: trio.CancelScope) -> None:
 
 
 async def _pipe_one(raw: socket.socket, target: Target) -> None:
-    from actors.net.portfwd import _tcp_pair  # (the relay's one connection, with its error boundary)
-
     raw.setblocking(False)
     await _tcp_pair(trio.SocketStream(trio.socket.from_stdlib_socket(raw)), target)
 

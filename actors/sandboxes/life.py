@@ -1,6 +1,6 @@
 """One VM life of a sandbox: everything one run of a QEMU holds, freed in one place.
 
-A sandbox's life is said by a :data:`Plan`::
+A sandbox's life is said by a :data:`~actors.sandboxes.plans.Plan`::
 
     Boot(template=...)        a fresh boot (or its disk again, after a Stop); at the
                               first ready, before any caller's work, ``template`` may
@@ -36,15 +36,15 @@ from __future__ import annotations
 
 import functools
 import os
+import socket
 import sys
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-import attrs
 import trio
 
 from actors import hostdirs
@@ -67,22 +67,25 @@ from actors.errors import (
 from actors.machines.disk import backing_chain, check_user_disk, grow_overlay, virtual_size
 from actors.machines.guestmem import own_memory
 from actors.machines.machine import Placement
-from actors.machines.qemuproc import AdoptedProcess, MachineError, legacy_restore
+from actors.machines.qemuproc import MachineError, legacy_restore
 from actors.machines.qemuspec import Volume
-from actors.machines.vm import TAP_FD, Attach, BootError, Guest, VmSpec, load_spec
-from actors.model import MemoryKind, script_patches
+from actors.machines.vm import TAP_FD, Attach, BootError, Guest, NetConfig, VmSpec, load_spec
+from actors.model import Action, Limits, MemoryKind, PortSpec, SandboxConfig, script_patches
 from actors.model import dump as dump_value
 from actors.net import netlink
+from actors.net.egress import EgressPolicy
 from actors.net.hostnet import SandboxLink
 from actors.net.ports import PortRelays
 from actors.quotas import check_sandbox_disk
 from actors.sandboxes import secrets, usage
+from actors.sandboxes.files import SandboxFiles
+from actors.sandboxes.logs import SandboxLog
+from actors.sandboxes.plans import Adopt, Boot, Resume
+from actors.settings import Settings
 from actors.snapshots.snapshot import memory_for_restore, resume_spec
-from actors.store import LifeState, SnapshotRecord
+from actors.store import LifeState, Record, SnapshotRecord
+from actors.volumes import Volumes
 from guestd import proto
-
-if TYPE_CHECKING:
-    from actors.sandboxes.sandbox import Sandbox
 
 RESTORE_HELLO_TIMEOUT = 15.0  # a restored guest answers in ~0.1 s; one that does not in 15 s will not
 
@@ -107,57 +110,62 @@ def guest_error(exc: GuestError) -> DomainError:
     return Unavailable(f"sandbox guest unavailable: {exc}")
 
 
-# -- plans ------------------------------------------------------------------------------
-@attrs.frozen
-class Boot:
-    """A fresh boot, or a stopped sandbox's disk booted again."""
+class LifeOwner(Protocol):
+    """What a life uses of its sandbox (the Sandbox is one; this module does not import
+    it): what it is (read), where its files and log are, what it held while paused,
+    and the record changes a life makes, which the sandbox writes."""
 
-    accepted: float = 0.0  # monotonic: when the request was accepted (for the timings)
-    template: Callable[[Sandbox], Awaitable[None]] | None = None
-    disk_of: SnapshotRecord | None = None  # a restore of a disk-only snapshot: a boot on an overlay of its disk
+    record: Record
+    settings: Settings
+    files: SandboxFiles
+    volumes: Volumes | None
+    log: SandboxLog
 
+    @property
+    def id(self) -> str: ...
 
-@attrs.frozen
-class Resume:
-    """A restore of ``snapshot``. With ``fallback`` (a boot template), a restore that
-    fails is reported there and the life boots instead: a Create must not fail on it."""
+    @property
+    def config(self) -> SandboxConfig: ...
 
-    snapshot: SnapshotRecord
-    accepted: float = 0.0
-    # (snapshot, why, transient): transient = the guest did not answer in time
-    fallback: Callable[[SnapshotRecord, str, bool], None] | None = None
-    wake: bool = False  # a paused sandbox's own saved state: it resumes as itself
+    @property
+    def limits(self) -> Limits: ...
 
+    @property
+    def hostname(self) -> str: ...
 
-@attrs.frozen
-class Adopt:
-    """A QEMU a previous supervisor started and recorded (``life``), still running
-    (``proc``): reconnect and serve it, with its memory, processes and ports."""
+    @property
+    def network(self) -> NetConfig | None: ...
 
-    life: LifeState
-    proc: AdoptedProcess
-    accepted: float = 0.0
+    @property
+    def egress(self) -> EgressPolicy: ...
 
+    @property
+    def timings(self) -> dict[str, float]: ...
 
-@attrs.frozen
-class AwaitTemplate:
-    """The boot template this configuration restores is being made by another
-    sandbox's boot: ``resolve`` waits for that (the template is saved before the
-    maker's first ready) and says what to do then -- restore it, or boot (it failed).
-    Booting beside the maker instead would put N boots on the cores at once."""
+    def emit(self, action: Action, **attributes: str) -> None: ...
 
-    resolve: Callable[[], Awaitable[Boot | Resume]]
-    accepted: float = 0.0
+    def take_held_port(self, pm: PortSpec) -> socket.socket | None: ...
 
+    def take_held_link(self) -> SandboxLink | None: ...
 
-Plan = Boot | Resume | Adopt | AwaitTemplate
+    def hold_link(self, link: SandboxLink | None) -> None: ...
+
+    def note_pid(self, pid: int) -> None: ...
+
+    def note_life(self, life: LifeState) -> None: ...
+
+    def note_life_ended(self) -> None: ...
+
+    async def note_chain(self, chain: list[str]) -> None: ...
+
+    def note_ports(self, ports: list[PortSpec]) -> None: ...
 
 
 class Life:
     """One run of a QEMU for ``sb``. ``async with Life.boot(sb, plan) as life:`` the
     guest is up (``life.guest``) and serves the block; everything is freed after."""
 
-    def __init__(self, sb: Sandbox, plan: Boot | Resume | Adopt) -> None:
+    def __init__(self, sb: LifeOwner, plan: Boot | Resume | Adopt) -> None:
         self.sb = sb
         self.plan = plan
         self.guest: Guest | None = None  # set once the guest is this sandbox's (after a restore's fixups)
@@ -179,22 +187,22 @@ class Life:
         self._scope = trio.CancelScope()
 
     @classmethod
-    def boot(cls, sb: Sandbox, plan: Boot) -> Life:
+    def boot(cls, sb: LifeOwner, plan: Boot) -> Life:
         """A fresh boot, or the sandbox's disk booted again."""
         return cls(sb, plan)
 
     @classmethod
-    def resume(cls, sb: Sandbox, plan: Resume) -> Life:
+    def resume(cls, sb: LifeOwner, plan: Resume) -> Life:
         """A restore of ``plan.snapshot``, made this sandbox's (identity, network)."""
         return cls(sb, plan)
 
     @classmethod
-    def adopt(cls, sb: Sandbox, plan: Adopt) -> Life:
+    def adopt(cls, sb: LifeOwner, plan: Adopt) -> Life:
         """A running QEMU a previous supervisor left, reconnected."""
         return cls(sb, plan)
 
     @classmethod
-    def of(cls, sb: Sandbox, plan: Boot | Resume | Adopt) -> Life:
+    def of(cls, sb: LifeOwner, plan: Boot | Resume | Adopt) -> Life:
         if isinstance(plan, Adopt):
             return cls.adopt(sb, plan)
         if isinstance(plan, Resume):
@@ -286,7 +294,7 @@ class Life:
         if link is None:
             return
         if self.pausing and link.tap_fd is not None and not link.closed:
-            self.sb.held_link = link  # paused: the TAP stays, its queue holds what comes for the guest
+            self.sb.hold_link(link)  # paused: the TAP stays, its queue holds what comes for the guest
             return
         link.detach() if self.detaching else link.close()
 

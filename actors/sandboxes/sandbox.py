@@ -71,15 +71,8 @@ from actors.net.ports import Exposed
 from actors.sandboxes import tune, usage
 from actors.sandboxes.files import SandboxFiles
 from actors.sandboxes.identity import Identity
-from actors.sandboxes.life import (
-    Adopt,
-    AwaitTemplate,
-    Boot,
-    Life,
-    Plan,
-    Resume,
-    guest_error,
-)
+from actors.sandboxes.life import Life, guest_error
+from actors.sandboxes.plans import Adopt, AwaitTemplate, Boot, Plan, Resume
 from actors.sandboxes.workload import Workloads
 from actors.settings import Settings
 from actors.snapshots.checkpoint import CheckpointLost, Checkpoints
@@ -411,7 +404,7 @@ class Sandbox(Identity):
             self.log.append("system", b"adopted after a supervisor restart")
         else:
             if isinstance(plan, Boot) and plan.template is not None:
-                await plan.template(self)  # a fresh boot, nothing of the caller's in it yet
+                await plan.template()  # a fresh boot, nothing of the caller's in it yet
             if not isinstance(plan, Resume):  # (a restored guest has them mounted)
                 await life.mount_volumes(guest)
                 await life.mount_host_dirs(guest)
@@ -585,6 +578,10 @@ class Sandbox(Identity):
         """The listener of ``pm``'s host port held while it was paused, handed to the
         resumed life's relay (None: the life binds its own)."""
         return self.held_ports.pop(pm.key, None)
+
+    def hold_link(self, link: SandboxLink | None) -> None:
+        """Keep a paused tap sandbox's TAP (its queue holds what comes for the guest)."""
+        self.held_link = link
 
     def take_held_link(self) -> SandboxLink | None:
         """The TAP held while it was paused, for the resumed life (None: it opens one)."""

@@ -47,6 +47,7 @@ import trio
 
 from actors.durable import fsync_dir
 from actors.errors import AlreadyExists, FailedPrecondition, InvalidArgument
+from actors.hostdirs import check_host_file
 from actors.machines.disk import MAX_CHAIN, DiskError, inspect_disk, overlay_bound
 from actors.model import ImageUse, MemoryKind, SandboxConfig, check_config, check_labels, check_name, dump, load
 from actors.settings import Settings
@@ -440,8 +441,6 @@ def _check_manifest(
         raise InvalidArgument("the export's sandbox has secrets: secrets do not travel")
     check_config(config)
     if config.boot.kernel or config.boot.rootfs:
-        from actors.create_checks import check_host_file
-
         for what, path in (("kernel", config.boot.kernel), ("rootfs", config.boot.rootfs)):
             if path:
                 check_host_file(what, path, settings.allowed_paths)
