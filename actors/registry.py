@@ -307,10 +307,21 @@ class Registry:
         )
         return self._sandbox(rec)
 
+    def _resolve_limits(self, config: SandboxConfig, snap: SnapshotRecord | None = None) -> Limits:
+        """A new sandbox's effective resources, resolved here alone: kept in its record,
+        they are what every later boot, restore, pool and Modify of it uses. A Create's
+        are the request with the supervisor's defaults for what it leaves at 0; a
+        restore's or pool member's are those of the snapshot's sandbox (stored with the
+        snapshot; one stored before they were kept: the machine it was saved with), never
+        the defaults of now."""
+        if snap is not None:
+            return snap.config.limits.filled(snap.machine.cpus, snap.machine.memory_mib)
+        return self.settings.limits(config.limits)
+
     def new_member(self, snap: SnapshotRecord) -> Sandbox:
         """A hidden sandbox (stored, not registered) for a warm pool of ``snap``."""
         config = snap.config.restored({}, 0)
-        limits = self.settings.limits(config.limits)
+        limits = self._resolve_limits(config, snap)
         sb = self._new_sandbox("", config, limits, hidden=True, origin=snap.id, image=snap.oci)
         sb.save_new()
         return sb
@@ -426,9 +437,7 @@ class Registry:
         self.check_open()
         check_id(id)
         check_config(config)
-        # the effective resources, resolved here once: kept in the record, they are what
-        # every later boot, restore, pool and Modify of the sandbox uses
-        limits = self.settings.limits(config.limits)
+        limits = self._resolve_limits(config)
         check_machine(limits, balloon=self.settings.balloon)
         check_network_available(self.settings, config.network)
         values = secret_values or {}
@@ -666,7 +675,7 @@ class Registry:
             if id and id in self.sandboxes:
                 raise AlreadyExists(f"sandbox {id!r} exists")
         disk_only = snap.memory == MemoryKind.DISK
-        limits = self.settings.limits(config.limits)  # (resolved once: kept in its record)
+        limits = self._resolve_limits(config, snap)
         memory_mib = limits.memory_mib if disk_only else snap.machine.memory_mib
         self.admit(memory_mib, ram_file=snap.memory != MemoryKind.MAPPED)
         sb = self._new_sandbox(id, config, limits, origin=snap.id, image=snap.oci, owner=owner)

@@ -28,9 +28,12 @@ def _record_names(fn: ast.AST) -> set[str]:
     for node in ast.walk(fn):
         if isinstance(node, ast.arg) and node.annotation is not None and ast.unparse(node.annotation) == "Record":
             names.add(node.arg)
-        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            if ast.unparse(node.annotation) == "Record":
-                names.add(node.target.id)
+        elif (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and ast.unparse(node.annotation) == "Record"
+        ):
+            names.add(node.target.id)
     sources: set[str] = set()
     for node in ast.walk(fn):
         if isinstance(node, ast.Assign):
@@ -78,14 +81,16 @@ def record_writes(source: str) -> list[str]:
                 elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
                     targets = [node.target]
                 flat = [e for t in targets for e in (t.elts if isinstance(t, ast.Tuple) else [t])]
-                if any(isinstance(t, ast.Attribute) and _is_record(t.value, names) for t in flat):
+                if isinstance(node, ast.stmt) and any(
+                    isinstance(t, ast.Attribute) and _is_record(t.value, names) for t in flat
+                ):
                     found[node.lineno] = ast.unparse(node)
                 if not isinstance(node, ast.Call):
                     continue
                 f = node.func
-                if isinstance(f, ast.Name) and f.id in ("setattr", "delattr") and node.args:
-                    if _is_record(node.args[0], names):
-                        found[node.lineno] = ast.unparse(node)
+                setter = isinstance(f, ast.Name) and f.id in ("setattr", "delattr")
+                if setter and node.args and _is_record(node.args[0], names):
+                    found[node.lineno] = ast.unparse(node)
                 if isinstance(f, ast.Attribute) and ast.unparse(f.value).endswith("store"):
                     arg = node.args[0] if node.args else None
                     mentions = arg is not None and (
@@ -116,7 +121,7 @@ def test_the_owner_does_write_it() -> None:
 
 
 def test_the_check_catches_each_shape() -> None:
-    src = '''
+    src = """
 def a(sb):
     sb.record.state = 1
 def b(sb):
@@ -135,6 +140,6 @@ def fine(snap, leases, rec_of_snapshot):
     snap.owner = "x"          # a snapshot's record: not a sandbox's
     leases.store.delete(owner) # an IP lease
     x = sb.record.state        # a read
-'''
+"""
     got = [line.split(":")[0] for line in record_writes(src)]
     assert got == ["3", "6", "8", "11", "13", "14", "15"], got
