@@ -127,11 +127,8 @@ class Hibernation:
         """Hibernate a ready sandbox (idempotent on a paused one)."""
         self.reg.check_open()
         async with self._lock(sb):
-            sb.hibernating = True
-            try:
+            with sb.pause_under_way():
                 await self._pause(sb)
-            finally:
-                sb.hibernating = False
 
     async def _pause(self, sb: Sandbox) -> None:
         reg = self.reg
@@ -457,7 +454,7 @@ class Hibernation:
                 sb.log.append("system", f"paused: host port {pm.host_port} not held: {exc}".encode())
                 continue
             sock.setblocking(False)
-            sb.held_ports[pm.key] = sock
+            sb.hold_port(pm.key, sock)
         watched: list[socket.socket | int] = [*sb.held_ports.values()]
         tap = self._hold_tap(sb)
         if tap is not None:
@@ -528,7 +525,9 @@ class Hibernation:
         if self._relayed(sb):
             return []
         pending: list[socket.socket] = []
-        for key, sock in list(sb.held_ports.items()):
+        ports, link = sb.let_go_held()
+        sb.hold_link(link)  # (the TAP stays held: the resumed life takes it)
+        for key, sock in ports.items():
             if key[1] == Protocol.TCP:
                 while True:
                     try:
@@ -537,16 +536,14 @@ class Hibernation:
                         break
                     pending.append(conn)
             sock.close()
-            del sb.held_ports[key]
         return pending
 
     def _close_ports(self, sb: Sandbox) -> None:
         self._stop_watch(sb)
-        for sock in sb.held_ports.values():
+        ports, link = sb.let_go_held()
+        for sock in ports.values():
             trio.lowlevel.notify_closing(sock)
             sock.close()
-        sb.held_ports.clear()
-        link, sb.held_link = sb.held_link, None
         if link is not None:
             if link.tap_fd is not None:
                 trio.lowlevel.notify_closing(link.tap_fd)

@@ -37,8 +37,8 @@ from __future__ import annotations
 import logging
 import socket
 import time
-from collections.abc import Awaitable, Callable
-from contextlib import AbstractAsyncContextManager
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import AbstractAsyncContextManager, contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -573,6 +573,26 @@ class Sandbox(Identity):
         guest = self.guest
         if guest is None and run.scope is not None:
             run.scope.cancel()
+
+    @contextmanager
+    def pause_under_way(self) -> Iterator[None]:
+        """While the block runs a pause is under way: a call needing the guest waits for
+        it, then resumes the sandbox (:meth:`awake`)."""
+        self.hibernating = True
+        try:
+            yield
+        finally:
+            self.hibernating = False
+
+    def hold_port(self, key: tuple[int, Protocol], sock: socket.socket) -> None:
+        """Keep the listener of a paused sandbox's host port (its next life relays it)."""
+        self.held_ports[key] = sock
+
+    def let_go_held(self) -> tuple[dict[tuple[int, Protocol], socket.socket], SandboxLink | None]:
+        """Everything held while paused (listeners, TAP), no longer held: the caller's to close."""
+        ports, self.held_ports = self.held_ports, {}
+        link, self.held_link = self.held_link, None
+        return ports, link
 
     def take_held_port(self, pm: PortSpec) -> socket.socket | None:
         """The listener of ``pm``'s host port held while it was paused, handed to the

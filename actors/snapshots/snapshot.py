@@ -382,7 +382,8 @@ class SnapshotStore:
             self.snapshots[rec.id] = rec
             self.convert_soon(rec)
 
-    def _new_id(self) -> str:
+    def new_id(self) -> str:
+        """A fresh snapshot id (none of the store's has it)."""
         while True:
             sid = "snap-" + os.urandom(6).hex()
             if sid not in self.snapshots:
@@ -421,7 +422,7 @@ class SnapshotStore:
             raise
         rec = SnapshotRecord(
             uid=uid,
-            id=self._new_id(),
+            id=self.new_id(),
             name=name,
             labels=dict(labels or {}),
             sandbox_id="" if template_key else origin.id,

@@ -362,7 +362,7 @@ class _Plan:
         mapped = self.memory == MemoryKind.MAPPED
         return SnapshotRecord(
             uid=imp.uid,
-            id=imp.store._new_id(),
+            id=imp.store.new_id(),
             name=self.name,
             labels=self.labels,
             sandbox_id=self.sandbox_id,
