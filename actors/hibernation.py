@@ -60,9 +60,10 @@ from actors.net.portfwd import (
 from actors.quotas import Admission, free_mib
 from actors.sandboxes.plans import Plan, Resume
 from actors.sandboxes.sandbox import Sandbox
+from actors.sandboxes.savedstate import Checkpoint
 from actors.settings import Settings
 from actors.snapshots.pools import Pools
-from actors.snapshots.snapshot import Checkpoint, SnapshotStore
+from actors.snapshots.snapshot import SnapshotStore
 from actors.store import SnapshotRecord, Store
 from actors.volumes import Volumes
 

@@ -81,13 +81,14 @@ from actors.principals import LEGACY_OWNER, Principal
 from actors.quotas import Admission, Quotas
 from actors.sandboxes.files import SandboxFiles
 from actors.sandboxes.sandbox import Adopt, Boot, Plan, Resume, Sandbox
+from actors.sandboxes.savedstate import Checkpoint
 from actors.sandboxes.secrets import new_owner
 from actors.secrets.ca import new_ca
 from actors.secrets.model import with_placeholders
 from actors.settings import Settings
 from actors.snapshots.convert import convert_streamed
 from actors.snapshots.pools import Pools
-from actors.snapshots.snapshot import Checkpoint, SnapshotStore
+from actors.snapshots.snapshot import SnapshotStore
 from actors.snapshots.transfer import Importer, export_stream
 from actors.store import Record, SnapshotRecord, Store
 from actors.timers import Timers

@@ -81,8 +81,8 @@ from actors.sandboxes import secrets, usage
 from actors.sandboxes.files import SandboxFiles
 from actors.sandboxes.logs import SandboxLog
 from actors.sandboxes.plans import Adopt, Boot, Resume
+from actors.sandboxes.savedstate import memory_for_restore, resume_spec
 from actors.settings import Settings
-from actors.snapshots.snapshot import memory_for_restore, resume_spec
 from actors.store import LifeState, Record, SnapshotRecord
 from actors.volumes import Volumes
 from guestd import proto

@@ -69,14 +69,14 @@ from actors.model import (
 from actors.net.hostnet import SandboxLink
 from actors.net.ports import Exposed
 from actors.sandboxes import tune, usage
+from actors.sandboxes.checkpoint import CheckpointLost, Checkpoints
 from actors.sandboxes.files import SandboxFiles
 from actors.sandboxes.identity import Identity
 from actors.sandboxes.life import Life, guest_error
 from actors.sandboxes.plans import Adopt, AwaitTemplate, Boot, Plan, Resume
+from actors.sandboxes.savedstate import Checkpoint
 from actors.sandboxes.workload import Workloads
 from actors.settings import Settings
-from actors.snapshots.checkpoint import CheckpointLost, Checkpoints
-from actors.snapshots.snapshot import Checkpoint
 from actors.store import LifeState, MachineRecord, Record, Store
 from actors.volumes import Volumes
 

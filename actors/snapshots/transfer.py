@@ -50,9 +50,10 @@ from actors.errors import AlreadyExists, FailedPrecondition, InvalidArgument
 from actors.hostdirs import check_host_file
 from actors.machines.disk import MAX_CHAIN, DiskError, inspect_disk, overlay_bound
 from actors.model import ImageUse, MemoryKind, SandboxConfig, check_config, check_labels, check_name, dump, load
+from actors.sandboxes.savedstate import allocated, stat_key
 from actors.settings import Settings
 from actors.snapshots import archive
-from actors.snapshots.snapshot import SnapshotStore, allocated, stat_key
+from actors.snapshots.snapshot import SnapshotStore
 from actors.store import MachineRecord, SnapshotRecord
 
 log = logging.getLogger("sandvisor.transfer")

@@ -5,7 +5,7 @@ checkpoint runs at a time; while it does, short guest calls wait for it
 (:meth:`Checkpoints.wait_idle`) and new work is refused. :meth:`Checkpoints.take`
 is the sequence: wait out the guest's requests in flight, journal the disk swap
 (``record.swap``: a crash from there to the end of the swap is finished or undone by
-the next supervisor, ``Registry._recover``), :func:`~actors.snapshots.snapshot.checkpoint_guest`,
+the next supervisor, ``Registry._recover``), :func:`~actors.sandboxes.savedstate.checkpoint_guest`,
 and a failure that left the guest paused is :class:`CheckpointLost` (the life cannot
 go on). Recording the snapshot is the registry's (``SnapshotStore.take``).
 """
@@ -26,8 +26,8 @@ from actors.machines.vm import Guest
 from actors.model import MemoryKind
 from actors.sandboxes.files import SandboxFiles
 from actors.sandboxes.logs import SandboxLog
+from actors.sandboxes.savedstate import Checkpoint, allocated, checkpoint_guest, still_running
 from actors.settings import Settings
-from actors.snapshots.snapshot import Checkpoint, allocated, checkpoint_guest, still_running
 from actors.store import MachineRecord, Record
 
 BUSY_WAIT = 5.0  # s: requests in flight get this long to finish before a checkpoint
