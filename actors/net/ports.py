@@ -30,7 +30,7 @@ from actors.model import PortSpec, Protocol
 from actors.net.hostnet import HostNetwork
 from actors.net.netns import NetNS
 from actors.net.portfwd import PortInUse, Target, bind_listener, relay_tcp, relay_udp
-from actors.store import Record, Store
+from actors.store import Record
 
 
 class PortSettings(typing.Protocol):
@@ -50,10 +50,11 @@ class PortSettings(typing.Protocol):
 
 class Exposed:
     """A sandbox's exposed ports: the record's mappings (across lives: the next life
-    forwards them again), changed one call at a time."""
+    forwards them again), changed one call at a time. It reads the sandbox's
+    ``record``; ``save`` (the sandbox's) stores the mappings it changed."""
 
-    def __init__(self, record: Record, store: Store) -> None:
-        self.record, self.store = record, store
+    def __init__(self, record: Record, save: Callable[[list[PortSpec]], None]) -> None:
+        self.record, self.save = record, save
         self._lock = trio.Lock()
 
     async def expose(self, wanted: PortSpec, net: NetConfig | None, relays: PortRelays | None) -> PortSpec:
@@ -80,8 +81,7 @@ class Exposed:
             if relays is None:
                 raise FailedPrecondition(f"sandbox {rec.id} is {rec.state}, not ready or running")
             pm = await relays.forward(wanted)  # (its own bind address, checked there)
-            rec.ports.append(pm)
-            self.store.update_ports(rec)
+            self.save([*rec.ports, pm])
         return pm
 
     async def unexpose(
@@ -95,8 +95,7 @@ class Exposed:
             pm = match[0]
             if relays is not None:
                 await relays.unforward(pm, hostfwd=hostfwd())
-            self.record.ports.remove(pm)
-            self.store.update_ports(self.record)
+            self.save([p for p in self.record.ports if p is not pm])
 
 
 class PortRelays:

@@ -153,7 +153,7 @@ class Pools:
         if maker is not None and not maker.stopped:
             return AwaitTemplate(functools.partial(self._await_template, maker, sb, accepted), accepted=accepted)
         self._pending[key] = sb
-        return Boot(accepted=accepted, template=functools.partial(self._make_template, key))
+        return Boot(accepted=accepted, template=functools.partial(self._make_template, key, sb))
 
     async def _await_template(self, maker: Sandbox, sb: Sandbox, accepted: float) -> Boot | Resume:
         """Wait for the boot making the template (saved before its first ready, or not

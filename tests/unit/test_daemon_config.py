@@ -160,7 +160,7 @@ def test_the_defaults_are_defined_once() -> None:
     from actors.cells import cell, cgroups, identities
     from actors.machines import qemuspec, vm
     from actors.net import ippool
-    from actors.snapshots import snapshot
+    from actors.sandboxes import savedstate
 
     def default(cls: type, name: str) -> object:
         return attrs.fields_dict(cls)[name].default
@@ -174,7 +174,7 @@ def test_the_defaults_are_defined_once() -> None:
     assert default(settings.Settings, "guest_timeout") == defaults.GUEST_TIMEOUT
     assert default(cell.JailConfig, "overhead_mib") == defaults.JAIL_OVERHEAD_MIB
     assert cgroups.CgroupLimits.for_guest.__kwdefaults__["overhead_mib"] == defaults.JAIL_OVERHEAD_MIB  # type: ignore[index]
-    assert snapshot.resume_spec.__kwdefaults__["boot_timeout"] == defaults.BOOT_TIMEOUT  # type: ignore[index]
+    assert savedstate.resume_spec.__kwdefaults__["boot_timeout"] == defaults.BOOT_TIMEOUT  # type: ignore[index]
     assert (identities.DEFAULT_ID_FIRST, identities.DEFAULT_ID_COUNT) == (
         defaults.JAIL_ID_FIRST,
         defaults.JAIL_ID_COUNT,

@@ -288,35 +288,12 @@ DOMAIN_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ),
     ("the package itself", ("actors",)),  # actors/__init__.py: nothing inside imports it
 )
-# Arrows that point up today, each between units of the upper part, where the Sandbox
-# actor is being made the only writer of its record. Each is an arrow to remove, never one
-# to add: the test fails on any other upward arrow, and on an entry here that no longer
-# exists (so the set only shrinks).
-KNOWN_DEBT: frozenset[tuple[str, str]] = frozenset(
-    {
-        ("sandboxes", "snapshots"),  # life: the restore spec and memory; sandbox: the checkpoint sequence
-        ("sandboxes", "modify"),  # tune: Modify's Machine (the resources a plan changes)
-        ("snapshots", "create_checks"),  # transfer (inside a function): an import's host file checked
-        ("modify", "registry"),  # TYPE_CHECKING: Modify acts on the registry
-        ("hibernation", "registry"),  # TYPE_CHECKING: pause and resume act on the registry
-    }
-)
+# Arrows allowed to point up the list, each with its reason: none today (the last ones went
+# when the Sandbox actor became the only writer of its record). The test fails on any
+# upward arrow not listed, and on an entry here that no longer exists.
+KNOWN_DEBT: frozenset[tuple[str, str]] = frozenset()
 # Circles of imports between files of one folder, each with its reason; none between folders.
-CIRCLES_WITHIN_A_FOLDER: dict[frozenset[str], str] = {
-    frozenset(
-        {
-            "actors.sandboxes.sandbox",
-            "actors.sandboxes.life",
-            "actors.sandboxes.secrets",
-            "actors.sandboxes.tune",
-            "actors.sandboxes.workload",
-        }
-    ): (
-        "a Sandbox makes its Life, workloads, tuning and secrets, and each of them is handed "
-        "its Sandbox (TYPE_CHECKING imports) to read and change it; to shrink as the Sandbox "
-        "becomes the only writer of its record and they ask it through methods"
-    ),
-}
+CIRCLES_WITHIN_A_FOLDER: dict[frozenset[str], str] = {}
 
 
 def domain_modules(root: Path = ROOT) -> dict[str, Path]:

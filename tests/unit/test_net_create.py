@@ -25,7 +25,7 @@ from actors.model import Dns, Egress, NetMode, Network, PortSpec, Protocol, Sand
 from actors.net import bindaddr, profiles
 from actors.net.egress import EgressPolicy, base_ruleset
 from actors.registry import Registry
-from actors.sandboxes.life import resolv_conf
+from actors.sandboxes.guestsetup import resolv_conf
 from actors.store import Store
 from supervisor import mapping, protocol
 from supervisor.client import AsyncSandbox, PortBinding, Sandbox

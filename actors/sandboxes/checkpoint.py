@@ -5,7 +5,7 @@ checkpoint runs at a time; while it does, short guest calls wait for it
 (:meth:`Checkpoints.wait_idle`) and new work is refused. :meth:`Checkpoints.take`
 is the sequence: wait out the guest's requests in flight, journal the disk swap
 (``record.swap``: a crash from there to the end of the swap is finished or undone by
-the next supervisor, ``Registry._recover``), :func:`~actors.snapshots.snapshot.checkpoint_guest`,
+the next supervisor, ``Registry._recover``), :func:`~actors.sandboxes.savedstate.checkpoint_guest`,
 and a failure that left the guest paused is :class:`CheckpointLost` (the life cannot
 go on). Recording the snapshot is the registry's (``SnapshotStore.take``).
 """
@@ -15,8 +15,8 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Protocol
 
-import attrs
 import trio
 
 from actors.durable import fsync_path
@@ -26,9 +26,9 @@ from actors.machines.vm import Guest
 from actors.model import MemoryKind
 from actors.sandboxes.files import SandboxFiles
 from actors.sandboxes.logs import SandboxLog
+from actors.sandboxes.savedstate import Checkpoint, allocated, checkpoint_guest, still_running
 from actors.settings import Settings
-from actors.snapshots.snapshot import Checkpoint, allocated, checkpoint_guest, still_running
-from actors.store import MachineRecord, Record, Store
+from actors.store import MachineRecord, Record
 
 BUSY_WAIT = 5.0  # s: requests in flight get this long to finish before a checkpoint
 
@@ -37,11 +37,24 @@ class CheckpointLost(MachineError):
     """A checkpoint failed and the guest did not run again: the life cannot go on."""
 
 
-class Checkpoints:
-    """One sandbox's checkpoints: the lock, and whether one is under way."""
+class SwapJournal(Protocol):
+    """The sandbox's record, as a checkpoint's disk swap changes it (the sandbox writes it)."""
 
-    def __init__(self, record: Record, store: Store, files: SandboxFiles, settings: Settings, log: SandboxLog) -> None:
-        self.record, self.store, self.files, self.settings, self.log = record, store, files, settings, log
+    async def journal_swap(self, frozen: str) -> None: ...
+
+    def swapped(self, frozen: str, *, disk_top: str | None = None, staged: int | None = None) -> None: ...
+
+    def void_swap(self) -> None: ...
+
+
+class Checkpoints:
+    """One sandbox's checkpoints: the lock, and whether one is under way. It reads the
+    sandbox's ``record``; ``journal`` (the sandbox) records the disk swap."""
+
+    def __init__(
+        self, record: Record, journal: SwapJournal, files: SandboxFiles, settings: Settings, log: SandboxLog
+    ) -> None:
+        self.record, self.journal, self.files, self.settings, self.log = record, journal, files, settings, log
         self.active = False
         self._lock = trio.Lock()
         self._done = trio.Event()
@@ -71,7 +84,7 @@ class Checkpoints:
                 self._done.set()
 
     async def _take(self, guest: Guest, snap_dir: Path, stay_paused: bool = False) -> Checkpoint:
-        rec, store = self.record, self.store
+        rec, journal = self.record, self.journal
         # requests in flight (metrics, files) finish first: a request sitting in the
         # guest's queue at the pause would run again in every restore
         with trio.move_on_after(BUSY_WAIT):
@@ -81,19 +94,12 @@ class Checkpoints:
             raise FailedPrecondition(f"sandbox {rec.id}: guest channel busy; retry the checkpoint")
 
         def frozen(disk: Path) -> None:
-            rec.chain = [str(disk), *rec.chain]
-            rec.swap = ""
-            if rec.life is not None:
-                m = guest.machine
-                rec.life = attrs.evolve(rec.life, disk_top=m.disk_top, staged=m.staged)
-            store.update_life(rec)
+            journal.swapped(str(disk), disk_top=guest.machine.disk_top, staged=guest.machine.staged)
 
         try:
             # the journal: a crash from here to the end of the disk swap is finished or
             # undone by the next supervisor (Registry._recover)
-            rec.swap = str(snap_dir / "disk.qcow2")
-            store.update_life(rec)
-            await store.flush()
+            await journal.journal_swap(str(snap_dir / "disk.qcow2"))
             ck = await checkpoint_guest(
                 guest,
                 files=self.files,
@@ -128,14 +134,12 @@ class Checkpoints:
                 self._done.set()
 
     async def _freeze_stopped(self, snap_dir: Path, machine: MachineRecord) -> Checkpoint:
-        rec, store, files = self.record, self.store, self.files
+        rec, files = self.record, self.files
         if not files.disk.exists():
             raise FailedPrecondition(f"sandbox {rec.id} has no disk yet (it never booted)")
         frozen = snap_dir / "disk.qcow2"
         below = tuple(rec.chain)
-        rec.swap = str(frozen)
-        store.update_life(rec)
-        await store.flush()
+        await self.journal.journal_swap(str(frozen))
         try:
             await files.stage_next_disk(frozen)
             await trio.to_thread.run_sync(fsync_path, files.disk)  # the last life's writes, before it is a snapshot
@@ -144,15 +148,11 @@ class Checkpoints:
             files.discard_next_disk()
             self._void_journal()
             raise
-        rec.chain = [str(frozen), *below]
-        rec.swap = ""
-        store.update_life(rec)
+        self.journal.swapped(str(frozen))  # (on ``below``: the chain as it was)
         self.log.append("system", b"checkpoint: disk only (the sandbox is stopped)")
         return Checkpoint(MemoryKind.DISK, 0.0, {"disk.qcow2": allocated(frozen)}, [], machine, below)
 
     def _void_journal(self) -> None:
         """A checkpoint failed before its disk moved (``frozen`` clears the journal when
         it did): nothing is under way."""
-        if self.record.swap:
-            self.record.swap = ""
-            self.store.update_life(self.record)
+        self.journal.void_swap()
