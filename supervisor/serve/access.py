@@ -9,12 +9,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from actors.errors import NotFound, PermissionDenied
-from actors.model import SandboxConfig, VolumeRecord
-from actors.principals import Principal
-from actors.registry import Registry
-from actors.sandboxes.sandbox import Sandbox
-from actors.store import SnapshotRecord
+from actors.face import (
+    NotFound,
+    PermissionDenied,
+    Principal,
+    Registry,
+    Sandbox,
+    SandboxConfig,
+    SnapshotRecord,
+    VolumeRecord,
+)
 
 
 def sandbox(reg: Registry, who: Principal, id: str) -> Sandbox:

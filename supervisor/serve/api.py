@@ -36,28 +36,27 @@ from typing import Any
 import attrs
 import trio
 
-from actors import defaults
-from actors.channel.guest import FsEntry
-from actors.errors import (
-    DomainError,
-    InvalidArgument,
-    NotFound,
-    ResourceExhausted,
-)
-from actors.events import Lagged
-from actors.model import (
+from actors.face import (
     ALIVE,
+    DEFAULT_STOP_TIMEOUT,
+    LOG_SOURCES,
+    CommandNotRun,
+    DomainError,
+    FsEntry,
+    InvalidArgument,
+    Lagged,
     MemoryKind,
+    NotFound,
+    Registry,
+    ResourceExhausted,
+    Sandbox,
     State,
     check_port,
+    defaults,
+    modify,
+    rfc3339,
     script_argv,
 )
-from actors.modify import modify
-from actors.registry import DEFAULT_STOP_TIMEOUT, Registry
-from actors.sandboxes.logs import SOURCES as LOG_SOURCES
-from actors.sandboxes.sandbox import Sandbox
-from actors.sandboxes.workload import CommandNotRun
-from actors.snapshots.snapshot import rfc3339
 from guestd import proto
 from supervisor.serve import access, api_store, mapping
 from supervisor.serve.api_table import CallIO, Method, Table, joined, stopped

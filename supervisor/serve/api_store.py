@@ -10,18 +10,20 @@ from importlib import metadata
 
 import trio
 
-from actors import defaults
-from actors.errors import (
+from actors.face import (
     AlreadyExists,
     NotFound,
     PermissionDenied,
-)
-from actors.model import (
+    Registry,
     VolumeRecord,
     check_labels,
+    defaults,
+    describe_sandbox_secrets,
+    remove_sandbox_secret,
+    remove_stored_secret,
+    rotate_sandbox_secret,
+    set_stored_secret,
 )
-from actors.registry import Registry
-from actors.sandboxes import secrets
 from images.oci import PullProgress
 from supervisor.serve import access, mapping
 from supervisor.serve.api_table import CallIO, Table, stopped
@@ -187,7 +189,7 @@ async def _set_secret(reg: Registry, io: CallIO, req: protocol.SetSecretRequest)
         if not io.principal.may_see(owner):
             # stored secrets' names are one namespace: another's is taken, not overwritten
             raise AlreadyExists(f"secret {req.name!r} is another principal's: choose another name")
-    secrets.set_named(reg.settings, req.name, bytes(req.value), list(req.hosts), owner=owner)
+    set_stored_secret(reg.settings, req.name, bytes(req.value), list(req.hosts), owner=owner)
     return protocol.Empty()
 
 
@@ -203,23 +205,23 @@ async def _list_secrets(reg: Registry, io: CallIO, req: protocol.Empty) -> proto
 async def _delete_secret(reg: Registry, io: CallIO, req: protocol.NameRequest) -> protocol.Empty:
     access.stored_secret(reg, io.principal, req.name)
     users = [sb.config for sb in reg.sandboxes.values()] + [s.config for s in reg.snapshots.snapshots.values()]
-    secrets.remove_named(reg.settings, req.name, users)
+    remove_stored_secret(reg.settings, req.name, users)
     return protocol.Empty()
 
 
 @method("RotateSecret", protocol.RotateSecretRequest)
 async def _rotate_secret(reg: Registry, io: CallIO, req: protocol.RotateSecretRequest) -> protocol.Empty:
-    secrets.rotate(access.sandbox(reg, io.principal, req.id), req.name, bytes(req.value))
+    rotate_sandbox_secret(access.sandbox(reg, io.principal, req.id), req.name, bytes(req.value))
     return protocol.Empty()
 
 
 @method("RevokeSecret", protocol.SandboxSecretRequest)
 async def _revoke_secret(reg: Registry, io: CallIO, req: protocol.SandboxSecretRequest) -> protocol.Empty:
-    secrets.remove(access.sandbox(reg, io.principal, req.id), req.name)
+    remove_sandbox_secret(access.sandbox(reg, io.principal, req.id), req.name)
     return protocol.Empty()
 
 
 @method("ListSandboxSecrets", protocol.IdRequest)
 async def _sandbox_secrets(reg: Registry, io: CallIO, req: protocol.IdRequest) -> protocol.SandboxSecretsResponse:
     sb = access.sandbox(reg, io.principal, req.id)
-    return protocol.SandboxSecretsResponse([protocol.SandboxSecretInfo(*s) for s in secrets.describe(sb)])
+    return protocol.SandboxSecretsResponse([protocol.SandboxSecretInfo(*s) for s in describe_sandbox_secrets(sb)])

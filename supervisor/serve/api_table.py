@@ -13,12 +13,10 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import attrs
 import trio
 
-from actors.errors import DeadlineExceeded
+from actors.face import DeadlineExceeded
 
 if TYPE_CHECKING:
-    from actors.principals import Principal
-    from actors.registry import Registry
-    from actors.sandboxes.sandbox import Sandbox
+    from actors.face import Principal, Registry, Sandbox
 
 
 class CallIO(Protocol):

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 import attrs
 
-from actors.principals import Principal
+from actors.face import Principal
 
 # isort: split
 # grpc's fork support off before grpc is imported (see the module): first, always

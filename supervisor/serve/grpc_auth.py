@@ -29,7 +29,7 @@ from typing import Any
 
 import attrs
 
-from actors.principals import Principal, check_name
+from actors.face import Principal, check_principal_name
 
 # isort: split
 import supervisor.wire.grpc_env  # noqa: F401  grpc's fork support off before grpc is imported: first, always
@@ -73,7 +73,7 @@ class Token:
 
     def __attrs_post_init__(self) -> None:
         check_token(self.secret)
-        bad = check_name(f"token:{self.label}")
+        bad = check_principal_name(f"token:{self.label}")
         if bad is not None:
             raise ValueError(f"token label {self.label[:40]!r}: {bad}")
 

@@ -72,7 +72,7 @@ import trio
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message_factory
 
-from actors.principals import Principal
+from actors.face import Principal
 from supervisor.serve.grpc_addresses import Address, TcpAddress, UnixAddress
 from supervisor.serve.grpc_auth import TcpAuth, TcpGate, check_tcp_auth
 from supervisor.serve.grpc_unix import (

@@ -53,9 +53,7 @@ import attrs
 from google.protobuf import message_factory
 from google.protobuf.message import Message
 
-from actors.errors import InvalidArgument, PermissionDenied, Unimplemented
-from actors.principals import Principal
-from actors.registry import Registry
+from actors.face import InvalidArgument, PermissionDenied, Principal, Registry, Unimplemented
 from supervisor.serve import grpc_bridge
 from supervisor.serve.api import METHODS
 from supervisor.serve.api_store import SERVICES

@@ -42,7 +42,7 @@ import grpc
 import grpc.aio
 import trio
 
-from actors.principals import Principal
+from actors.face import Principal
 from supervisor.serve.grpc_addresses import PeerPolicy, UnixAddress
 
 log = logging.getLogger("sandvisor.grpc")

@@ -11,33 +11,37 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from actors.errors import DomainError, FailedPrecondition, InvalidArgument
-from actors.model import (
+from actors.face import (
     ALIVE,
+    HEADERS,
     BootSource,
+    DomainError,
     Egress,
+    FailedPrecondition,
     HostMount,
+    InvalidArgument,
     Limits,
     MemoryKind,
+    Modification,
     NetMode,
     Network,
+    Plan,
     PortSpec,
     Protocol,
     PullAuth,
+    Sandbox,
     SandboxConfig,
     SandboxEvent,
     SandboxMetrics,
+    SecretRef,
+    SnapshotRecord,
     State,
     Timers,
     TmpfsMount,
     VolumeMount,
     Workload,
+    rfc3339,
 )
-from actors.modify import Modification, Plan
-from actors.sandboxes.sandbox import Sandbox
-from actors.secrets.model import HEADERS, SecretRef
-from actors.snapshots.snapshot import rfc3339
-from actors.store import SnapshotRecord
 from images.build import Image
 from images.oci import Image as OciImage
 from images.oci import PullProgress

@@ -48,13 +48,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, ProcessCol
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from actors.errors import DomainError
-from actors.model import ALIVE, ENDED
+from actors.face import ALIVE, ENDED, DomainError
 from supervisor.serve.tokens import bearer_ok, check_token
 
 if TYPE_CHECKING:
-    from actors.registry import Registry
-    from actors.sandboxes.sandbox import Sandbox
+    from actors.face import Registry, Sandbox
 
 log = logging.getLogger("sandvisor.metrics")
 

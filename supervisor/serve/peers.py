@@ -26,7 +26,7 @@ import struct
 
 import attrs
 
-from actors.principals import Principal
+from actors.face import Principal
 
 SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", 59)  # Linux 4.13; Python has no name for it
 

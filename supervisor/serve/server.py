@@ -25,10 +25,7 @@ from typing import Any
 import attrs
 import trio
 
-from actors._groups import collapse_single
-from actors.errors import DomainError, InvalidArgument
-from actors.principals import Principal, check_name
-from actors.registry import Registry
+from actors.face import DomainError, InvalidArgument, Principal, Registry, check_principal_name, collapse_single
 from supervisor.serve import mapping
 from supervisor.serve.api import METHODS
 from supervisor.serve.peers import ClientPolicy, Peer
@@ -131,7 +128,7 @@ class Connection:
             return peer, None
         if not peer.admin:
             return None, f"{peer.name} may not act for another principal: only admins may"
-        bad = check_name(hello.act_as)
+        bad = check_principal_name(hello.act_as)
         if bad is not None:
             return None, f"act_as: {bad}"
         log.info("%s: %s acts as %s%s", self.name, peer.name, hello.act_as, " (admin)" if hello.act_as_admin else "")

@@ -29,11 +29,7 @@ from pathlib import Path
 import attrs
 import trio
 
-from actors import defaults
-from actors.errors import InvalidArgument, NotFound
-from actors.events import Lagged
-from actors.model import Action
-from actors.registry import Registry
+from actors.face import Action, InvalidArgument, Lagged, NotFound, Registry, defaults
 from supervisor.serve.fleet.placement import LOST, PLACED, NodeSpec, Placed, Placement, Want
 from supervisor.serve.fleet.ray_backend import RayPlacement
 from supervisor.serve.fleet.rayhost import check_peers, check_token, make_token, tls_env

@@ -38,7 +38,7 @@ from typing import Any, TypeVar
 import attrs
 import trio
 
-from actors.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from actors.face import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from supervisor.serve.fleet.placement import LOST, PLACED, NodeSpec, NodeView, Placed, Source, Want
 
 NAMESPACE = "sandvisor"

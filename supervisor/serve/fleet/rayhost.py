@@ -30,8 +30,7 @@ from pathlib import Path
 
 import attrs
 
-from actors import defaults
-from actors.errors import FailedPrecondition
+from actors.face import FailedPrecondition, defaults
 
 TABLE = "sandvisor-fleet"  # one per network namespace: one member per host
 

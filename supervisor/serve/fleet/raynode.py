@@ -33,8 +33,7 @@ from pathlib import Path
 import attrs
 import trio
 
-from actors import defaults
-from actors.errors import FailedPrecondition, Unavailable
+from actors.face import FailedPrecondition, Unavailable, defaults
 from supervisor.serve.fleet import rayhost
 from supervisor.serve.fleet.placement import NodeSpec
 from supervisor.serve.fleet.ray_backend import resources
@@ -166,7 +165,7 @@ def _fresh_dir(cfg: RayNodeConfig, user: rayhost.RayUser) -> Path:
 
 
 def _firewall(script: str) -> None:
-    from actors.net.nft import Nft
+    from actors.face import Nft
 
     with Nft() as nft:
         nft.run(script)

@@ -10,9 +10,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from actors import defaults
-from actors.errors import InvalidArgument
-from actors.principals import Principal
+from actors.face import InvalidArgument, Principal, defaults
 from supervisor.serve import access, grpc_bridge
 from supervisor.serve.fleet.member import FleetMember
 from supervisor.serve.fleet.placement import NodeView, Placed, Want

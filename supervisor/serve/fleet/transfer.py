@@ -28,9 +28,7 @@ import supervisor.wire.grpc_env  # noqa: F401  grpc's fork support off before gr
 # isort: split
 import grpc
 
-from actors.errors import Unavailable
-from actors.registry import Registry
-from actors.store import SnapshotRecord
+from actors.face import Registry, SnapshotRecord, Unavailable
 from supervisor.serve.fleet.placement import Source
 from supervisor.wire.errors import collapse_single
 from supervisor.wire.proto.sandvisor.v1 import sandvisor_pb2 as pb
