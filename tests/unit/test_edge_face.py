@@ -20,6 +20,7 @@ Read from the source with ast (every import: at the top, inside functions, under
 from __future__ import annotations
 
 import ast
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -95,6 +96,18 @@ def test_supervisor_shows_its_products() -> None:
     assert top == sorted(["__init__.py", "py.typed", *PRODUCTS])
     for product in PRODUCTS:
         assert (EDGES / product / "__init__.py").is_file(), product
+
+
+def test_every_package_is_in_the_wheel() -> None:
+    """pyproject.toml lists the packages by hand: a folder missing there is missing from
+    an installed sandvisor (not from an editable one, where every test would pass)."""
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {
+        ".".join(p.parent.relative_to(ROOT).parts)
+        for top in ("supervisor", "actors", "guestd", "images")
+        for p in (ROOT / top).rglob("__init__.py")
+    }
+    assert sorted(found - listed) == []
 
 
 @pytest.mark.parametrize(
