@@ -33,6 +33,6 @@ FLEET_HEALTH_PERIOD_MS = 1000
 FLEET_HEALTH_MISSES = 5
 # a member's Ray node runs as this unprivileged system user (made by serve when absent), on
 # these pinned ports (nftables admits them from the fleet's peers only): the block from
-# FLEET_RAY_PORT_BASE, see supervisor/fleet/rayhost.py for what each one is
+# FLEET_RAY_PORT_BASE, see supervisor/serve/fleet/rayhost.py for what each one is
 FLEET_RAY_USER = "sandvisor-ray"
 FLEET_RAY_PORT_BASE = 17300

@@ -11,8 +11,8 @@ import attrs
 import pytest
 
 from actors import defaults
-from supervisor.cli import build_parser
-from supervisor.daemon_config import FLAG, DaemonConfig, flags, from_args, to_argv
+from supervisor.main.cli import build_parser
+from supervisor.main.daemon_config import FLAG, DaemonConfig, flags, from_args, to_argv
 
 NOT_FLAGS = {"stop_timeout"}  # set by code (tests, benchmarks), not by a serve flag
 
@@ -183,7 +183,7 @@ def test_the_defaults_are_defined_once() -> None:
 
 
 def test_serve_pool_argument() -> None:
-    from supervisor.daemon_config import _pool_arg
+    from supervisor.main.daemon_config import _pool_arg
 
     assert _pool_arg("base=2") == ("base", 2)
     assert _pool_arg("a=b=3") == ("a=b", 3)
