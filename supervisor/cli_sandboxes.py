@@ -92,6 +92,7 @@ async def _create(a: argparse.Namespace) -> AsyncSandbox:
         mounts=a.mount or (),
         secrets=a.secret or (),
         ssh_keys=read_key_files(a.ssh_key or ()),
+        init=a.init,
         detached=True,
         wait=not a.no_wait,
     )

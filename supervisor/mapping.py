@@ -17,6 +17,7 @@ from actors.model import (
     BootSource,
     Egress,
     HostMount,
+    InitSpec,
     Limits,
     MemoryKind,
     NetMode,
@@ -125,6 +126,7 @@ def config(req: protocol.CreateSandboxRequest) -> SandboxConfig:
             for s in req.secrets
         ),
         ssh_keys=ssh_keys,
+        init=None if req.init is None else InitSpec(req.init.path or "auto", tuple(req.init.args), dict(req.init.env)),
     )
 
 
@@ -154,6 +156,7 @@ def info(sb: Sandbox) -> protocol.SandboxInfo:
         updated_at=r.updated_at,
         owner=r.owner,
         ssh_keys=list(r.config.ssh_keys),
+        init=None if (i := r.config.init) is None else protocol.InitSpec(i.path, list(i.args), dict(i.env)),
     )
 
 

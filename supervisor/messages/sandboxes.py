@@ -106,6 +106,15 @@ class SecretSpec:
 
 
 @attrs.frozen
+class InitSpec:
+    """The init PID 1 is handed to (sandvisor.v1.InitSpec): path "auto" or absolute."""
+
+    path: str = "auto"
+    args: list[str] = attrs.field(factory=list)
+    env: dict[str, str] = attrs.field(factory=dict)
+
+
+@attrs.frozen
 class CreateSandboxRequest:
     id: str = ""
     labels: dict[str, str] = attrs.field(factory=dict)
@@ -153,6 +162,7 @@ class CreateSandboxRequest:
     image_creds: str = attrs.field(default="", repr=False)
     image_auth_json: bytes = attrs.field(default=b"", repr=False)
     image_ca_pem: bytes = attrs.field(default=b"", repr=False)
+    init: InitSpec | None = None  # the init PID 1 is handed to (sandvisor.v1.CreateRequest.init)
 
 
 @attrs.frozen
@@ -277,6 +287,7 @@ class SandboxInfo:
     updated_at: int = 0  # unix seconds of the last Modify that changed something (0: none)
     owner: str = ""  # the principal that made it (docs/security.md)
     ssh_keys: list[str] = attrs.field(factory=list)  # the public keys its SSH endpoint accepts (docs/ssh.md)
+    init: InitSpec | None = None  # the init PID 1 is handed to (None: guestd stays PID 1)
 
 
 @attrs.frozen

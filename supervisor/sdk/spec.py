@@ -219,6 +219,42 @@ class HostDir:
         return cls(source, path, flag == "rw")
 
 
+@attrs.frozen
+class Init:
+    """The init PID 1 is handed to once the guest agent has set the guest up (systemd,
+    tini, s6, ...): the agent goes on as its child, and a stop goes through the init's
+    own shutdown. ``Init.auto()``: the image ENTRYPOINT's first element when it is an
+    init (it then runs the workload: ``tini -- app``), else ``/sbin/init``,
+    ``/lib/systemd/systemd``; ``Init.cmd(path, args=, env=)``: that init, ``args``
+    after argv[0], ``env`` added to the environment the kernel gives an init."""
+
+    path: str = "auto"
+    args: tuple[str, ...] = attrs.field(default=(), converter=_argv)
+    env: dict[str, str] = attrs.field(factory=dict, converter=_kv)
+
+    @classmethod
+    def auto(cls) -> Init:
+        return cls()
+
+    @classmethod
+    def cmd(cls, path: str, args: Sequence[str] = (), env: Mapping[str, str] | None = None) -> Init:
+        if not path.startswith("/"):
+            raise InvalidArgument(protocol.INVALID_ARGUMENT, f"init {path!r}: an absolute path in the guest")
+        return cls(path, _argv(args), _kv(env))
+
+    @classmethod
+    def parse(cls, text: str) -> Init:
+        """``auto`` or an absolute path (the CLI's ``--init``)."""
+        return cls.auto() if text == "auto" else cls.cmd(text)
+
+    def spec(self) -> protocol.InitSpec:
+        return protocol.InitSpec(self.path, list(self.args), dict(self.env))
+
+
+def _init(v: Init | str | None) -> Init | None:
+    return v if v is None or isinstance(v, Init) else Init.parse(v)
+
+
 def _host_dirs(v: Sequence[HostDir | str] | None) -> tuple[HostDir, ...]:
     return tuple(m if isinstance(m, HostDir) else HostDir.parse(m) for m in v or ())
 
@@ -332,6 +368,7 @@ class Settings(TypedDict, total=False):
     mounts: Sequence[HostDir | str]
     secrets: Sequence[Secret | str]
     ssh_keys: Sequence[str]
+    init: Init | str | None
 
 
 @attrs.frozen(kw_only=True)
@@ -358,6 +395,8 @@ class SandboxSpec:
     secrets: tuple[Secret, ...] = attrs.field(default=(), converter=_secrets)
     # SSH public keys (OpenSSH .pub lines) that serve --ssh accepts for it (docs/ssh.md)
     ssh_keys: tuple[str, ...] = attrs.field(default=(), converter=_strs)
+    # the init PID 1 is handed to (Init.auto(), Init.cmd(...), or "auto"/a path; None: none)
+    init: Init | None = attrs.field(default=None, converter=_init)
 
     def with_(self, **settings: Unpack[Settings]) -> SandboxSpec:
         if not settings:
@@ -409,6 +448,7 @@ class SandboxSpec:
             mounts=_host_dirs(s.get("mounts", self.mounts)),
             secrets=_secrets(s.get("secrets", self.secrets)),
             ssh_keys=_strs(s.get("ssh_keys", self.ssh_keys)),
+            init=_init(s.get("init", self.init)),
         )
 
     def request(self, name: str = "") -> protocol.CreateSandboxRequest:
@@ -451,6 +491,7 @@ class SandboxSpec:
             disk_size_mib=self.resources.disk_size_mib,
             secrets=[s.spec() for s in self.secrets],
             ssh_public_key="\n".join(self.ssh_keys) if self.ssh_keys else None,
+            init=None if self.init is None else self.init.spec(),
         )
 
 

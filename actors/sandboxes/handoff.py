@@ -1,0 +1,34 @@
+"""The init hand-off of a sandbox created with one (``SandboxConfig.init``): after
+guestd's boot-time set-up, PID 1 becomes the image's init and guestd its child
+(guestd/initsys.py). Stop then goes through the init's own shutdown: guestd asks the
+init, the machine's ladder (QMP quit, SIGTERM, SIGKILL) follows after its grace."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from actors.channel.guest import GuestError
+from actors.sandboxes.life import guest_error
+
+if TYPE_CHECKING:
+    from actors.machines.vm import Guest
+    from actors.sandboxes.sandbox import Sandbox
+
+
+async def hand_off(sb: Sandbox, guest: Guest) -> bool:
+    """Hand PID 1 to the configured init (nothing when there is none); True when the
+    init runs the initial workload itself (Init.Auto picked an init at the start of the
+    image's ENTRYPOINT: tini -- app), so the sandbox does not run it again."""
+    init = sb.config.init
+    if init is None:
+        return False
+    auto = init.path == "auto"
+    img = sb.record.image
+    # Init.Auto looks at the ENTRYPOINT's first element: the workload it would start
+    workload = list(sb.work.initial_cmd) if auto and img is not None and img.entrypoint else []
+    try:
+        ok = await guest.channel.hand_off("" if auto else init.path, init.args, init.env, workload)
+    except GuestError as exc:
+        raise guest_error(exc) from None
+    sb.log.append("system", f"init: PID 1 is {ok.path} ({ok.kind}); guestd goes on as pid {ok.pid}".encode())
+    return ok.workload
