@@ -106,6 +106,12 @@ SHELL_INIT = (
 )
 
 
+def started(sb: Sandbox, n: int) -> None:
+    """Until the shell init has written its n-th start line."""
+    wait = f"until [ $(grep -c '^started' /var/tmp/init-mark 2>/dev/null || echo 0) -ge {n} ]; do sleep 0.1; done"
+    assert sb.run(["sh", "-c", wait], timeout=60).exit_code == 0
+
+
 def test_init_cmd_with_arguments_and_environment(served: tuple[dict[str, str], Path]) -> None:
     """Init.cmd(path, args=, env=) on the default image: a shell script as PID 1, asked to
     stop with SIGTERM (not systemd); guestd serves execs as its child meanwhile."""
@@ -118,10 +124,12 @@ def test_init_cmd_with_arguments_and_environment(served: tuple[dict[str, str], P
         assert b"SV_INIT=yes" in sb.run(["cat", "/proc/1/environ"]).stdout.split(b"\0")
         assert sb.run(["sh", "-c", "cut -d' ' -f4 /proc/$PPID/stat"]).stdout.strip() == b"1"
         assert sb.run(["echo", "hi"]).stdout == b"hi\n"
+        started(sb, 1)  # (the init runs on after ready)
         assert sb.fs.read("/var/tmp/init-mark") == b"started yes one two\n"
         sb.stop()
         assert "guest poweroff did not stop QEMU" not in log.read_text()
         sb.start()
+        started(sb, 2)
         mark = sb.fs.read("/var/tmp/init-mark")
         assert mark == b"started yes one two\nstopped yes one two\nstarted yes one two\n", mark
         assert sb.inspect().init == protocol.InitSpec(
