@@ -362,6 +362,9 @@ def check_init(init: InitSpec) -> None:
             raise InvalidArgument("init: no NUL in its path, arguments or environment")
     if any(not k or "=" in k for k in init.env):
         raise InvalidArgument("init: environment names must be non-empty, without '='")
+    size = sum(len(x.encode()) for x in (init.path, *init.args, *init.env, *init.env.values()))
+    if size > MAX_WORKLOAD_BYTES:
+        raise InvalidArgument(f"init: its path, arguments and environment take {size} bytes; at most 256 KiB")
 
 
 @attrs.frozen
