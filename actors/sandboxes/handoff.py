@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from actors.channel.guest import GuestError
+from actors.errors import FailedPrecondition
 from actors.sandboxes.life import guest_error
 
 if TYPE_CHECKING:
@@ -22,6 +23,8 @@ async def hand_off(sb: Sandbox, guest: Guest) -> bool:
     init = sb.config.init
     if init is None:
         return False
+    if not guest.channel.has_feature("init"):
+        raise FailedPrecondition("the guest runtime cannot hand PID 1 to an init (no 'init' feature): rebuild it")
     auto = init.path == "auto"
     img = sb.record.image
     # Init.Auto looks at the ENTRYPOINT's first element: the workload it would start

@@ -80,8 +80,9 @@ def test_systemd_is_pid_1_and_stops_through_its_shutdown(served: tuple[dict[str,
         assert sb.run(["cat", "/proc/1/comm"]).stdout == b"systemd\n"
         parent = sb.run(["sh", "-c", "cut -d' ' -f4 /proc/$PPID/stat"]).stdout.strip()
         assert parent == b"1"
-        # in the root cgroup, which systemd leaves alone (its units' processes are in theirs)
-        assert sb.run(["sh", "-c", "cat /proc/$PPID/cgroup"]).stdout == b"0::/\n"
+        # systemd moved it from the root cgroup into init.scope, its own perpetual scope,
+        # which it never stops (only its shutdown's last SIGTERM ends guestd)
+        assert sb.run(["sh", "-c", "cat /proc/$PPID/cgroup"]).stdout == b"0::/init.scope\n"
         assert any(b"init: PID 1 is /sbin/init (systemd)" in e.data for e in sb.logs())
         mid = sb.fs.read("/etc/machine-id").strip()
         assert len(mid) == 32  # its own, written before systemd started
