@@ -72,11 +72,12 @@ def choose(
 ) -> tuple[str, list[str], bool]:
     """The init to exec: (path, argv after argv[0], whether it runs the workload).
 
-    ``path`` "" or "auto" is Init.Auto: an ENTRYPOINT (``workload``: the image's
-    Entrypoint + Cmd, or the Create's cmd under that Entrypoint; empty when the image
-    has no Entrypoint) that starts with a known init gives that init, with the rest of
-    the workload as its arguments (tini -- app: the init runs the workload); else the
-    first of :data:`PROBE` that ``exists`` (then ``args`` are its arguments)."""
+    ``path`` "" or "auto" is Init.Auto: a workload (what the sandbox would start: the
+    image's Entrypoint + Cmd, or the Create's cmd under that Entrypoint) that starts
+    with a known init gives that init, with the rest of the workload as its arguments
+    (tini -- app, or a systemd image's CMD /lib/systemd/systemd: the init runs the
+    workload); else the first of :data:`PROBE` that ``exists`` (then ``args`` are its
+    arguments)."""
     if path not in ("", "auto"):
         return path, list(args), False
     if workload and is_init(workload[0]) and exists(workload[0]):

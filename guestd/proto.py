@@ -560,10 +560,10 @@ class Shutdown(Message):
 class HandOff(Message):
     """Make ``path`` (an absolute path in the guest; "" or "auto": Init.Auto, see
     guestd/initsys.py) PID 1 with ``args`` and ``env``; guestd goes on as its child.
-    ``workload``: the image's Entrypoint + Cmd when the image has an Entrypoint (an
-    init at its start runs it). Sent once, after the boot-time set-up. Answered with
-    HandOffOk, or Error (NOT_FOUND: no such init; FAILED_PRECONDITION: not PID 1, or
-    processes running)."""
+    ``workload``: what the sandbox would start (an image's Entrypoint + Cmd; for
+    Init.Auto: an init at its start becomes PID 1 and runs the rest). Sent once, after
+    the boot-time set-up. Answered with HandOffOk, or Error (NOT_FOUND: no such init;
+    FAILED_PRECONDITION: not PID 1, or processes running)."""
 
     rid: int
     path: str = ""

@@ -26,9 +26,9 @@ async def hand_off(sb: Sandbox, guest: Guest) -> bool:
     if not guest.channel.has_feature("init"):
         raise FailedPrecondition("the guest runtime cannot hand PID 1 to an init (no 'init' feature): rebuild it")
     auto = init.path == "auto"
-    img = sb.record.image
-    # Init.Auto looks at the ENTRYPOINT's first element: the workload it would start
-    workload = list(sb.work.initial_cmd) if auto and img is not None and img.entrypoint else []
+    # Init.Auto looks at the first element of what the sandbox would start (an image's
+    # ENTRYPOINT + CMD: tini -- app, or a systemd image's CMD /lib/systemd/systemd)
+    workload = list(sb.work.initial_cmd) if auto else []
     try:
         ok = await guest.channel.hand_off("" if auto else init.path, init.args, init.env, workload)
     except GuestError as exc:
