@@ -45,9 +45,10 @@ from pathlib import Path
 from types import TracebackType
 from typing import Protocol
 
+import attrs
 import trio
 
-from actors import hostdirs
+from actors import defaults, hostdirs
 from actors._groups import collapse_single
 from actors.cells.cell import Cell
 from actors.cells.guestmem import own_memory
@@ -361,6 +362,8 @@ class Life:
         if self._ram_fd >= 0:
             fds["ram"] = self._ram_fd
         spec = self._vm_spec(plan, ram, shared).with_volumes(volumes)
+        if sb.config.init is not None:  # the init's shutdown (actors/sandboxes/handoff.py)
+            spec = attrs.evolve(spec, poweroff_grace=defaults.INIT_POWEROFF_GRACE)
         if sb.config.host_mounts:
             fds.update(await self._share_dirs(plan))
             spec = spec.with_fs_tags(tuple(hostdirs.tag(i) for i in range(len(sb.config.host_mounts))))

@@ -186,6 +186,12 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
         help="a public key file (.pub, or authorized_keys lines) that serve --ssh accepts for this sandbox "
         "(repeatable; docs/ssh.md)",
     )
+    p.add_argument(
+        "--init",
+        metavar="auto|PATH",
+        help="hand PID 1 to the image's init after the agent's set-up (auto: the ENTRYPOINT's init, "
+        "else /sbin/init, /lib/systemd/systemd; or a path in the guest); stop goes through its shutdown",
+    )
     p.add_argument("--workdir")
     p.add_argument("--user")
     p.add_argument("--image", metavar="REF", help="an OCI image (alpine, python:3.12, ghcr.io/o/x:1, oci:DIR, ...)")

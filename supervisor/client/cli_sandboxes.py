@@ -93,6 +93,7 @@ async def _create(a: argparse.Namespace) -> AsyncSandbox:
         mounts=a.mount or (),
         secrets=a.secret or (),
         ssh_keys=read_key_files(a.ssh_key or ()),
+        init=a.init,
     )
     spec = None
     if a.from_config is not None:  # the file's settings, with the flags given on top

@@ -83,6 +83,7 @@ def create_request(cfg: SandboxConfig, limits: Limits, *, patch_data: bool = Fal
         log_level=cfg.log_level,
         quiet_logs=cfg.quiet_logs,
         thp=cfg.thp,
+        init=None if cfg.init is None else protocol.InitSpec(cfg.init.path, list(cfg.init.args), dict(cfg.init.env)),
     )
 
 

@@ -22,6 +22,7 @@ from actors.face import (
     Egress,
     FailedPrecondition,
     HostMount,
+    InitSpec,
     InvalidArgument,
     Limits,
     MemoryKind,
@@ -152,6 +153,7 @@ def config(req: protocol.CreateSandboxRequest) -> SandboxConfig:
         log_level=req.log_level,
         quiet_logs=req.quiet_logs,
         thp=req.thp,
+        init=None if req.init is None else InitSpec(req.init.path or "auto", tuple(req.init.args), dict(req.init.env)),
     )
 
 
@@ -182,6 +184,7 @@ def info(sb: Sandbox) -> protocol.SandboxInfo:
         owner=r.owner,
         ssh_keys=list(r.config.ssh_keys),
         shell=r.config.shell,
+        init=None if (i := r.config.init) is None else protocol.InitSpec(i.path, list(i.args), dict(i.env)),
     )
 
 

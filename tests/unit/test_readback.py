@@ -245,6 +245,7 @@ def test_every_configuration_field_is_read_back() -> None:
         "labels", "limits", "network", "workload", "ports", "timers", "boot", "hostname", "patches",
         "volumes", "tmpfs", "host_mounts", "scripts", "secrets", "ssh_keys",
         "entrypoint", "cmd_cleared", "shell", "security_profile", "log_level", "quiet_logs", "thp",
+        "init",
     }  # fmt: skip
     assert {f.name for f in attrs.fields(SandboxConfig)} == handled, "read the new field back in Config"
 

@@ -319,6 +319,49 @@ def by_path(mounts: Sequence[M]) -> tuple[M, ...]:
     return tuple(out.values())
 
 
+@attrs.frozen
+class Init:
+    """The init PID 1 is handed to once the guest agent has set the guest up (systemd,
+    tini, s6, ...): the agent goes on as its child, and a stop goes through the init's
+    own shutdown. ``Init.auto()``: the image ENTRYPOINT's first element when it is an
+    init (it then runs the workload: ``tini -- app``), else ``/sbin/init``,
+    ``/lib/systemd/systemd``; ``Init.cmd(path, args=, env=)``: that init, ``args``
+    after argv[0], ``env`` added to the environment the kernel gives an init."""
+
+    path: str = "auto"
+    args: tuple[str, ...] = attrs.field(default=(), converter=_argv)
+    env: dict[str, str] = attrs.field(factory=dict, converter=_kv)
+
+    @classmethod
+    def auto(cls) -> Init:
+        return cls()
+
+    @classmethod
+    def cmd(cls, path: str, args: Sequence[str] = (), env: Mapping[str, str] | None = None) -> Init:
+        if not path.startswith("/"):
+            raise InvalidArgument(protocol.INVALID_ARGUMENT, f"init {path!r}: an absolute path in the guest")
+        return cls(path, _argv(args), _kv(env))
+
+    @classmethod
+    def parse(cls, text: str) -> Init:
+        """``auto`` or an absolute path (the CLI's ``--init``)."""
+        return cls.auto() if text == "auto" else cls.cmd(text)
+
+    def spec(self) -> protocol.InitSpec:
+        return protocol.InitSpec(self.path, list(self.args), dict(self.env))
+
+
+def _init(v: Init | str | Mapping[str, Any] | None) -> Init | None:
+    """An Init, ``"auto"`` or a path, or one as a read-back configuration spells it
+    (``{"path", "args", "env"}``)."""
+    if v is None or isinstance(v, Init):
+        return v
+    if isinstance(v, str):
+        return Init.parse(v)
+    path = str(v.get("path", "auto"))
+    return Init.auto() if path == "auto" else Init.cmd(path, v.get("args", ()), v.get("env"))
+
+
 def _host_dirs(v: Sequence[HostDir | str] | None) -> tuple[HostDir, ...]:
     return by_path([m if isinstance(m, HostDir) else HostDir.parse(m) for m in v or ()])
 
@@ -520,6 +563,7 @@ class Settings(TypedDict, total=False):
     kernel: str
     rootfs: str
     boot_args: str
+    init: Init | str | Mapping[str, Any] | None
 
 
 @attrs.frozen(kw_only=True)
@@ -549,6 +593,8 @@ class SandboxSpec:
     # SSH public keys (OpenSSH .pub lines) that serve --ssh accepts for it (docs/ssh.md)
     ssh_keys: tuple[str, ...] = attrs.field(default=(), converter=_strs)
     shape: Shape = Shape()  # entrypoint, CMD cleared, shell, security profile, logs, THP
+    # the init PID 1 is handed to (Init.auto(), Init.cmd(...), or "auto"/a path; None: none)
+    init: Init | None = attrs.field(default=None, converter=_init)
 
     def with_(self, **settings: Unpack[Settings]) -> SandboxSpec:
         if not settings:
@@ -617,6 +663,7 @@ class SandboxSpec:
                 quiet_logs=s.get("quiet_logs", self.shape.quiet_logs),
                 thp=s.get("thp", self.shape.thp),
             ),
+            init=_init(s.get("init", self.init)),
         )
 
     def request(self, name: str = "") -> protocol.CreateSandboxRequest:
@@ -668,6 +715,7 @@ class SandboxSpec:
             network_profile=self.network.profile,
             port_address=self.network.port_address,
             dns=_dns_spec(self.network.dns),
+            init=None if self.init is None else self.init.spec(),
         )
 
 

@@ -116,6 +116,15 @@ class SecretSpec:
 
 
 @attrs.frozen
+class InitSpec:
+    """The init PID 1 is handed to (sandvisor.v1.InitSpec): path "auto" or absolute."""
+
+    path: str = "auto"
+    args: list[str] = attrs.field(factory=list)
+    env: dict[str, str] = attrs.field(factory=dict)
+
+
+@attrs.frozen
 class CreateSandboxRequest:
     id: str = ""
     labels: dict[str, str] = attrs.field(factory=dict)
@@ -182,6 +191,7 @@ class CreateSandboxRequest:
     network_profile: str = ""
     port_address: str = ""
     dns: DnsSpec | None = None
+    init: InitSpec | None = None  # the init PID 1 is handed to (sandvisor.v1.CreateRequest.init)
 
 
 @attrs.frozen
@@ -314,6 +324,7 @@ class SandboxInfo:
     owner: str = ""  # the principal that made it (docs/security.md)
     ssh_keys: list[str] = attrs.field(factory=list)  # the public keys its SSH endpoint accepts (docs/ssh.md)
     shell: str = ""  # what the clients' shell runs when the call names none ("": /bin/sh)
+    init: InitSpec | None = None  # the init PID 1 is handed to (None: guestd stays PID 1)
 
 
 @attrs.frozen

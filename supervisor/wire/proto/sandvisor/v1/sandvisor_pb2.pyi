@@ -147,7 +147,7 @@ class HostMount(_message.Message):
     def __init__(self, source: _Optional[str] = ..., target: _Optional[str] = ..., writable: _Optional[bool] = ...) -> None: ...
 
 class CreateRequest(_message.Message):
-    __slots__ = ("base", "idle_timeout_seconds", "hostname", "ephemeral", "ports", "outbound", "volumes", "image_pull", "image_tls_verify", "patches", "scripts", "tmpfs", "host_mounts", "on_idle", "paused_ttl_seconds", "no_auto_resume", "max_vcpus", "max_memory_mib", "disk_size_mib", "secrets", "egress", "image_creds", "image_auth_json", "image_ca_pem", "entrypoint", "entrypoint_cleared", "cmd_cleared", "shell", "security_profile", "log_level", "quiet_logs", "thp", "network_profile", "port_address", "dns")
+    __slots__ = ("base", "idle_timeout_seconds", "hostname", "ephemeral", "ports", "outbound", "volumes", "image_pull", "image_tls_verify", "patches", "scripts", "tmpfs", "host_mounts", "on_idle", "paused_ttl_seconds", "no_auto_resume", "max_vcpus", "max_memory_mib", "disk_size_mib", "secrets", "egress", "image_creds", "image_auth_json", "image_ca_pem", "entrypoint", "entrypoint_cleared", "cmd_cleared", "shell", "security_profile", "log_level", "quiet_logs", "thp", "network_profile", "port_address", "dns", "init")
     class ScriptsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -190,6 +190,7 @@ class CreateRequest(_message.Message):
     NETWORK_PROFILE_FIELD_NUMBER: _ClassVar[int]
     PORT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DNS_FIELD_NUMBER: _ClassVar[int]
+    INIT_FIELD_NUMBER: _ClassVar[int]
     base: _sandbox_pb2.CreateSandboxRequest
     idle_timeout_seconds: int
     hostname: str
@@ -225,7 +226,8 @@ class CreateRequest(_message.Message):
     network_profile: str
     port_address: str
     dns: DnsSpec
-    def __init__(self, base: _Optional[_Union[_sandbox_pb2.CreateSandboxRequest, _Mapping]] = ..., idle_timeout_seconds: _Optional[int] = ..., hostname: _Optional[str] = ..., ephemeral: _Optional[bool] = ..., ports: _Optional[_Iterable[_Union[PortMapping, _Mapping]]] = ..., outbound: _Optional[bool] = ..., volumes: _Optional[_Iterable[_Union[VolumeMount, _Mapping]]] = ..., image_pull: _Optional[str] = ..., image_tls_verify: _Optional[bool] = ..., patches: _Optional[_Iterable[_Union[PatchSpec, _Mapping]]] = ..., scripts: _Optional[_Mapping[str, str]] = ..., tmpfs: _Optional[_Iterable[_Union[TmpfsMount, _Mapping]]] = ..., host_mounts: _Optional[_Iterable[_Union[HostMount, _Mapping]]] = ..., on_idle: _Optional[str] = ..., paused_ttl_seconds: _Optional[int] = ..., no_auto_resume: _Optional[bool] = ..., max_vcpus: _Optional[int] = ..., max_memory_mib: _Optional[int] = ..., disk_size_mib: _Optional[int] = ..., secrets: _Optional[_Iterable[_Union[SecretSpec, _Mapping]]] = ..., egress: _Optional[_Union[EgressPolicy, _Mapping]] = ..., image_creds: _Optional[str] = ..., image_auth_json: _Optional[bytes] = ..., image_ca_pem: _Optional[bytes] = ..., entrypoint: _Optional[_Iterable[str]] = ..., entrypoint_cleared: _Optional[bool] = ..., cmd_cleared: _Optional[bool] = ..., shell: _Optional[str] = ..., security_profile: _Optional[str] = ..., log_level: _Optional[str] = ..., quiet_logs: _Optional[bool] = ..., thp: _Optional[str] = ..., network_profile: _Optional[str] = ..., port_address: _Optional[str] = ..., dns: _Optional[_Union[DnsSpec, _Mapping]] = ...) -> None: ...
+    init: InitSpec
+    def __init__(self, base: _Optional[_Union[_sandbox_pb2.CreateSandboxRequest, _Mapping]] = ..., idle_timeout_seconds: _Optional[int] = ..., hostname: _Optional[str] = ..., ephemeral: _Optional[bool] = ..., ports: _Optional[_Iterable[_Union[PortMapping, _Mapping]]] = ..., outbound: _Optional[bool] = ..., volumes: _Optional[_Iterable[_Union[VolumeMount, _Mapping]]] = ..., image_pull: _Optional[str] = ..., image_tls_verify: _Optional[bool] = ..., patches: _Optional[_Iterable[_Union[PatchSpec, _Mapping]]] = ..., scripts: _Optional[_Mapping[str, str]] = ..., tmpfs: _Optional[_Iterable[_Union[TmpfsMount, _Mapping]]] = ..., host_mounts: _Optional[_Iterable[_Union[HostMount, _Mapping]]] = ..., on_idle: _Optional[str] = ..., paused_ttl_seconds: _Optional[int] = ..., no_auto_resume: _Optional[bool] = ..., max_vcpus: _Optional[int] = ..., max_memory_mib: _Optional[int] = ..., disk_size_mib: _Optional[int] = ..., secrets: _Optional[_Iterable[_Union[SecretSpec, _Mapping]]] = ..., egress: _Optional[_Union[EgressPolicy, _Mapping]] = ..., image_creds: _Optional[str] = ..., image_auth_json: _Optional[bytes] = ..., image_ca_pem: _Optional[bytes] = ..., entrypoint: _Optional[_Iterable[str]] = ..., entrypoint_cleared: _Optional[bool] = ..., cmd_cleared: _Optional[bool] = ..., shell: _Optional[str] = ..., security_profile: _Optional[str] = ..., log_level: _Optional[str] = ..., quiet_logs: _Optional[bool] = ..., thp: _Optional[str] = ..., network_profile: _Optional[str] = ..., port_address: _Optional[str] = ..., dns: _Optional[_Union[DnsSpec, _Mapping]] = ..., init: _Optional[_Union[InitSpec, _Mapping]] = ...) -> None: ...
 
 class DnsSpec(_message.Message):
     __slots__ = ("nameservers", "search")
@@ -234,6 +236,23 @@ class DnsSpec(_message.Message):
     nameservers: _containers.RepeatedScalarFieldContainer[str]
     search: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, nameservers: _Optional[_Iterable[str]] = ..., search: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class InitSpec(_message.Message):
+    __slots__ = ("path", "args", "env")
+    class EnvEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    ARGS_FIELD_NUMBER: _ClassVar[int]
+    ENV_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    args: _containers.RepeatedScalarFieldContainer[str]
+    env: _containers.ScalarMap[str, str]
+    def __init__(self, path: _Optional[str] = ..., args: _Optional[_Iterable[str]] = ..., env: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class EgressPolicy(_message.Message):
     __slots__ = ("default", "allow", "deny")
@@ -1006,18 +1025,20 @@ class SandboxSettings(_message.Message):
     def __init__(self, vcpus: _Optional[int] = ..., memory_mib: _Optional[int] = ..., max_vcpus: _Optional[int] = ..., max_memory_mib: _Optional[int] = ..., disk_size_mib: _Optional[int] = ..., env: _Optional[_Mapping[str, str]] = ..., working_dir: _Optional[str] = ..., ttl_seconds: _Optional[int] = ..., idle_timeout_seconds: _Optional[int] = ..., settled: _Optional[bool] = ...) -> None: ...
 
 class SandboxDetails(_message.Message):
-    __slots__ = ("base", "requested", "applied", "updated_at", "shell")
+    __slots__ = ("base", "requested", "applied", "updated_at", "shell", "init")
     BASE_FIELD_NUMBER: _ClassVar[int]
     REQUESTED_FIELD_NUMBER: _ClassVar[int]
     APPLIED_FIELD_NUMBER: _ClassVar[int]
     UPDATED_AT_FIELD_NUMBER: _ClassVar[int]
     SHELL_FIELD_NUMBER: _ClassVar[int]
+    INIT_FIELD_NUMBER: _ClassVar[int]
     base: _sandbox_pb2.SandboxInfo
     requested: SandboxSettings
     applied: SandboxSettings
     updated_at: int
     shell: str
-    def __init__(self, base: _Optional[_Union[_sandbox_pb2.SandboxInfo, _Mapping]] = ..., requested: _Optional[_Union[SandboxSettings, _Mapping]] = ..., applied: _Optional[_Union[SandboxSettings, _Mapping]] = ..., updated_at: _Optional[int] = ..., shell: _Optional[str] = ...) -> None: ...
+    init: InitSpec
+    def __init__(self, base: _Optional[_Union[_sandbox_pb2.SandboxInfo, _Mapping]] = ..., requested: _Optional[_Union[SandboxSettings, _Mapping]] = ..., applied: _Optional[_Union[SandboxSettings, _Mapping]] = ..., updated_at: _Optional[int] = ..., shell: _Optional[str] = ..., init: _Optional[_Union[InitSpec, _Mapping]] = ...) -> None: ...
 
 class SecretSpec(_message.Message):
     __slots__ = ("name", "hosts", "value", "store", "placeholder", "substitute")
