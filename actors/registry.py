@@ -42,7 +42,7 @@ from pathlib import Path
 import attrs
 import trio
 
-from actors import create_checks, listing, recovery
+from actors import create_checks, image_disks, listing, recovery
 from actors.crash import crash_point
 from actors.errors import (
     AlreadyExists,
@@ -439,6 +439,8 @@ class Registry:
             return existing
         self.volumes.check(config.volumes)  # (a life claims them; this refuses before anything is made)
         create_checks.check_host_paths(self.settings, config)
+        if config.boot.rootfs:  # a vmdk, vdi, vhdx, VHD: converted (confined) now, its errors the Create's
+            await image_disks.attach(self.settings, Path(config.boot.rootfs))
         accepted = time.monotonic()
         image = await self.oci.use(config, pull_auth) if config.boot.image else None
         # created meanwhile, while the image was pulled?

@@ -123,6 +123,10 @@ def shape_settings(a: argparse.Namespace) -> Settings:
         out["quiet_logs"] = True
     if a.thp:
         out["thp"] = a.thp
+    if a.image_disk:
+        out["image_disk"] = a.image_disk
+    if a.from_snapshot:
+        out["from_snapshot"] = a.from_snapshot
     copies = []
     for flag, items, make in (
         ("--copy-file", a.copy_file, Patch.copy_file),

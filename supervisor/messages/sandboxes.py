@@ -165,6 +165,9 @@ class CreateSandboxRequest:
     log_level: str = ""
     quiet_logs: bool = False
     thp: str = ""
+    # images and disks: rootfs's file system type; a snapshot (id, name or exported file) to start from
+    rootfs_fstype: str = ""
+    from_snapshot: str = ""
 
 
 @attrs.frozen

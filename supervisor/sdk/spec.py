@@ -163,6 +163,7 @@ class Boot:
     rootfs: str = ""
     boot_args: str = ""
     registry: RegistryAuth | None = attrs.field(default=None, repr=False)
+    rootfs_fstype: str = ""  # rootfs's file system type ("": ext4)
 
 
 @attrs.frozen
@@ -366,6 +367,31 @@ class Settings(TypedDict, total=False):
     log_level: LogLevel
     quiet_logs: bool
     thp: Literal["", "always", "madvise", "never"]
+    # images and disks: a disk image of your own as the root ("PATH[:FSTYPE]" or (PATH, FSTYPE);
+    # raw, qcow2, vmdk, vdi, vhdx, vpc; under serve --allow-path); a snapshot to start from
+    # (id, name, or an exported snapshot file under --allow-path)
+    image_disk: str | tuple[str, str]
+    from_snapshot: str
+
+
+def _image_disk(disk: str | tuple[str, str]) -> dict[str, str]:
+    """``image_disk``: "PATH[:FSTYPE]" or (PATH, FSTYPE), the path made absolute (the
+    supervisor shares this host: it opens the same file)."""
+    if isinstance(disk, str):
+        path, sep, fstype = disk.rpartition(":")
+        if not sep or fstype not in _FSTYPES:
+            path, fstype = disk, ""
+    else:
+        path, fstype = disk
+    return {"rootfs": os.path.abspath(path) if path else "", "rootfs_fstype": fstype}
+
+
+def _from_snapshot(ref: str) -> str:
+    """A snapshot id or name as it is; a path (it has a '/') made absolute."""
+    return os.path.abspath(ref) if "/" in ref else ref
+
+
+_FSTYPES = ("ext4", "ext3", "ext2", "xfs", "btrfs", "vfat", "squashfs", "erofs", "iso9660")
 
 
 @attrs.frozen(kw_only=True)
@@ -393,6 +419,7 @@ class SandboxSpec:
     # SSH public keys (OpenSSH .pub lines) that serve --ssh accepts for it (docs/ssh.md)
     ssh_keys: tuple[str, ...] = attrs.field(default=(), converter=_strs)
     shape: Shape = Shape()  # entrypoint, CMD cleared, shell, security profile, logs, THP
+    from_snapshot: str = ""  # a snapshot (id, name, exported file) the sandbox starts from
 
     def with_(self, **settings: Unpack[Settings]) -> SandboxSpec:
         if not settings:
@@ -407,6 +434,7 @@ class SandboxSpec:
                 pull=s.get("pull", boot.pull),
                 tls_verify=s.get("tls_verify", boot.tls_verify),
                 registry=s.get("registry", boot.registry),
+                **_image_disk(s["image_disk"]) if "image_disk" in s else {},
             ),
             labels={**self.labels, **_kv(s.get("labels"))},
             hostname=s.get("hostname", self.hostname),
@@ -453,6 +481,7 @@ class SandboxSpec:
                 quiet_logs=s.get("quiet_logs", self.shape.quiet_logs),
                 thp=s.get("thp", self.shape.thp),
             ),
+            from_snapshot=_from_snapshot(s.get("from_snapshot", self.from_snapshot)),
         )
 
     def request(self, name: str = "") -> protocol.CreateSandboxRequest:
@@ -503,6 +532,8 @@ class SandboxSpec:
             log_level=self.shape.log_level,
             quiet_logs=self.shape.quiet_logs,
             thp=self.shape.thp,
+            rootfs_fstype=self.boot.rootfs_fstype,
+            from_snapshot=self.from_snapshot,
         )
 
 

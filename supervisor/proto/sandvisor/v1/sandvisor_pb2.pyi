@@ -147,7 +147,7 @@ class HostMount(_message.Message):
     def __init__(self, source: _Optional[str] = ..., target: _Optional[str] = ..., writable: _Optional[bool] = ...) -> None: ...
 
 class CreateRequest(_message.Message):
-    __slots__ = ("base", "idle_timeout_seconds", "hostname", "ephemeral", "ports", "outbound", "volumes", "image_pull", "image_tls_verify", "patches", "scripts", "tmpfs", "host_mounts", "on_idle", "paused_ttl_seconds", "no_auto_resume", "max_vcpus", "max_memory_mib", "disk_size_mib", "secrets", "egress", "image_creds", "image_auth_json", "image_ca_pem", "entrypoint", "entrypoint_cleared", "cmd_cleared", "shell", "security_profile", "log_level", "quiet_logs", "thp")
+    __slots__ = ("base", "idle_timeout_seconds", "hostname", "ephemeral", "ports", "outbound", "volumes", "image_pull", "image_tls_verify", "patches", "scripts", "tmpfs", "host_mounts", "on_idle", "paused_ttl_seconds", "no_auto_resume", "max_vcpus", "max_memory_mib", "disk_size_mib", "secrets", "egress", "image_creds", "image_auth_json", "image_ca_pem", "entrypoint", "entrypoint_cleared", "cmd_cleared", "shell", "security_profile", "log_level", "quiet_logs", "thp", "rootfs_fstype", "from_snapshot")
     class ScriptsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -187,6 +187,8 @@ class CreateRequest(_message.Message):
     LOG_LEVEL_FIELD_NUMBER: _ClassVar[int]
     QUIET_LOGS_FIELD_NUMBER: _ClassVar[int]
     THP_FIELD_NUMBER: _ClassVar[int]
+    ROOTFS_FSTYPE_FIELD_NUMBER: _ClassVar[int]
+    FROM_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     base: _sandbox_pb2.CreateSandboxRequest
     idle_timeout_seconds: int
     hostname: str
@@ -219,7 +221,9 @@ class CreateRequest(_message.Message):
     log_level: str
     quiet_logs: bool
     thp: str
-    def __init__(self, base: _Optional[_Union[_sandbox_pb2.CreateSandboxRequest, _Mapping]] = ..., idle_timeout_seconds: _Optional[int] = ..., hostname: _Optional[str] = ..., ephemeral: _Optional[bool] = ..., ports: _Optional[_Iterable[_Union[PortMapping, _Mapping]]] = ..., outbound: _Optional[bool] = ..., volumes: _Optional[_Iterable[_Union[VolumeMount, _Mapping]]] = ..., image_pull: _Optional[str] = ..., image_tls_verify: _Optional[bool] = ..., patches: _Optional[_Iterable[_Union[PatchSpec, _Mapping]]] = ..., scripts: _Optional[_Mapping[str, str]] = ..., tmpfs: _Optional[_Iterable[_Union[TmpfsMount, _Mapping]]] = ..., host_mounts: _Optional[_Iterable[_Union[HostMount, _Mapping]]] = ..., on_idle: _Optional[str] = ..., paused_ttl_seconds: _Optional[int] = ..., no_auto_resume: _Optional[bool] = ..., max_vcpus: _Optional[int] = ..., max_memory_mib: _Optional[int] = ..., disk_size_mib: _Optional[int] = ..., secrets: _Optional[_Iterable[_Union[SecretSpec, _Mapping]]] = ..., egress: _Optional[_Union[EgressPolicy, _Mapping]] = ..., image_creds: _Optional[str] = ..., image_auth_json: _Optional[bytes] = ..., image_ca_pem: _Optional[bytes] = ..., entrypoint: _Optional[_Iterable[str]] = ..., entrypoint_cleared: _Optional[bool] = ..., cmd_cleared: _Optional[bool] = ..., shell: _Optional[str] = ..., security_profile: _Optional[str] = ..., log_level: _Optional[str] = ..., quiet_logs: _Optional[bool] = ..., thp: _Optional[str] = ...) -> None: ...
+    rootfs_fstype: str
+    from_snapshot: str
+    def __init__(self, base: _Optional[_Union[_sandbox_pb2.CreateSandboxRequest, _Mapping]] = ..., idle_timeout_seconds: _Optional[int] = ..., hostname: _Optional[str] = ..., ephemeral: _Optional[bool] = ..., ports: _Optional[_Iterable[_Union[PortMapping, _Mapping]]] = ..., outbound: _Optional[bool] = ..., volumes: _Optional[_Iterable[_Union[VolumeMount, _Mapping]]] = ..., image_pull: _Optional[str] = ..., image_tls_verify: _Optional[bool] = ..., patches: _Optional[_Iterable[_Union[PatchSpec, _Mapping]]] = ..., scripts: _Optional[_Mapping[str, str]] = ..., tmpfs: _Optional[_Iterable[_Union[TmpfsMount, _Mapping]]] = ..., host_mounts: _Optional[_Iterable[_Union[HostMount, _Mapping]]] = ..., on_idle: _Optional[str] = ..., paused_ttl_seconds: _Optional[int] = ..., no_auto_resume: _Optional[bool] = ..., max_vcpus: _Optional[int] = ..., max_memory_mib: _Optional[int] = ..., disk_size_mib: _Optional[int] = ..., secrets: _Optional[_Iterable[_Union[SecretSpec, _Mapping]]] = ..., egress: _Optional[_Union[EgressPolicy, _Mapping]] = ..., image_creds: _Optional[str] = ..., image_auth_json: _Optional[bytes] = ..., image_ca_pem: _Optional[bytes] = ..., entrypoint: _Optional[_Iterable[str]] = ..., entrypoint_cleared: _Optional[bool] = ..., cmd_cleared: _Optional[bool] = ..., shell: _Optional[str] = ..., security_profile: _Optional[str] = ..., log_level: _Optional[str] = ..., quiet_logs: _Optional[bool] = ..., thp: _Optional[str] = ..., rootfs_fstype: _Optional[str] = ..., from_snapshot: _Optional[str] = ...) -> None: ...
 
 class EgressPolicy(_message.Message):
     __slots__ = ("default", "allow", "deny")

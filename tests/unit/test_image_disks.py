@@ -1,0 +1,80 @@
+"""A caller's own disk image: its format from the magic, the fstype hint's rules, the
+CLI's PATH[:FSTYPE] and the SDK's image_disk, the wire field."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import pytest
+
+from actors import image_disks
+from actors.errors import FailedPrecondition, InvalidArgument, NotFound
+from supervisor import mapping
+from supervisor.sdk.spec import SandboxSpec
+
+
+@pytest.mark.parametrize(
+    ("head", "tail", "fmt"),
+    [
+        (b"QFI\xfb" + b"\0" * 100, b"", "qcow2"),
+        (b"KDMV" + b"\0" * 100, b"", "vmdk"),
+        (b"\0" * 0x40 + struct.pack("<I", 0xBEDA107F), b"", "vdi"),
+        (b"vhdxfile" + b"\0" * 100, b"", "vhdx"),
+        (b"conectix" + b"\0" * 100, b"", "vpc"),
+        (b"\0" * 512, b"conectix" + b"\0" * 504, "vpc"),  # a fixed VHD: its footer
+        (b"\x53\xef" * 256, b"", "raw"),
+    ],
+)
+def test_format_of(head: bytes, tail: bytes, fmt: str) -> None:
+    assert image_disks.format_of(head, tail) == fmt
+
+
+def test_a_vmdk_descriptor_is_refused(tmp_path: Path) -> None:
+    p = tmp_path / "d.vmdk"
+    p.write_text('# Disk DescriptorFile\nRW 8 FLAT "/etc/shadow" 0\n')
+    with pytest.raises(FailedPrecondition, match="descriptor"):
+        image_disks.detect_format(p)
+
+
+def test_detect_opens_no_symlink_nor_directory(tmp_path: Path) -> None:
+    (tmp_path / "real").write_bytes(b"KDMV" + b"\0" * 600)
+    (tmp_path / "link").symlink_to("real")
+    assert image_disks.detect_format(tmp_path / "real") == "vmdk"
+    with pytest.raises(FailedPrecondition, match="symlink"):
+        image_disks.detect_format(tmp_path / "link")
+    with pytest.raises(FailedPrecondition, match="regular file"):
+        image_disks.detect_format(tmp_path)
+    with pytest.raises(NotFound):
+        image_disks.detect_format(tmp_path / "missing")
+
+
+def test_fstype_rules() -> None:
+    image_disks.check_fstype("", rootfs="", kernel="")
+    image_disks.check_fstype("ext2", rootfs="/d/x.img", kernel="")
+    image_disks.check_fstype("xfs", rootfs="/d/x.img", kernel="/d/vmlinux")  # a kernel of the caller's
+    with pytest.raises(InvalidArgument, match="default guest kernel mounts"):
+        image_disks.check_fstype("xfs", rootfs="/d/x.img", kernel="")
+    with pytest.raises(InvalidArgument, match="one of"):
+        image_disks.check_fstype("ntfs", rootfs="/d/x.img", kernel="/d/vmlinux")
+    with pytest.raises(InvalidArgument, match="needs a disk image"):
+        image_disks.check_fstype("ext4", rootfs="", kernel="")
+
+
+def test_image_disk_spellings(tmp_path: Path) -> None:
+    assert image_disks.split_image_disk("/a/b.vmdk:xfs") == ("/a/b.vmdk", "xfs")
+    assert image_disks.split_image_disk("/a/b:c.img") == ("/a/b:c.img", "")
+    req = SandboxSpec().with_(image_disk="/a/b.vmdk:ext2").request("x")
+    assert (req.rootfs, req.rootfs_fstype) == ("/a/b.vmdk", "ext2")
+    req = SandboxSpec().with_(image_disk=("rel.qcow2", "ext3")).request("x")
+    assert req.rootfs == str(Path("rel.qcow2").absolute()) and req.rootfs_fstype == "ext3"
+    cfg = mapping.config(req)
+    assert cfg.boot.rootfs_fstype == "ext3" and cfg.boot.rootfs == req.rootfs
+
+
+def test_the_wire_carries_the_fstype() -> None:
+    from supervisor.proto.sandvisor.v1 import sandvisor_pb2 as pb
+
+    fields = pb.CreateRequest.DESCRIPTOR.fields_by_name
+    assert fields["rootfs_fstype"].number == 200
+    assert fields["from_snapshot"].number == 201

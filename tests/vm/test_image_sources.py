@@ -1,0 +1,102 @@
+"""A caller's own disk image as a sandbox's root, against real VMs: an ext2 file
+system (so the fstype hint is what the guest mounts) in a qcow2 (async SDK, the
+(path, fstype) form) and in a vmdk (the CLI's ``--image-disk PATH:FSTYPE``, converted
+in a tool cell and kept by content: a second Create finds it), and the refusals (a
+qcow2 with a backing file, a path outside --allow-path, a type the kernel cannot
+mount, a vmdk descriptor). One supervisor; sandboxes boot one after another."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import trio
+
+from images.build import Image
+from images.ocilocal import busybox_tree
+from supervisor.client import AsyncSandbox, FailedPrecondition, InvalidArgument
+from supervisor.throwaway import Workdir, supervisor, workdir
+
+
+async def cli(work: Workdir, *args: str) -> subprocess.CompletedProcess[bytes]:
+    return await trio.run_process(
+        [sys.executable, "-m", "supervisor.cli", *args],
+        env=work.env(),
+        capture_stdout=True,
+        capture_stderr=True,
+        check=False,
+    )
+
+
+def _disks(d: Path) -> dict[str, Path]:
+    old = os.umask(0o022)
+    try:
+        tree = busybox_tree(d / "tree")
+        (tree / "bin" / "grep").symlink_to("busybox")
+        raw = d / "bb.raw"
+        subprocess.run(["mkfs.ext2", "-q", "-F", "-d", str(tree), str(raw), "24M"], check=True)
+        out = {"raw": raw}
+        for fmt in ("qcow2", "vmdk"):
+            out[fmt] = d / f"bb.{fmt}"
+            subprocess.run(["qemu-img", "convert", "-q", "-f", "raw", "-O", fmt, str(raw), str(out[fmt])], check=True)
+        out["backed"] = d / "backed.qcow2"
+        subprocess.run(
+            ["qemu-img", "create", "-q", "-f", "qcow2", "-F", "raw", "-b", str(raw), str(out["backed"])], check=True
+        )
+        out["descriptor"] = d / "desc.vmdk"
+        out["descriptor"].write_text('# Disk DescriptorFile\nversion=1\nRW 49152 FLAT "/etc/shadow" 0\n')
+    finally:
+        os.umask(old)
+    return out
+
+
+async def _root_fstype(sb: AsyncSandbox) -> str:
+    r = await sb.run("grep ' / ' /proc/mounts")
+    assert r.ok, r
+    return r.stdout.decode().split()[2]
+
+
+async def test_image_disks(image: Image, tmp_path: Path) -> None:
+    tmp_path.chmod(0o755)
+    allowed = tmp_path / "allowed"
+    allowed.mkdir(mode=0o755)
+    disks = _disks(allowed)
+    outside = tmp_path / "outside.qcow2"
+    outside.write_bytes(disks["qcow2"].read_bytes())
+    with workdir("sv-disks-") as work:
+        with trio.fail_after(600):
+            async with supervisor(work, templates=False, allow_paths=(allowed,)):
+                sock = str(work.socket)
+                sb = await AsyncSandbox.create(
+                    "qcow2", socket=sock, image_disk=(str(disks["qcow2"]), "ext2"), detached=True
+                )
+                assert await _root_fstype(sb) == "ext2"
+                assert (await sb.run("echo hi")).stdout == b"hi\n"
+                await sb.remove(force=True)
+
+                r = await cli(work, "create", "vmdk", "--image-disk", f"{disks['vmdk']}:ext2")
+                assert r.returncode == 0, r.stderr
+                sb = await AsyncSandbox.get("vmdk", socket=sock)
+                assert await _root_fstype(sb) == "ext2"
+                kept = list((work.state / "image-disks").glob("*.vmdk.qcow2"))
+                assert len(kept) == 1 and kept[0].stat().st_mode & 0o777 == 0o444
+                await sb.remove(force=True)
+                # the same bytes again: the kept conversion (no second one)
+                sb = await AsyncSandbox.create("vmdk2", socket=sock, image_disk=str(disks["vmdk"]), detached=True)
+                assert await _root_fstype(sb) == "ext4"  # no hint: mounted as ext4 (the driver reads ext2)
+                assert list((work.state / "image-disks").glob("*.vmdk.qcow2")) == kept
+                await sb.remove(force=True)
+
+                with pytest.raises(FailedPrecondition, match="backed by"):
+                    await AsyncSandbox.create("backed", socket=sock, image_disk=str(disks["backed"]), wait=False)
+                with pytest.raises(FailedPrecondition, match="not in a directory the supervisor allows"):
+                    await AsyncSandbox.create("outside", socket=sock, image_disk=str(outside), wait=False)
+                with pytest.raises(InvalidArgument, match="default guest kernel mounts"):
+                    await AsyncSandbox.create("xfs", socket=sock, image_disk=f"{disks['raw']}:xfs", wait=False)
+                with pytest.raises(FailedPrecondition, match="vmdk descriptor"):
+                    await AsyncSandbox.create("desc", socket=sock, image_disk=str(disks["descriptor"]), wait=False)
+                r = await cli(work, "ls", "--json")
+                assert b"backed" not in r.stdout and b"desc" not in r.stdout
