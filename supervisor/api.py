@@ -36,7 +36,7 @@ from typing import Any
 import attrs
 import trio
 
-from actors import defaults
+from actors import defaults, from_snapshot
 from actors.channel.guest import FsEntry
 from actors.errors import (
     DomainError,
@@ -48,6 +48,7 @@ from actors.events import Lagged
 from actors.model import (
     ALIVE,
     MemoryKind,
+    SandboxConfig,
     State,
     check_port,
     script_argv,
@@ -76,6 +77,8 @@ def _absolute(path: str) -> str:
 @method("Create", protocol.CreateSandboxRequest)
 async def _create(reg: Registry, io: CallIO, req: protocol.CreateSandboxRequest) -> protocol.CreateSandboxResponse:
     config = mapping.config(req)
+    if req.from_snapshot:  # a restore with the Create's other settings (actors/from_snapshot.py)
+        return await _create_from_snapshot(reg, io, req, config)
     access.check_uses(reg, io.principal, config)
     sb = await reg.create(
         req.id, config, mapping.secret_values(req), pull_auth=mapping.pull_auth(req), owner=io.principal.name
@@ -83,6 +86,20 @@ async def _create(reg: Registry, io: CallIO, req: protocol.CreateSandboxRequest)
     # sandbox.v1: "State at time of response: always starting" (ready follows as an event,
     # at once when a warm pool member served it)
     return protocol.CreateSandboxResponse(id=sb.id, ip_address=sb.ip_address, state=State.STARTING.value)
+
+
+async def _create_from_snapshot(
+    reg: Registry, io: CallIO, req: protocol.CreateSandboxRequest, config: SandboxConfig
+) -> protocol.CreateSandboxResponse:
+    if req.secrets:
+        raise InvalidArgument("from_snapshot: the snapshot's secrets are kept (a Create from one names none)")
+    if from_snapshot.is_path(req.from_snapshot):
+        snap = await from_snapshot.import_file(reg, req.from_snapshot, owner=io.principal.name)
+    else:
+        snap = access.snapshot(reg, io.principal, req.from_snapshot)
+    blank = mapping.config(protocol.CreateSandboxRequest())
+    sb = await from_snapshot.create(reg, snap, req.id, config, blank, owner=io.principal.name)
+    return protocol.CreateSandboxResponse(id=sb.id, ip_address=sb.ip_address, state=sb.state.value)
 
 
 @method("Start", protocol.IdRequest)

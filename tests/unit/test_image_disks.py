@@ -8,9 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from actors import image_disks
+from actors import from_snapshot, image_disks
 from actors.errors import FailedPrecondition, InvalidArgument, NotFound
-from supervisor import mapping
+from actors.model import MemoryKind, SandboxConfig
+from actors.store import MachineRecord, SnapshotRecord
+from supervisor import mapping, protocol
 from supervisor.sdk.spec import SandboxSpec
 
 
@@ -78,3 +80,43 @@ def test_the_wire_carries_the_fstype() -> None:
     fields = pb.CreateRequest.DESCRIPTOR.fields_by_name
     assert fields["rootfs_fstype"].number == 200
     assert fields["from_snapshot"].number == 201
+
+
+def _snap(memory: MemoryKind) -> SnapshotRecord:
+    return SnapshotRecord(
+        uid="u",
+        id="snap-1",
+        name="",
+        labels={},
+        sandbox_id="s",
+        origin_uid="o",
+        created_ns=0,
+        dir="/nowhere",
+        memory=memory,
+        machine=MachineRecord(append="", memory_mib=256, cpus=1, accel="tcg"),
+        config=_cfg(network="user"),
+    )
+
+
+def _cfg(**kw: object) -> SandboxConfig:
+    return mapping.config(SandboxSpec().with_(**kw).request("x"))  # type: ignore[arg-type]
+
+
+def test_from_snapshot_applies_what_a_restore_can() -> None:
+    blank = mapping.config(protocol.CreateSandboxRequest())
+    mem = _snap(MemoryKind.MAPPED)
+    ok = _cfg(labels={"a": "b"}, ttl=60, idle_timeout=30, env={"K": "v"}, workdir="/w", ports={80: 0}, network="user")
+    assert from_snapshot.check(mem, ok, blank) is None
+    assert from_snapshot.check(mem, _cfg(memory_mib=256, cpus=1), blank) is None
+    with pytest.raises(InvalidArgument, match="256 MiB machine"):
+        from_snapshot.check(mem, _cfg(memory_mib=128), blank)
+    with pytest.raises(InvalidArgument, match="1-vCPU"):
+        from_snapshot.check(mem, _cfg(cpus=2), blank)
+    with pytest.raises(InvalidArgument, match="networking"):
+        from_snapshot.check(mem, _cfg(network="tap"), blank)
+    with pytest.raises(InvalidArgument, match=r"workload\.cmd, boot\.image, hostname"):
+        from_snapshot.check(mem, _cfg(image="alpine", cmd=["x"], hostname="h"), blank)
+    # a disk-only snapshot boots: any resources
+    disk = _snap(MemoryKind.DISK)
+    assert from_snapshot.check(disk, _cfg(memory_mib=512, cpus=2), blank) == _cfg(memory_mib=512, cpus=2).limits
+    assert from_snapshot.is_path("/d/x.svsnap") and not from_snapshot.is_path("warm")

@@ -100,3 +100,66 @@ async def test_image_disks(image: Image, tmp_path: Path) -> None:
                     await AsyncSandbox.create("desc", socket=sock, image_disk=str(disks["descriptor"]), wait=False)
                 r = await cli(work, "ls", "--json")
                 assert b"backed" not in r.stdout and b"desc" not in r.stdout
+
+
+async def test_create_from_snapshot(image: Image, tmp_path: Path) -> None:
+    """A Create from a memory snapshot with labels, TTL, env, workdir and a port; from
+    the same snapshot's export file (imported first); the refusals."""
+    tmp_path.chmod(0o755)
+    allowed = tmp_path / "allowed"
+    allowed.mkdir(mode=0o755)
+    with workdir("sv-fromsnap-") as work:
+        with trio.fail_after(600):
+            async with supervisor(work, templates=False, allow_paths=(allowed,)):
+                sock = str(work.socket)
+                origin = await AsyncSandbox.create("origin", socket=sock, network="user", detached=True)
+                assert (await origin.run("mkdir -p /srv && echo kept > /srv/mark")).ok
+                snap = (await origin.checkpoint("warm")).snapshot_id
+                mem = (await origin.inspect()).limits.memory_mib
+                await origin.remove(force=True)
+
+                sb = await AsyncSandbox.create(
+                    "clone",
+                    socket=sock,
+                    from_snapshot="warm",
+                    labels={"team": "a"},
+                    ttl=3600,
+                    env={"FOO": "bar"},
+                    workdir="/srv",
+                    ports={8080: 0},
+                    memory_mib=mem,
+                    detached=True,
+                )
+                info = await sb.inspect()
+                assert info.labels == {"team": "a"}
+                assert info.requested is not None and info.requested.ttl_seconds == 3600
+                r = await sb.run("echo $FOO; pwd; cat mark")
+                assert r.stdout == b"bar\n/srv\nkept\n", r
+                assert 8080 in {p.sandbox_port for p in await sb.ports()}
+
+                with pytest.raises(InvalidArgument, match="memory"):
+                    await AsyncSandbox.create("small", socket=sock, from_snapshot=snap, memory_mib=mem - 64)
+                with pytest.raises(InvalidArgument, match="image"):
+                    await AsyncSandbox.create("img", socket=sock, from_snapshot=snap, image="alpine")
+                await sb.remove(force=True)
+
+                # an export file under --allow-path: imported, then restored (CLI)
+                f = allowed / "warm.svsnap"
+                await AsyncSandbox.export_snapshot(snap, f, socket=sock)
+                r = await cli(work, "create", "from-file", "--from-snapshot", str(f), "--label", "src=file")
+                assert r.returncode == 0, r.stderr
+                sb = await AsyncSandbox.get("from-file", socket=sock)
+                assert (await sb.run("cat /srv/mark")).stdout == b"kept\n"
+                assert (await sb.inspect()).labels == {"src": "file"}
+                names = [s.name for s in await AsyncSandbox.snapshots(socket=sock)]
+                assert sum(n.startswith("file-") for n in names) == 1
+                await sb.remove(force=True)
+                # the same file again: the snapshot imported the first time
+                sb = await AsyncSandbox.create("again", socket=sock, from_snapshot=str(f), detached=True)
+                names = [s.name for s in await AsyncSandbox.snapshots(socket=sock)]
+                assert sum(n.startswith("file-") for n in names) == 1
+                await sb.remove(force=True)
+                outside = tmp_path / "warm.svsnap"
+                outside.write_bytes(f.read_bytes())
+                with pytest.raises(FailedPrecondition, match="not in a directory the supervisor allows"):
+                    await AsyncSandbox.create("outside", socket=sock, from_snapshot=str(outside))
