@@ -169,7 +169,12 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
     )
     p.add_argument("--workdir")
     p.add_argument("--user")
-    p.add_argument("--image", metavar="REF", help="an OCI image (alpine, python:3.12, ghcr.io/o/x:1, oci:DIR, ...)")
+    p.add_argument(
+        "--image",
+        metavar="REF",
+        help="an OCI image (alpine, python:3.12, ghcr.io/o/x:1, oci:DIR, ...), or a root filesystem directory "
+        "(./rootfs, /abs/dir, dir:PATH; under serve --allow-path)",
+    )
     p.add_argument(
         "--registry-creds-file", metavar="FILE", help="the image registry's USER:PASSWORD, from FILE (- : stdin)"
     )

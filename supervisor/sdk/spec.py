@@ -386,6 +386,16 @@ def _image_disk(disk: str | tuple[str, str]) -> dict[str, str]:
     return {"rootfs": os.path.abspath(path) if path else "", "rootfs_fstype": fstype}
 
 
+def _image(image: str) -> str:
+    """A root filesystem directory (``dir:PATH``, ``/...``, ``./...``, ``../...``) as
+    ``dir:/absolute/path``; an OCI reference as it is."""
+    if image.startswith("dir:"):
+        return "dir:" + os.path.abspath(image[4:])
+    if image.startswith(("/", "./", "../")) or image in (".", ".."):
+        return "dir:" + os.path.abspath(image)
+    return image
+
+
 def _from_snapshot(ref: str) -> str:
     """A snapshot id or name as it is; a path (it has a '/') made absolute."""
     return os.path.abspath(ref) if "/" in ref else ref
@@ -430,7 +440,7 @@ class SandboxSpec:
             self,
             boot=attrs.evolve(
                 boot,
-                image=s.get("image", boot.image),
+                image=_image(s["image"]) if "image" in s else boot.image,
                 pull=s.get("pull", boot.pull),
                 tls_verify=s.get("tls_verify", boot.tls_verify),
                 registry=s.get("registry", boot.registry),

@@ -3,6 +3,7 @@ CLI's PATH[:FSTYPE] and the SDK's image_disk, the wire field."""
 
 from __future__ import annotations
 
+import os
 import struct
 from pathlib import Path
 
@@ -12,6 +13,8 @@ from actors import from_snapshot, image_disks
 from actors.errors import FailedPrecondition, InvalidArgument, NotFound
 from actors.model import MemoryKind, SandboxConfig
 from actors.store import MachineRecord, SnapshotRecord
+from images.oci import rootdir
+from images.oci.errors import DiskFull
 from supervisor import mapping, protocol
 from supervisor.sdk.spec import SandboxSpec
 
@@ -120,3 +123,34 @@ def test_from_snapshot_applies_what_a_restore_can() -> None:
     disk = _snap(MemoryKind.DISK)
     assert from_snapshot.check(disk, _cfg(memory_mib=512, cpus=2), blank) == _cfg(memory_mib=512, cpus=2).limits
     assert from_snapshot.is_path("/d/x.svsnap") and not from_snapshot.is_path("warm")
+
+
+def test_a_rootfs_directory_is_walked_without_following(tmp_path: Path) -> None:
+    tree = tmp_path / "t"
+    (tree / "d").mkdir(parents=True)
+    (tree / "d" / "f").write_bytes(b"x" * 10)
+    (tree / "out").symlink_to("/etc")  # followed, it would carry the host's /etc
+    (tree / "dirlink").symlink_to("d")
+    os.mkfifo(tree / "fifo")
+    first = rootdir.walk(str(tree), None, shift=0, budget=1 << 20, chown=False)
+    assert first == rootdir.walk(str(tree), None, shift=0, budget=1 << 20, chown=False)
+    copy = tmp_path / "copy"
+    digest, size, _ = rootdir.walk(str(tree), copy, shift=0, budget=1 << 20, chown=False)
+    assert digest == first[0] and size == 10
+    assert os.readlink(copy / "out") == "/etc" and os.readlink(copy / "dirlink") == "d"
+    assert (copy / "d" / "f").read_bytes() == b"x" * 10 and not (copy / "fifo").exists()
+    (tree / "d" / "f").write_bytes(b"y" * 10)
+    assert rootdir.walk(str(tree), None, shift=0, budget=1 << 20, chown=False)[0] != digest
+    with pytest.raises(DiskFull):
+        rootdir.walk(str(tree), None, shift=0, budget=5, chown=False)
+    (tree / "link-root").symlink_to(tree)
+    with pytest.raises(OSError):  # the directory itself through a symlink: refused
+        rootdir.walk(str(tree / "link-root"), None, shift=0, budget=1 << 20, chown=False)
+
+
+def test_image_spellings_of_a_directory() -> None:
+    assert SandboxSpec().with_(image="./rootfs").boot.image == "dir:" + str(Path("rootfs").absolute())
+    assert SandboxSpec().with_(image="dir:/srv/r").boot.image == "dir:/srv/r"
+    assert SandboxSpec().with_(image="/srv/r").boot.image == "dir:/srv/r"
+    assert SandboxSpec().with_(image="alpine:3").boot.image == "alpine:3"
+    assert rootdir.is_dir_ref("dir:/srv/r") and rootdir.is_dir_ref("/srv/r") and not rootdir.is_dir_ref("oci:/x")

@@ -17,7 +17,7 @@ import trio
 
 from images.build import Image
 from images.ocilocal import busybox_tree
-from supervisor.client import AsyncSandbox, FailedPrecondition, InvalidArgument
+from supervisor.client import AsyncSandbox, FailedPrecondition, InvalidArgument, NotFound
 from supervisor.throwaway import Workdir, supervisor, workdir
 
 
@@ -163,3 +163,53 @@ async def test_create_from_snapshot(image: Image, tmp_path: Path) -> None:
                 outside.write_bytes(f.read_bytes())
                 with pytest.raises(FailedPrecondition, match="not in a directory the supervisor allows"):
                     await AsyncSandbox.create("outside", socket=sock, from_snapshot=str(outside))
+
+
+async def test_rootfs_directory(image: Image, tmp_path: Path) -> None:
+    """A plain directory as the image: made into an ext4 (owners kept, a symlink to a host
+    file carried as a link, never followed), booted; the same tree again is the kept
+    image; the CLI's ./PATH spelling; a directory outside --allow-path is refused."""
+    tmp_path.chmod(0o755)
+    allowed = tmp_path / "allowed"
+    allowed.mkdir(mode=0o755)
+    old = os.umask(0o022)
+    try:
+        tree = busybox_tree(allowed / "rootfs")
+        for applet in ("grep", "readlink"):
+            (tree / "bin" / applet).symlink_to("busybox")
+        (tree / "home" / "u").mkdir(parents=True)
+        (tree / "home" / "u" / "f").write_text("mine\n")
+        os.chown(tree / "home" / "u" / "f", 1000, 1000)
+        (tree / "shadow").symlink_to("/etc/shadow")  # data: the guest's /etc/shadow, of which it has none
+    finally:
+        os.umask(old)
+    outside = tmp_path / "rootfs"
+    outside.mkdir()
+    with workdir("sv-rootdir-") as work:
+        with trio.fail_after(600):
+            async with supervisor(work, templates=False, allow_paths=(allowed,)):
+                sock = str(work.socket)
+                sb = await AsyncSandbox.create("dir", socket=sock, image=f"dir:{tree}", detached=True)
+                r = await sb.run("cat /home/u/f; stat -c %u:%g /home/u/f; readlink /shadow; cat /shadow")
+                assert r.stdout == b"mine\n1000:1000\n/etc/shadow\n", r
+                assert r.exit_code != 0  # the link leads nowhere in the guest
+                assert await _root_fstype(sb) == "ext4"
+                await sb.remove(force=True)
+                images = sorted((work.state / "oci" / "images").iterdir())
+
+                r = await trio.run_process(
+                    [sys.executable, "-m", "supervisor.cli", "create", "dir2", "--image", "./rootfs"],
+                    cwd=allowed,
+                    env=work.env(),
+                    capture_stdout=True,
+                    capture_stderr=True,
+                    check=False,
+                )
+                assert r.returncode == 0, r.stderr
+                sb = await AsyncSandbox.get("dir2", socket=sock)
+                assert (await sb.run("cat /home/u/f")).stdout == b"mine\n"
+                assert sorted((work.state / "oci" / "images").iterdir()) == images  # the kept one
+                await sb.remove(force=True)
+
+                with pytest.raises(NotFound, match="allow-path"):
+                    await AsyncSandbox.create("outside", socket=sock, image=str(outside), wait=False)
