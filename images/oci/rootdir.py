@@ -4,13 +4,15 @@ and kept in the store by the tree's content.
 
 The directory is the caller's, hostile: the supervisor walks it by descriptors
 (``O_NOFOLLOW`` at every step, a symlink is read as data and recreated, never
-followed), hashes what it finds (names, types, modes, owners, times, contents, link
-targets) and, when no image of that digest is in the store, copies it into a staging
-directory with its owners shifted into the tools' user namespace (as umoci unpacks a
-pulled image). Device nodes, fifos and sockets are left out (the guest has devtmpfs).
-The fix-ups (:func:`~images.oci.convert.prepare_tree`) and ``mkfs.ext4 -d`` then run
-on that copy, mkfs in a tool cell, as for a pull. The next Create of the same tree
-hashes it again (no copy, no mkfs) and boots the kept ext4.
+followed), takes only what every local user may read (PERMISSION_DENIED otherwise:
+it reads as root for a caller, as copy patches do), and hashes what it finds (names,
+types, modes, owners, times, contents, link targets). When no image of that digest
+is in the store, it copies the tree into a staging directory with its owners shifted
+into the tools' user namespace (as umoci unpacks a pulled image). Device nodes,
+fifos and sockets are left out (the guest has devtmpfs). The fix-ups
+(:func:`~images.oci.convert.prepare_tree`) and ``mkfs.ext4 -d`` then run on that
+copy, mkfs in a tool cell, as for a pull. The next Create of the same tree hashes it
+again (no copy, no mkfs) and boots the kept ext4.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import attrs
 import trio
 
 from images.oci.convert import _CODE_VERSION, _mkfs_argv, _own_output
-from images.oci.errors import DiskFull, ImageNotFound, UnsupportedImage
+from images.oci.errors import DiskFull, ImageError, ImageNotFound, UnsupportedImage
 from images.oci.image import Image, ImageConfig
 from images.oci.reference import Reference
 from images.oci.store import _fsync_dir, _write_durably
@@ -38,6 +40,14 @@ if TYPE_CHECKING:
     from images.oci.pull import ImageStore
 
 PREFIX = "dir:"
+
+
+class NotReadable(ImageError):
+    """A file or directory of the tree that not every local user may read."""
+
+    code = "PERMISSION_DENIED"
+
+
 _CHUNK = 1 << 20
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
@@ -93,6 +103,7 @@ class _Walk:
             kind = stat.S_IFMT(st.st_mode)
             if kind not in (stat.S_IFDIR, stat.S_IFREG, stat.S_IFLNK):
                 continue  # a device node, fifo or socket: not carried
+            _others_may(st.st_mode, r)
             self.note(r, kind, st.st_mode & 0o7777, st.st_uid, st.st_gid, st.st_mtime_ns)
             target = None if out is None else out / name
             if kind == stat.S_IFLNK:
@@ -144,6 +155,18 @@ class _Walk:
         os.utime(target, ns=(st.st_atime_ns, st.st_mtime_ns), follow_symlinks=False)
 
 
+def _others_may(mode: int, rel: str) -> None:
+    """What the supervisor reads as root for a caller, every local user may read (as a
+    copy patch or a host directory mount asks): a file others may read, a directory
+    others may list and enter."""
+    need = stat.S_IROTH | (stat.S_IXOTH if stat.S_ISDIR(mode) else 0)
+    if (stat.S_ISREG(mode) or stat.S_ISDIR(mode)) and mode & need != need:
+        raise NotReadable(
+            f"{rel} (mode {stat.S_IMODE(mode):o}) is not readable by others: a root filesystem directory is "
+            "read only where every local user may read (chmod -R o+rX, or give a disk image)"
+        )
+
+
 def walk(path: str, dst: Path | None, *, shift: int, budget: int, chown: bool) -> tuple[str, int, int]:
     """The tree's digest ("sha256:..."), its file bytes and its entries; copied into
     ``dst`` (made here) when given."""
@@ -151,6 +174,7 @@ def walk(path: str, dst: Path | None, *, shift: int, budget: int, chown: bool) -
     fd = os.open(path, _DIR_FLAGS)
     try:
         st = os.fstat(fd)
+        _others_may(st.st_mode, "/")
         w.note("/", st.st_mode & 0o7777, st.st_uid, st.st_gid)
         if dst is not None:
             dst.mkdir(mode=0o700)

@@ -154,3 +154,18 @@ def test_image_spellings_of_a_directory() -> None:
     assert SandboxSpec().with_(image="/srv/r").boot.image == "dir:/srv/r"
     assert SandboxSpec().with_(image="alpine:3").boot.image == "alpine:3"
     assert rootdir.is_dir_ref("dir:/srv/r") and rootdir.is_dir_ref("/srv/r") and not rootdir.is_dir_ref("oci:/x")
+
+
+def test_a_rootfs_directory_takes_only_what_others_may_read(tmp_path: Path) -> None:
+    tree = tmp_path / "t"
+    (tree / "etc").mkdir(parents=True)
+    (tree / "etc" / "shadow").write_text("root:secret\n")
+    os.chmod(tree, 0o755)
+    os.chmod(tree / "etc", 0o755)
+    os.chmod(tree / "etc" / "shadow", 0o640)
+    with pytest.raises(rootdir.NotReadable, match="/etc/shadow"):
+        rootdir.walk(str(tree), None, shift=0, budget=1 << 20, chown=False)
+    os.chmod(tree / "etc" / "shadow", 0o644)
+    os.chmod(tree / "etc", 0o750)
+    with pytest.raises(rootdir.NotReadable, match="/etc "):
+        rootdir.walk(str(tree), None, shift=0, budget=1 << 20, chown=False)
