@@ -169,3 +169,14 @@ def test_a_rootfs_directory_takes_only_what_others_may_read(tmp_path: Path) -> N
     os.chmod(tree / "etc", 0o750)
     with pytest.raises(rootdir.NotReadable, match="/etc "):
         rootdir.walk(str(tree), None, shift=0, budget=1 << 20, chown=False)
+
+
+def test_the_grpc_request_reaches_the_domain() -> None:
+    from supervisor.grpc_convert import message_to_dict
+    from supervisor.proto.sandvisor.v1 import sandvisor_pb2 as pb
+    from supervisor.protocol import structure_body
+
+    msg = pb.CreateRequest(rootfs_fstype="ext2", from_snapshot="warm")
+    msg.base.rootfs = "/d/x.vmdk"
+    req = structure_body(message_to_dict(msg), protocol.CreateSandboxRequest)
+    assert (req.rootfs, req.rootfs_fstype, req.from_snapshot) == ("/d/x.vmdk", "ext2", "warm")
