@@ -213,3 +213,9 @@ async def test_rootfs_directory(image: Image, tmp_path: Path) -> None:
 
                 with pytest.raises(NotFound, match="allow-path"):
                     await AsyncSandbox.create("outside", socket=sock, image=str(outside), wait=False)
+                # the image by its ref: listed, removed
+                r = await cli(work, "image", "ls")
+                assert b" dir:/" in r.stdout, r  # (the table cuts a long reference)
+                r = await cli(work, "image", "rm", f"dir:{tree}")
+                assert r.returncode == 0, r.stderr
+                assert not list((work.state / "oci" / "images").iterdir())
