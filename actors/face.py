@@ -23,7 +23,7 @@ What is here, by kind:
 
 from __future__ import annotations
 
-from actors import defaults
+from actors import defaults, from_snapshot
 from actors._groups import collapse_single
 from actors.channel.guest import FsEntry
 from actors.errors import (
@@ -143,6 +143,7 @@ __all__ = [
     "collapse_single",
     "defaults",
     "describe_sandbox_secrets",
+    "from_snapshot",
     "modify",
     "profiles",
     "remove_sandbox_secret",

@@ -263,6 +263,8 @@ class BootSource:
     image: str = ""
     pull: str = "if-missing"  # always | if-missing | never
     tls_verify: bool = True
+    # the file system type of a caller's own disk (rootfs), told to the guest's /init ("": ext4)
+    rootfs_fstype: str = ""
 
     @property
     def custom(self) -> bool:

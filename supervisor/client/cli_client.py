@@ -194,13 +194,30 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
     )
     p.add_argument("--workdir")
     p.add_argument("--user")
-    p.add_argument("--image", metavar="REF", help="an OCI image (alpine, python:3.12, ghcr.io/o/x:1, oci:DIR, ...)")
+    p.add_argument(
+        "--image",
+        metavar="REF",
+        help="an OCI image (alpine, python:3.12, ghcr.io/o/x:1, oci:DIR, ...), or a root filesystem directory "
+        "(./rootfs, /abs/dir, dir:PATH; under serve --allow-path)",
+    )
     p.add_argument(
         "--registry-creds-file", metavar="FILE", help="the image registry's USER:PASSWORD, from FILE (- : stdin)"
     )
     p.add_argument("--registry-authfile", metavar="FILE", help="the image registry's docker-style auth file")
     p.add_argument("--registry-ca", metavar="PEM", help="CA certificates for the image registry")
     p.add_argument("--pull", choices=["always", "if-missing", "never"], help="the image's pull policy")
+    p.add_argument(
+        "--image-disk",
+        metavar="PATH[:FSTYPE]",
+        help="a disk image of your own as the root (raw, qcow2, vmdk, vdi, vhdx, vpc; FSTYPE default ext4; "
+        "under serve --allow-path; docs/images.md)",
+    )
+    p.add_argument(
+        "--from-snapshot",
+        metavar="SNAPSHOT",
+        help="start from a snapshot (id, name, or an exported snapshot file: a path with a '/'), "
+        "with the other options applied where a restore can (docs/snapshots.md)",
+    )
     p.add_argument("--tls-verify", type=tls_flag, default=True, metavar="BOOL", help="false: a plain-HTTP registry")
     p.add_argument("--no-wait", action="store_true")
     p.add_argument("--json", action="store_true")

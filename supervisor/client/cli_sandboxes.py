@@ -49,7 +49,8 @@ async def _create(a: argparse.Namespace) -> AsyncSandbox:
 
     pull: Literal["", "always", "if-missing", "never"] = a.pull or ""
     registry = _registry_auth(a)
-    if a.image and not a.json and a.pull != "never" and registry is None:
+    is_dir = (a.image or "").startswith(("dir:", "/", "./", "../"))  # a root filesystem directory: no pull
+    if a.image and not is_dir and not a.json and a.pull != "never" and registry is None:
         # pull first, with progress (a Create pulls silently before it answers); the
         # Create then finds the reference in the store
         show = PullProgress()
@@ -148,6 +149,10 @@ def shape_settings(a: argparse.Namespace) -> Settings:
         out["quiet_logs"] = True
     if a.thp:
         out["thp"] = a.thp
+    if a.image_disk:
+        out["image_disk"] = a.image_disk
+    if a.from_snapshot:
+        out["from_snapshot"] = a.from_snapshot
     copies = []
     for flag, items, make in (
         ("--copy-file", a.copy_file, Patch.copy_file),

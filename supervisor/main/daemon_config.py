@@ -240,8 +240,9 @@ class DaemonConfig:
         name="--allow-path",
         kind="repeat",
         metavar="DIR",
-        help="a directory a Create's own kernel and rootfs, oci:/oci-archive:/docker-archive: images, "
-        "and host directories it mounts (create --mount) may come from (repeatable; none by default)",
+        help="a directory a Create's own kernel and disk image (--image-disk), root filesystem directories "
+        "(--image ./DIR), oci:/oci-archive:/docker-archive: images, snapshot export files (--from-snapshot), "
+        "copies and host directories it mounts (create --mount) may come from (repeatable; none by default)",
         parse=_resolved,
     )
     registry_allow: tuple[str, ...] = flag(  # HOST[:PORT]: the only registries pulled from

@@ -50,9 +50,11 @@ from actors.face import (
     Registry,
     ResourceExhausted,
     Sandbox,
+    SandboxConfig,
     State,
     check_port,
     defaults,
+    from_snapshot,
     modify,
     profiles,
     rfc3339,
@@ -80,6 +82,8 @@ async def _create(reg: Registry, io: CallIO, req: protocol.CreateSandboxRequest)
     config = attrs.evolve(config, network=profiles.expand(config.network, reg.settings.network_profiles))
     for address in {config.network.port_address, *(p.host_address for p in config.ports)}:
         reg.settings.check_bind_address(address)
+    if req.from_snapshot:  # a restore with the Create's other settings (actors/from_snapshot.py)
+        return await _create_from_snapshot(reg, io, req, config)
     access.check_uses(reg, io.principal, config)
     sb = await reg.create(
         req.id, config, mapping.secret_values(req), pull_auth=mapping.pull_auth(req), owner=io.principal.name
@@ -87,6 +91,20 @@ async def _create(reg: Registry, io: CallIO, req: protocol.CreateSandboxRequest)
     # sandbox.v1: "State at time of response: always starting" (ready follows as an event,
     # at once when a warm pool member served it)
     return protocol.CreateSandboxResponse(id=sb.id, ip_address=sb.ip_address, state=State.STARTING.value)
+
+
+async def _create_from_snapshot(
+    reg: Registry, io: CallIO, req: protocol.CreateSandboxRequest, config: SandboxConfig
+) -> protocol.CreateSandboxResponse:
+    if req.secrets:
+        raise InvalidArgument("from_snapshot: the snapshot's secrets are kept (a Create from one names none)")
+    if from_snapshot.is_path(req.from_snapshot):
+        snap = await from_snapshot.import_file(reg, req.from_snapshot, owner=io.principal.name)
+    else:
+        snap = access.snapshot(reg, io.principal, req.from_snapshot)
+    blank = mapping.config(protocol.CreateSandboxRequest())
+    sb = await from_snapshot.create(reg, snap, req.id, config, blank, owner=io.principal.name)
+    return protocol.CreateSandboxResponse(id=sb.id, ip_address=sb.ip_address, state=sb.state.value)
 
 
 @method("Start", protocol.IdRequest)

@@ -26,6 +26,7 @@ def create_request(cfg: SandboxConfig, limits: Limits, *, patch_data: bool = Fal
         kernel=b.kernel,
         rootfs=b.rootfs,
         boot_args=b.boot_args,
+        rootfs_fstype=b.rootfs_fstype,
         limits=protocol.ResourceLimits(vcpus=limits.vcpus, memory_mib=limits.memory_mib),
         image=b.image,
         cmd=list(w.cmd),

@@ -132,6 +132,7 @@ def config(req: protocol.CreateSandboxRequest) -> SandboxConfig:
             image=req.image,
             pull=req.image_pull or "if-missing",
             tls_verify=req.image_tls_verify is not False,
+            rootfs_fstype=req.rootfs_fstype,
         ),
         hostname=req.hostname,
         patches=tuple(req.patches),  # (the wire's Patch is the domain's: guestd/patch.py)

@@ -280,13 +280,13 @@ DOMAIN_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("the host's network", ("net",)),
     (
         "settings and shared services",
-        ("settings", "quotas", "volumes", "hostdirs", "hostcopy", "oci_images", "sandlog"),
+        ("settings", "quotas", "volumes", "hostdirs", "hostcopy", "oci_images", "sandlog", "image_disks"),
     ),
     ("one sandbox", ("sandboxes",)),
     ("what outlives a life", ("snapshots",)),
     (
         "the registry and its services",
-        ("modify", "create_checks", "listing", "recovery", "hibernation", "timers", "registry"),
+        ("modify", "create_checks", "listing", "recovery", "hibernation", "timers", "registry", "from_snapshot"),
     ),
     ("the edges' face", ("face",)),  # what supervisor/ may use (tests/unit/test_edge_face.py)
     ("the package itself", ("actors",)),  # actors/__init__.py: nothing inside imports it

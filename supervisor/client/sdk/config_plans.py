@@ -119,6 +119,8 @@ def settings_of(r: protocol.SandboxConfigResponse) -> Settings:
         out["cmd"] = list(c.cmd)
     if c.entrypoint or c.entrypoint_cleared:
         out["entrypoint"] = list(c.entrypoint)
+    if c.rootfs_fstype:  # the caller's disk with its file system type
+        out["image_disk"] = f"{c.rootfs}:{c.rootfs_fstype}"
     if c.init is not None:
         out["init"] = {"path": c.init.path or "auto", "args": list(c.init.args), "env": dict(c.init.env)}
     for key in ("shell", "security_profile", "log_level", "quiet_logs", "thp"):

@@ -246,6 +246,7 @@ class Boot:
     rootfs: str = ""
     boot_args: str = ""
     registry: RegistryAuth | None = attrs.field(default=None, repr=False)
+    rootfs_fstype: str = ""  # rootfs's file system type ("": ext4)
 
 
 @attrs.frozen
@@ -564,6 +565,41 @@ class Settings(TypedDict, total=False):
     rootfs: str
     boot_args: str
     init: Init | str | Mapping[str, Any] | None
+    # images and disks: a disk image of your own as the root ("PATH[:FSTYPE]" or (PATH, FSTYPE);
+    # raw, qcow2, vmdk, vdi, vhdx, vpc; under serve --allow-path); a snapshot to start from
+    # (id, name, or an exported snapshot file under --allow-path)
+    image_disk: str | tuple[str, str]
+    from_snapshot: str
+
+
+def _image_disk(disk: str | tuple[str, str]) -> dict[str, str]:
+    """``image_disk``: "PATH[:FSTYPE]" or (PATH, FSTYPE), the path made absolute (the
+    supervisor shares this host: it opens the same file)."""
+    if isinstance(disk, str):
+        path, sep, fstype = disk.rpartition(":")
+        if not sep or fstype not in _FSTYPES:
+            path, fstype = disk, ""
+    else:
+        path, fstype = disk
+    return {"rootfs": os.path.abspath(path) if path else "", "rootfs_fstype": fstype}
+
+
+def _image(image: str) -> str:
+    """A root filesystem directory (``dir:PATH``, ``/...``, ``./...``, ``../...``) as
+    ``dir:/absolute/path``; an OCI reference as it is."""
+    if image.startswith("dir:"):
+        return "dir:" + os.path.abspath(image[4:])
+    if image.startswith(("/", "./", "../")) or image in (".", ".."):
+        return "dir:" + os.path.abspath(image)
+    return image
+
+
+def _from_snapshot(ref: str) -> str:
+    """A snapshot id or name as it is; a path (it has a '/') made absolute."""
+    return os.path.abspath(ref) if "/" in ref else ref
+
+
+_FSTYPES = ("ext4", "ext3", "ext2", "xfs", "btrfs", "vfat", "squashfs", "erofs", "iso9660")
 
 
 @attrs.frozen(kw_only=True)
@@ -595,6 +631,7 @@ class SandboxSpec:
     shape: Shape = Shape()  # entrypoint, CMD cleared, shell, security profile, logs, THP
     # the init PID 1 is handed to (Init.auto(), Init.cmd(...), or "auto"/a path; None: none)
     init: Init | None = attrs.field(default=None, converter=_init)
+    from_snapshot: str = ""  # a snapshot (id, name, exported file) the sandbox starts from
 
     def with_(self, **settings: Unpack[Settings]) -> SandboxSpec:
         if not settings:
@@ -606,13 +643,13 @@ class SandboxSpec:
             self,
             boot=attrs.evolve(
                 boot,
-                image=s.get("image", boot.image),
+                image=_image(s["image"]) if "image" in s else boot.image,
                 pull=s.get("pull", boot.pull),
                 tls_verify=s.get("tls_verify", boot.tls_verify),
                 registry=s.get("registry", boot.registry),
-                kernel=s.get("kernel", boot.kernel),
-                rootfs=s.get("rootfs", boot.rootfs),
                 boot_args=s.get("boot_args", boot.boot_args),
+                **{"kernel": s.get("kernel", boot.kernel), "rootfs": s.get("rootfs", boot.rootfs)}
+                | (_image_disk(s["image_disk"]) if "image_disk" in s else {}),
             ),
             labels={**self.labels, **_kv(s.get("labels"))},
             hostname=s.get("hostname", self.hostname),
@@ -664,6 +701,7 @@ class SandboxSpec:
                 thp=s.get("thp", self.shape.thp),
             ),
             init=_init(s.get("init", self.init)),
+            from_snapshot=_from_snapshot(s.get("from_snapshot", self.from_snapshot)),
         )
 
     def request(self, name: str = "") -> protocol.CreateSandboxRequest:
@@ -716,6 +754,8 @@ class SandboxSpec:
             port_address=self.network.port_address,
             dns=_dns_spec(self.network.dns),
             init=None if self.init is None else self.init.spec(),
+            rootfs_fstype=self.boot.rootfs_fstype,
+            from_snapshot=self.from_snapshot,
         )
 
 

@@ -192,6 +192,9 @@ class CreateSandboxRequest:
     port_address: str = ""
     dns: DnsSpec | None = None
     init: InitSpec | None = None  # the init PID 1 is handed to (sandvisor.v1.CreateRequest.init)
+    # images and disks: rootfs's file system type; a snapshot (id, name or exported file) to start from
+    rootfs_fstype: str = ""
+    from_snapshot: str = ""
 
 
 @attrs.frozen

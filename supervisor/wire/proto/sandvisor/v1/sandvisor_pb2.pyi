@@ -147,7 +147,7 @@ class HostMount(_message.Message):
     def __init__(self, source: _Optional[str] = ..., target: _Optional[str] = ..., writable: _Optional[bool] = ...) -> None: ...
 
 class CreateRequest(_message.Message):
-    __slots__ = ("base", "idle_timeout_seconds", "hostname", "ephemeral", "ports", "outbound", "volumes", "image_pull", "image_tls_verify", "patches", "scripts", "tmpfs", "host_mounts", "on_idle", "paused_ttl_seconds", "no_auto_resume", "max_vcpus", "max_memory_mib", "disk_size_mib", "secrets", "egress", "image_creds", "image_auth_json", "image_ca_pem", "entrypoint", "entrypoint_cleared", "cmd_cleared", "shell", "security_profile", "log_level", "quiet_logs", "thp", "network_profile", "port_address", "dns", "init")
+    __slots__ = ("base", "idle_timeout_seconds", "hostname", "ephemeral", "ports", "outbound", "volumes", "image_pull", "image_tls_verify", "patches", "scripts", "tmpfs", "host_mounts", "on_idle", "paused_ttl_seconds", "no_auto_resume", "max_vcpus", "max_memory_mib", "disk_size_mib", "secrets", "egress", "image_creds", "image_auth_json", "image_ca_pem", "entrypoint", "entrypoint_cleared", "cmd_cleared", "shell", "security_profile", "log_level", "quiet_logs", "thp", "network_profile", "port_address", "dns", "init", "rootfs_fstype", "from_snapshot")
     class ScriptsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -191,6 +191,8 @@ class CreateRequest(_message.Message):
     PORT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     DNS_FIELD_NUMBER: _ClassVar[int]
     INIT_FIELD_NUMBER: _ClassVar[int]
+    ROOTFS_FSTYPE_FIELD_NUMBER: _ClassVar[int]
+    FROM_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     base: _sandbox_pb2.CreateSandboxRequest
     idle_timeout_seconds: int
     hostname: str
@@ -227,7 +229,9 @@ class CreateRequest(_message.Message):
     port_address: str
     dns: DnsSpec
     init: InitSpec
-    def __init__(self, base: _Optional[_Union[_sandbox_pb2.CreateSandboxRequest, _Mapping]] = ..., idle_timeout_seconds: _Optional[int] = ..., hostname: _Optional[str] = ..., ephemeral: _Optional[bool] = ..., ports: _Optional[_Iterable[_Union[PortMapping, _Mapping]]] = ..., outbound: _Optional[bool] = ..., volumes: _Optional[_Iterable[_Union[VolumeMount, _Mapping]]] = ..., image_pull: _Optional[str] = ..., image_tls_verify: _Optional[bool] = ..., patches: _Optional[_Iterable[_Union[PatchSpec, _Mapping]]] = ..., scripts: _Optional[_Mapping[str, str]] = ..., tmpfs: _Optional[_Iterable[_Union[TmpfsMount, _Mapping]]] = ..., host_mounts: _Optional[_Iterable[_Union[HostMount, _Mapping]]] = ..., on_idle: _Optional[str] = ..., paused_ttl_seconds: _Optional[int] = ..., no_auto_resume: _Optional[bool] = ..., max_vcpus: _Optional[int] = ..., max_memory_mib: _Optional[int] = ..., disk_size_mib: _Optional[int] = ..., secrets: _Optional[_Iterable[_Union[SecretSpec, _Mapping]]] = ..., egress: _Optional[_Union[EgressPolicy, _Mapping]] = ..., image_creds: _Optional[str] = ..., image_auth_json: _Optional[bytes] = ..., image_ca_pem: _Optional[bytes] = ..., entrypoint: _Optional[_Iterable[str]] = ..., entrypoint_cleared: _Optional[bool] = ..., cmd_cleared: _Optional[bool] = ..., shell: _Optional[str] = ..., security_profile: _Optional[str] = ..., log_level: _Optional[str] = ..., quiet_logs: _Optional[bool] = ..., thp: _Optional[str] = ..., network_profile: _Optional[str] = ..., port_address: _Optional[str] = ..., dns: _Optional[_Union[DnsSpec, _Mapping]] = ..., init: _Optional[_Union[InitSpec, _Mapping]] = ...) -> None: ...
+    rootfs_fstype: str
+    from_snapshot: str
+    def __init__(self, base: _Optional[_Union[_sandbox_pb2.CreateSandboxRequest, _Mapping]] = ..., idle_timeout_seconds: _Optional[int] = ..., hostname: _Optional[str] = ..., ephemeral: _Optional[bool] = ..., ports: _Optional[_Iterable[_Union[PortMapping, _Mapping]]] = ..., outbound: _Optional[bool] = ..., volumes: _Optional[_Iterable[_Union[VolumeMount, _Mapping]]] = ..., image_pull: _Optional[str] = ..., image_tls_verify: _Optional[bool] = ..., patches: _Optional[_Iterable[_Union[PatchSpec, _Mapping]]] = ..., scripts: _Optional[_Mapping[str, str]] = ..., tmpfs: _Optional[_Iterable[_Union[TmpfsMount, _Mapping]]] = ..., host_mounts: _Optional[_Iterable[_Union[HostMount, _Mapping]]] = ..., on_idle: _Optional[str] = ..., paused_ttl_seconds: _Optional[int] = ..., no_auto_resume: _Optional[bool] = ..., max_vcpus: _Optional[int] = ..., max_memory_mib: _Optional[int] = ..., disk_size_mib: _Optional[int] = ..., secrets: _Optional[_Iterable[_Union[SecretSpec, _Mapping]]] = ..., egress: _Optional[_Union[EgressPolicy, _Mapping]] = ..., image_creds: _Optional[str] = ..., image_auth_json: _Optional[bytes] = ..., image_ca_pem: _Optional[bytes] = ..., entrypoint: _Optional[_Iterable[str]] = ..., entrypoint_cleared: _Optional[bool] = ..., cmd_cleared: _Optional[bool] = ..., shell: _Optional[str] = ..., security_profile: _Optional[str] = ..., log_level: _Optional[str] = ..., quiet_logs: _Optional[bool] = ..., thp: _Optional[str] = ..., network_profile: _Optional[str] = ..., port_address: _Optional[str] = ..., dns: _Optional[_Union[DnsSpec, _Mapping]] = ..., init: _Optional[_Union[InitSpec, _Mapping]] = ..., rootfs_fstype: _Optional[str] = ..., from_snapshot: _Optional[str] = ...) -> None: ...
 
 class DnsSpec(_message.Message):
     __slots__ = ("nameservers", "search")
