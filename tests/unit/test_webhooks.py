@@ -23,11 +23,14 @@ import trio
 import trustme
 
 from actors.model import Action, SandboxConfig, SandboxEvent, State
+from actors.principals import Principal
 from actors.registry import Registry
 from actors.store import Store
+from supervisor.api import METHODS
 from supervisor.client import connect
 from supervisor.eventlog import EventLog
 from supervisor.metrics import MetricsSample, render
+from supervisor.protocol import SandboxEventsRequest
 from supervisor.sdk.webhooks import WebhookVerificationError, sign, verify_webhook
 from supervisor.server import Server
 from supervisor.webhooks import Webhook, WebhookCollector, WebhookSender, read_secret, webhooks
@@ -380,3 +383,37 @@ def test_unlogged_events_pass_when_the_log_cannot_commit(tmp_path: Path, caplog:
     assert "not logged" in caplog.text
     with caplog.at_level(logging.INFO):
         log.close()
+
+
+@attrs.define
+class StubIO:
+    """A call's I/O as the edges give it to a handler: who asks, and what it is sent."""
+
+    principal: Principal
+    sent: list[Any] = attrs.Factory(list)
+
+    async def send(self, message: Any) -> None:
+        self.sent.append(message)
+
+    async def receive(self) -> Any | None:
+        return None
+
+
+async def test_a_replay_shows_a_principal_only_its_own_sandboxes_events(tmp_path: Path) -> None:
+    """``since`` replays through the same filter as the live stream: another owner's
+    events are not in it, an admin's replay has them all."""
+    (tmp_path / "state").mkdir()
+    log = EventLog(tmp_path / "state" / "events.db")
+    events = METHODS["Events"].handler
+    with trio.fail_after(60):
+        async with registry(tmp_path, FakeLab(), log) as reg:
+            for id, owner in (("mine", "uid:1000"), ("theirs", "uid:2000")):
+                sb = await reg.create(id, SandboxConfig(), owner=owner)
+                await sb.ready_event.wait()
+            for who, want in ((Principal.uid(1000), {"mine"}), (Principal.uid(0, admin=True), {"mine", "theirs"})):
+                io = StubIO(who)
+                with trio.move_on_after(0.5):  # (the replay, then the live stream waits)
+                    await events(reg, io, SandboxEventsRequest(since=0))
+                assert {e.sandbox_id for e in io.sent} == want
+                assert all(e.cursor for e in io.sent)
+    log.close()
