@@ -6,8 +6,6 @@ typed :class:`~actors.errors.DomainError`; none of them changes anything.
 
 from __future__ import annotations
 
-import os
-import stat
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -15,6 +13,7 @@ import attrs
 
 from actors import hostcopy, hostdirs
 from actors.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from actors.hostdirs import check_host_file
 from actors.machines.disk import DiskError, check_user_disk, virtual_size
 from actors.model import ImageUse, SandboxConfig
 from actors.modify import check_disk_size
@@ -53,27 +52,6 @@ def check_host_paths(settings: Settings, config: SandboxConfig) -> None:
         hostdirs.check_host_dir(m.source, settings.allowed_paths, writable=m.writable)
     if any(p.source for p in config.patches):  # copy patches: read now to be refused now (bounded)
         hostcopy.expand(config.patches, settings.allowed_paths)
-
-
-def check_host_file(what: str, path: str, allowed: tuple[Path, ...]) -> None:
-    """A caller's own kernel or rootfs: a regular file, reached through no symlink, in a
-    directory the operator allows. Root opens it for QEMU: without these rules a
-    Create could hand a guest /etc/shadow or the host's disk."""
-    p = Path(path)
-    if not p.is_absolute() or ".." in p.parts:
-        raise InvalidArgument(f"{what} must be an absolute path without '..'")
-    dirs = [d.resolve() for d in allowed]
-    if not any(p.is_relative_to(d) for d in dirs):
-        where = ", ".join(map(str, dirs)) or "none (serve --allow-path DIR allows one)"
-        raise FailedPrecondition(f"{what} {path!r} is not in a directory the supervisor allows; allowed: {where}")
-    try:
-        st = p.lstat()
-    except FileNotFoundError:
-        raise NotFound(f"{what} {path!r} is not a file on the supervisor's host") from None
-    except OSError as exc:
-        raise FailedPrecondition(f"{what} {path!r}: {exc.strerror}") from None
-    if os.path.realpath(p) != str(p) or not stat.S_ISREG(st.st_mode):
-        raise FailedPrecondition(f"{what} {path!r} must be a regular file reached through no symlink")
 
 
 def check_secrets_available(

@@ -5,7 +5,7 @@ told it lagged (:class:`Lagged` at its next receive) and dropped. Subscribers fi
 by sandbox id and action, and see only the events of sandboxes their principal may
 see (``viewer``: actors/principals.py).
 
-A ``journal`` (the supervisor's durable event log: supervisor/eventlog.py) sees each
+A ``journal`` (the supervisor's durable event log: supervisor/serve/eventlog.py) sees each
 event first, in the publisher's step, and numbers it (``cursor``, ``sequence``): the
 subscribers get the numbered event, so a client can resume after the last it saw.
 """

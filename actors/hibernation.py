@@ -36,8 +36,9 @@ import os
 import shutil
 import socket
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol as Interface
 
 import attrs
 import trio
@@ -45,20 +46,26 @@ import trio
 from actors.channel.guest import GuestError
 from actors.crash import crash_point
 from actors.errors import DomainError, FailedPrecondition, Internal, ResourceExhausted, Unavailable
+from actors.machines.machine import Machine
 from actors.machines.qemuproc import MachineError
 from actors.model import ALIVE, Action, MemoryKind, NetMode, Protocol, State
 from actors.net import netlink
 from actors.net.netns import NetError
-from actors.net.portfwd import PortInUse, Target, bind_listener
-from actors.quotas import free_mib
-from actors.sandboxes.life import Resume
+from actors.net.portfwd import (
+    PortInUse,
+    Target,
+    _tcp_pair,  # (the relay's one connection, with its error boundary)
+    bind_listener,
+)
+from actors.quotas import Admission, free_mib
+from actors.sandboxes.plans import Plan, Resume
 from actors.sandboxes.sandbox import Sandbox
-from actors.snapshots.snapshot import Checkpoint
-from actors.store import SnapshotRecord
-
-if TYPE_CHECKING:
-    from actors.machines.machine import Machine
-    from actors.registry import Registry
+from actors.sandboxes.savedstate import Checkpoint
+from actors.settings import Settings
+from actors.snapshots.pools import Pools
+from actors.snapshots.snapshot import SnapshotStore
+from actors.store import SnapshotRecord, Store
+from actors.volumes import Volumes
 
 log = logging.getLogger("sandvisor.hibernation")
 
@@ -67,10 +74,34 @@ ROOM_MARGIN_MIB = 64  # free space a pause needs beyond the guest's RAM (device 
 MAX_OWN_LAYERS = 4  # unmerged layers of its own (merges that failed) past which a pause is refused
 
 
+class HibernationHost(Interface):
+    """What hibernation uses of the registry (which implements it): its parts, and the
+    admission and lives of new work. The registry imports this module, not the reverse."""
+
+    settings: Settings
+    store: Store
+    admission: Admission
+    snapshots: SnapshotStore
+    pools: Pools
+    volumes: Volumes
+
+    @property
+    def sandboxes(self) -> Mapping[str, Sandbox]: ...
+
+    @property
+    def lives(self) -> trio.Nursery | None: ...
+
+    def check_open(self) -> None: ...
+
+    def admit(self, memory_mib: int, *, ram_file: bool) -> None: ...
+
+    async def start_life(self, sb: Sandbox, plan: Plan) -> None: ...
+
+
 class Hibernation:
     """The registry's pauses and resumes (one at a time per sandbox)."""
 
-    def __init__(self, registry: Registry) -> None:
+    def __init__(self, registry: HibernationHost) -> None:
         self.reg = registry
         self._locks: dict[str, trio.Lock] = {}  # by uid
         self._watchers: dict[str, tuple[trio.CancelScope, trio.Event]] = {}  # held ports' watchers, by uid
@@ -95,13 +126,10 @@ class Hibernation:
     # -- pause --------------------------------------------------------------------
     async def pause(self, sb: Sandbox) -> None:
         """Hibernate a ready sandbox (idempotent on a paused one)."""
-        self.reg._check_open()
+        self.reg.check_open()
         async with self._lock(sb):
-            sb.hibernating = True
-            try:
+            with sb.pause_under_way():
                 await self._pause(sb)
-            finally:
-                sb.hibernating = False
 
     async def _pause(self, sb: Sandbox) -> None:
         reg = self.reg
@@ -161,10 +189,7 @@ class Hibernation:
 
     async def _undo(self, sb: Sandbox, snap: SnapshotRecord) -> None:
         """A pause that failed after its checkpoint: the guest runs on, the state goes."""
-        if sb.state == State.PAUSED:
-            sb.record.state = State.READY
-            sb.store.update(sb.record)
-        sb._run.pausing = False
+        sb.unmark_paused()
         guest = sb.guest
         if guest is not None:
             try:
@@ -184,7 +209,7 @@ class Hibernation:
             self._pausing.discard(uid)
 
     def pause_later(self, sb: Sandbox) -> None:
-        lives = self.reg._lives
+        lives = self.reg.lives
         if sb.record.uid in self._pausing or lives is None:
             return
         self._pausing.add(sb.record.uid)
@@ -199,7 +224,7 @@ class Hibernation:
         an empty translation cache) and lazily loaded memory make the first exec cost.
         An auto-resume skips it: the call that wakes the sandbox does that work itself."""
         reg = self.reg
-        reg._check_open()
+        reg.check_open()
         async with self._lock(sb):
             if sb.state in ALIVE:
                 return
@@ -210,7 +235,7 @@ class Hibernation:
             if snap is None:
                 raise FailedPrecondition(f"sandbox {sb.id} is paused but its saved state is gone")
             reg.snapshots.check_restorable(snap, reg.settings.accel)
-            reg._admit(snap.machine.memory_mib, ram_file=snap.memory != MemoryKind.MAPPED)
+            reg.admit(snap.machine.memory_mib, ram_file=snap.memory != MemoryKind.MAPPED)
             accepted = time.monotonic()
             pending = await self._release_ports(sb)
             try:
@@ -229,8 +254,8 @@ class Hibernation:
             reg.snapshots.retire(snap)
             if reg.settings.cells is not None:
                 reg.settings.cells.sealed.drop(snap.id)
-            if reg._lives is not None:  # its frozen disk goes back into the running one
-                reg._lives.start_soon(self._merge_behind, sb)
+            if reg.lives is not None:  # its frozen disk goes back into the running one
+                reg.lives.start_soon(self._merge_behind, sb)
             self._pipe(sb, pending)
             sb.touch()
             await sb.persisted()
@@ -305,9 +330,7 @@ class Hibernation:
                 return
             # the header names chain[n] from here: a crash before this flush leaves the
             # record naming layers the top no longer reads (harmless: it holds their data)
-            sb.record.chain = chain[n:]
-            sb.store.update_life(sb.record)
-            await sb.store.flush()
+            await sb.note_chain(chain[n:])
             self.reg.snapshots.collect_soon()  # (their directories)
             ms = (time.monotonic() - t0) * 1000
             sb.log.append("system", f"disk: {n} layer(s) of its own merged into it in {ms:.0f} ms".encode())
@@ -339,8 +362,7 @@ class Hibernation:
         life = sb.record.life
         if life is not None and isinstance(life.spec, dict) and isinstance(life.spec.get("machine"), dict):
             machine = {**life.spec["machine"], **{k: str(v) for k, v in moved.items()}}
-            sb.record.life = attrs.evolve(life, spec={**life.spec, "machine": machine})
-            sb.store.update_life(sb.record)
+            sb.note_life(attrs.evolve(life, spec={**life.spec, "machine": machine}))
 
     # -- the end of a paused sandbox --------------------------------------------------
     def discard(self, sb: Sandbox) -> None:
@@ -349,11 +371,10 @@ class Hibernation:
         if sb.state != State.PAUSED or not sb.stopped:
             return
         self._drop(sb)
-        sb.record.state, sb.record.qemu_pid = State.STOPPED, 0
-        sb.store.update(sb.record)
+        sb.mark_stopped()
         sb.emit(Action.STOPPING)
         sb.emit(Action.STOPPED, exit_code=str(sb.record.last_exit_code))
-        lives = self.reg._lives
+        lives = self.reg.lives
         if sb.config.volumes and lives is not None:
             lives.start_soon(self._release_volumes, sb)
 
@@ -392,8 +413,7 @@ class Hibernation:
                 reg.snapshots.retire(snap)
         for sb in self.paused():
             if self.saved(sb) is None:
-                sb.record.state, sb.record.error = State.FAILED, "paused, but its saved state is gone"
-                sb.store.update(sb.record)
+                sb.mark_failed("paused, but its saved state is gone")
                 continue
             if sb.config.volumes:
                 try:
@@ -424,23 +444,22 @@ class Hibernation:
     def _hold_ports(self, sb: Sandbox) -> None:
         """Bind the host ports of a paused sandbox's mappings (they stay reserved) and,
         with auto-resume, watch them: the first connection (or datagram) resumes it."""
-        addr = self.reg.settings.expose_address
         for pm in sb.record.ports:
             if pm.key in sb.held_ports or not pm.host_port:
                 continue
             kind = socket.SOCK_DGRAM if pm.protocol == Protocol.UDP else socket.SOCK_STREAM
             try:
-                sock = bind_listener(addr, pm.host_port, kind)
+                sock = bind_listener(self.reg.settings.bind_address(pm), pm.host_port, kind)
             except (PortInUse, OSError) as exc:
                 sb.log.append("system", f"paused: host port {pm.host_port} not held: {exc}".encode())
                 continue
             sock.setblocking(False)
-            sb.held_ports[pm.key] = sock
+            sb.hold_port(pm.key, sock)
         watched: list[socket.socket | int] = [*sb.held_ports.values()]
         tap = self._hold_tap(sb)
         if tap is not None:
             watched.append(tap)
-        lives = self.reg._lives
+        lives = self.reg.lives
         if watched and sb.config.timers.auto_resume and lives is not None:
             self._stop_watch(sb)
             scope, done = trio.CancelScope(), trio.Event()
@@ -461,7 +480,7 @@ class Hibernation:
             except (DomainError, MachineError, OSError) as exc:
                 sb.log.append("system", f"paused: its TAP not held: {exc}".encode())
                 return None
-            sb.held_link = link
+            sb.hold_link(link)
         if link is None or link.tap_fd is None:
             return None
         g = link.guest
@@ -506,7 +525,9 @@ class Hibernation:
         if self._relayed(sb):
             return []
         pending: list[socket.socket] = []
-        for key, sock in list(sb.held_ports.items()):
+        ports, link = sb.let_go_held()
+        sb.hold_link(link)  # (the TAP stays held: the resumed life takes it)
+        for key, sock in ports.items():
             if key[1] == Protocol.TCP:
                 while True:
                     try:
@@ -515,16 +536,14 @@ class Hibernation:
                         break
                     pending.append(conn)
             sock.close()
-            del sb.held_ports[key]
         return pending
 
     def _close_ports(self, sb: Sandbox) -> None:
         self._stop_watch(sb)
-        for sock in sb.held_ports.values():
+        ports, link = sb.let_go_held()
+        for sock in ports.values():
             trio.lowlevel.notify_closing(sock)
             sock.close()
-        sb.held_ports.clear()
-        link, sb.held_link = sb.held_link, None
         if link is not None:
             if link.tap_fd is not None:
                 trio.lowlevel.notify_closing(link.tap_fd)
@@ -532,7 +551,7 @@ class Hibernation:
 
     def _pipe(self, sb: Sandbox, pending: list[socket.socket]) -> None:
         """Connections accepted while the ports were handed to QEMU: to the port now."""
-        lives = self.reg._lives
+        lives = self.reg.lives
         if not pending or lives is None:
             for conn in pending:
                 conn.close()
@@ -544,7 +563,7 @@ class Hibernation:
             if pm is None:
                 conn.close()
                 continue
-            lives.start_soon(_pipe_one, conn, Target(self.reg.settings.expose_address, pm.host_port))
+            lives.start_soon(_pipe_one, conn, Target(self.reg.settings.bind_address(pm), pm.host_port))
 
 
 async def _warm(sb: Sandbox) -> None:
@@ -573,8 +592,6 @@ async def _readable(sock: socket.socket | int, scope: trio.CancelScope) -> None:
 
 
 async def _pipe_one(raw: socket.socket, target: Target) -> None:
-    from actors.net.portfwd import _tcp_pair  # (the relay's one connection, with its error boundary)
-
     raw.setblocking(False)
     await _tcp_pair(trio.SocketStream(trio.socket.from_stdlib_socket(raw)), target)
 

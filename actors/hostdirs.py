@@ -70,6 +70,27 @@ def tag(i: int) -> str:
     return f"{TAG_PREFIX}{i}"
 
 
+def check_host_file(what: str, path: str, allowed: tuple[Path, ...]) -> None:
+    """A caller's own kernel or rootfs: a regular file, reached through no symlink, in a
+    directory the operator allows. Root opens it for QEMU: without these rules a
+    Create could hand a guest /etc/shadow or the host's disk."""
+    p = Path(path)
+    if not p.is_absolute() or ".." in p.parts:
+        raise InvalidArgument(f"{what} must be an absolute path without '..'")
+    dirs = [d.resolve() for d in allowed]
+    if not any(p.is_relative_to(d) for d in dirs):
+        where = ", ".join(map(str, dirs)) or "none (serve --allow-path DIR allows one)"
+        raise FailedPrecondition(f"{what} {path!r} is not in a directory the supervisor allows; allowed: {where}")
+    try:
+        st = p.lstat()
+    except FileNotFoundError:
+        raise NotFound(f"{what} {path!r} is not a file on the supervisor's host") from None
+    except OSError as exc:
+        raise FailedPrecondition(f"{what} {path!r}: {exc.strerror}") from None
+    if os.path.realpath(p) != str(p) or not stat.S_ISREG(st.st_mode):
+        raise FailedPrecondition(f"{what} {path!r} must be a regular file reached through no symlink")
+
+
 def check_host_dir(source: str, allowed: tuple[Path, ...], *, writable: bool = False) -> None:
     """A host directory a Create may mount: inside an ``--allow-path`` directory (else
     PERMISSION_DENIED, said before the path is looked at: no probing outside), there

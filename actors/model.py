@@ -10,6 +10,7 @@ record, not here). :data:`converter` is the one cattrs converter the store uses.
 from __future__ import annotations
 
 import enum
+import ipaddress
 import os
 import re
 from pathlib import Path
@@ -87,7 +88,7 @@ class SandboxEvent:
     timestamp: int  # unix ns
     attributes: dict[str, str] = attrs.field(factory=dict)
     owner: str = LEGACY_OWNER  # the sandbox's owner: who may see the event (actors/principals.py)
-    # the event log's numbering (supervisor/eventlog.py; 0: not logged): a client resumes after it
+    # the event log's numbering (supervisor/serve/eventlog.py; 0: not logged): a client resumes after it
     cursor: int = 0
     sequence: int = 0  # the sandbox's own count of its events (1, 2, ...; 0: not logged)
 
@@ -111,6 +112,11 @@ class SandboxMetrics:
     cgroup_memory_bytes: int = 0
     cgroup_memory_limit_bytes: int = 0
     cgroup_oom_kills: int = 0
+    # the root disk: used and free by the guest's statfs of / (its word: clamped, not
+    # trusted), and the bytes its writable layer (the qcow2 overlay) takes on the host
+    root_used_bytes: int = 0
+    root_free_bytes: int = 0
+    root_host_allocated_bytes: int = 0
 
 
 POOL_PREFIX = "\x00pool:"  # ids of warm pool members: no caller id can hold a control character
@@ -189,10 +195,32 @@ class Egress:
 
 
 @attrs.frozen
+class Dns:
+    """What the guest's /etc/resolv.conf says (docs/network.md, "Per-sandbox DNS"):
+    ``nameservers`` (IPv4 addresses; none: the supervisor's DNS proxy's address) and
+    ``search`` domains. Every DNS query a sandbox sends, to any address, is answered by
+    the supervisor's DNS proxy under the sandbox's egress policy (the filter redirects
+    port 53 to it): a listed nameserver is a name for the proxy, never a way around it."""
+
+    nameservers: tuple[str, ...] = ()
+    search: tuple[str, ...] = ()
+
+    def __bool__(self) -> bool:
+        return bool(self.nameservers or self.search)
+
+
+@attrs.frozen
 class Network:
     mode: NetMode = NetMode.NONE
     outbound: bool = False  # user mode: the guest may open connections out
     egress: Egress | None = None  # None: everything but what no sandbox ever reaches
+    # named network profile the egress policy was expanded from at Create ("" : none);
+    # the expanded rules are what is kept (actors/net/profiles.py)
+    profile: str = ""
+    # host address the sandbox's exposed ports listen on ("": serve --expose-address;
+    # others only as serve --port-address allows: actors/net/bindaddr.py)
+    port_address: str = ""
+    dns: Dns = Dns()  # the guest's resolv.conf (nameservers, search domains)
 
     @property
     def reaches_out(self) -> bool:
@@ -207,6 +235,7 @@ class PortSpec:
     sandbox_port: int
     host_port: int = 0
     protocol: Protocol = Protocol.TCP
+    host_address: str = ""  # where the host port listens ("": the sandbox's, else serve's)
 
     @property
     def key(self) -> tuple[int, Protocol]:
@@ -341,6 +370,36 @@ class VolumeRecord:
 
 
 @attrs.frozen
+class InitSpec:
+    """The init PID 1 is handed to once guestd has set the guest up (guestd/initsys.py):
+    ``path`` an absolute path in the guest, or "auto" (Init.Auto: the ENTRYPOINT's first
+    element when it is an init, else /sbin/init, /lib/systemd/systemd); its arguments
+    and the environment added to what the kernel gives an init."""
+
+    path: str = "auto"
+    args: tuple[str, ...] = ()
+    env: dict[str, str] = attrs.field(factory=dict)
+
+
+MAX_INIT_ARGS = 256
+
+
+def check_init(init: InitSpec) -> None:
+    if init.path != "auto" and not init.path.startswith("/"):
+        raise InvalidArgument(f"init {init.path!r}: an absolute path in the guest, or 'auto'")
+    if len(init.args) > MAX_INIT_ARGS or len(init.env) > MAX_INIT_ARGS:
+        raise InvalidArgument(f"init: at most {MAX_INIT_ARGS} arguments and {MAX_INIT_ARGS} variables")
+    for text in (init.path, *init.args, *init.env, *init.env.values()):
+        if "\0" in text:
+            raise InvalidArgument("init: no NUL in its path, arguments or environment")
+    if any(not k or "=" in k for k in init.env):
+        raise InvalidArgument("init: environment names must be non-empty, without '='")
+    size = sum(len(x.encode()) for x in (init.path, *init.args, *init.env, *init.env.values()))
+    if size > MAX_WORKLOAD_BYTES:
+        raise InvalidArgument(f"init: its path, arguments and environment take {size} bytes; at most 256 KiB")
+
+
+@attrs.frozen
 class SandboxConfig:
     labels: dict[str, str] = attrs.field(factory=dict)
     limits: Limits = Limits()
@@ -369,6 +428,8 @@ class SandboxConfig:
     log_level: str = ""  # guestd's and the supervisor's lines of this sandbox (actors/sandlog.py)
     quiet_logs: bool = False  # none of them (as log_level "off")
     thp: str = ""  # the guest's transparent huge page policy: always | madvise | never ("": the kernel's)
+    # the init PID 1 is handed to after guestd's set-up (None: guestd stays PID 1)
+    init: InitSpec | None = None
 
     def restored(self, labels: dict[str, str], ttl_seconds: int) -> SandboxConfig:
         """The configuration of a sandbox restored from a snapshot of this one: its own
@@ -427,11 +488,52 @@ def check_name(name: str) -> None:
         raise InvalidArgument("name must be at most 256 bytes without control characters")
 
 
+_DNS_LABEL = re.compile(r"(?!-)[A-Za-z0-9_-]{1,63}(?<!-)")
+MAX_NAMESERVERS = 3  # what a resolver reads of resolv.conf (glibc's MAXNS)
+MAX_SEARCH = 6
+
+
+def check_bind_address(address: str) -> None:
+    """A host address exposed ports may listen on: a dotted-quad IPv4 address (whether
+    this supervisor lets a sandbox use it is actors/net/bindaddr.py's)."""
+    try:
+        ipaddress.IPv4Address(address)
+    except ValueError:
+        raise InvalidArgument(f"bind address {address!r}: an IPv4 address such as 127.0.0.1") from None
+
+
+def check_dns(net: Network) -> None:
+    """The guest's resolv.conf settings: IPv4 nameservers, domain names to search."""
+    dns = net.dns
+    if not dns:
+        return
+    if not net.reaches_out:
+        raise FailedPrecondition(
+            "DNS settings need network mode 'tap', or 'user' with outbound: this sandbox resolves nothing"
+        )
+    if len(dns.nameservers) > MAX_NAMESERVERS:
+        raise InvalidArgument(f"at most {MAX_NAMESERVERS} nameservers (a resolver reads no more)")
+    for ns in dns.nameservers:
+        try:
+            ipaddress.IPv4Address(ns)
+        except ValueError:
+            raise InvalidArgument(f"nameserver {ns!r}: an IPv4 address") from None
+    if len(dns.search) > MAX_SEARCH:
+        raise InvalidArgument(f"at most {MAX_SEARCH} search domains")
+    for d in dns.search:
+        name = d.removesuffix(".")
+        if not name or len(name) > 253 or not all(_DNS_LABEL.fullmatch(x) for x in name.split(".")):
+            raise InvalidArgument(f"search domain {d!r}: a domain name (letters, digits, '-', '_', dots)")
+
+
 def check_network(net: Network) -> None:
     """The network's rules that need no supervisor: an egress policy that parses, and only
     where the guest reaches out at all."""
     if net.mode == NetMode.TAP and net.outbound:
         raise InvalidArgument("outbound is a user-mode option: tap sandboxes reach out as their egress policy says")
+    check_dns(net)
+    if net.port_address:
+        check_bind_address(net.port_address)
     if net.egress is None:
         return
     if not net.reaches_out:
@@ -461,6 +563,13 @@ def check_config(cfg: SandboxConfig) -> None:
     seen: set[tuple[int, Protocol]] = set()
     for pm in cfg.ports:
         check_port(pm.sandbox_port, pm.host_port)
+        if pm.host_address:
+            check_bind_address(pm.host_address)
+        if pm.protocol == Protocol.UDP and cfg.network.mode == NetMode.USER and not cfg.network.outbound:
+            raise FailedPrecondition(
+                "QEMU's restricted user networking drops the guest's UDP replies: a UDP port needs network "
+                "mode 'tap', or 'user' with outbound"
+            )
         if pm.key in seen:
             raise AlreadyExists(f"port {pm.label()} is given twice")
         seen.add(pm.key)
@@ -499,6 +608,8 @@ def check_config(cfg: SandboxConfig) -> None:
     size = sum(len(p.data) for p in cfg.patches) + sum(len(b.encode()) for b in cfg.scripts.values())
     if size > MAX_PATCH_BYTES:
         raise InvalidArgument(f"patches and scripts carry {size} bytes; at most {MAX_PATCH_BYTES}")
+    if cfg.init is not None:
+        check_init(cfg.init)
 
 
 MAX_DISK_MIB = 1 << 20  # 1 TiB: a root disk's size (serve --max-sandbox-disk caps it lower)

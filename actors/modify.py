@@ -26,26 +26,37 @@ from __future__ import annotations
 
 import enum
 import time
-import weakref
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import attrs
 import trio
 
 from actors.errors import FailedPrecondition, InvalidArgument
 from actors.model import ALIVE, Limits, SandboxConfig, State, check_ceilings, check_labels, max_vcpus
+from actors.sandboxes import tune
+from actors.sandboxes.sandbox import Sandbox
+from actors.sandboxes.tune import Machine
+from actors.settings import Settings
 
-if TYPE_CHECKING:
-    from actors.registry import Registry
-    from actors.sandboxes.sandbox import Sandbox
+__all__ = ["Machine", "Modification", "Plan", "check_disk_size", "check_machine", "modify", "plan"]
 
 RESTART_NOTE = (
     "a restart stops the sandbox (its processes end; guest memory, /tmp and /run are lost) and boots it "
     "again from its disk with the new ceilings; its id, disk, labels, ports and address are kept"
 )
 RESTART_TIMEOUT = 600.0  # s: the stop and the boot of a --restart
-# one Modify of a sandbox at a time (a second waits: balloon targets and restarts do not interleave)
-_LOCKS: weakref.WeakKeyDictionary[Sandbox, trio.Lock] = weakref.WeakKeyDictionary()
+
+
+class ModifyHost(Protocol):
+    """What Modify uses of the registry (which implements it)."""
+
+    settings: Settings
+
+    def get(self, id: str) -> Sandbox: ...
+
+    def stop(self, id: str, timeout: float = ...) -> Sandbox: ...
+
+    async def start(self, id: str) -> Sandbox: ...
 
 
 class Kind(enum.StrEnum):
@@ -99,20 +110,6 @@ class Modification:
     # SSH public keys (checked OpenSSH lines) added to / removed from the sandbox's (docs/ssh.md)
     ssh_keys_add: tuple[str, ...] = ()
     ssh_keys_remove: tuple[str, ...] = ()
-
-
-@attrs.frozen
-class Machine:
-    """A running sandbox's machine as Modify sees it: its ceilings, whether it has a
-    balloon, its root disk's size now (MiB)."""
-
-    max_vcpus: int
-    max_memory_mib: int
-    balloon: bool
-    disk_mib: int
-    # its RAM is a snapshot's (a boot template's) memory mapped copy-on-write: the balloon
-    # cannot give memory back, it costs some (docs/modify.md)
-    mapped: bool = False
 
 
 @attrs.frozen
@@ -325,19 +322,16 @@ def _kv(d: dict[str, str]) -> str:
     return ",".join(f"{k}={v}" for k, v in sorted(d.items()))
 
 
-async def modify(reg: Registry, id: str, mod: Modification) -> Plan:
+async def modify(reg: ModifyHost, id: str, mod: Modification) -> Plan:
     """Plan ``mod`` on sandbox ``id`` and carry the plan out (unless it is a dry run or
     not accepted): saved in the record, applied to the running machine (waiting until
     the guest settled), or by a restart when the caller asked for one."""
     sb = reg.get(id)
-    lock = _LOCKS.setdefault(sb, trio.Lock())
-    async with lock:
+    async with sb.modify_lock:
         return await _modify(reg, sb, mod)
 
 
-async def _modify(reg: Registry, sb: Sandbox, mod: Modification) -> Plan:
-    from actors.sandboxes import tune  # (the sandbox layer; this module's plan is pure)
-
+async def _modify(reg: ModifyHost, sb: Sandbox, mod: Modification) -> Plan:
     id = sb.id
     if sb.state not in (*ALIVE, State.STOPPED, State.FAILED) or (sb.state not in ALIVE and not sb.stopped):
         raise FailedPrecondition(f"sandbox {id} is {sb.state}: modify it once it is ready or stopped")
@@ -358,10 +352,7 @@ async def _modify(reg: Registry, sb: Sandbox, mod: Modification) -> Plan:
         return p
     before = sb.limits
     changed = any(c.status != Status.UNCHANGED for c in p.changes)
-    sb.retune(p.config)  # (its limits and configuration, stored below)
-    if changed:
-        sb.record.updated_at = int(time.time())
-    sb.store.update_tuning(sb.record)
+    sb.retune(p.config, changed=changed)  # (its limits and configuration)
     await sb.store.flush()
     if changed:
         sb.log.append(
@@ -380,7 +371,7 @@ async def _modify(reg: Registry, sb: Sandbox, mod: Modification) -> Plan:
     return attrs.evolve(p, applied=True, settled=settled, settle_seconds=seconds)
 
 
-async def _restart(reg: Registry, id: str) -> None:
+async def _restart(reg: ModifyHost, id: str) -> None:
     """Stop the sandbox and start it again (a new machine: the new ceilings), ready."""
     with trio.fail_after(RESTART_TIMEOUT):
         sb = reg.stop(id)

@@ -21,7 +21,6 @@ from actors.machines.qemuproc import AdoptedProcess, unsearchable_parent
 from actors.net.ippool import link_name
 from actors.sandboxes.sandbox import Sandbox
 from actors.settings import Settings
-from actors.store import Store
 
 log = logging.getLogger("sandvisor.registry")
 
@@ -37,15 +36,15 @@ def check_traversable(path: Path, user: str) -> None:
         )
 
 
-def repair_swap(store: Store, sb: Sandbox) -> None:
+def repair_swap(sb: Sandbox) -> None:
     """Finish or undo the disk swap of a checkpoint the previous supervisor died in
     (the journal names the frozen disk); the chain then says where the disk stands."""
     rec = sb.record
     frozen = rec.swap
     if sb.files.repair_swap(Path(frozen)) and (not rec.chain or rec.chain[0] != frozen):
-        rec.chain = [frozen, *rec.chain]
-    rec.swap = ""
-    store.update_life(rec)
+        sb.swapped(frozen)
+    else:
+        sb.void_swap()
     done = "finished" if rec.chain[:1] == [frozen] else "undone"
     log.warning("sandbox %s: the disk swap of a checkpoint was %s", rec.id, done)
 
@@ -65,15 +64,14 @@ def recover_network(settings: Settings, sandboxes: Iterable[Sandbox], adopted: I
     hn.sweep(keep={link_name(sb.record.uid) for sb in adopted})
 
 
-def close_life(settings: Settings, store: Store, sb: Sandbox) -> None:
+def close_life(settings: Settings, sb: Sandbox) -> None:
     """What a dead life left (its cell: cgroup, jail dir, identity, RAM file)."""
     life, cells = sb.record.life, settings.cells
     if life is None:
         return
     if life.uid and cells is not None:
         cells.reopen(sb.record.uid[:18], Path(life.run_dir), life.uid, life.ram).close()
-    sb.record.life = None
-    store.update_life(sb.record)
+    sb.note_life_ended()
 
 
 async def end_qemu(proc: AdoptedProcess | None, timeout: float = 10.0) -> bool:

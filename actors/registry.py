@@ -43,6 +43,7 @@ import attrs
 import trio
 
 from actors import create_checks, listing, recovery
+from actors.cells.guestmem import private_dir
 from actors.crash import crash_point
 from actors.errors import (
     AlreadyExists,
@@ -55,7 +56,6 @@ from actors.errors import (
 )
 from actors.events import EventBus
 from actors.hibernation import Hibernation
-from actors.machines.guestmem import private_dir
 from actors.machines.qemuproc import AdoptedProcess, MachineError, start_time
 from actors.model import (
     ALIVE,
@@ -81,13 +81,14 @@ from actors.principals import LEGACY_OWNER, Principal
 from actors.quotas import Admission, Quotas
 from actors.sandboxes.files import SandboxFiles
 from actors.sandboxes.sandbox import Adopt, Boot, Plan, Resume, Sandbox
+from actors.sandboxes.savedstate import Checkpoint
 from actors.sandboxes.secrets import new_owner
 from actors.secrets.ca import new_ca
 from actors.secrets.model import with_placeholders
 from actors.settings import Settings
 from actors.snapshots.convert import convert_streamed
 from actors.snapshots.pools import Pools
-from actors.snapshots.snapshot import Checkpoint, SnapshotStore
+from actors.snapshots.snapshot import SnapshotStore
 from actors.snapshots.transfer import Importer, export_stream
 from actors.store import Record, SnapshotRecord, Store
 from actors.timers import Timers
@@ -138,6 +139,9 @@ class Registry:
         self.timers = Timers(self.sandboxes, self.admission, self.hibernation, self.remove, DEFAULT_STOP_TIMEOUT)
         self._lives: trio.Nursery | None = None
         self._closing = False
+        # what the serving process publishes beside its socket (set by the composition
+        # root: "ssh" HOST:PORT and "ssh_host_key", serve --ssh's); read by the edges
+        self.endpoints: dict[str, str] = {}
 
     # -- lifecycle of the registry ---------------------------------------------
     async def run(self, task_status: trio.TaskStatus[Registry] = trio.TASK_STATUS_IGNORED) -> None:
@@ -214,7 +218,7 @@ class Registry:
             proc = AdoptedProcess.open(rec.life.pid, rec.life.start_time) if rec.life is not None else None
             swapping = bool(rec.swap)  # a crash during a checkpoint: its QEMU (paused) is not adopted
             if swapping:
-                recovery.repair_swap(self.store, sb)
+                recovery.repair_swap(sb)
             adoptable = rec.state in ALIVE and not is_hidden(rec.id) and not swapping
             if proc is not None and rec.life is not None and adoptable:
                 adoptions.append((sb, Adopt(rec.life, proc, accepted=time.monotonic())))
@@ -222,21 +226,19 @@ class Registry:
                 self.sandboxes[rec.id] = sb
                 continue
             killed = await recovery.end_qemu(proc)
-            recovery.close_life(self.settings, self.store, sb)
+            recovery.close_life(self.settings, sb)
             if is_hidden(rec.id):  # a warm pool member: it goes, and so does its QEMU
                 await self.forget(sb)
                 continue
             if rec.state == State.STOPPING:  # it was being stopped: it is now
-                rec.state, rec.qemu_pid = State.STOPPED, 0
-                self.store.update(rec)
+                sb.mark_stopped()
             elif rec.state in (State.STARTING, *ALIVE):
-                rec.error = f"the supervisor exited while this sandbox was {rec.state}" + (
+                error = f"the supervisor exited while this sandbox was {rec.state}" + (
                     " (its QEMU process was killed)" if killed else ""
                 )
                 if swapping:
-                    rec.error += "; it was being checkpointed (its disk is whole: start it again)"
-                rec.state, rec.qemu_pid = State.FAILED, 0
-                self.store.update(rec)
+                    error += "; it was being checkpointed (its disk is whole: start it again)"
+                sb.mark_failed(error)
             self.sandboxes[rec.id] = sb
         for pid in recovery.our_qemus(self.settings.run_root) - ours:
             log.warning("killing QEMU %d under our run root that no record names", pid)
@@ -275,9 +277,9 @@ class Registry:
 
     # -- sandboxes: making and forgetting ---------------------------------------------
     def _sandbox(self, rec: Record) -> Sandbox:
-        sb = Sandbox(rec, self.settings, SandboxFiles(rec.uid, self.settings), self.store, self.events, self.volumes)
-        sb.waker = self.hibernation.wake  # auto-resume
-        return sb
+        files = SandboxFiles(rec.uid, self.settings)
+        # (auto-resume: hibernation wakes it)
+        return Sandbox(rec, self.settings, files, self.store, self.events, self.volumes, waker=self.hibernation.wake)
 
     def _new_sandbox(
         self,
@@ -309,12 +311,23 @@ class Registry:
         )
         return self._sandbox(rec)
 
+    def _resolve_limits(self, config: SandboxConfig, snap: SnapshotRecord | None = None) -> Limits:
+        """A new sandbox's effective resources, resolved here alone: kept in its record,
+        they are what every later boot, restore, pool and Modify of it uses. A Create's
+        are the request with the supervisor's defaults for what it leaves at 0; a
+        restore's or pool member's are those of the snapshot's sandbox (stored with the
+        snapshot; one stored before they were kept: the machine it was saved with), never
+        the defaults of now."""
+        if snap is not None:
+            return snap.config.limits.filled(snap.machine.cpus, snap.machine.memory_mib)
+        return self.settings.limits(config.limits)
+
     def new_member(self, snap: SnapshotRecord) -> Sandbox:
         """A hidden sandbox (stored, not registered) for a warm pool of ``snap``."""
         config = snap.config.restored({}, 0)
-        limits = self.settings.limits(config.limits)
+        limits = self._resolve_limits(config, snap)
         sb = self._new_sandbox("", config, limits, hidden=True, origin=snap.id, image=snap.oci)
-        self.store.insert(sb.record)
+        sb.save_new()
         return sb
 
     async def start_life(self, sb: Sandbox, plan: Plan) -> None:
@@ -325,7 +338,7 @@ class Registry:
     async def forget(self, sb: Sandbox) -> None:
         """The end of a sandbox that has stopped: its record, log, files."""
         sb.log.close()
-        self.store.delete(sb.record.uid)
+        sb.delete_record()
         sb.release_lease()  # (written with the delete: the address and the record go together)
         # the record goes first: a crash then leaves files (swept at the next start),
         # not a record without its disk. On a full disk the files go anyway (that is
@@ -342,7 +355,12 @@ class Registry:
             self.settings.vault.drop_owner(sb.record.uid)
         await sb.files.remove()
 
-    def _check_open(self) -> None:
+    @property
+    def lives(self) -> trio.Nursery | None:
+        """The nursery the sandboxes' lives run in (None: the registry does not run)."""
+        return self._lives
+
+    def check_open(self) -> None:
         """New work is taken only while the supervisor runs and can store it."""
         if self._closing:
             raise Unavailable("the supervisor is shutting down")
@@ -362,7 +380,7 @@ class Registry:
             return False
         return True
 
-    def _admit(self, memory_mib: int, *, ram_file: bool) -> None:
+    def admit(self, memory_mib: int, *, ram_file: bool) -> None:
         """Room for one more, or RESOURCE_EXHAUSTED naming the limit; warm pool members
         make room for real work."""
         while True:
@@ -388,9 +406,7 @@ class Registry:
         sb = self.get(id)
         age = max(0.0, trio.current_time() - sb.born)
         ttl = 0 if seconds == 0 else max(1, int(age + seconds + 0.999))
-        cfg = sb.config
-        sb.record.config = attrs.evolve(cfg, timers=attrs.evolve(cfg.timers, ttl_seconds=ttl))
-        sb.store.update_config(sb.record)
+        sb.set_ttl(ttl)
         return 0 if ttl == 0 else sb.record.created_at + ttl
 
     def list(
@@ -422,12 +438,10 @@ class Registry:
         ids are one namespace (another owner's is ALREADY_EXISTS). Its secrets'
         own values (``secret_values``, by name) go to the vault, never to its record.
         ``pull_auth``: the image registry's credentials and CA, for this Create's pull only."""
-        self._check_open()
+        self.check_open()
         check_id(id)
         check_config(config)
-        # the effective resources, resolved here once: kept in the record, they are what
-        # every later boot, restore, pool and Modify of the sandbox uses
-        limits = self.settings.limits(config.limits)
+        limits = self._resolve_limits(config)
         check_machine(limits, balloon=self.settings.balloon)
         check_network_available(self.settings, config.network)
         values = secret_values or {}
@@ -451,7 +465,7 @@ class Registry:
             config = attrs.evolve(config, secrets=with_placeholders(config.secrets))
         member = self.pools.take_for_create(config, limits, image)
         if member is None:
-            self._admit(limits.memory_ceiling, ram_file=True)
+            self.admit(limits.memory_ceiling, ram_file=True)
         else:
             await self._adopt(
                 member,
@@ -469,7 +483,7 @@ class Registry:
         sb.lease()  # its address is the Create's answer (RESOURCE_EXHAUSTED: nothing made)
         if config.secrets and self.settings.vault is not None:
             new_owner(self.settings.vault, sb.record.uid, values)  # values and CA before the record
-        self.store.insert(sb.record)
+        sb.save_new()
         self.sandboxes[sb.id] = sb
         sb.emit(Action.CREATED)
         await self.start_life(sb, self.pools.plan_for(sb, accepted))
@@ -502,21 +516,9 @@ class Registry:
         configuration (and a Create's effective ``limits``: its template's machine has
         them), created; fresh identity, ports, initial command (Sandbox.adopt);
         ready. False if that failed (the sandbox is then failed, and stopping)."""
-        rec = sb.record
-        rec.id = id or rec.uid
-        rec.seq = self.store.next_seq()
-        rec.created_at = rec.ready_at = int(time.time())
-        sb.born = trio.current_time()
-        rec.config = config
-        rec.owner = owner
-        if limits is not None:
-            rec.limits = limits
-        if image is not None:
-            rec.image = image
-        if apply_ports:
-            rec.ports = list(config.ports)
-        self.store.rekey(rec)
-        self.sandboxes[rec.id] = sb
+        ports = list(config.ports) if apply_ports else None
+        sb.hand_over(id, self.store.next_seq(), config, owner, limits=limits, image=image, ports=ports)
+        self.sandboxes[sb.id] = sb
         sb.emit(Action.CREATED, **created)
         try:
             await sb.adopt(apply_ports=apply_ports)
@@ -527,7 +529,7 @@ class Registry:
         return True
 
     async def start(self, id: str) -> Sandbox:
-        self._check_open()
+        self.check_open()
         sb = self.get(id)
         if sb.state == State.PAUSED:  # Start of a paused sandbox: it resumes
             await self.hibernation.resume(sb, warm=True)
@@ -536,7 +538,7 @@ class Registry:
             raise FailedPrecondition(f"sandbox {id} is {sb.state}; only a stopped sandbox can start")
         if sb.checkpointing:  # a disk-only checkpoint is moving its disk
             raise FailedPrecondition(f"sandbox {id} is being checkpointed; retry in a moment")
-        self._admit(sb.limits.memory_ceiling, ram_file=True)
+        self.admit(sb.limits.memory_ceiling, ram_file=True)
         check_network_available(self.settings, sb.config.network)
         self.volumes.check(sb.config.volumes, sb.record.uid)
         self.volumes.check_owner(sb.config.volumes, sb.record.owner)
@@ -599,7 +601,7 @@ class Registry:
         self, sandbox_id: str, *, name: str = "", labels: dict[str, str] | None = None, owner: str = LEGACY_OWNER
     ) -> tuple[SnapshotRecord, Checkpoint]:
         """A snapshot of the sandbox, owned by ``owner`` (who asked)."""
-        self._check_open()
+        self.check_open()
         labels = labels or {}
         check_labels(labels)
         check_name(name)
@@ -641,7 +643,7 @@ class Registry:
         clone keeps its snapshot's address when that is free and ``network_override``
         is not asked; else (the origin or another clone holds it) it gets a fresh one.
         Either way a fresh TAP and MAC, and its guest is configured before ready."""
-        self._check_open()
+        self.check_open()
         labels = labels or {}
         check_id(id)
         check_labels(labels)
@@ -677,16 +679,16 @@ class Registry:
             if id and id in self.sandboxes:
                 raise AlreadyExists(f"sandbox {id!r} exists")
         disk_only = snap.memory == MemoryKind.DISK
-        limits = self.settings.limits(config.limits)  # (resolved once: kept in its record)
+        limits = self._resolve_limits(config, snap)
         memory_mib = limits.memory_mib if disk_only else snap.machine.memory_mib
-        self._admit(memory_mib, ram_file=snap.memory != MemoryKind.MAPPED)
+        self.admit(memory_mib, ram_file=snap.memory != MemoryKind.MAPPED)
         sb = self._new_sandbox(id, config, limits, origin=snap.id, image=snap.oci, owner=owner)
         sb.lease(want="" if network_override else snap.address)
         if config.secrets:  # the snapshot's values, a CA of its own (config: fresh placeholders)
             create_checks.check_secrets_available(self.settings, config, {}, fresh=False)
             assert self.settings.vault is not None
             self.settings.vault.copy_owner(snap.uid, sb.record.uid, ca=new_ca(sb.record.uid[:12]))
-        self.store.insert(sb.record)
+        sb.save_new()
         self.sandboxes[sb.id] = sb
         sb.emit(Action.CREATED, snapshot_id=snap.id)
         plan: Plan = Boot(accepted=accepted, disk_of=snap) if disk_only else Resume(snap, accepted=accepted)
@@ -738,7 +740,7 @@ class Registry:
     ) -> SnapshotRecord:
         """A snapshot of ``owner`` from an export's bytes, recorded once all of them
         arrived and matched their digest; any failure leaves nothing behind."""
-        self._check_open()
+        self.check_open()
         self.admission.check_disk()
         imp = Importer(self.snapshots, self.settings, name=name, labels=labels, check_disk=self.admission.check_disk)
         imp.open()

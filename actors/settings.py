@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import ssl
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 
@@ -13,7 +13,8 @@ from actors import defaults
 from actors.cells.cell import Cells
 from actors.machines.qemuproc import QemuUser
 from actors.machines.vm import Attach, Guest, VmSpec, booted_guest
-from actors.model import Limits
+from actors.model import Egress, Limits, PortSpec
+from actors.net import bindaddr
 from actors.net.hostnet import HostNetwork
 from actors.secrets.vault import Vault
 from images.build import Image
@@ -57,6 +58,19 @@ class Settings:
     # and the proxy's TLS context to real servers (system store + serve --upstream-ca)
     vault: Vault | None = None
     upstream_tls: ssl.SSLContext | None = None
+    # host addresses besides loopback and expose_address that a sandbox's exposed ports
+    # may listen on (serve --port-address; actors/net/bindaddr.py), and the operator's
+    # named network profiles (serve --network-profiles; actors/net/profiles.py)
+    port_addresses: tuple[str, ...] = ()
+    network_profiles: Mapping[str, Egress] = attrs.field(factory=dict)
+
+    def check_bind_address(self, address: str) -> None:
+        bindaddr.check(address, self.expose_address, self.port_addresses)
+
+    def bind_address(self, pm: PortSpec) -> str:
+        """Where ``pm``'s host port listens: its own address (Create fills in the
+        sandbox's), or the supervisor's default."""
+        return pm.host_address or self.expose_address
 
     def limits(self, requested: Limits) -> Limits:
         """The effective limits of a new sandbox: the caller's, or the supervisor's

@@ -32,7 +32,7 @@ from typing import Any
 import trio
 from _harness import in_process_daemon, pct, write_results
 
-from actors.sandboxes.life import proc_rss
+from actors.sandboxes.usage import proc_rss
 from supervisor.client import connect
 
 SIZES = (256, 1024)  # MiB of guest RAM

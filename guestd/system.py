@@ -77,6 +77,12 @@ def metrics(rid: int) -> proto.MetricsOk:
             disk["read_bytes"] += int(f[5]) * 512
             disk["writes"] += int(f[7])
             disk["write_bytes"] += int(f[9]) * 512
+    try:  # the root file system: used, and free for unprivileged writers (as df shows them)
+        st = os.statvfs("/")
+        disk["root_used_bytes"] = (st.f_blocks - st.f_bfree) * st.f_frsize
+        disk["root_free_bytes"] = st.f_bavail * st.f_frsize
+    except OSError:
+        pass
     net = {"rx_bytes": 0, "tx_bytes": 0, "rx_packets": 0, "tx_packets": 0}
     for line in read_text("/proc/net/dev").splitlines()[2:]:
         name, _, rest = line.partition(":")

@@ -1,7 +1,9 @@
 """The sandboxes' resolver: a DNS proxy on the gateway address (UDP and TCP, port 53).
 
-Every sandbox's resolv.conf names the gateway; the filter lets a sandbox reach the
-host on that port and nothing else. A query is judged by the sandbox's egress
+Every sandbox's resolv.conf names the gateway (or the nameservers its Create gave);
+the filter redirects whatever a sandbox sends to port 53 of any address here (a
+nameserver the guest names is a name for this proxy, never a way around it), and lets
+a sandbox reach the host on that port and nothing else. A query is judged by the sandbox's egress
 policy (the sender is known by its source address: the prerouting filter drops
 anything a sandbox sends from another) and by the queried name::
 

@@ -206,6 +206,7 @@ table inet {TABLE} {{
   }}
   chain hook_nat_prerouting {{
     type nat hook prerouting priority dstnat; policy accept;
+    iifname "{LINK_GLOB}" meta nfproto ipv4 meta l4proto {{ tcp, udp }} th dport 53 dnat ip to {gateway}:{dns_port}
     iifname "{LINK_GLOB}" meta nfproto ipv4 dnat ip to iifname . tcp dport map @secret_dnat
   }}
   chain hook_output {{

@@ -30,7 +30,7 @@ from actors.model import PortSpec, Protocol
 from actors.net.hostnet import HostNetwork
 from actors.net.netns import NetNS
 from actors.net.portfwd import PortInUse, Target, bind_listener, relay_tcp, relay_udp
-from actors.store import Record, Store
+from actors.store import Record
 
 
 class PortSettings(typing.Protocol):
@@ -43,19 +43,24 @@ class PortSettings(typing.Protocol):
     @property
     def hostnet(self) -> HostNetwork | None: ...
 
+    def bind_address(self, pm: PortSpec) -> str: ...
+
+    def check_bind_address(self, address: str) -> None: ...
+
 
 class Exposed:
     """A sandbox's exposed ports: the record's mappings (across lives: the next life
-    forwards them again), changed one call at a time."""
+    forwards them again), changed one call at a time. It reads the sandbox's
+    ``record``; ``save`` (the sandbox's) stores the mappings it changed."""
 
-    def __init__(self, record: Record, store: Store) -> None:
-        self.record, self.store = record, store
+    def __init__(self, record: Record, save: Callable[[list[PortSpec]], None]) -> None:
+        self.record, self.save = record, save
         self._lock = trio.Lock()
 
     async def expose(self, wanted: PortSpec, net: NetConfig | None, relays: PortRelays | None) -> PortSpec:
         """Forward ``wanted`` in the serving life (``relays``). A port that is exposed
         already answers with its mapping (a retried call is safe), unless the call names
-        another host port for it (ALREADY_EXISTS)."""
+        another host port or address for it (ALREADY_EXISTS)."""
         rec = self.record
         if net is None:
             raise FailedPrecondition(f"sandbox {rec.id} has no network (create it with network mode 'tap' or 'user')")
@@ -67,14 +72,16 @@ class Exposed:
         async with self._lock:
             for p in rec.ports:
                 if p.key == wanted.key:
-                    if wanted.host_port in (0, p.host_port):
+                    if wanted.host_port in (0, p.host_port) and wanted.host_address in ("", p.host_address):
                         return p  # idempotent: the mapping as it is
-                    raise AlreadyExists(f"port {wanted.label()} is exposed already, on host port {p.host_port}")
+                    raise AlreadyExists(
+                        f"port {wanted.label()} is exposed already, on {p.host_address or 'the default address'} "
+                        f"port {p.host_port}"
+                    )
             if relays is None:
                 raise FailedPrecondition(f"sandbox {rec.id} is {rec.state}, not ready or running")
-            pm = await relays.forward(wanted)
-            rec.ports.append(pm)
-            self.store.update_ports(rec)
+            pm = await relays.forward(wanted)  # (its own bind address, checked there)
+            self.save([*rec.ports, pm])
         return pm
 
     async def unexpose(
@@ -88,8 +95,7 @@ class Exposed:
             pm = match[0]
             if relays is not None:
                 await relays.unforward(pm, hostfwd=hostfwd())
-            self.record.ports.remove(pm)
-            self.store.update_ports(self.record)
+            self.save([p for p in self.record.ports if p is not pm])
 
 
 class PortRelays:
@@ -116,7 +122,8 @@ class PortRelays:
 
     async def forward(self, pm: PortSpec, *, relay_only: bool = False) -> PortSpec:
         """Forward ``pm``; the host port it got."""
-        addr = self.settings.expose_address
+        addr = self.settings.bind_address(pm)
+        self.settings.check_bind_address(addr)  # (again at each life: the operator may have closed it)
         net, guest = self.net, self.guest
         if net is not None and net.tap:
             return await self._forward_tap(net, pm)
@@ -137,7 +144,7 @@ class PortRelays:
         """Undo ``pm``'s forward (``hostfwd``: QEMU's too, while it serves) and its relay."""
         net = self.net
         if hostfwd and not (net is not None and net.tap):
-            where = "127.0.0.1" if self.jailed else self.settings.expose_address
+            where = "127.0.0.1" if self.jailed else self.settings.bind_address(pm)
             reply = await self.guest.machine.hmp(f"hostfwd_remove {NETDEV_ID} {pm.protocol}:{where}:{pm.host_port}")
             if reply.strip() and "removed" not in reply:  # success is reported as text too
                 raise FailedPrecondition(f"hostfwd_remove: {reply.strip()[:200]}")
@@ -160,7 +167,7 @@ class PortRelays:
     async def _relay_from_host(self, pm: PortSpec, target_for: Callable[[int], Awaitable[Target]]) -> PortSpec:
         """Bind the host listener for ``pm`` (its port, or any), then relay it to the
         target ``target_for(host_port)`` names; the listener closes if that fails."""
-        addr = self.settings.expose_address
+        addr = self.settings.bind_address(pm)
         kind = socket.SOCK_DGRAM if pm.protocol == Protocol.UDP else socket.SOCK_STREAM
         try:
             listener = (self._held(pm) if self._held is not None else None) or bind_listener(addr, pm.host_port, kind)
@@ -181,7 +188,9 @@ class PortRelays:
         reply = await self.guest.machine.hmp(f"hostfwd_add {NETDEV_ID} {rule}")
         if reply.strip():  # HMP reports failure as text, not as a QMP error
             if "host forwarding" in reply.lower():
-                raise AlreadyExists(f"host port {host_port}/{pm.protocol} is in use on {self.settings.expose_address}")
+                raise AlreadyExists(
+                    f"host port {host_port}/{pm.protocol} is in use on {self.settings.bind_address(pm)}"
+                )
             raise FailedPrecondition(f"hostfwd_add: {reply.strip()[:200]}")
 
 

@@ -1,6 +1,6 @@
 """One VM life of a sandbox: everything one run of a QEMU holds, freed in one place.
 
-A sandbox's life is said by a :data:`Plan`::
+A sandbox's life is said by a :data:`~actors.sandboxes.plans.Plan`::
 
     Boot(template=...)        a fresh boot (or its disk again, after a Stop); at the
                               first ready, before any caller's work, ``template`` may
@@ -35,24 +35,24 @@ and the handle's operations, and holds its current Life.
 from __future__ import annotations
 
 import functools
-import math
 import os
+import socket
 import sys
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import attrs
 import trio
 
-from actors import hostcopy, hostdirs
+from actors import defaults, hostdirs
 from actors._groups import collapse_single
 from actors.cells.cell import Cell
-from actors.cells.cgroups import CgroupError, CgroupStats
-from actors.channel.guest import CLOCK_STALE_S, GuestChannel, GuestError, GuestOpError, GuestTimeout, PatchEntry
+from actors.cells.guestmem import own_memory
+from actors.channel.guest import CLOCK_STALE_S, GuestChannel, GuestError, GuestOpError, GuestTimeout
 from actors.crash import crash_point
 from actors.errors import (
     AlreadyExists,
@@ -67,24 +67,27 @@ from actors.errors import (
     Unimplemented,
 )
 from actors.machines.disk import backing_chain, check_user_disk, grow_overlay, virtual_size
-from actors.machines.guestmem import own_memory
 from actors.machines.machine import Placement
-from actors.machines.qemuproc import AdoptedProcess, MachineError, legacy_restore
+from actors.machines.qemuproc import MachineError, legacy_restore
 from actors.machines.qemuspec import Volume
-from actors.machines.vm import TAP_FD, Attach, BootError, Guest, VmSpec, load_spec
-from actors.model import SCRIPTS_DIR, MemoryKind, SandboxMetrics, script_patches
+from actors.machines.vm import TAP_FD, Attach, BootError, Guest, NetConfig, VmSpec, load_spec
+from actors.model import Action, Limits, MemoryKind, PortSpec, SandboxConfig
 from actors.model import dump as dump_value
 from actors.net import netlink
+from actors.net.egress import EgressPolicy
 from actors.net.hostnet import SandboxLink
 from actors.net.ports import PortRelays
 from actors.quotas import check_sandbox_disk
-from actors.sandboxes import secrets
-from actors.snapshots.snapshot import memory_for_restore, resume_spec
-from actors.store import LifeState, SnapshotRecord
+from actors.sandboxes import secrets, usage
+from actors.sandboxes.files import SandboxFiles
+from actors.sandboxes.logs import SandboxLog
+from actors.sandboxes.plans import Adopt, Boot, Resume
+from actors.sandboxes.savedstate import memory_for_restore, resume_spec
+from actors.sandboxes.sessions import HeldSessions
+from actors.settings import Settings
+from actors.store import LifeState, Record, SnapshotRecord
+from actors.volumes import Volumes
 from guestd import proto
-
-if TYPE_CHECKING:
-    from actors.sandboxes.sandbox import Sandbox
 
 RESTORE_HELLO_TIMEOUT = 15.0  # a restored guest answers in ~0.1 s; one that does not in 15 s will not
 
@@ -109,57 +112,62 @@ def guest_error(exc: GuestError) -> DomainError:
     return Unavailable(f"sandbox guest unavailable: {exc}")
 
 
-# -- plans ------------------------------------------------------------------------------
-@attrs.frozen
-class Boot:
-    """A fresh boot, or a stopped sandbox's disk booted again."""
+class LifeOwner(Protocol):
+    """What a life uses of its sandbox (the Sandbox is one; this module does not import
+    it): what it is (read), where its files and log are, what it held while paused,
+    and the record changes a life makes, which the sandbox writes."""
 
-    accepted: float = 0.0  # monotonic: when the request was accepted (for the timings)
-    template: Callable[[Sandbox], Awaitable[None]] | None = None
-    disk_of: SnapshotRecord | None = None  # a restore of a disk-only snapshot: a boot on an overlay of its disk
+    record: Record
+    settings: Settings
+    files: SandboxFiles
+    volumes: Volumes | None
+    log: SandboxLog
 
+    @property
+    def id(self) -> str: ...
 
-@attrs.frozen
-class Resume:
-    """A restore of ``snapshot``. With ``fallback`` (a boot template), a restore that
-    fails is reported there and the life boots instead: a Create must not fail on it."""
+    @property
+    def config(self) -> SandboxConfig: ...
 
-    snapshot: SnapshotRecord
-    accepted: float = 0.0
-    # (snapshot, why, transient): transient = the guest did not answer in time
-    fallback: Callable[[SnapshotRecord, str, bool], None] | None = None
-    wake: bool = False  # a paused sandbox's own saved state: it resumes as itself
+    @property
+    def limits(self) -> Limits: ...
 
+    @property
+    def hostname(self) -> str: ...
 
-@attrs.frozen
-class Adopt:
-    """A QEMU a previous supervisor started and recorded (``life``), still running
-    (``proc``): reconnect and serve it, with its memory, processes and ports."""
+    @property
+    def network(self) -> NetConfig | None: ...
 
-    life: LifeState
-    proc: AdoptedProcess
-    accepted: float = 0.0
+    @property
+    def egress(self) -> EgressPolicy: ...
 
+    @property
+    def timings(self) -> dict[str, float]: ...
 
-@attrs.frozen
-class AwaitTemplate:
-    """The boot template this configuration restores is being made by another
-    sandbox's boot: ``resolve`` waits for that (the template is saved before the
-    maker's first ready) and says what to do then -- restore it, or boot (it failed).
-    Booting beside the maker instead would put N boots on the cores at once."""
+    def emit(self, action: Action, **attributes: str) -> None: ...
 
-    resolve: Callable[[], Awaitable[Boot | Resume]]
-    accepted: float = 0.0
+    def take_held_port(self, pm: PortSpec) -> socket.socket | None: ...
 
+    def take_held_link(self) -> SandboxLink | None: ...
 
-Plan = Boot | Resume | Adopt | AwaitTemplate
+    def hold_link(self, link: SandboxLink | None) -> None: ...
+
+    def note_pid(self, pid: int) -> None: ...
+
+    def note_life(self, life: LifeState) -> None: ...
+
+    def note_life_ended(self) -> None: ...
+
+    async def note_chain(self, chain: list[str]) -> None: ...
+
+    def note_ports(self, ports: list[PortSpec]) -> None: ...
 
 
 class Life:
     """One run of a QEMU for ``sb``. ``async with Life.boot(sb, plan) as life:`` the
     guest is up (``life.guest``) and serves the block; everything is freed after."""
 
-    def __init__(self, sb: Sandbox, plan: Boot | Resume | Adopt) -> None:
+    def __init__(self, sb: LifeOwner, plan: Boot | Resume | Adopt) -> None:
         self.sb = sb
         self.plan = plan
         self.guest: Guest | None = None  # set once the guest is this sandbox's (after a restore's fixups)
@@ -167,6 +175,7 @@ class Life:
         self.link: SandboxLink | None = None  # its host link (tap; a jail's uplink)
         self.ports: PortRelays | None = None  # its forwards and relays, while the guest is up
         self.secrets: secrets.SecretsOfLife | None = None  # its secret proxy (a sandbox with secrets)
+        self.sessions: HeldSessions | None = None  # its detachable exec sessions, while the guest is up
         self.detaching = False  # it lets go of QEMU instead of stopping it
         self.pausing = False  # it ends for a pause: the volume claims stay
         self.guest_hostname = ""  # what the fixups last set in its guest
@@ -175,28 +184,28 @@ class Life:
         self._sealed = ""  # the snapshot whose sealed memory that descriptor is
         self._state_fd = -1  # a restore's saved state, until loaded
         self._shares: hostdirs.Shares | None = None  # its host directories' servers (in its stack)
-        self._cpu_prev: tuple[float, float] | None = None
+        self.cpu = usage.CpuMeter()  # QEMU's CPU use between two looks (Metrics)
         self._fixed = False  # a restore's fix-ups came with its hello (Attach.fixups)
         self._stack = AsyncExitStack()  # its scope, _release, QEMU (the launcher's block), the relays' nursery
         self._scope = trio.CancelScope()
 
     @classmethod
-    def boot(cls, sb: Sandbox, plan: Boot) -> Life:
+    def boot(cls, sb: LifeOwner, plan: Boot) -> Life:
         """A fresh boot, or the sandbox's disk booted again."""
         return cls(sb, plan)
 
     @classmethod
-    def resume(cls, sb: Sandbox, plan: Resume) -> Life:
+    def resume(cls, sb: LifeOwner, plan: Resume) -> Life:
         """A restore of ``plan.snapshot``, made this sandbox's (identity, network)."""
         return cls(sb, plan)
 
     @classmethod
-    def adopt(cls, sb: Sandbox, plan: Adopt) -> Life:
+    def adopt(cls, sb: LifeOwner, plan: Adopt) -> Life:
         """A running QEMU a previous supervisor left, reconnected."""
         return cls(sb, plan)
 
     @classmethod
-    def of(cls, sb: Sandbox, plan: Boot | Resume | Adopt) -> Life:
+    def of(cls, sb: LifeOwner, plan: Boot | Resume | Adopt) -> Life:
         if isinstance(plan, Adopt):
             return cls.adopt(sb, plan)
         if isinstance(plan, Resume):
@@ -216,6 +225,7 @@ class Life:
                     guest = await self._launch(self.plan)
                 nursery = await self._stack.enter_async_context(trio.open_nursery())
                 self._stack.callback(nursery.cancel_scope.cancel)  # (first out: the relays end)
+                self.sessions = HeldSessions(nursery)  # (they end with the relays)
                 jailed = self.cell is not None
                 held = self.sb.take_held_port  # a resumed sandbox's listeners
                 self.ports = PortRelays(
@@ -229,7 +239,7 @@ class Life:
                 crash_point("hello")
                 self.guest = guest
                 self._record_timings(guest)
-                self.sb.record.qemu_pid = guest.machine.pid or 0
+                self.sb.note_pid(guest.machine.pid or 0)
         except BaseException:
             await self._teardown(*sys.exc_info())
             raise
@@ -257,6 +267,7 @@ class Life:
         the one before it raised (the first error is raised at the end)."""
         self.guest = self._launched = None
         self.ports = None
+        self.sessions = None
         errors: list[Exception] = []
         for step in (self._close_descriptors, self._close_link, self._close_cell):
             try:
@@ -288,7 +299,7 @@ class Life:
         if link is None:
             return
         if self.pausing and link.tap_fd is not None and not link.closed:
-            self.sb.held_link = link  # paused: the TAP stays, its queue holds what comes for the guest
+            self.sb.hold_link(link)  # paused: the TAP stays, its queue holds what comes for the guest
             return
         link.detach() if self.detaching else link.close()
 
@@ -301,9 +312,7 @@ class Life:
         if cell is not None:
             cell.close()
         sb.files.end_life()
-        if sb.record.life is not None:
-            sb.record.life = None
-            sb.store.update_life(sb.record)
+        sb.note_life_ended()
 
     # -- bringing a guest up -------------------------------------------------------------
     async def _launch(self, plan: Boot | Resume) -> Guest:
@@ -353,6 +362,8 @@ class Life:
         if self._ram_fd >= 0:
             fds["ram"] = self._ram_fd
         spec = self._vm_spec(plan, ram, shared).with_volumes(volumes)
+        if sb.config.init is not None:  # the init's shutdown (actors/sandboxes/handoff.py)
+            spec = attrs.evolve(spec, poweroff_grace=defaults.INIT_POWEROFF_GRACE)
         if sb.config.host_mounts:
             fds.update(await self._share_dirs(plan))
             spec = spec.with_fs_tags(tuple(hostdirs.tag(i) for i in range(len(sb.config.host_mounts))))
@@ -363,19 +374,20 @@ class Life:
         )
 
         def spawned(pid: int, started: int) -> None:
-            sb.record.qemu_pid = pid
-            sb.record.life = LifeState(
-                pid=pid,
-                start_time=started,
-                run_dir=str(run_dir),
-                sock_dir=str(placement.sock_dir),
-                uid=cell.identity.uid if cell is not None else 0,
-                cgroup=cell.name if cell is not None and cell.cgroup is not None else "",
-                jail_root=str(cell.spec.root) if cell is not None else "",
-                ram=str(ram) if ram is not None and shared else "",
-                spec=dump_value(spec),
+            sb.note_pid(pid)
+            sb.note_life(
+                LifeState(
+                    pid=pid,
+                    start_time=started,
+                    run_dir=str(run_dir),
+                    sock_dir=str(placement.sock_dir),
+                    uid=cell.identity.uid if cell is not None else 0,
+                    cgroup=cell.name if cell is not None and cell.cgroup is not None else "",
+                    jail_root=str(cell.spec.root) if cell is not None else "",
+                    ram=str(ram) if ram is not None and shared else "",
+                    spec=dump_value(spec),
+                )
             )
-            sb.store.update_life(sb.record)
 
         pipelined = isinstance(plan, Resume) and not legacy_restore()
         at = Attach(
@@ -466,10 +478,7 @@ class Life:
         self._fixed = True
 
     async def _record_chain(self, chain: list[str]) -> None:
-        sb = self.sb
-        sb.record.chain = chain
-        sb.store.update_life(sb.record)
-        await sb.store.flush()
+        await self.sb.note_chain(chain)
 
     def _base(self) -> Path:
         """The read-only root filesystem a fresh boot's overlay stands on."""
@@ -690,83 +699,6 @@ class Life:
 
         return done
 
-    async def mount_volumes(self, guest: Guest) -> None:
-        """Mount the life's volumes (virtio-blk serial vN, in order) where the config says."""
-        sb = self.sb
-        for i, m in enumerate(sb.config.volumes):
-            try:
-                await guest.channel.mount(f"serial:v{i}", m.path, read_only=m.read_only)
-            except GuestError as exc:
-                err = guest_error(exc)
-                sb.log.append("system", f"volume {m.name}: {err.message}".encode())
-                raise MachineError(f"volume {m.name!r} at {m.path}: {err.message}") from None
-
-    async def mount_host_dirs(self, guest: Guest) -> None:
-        """Mount the life's host directories (virtio-fs tags host0, ...), read-only
-        unless writable."""
-        sb = self.sb
-        for i, m in enumerate(sb.config.host_mounts):
-            try:
-                await guest.channel.mount(hostdirs.tag(i), m.path, fstype="virtiofs", read_only=not m.writable)
-            except GuestError as exc:
-                err = guest_error(exc)
-                sb.log.append("system", f"host directory {m.source}: {err.message}".encode())
-                raise MachineError(f"host directory {m.source!r} at {m.path}: {err.message}") from None
-
-    async def apply_shape(self, guest: Guest) -> None:
-        """The configuration's workload shape in the guest (guestd/shape.py): the scripts
-        directory on every exec's PATH, the restricted profile, the THP policy, guestd's
-        log level. First of a boot's requests: the restricted profile's nosuid,nodev
-        applies to the mounts after it."""
-        c = self.sb.config
-        path_extra = SCRIPTS_DIR if c.scripts else ""
-        restricted = c.security_profile == "restricted"
-        level = "off" if c.quiet_logs else c.log_level
-        if not (path_extra or restricted or c.thp or level):
-            return
-        try:
-            await guest.channel.configure(path_extra=path_extra, restricted=restricted, thp=c.thp, log_level=level)
-        except GuestError as exc:
-            err = guest_error(exc)
-            self.sb.log.append("system", f"workload shape: {err.message}".encode())
-            raise MachineError(f"workload shape: {err.message}") from None
-
-    async def mount_tmpfs(self, guest: Guest) -> None:
-        """Mount the configuration's tmpfs file systems (each with its size limit)."""
-        sb = self.sb
-        for m in sb.config.tmpfs:
-            try:
-                await guest.channel.mount("tmpfs", m.path, fstype="tmpfs", size_mib=m.size_mib)
-            except GuestError as exc:
-                err = guest_error(exc)
-                sb.log.append("system", f"tmpfs {m.path}: {err.message}".encode())
-                raise MachineError(f"tmpfs at {m.path}: {err.message}") from None
-
-    async def apply_patches(self, guest: Guest) -> None:
-        """The Create's patches, in order, by guestd (batched by the frame cap), before
-        anything of the caller's runs. Why not written into the overlay before boot: the
-        host would have to parse the guest's file system (an ext4 in a qcow2) as root,
-        and a Create served by a boot template restores a disk that is the template's,
-        not a fresh one; guestd applies them the same way on both paths, as root in the
-        guest, with the guest's own user names."""
-        sb = self.sb
-        try:  # copy patches: the host files as they are now (actors/hostcopy.py)
-            own = hostcopy.expand(sb.config.patches, sb.settings.allowed_paths)
-        except DomainError as exc:
-            sb.log.append("system", f"patches: {exc.message}".encode())
-            raise MachineError(f"patches: {exc.message}") from None
-        patches = (*script_patches(sb.config.scripts), *own)
-        if not patches:
-            return
-        entries = [PatchEntry(p.op, p.path, p.data, p.target, p.mode, p.owner, p.replace) for p in patches]
-        try:
-            n = await guest.channel.patch(entries)
-        except GuestError as exc:
-            err = guest_error(exc)
-            sb.log.append("system", f"patches: {err.message}".encode())
-            raise MachineError(f"patches: {err.message}") from None
-        sb.log.append("system", f"{n} patches applied".encode())
-
     async def apply_ports(self, *, relays_only: bool = False) -> None:
         """The record's ports, forwarded in this life (host ports filled in)."""
         sb, ports = self.sb, self.ports
@@ -778,17 +710,7 @@ class Life:
             except DomainError as exc:
                 sb.log.append("system", f"port {pm.label()}: {exc.message}".encode())
                 raise MachineError(f"cannot expose port {pm.sandbox_port}: {exc.message}") from None
-        sb.record.ports = applied
-        sb.store.update_ports(sb.record)
-
-    async def install_ca(self, guest: Guest) -> None:
-        """The sandbox's CA into the guest's trust stores (it has secrets)."""
-        try:
-            await secrets.install_ca(self.sb, guest)
-        except GuestError as exc:
-            err = guest_error(exc)
-            self.sb.log.append("system", f"secrets: {err.message}".encode())
-            raise MachineError(f"secrets: installing the sandbox CA: {err.message}") from None
+        sb.note_ports(applied)
 
     def update_policy(self) -> None:
         """A warm pool member taken by a Create: the caller's egress policy."""
@@ -804,67 +726,3 @@ class Life:
                 f"+ {cell.cells.config.overhead_mib} MiB)"
             )
         return guest.machine.describe_exit() if rc else "the guest powered off on its own"
-
-    # -- host-side metrics ---------------------------------------------------------------
-    def cgroup_stats(self) -> CgroupStats | None:
-        cell = self.cell
-        if cell is None or cell.cgroup is None:
-            return None
-        try:
-            return cell.cgroup.stats()
-        except (CgroupError, OSError):
-            return None
-
-    def metrics(self, m: proto.MetricsOk, id: str, pid: int) -> SandboxMetrics:
-        """The guest's ``m`` with the host's view of its QEMU (``pid``) and cgroup."""
-        cg = self.cgroup_stats()
-        return SandboxMetrics(
-            cgroup_memory_bytes=cg.memory_bytes if cg is not None else 0,
-            cgroup_memory_limit_bytes=(cg.memory_limit or 0) if cg is not None else 0,
-            cgroup_oom_kills=cg.oom_kills if cg is not None else 0,
-            id=id,
-            timestamp=time.time_ns(),
-            cpu_percent=round(self.cpu_percent(pid), 2),
-            memory_total_bytes=int(m.mem.get("total", 0)),
-            memory_available_bytes=int(m.mem.get("available", 0)),
-            host_rss_bytes=proc_rss(pid),
-            disk_read_bytes=int(m.disk.get("read_bytes", 0)),
-            disk_write_bytes=int(m.disk.get("write_bytes", 0)),
-            net_rx_bytes=int(m.net.get("rx_bytes", 0)),
-            net_tx_bytes=int(m.net.get("tx_bytes", 0)),
-            uptime_seconds=float(m.uptime),
-        )
-
-    def cpu_percent(self, pid: int) -> float:
-        """QEMU's CPU use since the previous call (first call: since the VM started)."""
-        now, cpu = time.monotonic(), proc_cpu_seconds(pid)
-        prev = self._cpu_prev
-        self._cpu_prev = (now, cpu)
-        if prev is None or now <= prev[0]:
-            return 0.0
-        pct = 100.0 * (cpu - prev[1]) / (now - prev[0])
-        return 0.0 if math.isnan(pct) else max(0.0, pct)
-
-
-def proc_rss(pid: int) -> int:
-    """A process's resident set, in bytes (0: no such process)."""
-    if not pid:
-        return 0
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        pass
-    return 0
-
-
-def proc_cpu_seconds(pid: int) -> float:
-    """A process's user + system CPU seconds (0: no such process)."""
-    if not pid:
-        return 0.0
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / 100.0
-    except (OSError, ValueError, IndexError):
-        return 0.0

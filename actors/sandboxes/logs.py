@@ -1,6 +1,7 @@
 """A sandbox's log: every Run/Exec output and system message, persisted with timestamps.
 
-Records are length-prefixed msgpack ``[seq, unix_ns, source, data]`` appended to
+Records are length-prefixed msgpack ``[seq, unix_ns, source, data]`` (and the Run
+session that wrote it, a fifth element, when there is one) appended to
 ``log``; at ``max_bytes`` the file rotates to ``log.1`` (the previous ``log.1`` goes),
 so a flooding workload costs at most twice that on disk.
 
@@ -39,6 +40,7 @@ class LogRecord:
     timestamp: int
     source: str
     data: bytes
+    session: int = 0  # the Run session that wrote it (SandboxLog.new_session); 0: none (system)
 
 
 def _records(data: bytes) -> Iterator[tuple[int, LogRecord]]:
@@ -49,11 +51,12 @@ def _records(data: bytes) -> Iterator[tuple[int, LogRecord]]:
         if i + 4 + n > len(data):
             return
         try:
-            seq, ts, src, chunk = msgpack.unpackb(data[i + 4 : i + 4 + n], raw=False)
+            seq, ts, src, chunk, *more = msgpack.unpackb(data[i + 4 : i + 4 + n], raw=False)
+            session = int(more[0]) if more else 0
         except Exception:
             return
         i += 4 + n
-        yield i, LogRecord(seq, ts, src, chunk)
+        yield i, LogRecord(seq, ts, src, chunk, session)
 
 
 def _tail(path: Path) -> tuple[int, int]:
@@ -95,12 +98,20 @@ class SandboxLog:
         end, self.seq = _tail(path)
         if not self.seq:
             self.seq = _tail(self.old)[1]
+        self.session = self.seq  # the last session id given (kept above every seq before it)
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
         os.ftruncate(self._fd, end)  # a torn last record (a crash mid-write) goes
         self._size = end
 
-    def append(self, source: str, data: bytes) -> int:
-        """Add a record; returns its seq (the previous one if the record was dropped)."""
+    def new_session(self) -> int:
+        """A new session id for the records of one Run: increasing, and above every
+        record's seq at the time, so no id of an earlier life of the log is given again."""
+        self.session = max(self.session, self.seq) + 1
+        return self.session
+
+    def append(self, source: str, data: bytes, session: int = 0) -> int:
+        """Add a record (of Run ``session``; 0: none); returns its seq (the previous one
+        if the record was dropped)."""
         if self._closed:
             return self.seq
         if self._unreported and not self._write("system", f"{self._unreported} log records dropped".encode()):
@@ -108,13 +119,16 @@ class SandboxLog:
             self.dropped += 1
             return self.seq
         self._unreported = 0
-        if not self._write(source, data):
+        if not self._write(source, data, session):
             self._unreported += 1
             self.dropped += 1
         return self.seq
 
-    def _write(self, source: str, data: bytes) -> bool:
-        body = msgpack.packb([self.seq + 1, time.time_ns(), source, bytes(data)], use_bin_type=True)
+    def _write(self, source: str, data: bytes, session: int = 0) -> bool:
+        fields: list[object] = [self.seq + 1, time.time_ns(), source, bytes(data)]
+        if session:
+            fields.append(session)
+        body = msgpack.packb(fields, use_bin_type=True)
         frame = _HDR.pack(len(body)) + body
         try:
             view = memoryview(frame)

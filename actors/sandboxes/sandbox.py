@@ -37,9 +37,8 @@ from __future__ import annotations
 import logging
 import socket
 import time
-from collections.abc import Awaitable, Callable
-from contextlib import AbstractAsyncContextManager
-from ipaddress import IPv4Address
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import AbstractAsyncContextManager, contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -52,42 +51,33 @@ from actors.crash import crash_point
 from actors.errors import DomainError, FailedPrecondition, Internal
 from actors.events import EventBus
 from actors.machines.qemuproc import MachineError
-from actors.machines.vm import BootError, BootTimeout, Guest, NetConfig
+from actors.machines.vm import BootError, BootTimeout, Guest
 from actors.model import (
     ALIVE,
     ENDED,
     Action,
+    Applied,
+    ImageUse,
     Limits,
     PortSpec,
     Protocol,
     SandboxConfig,
     SandboxMetrics,
     State,
-    default_hostname,
     is_hidden,
 )
-from actors.net import netlink
-from actors.net.egress import EgressPolicy
 from actors.net.hostnet import SandboxLink
 from actors.net.ports import Exposed
-from actors.sandboxes import tune
+from actors.sandboxes import guestsetup, handoff, tune, usage
+from actors.sandboxes.checkpoint import CheckpointLost, Checkpoints
 from actors.sandboxes.files import SandboxFiles
-from actors.sandboxes.life import (
-    Adopt,
-    AwaitTemplate,
-    Boot,
-    Life,
-    Plan,
-    Resume,
-    guest_error,
-    proc_cpu_seconds,
-    proc_rss,
-)
+from actors.sandboxes.identity import Identity
+from actors.sandboxes.life import Life, guest_error
+from actors.sandboxes.plans import Adopt, AwaitTemplate, Boot, Plan, Resume
+from actors.sandboxes.savedstate import Checkpoint
 from actors.sandboxes.workload import Workloads
 from actors.settings import Settings
-from actors.snapshots.checkpoint import CheckpointLost, Checkpoints
-from actors.snapshots.snapshot import Checkpoint
-from actors.store import MachineRecord, Record, Store
+from actors.store import LifeState, MachineRecord, Record, Store
 from actors.volumes import Volumes
 
 __all__ = ["Adopt", "AwaitTemplate", "Boot", "Plan", "Resume", "Sandbox"]
@@ -117,7 +107,7 @@ class _Run:
     served: bool = False  # it reached ready (or resumed)
 
 
-class Sandbox:
+class Sandbox(Identity):
     """The actor. The registry calls its methods; one VM life runs in :meth:`run`."""
 
     def __init__(
@@ -128,6 +118,7 @@ class Sandbox:
         store: Store,
         events: EventBus,
         volumes: Volumes | None = None,
+        waker: Callable[[Sandbox], Awaitable[None]] | None = None,
     ) -> None:
         self.record = record
         if record.limits is None:  # stored before effective limits were kept: ours, written back once
@@ -152,84 +143,25 @@ class Sandbox:
         # was created (a recovered record's age counts)
         self.last_activity = trio.current_time()
         self.born = trio.current_time() - max(0.0, time.time() - record.created_at)
-        self._ckpt = Checkpoints(record, store, files, settings, self.log)
-        self._exposed = Exposed(record, store)
+        self._ckpt = Checkpoints(record, self, files, settings, self.log)
+        self._exposed = Exposed(record, self.note_ports)
         # hibernation (actors/hibernation.py): the listeners of its ports held
         # while paused, and who resumes it when a call needs its guest
         self.held_ports: dict[tuple[int, Protocol], socket.socket] = {}
         self.held_link: SandboxLink | None = None  # a paused tap sandbox's TAP (its queue)
-        self.waker: Callable[[Sandbox], Awaitable[None]] | None = None
+        self.waker = waker  # who resumes it (None: nobody; a call needing its guest is refused)
         self.hibernating = False  # a pause is under way (a call needing the guest waits for it, then resumes)
+        self.modify_lock = trio.Lock()  # one Modify at a time (balloon targets and restarts do not interleave)
 
-    # -- identity ------------------------------------------------------------
-    @property
-    def id(self) -> str:
-        return self.record.id
-
-    @property
-    def state(self) -> State:
-        return self.record.state
-
-    @property
-    def config(self) -> SandboxConfig:
-        return self.record.config
-
-    @property
-    def limits(self) -> Limits:
-        """The effective resources, as resolved when the sandbox was made (or Modify
-        changed them): never the supervisor's defaults of now."""
-        limits = self.record.limits
-        assert limits is not None  # (resolved in __init__)
-        return limits
-
-    def retune(self, config: SandboxConfig) -> None:
-        """A Modify's configuration; the limits it leaves at 0 stay as they were."""
+    def retune(self, config: SandboxConfig, *, changed: bool) -> None:
+        """A Modify's configuration, stored; the limits it leaves at 0 stay as they were
+        (``changed``: something changed, ``updated_at`` says when)."""
         before = self.limits
         self.record.config = config
         self.record.limits = config.limits.filled(before.vcpus, before.memory_mib)
-
-    @property
-    def hostname(self) -> str:
-        return self.config.hostname or default_hostname(self.id)
-
-    @property
-    def network(self) -> NetConfig | None:
-        """The guest's network (user: slirp's fixed addresses; tap: its pool address,
-        None until it has one)."""
-        return netlink.guest_net(self.settings, self.config.network, self.record.uid)
-
-    @property
-    def ip_address(self) -> str:
-        net = self.network
-        return net.address if net else ""
-
-    @property
-    def gateway(self) -> str:
-        net = self.network
-        return net.gateway if net else ""
-
-    @property
-    def tap_name(self) -> str:
-        net = self.network
-        return net.tap_name if net else ""
-
-    @property
-    def pool_address(self) -> IPv4Address | None:
-        """Its IP pool address (tap: the guest's; user mode with outbound in a jail: its
-        uplink's), held from Create to Remove: a stopped sandbox keeps it."""
-        return netlink.pool_address(self.settings, self.record.uid)
-
-    @property
-    def egress(self) -> EgressPolicy:
-        return netlink.egress_policy(self.config.network)
-
-    def lease(self, want: str = "") -> None:
-        """Hold a pool address when the network needs one (see :func:`netlink.lease`)."""
-        netlink.lease(self.settings, self.config.network, self.record.uid, want)
-
-    def release_lease(self) -> None:
-        """The address goes back to the pool (Remove)."""
-        netlink.release_lease(self.settings, self.record.uid)
+        if changed:
+            self.record.updated_at = int(time.time())
+        self.store.update_tuning(self.record)
 
     # -- what the current life holds ------------------------------------------------
     @property
@@ -258,6 +190,113 @@ class Sandbox:
     @property
     def checkpointing(self) -> bool:
         return self._ckpt.active
+
+    # -- the record: this actor is its one writer (tests/unit/test_one_writer.py) --------
+    def save_new(self) -> None:
+        """Its record stored for the first time (a Create, a restore, a pool member)."""
+        self.store.insert(self.record)
+
+    def delete_record(self) -> None:
+        """Its record goes (a Remove: before its files)."""
+        self.store.delete(self.record.uid)
+
+    def hand_over(
+        self,
+        id: str,
+        seq: int,
+        config: SandboxConfig,
+        owner: str,
+        *,
+        limits: Limits | None,
+        image: ImageUse | None,
+        ports: list[PortSpec] | None,
+    ) -> None:
+        """A warm pool member becomes a caller's sandbox: their id, configuration and
+        owner (a Create's limits, image and ports), created now."""
+        rec = self.record
+        rec.id, rec.seq, rec.config, rec.owner = id or rec.uid, seq, config, owner
+        rec.created_at = rec.ready_at = int(time.time())
+        self.born = trio.current_time()
+        if limits is not None:
+            rec.limits = limits
+        if image is not None:
+            rec.image = image
+        if ports is not None:
+            rec.ports = ports
+        self.store.rekey(rec)
+
+    def set_ttl(self, ttl_seconds: int) -> None:
+        """Its TTL (seconds from its creation; 0: none), stored."""
+        cfg = self.config
+        self.record.config = attrs.evolve(cfg, timers=attrs.evolve(cfg.timers, ttl_seconds=ttl_seconds))
+        self.store.update_config(self.record)
+
+    def note_applied(self, applied: Applied) -> None:
+        """What the running machine has now (vCPUs, memory, disk), stored."""
+        self.record.applied = applied
+        self.store.update_tuning(self.record)
+
+    def note_pid(self, pid: int) -> None:
+        """Its QEMU's pid (stored with the next state)."""
+        self.record.qemu_pid = pid
+
+    def note_life(self, life: LifeState) -> None:
+        """The running QEMU as the next supervisor needs it (spawned, or its files moved), stored."""
+        self.record.life = life
+        self.store.update_life(self.record)
+
+    def note_life_ended(self) -> None:
+        """No QEMU runs for it any more (its life's cell and run dir are gone)."""
+        if self.record.life is not None:
+            self.record.life = None
+            self.store.update_life(self.record)
+
+    async def note_chain(self, chain: list[str]) -> None:
+        """The layers below its overlay, top first: on disk before it goes on."""
+        self.record.chain = chain
+        self.store.update_life(self.record)
+        await self.store.flush()
+
+    def note_ports(self, ports: list[PortSpec]) -> None:
+        """Its port mappings (host ports filled in), stored."""
+        self.record.ports = ports
+        self.store.update_ports(self.record)
+
+    async def journal_swap(self, frozen: str) -> None:
+        """A checkpoint's disk swap to ``frozen`` may be under way from here: on disk
+        first (the next supervisor finishes or undoes it: actors/recovery.py)."""
+        self.record.swap = frozen
+        self.store.update_life(self.record)
+        await self.store.flush()
+
+    def swapped(self, frozen: str, *, disk_top: str | None = None, staged: int | None = None) -> None:
+        """The disk swap is done: ``frozen`` is the top of its chain (and the running
+        QEMU's block graph is ``disk_top``, ``staged``); the journal is closed."""
+        rec = self.record
+        rec.chain, rec.swap = [frozen, *rec.chain], ""
+        if rec.life is not None and disk_top is not None and staged is not None:
+            rec.life = attrs.evolve(rec.life, disk_top=disk_top, staged=staged)
+        self.store.update_life(rec)
+
+    def void_swap(self) -> None:
+        """No disk swap is under way (a checkpoint failed before its disk moved)."""
+        if self.record.swap:
+            self.record.swap = ""
+            self.store.update_life(self.record)
+
+    def mark_stopped(self) -> None:
+        """Stopped, with no life (a supervisor start; a paused one stopped)."""
+        self._set(State.STOPPED, qemu_pid=0)
+
+    def mark_failed(self, error: str) -> None:
+        """Failed with ``error``, with no life (a supervisor start found it so)."""
+        self._set(State.FAILED, error=error, qemu_pid=0)
+
+    def unmark_paused(self) -> None:
+        """A pause that failed after its checkpoint: ready again (its guest runs on)."""
+        if self.state == State.PAUSED:
+            self._set(State.READY)
+        self._run.pausing = False
 
     # -- state machine -----------------------------------------------------------
     def _set(self, state: State, **changes: Any) -> None:
@@ -359,27 +398,31 @@ class Sandbox:
         """A life from the guest's hello to the end of its work."""
         guest, run = life.guest, self._run
         assert guest is not None
+        init_runs_workload = False  # handed off to an init that runs it (actors/sandboxes/handoff.py)
         if isinstance(plan, Adopt):  # its forwards live in QEMU still; calls of the last supervisor are gone
             await life.apply_ports(relays_only=True)
             self._set(State.READY)
             self.log.append("system", b"adopted after a supervisor restart")
         else:
             if isinstance(plan, Boot) and plan.template is not None:
-                await plan.template(self)  # a fresh boot, nothing of the caller's in it yet
+                await plan.template()  # a fresh boot, nothing of the caller's in it yet
             if not isinstance(plan, Resume) or plan.fallback is not None:  # (a restored guest holds it)
-                await life.apply_shape(guest)
+                await guestsetup.apply_shape(self, guest)
             if not isinstance(plan, Resume):  # (a restored guest has them mounted)
-                await life.mount_volumes(guest)
-                await life.mount_host_dirs(guest)
+                await guestsetup.mount_volumes(self, guest)
+                await guestsetup.mount_host_dirs(self, guest)
             if not isinstance(plan, Resume) or plan.fallback is not None:  # (a template has none)
-                await life.mount_tmpfs(guest)
+                await guestsetup.mount_tmpfs(self, guest)
             if fresh:
-                await life.apply_patches(guest)
+                await guestsetup.apply_patches(self, guest)
             if self.config.secrets:  # every boot and restore (a clone has a CA of its own)
-                await life.install_ca(guest)
+                await guestsetup.install_ca(self, guest)
+            await guestsetup.configure_dns(self, guest)  # (every boot and restore: /init writes its own)
             await life.apply_ports()  # ports given at create (or exposed before a stop) come first
             # vCPUs and memory below the machine's ceilings, a grown root filesystem
             await tune.at_boot(self, guest, fresh=isinstance(plan, Boot))
+            if not isinstance(plan, Resume) or plan.fallback is not None:  # (a restored one runs its init)
+                init_runs_workload = await handoff.hand_off(self, guest, self.work.initial_cmd)
             if run.waking:
                 crash_point("resume-loaded")
             ready_at = self.record.ready_at if run.waking and self.record.ready_at else int(time.time())
@@ -400,7 +443,7 @@ class Sandbox:
         async with trio.open_nursery() as nursery:
             run.work = nursery
             nursery.start_soon(self._watch_machine, life, guest, nursery.cancel_scope)
-            if self.work.initial_cmd:
+            if self.work.initial_cmd and not init_runs_workload:
                 nursery.start_soon(self.work.run_initial)
             try:
                 await run.stop.wait()
@@ -434,10 +477,11 @@ class Sandbox:
             # run saw events and the first Run race the fix-ups (test_daemon's TTL order,
             # test_snapshots' pool member), so the hand-over waits for them again
             await life.fresh_identity(guest, clock=True)
-            await life.apply_shape(guest)  # (a member's guest has the template's: none)
+            await guestsetup.apply_shape(self, guest)  # (a member's guest has the template's: none)
             if apply_ports:  # a Create's (a template's member has none; a snapshot's has its own)
-                await life.mount_tmpfs(guest)
-            await life.apply_patches(guest)
+                await guestsetup.mount_tmpfs(self, guest)
+            await guestsetup.apply_patches(self, guest)
+            await guestsetup.configure_dns(self, guest)
             life.update_policy()  # the caller's egress policy, not the template's
             if apply_ports:
                 await life.apply_ports()
@@ -538,10 +582,34 @@ class Sandbox:
         if guest is None and run.scope is not None:
             run.scope.cancel()
 
+    @contextmanager
+    def pause_under_way(self) -> Iterator[None]:
+        """While the block runs a pause is under way: a call needing the guest waits for
+        it, then resumes the sandbox (:meth:`awake`)."""
+        self.hibernating = True
+        try:
+            yield
+        finally:
+            self.hibernating = False
+
+    def hold_port(self, key: tuple[int, Protocol], sock: socket.socket) -> None:
+        """Keep the listener of a paused sandbox's host port (its next life relays it)."""
+        self.held_ports[key] = sock
+
+    def let_go_held(self) -> tuple[dict[tuple[int, Protocol], socket.socket], SandboxLink | None]:
+        """Everything held while paused (listeners, TAP), no longer held: the caller's to close."""
+        ports, self.held_ports = self.held_ports, {}
+        link, self.held_link = self.held_link, None
+        return ports, link
+
     def take_held_port(self, pm: PortSpec) -> socket.socket | None:
         """The listener of ``pm``'s host port held while it was paused, handed to the
         resumed life's relay (None: the life binds its own)."""
         return self.held_ports.pop(pm.key, None)
+
+    def hold_link(self, link: SandboxLink | None) -> None:
+        """Keep a paused tap sandbox's TAP (its queue holds what comes for the guest)."""
+        self.held_link = link
 
     def take_held_link(self) -> SandboxLink | None:
         """The TAP held while it was paused, for the resumed life (None: it opens one)."""
@@ -688,18 +756,18 @@ class Sandbox:
         life = self.life
         if life is None:
             raise FailedPrecondition(f"sandbox {self.id} is {self.state}, not ready or running")
-        return life.metrics(m, self.id, self.record.qemu_pid)
+        return usage.sandbox_metrics(m, self.id, self.record.qemu_pid, life.cell, life.cpu, self.files.disk)
 
     def host_rss(self) -> int:
-        return proc_rss(self.record.qemu_pid)
+        return usage.proc_rss(self.record.qemu_pid)
 
     def host_cpu_seconds(self) -> float:
-        return proc_cpu_seconds(self.record.qemu_pid)
+        return usage.proc_cpu_seconds(self.record.qemu_pid)
 
     def cpu_percent(self) -> float:
         """QEMU's CPU use since the previous call (first call: since the VM started)."""
         life = self.life
-        return life.cpu_percent(self.record.qemu_pid) if life is not None else 0.0
+        return life.cpu.percent(self.record.qemu_pid) if life is not None else 0.0
 
     # -- ports (the record's mappings; the current life's forwards: actors/net/ports.py) --
     def ports(self) -> list[PortSpec]:
@@ -707,13 +775,15 @@ class Sandbox:
         with the host ports it got), in the order they were exposed."""
         return list(self.record.ports)
 
-    async def expose(self, sandbox_port: int, host_port: int, protocol: Protocol) -> PortSpec:
-        """Forward ``sandbox_port`` from ``host_port`` (0: one is picked); see
-        :meth:`Exposed.expose`."""
+    async def expose(self, sandbox_port: int, host_port: int, protocol: Protocol, host_address: str = "") -> PortSpec:
+        """Forward ``sandbox_port`` from ``host_port`` (0: one is picked) on ``host_address``
+        ("": the sandbox's bind address); see :meth:`Exposed.expose`."""
+        address = host_address or self.config.network.port_address
+        self.settings.check_bind_address(address)
         await self.awake()
         self.require_alive()
         relays = self.life.ports if self.life is not None else None
-        return await self._exposed.expose(PortSpec(sandbox_port, host_port, protocol), self.network, relays)
+        return await self._exposed.expose(PortSpec(sandbox_port, host_port, protocol, address), self.network, relays)
 
     async def unexpose(self, sandbox_port: int, protocol: Protocol) -> None:
         life = self.life

@@ -11,29 +11,44 @@ import contextlib
 import logging
 import ssl
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import trio
 
 from actors.errors import FailedPrecondition, InvalidArgument, NotFound, PermissionDenied
-from actors.model import Action
+from actors.machines.vm import Guest
+from actors.model import Action, SandboxConfig
 from actors.net import egress
+from actors.net.hostnet import SandboxLink
 from actors.net.nft import NftError
 from actors.net.secretcell import ProxyCell
 from actors.principals import LEGACY_OWNER
+from actors.sandboxes.logs import SandboxLog
 from actors.secrets import model as secrets_model
 from actors.secrets.ca import new_ca
 from actors.secrets.vault import Vault
+from actors.settings import Settings
+from actors.store import Record
 from guestd import trust
 
-if TYPE_CHECKING:
-    from actors.machines.vm import Guest
-    from actors.model import SandboxConfig
-    from actors.net.hostnet import SandboxLink
-    from actors.sandboxes.sandbox import Sandbox
-    from actors.settings import Settings
-
 log = logging.getLogger("sandvisor.secrets")
+
+
+class SecretsOwner(Protocol):
+    """What this module uses of a sandbox (the Sandbox is one; it is not imported here)."""
+
+    record: Record
+    settings: Settings
+    log: SandboxLog
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def config(self) -> SandboxConfig: ...
+
+    def emit(self, action: Action, **attributes: str) -> None: ...
+
 
 CA_ENV = {
     "SSL_CERT_FILE": trust.BUNDLE,
@@ -44,17 +59,17 @@ CA_ENV = {
 }
 
 
-def vault_of(sb: Sandbox) -> Vault:
+def vault_of(sb: SecretsOwner) -> Vault:
     return _vault(sb.settings)
 
 
-def live_refs(sb: Sandbox) -> list[secrets_model.SecretRef]:
+def live_refs(sb: SecretsOwner) -> list[secrets_model.SecretRef]:
     """The sandbox's secrets not removed from it."""
     v = sb.settings.vault
     return [r for r in sb.config.secrets if v is None or not v.removed(sb.record.uid, r.name)]
 
 
-def env(sb: Sandbox) -> dict[str, str]:
+def env(sb: SecretsOwner) -> dict[str, str]:
     """What every process of the sandbox gets: each secret's placeholder under its name,
     and the CA's paths (no value: the guest never holds one)."""
     refs = live_refs(sb)
@@ -98,7 +113,7 @@ class SecretsOfLife:
     """One life's part: the proxy's cell (actors/net/secretcell.py: a confined process,
     the supervisor's listener) and the elements that steer the guest to it."""
 
-    def __init__(self, sb: Sandbox, link: SandboxLink) -> None:
+    def __init__(self, sb: SecretsOwner, link: SandboxLink) -> None:
         self.sb = sb
         self.link = link
         self.port = 0
@@ -177,7 +192,7 @@ class SecretsOfLife:
                 nursery.cancel_scope.cancel()
 
 
-async def install_ca(sb: Sandbox, guest: Guest) -> None:
+async def install_ca(sb: SecretsOwner, guest: Guest) -> None:
     """The sandbox's CA certificate into the guest's trust stores (boot, restore)."""
     ca = vault_of(sb).ca(sb.record.uid)
     if ca is None:
@@ -186,7 +201,7 @@ async def install_ca(sb: Sandbox, guest: Guest) -> None:
     sb.log.append("system", f"{len(sb.config.secrets)} secret(s): the sandbox CA is trusted in the guest".encode())
 
 
-def rotate(sb: Sandbox, name: str, value: bytes) -> None:
+def rotate(sb: SecretsOwner, name: str, value: bytes) -> None:
     """A new value for ``name`` (the sandbox's own; a store-sourced secret is rotated by
     ``secret set`` of its entry): the next request substitutes it. Placeholder unchanged."""
     ref = _ref(sb, name)
@@ -197,7 +212,7 @@ def rotate(sb: Sandbox, name: str, value: bytes) -> None:
     sb.log.append("system", f"secret {name}: rotated".encode())
 
 
-def remove(sb: Sandbox, name: str) -> None:
+def remove(sb: SecretsOwner, name: str) -> None:
     """Take ``name`` away: its placeholder is no longer replaced (new connections and
     the next request of open ones), its hosts no longer intercepted for it."""
     _ref(sb, name)
@@ -205,7 +220,7 @@ def remove(sb: Sandbox, name: str) -> None:
     sb.log.append("system", f"secret {name}: removed".encode())
 
 
-def _ref(sb: Sandbox, name: str) -> secrets_model.SecretRef:
+def _ref(sb: SecretsOwner, name: str) -> secrets_model.SecretRef:
     for r in sb.config.secrets:
         if r.name == name:
             return r
@@ -251,7 +266,7 @@ def remove_named(settings: Settings, name: str, users: Iterable[SandboxConfig]) 
     _vault(settings).remove_named(name)
 
 
-def describe(sb: Sandbox) -> list[tuple[str, list[str], str, str, bool, str]]:
+def describe(sb: SecretsOwner) -> list[tuple[str, list[str], str, str, bool, str]]:
     """A sandbox's secrets read back: (name, hosts, placeholder, source, removed,
     substitute); never a value."""
     v = sb.settings.vault

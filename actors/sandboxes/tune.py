@@ -19,22 +19,46 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+import attrs
 import trio
 
 from actors import defaults
+from actors.cells.cell import Cell
 from actors.cells.cgroups import CgroupError, CgroupLimits
 from actors.channel.guest import GuestOpError
 from actors.errors import FailedPrecondition
 from actors.machines.disk import DiskError, virtual_size
 from actors.machines.qemuproc import MachineError
 from actors.machines.vm import Guest
-from actors.model import Applied
-from actors.modify import Machine
+from actors.model import Applied, Limits
+from actors.sandboxes.files import SandboxFiles
+from actors.sandboxes.logs import SandboxLog
+from actors.store import Record
 
-if TYPE_CHECKING:
-    from actors.sandboxes.sandbox import Sandbox
+
+class TuneOwner(Protocol):
+    """What tuning uses of a sandbox (the Sandbox is one; it is not imported here)."""
+
+    record: Record
+    files: SandboxFiles
+    log: SandboxLog
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def limits(self) -> Limits: ...
+
+    @property
+    def guest(self) -> Guest | None: ...
+
+    @property
+    def cell(self) -> Cell | None: ...
+
+    def note_applied(self, applied: Applied) -> None: ...
+
 
 log = logging.getLogger("sandvisor.tune")
 
@@ -42,7 +66,21 @@ MIB = 1 << 20
 BALLOON_POLL = 0.1  # s: query-balloon while the guest moves toward the target
 
 
-def machine_of(sb: Sandbox) -> Machine:
+@attrs.frozen
+class Machine:
+    """A running sandbox's machine as Modify sees it: its ceilings, whether it has a
+    balloon, its root disk's size now (MiB)."""
+
+    max_vcpus: int
+    max_memory_mib: int
+    balloon: bool
+    disk_mib: int
+    # its RAM is a snapshot's (a boot template's) memory mapped copy-on-write: the balloon
+    # cannot give memory back, it costs some (docs/modify.md)
+    mapped: bool = False
+
+
+def machine_of(sb: TuneOwner) -> Machine:
     """The running machine's ceilings, balloon and disk (FAILED_PRECONDITION: none)."""
     guest = sb.guest
     if guest is None:
@@ -64,7 +102,7 @@ def mapped(guest: Guest) -> bool:
     return m.memory_file is not None and not m.memory_shared
 
 
-def disk_mib(sb: Sandbox) -> int:
+def disk_mib(sb: TuneOwner) -> int:
     """The root disk's size now (MiB): its overlay's, or what its first boot will make."""
     try:
         return -(-virtual_size(sb.files.disk) // MIB)
@@ -72,7 +110,7 @@ def disk_mib(sb: Sandbox) -> int:
         return sb.limits.disk_mib
 
 
-async def apply_live(sb: Sandbox) -> tuple[bool, float]:
+async def apply_live(sb: TuneOwner) -> tuple[bool, float]:
     """The sandbox's vCPUs and memory given to its running guest now; (settled, seconds)."""
     guest = sb.guest
     if guest is None:
@@ -82,7 +120,7 @@ async def apply_live(sb: Sandbox) -> tuple[bool, float]:
     return settled, time.monotonic() - t0
 
 
-async def at_boot(sb: Sandbox, guest: Guest, *, fresh: bool) -> None:
+async def at_boot(sb: TuneOwner, guest: Guest, *, fresh: bool) -> None:
     """A life's guest given the sandbox's vCPUs and memory before it is ready (a
     restore's machine is its snapshot's: the same moves), its root filesystem grown
     (``fresh``: a boot, of an overlay that may have grown; its vCPUs above the value
@@ -97,7 +135,7 @@ async def at_boot(sb: Sandbox, guest: Guest, *, fresh: bool) -> None:
     await _settle(sb, guest, boot=True)
 
 
-async def _settle(sb: Sandbox, guest: Guest, *, boot: bool = False) -> bool:
+async def _settle(sb: TuneOwner, guest: Guest, *, boot: bool = False) -> bool:
     """Balloon target, CPUs online, CPU quota; wait for the balloon; record what applies.
     ``boot``: before ready, where a machine without ceilings needs nothing (all its vCPUs
     online, its balloon empty; a snapshot's configuration matches its machine): no
@@ -135,16 +173,17 @@ async def _settle(sb: Sandbox, guest: Guest, *, boot: bool = False) -> bool:
             log.warning("sandbox %s: balloon: %s", sb.id, exc)
             actual = 0
         settled = settled and actual == memory
-    sb.record.applied = Applied(
-        vcpus=online,
-        memory_mib=actual,
-        max_vcpus=spec.cpus,
-        max_memory_mib=spec.memory_mib,
-        disk_mib=disk_mib(sb),
-        balloon=spec.balloon,
-        settled=settled,
+    sb.note_applied(
+        Applied(
+            vcpus=online,
+            memory_mib=actual,
+            max_vcpus=spec.cpus,
+            max_memory_mib=spec.memory_mib,
+            disk_mib=disk_mib(sb),
+            balloon=spec.balloon,
+            settled=settled,
+        )
     )
-    sb.store.update_tuning(sb.record)
     return settled
 
 

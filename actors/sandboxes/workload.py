@@ -11,22 +11,39 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import aclosing, asynccontextmanager
-from typing import TYPE_CHECKING, TypeVar
+from typing import Protocol, TypeVar
 
 import trio
 
 from actors.channel.guest import ExecHandle, FileReadStream, FsEntry, GuestError, GuestOpError, TreeReadStream
 from actors.errors import DomainError, FailedPrecondition, InvalidArgument, NotFound
+from actors.machines.vm import Guest
 from actors.model import ImageUse, State
 from actors.sandboxes import secrets
 from actors.sandboxes.life import guest_error
 from guestd import proto
 
-if TYPE_CHECKING:
-    from actors.machines.vm import Guest
-    from actors.sandboxes.sandbox import Sandbox
-
 T = TypeVar("T")
+
+
+class WorkloadOwner(secrets.SecretsOwner, Protocol):
+    """What the work in a sandbox's guest uses of the sandbox (the Sandbox is one; it is
+    not imported here): its guest, when alive, and its workload state changes."""
+
+    @property
+    def state(self) -> State: ...
+
+    async def awake(self) -> None: ...
+
+    def require_alive(self) -> Guest: ...
+
+    async def guest_call(self, fn: Callable[[Guest], Awaitable[T]]) -> T: ...
+
+    def touch(self) -> None: ...
+
+    def workload_started(self) -> None: ...
+
+    def workload_ended(self, code: int, error: str) -> None: ...
 
 
 class CommandNotRun(NotFound):
@@ -63,7 +80,7 @@ def initial_argv(
 class Workloads:
     """Runs, exec sessions and file transfers of ``sb``; how many Runs and execs are in flight."""
 
-    def __init__(self, sb: Sandbox) -> None:
+    def __init__(self, sb: WorkloadOwner) -> None:
         self.sb = sb
         self.runs = 0
         self.execs = 0
@@ -130,6 +147,7 @@ class Workloads:
         env, cwd, user = self.defaults(env, cwd, user)
         self.runs += 1
         sb.workload_started()
+        session = sb.log.new_session()  # its log records carry it (LogEntry.session_id)
         code = -1
         start_error = ""
         try:
@@ -137,7 +155,7 @@ class Workloads:
                 src_names = {proto.STDOUT: "output" if tty else "stdout", proto.STDERR: "stderr"}
                 async for ch, data in h:
                     name = src_names[ch]
-                    sb.log.append(name, data)
+                    sb.log.append(name, data, session)
                     yield ("stdout" if tty else name), data, None
                 assert h.exit is not None
                 code = h.exit.code
@@ -148,7 +166,7 @@ class Workloads:
             status = shell_status(exc)
             if status is not None:  # ends the Run as a shell would, saying why on stderr
                 text = status.stderr
-                sb.log.append("stderr", text)
+                sb.log.append("stderr", text, session)
                 yield "stderr", text, None
                 yield "exit", b"", status.exit_code
                 return

@@ -54,8 +54,9 @@ from actors.crash import crash_point
 from actors.machines.disk import create_overlay
 from actors.machines.machine import Machine, Placement
 from actors.machines.qemuproc import LaunchError, MachineError, QemuUser
+from actors.sandboxes.savedstate import allocated, helper_net, resume_spec, stat_key
 from actors.settings import Settings
-from actors.snapshots.snapshot import PART, Converted, Hold, allocated, helper_net, resume_spec, stat_key
+from actors.snapshots.snapshot import PART, Converted, Hold
 from actors.store import SnapshotRecord
 
 log = logging.getLogger("sandvisor.convert")

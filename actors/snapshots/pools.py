@@ -153,7 +153,7 @@ class Pools:
         if maker is not None and not maker.stopped:
             return AwaitTemplate(functools.partial(self._await_template, maker, sb, accepted), accepted=accepted)
         self._pending[key] = sb
-        return Boot(accepted=accepted, template=functools.partial(self._make_template, key))
+        return Boot(accepted=accepted, template=functools.partial(self._make_template, key, sb))
 
     async def _await_template(self, maker: Sandbox, sb: Sandbox, accepted: float) -> Boot | Resume:
         """Wait for the boot making the template (saved before its first ready, or not
@@ -205,6 +205,8 @@ class Pools:
     def take_for_create(self, config: SandboxConfig, limits: Limits, image: ImageUse | None) -> Sandbox | None:
         if config.secrets:
             return None  # a member would need the caller's CA and placeholders first: a boot or restore
+        if config.init is not None:
+            return None  # a member runs on guestd as PID 1: the hand-off comes with a boot or restore
         key = self.template_key(config, limits, image)
         tpl = self.template(key) if key is not None else None
         return self.take(tpl) if tpl is not None else None

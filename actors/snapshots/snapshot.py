@@ -1,4 +1,5 @@
-"""Snapshots: checkpoint a running guest to a directory, and the snapshot store.
+"""Snapshots: a running guest checkpointed to a directory (actors/sandboxes/savedstate.py),
+and the snapshot store.
 
 A snapshot directory holds::
 
@@ -52,260 +53,23 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
-from contextlib import asynccontextmanager
+from collections.abc import Awaitable, Callable, Iterable
 from datetime import UTC, datetime
 from pathlib import Path
 
 import attrs
 import trio
 
-from actors import defaults
 from actors.cells.identities import JailError
 from actors.crash import crash_point
-from actors.durable import fsync_dir
 from actors.errors import DomainError, FailedPrecondition, InvalidArgument, NotFound
-from actors.machines.machine import Machine
-from actors.machines.qemuproc import MachineError, QemuUser, unsearchable_parent
-from actors.machines.vm import Guest, NetConfig, VmSpec
-from actors.model import ImageUse, MemoryKind, NetMode, SandboxConfig
+from actors.machines.qemuproc import MachineError
+from actors.model import ImageUse, MemoryKind, SandboxConfig
 from actors.principals import LEGACY_OWNER, Principal
-from actors.sandboxes.files import SandboxFiles
-from actors.settings import Settings
-from actors.store import MachineRecord, Record, SnapshotRecord, Store
+from actors.sandboxes.savedstate import Checkpoint, stat_key
+from actors.store import Record, SnapshotRecord, Store
 
 log = logging.getLogger("sandvisor.snapshot")
-
-
-class CheckpointError(MachineError):
-    """QEMU refused a step of the checkpoint; the guest runs on."""
-
-
-@attrs.frozen
-class Checkpoint:
-    """What a checkpoint wrote: how RAM is held, how long the guest was paused, sizes."""
-
-    memory: MemoryKind
-    paused_s: float
-    sizes: dict[str, int]
-    memory_stat: list[int]
-    machine: MachineRecord  # what a restore must start QEMU with
-    chain: tuple[str, ...] = ()  # the layers below the frozen disk, top first
-
-
-def allocated(path: Path) -> int:
-    try:
-        return path.stat().st_blocks * 512
-    except OSError:
-        return 0
-
-
-def stat_key(path: Path) -> list[int]:
-    """Size and mtime: a write changes them. (Not ctime: the hard link a restore may
-    make changes it.)"""
-    st = path.stat()
-    return [st.st_size, st.st_mtime_ns]
-
-
-async def checkpoint_guest(
-    guest: Guest,
-    *,
-    files: SandboxFiles,
-    snap_dir: Path,
-    user: QemuUser | None,
-    chain: tuple[str, ...] = (),
-    on_frozen: Callable[[Path], None] | None = None,
-    stay_paused: bool = False,
-) -> Checkpoint:
-    """Save a running guest into ``snap_dir`` (which exists and is empty) and let it run
-    on. Its disk (``files.disk``) is frozen into ``snap_dir/disk.qcow2`` and the guest
-    goes on writing a new overlay at the same path, on top of the frozen one.
-
-    Until the freeze, a failure undoes everything here (the staged overlay, its fd set
-    and block node); after it, the guest runs on the new overlay and ``snap_dir`` holds
-    the disk it stands on (the caller's collector keeps it while used): ``on_frozen``
-    is told at once, so the sandbox's recorded chain is never behind its disk.
-    ``chain``: the layers below the current disk (they become the frozen disk's).
-    ``stay_paused``: the guest stays stopped after a checkpoint that succeeded (a pause
-    ends its QEMU next: nothing runs past the saved state); a failure lets it run."""
-    m = guest.machine
-    spec = m.spec
-    mapped = spec.memory_file is not None and spec.memory_shared
-    frozen = snap_dir / "disk.qcow2"
-    frozen_done = False
-    staged = None
-    vm_fd = -1
-    try:
-        staged = await m.stage_disk(await files.stage_next_disk(frozen))
-        vm_fd = os.open(snap_dir / "vmstate", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-        async with _stopped(m, stay_paused) as t0:
-            await m.switch_disk(staged)
-            files.swap_disks(frozen)  # the guest is paused: nobody sees the two names change
-            frozen_done = True
-            if on_frozen is not None:
-                on_frozen(frozen)
-            await m.migrate_to_fd(vm_fd, ignore_shared=mapped)
-            if mapped:
-                assert spec.memory_file is not None
-                p = await trio.run_process(
-                    ["cp", "--sparse=always", str(spec.memory_file), str(snap_dir / "memory")],
-                    capture_stderr=True,
-                    check=False,
-                )
-                if p.returncode != 0:
-                    raise CheckpointError(f"copying guest memory failed: {p.stderr.decode(errors='replace')[:200]}")
-        paused = time.monotonic() - t0
-    except BaseException:
-        if not frozen_done:
-            if staged is not None:
-                await m.unstage_disk(staged)
-            files.discard_next_disk()
-        raise
-    finally:
-        if vm_fd >= 0:
-            os.close(vm_fd)
-    files_written = ["vmstate", "disk.qcow2", *(["memory"] if mapped else [])]
-    await trio.to_thread.run_sync(_finish, snap_dir, files_written, user, spec.kernel, spec.initrd)
-    sizes = {f: allocated(snap_dir / f) for f in files_written}
-    mem_stat = stat_key(snap_dir / "memory") if mapped else []
-    machine = MachineRecord(
-        append=spec.append,
-        memory_mib=spec.memory_mib,
-        cpus=spec.cpus,
-        accel=spec.accel,
-        machine=spec.machine,
-        balloon=spec.balloon,
-    )
-    return Checkpoint(MemoryKind.MAPPED if mapped else MemoryKind.STREAMED, paused, sizes, mem_stat, machine, chain)
-
-
-@asynccontextmanager
-async def _stopped(m: Machine, stay: bool) -> AsyncIterator[float]:
-    """The guest stopped for the block (``Machine.paused``); ``stay``: it runs again only
-    if the block fails."""
-    if not stay:
-        async with m.paused() as t0:
-            yield t0
-        return
-    await m.qmp_execute("stop")
-    t0 = time.monotonic()
-    try:
-        yield t0
-    except BaseException:
-        with trio.CancelScope(shield=True):
-            try:
-                await m.qmp_execute("cont")
-            except MachineError as exc:
-                log.warning("%s: cont after a failed pause: %s", m.name, exc)
-        raise
-
-
-async def still_running(guest: Guest) -> bool:
-    """After a failed checkpoint: is the guest running again (not left paused)?"""
-    if guest.machine.exited:
-        return False
-    try:
-        if await guest.machine.status() == "running":
-            return True
-        await guest.machine.qmp_execute("cont")
-        return await guest.machine.status() == "running"
-    except MachineError:
-        return False
-
-
-def _finish(snap_dir: Path, files: list[str], user: QemuUser | None, kernel: Path, initrd: Path) -> None:
-    for name in files:
-        fd = os.open(snap_dir / name, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    if user is not None and (snap_dir / "memory").exists():
-        # QEMU 7.2 maps a read-only file read-only (guest RAM must be writable), so
-        # the restores' QEMU user opens it read-write; it maps it MAP_PRIVATE and never
-        # writes it, and the recorded (size, mtime) catches a file written since
-        os.chown(snap_dir / "memory", user.uid, user.gid)
-    for src, name in ((kernel, "kernel"), (initrd, "initrd")):
-        try:
-            os.link(src, snap_dir / name)
-        except OSError:
-            shutil.copy2(src, snap_dir / name)
-            os.chmod(snap_dir / name, 0o644)  # a jailed QEMU opens it itself (-kernel /proc/self/fd/N)
-    fsync_dir(snap_dir)  # its names, and the directory's own name, before the record names it
-    fsync_dir(snap_dir.parent)
-
-
-def memory_for_restore(snap_dir: Path, run_dir: Path, user: QemuUser | None) -> Path:
-    """The snapshot's RAM file as a path QEMU's user can open: the file itself when
-    its directory is reachable, else a hard link in the run dir (removed with it)."""
-    mem = snap_dir / "memory"
-    if user is None or unsearchable_parent(mem) is None:
-        return mem
-    link = run_dir / "memory"
-    try:
-        link.unlink(missing_ok=True)
-        os.link(mem, link)
-    except OSError as exc:
-        raise FailedPrecondition(
-            f"QEMU's user {user.name!r} cannot reach {mem} (a parent is not o+x) and it cannot be "
-            f"linked into {run_dir}: {exc.strerror}; make the state directory's parents searchable"
-        ) from None
-    return link
-
-
-def helper_net(config: SandboxConfig) -> NetConfig | None:
-    """The network device a conversion's helper gives a stream of a guest of
-    ``config``: the same device, on a backend whose saved state matches the origin's
-    (slirp's state for user mode; none for a tap, whose backend saves none). The
-    helper never runs the guest: no packet moves."""
-    mode = config.network.mode
-    if mode == NetMode.USER:
-        return NetConfig(restrict=True)
-    if mode == NetMode.TAP:
-        return NetConfig(detached=True)
-    return None
-
-
-def resume_spec(
-    snap: SnapshotRecord,
-    settings: Settings,
-    *,
-    disk: Path,
-    chain: tuple[Path, ...],
-    ram: Path | None,
-    ram_shared: bool,
-    network: NetConfig | None,
-    name: str = "vm",
-    boot_timeout: float = defaults.BOOT_TIMEOUT,
-    answer_timeout: float | None = None,
-    preload: Path | None = None,
-) -> VmSpec:
-    """The machine a saved state of ``snap`` loads into: its kernel, initrd and command
-    line, its vCPUs and memory, the devices of its configuration (its balloon too).
-    Restores and the converter's helper both start from it, so their devices match the
-    stream's. ``preload``: the discard shim, for a balloon on privately mapped RAM."""
-    return VmSpec.of(
-        kernel=snap.path / "kernel",
-        initrd=snap.path / "initrd",
-        append=snap.machine.append,
-        disk=disk,
-        chain=chain,
-        cpus=snap.machine.cpus,
-        memory_mib=snap.machine.memory_mib,
-        accel=settings.accel,
-        machine=snap.machine.machine,
-        user=None if settings.cells is not None else settings.qemu_user,
-        network=network,
-        ram=ram,
-        ram_shared=ram_shared,
-        restore=snap.path / snap.vmstate,
-        boot_timeout=boot_timeout,
-        answer_timeout=answer_timeout,
-        name=name,
-        balloon=snap.machine.balloon,
-        preload=preload,
-        tb_size_mib=settings.tb_size_mib,
-    )
 
 
 @attrs.frozen
@@ -382,7 +146,8 @@ class SnapshotStore:
             self.snapshots[rec.id] = rec
             self.convert_soon(rec)
 
-    def _new_id(self) -> str:
+    def new_id(self) -> str:
+        """A fresh snapshot id (none of the store's has it)."""
         while True:
             sid = "snap-" + os.urandom(6).hex()
             if sid not in self.snapshots:
@@ -421,7 +186,7 @@ class SnapshotStore:
             raise
         rec = SnapshotRecord(
             uid=uid,
-            id=self._new_id(),
+            id=self.new_id(),
             name=name,
             labels=dict(labels or {}),
             sandbox_id="" if template_key else origin.id,

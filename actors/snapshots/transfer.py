@@ -47,11 +47,13 @@ import trio
 
 from actors.durable import fsync_dir
 from actors.errors import AlreadyExists, FailedPrecondition, InvalidArgument
+from actors.hostdirs import check_host_file
 from actors.machines.disk import MAX_CHAIN, DiskError, inspect_disk, overlay_bound
 from actors.model import ImageUse, MemoryKind, SandboxConfig, check_config, check_labels, check_name, dump, load
+from actors.sandboxes.savedstate import allocated, stat_key
 from actors.settings import Settings
 from actors.snapshots import archive
-from actors.snapshots.snapshot import SnapshotStore, allocated, stat_key
+from actors.snapshots.snapshot import SnapshotStore
 from actors.store import MachineRecord, SnapshotRecord
 
 log = logging.getLogger("sandvisor.transfer")
@@ -361,7 +363,7 @@ class _Plan:
         mapped = self.memory == MemoryKind.MAPPED
         return SnapshotRecord(
             uid=imp.uid,
-            id=imp.store._new_id(),
+            id=imp.store.new_id(),
             name=self.name,
             labels=self.labels,
             sandbox_id=self.sandbox_id,
@@ -440,8 +442,6 @@ def _check_manifest(
         raise InvalidArgument("the export's sandbox has secrets: secrets do not travel")
     check_config(config)
     if config.boot.kernel or config.boot.rootfs:
-        from actors.create_checks import check_host_file
-
         for what, path in (("kernel", config.boot.kernel), ("rootfs", config.boot.rootfs)):
             if path:
                 check_host_file(what, path, settings.allowed_paths)

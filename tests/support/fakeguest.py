@@ -890,6 +890,7 @@ class FakeGuest:
         self.connections = 0
         self.entropy: list[bytes] = []
         self.net_configs: list[proto.NetConfig] = []  # what net_config set, in order
+        self.shapes: list[proto.Configure] = []  # what configure set (the workload shape), in order
         self.clock_offset_ns = 0  # guest realtime minus host realtime
         self.clock_sets: list[int] = []
         self.shutdowns: list[bool] = []  # the reboot flag of each Shutdown request
@@ -1217,6 +1218,9 @@ class FakeGuest:
             await session.answer(proto.Ok(rid=rid))
         elif isinstance(msg, proto.NetConfig):
             self.net_configs.append(msg)
+            await session.answer(proto.Ok(rid=rid))
+        elif isinstance(msg, proto.Configure):  # the workload shape: kept, as guestd/shape.py would apply it
+            self.shapes.append(msg)
             await session.answer(proto.Ok(rid=rid))
         elif isinstance(msg, proto.Shutdown):
             self.shutdowns.append(msg.reboot)

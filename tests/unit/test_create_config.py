@@ -25,7 +25,7 @@ from trio.testing import MockClock
 
 from actors import create_checks
 from actors.errors import AlreadyExists, InvalidArgument
-from actors.model import Action, BootSource, NetMode, Network, PullAuth, SandboxConfig, State
+from actors.model import Action, BootSource, Limits, NetMode, Network, PullAuth, SandboxConfig, State
 from actors.modify import Modification, modify
 from actors.registry import Registry
 from actors.sandboxes.sandbox import Sandbox
@@ -228,3 +228,25 @@ async def test_a_record_kept_without_its_resources_takes_the_first_loaders_defau
         await reg.start("old")
         await ready(reg.get("old"))
         assert lab.machines[-1].spec.memory_mib == 384  # written back by the first, kept since
+
+
+async def test_a_snapshot_stored_without_resources_restores_with_its_machines(tmp_path: Path, clock: MockClock) -> None:
+    """A snapshot whose configuration kept no resources (stored before they were) restores
+    with the machine it was saved with, not with the defaults of the supervisor of now."""
+    lab = FakeLab()
+    async with registry(tmp_path, lab, default_memory_mib=256, default_vcpus=1) as reg:
+        sb = await reg.create("a", SandboxConfig())
+        await ready(sb)
+        await stopped(reg, "a")
+        snap, _ = await reg.checkpoint("a", name="a-disk")
+        assert (snap.machine.memory_mib, snap.machine.cpus) == (256, 1)
+        old = attrs.evolve(snap, config=attrs.evolve(snap.config, limits=Limits()))
+        reg.store.update_snapshot(old)  # as a supervisor that kept no resources wrote it
+        await reg.store.flush()
+    async with registry(tmp_path, lab, default_memory_mib=512, default_vcpus=2) as reg:
+        assert reg.snapshots.get("a-disk").config.limits == Limits()
+        with trio.fail_after(60):
+            clone = await reg.restore("a-disk", id="clone")
+        assert (clone.limits.memory_mib, clone.limits.vcpus) == (256, 1)
+        spec = lab.machines[-1].spec
+        assert (spec.memory_mib, spec.cpus) == (256, 1)

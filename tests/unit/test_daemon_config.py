@@ -11,8 +11,8 @@ import attrs
 import pytest
 
 from actors import defaults
-from supervisor.cli import build_parser
-from supervisor.daemon_config import FLAG, DaemonConfig, flags, from_args, to_argv
+from supervisor.main.cli import build_parser
+from supervisor.main.daemon_config import FLAG, DaemonConfig, flags, from_args, to_argv
 
 NOT_FLAGS = {"stop_timeout"}  # set by code (tests, benchmarks), not by a serve flag
 
@@ -101,6 +101,8 @@ def test_a_config_said_as_flags_parses_back_to_itself(tmp_path: Path) -> None:
         upstream_ca=tmp_path / "upstream-ca.pem",
         webhooks=("https://hooks.example/in", "http://127.0.0.1:8080/x"),
         webhook_secrets=(tmp_path / "wh1", tmp_path / "wh2"),
+        port_addresses=("192.0.2.10", "0.0.0.0"),
+        network_profiles=tmp_path / "profiles.toml",
     )
     default_cfg = DaemonConfig(socket=cfg.socket, state_dir=cfg.state_dir)
     left_at_default = [
@@ -160,7 +162,7 @@ def test_the_defaults_are_defined_once() -> None:
     from actors.cells import cell, cgroups, identities
     from actors.machines import qemuspec, vm
     from actors.net import ippool
-    from actors.snapshots import snapshot
+    from actors.sandboxes import savedstate
 
     def default(cls: type, name: str) -> object:
         return attrs.fields_dict(cls)[name].default
@@ -174,7 +176,7 @@ def test_the_defaults_are_defined_once() -> None:
     assert default(settings.Settings, "guest_timeout") == defaults.GUEST_TIMEOUT
     assert default(cell.JailConfig, "overhead_mib") == defaults.JAIL_OVERHEAD_MIB
     assert cgroups.CgroupLimits.for_guest.__kwdefaults__["overhead_mib"] == defaults.JAIL_OVERHEAD_MIB  # type: ignore[index]
-    assert snapshot.resume_spec.__kwdefaults__["boot_timeout"] == defaults.BOOT_TIMEOUT  # type: ignore[index]
+    assert savedstate.resume_spec.__kwdefaults__["boot_timeout"] == defaults.BOOT_TIMEOUT  # type: ignore[index]
     assert (identities.DEFAULT_ID_FIRST, identities.DEFAULT_ID_COUNT) == (
         defaults.JAIL_ID_FIRST,
         defaults.JAIL_ID_COUNT,
@@ -183,7 +185,7 @@ def test_the_defaults_are_defined_once() -> None:
 
 
 def test_serve_pool_argument() -> None:
-    from supervisor.daemon_config import _pool_arg
+    from supervisor.main.daemon_config import _pool_arg
 
     assert _pool_arg("base=2") == ("base", 2)
     assert _pool_arg("a=b=3") == ("a=b", 3)

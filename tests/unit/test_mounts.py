@@ -13,8 +13,10 @@ from actors.hostdirs import check_host_dir
 from actors.machines.qemuproc import LaunchError
 from actors.machines.qemuspec import MachineSpec
 from actors.model import HostMount, SandboxConfig, TmpfsMount, VolumeMount, check_config
-from supervisor import client, mapping, protocol
+from supervisor import client
 from supervisor.client import HostDir, Tmpfs
+from supervisor.serve import mapping
+from supervisor.wire import protocol
 
 
 def test_tmpfs_parse() -> None:
@@ -28,7 +30,7 @@ def test_tmpfs_parse() -> None:
             Tmpfs.parse(bad)
     spec = client.SandboxSpec(tmpfs=["/a:8M", Tmpfs("/b")])
     assert [(t.target, t.size_mib) for t in spec.request().tmpfs] == [("/a", 8), ("/b", 0)]
-    assert spec.with_(tmpfs=["/c"]).tmpfs == (Tmpfs("/c"),)
+    assert spec.with_(tmpfs=["/c"]).tmpfs == (Tmpfs("/a", 8), Tmpfs("/b"), Tmpfs("/c"))  # mounts merge by path
 
 
 @pytest.mark.parametrize(
@@ -135,8 +137,8 @@ def test_qemu_argv_for_host_dirs(tmp_path: Path) -> None:
 
 
 def test_grpc_create_carries_host_mounts() -> None:
-    from supervisor import grpc_service
-    from supervisor.proto.sandvisor.v1 import sandvisor_pb2 as sv
+    from supervisor.serve import grpc_service
+    from supervisor.wire.proto.sandvisor.v1 import sandvisor_pb2 as sv
 
     req = grpc_service.to_request(
         sv.CreateRequest(

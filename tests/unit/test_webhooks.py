@@ -1,4 +1,4 @@
-"""Webhooks (supervisor/webhooks.py) and the event log (supervisor/eventlog.py) on fake VMs,
+"""Webhooks (supervisor/serve/webhooks.py) and the event log (supervisor/serve/eventlog.py) on fake VMs,
 with a real HTTP listener on loopback: a listener down, then failing, then up gets every
 event once (after de-duplication), in order per sandbox, each verified; a crashed
 supervisor's queued events are delivered by the next one; a forged signature fails; the
@@ -26,14 +26,14 @@ from actors.model import Action, SandboxConfig, SandboxEvent, State
 from actors.principals import Principal
 from actors.registry import Registry
 from actors.store import Store
-from supervisor.api import METHODS
-from supervisor.client import connect
-from supervisor.eventlog import EventLog
-from supervisor.metrics import MetricsSample, render
-from supervisor.protocol import SandboxEventsRequest
-from supervisor.sdk.webhooks import WebhookVerificationError, sign, verify_webhook
-from supervisor.server import Server
-from supervisor.webhooks import Webhook, WebhookCollector, WebhookSender, read_secret, webhooks
+from supervisor.client.sdk.aio import connect
+from supervisor.client.sdk.webhooks import WebhookVerificationError, sign, verify_webhook
+from supervisor.serve.api import METHODS
+from supervisor.serve.eventlog import EventLog
+from supervisor.serve.metrics import MetricsSample, render
+from supervisor.serve.server import Server
+from supervisor.serve.webhooks import Webhook, WebhookCollector, WebhookSender, read_secret, webhooks
+from supervisor.wire.protocol import SandboxEventsRequest
 from tests.support.fakevm import FakeLab, fake_settings
 
 SECRET = b"s3cret-" + b"x" * 40

@@ -14,8 +14,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from images.build import Image
-from supervisor.sdk.webhooks import verify_webhook
-from supervisor.throwaway import supervisor_process, workdir
+from supervisor.client.sdk.webhooks import verify_webhook
+from supervisor.main.throwaway import supervisor_process, workdir
 
 SECRET = "9f" * 32
 
