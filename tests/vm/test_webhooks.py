@@ -50,7 +50,7 @@ def listener() -> Iterator[tuple[str, list[tuple[dict[str, str], bytes]], thread
 
 def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[bytes]:
     return subprocess.run(
-        [sys.executable, "-m", "supervisor.cli", *args],
+        [sys.executable, "-m", "supervisor.main.cli", *args],
         env=env,
         stdin=subprocess.DEVNULL,
         capture_output=True,
@@ -84,7 +84,7 @@ def test_a_real_sandbox_lifecycle_reaches_the_webhook_signed(image: Image) -> No
             assert [e["sequence"] for e in evs][: len(want)] == [1, 2, 3, 4, 5]
             # the CLI replays the log after a cursor, each line with its own
             p = subprocess.Popen(
-                [sys.executable, "-m", "supervisor.cli", "events", "--since", str(evs[1]["cursor"]), "--json"],
+                [sys.executable, "-m", "supervisor.main.cli", "events", "--since", str(evs[1]["cursor"]), "--json"],
                 env=env,
                 stdout=subprocess.PIPE,
                 stdin=subprocess.DEVNULL,
