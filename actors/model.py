@@ -88,6 +88,9 @@ class SandboxEvent:
     timestamp: int  # unix ns
     attributes: dict[str, str] = attrs.field(factory=dict)
     owner: str = LEGACY_OWNER  # the sandbox's owner: who may see the event (actors/principals.py)
+    # the event log's numbering (supervisor/serve/eventlog.py; 0: not logged): a client resumes after it
+    cursor: int = 0
+    sequence: int = 0  # the sandbox's own count of its events (1, 2, ...; 0: not logged)
 
 
 @attrs.frozen

@@ -343,9 +343,18 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
     p.add_argument("--cursor", type=int, default=0, metavar="SEQ", help="after the entry of this seq (--json shows it)")
     p.add_argument("--json", action="store_true")
 
-    p = cmd("events", events, "lifecycle events as they happen")
+    p = cmd("events", events, "lifecycle events as they happen (each with its cursor)")
     p.add_argument("--id")
     p.add_argument("--action")
+    p.add_argument(
+        "--since",
+        type=int,
+        default=None,
+        metavar="CURSOR",
+        help="first the events after this cursor (from the supervisor's event log), then the live ones: "
+        "resume after a disconnect with the last cursor seen (0: every event the log keeps)",
+    )
+    p.add_argument("-f", "--follow", action="store_true", help="go on with the live events (the default)")
     p.add_argument("--json", action="store_true")
 
     p = cmd("cp", cp, "copy a file (or with -r a directory tree) in or out: one side is NAME:/path")

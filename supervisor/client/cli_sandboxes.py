@@ -442,13 +442,17 @@ def events(a: argparse.Namespace) -> int:
     import datetime
 
     with connect(a) as c:
-        for e in c.stream("Events", {"id": a.id or "", "action": a.action or ""}):
+        req: dict[str, object] = {"id": a.id or "", "action": a.action or ""}
+        if a.since is not None:
+            req["since"] = a.since
+        for e in c.stream("Events", req):
             if a.json:
                 print_json(e)
             else:
                 attrs = " ".join(f"{k}={v}" for k, v in sorted(e["attributes"].items()))
                 ts = datetime.datetime.fromtimestamp(e["timestamp"] / 1e9, datetime.UTC).isoformat()
-                print(f"{ts} {e['sandbox_id']} {e['action']} {attrs}".rstrip(), flush=True)
+                where = f"cursor={e.get('cursor', 0)} "  # resume after it: events --since CURSOR
+                print(f"{where}{ts} {e['sandbox_id']} {e['action']} {attrs}".rstrip(), flush=True)
     return 0
 
 

@@ -215,6 +215,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
             grpc_addresses((addr,), cert=cfg.grpc_cert, key=cfg.grpc_key, client_ca=cfg.grpc_client_ca, auth=auth)
         except (ValueError, OSError) as exc:
             fail(f"sandvisor serve: --grpc {addr!r}: {exc}", 2)
+    from supervisor.serve.webhooks import webhooks
+
+    try:
+        webhooks(cfg.webhooks, cfg.webhook_secrets)
+    except (ValueError, OSError) as exc:
+        fail(f"sandvisor serve: {exc}", 2)
     try:
         if cfg.metrics:
             check_metrics_listen(cfg.metrics)

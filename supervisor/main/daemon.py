@@ -46,12 +46,14 @@ from images.oci import ImageStore
 from images.refs import RefPolicy
 from supervisor.main.daemon_config import DaemonConfig
 from supervisor.main.notify import Notifier
+from supervisor.serve.eventlog import EventLog
 from supervisor.serve.grpc_addresses import Address, TcpAddress
 from supervisor.serve.grpc_service import addresses, build_edge, call_principal, tcp_auth
 from supervisor.serve.metrics import MetricsEndpoint, RegistrySource, parse_listen
 from supervisor.serve.metrics import check_listen as check_metrics_listen
 from supervisor.serve.server import Server
 from supervisor.serve.tokens import make_token_file, read_token_file
+from supervisor.serve.webhooks import WebhookCollector, WebhookSender, webhooks
 from supervisor.wire.config import (
     claim_runtime_dir,
     default_memory_dir,
@@ -380,6 +382,10 @@ async def _serve_locked(cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Re
     e2b_at = parse_listen(cfg.e2b) if cfg.e2b else None
     e2b_keys = e2b_key_file(cfg) if e2b_at is not None else Path()
     ssh_at = parse_listen(cfg.ssh) if cfg.ssh else None
+    try:
+        hooks = webhooks(cfg.webhooks, cfg.webhook_secrets)  # the secrets read once, here
+    except (ValueError, OSError) as exc:
+        raise Refused(str(exc)) from None
     fleet = _fleet_config(cfg, grpc_addrs)
     image_refs = RefPolicy(
         allowed_paths=cfg.allow_paths, registry_allow=cfg.registry_allow, registry_mirrors=cfg.registry_mirrors
@@ -407,6 +413,8 @@ async def _serve_locked(cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Re
             )
         )
     store = Store(cfg.state_dir / "sandvisor.db")
+    event_log = EventLog(cfg.state_dir / "events.db", [h.key for h in hooks])
+    sender = WebhookSender(event_log, hooks) if hooks else None
     # a balloon's discards are safe in anonymous RAM and in a machine's own RAM file; a
     # restore maps a snapshot's memory privately, which only a jail seals (and the
     # discard shim, required above, lets give memory back): without a jail, no balloons
@@ -461,22 +469,26 @@ async def _serve_locked(cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Re
             if hostnet is not None:  # before the registry: adopted sandboxes get their links back
                 await nursery.start(hostnet.run)
                 log.info("tap networking: pool %s, gateway and DNS proxy %s", hostnet.pool.network, hostnet.gateway)
-            registry = await nursery.start(
-                Registry(
-                    settings,
-                    store,
-                    quotas=Quotas(
-                        max_sandboxes=cfg.max_sandboxes,
-                        max_memory_mib=cfg.max_memory_mib,
-                        max_disk_mib=cfg.max_disk_mib,
-                        max_paused=cfg.max_paused,
-                    ),
-                    templates=cfg.templates,
-                    template_pool=cfg.template_pool,
-                    pool_size=cfg.pool_size,
-                    pools=cfg.pools,
-                ).run
+            if sender is not None:
+                await nursery.start(sender.run)
+                log.info("webhooks: %s", ", ".join(h.url for h in hooks))
+            registry = Registry(
+                settings,
+                store,
+                quotas=Quotas(
+                    max_sandboxes=cfg.max_sandboxes,
+                    max_memory_mib=cfg.max_memory_mib,
+                    max_disk_mib=cfg.max_disk_mib,
+                    max_paused=cfg.max_paused,
+                ),
+                templates=cfg.templates,
+                template_pool=cfg.template_pool,
+                pool_size=cfg.pool_size,
+                pools=cfg.pools,
             )
+            registry.events.journal = event_log.append  # every event logged (and queued for the webhooks) first
+            registry.events.backlog = event_log.after  # events --since replays from it
+            await nursery.start(registry.run)
             # the sandboxes' own log levels for the lines about them (actors/sandlog.py)
             nursery.start_soon(_sandbox_log_levels, registry)
             server_scope = trio.CancelScope()
@@ -507,7 +519,12 @@ async def _serve_locked(cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Re
                 await nursery.start(run_edge)
                 log.info("gRPC on %s", ", ".join(map(str, grpc_addrs)))
             if metrics_at is not None:
-                endpoint = MetricsEndpoint(RegistrySource(registry), *metrics_at, token=metrics_key)
+                endpoint = MetricsEndpoint(
+                    RegistrySource(registry),
+                    *metrics_at,
+                    token=metrics_key,
+                    extra=[WebhookCollector(sender)] if sender is not None else [],
+                )
                 await nursery.start(endpoint.run)
                 log.info("metrics on http://%s:%d/metrics", metrics_at[0], endpoint.port)
             e2b_scope = trio.CancelScope()
@@ -556,6 +573,7 @@ async def _serve_locked(cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Re
     finally:
         parts.close()
         store.close()
+        event_log.close()
         if cells is not None:
             cells.close()
         if not cfg.keep_sandboxes:  # empty once every sandbox is gone: nothing of ours stays in /run or /dev/shm

@@ -503,6 +503,23 @@ class DaemonConfig:
         "public, private and none; read at start",
         parse=_path,
     )
+    # webhooks (docs/webhooks.md): the n-th --webhook is signed with the n-th --webhook-secret
+    webhooks: tuple[str, ...] = flag(
+        (),
+        name="--webhook",
+        kind="repeat",
+        metavar="URL",
+        help="POST every sandbox's lifecycle events, signed, to this http(s) URL (repeatable; each with its "
+        "--webhook-secret, paired in order)",
+    )
+    webhook_secrets: tuple[Path, ...] = flag(
+        (),
+        name="--webhook-secret",
+        kind="repeat",
+        metavar="FILE",
+        help="the HMAC-SHA256 secret of the --webhook of the same position (ours, mode 0600; read at start)",
+        parse=lambda v: tuple(Path(p) for p in v or ()),
+    )
 
 
 def flags() -> list[tuple[attrs.Attribute[Any], Flag]]:

@@ -42,6 +42,7 @@ from actors.face import (
     LOG_SOURCES,
     CommandNotRun,
     DomainError,
+    FailedPrecondition,
     FsEntry,
     InvalidArgument,
     Lagged,
@@ -259,9 +260,23 @@ async def _exec_session(sb: Sandbox, req: protocol.ExecRequest, io: CallIO) -> N
 
 @method("Events", protocol.SandboxEventsRequest, streams=True)
 async def _events(reg: Registry, io: CallIO, req: protocol.SandboxEventsRequest) -> None:
-    sub = reg.events.subscribe(req.id, req.action, viewer=io.principal)
+    sub = reg.events.subscribe(req.id, req.action, viewer=io.principal)  # first: nothing falls between
     try:
+        last = 0  # the last cursor sent from the log: the live events up to it were sent already
+        if req.since is not None:
+            if reg.events.backlog is None:
+                raise FailedPrecondition("this supervisor keeps no event log: since cannot resume")
+            if req.since < 0:
+                raise InvalidArgument(f"since {req.since}: a cursor is 0 or more")
+            last = req.since
+            while page := reg.events.backlog(last, 1000):
+                for ev in page:
+                    if sub.wants(ev):
+                        await io.send(mapping.event(ev))
+                last = page[-1].cursor
         async for ev in sub:
+            if ev.cursor and ev.cursor <= last:
+                continue
             await io.send(mapping.event(ev))
     except Lagged as exc:
         raise ResourceExhausted(str(exc)) from None

@@ -276,7 +276,9 @@ def ports(sb: Sandbox) -> protocol.ListPortsResponse:
 
 
 def event(ev: SandboxEvent) -> protocol.SandboxEvent:
-    return protocol.SandboxEvent(ev.sandbox_id, ev.action.value, ev.timestamp, dict(ev.attributes))
+    return protocol.SandboxEvent(
+        ev.sandbox_id, ev.action.value, ev.timestamp, dict(ev.attributes), cursor=ev.cursor, sequence=ev.sequence
+    )
 
 
 def metrics(m: SandboxMetrics, *, cpu_seconds_total: float = 0.0) -> protocol.MetricsResponse:

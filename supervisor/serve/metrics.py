@@ -30,6 +30,7 @@ Series (``id`` is the sandbox id):
 * ``sandvisor_sandbox_memory_rss_bytes{id}``: resident memory of the VM on the host
 * ``sandvisor_sandbox_memory_limit_bytes{id}``: the guest's configured memory
 * ``sandvisor_sandbox_guest_memory_available_bytes{id}``: as the guest last reported it
+* ``sandvisor_webhook_*``: webhook delivery (docs/webhooks.md), with ``serve --webhook``
 * ``process_*``: the supervisor's own CPU, memory and file descriptors
 """
 
@@ -117,10 +118,13 @@ class SampleCollector(Collector):
         yield from (info, cpu, rss, limit, avail)
 
 
-def render(sample: MetricsSample, *, process: bool = True) -> bytes:
-    """The text exposition of ``sample`` (and the supervisor process's own metrics)."""
+def render(sample: MetricsSample, *, process: bool = True, extra: Sequence[Collector] = ()) -> bytes:
+    """The text exposition of ``sample`` (and the supervisor process's own metrics, and
+    ``extra``'s: the webhooks' delivery)."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(SampleCollector(sample))
+    for c in extra:
+        registry.register(c)
     if process:
         ProcessCollector(registry=registry)
     return generate_latest(registry)
@@ -176,8 +180,10 @@ class MetricsEndpoint:
         token: bytes,
         scrape_timeout: float = 5.0,
         cache_for: float = CACHE_FOR,
+        extra: Sequence[Collector] = (),
     ) -> None:
         self.source = source
+        self.extra = tuple(extra)  # collectors of the supervisor's own services (webhooks)
         self.host = host
         self.port = port
         self.token = check_token(token)
@@ -243,7 +249,7 @@ class MetricsEndpoint:
         if sample is None:
             return "503 Service Unavailable", b"the supervisor did not answer in time\n", "text/plain"
         self.scrapes += 1
-        return "200 OK", render(sample), CONTENT_TYPE_LATEST
+        return "200 OK", render(sample, extra=self.extra), CONTENT_TYPE_LATEST
 
     async def _sample(self) -> MetricsSample:
         """The last collection if it is younger than ``cache_for``, else a new one (one at a

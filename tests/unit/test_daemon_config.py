@@ -99,6 +99,8 @@ def test_a_config_said_as_flags_parses_back_to_itself(tmp_path: Path) -> None:
         fleet_python="/usr/bin/python3",
         secrets_key=tmp_path / "secrets.key",
         upstream_ca=tmp_path / "upstream-ca.pem",
+        webhooks=("https://hooks.example/in", "http://127.0.0.1:8080/x"),
+        webhook_secrets=(tmp_path / "wh1", tmp_path / "wh2"),
         port_addresses=("192.0.2.10", "0.0.0.0"),
         network_profiles=tmp_path / "profiles.toml",
     )

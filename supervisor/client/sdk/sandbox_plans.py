@@ -314,9 +314,11 @@ def log_stream(
     return each("Logs", req, LogEntry)
 
 
-def events(t: Target, action: str = "") -> StreamPlan[SandboxEvent]:
-    """This sandbox's lifecycle events from now on (``action``: only those)."""
-    return each("Events", protocol.SandboxEventsRequest(id=t.id, action=action), SandboxEvent)
+def events(t: Target, action: str = "", since: int | None = None) -> StreamPlan[SandboxEvent]:
+    """This sandbox's lifecycle events from now on (``action``: only those); with
+    ``since`` (an event's ``cursor``), first those after it from the supervisor's event
+    log, then the live ones: no gap, no repeat (docs/webhooks.md)."""
+    return each("Events", protocol.SandboxEventsRequest(id=t.id, action=action, since=since), SandboxEvent)
 
 
 # --- work -----------------------------------------------------------------------------------

@@ -411,6 +411,7 @@ class ListSandboxesResponse:
 class SandboxEventsRequest:
     id: str = ""
     action: str = ""
+    since: int | None = None  # resume: the events after this cursor first, then the live ones (None: live only)
 
 
 @attrs.frozen
@@ -419,6 +420,8 @@ class SandboxEvent:
     action: str
     timestamp: int
     attributes: dict[str, str] = attrs.field(factory=dict)
+    cursor: int = 0  # its place in the event log (0: not logged): resume with since=cursor
+    sequence: int = 0  # its sandbox's count of events (1, 2, ...)
 
 
 @attrs.frozen
