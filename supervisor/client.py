@@ -58,11 +58,13 @@ from supervisor.protocol import (
     LogEntry,
     MetricsResponse,
     ModifyChange,
+    ModifyNote,
     ModifyResponse,
     OciImageInfo,
     PruneImagesResponse,
     PullImageProgress,
     RemoveImageResponse,
+    ResizeStatus,
     SandboxEvent,
     SandboxInfo,
     SandboxSettings,
@@ -83,6 +85,7 @@ from supervisor.sdk.aio import (
 )
 from supervisor.sdk.config_plans import load_config_json
 from supervisor.sdk.detach import DEFAULT_DETACH_KEYS, Detached
+from supervisor.sdk.modify_spec import SecretUpdate
 from supervisor.sdk.spec import (
     Boot,
     Dns,
@@ -136,6 +139,7 @@ __all__ = [
     "LogEntry",
     "MetricsResponse",
     "ModifyChange",
+    "ModifyNote",
     "ModifyResponse",
     "Network",
     "NotFound",
@@ -149,6 +153,7 @@ __all__ = [
     "PullImageProgress",
     "RegistryAuth",
     "RemoveImageResponse",
+    "ResizeStatus",
     "ResourceExhausted",
     "Resources",
     "RunResult",
@@ -161,6 +166,7 @@ __all__ = [
     "SandboxSpec",
     "SandboxSummary",
     "Secret",
+    "SecretUpdate",
     "Secrets",
     "Settings",
     "Shape",

@@ -36,7 +36,7 @@ from actors.model import (
     VolumeMount,
     Workload,
 )
-from actors.modify import Modification, Plan
+from actors.modify import Modification, Plan, Policy, SecretChange
 from actors.sandboxes.sandbox import Sandbox
 from actors.secrets.model import HEADERS, SecretRef
 from actors.snapshots.snapshot import rfc3339
@@ -231,7 +231,31 @@ def modification(req: protocol.ModifyRequest) -> Modification:
         restart=req.restart,
         ssh_keys_add=_keys("\n".join(req.ssh_keys_add)) if req.ssh_keys_add else (),
         ssh_keys_remove=_keys("\n".join(req.ssh_keys_remove)) if req.ssh_keys_remove else (),
+        env_remove=tuple(req.env_remove),
+        max_vcpus=req.max_vcpus,
+        max_memory_mib=req.max_memory_mib,
+        policy=_policy(req.policy),
+        secrets=tuple(
+            SecretChange(
+                s.name,
+                value=bytes(s.value) if s.value else None,
+                store=s.store,
+                placeholder=s.placeholder,
+                hosts=tuple(s.hosts),
+                substitute=s.substitute,
+            )
+            for s in req.secrets
+        ),
     )
+
+
+def _policy(text: str) -> Policy | None:
+    if not text:
+        return None
+    try:
+        return Policy(text)
+    except ValueError:
+        raise InvalidArgument(f"policy {text[:40]!r}: no_restart, restart or next_start") from None
 
 
 def _keys(text: str) -> tuple[str, ...]:
@@ -250,6 +274,11 @@ def modify_response(p: Plan) -> protocol.ModifyResponse:
         note=p.note,
         settled=p.settled,
         settle_seconds=round(p.settle_seconds, 3),
+        policy=p.policy.value,
+        conflicts=[protocol.ModifyNote(n.field, n.message) for n in p.conflicts],
+        warnings=[protocol.ModifyNote(n.field, n.message) for n in p.warnings],
+        resize=[protocol.ResizeStatus(r.resource, r.requested, r.actual, r.enforced, r.state, r.why) for r in p.resize],
+        pending=p.pending,
     )
 
 

@@ -284,7 +284,7 @@ DOMAIN_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("what outlives a life", ("snapshots",)),
     (
         "the registry and its services",
-        ("modify", "create_checks", "listing", "recovery", "hibernation", "timers", "registry"),
+        ("modify_secrets", "modify", "create_checks", "listing", "recovery", "hibernation", "timers", "registry"),
     ),
     ("the package itself", ("actors",)),  # actors/__init__.py: nothing inside imports it
 )
