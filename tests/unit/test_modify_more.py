@@ -5,6 +5,8 @@ the registry's part on fake VMs."""
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -20,6 +22,7 @@ from actors.modify import Kind, Machine, Modification, Policy, SecretChange, Sta
 from actors.registry import Registry
 from actors.sandboxes.sandbox import Sandbox
 from actors.secrets.model import SecretRef
+from actors.secrets.vault import Vault
 from actors.store import Record, Store
 from supervisor import mapping, protocol
 from tests.support.fakevm import FakeLab, fake_settings
@@ -299,3 +302,37 @@ async def test_a_live_resize_reports_each_resource(tmp_path: Path) -> None:
         assert by["memory"].state == "settled" and "no balloon" in by["memory"].why
         with pytest.raises(InvalidArgument, match="above max_vcpus"):  # a ceiling below its value
             await modify(reg, "r", Modification(max_vcpus=1))
+
+
+async def test_a_principal_names_only_store_entries_it_may_see(tmp_path: Path) -> None:
+    """Modify's ``store:`` secret, like Create's: another principal's entry is NOT_FOUND
+    with the text of a real miss (no existence oracle); its own gets past that door."""
+    from supervisor.errors import SandboxError
+    from supervisor.sdk.aio import connect
+    from tests.unit.test_principals import lab
+
+    (tmp_path / "vault").mkdir()
+    vault = Vault(tmp_path / "vault", tmp_path / "vault.key")
+    short = Path(tempfile.mkdtemp(prefix="p", dir="/tmp"))
+    try:
+        with trio.fail_after(120):
+            async with (
+                lab(tmp_path, short, vault=vault) as lb,
+                connect(lb.sock, act_as="uid:7") as seven,
+                connect(lb.sock, act_as="uid:8") as eight,
+            ):
+                await seven.call("SetSecret", {"name": "gh", "value": b"seven's", "hosts": ["api.github.com"]})
+                await eight.call("Create", {"id": "s8"})
+                spec = {"name": "GH", "store": "gh", "hosts": ["api.github.com"]}
+                with pytest.raises(SandboxError, match="no secret 'gh' in the store") as e:
+                    await eight.call("Modify", {"id": "s8", "secrets": [spec]})
+                assert e.value.code == "NOT_FOUND"
+                await seven.call("Create", {"id": "s7"})
+                await ready(lb.reg.get("s7"))
+                # its own: past the door; the fake VM booted without secrets: by restart only
+                r = await seven.call("Modify", {"id": "s7", "secrets": [spec]})
+                assert not r["applied"] and [c["status"] for c in r["changes"]] == ["needs_restart"]
+                assert "booted without secrets" in r["conflicts"][0]["message"]
+                assert lb.reg.get("s8").config.secrets == () == lb.reg.get("s7").config.secrets
+    finally:
+        shutil.rmtree(short, ignore_errors=True)
