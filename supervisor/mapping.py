@@ -174,6 +174,7 @@ def info(sb: Sandbox) -> protocol.SandboxInfo:
         uid=r.uid,
         requested=requested(sb),
         applied=applied(sb),
+        pending=pending(sb),
         updated_at=r.updated_at,
         owner=r.owner,
         ssh_keys=list(r.config.ssh_keys),
@@ -183,7 +184,18 @@ def info(sb: Sandbox) -> protocol.SandboxInfo:
 
 def requested(sb: Sandbox) -> protocol.SandboxSettings:
     """The configuration as asked (Create and the Modifies since; defaults resolved)."""
-    cfg, limits = sb.config, sb.limits
+    return _settings(sb.config, sb.limits)
+
+
+def pending(sb: Sandbox) -> protocol.SandboxSettings | None:
+    """The configuration a Modify saved for the next start (None: nothing pending)."""
+    cfg = sb.record.pending
+    if cfg is None:
+        return None
+    return _settings(cfg, cfg.limits.filled(sb.limits.vcpus, sb.limits.memory_mib))
+
+
+def _settings(cfg: SandboxConfig, limits: Limits) -> protocol.SandboxSettings:
     return protocol.SandboxSettings(
         vcpus=limits.vcpus,
         memory_mib=limits.memory_mib,

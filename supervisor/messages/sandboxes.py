@@ -314,6 +314,7 @@ class SandboxInfo:
     owner: str = ""  # the principal that made it (docs/security.md)
     ssh_keys: list[str] = attrs.field(factory=list)  # the public keys its SSH endpoint accepts (docs/ssh.md)
     shell: str = ""  # what the clients' shell runs when the call names none ("": /bin/sh)
+    pending: SandboxSettings | None = None  # saved for the next start (a Modify's policy next_start)
 
 
 @attrs.frozen

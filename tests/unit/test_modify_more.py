@@ -275,6 +275,8 @@ async def test_next_start_on_a_running_sandbox_waits_for_its_next_boot(tmp_path:
         assert p.applied and p.pending and not p.restart
         assert sb.config.workload.env == {"A": "1", "B": "2"} and "x" not in sb.config.labels  # not now
         assert sb.record.pending is not None and sb.limits.max_vcpus == 1
+        shown = mapping.info(sb).pending  # Inspect shows what waits
+        assert shown is not None and shown.max_vcpus == 2 and shown.env == {"B": "2"}
         with pytest.raises(FailedPrecondition, match="next start"):  # a plain Modify would be lost at the start
             await modify(reg, "n", Modification(env={"C": "3"}))
         more = await modify(reg, "n", Modification(env={"C": "3"}, policy=Policy.NEXT_START))  # they add up
@@ -284,7 +286,7 @@ async def test_next_start_on_a_running_sandbox_waits_for_its_next_boot(tmp_path:
         await reg.start("n")
         await ready(sb)
         assert sb.config.workload.env == {"B": "2", "C": "3"} and sb.config.labels["x"] == "1"
-        assert sb.record.pending is None and sb.limits.vcpu_ceiling == 2
+        assert sb.record.pending is None and sb.limits.vcpu_ceiling == 2 and mapping.info(sb).pending is None
         assert sb.guest is not None and sb.guest.machine.spec.cpus == 2  # the new machine's ceiling
 
 

@@ -132,6 +132,7 @@ async def next_start_and_ceiling(work: Any, box: AsyncSandbox) -> None:
     info = await box.inspect()
     assert info.applied is not None and info.requested is not None
     assert info.applied.max_vcpus == 1 and info.requested.max_vcpus == 1
+    assert info.pending is not None and info.pending.max_vcpus == 2 and info.pending.env["LATER"] == "1"
     # a plain Modify now would be lost at the start: refused (next_start adds up, restart applies)
     with pytest.raises(FailedPrecondition, match="next start"):
         await box.modify(cpus=2)
@@ -140,6 +141,7 @@ async def next_start_and_ceiling(work: Any, box: AsyncSandbox) -> None:
     await box.start()
     info = await box.inspect()
     assert info.applied is not None and (info.applied.vcpus, info.applied.max_vcpus) == (1, 2)
+    assert info.pending is None
     assert await sh(box, 'echo "${LATER:-none} ${A:-none} $KEY2"') == f"1 none {NEW_PLACEHOLDER}"
     # the new ceiling is the machine's: a live resize up to it, reported per resource
     r3 = await box.modify(cpus=2)

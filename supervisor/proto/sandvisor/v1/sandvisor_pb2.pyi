@@ -1050,18 +1050,20 @@ class SandboxSettings(_message.Message):
     def __init__(self, vcpus: _Optional[int] = ..., memory_mib: _Optional[int] = ..., max_vcpus: _Optional[int] = ..., max_memory_mib: _Optional[int] = ..., disk_size_mib: _Optional[int] = ..., env: _Optional[_Mapping[str, str]] = ..., working_dir: _Optional[str] = ..., ttl_seconds: _Optional[int] = ..., idle_timeout_seconds: _Optional[int] = ..., settled: _Optional[bool] = ...) -> None: ...
 
 class SandboxDetails(_message.Message):
-    __slots__ = ("base", "requested", "applied", "updated_at", "shell")
+    __slots__ = ("base", "requested", "applied", "updated_at", "shell", "pending")
     BASE_FIELD_NUMBER: _ClassVar[int]
     REQUESTED_FIELD_NUMBER: _ClassVar[int]
     APPLIED_FIELD_NUMBER: _ClassVar[int]
     UPDATED_AT_FIELD_NUMBER: _ClassVar[int]
     SHELL_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
     base: _sandbox_pb2.SandboxInfo
     requested: SandboxSettings
     applied: SandboxSettings
     updated_at: int
     shell: str
-    def __init__(self, base: _Optional[_Union[_sandbox_pb2.SandboxInfo, _Mapping]] = ..., requested: _Optional[_Union[SandboxSettings, _Mapping]] = ..., applied: _Optional[_Union[SandboxSettings, _Mapping]] = ..., updated_at: _Optional[int] = ..., shell: _Optional[str] = ...) -> None: ...
+    pending: SandboxSettings
+    def __init__(self, base: _Optional[_Union[_sandbox_pb2.SandboxInfo, _Mapping]] = ..., requested: _Optional[_Union[SandboxSettings, _Mapping]] = ..., applied: _Optional[_Union[SandboxSettings, _Mapping]] = ..., updated_at: _Optional[int] = ..., shell: _Optional[str] = ..., pending: _Optional[_Union[SandboxSettings, _Mapping]] = ...) -> None: ...
 
 class SecretSpec(_message.Message):
     __slots__ = ("name", "hosts", "value", "store", "placeholder", "substitute")
