@@ -338,3 +338,35 @@ async def test_a_principal_names_only_store_entries_it_may_see(tmp_path: Path) -
                 assert lb.reg.get("s8").config.secrets == () == lb.reg.get("s7").config.secrets
     finally:
         shutil.rmtree(short, ignore_errors=True)
+
+
+async def test_the_blocking_sdk_sends_every_addition(tmp_path: Path) -> None:
+    """The blocking Sandbox runs the same Modify plan: env_remove, a ceiling, the policy,
+    a secret update, and reads back conflicts, warnings and pending."""
+    from supervisor.errors import InvalidArgument as ClientInvalidArgument
+    from supervisor.sdk.modify_spec import SecretUpdate
+    from supervisor.sdk.sync import Sandbox as SyncSandbox
+    from tests.unit.test_principals import lab
+
+    short = Path(tempfile.mkdtemp(prefix="p", dir="/tmp"))
+    try:
+        with trio.fail_after(120):
+            async with lab(tmp_path, short) as lb:
+                sb = await lb.reg.create("b", SandboxConfig(workload=Workload(env={"A": "1"})))
+                await ready(sb)
+
+                def calls() -> tuple[Any, Any]:
+                    box = SyncSandbox.get("b", socket=lb.sock)
+                    now = box.modify(env_remove=["A"], max_cpus=2, dry_run=True)
+                    later = box.modify(env_remove=["A"], max_cpus=2, policy="next_start")
+                    with pytest.raises(ClientInvalidArgument):  # a secret update names one source at most
+                        SecretUpdate(name="K", value="v", store="s").spec()
+                    return now, later
+
+                now, later = await trio.to_thread.run_sync(calls)
+                assert not now.applied and [c.field for c in now.conflicts] == ["max_cpus"]
+                assert [w.field for w in now.warnings] == ["env"] and now.policy == "no_restart"
+                assert later.applied and later.pending and later.policy == "next_start"
+                assert sb.record.pending is not None and sb.config.workload.env == {"A": "1"}
+    finally:
+        shutil.rmtree(short, ignore_errors=True)
