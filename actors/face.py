@@ -68,7 +68,7 @@ from actors.model import (
     check_port,
     script_argv,
 )
-from actors.modify import Modification, Plan, modify
+from actors.modify import Modification, Plan, Policy, SecretChange, modify
 from actors.net import profiles
 from actors.net.nft import Nft
 from actors.principals import Principal
@@ -117,6 +117,7 @@ __all__ = [
     "NotFound",
     "PermissionDenied",
     "Plan",
+    "Policy",
     "PortSpec",
     "Principal",
     "Protocol",
@@ -127,6 +128,7 @@ __all__ = [
     "SandboxConfig",
     "SandboxEvent",
     "SandboxMetrics",
+    "SecretChange",
     "SecretRef",
     "SnapshotRecord",
     "State",

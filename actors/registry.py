@@ -540,6 +540,7 @@ class Registry:
             raise FailedPrecondition(f"sandbox {id} is {sb.state}; only a stopped sandbox can start")
         if sb.checkpointing:  # a disk-only checkpoint is moving its disk
             raise FailedPrecondition(f"sandbox {id} is being checkpointed; retry in a moment")
+        sb.take_pending()  # (a Modify's next_start changes: this boot has them)
         self.admit(sb.limits.memory_ceiling, ram_file=True)
         check_network_available(self.settings, sb.config.network)
         self.volumes.check(sb.config.volumes, sb.record.uid)

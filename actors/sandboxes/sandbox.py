@@ -155,13 +155,32 @@ class Sandbox(Identity):
 
     def retune(self, config: SandboxConfig, *, changed: bool) -> None:
         """A Modify's configuration, stored; the limits it leaves at 0 stay as they were
-        (``changed``: something changed, ``updated_at`` says when)."""
+        (``changed``: something changed, ``updated_at`` says when). Whatever was saved
+        for the next start is in ``config`` (a Modify plans on it) and pending no more."""
         before = self.limits
         self.record.config = config
+        self.record.pending = None
         self.record.limits = config.limits.filled(before.vcpus, before.memory_mib)
         if changed:
             self.record.updated_at = int(time.time())
         self.store.update_tuning(self.record)
+
+    def save_pending(self, config: SandboxConfig) -> None:
+        """A Modify's configuration for the next start (policy next_start): the running
+        machine and the record's configuration stay as they are until then."""
+        self.record.pending = config
+        self.record.updated_at = int(time.time())
+        self.store.update_tuning(self.record)
+
+    def take_pending(self) -> bool:
+        """The configuration saved for the next start made the sandbox's (a boot from
+        stopped); whether there was one."""
+        pending = self.record.pending
+        if pending is None:
+            return False
+        self.retune(pending, changed=False)
+        self.log.append("system", b"modified: the changes saved for the next start are applied")
+        return True
 
     # -- what the current life holds ------------------------------------------------
     @property

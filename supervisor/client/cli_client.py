@@ -314,6 +314,22 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
     p.add_argument("--idle-timeout", type=int, metavar="S")
     p.add_argument("--dry-run", action="store_true", help="print the plan; change nothing")
     p.add_argument("--restart", action="store_true", help="a change above a ceiling restarts the sandbox")
+    p.add_argument("--env-remove", action="append", metavar="K", help="take K out of its env (repeatable)")
+    p.add_argument("--max-cpus", type=int, metavar="N", help="the vCPU ceiling (a running sandbox: restart)")
+    p.add_argument("--max-memory", type=int, metavar="MIB", help="the memory ceiling (a running sandbox: restart)")
+    p.add_argument(
+        "--policy",
+        choices=["no_restart", "restart", "next_start"],
+        help="next_start: save everything for the next start, the running sandbox unchanged",
+    )
+    p.add_argument(
+        "--secret",
+        action="append",
+        metavar="NAME=SRC@HOSTS",
+        help="add a secret (create's form), or give one another source and hosts",
+    )
+    p.add_argument("--secret-hosts", action="append", metavar="NAME=H[,H...]", help="re-host a secret")
+    p.add_argument("--secret-placeholder", action="append", metavar="NAME=P", help="a secret's new placeholder")
     p.add_argument("--json", action="store_true")
 
     p = cmd("logs", logs, "a sandbox's persisted output")

@@ -379,6 +379,24 @@ def _settings(s: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
+def modify_secrets(a: argparse.Namespace) -> list[dict[str, Any]]:
+    """``--secret`` (create's form), ``--secret-hosts``, ``--secret-placeholder``: one
+    wire SecretSpec per name (an ``env:`` source read here, as at create)."""
+    from supervisor.client.sdk.spec import Secret
+
+    by: dict[str, dict[str, Any]] = {}
+    for text in a.secret or ():
+        sp = Secret.parse(text).spec()
+        by[sp.name] = {"name": sp.name, "hosts": sp.hosts, "value": sp.value, "store": sp.store}
+        if sp.placeholder:
+            by[sp.name]["placeholder"] = sp.placeholder
+    for name, hosts in kv(a.secret_hosts or []).items():
+        by.setdefault(name, {"name": name})["hosts"] = [h.strip() for h in hosts.split(",") if h.strip()]
+    for name, placeholder in kv(a.secret_placeholder or []).items():
+        by.setdefault(name, {"name": name})["placeholder"] = placeholder
+    return list(by.values())
+
+
 def modify(a: argparse.Namespace) -> int:
     """One call: the plan, a row per change; exit 1 when a change is refused or needs
     --restart (then nothing changed), 0 otherwise (a dry run that would apply too)."""
@@ -400,6 +418,16 @@ def modify(a: argparse.Namespace) -> int:
         body["env"] = kv(a.env)
     if a.label:
         body["labels"] = kv(a.label)
+    for key, value in (("max_vcpus", a.max_cpus), ("max_memory_mib", a.max_memory)):
+        if value is not None:
+            body[key] = value
+    if a.env_remove:
+        body["env_remove"] = list(a.env_remove)
+    if a.policy:
+        body["policy"] = a.policy
+    secrets = modify_secrets(a)
+    if secrets:
+        body["secrets"] = secrets
     with connect(a) as c:
         r = c.call("Modify", body)
     if a.json:
@@ -407,6 +435,17 @@ def modify(a: argparse.Namespace) -> int:
     else:
         rows = [(c["kind"], c["value"], c["status"], c["why"]) for c in r["changes"]]
         print_table(("CHANGE", "VALUE", "STATUS", "WHY"), rows)
+        for n in r.get("conflicts", []):
+            print(f"conflict: {n['field']}: {n['message']}", file=sys.stderr)
+        for n in r.get("warnings", []):
+            print(f"warning: {n['field']}: {n['message']}")
+        if r.get("resize"):
+            print_table(
+                ("RESOURCE", "REQUESTED", "ACTUAL", "ENFORCED", "STATE"),
+                [(x["resource"], x["requested"], x["actual"], x["enforced"], x["state"]) for x in r["resize"]],
+            )
+        if r.get("pending"):
+            print("saved for the next start: the running sandbox is not changed")
         if r["dry_run"]:
             print("dry run: nothing changed")
         elif not r["applied"]:

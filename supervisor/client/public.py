@@ -49,6 +49,7 @@ from supervisor.client.sdk.aio import (
 )
 from supervisor.client.sdk.config_plans import load_config_json
 from supervisor.client.sdk.detach import DEFAULT_DETACH_KEYS, Detached
+from supervisor.client.sdk.modify_spec import SecretUpdate
 from supervisor.client.sdk.spec import (
     Boot,
     Dns,
@@ -96,11 +97,13 @@ from supervisor.wire.protocol import (
     LogEntry,
     MetricsResponse,
     ModifyChange,
+    ModifyNote,
     ModifyResponse,
     OciImageInfo,
     PruneImagesResponse,
     PullImageProgress,
     RemoveImageResponse,
+    ResizeStatus,
     SandboxEvent,
     SandboxInfo,
     SandboxSettings,
@@ -138,6 +141,7 @@ __all__ = [
     "LogEntry",
     "MetricsResponse",
     "ModifyChange",
+    "ModifyNote",
     "ModifyResponse",
     "Network",
     "NotFound",
@@ -151,6 +155,7 @@ __all__ = [
     "PullImageProgress",
     "RegistryAuth",
     "RemoveImageResponse",
+    "ResizeStatus",
     "ResourceExhausted",
     "Resources",
     "RunResult",
@@ -163,6 +168,7 @@ __all__ = [
     "SandboxSpec",
     "SandboxSummary",
     "Secret",
+    "SecretUpdate",
     "Secrets",
     "Settings",
     "Shape",

@@ -121,9 +121,11 @@ async def _inspect(reg: Registry, io: CallIO, req: protocol.IdRequest) -> protoc
 
 @method("Modify", protocol.ModifyRequest)
 async def _modify(reg: Registry, io: CallIO, req: protocol.ModifyRequest) -> protocol.ModifyResponse:
-    return mapping.modify_response(
-        await modify(reg, access.sandbox(reg, io.principal, req.id).id, mapping.modification(req))
-    )
+    sb = access.sandbox(reg, io.principal, req.id)
+    for spec in req.secrets:  # a principal names only store entries it may see (else as a miss)
+        if spec.store:
+            access.stored_secret(reg, io.principal, spec.store)
+    return mapping.modify_response(await modify(reg, sb.id, mapping.modification(req)))
 
 
 @method("List", protocol.ListSandboxesRequest)

@@ -30,6 +30,7 @@ from actors.face import (
     NetMode,
     Network,
     Plan,
+    Policy,
     PortSpec,
     Protocol,
     PullAuth,
@@ -37,6 +38,7 @@ from actors.face import (
     SandboxConfig,
     SandboxEvent,
     SandboxMetrics,
+    SecretChange,
     SecretRef,
     SnapshotRecord,
     State,
@@ -181,6 +183,7 @@ def info(sb: Sandbox) -> protocol.SandboxInfo:
         uid=r.uid,
         requested=requested(sb),
         applied=applied(sb),
+        pending=pending(sb),
         updated_at=r.updated_at,
         owner=r.owner,
         ssh_keys=list(r.config.ssh_keys),
@@ -191,7 +194,18 @@ def info(sb: Sandbox) -> protocol.SandboxInfo:
 
 def requested(sb: Sandbox) -> protocol.SandboxSettings:
     """The configuration as asked (Create and the Modifies since; defaults resolved)."""
-    cfg, limits = sb.config, sb.limits
+    return _settings(sb.config, sb.limits)
+
+
+def pending(sb: Sandbox) -> protocol.SandboxSettings | None:
+    """The configuration a Modify saved for the next start (None: nothing pending)."""
+    cfg = sb.record.pending
+    if cfg is None:
+        return None
+    return _settings(cfg, cfg.limits.filled(sb.limits.vcpus, sb.limits.memory_mib))
+
+
+def _settings(cfg: SandboxConfig, limits: Limits) -> protocol.SandboxSettings:
     return protocol.SandboxSettings(
         vcpus=limits.vcpus,
         memory_mib=limits.memory_mib,
@@ -239,7 +253,31 @@ def modification(req: protocol.ModifyRequest) -> Modification:
         restart=req.restart,
         ssh_keys_add=_keys("\n".join(req.ssh_keys_add)) if req.ssh_keys_add else (),
         ssh_keys_remove=_keys("\n".join(req.ssh_keys_remove)) if req.ssh_keys_remove else (),
+        env_remove=tuple(req.env_remove),
+        max_vcpus=req.max_vcpus,
+        max_memory_mib=req.max_memory_mib,
+        policy=_policy(req.policy),
+        secrets=tuple(
+            SecretChange(
+                s.name,
+                value=bytes(s.value) if s.value else None,
+                store=s.store,
+                placeholder=s.placeholder,
+                hosts=tuple(s.hosts),
+                substitute=s.substitute,
+            )
+            for s in req.secrets
+        ),
     )
+
+
+def _policy(text: str) -> Policy | None:
+    if not text:
+        return None
+    try:
+        return Policy(text)
+    except ValueError:
+        raise InvalidArgument(f"policy {text[:40]!r}: no_restart, restart or next_start") from None
 
 
 def _keys(text: str) -> tuple[str, ...]:
@@ -258,6 +296,11 @@ def modify_response(p: Plan) -> protocol.ModifyResponse:
         note=p.note,
         settled=p.settled,
         settle_seconds=round(p.settle_seconds, 3),
+        policy=p.policy.value,
+        conflicts=[protocol.ModifyNote(n.field, n.message) for n in p.conflicts],
+        warnings=[protocol.ModifyNote(n.field, n.message) for n in p.warnings],
+        resize=[protocol.ResizeStatus(r.resource, r.requested, r.actual, r.enforced, r.state, r.why) for r in p.resize],
+        pending=p.pending,
     )
 
 

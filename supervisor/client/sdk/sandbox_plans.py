@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import builtins
 import contextlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Unpack
 
 import attrs
 
+from supervisor.client.sdk.modify_spec import SecretUpdate, secret_specs
 from supervisor.client.sdk.ops import (
     TIMED_OUT,
     Emit,
@@ -37,6 +38,7 @@ from supervisor.client.sdk.spec import (
     RunResult,
     RunSettings,
     SandboxSpec,
+    Secret,
     Settings,
     _kv,
     _output,
@@ -148,13 +150,25 @@ def modify(
     idle_timeout: int | None = None,
     dry_run: bool = False,
     restart: bool = False,
+    env_remove: Iterable[str] = (),
+    max_cpus: int | None = None,
+    max_memory_mib: int | None = None,
+    policy: str = "",
+    secrets: Sequence[SecretUpdate | Secret | str] | None = None,
 ) -> Plan[ModifyResponse]:
     """Change the sandbox (docs/modify.md): vCPUs and memory live below its ceilings,
     the root disk (grow only) of a stopped sandbox, env and workdir of future runs,
     labels (a label set to "" is removed), TTL, idle timeout. Returns the plan: each
     change with its status and why; ``applied`` False (a dry run, or a change refused
     or needing ``restart``): nothing changed. ``restart``: a change only a new machine
-    applies restarts the sandbox (its processes end, guest memory is lost)."""
+    applies restarts the sandbox (its processes end, guest memory is lost).
+    ``env_remove``: env keys taken away; ``max_cpus``/``max_memory_mib``: the ceilings
+    by themselves (a running machine's change needs a restart, or the next start);
+    ``policy``: ``no_restart`` (the default), ``restart`` (as ``restart=True``) or
+    ``next_start`` (everything saved for the next start, the running sandbox not
+    changed); ``secrets``: :class:`SecretUpdate` (add, re-host, new placeholder, source
+    or value). The response's ``conflicts`` and ``warnings`` say what blocks the plan
+    and what is true of it; ``resize``: a live resize's outcome per resource."""
     req = protocol.ModifyRequest(
         id=t.id,
         vcpus=cpus,
@@ -167,6 +181,11 @@ def modify(
         idle_timeout_seconds=idle_timeout,
         dry_run=dry_run,
         restart=restart,
+        env_remove=list(env_remove),
+        max_vcpus=max_cpus,
+        max_memory_mib=max_memory_mib,
+        policy=policy,
+        secrets=secret_specs(secrets),
     )
     r: ModifyResponse = yield Unary("Modify", req, ModifyResponse)
     return r

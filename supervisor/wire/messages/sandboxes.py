@@ -328,6 +328,7 @@ class SandboxInfo:
     ssh_keys: list[str] = attrs.field(factory=list)  # the public keys its SSH endpoint accepts (docs/ssh.md)
     shell: str = ""  # what the clients' shell runs when the call names none ("": /bin/sh)
     init: InitSpec | None = None  # the init PID 1 is handed to (None: guestd stays PID 1)
+    pending: SandboxSettings | None = None  # saved for the next start (a Modify's policy next_start)
 
 
 @attrs.frozen
@@ -348,6 +349,32 @@ class ModifyRequest:
     restart: bool = False  # a change above a ceiling (or of the disk) restarts the sandbox
     ssh_keys_add: list[str] = attrs.field(factory=list)  # OpenSSH public key lines (docs/ssh.md)
     ssh_keys_remove: list[str] = attrs.field(factory=list)
+    # env keys removed; ceilings by themselves (a running machine's: restart or next start);
+    # policy: "" (restart says), no_restart, restart, next_start (saved for the next
+    # start, the running sandbox untouched); secrets added or changed (docs/modify.md)
+    env_remove: list[str] = attrs.field(factory=list)
+    max_vcpus: int | None = None
+    max_memory_mib: int | None = None
+    policy: str = ""
+    secrets: list[SecretSpec] = attrs.field(factory=list)
+
+
+@attrs.frozen
+class ModifyNote:
+    field: str
+    message: str
+
+
+@attrs.frozen
+class ResizeStatus:
+    """A live resize of one resource once Modify answers (docs/modify.md)."""
+
+    resource: str  # cpus, memory
+    requested: int = 0
+    actual: int = 0  # the guest's (vCPUs online; the memory the balloon leaves it)
+    enforced: int = 0  # the host's (the cgroup CPU ceiling in vCPUs; the balloon target)
+    state: str = ""  # settled, converging, guest-refused
+    why: str = ""
 
 
 @attrs.frozen
@@ -369,6 +396,11 @@ class ModifyResponse:
     note: str = ""  # what the restart meant
     settled: bool = False  # the guest reached the new vCPUs and memory
     settle_seconds: float = 0.0
+    policy: str = ""
+    conflicts: list[ModifyNote] = attrs.field(factory=list)  # what blocks the plan
+    warnings: list[ModifyNote] = attrs.field(factory=list)  # true, not blocking
+    resize: list[ResizeStatus] = attrs.field(factory=list)  # a live resize's outcome
+    pending: bool = False  # saved for the next start (policy next_start on a running sandbox)
 
 
 @attrs.frozen

@@ -920,7 +920,7 @@ class FleetNodes(_message.Message):
     def __init__(self, nodes: _Optional[_Iterable[_Union[FleetNode, _Mapping]]] = ...) -> None: ...
 
 class ModifyRequest(_message.Message):
-    __slots__ = ("id", "vcpus", "memory_mib", "disk_size_mib", "env", "working_dir", "labels", "ttl_seconds", "idle_timeout_seconds", "dry_run", "restart")
+    __slots__ = ("id", "vcpus", "memory_mib", "disk_size_mib", "env", "working_dir", "labels", "ttl_seconds", "idle_timeout_seconds", "dry_run", "restart", "env_remove", "max_vcpus", "max_memory_mib", "policy", "secrets")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -946,6 +946,11 @@ class ModifyRequest(_message.Message):
     IDLE_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     DRY_RUN_FIELD_NUMBER: _ClassVar[int]
     RESTART_FIELD_NUMBER: _ClassVar[int]
+    ENV_REMOVE_FIELD_NUMBER: _ClassVar[int]
+    MAX_VCPUS_FIELD_NUMBER: _ClassVar[int]
+    MAX_MEMORY_MIB_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    SECRETS_FIELD_NUMBER: _ClassVar[int]
     id: str
     vcpus: int
     memory_mib: int
@@ -957,7 +962,12 @@ class ModifyRequest(_message.Message):
     idle_timeout_seconds: int
     dry_run: bool
     restart: bool
-    def __init__(self, id: _Optional[str] = ..., vcpus: _Optional[int] = ..., memory_mib: _Optional[int] = ..., disk_size_mib: _Optional[int] = ..., env: _Optional[_Mapping[str, str]] = ..., working_dir: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., ttl_seconds: _Optional[int] = ..., idle_timeout_seconds: _Optional[int] = ..., dry_run: _Optional[bool] = ..., restart: _Optional[bool] = ...) -> None: ...
+    env_remove: _containers.RepeatedScalarFieldContainer[str]
+    max_vcpus: int
+    max_memory_mib: int
+    policy: str
+    secrets: _containers.RepeatedCompositeFieldContainer[SecretSpec]
+    def __init__(self, id: _Optional[str] = ..., vcpus: _Optional[int] = ..., memory_mib: _Optional[int] = ..., disk_size_mib: _Optional[int] = ..., env: _Optional[_Mapping[str, str]] = ..., working_dir: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., ttl_seconds: _Optional[int] = ..., idle_timeout_seconds: _Optional[int] = ..., dry_run: _Optional[bool] = ..., restart: _Optional[bool] = ..., env_remove: _Optional[_Iterable[str]] = ..., max_vcpus: _Optional[int] = ..., max_memory_mib: _Optional[int] = ..., policy: _Optional[str] = ..., secrets: _Optional[_Iterable[_Union[SecretSpec, _Mapping]]] = ...) -> None: ...
 
 class ModifyChange(_message.Message):
     __slots__ = ("kind", "status", "value", "previous", "why")
@@ -974,7 +984,7 @@ class ModifyChange(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., status: _Optional[str] = ..., value: _Optional[str] = ..., previous: _Optional[str] = ..., why: _Optional[str] = ...) -> None: ...
 
 class ModifyResponse(_message.Message):
-    __slots__ = ("changes", "applied", "dry_run", "restarted", "note", "settled", "settle_seconds")
+    __slots__ = ("changes", "applied", "dry_run", "restarted", "note", "settled", "settle_seconds", "policy", "conflicts", "warnings", "resize", "pending")
     CHANGES_FIELD_NUMBER: _ClassVar[int]
     APPLIED_FIELD_NUMBER: _ClassVar[int]
     DRY_RUN_FIELD_NUMBER: _ClassVar[int]
@@ -982,6 +992,11 @@ class ModifyResponse(_message.Message):
     NOTE_FIELD_NUMBER: _ClassVar[int]
     SETTLED_FIELD_NUMBER: _ClassVar[int]
     SETTLE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    CONFLICTS_FIELD_NUMBER: _ClassVar[int]
+    WARNINGS_FIELD_NUMBER: _ClassVar[int]
+    RESIZE_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
     changes: _containers.RepeatedCompositeFieldContainer[ModifyChange]
     applied: bool
     dry_run: bool
@@ -989,7 +1004,36 @@ class ModifyResponse(_message.Message):
     note: str
     settled: bool
     settle_seconds: float
-    def __init__(self, changes: _Optional[_Iterable[_Union[ModifyChange, _Mapping]]] = ..., applied: _Optional[bool] = ..., dry_run: _Optional[bool] = ..., restarted: _Optional[bool] = ..., note: _Optional[str] = ..., settled: _Optional[bool] = ..., settle_seconds: _Optional[float] = ...) -> None: ...
+    policy: str
+    conflicts: _containers.RepeatedCompositeFieldContainer[ModifyNote]
+    warnings: _containers.RepeatedCompositeFieldContainer[ModifyNote]
+    resize: _containers.RepeatedCompositeFieldContainer[ResizeStatus]
+    pending: bool
+    def __init__(self, changes: _Optional[_Iterable[_Union[ModifyChange, _Mapping]]] = ..., applied: _Optional[bool] = ..., dry_run: _Optional[bool] = ..., restarted: _Optional[bool] = ..., note: _Optional[str] = ..., settled: _Optional[bool] = ..., settle_seconds: _Optional[float] = ..., policy: _Optional[str] = ..., conflicts: _Optional[_Iterable[_Union[ModifyNote, _Mapping]]] = ..., warnings: _Optional[_Iterable[_Union[ModifyNote, _Mapping]]] = ..., resize: _Optional[_Iterable[_Union[ResizeStatus, _Mapping]]] = ..., pending: _Optional[bool] = ...) -> None: ...
+
+class ModifyNote(_message.Message):
+    __slots__ = ("field", "message")
+    FIELD_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    field: str
+    message: str
+    def __init__(self, field: _Optional[str] = ..., message: _Optional[str] = ...) -> None: ...
+
+class ResizeStatus(_message.Message):
+    __slots__ = ("resource", "requested", "actual", "enforced", "state", "why")
+    RESOURCE_FIELD_NUMBER: _ClassVar[int]
+    REQUESTED_FIELD_NUMBER: _ClassVar[int]
+    ACTUAL_FIELD_NUMBER: _ClassVar[int]
+    ENFORCED_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    WHY_FIELD_NUMBER: _ClassVar[int]
+    resource: str
+    requested: int
+    actual: int
+    enforced: int
+    state: str
+    why: str
+    def __init__(self, resource: _Optional[str] = ..., requested: _Optional[int] = ..., actual: _Optional[int] = ..., enforced: _Optional[int] = ..., state: _Optional[str] = ..., why: _Optional[str] = ...) -> None: ...
 
 class InspectRequest(_message.Message):
     __slots__ = ("id",)
@@ -1029,20 +1073,22 @@ class SandboxSettings(_message.Message):
     def __init__(self, vcpus: _Optional[int] = ..., memory_mib: _Optional[int] = ..., max_vcpus: _Optional[int] = ..., max_memory_mib: _Optional[int] = ..., disk_size_mib: _Optional[int] = ..., env: _Optional[_Mapping[str, str]] = ..., working_dir: _Optional[str] = ..., ttl_seconds: _Optional[int] = ..., idle_timeout_seconds: _Optional[int] = ..., settled: _Optional[bool] = ...) -> None: ...
 
 class SandboxDetails(_message.Message):
-    __slots__ = ("base", "requested", "applied", "updated_at", "shell", "init")
+    __slots__ = ("base", "requested", "applied", "updated_at", "shell", "init", "pending")
     BASE_FIELD_NUMBER: _ClassVar[int]
     REQUESTED_FIELD_NUMBER: _ClassVar[int]
     APPLIED_FIELD_NUMBER: _ClassVar[int]
     UPDATED_AT_FIELD_NUMBER: _ClassVar[int]
     SHELL_FIELD_NUMBER: _ClassVar[int]
     INIT_FIELD_NUMBER: _ClassVar[int]
+    PENDING_FIELD_NUMBER: _ClassVar[int]
     base: _sandbox_pb2.SandboxInfo
     requested: SandboxSettings
     applied: SandboxSettings
     updated_at: int
     shell: str
     init: InitSpec
-    def __init__(self, base: _Optional[_Union[_sandbox_pb2.SandboxInfo, _Mapping]] = ..., requested: _Optional[_Union[SandboxSettings, _Mapping]] = ..., applied: _Optional[_Union[SandboxSettings, _Mapping]] = ..., updated_at: _Optional[int] = ..., shell: _Optional[str] = ..., init: _Optional[_Union[InitSpec, _Mapping]] = ...) -> None: ...
+    pending: SandboxSettings
+    def __init__(self, base: _Optional[_Union[_sandbox_pb2.SandboxInfo, _Mapping]] = ..., requested: _Optional[_Union[SandboxSettings, _Mapping]] = ..., applied: _Optional[_Union[SandboxSettings, _Mapping]] = ..., updated_at: _Optional[int] = ..., shell: _Optional[str] = ..., init: _Optional[_Union[InitSpec, _Mapping]] = ..., pending: _Optional[_Union[SandboxSettings, _Mapping]] = ...) -> None: ...
 
 class SecretSpec(_message.Message):
     __slots__ = ("name", "hosts", "value", "store", "placeholder", "substitute")
