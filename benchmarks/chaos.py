@@ -287,6 +287,7 @@ class Chaos:
         self.touched: set[str] = set()  # sandboxes to look into after this step
         self.target = ""  # the sandbox of the last operation
         self.look_all = False
+        self.faulting = False  # this step injects a fault: refusals are excused
 
     # -- bookkeeping
     def violate(self, found: list[tuple[str, str]]) -> None:
@@ -326,6 +327,8 @@ class Chaos:
         except SandboxError as exc:
             self.report.errors[f"{op}:{exc.code}"] += 1
             self.violate(checks.check_error(op, exc))
+            if not self.faulting and self.serve.kills == kills:  # (nothing excuses it)
+                self.violate(checks.check_refusal(f"{op} {id}", exc))
             self._uncertain(id, pre | post if self.serve.kills != kills or exc.code in MAYBE_DONE else pre)
             raise Failed(exc.code) from exc
         except trio.TooSlowError:
@@ -696,6 +699,7 @@ class Chaos:
             self.report.steps = self.step
             self.touched, self.look_all = set(), False
             what = self.choose_fault() or self.choose_op()
+            self.faulting = what.__name__.startswith("fault_")
             t = time.monotonic()
             await self.guarded(what)
             if not self.serve.alive():  # a crash nobody asked for (or a crash point armed late)

@@ -198,6 +198,18 @@ def check_error(op: str, exc: BaseException) -> list[tuple[str, str]]:
     return [("error-code", f"{op}: {type(exc).__name__} without a code: {exc!s:.200}")]
 
 
+EXCUSED = frozenset({"RESOURCE_EXHAUSTED"})  # a limit the harness's mix may reach (disk, memory, layers)
+
+
+def check_refusal(what: str, exc: BaseException) -> list[tuple[str, str]]:
+    """An operation the model says must work (its target in a state that allows it, no
+    fault in play) refused: the model and the product disagree."""
+    code = getattr(exc, "code", "")
+    if code in EXCUSED:
+        return []
+    return [("refused", f"{what}: {exc!s:.300}")]
+
+
 TRACEBACK = re.compile(r"^Traceback \(most recent call last\):")
 
 

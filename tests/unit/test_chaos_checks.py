@@ -117,6 +117,12 @@ def test_an_error_without_a_code_is_reported() -> None:
     assert inv == "error-code"
 
 
+def test_a_refusal_with_no_fault_in_play_is_reported() -> None:
+    assert checks.check_refusal("pause a", ApiError("RESOURCE_EXHAUSTED", "4 unmerged layers")) == []
+    [(inv, what)] = checks.check_refusal("restore r1", ApiError("INTERNAL", "cannot open disk.qcow2"))
+    assert inv == "refused" and "restore r1" in what
+
+
 LOG = """\
 2026-12-02 03:43:29,009 sandvisor.daemon INFO serving
 2026-12-02 03:43:30,000 sandvisor.actor ERROR the sandbox's task failed
