@@ -17,8 +17,8 @@ sandbox's state is one the harness's model allows; no orphans (QEMUs, helpers,
 cgroups, mounts, network namespaces, run dirs, RAM files, half-done files); the
 supervisor's fds and RSS bounded; every error a client sees has one of sandbox.v1's
 codes; no traceback in serve's log. The report lists operations, faults and
-violations, each with the seed and the step (``--steps N`` stops after step N: the
-choices replay from the seed; timings, and so outcomes, may differ).
+violations, each with its seed and step (``--steps N`` stops after step N: the
+choices replay from a seed; timings, and so outcomes, may differ).
 
 Usage: python benchmarks/chaos.py [--seed N] [--minutes M] [--steps N] [--no-fault KIND]
        nox -s chaos -- --seed N --minutes M
@@ -351,8 +351,9 @@ class Chaos:
             m.allowed = allowed
 
     # -- operations
-    async def op_create(self, *, new_config: bool = False) -> None:
-        if sum(1 for m in self.model.values() if ABSENT not in m.allowed) >= MAX_SANDBOXES + new_config:
+    async def op_create(self, *, new_config: bool = False, room: bool = False) -> None:
+        """``room``: one over the limit (a crash point's create must reach its boot)."""
+        if sum(1 for m in self.model.values() if ABSENT not in m.allowed) >= MAX_SANDBOXES + room:
             return await self.op_remove()
         id = self.new_id("c")
         m = checks.SandboxModel(id, {ABSENT})
@@ -546,11 +547,17 @@ class Chaos:
         step = self.rng.choice(steps)  # (one its operation can reach now)
         self.report.faults[f"crash-point:{step}"] += 1
         await trio.to_thread.run_sync(self.serve.kill)
-        await trio.to_thread.run_sync(self.serve.start, step)
+        try:
+            await trio.to_thread.run_sync(self.serve.start, step)
+        except RuntimeError:  # it got there while starting (a conversion it took up again)
+            self.report.notes.append(f"step {self.step}: crash point {step} reached while serve started")
+            return await self.restart()
         await self.adopted()
         op = CRASH_OPS[step]
         if op == "create-new-config":
-            await self.guarded(lambda: self.op_create(new_config=True))
+            await self.guarded(lambda: self.op_create(new_config=True, room=True))
+        elif op == "create":
+            await self.guarded(lambda: self.op_create(room=True))
         elif op == "checkpoint" and step == "checkpoint-swap":
             await self.guarded(self.op_checkpoint)
             m = self.model.get(self.target)
@@ -687,9 +694,11 @@ class Chaos:
         except SandboxError as exc:
             self.report.errors[f"{getattr(fn, '__name__', 'op')}:{exc.code}"] += 1
             self.violate(checks.check_error(getattr(fn, "__name__", "op"), exc))
+        except (OSError, EOFError, trio.BrokenResourceError) as exc:  # (a client's end without a code)
+            self.violate(checks.check_error(getattr(fn, "__name__", "op"), exc))
         except Exception as exc:
             traceback.print_exc()
-            self.violate(checks.check_error(getattr(fn, "__name__", "op"), exc))
+            self.violate([("harness", f"{getattr(fn, '__name__', 'op')}: {type(exc).__name__}: {exc!s:.200}")])
 
     async def run(self, deadline: float, max_steps: int) -> None:
         await self.adopted()
