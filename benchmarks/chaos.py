@@ -58,7 +58,7 @@ from supervisor.throwaway import Workdir, supervisor_process, workdir
 if __package__:
     from benchmarks import chaos_checks as checks
 else:  # (run as a script: benchmarks/ is on the path)
-    import chaos_checks as checks
+    import chaos_checks as checks  # type: ignore[no-redef]
 
 ABSENT, MISSING = checks.ABSENT, checks.MISSING
 OP_TIMEOUT = 240.0
