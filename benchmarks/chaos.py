@@ -30,35 +30,38 @@ import argparse
 import collections
 import contextlib
 import copy
-import hashlib
 import json
 import os
 import random
 import shutil
 import signal
-import socket
-import sqlite3
-import subprocess
 import sys
 import time
 import traceback
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import trio
 
-from actors.cells.cgroups import detect
-from images.build import default_cache
 from supervisor.client import AsyncSandbox, AsyncVolumes, SandboxError, connect
-from supervisor.config import default_memory_dir
-from supervisor.throwaway import Workdir, supervisor_process, workdir
+from supervisor.throwaway import Workdir, workdir
 
 if __package__:
     from benchmarks import chaos_checks as checks
+    from benchmarks.chaos_host import Serve, footprint, host_facts, http_get, qemu_pid, sha, state_filesystem
 else:  # (run as a script: benchmarks/ is on the path)
     import chaos_checks as checks  # type: ignore[no-redef]
+    from chaos_host import (  # type: ignore[no-redef]
+        Serve,
+        footprint,
+        host_facts,
+        http_get,
+        qemu_pid,
+        sha,
+        state_filesystem,
+    )
 
 ABSENT, MISSING = checks.ABSENT, checks.MISSING
 OP_TIMEOUT = 240.0
@@ -92,45 +95,6 @@ FILL = (  # the guest's root filesystem full: what is free allocated, then the l
     "dd if=/dev/zero of=/root/fill2 bs=64k 2>/dev/null; sync; true"
 )
 WRITE = 'mkdir -p "$1" "$1-tmp" && printf %s "$3" > "$1-tmp/$2" && mv "$1-tmp/$2" "$1/$2" && sync'
-
-
-class Serve:
-    """``sandvisor serve`` as a child process the harness kills and starts again."""
-
-    def __init__(self, work: Workdir, log: Path) -> None:
-        self.work, self.log = work, log
-        self.kills = 0  # bumped at every kill: an operation that saw it change was cut
-        self._cm: Any = None
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self, crash_at: str = "") -> None:
-        env = {"SANDVISOR_CRASH_AT": crash_at} if crash_at else None
-        self._cm = supervisor_process(self.work, extra_env=env, log=self.log, start_timeout=120)
-        _, self.proc = self._cm.__enter__()
-
-    @property
-    def pid(self) -> int:
-        assert self.proc is not None
-        return self.proc.pid
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def kill(self) -> None:
-        self.kills += 1
-        if self.proc is not None:
-            self.proc.kill()  # SIGKILL: no cleanup at all
-            self.proc.wait()
-            self._cm.__exit__(None, None, None)
-            self.proc = None
-
-    def stop(self) -> int:
-        """SIGTERM (stops every sandbox); its exit status."""
-        if self.proc is None:
-            return 0
-        proc, self.proc = self.proc, None
-        self._cm.__exit__(None, None, None)
-        return proc.returncode
 
 
 @dataclass
@@ -172,101 +136,6 @@ class Report:
 
 class Failed(Exception):
     """An operation the API refused (its code recorded) or a fault cut."""
-
-
-# --- what is on the host -------------------------------------------------------------------------
-def host_facts(work: Workdir, serve_pid: int, state_mount: Path | None) -> checks.HostFacts:
-    qemus: dict[int, str] = {}
-    others: dict[int, str] = {}
-    for pid, what in work.processes().items():
-        if pid == serve_pid:
-            continue
-        try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"qemu-system" in argv[0]:  # (a jailed QEMU names its run dir nowhere but in its cgroup)
-            cgroup = Path(f"/proc/{pid}/cgroup").read_text(errors="replace").replace("\n", " ")
-            qemus[pid] = " ".join(a.decode(errors="replace") for a in argv) + " " + cgroup
-        else:
-            others[pid] = what
-    mounts: set[str] = set()
-    root = str(work.root) + "/"
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/self/mountinfo").read_text().splitlines():
-            point = line.split()[4]
-            if point.startswith(root) and Path(point) != state_mount:
-                mounts.add(point)
-    ram = default_memory_dir(work.state)
-    cgroups = detect(parent=f"sandvisor-{work.key}") if os.geteuid() == 0 else None
-    stray = [
-        *work.state.glob("sandboxes/*/disk.next.qcow2"),
-        *work.state.glob("snapshots/*/*.part"),
-    ]
-    return checks.HostFacts(
-        qemus=qemus,
-        others=others,
-        run_entries=frozenset(os.listdir(work.run_root)) if work.run_root.is_dir() else frozenset(),
-        ram_files=frozenset(os.listdir(ram)) if ram is not None and ram.is_dir() else frozenset(),
-        cgroups=frozenset(cgroups.names()) if cgroups is not None else frozenset(),
-        mounts=frozenset(mounts),
-        netns=frozenset(work.jail_namespaces()),
-        stray_files=frozenset(str(p.relative_to(work.root)) for p in stray),
-    )
-
-
-def footprint(pid: int) -> tuple[int, int]:
-    """The process's open fds and RSS (MiB)."""
-    fds = len(os.listdir(f"/proc/{pid}/fd"))
-    rss = 0
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            rss = int(line.split()[1]) // 1024
-    return fds, rss
-
-
-@contextlib.contextmanager
-def state_filesystem(work: Workdir, size_mib: int) -> Iterator[Path | None]:
-    """The state dir on its own small ext4 (a loop device), so it can be filled; None
-    (the state dir stays on /tmp) when not root."""
-    if os.geteuid() != 0 or shutil.which("mkfs.ext4") is None:
-        yield None
-        return
-    image = work.root / "state.img"
-    with open(image, "wb") as f:
-        f.truncate(size_mib << 20)
-    subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], check=True, capture_output=True)
-    subprocess.run(["mount", "-o", "loop", str(image), str(work.state)], check=True, capture_output=True)
-    try:
-        work.state.chmod(0o700)
-        (work.state / "images").symlink_to(default_cache())
-        yield work.state
-    finally:
-        subprocess.run(["umount", str(work.state)], check=False, capture_output=True)
-        image.unlink(missing_ok=True)
-
-
-def qemu_pid(work: Workdir, id: str) -> int:
-    """The pid serve records for a sandbox's QEMU (only to aim the fault at it)."""
-    db = sqlite3.connect(f"file:{work.state / 'sandvisor.db'}?mode=ro", uri=True)
-    try:
-        row = db.execute("SELECT qemu_pid FROM sandboxes WHERE id=?", (id,)).fetchone()
-    finally:
-        db.close()
-    return int(row[0]) if row and row[0] else 0
-
-
-def http_get(port: int, path: str) -> bytes:
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
-        s.sendall(f"GET /{path} HTTP/1.0\r\n\r\n".encode())
-        data = b""
-        while chunk := s.recv(65536):
-            data += chunk
-    return data
-
-
-def sha(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 # --- the run ---------------------------------------------------------------------------------------
@@ -477,8 +346,8 @@ class Chaos:
         id = self.pick("ready")
         if id is None:
             return await self.op_create()
-        self.model[id].rebooted()
         await self.act("stop", id, {"stopped"}, lambda: self.sb(id).stop(timeout=5))
+        self.model[id].rebooted()  # (acknowledged: its next boot is a new one)
 
     async def op_start(self) -> None:
         id = self.pick("stopped", "failed")

@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks import chaos_checks as checks
-from benchmarks.chaos import host_facts
+from benchmarks.chaos_host import host_facts
 from supervisor.errors import ApiError, NotFound
 from supervisor.throwaway import Workdir
 
