@@ -46,7 +46,7 @@ from typing import Any
 import trio
 
 from supervisor.client import AsyncSandbox, AsyncVolumes, SandboxError, connect
-from supervisor.throwaway import Workdir, workdir
+from supervisor.main.throwaway import Workdir, workdir
 
 if __package__:
     from benchmarks import chaos_checks as checks

@@ -18,8 +18,8 @@ from typing import Any
 
 from actors.cells.cgroups import detect
 from images.build import default_cache
-from supervisor.config import default_memory_dir
-from supervisor.throwaway import Workdir, supervisor_process
+from supervisor.main.throwaway import Workdir, supervisor_process
+from supervisor.wire.config import default_memory_dir
 
 if __package__:
     from benchmarks import chaos_checks as checks

@@ -12,8 +12,8 @@ from pathlib import Path
 
 from benchmarks import chaos_checks as checks
 from benchmarks.chaos_host import host_facts
-from supervisor.errors import ApiError, NotFound
-from supervisor.throwaway import Workdir
+from supervisor.main.throwaway import Workdir
+from supervisor.wire.errors import ApiError, NotFound
 
 H1, H2 = "a" * 64, "b" * 64
 
