@@ -18,7 +18,7 @@ from typing import Any
 
 from actors.cells.cgroups import detect
 from images.build import default_cache
-from supervisor.main.throwaway import Workdir, supervisor_process
+from supervisor.main.throwaway import Workdir, kill_processes, supervisor_process
 from supervisor.wire.config import default_memory_dir
 
 if __package__:
@@ -134,7 +134,11 @@ def state_filesystem(work: Workdir, size_mib: int) -> Iterator[Path | None]:
         (work.state / "images").symlink_to(default_cache())
         yield work.state
     finally:
-        subprocess.run(["umount", str(work.state)], check=False, capture_output=True)
+        # nothing of the workdir may still hold it (an interrupted run: a serve stopping,
+        # its QEMUs); the run reported them already, the workdir records them again
+        kill_processes(work)
+        if subprocess.run(["umount", str(work.state)], check=False, capture_output=True).returncode != 0:
+            subprocess.run(["umount", "--lazy", str(work.state)], check=False, capture_output=True)
         image.unlink(missing_ok=True)
 
 
