@@ -39,6 +39,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from collections.abc import Callable
 
     from guestd.files import FileReader
+    from guestd.freeze import Freezer
     from guestd.workers import Worker
 
 __all__ = ["DEFAULT_PATH", "Agent", "ExecFailed", "entry", "errcode", "main"]
@@ -64,7 +65,7 @@ class Agent:
         self.masks: dict[int, int] = {}
         self.conns: dict[int, Conn] = {}
         self.procs: dict[int, Proc | Worker] = {}
-        self.timers: set[Proc] = set()
+        self.timers: set[Proc | Freezer] = set()
         self.runnable: set[FileReader] = set()
         self.activity = 0
         self.hostname = cmdline.get("sandvisor.hostname", "sandbox")
@@ -75,6 +76,7 @@ class Agent:
         self.mounts: list[str] = []  # what mount requests mounted, unmounted (last first) at power-off
         self.path_extra = ""  # appended to every exec's PATH (guestd/shape.py)
         self.restricted = False  # every exec with no_new_privs (guestd/shape.py)
+        self.freezer: Freezer | None = None  # file systems frozen for a capture (guestd/freeze.py)
 
     # -- epoll bookkeeping ---------------------------------------------------
     def watch(self, fd: int, mask: int, handler: Callable[[int], None]) -> None:
@@ -159,6 +161,9 @@ class Agent:
                 conn.session.close()
             conn.session = Session(conn)
             conn.out += proto.GUEST_SYNC
+            if self.freezer is not None and self.freezer.frozen:
+                # a restore of a state saved frozen, or a new supervisor: the freeze's host is gone
+                self.freezer.thaw()
             if msg.host_time_ns and self.cmdline.get("sandvisor.setclock", "1") == "1":
                 system.set_clock(msg.host_time_ns)
             conn.send(
@@ -179,6 +184,7 @@ class Agent:
                         "mount",
                         "fs",
                         "resources",
+                        "freeze",
                         "vsock" if self.vsock_fd >= 0 else "serial",
                     ],
                 )
@@ -288,6 +294,8 @@ class Agent:
 
             shape.configure(self, msg)
             session.send(proto.Ok(rid=rid))
+        elif isinstance(msg, (proto.Freeze, proto.Thaw)):
+            self.freeze(session, msg)
         elif isinstance(msg, proto.Shutdown):
             session.send(proto.Ok(rid=rid))
             self.shutting_down = msg.reboot
@@ -306,6 +314,19 @@ class Agent:
             netcfg.configure(msg.iface, msg.address, msg.prefix, msg.gateway, msg.mac, msg.dns)
         except ValueError as exc:
             raise ExecFailed(proto.E_INVALID, f"net_config: {exc}") from None
+
+    def freeze(self, session: Session, msg: proto.Freeze | proto.Thaw) -> None:
+        from guestd.freeze import Freezer  # lazy: only captures pay the import
+
+        if self.freezer is None:
+            self.freezer = Freezer()
+        if isinstance(msg, proto.Freeze):
+            n = self.freezer.freeze(msg.timeout)
+            if n:
+                self.timers.add(self.freezer)
+        else:
+            n = self.freezer.thaw()
+        session.send(proto.Ok(rid=msg.rid, value=n))
 
     # -- signals and children ----------------------------------------------------
     def reap(self) -> None:

@@ -502,6 +502,13 @@ class DaemonConfig:
         "public, private and none; read at start",
         parse=_path,
     )
+    freeze_fs: bool = flag(  # FIFREEZE the guest's file systems while a pause or checkpoint captures its disk
+        True,
+        name="--no-fs-freeze",
+        kind="negation",
+        help="do not freeze the guest's file systems while a pause or checkpoint captures its disk "
+        "(captures are then only crash-consistent: a disk-only restore replays the journal)",
+    )
 
 
 def flags() -> list[tuple[attrs.Attribute[Any], Flag]]:
