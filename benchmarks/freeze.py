@@ -8,9 +8,11 @@ each round, per supervisor:
 
 * pause: the Pause RPC's round trip, then resume (the Resume RPC, warm: its hello
   thaws the guest's saved-frozen memory);
-* checkpoint: the Checkpoint RPC's round trip (its snapshot deleted after);
-* the freeze's own round trip (guestd's sync and FIFREEZE of every writable mount),
-  from the sandbox's log lines.
+* checkpoint: the Checkpoint RPC's round trip (its snapshot kept: the sandbox's disk
+  stands on it; both chains deepen alike);
+* from the sandbox's log lines, per capture (pauses and checkpoints): the guest's
+  stopped window and the freeze's own round trip (guestd's sync and FIFREEZE of every
+  writable mount), which comes before the stop.
 
 Medians (and p90) per measure and mode. Usage: python benchmarks/freeze.py [-n N] [--out results/]
 """
@@ -47,7 +49,8 @@ while True:
     i += 1
 """
 MODES = ("freeze", "no-freeze")
-FROZE = re.compile(rb"file systems frozen \((\d+) ms\)")
+# a capture's line (a pause's too: it is a checkpoint that leaves the guest stopped)
+CAPTURED = re.compile(rb"^checkpoint: \w+, paused (\d+) ms(?:; file systems frozen \((\d+) ms\))?")
 
 
 @contextmanager
@@ -77,11 +80,13 @@ async def timed(f: Any) -> float:
     return time.monotonic() - t0
 
 
-async def froze_ms(sock: str, name: str, since: int) -> list[float]:
-    """The freezes the sandbox's log reports after seq ``since``."""
+async def captures(sock: str, name: str, since: int) -> list[tuple[float, float | None]]:
+    """The captures the sandbox's log reports after seq ``since``: (the guest's stopped
+    window, the freeze's round trip or None), in seconds."""
     async with connect(sock) as c:
         logs = await c.collect("Logs", {"id": name})
-    return [float(m.group(1)) for e in logs if e["seq"] > since for m in [FROZE.search(e["data"])] if m]
+    found = [CAPTURED.search(e["data"]) for e in logs if e["seq"] > since and e["source"] == "system"]
+    return [(int(m[1]) / 1000, int(m[2]) / 1000 if m[2] else None) for m in found if m]
 
 
 async def last_seq(sock: str, name: str) -> int:
@@ -95,21 +100,17 @@ async def round_of(sock: str, sb: AsyncSandbox, out: dict[str, list[float]]) -> 
     out["pause"].append(await timed(sb.pause))
     out["resume"].append(await timed(sb.resume))
     await trio.sleep(0.5)  # (the writer runs again: the checkpoint meets it mid-write)
-    sid = ""
-
-    async def checkpoint() -> None:
-        nonlocal sid
-        sid = (await sb.checkpoint()).snapshot_id
-
-    out["checkpoint"].append(await timed(checkpoint))
-    await AsyncSandbox.delete_snapshot(sid, socket=sock)
-    out["freeze_round_trip"].extend(x / 1000 for x in await froze_ms(sock, sb.id, since))
+    out["checkpoint"].append(await timed(sb.checkpoint))  # (kept: the sandbox's disk stands on it)
+    for stopped, froze in await captures(sock, sb.id, since):
+        out["guest_stopped"].append(stopped)
+        if froze is not None:
+            out["freeze_round_trip"].append(froze)
     await trio.sleep(0.5)
 
 
 async def bench(n: int, out_dir: Path) -> dict[str, Any]:
     samples: dict[str, dict[str, list[float]]] = {
-        m: {k: [] for k in ("pause", "resume", "checkpoint", "freeze_round_trip")} for m in MODES
+        m: {k: [] for k in ("pause", "resume", "checkpoint", "guest_stopped", "freeze_round_trip")} for m in MODES
     }
     with serving("sv-fzb-") as on, serving("sv-nofzb-", "--no-fs-freeze") as off:
         socks = {"freeze": on, "no-freeze": off}
@@ -121,7 +122,7 @@ async def bench(n: int, out_dir: Path) -> dict[str, Any]:
                 for mode in MODES if i % 2 == 0 else MODES[::-1]:
                     await round_of(socks[mode], sbs[mode], samples[mode])
                 print(f"round {i + 1}/{n}", flush=True)
-    res: dict[str, Any] = {"n": n}
+    res: dict[str, Any] = {"n": n, "samples": samples}
     for mode, by in samples.items():
         res[mode] = {k: {"p50": pct(v, 50), "p90": pct(v, 90), "n": len(v)} for k, v in by.items()}
     write_results(out_dir, "freeze", res, markdown(res))
@@ -138,10 +139,11 @@ def markdown(res: dict[str, Any]) -> str:
         "| measure | freeze p50 / p90 | no freeze p50 / p90 | p50 difference |",
         "|---|---|---|---|",
     ]
-    for k in ("pause", "resume", "checkpoint"):
+    for k in ("pause", "resume", "checkpoint", "guest_stopped"):
         a, b = on[k], off[k]
         both = f"{a['p50'] * ms:.0f} / {a['p90'] * ms:.0f} ms | {b['p50'] * ms:.0f} / {b['p90'] * ms:.0f} ms"
-        r.append(f"| {k} (RPC) | {both} | {(a['p50'] - b['p50']) * ms:+.0f} ms |")
+        what = "guest stopped (each capture's window, from the log)" if k == "guest_stopped" else f"{k} (RPC)"
+        r.append(f"| {what} | {both} | {(a['p50'] - b['p50']) * ms:+.0f} ms |")
     f = on["freeze_round_trip"]
     r += [
         "",
