@@ -400,6 +400,8 @@ class Agent:
         for conn in self.conns.values():
             if conn.out:
                 boot.drain_blocking(conn)
+        if self.freezer is not None:  # (power-off syncs and unmounts: a frozen one would hang it)
+            self.freezer.thaw()
         boot.poweroff(self.root_fd, self.shutting_down, self.mounts)
 
 
