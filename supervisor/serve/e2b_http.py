@@ -107,6 +107,12 @@ class Exchange:
             if msg.get("body"):
                 yield msg["body"]
 
+    async def disconnected(self) -> None:
+        """Returns once the client has gone (after the request body was read)."""
+        while True:
+            if (await self._receive())["type"] == "http.disconnect":
+                return
+
     async def body(self, limit: int = MAX_JSON) -> bytes:
         out = bytearray()
         async for piece in self.chunks():

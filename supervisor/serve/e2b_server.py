@@ -40,6 +40,8 @@ import trio
 from supervisor.serve import e2b_envd as envd
 from supervisor.serve.e2b_http import Exchange, HttpError, Receive, Scope, Send, http_error
 from supervisor.serve.e2b_keys import Client, Key, Tokens, find_key, read_keys
+from supervisor.serve.e2b_metrics import e2b_metrics
+from supervisor.serve.e2b_watch import WATCHER_METHODS, Watchers
 from supervisor.serve.metrics import is_loopback
 from supervisor.wire import errors
 
@@ -59,6 +61,7 @@ _ROUTES = [
     ("POST", re.compile(rf"^/sandboxes/{_ID}/pause$"), "pause"),
     ("POST", re.compile(rf"^/sandboxes/{_ID}/resume$"), "resume"),
     ("POST", re.compile(rf"^/(?:v2/)?sandboxes/{_ID}/connect$"), "connect"),
+    ("GET", re.compile(rf"^/sandboxes/{_ID}/metrics$"), "metrics"),
 ]
 _RPC = re.compile(r"^/(process\.Process|filesystem\.Filesystem)/([A-Za-z]+)$")
 _SNAPSHOT_ID = re.compile(r"^snap-[0-9a-f]+$")
@@ -101,6 +104,7 @@ class E2BApp:
         self.socket = socket
         self.keys = keys
         self.procs = procs
+        self.watchers = Watchers()
         self.tokens = Tokens(keys)
         self.known: dict[str, Known] = {}
 
@@ -192,7 +196,9 @@ class E2BApp:
         m = _RPC.match(ex.path)
         if m is None or ex.method != "POST":
             raise HttpError(404, f"no envd route {ex.method} {ex.path}")
-        if m.group(1) == "process.Process":
+        if m.group(2) in WATCHER_METHODS and m.group(1) == "filesystem.Filesystem":
+            await self.watchers.call(ex, target, m.group(2), envd.envd_user(ex))
+        elif m.group(1) == "process.Process":
             await envd.process_call(ex, self.procs, target, m.group(2))
         else:
             await envd.filesystem_call(ex, target, m.group(2))
@@ -310,6 +316,7 @@ class E2BApp:
         except errors.NotFound:
             raise HttpError(404, f"Sandbox {sid} not found") from None
         self.procs.forget(info.uid)
+        self.watchers.forget(info.uid)
         self.known.pop(sid, None)
         await ex.respond(204)
 
@@ -364,6 +371,18 @@ class E2BApp:
         if body.get("timeout") is not None:
             await self._set_timeout(client, sid, info.uid, _timeout(body.get("timeout"), DEFAULT_TIMEOUT))
         await ex.send_json(self._created(client, sid, info.uid, self._template_of(sid, info.uid)), 201)
+
+    async def metrics(self, ex: Exchange, client: Client, sid: str) -> None:
+        """E2B's metrics of a sandbox: one sample, now (the supervisor keeps no history)."""
+        info = await self._info(client, sid)
+        try:
+            sample = await client.sandbox(sid).metrics()
+        except errors.NotFound:
+            raise HttpError(404, f"Sandbox {sid} not found") from None
+        except errors.FailedPrecondition:  # paused: E2B has no sample either
+            await ex.send_json([])
+            return
+        await ex.send_json([e2b_metrics(sample, info.limits.vcpus)])
 
     async def _call(self, sid: str, call: Awaitable[object]) -> None:
         try:
