@@ -45,6 +45,7 @@ from supervisor.serve.e2b_http import (
     unary_request,
 )
 from supervisor.serve.e2b_keys import Client
+from supervisor.serve.e2b_user import DEFAULT_USER, chown, default_cwd, user_or_default
 from supervisor.wire import errors, protocol
 
 log = logging.getLogger("sandvisor.e2b")
@@ -56,15 +57,16 @@ _USER = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,31}$")
 
 
 def envd_user(ex: Exchange) -> str:
-    """The user of an envd call: ``Authorization: Basic base64(user:)`` ("" : the image's)."""
+    """The user of an envd call: ``Authorization: Basic base64(user:)``, else E2B's
+    default user (:mod:`supervisor.serve.e2b_user`)."""
     auth = ex.headers.get("authorization", "")
     if not auth.lower().startswith("basic "):
-        return ""
+        return DEFAULT_USER
     try:
         user = base64.b64decode(auth[6:].strip(), validate=True).decode().split(":", 1)[0]
     except (binascii.Error, UnicodeDecodeError):
         raise HttpError(400, "malformed Authorization header") from None
-    return _checked_user(user)
+    return user_or_default(_checked_user(user))
 
 
 def _checked_user(user: str) -> str:
@@ -146,7 +148,8 @@ class Processes:
         size = e2b_pty.pty_size(req)
         proc.tty = size is not None
         events = proc.subscribe()
-        how = {"env": proc.config.get("envs", {}), "workdir": proc.config.get("cwd", ""), "user": user}
+        workdir = default_cwd(user, proc.config.get("cwd", ""))
+        how = {"env": proc.config.get("envs", {}), "workdir": workdir, "user": user}
         if size is not None:
             how.update(tty=True, size=size)
         await self.nursery.start(self._run, proc, [cmd, *proc.config["args"]], how, bool(req.get("stdin")) or proc.tty)
@@ -427,7 +430,7 @@ async def gunzip(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         raise HttpError(400, "the gzip body is truncated")
 
 
-async def _write(sb: AsyncSandbox, path: str, data: AsyncIterator[bytes]) -> None:
+async def _write(sb: AsyncSandbox, path: str, data: AsyncIterator[bytes], user: str = "") -> None:
     """Write ``path``, making its parent directories as envd does: a small file (up to
     :data:`SMALL` bytes, held here) is written at once and again after ``mkdir -p`` if
     its directory is missing; a larger one after ``mkdir -p``."""
@@ -443,7 +446,7 @@ async def _write(sb: AsyncSandbox, path: str, data: AsyncIterator[bytes]) -> Non
         try:
             await sb.fs.write(path, bytes(head))
         except errors.NotFound:
-            await fs.make_parents(sb, "", path)
+            await fs.make_parents(sb, user, path)
             await sb.fs.write(path, bytes(head))
         return
 
@@ -452,7 +455,7 @@ async def _write(sb: AsyncSandbox, path: str, data: AsyncIterator[bytes]) -> Non
         async for piece in data:
             yield piece
 
-    await fs.make_parents(sb, "", path)
+    await fs.make_parents(sb, user, path)
     await sb.fs.write(path, rest())
 
 
@@ -460,7 +463,7 @@ async def upload(ex: Exchange, target: Target) -> None:
     """``POST /files``: an ``application/octet-stream`` body (``?path=``) or
     ``multipart/form-data`` with a ``file`` part per file (its file name the path
     when there is no ``?path=``), each streamed into the sandbox as it arrives."""
-    _checked_user(ex.query.get("username", ""))
+    user = user_or_default(_checked_user(ex.query.get("username", "")))
     encoding = ex.headers.get("content-encoding", "identity").strip().lower()
     if encoding not in ("identity", "", "gzip"):
         raise HttpError(415, f"content-encoding {encoding!r}: identity or gzip")
@@ -474,12 +477,13 @@ async def upload(ex: Exchange, target: Target) -> None:
 
             async for name, data in parts(ctype, body):
                 path = _file_path(ex, ex.query.get("path") or name)
-                await _write(sb, path, data)
+                await _write(sb, path, data, user)
                 written.append({"name": path.rsplit("/", 1)[-1], "type": "file", "path": path})
         else:
             path = _file_path(ex)
-            await _write(sb, path, body)
+            await _write(sb, path, body, user)
             written.append({"name": path.rsplit("/", 1)[-1], "type": "file", "path": path})
+        await chown(sb, user, [w["path"] for w in written])
     except errors.SandboxError as exc:
         raise http_error(exc) from None
     await ex.send_json(written)

@@ -12,7 +12,8 @@ import base64
 import binascii
 import json
 import struct
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
 from typing import Any
 
 import trio
@@ -82,29 +83,30 @@ async def update(ex: Exchange, procs: Any, target: Any) -> None:
     await ex.send_json({})
 
 
-async def _messages(ex: Exchange) -> AsyncIterator[dict[str, Any]]:
+async def _messages(ex: Exchange) -> AsyncGenerator[dict[str, Any], None]:
     """The enveloped messages of a client stream, as they arrive."""
     buf = bytearray()
-    async for piece in ex.chunks():
-        buf += piece
-        while len(buf) >= 5:
-            flags, size = struct.unpack(">BI", buf[:5])
-            if size > MAX_MESSAGE:
-                raise RpcError("resource_exhausted", f"a message over {MAX_MESSAGE} bytes")
-            if len(buf) < 5 + size:
-                break
-            raw, buf = bytes(buf[5 : 5 + size]), buf[5 + size :]
-            if flags & 0x01:
-                raise RpcError("unimplemented", "compressed messages are not supported")
-            if flags & END_STREAM:
-                return
-            try:
-                value = json.loads(raw) if raw.strip() else {}
-            except (ValueError, UnicodeDecodeError):
-                raise RpcError("invalid_argument", "the message is not JSON") from None
-            if not isinstance(value, dict):
-                raise RpcError("invalid_argument", "the message is not a JSON object")
-            yield value
+    async with aclosing(ex.chunks()) as chunks:
+        async for piece in chunks:
+            buf += piece
+            while len(buf) >= 5:
+                flags, size = struct.unpack(">BI", buf[:5])
+                if size > MAX_MESSAGE:
+                    raise RpcError("resource_exhausted", f"a message over {MAX_MESSAGE} bytes")
+                if len(buf) < 5 + size:
+                    break
+                raw, buf = bytes(buf[5 : 5 + size]), buf[5 + size :]
+                if flags & 0x01:
+                    raise RpcError("unimplemented", "compressed messages are not supported")
+                if flags & END_STREAM:
+                    return
+                try:
+                    value = json.loads(raw) if raw.strip() else {}
+                except (ValueError, UnicodeDecodeError):
+                    raise RpcError("invalid_argument", "the message is not JSON") from None
+                if not isinstance(value, dict):
+                    raise RpcError("invalid_argument", "the message is not a JSON object")
+                yield value
     if buf:
         raise RpcError("invalid_argument", "a truncated message")
 
@@ -114,18 +116,19 @@ async def stream_input(ex: Exchange, procs: Any, target: Any) -> None:
     the first error."""
     try:
         proc = None
-        async for msg in _messages(ex):
-            if "start" in msg:
-                proc = procs.get(target.uid, (msg.get("start") or {}).get("process"))
-            elif "data" in msg:
-                if proc is None:
-                    raise RpcError("invalid_argument", "the stream must start with a start message")
-                kind, data = input_bytes((msg.get("data") or {}).get("input"))
-                if kind == "pty" and not proc.tty:
-                    raise RpcError("failed_precondition", "the process has no PTY")
-                if proc.execd is not None and data:
-                    await proc.execd.send(data)
-            # (keepalive messages need no answer)
+        async with aclosing(_messages(ex)) as messages:
+            async for msg in messages:
+                if "start" in msg:
+                    proc = procs.get(target.uid, (msg.get("start") or {}).get("process"))
+                elif "data" in msg:
+                    if proc is None:
+                        raise RpcError("invalid_argument", "the stream must start with a start message")
+                    kind, data = input_bytes((msg.get("data") or {}).get("input"))
+                    if kind == "pty" and not proc.tty:
+                        raise RpcError("failed_precondition", "the process has no PTY")
+                    if proc.execd is not None and data:
+                        await proc.execd.send(data)
+                # (keepalive messages need no answer)
         if proc is None:
             raise RpcError("invalid_argument", "no start message")
     except RpcError as err:

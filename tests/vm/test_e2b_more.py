@@ -133,7 +133,7 @@ def test_watch_dir_async_stream(box: Sandbox, opts: dict[str, Any]) -> None:
         h = await sb.files.watch_dir("/tmp/awatched", on_event=on_event, recursive=True)
         await sb.files.write("/tmp/awatched/sub/deep.txt", "x")
         await asyncio.wait_for(seen.wait(), 120)
-        await h.stop()
+        await h.stop()  # type: ignore[no-untyped-call]
         return got
 
     got = asyncio.run(main())
@@ -163,3 +163,59 @@ def test_unserved_calls_answer_as_e2b(box: Sandbox, endpoint: str) -> None:
     assert r.status_code == 404 and set(r.json()) == {"code", "message"}
     with pytest.raises(SandboxException):
         box.create_snapshot()
+
+
+def test_default_user_is_user(box: Sandbox) -> None:
+    r = box.commands.run("whoami; pwd; id -gn")
+    assert r.stdout == "user\n/home/user\nuser\n"
+    assert box.commands.run("whoami", user="root").stdout == "root\n"
+    info = box.files.write("/tmp/owned/by-user.txt", "mine")
+    assert box.files.get_info(info.path).owner == "user"
+    assert box.files.get_info("/tmp/owned").owner == "user"  # parents made as the user too
+    box.files.write("/tmp/by-root.txt", "root's", user="root")
+    assert box.files.get_info("/tmp/by-root.txt").owner == "root"
+    with pytest.raises(SandboxException):
+        box.files.make_dir("/etc/not-for-user")  # as envd: the user's permissions
+    term = box.pty.create(PtySize(rows=24, cols=80))
+    out = bytearray()
+    box.pty.send_stdin(term.pid, b"echo me=$(whoami)\nexit\n")
+    term.wait(on_pty=out.extend)
+    assert b"me=user" in out
+
+
+def test_get_host_proxies_a_port_with_the_token(box: Sandbox, endpoint: str) -> None:
+    box.commands.run("mkdir -p /tmp/site && echo served-from-the-sandbox > /tmp/site/index.txt")
+    server = box.commands.run("cd /tmp/site && exec python3 -m http.server 8080 --bind 127.0.0.1", background=True)
+    try:
+        host = box.get_host(8080)
+        assert host.startswith(f"8080-{box.sandbox_id}.")
+        token = box.traffic_access_token
+        assert token
+        deadline = time.monotonic() + 120
+        while True:  # (the server takes a moment to listen: 502 until then)
+            r = httpx.get(f"{endpoint}/index.txt", headers={"Host": host, "e2b-traffic-access-token": token})
+            if r.status_code != 502 or time.monotonic() > deadline:
+                break
+            assert r.json()["message"] == "The sandbox is running but port is not open"
+            time.sleep(0.5)
+        assert (r.status_code, r.text) == (200, "served-from-the-sandbox\n")
+        missing = httpx.get(f"{endpoint}/nope", headers={"Host": host, "e2b-traffic-access-token": token})
+        assert missing.status_code == 404
+        # refused: no token, a wrong one, an API key, another sandbox's port with this token
+        for headers in ({}, {"e2b-traffic-access-token": token + "x"}, {"X-API-KEY": KEY}):
+            r = httpx.get(f"{endpoint}/index.txt", headers={"Host": host, **headers})
+            assert r.status_code == 401, headers
+        other = httpx.get(
+            f"{endpoint}/index.txt", headers={"Host": "8080-someone-else.x", "e2b-traffic-access-token": token}
+        )
+        assert other.status_code == 401
+        closed = httpx.get(f"{endpoint}/", headers={"Host": box.get_host(8081), "e2b-traffic-access-token": token})
+        assert closed.status_code == 502
+    finally:
+        server.kill()
+
+
+def test_network_requests_are_refused_not_ignored(opts: dict[str, Any]) -> None:
+    for extra in ({"allow_internet_access": True}, {"network": {"deny_out": ["0.0.0.0/0"]}}):
+        with pytest.raises(SandboxException, match="no network"):
+            Sandbox.create(timeout=60, **opts, **extra)
