@@ -20,6 +20,12 @@ image; the id or name of a snapshot the key may see restores it (when its origin
 network, secrets or host directories: the endpoint makes none of those); a snapshot id
 it may not see is not found; anything else is an OCI image reference (the supervisor's
 pull policy applies). A sandbox's ``timeout`` is its TTL (``set_timeout`` replaces it).
+
+Beside envd's core (:mod:`~supervisor.serve.e2b_envd`): PTYs and input streams
+(:mod:`~supervisor.serve.e2b_pty`), directory watchers (:mod:`~supervisor.serve.e2b_watch`),
+E2B's default user (:mod:`~supervisor.serve.e2b_user`), ``get_metrics``
+(:mod:`~supervisor.serve.e2b_metrics`) and ``get_host`` (:mod:`~supervisor.serve.e2b_proxy`).
+Routes it does not have answer 404 ``{"code": 404, "message": ...}``, as E2B's API does.
 """
 
 from __future__ import annotations
