@@ -185,6 +185,10 @@ def info(sb: Sandbox) -> protocol.SandboxInfo:
         ssh_keys=list(r.config.ssh_keys),
         shell=r.config.shell,
         init=None if (i := r.config.init) is None else protocol.InitSpec(i.path, list(i.args), dict(i.env)),
+        parent=r.lineage.parent_id if r.lineage else "",
+        parent_uid=r.lineage.parent_uid if r.lineage else "",
+        fork_snapshot=r.lineage.snapshot_id if r.lineage else "",
+        forked_at=r.lineage.forked_ns // 1_000_000_000 if r.lineage else 0,
     )
 
 
@@ -263,7 +267,14 @@ def modify_response(p: Plan) -> protocol.ModifyResponse:
 def summary(sb: Sandbox) -> protocol.SandboxSummary:
     r = sb.record
     return protocol.SandboxSummary(
-        id=r.id, state=r.state.value, labels=dict(r.config.labels), ip_address=sb.ip_address, created_at=r.created_at
+        id=r.id,
+        state=r.state.value,
+        labels=dict(r.config.labels),
+        ip_address=sb.ip_address,
+        created_at=r.created_at,
+        uid=r.uid,
+        parent_uid=r.lineage.parent_uid if r.lineage else "",
+        memory_mib=sb.limits.memory_mib,
     )
 
 

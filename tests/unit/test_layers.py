@@ -286,7 +286,7 @@ DOMAIN_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("what outlives a life", ("snapshots",)),
     (
         "the registry and its services",
-        ("modify", "create_checks", "listing", "recovery", "hibernation", "timers", "registry"),
+        ("modify", "create_checks", "listing", "recovery", "hibernation", "timers", "registry", "fork"),
     ),
     ("the edges' face", ("face",)),  # what supervisor/ may use (tests/unit/test_edge_face.py)
     ("the package itself", ("actors",)),  # actors/__init__.py: nothing inside imports it

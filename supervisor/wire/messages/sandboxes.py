@@ -276,6 +276,7 @@ class StopSandboxRequest:
 class RemoveSandboxRequest:
     id: str
     force: bool = False
+    with_descendants: bool = False  # its forks too, and theirs (those the caller sees)
 
 
 @attrs.frozen
@@ -325,6 +326,11 @@ class SandboxInfo:
     ssh_keys: list[str] = attrs.field(factory=list)  # the public keys its SSH endpoint accepts (docs/ssh.md)
     shell: str = ""  # what the clients' shell runs when the call names none ("": /bin/sh)
     init: InitSpec | None = None  # the init PID 1 is handed to (None: guestd stays PID 1)
+    # lineage (docs/fork.md): the sandbox it was forked from ("": none), its fork point
+    parent: str = ""
+    parent_uid: str = ""
+    fork_snapshot: str = ""
+    forked_at: int = 0  # unix seconds
 
 
 @attrs.frozen
@@ -387,6 +393,7 @@ class ListSandboxesRequest:
     labels: dict[str, str] = attrs.field(factory=dict)
     limit: int = 0
     cursor: str = ""
+    ancestor: str = ""  # only the forks of this sandbox, and theirs (docs/fork.md)
 
 
 @attrs.frozen
@@ -396,6 +403,10 @@ class SandboxSummary:
     labels: dict[str, str]
     ip_address: str
     created_at: int
+    # sandvisor extensions: the family (docs/fork.md) and the guest's memory
+    uid: str = ""
+    parent_uid: str = ""
+    memory_mib: int = 0
 
 
 @attrs.frozen
