@@ -72,8 +72,6 @@ def child_ids(n: int, names: Sequence[str], name_prefix: str) -> list[str]:
 
 def check_forkable(sb: Sandbox) -> None:
     """What a fork refuses before anything is paused, with the reason."""
-    if sb.state != State.READY:
-        raise FailedPrecondition(f"sandbox {sb.id} is {sb.state}; fork needs it ready")
     for m in sb.config.host_mounts:
         if m.writable:
             raise FailedPrecondition(
@@ -85,6 +83,8 @@ def check_forkable(sb: Sandbox) -> None:
             f"sandbox {sb.id} has host directories mounted (virtio-fs): their state is the host's, "
             "so it cannot be forked"
         )
+    if sb.state != State.READY:
+        raise FailedPrecondition(f"sandbox {sb.id} is {sb.state}; fork needs it ready")
     for v in sb.config.volumes:
         if not v.read_only:
             raise FailedPrecondition(
@@ -149,7 +149,7 @@ async def _child(
 def children(reg: Registry) -> dict[str, builtins.list[Sandbox]]:
     """The registry's sandboxes by their parent's uid."""
     out: dict[str, list[Sandbox]] = {}
-    for sb in reg.sandboxes.values():
+    for sb in sorted(reg.sandboxes.values(), key=lambda sb: sb.record.seq):  # in the order made
         if sb.record.lineage is not None:
             out.setdefault(sb.record.lineage.parent_uid, []).append(sb)
     return out

@@ -26,8 +26,9 @@ actors/principals.py; older rows are :data:`~actors.principals.LEGACY_OWNER`'s, 
 snapshots and volumes stored without one); 6 each sandbox's ``lineage`` (the sandbox it
 was forked from and the fork's snapshot: actors/fork.py; older rows have none). Older
 databases are migrated in place when opened (columns added; version 0's
-configurations rewritten). ``tuning`` also holds the effective limits, resolved when the sandbox was made (``Record.limits``); a row
-without them gets the defaults of the supervisor that first loads it, written back once.
+configurations rewritten). ``tuning`` also holds the effective limits, resolved when
+the sandbox was made (``Record.limits``); a row without them gets the defaults of the
+supervisor that first loads it, written back once.
 """
 
 from __future__ import annotations
