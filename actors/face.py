@@ -84,6 +84,7 @@ from actors.sandboxes.secrets import remove_named as remove_stored_secret
 from actors.sandboxes.secrets import rotate as rotate_sandbox_secret
 from actors.sandboxes.secrets import set_named as set_stored_secret
 from actors.sandboxes.sessions import HeldSession
+from actors.sandboxes.usage import proc_memory_split
 from actors.sandboxes.workload import CommandNotRun
 from actors.secrets.model import HEADERS, SecretRef
 from actors.snapshots.snapshot import rfc3339
@@ -150,6 +151,7 @@ __all__ = [
     "fork",
     "is_descendant",
     "modify",
+    "proc_memory_split",
     "profiles",
     "remove_sandbox_secret",
     "remove_stored_secret",

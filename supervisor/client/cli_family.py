@@ -63,6 +63,8 @@ def family_lines(rows: list[dict[str, Any]], root: str = "", now: float | None =
 
     def draw(r: dict[str, Any], lead: str, branch: str) -> None:
         mem = f"{r['memory_mib']} MiB" if r.get("memory_mib") else "-"
+        if r.get("memory_own_bytes"):  # (filled in by tree from Inspect: the host's count)
+            mem += f" (own {r['memory_own_bytes'] >> 20} MiB, shared {r.get('memory_shared_bytes', 0) >> 20} MiB)"
         out.append(f"{lead}{branch}{r['id']}  {r['state']}  {_age(r['created_at'], now)}  {mem}")
         children = kids.get(r.get("uid", ""), [])
         below = lead + ("" if not branch else ("    " if branch.startswith("└") else "│   "))
@@ -75,9 +77,18 @@ def family_lines(rows: list[dict[str, Any]], root: str = "", now: float | None =
 
 
 def tree(a: argparse.Namespace) -> int:
+    from supervisor.wire.errors import ApiError
+
     rows: list[dict[str, Any]] = []
     with connect(a) as c:
         rows = c.call("ListAll", {})["sandboxes"]
+        for r in rows:  # memory per branch: Inspect's (a sandbox gone meanwhile keeps its row)
+            try:
+                info = c.call("Inspect", {"id": r["id"]})
+            except ApiError:
+                continue
+            r["memory_own_bytes"] = info.get("memory_own_bytes", 0)
+            r["memory_shared_bytes"] = info.get("memory_shared_bytes", 0)
     if a.json:
         print_json(rows)
         return 0

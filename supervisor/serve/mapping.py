@@ -44,6 +44,7 @@ from actors.face import (
     TmpfsMount,
     VolumeMount,
     Workload,
+    proc_memory_split,
     rfc3339,
 )
 from images.build import Image
@@ -165,6 +166,7 @@ def secret_values(req: protocol.CreateSandboxRequest) -> dict[str, bytes]:
 # --- domain -> replies ------------------------------------------------------------------------
 def info(sb: Sandbox) -> protocol.SandboxInfo:
     r = sb.record
+    shared, own = proc_memory_split(r.qemu_pid) if sb.life is not None else (0, 0)
     limits = sb.limits
     return protocol.SandboxInfo(
         id=r.id,
@@ -189,6 +191,8 @@ def info(sb: Sandbox) -> protocol.SandboxInfo:
         parent_uid=r.lineage.parent_uid if r.lineage else "",
         fork_snapshot=r.lineage.snapshot_id if r.lineage else "",
         forked_at=r.lineage.forked_ns // 1_000_000_000 if r.lineage else 0,
+        memory_shared_bytes=shared,
+        memory_own_bytes=own,
     )
 
 

@@ -533,8 +533,9 @@ async def test_both_edges_answer_from_one_table(
             assert over_msgpack.pop("uid") == st.reg.get("one").record.uid  # (the socket's alone: the E2B endpoint's)
             assert over_msgpack.pop("ssh_keys") == [] and over_msgpack.pop("owner")  # (the socket's: serve --ssh's)
             assert over_msgpack.pop("init") is None  # (sandvisor.v1's SandboxDetails.init: unset when none)
-            # lineage (docs/fork.md): sandvisor.v1's SandboxDetails alone, zero for a sandbox never forked
-            ext |= {k: over_msgpack.pop(k) for k in ("parent", "parent_uid", "fork_snapshot", "forked_at")}
+            # lineage and memory per branch (docs/fork.md): sandvisor.v1's SandboxDetails alone
+            lineage = ("parent", "parent_uid", "fork_snapshot", "forked_at", "memory_shared_bytes", "memory_own_bytes")
+            ext |= {k: over_msgpack.pop(k) for k in lineage}
             assert message_to_dict(over_grpc) == over_msgpack
             ours = sv_grpc.SandvisorServiceStub(st.channel)
             details = await in_thread(ours.Inspect, sv.InspectRequest(id="one"))

@@ -96,6 +96,8 @@ async def test_fork_three_children_of_a_running_sandbox(served: dict[str, Any]) 
             info = await k.inspect()
             assert (info.parent, info.labels) == ("fp", {"role": "parent", "try": "x"})
             assert info.fork_snapshot and info.forked_at > 0
+            # memory per branch, the host's count: the family's file pages shared, its own private
+            assert info.memory_shared_bytes > 0 and info.memory_own_bytes > 0, info
         await trio.sleep(0.5)
         for k in kids:
             assert int(await sh(k, "cat /run/cnt")) > counts[k.id]  # still running
@@ -114,7 +116,7 @@ async def test_fork_three_children_of_a_running_sandbox(served: dict[str, Any]) 
         lines = r.stdout.splitlines()
         assert lines[0].startswith("fp  ready") and len(lines) == 4, r.stdout
         assert [ln.split()[1] for ln in lines[1:]] == ["fk1", "fk2", "fk3"], r.stdout
-        assert all("MiB" in ln for ln in lines), r.stdout
+        assert all("MiB" in ln and "shared" in ln for ln in lines), r.stdout
         r = cli(env, "ls", "--ancestor", "fp", "--json")
         assert r.returncode == 0 and sorted(x["id"] for x in json.loads(r.stdout)) == ["fk1", "fk2", "fk3"], r
 

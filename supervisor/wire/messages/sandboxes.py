@@ -331,6 +331,10 @@ class SandboxInfo:
     parent_uid: str = ""
     fork_snapshot: str = ""
     forked_at: int = 0  # unix seconds
+    # memory per branch, as the host counts QEMU's pages: shared with others (the family's
+    # one memory file) and its own (0: no machine runs)
+    memory_shared_bytes: int = 0
+    memory_own_bytes: int = 0
 
 
 @attrs.frozen

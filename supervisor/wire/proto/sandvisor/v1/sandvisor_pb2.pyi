@@ -1066,7 +1066,7 @@ class SandboxSettings(_message.Message):
     def __init__(self, vcpus: _Optional[int] = ..., memory_mib: _Optional[int] = ..., max_vcpus: _Optional[int] = ..., max_memory_mib: _Optional[int] = ..., disk_size_mib: _Optional[int] = ..., env: _Optional[_Mapping[str, str]] = ..., working_dir: _Optional[str] = ..., ttl_seconds: _Optional[int] = ..., idle_timeout_seconds: _Optional[int] = ..., settled: _Optional[bool] = ...) -> None: ...
 
 class SandboxDetails(_message.Message):
-    __slots__ = ("base", "requested", "applied", "updated_at", "shell", "init", "parent", "parent_uid", "fork_snapshot", "forked_at")
+    __slots__ = ("base", "requested", "applied", "updated_at", "shell", "init", "parent", "parent_uid", "fork_snapshot", "forked_at", "memory_shared_bytes", "memory_own_bytes")
     BASE_FIELD_NUMBER: _ClassVar[int]
     REQUESTED_FIELD_NUMBER: _ClassVar[int]
     APPLIED_FIELD_NUMBER: _ClassVar[int]
@@ -1077,6 +1077,8 @@ class SandboxDetails(_message.Message):
     PARENT_UID_FIELD_NUMBER: _ClassVar[int]
     FORK_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     FORKED_AT_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_SHARED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_OWN_BYTES_FIELD_NUMBER: _ClassVar[int]
     base: _sandbox_pb2.SandboxInfo
     requested: SandboxSettings
     applied: SandboxSettings
@@ -1087,7 +1089,9 @@ class SandboxDetails(_message.Message):
     parent_uid: str
     fork_snapshot: str
     forked_at: int
-    def __init__(self, base: _Optional[_Union[_sandbox_pb2.SandboxInfo, _Mapping]] = ..., requested: _Optional[_Union[SandboxSettings, _Mapping]] = ..., applied: _Optional[_Union[SandboxSettings, _Mapping]] = ..., updated_at: _Optional[int] = ..., shell: _Optional[str] = ..., init: _Optional[_Union[InitSpec, _Mapping]] = ..., parent: _Optional[str] = ..., parent_uid: _Optional[str] = ..., fork_snapshot: _Optional[str] = ..., forked_at: _Optional[int] = ...) -> None: ...
+    memory_shared_bytes: int
+    memory_own_bytes: int
+    def __init__(self, base: _Optional[_Union[_sandbox_pb2.SandboxInfo, _Mapping]] = ..., requested: _Optional[_Union[SandboxSettings, _Mapping]] = ..., applied: _Optional[_Union[SandboxSettings, _Mapping]] = ..., updated_at: _Optional[int] = ..., shell: _Optional[str] = ..., init: _Optional[_Union[InitSpec, _Mapping]] = ..., parent: _Optional[str] = ..., parent_uid: _Optional[str] = ..., fork_snapshot: _Optional[str] = ..., forked_at: _Optional[int] = ..., memory_shared_bytes: _Optional[int] = ..., memory_own_bytes: _Optional[int] = ...) -> None: ...
 
 class SecretSpec(_message.Message):
     __slots__ = ("name", "hosts", "value", "store", "placeholder", "substitute")
