@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 import attrs
 import trio
 
-from actors.errors import AlreadyExists, FailedPrecondition, InvalidArgument
+from actors.errors import AlreadyExists, DomainError, FailedPrecondition, InvalidArgument
 from actors.model import State, check_id, check_labels
 from actors.principals import LEGACY_OWNER
 from actors.registry import Registry
@@ -118,32 +118,38 @@ async def fork(
     snap, ck = await reg.checkpoint(parent.id, owner=owner, fork_only=True)
     lineage = Lineage(parent.record.uid, parent.id, snap.id, snap.created_ns)
     made: list[Sandbox | None] = [None] * n
+    failed: list[DomainError] = []
+
+    async def child(k: int, id: str, cancel: trio.CancelScope) -> None:
+        try:
+            made[k] = await reg.restore_from(
+                snap, id=id, labels=child_labels, network_override=True, owner=owner, lineage=lineage
+            )
+        except DomainError as exc:  # the first failure ends the call: its siblings are cancelled
+            failed.append(exc)
+            cancel.cancel()
+
     try:
         async with trio.open_nursery() as nursery:
             for k, i in enumerate(ids):
-                nursery.start_soon(_child, reg, snap, i, child_labels, owner, lineage, made, k)
+                nursery.start_soon(child, k, i, nursery.cancel_scope)
     except BaseException:
-        with trio.CancelScope(shield=True):
-            for sb in made:
-                if sb is not None and reg.sandboxes.get(sb.id) is sb:
-                    await reg.remove(sb.id, force=True)
-            reg.retire_forks()
+        await _undo(reg, snap)
         raise
-    children = [sb for sb in made if sb is not None]
-    return Forked(snap, ck.paused_s, children)
+    if failed:
+        await _undo(reg, snap)
+        raise failed[0]
+    return Forked(snap, ck.paused_s, [sb for sb in made if sb is not None])
 
 
-async def _child(
-    reg: Registry,
-    snap: SnapshotRecord,
-    id: str,
-    labels: dict[str, str],
-    owner: str,
-    lineage: Lineage,
-    made: list[Sandbox | None],
-    k: int,
-) -> None:
-    made[k] = await reg.restore_from(snap, id=id, labels=labels, network_override=True, owner=owner, lineage=lineage)
+async def _undo(reg: Registry, snap: SnapshotRecord) -> None:
+    """A fork that failed: every child it made (ready or not) goes, and its snapshot."""
+    with trio.CancelScope(shield=True):
+        made = [sb for sb in reg.sandboxes.values() if sb.record.lineage and sb.record.lineage.snapshot_id == snap.id]
+        for sb in made:
+            if reg.sandboxes.get(sb.id) is sb:
+                await reg.remove(sb.id, force=True)
+        reg.retire_forks()
 
 
 def children(reg: Registry) -> dict[str, builtins.list[Sandbox]]:

@@ -19,7 +19,7 @@ import pytest
 import trio
 from trio.testing import MockClock
 
-from actors.errors import AlreadyExists, FailedPrecondition, InvalidArgument
+from actors.errors import AlreadyExists, FailedPrecondition, InvalidArgument, Unavailable
 from actors.fork import check_forkable, descendants, fork, is_descendant, remove_with_descendants
 from actors.model import HostMount, SandboxConfig, State
 from actors.registry import Registry
@@ -38,12 +38,14 @@ def clock() -> MockClock:
 
 
 @asynccontextmanager
-async def registry(root: Path, lab: FakeLab, sock: Path | None = None) -> AsyncIterator[Registry]:
+async def registry(
+    root: Path, lab: FakeLab, sock: Path | None = None, guest_timeout: float = 60
+) -> AsyncIterator[Registry]:
     store = Store(root / "state" / "sandvisor.db")
     try:
         async with trio.open_nursery() as n:
             await n.start(lab.run)
-            settings = fake_settings(root, lab, allowed_paths=(root,))
+            settings = fake_settings(root, lab, allowed_paths=(root,), guest_timeout=guest_timeout)
             reg = await n.start(Registry(settings, store, templates=False).run)
             try:
                 if sock is not None:
@@ -114,6 +116,18 @@ async def test_a_named_checkpoint_stays_and_children_of_a_restore_are_plain(tmp_
         await reg.remove("p", force=True)
         assert list(reg.snapshots.snapshots) == [named.id]
         assert [s.id for s in reg.list_snapshots()] == [named.id]
+
+
+async def test_a_child_that_fails_takes_its_siblings_and_the_parent_runs_on(tmp_path: Path, clock: MockClock) -> None:
+    lab = FakeLab()
+    async with registry(tmp_path, lab, guest_timeout=30) as reg:
+        parent = await reg.create("p", SandboxConfig())
+        await ready(parent)
+        lab.hostile.silent_after_hello = True  # the children's guests: their fix-ups time out
+        with pytest.raises(Unavailable, match="post-restore fixups failed"):
+            await fork(reg, "p", 2, name_prefix="c")
+        assert set(reg.sandboxes) == {"p"} and parent.state == State.READY
+        assert reg.snapshots.snapshots == {}  # the fork's snapshot went with the children it had
 
 
 async def test_what_a_fork_refuses(tmp_path: Path, clock: MockClock) -> None:
