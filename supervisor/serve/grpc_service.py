@@ -186,6 +186,7 @@ BINDINGS: dict[str, tuple[Rpc, ...]] = {
         Rpc("SshEndpoint", "SshEndpoint"),
         Rpc("ExecDetachable", "Exec", prepare=_detachable),
         Rpc("Attach", "Attach", prepare=lambda d: dict(d.get("attach") or {})),
+        Rpc("Fork", "Fork"),
     ),
 }
 
