@@ -107,6 +107,11 @@ class Exchange:
             if msg.get("body"):
                 yield msg["body"]
 
+    async def disconnected(self) -> None:
+        """Return when the client goes away (after the request's body was read)."""
+        while (await self._receive())["type"] != "http.disconnect":
+            pass
+
     async def body(self, limit: int = MAX_JSON) -> bytes:
         out = bytearray()
         async for piece in self.chunks():
