@@ -104,12 +104,17 @@ class E2BApp:
     """The ASGI app. ``socket``: the supervisor's; ``keys``: the API keys."""
 
     def __init__(
-        self, socket: str, keys: list[Key], procs: envd.Processes, kernels: kern.Kernels, code_rootfs: str = ""
+        self,
+        socket: str,
+        keys: list[Key],
+        procs: envd.Processes,
+        kernels: kern.Kernels | None = None,
+        code_rootfs: str = "",
     ) -> None:
         self.socket = socket
         self.keys = keys
         self.procs = procs
-        self.kernels = kernels
+        self.kernels = kernels if kernels is not None else kern.Kernels(procs.nursery)
         self.code_rootfs = code_rootfs  # the code-interpreter profile's rootfs ("": not built)
         self.tokens = Tokens(keys)
         self.known: dict[str, Known] = {}
@@ -265,7 +270,9 @@ class E2BApp:
             )
         snapshot = None if template in DEFAULT_TEMPLATES or code else await self._template(client, template)
         if code:
-            sb = await client.create(rootfs=self.code_rootfs, memory_mib=CODE_MEMORY_MIB, labels=labels, env=env, ttl=ttl)
+            sb = await client.create(
+                rootfs=self.code_rootfs, memory_mib=CODE_MEMORY_MIB, labels=labels, env=env, ttl=ttl
+            )
         elif snapshot is not None:
             if env:
                 raise HttpError(400, "envVars: not supported for a snapshot template (it keeps its own)")
