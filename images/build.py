@@ -164,8 +164,7 @@ class Image:
 Progress = Callable[[str, str], None]  # (part, message)
 
 
-def _quiet(_part: str, _msg: str) -> None:
-    pass
+def _quiet(_part: str, _msg: str) -> None: ...
 
 
 def run(argv: list[str], *, cwd: Path | None = None, env: dict[str, str] | None = None) -> str:
@@ -583,15 +582,16 @@ class Builder:
         self.built.append("runtime")
         return final, key
 
-    def rootfs(self) -> tuple[Path, str]:
-        versions = candidates(ROOTFS_INCLUDE)
-        key = _digest("rootfs", 2, versions, ROOTFS_SIZE_MIB)
+    def rootfs(self, include: tuple[str, ...] = ROOTFS_INCLUDE, size: int = ROOTFS_SIZE_MIB) -> tuple[Path, str]:
+        """The rootfs of ``include`` (a profile's is the default's and more: images/profiles.py)."""
+        versions = candidates(include)
+        key = _digest("rootfs", 2, versions, size)
         final = self.cache / f"rootfs-{key}"
         if (final / "rootfs.ext4").exists():
             self.progress("rootfs", "cached")
             public_modes(final)
             return final, key
-        self.progress("rootfs", "mmdebstrap minbase (a minute or two)")
+        self.progress("rootfs", f"mmdebstrap minbase, {len(include)} packages (a minute or more)")
         with _staging(self.cache, "rootfs") as tmp:
             tree = tmp / "tree"
             run(
@@ -599,7 +599,7 @@ class Builder:
                     "mmdebstrap",
                     "--quiet",
                     "--variant=minbase",
-                    "--include=" + ",".join(ROOTFS_INCLUDE),
+                    "--include=" + ",".join(include),
                     "--dpkgopt=path-exclude=/usr/share/man/*",
                     "--dpkgopt=path-exclude=/usr/share/doc/*",
                     "--dpkgopt=path-exclude=/usr/share/locale/*",
@@ -632,7 +632,7 @@ class Builder:
                     "-d",
                     str(tree),
                     str(img),
-                    f"{ROOTFS_SIZE_MIB}M",
+                    f"{size}M",
                 ]
             )
             img.chmod(0o444)  # the read-only base; sandboxes write to qcow2 overlays

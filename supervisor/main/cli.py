@@ -67,14 +67,20 @@ def cmd_image_build(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-    from images.build import Builder, default_cache
+    from images.build import Builder, Image, default_cache
+    from images.profiles import build_profile
     from supervisor.client.cli_output import markup_escape
 
     err, out = Console(stderr=True, emoji=False), Console(emoji=False)
     cache = Path(args.cache) if args.cache else default_cache()
+    profile = args.profile or "default"
+
+    def build(b: Builder) -> Image:
+        return b.build() if profile == "default" else build_profile(b, profile)
+
     if args.json:
         b = Builder(cache)
-        img = b.build()
+        img = build(b)
         print(json.dumps({"built": b.built, "image": img.to_json()}))
         return 0
     with Progress(
@@ -88,11 +94,12 @@ def cmd_image_build(args: argparse.Namespace) -> int:
             progress.update(tasks[part], description=markup_escape(msg))  # type: ignore[arg-type]
 
         b = Builder(cache, progress=report)
-        img = b.build()
+        img = build(b)
+    manifest = cache / f"{img.name}.json"
     if b.built:
-        out.print(f"built: {', '.join(b.built)}  ->  {cache / 'default.json'}", markup=False)
+        out.print(f"built: {', '.join(b.built)}  ->  {manifest}", markup=False)
     else:
-        out.print(f"image up to date, nothing to do ({cache / 'default.json'})", markup=False)
+        out.print(f"image up to date, nothing to do ({manifest})", markup=False)
     return 0
 
 
@@ -436,6 +443,11 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     ib = isub.add_parser("build", help="build the default guest image (cached, content-keyed)")
     ib.add_argument("--cache", help="image cache directory (default: STATE_DIR/images)")
     ib.add_argument("--json", action="store_true", help="print the result as JSON")
+    ib.add_argument(
+        "--profile",
+        choices=("default", "code-interpreter"),
+        help="code-interpreter: the default image plus Jupyter kernels, matplotlib, numpy, pandas",
+    )
     ib.set_defaults(func=_host_errors(cmd_image_build))
     add_image_commands(isub)
 

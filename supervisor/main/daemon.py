@@ -43,6 +43,7 @@ from actors.settings import Settings
 from actors.store import Store, StoreLeases
 from images.build import Builder, Image, hold_parts, load_default
 from images.oci import ImageStore
+from images.profiles import load_profile
 from images.refs import RefPolicy
 from supervisor.main.daemon_config import DaemonConfig
 from supervisor.main.notify import Notifier
@@ -394,6 +395,10 @@ async def _serve_locked(cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Re
     _layout(cfg, cfg.run_root or default_run_root(), qemu_user.name if qemu_user is not None else None)
     accel = resolve_accel(cfg.accel)
     image = await trio.to_thread.run_sync(default_image, cfg.state_dir)
+    # the E2B endpoint's code-interpreter template boots the profile's rootfs, if built
+    # (sandvisor image build --profile code-interpreter): its part directory is allowed
+    code_image = load_profile("code-interpreter", cfg.state_dir / "images") if e2b_at is not None else None
+    served_roots = (code_image.rootfs.resolve().parent,) if code_image is not None else ()
     memory_dir = None if cfg.anonymous_memory else (cfg.memory_dir or default_memory_dir(cfg.state_dir))
     cells = None
     if built is not None:
@@ -433,7 +438,7 @@ async def _serve_locked(cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Re
         expose_address=cfg.expose_address,
         memory_dir=memory_dir,
         cells=cells,
-        allowed_paths=cfg.allow_paths,
+        allowed_paths=cfg.allow_paths + served_roots,
         max_sandbox_disk_mib=cfg.max_sandbox_disk_mib,
         images=ImageStore(
             cfg.state_dir / "oci",
@@ -532,7 +537,8 @@ async def _serve_locked(cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Re
             if e2b_at is not None:
                 from supervisor.serve.e2b_server import E2BEndpoint
 
-                e2b = E2BEndpoint(str(cfg.socket), *e2b_at, key_file=e2b_keys)
+                code_rootfs = str(code_image.rootfs.resolve()) if code_image is not None else ""
+                e2b = E2BEndpoint(str(cfg.socket), *e2b_at, key_file=e2b_keys, code_rootfs=code_rootfs)
 
                 async def run_e2b(task_status: trio.TaskStatus[None]) -> None:
                     with e2b_scope:

@@ -16,9 +16,12 @@ sees and touches only the sandboxes and snapshots it made (admin keys: all), and
 it may not see is E2B's not-found.
 
 Templates: ``base`` (the SDK's default), ``default`` or "" boot the supervisor's default
-image; the id or name of a snapshot the key may see restores it (when its origin had no
-network, secrets or host directories: the endpoint makes none of those); a snapshot id
-it may not see is not found; anything else is an OCI image reference (the supervisor's
+image; ``code-interpreter-v1`` (the code-interpreter SDK's default) and
+``code-interpreter`` boot the code-interpreter profile's rootfs (``sandvisor image build
+--profile code-interpreter``; :mod:`supervisor.serve.e2b_kernels` serves its port
+49999); the id or name of a snapshot the key may see restores it (when its origin had
+no network, secrets or host directories: the endpoint makes none of those); a snapshot
+id it may not see is not found; anything else is an OCI image reference (the supervisor's
 pull policy applies). A sandbox's ``timeout`` is its TTL (``set_timeout`` replaces it).
 
 Beside envd's core (:mod:`~supervisor.serve.e2b_envd`): PTYs and input streams
@@ -45,6 +48,7 @@ import trio
 
 from supervisor.serve import e2b_envd as envd
 from supervisor.serve import e2b_proxy
+from supervisor.serve import e2b_kernels as kern
 from supervisor.serve.e2b_http import Exchange, HttpError, Receive, Scope, Send, http_error
 from supervisor.serve.e2b_keys import Client, Key, Tokens, find_key, read_keys
 from supervisor.serve.e2b_metrics import e2b_metrics
@@ -59,6 +63,8 @@ ENVD_VERSION = "0.6.1"  # what the SDK is told: the envd features served are tho
 DEFAULT_TIMEOUT = 300  # s: the SDK's own default sandbox timeout
 MAX_TIMEOUT = 24 * 3600
 DEFAULT_TEMPLATES = frozenset({"", "base", "default"})
+CODE_TEMPLATES = frozenset({"code-interpreter-v1", "code-interpreter"})
+CODE_MEMORY_MIB = 1024  # a kernel with numpy, pandas and matplotlib loaded is ~150 MiB; a few contexts fit
 _ID = r"([A-Za-z0-9][A-Za-z0-9_.-]{0,127})"
 _ROUTES = [
     ("POST", re.compile(r"^/(?:v2/)?sandboxes$"), "create"),
@@ -123,12 +129,21 @@ def _no_network(body: dict[str, Any]) -> None:
 class E2BApp:
     """The ASGI app. ``socket``: the supervisor's; ``keys``: the API keys."""
 
-    def __init__(self, socket: str, keys: list[Key], procs: envd.Processes) -> None:
+    def __init__(
+        self,
+        socket: str,
+        keys: list[Key],
+        procs: envd.Processes,
+        kernels: kern.Kernels | None = None,
+        code_rootfs: str = "",
+    ) -> None:
         self.socket = socket
         self.keys = keys
         self.procs = procs
         self.watchers = Watchers()
         self.users = Users()
+        self.kernels = kernels if kernels is not None else kern.Kernels(procs.nursery)
+        self.code_rootfs = code_rootfs  # the code-interpreter profile's rootfs ("": not built)
         self.tokens = Tokens(keys)
         self.known: dict[str, Known] = {}
 
@@ -167,7 +182,9 @@ class E2BApp:
             return
         sandbox = ex.headers.get("e2b-sandbox-id")
         if sandbox is not None:
-            opened = self.tokens.open(ex.headers.get("x-access-token"), sandbox)
+            # (the code-interpreter SDK sends its calls but /execute with the traffic token alone)
+            token = ex.headers.get("x-access-token") or ex.headers.get("e2b-traffic-access-token")
+            opened = self.tokens.open(token, sandbox)
             if opened is not None:
                 key, uid = opened
             else:  # an API key opens any sandbox its principal may see
@@ -229,6 +246,9 @@ class E2BApp:
             await ex.respond(204)
             return
         target = envd.Target(client, sandbox, info.uid)
+        if ex.headers.get("e2b-sandbox-port") == kern.PORT:
+            await kern.serve(ex, self.kernels, target)
+            return
         await self.users.ensure(target.handle(), info.uid)
         if ex.path == "/files":
             if ex.method == "GET":
@@ -295,8 +315,19 @@ class E2BApp:
         labels = _labels(body.get("metadata"))
         env = _labels(body.get("envVars"))
         _no_network(body)
-        snapshot = None if template in DEFAULT_TEMPLATES else await self._template(client, template)
-        if snapshot is not None:
+        code = template in CODE_TEMPLATES
+        if code and not self.code_rootfs:
+            raise HttpError(
+                400,
+                f"template {template}: the code-interpreter image is not built "
+                "(sandvisor image build --profile code-interpreter, then restart serve)",
+            )
+        snapshot = None if template in DEFAULT_TEMPLATES or code else await self._template(client, template)
+        if code:
+            sb = await client.create(
+                rootfs=self.code_rootfs, memory_mib=CODE_MEMORY_MIB, labels=labels, env=env, ttl=ttl
+            )
+        elif snapshot is not None:
             if env:
                 raise HttpError(400, "envVars: not supported for a snapshot template (it keeps its own)")
             sb = await client.restore(snapshot, labels=labels, ttl=ttl)
@@ -311,6 +342,8 @@ class E2BApp:
                 await sb.remove(force=True)
             raise
         self.known[sb.id] = Known(template or "base", info.created_at + ttl, info.uid)
+        if code:  # its kernel starts now: the first cell does not wait for it
+            self.kernels.host(envd.Target(client, sb.id, info.uid))
         await ex.send_json(self._created(ex, client, sb.id, info.uid, template or "base"), 201)
 
     def _listed(self, sid: str, state: str, labels: dict[str, str], created_at: int, uid: str = "") -> dict[str, Any]:
@@ -374,6 +407,7 @@ class E2BApp:
         self.procs.forget(info.uid)
         self.watchers.forget(info.uid)
         self.users.forget(info.uid)
+        self.kernels.forget(info.uid)
         self.known.pop(sid, None)
         await ex.respond(204)
 
@@ -460,6 +494,7 @@ class E2BEndpoint:
     host: str
     port: int
     key_file: Path
+    code_rootfs: str = ""
     keys: list[Key] = attrs.field(init=False, factory=list)
 
     def __attrs_post_init__(self) -> None:
@@ -475,7 +510,7 @@ class E2BEndpoint:
         config.errorlog = log
         config.graceful_timeout = 1.0
         async with trio.open_nursery() as nursery:
-            app = E2BApp(self.socket, self.keys, envd.Processes(nursery))
+            app = E2BApp(self.socket, self.keys, envd.Processes(nursery), kern.Kernels(nursery), self.code_rootfs)
             binds = await nursery.start(lambda task_status: serve(app, config, task_status=task_status))  # type: ignore[arg-type]
             self.port = int(str(binds[0]).rsplit(":", 1)[1])
             admins = sum(k.admin for k in self.keys)

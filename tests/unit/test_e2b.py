@@ -302,3 +302,20 @@ async def test_templates_a_key_may_restore() -> None:
         assert await app._template(client, "docker.io/library/python:3.12") is None
         assert await app._template(client, "someone-elses-name") is None  # (an image reference, like any miss)
         n.cancel_scope.cancel()
+
+
+async def test_code_interpreter_template_without_its_image_is_refused() -> None:
+    """``code-interpreter-v1`` (the code-interpreter SDK's default) boots the profile's
+    rootfs; a supervisor that has none built says so (400), creating nothing."""
+
+    class _Body:
+        async def json(self) -> dict[str, Any]:
+            return {"templateID": "code-interpreter-v1"}
+
+    async with trio.open_nursery() as n:
+        app = E2BApp("/nonexistent.sock", [Key("a", b"k")], e2b_envd.Processes(n))
+        client = _Snapshots("/nonexistent.sock", Key("a", b"k"))
+        with pytest.raises(e2b_http.HttpError, match="image build --profile code-interpreter") as err:
+            await app.create(_Body(), client)  # type: ignore[arg-type]
+        assert err.value.status == 400
+        n.cancel_scope.cancel()

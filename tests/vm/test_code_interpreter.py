@@ -1,0 +1,176 @@
+"""E2B's code-interpreter SDK (``e2b-code-interpreter`` from PyPI, unchanged) against
+``sandvisor serve --e2b`` on loopback: its default template (``code-interpreter-v1``)
+boots the code-interpreter image (``sandvisor image build --profile code-interpreter``,
+built once per session into the shared image cache), and its cells run in Jupyter
+kernels in the guest. State persists between cells; a matplotlib chart comes back as a
+PNG; stdout streams before the cell ends; errors have their name and traceback;
+contexts are separate kernels, restart clears one; a cell past its timeout is
+interrupted and the next one runs; a call without the sandbox's token is refused."""
+
+from __future__ import annotations
+
+import base64
+import socket
+import struct
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+ci = pytest.importorskip("e2b_code_interpreter")
+httpx = pytest.importorskip("httpx")
+
+from e2b import NotFoundException, TimeoutException  # noqa: E402
+from e2b_code_interpreter import Sandbox  # noqa: E402
+
+from images.build import Builder, default_cache, hold_parts  # noqa: E402
+from images.profiles import build_profile  # noqa: E402
+from supervisor.main.throwaway import supervisor_process, workdir  # noqa: E402
+
+KEY = "e2b_code_interpreter_test_key"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def endpoint() -> Iterator[str]:
+    """The profile built (once: a later build finds it cached) and held, then a
+    throwaway supervisor with the E2B endpoint, whose state shares the image cache."""
+    img = build_profile(Builder(default_cache()), "code-interpreter")
+    with hold_parts(img), workdir("sv-ci-") as work:
+        keys = work.root / "keys"
+        keys.write_text(f"{KEY}\n")
+        keys.chmod(0o600)
+        port = _free_port()
+        args = ("--e2b", f"127.0.0.1:{port}", "--e2b-key-file", str(keys), "--registry-allow", "127.0.0.1:9")
+        with supervisor_process(work, *args, log=work.root / "serve.log"):
+            deadline = time.monotonic() + 60
+            while True:  # the socket is there before the E2B port: wait for it, bounded
+                try:
+                    socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.05)
+            yield f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+def opts(endpoint: str) -> dict[str, Any]:
+    return {"api_url": endpoint, "sandbox_url": endpoint, "api_key": KEY, "request_timeout": 300}
+
+
+@pytest.fixture(scope="module")
+def box(opts: dict[str, Any]) -> Iterator[Sandbox]:
+    sb = Sandbox.create(timeout=1800, **opts)  # the SDK's default template: code-interpreter-v1
+    try:
+        yield sb
+    finally:
+        sb.kill()
+
+
+def test_state_persists(box: Sandbox) -> None:
+    first = box.run_code("x = 41", request_timeout=300)
+    assert first.error is None and first.results == []
+    r = box.run_code("x + 1")
+    assert r.error is None
+    assert [res.text for res in r.results if res.is_main_result] == ["42"]
+    assert r.text == "42" and r.execution_count is not None and r.execution_count >= 2
+
+
+def test_chart_is_a_png(box: Sandbox) -> None:
+    r = box.run_code(
+        "import matplotlib.pyplot as plt\nplt.plot([1, 2, 3], [4, 1, 9])\nplt.title('t')\nplt.show()",
+        timeout=300,
+    )
+    assert r.error is None, r.error
+    pngs = [res.png for res in r.results if res.png]
+    assert len(pngs) == 1
+    data = base64.b64decode(pngs[0])
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    width, height = struct.unpack(">II", data[16:24])
+    assert width > 100 and height > 100
+
+
+def test_stdout_streams_before_the_cell_ends(box: Sandbox) -> None:
+    """The cell prints, then waits for a file that only the on_stdout callback writes:
+    it ends only if its first line reached the client while it ran."""
+    box.files.remove("/tmp/go") if box.files.exists("/tmp/go") else None
+    seen: list[str] = []
+
+    def on_stdout(msg: Any) -> None:
+        seen.append(msg.line)
+        if msg.line.startswith("waiting"):
+            box.files.write("/tmp/go", "go")
+
+    code = (
+        "import os, time\nprint('waiting', flush=True)\n"
+        "for _ in range(1200):\n    if os.path.exists('/tmp/go'): break\n    time.sleep(0.05)\n"
+        "print('released' if os.path.exists('/tmp/go') else 'not released')"
+    )
+    r = box.run_code(code, on_stdout=on_stdout, timeout=120)
+    assert r.error is None
+    assert "".join(seen) == "waiting\nreleased\n"
+    assert r.logs.stdout == ["waiting\n", "released\n"]
+
+
+def test_error_has_name_and_traceback(box: Sandbox) -> None:
+    errors: list[Any] = []
+    r = box.run_code("1/0", on_error=errors.append)
+    assert r.error is not None and r.error.name == "ZeroDivisionError"
+    assert "division by zero" in r.error.value
+    assert "ZeroDivisionError" in r.error.traceback and r.error.traceback.count("\n") >= 1
+    assert errors and errors[0].name == "ZeroDivisionError"
+    assert box.run_code("'still here'").text == "'still here'"  # the kernel lives on
+
+
+def test_contexts_are_separate_and_restart_clears(box: Sandbox) -> None:
+    a = box.create_code_context(cwd="/tmp")
+    b = box.create_code_context()
+    assert a.id != b.id and a.cwd == "/tmp" and b.cwd == "/home/user" and a.language == "python"
+    box.run_code("v = 'a'", context=a)
+    box.run_code("v = 'b'", context=b)
+    assert box.run_code("v", context=a).text == "'a'"
+    assert box.run_code("v", context=b).text == "'b'"
+    assert box.run_code("import os; os.getcwd()", context=a).text == "'/tmp'"
+    listed = {c.id for c in box.list_code_contexts()}
+    assert {a.id, b.id} <= listed
+
+    box.restart_code_context(a)
+    gone = box.run_code("v", context=a)
+    assert gone.error is not None and gone.error.name == "NameError"
+    assert box.run_code("v", context=b).text == "'b'"
+
+    box.remove_code_context(b)
+    assert b.id not in {c.id for c in box.list_code_contexts()}
+    with pytest.raises(NotFoundException):
+        box.run_code("v", context=b)
+
+
+def test_timeout_interrupts_and_the_next_cell_runs(box: Sandbox) -> None:
+    box.run_code("n = 0")
+    with pytest.raises(TimeoutException):
+        box.run_code("import time\nwhile True:\n    n += 1\n    time.sleep(0.01)", timeout=5)
+    r = box.run_code("n > 0", timeout=60)  # waits for no 600 s: the loop was interrupted
+    assert r.error is None and r.text == "True"
+
+
+def test_a_call_without_the_token_is_refused(box: Sandbox, endpoint: str) -> None:
+    hdrs = {"E2b-Sandbox-Id": box.sandbox_id, "E2b-Sandbox-Port": "49999"}
+    for path, method in (("/contexts", "GET"), ("/execute", "POST")):
+        r = httpx.request(method, endpoint + path, headers=hdrs, json={"code": "1"}, timeout=60)
+        assert r.status_code == 401
+        r = httpx.request(
+            method,
+            endpoint + path,
+            headers={**hdrs, "E2B-Traffic-Access-Token": "nope"},
+            json={"code": "1"},
+            timeout=60,
+        )
+        assert r.status_code == 401
