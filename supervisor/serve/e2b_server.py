@@ -47,8 +47,8 @@ import attrs
 import trio
 
 from supervisor.serve import e2b_envd as envd
-from supervisor.serve import e2b_proxy
 from supervisor.serve import e2b_kernels as kern
+from supervisor.serve import e2b_proxy
 from supervisor.serve.e2b_http import Exchange, HttpError, Receive, Scope, Send, http_error
 from supervisor.serve.e2b_keys import Client, Key, Tokens, find_key, read_keys
 from supervisor.serve.e2b_metrics import e2b_metrics
