@@ -532,7 +532,7 @@ async def _serve_locked(cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Re
             if e2b_at is not None:
                 from supervisor.serve.e2b_server import E2BEndpoint
 
-                e2b = E2BEndpoint(str(cfg.socket), *e2b_at, key_file=e2b_keys)
+                e2b = E2BEndpoint(str(cfg.socket), *e2b_at, key_file=e2b_keys, tap=hostnet is not None)
 
                 async def run_e2b(task_status: trio.TaskStatus[None]) -> None:
                     with e2b_scope:

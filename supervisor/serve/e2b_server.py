@@ -48,6 +48,7 @@ from supervisor.serve import e2b_proxy
 from supervisor.serve.e2b_http import Exchange, HttpError, Receive, Scope, Send, http_error
 from supervisor.serve.e2b_keys import Client, Key, Tokens, find_key, read_keys
 from supervisor.serve.e2b_metrics import e2b_metrics
+from supervisor.serve.e2b_net import network_of
 from supervisor.serve.e2b_user import Users
 from supervisor.serve.e2b_watch import WATCHER_METHODS, Watchers
 from supervisor.serve.metrics import is_loopback
@@ -70,6 +71,7 @@ _ROUTES = [
     ("POST", re.compile(rf"^/sandboxes/{_ID}/resume$"), "resume"),
     ("POST", re.compile(rf"^/(?:v2/)?sandboxes/{_ID}/connect$"), "connect"),
     ("GET", re.compile(rf"^/sandboxes/{_ID}/metrics$"), "metrics"),
+    ("PUT", re.compile(rf"^/sandboxes/{_ID}/network$"), "update_network"),
 ]
 _RPC = re.compile(r"^/(process\.Process|filesystem\.Filesystem)/([A-Za-z]+)$")
 _SNAPSHOT_ID = re.compile(r"^snap-[0-9a-f]+$")
@@ -83,6 +85,8 @@ class Known:
     template: str
     end_at: int  # unix seconds (0: never)
     uid: str = ""
+    internet: bool | None = None  # E2B's allow_internet_access, as made (None: not known)
+    rules: dict[str, list[str]] = attrs.field(factory=dict)  # E2B's network allowOut/denyOut, as asked
 
 
 def _iso(ts: int) -> str:
@@ -105,26 +109,13 @@ def _labels(value: Any) -> dict[str, str]:
     return {str(k): v for k, v in value.items()}
 
 
-def _no_network(body: dict[str, Any]) -> None:
-    """Endpoint sandboxes have no network device: asking for internet access or
-    egress rules is refused rather than ignored (``allow_internet_access=False`` and no
-    rules are what they get)."""
-    net = body.get("network")
-    rules = {k: v for k, v in net.items() if v} if isinstance(net, dict) else {}
-    if body.get("allow_internet_access") is True or rules:
-        asked = "allow_internet_access" if body.get("allow_internet_access") is True else f"network {sorted(rules)}"
-        raise HttpError(
-            400,
-            f"{asked}: sandboxes of this endpoint have no network (network: none); "
-            "give one with sandvisor's SDK or CLI (docs/network.md)",
-        )
-
-
 class E2BApp:
-    """The ASGI app. ``socket``: the supervisor's; ``keys``: the API keys."""
+    """The ASGI app. ``socket``: the supervisor's; ``keys``: the API keys; ``tap``: the
+    supervisor has tap networking (E2B's networking is served: :mod:`~supervisor.serve.e2b_net`)."""
 
-    def __init__(self, socket: str, keys: list[Key], procs: envd.Processes) -> None:
+    def __init__(self, socket: str, keys: list[Key], procs: envd.Processes, *, tap: bool = False) -> None:
         self.socket = socket
+        self.tap = tap
         self.keys = keys
         self.procs = procs
         self.watchers = Watchers()
@@ -294,15 +285,19 @@ class E2BApp:
         ttl = _timeout(body.get("timeout"), DEFAULT_TIMEOUT)
         labels = _labels(body.get("metadata"))
         env = _labels(body.get("envVars"))
-        _no_network(body)
+        net = network_of(body, self.tap)
         snapshot = None if template in DEFAULT_TEMPLATES else await self._template(client, template)
         if snapshot is not None:
             if env:
                 raise HttpError(400, "envVars: not supported for a snapshot template (it keeps its own)")
+            if net.asked and (body.get("allow_internet_access") is not False or body.get("network")):
+                raise HttpError(400, "allow_internet_access, network: a snapshot template keeps its own (none)")
             sb = await client.restore(snapshot, labels=labels, ttl=ttl)
         else:
             image = "" if template in DEFAULT_TEMPLATES else template
-            sb = await client.create(image=image, labels=labels, env=env, ttl=ttl)
+            sb = await client.create(image=image, labels=labels, env=env, ttl=ttl, **net.kwargs)
+            if not net.asked and not net.internet:
+                log.info("E2B sandbox %s made without internet access: serve has no tap networking", sb.id)
         info = await sb.inspect()
         try:
             await self.users.ensure(sb, info.uid)
@@ -310,7 +305,8 @@ class E2BApp:
             with trio.CancelScope(shield=True):
                 await sb.remove(force=True)
             raise
-        self.known[sb.id] = Known(template or "base", info.created_at + ttl, info.uid)
+        internet = net.internet if snapshot is None else False
+        self.known[sb.id] = Known(template or "base", info.created_at + ttl, info.uid, internet, net.rules)
         await ex.send_json(self._created(ex, client, sb.id, info.uid, template or "base"), 201)
 
     def _listed(self, sid: str, state: str, labels: dict[str, str], created_at: int, uid: str = "") -> dict[str, Any]:
@@ -363,6 +359,11 @@ class E2BApp:
         detail = self._listed(sid, info.state, info.labels, info.created_at, info.uid)
         token = self.tokens.mint(client.key, sid, info.uid)
         detail.update(cpuCount=info.limits.vcpus, memoryMB=info.limits.memory_mib, envdAccessToken=token)
+        known = self._known(sid, info.uid)
+        if known is not None and known.internet is not None:
+            detail["allowInternetAccess"] = known.internet
+        if known is not None and known.rules:
+            detail["network"] = known.rules
         await ex.send_json(detail)
 
     async def kill(self, ex: Exchange, client: Client, sid: str) -> None:
@@ -441,6 +442,13 @@ class E2BApp:
             return
         await ex.send_json([e2b_metrics(sample, info.limits.vcpus)])
 
+    async def update_network(self, ex: Exchange, client: Client, sid: str) -> None:
+        """Not served: a sandbox's egress policy is fixed at create (the supervisor has no
+        call that changes a running sandbox's). 501 with the reason, not E2B's 404 for an
+        unknown route: the SDK reads a 404 here as "Sandbox not found", which it is not."""
+        await self._info(client, sid)
+        raise HttpError(501, "update_network: not served: a sandbox's network is fixed when it is created")
+
     async def _call(self, sid: str, call: Awaitable[object]) -> None:
         try:
             await call
@@ -460,6 +468,7 @@ class E2BEndpoint:
     host: str
     port: int
     key_file: Path
+    tap: bool = False  # the supervisor has tap networking: E2B's networking is served
     keys: list[Key] = attrs.field(init=False, factory=list)
 
     def __attrs_post_init__(self) -> None:
@@ -475,10 +484,15 @@ class E2BEndpoint:
         config.errorlog = log
         config.graceful_timeout = 1.0
         async with trio.open_nursery() as nursery:
-            app = E2BApp(self.socket, self.keys, envd.Processes(nursery))
+            app = E2BApp(self.socket, self.keys, envd.Processes(nursery), tap=self.tap)
             binds = await nursery.start(lambda task_status: serve(app, config, task_status=task_status))  # type: ignore[arg-type]
             self.port = int(str(binds[0]).rsplit(":", 1)[1])
             admins = sum(k.admin for k in self.keys)
+            if not self.tap:
+                log.warning(
+                    "E2B endpoint: serve has no tap networking (--ip-pool, as root), so E2B sandboxes, "
+                    "which have internet access by default, get no network; asking for it is refused"
+                )
             log.info("E2B API on http://%s:%d (%d keys, %d admin)", self.host, self.port, len(self.keys), admins)
             if not is_loopback(self.host):
                 log.warning(
