@@ -17,9 +17,11 @@ it may not see is E2B's not-found.
 
 Templates: ``base`` (the SDK's default), ``default`` or "" boot the supervisor's default
 image; the id or name of a snapshot the key may see restores it (when its origin had no
-network, secrets or host directories: the endpoint makes none of those); a snapshot id
+network, secrets or host directories: the endpoint restores none of those); a snapshot id
 it may not see is not found; anything else is an OCI image reference (the supervisor's
 pull policy applies). A sandbox's ``timeout`` is its TTL (``set_timeout`` replaces it).
+Networking, as E2B's (internet access by default) when serve has tap networking:
+:mod:`supervisor.serve.e2b_net`.
 
 Beside envd's core (:mod:`~supervisor.serve.e2b_envd`): PTYs and input streams
 (:mod:`~supervisor.serve.e2b_pty`), directory watchers (:mod:`~supervisor.serve.e2b_watch`),
