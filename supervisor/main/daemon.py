@@ -538,7 +538,9 @@ async def _serve_locked(cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Re
                 from supervisor.serve.e2b_server import E2BEndpoint
 
                 code_rootfs = str(code_image.rootfs.resolve()) if code_image is not None else ""
-                e2b = E2BEndpoint(str(cfg.socket), *e2b_at, key_file=e2b_keys, code_rootfs=code_rootfs)
+                e2b = E2BEndpoint(
+                    str(cfg.socket), *e2b_at, key_file=e2b_keys, code_rootfs=code_rootfs, tap=hostnet is not None
+                )
 
                 async def run_e2b(task_status: trio.TaskStatus[None]) -> None:
                     with e2b_scope:

@@ -23,6 +23,8 @@ image; ``code-interpreter-v1`` (the code-interpreter SDK's default) and
 no network, secrets or host directories: the endpoint makes none of those); a snapshot
 id it may not see is not found; anything else is an OCI image reference (the supervisor's
 pull policy applies). A sandbox's ``timeout`` is its TTL (``set_timeout`` replaces it).
+Networking, as E2B's (internet access by default) when serve has tap networking:
+:mod:`supervisor.serve.e2b_net`.
 
 Beside envd's core (:mod:`~supervisor.serve.e2b_envd`): PTYs and input streams
 (:mod:`~supervisor.serve.e2b_pty`), directory watchers (:mod:`~supervisor.serve.e2b_watch`),
@@ -52,6 +54,7 @@ from supervisor.serve import e2b_proxy
 from supervisor.serve.e2b_http import Exchange, HttpError, Receive, Scope, Send, http_error
 from supervisor.serve.e2b_keys import Client, Key, Tokens, find_key, read_keys
 from supervisor.serve.e2b_metrics import e2b_metrics
+from supervisor.serve.e2b_net import network_of
 from supervisor.serve.e2b_user import Users
 from supervisor.serve.e2b_watch import WATCHER_METHODS, Watchers
 from supervisor.serve.metrics import is_loopback
@@ -76,6 +79,7 @@ _ROUTES = [
     ("POST", re.compile(rf"^/sandboxes/{_ID}/resume$"), "resume"),
     ("POST", re.compile(rf"^/(?:v2/)?sandboxes/{_ID}/connect$"), "connect"),
     ("GET", re.compile(rf"^/sandboxes/{_ID}/metrics$"), "metrics"),
+    ("PUT", re.compile(rf"^/sandboxes/{_ID}/network$"), "update_network"),
 ]
 _RPC = re.compile(r"^/(process\.Process|filesystem\.Filesystem)/([A-Za-z]+)$")
 _SNAPSHOT_ID = re.compile(r"^snap-[0-9a-f]+$")
@@ -89,6 +93,8 @@ class Known:
     template: str
     end_at: int  # unix seconds (0: never)
     uid: str = ""
+    internet: bool | None = None  # E2B's allow_internet_access, as made (None: not known)
+    rules: dict[str, list[str]] = attrs.field(factory=dict)  # E2B's network allowOut/denyOut, as asked
 
 
 def _iso(ts: int) -> str:
@@ -111,23 +117,9 @@ def _labels(value: Any) -> dict[str, str]:
     return {str(k): v for k, v in value.items()}
 
 
-def _no_network(body: dict[str, Any]) -> None:
-    """Endpoint sandboxes have no network device: asking for internet access or
-    egress rules is refused rather than ignored (``allow_internet_access=False`` and no
-    rules are what they get)."""
-    net = body.get("network")
-    rules = {k: v for k, v in net.items() if v} if isinstance(net, dict) else {}
-    if body.get("allow_internet_access") is True or rules:
-        asked = "allow_internet_access" if body.get("allow_internet_access") is True else f"network {sorted(rules)}"
-        raise HttpError(
-            400,
-            f"{asked}: sandboxes of this endpoint have no network (network: none); "
-            "give one with sandvisor's SDK or CLI (docs/network.md)",
-        )
-
-
 class E2BApp:
-    """The ASGI app. ``socket``: the supervisor's; ``keys``: the API keys."""
+    """The ASGI app. ``socket``: the supervisor's; ``keys``: the API keys; ``tap``: the
+    supervisor has tap networking (E2B's networking is served: :mod:`~supervisor.serve.e2b_net`)."""
 
     def __init__(
         self,
@@ -136,8 +128,11 @@ class E2BApp:
         procs: envd.Processes,
         kernels: kern.Kernels | None = None,
         code_rootfs: str = "",
+        *,
+        tap: bool = False,
     ) -> None:
         self.socket = socket
+        self.tap = tap
         self.keys = keys
         self.procs = procs
         self.watchers = Watchers()
@@ -314,7 +309,7 @@ class E2BApp:
         ttl = _timeout(body.get("timeout"), DEFAULT_TIMEOUT)
         labels = _labels(body.get("metadata"))
         env = _labels(body.get("envVars"))
-        _no_network(body)
+        net = network_of(body, self.tap)
         code = template in CODE_TEMPLATES
         if code and not self.code_rootfs:
             raise HttpError(
@@ -325,15 +320,19 @@ class E2BApp:
         snapshot = None if template in DEFAULT_TEMPLATES or code else await self._template(client, template)
         if code:
             sb = await client.create(
-                rootfs=self.code_rootfs, memory_mib=CODE_MEMORY_MIB, labels=labels, env=env, ttl=ttl
+                rootfs=self.code_rootfs, memory_mib=CODE_MEMORY_MIB, labels=labels, env=env, ttl=ttl, **net.kwargs
             )
         elif snapshot is not None:
             if env:
                 raise HttpError(400, "envVars: not supported for a snapshot template (it keeps its own)")
+            if net.asked and (body.get("allow_internet_access") is not False or body.get("network")):
+                raise HttpError(400, "allow_internet_access, network: a snapshot template keeps its own (none)")
             sb = await client.restore(snapshot, labels=labels, ttl=ttl)
         else:
             image = "" if template in DEFAULT_TEMPLATES else template
-            sb = await client.create(image=image, labels=labels, env=env, ttl=ttl)
+            sb = await client.create(image=image, labels=labels, env=env, ttl=ttl, **net.kwargs)
+            if not net.asked and not net.internet:
+                log.info("E2B sandbox %s made without internet access: serve has no tap networking", sb.id)
         info = await sb.inspect()
         try:
             await self.users.ensure(sb, info.uid)
@@ -341,7 +340,8 @@ class E2BApp:
             with trio.CancelScope(shield=True):
                 await sb.remove(force=True)
             raise
-        self.known[sb.id] = Known(template or "base", info.created_at + ttl, info.uid)
+        internet = net.internet if snapshot is None else False
+        self.known[sb.id] = Known(template or "base", info.created_at + ttl, info.uid, internet, net.rules)
         if code:  # its kernel starts now: the first cell does not wait for it
             self.kernels.host(envd.Target(client, sb.id, info.uid))
         await ex.send_json(self._created(ex, client, sb.id, info.uid, template or "base"), 201)
@@ -396,6 +396,11 @@ class E2BApp:
         detail = self._listed(sid, info.state, info.labels, info.created_at, info.uid)
         token = self.tokens.mint(client.key, sid, info.uid)
         detail.update(cpuCount=info.limits.vcpus, memoryMB=info.limits.memory_mib, envdAccessToken=token)
+        known = self._known(sid, info.uid)
+        if known is not None and known.internet is not None:
+            detail["allowInternetAccess"] = known.internet
+        if known is not None and known.rules:
+            detail["network"] = known.rules
         await ex.send_json(detail)
 
     async def kill(self, ex: Exchange, client: Client, sid: str) -> None:
@@ -475,6 +480,13 @@ class E2BApp:
             return
         await ex.send_json([e2b_metrics(sample, info.limits.vcpus)])
 
+    async def update_network(self, ex: Exchange, client: Client, sid: str) -> None:
+        """Not served: a sandbox's egress policy is fixed at create (the supervisor has no
+        call that changes a running sandbox's). 501 with the reason, not E2B's 404 for an
+        unknown route: the SDK reads a 404 here as "Sandbox not found", which it is not."""
+        await self._info(client, sid)
+        raise HttpError(501, "update_network: not served: a sandbox's network is fixed when it is created")
+
     async def _call(self, sid: str, call: Awaitable[object]) -> None:
         try:
             await call
@@ -495,6 +507,7 @@ class E2BEndpoint:
     port: int
     key_file: Path
     code_rootfs: str = ""
+    tap: bool = False  # the supervisor has tap networking: E2B's networking is served
     keys: list[Key] = attrs.field(init=False, factory=list)
 
     def __attrs_post_init__(self) -> None:
@@ -510,10 +523,17 @@ class E2BEndpoint:
         config.errorlog = log
         config.graceful_timeout = 1.0
         async with trio.open_nursery() as nursery:
-            app = E2BApp(self.socket, self.keys, envd.Processes(nursery), kern.Kernels(nursery), self.code_rootfs)
+            app = E2BApp(
+                self.socket, self.keys, envd.Processes(nursery), kern.Kernels(nursery), self.code_rootfs, tap=self.tap
+            )
             binds = await nursery.start(lambda task_status: serve(app, config, task_status=task_status))  # type: ignore[arg-type]
             self.port = int(str(binds[0]).rsplit(":", 1)[1])
             admins = sum(k.admin for k in self.keys)
+            if not self.tap:
+                log.warning(
+                    "E2B endpoint: serve has no tap networking (--ip-pool, as root), so E2B sandboxes, "
+                    "which have internet access by default, get no network; asking for it is refused"
+                )
             log.info("E2B API on http://%s:%d (%d keys, %d admin)", self.host, self.port, len(self.keys), admins)
             if not is_loopback(self.host):
                 log.warning(

@@ -219,3 +219,9 @@ def test_network_requests_are_refused_not_ignored(opts: dict[str, Any]) -> None:
     for extra in ({"allow_internet_access": True}, {"network": {"deny_out": ["0.0.0.0/0"]}}):
         with pytest.raises(SandboxException, match="no network"):
             Sandbox.create(timeout=60, **opts, **extra)
+
+
+def test_default_without_tap_networking_says_so(box: Sandbox) -> None:
+    """This serve has no tap networking: E2B's default (internet access) is not given,
+    and the sandbox's info says so rather than leaving it unsaid."""
+    assert box.get_info().allow_internet_access is False

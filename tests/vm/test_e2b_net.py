@@ -1,0 +1,146 @@
+"""E2B's networking through ``sandvisor serve --e2b`` with tap networking, driven by the
+unchanged ``e2b`` SDK on real VMs: internet access by default (an HTTP server in the
+test's stand-in internet answers), none with ``allow_internet_access=False``,
+``network={deny_out, allow_out}`` as egress entries under the supervisor's own denials
+(the metadata address stays out of reach), and ``update_network`` answered as not served.
+
+The supervisor runs as a child of the test in a "host" network namespace the test makes,
+linked to a stand-in internet namespace (tests/support/netlab.py); no packet leaves the
+namespaces the test made.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+e2b = pytest.importorskip("e2b")
+
+from e2b import Sandbox, SandboxException  # noqa: E402
+
+from supervisor.main.throwaway import supervisor_process, workdir  # noqa: E402
+from tests.support.netlab import METADATA, POOL, SERVERS, UPLINK_INET, link_internet, namespaces  # noqa: E402
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (namespaces, TAP, jail)")
+
+KEY = "e2b_sandvisor_net_key"
+ALL_TRAFFIC = "0.0.0.0/0"
+# in the guest: one HTTP GET per URL -> its status, or the error's name
+GET = """
+import sys, urllib.request
+def get(url):
+    try:
+        with urllib.request.urlopen(url, timeout=3) as r:
+            return str(r.status) + ":" + r.read().decode().strip()
+    except Exception as e:
+        return type(getattr(e, "reason", e)).__name__
+print(" ".join(get(u) for u in sys.argv[1:]))
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_port(port: int) -> None:
+    deadline = time.monotonic() + 60
+    while True:  # the socket is there before the E2B port: wait for it, bounded
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def opts() -> Iterator[dict[str, Any]]:
+    """The endpoint's SDK options; the test runs in the host namespace meanwhile."""
+    with namespaces("sve2h", "sve2i") as (host, inet), workdir("sv-e2b-net-", private_state=True) as work:
+        link_internet(host, inet)
+        site = work.root / "site"
+        site.mkdir()
+        (site / "index.html").write_text("hello\n")
+        assert inet.path is not None
+        server = subprocess.Popen(
+            ["nsenter", f"--net={inet.path}", sys.executable, "-m", "http.server", "80", "--bind", "0.0.0.0"],
+            cwd=site,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            keys = work.root / "keys"
+            keys.write_text(f"{KEY}\n")
+            keys.chmod(0o600)
+            port = _free_port()
+            args = (
+                *("--ip-pool", POOL, "--dns-upstream", UPLINK_INET),
+                *("--e2b", f"127.0.0.1:{port}", "--e2b-key-file", str(keys), "--registry-allow", "127.0.0.1:9"),
+            )
+            with host.entered(), supervisor_process(work, *args, log=work.root / "serve.log"):
+                _wait_port(port)
+                url = f"http://127.0.0.1:{port}"
+                yield {"api_url": url, "sandbox_url": url, "api_key": KEY, "request_timeout": 300}
+        finally:
+            server.kill()
+            server.wait()
+
+
+def fetch(sb: Sandbox, *addresses: str) -> list[str]:
+    sb.files.write("/tmp/get.py", GET)
+    res = sb.commands.run("python3 /tmp/get.py " + " ".join(f"http://{a}/" for a in addresses), timeout=120)
+    return res.stdout.split()
+
+
+def test_internet_by_default_and_none_without_it(opts: dict[str, Any]) -> None:
+    sb = Sandbox.create(timeout=600, **opts)
+    try:
+        assert sb.get_info().allow_internet_access is True
+        got = fetch(sb, SERVERS[0], SERVERS[1], METADATA)
+        assert got[:2] == ["200:hello", "200:hello"], got
+        assert got[2] != "200:hello", got  # the supervisor's own denials stay
+        with pytest.raises(SandboxException, match="not served"):
+            sb.update_network({"deny_out": [ALL_TRAFFIC]})
+    finally:
+        sb.kill()
+
+    sb = Sandbox.create(timeout=600, allow_internet_access=False, **opts)
+    try:
+        assert sb.get_info().allow_internet_access is False
+        got = fetch(sb, SERVERS[0], SERVERS[1])
+        assert "200:hello" not in got, got
+    finally:
+        sb.kill()
+
+
+def test_deny_out_and_allow_out(opts: dict[str, Any]) -> None:
+    sb = Sandbox.create(timeout=600, network={"deny_out": [SERVERS[0]]}, **opts)
+    try:
+        got = fetch(sb, SERVERS[0], SERVERS[1])
+        assert got[0] != "200:hello" and got[1] == "200:hello", got
+    finally:
+        sb.kill()
+
+    # E2B's allow-list: all traffic denied but what allow_out names
+    sb = Sandbox.create(timeout=600, network={"deny_out": [ALL_TRAFFIC], "allow_out": [SERVERS[1]]}, **opts)
+    try:
+        assert sb.get_info().allow_internet_access is False
+        got = fetch(sb, SERVERS[0], SERVERS[1])
+        assert got[0] != "200:hello" and got[1] == "200:hello", got
+    finally:
+        sb.kill()
+
+
+def test_unserved_network_options_are_refused(opts: dict[str, Any]) -> None:
+    with pytest.raises(SandboxException, match="dnsServers"):
+        Sandbox.create(timeout=60, network={"dns_servers": ["1.1.1.1"]}, **opts)
