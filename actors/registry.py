@@ -61,6 +61,8 @@ from actors.model import (
     ALIVE,
     POOL_PREFIX,
     Action,
+    Cause,
+    Ending,
     ImageUse,
     Limits,
     MemoryKind,
@@ -230,7 +232,7 @@ class Registry:
             if is_hidden(rec.id):  # a warm pool member: it goes, and so does its QEMU
                 await self.forget(sb)
                 continue
-            if rec.state == State.STOPPING:  # it was being stopped: it is now
+            if rec.state in (State.STOPPING, State.DRAINING):  # it was being stopped: it is now
                 sb.mark_stopped()
             elif rec.state in (State.STARTING, *ALIVE):
                 error = f"the supervisor exited while this sandbox was {rec.state}" + (
@@ -238,7 +240,7 @@ class Registry:
                 )
                 if swapping:
                     error += "; it was being checkpointed (its disk is whole: start it again)"
-                sb.mark_failed(error)
+                sb.mark_failed(error, Cause(Ending.HOST_RESTART, detail=error))
             self.sandboxes[rec.id] = sb
         for pid in recovery.our_qemus(self.settings.run_root) - ours:
             log.warning("killing QEMU %d under our run root that no record names", pid)
@@ -571,9 +573,11 @@ class Registry:
         await self.hibernation.resume(sb, warm=True)
         return sb
 
-    def drain(self, id: str) -> Sandbox:
+    def drain(self, id: str, grace: float = 0) -> Sandbox:
+        """State draining: no new work; that in flight gets ``grace`` seconds (0: as long
+        as it takes), then it stops."""
         sb = self.get(id)
-        sb.drain()
+        sb.drain(grace)
         return sb
 
     async def remove(self, id: str, force: bool = False) -> None:
@@ -589,7 +593,7 @@ class Registry:
         if self.sandboxes.get(id) is not sb:
             return  # removed meanwhile by another call
         del self.sandboxes[id]
-        sb.emit(Action.REMOVED)
+        sb.emit(Action.REMOVED, **sb.cause_attributes())
         with trio.CancelScope(shield=True):
             if sb.state == State.PAUSED:
                 await self.hibernation.forget(sb)

@@ -45,6 +45,7 @@ from actors.errors import ResourceExhausted
 from actors.model import (
     Applied,
     BootSource,
+    Cause,
     ImageUse,
     Limits,
     MemoryKind,
@@ -104,6 +105,7 @@ _COLUMNS = (
     "ALTER TABLE sandboxes ADD COLUMN swap TEXT",
     "ALTER TABLE sandboxes ADD COLUMN tuning BLOB",
     "ALTER TABLE sandboxes ADD COLUMN owner TEXT",
+    "ALTER TABLE sandboxes ADD COLUMN cause BLOB",
 )
 
 
@@ -136,6 +138,7 @@ class Record:
     limits: Limits | None = None
     updated_at: int = 0  # unix seconds: the last Modify that changed something (0: none)
     owner: str = LEGACY_OWNER  # the principal it is the sandbox of (actors/principals.py)
+    cause: Cause | None = None  # why its last life ended (None: none has, or not known)
 
 
 @attrs.frozen
@@ -376,11 +379,12 @@ class Store:
 
     def update(self, r: Record) -> None:
         """The record's state and life fields (not its identity or configuration)."""
-        row = (r.state.value, r.ready_at, r.last_exited_at, r.last_exit_code, r.error, r.qemu_pid, r.uid)
+        cause = _pack(r.cause) if r.cause is not None else None
+        row = (r.state.value, r.ready_at, r.last_exited_at, r.last_exit_code, r.error, r.qemu_pid, cause, r.uid)
         self._put(
             lambda db: db.execute(
-                "UPDATE sandboxes SET state=?, ready_at=?, last_exited_at=?, last_exit_code=?, error=?, qemu_pid=? "
-                "WHERE uid=?",
+                "UPDATE sandboxes SET state=?, ready_at=?, last_exited_at=?, last_exit_code=?, error=?, qemu_pid=?, "
+                "cause=? WHERE uid=?",
                 row,
             )
         )
@@ -434,7 +438,7 @@ class Store:
     def all(self) -> list[Record]:
         rows = self.db.execute(
             "SELECT uid, id, seq, config, state, created_at, ready_at, last_exited_at, last_exit_code, error, "
-            "qemu_pid, ports, origin, image, chain, life, swap, tuning, owner FROM sandboxes ORDER BY seq"
+            "qemu_pid, ports, origin, image, chain, life, swap, tuning, owner, cause FROM sandboxes ORDER BY seq"
         ).fetchall()
         return [
             Record(
@@ -457,6 +461,7 @@ class Store:
                 swap=r[16] or "",
                 **_tuning(r[17]),
                 owner=r[18] or LEGACY_OWNER,
+                cause=_cause(r[19]),
             )
             for r in rows
         ]
@@ -524,6 +529,14 @@ class StoreLeases:
 def _life(blob: bytes | None) -> LifeState | None:
     data = _unpack(blob) if blob else None
     return load(data, LifeState) if data else None
+
+
+def _cause(blob: bytes | None) -> Cause | None:
+    """A stored cause (None: none, or one this version cannot read)."""
+    try:
+        return load(_unpack(blob), Cause) if blob else None
+    except Exception:  # a newer supervisor's ending: unknown here, not fatal
+        return None
 
 
 def _pack_tuning(r: Record) -> bytes:

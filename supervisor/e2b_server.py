@@ -246,7 +246,7 @@ class E2BApp:
             sb = await client.restore(snapshot, labels=labels, ttl=ttl)
         else:
             image = "" if template in DEFAULT_TEMPLATES else template
-            sb = await client.create(image=image, labels=labels, env=env, ttl=ttl)
+            sb = await client.create(image=image, labels=labels, env=env, ttl=ttl, ttl_action="remove")
         info = await sb.inspect()
         self.known[sb.id] = Known(template or "base", info.created_at + ttl, info.uid)
         await ex.send_json(self._created(client, sb.id, info.uid, template or "base"), 201)

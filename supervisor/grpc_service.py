@@ -54,6 +54,7 @@ from google.protobuf import message_factory
 from google.protobuf.message import Message
 
 from actors.errors import InvalidArgument, PermissionDenied, Unimplemented
+from actors.model import V1_STATE, State
 from actors.principals import Principal
 from actors.registry import Registry
 from supervisor import grpc_bridge, protocol
@@ -110,6 +111,16 @@ def _detachable(d: dict[str, Any]) -> dict[str, Any]:
     return d
 
 
+def _v1_state(d: dict[str, Any]) -> dict[str, Any]:
+    """sandbox.v1's word for our states it lacks (draining: stopping; crashed: failed)."""
+    state = d.get("state")
+    return {**d, "state": V1_STATE.get(State(state), state)} if state in V1_STATE else d
+
+
+def _v1_states(d: dict[str, Any]) -> dict[str, Any]:
+    return {**d, "sandboxes": [_v1_state(x) for x in d.get("sandboxes") or []]}
+
+
 _BUILDS = "images are built on the supervisor's host: sandvisor image build"
 
 BINDINGS: dict[str, tuple[Rpc, ...]] = {
@@ -119,8 +130,8 @@ BINDINGS: dict[str, tuple[Rpc, ...]] = {
         Rpc("Exec", "Exec"),
         Rpc("Stop", "Stop"),
         Rpc("Remove", "Remove"),
-        Rpc("Inspect", "Inspect"),
-        Rpc("List", "ListAll"),  # sandbox.v1's List has no paging: every match
+        Rpc("Inspect", "Inspect", reply=_v1_state),
+        Rpc("List", "ListAll", reply=_v1_states),  # sandbox.v1's List has no paging: every match
         Rpc("Events", "Events"),
         Rpc("ReadFile", "ReadFile"),
         Rpc("WriteFile", "WriteFile"),
@@ -187,6 +198,9 @@ BINDINGS: dict[str, tuple[Rpc, ...]] = {
         Rpc("SshEndpoint", "SshEndpoint"),
         Rpc("ExecDetachable", "Exec", prepare=_detachable),
         Rpc("Attach", "Attach", prepare=lambda d: dict(d.get("attach") or {})),
+        Rpc("RequestStop", "RequestStop"),
+        Rpc("RequestKill", "RequestKill"),
+        Rpc("WaitUntilStoppedResult", "WaitUntilStopped"),
     ),
 }
 

@@ -17,6 +17,7 @@ from actors.errors import DomainError, FailedPrecondition, InvalidArgument
 from actors.model import (
     ALIVE,
     BootSource,
+    Cause,
     Dns,
     Egress,
     HostMount,
@@ -119,6 +120,8 @@ def config(req: protocol.CreateSandboxRequest) -> SandboxConfig:
             on_idle=req.on_idle or "stop",
             paused_ttl_seconds=req.paused_ttl_seconds,
             auto_resume=not req.no_auto_resume,
+            ttl_action=req.ttl_action or "remove",
+            kill_timeout_seconds=req.kill_timeout_seconds,
         ),
         boot=BootSource(
             kernel=req.kernel,
@@ -157,6 +160,20 @@ def secret_values(req: protocol.CreateSandboxRequest) -> dict[str, bytes]:
 
 
 # --- domain -> replies ------------------------------------------------------------------------
+def stop_cause(cause: Cause | None) -> protocol.StopCause | None:
+    if cause is None:
+        return None
+    return protocol.StopCause(
+        ending=cause.ending.value,
+        source=cause.source,
+        by=cause.by,
+        exit_code=cause.exit_code,
+        signal=cause.signal,
+        detail=cause.detail,
+        sentence=cause.sentence(),
+    )
+
+
 def info(sb: Sandbox) -> protocol.SandboxInfo:
     r = sb.record
     limits = sb.limits
@@ -170,7 +187,9 @@ def info(sb: Sandbox) -> protocol.SandboxInfo:
         ready_at=r.ready_at,
         last_exited_at=r.last_exited_at,
         last_exit_code=r.last_exit_code,
-        error=r.error if r.state == State.FAILED else "",
+        error=(r.cause.sentence() if r.cause is not None else r.error)
+        if r.state in (State.FAILED, State.CRASHED)
+        else "",
         uid=r.uid,
         requested=requested(sb),
         applied=applied(sb),
@@ -178,6 +197,7 @@ def info(sb: Sandbox) -> protocol.SandboxInfo:
         owner=r.owner,
         ssh_keys=list(r.config.ssh_keys),
         shell=r.config.shell,
+        cause=stop_cause(r.cause),
     )
 
 

@@ -531,6 +531,7 @@ async def test_both_edges_answer_from_one_table(
             ext = {k: over_msgpack.pop(k) for k in ("requested", "applied", "updated_at", "shell")}
             assert over_msgpack.pop("uid") == st.reg.get("one").record.uid  # (the socket's alone: the E2B endpoint's)
             assert over_msgpack.pop("ssh_keys") == [] and over_msgpack.pop("owner")  # (the socket's: serve --ssh's)
+            assert over_msgpack.pop("cause", None) is None  # (none ended yet: sandvisor.v1's SandboxDetails.cause)
             assert message_to_dict(over_grpc) == over_msgpack
             ours = sv_grpc.SandvisorServiceStub(st.channel)
             details = await in_thread(ours.Inspect, sv.InspectRequest(id="one"))
