@@ -59,6 +59,7 @@ from actors.hibernation import Hibernation
 from actors.machines.qemuproc import AdoptedProcess, MachineError, start_time
 from actors.model import (
     ALIVE,
+    ENDED,
     POOL_PREFIX,
     Action,
     Cause,
@@ -173,7 +174,7 @@ class Registry:
                     await sb.start(nursery, plan)
                 for sb, _ in adoptions:
                     await sb.ready_event.wait()
-                    if sb.state == State.FAILED:
+                    if sb.state in (State.FAILED, State.CRASHED):
                         log.warning("sandbox %s could not be adopted: %s", sb.id, sb.record.error)
                 await self.store.flush()
                 await nursery.start(self.pools.run, self)
@@ -536,7 +537,7 @@ class Registry:
         if sb.state == State.PAUSED:  # Start of a paused sandbox: it resumes
             await self.hibernation.resume(sb, warm=True)
             return sb
-        if sb.state not in (State.STOPPED, State.FAILED) or not sb.stopped:
+        if sb.state not in ENDED or not sb.stopped:
             raise FailedPrecondition(f"sandbox {id} is {sb.state}; only a stopped sandbox can start")
         if sb.checkpointing:  # a disk-only checkpoint is moving its disk
             raise FailedPrecondition(f"sandbox {id} is being checkpointed; retry in a moment")
@@ -610,7 +611,7 @@ class Registry:
         check_labels(labels)
         check_name(name)
         sb = self.get(sandbox_id)
-        stopped = sb.stopped and sb.state in (State.STOPPED, State.FAILED)
+        stopped = sb.stopped and sb.state in ENDED
         if stopped:  # a disk-only snapshot: its restores boot on its disk
             sb.check_disk_checkpointable()
         else:

@@ -64,6 +64,7 @@ class Timers:
                 if timers.ttl_seconds and timers.ttl_action == "remove" and now >= sb.born + timers.ttl_seconds:
                     if sb.id not in self.removing:
                         sb.log.append("system", b"ttl expired: removing")
+                        sb.request_stop(0, force=True, by="ttl")  # (its cause: the removal's stop is the TTL's)
                     self.remove_later(sb.id)
                     continue
                 if (
