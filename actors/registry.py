@@ -402,15 +402,20 @@ class Registry:
         return sb
 
     def set_ttl(self, id: str, seconds: int) -> int:
-        """Remove the sandbox ``seconds`` from now (0: never), whatever its TTL was; the
-        wall-clock time of removal (0: never). Kept in its record: a restart keeps it."""
+        """Its TTL ends ``seconds`` from now (0: never), whatever it was: it is removed
+        then (``ttl_action`` "remove", counted from its creation) or drained and stopped
+        ("stop", counted from its last start); the wall-clock time it ends (0: never).
+        Kept in its record: a restart keeps it."""
         if seconds < 0:
             raise InvalidArgument("ttl seconds must not be negative")
         sb = self.get(id)
-        age = max(0.0, trio.current_time() - sb.born)
+        removes = sb.config.timers.ttl_action == "remove"
+        age = max(0.0, trio.current_time() - (sb.born if removes else max(sb.born, sb.began)))
         ttl = 0 if seconds == 0 else max(1, int(age + seconds + 0.999))
         sb.set_ttl(ttl)
-        return 0 if ttl == 0 else sb.record.created_at + ttl
+        if ttl == 0:
+            return 0
+        return sb.record.created_at + ttl if removes else int(time.time() - age) + ttl
 
     def list(
         self,
