@@ -378,7 +378,7 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
     p.add_argument("name")
     p.add_argument("--json", action="store_true")
 
-    p = cmd("ttl", simple, "remove a sandbox SECONDS from now (0: never), replacing its TTL")
+    p = cmd("ttl", simple, "end a sandbox's TTL SECONDS from now (0: never): removed, or drained and stopped")
     p.add_argument("names", nargs=1, metavar="NAME")
     p.add_argument("seconds", type=int, metavar="SECONDS")
 

@@ -5,10 +5,14 @@ State machine (``sandbox.v1``)::
     starting --> ready --> running --> ready      (a workload: the initial cmd or a Run)
        |           |          |
        +-----------+----------+--> stopping --> stopped --(Start)--> starting
-       |                                  \\
-       +--> failed (boot failed, QEMU died, the guest broke the channel)
+       |           |          |               ^   (a guest's poweroff: stopped, exited)
+       |           +----------+--> draining --+   (Drain, a TTL that stops: no new work)
+       +--> failed (boot failed, the guest broke the channel)
+       +--> crashed (ready or running: a panic, QEMU killed, its memory limit)
 
     ready --(Pause)--> paused --(Resume, or auto-resume)--> ready
+
+Every end has a :class:`~actors.model.Cause`, kept in the record (``_set(cause=)``).
 
 A pause saves the guest (``hibernate``: a checkpoint that leaves it stopped), the
 registry records it paused, then its life ends (``end_for_pause``): no QEMU, no RAM.
