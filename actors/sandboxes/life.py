@@ -733,12 +733,14 @@ class Life:
         panic = panic_line(machine.console.text())
         if rc in (0, UNKNOWN_EXIT) and panic:
             return Cause(Ending.GUEST_PANIC, detail=panic)
+        said = machine.describe_exit()
         if rc == UNKNOWN_EXIT:  # an adopted QEMU: not our child, its status is unknown
-            return Cause(Ending.QEMU_DIED, detail=machine.describe_exit())
+            return Cause(Ending.QEMU_DIED, detail=said)
+        said = said.partition(": ")[2]  # (the status is in the cause: what QEMU said last, if anything)
         if rc < 0:
-            return Cause(Ending.QEMU_DIED, signal=-rc, detail=machine.describe_exit())
+            return Cause(Ending.QEMU_DIED, signal=-rc, detail=said)
         if rc:
-            return Cause(Ending.QEMU_DIED, exit_code=rc, detail=machine.describe_exit())
+            return Cause(Ending.QEMU_DIED, exit_code=rc, detail=said)
         return Cause(Ending.EXITED, exit_code=0)
 
 

@@ -11,8 +11,9 @@ import contextlib
 import shutil
 import tempfile
 from collections.abc import AsyncIterator, Awaitable, Iterator
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
+from types import ModuleType
 from typing import cast
 
 import pytest
@@ -26,9 +27,16 @@ from actors.store import Store
 from supervisor import mapping
 from supervisor.client import AsyncSandbox
 from supervisor.errors import Unavailable as SdkUnavailable
+from supervisor.proto.sandbox.v1 import sandbox_pb2 as pb
+from supervisor.proto.sandvisor.v1 import sandvisor_pb2 as sv
+from supervisor.proto.sandvisor.v1 import sandvisor_pb2_grpc as sv_grpc
 from supervisor.server import Server
 from tests.support.fakevm import FakeLab, FakeMachine, fake_settings
+from tests.support.grpcstack import stack
+from tests.unit.test_grpc_service import in_thread, seed, until
 from tests.unit.test_registry import next_actions, ready, registry, run
+
+__all__ = ["seed"]  # (a fixture of the gRPC tests, shared)
 
 
 @pytest.fixture
@@ -158,7 +166,7 @@ async def test_deaths_and_their_causes(tmp_path: Path, clock: MockClock) -> None
         assert events["panic"].attributes["cause"] == "guest_panic"
         assert events["killed"].attributes["signal"] == "9"
         info = mapping.info(killed)
-        assert info.state == "crashed" and info.error == "crashed: QEMU killed by signal 9 (QEMU killed by signal 9)"
+        assert info.state == "crashed" and info.error == "crashed: QEMU killed by signal 9"
         await reg.start("killed")  # a crashed sandbox starts again
         await ready(killed)
 
@@ -234,3 +242,50 @@ async def test_replace_stops_the_old_sandbox_gracefully_then_creates(tmp_path: P
             assert new.id == old.id and reg.get("a").record.uid != old_uid
             seen = [e.action async for e in _take(sub, 4)]
             assert seen == [Action.STOPPING, Action.STOPPED, Action.REMOVED, Action.CREATED]
+
+
+async def test_the_grpc_edges_say_it_in_their_own_words(
+    tmp_path: Path, short_dir: Path, seed: tuple[ModuleType, ModuleType]
+) -> None:
+    """sandvisor.v1: RequestStop returns at once, WaitUntilStoppedResult carries the cause,
+    Kill takes a timeout, Drain a grace; sandbox.v1 (its fixed state list): a draining
+    sandbox is "stopping", a crashed one "failed" with the cause's sentence."""
+    spb, sgrpc = seed
+    with trio.fail_after(60):
+        async with stack(tmp_path, short_dir) as st:
+            ours = sv_grpc.SandvisorServiceStub(st.channel)
+            theirs = sgrpc.SandboxServiceStub(st.channel)
+            for name in ("u", "w", "x"):
+                await in_thread(
+                    ours.Create, sv.CreateRequest(base=pb.CreateSandboxRequest(id=name), kill_timeout_seconds=9)
+                )
+                await until(lambda n=name: st.reg.get(n).state == State.READY)  # type: ignore[misc]
+            await in_thread(ours.RequestStop, sv.RequestStopRequest(id="u", timeout_seconds=5))
+            done = await in_thread(ours.WaitUntilStoppedResult, sv.WaitUntilStoppedRequest(id="u"))
+            assert (done.base.state, done.cause.ending, done.cause.source) == ("stopped", "stopped", "user")
+            assert not done.cause.HasField("signal")
+
+            async with (
+                aclosing(st.reg.get("w").run_workload(["sleep", "3600"], env={})) as items,
+                trio.open_nursery() as n,
+            ):
+                n.start_soon(_ended_by_the_stop, _drained(items))
+                await until(lambda: st.reg.get("w").state == State.RUNNING)
+                await in_thread(ours.Drain, sv.DrainRequest(id="w", grace_seconds=30))
+                seen = await in_thread(theirs.Inspect, spb.InspectSandboxRequest(id="w"))
+                assert seen.state == "stopping"  # sandbox.v1's word for draining
+                details = await in_thread(ours.Inspect, sv.InspectRequest(id="w"))
+                assert details.base.state == "draining"
+                await in_thread(ours.Kill, sv.KillRequest(id="w", timeout_seconds=20))
+
+            cast(FakeMachine, st.reg.get("x").guest.machine).proc.kill()  # type: ignore[union-attr]
+            await until(lambda: st.reg.get("x").state == State.CRASHED)
+            seen = await in_thread(theirs.Inspect, spb.InspectSandboxRequest(id="x"))
+            assert (seen.state, seen.error) == ("failed", "crashed: QEMU killed by signal 9")
+            listed = await in_thread(theirs.List, spb.ListSandboxesRequest())
+            assert {s.id: s.state for s in listed.sandboxes} == {"u": "stopped", "w": "stopped", "x": "failed"}
+
+
+async def _drained(items: AsyncIterator[object]) -> None:
+    async for _ in items:
+        pass
