@@ -95,3 +95,13 @@ def demo(session: nox.Session) -> None:
     session.install("-e", ".")
     session.run("sandvisor", "image", "build")
     session.run("sandvisor", "demo")
+
+
+@nox.session
+def chaos(session: nox.Session) -> None:
+    """The chaos harness: a seeded random run of operations and faults against a real
+    serve, invariants checked after every step (``nox -s chaos -- --seed N --minutes M``)."""
+    _host(session)
+    session.install("-e", ".[test]")
+    session.run("sandvisor", "image", "build")
+    session.run("python", "benchmarks/chaos.py", *session.posargs)

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import attrs
 
-from actors import hostcopy, hostdirs
+from actors import hostcopy, hostdirs, image_disks
 from actors.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from actors.hostdirs import check_host_file
-from actors.machines.disk import DiskError, check_user_disk, virtual_size
+from actors.machines.disk import DiskError, virtual_size
 from actors.model import ImageUse, SandboxConfig
 from actors.modify import check_disk_size
 from actors.net.netlink import needs_pool_address
@@ -46,6 +46,8 @@ def check_host_paths(settings: Settings, config: SandboxConfig) -> None:
     for what, path in (("kernel", config.boot.kernel), ("rootfs", config.boot.rootfs)):
         if path:
             check_host_file(what, path, settings.allowed_paths)
+    b = config.boot
+    image_disks.check_fstype(b.rootfs_fstype, rootfs=b.rootfs, kernel=b.kernel)
     if config.host_mounts:
         hostdirs.servers(settings)
     for m in config.host_mounts:
@@ -88,7 +90,7 @@ def check_disks(settings: Settings, volumes: Volumes, config: SandboxConfig, ima
     the sandbox's disks fit --max-sandbox-disk (actors/quotas.py). The life checks again."""
     try:
         if config.boot.rootfs:
-            size = check_user_disk(Path(config.boot.rootfs)).size
+            size = image_disks.disk_size(settings, Path(config.boot.rootfs))  # (a vmdk: its conversion's)
         else:
             size = virtual_size(Path(image.rootfs) if image is not None else settings.image.rootfs)
     except DiskError as exc:

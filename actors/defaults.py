@@ -7,6 +7,11 @@ No imports: the command line reads it without loading the domain.
 BOOT_TIMEOUT = 60.0  # seconds a boot may take before it fails
 GUEST_TIMEOUT = 30.0  # every guest request's deadline on the host's side (DEADLINE_EXCEEDED)
 STOP_GRACE = 30.0  # a Stop (after its timeout) or a Kill waits this long more for the VM, then DEADLINE_EXCEEDED
+POWEROFF_GRACE = 10.0  # guestd powers the guest off within this, else QMP quit (then SIGTERM, SIGKILL)
+# the same for a sandbox whose PID 1 is its image's init: systemd stops its units first
+# (a minimal Debian took 18 s under TCG on a 2-core host at load 12); within STOP_GRACE
+# with the ladder's later steps (3 s each)
+INIT_POWEROFF_GRACE = 20.0
 # how long Modify (and a boot below its memory ceiling) waits for the balloon to reach its
 # target (measured under TCG: 768 MiB taken in 2.8 s, given back in 0.4 s)
 MODIFY_SETTLE_TIMEOUT = 60.0
@@ -33,6 +38,6 @@ FLEET_HEALTH_PERIOD_MS = 1000
 FLEET_HEALTH_MISSES = 5
 # a member's Ray node runs as this unprivileged system user (made by serve when absent), on
 # these pinned ports (nftables admits them from the fleet's peers only): the block from
-# FLEET_RAY_PORT_BASE, see supervisor/fleet/rayhost.py for what each one is
+# FLEET_RAY_PORT_BASE, see supervisor/serve/fleet/rayhost.py for what each one is
 FLEET_RAY_USER = "sandvisor-ray"
 FLEET_RAY_PORT_BASE = 17300

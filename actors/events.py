@@ -4,11 +4,16 @@ Each subscriber has a bounded buffer; one that falls behind by more than that is
 told it lagged (:class:`Lagged` at its next receive) and dropped. Subscribers filter
 by sandbox id and action, and see only the events of sandboxes their principal may
 see (``viewer``: actors/principals.py).
+
+A ``journal`` (the supervisor's durable event log: supervisor/serve/eventlog.py) sees each
+event first, in the publisher's step, and numbers it (``cursor``, ``sequence``): the
+subscribers get the numbered event, so a client can resume after the last it saw.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import attrs
 import trio
@@ -30,6 +35,12 @@ class Subscription:
     lagged: bool = False
     viewer: Principal | None = None  # None: every event
 
+    def wants(self, ev: SandboxEvent) -> bool:
+        """``ev`` passes this subscription's filters (sandbox, action, viewer)."""
+        if (self.id and self.id != ev.sandbox_id) or (self.action and self.action != ev.action):
+            return False
+        return self.viewer is None or self.viewer.may_see(ev.owner)
+
     def __aiter__(self) -> Subscription:
         return self
 
@@ -46,6 +57,9 @@ class EventBus:
     def __init__(self, buffer: int = 256) -> None:
         self.buffer = buffer
         self.subs: list[Subscription] = []
+        self.journal: Callable[[SandboxEvent], SandboxEvent] | None = None
+        # the journal's events after a cursor (up to a limit), oldest first (None: no journal)
+        self.backlog: Callable[[int, int], list[SandboxEvent]] | None = None
 
     def subscribe(self, id: str = "", action: str = "", viewer: Principal | None = None) -> Subscription:
         send, receive = trio.open_memory_channel[SandboxEvent](self.buffer)
@@ -59,10 +73,10 @@ class EventBus:
         sub.send.close()
 
     def publish(self, ev: SandboxEvent) -> None:
+        if self.journal is not None:
+            ev = self.journal(ev)
         for sub in list(self.subs):
-            if (sub.id and sub.id != ev.sandbox_id) or (sub.action and sub.action != ev.action):
-                continue
-            if sub.viewer is not None and not sub.viewer.may_see(ev.owner):
+            if not sub.wants(ev):
                 continue
             try:
                 sub.send.send_nowait(ev)

@@ -194,6 +194,9 @@ class SandboxEvent:
     timestamp: int  # unix ns
     attributes: dict[str, str] = attrs.field(factory=dict)
     owner: str = LEGACY_OWNER  # the sandbox's owner: who may see the event (actors/principals.py)
+    # the event log's numbering (supervisor/serve/eventlog.py; 0: not logged): a client resumes after it
+    cursor: int = 0
+    sequence: int = 0  # the sandbox's own count of its events (1, 2, ...; 0: not logged)
 
 
 @attrs.frozen
@@ -369,6 +372,8 @@ class BootSource:
     image: str = ""
     pull: str = "if-missing"  # always | if-missing | never
     tls_verify: bool = True
+    # the file system type of a caller's own disk (rootfs), told to the guest's /init ("": ext4)
+    rootfs_fstype: str = ""
 
     @property
     def custom(self) -> bool:
@@ -478,6 +483,36 @@ class VolumeRecord:
 
 
 @attrs.frozen
+class InitSpec:
+    """The init PID 1 is handed to once guestd has set the guest up (guestd/initsys.py):
+    ``path`` an absolute path in the guest, or "auto" (Init.Auto: the ENTRYPOINT's first
+    element when it is an init, else /sbin/init, /lib/systemd/systemd); its arguments
+    and the environment added to what the kernel gives an init."""
+
+    path: str = "auto"
+    args: tuple[str, ...] = ()
+    env: dict[str, str] = attrs.field(factory=dict)
+
+
+MAX_INIT_ARGS = 256
+
+
+def check_init(init: InitSpec) -> None:
+    if init.path != "auto" and not init.path.startswith("/"):
+        raise InvalidArgument(f"init {init.path!r}: an absolute path in the guest, or 'auto'")
+    if len(init.args) > MAX_INIT_ARGS or len(init.env) > MAX_INIT_ARGS:
+        raise InvalidArgument(f"init: at most {MAX_INIT_ARGS} arguments and {MAX_INIT_ARGS} variables")
+    for text in (init.path, *init.args, *init.env, *init.env.values()):
+        if "\0" in text:
+            raise InvalidArgument("init: no NUL in its path, arguments or environment")
+    if any(not k or "=" in k for k in init.env):
+        raise InvalidArgument("init: environment names must be non-empty, without '='")
+    size = sum(len(x.encode()) for x in (init.path, *init.args, *init.env, *init.env.values()))
+    if size > MAX_WORKLOAD_BYTES:
+        raise InvalidArgument(f"init: its path, arguments and environment take {size} bytes; at most 256 KiB")
+
+
+@attrs.frozen
 class SandboxConfig:
     labels: dict[str, str] = attrs.field(factory=dict)
     limits: Limits = Limits()
@@ -506,6 +541,8 @@ class SandboxConfig:
     log_level: str = ""  # guestd's and the supervisor's lines of this sandbox (actors/sandlog.py)
     quiet_logs: bool = False  # none of them (as log_level "off")
     thp: str = ""  # the guest's transparent huge page policy: always | madvise | never ("": the kernel's)
+    # the init PID 1 is handed to after guestd's set-up (None: guestd stays PID 1)
+    init: InitSpec | None = None
 
     def restored(self, labels: dict[str, str], ttl_seconds: int) -> SandboxConfig:
         """The configuration of a sandbox restored from a snapshot of this one: its own
@@ -688,6 +725,8 @@ def check_config(cfg: SandboxConfig) -> None:
     size = sum(len(p.data) for p in cfg.patches) + sum(len(b.encode()) for b in cfg.scripts.values())
     if size > MAX_PATCH_BYTES:
         raise InvalidArgument(f"patches and scripts carry {size} bytes; at most {MAX_PATCH_BYTES}")
+    if cfg.init is not None:
+        check_init(cfg.init)
 
 
 MAX_DISK_MIB = 1 << 20  # 1 TiB: a root disk's size (serve --max-sandbox-disk caps it lower)

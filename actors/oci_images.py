@@ -12,7 +12,7 @@ from collections.abc import Callable
 from actors.errors import Code, FailedPrecondition, error
 from actors.model import ImageUse, PullAuth, SandboxConfig
 from actors.settings import Settings
-from images.oci import Image, ImageError, ImageStore, ProgressFn, PruneResult, RemoveResult
+from images.oci import Image, ImageError, ImageStore, ProgressFn, PruneResult, RemoveResult, rootdir
 
 
 class OciImages:
@@ -88,14 +88,17 @@ class OciImages:
         boot = config.boot
         auth = auth or PullAuth()
         try:
-            img = await store.pull(
-                boot.image,
-                policy=boot.pull,
-                tls_verify=boot.tls_verify,
-                creds=auth.creds or None,
-                auth_json=auth.auth_json or None,
-                ca_pem=auth.ca_pem or None,
-            )
+            if rootdir.is_dir_ref(boot.image):  # a root filesystem directory (images/oci/rootdir.py)
+                img = await rootdir.from_directory(store, boot.image)
+            else:
+                img = await store.pull(
+                    boot.image,
+                    policy=boot.pull,
+                    tls_verify=boot.tls_verify,
+                    creds=auth.creds or None,
+                    auth_json=auth.auth_json or None,
+                    ca_pem=auth.ca_pem or None,
+                )
         except ImageError as exc:
             raise error(Code(exc.code), exc.message) from None
         c = img.config

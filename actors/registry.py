@@ -42,7 +42,7 @@ from pathlib import Path
 import attrs
 import trio
 
-from actors import create_checks, listing, recovery
+from actors import create_checks, image_disks, listing, recovery
 from actors.cells.guestmem import private_dir
 from actors.crash import crash_point
 from actors.errors import (
@@ -461,6 +461,8 @@ class Registry:
             return existing
         self.volumes.check(config.volumes)  # (a life claims them; this refuses before anything is made)
         create_checks.check_host_paths(self.settings, config)
+        if config.boot.rootfs:  # a vmdk, vdi, vhdx, VHD: converted (confined) now, its errors the Create's
+            await image_disks.attach(self.settings, Path(config.boot.rootfs))
         accepted = time.monotonic()
         image = await self.oci.use(config, pull_auth) if config.boot.image else None
         # created meanwhile, while the image was pulled?
@@ -546,6 +548,7 @@ class Registry:
             raise FailedPrecondition(f"sandbox {id} is {sb.state}; only a stopped sandbox can start")
         if sb.checkpointing:  # a disk-only checkpoint is moving its disk
             raise FailedPrecondition(f"sandbox {id} is being checkpointed; retry in a moment")
+        sb.take_pending()  # (a Modify's next_start changes: this boot has them)
         self.admit(sb.limits.memory_ceiling, ram_file=True)
         check_network_available(self.settings, sb.config.network)
         self.volumes.check(sb.config.volumes, sb.record.uid)
@@ -648,8 +651,10 @@ class Registry:
         ttl_seconds: int = 0,
         network_override: bool = False,
         owner: str = LEGACY_OWNER,
+        limits: Limits | None = None,
     ) -> Sandbox:
-        """A new sandbox from a snapshot, returned once ready. A tap
+        """A new sandbox from a snapshot, returned once ready (``limits``: a disk-only
+        snapshot's resources, when not its origin's: actors/from_snapshot.py). A tap
         clone keeps its snapshot's address when that is free and ``network_override``
         is not asked; else (the origin or another clone holds it) it gets a fresh one.
         Either way a fresh TAP and MAC, and its guest is configured before ready."""
@@ -669,6 +674,9 @@ class Registry:
         self.volumes.check_owner(snap.config.volumes, owner, what=f"snapshot {snap.id} needs ")
         self.volumes.check_unchanged(snap.config.volumes, snap.volume_generations, what=f"snapshot {snap.id}")
         config = snap.config.restored(labels, ttl_seconds)
+        if limits is not None and snap.memory == MemoryKind.DISK:
+            check_machine(self.settings.limits(limits), balloon=self.settings.balloon)
+            config = attrs.evolve(config, limits=limits)
         accepted = time.monotonic()
         member = self.pools.take(snap)
         if member is not None:

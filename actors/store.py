@@ -138,6 +138,9 @@ class Record:
     limits: Limits | None = None
     updated_at: int = 0  # unix seconds: the last Modify that changed something (0: none)
     owner: str = LEGACY_OWNER  # the principal it is the sandbox of (actors/principals.py)
+    # a Modify's configuration saved for the next start (policy next_start on a running
+    # sandbox): the next boot from stopped takes it (None: nothing pending)
+    pending: SandboxConfig | None = None
     cause: Cause | None = None  # why its last life ended (None: none has, or not known)
 
 
@@ -540,15 +543,16 @@ def _cause(blob: bytes | None) -> Cause | None:
 
 
 def _pack_tuning(r: Record) -> bytes:
-    return _pack({"applied": r.applied, "updated_at": r.updated_at, "limits": r.limits})
+    return _pack({"applied": r.applied, "updated_at": r.updated_at, "limits": r.limits, "pending": r.pending})
 
 
 def _tuning(blob: bytes | None) -> dict[str, Any]:
     data = _unpack(blob) if blob else None
     if not isinstance(data, dict):
         return {}
-    applied, limits = data.get("applied"), data.get("limits")
+    applied, limits, pending = data.get("applied"), data.get("limits"), data.get("pending")
     return {
+        "pending": load(pending, SandboxConfig) if pending else None,
         "applied": load(applied, Applied) if applied else None,
         "updated_at": int(data.get("updated_at") or 0),
         "limits": load(limits, Limits) if limits else None,

@@ -12,8 +12,8 @@ from typing import Any
 import trio
 
 from actors.registry import Registry
-from supervisor.daemon_config import DaemonConfig
-from supervisor.throwaway import supervisor, workdir
+from supervisor.main.daemon_config import DaemonConfig
+from supervisor.main.throwaway import supervisor, workdir
 
 
 @asynccontextmanager

@@ -2,7 +2,7 @@
 SIGUSR1 starts profiling the main thread (its CPU time), SIGUSR2 stops it and writes the stats to
 ``OUT`` (appending ``.N`` for the N-th window). Usage::
 
-    python benchmarks/_profserve.py OUT -m supervisor.cli serve ...
+    python benchmarks/_profserve.py OUT -m supervisor.main.cli serve ...
 """
 
 from __future__ import annotations

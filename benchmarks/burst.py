@@ -44,9 +44,9 @@ import trio
 from _harness import pct
 
 from supervisor.client import AsyncSandbox
-from supervisor.sdk import sandbox_plans
-from supervisor.sdk.sandbox_plans import READY_POLL_MAX
-from supervisor.throwaway import supervisor_process, workdir
+from supervisor.client.sdk import sandbox_plans
+from supervisor.client.sdk.sandbox_plans import READY_POLL_MAX
+from supervisor.main.throwaway import supervisor_process, workdir
 
 
 async def one(sock: str, name: str, out: dict[str, Any]) -> None:

@@ -35,7 +35,7 @@ from _harness import write_results  # noqa: E402
 from actors.cells.cgroups import CgroupManager  # noqa: E402
 from actors.model import Limits, SandboxConfig, State  # noqa: E402
 from actors.sandboxes.sandbox import Sandbox  # noqa: E402
-from supervisor.throwaway import supervisor, workdir  # noqa: E402
+from supervisor.main.throwaway import supervisor, workdir  # noqa: E402
 
 
 def loadavg() -> float:

@@ -48,7 +48,7 @@ def sandvisor_argv() -> list[str]:
     if script.exists():
         return [str(script)]
     found = shutil.which("sandvisor")
-    return [found] if found else [sys.executable, "-m", "supervisor.cli"]
+    return [found] if found else [sys.executable, "-m", "supervisor.main.cli"]
 
 
 def wall(argv: list[str], env: dict[str, str]) -> float:
@@ -96,7 +96,7 @@ async def bench(n: int, out_dir: Path) -> dict[str, Any]:
             "ls --json": [*sv, "ls", "--json"],
             "inspect": [*sv, "inspect", "bench"],
             "run": [*sv, "run", "bench", "--", "true"],
-            "import supervisor.cli": [sys.executable, "-c", "import supervisor.cli"],
+            "import supervisor.main.cli": [sys.executable, "-c", "import supervisor.main.cli"],
         }
         for argv in commands.values():  # warm the page cache and __pycache__
             await trio.to_thread.run_sync(wall, argv, env)
@@ -119,7 +119,7 @@ async def bench(n: int, out_dir: Path) -> dict[str, Any]:
     res["sandvisor"] = " ".join(sv)
     res["bare_ms"] = {"p50": bare * 1e3, "p90": pct(walls["bare"], 90) * 1e3}
     res["commands"] = {}
-    for name in ("ls", "ls --json", "inspect", "run", "import supervisor.cli"):
+    for name in ("ls", "ls --json", "inspect", "run", "import supervisor.main.cli"):
         w, call = statistics.median(walls[name]), statistics.median(call_t[name])
         per_round = [(x - cx) / b for x, cx, b in zip(walls[name], call_t[name], walls["bare"], strict=True)]
         res["commands"][name] = {

@@ -26,8 +26,8 @@ from typing import Any
 
 from e2b import Sandbox as E2BSandbox
 
-from supervisor.sdk.sync import Sandbox
-from supervisor.throwaway import supervisor_process, workdir
+from supervisor.client.sdk.sync import Sandbox
+from supervisor.main.throwaway import supervisor_process, workdir
 
 KEY = "bench-key"
 BIG = 16 << 20

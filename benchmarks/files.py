@@ -26,8 +26,8 @@ from typing import Any
 import trio
 from _harness import write_results
 
-from supervisor.sdk.aio import AsyncSandbox
-from supervisor.throwaway import supervisor, workdir
+from supervisor.client.sdk.aio import AsyncSandbox
+from supervisor.main.throwaway import supervisor, workdir
 
 SIZE = 64 << 20
 VARIANTS: dict[str, dict[str, Any]] = {

@@ -35,9 +35,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 def inner(a_address: str, b_address: str, n: int) -> dict[str, Any]:
     """In host a's namespace: the measurements, as JSON-able numbers."""
-    from supervisor.fleet.client import Fleet, FleetTls
-    from supervisor.proto.sandbox.v1 import sandbox_pb2 as sb_pb
-    from supervisor.proto.sandvisor.v1 import sandvisor_pb2 as pb
+    from supervisor.client.fleet import Fleet, FleetTls
+    from supervisor.wire.proto.sandbox.v1 import sandbox_pb2 as sb_pb
+    from supervisor.wire.proto.sandvisor.v1 import sandvisor_pb2 as pb
 
     tls = FleetTls.from_files(*(os.environ[f"SANDVISOR_FLEET_{k}"] for k in ("CA", "CERT", "KEY")))
     fleet = Fleet(a_address, tls=tls)
@@ -48,7 +48,7 @@ def inner(a_address: str, b_address: str, n: int) -> dict[str, Any]:
         t = time.perf_counter()
         base = sb_pb.CreateSandboxRequest(id=name, limits=sb_pb.ResourceLimits(memory_mib=mem))
         fleet._call(node.sandvisor.Create, pb.CreateRequest(base=base))
-        from supervisor.fleet.client import FleetSandbox
+        from supervisor.client.fleet import FleetSandbox
 
         sb = FleetSandbox(fleet, pb.FleetSandbox(name=name, node="a", address=a_address, state="placed"))
         sb.wait_ready()

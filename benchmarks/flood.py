@@ -22,7 +22,7 @@ import trio
 from _harness import summary, write_results
 
 from supervisor.client import AsyncConnection, connect
-from supervisor.throwaway import Workdir, supervisor_process, workdir
+from supervisor.main.throwaway import Workdir, supervisor_process, workdir
 
 LINE = "0123456789" * 8  # 80 bytes + newline
 TARGET_P99_MS = 50.0
@@ -43,7 +43,7 @@ def log_bytes(work: Workdir) -> int:
 
 
 async def bench(work: Workdir, env: dict[str, str], n: int, seconds: int) -> dict[str, Any]:
-    cli = [sys.executable, "-m", "supervisor.cli"]
+    cli = [sys.executable, "-m", "supervisor.main.cli"]
     async with connect(work.socket) as c:
         await c.call("Create", {"id": "flood"})
         with trio.fail_after(180):

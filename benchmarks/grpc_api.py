@@ -5,7 +5,7 @@ socket and sandbox.v1 over gRPC on a Unix socket (through the peer-credential re
 as ``serve --grpc unix://...`` always is) and on loopback TCP (no relay: what the relay
 costs). This process is the client of both,
 with plain synchronous clients (grpcio's stub; a blocking msgpack client on
-:mod:`supervisor.protocol`'s framing), so neither side's client library pays a thread
+:mod:`supervisor.wire.protocol`'s framing), so neither side's client library pays a thread
 hop the other does not. A third child is the floor: a bare ``grpc.aio`` server (no Trio,
 no registry) answering Inspect with a fixed SandboxInfo, which no grpcio-based server
 can beat.
@@ -46,10 +46,10 @@ import grpc
 from _harness import write_results
 
 from actors.net.ports import free_port
-from supervisor import protocol
-from supervisor.proto.sandbox.v1 import sandbox_pb2 as pb
-from supervisor.proto.sandbox.v1 import sandbox_pb2_grpc as pb_grpc
-from supervisor.throwaway import Workdir, workdir
+from supervisor.main.throwaway import Workdir, workdir
+from supervisor.wire import protocol
+from supervisor.wire.proto.sandbox.v1 import sandbox_pb2 as pb
+from supervisor.wire.proto.sandbox.v1 import sandbox_pb2_grpc as pb_grpc
 
 HERE = Path(__file__).resolve()
 TOKEN = __import__("secrets").token_hex(32)  # --grpc-token-file's, for the TCP path (the child gets the file)
@@ -60,8 +60,8 @@ def serve_daemon(root: str, tcp_port: str) -> None:
     """``serve`` on the work dir, with gRPC on <root>/g.sock and 127.0.0.1:PORT (SIGTERM stops it)."""
     import trio
 
-    from supervisor.daemon import serve
-    from supervisor.daemon_config import DaemonConfig
+    from supervisor.main.daemon import serve
+    from supervisor.main.daemon_config import DaemonConfig
 
     work = Workdir(Path(root))
     cfg = DaemonConfig(

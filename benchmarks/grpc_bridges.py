@@ -13,14 +13,14 @@ client in this process (one process each, so the two ends do not share a GIL):
 
 Modes:
 
-* ``thread``: supervisor.grpc_bridge (grpc.aio on its own loop in a thread, Trio tasks)
+* ``thread``: supervisor.serve.grpc_bridge (grpc.aio on its own loop in a thread, Trio tasks)
 * ``trio-asyncio``: grpc.aio on a trio-asyncio loop in Trio's thread (trio_as_aio per call);
   needs trio-asyncio installed (no longer a dependency: pip install trio-asyncio)
 * ``sync-pool``: grpcio's sync server, 16 pool threads calling into Trio (from_thread)
 * ``purerpc``: purerpc 0.8 (h2 in Python, anyio on Trio); TCP only: run with a python
   that has purerpc (``--purerpc-python``), compared with ``thread`` over TCP too
 * ``aio``: grpc.aio alone (no Trio): the floor the bridges add to
-* ``msgpack``: the project's own msgpack Unix-socket server and client (supervisor.server)
+* ``msgpack``: the project's own msgpack Unix-socket server and client (supervisor.serve.server)
 
 Usage: python benchmarks/grpc_bridges.py [--modes thread,aio,...] [--rounds 3] [--out results/]
 """
@@ -89,9 +89,9 @@ def ready() -> None:
 def serve_thread(addr: str) -> None:
     import trio
 
-    from supervisor.grpc_addresses import parse_address
-    from supervisor.grpc_auth import TcpAuth
-    from supervisor.grpc_bridge import GrpcEdge, Kind, Method
+    from supervisor.serve.grpc_addresses import parse_address
+    from supervisor.serve.grpc_auth import TcpAuth
+    from supervisor.serve.grpc_bridge import GrpcEdge, Kind, Method
 
     async def main() -> None:
         # the bridge alone, on loopback: no client authentication (the daemon's TCP needs one)
@@ -300,7 +300,7 @@ def serve_msgpack(addr: str) -> None:
     import attrs
     import trio
 
-    from supervisor import server
+    from supervisor.serve import server
 
     @attrs.frozen
     class Blob:

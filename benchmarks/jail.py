@@ -2,7 +2,7 @@
 supervisor side by side in one run, interleaved round by round (the side that goes
 first alternates) so the load of a shared machine hits both alike. Medians and p90.
 
-Two throwaway supervisors (``supervisor.throwaway``), root, TCG, 256 MiB guests:
+Two throwaway supervisors (``supervisor.main.throwaway``), root, TCG, 256 MiB guests:
 ``jail=True`` (every QEMU in its cell: own uid, namespaces, pivot_root, cgroup, sealed
 snapshot memory; actors/cells/cell.py) and ``jail=False`` (``serve --no-jail``: QEMU as
 ``nobody``, no namespaces, no cgroup). Each round, for each side, with both sides
@@ -55,8 +55,8 @@ from _harness import pct, summary, write_results  # noqa: E402
 from actors.registry import Registry  # noqa: E402
 from actors.sandboxes.sandbox import Sandbox  # noqa: E402
 from supervisor.client import AsyncConnection, connect  # noqa: E402
-from supervisor.daemon_config import DaemonConfig  # noqa: E402
-from supervisor.throwaway import supervisor, workdir  # noqa: E402
+from supervisor.main.daemon_config import DaemonConfig  # noqa: E402
+from supervisor.main.throwaway import supervisor, workdir  # noqa: E402
 
 MIB = 1 << 20
 GUEST_MIB = 256  # the supervisor's default guest RAM

@@ -38,7 +38,7 @@ from _harness import pct, write_results
 from actors.errors import DomainError
 from actors.registry import Registry
 from supervisor.client import AsyncSandbox
-from supervisor.throwaway import supervisor, workdir
+from supervisor.main.throwaway import supervisor, workdir
 
 MIB = 1 << 20
 GUEST_MIB = 256  # the supervisor's default guest RAM

@@ -31,7 +31,7 @@ from _harness import main, summary, write_results
 
 from actors.registry import Registry
 from supervisor.client import AsyncSandbox
-from supervisor.throwaway import supervisor, workdir
+from supervisor.main.throwaway import supervisor, workdir
 
 # a 150 MiB file written in steps, then read back with the guest's caches dropped: page
 # cache the balloon can take. (A clone of a template pays twice for every guest page it

@@ -35,7 +35,7 @@ from actors.net.ippool import link_name
 from actors.net.netns import NetNS
 from actors.net.portfwd import dnat_base, dnat_rules
 from actors.sandboxes.sandbox import Sandbox
-from supervisor.throwaway import supervisor, workdir
+from supervisor.main.throwaway import supervisor, workdir
 from tests.support.netlab import POOL, SERVERS, UPLINK_INET, lab_env, namespaces, probe, resolve
 
 MIB = 16

@@ -37,7 +37,7 @@ from _harness import main, write_results
 
 from actors.model import NetMode, Network, SandboxConfig, State
 from actors.secrets.model import SecretRef
-from supervisor.throwaway import supervisor, workdir
+from supervisor.main.throwaway import supervisor, workdir
 from tests.support.httpslab import https_server
 from tests.support.netlab import POOL, UPLINK_INET, dns_server, link_internet, namespaces
 

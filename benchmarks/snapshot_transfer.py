@@ -30,7 +30,7 @@ from _harness import main, write_results
 
 from actors.snapshots.transfer import Importer, export_stream
 from supervisor.client import AsyncSandbox
-from supervisor.throwaway import supervisor, workdir
+from supervisor.main.throwaway import supervisor, workdir
 
 MIB = 1 << 20
 

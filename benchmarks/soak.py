@@ -33,8 +33,8 @@ from _harness import write_results
 from actors.cells.cgroups import detect
 from actors.recovery import our_qemus
 from supervisor.client import AsyncSandbox, SandboxError
-from supervisor.config import default_memory_dir
-from supervisor.throwaway import Workdir, supervisor_process, workdir
+from supervisor.main.throwaway import Workdir, supervisor_process, workdir
+from supervisor.wire.config import default_memory_dir
 
 PAYLOAD = os.urandom(1 << 20)
 

@@ -2,11 +2,11 @@
 
 Both directions, two trees, in the same run and interleaved (the machine is shared):
 
-* ``cp -r`` in: a host directory packed on the host (supervisor.treecopy.packed_tree) into
+* ``cp -r`` in: a host directory packed on the host (supervisor.client.treecopy.packed_tree) into
   ``write_tree`` (guestd's worker unpacks), against the same host-packed stream fed
   to ``tar x`` run by ``exec`` in the guest (its stdin over the same channel): the
   floor, GNU tar at the far end of the same pipe.
-* ``cp -r`` out: ``read_tree`` unpacked on the host (supervisor.treecopy.unpack_tree),
+* ``cp -r`` out: ``read_tree`` unpacked on the host (supervisor.client.treecopy.unpack_tree),
   against ``tar c`` run by ``exec`` in the guest, its stdout unpacked the same way.
 
 Trees: 1000 small files (about 4.5 KB on average, modes, symlinks, empty dirs: the
@@ -48,7 +48,7 @@ from actors.channel.guest import GuestChannel
 from actors.machines.disk import create_overlay
 from actors.machines.vm import VmSpec, booted_guest
 from images.build import Builder, Image, default_cache, load_default
-from supervisor.treecopy import packed_tree, unpack_tree
+from supervisor.client.treecopy import packed_tree, unpack_tree
 
 
 def small_tree(root: Path) -> None:

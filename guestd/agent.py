@@ -49,6 +49,7 @@ ROOT_FD = -1  # the initramfs root, kept open across the chroot
 # it back at once. (A 10 ms poll did before: ~5 ms of every reconnect, and a Python
 # wakeup every 10 ms of an idle guest with no host.) This is only the safety net.
 AWAY_POLL = 1.0
+INIT_POLL = 0.05  # a shutdown the init cannot take yet (it is starting) is asked again this often
 
 EPOLLIN, EPOLLOUT = select.EPOLLIN, select.EPOLLOUT
 EPOLLERR, EPOLLHUP, EPOLLET = select.EPOLLERR, select.EPOLLHUP, select.EPOLLET
@@ -75,6 +76,9 @@ class Agent:
         self.mounts: list[str] = []  # what mount requests mounted, unmounted (last first) at power-off
         self.path_extra = ""  # appended to every exec's PATH (guestd/shape.py)
         self.restricted = False  # every exec with no_new_privs (guestd/shape.py)
+        self.init_kind = ""  # handed off: the kind of init that is PID 1 now (guestd/initsys.py)
+        self.exiting = False  # handed off and told to end (the init's shutdown): no power-off of ours
+        self.init_stop: bool | None = None  # handed off: a shutdown (reboot?) the init has yet to be asked for
 
     # -- epoll bookkeeping ---------------------------------------------------
     def watch(self, fd: int, mask: int, handler: Callable[[int], None]) -> None:
@@ -179,6 +183,7 @@ class Agent:
                         "mount",
                         "fs",
                         "resources",
+                        "init",
                         "vsock" if self.vsock_fd >= 0 else "serial",
                     ],
                 )
@@ -288,13 +293,35 @@ class Agent:
 
             shape.configure(self, msg)
             session.send(proto.Ok(rid=rid))
+        elif isinstance(msg, proto.HandOff):
+            from guestd import initsys  # lazy: only sandboxes with an init pay the import
+
+            path, kind, runs_workload = initsys.hand_off(len(self.procs), msg)
+            self.init_kind = kind  # (the child, from here on: PID 1 is the init)
+            log(f"PID 1 is {path} now ({kind}); guestd goes on as {os.getpid()}")
+            session.send(proto.HandOffOk(rid=rid, path=path, kind=kind, pid=os.getpid(), workload=runs_workload))
         elif isinstance(msg, proto.Shutdown):
             session.send(proto.Ok(rid=rid))
-            self.shutting_down = msg.reboot
+            if self.init_kind:  # the init shuts down (and ends guestd on its way)
+                for conn in self.conns.values():
+                    if conn.out:
+                        boot.drain_blocking(conn)
+                os.sync()
+                self.init_stop = msg.reboot
+                self.stop_init()
+            else:
+                self.shutting_down = msg.reboot
         else:
             raise proto.BadMessage(f"unexpected {msg.TAG} from host")
 
     # -- operations ------------------------------------------------------------
+    def stop_init(self) -> None:
+        """Ask the init for its shutdown, once it can take the signal (polled meanwhile)."""
+        from guestd import initsys
+
+        if self.init_stop is not None and initsys.ask_init_to_stop(self.init_kind, self.init_stop):
+            self.init_stop = None
+
     def set_hostname(self, name: str) -> None:
         system.set_hostname(name)
         self.hostname = name
@@ -336,17 +363,21 @@ class Agent:
             except BlockingIOError:
                 return
             self.reap()
-            if signal.SIGTERM in sigs or signal.SIGINT in sigs:
+            if (signal.SIGTERM in sigs or signal.SIGINT in sigs) and self.init_kind:
+                self.exiting = True  # the init's shutdown ends every process: guestd too
+            elif signal.SIGTERM in sigs or signal.SIGINT in sigs:
                 self.shutting_down = False  # ctrl-alt-del / ACPI-ish requests: power off
 
         self.watch(rsig, EPOLLIN, on_signal)
         self.reap()
-        while self.shutting_down is None:
+        while self.shutting_down is None and not self.exiting:
             timeout = -1.0
             if self.runnable:
                 timeout = 0.0
             elif any(c.away for c in self.conns.values()):
                 timeout = AWAY_POLL
+            if self.init_stop is not None:
+                timeout = INIT_POLL if timeout < 0 else min(timeout, INIT_POLL)
             if self.timers:
                 nd = min(p.next_deadline() for p in self.timers)
                 timeout = max(0.0, nd - now()) if timeout < 0 else min(timeout, max(0.0, nd - now()))
@@ -374,12 +405,16 @@ class Agent:
                         self.timers.discard(p)
             if any(c.away for c in self.conns.values()):
                 self.check_away()
+            if self.init_stop is not None:
+                self.stop_init()
             while self.dirty:
                 self.dirty.pop().flush()
         for conn in self.conns.values():
             if conn.out:
                 boot.drain_blocking(conn)
-        boot.poweroff(self.root_fd, self.shutting_down, self.mounts)
+        if self.exiting:
+            return  # PID 1 is the init: it powers off
+        boot.poweroff(self.root_fd, bool(self.shutting_down), self.mounts)
 
 
 def main() -> None:

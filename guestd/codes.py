@@ -1,7 +1,7 @@
 """The error codes of sandbox.v1: the one list.
 
 Every layer takes them from here: the domain's errors (actors/errors.py), the SDK's
-exceptions and the wire's codes (supervisor/errors.py; the SDK may import guestd's
+exceptions and the wire's codes (supervisor/wire/errors.py; the SDK may import guestd's
 stdlib-only modules, never the domain) and gRPC's status codes of the same names.
 Stdlib only. guestd itself does not import it (enum would cost the guest's boot): its
 Error codes (guestd/proto.py E_*) are these names and two of its own, a test says so.

@@ -574,6 +574,34 @@ class Shutdown(Message):
     reboot: bool = False
 
 
+@message("hand_off")
+class HandOff(Message):
+    """Make ``path`` (an absolute path in the guest; "" or "auto": Init.Auto, see
+    guestd/initsys.py) PID 1 with ``args`` and ``env``; guestd goes on as its child.
+    ``workload``: what the sandbox would start (an image's Entrypoint + Cmd; for
+    Init.Auto: an init at its start becomes PID 1 and runs the rest). Sent once, after
+    the boot-time set-up. Answered with HandOffOk, or Error (NOT_FOUND: no such init;
+    FAILED_PRECONDITION: not PID 1, or processes running)."""
+
+    rid: int
+    path: str = ""
+    args: list[str] = []
+    env: dict[str, str] = {}
+    workload: list[str] = []
+
+
+@message("hand_off_ok")
+class HandOffOk(Message):
+    """The init runs as PID 1: its path, kind ("systemd" or "other"), guestd's pid
+    now, and whether the init runs the workload (the host then does not)."""
+
+    rid: int
+    path: str
+    kind: str
+    pid: int
+    workload: bool = False
+
+
 @message("log")
 class Log(Message):
     """Unsolicited guest -> host diagnostic line (bounded by the frame cap)."""

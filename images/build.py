@@ -78,6 +78,7 @@ LAZY_IMPORTS = (
     "guestd.fsops",
     "guestd.netcfg",
     "guestd.trust",
+    "guestd.initsys",
 )
 ROOTFS_INCLUDE = ("python3", "bash", "coreutils", "procps", "ca-certificates", "curl")
 ROOTFS_SIZE_MIB = 2048  # the ext4 file is sparse: this is room for the sandbox, not disk use

@@ -9,7 +9,7 @@ import os
 
 # grpcio's fork support (pthread_atfork handlers, on by default in this release) aborts
 # the process when it forks while grpc threads run: every QEMU spawn forks. Off, before
-# anything imports grpc (supervisor/grpc_bridge.py does the same for serve).
+# anything imports grpc (supervisor/serve/grpc_bridge.py does the same for serve).
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "0")
 import shutil
 import tempfile
@@ -22,7 +22,7 @@ import trio
 from actors import helpers
 from actors.channel.guest import GuestChannel, open_channel
 from images.build import Builder, Image, default_cache, hold_parts
-from supervisor import throwaway
+from supervisor.main import throwaway
 from tests.support.vms import SharedVM, launch_sync
 
 

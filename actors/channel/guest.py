@@ -25,7 +25,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterable, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import aclosing, asynccontextmanager
 from typing import Any, TypeVar
 
@@ -403,6 +403,16 @@ class GuestChannel:
         """The root filesystem grown to its device; its size in bytes after."""
         r = await self._unary(lambda rid: proto.GrowRoot(rid=rid), proto.Ok)
         return r.value
+
+    async def hand_off(
+        self, path: str, args: Sequence[str], env: Mapping[str, str], workload: Sequence[str]
+    ) -> proto.HandOffOk:
+        """PID 1 becomes the init (``path`` "" or "auto": Init.Auto; guestd/initsys.py),
+        guestd its child; once, after the boot-time set-up."""
+        return await self._unary(
+            lambda rid: proto.HandOff(rid=rid, path=path, args=list(args), env=dict(env), workload=list(workload)),
+            proto.HandOffOk,
+        )
 
     def has_feature(self, name: str) -> bool:
         """guestd said so at hello (an older guest runtime lacks newer requests)."""

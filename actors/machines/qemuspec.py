@@ -268,10 +268,12 @@ class MachineSpec:
                     a += ["-add-fd", f"fd={fds[f'layer{i}']},set={LAYER_FDSET + i},opaque=layer{i}"]
                 a += ["-blockdev", f"driver=file,filename={path},node-name={name}file,read-only=on,locking=off"]
                 fmt = _image_format(layer)
-                backing = f",backing={below}" if below else (",backing=null" if fmt == "qcow2" else "")
+                # the bottom qcow2 opens no backing file of its own: an empty name says so
+                # on the command line ("null" would be a node called null)
+                backing = f",backing={below}" if below else (",backing=" if fmt == "qcow2" else "")
                 a += ["-blockdev", f"driver={fmt},file={name}file,node-name={name},read-only=on{backing}"]
                 below = name
-            backing = f",backing={below}" if below else (",backing=null" if self.disk_format == "qcow2" else "")
+            backing = f",backing={below}" if below else (",backing=" if self.disk_format == "qcow2" else "")
             a += [
                 "-blockdev",
                 f"driver={self.disk_format},file=disk0file,node-name=disk0{backing}",

@@ -166,6 +166,7 @@ class VmSpec:
     boot_timeout: float = defaults.BOOT_TIMEOUT
     answer_timeout: float | None = None  # every guest request's deadline (None: none)
     name: str = "vm"
+    poweroff_grace: float = defaults.POWEROFF_GRACE  # the guest's own power-off, before QMP quit
 
     def __attrs_post_init__(self) -> None:
         if self.machine.incoming != (self.restore is not None):
@@ -461,7 +462,9 @@ async def _running(
                     try:
                         yield guest
                     finally:
-                        await vm.shutdown(ask=chan.shutdown if not chan.broken else None)
+                        await vm.shutdown(
+                            ask=chan.shutdown if not chan.broken else None, ask_timeout=spec.poweroff_grace
+                        )
             finally:
                 await vm.shutdown()
                 nursery.cancel_scope.cancel()

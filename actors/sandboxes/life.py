@@ -45,9 +45,10 @@ from pathlib import Path
 from types import TracebackType
 from typing import Protocol
 
+import attrs
 import trio
 
-from actors import hostdirs
+from actors import defaults, hostdirs, image_disks
 from actors._groups import collapse_single
 from actors.cells.cell import Cell
 from actors.cells.guestmem import own_memory
@@ -65,7 +66,7 @@ from actors.errors import (
     Unavailable,
     Unimplemented,
 )
-from actors.machines.disk import backing_chain, check_user_disk, grow_overlay, virtual_size
+from actors.machines.disk import backing_chain, grow_overlay, virtual_size
 from actors.machines.machine import Placement
 from actors.machines.qemuproc import UNKNOWN_EXIT, MachineError, legacy_restore
 from actors.machines.qemuspec import Volume
@@ -319,7 +320,8 @@ class Life:
         s, files = sb.settings, sb.files
         own = Path(sb.config.boot.rootfs) if sb.config.boot.rootfs else None
         if own is not None:  # a caller's file, checked at every life: it may have changed since
-            check_user_disk(own)  # no backing or data file: its header names nothing we open
+            # no backing or data file: its header names nothing we open (a vmdk...: its conversion)
+            own = await image_disks.attach(s, own)
         # a new overlay's chain is on disk before the overlay: a crash in between
         # leaves a chain without its disk (the next start makes a fresh one), never a
         # disk standing on layers its record does not name
@@ -328,7 +330,7 @@ class Life:
             await self._record_chain([str(p) for p in from_snapshot.layers])
             await files.overlay_on(from_snapshot.disk)
         elif not files.disk.exists():
-            base = self._base()
+            base = own or self._base()
             size, below = virtual_size(base), () if own is not None else backing_chain(base)  # ours: trusted
             recs = sb.volumes.records if sb.volumes is not None else {}
             rw = [(m.name, recs[m.name].size_bytes) for m in sb.config.volumes if not m.read_only and m.name in recs]
@@ -361,6 +363,8 @@ class Life:
         if self._ram_fd >= 0:
             fds["ram"] = self._ram_fd
         spec = self._vm_spec(plan, ram, shared).with_volumes(volumes)
+        if sb.config.init is not None:  # the init's shutdown (actors/sandboxes/handoff.py)
+            spec = attrs.evolve(spec, poweroff_grace=defaults.INIT_POWEROFF_GRACE)
         if sb.config.host_mounts:
             fds.update(await self._share_dirs(plan))
             spec = spec.with_fs_tags(tuple(hostdirs.tag(i) for i in range(len(sb.config.host_mounts))))
@@ -516,7 +520,11 @@ class Life:
             # the vCPUs above the value stay offline from boot (Modify brings them online)
             extra_cmdline=" ".join(
                 x
-                for x in (cfg.boot.boot_args, f"maxcpus={limits.vcpus}" if limits.vcpu_ceiling > limits.vcpus else "")
+                for x in (
+                    cfg.boot.boot_args,
+                    f"maxcpus={limits.vcpus}" if limits.vcpu_ceiling > limits.vcpus else "",
+                    f"sandvisor.rootfstype={cfg.boot.rootfs_fstype}" if cfg.boot.rootfs_fstype else "",
+                )
                 if x
             ),
             kernel=Path(cfg.boot.kernel) if cfg.boot.kernel else None,

@@ -74,7 +74,7 @@ from actors.model import (
 )
 from actors.net.hostnet import SandboxLink
 from actors.net.ports import Exposed
-from actors.sandboxes import guestsetup, tune, usage
+from actors.sandboxes import guestsetup, handoff, tune, usage
 from actors.sandboxes.checkpoint import CheckpointLost, Checkpoints
 from actors.sandboxes.files import SandboxFiles
 from actors.sandboxes.identity import Identity
@@ -163,13 +163,32 @@ class Sandbox(Identity):
 
     def retune(self, config: SandboxConfig, *, changed: bool) -> None:
         """A Modify's configuration, stored; the limits it leaves at 0 stay as they were
-        (``changed``: something changed, ``updated_at`` says when)."""
+        (``changed``: something changed, ``updated_at`` says when). Whatever was saved
+        for the next start is in ``config`` (a Modify plans on it) and pending no more."""
         before = self.limits
         self.record.config = config
+        self.record.pending = None
         self.record.limits = config.limits.filled(before.vcpus, before.memory_mib)
         if changed:
             self.record.updated_at = int(time.time())
         self.store.update_tuning(self.record)
+
+    def save_pending(self, config: SandboxConfig) -> None:
+        """A Modify's configuration for the next start (policy next_start): the running
+        machine and the record's configuration stay as they are until then."""
+        self.record.pending = config
+        self.record.updated_at = int(time.time())
+        self.store.update_tuning(self.record)
+
+    def take_pending(self) -> bool:
+        """The configuration saved for the next start made the sandbox's (a boot from
+        stopped); whether there was one."""
+        pending = self.record.pending
+        if pending is None:
+            return False
+        self.retune(pending, changed=False)
+        self.log.append("system", b"modified: the changes saved for the next start are applied")
+        return True
 
     # -- what the current life holds ------------------------------------------------
     @property
@@ -433,6 +452,7 @@ class Sandbox(Identity):
         """A life from the guest's hello to the end of its work."""
         guest, run = life.guest, self._run
         assert guest is not None
+        init_runs_workload = False  # handed off to an init that runs it (actors/sandboxes/handoff.py)
         if isinstance(plan, Adopt):  # its forwards live in QEMU still; calls of the last supervisor are gone
             await life.apply_ports(relays_only=True)
             self._set(State.READY)
@@ -455,6 +475,8 @@ class Sandbox(Identity):
             await life.apply_ports()  # ports given at create (or exposed before a stop) come first
             # vCPUs and memory below the machine's ceilings, a grown root filesystem
             await tune.at_boot(self, guest, fresh=isinstance(plan, Boot))
+            if not isinstance(plan, Resume) or plan.fallback is not None:  # (a restored one runs its init)
+                init_runs_workload = await handoff.hand_off(self, guest, self.work.initial_cmd)
             if run.waking:
                 crash_point("resume-loaded")
             ready_at = self.record.ready_at if run.waking and self.record.ready_at else int(time.time())
@@ -475,7 +497,7 @@ class Sandbox(Identity):
         async with trio.open_nursery() as nursery:
             run.work = nursery
             nursery.start_soon(self._watch_machine, life, guest, nursery.cancel_scope)
-            if self.work.initial_cmd:
+            if self.work.initial_cmd and not init_runs_workload:
                 nursery.start_soon(self.work.run_initial)
             try:
                 await run.stop.wait()

@@ -80,6 +80,29 @@ class Machine:
     mapped: bool = False
 
 
+@attrs.frozen
+class Resize:
+    """One resource of a live resize as known once Modify answers: ``requested`` (the
+    sandbox's value), ``actual`` (the guest's: vCPUs online by guestd's answer, the
+    memory query-balloon says the guest has given up to), ``enforced`` (what the host
+    holds: the cgroup CPU ceiling in vCPUs; the balloon target QEMU asks for), and
+    ``state``: settled (all three agree), converging (the balloon still moving when
+    the wait ended), guest-refused (the guest did not do it: set_cpus failed, or the
+    balloon did not move at all)."""
+
+    resource: str  # "cpus" | "memory"
+    requested: int
+    actual: int
+    enforced: int
+    state: str  # SETTLED | CONVERGING | GUEST_REFUSED
+    why: str = ""
+
+
+SETTLED = "settled"
+CONVERGING = "converging"
+GUEST_REFUSED = "guest-refused"
+
+
 def machine_of(sb: TuneOwner) -> Machine:
     """The running machine's ceilings, balloon and disk (FAILED_PRECONDITION: none)."""
     guest = sb.guest
@@ -110,14 +133,15 @@ def disk_mib(sb: TuneOwner) -> int:
         return sb.limits.disk_mib
 
 
-async def apply_live(sb: TuneOwner) -> tuple[bool, float]:
-    """The sandbox's vCPUs and memory given to its running guest now; (settled, seconds)."""
+async def apply_live(sb: TuneOwner) -> tuple[tuple[Resize, ...], float]:
+    """The sandbox's vCPUs and memory given to its running guest now; (how each
+    resource stands, seconds)."""
     guest = sb.guest
     if guest is None:
         raise FailedPrecondition(f"sandbox {sb.id} has no running machine")
     t0 = time.monotonic()
-    settled = await _settle(sb, guest)
-    return settled, time.monotonic() - t0
+    resized = await _settle(sb, guest)
+    return resized, time.monotonic() - t0
 
 
 async def at_boot(sb: TuneOwner, guest: Guest, *, fresh: bool) -> None:
@@ -135,7 +159,7 @@ async def at_boot(sb: TuneOwner, guest: Guest, *, fresh: bool) -> None:
     await _settle(sb, guest, boot=True)
 
 
-async def _settle(sb: TuneOwner, guest: Guest, *, boot: bool = False) -> bool:
+async def _settle(sb: TuneOwner, guest: Guest, *, boot: bool = False) -> tuple[Resize, ...]:
     """Balloon target, CPUs online, CPU quota; wait for the balloon; record what applies.
     ``boot``: before ready, where a machine without ceilings needs nothing (all its vCPUs
     online, its balloon empty; a snapshot's configuration matches its machine): no
@@ -143,35 +167,58 @@ async def _settle(sb: TuneOwner, guest: Guest, *, boot: bool = False) -> bool:
     spec, chan, limits = guest.machine.spec, guest.channel, sb.limits
     vcpus = min(limits.vcpus, spec.cpus)
     memory = min(limits.memory_mib, spec.memory_mib) if spec.balloon else spec.memory_mib
-    online = vcpus
+    online, cpu_why = vcpus, ""
     if chan.has_feature("resources") and (vcpus != spec.cpus or not boot):
         try:
             online = await chan.set_cpus(vcpus)
         except GuestOpError as exc:  # the guest's answer (its sysfs is its own): not settled, not fatal
             sb.log.append("system", f"vCPUs not set: {exc}".encode())
-            online = 0
+            online, cpu_why = 0, f"the guest did not set its CPUs: {exc}"
     cell = sb.cell
+    enforced_cpus = 0  # no cgroup: the machine's vCPUs online are the only bound
     if cell is not None and cell.cgroup is not None:
         try:
             # the jail's rule for a machine of ``vcpus`` (its ceiling: vCPUs + headroom; its weight)
             cell.cgroup.set_cpu(CgroupLimits.for_guest(spec.memory_mib, vcpus))
+            enforced_cpus = vcpus
         except CgroupError as exc:
             log.warning("sandbox %s: CPU quota: %s", sb.id, exc)
     settled = online == vcpus
+    cpus = Resize(
+        "cpus",
+        vcpus,
+        online,
+        enforced_cpus or online,
+        SETTLED if settled else GUEST_REFUSED,
+        cpu_why
+        or (
+            "vCPUs online in the guest; the jail's cgroup CPU ceiling follows (vCPUs + its headroom)"
+            if enforced_cpus
+            else "vCPUs online in the guest (no cgroup: they are the only bound)"
+        ),
+    )
     actual = memory
+    mem_state, mem_why = SETTLED, ""
     if spec.balloon and (memory != spec.memory_mib or not boot):
         try:
+            start = int((await guest.machine.qmp_execute("query-balloon")).get("actual", 0)) // MIB
             if mapped(guest):
                 # never inflate over a snapshot's mapped memory: the guest zeroes what it
                 # gives the balloon (init_on_alloc), so every page taken that the clone
                 # had not touched becomes a page of the shared memfd, charged to this
                 # clone, that no discard frees (measured: docs/modify.md)
-                now = int((await guest.machine.qmp_execute("query-balloon")).get("actual", 0)) // MIB
-                memory = max(memory, now)
+                memory = max(memory, start)
             actual = await _balloon(guest, memory)
+            if actual != memory:
+                mem_state = CONVERGING if actual != start else GUEST_REFUSED
+                mem_why = (
+                    f"the balloon moved {start} -> {actual} MiB of {memory} in the wait: QEMU keeps the target"
+                    if actual != start
+                    else f"the guest's balloon driver did not move from {start} MiB in the wait"
+                )
         except MachineError as exc:
             log.warning("sandbox %s: balloon: %s", sb.id, exc)
-            actual = 0
+            actual, mem_state, mem_why = 0, GUEST_REFUSED, f"the balloon: {exc}"
         settled = settled and actual == memory
     sb.note_applied(
         Applied(
@@ -184,7 +231,21 @@ async def _settle(sb: TuneOwner, guest: Guest, *, boot: bool = False) -> bool:
             settled=settled,
         )
     )
-    return settled
+    mem = Resize(
+        "memory",
+        memory,
+        actual,
+        memory if spec.balloon else spec.memory_mib,
+        mem_state,
+        mem_why
+        or (
+            "through the balloon (the guest's cooperation); the host's hard bound is the jail's cgroup limit, "
+            f"counted at the ceiling of {spec.memory_mib} MiB"
+            if spec.balloon
+            else "no balloon: the machine's memory is its RAM"
+        ),
+    )
+    return cpus, mem
 
 
 async def _balloon(guest: Guest, memory_mib: int) -> int:

@@ -205,6 +205,8 @@ class Pools:
     def take_for_create(self, config: SandboxConfig, limits: Limits, image: ImageUse | None) -> Sandbox | None:
         if config.secrets:
             return None  # a member would need the caller's CA and placeholders first: a boot or restore
+        if config.init is not None:
+            return None  # a member runs on guestd as PID 1: the hand-off comes with a boot or restore
         key = self.template_key(config, limits, image)
         tpl = self.template(key) if key is not None else None
         return self.take(tpl) if tpl is not None else None

@@ -336,12 +336,15 @@ class SnapshotStore:
                 await self.collect()
 
     async def collect(self) -> int:
-        """Remove snapshot directories without a record that no disk chain uses (what
-        a failed checkpoint or a crash left behind), and the files a conversion left in
-        recorded ones; removals in a worker thread."""
+        """Remove snapshot directories without a record that no disk chain (of a sandbox
+        or a snapshot) uses (what a failed checkpoint or a crash left behind), and the
+        files a conversion left in recorded ones; removals in a worker thread."""
         busy = {Path(self.converting.dir).resolve()} if self.converting is not None else set()
         known = {Path(r.dir).resolve() for r in self.snapshots.values()} | self.pending | busy
-        used = {p.resolve().parent for p in self.in_use()}
+        # the layers of live disks and of every recorded snapshot's chain (a dropped
+        # template's directory stays while a snapshot made on top of it stands on it)
+        layers = [*self.in_use(), *(Path(p) for r in self.snapshots.values() for p in r.chain)]
+        used = {p.resolve().parent for p in layers}
         garbage = [d for d in self.root.iterdir() if d.is_dir() and d.resolve() not in known | used]
         for d in garbage:
             await trio.to_thread.run_sync(shutil.rmtree, d, True)

@@ -87,6 +87,9 @@ class Store:
             if len(matches) > 1:
                 raise InvalidReference(f"{ref} is ambiguous: it matches {len(matches)} images")
             return self._load(matches[0], refs) if matches else None
+        if ref.startswith("dir:"):  # a root filesystem directory's image (images/oci/rootdir.py): by its ref
+            digest = refs.get(ref, "")
+            return self._load(digest.removeprefix("sha256:"), refs) if digest else None
         r = parse_reference(ref)
         digest = refs.get(r.canonical()) or r.digest
         return self._load(digest.removeprefix("sha256:"), refs) if digest else None
@@ -148,8 +151,9 @@ class Store:
         img = self.get(ref)
         refs = self._read_refs()
         mine = sorted(k for k, v in refs.items() if v == img.digest)
-        by_tag = _digest_like(ref) is None and not parse_reference(ref).digest
-        key = parse_reference(ref).canonical() if by_tag else ""
+        local_dir = ref.startswith("dir:")  # (a root filesystem directory's ref: no OCI spelling)
+        by_tag = _digest_like(ref) is None and (local_dir or not parse_reference(ref).digest)
+        key = (ref if local_dir else parse_reference(ref).canonical()) if by_tag else ""
         if by_tag and key in mine and len(mine) > 1:
             self._drop_refs({key})
             return RemoveResult(untagged=(key,), deleted=(), freed_bytes=0)

@@ -38,8 +38,8 @@ from pathlib import Path
 import pytest
 
 from actors import defaults
-from supervisor.fleet.rayhost import RayPorts
-from supervisor.fleet.raynode import ray_dir_for
+from supervisor.serve.fleet.rayhost import RayPorts
+from supervisor.serve.fleet.raynode import ray_dir_for
 from tests.support.fleetlab import (
     GRPC_PORT,
     OUTSIDER,
@@ -190,7 +190,7 @@ def _walk(lab: FleetLab) -> None:
     on_a = sorted(n for n, v in placed.items() if v == "a")
     on_b = sorted(n for n, v in placed.items() if v == "b")
     sdk = (
-        "import os; from supervisor.fleet.client import Fleet, FleetTls\n"
+        "import os; from supervisor.client.fleet import Fleet, FleetTls\n"
         "tls = FleetTls.from_files(*(os.environ[f'SANDVISOR_FLEET_{k}'] for k in ('CA', 'CERT', 'KEY')))\n"
         f"with Fleet({lab.hosts['b'].address!r}, tls=tls) as f:\n"
         f"    sb = f.get({on_a[0]!r}); print(sb.node, sb.address, sb.run(['sh', '-c', 'echo sdk']).text().strip())\n"

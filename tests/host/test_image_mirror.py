@@ -17,7 +17,7 @@ from actors.registry import Registry
 from images.build import Image as GuestImage
 from images.ocilocal import TEST_PASSWORD, TEST_USER, LocalRegistry, push
 from supervisor.client import AsyncImages, AsyncSandbox, FailedPrecondition, NotFound, RegistryAuth, Unavailable
-from supervisor.throwaway import Workdir, supervisor, workdir
+from supervisor.main.throwaway import Workdir, supervisor, workdir
 from tests.support.grpc_clients import make_pki
 from tests.support.registrylab import Built, Pushed
 

@@ -34,7 +34,7 @@ from supervisor.client import (
     PullImageProgress,
     Unavailable,
 )
-from supervisor.throwaway import Workdir, supervisor, workdir
+from supervisor.main.throwaway import Workdir, supervisor, workdir
 from tests.support.registrylab import Built, Pushed
 
 
@@ -48,7 +48,7 @@ async def served(image: GuestImage) -> AsyncIterator[tuple[Workdir, Registry]]:
 
 async def cli(work: Workdir, *args: str) -> subprocess.CompletedProcess[bytes]:
     return await trio.run_process(
-        [sys.executable, "-m", "supervisor.cli", *args],
+        [sys.executable, "-m", "supervisor.main.cli", *args],
         env={**work.env(), "COLUMNS": "400"},  # tables of long references, unwrapped
         capture_stdout=True,
         capture_stderr=True,
@@ -390,8 +390,8 @@ async def test_the_image_rpcs_over_grpc(image: GuestImage, pushed: Pushed) -> No
     table as the socket; ``tls_verify`` is a proto3 optional (unset: verify)."""
     import grpc
 
-    from supervisor.proto.sandvisor.v1 import sandvisor_pb2 as sv
-    from supervisor.proto.sandvisor.v1 import sandvisor_pb2_grpc as sv_grpc
+    from supervisor.wire.proto.sandvisor.v1 import sandvisor_pb2 as sv
+    from supervisor.wire.proto.sandvisor.v1 import sandvisor_pb2_grpc as sv_grpc
 
     with workdir("sv-ocig-", private_state=True) as work:
         sock = work.root / "g.sock"

@@ -34,7 +34,7 @@ import pytest
 
 from actors.cells.cgroups import detect
 from actors.store import Store
-from supervisor.config import default_memory_dir
+from supervisor.wire.config import default_memory_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
@@ -321,7 +321,7 @@ def test_quickstart_under_systemd() -> None:
     unit = Path("/run/systemd/system/sandvisor.service")
     if unit.exists():
         pytest.skip(f"{unit} exists: not ours to replace")
-    text = (ROOT / "supervisor" / "systemd" / "sandvisor.service").read_text()
+    text = (ROOT / "supervisor/main/systemd/sandvisor.service").read_text()
     exe = Path(sys.executable).parent / "sandvisor"
     text = re.sub(r"^ExecStart=.*$", f"ExecStart={exe} serve", text, flags=re.M)
     text = text.replace("[Service]\n", f"[Service]\nEnvironment=PYTHONPATH={ROOT}\n", 1)

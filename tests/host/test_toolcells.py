@@ -25,7 +25,7 @@ from images.build import Image as GuestImage
 from images.oci import DiskFull, ImageStore
 from images.ocilocal import ImageSpec, Layer, LocalRegistry, build_image, busybox_tree, push
 from supervisor.client import AsyncSandbox, AsyncVolumes
-from supervisor.throwaway import supervisor, workdir
+from supervisor.main.throwaway import supervisor, workdir
 from tests.support.registrylab import REFS, Built, Pushed, assert_clean, owner
 
 MIB = 1 << 20

@@ -11,7 +11,7 @@ on :attr:`FleetLab.interpreter`: an interpreter Ray's unprivileged user can exec
 test's own when it can; else a venv of the system's Python of the same minor version
 that reads the test's packages).
 
-Each supervisor runs as ``ip netns exec NS python -m supervisor.cli serve ...`` (so its
+Each supervisor runs as ``ip netns exec NS python -m supervisor.main.cli serve ...`` (so its
 pid is the supervisor's), on its own throwaway state dir; clients are ``sandvisor
 --fleet ...`` (or a Python snippet using ``Fleet``) run in a host's namespace. A CA,
 a certificate per node (server and client use: nodes call each other) and a client
@@ -40,9 +40,9 @@ from typing import Any
 
 import attrs
 
-from supervisor.fleet.rayhost import RayUser, reachable_by
-from supervisor.fleet.raynode import ray_dir_for
-from supervisor.throwaway import Workdir, kill_processes, workdir
+from supervisor.main.throwaway import Workdir, kill_processes, workdir
+from supervisor.serve.fleet.rayhost import RayUser, reachable_by
+from supervisor.serve.fleet.raynode import ray_dir_for
 from tests.support.netlab import namespaces, sh
 
 NET = "192.0.2"  # TEST-NET-1: only ever inside the lab's namespaces
@@ -139,7 +139,7 @@ class FleetLab:
         (default: the same host's)."""
         h = self.hosts[host]
         address = self.hosts[via or host].address
-        argv = ["ip", "netns", "exec", h.ns, sys.executable, "-m", "supervisor.cli", "--fleet", address, *args]
+        argv = ["ip", "netns", "exec", h.ns, sys.executable, "-m", "supervisor.main.cli", "--fleet", address, *args]
         return subprocess.run(argv, check=False, env=self.client_env(), capture_output=True, text=True, timeout=timeout)
 
     def ok(self, host: str, *args: str, via: str | None = None, timeout: float = 600) -> str:
@@ -158,7 +158,7 @@ class FleetLab:
     def events(self, host: str, action: str) -> Iterator[list[dict[str, Any]]]:
         """``sandvisor events --action ACTION --json`` on ``host``'s own socket, read by a
         thread into the list yielded; stopped (by pid) after."""
-        argv = [sys.executable, "-m", "supervisor.cli", "events", "--action", action, "--json"]
+        argv = [sys.executable, "-m", "supervisor.main.cli", "events", "--action", action, "--json"]
         proc = subprocess.Popen(argv, env=self.hosts[host].work.env(), stdout=subprocess.PIPE, text=True)
         seen: list[dict[str, Any]] = []
 
@@ -217,7 +217,7 @@ class FleetLab:
         h = self.hosts[name]
         head = self.hosts["a"]
         argv = [
-            "ip", "netns", "exec", h.ns, self.interpreter, "-m", "supervisor.cli", "serve",
+            "ip", "netns", "exec", h.ns, self.interpreter, "-m", "supervisor.main.cli", "serve",
             "--accel", "tcg", "--run-root", str(h.work.run_root), "--ip-pool", "none",
             "--grpc", h.address,
             "--grpc-cert", str(self.pki / f"{name}.pem"), "--grpc-key", str(self.pki / f"{name}.key"),
@@ -248,7 +248,7 @@ class FleetLab:
     def kill_host(self, name: str, *, cells: bool = True) -> list[int]:
         """Every process of the host, by pid: the supervisor, Ray's group, the rest of the
         namespace, and (``cells``) its QEMUs and cells -- each in a network namespace of
-        its own, found by their cgroups (supervisor/throwaway.py): a host that dies takes
+        its own, found by their cgroups (supervisor/main/throwaway.py): a host that dies takes
         its sandboxes with it. The pids killed."""
         h = self.hosts[name]
         pids: list[int] = []

@@ -26,7 +26,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 SEED_NAME = "shared/seeds/000_b1e1dbfa8d7a5097.txt"  # beside the clone in CI, above the worktree here
 SEED = next((p / SEED_NAME for p in REPO.parents if (p / SEED_NAME).exists()), REPO.parent / SEED_NAME)
-VENDORED = REPO / "supervisor" / "proto" / "sandbox" / "v1" / "sandbox.proto"
+VENDORED = REPO / "supervisor/wire/proto/sandbox/v1/sandbox.proto"
 
 
 @functools.cache

@@ -13,8 +13,8 @@ import trio
 
 from actors.registry import Registry
 from actors.store import Store
-from supervisor import grpc_bridge, grpc_service
-from supervisor.server import Server
+from supervisor.serve import grpc_bridge, grpc_service
+from supervisor.serve.server import Server
 from tests.support.fakevm import FakeLab, fake_settings
 
 

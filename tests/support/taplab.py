@@ -15,7 +15,7 @@ from actors.model import Egress, NetMode, Network, SandboxConfig, State
 from actors.net.netns import NetNS
 from actors.registry import Registry
 from actors.sandboxes.sandbox import Sandbox
-from supervisor.throwaway import Workdir, supervisor, workdir
+from supervisor.main.throwaway import Workdir, supervisor, workdir
 from tests.support.netlab import (
     METADATA,
     POOL,

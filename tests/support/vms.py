@@ -16,7 +16,7 @@ from actors.machines.disk import create_overlay
 from actors.machines.qemuspec import MachineSpec
 from actors.machines.vm import VmSpec, kernel_cmdline
 from images.build import Image
-from supervisor.throwaway import supervisor_process, workdir
+from supervisor.main.throwaway import supervisor_process, workdir
 
 
 async def cold_spec(image: Image, run_dir: Path, *, rootfs: Path | None = None, **kw: object) -> VmSpec:

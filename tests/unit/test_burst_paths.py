@@ -15,9 +15,9 @@ import trio
 from actors.machines import disk
 from images.build import Image
 from supervisor.client import AsyncSandbox
-from supervisor.sdk import sandbox_plans
-from supervisor.sdk.ops import TIMED_OUT, Now, Open, Receive, Unary
-from supervisor.throwaway import supervisor, workdir
+from supervisor.client.sdk import sandbox_plans
+from supervisor.client.sdk.ops import TIMED_OUT, Now, Open, Receive, Unary
+from supervisor.main.throwaway import supervisor, workdir
 
 MIB = 1 << 20
 

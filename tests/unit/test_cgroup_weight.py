@@ -18,7 +18,7 @@ from actors.modify import Modification, modify
 from actors.registry import Registry
 from actors.sandboxes.sandbox import Sandbox
 from images.build import Image
-from supervisor.throwaway import supervisor, workdir
+from supervisor.main.throwaway import supervisor, workdir
 
 
 def guest(vcpus: int) -> CgroupLimits:

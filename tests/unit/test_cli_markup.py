@@ -11,9 +11,9 @@ import sys
 import pytest
 from rich.console import Console
 
-from supervisor import cli
-from supervisor.cli_common import unix_ns
-from supervisor.cli_output import markup_escape, print_table, rich_table
+from supervisor.client.cli_common import unix_ns
+from supervisor.client.cli_output import markup_escape, print_table, rich_table
+from supervisor.main import cli
 
 
 def test_an_error_message_keeps_its_brackets(capsys: pytest.CaptureFixture[str]) -> None:
@@ -28,7 +28,7 @@ def test_an_error_message_keeps_its_brackets(capsys: pytest.CaptureFixture[str])
 def test_mcp_without_its_extra_names_the_extra(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setitem(sys.modules, "supervisor.mcp_server", None)  # import -> ImportError
+    monkeypatch.setitem(sys.modules, "supervisor.serve.mcp_server", None)  # import -> ImportError
     with pytest.raises(SystemExit) as exc:
         cli.main(["mcp"])
     assert exc.value.code == 1

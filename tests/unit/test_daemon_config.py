@@ -11,8 +11,8 @@ import attrs
 import pytest
 
 from actors import defaults
-from supervisor.cli import build_parser
-from supervisor.daemon_config import FLAG, DaemonConfig, flags, from_args, to_argv
+from supervisor.main.cli import build_parser
+from supervisor.main.daemon_config import FLAG, DaemonConfig, flags, from_args, to_argv
 
 NOT_FLAGS = {"stop_timeout"}  # set by code (tests, benchmarks), not by a serve flag
 
@@ -99,6 +99,8 @@ def test_a_config_said_as_flags_parses_back_to_itself(tmp_path: Path) -> None:
         fleet_python="/usr/bin/python3",
         secrets_key=tmp_path / "secrets.key",
         upstream_ca=tmp_path / "upstream-ca.pem",
+        webhooks=("https://hooks.example/in", "http://127.0.0.1:8080/x"),
+        webhook_secrets=(tmp_path / "wh1", tmp_path / "wh2"),
         port_addresses=("192.0.2.10", "0.0.0.0"),
         network_profiles=tmp_path / "profiles.toml",
     )
@@ -183,7 +185,7 @@ def test_the_defaults_are_defined_once() -> None:
 
 
 def test_serve_pool_argument() -> None:
-    from supervisor.daemon_config import _pool_arg
+    from supervisor.main.daemon_config import _pool_arg
 
     assert _pool_arg("base=2") == ("base", 2)
     assert _pool_arg("a=b=3") == ("a=b", 3)

@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 import trio
 
-from supervisor import e2b_envd, e2b_http
-from supervisor.e2b_keys import Client, Key, Tokens, derived_label, find_key, parse_keys, read_keys
-from supervisor.e2b_multipart import parts
-from supervisor.e2b_server import E2BApp, check_key_file
+from supervisor.serve import e2b_envd, e2b_http
+from supervisor.serve.e2b_keys import Client, Key, Tokens, derived_label, find_key, parse_keys, read_keys
+from supervisor.serve.e2b_multipart import parts
+from supervisor.serve.e2b_server import E2BApp, check_key_file
 
 
 def test_key_file(tmp_path: Path) -> None:
@@ -99,7 +99,7 @@ def test_tokens_are_bound_to_key_sandbox_and_uid() -> None:
 
 
 def test_client_acts_as_its_key() -> None:
-    from supervisor.sdk.acting import hello_fields
+    from supervisor.client.sdk.acting import hello_fields
 
     admin = Key("ops", b"k", admin=True)
     client = Client("/nonexistent.sock", admin)
@@ -112,7 +112,7 @@ def test_client_acts_as_its_key() -> None:
 
 def test_serve_e2b_needs_a_key_file(tmp_path: Path) -> None:
     r = subprocess.run(
-        [sys.executable, "-m", "supervisor.cli", "serve", "--e2b", "127.0.0.1:0", "--socket", str(tmp_path / "s")],
+        [sys.executable, "-m", "supervisor.main.cli", "serve", "--e2b", "127.0.0.1:0", "--socket", str(tmp_path / "s")],
         capture_output=True,
         text=True,
         timeout=60,
@@ -274,7 +274,7 @@ class _Snapshots(Client):
 
 
 async def test_templates_a_key_may_restore() -> None:
-    from supervisor import protocol
+    from supervisor.wire import protocol
 
     def snap(id: str, name: str, **kw: Any) -> protocol.SnapshotSummary:
         return protocol.SnapshotSummary(id, "origin", name, {}, "/d", "t", **kw)

@@ -18,15 +18,15 @@ import trio
 
 from actors.errors import AlreadyExists, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted
 from actors.principals import Principal
-from supervisor.cli import is_fleet_command
-from supervisor.fleet import service
-from supervisor.fleet.member import fleet_config
-from supervisor.fleet.placement import LOST, PLACED, NodeSpec, Want
-from supervisor.fleet.ray_backend import MEMORY, SLOT, RayPlacement, group_name, node_resource, resources
-from supervisor.fleet.rayhost import RayPorts, RayUser, check_peers, check_token, firewall, give_back, make_token
-from supervisor.fleet.raynode import LAUNCHER, RayNodeConfig, argv, environment
-from supervisor.fleet.transfer import NodeTls
-from supervisor.proto.sandvisor.v1 import sandvisor_pb2 as pb
+from supervisor.main.cli import is_fleet_command
+from supervisor.serve.fleet import service
+from supervisor.serve.fleet.member import fleet_config
+from supervisor.serve.fleet.placement import LOST, PLACED, NodeSpec, Want
+from supervisor.serve.fleet.ray_backend import MEMORY, SLOT, RayPlacement, group_name, node_resource, resources
+from supervisor.serve.fleet.rayhost import RayPorts, RayUser, check_peers, check_token, firewall, give_back, make_token
+from supervisor.serve.fleet.raynode import LAUNCHER, RayNodeConfig, argv, environment
+from supervisor.serve.fleet.transfer import NodeTls
+from supervisor.wire.proto.sandvisor.v1 import sandvisor_pb2 as pb
 
 
 class FakePG:
@@ -376,9 +376,9 @@ def test_reserve_request_checked() -> None:
 
 
 def test_serve_refuses_half_a_fleet(tmp_path: Path) -> None:
-    from supervisor.daemon import Refused, _fleet_config
-    from supervisor.daemon_config import DaemonConfig
-    from supervisor.grpc_addresses import TcpAddress
+    from supervisor.main.daemon import Refused, _fleet_config
+    from supervisor.main.daemon_config import DaemonConfig
+    from supervisor.serve.grpc_addresses import TcpAddress
 
     base = {"socket": tmp_path / "s.sock", "state_dir": tmp_path}
     assert _fleet_config(DaemonConfig(**base), []) is None

@@ -26,8 +26,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from rich.console import Console
 
-from supervisor import frames, protocol
-from supervisor.cli_output import plain_table, rich_table
 from supervisor.client import (
     AsyncSandbox,
     Boot,
@@ -39,7 +37,9 @@ from supervisor.client import (
     Unavailable,
     Workload,
 )
-from supervisor.errors import ApiError
+from supervisor.client.cli_output import plain_table, rich_table
+from supervisor.wire import frames, protocol
+from supervisor.wire.errors import ApiError
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -338,9 +338,9 @@ def test_the_blocking_sdk_runs_the_same_plans_on_a_socket_without_loop_or_thread
     a live stream as a generator left early, Events and Inspect multiplexed on one
     connection (wait_ready), typed errors; and it starts no thread and imports no trio."""
     script = """import sys, threading
-from supervisor.sdk.sync import Sandbox
-from supervisor.errors import NotFound
-from supervisor.protocol import SandboxInfo
+from supervisor.client.sdk.sync import Sandbox
+from supervisor.wire.errors import NotFound
+from supervisor.wire.protocol import SandboxInfo
 path = sys.argv[1]
 sb = Sandbox.get("web", socket=path)
 info = sb.inspect()
@@ -490,7 +490,7 @@ def test_one_shot_commands_import_no_event_loop_converter_or_rich(sock_path: Pat
     script = f"""from __future__ import annotations
 import sys
 {_fake_source()}
-from supervisor.cli import main
+from supervisor.main.cli import main
 path = Path({str(sock_path)!r})
 with fake_supervisor(path, sandvisor_fake):
     for argv in (["ls", "--json"], ["ls"], ["inspect", "web"], ["inspect", "web", "--json"],
@@ -520,7 +520,7 @@ def _fake_source() -> str:
         "import os, socket, threading",
         "from contextlib import contextmanager",
         "from pathlib import Path",
-        "from supervisor import frames",
+        "from supervisor.wire import frames",
         f"INFO = {INFO!r}",
         inspect.getsource(fake_supervisor),
         inspect.getsource(sandvisor_fake),

@@ -1,4 +1,4 @@
-"""The gRPC edge without VMs: supervisor.grpc_bridge with a fake sandbox.v1 servicer, driven by
+"""The gRPC edge without VMs: supervisor.serve.grpc_bridge with a fake sandbox.v1 servicer, driven by
 clients generated at test time from sandbox.v1's proto, over a Unix socket and over TLS on
 loopback; health, reflection, the generated code's currency, the metrics endpoint.
 
@@ -27,14 +27,14 @@ import pytest
 import trio
 
 from actors.principals import Principal
-from supervisor import grpc_bridge, metrics
-from supervisor.grpc_addresses import Address, TcpAddress, TlsConfig, UnixAddress, parse_address
-from supervisor.grpc_auth import TcpAuth
-from supervisor.proto.sandbox.v1 import sandbox_pb2 as pb
-from supervisor.protocol import ApiError
+from supervisor.serve import grpc_bridge, metrics
+from supervisor.serve.grpc_addresses import Address, TcpAddress, TlsConfig, UnixAddress, parse_address
+from supervisor.serve.grpc_auth import TcpAuth
+from supervisor.wire.proto.sandbox.v1 import sandbox_pb2 as pb
+from supervisor.wire.protocol import ApiError
 from tests.support.grpc_clients import REPO, SEED, bearer, generate, make_pki
 
-VENDORED = REPO / "supervisor" / "proto" / "sandbox" / "v1" / "sandbox.proto"
+VENDORED = REPO / "supervisor/wire/proto/sandbox/v1/sandbox.proto"
 
 
 @pytest.fixture(scope="session")
@@ -51,9 +51,9 @@ def test_vendored_proto_is_the_seed_byte_for_byte() -> None:
 
 def test_generated_code_is_current() -> None:
     pytest.importorskip("grpc_tools.protoc")
-    from supervisor.proto import generate
+    from supervisor.wire.proto import generate
 
-    assert generate.stale() == [], "run: python -m supervisor.proto.generate"
+    assert generate.stale() == [], "run: python -m supervisor.wire.proto.generate"
 
 
 def test_seed_clients_share_our_descriptors(seed: tuple[ModuleType, ModuleType]) -> None:
@@ -444,7 +444,7 @@ class Policy:
         self.uids: list[int] = []
 
     def check(self, sock: Any) -> str | None:
-        from supervisor.peers import Peer
+        from supervisor.serve.peers import Peer
 
         self.uids.append(Peer.of(sock).uid)
         return None if self.serve else "not you"
@@ -453,7 +453,7 @@ class Policy:
         return "only the test's friends"
 
     def principal(self, sock: Any) -> Principal:
-        from supervisor.peers import Peer
+        from supervisor.serve.peers import Peer
 
         return Principal.uid(Peer.of(sock).uid)
 
@@ -860,9 +860,9 @@ def test_metrics_listen_defaults_to_loopback() -> None:
 # protobuf <-> the attrs classes both edges share
 # ---------------------------------------------------------------------------------------
 def test_seed_and_extended_requests_structure_into_one_class() -> None:
-    from supervisor import protocol
-    from supervisor.grpc_convert import message_to_dict
-    from supervisor.proto.sandvisor.v1 import sandvisor_pb2 as sv
+    from supervisor.serve.grpc_convert import message_to_dict
+    from supervisor.wire import protocol
+    from supervisor.wire.proto.sandvisor.v1 import sandvisor_pb2 as sv
 
     seed_req = pb.CreateSandboxRequest(id="a", labels={"k": "v"}, cmd=["sh"], limits=pb.ResourceLimits(vcpus=2))
     plain = protocol.structure_body(message_to_dict(seed_req), protocol.CreateSandboxRequest)
@@ -873,7 +873,7 @@ def test_seed_and_extended_requests_structure_into_one_class() -> None:
         message_to_dict(sv.CreateRequest(base=seed_req, hostname="h", ephemeral=True)), protocol.CreateSandboxRequest
     )
     assert ext == attrs_evolve(plain, hostname="h", ephemeral=True)
-    from supervisor.grpc_service import _sandvisor_create, to_request
+    from supervisor.serve.grpc_service import _sandvisor_create, to_request
 
     # sandvisor.v1 Create carries an egress policy, a field of the network on both edges
     policy = sv.EgressPolicy(allow=["10.1.0.0/16"], deny=["example.com:443"])
@@ -892,9 +892,9 @@ def attrs_evolve(obj: Any, **kw: Any) -> Any:
 
 
 def test_responses_fill_seed_and_extended_messages() -> None:
-    from supervisor import protocol
-    from supervisor.grpc_convert import dict_to_message, message_to_dict
-    from supervisor.proto.sandvisor.v1 import sandvisor_pb2 as sv
+    from supervisor.serve.grpc_convert import dict_to_message, message_to_dict
+    from supervisor.wire import protocol
+    from supervisor.wire.proto.sandvisor.v1 import sandvisor_pb2 as sv
 
     info = protocol.SandboxInfo(
         "a", "ready", {"k": "v"}, protocol.ResourceLimits(1, 512), protocol.SandboxNetwork(), 1, 2, 0, 0, ""
@@ -942,7 +942,7 @@ WHO: contextvars.ContextVar[str] = contextvars.ContextVar("WHO", default="nobody
 
 
 def G_STUB(ch: grpc.Channel) -> Any:
-    from supervisor.proto.sandbox.v1 import sandbox_pb2_grpc
+    from supervisor.wire.proto.sandbox.v1 import sandbox_pb2_grpc
 
     return sandbox_pb2_grpc.SandboxServiceStub(ch)
 
@@ -950,11 +950,11 @@ def G_STUB(ch: grpc.Channel) -> Any:
 @pytest.mark.skipif(os.geteuid() != 0, reason="setuid children need root")
 def test_forking_beside_grpc_threads_does_not_crash_children() -> None:
     """grpcio's fork handlers crash forked children while gRPC threads are busy (4 of 40
-    measured); supervisor.grpc_bridge and its modules, the supervisor's only importers of grpc,
+    measured); supervisor.serve.grpc_bridge and its modules, the supervisor's only importers of grpc,
     turn them off before they import grpc (not `import supervisor`: no import-time side effects). In a fresh
     interpreter: serve and call gRPC in threads, fork 40 setuid children (QEMU's launch)."""
     script = r"""
-import supervisor.grpc_bridge  # grpc first imported by the supervisor, as in `sandvisor serve`
+import supervisor.serve.grpc_bridge  # grpc first imported by the supervisor, as in `sandvisor serve`
 import asyncio, os, subprocess, sys, tempfile, threading, time
 import grpc, grpc.aio
 sock = os.path.join(tempfile.mkdtemp(), "s.sock")

@@ -1,7 +1,7 @@
 """The gRPC services on the registry and sandbox actors, on fake VMs (tests/support/fakevm.py).
 
 Clients generated at test time from sandbox.v1's proto (and our own sandvisor.v1 code)
-call the daemon's edge (supervisor.grpc_service on supervisor.grpc_bridge) over a Unix
+call the daemon's edge (supervisor.serve.grpc_service on supervisor.serve.grpc_bridge) over a Unix
 socket: every RPC is bound, requests and responses convert with proto3's zero values,
 errors arrive as the status of the same name, a client cancel or a deadline kills the
 process in the guest, sandvisor.v1 reaches the same sandboxes, and both edges answer
@@ -27,17 +27,18 @@ import trio
 from actors.model import SandboxConfig, State
 from actors.registry import Registry
 from actors.store import Store
-from supervisor import grpc_bridge, grpc_service, protocol
-from supervisor.api import METHODS
 from supervisor.client import connect
-from supervisor.daemon import serve
-from supervisor.daemon_config import DaemonConfig
-from supervisor.grpc_addresses import TcpAddress, UnixAddress
-from supervisor.grpc_convert import message_to_dict
-from supervisor.metrics import RegistrySource
-from supervisor.proto.sandbox.v1 import sandbox_pb2 as pb
-from supervisor.proto.sandvisor.v1 import sandvisor_pb2 as sv
-from supervisor.proto.sandvisor.v1 import sandvisor_pb2_grpc as sv_grpc
+from supervisor.main.daemon import serve
+from supervisor.main.daemon_config import DaemonConfig
+from supervisor.serve import grpc_bridge, grpc_service
+from supervisor.serve.api import METHODS
+from supervisor.serve.grpc_addresses import TcpAddress, UnixAddress
+from supervisor.serve.grpc_convert import message_to_dict
+from supervisor.serve.metrics import RegistrySource
+from supervisor.wire import protocol
+from supervisor.wire.proto.sandbox.v1 import sandbox_pb2 as pb
+from supervisor.wire.proto.sandvisor.v1 import sandvisor_pb2 as sv
+from supervisor.wire.proto.sandvisor.v1 import sandvisor_pb2_grpc as sv_grpc
 from tests.support.fakevm import FakeLab, fake_settings
 from tests.support.grpc_clients import bearer, generate, write_token
 from tests.support.grpcstack import Stack, stack, status_of
@@ -215,7 +216,7 @@ def test_serve_refuses_tcp_grpc_without_client_authentication(tmp_path: Path) ->
     """``sandvisor serve --grpc 127.0.0.1:PORT`` alone: one line naming the flags, exit 2,
     nothing started (no socket, no state dir); serve() itself refuses the same config."""
     env = {**os.environ, "SANDVISOR_SOCKET": str(tmp_path / "s.sock"), "SANDVISOR_STATE_DIR": str(tmp_path / "st")}
-    argv = [sys.executable, "-m", "supervisor.cli", "serve", "--grpc", "127.0.0.1:1", "--ip-pool", "none"]
+    argv = [sys.executable, "-m", "supervisor.main.cli", "serve", "--grpc", "127.0.0.1:1", "--ip-pool", "none"]
     r = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60, check=False)
     assert r.returncode == 2, r.stderr
     [line] = r.stderr.strip().splitlines()
@@ -531,6 +532,8 @@ async def test_both_edges_answer_from_one_table(
             ext = {k: over_msgpack.pop(k) for k in ("requested", "applied", "updated_at", "shell")}
             assert over_msgpack.pop("uid") == st.reg.get("one").record.uid  # (the socket's alone: the E2B endpoint's)
             assert over_msgpack.pop("ssh_keys") == [] and over_msgpack.pop("owner")  # (the socket's: serve --ssh's)
+            assert over_msgpack.pop("init") is None  # (sandvisor.v1's SandboxDetails.init: unset when none)
+            assert over_msgpack.pop("pending") is None  # (nothing saved for the next start: unset on gRPC)
             assert over_msgpack.pop("cause", None) is None  # (none ended yet: sandvisor.v1's SandboxDetails.cause)
             assert message_to_dict(over_grpc) == over_msgpack
             ours = sv_grpc.SandvisorServiceStub(st.channel)

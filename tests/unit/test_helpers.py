@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 
 from actors import helpers
-from supervisor import daemon
-from supervisor.daemon import DaemonConfig, Refused
+from supervisor.main import daemon
+from supervisor.main.daemon import DaemonConfig, Refused
 
 ROOT = Path(__file__).resolve().parents[2]
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="the helpers are run by a root supervisor")
@@ -152,7 +152,7 @@ def test_serve_refuses_in_one_line_without_the_helpers(tmp_path: Path) -> None:
     empty.mkdir()
     code = (
         "import sys; from pathlib import Path; from actors import helpers; "
-        f"helpers.BIN_DIR = Path({str(empty)!r}); from supervisor.cli import main; sys.exit(main(sys.argv[1:]))"
+        f"helpers.BIN_DIR = Path({str(empty)!r}); from supervisor.main.cli import main; sys.exit(main(sys.argv[1:]))"
     )
     r = subprocess.run(
         [sys.executable, "-c", code, "serve", "--state-dir", str(tmp_path / "state"), "--socket", str(tmp_path / "s")],

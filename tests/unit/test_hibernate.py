@@ -13,9 +13,10 @@ from actors.crash import STEPS
 from actors.errors import InvalidArgument
 from actors.model import MemoryKind, SandboxConfig, Timers, check_config
 from actors.store import MachineRecord, SnapshotRecord
-from supervisor import mapping, protocol
-from supervisor.cli import build_parser
-from supervisor.sdk.spec import Lifetime, SandboxSpec
+from supervisor.client.sdk.spec import Lifetime, SandboxSpec
+from supervisor.main.cli import build_parser
+from supervisor.serve import mapping
+from supervisor.wire import protocol
 
 
 def test_the_idle_policy_and_auto_resume_reach_the_domain_from_the_sdk() -> None:

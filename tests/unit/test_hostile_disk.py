@@ -48,8 +48,8 @@ from actors.volumes import Volumes
 from images.build import Image
 from images.ocilocal import busybox_tree
 from supervisor.client import connect
-from supervisor.protocol import ApiError
-from supervisor.throwaway import supervisor, workdir
+from supervisor.main.throwaway import supervisor, workdir
+from supervisor.wire.protocol import ApiError
 from tests.support.client import run, wait_state
 from tests.support.fakevm import FakeLab, fake_settings
 

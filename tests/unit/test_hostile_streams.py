@@ -31,10 +31,11 @@ from actors.errors import DomainError
 from actors.model import SandboxConfig, State
 from guestd import proto, tree
 from guestd.fsops import TreeError
-from supervisor import mapping, protocol
-from supervisor.grpc_convert import dict_to_message
-from supervisor.proto.sandvisor.v1 import sandvisor_pb2 as sv
-from supervisor.treecopy import umask
+from supervisor.client.treecopy import umask
+from supervisor.serve import mapping
+from supervisor.serve.grpc_convert import dict_to_message
+from supervisor.wire import protocol
+from supervisor.wire.proto.sandvisor.v1 import sandvisor_pb2 as sv
 from tests.support.fakevm import FakeLab
 from tests.unit.test_registry import ready, registry, run
 

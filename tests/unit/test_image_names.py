@@ -14,11 +14,11 @@ import trio
 from actors.model import PullAuth
 from images.oci import InvalidReference, parse_reference
 from images.refs import RefPolicy, RegistryRefused, parse_mirror
-from supervisor import protocol
-from supervisor.grpc_service import _sandvisor_create, to_request
-from supervisor.proto.sandbox.v1 import sandbox_pb2 as spb
-from supervisor.proto.sandvisor.v1 import sandvisor_pb2 as sv
-from supervisor.sdk.spec import RegistryAuth, SandboxSpec
+from supervisor.client.sdk.spec import RegistryAuth, SandboxSpec
+from supervisor.serve.grpc_service import _sandvisor_create, to_request
+from supervisor.wire import protocol
+from supervisor.wire.proto.sandbox.v1 import sandbox_pb2 as spb
+from supervisor.wire.proto.sandvisor.v1 import sandvisor_pb2 as sv
 
 D = "sha256:" + "a" * 64
 
@@ -149,8 +149,8 @@ def test_grpc_create_carries_registry_auth_beside_the_seed_request() -> None:
 def test_cli_reads_registry_secrets_from_files_or_stdin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``create --registry-creds-file FILE|-``, ``--registry-authfile``, ``--registry-ca``:
     never argv."""
-    from supervisor.cli_common import UsageError
-    from supervisor.cli_sandboxes import _registry_auth
+    from supervisor.client.cli_common import UsageError
+    from supervisor.client.cli_sandboxes import _registry_auth
 
     def ns(**kw: object) -> argparse.Namespace:
         return argparse.Namespace(**{"registry_creds_file": None, "registry_authfile": None, "registry_ca": None, **kw})

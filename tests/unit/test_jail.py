@@ -601,7 +601,7 @@ finally:
 def test_serve_refusals_are_one_line(
     tmp_path: Path, exc: Exception, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from supervisor import cli, daemon
+    from supervisor.main import cli, daemon
 
     async def refused(cfg: daemon.DaemonConfig) -> None:
         assert not cfg.cgroups  # --no-cgroups reached the config

@@ -24,13 +24,13 @@ from actors.errors import FailedPrecondition, NotFound, Unavailable
 from actors.model import Action, Cause, Ending, SandboxConfig, State, Timers
 from actors.registry import Registry
 from actors.store import Store
-from supervisor import mapping
 from supervisor.client import AsyncSandbox
-from supervisor.errors import Unavailable as SdkUnavailable
-from supervisor.proto.sandbox.v1 import sandbox_pb2 as pb
-from supervisor.proto.sandvisor.v1 import sandvisor_pb2 as sv
-from supervisor.proto.sandvisor.v1 import sandvisor_pb2_grpc as sv_grpc
-from supervisor.server import Server
+from supervisor.serve import mapping
+from supervisor.serve.server import Server
+from supervisor.wire.errors import Unavailable as SdkUnavailable
+from supervisor.wire.proto.sandbox.v1 import sandbox_pb2 as pb
+from supervisor.wire.proto.sandvisor.v1 import sandvisor_pb2 as sv
+from supervisor.wire.proto.sandvisor.v1 import sandvisor_pb2_grpc as sv_grpc
 from tests.support.fakevm import FakeLab, FakeMachine, fake_settings
 from tests.support.grpcstack import stack
 from tests.unit.test_grpc_service import in_thread, seed, until

@@ -30,7 +30,7 @@ from mcp.client.session import ClientSession
 from mcp.client.stdio import StdioServerParameters, stdio_client
 
 from actors.net.ports import free_port
-from supervisor.throwaway import supervisor, supervisor_process, workdir
+from supervisor.main.throwaway import supervisor, supervisor_process, workdir
 
 R = TypeVar("R")
 
@@ -59,7 +59,7 @@ async def test_mcp_over_stdio() -> None:
     with workdir("sv-mcp-") as work:
         async with supervisor(work) as _:
             params = StdioServerParameters(
-                command=sys.executable, args=["-m", "supervisor.cli", "mcp", "--socket", str(work.socket)]
+                command=sys.executable, args=["-m", "supervisor.main.cli", "mcp", "--socket", str(work.socket)]
             )
             with trio.fail_after(600):
                 async with stdio_client(params) as (read, write), ClientSession(read, write) as s:
@@ -178,7 +178,7 @@ def mcp_http(
     ``reach``, default ``host``) once it listens."""
     reach = reach or host
     port = free_port(reach, "tcp")
-    argv = [sys.executable, "-m", "supervisor.cli", "mcp", "--socket", str(socket_path)]
+    argv = [sys.executable, "-m", "supervisor.main.cli", "mcp", "--socket", str(socket_path)]
     proc = subprocess.Popen([*argv, "--http", f"{host}:{port}", *args], stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 120
@@ -270,7 +270,7 @@ def test_mcp_http_refuses_to_start_without_a_private_token_or_off_loopback_witho
 ) -> None:
     """(In this process: the CLI's own main, as the command runs it; a process each costs
     seconds of imports.)"""
-    from supervisor import cli
+    from supervisor.main import cli
 
     def mcp_start(*args: str) -> subprocess.CompletedProcess[str]:
         with pytest.raises(SystemExit) as exit_:
@@ -296,7 +296,7 @@ def test_mcp_http_refuses_to_start_without_a_private_token_or_off_loopback_witho
 
 
 def test_mcp_http_makes_a_private_token_file_when_there_is_none(tmp_path: Path) -> None:
-    from supervisor import mcp_server
+    from supervisor.serve import mcp_server
 
     made = tmp_path / "new-token"
     door, fresh = mcp_server.http_door("127.0.0.2:1", str(made))

@@ -13,8 +13,10 @@ from actors.hostdirs import check_host_dir
 from actors.machines.qemuproc import LaunchError
 from actors.machines.qemuspec import MachineSpec
 from actors.model import HostMount, SandboxConfig, TmpfsMount, VolumeMount, check_config
-from supervisor import client, mapping, protocol
+from supervisor import client
 from supervisor.client import HostDir, Tmpfs
+from supervisor.serve import mapping
+from supervisor.wire import protocol
 
 
 def test_tmpfs_parse() -> None:
@@ -135,8 +137,8 @@ def test_qemu_argv_for_host_dirs(tmp_path: Path) -> None:
 
 
 def test_grpc_create_carries_host_mounts() -> None:
-    from supervisor import grpc_service
-    from supervisor.proto.sandvisor.v1 import sandvisor_pb2 as sv
+    from supervisor.serve import grpc_service
+    from supervisor.wire.proto.sandvisor.v1 import sandvisor_pb2 as sv
 
     req = grpc_service.to_request(
         sv.CreateRequest(

@@ -27,16 +27,17 @@ from actors.net.egress import EgressPolicy, base_ruleset
 from actors.registry import Registry
 from actors.sandboxes.guestsetup import resolv_conf
 from actors.store import Store
-from supervisor import mapping, protocol
 from supervisor.client import AsyncSandbox, PortBinding, Sandbox
 from supervisor.client import Dns as SdkDns
 from supervisor.client import PermissionDenied as WirePermissionDenied
-from supervisor.errors import InvalidArgument as WireInvalidArgument
-from supervisor.grpc_service import _sandvisor_create, to_request
-from supervisor.proto.sandbox.v1 import sandbox_pb2 as pb
-from supervisor.proto.sandvisor.v1 import sandvisor_pb2 as sv
-from supervisor.sdk.spec import SandboxSpec
-from supervisor.server import Server
+from supervisor.client.sdk.spec import SandboxSpec
+from supervisor.serve import mapping
+from supervisor.serve.grpc_service import _sandvisor_create, to_request
+from supervisor.serve.server import Server
+from supervisor.wire import protocol
+from supervisor.wire.errors import InvalidArgument as WireInvalidArgument
+from supervisor.wire.proto.sandbox.v1 import sandbox_pb2 as pb
+from supervisor.wire.proto.sandvisor.v1 import sandvisor_pb2 as sv
 from tests.support.fakevm import FakeLab, fake_settings
 from tests.unit.test_net import chain_verdict
 from tests.unit.test_principals import ALICE, ROOT_ONLY
@@ -208,8 +209,8 @@ def test_the_operator_s_profiles_file(tmp_path: Path) -> None:
 
 
 def test_serve_refuses_a_bad_profiles_file_or_port_address(tmp_path: Path) -> None:
-    from supervisor.daemon import Refused, _check
-    from supervisor.daemon_config import DaemonConfig
+    from supervisor.main.daemon import Refused, _check
+    from supervisor.main.daemon_config import DaemonConfig
 
     bad = tmp_path / "p.toml"
     bad.write_text("[profile.public]\n")
@@ -319,7 +320,7 @@ async def test_the_cli_s_create_flags(tmp_path: Path, short_dir: Path) -> None:
     sock = short_dir / "s.sock"
 
     async def cli(*args: str) -> subprocess.CompletedProcess[bytes]:
-        argv = [sys.executable, "-m", "supervisor.cli", "create", "--socket", str(sock), "--no-wait", *args]
+        argv = [sys.executable, "-m", "supervisor.main.cli", "create", "--socket", str(sock), "--no-wait", *args]
         return await trio.run_process(argv, capture_stdout=True, capture_stderr=True, check=False)
 
     with trio.fail_after(60):

@@ -1,4 +1,4 @@
-"""systemd's notify protocol (supervisor/notify.py): READY, STOPPING and the watchdog."""
+"""systemd's notify protocol (supervisor/main/notify.py): READY, STOPPING and the watchdog."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import trio
 async def test_sd_notify_ready_stopping_and_the_watchdog(tmp_path: Path) -> None:
     import socket as socket_mod
 
-    from supervisor.notify import Notifier
+    from supervisor.main.notify import Notifier
 
     path = tmp_path / "notify"
     with socket_mod.socket(socket_mod.AF_UNIX, socket_mod.SOCK_DGRAM) as sink:

@@ -10,8 +10,9 @@ import msgpack
 from actors import model
 from actors.channel import guest
 from guestd.patch import Patch
-from supervisor import client, protocol
-from supervisor.proto.sandvisor.v1 import sandvisor_pb2
+from supervisor import client
+from supervisor.wire import protocol
+from supervisor.wire.proto.sandvisor.v1 import sandvisor_pb2
 
 FIELDS = ("op", "path", "data", "target", "mode", "owner", "replace", "source")
 SAMPLE = (
@@ -36,7 +37,7 @@ def test_the_sdk_and_grpc_say_the_same_fields() -> None:
 
 
 def test_a_create_carries_its_patches_through_the_wire_into_the_domain() -> None:
-    from supervisor import mapping
+    from supervisor.serve import mapping
 
     req = protocol.CreateSandboxRequest(patches=list(SAMPLE))
     raw = msgpack.unpackb(msgpack.packb(protocol.unstructure_body(req)), raw=False)

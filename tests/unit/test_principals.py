@@ -30,17 +30,17 @@ from actors.registry import Registry
 from actors.secrets.model import SecretRef
 from actors.secrets.vault import Vault
 from actors.store import SCHEMA, Store
-from supervisor import grpc_service
-from supervisor.errors import SandboxError
-from supervisor.grpc_addresses import TcpAddress, TlsConfig
-from supervisor.grpc_auth import TcpAuth, Token, read_grpc_tokens
-from supervisor.peers import ClientPolicy, Peer
-from supervisor.proto.sandbox.v1 import sandbox_pb2 as pb
-from supervisor.proto.sandvisor.v1 import sandvisor_pb2 as sv
-from supervisor.proto.sandvisor.v1 import sandvisor_pb2_grpc as sv_grpc
-from supervisor.sdk.acting import acting_as
-from supervisor.sdk.aio import AsyncSandbox, connect
-from supervisor.server import Server
+from supervisor.client.sdk.acting import acting_as
+from supervisor.client.sdk.aio import AsyncSandbox, connect
+from supervisor.serve import grpc_service
+from supervisor.serve.grpc_addresses import TcpAddress, TlsConfig
+from supervisor.serve.grpc_auth import TcpAuth, Token, read_grpc_tokens
+from supervisor.serve.peers import ClientPolicy, Peer
+from supervisor.serve.server import Server
+from supervisor.wire.errors import SandboxError
+from supervisor.wire.proto.sandbox.v1 import sandbox_pb2 as pb
+from supervisor.wire.proto.sandvisor.v1 import sandvisor_pb2 as sv
+from supervisor.wire.proto.sandvisor.v1 import sandvisor_pb2_grpc as sv_grpc
 from tests.support.fakevm import FakeLab, fake_settings
 from tests.support.grpc_clients import bearer, make_pki
 from tests.support.peerclient import install

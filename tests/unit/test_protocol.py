@@ -1,4 +1,4 @@
-"""The socket protocol's bodies (supervisor/protocol.py): envelopes and snapshot bodies round-trip
+"""The socket protocol's bodies (supervisor/wire/protocol.py): envelopes and snapshot bodies round-trip
 through msgpack, and wrong types are refused, never coerced."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from supervisor import protocol
-from supervisor.protocol import ApiError
+from supervisor.wire import protocol
+from supervisor.wire.protocol import ApiError
 
 
 @given(st.builds(protocol.Call, id=st.integers(1, 2**31), method=st.text(max_size=20), body=st.just({"id": "x"})))

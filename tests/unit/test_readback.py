@@ -39,11 +39,12 @@ from actors.sandboxes.logs import _HDR, SandboxLog
 from actors.secrets.model import SecretRef
 from actors.store import Store
 from guestd.patch import Patch
-from supervisor import api_readback, config_readback, grpc_service, mapping, protocol
 from supervisor.client import AsyncSandbox, InvalidArgument, SandboxSpec, Tmpfs, Unavailable, load_config_json
 from supervisor.client import VolumeMount as SdkVolume
-from supervisor.sdk.config_plans import settings_of
-from supervisor.server import Server
+from supervisor.client.sdk.config_plans import settings_of
+from supervisor.serve import api_readback, config_readback, grpc_service, mapping
+from supervisor.serve.server import Server
+from supervisor.wire import protocol
 from tests.support.fakevm import FakeLab, fake_settings
 
 
@@ -238,12 +239,13 @@ def test_log_entries_carry_their_run_session(tmp_path: Path) -> None:
 
 
 def test_every_configuration_field_is_read_back() -> None:
-    """A field added to SandboxConfig must be read back too (supervisor/config_readback.py
-    and supervisor/sdk/config_plans.py), or Config stops being the whole configuration."""
+    """A field added to SandboxConfig must be read back too (supervisor/serve/config_readback.py
+    and supervisor/client/sdk/config_plans.py), or Config stops being the whole configuration."""
     handled = {
         "labels", "limits", "network", "workload", "ports", "timers", "boot", "hostname", "patches",
         "volumes", "tmpfs", "host_mounts", "scripts", "secrets", "ssh_keys",
         "entrypoint", "cmd_cleared", "shell", "security_profile", "log_level", "quiet_logs", "thp",
+        "init",
     }  # fmt: skip
     assert {f.name for f in attrs.fields(SandboxConfig)} == handled, "read the new field back in Config"
 
@@ -253,9 +255,9 @@ async def test_config_and_detach_over_sandvisor_v1(tmp_path: Path, short_dir: Pa
     detachable exec is left running and attached again (fake VMs)."""
     import queue
 
-    from supervisor.proto.sandbox.v1 import sandbox_pb2 as pb
-    from supervisor.proto.sandvisor.v1 import sandvisor_pb2 as sv
-    from supervisor.proto.sandvisor.v1 import sandvisor_pb2_grpc as sv_grpc
+    from supervisor.wire.proto.sandbox.v1 import sandbox_pb2 as pb
+    from supervisor.wire.proto.sandvisor.v1 import sandvisor_pb2 as sv
+    from supervisor.wire.proto.sandvisor.v1 import sandvisor_pb2_grpc as sv_grpc
     from tests.support.grpcstack import stack, status_of
 
     async def in_thread(fn: Any) -> Any:
@@ -306,7 +308,7 @@ async def test_another_principal_reads_back_nothing(tmp_path: Path, short_dir: P
     """Config, SshEndpoint and Attach of a sandbox another principal owns: NOT_FOUND with
     a real miss's text (no existence oracle), as every call on it."""
     from supervisor.client import NotFound
-    from supervisor.sdk.acting import acting_as
+    from supervisor.client.sdk.acting import acting_as
 
     sock = short_dir / "s.sock"
     async with serving(tmp_path, sock) as reg:

@@ -32,14 +32,14 @@ from actors.secrets.secretproxy import Blocked, ProxyView, Scrubber, SecretProxy
 from actors.secrets.vault import Vault
 from actors.store import Store
 from guestd import trust
-from supervisor import grpc_service
 from supervisor.client import Secret
-from supervisor.errors import InvalidArgument as ClientInvalidArgument
-from supervisor.proto.sandbox.v1 import sandbox_pb2 as pb
-from supervisor.proto.sandvisor.v1 import sandvisor_pb2 as sv
-from supervisor.proto.sandvisor.v1 import sandvisor_pb2_grpc as sv_grpc
-from supervisor.sdk.aio import connect
-from supervisor.server import Server
+from supervisor.client.sdk.aio import connect
+from supervisor.serve import grpc_service
+from supervisor.serve.server import Server
+from supervisor.wire.errors import InvalidArgument as ClientInvalidArgument
+from supervisor.wire.proto.sandbox.v1 import sandbox_pb2 as pb
+from supervisor.wire.proto.sandvisor.v1 import sandvisor_pb2 as sv
+from supervisor.wire.proto.sandvisor.v1 import sandvisor_pb2_grpc as sv_grpc
 from tests.support.fakevm import FakeLab, fake_settings
 
 VALUE = b"sk-unit-THE-VALUE-0123456789"

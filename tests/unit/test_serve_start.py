@@ -18,10 +18,11 @@ import pytest
 
 from actors.errors import DomainError
 from actors.recovery import check_traversable
-from supervisor import config, daemon
-from supervisor.daemon import Refused
-from supervisor.daemon_config import DaemonConfig
-from supervisor.throwaway import workdir
+from supervisor.main import daemon
+from supervisor.main.daemon import Refused
+from supervisor.main.daemon_config import DaemonConfig
+from supervisor.main.throwaway import workdir
+from supervisor.wire import config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -130,7 +131,7 @@ def test_a_live_socket_is_not_taken_over(tmp_path: Path) -> None:
 
 def serve(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "supervisor.cli", "serve", "--state-dir", str(tmp_path / "state"), *args],
+        [sys.executable, "-m", "supervisor.main.cli", "serve", "--state-dir", str(tmp_path / "state"), *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -169,7 +170,7 @@ def test_bad_flag_values_are_one_line(
 ) -> None:
     """(In this process: the CLI's own main, as the command runs it; a process each costs
     most of a second, and test_verbose_adds_the_traceback runs the real command.)"""
-    from supervisor import cli
+    from supervisor.main import cli
 
     argv = ["serve", "--state-dir", str(tmp_path / "state"), "--socket", str(tmp_path / "s.sock"), *args]
     with pytest.raises(SystemExit) as exit_:
@@ -214,7 +215,17 @@ def test_a_port_in_use_is_one_line() -> None:
 
 def test_verbose_adds_the_traceback(tmp_path: Path) -> None:
     r = subprocess.run(
-        [sys.executable, "-m", "supervisor.cli", "-v", "serve", "--state-dir", str(tmp_path), "--jail-uids", "0:10"],
+        [
+            sys.executable,
+            "-m",
+            "supervisor.main.cli",
+            "-v",
+            "serve",
+            "--state-dir",
+            str(tmp_path),
+            "--jail-uids",
+            "0:10",
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -254,7 +265,7 @@ def test_a_non_root_runtime_dir_someone_else_made_is_refused(tmp_path: Path) -> 
     runtime = Path(f"/tmp/sandvisor-{uid}")
     code = f"""
 import sys; sys.path.insert(0, {str(Path(__file__).resolve().parents[2])!r})
-from supervisor.config import UnsafeRuntimeDir, check_runtime_dir, claim_runtime_dir, default_socket
+from supervisor.wire.config import UnsafeRuntimeDir, check_runtime_dir, claim_runtime_dir, default_socket
 try:
     print(claim_runtime_dir())
     check_runtime_dir(default_socket())

@@ -16,7 +16,7 @@ from actors.errors import FailedPrecondition, NotFound
 from actors.sandboxes import sessions
 from actors.sandboxes.sessions import HeldSessions
 from guestd import proto
-from supervisor.sdk.detach import DetachMatcher, parse_detach_keys
+from supervisor.client.sdk.detach import DetachMatcher, parse_detach_keys
 
 
 class FakeExec:
@@ -136,7 +136,7 @@ def test_detach_keys() -> None:
     assert m.feed(b"x\x10") == (b"\x10x", False)  # it did not: sent on, in order
     assert m.feed(b"\x11rest") == (b"", True)
     assert DetachMatcher(b"").feed(b"\x10\x11") == (b"\x10\x11", False)
-    from supervisor import cli_client
-    from supervisor.sdk import detach
+    from supervisor.client import cli_client
+    from supervisor.client.sdk import detach
 
     assert cli_client.DEFAULT_DETACH_KEYS == detach.DEFAULT_DETACH_KEYS

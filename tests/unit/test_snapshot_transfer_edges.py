@@ -18,9 +18,9 @@ import trio
 from actors.model import SandboxConfig, State
 from actors.snapshots import archive
 from supervisor.client import AsyncSandbox
-from supervisor.proto.sandbox.v1 import sandbox_pb2 as pb
-from supervisor.proto.sandvisor.v1 import sandvisor_pb2 as sv
-from supervisor.proto.sandvisor.v1 import sandvisor_pb2_grpc as sv_grpc
+from supervisor.wire.proto.sandbox.v1 import sandbox_pb2 as pb
+from supervisor.wire.proto.sandvisor.v1 import sandvisor_pb2 as sv
+from supervisor.wire.proto.sandvisor.v1 import sandvisor_pb2_grpc as sv_grpc
 from tests.support.grpcstack import stack, status_of
 
 SC = grpc.StatusCode
@@ -75,7 +75,7 @@ async def test_disk_only_snapshots_and_transfer_over_both_edges(tmp_path: Path, 
             assert (cold2.memory, cold2.disk_only) == ("disk", True)
 
             # --- the CLI through a pipe (export ID - | import -): how a file moves between hosts ---
-            cli = shlex.join([sys.executable, "-m", "supervisor.cli"])
+            cli = shlex.join([sys.executable, "-m", "supervisor.main.cli"])
             out, into = f"{cli} snapshot export live - --socket {sock}", f"{cli} snapshot import - --name piped"
             p = await trio.run_process(
                 ["bash", "-c", f"set -o pipefail; {out} | {into} --socket {sock}"],

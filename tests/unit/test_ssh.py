@@ -17,11 +17,12 @@ import pytest
 
 from actors.model import SandboxConfig
 from actors.modify import Modification, plan
-from supervisor import mapping, protocol, ssh_gateway
-from supervisor.errors import NotFound
-from supervisor.sdk.sync import Sandbox
-from supervisor.ssh_gateway import Budget, Refused, SandboxSFTP, Target, host_key, split_user
-from supervisor.ssh_keys import parse_keys
+from supervisor.client.sdk.sync import Sandbox
+from supervisor.serve import mapping, ssh_gateway
+from supervisor.serve.ssh_gateway import Budget, Refused, SandboxSFTP, Target, host_key, split_user
+from supervisor.wire import protocol
+from supervisor.wire.errors import NotFound
+from supervisor.wire.ssh_keys import parse_keys
 
 ED = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIKqGvGvPRsXBzbK1bX1PG0S1Q8I1nQ2y7nq3VwWJ2kL4 me@host"
 
@@ -88,7 +89,7 @@ def test_sftp_touches_no_host_file() -> None:
 
 
 def test_sandvisor_ssh_prints_the_command(capsys: pytest.CaptureFixture[str]) -> None:
-    from supervisor.cli import main
+    from supervisor.main.cli import main
 
     argv = ["ssh", "box", "--at", "127.0.0.1:2200", "--user", "nobody", "-i", "k", "--print", "--", "ls", "-l"]
     assert main(argv) == 0

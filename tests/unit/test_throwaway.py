@@ -1,4 +1,4 @@
-"""The throwaway workdir's guard (supervisor/throwaway.py): what its supervisors leave
+"""The throwaway workdir's guard (supervisor/main/throwaway.py): what its supervisors leave
 running -- in one of its cgroups, or naming its dir -- is found at its exit, killed,
 and recorded (tests/conftest.py fails the test it happened in); nothing of another
 workdir is touched."""
@@ -14,8 +14,8 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from actors.cells.cgroups import CgroupLimits, detect
-from supervisor import throwaway
-from supervisor.throwaway import workdir
+from supervisor.main import throwaway
+from supervisor.main.throwaway import workdir
 
 
 @pytest.fixture

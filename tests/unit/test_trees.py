@@ -1,4 +1,4 @@
-"""guestd.tree, guestd.fsops and supervisor.treecopy on the host's own kernel (no VM): the
+"""guestd.tree, guestd.fsops and supervisor.client.treecopy on the host's own kernel (no VM): the
 tar packer and the hostile-input unpacker guestd's workers run in the guest, and the
 host runs on a guest's streams; patches. The real-VM runs are in tests/vm/test_guest.py."""
 
@@ -16,8 +16,8 @@ import trio
 
 from guestd import proto, tarformat, tree
 from guestd.fsops import TreeError, apply_patch
-from supervisor.errors import SandboxError
-from supervisor.treecopy import packed_tree, unpack_tree
+from supervisor.client.treecopy import packed_tree, unpack_tree
+from supervisor.wire.errors import SandboxError
 
 ROOT = os.geteuid() == 0
 
@@ -300,7 +300,7 @@ def test_patch_never_writes_through_a_symlink_and_names_the_failing_entry(place:
         assert e.value.code == code and e.value.message.startswith("entry 7 "), bad
 
 
-# --- supervisor.treecopy: the client's ends --------------------------------------------------
+# --- supervisor.client.treecopy: the client's ends --------------------------------------------------
 
 
 async def test_host_pack_and_unpack_through_threads(tmp_path: Path) -> None:
@@ -462,7 +462,7 @@ async def test_host_unpack_keeps_existing_dirs_and_applies_the_umask(tmp_path: P
 
 
 def test_single_file_target_never_follows_the_final_component(place: tuple[Path, Path]) -> None:
-    from supervisor.treecopy import commit_temp, create_temp, open_target
+    from supervisor.client.treecopy import commit_temp, create_temp, open_target
 
     dest, outside = place
 

@@ -22,13 +22,14 @@ from actors.sandboxes.workload import initial_argv
 from guestd import proto, shape
 from guestd.common import ExecFailed
 from guestd.patch import Patch
-from supervisor import mapping, protocol
-from supervisor.cli import build_parser
-from supervisor.cli_sandboxes import shape_settings
-from supervisor.grpc_convert import message_to_dict
-from supervisor.grpc_service import _sandvisor_create
-from supervisor.proto.sandvisor.v1 import sandvisor_pb2
-from supervisor.sdk.spec import SandboxSpec
+from supervisor.client.cli_sandboxes import shape_settings
+from supervisor.client.sdk.spec import SandboxSpec
+from supervisor.main.cli import build_parser
+from supervisor.serve import mapping
+from supervisor.serve.grpc_convert import message_to_dict
+from supervisor.serve.grpc_service import _sandvisor_create
+from supervisor.wire import protocol
+from supervisor.wire.proto.sandvisor.v1 import sandvisor_pb2
 
 IMG = ImageUse(
     ref="x",

@@ -28,7 +28,7 @@ def served(image: Image) -> Iterator[dict[str, str]]:
 
 def cli(env: dict[str, str], *args: str, timeout: float = 120) -> subprocess.CompletedProcess[bytes]:
     return subprocess.run(
-        [sys.executable, "-m", "supervisor.cli", *args],
+        [sys.executable, "-m", "supervisor.main.cli", *args],
         env=env,
         stdin=subprocess.DEVNULL,
         capture_output=True,

@@ -19,9 +19,9 @@ from actors.errors import DomainError
 from actors.registry import Registry
 from actors.sandboxes.sandbox import Sandbox
 from images.build import Image
-from supervisor import protocol
-from supervisor.config import default_memory_dir
-from supervisor.throwaway import supervisor, workdir
+from supervisor.main.throwaway import supervisor, workdir
+from supervisor.wire import protocol
+from supervisor.wire.config import default_memory_dir
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="jails need a root supervisor")
 

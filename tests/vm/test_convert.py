@@ -19,7 +19,7 @@ from actors.registry import Registry
 from actors.store import SnapshotRecord
 from images.build import Image
 from supervisor.client import AsyncSandbox
-from supervisor.throwaway import Workdir, supervisor, workdir
+from supervisor.main.throwaway import Workdir, supervisor, workdir
 
 COUNTER = "i=0; while true; do i=$((i+1)); echo $i > /run/cnt; sleep 0.05; done"
 CLONES = 4  # (the benchmark runs 16: benchmarks/snapshots.py)

@@ -29,7 +29,7 @@ def served(image: Image) -> Iterator[dict[str, str]]:
 
 def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[bytes]:
     return subprocess.run(
-        [sys.executable, "-m", "supervisor.cli", *args], env=env, capture_output=True, timeout=300, check=False
+        [sys.executable, "-m", "supervisor.main.cli", *args], env=env, capture_output=True, timeout=300, check=False
     )
 
 
@@ -187,7 +187,7 @@ def test_cp_out_keeps_existing_dirs_and_never_follows_a_planted_link(served: dic
 
         plain = tmp_path / "plain"  # without -a: the caller's files, its umask
         r2 = subprocess.run(
-            [sys.executable, "-m", "supervisor.cli", "cp", "-r", "cp-hostile:/srv/x", str(plain)],
+            [sys.executable, "-m", "supervisor.main.cli", "cp", "-r", "cp-hostile:/srv/x", str(plain)],
             env=served,
             capture_output=True,
             timeout=300,

@@ -27,9 +27,9 @@ from actors.crash import STEPS
 from actors.recovery import our_qemus
 from images.build import Image
 from supervisor.client import AsyncConnection, connect
-from supervisor.config import default_memory_dir
-from supervisor.protocol import ApiError
-from supervisor.throwaway import Workdir, supervisor_process, workdir
+from supervisor.main.throwaway import Workdir, supervisor_process, workdir
+from supervisor.wire.config import default_memory_dir
+from supervisor.wire.protocol import ApiError
 from tests.support.client import run, wait_state
 
 pytestmark = pytest.mark.vm

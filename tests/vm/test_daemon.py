@@ -18,9 +18,9 @@ import trio
 
 from images.build import Image
 from supervisor.client import AsyncConnection, connect
-from supervisor.daemon_config import DaemonConfig
-from supervisor.protocol import ApiError
-from supervisor.throwaway import supervisor, workdir
+from supervisor.main.daemon_config import DaemonConfig
+from supervisor.main.throwaway import supervisor, workdir
+from supervisor.wire.protocol import ApiError
 
 
 @asynccontextmanager
@@ -215,7 +215,7 @@ async def test_bad_input_gets_typed_errors_and_the_daemon_keeps_serving(daemon: 
         reply = await trio.to_thread.run_sync(raw, payload)
         assert b"fail" in reply  # a typed Fail, then the server hung up
     # one connection cannot open calls without bound
-    from supervisor.server import MAX_CALLS
+    from supervisor.serve.server import MAX_CALLS
 
     async with connect(daemon.socket) as c:
         async with trio.open_nursery() as n:

@@ -15,8 +15,8 @@ import trio
 
 from images.build import Image
 from supervisor.client import connect
-from supervisor.protocol import ApiError
-from supervisor.throwaway import Workdir, supervisor_process, workdir
+from supervisor.main.throwaway import Workdir, supervisor_process, workdir
+from supervisor.wire.protocol import ApiError
 from tests.support.client import run, wait_state
 
 COUNTER = "i=0; while true; do i=$((i+1)); echo $i > /run/cnt; sleep 0.1; done"

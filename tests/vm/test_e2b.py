@@ -38,9 +38,9 @@ from e2b import (  # noqa: E402
     SandboxState,
 )
 
-from supervisor.sdk import sync  # noqa: E402
-from supervisor.sdk.acting import acting_as  # noqa: E402
-from supervisor.throwaway import supervisor_process, workdir  # noqa: E402
+from supervisor.client.sdk import sync  # noqa: E402
+from supervisor.client.sdk.acting import acting_as  # noqa: E402
+from supervisor.main.throwaway import supervisor_process, workdir  # noqa: E402
 
 KEY = "e2b_sandvisor_test_key"  # a bare key: its principal is e2b:key-<hash>
 ALICE, BOB, OPS = "e2b_alice_key", "e2b_bob_key", "e2b_ops_key"

@@ -29,7 +29,7 @@ import trio
 from actors.cells.cgroups import detect
 from images.build import DEBS, Builder, Image, deb_glob, default_cache, load_default
 from supervisor.client import AsyncSandbox
-from supervisor.throwaway import Workdir, supervisor_process, workdir
+from supervisor.main.throwaway import Workdir, supervisor_process, workdir
 
 BUILD_TIMEOUT = 900.0  # s: serve builds the kernel and runtime parts before it serves
 

@@ -27,9 +27,9 @@ from actors.model import State
 from actors.registry import Registry
 from images.build import Image
 from supervisor.client import AlreadyExists, AsyncSandbox, AsyncVolumes, FailedPrecondition, InvalidArgument, NotFound
-from supervisor.proto.sandvisor.v1 import sandvisor_pb2 as sv
-from supervisor.proto.sandvisor.v1 import sandvisor_pb2_grpc as sv_grpc
-from supervisor.throwaway import Workdir, supervisor, workdir
+from supervisor.main.throwaway import Workdir, supervisor, workdir
+from supervisor.wire.proto.sandvisor.v1 import sandvisor_pb2 as sv
+from supervisor.wire.proto.sandvisor.v1 import sandvisor_pb2_grpc as sv_grpc
 from tests.support.grpc_clients import generate
 
 SC = grpc.StatusCode
@@ -66,7 +66,7 @@ def drain(stream: Any) -> None:
 
 async def cli(work: Workdir, *args: str) -> tuple[int, bytes, bytes]:
     p = await trio.run_process(
-        [sys.executable, "-m", "supervisor.cli", *args],
+        [sys.executable, "-m", "supervisor.main.cli", *args],
         env=work.env(),
         capture_stdout=True,
         capture_stderr=True,

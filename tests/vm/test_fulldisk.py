@@ -19,8 +19,8 @@ import trio
 
 from images.build import Image, default_cache
 from supervisor.client import connect
-from supervisor.protocol import ApiError
-from supervisor.throwaway import Workdir, supervisor, workdir
+from supervisor.main.throwaway import Workdir, supervisor, workdir
+from supervisor.wire.protocol import ApiError
 from tests.support.client import run, wait_state
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs")

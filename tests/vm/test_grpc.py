@@ -28,9 +28,9 @@ from actors.model import State
 from actors.net.ports import free_port
 from actors.registry import Registry
 from images.build import Image
-from supervisor.proto.sandvisor.v1 import sandvisor_pb2 as sv
-from supervisor.proto.sandvisor.v1 import sandvisor_pb2_grpc as sv_grpc
-from supervisor.throwaway import supervisor, workdir
+from supervisor.main.throwaway import supervisor, workdir
+from supervisor.wire.proto.sandvisor.v1 import sandvisor_pb2 as sv
+from supervisor.wire.proto.sandvisor.v1 import sandvisor_pb2_grpc as sv_grpc
 from tests.support.grpc_clients import generate, make_pki
 
 SC = grpc.StatusCode
@@ -434,7 +434,7 @@ def test_serve_flags_start_the_grpc_edge_and_the_metrics_endpoint(
     the gRPC socket."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from supervisor.throwaway import supervisor_process
+    from supervisor.main.throwaway import supervisor_process
 
     spb, sgrpc = seed
     with workdir("sv-grpc-cli-") as work:

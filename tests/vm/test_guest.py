@@ -22,7 +22,7 @@ from actors.machines.vm import booted_guest
 from actors.volumes import check_volume_image, create_volume_image
 from guestd import proto
 from images.build import Image
-from supervisor.treecopy import packed_tree, unpack_tree
+from supervisor.client.treecopy import packed_tree, unpack_tree
 from tests.support.trees import listing, make_tree
 from tests.support.vms import cold_spec
 

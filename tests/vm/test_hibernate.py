@@ -23,8 +23,8 @@ import trio
 from actors.recovery import our_qemus
 from images.build import Image
 from supervisor.client import AsyncSandbox, FailedPrecondition, connect
-from supervisor.protocol import ApiError
-from supervisor.throwaway import supervisor_process, workdir
+from supervisor.main.throwaway import supervisor_process, workdir
+from supervisor.wire.protocol import ApiError
 from tests.support.client import run, wait_state
 from tests.support.netlab import probe
 from tests.support.vms import serve_process
@@ -300,7 +300,7 @@ async def test_auto_resume_off_refuses_until_resumed(served: dict[str, Any]) -> 
             assert await sb.state() == "paused"
             # the CLI's resume
             out = subprocess.run(
-                [sys.executable, "-m", "supervisor.cli", "resume", "manual"],
+                [sys.executable, "-m", "supervisor.main.cli", "resume", "manual"],
                 env=served["env"],
                 capture_output=True,
                 text=True,

@@ -17,7 +17,7 @@ import pytest
 
 from images.build import Image
 from supervisor.client import FailedPrecondition, NotFound, PermissionDenied, Sandbox
-from supervisor.throwaway import supervisor_process, workdir
+from supervisor.main.throwaway import supervisor_process, workdir
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="host directories are served in a cell")
 
@@ -61,7 +61,7 @@ def served(image: Image, dirs: dict[str, Path]) -> Iterator[dict[str, str]]:
 
 def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "supervisor.cli", *args],
+        [sys.executable, "-m", "supervisor.main.cli", *args],
         env=env,
         capture_output=True,
         text=True,

@@ -13,8 +13,8 @@ import trio
 
 from images.build import Image
 from supervisor.client import AsyncSandbox, connect
-from supervisor.protocol import ApiError
-from supervisor.throwaway import supervisor, workdir
+from supervisor.main.throwaway import supervisor, workdir
+from supervisor.wire.protocol import ApiError
 from tests.support.client import run, wait_state
 
 GUEST_TIMEOUT = 4.0

@@ -18,7 +18,7 @@ import trio
 
 from images.build import Image
 from supervisor.client import AsyncSandbox, FailedPrecondition, SandboxError, connect
-from supervisor.throwaway import Workdir, supervisor, supervisor_process, workdir
+from supervisor.main.throwaway import Workdir, supervisor, supervisor_process, workdir
 from tests.support.client import wait_state
 
 

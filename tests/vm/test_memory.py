@@ -21,7 +21,7 @@ from actors.model import MemoryKind
 from actors.registry import Registry
 from images.build import Image
 from supervisor.client import AsyncSandbox
-from supervisor.throwaway import Workdir, supervisor, workdir
+from supervisor.main.throwaway import Workdir, supervisor, workdir
 
 pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="balloons need a jailed (root) supervisor"),

@@ -20,16 +20,16 @@ from actors.registry import Registry
 from images.build import Image
 from images.ocilocal import Layer, build_image, busybox_tree
 from supervisor.client import AsyncSandbox
-from supervisor.proto.sandvisor.v1 import sandvisor_pb2 as sv
-from supervisor.proto.sandvisor.v1 import sandvisor_pb2_grpc as sv_grpc
-from supervisor.throwaway import Workdir, supervisor, workdir
+from supervisor.main.throwaway import Workdir, supervisor, workdir
+from supervisor.wire.proto.sandvisor.v1 import sandvisor_pb2 as sv
+from supervisor.wire.proto.sandvisor.v1 import sandvisor_pb2_grpc as sv_grpc
 
 MIB = 1 << 20
 
 
 async def cli(work: Workdir, *args: str) -> subprocess.CompletedProcess[bytes]:
     return await trio.run_process(
-        [sys.executable, "-m", "supervisor.cli", *args],
+        [sys.executable, "-m", "supervisor.main.cli", *args],
         env=work.env(),
         capture_stdout=True,
         capture_stderr=True,

@@ -38,7 +38,7 @@ def served(image: Image) -> Iterator[dict[str, str]]:
 
 def cli(env: dict[str, str], *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "supervisor.cli", *args],
+        [sys.executable, "-m", "supervisor.main.cli", *args],
         env=env,
         capture_output=True,
         text=True,

@@ -217,7 +217,7 @@ async def test_outbound_user_mode_reaches_out_through_the_filter_only(image: Ima
     async with net_lab("sv-out-") as lab, serving(lab, templates=False) as reg:
         # made through the CLI, as a user would (`create --network outbound --deny ...`)
         env = {**os.environ, "SANDVISOR_SOCKET": str(lab.work.socket)}
-        argv = [sys.executable, "-m", "supervisor.cli", "create", "u", "--network", "outbound", "--json"]
+        argv = [sys.executable, "-m", "supervisor.main.cli", "create", "u", "--network", "outbound", "--json"]
         argv += ["--deny", SERVERS[2], "--deny", "other.test"]
         done = await trio.run_process(argv, env=env, capture_stdout=True, capture_stderr=True, check=False)
         assert done.returncode == 0, done.stderr
@@ -258,7 +258,7 @@ async def test_outbound_user_mode_reaches_out_through_the_filter_only(image: Ima
         assert await sdk.expose(9999, udp=True) == host_port  # idempotent
         (pm,) = u.ports()
         assert pm == PortSpec(9999, host_port, Protocol.UDP)
-        argv = [sys.executable, "-m", "supervisor.cli", "port", "ls", "u", "--json"]
+        argv = [sys.executable, "-m", "supervisor.main.cli", "port", "ls", "u", "--json"]
         done = await trio.run_process(argv, env=env, capture_stdout=True, check=True)
         assert json.loads(done.stdout) == [
             {"sandbox_port": 9999, "host_port": host_port, "protocol": "udp", "host_address": "127.0.0.1"}

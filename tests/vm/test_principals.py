@@ -19,7 +19,7 @@ import pytest
 
 from images.build import Image
 from supervisor.client import NotFound, Sandbox
-from supervisor.throwaway import supervisor_process, workdir
+from supervisor.main.throwaway import supervisor_process, workdir
 from tests.support.peerclient import install
 
 pytestmark = [

@@ -21,7 +21,7 @@ import trio
 from guestd.patch import Patch
 from images.build import Image
 from supervisor.client import AsyncSandbox, FailedPrecondition, NotFound, Sandbox, Unavailable
-from supervisor.throwaway import supervisor_process, workdir
+from supervisor.main.throwaway import supervisor_process, workdir
 
 
 def _free_port() -> int:
@@ -38,7 +38,7 @@ class Lab:
 
     def cli(self, *args: str, timeout: float = 180, stdin: bytes | None = None) -> subprocess.CompletedProcess[bytes]:
         return subprocess.run(
-            [sys.executable, "-m", "supervisor.cli", *args],
+            [sys.executable, "-m", "supervisor.main.cli", *args],
             env=self.env,
             input=stdin,
             stdin=None if stdin is not None else subprocess.DEVNULL,
@@ -251,7 +251,7 @@ def test_cli_exec_it_detach_keys_and_attach(lab: Lab, box: Sandbox) -> None:
     tag = f"rb{time.monotonic_ns() % 100000}"
     first, second = f"{tag}a", f"{tag}b"  # (two sessions: killing a server's last one ends it, racing the next)
     env = lab.env
-    cli = [sys.executable, "-m", "supervisor.cli"]
+    cli = [sys.executable, "-m", "supervisor.main.cli"]
 
     def screen(name: str) -> str:
         r = subprocess.run(["tmux", "capture-pane", "-p", "-t", name], capture_output=True, text=True, check=False)

@@ -37,7 +37,7 @@ def cli(
     env: dict[str, str], *args: str, stdin: bytes = b"", timeout: float = 120
 ) -> subprocess.CompletedProcess[bytes]:
     return subprocess.run(
-        [sys.executable, "-m", "supervisor.cli", *args],
+        [sys.executable, "-m", "supervisor.main.cli", *args],
         env=env,
         input=stdin,
         capture_output=True,
@@ -176,7 +176,9 @@ def test_cli_surface(served: dict[str, str], tmp_path: Path) -> None:
     assert m["id"] == "cli1" and m["host_rss_bytes"] > 0
 
     ev = subprocess.Popen(
-        [sys.executable, "-m", "supervisor.cli", "events", "--id", "cli1", "--json"], env=env, stdout=subprocess.PIPE
+        [sys.executable, "-m", "supervisor.main.cli", "events", "--id", "cli1", "--json"],
+        env=env,
+        stdout=subprocess.PIPE,
     )
     try:
         assert ev.stdout is not None
@@ -271,7 +273,7 @@ def test_exec_it_in_tmux(served: dict[str, str]) -> None:
     env = served
     assert cli(env, "create", "tty1").returncode == 0
     session = f"sv{os.getpid()}"
-    cmd = f"{sys.executable} -m supervisor.cli exec -it tty1 -- sh; echo EXITED=$?; sleep 60"
+    cmd = f"{sys.executable} -m supervisor.main.cli exec -it tty1 -- sh; echo EXITED=$?; sleep 60"
     subprocess.run(
         [
             "tmux",
@@ -339,7 +341,7 @@ def test_demo_the_main_job(image: Image) -> None:
     """`sandvisor demo` (what `nox -s demo` runs): its own supervisor, a sandbox at
     work, a checkpoint, two clones, a Create from the boot template; nothing left."""
     p = subprocess.run(
-        [sys.executable, "-m", "supervisor.cli", "demo", "--accel", "tcg"],
+        [sys.executable, "-m", "supervisor.main.cli", "demo", "--accel", "tcg"],
         capture_output=True,
         text=True,
         timeout=300,

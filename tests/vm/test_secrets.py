@@ -27,7 +27,7 @@ from actors.sandboxes.sandbox import Sandbox
 from actors.secrets.model import PLACEHOLDER_PREFIX, SecretRef
 from images.build import Image
 from supervisor.client import AsyncSandbox, PermissionDenied, Secret
-from supervisor.throwaway import supervisor, workdir
+from supervisor.main.throwaway import supervisor, workdir
 from tests.support.httpslab import HttpsServer, https_server
 from tests.support.netlab import POOL, UPLINK_HOST, UPLINK_INET, link_internet, namespaces
 
@@ -196,7 +196,7 @@ def proxy_confined(sb: Sandbox) -> int:
 
 async def cli(work: Any, *args: str, stdin: bytes = b"") -> str:
     def call() -> subprocess.CompletedProcess[bytes]:
-        argv = [sys.executable, "-m", "supervisor.cli", *args]
+        argv = [sys.executable, "-m", "supervisor.main.cli", *args]
         return subprocess.run(argv, check=False, input=stdin, env=work.env(), capture_output=True, timeout=60)
 
     r = await trio.to_thread.run_sync(call)

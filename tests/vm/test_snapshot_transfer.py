@@ -25,10 +25,10 @@ from actors.registry import Registry
 from actors.snapshots import archive
 from images.build import Image
 from supervisor.client import AlreadyExists, AsyncSandbox, FailedPrecondition, InvalidArgument
-from supervisor.proto.sandbox.v1 import sandbox_pb2 as spb
-from supervisor.proto.sandvisor.v1 import sandvisor_pb2 as sv
-from supervisor.proto.sandvisor.v1 import sandvisor_pb2_grpc as sv_grpc
-from supervisor.throwaway import Workdir, supervisor, workdir
+from supervisor.main.throwaway import Workdir, supervisor, workdir
+from supervisor.wire.proto.sandbox.v1 import sandbox_pb2 as spb
+from supervisor.wire.proto.sandvisor.v1 import sandvisor_pb2 as sv
+from supervisor.wire.proto.sandvisor.v1 import sandvisor_pb2_grpc as sv_grpc
 
 MiB = 1 << 20
 COUNTER = "i=0; while true; do i=$((i+1)); echo $i > /run/cnt; sleep 0.05; done"
@@ -131,7 +131,7 @@ async def test_export_import_restore_on_another_supervisor(works: tuple[Workdir,
             assert exported[: len(archive.MAGIC)] == archive.MAGIC and len(exported) > 50 * MiB
 
             # --- the CLI: export from A, import into B under a name ---
-            cli = [sys.executable, "-m", "supervisor.cli"]
+            cli = [sys.executable, "-m", "supervisor.main.cli"]
             g = tmp_path / "cli.svsnap"
             await trio.run_process([*cli, "snapshot", "export", snap, str(g), "--socket", sa])
             p = await trio.run_process(

@@ -27,8 +27,8 @@ from supervisor.client import (
     Sandbox,
     connect,
 )
-from supervisor.daemon_config import DaemonConfig
-from supervisor.throwaway import Workdir, supervisor, workdir
+from supervisor.main.daemon_config import DaemonConfig
+from supervisor.main.throwaway import Workdir, supervisor, workdir
 from tests.support.vms import serve_process
 
 COUNTER = "i=0; while true; do i=$((i+1)); echo $i > /run/cnt; sleep 0.05; done"
@@ -182,7 +182,7 @@ def test_cli_snapshots(served: dict[str, Any]) -> None:
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "supervisor.cli", *args],
+            [sys.executable, "-m", "supervisor.main.cli", *args],
             env=env,
             capture_output=True,
             text=True,

@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.sdk import sync
-from supervisor.throwaway import supervisor_process, workdir
+from supervisor.client.sdk import sync
+from supervisor.main.throwaway import supervisor_process, workdir
 
 pytestmark = pytest.mark.skipif(
     not all(shutil.which(t) for t in ("ssh", "scp", "sftp", "ssh-keygen")), reason="no OpenSSH"
@@ -254,7 +254,7 @@ def test_keys_added_and_removed(lab: Lab, box: str) -> None:
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
         env = {**os.environ, "SANDVISOR_SOCKET": lab.socket}
-        argv = [sys.executable, "-m", "supervisor.cli", "ssh-key", *args]
+        argv = [sys.executable, "-m", "supervisor.main.cli", "ssh-key", *args]
         return subprocess.run(argv, check=False, capture_output=True, text=True, timeout=60, env=env)
 
     other_pub = str(lab.root / "other_ed25519.pub")

@@ -32,7 +32,7 @@ def served(image: Image) -> Iterator[dict[str, str]]:
 
 def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[bytes]:
     return subprocess.run(
-        [sys.executable, "-m", "supervisor.cli", *args], env=env, capture_output=True, timeout=300, check=False
+        [sys.executable, "-m", "supervisor.main.cli", *args], env=env, capture_output=True, timeout=300, check=False
     )
 
 

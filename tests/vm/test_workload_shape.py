@@ -21,7 +21,7 @@ import trio
 from images.build import Image
 from images.ocilocal import ImageSpec, Layer, build_image, busybox_tree
 from supervisor.client import AsyncSandbox, InvalidArgument, LogEntry, Patch, PermissionDenied, Sandbox
-from supervisor.throwaway import Workdir, supervisor, workdir
+from supervisor.main.throwaway import Workdir, supervisor, workdir
 
 # ENTRYPOINT echoes its arguments: the initial workload's output says what ran
 EP_SPEC = ImageSpec(entrypoint=("/bin/echo", "ep"), cmd=("image-cmd",))
@@ -31,7 +31,7 @@ SETUID_ID = "cp /usr/bin/id /usr/local/bin/sid && chmod 4755 /usr/local/bin/sid"
 
 async def cli(work: Workdir, *args: str, stdin: bytes = b"") -> subprocess.CompletedProcess[bytes]:
     return await trio.run_process(
-        [sys.executable, "-m", "supervisor.cli", *args],
+        [sys.executable, "-m", "supervisor.main.cli", *args],
         stdin=stdin,
         env=work.env(),
         capture_stdout=True,

@@ -1,0 +1,102 @@
+"""The ``sandbox.v1`` SandboxSnapshotService's bodies: checkpoint, restore, list, delete,
+export and import of snapshots.
+
+The field order of each class is the msgpack wire's (:mod:`supervisor.wire.protocol`).
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from supervisor.wire.messages.files import FileChunk
+
+
+@attrs.frozen
+class CheckpointRequest:
+    sandbox_id: str
+    name: str = ""
+    labels: dict[str, str] = attrs.field(factory=dict)
+
+
+@attrs.frozen
+class CheckpointResponse:
+    snapshot_id: str
+    snapshot_dir: str
+    created_at: str  # RFC3339
+    # extensions: what the checkpoint wrote and how long the guest was paused
+    size_bytes: int = 0
+    memory: str = ""  # "mapped" (RAM file, restores map it), "streamed" (RAM in vmstate), "disk" (none)
+    paused_ms: float = 0.0
+    disk_only: bool = False  # a stopped sandbox's disk: its restores boot
+
+
+@attrs.frozen
+class RestoreRequest:
+    snapshot_id: str  # a snapshot id, or a snapshot name that is unique
+    id: str = ""
+    labels: dict[str, str] = attrs.field(factory=dict)
+    network_override: bool = False  # tap: a fresh address even when the snapshot's is free
+    ttl_seconds: int = 0
+
+
+@attrs.frozen
+class RestoreResponse:
+    id: str
+    ip_address: str = ""
+
+
+@attrs.frozen
+class ListSnapshotsRequest:
+    sandbox_id: str = ""
+    labels: dict[str, str] = attrs.field(factory=dict)
+
+
+@attrs.frozen
+class SnapshotSummary:
+    id: str
+    sandbox_id: str
+    name: str
+    labels: dict[str, str]
+    snapshot_dir: str
+    created_at: str  # RFC3339
+    # extensions: what a restore keeps of its origin (its network mode, secrets' names, host directories)
+    network: str = ""
+    secrets: list[str] = attrs.field(factory=list)
+    host_mounts: int = 0
+    size_bytes: int = 0
+    memory: str = ""
+    memory_mib: int = 0
+    pool_ready: int = 0  # warm pool members ready for this snapshot
+    disk_only: bool = False  # a stopped sandbox's disk (memory "disk"): its restores boot
+
+
+@attrs.frozen
+class ListSnapshotsResponse:
+    snapshots: list[SnapshotSummary]
+
+
+@attrs.frozen
+class DeleteSnapshotRequest:
+    snapshot_id: str
+
+
+@attrs.frozen
+class ExportSnapshotRequest:
+    """A server stream of FileChunks: the snapshot as one export file (the last chunk done)."""
+
+    snapshot_id: str  # an id, or a unique name
+    include_base: bool = False  # carry the image layers too (else named: the importer must have them)
+
+
+@attrs.frozen
+class ImportSnapshotOpen:
+    name: str = ""  # "": the export's own name
+    labels: dict[str, str] = attrs.field(factory=dict)  # added to (and overriding) the export's own
+
+
+@attrs.frozen
+class ImportSnapshotRequest:
+    """A client stream: ``open`` first, then the export's bytes in ``chunk``s (the last done)."""
+
+    open: ImportSnapshotOpen | None = None
+    chunk: FileChunk | None = None

@@ -1,0 +1,168 @@
+"""The chaos harness's invariants catch what they claim: each checker fed a product
+broken on purpose (a lost write, stale content, a wrong state, memory lost, a leaked
+QEMU, a stray run dir, an unbounded supervisor, an uncoded error, a traceback) reports
+it; fed sound facts, nothing. The last tests go through the harness's own observation
+of the host (a real stray dir, a real leaked process, a real log)."""
+
+from __future__ import annotations
+
+import subprocess
+import tempfile
+from pathlib import Path
+
+from benchmarks import chaos_checks as checks
+from benchmarks.chaos_host import host_facts
+from supervisor.main.throwaway import Workdir
+from supervisor.wire.errors import ApiError, NotFound
+
+H1, H2 = "a" * 64, "b" * 64
+
+
+def facts(**kw: object) -> checks.HostFacts:
+    base: dict[str, object] = {
+        "qemus": {},
+        "others": {},
+        "run_entries": frozenset(),
+        "ram_files": frozenset(),
+        "cgroups": frozenset(),
+        "mounts": frozenset(),
+        "netns": frozenset(),
+        "stray_files": frozenset(),
+    }
+    return checks.HostFacts(**{**base, **kw})  # type: ignore[arg-type]
+
+
+def test_a_lost_write_is_reported() -> None:
+    expected = {"/root/chaos/f1": {H1}}
+    assert checks.check_files("s", dict(expected), {"/root/chaos/f1": H1}) == []
+    [(inv, what)] = checks.check_files("s", dict(expected), {})
+    assert inv == "durability" and "f1 is missing" in what
+
+
+def test_stale_content_after_a_resume_is_reported() -> None:
+    [(inv, what)] = checks.check_files("s", {"/root/chaos/f1": {H2}}, {"/root/chaos/f1": H1})
+    assert inv == "durability" and "acknowledged bbbb" in what
+
+
+def test_a_cut_write_may_be_old_or_new_and_the_model_learns_which() -> None:
+    expected = {"/root/chaos/f1": {checks.MISSING, H1}}
+    assert checks.check_files("s", expected, {}) == []
+    assert expected == {"/root/chaos/f1": {checks.MISSING}}
+    [(inv, _)] = checks.check_files("s", expected, {"/root/chaos/f1": H1})  # (it came back later)
+    assert inv == "durability"
+
+
+def test_a_file_no_write_made_is_reported() -> None:
+    [(inv, what)] = checks.check_files("s", {}, {"/root/chaos/f9": H1})
+    assert inv == "durability" and "no write" in what
+
+
+def test_a_state_the_model_does_not_allow_is_reported() -> None:
+    model = {"a": checks.SandboxModel("a", {"ready"}), "b": checks.SandboxModel("b", {"ready", "paused"})}
+    assert checks.check_states(model, {"a": "running", "b": "paused"}) == []
+    assert model["b"].allowed == {"paused"}  # (an uncertain outcome, settled by the look)
+    found = checks.check_states(model, {"a": "stopped", "b": "paused", "ghost": "ready"})
+    assert [inv for inv, _ in found] == ["state", "state"]
+    assert "a is stopped" in found[0][1] and "ghost" in found[1][1]
+    [(_, what)] = checks.check_states({"r": checks.SandboxModel("r", {checks.ABSENT})}, {"r": "ready"})
+    assert "r is ready" in what  # (a removed sandbox came back)
+
+
+def test_memory_lost_or_kept_against_the_model_is_reported() -> None:
+    m = checks.SandboxModel("a", {"ready"}, boot="boot-1")
+    assert checks.check_boot(m, "boot-1") == []
+    [(inv, what)] = checks.check_boot(m, "boot-2")  # a resume that booted afresh
+    assert inv == "state" and "memory was lost" in what
+    m.rebooted()  # a stop: the next look must see a new boot id
+    [(_, what)] = checks.check_boot(m, "boot-2")
+    assert "kept boot id" in what
+    m.rebooted()
+    assert checks.check_boot(m, "boot-3") == []
+
+
+def test_leaked_processes_and_files_are_reported() -> None:
+    qemu = {10: "qemu-system-x86_64 ... 8:pids:/sandvisor-k/run-a"}
+    sound = facts(qemus=qemu, run_entries=frozenset({"run-a"}), ram_files=frozenset({"run-a.ram"}))
+    assert checks.check_orphans(sound, running=1, with_net=0) == []
+    leaked = {**qemu, 11: "qemu-system-x86_64 ... 8:pids:/sandvisor-k/run-b"}
+    [(inv, what)] = checks.check_orphans(facts(qemus=leaked, run_entries=frozenset({"run-a", "run-b"})), 1, 0)
+    assert inv == "orphans" and "2 QEMU processes" in what
+    cases = {
+        "process 12": facts(others={12: "virtiofsd"}),
+        "run dir stray": facts(run_entries=frozenset({"stray"})),
+        "RAM file x.ram": facts(ram_files=frozenset({"x.ram"})),
+        "cgroups": facts(cgroups=frozenset({"run-z"})),
+        "mount /tmp/w/m": facts(mounts=frozenset({"/tmp/w/m"})),
+        "network namespaces": facts(netns=frozenset({"svj-abc-1"})),
+        "half-done file": facts(stray_files=frozenset({"state/snapshots/s/disk.part"})),
+    }
+    for needle, f in cases.items():
+        found = checks.check_orphans(f, running=0, with_net=0)
+        assert [inv for inv, _ in found] == ["orphans"] and needle in found[0][1], (needle, found)
+    [(inv, _)] = checks.check_orphans(facts(), running=1, with_net=0)  # a running sandbox with no QEMU
+    assert inv == "state"
+
+
+def test_an_unbounded_supervisor_is_reported() -> None:
+    assert checks.check_bounded(fds=80, rss_mib=150, live=2) == []
+    found = checks.check_bounded(fds=5000, rss_mib=4096, live=2)
+    assert [inv for inv, _ in found] == ["footprint", "footprint"]
+
+
+def test_an_error_without_a_code_is_reported() -> None:
+    assert checks.check_error("run", NotFound("NOT_FOUND", "no sandbox x")) == []
+    [(inv, _)] = checks.check_error("run", EOFError("connection closed"))
+    assert inv == "error-code"
+    [(inv, _)] = checks.check_error("run", ApiError("WHATEVER", "made up"))
+    assert inv == "error-code"
+
+
+def test_a_refusal_with_no_fault_in_play_is_reported() -> None:
+    assert checks.check_refusal("pause a", ApiError("RESOURCE_EXHAUSTED", "4 unmerged layers")) == []
+    [(inv, what)] = checks.check_refusal("restore r1", ApiError("INTERNAL", "cannot open disk.qcow2"))
+    assert inv == "refused" and "restore r1" in what
+
+
+LOG = """\
+2026-12-02 03:43:29,009 sandvisor.daemon INFO serving
+2026-12-02 03:43:30,000 sandvisor.actor ERROR the sandbox's task failed
+Traceback (most recent call last):
+  File "actors/sandboxes/actor.py", line 1, in run
+    raise ValueError("x")
+ValueError: x
+
+During handling of the above exception, another exception occurred:
+
+Traceback (most recent call last):
+  File "actors/sandboxes/actor.py", line 3, in run
+KeyError: 'y'
+2026-12-02 03:43:31,000 sandvisor.daemon INFO still serving
+"""
+
+
+def test_a_traceback_in_the_log_is_reported() -> None:
+    assert checks.check_log(["2026-12-02 sandvisor.daemon INFO serving", "no trace here"]) == []
+    found = checks.check_log(LOG.splitlines())
+    assert found == [("traceback", "ValueError: x"), ("traceback", "KeyError: 'y'")]
+    [(_, last)] = checks.check_log(["Traceback (most recent call last):", '  File "x.py", line 1'])
+    assert "x.py" in last  # (the log ends inside it)
+
+
+def test_the_harness_sees_a_stray_run_dir_and_a_leaked_process_on_the_host() -> None:
+    with tempfile.TemporaryDirectory(prefix="sv-chaos-unit-") as d:
+        work = Workdir(Path(d))
+        (work.run_root / "0123-stray").mkdir(parents=True)
+        work.state.mkdir()
+        (work.state / "snapshots" / "s1").mkdir(parents=True)
+        (work.state / "snapshots" / "s1" / "disk.qcow2.part").write_bytes(b"")
+        leaked = subprocess.Popen(["sh", "-c", "sleep 60", str(work.root / "helper")])
+        try:
+            f = host_facts(work, serve_pid=0, state_mount=None)
+            found = checks.check_orphans(f, running=0, with_net=0)
+        finally:
+            leaked.kill()
+            leaked.wait()
+        whats = " ; ".join(what for _, what in found)
+        assert f"process {leaked.pid}" in whats
+        assert "run dir 0123-stray" in whats
+        assert "half-done file state/snapshots/s1/disk.qcow2.part" in whats
