@@ -252,10 +252,17 @@ class Sandbox(Identity):
             rec.ports = ports
         self.store.rekey(rec)
 
-    def set_ttl(self, ttl_seconds: int) -> None:
-        """Its TTL (seconds from its creation; 0: none), stored."""
+    def set_ttl(
+        self, ttl_seconds: int, *, ttl_action: str | None = None, kill_timeout_seconds: int | None = None
+    ) -> None:
+        """Its TTL (seconds; 0: none) and, when given, what it does and Kill's timeout, stored."""
         cfg = self.config
-        self.record.config = attrs.evolve(cfg, timers=attrs.evolve(cfg.timers, ttl_seconds=ttl_seconds))
+        timers = attrs.evolve(cfg.timers, ttl_seconds=ttl_seconds)
+        if ttl_action is not None:
+            timers = attrs.evolve(timers, ttl_action=ttl_action)
+        if kill_timeout_seconds is not None:
+            timers = attrs.evolve(timers, kill_timeout_seconds=kill_timeout_seconds)
+        self.record.config = attrs.evolve(cfg, timers=timers)
         self.store.update_config(self.record)
 
     def note_applied(self, applied: Applied) -> None:
