@@ -119,7 +119,7 @@ def test_a_sandbox_whose_qemu_died_with_its_supervisor_is_lost_at_restart(image:
             assert info["cause"]["ending"] == "host_restart" and info["cause"]["source"] == "host-restart"
             assert info["error"].startswith("lost at a supervisor restart")
             out = subprocess.run(
-                [sys.executable, "-m", "supervisor.cli", "wait", "lost"],
+                [sys.executable, "-m", "supervisor.main.cli", "wait", "lost"],
                 env=env,
                 capture_output=True,
                 text=True,
