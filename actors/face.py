@@ -14,7 +14,8 @@ What is here, by kind:
 
 * the errors the domain raises (the wire's codes) and the events stream's ``Lagged``;
 * the values it takes and gives (model's records, configs, states and checks);
-* the registry, a sandbox, a snapshot's record, and Modify's plan and call;
+* the registry, a sandbox, a snapshot's record, Modify's plan and call, and fork's
+  call and family walks;
 * a few helpers the edges share with it: ``defaults`` (its constants), ``rfc3339``,
   ``FsEntry``, ``CommandNotRun``, ``LOG_SOURCES``, ``collapse_single``, the principals'
   name check, the secret store's operations, and the host firewall the fleet's Ray
@@ -39,6 +40,7 @@ from actors.errors import (
     Unimplemented,
 )
 from actors.events import Lagged
+from actors.fork import Forked, descendants, fork, is_descendant, remove_with_descendants
 from actors.model import (
     ALIVE,
     ENDED,
@@ -84,6 +86,7 @@ from actors.sandboxes.secrets import remove_named as remove_stored_secret
 from actors.sandboxes.secrets import rotate as rotate_sandbox_secret
 from actors.sandboxes.secrets import set_named as set_stored_secret
 from actors.sandboxes.sessions import HeldSession
+from actors.sandboxes.usage import proc_memory_split
 from actors.sandboxes.workload import CommandNotRun
 from actors.secrets.model import HEADERS, SecretRef
 from actors.snapshots.snapshot import rfc3339
@@ -106,6 +109,7 @@ __all__ = [
     "DomainError",
     "Egress",
     "FailedPrecondition",
+    "Forked",
     "FsEntry",
     "HeldSession",
     "HostMount",
@@ -148,12 +152,17 @@ __all__ = [
     "check_principal_name",
     "collapse_single",
     "defaults",
+    "descendants",
     "describe_sandbox_secrets",
+    "fork",
     "from_snapshot",
+    "is_descendant",
     "modify",
+    "proc_memory_split",
     "profiles",
     "remove_sandbox_secret",
     "remove_stored_secret",
+    "remove_with_descendants",
     "rfc3339",
     "rotate_sandbox_secret",
     "script_argv",

@@ -60,7 +60,7 @@ from actors.net.portfwd import (
 from actors.quotas import Admission, free_mib
 from actors.sandboxes.plans import Plan, Resume
 from actors.sandboxes.sandbox import Sandbox
-from actors.sandboxes.savedstate import Checkpoint
+from actors.sandboxes.savedstate import Checkpoint, thaw_guest
 from actors.settings import Settings
 from actors.snapshots.pools import Pools
 from actors.snapshots.snapshot import SnapshotStore
@@ -173,8 +173,10 @@ class Hibernation:
             await sb.wait_stopped()
             self._hold_ports(sb)
         took = time.monotonic() - t0
-        sb.log.append("system", f"paused ({ck.memory}, {took * 1000:.0f} ms; {_touched_mib(ck)} MiB saved)".encode())
-        sb.emit(Action.PAUSED)
+        fs = f"; file systems {ck.consistency} ({ck.freeze_s * 1000:.0f} ms)" if ck.consistency else ""
+        saved = f"{_touched_mib(ck)} MiB saved{fs}"
+        sb.log.append("system", f"paused ({ck.memory}, {took * 1000:.0f} ms; {saved})".encode())
+        sb.emit(Action.PAUSED, **({"consistency": ck.consistency} if ck.consistency else {}))
 
     def _check_room(self, sb: Sandbox) -> None:
         """A full disk refuses a pause before anything is stopped (RESOURCE_EXHAUSTED)."""
@@ -196,6 +198,8 @@ class Hibernation:
                 await guest.machine.qmp_execute("cont")
             except Exception as exc:  # the life fails on its own if QEMU is gone
                 log.warning("sandbox %s: cont after a failed pause: %s", sb.id, exc)
+            else:  # (its file systems were left frozen for the QEMU that was to end)
+                await thaw_guest(guest)
         self.reg.snapshots.retire(snap)
 
     async def pause_quietly(self, sb: Sandbox) -> None:

@@ -93,7 +93,7 @@ from actors.snapshots.convert import convert_streamed
 from actors.snapshots.pools import Pools
 from actors.snapshots.snapshot import SnapshotStore
 from actors.snapshots.transfer import Importer, export_stream
-from actors.store import Record, SnapshotRecord, Store
+from actors.store import Lineage, Record, SnapshotRecord, Store
 from actors.timers import Timers
 from actors.volumes import Volumes
 
@@ -253,6 +253,7 @@ class Registry:
         SandboxFiles.sweep_unrecorded(self.settings, {rec.uid for rec in records})
         if self.settings.cells is not None:
             self.settings.cells.sweep(keep=keep)
+        self.retire_forks()
         await self.snapshots.collect()
         return adoptions
 
@@ -294,6 +295,7 @@ class Registry:
         origin: str = "",
         image: ImageUse | None = None,
         owner: str = LEGACY_OWNER,
+        lineage: Lineage | None = None,
     ) -> Sandbox:
         """A sandbox actor with a fresh record (not stored or registered yet), with its
         effective ``limits`` (kept: later boots use them, whatever the defaults are then).
@@ -311,6 +313,7 @@ class Registry:
             image=image,
             owner=owner,
             limits=limits,
+            lineage=lineage,
         )
         return self._sandbox(rec)
 
@@ -425,11 +428,11 @@ class Registry:
         limit: int = 20,
         cursor: str = "",
         viewer: Principal | None = None,
+        within: builtins.list[Sandbox] | None = None,
     ) -> tuple[builtins.list[Sandbox], str]:
-        """A page of the sandboxes (actors/listing.py)."""
-        return listing.page(
-            self.sandboxes.values(), state=state, labels=labels, limit=limit, cursor=cursor, viewer=viewer
-        )
+        """A page of the sandboxes, or of those ``within`` (actors/listing.py)."""
+        pool = self.sandboxes.values() if within is None else within
+        return listing.page(pool, state=state, labels=labels, limit=limit, cursor=cursor, viewer=viewer)
 
     # -- operations --------------------------------------------------------------
     async def create(
@@ -607,13 +610,31 @@ class Registry:
             if sb.state == State.PAUSED:
                 await self.hibernation.forget(sb)
             await self.forget(sb)
+        self.retire_forks()
         self.snapshots.collect_soon()
+
+    def retire_forks(self) -> None:
+        """A snapshot taken only to fork goes once no sandbox's lineage names it (its
+        disk stays while a chain stands on it: the collector's)."""
+        named = {sb.record.lineage.snapshot_id for sb in self.sandboxes.values() if sb.record.lineage}
+        for snap in self.snapshots.retire_forks(named):
+            if self.settings.cells is not None:
+                self.settings.cells.sealed.drop(snap.id)
+            if self.settings.vault is not None:
+                self.settings.vault.drop_owner(snap.uid)
 
     # -- snapshots (SandboxSnapshotService) ------------------------------------------
     async def checkpoint(
-        self, sandbox_id: str, *, name: str = "", labels: dict[str, str] | None = None, owner: str = LEGACY_OWNER
+        self,
+        sandbox_id: str,
+        *,
+        name: str = "",
+        labels: dict[str, str] | None = None,
+        owner: str = LEGACY_OWNER,
+        fork_only: bool = False,
     ) -> tuple[SnapshotRecord, Checkpoint]:
-        """A snapshot of the sandbox, owned by ``owner`` (who asked)."""
+        """A snapshot of the sandbox, owned by ``owner`` (who asked); ``fork_only``: hidden,
+        for a fork's children (actors/fork.py), gone with the last of them."""
         self.check_open()
         labels = labels or {}
         check_labels(labels)
@@ -635,6 +656,7 @@ class Registry:
             address=address,
             volume_generations=gens,
             owner=owner,
+            fork_only=fork_only,
         )
         if sb.config.secrets and self.settings.vault is not None:  # its clones' values (never in the files)
             self.settings.vault.copy_owner(sb.record.uid, rec.uid)
@@ -658,13 +680,36 @@ class Registry:
         clone keeps its snapshot's address when that is free and ``network_override``
         is not asked; else (the origin or another clone holds it) it gets a fresh one.
         Either way a fresh TAP and MAC, and its guest is configured before ready."""
+        return await self.restore_from(
+            self.snapshots.get(snapshot_ref),
+            id=id,
+            labels=labels,
+            ttl_seconds=ttl_seconds,
+            network_override=network_override,
+            owner=owner,
+            limits=limits,
+        )
+
+    async def restore_from(
+        self,
+        snap: SnapshotRecord,
+        *,
+        id: str = "",
+        labels: dict[str, str] | None = None,
+        ttl_seconds: int = 0,
+        network_override: bool = False,
+        owner: str = LEGACY_OWNER,
+        lineage: Lineage | None = None,
+        limits: Limits | None = None,
+    ) -> Sandbox:
+        """:meth:`restore` of a snapshot found already (a fork's hidden one, with the
+        child's ``lineage``)."""
         self.check_open()
         labels = labels or {}
         check_id(id)
         check_labels(labels)
         if ttl_seconds < 0:
             raise InvalidArgument("ttl_seconds must not be negative")
-        snap = self.snapshots.get(snapshot_ref)
         if id and id in self.sandboxes:
             raise AlreadyExists(f"sandbox {id!r} exists")
         self.snapshots.check_restorable(snap, self.settings.accel)
@@ -700,7 +745,7 @@ class Registry:
         limits = self._resolve_limits(config, snap)
         memory_mib = limits.memory_mib if disk_only else snap.machine.memory_mib
         self.admit(memory_mib, ram_file=snap.memory != MemoryKind.MAPPED)
-        sb = self._new_sandbox(id, config, limits, origin=snap.id, image=snap.oci, owner=owner)
+        sb = self._new_sandbox(id, config, limits, origin=snap.id, image=snap.oci, owner=owner, lineage=lineage)
         sb.lease(want="" if network_override else snap.address)
         if config.secrets:  # the snapshot's values, a CA of its own (config: fresh placeholders)
             create_checks.check_secrets_available(self.settings, config, {}, fresh=False)

@@ -63,6 +63,9 @@ class Settings:
     # named network profiles (serve --network-profiles; actors/net/profiles.py)
     port_addresses: tuple[str, ...] = ()
     network_profiles: Mapping[str, Egress] = attrs.field(factory=dict)
+    # the guest's writable file systems frozen (FIFREEZE) while a pause or checkpoint
+    # captures the disk, so the captured disk is clean (serve --no-fs-freeze: off)
+    freeze_fs: bool = True
 
     def check_bind_address(self, address: str) -> None:
         bindaddr.check(address, self.expose_address, self.port_addresses)

@@ -23,10 +23,12 @@ live port mappings in ``ports`` and the snapshot a sandbox came from in ``origin
 3 adds the checkpoint journal (``swap``); 4 what Modify changed (``tuning``: the
 machine as applied, ``updated_at``); 5 each sandbox's ``owner`` (a principal's name:
 actors/principals.py; older rows are :data:`~actors.principals.LEGACY_OWNER`'s, as are
-snapshots and volumes stored without one). Older databases are migrated in place when
-opened (columns added; version 0's configurations rewritten). ``tuning`` also holds
-the effective limits, resolved when the sandbox was made (``Record.limits``); a row
-without them gets the defaults of the supervisor that first loads it, written back once.
+snapshots and volumes stored without one); 6 each sandbox's ``lineage`` (the sandbox it
+was forked from and the fork's snapshot: actors/fork.py; older rows have none). Older
+databases are migrated in place when opened (columns added; version 0's
+configurations rewritten). ``tuning`` also holds the effective limits, resolved when
+the sandbox was made (``Record.limits``); a row without them gets the defaults of the
+supervisor that first loads it, written back once.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ from actors.principals import LEGACY_OWNER
 
 log = logging.getLogger("sandvisor.store")
 
-VERSION = 5
+VERSION = 6
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS sandboxes (
     uid TEXT PRIMARY KEY,
@@ -105,6 +107,7 @@ _COLUMNS = (
     "ALTER TABLE sandboxes ADD COLUMN swap TEXT",
     "ALTER TABLE sandboxes ADD COLUMN tuning BLOB",
     "ALTER TABLE sandboxes ADD COLUMN owner TEXT",
+    "ALTER TABLE sandboxes ADD COLUMN lineage BLOB",
     "ALTER TABLE sandboxes ADD COLUMN cause BLOB",
 )
 
@@ -142,6 +145,19 @@ class Record:
     # sandbox): the next boot from stopped takes it (None: nothing pending)
     pending: SandboxConfig | None = None
     cause: Cause | None = None  # why its last life ended (None: none has, or not known)
+    lineage: Lineage | None = None  # where a fork's child came from (None: not forked)
+
+
+@attrs.frozen
+class Lineage:
+    """A forked sandbox's parent and fork point (actors/fork.py): the parent by uid (ids
+    are reused) and by the id it had, the snapshot the fork took (hidden; its files go
+    once no child names it) and when."""
+
+    parent_uid: str
+    parent_id: str
+    snapshot_id: str
+    forked_ns: int
 
 
 @attrs.frozen
@@ -212,6 +228,7 @@ class SnapshotRecord:
     volume_generations: dict[str, int] = attrs.Factory(dict)  # its volumes' generations when taken
     paused_for: str = ""  # a paused sandbox's hibernated state (its uid): hidden, gone at resume
     owner: str = LEGACY_OWNER  # the principal that made it (hidden ones: no caller sees them anyway)
+    fork_only: bool = False  # taken only to fork (hidden): retired once no sandbox's lineage names it
 
     @property
     def layers(self) -> tuple[Path, ...]:
@@ -228,7 +245,7 @@ class SnapshotRecord:
 
     @property
     def hidden(self) -> bool:
-        return bool(self.template_key or self.paused_for)
+        return bool(self.template_key or self.paused_for or self.fork_only)
 
 
 def _pack(obj: Any) -> bytes:
@@ -371,11 +388,12 @@ class Store:
             _pack(r.chain),
             r.owner,
             _pack_tuning(r),
+            _pack(r.lineage) if r.lineage is not None else None,
         )
         self._put(
             lambda db: db.execute(
                 "INSERT INTO sandboxes (uid, id, seq, config, state, created_at, ports, origin, image, chain, owner, "
-                "tuning) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "tuning, lineage) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 row,
             )
         )
@@ -441,7 +459,8 @@ class Store:
     def all(self) -> list[Record]:
         rows = self.db.execute(
             "SELECT uid, id, seq, config, state, created_at, ready_at, last_exited_at, last_exit_code, error, "
-            "qemu_pid, ports, origin, image, chain, life, swap, tuning, owner, cause FROM sandboxes ORDER BY seq"
+            "qemu_pid, ports, origin, image, chain, life, swap, tuning, owner, lineage, cause "
+            "FROM sandboxes ORDER BY seq"
         ).fetchall()
         return [
             Record(
@@ -464,7 +483,8 @@ class Store:
                 swap=r[16] or "",
                 **_tuning(r[17]),
                 owner=r[18] or LEGACY_OWNER,
-                cause=_cause(r[19]),
+                lineage=load(_unpack(r[19]), Lineage) if r[19] else None,
+                cause=_cause(r[20]),
             )
             for r in rows
         ]

@@ -39,6 +39,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from collections.abc import Callable
 
     from guestd.files import FileReader
+    from guestd.freeze import Freezer
     from guestd.workers import Worker
 
 __all__ = ["DEFAULT_PATH", "Agent", "ExecFailed", "entry", "errcode", "main"]
@@ -65,7 +66,7 @@ class Agent:
         self.masks: dict[int, int] = {}
         self.conns: dict[int, Conn] = {}
         self.procs: dict[int, Proc | Worker] = {}
-        self.timers: set[Proc] = set()
+        self.timers: set[Proc | Freezer] = set()
         self.runnable: set[FileReader] = set()
         self.activity = 0
         self.hostname = cmdline.get("sandvisor.hostname", "sandbox")
@@ -79,6 +80,7 @@ class Agent:
         self.init_kind = ""  # handed off: the kind of init that is PID 1 now (guestd/initsys.py)
         self.exiting = False  # handed off and told to end (the init's shutdown): no power-off of ours
         self.init_stop: bool | None = None  # handed off: a shutdown (reboot?) the init has yet to be asked for
+        self.freezer: Freezer | None = None  # file systems frozen for a capture (guestd/freeze.py)
 
     # -- epoll bookkeeping ---------------------------------------------------
     def watch(self, fd: int, mask: int, handler: Callable[[int], None]) -> None:
@@ -163,6 +165,9 @@ class Agent:
                 conn.session.close()
             conn.session = Session(conn)
             conn.out += proto.GUEST_SYNC
+            if self.freezer is not None and self.freezer.frozen:
+                # a restore of a state saved frozen, or a new supervisor: the freeze's host is gone
+                self.freezer.thaw()
             if msg.host_time_ns and self.cmdline.get("sandvisor.setclock", "1") == "1":
                 system.set_clock(msg.host_time_ns)
             conn.send(
@@ -184,6 +189,7 @@ class Agent:
                         "fs",
                         "resources",
                         "init",
+                        "freeze",
                         "vsock" if self.vsock_fd >= 0 else "serial",
                     ],
                 )
@@ -300,6 +306,8 @@ class Agent:
             self.init_kind = kind  # (the child, from here on: PID 1 is the init)
             log(f"PID 1 is {path} now ({kind}); guestd goes on as {os.getpid()}")
             session.send(proto.HandOffOk(rid=rid, path=path, kind=kind, pid=os.getpid(), workload=runs_workload))
+        elif isinstance(msg, (proto.Freeze, proto.Thaw)):
+            self.freeze(session, msg)
         elif isinstance(msg, proto.Shutdown):
             session.send(proto.Ok(rid=rid))
             if self.init_kind:  # the init shuts down (and ends guestd on its way)
@@ -333,6 +341,19 @@ class Agent:
             netcfg.configure(msg.iface, msg.address, msg.prefix, msg.gateway, msg.mac, msg.dns)
         except ValueError as exc:
             raise ExecFailed(proto.E_INVALID, f"net_config: {exc}") from None
+
+    def freeze(self, session: Session, msg: proto.Freeze | proto.Thaw) -> None:
+        from guestd.freeze import Freezer  # lazy: only captures pay the import
+
+        if self.freezer is None:
+            self.freezer = Freezer()
+        if isinstance(msg, proto.Freeze):
+            n = self.freezer.freeze(msg.timeout)
+            if n:
+                self.timers.add(self.freezer)
+        else:
+            n = self.freezer.thaw()
+        session.send(proto.Ok(rid=msg.rid, value=n))
 
     # -- signals and children ----------------------------------------------------
     def reap(self) -> None:
@@ -412,6 +433,8 @@ class Agent:
         for conn in self.conns.values():
             if conn.out:
                 boot.drain_blocking(conn)
+        if self.freezer is not None:  # (power-off syncs and unmounts: a frozen one would hang it)
+            self.freezer.thaw()
         if self.exiting:
             return  # PID 1 is the init: it powers off
         boot.poweroff(self.root_fd, bool(self.shutting_down), self.mounts)

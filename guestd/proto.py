@@ -566,6 +566,24 @@ class Configure(Message):
     log_level: str = ""
 
 
+@message("freeze")
+class Freeze(Message):
+    """Sync, then freeze every writable block file system (FIFREEZE, deepest mount
+    first) for a crash-consistent capture of the disk (guestd/freeze.py). It holds
+    until a Thaw, the next Hello, or ``timeout`` seconds of the guest's running time,
+    whichever comes first. Answered Ok(value=the file systems frozen)."""
+
+    rid: int
+    timeout: float = 30.0
+
+
+@message("thaw")
+class Thaw(Message):
+    """Thaw what a Freeze froze (last first). Answered Ok(value=the file systems thawed)."""
+
+    rid: int
+
+
 @message("shutdown")
 class Shutdown(Message):
     """Sync, stop every process, power off (or reboot). Answered with Ok first."""

@@ -414,6 +414,17 @@ class GuestChannel:
             proto.HandOffOk,
         )
 
+    async def freeze(self, timeout: float) -> int:
+        """Sync and freeze the guest's writable file systems (guestd/freeze.py) until
+        :meth:`thaw`, the next hello, or ``timeout`` seconds of guest time; how many froze."""
+        r = await self._unary(lambda rid: proto.Freeze(rid=rid, timeout=timeout), proto.Ok)
+        return r.value
+
+    async def thaw(self) -> int:
+        """Thaw what :meth:`freeze` froze; how many thawed."""
+        r = await self._unary(lambda rid: proto.Thaw(rid=rid), proto.Ok)
+        return r.value
+
     def has_feature(self, name: str) -> bool:
         """guestd said so at hello (an older guest runtime lacks newer requests)."""
         return self.hello_info is not None and name in self.hello_info.features

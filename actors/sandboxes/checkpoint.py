@@ -108,6 +108,7 @@ class Checkpoints:
                 chain=tuple(rec.chain),
                 on_frozen=frozen,
                 stay_paused=stay_paused,
+                freeze=self.settings.freeze_fs,
             )
         except (MachineError, OSError) as exc:
             self._void_journal()
@@ -117,7 +118,8 @@ class Checkpoints:
         except BaseException:
             self._void_journal()
             raise
-        self.log.append("system", f"checkpoint: {ck.memory}, paused {ck.paused_s * 1000:.0f} ms".encode())
+        fs = f"; file systems {ck.consistency} ({ck.freeze_s * 1000:.0f} ms)" if ck.consistency else ""
+        self.log.append("system", f"checkpoint: {ck.memory}, paused {ck.paused_s * 1000:.0f} ms{fs}".encode())
         return ck
 
     async def take_stopped(self, snap_dir: Path, machine: MachineRecord) -> Checkpoint:

@@ -17,6 +17,7 @@ import attrs
 import trio
 
 from actors import defaults
+from actors.channel.guest import GuestError
 from actors.durable import fsync_dir
 from actors.errors import FailedPrecondition
 from actors.machines.machine import Machine
@@ -28,6 +29,11 @@ from actors.settings import Settings
 from actors.store import MachineRecord, SnapshotRecord
 
 log = logging.getLogger("sandvisor.snapshot")
+
+# freezing the guest's file systems for a capture (guestd/freeze.py)
+FREEZE_ANSWER = 5.0  # s: a freeze not answered by then is abandoned (the capture is crash-consistent)
+FREEZE_HOLD = 30.0  # s of guest time after which guestd thaws on its own (a host gone meanwhile)
+THAW_ANSWER = 5.0  # s: the host's thaw after the capture (guestd's own timeout is the net)
 
 
 class CheckpointError(MachineError):
@@ -44,6 +50,10 @@ class Checkpoint:
     memory_stat: list[int]
     machine: MachineRecord  # what a restore must start QEMU with
     chain: tuple[str, ...] = ()  # the layers below the frozen disk, top first
+    # how the disk was captured: "frozen" (its file systems frozen: clean), "crash-consistent
+    # (why)" (a freeze that failed or did not answer), "" (freezing off, or an older guest)
+    consistency: str = ""
+    freeze_s: float = 0.0  # the freeze's round trip (the guest's sync and FIFREEZE)
 
 
 def allocated(path: Path) -> int:
@@ -69,6 +79,7 @@ async def checkpoint_guest(
     chain: tuple[str, ...] = (),
     on_frozen: Callable[[Path], None] | None = None,
     stay_paused: bool = False,
+    freeze: bool = False,
 ) -> Checkpoint:
     """Save a running guest into ``snap_dir`` (which exists and is empty) and let it run
     on. Its disk (``files.disk``) is frozen into ``snap_dir/disk.qcow2`` and the guest
@@ -80,7 +91,11 @@ async def checkpoint_guest(
     is told at once, so the sandbox's recorded chain is never behind its disk.
     ``chain``: the layers below the current disk (they become the frozen disk's).
     ``stay_paused``: the guest stays stopped after a checkpoint that succeeded (a pause
-    ends its QEMU next: nothing runs past the saved state); a failure lets it run."""
+    ends its QEMU next: nothing runs past the saved state); a failure lets it run.
+    ``freeze``: the guest's writable file systems are frozen (:func:`freeze_guest`) right
+    before it is stopped and thawed once it runs again -- except after a pause that
+    succeeded: its saved memory holds them frozen, and guestd thaws them at the hello
+    of whatever resumes or restores it (guestd/freeze.py)."""
     m = guest.machine
     spec = m.spec
     mapped = spec.memory_file is not None and spec.memory_shared
@@ -88,9 +103,12 @@ async def checkpoint_guest(
     frozen_done = False
     staged = None
     vm_fd = -1
+    consistency, freeze_s, thaw = "", 0.0, False
     try:
         staged = await m.stage_disk(await files.stage_next_disk(frozen))
         vm_fd = os.open(snap_dir / "vmstate", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        if freeze:
+            consistency, freeze_s, thaw = await freeze_guest(guest)
         async with _stopped(m, stay_paused) as t0:
             await m.switch_disk(staged)
             files.swap_disks(frozen)  # the guest is paused: nobody sees the two names change
@@ -108,6 +126,8 @@ async def checkpoint_guest(
                 if p.returncode != 0:
                     raise CheckpointError(f"copying guest memory failed: {p.stderr.decode(errors='replace')[:200]}")
         paused = time.monotonic() - t0
+        if stay_paused:
+            thaw = False  # (its QEMU ends frozen: what resumes it thaws at its hello)
     except BaseException:
         if not frozen_done:
             if staged is not None:
@@ -117,6 +137,9 @@ async def checkpoint_guest(
     finally:
         if vm_fd >= 0:
             os.close(vm_fd)
+        if thaw:
+            with trio.CancelScope(shield=True):
+                await thaw_guest(guest)
     files_written = ["vmstate", "disk.qcow2", *(["memory"] if mapped else [])]
     await trio.to_thread.run_sync(_finish, snap_dir, files_written, user, spec.kernel, spec.initrd)
     sizes = {f: allocated(snap_dir / f) for f in files_written}
@@ -129,7 +152,43 @@ async def checkpoint_guest(
         machine=spec.machine,
         balloon=spec.balloon,
     )
-    return Checkpoint(MemoryKind.MAPPED if mapped else MemoryKind.STREAMED, paused, sizes, mem_stat, machine, chain)
+    kind = MemoryKind.MAPPED if mapped else MemoryKind.STREAMED
+    return Checkpoint(kind, paused, sizes, mem_stat, machine, chain, consistency, freeze_s)
+
+
+async def freeze_guest(guest: Guest) -> tuple[str, float, bool]:
+    """Freeze the running guest's writable file systems for a capture: (the capture's
+    consistency, the freeze's seconds, whether a thaw is owed). A guest runtime without
+    the request is not asked (""); a freeze that fails or does not answer within
+    FREEZE_ANSWER is abandoned -- what it froze is thawed after -- and the capture goes
+    on crash-consistent, saying why."""
+    chan = guest.channel
+    if not chan.has_feature("freeze"):
+        return "", 0.0, False
+    t0 = time.monotonic()
+    with trio.move_on_after(FREEZE_ANSWER):
+        try:
+            n = await chan.freeze(FREEZE_HOLD)
+        except GuestError as exc:
+            log.warning("%s: freezing its file systems: %s", guest.machine.name, exc)
+            return f"crash-consistent (the freeze failed: {exc})", time.monotonic() - t0, True
+        return "frozen", time.monotonic() - t0, n > 0
+    log.warning("%s: the freeze did not answer in %g s: a crash-consistent capture", guest.machine.name, FREEZE_ANSWER)
+    return f"crash-consistent (the freeze did not answer in {FREEZE_ANSWER:g} s)", time.monotonic() - t0, True
+
+
+async def thaw_guest(guest: Guest) -> None:
+    """Thaw what :func:`freeze_guest` froze (bounded; guestd's own timeout thaws a
+    guest that does not answer). Never raises."""
+    if guest.machine.exited or not guest.channel.has_feature("freeze"):
+        return
+    with trio.move_on_after(THAW_ANSWER) as scope:
+        try:
+            await guest.channel.thaw()
+        except GuestError as exc:
+            log.warning("%s: thawing its file systems: %s", guest.machine.name, exc)
+    if scope.cancelled_caught:
+        log.warning("%s: the thaw did not answer in %g s (guestd thaws on its own)", guest.machine.name, THAW_ANSWER)
 
 
 @asynccontextmanager

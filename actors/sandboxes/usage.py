@@ -94,6 +94,25 @@ def proc_rss(pid: int) -> int:
     return 0
 
 
+def proc_memory_split(pid: int) -> tuple[int, int]:
+    """A process's resident memory as the host's page tables count it, in bytes: (shared
+    with other processes -- a fork's family mapping one memory file --, its own private
+    pages) from /proc/PID/smaps_rollup; (0, 0): no such process, or not readable."""
+    if not pid:
+        return 0, 0
+    shared = own = 0
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            key, _, rest = line.partition(":")
+            if key in ("Shared_Clean", "Shared_Dirty"):
+                shared += int(rest.split()[0]) * 1024
+            elif key in ("Private_Clean", "Private_Dirty"):
+                own += int(rest.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        return 0, 0
+    return shared, own
+
+
 def proc_cpu_seconds(pid: int) -> float:
     """A process's user + system CPU seconds (0: no such process)."""
     if not pid:

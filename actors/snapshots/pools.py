@@ -217,6 +217,8 @@ class Pools:
             return 0  # a member would hold the snapshot's volumes while it waits
         if snap.memory == MemoryKind.DISK:
             return 0  # its restores boot: no saved state to keep warm
+        if snap.fork_only:
+            return 0  # a fork's children are made at once, by the fork
         if snap.template_key:
             return self.template_pool
         for key in (snap.id, snap.name):

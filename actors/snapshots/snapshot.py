@@ -168,6 +168,7 @@ class SnapshotStore:
         volume_generations: dict[str, int] | None = None,
         paused_for: str = "",
         owner: str = LEGACY_OWNER,
+        fork_only: bool = False,
     ) -> tuple[SnapshotRecord, Checkpoint]:
         """Checkpoint a sandbox into a new directory (``checkpoint(dir)``: the sandbox's
         own, guarded sequence) and record it, with ``config`` (default: the origin's)
@@ -210,6 +211,7 @@ class SnapshotStore:
             volume_generations=dict(volume_generations or {}),
             paused_for=paused_for,
             owner=owner,
+            fork_only=fork_only,
         )
         crash_point("template-checkpoint" if template_key else "snapshot-record")
         self.store.insert_snapshot(rec)
@@ -310,6 +312,15 @@ class SnapshotStore:
             if n == "memory" or n.startswith("vmstate"):
                 (rec.path / n).unlink(missing_ok=True)
         self.collect_soon()
+
+    def retire_forks(self, named: set[str]) -> list[SnapshotRecord]:
+        """The snapshots taken only to fork that no sandbox's lineage names (``named``: the
+        snapshot ids the sandboxes' lineages name) are retired: their record, memory and
+        stream go; their frozen disk stays while a chain uses it. The retired ones."""
+        gone = [r for r in self.snapshots.values() if r.fork_only and r.id not in named]
+        for r in gone:
+            self.retire(r)
+        return gone
 
     async def delete(self, rec: SnapshotRecord) -> None:
         self._stop_converting(rec)

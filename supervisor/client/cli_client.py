@@ -22,6 +22,7 @@ import argparse
 import os
 
 from supervisor.client.cli_common import tls_flag, unix_ns
+from supervisor.client.cli_family import fork, tree
 from supervisor.client.cli_files import add_fs_command, fs
 from supervisor.client.cli_readback import add_config_command, config
 from supervisor.client.cli_sandboxes import (
@@ -85,6 +86,8 @@ CLIENT_COMMANDS = frozenset(
         "status",
         "checkpoint",
         "restore",
+        "fork",
+        "tree",
         "snapshots",
         "snapshot",
         "port",
@@ -309,6 +312,7 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
 
     p = cmd("ls", ls, "list sandboxes")
     p.add_argument("--state")
+    p.add_argument("--ancestor", metavar="NAME", help="only the forks of NAME, and theirs")
     p.add_argument("--label", action="append", metavar="K=V")
     p.add_argument("--json", action="store_true")
 
@@ -421,6 +425,7 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
             p.add_argument("--grace", type=int, default=0, metavar="S", help="0: as long as they take")
         if name == "rm":
             p.add_argument("-f", "--force", action="store_true")
+            p.add_argument("--with-descendants", action="store_true", help="its forks too, and theirs")
 
     p = cmd("wait", wait, "wait until a sandbox stops; print how it ended, exit with its code")
     p.add_argument("name")
@@ -445,6 +450,17 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
     p.add_argument("name")
     p.add_argument("--name", dest="snapshot_name", metavar="N")
     p.add_argument("--label", action="append", metavar="K=V")
+    p.add_argument("--json", action="store_true")
+
+    p = cmd("fork", fork, "children of a running sandbox: it pauses once and runs on (prints their ids)")
+    p.add_argument("name")
+    p.add_argument("-n", type=int, default=1, metavar="N", help="how many (default 1, at most 100)")
+    p.add_argument("--name-prefix", metavar="P", help="name them P1, P2, ...")
+    p.add_argument("--label", action="append", metavar="K=V")
+    p.add_argument("--json", action="store_true")
+
+    p = cmd("tree", tree, "the family of forks: state, age, memory (NAME: its tree only)")
+    p.add_argument("name", nargs="?")
     p.add_argument("--json", action="store_true")
 
     p = cmd("restore", restore, "a new sandbox from a snapshot (prints its id)")

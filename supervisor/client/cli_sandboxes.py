@@ -321,7 +321,8 @@ def ls(a: argparse.Namespace) -> int:
     cursor = ""
     with connect(a) as c:
         while True:
-            page = c.call("List", {"labels": kv(a.label), "state": a.state or "", "limit": 100, "cursor": cursor})
+            req = {"labels": kv(a.label), "state": a.state or "", "limit": 100, "cursor": cursor}
+            page = c.call("List", {**req, "ancestor": a.ancestor or ""})
             rows += page["sandboxes"]
             cursor = page.get("next_cursor", "")
             if not cursor:
@@ -367,6 +368,9 @@ def inspect(a: argparse.Namespace) -> int:
             rows.append((k, _settings(info[k])))
     if info.get("updated_at"):
         rows.append(("updated_at", ts(info["updated_at"])))
+    if info.get("parent_uid"):  # a fork's child (docs/fork.md)
+        rows.append(("parent", info["parent"]))
+        rows.append(("fork_point", f"{info['fork_snapshot']} at {ts(info['forked_at'])}"))
     print_table(("FIELD", "VALUE"), rows, show_header=False)
     return 0
 
@@ -604,7 +608,7 @@ def simple(a: argparse.Namespace) -> int:
                 elif a.command == "drain":
                     c.call("Drain", {"id": name, "grace_seconds": a.grace})
                 elif a.command == "rm":
-                    c.call("Remove", {"id": name, "force": a.force})
+                    c.call("Remove", {"id": name, "force": a.force, "with_descendants": a.with_descendants})
                 elif a.command == "ping":
                     print(f"{int(c.call('Ping', {'id': name})['latency_ns']) / 1e9 * 1000:.2f} ms")
                 elif a.command == "touch":

@@ -451,6 +451,7 @@ async def _serve_locked(cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Re
         upstream_tls=upstream_context(str(cfg.upstream_ca or "")),
         port_addresses=cfg.port_addresses,
         network_profiles=network_profiles(cfg),
+        freeze_fs=cfg.freeze_fs,
     )
     log.info(
         "serving on %s (state %s, accel %s, QEMU %s)",

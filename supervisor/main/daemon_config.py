@@ -520,6 +520,13 @@ class DaemonConfig:
         help="the HMAC-SHA256 secret of the --webhook of the same position (ours, mode 0600; read at start)",
         parse=lambda v: tuple(Path(p) for p in v or ()),
     )
+    freeze_fs: bool = flag(  # FIFREEZE the guest's file systems while a pause or checkpoint captures its disk
+        True,
+        name="--no-fs-freeze",
+        kind="negation",
+        help="do not freeze the guest's file systems while a pause or checkpoint captures its disk "
+        "(captures are then only crash-consistent: a disk-only restore replays the journal)",
+    )
 
 
 def flags() -> list[tuple[attrs.Attribute[Any], Flag]]:

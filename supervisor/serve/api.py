@@ -55,9 +55,12 @@ from actors.face import (
     State,
     check_port,
     defaults,
+    descendants,
+    fork,
     from_snapshot,
     modify,
     profiles,
+    remove_with_descendants,
     rfc3339,
     script_argv,
 )
@@ -131,9 +134,19 @@ async def _modify(reg: Registry, io: CallIO, req: protocol.ModifyRequest) -> pro
 @method("List", protocol.ListSandboxesRequest)
 async def _list(reg: Registry, io: CallIO, req: protocol.ListSandboxesRequest) -> protocol.ListSandboxesResponse:
     page, cursor = reg.list(
-        state=mapping.state(req.state), labels=req.labels, limit=req.limit or 20, cursor=req.cursor, viewer=io.principal
+        state=mapping.state(req.state),
+        labels=req.labels,
+        limit=req.limit or 20,
+        cursor=req.cursor,
+        viewer=io.principal,
+        within=_family(reg, io, req.ancestor),
     )
     return protocol.ListSandboxesResponse([mapping.summary(sb) for sb in page], cursor)
+
+
+def _family(reg: Registry, io: CallIO, ancestor: str) -> list[Sandbox] | None:
+    """List's ``ancestor``: its descendants (the ancestor one the caller sees); "": all."""
+    return descendants(reg, access.sandbox(reg, io.principal, ancestor)) if ancestor else None
 
 
 @method("ListAll", protocol.ListSandboxesRequest)
@@ -141,7 +154,14 @@ async def _list_all(reg: Registry, io: CallIO, req: protocol.ListSandboxesReques
     """Every match, newest first, in one response (sandbox.v1's List has no paging)."""
     state, out, cursor = mapping.state(req.state), [], ""
     while True:
-        page, cursor = reg.list(state=state, labels=req.labels, limit=100, cursor=cursor, viewer=io.principal)
+        page, cursor = reg.list(
+            state=state,
+            labels=req.labels,
+            limit=100,
+            cursor=cursor,
+            viewer=io.principal,
+            within=_family(reg, io, req.ancestor),
+        )
         out += [mapping.summary(sb) for sb in page]
         if not cursor:
             return protocol.ListSandboxesResponse(out)
@@ -198,7 +218,13 @@ async def _wait(reg: Registry, io: CallIO, req: protocol.IdRequest) -> protocol.
 
 @method("Remove", protocol.RemoveSandboxRequest)
 async def _remove(reg: Registry, io: CallIO, req: protocol.RemoveSandboxRequest) -> None:
-    await reg.remove(access.sandbox(reg, io.principal, req.id).id, req.force)
+    sb = access.sandbox(reg, io.principal, req.id)
+    if req.with_descendants:  # (those the caller sees: others' forks stay)
+        await remove_with_descendants(
+            reg, sb.id, force=req.force, may_remove=lambda d: io.principal.may_see(d.record.owner)
+        )
+    else:
+        await reg.remove(sb.id, req.force)
 
 
 @method("Run", protocol.RunRequest, streams=True)
@@ -596,6 +622,26 @@ async def _restore(reg: Registry, io: CallIO, req: protocol.RestoreRequest) -> p
         owner=io.principal.name,
     )
     return protocol.RestoreResponse(id=sb.id, ip_address=sb.ip_address)
+
+
+@method("Fork", protocol.ForkRequest)
+async def _fork(reg: Registry, io: CallIO, req: protocol.ForkRequest) -> protocol.ForkResponse:
+    """Children of a sandbox the caller sees, the caller's own (docs/fork.md)."""
+    parent = access.sandbox(reg, io.principal, req.id)
+    done = await fork(
+        reg,
+        parent.id,
+        req.count,
+        names=req.names,
+        name_prefix=req.name_prefix,
+        labels=req.labels,
+        owner=io.principal.name,
+    )
+    return protocol.ForkResponse(
+        [protocol.ForkedSandbox(sb.id, sb.ip_address, sb.record.uid) for sb in done.children],
+        snapshot_id=done.snapshot.id,
+        paused_ms=round(done.paused_s * 1000, 3),
+    )
 
 
 @method("ListSnapshots", protocol.ListSnapshotsRequest)

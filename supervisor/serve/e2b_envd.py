@@ -21,6 +21,7 @@ import binascii
 import itertools
 import logging
 import re
+import zlib
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -28,6 +29,7 @@ import attrs
 import trio
 
 from supervisor.client.sdk.aio import AsyncExec, AsyncSandbox
+from supervisor.serve import e2b_pty
 from supervisor.serve import guest_fs as fs
 from supervisor.serve.e2b_http import (
     CONNECT_STREAM_JSON,
@@ -43,6 +45,7 @@ from supervisor.serve.e2b_http import (
     unary_request,
 )
 from supervisor.serve.e2b_keys import Client
+from supervisor.serve.e2b_user import DEFAULT_USER, chown, default_cwd, user_or_default
 from supervisor.wire import errors, protocol
 
 log = logging.getLogger("sandvisor.e2b")
@@ -54,15 +57,16 @@ _USER = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]{0,31}$")
 
 
 def envd_user(ex: Exchange) -> str:
-    """The user of an envd call: ``Authorization: Basic base64(user:)`` ("" : the image's)."""
+    """The user of an envd call: ``Authorization: Basic base64(user:)``, else E2B's
+    default user (:mod:`supervisor.serve.e2b_user`)."""
     auth = ex.headers.get("authorization", "")
     if not auth.lower().startswith("basic "):
-        return ""
+        return DEFAULT_USER
     try:
         user = base64.b64decode(auth[6:].strip(), validate=True).decode().split(":", 1)[0]
     except (binascii.Error, UnicodeDecodeError):
         raise HttpError(400, "malformed Authorization header") from None
-    return _checked_user(user)
+    return user_or_default(_checked_user(user))
 
 
 def _checked_user(user: str) -> str:
@@ -98,6 +102,7 @@ class Process:
     tag: str
     scope: trio.CancelScope = attrs.Factory(trio.CancelScope)
     execd: AsyncExec | None = None
+    tty: bool = False
     subscribers: list[trio.MemorySendChannel[dict[str, Any]]] = attrs.Factory(list)
 
     def subscribe(self) -> trio.MemoryReceiveChannel[dict[str, Any]]:
@@ -140,9 +145,14 @@ class Processes:
             proc.config["cwd"] = str(cfg["cwd"])
         if envs:
             proc.config["envs"] = {str(k): str(v) for k, v in envs.items()}
+        size = e2b_pty.pty_size(req)
+        proc.tty = size is not None
         events = proc.subscribe()
-        how = {"env": proc.config.get("envs", {}), "workdir": proc.config.get("cwd", ""), "user": user}
-        await self.nursery.start(self._run, proc, [cmd, *proc.config["args"]], how, bool(req.get("stdin")))
+        workdir = default_cwd(user, proc.config.get("cwd", ""))
+        how = {"env": proc.config.get("envs", {}), "workdir": workdir, "user": user}
+        if size is not None:
+            how.update(tty=True, size=size)
+        await self.nursery.start(self._run, proc, [cmd, *proc.config["args"]], how, bool(req.get("stdin")) or proc.tty)
         return proc, events
 
     async def _run(
@@ -153,7 +163,15 @@ class Processes:
         sb = proc.target.handle()
         try:
             with proc.target.client.acting():  # (the key's, whichever task runs this)
-                async with sb.exec(argv, env=how["env"], workdir=how["workdir"], user=how["user"]) as execd:
+                opened = sb.exec(
+                    argv,
+                    env=how["env"],
+                    workdir=how["workdir"],
+                    user=how["user"],
+                    tty=bool(how.get("tty")),
+                    size=how.get("size", (80, 24)),
+                )
+                async with opened as execd:
                     proc.execd = execd
                     self.table[key] = proc
                     proc.publish({"start": {"pid": proc.pid}})
@@ -166,7 +184,8 @@ class Processes:
                                 code = o.exit_code if o.exit_code is not None else -1
                                 end = {"exitCode": code, "exited": True, "status": f"exit status {code}"}
                             elif o.data:
-                                proc.publish({"data": {o.stream: base64.b64encode(o.data).decode()}})
+                                stream = "pty" if proc.tty else o.stream
+                                proc.publish({"data": {stream: base64.b64encode(o.data).decode()}})
         except errors.SandboxError as exc:
             if proc.execd is None:  # not started: the caller's error
                 raise rpc_error(exc) from None
@@ -258,6 +277,12 @@ async def process_call(ex: Exchange, procs: Processes, target: Target, method: s
             return
         await _stream_events(ex, events)
         return
+    if method == "Update":
+        await e2b_pty.update(ex, procs, target)
+        return
+    if method == "StreamInput":
+        await e2b_pty.stream_input(ex, procs, target)
+        return
     try:
         if method not in ("List", "SendInput", "CloseStdin", "SendSignal"):
             raise RpcError("unimplemented", f"process.Process/{method} is not served")
@@ -267,11 +292,11 @@ async def process_call(ex: Exchange, procs: Processes, target: Target, method: s
             reply = {"processes": procs.listing(target.uid)}
         elif method == "SendInput":
             proc = procs.get(target.uid, req.get("process"))
-            data = (req.get("input") or {}).get("stdin")
-            if data is None:
-                raise RpcError("unimplemented", "only stdin input is supported (no PTY)")
+            kind, data = e2b_pty.input_bytes(req.get("input"))
+            if kind == "pty" and not proc.tty:
+                raise RpcError("failed_precondition", "the process has no PTY")
             if proc.execd is not None:
-                await proc.execd.send(_b64(data))
+                await proc.execd.send(data)
         elif method == "CloseStdin":
             proc = procs.get(target.uid, req.get("process"))
             if proc.execd is not None:
@@ -296,13 +321,6 @@ async def process_call(ex: Exchange, procs: Processes, target: Target, method: s
         await unary_error(ex, rpc_error(exc))
         return
     await ex.send_json(reply)
-
-
-def _b64(value: Any) -> bytes:
-    try:
-        return base64.b64decode(str(value), validate=True)
-    except binascii.Error:
-        raise RpcError("invalid_argument", "bytes: base64") from None
 
 
 # --- filesystem.Filesystem ---------------------------------------------------------------------
@@ -356,6 +374,9 @@ async def download(ex: Exchange, target: Target) -> None:
     """``GET /files?path=``: the file, streamed as the supervisor's ReadFile sends it."""
     path = _file_path(ex)
     _checked_user(ex.query.get("username", ""))
+    zipped = accepts_gzip(ex)
+    squeeze = zlib.compressobj(6, zlib.DEFLATED, 31) if zipped else None
+    headers = [("content-encoding", "gzip")] if zipped else []
     try:
         async with (
             target.client.connect() as conn,
@@ -366,9 +387,10 @@ async def download(ex: Exchange, target: Target) -> None:
             async for item in call:
                 chunk = protocol.structure_body(item, protocol.FileChunk)
                 if not ex.started:
-                    await ex.start(200, "application/octet-stream")
-                if chunk.data:
-                    await ex.write(chunk.data)
+                    await ex.start(200, "application/octet-stream", headers)
+                data = squeeze.compress(chunk.data) if squeeze is not None else chunk.data
+                if data:
+                    await ex.write(data)
                 if chunk.done:
                     break
     except errors.SandboxError as exc:
@@ -376,11 +398,39 @@ async def download(ex: Exchange, target: Target) -> None:
             raise
         raise http_error(exc) from None
     if not ex.started:
-        await ex.start(200, "application/octet-stream")
-    await ex.write(b"", more=False)
+        await ex.start(200, "application/octet-stream", headers)
+    await ex.write(squeeze.flush() if squeeze is not None else b"", more=False)
 
 
-async def _write(sb: AsyncSandbox, path: str, data: AsyncIterator[bytes]) -> None:
+def accepts_gzip(ex: Exchange) -> bool:
+    """Whether the client asked for a gzip answer (``Accept-Encoding: gzip``, not q=0)."""
+    for item in ex.headers.get("accept-encoding", "").lower().split(","):
+        name, _, params = item.strip().partition(";")
+        if name.strip() == "gzip":
+            return params.replace(" ", "") not in ("q=0", "q=0.0", "q=0.00", "q=0.000")
+    return False
+
+
+async def gunzip(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """A gzip body (``Content-Encoding: gzip``) as its bytes, streamed; a corrupt one is 400."""
+    d = zlib.decompressobj(31)
+    try:
+        async for piece in chunks:
+            while piece:
+                out = d.decompress(piece, 1 << 20)
+                if out:
+                    yield out
+                piece = d.unconsumed_tail
+        tail = d.flush()
+    except zlib.error as exc:
+        raise HttpError(400, f"the gzip body does not decode: {exc}") from None
+    if tail:
+        yield tail
+    if not d.eof:
+        raise HttpError(400, "the gzip body is truncated")
+
+
+async def _write(sb: AsyncSandbox, path: str, data: AsyncIterator[bytes], user: str = "") -> None:
     """Write ``path``, making its parent directories as envd does: a small file (up to
     :data:`SMALL` bytes, held here) is written at once and again after ``mkdir -p`` if
     its directory is missing; a larger one after ``mkdir -p``."""
@@ -396,7 +446,7 @@ async def _write(sb: AsyncSandbox, path: str, data: AsyncIterator[bytes]) -> Non
         try:
             await sb.fs.write(path, bytes(head))
         except errors.NotFound:
-            await fs.make_parents(sb, "", path)
+            await fs.make_parents(sb, user, path)
             await sb.fs.write(path, bytes(head))
         return
 
@@ -405,7 +455,7 @@ async def _write(sb: AsyncSandbox, path: str, data: AsyncIterator[bytes]) -> Non
         async for piece in data:
             yield piece
 
-    await fs.make_parents(sb, "", path)
+    await fs.make_parents(sb, user, path)
     await sb.fs.write(path, rest())
 
 
@@ -413,9 +463,11 @@ async def upload(ex: Exchange, target: Target) -> None:
     """``POST /files``: an ``application/octet-stream`` body (``?path=``) or
     ``multipart/form-data`` with a ``file`` part per file (its file name the path
     when there is no ``?path=``), each streamed into the sandbox as it arrives."""
-    _checked_user(ex.query.get("username", ""))
-    if ex.headers.get("content-encoding", "identity") not in ("identity", ""):
-        raise HttpError(400, "compressed uploads are not supported")
+    user = user_or_default(_checked_user(ex.query.get("username", "")))
+    encoding = ex.headers.get("content-encoding", "identity").strip().lower()
+    if encoding not in ("identity", "", "gzip"):
+        raise HttpError(415, f"content-encoding {encoding!r}: identity or gzip")
+    body = gunzip(ex.chunks()) if encoding == "gzip" else ex.chunks()
     sb = target.handle()
     written: list[dict[str, str]] = []
     ctype = ex.headers.get("content-type", "")
@@ -423,14 +475,15 @@ async def upload(ex: Exchange, target: Target) -> None:
         if ctype.startswith("multipart/form-data"):
             from supervisor.serve.e2b_multipart import parts
 
-            async for name, data in parts(ctype, ex.chunks()):
+            async for name, data in parts(ctype, body):
                 path = _file_path(ex, ex.query.get("path") or name)
-                await _write(sb, path, data)
+                await _write(sb, path, data, user)
                 written.append({"name": path.rsplit("/", 1)[-1], "type": "file", "path": path})
         else:
             path = _file_path(ex)
-            await _write(sb, path, ex.chunks())
+            await _write(sb, path, body, user)
             written.append({"name": path.rsplit("/", 1)[-1], "type": "file", "path": path})
+        await chown(sb, user, [w["path"] for w in written])
     except errors.SandboxError as exc:
         raise http_error(exc) from None
     await ex.send_json(written)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable
 from typing import Any
 from urllib.parse import parse_qs
 
@@ -97,7 +97,7 @@ class Exchange:
         self.started = False
         self._ended = False
 
-    async def chunks(self) -> AsyncIterator[bytes]:
+    async def chunks(self) -> AsyncGenerator[bytes, None]:
         """The request body as it arrives."""
         while not self._ended:
             msg = await self._receive()
@@ -106,6 +106,12 @@ class Exchange:
             self._ended = not msg.get("more_body", False)
             if msg.get("body"):
                 yield msg["body"]
+
+    async def disconnected(self) -> None:
+        """Returns once the client has gone (after the request body was read)."""
+        while True:
+            if (await self._receive())["type"] == "http.disconnect":
+                return
 
     async def body(self, limit: int = MAX_JSON) -> bytes:
         out = bytearray()

@@ -20,6 +20,12 @@ image; the id or name of a snapshot the key may see restores it (when its origin
 network, secrets or host directories: the endpoint makes none of those); a snapshot id
 it may not see is not found; anything else is an OCI image reference (the supervisor's
 pull policy applies). A sandbox's ``timeout`` is its TTL (``set_timeout`` replaces it).
+
+Beside envd's core (:mod:`~supervisor.serve.e2b_envd`): PTYs and input streams
+(:mod:`~supervisor.serve.e2b_pty`), directory watchers (:mod:`~supervisor.serve.e2b_watch`),
+E2B's default user (:mod:`~supervisor.serve.e2b_user`), ``get_metrics``
+(:mod:`~supervisor.serve.e2b_metrics`) and ``get_host`` (:mod:`~supervisor.serve.e2b_proxy`).
+Routes it does not have answer 404 ``{"code": 404, "message": ...}``, as E2B's API does.
 """
 
 from __future__ import annotations
@@ -38,8 +44,12 @@ import attrs
 import trio
 
 from supervisor.serve import e2b_envd as envd
+from supervisor.serve import e2b_proxy
 from supervisor.serve.e2b_http import Exchange, HttpError, Receive, Scope, Send, http_error
 from supervisor.serve.e2b_keys import Client, Key, Tokens, find_key, read_keys
+from supervisor.serve.e2b_metrics import e2b_metrics
+from supervisor.serve.e2b_user import Users
+from supervisor.serve.e2b_watch import WATCHER_METHODS, Watchers
 from supervisor.serve.metrics import is_loopback
 from supervisor.wire import errors
 
@@ -59,6 +69,7 @@ _ROUTES = [
     ("POST", re.compile(rf"^/sandboxes/{_ID}/pause$"), "pause"),
     ("POST", re.compile(rf"^/sandboxes/{_ID}/resume$"), "resume"),
     ("POST", re.compile(rf"^/(?:v2/)?sandboxes/{_ID}/connect$"), "connect"),
+    ("GET", re.compile(rf"^/sandboxes/{_ID}/metrics$"), "metrics"),
 ]
 _RPC = re.compile(r"^/(process\.Process|filesystem\.Filesystem)/([A-Za-z]+)$")
 _SNAPSHOT_ID = re.compile(r"^snap-[0-9a-f]+$")
@@ -94,6 +105,21 @@ def _labels(value: Any) -> dict[str, str]:
     return {str(k): v for k, v in value.items()}
 
 
+def _no_network(body: dict[str, Any]) -> None:
+    """Endpoint sandboxes have no network device: asking for internet access or
+    egress rules is refused rather than ignored (``allow_internet_access=False`` and no
+    rules are what they get)."""
+    net = body.get("network")
+    rules = {k: v for k, v in net.items() if v} if isinstance(net, dict) else {}
+    if body.get("allow_internet_access") is True or rules:
+        asked = "allow_internet_access" if body.get("allow_internet_access") is True else f"network {sorted(rules)}"
+        raise HttpError(
+            400,
+            f"{asked}: sandboxes of this endpoint have no network (network: none); "
+            "give one with sandvisor's SDK or CLI (docs/network.md)",
+        )
+
+
 class E2BApp:
     """The ASGI app. ``socket``: the supervisor's; ``keys``: the API keys."""
 
@@ -101,6 +127,8 @@ class E2BApp:
         self.socket = socket
         self.keys = keys
         self.procs = procs
+        self.watchers = Watchers()
+        self.users = Users()
         self.tokens = Tokens(keys)
         self.known: dict[str, Known] = {}
 
@@ -134,6 +162,9 @@ class E2BApp:
                 log.info("e2b: %s %s failed mid-answer: %s", ex.method, ex.path, exc)
 
     async def _route(self, ex: Exchange) -> None:
+        if (to_port := e2b_proxy.target(ex)) is not None:
+            await self._proxy(ex, *to_port)
+            return
         sandbox = ex.headers.get("e2b-sandbox-id")
         if sandbox is not None:
             opened = self.tokens.open(ex.headers.get("x-access-token"), sandbox)
@@ -160,6 +191,23 @@ class E2BApp:
                 return
         raise HttpError(404, f"no route {ex.method} {ex.path}")
 
+    async def _proxy(self, ex: Exchange, port: int, sandbox: str) -> None:
+        """``get_host(port)``: only with the sandbox's access token (no API key)."""
+        token = ex.headers.get("e2b-traffic-access-token") or ex.headers.get("x-access-token")
+        opened = self.tokens.open(token, sandbox)
+        if opened is None:
+            raise HttpError(401, f"a valid access token for sandbox {sandbox} is required to reach its ports")
+        client = Client(self.socket, opened[0])
+        with client.acting():
+            try:
+                await e2b_proxy.proxy(ex, client, sandbox, opened[1], port)
+            except errors.NotFound:
+                if ex.started:
+                    raise
+                await ex.send_json(
+                    {"code": 502, "message": f"The sandbox {sandbox} was not found", "sandboxId": sandbox}, 502
+                )
+
     async def _envd(self, ex: Exchange, client: Client, sandbox: str, uid: str) -> None:
         """A call to a sandbox, for ``client``'s key; ``uid``: the sandbox its token was
         handed out for ("" for an API key: whichever sandbox of that id the key sees)."""
@@ -181,6 +229,7 @@ class E2BApp:
             await ex.respond(204)
             return
         target = envd.Target(client, sandbox, info.uid)
+        await self.users.ensure(target.handle(), info.uid)
         if ex.path == "/files":
             if ex.method == "GET":
                 await envd.download(ex, target)
@@ -192,19 +241,25 @@ class E2BApp:
         m = _RPC.match(ex.path)
         if m is None or ex.method != "POST":
             raise HttpError(404, f"no envd route {ex.method} {ex.path}")
-        if m.group(1) == "process.Process":
+        if m.group(2) in WATCHER_METHODS and m.group(1) == "filesystem.Filesystem":
+            await self.watchers.call(ex, target, m.group(2), envd.envd_user(ex))
+        elif m.group(1) == "process.Process":
             await envd.process_call(ex, self.procs, target, m.group(2))
         else:
             await envd.filesystem_call(ex, target, m.group(2))
 
     # -- the REST API ------------------------------------------------------------------------
-    def _created(self, client: Client, sandbox: str, uid: str, template: str) -> dict[str, Any]:
+    def _created(self, ex: Exchange, client: Client, sandbox: str, uid: str, template: str) -> dict[str, Any]:
+        token = self.tokens.mint(client.key, sandbox, uid)
         return {
             "templateID": template,
             "sandboxID": sandbox,
             "clientID": "sandvisor",
             "envdVersion": ENVD_VERSION,
-            "envdAccessToken": self.tokens.mint(client.key, sandbox, uid),
+            "envdAccessToken": token,
+            # get_host(port) names PORT-ID.<this endpoint's host>, proxied with this token
+            "trafficAccessToken": token,
+            "domain": ex.headers.get("host", ""),
         }
 
     async def _template(self, client: Client, template: str) -> str | None:
@@ -239,6 +294,7 @@ class E2BApp:
         ttl = _timeout(body.get("timeout"), DEFAULT_TIMEOUT)
         labels = _labels(body.get("metadata"))
         env = _labels(body.get("envVars"))
+        _no_network(body)
         snapshot = None if template in DEFAULT_TEMPLATES else await self._template(client, template)
         if snapshot is not None:
             if env:
@@ -248,8 +304,14 @@ class E2BApp:
             image = "" if template in DEFAULT_TEMPLATES else template
             sb = await client.create(image=image, labels=labels, env=env, ttl=ttl, ttl_action="remove")
         info = await sb.inspect()
+        try:
+            await self.users.ensure(sb, info.uid)
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                await sb.remove(force=True)
+            raise
         self.known[sb.id] = Known(template or "base", info.created_at + ttl, info.uid)
-        await ex.send_json(self._created(client, sb.id, info.uid, template or "base"), 201)
+        await ex.send_json(self._created(ex, client, sb.id, info.uid, template or "base"), 201)
 
     def _listed(self, sid: str, state: str, labels: dict[str, str], created_at: int, uid: str = "") -> dict[str, Any]:
         known = self._known(sid, uid)
@@ -310,6 +372,8 @@ class E2BApp:
         except errors.NotFound:
             raise HttpError(404, f"Sandbox {sid} not found") from None
         self.procs.forget(info.uid)
+        self.watchers.forget(info.uid)
+        self.users.forget(info.uid)
         self.known.pop(sid, None)
         await ex.respond(204)
 
@@ -342,7 +406,7 @@ class E2BApp:
             now = int(time.time())
             if known is None or (known.end_at and known.end_at < now + seconds):
                 await self._set_timeout(client, sid, info.uid, seconds)
-        await ex.send_json(self._created(client, sid, info.uid, self._template_of(sid, info.uid)), 200)
+        await ex.send_json(self._created(ex, client, sid, info.uid, self._template_of(sid, info.uid)), 200)
 
     async def pause(self, ex: Exchange, client: Client, sid: str) -> None:
         """E2B's pause is sandvisor's hibernation (docs/hibernation.md): 204, or 409 when
@@ -363,7 +427,19 @@ class E2BApp:
         await self._call(sid, client.sandbox(sid).resume())
         if body.get("timeout") is not None:
             await self._set_timeout(client, sid, info.uid, _timeout(body.get("timeout"), DEFAULT_TIMEOUT))
-        await ex.send_json(self._created(client, sid, info.uid, self._template_of(sid, info.uid)), 201)
+        await ex.send_json(self._created(ex, client, sid, info.uid, self._template_of(sid, info.uid)), 201)
+
+    async def metrics(self, ex: Exchange, client: Client, sid: str) -> None:
+        """E2B's metrics of a sandbox: one sample, now (the supervisor keeps no history)."""
+        info = await self._info(client, sid)
+        try:
+            sample = await client.sandbox(sid).metrics()
+        except errors.NotFound:
+            raise HttpError(404, f"Sandbox {sid} not found") from None
+        except errors.FailedPrecondition:  # paused: E2B has no sample either
+            await ex.send_json([])
+            return
+        await ex.send_json([e2b_metrics(sample, info.limits.vcpus)])
 
     async def _call(self, sid: str, call: Awaitable[object]) -> None:
         try:

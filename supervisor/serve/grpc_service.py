@@ -199,6 +199,7 @@ BINDINGS: dict[str, tuple[Rpc, ...]] = {
         Rpc("RequestStop", "RequestStop"),
         Rpc("RequestKill", "RequestKill"),
         Rpc("WaitUntilStoppedResult", "WaitUntilStopped"),
+        Rpc("Fork", "Fork"),
     ),
 }
 

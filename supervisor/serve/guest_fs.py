@@ -13,6 +13,7 @@ import datetime
 from typing import Any
 
 from supervisor.client.sdk.aio import AsyncSandbox
+from supervisor.client.sdk.spec import RunResult
 from supervisor.wire import errors
 
 # one record per entry: 10 NUL-terminated fields
@@ -23,10 +24,27 @@ _MISSING, _EXISTS, _NOT_DIR = 44, 45, 46
 _MAX_DEPTH = 64
 
 
+async def exec_collect(sb: AsyncSandbox, argv: list[str], user: str) -> RunResult:
+    """``argv`` as an Exec (which runs beside others, where a Run is one at a time),
+    its stdin closed; its output and exit code."""
+    out, err = bytearray(), bytearray()
+    code = -1
+    async with sb.exec(argv, user=user) as execd:
+        await execd.close_stdin()
+        async for o in execd:
+            if o.stream == "exit":
+                code = o.exit_code if o.exit_code is not None else -1
+            elif o.stream == "stderr":
+                err += o.data
+            else:
+                out += o.data
+    return RunResult(bytes(out), bytes(err), code)
+
+
 async def _sh(sb: AsyncSandbox, user: str, script: str, *args: str) -> bytes:
     """``script`` under ``sh -c`` with ``args`` as $1...; its stdout, or the error its
     exit code stands for."""
-    r = await sb.run(["/bin/sh", "-c", script, "sh", *args], user=user)
+    r = await exec_collect(sb, ["/bin/sh", "-c", script, "sh", *args], user)
     if r.exit_code == _MISSING:
         raise errors.NotFound(errors.NOT_FOUND, f"path {args[0]!r} does not exist")
     if r.exit_code == _EXISTS:

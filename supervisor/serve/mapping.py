@@ -47,6 +47,7 @@ from actors.face import (
     TmpfsMount,
     VolumeMount,
     Workload,
+    proc_memory_split,
     rfc3339,
 )
 from images.build import Image
@@ -185,6 +186,7 @@ def stop_cause(cause: Cause | None) -> protocol.StopCause | None:
 
 def info(sb: Sandbox) -> protocol.SandboxInfo:
     r = sb.record
+    shared, own = proc_memory_split(r.qemu_pid) if sb.life is not None else (0, 0)
     limits = sb.limits
     return protocol.SandboxInfo(
         id=r.id,
@@ -209,6 +211,12 @@ def info(sb: Sandbox) -> protocol.SandboxInfo:
         shell=r.config.shell,
         init=None if (i := r.config.init) is None else protocol.InitSpec(i.path, list(i.args), dict(i.env)),
         cause=stop_cause(r.cause),
+        parent=r.lineage.parent_id if r.lineage else "",
+        parent_uid=r.lineage.parent_uid if r.lineage else "",
+        fork_snapshot=r.lineage.snapshot_id if r.lineage else "",
+        forked_at=r.lineage.forked_ns // 1_000_000_000 if r.lineage else 0,
+        memory_shared_bytes=shared,
+        memory_own_bytes=own,
     )
 
 
@@ -327,7 +335,14 @@ def modify_response(p: Plan) -> protocol.ModifyResponse:
 def summary(sb: Sandbox) -> protocol.SandboxSummary:
     r = sb.record
     return protocol.SandboxSummary(
-        id=r.id, state=r.state.value, labels=dict(r.config.labels), ip_address=sb.ip_address, created_at=r.created_at
+        id=r.id,
+        state=r.state.value,
+        labels=dict(r.config.labels),
+        ip_address=sb.ip_address,
+        created_at=r.created_at,
+        uid=r.uid,
+        parent_uid=r.lineage.parent_uid if r.lineage else "",
+        memory_mib=sb.limits.memory_mib,
     )
 
 

@@ -237,6 +237,21 @@ def build(socket: str | None) -> MCPServer:
 
     @server.tool()
     @guarded
+    async def fork_sandbox(
+        sandbox_id: Id,
+        count: Annotated[int, Field(ge=1, le=16, description="how many copies")] = 1,
+        ttl_seconds: Annotated[int, Field(ge=1, le=MAX_TTL, description="seconds until each is removed")] = DEFAULT_TTL,
+    ) -> dict[str, Any]:
+        """Copy a running sandbox: each copy has its processes, memory and files as they are
+        now, its own id, hostname and address; the original runs on. For trying several
+        things from one state."""
+        kids = await box(sandbox_id).fork(count, labels=LABEL)
+        for kid in kids:
+            await kid.set_ttl(ttl_seconds)
+        return {"ids": [k.id for k in kids], "parent": sandbox_id, "ttl_seconds": ttl_seconds}
+
+    @server.tool()
+    @guarded
     async def remove_sandbox(sandbox_id: Id) -> dict[str, Any]:
         """Stop and delete a sandbox and its disk."""
         await box(sandbox_id).remove(force=True)

@@ -103,6 +103,7 @@ def test_a_config_said_as_flags_parses_back_to_itself(tmp_path: Path) -> None:
         webhook_secrets=(tmp_path / "wh1", tmp_path / "wh2"),
         port_addresses=("192.0.2.10", "0.0.0.0"),
         network_profiles=tmp_path / "profiles.toml",
+        freeze_fs=False,
     )
     default_cfg = DaemonConfig(socket=cfg.socket, state_dir=cfg.state_dir)
     left_at_default = [

@@ -219,7 +219,7 @@ async def test_envd_requests_checked_before_the_supervisor() -> None:
 
     basic = "Basic " + base64.b64encode(b"nobody:").decode()
     assert e2b_envd.envd_user(exchange({"Authorization": basic})) == "nobody"
-    assert e2b_envd.envd_user(exchange({})) == ""
+    assert e2b_envd.envd_user(exchange({})) == "user"  # E2B's default user
     for bad in (b"a b:", b"-x:", b"$(id):"):
         with pytest.raises(e2b_http.HttpError):
             e2b_envd.envd_user(exchange({"Authorization": "Basic " + base64.b64encode(bad).decode()}))

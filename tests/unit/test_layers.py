@@ -296,6 +296,7 @@ DOMAIN_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "timers",
             "registry",
             "from_snapshot",
+            "fork",
         ),
     ),
     ("the edges' face", ("face",)),  # what supervisor/ may use (tests/unit/test_edge_face.py)

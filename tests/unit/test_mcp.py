@@ -42,6 +42,7 @@ TOOLS = {
     "list_files",
     "checkpoint",
     "restore",
+    "fork_sandbox",
     "remove_sandbox",
     "list_sandboxes",
 }
@@ -108,6 +109,13 @@ async def test_mcp_over_stdio() -> None:
                         cat = {"sandbox_id": clone["id"], "command": "cat /tmp/mcp/a.txt"}
                         assert _result(await s.call_tool("run_command", cat))["stdout"] == content
                         await s.call_tool("remove_sandbox", {"sandbox_id": clone["id"]})
+                        fork = {"sandbox_id": sid, "count": 2, "ttl_seconds": 600}
+                        kids = _result(await s.call_tool("fork_sandbox", fork))
+                        assert kids["parent"] == sid and len(set(kids["ids"])) == 2
+                        for kid in kids["ids"]:
+                            cat = {"sandbox_id": kid, "command": "cat /tmp/mcp/a.txt"}
+                            assert _result(await s.call_tool("run_command", cat))["stdout"] == content
+                            await s.call_tool("remove_sandbox", {"sandbox_id": kid})
 
                         missing = await s.call_tool("read_file", {"sandbox_id": sid, "path": "/nope"})
                         assert missing.is_error and "NOT_FOUND: " in missing.content[0].text

@@ -29,7 +29,7 @@ from actors.principals import LEGACY_OWNER, Principal, check_name
 from actors.registry import Registry
 from actors.secrets.model import SecretRef
 from actors.secrets.vault import Vault
-from actors.store import SCHEMA, Store
+from actors.store import SCHEMA, VERSION, Store
 from supervisor.client.sdk.acting import acting_as
 from supervisor.client.sdk.aio import AsyncSandbox, connect
 from supervisor.serve import grpc_service
@@ -176,7 +176,7 @@ def test_records_stored_before_owners_belong_to_uid_0(tmp_path: Path) -> None:
         [rec] = store.all()
         [v] = store.volumes()
         assert (rec.id, rec.owner, v.owner) == ("old", LEGACY_OWNER, LEGACY_OWNER)
-        assert store.db.execute("PRAGMA user_version").fetchone()[0] == 5
+        assert store.db.execute("PRAGMA user_version").fetchone()[0] == VERSION  # (migrated to the latest)
     finally:
         store.close()
     vault = Vault(tmp_path, tmp_path / "key")

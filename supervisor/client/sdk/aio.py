@@ -24,7 +24,7 @@ from typing import Any, TypeVar, Unpack
 
 import trio
 
-from supervisor.client.sdk import plans, sandbox_plans
+from supervisor.client.sdk import plans, sandbox_plans, snapshot_plans
 from supervisor.client.sdk.acting import hello_fields
 from supervisor.client.sdk.detach import DEFAULT_DETACH_KEYS, Detached, DetachMatcher, parse_detach_keys
 from supervisor.client.sdk.ops import (
@@ -439,6 +439,22 @@ class AsyncSandbox(plans.SandboxMethods, _Driven):
     async def _make(cls: type[H], socket: str | Path | None, plan: Plan[Made]) -> H:
         made = await drive(socket, plan)
         return cls(made.id, socket=socket, detached=made.detached)
+
+    async def fork(
+        self,
+        n: int = 1,
+        *,
+        names: builtins.list[str] | None = None,
+        name_prefix: str = "",
+        labels: Mapping[str, str] | None = None,
+    ) -> builtins.list[AsyncSandbox]:
+        """``n`` children of this running sandbox, each ready, in the order asked (docs/fork.md):
+        it pauses once and runs on; each child has its own id, hostname, address and secret
+        placeholders, and this sandbox's processes, memory and files at the fork point.
+        Their labels: this one's, then ``labels``. They are yours, detached (remove them,
+        or remove this one ``with_descendants``)."""
+        r = await drive(self.socket, snapshot_plans.fork(self, n, names=names, name_prefix=name_prefix, labels=labels))
+        return [type(self)(c.id, socket=self.socket, detached=True) for c in r.sandboxes]
 
     async def __aenter__(self) -> AsyncSandbox:
         return self

@@ -127,9 +127,11 @@ def list_(
     state: str = "",
     limit: int = 20,
     cursor: str = "",
+    ancestor: str = "",
 ) -> Plan[Page]:
-    """One page of sandboxes, newest first, filtered by state and labels (all must match)."""
-    req = protocol.ListSandboxesRequest(state=state, labels=_kv(labels), limit=limit, cursor=cursor)
+    """One page of sandboxes, newest first, filtered by state and labels (all must match)
+    and ``ancestor`` (only its forks, and theirs)."""
+    req = protocol.ListSandboxesRequest(state=state, labels=_kv(labels), limit=limit, cursor=cursor, ancestor=ancestor)
     r: protocol.ListSandboxesResponse = yield Unary("List", req, protocol.ListSandboxesResponse)
     return Page(r.sandboxes, r.next_cursor)
 
@@ -326,9 +328,11 @@ def resume(t: Target) -> Plan[SandboxInfo]:
     return info
 
 
-def remove(t: Target, *, force: bool = False) -> Plan[None]:
-    """Remove (``force``: stop it first if it runs)."""
-    yield Unary("Remove", protocol.RemoveSandboxRequest(id=t.id, force=force), protocol.Empty)
+def remove(t: Target, *, force: bool = False, with_descendants: bool = False) -> Plan[None]:
+    """Remove (``force``: stop it first if it runs; ``with_descendants``: its forks too,
+    and theirs, those the caller sees; docs/fork.md)."""
+    req = protocol.RemoveSandboxRequest(id=t.id, force=force, with_descendants=with_descendants)
+    yield Unary("Remove", req, protocol.Empty)
 
 
 def ping(t: Target) -> Plan[float]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
@@ -147,4 +147,21 @@ def checkpoint(t: Target, name: str = "", *, labels: Mapping[str, str] | None = 
     memory, and it runs on; stopped: its disk alone (``.disk_only``; restores boot)."""
     req = protocol.CheckpointRequest(sandbox_id=t.id, name=name, labels=_kv(labels))
     r: CheckpointResponse = yield Unary("Checkpoint", req, CheckpointResponse)
+    return r
+
+
+def fork(
+    t: Target,
+    n: int = 1,
+    *,
+    names: Sequence[str] | None = None,
+    name_prefix: str = "",
+    labels: Mapping[str, str] | None = None,
+) -> Plan[protocol.ForkResponse]:
+    """``n`` children of the running sandbox (docs/fork.md): it pauses once and runs on;
+    each child is ready, with its own id (``names``, else ``name_prefix`` + 1..n, else
+    its uid), hostname, address and secret placeholders, and the parent's processes,
+    memory and files at the fork point. Their labels: the parent's, then ``labels``."""
+    req = protocol.ForkRequest(id=t.id, count=n, names=list(names or ()), name_prefix=name_prefix, labels=_kv(labels))
+    r: protocol.ForkResponse = yield Unary("Fork", req, protocol.ForkResponse)
     return r

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar, Unpack
 
-from supervisor.client.sdk import plans, sandbox_plans
+from supervisor.client.sdk import plans, sandbox_plans, snapshot_plans
 from supervisor.client.sdk.acting import hello_fields
 from supervisor.client.sdk.detach import DEFAULT_DETACH_KEYS, Detached
 from supervisor.client.sdk.ops import (
@@ -343,6 +343,19 @@ class Sandbox(plans.SandboxMethods, _Driven):
     def _make(cls: type[H], socket: str | Path | None, plan: Plan[Made]) -> H:
         made = drive(socket, plan)
         return cls(made.id, socket=socket, detached=made.detached)
+
+    def fork(
+        self,
+        n: int = 1,
+        *,
+        names: builtins.list[str] | None = None,
+        name_prefix: str = "",
+        labels: Mapping[str, str] | None = None,
+    ) -> builtins.list[Sandbox]:
+        """``n`` children of this running sandbox, each ready (see
+        :meth:`supervisor.client.sdk.aio.AsyncSandbox.fork`)."""
+        r = drive(self.socket, snapshot_plans.fork(self, n, names=names, name_prefix=name_prefix, labels=labels))
+        return [type(self)(c.id, socket=self.socket, detached=True) for c in r.sandboxes]
 
     def __enter__(self) -> Sandbox:
         return self

@@ -316,6 +316,7 @@ class StopSandboxRequest:
 class RemoveSandboxRequest:
     id: str
     force: bool = False
+    with_descendants: bool = False  # its forks too, and theirs (those the caller sees)
 
 
 @attrs.frozen
@@ -367,6 +368,15 @@ class SandboxInfo:
     init: InitSpec | None = None  # the init PID 1 is handed to (None: guestd stays PID 1)
     pending: SandboxSettings | None = None  # saved for the next start (a Modify's policy next_start)
     cause: StopCause | None = None  # why its last life ended (None: none has)
+    # lineage (docs/fork.md): the sandbox it was forked from ("": none), its fork point
+    parent: str = ""
+    parent_uid: str = ""
+    fork_snapshot: str = ""
+    forked_at: int = 0  # unix seconds
+    # memory per branch, as the host counts QEMU's pages: shared with others (the family's
+    # one memory file) and its own (0: no machine runs)
+    memory_shared_bytes: int = 0
+    memory_own_bytes: int = 0
 
 
 @attrs.frozen
@@ -460,6 +470,7 @@ class ListSandboxesRequest:
     labels: dict[str, str] = attrs.field(factory=dict)
     limit: int = 0
     cursor: str = ""
+    ancestor: str = ""  # only the forks of this sandbox, and theirs (docs/fork.md)
 
 
 @attrs.frozen
@@ -469,6 +480,10 @@ class SandboxSummary:
     labels: dict[str, str]
     ip_address: str
     created_at: int
+    # sandvisor extensions: the family (docs/fork.md) and the guest's memory
+    uid: str = ""
+    parent_uid: str = ""
+    memory_mib: int = 0
 
 
 @attrs.frozen

@@ -100,3 +100,27 @@ class ImportSnapshotRequest:
 
     open: ImportSnapshotOpen | None = None
     chunk: FileChunk | None = None
+
+
+# --- fork (docs/fork.md) -----------------------------------------------------------------------
+@attrs.frozen
+class ForkRequest:
+    id: str  # the parent: a running sandbox the caller sees
+    count: int = 1
+    names: list[str] = attrs.field(factory=list)  # one per child (else name_prefix + 1..count, else uids)
+    name_prefix: str = ""
+    labels: dict[str, str] = attrs.field(factory=dict)  # on top of the parent's
+
+
+@attrs.frozen
+class ForkedSandbox:
+    id: str
+    ip_address: str = ""
+    uid: str = ""
+
+
+@attrs.frozen
+class ForkResponse:
+    sandboxes: list[ForkedSandbox]
+    snapshot_id: str = ""  # the fork point (hidden; it goes with the last descendant)
+    paused_ms: float = 0.0  # how long the parent was paused

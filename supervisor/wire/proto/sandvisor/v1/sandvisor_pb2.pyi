@@ -7,6 +7,47 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ForkRequest(_message.Message):
+    __slots__ = ("id", "count", "names", "name_prefix", "labels")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    ID_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    NAMES_FIELD_NUMBER: _ClassVar[int]
+    NAME_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    count: int
+    names: _containers.RepeatedScalarFieldContainer[str]
+    name_prefix: str
+    labels: _containers.ScalarMap[str, str]
+    def __init__(self, id: _Optional[str] = ..., count: _Optional[int] = ..., names: _Optional[_Iterable[str]] = ..., name_prefix: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class ForkedSandbox(_message.Message):
+    __slots__ = ("id", "ip_address", "uid")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    IP_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    UID_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    ip_address: str
+    uid: str
+    def __init__(self, id: _Optional[str] = ..., ip_address: _Optional[str] = ..., uid: _Optional[str] = ...) -> None: ...
+
+class ForkResponse(_message.Message):
+    __slots__ = ("sandboxes", "snapshot_id", "paused_ms")
+    SANDBOXES_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
+    PAUSED_MS_FIELD_NUMBER: _ClassVar[int]
+    sandboxes: _containers.RepeatedCompositeFieldContainer[ForkedSandbox]
+    snapshot_id: str
+    paused_ms: float
+    def __init__(self, sandboxes: _Optional[_Iterable[_Union[ForkedSandbox, _Mapping]]] = ..., snapshot_id: _Optional[str] = ..., paused_ms: _Optional[float] = ...) -> None: ...
+
 class PauseRequest(_message.Message):
     __slots__ = ("id",)
     ID_FIELD_NUMBER: _ClassVar[int]
@@ -1107,7 +1148,7 @@ class SandboxSettings(_message.Message):
     def __init__(self, vcpus: _Optional[int] = ..., memory_mib: _Optional[int] = ..., max_vcpus: _Optional[int] = ..., max_memory_mib: _Optional[int] = ..., disk_size_mib: _Optional[int] = ..., env: _Optional[_Mapping[str, str]] = ..., working_dir: _Optional[str] = ..., ttl_seconds: _Optional[int] = ..., idle_timeout_seconds: _Optional[int] = ..., settled: _Optional[bool] = ...) -> None: ...
 
 class SandboxDetails(_message.Message):
-    __slots__ = ("base", "requested", "applied", "updated_at", "shell", "init", "pending", "cause")
+    __slots__ = ("base", "requested", "applied", "updated_at", "shell", "init", "pending", "cause", "parent", "parent_uid", "fork_snapshot", "forked_at", "memory_shared_bytes", "memory_own_bytes")
     BASE_FIELD_NUMBER: _ClassVar[int]
     REQUESTED_FIELD_NUMBER: _ClassVar[int]
     APPLIED_FIELD_NUMBER: _ClassVar[int]
@@ -1116,6 +1157,12 @@ class SandboxDetails(_message.Message):
     INIT_FIELD_NUMBER: _ClassVar[int]
     PENDING_FIELD_NUMBER: _ClassVar[int]
     CAUSE_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
+    PARENT_UID_FIELD_NUMBER: _ClassVar[int]
+    FORK_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    FORKED_AT_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_SHARED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_OWN_BYTES_FIELD_NUMBER: _ClassVar[int]
     base: _sandbox_pb2.SandboxInfo
     requested: SandboxSettings
     applied: SandboxSettings
@@ -1124,7 +1171,13 @@ class SandboxDetails(_message.Message):
     init: InitSpec
     pending: SandboxSettings
     cause: StopCause
-    def __init__(self, base: _Optional[_Union[_sandbox_pb2.SandboxInfo, _Mapping]] = ..., requested: _Optional[_Union[SandboxSettings, _Mapping]] = ..., applied: _Optional[_Union[SandboxSettings, _Mapping]] = ..., updated_at: _Optional[int] = ..., shell: _Optional[str] = ..., init: _Optional[_Union[InitSpec, _Mapping]] = ..., pending: _Optional[_Union[SandboxSettings, _Mapping]] = ..., cause: _Optional[_Union[StopCause, _Mapping]] = ...) -> None: ...
+    parent: str
+    parent_uid: str
+    fork_snapshot: str
+    forked_at: int
+    memory_shared_bytes: int
+    memory_own_bytes: int
+    def __init__(self, base: _Optional[_Union[_sandbox_pb2.SandboxInfo, _Mapping]] = ..., requested: _Optional[_Union[SandboxSettings, _Mapping]] = ..., applied: _Optional[_Union[SandboxSettings, _Mapping]] = ..., updated_at: _Optional[int] = ..., shell: _Optional[str] = ..., init: _Optional[_Union[InitSpec, _Mapping]] = ..., pending: _Optional[_Union[SandboxSettings, _Mapping]] = ..., cause: _Optional[_Union[StopCause, _Mapping]] = ..., parent: _Optional[str] = ..., parent_uid: _Optional[str] = ..., fork_snapshot: _Optional[str] = ..., forked_at: _Optional[int] = ..., memory_shared_bytes: _Optional[int] = ..., memory_own_bytes: _Optional[int] = ...) -> None: ...
 
 class SecretSpec(_message.Message):
     __slots__ = ("name", "hosts", "value", "store", "placeholder", "substitute")

@@ -315,6 +315,11 @@ class SandvisorServiceStub:
                 request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.WaitUntilStoppedRequest.SerializeToString,
                 response_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.SandboxDetails.FromString,
                 _registered_method=True)
+        self.Fork = channel.unary_unary(
+                '/sandvisor.v1.SandvisorService/Fork',
+                request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.ForkRequest.SerializeToString,
+                response_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.ForkResponse.FromString,
+                _registered_method=True)
 
 
 class SandvisorServiceServicer:
@@ -731,6 +736,17 @@ class SandvisorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Fork(self, request, context):
+        """--- fork (docs/fork.md) ---
+        Children of a ready sandbox the caller sees, the caller's own: one checkpoint of the
+        parent (it runs on), then count restores, each with its own id, hostname, address
+        and secret placeholders. FAILED_PRECONDITION: a host directory mounted, a volume
+        mounted read-write, not ready.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SandvisorServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -1013,6 +1029,11 @@ def add_SandvisorServiceServicer_to_server(servicer, server):
                     servicer.WaitUntilStoppedResult,
                     request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.WaitUntilStoppedRequest.FromString,
                     response_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.SandboxDetails.SerializeToString,
+            ),
+            'Fork': grpc.unary_unary_rpc_method_handler(
+                    servicer.Fork,
+                    request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.ForkRequest.FromString,
+                    response_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.ForkResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -2527,6 +2548,33 @@ class SandvisorService:
             '/sandvisor.v1.SandvisorService/WaitUntilStoppedResult',
             sandvisor_dot_v1_dot_sandvisor__pb2.WaitUntilStoppedRequest.SerializeToString,
             sandvisor_dot_v1_dot_sandvisor__pb2.SandboxDetails.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Fork(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandvisor.v1.SandvisorService/Fork',
+            sandvisor_dot_v1_dot_sandvisor__pb2.ForkRequest.SerializeToString,
+            sandvisor_dot_v1_dot_sandvisor__pb2.ForkResponse.FromString,
             options,
             channel_credentials,
             insecure,
