@@ -53,7 +53,11 @@ def leftovers(config: SandboxConfig, blank: SandboxConfig) -> list[str]:
         ssh_keys=blank.ssh_keys,
         workload=attrs.evolve(config.workload, env=blank.workload.env, working_dir=blank.workload.working_dir),
         timers=attrs.evolve(
-            config.timers, ttl_seconds=blank.timers.ttl_seconds, idle_timeout_seconds=blank.timers.idle_timeout_seconds
+            config.timers,
+            ttl_seconds=blank.timers.ttl_seconds,
+            idle_timeout_seconds=blank.timers.idle_timeout_seconds,
+            ttl_action=blank.timers.ttl_action,
+            kill_timeout_seconds=blank.timers.kill_timeout_seconds,
         ),
     )
     out: list[str] = []
@@ -119,6 +123,7 @@ async def create(
     try:
         wl: Workload = config.workload
         t: Timers = config.timers
+        sb.set_ttl(t.ttl_seconds, ttl_action=t.ttl_action, kill_timeout_seconds=t.kill_timeout_seconds)
         mod = Modification(
             env=dict(wl.env) or None,
             working_dir=wl.working_dir or None,

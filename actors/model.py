@@ -36,11 +36,19 @@ class State(enum.StrEnum):
     STOPPED = "stopped"
     FAILED = "failed"
     PAUSED = "paused"  # hibernated to disk: no QEMU, no RAM (not in sandbox.v1's list)
+    # ours (the microsandbox SDK's), not in sandbox.v1's list: its edge says "stopping"
+    # for draining and "failed" (with the cause in ``error``) for crashed (V1_STATE)
+    DRAINING = "draining"  # no new execs or runs; those in flight get the grace, then it stops
+    CRASHED = "crashed"  # the guest died on its own (panic, QEMU killed, out of memory)
 
+
+# sandbox.v1's word for each of our states (its SandboxInfo.state is a fixed list)
+V1_STATE = {State.DRAINING: "stopping", State.CRASHED: "failed"}
 
 ALIVE = frozenset({State.READY, State.RUNNING})
-ENDED = frozenset({State.STOPPED, State.FAILED})
+ENDED = frozenset({State.STOPPED, State.FAILED, State.CRASHED})
 ON_IDLE = frozenset({"stop", "pause"})
+TTL_ACTIONS = frozenset({"stop", "remove"})
 
 
 class Action(enum.StrEnum):
@@ -60,6 +68,104 @@ class Action(enum.StrEnum):
     # sandvisor's: the secret proxy refused a request carrying a secret's placeholder to
     # a host that secret does not allow (attributes: secret, host; never the value)
     SECRET_BLOCKED = "secret_blocked"
+    DRAINING = "draining"  # ours: new work refused, the sandbox stops once its work ends
+
+
+class Ending(enum.StrEnum):
+    """How a sandbox's life ended (:class:`Cause`)."""
+
+    EXITED = "exited"  # the guest powered off on its own (a workload's poweroff)
+    STOPPED = "stopped"  # asked to: by the user, its TTL, its idle timeout, a drain, a replace
+    OUT_OF_MEMORY = "out_of_memory"  # the cgroup's OOM killer took QEMU
+    GUEST_PANIC = "guest_panic"  # the guest kernel panicked (its console said so, then it reset)
+    QEMU_DIED = "qemu_died"  # QEMU exited or was killed by a signal, not asked to
+    HOST_RESTART = "host_restart"  # a supervisor start found its QEMU gone
+    GAVE_UP = "gave_up"  # the supervisor gave up on it: a deadline passed (boot, restore)
+    BOOT_FAILED = "boot_failed"  # its boot, restore or set-up failed
+    ERROR = "error"  # anything else (the guest broke its channel, an internal error)
+
+
+# who asked a stop (Cause.by of Ending.STOPPED)
+STOPPED_BY = frozenset({"user", "ttl", "idle", "drain", "replace", "supervisor"})
+CRASHES = frozenset({Ending.OUT_OF_MEMORY, Ending.GUEST_PANIC, Ending.QEMU_DIED})
+
+
+@attrs.frozen
+class Cause:
+    """The one description of why a sandbox's life ended: in its record, its stopped,
+    failed and removed events, Inspect, WaitUntilStopped and sandbox.v1's ``error``."""
+
+    ending: Ending
+    by: str = ""  # STOPPED: who asked (STOPPED_BY); OUT_OF_MEMORY: "cgroup" or "guest"
+    exit_code: int | None = None  # the workload's (STOPPED, EXITED), QEMU's (QEMU_DIED)
+    signal: int | None = None  # the signal that ended QEMU
+    detail: str = ""  # a sentence of the specifics (the limit, QEMU's last stderr lines)
+
+    @property
+    def crashed(self) -> bool:
+        """The guest died on its own (state crashed, not stopped or failed)."""
+        return self.ending in CRASHES
+
+    @property
+    def source(self) -> str:
+        """Who or what ended it, in one word (the microsandbox SDK's stop source)."""
+        if self.ending == Ending.STOPPED:
+            return self.by or "user"
+        if self.ending == Ending.OUT_OF_MEMORY:
+            return "oom"
+        return {
+            Ending.EXITED: "guest-exit",
+            Ending.GUEST_PANIC: "guest-panic",
+            Ending.QEMU_DIED: "qemu-died",
+            Ending.HOST_RESTART: "host-restart",
+            Ending.GAVE_UP: "supervisor-gave-up",
+            Ending.BOOT_FAILED: "boot-failed",
+        }.get(self.ending, "error")
+
+    def sentence(self) -> str:
+        """A sentence for people (the CLI, sandbox.v1's ``error``)."""
+        e = self.ending
+        if e == Ending.STOPPED:
+            text = {
+                "ttl": "stopped: its maximum duration (TTL) expired",
+                "idle": "stopped: its idle timeout expired",
+                "drain": "stopped after a drain",
+                "replace": "stopped to be replaced",
+                "supervisor": "stopped by the supervisor",
+            }.get(self.by, "stopped by the user")
+        elif e == Ending.EXITED:
+            text = "exited: the guest powered off on its own"
+        elif e == Ending.OUT_OF_MEMORY:
+            text = "out of memory: " + (
+                "the guest's OOM killer" if self.by == "guest" else "QEMU killed by its cgroup's memory limit"
+            )
+        elif e == Ending.GUEST_PANIC:
+            text = "crashed: the guest kernel panicked"
+        elif e == Ending.QEMU_DIED:
+            how = f"killed by signal {self.signal}" if self.signal else f"exited with status {self.exit_code}"
+            text = f"crashed: QEMU {how}"
+        elif e == Ending.HOST_RESTART:
+            text = "lost at a supervisor restart: its QEMU was gone"
+        elif e == Ending.GAVE_UP:
+            text = "the supervisor gave up on it: a deadline passed"
+        elif e == Ending.BOOT_FAILED:
+            text = "its boot failed"
+        else:
+            text = "failed"
+        return f"{text} ({self.detail})" if self.detail else text
+
+    def attributes(self) -> dict[str, str]:
+        """The cause as event attributes (``cause``, ``source``, ``by``, ``exit_code``, ``signal``)."""
+        out = {"cause": self.ending.value, "source": self.source}
+        if self.by:
+            out["by"] = self.by
+        if self.exit_code is not None:
+            out["exit_code"] = str(self.exit_code)
+        if self.signal is not None:
+            out["signal"] = str(self.signal)
+        if self.detail:
+            out["detail"] = self.detail
+        return out
 
 
 class NetMode(enum.StrEnum):
@@ -309,6 +415,11 @@ class Timers:
     on_idle: str = "stop"  # what the idle timeout does: "stop" or "pause" (hibernate)
     paused_ttl_seconds: int = 0  # a paused sandbox is removed after this long paused (0: never)
     auto_resume: bool = True  # a call needing the guest (or a connection) resumes a paused sandbox
+    # -- lifetime (the microsandbox SDK's) --
+    # what the TTL does: "remove" (sandbox.v1's, from creation) or "stop" (drain, then stop:
+    # the microsandbox SDK's, from each start; the SDK's and CLI's default)
+    ttl_action: str = "remove"
+    kill_timeout_seconds: int = 0  # how long Kill waits to see it stopped (0: the default)
 
 
 PATCH_OPS = patch.OPS
@@ -586,6 +697,10 @@ def check_config(cfg: SandboxConfig) -> None:
         raise InvalidArgument(f"on_idle must be one of {', '.join(sorted(ON_IDLE))}, not {cfg.timers.on_idle!r}")
     if cfg.timers.paused_ttl_seconds < 0:
         raise InvalidArgument("paused_ttl_seconds must not be negative")
+    if cfg.timers.ttl_action not in TTL_ACTIONS:
+        raise InvalidArgument(f"ttl_action {cfg.timers.ttl_action!r}: stop or remove")
+    if cfg.timers.kill_timeout_seconds < 0:
+        raise InvalidArgument("kill_timeout_seconds must not be negative")
     if cfg.hostname and (len(cfg.hostname) > 63 or not cfg.hostname.replace("-", "").isalnum()):
         raise InvalidArgument("hostname must be 1-63 letters, digits or '-'")
     w = cfg.workload

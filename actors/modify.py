@@ -34,7 +34,7 @@ import attrs
 import trio
 
 from actors.errors import FailedPrecondition, InvalidArgument
-from actors.model import ALIVE, Limits, SandboxConfig, State, check_ceilings, check_labels, max_vcpus
+from actors.model import ALIVE, ENDED, Limits, SandboxConfig, check_ceilings, check_labels, max_vcpus
 from actors.modify_secrets import BLOCKING, Change, Kind, Note, Policy, SecretChange, SecretPlan, Status
 from actors.net.netlink import needs_pool_address
 from actors.sandboxes import secrets, tune
@@ -470,7 +470,7 @@ async def modify(reg: ModifyHost, id: str, mod: Modification) -> Plan:
 
 async def _modify(reg: ModifyHost, sb: Sandbox, mod: Modification) -> Plan:
     id = sb.id
-    if sb.state not in (*ALIVE, State.STOPPED, State.FAILED) or (sb.state not in ALIVE and not sb.stopped):
+    if sb.state not in (*ALIVE, *ENDED) or (sb.state not in ALIVE and not sb.stopped):
         raise FailedPrecondition(f"sandbox {id} is {sb.state}: modify it once it is ready or stopped")
     if sb.checkpointing:
         raise FailedPrecondition(f"sandbox {id} is being checkpointed: modify it after")

@@ -59,8 +59,11 @@ from actors.hibernation import Hibernation
 from actors.machines.qemuproc import AdoptedProcess, MachineError, start_time
 from actors.model import (
     ALIVE,
+    ENDED,
     POOL_PREFIX,
     Action,
+    Cause,
+    Ending,
     ImageUse,
     Limits,
     MemoryKind,
@@ -171,7 +174,7 @@ class Registry:
                     await sb.start(nursery, plan)
                 for sb, _ in adoptions:
                     await sb.ready_event.wait()
-                    if sb.state == State.FAILED:
+                    if sb.state in (State.FAILED, State.CRASHED):
                         log.warning("sandbox %s could not be adopted: %s", sb.id, sb.record.error)
                 await self.store.flush()
                 await nursery.start(self.pools.run, self)
@@ -230,7 +233,7 @@ class Registry:
             if is_hidden(rec.id):  # a warm pool member: it goes, and so does its QEMU
                 await self.forget(sb)
                 continue
-            if rec.state == State.STOPPING:  # it was being stopped: it is now
+            if rec.state in (State.STOPPING, State.DRAINING):  # it was being stopped: it is now
                 sb.mark_stopped()
             elif rec.state in (State.STARTING, *ALIVE):
                 error = f"the supervisor exited while this sandbox was {rec.state}" + (
@@ -238,7 +241,7 @@ class Registry:
                 )
                 if swapping:
                     error += "; it was being checkpointed (its disk is whole: start it again)"
-                sb.mark_failed(error)
+                sb.mark_failed(error, Cause(Ending.HOST_RESTART, detail=error))
             self.sandboxes[rec.id] = sb
         for pid in recovery.our_qemus(self.settings.run_root) - ours:
             log.warning("killing QEMU %d under our run root that no record names", pid)
@@ -402,15 +405,20 @@ class Registry:
         return sb
 
     def set_ttl(self, id: str, seconds: int) -> int:
-        """Remove the sandbox ``seconds`` from now (0: never), whatever its TTL was; the
-        wall-clock time of removal (0: never). Kept in its record: a restart keeps it."""
+        """Its TTL ends ``seconds`` from now (0: never), whatever it was: it is removed
+        then (``ttl_action`` "remove", counted from its creation) or drained and stopped
+        ("stop", counted from its last start); the wall-clock time it ends (0: never).
+        Kept in its record: a restart keeps it."""
         if seconds < 0:
             raise InvalidArgument("ttl seconds must not be negative")
         sb = self.get(id)
-        age = max(0.0, trio.current_time() - sb.born)
+        removes = sb.config.timers.ttl_action == "remove"
+        age = max(0.0, trio.current_time() - (sb.born if removes else max(sb.born, sb.began)))
         ttl = 0 if seconds == 0 else max(1, int(age + seconds + 0.999))
         sb.set_ttl(ttl)
-        return 0 if ttl == 0 else sb.record.created_at + ttl
+        if ttl == 0:
+            return 0
+        return sb.record.created_at + ttl if removes else int(time.time() - age) + ttl
 
     def list(
         self,
@@ -539,7 +547,7 @@ class Registry:
         if sb.state == State.PAUSED:  # Start of a paused sandbox: it resumes
             await self.hibernation.resume(sb, warm=True)
             return sb
-        if sb.state not in (State.STOPPED, State.FAILED) or not sb.stopped:
+        if sb.state not in ENDED or not sb.stopped:
             raise FailedPrecondition(f"sandbox {id} is {sb.state}; only a stopped sandbox can start")
         if sb.checkpointing:  # a disk-only checkpoint is moving its disk
             raise FailedPrecondition(f"sandbox {id} is being checkpointed; retry in a moment")
@@ -577,9 +585,11 @@ class Registry:
         await self.hibernation.resume(sb, warm=True)
         return sb
 
-    def drain(self, id: str) -> Sandbox:
+    def drain(self, id: str, grace: float = 0) -> Sandbox:
+        """State draining: no new work; that in flight gets ``grace`` seconds (0: as long
+        as it takes), then it stops."""
         sb = self.get(id)
-        sb.drain()
+        sb.drain(grace)
         return sb
 
     async def remove(self, id: str, force: bool = False) -> None:
@@ -595,7 +605,7 @@ class Registry:
         if self.sandboxes.get(id) is not sb:
             return  # removed meanwhile by another call
         del self.sandboxes[id]
-        sb.emit(Action.REMOVED)
+        sb.emit(Action.REMOVED, **sb.cause_attributes())
         with trio.CancelScope(shield=True):
             if sb.state == State.PAUSED:
                 await self.hibernation.forget(sb)
@@ -630,7 +640,7 @@ class Registry:
         check_labels(labels)
         check_name(name)
         sb = self.get(sandbox_id)
-        stopped = sb.stopped and sb.state in (State.STOPPED, State.FAILED)
+        stopped = sb.stopped and sb.state in ENDED
         if stopped:  # a disk-only snapshot: its restores boot on its disk
             sb.check_disk_checkpointable()
         else:

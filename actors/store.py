@@ -47,6 +47,7 @@ from actors.errors import ResourceExhausted
 from actors.model import (
     Applied,
     BootSource,
+    Cause,
     ImageUse,
     Limits,
     MemoryKind,
@@ -107,6 +108,7 @@ _COLUMNS = (
     "ALTER TABLE sandboxes ADD COLUMN tuning BLOB",
     "ALTER TABLE sandboxes ADD COLUMN owner TEXT",
     "ALTER TABLE sandboxes ADD COLUMN lineage BLOB",
+    "ALTER TABLE sandboxes ADD COLUMN cause BLOB",
 )
 
 
@@ -142,6 +144,7 @@ class Record:
     # a Modify's configuration saved for the next start (policy next_start on a running
     # sandbox): the next boot from stopped takes it (None: nothing pending)
     pending: SandboxConfig | None = None
+    cause: Cause | None = None  # why its last life ended (None: none has, or not known)
     lineage: Lineage | None = None  # where a fork's child came from (None: not forked)
 
 
@@ -397,11 +400,12 @@ class Store:
 
     def update(self, r: Record) -> None:
         """The record's state and life fields (not its identity or configuration)."""
-        row = (r.state.value, r.ready_at, r.last_exited_at, r.last_exit_code, r.error, r.qemu_pid, r.uid)
+        cause = _pack(r.cause) if r.cause is not None else None
+        row = (r.state.value, r.ready_at, r.last_exited_at, r.last_exit_code, r.error, r.qemu_pid, cause, r.uid)
         self._put(
             lambda db: db.execute(
-                "UPDATE sandboxes SET state=?, ready_at=?, last_exited_at=?, last_exit_code=?, error=?, qemu_pid=? "
-                "WHERE uid=?",
+                "UPDATE sandboxes SET state=?, ready_at=?, last_exited_at=?, last_exit_code=?, error=?, qemu_pid=?, "
+                "cause=? WHERE uid=?",
                 row,
             )
         )
@@ -455,7 +459,8 @@ class Store:
     def all(self) -> list[Record]:
         rows = self.db.execute(
             "SELECT uid, id, seq, config, state, created_at, ready_at, last_exited_at, last_exit_code, error, "
-            "qemu_pid, ports, origin, image, chain, life, swap, tuning, owner, lineage FROM sandboxes ORDER BY seq"
+            "qemu_pid, ports, origin, image, chain, life, swap, tuning, owner, lineage, cause "
+            "FROM sandboxes ORDER BY seq"
         ).fetchall()
         return [
             Record(
@@ -479,6 +484,7 @@ class Store:
                 **_tuning(r[17]),
                 owner=r[18] or LEGACY_OWNER,
                 lineage=load(_unpack(r[19]), Lineage) if r[19] else None,
+                cause=_cause(r[20]),
             )
             for r in rows
         ]
@@ -546,6 +552,14 @@ class StoreLeases:
 def _life(blob: bytes | None) -> LifeState | None:
     data = _unpack(blob) if blob else None
     return load(data, LifeState) if data else None
+
+
+def _cause(blob: bytes | None) -> Cause | None:
+    """A stored cause (None: none, or one this version cannot read)."""
+    try:
+        return load(_unpack(blob), Cause) if blob else None
+    except Exception:  # a newer supervisor's ending: unknown here, not fatal
+        return None
 
 
 def _pack_tuning(r: Record) -> bytes:

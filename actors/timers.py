@@ -1,5 +1,6 @@
-"""The registry's timers: a sandbox's TTL (from creation; not reset by activity)
-removes it, its idle timeout stops (or pauses) it, its paused TTL removes it, and
+"""The registry's timers: a sandbox's TTL (from creation, or from its last start;
+not reset by activity) drains and stops it (``ttl_action`` "remove": from creation,
+removes it), its idle timeout stops (or pauses) it, its paused TTL removes it, and
 an ephemeral sandbox goes once stopped. One tick a second over every sandbox.
 
 Handle and tasks::
@@ -16,7 +17,7 @@ import trio
 
 from actors.errors import DomainError
 from actors.hibernation import Hibernation
-from actors.model import State
+from actors.model import ALIVE, State
 from actors.quotas import Admission
 from actors.sandboxes.sandbox import Sandbox
 
@@ -60,10 +61,23 @@ class Timers:
                 if timers.ephemeral and sb.stopped and sb.state != State.PAUSED:
                     self.remove_later(sb.id)
                     continue
-                if timers.ttl_seconds and now >= sb.born + timers.ttl_seconds:
+                if timers.ttl_seconds and timers.ttl_action == "remove" and now >= sb.born + timers.ttl_seconds:
                     if sb.id not in self.removing:
                         sb.log.append("system", b"ttl expired: removing")
+                        sb.request_stop(0, force=True, by="ttl")  # (its cause: the removal's stop is the TTL's)
                     self.remove_later(sb.id)
+                    continue
+                if (
+                    timers.ttl_seconds
+                    and timers.ttl_action != "remove"
+                    and now >= max(sb.born, sb.began) + timers.ttl_seconds
+                    and sb.state in (*ALIVE, State.STARTING)
+                    and not sb.stopping
+                ):
+                    # its maximum duration: drained (no new work; that in flight gets the
+                    # stop grace), then stopped; its next life has the same again
+                    sb.log.append("system", b"ttl expired: draining, then stopping")
+                    sb.drain(self.stop_timeout, by="ttl")
                     continue
                 idle = timers.idle_timeout_seconds
                 if (
@@ -78,7 +92,7 @@ class Timers:
                         self.hibernation.pause_later(sb)
                         continue
                     sb.log.append("system", b"idle timeout: stopping")
-                    sb.request_stop(self.stop_timeout)
+                    sb.request_stop(self.stop_timeout, by="idle")
                     continue
                 paused_ttl = timers.paused_ttl_seconds
                 if paused_ttl and sb.state == State.PAUSED and self.hibernation.paused_seconds(sb) >= paused_ttl:

@@ -68,10 +68,10 @@ from actors.errors import (
 )
 from actors.machines.disk import backing_chain, grow_overlay, virtual_size
 from actors.machines.machine import Placement
-from actors.machines.qemuproc import MachineError, legacy_restore
+from actors.machines.qemuproc import UNKNOWN_EXIT, MachineError, legacy_restore
 from actors.machines.qemuspec import Volume
 from actors.machines.vm import TAP_FD, Attach, BootError, Guest, NetConfig, VmSpec, load_spec
-from actors.model import Action, Limits, MemoryKind, PortSpec, SandboxConfig
+from actors.model import Action, Cause, Ending, Limits, MemoryKind, PortSpec, SandboxConfig
 from actors.model import dump as dump_value
 from actors.net import netlink
 from actors.net.egress import EgressPolicy
@@ -721,13 +721,43 @@ class Life:
         """A warm pool member taken by a Create: the caller's egress policy."""
         netlink.set_policy(self.link, self.sb.egress)
 
-    def death(self, guest: Guest, rc: int) -> str:
-        """Why QEMU ended on its own (its memory limit, or how it exited)."""
+    def death(self, guest: Guest, rc: int) -> Cause:
+        """Why QEMU ended on its own: its cgroup's OOM kill, a signal, its exit status,
+        or (status 0: the guest asked) a poweroff or a kernel panic. The kernel runs with
+        ``panic=-1`` and QEMU with ``-no-reboot``, so a panic resets the guest and QEMU
+        exits 0 as for a poweroff: the console's panic line, read by the supervisor
+        while the guest runs, tells them apart (a guest that prints one and powers off
+        only mislabels its own death)."""
         cell = self.cell
         if cell is not None and cell.oom_killed():
             limit = cell.cgroup.stats().memory_limit if cell.cgroup is not None else None
-            return (
-                f"QEMU was killed by its memory limit ({(limit or 0) >> 20} MiB: guest RAM "
-                f"+ {cell.cells.config.overhead_mib} MiB)"
+            return Cause(
+                Ending.OUT_OF_MEMORY,
+                by="cgroup",
+                signal=-rc if rc < 0 else None,
+                detail=f"memory limit {(limit or 0) >> 20} MiB: guest RAM + {cell.cells.config.overhead_mib} MiB",
             )
-        return guest.machine.describe_exit() if rc else "the guest powered off on its own"
+        machine = guest.machine
+        panic = panic_line(machine.console.text())
+        if rc in (0, UNKNOWN_EXIT) and panic:
+            return Cause(Ending.GUEST_PANIC, detail=panic)
+        said = machine.describe_exit()
+        if rc == UNKNOWN_EXIT:  # an adopted QEMU: not our child, its status is unknown
+            return Cause(Ending.QEMU_DIED, detail=said)
+        said = said.partition(": ")[2]  # (the status is in the cause: what QEMU said last, if anything)
+        if rc < 0:
+            return Cause(Ending.QEMU_DIED, signal=-rc, detail=said)
+        if rc:
+            return Cause(Ending.QEMU_DIED, exit_code=rc, detail=said)
+        return Cause(Ending.EXITED, exit_code=0)
+
+
+PANIC_MARK = "Kernel panic - not syncing"
+
+
+def panic_line(console: str) -> str:
+    """The guest kernel's panic line in its console's last output ("" when none)."""
+    at = console.rfind(PANIC_MARK)
+    if at < 0:
+        return ""
+    return console[at:].splitlines()[0].strip()[:200]

@@ -5,10 +5,14 @@ State machine (``sandbox.v1``)::
     starting --> ready --> running --> ready      (a workload: the initial cmd or a Run)
        |           |          |
        +-----------+----------+--> stopping --> stopped --(Start)--> starting
-       |                                  \\
-       +--> failed (boot failed, QEMU died, the guest broke the channel)
+       |           |          |               ^   (a guest's poweroff: stopped, exited)
+       |           +----------+--> draining --+   (Drain, a TTL that stops: no new work)
+       +--> failed (boot failed, the guest broke the channel)
+       +--> crashed (ready or running: a panic, QEMU killed, its memory limit)
 
     ready --(Pause)--> paused --(Resume, or auto-resume)--> ready
+
+Every end has a :class:`~actors.model.Cause`, kept in the record (``_set(cause=)``).
 
 A pause saves the guest (``hibernate``: a checkpoint that leaves it stopped), the
 registry records it paused, then its life ends (``end_for_pause``): no QEMU, no RAM.
@@ -57,6 +61,8 @@ from actors.model import (
     ENDED,
     Action,
     Applied,
+    Cause,
+    Ending,
     ImageUse,
     Limits,
     PortSpec,
@@ -105,6 +111,7 @@ class _Run:
     pausing: bool = False  # it ends for a pause (the record says paused already)
     waking: bool = False  # a paused sandbox resuming: paused until it serves
     served: bool = False  # it reached ready (or resumed)
+    cause: Cause | None = None  # why it ends (asked to stop, or how QEMU died), once known
 
 
 class Sandbox(Identity):
@@ -143,6 +150,7 @@ class Sandbox(Identity):
         # was created (a recovered record's age counts)
         self.last_activity = trio.current_time()
         self.born = trio.current_time() - max(0.0, time.time() - record.created_at)
+        self.began = self.born  # when its current (or last) life started: a TTL that stops counts from here
         self._ckpt = Checkpoints(record, self, files, settings, self.log)
         self._exposed = Exposed(record, self.note_ports)
         # hibernation (actors/hibernation.py): the listeners of its ports held
@@ -244,10 +252,17 @@ class Sandbox(Identity):
             rec.ports = ports
         self.store.rekey(rec)
 
-    def set_ttl(self, ttl_seconds: int) -> None:
-        """Its TTL (seconds from its creation; 0: none), stored."""
+    def set_ttl(
+        self, ttl_seconds: int, *, ttl_action: str | None = None, kill_timeout_seconds: int | None = None
+    ) -> None:
+        """Its TTL (seconds; 0: none) and, when given, what it does and Kill's timeout, stored."""
         cfg = self.config
-        self.record.config = attrs.evolve(cfg, timers=attrs.evolve(cfg.timers, ttl_seconds=ttl_seconds))
+        timers = attrs.evolve(cfg.timers, ttl_seconds=ttl_seconds)
+        if ttl_action is not None:
+            timers = attrs.evolve(timers, ttl_action=ttl_action)
+        if kill_timeout_seconds is not None:
+            timers = attrs.evolve(timers, kill_timeout_seconds=kill_timeout_seconds)
+        self.record.config = attrs.evolve(cfg, timers=timers)
         self.store.update_config(self.record)
 
     def note_applied(self, applied: Applied) -> None:
@@ -303,13 +318,22 @@ class Sandbox(Identity):
             self.record.swap = ""
             self.store.update_life(self.record)
 
-    def mark_stopped(self) -> None:
+    def mark_stopped(self, cause: Cause | None = None) -> None:
         """Stopped, with no life (a supervisor start; a paused one stopped)."""
-        self._set(State.STOPPED, qemu_pid=0)
+        self._set(State.STOPPED, qemu_pid=0, cause=cause or self.record.cause or Cause(Ending.STOPPED, by="user"))
 
-    def mark_failed(self, error: str) -> None:
+    def mark_failed(self, error: str, cause: Cause | None = None) -> None:
         """Failed with ``error``, with no life (a supervisor start found it so)."""
-        self._set(State.FAILED, error=error, qemu_pid=0)
+        self._set(State.FAILED, error=error, qemu_pid=0, cause=cause or Cause(Ending.ERROR, detail=error))
+
+    @property
+    def cause(self) -> Cause | None:
+        """Why its last life ended (or why the current one is ending, once asked)."""
+        return self.record.cause
+
+    def cause_attributes(self) -> dict[str, str]:
+        """Its cause as event attributes (none when no life has ended)."""
+        return self.record.cause.attributes() if self.record.cause is not None else {}
 
     def unmark_paused(self) -> None:
         """A pause that failed after its checkpoint: ready again (its guest runs on)."""
@@ -328,20 +352,34 @@ class Sandbox(Identity):
         if not is_hidden(self.id):  # pool members are invisible until taken
             self._events.emit(self.id, action, attributes, self.record.owner)
 
-    def _fail(self, error: str) -> None:
+    def _fail(self, error: str, cause: Cause | None = None) -> None:
         if self._run.waking and not self._run.served:  # a resume that failed: it stays paused
             log.warning("sandbox %s did not resume: %s", self.id, error)
             self.log.append("system", f"resume failed: {error}".encode())
             self._set(State.PAUSED, error=f"resume failed: {error}")
             return
-        log.warning("sandbox %s failed: %s", self.id, error)
-        self.log.append("system", f"failed: {error}".encode())
-        self._set(State.FAILED, error=error)
-        self.emit(Action.FAILED, error=error)
+        cause = cause or Cause(Ending.ERROR, detail=error)
+        state = State.CRASHED if cause.crashed else State.FAILED
+        log.warning("sandbox %s %s: %s", self.id, state, error)
+        self.log.append("system", f"{state}: {error}".encode())
+        self._run.cause = cause
+        self._set(state, error=error, cause=cause)
+        self.emit(Action.FAILED, **cause.attributes(), error=error)
+
+    def _ended(self, cause: Cause) -> None:
+        """QEMU ended without being asked: a crash fails the life, a guest's poweroff stops it."""
+        if cause.crashed:
+            self._fail(cause.sentence(), cause)
+        elif cause.ending == Ending.EXITED:
+            self.log.append("system", cause.sentence().encode())
+            self._run.cause = cause
+        else:
+            self._fail(cause.detail or cause.sentence(), cause)
 
     async def start(self, nursery: trio.Nursery, plan: Plan) -> None:
         """Start a life in ``nursery``; returns once it is set up (state "starting")."""
         self._run = run = _Run()  # at once: the sandbox counts as alive from here
+        self.began = trio.current_time()
         try:
             await nursery.start(self.run, plan)
         except BaseException:
@@ -355,7 +393,7 @@ class Sandbox(Identity):
         run = self._run
         run.waking = isinstance(plan, Resume) and plan.wake
         if not isinstance(plan, Adopt) and not run.waking:
-            self._set(State.STARTING, error="", qemu_pid=0)
+            self._set(State.STARTING, error="", qemu_pid=0, cause=None)
         run.timings = {"accepted": plan.accepted or time.monotonic()}
         try:
             with trio.CancelScope() as scope:
@@ -365,7 +403,8 @@ class Sandbox(Identity):
                     plan = await plan.resolve()
                 await self._live(plan)
         except BootError as exc:
-            self._fail(f"boot failed: {exc}")
+            ending = Ending.GAVE_UP if isinstance(exc, BootTimeout) else Ending.BOOT_FAILED
+            self._fail(f"boot failed: {exc}", Cause(ending, detail=str(exc)))
             if exc.console:
                 self.log.append("system", exc.console[-4000:].encode())
         except (MachineError, GuestError) as exc:
@@ -382,11 +421,14 @@ class Sandbox(Identity):
                 self.log.append("system", b"detached: QEMU runs on for the next supervisor")
             elif self.state == State.PAUSED:  # paused (or a resume that did not come back)
                 self._set(State.PAUSED, qemu_pid=0)
-            elif self.state != State.FAILED:
-                self._set(State.STOPPED, qemu_pid=0)
-                self.emit(Action.STOPPED, exit_code=str(self.record.last_exit_code))
+            elif self.state not in (State.FAILED, State.CRASHED):
+                cause = run.cause or self.record.cause or Cause(Ending.STOPPED, by="user")
+                if cause.exit_code is None and self.record.last_exited_at:
+                    cause = attrs.evolve(cause, exit_code=self.record.last_exit_code)
+                self._set(State.STOPPED, qemu_pid=0, cause=cause)
+                self.emit(Action.STOPPED, **{"exit_code": str(self.record.last_exit_code), **cause.attributes()})
             else:
-                self._set(State.FAILED, qemu_pid=0)
+                self._set(self.state, qemu_pid=0)
             run.done.set()
 
     async def _live(self, plan: Boot | Resume | Adopt) -> None:
@@ -471,11 +513,13 @@ class Sandbox(Identity):
             finally:
                 run.work = None
             nursery.cancel_scope.cancel()
-        if self.state in (State.FAILED, State.PAUSED) or run.detached:
+        if self.state in (State.FAILED, State.CRASHED, State.PAUSED) or run.detached:
             if run.pausing and guest.machine.proc is not None:  # saved and stopped: nothing to wait for
                 guest.channel.expect_eof()
                 guest.machine.proc.kill()
             return
+        if self.state == State.DRAINING:
+            self.emit(Action.STOPPING)
         self._set(State.STOPPING)
         if run.force and guest.machine.proc is not None:
             guest.channel.expect_eof()
@@ -526,30 +570,35 @@ class Sandbox(Identity):
     async def _watch_machine(self, life: Life, guest: Guest, scope: trio.CancelScope) -> None:
         rc = await guest.machine.wait()
         if not self._run.stop.is_set():
-            self._fail(life.death(guest, rc))
+            self._ended(life.death(guest, rc))
             self._run.stop.set()
             scope.cancel()
 
     async def _drain_workloads(self) -> None:
         run = self._run
-        if run.force or self.state == State.FAILED:
+        if run.force or self.state in (State.FAILED, State.CRASHED):
+            return
+        if run.cause is not None and run.cause.ending != Ending.STOPPED:  # QEMU is gone already
             return
         with trio.move_on_after(run.timeout):
             await self._ckpt.wait_idle()  # a checkpoint in progress finishes first
             await self.work.drain()
 
     # -- control ---------------------------------------------------------------
-    def request_stop(self, timeout: float, *, force: bool = False) -> None:
-        """Graceful (wait up to ``timeout`` for workloads, then power off) or forced."""
+    def request_stop(self, timeout: float, *, force: bool = False, by: str = "user") -> None:
+        """Graceful (wait up to ``timeout`` for workloads, then power off) or forced;
+        ``by``: who asks (the stop's cause, :data:`~actors.model.STOPPED_BY`)."""
         if self.stopped:
             return
         run = self._run
         run.timeout = timeout
         run.force = run.force or force
         if not run.stop.is_set():
+            run.cause = run.cause or Cause(Ending.STOPPED, by=by)
             if self.state in ALIVE:
-                self._set(State.STOPPING)
-            self.emit(Action.STOPPING)
+                self._set(State.STOPPING, cause=run.cause)
+            if self.state != State.DRAINING:
+                self.emit(Action.STOPPING, **run.cause.attributes())
             run.stop.set()
         guest = self.guest
         if guest is None:
@@ -644,12 +693,20 @@ class Sandbox(Identity):
             raise FailedPrecondition(f"sandbox {self.id} is paused (auto-resume is off): resume it first")
         await self.waker(self)
 
-    def drain(self) -> None:
-        """No new work; work in flight finishes, however long it takes; then stop."""
+    def drain(self, grace: float = 0, *, by: str = "drain") -> None:
+        """State draining: no new work; work in flight gets ``grace`` seconds (0: however
+        long it takes), then it stops (``by``: who asked: a drain, its TTL)."""
+        if self.state == State.DRAINING:
+            return
         if self.state not in (*ALIVE, State.STARTING):
             raise FailedPrecondition(f"sandbox {self.id} is {self.state}")
-        self._run.draining = True
-        self.request_stop(24 * 3600.0)
+        run = self._run
+        run.draining = True
+        run.cause = run.cause or Cause(Ending.STOPPED, by=by)
+        if self.state in ALIVE:
+            self._set(State.DRAINING, cause=run.cause)
+            self.emit(Action.DRAINING, **run.cause.attributes())
+        self.request_stop(grace or 24 * 3600.0, by=by)
 
     async def wait_stopped(self) -> None:
         """Until no life runs, and the record says so on disk (a caller told "stopped"
@@ -669,16 +726,23 @@ class Sandbox(Identity):
         """No life runs (a recovered sandbox, one that stopped or failed)."""
         return self._run.done.is_set() or self.state in ENDED
 
+    @property
+    def stopping(self) -> bool:
+        """Its life is ending: asked to stop or drain, or QEMU died."""
+        return self._run.stop.is_set()
+
     def touch(self) -> None:
         self.last_activity = trio.current_time()
 
     # -- work ------------------------------------------------------------------
     def require_alive(self) -> Guest:
         guest = self.guest
+        if self.state == State.DRAINING or self._run.draining:
+            raise FailedPrecondition(f"sandbox {self.id} is draining: no new execs or runs")
         if self.state not in ALIVE or guest is None:
             raise FailedPrecondition(f"sandbox {self.id} is {self.state}, not ready or running")
-        if self._run.draining or self._run.stop.is_set():
-            raise FailedPrecondition(f"sandbox {self.id} is draining or stopping: no new work")
+        if self._run.stop.is_set():
+            raise FailedPrecondition(f"sandbox {self.id} is stopping: no new work")
         if self.checkpointing:
             raise FailedPrecondition(f"sandbox {self.id} is being checkpointed; retry in a moment")
         return guest

@@ -325,7 +325,7 @@ class Pools:
 
     async def _watch(self, snap: SnapshotRecord, sb: Sandbox) -> None:
         await sb.ready_event.wait()
-        if sb.state == State.FAILED:
+        if sb.state in (State.FAILED, State.CRASHED):
             log.warning("pool member for %s failed: %s", snap.id, sb.record.error)
             self._failed(snap)
         else:

@@ -42,6 +42,7 @@ from supervisor.client.cli_sandboxes import (
     simple,
     status,
     top,
+    wait,
 )
 from supervisor.client.cli_secrets import secret
 from supervisor.client.cli_ssh import add_ssh_command, add_ssh_key_command, ssh, ssh_key
@@ -71,6 +72,8 @@ CLIENT_COMMANDS = frozenset(
         "cp",
         "stop",
         "kill",
+        "drain",
+        "wait",
         "rm",
         "start",
         "pause",
@@ -126,7 +129,18 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
     p.add_argument("--disk-size", metavar="SIZE", help="the root disk's size (4G, 8192M; default: the image's)")
     p.add_argument("--env", action="append", metavar="K=V")
     p.add_argument("--label", action="append", metavar="K=V")
-    p.add_argument("--ttl", type=int, default=0, metavar="S")
+    p.add_argument("--ttl", type=int, default=0, metavar="S", help="its maximum duration (then --ttl-action)")
+    p.add_argument(
+        "--ttl-action",
+        choices=["stop", "remove"],
+        default="stop",
+        help="what the TTL does: stop (drain, then stop; from each start) or remove (from creation)",
+    )
+    p.add_argument("--kill-timeout", type=int, default=0, metavar="S", help="how long kill waits to see it stopped")
+    p.add_argument(
+        "--replace", action="store_true", help="replace a sandbox of that name (stopped: 10 s grace, then killed)"
+    )
+    p.add_argument("--replace-timeout", type=float, metavar="S", help="--replace with this grace (0: killed at once)")
     p.add_argument("--idle-timeout", type=int, default=0, metavar="S")
     p.add_argument(
         "--on-idle", choices=["stop", "pause"], default="stop", help="what the idle timeout does (pause: hibernate)"
@@ -393,6 +407,7 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
     for name, help in (
         ("stop", "stop gracefully"),
         ("kill", "stop at once"),
+        ("drain", "refuse new execs and runs; those in flight get --grace, then it stops"),
         ("rm", "remove"),
         ("start", "boot a stopped sandbox again"),
         ("ping", "round trip to the guest agent"),
@@ -404,11 +419,19 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
         p.add_argument("names", nargs="+", metavar="NAME")
         if name == "stop":
             p.add_argument("--timeout", type=int, default=0, metavar="S")
+        if name == "kill":
+            p.add_argument("--timeout", type=int, default=0, metavar="S", help="how long to wait to see it stopped")
+        if name == "drain":
+            p.add_argument("--grace", type=int, default=0, metavar="S", help="0: as long as they take")
         if name == "rm":
             p.add_argument("-f", "--force", action="store_true")
             p.add_argument("--with-descendants", action="store_true", help="its forks too, and theirs")
 
-    p = cmd("ttl", simple, "remove a sandbox SECONDS from now (0: never), replacing its TTL")
+    p = cmd("wait", wait, "wait until a sandbox stops; print how it ended, exit with its code")
+    p.add_argument("name")
+    p.add_argument("--json", action="store_true")
+
+    p = cmd("ttl", simple, "end a sandbox's TTL SECONDS from now (0: never): removed, or drained and stopped")
     p.add_argument("names", nargs=1, metavar="NAME")
     p.add_argument("seconds", type=int, metavar="SECONDS")
 

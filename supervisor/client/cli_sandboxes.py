@@ -73,6 +73,8 @@ async def _create(a: argparse.Namespace) -> AsyncSandbox:
         workdir=a.workdir or "",
         user=a.user or "",
         ttl=a.ttl,
+        ttl_action=a.ttl_action,
+        kill_timeout=a.kill_timeout,
         idle_timeout=a.idle_timeout,
         on_idle=a.on_idle,
         paused_ttl=a.paused_ttl,
@@ -101,10 +103,13 @@ async def _create(a: argparse.Namespace) -> AsyncSandbox:
         spec = SandboxSpec().with_(**_read_config(a.from_config))
         given = {k: v for k, v in given.items() if not _unset(k, v)}
     given.update(shape)  # (only what was given: cmd=[] from --no-cmd clears a file's too)
-    return await AsyncSandbox.create(a.name, spec, socket=a.socket, detached=True, wait=not a.no_wait, **given)
+    replace = {"replace_timeout": a.replace_timeout} if a.replace_timeout is not None else {"replace": a.replace}
+    return await AsyncSandbox.create(
+        a.name, spec, socket=a.socket, detached=True, wait=not a.no_wait, **replace, **given
+    )
 
 
-_FLAG_DEFAULTS = {"on_idle": "stop", "auto_resume": True, "network": "none", "tls_verify": True}
+_FLAG_DEFAULTS = {"on_idle": "stop", "auto_resume": True, "network": "none", "tls_verify": True, "ttl_action": "stop"}
 
 
 def _unset(key: str, value: object) -> bool:
@@ -356,6 +361,8 @@ def inspect(a: argparse.Namespace) -> int:
     rows.append(("last_exit_code", str(info["last_exit_code"])))
     if info["error"]:
         rows.append(("error", info["error"]))
+    if info.get("cause"):
+        rows.append(("cause", info["cause"]["sentence"]))
     for k in ("requested", "applied"):
         if info.get(k):
             rows.append((k, _settings(info[k])))
@@ -567,6 +574,24 @@ def status(a: argparse.Namespace) -> int:
     return 0
 
 
+def wait(a: argparse.Namespace) -> int:
+    """Until the sandbox stops: how it ended; exits with its exit code (1 when it
+    crashed or failed with none, 0 when stopped with none)."""
+    with connect(a) as c:
+        info = c.call("WaitUntilStopped", {"id": a.name})
+    cause = info.get("cause") or {}
+    if a.json:
+        print_json({"id": info["id"], "status": info["state"], **cause})
+    else:
+        print(f"{info['id']}: {info['state']}: {cause.get('sentence') or info['error'] or info['state']}")
+    code = cause.get("exit_code")
+    if code is None and cause.get("signal"):
+        code = 128 + int(cause["signal"])
+    if code is None:
+        code = 0 if info["state"] == "stopped" else 1
+    return int(code) & 0xFF
+
+
 def simple(a: argparse.Namespace) -> int:
     if a.command == "start":
         return _start(a)
@@ -579,7 +604,9 @@ def simple(a: argparse.Namespace) -> int:
                 if a.command == "stop":
                     c.call("Stop", {"id": name, "timeout_seconds": a.timeout})
                 elif a.command == "kill":
-                    c.call("Kill", {"id": name})
+                    c.call("Kill", {"id": name, "timeout_seconds": a.timeout})
+                elif a.command == "drain":
+                    c.call("Drain", {"id": name, "grace_seconds": a.grace})
                 elif a.command == "rm":
                     c.call("Remove", {"id": name, "force": a.force, "with_descendants": a.with_descendants})
                 elif a.command == "ping":

@@ -267,7 +267,7 @@ class FleetSandbox:
             info = self.inspect()
             if info.state == "ready":
                 return
-            if info.state in ("failed", "stopped") or time.monotonic() > deadline:
+            if info.state in ("failed", "crashed", "stopped") or time.monotonic() > deadline:
                 raise error_for("FAILED_PRECONDITION", f"sandbox {self.name} is {info.state}: {info.error}")
             time.sleep(READY_POLL)  # (polls a remote state: sandbox.v1's events would race the Create)
 

@@ -176,15 +176,37 @@ async def _stop(reg: Registry, io: CallIO, req: protocol.StopSandboxRequest) -> 
     await stopped(sb, timeout + defaults.STOP_GRACE)
 
 
-@method("Kill", protocol.IdRequest)
-async def _kill(reg: Registry, io: CallIO, req: protocol.IdRequest) -> None:
+@method("Kill", protocol.KillRequest)
+async def _kill(reg: Registry, io: CallIO, req: protocol.KillRequest) -> None:
     sb = reg.kill(access.sandbox(reg, io.principal, req.id).id)
-    await stopped(sb, defaults.STOP_GRACE)
+    await stopped(sb, _kill_timeout(sb, req.timeout_seconds))
 
 
-@method("Drain", protocol.IdRequest)
-async def _drain(reg: Registry, io: CallIO, req: protocol.IdRequest) -> None:
-    reg.drain(access.sandbox(reg, io.principal, req.id).id)
+def _kill_timeout(sb: Sandbox, timeout: int) -> float:
+    """How long a Kill waits to see it stopped: the call's, the sandbox's, else STOP_GRACE."""
+    if timeout < 0:
+        raise InvalidArgument("timeout_seconds must not be negative")
+    return float(timeout or sb.config.timers.kill_timeout_seconds or defaults.STOP_GRACE)
+
+
+@method("RequestStop", protocol.StopSandboxRequest)
+async def _request_stop(reg: Registry, io: CallIO, req: protocol.StopSandboxRequest) -> None:
+    """Stop without waiting: the sandbox's own run carries the stop out (WaitUntilStopped)."""
+    if req.timeout_seconds < 0:
+        raise InvalidArgument("timeout_seconds must not be negative")
+    reg.stop(access.sandbox(reg, io.principal, req.id).id, float(req.timeout_seconds or DEFAULT_STOP_TIMEOUT))
+
+
+@method("RequestKill", protocol.KillRequest)
+async def _request_kill(reg: Registry, io: CallIO, req: protocol.KillRequest) -> None:
+    reg.kill(access.sandbox(reg, io.principal, req.id).id)
+
+
+@method("Drain", protocol.DrainRequest)
+async def _drain(reg: Registry, io: CallIO, req: protocol.DrainRequest) -> None:
+    if req.grace_seconds < 0:
+        raise InvalidArgument("grace_seconds must not be negative")
+    reg.drain(access.sandbox(reg, io.principal, req.id).id, float(req.grace_seconds))
 
 
 @method("WaitUntilStopped", protocol.IdRequest)

@@ -62,6 +62,8 @@ def create_request(cfg: SandboxConfig, limits: Limits, *, patch_data: bool = Fal
         host_mounts=[protocol.HostMount(m.source, m.path, m.writable) for m in cfg.host_mounts],
         on_idle="" if t.on_idle == "stop" else t.on_idle,
         paused_ttl_seconds=t.paused_ttl_seconds,
+        ttl_action=t.ttl_action,
+        kill_timeout_seconds=t.kill_timeout_seconds,
         no_auto_resume=not t.auto_resume,
         max_vcpus=limits.vcpu_ceiling,
         max_memory_mib=limits.memory_ceiling,

@@ -320,7 +320,13 @@ class E2BApp:
         snapshot = None if template in DEFAULT_TEMPLATES or code else await self._template(client, template)
         if code:
             sb = await client.create(
-                rootfs=self.code_rootfs, memory_mib=CODE_MEMORY_MIB, labels=labels, env=env, ttl=ttl, **net.kwargs
+                rootfs=self.code_rootfs,
+                memory_mib=CODE_MEMORY_MIB,
+                labels=labels,
+                env=env,
+                ttl=ttl,
+                ttl_action="remove",
+                **net.kwargs,
             )
         elif snapshot is not None:
             if env:
@@ -330,7 +336,7 @@ class E2BApp:
             sb = await client.restore(snapshot, labels=labels, ttl=ttl)
         else:
             image = "" if template in DEFAULT_TEMPLATES else template
-            sb = await client.create(image=image, labels=labels, env=env, ttl=ttl, **net.kwargs)
+            sb = await client.create(image=image, labels=labels, env=env, ttl=ttl, ttl_action="remove", **net.kwargs)
             if not net.asked and not net.internet:
                 log.info("E2B sandbox %s made without internet access: serve has no tap networking", sb.id)
         info = await sb.inspect()

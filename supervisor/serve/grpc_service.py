@@ -53,7 +53,7 @@ import attrs
 from google.protobuf import message_factory
 from google.protobuf.message import Message
 
-from actors.face import InvalidArgument, PermissionDenied, Principal, Registry, Unimplemented
+from actors.face import V1_STATE, InvalidArgument, PermissionDenied, Principal, Registry, State, Unimplemented
 from supervisor.serve import grpc_bridge
 from supervisor.serve.api import METHODS
 from supervisor.serve.api_store import SERVICES
@@ -109,6 +109,16 @@ def _detachable(d: dict[str, Any]) -> dict[str, Any]:
     return d
 
 
+def _v1_state(d: dict[str, Any]) -> dict[str, Any]:
+    """sandbox.v1's word for our states it lacks (draining: stopping; crashed: failed)."""
+    state = d.get("state")
+    return {**d, "state": V1_STATE.get(State(state), state)} if state in V1_STATE else d
+
+
+def _v1_states(d: dict[str, Any]) -> dict[str, Any]:
+    return {**d, "sandboxes": [_v1_state(x) for x in d.get("sandboxes") or []]}
+
+
 _BUILDS = "images are built on the supervisor's host: sandvisor image build"
 
 BINDINGS: dict[str, tuple[Rpc, ...]] = {
@@ -118,8 +128,8 @@ BINDINGS: dict[str, tuple[Rpc, ...]] = {
         Rpc("Exec", "Exec"),
         Rpc("Stop", "Stop"),
         Rpc("Remove", "Remove"),
-        Rpc("Inspect", "Inspect"),
-        Rpc("List", "ListAll"),  # sandbox.v1's List has no paging: every match
+        Rpc("Inspect", "Inspect", reply=_v1_state),
+        Rpc("List", "ListAll", reply=_v1_states),  # sandbox.v1's List has no paging: every match
         Rpc("Events", "Events"),
         Rpc("ReadFile", "ReadFile"),
         Rpc("WriteFile", "WriteFile"),
@@ -186,6 +196,9 @@ BINDINGS: dict[str, tuple[Rpc, ...]] = {
         Rpc("SshEndpoint", "SshEndpoint"),
         Rpc("ExecDetachable", "Exec", prepare=_detachable),
         Rpc("Attach", "Attach", prepare=lambda d: dict(d.get("attach") or {})),
+        Rpc("RequestStop", "RequestStop"),
+        Rpc("RequestKill", "RequestKill"),
+        Rpc("WaitUntilStoppedResult", "WaitUntilStopped"),
         Rpc("Fork", "Fork"),
     ),
 }

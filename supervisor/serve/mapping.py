@@ -17,6 +17,7 @@ from actors.face import (
     ALIVE,
     HEADERS,
     BootSource,
+    Cause,
     Dns,
     DomainError,
     Egress,
@@ -127,6 +128,8 @@ def config(req: protocol.CreateSandboxRequest) -> SandboxConfig:
             on_idle=req.on_idle or "stop",
             paused_ttl_seconds=req.paused_ttl_seconds,
             auto_resume=not req.no_auto_resume,
+            ttl_action=req.ttl_action or "remove",
+            kill_timeout_seconds=req.kill_timeout_seconds,
         ),
         boot=BootSource(
             kernel=req.kernel,
@@ -167,6 +170,20 @@ def secret_values(req: protocol.CreateSandboxRequest) -> dict[str, bytes]:
 
 
 # --- domain -> replies ------------------------------------------------------------------------
+def stop_cause(cause: Cause | None) -> protocol.StopCause | None:
+    if cause is None:
+        return None
+    return protocol.StopCause(
+        ending=cause.ending.value,
+        source=cause.source,
+        by=cause.by,
+        exit_code=cause.exit_code,
+        signal=cause.signal,
+        detail=cause.detail,
+        sentence=cause.sentence(),
+    )
+
+
 def info(sb: Sandbox) -> protocol.SandboxInfo:
     r = sb.record
     shared, own = proc_memory_split(r.qemu_pid) if sb.life is not None else (0, 0)
@@ -181,7 +198,9 @@ def info(sb: Sandbox) -> protocol.SandboxInfo:
         ready_at=r.ready_at,
         last_exited_at=r.last_exited_at,
         last_exit_code=r.last_exit_code,
-        error=r.error if r.state == State.FAILED else "",
+        error=(r.cause.sentence() if r.cause is not None else r.error)
+        if r.state in (State.FAILED, State.CRASHED)
+        else "",
         uid=r.uid,
         requested=requested(sb),
         applied=applied(sb),
@@ -191,6 +210,7 @@ def info(sb: Sandbox) -> protocol.SandboxInfo:
         ssh_keys=list(r.config.ssh_keys),
         shell=r.config.shell,
         init=None if (i := r.config.init) is None else protocol.InitSpec(i.path, list(i.args), dict(i.env)),
+        cause=stop_cause(r.cause),
         parent=r.lineage.parent_id if r.lineage else "",
         parent_uid=r.lineage.parent_uid if r.lineage else "",
         fork_snapshot=r.lineage.snapshot_id if r.lineage else "",

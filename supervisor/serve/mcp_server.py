@@ -116,6 +116,7 @@ def build(socket: str | None) -> MCPServer:
             memory_mib=memory_mib,
             network=network,
             ttl=ttl_seconds,
+            ttl_action="remove",  # (the tool says: removed after it)
             env=env or {},
             labels=LABEL,
             detached=True,

@@ -46,6 +46,16 @@ class FakeProc:
         self._m.die(-9)
 
 
+class FakeConsole:
+    """The guest's serial console: what a test says the guest printed."""
+
+    def __init__(self) -> None:
+        self.output = ""
+
+    def text(self) -> str:
+        return self.output
+
+
 class FakeMachine:
     """What a sandbox asks of its Machine, without a process."""
 
@@ -62,6 +72,7 @@ class FakeMachine:
         self.paused_now = False
         self.staged = 0
         self.disk_top = "disk0"
+        self.console = FakeConsole()
 
     # -- the process -----------------------------------------------------------------
     def die(self, code: int) -> None:

@@ -394,6 +394,7 @@ def test_spec_groups_and_settings_make_the_create_request() -> None:
         network=protocol.NetworkSpec(mode="user"),
         ports=[protocol.PortMapping(sandbox_port=8080)],
         ttl_seconds=60,
+        ttl_action="stop",  # (the SDK's TTL drains and stops, as the microsandbox SDK's)
     )
     assert base.with_() is base and base.workload.env == {"A": "1"}  # frozen, reused
     every = SandboxSpec().with_(
@@ -421,6 +422,7 @@ def test_spec_groups_and_settings_make_the_create_request() -> None:
         network=protocol.NetworkSpec(mode="user"),
         ports=[protocol.PortMapping(1, 2)],
         ttl_seconds=5,
+        ttl_action="stop",
         idle_timeout_seconds=6,
         hostname="h",
         ephemeral=True,

@@ -534,6 +534,7 @@ async def test_both_edges_answer_from_one_table(
             assert over_msgpack.pop("ssh_keys") == [] and over_msgpack.pop("owner")  # (the socket's: serve --ssh's)
             assert over_msgpack.pop("init") is None  # (sandvisor.v1's SandboxDetails.init: unset when none)
             assert over_msgpack.pop("pending") is None  # (nothing saved for the next start: unset on gRPC)
+            assert over_msgpack.pop("cause", None) is None  # (none ended yet: sandvisor.v1's SandboxDetails.cause)
             # lineage and memory per branch (docs/fork.md): sandvisor.v1's SandboxDetails alone
             lineage = ("parent", "parent_uid", "fork_snapshot", "forked_at", "memory_shared_bytes", "memory_own_bytes")
             ext |= {k: over_msgpack.pop(k) for k in lineage}

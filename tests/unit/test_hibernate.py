@@ -24,11 +24,13 @@ def test_the_idle_policy_and_auto_resume_reach_the_domain_from_the_sdk() -> None
     req = spec.request("h")
     assert (req.on_idle, req.paused_ttl_seconds, req.no_auto_resume) == ("pause", 60, True)
     timers = mapping.config(req).timers
-    assert timers == Timers(idle_timeout_seconds=300, on_idle="pause", paused_ttl_seconds=60, auto_resume=False)
+    assert timers == Timers(
+        idle_timeout_seconds=300, on_idle="pause", paused_ttl_seconds=60, auto_resume=False, ttl_action="stop"
+    )
     # the defaults say nothing on the wire (a seed-shaped request), and mean stop + auto-resume
     plain = SandboxSpec().request("p")
     assert (plain.on_idle, plain.paused_ttl_seconds, plain.no_auto_resume) == ("", 0, False)
-    assert mapping.config(plain).timers == Timers()
+    assert mapping.config(plain).timers == Timers(ttl_action="stop")  # (the SDK's TTL drains and stops)
     assert SandboxSpec().with_(on_idle="pause").lifetime.on_idle == "pause"
 
 

@@ -27,7 +27,7 @@ from actors.errors import (
     Unavailable,
 )
 from actors.events import Subscription
-from actors.model import Action, Limits, SandboxConfig, State, Timers, Workload
+from actors.model import Action, Cause, Ending, Limits, SandboxConfig, State, Timers, Workload
 from actors.quotas import Quotas, gated
 from actors.registry import Registry
 from actors.sandboxes.sandbox import Sandbox
@@ -288,7 +288,9 @@ async def test_a_failed_boot_and_a_dead_vm_fail_only_their_sandbox(tmp_path: Pat
         victim.guest.machine.proc.kill()  # type: ignore[union-attr]
         assert await next_actions(sub, 1) == ["victim:failed"]
         await victim.wait_stopped()
-        assert victim.state == State.FAILED and "signal 9" in victim.record.error
+        # the guest died on its own: crashed, QEMU's signal its cause
+        assert victim.state == State.CRASHED and "signal 9" in victim.record.error
+        assert victim.cause == Cause(Ending.QEMU_DIED, signal=9)
         assert await run(bystander, "echo", "fine") == (b"fine\n", 0)
         with pytest.raises(FailedPrecondition):
             await run(victim, "true")

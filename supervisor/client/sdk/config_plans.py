@@ -99,6 +99,8 @@ def settings_of(r: protocol.SandboxConfigResponse) -> Settings:
         "on_idle": c.on_idle or "stop",
         "paused_ttl": c.paused_ttl_seconds,
         "auto_resume": not c.no_auto_resume,
+        "ttl_action": "stop" if c.ttl_action == "stop" else "remove",
+        "kill_timeout": c.kill_timeout_seconds,
         "image": c.image,
         "pull": c.image_pull,
         "tls_verify": c.image_tls_verify is not False,

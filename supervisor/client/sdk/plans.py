@@ -56,6 +56,8 @@ from supervisor.client.sdk.sandbox_plans import (
     ping,
     ports,
     remove,
+    request_kill,
+    request_stop,
     resume,
     run,
     run_script,
@@ -108,6 +110,8 @@ class SandboxMethods:
     wait_ready = op(wait_ready)
     stop = op(stop)
     kill = op(kill)
+    request_stop = op(request_stop)
+    request_kill = op(request_kill)
     drain = op(drain)
     wait_until_stopped = op(wait_until_stopped)
     start = op(start)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import math
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Unpack
@@ -45,7 +47,7 @@ from supervisor.client.sdk.spec import (
     size_mib,
 )
 from supervisor.wire import protocol
-from supervisor.wire.errors import NotFound, SandboxError, error_for
+from supervisor.wire.errors import DeadlineExceeded, FailedPrecondition, NotFound, SandboxError, error_for
 from supervisor.wire.protocol import (
     LogEntry,
     MetricsResponse,
@@ -68,6 +70,7 @@ def create(
     *,
     socket: str | Path | None = None,
     replace: bool = False,
+    replace_timeout: float | None = None,
     detached: bool = False,
     wait: bool = True,
     timeout: float = 120.0,
@@ -75,14 +78,13 @@ def create(
 ) -> Plan[Made]:
     """Create a sandbox from ``spec`` with ``settings`` applied on top, and by default
     wait until it is ready (``timeout`` seconds; a sandbox that fails to become ready
-    is removed unless ``detached``). ``replace`` removes an existing sandbox of that
-    name first. Leaving ``with`` removes it unless ``detached``."""
+    is removed unless ``detached``). ``replace`` replaces an existing sandbox of that
+    name: it is stopped gracefully (its workloads get ``replace_timeout`` seconds, 10 by
+    default; giving it implies ``replace``; 0: killed at once), then removed.
+    Leaving ``with`` removes it unless ``detached``."""
     req = (spec or SandboxSpec()).with_(**settings).request(name)
-    if replace and name:
-        try:
-            yield Unary("Remove", protocol.RemoveSandboxRequest(id=name, force=True), protocol.Empty)
-        except NotFound:
-            pass
+    if (replace or replace_timeout is not None) and name:
+        yield from _replace(name, REPLACE_TIMEOUT if replace_timeout is None else replace_timeout)
     resp: protocol.CreateSandboxResponse = yield Unary("Create", req, protocol.CreateSandboxResponse)
     if wait:
         try:
@@ -95,6 +97,21 @@ def create(
                     )
             raise
     return Made(resp.id, detached)
+
+
+REPLACE_TIMEOUT = 10.0  # s: the grace a replaced sandbox's workloads get (the reference's)
+
+
+def _replace(name: str, grace: float) -> Plan[None]:
+    """Stop sandbox ``name`` (``grace`` seconds, then killed), then remove it; none: nothing."""
+    try:
+        if grace > 0:
+            stop = protocol.StopSandboxRequest(id=name, timeout_seconds=max(1, math.ceil(grace)))
+            with contextlib.suppress(FailedPrecondition, DeadlineExceeded):
+                yield Unary("Stop", stop, protocol.Empty)
+        yield Unary("Remove", protocol.RemoveSandboxRequest(id=name, force=True), protocol.Empty)
+    except NotFound:
+        pass
 
 
 def get(name: str, *, socket: str | Path | None = None) -> Plan[Made]:
@@ -232,18 +249,63 @@ def stop(t: Target, timeout: int = 0) -> Plan[None]:
     yield Unary("Stop", protocol.StopSandboxRequest(id=t.id, timeout_seconds=timeout), protocol.Empty)
 
 
-def kill(t: Target) -> Plan[None]:
-    yield Unary("Kill", id_request(t), protocol.Empty)
+def kill(t: Target, timeout: int = 0) -> Plan[None]:
+    """Kill now and wait to see it stopped (``timeout`` seconds; 0: the sandbox's
+    ``kill_timeout``, else the supervisor's default)."""
+    yield Unary("Kill", protocol.KillRequest(id=t.id, timeout_seconds=timeout), protocol.Empty)
 
 
-def drain(t: Target) -> Plan[None]:
-    """Refuse new work, let the running workload finish, then stop."""
-    yield Unary("Drain", id_request(t), protocol.Empty)
+def request_stop(t: Target, timeout: int = 0) -> Plan[None]:
+    """Ask for a graceful stop and return at once (:meth:`wait_until_stopped` waits)."""
+    yield Unary("RequestStop", protocol.StopSandboxRequest(id=t.id, timeout_seconds=timeout), protocol.Empty)
 
 
-def wait_until_stopped(t: Target) -> Plan[SandboxInfo]:
+def request_kill(t: Target) -> Plan[None]:
+    """Ask for a kill and return at once (:meth:`wait_until_stopped` waits)."""
+    yield Unary("RequestKill", protocol.KillRequest(id=t.id), protocol.Empty)
+
+
+def drain(t: Target, grace: int = 0) -> Plan[None]:
+    """State draining: new execs and runs are refused, those in flight get ``grace``
+    seconds (0: as long as they take), then it stops. Returns at once."""
+    yield Unary("Drain", protocol.DrainRequest(id=t.id, grace_seconds=grace), protocol.Empty)
+
+
+@attrs.frozen
+class StopResult:
+    """How a sandbox's life ended (the reference's SandboxStopResult): ``status``
+    stopped, crashed or failed; the workload's (or QEMU's) exit code and the signal
+    when known; ``source``: user, ttl, idle, drain, replace, oom, guest-exit,
+    guest-panic, qemu-died, host-restart, supervisor-gave-up, boot-failed, error;
+    ``cause``: the whole cause (``cause.sentence`` for people)."""
+
+    id: str
+    status: str
+    exit_code: int | None
+    signal: int | None
+    source: str | None
+    observed_at: float  # unix seconds
+    cause: protocol.StopCause | None
+    info: SandboxInfo
+
+    def describe(self) -> str:
+        return self.cause.sentence if self.cause is not None and self.cause.sentence else self.status
+
+
+def wait_until_stopped(t: Target) -> Plan[StopResult]:
+    """Until no life of the sandbox runs (and its record says so on disk): how it ended."""
     info: SandboxInfo = yield Unary("WaitUntilStopped", id_request(t), SandboxInfo)
-    return info
+    c = info.cause
+    return StopResult(
+        id=info.id,
+        status=info.state,
+        exit_code=c.exit_code if c is not None else None,
+        signal=c.signal if c is not None else None,
+        source=c.source if c is not None else None,
+        observed_at=time.time(),
+        cause=c,
+        info=info,
+    )
 
 
 def start(t: Target, *, wait: bool = True, timeout: float = 120.0) -> Plan[None]:

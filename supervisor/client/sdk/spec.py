@@ -187,7 +187,9 @@ class Network:
 
 @attrs.frozen(kw_only=True)
 class Lifetime:
-    """``ttl``: seconds until the sandbox is removed; ``idle_timeout``: seconds without
+    """``ttl``: the sandbox's maximum duration in seconds: then it drains (no new work;
+    work in flight gets the stop grace) and stops (``ttl_action="remove"``: removed
+    that long after creation, sandbox.v1's TTL); ``idle_timeout``: seconds without
     activity until it stops; ``ephemeral``: removed once it stops. 0/False: never.
     Hibernation: ``on_idle="pause"`` pauses it at the idle timeout instead
     (no QEMU, no RAM; it resumes as itself); ``paused_ttl``: seconds a paused sandbox is
@@ -200,6 +202,8 @@ class Lifetime:
     on_idle: Literal["stop", "pause"] = "stop"
     paused_ttl: int = 0
     auto_resume: bool = True
+    ttl_action: Literal["stop", "remove"] = "stop"
+    kill_timeout: int = 0  # seconds kill() waits to see it stopped (0: the supervisor's default)
 
 
 @attrs.frozen(kw_only=True)
@@ -536,6 +540,8 @@ class Settings(TypedDict, total=False):
     on_idle: Literal["stop", "pause"]
     paused_ttl: int
     auto_resume: bool
+    ttl_action: Literal["stop", "remove"]
+    kill_timeout: int
     image: str
     pull: Literal["", "always", "if-missing", "never"]
     tls_verify: bool
@@ -683,6 +689,8 @@ class SandboxSpec:
                 on_idle=s.get("on_idle", life.on_idle),
                 paused_ttl=s.get("paused_ttl", life.paused_ttl),
                 auto_resume=s.get("auto_resume", life.auto_resume),
+                ttl_action=s.get("ttl_action", life.ttl_action),
+                kill_timeout=s.get("kill_timeout", life.kill_timeout),
             ),
             patches=_patches(s.get("patches", self.patches)),
             volumes=volumes,
@@ -756,6 +764,8 @@ class SandboxSpec:
             init=None if self.init is None else self.init.spec(),
             rootfs_fstype=self.boot.rootfs_fstype,
             from_snapshot=self.from_snapshot,
+            ttl_action=self.lifetime.ttl_action,
+            kill_timeout_seconds=self.lifetime.kill_timeout,
         )
 
 

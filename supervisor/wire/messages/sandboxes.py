@@ -195,6 +195,10 @@ class CreateSandboxRequest:
     # images and disks: rootfs's file system type; a snapshot (id, name or exported file) to start from
     rootfs_fstype: str = ""
     from_snapshot: str = ""
+    # lifetime: what the TTL does ("": "remove", sandbox.v1's; "stop": drain, then stop);
+    # how long a Kill waits to see it stopped (0: the default)
+    ttl_action: str = ""
+    kill_timeout_seconds: int = 0
 
 
 @attrs.frozen
@@ -209,6 +213,39 @@ class IdRequest:
     """Inspect, Kill, Drain, Start, WaitUntilStopped, Ping, Touch, Metrics take just an id."""
 
     id: str
+
+
+@attrs.frozen
+class KillRequest:
+    """Kill (and RequestKill): ``timeout_seconds`` is how long Kill waits to see it
+    stopped (0: the sandbox's ``kill_timeout_seconds``, else the default)."""
+
+    id: str
+    timeout_seconds: int = 0
+
+
+@attrs.frozen
+class DrainRequest:
+    """Drain: work in flight gets ``grace_seconds`` (0: as long as it takes), then it stops."""
+
+    id: str
+    grace_seconds: int = 0
+
+
+@attrs.frozen
+class StopCause:
+    """Why a sandbox's last life ended (actors.model.Cause on the wire): ``ending``
+    (exited, stopped, out_of_memory, guest_panic, qemu_died, host_restart, gave_up,
+    boot_failed, error), ``source`` in one word, ``by`` (who stopped it; which OOM
+    killer), QEMU's signal or exit code when known, and a sentence for people."""
+
+    ending: str
+    source: str
+    by: str = ""
+    exit_code: int | None = None
+    signal: int | None = None
+    detail: str = ""
+    sentence: str = ""
 
 
 @attrs.frozen
@@ -330,6 +367,7 @@ class SandboxInfo:
     shell: str = ""  # what the clients' shell runs when the call names none ("": /bin/sh)
     init: InitSpec | None = None  # the init PID 1 is handed to (None: guestd stays PID 1)
     pending: SandboxSettings | None = None  # saved for the next start (a Modify's policy next_start)
+    cause: StopCause | None = None  # why its last life ended (None: none has)
     # lineage (docs/fork.md): the sandbox it was forked from ("": none), its fork point
     parent: str = ""
     parent_uid: str = ""

@@ -188,7 +188,7 @@ class HostMount(_message.Message):
     def __init__(self, source: _Optional[str] = ..., target: _Optional[str] = ..., writable: _Optional[bool] = ...) -> None: ...
 
 class CreateRequest(_message.Message):
-    __slots__ = ("base", "idle_timeout_seconds", "hostname", "ephemeral", "ports", "outbound", "volumes", "image_pull", "image_tls_verify", "patches", "scripts", "tmpfs", "host_mounts", "on_idle", "paused_ttl_seconds", "no_auto_resume", "max_vcpus", "max_memory_mib", "disk_size_mib", "secrets", "egress", "image_creds", "image_auth_json", "image_ca_pem", "entrypoint", "entrypoint_cleared", "cmd_cleared", "shell", "security_profile", "log_level", "quiet_logs", "thp", "network_profile", "port_address", "dns", "init", "rootfs_fstype", "from_snapshot")
+    __slots__ = ("base", "idle_timeout_seconds", "hostname", "ephemeral", "ports", "outbound", "volumes", "image_pull", "image_tls_verify", "patches", "scripts", "tmpfs", "host_mounts", "on_idle", "paused_ttl_seconds", "no_auto_resume", "max_vcpus", "max_memory_mib", "disk_size_mib", "secrets", "egress", "image_creds", "image_auth_json", "image_ca_pem", "entrypoint", "entrypoint_cleared", "cmd_cleared", "shell", "security_profile", "log_level", "quiet_logs", "thp", "network_profile", "port_address", "dns", "init", "rootfs_fstype", "from_snapshot", "ttl_action", "kill_timeout_seconds")
     class ScriptsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -234,6 +234,8 @@ class CreateRequest(_message.Message):
     INIT_FIELD_NUMBER: _ClassVar[int]
     ROOTFS_FSTYPE_FIELD_NUMBER: _ClassVar[int]
     FROM_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    TTL_ACTION_FIELD_NUMBER: _ClassVar[int]
+    KILL_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     base: _sandbox_pb2.CreateSandboxRequest
     idle_timeout_seconds: int
     hostname: str
@@ -272,7 +274,9 @@ class CreateRequest(_message.Message):
     init: InitSpec
     rootfs_fstype: str
     from_snapshot: str
-    def __init__(self, base: _Optional[_Union[_sandbox_pb2.CreateSandboxRequest, _Mapping]] = ..., idle_timeout_seconds: _Optional[int] = ..., hostname: _Optional[str] = ..., ephemeral: _Optional[bool] = ..., ports: _Optional[_Iterable[_Union[PortMapping, _Mapping]]] = ..., outbound: _Optional[bool] = ..., volumes: _Optional[_Iterable[_Union[VolumeMount, _Mapping]]] = ..., image_pull: _Optional[str] = ..., image_tls_verify: _Optional[bool] = ..., patches: _Optional[_Iterable[_Union[PatchSpec, _Mapping]]] = ..., scripts: _Optional[_Mapping[str, str]] = ..., tmpfs: _Optional[_Iterable[_Union[TmpfsMount, _Mapping]]] = ..., host_mounts: _Optional[_Iterable[_Union[HostMount, _Mapping]]] = ..., on_idle: _Optional[str] = ..., paused_ttl_seconds: _Optional[int] = ..., no_auto_resume: _Optional[bool] = ..., max_vcpus: _Optional[int] = ..., max_memory_mib: _Optional[int] = ..., disk_size_mib: _Optional[int] = ..., secrets: _Optional[_Iterable[_Union[SecretSpec, _Mapping]]] = ..., egress: _Optional[_Union[EgressPolicy, _Mapping]] = ..., image_creds: _Optional[str] = ..., image_auth_json: _Optional[bytes] = ..., image_ca_pem: _Optional[bytes] = ..., entrypoint: _Optional[_Iterable[str]] = ..., entrypoint_cleared: _Optional[bool] = ..., cmd_cleared: _Optional[bool] = ..., shell: _Optional[str] = ..., security_profile: _Optional[str] = ..., log_level: _Optional[str] = ..., quiet_logs: _Optional[bool] = ..., thp: _Optional[str] = ..., network_profile: _Optional[str] = ..., port_address: _Optional[str] = ..., dns: _Optional[_Union[DnsSpec, _Mapping]] = ..., init: _Optional[_Union[InitSpec, _Mapping]] = ..., rootfs_fstype: _Optional[str] = ..., from_snapshot: _Optional[str] = ...) -> None: ...
+    ttl_action: str
+    kill_timeout_seconds: int
+    def __init__(self, base: _Optional[_Union[_sandbox_pb2.CreateSandboxRequest, _Mapping]] = ..., idle_timeout_seconds: _Optional[int] = ..., hostname: _Optional[str] = ..., ephemeral: _Optional[bool] = ..., ports: _Optional[_Iterable[_Union[PortMapping, _Mapping]]] = ..., outbound: _Optional[bool] = ..., volumes: _Optional[_Iterable[_Union[VolumeMount, _Mapping]]] = ..., image_pull: _Optional[str] = ..., image_tls_verify: _Optional[bool] = ..., patches: _Optional[_Iterable[_Union[PatchSpec, _Mapping]]] = ..., scripts: _Optional[_Mapping[str, str]] = ..., tmpfs: _Optional[_Iterable[_Union[TmpfsMount, _Mapping]]] = ..., host_mounts: _Optional[_Iterable[_Union[HostMount, _Mapping]]] = ..., on_idle: _Optional[str] = ..., paused_ttl_seconds: _Optional[int] = ..., no_auto_resume: _Optional[bool] = ..., max_vcpus: _Optional[int] = ..., max_memory_mib: _Optional[int] = ..., disk_size_mib: _Optional[int] = ..., secrets: _Optional[_Iterable[_Union[SecretSpec, _Mapping]]] = ..., egress: _Optional[_Union[EgressPolicy, _Mapping]] = ..., image_creds: _Optional[str] = ..., image_auth_json: _Optional[bytes] = ..., image_ca_pem: _Optional[bytes] = ..., entrypoint: _Optional[_Iterable[str]] = ..., entrypoint_cleared: _Optional[bool] = ..., cmd_cleared: _Optional[bool] = ..., shell: _Optional[str] = ..., security_profile: _Optional[str] = ..., log_level: _Optional[str] = ..., quiet_logs: _Optional[bool] = ..., thp: _Optional[str] = ..., network_profile: _Optional[str] = ..., port_address: _Optional[str] = ..., dns: _Optional[_Union[DnsSpec, _Mapping]] = ..., init: _Optional[_Union[InitSpec, _Mapping]] = ..., rootfs_fstype: _Optional[str] = ..., from_snapshot: _Optional[str] = ..., ttl_action: _Optional[str] = ..., kill_timeout_seconds: _Optional[int] = ...) -> None: ...
 
 class DnsSpec(_message.Message):
     __slots__ = ("nameservers", "search")
@@ -316,16 +320,46 @@ class StartRequest(_message.Message):
     def __init__(self, id: _Optional[str] = ...) -> None: ...
 
 class KillRequest(_message.Message):
-    __slots__ = ("id",)
+    __slots__ = ("id", "timeout_seconds")
     ID_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     id: str
-    def __init__(self, id: _Optional[str] = ...) -> None: ...
+    timeout_seconds: int
+    def __init__(self, id: _Optional[str] = ..., timeout_seconds: _Optional[int] = ...) -> None: ...
 
 class DrainRequest(_message.Message):
-    __slots__ = ("id",)
+    __slots__ = ("id", "grace_seconds")
     ID_FIELD_NUMBER: _ClassVar[int]
+    GRACE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     id: str
-    def __init__(self, id: _Optional[str] = ...) -> None: ...
+    grace_seconds: int
+    def __init__(self, id: _Optional[str] = ..., grace_seconds: _Optional[int] = ...) -> None: ...
+
+class RequestStopRequest(_message.Message):
+    __slots__ = ("id", "timeout_seconds")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    timeout_seconds: int
+    def __init__(self, id: _Optional[str] = ..., timeout_seconds: _Optional[int] = ...) -> None: ...
+
+class StopCause(_message.Message):
+    __slots__ = ("ending", "source", "by", "exit_code", "signal", "detail", "sentence")
+    ENDING_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    BY_FIELD_NUMBER: _ClassVar[int]
+    EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
+    SIGNAL_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    SENTENCE_FIELD_NUMBER: _ClassVar[int]
+    ending: str
+    source: str
+    by: str
+    exit_code: int
+    signal: int
+    detail: str
+    sentence: str
+    def __init__(self, ending: _Optional[str] = ..., source: _Optional[str] = ..., by: _Optional[str] = ..., exit_code: _Optional[int] = ..., signal: _Optional[int] = ..., detail: _Optional[str] = ..., sentence: _Optional[str] = ...) -> None: ...
 
 class WaitUntilStoppedRequest(_message.Message):
     __slots__ = ("id",)
@@ -1114,7 +1148,7 @@ class SandboxSettings(_message.Message):
     def __init__(self, vcpus: _Optional[int] = ..., memory_mib: _Optional[int] = ..., max_vcpus: _Optional[int] = ..., max_memory_mib: _Optional[int] = ..., disk_size_mib: _Optional[int] = ..., env: _Optional[_Mapping[str, str]] = ..., working_dir: _Optional[str] = ..., ttl_seconds: _Optional[int] = ..., idle_timeout_seconds: _Optional[int] = ..., settled: _Optional[bool] = ...) -> None: ...
 
 class SandboxDetails(_message.Message):
-    __slots__ = ("base", "requested", "applied", "updated_at", "shell", "init", "pending", "parent", "parent_uid", "fork_snapshot", "forked_at", "memory_shared_bytes", "memory_own_bytes")
+    __slots__ = ("base", "requested", "applied", "updated_at", "shell", "init", "pending", "cause", "parent", "parent_uid", "fork_snapshot", "forked_at", "memory_shared_bytes", "memory_own_bytes")
     BASE_FIELD_NUMBER: _ClassVar[int]
     REQUESTED_FIELD_NUMBER: _ClassVar[int]
     APPLIED_FIELD_NUMBER: _ClassVar[int]
@@ -1122,6 +1156,7 @@ class SandboxDetails(_message.Message):
     SHELL_FIELD_NUMBER: _ClassVar[int]
     INIT_FIELD_NUMBER: _ClassVar[int]
     PENDING_FIELD_NUMBER: _ClassVar[int]
+    CAUSE_FIELD_NUMBER: _ClassVar[int]
     PARENT_FIELD_NUMBER: _ClassVar[int]
     PARENT_UID_FIELD_NUMBER: _ClassVar[int]
     FORK_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
@@ -1135,13 +1170,14 @@ class SandboxDetails(_message.Message):
     shell: str
     init: InitSpec
     pending: SandboxSettings
+    cause: StopCause
     parent: str
     parent_uid: str
     fork_snapshot: str
     forked_at: int
     memory_shared_bytes: int
     memory_own_bytes: int
-    def __init__(self, base: _Optional[_Union[_sandbox_pb2.SandboxInfo, _Mapping]] = ..., requested: _Optional[_Union[SandboxSettings, _Mapping]] = ..., applied: _Optional[_Union[SandboxSettings, _Mapping]] = ..., updated_at: _Optional[int] = ..., shell: _Optional[str] = ..., init: _Optional[_Union[InitSpec, _Mapping]] = ..., pending: _Optional[_Union[SandboxSettings, _Mapping]] = ..., parent: _Optional[str] = ..., parent_uid: _Optional[str] = ..., fork_snapshot: _Optional[str] = ..., forked_at: _Optional[int] = ..., memory_shared_bytes: _Optional[int] = ..., memory_own_bytes: _Optional[int] = ...) -> None: ...
+    def __init__(self, base: _Optional[_Union[_sandbox_pb2.SandboxInfo, _Mapping]] = ..., requested: _Optional[_Union[SandboxSettings, _Mapping]] = ..., applied: _Optional[_Union[SandboxSettings, _Mapping]] = ..., updated_at: _Optional[int] = ..., shell: _Optional[str] = ..., init: _Optional[_Union[InitSpec, _Mapping]] = ..., pending: _Optional[_Union[SandboxSettings, _Mapping]] = ..., cause: _Optional[_Union[StopCause, _Mapping]] = ..., parent: _Optional[str] = ..., parent_uid: _Optional[str] = ..., fork_snapshot: _Optional[str] = ..., forked_at: _Optional[int] = ..., memory_shared_bytes: _Optional[int] = ..., memory_own_bytes: _Optional[int] = ...) -> None: ...
 
 class SecretSpec(_message.Message):
     __slots__ = ("name", "hosts", "value", "store", "placeholder", "substitute")

@@ -300,6 +300,21 @@ class SandvisorServiceStub:
                 request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.SessionInput.SerializeToString,
                 response_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.SessionOutput.FromString,
                 _registered_method=True)
+        self.RequestStop = channel.unary_unary(
+                '/sandvisor.v1.SandvisorService/RequestStop',
+                request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.RequestStopRequest.SerializeToString,
+                response_deserializer=sandbox_dot_v1_dot_sandbox__pb2.Empty.FromString,
+                _registered_method=True)
+        self.RequestKill = channel.unary_unary(
+                '/sandvisor.v1.SandvisorService/RequestKill',
+                request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.KillRequest.SerializeToString,
+                response_deserializer=sandbox_dot_v1_dot_sandbox__pb2.Empty.FromString,
+                _registered_method=True)
+        self.WaitUntilStoppedResult = channel.unary_unary(
+                '/sandvisor.v1.SandvisorService/WaitUntilStoppedResult',
+                request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.WaitUntilStoppedRequest.SerializeToString,
+                response_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.SandboxDetails.FromString,
+                _registered_method=True)
         self.Fork = channel.unary_unary(
                 '/sandvisor.v1.SandvisorService/Fork',
                 request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.ForkRequest.SerializeToString,
@@ -700,6 +715,27 @@ class SandvisorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RequestStop(self, request, context):
+        """--- lifetime ---
+        Ask for a graceful stop (or a kill) and return at once; WaitUntilStoppedResult waits.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RequestKill(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WaitUntilStoppedResult(self, request, context):
+        """WaitUntilStopped with the whole answer: our state (crashed too) and the cause.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Fork(self, request, context):
         """--- fork (docs/fork.md) ---
         Children of a ready sandbox the caller sees, the caller's own: one checkpoint of the
@@ -978,6 +1014,21 @@ def add_SandvisorServiceServicer_to_server(servicer, server):
                     servicer.Attach,
                     request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.SessionInput.FromString,
                     response_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.SessionOutput.SerializeToString,
+            ),
+            'RequestStop': grpc.unary_unary_rpc_method_handler(
+                    servicer.RequestStop,
+                    request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.RequestStopRequest.FromString,
+                    response_serializer=sandbox_dot_v1_dot_sandbox__pb2.Empty.SerializeToString,
+            ),
+            'RequestKill': grpc.unary_unary_rpc_method_handler(
+                    servicer.RequestKill,
+                    request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.KillRequest.FromString,
+                    response_serializer=sandbox_dot_v1_dot_sandbox__pb2.Empty.SerializeToString,
+            ),
+            'WaitUntilStoppedResult': grpc.unary_unary_rpc_method_handler(
+                    servicer.WaitUntilStoppedResult,
+                    request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.WaitUntilStoppedRequest.FromString,
+                    response_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.SandboxDetails.SerializeToString,
             ),
             'Fork': grpc.unary_unary_rpc_method_handler(
                     servicer.Fork,
@@ -2416,6 +2467,87 @@ class SandvisorService:
             '/sandvisor.v1.SandvisorService/Attach',
             sandvisor_dot_v1_dot_sandvisor__pb2.SessionInput.SerializeToString,
             sandvisor_dot_v1_dot_sandvisor__pb2.SessionOutput.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RequestStop(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandvisor.v1.SandvisorService/RequestStop',
+            sandvisor_dot_v1_dot_sandvisor__pb2.RequestStopRequest.SerializeToString,
+            sandbox_dot_v1_dot_sandbox__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RequestKill(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandvisor.v1.SandvisorService/RequestKill',
+            sandvisor_dot_v1_dot_sandvisor__pb2.KillRequest.SerializeToString,
+            sandbox_dot_v1_dot_sandbox__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WaitUntilStoppedResult(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandvisor.v1.SandvisorService/WaitUntilStoppedResult',
+            sandvisor_dot_v1_dot_sandvisor__pb2.WaitUntilStoppedRequest.SerializeToString,
+            sandvisor_dot_v1_dot_sandvisor__pb2.SandboxDetails.FromString,
             options,
             channel_credentials,
             insecure,
