@@ -29,7 +29,8 @@ Networking, as E2B's (internet access by default) when serve has tap networking:
 Beside envd's core (:mod:`~supervisor.serve.e2b_envd`): PTYs and input streams
 (:mod:`~supervisor.serve.e2b_pty`), directory watchers (:mod:`~supervisor.serve.e2b_watch`),
 E2B's default user (:mod:`~supervisor.serve.e2b_user`), ``get_metrics``
-(:mod:`~supervisor.serve.e2b_metrics`) and ``get_host`` (:mod:`~supervisor.serve.e2b_proxy`).
+(:mod:`~supervisor.serve.e2b_metrics`), ``get_host`` (:mod:`~supervisor.serve.e2b_proxy`), and
+fork and snapshots (:mod:`~supervisor.serve.e2b_snapshots`).
 Routes it does not have answer 404 ``{"code": 404, "message": ...}``, as E2B's API does.
 """
 
@@ -50,7 +51,7 @@ import trio
 
 from supervisor.serve import e2b_envd as envd
 from supervisor.serve import e2b_kernels as kern
-from supervisor.serve import e2b_proxy
+from supervisor.serve import e2b_proxy, e2b_snapshots
 from supervisor.serve.e2b_http import Exchange, HttpError, Receive, Scope, Send, http_error
 from supervisor.serve.e2b_keys import Client, Key, Tokens, find_key, read_keys
 from supervisor.serve.e2b_metrics import e2b_metrics
@@ -201,6 +202,10 @@ class E2BApp:
                 with client.acting():
                     await getattr(self, name)(ex, client, *m.groups())
                 return
+        if (served := e2b_snapshots.route(ex)) is not None:  # fork and snapshots
+            with client.acting():
+                await served(self, ex, client)
+            return
         raise HttpError(404, f"no route {ex.method} {ex.path}")
 
     async def _proxy(self, ex: Exchange, port: int, sandbox: str) -> None:
