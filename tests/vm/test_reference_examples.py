@@ -5,9 +5,10 @@ Every Go snippet of the reference is numbered in order of appearance; its equiva
 carries ``# ref N: [Section] first line`` (tests/unit/test_reference_coverage.py fails
 when a snippet has none). Snippets share sandboxes where they can: "api" (the
 CreateSandbox example, with the options of the WithPatches / WithMounts / WithCmd
-examples folded in) serves most of them, "worker" the systemd ones. Images the reference names (python:3.12, example/worker:latest,
-jrei/systemd-debian:12) are not pulled from the internet: the default image stands in,
-and for systemd the ext4 Debian root that tests/support/systemdimage.py builds.
+examples folded in) serves most of them, "worker" the systemd ones. Images the
+reference names (python:3.12, example/worker:latest, jrei/systemd-debian:12) are not
+pulled from the internet: the default image stands in, and for systemd the ext4 Debian
+root that tests/support/systemdimage.py builds.
 
 The WithNetwork example and Modify's secret examples run on a second supervisor with
 tap networking in namespaces of its own (secrets need the proxy). The examples of
