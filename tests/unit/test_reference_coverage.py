@@ -163,4 +163,4 @@ def test_pending_tests_are_marked_skip_and_kept_apart() -> None:
         }
 
     assert not any(tests(head).values()), "a pending test above the pending heading"
-    assert tests(pending) and all(tests(pending).values()), "an unskipped test in the pending section"
+    assert all(tests(pending).values()), "an unskipped test in the pending section"
