@@ -154,7 +154,7 @@ def unit_session(tree: Path) -> dict[str, Any]:
     before = loadavg()
     t = time.monotonic()
     p = subprocess.run(
-        [str(tree / ".venv" / "bin" / "pytest"), "-q", "-m", "not vm and not host", "-p", "no:cacheprovider"],
+        [str(tree / ".venv" / "bin" / "pytest"), "-q", "-m", "not vm and not host", "-p", "no:cacheprovider", "-rf"],
         cwd=tree,
         capture_output=True,
         text=True,
@@ -162,7 +162,14 @@ def unit_session(tree: Path) -> dict[str, Any]:
     )
     wall = time.monotonic() - t
     tail = [line for line in p.stdout.strip().splitlines() if line.strip()][-1:]
-    return {"wall_s": wall, "rc": p.returncode, "summary": tail[0] if tail else "", "load": f"{before} -> {loadavg()}"}
+    failed = [line for line in p.stdout.splitlines() if line.startswith("FAILED")]
+    return {
+        "wall_s": wall,
+        "rc": p.returncode,
+        "summary": tail[0] if tail else "",
+        "failed": failed,
+        "load": f"{before} -> {loadavg()}",
+    }
 
 
 def table(res: dict[str, Any]) -> str:
@@ -191,6 +198,7 @@ def table(res: dict[str, Any]) -> str:
         u = res["units"].get(side)
         if u:
             rows.append(f"- unit session, {side}: {u['wall_s']:.1f} s, `{u['summary']}`, load {u['load']}")
+            rows += [f"  - {line}" for line in u.get("failed", [])]
     rows.append(f"- load average during the interleaved rounds: {', '.join(res['loads'])}")
     rows.append("")
     return "\n".join(rows)
