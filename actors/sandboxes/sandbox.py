@@ -487,15 +487,22 @@ class Sandbox(Identity):
             if run.waking:
                 crash_point("resume-loaded")
             ready_at = self.record.ready_at if run.waking and self.record.ready_at else int(time.time())
+            before = self.state
             self._set(State.READY, ready_at=ready_at, qemu_pid=guest.machine.pid or 0, error="")
-            run.served = True
             # on disk before anyone hears of it: a supervisor killed right after a client
-            # saw "ready" adopts the sandbox (the record said "starting": it was killed)
-            with trio.move_on_after(READY_FLUSH_TIMEOUT):
-                try:
-                    await self.store.flush()
-                except DomainError as exc:  # a full disk: it runs, but a restart will not keep it
-                    self.log.append("system", f"ready, not stored: {exc.message}".encode())
+            # saw "ready" adopts the sandbox (the record said "starting": it was killed).
+            # Stored as ready above; known as ready (Inspect, Run) only once on disk, with
+            # its event: a Run seen between the two ran before its "ready" was announced
+            self.record.state = before
+            run.served = True
+            try:
+                with trio.move_on_after(READY_FLUSH_TIMEOUT):
+                    try:
+                        await self.store.flush()
+                    except DomainError as exc:  # a full disk: it runs, but a restart will not keep it
+                        self.log.append("system", f"ready, not stored: {exc.message}".encode())
+            finally:
+                self.record.state = State.READY
             self.log.append("system", b"resumed" if run.waking else b"ready")
             self.emit(Action.RESUMED if run.waking else Action.READY)
         run.timings["ready_event"] = time.monotonic()

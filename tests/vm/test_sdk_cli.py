@@ -159,6 +159,16 @@ def test_cli_surface(served: dict[str, str], tmp_path: Path) -> None:
         "requested",  # the read-back: configuration as requested, as applied
         "applied",
         "updated_at",
+        "shell",  # the stored shell of shell() (docs/protocol.md)
+        "init",  # the init PID 1 is handed to (docs/init.md)
+        "pending",  # what a Modify saved for the next start (docs/modify.md)
+        "cause",  # why its last life ended (docs/architecture.md)
+        "parent",  # lineage and memory per branch (docs/fork.md)
+        "parent_uid",
+        "fork_snapshot",
+        "forked_at",
+        "memory_shared_bytes",
+        "memory_own_bytes",
     }
     assert info["last_exit_code"] == 9
 
@@ -193,7 +203,8 @@ def test_cli_surface(served: dict[str, str], tmp_path: Path) -> None:
         while not seen or seen[-1]["action"] != "stopping":
             seen.append(json.loads(ev.stdout.readline()))
         assert {e["action"] for e in seen[:-1]} <= {"running", "idle"}  # the probes' events, then the stop's
-        assert set(seen[-1]) == {"sandbox_id", "action", "timestamp", "attributes"}
+        # cursor: where `events --since` resumes; sequence: the event's place in its sandbox's (docs/webhooks.md)
+        assert set(seen[-1]) == {"sandbox_id", "action", "timestamp", "attributes", "cursor", "sequence"}
     finally:
         ev.kill()
         ev.wait()
