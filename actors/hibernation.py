@@ -128,7 +128,7 @@ class Hibernation:
         """Hibernate a ready sandbox (idempotent on a paused one)."""
         self.reg.check_open()
         async with self._lock(sb):
-            with sb.pause_under_way():
+            with sb.held.pausing():
                 await self._pause(sb)
 
     async def _pause(self, sb: Sandbox) -> None:
@@ -449,7 +449,7 @@ class Hibernation:
         """Bind the host ports of a paused sandbox's mappings (they stay reserved) and,
         with auto-resume, watch them: the first connection (or datagram) resumes it."""
         for pm in sb.record.ports:
-            if pm.key in sb.held_ports or not pm.host_port:
+            if pm.key in sb.held.ports or not pm.host_port:
                 continue
             kind = socket.SOCK_DGRAM if pm.protocol == Protocol.UDP else socket.SOCK_STREAM
             try:
@@ -458,8 +458,8 @@ class Hibernation:
                 sb.log.append("system", f"paused: host port {pm.host_port} not held: {exc}".encode())
                 continue
             sock.setblocking(False)
-            sb.hold_port(pm.key, sock)
-        watched: list[socket.socket | int] = [*sb.held_ports.values()]
+            sb.held.hold_port(pm.key, sock)
+        watched: list[socket.socket | int] = [*sb.held.ports.values()]
         tap = self._hold_tap(sb)
         if tap is not None:
             watched.append(tap)
@@ -477,14 +477,14 @@ class Hibernation:
         the resumed QEMU. Its descriptor, to watch (None: not a tap sandbox)."""
         if sb.config.network.mode != NetMode.TAP or self.reg.settings.hostnet is None:
             return None
-        link = sb.held_link
+        link = sb.held.link
         if link is None or link.closed:
             try:
                 link, _ = netlink.open_link(self.reg.settings, sb.config.network, sb.record.uid, sb.files.dir)
             except (DomainError, MachineError, OSError) as exc:
                 sb.log.append("system", f"paused: its TAP not held: {exc}".encode())
                 return None
-            sb.hold_link(link)
+            sb.held.hold_link(link)
         if link is None or link.tap_fd is None:
             return None
         g = link.guest
@@ -521,7 +521,7 @@ class Hibernation:
 
     async def _release_ports(self, sb: Sandbox) -> list[socket.socket]:
         """Before a resume: the watcher ends; relayed forwards take the listeners over
-        (Sandbox.take_held_port); slirp's need the ports free: the TCP connections
+        (PauseHold.take_port); slirp's need the ports free: the TCP connections
         waiting are accepted first (piped to the forward once it is back)."""
         done = self._stop_watch(sb)
         if done is not None:
@@ -529,8 +529,8 @@ class Hibernation:
         if self._relayed(sb):
             return []
         pending: list[socket.socket] = []
-        ports, link = sb.let_go_held()
-        sb.hold_link(link)  # (the TAP stays held: the resumed life takes it)
+        ports, link = sb.held.let_go()
+        sb.held.hold_link(link)  # (the TAP stays held: the resumed life takes it)
         for key, sock in ports.items():
             if key[1] == Protocol.TCP:
                 while True:
@@ -544,7 +544,7 @@ class Hibernation:
 
     def _close_ports(self, sb: Sandbox) -> None:
         self._stop_watch(sb)
-        ports, link = sb.let_go_held()
+        ports, link = sb.held.let_go()
         for sock in ports.values():
             trio.lowlevel.notify_closing(sock)
             sock.close()

@@ -1,9 +1,13 @@
 """A boot's requests to its guest, after it answered and before anything of the
 caller's runs: the workload shape, volumes, host directories, tmpfs, patches, the
-sandbox's CA and its resolv.conf. Each failure is logged to the sandbox's system log
-and ends the boot as a MachineError naming what failed."""
+sandbox's CA and its resolv.conf, then its ports, tuning and init hand-off
+(:func:`prepare`; a taken warm pool member's: :func:`prepare_member`). Each failure
+is logged to the sandbox's system log and ends the boot as a MachineError naming
+what failed."""
 
 from __future__ import annotations
+
+from typing import Protocol
 
 from actors import hostcopy, hostdirs
 from actors.channel.guest import GuestError, PatchEntry
@@ -11,8 +15,57 @@ from actors.errors import DomainError
 from actors.machines.qemuproc import MachineError
 from actors.machines.vm import Guest
 from actors.model import SCRIPTS_DIR, script_patches
-from actors.sandboxes import secrets
-from actors.sandboxes.life import LifeOwner, guest_error
+from actors.sandboxes import handoff, secrets, tune
+from actors.sandboxes.life import Life, LifeOwner, guest_error
+from actors.sandboxes.plans import Boot, Resume
+from actors.sandboxes.workload import Workloads
+
+
+class SetupOwner(LifeOwner, tune.TuneOwner, Protocol):
+    """What a boot's set-up uses of a sandbox (the Sandbox is one; it is not imported here)."""
+
+    @property
+    def work(self) -> Workloads: ...
+
+
+async def prepare(sb: SetupOwner, life: Life, guest: Guest, plan: Boot | Resume, *, fresh: bool) -> bool:
+    """A booted or restored guest made the caller's, in order, before it is ready:
+    whether an init it was handed to runs the initial command (actors/sandboxes/handoff.py).
+    ``fresh``: a fresh disk, which gets the Create's patches."""
+    if isinstance(plan, Boot) and plan.template is not None:
+        await plan.template()  # a fresh boot, nothing of the caller's in it yet
+    if not isinstance(plan, Resume) or plan.fallback is not None:  # (a restored guest holds it)
+        await apply_shape(sb, guest)
+    if not isinstance(plan, Resume):  # (a restored guest has them mounted)
+        await mount_volumes(sb, guest)
+        await mount_host_dirs(sb, guest)
+    if not isinstance(plan, Resume) or plan.fallback is not None:  # (a template has none)
+        await mount_tmpfs(sb, guest)
+    if fresh:
+        await apply_patches(sb, guest)
+    if sb.config.secrets:  # every boot and restore (a clone has a CA of its own)
+        await install_ca(sb, guest)
+    await configure_dns(sb, guest)  # (every boot and restore: /init writes its own)
+    await life.apply_ports()  # ports given at create (or exposed before a stop) come first
+    # vCPUs and memory below the machine's ceilings, a grown root filesystem
+    await tune.at_boot(sb, guest, fresh=isinstance(plan, Boot))
+    if not isinstance(plan, Resume) or plan.fallback is not None:  # (a restored one runs its init)
+        return await handoff.hand_off(sb, guest, sb.work.initial_cmd)
+    return False
+
+
+async def prepare_member(sb: SetupOwner, life: Life, guest: Guest, *, apply_ports: bool) -> None:
+    """A taken warm pool member's guest made the caller's (its identity is fresh
+    already): ``apply_ports``: a Create's (a template's member has none; a
+    snapshot's has its own)."""
+    await apply_shape(sb, guest)  # (a member's guest has the template's: none)
+    if apply_ports:
+        await mount_tmpfs(sb, guest)
+    await apply_patches(sb, guest)
+    await configure_dns(sb, guest)
+    life.update_policy()  # the caller's egress policy, not the template's
+    if apply_ports:
+        await life.apply_ports()
 
 
 async def mount_volumes(sb: LifeOwner, guest: Guest) -> None:

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import functools
 import os
-import socket
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -81,6 +80,7 @@ from actors.quotas import check_sandbox_disk
 from actors.sandboxes import secrets, usage
 from actors.sandboxes.files import SandboxFiles
 from actors.sandboxes.logs import SandboxLog
+from actors.sandboxes.paused import PauseHold
 from actors.sandboxes.plans import Adopt, Boot, Resume
 from actors.sandboxes.savedstate import memory_for_restore, resume_spec
 from actors.sandboxes.sessions import HeldSessions
@@ -146,11 +146,8 @@ class LifeOwner(Protocol):
 
     def emit(self, action: Action, **attributes: str) -> None: ...
 
-    def take_held_port(self, pm: PortSpec) -> socket.socket | None: ...
-
-    def take_held_link(self) -> SandboxLink | None: ...
-
-    def hold_link(self, link: SandboxLink | None) -> None: ...
+    @property
+    def held(self) -> PauseHold: ...
 
     def note_pid(self, pid: int) -> None: ...
 
@@ -227,7 +224,7 @@ class Life:
                 self._stack.callback(nursery.cancel_scope.cancel)  # (first out: the relays end)
                 self.sessions = HeldSessions(nursery)  # (they end with the relays)
                 jailed = self.cell is not None
-                held = self.sb.take_held_port  # a resumed sandbox's listeners
+                held = self.sb.held.take_port  # a resumed sandbox's listeners
                 self.ports = PortRelays(
                     self.sb.settings, guest, self.sb.network, jailed=jailed, nursery=nursery, held=held
                 )
@@ -299,7 +296,7 @@ class Life:
         if link is None:
             return
         if self.pausing and link.tap_fd is not None and not link.closed:
-            self.sb.hold_link(link)  # paused: the TAP stays, its queue holds what comes for the guest
+            self.sb.held.hold_link(link)  # paused: the TAP stays, its queue holds what comes for the guest
             return
         link.detach() if self.detaching else link.close()
 
@@ -342,7 +339,7 @@ class Life:
             await grow_overlay(files.disk, sb.limits.disk_mib << 20)
         run_dir = files.new_run_dir()
         volumes = self._claim_volumes()
-        held = sb.take_held_link() if isinstance(plan, Resume) and plan.wake else None  # paused: its TAP
+        held = sb.held.take_link() if isinstance(plan, Resume) and plan.wake else None  # paused: its TAP
         if held is not None:
             self.link, uplink = held, None
         else:

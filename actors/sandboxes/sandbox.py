@@ -33,16 +33,16 @@ the sandbox is "starting", so Create returns at once; it then holds one
 :class:`~actors.sandboxes.life.Life` at a time (two when a boot template does not restore and
 the sandbox boots instead), which owns everything the QEMU run holds and frees it in
 one place. What one start controls (the stop request, ready, done, the timings) is
-one :class:`_Run`, made fresh by ``start``. The sandbox owns its log and record.
+one :class:`~actors.sandboxes.runstate.RunState`, made fresh by ``start``. The sandbox
+owns its log and record.
 """
 
 from __future__ import annotations
 
 import logging
-import socket
 import time
-from collections.abc import Awaitable, Callable, Iterator
-from contextlib import AbstractAsyncContextManager, contextmanager
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -72,14 +72,15 @@ from actors.model import (
     State,
     is_hidden,
 )
-from actors.net.hostnet import SandboxLink
 from actors.net.ports import Exposed
-from actors.sandboxes import guestsetup, handoff, tune, usage
+from actors.sandboxes import guestsetup, usage
 from actors.sandboxes.checkpoint import CheckpointLost, Checkpoints
 from actors.sandboxes.files import SandboxFiles
 from actors.sandboxes.identity import Identity
 from actors.sandboxes.life import Life, guest_error
+from actors.sandboxes.paused import PauseHold
 from actors.sandboxes.plans import Adopt, AwaitTemplate, Boot, Plan, Resume
+from actors.sandboxes.runstate import RunState
 from actors.sandboxes.savedstate import Checkpoint
 from actors.sandboxes.workload import Workloads
 from actors.settings import Settings
@@ -92,26 +93,6 @@ READY_FLUSH_TIMEOUT = 5.0  # s: the ready state's commit before READY is announc
 
 log = logging.getLogger("sandvisor.sandbox")
 T = TypeVar("T")
-
-
-@attrs.define(eq=False)
-class _Run:
-    """What one start controls, from Start to stopped (fresh at each start)."""
-
-    stop: trio.Event = attrs.Factory(trio.Event)  # asked to stop (or QEMU died)
-    force: bool = False
-    timeout: float = 30.0
-    draining: bool = False  # no new work
-    detached: bool = False  # it ends by letting QEMU run on (serve --keep-sandboxes)
-    ready: trio.Event = attrs.Factory(trio.Event)  # it reached ready (or ended)
-    done: trio.Event = attrs.Factory(trio.Event)  # no life runs
-    scope: trio.CancelScope | None = None  # while it runs
-    work: trio.Nursery | None = None  # the serving life's tasks (its watch, the initial cmd)
-    timings: dict[str, float] = attrs.Factory(dict)  # monotonic: the cold-start breakdown
-    pausing: bool = False  # it ends for a pause (the record says paused already)
-    waking: bool = False  # a paused sandbox resuming: paused until it serves
-    served: bool = False  # it reached ready (or resumed)
-    cause: Cause | None = None  # why it ends (asked to stop, or how QEMU died), once known
 
 
 class Sandbox(Identity):
@@ -138,7 +119,7 @@ class Sandbox(Identity):
         self._events = events
         self.log = files.open_log()
         self.life: Life | None = None  # the current VM life
-        self._run = _Run()
+        self._run = RunState()
         self._run.done.set()  # no life runs (a recovered sandbox: at once)
         self.work = Workloads(self)
         # the handle's work in its guest is its Workloads' (actors/sandboxes/workload.py)
@@ -153,12 +134,10 @@ class Sandbox(Identity):
         self.began = self.born  # when its current (or last) life started: a TTL that stops counts from here
         self._ckpt = Checkpoints(record, self, files, settings, self.log)
         self._exposed = Exposed(record, self.note_ports)
-        # hibernation (actors/hibernation.py): the listeners of its ports held
-        # while paused, and who resumes it when a call needs its guest
-        self.held_ports: dict[tuple[int, Protocol], socket.socket] = {}
-        self.held_link: SandboxLink | None = None  # a paused tap sandbox's TAP (its queue)
+        # hibernation (actors/hibernation.py): what it holds while paused, and who
+        # resumes it when a call needs its guest
+        self.held = PauseHold()
         self.waker = waker  # who resumes it (None: nobody; a call needing its guest is refused)
-        self.hibernating = False  # a pause is under way (a call needing the guest waits for it, then resumes)
         self.modify_lock = trio.Lock()  # one Modify at a time (balloon targets and restarts do not interleave)
 
     def retune(self, config: SandboxConfig, *, changed: bool) -> None:
@@ -378,7 +357,7 @@ class Sandbox(Identity):
 
     async def start(self, nursery: trio.Nursery, plan: Plan) -> None:
         """Start a life in ``nursery``; returns once it is set up (state "starting")."""
-        self._run = run = _Run()  # at once: the sandbox counts as alive from here
+        self._run = run = RunState()  # at once: the sandbox counts as alive from here
         self.began = trio.current_time()
         try:
             await nursery.start(self.run, plan)
@@ -459,31 +438,13 @@ class Sandbox(Identity):
         """A life from the guest's hello to the end of its work."""
         guest, run = life.guest, self._run
         assert guest is not None
-        init_runs_workload = False  # handed off to an init that runs it (actors/sandboxes/handoff.py)
+        init_runs_workload = False  # handed off to an init that runs it (guestsetup.prepare)
         if isinstance(plan, Adopt):  # its forwards live in QEMU still; calls of the last supervisor are gone
             await life.apply_ports(relays_only=True)
             self._set(State.READY)
             self.log.append("system", b"adopted after a supervisor restart")
         else:
-            if isinstance(plan, Boot) and plan.template is not None:
-                await plan.template()  # a fresh boot, nothing of the caller's in it yet
-            if not isinstance(plan, Resume) or plan.fallback is not None:  # (a restored guest holds it)
-                await guestsetup.apply_shape(self, guest)
-            if not isinstance(plan, Resume):  # (a restored guest has them mounted)
-                await guestsetup.mount_volumes(self, guest)
-                await guestsetup.mount_host_dirs(self, guest)
-            if not isinstance(plan, Resume) or plan.fallback is not None:  # (a template has none)
-                await guestsetup.mount_tmpfs(self, guest)
-            if fresh:
-                await guestsetup.apply_patches(self, guest)
-            if self.config.secrets:  # every boot and restore (a clone has a CA of its own)
-                await guestsetup.install_ca(self, guest)
-            await guestsetup.configure_dns(self, guest)  # (every boot and restore: /init writes its own)
-            await life.apply_ports()  # ports given at create (or exposed before a stop) come first
-            # vCPUs and memory below the machine's ceilings, a grown root filesystem
-            await tune.at_boot(self, guest, fresh=isinstance(plan, Boot))
-            if not isinstance(plan, Resume) or plan.fallback is not None:  # (a restored one runs its init)
-                init_runs_workload = await handoff.hand_off(self, guest, self.work.initial_cmd)
+            init_runs_workload = await guestsetup.prepare(self, life, guest, plan, fresh=fresh)
             if run.waking:
                 crash_point("resume-loaded")
             ready_at = self.record.ready_at if run.waking and self.record.ready_at else int(time.time())
@@ -547,14 +508,7 @@ class Sandbox(Identity):
             # run saw events and the first Run race the fix-ups (test_daemon's TTL order,
             # test_snapshots' pool member), so the hand-over waits for them again
             await life.fresh_identity(guest, clock=True)
-            await guestsetup.apply_shape(self, guest)  # (a member's guest has the template's: none)
-            if apply_ports:  # a Create's (a template's member has none; a snapshot's has its own)
-                await guestsetup.mount_tmpfs(self, guest)
-            await guestsetup.apply_patches(self, guest)
-            await guestsetup.configure_dns(self, guest)
-            life.update_policy()  # the caller's egress policy, not the template's
-            if apply_ports:
-                await life.apply_ports()
+            await guestsetup.prepare_member(self, life, guest, apply_ports=apply_ports)
         except MachineError as exc:
             self._fail(str(exc))
             run.stop.set()
@@ -563,16 +517,6 @@ class Sandbox(Identity):
         self.touch()
         if self.work.initial_cmd:
             run.work.start_soon(self.work.run_initial)
-
-    async def _fixed_up(self, answers: Callable[[], Awaitable[None]]) -> None:
-        """A taken pool member's fix-ups answered (Life.post_identity); a guest that
-        failed them fails the sandbox, as a failed hand-over would have."""
-        try:
-            await answers()
-        except GuestError as exc:
-            if not self._run.stop.is_set():
-                self._fail(f"fixups of the warm pool member failed: {exc}")
-                self._run.stop.set()
 
     async def _watch_machine(self, life: Life, guest: Guest, scope: trio.CancelScope) -> None:
         rc = await guest.machine.wait()
@@ -657,44 +601,10 @@ class Sandbox(Identity):
         if guest is None and run.scope is not None:
             run.scope.cancel()
 
-    @contextmanager
-    def pause_under_way(self) -> Iterator[None]:
-        """While the block runs a pause is under way: a call needing the guest waits for
-        it, then resumes the sandbox (:meth:`awake`)."""
-        self.hibernating = True
-        try:
-            yield
-        finally:
-            self.hibernating = False
-
-    def hold_port(self, key: tuple[int, Protocol], sock: socket.socket) -> None:
-        """Keep the listener of a paused sandbox's host port (its next life relays it)."""
-        self.held_ports[key] = sock
-
-    def let_go_held(self) -> tuple[dict[tuple[int, Protocol], socket.socket], SandboxLink | None]:
-        """Everything held while paused (listeners, TAP), no longer held: the caller's to close."""
-        ports, self.held_ports = self.held_ports, {}
-        link, self.held_link = self.held_link, None
-        return ports, link
-
-    def take_held_port(self, pm: PortSpec) -> socket.socket | None:
-        """The listener of ``pm``'s host port held while it was paused, handed to the
-        resumed life's relay (None: the life binds its own)."""
-        return self.held_ports.pop(pm.key, None)
-
-    def hold_link(self, link: SandboxLink | None) -> None:
-        """Keep a paused tap sandbox's TAP (its queue holds what comes for the guest)."""
-        self.held_link = link
-
-    def take_held_link(self) -> SandboxLink | None:
-        """The TAP held while it was paused, for the resumed life (None: it opens one)."""
-        link, self.held_link = self.held_link, None
-        return link if link is not None and not link.closed else None
-
     async def awake(self) -> None:
         """A call that needs the guest: a paused sandbox is resumed first (auto-resume),
         or FAILED_PRECONDITION when it was created with auto-resume off."""
-        if self.state != State.PAUSED and not self.hibernating:
+        if self.state != State.PAUSED and not self.held.under_way:
             return
         if not self.config.timers.auto_resume or self.waker is None:
             raise FailedPrecondition(f"sandbox {self.id} is paused (auto-resume is off): resume it first")
@@ -877,7 +787,7 @@ class Sandbox(Identity):
 
     async def unexpose(self, sandbox_port: int, protocol: Protocol) -> None:
         life = self.life
-        held = self.held_ports.pop((sandbox_port, protocol), None)
+        held = self.held.ports.pop((sandbox_port, protocol), None)
         if held is not None:  # paused: its host port is released now
             held.close()
 

@@ -50,17 +50,14 @@ from supervisor.client.sdk.aio import (
 from supervisor.client.sdk.config_plans import load_config_json
 from supervisor.client.sdk.detach import DEFAULT_DETACH_KEYS, Detached
 from supervisor.client.sdk.modify_spec import SecretUpdate
+from supervisor.client.sdk.network import Dns, Egress, Network, PortBinding
 from supervisor.client.sdk.spec import (
     Boot,
-    Dns,
-    Egress,
     HostDir,
     Init,
     Lifetime,
-    Network,
     Output,
     Page,
-    PortBinding,
     RegistryAuth,
     Resources,
     RunResult,
