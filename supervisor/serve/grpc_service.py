@@ -187,6 +187,7 @@ BINDINGS: dict[str, tuple[Rpc, ...]] = {
         Rpc("ExecDetachable", "Exec", prepare=_detachable),
         Rpc("Attach", "Attach", prepare=lambda d: dict(d.get("attach") or {})),
         Rpc("Fork", "Fork"),
+        Rpc("Diff", "Diff"),
     ),
 }
 
