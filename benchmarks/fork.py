@@ -202,6 +202,7 @@ def markdown(res: dict[str, Any]) -> str:
             "|---|---|",
             f"| forks alive: sum of PSS (the shared memory file counted once) | {d['fork_pss_sum_mib']:.0f} |",
             f"| their parent's PSS | {d['parent_pss_mib']:.0f} |",
+            f"| forks + parent | {d['fork_pss_sum_mib'] + d['parent_pss_mib']:.0f} |",
             f"| cold boots alive: sum of PSS | {d['cold_pss_sum_mib']:.0f} |",
             f"| forks / cold | {d['ratio_fork_to_cold']:.2f} |",
             f"| a fork's private memory right after the fork (p50) | {d['fork_private_mib']['p50']:.1f} |",
