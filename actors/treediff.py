@@ -118,6 +118,7 @@ def listing(read: Callable[[int], bytes], limits: Limits = Limits()) -> dict[str
                 out[name] = first
             else:
                 raise InvalidArgument(f"{name[:200]!r}: an entry of type {chr(m.type)!r} in the guest's tree")
+        r.drain()  # (the writer's padding: the stream is read to its end, within its cap)
     except TreeError as exc:
         cls = ResourceExhausted if exc.code == proto.E_TOO_LARGE else InvalidArgument
         raise cls(f"the guest's tree: {exc.message}") from None

@@ -6,11 +6,15 @@ from __future__ import annotations
 import hashlib
 import io
 import tarfile
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
 
 import pytest
+import trio
 
 from actors.errors import InvalidArgument, ResourceExhausted
-from actors.treediff import Entry, Limits, compare, listing
+from actors.treediff import Entry, Limits, compare, diff, listing
 from supervisor.client.cli_family import content_lines
 
 
@@ -124,3 +128,49 @@ def test_content_shows_a_unified_diff_for_text_and_hashes_for_binary() -> None:
     assert "-two" in lines and "+three" in lines
     binary = content_lines("a", b"\xff\x00", "b", None, "/f")
     assert "absent" in binary[1] and "sha256" in binary[0]
+
+
+class _Chunks:
+    """A guest's tar stream as the channel gives it: chunks, with a checkpoint each."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data, self.pos = data, 0
+
+    def __aiter__(self) -> _Chunks:
+        return self
+
+    async def __anext__(self) -> bytes:
+        await trio.sleep(0)
+        if self.pos >= len(self.data):
+            raise StopAsyncIteration
+        self.pos += 1000
+        return self.data[self.pos - 1000 : self.pos]
+
+
+def _fake_tree(data: bytes, closed: list[bool]) -> Any:
+    @asynccontextmanager
+    async def read_tree(path: str) -> AsyncIterator[AsyncIterator[bytes]]:
+        try:
+            yield _Chunks(data)
+        finally:
+            closed.append(True)
+
+    return read_tree
+
+
+async def test_two_sandboxes_trees_are_read_side_by_side_and_compared() -> None:
+    a = _tar(("same", "file", b"s" * 3000), ("old", "file", b"o"))
+    b = _tar(("same", "file", b"s" * 3000), ("new", "file", b"n" * 2500))
+    closed: list[bool] = []
+    with trio.fail_after(10):
+        changes, n_a, n_b = await diff(_fake_tree(a, closed), _fake_tree(b, closed), "/w")
+    assert [(c.path, c.change) for c in changes] == [("new", "added"), ("old", "removed")]
+    assert (n_a, n_b, closed) == (2, 2, [True, True])
+
+
+async def test_a_side_past_a_bound_ends_its_stream_and_fails_typed() -> None:
+    big = _tar(*((f"f{i}", "file", b"x") for i in range(50)))
+    closed: list[bool] = []
+    with trio.fail_after(10), pytest.raises(ResourceExhausted, match="entries"):
+        await diff(_fake_tree(big, closed), _fake_tree(_tar(), closed), "/", Limits(entries=10))
+    assert closed == [True, True]
