@@ -10,18 +10,21 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+import grpc
 import pytest
 
 from images.build import Image
 from supervisor.client import Sandbox
 from supervisor.main.throwaway import supervisor_process, workdir
+from supervisor.wire.proto.sandvisor.v1 import sandvisor_pb2 as sv
+from supervisor.wire.proto.sandvisor.v1 import sandvisor_pb2_grpc as sv_grpc
 
 
 @pytest.fixture(scope="module")
 def family(image: Image) -> Iterator[dict[str, Any]]:
     with (
         workdir("sv-fdiff-", private_state=False) as work,
-        supervisor_process(work) as (env, _),
+        supervisor_process(work, "--grpc", f"unix://{work.root / 'g.sock'}") as (env, _),
     ):
         sock = str(work.socket)
         parent = Sandbox.create("dp", socket=sock, detached=True)
@@ -30,7 +33,7 @@ def family(image: Image) -> Iterator[dict[str, Any]]:
         a, b = parent.fork(2, name_prefix="dk-")
         a.run(["sh", "-c", "echo new > /srv/w/sub/added && echo neu > /srv/w/edit && rm /srv/w/gone"])
         a.run(["sh", "-c", "chmod 600 /srv/w/sub/mode && sync"])
-        yield {"env": env, "parent": parent, "a": a, "b": b}
+        yield {"env": env, "parent": parent, "a": a, "b": b, "grpc": f"unix:{work.root / 'g.sock'}"}
 
 
 def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
@@ -89,3 +92,21 @@ def test_metrics_carry_memory_per_branch(family: dict[str, Any]) -> None:
     m = family["b"].metrics()
     assert m.memory_shared_bytes > 16 << 20 and m.memory_own_bytes > 0, m
     assert m.memory_shared_bytes + m.memory_own_bytes <= m.host_rss_bytes + (4 << 20)
+
+
+def test_sandvisor_v1_diff_answers_the_same(family: dict[str, Any]) -> None:
+    """The real gRPC client: sandvisor.v1's Diff, and the metrics' memory per branch."""
+    with grpc.insecure_channel(family["grpc"]) as ch:
+        stub = sv_grpc.SandvisorServiceStub(ch)
+        r = stub.Diff(sv.DiffRequest(id="dk-2", other="dk-1", path="/srv/w"), timeout=120)
+        assert sorted((c.path, c.change) for c in r.changes) == [
+            ("edit", "modified"),
+            ("gone", "removed"),
+            ("sub/added", "added"),
+            ("sub/mode", "modified"),
+        ]
+        assert r.entries_a == r.entries_b == 6  # (".", sub, keep, edit, sub/mode and one more each)
+        assert stub.Metrics(sv.MetricsRequest(id="dk-1"), timeout=60).memory_shared_bytes > 16 << 20
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Diff(sv.DiffRequest(id="dk-2", other="nobody", path="/srv/w"), timeout=60)
+        assert err.value.code() == grpc.StatusCode.NOT_FOUND
