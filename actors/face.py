@@ -15,7 +15,7 @@ What is here, by kind:
 * the errors the domain raises (the wire's codes) and the events stream's ``Lagged``;
 * the values it takes and gives (model's records, configs, states and checks);
 * the registry, a sandbox, a snapshot's record, Modify's plan and call, and fork's
-  call and family walks;
+  call, family walks and tree diff;
 * a few helpers the edges share with it: ``defaults`` (its constants), ``rfc3339``,
   ``FsEntry``, ``CommandNotRun``, ``LOG_SOURCES``, ``collapse_single``, the principals'
   name check, the secret store's operations, and the host firewall the fleet's Ray
@@ -91,6 +91,8 @@ from actors.sandboxes.workload import CommandNotRun
 from actors.secrets.model import HEADERS, SecretRef
 from actors.snapshots.snapshot import rfc3339
 from actors.store import SnapshotRecord
+from actors.treediff import Change
+from actors.treediff import diff as diff_trees
 
 __all__ = [
     "ALIVE",
@@ -103,6 +105,7 @@ __all__ = [
     "AlreadyExists",
     "BootSource",
     "Cause",
+    "Change",
     "CommandNotRun",
     "DeadlineExceeded",
     "Dns",
@@ -154,6 +157,7 @@ __all__ = [
     "defaults",
     "descendants",
     "describe_sandbox_secrets",
+    "diff_trees",
     "fork",
     "from_snapshot",
     "is_descendant",

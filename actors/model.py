@@ -223,6 +223,10 @@ class SandboxMetrics:
     root_used_bytes: int = 0
     root_free_bytes: int = 0
     root_host_allocated_bytes: int = 0
+    # memory per branch (docs/fork.md): QEMU's resident pages shared with other processes
+    # (a fork's family maps one memory file) and its own private ones, as the host counts
+    memory_shared_bytes: int = 0
+    memory_own_bytes: int = 0
 
 
 POOL_PREFIX = "\x00pool:"  # ids of warm pool members: no caller id can hold a control character

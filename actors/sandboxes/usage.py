@@ -47,6 +47,7 @@ def sandbox_metrics(
     """The guest's ``m`` with the host's view of its QEMU (``pid``), cgroup and root disk
     (``disk``: its writable layer)."""
     cg = cgroup_stats(cell)
+    shared, own = proc_memory_split(pid)
     return SandboxMetrics(
         cgroup_memory_bytes=cg.memory_bytes if cg is not None else 0,
         cgroup_memory_limit_bytes=(cg.memory_limit or 0) if cg is not None else 0,
@@ -65,6 +66,8 @@ def sandbox_metrics(
         root_used_bytes=_guest_count(m.disk.get("root_used_bytes", 0)),
         root_free_bytes=_guest_count(m.disk.get("root_free_bytes", 0)),
         root_host_allocated_bytes=allocated_bytes(disk),
+        memory_shared_bytes=shared,
+        memory_own_bytes=own,
     )
 
 

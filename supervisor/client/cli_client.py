@@ -22,7 +22,7 @@ import argparse
 import os
 
 from supervisor.client.cli_common import tls_flag, unix_ns
-from supervisor.client.cli_family import fork, tree
+from supervisor.client.cli_family import diff, fork, tree
 from supervisor.client.cli_files import add_fs_command, fs
 from supervisor.client.cli_readback import add_config_command, config
 from supervisor.client.cli_sandboxes import (
@@ -88,6 +88,7 @@ CLIENT_COMMANDS = frozenset(
         "restore",
         "fork",
         "tree",
+        "diff",
         "snapshots",
         "snapshot",
         "port",
@@ -461,6 +462,13 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
 
     p = cmd("tree", tree, "the family of forks: state, age, memory (NAME: its tree only)")
     p.add_argument("name", nargs="?")
+    p.add_argument("--json", action="store_true")
+
+    p = cmd("diff", diff, "paths added (A), removed (D), modified (M) from NAME to OTHER (exit 1: they differ)")
+    p.add_argument("name")
+    p.add_argument("other", nargs="?", help="the other sandbox (a fork point alone is not supported)")
+    p.add_argument("--path", default="/", help="the directory compared (default /, its file system only)")
+    p.add_argument("--content", metavar="PATH", help="both sides of one file instead")
     p.add_argument("--json", action="store_true")
 
     p = cmd("restore", restore, "a new sandbox from a snapshot (prints its id)")

@@ -99,3 +99,86 @@ def tree(a: argparse.Namespace) -> int:
     for line in lines:
         print(line)
     return 0
+
+
+CONTENT_CAP = 1 << 20  # bytes of each side ``diff --content`` shows
+
+
+def _side(c: Any, name: str, path: str) -> bytes | None:
+    """The first CONTENT_CAP bytes of ``path`` in ``name`` (None: no such file there)."""
+    from supervisor.wire.errors import ApiError
+
+    out = bytearray()
+    try:
+        for chunk in c.stream("ReadFile", {"id": name, "path": path}):
+            out += chunk.get("data") or b""
+            if len(out) > CONTENT_CAP:
+                break
+    except ApiError as exc:
+        if exc.code == "NOT_FOUND":
+            return None
+        raise
+    return bytes(out)
+
+
+def content_lines(a_name: str, a: bytes | None, b_name: str, b: bytes | None, path: str) -> list[str]:
+    """Both sides of one file: a unified diff when both are text, else their sizes and hashes."""
+    import difflib
+    import hashlib
+
+    def text(x: bytes | None) -> list[str] | None:
+        try:
+            return [] if x is None else x[:CONTENT_CAP].decode("utf-8").splitlines(keepends=True)
+        except UnicodeDecodeError:
+            return None
+
+    ta, tb = text(a), text(b)
+    if ta is not None and tb is not None:
+        out = list(difflib.unified_diff(ta, tb, f"{a_name}:{path}", f"{b_name}:{path}"))
+        return [line.rstrip("\n") for line in out]
+    lines = []
+    for name, x in ((a_name, a), (b_name, b)):
+        desc = "absent" if x is None else f"{len(x)} bytes, sha256 {hashlib.sha256(x).hexdigest()}"
+        lines.append(f"{name}:{path}: {desc} (binary)")
+    return lines
+
+
+def _mark(ch: dict[str, Any]) -> str:
+    sym = {"added": "A", "removed": "D", "modified": "M"}.get(ch["change"], "?")
+    what = []
+    if ch["change"] == "modified":
+        if ch.get("kind_a") != ch.get("kind_b"):
+            what.append(f"{ch.get('kind_a')} -> {ch.get('kind_b')}")
+        if ch.get("size_a") != ch.get("size_b"):
+            what.append(f"size {ch.get('size_a', 0)} -> {ch.get('size_b', 0)}")
+        if ch.get("mode_a") != ch.get("mode_b"):
+            what.append(f"mode {ch.get('mode_a', 0):o} -> {ch.get('mode_b', 0):o}")
+        if ch.get("hash_a") != ch.get("hash_b") and ch.get("size_a") == ch.get("size_b"):
+            what.append("content")
+    side = "b" if ch["change"] == "added" else "a"
+    if not what:
+        what.append(f"{ch.get('kind_' + side)}, {ch.get('size_' + side, 0)} bytes")
+    return f"{sym} {ch['path']}  ({'; '.join(what)})"
+
+
+def diff(a: argparse.Namespace) -> int:
+    if not a.other:
+        print(
+            "sandvisor diff NAME OTHER: comparing a sandbox with its fork point is not supported "
+            "(the fork point's disk has no guest to ask; diff it with a sibling, or fork once more "
+            "and keep that child untouched as the reference)",
+        )
+        return 2
+    with connect(a) as c:
+        if a.content:
+            left, right = _side(c, a.name, a.content), _side(c, a.other, a.content)
+            for line in content_lines(a.name, left, a.other, right, a.content):
+                print(line)
+            return 0
+        r = c.call("Diff", {"id": a.name, "other": a.other, "path": a.path})
+    if a.json:
+        print_json(r)
+        return 0
+    for ch in r.get("changes") or []:
+        print(_mark(ch))
+    return 1 if r.get("changes") else 0

@@ -628,7 +628,7 @@ def simple(a: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-_METRICS = ("ID", "CPU", "MEM", "HOST RSS", "DISK R/W", "NET RX/TX", "ROOT USED/FREE (HOST)", "UP")
+_METRICS = ("ID", "CPU", "MEM", "HOST RSS", "DISK R/W", "NET RX/TX", "ROOT USED/FREE (HOST)", "SHARED/OWN", "UP")
 
 
 def _metrics_row(m: dict[str, Any]) -> tuple[str, ...]:
@@ -641,6 +641,7 @@ def _metrics_row(m: dict[str, Any]) -> tuple[str, ...]:
         f"{m['net_rx_bytes']}/{m['net_tx_bytes']}",
         f"{m.get('root_used_bytes', 0) >> 20}/{m.get('root_free_bytes', 0) >> 20} MiB"
         f" ({m.get('root_host_allocated_bytes', 0) >> 20})",
+        f"{m.get('memory_shared_bytes', 0) >> 20}/{m.get('memory_own_bytes', 0) >> 20} MiB",
         f"{m['uptime_seconds']:.0f}s",
     )
 

@@ -56,6 +56,7 @@ from actors.face import (
     check_port,
     defaults,
     descendants,
+    diff_trees,
     fork,
     from_snapshot,
     modify,
@@ -642,6 +643,16 @@ async def _fork(reg: Registry, io: CallIO, req: protocol.ForkRequest) -> protoco
         snapshot_id=done.snapshot.id,
         paused_ms=round(done.paused_s * 1000, 3),
     )
+
+
+@method("Diff", protocol.DiffRequest)
+async def _diff(reg: Registry, io: CallIO, req: protocol.DiffRequest) -> protocol.DiffResponse:
+    """What differs between two sandboxes the caller sees, under ``path`` (docs/fork.md):
+    each guest packs only its own tree; the host hashes and compares."""
+    a = access.sandbox(reg, io.principal, req.id)
+    b = access.sandbox(reg, io.principal, req.other)
+    changes, n_a, n_b = await diff_trees(a.read_tree, b.read_tree, _absolute(req.path or "/"))
+    return protocol.DiffResponse([mapping.diff_change(c) for c in changes], entries_a=n_a, entries_b=n_b)
 
 
 @method("ListSnapshots", protocol.ListSnapshotsRequest)

@@ -200,6 +200,7 @@ BINDINGS: dict[str, tuple[Rpc, ...]] = {
         Rpc("RequestKill", "RequestKill"),
         Rpc("WaitUntilStoppedResult", "WaitUntilStopped"),
         Rpc("Fork", "Fork"),
+        Rpc("Diff", "Diff"),
     ),
 }
 

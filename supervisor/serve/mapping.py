@@ -18,6 +18,7 @@ from actors.face import (
     HEADERS,
     BootSource,
     Cause,
+    Change,
     Dns,
     DomainError,
     Egress,
@@ -332,6 +333,22 @@ def modify_response(p: Plan) -> protocol.ModifyResponse:
     )
 
 
+def diff_change(c: Change) -> protocol.DiffChange:
+    a, b = c.a, c.b
+    return protocol.DiffChange(
+        path=c.path,
+        change=c.change,
+        kind_a=a.kind if a else "",
+        size_a=a.size if a else 0,
+        mode_a=a.mode if a else 0,
+        hash_a=a.digest if a else "",
+        kind_b=b.kind if b else "",
+        size_b=b.size if b else 0,
+        mode_b=b.mode if b else 0,
+        hash_b=b.digest if b else "",
+    )
+
+
 def summary(sb: Sandbox) -> protocol.SandboxSummary:
     r = sb.record
     return protocol.SandboxSummary(
@@ -379,6 +396,8 @@ def metrics(m: SandboxMetrics, *, cpu_seconds_total: float = 0.0) -> protocol.Me
         root_used_bytes=m.root_used_bytes,
         root_free_bytes=m.root_free_bytes,
         root_host_allocated_bytes=m.root_host_allocated_bytes,
+        memory_shared_bytes=m.memory_shared_bytes,
+        memory_own_bytes=m.memory_own_bytes,
     )
 
 

@@ -299,6 +299,7 @@ DOMAIN_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "registry",
             "from_snapshot",
             "fork",
+            "treediff",
         ),
     ),
     ("the edges' face", ("face",)),  # what supervisor/ may use (tests/unit/test_edge_face.py)

@@ -456,6 +456,13 @@ class AsyncSandbox(plans.SandboxMethods, _Driven):
         r = await drive(self.socket, snapshot_plans.fork(self, n, names=names, name_prefix=name_prefix, labels=labels))
         return [type(self)(c.id, socket=self.socket, detached=True) for c in r.sandboxes]
 
+    async def diff(self, other: str | AsyncSandbox, path: str = "/") -> builtins.list[protocol.DiffChange]:
+        """The paths added, removed and modified from this sandbox to ``other`` under
+        ``path`` (size, mode, SHA-256 of each side; docs/fork.md). Each guest is asked
+        only about its own tree; the server compares."""
+        o = other if isinstance(other, str) else other.id
+        return (await drive(self.socket, snapshot_plans.diff(self, o, path))).changes
+
     async def __aenter__(self) -> AsyncSandbox:
         return self
 

@@ -165,3 +165,12 @@ def fork(
     req = protocol.ForkRequest(id=t.id, count=n, names=list(names or ()), name_prefix=name_prefix, labels=_kv(labels))
     r: protocol.ForkResponse = yield Unary("Fork", req, protocol.ForkResponse)
     return r
+
+
+def diff(t: Target, other: str, path: str = "/") -> Plan[protocol.DiffResponse]:
+    """What differs from this sandbox's tree to ``other``'s under ``path`` (docs/fork.md):
+    each guest packs only its own tree; the server hashes (SHA-256) and compares."""
+    r: protocol.DiffResponse = yield Unary(
+        "Diff", protocol.DiffRequest(id=t.id, other=other, path=path), protocol.DiffResponse
+    )
+    return r

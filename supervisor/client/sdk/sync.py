@@ -357,6 +357,12 @@ class Sandbox(plans.SandboxMethods, _Driven):
         r = drive(self.socket, snapshot_plans.fork(self, n, names=names, name_prefix=name_prefix, labels=labels))
         return [type(self)(c.id, socket=self.socket, detached=True) for c in r.sandboxes]
 
+    def diff(self, other: str | Sandbox, path: str = "/") -> builtins.list[protocol.DiffChange]:
+        """The paths added, removed and modified from this sandbox to ``other`` (see
+        :meth:`supervisor.client.sdk.aio.AsyncSandbox.diff`)."""
+        o = other if isinstance(other, str) else other.id
+        return drive(self.socket, snapshot_plans.diff(self, o, path)).changes
+
     def __enter__(self) -> Sandbox:
         return self
 

@@ -567,6 +567,10 @@ class MetricsResponse:
     root_used_bytes: int = 0
     root_free_bytes: int = 0
     root_host_allocated_bytes: int = 0
+    # memory per branch (docs/fork.md): QEMU's resident pages shared with other processes
+    # (the family's one memory file) and its own, as the host counts them
+    memory_shared_bytes: int = 0
+    memory_own_bytes: int = 0
 
 
 @attrs.frozen

@@ -124,3 +124,36 @@ class ForkResponse:
     sandboxes: list[ForkedSandbox]
     snapshot_id: str = ""  # the fork point (hidden; it goes with the last descendant)
     paused_ms: float = 0.0  # how long the parent was paused
+
+
+# --- diff (docs/fork.md, "What a branch changed") ----------------------------------------------
+@attrs.frozen
+class DiffRequest:
+    id: str  # a: the sandbox compared from
+    other: str  # b: the sandbox compared to
+    path: str = "/"  # the directory compared in both (its file system only, as ``cp -r``)
+
+
+@attrs.frozen
+class DiffChange:
+    """One path that differs: ``change`` added (only in b), removed (only in a), modified.
+    Each side: kind (file, dir, link; "" absent), size, mode (permission bits), hash (a
+    file's SHA-256, computed on the host; a link's target)."""
+
+    path: str
+    change: str
+    kind_a: str = ""
+    size_a: int = 0
+    mode_a: int = 0
+    hash_a: str = ""
+    kind_b: str = ""
+    size_b: int = 0
+    mode_b: int = 0
+    hash_b: str = ""
+
+
+@attrs.frozen
+class DiffResponse:
+    changes: list[DiffChange]
+    entries_a: int = 0  # paths compared on each side
+    entries_b: int = 0

@@ -7,6 +7,50 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class DiffRequest(_message.Message):
+    __slots__ = ("id", "other", "path")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    OTHER_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    other: str
+    path: str
+    def __init__(self, id: _Optional[str] = ..., other: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+
+class DiffChange(_message.Message):
+    __slots__ = ("path", "change", "kind_a", "size_a", "mode_a", "hash_a", "kind_b", "size_b", "mode_b", "hash_b")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    CHANGE_FIELD_NUMBER: _ClassVar[int]
+    KIND_A_FIELD_NUMBER: _ClassVar[int]
+    SIZE_A_FIELD_NUMBER: _ClassVar[int]
+    MODE_A_FIELD_NUMBER: _ClassVar[int]
+    HASH_A_FIELD_NUMBER: _ClassVar[int]
+    KIND_B_FIELD_NUMBER: _ClassVar[int]
+    SIZE_B_FIELD_NUMBER: _ClassVar[int]
+    MODE_B_FIELD_NUMBER: _ClassVar[int]
+    HASH_B_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    change: str
+    kind_a: str
+    size_a: int
+    mode_a: int
+    hash_a: str
+    kind_b: str
+    size_b: int
+    mode_b: int
+    hash_b: str
+    def __init__(self, path: _Optional[str] = ..., change: _Optional[str] = ..., kind_a: _Optional[str] = ..., size_a: _Optional[int] = ..., mode_a: _Optional[int] = ..., hash_a: _Optional[str] = ..., kind_b: _Optional[str] = ..., size_b: _Optional[int] = ..., mode_b: _Optional[int] = ..., hash_b: _Optional[str] = ...) -> None: ...
+
+class DiffResponse(_message.Message):
+    __slots__ = ("changes", "entries_a", "entries_b")
+    CHANGES_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_A_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_B_FIELD_NUMBER: _ClassVar[int]
+    changes: _containers.RepeatedCompositeFieldContainer[DiffChange]
+    entries_a: int
+    entries_b: int
+    def __init__(self, changes: _Optional[_Iterable[_Union[DiffChange, _Mapping]]] = ..., entries_a: _Optional[int] = ..., entries_b: _Optional[int] = ...) -> None: ...
+
 class ForkRequest(_message.Message):
     __slots__ = ("id", "count", "names", "name_prefix", "labels")
     class LabelsEntry(_message.Message):
@@ -432,7 +476,7 @@ class MetricsStreamRequest(_message.Message):
     def __init__(self, id: _Optional[str] = ..., interval_seconds: _Optional[float] = ...) -> None: ...
 
 class SandboxMetrics(_message.Message):
-    __slots__ = ("id", "timestamp", "cpu_percent", "memory_total_bytes", "memory_available_bytes", "host_rss_bytes", "disk_read_bytes", "disk_write_bytes", "net_rx_bytes", "net_tx_bytes", "uptime_seconds", "cpu_seconds_total", "root_used_bytes", "root_free_bytes", "root_host_allocated_bytes")
+    __slots__ = ("id", "timestamp", "cpu_percent", "memory_total_bytes", "memory_available_bytes", "host_rss_bytes", "disk_read_bytes", "disk_write_bytes", "net_rx_bytes", "net_tx_bytes", "uptime_seconds", "cpu_seconds_total", "root_used_bytes", "root_free_bytes", "root_host_allocated_bytes", "memory_shared_bytes", "memory_own_bytes")
     ID_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
     CPU_PERCENT_FIELD_NUMBER: _ClassVar[int]
@@ -448,6 +492,8 @@ class SandboxMetrics(_message.Message):
     ROOT_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     ROOT_FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
     ROOT_HOST_ALLOCATED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_SHARED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_OWN_BYTES_FIELD_NUMBER: _ClassVar[int]
     id: str
     timestamp: int
     cpu_percent: float
@@ -463,7 +509,9 @@ class SandboxMetrics(_message.Message):
     root_used_bytes: int
     root_free_bytes: int
     root_host_allocated_bytes: int
-    def __init__(self, id: _Optional[str] = ..., timestamp: _Optional[int] = ..., cpu_percent: _Optional[float] = ..., memory_total_bytes: _Optional[int] = ..., memory_available_bytes: _Optional[int] = ..., host_rss_bytes: _Optional[int] = ..., disk_read_bytes: _Optional[int] = ..., disk_write_bytes: _Optional[int] = ..., net_rx_bytes: _Optional[int] = ..., net_tx_bytes: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., cpu_seconds_total: _Optional[float] = ..., root_used_bytes: _Optional[int] = ..., root_free_bytes: _Optional[int] = ..., root_host_allocated_bytes: _Optional[int] = ...) -> None: ...
+    memory_shared_bytes: int
+    memory_own_bytes: int
+    def __init__(self, id: _Optional[str] = ..., timestamp: _Optional[int] = ..., cpu_percent: _Optional[float] = ..., memory_total_bytes: _Optional[int] = ..., memory_available_bytes: _Optional[int] = ..., host_rss_bytes: _Optional[int] = ..., disk_read_bytes: _Optional[int] = ..., disk_write_bytes: _Optional[int] = ..., net_rx_bytes: _Optional[int] = ..., net_tx_bytes: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., cpu_seconds_total: _Optional[float] = ..., root_used_bytes: _Optional[int] = ..., root_free_bytes: _Optional[int] = ..., root_host_allocated_bytes: _Optional[int] = ..., memory_shared_bytes: _Optional[int] = ..., memory_own_bytes: _Optional[int] = ...) -> None: ...
 
 class PingRequest(_message.Message):
     __slots__ = ("id",)

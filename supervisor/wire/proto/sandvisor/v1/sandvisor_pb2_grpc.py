@@ -320,6 +320,11 @@ class SandvisorServiceStub:
                 request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.ForkRequest.SerializeToString,
                 response_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.ForkResponse.FromString,
                 _registered_method=True)
+        self.Diff = channel.unary_unary(
+                '/sandvisor.v1.SandvisorService/Diff',
+                request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.DiffRequest.SerializeToString,
+                response_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.DiffResponse.FromString,
+                _registered_method=True)
 
 
 class SandvisorServiceServicer:
@@ -747,6 +752,16 @@ class SandvisorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Diff(self, request, context):
+        """--- diff (docs/fork.md) ---
+        What differs between two sandboxes' trees under path: each guest packs only its own
+        tree, the host hashes and compares. RESOURCE_EXHAUSTED past a bound (entries, depth,
+        bytes hashed); INVALID_ARGUMENT for a malformed tree.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SandvisorServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -1034,6 +1049,11 @@ def add_SandvisorServiceServicer_to_server(servicer, server):
                     servicer.Fork,
                     request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.ForkRequest.FromString,
                     response_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.ForkResponse.SerializeToString,
+            ),
+            'Diff': grpc.unary_unary_rpc_method_handler(
+                    servicer.Diff,
+                    request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.DiffRequest.FromString,
+                    response_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.DiffResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -2575,6 +2595,33 @@ class SandvisorService:
             '/sandvisor.v1.SandvisorService/Fork',
             sandvisor_dot_v1_dot_sandvisor__pb2.ForkRequest.SerializeToString,
             sandvisor_dot_v1_dot_sandvisor__pb2.ForkResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Diff(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandvisor.v1.SandvisorService/Diff',
+            sandvisor_dot_v1_dot_sandvisor__pb2.DiffRequest.SerializeToString,
+            sandvisor_dot_v1_dot_sandvisor__pb2.DiffResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,227 @@
+"""Fork against checkpoint + N restores, interleaved in one run, and the memory of a family.
+
+Latency: a running sandbox (``--mem`` MiB, its guest holding ``--touch`` MiB of non-zero
+pages in a tmpfs) is made into ``--forks`` copies, each round both ways, in alternating
+order, through the async SDK:
+
+* fork: ``await sb.fork(N)`` -- the parent's pause (ForkResponse.paused_ms), and the time
+  until all N children have answered a Run;
+* by hand: ``await sb.checkpoint()`` then N ``AsyncSandbox.restore`` side by side, then a
+  Run in each -- the checkpoint's pause, the time until all N answered;
+* one restore of the same snapshot alone (the "within 2x a single restore" reference).
+
+Density: a ``--dmem`` MiB sandbox with ``--dtouch`` MiB touched, forked ``--dforks``
+times; with every child alive: the sum of the QEMU processes' PSS (smaps_rollup: a page
+mapped by k processes counts 1/k in each, so the family's shared memory file is counted
+once) and each child's private pages right after the fork; then the same number of
+cold-booted sandboxes, each touching the same memory, alive at once: their PSS sum.
+
+Usage: python benchmarks/fork.py [-n ROUNDS] [--out results/] [--mem 512 --touch 300 --forks 8]
+       [--dmem 256 --dtouch 200 --dforks 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any
+
+import trio
+from _harness import in_process_daemon, summary, write_results
+
+from actors.sandboxes.usage import proc_memory_split
+from supervisor.client import AsyncSandbox
+from supervisor.client.sdk import snapshot_plans
+from supervisor.client.sdk.aio import drive
+
+
+def touch(mib: int) -> list[str]:
+    """Fill ``mib`` MiB of guest memory with non-zero pages (a tmpfs: page cache stays)."""
+    return [
+        "sh",
+        "-c",
+        f"mkdir -p /mnt/t && mount -t tmpfs -o size={mib + 16}m none /mnt/t && "
+        f"yes abcdefghijklmnop | head -c {mib}m > /mnt/t/fill",
+    ]
+
+
+def pss(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+async def all_answer(kids: list[AsyncSandbox]) -> None:
+    async with trio.open_nursery() as n:
+        for k in kids:
+            n.start_soon(k.run, ["true"])
+
+
+async def remove_all(kids: list[AsyncSandbox]) -> None:
+    async with trio.open_nursery() as n:
+        for k in kids:
+            n.start_soon(lambda k=k: k.remove(force=True))
+
+
+async def by_fork(parent: AsyncSandbox, n: int) -> tuple[float, float]:
+    t0 = time.monotonic()
+    r = await drive(parent.socket, snapshot_plans.fork(parent, n))
+    kids = [AsyncSandbox(c.id, socket=parent.socket, detached=True) for c in r.sandboxes]
+    await all_answer(kids)
+    took = time.monotonic() - t0
+    await remove_all(kids)  # (the hidden snapshot goes with the last child)
+    return took, r.paused_ms / 1e3
+
+
+async def by_hand(parent: AsyncSandbox, n: int, tag: str) -> tuple[float, float, float]:
+    sock = parent.socket
+    t0 = time.monotonic()
+    cp = await parent.checkpoint()
+    kids: list[AsyncSandbox] = []
+
+    async def one(i: int) -> None:
+        kids.append(await AsyncSandbox.restore(cp.snapshot_id, name=f"{tag}-{i}", detached=True, socket=sock))
+
+    async with trio.open_nursery() as nursery:
+        for i in range(n):
+            nursery.start_soon(one, i)
+    await all_answer(kids)
+    took = time.monotonic() - t0
+    await remove_all(kids)
+    t1 = time.monotonic()
+    single = await AsyncSandbox.restore(cp.snapshot_id, name=f"{tag}-one", detached=True, socket=sock)
+    await single.run(["true"])
+    one_s = time.monotonic() - t1
+    await single.remove(force=True)  # (the snapshot stays: the parent's disk now stands on it)
+    return took, cp.paused_ms / 1e3, one_s
+
+
+def qemu_pid(registry: Any, id: str) -> int:
+    return int(registry.get(id).record.qemu_pid)
+
+
+async def density(registry: Any, sock: str, mem: int, touch_mib: int, k: int) -> dict[str, Any]:
+    out: dict[str, Any] = {"mem_mib": mem, "touch_mib": touch_mib, "count": k}
+    parent = await AsyncSandbox.create("dens", memory_mib=mem, detached=True, socket=sock)
+    await parent.run(touch(touch_mib))
+    r = await drive(sock, snapshot_plans.fork(parent, k, name_prefix="dk"))
+    kids = [AsyncSandbox(c.id, socket=sock, detached=True) for c in r.sandboxes]
+    await trio.sleep(2)
+    own = [proc_memory_split(qemu_pid(registry, c.id))[1] for c in kids]
+    out["fork_private_mib"] = summary([o / 2**20 for o in own])
+    out["fork_pss_sum_mib"] = sum(pss(qemu_pid(registry, c.id)) for c in kids) / 2**20
+    out["parent_pss_mib"] = pss(qemu_pid(registry, "dens")) / 2**20
+    await remove_all([*kids, parent])
+    cold: list[AsyncSandbox] = []
+
+    async def boot(i: int) -> None:
+        sb = await AsyncSandbox.create(f"cold{i}", memory_mib=mem, detached=True, socket=sock)
+        await sb.run(touch(touch_mib))
+        cold.append(sb)
+
+    async with trio.open_nursery() as n:
+        for i in range(k):
+            n.start_soon(boot, i)
+    await trio.sleep(2)
+    out["cold_pss_sum_mib"] = sum(pss(qemu_pid(registry, c.id)) for c in cold) / 2**20
+    await remove_all(cold)
+    out["ratio_fork_to_cold"] = out["fork_pss_sum_mib"] / max(out["cold_pss_sum_mib"], 1)
+    return out
+
+
+async def bench(a: argparse.Namespace) -> dict[str, Any]:
+    res: dict[str, Any] = {"rounds": a.n, "mem_mib": a.mem, "touch_mib": a.touch, "forks": a.forks}
+    res["load_start"] = Path("/proc/loadavg").read_text().split()[:3]
+    fork_t: list[float] = []
+    fork_pause: list[float] = []
+    hand_t: list[float] = []
+    hand_pause: list[float] = []
+    single: list[float] = []
+    async with in_process_daemon("sv-forkb-") as (cfg, registry):
+        registry.pools.templates = False
+        sock = str(cfg.socket)
+        parent = await AsyncSandbox.create("fbp", memory_mib=a.mem, detached=True, socket=sock)
+        await parent.run(touch(a.touch))
+        for i in range(a.n):
+            for way in ("fork", "hand") if i % 2 == 0 else ("hand", "fork"):
+                print(f"round {i}: {way}", flush=True)
+                if way == "fork":
+                    t, p = await by_fork(parent, a.forks)
+                    fork_t.append(t)
+                    fork_pause.append(p)
+                else:
+                    t, p, s = await by_hand(parent, a.forks, f"h{i}")
+                    hand_t.append(t)
+                    hand_pause.append(p)
+                    single.append(s)
+        await parent.remove(force=True)
+        if a.dforks:
+            print("density", flush=True)
+            res["density"] = await density(registry, sock, a.dmem, a.dtouch, a.dforks)
+    res["load_end"] = Path("/proc/loadavg").read_text().split()[:3]
+    res["fork_all_answer_s"] = summary(fork_t)
+    res["fork_parent_pause_s"] = summary(fork_pause)
+    res["hand_all_answer_s"] = summary(hand_t)
+    res["hand_checkpoint_pause_s"] = summary(hand_pause)
+    res["single_restore_s"] = summary(single)
+    write_results(Path(a.out), "fork", res, markdown(res))
+    return res
+
+
+def markdown(res: dict[str, Any]) -> str:
+    ms = lambda s: f"{s['p50'] * 1e3:.0f}"
+    rows = [
+        f"## fork({res['forks']}) of a running {res['mem_mib']} MiB sandbox ({res['touch_mib']} MiB touched), "
+        f"against checkpoint + {res['forks']} restores (TCG, {res['rounds']} rounds interleaved)",
+        "",
+        f"Load average at start {' '.join(res['load_start'])}, at end {' '.join(res['load_end'])}.",
+        "",
+        "| row | p50 (ms) | runs |",
+        "|---|---|---|",
+        f"| fork: parent paused | {ms(res['fork_parent_pause_s'])} | {res['fork_parent_pause_s']['n']} |",
+        f"| fork: all children answered a Run | {ms(res['fork_all_answer_s'])} | {res['fork_all_answer_s']['n']} |",
+        f"| by hand: checkpoint's pause | {ms(res['hand_checkpoint_pause_s'])} "
+        f"| {res['hand_checkpoint_pause_s']['n']} |",
+        f"| by hand: checkpoint + restores, all answered | {ms(res['hand_all_answer_s'])} "
+        f"| {res['hand_all_answer_s']['n']} |",
+        f"| one restore alone, answered a Run | {ms(res['single_restore_s'])} | {res['single_restore_s']['n']} |",
+    ]
+    if "density" in res:
+        d = res["density"]
+        rows += [
+            "",
+            f"## Density: {d['count']} forks of a {d['mem_mib']} MiB sandbox ({d['touch_mib']} MiB touched) "
+            f"against {d['count']} cold boots touching the same",
+            "",
+            "| row | MiB |",
+            "|---|---|",
+            f"| forks alive: sum of PSS (the shared memory file counted once) | {d['fork_pss_sum_mib']:.0f} |",
+            f"| their parent's PSS | {d['parent_pss_mib']:.0f} |",
+            f"| forks + parent | {d['fork_pss_sum_mib'] + d['parent_pss_mib']:.0f} |",
+            f"| cold boots alive: sum of PSS | {d['cold_pss_sum_mib']:.0f} |",
+            f"| forks / cold | {d['ratio_fork_to_cold']:.2f} |",
+            f"| a fork's private memory right after the fork (p50) | {d['fork_private_mib']['p50']:.1f} |",
+        ]
+    return "\n".join(rows) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("-n", type=int, default=2, help="rounds (each: one fork, one by hand)")
+    ap.add_argument("--out", default="results")
+    ap.add_argument("--mem", type=int, default=512)
+    ap.add_argument("--touch", type=int, default=300)
+    ap.add_argument("--forks", type=int, default=8)
+    ap.add_argument("--dmem", type=int, default=256)
+    ap.add_argument("--dtouch", type=int, default=200)
+    ap.add_argument("--dforks", type=int, default=16, help="0: no density run")
+    trio.run(bench, ap.parse_args())
+
+
+if __name__ == "__main__":
+    main()
