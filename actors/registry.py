@@ -71,10 +71,6 @@ from actors.model import (
     PullAuth,
     SandboxConfig,
     State,
-    check_config,
-    check_id,
-    check_labels,
-    check_name,
     is_hidden,
 )
 from actors.modify import check_machine
@@ -82,6 +78,7 @@ from actors.net.netlink import check_network_available
 from actors.oci_images import OciImages
 from actors.principals import LEGACY_OWNER, Principal
 from actors.quotas import Admission, Quotas
+from actors.rules import check_config, check_id, check_labels, check_name
 from actors.sandboxes.files import SandboxFiles
 from actors.sandboxes.sandbox import Adopt, Boot, Plan, Resume, Sandbox
 from actors.sandboxes.savedstate import Checkpoint

@@ -10,7 +10,7 @@ from actors.channel.guest import GuestError, PatchEntry
 from actors.errors import DomainError
 from actors.machines.qemuproc import MachineError
 from actors.machines.vm import Guest
-from actors.model import SCRIPTS_DIR, script_patches
+from actors.rules import SCRIPTS_DIR, script_patches
 from actors.sandboxes import secrets
 from actors.sandboxes.life import LifeOwner, guest_error
 
