@@ -13,7 +13,7 @@ modules is imported, so re-exporting the registry there would load the whole dom
 What is here, by kind:
 
 * the errors the domain raises (the wire's codes) and the events stream's ``Lagged``;
-* the values it takes and gives (model's records, configs, states and checks);
+* the values it takes and gives (model's records, configs and states) and rules' checks;
 * the registry, a sandbox, a snapshot's record, Modify's plan and call, and fork's
   call, family walks and tree diff;
 * a few helpers the edges share with it: ``defaults`` (its constants), ``rfc3339``,
@@ -68,9 +68,6 @@ from actors.model import (
     VolumeMount,
     VolumeRecord,
     Workload,
-    check_labels,
-    check_port,
-    script_argv,
 )
 from actors.modify import Modification, Plan, Policy, SecretChange, modify
 from actors.net import profiles
@@ -78,6 +75,7 @@ from actors.net.nft import Nft
 from actors.principals import Principal
 from actors.principals import check_name as check_principal_name
 from actors.registry import DEFAULT_STOP_TIMEOUT, Registry
+from actors.rules import check_labels, check_port, script_argv
 from actors.sandboxes.logs import SOURCES as LOG_SOURCES
 from actors.sandboxes.sandbox import Sandbox
 from actors.sandboxes.secrets import describe as describe_sandbox_secrets

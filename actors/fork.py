@@ -27,9 +27,10 @@ import attrs
 import trio
 
 from actors.errors import AlreadyExists, DomainError, FailedPrecondition, InvalidArgument
-from actors.model import State, check_id, check_labels
+from actors.model import State
 from actors.principals import LEGACY_OWNER
 from actors.registry import Registry
+from actors.rules import check_id, check_labels
 from actors.sandboxes.sandbox import Sandbox
 from actors.store import Lineage, SnapshotRecord
 

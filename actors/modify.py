@@ -34,9 +34,10 @@ import attrs
 import trio
 
 from actors.errors import FailedPrecondition, InvalidArgument
-from actors.model import ALIVE, ENDED, Limits, SandboxConfig, check_ceilings, check_labels, max_vcpus
+from actors.model import ALIVE, ENDED, Limits, SandboxConfig
 from actors.modify_secrets import BLOCKING, Change, Kind, Note, Policy, SecretChange, SecretPlan, Status
 from actors.net.netlink import needs_pool_address
+from actors.rules import check_ceilings, check_labels, max_vcpus
 from actors.sandboxes import secrets, tune
 from actors.sandboxes.sandbox import Sandbox
 from actors.sandboxes.tune import Machine, Resize

@@ -56,14 +56,12 @@ from actors.errors import (
 )
 from actors.events import EventBus
 from actors.hibernation import Hibernation
-from actors.machines.qemuproc import AdoptedProcess, MachineError, start_time
+from actors.machines.qemuproc import MachineError
 from actors.model import (
     ALIVE,
     ENDED,
     POOL_PREFIX,
     Action,
-    Cause,
-    Ending,
     ImageUse,
     Limits,
     MemoryKind,
@@ -71,19 +69,15 @@ from actors.model import (
     PullAuth,
     SandboxConfig,
     State,
-    check_config,
-    check_id,
-    check_labels,
-    check_name,
-    is_hidden,
 )
 from actors.modify import check_machine
 from actors.net.netlink import check_network_available
 from actors.oci_images import OciImages
 from actors.principals import LEGACY_OWNER, Principal
 from actors.quotas import Admission, Quotas
+from actors.rules import check_config, check_id, check_labels, check_name
 from actors.sandboxes.files import SandboxFiles
-from actors.sandboxes.sandbox import Adopt, Boot, Plan, Resume, Sandbox
+from actors.sandboxes.sandbox import Boot, Plan, Resume, Sandbox
 from actors.sandboxes.savedstate import Checkpoint
 from actors.sandboxes.secrets import new_owner
 from actors.secrets.ca import new_ca
@@ -162,7 +156,7 @@ class Registry:
         for p in self.volumes.sweep():
             log.info("removed %s: no volume names it", p)
         self.pools.drop_stale_templates()
-        adoptions = await self._recover()
+        adoptions = await recovery.recover(self)
         if s.vault is not None:  # values of sandboxes and snapshots that are gone
             s.vault.keep_only({r.uid for r in self.store.all()} | {r.uid for r in self.store.snapshots()})
         try:
@@ -207,56 +201,6 @@ class Registry:
             for sb in [*self.sandboxes.values(), *self.pools.all_members()]:
                 await sb.wait_stopped()
 
-    async def _recover(self) -> list[tuple[Sandbox, Adopt]]:
-        """Records of the previous supervisor. A QEMU it recorded that still runs (the
-        same pid and start time) is adopted when its sandbox was ready or running: it
-        keeps its memory, processes and ports. Any other QEMU of ours -- recorded but
-        not adoptable (booting, a pool member), or under our run root and named by no
-        record -- is killed and reaped (or confirmed gone) before we serve."""
-        adoptions: list[tuple[Sandbox, Adopt]] = []
-        ours: set[int] = set()
-        records = self.store.all()
-        for rec in records:
-            sb = self._sandbox(rec)
-            proc = AdoptedProcess.open(rec.life.pid, rec.life.start_time) if rec.life is not None else None
-            swapping = bool(rec.swap)  # a crash during a checkpoint: its QEMU (paused) is not adopted
-            if swapping:
-                recovery.repair_swap(sb)
-            adoptable = rec.state in ALIVE and not is_hidden(rec.id) and not swapping
-            if proc is not None and rec.life is not None and adoptable:
-                adoptions.append((sb, Adopt(rec.life, proc, accepted=time.monotonic())))
-                ours.add(proc.pid)
-                self.sandboxes[rec.id] = sb
-                continue
-            killed = await recovery.end_qemu(proc)
-            recovery.close_life(self.settings, sb)
-            if is_hidden(rec.id):  # a warm pool member: it goes, and so does its QEMU
-                await self.forget(sb)
-                continue
-            if rec.state in (State.STOPPING, State.DRAINING):  # it was being stopped: it is now
-                sb.mark_stopped()
-            elif rec.state in (State.STARTING, *ALIVE):
-                error = f"the supervisor exited while this sandbox was {rec.state}" + (
-                    " (its QEMU process was killed)" if killed else ""
-                )
-                if swapping:
-                    error += "; it was being checkpointed (its disk is whole: start it again)"
-                sb.mark_failed(error, Cause(Ending.HOST_RESTART, detail=error))
-            self.sandboxes[rec.id] = sb
-        for pid in recovery.our_qemus(self.settings.run_root) - ours:
-            log.warning("killing QEMU %d under our run root that no record names", pid)
-            await recovery.end_qemu(AdoptedProcess.open(pid, start_time(pid)))
-        self.hibernation.recover()  # paused sandboxes stay paused (their QEMU, if any, killed above)
-        keep = {Path(plan.life.run_dir).name for _, plan in adoptions}
-        recovery.recover_network(self.settings, self.sandboxes.values(), [sb for sb, _ in adoptions])
-        SandboxFiles.sweep_lives(self.settings, keep=keep)  # what no adopted life holds is stale
-        SandboxFiles.sweep_unrecorded(self.settings, {rec.uid for rec in records})
-        if self.settings.cells is not None:
-            self.settings.cells.sweep(keep=keep)
-        self.retire_forks()
-        await self.snapshots.collect()
-        return adoptions
-
     async def detach_all(self) -> None:
         """Let every running sandbox go on without us (serve --keep-sandboxes): their
         QEMUs run on, recorded, for the next supervisor; pool members are stopped."""
@@ -280,7 +224,8 @@ class Registry:
         return used
 
     # -- sandboxes: making and forgetting ---------------------------------------------
-    def _sandbox(self, rec: Record) -> Sandbox:
+    def sandbox_of(self, rec: Record) -> Sandbox:
+        """The sandbox actor of a record (not registered here: the caller's to do)."""
         files = SandboxFiles(rec.uid, self.settings)
         # (auto-resume: hibernation wakes it)
         return Sandbox(rec, self.settings, files, self.store, self.events, self.volumes, waker=self.hibernation.wake)
@@ -315,7 +260,7 @@ class Registry:
             limits=limits,
             lineage=lineage,
         )
-        return self._sandbox(rec)
+        return self.sandbox_of(rec)
 
     def _resolve_limits(self, config: SandboxConfig, snap: SnapshotRecord | None = None) -> Limits:
         """A new sandbox's effective resources, resolved here alone: kept in its record,

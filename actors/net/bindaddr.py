@@ -13,7 +13,7 @@ from __future__ import annotations
 from ipaddress import IPv4Address
 
 from actors.errors import PermissionDenied
-from actors.model import check_bind_address
+from actors.rules import check_bind_address
 
 
 def allowed(address: str, expose_address: str, extra: tuple[str, ...]) -> bool:

@@ -5,7 +5,7 @@ checkpoint runs at a time; while it does, short guest calls wait for it
 (:meth:`Checkpoints.wait_idle`) and new work is refused. :meth:`Checkpoints.take`
 is the sequence: wait out the guest's requests in flight, journal the disk swap
 (``record.swap``: a crash from there to the end of the swap is finished or undone by
-the next supervisor, ``Registry._recover``), :func:`~actors.sandboxes.savedstate.checkpoint_guest`,
+the next supervisor, ``actors.recovery.recover``), :func:`~actors.sandboxes.savedstate.checkpoint_guest`,
 and a failure that left the guest paused is :class:`CheckpointLost` (the life cannot
 go on). Recording the snapshot is the registry's (``SnapshotStore.take``).
 """
@@ -98,7 +98,7 @@ class Checkpoints:
 
         try:
             # the journal: a crash from here to the end of the disk swap is finished or
-            # undone by the next supervisor (Registry._recover)
+            # undone by the next supervisor (actors.recovery.recover)
             await journal.journal_swap(str(snap_dir / "disk.qcow2"))
             ck = await checkpoint_guest(
                 guest,

@@ -14,7 +14,7 @@ from actors.channel.guest import GuestError, PatchEntry
 from actors.errors import DomainError
 from actors.machines.qemuproc import MachineError
 from actors.machines.vm import Guest
-from actors.model import SCRIPTS_DIR, script_patches
+from actors.rules import SCRIPTS_DIR, script_patches
 from actors.sandboxes import handoff, secrets, tune
 from actors.sandboxes.life import Life, LifeOwner, guest_error
 from actors.sandboxes.plans import Boot, Resume

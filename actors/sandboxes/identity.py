@@ -8,9 +8,10 @@ from __future__ import annotations
 from ipaddress import IPv4Address
 
 from actors.machines.vm import NetConfig
-from actors.model import Limits, SandboxConfig, State, default_hostname
+from actors.model import Limits, SandboxConfig, State
 from actors.net import netlink
 from actors.net.egress import EgressPolicy
+from actors.rules import default_hostname
 from actors.settings import Settings
 from actors.store import Record
 

@@ -49,7 +49,8 @@ from actors.durable import fsync_dir
 from actors.errors import AlreadyExists, FailedPrecondition, InvalidArgument
 from actors.hostdirs import check_host_file
 from actors.machines.disk import MAX_CHAIN, DiskError, inspect_disk, overlay_bound
-from actors.model import ImageUse, MemoryKind, SandboxConfig, check_config, check_labels, check_name, dump, load
+from actors.model import ImageUse, MemoryKind, SandboxConfig, dump, load
+from actors.rules import check_config, check_labels, check_name
 from actors.sandboxes.savedstate import allocated, stat_key
 from actors.settings import Settings
 from actors.snapshots import archive
@@ -62,7 +63,7 @@ CHUNK = 1 << 20  # bytes of file data per frame an export writes
 PARTS = ("kernel", "initrd")  # named when they are this supervisor's image's files
 FRAMES_PER_HOP = 4  # frames an export reads (and an import writes) per worker-thread hop
 DISK_CHECK_EVERY = 64 << 20  # bytes written between two free-space checks of an import
-MAX_MEMORY_MIB = 65536  # as a Create's memory_mib (actors/model.py check_config)
+MAX_MEMORY_MIB = 65536  # as a Create's memory_mib (actors/rules.py check_config)
 BASE_NAME = "rootfs.ext4"  # what a named base layer is in either cache (never another file of theirs)
 _PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
 

@@ -11,7 +11,8 @@ import pytest
 
 from actors.crash import STEPS
 from actors.errors import InvalidArgument
-from actors.model import MemoryKind, SandboxConfig, Timers, check_config
+from actors.model import MemoryKind, SandboxConfig, Timers
+from actors.rules import check_config
 from actors.store import MachineRecord, SnapshotRecord
 from supervisor.client.sdk.spec import Lifetime, SandboxSpec
 from supervisor.main.cli import build_parser

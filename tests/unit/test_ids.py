@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from actors.errors import DomainError
-from actors.model import check_id, check_labels
+from actors.rules import check_id, check_labels
 
 
 @pytest.mark.parametrize("bad", ["x" * 129, "é" * 65, "a\x00b", " padded", "tab\t"])

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from actors.errors import InvalidArgument
-from actors.model import InitSpec, SandboxConfig, check_config, dump, load
+from actors.model import InitSpec, SandboxConfig, dump, load
+from actors.rules import check_config
 from guestd import initsys, proto
 from guestd.common import ExecFailed
 from supervisor.client import Init, SandboxSpec

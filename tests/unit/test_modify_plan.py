@@ -8,7 +8,7 @@ import attrs
 import pytest
 
 from actors.errors import FailedPrecondition, InvalidArgument
-from actors.model import Applied, Limits, SandboxConfig, State, Timers, Workload, check_config
+from actors.model import Applied, Limits, SandboxConfig, State, Timers, Workload
 from actors.modify import (
     BLOCKING,
     Kind,
@@ -19,6 +19,7 @@ from actors.modify import (
     check_machine,
     plan,
 )
+from actors.rules import check_config
 from actors.store import Record, Store
 
 CFG = SandboxConfig(

@@ -12,7 +12,8 @@ from actors.errors import FailedPrecondition, InvalidArgument, NotFound, Permiss
 from actors.hostdirs import check_host_dir
 from actors.machines.qemuproc import LaunchError
 from actors.machines.qemuspec import MachineSpec
-from actors.model import HostMount, SandboxConfig, TmpfsMount, VolumeMount, check_config
+from actors.model import HostMount, SandboxConfig, TmpfsMount, VolumeMount
+from actors.rules import check_config
 from supervisor import client
 from supervisor.client import HostDir, Tmpfs
 from supervisor.serve import mapping

@@ -21,10 +21,11 @@ import pytest
 import trio
 
 from actors.errors import FailedPrecondition, InvalidArgument, PermissionDenied
-from actors.model import Dns, Egress, NetMode, Network, PortSpec, Protocol, SandboxConfig, check_config
+from actors.model import Dns, Egress, NetMode, Network, PortSpec, Protocol, SandboxConfig
 from actors.net import bindaddr, profiles
 from actors.net.egress import EgressPolicy, base_ruleset
 from actors.registry import Registry
+from actors.rules import check_config
 from actors.sandboxes.guestsetup import resolv_conf
 from actors.store import Store
 from supervisor.client import AsyncSandbox, PortBinding, Sandbox

@@ -210,7 +210,7 @@ def test_mounts_are_keyed_by_guest_path_later_entries_override() -> None:
     # two kinds at one path in one breath: no order to decide by, the domain refuses it
     both = SandboxSpec().with_(volumes=["v:/x"], tmpfs=["/x"])
     with pytest.raises(Exception, match="one path"):
-        from actors.model import check_config
+        from actors.rules import check_config
 
         check_config(mapping.config(both.request()))
 

@@ -107,7 +107,8 @@ async def test_generations_refuse_a_restore_over_newer_contents(tmp_path: Path) 
 
 
 def test_config_rules_of_patches_scripts_and_volume_mounts() -> None:
-    from actors.model import Patch, SandboxConfig, check_config, script_argv, script_patches
+    from actors.model import Patch, SandboxConfig
+    from actors.rules import check_config, script_argv, script_patches
 
     ok = SandboxConfig(
         patches=(Patch("file", "/etc/x", b"1", mode=0o600, owner="nobody"),),

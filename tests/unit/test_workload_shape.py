@@ -17,7 +17,8 @@ import pytest
 
 from actors import hostcopy, sandlog
 from actors.errors import InvalidArgument, NotFound, PermissionDenied
-from actors.model import ImageUse, SandboxConfig, check_config
+from actors.model import ImageUse, SandboxConfig
+from actors.rules import check_config
 from actors.sandboxes.workload import initial_argv
 from guestd import proto, shape
 from guestd.common import ExecFailed
