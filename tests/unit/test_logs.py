@@ -93,11 +93,15 @@ async def test_log_follow_reads_only_what_is_new_across_rotations(tmp_path: Path
                         return
 
         n.start_soon(follow)
-        await trio.sleep(0.01)
+        with trio.fail_after(10):  # following (its tail is "old") before anything new is written
+            while not seen:
+                await trio.sleep(0.001)
         for i in range(1000):  # many rotations of a 4 KiB log while the follower keeps up
             log.append("stdout", str(i).encode())
-            if i % 7 == 0:
-                await trio.sleep(0)
+            if i % 7 == 0:  # it keeps up: at most 7 records (well inside 4 KiB) between its reads
+                with trio.fail_after(10):
+                    while seen[-1] != str(i).encode():
+                        await trio.sleep(0.001)
     assert seen[0] == b"old"
     got = [int(x) for x in seen[1:]]
     assert got == sorted(got) and got[-1] == 999 and len(set(got)) == len(got)
