@@ -84,7 +84,6 @@ from actors.sandboxes.secrets import remove_named as remove_stored_secret
 from actors.sandboxes.secrets import rotate as rotate_sandbox_secret
 from actors.sandboxes.secrets import set_named as set_stored_secret
 from actors.sandboxes.sessions import HeldSession
-from actors.sandboxes.usage import proc_memory_split
 from actors.sandboxes.workload import CommandNotRun
 from actors.secrets.model import HEADERS, SecretRef
 from actors.snapshots.snapshot import rfc3339
@@ -160,7 +159,6 @@ __all__ = [
     "from_snapshot",
     "is_descendant",
     "modify",
-    "proc_memory_split",
     "profiles",
     "remove_sandbox_secret",
     "remove_stored_secret",

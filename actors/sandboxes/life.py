@@ -182,6 +182,7 @@ class Life:
         self._state_fd = -1  # a restore's saved state, until loaded
         self._shares: hostdirs.Shares | None = None  # its host directories' servers (in its stack)
         self.cpu = usage.CpuMeter()  # QEMU's CPU use between two looks (Metrics)
+        self.memory = usage.MemorySplit()  # its pages shared and its own (Inspect)
         self._fixed = False  # a restore's fix-ups came with its hello (Attach.fixups)
         self._stack = AsyncExitStack()  # its scope, _release, QEMU (the launcher's block), the relays' nursery
         self._scope = trio.CancelScope()

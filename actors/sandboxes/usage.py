@@ -97,6 +97,25 @@ def proc_rss(pid: int) -> int:
     return 0
 
 
+class MemorySplit:
+    """:func:`proc_memory_split` of one QEMU, read at most every ``MAX_AGE`` seconds:
+    the kernel walks every page table of the process to answer (milliseconds for a
+    guest of some size), too dear for every Inspect."""
+
+    MAX_AGE = 2.0
+
+    def __init__(self) -> None:
+        self._pid = 0
+        self._at = 0.0
+        self._value = (0, 0)
+
+    def read(self, pid: int) -> tuple[int, int]:
+        now = time.monotonic()
+        if pid != self._pid or now - self._at > self.MAX_AGE:
+            self._pid, self._at, self._value = pid, now, proc_memory_split(pid)
+        return self._value
+
+
 def proc_memory_split(pid: int) -> tuple[int, int]:
     """A process's resident memory as the host's page tables count it, in bytes: (shared
     with other processes -- a fork's family mapping one memory file --, its own private

@@ -48,7 +48,6 @@ from actors.face import (
     TmpfsMount,
     VolumeMount,
     Workload,
-    proc_memory_split,
     rfc3339,
 )
 from images.build import Image
@@ -187,7 +186,7 @@ def stop_cause(cause: Cause | None) -> protocol.StopCause | None:
 
 def info(sb: Sandbox) -> protocol.SandboxInfo:
     r = sb.record
-    shared, own = proc_memory_split(r.qemu_pid) if sb.life is not None else (0, 0)
+    shared, own = sb.life.memory.read(r.qemu_pid) if sb.life is not None else (0, 0)
     limits = sb.limits
     return protocol.SandboxInfo(
         id=r.id,
