@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 from guestd.codes import CODES
 
 ABSENT = "absent"  # a state the model may allow: the sandbox is not listed
-SETTLED = frozenset({"ready", "stopped", "failed", "paused"})
-TRANSIENT = frozenset({"starting", "stopping", "running"})  # (running: a Run in progress; ready for the model)
+SETTLED = frozenset({"ready", "stopped", "failed", "crashed", "paused"})
+# (running: a Run in progress; ready for the model)
+TRANSIENT = frozenset({"starting", "stopping", "draining", "running"})
 MISSING = ""  # a file content the model may allow: the file is not there
 
 

@@ -74,6 +74,6 @@ async def test_a_silenced_guestd_costs_only_its_own_sandbox(image: Image) -> Non
             # Stop cannot ask guestd to power off: the ladder ends QEMU in bounded time
             t = time.monotonic()
             await c.call("Stop", {"id": "hostile", "timeout_seconds": 2})
-            await wait_state(c, "hostile", "stopped", "failed", timeout=60)
+            await wait_state(c, "hostile", "stopped", "failed", "crashed", timeout=60)
             assert time.monotonic() - t < 30
             assert (await c.call("Inspect", {"id": "neighbour"}))["state"] == "ready"
