@@ -123,6 +123,14 @@ def start_time(pid: int) -> int:
         return 0
 
 
+def _exited(pid: int) -> bool:
+    """The process has ended (a zombie, or dead): field 3 of /proc/<pid>/stat."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
+    except (OSError, IndexError):
+        return True
+
+
 class AdoptedProcess:
     """A QEMU a previous supervisor started, watched through a pidfd: no pid recycling
     race, no zombie of ours (its parent is init now), no exit status."""
@@ -139,8 +147,8 @@ class AdoptedProcess:
             fd = os.pidfd_open(pid)
         except OSError:
             return None
-        if start_time(pid) != started:  # (checked after the pidfd: it pins this process)
-            os.close(fd)
+        if start_time(pid) != started or _exited(pid):  # (checked after the pidfd: it pins this process)
+            os.close(fd)  # (a zombie init has not reaped yet is gone too: nothing to adopt)
             return None
         return cls(pid, fd)
 
