@@ -382,8 +382,8 @@ def test_kill_wait_remove(api: Sandbox) -> None:
     api.kill()
     # ref 25: [WaitUntilStopped] result, err := sb.WaitUntilStopped(ctx)
     result = api.wait_until_stopped()
-    print(f"ended as {result.state}")
-    assert result.state == "stopped"
+    print(f"ended as {result.status} ({result.source})")
+    assert (result.status, result.source) == ("stopped", "user")
     # ref 6: [RemoveSandbox] err := m.RemoveSandbox(ctx, "api")
     api.remove()
     with pytest.raises(NotFound):
