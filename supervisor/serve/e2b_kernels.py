@@ -80,10 +80,14 @@ class KernelHost:
             if o.stream == "stderr":
                 err = (err + o.data)[-4096:]
                 continue
-            buf += o.data
-            if len(buf) > LINE_MAX:
+            if b"\n" not in o.data:  # (a long line comes in many chunks: split only at its end)
+                buf += o.data
+                if len(buf) > LINE_MAX:
+                    raise RuntimeError("a line from the kernel server is too long")
+                continue
+            *lines, rest = bytes(buf + o.data).split(b"\n")
+            if len(lines[0]) > LINE_MAX:
                 raise RuntimeError("a line from the kernel server is too long")
-            *lines, rest = bytes(buf).split(b"\n")
             buf = bytearray(rest)
             for line in lines:
                 self._dispatch(line)
@@ -102,16 +106,19 @@ class KernelHost:
                 self.failed = f"the kernel server did not start: {msg.get('error', '')}"
             self.ready.set()
             return
-        ch = self.pending.get(msg.get("id", -1))
+        rid = msg.get("id")
+        if not isinstance(rid, int):  # (the guest's word: any JSON)
+            return
+        ch = self.pending.get(rid)
         if ch is None:
             return
         try:
             ch.send_nowait(msg)
         except trio.WouldBlock:  # a reader that stopped reading: its call ends
-            self.pending.pop(msg["id"], None)
+            self.pending.pop(rid, None)
             ch.close()
         if msg.get("done"):
-            self.pending.pop(msg["id"], None)
+            self.pending.pop(rid, None)
             ch.close()
 
     async def send(self, request: dict[str, Any]) -> None:
