@@ -67,7 +67,7 @@ from actors.face import (
 )
 from guestd import proto
 from supervisor.serve import access, api_readback, api_store, mapping
-from supervisor.serve.api_table import CallIO, Method, Table, joined, stopped
+from supervisor.serve.api_table import CallIO, Method, Table, feed, joined, stopped
 from supervisor.wire import protocol
 
 MAX_IMPORT = 1 << 40  # bytes of one snapshot import's stream (the import bounds each file itself)
@@ -287,16 +287,7 @@ async def _exec_session(sb: Sandbox, req: protocol.ExecRequest, io: CallIO) -> N
                 if msg is None:  # the client half-closed: end of stdin
                     await h.close_stdin()
                     return
-                if msg.init is not None:
-                    raise InvalidArgument("init is the first ExecInput's only")
-                if msg.stdin is not None:
-                    await h.send_stdin(msg.stdin)
-                if msg.resize is not None:
-                    if not req.tty:
-                        raise InvalidArgument("resize needs tty")
-                    await h.resize(msg.resize.height, msg.resize.width)
-                if msg.close_stdin:
-                    await h.close_stdin()
+                await feed(h, msg, tty=req.tty)
                 sb.touch()
 
         nursery.start_soon(pump_input)

@@ -14,7 +14,7 @@ import trio
 
 from actors.face import FailedPrecondition, HeldSession, InvalidArgument, NotFound, Registry, Sandbox, Unavailable
 from supervisor.serve import access, config_readback
-from supervisor.serve.api_table import CallIO, Table
+from supervisor.serve.api_table import CallIO, Table, feed
 from supervisor.wire import protocol
 
 TABLE = Table()
@@ -132,14 +132,7 @@ async def _attached(sb: Sandbox, session: HeldSession, io: CallIO) -> None:
                         return
                     if h is None:
                         continue  # it ended: its exit is on its way
-                    if msg.stdin is not None:
-                        await h.send_stdin(msg.stdin)
-                    if msg.resize is not None:
-                        if not session.tty:
-                            raise InvalidArgument("resize needs tty")
-                        await h.resize(msg.resize.height, msg.resize.width)
-                    if msg.close_stdin:
-                        await h.close_stdin()
+                    await feed(h, msg, tty=session.tty)
                     sb.touch()
 
             nursery.start_soon(pump_input)

@@ -13,10 +13,11 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 import attrs
 import trio
 
-from actors.face import DeadlineExceeded
+from actors.face import DeadlineExceeded, InvalidArgument
 
 if TYPE_CHECKING:
     from actors.face import Principal, Registry, Sandbox
+    from supervisor.wire import protocol
 
 
 class CallIO(Protocol):
@@ -86,3 +87,28 @@ def joined(*tables: Table) -> dict[str, Method]:
             raise ValueError(f"methods defined twice: {sorted(twice)}")
         out.update(t.methods)
     return out
+
+
+class ExecInput(Protocol):
+    """The process side of an exec that a client's ExecInput frames feed."""
+
+    async def send_stdin(self, data: bytes) -> None: ...
+
+    async def close_stdin(self) -> None: ...
+
+    async def resize(self, rows: int, cols: int) -> None: ...
+
+
+async def feed(h: ExecInput, msg: protocol.ExecInput, *, tty: bool) -> None:
+    """One ExecInput frame (after the first) to its process: stdin, a resize (a terminal's
+    only), the end of stdin. Exec and an attached detachable session read them alike."""
+    if msg.init is not None:
+        raise InvalidArgument("init is the first ExecInput's only")
+    if msg.stdin is not None:
+        await h.send_stdin(msg.stdin)
+    if msg.resize is not None:
+        if not tty:
+            raise InvalidArgument("resize needs tty")
+        await h.resize(msg.resize.height, msg.resize.width)
+    if msg.close_stdin:
+        await h.close_stdin()
