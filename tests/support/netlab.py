@@ -26,6 +26,7 @@ import functools
 import secrets
 import socket
 import subprocess
+import threading
 from collections.abc import AsyncIterator, Iterator
 from ipaddress import IPv4Address
 from typing import Any
@@ -238,3 +239,59 @@ async def lab_env(*, dns_ttl: int = 300, min_ttl: int = 30, grace: int = 10, tim
                     yield Lab(host, inet, net, pool, asked, stack, nursery)
             finally:
                 nursery.cancel_scope.cancel()
+
+
+@contextlib.contextmanager
+def forwarded(ns: NetNS, port: int) -> Iterator[int]:
+    """A loopback port of the caller's namespace relayed to 127.0.0.1:``port`` inside
+    ``ns``. A client whose threads are not the caller's (an HTTP library's own runtime,
+    made by an earlier test in the root namespace) reaches a server listening in ``ns``;
+    entering ``ns`` on the test's thread would not move them."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    opened: list[socket.socket] = []
+    threads: list[threading.Thread] = []
+
+    def pipe(src: socket.socket, dst: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := src.recv(65536):
+                dst.sendall(data)
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
+
+    def accept() -> None:
+        while True:
+            try:
+                client, _ = listener.accept()
+            except OSError:  # closed: the block ended
+                return
+            opened.append(client)
+            try:
+                with ns.entered():
+                    inner = socket.create_connection(("127.0.0.1", port), timeout=10)
+            except OSError:
+                client.close()
+                continue
+            inner.settimeout(None)
+            opened.append(inner)
+            for a, b in ((client, inner), (inner, client)):
+                t = threading.Thread(target=pipe, args=(a, b), name="forwarded-pipe")
+                threads.append(t)
+                t.start()
+
+    acceptor = threading.Thread(target=accept, name="forwarded-accept")
+    acceptor.start()
+    try:
+        yield int(listener.getsockname()[1])
+    finally:
+        with contextlib.suppress(OSError):
+            listener.shutdown(socket.SHUT_RDWR)
+        listener.close()
+        acceptor.join(10)
+        for sock in opened:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+        for t in threads:
+            t.join(10)

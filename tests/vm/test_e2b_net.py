@@ -11,6 +11,7 @@ namespaces the test made.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -26,7 +27,15 @@ e2b = pytest.importorskip("e2b")
 from e2b import Sandbox, SandboxException  # noqa: E402
 
 from supervisor.main.throwaway import supervisor_process, workdir  # noqa: E402
-from tests.support.netlab import METADATA, POOL, SERVERS, UPLINK_INET, link_internet, namespaces  # noqa: E402
+from tests.support.netlab import (  # noqa: E402
+    METADATA,
+    POOL,
+    SERVERS,
+    UPLINK_INET,
+    forwarded,
+    link_internet,
+    namespaces,
+)
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (namespaces, TAP, jail)")
 
@@ -65,7 +74,8 @@ def _wait_port(port: int) -> None:
 
 @pytest.fixture(scope="module")
 def opts() -> Iterator[dict[str, Any]]:
-    """The endpoint's SDK options; the test runs in the host namespace meanwhile."""
+    """The endpoint's SDK options: serve runs in a host namespace of the test's, its
+    E2B port reached through a relay from this one."""
     with namespaces("sve2h", "sve2i") as (host, inet), workdir("sv-e2b-net-", private_state=True) as work:
         link_internet(host, inet)
         site = work.root / "site"
@@ -87,9 +97,14 @@ def opts() -> Iterator[dict[str, Any]]:
                 *("--ip-pool", POOL, "--dns-upstream", UPLINK_INET),
                 *("--e2b", f"127.0.0.1:{port}", "--e2b-key-file", str(keys), "--registry-allow", "127.0.0.1:9"),
             )
-            with host.entered(), supervisor_process(work, *args, log=work.root / "serve.log"):
-                _wait_port(port)
-                url = f"http://127.0.0.1:{port}"
+            with contextlib.ExitStack() as stack:
+                with host.entered():  # serve in the host namespace (its tap pool and uplink are there)
+                    stack.enter_context(supervisor_process(work, *args, log=work.root / "serve.log"))
+                    _wait_port(port)
+                # the SDK's HTTP runtime has threads of its own (made by an earlier test, in
+                # this namespace): the endpoint is reached through a relay, not by entering
+                local = stack.enter_context(forwarded(host, port))
+                url = f"http://127.0.0.1:{local}"
                 yield {"api_url": url, "sandbox_url": url, "api_key": KEY, "request_timeout": 300}
         finally:
             server.kill()
