@@ -10,9 +10,7 @@ interrupted and the next one runs; a call without the sandbox's token is refused
 from __future__ import annotations
 
 import base64
-import socket
 import struct
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -26,15 +24,9 @@ from e2b_code_interpreter import Sandbox  # noqa: E402
 
 from images.build import Builder, default_cache, hold_parts  # noqa: E402
 from images.profiles import build_profile  # noqa: E402
-from supervisor.main.throwaway import supervisor_process, workdir  # noqa: E402
+from tests.support.e2bserve import e2b_endpoint  # noqa: E402
 
 KEY = "e2b_code_interpreter_test_key"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
@@ -42,23 +34,8 @@ def endpoint() -> Iterator[str]:
     """The profile built (once: a later build finds it cached) and held, then a
     throwaway supervisor with the E2B endpoint, whose state shares the image cache."""
     img = build_profile(Builder(default_cache()), "code-interpreter")
-    with hold_parts(img), workdir("sv-ci-") as work:
-        keys = work.root / "keys"
-        keys.write_text(f"{KEY}\n")
-        keys.chmod(0o600)
-        port = _free_port()
-        args = ("--e2b", f"127.0.0.1:{port}", "--e2b-key-file", str(keys), "--registry-allow", "127.0.0.1:9")
-        with supervisor_process(work, *args, log=work.root / "serve.log"):
-            deadline = time.monotonic() + 60
-            while True:  # the socket is there before the E2B port: wait for it, bounded
-                try:
-                    socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                    break
-                except OSError:
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.05)
-            yield f"http://127.0.0.1:{port}"
+    with hold_parts(img), e2b_endpoint("sv-ci-", f"{KEY}\n") as (url, _):
+        yield url
 
 
 @pytest.fixture(scope="module")

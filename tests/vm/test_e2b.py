@@ -15,7 +15,6 @@ import asyncio
 import datetime
 import io
 import os
-import socket
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -40,39 +39,18 @@ from e2b import (  # noqa: E402
 
 from supervisor.client.sdk import sync  # noqa: E402
 from supervisor.client.sdk.acting import acting_as  # noqa: E402
-from supervisor.main.throwaway import supervisor_process, workdir  # noqa: E402
+from tests.support.e2bserve import e2b_endpoint  # noqa: E402
 
 KEY = "e2b_sandvisor_test_key"  # a bare key: its principal is e2b:key-<hash>
 ALICE, BOB, OPS = "e2b_alice_key", "e2b_bob_key", "e2b_ops_key"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def served() -> Iterator[tuple[str, str]]:
     """(the endpoint's URL, the supervisor's socket)."""
-    with workdir("sv-e2b-") as work:
-        keys = work.root / "keys"
-        keys.write_text(f"# test keys\nother-key\n{KEY}\nalice {ALICE}\nbob {BOB}\nops {OPS} admin\n")
-        keys.chmod(0o600)
-        port = _free_port()
-        # (pulls only from a registry nobody runs: a template taken for an image reference never leaves the host)
-        args = ("--e2b", f"127.0.0.1:{port}", "--e2b-key-file", str(keys), "--registry-allow", "127.0.0.1:9")
-        with supervisor_process(work, *args, log=work.root / "serve.log"):
-            deadline = time.monotonic() + 60
-            while True:  # the socket is there before the E2B port: wait for it, bounded
-                try:
-                    socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                    break
-                except OSError:
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.05)
-            yield f"http://127.0.0.1:{port}", str(work.socket)
+    keys = f"# test keys\nother-key\n{KEY}\nalice {ALICE}\nbob {BOB}\nops {OPS} admin\n"
+    with e2b_endpoint("sv-e2b-", keys) as (url, work):
+        yield url, str(work.socket)
 
 
 @pytest.fixture(scope="module")

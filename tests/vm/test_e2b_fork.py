@@ -6,7 +6,6 @@ a template, ``delete_snapshot``; another key gets E2B's not-found for all of the
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -17,7 +16,7 @@ e2b = pytest.importorskip("e2b")
 
 from e2b import Sandbox, SandboxException, SandboxNotFoundException  # noqa: E402
 
-from supervisor.main.throwaway import supervisor_process, workdir  # noqa: E402
+from tests.support.e2bserve import e2b_endpoint  # noqa: E402
 
 ALICE, BOB = "e2b_fork_alice_key", "e2b_fork_bob_key"
 # (written aside and renamed: a read never sees the file half-written)
@@ -27,31 +26,10 @@ COUNTER = (
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def endpoint() -> Iterator[str]:
-    with workdir("sv-e2b-fork-") as work:
-        keys = work.root / "keys"
-        keys.write_text(f"alice {ALICE}\nbob {BOB}\n")
-        keys.chmod(0o600)
-        port = _free_port()
-        args = ("--e2b", f"127.0.0.1:{port}", "--e2b-key-file", str(keys), "--registry-allow", "127.0.0.1:9")
-        with supervisor_process(work, *args, log=work.root / "serve.log"):
-            deadline = time.monotonic() + 60
-            while True:  # the socket is there before the E2B port: wait for it, bounded
-                try:
-                    socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                    break
-                except OSError:
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.05)
-            yield f"http://127.0.0.1:{port}"
+    with e2b_endpoint("sv-e2b-fork-", f"alice {ALICE}\nbob {BOB}\n") as (url, _):
+        yield url
 
 
 def _as(endpoint: str, key: str) -> dict[str, Any]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -21,36 +20,15 @@ httpx = pytest.importorskip("httpx")
 from e2b import AsyncSandbox, PtySize, Sandbox, SandboxException  # noqa: E402
 from e2b.sandbox.filesystem.watch_handle import FilesystemEventType  # noqa: E402
 
-from supervisor.main.throwaway import supervisor_process, workdir  # noqa: E402
+from tests.support.e2bserve import e2b_endpoint  # noqa: E402
 
 KEY = "e2b_sandvisor_more_key"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def endpoint() -> Iterator[str]:
-    with workdir("sv-e2b-more-") as work:
-        keys = work.root / "keys"
-        keys.write_text(f"{KEY}\n")
-        keys.chmod(0o600)
-        port = _free_port()
-        args = ("--e2b", f"127.0.0.1:{port}", "--e2b-key-file", str(keys), "--registry-allow", "127.0.0.1:9")
-        with supervisor_process(work, *args, log=work.root / "serve.log"):
-            deadline = time.monotonic() + 60
-            while True:  # the socket is there before the E2B port: wait for it, bounded
-                try:
-                    socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                    break
-                except OSError:
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.05)
-            yield f"http://127.0.0.1:{port}"
+    with e2b_endpoint("sv-e2b-more-", f"{KEY}\n") as (url, _):
+        yield url
 
 
 @pytest.fixture(scope="module")

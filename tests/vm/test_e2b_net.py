@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -27,6 +25,7 @@ e2b = pytest.importorskip("e2b")
 from e2b import Sandbox, SandboxException  # noqa: E402
 
 from supervisor.main.throwaway import supervisor_process, workdir  # noqa: E402
+from tests.support.e2bserve import free_port, wait_port  # noqa: E402
 from tests.support.netlab import (  # noqa: E402
     METADATA,
     POOL,
@@ -54,24 +53,6 @@ print(" ".join(get(u) for u in sys.argv[1:]))
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _wait_port(port: int) -> None:
-    deadline = time.monotonic() + 60
-    while True:  # the socket is there before the E2B port: wait for it, bounded
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
-
-
 @pytest.fixture(scope="module")
 def opts() -> Iterator[dict[str, Any]]:
     """The endpoint's SDK options: serve runs in a host namespace of the test's, its
@@ -92,7 +73,7 @@ def opts() -> Iterator[dict[str, Any]]:
             keys = work.root / "keys"
             keys.write_text(f"{KEY}\n")
             keys.chmod(0o600)
-            port = _free_port()
+            port = free_port()
             args = (
                 *("--ip-pool", POOL, "--dns-upstream", UPLINK_INET),
                 *("--e2b", f"127.0.0.1:{port}", "--e2b-key-file", str(keys), "--registry-allow", "127.0.0.1:9"),
@@ -100,7 +81,7 @@ def opts() -> Iterator[dict[str, Any]]:
             with contextlib.ExitStack() as stack:
                 with host.entered():  # serve in the host namespace (its tap pool and uplink are there)
                     stack.enter_context(supervisor_process(work, *args, log=work.root / "serve.log"))
-                    _wait_port(port)
+                    wait_port(port)
                 # the SDK's HTTP runtime has threads of its own (made by an earlier test, in
                 # this namespace): the endpoint is reached through a relay, not by entering
                 local = stack.enter_context(forwarded(host, port))
