@@ -40,7 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -594,24 +594,7 @@ class Builder:
         self.progress("rootfs", f"mmdebstrap minbase, {len(include)} packages (a minute or more)")
         with _staging(self.cache, "rootfs") as tmp:
             tree = tmp / "tree"
-            run(
-                [
-                    "mmdebstrap",
-                    "--quiet",
-                    "--variant=minbase",
-                    "--include=" + ",".join(include),
-                    "--dpkgopt=path-exclude=/usr/share/man/*",
-                    "--dpkgopt=path-exclude=/usr/share/doc/*",
-                    "--dpkgopt=path-exclude=/usr/share/locale/*",
-                    "bookworm",
-                    str(tree),
-                ]
-            )
-            for junk in ("var/lib/apt/lists", "var/cache/apt"):
-                for p in (tree / junk).glob("*"):
-                    if p.is_file():
-                        p.unlink()
-            (tree / "etc" / "hostname").write_text("sandbox\n")
+            debian_tree(tree, include)
             self.progress("rootfs", "making ext4")
             out = tmp / "out"
             out.mkdir()
@@ -761,6 +744,19 @@ def _unheld(part: Path) -> Iterator[bool]:
         yield free
     finally:
         os.close(fd)
+
+
+def debian_tree(tree: Path, include: Iterable[str]) -> None:
+    """A Debian bookworm minbase tree at ``tree`` with ``include`` (mmdebstrap over the
+    host's apt sources), without apt's lists and caches; its hostname "sandbox"."""
+    argv = ["mmdebstrap", "--quiet", "--variant=minbase", "--include=" + ",".join(include)]
+    argv += [f"--dpkgopt=path-exclude=/usr/share/{d}/*" for d in ("man", "doc", "locale")]
+    run([*argv, "bookworm", str(tree)])
+    for junk in ("var/lib/apt/lists", "var/cache/apt"):
+        for p in (tree / junk).glob("*"):
+            if p.is_file():
+                p.unlink()
+    (tree / "etc" / "hostname").write_text("sandbox\n")
 
 
 def load_default(cache: Path | None = None) -> Image | None:

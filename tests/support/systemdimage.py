@@ -11,7 +11,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from images.build import _build_umask, _digest, _publish, _staging, candidates, default_cache, public_modes, run
+from images.build import (
+    _build_umask,
+    _digest,
+    _publish,
+    _staging,
+    candidates,
+    debian_tree,
+    default_cache,
+    public_modes,
+    run,
+)
 
 PACKAGES = ("systemd", "systemd-sysv")
 SIZE_MIB = 1024  # sparse: room for the sandbox's writes, not disk use
@@ -29,24 +39,7 @@ def systemd_rootfs(cache: Path | None = None) -> Path:
         return img
     with _build_umask(), _staging(cache, "test-systemd") as tmp:
         tree = tmp / "tree"
-        run(
-            [
-                "mmdebstrap",
-                "--quiet",
-                "--variant=minbase",
-                "--include=" + ",".join(PACKAGES),
-                "--dpkgopt=path-exclude=/usr/share/man/*",
-                "--dpkgopt=path-exclude=/usr/share/doc/*",
-                "--dpkgopt=path-exclude=/usr/share/locale/*",
-                "bookworm",
-                str(tree),
-            ]
-        )
-        for junk in ("var/lib/apt/lists", "var/cache/apt"):
-            for p in (tree / junk).glob("*"):
-                if p.is_file():
-                    p.unlink()
-        (tree / "etc" / "hostname").write_text("sandbox\n")
+        debian_tree(tree, PACKAGES)
         (tree / "etc" / "machine-id").write_text("")  # each sandbox gets its own (guestd/initsys.py)
         out = tmp / "out"
         out.mkdir()

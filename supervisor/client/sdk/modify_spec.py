@@ -3,12 +3,11 @@ added or changed by name, as the wire's ``SecretSpec``."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import attrs
 
-from supervisor.client.sdk.spec import Secret
+from supervisor.client.sdk.spec import Secret, secret_value
 from supervisor.wire import protocol
 from supervisor.wire.errors import InvalidArgument
 
@@ -37,12 +36,7 @@ class SecretUpdate:
     def spec(self) -> protocol.SecretSpec:
         if sum([bool(self.value), bool(self.env), bool(self.store)]) > 1:
             raise InvalidArgument(protocol.INVALID_ARGUMENT, f"secret {self.name}: at most one of value, env, store")
-        value = self.value
-        if self.env:
-            if self.env not in os.environ:
-                raise InvalidArgument(protocol.INVALID_ARGUMENT, f"secret {self.name}: ${self.env} is not set here")
-            value = os.environ[self.env]
-        raw = value.encode() if isinstance(value, str) else bytes(value)
+        raw = secret_value(self.name, self.value, self.env)
         return protocol.SecretSpec(self.name, list(self.hosts), raw, self.store, self.placeholder, self.substitute)
 
 

@@ -259,6 +259,15 @@ def _hosts(v: Sequence[str] | str) -> tuple[str, ...]:
     return tuple(h.strip() for h in v.split(",")) if isinstance(v, str) else tuple(v)
 
 
+def secret_value(name: str, value: str | bytes, env: str) -> bytes:
+    """A secret's bytes: its ``value``, or the ``env`` variable of this process, read now."""
+    if env:
+        if env not in os.environ:
+            raise InvalidArgument(protocol.INVALID_ARGUMENT, f"secret {name}: ${env} is not set here")
+        value = os.environ[env]
+    return value.encode() if isinstance(value, str) else bytes(value)
+
+
 @attrs.frozen(kw_only=True)
 class Secret:
     """A secret the guest never holds (docs/secrets.md): its environment variable
@@ -307,12 +316,7 @@ class Secret:
         sources = [bool(self.value), bool(self.env), bool(self.store)]
         if sum(sources) != 1:
             raise InvalidArgument(protocol.INVALID_ARGUMENT, f"secret {self.name}: exactly one of value, env and store")
-        value = self.value
-        if self.env:
-            if self.env not in os.environ:
-                raise InvalidArgument(protocol.INVALID_ARGUMENT, f"secret {self.name}: ${self.env} is not set here")
-            value = os.environ[self.env]
-        raw = value.encode() if isinstance(value, str) else bytes(value)
+        raw = secret_value(self.name, self.value, self.env)
         return protocol.SecretSpec(self.name, list(self.hosts), raw, self.store, self.placeholder, self.substitute)
 
 
