@@ -237,3 +237,12 @@ def check_log(lines: Iterable[str]) -> list[tuple[str, str]]:
 
 
 CHAINED = ("During handling of the above exception", "The above exception was the direct cause")
+
+
+def check_saved_states(dirs: list[str], holders: int) -> list[tuple[str, str]]:
+    """Saved memory (a snapshot's memory file or stream) in more snapshot directories
+    than the listed snapshots, the live fork points and the paused sandboxes account
+    for: a hidden snapshot (a fork's, a pause's) that outlived what it was for."""
+    if len(dirs) > holders:
+        return [("orphans", f"{len(dirs)} snapshot directories hold saved memory, {holders} may: {dirs}")]
+    return []

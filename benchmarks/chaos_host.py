@@ -163,3 +163,15 @@ def http_get(port: int, path: str) -> bytes:
 
 def sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def saved_states(work: Workdir) -> list[str]:
+    """The snapshot directories in the state dir that hold a machine's saved memory
+    (its memory file or a migration stream)."""
+    out = []
+    with contextlib.suppress(OSError):
+        for d in sorted((work.state / "snapshots").iterdir()):
+            with contextlib.suppress(OSError):
+                if any(n == "memory" or n.startswith("vmstate") for n in os.listdir(d)):
+                    out.append(d.name)
+    return out

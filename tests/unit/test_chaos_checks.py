@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks import chaos_checks as checks
-from benchmarks.chaos_host import host_facts
+from benchmarks.chaos_host import host_facts, saved_states
 from supervisor.main.throwaway import Workdir
 from supervisor.wire.errors import ApiError, NotFound
 
@@ -166,3 +166,17 @@ def test_the_harness_sees_a_stray_run_dir_and_a_leaked_process_on_the_host() -> 
         assert f"process {leaked.pid}" in whats
         assert "run dir 0123-stray" in whats
         assert "half-done file state/snapshots/s1/disk.qcow2.part" in whats
+
+
+def test_a_saved_state_no_one_holds_is_reported() -> None:
+    # a fork point whose last child went, its memory left behind
+    with tempfile.TemporaryDirectory(prefix="sv-chaos-unit-") as d:
+        work = Workdir(Path(d))
+        for name, file in (("s1", "memory"), ("s2", "vmstate.0"), ("s3", "disk.qcow2")):
+            (work.state / "snapshots" / name).mkdir(parents=True)
+            (work.state / "snapshots" / name / file).write_bytes(b"")
+        dirs = saved_states(work)
+    assert dirs == ["s1", "s2"]
+    assert checks.check_saved_states(dirs, 2) == []
+    [(inv, what)] = checks.check_saved_states(dirs, 1)
+    assert inv == "orphans" and "2 snapshot directories" in what
