@@ -55,7 +55,7 @@ from supervisor.serve import e2b_proxy, e2b_snapshots
 from supervisor.serve.e2b_http import Exchange, HttpError, Receive, Scope, Send, http_error
 from supervisor.serve.e2b_keys import Client, Key, Tokens, find_key, read_keys
 from supervisor.serve.e2b_metrics import e2b_metrics
-from supervisor.serve.e2b_net import network_of
+from supervisor.serve.e2b_net import network_of, network_update
 from supervisor.serve.e2b_user import Users
 from supervisor.serve.e2b_watch import WATCHER_METHODS, Watchers
 from supervisor.serve.metrics import is_loopback
@@ -492,11 +492,28 @@ class E2BApp:
         await ex.send_json([e2b_metrics(sample, info.limits.vcpus)])
 
     async def update_network(self, ex: Exchange, client: Client, sid: str) -> None:
-        """Not served: a sandbox's egress policy is fixed at create (the supervisor has no
-        call that changes a running sandbox's). 501 with the reason, not E2B's 404 for an
-        unknown route: the SDK reads a 404 here as "Sandbox not found", which it is not."""
-        await self._info(client, sid)
-        raise HttpError(501, "update_network: not served: a sandbox's network is fixed when it is created")
+        """E2B's ``update_network``: the sandbox's egress policy replaced by what the body
+        says (:func:`~supervisor.serve.e2b_net.network_update`), through the supervisor's
+        Modify: live on the running sandbox's filter and DNS answers (204)."""
+        body = await ex.json()
+        info = await self._info(client, sid)
+        net = network_update(body, self.tap)
+        if not net.kwargs:  # no tap networking: no sandbox has a network, and none is asked for
+            await ex.respond(204)
+            return
+        try:
+            plan = await client.sandbox(sid).modify(egress=net.kwargs["egress"])
+        except errors.NotFound:
+            raise HttpError(404, f"Sandbox {sid} not found") from None
+        except errors.FailedPrecondition as exc:
+            raise HttpError(409, str(exc)) from None
+        if not plan.applied:
+            raise HttpError(409, "; ".join(f"{c.field}: {c.message}" for c in plan.conflicts) or "not applied")
+        known = self._known(sid, info.uid)
+        if known is None:
+            known = self.known[sid] = Known("base", 0, info.uid)
+        known.internet, known.rules = net.internet, net.rules
+        await ex.respond(204)
 
     async def _call(self, sid: str, call: Awaitable[object]) -> None:
         try:
