@@ -63,7 +63,7 @@ from supervisor.wire import errors
 
 log = logging.getLogger("sandvisor.e2b")
 
-ENVD_VERSION = "0.6.1"  # what the SDK is told: the envd features served are those of this version
+ENVD_VERSION = "0.6.2"  # what the SDK is told: the envd features served are those of this version
 DEFAULT_TIMEOUT = 300  # s: the SDK's own default sandbox timeout
 MAX_TIMEOUT = 24 * 3600
 DEFAULT_TEMPLATES = frozenset({"", "base", "default"})
@@ -81,6 +81,7 @@ _ROUTES = [
     ("POST", re.compile(rf"^/(?:v2/)?sandboxes/{_ID}/connect$"), "connect"),
     ("GET", re.compile(rf"^/sandboxes/{_ID}/metrics$"), "metrics"),
     ("PUT", re.compile(rf"^/sandboxes/{_ID}/network$"), "update_network"),
+    ("GET", re.compile(rf"^/templates/aliases/{_ID}$"), "template_alias"),
 ]
 _RPC = re.compile(r"^/(process\.Process|filesystem\.Filesystem)/([A-Za-z]+)$")
 _SNAPSHOT_ID = re.compile(r"^snap-[0-9a-f]+$")
@@ -514,6 +515,19 @@ class E2BApp:
             known = self.known[sid] = Known("base", 0, info.uid)
         known.internet, known.rules = net.internet, net.rules
         await ex.respond(204)
+
+    async def template_alias(self, ex: Exchange, client: Client, alias: str) -> None:
+        """``Template.exists(name)`` / ``alias_exists``: the templates a create takes by
+        name here (the default image's, the code interpreter's once built, the snapshots
+        the key may see); 404 for any other, as E2B answers an alias that is not there."""
+        if alias in DEFAULT_TEMPLATES or (alias in CODE_TEMPLATES and self.code_rootfs):
+            await ex.send_json({"templateID": alias, "public": True})
+            return
+        for s in await client.snapshots():
+            if alias in (s.id, s.name):
+                await ex.send_json({"templateID": s.id, "public": False})
+                return
+        raise HttpError(404, f"template alias {alias} not found")
 
     async def _call(self, sid: str, call: Awaitable[object]) -> None:
         try:
