@@ -30,7 +30,9 @@ Beside envd's core (:mod:`~supervisor.serve.e2b_envd`): PTYs and input streams
 (:mod:`~supervisor.serve.e2b_pty`), directory watchers (:mod:`~supervisor.serve.e2b_watch`),
 E2B's default user (:mod:`~supervisor.serve.e2b_user`), ``get_metrics``
 (:mod:`~supervisor.serve.e2b_metrics`), ``get_host`` (:mod:`~supervisor.serve.e2b_proxy`), and
-fork and snapshots (:mod:`~supervisor.serve.e2b_snapshots`).
+fork and snapshots (:mod:`~supervisor.serve.e2b_snapshots`), file metadata
+(:mod:`~supervisor.serve.e2b_meta`), signed file URLs (:mod:`~supervisor.serve.e2b_signed`)
+and ``update_network`` (the supervisor's Modify of the egress policy).
 Routes it does not have answer 404 ``{"code": 404, "message": ...}``, as E2B's API does.
 """
 
@@ -51,7 +53,7 @@ import trio
 
 from supervisor.serve import e2b_envd as envd
 from supervisor.serve import e2b_kernels as kern
-from supervisor.serve import e2b_proxy, e2b_snapshots
+from supervisor.serve import e2b_proxy, e2b_signed, e2b_snapshots
 from supervisor.serve.e2b_http import Exchange, HttpError, Receive, Scope, Send, http_error
 from supervisor.serve.e2b_keys import Client, Key, Tokens, find_key, read_keys
 from supervisor.serve.e2b_metrics import e2b_metrics
@@ -177,6 +179,9 @@ class E2BApp:
         if (to_port := e2b_proxy.target(ex)) is not None:
             await self._proxy(ex, *to_port)
             return
+        if e2b_signed.is_signed(ex):  # download_url / upload_url: the signature is the credential
+            await self._signed(ex)
+            return
         sandbox = ex.headers.get("e2b-sandbox-id")
         if sandbox is not None:
             # (the code-interpreter SDK sends its calls but /execute with the traffic token alone)
@@ -208,6 +213,15 @@ class E2BApp:
                 await served(self, ex, client)
             return
         raise HttpError(404, f"no route {ex.method} {ex.path}")
+
+    async def _signed(self, ex: Exchange) -> None:
+        sandbox, token = e2b_signed.opened(ex, self.tokens)
+        found = self.tokens.open(token, sandbox)
+        if found is None:
+            raise HttpError(401, "invalid signature")
+        client = Client(self.socket, found[0])
+        with client.acting():
+            await self._envd(ex, client, sandbox, found[1])
 
     async def _proxy(self, ex: Exchange, port: int, sandbox: str) -> None:
         """``get_host(port)``: only with the sandbox's access token (no API key)."""
@@ -425,6 +439,7 @@ class E2BApp:
         self.watchers.forget(info.uid)
         self.users.forget(info.uid)
         self.kernels.forget(info.uid)
+        self.tokens.forget(info.uid)
         self.known.pop(sid, None)
         await ex.respond(204)
 

@@ -265,7 +265,39 @@ def test_every_unserved_call_raises_the_sdks_own_exception(box: Sandbox, opts: d
         Template.assign_tags("base:v1", ["v2"], **opts)
     with pytest.raises(e2b.NotFoundException):  # no MCP gateway in the sandbox
         box.get_mcp_token()
-    # signed URLs name no sandbox when E2B_SANDBOX_URL is the endpoint: an API call without a key
-    r = httpx.get(box.download_url("/home/user/meta.txt"))
-    assert r.status_code == 401 and set(r.json()) == {"code", "message"}
     assert box.commands.run("echo still-serving").stdout == "still-serving\n"
+
+
+def test_signed_file_urls(box: Sandbox, opts: dict[str, Any]) -> None:
+    """download_url / upload_url: the signature is the credential, for that path,
+    operation and user, until it expires or the sandbox goes."""
+    box.files.write("/home/user/signed.txt", "by signature")
+    r = httpx.get(box.download_url("/home/user/signed.txt"))
+    assert (r.status_code, r.text) == (200, "by signature")
+    r = httpx.get(box.download_url("/home/user/signed.txt", use_signature_expiration=120))
+    assert (r.status_code, r.text) == (200, "by signature")
+    up = box.upload_url("/home/user/uploaded.txt")
+    r = httpx.post(up, files={"file": ("uploaded.txt", b"posted")})
+    assert r.status_code == 200, r.text
+    assert box.files.read("/home/user/uploaded.txt") == "posted"
+    assert box.files.get_info("/home/user/uploaded.txt").owner == "user"
+    # refused: another path, another operation, another user, expired, no signature at all
+    url = box.download_url("/home/user/signed.txt")
+    refused = [
+        url.replace("signed.txt", "uploaded.txt"),
+        url + "&username=root",
+        box.download_url("/home/user/signed.txt", use_signature_expiration=-5),
+        url.split("&signature=")[0] + "&signature=v1_AAAA",
+    ]
+    for bad in refused:
+        r = httpx.get(bad)
+        assert r.status_code == 401 and set(r.json()) == {"code", "message"}, bad
+    assert httpx.post(url, files={"file": ("x", b"x")}).status_code == 401  # a read's signature
+    assert httpx.get(url.split("?")[0] + "?path=/home/user/signed.txt").status_code == 401  # nothing signed
+    # a removed sandbox's URLs open nothing
+    other = Sandbox.create(timeout=300, **opts)
+    other.files.write("/tmp/gone.txt", "soon gone")
+    gone = other.download_url("/tmp/gone.txt")
+    assert httpx.get(gone).text == "soon gone"
+    other.kill()
+    assert httpx.get(gone).status_code == 401
