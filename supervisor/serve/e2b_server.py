@@ -248,6 +248,8 @@ class E2BApp:
         except errors.NotFound:
             info = None
         if info is None or (uid and info.uid != uid):  # the token's sandbox is gone
+            if uid:
+                self.tokens.forget(uid)  # (its tokens open nothing any more: signed URLs need not try them)
             await ex.send_json(
                 {"code": 502, "message": f"The sandbox {sandbox} was not found", "sandboxId": sandbox}, 502
             )
