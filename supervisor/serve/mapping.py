@@ -296,7 +296,14 @@ def modification(req: protocol.ModifyRequest) -> Modification:
             )
             for s in req.secrets
         ),
+        egress=_egress(req.egress),
     )
+
+
+def _egress(spec: protocol.EgressSpec | None) -> Egress | None:
+    if spec is None:
+        return None
+    return Egress(default=spec.default, allow=tuple(spec.allow), deny=tuple(spec.deny))
 
 
 def _policy(text: str) -> Policy | None:

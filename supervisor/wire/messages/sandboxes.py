@@ -405,6 +405,8 @@ class ModifyRequest:
     max_memory_mib: int | None = None
     policy: str = ""
     secrets: list[SecretSpec] = attrs.field(factory=list)
+    # the egress policy, replaced whole (tap; user with outbound); live on a running sandbox
+    egress: EgressSpec | None = None
 
 
 @attrs.frozen

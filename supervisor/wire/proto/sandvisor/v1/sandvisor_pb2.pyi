@@ -1043,7 +1043,7 @@ class FleetNodes(_message.Message):
     def __init__(self, nodes: _Optional[_Iterable[_Union[FleetNode, _Mapping]]] = ...) -> None: ...
 
 class ModifyRequest(_message.Message):
-    __slots__ = ("id", "vcpus", "memory_mib", "disk_size_mib", "env", "working_dir", "labels", "ttl_seconds", "idle_timeout_seconds", "dry_run", "restart", "env_remove", "max_vcpus", "max_memory_mib", "policy", "secrets")
+    __slots__ = ("id", "vcpus", "memory_mib", "disk_size_mib", "env", "working_dir", "labels", "ttl_seconds", "idle_timeout_seconds", "dry_run", "restart", "env_remove", "max_vcpus", "max_memory_mib", "policy", "secrets", "egress")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -1074,6 +1074,7 @@ class ModifyRequest(_message.Message):
     MAX_MEMORY_MIB_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     SECRETS_FIELD_NUMBER: _ClassVar[int]
+    EGRESS_FIELD_NUMBER: _ClassVar[int]
     id: str
     vcpus: int
     memory_mib: int
@@ -1090,7 +1091,8 @@ class ModifyRequest(_message.Message):
     max_memory_mib: int
     policy: str
     secrets: _containers.RepeatedCompositeFieldContainer[SecretSpec]
-    def __init__(self, id: _Optional[str] = ..., vcpus: _Optional[int] = ..., memory_mib: _Optional[int] = ..., disk_size_mib: _Optional[int] = ..., env: _Optional[_Mapping[str, str]] = ..., working_dir: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., ttl_seconds: _Optional[int] = ..., idle_timeout_seconds: _Optional[int] = ..., dry_run: _Optional[bool] = ..., restart: _Optional[bool] = ..., env_remove: _Optional[_Iterable[str]] = ..., max_vcpus: _Optional[int] = ..., max_memory_mib: _Optional[int] = ..., policy: _Optional[str] = ..., secrets: _Optional[_Iterable[_Union[SecretSpec, _Mapping]]] = ...) -> None: ...
+    egress: EgressPolicy
+    def __init__(self, id: _Optional[str] = ..., vcpus: _Optional[int] = ..., memory_mib: _Optional[int] = ..., disk_size_mib: _Optional[int] = ..., env: _Optional[_Mapping[str, str]] = ..., working_dir: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., ttl_seconds: _Optional[int] = ..., idle_timeout_seconds: _Optional[int] = ..., dry_run: _Optional[bool] = ..., restart: _Optional[bool] = ..., env_remove: _Optional[_Iterable[str]] = ..., max_vcpus: _Optional[int] = ..., max_memory_mib: _Optional[int] = ..., policy: _Optional[str] = ..., secrets: _Optional[_Iterable[_Union[SecretSpec, _Mapping]]] = ..., egress: _Optional[_Union[EgressPolicy, _Mapping]] = ...) -> None: ...
 
 class ModifyChange(_message.Message):
     __slots__ = ("kind", "status", "value", "previous", "why")
