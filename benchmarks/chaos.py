@@ -677,14 +677,11 @@ class Chaos:
                 checks.check_files(VOLUME, self.volume_files, {p: h for p, h in seen.items() if p.startswith("/data/")})
             )
 
-    async def state_holders(self) -> int:
-        """How many snapshot directories may hold a machine's saved memory now: the listed
-        snapshots, each fork point a child may still stand on, each sandbox that may be
-        paused (its saved state)."""
-        listed = len(await AsyncSandbox.snapshots(socket=self.sock))
+    def saved_state_holders(self) -> tuple[int, int]:
+        """The forks with a child that may still live, and the sandboxes that may be
+        paused: what may hold a hidden saved state now."""
         self.forks = [c for c in self.forks if any(ABSENT not in self.model.get(x, _GONE).allowed for x in c)]
-        paused = sum(1 for m in self.model.values() if "paused" in m.allowed)
-        return listed + len(self.forks) + paused
+        return len(self.forks), sum(1 for m in self.model.values() if "paused" in m.allowed)
 
     async def check(self) -> None:
         try:
@@ -705,7 +702,7 @@ class Chaos:
         for _ in range(30):  # (a conversion, a merge, a stopping QEMU: passing; an orphan stays)
             facts = host_facts(self.work, self.serve.pid, self.state_mount)
             found = checks.check_orphans(facts, running, with_net)
-            found += checks.check_saved_states(saved_states(self.work), await self.state_holders())
+            found += checks.check_saved_states(saved_states(self.work), *self.saved_state_holders())
             if not found:
                 break
             await trio.sleep(1)

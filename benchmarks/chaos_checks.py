@@ -239,10 +239,27 @@ def check_log(lines: Iterable[str]) -> list[tuple[str, str]]:
 CHAINED = ("During handling of the above exception", "The above exception was the direct cause")
 
 
-def check_saved_states(dirs: list[str], holders: int) -> list[tuple[str, str]]:
-    """Saved memory (a snapshot's memory file or stream) in more snapshot directories
-    than the listed snapshots, the live fork points and the paused sandboxes account
-    for: a hidden snapshot (a fork's, a pause's) that outlived what it was for."""
-    if len(dirs) > holders:
-        return [("orphans", f"{len(dirs)} snapshot directories hold saved memory, {holders} may: {dirs}")]
-    return []
+@dataclass(frozen=True)
+class SavedStates:
+    """Saved machine memory in a serve's state dir, and the snapshot records."""
+
+    memory: list[str]  # snapshot directories holding a memory file or a stream
+    recorded: frozenset[str]  # the directories the store's snapshot records name
+    forks: int  # records of forks' hidden snapshots
+    paused: int  # records of paused sandboxes' saved states
+
+
+def check_saved_states(saved: SavedStates, live_forks: int, may_be_paused: int) -> list[tuple[str, str]]:
+    """Saved memory no record names; a fork's hidden snapshot that outlived every child
+    the harness knows may live (``live_forks``: forks with such a child); a paused
+    state kept for no sandbox that may be paused."""
+    out = [
+        ("orphans", f"saved memory in {d}, which no snapshot record names")
+        for d in saved.memory
+        if d not in saved.recorded
+    ]
+    if saved.forks > live_forks:
+        out.append(("orphans", f"{saved.forks} hidden fork snapshots, {live_forks} forks with a child that may live"))
+    if saved.paused > may_be_paused:
+        out.append(("orphans", f"{saved.paused} paused saved states, {may_be_paused} sandboxes that may be paused"))
+    return out
