@@ -261,6 +261,8 @@ def run(a: argparse.Namespace) -> int:
         for o in c.stream("Run", body):
             if o.get("done"):
                 code = o.get("exit_code") or 0
+                if o.get("oom_killed"):  # the guest kernel's OOM killer took it (exit 137)
+                    print("killed: out of memory", file=sys.stderr)
             elif o["stream"] == "stdout":
                 sys.stdout.buffer.write(o["data"])
                 sys.stdout.buffer.flush()

@@ -391,6 +391,7 @@ def metrics(m: SandboxMetrics, *, cpu_seconds_total: float = 0.0) -> protocol.Me
         cgroup_memory_bytes=m.cgroup_memory_bytes,
         cgroup_memory_limit_bytes=m.cgroup_memory_limit_bytes,
         cgroup_oom_kills=m.cgroup_oom_kills,
+        guest_oom_kills=m.guest_oom_kills,
         cpu_seconds_total=cpu_seconds_total,
         root_used_bytes=m.root_used_bytes,
         root_free_bytes=m.root_free_bytes,
