@@ -365,6 +365,8 @@ def inspect(a: argparse.Namespace) -> int:
         rows.append(("error", info["error"]))
     if info.get("cause"):
         rows.append(("cause", info["cause"]["sentence"]))
+    if info.get("guest_oom_kills"):  # processes the guest's OOM killer took in this life
+        rows.append(("guest_oom_kills", str(info["guest_oom_kills"])))
     for k in ("requested", "applied"):
         if info.get(k):
             rows.append((k, _settings(info[k])))

@@ -217,6 +217,7 @@ def info(sb: Sandbox) -> protocol.SandboxInfo:
         forked_at=r.lineage.forked_ns // 1_000_000_000 if r.lineage else 0,
         memory_shared_bytes=shared,
         memory_own_bytes=own,
+        guest_oom_kills=sb.life.ooms.count if sb.life is not None else 0,
     )
 
 

@@ -9,11 +9,15 @@ from __future__ import annotations
 import random
 
 import pytest
+import trio
+from trio.testing import MockClock
 
+from actors.channel.guest import GuestProtocolError, open_channel
 from actors.channel.guestwire import check_ranges
 from actors.model import Action, Ending
 from actors.sandboxes.oomkills import OOM_EVENT_BURST, OOM_EVENT_INTERVAL, GuestOoms, oom_death, printable
 from guestd import oom, proto
+from tests.support.fakeguest import fake_guest
 
 SUMMARY = (
     "oom-kill:constraint=CONSTRAINT_NONE,nodemask=(null),cpuset=/,mems_allowed=0,global_oom,"
@@ -206,3 +210,25 @@ def test_an_init_that_died_of_an_oom_kill_is_out_of_memory_by_the_guest() -> Non
 )
 def test_other_panics_stay_panics(panic: str, console: str) -> None:
     assert oom_death(panic, console, []) is None
+
+
+async def test_the_channel_hands_reports_to_its_listener_and_breaks_on_one_beyond_bounds(
+    autojump_clock: MockClock,
+) -> None:
+    good = proto.OomKill(pid=7, comm="hog", constraint="CONSTRAINT_NONE", cgroup="/", anon_rss_kb=5)
+    with trio.fail_after(5):
+        async with fake_guest() as guest:
+            guest.hostile.garbage_after_hello = proto.encode(good) * 2  # unsolicited, right after the hello
+            got: list[proto.OomKill] = []
+            async with open_channel(guest.connect(), hello_timeout=None) as chan:
+                chan.on_oom_kill = got.append
+                await chan.hello(5)
+                await chan.ping()  # (answered after them: they were read)
+                assert got == [good, good]
+            guest.hostile.garbage_after_hello = proto.encode(proto.OomKill(pid=7, comm="x" * 100))
+            async with open_channel(guest.connect(), hello_timeout=None) as chan:
+                chan.on_oom_kill = got.append
+                await chan.hello(5)
+                with pytest.raises(GuestProtocolError, match="longer than 64"):
+                    await chan.ping()
+                assert chan.broken and len(got) == 2

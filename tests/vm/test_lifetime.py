@@ -111,10 +111,20 @@ async def test_an_oom_kill_in_the_guest_is_not_the_sandbox_s_death(image: Image)
                 event = await _first_event(sb, "oom_kill")
                 assert (event["process"], event["by"], event["constraint"]) == ("tail", "guest", "CONSTRAINT_NONE")
                 assert int(event["pid"]) > 1 and int(event["anon_rss_kb"]) > 32 << 10, event
+                idle = await _first_event(sb, "idle")  # the Run's end (the sandbox's first)
+                assert (idle["exit_code"], idle["oom_killed"]) == ("137", "true"), idle
                 dmesg = await sb.run(["dmesg"])
                 assert b"Out of memory" in dmesg.stdout or b"oom-kill" in dmesg.stdout
                 assert (await sb.metrics()).guest_oom_kills == 1
-                assert (await sb.inspect()).state == "ready"  # it lives on
+                info = await sb.inspect()
+                assert (info.state, info.guest_oom_kills) == ("ready", 1)  # it lives on
+                # the CLI says so, and exits with the process's status
+                env = {**os.environ, "SANDVISOR_SOCKET": str(work.socket)}
+                argv = [sys.executable, "-m", "supervisor.main.cli", "run", "oom", "--", "tail", "/dev/zero"]
+                run = functools.partial(subprocess.run, argv, env=env, capture_output=True, text=True, check=False)
+                out = await trio.to_thread.run_sync(run)
+                assert out.returncode == 137 and "killed: out of memory" in out.stderr, out
+                assert (await sb.metrics()).guest_oom_kills == 2
                 r = await sb.run(["sh", "-c", "kill -9 $$"])  # a SIGKILL of another's is not an OOM kill
                 assert (r.exit_code, r.oom_killed) == (137, False), r
                 assert (await sb.run(["echo", "alive"])).stdout == b"alive\n"

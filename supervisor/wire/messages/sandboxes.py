@@ -380,6 +380,8 @@ class SandboxInfo:
     # one memory file) and its own (0: no machine runs)
     memory_shared_bytes: int = 0
     memory_own_bytes: int = 0
+    # the guest kernel's OOM kills guestd reported in its current life (each an oom_kill event)
+    guest_oom_kills: int = 0
 
 
 @attrs.frozen
