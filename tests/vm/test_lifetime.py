@@ -120,11 +120,12 @@ async def test_an_oom_kill_in_the_guest_is_not_the_sandbox_s_death(image: Image)
                 assert (info.state, info.guest_oom_kills) == ("ready", 1)  # it lives on
                 # the CLI says so, and exits with the process's status
                 env = {**os.environ, "SANDVISOR_SOCKET": str(work.socket)}
-                argv = [sys.executable, "-m", "supervisor.main.cli", "run", "oom", "--", "tail", "/dev/zero"]
-                run = functools.partial(subprocess.run, argv, env=env, capture_output=True, text=True, check=False)
-                out = await trio.to_thread.run_sync(run)
-                assert out.returncode == 137 and "killed: out of memory" in out.stderr, out
-                assert (await sb.metrics()).guest_oom_kills == 2
+                for verb in ("run", "exec"):  # (an Exec session's exit says it too)
+                    argv = [sys.executable, "-m", "supervisor.main.cli", verb, "oom", "--", "tail", "/dev/zero"]
+                    run = functools.partial(subprocess.run, argv, env=env, capture_output=True, text=True, check=False)
+                    out = await trio.to_thread.run_sync(run)
+                    assert out.returncode == 137 and "killed: out of memory" in out.stderr, out
+                assert (await sb.metrics()).guest_oom_kills == 3
                 r = await sb.run(["sh", "-c", "kill -9 $$"])  # a SIGKILL of another's is not an OOM kill
                 assert (r.exit_code, r.oom_killed) == (137, False), r
                 assert (await sb.run(["echo", "alive"])).stdout == b"alive\n"

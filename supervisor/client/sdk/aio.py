@@ -601,4 +601,6 @@ async def _bridge(
             termios.tcsetattr(stdin_fd, termios.TCSADRAIN, old)
     if proc.exit_code is None:
         raise Detached(proc.session_id)
+    if proc.oom_killed:  # (a shell would say "Killed"; this says why)
+        os.write(stderr_fd, b"killed: out of memory\n")
     return proc.exit_code
