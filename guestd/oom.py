@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import errno
 import os
+import time
 
 from guestd import proto
 
@@ -29,6 +30,8 @@ KMSG = "/dev/kmsg"
 MAX_RECORD = 8192  # one read of /dev/kmsg returns one record, at most this long (CONSOLE_EXT_LOG_MAX)
 MAX_PER_TURN = 256  # records read in one wakeup: a flood of kernel lines cannot hold guestd's loop
 MAX_VICTIMS = 64  # recent victims' pids kept for the exits that follow their kills
+# a victim's exit follows its kill within this (s): an older pid may be another process's now
+VICTIM_TTL = 60.0
 MAX_COMM = 64  # a process name as the log escapes it (the kernel's is 15 bytes; \xNN each at worst)
 MAX_WORD = 32  # the constraint (CONSTRAINT_NONE, CONSTRAINT_MEMCG, ...)
 MAX_CGROUP = 256  # a cgroup path (cut to this)
@@ -114,7 +117,7 @@ class OomWatch:
         if path:  # ("": records come by feed alone)
             self.fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
             os.lseek(self.fd, 0, os.SEEK_END)
-        self.victims: list[int] = []  # the last MAX_VICTIMS pids the OOM killer chose
+        self.victims: dict[int, float] = {}  # the last MAX_VICTIMS pids the OOM killer chose: when
         self.pending: dict[int, tuple[str, str]] = {}  # pid -> (constraint, cgroup) of its summary line
         self.count = 0  # kills reported since guestd started watching
 
@@ -170,13 +173,15 @@ class OomWatch:
         )
 
     def _victim(self, pid: int) -> None:
-        if pid in self.victims:
-            self.victims.remove(pid)
-        self.victims.append(pid)
-        del self.victims[:-MAX_VICTIMS]
+        self.victims.pop(pid, None)
+        self.victims[pid] = time.monotonic()
+        while len(self.victims) > MAX_VICTIMS:
+            del self.victims[next(iter(self.victims))]
 
     def was_victim(self, pid: int) -> bool:
-        return pid in self.victims
+        """``pid``, whose process just ended, was a victim of late (once: a pid is reused)."""
+        seen = self.victims.pop(pid, None)
+        return seen is not None and time.monotonic() - seen <= VICTIM_TTL
 
     def close(self) -> None:
         if self.fd >= 0:

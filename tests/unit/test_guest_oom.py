@@ -41,7 +41,7 @@ def record(text: str, pri: int = 3, seq: int = 100) -> bytes:
 def test_the_kernel_s_lines_are_one_report() -> None:
     watch = oom.OomWatch(path="")
     assert watch.feed(record(SUMMARY, pri=6)) is None  # (kept for the kill line)
-    assert watch.was_victim(312)  # before the kill line: an exit reaped now is the OOM killer's
+    assert 312 in watch.victims  # before the kill line: an exit reaped now is the OOM killer's
     kill = watch.feed(record(KILLED))
     assert kill == proto.OomKill(
         pid=312,
@@ -54,7 +54,17 @@ def test_the_kernel_s_lines_are_one_report() -> None:
         shmem_rss_kb=0,
         seq=1,
     )
-    assert not watch.was_victim(313)
+    assert watch.was_victim(312) and not watch.was_victim(313)
+    assert not watch.was_victim(312)  # once: the pid may be another process's next
+
+
+def test_an_old_victim_s_pid_is_not_taken_for_a_new_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    watch = oom.OomWatch(path="")
+    now = [1000.0]
+    monkeypatch.setattr(oom.time, "monotonic", lambda: now[0])
+    watch.feed(record(KILLED))
+    now[0] += oom.VICTIM_TTL + 1
+    assert not watch.was_victim(312)
 
 
 def test_a_cgroup_s_kill_names_its_cgroup_and_the_other_messages() -> None:
