@@ -432,7 +432,7 @@ def _outputs(req: protocol.RunRequest) -> StreamPlan[Output]:
 
 def _result(req: protocol.RunRequest) -> Plan[RunResult]:
     call = yield Open("Run", req)
-    out, err, code = bytearray(), bytearray(), -1
+    out, err, code, oom = bytearray(), bytearray(), -1, False
     while (item := (yield Receive(call, protocol.RunOutput))) is not None:
         o = _output(item)
         if o.stream == "stdout":
@@ -440,8 +440,8 @@ def _result(req: protocol.RunRequest) -> Plan[RunResult]:
         elif o.stream == "stderr":
             err += o.data
         else:
-            code = o.exit_code if o.exit_code is not None else -1
-    return RunResult(bytes(out), bytes(err), code)
+            code, oom = (o.exit_code if o.exit_code is not None else -1), o.oom_killed
+    return RunResult(bytes(out), bytes(err), code, oom_killed=oom)
 
 
 def run_stream(t: Target, cmd: builtins.list[str] | str, **how: Unpack[RunSettings]) -> StreamPlan[Output]:
