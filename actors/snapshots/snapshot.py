@@ -290,27 +290,18 @@ class SnapshotStore:
         """Forget a snapshot whose files may still be used (a broken or stale boot
         template): its directory goes once nothing stands on it."""
         log.warning("snapshot %s dropped: %s", rec.id, why)
-        self._stop_converting(rec)
-        if self.snapshots.get(rec.id) is rec:
-            self.store.delete_snapshot(rec.uid)
-            del self.snapshots[rec.id]
-        self.collect_soon()
+        self.retire(rec)
 
     def retire(self, rec: SnapshotRecord) -> None:
         """A paused sandbox's saved state once it resumed (or went): the record goes,
         and its memory and streams with it; the directory stays while its frozen disk is
-        a layer of the sandbox's chain (the collector removes it after)."""
+        a layer of the sandbox's chain (the collector removes it after). (A machine restored
+        from that memory keeps its mapping: the file's blocks go with it.)"""
         self._stop_converting(rec)
         if self.snapshots.get(rec.id) is rec:
             self.store.delete_snapshot(rec.uid)
             del self.snapshots[rec.id]
-        try:
-            names = os.listdir(rec.path)
-        except OSError:
-            names = []
-        for n in names:
-            if n == "memory" or n.startswith("vmstate"):
-                (rec.path / n).unlink(missing_ok=True)
+        _drop_saved_memory(rec.path)
         self.collect_soon()
 
     def retire_forks(self, named: set[str]) -> list[SnapshotRecord]:
@@ -356,9 +347,13 @@ class SnapshotStore:
         # template's directory stays while a snapshot made on top of it stands on it)
         layers = [*self.in_use(), *(Path(p) for r in self.snapshots.values() for p in r.chain)]
         used = {p.resolve().parent for p in layers}
-        garbage = [d for d in self.root.iterdir() if d.is_dir() and d.resolve() not in known | used]
+        dirs = [d for d in self.root.iterdir() if d.is_dir() and d.resolve() not in known]
+        garbage = [d for d in dirs if d.resolve() not in used]
         for d in garbage:
             await trio.to_thread.run_sync(shutil.rmtree, d, True)
+        for d in dirs:  # kept for a chain's sake: its disk is all that is needed of it
+            if d not in garbage:
+                _drop_saved_memory(d)
         if garbage:
             log.info("removed %d snapshot directories nothing uses", len(garbage))
         strays = [p for r in list(self.snapshots.values()) if r is not self.converting for p in _strays(r)]
@@ -470,3 +465,14 @@ def _strays(rec: SnapshotRecord) -> list[Path]:
         for n in names
         if n.endswith(PART) or ((n.startswith("vmstate") or n == "memory") and n not in named)
     ]
+
+
+def _drop_saved_memory(path: Path) -> None:
+    """A snapshot directory's saved memory and streams (what only its restores read)."""
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return
+    for n in names:
+        if n == "memory" or n.startswith("vmstate"):
+            (path / n).unlink(missing_ok=True)
