@@ -53,7 +53,7 @@ NO_RUNTIME = (
     "build it with `sandvisor image build --profile code-interpreter` and create the sandbox "
     "with the code-interpreter image"
 )
-_MISSING = re.compile(r"No module named|NoSuchKernel|No such kernel|python3: .*not found|not found: python3")
+_MISSING = re.compile(r"No module named|NoSuchKernel|No such kernel|exec python3")
 _KERNELS: weakref.WeakKeyDictionary[Registry, Kernels] = weakref.WeakKeyDictionary()
 _TEXT = ("text", "html", "markdown", "png", "jpeg", "svg", "pdf", "latex", "javascript")
 
