@@ -56,6 +56,9 @@ NO_RUNTIME = (
 _MISSING = re.compile(r"No module named|NoSuchKernel|No such kernel|exec python3")
 _KERNELS: weakref.WeakKeyDictionary[Registry, Kernels] = weakref.WeakKeyDictionary()
 _TEXT = ("text", "html", "markdown", "png", "jpeg", "svg", "pdf", "latex", "javascript")
+MAX_TEXT = 1 << 20  # chars of stdout or stderr in one message (a longer piece is split)
+MAX_RESULT = 3 << 20  # bytes of a result's representations together (the wire's frame is 4 MiB)
+OMITTED = "application/vnd.sandvisor.omitted+json"  # extra: the representations left out, with their sizes
 
 
 # --- the kernel server of a sandbox, through the domain's Exec ----------------------------------
@@ -228,6 +231,30 @@ def code_output(msg: Any) -> protocol.CodeOutput | None:
     return None
 
 
+def fitted(out: protocol.CodeOutput) -> list[protocol.CodeOutput]:
+    """``out`` as messages that fit the wire's frame: a long stdout or stderr piece split,
+    a result's largest representations left out (named in ``extra``) past
+    :data:`MAX_RESULT`."""
+    if out.kind in ("stdout", "stderr") and len(out.text) > MAX_TEXT:
+        return [attrs.evolve(out, text=out.text[i : i + MAX_TEXT]) for i in range(0, len(out.text), MAX_TEXT)]
+    r = out.result
+    if r is None:
+        return [out]
+    sizes = {f: len(getattr(r, f).encode()) for f in (*_TEXT, "json", "chart")}
+    sizes.update({f"extra:{k}": len(k.encode()) + len(v.encode()) for k, v in r.extra.items()})
+    total, omitted = sum(sizes.values()), {}
+    for name, size in sorted(sizes.items(), key=lambda kv: -kv[1]):
+        if total <= MAX_RESULT:
+            break
+        omitted[name.removeprefix("extra:")] = size
+        total -= size
+    if not omitted:
+        return [out]
+    extra = {k: v for k, v in r.extra.items() if k not in omitted} | {OMITTED: json.dumps(omitted)}
+    fields: dict[str, Any] = attrs.asdict(r) | {f: "" for f in (*_TEXT, "json", "chart") if f in omitted}
+    return [attrs.evolve(out, result=protocol.CodeResult(**(fields | {"extra": extra})))]
+
+
 # --- the methods ---------------------------------------------------------------------------------
 @method("RunCode", protocol.RunCodeRequest, streams=True)
 async def _run_code(reg: Registry, io: CallIO, req: protocol.RunCodeRequest) -> None:
@@ -253,8 +280,8 @@ async def _run_code(reg: Registry, io: CallIO, req: protocol.RunCodeRequest) -> 
                         value_of(msg)
                     return
                 out = code_output(msg.get("msg"))
-                if out is not None:
-                    await io.send(out)
+                for piece in fitted(out) if out is not None else ():
+                    await io.send(piece)
         ended = True
         raise Unavailable(f"code interpreter unavailable: {host.failed or 'the kernel server ended'}")
     finally:
