@@ -55,7 +55,7 @@ class KernelHost:
     """The kernel server of one sandbox: requests go in as lines, answers are routed
     back to the request's channel by its id."""
 
-    target: Any  # e2b_envd.Target
+    target: Any  # e2b_envd.Target, api_code._Target: the shape the module names
     ready: trio.Event = attrs.Factory(trio.Event)
     failed: str = ""
     execd: Any = None
