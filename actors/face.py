@@ -17,7 +17,7 @@ What is here, by kind:
 * the registry, a sandbox, a snapshot's record, Modify's plan and call, and fork's
   call, family walks and tree diff;
 * a few helpers the edges share with it: ``defaults`` (its constants), ``rfc3339``,
-  ``FsEntry``, ``CommandNotRun``, ``LOG_SOURCES``, ``collapse_single``, the principals'
+  ``FsEntry``, ``CommandNotRun``, ``RunExit``, ``LOG_SOURCES``, ``collapse_single``, the principals'
   name check, the secret store's operations, and the host firewall the fleet's Ray
   node opens its ports in.
 """
@@ -84,7 +84,7 @@ from actors.sandboxes.secrets import remove_named as remove_stored_secret
 from actors.sandboxes.secrets import rotate as rotate_sandbox_secret
 from actors.sandboxes.secrets import set_named as set_stored_secret
 from actors.sandboxes.sessions import HeldSession
-from actors.sandboxes.workload import CommandNotRun
+from actors.sandboxes.workload import CommandNotRun, RunExit
 from actors.secrets.model import HEADERS, SecretRef
 from actors.snapshots.snapshot import rfc3339
 from actors.store import SnapshotRecord
@@ -132,6 +132,7 @@ __all__ = [
     "PullAuth",
     "Registry",
     "ResourceExhausted",
+    "RunExit",
     "Sandbox",
     "SandboxConfig",
     "SandboxEvent",

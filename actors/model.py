@@ -65,6 +65,9 @@ class Action(enum.StrEnum):
     # a host that secret does not allow (attributes: secret, host; never the value)
     SECRET_BLOCKED = "secret_blocked"
     DRAINING = "draining"  # ours: new work refused, the sandbox stops once its work ends
+    # sandvisor's: the guest kernel's OOM killer killed a process (the sandbox lives on;
+    # attributes: pid, process, by, constraint, cgroup, sizes: actors/sandboxes/oomkills.py)
+    OOM_KILL = "oom_kill"
 
 
 class Ending(enum.StrEnum):
@@ -72,7 +75,8 @@ class Ending(enum.StrEnum):
 
     EXITED = "exited"  # the guest powered off on its own (a workload's poweroff)
     STOPPED = "stopped"  # asked to: by the user, its TTL, its idle timeout, a drain, a replace
-    OUT_OF_MEMORY = "out_of_memory"  # the cgroup's OOM killer took QEMU
+    # the cgroup's OOM killer took QEMU (by "cgroup"), or the guest's took what its init ran (by "guest")
+    OUT_OF_MEMORY = "out_of_memory"
     GUEST_PANIC = "guest_panic"  # the guest kernel panicked (its console said so, then it reset)
     QEMU_DIED = "qemu_died"  # QEMU exited or was killed by a signal, not asked to
     HOST_RESTART = "host_restart"  # a supervisor start found its QEMU gone
@@ -223,6 +227,8 @@ class SandboxMetrics:
     # (a fork's family maps one memory file) and its own private ones, as the host counts
     memory_shared_bytes: int = 0
     memory_own_bytes: int = 0
+    # the guest kernel's own OOM kills since it booted (its /proc/vmstat: the guest's word)
+    guest_oom_kills: int = 0
 
 
 POOL_PREFIX = "\x00pool:"  # ids of warm pool members: no caller id can hold a control character

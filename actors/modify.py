@@ -33,11 +33,12 @@ from typing import Protocol
 import attrs
 import trio
 
-from actors.errors import FailedPrecondition, InvalidArgument
-from actors.model import ALIVE, ENDED, Limits, SandboxConfig
+from actors.errors import FailedPrecondition, Internal, InvalidArgument
+from actors.machines.qemuproc import MachineError
+from actors.model import ALIVE, ENDED, Egress, Limits, Network, SandboxConfig
 from actors.modify_secrets import BLOCKING, Change, Kind, Note, Policy, SecretChange, SecretPlan, Status
-from actors.net.netlink import needs_pool_address
-from actors.rules import check_ceilings, check_labels, max_vcpus
+from actors.net.netlink import needs_pool_address, set_policy
+from actors.rules import check_ceilings, check_labels, check_network, max_vcpus
 from actors.sandboxes import secrets, tune
 from actors.sandboxes.sandbox import Sandbox
 from actors.sandboxes.tune import Machine, Resize
@@ -107,6 +108,8 @@ class Modification:
     max_memory_mib: int | None = None
     policy: Policy | None = None  # None: restart says (RESTART or NO_RESTART)
     secrets: tuple[SecretChange, ...] = ()
+    # the egress policy, replaced whole (tap; user with outbound): live on a running sandbox
+    egress: Egress | None = None
 
     @property
     def effective_policy(self) -> Policy:
@@ -343,9 +346,21 @@ def plan(
         warnings.extend(sp.warnings)
         restart = restart or sp.restart
 
+    network = config.network
+    if mod.egress is not None:
+        live_egress = machine is not None
+        why = "now: the sandbox's filter and DNS answers" if live_egress else next_why
+        network = _egress(config, mod.egress, Status.APPLIED if live_egress else Status.NEXT_BOOT, why, changes)
     check_ceilings(limits)
     after = attrs.evolve(
-        config, limits=limits, workload=workload, timers=timers, labels=labels, ssh_keys=ssh_keys, secrets=refs
+        config,
+        limits=limits,
+        workload=workload,
+        timers=timers,
+        labels=labels,
+        ssh_keys=ssh_keys,
+        secrets=refs,
+        network=network,
     )
     if restart:
         warnings.append(Note("restart", RESTART_NOTE))
@@ -524,6 +539,8 @@ async def _modify(reg: ModifyHost, sb: Sandbox, mod: Modification) -> Plan:
         )
     if p.secret_values or (mod.secrets and changed):
         _secrets_applied(sb, p)
+    if machine is not None and not p.pending and _egress_changed(p):
+        _egress_applied(sb)
     if machine is None or not changed or p.pending:
         return attrs.evolve(p, applied=True, settled=machine is not None)
     if p.restart:
@@ -571,3 +588,37 @@ async def _restart(reg: ModifyHost, id: str) -> None:
         await sb.ready_event.wait()
     if sb.state not in ALIVE:
         raise FailedPrecondition(f"sandbox {id} did not come back after the restart: {sb.record.error}")
+
+
+# -- the egress policy ---------------------------------------------------------------------
+def _egress(config: SandboxConfig, egress: Egress, at: Status, why: str, changes: list[Change]) -> Network:
+    """The network with ``egress`` as its whole egress policy (a named profile it was
+    expanded from no longer names it). Only where the guest reaches out: tap, or user
+    with outbound (FAILED_PRECONDITION otherwise, as at create); a policy that does not
+    parse is INVALID_ARGUMENT."""
+    before = config.network.egress or Egress()
+    network = attrs.evolve(config.network, egress=egress, profile="")
+    check_network(network)
+    st = Status.UNCHANGED if egress == before else at
+    changes.append(Change(Kind.EGRESS, st, _policy_text(egress), _policy_text(before), why))
+    return network if st != Status.UNCHANGED else config.network
+
+
+def _policy_text(e: Egress) -> str:
+    return f"default={e.default} allow={','.join(e.allow)} deny={','.join(e.deny)}"
+
+
+def _egress_changed(p: Plan) -> bool:
+    return any(c.kind == Kind.EGRESS and c.status == Status.APPLIED for c in p.changes)
+
+
+def _egress_applied(sb: Sandbox) -> None:
+    """The running life's link filters by the record's policy now (atomically; the DNS
+    answers it had opened are forgotten)."""
+    life = sb.life
+    if life is None:
+        return
+    try:
+        set_policy(life.link, sb.egress)
+    except MachineError as exc:
+        raise Internal(f"sandbox {sb.id}: the new egress policy is saved but not applied: {exc}") from None

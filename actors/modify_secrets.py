@@ -31,6 +31,7 @@ class Kind(enum.StrEnum):
     MAX_MEMORY = "max_memory"
     ENV_REMOVE = "env_remove"
     SECRET = "secret"
+    EGRESS = "egress"
 
 
 class Policy(enum.StrEnum):

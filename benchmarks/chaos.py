@@ -4,7 +4,7 @@ SDK, with the invariants checked after every step (benchmarks/chaos_checks.py).
 
 Operations: create (some with user networking and an exposed port, some with the
 volume), run, write-then-fsync in the guest, volume writes, checkpoint, restore,
-pause, resume, Modify, stop, start, remove, port traffic (fork: a hook, not there yet).
+pause, resume, Modify, stop, start, remove, port traffic, fork.
 Faults: kill -9 of the supervisor at a random moment of an operation, and at each
 crash point (``SANDVISOR_CRASH_AT``, actors/crash.py), then a restart on the same
 state dir and adoption; SIGKILL of a QEMU; a guest kernel panic (sysrq); a guest out
@@ -50,7 +50,16 @@ from supervisor.main.throwaway import Workdir, workdir
 
 if __package__:
     from benchmarks import chaos_checks as checks
-    from benchmarks.chaos_host import Serve, footprint, host_facts, http_get, qemu_pid, sha, state_filesystem
+    from benchmarks.chaos_host import (
+        Serve,
+        footprint,
+        host_facts,
+        http_get,
+        qemu_pid,
+        saved_states,
+        sha,
+        state_filesystem,
+    )
 else:  # (run as a script: benchmarks/ is on the path)
     import chaos_checks as checks  # type: ignore[no-redef]
     from chaos_host import (  # type: ignore[no-redef]
@@ -59,6 +68,7 @@ else:  # (run as a script: benchmarks/ is on the path)
         host_facts,
         http_get,
         qemu_pid,
+        saved_states,
         sha,
         state_filesystem,
     )
@@ -149,6 +159,7 @@ class Chaos:
         self.report = Report(seed)
         self.model: dict[str, checks.SandboxModel] = {}
         self.snaps: dict[str, checks.SnapshotModel] = {}
+        self.forks: list[list[str]] = []  # each fork's children (its hidden snapshot lives while one may)
         self.volume_files: dict[str, set[str]] = {}
         self.step = 0
         self.counter = 0
@@ -385,9 +396,27 @@ class Chaos:
             )
 
     async def op_fork(self) -> None:
-        """The hook for fork (a live sandbox's copy) once the product has one: a new
-        model entry with the source's files and memory, like a restore."""
-        raise NotImplementedError
+        """fork(n) of a ready sandbox: each child starts with the parent's files and
+        memory (its boot id), like a restore of the fork point; the parent runs on.
+        (A sandbox with the read-write volume is refused by design: not picked.)"""
+        alive = sum(1 for m in self.model.values() if ABSENT not in m.allowed)
+        id = self.pick("ready", where=lambda m: not m.volume)
+        if id is None or alive >= MAX_SANDBOXES:
+            return await (self.op_create() if id is None else self.op_remove())
+        parent = self.model[id]
+        n = self.rng.randint(1, min(2, MAX_SANDBOXES - alive))
+        names = [self.new_id("k") for _ in range(n)]
+        for child in names:  # (until acknowledged: made or not, booted or failed)
+            m = checks.SandboxModel(child, {ABSENT, "ready", "failed"}, files=copy.deepcopy(parent.files))
+            m.net, m.server = parent.net, parent.server
+            self.model[child] = m
+        self.forks.append(names)
+        boot = parent.boot
+        await self.act("fork", id, {"ready"}, lambda: self.sb(id).fork(n, names=names))
+        for child in names:
+            self.model[child].allowed = {"ready"}
+            self.model[child].boot = boot
+            self.touched.add(child)
 
     # -- faults
     async def fault_kill(self) -> None:
@@ -541,7 +570,7 @@ class Chaos:
             (1.5, self.op_start),
             (1.5, self.op_remove),
             (1.5, self.op_port),
-            (0, self.op_fork),  # (weight 0: no fork in the product yet)
+            (1.5, self.op_fork),
         ]
         if len(self.snaps) > MAX_SNAPSHOTS:
             ops.append((4, self.op_delete_snapshot))
@@ -648,6 +677,12 @@ class Chaos:
                 checks.check_files(VOLUME, self.volume_files, {p: h for p, h in seen.items() if p.startswith("/data/")})
             )
 
+    def saved_state_holders(self) -> tuple[int, int]:
+        """The forks with a child that may still live, and the sandboxes that may be
+        paused: what may hold a hidden saved state now."""
+        self.forks = [c for c in self.forks if any(ABSENT not in self.model.get(x, _GONE).allowed for x in c)]
+        return len(self.forks), sum(1 for m in self.model.values() if "paused" in m.allowed)
+
     async def check(self) -> None:
         try:
             states = await self.listed()
@@ -667,6 +702,7 @@ class Chaos:
         for _ in range(30):  # (a conversion, a merge, a stopping QEMU: passing; an orphan stays)
             facts = host_facts(self.work, self.serve.pid, self.state_mount)
             found = checks.check_orphans(facts, running, with_net)
+            found += checks.check_saved_states(saved_states(self.work), *self.saved_state_holders())
             if not found:
                 break
             await trio.sleep(1)
@@ -683,6 +719,7 @@ class Chaos:
         self.violate(checks.check_log(new.decode(errors="replace").splitlines()))
 
 
+_GONE = checks.SandboxModel("", {ABSENT})
 MAYBE_DONE = frozenset({"DEADLINE_EXCEEDED", "UNAVAILABLE", "CANCELLED", "INTERNAL"})
 
 

@@ -237,3 +237,29 @@ def check_log(lines: Iterable[str]) -> list[tuple[str, str]]:
 
 
 CHAINED = ("During handling of the above exception", "The above exception was the direct cause")
+
+
+@dataclass(frozen=True)
+class SavedStates:
+    """Saved machine memory in a serve's state dir, and the snapshot records."""
+
+    memory: list[str]  # snapshot directories holding a memory file or a stream
+    recorded: frozenset[str]  # the directories the store's snapshot records name
+    forks: int  # records of forks' hidden snapshots
+    paused: int  # records of paused sandboxes' saved states
+
+
+def check_saved_states(saved: SavedStates, live_forks: int, may_be_paused: int) -> list[tuple[str, str]]:
+    """Saved memory no record names; a fork's hidden snapshot that outlived every child
+    the harness knows may live (``live_forks``: forks with such a child); a paused
+    state kept for no sandbox that may be paused."""
+    out = [
+        ("orphans", f"saved memory in {d}, which no snapshot record names")
+        for d in saved.memory
+        if d not in saved.recorded
+    ]
+    if saved.forks > live_forks:
+        out.append(("orphans", f"{saved.forks} hidden fork snapshots, {live_forks} forks with a child that may live"))
+    if saved.paused > may_be_paused:
+        out.append(("orphans", f"{saved.paused} paused saved states, {may_be_paused} sandboxes that may be paused"))
+    return out

@@ -16,6 +16,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgpack
+
 from actors.cells.cgroups import detect
 from images.build import default_cache
 from supervisor.main.throwaway import Workdir, kill_processes, supervisor_process
@@ -163,3 +165,28 @@ def http_get(port: int, path: str) -> bytes:
 
 def sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def saved_states(work: Workdir) -> checks.SavedStates:
+    """The snapshot directories that hold a machine's saved memory (its memory file or
+    a migration stream), and the store's snapshot records: their directories and how
+    many are a fork's hidden snapshot or a paused sandbox's saved state."""
+    memory: list[str] = []
+    with contextlib.suppress(OSError):
+        for d in sorted((work.state / "snapshots").iterdir()):
+            with contextlib.suppress(OSError):
+                if any(n == "memory" or n.startswith("vmstate") for n in os.listdir(d)):
+                    memory.append(str(d))
+    recorded: set[str] = set()
+    forks = paused = 0
+    with contextlib.suppress(sqlite3.Error):
+        db = sqlite3.connect(f"file:{work.state / 'sandvisor.db'}?mode=ro", uri=True)
+        try:
+            for (blob,) in db.execute("SELECT data FROM snapshots").fetchall():
+                rec = msgpack.unpackb(blob, raw=False)
+                recorded.add(str(rec.get("dir", "")))
+                forks += bool(rec.get("fork_only"))
+                paused += bool(rec.get("paused_for"))
+        finally:
+            db.close()
+    return checks.SavedStates(memory, frozenset(recorded), forks, paused)

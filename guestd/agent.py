@@ -40,6 +40,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from guestd.files import FileReader
     from guestd.freeze import Freezer
+    from guestd.oom import OomWatch
     from guestd.workers import Worker
 
 __all__ = ["DEFAULT_PATH", "Agent", "ExecFailed", "entry", "errcode", "main"]
@@ -81,6 +82,7 @@ class Agent:
         self.exiting = False  # handed off and told to end (the init's shutdown): no power-off of ours
         self.init_stop: bool | None = None  # handed off: a shutdown (reboot?) the init has yet to be asked for
         self.freezer: Freezer | None = None  # file systems frozen for a capture (guestd/freeze.py)
+        self.oom: OomWatch | None = None  # the kernel log, read for OOM kills (guestd/oom.py)
 
     # -- epoll bookkeeping ---------------------------------------------------
     def watch(self, fd: int, mask: int, handler: Callable[[int], None]) -> None:
@@ -190,6 +192,7 @@ class Agent:
                         "resources",
                         "init",
                         "freeze",
+                        "oom",
                         "vsock" if self.vsock_fd >= 0 else "serial",
                     ],
                 )
@@ -197,6 +200,7 @@ class Agent:
             if not self.deferred_loaded:
                 self.deferred_loaded = True
                 boot.load_deferred_modules(self.root_fd)
+                self.watch_oom()
             return
         session = conn.session
         if session is None:
@@ -354,6 +358,40 @@ class Agent:
         else:
             n = self.freezer.thaw()
         session.send(proto.Ok(rid=msg.rid, value=n))
+
+    def watch_oom(self) -> None:
+        """Read the kernel log for OOM kills from now on (from the first hello: boot never pays)."""
+        from guestd.oom import OomWatch
+
+        try:
+            self.oom = OomWatch()
+        except OSError as exc:
+            log(f"oom watch: {exc}")
+            return
+        self.watch(self.oom.fd, EPOLLIN, lambda _ev: self.read_oom())
+
+    def read_oom(self) -> None:
+        """Report the OOM kills the kernel logged since the last look to the host."""
+        oom = self.oom
+        if oom is None:
+            return
+        try:
+            kills = oom.drain()
+        except OSError as exc:
+            log(f"oom watch: {exc}; stopped")
+            self.unwatch(oom.fd)
+            oom.close()
+            self.oom = None
+            return
+        for kill in kills:
+            for conn in self.conns.values():
+                if conn.session is not None:
+                    conn.session.send(kill)
+
+    def oom_victim(self, pid: int) -> bool:
+        """``pid`` (just reaped, killed by SIGKILL) was the OOM killer's: the log read first."""
+        self.read_oom()
+        return self.oom is not None and self.oom.was_victim(pid)
 
     # -- signals and children ----------------------------------------------------
     def reap(self) -> None:

@@ -11,6 +11,7 @@ guestd's modules (imported at boot unless marked lazy; see agent.py)::
     system   machine-wide requests: clock, hostname, entropy, metrics, deferred drivers
     files    (lazy) read_file and write_file streams
     workers  (lazy) forked workers: trees, patches, mounts
+    oom      (lazy) the kernel's log read for OOM kills (from the first hello)
     tree, fsops, netcfg, proto   (see each)
 
 Boot pays for every module imported here, under TCG a few ms each: stdlib modules

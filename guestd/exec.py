@@ -41,6 +41,7 @@ class Proc(Req):
         self.status: int | None = None
         self.exited_at = 0.0
         self.timed_out = False
+        self.oom_killed = False
         self.deadline = now() + msg.timeout if msg.timeout > 0 else 0.0
         self.outs: list[OutStream] = []
         self.stdin = InStream(self, agent, -1, eof=True, tty=msg.tty)
@@ -223,6 +224,8 @@ class Proc(Req):
         self.mark("reaped")
         self.status = status
         self.exited_at = now()
+        if os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL and not self.timed_out:
+            self.oom_killed = self.agent.oom_victim(self.pid)
         self.maybe_finish()
         if not self.done:
             self.update()  # arms the drain timer for pipes held by background children
@@ -258,7 +261,7 @@ class Proc(Req):
         else:
             sig, code = 0, os.WEXITSTATUS(st)
         self.stdin.close()
-        self.send(proto.Exit(rid=self.rid, code=code, signal=sig, timed_out=self.timed_out))
+        self.send(proto.Exit(rid=self.rid, code=code, signal=sig, timed_out=self.timed_out, oom_killed=self.oom_killed))
         self.mark("exit")
         self.want_flush_mark()
         self.finish()

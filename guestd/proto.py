@@ -300,6 +300,7 @@ class Exit(Message):
     code: int
     signal: int = 0
     timed_out: bool = False
+    oom_killed: bool = False  # killed by the guest kernel's OOM killer (its log said so: guestd/oom.py)
 
 
 @message("resize")
@@ -481,6 +482,7 @@ class MetricsOk(Message):
     net: dict[str, int]  # rx_bytes, tx_bytes, rx_packets, tx_packets
     load: list[str] = []
     procs: int = 0
+    oom_kills: int = 0  # the guest kernel's OOM kills since it booted (/proc/vmstat oom_kill)
 
 
 @message("set_clock")
@@ -626,6 +628,25 @@ class Log(Message):
 
     level: str
     text: str
+
+
+@message("oom_kill")
+class OomKill(Message):
+    """Unsolicited guest -> host: the guest kernel's OOM killer killed a process (its
+    log said so; guestd/oom.py). ``constraint``: CONSTRAINT_NONE (the whole guest's
+    memory), CONSTRAINT_MEMCG (a guest cgroup's limit), ...; ``cgroup``: the victim's
+    memory cgroup as the kernel names it; sizes in KiB at the kill; ``seq``: guestd's
+    count of the kills it reported."""
+
+    pid: int
+    comm: str
+    constraint: str = ""
+    cgroup: str = ""
+    total_vm_kb: int = 0
+    anon_rss_kb: int = 0
+    file_rss_kb: int = 0
+    shmem_rss_kb: int = 0
+    seq: int = 0
 
 
 # ---------------------------------------------------------------------------

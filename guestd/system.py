@@ -93,6 +93,9 @@ def metrics(rid: int) -> proto.MetricsOk:
             net["tx_bytes"] += int(f[8])
             net["tx_packets"] += int(f[9])
     up = read_text("/proc/uptime").split()
+    vmstat = read_text("/proc/vmstat")
+    at = vmstat.find("\noom_kill ")
+    oom_kills = int(vmstat[at + 10 :].split("\n", 1)[0]) if at >= 0 else 0
     return proto.MetricsOk(
         rid=rid,
         uptime=float(up[0]) if up else 0.0,
@@ -103,6 +106,7 @@ def metrics(rid: int) -> proto.MetricsOk:
         net=net,
         load=read_text("/proc/loadavg").split()[:3],
         procs=procs,
+        oom_kills=oom_kills,
     )
 
 

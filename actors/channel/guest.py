@@ -120,6 +120,8 @@ class GuestChannel:
         self._hello_sent = 0.0
         self.guest_logs: collections.deque[str] = collections.deque(maxlen=64)
         self._stats = {"frames_in": 0, "frames_out": 0, "bytes_in": 0, "bytes_out": 0, "dropped": 0}
+        # the guest's OOM kill reports (checked: check_ranges), to whoever listens (a Life)
+        self.on_oom_kill: Callable[[proto.OomKill], None] | None = None
 
     # -- lifecycle -----------------------------------------------------------
     @property
@@ -200,6 +202,10 @@ class GuestChannel:
             return
         if isinstance(msg, proto.Log):
             self.guest_logs.append(f"{msg.level}: {msg.text[:1000]}")
+            return
+        if isinstance(msg, proto.OomKill):
+            if self.on_oom_kill is not None:
+                self.on_oom_kill(msg)
             return
         rid = getattr(msg, "rid", None)
         if not isinstance(rid, int):
@@ -522,7 +528,12 @@ class GuestChannel:
                 out[ch] += data
         assert h.exit is not None
         return ExecResult(
-            h.exit.code, h.exit.signal, h.exit.timed_out, bytes(out[proto.STDOUT]), bytes(out[proto.STDERR])
+            h.exit.code,
+            h.exit.signal,
+            h.exit.timed_out,
+            bytes(out[proto.STDOUT]),
+            bytes(out[proto.STDERR]),
+            oom_killed=h.exit.oom_killed,
         )
 
     # -- files -----------------------------------------------------------------

@@ -36,11 +36,21 @@ _RANGES: dict[str, dict[str, tuple[float, float]]] = {
     "exec_started": {"pid": _U31},
     "exit": {"code": _U31, "signal": _U31},
     "file_info": {"size": _U63, "mode": (0, 0o177777)},
-    "metrics_ok": {"uptime": (0, math.inf), "ncpu": _U31, "procs": _U31},
+    "metrics_ok": {"uptime": (0, math.inf), "ncpu": _U31, "procs": _U31, "oom_kills": _U63},
     "data": {"ch": _U31},
     "eof": {"ch": _U31},
     "credit": {"ch": _U31, "n": _U63},
+    "oom_kill": {
+        "pid": (1, 2**22),  # PID_MAX_LIMIT
+        "total_vm_kb": _U63,
+        "anon_rss_kb": _U63,
+        "file_rss_kb": _U63,
+        "shmem_rss_kb": _U63,
+        "seq": _U63,
+    },
 }
+# the longest text the host takes in a field of an unsolicited report (guestd/oom.py's bounds)
+_LENGTHS: dict[str, dict[str, int]] = {"oom_kill": {"comm": 64, "constraint": 32, "cgroup": 256}}
 _VALUE_RANGES: dict[str, dict[str, tuple[float, float]]] = {  # every value of a map field
     "hello_ok": {"marks": (0, math.inf)},
     "metrics_ok": {"cpu_seconds": (0, math.inf), "mem": _U63, "disk": _U63, "net": _U63},
@@ -48,7 +58,8 @@ _VALUE_RANGES: dict[str, dict[str, tuple[float, float]]] = {  # every value of a
 
 
 def check_ranges(msg: proto.Message) -> None:
-    """BadMessage unless every number of ``msg`` is finite and in the host's range."""
+    """BadMessage unless every number of ``msg`` is finite and in the host's range (and
+    every bounded text within its length)."""
     for name, (lo, hi) in _RANGES.get(msg.TAG, {}).items():
         v = getattr(msg, name)
         if not (lo <= v <= hi and math.isfinite(v)):
@@ -57,6 +68,9 @@ def check_ranges(msg: proto.Message) -> None:
         for key, v in getattr(msg, name).items():
             if not (lo <= v <= hi and math.isfinite(v)):
                 raise proto.BadMessage(f"{msg.TAG}.{name}[{key[:40]!r}] out of range: {str(v)[:40]}")
+    for name, most in _LENGTHS.get(msg.TAG, {}).items():
+        if len(getattr(msg, name)) > most:
+            raise proto.BadMessage(f"{msg.TAG}.{name}: longer than {most} characters")
 
 
 class GuestError(Exception):
@@ -102,6 +116,7 @@ class ExecResult:
     timed_out: bool
     stdout: bytes
     stderr: bytes
+    oom_killed: bool = False  # the guest kernel's OOM killer killed it
 
 
 @attrs.frozen

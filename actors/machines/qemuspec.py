@@ -297,7 +297,9 @@ class MachineSpec:
                 "-blockdev",
                 f"driver=raw,file=vol{i}file,node-name=vol{i},read-only={ro}",
                 "-device",
-                f"{blk},drive=vol{i},serial={self.volume_serial(i)}",
+                # as the root disk: a full host disk is the guest's I/O error on this
+                # volume, not a VM that QEMU stops until space comes back
+                f"{blk},drive=vol{i},serial={self.volume_serial(i)},werror=report,rerror=report",
             ]
         for i, fs_tag in enumerate(self.fs_tags):
             # vhost-user: the server maps guest RAM, which must be a shared file

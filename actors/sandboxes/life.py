@@ -80,6 +80,7 @@ from actors.quotas import check_sandbox_disk
 from actors.sandboxes import secrets, usage
 from actors.sandboxes.files import SandboxFiles
 from actors.sandboxes.logs import SandboxLog
+from actors.sandboxes.oomkills import GuestOoms, oom_death
 from actors.sandboxes.paused import PauseHold
 from actors.sandboxes.plans import Adopt, Boot, Resume
 from actors.sandboxes.savedstate import memory_for_restore, resume_spec
@@ -185,6 +186,7 @@ class Life:
         self.memory = usage.MemorySplit()  # its pages shared and its own (Inspect)
         self._fixed = False  # a restore's fix-ups came with its hello (Attach.fixups)
         self._stack = AsyncExitStack()  # its scope, _release, QEMU (the launcher's block), the relays' nursery
+        self.ooms = GuestOoms(sb.emit)  # the guest's own OOM kills (guestd's reports), its oom_kill events
         self._scope = trio.CancelScope()
 
     @classmethod
@@ -221,6 +223,7 @@ class Life:
                     guest = await self._reconnect(self.plan)
                 else:
                     guest = await self._launch(self.plan)
+                guest.channel.on_oom_kill = self.ooms.report  # (an adopted guest's too)
                 nursery = await self._stack.enter_async_context(trio.open_nursery())
                 self._stack.callback(nursery.cancel_scope.cancel)  # (first out: the relays end)
                 self.sessions = HeldSessions(nursery)  # (they end with the relays)
@@ -721,7 +724,8 @@ class Life:
 
     def death(self, guest: Guest, rc: int) -> Cause:
         """Why QEMU ended on its own: its cgroup's OOM kill, a signal, its exit status,
-        or (status 0: the guest asked) a poweroff or a kernel panic. The kernel runs with
+        or (status 0: the guest asked) a poweroff or a kernel panic (the guest's own OOM
+        kill when its init died of it: actors/sandboxes/oomkills.py). The kernel runs with
         ``panic=-1`` and QEMU with ``-no-reboot``, so a panic resets the guest and QEMU
         exits 0 as for a poweroff: the console's panic line, read by the supervisor
         while the guest runs, tells them apart (a guest that prints one and powers off
@@ -736,9 +740,11 @@ class Life:
                 detail=f"memory limit {(limit or 0) >> 20} MiB: guest RAM + {cell.cells.config.overhead_mib} MiB",
             )
         machine = guest.machine
-        panic = panic_line(machine.console.text())
+        console = machine.console.text()
+        panic = panic_line(console)
         if rc in (0, UNKNOWN_EXIT) and panic:
-            return Cause(Ending.GUEST_PANIC, detail=panic)
+            # an init that exited because the guest's OOM killer took what it ran: out of memory
+            return oom_death(panic, console, self.ooms.recent) or Cause(Ending.GUEST_PANIC, detail=panic)
         said = machine.describe_exit()
         if rc == UNKNOWN_EXIT:  # an adopted QEMU: not our child, its status is unknown
             return Cause(Ending.QEMU_DIED, detail=said)

@@ -733,11 +733,13 @@ class Sandbox(Identity):
         self.emit(Action.RUNNING)
         self.touch()
 
-    def workload_ended(self, code: int, error: str) -> None:
+    def workload_ended(self, code: int, error: str, *, oom_killed: bool = False) -> None:
         self.touch()
         if self.record.state == State.RUNNING:  # (not stopping or failed meanwhile)
             self._set(State.READY, last_exited_at=int(time.time()), last_exit_code=code)
             extra = {"error": error} if error else {}
+            if oom_killed:  # the guest kernel's OOM killer ended it
+                extra["oom_killed"] = "true"
             self.emit(Action.IDLE, exit_code=str(code), **extra)
         else:
             self.record.last_exited_at, self.record.last_exit_code = int(time.time()), code

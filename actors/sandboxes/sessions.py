@@ -39,6 +39,7 @@ class HeldSession:
         self.tty = tty
         self.handle: Any = None  # the guest exec (ExecHandle) while it runs
         self.exit_code: int | None = None
+        self.oom_killed = False  # the guest kernel's OOM killer ended its process
         self.ended = trio.Event()
         self._log = log
         self._idle = idle
@@ -64,6 +65,7 @@ class HeldSession:
                         self._log("output" if self.tty else name, data)
                         await self._out(name, data)
                     self.exit_code = h.exit.code if h.exit is not None else -1
+                    self.oom_killed = h.exit is not None and h.exit.oom_killed
             finally:
                 self.handle = None
                 self.ended.set()

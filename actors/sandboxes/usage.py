@@ -68,6 +68,7 @@ def sandbox_metrics(
         root_host_allocated_bytes=allocated_bytes(disk),
         memory_shared_bytes=shared,
         memory_own_bytes=own,
+        guest_oom_kills=_guest_count(m.oom_kills),
     )
 
 

@@ -43,7 +43,19 @@ class WorkloadOwner(secrets.SecretsOwner, Protocol):
 
     def workload_started(self) -> None: ...
 
-    def workload_ended(self, code: int, error: str) -> None: ...
+    def workload_ended(self, code: int, error: str, *, oom_killed: bool = False) -> None: ...
+
+
+class RunExit(int):
+    """A Run's exit status (the code of its "exit" item: an int, as before) and whether
+    the guest kernel's OOM killer ended its process (guestd read the kernel's log)."""
+
+    oom_killed: bool
+
+    def __new__(cls, code: int, *, oom_killed: bool = False) -> RunExit:
+        self = super().__new__(cls, code)
+        self.oom_killed = oom_killed
+        return self
 
 
 class CommandNotRun(NotFound):
@@ -150,6 +162,7 @@ class Workloads:
         session = sb.log.new_session()  # its log records carry it (LogEntry.session_id)
         code = -1
         start_error = ""
+        oom_killed = False
         try:
             async with guest.channel.exec(argv, env=env, cwd=cwd, user=user, tty=tty, timeout=timeout) as h:
                 src_names = {proto.STDOUT: "output" if tty else "stdout", proto.STDERR: "stderr"}
@@ -158,8 +171,8 @@ class Workloads:
                     sb.log.append(name, data, session)
                     yield ("stdout" if tty else name), data, None
                 assert h.exit is not None
-                code = h.exit.code
-            yield "exit", b"", code
+                code, oom_killed = h.exit.code, h.exit.oom_killed
+            yield "exit", b"", RunExit(code, oom_killed=oom_killed)
         except GuestOpError as exc:
             code = 127 if exc.code == proto.E_NOT_FOUND else 126
             start_error = exc.message
@@ -175,7 +188,7 @@ class Workloads:
             raise guest_error(exc) from None
         finally:
             self.runs -= 1
-            sb.workload_ended(code, start_error)
+            sb.workload_ended(code, start_error, oom_killed=oom_killed)
             self._finish()
 
     @asynccontextmanager

@@ -261,6 +261,8 @@ def run(a: argparse.Namespace) -> int:
         for o in c.stream("Run", body):
             if o.get("done"):
                 code = o.get("exit_code") or 0
+                if o.get("oom_killed"):  # the guest kernel's OOM killer took it (exit 137)
+                    print("killed: out of memory", file=sys.stderr)
             elif o["stream"] == "stdout":
                 sys.stdout.buffer.write(o["data"])
                 sys.stdout.buffer.flush()
@@ -363,6 +365,8 @@ def inspect(a: argparse.Namespace) -> int:
         rows.append(("error", info["error"]))
     if info.get("cause"):
         rows.append(("cause", info["cause"]["sentence"]))
+    if info.get("guest_oom_kills"):  # processes the guest's OOM killer took in this life
+        rows.append(("guest_oom_kills", str(info["guest_oom_kills"])))
     for k in ("requested", "applied"):
         if info.get(k):
             rows.append((k, _settings(info[k])))

@@ -50,6 +50,7 @@ from actors.face import (
     NotFound,
     Registry,
     ResourceExhausted,
+    RunExit,
     Sandbox,
     SandboxConfig,
     State,
@@ -243,7 +244,8 @@ async def _run(reg: Registry, io: CallIO, req: protocol.RunRequest) -> None:
             if code is None:
                 await io.send(protocol.RunOutput(stream=stream, data=data))
             else:
-                await io.send(protocol.RunOutput(stream="exit", exit_code=code, done=True))
+                oom = isinstance(code, RunExit) and code.oom_killed
+                await io.send(protocol.RunOutput(stream="exit", exit_code=code, done=True, oom_killed=oom))
 
 
 @method("Exec", protocol.ExecInput, streams=True, inputs=protocol.ExecInput)
@@ -297,7 +299,7 @@ async def _exec_session(sb: Sandbox, req: protocol.ExecRequest, io: CallIO) -> N
             await io.send(protocol.RunOutput(stream=name, data=data))
         nursery.cancel_scope.cancel()
     assert h.exit is not None
-    await io.send(protocol.RunOutput(stream="exit", exit_code=h.exit.code, done=True))
+    await io.send(protocol.RunOutput(stream="exit", exit_code=h.exit.code, done=True, oom_killed=h.exit.oom_killed))
 
 
 @method("Events", protocol.SandboxEventsRequest, streams=True)

@@ -146,7 +146,9 @@ async def _attached(sb: Sandbox, session: HeldSession, io: CallIO) -> None:
         await session.ended.wait()
         if session.exit_code is None:
             raise Unavailable(f"session {session.id} ended with its sandbox ({sb.state.value})")
-        await io.send(protocol.RunOutput(stream="exit", exit_code=session.exit_code, done=True))
+        await io.send(
+            protocol.RunOutput(stream="exit", exit_code=session.exit_code, done=True, oom_killed=session.oom_killed)
+        )
     finally:
         if not left and session.ended.is_set():
             session.finish()  # ended, and its client saw it (or went away): nothing to keep

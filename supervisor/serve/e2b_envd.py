@@ -45,6 +45,7 @@ from supervisor.serve.e2b_http import (
     unary_request,
 )
 from supervisor.serve.e2b_keys import Client
+from supervisor.serve.e2b_meta import metadata_of, set_metadata
 from supervisor.serve.e2b_user import DEFAULT_USER, chown, default_cwd, user_or_default
 from supervisor.wire import errors, protocol
 
@@ -464,12 +465,13 @@ async def upload(ex: Exchange, target: Target) -> None:
     ``multipart/form-data`` with a ``file`` part per file (its file name the path
     when there is no ``?path=``), each streamed into the sandbox as it arrives."""
     user = user_or_default(_checked_user(ex.query.get("username", "")))
+    meta = metadata_of(ex)
     encoding = ex.headers.get("content-encoding", "identity").strip().lower()
     if encoding not in ("identity", "", "gzip"):
         raise HttpError(415, f"content-encoding {encoding!r}: identity or gzip")
     body = gunzip(ex.chunks()) if encoding == "gzip" else ex.chunks()
     sb = target.handle()
-    written: list[dict[str, str]] = []
+    written: list[dict[str, Any]] = []
     ctype = ex.headers.get("content-type", "")
     try:
         if ctype.startswith("multipart/form-data"):
@@ -484,6 +486,10 @@ async def upload(ex: Exchange, target: Target) -> None:
             await _write(sb, path, body, user)
             written.append({"name": path.rsplit("/", 1)[-1], "type": "file", "path": path})
         await chown(sb, user, [w["path"] for w in written])
+        if meta:  # (envd 0.6.2's file metadata: user.e2b.* xattrs)
+            await set_metadata(sb, [w["path"] for w in written], meta)
+            for w in written:
+                w["metadata"] = dict(meta)
     except errors.SandboxError as exc:
         raise http_error(exc) from None
     await ex.send_json(written)

@@ -111,6 +111,8 @@ class Tokens:
     def __init__(self, keys: list[Key], secret: bytes | None = None) -> None:
         self.by_label = {k.label: k for k in keys}
         self.secret = secret if secret is not None else secrets.token_bytes(32)
+        # every token handed out, with its sandbox (id, uid): what a signed file URL is checked against
+        self.handed: dict[str, tuple[str, str]] = {}
 
     def _mac(self, label: str, uid: str, sandbox: str) -> str:
         msg = b"\0".join((label.encode(), uid.encode(), sandbox.encode()))
@@ -119,7 +121,14 @@ class Tokens:
     def mint(self, key: Key, sandbox: str, uid: str) -> str:
         if not _UID.fullmatch(uid):
             raise ValueError(f"sandbox {sandbox!r} has no uid to bind a token to")
-        return f"{key.label}.{uid}.{self._mac(key.label, uid, sandbox)}"
+        token = f"{key.label}.{uid}.{self._mac(key.label, uid, sandbox)}"
+        self.handed[token] = (sandbox, uid)
+        return token
+
+    def forget(self, uid: str) -> None:
+        """A removed sandbox's tokens (they open nothing any more)."""
+        for token in [t for t, (_, u) in self.handed.items() if u == uid]:
+            del self.handed[token]
 
     def open(self, token: str | None, sandbox: str) -> tuple[Key, str] | None:
         """(the key it was handed to, the uid it is bound to), or None: not a token of ours

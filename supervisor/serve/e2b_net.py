@@ -78,3 +78,20 @@ def network_of(body: dict[str, Any], tap: bool) -> E2BNetwork:
     egress = {"default": "deny" if closed else "allow", "allow": allowed, "deny": denied}  # (the SDK's Egress)
     rules = {k: v for k, v in (("allowOut", allow), ("denyOut", deny)) if v}
     return E2BNetwork({"network": "tap", "egress": egress}, internet=not closed, asked=asked, rules=rules)
+
+
+# -- update_network: a running sandbox's egress, replaced --------------------------------
+UPDATE_KEYS = frozenset({"allowOut", "denyOut", "dnsServers", "egressProxy", "rules"})
+
+
+def network_update(body: dict[str, Any], tap: bool) -> E2BNetwork:
+    """What ``update_network``'s body (E2B's ``SandboxNetworkUpdateConfig``) asks for, as
+    at create: E2B replaces every egress rule, so a field left out is cleared (no
+    ``allow_internet_access``: internet access, as a create without it). The
+    supervisor's Modify applies the policy to the running sandbox."""
+    internet = body.get("allow_internet_access", True)
+    unknown = sorted(k for k in body if k not in UPDATE_KEYS and k != "allow_internet_access")
+    if unknown:
+        raise HttpError(400, f"network {unknown}: not fields of a network update")
+    net = {k: v for k, v in body.items() if k in UPDATE_KEYS}
+    return network_of({"allow_internet_access": internet, "network": net}, tap)

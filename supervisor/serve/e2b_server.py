@@ -30,7 +30,9 @@ Beside envd's core (:mod:`~supervisor.serve.e2b_envd`): PTYs and input streams
 (:mod:`~supervisor.serve.e2b_pty`), directory watchers (:mod:`~supervisor.serve.e2b_watch`),
 E2B's default user (:mod:`~supervisor.serve.e2b_user`), ``get_metrics``
 (:mod:`~supervisor.serve.e2b_metrics`), ``get_host`` (:mod:`~supervisor.serve.e2b_proxy`), and
-fork and snapshots (:mod:`~supervisor.serve.e2b_snapshots`).
+fork and snapshots (:mod:`~supervisor.serve.e2b_snapshots`), file metadata
+(:mod:`~supervisor.serve.e2b_meta`), signed file URLs (:mod:`~supervisor.serve.e2b_signed`)
+and ``update_network`` (the supervisor's Modify of the egress policy).
 Routes it does not have answer 404 ``{"code": 404, "message": ...}``, as E2B's API does.
 """
 
@@ -51,11 +53,11 @@ import trio
 
 from supervisor.serve import e2b_envd as envd
 from supervisor.serve import e2b_kernels as kern
-from supervisor.serve import e2b_proxy, e2b_snapshots
+from supervisor.serve import e2b_proxy, e2b_signed, e2b_snapshots
 from supervisor.serve.e2b_http import Exchange, HttpError, Receive, Scope, Send, http_error
 from supervisor.serve.e2b_keys import Client, Key, Tokens, find_key, read_keys
 from supervisor.serve.e2b_metrics import e2b_metrics
-from supervisor.serve.e2b_net import network_of
+from supervisor.serve.e2b_net import network_of, network_update
 from supervisor.serve.e2b_user import Users
 from supervisor.serve.e2b_watch import WATCHER_METHODS, Watchers
 from supervisor.serve.metrics import is_loopback
@@ -63,7 +65,7 @@ from supervisor.wire import errors
 
 log = logging.getLogger("sandvisor.e2b")
 
-ENVD_VERSION = "0.6.1"  # what the SDK is told: the envd features served are those of this version
+ENVD_VERSION = "0.6.2"  # what the SDK is told: the envd features served are those of this version
 DEFAULT_TIMEOUT = 300  # s: the SDK's own default sandbox timeout
 MAX_TIMEOUT = 24 * 3600
 DEFAULT_TEMPLATES = frozenset({"", "base", "default"})
@@ -81,6 +83,7 @@ _ROUTES = [
     ("POST", re.compile(rf"^/(?:v2/)?sandboxes/{_ID}/connect$"), "connect"),
     ("GET", re.compile(rf"^/sandboxes/{_ID}/metrics$"), "metrics"),
     ("PUT", re.compile(rf"^/sandboxes/{_ID}/network$"), "update_network"),
+    ("GET", re.compile(rf"^/templates/aliases/{_ID}$"), "template_alias"),
 ]
 _RPC = re.compile(r"^/(process\.Process|filesystem\.Filesystem)/([A-Za-z]+)$")
 _SNAPSHOT_ID = re.compile(r"^snap-[0-9a-f]+$")
@@ -176,6 +179,9 @@ class E2BApp:
         if (to_port := e2b_proxy.target(ex)) is not None:
             await self._proxy(ex, *to_port)
             return
+        if e2b_signed.is_signed(ex):  # download_url / upload_url: the signature is the credential
+            await self._signed(ex)
+            return
         sandbox = ex.headers.get("e2b-sandbox-id")
         if sandbox is not None:
             # (the code-interpreter SDK sends its calls but /execute with the traffic token alone)
@@ -208,6 +214,15 @@ class E2BApp:
             return
         raise HttpError(404, f"no route {ex.method} {ex.path}")
 
+    async def _signed(self, ex: Exchange) -> None:
+        sandbox, token = e2b_signed.opened(ex, self.tokens)
+        found = self.tokens.open(token, sandbox)
+        if found is None:
+            raise HttpError(401, "invalid signature")
+        client = Client(self.socket, found[0])
+        with client.acting():
+            await self._envd(ex, client, sandbox, found[1])
+
     async def _proxy(self, ex: Exchange, port: int, sandbox: str) -> None:
         """``get_host(port)``: only with the sandbox's access token (no API key)."""
         token = ex.headers.get("e2b-traffic-access-token") or ex.headers.get("x-access-token")
@@ -233,6 +248,8 @@ class E2BApp:
         except errors.NotFound:
             info = None
         if info is None or (uid and info.uid != uid):  # the token's sandbox is gone
+            if uid:
+                self.tokens.forget(uid)  # (its tokens open nothing any more: signed URLs need not try them)
             await ex.send_json(
                 {"code": 502, "message": f"The sandbox {sandbox} was not found", "sandboxId": sandbox}, 502
             )
@@ -424,6 +441,7 @@ class E2BApp:
         self.watchers.forget(info.uid)
         self.users.forget(info.uid)
         self.kernels.forget(info.uid)
+        self.tokens.forget(info.uid)
         self.known.pop(sid, None)
         await ex.respond(204)
 
@@ -492,11 +510,41 @@ class E2BApp:
         await ex.send_json([e2b_metrics(sample, info.limits.vcpus)])
 
     async def update_network(self, ex: Exchange, client: Client, sid: str) -> None:
-        """Not served: a sandbox's egress policy is fixed at create (the supervisor has no
-        call that changes a running sandbox's). 501 with the reason, not E2B's 404 for an
-        unknown route: the SDK reads a 404 here as "Sandbox not found", which it is not."""
-        await self._info(client, sid)
-        raise HttpError(501, "update_network: not served: a sandbox's network is fixed when it is created")
+        """E2B's ``update_network``: the sandbox's egress policy replaced by what the body
+        says (:func:`~supervisor.serve.e2b_net.network_update`), through the supervisor's
+        Modify: live on the running sandbox's filter and DNS answers (204)."""
+        body = await ex.json()
+        info = await self._info(client, sid)
+        net = network_update(body, self.tap)
+        if not net.kwargs:  # no tap networking: no sandbox has a network, and none is asked for
+            await ex.respond(204)
+            return
+        try:
+            plan = await client.sandbox(sid).modify(egress=net.kwargs["egress"])
+        except errors.NotFound:
+            raise HttpError(404, f"Sandbox {sid} not found") from None
+        except errors.FailedPrecondition as exc:
+            raise HttpError(409, str(exc)) from None
+        if not plan.applied:
+            raise HttpError(409, "; ".join(f"{c.field}: {c.message}" for c in plan.conflicts) or "not applied")
+        known = self._known(sid, info.uid)
+        if known is None:
+            known = self.known[sid] = Known("base", 0, info.uid)
+        known.internet, known.rules = net.internet, net.rules
+        await ex.respond(204)
+
+    async def template_alias(self, ex: Exchange, client: Client, alias: str) -> None:
+        """``Template.exists(name)`` / ``alias_exists``: the templates a create takes by
+        name here (the default image's, the code interpreter's once built, the snapshots
+        the key may see); 404 for any other, as E2B answers an alias that is not there."""
+        if alias in DEFAULT_TEMPLATES or (alias in CODE_TEMPLATES and self.code_rootfs):
+            await ex.send_json({"templateID": alias, "public": True})
+            return
+        for s in await client.snapshots():
+            if alias in (s.id, s.name):
+                await ex.send_json({"templateID": s.id, "public": False})
+                return
+        raise HttpError(404, f"template alias {alias} not found")
 
     async def _call(self, sid: str, call: Awaitable[object]) -> None:
         try:

@@ -217,6 +217,7 @@ def info(sb: Sandbox) -> protocol.SandboxInfo:
         forked_at=r.lineage.forked_ns // 1_000_000_000 if r.lineage else 0,
         memory_shared_bytes=shared,
         memory_own_bytes=own,
+        guest_oom_kills=sb.life.ooms.count if sb.life is not None else 0,
     )
 
 
@@ -296,7 +297,14 @@ def modification(req: protocol.ModifyRequest) -> Modification:
             )
             for s in req.secrets
         ),
+        egress=_egress(req.egress),
     )
+
+
+def _egress(spec: protocol.EgressSpec | None) -> Egress | None:
+    if spec is None:
+        return None
+    return Egress(default=spec.default, allow=tuple(spec.allow), deny=tuple(spec.deny))
 
 
 def _policy(text: str) -> Policy | None:
@@ -391,6 +399,7 @@ def metrics(m: SandboxMetrics, *, cpu_seconds_total: float = 0.0) -> protocol.Me
         cgroup_memory_bytes=m.cgroup_memory_bytes,
         cgroup_memory_limit_bytes=m.cgroup_memory_limit_bytes,
         cgroup_oom_kills=m.cgroup_oom_kills,
+        guest_oom_kills=m.guest_oom_kills,
         cpu_seconds_total=cpu_seconds_total,
         root_used_bytes=m.root_used_bytes,
         root_free_bytes=m.root_free_bytes,

@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks import chaos_checks as checks
-from benchmarks.chaos_host import host_facts
+from benchmarks.chaos_host import host_facts, saved_states
 from supervisor.main.throwaway import Workdir
 from supervisor.wire.errors import ApiError, NotFound
 
@@ -166,3 +166,23 @@ def test_the_harness_sees_a_stray_run_dir_and_a_leaked_process_on_the_host() -> 
         assert f"process {leaked.pid}" in whats
         assert "run dir 0123-stray" in whats
         assert "half-done file state/snapshots/s1/disk.qcow2.part" in whats
+
+
+def test_a_saved_state_no_one_holds_is_reported() -> None:
+    # a fork point whose last child went, a pause's state after its resume, memory
+    # left behind by a retired record: each is reported
+    with tempfile.TemporaryDirectory(prefix="sv-chaos-unit-") as d:
+        work = Workdir(Path(d))
+        for name, file in (("s1", "memory"), ("s2", "vmstate.0"), ("s3", "disk.qcow2")):
+            (work.state / "snapshots" / name).mkdir(parents=True)
+            (work.state / "snapshots" / name / file).write_bytes(b"")
+        saved = saved_states(work)
+    s1, s2 = (str(work.state / "snapshots" / n) for n in ("s1", "s2"))
+    assert saved.memory == [s1, s2] and (saved.forks, saved.paused) == (0, 0)
+    held = checks.SavedStates(saved.memory, frozenset({s1, s2}), forks=1, paused=1)
+    assert checks.check_saved_states(held, live_forks=1, may_be_paused=1) == []
+    found = checks.check_saved_states(checks.SavedStates(saved.memory, frozenset({s1}), 2, 1), 1, 0)
+    whats = " ; ".join(w for _, w in found)
+    assert f"saved memory in {s2}" in whats
+    assert "2 hidden fork snapshots, 1 forks" in whats
+    assert "1 paused saved states, 0 sandboxes" in whats

@@ -61,3 +61,22 @@ def test_bad_or_unserved_requests_are_400(body: dict[str, Any], why: str) -> Non
     with pytest.raises(HttpError, match=why) as err:
         network_of(body, tap=True)
     assert err.value.status == 400
+
+
+# -- update_network ----------------------------------------------------------------------
+def test_an_update_replaces_every_rule_as_e2b_does() -> None:
+    from supervisor.serve.e2b_net import network_update
+
+    cleared = network_update({}, tap=True)  # every field left out: internet access again
+    assert cleared.kwargs["egress"] == Egress() and cleared.internet
+    closed = network_update({"allow_internet_access": False, "allowOut": ["203.0.113.20"]}, tap=True)
+    assert closed.kwargs["egress"] == Egress(default="deny", allow=("203.0.113.20",)) and not closed.internet
+    assert closed.rules == {"allowOut": ["203.0.113.20"]}
+    with pytest.raises(HttpError, match="dnsServers"):
+        network_update({"dnsServers": ["1.1.1.1"]}, tap=True)
+    with pytest.raises(HttpError, match="not fields"):
+        network_update({"bogus": 1}, tap=True)
+    # without tap networking: nothing to close, and nothing may be opened
+    assert network_update({"allow_internet_access": False}, tap=False).kwargs == {}
+    with pytest.raises(HttpError, match="no tap networking"):
+        network_update({}, tap=False)

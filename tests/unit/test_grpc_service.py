@@ -538,6 +538,7 @@ async def test_both_edges_answer_from_one_table(
             # lineage and memory per branch (docs/fork.md): sandvisor.v1's SandboxDetails alone
             lineage = ("parent", "parent_uid", "fork_snapshot", "forked_at", "memory_shared_bytes", "memory_own_bytes")
             ext |= {k: over_msgpack.pop(k) for k in lineage}
+            ext["guest_oom_kills"] = over_msgpack.pop("guest_oom_kills")  # (sandvisor.v1's SandboxDetails alone)
             assert message_to_dict(over_grpc) == over_msgpack
             ours = sv_grpc.SandvisorServiceStub(st.channel)
             details = await in_thread(ours.Inspect, sv.InspectRequest(id="one"))

@@ -201,3 +201,103 @@ def test_default_without_tap_networking_says_so(box: Sandbox) -> None:
     """This serve has no tap networking: E2B's default (internet access) is not given,
     and the sandbox's info says so rather than leaving it unsaid."""
     assert box.get_info().allow_internet_access is False
+
+
+# -- file metadata, templates by name, and what is not served ----------------------------
+XATTRS = "import os, sys; p = sys.argv[1]; print(sorted((k, os.getxattr(p, k).decode()) for k in os.listxattr(p)))"
+
+
+def test_file_metadata_on_writes(box: Sandbox) -> None:
+    info = box.files.write("/home/user/meta.txt", "tagged", metadata={"Owner": "agent-7", "stage": "draft"})
+    assert info.metadata == {"owner": "agent-7", "stage": "draft"}  # keys lowercased, as envd does
+    got = box.commands.run(f"python3 -c '{XATTRS}' /home/user/meta.txt").stdout.strip()
+    assert got == "[('user.e2b.owner', 'agent-7'), ('user.e2b.stage', 'draft')]"
+    assert box.files.get_info("/home/user/meta.txt").owner == "user"
+    many = box.files.write_files(
+        [{"path": "/home/user/m1.txt", "data": "1"}, {"path": "/home/user/m2.txt", "data": "2"}], metadata={"k": "v"}
+    )
+    assert [w.metadata for w in many] == [{"k": "v"}, {"k": "v"}]
+    assert "user.e2b.k" in box.commands.run(f"python3 -c '{XATTRS}' /home/user/m2.txt").stdout
+    with pytest.raises(e2b.InvalidArgumentException):  # (the SDK checks keys before sending)
+        box.files.write("/home/user/bad.txt", "x", metadata={"no spaces": "v"})
+
+
+def test_templates_by_name(opts: dict[str, Any]) -> None:
+    from e2b import Template
+
+    assert Template.exists("base", **opts) and Template.alias_exists("default", **opts)
+    assert not Template.exists("no-such-template", **opts)
+
+
+def test_every_unserved_call_raises_the_sdks_own_exception(box: Sandbox, opts: dict[str, Any]) -> None:
+    """Each call the endpoint does not serve gets E2B's unknown-route answer (404 with
+    ``{"code", "message"}``): the SDK raises its usual exception for it, or its
+    not-found answer (False for a delete), and the endpoint keeps serving."""
+    from e2b import Secret, Template, Volume
+    from e2b.exceptions import (
+        BuildException,
+        SecretException,
+        SecretNotFoundException,
+        TemplateException,
+        VolumeException,
+        VolumeNotFoundException,
+    )
+
+    with pytest.raises(SecretException, match="404"):
+        Secret.create("name", "value", **opts)
+    with pytest.raises(SecretException, match="404"):
+        Secret.list(**opts).next_items()
+    with pytest.raises(SecretNotFoundException):
+        Secret.get_info("name", **opts)
+    assert Secret.exists("name", **opts) is False and Secret.destroy("name", **opts) is False
+    with pytest.raises(VolumeException, match="404"):
+        Volume.create("vol", **opts)
+    with pytest.raises(VolumeException, match="404"):
+        Volume.list(**opts)
+    with pytest.raises(VolumeNotFoundException):
+        Volume.connect("vol", **opts)
+    assert Volume.destroy("vol", **opts) is False
+    with pytest.raises(BuildException, match="404"):
+        Template.build(Template().from_image("debian:12"), "mine", **opts)
+    with pytest.raises(TemplateException, match="404"):
+        Template.get_tags("base", **opts)
+    with pytest.raises(TemplateException, match="404"):
+        Template.assign_tags("base:v1", ["v2"], **opts)
+    with pytest.raises(e2b.NotFoundException):  # no MCP gateway in the sandbox
+        box.get_mcp_token()
+    assert box.commands.run("echo still-serving").stdout == "still-serving\n"
+
+
+def test_signed_file_urls(box: Sandbox, opts: dict[str, Any]) -> None:
+    """download_url / upload_url: the signature is the credential, for that path,
+    operation and user, until it expires or the sandbox goes."""
+    box.files.write("/home/user/signed.txt", "by signature")
+    r = httpx.get(box.download_url("/home/user/signed.txt"))
+    assert (r.status_code, r.text) == (200, "by signature")
+    r = httpx.get(box.download_url("/home/user/signed.txt", use_signature_expiration=120))
+    assert (r.status_code, r.text) == (200, "by signature")
+    up = box.upload_url("/home/user/uploaded.txt")
+    r = httpx.post(up, files={"file": ("uploaded.txt", b"posted")})
+    assert r.status_code == 200, r.text
+    assert box.files.read("/home/user/uploaded.txt") == "posted"
+    assert box.files.get_info("/home/user/uploaded.txt").owner == "user"
+    # refused: another path, another operation, another user, expired, no signature at all
+    url = box.download_url("/home/user/signed.txt")
+    refused = [
+        url.replace("signed.txt", "uploaded.txt"),
+        url + "&username=root",
+        box.download_url("/home/user/signed.txt", use_signature_expiration=-5),
+        url.split("&signature=")[0] + "&signature=v1_AAAA",
+    ]
+    for bad in refused:
+        r = httpx.get(bad)
+        assert r.status_code == 401 and set(r.json()) == {"code", "message"}, bad
+    assert httpx.post(url, files={"file": ("x", b"x")}).status_code == 401  # a read's signature
+    assert httpx.get(url.split("?")[0] + "?path=/home/user/signed.txt").status_code == 401  # nothing signed
+    # a removed sandbox's URLs open nothing
+    other = Sandbox.create(timeout=300, **opts)
+    other.files.write("/tmp/gone.txt", "soon gone")
+    gone = other.download_url("/tmp/gone.txt")
+    assert httpx.get(gone).text == "soon gone"
+    other.kill()
+    assert httpx.get(gone).status_code == 401

@@ -2,7 +2,8 @@
 unchanged ``e2b`` SDK on real VMs: internet access by default (an HTTP server in the
 test's stand-in internet answers), none with ``allow_internet_access=False``,
 ``network={deny_out, allow_out}`` as egress entries under the supervisor's own denials
-(the metadata address stays out of reach), and ``update_network`` answered as not served.
+(the metadata address stays out of reach), and ``update_network`` changing a running
+sandbox's egress (the supervisor's Modify).
 
 The supervisor runs as a child of the test in a "host" network namespace the test makes,
 linked to a stand-in internet namespace (tests/support/netlab.py); no packet leaves the
@@ -105,8 +106,20 @@ def test_internet_by_default_and_none_without_it(opts: dict[str, Any]) -> None:
         got = fetch(sb, SERVERS[0], SERVERS[1], METADATA)
         assert got[:2] == ["200:hello", "200:hello"], got
         assert got[2] != "200:hello", got  # the supervisor's own denials stay
-        with pytest.raises(SandboxException, match="not served"):
-            sb.update_network({"deny_out": [ALL_TRAFFIC]})
+        # update_network replaces the running sandbox's egress policy (no restart)
+        sb.update_network({"deny_out": [SERVERS[0]]})
+        got = fetch(sb, SERVERS[0], SERVERS[1])
+        assert got[0] != "200:hello" and got[1] == "200:hello", got
+        sb.update_network({"allow_internet_access": False, "allow_out": [SERVERS[0]]})
+        info = sb.get_info()
+        assert info.allow_internet_access is False
+        got = fetch(sb, SERVERS[0], SERVERS[1], METADATA)
+        assert got[0] == "200:hello" and got[1] != "200:hello" and got[2] != "200:hello", got
+        sb.update_network({})  # every rule cleared: internet access again
+        assert sb.get_info().allow_internet_access is True
+        assert fetch(sb, SERVERS[0], SERVERS[1]) == ["200:hello", "200:hello"]
+        with pytest.raises(SandboxException, match="dnsServers"):
+            sb.update_network({"dns_servers": ["1.1.1.1"]})
     finally:
         sb.kill()
 

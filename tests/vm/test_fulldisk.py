@@ -18,7 +18,7 @@ import pytest
 import trio
 
 from images.build import Image, default_cache
-from supervisor.client import connect
+from supervisor.client import AsyncVolumes, connect
 from supervisor.main.throwaway import Workdir, supervisor, workdir
 from supervisor.wire.protocol import ApiError
 from tests.support.client import run, wait_state
@@ -69,8 +69,11 @@ async def test_a_full_state_disk_refuses_work_and_loses_nothing(image: Image) ->
 
 async def _full_disk(work: Workdir) -> None:
     async with supervisor(work, templates=False) as (_, reg), connect(work.socket) as c:
+        await AsyncVolumes(str(work.socket)).create("v", "256M")  # (sparse: written, it needs space)
         await c.call("Create", {"id": "a"})
+        await c.call("Create", {"id": "c", "volumes": [{"volume": "v", "target": "/data"}]})
         await wait_state(c, "a", "ready")
+        await wait_state(c, "c", "ready")
         assert (await run(c, "a", ["sh", "-c", "echo kept > /root/mark && sync"]))[1] == 0
 
         filler = work.state / "filler"
@@ -90,6 +93,11 @@ async def _full_disk(work: Workdir) -> None:
         assert code != 0
         assert (await c.call("Inspect", {"id": "a"}))["state"] == "ready"
         assert (await run(c, "a", ["echo", "alive"]))[0] == b"alive\n"
+        # so does the guest writing a volume whose file cannot grow
+        _, code = await run(c, "c", ["sh", "-c", "dd if=/dev/urandom of=/data/big bs=1M count=64 conv=fsync"])
+        assert code != 0
+        assert (await c.call("Inspect", {"id": "c"}))["state"] == "ready"
+        assert (await run(c, "c", ["echo", "alive"]))[0] == b"alive\n"
         await c.call("Stop", {"id": "a", "timeout_seconds": 10})  # stored once the disk takes it
         await wait_state(c, "a", "stopped")
 
@@ -113,7 +121,7 @@ async def _full_disk(work: Workdir) -> None:
         states = dict(db.execute("SELECT id, state FROM sandboxes").fetchall())
     finally:
         db.close()
-    assert set(states) == {"a", "b"}
+    assert set(states) == {"a", "b", "c"}
 
 
 async def test_a_guest_whose_ram_would_not_fit_is_refused_up_front(image: Image) -> None:

@@ -335,6 +335,7 @@ class AsyncExec:
     def __init__(self, call: CallStream) -> None:
         self._call = call
         self.exit_code: int | None = None
+        self.oom_killed = False  # the guest kernel's OOM killer killed the process (once it exited)
         self.session_id = 0  # set when it was detached from (its process runs on)
 
     async def send(self, data: bytes) -> None:
@@ -372,7 +373,7 @@ class AsyncExec:
                 self.session_id = o.session_id
                 return
             if o.exit_code is not None:
-                self.exit_code = o.exit_code
+                self.exit_code, self.oom_killed = o.exit_code, o.oom_killed
                 yield o
                 return
             yield o
@@ -600,4 +601,6 @@ async def _bridge(
             termios.tcsetattr(stdin_fd, termios.TCSADRAIN, old)
     if proc.exit_code is None:
         raise Detached(proc.session_id)
+    if proc.oom_killed:  # (a shell would say "Killed"; this says why)
+        os.write(stderr_fd, b"killed: out of memory\n")
     return proc.exit_code

@@ -146,3 +146,9 @@ class Network:
 
 def _dns_spec(d: Dns | None) -> protocol.DnsSpec | None:
     return None if d is None else protocol.DnsSpec(list(d.nameservers), list(d.search))
+
+
+def egress_spec(v: Egress | Mapping[str, Any] | None) -> protocol.EgressSpec | None:
+    """A Modify's egress policy on the wire (None: unchanged)."""
+    eg = _to_egress(v)
+    return None if eg is None else protocol.EgressSpec(eg.default, list(eg.allow), list(eg.deny))

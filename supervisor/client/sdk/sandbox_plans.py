@@ -17,6 +17,7 @@ from typing import Any, Unpack
 import attrs
 
 from supervisor.client.sdk.modify_spec import SecretUpdate, secret_specs
+from supervisor.client.sdk.network import Egress, egress_spec
 from supervisor.client.sdk.ops import (
     TIMED_OUT,
     Emit,
@@ -174,6 +175,7 @@ def modify(
     max_memory_mib: int | None = None,
     policy: str = "",
     secrets: Sequence[SecretUpdate | Secret | str] | None = None,
+    egress: Egress | Mapping[str, Any] | None = None,
 ) -> Plan[ModifyResponse]:
     """Change the sandbox (docs/modify.md): vCPUs and memory live below its ceilings,
     the root disk (grow only) of a stopped sandbox, env and workdir of future runs,
@@ -186,7 +188,8 @@ def modify(
     ``policy``: ``no_restart`` (the default), ``restart`` (as ``restart=True``) or
     ``next_start`` (everything saved for the next start, the running sandbox not
     changed); ``secrets``: :class:`SecretUpdate` (add, re-host, new placeholder, source
-    or value). The response's ``conflicts`` and ``warnings`` say what blocks the plan
+    or value); ``egress``: the egress policy, replaced whole (an :class:`Egress` or
+    its dict), live on a running sandbox. The response's ``conflicts`` and ``warnings`` say what blocks the plan
     and what is true of it; ``resize``: a live resize's outcome per resource."""
     req = protocol.ModifyRequest(
         id=t.id,
@@ -205,6 +208,7 @@ def modify(
         max_memory_mib=max_memory_mib,
         policy=policy,
         secrets=secret_specs(secrets),
+        egress=egress_spec(egress),
     )
     r: ModifyResponse = yield Unary("Modify", req, ModifyResponse)
     return r
@@ -428,7 +432,7 @@ def _outputs(req: protocol.RunRequest) -> StreamPlan[Output]:
 
 def _result(req: protocol.RunRequest) -> Plan[RunResult]:
     call = yield Open("Run", req)
-    out, err, code = bytearray(), bytearray(), -1
+    out, err, code, oom = bytearray(), bytearray(), -1, False
     while (item := (yield Receive(call, protocol.RunOutput))) is not None:
         o = _output(item)
         if o.stream == "stdout":
@@ -436,8 +440,8 @@ def _result(req: protocol.RunRequest) -> Plan[RunResult]:
         elif o.stream == "stderr":
             err += o.data
         else:
-            code = o.exit_code if o.exit_code is not None else -1
-    return RunResult(bytes(out), bytes(err), code)
+            code, oom = (o.exit_code if o.exit_code is not None else -1), o.oom_killed
+    return RunResult(bytes(out), bytes(err), code, oom_killed=oom)
 
 
 def run_stream(t: Target, cmd: builtins.list[str] | str, **how: Unpack[RunSettings]) -> StreamPlan[Output]:

@@ -663,6 +663,7 @@ class RunResult:
     stdout: bytes
     stderr: bytes
     exit_code: int
+    oom_killed: bool = False  # the guest kernel's OOM killer killed the process (exit_code 137)
 
     @property
     def ok(self) -> bool:
@@ -681,6 +682,7 @@ class Output:
     data: bytes
     exit_code: int | None = None
     session_id: int = 0
+    oom_killed: bool = False  # on "exit": the guest kernel's OOM killer killed the process
 
 
 @attrs.frozen
@@ -716,7 +718,9 @@ class RunSettings(TypedDict, total=False):
 def _output(item: protocol.RunOutput) -> Output:
     if item.done and item.stream == "detached":
         return Output("detached", b"", session_id=item.session_id)
-    return Output("exit", b"", item.exit_code) if item.done else Output(item.stream, item.data)
+    if item.done:
+        return Output("exit", b"", item.exit_code, oom_killed=item.oom_killed)
+    return Output(item.stream, item.data)
 
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}

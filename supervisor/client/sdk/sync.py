@@ -249,6 +249,7 @@ class Exec:
     def __init__(self, call: Call) -> None:
         self._call = call
         self.exit_code: int | None = None
+        self.oom_killed = False  # the guest kernel's OOM killer killed the process (once it exited)
         self.session_id = 0  # set when it was detached from (its process runs on)
 
     def send(self, data: bytes) -> None:
@@ -277,7 +278,7 @@ class Exec:
                 self.session_id = o.session_id
                 return
             if o.exit_code is not None:
-                self.exit_code = o.exit_code
+                self.exit_code, self.oom_killed = o.exit_code, o.oom_killed
                 yield o
                 return
             yield o

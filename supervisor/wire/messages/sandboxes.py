@@ -269,6 +269,9 @@ class RunOutput:
     # sandvisor extension: stream "detached" (done) ends a detachable Exec (or an
     # Attach) the client left with ExecInput.detach: its process runs on as this session
     session_id: int = 0
+    # sandvisor extension, on "exit": the guest kernel's OOM killer killed the process
+    # (exit_code 137: SIGKILL)
+    oom_killed: bool = False
 
 
 @attrs.frozen
@@ -377,6 +380,8 @@ class SandboxInfo:
     # one memory file) and its own (0: no machine runs)
     memory_shared_bytes: int = 0
     memory_own_bytes: int = 0
+    # the guest kernel's OOM kills guestd reported in its current life (each an oom_kill event)
+    guest_oom_kills: int = 0
 
 
 @attrs.frozen
@@ -405,6 +410,8 @@ class ModifyRequest:
     max_memory_mib: int | None = None
     policy: str = ""
     secrets: list[SecretSpec] = attrs.field(factory=list)
+    # the egress policy, replaced whole (tap; user with outbound); live on a running sandbox
+    egress: EgressSpec | None = None
 
 
 @attrs.frozen
@@ -571,6 +578,8 @@ class MetricsResponse:
     # (the family's one memory file) and its own, as the host counts them
     memory_shared_bytes: int = 0
     memory_own_bytes: int = 0
+    # the guest kernel's own OOM kills since it booted (the guest's word), beside the cgroup's
+    guest_oom_kills: int = 0
 
 
 @attrs.frozen

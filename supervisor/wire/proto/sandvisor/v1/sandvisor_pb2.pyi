@@ -476,7 +476,7 @@ class MetricsStreamRequest(_message.Message):
     def __init__(self, id: _Optional[str] = ..., interval_seconds: _Optional[float] = ...) -> None: ...
 
 class SandboxMetrics(_message.Message):
-    __slots__ = ("id", "timestamp", "cpu_percent", "memory_total_bytes", "memory_available_bytes", "host_rss_bytes", "disk_read_bytes", "disk_write_bytes", "net_rx_bytes", "net_tx_bytes", "uptime_seconds", "cpu_seconds_total", "root_used_bytes", "root_free_bytes", "root_host_allocated_bytes", "memory_shared_bytes", "memory_own_bytes")
+    __slots__ = ("id", "timestamp", "cpu_percent", "memory_total_bytes", "memory_available_bytes", "host_rss_bytes", "disk_read_bytes", "disk_write_bytes", "net_rx_bytes", "net_tx_bytes", "uptime_seconds", "cpu_seconds_total", "root_used_bytes", "root_free_bytes", "root_host_allocated_bytes", "memory_shared_bytes", "memory_own_bytes", "cgroup_oom_kills", "guest_oom_kills")
     ID_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
     CPU_PERCENT_FIELD_NUMBER: _ClassVar[int]
@@ -494,6 +494,8 @@ class SandboxMetrics(_message.Message):
     ROOT_HOST_ALLOCATED_BYTES_FIELD_NUMBER: _ClassVar[int]
     MEMORY_SHARED_BYTES_FIELD_NUMBER: _ClassVar[int]
     MEMORY_OWN_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CGROUP_OOM_KILLS_FIELD_NUMBER: _ClassVar[int]
+    GUEST_OOM_KILLS_FIELD_NUMBER: _ClassVar[int]
     id: str
     timestamp: int
     cpu_percent: float
@@ -511,7 +513,9 @@ class SandboxMetrics(_message.Message):
     root_host_allocated_bytes: int
     memory_shared_bytes: int
     memory_own_bytes: int
-    def __init__(self, id: _Optional[str] = ..., timestamp: _Optional[int] = ..., cpu_percent: _Optional[float] = ..., memory_total_bytes: _Optional[int] = ..., memory_available_bytes: _Optional[int] = ..., host_rss_bytes: _Optional[int] = ..., disk_read_bytes: _Optional[int] = ..., disk_write_bytes: _Optional[int] = ..., net_rx_bytes: _Optional[int] = ..., net_tx_bytes: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., cpu_seconds_total: _Optional[float] = ..., root_used_bytes: _Optional[int] = ..., root_free_bytes: _Optional[int] = ..., root_host_allocated_bytes: _Optional[int] = ..., memory_shared_bytes: _Optional[int] = ..., memory_own_bytes: _Optional[int] = ...) -> None: ...
+    cgroup_oom_kills: int
+    guest_oom_kills: int
+    def __init__(self, id: _Optional[str] = ..., timestamp: _Optional[int] = ..., cpu_percent: _Optional[float] = ..., memory_total_bytes: _Optional[int] = ..., memory_available_bytes: _Optional[int] = ..., host_rss_bytes: _Optional[int] = ..., disk_read_bytes: _Optional[int] = ..., disk_write_bytes: _Optional[int] = ..., net_rx_bytes: _Optional[int] = ..., net_tx_bytes: _Optional[int] = ..., uptime_seconds: _Optional[float] = ..., cpu_seconds_total: _Optional[float] = ..., root_used_bytes: _Optional[int] = ..., root_free_bytes: _Optional[int] = ..., root_host_allocated_bytes: _Optional[int] = ..., memory_shared_bytes: _Optional[int] = ..., memory_own_bytes: _Optional[int] = ..., cgroup_oom_kills: _Optional[int] = ..., guest_oom_kills: _Optional[int] = ...) -> None: ...
 
 class PingRequest(_message.Message):
     __slots__ = ("id",)
@@ -1043,7 +1047,7 @@ class FleetNodes(_message.Message):
     def __init__(self, nodes: _Optional[_Iterable[_Union[FleetNode, _Mapping]]] = ...) -> None: ...
 
 class ModifyRequest(_message.Message):
-    __slots__ = ("id", "vcpus", "memory_mib", "disk_size_mib", "env", "working_dir", "labels", "ttl_seconds", "idle_timeout_seconds", "dry_run", "restart", "env_remove", "max_vcpus", "max_memory_mib", "policy", "secrets")
+    __slots__ = ("id", "vcpus", "memory_mib", "disk_size_mib", "env", "working_dir", "labels", "ttl_seconds", "idle_timeout_seconds", "dry_run", "restart", "env_remove", "max_vcpus", "max_memory_mib", "policy", "secrets", "egress")
     class EnvEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -1074,6 +1078,7 @@ class ModifyRequest(_message.Message):
     MAX_MEMORY_MIB_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     SECRETS_FIELD_NUMBER: _ClassVar[int]
+    EGRESS_FIELD_NUMBER: _ClassVar[int]
     id: str
     vcpus: int
     memory_mib: int
@@ -1090,7 +1095,8 @@ class ModifyRequest(_message.Message):
     max_memory_mib: int
     policy: str
     secrets: _containers.RepeatedCompositeFieldContainer[SecretSpec]
-    def __init__(self, id: _Optional[str] = ..., vcpus: _Optional[int] = ..., memory_mib: _Optional[int] = ..., disk_size_mib: _Optional[int] = ..., env: _Optional[_Mapping[str, str]] = ..., working_dir: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., ttl_seconds: _Optional[int] = ..., idle_timeout_seconds: _Optional[int] = ..., dry_run: _Optional[bool] = ..., restart: _Optional[bool] = ..., env_remove: _Optional[_Iterable[str]] = ..., max_vcpus: _Optional[int] = ..., max_memory_mib: _Optional[int] = ..., policy: _Optional[str] = ..., secrets: _Optional[_Iterable[_Union[SecretSpec, _Mapping]]] = ...) -> None: ...
+    egress: EgressPolicy
+    def __init__(self, id: _Optional[str] = ..., vcpus: _Optional[int] = ..., memory_mib: _Optional[int] = ..., disk_size_mib: _Optional[int] = ..., env: _Optional[_Mapping[str, str]] = ..., working_dir: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., ttl_seconds: _Optional[int] = ..., idle_timeout_seconds: _Optional[int] = ..., dry_run: _Optional[bool] = ..., restart: _Optional[bool] = ..., env_remove: _Optional[_Iterable[str]] = ..., max_vcpus: _Optional[int] = ..., max_memory_mib: _Optional[int] = ..., policy: _Optional[str] = ..., secrets: _Optional[_Iterable[_Union[SecretSpec, _Mapping]]] = ..., egress: _Optional[_Union[EgressPolicy, _Mapping]] = ...) -> None: ...
 
 class ModifyChange(_message.Message):
     __slots__ = ("kind", "status", "value", "previous", "why")
@@ -1196,7 +1202,7 @@ class SandboxSettings(_message.Message):
     def __init__(self, vcpus: _Optional[int] = ..., memory_mib: _Optional[int] = ..., max_vcpus: _Optional[int] = ..., max_memory_mib: _Optional[int] = ..., disk_size_mib: _Optional[int] = ..., env: _Optional[_Mapping[str, str]] = ..., working_dir: _Optional[str] = ..., ttl_seconds: _Optional[int] = ..., idle_timeout_seconds: _Optional[int] = ..., settled: _Optional[bool] = ...) -> None: ...
 
 class SandboxDetails(_message.Message):
-    __slots__ = ("base", "requested", "applied", "updated_at", "shell", "init", "pending", "cause", "parent", "parent_uid", "fork_snapshot", "forked_at", "memory_shared_bytes", "memory_own_bytes")
+    __slots__ = ("base", "requested", "applied", "updated_at", "shell", "init", "pending", "cause", "parent", "parent_uid", "fork_snapshot", "forked_at", "memory_shared_bytes", "memory_own_bytes", "guest_oom_kills")
     BASE_FIELD_NUMBER: _ClassVar[int]
     REQUESTED_FIELD_NUMBER: _ClassVar[int]
     APPLIED_FIELD_NUMBER: _ClassVar[int]
@@ -1211,6 +1217,7 @@ class SandboxDetails(_message.Message):
     FORKED_AT_FIELD_NUMBER: _ClassVar[int]
     MEMORY_SHARED_BYTES_FIELD_NUMBER: _ClassVar[int]
     MEMORY_OWN_BYTES_FIELD_NUMBER: _ClassVar[int]
+    GUEST_OOM_KILLS_FIELD_NUMBER: _ClassVar[int]
     base: _sandbox_pb2.SandboxInfo
     requested: SandboxSettings
     applied: SandboxSettings
@@ -1225,7 +1232,8 @@ class SandboxDetails(_message.Message):
     forked_at: int
     memory_shared_bytes: int
     memory_own_bytes: int
-    def __init__(self, base: _Optional[_Union[_sandbox_pb2.SandboxInfo, _Mapping]] = ..., requested: _Optional[_Union[SandboxSettings, _Mapping]] = ..., applied: _Optional[_Union[SandboxSettings, _Mapping]] = ..., updated_at: _Optional[int] = ..., shell: _Optional[str] = ..., init: _Optional[_Union[InitSpec, _Mapping]] = ..., pending: _Optional[_Union[SandboxSettings, _Mapping]] = ..., cause: _Optional[_Union[StopCause, _Mapping]] = ..., parent: _Optional[str] = ..., parent_uid: _Optional[str] = ..., fork_snapshot: _Optional[str] = ..., forked_at: _Optional[int] = ..., memory_shared_bytes: _Optional[int] = ..., memory_own_bytes: _Optional[int] = ...) -> None: ...
+    guest_oom_kills: int
+    def __init__(self, base: _Optional[_Union[_sandbox_pb2.SandboxInfo, _Mapping]] = ..., requested: _Optional[_Union[SandboxSettings, _Mapping]] = ..., applied: _Optional[_Union[SandboxSettings, _Mapping]] = ..., updated_at: _Optional[int] = ..., shell: _Optional[str] = ..., init: _Optional[_Union[InitSpec, _Mapping]] = ..., pending: _Optional[_Union[SandboxSettings, _Mapping]] = ..., cause: _Optional[_Union[StopCause, _Mapping]] = ..., parent: _Optional[str] = ..., parent_uid: _Optional[str] = ..., fork_snapshot: _Optional[str] = ..., forked_at: _Optional[int] = ..., memory_shared_bytes: _Optional[int] = ..., memory_own_bytes: _Optional[int] = ..., guest_oom_kills: _Optional[int] = ...) -> None: ...
 
 class SecretSpec(_message.Message):
     __slots__ = ("name", "hosts", "value", "store", "placeholder", "substitute")
@@ -1394,18 +1402,20 @@ class AttachRequest(_message.Message):
     def __init__(self, id: _Optional[str] = ..., session_id: _Optional[int] = ...) -> None: ...
 
 class SessionOutput(_message.Message):
-    __slots__ = ("stream", "data", "exit_code", "done", "session_id")
+    __slots__ = ("stream", "data", "exit_code", "done", "session_id", "oom_killed")
     STREAM_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     EXIT_CODE_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    OOM_KILLED_FIELD_NUMBER: _ClassVar[int]
     stream: str
     data: bytes
     exit_code: int
     done: bool
     session_id: int
-    def __init__(self, stream: _Optional[str] = ..., data: _Optional[bytes] = ..., exit_code: _Optional[int] = ..., done: _Optional[bool] = ..., session_id: _Optional[int] = ...) -> None: ...
+    oom_killed: bool
+    def __init__(self, stream: _Optional[str] = ..., data: _Optional[bytes] = ..., exit_code: _Optional[int] = ..., done: _Optional[bool] = ..., session_id: _Optional[int] = ..., oom_killed: _Optional[bool] = ...) -> None: ...
 
 class RunCodeRequest(_message.Message):
     __slots__ = ("id", "code", "language", "context", "envs", "timeout_seconds")
