@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from supervisor.client.cli_code import add_run_code_command, run_code
 from supervisor.client.cli_common import tls_flag, unix_ns
 from supervisor.client.cli_family import diff, fork, tree
 from supervisor.client.cli_files import add_fs_command, fs
@@ -95,6 +96,7 @@ CLIENT_COMMANDS = frozenset(
         "volume",
         "fs",
         "secret",
+        "run-code",
     }
 )
 
@@ -542,6 +544,9 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
         "never widen them); required for a new entry, else the entry keeps its own",
     )
     p.add_argument("--json", action="store_true")
+
+    p = cmd("run-code", run_code, "a cell in a Jupyter kernel of the sandbox; images written to --out-dir")
+    add_run_code_command(p)
 
 
 def run_client(args: argparse.Namespace) -> int:

@@ -47,6 +47,7 @@ from supervisor.client.sdk.aio import (
     CallStream,
     connect,
 )
+from supervisor.client.sdk.code_plans import CodeContext, Execution, ExecutionError, Logs, OutputMessage, Result
 from supervisor.client.sdk.config_plans import load_config_json
 from supervisor.client.sdk.detach import DEFAULT_DETACH_KEYS, Detached
 from supervisor.client.sdk.modify_spec import SecretUpdate
@@ -123,10 +124,13 @@ __all__ = [
     "CallStream",
     "Cancelled",
     "CheckpointResponse",
+    "CodeContext",
     "DeadlineExceeded",
     "Detached",
     "Dns",
     "Egress",
+    "Execution",
+    "ExecutionError",
     "FailedPrecondition",
     "FsEntry",
     "HostDir",
@@ -136,6 +140,7 @@ __all__ = [
     "InvalidArgument",
     "Lifetime",
     "LogEntry",
+    "Logs",
     "MetricsResponse",
     "ModifyChange",
     "ModifyNote",
@@ -144,6 +149,7 @@ __all__ = [
     "NotFound",
     "OciImageInfo",
     "Output",
+    "OutputMessage",
     "Page",
     "Patch",
     "PermissionDenied",
@@ -155,6 +161,7 @@ __all__ = [
     "ResizeStatus",
     "ResourceExhausted",
     "Resources",
+    "Result",
     "RunResult",
     "RunSettings",
     "Sandbox",

@@ -67,7 +67,7 @@ from actors.face import (
     script_argv,
 )
 from guestd import proto
-from supervisor.serve import access, api_readback, api_store, mapping
+from supervisor.serve import access, api_code, api_readback, api_store, mapping
 from supervisor.serve.api_table import CallIO, Method, Table, feed, joined, stopped
 from supervisor.wire import protocol
 
@@ -702,4 +702,5 @@ async def _resume(reg: Registry, io: CallIO, req: protocol.IdRequest) -> protoco
     return mapping.info(await reg.resume(access.sandbox(reg, io.principal, req.id).id))
 
 
-METHODS: dict[str, Method] = joined(_TABLE, api_store.TABLE, api_readback.TABLE)  # every method both edges serve
+# every method both edges serve
+METHODS: dict[str, Method] = joined(_TABLE, api_store.TABLE, api_readback.TABLE, api_code.TABLE)

@@ -201,6 +201,12 @@ BINDINGS: dict[str, tuple[Rpc, ...]] = {
         Rpc("WaitUntilStoppedResult", "WaitUntilStopped"),
         Rpc("Fork", "Fork"),
         Rpc("Diff", "Diff"),
+        # the code interpreter (supervisor.serve.api_code)
+        Rpc("RunCode", "RunCode"),
+        Rpc("CreateCodeContext", "CreateCodeContext"),
+        Rpc("ListCodeContexts", "ListCodeContexts"),
+        Rpc("RestartCodeContext", "RestartCodeContext"),
+        Rpc("RemoveCodeContext", "RemoveCodeContext"),
     ),
 }
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import functools
+import json
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import aclosing
@@ -26,10 +27,12 @@ import attrs
 import trio
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
+from mcp.types import ImageContent, TextContent
 from pydantic import Field
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from supervisor.client.sdk.aio import AsyncSandbox
+from supervisor.client.sdk.code_plans import Execution
 from supervisor.serve import guest_fs
 from supervisor.serve.tokens import bearer_ok, make_token_file, read_token_file
 from supervisor.wire import errors
@@ -266,7 +269,51 @@ def build(socket: str | None) -> MCPServer:
         page = await AsyncSandbox.list(socket=socket, labels=LABEL if mine else None, limit=100)
         return {"sandboxes": [{"id": s.id, "state": s.state, "labels": s.labels} for s in page.sandboxes]}
 
+    # --- the code interpreter (docs/code.md) ---
+    @server.tool()
+    @guarded
+    async def run_code(
+        sandbox_id: Id,
+        code: Annotated[str, Field(description="a Python cell (variables persist between cells of a context)")],
+        context: Annotated[str, Field(description="a code context's id (empty: the default python context)")] = "",
+        timeout_seconds: Annotated[
+            int, Field(ge=0, le=86400, description="interrupt the cell after this long (0: never)")
+        ] = 300,
+    ) -> list[TextContent | ImageContent]:
+        """Run a cell in a Jupyter kernel in the sandbox (its image needs the kernel runtime: the
+        code-interpreter image). Returns its stdout, stderr, results' text, error and execution count
+        as JSON text, then each image result (a matplotlib plot, ...) as image content."""
+        ex = await box(sandbox_id).run_code(code, context=context or None, timeout=timeout_seconds or None)
+        return code_content(ex)
+
     return server
+
+
+def code_content(ex: Execution) -> list[TextContent | ImageContent]:
+    """A cell's run as MCP content: a JSON summary (stdout and stderr cut to their last
+    64 KiB), then its png, jpeg and svg results as images."""
+    out, err = _Tail(), _Tail()
+    for s in ex.logs.stdout:
+        out.add(s.encode())
+    for s in ex.logs.stderr:
+        err.add(s.encode())
+    summary = {
+        "stdout": out.text(),
+        "stderr": err.text(),
+        "results": [{"is_main_result": r.is_main_result, "text": r.text, "formats": r.formats()} for r in ex.results],
+        "error": attrs.asdict(ex.error) if ex.error is not None else None,
+        "execution_count": ex.execution_count,
+    }
+    blocks: list[TextContent | ImageContent] = [TextContent(type="text", text=json.dumps(summary))]
+    for r in ex.results:
+        for fmt, mime in (("png", "image/png"), ("jpeg", "image/jpeg")):
+            value = getattr(r, fmt)
+            if value:
+                blocks.append(ImageContent(type="image", data=value, mime_type=mime))
+        if r.svg:
+            svg = base64.b64encode(r.svg.encode()).decode()
+            blocks.append(ImageContent(type="image", data=svg, mime_type="image/svg+xml"))
+    return blocks
 
 
 @attrs.frozen

@@ -52,6 +52,16 @@ from supervisor.wire.errors import (
     ApiError,
 )
 from supervisor.wire.frames import MAX_FRAME, PROTOCOL_VERSION, FrameReader
+from supervisor.wire.messages.code import (
+    CodeContext,
+    CodeContextRequest,
+    CodeError,
+    CodeOutput,
+    CodeResult,
+    CreateCodeContextRequest,
+    ListCodeContextsResponse,
+    RunCodeRequest,
+)
 from supervisor.wire.messages.files import (
     FileChunk,
     FsEntry,
@@ -196,7 +206,13 @@ __all__ = [  # the errors, the frame constants and every body (supervisor.wire.m
     "AttachRequest",
     "CheckpointRequest",
     "CheckpointResponse",
+    "CodeContext",
+    "CodeContextRequest",
+    "CodeError",
+    "CodeOutput",
+    "CodeResult",
     "ConfigRequest",
+    "CreateCodeContextRequest",
     "CreateSandboxRequest",
     "CreateSandboxResponse",
     "CreateVolumeRequest",
@@ -235,6 +251,7 @@ __all__ = [  # the errors, the frame constants and every body (supervisor.wire.m
     "ImportSnapshotRequest",
     "InitSpec",
     "KillRequest",
+    "ListCodeContextsResponse",
     "ListImagesResponse",
     "ListPortsResponse",
     "ListSandboxesRequest",
@@ -274,6 +291,7 @@ __all__ = [  # the errors, the frame constants and every body (supervisor.wire.m
     "RestoreRequest",
     "RestoreResponse",
     "RotateSecretRequest",
+    "RunCodeRequest",
     "RunOutput",
     "RunRequest",
     "SandboxConfigResponse",

@@ -45,6 +45,7 @@ TOOLS = {
     "fork_sandbox",
     "remove_sandbox",
     "list_sandboxes",
+    "run_code",
 }
 
 

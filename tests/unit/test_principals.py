@@ -215,10 +215,12 @@ async def test_a_group_member_sees_only_its_own_sandboxes(tmp_path: Path, short_
                     ("Info", {}),
                     ("Diff", {"id": "b", "other": "a"}),  # a diff reads both trees: both must be seen
                     ("Diff", {"id": "a", "other": "b"}),
+                    ("RunCode", {"id": "a", "code": "1"}),  # code runs where one may exec: the owner's
+                    ("ListCodeContexts", {"id": "a"}),
                 ],
             )
             assert ids(got[0]) == {"b"}
-            assert got[10:12] == [{"fail": ["NOT_FOUND", "no sandbox 'a'"]}] * 2
+            assert got[10:14] == [{"fail": ["NOT_FOUND", "no sandbox 'a'"]}] * 4
             assert got[1] == {"fail": ["NOT_FOUND", "no sandbox 'a'"]}
             assert got[2] == {"fail": ["NOT_FOUND", "no sandbox 'nothing'"]}  # the same text: no oracle
             assert got[3:7] == [{"fail": ["NOT_FOUND", "no sandbox 'a'"]}] * 4

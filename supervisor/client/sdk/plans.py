@@ -9,6 +9,13 @@
 
 from __future__ import annotations
 
+from supervisor.client.sdk.code_plans import (
+    create_code_context,
+    list_code_contexts,
+    remove_code_context,
+    restart_code_context,
+    run_code,
+)
 from supervisor.client.sdk.config_plans import config, config_json, ssh
 from supervisor.client.sdk.file_plans import (
     copy_in,
@@ -139,6 +146,12 @@ class SandboxMethods:
     config = op(config)
     config_json = op(config_json)
     ssh = op(ssh)
+    # the code interpreter (docs/code.md)
+    run_code = op(run_code)
+    create_code_context = op(create_code_context)
+    list_code_contexts = op(list_code_contexts)
+    restart_code_context = op(restart_code_context)
+    remove_code_context = op(remove_code_context)
 
 
 class FSMethods:

@@ -1416,3 +1416,129 @@ class SessionOutput(_message.Message):
     session_id: int
     oom_killed: bool
     def __init__(self, stream: _Optional[str] = ..., data: _Optional[bytes] = ..., exit_code: _Optional[int] = ..., done: _Optional[bool] = ..., session_id: _Optional[int] = ..., oom_killed: _Optional[bool] = ...) -> None: ...
+
+class RunCodeRequest(_message.Message):
+    __slots__ = ("id", "code", "language", "context", "envs", "timeout_seconds")
+    class EnvsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    ID_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    LANGUAGE_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    ENVS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    code: str
+    language: str
+    context: str
+    envs: _containers.ScalarMap[str, str]
+    timeout_seconds: float
+    def __init__(self, id: _Optional[str] = ..., code: _Optional[str] = ..., language: _Optional[str] = ..., context: _Optional[str] = ..., envs: _Optional[_Mapping[str, str]] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class CodeResult(_message.Message):
+    __slots__ = ("is_main_result", "text", "html", "markdown", "png", "jpeg", "svg", "pdf", "latex", "json", "javascript", "chart", "extra")
+    class ExtraEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    IS_MAIN_RESULT_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    HTML_FIELD_NUMBER: _ClassVar[int]
+    MARKDOWN_FIELD_NUMBER: _ClassVar[int]
+    PNG_FIELD_NUMBER: _ClassVar[int]
+    JPEG_FIELD_NUMBER: _ClassVar[int]
+    SVG_FIELD_NUMBER: _ClassVar[int]
+    PDF_FIELD_NUMBER: _ClassVar[int]
+    LATEX_FIELD_NUMBER: _ClassVar[int]
+    JSON_FIELD_NUMBER: _ClassVar[int]
+    JAVASCRIPT_FIELD_NUMBER: _ClassVar[int]
+    CHART_FIELD_NUMBER: _ClassVar[int]
+    EXTRA_FIELD_NUMBER: _ClassVar[int]
+    is_main_result: bool
+    text: str
+    html: str
+    markdown: str
+    png: str
+    jpeg: str
+    svg: str
+    pdf: str
+    latex: str
+    json: str
+    javascript: str
+    chart: str
+    extra: _containers.ScalarMap[str, str]
+    def __init__(self, is_main_result: _Optional[bool] = ..., text: _Optional[str] = ..., html: _Optional[str] = ..., markdown: _Optional[str] = ..., png: _Optional[str] = ..., jpeg: _Optional[str] = ..., svg: _Optional[str] = ..., pdf: _Optional[str] = ..., latex: _Optional[str] = ..., json: _Optional[str] = ..., javascript: _Optional[str] = ..., chart: _Optional[str] = ..., extra: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class CodeError(_message.Message):
+    __slots__ = ("name", "value", "traceback")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    TRACEBACK_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    value: str
+    traceback: str
+    def __init__(self, name: _Optional[str] = ..., value: _Optional[str] = ..., traceback: _Optional[str] = ...) -> None: ...
+
+class CodeOutput(_message.Message):
+    __slots__ = ("kind", "text", "timestamp", "result", "error", "execution_count")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    EXECUTION_COUNT_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    text: str
+    timestamp: int
+    result: CodeResult
+    error: CodeError
+    execution_count: int
+    def __init__(self, kind: _Optional[str] = ..., text: _Optional[str] = ..., timestamp: _Optional[int] = ..., result: _Optional[_Union[CodeResult, _Mapping]] = ..., error: _Optional[_Union[CodeError, _Mapping]] = ..., execution_count: _Optional[int] = ...) -> None: ...
+
+class CreateCodeContextRequest(_message.Message):
+    __slots__ = ("id", "cwd", "language")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    CWD_FIELD_NUMBER: _ClassVar[int]
+    LANGUAGE_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    cwd: str
+    language: str
+    def __init__(self, id: _Optional[str] = ..., cwd: _Optional[str] = ..., language: _Optional[str] = ...) -> None: ...
+
+class CodeContext(_message.Message):
+    __slots__ = ("id", "language", "cwd")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    LANGUAGE_FIELD_NUMBER: _ClassVar[int]
+    CWD_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    language: str
+    cwd: str
+    def __init__(self, id: _Optional[str] = ..., language: _Optional[str] = ..., cwd: _Optional[str] = ...) -> None: ...
+
+class ListCodeContextsRequest(_message.Message):
+    __slots__ = ("id",)
+    ID_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    def __init__(self, id: _Optional[str] = ...) -> None: ...
+
+class ListCodeContextsResponse(_message.Message):
+    __slots__ = ("contexts",)
+    CONTEXTS_FIELD_NUMBER: _ClassVar[int]
+    contexts: _containers.RepeatedCompositeFieldContainer[CodeContext]
+    def __init__(self, contexts: _Optional[_Iterable[_Union[CodeContext, _Mapping]]] = ...) -> None: ...
+
+class CodeContextRequest(_message.Message):
+    __slots__ = ("id", "context")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    context: str
+    def __init__(self, id: _Optional[str] = ..., context: _Optional[str] = ...) -> None: ...

@@ -325,6 +325,31 @@ class SandvisorServiceStub:
                 request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.DiffRequest.SerializeToString,
                 response_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.DiffResponse.FromString,
                 _registered_method=True)
+        self.RunCode = channel.unary_stream(
+                '/sandvisor.v1.SandvisorService/RunCode',
+                request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.RunCodeRequest.SerializeToString,
+                response_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.CodeOutput.FromString,
+                _registered_method=True)
+        self.CreateCodeContext = channel.unary_unary(
+                '/sandvisor.v1.SandvisorService/CreateCodeContext',
+                request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.CreateCodeContextRequest.SerializeToString,
+                response_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.CodeContext.FromString,
+                _registered_method=True)
+        self.ListCodeContexts = channel.unary_unary(
+                '/sandvisor.v1.SandvisorService/ListCodeContexts',
+                request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.ListCodeContextsRequest.SerializeToString,
+                response_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.ListCodeContextsResponse.FromString,
+                _registered_method=True)
+        self.RestartCodeContext = channel.unary_unary(
+                '/sandvisor.v1.SandvisorService/RestartCodeContext',
+                request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.CodeContextRequest.SerializeToString,
+                response_deserializer=sandbox_dot_v1_dot_sandbox__pb2.Empty.FromString,
+                _registered_method=True)
+        self.RemoveCodeContext = channel.unary_unary(
+                '/sandvisor.v1.SandvisorService/RemoveCodeContext',
+                request_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.CodeContextRequest.SerializeToString,
+                response_deserializer=sandbox_dot_v1_dot_sandbox__pb2.Empty.FromString,
+                _registered_method=True)
 
 
 class SandvisorServiceServicer:
@@ -762,6 +787,43 @@ class SandvisorServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RunCode(self, request, context):
+        """--- the code interpreter (docs/code.md) ---
+        A cell run in a Jupyter kernel in the sandbox: its stdout and stderr, results (MIME
+        bundles), error and execution count streamed as they come; past timeout_seconds the
+        cell is interrupted (error TimeoutError) and the next one runs. NOT_FOUND: a sandbox
+        the caller may not exec in, or a context that is not there. FAILED_PRECONDITION: an
+        image without the kernel runtime (sandvisor image build --profile code-interpreter).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CreateCodeContext(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListCodeContexts(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RestartCodeContext(self, request, context):
+        """Its variables go (context "": the default python context).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RemoveCodeContext(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SandvisorServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -1054,6 +1116,31 @@ def add_SandvisorServiceServicer_to_server(servicer, server):
                     servicer.Diff,
                     request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.DiffRequest.FromString,
                     response_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.DiffResponse.SerializeToString,
+            ),
+            'RunCode': grpc.unary_stream_rpc_method_handler(
+                    servicer.RunCode,
+                    request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.RunCodeRequest.FromString,
+                    response_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.CodeOutput.SerializeToString,
+            ),
+            'CreateCodeContext': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateCodeContext,
+                    request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.CreateCodeContextRequest.FromString,
+                    response_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.CodeContext.SerializeToString,
+            ),
+            'ListCodeContexts': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListCodeContexts,
+                    request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.ListCodeContextsRequest.FromString,
+                    response_serializer=sandvisor_dot_v1_dot_sandvisor__pb2.ListCodeContextsResponse.SerializeToString,
+            ),
+            'RestartCodeContext': grpc.unary_unary_rpc_method_handler(
+                    servicer.RestartCodeContext,
+                    request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.CodeContextRequest.FromString,
+                    response_serializer=sandbox_dot_v1_dot_sandbox__pb2.Empty.SerializeToString,
+            ),
+            'RemoveCodeContext': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoveCodeContext,
+                    request_deserializer=sandvisor_dot_v1_dot_sandvisor__pb2.CodeContextRequest.FromString,
+                    response_serializer=sandbox_dot_v1_dot_sandbox__pb2.Empty.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -2622,6 +2709,141 @@ class SandvisorService:
             '/sandvisor.v1.SandvisorService/Diff',
             sandvisor_dot_v1_dot_sandvisor__pb2.DiffRequest.SerializeToString,
             sandvisor_dot_v1_dot_sandvisor__pb2.DiffResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RunCode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/sandvisor.v1.SandvisorService/RunCode',
+            sandvisor_dot_v1_dot_sandvisor__pb2.RunCodeRequest.SerializeToString,
+            sandvisor_dot_v1_dot_sandvisor__pb2.CodeOutput.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateCodeContext(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandvisor.v1.SandvisorService/CreateCodeContext',
+            sandvisor_dot_v1_dot_sandvisor__pb2.CreateCodeContextRequest.SerializeToString,
+            sandvisor_dot_v1_dot_sandvisor__pb2.CodeContext.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListCodeContexts(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandvisor.v1.SandvisorService/ListCodeContexts',
+            sandvisor_dot_v1_dot_sandvisor__pb2.ListCodeContextsRequest.SerializeToString,
+            sandvisor_dot_v1_dot_sandvisor__pb2.ListCodeContextsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RestartCodeContext(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandvisor.v1.SandvisorService/RestartCodeContext',
+            sandvisor_dot_v1_dot_sandvisor__pb2.CodeContextRequest.SerializeToString,
+            sandbox_dot_v1_dot_sandbox__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemoveCodeContext(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/sandvisor.v1.SandvisorService/RemoveCodeContext',
+            sandvisor_dot_v1_dot_sandvisor__pb2.CodeContextRequest.SerializeToString,
+            sandbox_dot_v1_dot_sandbox__pb2.Empty.FromString,
             options,
             channel_credentials,
             insecure,
