@@ -56,25 +56,25 @@ STAGE_DIR = "treediff"  # beside <state>/sandboxes
 CONTENT_CAP = 1 << 20  # bytes of one file's content given back (``--content``)
 _CHUNK = 1 << 20
 _QCOW2_MAGIC = b"QFI\xfb"
-# The cell's work, in the staging dir W: $1 the chain (json:), $2 debugfs's request, $3
-# what to make of the dump ("tree": a pax archive of it; "file": its first bytes).
+# The cell's work, in the staging dir $W: $1 the chain (json:), $2 debugfs's request,
+# $3 where the dump is (relative to $W); $MODE what to make of it ("tree": a pax archive,
+# "file": its first $CAP bytes). Its word in ``result``: ok, missing, notdir, notfile.
 _SCRIPT = r"""
 set -eu
 cd "$W"
 qemu-img convert -q -O raw "$1" disk.raw
 ulimit -f "$FSIZE"
-mkdir out
+mkdir out whole
 debugfs -R "$2" disk.raw >/dev/null 2>debugfs.err || true
 rm -f disk.raw
-set -- out/*
-[ -e "$1" ] || [ -L "$1" ] || { echo missing > result; exit 0; }
+t="$3"
+[ -e "$t" ] || [ -L "$t" ] || { echo missing > result; exit 0; }
 if [ "$MODE" = file ]; then
-  [ -f "$1" ] && [ ! -L "$1" ] || { echo notfile > result; exit 0; }
-  head -c "$CAP" "$1" > content
-  wc -c < "$1" > size
+  [ -f "$t" ] && [ ! -L "$t" ] || { echo notfile > result; exit 0; }
+  head -c "$CAP" "$t" > content
 else
-  [ -d "$1" ] && [ ! -L "$1" ] || { echo notdir > result; exit 0; }
-  tar -C "$1" --format=pax --numeric-owner -cf tree.tar .
+  [ -d "$t" ] && [ ! -L "$t" ] || { echo notdir > result; exit 0; }
+  tar -C "$t" --format=pax --numeric-owner -cf tree.tar .
 fi
 echo ok > result
 """
@@ -203,11 +203,12 @@ def _argv(files: Sequence[tuple[str, str]], path: str, mode: str, work: Path) ->
     """The cell's command: ``sh -c`` on :data:`_SCRIPT`, its inputs as arguments and
     environment (no caller's text is ever part of the script)."""
     src = check_path(path)
-    # (rdump of "/" dumps the root's entries into the directory named: give it one)
-    request = f'rdump "{src}" out' if src != "/" else "rdump / out/root"
-    script = _SCRIPT.replace("mkdir out", "mkdir -p out/root") if src == "/" else _SCRIPT
+    # (rdump of "/" dumps the root's entries into the directory named: "whole"; any other
+    # path's dump is its last component, under "out")
+    request = f'rdump "{src}" out' if src != "/" else "rdump / whole"
+    name = "out/" + src.rsplit("/", 1)[1] if src != "/" else "whole"
     env = [f"W={work}", f"MODE={mode}", f"CAP={CONTENT_CAP}", f"FSIZE={(MAX_HASHED >> 9) + 2048}"]
-    return ["env", *env, "sh", "-c", script, "sh", chain_spec(files), request]
+    return ["env", *env, "sh", "-c", _SCRIPT, "sh", chain_spec(files), request, name]
 
 
 async def _run_cell(settings: Settings, disk: HeldDisk, path: str, mode: str, work: Path) -> str:
@@ -311,9 +312,9 @@ async def tree(settings: Settings, disk: HeldDisk, path: str, limits: Limits | N
                 await trio.to_thread.run_sync(shutil.rmtree, work, True)
 
 
-async def content(settings: Settings, disk: HeldDisk, path: str) -> tuple[bytes, int] | None:
-    """The first :data:`CONTENT_CAP` bytes of the file ``path`` on the held disk and its
-    size; None: no such file there."""
+async def content(settings: Settings, disk: HeldDisk, path: str) -> bytes | None:
+    """The first :data:`CONTENT_CAP` bytes of the file ``path`` on the held disk; None:
+    no such file there."""
     with _staging(settings) as work:
         try:
             result = await _run_cell(settings, disk, path, "file", work)
@@ -323,14 +324,9 @@ async def content(settings: Settings, disk: HeldDisk, path: str) -> tuple[bytes,
                 raise FailedPrecondition(f"reading the snapshot's disk: no result ({result[:40]!r})")
             fd = _open_result(work, "content")
             try:
-                data = os.read(fd, CONTENT_CAP + 1)[:CONTENT_CAP]
+                return os.read(fd, CONTENT_CAP + 1)[:CONTENT_CAP]
             finally:
                 os.close(fd)
-            try:
-                size = int((work / "size").read_text()[:32].strip() or "0")
-            except (OSError, ValueError):
-                size = len(data)
-            return data, size
         finally:
             with trio.CancelScope(shield=True):
                 await trio.to_thread.run_sync(shutil.rmtree, work, True)
@@ -378,8 +374,7 @@ async def contents_with_snapshot(
         got: dict[str, bytes | None] = {}
 
         async def at_snapshot() -> None:
-            r = await content(reg.settings, disk, path)
-            got["a"] = r[0] if r is not None else None
+            got["a"] = await content(reg.settings, disk, path)
 
         async def in_sandbox() -> None:
             got["b"] = await sandbox_head(sb, path)
