@@ -57,8 +57,9 @@ CONTENT_CAP = 1 << 20  # bytes of one file's content given back (``--content``)
 _CHUNK = 1 << 20
 _QCOW2_MAGIC = b"QFI\xfb"
 # The cell's work, in the staging dir $W: $1 the chain (json:), $2 debugfs's request,
-# $3 where the dump is (relative to $W); $MODE what to make of it ("tree": a pax archive,
-# "file": its first $CAP bytes). Its word in ``result``: ok, missing, notdir, notfile.
+# $3 where the dump is (relative to $W), $4 :data:`_MODES`, $5 the path dumped; $MODE what
+# to make of the dump ("tree": a pax archive, "file": its first $CAP bytes). Its word in
+# ``result``: ok, missing, notdir, notfile.
 _SCRIPT = r"""
 set -eu
 cd "$W"
@@ -66,9 +67,10 @@ qemu-img convert -q -O raw "$1" disk.raw
 ulimit -f "$FSIZE"
 mkdir out whole
 debugfs -R "$2" disk.raw >/dev/null 2>debugfs.err || true
-rm -f disk.raw
 t="$3"
 [ -e "$t" ] || [ -L "$t" ] || { echo missing > result; exit 0; }
+[ "$MODE" = file ] || [ ! -d "$t" ] || python3 -I -S -c "$4" "$t" "$5" disk.raw
+rm -f disk.raw
 if [ "$MODE" = file ]; then
   [ -f "$t" ] && [ ! -L "$t" ] || { echo notfile > result; exit 0; }
   head -c "$CAP" "$t" > content
@@ -77,6 +79,42 @@ else
   tar -C "$t" --format=pax --numeric-owner -cf tree.tar .
 fi
 echo ok > result
+"""
+
+
+# rdump keeps a file's permission bits only: the set-user-ID, set-group-ID and sticky
+# bits are put back from debugfs's own listing (``ls -p``, every directory of the dump),
+# run in the cell. argv: the dump, the path it is of, the raw disk.
+_MODES = r"""
+import os, subprocess, sys
+dump, src, raw = sys.argv[1:4]
+dirs = {}
+for d, _, _ in os.walk(dump):
+    rel = os.path.relpath(d, dump)
+    if '"' not in rel and "\n" not in rel:
+        dirs[src if rel == "." else src.rstrip("/") + "/" + rel] = rel
+cmds = "".join('ls -p "%s"\n' % p for p in dirs)
+out = subprocess.run(["debugfs", "-f", "-", raw], input=cmds.encode(), capture_output=True).stdout
+here = None
+for line in out.decode("utf-8", "surrogateescape").split("\n"):
+    if line.startswith('debugfs: ls -p "') and line.endswith('"'):
+        here = dirs.get(line[len('debugfs: ls -p "'):-1])
+        continue
+    f = line.split("/")
+    if here is None or len(f) != 8 or f[0] or f[5] in ("", ".", ".."):
+        continue
+    try:
+        mode = int(f[2], 8)
+    except ValueError:
+        continue
+    if mode & 0o7000 and mode & 0o170000 in (0o100000, 0o040000):
+        p = os.path.join(dump, here, f[5])
+        try:
+            st = os.lstat(p)
+            if st.st_mode & 0o170000 == mode & 0o170000:
+                os.chmod(p, mode & 0o7777)
+        except OSError:
+            pass
 """
 
 
@@ -208,7 +246,7 @@ def _argv(files: Sequence[tuple[str, str]], path: str, mode: str, work: Path) ->
     request = f'rdump "{src}" out' if src != "/" else "rdump / whole"
     name = "out/" + src.rsplit("/", 1)[1] if src != "/" else "whole"
     env = [f"W={work}", f"MODE={mode}", f"CAP={CONTENT_CAP}", f"FSIZE={(MAX_HASHED >> 9) + 2048}"]
-    return ["env", *env, "sh", "-c", _SCRIPT, "sh", chain_spec(files), request, name]
+    return ["env", *env, "sh", "-c", _SCRIPT, "sh", chain_spec(files), request, name, _MODES, src]
 
 
 async def _run_cell(settings: Settings, disk: HeldDisk, path: str, mode: str, work: Path) -> str:

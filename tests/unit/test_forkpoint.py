@@ -85,6 +85,12 @@ def chain(tmp_path: Path) -> tuple[Path, Path]:
     os.symlink("/etc/passwd", src / "srv/w/l")
     os.mkfifo(src / "srv/w/fifo")
     (src / "srv/whole").mkdir()
+    (src / "srv/w/sub/suid").write_bytes(b"s")
+    (src / "srv/w/sub/suid").chmod(0o4755)
+    (src / "srv/w/sub/tmp").mkdir()
+    (src / "srv/w/sub/tmp").chmod(0o1777)
+    (src / "srv/w/sub/tmp/sg").mkdir()
+    (src / "srv/w/sub/tmp/sg").chmod(0o2775)
     base, top = tmp_path / "base.ext4", tmp_path / "top.qcow2"
     subprocess.run(["mkfs.ext4", "-q", "-d", str(src), str(base), "16M"], check=True, capture_output=True)
     subprocess.run(
@@ -124,6 +130,10 @@ def test_the_script_lists_a_directory_of_the_disk_as_a_guest_would(chain: tuple[
         "l": Entry("link", 11, 0o777, "/etc/passwd"),
         "sub": Entry("dir", 0, 0o755),
         "sub/x": Entry("file", 5000, 0o600, sha(b"x" * 5000).hexdigest()),
+        # set-user-ID, sticky and set-group-ID bits as the disk has them (rdump drops them)
+        "sub/suid": Entry("file", 1, 0o4755, sha(b"s").hexdigest()),
+        "sub/tmp": Entry("dir", 0, 0o1777),
+        "sub/tmp/sg": Entry("dir", 0, 0o2775),
     }  # (a FIFO is not listed: neither does a guest's walk)
     assert _script(top, base, "/", "tree", work) == "ok"
     assert {"srv", "srv/w/a", "srv/whole", "lost+found"} <= set(_listing(work))
