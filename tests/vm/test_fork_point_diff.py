@@ -10,6 +10,8 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -122,6 +124,39 @@ def test_sandvisor_v1_and_a_named_snapshot(family: dict[str, Any]) -> None:
     assert [(c.path, c.change) for c in kid.diff(path="/srv/w", snapshot="fp-named")] == [("more", "added")]
 
 
+def test_a_snapshot_deleted_while_a_diff_reads_it(family: dict[str, Any]) -> None:
+    """The diff holds the snapshot's disk by descriptor: a delete during the read is not
+    held up, and the diff answers from what it holds. The snapshot is the sibling's (any
+    snapshot the caller sees will do); /usr/bin of the default image: a real tree
+    (set-user-ID programs included) that neither changed."""
+    kid, sock = family["kid"], family["sock"]
+    sid = family["liar"].checkpoint("fp-held").snapshot_id
+    family["liar"].remove(force=True)  # (a snapshot with no disk standing on it may be deleted)
+    staging = family["work"].state / "treediff"
+    got: dict[str, Any] = {}
+
+    def read() -> None:
+        try:
+            got["changes"] = kid.diff(path="/usr/bin", snapshot=sid)
+        except Exception as exc:  # (reported below, in the test's thread)
+            got["error"] = exc
+        got["ended"] = time.monotonic()
+
+    t = threading.Thread(target=read)
+    t.start()
+    deadline = time.monotonic() + 120
+    while not (staging.exists() and any(staging.iterdir())):  # the snapshot's side has begun
+        assert t.is_alive() and time.monotonic() < deadline, got
+        time.sleep(0.01)
+    Sandbox.delete_snapshot(sid, socket=sock)
+    deleted = time.monotonic()
+    t.join(600)
+    assert "error" not in got, got
+    assert got["changes"] == [] and got["ended"] > deleted
+    with pytest.raises(NotFound):
+        kid.diff(path="/srv/w", snapshot=sid)
+
+
 def test_refused_cases(family: dict[str, Any]) -> None:
     parent, env = family["parent"], family["env"]
     with pytest.raises(FailedPrecondition, match="was not forked"):
@@ -161,7 +196,7 @@ def test_the_family_goes_and_no_staging_is_left(family: dict[str, Any]) -> None:
     disk is the diff's, not the snapshot's: retiring the fork point is not held up)."""
     staging = family["work"].state / "treediff"
     assert not staging.exists() or not any(staging.iterdir())
-    for sb in (family["liar"], family["kid"], family["parent"]):
+    for sb in (family["kid"], family["parent"]):
         sb.remove(force=True)
     with pytest.raises(NotFound):
         family["kid"].diff(path="/srv/w")
