@@ -18,9 +18,10 @@ from typing import Any
 
 import grpc
 import pytest
+import trio
 
 from images.build import Image
-from supervisor.client import FailedPrecondition, NotFound, Sandbox
+from supervisor.client import AsyncSandbox, FailedPrecondition, NotFound, Sandbox
 from supervisor.main.throwaway import supervisor_process, workdir
 from supervisor.wire.proto.sandvisor.v1 import sandvisor_pb2 as sv
 from supervisor.wire.proto.sandvisor.v1 import sandvisor_pb2_grpc as sv_grpc
@@ -88,6 +89,20 @@ def test_the_fork_point_diff_reports_exactly_what_the_child_changed(family: dict
     assert c.returncode == 0 and "-old" in c.stdout and "+neu" in c.stdout, c
     assert kid.diff_content("/srv/w/keep") == (b"keep\n", b"keep\n")
     assert kid.diff_content("/srv/w/sub/added") == (None, b"new\n")
+
+
+async def test_the_async_sdk_is_the_same_operation(family: dict[str, Any]) -> None:
+    kid = AsyncSandbox("fpk-1", socket=family["sock"])
+    with trio.fail_after(300):
+        changes = await kid.diff(path="/srv/w")
+        assert sorted((c.path, c.change) for c in changes) == [
+            ("edit", "modified"),
+            ("gone", "removed"),
+            ("sub/added", "added"),
+            ("sub/mode", "modified"),
+        ]
+        assert await kid.diff_content("/srv/w/edit") == (b"old\n", b"neu\n")
+        assert await kid.diff_content("/srv/w/edit", "fp") == (b"neu\n", b"changed\n")  # two sandboxes
 
 
 def test_a_guest_that_lies_changes_only_its_own_side(family: dict[str, Any]) -> None:
