@@ -19,14 +19,17 @@ tool cell (actors/cells/toolcell.py) that does the reading::
       |  else; no network; /usr read-only, the staging dir):
       |    qemu-img convert  the chain, as the supervisor spells it (a json: spec naming each
       |                      layer: a backing name in a header opens nothing) -> disk.raw
-      |    debugfs rdump     PATH out of the ext4 (no kernel mount: e2fsprogs' reader)
+      |    debugfs rdump     PATH out of the ext4 (no kernel mount: e2fsprogs' reader);
+      |                      the mode bits it drops (set-ID, sticky) from its ``ls -p``
       |    tar               that copy as a pax archive (or, for one file, its first MiB)
       v
     treediff.listing      the archive parsed with guestd's hostile-stream tar reader, with
                           the bounds a guest's stream has: the same shape a guest's side has
 
 A sandbox's own side comes from its guest, as ever: neither speaks for the other, and a
-guest that lies about its tree cannot change what the snapshot holds.
+guest that lies about its tree cannot change what the snapshot holds. Without a jail
+(a non-root supervisor) the same script runs as the supervisor's own uid; as root
+without one, the read is refused.
 """
 
 from __future__ import annotations
@@ -392,8 +395,10 @@ async def diff_with_snapshot(
 ) -> tuple[list[Change], int, int]:
     """What differs from the snapshot's disk (a) to the sandbox's tree (b) under ``path``.
     The disk is held from this call's first step (call it in the step that looked the
-    snapshot up), the sandbox's guest asked only about its own tree."""
+    snapshot up), the sandbox's guest asked only about its own tree. Refused when the state
+    dir is past its disk bounds (the reading stages copies there)."""
     check_path(path)
+    reg.admission.check_disk()
     with hold(snap.layers) as disk:
 
         async def snapshot_side(p: str, lim: Limits) -> dict[str, Entry]:
@@ -408,6 +413,7 @@ async def contents_with_snapshot(
     """The first :data:`CONTENT_CAP` bytes of the file ``path`` at the snapshot (a) and in
     the sandbox (b); None where there is no such file."""
     check_path(path)
+    reg.admission.check_disk()
     with hold(snap.layers) as disk:
         got: dict[str, bytes | None] = {}
 
