@@ -43,6 +43,7 @@ def family(image: Image) -> Iterator[dict[str, Any]]:
         parent = Sandbox.create("fp", socket=sock, detached=True)
         parent.run(["sh", "-c", "mkdir -p /srv/w/sub && echo keep > /srv/w/keep && echo old > /srv/w/edit"])
         parent.run(["sh", "-c", "echo bye > /srv/w/gone && echo m > /srv/w/sub/mode && chmod 000 /srv/w/keep"])
+        before = set(os.listdir(work.state / "snapshots"))
         kid, liar = parent.fork(2, name_prefix="fpk-")
         kid.run(["sh", "-c", "echo new > /srv/w/sub/added && echo neu > /srv/w/edit && rm /srv/w/gone"])
         kid.run(["sh", "-c", "chmod 600 /srv/w/sub/mode"])
@@ -50,7 +51,7 @@ def family(image: Image) -> Iterator[dict[str, Any]]:
         parent.run(["sh", "-c", "echo later > /srv/w/parent-after && echo changed > /srv/w/edit && sync"])
         # a guest that lies about its tree: /srv/w is a forged directory mounted over the real one
         liar.run(["sh", "-c", "mkdir /tmp/fake && echo forged > /tmp/fake/keep && mount --bind /tmp/fake /srv/w"])
-        yield {"env": env, "sock": sock, "parent": parent, "kid": kid, "liar": liar, "work": work}
+        yield {"env": env, "sock": sock, "parent": parent, "kid": kid, "liar": liar, "work": work, "before": before}
 
 
 def cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
@@ -213,5 +214,12 @@ def test_the_family_goes_and_no_staging_is_left(family: dict[str, Any]) -> None:
     assert not staging.exists() or not any(staging.iterdir())
     for sb in (family["kid"], family["parent"]):
         sb.remove(force=True)
+    Sandbox.delete_snapshot("fp-named", socket=family["sock"])  # (the child's checkpoint, on its chain)
     with pytest.raises(NotFound):
         family["kid"].diff(path="/srv/w")
+    # the hidden fork point went with the last child, its frozen disk once no chain stood on it
+    snaps = family["work"].state / "snapshots"
+    deadline = time.monotonic() + 60
+    while set(os.listdir(snaps)) - family["before"]:
+        assert time.monotonic() < deadline, set(os.listdir(snaps)) - family["before"]
+        time.sleep(0.1)
