@@ -41,6 +41,7 @@ from actors.errors import (
 )
 from actors.events import Lagged
 from actors.fork import Forked, descendants, fork, is_descendant, remove_with_descendants
+from actors.forkpoint import contents_with_snapshot, diff_with_snapshot, fork_point_of, sandbox_head
 from actors.model import (
     ALIVE,
     ENDED,
@@ -152,11 +153,14 @@ __all__ = [
     "check_port",
     "check_principal_name",
     "collapse_single",
+    "contents_with_snapshot",
     "defaults",
     "descendants",
     "describe_sandbox_secrets",
     "diff_trees",
+    "diff_with_snapshot",
     "fork",
+    "fork_point_of",
     "from_snapshot",
     "is_descendant",
     "modify",
@@ -166,6 +170,7 @@ __all__ = [
     "remove_with_descendants",
     "rfc3339",
     "rotate_sandbox_secret",
+    "sandbox_head",
     "script_argv",
     "set_stored_secret",
 ]

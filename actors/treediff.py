@@ -17,7 +17,7 @@ RESOURCE_EXHAUSTED naming the bound; a malformed stream fails with INVALID_ARGUM
 from __future__ import annotations
 
 import hashlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 
 import attrs
@@ -162,26 +162,41 @@ async def tree_listing(read_tree: ReadTree, path: str, limits: Limits = Limits()
         return await trio.to_thread.run_sync(lambda: listing(read, limits), abandon_on_cancel=False)
 
 
-async def diff(
-    read_a: ReadTree, read_b: ReadTree, path: str, limits: Limits = Limits()
-) -> tuple[list[Change], int, int]:
-    """Both trees fetched side by side, then compared: the changes, and the number of
+Side = Callable[[str, Limits], Awaitable[dict[str, Entry]]]
+"""One side of a diff: its listing of ``path`` within the limits (a guest's tree, or a
+snapshot's disk read on the host: actors/forkpoint.py)."""
+
+
+def guest_side(read_tree: ReadTree) -> Side:
+    """A sandbox's side: its guest packs its own tree."""
+    return lambda path, limits: tree_listing(read_tree, path, limits)
+
+
+async def diff_sides(a: Side, b: Side, path: str, limits: Limits = Limits()) -> tuple[list[Change], int, int]:
+    """Both sides fetched side by side, then compared: the changes, and the number of
     paths on each side."""
     got: dict[str, dict[str, Entry]] = {}
     failed: dict[str, DomainError] = {}
 
-    async def one(key: str, rt: ReadTree) -> None:
+    async def one(key: str, side: Side) -> None:
         try:
-            got[key] = await tree_listing(rt, path, limits)
+            got[key] = await side(path, limits)
         except DomainError as exc:  # (one typed error for the caller, not a group of two)
             failed[key] = exc
 
     async with trio.open_nursery() as n:
-        n.start_soon(one, "a", read_a)
-        n.start_soon(one, "b", read_b)
+        n.start_soon(one, "a", a)
+        n.start_soon(one, "b", b)
     if failed:
         raise failed.get("a") or failed["b"]
     return compare(got["a"], got["b"]), len(got["a"]), len(got["b"])
+
+
+async def diff(
+    read_a: ReadTree, read_b: ReadTree, path: str, limits: Limits = Limits()
+) -> tuple[list[Change], int, int]:
+    """Two sandboxes' trees (each guest asked about its own), compared."""
+    return await diff_sides(guest_side(read_a), guest_side(read_b), path, limits)
 
 
 __all__ = [
@@ -192,7 +207,10 @@ __all__ = [
     "Entry",
     "Limits",
     "ReadTree",
+    "Side",
     "compare",
     "diff",
+    "diff_sides",
+    "guest_side",
     "listing",
 ]

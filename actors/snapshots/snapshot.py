@@ -319,6 +319,7 @@ class SnapshotStore:
         self.store.delete_snapshot(rec.uid)
         self.snapshots.pop(rec.id, None)
         await trio.to_thread.run_sync(shutil.rmtree, rec.dir, True)
+        self.collect_soon()  # (layers below it that only its chain kept: a fork point's disk)
 
     def collect_soon(self) -> None:
         """Ask the collector task (:meth:`run`) for a collection."""

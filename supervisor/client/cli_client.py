@@ -466,9 +466,16 @@ def add_client_commands(sub: Any, only: str | None = None) -> None:
     p.add_argument("name", nargs="?")
     p.add_argument("--json", action="store_true")
 
-    p = cmd("diff", diff, "paths added (A), removed (D), modified (M) from NAME to OTHER (exit 1: they differ)")
+    p = cmd(
+        "diff",
+        diff,
+        "paths added (A), removed (D), modified (M) from NAME to OTHER, or from NAME's fork point "
+        "(--fork-point) or a snapshot (--snapshot) to NAME (exit 1: they differ)",
+    )
     p.add_argument("name")
-    p.add_argument("other", nargs="?", help="the other sandbox (a fork point alone is not supported)")
+    p.add_argument("other", nargs="?", help="the other sandbox")
+    p.add_argument("--fork-point", action="store_true", help="compare with the snapshot NAME was forked from")
+    p.add_argument("--snapshot", metavar="SNAP", help="compare with this snapshot (id or name)")
     p.add_argument("--path", default="/", help="the directory compared (default /, its file system only)")
     p.add_argument("--content", metavar="PATH", help="both sides of one file instead")
     p.add_argument("--json", action="store_true")

@@ -162,20 +162,26 @@ def _mark(ch: dict[str, Any]) -> str:
 
 
 def diff(a: argparse.Namespace) -> int:
-    if not a.other:
-        print(
-            "sandvisor diff NAME OTHER: comparing a sandbox with its fork point is not supported "
-            "(the fork point's disk has no guest to ask; diff it with a sibling, or fork once more "
-            "and keep that child untouched as the reference)",
-        )
+    against = sum(map(bool, (a.other, a.fork_point, a.snapshot)))
+    if against != 1:
+        print("sandvisor diff NAME: give one of OTHER, --fork-point, --snapshot SNAP")
         return 2
     with connect(a) as c:
-        if a.content:
+        if a.other and a.content:
             left, right = _side(c, a.name, a.content), _side(c, a.other, a.content)
             for line in content_lines(a.name, left, a.other, right, a.content):
                 print(line)
             return 0
-        r = c.call("Diff", {"id": a.name, "other": a.other, "path": a.path})
+        req = {"id": a.name, "other": a.other or "", "path": a.path}
+        req |= {"fork_point": bool(a.fork_point), "snapshot": a.snapshot or "", "content": a.content or ""}
+        r = c.call("Diff", req)
+    if a.content:  # (a snapshot's side: the server reads both)
+        base = f"{a.name}@{r.get('base') or 'fork-point'}"
+        left = r.get("content_a", b"") if r.get("found_a") else None
+        right = r.get("content_b", b"") if r.get("found_b") else None
+        for line in content_lines(base, left, a.name, right, a.content):
+            print(line)
+        return 0
     if a.json:
         print_json(r)
         return 0

@@ -55,15 +55,19 @@ from actors.face import (
     SandboxConfig,
     State,
     check_port,
+    contents_with_snapshot,
     defaults,
     descendants,
     diff_trees,
+    diff_with_snapshot,
     fork,
+    fork_point_of,
     from_snapshot,
     modify,
     profiles,
     remove_with_descendants,
     rfc3339,
+    sandbox_head,
     script_argv,
 )
 from guestd import proto
@@ -641,11 +645,40 @@ async def _fork(reg: Registry, io: CallIO, req: protocol.ForkRequest) -> protoco
 @method("Diff", protocol.DiffRequest)
 async def _diff(reg: Registry, io: CallIO, req: protocol.DiffRequest) -> protocol.DiffResponse:
     """What differs between two sandboxes the caller sees, under ``path`` (docs/fork.md):
-    each guest packs only its own tree; the host hashes and compares."""
-    a = access.sandbox(reg, io.principal, req.id)
-    b = access.sandbox(reg, io.principal, req.other)
+    each guest packs only its own tree; the host hashes and compares. Or between the
+    snapshot a sandbox was forked from (``fork_point``), or one the caller sees
+    (``snapshot``), and the sandbox: that side is the snapshot's disk, read on the host.
+    ``content``: both sides of one file instead."""
+    b = access.sandbox(reg, io.principal, req.id)
+    if req.fork_point or req.snapshot:
+        if req.other or (req.fork_point and req.snapshot):
+            raise InvalidArgument("compare a sandbox with one of: another sandbox, its fork point, a snapshot")
+        # (looked up and held in one step: a retired fork point cannot go in between)
+        snap = fork_point_of(reg, b) if req.fork_point else access.snapshot(reg, io.principal, req.snapshot)
+        if req.content:
+            ca, cb = await contents_with_snapshot(reg, b, snap, _absolute(req.content))
+            return _contents(ca, cb, base=snap.id)
+        changes, n_a, n_b = await diff_with_snapshot(reg, b, snap, _absolute(req.path or "/"))
+        return protocol.DiffResponse(
+            [mapping.diff_change(c) for c in changes], entries_a=n_a, entries_b=n_b, base=snap.id
+        )
+    a, b = b, access.sandbox(reg, io.principal, req.other)
+    if req.content:
+        path = _absolute(req.content)
+        return _contents(await sandbox_head(a, path), await sandbox_head(b, path))
     changes, n_a, n_b = await diff_trees(a.read_tree, b.read_tree, _absolute(req.path or "/"))
     return protocol.DiffResponse([mapping.diff_change(c) for c in changes], entries_a=n_a, entries_b=n_b)
+
+
+def _contents(a: bytes | None, b: bytes | None, base: str = "") -> protocol.DiffResponse:
+    return protocol.DiffResponse(
+        [],
+        base=base,
+        content_a=a or b"",
+        content_b=b or b"",
+        found_a=a is not None,
+        found_b=b is not None,
+    )
 
 
 @method("ListSnapshots", protocol.ListSnapshotsRequest)

@@ -300,6 +300,7 @@ DOMAIN_LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
             "from_snapshot",
             "fork",
             "treediff",
+            "forkpoint",
         ),
     ),
     ("the edges' face", ("face",)),  # what supervisor/ may use (tests/unit/test_edge_face.py)

@@ -215,12 +215,18 @@ async def test_a_group_member_sees_only_its_own_sandboxes(tmp_path: Path, short_
                     ("Info", {}),
                     ("Diff", {"id": "b", "other": "a"}),  # a diff reads both trees: both must be seen
                     ("Diff", {"id": "a", "other": "b"}),
+                    ("Diff", {"id": "a", "fork_point": True}),  # another's fork point: as for no sandbox
+                    ("Diff", {"id": "b", "fork_point": True}),  # one's own, not forked: the reason
+                    ("Diff", {"id": "b", "other": "b", "fork_point": True}),
                     ("RunCode", {"id": "a", "code": "1"}),  # code runs where one may exec: the owner's
                     ("ListCodeContexts", {"id": "a"}),
                 ],
             )
             assert ids(got[0]) == {"b"}
-            assert got[10:14] == [{"fail": ["NOT_FOUND", "no sandbox 'a'"]}] * 4
+            assert got[10:13] == [{"fail": ["NOT_FOUND", "no sandbox 'a'"]}] * 3
+            assert got[13]["fail"][0] == "FAILED_PRECONDITION" and "was not forked" in got[13]["fail"][1]
+            assert got[14]["fail"][0] == "INVALID_ARGUMENT"
+            assert got[15:17] == [{"fail": ["NOT_FOUND", "no sandbox 'a'"]}] * 2
             assert got[1] == {"fail": ["NOT_FOUND", "no sandbox 'a'"]}
             assert got[2] == {"fail": ["NOT_FOUND", "no sandbox 'nothing'"]}  # the same text: no oracle
             assert got[3:7] == [{"fail": ["NOT_FOUND", "no sandbox 'a'"]}] * 4

@@ -167,10 +167,34 @@ def fork(
     return r
 
 
-def diff(t: Target, other: str, path: str = "/") -> Plan[protocol.DiffResponse]:
-    """What differs from this sandbox's tree to ``other``'s under ``path`` (docs/fork.md):
-    each guest packs only its own tree; the server hashes (SHA-256) and compares."""
-    r: protocol.DiffResponse = yield Unary(
-        "Diff", protocol.DiffRequest(id=t.id, other=other, path=path), protocol.DiffResponse
+def diff(t: Target, other: str = "", path: str = "/", *, snapshot: str = "") -> Plan[protocol.DiffResponse]:
+    """What differs under ``path`` (docs/fork.md) from this sandbox's tree to ``other``'s
+    (a sandbox); or, without ``other``, from the ``snapshot``'s tree (else this sandbox's
+    fork point's) to this sandbox's. A sandbox's tree is its own guest's answer; a
+    snapshot's is its disk, read on the host. The server hashes (SHA-256) and compares."""
+    req = protocol.DiffRequest(
+        id=t.id,
+        other=other,
+        path=path,
+        fork_point=not other and not snapshot,
+        snapshot=snapshot,
     )
+    r: protocol.DiffResponse = yield Unary("Diff", req, protocol.DiffResponse)
     return r
+
+
+def diff_content(
+    t: Target, path: str, other: str = "", *, snapshot: str = ""
+) -> Plan[tuple[bytes | None, bytes | None]]:
+    """Both sides of the file ``path`` (the first MiB of each; None where it is absent):
+    this sandbox's and ``other``'s; or, without ``other``, the ``snapshot``'s (else the
+    fork point's) and this sandbox's."""
+    req = protocol.DiffRequest(
+        id=t.id,
+        other=other,
+        fork_point=not other and not snapshot,
+        snapshot=snapshot,
+        content=path,
+    )
+    r: protocol.DiffResponse = yield Unary("Diff", req, protocol.DiffResponse)
+    return (r.content_a if r.found_a else None), (r.content_b if r.found_b else None)

@@ -358,11 +358,24 @@ class Sandbox(plans.SandboxMethods, _Driven):
         r = drive(self.socket, snapshot_plans.fork(self, n, names=names, name_prefix=name_prefix, labels=labels))
         return [type(self)(c.id, socket=self.socket, detached=True) for c in r.sandboxes]
 
-    def diff(self, other: str | Sandbox, path: str = "/") -> builtins.list[protocol.DiffChange]:
-        """The paths added, removed and modified from this sandbox to ``other`` (see
-        :meth:`supervisor.client.sdk.aio.AsyncSandbox.diff`)."""
-        o = other if isinstance(other, str) else other.id
-        return drive(self.socket, snapshot_plans.diff(self, o, path)).changes
+    def diff(
+        self, other: str | Sandbox | None = None, path: str = "/", *, snapshot: str = ""
+    ) -> builtins.list[protocol.DiffChange]:
+        """The paths added, removed and modified under ``path`` (size, mode, SHA-256 of
+        each side; docs/fork.md): from this sandbox to ``other``; without ``other``, from
+        the ``snapshot`` (id or name), else from this sandbox's fork point, to this
+        sandbox. Each guest is asked only about its own tree, a snapshot's disk is read
+        on the host; the server compares."""
+        o = "" if other is None else other if isinstance(other, str) else other.id
+        return (drive(self.socket, snapshot_plans.diff(self, o, path, snapshot=snapshot))).changes
+
+    def diff_content(
+        self, path: str, other: str | Sandbox | None = None, *, snapshot: str = ""
+    ) -> tuple[bytes | None, bytes | None]:
+        """Both sides of the file ``path`` as :meth:`diff` pairs them (the first MiB of
+        each; None where there is no such file)."""
+        o = "" if other is None else other if isinstance(other, str) else other.id
+        return drive(self.socket, snapshot_plans.diff_content(self, path, o, snapshot=snapshot))
 
     def __enter__(self) -> Sandbox:
         return self

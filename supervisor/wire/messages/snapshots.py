@@ -130,8 +130,12 @@ class ForkResponse:
 @attrs.frozen
 class DiffRequest:
     id: str  # a: the sandbox compared from
-    other: str  # b: the sandbox compared to
+    other: str = ""  # b: the sandbox compared to (empty: a snapshot is a, this sandbox b)
     path: str = "/"  # the directory compared in both (its file system only, as ``cp -r``)
+    # -- a sandbox against a snapshot's disk (docs/fork.md): ``other`` empty, ``id`` is b
+    fork_point: bool = False  # a: the snapshot ``id`` was forked from (its disk, read on the host)
+    snapshot: str = ""  # a: this snapshot (id or name) instead
+    content: str = ""  # not the trees: both sides of this one file (the first MiB of each)
 
 
 @attrs.frozen
@@ -157,3 +161,9 @@ class DiffResponse:
     changes: list[DiffChange]
     entries_a: int = 0  # paths compared on each side
     entries_b: int = 0
+    # -- a sandbox against a snapshot's disk, and ``content`` ---------------------------------
+    base: str = ""  # the snapshot compared with (a), when one was
+    content_a: bytes = b""  # ``content``: each side's first MiB
+    content_b: bytes = b""
+    found_a: bool = False  # ``content``: whether each side has that file
+    found_b: bool = False

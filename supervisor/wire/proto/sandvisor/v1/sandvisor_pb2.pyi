@@ -8,14 +8,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DiffRequest(_message.Message):
-    __slots__ = ("id", "other", "path")
+    __slots__ = ("id", "other", "path", "fork_point", "snapshot", "content")
     ID_FIELD_NUMBER: _ClassVar[int]
     OTHER_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
+    FORK_POINT_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
     id: str
     other: str
     path: str
-    def __init__(self, id: _Optional[str] = ..., other: _Optional[str] = ..., path: _Optional[str] = ...) -> None: ...
+    fork_point: bool
+    snapshot: str
+    content: str
+    def __init__(self, id: _Optional[str] = ..., other: _Optional[str] = ..., path: _Optional[str] = ..., fork_point: _Optional[bool] = ..., snapshot: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class DiffChange(_message.Message):
     __slots__ = ("path", "change", "kind_a", "size_a", "mode_a", "hash_a", "kind_b", "size_b", "mode_b", "hash_b")
@@ -42,14 +48,24 @@ class DiffChange(_message.Message):
     def __init__(self, path: _Optional[str] = ..., change: _Optional[str] = ..., kind_a: _Optional[str] = ..., size_a: _Optional[int] = ..., mode_a: _Optional[int] = ..., hash_a: _Optional[str] = ..., kind_b: _Optional[str] = ..., size_b: _Optional[int] = ..., mode_b: _Optional[int] = ..., hash_b: _Optional[str] = ...) -> None: ...
 
 class DiffResponse(_message.Message):
-    __slots__ = ("changes", "entries_a", "entries_b")
+    __slots__ = ("changes", "entries_a", "entries_b", "base", "content_a", "content_b", "found_a", "found_b")
     CHANGES_FIELD_NUMBER: _ClassVar[int]
     ENTRIES_A_FIELD_NUMBER: _ClassVar[int]
     ENTRIES_B_FIELD_NUMBER: _ClassVar[int]
+    BASE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_A_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_B_FIELD_NUMBER: _ClassVar[int]
+    FOUND_A_FIELD_NUMBER: _ClassVar[int]
+    FOUND_B_FIELD_NUMBER: _ClassVar[int]
     changes: _containers.RepeatedCompositeFieldContainer[DiffChange]
     entries_a: int
     entries_b: int
-    def __init__(self, changes: _Optional[_Iterable[_Union[DiffChange, _Mapping]]] = ..., entries_a: _Optional[int] = ..., entries_b: _Optional[int] = ...) -> None: ...
+    base: str
+    content_a: bytes
+    content_b: bytes
+    found_a: bool
+    found_b: bool
+    def __init__(self, changes: _Optional[_Iterable[_Union[DiffChange, _Mapping]]] = ..., entries_a: _Optional[int] = ..., entries_b: _Optional[int] = ..., base: _Optional[str] = ..., content_a: _Optional[bytes] = ..., content_b: _Optional[bytes] = ..., found_a: _Optional[bool] = ..., found_b: _Optional[bool] = ...) -> None: ...
 
 class ForkRequest(_message.Message):
     __slots__ = ("id", "count", "names", "name_prefix", "labels")

@@ -780,7 +780,9 @@ class SandvisorServiceServicer:
     def Diff(self, request, context):
         """--- diff (docs/fork.md) ---
         What differs between two sandboxes' trees under path: each guest packs only its own
-        tree, the host hashes and compares. RESOURCE_EXHAUSTED past a bound (entries, depth,
+        tree, the host hashes and compares. Or between a sandbox and its fork point (or a
+        snapshot): that side is the snapshot's disk, read on the host in a tool cell;
+        FAILED_PRECONDITION for a sandbox that was not forked. RESOURCE_EXHAUSTED past a bound (entries, depth,
         bytes hashed); INVALID_ARGUMENT for a malformed tree.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
