@@ -1,15 +1,20 @@
 """E2B's code interpreter (``e2b-code-interpreter``) on the E2B endpoint: the SDK's calls
 to port 49999 of a sandbox (``E2b-Sandbox-Port: 49999``), ``POST /execute`` and
 ``/contexts``, answered by the guest's kernel server (images/kernel_server.py: Jupyter
-kernels run with jupyter_client in the sandbox, speaking JSON lines on stdin/stdout).
+kernels run with jupyter_client in the sandbox, speaking JSON lines).
 
-The kernel server is an Exec of the supervisor (``python3 -c SOURCE``): it reaches the
-endpoint through the supervisor's channel, so the sandbox needs no network. One per
-sandbox, started at the first call (or at create, for the code-interpreter
-templates), owned by :class:`Kernels` (a task in the endpoint's nursery: cancelled,
-the Exec ends and the kernels with it); found by the sandbox's uid, so a later
-sandbox given the same id starts its own. It acts for the key that started it; every
-call is checked first by the endpoint (the key must see the sandbox).
+The kernel server is a service of the guest: a daemon listening on the guest's
+127.0.0.1:49999, started by ``python3 -c SOURCE start`` -- before a boot template of
+the code-interpreter image is saved (:func:`warmup_argv`, run by the pools), so
+sandboxes restored from it (and its warm pool's members) hold a started, warm kernel;
+or by the first call, when a sandbox booted without one. The host reaches it through
+one relay Exec per sandbox life (:data:`RELAY`: bash's ``/dev/tcp``, with the
+server's root-only token first; the sandbox needs no network), owned by
+:class:`Kernels` (a task in the endpoint's nursery: cancelled, the relay ends, the
+server and its kernels stay with the sandbox); found by the sandbox's uid, so a
+later sandbox given the same id gets its own. It acts for the key that started it;
+every call is checked first by the endpoint (the key must see the sandbox). What
+the guest sends is parsed here, bounded (:data:`LINE_MAX`) and routed by id.
 
 A cell whose client goes away (the SDK's ``timeout`` passed: it closes the
 connection) is interrupted in the kernel, so the next cell runs.
@@ -35,6 +40,14 @@ log = logging.getLogger("sandvisor.e2b")
 PORT = "49999"  # the code interpreter's port, as the SDK names it
 SOURCE = Path(__file__).resolve().parents[2] / "images" / "kernel_server.py"
 START_TIMEOUT_S = 300.0  # the kernel server's first kernel, under TCG
+# the relay: the server's port (or, if none listens, the server started first), the
+# token line, then the host's lines in and the server's out ($1: the server's source)
+RELAY = (
+    "{ exec 3<>/dev/tcp/127.0.0.1/49999; } 2>/dev/null || "
+    '{ python3 -c "$1" start || exit 1; exec 3<>/dev/tcp/127.0.0.1/49999 || exit 1; }\n'
+    "cat /run/sandvisor-kernels/token >&3 || exit 1\n"
+    "cat <&3 & cat >&3\nwait\n"
+)
 LINE_MAX = 64 << 20  # a line from the guest (a chart's PNG in base64) longer than this ends the server
 _CONTEXT = re.compile(r"^/contexts/([A-Za-z0-9_.-]{1,128})(/restart)?$")
 
@@ -56,7 +69,7 @@ class KernelHost:
         sb = self.target.handle()
         try:
             with self.target.client.acting():
-                async with sb.exec(["python3", "-c", source], workdir="/") as execd:
+                async with sb.exec(["bash", "-c", RELAY, "kernel-relay", source], workdir="/") as execd:
                     self.execd = execd
                     await self._read(execd)
         except errors.SandboxError as exc:
@@ -155,6 +168,12 @@ def _value(msg: dict[str, Any]) -> Any:
     return msg.get("value")
 
 
+def warmup_argv(source: str | None = None) -> tuple[str, ...]:
+    """What starts the kernel server in a fresh boot of the code-interpreter image,
+    before its boot template is saved (Settings.template_warmups)."""
+    return ("python3", "-c", source if source is not None else SOURCE.read_text(), "start")
+
+
 class Kernels:
     """The endpoint's kernel servers, one per sandbox uid, each a task in ``nursery``."""
 
@@ -234,6 +253,7 @@ async def execute(ex: Exchange, host: KernelHost) -> None:
         raise HttpError(400, "context_id and language: strings")
     if not isinstance(envs, dict) or not all(isinstance(v, str) for v in envs.values()):
         raise HttpError(400, "env_vars: a map of strings")
+    t0 = trio.current_time()
     rid, recv = await host.call("execute", code=code, context=context, language=language, envs=envs)
     refused: HttpError | None = None
     async with recv, trio.open_nursery() as nursery:
@@ -246,6 +266,14 @@ async def execute(ex: Exchange, host: KernelHost) -> None:
         gone = False
         async for msg in recv:
             if msg.get("done"):
+                guest_ms = msg.get("guest_ms")
+                if isinstance(guest_ms, float | int):  # (the guest's word: only logged)
+                    log.debug(
+                        "e2b: cell %d: %.1f ms here, %.1f in the guest",
+                        rid,
+                        (trio.current_time() - t0) * 1000,
+                        guest_ms,
+                    )
                 if not ex.started:
                     try:
                         _value(msg)  # (an error before any line: its status)

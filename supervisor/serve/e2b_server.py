@@ -68,6 +68,9 @@ DEFAULT_TIMEOUT = 300  # s: the SDK's own default sandbox timeout
 MAX_TIMEOUT = 24 * 3600
 DEFAULT_TEMPLATES = frozenset({"", "base", "default"})
 CODE_TEMPLATES = frozenset({"code-interpreter-v1", "code-interpreter"})
+# the first create of a code-interpreter configuration boots, then starts and warms its
+# kernel before its boot template is saved (actors/snapshots/pools.py): minutes under TCG
+CODE_CREATE_TIMEOUT_S = 900.0
 CODE_MEMORY_MIB = 1024  # a kernel with numpy, pandas and matplotlib loaded is ~150 MiB; a few contexts fit
 _ID = r"([A-Za-z0-9][A-Za-z0-9_.-]{0,127})"
 _ROUTES = [
@@ -327,6 +330,7 @@ class E2BApp:
             sb = await client.create(
                 rootfs=self.code_rootfs,
                 memory_mib=CODE_MEMORY_MIB,
+                timeout=CODE_CREATE_TIMEOUT_S,
                 labels=labels,
                 env=env,
                 ttl=ttl,
