@@ -42,10 +42,10 @@ its next cell, so sandboxes restored from one template do not share random strea
 (epoch seconds) is in its ``SANDVISOR_KERNEL_STARTED_AT``.
 """
 
+import base64
 import hmac
 import json
 import os
-import queue
 import secrets
 import socket
 import sys
@@ -78,6 +78,7 @@ DEFAULT_CWD = "/home/user"
 WARM_IMPORTS = ("numpy", "pandas", "matplotlib.pyplot", "matplotlib_inline.backend_inline")
 # the kernel's own set-up: no SQLite history (a write per cell, on the sandbox's disk)
 KERNEL_ARGS = ["--HistoryManager.enabled=False"]
+SHELL_VARS = frozenset({"PWD", "OLDPWD", "SHLVL", "_"})  # the relay's own, not the sandbox's
 RESEED = (
     "import random as _sv_r, sys as _sv_s\n_sv_r.seed()\n"
     "if 'numpy' in _sv_s.modules: _sv_s.modules['numpy'].random.seed()\ndel _sv_r, _sv_s\n"
@@ -110,6 +111,88 @@ class Conn:
                 self.closed = True
 
 
+class Wire:
+    """A kernel's shell and iopub sockets, spoken directly (Jupyter's wire protocol:
+    HMAC-signed multipart JSON): jupyter_client's blocking client runs an asyncio
+    loop per call and parses every date in every message, tens of ms per cell under
+    TCG. One thread at a time (the context's lock)."""
+
+    def __init__(self, info: dict[str, Any]) -> None:
+        import zmq
+
+        self.zmq = zmq
+        self.key = info["key"].encode() if isinstance(info["key"], str) else info["key"]
+        self.session = uuid.uuid4().hex
+        url = f"{info['transport']}://{info['ip']}:"
+        self.ctx = zmq.Context()
+        self.shell = self.ctx.socket(zmq.DEALER)
+        self.shell.linger = 0
+        self.shell.connect(url + str(info["shell_port"]))
+        self.iopub = self.ctx.socket(zmq.SUB)
+        self.iopub.linger = 0
+        self.iopub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.iopub.connect(url + str(info["iopub_port"]))
+        self.poller = zmq.Poller()
+        self.poller.register(self.iopub, zmq.POLLIN)
+        self.poller.register(self.shell, zmq.POLLIN)
+
+    def send(self, msg_type: str, content: dict[str, Any]) -> str:
+        msg_id = uuid.uuid4().hex
+        header = {
+            "msg_id": msg_id,
+            "msg_type": msg_type,
+            "username": "sandvisor",
+            "session": self.session,
+            "date": time.strftime("%Y-%m-%dT%H:%M:%S.000000Z", time.gmtime()),
+            "version": "5.3",
+        }
+        parts = [json.dumps(header).encode(), b"{}", b"{}", json.dumps(content).encode()]
+        sig = hmac.new(self.key, b"".join(parts), "sha256").hexdigest().encode()
+        self.shell.send_multipart([b"<IDS|MSG>", sig, *parts])
+        return msg_id
+
+    def execute(self, code: str, *, silent: bool = False, store_history: bool = True) -> str:
+        content = {
+            "code": code,
+            "silent": silent,
+            "store_history": store_history,
+            "user_expressions": {},
+            "allow_stdin": False,
+            "stop_on_error": False,
+        }
+        return self.send("execute_request", content)
+
+    def next(self, timeout: float) -> tuple[str, str, dict[str, Any]] | None:
+        """The next iopub message, (parent msg_id, msg_type, content); None after
+        ``timeout`` seconds without one (shell replies are read and dropped)."""
+        while True:
+            ready = dict(self.poller.poll(int(timeout * 1000)))
+            if not ready:
+                return None
+            if self.shell in ready:
+                self.shell.recv_multipart()
+            if self.iopub in ready:
+                frames = self.iopub.recv_multipart()
+                i = frames.index(b"<IDS|MSG>")
+                header, parent, content = (json.loads(f) for f in (frames[i + 2], frames[i + 3], frames[i + 5]))
+                return parent.get("msg_id", ""), header.get("msg_type", ""), content
+
+    def ready(self, timeout: float) -> None:
+        """Until iopub hears the kernel (a SUB socket misses what is published before
+        its subscription reaches the kernel)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.send("kernel_info_request", {})
+            if self.next(1.0) is not None:
+                while self.next(0.2) is not None:  # (the rest of those answers)
+                    pass
+                return
+        raise RuntimeError("the kernel's iopub is silent")
+
+    def close(self) -> None:
+        self.ctx.destroy(linger=0)
+
+
 class Context:
     def __init__(self, language: str | None, cwd: str | None, cid: str | None = None) -> None:
         kernel = LANGUAGES.get(language or "python")
@@ -121,8 +204,10 @@ class Context:
         os.makedirs(self.cwd, exist_ok=True)
         self.lock = threading.Lock()  # one cell at a time
         self.reseed = False
+        self.pending_env: dict[str, str] = {}  # set in the kernel before its next cell
+        self.pending_lock = threading.Lock()
         self.km: Any = None
-        self.kc: Any = None
+        self.wire: Wire | None = None
         self.start()
 
     def start(self) -> None:
@@ -136,13 +221,17 @@ class Context:
         )
         self.km = KernelManager(kernel_name="python3")
         self.km.start_kernel(cwd=self.cwd, env=env, extra_arguments=KERNEL_ARGS)
-        self.kc = self.km.client()
-        self.kc.start_channels()
-        self.kc.wait_for_ready(timeout=300)
+        kc = self.km.client()
+        kc.start_channels()
+        kc.wait_for_ready(timeout=300)
+        kc.stop_channels()
+        self.wire = Wire(self.km.get_connection_info())
+        self.wire.ready(60)
 
     def stop(self) -> None:
         try:
-            self.kc.stop_channels()
+            if self.wire is not None:
+                self.wire.close()
             self.km.shutdown_kernel(now=True)
         except Exception:  # (a kernel already gone)
             pass
@@ -176,30 +265,33 @@ class Context:
         silent: bool = False,
     ) -> None:
         with self.lock:
+            wire = self.wire
+            assert wire is not None
             setup = ""
             if self.reseed:
                 setup, self.reseed = RESEED, False
+            with self.pending_lock:
+                envs, self.pending_env = {**self.pending_env, **envs}, {}
             if envs:
                 setup += "import os as _o\n" + "".join(f"_o.environ[{k!r}] = {v!r}\n" for k, v in envs.items())
                 setup += "del _o\n"
             if setup:  # (its own request, not waited for: the kernel runs it first)
-                self.kc.execute(setup, silent=True, store_history=False)
-            msg_id = self.kc.execute(code, silent=silent, store_history=not silent)
+                wire.execute(setup, silent=True, store_history=False)
+            msg_id = wire.execute(code, silent=silent, store_history=not silent)
             deadline = time.monotonic() + timeout if timeout else None
             interrupted = False
             while True:
                 if not interrupted and (cancel.is_set() or (deadline is not None and time.monotonic() > deadline)):
                     self.km.interrupt_kernel()
                     interrupted = True
-                try:
-                    msg = self.kc.get_iopub_msg(timeout=0.1 if deadline or not interrupted else 1.0)
-                except queue.Empty:
+                got = wire.next(0.1 if deadline is not None or not interrupted else 1.0)
+                if got is None:
                     if not self.km.is_alive():
-                        raise Failure(500, "the kernel died") from None
+                        raise Failure(500, "the kernel died")
                     continue
-                if msg.get("parent_header", {}).get("msg_id") != msg_id:
+                parent, kind, content = got
+                if parent != msg_id:
                     continue
-                kind, content = msg["msg_type"], msg["content"]
                 if kind == "stream":
                     stream, text = content["name"], content["text"]  # (timestamp: ns since the epoch)
                     emit({"id": rid, "msg": {"type": stream, "text": text, "timestamp": time.time_ns()}})
@@ -254,6 +346,23 @@ class Server:
             with self.guard:
                 ctx = self.default.setdefault(lang, ctx)
         return ctx
+
+    def environ(self, encoded: bytes) -> None:
+        """The relay's environment (the sandbox's, as its Execs get it; base64 of
+        ``env -0``): what differs from the server's own goes into every kernel before
+        its next cell, and into kernels started later (a template's kernel predates
+        the sandbox's own variables)."""
+        try:
+            pairs = [p.split("=", 1) for p in base64.b64decode(encoded).decode().split("\0") if "=" in p]
+        except ValueError:
+            return
+        new = {k: v for k, v in pairs if k not in SHELL_VARS and os.environ.get(k) != v}
+        if not new:
+            return
+        os.environ.update(new)
+        for ctx in self.every():
+            with ctx.pending_lock:
+                ctx.pending_env.update(new)
 
     def every(self) -> list[Context]:
         with self.guard:
@@ -323,6 +432,9 @@ class Server:
                 line = reader.readline(LINE_MAX + 1)
                 if not line or len(line) > LINE_MAX:
                     return
+                if line.startswith(b"ENV "):
+                    self.environ(line[4:])
+                    continue
                 try:
                     req = json.loads(line)
                 except ValueError:

@@ -41,11 +41,13 @@ PORT = "49999"  # the code interpreter's port, as the SDK names it
 SOURCE = Path(__file__).resolve().parents[2] / "images" / "kernel_server.py"
 START_TIMEOUT_S = 300.0  # the kernel server's first kernel, under TCG
 # the relay: the server's port (or, if none listens, the server started first), the
-# token line, then the host's lines in and the server's out ($1: the server's source)
+# token line, the sandbox's environment (a template's kernels predate it), then the
+# host's lines in and the server's out ($1: the server's source)
 RELAY = (
     "{ exec 3<>/dev/tcp/127.0.0.1/49999; } 2>/dev/null || "
     '{ python3 -c "$1" start || exit 1; exec 3<>/dev/tcp/127.0.0.1/49999 || exit 1; }\n'
     "cat /run/sandvisor-kernels/token >&3 || exit 1\n"
+    "printf 'ENV %s\\n' \"$(env -0 | base64 -w0)\" >&3\n"
     "cat <&3 & cat >&3\nwait\n"
 )
 LINE_MAX = 64 << 20  # a line from the guest (a chart's PNG in base64) longer than this ends the server

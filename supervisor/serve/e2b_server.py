@@ -327,16 +327,20 @@ class E2BApp:
             )
         snapshot = None if template in DEFAULT_TEMPLATES or code else await self._template(client, template)
         if code:
-            sb = await client.create(
-                rootfs=self.code_rootfs,
-                memory_mib=CODE_MEMORY_MIB,
-                timeout=CODE_CREATE_TIMEOUT_S,
-                labels=labels,
-                env=env,
-                ttl=ttl,
-                ttl_action="remove",
-                **net.kwargs,
-            )
+            # (shielded: a client that gives up on the first create, which waits for the
+            # warm-up, does not cancel it, so the template is saved; the sandbox then
+            # ends by its TTL)
+            with trio.CancelScope(shield=True):
+                sb = await client.create(
+                    rootfs=self.code_rootfs,
+                    memory_mib=CODE_MEMORY_MIB,
+                    timeout=CODE_CREATE_TIMEOUT_S,
+                    labels=labels,
+                    env=env,
+                    ttl=ttl,
+                    ttl_action="remove",
+                    **net.kwargs,
+                )
         elif snapshot is not None:
             if env:
                 raise HttpError(400, "envVars: not supported for a snapshot template (it keeps its own)")
