@@ -1,8 +1,12 @@
-"""The guest's kernel server: Jupyter kernels run with jupyter_client inside a sandbox.
+"""The guest's kernel server: Jupyter kernels (ipykernel) run inside a sandbox.
 
 This file's source is what runs in the guest (``python3 -c SOURCE start``, through an
 Exec of the supervisor: :mod:`supervisor.serve.e2b_kernels`); it imports only the
-guest image's packages (the code-interpreter profile: ipykernel, jupyter_client).
+guest image's packages (the code-interpreter profile: ipykernel, pyzmq). It launches
+each kernel itself (a connection file of its own, ipykernel without its debugger)
+and speaks Jupyter's wire protocol to it directly: no jupyter_client, whose imports,
+kernel-spec and provisioner scans and per-call asyncio loops cost seconds to start a
+kernel and tens of milliseconds a cell under TCG.
 
 It is a service of the guest, not of one Exec: ``start`` forks a daemon (its own
 session, stdio on /dev/null) that listens on ``127.0.0.1:49999`` (the port E2B's code
@@ -47,7 +51,9 @@ import hmac
 import json
 import os
 import secrets
+import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -76,7 +82,13 @@ DEFAULT_CWD = "/home/user"
 # imported in the default kernel before the server takes connections (into sys.modules,
 # not the cell's namespace): a chart's first cell does not pay for them
 WARM_IMPORTS = ("numpy", "pandas", "matplotlib.pyplot", "matplotlib_inline.backend_inline")
-# the kernel's own set-up: no SQLite history (a write per cell, on the sandbox's disk)
+# the kernel: ipykernel as its kernel spec starts it, but without debugpy (the
+# debugger: seconds of imports under TCG, and work in every cell) and without the
+# SQLite history (a write per cell, on the sandbox's disk)
+KERNEL_MAIN = (
+    "import sys; sys.modules['debugpy'] = None\n"
+    "from ipykernel.kernelapp import launch_new_instance\nlaunch_new_instance()\n"
+)
 KERNEL_ARGS = ["--HistoryManager.enabled=False"]
 SHELL_VARS = frozenset({"PWD", "OLDPWD", "SHLVL", "_"})  # the relay's own, not the sandbox's
 RESEED = (
@@ -177,11 +189,13 @@ class Wire:
                 header, parent, content = (json.loads(f) for f in (frames[i + 2], frames[i + 3], frames[i + 5]))
                 return parent.get("msg_id", ""), header.get("msg_type", ""), content
 
-    def ready(self, timeout: float) -> None:
+    def ready(self, timeout: float, proc: Any) -> None:
         """Until iopub hears the kernel (a SUB socket misses what is published before
         its subscription reaches the kernel)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the kernel exited ({proc.returncode})")
             self.send("kernel_info_request", {})
             if self.next(1.0) is not None:
                 while self.next(0.2) is not None:  # (the rest of those answers)
@@ -206,34 +220,68 @@ class Context:
         self.reseed = False
         self.pending_env: dict[str, str] = {}  # set in the kernel before its next cell
         self.pending_lock = threading.Lock()
-        self.km: Any = None
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.conn_file = ""
         self.wire: Wire | None = None
         self.start()
 
     def start(self) -> None:
-        from jupyter_client.manager import KernelManager
-
+        """Launch the kernel (ipykernel, as its kernel spec does) on a connection file
+        of our own and wait until it answers."""
+        ports = []
+        for _ in range(5):  # shell, iopub, stdin, control, heartbeat
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                ports.append(s.getsockname()[1])
+        info = dict(zip(("shell_port", "iopub_port", "stdin_port", "control_port", "hb_port"), ports, strict=True))
+        info.update(ip="127.0.0.1", transport="tcp", signature_scheme="hmac-sha256", kernel_name="python3")
+        info["key"] = uuid.uuid4().hex
+        path = os.path.join(RUN_DIR, f"kernel-{uuid.uuid4().hex}.json")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(info, f)
         env = dict(
             os.environ,
             MPLBACKEND="module://matplotlib_inline.backend_inline",
             PYTHONUNBUFFERED="1",
             SANDVISOR_KERNEL_STARTED_AT=repr(time.time()),
         )
-        self.km = KernelManager(kernel_name="python3")
-        self.km.start_kernel(cwd=self.cwd, env=env, extra_arguments=KERNEL_ARGS)
-        kc = self.km.client()
-        kc.start_channels()
-        kc.wait_for_ready(timeout=300)
-        kc.stop_channels()
-        self.wire = Wire(self.km.get_connection_info())
-        self.wire.ready(60)
+        self.conn_file = path
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", KERNEL_MAIN, "-f", path, *KERNEL_ARGS],
+            cwd=self.cwd,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        self.wire = Wire(info)
+        try:
+            self.wire.ready(300, self.proc)
+        except BaseException:
+            self.stop()
+            raise
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def interrupt(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGINT)  # (as jupyter_client does: the cell's children too)
 
     def stop(self) -> None:
+        if self.wire is not None:
+            self.wire.close()
+            self.wire = None
+        if self.proc is not None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)  # (the kernel and what its cells started)
+            except OSError:
+                pass
+            self.proc.wait()
+            self.proc = None
         try:
-            if self.wire is not None:
-                self.wire.close()
-            self.km.shutdown_kernel(now=True)
-        except Exception:  # (a kernel already gone)
+            os.unlink(self.conn_file)
+        except OSError:
             pass
 
     def restart(self) -> None:
@@ -282,11 +330,11 @@ class Context:
             interrupted = False
             while True:
                 if not interrupted and (cancel.is_set() or (deadline is not None and time.monotonic() > deadline)):
-                    self.km.interrupt_kernel()
+                    self.interrupt()
                     interrupted = True
                 got = wire.next(0.1 if deadline is not None or not interrupted else 1.0)
                 if got is None:
-                    if not self.km.is_alive():
+                    if not self.alive():
                         raise Failure(500, "the kernel died")
                     continue
                 parent, kind, content = got
@@ -487,10 +535,14 @@ def daemon(ready: int) -> None:
     os.rename(tmp, TOKEN)
     lsock.listen(64)  # (a relay that connects now waits in the backlog until the kernel is warm)
     server = Server()
+    t0 = time.monotonic()
     try:
         ctx = Context("python", DEFAULT_CWD, cid="default-python")
         server.default["python"] = ctx
+        sys.stderr.write(f"kernel server: the default kernel answered after {time.monotonic() - t0:.1f} s\n")
         ctx.warm(WARM_IMPORTS)
+        sys.stderr.write(f"kernel server: warm after {time.monotonic() - t0:.1f} s\n")
+        sys.stderr.flush()
     except Exception as exc:
         os.write(ready, f"failed: {type(exc).__name__}: {exc}\n".encode())
         return
