@@ -301,6 +301,30 @@ class Context:
         for cell in (code, "1+1"):
             self.execute(None, cell, {}, 300, threading.Event(), lambda _: None, silent=True)
 
+    def _setup(self, wire: Wire, envs: dict[str, str]) -> None:
+        """A new life's reseed and variables, and a cell's ``envs``: a silent request
+        of their own, not waited for (the kernel runs it first). Under the lock."""
+        setup = ""
+        if self.reseed:
+            setup, self.reseed = RESEED, False
+        with self.pending_lock:
+            envs, self.pending_env = {**self.pending_env, **envs}, {}
+        if envs:
+            setup += "import os as _o\n" + "".join(f"_o.environ[{k!r}] = {v!r}\n" for k, v in envs.items())
+            setup += "del _o\n"
+        if setup:
+            wire.execute(setup, silent=True, store_history=False)
+
+    def prime(self) -> None:
+        """Send the set-up now, if no cell runs: the kernel does it before the first
+        cell comes (a relay connects at create)."""
+        if self.lock.acquire(blocking=False):
+            try:
+                if self.wire is not None:
+                    self._setup(self.wire, {})
+            finally:
+                self.lock.release()
+
     def execute(
         self,
         rid: Any,
@@ -315,16 +339,7 @@ class Context:
         with self.lock:
             wire = self.wire
             assert wire is not None
-            setup = ""
-            if self.reseed:
-                setup, self.reseed = RESEED, False
-            with self.pending_lock:
-                envs, self.pending_env = {**self.pending_env, **envs}, {}
-            if envs:
-                setup += "import os as _o\n" + "".join(f"_o.environ[{k!r}] = {v!r}\n" for k, v in envs.items())
-                setup += "del _o\n"
-            if setup:  # (its own request, not waited for: the kernel runs it first)
-                wire.execute(setup, silent=True, store_history=False)
+            self._setup(wire, envs)
             msg_id = wire.execute(code, silent=silent, store_history=not silent)
             deadline = time.monotonic() + timeout if timeout else None
             interrupted = False
@@ -482,6 +497,8 @@ class Server:
                     return
                 if line.startswith(b"ENV "):
                     self.environ(line[4:])
+                    for ctx in self.every():
+                        ctx.prime()
                     continue
                 try:
                     req = json.loads(line)

@@ -33,6 +33,7 @@ import attrs
 import trio
 
 from supervisor.serve.e2b_http import Exchange, HttpError
+from supervisor.serve.e2b_user import _ENSURE as ENSURE_USER  # (the script the endpoint runs at create)
 from supervisor.wire import errors
 
 log = logging.getLogger("sandvisor.e2b")
@@ -172,8 +173,13 @@ def _value(msg: dict[str, Any]) -> Any:
 
 def warmup_argv(source: str | None = None) -> tuple[str, ...]:
     """What starts the kernel server in a fresh boot of the code-interpreter image,
-    before its boot template is saved (Settings.template_warmups)."""
-    return ("python3", "-c", source if source is not None else SOURCE.read_text(), "start")
+    before its boot template is saved (Settings.template_warmups): E2B's ``user``
+    made first (as the endpoint makes it: its home is not the root-owned directory the
+    server would make for its kernels' cwd, and restores need no useradd), then the
+    server started and warm."""
+    text = source if source is not None else SOURCE.read_text()
+    script = f'( {ENSURE_USER} ) || exit 1\nexec python3 -c "$1" start\n'
+    return ("/bin/sh", "-c", script, "kernel-warmup", text)
 
 
 class Kernels:

@@ -31,8 +31,9 @@ def _pools(tmp_path: Path, warmups: dict[str, tuple[str, ...]]) -> Pools:
     return Pools(settings, SnapshotStore(tmp_path / "snapshots", Store(tmp_path / "db.sqlite"), set))
 
 
-def _config(**boot: str) -> SandboxConfig:
-    return SandboxConfig(boot=BootSource(**boot), limits=LIMITS)
+def _config(rootfs: str = "", kernel: str = "", boot_args: str = "", rootfs_fstype: str = "") -> SandboxConfig:
+    boot = BootSource(kernel=kernel, rootfs=rootfs, boot_args=boot_args, rootfs_fstype=rootfs_fstype)
+    return SandboxConfig(boot=boot, limits=LIMITS)
 
 
 def test_a_served_rootfs_with_a_warmup_has_a_template_key(tmp_path: Path) -> None:

@@ -200,3 +200,10 @@ def test_other_users_cannot_drive_the_kernel_server(box: Sandbox) -> None:
     assert r.stdout.strip() == "b''"  # closed, unanswered
     with pytest.raises(CommandExitException):
         box.commands.run("cat /run/sandvisor-kernels/token", user="user", timeout=60)
+
+
+def test_the_default_user_owns_its_home(box: Sandbox) -> None:
+    """The template's warm-up makes E2B's ``user`` before the kernel server (which would
+    make the kernels' cwd, /home/user, as root): commands as ``user`` write there."""
+    r = box.commands.run("touch /home/user/mine && stat -c %U /home/user /home/user/mine", user="user", timeout=60)
+    assert r.stdout.split() == ["user", "user"]
