@@ -66,6 +66,10 @@ class Settings:
     # the guest's writable file systems frozen (FIFREEZE) while a pause or checkpoint
     # captures the disk, so the captured disk is clean (serve --no-fs-freeze: off)
     freeze_fs: bool = True
+    # rootfs files (resolved paths) whose fresh boots get a boot template after this
+    # command ran in the guest to completion (serve --e2b: the code-interpreter image's
+    # kernel server, started and warm; actors/snapshots/pools.py)
+    template_warmups: Mapping[str, tuple[str, ...]] = attrs.field(factory=dict)
 
     def check_bind_address(self, address: str) -> None:
         bindaddr.check(address, self.expose_address, self.port_addresses)

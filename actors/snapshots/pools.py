@@ -3,9 +3,12 @@
 Boot templates: a configuration is keyed by what a fresh boot depends on
 (accelerator, image parts, memory, vCPUs, network mode and outbound, RAM mapped or
 anonymous); configurations with their own kernel, rootfs or boot arguments always
-boot. The first Create of a key boots, and at its first ready -- before the caller's
-ports, initial command or any call -- the sandbox is checkpointed as a hidden
-snapshot (``template_key`` set). Later Creates of the key restore it
+boot, but for a rootfs the supervisor serves with a warm-up command
+(``Settings.template_warmups``: the code-interpreter image's kernel server), keyed
+by its path and the command too, whose template is saved once the command ran.
+The first Create of a key boots, and at its first ready -- after the warm-up,
+before the caller's ports, initial command or any call -- the sandbox is
+checkpointed as a hidden snapshot (``template_key`` set). Later Creates of the key restore it
 (:class:`~actors.sandboxes.sandbox.Resume` with a fallback): one that fails to restore is
 dropped, the Create boots instead, and the key boots until the supervisor restarts.
 
@@ -34,6 +37,7 @@ from typing import Protocol
 
 import trio
 
+from actors.channel.guest import GuestError
 from actors.crash import crash_point
 from actors.errors import DomainError
 from actors.model import ImageUse, Limits, MemoryKind, SandboxConfig, State
@@ -48,6 +52,7 @@ STALE = "the image, the accelerator or the machine's devices changed"
 # a template whose restores time out this many times is replaced (a busy host makes a
 # restore late; a broken template fails every time, and not by a timeout)
 TRANSIENT_FAILURES = 3
+WARMUP_TIMEOUT_S = 600.0  # a template's warm-up (the code-interpreter's kernel, under a busy TCG)
 
 
 def takeable(m: Sandbox) -> bool:
@@ -101,7 +106,8 @@ class Pools:
         (own kernel, rootfs or boot arguments). The hostname, env, cmd, ports, TTL...
         are set after the boot anyway. An OCI image counts by its converted file.
         ``limits``: the sandbox's effective ones (its record's)."""
-        if not self.templates or config.boot.custom or config.volumes or config.host_mounts:
+        warmup = self.warmup(config)
+        if not self.templates or (config.boot.custom and warmup is None) or config.volumes or config.host_mounts:
             return None  # (volumes, host directories: devices a template's machine lacks; microvm has no hotplug)
         s = self.settings
         if limits.vcpu_ceiling > limits.vcpus or limits.memory_ceiling > limits.memory_mib or limits.disk_mib:
@@ -116,7 +122,17 @@ class Pools:
             "outbound" if config.network.outbound else "",
             "mapped" if s.memory_dir is not None else "anon",
         ]
+        if warmup is not None:
+            parts += [config.boot.rootfs, hashlib.sha256("\0".join(warmup).encode()).hexdigest()]
         return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+
+    def warmup(self, config: SandboxConfig) -> tuple[str, ...] | None:
+        """The command a fresh boot of ``config`` runs before its template is saved:
+        only for a served rootfs with one (no own kernel or boot arguments)."""
+        b = config.boot
+        if not b.rootfs or b.kernel or b.boot_args or b.image or b.rootfs_fstype:
+            return None
+        return self.settings.template_warmups.get(b.rootfs)
 
     def template(self, key: str) -> SnapshotRecord | None:
         for r in self.snapshots.templates():
@@ -170,6 +186,10 @@ class Pools:
         # what a restore of the template inherits: only what the key covers (the limits
         # as its machine has them: a member of it gets no defaults of a later supervisor)
         config = SandboxConfig(limits=sb.limits, network=sb.config.network)
+        warmup = self.warmup(sb.config)
+        if warmup is not None and not await self._warm(key, sb, warmup):
+            self._pending.pop(key, None)
+            return
         try:
             _, ck = await self.snapshots.take(
                 sb.checkpoint_first_boot,
@@ -186,6 +206,25 @@ class Pools:
             self._pending.pop(key, None)
         sb.log.append("system", f"boot template {key} saved (paused {ck.paused_s * 1000:.0f} ms)".encode())
         self._wake.set()
+
+    async def _warm(self, key: str, sb: Sandbox, argv: tuple[str, ...]) -> bool:
+        """Run a template's warm-up in its fresh boot; failing costs only the template."""
+        guest = sb.guest
+        if guest is None:
+            return False
+        t = time.monotonic()
+        try:
+            res = await guest.channel.run(list(argv), cwd="/", timeout=WARMUP_TIMEOUT_S, max_output=64 << 10)
+        except GuestError as exc:
+            log.warning("boot template %s: warm-up failed: %s", key, exc)
+            return False
+        if res.exit_code != 0:
+            why = res.stderr.decode(errors="replace").strip()[-500:]
+            log.warning("boot template %s: warm-up exited %s: %s", key, res.exit_code, why)
+            sb.log.append("system", f"boot template {key}: warm-up exited {res.exit_code}".encode())
+            return False
+        sb.log.append("system", f"boot template {key}: warmed up in {time.monotonic() - t:.1f} s".encode())
+        return True
 
     def _template_failed(self, tpl: SnapshotRecord, why: str, transient: bool = False) -> None:
         """A template that does not restore is dropped (its files go once unused), and

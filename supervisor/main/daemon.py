@@ -47,6 +47,7 @@ from images.profiles import load_profile
 from images.refs import RefPolicy
 from supervisor.main.daemon_config import DaemonConfig
 from supervisor.main.notify import Notifier
+from supervisor.serve.e2b_kernels import warmup_argv
 from supervisor.serve.eventlog import EventLog
 from supervisor.serve.grpc_addresses import Address, TcpAddress
 from supervisor.serve.grpc_service import addresses, build_edge, call_principal, tcp_auth
@@ -395,10 +396,13 @@ async def _serve_locked(cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Re
     _layout(cfg, cfg.run_root or default_run_root(), qemu_user.name if qemu_user is not None else None)
     accel = resolve_accel(cfg.accel)
     image = await trio.to_thread.run_sync(default_image, cfg.state_dir)
-    # the E2B endpoint's code-interpreter template boots the profile's rootfs, if built
-    # (sandvisor image build --profile code-interpreter): its part directory is allowed
-    code_image = load_profile("code-interpreter", cfg.state_dir / "images") if e2b_at is not None else None
+    # the code-interpreter profile's rootfs, if built (sandvisor image build --profile
+    # code-interpreter): its part directory is allowed as a Create's root disk (the E2B
+    # endpoint's code-interpreter templates boot it; so may any caller: a public part)
+    code_image = load_profile("code-interpreter", cfg.state_dir / "images")
     served_roots = (code_image.rootfs.resolve().parent,) if code_image is not None else ()
+    # ... and its boot templates hold the kernel server, started and warm
+    warmups = {str(code_image.rootfs.resolve()): warmup_argv()} if code_image is not None else {}
     memory_dir = None if cfg.anonymous_memory else (cfg.memory_dir or default_memory_dir(cfg.state_dir))
     cells = None
     if built is not None:
@@ -457,6 +461,7 @@ async def _serve_locked(cfg: DaemonConfig, task_status: trio.TaskStatus[tuple[Re
         port_addresses=cfg.port_addresses,
         network_profiles=network_profiles(cfg),
         freeze_fs=cfg.freeze_fs,
+        template_warmups=warmups,
     )
     log.info(
         "serving on %s (state %s, accel %s, QEMU %s)",

@@ -3,14 +3,12 @@ to port 49999 of a sandbox (``E2b-Sandbox-Port: 49999``), ``POST /execute`` and
 ``/contexts``, answered by the guest's kernel server (images/kernel_server.py: Jupyter
 kernels run with jupyter_client in the sandbox, speaking JSON lines on stdin/stdout).
 
-The kernel server is an Exec of the supervisor (``python3 -c SOURCE``): it reaches the
-endpoint through the supervisor's channel, so the sandbox needs no network. One per
-sandbox, started at the first call (or at create, for the code-interpreter
-templates), owned by :class:`Kernels` (:mod:`supervisor.serve.kernels`, the runtime
-sandvisor's own edges share; a task in the endpoint's nursery: cancelled,
-the Exec ends and the kernels with it); found by the sandbox's uid, so a later
-sandbox given the same id starts its own. It acts for the key that started it; every
-call is checked first by the endpoint (the key must see the sandbox).
+The kernel server is a service of the guest (:mod:`supervisor.serve.kernels`, the
+runtime sandvisor's own edges share): started before the code-interpreter image's
+boot template is saved (:func:`warmup_argv`), so its sandboxes hold a warm kernel, or
+by the first call; reached through one relay Exec per sandbox life, which acts for
+the key that started it; every call is checked first by the endpoint (the key must
+see the sandbox).
 
 A cell whose client goes away (the SDK's ``timeout`` passed: it closes the
 connection) is interrupted in the kernel, so the next cell runs.
@@ -25,9 +23,10 @@ from typing import Any
 import trio
 
 from supervisor.serve.e2b_http import Exchange, HttpError
+from supervisor.serve.e2b_user import ENSURE as ENSURE_USER  # (the script the endpoint runs at create)
 from supervisor.serve.kernels import SOURCE, KernelError, KernelHost, Kernels, value_of
 
-__all__ = ["PORT", "SOURCE", "KernelHost", "Kernels", "execute", "serve"]
+__all__ = ["PORT", "SOURCE", "KernelHost", "Kernels", "execute", "serve", "warmup_argv"]
 
 PORT = "49999"  # the code interpreter's port, as the SDK names it
 _CONTEXT = re.compile(r"^/contexts/([A-Za-z0-9_.-]{1,128})(/restart)?$")
@@ -38,6 +37,17 @@ def _value(msg: dict[str, Any]) -> Any:
         return value_of(msg)
     except KernelError as err:
         raise HttpError(err.status, err.message) from None
+
+
+def warmup_argv(source: str | None = None) -> tuple[str, ...]:
+    """What starts the kernel server in a fresh boot of the code-interpreter image,
+    before its boot template is saved (Settings.template_warmups): E2B's ``user``
+    made first (as the endpoint makes it: its home is not the root-owned directory the
+    server would make for its kernels' cwd, and restores need no useradd), then the
+    server started and warm."""
+    text = source if source is not None else SOURCE.read_text()
+    script = f'( {ENSURE_USER} ) || exit 1\nexec python3 -c "$1" start\n'
+    return ("/bin/sh", "-c", script, "kernel-warmup", text)
 
 
 async def serve(ex: Exchange, kernels: Kernels, target: Any) -> None:

@@ -70,6 +70,9 @@ DEFAULT_TIMEOUT = 300  # s: the SDK's own default sandbox timeout
 MAX_TIMEOUT = 24 * 3600
 DEFAULT_TEMPLATES = frozenset({"", "base", "default"})
 CODE_TEMPLATES = frozenset({"code-interpreter-v1", "code-interpreter"})
+# the first create of a code-interpreter configuration boots, then starts and warms its
+# kernel before its boot template is saved (actors/snapshots/pools.py): minutes under TCG
+CODE_CREATE_TIMEOUT_S = 900.0
 CODE_MEMORY_MIB = 1024  # a kernel with numpy, pandas and matplotlib loaded is ~150 MiB; a few contexts fit
 _ID = r"([A-Za-z0-9][A-Za-z0-9_.-]{0,127})"
 _ROUTES = [
@@ -341,15 +344,20 @@ class E2BApp:
             )
         snapshot = None if template in DEFAULT_TEMPLATES or code else await self._template(client, template)
         if code:
-            sb = await client.create(
-                rootfs=self.code_rootfs,
-                memory_mib=CODE_MEMORY_MIB,
-                labels=labels,
-                env=env,
-                ttl=ttl,
-                ttl_action="remove",
-                **net.kwargs,
-            )
+            # (shielded: a client that gives up on the first create, which waits for the
+            # warm-up, does not cancel it, so the template is saved; the sandbox then
+            # ends by its TTL)
+            with trio.CancelScope(shield=True):
+                sb = await client.create(
+                    rootfs=self.code_rootfs,
+                    memory_mib=CODE_MEMORY_MIB,
+                    timeout=CODE_CREATE_TIMEOUT_S,
+                    labels=labels,
+                    env=env,
+                    ttl=ttl,
+                    ttl_action="remove",
+                    **net.kwargs,
+                )
         elif snapshot is not None:
             if env:
                 raise HttpError(400, "envVars: not supported for a snapshot template (it keeps its own)")

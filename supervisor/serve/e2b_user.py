@@ -22,7 +22,7 @@ DEFAULT_USER = "user"
 HOME = "/home/user"
 
 # idempotent; run as root in the guest
-_ENSURE = r"""
+ENSURE = r"""
 id -u user >/dev/null 2>&1 && exit 0
 if command -v useradd >/dev/null 2>&1; then
   useradd -m -U -s /bin/bash user 2>/dev/null || useradd -m -s /bin/sh user
@@ -51,7 +51,7 @@ class Users:
         async with self._lock:
             if uid in self.ready:
                 return
-            r = await exec_collect(sb, ["/bin/sh", "-c", _ENSURE], "root")
+            r = await exec_collect(sb, ["/bin/sh", "-c", ENSURE], "root")
             if r.exit_code != 0:
                 msg = r.stderr.decode("utf-8", "replace").strip()[-300:]
                 raise errors.FailedPrecondition(

@@ -2,12 +2,17 @@
 (images/kernel_server.py: Jupyter kernels run with jupyter_client in the sandbox,
 speaking JSON lines on stdin/stdout) and the table of them, one per sandbox.
 
-The kernel server is an Exec (``python3 -c SOURCE``) through the target's client: it
-reaches the host through the supervisor's channel, so the sandbox needs no network.
-One per sandbox, started at the first call (or at create, for the E2B endpoint's
-code-interpreter templates), owned by :class:`Kernels` (a task in its nursery:
-cancelled, the Exec ends and the kernels with it); found by the sandbox's uid, so a
-later sandbox given the same id starts its own. Each edge checks the caller first
+The kernel server is a service of the guest: a daemon listening on the guest's
+127.0.0.1:49999, started by ``python3 -c SOURCE start`` -- before a boot template of
+the code-interpreter image is saved (:func:`supervisor.serve.e2b_kernels.warmup_argv`,
+run by the pools), so sandboxes restored from it (and its warm pool's members) hold a
+started, warm kernel; or by the first call, when a sandbox booted without one. The
+host reaches it through one relay Exec per sandbox life (:data:`RELAY`: bash's
+``/dev/tcp``, with the server's root-only token first; the sandbox needs no network)
+through the target's client, owned by :class:`Kernels` (a task in its nursery:
+cancelled, the relay ends, the server and its kernels stay with the sandbox); found by
+the sandbox's uid, so a later sandbox given the same id gets its own. What the guest
+sends is parsed here, bounded (:data:`LINE_MAX`) and routed by id. Each edge checks the caller first
 (it must be allowed to exec in the sandbox) and maps :class:`KernelError` to its
 wire: the E2B endpoint (:mod:`supervisor.serve.e2b_kernels`) to HTTP statuses, the
 method table (:mod:`supervisor.serve.api_code`) to sandbox.v1's codes.
@@ -36,6 +41,16 @@ log = logging.getLogger("sandvisor.kernels")
 
 SOURCE = Path(__file__).resolve().parents[2] / "images" / "kernel_server.py"
 START_TIMEOUT_S = 300.0  # the kernel server's first kernel, under TCG
+# the relay: the server's port (or, if none listens, the server started first), the
+# token line, the sandbox's environment (a template's kernels predate it), then the
+# host's lines in and the server's out ($1: the server's source)
+RELAY = (
+    "{ exec 3<>/dev/tcp/127.0.0.1/49999; } 2>/dev/null || "
+    '{ python3 -c "$1" start || exit 1; exec 3<>/dev/tcp/127.0.0.1/49999 || exit 1; }\n'
+    "cat /run/sandvisor-kernels/token >&3 || exit 1\n"
+    "printf 'ENV %s\\n' \"$(env -0 | base64 -w0)\" >&3\n"
+    "cat <&3 & cat >&3\nwait\n"
+)
 LINE_MAX = 64 << 20  # a line from the guest (a chart's PNG in base64) longer than this ends the server
 
 
@@ -67,7 +82,7 @@ class KernelHost:
         sb = self.target.handle()
         try:
             with self.target.client.acting():
-                async with sb.exec(["python3", "-c", source], workdir="/") as execd:
+                async with sb.exec(["bash", "-c", RELAY, "kernel-relay", source], workdir="/") as execd:
                     self.execd = execd
                     await self._read(execd)
         except errors.SandboxError as exc:

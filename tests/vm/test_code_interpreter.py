@@ -5,12 +5,16 @@ built once per session into the shared image cache), and its cells run in Jupyte
 kernels in the guest. State persists between cells; a matplotlib chart comes back as a
 PNG; stdout streams before the cell ends; errors have their name and traceback;
 contexts are separate kernels, restart clears one; a cell past its timeout is
-interrupted and the next one runs; a call without the sandbox's token is refused."""
+interrupted and the next one runs; a call without the sandbox's token is refused.
+The module's first sandbox boots and saves the image's boot template with its kernel
+server started and warm: later creates restore it, and their first cell runs in a
+kernel started before they were asked for, each sandbox with its own state."""
 
 from __future__ import annotations
 
 import base64
 import struct
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,7 +23,7 @@ import pytest
 ci = pytest.importorskip("e2b_code_interpreter")
 httpx = pytest.importorskip("httpx")
 
-from e2b import NotFoundException, TimeoutException  # noqa: E402
+from e2b import CommandExitException, NotFoundException, TimeoutException  # noqa: E402
 from e2b_code_interpreter import Sandbox  # noqa: E402
 
 from images.build import Builder, default_cache, hold_parts  # noqa: E402
@@ -151,3 +155,55 @@ def test_a_call_without_the_token_is_refused(box: Sandbox, endpoint: str) -> Non
             timeout=60,
         )
         assert r.status_code == 401
+
+
+def test_a_create_from_the_template_finds_its_kernel_started(box: Sandbox, opts: dict[str, Any]) -> None:
+    """``box`` booted and saved the template (its kernel started and warm before the
+    checkpoint); two creates after it restore that template: the kernel their first
+    cell runs in started before they were asked for (the same process, restored
+    twice), sees the create's variables, and each has its own variables and random
+    stream."""
+    before = time.time()
+    a = Sandbox.create(timeout=600, envs={"SV_CREATE_VAR": "from-create"}, **opts)
+    try:
+        b = Sandbox.create(timeout=600, **opts)
+        try:
+            probe = "import os; (float(os.environ['SANDVISOR_KERNEL_STARTED_AT']), os.getpid())"
+            (started_a, pid_a), (started_b, pid_b) = (eval(sb.run_code(probe, timeout=120).text) for sb in (a, b))
+            assert started_a < before and started_b < before
+            assert pid_a == pid_b
+            a.run_code("v = 'a'")
+            b.run_code("v = 'b'")
+            assert (a.run_code("v").text, b.run_code("v").text) == ("'a'", "'b'")
+            # the create's variables reach the kernel that predates them
+            assert a.run_code("import os; os.environ.get('SV_CREATE_VAR')").text == "'from-create'"
+            draw = "import random; random.getrandbits(64)"
+            assert a.run_code(draw).text != b.run_code(draw).text
+        finally:
+            b.kill()
+    finally:
+        a.kill()
+
+
+def test_other_users_cannot_drive_the_kernel_server(box: Sandbox) -> None:
+    """The server's port takes a connection only with its root-only token first: E2B's
+    ``user`` (who runs commands) can neither read the token nor be served without it."""
+    box.files.write(
+        "/tmp/knock.py",
+        "import socket\n"
+        "s = socket.create_connection(('127.0.0.1', 49999))\n"
+        "s.sendall(b'0' * 64 + b'\\n' + b'{\"id\": 1, \"op\": \"list\"}\\n')\n"
+        "s.settimeout(60)\n"
+        "print(repr(s.recv(4096)))\n",
+    )
+    r = box.commands.run("python3 /tmp/knock.py", user="user", timeout=120)
+    assert r.stdout.strip() == "b''"  # closed, unanswered
+    with pytest.raises(CommandExitException):
+        box.commands.run("cat /run/sandvisor-kernels/token", user="user", timeout=60)
+
+
+def test_the_default_user_owns_its_home(box: Sandbox) -> None:
+    """The template's warm-up makes E2B's ``user`` before the kernel server (which would
+    make the kernels' cwd, /home/user, as root): commands as ``user`` write there."""
+    r = box.commands.run("touch /home/user/mine && stat -c %U /home/user /home/user/mine", user="user", timeout=60)
+    assert r.stdout.split() == ["user", "user"]
