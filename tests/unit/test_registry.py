@@ -33,13 +33,14 @@ from actors.registry import Registry
 from actors.sandboxes.sandbox import Sandbox
 from actors.snapshots.pools import takeable
 from actors.store import Store
+from tests.support.clocks import work_aware_clock
 from tests.support.fakevm import FakeLab, fake_settings
 
 
 @pytest.fixture
-def clock() -> MockClock:
-    # a small threshold, not 0: real I/O (qemu-img, the store's thread) must not jump the clock
-    return MockClock(autojump_threshold=0.02)
+def clock(monkeypatch: pytest.MonkeyPatch) -> MockClock:
+    # virtual time, frozen while the store's thread or qemu-img runs (tests/support/clocks.py)
+    return work_aware_clock(monkeypatch)
 
 
 @asynccontextmanager
