@@ -1,4 +1,5 @@
-"""A mock clock for tests whose code under test also does real work.
+"""Time in tests: a mock clock for tests whose code under test also does real work,
+and a deadline for work whose size scales.
 
 Trio's autojump clock jumps virtual time to the next deadline whenever every task has
 been blocked for ``autojump_threshold`` of real time. Trio cannot tell a task waiting
@@ -12,13 +13,19 @@ test fire while nothing is late.
 :func:`work_aware_clock` jumps only while no such work is under way: each worker
 thread and child process holds the clock (no autojump) until it returns. What the code
 under test does in virtual time (timers, TTLs, a fake guest's sleeps) still costs no
-wall time."""
+wall time.
+
+:func:`fail_when_stalled` bounds work whose duration scales with its size and the
+host's load (megabytes through a TCG guest): a fixed total bound is either padded or
+fails on a loaded host while every piece of the work still moves. It fails when no
+piece made progress for its bound instead: a hang still fails, as fast as before."""
 
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import pytest
@@ -55,3 +62,19 @@ def work_aware_clock(monkeypatch: pytest.MonkeyPatch, threshold: float = AUTOJUM
     monkeypatch.setattr(trio.to_thread, "run_sync", hold(trio.to_thread.run_sync))
     monkeypatch.setattr(trio, "run_process", hold(trio.run_process))
     return clock
+
+
+@contextmanager
+def fail_when_stalled(seconds: float) -> Iterator[Callable[[], None]]:
+    """Like ``trio.fail_after(seconds)``, but the deadline moves on with each call of
+    the function it yields (a piece of the work done): TooSlowError when the work made
+    no progress for ``seconds``, however long all of it takes."""
+    scope = trio.CancelScope(deadline=trio.current_time() + seconds)
+
+    def progress() -> None:
+        scope.deadline = trio.current_time() + seconds
+
+    with scope:
+        yield progress
+    if scope.cancelled_caught:
+        raise trio.TooSlowError(f"no progress for {seconds:g}s")
