@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 
+import hypothesis
 import pytest
 import trio
 from trio.testing import MockClock
@@ -43,3 +44,10 @@ async def test_work_that_moves_passes_however_long_and_a_stall_fails(clock: Mock
         progress()
         await trio.sleep_forever()
     assert trio.current_time() - t0 == pytest.approx(6)
+
+
+@hypothesis.given(hypothesis.strategies.integers())
+def test_a_property_has_no_wall_clock_deadline(n: int) -> None:
+    # (tests/conftest.py's profile: an example slowed by a loaded host is not wrong)
+    assert hypothesis.settings().deadline is None
+    assert hypothesis.settings.default.deadline is None
