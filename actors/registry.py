@@ -726,10 +726,10 @@ class Registry:
             raise FailedPrecondition(
                 f"snapshot {snap.id} is in use: the disk of {', '.join(deps[:3])}{more} depends on it"
             )
-        await self.pools.drain(snap.id, self)
-        if self.settings.cells is not None:
-            self.settings.cells.sealed.drop(snap.id)
-        await self.snapshots.delete(snap)
+        async with self.pools.retiring(snap.id, self):
+            if self.settings.cells is not None:
+                self.settings.cells.sealed.drop(snap.id)
+            await self.snapshots.delete(snap)
         if self.settings.vault is not None:
             self.settings.vault.drop_owner(snap.uid)
 

@@ -199,7 +199,8 @@ def kernel_package() -> str:
     return m.group(1)
 
 
-def _digest(*parts: object) -> str:
+def digest(*parts: object) -> str:
+    """A cache part's key: its recipe's values and the contents of the files named."""
     h = hashlib.sha256()
     for p in parts:
         if isinstance(p, Path):
@@ -230,7 +231,8 @@ def default_cache() -> Path:
 
 
 @contextmanager
-def _staging(cache: Path, name: str) -> Iterator[Path]:
+def staging(cache: Path, name: str) -> Iterator[Path]:
+    """A scratch directory in the cache for a part being built (gone at the end)."""
     cache.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=cache))
     try:
@@ -244,7 +246,7 @@ PART_FILE_MODE, PART_DIR_MODE = 0o644, 0o755
 
 
 @contextmanager
-def _build_umask() -> Iterator[None]:
+def build_umask() -> Iterator[None]:
     old = os.umask(BUILD_UMASK)
     try:
         yield
@@ -272,7 +274,7 @@ def public_modes(part: Path) -> None:
                 chmod(p, PART_FILE_MODE if st.st_mode & stat.S_IWUSR else PART_FILE_MODE & ~0o222)
 
 
-def _publish(tmp: Path, final: Path) -> None:
+def publish(tmp: Path, final: Path) -> None:
     public_modes(tmp)
     if final.exists():
         shutil.rmtree(final)
@@ -458,7 +460,7 @@ class Builder:
         pkg = kernel_package()
         ((_, ver),) = candidates([pkg])
         self.wanted_debs.append((pkg, ver))
-        key = _digest("kernel", 2, pkg, ver, MODULES)
+        key = digest("kernel", 2, pkg, ver, MODULES)
         final = self.cache / f"kernel-{key}"
         release = pkg.removeprefix("linux-image-")
         if (final / "vmlinux").exists():
@@ -466,7 +468,7 @@ class Builder:
             public_modes(final)  # (a part an older build made under serve's umask)
             return final, release, key
         self.progress("kernel", f"downloading {pkg} {ver}")
-        with _staging(self.cache, "kernel") as tmp:
+        with staging(self.cache, "kernel") as tmp:
             (deb,) = [d for d in _download([(pkg, ver)], tmp / "debs", self.cache / DEBS) if d.name.startswith(pkg)]
             tree = tmp / "tree"
             run(["dpkg-deb", "-x", str(deb), str(tree)])
@@ -482,21 +484,21 @@ class Builder:
                 shutil.copy(found[m], out / "modules" / f"{m}.ko")
             self.progress("kernel", "extracting vmlinux for PVH boot")
             extract_vmlinux(out / "vmlinuz", out / "vmlinux")
-            _publish(out, final)
+            publish(out, final)
         self.built.append("kernel")
         return final, release, key
 
     def runtime(self, kernel_dir: Path, kernel_key: str, release: str) -> tuple[Path, str]:
         versions = candidates((*RUNTIME_PACKAGES, STDLIB_PACKAGE))
         self.wanted_debs.extend(versions)
-        key = _digest("runtime", 3, versions, kernel_key, Path(__file__), HERE / "init.sh", *guestd_sources())
+        key = digest("runtime", 3, versions, kernel_key, Path(__file__), HERE / "init.sh", *guestd_sources())
         final = self.cache / f"runtime-{key}"
         if (final / "initrd.cpio").exists():
             self.progress("runtime", "cached")
             public_modes(final)
             return final, key
         self.progress("runtime", f"downloading {len(versions)} packages")
-        with _staging(self.cache, "runtime") as tmp:
+        with staging(self.cache, "runtime") as tmp:
             root = tmp / "root"
             root.mkdir()
             for deb in _download(versions, tmp / "debs", self.cache / DEBS):
@@ -578,21 +580,21 @@ class Builder:
             out = tmp / "out"
             out.mkdir()
             self._cpio(root, out / "initrd.cpio")
-            _publish(out, final)
+            publish(out, final)
         self.built.append("runtime")
         return final, key
 
     def rootfs(self, include: tuple[str, ...] = ROOTFS_INCLUDE, size: int = ROOTFS_SIZE_MIB) -> tuple[Path, str]:
         """The rootfs of ``include`` (a profile's is the default's and more: images/profiles.py)."""
         versions = candidates(include)
-        key = _digest("rootfs", 2, versions, size)
+        key = digest("rootfs", 2, versions, size)
         final = self.cache / f"rootfs-{key}"
         if (final / "rootfs.ext4").exists():
             self.progress("rootfs", "cached")
             public_modes(final)
             return final, key
         self.progress("rootfs", f"mmdebstrap minbase, {len(include)} packages (a minute or more)")
-        with _staging(self.cache, "rootfs") as tmp:
+        with staging(self.cache, "rootfs") as tmp:
             tree = tmp / "tree"
             debian_tree(tree, include)
             self.progress("rootfs", "making ext4")
@@ -619,7 +621,7 @@ class Builder:
                 ]
             )
             img.chmod(0o444)  # the read-only base; sandboxes write to qcow2 overlays
-            _publish(out, final)
+            publish(out, final)
         self.built.append("rootfs")
         return final, key
 
@@ -661,7 +663,7 @@ class Builder:
     def build(self) -> Image:
         """Build (or find) every part and write the manifest; under umask 022 (see the
         module's docstring on modes)."""
-        with _build_umask():
+        with build_umask():
             return self._build()
 
     def _build(self) -> Image:

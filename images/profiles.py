@@ -23,7 +23,7 @@ from images.build import (
     Builder,
     BuildError,
     Image,
-    _build_umask,
+    build_umask,
     default_cache,
 )
 
@@ -45,7 +45,7 @@ def build_profile(builder: Builder, profile: str) -> Image:
     if extra is None:
         raise BuildError(f"no image profile {profile!r} (there are: {', '.join(sorted(PROFILES))})")
     base = builder.build()
-    with _build_umask():
+    with build_umask():
         fdir, fkey = builder.rootfs((*ROOTFS_INCLUDE, *extra), PROFILE_SIZE_MIB)
         img = attrs.evolve(base, name=profile, rootfs=fdir / "rootfs.ext4", keys={**base.keys, "rootfs": fkey})
         manifest = builder.cache / f"{profile}.json"

@@ -32,6 +32,8 @@ import functools
 import hashlib
 import logging
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Protocol
 
@@ -98,6 +100,7 @@ class Pools:
         self._late: dict[str, int] = {}  # template id: restores timed out in a row
         self._retry_at: dict[str, float] = {}  # snapshot id: no new member before (monotonic)
         self._leaving: list[Sandbox] = []  # evicted members, stopping: forgotten by the keeper
+        self._retiring: set[str] = set()  # snapshot ids being deleted: no new member for them
         self._closing = False
 
     # -- boot templates ------------------------------------------------------------
@@ -342,6 +345,8 @@ class Pools:
     def _next_to_fill(self, host: PoolHost) -> SnapshotRecord | None:
         now = time.monotonic()
         for snap in list(self.snapshots.snapshots.values()):
+            if snap.id in self._retiring:
+                continue  # (its deletion drained it; a member now would restore from files going away)
             members = self.members.setdefault(snap.id, [])
             if len(members) >= self.target(snap) or self._retry_at.get(snap.id, 0.0) > now:
                 continue
@@ -392,9 +397,24 @@ class Pools:
         await host.forget(sb)
 
     async def drain(self, snapshot_id: str, host: PoolHost) -> None:
-        """Discard a snapshot's members (it is being deleted)."""
+        """Discard a snapshot's members (it is gone)."""
         for m in self.members.pop(snapshot_id, []):
             await self._discard(m, host)
+
+    @asynccontextmanager
+    async def retiring(self, snapshot_id: str, host: PoolHost) -> AsyncIterator[None]:
+        """While a snapshot is deleted: its members discarded first, and none started
+        for it meanwhile (the keeper refills a pool whenever it wakes, and a drain's
+        stops take long enough for it to wake: a member restoring from files being
+        deleted fails, or stays in the pool of a snapshot that is no more). Should the
+        deletion fail, the pool refills again afterwards."""
+        self._retiring.add(snapshot_id)
+        try:
+            await self.drain(snapshot_id, host)
+            yield
+        finally:
+            self._retiring.discard(snapshot_id)
+            self._wake.set()
 
     def close(self) -> None:
         """No more members (supervisor exit): stop the existing ones at once."""

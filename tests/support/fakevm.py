@@ -166,6 +166,7 @@ class FakeLab:
     fail_restores: int = 0  # the next N restores fail to load
     late_restores: int = 0  # the next N restored guests do not say hello in time
     bring_up_s: float = 0.0  # (mock clock) seconds from launch to hello
+    going_s: float = 0.0  # (mock clock) seconds a machine takes to go away once it exited
     boots: int = 0
     restores: int = 0
     bringing_up: int = 0  # launched, no hello yet
@@ -226,6 +227,9 @@ class FakeLab:
             raise BootError(f"guest did not become ready within {spec.boot_timeout:g}s") from None
         finally:
             machine.die(0)
+            if self.going_s:
+                with trio.CancelScope(shield=True):
+                    await trio.sleep(self.going_s)
 
 
 def fake_image(root: Path) -> Image:

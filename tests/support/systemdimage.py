@@ -12,15 +12,15 @@ from __future__ import annotations
 from pathlib import Path
 
 from images.build import (
-    _build_umask,
-    _digest,
-    _publish,
-    _staging,
+    build_umask,
     candidates,
     debian_tree,
     default_cache,
+    digest,
     public_modes,
+    publish,
     run,
+    staging,
 )
 
 PACKAGES = ("systemd", "systemd-sysv")
@@ -31,13 +31,13 @@ RECIPE = 1  # bump when the tree below changes
 def systemd_rootfs(cache: Path | None = None) -> Path:
     """The ext4 root filesystem with systemd (built, or found in the cache)."""
     cache = cache or default_cache()
-    key = _digest("test-systemd", RECIPE, candidates(PACKAGES), SIZE_MIB)
+    key = digest("test-systemd", RECIPE, candidates(PACKAGES), SIZE_MIB)
     final = cache / f"test-systemd-{key}"
     img = final / "rootfs.ext4"
     if img.exists():
         public_modes(final)
         return img
-    with _build_umask(), _staging(cache, "test-systemd") as tmp:
+    with build_umask(), staging(cache, "test-systemd") as tmp:
         tree = tmp / "tree"
         debian_tree(tree, PACKAGES)
         (tree / "etc" / "machine-id").write_text("")  # each sandbox gets its own (guestd/initsys.py)
@@ -62,5 +62,5 @@ def systemd_rootfs(cache: Path | None = None) -> Path:
             ]
         )
         built.chmod(0o444)
-        _publish(out, final)
+        publish(out, final)
     return img

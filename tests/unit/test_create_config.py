@@ -33,15 +33,16 @@ from actors.secrets.model import SecretRef
 from actors.secrets.vault import Vault
 from actors.store import Store
 from images.oci import Image, ImageConfig
+from tests.support.clocks import work_aware_clock
 from tests.support.fakevm import FakeLab, fake_settings
 
 REF = "registry.test/app:1"
 
 
 @pytest.fixture
-def clock() -> MockClock:
-    # a small threshold, not 0: real I/O (qemu-img, the store's thread) must not jump the clock
-    return MockClock(autojump_threshold=0.02)
+def clock(monkeypatch: pytest.MonkeyPatch) -> MockClock:
+    # virtual time, frozen while the store's thread or qemu-img runs (tests/support/clocks.py)
+    return work_aware_clock(monkeypatch)
 
 
 @asynccontextmanager

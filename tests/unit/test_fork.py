@@ -29,12 +29,14 @@ from supervisor.client.cli_family import family_lines
 from supervisor.client.sdk.aio import connect
 from supervisor.serve.server import Server
 from supervisor.wire.errors import SandboxError
+from tests.support.clocks import work_aware_clock
 from tests.support.fakevm import FakeLab, fake_settings
 
 
 @pytest.fixture
-def clock() -> MockClock:
-    return MockClock(autojump_threshold=0.02)
+def clock(monkeypatch: pytest.MonkeyPatch) -> MockClock:
+    # virtual time, frozen while the store's thread or qemu-img runs (tests/support/clocks.py)
+    return work_aware_clock(monkeypatch)
 
 
 @asynccontextmanager

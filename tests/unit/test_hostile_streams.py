@@ -36,6 +36,7 @@ from supervisor.serve import mapping
 from supervisor.serve.grpc_convert import dict_to_message
 from supervisor.wire import protocol
 from supervisor.wire.proto.sandvisor.v1 import sandvisor_pb2 as sv
+from tests.support.clocks import work_aware_clock
 from tests.support.fakevm import FakeLab
 from tests.unit.test_registry import ready, registry, run
 
@@ -73,8 +74,9 @@ GARBAGE = {
 
 
 @pytest.fixture
-def clock() -> MockClock:
-    return MockClock(autojump_threshold=0.02)
+def clock(monkeypatch: pytest.MonkeyPatch) -> MockClock:
+    # virtual time, frozen while the store's thread or qemu-img runs (tests/support/clocks.py)
+    return work_aware_clock(monkeypatch)
 
 
 async def _exercise(sb: Any) -> list[str]:

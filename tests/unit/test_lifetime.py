@@ -31,6 +31,7 @@ from supervisor.wire.errors import Unavailable as SdkUnavailable
 from supervisor.wire.proto.sandbox.v1 import sandbox_pb2 as pb
 from supervisor.wire.proto.sandvisor.v1 import sandvisor_pb2 as sv
 from supervisor.wire.proto.sandvisor.v1 import sandvisor_pb2_grpc as sv_grpc
+from tests.support.clocks import work_aware_clock
 from tests.support.fakevm import FakeLab, FakeMachine, fake_settings
 from tests.support.grpcstack import stack
 from tests.unit.test_grpc_service import in_thread, seed, until
@@ -40,8 +41,9 @@ __all__ = ["seed"]  # (a fixture of the gRPC tests, shared)
 
 
 @pytest.fixture
-def clock() -> MockClock:
-    return MockClock(autojump_threshold=0.02)
+def clock(monkeypatch: pytest.MonkeyPatch) -> MockClock:
+    # virtual time, frozen while the store's thread or qemu-img runs (tests/support/clocks.py)
+    return work_aware_clock(monkeypatch)
 
 
 @pytest.fixture

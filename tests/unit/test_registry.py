@@ -33,13 +33,14 @@ from actors.registry import Registry
 from actors.sandboxes.sandbox import Sandbox
 from actors.snapshots.pools import takeable
 from actors.store import Store
+from tests.support.clocks import work_aware_clock
 from tests.support.fakevm import FakeLab, fake_settings
 
 
 @pytest.fixture
-def clock() -> MockClock:
-    # a small threshold, not 0: real I/O (qemu-img, the store's thread) must not jump the clock
-    return MockClock(autojump_threshold=0.02)
+def clock(monkeypatch: pytest.MonkeyPatch) -> MockClock:
+    # virtual time, frozen while the store's thread or qemu-img runs (tests/support/clocks.py)
+    return work_aware_clock(monkeypatch)
 
 
 @asynccontextmanager
@@ -271,6 +272,27 @@ async def test_warm_members_serve_creates_and_restores_and_refill(tmp_path: Path
         await reg.remove("origin", force=True)  # its disk stands on the snapshot
         await reg.delete_snapshot("base")  # drains its pool first
         assert reg.pools.members.get(snap.id) is None
+
+
+async def test_a_snapshot_being_deleted_gets_no_new_pool_member(tmp_path: Path, clock: MockClock) -> None:
+    # draining the pool stops its members, which takes a while (here 5 s each): the
+    # keeper wakes meanwhile (each second, and at each stop) and must not refill it
+    lab = FakeLab()
+    async with registry(tmp_path, lab, pool_size=1) as reg:
+        origin = await reg.create("origin", SandboxConfig())
+        await ready(origin)
+        snap, _ = await reg.checkpoint("origin", name="base")
+        with trio.fail_after(60):
+            while reg.pool_ready(snap) < 1:
+                await trio.sleep(0.1)
+        await reg.remove("origin", force=True)
+        restores, lab.going_s = lab.restores, 5.0
+        t0 = trio.current_time()
+        await reg.delete_snapshot("base")
+        assert trio.current_time() - t0 >= 5.0  # (the drain did wait for its member)
+        assert reg.pools.members.get(snap.id) is None
+        assert lab.restores == restores  # nothing restored from the files being deleted
+        assert not [m for m in reg.pools.all_members() if not m.stopped]
 
 
 async def test_a_failed_boot_and_a_dead_vm_fail_only_their_sandbox(tmp_path: Path, clock: MockClock) -> None:
