@@ -596,7 +596,7 @@ class Registry:
         gens = self.volumes.generations(sb.config.volumes)
         cells = self.settings.cells
         # a fork's children map its memory at once: the checkpoint's own sealed copy is
-        # theirs (no fill from the file first)
+        # theirs, and the only one (no file written: nothing else restores a hidden snapshot)
         keep = fork_only and cells is not None
         rec, ck = await self.snapshots.take(
             sb.checkpoint_stopped if stopped else functools.partial(sb.checkpoint, keep_memory=keep),
@@ -608,9 +608,9 @@ class Registry:
             owner=owner,
             fork_only=fork_only,
         )
-        if ck.memfd >= 0:
+        if ck.memfd >= 0:  # the hidden snapshot's memory (it has no file): until it is retired
             if cells is not None:
-                cells.sealed.put(rec.id, ck.memfd)
+                cells.sealed.put(rec.id, ck.memfd, pinned=True)
             else:
                 os.close(ck.memfd)
         if sb.config.secrets and self.settings.vault is not None:  # its clones' values (never in the files)

@@ -282,15 +282,20 @@ class SealedMemoryCache:
         self._fds: OrderedDict[str, tuple[int, int]] = OrderedDict()  # key -> (fd, data bytes)
         self._holders: dict[str, int] = {}
 
-    def put(self, key: str, fd: int) -> None:
-        """Adopt an already sealed memfd (a checkpoint copied the RAM into it)."""
+    def put(self, key: str, fd: int, *, pinned: bool = False) -> None:
+        """Adopt an already sealed memfd (a checkpoint copied the RAM into it); ``pinned``:
+        it is the snapshot's only memory (no file to fill it from again), kept until
+        :meth:`drop`. The descriptor is the cache's from here, even if this raises."""
         if not is_sealed(fd):
+            os.close(fd)
             raise MemoryFileError("refusing an unsealed memfd as snapshot memory")
         with self._lock:
             old = self._fds.pop(key, None)
             self._fds[key] = (fd, os.fstat(fd).st_blocks * 512)
             if old is not None and old[0] != fd:
                 os.close(old[0])
+            if pinned:
+                self._holders[key] = self._holders.get(key, 0) + 1  # (a holder nobody releases)
             self._trim()
 
     def acquire(self, key: str, source: Path) -> int:

@@ -55,7 +55,8 @@ class Checkpoint:
     # (why)" (a freeze that failed or did not answer), "" (freezing off, or an older guest)
     consistency: str = ""
     freeze_s: float = 0.0  # the freeze's round trip (the guest's sync and FIFREEZE)
-    # seconds each step took, in order ("freeze", "stop", "disk", "state", "memory", "cont", "finish")
+    # seconds each step took, in order ("stage", "freeze", "stop", "disk", "state", "memory", "cont",
+    # "write", "finish"): the pause is stop..cont
     phases: dict[str, float] = attrs.field(factory=dict)
     # the saved memory as a sealed memfd (``keep_memory``): the caller's to close or hand
     # on (the sealed cache: restores of the snapshot need not fill it from the file); -1: none
@@ -106,8 +107,11 @@ async def checkpoint_guest(
 
     Mapped RAM is copied, while the guest is stopped, into a memfd (memory to memory,
     its data extents only, two copies side by side: :func:`copy_ram`), which is sealed
-    and written to ``snap_dir/memory`` after the guest runs again. ``keep_memory``: the
-    sealed memfd is returned (``Checkpoint.memfd``) instead of closed."""
+    and written to ``snap_dir/memory`` after the guest runs again (thawed).
+    ``keep_memory`` (a fork's hidden snapshot, restored only by its children, in this
+    supervisor's life): no file; the sealed memfd is returned (``Checkpoint.memfd``,
+    the caller's: the sealed cache holds it for the snapshot's life) and the record's
+    ``memory_stat`` is empty."""
     m = guest.machine
     spec = m.spec
     mapped = spec.memory_file is not None and spec.memory_shared
@@ -158,9 +162,6 @@ async def checkpoint_guest(
         phase("cont")
         if stay_paused:
             thaw = False  # (its QEMU ends frozen: what resumes it thaws at its hello)
-        if mapped:
-            await trio.to_thread.run_sync(_write_memory, mem_fd, snap_dir / "memory")
-            phase("write")
     except BaseException:
         if not frozen_done:
             if staged is not None:
@@ -175,14 +176,25 @@ async def checkpoint_guest(
         if thaw:
             with trio.CancelScope(shield=True):
                 await thaw_guest(guest)
+    on_file = mapped and not keep_memory
+    try:
+        if on_file:  # (the guest runs, its file systems thawed)
+            await trio.to_thread.run_sync(_write_memory, mem_fd, snap_dir / "memory")
+            phase("write")
+        files_written = ["vmstate", "disk.qcow2", *(["memory"] if on_file else [])]
+        await trio.to_thread.run_sync(_finish, snap_dir, files_written, user, spec.kernel, spec.initrd)
+        phase("finish")
+        sizes = {f: allocated(snap_dir / f) for f in files_written}
+        if mapped and not on_file:
+            sizes["memory"] = os.fstat(mem_fd).st_blocks * 512  # (held by the supervisor: no file)
+    except BaseException:
+        if mem_fd >= 0:
+            os.close(mem_fd)
+        raise
     if mem_fd >= 0 and not keep_memory:
         os.close(mem_fd)
         mem_fd = -1
-    files_written = ["vmstate", "disk.qcow2", *(["memory"] if mapped else [])]
-    await trio.to_thread.run_sync(_finish, snap_dir, files_written, user, spec.kernel, spec.initrd)
-    phase("finish")
-    sizes = {f: allocated(snap_dir / f) for f in files_written}
-    mem_stat = stat_key(snap_dir / "memory") if mapped else []
+    mem_stat = stat_key(snap_dir / "memory") if on_file else []
     machine = MachineRecord(
         append=spec.append,
         memory_mib=spec.memory_mib,

@@ -276,6 +276,8 @@ class SnapshotStore:
                 raise FailedPrecondition(f"snapshot {rec.id} is incomplete on disk: {part} is missing")
         if rec.memory != MemoryKind.MAPPED:
             return
+        if rec.fork_only and not rec.memory_stat:
+            return  # a fork's memory, held sealed by the supervisor (no file: Registry.checkpoint)
         try:
             key = stat_key(rec.path / "memory")
         except OSError as exc:
