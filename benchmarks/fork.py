@@ -174,9 +174,12 @@ async def density(registry: Any, sock: str, mem: int, touch_mib: int, k: int) ->
     await remove_all([*kids, parent])
     cold: list[AsyncSandbox] = []
 
+    booting = trio.CapacityLimiter(4)  # (all alive at the end; 64 TCG boots at once would time out)
+
     async def boot(i: int) -> None:
-        sb = await AsyncSandbox.create(f"cold{i}", memory_mib=mem, detached=True, socket=sock)
-        await sb.run(touch(touch_mib))
+        async with booting:
+            sb = await AsyncSandbox.create(f"cold{i}", memory_mib=mem, detached=True, socket=sock)
+            await sb.run(touch(touch_mib))
         cold.append(sb)
 
     async with trio.open_nursery() as n:

@@ -5,6 +5,7 @@ directory holds: :mod:`actors.snapshots.snapshot`; one sandbox's guarded checkpo
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -167,6 +168,8 @@ async def checkpoint_guest(
             if staged is not None:
                 await m.unstage_disk(staged)
             files.discard_next_disk()
+            with trio.CancelScope(shield=True), contextlib.suppress(MachineError):
+                await m.qmp_execute("closefd", {"fdname": "snapfd"})  # (given ahead, never used)
         if mem_fd >= 0:
             os.close(mem_fd)
         raise
