@@ -108,7 +108,8 @@ async def checkpoint_guest(
 
     Mapped RAM is copied, while the guest is stopped, into a memfd (memory to memory,
     its data extents only, two copies side by side: :func:`copy_ram`), which is sealed
-    and written to ``snap_dir/memory`` after the guest runs again (thawed).
+    and written to ``snap_dir/memory`` after the guest runs again (thawed); a guest that
+    stays stopped (``stay_paused``) has its RAM written to that file directly.
     ``keep_memory`` (a fork's hidden snapshot, restored only by its children, in this
     supervisor's life): no file; the sealed memfd is returned (``Checkpoint.memfd``,
     the caller's: the sealed cache holds it for the snapshot's life) and the record's
@@ -130,11 +131,12 @@ async def checkpoint_guest(
         phases[name] = now - mark
         mark = now
 
+    direct = mapped and stay_paused and not keep_memory  # (stopped anyway: straight to the file)
     try:
         staged = await m.stage_disk(await files.stage_next_disk(frozen))
         vm_fd = os.open(snap_dir / "vmstate", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         await m.prepare_migration(vm_fd, ignore_shared=mapped)  # (its QMP round trips before the pause)
-        if mapped:
+        if mapped and not direct:
             assert spec.memory_file is not None
             ram_fd = os.open(spec.memory_file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
             try:
@@ -157,7 +159,10 @@ async def checkpoint_guest(
             phase("state")
             if mapped:
                 assert spec.memory_file is not None
-                await copy_ram(spec.memory_file, mem_fd)
+                if direct:
+                    await trio.to_thread.run_sync(_write_memory_from, spec.memory_file, snap_dir / "memory")
+                else:
+                    await copy_ram(spec.memory_file, mem_fd)
                 phase("memory")
         paused = time.monotonic() - t0
         phase("cont")
@@ -181,7 +186,7 @@ async def checkpoint_guest(
                 await thaw_guest(guest)
     on_file = mapped and not keep_memory
     try:
-        if on_file:  # (the guest runs, its file systems thawed)
+        if on_file and not direct:  # (the guest runs, its file systems thawed)
             await trio.to_thread.run_sync(_write_memory, mem_fd, snap_dir / "memory")
             phase("write")
         files_written = ["vmstate", "disk.qcow2", *(["memory"] if on_file else [])]
@@ -229,12 +234,23 @@ async def copy_ram(ram: Path, memfd: int) -> None:
     guestmem.seal(memfd)
 
 
+def _write_memory_from(ram: Path, path: Path) -> None:
+    src = os.open(ram, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        _write_memory(src, path)
+    finally:
+        os.close(src)
+
+
 def _write_memory(memfd: int, path: Path) -> None:
-    """The saved memory's file (sparse: the memfd's data extents), from the sealed memfd."""
+    """The saved memory's file (sparse: the data extents of ``memfd``: the sealed memfd,
+    or the RAM file of a stopped guest). Fails with OSError."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         os.ftruncate(fd, os.fstat(memfd).st_size)
         guestmem.copy_extents(memfd, fd, guestmem.data_extents(memfd))
+    except guestmem.MemoryFileError as exc:
+        raise OSError(f"writing the saved memory: {exc}") from None
     finally:
         os.close(fd)
 
