@@ -212,6 +212,14 @@ def data_extents(fd: int) -> list[tuple[int, int]]:
     return list(_extents(fd, os.fstat(fd).st_size))
 
 
+def preallocate(like: int, fd: int) -> None:
+    """Allocate the pages of ``fd`` where ``like`` has data (its extents now): a copy into
+    them later only writes (a new shmem page is zeroed first: that half of a copy's cost
+    is paid here, ahead). Blocking: run in a worker thread."""
+    for off, length in _extents(like, os.fstat(like).st_size):
+        os.posix_fallocate(fd, off, length)
+
+
 def new_memfd(size: int, name: str = "sandvisor-snapshot-memory") -> int:
     """An empty (sparse) memfd of ``size`` bytes that can be sealed, never executable."""
     try:  # not executable, ever (Linux 6.3+; also what vm.memfd_noexec=2 demands)

@@ -107,7 +107,8 @@ async def checkpoint_guest(
     of whatever resumes or restores it (guestd/freeze.py).
 
     Mapped RAM is copied, while the guest is stopped, into a memfd (memory to memory,
-    its data extents only, two copies side by side: :func:`copy_ram`), which is sealed
+    its data extents only, two copies side by side: :func:`copy_ram`; the memfd's pages
+    allocated before the stop, while the guest runs: :func:`guestmem.preallocate`), which is sealed
     and written to ``snap_dir/memory`` after the guest runs again (thawed); a guest that
     stays stopped (``stay_paused``) has its RAM written to that file directly.
     ``keep_memory`` (a fork's hidden snapshot, restored only by its children, in this
@@ -141,6 +142,8 @@ async def checkpoint_guest(
             ram_fd = os.open(spec.memory_file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
             try:
                 mem_fd = guestmem.new_memfd(os.fstat(ram_fd).st_size)
+                # its pages allocated while the guest runs: the pause only copies into them
+                await trio.to_thread.run_sync(guestmem.preallocate, ram_fd, mem_fd)
             finally:
                 os.close(ram_fd)
         phase("stage")

@@ -56,6 +56,12 @@ def test_the_ram_copy_keeps_contents_and_holes_and_is_sealed(tmp_path: Path) -> 
 
     async def main() -> int:
         fd = guestmem.new_memfd(16 * MIB)
+        src = os.open(ram, os.O_RDONLY)
+        try:
+            guestmem.preallocate(src, fd)  # (before the pause: the copy then only writes)
+        finally:
+            os.close(src)
+        assert os.pread(fd, 16 * MIB, 0) == bytes(16 * MIB)  # allocated, not yet written
         await copy_ram(ram, fd)
         return fd
 
