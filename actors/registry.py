@@ -595,11 +595,13 @@ class Registry:
         address = str(sb.pool_address or "") if sb.config.network.mode == NetMode.TAP else ""
         gens = self.volumes.generations(sb.config.volumes)
         cells = self.settings.cells
-        # a fork's children map its memory at once: the checkpoint's own sealed copy is
-        # theirs, and the only one (no file written: nothing else restores a hidden snapshot)
-        keep = fork_only and cells is not None
+        # restores map the checkpoint's own sealed copy of the memory (the cache keeps it;
+        # no fill from the file); a fork's is its only one: no file (nothing but its
+        # children restores a hidden snapshot), kept until the snapshot is retired
+        keep = cells is not None
+        take = functools.partial(sb.checkpoint, keep_memory=keep, memory_file=not (fork_only and keep))
         rec, ck = await self.snapshots.take(
-            sb.checkpoint_stopped if stopped else functools.partial(sb.checkpoint, keep_memory=keep),
+            sb.checkpoint_stopped if stopped else take,
             sb.record,
             name=name,
             labels=labels,
@@ -608,9 +610,9 @@ class Registry:
             owner=owner,
             fork_only=fork_only,
         )
-        if ck.memfd >= 0:  # the hidden snapshot's memory (it has no file): until it is retired
+        if ck.memfd >= 0:
             if cells is not None:
-                cells.sealed.put(rec.id, ck.memfd, pinned=True)
+                cells.sealed.put(rec.id, ck.memfd, pinned=fork_only)
             else:
                 os.close(ck.memfd)
         if sb.config.secrets and self.settings.vault is not None:  # its clones' values (never in the files)

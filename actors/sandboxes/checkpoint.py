@@ -75,21 +75,30 @@ class Checkpoints:
             yield
 
     async def take(
-        self, guest: Guest, snap_dir: Path, *, stay_paused: bool = False, keep_memory: bool = False
+        self,
+        guest: Guest,
+        snap_dir: Path,
+        *,
+        stay_paused: bool = False,
+        keep_memory: bool = False,
+        memory_file: bool = True,
     ) -> Checkpoint:
         """Save ``guest`` into ``snap_dir``; it runs on afterwards (``stay_paused``: it
         stays stopped, for a pause that ends its QEMU next; ``keep_memory``: the saved
-        memory comes back as a sealed memfd too, ``Checkpoint.memfd``)."""
+        memory comes back as a sealed memfd too, ``Checkpoint.memfd``; ``memory_file``
+        False: only there, no file: checkpoint_guest)."""
         async with self._lock:
             self.active = True
             self._done = trio.Event()
             try:
-                return await self._take(guest, snap_dir, stay_paused, keep_memory)
+                return await self._take(guest, snap_dir, stay_paused, keep_memory, memory_file)
             finally:
                 self.active = False
                 self._done.set()
 
-    async def _take(self, guest: Guest, snap_dir: Path, stay_paused: bool, keep_memory: bool) -> Checkpoint:
+    async def _take(
+        self, guest: Guest, snap_dir: Path, stay_paused: bool, keep_memory: bool, memory_file: bool
+    ) -> Checkpoint:
         rec, journal = self.record, self.journal
         # requests in flight (metrics, files) finish first: a request sitting in the
         # guest's queue at the pause would run again in every restore
@@ -116,6 +125,7 @@ class Checkpoints:
                 stay_paused=stay_paused,
                 freeze=self.settings.freeze_fs,
                 keep_memory=keep_memory,
+                memory_file=memory_file,
             )
         except (MachineError, OSError) as exc:
             self._void_journal()

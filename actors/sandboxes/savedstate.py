@@ -89,6 +89,7 @@ async def checkpoint_guest(
     stay_paused: bool = False,
     freeze: bool = False,
     keep_memory: bool = False,
+    memory_file: bool = True,
 ) -> Checkpoint:
     """Save a running guest into ``snap_dir`` (which exists and is empty) and let it run
     on. Its disk (``files.disk``) is frozen into ``snap_dir/disk.qcow2`` and the guest
@@ -111,9 +112,10 @@ async def checkpoint_guest(
     allocated before the stop, while the guest runs: :func:`guestmem.preallocate`), which is sealed
     and written to ``snap_dir/memory`` after the guest runs again (thawed); a guest that
     stays stopped (``stay_paused``) has its RAM written to that file directly.
-    ``keep_memory`` (a fork's hidden snapshot, restored only by its children, in this
-    supervisor's life): no file; the sealed memfd is returned (``Checkpoint.memfd``,
-    the caller's: the sealed cache holds it for the snapshot's life) and the record's
+    ``keep_memory``: the sealed memfd is returned too (``Checkpoint.memfd``, the
+    caller's: the sealed cache, so that restores need not fill it from the file).
+    ``memory_file`` False (with ``keep_memory``: a fork's hidden snapshot, restored only
+    by its children, in this supervisor's life): no file, and the record's
     ``memory_stat`` is empty."""
     m = guest.machine
     spec = m.spec
@@ -187,7 +189,7 @@ async def checkpoint_guest(
         if thaw:
             with trio.CancelScope(shield=True):
                 await thaw_guest(guest)
-    on_file = mapped and not keep_memory
+    on_file = mapped and (memory_file or not keep_memory)
     try:
         if on_file and not direct:  # (the guest runs, its file systems thawed)
             await trio.to_thread.run_sync(_write_memory, mem_fd, snap_dir / "memory")
