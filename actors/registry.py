@@ -34,6 +34,7 @@ from __future__ import annotations
 import builtins
 import functools
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
@@ -593,8 +594,14 @@ class Registry:
         self.admission.check_disk()
         address = str(sb.pool_address or "") if sb.config.network.mode == NetMode.TAP else ""
         gens = self.volumes.generations(sb.config.volumes)
+        cells = self.settings.cells
+        # restores map the checkpoint's own sealed copy of the memory (the cache keeps it;
+        # no fill from the file); a fork's is its only one: no file (nothing but its
+        # children restores a hidden snapshot), kept until the snapshot is retired
+        keep = cells is not None
+        take = functools.partial(sb.checkpoint, keep_memory=keep, memory_file=not (fork_only and keep))
         rec, ck = await self.snapshots.take(
-            sb.checkpoint_stopped if stopped else sb.checkpoint,
+            sb.checkpoint_stopped if stopped else take,
             sb.record,
             name=name,
             labels=labels,
@@ -603,6 +610,11 @@ class Registry:
             owner=owner,
             fork_only=fork_only,
         )
+        if ck.memfd >= 0:
+            if cells is not None:
+                cells.sealed.put(rec.id, ck.memfd, pinned=fork_only)
+            else:
+                os.close(ck.memfd)
         if sb.config.secrets and self.settings.vault is not None:  # its clones' values (never in the files)
             self.settings.vault.copy_owner(sb.record.uid, rec.uid)
         self.pools.wake()

@@ -42,6 +42,7 @@ from pathlib import Path
 from actors.cells.identities import Identity, JailError
 
 MFD_NOEXEC_SEAL = 0x0008
+ALIGN = 2 << 20  # where split_extents may cut
 SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
@@ -169,6 +170,77 @@ def _extents(fd: int, size: int) -> Iterator[tuple[int, int]]:
         off = hole
 
 
+def copy_extents(src: int, dst: int, extents: list[tuple[int, int]]) -> None:
+    """Copy the byte ranges ``extents`` of ``src`` to the same offsets of ``dst`` (in the
+    kernel: no bytes through this process). Blocking: run in a worker thread; several
+    may copy into one ``dst`` side by side (each writes through a file position of its own)."""
+    out = os.open(f"/proc/self/fd/{dst}", os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        for off, length in extents:
+            os.lseek(out, off, os.SEEK_SET)
+            pos, left = off, length
+            while left:
+                n = os.sendfile(out, src, pos, left)
+                if n == 0:
+                    raise MemoryFileError("the memory file shrank while being read")
+                pos += n
+                left -= n
+    finally:
+        os.close(out)
+
+
+def split_extents(extents: list[tuple[int, int]], parts: int) -> list[list[tuple[int, int]]]:
+    """``extents`` cut into ``parts`` lists of about equal bytes (a long extent is split),
+    for copies side by side."""
+    total = sum(n for _, n in extents)
+    share = -(-total // max(parts, 1) // ALIGN) * ALIGN if total else 0  # (whole huge pages)
+    out: list[list[tuple[int, int]]] = [[]]
+    room = share
+    for off, n in extents:
+        while n:
+            if room == 0 and len(out) < parts:
+                out.append([])
+                room = share
+            take = n if len(out) == parts else min(n, room)
+            out[-1].append((off, take))
+            off, n, room = off + take, n - take, max(room - take, 0)
+    return [p for p in out if p]
+
+
+def data_extents(fd: int) -> list[tuple[int, int]]:
+    """The data extents of the file ``fd`` (its holes left out)."""
+    return list(_extents(fd, os.fstat(fd).st_size))
+
+
+def preallocate(like: int, fd: int) -> None:
+    """Allocate the pages of ``fd`` where ``like`` has data (its extents now): a copy into
+    them later only writes (a new shmem page is zeroed first: that half of a copy's cost
+    is paid here, ahead). Blocking: run in a worker thread."""
+    for off, length in _extents(like, os.fstat(like).st_size):
+        os.posix_fallocate(fd, off, length)
+
+
+def new_memfd(size: int, name: str = "sandvisor-snapshot-memory") -> int:
+    """An empty (sparse) memfd of ``size`` bytes that can be sealed, never executable."""
+    try:  # not executable, ever (Linux 6.3+; also what vm.memfd_noexec=2 demands)
+        mfd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING | MFD_NOEXEC_SEAL)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        mfd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(mfd, size)
+    except BaseException:
+        os.close(mfd)
+        raise
+    return mfd
+
+
+def seal(fd: int) -> None:
+    """Nobody writes, grows or shrinks the memfd ``fd`` any more (nor unseals it)."""
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
+
+
 def sealed_copy(source: Path | int, *, name: str = "sandvisor-snapshot-memory") -> int:
     """A sealed memfd with the contents of ``source`` (a path opened ``O_NOFOLLOW``, or a
     descriptor): only data extents are copied (holes stay holes: unallocated pages of
@@ -186,23 +258,9 @@ def sealed_copy(source: Path | int, *, name: str = "sandvisor-snapshot-memory") 
         st = os.fstat(src)
         if not stat.S_ISREG(st.st_mode):
             raise MemoryFileError(f"snapshot memory {source} is not a regular file")
-        try:  # not executable, ever (Linux 6.3+; also what vm.memfd_noexec=2 demands)
-            mfd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING | MFD_NOEXEC_SEAL)
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:
-                raise
-            mfd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        os.ftruncate(mfd, st.st_size)
-        for off, length in _extents(src, st.st_size):
-            os.lseek(mfd, off, os.SEEK_SET)
-            pos, left = off, length
-            while left:
-                n = os.sendfile(mfd, src, pos, left)
-                if n == 0:
-                    raise MemoryFileError(f"snapshot memory {source} shrank while being read")
-                pos += n
-                left -= n
-        fcntl.fcntl(mfd, fcntl.F_ADD_SEALS, SEALS)
+        mfd = new_memfd(st.st_size, name)
+        copy_extents(src, mfd, list(_extents(src, st.st_size)))
+        seal(mfd)
         out, mfd = mfd, -1
         return out
     except OSError as exc:
@@ -228,28 +286,45 @@ class SealedMemoryCache:
     def __init__(self, budget: int = 1 << 30) -> None:
         self.budget = budget
         self._lock = threading.Lock()
+        self._filling: dict[str, threading.Lock] = {}  # one fill per key: the others wait for it
         self._fds: OrderedDict[str, tuple[int, int]] = OrderedDict()  # key -> (fd, data bytes)
         self._holders: dict[str, int] = {}
 
-    def put(self, key: str, fd: int) -> None:
-        """Adopt an already sealed memfd (a checkpoint copied the RAM into it)."""
+    def put(self, key: str, fd: int, *, pinned: bool = False) -> None:
+        """Adopt an already sealed memfd (a checkpoint copied the RAM into it); ``pinned``:
+        it is the snapshot's only memory (no file to fill it from again), kept until
+        :meth:`drop`. The descriptor is the cache's from here, even if this raises."""
         if not is_sealed(fd):
+            os.close(fd)
             raise MemoryFileError("refusing an unsealed memfd as snapshot memory")
         with self._lock:
             old = self._fds.pop(key, None)
             self._fds[key] = (fd, os.fstat(fd).st_blocks * 512)
             if old is not None and old[0] != fd:
                 os.close(old[0])
+            if pinned:
+                self._holders[key] = self._holders.get(key, 0) + 1  # (a holder nobody releases)
             self._trim()
 
     def acquire(self, key: str, source: Path) -> int:
+        """A descriptor of ``key``'s sealed memfd, filled from ``source`` on a miss. Blocking
+        (a fill copies the file: run it in a worker thread); restores of one snapshot
+        side by side fill it once, the others wait for that fill."""
         with self._lock:
-            hit = self._fds.get(key)
-            if hit is not None:
-                self._fds.move_to_end(key)
-                self._holders[key] = self._holders.get(key, 0) + 1
-                return os.dup(hit[0])
-        fd = sealed_copy(source)  # outside the lock: 30+ ms
+            fd = self._hit(key)
+            if fd >= 0:
+                return fd
+            filling = self._filling.setdefault(key, threading.Lock())
+        with filling:
+            with self._lock:
+                fd = self._hit(key)
+                if fd >= 0:
+                    return fd
+            try:
+                fd = sealed_copy(source)  # outside the cache's lock: 30+ ms
+            finally:
+                with self._lock:
+                    self._filling.pop(key, None)
         with self._lock:
             hit = self._fds.get(key)
             if hit is not None:  # filled meanwhile by another restore
@@ -259,6 +334,15 @@ class SealedMemoryCache:
                 self._fds[key] = (fd, os.fstat(fd).st_blocks * 512)
             self._holders[key] = self._holders.get(key, 0) + 1
             return os.dup(fd)
+
+    def _hit(self, key: str) -> int:
+        """Under the lock: a new descriptor of ``key``'s cached memfd (held), or -1."""
+        hit = self._fds.get(key)
+        if hit is None:
+            return -1
+        self._fds.move_to_end(key)
+        self._holders[key] = self._holders.get(key, 0) + 1
+        return os.dup(hit[0])
 
     def release(self, key: str, fd: int) -> None:
         os.close(fd)

@@ -478,9 +478,18 @@ class Machine:
         """Save device state (and RAM unless it is a shared file and ``ignore_shared``)
         into ``fd``. The caller has stopped the guest; it stays stopped. Returns QEMU's
         final query-migrate answer."""
+        await self.prepare_migration(fd, ignore_shared=ignore_shared)
+        return await self.migrate_prepared(timeout=timeout)
+
+    async def prepare_migration(self, fd: int, *, ignore_shared: bool) -> None:
+        """:meth:`migrate_to_fd`'s settings and descriptor, given ahead (the guest may run):
+        :meth:`migrate_prepared` then saves, once the caller has stopped the guest."""
         await self._migration_caps(ignore_shared)
         await self.qmp_execute("migrate-set-parameters", {"max-bandwidth": 1 << 40, "downtime-limit": 2000})
         await self.getfd(fd, "snapfd")
+
+    async def migrate_prepared(self, *, timeout: float = 120.0) -> dict[str, Any]:
+        """Save into the descriptor :meth:`prepare_migration` gave (the guest stopped)."""
         await self.qmp_execute("migrate", {"uri": "fd:snapfd"})
         with trio.fail_after(timeout):
             while True:

@@ -12,6 +12,7 @@ go on). Recording the snapshot is the registry's (``SnapshotStore.take``).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -29,6 +30,8 @@ from actors.sandboxes.logs import SandboxLog
 from actors.sandboxes.savedstate import Checkpoint, allocated, checkpoint_guest, still_running
 from actors.settings import Settings
 from actors.store import MachineRecord, Record
+
+log = logging.getLogger("sandvisor.checkpoint")
 
 BUSY_WAIT = 5.0  # s: requests in flight get this long to finish before a checkpoint
 
@@ -71,19 +74,31 @@ class Checkpoints:
         async with self._lock:
             yield
 
-    async def take(self, guest: Guest, snap_dir: Path, *, stay_paused: bool = False) -> Checkpoint:
+    async def take(
+        self,
+        guest: Guest,
+        snap_dir: Path,
+        *,
+        stay_paused: bool = False,
+        keep_memory: bool = False,
+        memory_file: bool = True,
+    ) -> Checkpoint:
         """Save ``guest`` into ``snap_dir``; it runs on afterwards (``stay_paused``: it
-        stays stopped, for a pause that ends its QEMU next)."""
+        stays stopped, for a pause that ends its QEMU next; ``keep_memory``: the saved
+        memory comes back as a sealed memfd too, ``Checkpoint.memfd``; ``memory_file``
+        False: only there, no file: checkpoint_guest)."""
         async with self._lock:
             self.active = True
             self._done = trio.Event()
             try:
-                return await self._take(guest, snap_dir, stay_paused)
+                return await self._take(guest, snap_dir, stay_paused, keep_memory, memory_file)
             finally:
                 self.active = False
                 self._done.set()
 
-    async def _take(self, guest: Guest, snap_dir: Path, stay_paused: bool = False) -> Checkpoint:
+    async def _take(
+        self, guest: Guest, snap_dir: Path, stay_paused: bool, keep_memory: bool, memory_file: bool
+    ) -> Checkpoint:
         rec, journal = self.record, self.journal
         # requests in flight (metrics, files) finish first: a request sitting in the
         # guest's queue at the pause would run again in every restore
@@ -109,6 +124,8 @@ class Checkpoints:
                 on_frozen=frozen,
                 stay_paused=stay_paused,
                 freeze=self.settings.freeze_fs,
+                keep_memory=keep_memory,
+                memory_file=memory_file,
             )
         except (MachineError, OSError) as exc:
             self._void_journal()
@@ -119,7 +136,10 @@ class Checkpoints:
             self._void_journal()
             raise
         fs = f"; file systems {ck.consistency} ({ck.freeze_s * 1000:.0f} ms)" if ck.consistency else ""
-        self.log.append("system", f"checkpoint: {ck.memory}, paused {ck.paused_s * 1000:.0f} ms{fs}".encode())
+        steps = ", ".join(f"{k} {v * 1000:.0f}" for k, v in ck.phases.items())
+        text = f"checkpoint: {ck.memory}, paused {ck.paused_s * 1000:.0f} ms{fs} (ms: {steps})"
+        self.log.append("system", text.encode())
+        log.info("%s: %s", rec.id, text)
         return ck
 
     async def take_stopped(self, snap_dir: Path, machine: MachineRecord) -> Checkpoint:

@@ -57,12 +57,16 @@ class SandboxFiles:
         tmp.unlink(missing_ok=True)
         try:
             await create_overlay(base, tmp)
-            fsync_path(tmp)
-            os.replace(tmp, self.disk)
-            fsync_dir(self.dir)
-            fsync_dir(self.dir.parent)  # (the sandbox's directory may be new too)
+            # (in a worker thread: restores side by side wait for their syncs together)
+            await trio.to_thread.run_sync(self._install_overlay, tmp)
         finally:
             tmp.unlink(missing_ok=True)
+
+    def _install_overlay(self, tmp: Path) -> None:
+        fsync_path(tmp)
+        os.replace(tmp, self.disk)
+        fsync_dir(self.dir)
+        fsync_dir(self.dir.parent)  # (the sandbox's directory may be new too)
 
     async def remove(self) -> None:
         """Everything of the sandbox (its log must be closed by its owner first); the

@@ -341,6 +341,7 @@ class Life:
         if not isinstance(plan, Resume) and sb.limits.disk_mib:
             # --disk-size (Create, or Modify of a stopped sandbox): grown before QEMU opens it
             await grow_overlay(files.disk, sb.limits.disk_mib << 20)
+        sb.timings["disk_ready"] = time.monotonic()
         run_dir = files.new_run_dir()
         volumes = self._claim_volumes()
         held = sb.held.take_link() if isinstance(plan, Resume) and plan.wake else None  # paused: its TAP
@@ -356,11 +357,13 @@ class Life:
                 sb.record.uid[:18], run_dir, memory_mib=self.boot_memory_mib(plan), vcpus=sb.limits.vcpus, uplink=uplink
             )
         cell = self.cell
+        sb.timings["cell_ready"] = time.monotonic()
         if isinstance(plan, Resume):
             # the snapshot as it is now, and its stream opened, in this one step: a
             # conversion may switch the record (and unlink the old stream) after it
             self._state_fd = self._open_state(plan.snapshot)
-        ram, shared = self._ram(plan)
+        ram, shared = await self._ram(plan)
+        sb.timings["ram_ready"] = time.monotonic()
         if self._ram_fd >= 0:
             fds["ram"] = self._ram_fd
         spec = self._vm_spec(plan, ram, shared).with_volumes(volumes)
@@ -539,7 +542,7 @@ class Life:
             tb_size_mib=s.tb_size_mib,
         )
 
-    def _ram(self, plan: Boot | Resume) -> tuple[Path | None, bool]:
+    async def _ram(self, plan: Boot | Resume) -> tuple[Path | None, bool]:
         """The life's guest RAM: (file, shared). A fresh shared file (a boot, a streamed
         restore), or a mapped snapshot's memory, privately. In a cell both go to QEMU
         by descriptor (``fds["ram"]``, held until QEMU maps it): the RAM file is the cell identity's own; the
@@ -556,7 +559,8 @@ class Life:
                 self._ram_fd = own_memory(snap.path / "memory", cell.identity)
                 return snap.path / "memory", False
             if cell is not None:
-                self._ram_fd = cell.cells.sealed.acquire(snap.id, snap.path / "memory")
+                # (a fill copies the file: in a worker thread; restores side by side share one)
+                self._ram_fd = await trio.to_thread.run_sync(cell.cells.sealed.acquire, snap.id, snap.path / "memory")
                 self._sealed = snap.id
                 return snap.path / "memory", False
             if snap.machine.balloon:

@@ -677,12 +677,14 @@ class Sandbox(Identity):
             )
         return guest
 
-    async def checkpoint(self, snap_dir: Path) -> Checkpoint:
+    async def checkpoint(self, snap_dir: Path, *, keep_memory: bool = False, memory_file: bool = True) -> Checkpoint:
         """Save this sandbox into ``snap_dir``; it runs on afterwards. Only when ready
-        with no exec session open: work in flight would be cloned into every restore."""
+        with no exec session open: work in flight would be cloned into every restore.
+        ``keep_memory``: its saved memory comes back as a sealed memfd too (``Checkpoint.memfd``);
+        ``memory_file`` False: only there (a fork's)."""
         guest = self.check_checkpointable()
         try:
-            return await self._ckpt.take(guest, snap_dir)
+            return await self._ckpt.take(guest, snap_dir, keep_memory=keep_memory, memory_file=memory_file)
         except CheckpointLost as exc:  # never leave a sandbox "ready" but paused
             self._fail(str(exc))
             self._run.stop.set()

@@ -5,6 +5,7 @@ directory holds: :mod:`actors.snapshots.snapshot`; one sandbox's guarded checkpo
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -17,6 +18,7 @@ import attrs
 import trio
 
 from actors import defaults
+from actors.cells import guestmem
 from actors.channel.guest import GuestError
 from actors.durable import fsync_dir
 from actors.errors import FailedPrecondition
@@ -54,6 +56,12 @@ class Checkpoint:
     # (why)" (a freeze that failed or did not answer), "" (freezing off, or an older guest)
     consistency: str = ""
     freeze_s: float = 0.0  # the freeze's round trip (the guest's sync and FIFREEZE)
+    # seconds each step took, in order ("stage", "freeze", "stop", "disk", "state", "memory", "cont",
+    # "write", "finish"): the pause is stop..cont
+    phases: dict[str, float] = attrs.field(factory=dict)
+    # the saved memory as a sealed memfd (``keep_memory``): the caller's to close or hand
+    # on (the sealed cache: restores of the snapshot need not fill it from the file); -1: none
+    memfd: int = -1
 
 
 def allocated(path: Path) -> int:
@@ -80,6 +88,8 @@ async def checkpoint_guest(
     on_frozen: Callable[[Path], None] | None = None,
     stay_paused: bool = False,
     freeze: bool = False,
+    keep_memory: bool = False,
+    memory_file: bool = True,
 ) -> Checkpoint:
     """Save a running guest into ``snap_dir`` (which exists and is empty) and let it run
     on. Its disk (``files.disk``) is frozen into ``snap_dir/disk.qcow2`` and the guest
@@ -95,37 +105,72 @@ async def checkpoint_guest(
     ``freeze``: the guest's writable file systems are frozen (:func:`freeze_guest`) right
     before it is stopped and thawed once it runs again -- except after a pause that
     succeeded: its saved memory holds them frozen, and guestd thaws them at the hello
-    of whatever resumes or restores it (guestd/freeze.py)."""
+    of whatever resumes or restores it (guestd/freeze.py).
+
+    Mapped RAM is copied, while the guest is stopped, into a memfd (memory to memory,
+    its data extents only, two copies side by side: :func:`copy_ram`; the memfd's pages
+    allocated before the stop, while the guest runs: :func:`guestmem.preallocate`), which is sealed
+    and written to ``snap_dir/memory`` after the guest runs again (thawed); a guest that
+    stays stopped (``stay_paused``) has its RAM written to that file directly.
+    ``keep_memory``: the sealed memfd is returned too (``Checkpoint.memfd``, the
+    caller's: the sealed cache, so that restores need not fill it from the file).
+    ``memory_file`` False (with ``keep_memory``: a fork's hidden snapshot, restored only
+    by its children, in this supervisor's life): no file, and the record's
+    ``memory_stat`` is empty."""
     m = guest.machine
     spec = m.spec
     mapped = spec.memory_file is not None and spec.memory_shared
     frozen = snap_dir / "disk.qcow2"
     frozen_done = False
     staged = None
-    vm_fd = -1
+    vm_fd = mem_fd = -1
     consistency, freeze_s, thaw = "", 0.0, False
+    phases: dict[str, float] = {}
+    mark = time.monotonic()
+
+    def phase(name: str) -> None:
+        nonlocal mark
+        now = time.monotonic()
+        phases[name] = now - mark
+        mark = now
+
+    direct = mapped and stay_paused and not keep_memory  # (stopped anyway: straight to the file)
     try:
         staged = await m.stage_disk(await files.stage_next_disk(frozen))
         vm_fd = os.open(snap_dir / "vmstate", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        await m.prepare_migration(vm_fd, ignore_shared=mapped)  # (its QMP round trips before the pause)
+        if mapped and not direct:
+            assert spec.memory_file is not None
+            ram_fd = os.open(spec.memory_file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                mem_fd = guestmem.new_memfd(os.fstat(ram_fd).st_size)
+                # its pages allocated while the guest runs: the pause only copies into them
+                await trio.to_thread.run_sync(guestmem.preallocate, ram_fd, mem_fd)
+            finally:
+                os.close(ram_fd)
+        phase("stage")
         if freeze:
             consistency, freeze_s, thaw = await freeze_guest(guest)
+            phase("freeze")
         async with _stopped(m, stay_paused) as t0:
+            phase("stop")
             await m.switch_disk(staged)
             files.swap_disks(frozen)  # the guest is paused: nobody sees the two names change
             frozen_done = True
             if on_frozen is not None:
                 on_frozen(frozen)
-            await m.migrate_to_fd(vm_fd, ignore_shared=mapped)
+            phase("disk")
+            await m.migrate_prepared()
+            phase("state")
             if mapped:
                 assert spec.memory_file is not None
-                p = await trio.run_process(
-                    ["cp", "--sparse=always", str(spec.memory_file), str(snap_dir / "memory")],
-                    capture_stderr=True,
-                    check=False,
-                )
-                if p.returncode != 0:
-                    raise CheckpointError(f"copying guest memory failed: {p.stderr.decode(errors='replace')[:200]}")
+                if direct:
+                    await trio.to_thread.run_sync(_write_memory_from, spec.memory_file, snap_dir / "memory")
+                else:
+                    await copy_ram(spec.memory_file, mem_fd)
+                phase("memory")
         paused = time.monotonic() - t0
+        phase("cont")
         if stay_paused:
             thaw = False  # (its QEMU ends frozen: what resumes it thaws at its hello)
     except BaseException:
@@ -133,6 +178,10 @@ async def checkpoint_guest(
             if staged is not None:
                 await m.unstage_disk(staged)
             files.discard_next_disk()
+            with trio.CancelScope(shield=True), contextlib.suppress(MachineError):
+                await m.qmp_execute("closefd", {"fdname": "snapfd"})  # (given ahead, never used)
+        if mem_fd >= 0:
+            os.close(mem_fd)
         raise
     finally:
         if vm_fd >= 0:
@@ -140,10 +189,25 @@ async def checkpoint_guest(
         if thaw:
             with trio.CancelScope(shield=True):
                 await thaw_guest(guest)
-    files_written = ["vmstate", "disk.qcow2", *(["memory"] if mapped else [])]
-    await trio.to_thread.run_sync(_finish, snap_dir, files_written, user, spec.kernel, spec.initrd)
-    sizes = {f: allocated(snap_dir / f) for f in files_written}
-    mem_stat = stat_key(snap_dir / "memory") if mapped else []
+    on_file = mapped and (memory_file or not keep_memory)
+    try:
+        if on_file and not direct:  # (the guest runs, its file systems thawed)
+            await trio.to_thread.run_sync(_write_memory, mem_fd, snap_dir / "memory")
+            phase("write")
+        files_written = ["vmstate", "disk.qcow2", *(["memory"] if on_file else [])]
+        await trio.to_thread.run_sync(_finish, snap_dir, files_written, user, spec.kernel, spec.initrd)
+        phase("finish")
+        sizes = {f: allocated(snap_dir / f) for f in files_written}
+        if mapped and not on_file:
+            sizes["memory"] = os.fstat(mem_fd).st_blocks * 512  # (held by the supervisor: no file)
+    except BaseException:
+        if mem_fd >= 0:
+            os.close(mem_fd)
+        raise
+    if mem_fd >= 0 and not keep_memory:
+        os.close(mem_fd)
+        mem_fd = -1
+    mem_stat = stat_key(snap_dir / "memory") if on_file else []
     machine = MachineRecord(
         append=spec.append,
         memory_mib=spec.memory_mib,
@@ -153,7 +217,47 @@ async def checkpoint_guest(
         balloon=spec.balloon,
     )
     kind = MemoryKind.MAPPED if mapped else MemoryKind.STREAMED
-    return Checkpoint(kind, paused, sizes, mem_stat, machine, chain, consistency, freeze_s)
+    return Checkpoint(kind, paused, sizes, mem_stat, machine, chain, consistency, freeze_s, phases, mem_fd)
+
+
+RAM_COPIES = 2  # copies side by side of the guest's RAM while it is stopped
+
+
+async def copy_ram(ram: Path, memfd: int) -> None:
+    """The RAM file's data into ``memfd`` (same offsets; holes stay holes), then sealed:
+    RAM_COPIES worker threads (the event loop runs on meanwhile)."""
+    src = os.open(ram, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        parts = guestmem.split_extents(await trio.to_thread.run_sync(guestmem.data_extents, src), RAM_COPIES)
+        async with trio.open_nursery() as n:
+            for part in parts:
+                n.start_soon(trio.to_thread.run_sync, guestmem.copy_extents, src, memfd, part)
+    except guestmem.MemoryFileError as exc:
+        raise CheckpointError(f"copying guest memory failed: {exc}") from None
+    finally:
+        os.close(src)
+    guestmem.seal(memfd)
+
+
+def _write_memory_from(ram: Path, path: Path) -> None:
+    src = os.open(ram, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        _write_memory(src, path)
+    finally:
+        os.close(src)
+
+
+def _write_memory(memfd: int, path: Path) -> None:
+    """The saved memory's file (sparse: the data extents of ``memfd``: the sealed memfd,
+    or the RAM file of a stopped guest). Fails with OSError."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.ftruncate(fd, os.fstat(memfd).st_size)
+        guestmem.copy_extents(memfd, fd, guestmem.data_extents(memfd))
+    except guestmem.MemoryFileError as exc:
+        raise OSError(f"writing the saved memory: {exc}") from None
+    finally:
+        os.close(fd)
 
 
 async def freeze_guest(guest: Guest) -> tuple[str, float, bool]:

@@ -185,36 +185,41 @@ class SnapshotStore:
             self.pending.discard(snap_dir.resolve())
             self.collect_soon()  # the directory stays only if the sandbox's disk froze into it
             raise
-        rec = SnapshotRecord(
-            uid=uid,
-            id=self.new_id(),
-            name=name,
-            labels=dict(labels or {}),
-            sandbox_id="" if template_key else origin.id,
-            origin_uid=origin.uid,
-            created_ns=created,
-            dir=str(snap_dir),
-            memory=ck.memory,
-            machine=ck.machine,
-            # what restores inherit: the origin's configuration with every port it has
-            # exposed (a restore forwards each again, on its own host port), and its
-            # limits as resolved when it was made (not the defaults of a later supervisor)
-            config=config
-            or attrs.evolve(origin.config, ports=tuple(origin.ports), limits=origin.limits or origin.config.limits),
-            sizes=ck.sizes,
-            memory_stat=ck.memory_stat,
-            template_key=template_key,
-            image=image,
-            oci=oci or origin.image,
-            chain=ck.chain,
-            address=address,
-            volume_generations=dict(volume_generations or {}),
-            paused_for=paused_for,
-            owner=owner,
-            fork_only=fork_only,
-        )
-        crash_point("template-checkpoint" if template_key else "snapshot-record")
-        self.store.insert_snapshot(rec)
+        try:  # (a memory the checkpoint kept for its caller goes with a failure)
+            rec = SnapshotRecord(
+                uid=uid,
+                id=self.new_id(),
+                name=name,
+                labels=dict(labels or {}),
+                sandbox_id="" if template_key else origin.id,
+                origin_uid=origin.uid,
+                created_ns=created,
+                dir=str(snap_dir),
+                memory=ck.memory,
+                machine=ck.machine,
+                # what restores inherit: the origin's configuration with every port it has
+                # exposed (a restore forwards each again, on its own host port), and its
+                # limits as resolved when it was made (not the defaults of a later supervisor)
+                config=config
+                or attrs.evolve(origin.config, ports=tuple(origin.ports), limits=origin.limits or origin.config.limits),
+                sizes=ck.sizes,
+                memory_stat=ck.memory_stat,
+                template_key=template_key,
+                image=image,
+                oci=oci or origin.image,
+                chain=ck.chain,
+                address=address,
+                volume_generations=dict(volume_generations or {}),
+                paused_for=paused_for,
+                owner=owner,
+                fork_only=fork_only,
+            )
+            crash_point("template-checkpoint" if template_key else "snapshot-record")
+            self.store.insert_snapshot(rec)
+        except BaseException:
+            if ck.memfd >= 0:
+                os.close(ck.memfd)
+            raise
         self.snapshots[rec.id] = rec
         self.pending.discard(snap_dir.resolve())
         self.convert_soon(rec)
@@ -271,6 +276,8 @@ class SnapshotStore:
                 raise FailedPrecondition(f"snapshot {rec.id} is incomplete on disk: {part} is missing")
         if rec.memory != MemoryKind.MAPPED:
             return
+        if rec.fork_only and not rec.memory_stat:
+            return  # a fork's memory, held sealed by the supervisor (no file: Registry.checkpoint)
         try:
             key = stat_key(rec.path / "memory")
         except OSError as exc:

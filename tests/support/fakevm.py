@@ -73,6 +73,7 @@ class FakeMachine:
         self.staged = 0
         self.disk_top = "disk0"
         self.console = FakeConsole()
+        self._migrate_fd = -1
 
     # -- the process -----------------------------------------------------------------
     def die(self, code: int) -> None:
@@ -148,6 +149,12 @@ class FakeMachine:
             yield trio.current_time()
         finally:
             self.paused_now = False
+
+    async def prepare_migration(self, fd: int, *, ignore_shared: bool) -> None:
+        self._migrate_fd = fd
+
+    async def migrate_prepared(self) -> dict[str, Any]:
+        return await self.migrate_to_fd(self._migrate_fd, ignore_shared=False)
 
     async def migrate_to_fd(self, fd: int, *, ignore_shared: bool) -> dict[str, Any]:
         token = f"fake-vmstate-{next(_pids)}".encode()

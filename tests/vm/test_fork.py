@@ -29,7 +29,8 @@ from supervisor.client import AsyncSandbox, FailedPrecondition, Sandbox
 from supervisor.main.throwaway import supervisor, supervisor_process, workdir
 from tests.support.netlab import POOL, UPLINK_INET, link_internet, namespaces
 
-COUNTER = "i=0; while true; do i=$((i+1)); echo $i > /run/cnt; sleep 0.05; done"
+# (renamed into place: a reader never sees the file truncated and not yet written)
+COUNTER = "i=0; while true; do i=$((i+1)); echo $i > /run/cnt.new; mv /run/cnt.new /run/cnt; sleep 0.05; done"
 
 
 @pytest.fixture(scope="module")
