@@ -678,10 +678,9 @@ class Sandbox(Identity):
         return guest
 
     async def checkpoint(self, snap_dir: Path, *, keep_memory: bool = False, memory_file: bool = True) -> Checkpoint:
-        """Save this sandbox into ``snap_dir``; it runs on afterwards. Only when ready
-        with no exec session open: work in flight would be cloned into every restore.
-        ``keep_memory``: its saved memory comes back as a sealed memfd too (``Checkpoint.memfd``);
-        ``memory_file`` False: only there (a fork's)."""
+        """Save this sandbox into ``snap_dir``; it runs on afterwards. Only when ready with no
+        exec session open (work in flight would be cloned into every restore). ``keep_memory``:
+        its memory comes back as a sealed memfd too; ``memory_file`` False: only there (a fork's)."""
         guest = self.check_checkpointable()
         try:
             return await self._ckpt.take(guest, snap_dir, keep_memory=keep_memory, memory_file=memory_file)
