@@ -17,10 +17,11 @@ from supervisor.main.throwaway import supervisor, workdir
 
 
 @asynccontextmanager
-async def in_process_daemon(prefix: str) -> AsyncIterator[tuple[DaemonConfig, Registry]]:
-    """A supervisor on a fresh state dir that shares the built image; removed after."""
+async def in_process_daemon(prefix: str, **options: Any) -> AsyncIterator[tuple[DaemonConfig, Registry]]:
+    """A supervisor on a fresh state dir that shares the built image (``options``: serve's
+    settings, e.g. ``max_sandboxes``); removed after."""
     with workdir(prefix) as work:
-        async with supervisor(work) as (cfg, registry):
+        async with supervisor(work, **options) as (cfg, registry):
             yield cfg, registry
 
 

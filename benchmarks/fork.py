@@ -242,7 +242,8 @@ async def bench(a: argparse.Namespace) -> dict[str, Any]:
     }
     logging.getLogger("sandvisor.checkpoint").addHandler(STEPS)
     logging.getLogger("sandvisor.checkpoint").setLevel(logging.INFO)
-    async with in_process_daemon("sv-forkb-") as (cfg, registry):
+    # (a density run's forks and their parent, beside serve's default cap of 64)
+    async with in_process_daemon("sv-forkb-", max_sandboxes=max(64, a.dforks + 8)) as (cfg, registry):
         registry.pools.templates = False
         sock = str(cfg.socket)
         if a.n:
