@@ -47,7 +47,7 @@ import trio
 from _harness import in_process_daemon, summary, write_results
 
 from actors.sandboxes.usage import proc_memory_split
-from supervisor.client import AsyncSandbox
+from supervisor.client import AsyncSandbox, SandboxError
 from supervisor.client.sdk import snapshot_plans
 from supervisor.client.sdk.aio import drive
 
@@ -180,19 +180,29 @@ async def density(registry: Any, sock: str, mem: int, touch_mib: int, k: int, co
 
     booting = trio.CapacityLimiter(4)  # (all alive at the end; 64 TCG boots at once would time out)
 
+    touched: list[AsyncSandbox] = []
+    failures: list[str] = []  # (a cold guest that died touching its memory: said, not counted)
+
     async def boot(i: int) -> None:
         async with booting:
             sb = await AsyncSandbox.create(f"cold{i}", memory_mib=mem, detached=True, socket=sock)
-            await sb.run(touch(touch_mib))
-        cold.append(sb)
+            cold.append(sb)
+            try:
+                await sb.run(touch(touch_mib))
+            except SandboxError as exc:
+                info = await sb.inspect()
+                failures.append(f"{sb.id}: {exc.code}: {exc.message} (then {info.state}: {info.error})")
+                return
+        touched.append(sb)
 
     async with trio.open_nursery() as n:
         for i in range(cold_k):
             n.start_soon(boot, i)
     await trio.sleep(2)
-    measured = sum(pss(qemu_pid(registry, c.id)) for c in cold) / 2**20
+    measured = sum(pss(qemu_pid(registry, c.id)) for c in touched) / 2**20
+    out["cold_failures"] = failures
     out["cold_pss_measured_mib"] = measured
-    out["cold_pss_sum_mib"] = measured * k / cold_k
+    out["cold_pss_sum_mib"] = measured * k / max(len(touched), 1)
     await remove_all(cold)
     out["ratio_fork_to_cold"] = out["fork_pss_sum_mib"] / max(out["cold_pss_sum_mib"], 1)
     family = out["fork_pss_sum_mib"] + out["shared_memfd_mib"]
