@@ -188,12 +188,20 @@ class Chaos:
         return self.rng.choice(ids) if ids else None
 
     async def act(
-        self, op: str, id: str, post: set[str], fn: Callable[[], Awaitable[Any]], failed: bool = False
+        self,
+        op: str,
+        id: str,
+        post: set[str],
+        fn: Callable[[], Awaitable[Any]],
+        failed: bool = False,
+        halfway: frozenset[str] = frozenset(),
     ) -> Any:
         """Run one SDK call against sandbox ``id``: acknowledged, the model takes
         ``post``; refused, it keeps its states; cut by a supervisor kill (or failed in
         a way that may have taken effect), either. ``failed``: an operation that boots
         (create, restore, start) may also leave the sandbox failed when refused.
+        ``halfway``: states an operation cut by a supervisor kill may also leave (a
+        remove is a stop, then the record's removal: cut between, the sandbox is stopped).
         Raises Failed unless acknowledged."""
         self.report.ops[op] += 1
         self.touched.add(id)
@@ -209,7 +217,8 @@ class Chaos:
             self.violate(checks.check_error(op, exc))
             if not self.faulting and self.serve.kills == kills:  # (nothing excuses it)
                 self.violate(checks.check_refusal(f"{op} {id}", exc))
-            self._uncertain(id, pre | post if self.serve.kills != kills or exc.code in MAYBE_DONE else pre)
+            cut = self.serve.kills != kills
+            self._uncertain(id, pre | post | (halfway if cut else set()) if cut or exc.code in MAYBE_DONE else pre)
             raise Failed(exc.code) from exc
         except trio.TooSlowError:
             self.violate([("liveness", f"{op} {id}: no answer in {OP_TIMEOUT:g} s")])
@@ -217,7 +226,7 @@ class Chaos:
             raise Failed("timeout") from None
         except Exception as exc:  # what the SDK raised without a code
             self.violate(checks.check_error(op, exc))
-            self._uncertain(id, pre | post)
+            self._uncertain(id, pre | post | (halfway if self.serve.kills != kills else set()))
             raise Failed(type(exc).__name__) from exc
         if id in self.model:
             self.model[id].allowed = set(post)
@@ -371,7 +380,7 @@ class Chaos:
         if not ids:
             return await self.op_create()
         id = self.rng.choice(ids)
-        await self.act("remove", id, {ABSENT}, lambda: self.sb(id).remove(force=True))
+        await self.act("remove", id, {ABSENT}, lambda: self.sb(id).remove(force=True), halfway=frozenset({"stopped"}))
 
     async def op_port(self) -> None:
         id = self.pick("ready", where=lambda m: m.net)
@@ -680,7 +689,7 @@ class Chaos:
     def saved_state_holders(self) -> tuple[int, int]:
         """The forks with a child that may still live, and the sandboxes that may be
         paused: what may hold a hidden saved state now."""
-        self.forks = [c for c in self.forks if any(ABSENT not in self.model.get(x, _GONE).allowed for x in c)]
+        self.forks = [c for c in self.forks if any(self.model.get(x, _GONE).allowed - {ABSENT} for x in c)]
         return len(self.forks), sum(1 for m in self.model.values() if "paused" in m.allowed)
 
     async def check(self) -> None:
