@@ -104,7 +104,10 @@ FILL = (  # the guest's root filesystem full: what is free allocated, then the l
     "fallocate -l $(( $(df -k --output=avail /root | tail -1) - 512 ))k /root/fill; "
     "dd if=/dev/zero of=/root/fill2 bs=64k 2>/dev/null; sync; true"
 )
-WRITE = 'mkdir -p "$1" "$1-tmp" && printf %s "$3" > "$1-tmp/$2" && mv "$1-tmp/$2" "$1/$2" && sync'
+# acknowledged only once fsync of the file and both directories says it is on the disk:
+# a plain `sync` returns 0 even when the writeback failed (an I/O error the guest got
+# from a full host disk), so a write it "acknowledged" could be lost with no error
+WRITE = 'mkdir -p "$1" "$1-tmp" && printf %s "$3" > "$1-tmp/$2" && mv "$1-tmp/$2" "$1/$2" && sync "$1/$2" "$1" "$1-tmp"'
 
 
 @dataclass
