@@ -104,10 +104,14 @@ FILL = (  # the guest's root filesystem full: what is free allocated, then the l
     "fallocate -l $(( $(df -k --output=avail /root | tail -1) - 512 ))k /root/fill; "
     "dd if=/dev/zero of=/root/fill2 bs=64k 2>/dev/null; sync; true"
 )
+FSYNC_FAILED = 75  # WRITE's exit when the rename was done and its fsync failed
 # acknowledged only once fsync of the file and both directories says it is on the disk:
 # a plain `sync` returns 0 even when the writeback failed (an I/O error the guest got
 # from a full host disk), so a write it "acknowledged" could be lost with no error
-WRITE = 'mkdir -p "$1" "$1-tmp" && printf %s "$3" > "$1-tmp/$2" && mv "$1-tmp/$2" "$1/$2" && sync "$1/$2" "$1" "$1-tmp"'
+WRITE = (
+    'mkdir -p "$1" "$1-tmp" && printf %s "$3" > "$1-tmp/$2" && mv "$1-tmp/$2" "$1/$2" '
+    f'&& {{ sync "$1/$2" "$1" "$1-tmp" || exit {FSYNC_FAILED}; }}'
+)
 
 
 @dataclass
@@ -295,7 +299,9 @@ class Chaos:
         if r.exit_code == 0:
             files[path] = {h}
         else:
-            files[path] = old  # (a full disk: refused before the rename)
+            # refused before the rename (a full guest disk): the old content stays; after
+            # it (the fsync failed: an I/O error) either may be on the disk
+            files[path] = old | {h} if r.exit_code == FSYNC_FAILED else old
             self.report.errors[f"{op}:exit {r.exit_code}"] += 1
 
     async def op_volume_write(self) -> None:
