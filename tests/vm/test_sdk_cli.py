@@ -169,6 +169,7 @@ def test_cli_surface(served: dict[str, str], tmp_path: Path) -> None:
         "forked_at",
         "memory_shared_bytes",
         "memory_own_bytes",
+        "guest_oom_kills",  # the guest's OOM killer's kills in this life (docs/protocol.md)
     }
     assert info["last_exit_code"] == 9
 
