@@ -40,13 +40,13 @@ import os
 import shutil
 import stat
 import struct
-import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import attrs
 import trio
 
+from actors.cells.toolcell import make_stage
 from actors.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
 from actors.registry import Registry
 from actors.sandboxes.sandbox import Sandbox
@@ -305,23 +305,11 @@ async def _run_cell(settings: Settings, disk: HeldDisk, path: str, mode: str, wo
 def _staging(settings: Settings) -> Iterator[Path]:
     base = settings.sandboxes_dir.parent / STAGE_DIR
     base.mkdir(mode=0o711, exist_ok=True)
-    sweep(base)
-    stage = base / f".stage-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    stage.mkdir(mode=0o711)
+    stage = make_stage(base)
     try:
-        work = stage / "work"
-        work.mkdir(mode=0o700)
-        yield work
+        yield stage / "work"
     finally:
         shutil.rmtree(stage, ignore_errors=True)
-
-
-def sweep(base: Path) -> None:
-    """Staging dirs a dead supervisor left."""
-    for p in base.glob(".stage-*"):
-        pid = p.name.split("-")[1]
-        if pid.isdigit() and int(pid) != os.getpid() and not Path(f"/proc/{pid}").exists():
-            shutil.rmtree(p, ignore_errors=True)
 
 
 def _open_result(work: Path, name: str) -> int:

@@ -20,18 +20,17 @@ a module; other types need the caller's own kernel with them built in.
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import hashlib
 import os
 import shutil
 import stat
-import uuid
 from pathlib import Path
 
 import attrs
 import trio
 
+from actors.cells.toolcell import make_stage
 from actors.errors import FailedPrecondition, InvalidArgument, NotFound
 from actors.machines.disk import QCOW2_MAGIC, DiskError, check_user_disk
 from actors.settings import Settings
@@ -186,12 +185,9 @@ async def _convert(settings: Settings, src: Path, out: Path) -> None:
         raise FailedPrecondition(f"a {fmt} disk is converted in a tool cell: this supervisor runs without its jail")
     cache = out.parent
     cache.mkdir(mode=0o755, exist_ok=True)
-    sweep(settings)
-    stage = cache / f".stage-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    stage.mkdir(mode=0o711)
+    stage = make_stage(cache)
     try:
         work = stage / "work"
-        work.mkdir(mode=0o700)
         copy = work / f"in.{fmt}"
         await trio.to_thread.run_sync(_copy, src, copy)
         argv = ["qemu-img", "convert", "-q", "-f", fmt, "-O", "qcow2", str(copy), str(work / "out.qcow2")]
@@ -236,15 +232,3 @@ def _copy(src: Path, dst: Path) -> None:
             os.fchmod(f.fileno(), 0o600)
     finally:
         os.close(fd)
-
-
-def sweep(settings: Settings) -> None:
-    """Staging directories a dead supervisor left."""
-    d = cache_dir(settings)
-    if not d.is_dir():
-        return
-    for p in d.glob(".stage-*"):
-        pid = p.name.split("-")[1]
-        if pid.isdigit() and int(pid) != os.getpid() and not Path(f"/proc/{pid}").exists():
-            with contextlib.suppress(OSError):
-                shutil.rmtree(p)

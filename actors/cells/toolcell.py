@@ -384,3 +384,24 @@ async def fsck_in_cell(tools: ToolCells, path: Path, *, args: Sequence[str] = ("
         raise
     finally:
         os.close(fd)
+
+
+def make_stage(base: Path) -> Path:
+    """A staging directory for one tool cell's work under ``base``: ``.stage-PID-RANDOM``
+    (0711) holding ``work`` (0700, what the cell binds), made after sweeping those a dead
+    supervisor left. The caller owns it and removes it."""
+    sweep_stages(base)
+    stage = base / f".stage-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    stage.mkdir(mode=0o711)
+    (stage / "work").mkdir(mode=0o700)
+    return stage
+
+
+def sweep_stages(base: Path) -> None:
+    """The staging directories under ``base`` whose supervisor is gone."""
+    if not base.is_dir():
+        return
+    for p in base.glob(".stage-*"):
+        pid = p.name.split("-")[1]
+        if pid.isdigit() and int(pid) != os.getpid() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(p, ignore_errors=True)
