@@ -58,6 +58,7 @@ from actors.machines.qmp import QMPClient, QMPCommandFailed, QMPError, QMPTimeou
 
 log = logging.getLogger("sandvisor.machine")
 MERGE_POLL = 0.02  # s: how often a merge asks QEMU how its block job is doing
+SETTLE_TIMEOUT = 10.0  # s: QEMU's answer to which layer its disk writes, after a switch that failed
 
 CONSOLE_RING = 64 * 1024
 CONNECT_POLL_FIRST, CONNECT_POLL_MAX = 0.002, 0.02  # s: the polls for QEMU's sockets (_connect)
@@ -430,6 +431,11 @@ class Machine:
         self.runstate = Runstate.EXITED
         self._exited.set()
 
+    async def kill(self) -> None:
+        """SIGKILL, reaped: for a QEMU whose state must not run on (shielded)."""
+        with trio.CancelScope(shield=True):
+            await self._kill_and_reap()
+
     async def wait(self) -> int:
         await self._exited.wait()
         assert self.returncode is not None
@@ -589,9 +595,43 @@ class Machine:
 
     async def switch_disk(self, staged: StagedDisk) -> None:
         """The disk device writes the staged overlay from now on, on top of the layer it
-        wrote so far (reopened read-only). The guest must be paused."""
-        await self.qmp_execute("blockdev-snapshot", {"node": self._disk_top, "overlay": staged.node})
+        wrote so far (reopened read-only). The guest must be paused.
+
+        A failure does not say that nothing moved: QEMU may have done the switch and its
+        answer been lost (the caller cancelled, or the answer came after the timeout), and
+        an overlay QEMU writes must not be undone as one it never took. So after any
+        failure QEMU is asked which node the device writes, and :attr:`disk_top` says
+        it when this raises. A QEMU that cannot say is killed (the guest is paused: it
+        never ran on either layer) and this raises :class:`MachineStateError`."""
+        before = self._disk_top
+        try:
+            await self.qmp_execute("blockdev-snapshot", {"node": before, "overlay": staged.node})
+        except BaseException as exc:
+            with trio.CancelScope(shield=True):
+                top = await self._device_node({before, staged.node})
+                if top is None:
+                    log.warning("%s: blockdev-snapshot failed (%r), its outcome unknown: killed", self.name, exc)
+                    await self._kill_and_reap()
+            if top is None:
+                raise MachineStateError(f"QMP blockdev-snapshot: {exc!r}; the disk's state unknown") from exc
+            self._disk_top = top
+            if top == staged.node:
+                log.warning("%s: blockdev-snapshot answered %r, but QEMU did it", self.name, exc)
+            raise
         self._disk_top = staged.node
+
+    async def _device_node(self, candidates: set[str]) -> str | None:
+        """Which of ``candidates`` a block device writes, as QEMU says now; None if it
+        does not answer (within :data:`SETTLE_TIMEOUT`) or names none of them."""
+        try:
+            blocks = await self.qmp_execute("query-block", timeout=SETTLE_TIMEOUT)
+        except MachineError:
+            return None
+        for b in blocks if isinstance(blocks, list) else []:
+            node = (b.get("inserted") or {}).get("node-name") if isinstance(b, dict) else None
+            if node in candidates:
+                return str(node)
+        return None
 
     async def merge_layers(self, count: int, backing_file: str, *, timeout: float = 600.0) -> None:
         """Merge the disk's ``count`` backing layers nearest its top (the launch's nodes

@@ -93,12 +93,24 @@ class SandboxFiles:
             link(disk, frozen)        frozen and disk: one file; next staged
             replace(next, disk)       disk: the new overlay (on frozen); no next
             fsync both directories    the names survive a power cut
+
+        It raises only with the names as they were (a link made is undone): once they
+        moved, the swap happened and its caller must record it, so a directory sync that
+        fails after is logged, not raised.
         """
         os.link(self.disk, frozen)
-        crash_point("checkpoint-swap")
-        os.replace(self.next_disk, self.disk)
-        fsync_dir(self.dir)
-        fsync_dir(frozen.parent)
+        try:
+            crash_point("checkpoint-swap")
+            os.replace(self.next_disk, self.disk)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                frozen.unlink()
+            raise
+        for d in (self.dir, frozen.parent):
+            try:
+                fsync_dir(d)
+            except OSError as exc:
+                log.warning("disk swap of %s: %s not synced (%s)", self.disk, d, exc)
 
     def repair_swap(self, frozen: Path) -> bool:
         """After a crash with a checkpoint's journal set: finish the swap or undo it.

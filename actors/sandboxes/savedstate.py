@@ -154,11 +154,18 @@ async def checkpoint_guest(
             phase("freeze")
         async with _stopped(m, stay_paused) as t0:
             phase("stop")
-            await m.switch_disk(staged)
-            files.swap_disks(frozen)  # the guest is paused: nobody sees the two names change
-            frozen_done = True
-            if on_frozen is not None:
-                on_frozen(frozen)
+            try:
+                await m.switch_disk(staged)
+            finally:
+                # QEMU writes the staged overlay from here, even when the switch raised
+                # (its answer lost to a cancel or a timeout: Machine.switch_disk asked
+                # QEMU): its file takes the disk's name before the guest runs on it --
+                # the undo below would unlink a file the guest writes
+                if m.disk_top == staged.node:
+                    await _swap_names(m, files, frozen)
+                    frozen_done = True
+                    if on_frozen is not None:
+                        on_frozen(frozen)
             phase("disk")
             await m.migrate_prepared()
             phase("state")
@@ -218,6 +225,20 @@ async def checkpoint_guest(
     )
     kind = MemoryKind.MAPPED if mapped else MemoryKind.STREAMED
     return Checkpoint(kind, paused, sizes, mem_stat, machine, chain, consistency, freeze_s, phases, mem_fd)
+
+
+async def _swap_names(m: Machine, files: SandboxFiles, frozen: Path) -> None:
+    """The disk's names after QEMU switched to the staged overlay (the guest is
+    paused: nobody sees them change). If they cannot move, QEMU is killed before the
+    guest runs again: it would write a file without the disk's name, which the undo
+    removes (the disk, as it was, holds everything the guest wrote)."""
+    try:
+        files.swap_disks(frozen)
+    except OSError as exc:
+        with trio.CancelScope(shield=True):
+            log.warning("%s: the disk swap failed after QEMU switched (%s): killed", m.name, exc)
+            await m.kill()
+        raise
 
 
 RAM_COPIES = 2  # copies side by side of the guest's RAM while it is stopped
