@@ -292,16 +292,24 @@ class Chaos:
         h = sha(content.encode())
         old = files.get(path, {MISSING})
         files[path] = old | {h}  # (until acknowledged: either)
+        # (and what the guest shows of it may be its page cache only: cut here, it stays so
+        # until the guest boots again; the volume's paths are its mounter's to settle)
+        was_unsynced = path in m.unsynced
+        m.unsynced.add(path)
         op = "volume-write" if volume else "write"
         r = await self.act(
             op, id, {"ready"}, lambda: self.sb(id).run(["sh", "-c", WRITE, "sh", path.rsplit("/", 1)[0], name, content])
         )
         if r.exit_code == 0:
             files[path] = {h}
+            m.unsynced.discard(path)
         else:
             # refused before the rename (a full guest disk): the old content stays; after
-            # it (the fsync failed: an I/O error) either may be on the disk
+            # it (the fsync failed: an I/O error) either may be on the disk, and the guest
+            # may show the new one from its cache while its disk has the old
             files[path] = old | {h} if r.exit_code == FSYNC_FAILED else old
+            if r.exit_code != FSYNC_FAILED and not was_unsynced:
+                m.unsynced.discard(path)
             self.report.errors[f"{op}:exit {r.exit_code}"] += 1
 
     async def op_volume_write(self) -> None:
@@ -317,7 +325,12 @@ class Chaos:
         files, boot = copy.deepcopy(m.files), m.boot
         await self.act("checkpoint", id, set(m.allowed), lambda: self.sb(id).checkpoint(name))
         self.snaps[name] = checks.SnapshotModel(
-            name, files, boot if state == "ready" else "", origin_boot=m.boot or m.not_boot, net=m.net
+            name,
+            files,
+            boot if state == "ready" else "",
+            origin_boot=m.boot or m.not_boot,
+            net=m.net,
+            unsynced=set(m.unsynced) if state == "ready" else set(),  # (a restore has the memory)
         )
 
     async def op_restore(self) -> None:
@@ -326,7 +339,7 @@ class Chaos:
         snap = self.snaps[self.rng.choice(sorted(self.snaps))]
         id = self.new_id("r")
         m = checks.SandboxModel(id, {ABSENT}, files=copy.deepcopy(snap.files), boot=snap.boot)
-        m.net = snap.net
+        m.net, m.unsynced = snap.net, set(snap.unsynced)
         if not snap.boot:
             m.not_boot = snap.origin_boot
         self.model[id] = m
@@ -426,7 +439,7 @@ class Chaos:
         names = [self.new_id("k") for _ in range(n)]
         for child in names:  # (until acknowledged: made or not, booted or failed)
             m = checks.SandboxModel(child, {ABSENT, "ready", "failed"}, files=copy.deepcopy(parent.files))
-            m.net, m.server = parent.net, parent.server
+            m.net, m.server, m.unsynced = parent.net, parent.server, set(parent.unsynced)
             self.model[child] = m
         self.forks.append(names)
         boot = parent.boot
@@ -689,11 +702,11 @@ class Chaos:
                 h, name = line.split(None, 1)
                 seen[f"{where}/{name}"] = h
         self.violate(checks.check_boot(m, lines[0].strip() if lines else ""))
-        self.violate(checks.check_files(id, m.files, {p: h for p, h in seen.items() if p.startswith("/root/")}))
+        root = {p: h for p, h in seen.items() if p.startswith("/root/")}
+        self.violate(checks.check_files(id, m.files, root, m.unsynced))
         if m.volume:
-            self.violate(
-                checks.check_files(VOLUME, self.volume_files, {p: h for p, h in seen.items() if p.startswith("/data/")})
-            )
+            data = {p: h for p, h in seen.items() if p.startswith("/data/")}
+            self.violate(checks.check_files(VOLUME, self.volume_files, data, m.unsynced))
 
     def saved_state_holders(self) -> tuple[int, int]:
         """The forks with a child that may still live, and the sandboxes that may be

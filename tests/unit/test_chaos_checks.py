@@ -52,6 +52,21 @@ def test_a_cut_write_may_be_old_or_new_and_the_model_learns_which() -> None:
     assert inv == "durability"
 
 
+def test_a_write_whose_fsync_failed_is_not_settled_by_the_guests_cache() -> None:
+    """Seed 20261204's "lost" write: its fsync failed (the host disk full, the guest's
+    journal aborted), the running guest showed it from its page cache, and the model
+    took that for the disk; after the QEMU was killed it was gone, as it may be."""
+    m = checks.SandboxModel("s", {"ready"}, files={"/root/chaos/f5": {checks.MISSING, H1}})
+    m.unsynced.add("/root/chaos/f5")
+    assert checks.check_files("s", m.files, {"/root/chaos/f5": H1}, m.unsynced) == []
+    assert m.files == {"/root/chaos/f5": {checks.MISSING, H1}}  # (the cache settles nothing)
+    m.rebooted()  # the QEMU killed: the next look reads its disk, and settles it
+    assert checks.check_files("s", m.files, {}, m.unsynced) == []
+    assert m.files == {"/root/chaos/f5": {checks.MISSING}}
+    [(inv, _)] = checks.check_files("s", m.files, {"/root/chaos/f5": H1}, m.unsynced)
+    assert inv == "durability"
+
+
 def test_a_file_no_write_made_is_reported() -> None:
     [(inv, what)] = checks.check_files("s", {}, {"/root/chaos/f9": H1})
     assert inv == "durability" and "no write" in what
