@@ -68,6 +68,10 @@ class Action(enum.StrEnum):
     # sandvisor's: the guest kernel's OOM killer killed a process (the sandbox lives on;
     # attributes: pid, process, by, constraint, cgroup, sizes: actors/sandboxes/oomkills.py)
     OOM_KILL = "oom_kill"
+    # sandvisor's: QEMU could not carry out a guest's disk request (a full host disk, a
+    # failing one); the guest got an I/O error (attributes: disk, operation, nospace,
+    # reason, count: actors/sandboxes/diskerrors.py)
+    DISK_ERROR = "disk_error"
 
 
 class Ending(enum.StrEnum):

@@ -78,6 +78,7 @@ from actors.net.hostnet import SandboxLink
 from actors.net.ports import PortRelays
 from actors.quotas import check_sandbox_disk
 from actors.sandboxes import secrets, usage
+from actors.sandboxes.diskerrors import DiskErrors
 from actors.sandboxes.files import SandboxFiles
 from actors.sandboxes.logs import SandboxLog
 from actors.sandboxes.oomkills import GuestOoms, oom_death
@@ -187,6 +188,8 @@ class Life:
         self._fixed = False  # a restore's fix-ups came with its hello (Attach.fixups)
         self._stack = AsyncExitStack()  # its scope, _release, QEMU (the launcher's block), the relays' nursery
         self.ooms = GuestOoms(sb.emit)  # the guest's own OOM kills (guestd's reports), its oom_kill events
+        # its disks' I/O errors (QEMU's BLOCK_IO_ERROR), its disk_error events
+        self.disk_errors = DiskErrors(sb.emit, [m.name for m in sb.config.volumes])
         self._scope = trio.CancelScope()
 
     @classmethod
@@ -227,6 +230,7 @@ class Life:
                 nursery = await self._stack.enter_async_context(trio.open_nursery())
                 self._stack.callback(nursery.cancel_scope.cancel)  # (first out: the relays end)
                 self.sessions = HeldSessions(nursery)  # (they end with the relays)
+                nursery.start_soon(self._watch_disks, guest)
                 jailed = self.cell is not None
                 held = self.sb.held.take_port  # a resumed sandbox's listeners
                 self.ports = PortRelays(
@@ -425,6 +429,11 @@ class Life:
         self._stack.callback(nursery.cancel_scope.cancel)  # (after QEMU: it was entered before)
         self._stack.callback(shares.close)
         return await shares.open(tools, nursery)
+
+    async def _watch_disks(self, guest: Guest) -> None:
+        """QEMU's reports of the disk requests it failed, for the life (disk_error events)."""
+        with guest.machine.qmp.listen() as events:
+            await self.disk_errors.watch(events)
 
     async def _reconnect(self, plan: Adopt) -> Guest:
         """Reconnect to a QEMU a previous supervisor started (its cell, sockets, guest)."""

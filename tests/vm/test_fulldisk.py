@@ -88,16 +88,27 @@ async def _full_disk(work: Workdir) -> None:
         out, code = await run(c, "a", ["sh", "-c", "seq 1 50000"])
         assert (code, out.count(b"\n")) == (0, 50000)
         assert reg.get("a").log.dropped > 0
-        # the guest filling its own disk gets an I/O error; the VM is not stopped
-        _, code = await run(c, "a", ["sh", "-c", "dd if=/dev/zero of=/root/big bs=1M count=64 conv=fsync"])
-        assert code != 0
-        assert (await c.call("Inspect", {"id": "a"}))["state"] == "ready"
-        assert (await run(c, "a", ["echo", "alive"]))[0] == b"alive\n"
-        # so does the guest writing a volume whose file cannot grow
-        _, code = await run(c, "c", ["sh", "-c", "dd if=/dev/urandom of=/data/big bs=1M count=64 conv=fsync"])
-        assert code != 0
-        assert (await c.call("Inspect", {"id": "c"}))["state"] == "ready"
-        assert (await run(c, "c", ["echo", "alive"]))[0] == b"alive\n"
+        # the guest filling its own disk gets an I/O error; the VM is not stopped; and
+        # each sandbox says why: QEMU's BLOCK_IO_ERROR is a disk_error event naming the
+        # disk (heard live: the event log cannot store it on this disk either)
+        async with connect(work.socket) as listener, listener.open_call("Events", {"action": "disk_error"}) as events:
+            _, code = await run(c, "a", ["sh", "-c", "dd if=/dev/zero of=/root/big bs=1M count=64 conv=fsync"])
+            assert code != 0
+            assert (await c.call("Inspect", {"id": "a"}))["state"] == "ready"
+            assert (await run(c, "a", ["echo", "alive"]))[0] == b"alive\n"
+            # so does the guest writing a volume whose file cannot grow
+            _, code = await run(c, "c", ["sh", "-c", "dd if=/dev/urandom of=/data/big bs=1M count=64 conv=fsync"])
+            assert code != 0
+            assert (await c.call("Inspect", {"id": "c"}))["state"] == "ready"
+            assert (await run(c, "c", ["echo", "alive"]))[0] == b"alive\n"
+            heard: dict[str, dict[str, str]] = {}
+            with trio.fail_after(30):
+                while set(heard) != {"a", "c"}:
+                    event = await events.__anext__()
+                    heard.setdefault(event["sandbox_id"], event["attributes"])
+        for id, disk in (("a", "root"), ("c", "v")):
+            got = heard[id]
+            assert (got["disk"], got["operation"], got["nospace"]) == (disk, "write", "true"), got
         await c.call("Stop", {"id": "a", "timeout_seconds": 10})  # stored once the disk takes it
         await wait_state(c, "a", "stopped")
 
