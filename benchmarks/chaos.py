@@ -292,9 +292,7 @@ class Chaos:
         h = sha(content.encode())
         old = files.get(path, {MISSING})
         files[path] = old | {h}  # (until acknowledged: either)
-        # (and what the guest shows of it may be its page cache only: cut here, it stays so
-        # until the guest boots again; the volume's paths are its mounter's to settle)
-        was_unsynced = path in m.unsynced
+        was_unsynced = path in m.unsynced  # (its page cache may show it: unsettled until a boot)
         m.unsynced.add(path)
         op = "volume-write" if volume else "write"
         r = await self.act(
@@ -324,13 +322,9 @@ class Chaos:
         state = next(iter(m.allowed))
         files, boot = copy.deepcopy(m.files), m.boot
         await self.act("checkpoint", id, set(m.allowed), lambda: self.sb(id).checkpoint(name))
+        live = state == "ready"  # (a restore has its memory, page cache and all)
         self.snaps[name] = checks.SnapshotModel(
-            name,
-            files,
-            boot if state == "ready" else "",
-            origin_boot=m.boot or m.not_boot,
-            net=m.net,
-            unsynced=set(m.unsynced) if state == "ready" else set(),  # (a restore has the memory)
+            name, files, boot if live else "", m.boot or m.not_boot, m.net, set(m.unsynced) if live else set()
         )
 
     async def op_restore(self) -> None:
