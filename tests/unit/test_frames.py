@@ -38,6 +38,7 @@ from supervisor.client import (
     Workload,
 )
 from supervisor.client.cli_output import plain_table, rich_table
+from supervisor.client.sdk.aio import connect
 from supervisor.wire import frames, protocol
 from supervisor.wire.errors import ApiError
 
@@ -331,6 +332,19 @@ async def test_the_sdk_sends_typed_requests_and_returns_typed_results(sock_path:
     calls = {m["method"]: m["body"] for m in seen if m["t"] == "call"}
     assert calls["List"] == protocol.unstructure_body(protocol.ListSandboxesRequest(labels={"team": "x"}, limit=20))
     assert calls["Run"] == protocol.unstructure_body(protocol.RunRequest(id="web", cmd=["sh", "-c", "echo hi"]))
+
+
+async def test_a_supervisor_gone_mid_connection_is_unavailable_not_a_stream_error(sock_path: Path) -> None:
+    """Chaos saw a client get trio.BrokenResourceError, no code, from a call it sent as
+    the supervisor was killed: every error a caller sees has one of sandbox.v1's codes."""
+    with fake_supervisor(sock_path, sandvisor_fake):
+        async with connect(sock_path) as c:
+            with pytest.raises(Unavailable):
+                await c.call("Hangup")  # the supervisor hangs up
+            with pytest.raises(Unavailable, match="connection to the supervisor lost"):
+                await c._send(protocol.Call(99, "Inspect", {"id": "web"}))  # a send into the dead socket
+            with pytest.raises(Unavailable):
+                await c.call("Inspect", {"id": "web"})
 
 
 def test_the_blocking_sdk_runs_the_same_plans_on_a_socket_without_loop_or_thread(sock_path: Path) -> None:

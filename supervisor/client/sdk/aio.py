@@ -125,13 +125,22 @@ class AsyncConnection:
         self.act_as_admin = act_as_admin
 
     async def _send(self, msg: protocol.Envelope) -> None:
-        await self.frames.send(msg)
+        """One envelope out; a supervisor gone (killed, restarting) is UNAVAILABLE, as
+        every error a caller sees has one of sandbox.v1's codes (the stream's own errors
+        -- BrokenResourceError, a reset -- are not the caller's to know)."""
+        try:
+            await self.frames.send(msg)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            raise error_for(protocol.UNAVAILABLE, "connection to the supervisor lost") from None
 
     async def _hello(self) -> None:
         await self._send(
             protocol.ClientHello(protocol.PROTOCOL_VERSION, "sandvisor-client", self.act_as, self.act_as_admin)
         )
-        msg = await self.frames.receive()
+        try:
+            msg = await self.frames.receive()
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            msg = None
         if isinstance(msg, protocol.Fail):
             raise error_for(msg.code, msg.message)
         if not isinstance(msg, protocol.ServerHello):
@@ -163,7 +172,7 @@ class AsyncConnection:
     @asynccontextmanager
     async def open_call(self, method: str, body: dict[str, Any] | None = None) -> AsyncIterator[CallStream]:
         if self.closed:
-            raise ApiError(protocol.UNAVAILABLE, "connection to the supervisor lost")
+            raise error_for(protocol.UNAVAILABLE, "connection to the supervisor lost")
         call = CallStream(self, self.next_id, method)
         self.next_id += 1
         self.calls[call.id] = call
@@ -175,7 +184,7 @@ class AsyncConnection:
                 with trio.CancelScope(shield=True), trio.move_on_after(2):
                     try:
                         await call.cancel()
-                    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                    except (ApiError, trio.BrokenResourceError, trio.ClosedResourceError, OSError):
                         pass
             self.calls.pop(call.id, None)
 
