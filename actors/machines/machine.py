@@ -30,7 +30,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -54,7 +54,7 @@ from actors.machines.qemuproc import (
     start_time,
 )
 from actors.machines.qemuspec import LAYER_FDSET, MachineSpec
-from actors.machines.qmp import QMPClient, QMPCommandFailed, QMPError, QMPTimeout
+from actors.machines.qmp import Event, QMPClient, QMPCommandFailed, QMPError, QMPTimeout
 
 log = logging.getLogger("sandvisor.machine")
 MERGE_POLL = 0.02  # s: how often a merge asks QEMU how its block job is doing
@@ -462,6 +462,12 @@ class Machine:
             raise QMPCommandError(f"{cmd}: no answer within {timeout:g}s") from None
         except QMPError as exc:  # disconnected, EOF, garbage: the process is going away
             raise MachineStateError(f"QMP {cmd}: {type(exc).__name__}: {exc}") from None
+
+    @contextlib.contextmanager
+    def events(self) -> Iterator[trio.MemoryReceiveChannel[Event]]:
+        """QEMU's QMP events from now on, for the block (``QMPClient.listen``)."""
+        with self.qmp.listen() as events:
+            yield events
 
     async def hmp(self, line: str) -> str:
         """A human-monitor command. HMP reports errors as reply text; the caller checks it."""

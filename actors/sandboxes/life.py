@@ -432,7 +432,7 @@ class Life:
 
     async def _watch_disks(self, guest: Guest) -> None:
         """QEMU's reports of the disk requests it failed, for the life (disk_error events)."""
-        with guest.machine.qmp.listen() as events:
+        with guest.machine.events() as events:
             await self.disk_errors.watch(events)
 
     async def _reconnect(self, plan: Adopt) -> Guest:

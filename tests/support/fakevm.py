@@ -15,9 +15,10 @@ behave as in production. Every feature is proved against real VMs elsewhere.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from actors.channel.guest import open_channel
 from actors.machines.machine import StagedDisk
 from actors.machines.qemuproc import LaunchError
 from actors.machines.qemuspec import MachineSpec
+from actors.machines.qmp import Event
 from actors.machines.vm import Attach, BootError, BootTimeout, Guest, VmSpec
 from actors.settings import Settings
 from images.build import Image
@@ -141,6 +143,13 @@ class FakeMachine:
 
     async def switch_disk(self, staged: StagedDisk) -> None:
         self.disk_top = staged.node
+
+    @contextlib.contextmanager
+    def events(self) -> Iterator[trio.MemoryReceiveChannel[Event]]:
+        """QEMU's events: a fake QEMU sends none (the channel ends with the block)."""
+        send, recv = trio.open_memory_channel[Event](0)
+        with send, recv:
+            yield recv
 
     @asynccontextmanager
     async def paused(self) -> AsyncIterator[float]:

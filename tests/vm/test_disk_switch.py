@@ -2,8 +2,8 @@
 a real VM: QEMU did the switch and its answer was lost (a timeout, a cancelled caller), or
 the disk's names would not move after it. Whatever the checkpoint answers, every write the
 guest synced afterwards while the sandbox ran on is there after a SIGKILL of its QEMU and
-a Start (issue 35: the chaos run's lost write; before the fix the guest ran on an overlay
-the checkpoint's undo had unlinked)."""
+a Start (before the fix the guest ran on an overlay the checkpoint's undo had unlinked:
+every write after it was gone at the next kill)."""
 
 from __future__ import annotations
 
