@@ -293,15 +293,22 @@ async def test_spawn_runs_contained_with_only_passed_fds(base: Path, helper: Pat
     extra = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
     leak = os.open("/etc/hostname", os.O_RDONLY)  # inheritable, not passed: must not reach it
     r, w = os.pipe()
+    go_r, go_w = os.pipe()  # the child waits on its stdin until its /proc entries are read
     code = (
-        "import os; print(sorted(int(x) for x in os.listdir('/proc/self/fd')));"
+        "import os; os.read(0, 1); print(sorted(int(x) for x in os.listdir('/proc/self/fd')));"
         "print(sorted(os.listdir('/'))); print(os.path.exists('/etc/hostname'))"
     )
     try:
         p = await jail.spawn(
-            ["/usr/bin/python3", "-I", "-S", "-c", code], spec, pass_fds=(extra,), stdout=w, helper=helper
+            ["/usr/bin/python3", "-I", "-S", "-c", code],
+            spec,
+            pass_fds=(extra,),
+            stdin=go_r,
+            stdout=w,
+            helper=helper,
         )
         os.close(w)
+        os.close(go_r)
         st = proc_status(p.pid)
         me = {k: os.readlink(f"/proc/self/ns/{k}") for k in ("mnt", "pid", "net", "ipc", "uts", "cgroup")}
         for kind, mine in me.items():
@@ -312,6 +319,7 @@ async def test_spawn_runs_contained_with_only_passed_fds(base: Path, helper: Pat
         assert st["NoNewPrivs"] == "1" and st["NSpid"].split()[-1] == "1"
         for cap in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb"):
             assert int(st[cap], 16) == 0, cap
+        os.write(go_w, b"g")  # (a child that had exited already is a zombie: no namespaces, no root to read)
         with trio.fail_after(30):
             assert await p.wait() == 0
         out = b""
@@ -322,7 +330,7 @@ async def test_spawn_runs_contained_with_only_passed_fds(base: Path, helper: Pat
         assert entries == str(sorted(["bin", "dev", "lib", "lib64", "proc", "run", "sbin", "usr"]))
         assert leaked == "False"
     finally:
-        for fd in (extra, leak, r):
+        for fd in (extra, leak, r, go_w):
             os.close(fd)
         jail.remove_jail(spec.root)
     assert not spec.root.exists()
