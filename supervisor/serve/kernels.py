@@ -51,14 +51,17 @@ SOURCE = Path(__file__).resolve().parents[2] / "images" / "kernel_server.py"
 START_TIMEOUT_S = 300.0  # the kernel server's first kernel, under TCG
 CLOSE_TIMEOUT_S = 30.0  # a relay told to close (its stdin ended) that has not: killed
 # the relay: the server's port (or, if none listens, the server started first), the
-# token line, the sandbox's life, its environment (a template's kernels predate it),
-# then the host's lines in and the server's out until the host ends its stdin
-# ($1: the server's source, $2: the life)
+# token line, then (the host's first relay: $2 not empty) the sandbox's life and its
+# environment (a template's kernels predate it), then the host's lines in and the
+# server's out until the host ends its stdin ($1: the server's source, $2: the life).
+# Under TCG every process costs: the token is read by a builtin, and the environment
+# (two more) is sent once.
 RELAY = (
     "{ exec 3<>/dev/tcp/127.0.0.1/49999; } 2>/dev/null || "
     '{ python3 -c "$1" start || exit 1; exec 3<>/dev/tcp/127.0.0.1/49999 || exit 1; }\n'
-    "cat /run/sandvisor-kernels/token >&3 || exit 1\n"
-    'printf \'LIFE %s\\nENV %s\\n\' "$2" "$(env -0 | base64 -w0)" >&3\n'
+    "read -r t < /run/sandvisor-kernels/token || exit 1\n"
+    "printf '%s\\n' \"$t\" >&3\n"
+    '[ -z "$2" ] || printf \'LIFE %s\\nENV %s\\n\' "$2" "$(env -0 | base64 -w0)" >&3\n'
     "cat <&3 & cat >&3\nkill $! 2>/dev/null\nexit 0\n"
 )
 LINE_MAX = 64 << 20  # a line from the guest (a chart's PNG in base64) longer than this ends the server
@@ -86,6 +89,7 @@ class Relay:
     close: trio.Event = attrs.Factory(trio.Event)  # close it now: nothing is in flight
     failed: str = ""
     execd: Any = None
+    introduces: bool = False  # it tells the server the sandbox's life and environment
     pending: dict[int, trio.MemorySendChannel[dict[str, Any]]] = attrs.Factory(dict)
     # the answers that emptied it: delivered once it is closed (the sandbox idle again)
     held: list[tuple[trio.MemorySendChannel[dict[str, Any]], dict[str, Any]]] = attrs.Factory(list)
@@ -108,19 +112,21 @@ class KernelHost:
     relays: set[Relay] = attrs.Factory(set)  # every relay not yet ended (one closing, one open)
     ids: itertools.count[int] = attrs.Factory(lambda: itertools.count(1))
     forgotten: bool = False
+    introduced: bool = False  # a relay told the server the sandbox's life and environment
 
     @property
     def life(self) -> str:
-        """What the relay tells the server this sandbox is: a new value is a new life
-        (a fork, a restore of a template or a checkpoint as a new sandbox), whose kernels
-        draw fresh random streams; a pause and resume, or the next relay, is the same."""
+        """What the host's first relay tells the server this sandbox is: a new value is
+        a new life (a fork, a restore of a template or a checkpoint as a new sandbox),
+        whose kernels draw fresh random streams; a pause and resume, or the next relay,
+        is the same."""
         return hashlib.sha256(f"sandvisor-kernels:{self.target.uid}".encode()).hexdigest()[:32]
 
     def open(self) -> Relay:
         """The relay a new request goes through: the open one, else a new one."""
         r = self.relay
         if r is None or r.closing:
-            r = self.relay = Relay()
+            r = self.relay = Relay(introduces=not self.introduced)
             self.relays.add(r)
             self.nursery.start_soon(self._run, r)
         return r
@@ -145,7 +151,7 @@ class KernelHost:
         sb = self.target.handle()
         try:
             with r.scope, self.target.client.acting():
-                argv = ["bash", "-c", RELAY, "kernel-relay", self.source, self.life]
+                argv = ["bash", "-c", RELAY, "kernel-relay", self.source, self.life if r.introduces else ""]
                 async with sb.exec(argv, workdir="/") as execd:
                     r.execd = execd
                     async with trio.open_nursery() as nursery:
@@ -236,6 +242,8 @@ class KernelHost:
                 r.failed = f"the kernel server did not start: {msg.get('error', '')}"
                 r.closing = True
                 r.close.set()
+            elif r.introduces:
+                self.introduced = True
             r.ready.set()
             self._idle(r)
             return

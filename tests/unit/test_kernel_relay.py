@@ -78,6 +78,7 @@ class FakeGuest:
     open: int = 0  # exec sessions open (the sandbox's count)
     opened: int = 0
     requests: list[dict[str, Any]] = attrs.Factory(list)
+    lives: list[str] = attrs.Factory(list)
     gates: dict[str, trio.Event] = attrs.Factory(dict)
     hold_close: trio.Event = attrs.Factory(trio.Event)
 
@@ -97,7 +98,8 @@ class FakeGuest:
 
     @contextlib.asynccontextmanager
     async def exec(self, argv: list[str], *, workdir: str = "") -> AsyncIterator[FakeExec]:
-        assert argv[-1] and argv[-2]  # (the life and the server's source)
+        assert argv[-2] == "SOURCE"
+        self.lives.append(argv[-1])  # (the host's first relay names the sandbox's life, later ones not)
         self.open += 1
         self.opened += 1
         try:
@@ -132,6 +134,7 @@ async def test_the_relay_is_closed_before_the_last_answer_and_reopened_by_the_ne
             assert [m.get("done", False) for m in got] == [False, True] and open_then == 0
             assert host.idle and guest.open == 0
             assert (await host.unary("list"), guest.open, guest.opened) == ("list", 0, 2)
+            assert guest.lives == [host.life, ""] and len(host.life) == 32
             kernels.forget(guest.uid)
             nursery.cancel_scope.cancel()
 
