@@ -15,14 +15,16 @@ reach for imported, one cell run) and only then accepts connections; ``start``
 returns once it does (exit 0), or at once if a server runs already. So a boot
 template taken after ``start`` holds a started, warm kernel, and every sandbox
 restored from it finds its server there: the host reaches it through a relay Exec
-(bash's ``/dev/tcp``, :data:`supervisor.serve.e2b_kernels.RELAY`), one per life of
-the sandbox.
+(bash's ``/dev/tcp``, :data:`supervisor.serve.kernels.RELAY`), open while requests
+are in flight (a connection each time: the sandbox is idle between calls).
 
 A connection is taken only with the server's token as its first line: a random
 secret in a root-only file (:data:`TOKEN`) that the relay (root) sends, so the
 sandbox's other users (E2B's ``user`` runs commands) cannot drive root's kernels
 through the port. Then it speaks JSON lines: one request a line, answers tagged
-with its request's ``id``, and a first line ``{"ready": true, ...}`` once taken::
+with its request's ``id``, and a first line ``{"ready": true, ...}`` once taken;
+the relay's own lines, ``LIFE <id>`` (the sandbox's life) and ``ENV <base64>`` (its
+environment), come first::
 
     {"id": 1, "op": "execute", "code": "1+1", "context": null, "language": null,
      "envs": {}, "timeout": 30}
@@ -39,10 +41,13 @@ number_of_executions). A context is a kernel; cells on one context run one at a
 time. ``interrupt`` (or an execute's own ``timeout``, or its connection closing)
 interrupts the kernel: the cell ends with a TimeoutError and the next cell runs.
 
-Every new connection is a new life of the sandbox (or a relay again): each kernel's
-``random`` (and numpy's global one) is seeded again from the kernel's entropy before
-its next cell, so sandboxes restored from one template do not share random streams
-(guestd reseeds the guest's own generator at each restore). Each kernel's start time
+A ``LIFE`` other than the last one seen is a new life of the sandbox (a fork, a
+sandbox restored from a template or a checkpoint; not the next relay of the same
+sandbox, nor a pause and resume): each kernel's ``random`` (and numpy's global one)
+is seeded again from the kernel's entropy before its next cell, so sandboxes
+restored from one template do not share random streams (guestd reseeds the guest's
+own generator at each restore), while a cell's ``random.seed(1)`` holds for the next
+cell of the same sandbox. Each kernel's start time
 (epoch seconds) is in its ``SANDVISOR_KERNEL_STARTED_AT``.
 """
 
@@ -394,6 +399,7 @@ class Server:
         self.guard = threading.Lock()
         self.started_at = time.time()
         self.connections = 0
+        self.life = b""  # the last life a relay named (none in a template's saved server)
 
     def context(self, cid: str | None, language: str | None) -> Context:
         with self.guard:
@@ -426,6 +432,18 @@ class Server:
         for ctx in self.every():
             with ctx.pending_lock:
                 ctx.pending_env.update(new)
+
+    def new_life(self, life: bytes) -> None:
+        """The sandbox's life, as the relay says it: one not seen last is a new life
+        (a fork, a sandbox restored from a template or a checkpoint), whose kernels
+        each draw a fresh random stream before their next cell; the same again (the
+        next relay, a pause and resume) changes nothing."""
+        with self.guard:
+            if life == self.life:
+                return
+            self.life = life
+        for ctx in self.every():
+            ctx.reseed = True
 
     def every(self) -> list[Context]:
         with self.guard:
@@ -488,13 +506,14 @@ class Server:
             with self.guard:
                 self.connections += 1
                 n = self.connections
-            for ctx in self.every():  # a new life: fresh random streams in every kernel
-                ctx.reseed = True
             conn.emit({"ready": True, "pid": os.getpid(), "started_at": self.started_at, "connection": n})
             while True:
                 line = reader.readline(LINE_MAX + 1)
                 if not line or len(line) > LINE_MAX:
                     return
+                if line.startswith(b"LIFE "):
+                    self.new_life(line[5:].strip())
+                    continue
                 if line.startswith(b"ENV "):
                     self.environ(line[4:])
                     for ctx in self.every():

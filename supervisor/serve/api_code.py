@@ -4,10 +4,10 @@ stderr, results with their MIME bundles, the error, the execution count), and th
 context calls make, list, restart and remove kernels.
 
 The kernel runtime is the E2B endpoint's (:mod:`supervisor.serve.kernels`): one kernel
-server per sandbox (images/kernel_server.py, an Exec of ``python3 -c SOURCE``),
-started at the first call, in the registry's nursery (it ends with the sandbox, or
-the supervisor), found by the sandbox's uid. The Exec is the domain's own
-(``Sandbox.exec_session``), driven through :class:`_Target`, the shape
+server per sandbox (images/kernel_server.py, a daemon of the guest started by the
+first call), reached through a relay Exec open only while calls are in flight (a
+task in the registry's nursery), found by the sandbox's uid. The Exec is the domain's
+own (``Sandbox.exec_session``), driven through :class:`_Target`, the shape
 :class:`~supervisor.serve.kernels.KernelHost` drives.
 
 Who may: a principal that may exec in the sandbox (Run's and Exec's rule: it sees the
@@ -79,6 +79,9 @@ class _Execd:
     async def send(self, data: bytes) -> None:
         await self.h.send_stdin(data)
 
+    async def close_stdin(self) -> None:
+        await self.h.close_stdin()
+
     def __aiter__(self) -> _Execd:
         return self
 
@@ -103,6 +106,9 @@ class _NotRun(_Execd):
 
     async def send(self, data: bytes) -> None:
         raise errors.error_for(errors.UNAVAILABLE, "the kernel server did not start")
+
+    async def close_stdin(self) -> None:
+        pass
 
     async def __anext__(self) -> _Out:
         if not self.outs:
@@ -150,15 +156,17 @@ class _Target:
 
 
 def _kernels(reg: Registry) -> Kernels:
-    """The registry's kernel servers (in its nursery); those that ended are dropped."""
+    """The registry's kernel servers (their relays in its nursery); those of sandboxes
+    that are gone are dropped."""
     nursery = reg.lives
     if nursery is None:
         raise Unavailable("the supervisor is not running")
     found = _KERNELS.get(reg)
     if found is None or found.nursery is not nursery:
         found = _KERNELS[reg] = Kernels(nursery)
-    for uid, (host, _) in list(found.hosts.items()):
-        if host.ready.is_set() and host.failed:
+    live = {sb.record.uid for sb in reg.sandboxes.values()}
+    for uid, host in list(found.hosts.items()):
+        if uid not in live and host.idle:  # (its sandbox is gone, and no relay runs)
             found.forget(uid)
     return found
 
@@ -287,7 +295,7 @@ async def _run_code(reg: Registry, io: CallIO, req: protocol.RunCodeRequest) -> 
     finally:
         if not ended:  # cancelled mid-cell (or its client went away): the kernel is interrupted
             with trio.CancelScope(shield=True), trio.move_on_after(5), contextlib.suppress(Exception):
-                await host.send({"id": 0, "op": "interrupt", "target": rid})
+                await host.interrupt(rid)
 
 
 def _context(value: Any) -> protocol.CodeContext:

@@ -6,9 +6,11 @@ kernels run with jupyter_client in the sandbox, speaking JSON lines on stdin/std
 The kernel server is a service of the guest (:mod:`supervisor.serve.kernels`, the
 runtime sandvisor's own edges share): started before the code-interpreter image's
 boot template is saved (:func:`warmup_argv`), so its sandboxes hold a warm kernel, or
-by the first call; reached through one relay Exec per sandbox life, which acts for
-the key that started it; every call is checked first by the endpoint (the key must
-see the sandbox).
+by the first call (the create starts it: :meth:`KernelHost.warm`); reached through a
+relay Exec open while calls are in flight (so ``beta_pause``, a snapshot and the
+idle timeout work between cells), which acts for the key whose call first reached
+the sandbox; every call is checked first by the endpoint (the key must see the
+sandbox).
 
 A cell whose client goes away (the SDK's ``timeout`` passed: it closes the
 connection) is interrupted in the kernel, so the next cell runs.
@@ -105,7 +107,7 @@ async def execute(ex: Exchange, host: KernelHost) -> None:
 
         async def watch() -> None:
             await ex.disconnected()
-            await host.send({"id": 0, "op": "interrupt", "target": rid})
+            await host.interrupt(rid)
 
         nursery.start_soon(watch)
         gone = False

@@ -379,7 +379,7 @@ class E2BApp:
         internet = net.internet if snapshot is None else False
         self.known[sb.id] = Known(template or "base", info.created_at + ttl, info.uid, internet, net.rules)
         if code:  # its kernel starts now: the first cell does not wait for it
-            self.kernels.host(envd.Target(client, sb.id, info.uid))
+            self.kernels.host(envd.Target(client, sb.id, info.uid)).warm()
         await ex.send_json(self._created(ex, client, sb.id, info.uid, template or "base"), 201)
 
     def _listed(self, sid: str, state: str, labels: dict[str, str], created_at: int, uid: str = "") -> dict[str, Any]:

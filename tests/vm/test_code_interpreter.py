@@ -211,3 +211,15 @@ def test_the_default_user_owns_its_home(box: Sandbox) -> None:
     make the kernels' cwd, /home/user, as root): commands as ``user`` write there."""
     r = box.commands.run("touch /home/user/mine && stat -c %U /home/user /home/user/mine", user="user", timeout=60)
     assert r.stdout.split() == ["user", "user"]
+
+
+def test_pause_after_run_code_and_the_kernel_s_variables_after_the_resume(box: Sandbox, opts: dict[str, Any]) -> None:
+    """Run code, pause (E2B's ``beta_pause``: sandvisor's hibernation), connect (which
+    resumes), run more: between cells the sandbox holds no relay to its kernel server,
+    so the pause is not refused, and the kernel, a process of the guest, kept its
+    variables."""
+    assert box.run_code("kept = 'before the pause'", request_timeout=300).error is None
+    assert box.pause() is True
+    assert box.get_info().state.value == "paused"
+    resumed = Sandbox.connect(box.sandbox_id, **opts)
+    assert resumed.run_code("kept", request_timeout=300).text == "'before the pause'"

@@ -5,7 +5,10 @@ is slow, so every test shares the one sandbox): the SDK's ``run_code`` and conte
 the CLI's ``run-code`` writing a plot's PNG, the MCP ``run_code`` tool through the
 ``mcp`` package's client returning it as image content, sandvisor.v1's RunCode through
 the generated gRPC client; a principal that may not exec in the sandbox is refused, and
-an image without the kernel runtime is FAILED_PRECONDITION naming the profile."""
+an image without the kernel runtime is FAILED_PRECONDITION naming the profile. After
+``run_code`` the sandbox is idle (the relay to the kernel server is open only while a
+call is in flight): it checkpoints, forks, pauses and resumes with its variables, and
+its idle timeout stops it (the module's last test: it ends the sandbox)."""
 
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ import trio
 
 from images.build import Builder, default_cache, hold_parts
 from images.profiles import build_profile
-from supervisor.client import FailedPrecondition, NotFound, OutputMessage, Sandbox
+from supervisor.client import AsyncSandbox, FailedPrecondition, NotFound, OutputMessage, Sandbox
 from supervisor.client.sdk.acting import acting_as
 from supervisor.main.throwaway import supervisor_process, workdir
 from supervisor.wire.proto.sandvisor.v1 import sandvisor_pb2 as sv
@@ -238,3 +241,39 @@ def test_an_image_without_the_kernel_runtime_names_the_profile(served: dict[str,
         assert "sandvisor image build --profile code-interpreter" in err.value.message
     finally:
         plain.remove(force=True)
+
+
+async def test_after_run_code_it_checkpoints_forks_pauses_and_resumes_with_its_variables(
+    served: dict[str, Any],
+) -> None:
+    """A code interpreter's user runs code, then pauses (or forks after preparing data):
+    the kernel server's relay closed with the cell's answer, so the sandbox has no exec
+    session; the kernels live in the guest, so their variables come back, and a seed
+    set in one cell holds for the next (the same life: no reseed by a new relay)."""
+    sb = AsyncSandbox("rc", socket=served["socket"])
+    with trio.fail_after(900):
+        prep = "kept = 'prepared'\nimport random\nrandom.seed(7)\nfirst = random.random()\nrandom.seed(7)"
+        assert (await sb.run_code(prep, timeout=300)).error is None
+        assert (await sb.run_code("random.random() == first")).text == "True"
+        done = await sb.checkpoint("after-run-code")
+        assert done.snapshot_id
+        [child] = await sb.fork()
+        try:
+            assert (await child.run_code("kept")).text == "'prepared'"
+        finally:
+            await child.remove(force=True)
+        assert (await sb.run_code("kept")).text == "'prepared'"
+        await sb.pause()
+        assert await sb.state() == "paused"
+        await sb.resume()
+        assert (await sb.run_code("kept")).text == "'prepared'"
+
+
+async def test_the_idle_timeout_stops_a_sandbox_that_ran_code(served: dict[str, Any]) -> None:
+    """(Last: it stops the module's sandbox.)"""
+    sb = AsyncSandbox("rc", socket=served["socket"])
+    with trio.fail_after(180):
+        assert (await sb.run_code("1 + 1", timeout=120)).text == "2"
+        await sb.modify(idle_timeout=2)
+        stopped = await sb.wait_until_stopped()
+        assert stopped.source == "idle", stopped.describe()
