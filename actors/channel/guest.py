@@ -484,9 +484,13 @@ class GuestChannel:
         stdin: bool = False,
     ) -> AsyncIterator[ExecHandle]:
         """Start a process; the handle streams its output. Leaving the block before the
-        process exited kills its process group (nothing is left running unowned)."""
+        process exited kills its process group (nothing is left running unowned), also
+        when it is left before the guest's answer came (a cancel while waiting for
+        exec_started): guestd starts the process before it answers, so the kill goes
+        out whenever the Exec went out and no refusal came back."""
         req = self._new_request()
         handle = ExecHandle(self, req, timeout=timeout, stdin=stdin)
+        sent = answered = False
         try:
             msg = proto.Exec(
                 rid=req.rid,
@@ -500,8 +504,10 @@ class GuestChannel:
                 timeout=float(timeout),
                 stdin=stdin,
             )
-            await self.send_message(msg)
+            await self.send_message(msg)  # (returns once the frame is out, even if cancelled meanwhile)
+            sent = True
             first = await req.next(self.answer_timeout)
+            answered = True
             if isinstance(first, proto.Error):
                 raise GuestOpError(first.code, first.message)
             if not isinstance(first, proto.ExecStarted):
@@ -510,7 +516,10 @@ class GuestChannel:
             handle.pid = first.pid
             yield handle
         finally:
-            if handle.pid and handle.exit is None and not self._closed and self._broken is None:
+            # running, or perhaps running: guestd handles the Exec before any later frame and
+            # ignores a Signal for a request it refused or ended, so the kill is safe unseen
+            may_run = handle.pid != 0 or (sent and not answered)
+            if may_run and handle.exit is None and not self._closed and self._broken is None:
                 with trio.CancelScope(shield=True), trio.move_on_after(2):
                     try:
                         await self.send_message(proto.Signal(rid=req.rid, signum=signal.SIGKILL))

@@ -897,6 +897,9 @@ class FakeGuest:
         self.protocol_errors: list[str] = []  # what guestd logs before resyncing (a re-hello on one stream too)
         self.processes: dict[int, FakeProcess] = {}  # running, by pid
         self.execs: list[FakeProcess] = []  # every process started, in order
+        # set to an Event: exec_started waits for it (a slow answer, as guestd's under load);
+        # the process exists meanwhile and later frames wait, as guestd's do
+        self.hold_exec_started: trio.Event | None = None
         self.off = False
         self._next_pid = FIRST_PID
         self._t0 = 0.0
@@ -1267,6 +1270,8 @@ class FakeGuest:
         req = _ExecReq(session, msg.rid, proc)
         proc.req = req
         session.reqs[msg.rid] = req
+        if self.hold_exec_started is not None:
+            await self.hold_exec_started.wait()
         await session.answer(proto.ExecStarted(rid=msg.rid, pid=proc.pid))
         self.nursery.start_soon(proc._run, handler, msg.timeout)
         if self.hostile.close_mid_request:

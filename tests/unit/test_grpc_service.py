@@ -440,6 +440,36 @@ async def test_cancels_and_deadlines_kill_the_process_in_the_guest(
             assert st.reg.get("c").execs == 0
 
 
+async def test_a_cancel_before_the_guests_answer_kills_the_process_too(
+    tmp_path: Path, short_dir: Path, seed: tuple[ModuleType, ModuleType]
+) -> None:
+    """The window the test above could fall into under load: the client's cancel reaches
+    the Exec's handler while the guest's exec_started is still on its way (the guest has
+    started the process). The process is killed all the same. (Before, the handler left
+    without a kill: the process ran on in the guest, its late exec_started dropped.)"""
+    spb, sgrpc = seed
+    with trio.fail_after(60):
+        async with stack(tmp_path, short_dir) as st:
+            s = sgrpc.SandboxServiceStub(st.channel)
+            await in_thread(s.Create, spb.CreateSandboxRequest(id="c"))
+            await until(lambda: st.reg.get("c").state == State.READY)
+            guest = st.lab.guests[0]
+            guest.hold_exec_started = trio.Event()
+            started = len(guest.execs)
+
+            call = s.Exec(iter([spb.ExecInput(init=spb.ExecRequest(id="c", cmd=["sleep", "100"]))]))
+            await until(lambda: len(guest.execs) == started + 1)  # the process is there; its answer held
+            proc = guest.execs[-1]
+            assert st.reg.get("c").execs == 1
+            call.cancel()
+            await until(lambda: st.reg.get("c").execs == 0)  # the handler left the exec, unanswered
+            guest.hold_exec_started.set()
+            await until(lambda: not proc.running)
+            assert proc.signals == [9]
+            code, _ = await status_of(lambda: list(call))
+            assert code == SC.CANCELLED
+
+
 # ---------------------------------------------------------------------------------------
 # sandvisor.v1 on the same sandboxes; both edges on one table; the metrics source
 # ---------------------------------------------------------------------------------------

@@ -324,6 +324,34 @@ async def test_signals_reach_the_process_group(clock: object, chan: GuestChannel
             assert (await h.wait()).signal == signal.SIGTERM
 
 
+async def test_an_exec_left_before_its_answer_is_killed(
+    clock: object, chan: GuestChannel, scratch: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A host that leaves an exec while it waits for exec_started (a client's cancel or a
+    deadline, as gRPC's Exec gets) kills its process all the same: the guest started it
+    before answering. (Before, only an answered exec was killed: this one ran on,
+    unowned, and its late exec_started was dropped as abandoned traffic.)"""
+    marker = f"{scratch}/ran-on"
+    send = chan.send_message
+    with trio.CancelScope() as scope:
+
+        async def send_then_cancel(msg: proto.Message) -> None:
+            await send(msg)
+            if isinstance(msg, proto.Exec):
+                scope.cancel()  # the Exec is out; its answer is not in yet
+
+        monkeypatch.setattr(chan, "send_message", send_then_cancel)
+        with trio.fail_after(30):
+            async with chan.exec(["sh", "-c", f"sleep 1; touch {marker}"]):
+                pytest.fail("the exec was entered: the cancel came after its answer")
+    monkeypatch.setattr(chan, "send_message", send)
+    assert scope.cancelled_caught
+    with trio.fail_after(60):
+        await trio.sleep(5)  # well beyond its sleep: a process that ran on has made the file
+        r = await chan.run(["cat", marker])
+    assert r.exit_code != 0, "the cancelled exec's process ran on"
+
+
 async def test_timeout_kills(clock: object, chan: GuestChannel) -> None:
     t = trio.current_time()
     with trio.fail_after(30):
