@@ -9,9 +9,9 @@ refused, until it boots again. Nothing in the guest tells the caller why; QEMU d
 with a ``BLOCK_IO_ERROR`` event per failed request. :class:`DiskErrors` (one per life)
 counts them and makes them ``disk_error`` events: which disk (``root``, or the volume's
 name), the operation, QEMU's reason and whether the host ran out of space; at most
-:data:`EVENT_BURST` at once, then one per :data:`EVENT_INTERVAL` (a guest writing in a
-loop fails thousands of requests a second; those left out are counted in the next
-event's ``suppressed``).
+:data:`EVENT_BURST` at once for each disk, then one per :data:`EVENT_INTERVAL` (a guest
+writing in a loop fails thousands of requests a second; those left out are counted in
+the disk's next event's ``suppressed``).
 """
 
 from __future__ import annotations
@@ -22,13 +22,14 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import attrs
 import trio
 
 from actors.model import Action
 from actors.sandboxes.oomkills import printable
 
 EVENT = "BLOCK_IO_ERROR"
-EVENT_BURST = 3  # disk_error events one life may emit at once
+EVENT_BURST = 3  # disk_error events one life may emit at once for each disk
 EVENT_INTERVAL = 10.0  # s: one more allowed this often once the burst is spent
 REASON_MAX = 200  # characters of QEMU's reason kept in an event
 NOSPACE_REASON = os.strerror(errno.ENOSPC)  # QEMU's reason for a full host disk
@@ -42,8 +43,18 @@ def disk_name(node: str, volumes: Sequence[str]) -> str:
     return "root"
 
 
+@attrs.define
+class _Rate:
+    """One disk's event budget: a burst, then one per interval; the rest counted."""
+
+    tokens: float
+    at: float
+    suppressed: int = 0  # events left out since its last one emitted
+
+
 class DiskErrors:
-    """One life's disk I/O errors: ``count`` (every request QEMU reported failed)."""
+    """One life's disk I/O errors: ``count`` (every request QEMU reported failed). The
+    rate is each disk's own: a root disk failing in a loop does not hide a volume's."""
 
     def __init__(
         self, emit: Callable[..., None], volumes: Sequence[str], clock: Callable[[], float] = time.monotonic
@@ -52,34 +63,34 @@ class DiskErrors:
         self._volumes = tuple(volumes)
         self._clock = clock
         self.count = 0
-        self.suppressed = 0  # events left out since the last one emitted
-        self._tokens = float(EVENT_BURST)
-        self._at = clock()
+        self._rates: dict[str, _Rate] = {}  # by disk (at most the volumes and root)
 
     def report(self, data: Mapping[str, Any]) -> None:
         """One ``BLOCK_IO_ERROR``'s data (QEMU's word: read defensively)."""
         self.count += 1
-        now = self._clock()
-        self._tokens = min(float(EVENT_BURST), self._tokens + (now - self._at) / EVENT_INTERVAL)
-        self._at = now
-        if self._tokens < 1:
-            self.suppressed += 1
-            return
-        self._tokens -= 1
         node, reason = data.get("node-name"), str(data.get("reason", ""))
+        disk = disk_name(node if isinstance(node, str) else "", self._volumes)
+        now = self._clock()
+        rate = self._rates.setdefault(disk, _Rate(float(EVENT_BURST), now))
+        rate.tokens = min(float(EVENT_BURST), rate.tokens + (now - rate.at) / EVENT_INTERVAL)
+        rate.at = now
+        if rate.tokens < 1:
+            rate.suppressed += 1
+            return
+        rate.tokens -= 1
         # (QEMU sends ``nospace`` only when the device keeps an I/O status, which a
         # report-only device does not: then its reason, strerror(ENOSPC), says it)
         nospace = data["nospace"] is True if "nospace" in data else reason == NOSPACE_REASON
         attributes = {
-            "disk": disk_name(node if isinstance(node, str) else "", self._volumes),
+            "disk": disk,
             "operation": str(data.get("operation", "")),
             "nospace": "true" if nospace else "false",
             "reason": printable(reason)[:REASON_MAX],
             "count": str(self.count),
         }
-        if self.suppressed:
-            attributes["suppressed"] = str(self.suppressed)
-        self.suppressed = 0
+        if rate.suppressed:
+            attributes["suppressed"] = str(rate.suppressed)
+        rate.suppressed = 0
         self._emit(Action.DISK_ERROR, **attributes)
 
     async def watch(self, events: trio.MemoryReceiveChannel[Any]) -> None:
