@@ -22,10 +22,10 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import attrs
 import trio
 
 from actors.model import Action
+from actors.sandboxes.eventrate import EventRate
 from actors.sandboxes.oomkills import printable
 
 EVENT = "BLOCK_IO_ERROR"
@@ -43,15 +43,6 @@ def disk_name(node: str, volumes: Sequence[str]) -> str:
     return "root"
 
 
-@attrs.define
-class _Rate:
-    """One disk's event budget: a burst, then one per interval; the rest counted."""
-
-    tokens: float
-    at: float
-    suppressed: int = 0  # events left out since its last one emitted
-
-
 class DiskErrors:
     """One life's disk I/O errors: ``count`` (every request QEMU reported failed). The
     rate is each disk's own: a root disk failing in a loop does not hide a volume's."""
@@ -63,21 +54,19 @@ class DiskErrors:
         self._volumes = tuple(volumes)
         self._clock = clock
         self.count = 0
-        self._rates: dict[str, _Rate] = {}  # by disk (at most the volumes and root)
+        self._rates: dict[str, EventRate] = {}  # by disk (at most the volumes and root)
 
     def report(self, data: Mapping[str, Any]) -> None:
         """One ``BLOCK_IO_ERROR``'s data (QEMU's word: read defensively)."""
         self.count += 1
         node, reason = data.get("node-name"), str(data.get("reason", ""))
         disk = disk_name(node if isinstance(node, str) else "", self._volumes)
-        now = self._clock()
-        rate = self._rates.setdefault(disk, _Rate(float(EVENT_BURST), now))
-        rate.tokens = min(float(EVENT_BURST), rate.tokens + (now - rate.at) / EVENT_INTERVAL)
-        rate.at = now
-        if rate.tokens < 1:
-            rate.suppressed += 1
+        rate = self._rates.get(disk)
+        if rate is None:
+            rate = self._rates[disk] = EventRate(EVENT_BURST, EVENT_INTERVAL, self._clock)
+        extra = rate.allow()
+        if extra is None:
             return
-        rate.tokens -= 1
         # (QEMU sends ``nospace`` only when the device keeps an I/O status, which a
         # report-only device does not: then its reason, strerror(ENOSPC), says it)
         nospace = data["nospace"] is True if "nospace" in data else reason == NOSPACE_REASON
@@ -87,10 +76,8 @@ class DiskErrors:
             "nospace": "true" if nospace else "false",
             "reason": printable(reason)[:REASON_MAX],
             "count": str(self.count),
+            **extra,
         }
-        if rate.suppressed:
-            attributes["suppressed"] = str(rate.suppressed)
-        rate.suppressed = 0
         self._emit(Action.DISK_ERROR, **attributes)
 
     async def watch(self, events: trio.MemoryReceiveChannel[Any]) -> None:

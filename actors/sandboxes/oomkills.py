@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from actors.model import Action, Cause, Ending
+from actors.sandboxes.eventrate import EventRate
 from guestd import oom, proto
 
 OOM_EVENT_BURST = 10  # oom_kill events one life may emit at once
@@ -54,26 +55,17 @@ class GuestOoms:
 
     def __init__(self, emit: Callable[..., None], clock: Callable[[], float] = time.monotonic) -> None:
         self._emit = emit
-        self._clock = clock
         self.count = 0
         self.recent: collections.deque[proto.OomKill] = collections.deque(maxlen=RECENT_KILLS)
-        self.suppressed = 0  # events left out since the last one emitted
-        self._tokens = float(OOM_EVENT_BURST)
-        self._at = clock()
+        self._rate = EventRate(OOM_EVENT_BURST, OOM_EVENT_INTERVAL, clock)
 
     def report(self, kill: proto.OomKill) -> None:
         """A report from guestd (checked by the channel): counted, kept, and an event if the rate allows."""
         self.count += 1
         self.recent.append(kill)
-        now = self._clock()
-        self._tokens = min(float(OOM_EVENT_BURST), self._tokens + (now - self._at) / OOM_EVENT_INTERVAL)
-        self._at = now
-        if self._tokens < 1:
-            self.suppressed += 1
+        extra = self._rate.allow()
+        if extra is None:
             return
-        self._tokens -= 1
-        extra = {"suppressed": str(self.suppressed)} if self.suppressed else {}
-        self.suppressed = 0
         self._emit(Action.OOM_KILL, **attributes(kill), count=str(self.count), **extra)
 
 
