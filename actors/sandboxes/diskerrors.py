@@ -32,6 +32,7 @@ EVENT = "BLOCK_IO_ERROR"
 EVENT_BURST = 3  # disk_error events one life may emit at once for each disk
 EVENT_INTERVAL = 10.0  # s: one more allowed this often once the burst is spent
 REASON_MAX = 200  # characters of QEMU's reason kept in an event
+OPERATION_MAX = 16  # characters of QEMU's operation ("read", "write") kept in an event
 NOSPACE_REASON = os.strerror(errno.ENOSPC)  # QEMU's reason for a full host disk
 
 
@@ -72,7 +73,7 @@ class DiskErrors:
         nospace = data["nospace"] is True if "nospace" in data else reason == NOSPACE_REASON
         attributes = {
             "disk": disk,
-            "operation": str(data.get("operation", "")),
+            "operation": printable(str(data.get("operation", "")))[:OPERATION_MAX],
             "nospace": "true" if nospace else "false",
             "reason": printable(reason)[:REASON_MAX],
             "count": str(self.count),

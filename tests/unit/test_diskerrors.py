@@ -60,5 +60,7 @@ async def test_only_block_io_errors_are_watched() -> None:
         await send.send(Event("STOP", {}, 0.0))
         await send.send(Event("BLOCK_IO_ERROR", NOSPACE, 0.0))
         await send.send(Event("BLOCK_IO_ERROR", "garbage", 0.0))  # type: ignore[arg-type]
+        await send.send(Event("BLOCK_IO_ERROR", {"node-name": 7, "operation": "w\x00" * 10_000}, 0.0))
     await errors.watch(recv)
-    assert errors.count == 1 and got[0]["disk"] == "root"
+    assert errors.count == 2 and got[0]["disk"] == "root"
+    assert got[1]["disk"] == "root" and len(got[1]["operation"]) == diskerrors.OPERATION_MAX  # (QEMU's word: bounded)
