@@ -12,7 +12,7 @@ import shutil
 import socket
 import sqlite3
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -94,8 +94,8 @@ def host_facts(work: Workdir, serve_pid: int, state_mount: Path | None) -> check
     ram = default_memory_dir(work.state)
     cgroups = detect(parent=f"sandvisor-{work.key}") if os.geteuid() == 0 else None
     stray = [
-        *work.state.glob("sandboxes/*/disk.next.qcow2"),
-        *work.state.glob("snapshots/*/*.part"),
+        *_files_in_children(work.state / "sandboxes", lambda n: n == "disk.next.qcow2"),
+        *_files_in_children(work.state / "snapshots", lambda n: n.endswith(".part")),
     ]
     return checks.HostFacts(
         qemus=qemus,
@@ -107,6 +107,18 @@ def host_facts(work: Workdir, serve_pid: int, state_mount: Path | None) -> check
         netns=frozenset(work.jail_namespaces()),
         stray_files=frozenset(str(p.relative_to(work.root)) for p in stray),
     )
+
+
+def _files_in_children(parent: Path, wanted: Callable[[str], bool]) -> list[Path]:
+    """The wanted files one level below PARENT's subdirectories. The supervisor runs on
+    while this looks: a directory listed and then removed (a snapshot deleted) has
+    nothing in it, where Path.glob (before Python 3.13) raises."""
+    found: list[Path] = []
+    with contextlib.suppress(OSError):
+        for child in os.scandir(parent):
+            with contextlib.suppress(OSError):
+                found += [Path(child.path, n) for n in os.listdir(child.path) if wanted(n)]
+    return found
 
 
 def footprint(pid: int) -> tuple[int, int]:

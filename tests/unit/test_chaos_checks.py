@@ -6,9 +6,13 @@ of the host (a real stray dir, a real leaked process, a real log)."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+
+import pytest
 
 from benchmarks import chaos_checks as checks
 from benchmarks.chaos_host import host_facts, saved_states
@@ -181,6 +185,27 @@ def test_the_harness_sees_a_stray_run_dir_and_a_leaked_process_on_the_host() -> 
         assert f"process {leaked.pid}" in whats
         assert "run dir 0123-stray" in whats
         assert "half-done file state/snapshots/s1/disk.qcow2.part" in whats
+
+
+def test_a_snapshot_removed_while_the_harness_looks_is_not_a_failure(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # the supervisor runs on during the look: a snapshot dir listed, then deleted
+    with tempfile.TemporaryDirectory(prefix="sv-chaos-unit-") as d:
+        work = Workdir(Path(d))
+        for name in ("s1", "s2"):
+            (work.state / "snapshots" / name).mkdir(parents=True)
+            (work.state / "snapshots" / name / "memory.part").write_bytes(b"")
+        listdir = os.listdir
+
+        def deleted_first(path: str) -> list[str]:
+            if path.endswith("/s1"):
+                shutil.rmtree(path)
+            return listdir(path)
+
+        monkeypatch.setattr(os, "listdir", deleted_first)
+        f = host_facts(work, serve_pid=0, state_mount=None)
+    assert f.stray_files == {"state/snapshots/s2/memory.part"}
 
 
 def test_a_saved_state_no_one_holds_is_reported() -> None:
