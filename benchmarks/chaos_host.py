@@ -112,10 +112,10 @@ def host_facts(work: Workdir, serve_pid: int, state_mount: Path | None) -> check
 def _files_in_children(parent: Path, wanted: Callable[[str], bool]) -> list[Path]:
     """The wanted files one level below PARENT's subdirectories. The supervisor runs on
     while this looks: a directory listed and then removed (a snapshot deleted) has
-    nothing in it, where Path.glob (before Python 3.13) raises."""
+    nothing in it, where Path.glob (Python 3.11, as here) raises."""
     found: list[Path] = []
-    with contextlib.suppress(OSError):
-        for child in os.scandir(parent):
+    with contextlib.suppress(OSError), os.scandir(parent) as children:
+        for child in children:
             with contextlib.suppress(OSError):
                 found += [Path(child.path, n) for n in os.listdir(child.path) if wanted(n)]
     return found
