@@ -524,10 +524,15 @@ class Machine:
         """Load a saved state into a machine started with ``incoming``; it runs after
         (``resume``), or stays paused (a conversion: started with ``-S``, it never runs
         the guest)."""
+        await self.incoming_from_fd(fd, ignore_shared=ignore_shared)
+        await self.loaded(resume=resume, timeout=timeout)
+
+    async def incoming_from_fd(self, fd: int, *, ignore_shared: bool) -> None:
+        """Start loading a state from ``fd`` (a file, or a live source's socket) into a
+        machine started with ``incoming``; :meth:`loaded` waits for it."""
         await self._migration_caps(ignore_shared)
         await self.getfd(fd, "snapfd")
         await self.qmp_execute("migrate-incoming", {"uri": "fd:snapfd"})
-        await self.loaded(resume=resume, timeout=timeout)
 
     async def loaded(self, *, resume: bool = True, timeout: float = 120.0) -> None:
         """Wait for an incoming state to be in (started with it by descriptor, or after
@@ -549,11 +554,45 @@ class Machine:
                     raise QMPCommandError(f"restore ended in run state {st!r}")
                 await trio.sleep(0.001)
 
-    async def _migration_caps(self, ignore_shared: bool) -> None:
-        await self.qmp_execute(
-            "migrate-set-capabilities",
-            {"capabilities": [{"capability": "x-ignore-shared", "state": ignore_shared}]},
-        )
+    async def _migration_caps(self, ignore_shared: bool, *, pause_before_switchover: bool = False) -> None:
+        caps = [
+            {"capability": "x-ignore-shared", "state": ignore_shared},
+            {"capability": "pause-before-switchover", "state": pause_before_switchover},
+        ]
+        await self.qmp_execute("migrate-set-capabilities", {"capabilities": caps})
+
+    # -- a live copy (precopy while the guest runs: actors/sandboxes/livecopy.py) ------------
+    async def migrate_live(self, fd: int, *, downtime_ms: int) -> None:
+        """Send the running guest's RAM and devices into ``fd`` (a helper QEMU's incoming
+        socket) while it runs: QEMU tracks what the guest writes and sends it again,
+        stops the guest once what is left fits ``downtime_ms``, and waits in
+        ``pre-switchover`` (the guest stopped) for :meth:`migrate_continue`."""
+        await self._migration_caps(False, pause_before_switchover=True)
+        await self.qmp_execute("migrate-set-parameters", {"max-bandwidth": 1 << 40, "downtime-limit": downtime_ms})
+        await self.getfd(fd, "livefd")
+        await self.qmp_execute("migrate", {"uri": "fd:livefd"})
+
+    async def migration(self) -> dict[str, Any]:
+        """QEMU's ``query-migrate`` answer."""
+        return dict(await self.qmp_execute("query-migrate"))
+
+    async def migrate_continue(self) -> None:
+        """Past ``pre-switchover``: the last pages and the device state go."""
+        await self.qmp_execute("migrate-continue", {"state": "pre-switchover"})
+
+    async def abandon_migration(self, *, timeout: float = 10.0) -> None:
+        """Cancel an outgoing migration under way, if any, and wait until it has ended
+        (QEMU runs the guest again if it ran before; a guest stopped for the switchover
+        is let go too). Shielded; never raises for a QEMU that is gone."""
+        with trio.CancelScope(shield=True), trio.move_on_after(timeout), contextlib.suppress(MachineError):
+            st = (await self.migration()).get("status")
+            if st in (None, "none", "completed", "failed", "cancelled"):
+                return
+            await self.qmp_execute("migrate_cancel")
+            while (await self.migration()).get("status") not in ("failed", "cancelled", "completed"):
+                await trio.sleep(0.002)
+            while await self.status() == "finish-migrate":
+                await trio.sleep(0.002)
 
     # -- checkpoint steps ----------------------------------------------------------
     async def stage_disk(self, path: Path) -> StagedDisk:

@@ -381,6 +381,10 @@ async def _running(
                     if stream is not None:  # connected as QEMU exited: ours to close
                         await trio.aclose_forcefully(stream)
                     raise BootError(f"QEMU exited during boot: {vm.describe_exit()}", vm.console.text())
+                if adopted:
+                    # a supervisor killed in a fork's live copy left its migration under
+                    # way, or its guest stopped at the switchover: it is let go first
+                    await vm.abandon_migration()
                 if adopted and await vm.status() != "running":
                     # a supervisor killed in a pause left its guest stopped,
                     # saved; the record still said ready: it runs on (the pause never was)
