@@ -24,6 +24,7 @@ from actors.durable import fsync_dir
 from actors.errors import FailedPrecondition
 from actors.machines.machine import Machine
 from actors.machines.qemuproc import MachineError, QemuUser, unsearchable_parent
+from actors.machines.qemuspec import MachineSpec
 from actors.machines.vm import Guest, NetConfig, VmSpec
 from actors.model import MemoryKind, NetMode, SandboxConfig
 from actors.sandboxes.files import SandboxFiles
@@ -40,6 +41,50 @@ THAW_ANSWER = 5.0  # s: the host's thaw after the capture (guestd's own timeout 
 
 class CheckpointError(MachineError):
     """QEMU refused a step of the checkpoint; the guest runs on."""
+
+
+MAX_DEVICE_STATE = 64 << 20  # bytes: a microVM's device state is ~0.1 MiB; more is an attack
+
+
+class DeviceStateTooLarge(MachineError):
+    """A helper QEMU wrote more device state than :data:`MAX_DEVICE_STATE`."""
+
+
+async def save_device_state(m: Machine, out: Path, limit: int = MAX_DEVICE_STATE) -> None:
+    """A paused helper's device state alone (its RAM a shared file: ``x-ignore-shared``)
+    saved into ``out`` (created; at most ``limit`` bytes) through a pipe: the helper (a
+    conversion's, a fork's live copy's) writes what the stream it loaded made it, and is
+    no more trusted than that stream's guest."""
+    r, w = os.pipe2(os.O_CLOEXEC)
+    try:
+        async with trio.open_nursery() as io:
+            io.start_soon(_drain, r, out, limit)
+            r = -1  # (the drain owns it)
+            await m.migrate_to_fd(w, ignore_shared=True)
+            os.close(w)  # QEMU closes its copy when the migration is cleaned up, or as it quits
+            w = -1
+    finally:
+        for fd in (r, w):
+            if fd >= 0:
+                os.close(fd)
+
+
+async def _drain(read_fd: int, out: Path, limit: int) -> None:
+    """Copy a helper's device state from the pipe to ``out``, at most ``limit`` bytes."""
+    stream = trio.lowlevel.FdStream(read_fd)
+    total = 0
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        async with stream:
+            while data := await stream.receive_some(1 << 16):
+                total += len(data)
+                if total > limit:
+                    raise DeviceStateTooLarge(f"the helper wrote more than {limit >> 20} MiB of device state")
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view) :]
+    finally:
+        os.close(fd)
 
 
 @attrs.frozen
@@ -162,7 +207,7 @@ async def checkpoint_guest(
                 # QEMU): its file takes the disk's name before the guest runs on it --
                 # the undo below would unlink a file the guest writes
                 if m.disk_top == staged.node:
-                    await _swap_names(m, files, frozen)
+                    await swap_names(m, files, frozen)
                     frozen_done = True
                     if on_frozen is not None:
                         on_frozen(frozen)
@@ -202,7 +247,7 @@ async def checkpoint_guest(
             await trio.to_thread.run_sync(_write_memory, mem_fd, snap_dir / "memory")
             phase("write")
         files_written = ["vmstate", "disk.qcow2", *(["memory"] if on_file else [])]
-        await trio.to_thread.run_sync(_finish, snap_dir, files_written, user, spec.kernel, spec.initrd)
+        await trio.to_thread.run_sync(finish_files, snap_dir, files_written, user, spec.kernel, spec.initrd)
         phase("finish")
         sizes = {f: allocated(snap_dir / f) for f in files_written}
         if mapped and not on_file:
@@ -215,7 +260,13 @@ async def checkpoint_guest(
         os.close(mem_fd)
         mem_fd = -1
     mem_stat = stat_key(snap_dir / "memory") if on_file else []
-    machine = MachineRecord(
+    kind = MemoryKind.MAPPED if mapped else MemoryKind.STREAMED
+    return Checkpoint(kind, paused, sizes, mem_stat, machine_record(spec), chain, consistency, freeze_s, phases, mem_fd)
+
+
+def machine_record(spec: MachineSpec) -> MachineRecord:
+    """What a restore of a checkpoint of a guest of ``spec`` must start QEMU with."""
+    return MachineRecord(
         append=spec.append,
         memory_mib=spec.memory_mib,
         cpus=spec.cpus,
@@ -223,11 +274,9 @@ async def checkpoint_guest(
         machine=spec.machine,
         balloon=spec.balloon,
     )
-    kind = MemoryKind.MAPPED if mapped else MemoryKind.STREAMED
-    return Checkpoint(kind, paused, sizes, mem_stat, machine, chain, consistency, freeze_s, phases, mem_fd)
 
 
-async def _swap_names(m: Machine, files: SandboxFiles, frozen: Path) -> None:
+async def swap_names(m: Machine, files: SandboxFiles, frozen: Path) -> None:
     """The disk's names after QEMU switched to the staged overlay (the guest is
     paused: nobody sees them change). If they cannot move, QEMU is killed before the
     guest runs again: it would write a file without the disk's name, which the undo
@@ -350,7 +399,7 @@ async def still_running(guest: Guest) -> bool:
         return False
 
 
-def _finish(snap_dir: Path, files: list[str], user: QemuUser | None, kernel: Path, initrd: Path) -> None:
+def finish_files(snap_dir: Path, files: list[str], user: QemuUser | None, kernel: Path, initrd: Path) -> None:
     for name in files:
         fd = os.open(snap_dir / name, os.O_RDONLY)
         try:

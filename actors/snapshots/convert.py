@@ -54,7 +54,7 @@ from actors.crash import crash_point
 from actors.machines.disk import create_overlay
 from actors.machines.machine import Machine, Placement
 from actors.machines.qemuproc import LaunchError, MachineError, QemuUser
-from actors.sandboxes.savedstate import allocated, helper_net, resume_spec, stat_key
+from actors.sandboxes.savedstate import allocated, helper_net, resume_spec, save_device_state, stat_key
 from actors.settings import Settings
 from actors.snapshots.snapshot import PART, Converted, Hold
 from actors.store import SnapshotRecord
@@ -62,7 +62,6 @@ from actors.store import SnapshotRecord
 log = logging.getLogger("sandvisor.convert")
 
 MAPPED_STATE = "vmstate-mapped"  # the device state of a converted snapshot
-MAX_DEVICE_STATE = 64 << 20  # bytes: a microVM's device state is ~0.1 MiB; more is an attack
 CONVERT_TIMEOUT = 300.0  # s: a helper that takes longer is killed (the snapshot stays streamed)
 HELPER_NICE = 10  # conversions yield the cores to real work
 
@@ -85,24 +84,6 @@ def _ram_memfd(size: int, owner: tuple[int, int] | None) -> int:
         os.close(fd)
         raise
     return fd
-
-
-async def _drain(read_fd: int, out: Path, limit: int) -> None:
-    """Copy the helper's device state from the pipe to ``out``, at most ``limit`` bytes."""
-    stream = trio.lowlevel.FdStream(read_fd)
-    total = 0
-    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-    try:
-        async with stream:
-            while data := await stream.receive_some(1 << 16):
-                total += len(data)
-                if total > limit:
-                    raise ConvertError(f"the helper wrote more than {limit >> 20} MiB of device state")
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view) :]
-    finally:
-        os.close(fd)
 
 
 def _fsync(path: Path, flags: int = os.O_RDONLY) -> None:
@@ -196,18 +177,7 @@ async def _run_helper(m: Machine, rec: SnapshotRecord, state_part: Path, mem_par
                 await m.migrate_from_fd(vm_in, ignore_shared=False, resume=False)
             finally:
                 os.close(vm_in)
-            r, w = os.pipe2(os.O_CLOEXEC)
-            try:
-                async with trio.open_nursery() as io:
-                    io.start_soon(_drain, r, state_part, MAX_DEVICE_STATE)
-                    r = -1  # (the drain owns it)
-                    await m.migrate_to_fd(w, ignore_shared=True)
-                    os.close(w)  # QEMU closes its copy when the migration is cleaned up, or as it quits
-                    w = -1
-            finally:
-                for fd in (r, w):
-                    if fd >= 0:
-                        os.close(fd)
+            await save_device_state(m, state_part)
             # zero pages the stream named as such were read by QEMU (a memfd allocates on
             # a read fault): cp makes them holes again. The helper is paused meanwhile.
             p = await trio.run_process(
