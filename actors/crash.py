@@ -16,7 +16,9 @@ pool member being restored), ``remove`` (a sandbox's record gone, before its fil
 loaded, both files of the conversion written, the record not switched);
 ``pause-saved`` (a pause's state saved and recorded, the sandbox still ready, its
 QEMU stopped), ``pause-stopping`` (the sandbox recorded paused, its QEMU not ended),
-``resume-loaded`` (a resume's guest answered, the sandbox still recorded paused).
+``resume-loaded`` (a resume's guest answered, the sandbox still recorded paused);
+``fork-switchover`` (a fork's live copy: the parent stopped at the switchover, its disk
+cut, its helper QEMU loading).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ STEPS = frozenset(
         "pause-saved",
         "pause-stopping",
         "resume-loaded",
+        "fork-switchover",
     }
 )
 _AT = os.environ.get("SANDVISOR_CRASH_AT", "")

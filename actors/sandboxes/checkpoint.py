@@ -26,6 +26,7 @@ from actors.machines.qemuproc import MachineError
 from actors.machines.vm import Guest
 from actors.model import MemoryKind
 from actors.sandboxes.files import SandboxFiles
+from actors.sandboxes.livecopy import checkpoint_live, supports
 from actors.sandboxes.logs import SandboxLog
 from actors.sandboxes.savedstate import Checkpoint, allocated, checkpoint_guest, still_running
 from actors.settings import Settings
@@ -115,18 +116,31 @@ class Checkpoints:
             # the journal: a crash from here to the end of the disk swap is finished or
             # undone by the next supervisor (actors.recovery.recover)
             await journal.journal_swap(str(snap_dir / "disk.qcow2"))
-            ck = await checkpoint_guest(
-                guest,
-                files=self.files,
-                snap_dir=snap_dir,
-                user=None if self.settings.cells is not None else self.settings.qemu_user,
-                chain=tuple(rec.chain),
-                on_frozen=frozen,
-                stay_paused=stay_paused,
-                freeze=self.settings.freeze_fs,
-                keep_memory=keep_memory,
-                memory_file=memory_file,
-            )
+            if keep_memory and not memory_file and not stay_paused and supports(guest.machine.spec, self.settings):
+                # a fork's: the RAM copied while the guest runs (actors/sandboxes/livecopy.py)
+                ck = await checkpoint_live(
+                    guest,
+                    files=self.files,
+                    settings=self.settings,
+                    config=rec.config,
+                    snap_dir=snap_dir,
+                    chain=tuple(rec.chain),
+                    on_frozen=frozen,
+                    freeze=self.settings.freeze_fs,
+                )
+            else:
+                ck = await checkpoint_guest(
+                    guest,
+                    files=self.files,
+                    snap_dir=snap_dir,
+                    user=None if self.settings.cells is not None else self.settings.qemu_user,
+                    chain=tuple(rec.chain),
+                    on_frozen=frozen,
+                    stay_paused=stay_paused,
+                    freeze=self.settings.freeze_fs,
+                    keep_memory=keep_memory,
+                    memory_file=memory_file,
+                )
         except (MachineError, OSError) as exc:
             self._void_journal()
             if not await still_running(guest):

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import pytest
 import trio
 
@@ -71,6 +72,13 @@ async def sh(sb: AsyncSandbox, script: str) -> str:
     return r.stdout.decode()
 
 
+def snapshot_memory(work: Any, id: str) -> str:
+    """How the recorded snapshot ``id`` holds its RAM (its record, from the database)."""
+    with sqlite3.connect(f"file:{work.state / 'sandvisor.db'}?mode=ro", uri=True) as db:
+        (data,) = db.execute("SELECT data FROM snapshots WHERE id = ?", (id,)).fetchone()
+    return str(msgpack.unpackb(data)["memory"])
+
+
 def recorded_snapshots(work: Any) -> set[str]:
     """Every snapshot the supervisor has on record, hidden ones too (its database, read-only)."""
     with sqlite3.connect(f"file:{work.state / 'sandvisor.db'}?mode=ro", uri=True) as db:
@@ -105,6 +113,9 @@ async def test_fork_three_children_of_a_running_sandbox(served: dict[str, Any]) 
         assert len({(await k.inspect()).uid for k in kids}) == 3
         snapshot = (await kids[0].inspect()).fork_snapshot
         assert snapshot in recorded_snapshots(work)
+        # the parent (a Create: a restore of its boot template, its RAM mapped privately)
+        # was copied live into the fork's own memory, which the children map
+        assert snapshot_memory(work, snapshot) == "mapped"
         assert snapshot not in {s.id for s in await AsyncSandbox.snapshots(socket=sock)}  # hidden
         # a file written in one child is in that child alone
         await kids[0].fs.write("/root/only-in-fk1", b"mine")
