@@ -223,6 +223,12 @@ async def latency(
     single: list[float],
 ) -> None:
     parent = await AsyncSandbox.create("fbp", memory_mib=a.mem, detached=True, socket=sock)
+    if a.parent == "restored":
+        # what a default Create (a restore of its boot template) or a fork's child is:
+        # RAM mapped privately from a snapshot's memory, the guest's writes its own pages
+        cp = await parent.checkpoint()
+        await parent.remove(force=True)
+        parent = await AsyncSandbox.restore(cp.snapshot_id, name="fbr", detached=True, socket=sock)
     await parent.run(touch(a.touch))
     for i in range(a.n):
         for way in ("fork", "hand") if i % 2 == 0 else ("hand", "fork"):
@@ -241,6 +247,7 @@ async def latency(
 
 async def bench(a: argparse.Namespace) -> dict[str, Any]:
     res: dict[str, Any] = {"rounds": a.n, "mem_mib": a.mem, "touch_mib": a.touch, "forks": a.forks}
+    res["parent"] = a.parent
     res["load_start"] = Path("/proc/loadavg").read_text().split()[:3]
     fork_t: list[float] = []
     fork_pause: list[float] = []
@@ -341,7 +348,8 @@ def ab(a: argparse.Namespace) -> None:
         for name in ("before", "after") if i % 2 == 0 else ("after", "before"):
             tree = trees[name]
             with tempfile.TemporaryDirectory() as out:
-                cmd = [sys.executable, str(tree / "benchmarks" / "fork.py"), "-n", "1", "--dforks", "0", "--out", out]
+                # (this file, the tree's code: the base's own benchmark may lack an option)
+                cmd = [sys.executable, __file__, "-n", "1", "--dforks", "0", "--out", out, "--parent", a.parent]
                 cmd += ["--mem", str(a.mem), "--touch", str(a.touch), "--forks", str(a.forks)]
                 print(f"ab round {i}: {name}", flush=True)
                 env = {**os.environ, "PYTHONPATH": str(tree)}
@@ -354,9 +362,9 @@ def ab(a: argparse.Namespace) -> None:
         ("hand_all_answer_s", "by hand: checkpoint + restores, all answered"),
         ("single_restore_s", "one restore alone, answered a Run"),
     ]
-    res: dict[str, Any] = {"runs": runs, "mem_mib": a.mem, "touch_mib": a.touch, "forks": a.forks}
+    res: dict[str, Any] = {"runs": runs, "mem_mib": a.mem, "touch_mib": a.touch, "forks": a.forks, "parent": a.parent}
     rows = [
-        f"## Before/after: fork({a.forks}) of a {a.mem} MiB sandbox ({a.touch} MiB touched), "
+        f"## Before/after: fork({a.forks}) of a {a.mem} MiB sandbox ({a.touch} MiB touched; {a.parent}), "
         f"{a.ab_rounds} runs each, alternating",
         "",
         "Load average at each run's start: "
@@ -384,6 +392,12 @@ def main() -> None:
     ap.add_argument("--dcold", type=int, default=0, help="cold boots to compare (0: as many as --dforks)")
     ap.add_argument("--ab", default="", help="a base tree: before/after latency runs, alternating")
     ap.add_argument("--ab-rounds", type=int, default=2)
+    ap.add_argument(
+        "--parent",
+        choices=("cold", "restored"),
+        default="cold",
+        help="the parent: cold-booted (its RAM a shared file) or restored from a snapshot (mapped privately)",
+    )
     a = ap.parse_args()
     if a.ab:
         ab(a)
