@@ -1,9 +1,8 @@
 """fork(3) of one running parent, again and again: how often a fork's children fail to
 come up (a measure for the live copy's open bug; docs/results/fork.md).
 
-Usage: python benchmarks/fork_loop.py [ROUNDS] [FREEZE 0|1]; with ``LF_STOP_FIRST=1``
-nothing changes here (the experiment that stopped the parent first was a local patch).
-Prints one line per round: ok and the call's seconds, or FAILED and the error."""
+Usage: python benchmarks/fork_loop.py [ROUNDS] [FREEZE 0|1]. Prints one line per round
+(ok and the call's seconds, or FAILED and the error), then the count."""
 
 from __future__ import annotations
 
