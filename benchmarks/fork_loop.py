@@ -20,6 +20,10 @@ COUNTER = "i=0; while true; do i=$((i+1)); echo $i > /run/cnt.new; mv /run/cnt.n
 async def main(rounds: int, freeze: bool) -> None:
     async with in_process_daemon("sv-floop-", freeze_fs=freeze) as (cfg, _registry):
         sock = str(cfg.socket)
+        # the first Create boots and saves the boot template; the parent is the second,
+        # a restore of it (its RAM mapped privately), as a default Create is
+        first = await AsyncSandbox.create("t", detached=True, socket=sock)
+        await first.remove(force=True)
         p = await AsyncSandbox.create("fp", detached=True, socket=sock)
         await p.run(["sh", "-c", f"({COUNTER}) >/dev/null 2>&1 &"])
         failed = 0

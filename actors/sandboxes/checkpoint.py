@@ -26,7 +26,7 @@ from actors.machines.qemuproc import MachineError
 from actors.machines.vm import Guest
 from actors.model import MemoryKind
 from actors.sandboxes.files import SandboxFiles
-from actors.sandboxes.livecopy import checkpoint_live, supports
+from actors.sandboxes.livecopy import checkpoint_live, supports, worth_it
 from actors.sandboxes.logs import SandboxLog
 from actors.sandboxes.savedstate import Checkpoint, allocated, checkpoint_guest, still_running
 from actors.settings import Settings
@@ -116,7 +116,8 @@ class Checkpoints:
             # the journal: a crash from here to the end of the disk swap is finished or
             # undone by the next supervisor (actors.recovery.recover)
             await journal.journal_swap(str(snap_dir / "disk.qcow2"))
-            if keep_memory and not memory_file and not stay_paused and supports(guest.machine.spec, self.settings):
+            spec = guest.machine.spec
+            if keep_memory and not memory_file and not stay_paused and supports(spec, self.settings) and worth_it(spec):
                 # a fork's: the RAM copied while the guest runs (actors/sandboxes/livecopy.py)
                 ck = await checkpoint_live(
                     guest,
