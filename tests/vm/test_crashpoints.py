@@ -64,7 +64,11 @@ async def checkpoint_a_default(c: AsyncConnection) -> None:
 
 
 async def fork_a(c: AsyncConnection) -> None:
-    """A default Create forked: its live copy (the crash comes at the switchover)."""
+    """A default Create (a restore of the boot template the first Create made) forked:
+    the helper's copy (the crash comes at the switchover)."""
+    await c.call("Create", {"id": "t"})
+    await wait_state(c, "t", "ready")
+    await c.call("Remove", {"id": "t", "force": True})
     await c.call("Create", {"id": "a"})
     await wait_state(c, "a", "ready")
     assert (await run(c, "a", MARK))[1] == 0

@@ -49,6 +49,9 @@ def served(image: Image) -> Iterator[dict[str, Any]]:
             ) as (env, _),
         ):
             sock = str(work.socket)
+            # the first Create boots and saves the boot template; the parent is a restore of
+            # it, as every later default Create is (its RAM mapped privately: the helper's copy)
+            Sandbox.create("first", socket=sock, detached=True).remove(force=True)
             parent = Sandbox.create("fp", socket=sock, labels={"role": "parent"}, detached=True)
             parent.fs.write("/root/before", b"written before the fork")
             parent.run(["sh", "-c", f"({COUNTER}) >/dev/null 2>&1 &"])
