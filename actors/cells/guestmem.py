@@ -21,10 +21,20 @@ filling the memfd 32-50 ms (sendfile per data extent; pread/pwrite the same; via
 64 ms), once per snapshot per supervisor life, and none at all when a checkpoint copies
 the RAM into a memfd directly; hashing the file before each restore instead would cost
 58 ms (sha256) per restore and still leave a window between the check and QEMU's
-mapping. Three clones of one memfd: RSS 70 MB, PSS 35-38 MB each. The memfd grows by
-the holes restores touch (75 -> 76 MiB over 80 restores), at most to the guest's RAM
-size; its pages are charged to the memory cgroup of whoever touched them first (the
-supervisor for the fill): budget the cache (:class:`SealedMemoryCache`) accordingly.
+mapping. Three clones of one memfd: RSS 70 MB, PSS 35-38 MB each.
+
+Its holes are allocated (zeroed pages, ``posix_fallocate``: allowed under the seals)
+before the first QEMU maps it (:meth:`SealedMemoryCache.acquire`). A hole stays no hole
+once a QEMU touches it: on this kernel (6.1-6.18) a copy-on-write fault on a hole of a
+privately mapped memfd first allocates the memfd's page (then copies it), and a read
+allocates it too, charged to the memory cgroup of the QEMU that touched it first. A
+guest writing N MiB new to it cost its cgroup 2N (its copy and the memfd's page), and
+a checkpoint reading all its RAM through QEMU the rest: a 512 MiB restore that had
+touched 300 MiB was killed by its cgroup (RAM + 192 MiB) in its first checkpoint. Filled
+by the supervisor, the pages are the supervisor's, once per snapshot (its RAM size, at
+~2.4 GB/s here; a restore touches the pages anyway as it runs), and a QEMU's cgroup
+holds only what its guest wrote. Budget the cache (:class:`SealedMemoryCache`)
+accordingly.
 """
 
 from __future__ import annotations
@@ -32,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import logging
 import os
 import stat
 import threading
@@ -43,6 +54,7 @@ from actors.cells.identities import Identity, JailError
 
 MFD_NOEXEC_SEAL = 0x0008
 ALIGN = 2 << 20  # where split_extents may cut
+log = logging.getLogger("sandvisor.cells")
 SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 
@@ -272,6 +284,12 @@ def sealed_copy(source: Path | int, *, name: str = "sandvisor-snapshot-memory") 
             os.close(src)
 
 
+def allocate_holes(fd: int) -> None:
+    """Allocate every page of the memfd ``fd`` (its data stays; holes become zeroed
+    pages, charged to the caller's memory cgroup). Blocking: run in a worker thread."""
+    os.posix_fallocate(fd, 0, os.fstat(fd).st_size)
+
+
 def is_sealed(fd: int) -> bool:
     return fcntl.fcntl(fd, fcntl.F_GET_SEALS) & SEALS == SEALS
 
@@ -279,9 +297,10 @@ def is_sealed(fd: int) -> bool:
 class SealedMemoryCache:
     """One sealed memfd per snapshot, shared by all its restores. ``acquire`` returns
     a descriptor the caller passes to QEMU and must :meth:`release` after QEMU has it
-    open (QEMU's own reference keeps the pages). Idle memfds (no holder) stay cached
-    up to ``budget`` bytes of data, least recently used dropped first: a hot snapshot
-    is filled once per supervisor life. Thread-safe (fills run in worker threads)."""
+    open (QEMU's own reference keeps the pages); its holes are allocated by then (the
+    module's docstring says why). Idle memfds (no holder) stay cached up to ``budget``
+    bytes, least recently used dropped first: a hot snapshot is filled once per
+    supervisor life. Thread-safe (fills run in worker threads)."""
 
     def __init__(self, budget: int = 1 << 30) -> None:
         self.budget = budget
@@ -289,6 +308,7 @@ class SealedMemoryCache:
         self._filling: dict[str, threading.Lock] = {}  # one fill per key: the others wait for it
         self._fds: OrderedDict[str, tuple[int, int]] = OrderedDict()  # key -> (fd, data bytes)
         self._holders: dict[str, int] = {}
+        self._whole: set[str] = set()  # keys whose memfd has no hole left
 
     def put(self, key: str, fd: int, *, pinned: bool = False) -> None:
         """Adopt an already sealed memfd (a checkpoint copied the RAM into it); ``pinned``:
@@ -300,6 +320,7 @@ class SealedMemoryCache:
         with self._lock:
             old = self._fds.pop(key, None)
             self._fds[key] = (fd, os.fstat(fd).st_blocks * 512)
+            self._whole.discard(key)
             if old is not None and old[0] != fd:
                 os.close(old[0])
             if pinned:
@@ -307,33 +328,63 @@ class SealedMemoryCache:
             self._trim()
 
     def acquire(self, key: str, source: Path) -> int:
-        """A descriptor of ``key``'s sealed memfd, filled from ``source`` on a miss. Blocking
-        (a fill copies the file: run it in a worker thread); restores of one snapshot
-        side by side fill it once, the others wait for that fill."""
+        """A descriptor of ``key``'s sealed memfd, filled from ``source`` on a miss, its
+        holes allocated. Blocking (a fill copies the file: run it in a worker thread);
+        restores of one snapshot side by side fill it once, the others wait for that."""
+        with self._lock:
+            fd = self._hit(key)
+            if fd >= 0 and key in self._whole:
+                return fd
+            filling = self._filling.setdefault(key, threading.Lock())
+        try:
+            with filling:
+                if fd < 0:
+                    fd = self._fill(key, source)
+                with self._lock:
+                    whole = key in self._whole
+                if not whole:
+                    self._allocate(key, fd)
+        except BaseException:
+            if fd >= 0:
+                self.release(key, fd)
+            raise
+        finally:
+            with self._lock:
+                self._filling.pop(key, None)
+        return fd
+
+    def _fill(self, key: str, source: Path) -> int:
+        """Under ``key``'s filling lock: a held descriptor of its memfd (copied from
+        ``source`` unless another acquire did it meanwhile)."""
         with self._lock:
             fd = self._hit(key)
             if fd >= 0:
                 return fd
-            filling = self._filling.setdefault(key, threading.Lock())
-        with filling:
-            with self._lock:
-                fd = self._hit(key)
-                if fd >= 0:
-                    return fd
-            try:
-                fd = sealed_copy(source)  # outside the cache's lock: 30+ ms
-            finally:
-                with self._lock:
-                    self._filling.pop(key, None)
+        fd = sealed_copy(source)  # outside the cache's lock: 30+ ms
         with self._lock:
             hit = self._fds.get(key)
-            if hit is not None:  # filled meanwhile by another restore
+            if hit is not None:  # (put meanwhile: a checkpoint of the same key)
                 os.close(fd)
                 fd = hit[0]
             else:
                 self._fds[key] = (fd, os.fstat(fd).st_blocks * 512)
             self._holders[key] = self._holders.get(key, 0) + 1
             return os.dup(fd)
+
+    def _allocate(self, key: str, fd: int) -> None:
+        """Under ``key``'s filling lock: its holes allocated (the supervisor's pages, not
+        the first QEMU's); if the host has no memory for it, the restore goes on with
+        the holes (each QEMU's cgroup pays for what its guest touches)."""
+        try:
+            allocate_holes(fd)
+        except OSError as exc:
+            log.warning("snapshot memory %s: its holes not allocated (%s)", key, exc.strerror)
+            return
+        with self._lock:
+            self._whole.add(key)
+            if key in self._fds:
+                self._fds[key] = (self._fds[key][0], os.fstat(fd).st_blocks * 512)
+            self._trim()
 
     def _hit(self, key: str) -> int:
         """Under the lock: a new descriptor of ``key``'s cached memfd (held), or -1."""
@@ -359,6 +410,7 @@ class SealedMemoryCache:
         with self._lock:
             hit = self._fds.pop(key, None)
             self._holders.pop(key, None)
+            self._whole.discard(key)
         if hit is not None:
             os.close(hit[0])
 
@@ -370,6 +422,7 @@ class SealedMemoryCache:
             if key in self._holders:
                 continue
             fd, n = self._fds.pop(key)
+            self._whole.discard(key)
             os.close(fd)
             total -= n
 
@@ -384,3 +437,4 @@ class SealedMemoryCache:
                 os.close(fd)
             self._fds.clear()
             self._holders.clear()
+            self._whole.clear()

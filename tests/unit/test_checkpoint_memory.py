@@ -130,3 +130,30 @@ def test_a_forks_memory_stays_until_its_snapshot_goes(tmp_path: Path) -> None:
             cache.put("x", guestmem.new_memfd(MIB), pinned=True)  # (closed by put)
     finally:
         cache.close()
+
+
+def test_a_restores_memfd_has_no_hole_when_handed_out(tmp_path: Path) -> None:
+    """The cache allocates a snapshot's holes before any QEMU maps its memfd (on the
+    first acquire, and on the first after a checkpoint's put): a hole a QEMU touched
+    would be charged to that QEMU's cgroup (test_jail's cgroup test shows the cost)."""
+    src = tmp_path / "memory"
+    with open(src, "wb") as f:
+        f.truncate(4 * MIB)
+        f.seek(MIB)
+        f.write(b"d" * 4096)
+    cache = guestmem.SealedMemoryCache()
+    try:
+        fd = cache.acquire("s", src)
+        assert guestmem.is_sealed(fd) and os.fstat(fd).st_blocks * 512 == 4 * MIB
+        assert os.pread(fd, 4096, MIB) == b"d" * 4096 and os.pread(fd, 8, 0) == bytes(8)
+        assert cache.cached_bytes == 4 * MIB  # (the budget counts what it holds)
+        cache.release("s", fd)
+        fork = guestmem.new_memfd(2 * MIB)
+        os.pwrite(fork, b"f" * 4096, 0)
+        guestmem.seal(fork)
+        cache.put("fork", fork, pinned=True)
+        kid = cache.acquire("fork", tmp_path / "no-such-file")
+        assert os.fstat(kid).st_blocks * 512 == 2 * MIB and os.pread(kid, 4, 0) == b"ffff"
+        cache.release("fork", kid)
+    finally:
+        cache.close()

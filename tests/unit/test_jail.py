@@ -283,6 +283,56 @@ async def test_v1_memory_limit_kills_only_its_process(
     assert not m.names()
 
 
+@root_only
+async def test_a_private_map_of_a_memfd_charges_its_holes_to_the_toucher(
+    base: Path, test_cgroups: cgroups.CgroupManager | None, helper: Path
+) -> None:
+    """Why a restore's memfd gets its holes allocated by the supervisor: a process that
+    writes 64 MiB to its private (copy-on-write) map of a sealed memfd with holes is
+    charged twice that (its copies and the memfd's new pages) and killed by a 112 MiB
+    cgroup; the same writes to a memfd the cache handed out (holes allocated) fit."""
+    m = test_cgroups
+    if m is None:
+        pytest.skip("no cgroup controllers")
+    alloc = allocator()
+    src = base / "memory"
+    with open(src, "wb") as f:
+        f.truncate(64 * MIB)
+    cache = guestmem.SealedMemoryCache()
+    writer = (
+        "import mmap, sys\n"
+        "m = mmap.mmap(int(sys.argv[1]), 64 << 20, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE)\n"
+        "for i in range(0, 64 << 20, 4096): m[i] = 1\n"
+    )
+    outcomes: list[int] = []
+    try:
+        for n, fd in enumerate((guestmem.sealed_copy(src), cache.acquire("s", src))):
+            cg = m.create(f"toucher{n}-{os.getpid()}", CgroupLimits(memory_bytes=112 * MIB, pids=16))
+            spec = jail.JailSpec(identity=alloc.allocate(f"t{n}"), root=base / f"t{n}")
+            try:
+                jail.build_jail(spec)
+                p = await jail.spawn(
+                    ["/usr/bin/python3", "-I", "-S", "-c", writer, str(fd)],
+                    spec,
+                    pass_fds=(fd,),
+                    cgroup_procs=cg.procs_files(),
+                    helper=helper,
+                )
+                with trio.fail_after(60):
+                    outcomes.append(await p.wait())
+            finally:
+                if n:
+                    cache.release("s", fd)
+                else:
+                    os.close(fd)
+                cg.remove()
+                jail.remove_jail(spec.root)
+    finally:
+        cache.close()
+    assert outcomes == [-signal.SIGKILL, 0]
+    assert not m.names()
+
+
 # -- the jail ------------------------------------------------------------------------------------------
 
 

@@ -215,3 +215,27 @@ async def test_fork_refuses_a_read_write_host_mount(served: dict[str, Any]) -> N
             with pytest.raises(FailedPrecondition, match="mounted read-write at /mnt/rw"):
                 await sb.fork(2)
             assert await sb.state() == "ready"
+
+
+async def test_a_restored_sandbox_uses_its_memory_and_forks(served: dict[str, Any]) -> None:
+    """A Create restored from its boot template maps the template's sealed memory
+    privately; its guest writes 320 of its 512 MiB, then it forks and checkpoints
+    (both read all its RAM through its QEMU). Its cgroup (RAM + 192 MiB) holds only
+    what the guest wrote: the memory's holes were the supervisor's to allocate. (Before,
+    each page the guest first wrote cost its cgroup twice, and this QEMU was killed.)"""
+    sock = served["sock"]
+    with trio.fail_after(600):
+        await (await AsyncSandbox.create("big0", memory_mib=512, socket=sock)).remove(force=True)
+        async with await AsyncSandbox.create("big1", memory_mib=512, socket=sock) as sb:
+            logs = b"".join(e.data for e in await sb.logs() if e.source == "system")
+            assert b"restored from the boot template" in logs, logs
+            await sh(sb, "mkdir -p /mnt/t && mount -t tmpfs -o size=336m none /mnt/t")
+            await sh(sb, "yes abcdefghijklmnop | head -c 320m > /mnt/t/fill; echo done")
+            [kid] = await sb.fork(1, names=["big1-k"])
+            try:
+                assert (await sh(kid, "wc -c < /mnt/t/fill")).strip() == str(320 << 20)
+            finally:
+                await kid.remove(force=True)
+            await sb.checkpoint("big1-ck")  # (its disk stands on it now: it stays)
+            assert (await sh(sb, "wc -c < /mnt/t/fill")).strip() == str(320 << 20)
+            assert await sb.state() == "ready"
