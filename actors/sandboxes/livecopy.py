@@ -76,6 +76,7 @@ from actors.sandboxes.files import SandboxFiles
 from actors.sandboxes.savedstate import (
     Checkpoint,
     CheckpointError,
+    Phases,
     allocated,
     finish_files,
     freeze_guest,
@@ -169,14 +170,7 @@ async def checkpoint_live(
     frozen_done = moving = False
     staged = None
     consistency, freeze_s, thaw = "", 0.0, False
-    phases: dict[str, float] = {}
-    mark = time.monotonic()
-
-    def phase(name: str) -> None:
-        nonlocal mark
-        now = time.monotonic()
-        phases[name] = now - mark
-        mark = now
+    phase = Phases()
 
     name = f"{HELPER_PREFIX}{snap_dir.name}"
     run_dir = settings.run_root / name
@@ -300,7 +294,7 @@ async def checkpoint_live(
     sizes = {f: allocated(snap_dir / f) for f in ("vmstate", "disk.qcow2")}
     sizes["memory"] = os.fstat(mfd).st_blocks * 512  # (held by the supervisor: no file)
     return Checkpoint(
-        MemoryKind.MAPPED, paused, sizes, [], machine_record(spec), chain, consistency, freeze_s, phases, mfd
+        MemoryKind.MAPPED, paused, sizes, [], machine_record(spec), chain, consistency, freeze_s, phase.times, mfd
     )
 
 

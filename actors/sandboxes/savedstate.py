@@ -123,6 +123,20 @@ def stat_key(path: Path) -> list[int]:
     return [st.st_size, st.st_mtime_ns]
 
 
+class Phases:
+    """A capture's steps, timed: ``phase(name)`` ends the step begun at the last call
+    (or at its making); ``times`` is what each took (s), in order."""
+
+    def __init__(self) -> None:
+        self.times: dict[str, float] = {}
+        self._mark = time.monotonic()
+
+    def __call__(self, name: str) -> None:
+        now = time.monotonic()
+        self.times[name] = now - self._mark
+        self._mark = now
+
+
 async def checkpoint_guest(
     guest: Guest,
     *,
@@ -170,14 +184,7 @@ async def checkpoint_guest(
     staged = None
     vm_fd = mem_fd = -1
     consistency, freeze_s, thaw = "", 0.0, False
-    phases: dict[str, float] = {}
-    mark = time.monotonic()
-
-    def phase(name: str) -> None:
-        nonlocal mark
-        now = time.monotonic()
-        phases[name] = now - mark
-        mark = now
+    phase = Phases()
 
     direct = mapped and stay_paused and not keep_memory  # (stopped anyway: straight to the file)
     try:
@@ -261,7 +268,9 @@ async def checkpoint_guest(
         mem_fd = -1
     mem_stat = stat_key(snap_dir / "memory") if on_file else []
     kind = MemoryKind.MAPPED if mapped else MemoryKind.STREAMED
-    return Checkpoint(kind, paused, sizes, mem_stat, machine_record(spec), chain, consistency, freeze_s, phases, mem_fd)
+    return Checkpoint(
+        kind, paused, sizes, mem_stat, machine_record(spec), chain, consistency, freeze_s, phase.times, mem_fd
+    )
 
 
 def machine_record(spec: MachineSpec) -> MachineRecord:
