@@ -57,7 +57,7 @@ from actors.net.portfwd import (
     _tcp_pair,  # (the relay's one connection, with its error boundary)
     bind_listener,
 )
-from actors.quotas import Admission, free_mib
+from actors.quotas import Admission
 from actors.sandboxes.plans import Plan, Resume
 from actors.sandboxes.sandbox import Sandbox
 from actors.sandboxes.savedstate import Checkpoint, thaw_guest
@@ -70,7 +70,6 @@ from actors.volumes import Volumes
 log = logging.getLogger("sandvisor.hibernation")
 
 WARM_TIMEOUT = 10.0  # s: the warm-up exec after an explicit resume
-ROOM_MARGIN_MIB = 64  # free space a pause needs beyond the guest's RAM (device state, disk swap)
 MAX_OWN_LAYERS = 4  # unmerged layers of its own (merges that failed) past which a pause is refused
 
 
@@ -139,7 +138,7 @@ class Hibernation:
         cap = reg.admission.quotas.max_paused
         if cap and len(self.paused()) >= cap:
             raise ResourceExhausted(f"at most {cap} sandboxes may be paused at once (--max-paused)")
-        self._check_room(sb)
+        reg.admission.check_capture(f"pausing {sb.id}", sb.limits.memory_mib)
         await self.merge(sb)  # (what an earlier resume's merge left: it failed, or a restart came first)
         own = self.own_layers(sb)
         if own > MAX_OWN_LAYERS:
@@ -177,17 +176,6 @@ class Hibernation:
         saved = f"{_touched_mib(ck)} MiB saved{fs}"
         sb.log.append("system", f"paused ({ck.memory}, {took * 1000:.0f} ms; {saved})".encode())
         sb.emit(Action.PAUSED, **({"consistency": ck.consistency} if ck.consistency else {}))
-
-    def _check_room(self, sb: Sandbox) -> None:
-        """A full disk refuses a pause before anything is stopped (RESOURCE_EXHAUSTED)."""
-        reg = self.reg
-        reg.admission.check_disk()
-        need = sb.limits.memory_mib + ROOM_MARGIN_MIB + reg.admission.quotas.min_free_mib
-        free = free_mib(reg.snapshots.root)
-        if free < need:
-            raise ResourceExhausted(
-                f"pausing {sb.id} needs up to {need} MiB free on the state dir's filesystem; it has {free} MiB"
-            )
 
     async def _undo(self, sb: Sandbox, snap: SnapshotRecord) -> None:
         """A pause that failed after its checkpoint: the guest runs on, the state goes."""

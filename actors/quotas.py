@@ -24,6 +24,7 @@ VMs come up at once, QEMU's launch to the guest's hello, boots and restores alik
 
 from __future__ import annotations
 
+import errno
 import os
 import time
 from collections.abc import AsyncIterator, Callable, Iterable
@@ -39,6 +40,7 @@ from actors.machines.vm import Attach, Guest, VmSpec
 Launcher = Callable[[VmSpec, Attach], AbstractAsyncContextManager[Guest]]
 
 DISK_SCAN_INTERVAL = 10.0
+CAPTURE_MARGIN_MIB = 64  # free space a capture needs beyond the guest's RAM (device state, the disk swap)
 
 
 @attrs.frozen
@@ -73,6 +75,19 @@ def host_memory_mib() -> int:
     except (OSError, ValueError):
         pass
     return 1 << 20
+
+
+def short_of_space(exc: BaseException, path: Path) -> bool:
+    """Did a capture writing under ``path`` fail for want of space? Its error says so
+    (ENOSPC or EDQUOT, or QEMU's words for them), or gives no reason (QEMU 7.2 ends a
+    migration whose last flush failed with none) while the filesystem has less than
+    :data:`CAPTURE_MARGIN_MIB` free."""
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    text = str(exc)
+    if os.strerror(errno.ENOSPC) in text or os.strerror(errno.EDQUOT) in text:
+        return True
+    return free_mib(path) < CAPTURE_MARGIN_MIB
 
 
 def free_mib(path: Path) -> int:
@@ -130,6 +145,18 @@ class Admission:
             )
         if disk:
             self.check_disk()
+
+    def check_capture(self, what: str, memory_mib: int) -> None:
+        """Room on the state dir's filesystem for a capture of a guest of ``memory_mib``
+        (a checkpoint, a pause: all its RAM may go to a file there) beyond what the
+        supervisor keeps free; RESOURCE_EXHAUSTED before anything is stopped, else none."""
+        self.check_disk()
+        need = memory_mib + CAPTURE_MARGIN_MIB + self.quotas.min_free_mib
+        free = free_mib(self.state_dir)
+        if free < need:
+            raise ResourceExhausted(
+                f"{what} needs up to {need} MiB free on the state dir's filesystem; it has {free} MiB"
+            )
 
     def check_disk(self) -> None:
         q = self.quotas

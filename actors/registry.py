@@ -589,9 +589,10 @@ class Registry:
         stopped = sb.stopped and sb.state in ENDED
         if stopped:  # a disk-only snapshot: its restores boot on its disk
             sb.check_disk_checkpointable()
+            self.admission.check_disk()
         else:
             sb.check_checkpointable()  # before a directory is made for nothing
-        self.admission.check_disk()
+            self.admission.check_capture(f"a checkpoint of {sb.id}", sb.limits.memory_mib)
         address = str(sb.pool_address or "") if sb.config.network.mode == NetMode.TAP else ""
         gens = self.volumes.generations(sb.config.volumes)
         cells = self.settings.cells

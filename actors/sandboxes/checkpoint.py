@@ -21,10 +21,11 @@ from typing import Protocol
 import trio
 
 from actors.durable import fsync_path
-from actors.errors import FailedPrecondition, Internal
+from actors.errors import FailedPrecondition, Internal, ResourceExhausted
 from actors.machines.qemuproc import MachineError
 from actors.machines.vm import Guest
 from actors.model import MemoryKind
+from actors.quotas import short_of_space
 from actors.sandboxes.files import SandboxFiles
 from actors.sandboxes.livecopy import checkpoint_live, supports, worth_it
 from actors.sandboxes.logs import SandboxLog
@@ -146,6 +147,8 @@ class Checkpoints:
             self._void_journal()
             if not await still_running(guest):
                 raise CheckpointLost(f"checkpoint failed and the guest did not resume: {exc}") from None
+            if short_of_space(exc, snap_dir):  # (another writer took the room admission saw)
+                raise ResourceExhausted(f"checkpoint of {rec.id}: the state dir's filesystem is full ({exc})") from None
             raise Internal(f"checkpoint of {rec.id} failed: {exc}") from None
         except BaseException:
             self._void_journal()

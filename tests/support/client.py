@@ -8,6 +8,10 @@ import trio
 
 from supervisor.client import AsyncConnection
 
+# a guest process whose count in /run/cnt grows while it runs (memory kept or lost shows
+# in it); written aside and renamed, so a read never finds the file truncated and empty
+COUNTER = "i=0; while true; do i=$((i+1)); echo $i > /run/cnt.new; mv /run/cnt.new /run/cnt; sleep 0.05; done"
+
 
 async def wait_state(c: AsyncConnection, id: str, *states: str, timeout: float = 120) -> dict[str, Any]:
     with trio.fail_after(timeout):

@@ -20,8 +20,8 @@ from actors.store import SnapshotRecord
 from images.build import Image
 from supervisor.client import AsyncSandbox
 from supervisor.main.throwaway import Workdir, supervisor, workdir
+from tests.support.client import COUNTER
 
-COUNTER = "i=0; while true; do i=$((i+1)); echo $i > /run/cnt; sleep 0.05; done"
 CLONES = 4  # (the benchmark runs 16: benchmarks/snapshots.py)
 
 

@@ -17,9 +17,8 @@ from images.build import Image
 from supervisor.client import connect
 from supervisor.main.throwaway import Workdir, supervisor_process, workdir
 from supervisor.wire.protocol import ApiError
-from tests.support.client import run, wait_state
+from tests.support.client import COUNTER, run, wait_state
 
-COUNTER = "i=0; while true; do i=$((i+1)); echo $i > /run/cnt; sleep 0.1; done"
 WEB = "cd /tmp && echo hello-from-guest > hello.txt && (python3 -m http.server 8000 >/dev/null 2>&1 &)"
 
 

@@ -28,10 +28,8 @@ from actors.secrets.model import PLACEHOLDER_PREFIX, SecretRef
 from images.build import Image
 from supervisor.client import AsyncSandbox, FailedPrecondition, Sandbox
 from supervisor.main.throwaway import supervisor, supervisor_process, workdir
+from tests.support.client import COUNTER
 from tests.support.netlab import POOL, UPLINK_INET, link_internet, namespaces
-
-# (renamed into place: a reader never sees the file truncated and not yet written)
-COUNTER = "i=0; while true; do i=$((i+1)); echo $i > /run/cnt.new; mv /run/cnt.new /run/cnt; sleep 0.05; done"
 
 
 @pytest.fixture(scope="module")

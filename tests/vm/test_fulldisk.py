@@ -60,14 +60,14 @@ async def expect(code: str, coro: object) -> str:
     return e.value.message
 
 
-async def test_a_full_state_disk_refuses_work_and_loses_nothing(image: Image) -> None:
-    with workdir("sv-full-", private_state=True) as work, tmpfs(work.state, "700m"):
+async def test_a_full_state_disk_refuses_work_and_loses_nothing(image: Image, monkeypatch: pytest.MonkeyPatch) -> None:
+    with workdir("sv-full-", private_state=True) as work, tmpfs(work.state, "900m"):
         (work.state / "images").symlink_to(default_cache())  # (the mount hid workdir's link)
         with trio.fail_after(600):
-            await _full_disk(work)
+            await _full_disk(work, monkeypatch)
 
 
-async def _full_disk(work: Workdir) -> None:
+async def _full_disk(work: Workdir, monkeypatch: pytest.MonkeyPatch) -> None:
     async with supervisor(work, templates=False) as (_, reg), connect(work.socket) as c:
         await AsyncVolumes(str(work.socket)).create("v", "256M")  # (sparse: written, it needs space)
         await c.call("Create", {"id": "a"})
@@ -75,6 +75,25 @@ async def _full_disk(work: Workdir) -> None:
         await wait_state(c, "a", "ready")
         await wait_state(c, "c", "ready")
         assert (await run(c, "a", ["sh", "-c", "echo kept > /root/mark && sync"]))[1] == 0
+
+        # a checkpoint whose room another writer takes after admission saw enough (the
+        # filesystem filled right before QEMU saves the state, past the disk swap): the
+        # seed's code for it, not INTERNAL; the guest runs on, on a disk that keeps its files
+        guest = reg.get("a").guest
+        assert guest is not None
+        save = guest.machine.migrate_prepared
+        taken = work.state / "taken"
+
+        async def filled_first(*, timeout: float = 120.0) -> dict[str, object]:
+            await trio.to_thread.run_sync(fill, taken)
+            return await save(timeout=timeout)
+
+        monkeypatch.setattr(guest.machine, "migrate_prepared", filled_first)
+        assert "full" in await expect("RESOURCE_EXHAUSTED", c.call("Checkpoint", {"sandbox_id": "a"}))
+        monkeypatch.undo()
+        taken.unlink()
+        assert (await c.call("Inspect", {"id": "a"}))["state"] == "ready"
+        assert (await run(c, "a", ["sh", "-c", "echo after > /root/after && sync && cat /root/mark"]))[0] == b"kept\n"
 
         # each disk that fails says so (disk_error, checked below), heard live from before the
         # host fills: the event log cannot store the events then, and the first of each
@@ -120,7 +139,8 @@ async def _full_disk(work: Workdir) -> None:
         await reg.store.flush()
         await c.call("Start", {"id": "a"})
         await wait_state(c, "a", "ready")
-        assert (await run(c, "a", ["cat", "/root/mark"]))[0] == b"kept\n"
+        # (its disk after the failed checkpoint's swap: every layer still there)
+        assert (await run(c, "a", ["cat", "/root/mark", "/root/after"]))[0] == b"kept\nafter\n"
         logs = await c.collect("Logs", {"id": "a"})
         assert any(b"log records dropped" in e["data"] for e in logs), logs[-5:]
         await c.call("Create", {"id": "b"})

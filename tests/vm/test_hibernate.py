@@ -25,13 +25,12 @@ from images.build import Image
 from supervisor.client import AsyncSandbox, FailedPrecondition, connect
 from supervisor.main.throwaway import supervisor_process, workdir
 from supervisor.wire.protocol import ApiError
-from tests.support.client import run, wait_state
+from tests.support.client import COUNTER, run, wait_state
 from tests.support.netlab import probe
 from tests.support.vms import serve_process
 
 pytestmark = pytest.mark.vm
 
-COUNTER = "i=0; while true; do i=$((i+1)); echo $i > /run/cnt.t; mv /run/cnt.t /run/cnt; sleep 0.1; done"
 # answers each connection with one line: "up <the counter>" (an HTTP-less echo of its state)
 SERVER = """
 import socket, sys

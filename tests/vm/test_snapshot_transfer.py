@@ -29,9 +29,9 @@ from supervisor.main.throwaway import Workdir, supervisor, workdir
 from supervisor.wire.proto.sandbox.v1 import sandbox_pb2 as spb
 from supervisor.wire.proto.sandvisor.v1 import sandvisor_pb2 as sv
 from supervisor.wire.proto.sandvisor.v1 import sandvisor_pb2_grpc as sv_grpc
+from tests.support.client import COUNTER
 
 MiB = 1 << 20
-COUNTER = "i=0; while true; do i=$((i+1)); echo $i > /run/cnt; sleep 0.05; done"
 
 
 @pytest.fixture

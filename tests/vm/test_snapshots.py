@@ -29,9 +29,8 @@ from supervisor.client import (
 )
 from supervisor.main.daemon_config import DaemonConfig
 from supervisor.main.throwaway import Workdir, supervisor, workdir
+from tests.support.client import COUNTER
 from tests.support.vms import serve_process
-
-COUNTER = "i=0; while true; do i=$((i+1)); echo $i > /run/cnt; sleep 0.05; done"
 
 
 @pytest.fixture(scope="module")
