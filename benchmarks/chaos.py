@@ -20,7 +20,10 @@ codes; no traceback in serve's log. The report lists operations, faults and
 violations, each with its seed and step (``--steps N`` stops after step N: the
 choices replay from a seed; timings, and so outcomes, may differ).
 
-Usage: python benchmarks/chaos.py [--seed N] [--minutes M] [--steps N] [--no-fault KIND]
+``--trace FILE`` appends the run's account: each call's target sandbox, each write's
+file and hash, each answer and fault, a line each, so a violation's path can be read back.
+
+Usage: python benchmarks/chaos.py [--seed N] [--minutes M] [--steps N] [--no-fault KIND] [--trace FILE]
        nox -s chaos -- --seed N --minutes M
 """
 
@@ -157,8 +160,17 @@ class Failed(Exception):
 
 # --- the run ---------------------------------------------------------------------------------------
 class Chaos:
-    def __init__(self, work: Workdir, serve: Serve, seed: int, faults: set[str], state_mount: Path | None) -> None:
+    def __init__(
+        self,
+        work: Workdir,
+        serve: Serve,
+        seed: int,
+        faults: set[str],
+        state_mount: Path | None,
+        trace: Path | None = None,
+    ) -> None:
         self.work, self.serve, self.seed = work, serve, seed
+        self.trace_to = trace  # each call's target, what it wrote and its answer, a line each
         self.sock = str(work.socket)
         self.rng = random.Random(seed)
         self.faults = faults
@@ -182,6 +194,15 @@ class Chaos:
             v = checks.Violation(self.seed, self.step, inv, what)
             self.report.violations.append(v)
             print(f"VIOLATION {v.line()}", flush=True)
+            self.trace(f"VIOLATION {v.line()}")
+
+    def trace(self, line: str) -> None:
+        """One line of the run's account (``--trace``): which sandbox each call aimed at,
+        the file a write wrote and its hash, each answer, each fault; a violation's path
+        is read back from it (the seed replays the choices, not the timings)."""
+        if self.trace_to is not None:
+            with open(self.trace_to, "a") as f:
+                f.write(f"{time.strftime('%H:%M:%S')} step {self.step}: {line}\n")
 
     def new_id(self, prefix: str) -> str:
         self.counter += 1
@@ -216,10 +237,12 @@ class Chaos:
         m = self.model.get(id)
         pre = (set(m.allowed) if m is not None else {ABSENT}) | ({"failed"} if failed else set())
         kills = self.serve.kills
+        self.trace(f"{op} {id} (allowed {','.join(sorted(pre))})")
         try:
             with trio.fail_after(OP_TIMEOUT):
                 result = await fn()
         except SandboxError as exc:
+            self.trace(f"{op} {id}: {exc.code} {exc!s:.300}")
             self.report.errors[f"{op}:{exc.code}"] += 1
             self.violate(checks.check_error(op, exc))
             if not self.faulting and self.serve.kills == kills:  # (nothing excuses it)
@@ -237,6 +260,7 @@ class Chaos:
             raise Failed(type(exc).__name__) from exc
         if id in self.model:
             self.model[id].allowed = set(post)
+        self.trace(f"{op} {id}: done{f' (exit {result.exit_code})' if hasattr(result, 'exit_code') else ''}")
         return result
 
     def _uncertain(self, id: str, allowed: set[str]) -> None:
@@ -295,6 +319,7 @@ class Chaos:
         was_unsynced = path in m.unsynced  # (its page cache may show it: unsettled until a boot)
         m.unsynced.add(path)
         op = "volume-write" if volume else "write"
+        self.trace(f"{op} {id}: {path} {h[:12]} (was {','.join(sorted(x[:12] or 'missing' for x in old))})")
         r = await self.act(
             op, id, {"ready"}, lambda: self.sb(id).run(["sh", "-c", WRITE, "sh", path.rsplit("/", 1)[0], name, content])
         )
@@ -456,6 +481,7 @@ class Chaos:
         async with trio.open_nursery() as n:
             n.start_soon(self.guarded, op)
             await trio.sleep(delay)
+            self.trace(f"serve killed after {delay:.2f} s")
             await trio.to_thread.run_sync(self.serve.kill)
         await self.restart()
 
@@ -473,6 +499,7 @@ class Chaos:
         ]
         step = self.rng.choice(steps)  # (one its operation can reach now)
         self.report.faults[f"crash-point:{step}"] += 1
+        self.trace(f"serve restarted to crash at {step}")
         await trio.to_thread.run_sync(self.serve.kill)
         try:
             await trio.to_thread.run_sync(self.serve.start, step)
@@ -510,6 +537,7 @@ class Chaos:
         if not pid:
             return
         self.report.faults["qemu-kill"] += 1
+        self.trace(f"QEMU of {id} (pid {pid}) killed")
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
         m = self.model[id]
@@ -757,14 +785,21 @@ MAYBE_DONE = frozenset({"DEADLINE_EXCEEDED", "UNAVAILABLE", "CANCELLED", "INTERN
 
 
 def run_chaos(
-    seed: int, minutes: float, *, steps: int = 0, faults: set[str] | None = None, log: Path | None = None
+    seed: int,
+    minutes: float,
+    *,
+    steps: int = 0,
+    faults: set[str] | None = None,
+    log: Path | None = None,
+    trace: Path | None = None,
 ) -> Report:
-    """One chaos run; its report (printed too)."""
+    """One chaos run; its report (printed too). ``trace``: the run's account, a line per
+    call and fault (:meth:`Chaos.trace`)."""
     faults = set(FAULTS) if faults is None else faults
     deadline = time.monotonic() + minutes * 60
     with workdir("sv-chaos-", private_state=True) as work, state_filesystem(work, 6144) as mount:
         serve = Serve(work, log or work.root / "serve.log")
-        chaos = Chaos(work, serve, seed, faults, mount)
+        chaos = Chaos(work, serve, seed, faults, mount, trace)
         if mount is None and "state-full" in faults:
             chaos.report.notes.append("state-full skipped: not root (the state dir's filesystem is a loop mount)")
         serve.start()
@@ -791,10 +826,16 @@ def main() -> None:
     ap.add_argument("--no-fault", action="append", default=[], choices=FAULTS)
     ap.add_argument("--log", help="serve's log (default: in the temp dir, removed)")
     ap.add_argument("--json", help="write the report here too")
+    ap.add_argument("--trace", help="append the run's account here: each call's target, each write's file, each answer")
     a = ap.parse_args()
     seed = a.seed if a.seed is not None else random.SystemRandom().randrange(1 << 31)
     report = run_chaos(
-        seed, a.minutes, steps=a.steps, faults=set(FAULTS) - set(a.no_fault), log=Path(a.log) if a.log else None
+        seed,
+        a.minutes,
+        steps=a.steps,
+        faults=set(FAULTS) - set(a.no_fault),
+        log=Path(a.log) if a.log else None,
+        trace=Path(a.trace) if a.trace else None,
     )
     if a.json:
         Path(a.json).write_text(json.dumps(report.as_json(), indent=1))

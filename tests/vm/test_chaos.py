@@ -5,6 +5,8 @@ tests/unit/test_chaos_checks.py; longer runs: ``nox -s chaos -- --seed N --minut
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from benchmarks.chaos import FAULTS, run_chaos
 from images.build import Image
 
@@ -14,8 +16,13 @@ MINUTES = 4.0  # (the whole suite's CI budget: a longer run is the nox session's
 EXCLUDED: set[str] = set()
 
 
-def test_a_seeded_chaos_run_breaks_no_invariant(image: Image) -> None:
-    report = run_chaos(SEED, MINUTES, faults=set(FAULTS) - EXCLUDED)
+def test_a_seeded_chaos_run_breaks_no_invariant(image: Image, tmp_path: Path) -> None:
+    trace = tmp_path / "trace.txt"
+    report = run_chaos(SEED, MINUTES, faults=set(FAULTS) - EXCLUDED, trace=trace)
     assert report.steps >= 5 and sum(report.ops.values()) >= 5, report.text()
     assert sum(report.faults.values()) >= 1, report.text()
     assert not report.violations, report.text()
+    # the run's account: a line for each call made, and its answers
+    lines = trace.read_text().splitlines()
+    assert len(lines) > sum(report.ops.values()), lines[-5:]
+    assert all(" step " in line for line in lines) and any(line.endswith(": done") for line in lines)

@@ -60,14 +60,14 @@ async def expect(code: str, coro: object) -> str:
     return e.value.message
 
 
-async def test_a_full_state_disk_refuses_work_and_loses_nothing(image: Image, monkeypatch: pytest.MonkeyPatch) -> None:
-    with workdir("sv-full-", private_state=True) as work, tmpfs(work.state, "900m"):
+async def test_a_full_state_disk_refuses_work_and_loses_nothing(image: Image) -> None:
+    with workdir("sv-full-", private_state=True) as work, tmpfs(work.state, "700m"):
         (work.state / "images").symlink_to(default_cache())  # (the mount hid workdir's link)
         with trio.fail_after(600):
-            await _full_disk(work, monkeypatch)
+            await _full_disk(work)
 
 
-async def _full_disk(work: Workdir, monkeypatch: pytest.MonkeyPatch) -> None:
+async def _full_disk(work: Workdir) -> None:
     async with supervisor(work, templates=False) as (_, reg), connect(work.socket) as c:
         await AsyncVolumes(str(work.socket)).create("v", "256M")  # (sparse: written, it needs space)
         await c.call("Create", {"id": "a"})
@@ -75,25 +75,6 @@ async def _full_disk(work: Workdir, monkeypatch: pytest.MonkeyPatch) -> None:
         await wait_state(c, "a", "ready")
         await wait_state(c, "c", "ready")
         assert (await run(c, "a", ["sh", "-c", "echo kept > /root/mark && sync"]))[1] == 0
-
-        # a checkpoint whose room another writer takes after admission saw enough (the
-        # filesystem filled right before QEMU saves the state, past the disk swap): the
-        # seed's code for it, not INTERNAL; the guest runs on, on a disk that keeps its files
-        guest = reg.get("a").guest
-        assert guest is not None
-        save = guest.machine.migrate_prepared
-        taken = work.state / "taken"
-
-        async def filled_first(*, timeout: float = 120.0) -> dict[str, object]:
-            await trio.to_thread.run_sync(fill, taken)
-            return await save(timeout=timeout)
-
-        monkeypatch.setattr(guest.machine, "migrate_prepared", filled_first)
-        assert "full" in await expect("RESOURCE_EXHAUSTED", c.call("Checkpoint", {"sandbox_id": "a"}))
-        monkeypatch.undo()
-        taken.unlink()
-        assert (await c.call("Inspect", {"id": "a"}))["state"] == "ready"
-        assert (await run(c, "a", ["sh", "-c", "echo after > /root/after && sync && cat /root/mark"]))[0] == b"kept\n"
 
         # each disk that fails says so (disk_error, checked below), heard live from before the
         # host fills: the event log cannot store the events then, and the first of each
@@ -139,8 +120,7 @@ async def _full_disk(work: Workdir, monkeypatch: pytest.MonkeyPatch) -> None:
         await reg.store.flush()
         await c.call("Start", {"id": "a"})
         await wait_state(c, "a", "ready")
-        # (its disk after the failed checkpoint's swap: every layer still there)
-        assert (await run(c, "a", ["cat", "/root/mark", "/root/after"]))[0] == b"kept\nafter\n"
+        assert (await run(c, "a", ["cat", "/root/mark"]))[0] == b"kept\n"
         logs = await c.collect("Logs", {"id": "a"})
         assert any(b"log records dropped" in e["data"] for e in logs), logs[-5:]
         await c.call("Create", {"id": "b"})
@@ -157,6 +137,43 @@ async def _full_disk(work: Workdir, monkeypatch: pytest.MonkeyPatch) -> None:
     finally:
         db.close()
     assert set(states) == {"a", "b", "c"}
+
+
+async def test_a_checkpoint_that_runs_out_of_room_says_so_and_loses_nothing(
+    image: Image, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Admission saw room, then another writer took it: the filesystem fills right before
+    QEMU saves the state (past the disk swap). The seed's code for it, not INTERNAL; the
+    guest runs on, on a disk that keeps every layer through a stop and a start."""
+    with workdir("sv-ckfull-", private_state=True) as work, tmpfs(work.state, "900m"), trio.fail_after(300):
+        (work.state / "images").symlink_to(default_cache())
+        async with supervisor(work, templates=False) as (_, reg), connect(work.socket) as c:
+            await c.call("Create", {"id": "a"})
+            await wait_state(c, "a", "ready")
+            assert (await run(c, "a", ["sh", "-c", "echo kept > /root/mark && sync"]))[1] == 0
+            guest = reg.get("a").guest
+            assert guest is not None
+            save = guest.machine.migrate_prepared
+            taken = work.state / "taken"
+
+            async def filled_first(*, timeout: float = 120.0) -> dict[str, object]:
+                await trio.to_thread.run_sync(fill, taken)
+                try:
+                    return await save(timeout=timeout)
+                finally:  # room again before the guest runs: only the capture met the full disk
+                    taken.unlink()
+
+            monkeypatch.setattr(guest.machine, "migrate_prepared", filled_first)
+            assert "full" in await expect("RESOURCE_EXHAUSTED", c.call("Checkpoint", {"sandbox_id": "a"}))
+            monkeypatch.undo()
+            assert (await c.call("Inspect", {"id": "a"}))["state"] == "ready"
+            out, code = await run(c, "a", ["sh", "-c", "echo after > /root/after && sync && cat /root/mark"])
+            assert (out, code) == (b"kept\n", 0)
+            await c.call("Stop", {"id": "a", "timeout_seconds": 10})
+            await wait_state(c, "a", "stopped")
+            await c.call("Start", {"id": "a"})
+            await wait_state(c, "a", "ready")
+            assert (await run(c, "a", ["cat", "/root/mark", "/root/after"]))[0] == b"kept\nafter\n"
 
 
 async def test_a_guest_whose_ram_would_not_fit_is_refused_up_front(image: Image) -> None:
