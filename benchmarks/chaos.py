@@ -199,7 +199,7 @@ class Chaos:
     def trace(self, line: str) -> None:
         """One line of the run's account (``--trace``): which sandbox each call aimed at,
         the file a write wrote and its hash, each answer, each fault; a violation's path
-        is read back from it (the seed replays the choices, not the timings)."""
+        is read back from it (a seed replays the choices, not the timings)."""
         if self.trace_to is not None:
             with open(self.trace_to, "a") as f:
                 f.write(f"{time.strftime('%H:%M:%S')} step {self.step}: {line}\n")

@@ -143,7 +143,7 @@ async def test_a_checkpoint_that_runs_out_of_room_says_so_and_loses_nothing(
     image: Image, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Admission saw room, then another writer took it: the filesystem fills right before
-    QEMU saves the state (past the disk swap). The seed's code for it, not INTERNAL; the
+    QEMU saves the state (past the disk swap). sandbox.v1's code for it, not INTERNAL; the
     guest runs on, on a disk that keeps every layer through a stop and a start."""
     with workdir("sv-ckfull-", private_state=True) as work, tmpfs(work.state, "900m"), trio.fail_after(300):
         (work.state / "images").symlink_to(default_cache())
